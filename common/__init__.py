@@ -1,0 +1,1 @@
+"""Engine core shared by the prefill and decode pools."""

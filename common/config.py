@@ -1,0 +1,68 @@
+"""Typed, validated configuration of the engine core."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Token-budget scheduling knobs (after vLLM V1 / Sarathi-Serve)."""
+
+    max_num_batched_tokens: int = 2048  # tokens computed per step, decodes and prefill chunks together
+    max_num_seqs: int = 128  # requests in the running batch
+    max_model_len: int = 4096  # prompt + output tokens of one request
+    # Free blocks, as a fraction of the pool, that new prompts may not take: room for running decodes.
+    watermark: float = 0.01
+
+    def __post_init__(self) -> None:
+        _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", self.max_num_batched_tokens, ">= 1")
+        _require(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, ">= 1")
+        _require(self.max_model_len >= 2, "max_model_len", self.max_model_len, ">= 2")
+        _require(0.0 <= self.watermark < 1.0, "watermark", self.watermark, "in [0, 1)")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything needed to build an ``Engine``.  ``num_blocks`` wins over ``kv_memory_fraction``."""
+
+    model: str  # Hugging Face checkpoint directory, a .gguf file, or "default"
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"  # auto: cuda if available, else cpu
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_memory_fraction: float = 0.2  # of the memory available at start-up, when num_blocks is None
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    max_model_len: int | None = None  # default: the model's own context length
+    watermark: float = 0.01
+    enable_prefix_caching: bool = True
+    attention_backend: str = "auto"  # auto | torch | flash
+    model_id: str | None = None  # name served to clients; default: derived from the checkpoint
+
+    def __post_init__(self) -> None:
+        _require(self.block_size >= 1, "block_size", self.block_size, ">= 1")
+        _require(self.num_blocks is None or self.num_blocks >= 1, "num_blocks", self.num_blocks, ">= 1")
+        _require(0.0 < self.kv_memory_fraction <= 1.0, "kv_memory_fraction", self.kv_memory_fraction, "in (0, 1]")
+        _require(self.dtype in ("auto", "float32", "float16", "bfloat16"), "dtype", self.dtype,
+                 "one of auto, float32, float16, bfloat16")
+        _require(self.attention_backend in ("auto", "torch", "flash"), "attention_backend",
+                 self.attention_backend, "one of auto, torch, flash")
+        # The scheduler config validates the remaining knobs.
+        self.scheduler_config(self.max_model_len or 4096)
+
+    def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
+        return SchedulerConfig(
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_seqs=self.max_num_seqs,
+            max_model_len=max_model_len,
+            watermark=self.watermark,
+        )
+
+    def replace(self, **changes) -> "EngineConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def _require(ok: bool, field: str, value, expected: str) -> None:
+    if not ok:
+        raise ValueError(f"invalid config: {field} must be {expected}, got {value!r}")

@@ -1,0 +1,238 @@
+"""The offline engine: ``add_request`` / ``step`` / ``abort``, and ``generate`` on top.
+
+    outputs = scheduler.schedule()          # who computes how many tokens this step
+    sampled = runner.execute(outputs)       # one packed forward + sampling
+    changed = scheduler.update(outputs, …)  # advance requests, finish, free blocks
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from common.attention import make_attention
+from common.block_pool import BlockPool
+from common.config import EngineConfig
+from common.kv_cache import KVCache, KVLayout, dtype_name, num_blocks_for_memory
+from common.kv_cache_manager import KVCacheManager
+from common.model_loader import load_model, resolve_checkpoint
+from common.model_runner import ModelRunner
+from common.request import Request, RequestStatus
+from common.sampler import TokenLogprobs
+from common.sampling_params import SamplingParams
+from common.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request (only the new tokens)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int
+    new_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+
+
+@dataclass
+class CompletionResult:
+    """A finished request from ``Engine.generate``."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str | None
+    num_cached_tokens: int
+    logprobs: list[TokenLogprobs | None]
+
+
+def _pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def _pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+class Engine:
+    """One model, one paged KV cache, one scheduler.  Not thread-safe: one thread drives it."""
+
+    def __init__(self, config: EngineConfig, load_tokenizer: bool = True):
+        self.config = config
+        self.device = _pick_device(config.device)
+        self.dtype = _pick_dtype(config.dtype, self.device)
+        self.checkpoint = resolve_checkpoint(config.model)
+        self.model, self.model_config = load_model(self.checkpoint, self.dtype, self.device)
+        mc = self.model_config
+        self.model_id = config.model_id or self.checkpoint.name
+        self.layout = KVLayout(
+            model_id=self.model_id,
+            dtype=dtype_name(self.dtype),
+            block_size=config.block_size,
+            num_layers=mc.num_layers,
+            num_kv_heads=mc.num_kv_heads,
+            head_dim=mc.head_dim,
+        )
+        num_blocks = config.num_blocks or num_blocks_for_memory(self.layout, config.kv_memory_fraction, self.device)
+        self.kv_cache = KVCache(self.layout, num_blocks, self.device)
+        self.max_model_len = min(config.max_model_len or mc.max_model_len, mc.max_model_len)
+        self.block_pool = BlockPool(num_blocks, enable_caching=config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            config.scheduler_config(self.max_model_len), KVCacheManager(self.block_pool, config.block_size)
+        )
+        windows = {mc.window(layer) for layer in range(mc.num_layers)}
+        self.attention = make_attention(config.attention_backend, self.device, windows, config.block_size)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.attention, self.device)
+        self.tokenizer = self._load_tokenizer() if load_tokenizer else None
+        self._ids = itertools.count()
+        self.num_prompt_tokens_total = 0
+        self.num_cached_tokens_total = 0
+        log.info(
+            "engine ready: model=%s (%s) dtype=%s device=%s attention=%s kv_blocks=%d x %d tokens",
+            self.model_id, mc.model_type, self.layout.dtype, self.device, self.attention.name,
+            num_blocks, config.block_size,
+        )
+
+    def _load_tokenizer(self):
+        from transformers import AutoTokenizer
+
+        try:
+            return AutoTokenizer.from_pretrained(self.checkpoint)
+        except (OSError, ValueError) as exc:
+            log.warning("no tokenizer in %s (%s); prompts must be token ids", self.checkpoint, exc)
+            return None
+
+    # ---- requests --------------------------------------------------------------------------
+
+    def make_request(
+        self, prompt: str | Sequence[int], params: SamplingParams | dict[str, Any] | None = None,
+        request_id: str | None = None,
+    ) -> Request:
+        """Validate input and build a ``Request``; raises ``ValueError`` naming the problem."""
+        if isinstance(params, dict):
+            params = SamplingParams.from_dict(params)
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass the prompt as token ids")
+            prompt_ids = self.tokenizer(prompt).input_ids
+        else:
+            prompt_ids = list(prompt)
+        if not prompt_ids:
+            raise ValueError("the prompt is empty: at least one token is required")
+        vocab = self.model_config.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        return Request(request_id, prompt_ids, params, eos_token_ids=self.model_config.eos_token_ids)
+
+    def add_request(
+        self, prompt: str | Sequence[int], params: SamplingParams | dict[str, Any] | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        request = self.make_request(prompt, params, request_id)
+        self.scheduler.add_request(request)
+        return request.request_id
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now and free its blocks; ``False`` if it was not running here."""
+        return self.scheduler.abort(request_id) is not None
+
+    # ---- stepping --------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        sampled = self.runner.execute(out)
+        changed = self.scheduler.update(out, {rid: tok for rid, (tok, _lp) in sampled.items()})
+        outputs = []
+        for request in changed:
+            token_id, logprobs = sampled[request.request_id]
+            if request.num_output_tokens == 1:
+                self._count_prefix_hit(request)
+            outputs.append(self._output(request, [token_id], [logprobs]))
+        return outputs
+
+    def _count_prefix_hit(self, request: Request) -> None:
+        self.num_prompt_tokens_total += request.num_prompt_tokens
+        self.num_cached_tokens_total += max(request.num_cached_tokens, 0)
+
+    @staticmethod
+    def _output(request: Request, token_ids: list[int], logprobs: list) -> RequestOutput:
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=token_ids,
+            finished=request.is_finished,
+            finish_reason=request.status.finish_reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            num_output_tokens=request.num_output_tokens,
+            new_logprobs=logprobs,
+        )
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    def generate(
+        self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | dict | None = None
+    ) -> list[CompletionResult]:
+        """Run ``prompts`` to completion with continuous batching; results in prompt order."""
+        requests = [self.make_request(p, params) for p in prompts]
+        results: dict[str, CompletionResult] = {}
+        added: list[str] = []
+        try:
+            for request in requests:
+                self.scheduler.add_request(request)
+                added.append(request.request_id)
+                results[request.request_id] = CompletionResult(
+                    request.request_id, request.prompt_token_ids, [], None, None, 0, []
+                )
+            while any(results[rid].finish_reason is None for rid in added):
+                for output in self.step():
+                    result = results.get(output.request_id)
+                    if result is None:
+                        continue
+                    result.token_ids.extend(output.new_token_ids)
+                    result.logprobs.extend(output.new_logprobs)
+                    result.num_cached_tokens = output.num_cached_tokens
+                    if output.finished:
+                        result.finish_reason = output.finish_reason
+        finally:
+            for rid in added:
+                if results[rid].finish_reason is None:
+                    self.abort(rid)
+        ordered = [results[r.request_id] for r in requests]
+        if self.tokenizer is not None:
+            for result in ordered:
+                result.text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+        return ordered
+
+    # ---- introspection ---------------------------------------------------------------------
+
+    def stats(self) -> dict[str, float]:
+        s = self.scheduler
+        return {
+            "num_running": len(s.running),
+            "num_waiting": len(s.waiting),
+            "num_waiting_for_remote_kv": s.num_waiting_for_remote,
+            "kv_usage": self.block_pool.usage,
+            "num_free_blocks": self.block_pool.num_free_blocks,
+            "num_blocks": self.block_pool.num_blocks,
+            "num_preemptions": s.num_preemptions,
+            "prompt_tokens_total": self.num_prompt_tokens_total,
+            "prefix_cache_hit_tokens_total": self.num_cached_tokens_total,
+        }

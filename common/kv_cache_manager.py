@@ -1,0 +1,97 @@
+"""Block tables of requests on top of the block pool: prefix lookup, growth, commit and release.
+
+    request "a" (block_size 4), 10 tokens computed:
+        tokens       [t0 t1 t2 t3 | t4 t5 t6 t7 | t8 t9 .. ..]
+        block table  [     12     |      5      |     31     ]   append-only
+        committed     hash(…)       hash(…)       (partial: not hashed)
+"""
+from __future__ import annotations
+
+from common.block_pool import BlockPool, KVCacheBlock
+from common.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Owns the mapping ``request_id -> block table``; the scheduler is its only caller."""
+
+    def __init__(self, pool: BlockPool, block_size: int):
+        self.pool = pool
+        self.block_size = block_size
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self._num_committed: dict[str, int] = {}
+
+    def find_cached_prefix(self, request: Request) -> list[KVCacheBlock]:
+        """Leading blocks of the request already in the prefix cache, verified token by token.
+
+        Never the whole sequence: the last token is always computed so there are logits to sample.
+        """
+        if not self.pool.enable_caching:
+            return []
+        bs = self.block_size
+        hashes = request.update_block_hashes(bs)
+        max_blocks = (request.num_tokens - 1) // bs
+        hits = []
+        for index, block_hash in enumerate(hashes[:max_blocks]):
+            block = self.pool.lookup(block_hash, request.all_token_ids[index * bs : (index + 1) * bs])
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        cached_blocks: list[KVCacheBlock] = (),
+        reserve_blocks: int = 0,
+    ) -> list[KVCacheBlock] | None:
+        """Grow the request's table to hold ``num_new_tokens`` more tokens after its computed ones
+        (and after ``cached_blocks``, prefix hits being adopted now).
+
+        Returns the newly allocated blocks, or ``None`` — with nothing changed — if that would leave
+        fewer than ``reserve_blocks`` free.
+        """
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        num_tokens_after = request.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens
+        num_needed = max(0, cdiv(num_tokens_after, self.block_size) - len(blocks) - len(cached_blocks))
+        # Adopting a hit that sits in the free queue takes it out of the free count too.
+        num_revived = sum(1 for block in cached_blocks if block.ref_cnt == 0)
+        if num_needed + num_revived + reserve_blocks > self.pool.num_free_blocks:
+            return None
+        self.pool.touch(cached_blocks)
+        new_blocks = self.pool.allocate(num_needed)
+        assert new_blocks is not None, "free count checked above"
+        self.req_to_blocks[request.request_id] = blocks + list(cached_blocks) + new_blocks
+        return new_blocks
+
+    def commit(self, request: Request) -> None:
+        """Put every block whose tokens are all computed into the prefix cache."""
+        if not self.pool.enable_caching:
+            return
+        request_id = request.request_id
+        blocks = self.req_to_blocks.get(request_id)
+        if not blocks:
+            return
+        bs = self.block_size
+        num_full = min(request.num_computed_tokens // bs, len(blocks))
+        start = self._num_committed.get(request_id, 0)
+        if num_full <= start:
+            return
+        hashes = request.update_block_hashes(bs)
+        for index in range(start, num_full):
+            self.pool.commit(blocks[index], hashes[index], request.all_token_ids[index * bs : (index + 1) * bs])
+        self._num_committed[request_id] = num_full
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [block.block_id for block in self.req_to_blocks.get(request_id, ())]
+
+    def free(self, request_id: str) -> None:
+        """Release the request's blocks, tail first, so the tail is evicted before the head."""
+        blocks = self.req_to_blocks.pop(request_id, None)
+        self._num_committed.pop(request_id, None)
+        if blocks:
+            self.pool.free(reversed(blocks))

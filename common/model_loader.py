@@ -1,0 +1,82 @@
+"""Load a checkpoint (Hugging Face directory or GGUF file) into a ``DecoderModel``."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from common.model_config import ModelConfig
+from common.models.decoder import DecoderModel
+
+
+def resolve_checkpoint(model: str) -> Path:
+    """Turn the ``model`` setting into a Hugging Face directory: ``default`` is the bundled Gemma 3
+    270M, a ``.gguf`` file is converted once into a cached directory."""
+    if model == "default":
+        from common.default_model import ensure_default_model
+
+        return ensure_default_model()
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint path {str(path)!r} does not exist")
+    if path.is_file() and path.suffix == ".gguf":
+        from common.default_model import converted_gguf_dir
+
+        return converted_gguf_dir(path)
+    if not path.is_dir():
+        raise ValueError(f"checkpoint {str(path)!r} is neither a directory nor a .gguf file")
+    return path
+
+
+def load_hf_config(checkpoint: Path):
+    from transformers import AutoConfig
+
+    config_file = checkpoint / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"checkpoint {str(checkpoint)!r} has no config.json")
+    try:
+        json.loads(config_file.read_text())
+        hf = AutoConfig.from_pretrained(checkpoint)
+    except (ValueError, OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"checkpoint {str(checkpoint)!r} has an unreadable config.json: {exc}") from None
+    return getattr(hf, "text_config", None) or hf
+
+
+def load_state_dict(checkpoint: Path) -> dict[str, torch.Tensor]:
+    files = sorted(checkpoint.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"checkpoint {str(checkpoint)!r} has no .safetensors weights")
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        try:
+            state.update(load_file(file))
+        except (SafetensorError, OSError) as exc:
+            raise ValueError(f"weights file {str(file)!r} is corrupt or unreadable: {exc}") from None
+    return state
+
+
+def load_model(checkpoint: Path, dtype: torch.dtype, device: torch.device) -> tuple[DecoderModel, ModelConfig]:
+    """Build the model for ``checkpoint`` and load its weights; errors name the missing pieces."""
+    cfg = ModelConfig.from_hf_config(load_hf_config(checkpoint))
+    state = load_state_dict(checkpoint)
+    # Multimodal Gemma 3 checkpoints keep the text model under another prefix.
+    state = {k.removeprefix("language_model."): v for k, v in state.items()}
+    with torch.device("meta"):
+        model = DecoderModel(cfg)
+    expected = set(model.state_dict())
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    missing = sorted(expected - set(state))
+    if missing:
+        raise ValueError(f"checkpoint {str(checkpoint)!r} lacks weights: {', '.join(missing[:5])}"
+                         + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+    state = {k: v.to(device=device, dtype=dtype) for k, v in state.items() if k in expected}
+    try:
+        model.load_state_dict(state, strict=True, assign=True)
+    except RuntimeError as exc:
+        raise ValueError(f"checkpoint {str(checkpoint)!r} does not match its config.json: {exc}") from None
+    model.finish_loading(device)
+    return model.eval(), cfg

@@ -1,0 +1,65 @@
+"""Runs one packed forward per step over every scheduled token, then samples."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from common.attention import AttentionRequest
+from common.kv_cache import KVCache
+from common.models.decoder import DecoderModel
+from common.sampler import TokenLogprobs, sample
+from common.scheduler import SchedulerOutput
+
+
+class ModelRunner:
+    """Turns a ``SchedulerOutput`` into model inputs, runs the model and samples.
+
+    Only the last token of a request that finishes its scheduled tokens this step is projected
+    to logits; prompt chunks that end mid-prompt produce no logits at all.
+    """
+
+    def __init__(self, model: DecoderModel, cache: KVCache, attention, device: torch.device):
+        self.model = model
+        self.cache = cache
+        self.attention = attention
+        self.device = device
+        self.forward_seconds = 0.0  # time inside the model, for the overhead figure
+
+    def execute(self, out: SchedulerOutput) -> dict[str, tuple[int, TokenLogprobs | None]]:
+        """Compute the step; returns ``request_id -> (sampled token, logprobs)`` for sampling rows."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        attn_requests: list[AttentionRequest] = []
+        sample_rows: list[int] = []
+        sample_items = []
+        for item in out.scheduled:
+            start = len(input_ids)
+            n = len(item.token_ids)
+            input_ids.extend(item.token_ids)
+            positions.extend(range(item.num_computed_tokens, item.num_computed_tokens + n))
+            attn_requests.append(AttentionRequest(start, n, item.num_computed_tokens + n, item.block_ids))
+            if item.sample:
+                sample_rows.append(start + n - 1)
+                sample_items.append(item)
+        device = self.device
+        meta = self.attention.prepare(attn_requests, device)
+        began = time.perf_counter()
+        hidden = self.model(
+            torch.tensor(input_ids, device=device),
+            torch.tensor(positions, device=device),
+            self.cache,
+            meta,
+            self.attention,
+        )
+        if not sample_items:
+            self.forward_seconds += time.perf_counter() - began
+            return {}
+        logits = self.model.logits(hidden[torch.tensor(sample_rows, device=device)])
+        tokens, logprobs = sample(
+            logits, [i.sampling_params for i in sample_items], [i.num_output_tokens for i in sample_items]
+        )
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        self.forward_seconds += time.perf_counter() - began
+        return {item.request_id: (tok, lp) for item, tok, lp in zip(sample_items, tokens, logprobs)}

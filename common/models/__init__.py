@@ -1,0 +1,1 @@
+"""Model definitions: one decoder for the Llama family and Gemma 3."""

@@ -1,0 +1,178 @@
+"""One decoder for the Llama family (Llama 2/3, Mistral, Qwen 2/2.5/3) and Gemma 3.
+
+Parameter names follow the Hugging Face checkpoints, so a safetensors state dict loads as is;
+q/k/v and gate/up are fused after loading (one matmul each instead of three and two).
+The forward runs over a packed batch of tokens from many requests (see ``common.attention``).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from common.attention import AttentionMetadata
+from common.kv_cache import KVCache
+from common.model_config import ModelConfig
+from common.models.rotary import RotaryEmbedding, apply_rotary
+
+_ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu": F.gelu,
+}
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32; Gemma's ``(1 + w)`` is folded into the weight after loading."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * x).to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.window = cfg.window(layer)
+        self.layer_type = cfg.layer_types[layer]
+        self.scale = cfg.attn_scale
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, q_size, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, kv_size, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.qkv_proj: nn.Linear | None = None
+        self.split = (q_size, kv_size, kv_size)
+
+    def fuse(self) -> None:
+        qkv = nn.Linear(self.q_proj.in_features, sum(self.split), bias=self.q_proj.bias is not None)
+        qkv = qkv.to(self.q_proj.weight.device, self.q_proj.weight.dtype)
+        with torch.no_grad():
+            qkv.weight.copy_(torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]))
+            if qkv.bias is not None:
+                qkv.bias.copy_(torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias]))
+        self.qkv_proj = qkv
+        del self.q_proj, self.k_proj, self.v_proj
+
+    def forward(self, x, rope, cache: KVCache, meta: AttentionMetadata, backend) -> torch.Tensor:
+        tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q = q.view(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = rope[self.layer_type]
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = backend.forward(q, k, v, cache, self.layer, meta, self.window, self.scale)
+        return self.o_proj(out.reshape(tokens, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.act = _ACTIVATIONS[cfg.hidden_act]
+        self.gate_up_proj: nn.Linear | None = None
+
+    def fuse(self) -> None:
+        fused = nn.Linear(self.gate_proj.in_features, 2 * self.gate_proj.out_features, bias=False)
+        fused = fused.to(self.gate_proj.weight.device, self.gate_proj.weight.dtype)
+        with torch.no_grad():
+            fused.weight.copy_(torch.cat([self.gate_proj.weight, self.up_proj.weight]))
+        self.gate_up_proj = fused
+        del self.gate_proj, self.up_proj
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.sandwich = cfg.sandwich_norms
+        self.self_attn = Attention(cfg, layer)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # Llama: the norm before the MLP.  Gemma: the norm after attention (sandwich).
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, rope, cache, meta, backend):
+        if self.sandwich:
+            h = self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rope, cache, meta, backend))
+            x = x + h
+            h = self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+            return x + h
+        x = x + self.self_attn(self.input_layernorm(x), rope, cache, meta, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class DecoderModel(nn.Module):
+    """A causal LM over paged KV: ``forward`` returns the final hidden states of all tokens;
+    ``logits`` projects only the rows that sample."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = Backbone(cfg)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary: RotaryEmbedding | None = None
+
+    def finish_loading(self, device: torch.device) -> None:
+        """After the state dict is in: fold Gemma's norm offset, fuse projections, build RoPE."""
+        offset = self.cfg.norm_weight_offset
+        with torch.no_grad():
+            for module in self.modules():
+                if isinstance(module, RMSNorm) and offset:
+                    module.weight.add_(offset)
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+        self.rotary = RotaryEmbedding(self.cfg.hf_config, self.cfg.head_dim, self.cfg.layer_types, device)
+
+    @torch.inference_mode()
+    def forward(self, input_ids, positions, cache: KVCache, meta: AttentionMetadata, backend) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)
+        if self.cfg.embed_scale != 1.0:
+            x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)
+        rope = {t: self.rotary.cos_sin(positions, t, x.dtype) for t in set(self.cfg.layer_types)}
+        for layer in self.model.layers:
+            x = layer(x, rope, cache, meta, backend)
+        return x
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        hidden = self.model.norm(hidden)
+        weight = self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
+        logits = F.linear(hidden, weight).float()
+        cap = self.cfg.final_logit_softcapping
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits

@@ -1,0 +1,45 @@
+"""Rotary position embeddings, per layer type (Gemma 3 uses another base on sliding layers)."""
+from __future__ import annotations
+
+import torch
+
+_STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+
+
+class RotaryEmbedding:
+    """cos/sin tables for a step's positions; inverse frequencies follow transformers exactly."""
+
+    def __init__(self, hf_config, head_dim: int, layer_types: tuple[str, ...], device: torch.device):
+        params = getattr(hf_config, "rope_parameters", None) or {}
+        per_layer_type = bool(params) and all(isinstance(v, dict) for v in params.values())
+        self._inv_freq: dict[str, torch.Tensor] = {}
+        self._scaling: dict[str, float] = {}
+        for layer_type in sorted(set(layer_types)):
+            layer_params = params.get(layer_type, {}) if per_layer_type else params
+            rope_type = layer_params.get("rope_type", "default")
+            if rope_type not in _STATIC_ROPE_TYPES:
+                raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {', '.join(_STATIC_ROPE_TYPES)}")
+            if rope_type == "default":
+                base = layer_params.get("rope_theta", 10000.0)
+                inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+                scaling = 1.0
+            else:
+                from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+                kwargs = {"layer_type": layer_type} if per_layer_type else {}
+                inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, None, **kwargs)
+            self._inv_freq[layer_type] = inv_freq.to(device)
+            self._scaling[layer_type] = scaling
+
+    def cos_sin(self, positions: torch.Tensor, layer_type: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[:, None].float() * self._inv_freq[layer_type][None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        scaling = self._scaling[layer_type]
+        return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` of shape [tokens, heads, head_dim] by per-token ``cos``/``sin`` [tokens, head_dim]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]

@@ -1,0 +1,256 @@
+"""The worker registry in Redis: who is serving which model, in which role, at what load.
+
+Workers write their own entry (``register`` + a periodic ``Heartbeat``); the gateway and ops
+scripts read the pool with ``list_workers``.  An entry is a JSON ``WorkerInfo`` under a key with a
+TTL, so a worker that dies without deregistering disappears once the TTL runs out.  Key names are
+in ``common.redis_keys``.
+
+Reading takes two round trips: ZRANGE of the per-model index, then MGET of the entries.  Index
+members whose entry has been gone for a long while are pruned by the reader.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Annotated, Callable, Collection, Literal
+
+import msgspec
+import redis.asyncio as aioredis
+
+from common.redis_keys import RedisKeys, check_model_id, check_worker_id
+from common.redis_util import UNAVAILABLE_ERRORS
+
+log = logging.getLogger(__name__)
+
+Role = Literal["prefill", "decode", "both"]
+# starting: loading weights, not routable yet; active: takes new requests; draining: finishes what
+# it has, takes nothing new; idle: up but parked (e.g. drained, waiting for a role change).
+WorkerState = Literal["starting", "active", "draining", "idle"]
+ROLES: tuple[str, ...] = ("prefill", "decode", "both")
+STATES: tuple[str, ...] = ("starting", "active", "draining", "idle")
+
+NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+PosInt = Annotated[int, msgspec.Meta(ge=1)]
+Fraction = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
+Seconds = Annotated[float, msgspec.Meta(ge=0.0)]
+Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
+WorkerId = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9._:@-]{1,128}$")]
+
+
+class KVAddress(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Where peers reach this worker's KV transfer endpoint."""
+
+    transport: Literal["ucx", "tcp", "inproc"]
+    host: Annotated[str, msgspec.Meta(min_length=1, max_length=255)]
+    port: Port
+
+
+class Capacity(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What the worker's engine was sized to (fixed for the worker's lifetime)."""
+
+    num_kv_blocks: PosInt
+    block_size: PosInt
+    max_num_seqs: PosInt
+
+
+class Load(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The engine's load at the last heartbeat."""
+
+    num_waiting: NonNegInt = 0
+    num_running: NonNegInt = 0
+    kv_usage: Fraction = 0.0
+    num_waiting_prefill_tokens: NonNegInt = 0  # prompt tokens admitted but not yet computed
+
+
+class WorkerInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One worker's registry entry (the value stored in Redis, as JSON).
+
+    ``heartbeat_at`` is stamped by the registry on every write; ``started_at`` by the worker.
+    Times are unix seconds.  ``recent_ttft_s`` / ``recent_tpot_s`` are the worker's recent means,
+    ``None`` until it has served something.
+    """
+
+    worker_id: WorkerId
+    role: Role
+    model: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+    http_address: Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
+    kv_address: KVAddress
+    capacity: Capacity
+    state: WorkerState = "starting"
+    load: Load = Load()
+    recent_ttft_s: Seconds | None = None
+    recent_tpot_s: Seconds | None = None
+    started_at: Seconds = 0.0
+    heartbeat_at: Seconds = 0.0
+
+    @property
+    def is_routable(self) -> bool:
+        return self.state == "active"
+
+
+_encode = msgspec.json.Encoder().encode
+_decode_info = msgspec.json.Decoder(WorkerInfo).decode
+
+
+def validate_worker_info(info: WorkerInfo) -> WorkerInfo:
+    """Check the constraints msgspec only enforces when decoding; raise ValueError naming the field."""
+    if not isinstance(info, WorkerInfo):
+        raise TypeError(f"expected WorkerInfo, got {type(info).__name__}")
+    try:
+        checked = _decode_info(_encode(info))
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"invalid WorkerInfo: {exc}") from None
+    check_model_id(info.model)
+    return checked
+
+
+class WorkerRegistry:
+    """Reads and writes worker entries for any model under one key prefix.
+
+    ``ttl_s`` is how long an entry outlives its last write.  Writes raise on Redis errors (the
+    ``Heartbeat`` loop catches them); reads raise too, so the caller decides how to degrade.
+    """
+
+    # Index members whose entry is gone are removed only after this long past their expiry, so a
+    # reader with a skewed clock never prunes a worker that is merely between heartbeats.
+    PRUNE_AFTER_S = 60.0
+
+    def __init__(self, client: aioredis.Redis, *, key_prefix: str = "pdserve", ttl_s: float = 5.0) -> None:
+        if not 0 < ttl_s <= 3600:
+            raise ValueError(f"ttl_s must be in (0, 3600], got {ttl_s}")
+        RedisKeys(key_prefix, "probe")  # validates the prefix now rather than on first use
+        self.client = client
+        self.key_prefix = key_prefix
+        self.ttl_s = ttl_s
+
+    def keys(self, model: str) -> RedisKeys:
+        return RedisKeys(self.key_prefix, model)
+
+    async def register(self, info: WorkerInfo) -> WorkerInfo:
+        """Write (or refresh) the entry, stamping ``heartbeat_at``; returns what was written."""
+        info = msgspec.structs.replace(validate_worker_info(info), heartbeat_at=time.time())
+        keys = self.keys(info.model)
+        ttl_ms = max(1, int(self.ttl_s * 1000))
+        expiry_ms = int(info.heartbeat_at * 1000) + ttl_ms
+        async with self.client.pipeline(transaction=True) as pipe:
+            pipe.set(keys.worker(info.worker_id), _encode(info), px=ttl_ms)
+            pipe.zadd(keys.workers, {info.worker_id: expiry_ms})
+            await pipe.execute()
+        return info
+
+    async def deregister(self, model: str, worker_id: str) -> None:
+        """Remove the entry and the worker's prefix-index set at once (clean shutdown)."""
+        keys = self.keys(model)
+        async with self.client.pipeline(transaction=True) as pipe:
+            pipe.delete(keys.worker(worker_id), keys.blocks(worker_id))
+            pipe.zrem(keys.workers, check_worker_id(worker_id))
+            await pipe.execute()
+
+    async def get(self, model: str, worker_id: str) -> WorkerInfo | None:
+        raw = await self.client.get(self.keys(model).worker(worker_id))
+        return None if raw is None else self._decode(raw)
+
+    async def list_workers(
+        self,
+        model: str,
+        *,
+        roles: Collection[str] | None = None,
+        states: Collection[str] | None = None,
+    ) -> list[WorkerInfo]:
+        """Live workers of ``model``, sorted by worker_id, optionally filtered by exact role/state."""
+        for name, values, allowed in (("role", roles, ROLES), ("state", states, STATES)):
+            bad = sorted(set(values or ()) - set(allowed))
+            if bad:
+                raise ValueError(f"unknown {name}(s) {bad}; expected some of {list(allowed)}")
+        keys = self.keys(model)
+        members = await self.client.zrange(keys.workers, 0, -1, withscores=True)
+        if not members:
+            return []
+        ids = [m.decode() for m, _ in members]
+        raws = await self.client.mget([keys.worker_key_prefix + wid for wid in ids])
+        stale_before_ms = (time.time() - self.PRUNE_AFTER_S) * 1000
+        stale = [wid for (wid, (_, expiry_ms), raw) in zip(ids, members, raws)
+                 if raw is None and expiry_ms < stale_before_ms]
+        if stale:
+            await self.client.zrem(keys.workers, *stale)
+        workers = [w for w in (self._decode(raw) for raw in raws if raw is not None) if w is not None]
+        return sorted(
+            (w for w in workers
+             if (roles is None or w.role in roles) and (states is None or w.state in states)),
+            key=lambda w: w.worker_id,
+        )
+
+    @staticmethod
+    def _decode(raw: bytes) -> WorkerInfo | None:
+        try:
+            return _decode_info(raw)
+        except msgspec.DecodeError as exc:
+            # A worker running a newer/older schema must not take the reader down with it.
+            log.warning("skipping unreadable registry entry: %s", exc)
+            return None
+
+
+class Heartbeat:
+    """Keeps one worker's registry entry alive: writes ``info_fn()`` every ``interval_s``.
+
+    ``info_fn`` returns the worker's current WorkerInfo (state and load change between beats).
+    A failed write (Redis down) is logged and counted, never raised: the worker keeps serving and
+    the next beat re-creates the entry.  ``stop()`` deregisters by default (clean shutdown).
+    """
+
+    def __init__(self, registry: WorkerRegistry, info_fn: Callable[[], WorkerInfo], *,
+                 interval_s: float | None = None) -> None:
+        interval_s = registry.ttl_s / 3 if interval_s is None else interval_s
+        if not 0 < interval_s < registry.ttl_s:
+            raise ValueError(
+                f"heartbeat interval_s must be in (0, ttl_s={registry.ttl_s}), got {interval_s}")
+        self.registry = registry
+        self.info_fn = info_fn
+        self.interval_s = interval_s
+        self.failures = 0
+        self.last: WorkerInfo | None = None
+        self._task: asyncio.Task | None = None
+
+    async def beat(self) -> bool:
+        """Write the entry now (also used right after a state change); True on success."""
+        try:
+            info = self.info_fn()
+            self.last = await self.registry.register(info)
+            return True
+        except UNAVAILABLE_ERRORS as exc:
+            self.failures += 1
+            log.warning("heartbeat failed (%d so far), Redis unreachable: %s", self.failures, exc)
+            return False
+        except Exception:  # a bad WorkerInfo from the engine must not kill the loop silently
+            self.failures += 1
+            log.exception("heartbeat failed (%d so far)", self.failures)
+            return False
+
+    async def start(self) -> None:
+        """Register once (raising if the entry is invalid), then beat in the background."""
+        if self._task is not None:
+            raise RuntimeError("heartbeat already started")
+        validate_worker_info(self.info_fn())
+        await self.beat()
+        self._task = asyncio.create_task(self._run(), name="registry-heartbeat")
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            await self.beat()
+
+    async def stop(self, *, deregister: bool = True) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+        if deregister:
+            info = self.info_fn()
+            try:
+                await self.registry.deregister(info.model, info.worker_id)
+            except UNAVAILABLE_ERRORS as exc:
+                log.warning("deregister of worker %s failed (its entry will expire): %s", info.worker_id, exc)

@@ -1,0 +1,101 @@
+"""A request as the engine sees it: token ids, how many are computed, and its state."""
+from __future__ import annotations
+
+import enum
+import time
+
+from common.prefix_hash import BlockHash, hash_prompt_blocks
+from common.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"  # decode role: blocks reserved, KV in flight
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # blocks taken back; recomputed when admitted again
+    FINISHED_STOPPED = "finished_stopped"  # EOS or a stop token
+    FINISHED_LENGTH = "finished_length"  # max_tokens or the context length
+    FINISHED_ABORTED = "finished_aborted"
+    FINISHED_ERROR = "finished_error"
+
+    @property
+    def finished(self) -> bool:
+        return self.value.startswith("finished")
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The OpenAI ``finish_reason`` for a finished state."""
+        return {
+            RequestStatus.FINISHED_STOPPED: "stop",
+            RequestStatus.FINISHED_LENGTH: "length",
+            RequestStatus.FINISHED_ABORTED: "abort",
+            RequestStatus.FINISHED_ERROR: "error",
+        }.get(self)
+
+
+class Request:
+    """One generation request.  There are no phases: the scheduler only compares
+    ``num_computed_tokens`` with ``num_tokens`` and hands out tokens to compute.
+
+        all_token_ids:   [ prompt ............ | output ...... ]
+        num_computed_tokens:  ^--- KV exists for everything left of here
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_ids: tuple[int, ...] = (),
+        arrival_time: float | None = None,
+    ):
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        # Prompt tokens found in the prefix cache when first admitted (for metrics and tests).
+        self.num_cached_tokens = -1
+        self.num_preemptions = 0
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.block_hashes: list[BlockHash] = []
+        self.stop_token_ids = set(sampling_params.stop_token_ids)
+        if not sampling_params.ignore_eos:
+            self.stop_token_ids.update(eos_token_ids)
+        # Prefill role: blocks stay referenced after the prompt finishes, until the KV is shipped.
+        self.hold_blocks_on_finish = False
+        self.stop_reason: int | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def update_block_hashes(self, block_size: int) -> list[BlockHash]:
+        """Extend the chained hashes to every full block of the tokens known so far."""
+        if len(self.block_hashes) < self.num_tokens // block_size:
+            self.block_hashes = hash_prompt_blocks(self.all_token_ids, block_size, start_hashes=self.block_hashes)
+        return self.block_hashes
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, {self.status.name}, computed={self.num_computed_tokens}/"
+            f"{self.num_tokens})"
+        )

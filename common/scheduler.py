@@ -1,0 +1,260 @@
+"""One scheduler for every role: a token budget per step, no prefill or decode phases.
+
+Each step, in order:
+  1. running requests that decode take their one token each,
+  2. running requests with a partial prompt continue their prefill,
+  3. waiting requests are admitted first-come-first-served, the last one chunked to fit
+     ``max_num_batched_tokens``; ``max_num_seqs`` caps the batch and a watermark of free blocks
+     is kept for running decodes.
+When blocks run out, the newest running request is preempted (its blocks freed) and recomputed
+later.  The output is a plain ``SchedulerOutput``.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from common.config import SchedulerConfig
+from common.kv_cache_manager import KVCacheManager
+from common.request import Request, RequestStatus
+from common.sampling_params import SamplingParams
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step: compute ``token_ids`` at positions starting at
+    ``num_computed_tokens``, writing KV into ``block_ids``; sample a token if ``sample``."""
+
+    request_id: str
+    token_ids: list[int]
+    num_computed_tokens: int
+    block_ids: list[int]
+    sample: bool
+    sampling_params: SamplingParams
+    num_output_tokens: int  # before this step; makes seeded sampling stateless
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    num_scheduled_tokens: int = 0
+    preempted_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """Owns the request queues and the KV cache manager; see the module docstring."""
+
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager):
+        self.config = config
+        self.kv = kv_manager
+        self.block_size = kv_manager.block_size
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        self._watermark_blocks = int(config.watermark * kv_manager.pool.num_blocks)
+
+    # ---- admission -------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        self._validate(request)
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def reserve_remote(self, request: Request) -> tuple[list[int], int] | None:
+        """Decode role: allocate blocks for a prompt whose KV another worker computes.
+
+        Returns ``(block_ids, num_cached_tokens)``: the request's whole block table and how many
+        leading prompt tokens this worker already holds (their KV need not be sent).  ``None`` if
+        the blocks do not fit now.
+        """
+        self._validate(request)
+        cached = self.kv.find_cached_prefix(request)
+        num_cached_tokens = len(cached) * self.block_size
+        new_blocks = self.kv.allocate_slots(
+            request, request.num_tokens - num_cached_tokens, cached, reserve_blocks=self._watermark_blocks
+        )
+        if new_blocks is None:
+            return None
+        request.num_cached_tokens = num_cached_tokens
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self.requests[request.request_id] = request
+        return self.kv.block_ids(request.request_id), num_cached_tokens
+
+    def finish_remote(self, request_id: str, first_token_id: int) -> Request | None:
+        """Decode role: the prompt's KV has landed; queue the request to decode from ``first_token_id``.
+
+        Returns the request (finished at once if that token already stops it), or ``None`` if it
+        was aborted meanwhile.
+        """
+        request = self.requests.get(request_id)
+        if request is None or request.status != RequestStatus.WAITING_FOR_REMOTE_KV:
+            return None
+        request.num_computed_tokens = request.num_tokens
+        self.kv.commit(request)
+        request.status = RequestStatus.WAITING
+        self._append_token(request, first_token_id)
+        if request.is_finished:
+            self._finish(request)
+        else:
+            self.waiting.appendleft(request)  # it holds its blocks: let it in first
+        return request
+
+    def _validate(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        if request.num_prompt_tokens == 0:
+            raise ValueError("the prompt is empty: at least one token is required")
+        if request.num_prompt_tokens >= self.config.max_model_len:
+            raise ValueError(
+                f"the prompt has {request.num_prompt_tokens} tokens but the context length is "
+                f"{self.config.max_model_len}; it must leave room for at least one output token"
+            )
+        # A request must fit the pool alone, so preempting everyone else always makes room for it.
+        capacity = self.kv.pool.num_blocks * self.block_size
+        longest = min(request.num_prompt_tokens + request.sampling_params.max_tokens, self.config.max_model_len)
+        if longest > capacity:
+            raise ValueError(
+                f"prompt ({request.num_prompt_tokens} tokens) plus max_tokens "
+                f"({request.sampling_params.max_tokens}) needs {longest} tokens of KV cache but it holds "
+                f"only {capacity}"
+            )
+
+    # ---- one step --------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled: dict[str, ScheduledRequest] = {}
+
+        decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        for request in decoding + prefilling:
+            if budget == 0:
+                break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this step
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while self.kv.allocate_slots(request, num_new) is None:
+                victim = self.running[-1]
+                budget += self._preempt(victim, scheduled, out)
+                if victim is request:
+                    break
+            if request.status == RequestStatus.RUNNING:
+                scheduled[request.request_id] = self._schedule_one(request, num_new)
+                budget -= num_new
+
+        # New prompts only when nothing had to be preempted: otherwise they would evict each other.
+        while self.waiting and budget > 0 and not out.preempted_request_ids:
+            if len(self.running) >= self.config.max_num_seqs:
+                break
+            request = self.waiting[0]
+            cached = self.kv.find_cached_prefix(request) if request.num_computed_tokens == 0 else []
+            num_hit_tokens = len(cached) * self.block_size
+            num_new = min(request.num_tokens - request.num_computed_tokens - num_hit_tokens, budget)
+            if self.kv.allocate_slots(request, num_new, cached, reserve_blocks=self._watermark_blocks) is None:
+                break  # first come, first served: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            request.num_computed_tokens += num_hit_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled[request.request_id] = self._schedule_one(request, num_new)
+            budget -= num_new
+
+        out.scheduled = list(scheduled.values())
+        out.num_scheduled_tokens = self.config.max_num_batched_tokens - budget
+        return out
+
+    def _schedule_one(self, request: Request, num_new: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        return ScheduledRequest(
+            request_id=request.request_id,
+            token_ids=request.all_token_ids[start : start + num_new],
+            num_computed_tokens=start,
+            block_ids=self.kv.block_ids(request.request_id),
+            sample=start + num_new == request.num_tokens,
+            sampling_params=request.sampling_params,
+            num_output_tokens=request.num_output_tokens,
+        )
+
+    def _preempt(self, victim: Request, scheduled: dict[str, ScheduledRequest], out: SchedulerOutput) -> int:
+        """Free the victim's blocks and send it back to the front of the queue.
+
+        Returns the budget it had already been given this step (now handed back)."""
+        self.running.remove(victim)
+        self.kv.free(victim.request_id)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(victim)
+        out.preempted_request_ids.append(victim.request_id)
+        returned = scheduled.pop(victim.request_id, None)
+        return len(returned.token_ids) if returned else 0
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance the requests of a finished step; returns those that produced a token or finished."""
+        changed = []
+        for item in out.scheduled:
+            request = self.requests.get(item.request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            request.num_computed_tokens += len(item.token_ids)
+            self.kv.commit(request)
+            if not item.sample:
+                continue
+            self._append_token(request, sampled[item.request_id])
+            if request.is_finished:
+                self._finish(request)
+            changed.append(request)
+        return changed
+
+    def _append_token(self, request: Request, token_id: int) -> None:
+        request.append_output_token(token_id)
+        if token_id in request.stop_token_ids:
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = token_id
+        elif (
+            request.num_output_tokens >= request.sampling_params.max_tokens
+            or request.num_tokens >= self.config.max_model_len
+        ):
+            request.status = RequestStatus.FINISHED_LENGTH
+
+    # ---- leaving ---------------------------------------------------------------------------
+
+    def abort(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> Request | None:
+        """Finish a request now, wherever it is, and free its blocks at once."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        if request in self.waiting:
+            self.waiting.remove(request)
+        request.status = status
+        request.hold_blocks_on_finish = False
+        self._finish(request)
+        return request
+
+    def _finish(self, request: Request) -> None:
+        if request in self.running:
+            self.running.remove(request)
+        del self.requests[request.request_id]
+        if not request.hold_blocks_on_finish:
+            self.kv.free(request.request_id)
+
+    def release_held(self, request_id: str) -> None:
+        """Prefill role: the KV of a finished request has been shipped; its blocks become cache."""
+        self.kv.free(request_id)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    @property
+    def num_waiting_for_remote(self) -> int:
+        return sum(1 for r in self.requests.values() if r.status == RequestStatus.WAITING_FOR_REMOTE_KV)
