@@ -21,7 +21,6 @@ Everything else (rope scaling, sliding windows, token ids) comes from the metada
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 import re
@@ -32,7 +31,6 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-logger = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 
@@ -82,7 +80,9 @@ def open_gguf(path: str | os.PathLike) -> gguf.GGUFReader:
     try:
         reader = gguf.GGUFReader(path, "r")
     except Exception as e:  # the reader raises ValueError/KeyError/IndexError/... on bad bytes
-        raise ValueError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from e
+        raise ValueError(
+            f"{path}: not a readable GGUF file, truncated or corrupt ({type(e).__name__}: {e})"
+        ) from e
     size = path.stat().st_size
     for t in reader.tensors:
         if t.data_offset + t.n_bytes > size:
@@ -99,7 +99,10 @@ def open_gguf(path: str | os.PathLike) -> gguf.GGUFReader:
 
 
 def hf_config_from_gguf(reader: gguf.GGUFReader) -> dict:
-    """Build a transformers 5.x config dict (``AutoConfig.for_model(**d)`` accepts it) from GGUF metadata."""
+    """Build a transformers 5.x config dict (``AutoConfig.for_model(**d)`` accepts it) from GGUF metadata.
+
+    Raises ValueError naming the file for missing keys or features we cannot express.
+    """
     arch = _field(reader, "general.architecture")
     tensors = {t.name: t for t in reader.tensors}
 
@@ -108,7 +111,8 @@ def hf_config_from_gguf(reader: gguf.GGUFReader) -> dict:
 
     n_heads = _require(reader, f"{arch}.attention.head_count")
     hidden = _require(reader, f"{arch}.embedding_length")
-    if not isinstance(n_heads, int):
+    n_kv = _field(reader, f"{arch}.attention.head_count_kv", n_heads)
+    if not isinstance(n_heads, int) or not isinstance(n_kv, int):
         raise ValueError(f"{reader.data.filename}: per-layer head counts are not supported")
     head_dim = key("attention.key_length", hidden // n_heads)
     if "token_embd.weight" not in tensors:
@@ -121,7 +125,7 @@ def hf_config_from_gguf(reader: gguf.GGUFReader) -> dict:
         "intermediate_size": _require(reader, f"{arch}.feed_forward_length"),
         "num_hidden_layers": _require(reader, f"{arch}.block_count"),
         "num_attention_heads": n_heads,
-        "num_key_value_heads": key("attention.head_count_kv", n_heads),
+        "num_key_value_heads": n_kv,
         "head_dim": head_dim,
         "rms_norm_eps": _f32(_require(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
         "max_position_embeddings": _require(reader, f"{arch}.context_length"),
@@ -140,23 +144,7 @@ def hf_config_from_gguf(reader: gguf.GGUFReader) -> dict:
     if arch == "gemma3":
         _gemma3_fields(reader, cfg, rope)
     else:
-        cfg["rope_parameters"] = rope
-        cfg["hidden_act"] = "silu"
-        if arch == "llama":
-            name = str(_field(reader, "general.name", "")).lower()
-            window = key("attention.sliding_window")
-            if "mistral" in name:  # llama.cpp files Mistral under the llama architecture
-                cfg["model_type"] = "mistral"
-                cfg["sliding_window"] = window
-            elif window is not None:
-                raise ValueError(f"{reader.data.filename}: sliding-window attention on llama arch is not supported")
-            else:
-                cfg["attention_bias"] = "blk.0.attn_q.bias" in tensors
-                cfg["mlp_bias"] = "blk.0.ffn_up.bias" in tensors
-        elif arch == "qwen3":
-            cfg["attention_bias"] = "blk.0.attn_q.bias" in tensors
-        if arch in ("qwen2", "qwen3"):
-            cfg["use_sliding_window"] = False
+        _llama_family_fields(reader, cfg, rope, tensors)
     cfg["architectures"] = [_ARCH_CLASS[cfg["model_type"]]]
     return cfg
 
@@ -168,6 +156,26 @@ _ARCH_CLASS = {
     "qwen3": "Qwen3ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
 }
+
+
+def _llama_family_fields(reader, cfg: dict, rope: dict, tensors: dict) -> None:
+    arch = cfg["model_type"]
+    cfg["rope_parameters"] = rope
+    cfg["hidden_act"] = "silu"
+    if arch == "llama":
+        window = _field(reader, "llama.attention.sliding_window")
+        if "mistral" in str(_field(reader, "general.name", "")).lower():
+            cfg["model_type"] = "mistral"  # llama.cpp files Mistral under the llama architecture
+            cfg["sliding_window"] = window
+            return
+        if window is not None:
+            raise ValueError(f"{reader.data.filename}: sliding-window attention on llama arch is not supported")
+        cfg["attention_bias"] = "blk.0.attn_q.bias" in tensors
+        cfg["mlp_bias"] = "blk.0.ffn_up.bias" in tensors
+    else:  # qwen2 always has q/k/v biases; qwen3 may
+        if arch == "qwen3":
+            cfg["attention_bias"] = "blk.0.attn_q.bias" in tensors
+        cfg["use_sliding_window"] = False
 
 
 def _gemma3_fields(reader, cfg: dict, full_rope: dict) -> None:
@@ -258,14 +266,16 @@ def _llama3_rope_from_factors(ff: np.ndarray, theta: float, head_dim: int, path)
         "original_max_position_embeddings": int(round(orig)),
     }
     # Re-derive ff with the fitted parameters; a mismatch means our assumption (low = 1) was wrong.
-    smooth = np.clip((params["original_max_position_embeddings"] / wavelen - low) / (params["high_freq_factor"] - low), 0, 1)
+    orig_ctx, high = params["original_max_position_embeddings"], params["high_freq_factor"]
+    smooth = np.clip((orig_ctx / wavelen - low) / (high - low), 0, 1)
     rebuilt = 1.0 / ((1 - smooth) / factor + smooth)
     if not np.allclose(rebuilt, ff, rtol=1e-3):
         raise ValueError(f"{path}: rope_freqs.weight does not match any llama3 rope scaling we can express")
     return params
 
 
-def state_dict_from_gguf(reader: gguf.GGUFReader, config: dict, progress: bool = True) -> dict[str, torch.Tensor]:
+def state_dict_from_gguf(reader: gguf.GGUFReader, config: dict,
+                         progress: bool = True) -> dict[str, torch.Tensor]:
     """Dequantize every tensor to fp32 and return it under its Hugging Face name, conversions undone."""
     path = reader.data.filename
     arch = _field(reader, "general.architecture")
@@ -284,7 +294,10 @@ def state_dict_from_gguf(reader: gguf.GGUFReader, config: dict, progress: bool =
                 w = _unpermute_rope(w, n_kv)
         if arch == "gemma3" and t.name.endswith("norm.weight"):
             w = w - np.float32(1.0)
-        state[hf_name] = torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))
+        w = np.ascontiguousarray(w, dtype=np.float32)
+        if not w.flags.writeable:  # F32 tensors are views of the read-only memory map
+            w = w.copy()
+        state[hf_name] = torch.from_numpy(w)
     missing = [n for n in ("model.embed_tokens.weight", "model.norm.weight") if n not in state]
     if missing:
         raise ValueError(f"{path}: missing tensors {missing}")
@@ -336,10 +349,7 @@ def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 def _field(reader: gguf.GGUFReader, name: str, default=None):
     field = reader.get_field(name)
-    if field is None:
-        return default
-    value = field.contents()
-    return value
+    return default if field is None else field.contents()
 
 
 def _require(reader: gguf.GGUFReader, name: str):
