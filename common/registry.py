@@ -211,6 +211,7 @@ class Heartbeat:
         self.failures = 0
         self.last: WorkerInfo | None = None
         self._task: asyncio.Task | None = None
+        self._stopping = False
 
     async def beat(self) -> bool:
         """Write the entry now (also used right after a state change); True on success."""
@@ -236,12 +237,15 @@ class Heartbeat:
         self._task = asyncio.create_task(self._run(), name="registry-heartbeat")
 
     async def _run(self) -> None:
-        while True:
+        # The flag, not only cancel(): on Python 3.11 a cancel that lands as a redis-py socket
+        # wait_for completes is lost (CPython gh-86296), and the loop would run on.
+        while not self._stopping:
             await asyncio.sleep(self.interval_s)
             await self.beat()
 
     async def stop(self, *, deregister: bool = True) -> None:
         task, self._task = self._task, None
+        self._stopping = True
         if task is not None:
             task.cancel()
             try:

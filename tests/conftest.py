@@ -1,0 +1,48 @@
+"""Shared pytest fixtures.  Each section belongs to one area; keep sections self-contained."""
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import redis
+
+from common.redis_util import connect, ensure_redis, redis_url_from_env
+
+
+# ---- Redis (registry, prefix index) ----------------------------------------------------------
+# `redis_url`: the Redis at REDIS_URL if it answers, else a private redis-server for this session.
+# `key_prefix`: a prefix unique to one test; only keys under it are deleted afterwards, so tests
+# can share a real Redis with other tests and with a running deployment.
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> str:
+    url, server = ensure_redis(redis_url_from_env())
+    try:
+        yield url
+    finally:
+        if server is not None:
+            server.stop()
+
+
+@pytest.fixture
+def key_prefix(redis_url: str) -> str:
+    prefix = f"pdtest-{uuid.uuid4().hex[:12]}"
+    yield prefix
+    client = redis.Redis.from_url(redis_url)
+    try:
+        stale = list(client.scan_iter(match=f"{prefix}:*", count=1000))
+        if stale:
+            client.delete(*stale)
+    finally:
+        client.close()
+
+
+@pytest.fixture
+async def redis_client(redis_url: str):
+    """An asyncio client from `common.redis_util.connect` (fail-fast settings, bytes replies)."""
+    client = connect(redis_url)
+    try:
+        yield client
+    finally:
+        await client.aclose()
