@@ -97,6 +97,7 @@ class PrefixIndexPublisher:
         self._wake: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task | None = None
+        self._stopping = False
 
     # ---- engine side (synchronous, any thread) ------------------------------------------------
 
@@ -155,6 +156,7 @@ class PrefixIndexPublisher:
     async def stop(self, *, delete: bool = True) -> None:
         """Stop flushing; with ``delete`` also remove the set (clean shutdown, best effort)."""
         task, self._task = self._task, None
+        self._stopping = True
         if task is not None:
             task.cancel()
             try:
@@ -169,7 +171,9 @@ class PrefixIndexPublisher:
 
     async def _run(self) -> None:
         assert self._wake is not None, "_run() before start()"
-        while True:
+        # The flag, not only cancel(): on Python 3.11 a cancel that lands as a redis-py socket
+        # wait_for completes is lost (CPython gh-86296), and the loop would run on.
+        while not self._stopping:
             await self.flush()
             if not self._healthy:
                 # Back off; updates meanwhile only change the mirror that the resync will carry.
