@@ -5,8 +5,8 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
+from safetensors import SafetensorError, safe_open
+from tqdm import tqdm
 
 from common.model_config import ModelConfig
 from common.models.decoder import DecoderModel
@@ -52,7 +52,10 @@ def load_state_dict(checkpoint: Path) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
     for file in files:
         try:
-            state.update(load_file(file))
+            with safe_open(file, framework="pt") as weights:
+                for name in tqdm(list(weights.keys()), desc=f"loading {file.name}", unit="tensor", leave=False,
+                                 disable=len(files) == 1 and file.stat().st_size < 64 << 20):
+                    state[name] = weights.get_tensor(name)
         except (SafetensorError, OSError) as exc:
             raise ValueError(f"weights file {str(file)!r} is corrupt or unreadable: {exc}") from None
     return state

@@ -1,0 +1,42 @@
+"""The real default model, Gemma 3 270M from PyPI: greedy parity with transformers in fp32."""
+import pytest
+import torch
+
+from common.config import EngineConfig
+from common.default_model import ensure_default_model
+from common.engine import Engine
+
+PROMPTS = [
+    "The capital of Germany is Berlin. The capital of France is",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "Once upon a time, in a small village by the sea, there lived",
+]
+NEW_TOKENS = 32
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def checkpoint():
+    return ensure_default_model()
+
+
+def test_greedy_parity_with_transformers(checkpoint):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    # A small token budget so the prompts are also chunked and batched beside each other's decodes.
+    engine = Engine(EngineConfig(model=str(checkpoint), dtype="float32", device="cpu", num_blocks=64,
+                                 max_num_batched_tokens=16))
+    results = engine.generate(PROMPTS, {"max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True})
+    del engine
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    for prompt, result in zip(PROMPTS, results):
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        assert result.prompt_token_ids == ids[0].tolist()
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+        assert result.token_ids == out[0, ids.shape[1]:].tolist(), prompt
+        assert result.text == tokenizer.decode(result.token_ids, skip_special_tokens=True)
+    assert "Paris" in results[0].text
