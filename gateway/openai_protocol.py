@@ -1,0 +1,505 @@
+"""The OpenAI HTTP API as msgspec structs: requests, responses, stream chunks, errors.
+
+Requests are decoded strictly: an unknown field is a 400 naming it (a silently ignored
+``logit_bias`` or ``tools`` would produce an answer the client did not ask for), and every range
+error names the parameter.  ``parse_completion_request`` / ``parse_chat_request`` turn a raw body
+into a validated struct or raise ``OpenAIError``; ``req.sampling()`` gives the normalised knobs the
+engine needs.
+
+Streaming is Server-Sent Events: one ``data: {json}\\n\\n`` per chunk and ``data: [DONE]\\n\\n`` at
+the end.  An error after the stream started is sent as ``data: {"error": {...}}\\n\\n`` (``sse_error``).
+
+Supported, beyond plain OpenAI: ``top_k``, ``ignore_eos``, and ``usage.prompt_tokens_details.cached_tokens``
+(prefix-cache hits).  Rejected with a clear 400: ``n != 1``, non-zero presence/frequency penalties,
+``logit_bias``, ``echo``, ``best_of > 1``, ``suffix``, batch prompts, non-text message parts.
+"""
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+import msgspec
+from aiohttp import web
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_LEN = 256
+MAX_LOGPROBS = 20
+MAX_TOKEN_ID = 2**31 - 1
+MAX_MESSAGES = 4096
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+# ---- errors -------------------------------------------------------------------------------------
+
+_DEFAULT_ERROR_TYPE = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    408: "timeout_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "internal_server_error",
+    503: "service_unavailable_error",
+}
+
+
+class ErrorBody(msgspec.Struct):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(msgspec.Struct):
+    """OpenAI's error shape: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    error: ErrorBody
+
+
+class OpenAIError(Exception):
+    """A request failure with its HTTP status, in OpenAI's error shape.
+
+    ``retry_after`` (seconds) becomes a ``Retry-After`` header; 429 and 503 always carry one.
+    """
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 type: str | None = None, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or _DEFAULT_ERROR_TYPE.get(status, "error")
+        if retry_after is None and status in (429, 503):
+            retry_after = 1
+        self.retry_after = retry_after
+
+    def body(self) -> ErrorResponse:
+        return ErrorResponse(ErrorBody(self.message, self.type, self.param, self.code))
+
+    def to_json(self) -> bytes:
+        return _encode(self.body())
+
+    def to_response(self) -> web.Response:
+        headers = {}
+        if self.retry_after is not None:
+            headers["Retry-After"] = str(max(1, round(self.retry_after)))
+        return web.Response(status=self.status, body=self.to_json(), headers=headers,
+                            content_type="application/json")
+
+    def to_sse(self) -> bytes:
+        """The error as one SSE event, for a stream that has already started."""
+        return b"data: " + self.to_json() + b"\n\n"
+
+
+def invalid(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
+    """A 400 for a bad parameter."""
+    return OpenAIError(400, message, param=param, code=code)
+
+
+def error_response(status: int, message: str, *, param: str | None = None, code: str | None = None,
+                   type: str | None = None, retry_after: float | None = None) -> web.Response:
+    """An aiohttp response in OpenAI's error shape (e.g. 401 bad key, 404 unknown model,
+    413 body too large, 429/503 saturated with Retry-After)."""
+    return OpenAIError(status, message, param=param, code=code, type=type,
+                       retry_after=retry_after).to_response()
+
+
+# ---- requests -----------------------------------------------------------------------------------
+
+MaxTokens = Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKEN_ID)]
+Logprobs = Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)]
+
+
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
+    include_usage: bool = False
+
+
+class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Fields shared by both endpoints.  ``None`` means "the default"."""
+
+    model: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+    temperature: Annotated[float, msgspec.Meta(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] | None = None
+    top_k: int | None = None  # extension; 0 or -1 also mean "off" (what vLLM clients send)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False  # extension
+    n: int = 1
+    user: Annotated[str, msgspec.Meta(max_length=256)] | None = None
+    presence_penalty: Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)] | None = None
+    logit_bias: dict[str, float] | None = None
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """The validated, defaulted generation knobs of one request (engine-neutral).
+
+    ``max_tokens is None``: generate until EOS, a stop, or the context limit.
+    ``logprobs is None``: none; ``k``: the sampled token's logprob plus the top ``k``.
+    """
+
+    max_tokens: int | None
+    temperature: float
+    top_p: float
+    top_k: int | None
+    seed: int | None
+    stop: tuple[str, ...]
+    ignore_eos: bool
+    logprobs: int | None
+    stream: bool
+    include_usage: bool
+
+
+class CompletionRequest(_Common):
+    """``POST /v1/completions``.  ``prompt`` is a string or a list of token ids."""
+
+    prompt: str | list[Any]
+    max_tokens: MaxTokens | None = 16
+    logprobs: Logprobs | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def sampling(self) -> SamplingOptions:
+        return _sampling(self, self.max_tokens, self.logprobs)
+
+
+class ContentPart(msgspec.Struct, kw_only=True):
+    # Unknown fields allowed here only so that an image part gets "text only" rather than
+    # "unknown field image_url"; the type is checked in validation.
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart] | None = None
+    name: Annotated[str, msgspec.Meta(max_length=256)] | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text or "" for part in self.content)
+
+
+class ChatCompletionRequest(_Common):
+    """``POST /v1/chat/completions``.  ``max_tokens`` is the deprecated alias of
+    ``max_completion_tokens``."""
+
+    messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1, max_length=MAX_MESSAGES)]
+    max_completion_tokens: MaxTokens | None = None
+    max_tokens: MaxTokens | None = None
+    logprobs: bool = False
+    top_logprobs: Logprobs | None = None
+
+    def sampling(self) -> SamplingOptions:
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return _sampling(self, self.max_completion_tokens or self.max_tokens, logprobs)
+
+    def template_messages(self) -> list[dict[str, str]]:
+        """Messages as plain dicts with text content, ready for a chat template."""
+        out = []
+        for m in self.messages:
+            d = {"role": m.role, "content": m.text()}
+            if m.name is not None:
+                d["name"] = m.name
+            out.append(d)
+        return out
+
+
+def _sampling(req: _Common, max_tokens: int | None, logprobs: int | None) -> SamplingOptions:
+    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    return SamplingOptions(
+        max_tokens=max_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=req.top_k if req.top_k and req.top_k > 0 else None,
+        seed=req.seed,
+        stop=stop,
+        ignore_eos=req.ignore_eos,
+        logprobs=logprobs,
+        stream=req.stream,
+        include_usage=bool(req.stream and req.stream_options and req.stream_options.include_usage),
+    )
+
+
+_PATH_RE = re.compile(r" - at `\$\.?([^`]*)`$")
+_UNKNOWN_RE = re.compile(r"^Object contains unknown field `([^`]*)`")
+_MISSING_RE = re.compile(r"^Object missing required field `([^`]*)`")
+
+
+def _from_msgspec(exc: msgspec.MsgspecError) -> OpenAIError:
+    text = str(exc)
+    if isinstance(exc, msgspec.DecodeError) and not isinstance(exc, msgspec.ValidationError):
+        return invalid(f"Request body is not valid JSON: {text}")
+    m = _PATH_RE.search(text)
+    path = m.group(1) if m else ""
+    detail = text[: m.start()] if m else text
+    if u := _UNKNOWN_RE.match(detail):
+        name = f"{path}.{u.group(1)}" if path else u.group(1)
+        return invalid(f"Unrecognized request argument supplied: {name}", name, "unknown_parameter")
+    if r := _MISSING_RE.match(detail):
+        name = f"{path}.{r.group(1)}" if path else r.group(1)
+        return invalid(f"Missing required parameter: '{name}'.", name, "missing_required_parameter")
+    if not path:
+        return invalid(f"Invalid request body: {detail}")
+    return invalid(f"Invalid value for '{path}': {detail}", path, "invalid_value")
+
+
+def _validate_common(req: _Common) -> None:
+    if req.n != 1:
+        raise invalid(f"n={req.n} is not supported; only n=1 (send one request per completion)", "n")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(req, name)
+        if value not in (None, 0, 0.0):
+            raise invalid(f"{name}={value} is not supported; only 0", name, "unsupported_value")
+    if req.logit_bias:
+        raise invalid("logit_bias is not supported", "logit_bias", "unsupported_value")
+    if req.top_k is not None and req.top_k < -1:
+        raise invalid(f"top_k must be >= 1 (or 0/-1/null to disable), got {req.top_k}", "top_k")
+    if req.seed is not None and not INT64_MIN <= req.seed <= INT64_MAX:
+        raise invalid(f"seed must fit in a signed 64-bit integer, got {req.seed}", "seed")
+    if req.stream_options is not None and not req.stream:
+        raise invalid("stream_options is only allowed when stream is true", "stream_options")
+    stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+    if len(stops) > MAX_STOP_STRINGS:
+        raise invalid(f"stop accepts at most {MAX_STOP_STRINGS} strings, got {len(stops)}", "stop")
+    for s in stops:
+        if not s or len(s) > MAX_STOP_LEN:
+            raise invalid(f"each stop string must be 1-{MAX_STOP_LEN} characters, got {len(s)}", "stop")
+
+
+def _validate_prompt(req: CompletionRequest) -> CompletionRequest:
+    prompt = req.prompt
+    if isinstance(prompt, list):
+        if not prompt:
+            raise invalid("prompt must not be empty", "prompt")
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            bad = next((t for t in prompt if not 0 <= t <= MAX_TOKEN_ID), None)
+            if bad is not None:
+                raise invalid(f"prompt token ids must be in [0, {MAX_TOKEN_ID}], got {bad}", "prompt")
+            return req
+        if all(isinstance(t, str) for t in prompt):
+            if len(prompt) == 1:
+                return msgspec.structs.replace(req, prompt=prompt[0])
+            raise invalid(f"batch prompts are not supported (got a list of {len(prompt)} strings); "
+                          "send one request per prompt", "prompt", "unsupported_value")
+        if all(isinstance(t, list) for t in prompt):
+            raise invalid("batch prompts are not supported (got a list of token lists); "
+                          "send one request per prompt", "prompt", "unsupported_value")
+        raise invalid("prompt must be a string or a list of token ids", "prompt")
+    if prompt == "":
+        raise invalid("prompt must not be empty", "prompt")
+    return req
+
+
+def parse_completion_request(body: bytes) -> CompletionRequest:
+    """Decode and validate a ``/v1/completions`` body; raises ``OpenAIError`` (400)."""
+    try:
+        req = _completion_decoder.decode(body)
+    except msgspec.MsgspecError as exc:
+        raise _from_msgspec(exc) from None
+    _validate_common(req)
+    if req.echo:
+        raise invalid("echo is not supported", "echo", "unsupported_value")
+    if req.best_of not in (None, 1):
+        raise invalid(f"best_of={req.best_of} is not supported; only 1", "best_of", "unsupported_value")
+    if req.suffix:
+        raise invalid("suffix is not supported", "suffix", "unsupported_value")
+    return _validate_prompt(req)
+
+
+def parse_chat_request(body: bytes) -> ChatCompletionRequest:
+    """Decode and validate a ``/v1/chat/completions`` body; raises ``OpenAIError`` (400)."""
+    try:
+        req = _chat_decoder.decode(body)
+    except msgspec.MsgspecError as exc:
+        raise _from_msgspec(exc) from None
+    _validate_common(req)
+    if (req.max_tokens is not None and req.max_completion_tokens is not None
+            and req.max_tokens != req.max_completion_tokens):
+        raise invalid("max_tokens and max_completion_tokens disagree; send only max_completion_tokens",
+                      "max_tokens")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise invalid("top_logprobs requires logprobs to be true", "top_logprobs")
+    for i, m in enumerate(req.messages):
+        if isinstance(m.content, list):
+            for j, part in enumerate(m.content):
+                where = f"messages[{i}].content[{j}]"
+                if part.type != "text":
+                    raise invalid(f"{where}: content part type {part.type!r} is not supported (text only)",
+                                  where, "unsupported_value")
+                if part.text is None:
+                    raise invalid(f"{where}: a text part needs 'text'", where)
+        elif m.content is None:
+            raise invalid(f"messages[{i}].content is required", f"messages[{i}].content")
+    return req
+
+
+_completion_decoder = msgspec.json.Decoder(CompletionRequest)
+_chat_decoder = msgspec.json.Decoder(ChatCompletionRequest)
+
+# ---- responses ----------------------------------------------------------------------------------
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class PromptTokensDetails(msgspec.Struct):
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
+class Usage(msgspec.Struct, omit_defaults=True):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> "Usage":
+        details = None if cached_tokens is None else PromptTokensDetails(cached_tokens)
+        return cls(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens, details)
+
+
+class CompletionLogprobs(msgspec.Struct):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None] | None
+    text_offset: list[int]
+
+
+class CompletionChoice(msgspec.Struct):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: str | None = None  # extension: the stop string that ended the text
+
+
+class CompletionResponse(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    object: Literal["text_completion"] = "text_completion"
+
+
+class CompletionChunk(msgspec.Struct):
+    """One SSE event of a streamed completion (same choice shape, partial ``text``)."""
+
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    object: Literal["text_completion"] = "text_completion"
+
+
+class TopLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprob] = []
+
+
+class ChatLogprobs(msgspec.Struct):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(msgspec.Struct):
+    content: str | None
+    role: Literal["assistant"] = "assistant"
+
+
+class ChatChoice(msgspec.Struct):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: str | None = None
+
+
+class ChatCompletionResponse(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+    object: Literal["chat.completion"] = "chat.completion"
+
+
+class ChatDelta(msgspec.Struct, omit_defaults=True):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(msgspec.Struct):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: str | None = None
+
+
+class ChatCompletionChunk(msgspec.Struct):
+    """One SSE event of a streamed chat completion.  With ``include_usage`` the last chunk has
+    ``choices == []`` and the usage; earlier ones have ``usage: null``."""
+
+    id: str
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: Usage | None = None
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+
+
+class ModelCard(msgspec.Struct):
+    id: str
+    created: int
+    owned_by: str = "pdserve"
+    max_model_len: int | None = None  # extension (vLLM's name)
+    object: Literal["model"] = "model"
+
+
+class ModelList(msgspec.Struct):
+    data: list[ModelCard]
+    object: Literal["list"] = "list"
+
+
+# ---- encoding helpers ---------------------------------------------------------------------------
+
+_encode = msgspec.json.Encoder().encode
+SSE_DONE = b"data: [DONE]\n\n"
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def new_request_id(kind: Literal["cmpl", "chatcmpl"]) -> str:
+    return f"{kind}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def sse_event(obj: msgspec.Struct) -> bytes:
+    """``data: {json}\\n\\n``."""
+    return b"data: " + _encode(obj) + b"\n\n"
+
+
+def json_response(obj: msgspec.Struct, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=_encode(obj), content_type="application/json")

@@ -1,0 +1,300 @@
+"""OpenAI protocol structs: strict request validation, response shapes, SSE, errors.
+
+Shapes are checked against the official `openai` client: its pydantic types parse our JSON, and a
+tiny aiohttp app built from these helpers is driven by `openai.AsyncOpenAI` (streaming and errors).
+"""
+from __future__ import annotations
+
+import json
+
+import msgspec
+import openai
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+from openai.types import Completion, Model
+from openai.types.chat import ChatCompletion, ChatCompletionChunk as OAChatChunk
+
+from gateway.openai_protocol import (
+    SSE_DONE, SSE_HEADERS, ChatChoice, ChatCompletionChunk, ChatCompletionResponse, ChatDelta,
+    ChatResponseMessage, ChatStreamChoice, CompletionChoice, CompletionChunk, CompletionResponse,
+    ModelCard, ModelList, OpenAIError, Usage, error_response, json_response, new_request_id,
+    parse_chat_request, parse_completion_request, sse_event,
+)
+
+
+def body(**fields) -> bytes:
+    return json.dumps(fields).encode()
+
+
+def completion(**fields) -> bytes:
+    return body(**{"model": "m", "prompt": "Hello", **fields})
+
+
+def chat(**fields) -> bytes:
+    return body(**{"model": "m", "messages": [{"role": "user", "content": "Hi"}], **fields})
+
+
+def rejects(parse, raw: bytes, param: str | None, text: str) -> OpenAIError:
+    with pytest.raises(OpenAIError) as info:
+        parse(raw)
+    err = info.value
+    assert err.status == 400 and err.type == "invalid_request_error"
+    assert err.param == param, err.message
+    assert text in err.message, err.message
+    return err
+
+
+# ---- requests -----------------------------------------------------------------------------------
+
+def test_completion_defaults_and_normalised_sampling():
+    req = parse_completion_request(completion())
+    s = req.sampling()
+    assert (req.prompt, s.max_tokens, s.temperature, s.top_p, s.top_k, s.seed) == ("Hello", 16, 1.0, 1.0, None, None)
+    assert (s.stop, s.ignore_eos, s.logprobs, s.stream, s.include_usage) == ((), False, None, False, False)
+
+    req = parse_completion_request(completion(
+        prompt=[1, 2, 3], max_tokens=5, temperature=0, top_p=0.9, top_k=40, seed=7, stop="\n\n",
+        stream=True, stream_options={"include_usage": True}, ignore_eos=True, logprobs=2, user="u1",
+        presence_penalty=0, frequency_penalty=0.0, n=1, best_of=1))
+    s = req.sampling()
+    assert req.prompt == [1, 2, 3]
+    assert (s.max_tokens, s.temperature, s.top_p, s.top_k, s.seed) == (5, 0.0, 0.9, 40, 7)
+    assert (s.stop, s.ignore_eos, s.logprobs, s.stream, s.include_usage) == (("\n\n",), True, 2, True, True)
+    # vLLM-style "disabled" top_k values.
+    assert parse_completion_request(completion(top_k=-1)).sampling().top_k is None
+    assert parse_completion_request(completion(top_k=0)).sampling().top_k is None
+    assert parse_completion_request(completion(max_tokens=None)).sampling().max_tokens is None
+
+
+def test_prompt_forms():
+    assert parse_completion_request(completion(prompt=["one string"])).prompt == "one string"
+    rejects(parse_completion_request, completion(prompt=["a", "b"]), "prompt", "batch prompts are not supported")
+    rejects(parse_completion_request, completion(prompt=[[1, 2], [3]]), "prompt", "batch prompts")
+    rejects(parse_completion_request, completion(prompt=[1, "a"]), "prompt", "string or a list of token ids")
+    rejects(parse_completion_request, completion(prompt=[]), "prompt", "must not be empty")
+    rejects(parse_completion_request, completion(prompt=""), "prompt", "must not be empty")
+    rejects(parse_completion_request, completion(prompt=[5, -1]), "prompt", "token ids must be in")
+    rejects(parse_completion_request, completion(prompt=7), "prompt", "Expected `str | array`")
+
+
+def test_unknown_fields_are_rejected_by_name():
+    err = rejects(parse_completion_request, completion(tools=[]), "tools", "Unrecognized request argument supplied: tools")
+    assert err.code == "unknown_parameter"
+    rejects(parse_chat_request, chat(response_format={"type": "json_object"}), "response_format", "response_format")
+    rejects(parse_chat_request, body(model="m", messages=[{"role": "user", "content": "x", "tool_call_id": "1"}]),
+            "messages[0].tool_call_id", "tool_call_id")
+    rejects(parse_completion_request, completion(stream=True, stream_options={"include_usage": True, "x": 1}),
+            "stream_options.x", "Unrecognized")
+
+
+@pytest.mark.parametrize("field,value,text", [
+    ("temperature", 2.5, "<= 2.0"),
+    ("temperature", -0.1, ">= 0.0"),
+    ("top_p", 0, "> 0.0"),
+    ("top_p", 1.5, "<= 1.0"),
+    ("max_tokens", 0, ">= 1"),
+    ("max_tokens", 1.5, "Expected `int | null`, got `float`"),
+    ("logprobs", 21, "<= 20"),
+    ("top_k", -2, "top_k must be >= 1"),
+    ("seed", 2**64, "seed must fit"),
+    ("stream", "yes", "Expected `bool`"),
+    ("presence_penalty", 3, "<= 2.0"),
+    ("user", "u" * 300, "length <= 256"),
+])
+def test_range_errors_name_the_parameter(field, value, text):
+    rejects(parse_completion_request, completion(**{field: value}), field, text)
+
+
+@pytest.mark.parametrize("field,value,text", [
+    ("n", 2, "only n=1"),
+    ("presence_penalty", 0.5, "presence_penalty=0.5 is not supported"),
+    ("frequency_penalty", -1, "frequency_penalty=-1.0 is not supported"),
+    ("logit_bias", {"50256": -100}, "logit_bias is not supported"),
+    ("echo", True, "echo is not supported"),
+    ("best_of", 3, "best_of=3 is not supported"),
+    ("suffix", "tail", "suffix is not supported"),
+])
+def test_unsupported_features_are_rejected_clearly(field, value, text):
+    err = rejects(parse_completion_request, completion(**{field: value}), field, text)
+    assert err.to_response().status == 400
+
+
+def test_stop_strings_are_bounded():
+    assert parse_completion_request(completion(stop=["a", "bc"])).sampling().stop == ("a", "bc")
+    rejects(parse_completion_request, completion(stop=[str(i) for i in range(17)]), "stop", "at most 16")
+    rejects(parse_completion_request, completion(stop=[""]), "stop", "1-256 characters")
+    rejects(parse_completion_request, completion(stop="x" * 257), "stop", "1-256 characters")
+    rejects(parse_completion_request, completion(stop=[1]), "stop[0]", "Expected `str`")
+
+
+def test_stream_options_need_stream():
+    rejects(parse_completion_request, completion(stream_options={"include_usage": True}), "stream_options",
+            "only allowed when stream is true")
+    assert not parse_chat_request(chat(stream=True)).sampling().include_usage
+
+
+def test_malformed_bodies():
+    rejects(parse_completion_request, b"{not json", None, "not valid JSON")
+    rejects(parse_completion_request, b"[1, 2]", None, "Expected `object`")
+    rejects(parse_completion_request, b"", None, "not valid JSON")
+    err = rejects(parse_completion_request, body(prompt="x"), "model", "Missing required parameter: 'model'")
+    assert err.code == "missing_required_parameter"
+    rejects(parse_chat_request, body(model="m"), "messages", "Missing required parameter")
+
+
+def test_chat_messages_and_max_tokens_alias():
+    req = parse_chat_request(body(model="m", messages=[
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Hello, "}, {"type": "text", "text": "world"}],
+         "name": "ann"},
+        {"role": "assistant", "content": "Hi."},
+    ], max_tokens=20, logprobs=True, top_logprobs=3))
+    assert req.template_messages() == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hello, world", "name": "ann"},
+        {"role": "assistant", "content": "Hi."},
+    ]
+    s = req.sampling()
+    assert (s.max_tokens, s.logprobs) == (20, 3)
+    assert parse_chat_request(chat(max_completion_tokens=9)).sampling().max_tokens == 9
+    assert parse_chat_request(chat()).sampling().max_tokens is None
+    assert parse_chat_request(chat(logprobs=True)).sampling().logprobs == 0
+    assert parse_chat_request(chat()).sampling().logprobs is None
+
+
+def test_chat_rejections():
+    rejects(parse_chat_request, chat(max_tokens=5, max_completion_tokens=6), "max_tokens", "disagree")
+    rejects(parse_chat_request, chat(top_logprobs=2), "top_logprobs", "requires logprobs")
+    rejects(parse_chat_request, body(model="m", messages=[]), "messages", "length >= 1")
+    rejects(parse_chat_request, body(model="m", messages=[{"role": "tool", "content": "x"}]),
+            "messages[0].role", "Invalid enum value 'tool'")
+    rejects(parse_chat_request, body(model="m", messages=[{"role": "user"}]), "messages[0].content", "required")
+    image = {"type": "image_url", "image_url": {"url": "http://x/y.png"}}
+    rejects(parse_chat_request, body(model="m", messages=[{"role": "user", "content": [
+        {"type": "text", "text": "what is this"}, image]}]), "messages[0].content[1]", "text only")
+    rejects(parse_chat_request, chat(tools=[{"type": "function"}]), "tools", "Unrecognized")
+    rejects(parse_chat_request, chat(n=3), "n", "only n=1")
+
+
+# ---- responses, checked with the official client's types ----------------------------------------
+
+def test_completion_response_matches_openai_types():
+    resp = CompletionResponse(
+        id=new_request_id("cmpl"), created=1700000000, model="m",
+        choices=[CompletionChoice(index=0, text=" world", finish_reason="stop", stop_reason="\n")],
+        usage=Usage.of(5, 2, cached_tokens=4))
+    raw = msgspec.json.encode(resp)
+    parsed = Completion.model_validate_json(raw)
+    assert parsed.object == "text_completion" and parsed.choices[0].text == " world"
+    assert parsed.usage.total_tokens == 7 and parsed.usage.prompt_tokens_details.cached_tokens == 4
+    assert resp.id.startswith("cmpl-")
+    # Without cached_tokens the details object is omitted entirely.
+    assert b"prompt_tokens_details" not in msgspec.json.encode(Usage.of(1, 1))
+
+
+def test_chat_response_and_chunks_match_openai_types():
+    resp = ChatCompletionResponse(
+        id="chatcmpl-1", created=1, model="m", usage=Usage.of(3, 1),
+        choices=[ChatChoice(index=0, message=ChatResponseMessage("Hi!"), finish_reason="length")])
+    parsed = ChatCompletion.model_validate_json(msgspec.json.encode(resp))
+    assert parsed.choices[0].message.role == "assistant" and parsed.choices[0].message.content == "Hi!"
+
+    first = ChatCompletionChunk(id="c", created=1, model="m",
+                                choices=[ChatStreamChoice(index=0, delta=ChatDelta(role="assistant", content=""))])
+    last = ChatCompletionChunk(id="c", created=1, model="m",
+                               choices=[ChatStreamChoice(index=0, delta=ChatDelta(), finish_reason="stop")])
+    usage = ChatCompletionChunk(id="c", created=1, model="m", choices=[], usage=Usage.of(3, 2))
+    for chunk in (first, last, usage):
+        event = sse_event(chunk)
+        assert event.startswith(b"data: {") and event.endswith(b"}\n\n") and b"\n" not in event[:-2]
+        OAChatChunk.model_validate_json(event[len(b"data: "):-2])
+    assert json.loads(sse_event(last)[6:])["choices"][0]["delta"] == {}
+    assert SSE_DONE == b"data: [DONE]\n\n"
+
+
+def test_models_listing_matches_openai_types():
+    listing = ModelList(data=[ModelCard(id="org/m", created=5, max_model_len=4096)])
+    raw = json.loads(msgspec.json.encode(listing))
+    assert raw["object"] == "list"
+    model = Model.model_validate(raw["data"][0])
+    assert (model.id, model.object, model.owned_by) == ("org/m", "model", "pdserve")
+
+
+# ---- errors -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("status,etype,retry", [
+    (400, "invalid_request_error", None), (401, "authentication_error", None), (404, "not_found_error", None),
+    (413, "invalid_request_error", None), (429, "rate_limit_error", "1"), (503, "service_unavailable_error", "1"),
+])
+def test_error_responses(status, etype, retry):
+    resp = error_response(status, "nope", param="p", code="c")
+    assert resp.status == status and resp.content_type == "application/json"
+    assert json.loads(resp.body) == {"error": {"message": "nope", "type": etype, "param": "p", "code": "c"}}
+    assert resp.headers.get("Retry-After") == retry
+
+
+def test_retry_after_and_sse_error():
+    err = OpenAIError(503, "all decode workers are full", retry_after=4.4)
+    assert err.to_response().headers["Retry-After"] == "4"
+    assert err.to_sse().startswith(b'data: {"error":{"message":"all decode workers are full"')
+    assert err.to_sse().endswith(b"\n\n")
+
+
+# ---- the official client against a tiny app built from these helpers ----------------------------
+
+async def _completions(request: web.Request) -> web.StreamResponse:
+    try:
+        req = parse_completion_request(await request.read())
+    except OpenAIError as err:
+        return err.to_response()
+    rid = new_request_id("cmpl")
+    if not req.stream:
+        return json_response(CompletionResponse(rid, 1, req.model, [CompletionChoice(0, "ok", finish_reason="stop")],
+                                                Usage.of(1, 1)))
+    resp = web.StreamResponse(headers=SSE_HEADERS)
+    await resp.prepare(request)
+    for piece, finish in (("o", None), ("k", "length")):
+        await resp.write(sse_event(CompletionChunk(rid, 1, req.model, [CompletionChoice(0, piece, finish_reason=finish)])))
+    if req.sampling().include_usage:
+        await resp.write(sse_event(CompletionChunk(rid, 1, req.model, [], usage=Usage.of(1, 2))))
+    await resp.write(SSE_DONE)
+    return resp
+
+
+async def _busy(request: web.Request) -> web.Response:
+    return error_response(429, "too many requests in flight", retry_after=2)
+
+
+@pytest.fixture
+async def openai_client():
+    app = web.Application()
+    app.router.add_post("/v1/completions", _completions)
+    app.router.add_post("/v1/chat/completions", _busy)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    client = openai.AsyncOpenAI(base_url=str(server.make_url("/v1")), api_key="x", max_retries=0)
+    try:
+        yield client
+    finally:
+        await client.close()
+        await server.close()
+
+
+async def test_official_client_roundtrip(openai_client):
+    done = await openai_client.completions.create(model="m", prompt="hi", max_tokens=2)
+    assert done.choices[0].text == "ok" and done.usage.total_tokens == 2
+
+    stream = await openai_client.completions.create(model="m", prompt="hi", stream=True,
+                                                    stream_options={"include_usage": True})
+    chunks = [c async for c in stream]
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == "ok"
+    assert chunks[-1].usage.completion_tokens == 2
+
+    with pytest.raises(openai.BadRequestError) as info:
+        await openai_client.completions.create(model="m", prompt="hi", n=2)
+    assert info.value.body["param"] == "n" and "only n=1" in info.value.body["message"]
+
+    with pytest.raises(openai.RateLimitError) as info:
+        await openai_client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+    assert info.value.response.headers["Retry-After"] == "2"
