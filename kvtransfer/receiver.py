@@ -1,0 +1,319 @@
+"""Decode side: accept senders, land their blocks in reserved cache blocks, report each transfer once.
+
+The engine owns the blocks. It reserves destination ids, calls ``expect`` before handing the ids
+to the sender (via the gateway), and awaits the handle: success gives the ``Done`` metadata;
+any failure (deadline, peer lost, abort either way, checksum, bad frame) raises a
+``TransferError`` exactly once, and only after no more bytes can land in those blocks, so the
+caller may free them immediately.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+
+import msgspec
+
+from common.kv_cache import KVCache
+from kvtransfer.config import KVTransferConfig
+from kvtransfer.errors import (
+    ChecksumMismatch, ConnectionLost, HandshakeError, PeerLost, ProtocolError, TransferAborted,
+    TransferError, TransferTimeout,
+)
+from kvtransfer.handshake import server_handshake
+from kvtransfer.messages import Abort, Ack, Blocks, Done, Message, decode, encode
+from kvtransfer.regions import block_checksums, run_bytes
+from kvtransfer.transport_base import Channel, Listener, Transport, make_transport
+
+log = logging.getLogger(__name__)
+
+_RECENTLY_ENDED = 4096  # ids remembered after they end, to tell late senders why
+
+
+class TransferResult(msgspec.Struct, frozen=True):
+    transfer_id: str
+    metadata: dict
+    nbytes: int
+    seconds: float
+
+
+class IncomingTransfer:
+    """One expected transfer: ``await handle.wait()`` for the ``TransferResult`` or a ``TransferError``."""
+
+    def __init__(self, receiver: "KVReceiver", transfer_id: str, block_ids: list[int], timeout: float):
+        self.transfer_id = transfer_id
+        self.block_ids = list(block_ids)
+        self.nbytes = 0
+        self._reserved = frozenset(self.block_ids)
+        self._missing = set(self.block_ids)
+        self._receiver = receiver
+        self._conn: _SenderConnection | None = None
+        self._writes = 0  # payloads being written into our blocks right now
+        self._error: TransferError | None = None
+        self._started = time.monotonic()
+        loop = asyncio.get_running_loop()
+        self._future: asyncio.Future[TransferResult] = loop.create_future()
+        self._future.add_done_callback(lambda f: f.cancelled() or f.exception())  # never "unretrieved"
+        self._timer = loop.call_later(timeout, self._on_deadline, timeout)
+
+    async def wait(self) -> TransferResult:
+        return await asyncio.shield(self._future)
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    @property
+    def active(self) -> bool:
+        return self._error is None and not self._future.done()
+
+    def fail(self, error: TransferError) -> None:
+        """Mark failed; reported once no payload is being written into the blocks any more."""
+        if not self.active:
+            return
+        self._error = error
+        self._receiver._forget(self, str(error))
+        if self._writes == 0:
+            self._resolve()
+
+    def _resolve(self) -> None:
+        self._timer.cancel()
+        if not self._future.done():
+            self._future.set_exception(self._error)
+
+    def _succeed(self, metadata: dict) -> None:
+        self._timer.cancel()
+        self._receiver._forget(self, "completed")
+        self._future.set_result(TransferResult(self.transfer_id, metadata, self.nbytes, time.monotonic() - self._started))
+
+    def _write_started(self) -> None:
+        self._writes += 1
+
+    def _write_ended(self) -> None:
+        self._writes -= 1
+        if self._error is not None and self._writes == 0:
+            self._resolve()
+
+    def _on_deadline(self, timeout: float) -> None:
+        if not self.active:
+            if self._error is not None and self._writes and self._conn is not None:
+                self._conn.channel.close()  # failed but still being written: the link is wedged
+            return
+        missing = len(self._missing)
+        self.fail(TransferTimeout(f"transfer {self.transfer_id!r} incomplete after {timeout}s "
+                                  f"({missing} of {len(self.block_ids)} blocks missing)"))
+        if self._conn is not None:
+            self._conn.notify(Abort(self.transfer_id, "receiver deadline passed"))
+            if self._writes:
+                self._conn.channel.close()
+
+
+class _SenderConnection:
+    """Receiver's view of one connected sender."""
+
+    def __init__(self, channel: Channel, receiver: "KVReceiver"):
+        self.channel = channel
+        self.checksum = False
+        self.transfers: set[IncomingTransfer] = set()
+        self._receiver = receiver
+
+    def notify(self, msg: Message) -> None:
+        self._receiver._spawn(self._send_quietly(msg))
+
+    async def _send_quietly(self, msg: Message) -> None:
+        try:
+            await self.channel.send(encode(msg))
+        except ConnectionLost:
+            pass
+
+
+class KVReceiver:
+    """Listens for prefill workers and writes their KV straight into ``cache``.
+
+    ``await start()`` then ``expect(...)`` per request; ``abort(...)`` also tells the sender.
+    """
+
+    def __init__(self, cache: KVCache, config: KVTransferConfig, transport: Transport | None = None):
+        self.cache = cache
+        self.config = config
+        self.transport = transport or make_transport(config.transport)
+        self._transfers: dict[str, IncomingTransfer] = {}
+        self._ended: collections.OrderedDict[str, str] = collections.OrderedDict()
+        self._conns: set[_SenderConnection] = set()
+        self._tasks: set[asyncio.Task] = set()
+        self._listener: Listener | None = None
+
+    async def start(self) -> str:
+        self._listener = await self.transport.listen(self.config.host, self.config.port, self._serve)
+        log.info("kv receiver listening on %s (%s)", self._listener.address, self.transport.name)
+        return self._listener.address
+
+    @property
+    def address(self) -> str:
+        assert self._listener is not None, "KVReceiver.start() first"
+        return self._listener.address
+
+    def expect(self, transfer_id: str, block_ids: list[int], timeout: float | None = None) -> IncomingTransfer:
+        """Register reserved destination ``block_ids``; must be called before the sender is told them."""
+        if transfer_id in self._transfers:
+            raise ValueError(f"transfer {transfer_id!r} is already expected")
+        bad = [b for b in block_ids if not 0 <= b < self.cache.num_blocks]
+        if bad:
+            raise ValueError(f"block ids {bad[:8]} outside the {self.cache.num_blocks}-block cache")
+        if len(set(block_ids)) != len(block_ids):
+            raise ValueError("duplicate destination block ids")
+        self._ended.pop(transfer_id, None)
+        handle = IncomingTransfer(self, transfer_id, block_ids, timeout or self.config.transfer_timeout)
+        self._transfers[transfer_id] = handle
+        return handle
+
+    def abort(self, transfer_id: str, reason: str = "") -> bool:
+        """Fail the transfer locally and tell its sender; False if it is not in flight."""
+        handle = self._transfers.get(transfer_id)
+        if handle is None:
+            return False
+        conn = handle._conn
+        handle.fail(TransferAborted(f"aborted by receiver: {reason}" if reason else "aborted by receiver"))
+        if conn is not None:
+            conn.notify(Abort(transfer_id, f"aborted by receiver: {reason}"[:1024]))
+        return True
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._transfers)
+
+    async def close(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+        for handle in list(self._transfers.values()):
+            handle.fail(TransferAborted("receiver closed"))
+        for conn in list(self._conns):
+            conn.channel.close()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _forget(self, handle: IncomingTransfer, why: str) -> None:
+        if self._transfers.get(handle.transfer_id) is handle:
+            del self._transfers[handle.transfer_id]
+        if handle._conn is not None:
+            handle._conn.transfers.discard(handle)
+        self._ended[handle.transfer_id] = why
+        while len(self._ended) > _RECENTLY_ENDED:
+            self._ended.popitem(last=False)
+
+    async def _serve(self, channel: Channel) -> None:
+        conn = _SenderConnection(channel, self)
+        self._conns.add(conn)
+        reason = "connection closed"
+        try:
+            conn.checksum = await server_handshake(channel, self.cache.layout, self.config.checksum,
+                                                   self.config.connect_timeout)
+            log.info("kv sender connected: %s", channel.description)
+            while True:
+                await self._dispatch(conn, decode(await channel.recv_header()))
+        except HandshakeError as exc:
+            reason = f"handshake failed: {exc}"
+            log.warning("kv receiver: %s", reason)
+        except ProtocolError as exc:
+            reason = f"protocol error: {exc}"
+            log.warning("kv receiver: dropping sender connection, %s", exc)
+        except ConnectionLost as exc:
+            reason = str(exc)
+            log.info("kv receiver: sender connection lost: %s", exc)
+        except asyncio.CancelledError:
+            reason = "receiver closed"
+            raise
+        except Exception:  # a bug must not take the worker down; it ends this connection only
+            reason = "internal error"
+            log.exception("kv receiver: unexpected error on a sender connection")
+        finally:
+            channel.close()
+            self._conns.discard(conn)
+            for handle in list(conn.transfers):
+                handle.fail(PeerLost(f"transfer {handle.transfer_id!r}: sender connection lost ({reason})"))
+
+    async def _dispatch(self, conn: _SenderConnection, msg: Message) -> None:
+        if isinstance(msg, Blocks):
+            await self._on_blocks(conn, msg)
+        elif isinstance(msg, Done):
+            self._on_done(conn, msg)
+        elif isinstance(msg, Abort):
+            handle = self._transfers.get(msg.transfer_id)
+            if handle is not None and handle._conn in (None, conn):
+                handle.fail(TransferAborted(f"aborted by sender: {msg.reason}"))
+        else:
+            raise ProtocolError(f"unexpected {type(msg).__name__} from a sender")
+
+    def _claim(self, conn: _SenderConnection, transfer_id: str) -> IncomingTransfer | None:
+        """The active transfer this frame belongs to, bound to this connection; else tell the sender."""
+        handle = self._transfers.get(transfer_id)
+        if handle is None:
+            why = self._ended.get(transfer_id, "not expected by this receiver")
+            conn.notify(Abort(transfer_id, f"unknown or ended transfer ({why})"[:1024]))
+            return None
+        if handle._conn is None:
+            handle._conn = conn
+            conn.transfers.add(handle)
+        elif handle._conn is not conn:
+            conn.notify(Abort(transfer_id, "transfer is bound to another sender connection"))
+            return None
+        return handle
+
+    def _reject(self, conn: _SenderConnection, handle: IncomingTransfer, error: TransferError) -> None:
+        handle.fail(error)
+        conn.notify(Abort(handle.transfer_id, str(error)[:1024]))
+
+    async def _on_blocks(self, conn: _SenderConnection, msg: Blocks) -> None:
+        block_nbytes = self.cache.block_nbytes
+        if msg.nbytes != msg.count * block_nbytes:
+            # The header itself is inconsistent: the framing can no longer be trusted.
+            raise ProtocolError(f"Blocks header announces {msg.nbytes} bytes for {msg.count} blocks "
+                                f"of {block_nbytes} bytes")
+        handle = self._claim(conn, msg.transfer_id)
+        if handle is None or not handle.active:
+            await conn.channel.discard_payload(msg.nbytes)
+            return
+        ids = range(msg.first_block_id, msg.first_block_id + msg.count)
+        outside = [b for b in ids if b not in handle._reserved]
+        if outside:
+            await conn.channel.discard_payload(msg.nbytes)
+            self._reject(conn, handle, TransferAborted(
+                f"sender wrote blocks {outside[:8]} outside the reservation of {msg.transfer_id!r}"))
+            return
+        if conn.checksum and (msg.checksums is None or len(msg.checksums) != msg.count):
+            await conn.channel.discard_payload(msg.nbytes)
+            self._reject(conn, handle, ChecksumMismatch("checksums required but missing or miscounted"))
+            return
+        region = run_bytes(self.cache, msg.first_block_id, msg.count)
+        handle._write_started()
+        try:
+            await conn.channel.recv_payload_into(region)
+        finally:
+            handle._write_ended()
+        if msg.checksums is not None:
+            got = block_checksums(region, block_nbytes)
+            bad = [b for b, want, have in zip(ids, msg.checksums, got) if want != have]
+            if bad:
+                self._reject(conn, handle, ChecksumMismatch(f"checksum mismatch in blocks {bad[:8]}"))
+                return
+        handle._missing.difference_update(ids)
+        handle.nbytes += msg.nbytes
+
+    def _on_done(self, conn: _SenderConnection, msg: Done) -> None:
+        handle = self._claim(conn, msg.transfer_id)
+        if handle is None or not handle.active:
+            return
+        if handle._missing:
+            self._reject(conn, handle, TransferAborted(
+                f"Done before all blocks arrived ({len(handle._missing)} of {len(handle.block_ids)} missing)"))
+            return
+        handle._succeed(dict(msg.metadata))
+        conn.notify(Ack(msg.transfer_id))

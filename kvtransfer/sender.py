@@ -1,0 +1,225 @@
+"""Prefill side: ship finished blocks to a decode worker's reserved blocks, chunk by chunk.
+
+``tx = await sender.begin(transfer_id, address)`` (connection cached per address, handshake on
+first use), then ``await tx.send_blocks(src_ids, dst_ids)`` whenever a prefill chunk's blocks are
+final (the engine thread keeps computing other blocks meanwhile), then ``await tx.finish(meta)``
+which returns once the receiver acknowledged, or raises a ``TransferError`` (receiver abort, peer
+lost, no ack within the lease). The caller keeps the source blocks pinned until then.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from common.kv_cache import KVCache
+from kvtransfer.config import KVTransferConfig, parse_address
+from kvtransfer.errors import (
+    ConnectionLost, PeerLost, ProtocolError, TransferAborted, TransferError, TransferTimeout,
+)
+from kvtransfer.handshake import client_handshake
+from kvtransfer.messages import (
+    MAX_BLOCKS_PER_FRAME, Abort, Ack, Blocks, Done, check_metadata, decode, encode,
+)
+from kvtransfer.regions import block_checksums, paired_runs, run_bytes
+from kvtransfer.transport_base import Channel, Transport, make_transport
+
+log = logging.getLogger(__name__)
+
+
+class OutgoingTransfer:
+    """One transfer from this worker's cache to a receiver's reserved blocks."""
+
+    def __init__(self, sender: "KVSender", conn: "_ReceiverConnection", transfer_id: str):
+        self.transfer_id = transfer_id
+        self.nbytes = 0
+        self._sender = sender
+        self._conn = conn
+        self._outcome: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._outcome.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+    @property
+    def error(self) -> TransferError | None:
+        return self._outcome.exception() if self._outcome.done() else None
+
+    def done(self) -> bool:
+        return self._outcome.done()
+
+    def _check(self) -> None:
+        if self._outcome.done():
+            raise self._outcome.exception() or TransferError(f"transfer {self.transfer_id!r} already finished")
+
+    async def send_blocks(self, src_block_ids: list[int], dst_block_ids: list[int]) -> None:
+        """Send the bytes of ``src_block_ids`` into the receiver's ``dst_block_ids`` (same length)."""
+        self._check()
+        cache = self._sender.cache
+        for src, dst, count in paired_runs(src_block_ids, dst_block_ids, MAX_BLOCKS_PER_FRAME):
+            region = run_bytes(cache, src, count)
+            sums = block_checksums(region, cache.block_nbytes) if self._conn.checksum else None
+            header = encode(Blocks(self.transfer_id, dst, count, region.numel(), sums))
+            self._check()
+            try:
+                await self._conn.channel.send(header, region)
+            except ConnectionLost as exc:
+                self._fail(PeerLost(f"transfer {self.transfer_id!r}: {exc}"))
+                self._check()
+            self.nbytes += region.numel()
+
+    async def finish(self, metadata: dict | None = None, lease_timeout: float | None = None) -> None:
+        """Send ``Done`` and wait for the receiver's ``Ack`` within the lease."""
+        self._check()
+        metadata = check_metadata(metadata or {})
+        lease = lease_timeout or self._sender.config.lease_timeout
+        try:
+            await self._conn.channel.send(encode(Done(self.transfer_id, metadata)))
+        except ConnectionLost as exc:
+            self._fail(PeerLost(f"transfer {self.transfer_id!r}: {exc}"))
+        try:
+            await asyncio.wait_for(asyncio.shield(self._outcome), lease)
+        except asyncio.TimeoutError:
+            self.abort(f"no acknowledgement within the {lease}s lease")
+            self._fail(TransferTimeout(f"transfer {self.transfer_id!r}: no acknowledgement within {lease}s"))
+            self._check()
+
+    def abort(self, reason: str = "") -> None:
+        """Fail this transfer and tell the receiver (best effort)."""
+        if self._outcome.done():
+            return
+        self._fail(TransferAborted(f"aborted by sender: {reason}" if reason else "aborted by sender"))
+        self._conn.notify(Abort(self.transfer_id, reason[:1024]))
+
+    def _fail(self, error: TransferError) -> None:
+        if not self._outcome.done():
+            self._outcome.set_exception(error)
+            self._conn.transfers.pop(self.transfer_id, None)
+
+    def _acked(self) -> None:
+        if not self._outcome.done():
+            self._outcome.set_result(None)
+            self._conn.transfers.pop(self.transfer_id, None)
+
+
+class _ReceiverConnection:
+    """Sender's view of one receiver: the channel, its reader task and the transfers on it."""
+
+    def __init__(self, sender: "KVSender", address: str, channel: Channel, checksum: bool):
+        self.address = address
+        self.channel = channel
+        self.checksum = checksum
+        self.transfers: dict[str, OutgoingTransfer] = {}
+        self.alive = True
+        self._sender = sender
+        self.reader = asyncio.get_running_loop().create_task(self._read())
+
+    def notify(self, msg) -> None:
+        self._sender._spawn(self._send_quietly(msg))
+
+    async def _send_quietly(self, msg) -> None:
+        try:
+            await self.channel.send(encode(msg))
+        except ConnectionLost:
+            pass
+
+    async def _read(self) -> None:
+        reason = "connection closed"
+        try:
+            while True:
+                msg = decode(await self.channel.recv_header())
+                tx = self.transfers.get(getattr(msg, "transfer_id", ""))
+                if isinstance(msg, Ack):
+                    if tx is not None:
+                        tx._acked()
+                elif isinstance(msg, Abort):
+                    if tx is not None:
+                        tx._fail(TransferAborted(f"transfer {msg.transfer_id!r} aborted by receiver: {msg.reason}"))
+                else:
+                    raise ProtocolError(f"unexpected {type(msg).__name__} from a receiver")
+        except (ConnectionLost, ProtocolError) as exc:
+            reason = str(exc)
+            log.warning("kv sender: connection to %s ended: %s", self.address, exc)
+        except asyncio.CancelledError:
+            reason = "sender closed"
+        finally:
+            self.alive = False
+            self.channel.close()
+            self._sender._drop(self)
+            for tx in list(self.transfers.values()):
+                tx._fail(PeerLost(f"transfer {tx.transfer_id!r}: connection to {self.address} lost ({reason})"))
+
+
+class KVSender:
+    """Connects to decode workers (one cached connection per address) and starts transfers."""
+
+    def __init__(self, cache: KVCache, config: KVTransferConfig, transport: Transport | None = None):
+        self.cache = cache
+        self.config = config
+        self.transport = transport or make_transport(config.transport)
+        self._conns: dict[str, _ReceiverConnection] = {}
+        self._connecting: dict[str, asyncio.Task] = {}
+        self._tasks: set[asyncio.Task] = set()
+
+    async def begin(self, transfer_id: str, address: str) -> OutgoingTransfer:
+        """Start a transfer to the receiver at ``address`` (``"host:port"``); may raise
+        ``HandshakeError`` (layout mismatch, nothing sent) or ``PeerLost`` (cannot connect)."""
+        conn = await self._connection(address)
+        if transfer_id in conn.transfers:
+            raise ValueError(f"transfer {transfer_id!r} is already in flight to {address}")
+        tx = OutgoingTransfer(self, conn, transfer_id)
+        conn.transfers[transfer_id] = tx
+        return tx
+
+    def get(self, transfer_id: str) -> OutgoingTransfer | None:
+        for conn in self._conns.values():
+            if transfer_id in conn.transfers:
+                return conn.transfers[transfer_id]
+        return None
+
+    def abort(self, transfer_id: str, reason: str = "") -> bool:
+        tx = self.get(transfer_id)
+        if tx is None:
+            return False
+        tx.abort(reason)
+        return True
+
+    async def close(self) -> None:
+        for task in list(self._connecting.values()):
+            task.cancel()
+        for conn in list(self._conns.values()):
+            conn.reader.cancel()
+        await asyncio.gather(*[c.reader for c in self._conns.values()], *self._tasks, return_exceptions=True)
+
+    async def _connection(self, address: str) -> _ReceiverConnection:
+        conn = self._conns.get(address)
+        if conn is not None and conn.alive:
+            return conn
+        task = self._connecting.get(address)
+        if task is None:
+            task = asyncio.get_running_loop().create_task(self._connect(address))
+            self._connecting[address] = task
+            task.add_done_callback(lambda _t: self._connecting.pop(address, None))
+        return await asyncio.shield(task)
+
+    async def _connect(self, address: str) -> _ReceiverConnection:
+        host, port = parse_address(address)
+        try:
+            channel = await self.transport.connect(host, port, self.config.connect_timeout)
+        except ConnectionLost as exc:
+            raise PeerLost(str(exc)) from None
+        try:
+            checksum = await client_handshake(channel, self.cache.layout, self.config.checksum,
+                                              self.config.connect_timeout)
+        except BaseException:
+            channel.close()
+            raise
+        log.info("kv sender connected to %s: %s", address, channel.description)
+        conn = _ReceiverConnection(self, address, channel, checksum)
+        self._conns[address] = conn
+        return conn
+
+    def _drop(self, conn: _ReceiverConnection) -> None:
+        if self._conns.get(conn.address) is conn:
+            del self._conns[conn.address]
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)

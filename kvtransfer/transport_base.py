@@ -1,0 +1,91 @@
+"""The transport interface: framed headers plus raw payload regions, nothing more.
+
+A transport moves, in order on one connection, *frames*: a header (at most ``MAX_HEADER_BYTES``
+of opaque bytes) optionally followed by one payload (a byte region). It knows nothing about
+transfers or blocks; the protocol above (``sender``/``receiver``) decides which payload goes
+where. The receiving side reads a header, then either ``recv_payload_into`` the destination
+region or ``discard_payload`` it, before reading the next header.
+"""
+from __future__ import annotations
+
+import abc
+from typing import Awaitable, Callable
+
+import torch
+
+
+class Channel(abc.ABC):
+    """One connection. Sends may be called from several tasks (frames never interleave);
+    receives are called from a single reader task. Every failure of the link raises
+    ``ConnectionLost``; a frame that breaks the framing raises ``ProtocolError``."""
+
+    @abc.abstractmethod
+    async def send(self, header: bytes, payload: torch.Tensor | None = None) -> None:
+        """Send a header and, right behind it, the raw bytes of ``payload`` (a contiguous
+        uint8 tensor view of cache memory, sent without a copy where the transport can)."""
+
+    @abc.abstractmethod
+    async def recv_header(self) -> bytes:
+        """The next header, at most ``MAX_HEADER_BYTES``."""
+
+    @abc.abstractmethod
+    async def recv_payload_into(self, region: torch.Tensor) -> None:
+        """Receive the payload announced by the last header into ``region`` (uint8, exact size)."""
+
+    @abc.abstractmethod
+    async def discard_payload(self, nbytes: int) -> None:
+        """Consume the payload announced by the last header without keeping it (no big buffer)."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Close the connection; pending and later calls on either side raise ``ConnectionLost``."""
+
+    @property
+    def description(self) -> str:
+        """Human-readable description of what carries the bytes (logged at connect)."""
+        return type(self).__name__
+
+
+class Listener(abc.ABC):
+    """A listening endpoint; ``address`` is ``"host:port"`` for peers to connect to."""
+
+    address: str
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+
+class Transport(abc.ABC):
+    """Factory for channels: ``listen`` on the receiver, ``connect`` on the sender."""
+
+    name: str
+
+    @abc.abstractmethod
+    async def listen(self, host: str, port: int, on_channel: Callable[[Channel], Awaitable[None]]) -> Listener:
+        """Start listening; ``on_channel`` runs (as its own task) for each accepted connection."""
+
+    @abc.abstractmethod
+    async def connect(self, host: str, port: int, timeout: float) -> Channel: ...
+
+
+def byte_view(region: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous tensor region (no copy)."""
+    assert region.is_contiguous(), "KV regions must be contiguous to be sent without a copy"
+    return region.reshape(-1).view(torch.uint8)
+
+
+def make_transport(name: str) -> Transport:
+    """The transport named in the config (imports UCX only when asked for)."""
+    if name == "tcp":
+        from kvtransfer.transport_tcp import TcpTransport
+
+        return TcpTransport()
+    if name == "ucx":
+        from kvtransfer.transport_ucx import UcxTransport
+
+        return UcxTransport()
+    if name == "inproc":
+        from kvtransfer.transport_inproc import InProcTransport
+
+        return InProcTransport()
+    raise ValueError(f"unknown kvtransfer transport {name!r}")

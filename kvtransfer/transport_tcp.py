@@ -1,0 +1,144 @@
+"""TCP transport on plain asyncio sockets, for hosts without UCX.
+
+Frame on the wire: ``u32 header_len | header | payload`` (the payload length is in the header,
+which the protocol validates before the payload is read). Payloads go from and into the cache
+memory directly with ``sock_sendall``/``sock_recv_into`` on memoryviews: no intermediate copy.
+"""
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+from typing import Awaitable, Callable
+
+import torch
+
+from kvtransfer.errors import ConnectionLost, ProtocolError
+from kvtransfer.messages import MAX_HEADER_BYTES
+from kvtransfer.transport_base import Channel, Listener, Transport
+
+_LEN = struct.Struct("!I")
+_DISCARD_CHUNK = 1 << 20
+
+
+def _host_view(region: torch.Tensor) -> memoryview:
+    return memoryview(region.numpy()).cast("B")
+
+
+class TcpChannel(Channel):
+    """One TCP connection carrying frames in both directions."""
+
+    def __init__(self, sock: socket.socket):
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._sock = sock
+        self._loop = asyncio.get_running_loop()
+        self._send_lock = asyncio.Lock()
+        self._closed = False
+        self._len_buf = bytearray(_LEN.size)
+        self._scratch: bytearray | None = None
+
+    @property
+    def description(self) -> str:
+        try:
+            return f"tcp {self._sock.getsockname()[:2]} -> {self._sock.getpeername()[:2]}"
+        except OSError:
+            return "tcp (closed)"
+
+    async def send(self, header: bytes, payload: torch.Tensor | None = None) -> None:
+        async with self._send_lock:
+            try:
+                await self._loop.sock_sendall(self._sock, _LEN.pack(len(header)) + header)
+                if payload is not None:
+                    if payload.device.type != "cpu":
+                        payload = payload.cpu()  # TCP needs host memory; UCX is the GPU path
+                    await self._loop.sock_sendall(self._sock, _host_view(payload))
+            except (OSError, RuntimeError) as exc:
+                raise ConnectionLost(f"tcp send failed: {exc}") from None
+
+    async def _recv_exact(self, view: memoryview) -> None:
+        while view:
+            try:
+                n = await self._loop.sock_recv_into(self._sock, view)
+            except (OSError, RuntimeError) as exc:
+                raise ConnectionLost(f"tcp receive failed: {exc}") from None
+            if n == 0:
+                raise ConnectionLost("peer closed the tcp connection")
+            view = view[n:]
+
+    async def recv_header(self) -> bytes:
+        await self._recv_exact(memoryview(self._len_buf))
+        (length,) = _LEN.unpack(self._len_buf)
+        if not 0 < length <= MAX_HEADER_BYTES:
+            raise ProtocolError(f"frame announces a {length}-byte header (limit {MAX_HEADER_BYTES})")
+        header = bytearray(length)
+        await self._recv_exact(memoryview(header))
+        return bytes(header)
+
+    async def recv_payload_into(self, region: torch.Tensor) -> None:
+        if region.device.type == "cpu":
+            await self._recv_exact(_host_view(region))
+            return
+        staging = torch.empty(region.numel(), dtype=torch.uint8)
+        await self._recv_exact(_host_view(staging))
+        region.copy_(staging)
+
+    async def discard_payload(self, nbytes: int) -> None:
+        if self._scratch is None:
+            self._scratch = bytearray(min(_DISCARD_CHUNK, max(nbytes, 1)))
+        while nbytes > 0:
+            chunk = min(nbytes, len(self._scratch))
+            await self._recv_exact(memoryview(self._scratch)[:chunk])
+            nbytes -= chunk
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._sock.close()
+
+
+class _TcpListener(Listener):
+    def __init__(self, sock: socket.socket, accept_task: asyncio.Task, host: str):
+        self._sock = sock
+        self._accept_task = accept_task
+        self.address = f"{host}:{sock.getsockname()[1]}"
+
+    def close(self) -> None:
+        self._accept_task.cancel()
+        self._sock.close()
+
+
+class TcpTransport(Transport):
+    """Plain TCP; selected with ``transport="tcp"``."""
+
+    name = "tcp"
+
+    async def listen(self, host: str, port: int, on_channel: Callable[[Channel], Awaitable[None]]) -> Listener:
+        loop = asyncio.get_running_loop()
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+        sock.setblocking(False)
+
+        handlers: set[asyncio.Task] = set()  # strong references until each handler ends
+
+        async def accept_loop() -> None:
+            while True:
+                conn, _ = await loop.sock_accept(sock)
+                task = loop.create_task(on_channel(TcpChannel(conn)))
+                handlers.add(task)
+                task.add_done_callback(handlers.discard)
+
+        return _TcpListener(sock, loop.create_task(accept_loop()), host)
+
+    async def connect(self, host: str, port: int, timeout: float) -> Channel:
+        loop = asyncio.get_running_loop()
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        try:
+            await asyncio.wait_for(loop.sock_connect(sock, (host, port)), timeout)
+        except (OSError, asyncio.TimeoutError) as exc:
+            sock.close()
+            raise ConnectionLost(f"cannot connect to {host}:{port} over tcp: {exc!r}") from None
+        return TcpChannel(sock)
