@@ -1,0 +1,182 @@
+"""Streaming text out of token ids: incremental detokenization and stop strings.
+
+Decoding token by token is wrong in two ways: a multi-byte UTF-8 character can be split across
+byte-level tokens (decoding half of it gives U+FFFD), and SentencePiece decoders drop the leading
+space of the *first* token they see, so ``decode([t])`` of a mid-sentence "▁world" is "world".
+``IncrementalDetokenizer`` keeps two offsets into the token list and decodes a small window::
+
+    tokens   ... [prefix_offset ........ read_offset ......... end]
+                  \\_ already emitted _/ \\_ new, not emitted _/
+    prefix_text = decode(tokens[prefix_offset:read_offset])
+    new_text    = decode(tokens[prefix_offset:])
+    emit new_text[len(prefix_text):]   unless new_text ends in U+FFFD (an unfinished character)
+
+Both strings start at the same token, so a dropped leading space or a stray replacement character
+at the window start cancels out.  The window starts a few prompt tokens back, so the first
+generated token is decoded in context.  The streamed pieces concatenate to ``decode(generated)``
+(``finish()`` releases a trailing unfinished character as U+FFFD, as a full decode would).  One
+exception: Llama's ByteFallback decoder turns a whole run of byte tokens into U+FFFD once any byte
+in it is invalid, after the fact; streaming has already shown the characters that were valid, so
+only garbage byte runs read differently from a full decode.  Use the streamed text as the answer
+(also for non-streaming requests) so both modes agree.
+
+``StopStringMatcher`` withholds text that may be the start of a stop string and truncates at the
+first complete one.  ``StreamingDecoder`` chains the two.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Sequence
+
+REPLACEMENT = "\ufffd"
+INITIAL_CONTEXT_TOKENS = 5  # prompt tokens decoded with the first generated ones (as vLLM does)
+
+
+def _decode_fn(tokenizer: Any, skip_special_tokens: bool) -> Callable[[list[int]], str]:
+    # The Rust tokenizer directly when there is one: same text as transformers' decode without
+    # clean-up (which rewrites " ." to "." and would break the concatenation property), less overhead.
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and hasattr(backend, "decode"):
+        return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
+    if not hasattr(tokenizer, "decode"):
+        raise TypeError(f"tokenizer {type(tokenizer).__name__} has no decode()")
+    return lambda ids: tokenizer.decode(
+        ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of generated token ids into text deltas, emitting only complete text.
+
+    ``tokenizer``: a Hugging Face tokenizer (fast or slow) or anything with the same ``decode``.
+    ``prompt_token_ids``: the prompt, whose last few tokens give the first tokens their context.
+    """
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int] = (), *,
+                 skip_special_tokens: bool = True, context_tokens: int = INITIAL_CONTEXT_TOKENS) -> None:
+        if context_tokens < 0:
+            raise ValueError(f"context_tokens must be >= 0, got {context_tokens}")
+        self._decode = _decode_fn(tokenizer, skip_special_tokens)
+        context = list(prompt_token_ids[-context_tokens:]) if context_tokens else []
+        self._tokens: list[int] = context
+        self._num_context = len(context)
+        self.prefix_offset = 0
+        self.read_offset = len(context)
+        self.text = ""  # everything emitted so far
+
+    @property
+    def generated_token_ids(self) -> list[int]:
+        return self._tokens[self._num_context:]
+
+    def add(self, token_ids: Iterable[int]) -> str:
+        """Append generated tokens; return the text they complete (possibly "")."""
+        new_ids = list(token_ids)
+        for t in new_ids:
+            if not isinstance(t, int) or t < 0:
+                raise ValueError(f"token ids must be non-negative ints, got {t!r}")
+        if not new_ids:
+            return ""
+        self._tokens.extend(new_ids)
+        return self._emit(final=False)
+
+    def finish(self) -> str:
+        """End of generation: return whatever is still held back (an unfinished character)."""
+        return self._emit(final=True)
+
+    def _emit(self, *, final: bool) -> str:
+        if self.read_offset == len(self._tokens):
+            return ""
+        prefix_text = self._decode(self._tokens[self.prefix_offset:self.read_offset])
+        new_text = self._decode(self._tokens[self.prefix_offset:])
+        if not final and (len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT)):
+            # Nothing new yet, or the last character is still being spelled out byte by byte.
+            return ""
+        delta = new_text[len(prefix_text):]
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self._tokens)
+        self.text += delta
+        return delta
+
+
+class StopStringMatcher:
+    """Finds stop strings in streamed text.
+
+    ``feed(text)`` returns the text that is safe to show: everything except a tail that could
+    still grow into a stop string.  When a stop string completes, the text is cut before it (or
+    after it, with ``include_stop``), ``matched`` is set, and later input is ignored.
+    ``flush()`` releases the withheld tail at the end of generation.
+    """
+
+    def __init__(self, stop: Sequence[str], *, include_stop: bool = False) -> None:
+        stop = [stop] if isinstance(stop, str) else list(stop)
+        for s in stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop strings must be non-empty str, got {s!r}")
+        self.stop = stop
+        self.include_stop = include_stop
+        self.matched: str | None = None
+        self._held = ""
+        self._max_hold = max((len(s) for s in stop), default=1) - 1
+
+    def feed(self, text: str) -> str:
+        if self.matched is not None or not text:
+            return ""
+        if not self.stop:
+            return text
+        buf = self._held + text
+        # The stop that completes first wins (ties: the one starting first), so the result does
+        # not depend on how the text was split into pieces.
+        hit_at, hit = -1, None
+        for s in self.stop:
+            i = buf.find(s)
+            if i != -1 and (hit is None or (i + len(s), i) < (hit_at + len(hit), hit_at)):
+                hit_at, hit = i, s
+        if hit is not None:
+            self.matched = hit
+            self._held = ""
+            return buf[:hit_at + (len(hit) if self.include_stop else 0)]
+        hold = self._partial_suffix(buf)
+        self._held = buf[len(buf) - hold:] if hold else ""
+        return buf[:len(buf) - hold]
+
+    def _partial_suffix(self, buf: str) -> int:
+        """Length of the longest suffix of ``buf`` that is a proper prefix of some stop string."""
+        for k in range(min(self._max_hold, len(buf)), 0, -1):
+            tail = buf[-k:]
+            if any(s.startswith(tail) for s in self.stop):
+                return k
+        return 0
+
+    def flush(self) -> str:
+        held, self._held = self._held, ""
+        return "" if self.matched is not None else held
+
+
+class StreamingDecoder:
+    """Token ids in, displayable text out: ``IncrementalDetokenizer`` then ``StopStringMatcher``.
+
+    ``step(ids)`` returns the text to send; once ``stopped`` the caller aborts the request.
+    ``finish()`` returns the last text when generation ends for any other reason.
+    """
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int] = (), stop: Sequence[str] = (), *,
+                 skip_special_tokens: bool = True, include_stop: bool = False) -> None:
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens=skip_special_tokens)
+        self.matcher = StopStringMatcher(stop, include_stop=include_stop)
+
+    @property
+    def stopped(self) -> bool:
+        return self.matcher.matched is not None
+
+    @property
+    def matched_stop(self) -> str | None:
+        return self.matcher.matched
+
+    def step(self, token_ids: Iterable[int]) -> str:
+        if self.stopped:
+            return ""
+        return self.matcher.feed(self.detok.add(token_ids))
+
+    def finish(self) -> str:
+        if self.stopped:
+            return ""
+        text = self.matcher.feed(self.detok.finish())
+        return text + self.matcher.flush()
