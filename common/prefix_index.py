@@ -13,6 +13,9 @@ keeps the set's TTL fresh.  The publisher mirrors the engine's cached set, so wh
 have missed something (Redis was down, the bounded queue overflowed, the set vanished because Redis
 restarted or the TTL ran out) it replaces the whole set in one MULTI/EXEC.
 
+On clean shutdown stop the publisher (``stop(delete=True)``) before deregistering the worker, or
+a last flush could re-create the set after the registry deleted it.
+
 Gateway side, ``PrefixIndexReader.longest_prefix``: one pipelined round trip of SMISMEMBER per
 worker.  The index is a hint: if Redis is unreachable it returns ``{}`` and routing falls back to load.
 """

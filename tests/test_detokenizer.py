@@ -260,3 +260,21 @@ def test_streaming_decoder_stops_on_text_split_across_tokens(tokenizer):
     dec = StreamingDecoder(tokenizer, stop=["never"])
     text = "".join(dec.step([t]) for t in ids) + dec.finish()
     assert text == full_decode(tokenizer, ids) and not dec.stopped
+
+
+def test_tokenizers_without_a_rust_backend_use_decode(tokenizer):
+    class DecodeOnly:  # e.g. a slow (Python) tokenizer: only decode() is available
+        def __init__(self, inner):
+            self.inner = inner
+
+        def decode(self, ids, skip_special_tokens, clean_up_tokenization_spaces):
+            assert clean_up_tokenization_spaces is False  # clean-up would break concatenation
+            return self.inner.decode(ids, skip_special_tokens=skip_special_tokens,
+                                     clean_up_tokenization_spaces=False)
+
+    rng = random.Random(4)
+    for _ in range(50):
+        ids = random_ids(tokenizer, rng, rng.randint(1, 20))
+        assert "".join(stream(IncrementalDetokenizer(DecodeOnly(tokenizer)), ids, rng)) == full_decode(tokenizer, ids)
+    with pytest.raises(TypeError, match="no decode"):
+        IncrementalDetokenizer(object())
