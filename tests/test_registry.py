@@ -4,7 +4,6 @@ from __future__ import annotations
 import asyncio
 import time
 
-import msgspec
 import pytest
 
 from common.redis_keys import RedisKeys
