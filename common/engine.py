@@ -40,6 +40,7 @@ class RequestOutput:
     num_cached_tokens: int
     num_output_tokens: int
     new_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    num_preemptions: int = 0
 
 
 @dataclass
@@ -182,10 +183,15 @@ class Engine:
             num_cached_tokens=max(request.num_cached_tokens, 0),
             num_output_tokens=request.num_output_tokens,
             new_logprobs=logprobs,
+            num_preemptions=request.num_preemptions,
         )
 
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
+
+    def has_work(self) -> bool:
+        """Anything a step could compute now (requests waiting for remote KV do not count)."""
+        return bool(self.scheduler.waiting or self.scheduler.running)
 
     def generate(
         self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | dict | None = None

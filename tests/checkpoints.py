@@ -62,3 +62,36 @@ def hf_greedy(directory: Path, prompt: list[int], max_new_tokens: int) -> list[i
             do_sample=False, eos_token_id=None, pad_token_id=0,
         )
     return out[0, len(prompt):].tolist()
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+TRAINING_TEXT = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Disaggregated serving splits prefill and decode across two pools of workers.",
+    "KV cache blocks move from the prefill worker to the decode worker over UCX.",
+    "Hello world! Streaming tokens to many concurrent clients, café, naïve, 日本語, emoji 🙂.",
+    "user assistant system: you are a helpful assistant; answer briefly.",
+]
+
+
+def write_tokenizer(directory: Path, vocab_size: int = VOCAB) -> Path:
+    """A byte-level BPE tokenizer trained on a few sentences, with a chat template.
+
+    Ids 0, 1, 2 are <pad>, <bos>, <eos> like the tiny configs; any text encodes (byte level).
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<pad>", "<bos>", "<eos>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(TRAINING_TEXT * 20, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(directory)
+    return directory

@@ -1,0 +1,130 @@
+"""Wire messages between the gateway and the workers (msgspec msgpack, bounded, never pickle).
+
+    gateway --GenerateRequest--> decode worker --PrefillRequest--> prefill worker
+    gateway <--TokenFrame stream-- decode worker <--PrefillResult-- prefill worker
+                                   decode worker <==KV blocks (kvtransfer)== prefill worker
+
+A stream is a sequence of frames, each a 4-byte big-endian length and a msgpack body.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Type, TypeVar
+
+import msgspec
+
+from common.registry import KVAddress
+from common.sampling_params import SamplingParams
+
+MAX_FRAME_BYTES = 4 << 20  # a frame above this is a protocol error, never an allocation
+MAX_PROMPT_TOKENS = 1 << 20
+
+RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
+TokenIds = Annotated[list[Annotated[int, msgspec.Meta(ge=0)]], msgspec.Meta(max_length=MAX_PROMPT_TOKENS)]
+
+
+class TokenLogprob(msgspec.Struct, array_like=True):
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = []
+
+
+class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """Gateway -> decode worker: generate for this prompt; ``prefill_url`` set means the prompt's
+    KV is computed by that prefill worker, otherwise this worker computes it itself."""
+
+    request_id: RequestId
+    prompt_token_ids: TokenIds
+    sampling_params: SamplingParams
+    prefill_url: str | None = None
+
+
+class TokenFrame(msgspec.Struct, omit_defaults=True):
+    """Decode worker -> gateway, one per step that produced tokens (or the final error)."""
+
+    token_ids: list[int] = []
+    logprobs: list[TokenLogprob] | None = None
+    finished: bool = False
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    prefill_worker: str | None = None
+    # On the first frame of a disaggregated request: the KV that moved, and whether the remote
+    # prefill failed and the decode worker computed the prompt itself.
+    kv_transfer_bytes: int = 0
+    kv_transfer_seconds: float = 0.0
+    prefill_fallback: bool = False
+    num_preemptions: int = 0  # on the last frame
+    error: str | None = None
+    # "busy": nothing was started, try another worker; "failed": the request broke mid-way.
+    error_kind: str | None = None
+
+
+class PrefillRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """Decode worker -> prefill worker: compute this prompt and ship its KV blocks
+    ``num_skip_blocks..`` into ``dst_block_ids`` at ``kv_address``."""
+
+    request_id: RequestId
+    prompt_token_ids: TokenIds
+    sampling_params: SamplingParams
+    kv_address: KVAddress
+    dst_block_ids: list[int]
+    num_skip_blocks: int = 0
+
+
+class PrefillResult(msgspec.Struct, omit_defaults=True):
+    """Prefill worker -> decode worker: the first token, and what the prefill cost."""
+
+    first_token_id: int = -1
+    first_logprob: TokenLogprob | None = None
+    num_cached_tokens: int = 0  # prompt tokens the prefill worker found in its own prefix cache
+    num_sent_blocks: int = 0
+    error: str | None = None
+
+
+class AbortRequest(msgspec.Struct, forbid_unknown_fields=True):
+    request_id: RequestId
+
+
+_encoder = msgspec.msgpack.Encoder()
+T = TypeVar("T")
+
+
+def encode(message: msgspec.Struct) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode(data: bytes, kind: Type[T]) -> T:
+    """Decode and validate; raises ``ValueError`` naming what is wrong."""
+    if len(data) > MAX_FRAME_BYTES:
+        raise ValueError(f"message of {len(data)} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")
+    try:
+        return msgspec.msgpack.decode(data, type=kind)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"invalid {kind.__name__}: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise ValueError(f"malformed {kind.__name__}: {exc}") from None
+
+
+def frame(message: msgspec.Struct) -> bytes:
+    body = _encoder.encode(message)
+    return len(body).to_bytes(4, "big") + body
+
+
+async def read_frame(reader, kind: Type[T]) -> T | None:
+    """Read one length-prefixed frame from an aiohttp ``StreamReader``; ``None`` at a clean end."""
+    import asyncio
+
+    try:
+        header = await reader.readexactly(4)
+    except asyncio.IncompleteReadError as exc:
+        if exc.partial:
+            raise ConnectionError("stream cut inside a frame header") from None
+        return None
+    length = int.from_bytes(header, "big")
+    if length > MAX_FRAME_BYTES:
+        raise ValueError(f"frame of {length} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")
+    try:
+        body = await reader.readexactly(length)
+    except asyncio.IncompleteReadError:
+        raise ConnectionError("stream cut inside a frame") from None
+    return decode(body, kind)

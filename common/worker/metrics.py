@@ -1,0 +1,49 @@
+"""A worker's counters: exported as Prometheus text on /metrics and as JSON on /stats."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+
+class WorkerMetrics:
+    """Counters a worker keeps about its requests and KV transfers."""
+
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("pdserve_worker_requests", "Requests finished, by kind and outcome",
+                                ["kind", "outcome"], registry=r)
+        self.prefill_computed_tokens = Counter(
+            "pdserve_worker_prefill_computed_tokens", "Prompt tokens computed by /prefill (not cache hits)", registry=r)
+        self.prefill_cached_tokens = Counter(
+            "pdserve_worker_prefill_cached_tokens", "Prompt tokens of /prefill found in the prefix cache", registry=r)
+        self.kv_sent_bytes = Counter("pdserve_worker_kv_sent_bytes", "KV bytes shipped to decode workers", registry=r)
+        self.kv_received_bytes = Counter("pdserve_worker_kv_received_bytes", "KV bytes received", registry=r)
+        self.kv_transfer_seconds = Histogram(
+            "pdserve_worker_kv_transfer_seconds", "Time from reservation to complete KV, per request", registry=r,
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+        self.kv_transfer_failures = Counter("pdserve_worker_kv_transfer_failures", "Failed KV transfers", registry=r)
+        self.prefill_fallbacks = Counter(
+            "pdserve_worker_remote_prefill_fallbacks", "Remote prefills that failed and were computed locally", registry=r)
+        self.preemptions = Gauge("pdserve_worker_preemptions", "Requests preempted since start", registry=r)
+        self.kv_usage = Gauge("pdserve_worker_kv_usage", "Fraction of KV blocks in use", registry=r)
+        self.num_running = Gauge("pdserve_worker_num_running", "Requests in the running batch", registry=r)
+        self.num_waiting = Gauge("pdserve_worker_num_waiting", "Requests waiting for admission", registry=r)
+
+    def observe_engine(self, stats: dict) -> None:
+        self.preemptions.set(stats["num_preemptions"])
+        self.kv_usage.set(stats["kv_usage"])
+        self.num_running.set(stats["num_running"])
+        self.num_waiting.set(stats["num_waiting"])
+
+    def snapshot(self) -> dict[str, float]:
+        return {
+            "prefill_computed_tokens": self.prefill_computed_tokens._value.get(),
+            "prefill_cached_tokens": self.prefill_cached_tokens._value.get(),
+            "kv_sent_bytes": self.kv_sent_bytes._value.get(),
+            "kv_received_bytes": self.kv_received_bytes._value.get(),
+            "kv_transfer_failures": self.kv_transfer_failures._value.get(),
+            "remote_prefill_fallbacks": self.prefill_fallbacks._value.get(),
+        }
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

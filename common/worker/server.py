@@ -1,0 +1,319 @@
+"""The worker process: engine thread + KV endpoints + HTTP API + registry heartbeat.
+
+HTTP API (internal; the gateway and peers call it):
+
+    POST /generate   GenerateRequest  -> stream of TokenFrame   (decode / both)
+    POST /prefill    PrefillRequest   -> PrefillResult          (prefill / both)
+    POST /abort      AbortRequest     -> 200 whether or not the request was here
+    GET  /health                      -> 200 while serving
+    GET  /stats                       -> JSON counters (tests and ops)
+    GET  /metrics                     -> Prometheus text
+    GET  /admin/status, POST /admin/drain, POST /admin/role   (X-Admin-Token)
+
+The role only decides which of /generate and /prefill a worker accepts; the engine is the same,
+so a role change needs no restart.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from collections import deque
+
+import aiohttp
+import msgspec
+from aiohttp import web
+
+from common.engine import Engine
+from common.engine_thread import EngineThread
+from common.messages import AbortRequest, decode
+from common.prefix_index import PrefixIndexPublisher
+from common.redis_util import connect
+from common.registry import Capacity, Heartbeat, KVAddress, Load, WorkerInfo, WorkerRegistry
+from common.worker.config import ROLES, WorkerConfig
+from common.worker.metrics import WorkerMetrics
+from kvtransfer.config import parse_address
+from kvtransfer.receiver import KVReceiver
+from kvtransfer.sender import KVSender
+
+log = logging.getLogger(__name__)
+
+
+class RecentLatency:
+    """Mean of the last few observations (TTFT, TPOT) reported in the registry."""
+
+    def __init__(self, size: int = 64):
+        self.values: deque[float] = deque(maxlen=size)
+
+    def add(self, value: float) -> None:
+        self.values.append(value)
+
+    @property
+    def mean(self) -> float | None:
+        return sum(self.values) / len(self.values) if self.values else None
+
+
+class Worker:
+    """One worker process.  ``start()`` loads the model and joins the pool; ``stop()`` leaves it."""
+
+    def __init__(self, config: WorkerConfig):
+        self.config = config
+        self.role = config.role
+        self.state = "starting"
+        self.engine: Engine | None = None
+        self.engine_thread: EngineThread | None = None
+        self.kv_receiver: KVReceiver | None = None
+        self.kv_sender: KVSender | None = None
+        self.kv_address: KVAddress | None = None
+        self.inflight: dict[str, asyncio.Task] = {}
+        self.metrics = WorkerMetrics()
+        self.ttft = RecentLatency()
+        self.tpot = RecentLatency()
+        self.started_at = time.time()
+        self._idle = asyncio.Event()
+        self._redis = None
+        self._heartbeat: Heartbeat | None = None
+        self._publisher: PrefixIndexPublisher | None = None
+        self._runner: web.AppRunner | None = None
+        self.http_port = config.port
+        self.http_client: aiohttp.ClientSession | None = None  # calls to peer workers
+        self._background: set[asyncio.Task] = set()
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.http_client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5))
+        self.engine = await asyncio.to_thread(Engine, self.config.engine, load_tokenizer=False)
+        self.engine_thread = EngineThread(self.engine, loop)
+        self.engine_thread.after_step.append(self._publish_cache_events)
+        from prefill_svc.shipping import Shipper  # the prefill role's engine-thread hook
+
+        self.shipper = Shipper(self)
+        self.engine_thread.after_step.append(self.shipper.after_step)
+        self.engine_thread.start()
+
+        self.kv_receiver = KVReceiver(self.engine.kv_cache, self.config.kv)
+        host, port = parse_address(await self.kv_receiver.start())
+        self.kv_sender = KVSender(self.engine.kv_cache, self.config.kv)
+        self.kv_address = KVAddress(transport=self.config.kv.transport,
+                                    host=self.config.advertise_host or host, port=port)
+
+        app = web.Application(client_max_size=64 << 20)
+        self._routes(app)
+        self._runner = web.AppRunner(app, handle_signals=False, access_log=None, handler_cancellation=True)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.config.host, self.config.port)
+        await site.start()
+        self.http_port = site._server.sockets[0].getsockname()[1]
+
+        self._redis = connect(self.config.redis_url)
+        registry = WorkerRegistry(self._redis, key_prefix=self.config.key_prefix, ttl_s=self.config.heartbeat_ttl_s)
+        self._publisher = PrefixIndexPublisher(
+            self._redis, model=self.engine.model_id, worker_id=self.config.worker_id,
+            key_prefix=self.config.key_prefix, ttl_s=self.config.heartbeat_ttl_s,
+        )
+        await self._publisher.start()
+        self.state = "active"
+        self._heartbeat = Heartbeat(registry, self.info)
+        await self._heartbeat.start()
+        log.info("worker %s serving as %s: http %s, kv %s://%s:%d", self.config.worker_id, self.role,
+                 self.http_url, self.kv_address.transport, self.kv_address.host, self.kv_address.port)
+
+    async def stop(self) -> None:
+        self.state = "draining"
+        for task in list(self.inflight.values()):
+            task.cancel()
+        if self._heartbeat:
+            await self._heartbeat.stop()
+        if self._publisher:
+            await self._publisher.stop()
+        if self._runner:
+            await self._runner.cleanup()
+        if self.kv_receiver:
+            await self.kv_receiver.close()
+        if self.kv_sender:
+            await self.kv_sender.close()
+        if self.engine_thread:
+            self.engine_thread.stop()
+        for task in list(self._background):
+            task.cancel()
+        if self.http_client:
+            await self.http_client.close()
+        if self._redis:
+            await self._redis.aclose()
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{self.config.public_host}:{self.http_port}"
+
+    def info(self) -> WorkerInfo:
+        """This worker's registry entry, as of now."""
+        stats = self.engine.stats()
+        waiting_tokens = sum(r.num_tokens - r.num_computed_tokens for r in list(self.engine.scheduler.waiting))
+        return WorkerInfo(
+            worker_id=self.config.worker_id, role=self.role, model=self.engine.model_id,
+            http_address=self.http_url, kv_address=self.kv_address,
+            capacity=Capacity(num_kv_blocks=stats["num_blocks"], block_size=self.engine.config.block_size,
+                              max_num_seqs=self.engine.config.max_num_seqs),
+            state=self.state,
+            load=Load(num_waiting=stats["num_waiting"], num_running=stats["num_running"],
+                      kv_usage=min(1.0, max(0.0, stats["kv_usage"])), num_waiting_prefill_tokens=waiting_tokens),
+            recent_ttft_s=self.ttft.mean, recent_tpot_s=self.tpot.mean, started_at=self.started_at,
+        )
+
+    def _publish_cache_events(self, engine: Engine, _outputs) -> None:
+        """Engine thread: forward committed/evicted block hashes to the Redis prefix index."""
+        stored, removed = engine.block_pool.take_events()
+        if self._publisher is not None:
+            if removed:
+                self._publisher.remove(removed)
+            if stored:
+                self._publisher.publish(stored)
+
+    def spawn(self, coro) -> asyncio.Task:
+        """A fire-and-forget task that is still cancelled on shutdown (no leaked tasks)."""
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    # ---- admission and in-flight tracking --------------------------------------------------
+
+    def accepts(self, kind: str) -> str | None:
+        """Why a new ``kind`` ("generate" or "prefill") request is refused now, or None."""
+        if self.state != "active":
+            return f"worker is {self.state}"
+        wanted = ("decode", "both") if kind == "generate" else ("prefill", "both")
+        if self.role not in wanted:
+            return f"worker role is {self.role}, not {' or '.join(wanted)}"
+        if len(self.inflight) >= self.config.max_pending_requests:
+            return f"worker has {len(self.inflight)} requests in flight (limit {self.config.max_pending_requests})"
+        return None
+
+    def track(self, request_id: str) -> None:
+        task = asyncio.current_task()
+        if request_id in self.inflight:
+            raise ValueError(f"request_id {request_id!r} is already in flight on this worker")
+        self.inflight[request_id] = task
+        self._idle.clear()
+
+    def finish_request(self, request_id: str, engine_cleanup, then=None) -> None:
+        """End a request's handler: run ``engine_cleanup(engine)`` in the engine thread, then the
+        ``then`` coroutine, then forget the request.  Runs as its own task so a handler cancelled
+        mid-cleanup (the peer hung up) still frees everything."""
+
+        async def cleanup() -> None:
+            try:
+                await self.engine_thread.call(engine_cleanup)
+                if then is not None:
+                    await then
+            finally:
+                self.inflight.pop(request_id, None)
+                if not self.inflight:
+                    self._idle.set()
+
+        self.spawn(cleanup())
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort a request here: cancel its handler (which frees blocks and tells peers)."""
+        task = self.inflight.get(request_id)
+        if task is None:
+            return False
+        task.cancel()
+        return True
+
+    async def drain(self) -> None:
+        """Stop taking new requests, finish what is in flight, then report idle."""
+        self.state = "draining"
+        await self._heartbeat.beat()
+        if self.inflight:
+            await self._idle.wait()
+        self.state = "idle"
+        await self._heartbeat.beat()
+
+    async def set_role(self, role: str) -> None:
+        """Change what this worker accepts from now on; work in flight completes as it started."""
+        if role not in ROLES:
+            raise ValueError(f"unknown role {role!r}; expected one of {', '.join(ROLES)}")
+        log.info("role change %s -> %s", self.role, role)
+        self.role = role
+        if self.state in ("idle", "draining"):
+            self.state = "active"
+        await self._heartbeat.beat()
+
+    # ---- HTTP ------------------------------------------------------------------------------
+
+    def _routes(self, app: web.Application) -> None:
+        from decode_svc.generate import handle_generate
+        from prefill_svc.prefill import handle_prefill
+
+        app.router.add_post("/generate", lambda r: handle_generate(self, r))
+        app.router.add_post("/prefill", lambda r: handle_prefill(self, r))
+        app.router.add_post("/abort", self._handle_abort)
+        app.router.add_get("/health", self._handle_health)
+        app.router.add_get("/stats", self._handle_stats)
+        app.router.add_get("/metrics", self._handle_metrics)
+        app.router.add_get("/admin/status", self._admin(self._handle_status))
+        app.router.add_post("/admin/drain", self._admin(self._handle_drain))
+        app.router.add_post("/admin/role", self._admin(self._handle_role))
+
+    async def _handle_abort(self, request: web.Request) -> web.Response:
+        try:
+            body = decode(await request.read(), AbortRequest)
+        except ValueError as exc:
+            return web.json_response({"error": str(exc)}, status=400)
+        found = await self.abort(body.request_id)
+        return web.json_response({"aborted": found})
+
+    async def _handle_health(self, _request: web.Request) -> web.Response:
+        healthy = self.engine_thread is not None and self.engine_thread.fatal_error is None
+        return web.json_response({"status": "ok" if healthy else "engine failed", "role": self.role,
+                                  "state": self.state}, status=200 if healthy else 503)
+
+    def stats(self) -> dict:
+        out = dict(self.engine.stats())
+        out.update(self.metrics.snapshot())
+        out.update(worker_id=self.config.worker_id, role=self.role, state=self.state,
+                   inflight=len(self.inflight), engine_steps=self.engine_thread.steps)
+        return out
+
+    async def _handle_stats(self, _request: web.Request) -> web.Response:
+        stats = await self.engine_thread.call(lambda _e: self.stats())
+        return web.json_response(stats)
+
+    async def _handle_metrics(self, _request: web.Request) -> web.Response:
+        self.metrics.observe_engine(self.engine.stats())
+        return web.Response(body=self.metrics.render(), content_type="text/plain")
+
+    def _admin(self, handler):
+        async def guarded(request: web.Request) -> web.Response:
+            expected = self.config.admin_token
+            if not expected:
+                return web.json_response({"error": "the admin API is disabled (no admin token set)"}, status=403)
+            given = request.headers.get("X-Admin-Token", "")
+            if not hmac.compare_digest(given.encode(), expected.encode()):
+                return web.json_response({"error": "missing or wrong admin token"}, status=401)
+            return await handler(request)
+
+        return guarded
+
+    async def _handle_status(self, _request: web.Request) -> web.Response:
+        return web.Response(body=msgspec.json.encode(self.info()), content_type="application/json")
+
+    async def _handle_drain(self, _request: web.Request) -> web.Response:
+        self.spawn(self.drain())
+        return web.json_response({"worker_id": self.config.worker_id, "state": "draining"})
+
+    async def _handle_role(self, request: web.Request) -> web.Response:
+        try:
+            body = await request.json()
+            role = body["role"]
+        except (ValueError, KeyError, TypeError):
+            return web.json_response({"error": 'expected a JSON body {"role": "prefill|decode|both"}'}, status=400)
+        try:
+            await self.set_role(role)
+        except ValueError as exc:
+            return web.json_response({"error": str(exc)}, status=400)
+        return web.json_response({"worker_id": self.config.worker_id, "role": self.role, "state": self.state})

@@ -1,0 +1,1 @@
+"""The decode worker: reserves blocks, receives KV from the prefill pool, decodes in continuous batches."""

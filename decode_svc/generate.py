@@ -1,0 +1,202 @@
+"""POST /generate: one request on a decode worker, streamed back as TokenFrames.
+
+    reserve blocks for the prompt (minus what this worker already caches)      -- decode allocates first
+    expect KV into them, and ask the prefill worker to compute and ship it     -- in parallel
+    KV complete + first token  ->  request joins the running batch
+    every step's new token     ->  TokenFrame to the gateway
+    any failure before the first token: compute the prompt locally instead
+    client gone / abort: free the blocks, tell the prefill worker
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import aiohttp
+from aiohttp import web
+
+from common.engine import Engine, RequestOutput
+from common.messages import (
+    AbortRequest, GenerateRequest, PrefillRequest, PrefillResult, TokenFrame, TokenLogprob, decode, encode, frame,
+)
+
+log = logging.getLogger(__name__)
+
+
+class RemotePrefillFailed(Exception):
+    """The prefill worker or the KV transfer failed; nothing has been streamed yet."""
+
+
+def _logprobs(output: RequestOutput) -> list[TokenLogprob] | None:
+    if not output.new_logprobs or output.new_logprobs[0] is None:
+        return None
+    return [TokenLogprob(lp.token_id, lp.logprob, lp.top) for lp in output.new_logprobs if lp is not None]
+
+
+def output_frame(output: RequestOutput) -> TokenFrame:
+    return TokenFrame(
+        token_ids=output.new_token_ids, logprobs=_logprobs(output), finished=output.finished,
+        finish_reason=output.finish_reason, num_prompt_tokens=output.num_prompt_tokens,
+        num_cached_tokens=output.num_cached_tokens, num_preemptions=output.num_preemptions,
+    )
+
+
+async def handle_generate(worker, request: web.Request) -> web.StreamResponse:
+    try:
+        body = decode(await request.read(), GenerateRequest)
+    except ValueError as exc:
+        return web.Response(body=frame(TokenFrame(error=str(exc), error_kind="invalid")), status=400)
+    refusal = worker.accepts("generate")
+    if refusal:
+        return web.Response(body=frame(TokenFrame(error=refusal, error_kind="busy")), status=503)
+    try:
+        worker.track(body.request_id)
+    except ValueError as exc:
+        return web.Response(body=frame(TokenFrame(error=str(exc), error_kind="invalid")), status=409)
+    response = web.StreamResponse(headers={"Content-Type": "application/x-pdserve-frames"})
+    stream = worker.engine_thread.open_stream(body.request_id)
+    started = time.monotonic()
+    outcome = "error"
+    try:
+        await response.prepare(request)
+        first = None
+        fallback = False
+        if body.prefill_url:
+            try:
+                first = await remote_prefill(worker, body)
+            except RemotePrefillFailed as exc:
+                fallback = True
+                worker.metrics.prefill_fallbacks.inc()
+                log.warning("request %s: remote prefill failed (%s); computing the prompt locally",
+                            body.request_id, exc)
+        if first is None:
+            await add_local(worker, body)
+        else:
+            await response.write(frame(first))
+            if first.finished:
+                outcome = first.finish_reason or "stop"
+                return response
+        outcome = await stream_outputs(worker, stream, response, started, first is not None, fallback)
+    except asyncio.CancelledError:
+        outcome = "aborted"
+        raise
+    except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+        outcome = "client_gone"
+    except ValueError as exc:  # rejected by the engine: bad sampling params, too long, ...
+        outcome = "invalid"
+        await _try_write(response, frame(TokenFrame(error=str(exc), error_kind="invalid")))
+    except Exception as exc:
+        log.exception("request %s failed", body.request_id)
+        await _try_write(response, frame(TokenFrame(error=f"internal error: {exc}", error_kind="failed")))
+    finally:
+        # The handler may itself be cancelled here (the gateway closed the stream), so the cleanup
+        # runs as its own task.  Aborting is idempotent: it frees the blocks if the request is
+        # still anywhere in the engine.
+        worker.engine_thread.close_stream(body.request_id)
+        worker.metrics.requests.labels("generate", outcome).inc()
+        worker.finish_request(body.request_id, lambda e: e.abort(body.request_id))
+    return response
+
+
+async def _try_write(response: web.StreamResponse, data: bytes) -> None:
+    try:
+        await response.write(data)
+    except (ConnectionResetError, aiohttp.ClientConnectionResetError, RuntimeError):
+        pass
+
+
+async def add_local(worker, body: GenerateRequest) -> None:
+    await worker.engine_thread.call(
+        lambda e: e.add_request(body.prompt_token_ids, body.sampling_params, body.request_id))
+
+
+async def stream_outputs(worker, stream: asyncio.Queue, response, started: float, first_sent: bool,
+                         fallback: bool) -> str:
+    """Forward the engine's outputs for this request until it finishes; returns the finish reason."""
+    last = time.monotonic()
+    while True:
+        item = await stream.get()
+        if isinstance(item, BaseException):
+            raise item
+        now = time.monotonic()
+        out = output_frame(item)
+        if not first_sent:
+            worker.ttft.add(now - started)
+            first_sent = True
+            out.prefill_fallback = fallback
+        else:
+            worker.tpot.add(now - last)
+        last = now
+        await response.write(frame(out))
+        if item.finished:
+            return item.finish_reason or "stop"
+
+
+async def remote_prefill(worker, body: GenerateRequest) -> TokenFrame:
+    """Reserve blocks, have the prefill worker fill them, and queue the request to decode.
+
+    Returns the frame carrying the first token.  Raises ``RemotePrefillFailed`` (with every block
+    freed and the prefill worker told) if anything on the way fails; ``ValueError`` for bad input.
+    """
+    rid = body.request_id
+    began = time.monotonic()
+
+    def reserve(engine: Engine):
+        request = engine.make_request(body.prompt_token_ids, body.sampling_params, rid)
+        return engine.scheduler.reserve_remote(request)
+
+    reserved = await worker.engine_thread.call(reserve)
+    if reserved is None:
+        raise RemotePrefillFailed("no free KV blocks to reserve for the prompt right now")
+    block_ids, num_cached = reserved
+    skip = num_cached // worker.engine.config.block_size
+    dst_block_ids = block_ids[skip:]
+    transfer = worker.kv_receiver.expect(rid, dst_block_ids).wait()
+    prefill = PrefillRequest(request_id=rid, prompt_token_ids=body.prompt_token_ids,
+                             sampling_params=body.sampling_params, kv_address=worker.kv_address,
+                             dst_block_ids=dst_block_ids, num_skip_blocks=skip)
+    try:
+        result, _metadata = await asyncio.gather(_call_prefill(worker.http_client, body.prefill_url, prefill), transfer)
+    except BaseException as exc:
+        worker.kv_receiver.abort(rid, "decode side gave up")
+        await worker.engine_thread.call(lambda e: e.abort(rid))
+        worker.spawn(_send_abort(worker.http_client, body.prefill_url, rid))
+        if isinstance(exc, asyncio.CancelledError):
+            raise
+        worker.metrics.kv_transfer_failures.inc()
+        raise RemotePrefillFailed(f"{type(exc).__name__}: {exc}") from None
+    transfer_seconds = time.monotonic() - began
+    transfer_bytes = len(dst_block_ids) * worker.engine.kv_cache.block_nbytes
+    worker.metrics.kv_transfer_seconds.observe(transfer_seconds)
+    worker.metrics.kv_received_bytes.inc(transfer_bytes)
+    request = await worker.engine_thread.call(lambda e: e.scheduler.finish_remote(rid, result.first_token_id))
+    if request is None:
+        raise asyncio.CancelledError()  # aborted while the KV was in flight
+    worker.ttft.add(time.monotonic() - began)
+    logprobs = None
+    if result.first_logprob is not None:
+        logprobs = [result.first_logprob]
+    return TokenFrame(
+        token_ids=[result.first_token_id], logprobs=logprobs, finished=request.is_finished,
+        finish_reason=request.status.finish_reason, num_prompt_tokens=request.num_prompt_tokens,
+        num_cached_tokens=max(num_cached, result.num_cached_tokens), prefill_worker=body.prefill_url,
+        kv_transfer_bytes=transfer_bytes, kv_transfer_seconds=transfer_seconds,
+    )
+
+
+async def _call_prefill(session: aiohttp.ClientSession, url: str, prefill: PrefillRequest) -> PrefillResult:
+    async with session.post(f"{url}/prefill", data=encode(prefill)) as resp:
+        result = decode(await resp.read(), PrefillResult)
+        if resp.status != 200 or result.error:
+            raise RemotePrefillFailed(f"prefill worker answered {resp.status}: {result.error}")
+        return result
+
+
+async def _send_abort(session: aiohttp.ClientSession, url: str, request_id: str) -> None:
+    try:
+        async with session.post(f"{url}/abort", data=encode(AbortRequest(request_id)),
+                                       timeout=aiohttp.ClientTimeout(total=2)) as resp:
+            await resp.read()
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        log.info("could not tell %s to abort %s: %s", url, request_id, exc)

@@ -1,0 +1,144 @@
+"""From a validated request to a stream of TokenFrames: route, call the decode worker, retry.
+
+    prompt ids -> block hashes -> Redis: cached prefix per worker (one round trip)
+               -> Router: decode worker D, maybe prefill worker P
+               -> POST D/generate {prompt, params, prefill_url=P}   (D reserves, P fills)
+               <- TokenFrame, TokenFrame, ...
+
+Before the first token reaches the client, a busy or failed worker is benched and the request is
+retried on another; after that, a failure ends the stream with an explicit error.  Leaving early
+(client gone, stop string) closes the upstream stream and sends D an explicit abort, which D
+forwards to P.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+import aiohttp
+
+from common.messages import AbortRequest, GenerateRequest, TokenFrame, encode, read_frame
+from common.prefix_hash import hash_prompt_blocks
+from common.prefix_index import PrefixIndexReader
+from common.sampling_params import SamplingParams
+from gateway.metrics import GatewayMetrics
+from gateway.pool import WorkerPool
+from gateway.routing import NoWorkerAvailable, Route, Router
+
+log = logging.getLogger(__name__)
+
+
+class UpstreamError(Exception):
+    """The request failed inside the cluster after it was accepted."""
+
+
+class Saturated(Exception):
+    """No worker can take the request now (the client gets 503 with Retry-After)."""
+
+
+@dataclass
+class DispatchResult:
+    """Facts about where a request ran, filled in as frames arrive."""
+
+    route: Route | None = None
+    attempts: int = 0
+
+
+class Dispatcher:
+    """Sends requests into the pools; one per gateway."""
+
+    def __init__(self, pool: WorkerPool, router: Router, prefix_index: PrefixIndexReader,
+                 session: aiohttp.ClientSession, metrics: GatewayMetrics, model: str, max_attempts: int = 3,
+                 wait_for_workers_s: float = 2.0):
+        self.pool = pool
+        self.router = router
+        self.prefix_index = prefix_index
+        self.session = session
+        self.metrics = metrics
+        self.model = model
+        self.max_attempts = max_attempts
+        self.wait_for_workers_s = wait_for_workers_s
+        self._aborts: set[asyncio.Task] = set()
+
+    async def choose(self, prompt: list[int], exclude: set[str]) -> Route:
+        workers = self.pool.routable(exclude)
+        if not workers:
+            await self.pool.wait_for_change(self.wait_for_workers_s)
+            workers = self.pool.routable(exclude)
+        matched: dict[str, int] = {}
+        if workers:
+            block_size = workers[0].capacity.block_size
+            hashes = hash_prompt_blocks(prompt, block_size)
+            if hashes:
+                matched = await self.prefix_index.longest_prefix(self.model, hashes, [w.worker_id for w in workers])
+        try:
+            return self.router.route(workers, len(prompt), matched)
+        except NoWorkerAvailable as exc:
+            raise Saturated(str(exc)) from None
+
+    async def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
+                       result: DispatchResult) -> AsyncIterator[TokenFrame]:
+        exclude: set[str] = set()
+        streamed = False
+        while True:
+            result.attempts += 1
+            route = await self.choose(prompt, exclude)
+            result.route = route
+            if route.prefill is None:
+                self.metrics.prefill_skipped.labels(route.reason).inc()
+            body = GenerateRequest(request_id=request_id, prompt_token_ids=prompt, sampling_params=params,
+                                   prefill_url=route.prefill.http_address if route.prefill else None)
+            decode_url = route.decode.http_address
+            finished = False
+            try:
+                async with self.session.post(f"{decode_url}/generate", data=encode(body)) as resp:
+                    while True:
+                        frame = await read_frame(resp.content, TokenFrame)
+                        if frame is None:
+                            raise ConnectionError("decode worker closed the stream before the request finished")
+                        if frame.error:
+                            if frame.error_kind == "busy" and not streamed:
+                                raise _Retry(frame.error)
+                            if frame.error_kind == "invalid":
+                                raise ValueError(frame.error)
+                            raise UpstreamError(frame.error)
+                        if frame.token_ids:
+                            streamed = True
+                        finished = frame.finished
+                        yield frame
+                        if finished:
+                            return
+            except (_Retry, aiohttp.ClientError, ConnectionError, asyncio.TimeoutError) as exc:
+                self.pool.bench(route.decode.worker_id)
+                exclude.add(route.decode.worker_id)
+                if streamed:
+                    raise UpstreamError(f"decode worker {route.decode.worker_id} failed mid-stream: {exc}") from None
+                if result.attempts >= self.max_attempts:
+                    raise Saturated(f"no worker could take the request after {result.attempts} attempts: {exc}")
+                log.warning("request %s: decode worker %s failed before the first token (%s); retrying",
+                            request_id, route.decode.worker_id, exc)
+            finally:
+                if not finished:
+                    # Client gone, stop string, or failure: make sure no worker keeps computing.
+                    task = asyncio.get_running_loop().create_task(self.abort(decode_url, request_id))
+                    self._aborts.add(task)
+                    task.add_done_callback(self._aborts.discard)
+
+    async def drain(self) -> None:
+        """Let the abort messages already sent finish (on shutdown)."""
+        if self._aborts:
+            await asyncio.wait(list(self._aborts), timeout=3)
+
+    async def abort(self, decode_url: str, request_id: str) -> None:
+        try:
+            async with self.session.post(f"{decode_url}/abort", data=encode(AbortRequest(request_id)),
+                                         timeout=aiohttp.ClientTimeout(total=2)) as resp:
+                await resp.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            log.info("abort of %s on %s not delivered: %s", request_id, decode_url, exc)
+
+
+class _Retry(Exception):
+    pass

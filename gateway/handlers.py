@@ -1,0 +1,252 @@
+"""The OpenAI endpoints: validate, tokenize, dispatch, detokenize, answer (JSON or SSE)."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from common.detokenizer import StreamingDecoder
+from common.messages import TokenFrame
+from common.sampling_params import SamplingParams
+from gateway.dispatch import DispatchResult, Saturated, UpstreamError
+from gateway.openai_protocol import (
+    SSE_DONE, SSE_HEADERS, ChatChoice, ChatCompletionChunk, ChatCompletionResponse, ChatDelta, ChatLogprobs,
+    ChatResponseMessage, ChatStreamChoice, ChatTokenLogprob, CompletionChoice, CompletionChunk,
+    CompletionLogprobs, CompletionResponse, OpenAIError, SamplingOptions, TopLogprob, Usage, invalid,
+    json_response, new_request_id, now, parse_chat_request, parse_completion_request, sse_event,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Generation:
+    """One accepted request on its way through the gateway."""
+
+    request_id: str
+    kind: str  # "completion" | "chat"
+    model: str
+    prompt_ids: list[int]
+    options: SamplingOptions
+    params: SamplingParams
+    arrival: float = field(default_factory=time.monotonic)
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    cached_tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: str | None = None
+
+
+class OpenAIHandlers:
+    """``/v1/completions`` and ``/v1/chat/completions`` on top of a ``Gateway``."""
+
+    def __init__(self, gateway):
+        self.gw = gateway
+
+    # ---- request preparation ---------------------------------------------------------------
+
+    def _check_model(self, model: str) -> None:
+        if model != self.gw.model_id:
+            raise OpenAIError(404, f"The model '{model}' does not exist; this server serves '{self.gw.model_id}'",
+                              param="model", code="model_not_found")
+
+    def _prepare(self, kind: str, model: str, prompt_ids: list[int], options: SamplingOptions) -> Generation:
+        self._check_model(model)
+        gw = self.gw
+        vocab = gw.vocab_size
+        bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise invalid(f"prompt token id {bad} is outside the vocabulary [0, {vocab})", "prompt")
+        if not prompt_ids:
+            raise invalid("the prompt is empty after tokenization", "prompt")
+        room = gw.max_model_len - len(prompt_ids)
+        max_tokens = options.max_tokens if options.max_tokens is not None else room
+        if room < 1 or max_tokens > room:
+            raise invalid(
+                f"This model's maximum context length is {gw.max_model_len} tokens. However, you requested "
+                f"{len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the prompt, {max_tokens} for the "
+                "completion). Please reduce the prompt or max_tokens.", "max_tokens", "context_length_exceeded")
+        params = SamplingParams(
+            max_tokens=max_tokens, temperature=options.temperature, top_k=options.top_k or 0,
+            top_p=options.top_p, seed=options.seed, ignore_eos=options.ignore_eos, logprobs=options.logprobs,
+        )
+        prefix = "cmpl" if kind == "completion" else "chatcmpl"
+        return Generation(new_request_id(prefix), kind, model, prompt_ids, options, params)
+
+    def _tokenize_prompt(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.gw.tokenizer(prompt).input_ids
+        return list(prompt)
+
+    def _tokenize_chat(self, req) -> list[int]:
+        tokenizer = self.gw.tokenizer
+        if not getattr(tokenizer, "chat_template", None):
+            raise invalid(f"The model '{self.gw.model_id}' has no chat template (it is a base model); "
+                          "use /v1/completions", "messages", "chat_template_missing")
+        try:
+            out = tokenizer.apply_chat_template(req.template_messages(), add_generation_prompt=True, tokenize=True)
+        except Exception as exc:  # a template may reject a role order, e.g. two system messages
+            raise invalid(f"the chat template rejected the messages: {exc}", "messages") from None
+        return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+
+    # ---- endpoints -------------------------------------------------------------------------
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await self.gw.read_body(request)
+        req = parse_completion_request(body)
+        gen = self._prepare("completion", req.model, self._tokenize_prompt(req.prompt), req.sampling())
+        return await self._serve(request, gen, "/v1/completions")
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        body = await self.gw.read_body(request)
+        req = parse_chat_request(body)
+        self._check_model(req.model)
+        gen = self._prepare("chat", req.model, self._tokenize_chat(req), req.sampling())
+        return await self._serve(request, gen, "/v1/chat/completions")
+
+    # ---- generation ------------------------------------------------------------------------
+
+    async def _serve(self, request: web.Request, gen: Generation, endpoint: str) -> web.StreamResponse:
+        gw = self.gw
+        async with gw.admission(endpoint):
+            gw.metrics.prompt_tokens.labels(gen.model).inc(len(gen.prompt_ids))
+            if gen.options.stream:
+                return await self._stream(request, gen, endpoint)
+            try:
+                async for _delta, _frame in self._run(gen):
+                    pass
+            except Saturated as exc:
+                raise OpenAIError(503, f"The server is saturated: {exc}", retry_after=1) from None
+            except UpstreamError as exc:
+                raise OpenAIError(500, f"generation failed: {exc}", code="upstream_error") from None
+            gw.metrics.requests.labels(gen.model, endpoint, "200").inc()
+            return json_response(self._full_response(gen))
+
+    async def _run(self, gen: Generation):
+        """Yield ``(text_delta, frame)`` until the request finishes or a stop string ends it."""
+        gw = self.gw
+        decoder = StreamingDecoder(gw.tokenizer, gen.prompt_ids, gen.options.stop)
+        result = DispatchResult()
+        last = None
+        try:
+            async with contextlib.aclosing(gw.dispatcher.generate(gen.request_id, gen.prompt_ids, gen.params,
+                                                                   result)) as frames:
+                async for frame in frames:
+                    now_t = time.monotonic()
+                    if last is None:
+                        gw.observe_first_frame(gen, frame, now_t - gen.arrival)
+                    elif frame.token_ids:
+                        gw.metrics.inter_token_latency.labels(gen.model).observe(now_t - last)
+                    last = now_t
+                    gen.cached_tokens = max(gen.cached_tokens, frame.num_cached_tokens)
+                    delta = decoder.step(frame.token_ids)
+                    gen.token_ids.extend(frame.token_ids)
+                    if frame.logprobs:
+                        gen.logprobs.extend(frame.logprobs)
+                    if decoder.stopped:
+                        # Closing the frame generator below aborts the request on the workers.
+                        gen.finish_reason, gen.stop_reason = "stop", decoder.matched_stop
+                    elif frame.finished:
+                        delta += decoder.finish()
+                        gen.finish_reason = frame.finish_reason
+                        if frame.num_preemptions and result.route:
+                            gw.metrics.preemptions.labels(result.route.decode.worker_id).inc(frame.num_preemptions)
+                    gen.text += delta
+                    yield delta, frame
+                    if gen.finish_reason is not None:
+                        return
+        finally:
+            gw.metrics.generation_tokens.labels(gen.model).inc(len(gen.token_ids))
+            gw.metrics.e2e_request_latency.labels(gen.model).observe(time.monotonic() - gen.arrival)
+
+    async def _stream(self, request: web.Request, gen: Generation, endpoint: str) -> web.StreamResponse:
+        gw = self.gw
+        response = web.StreamResponse(headers=SSE_HEADERS)
+        await response.prepare(request)
+        status = "200"
+        try:
+            if gen.kind == "chat":
+                await response.write(sse_event(self._chat_chunk(gen, ChatDelta(role="assistant", content=""))))
+            async for delta, frame in self._run(gen):
+                if delta or gen.finish_reason is not None or frame.logprobs:
+                    await response.write(sse_event(self._chunk(gen, delta, frame)))
+            if gen.options.include_usage:
+                await response.write(sse_event(self._usage_chunk(gen)))
+            await response.write(SSE_DONE)
+        except (Saturated, UpstreamError) as exc:
+            status = "stream_error"
+            code = 503 if isinstance(exc, Saturated) else 500
+            await response.write(OpenAIError(code, f"generation failed: {exc}").to_sse())
+            await response.write(SSE_DONE)
+        except ValueError as exc:
+            status = "stream_error"
+            await response.write(invalid(str(exc)).to_sse())
+            await response.write(SSE_DONE)
+        except (ConnectionResetError, asyncio.CancelledError):
+            status = "client_disconnected"
+            raise
+        finally:
+            gw.metrics.requests.labels(gen.model, endpoint, status).inc()
+        return response
+
+    # ---- response shapes -------------------------------------------------------------------
+
+    def _token_text(self, token_id: int) -> str:
+        return self.gw.tokenizer.decode([token_id])
+
+    def _completion_logprobs(self, entries, offset: int) -> CompletionLogprobs | None:
+        if not entries:
+            return None
+        tokens = [self._token_text(e.token_id) for e in entries]
+        offsets, pos = [], offset
+        for t in tokens:
+            offsets.append(pos)
+            pos += len(t)
+        return CompletionLogprobs(
+            tokens=tokens, token_logprobs=[e.logprob for e in entries],
+            top_logprobs=[{self._token_text(t): lp for t, lp in e.top} for e in entries], text_offset=offsets,
+        )
+
+    def _chat_logprobs(self, entries) -> ChatLogprobs | None:
+        if not entries:
+            return None
+        out = []
+        for e in entries:
+            token = self._token_text(e.token_id)
+            top = [TopLogprob(self._token_text(t), lp, list(self._token_text(t).encode())) for t, lp in e.top]
+            out.append(ChatTokenLogprob(token, e.logprob, list(token.encode()), top))
+        return ChatLogprobs(content=out)
+
+    def _usage(self, gen: Generation) -> Usage:
+        return Usage.of(len(gen.prompt_ids), len(gen.token_ids), gen.cached_tokens)
+
+    def _chunk(self, gen: Generation, delta: str, frame: TokenFrame):
+        finish = gen.finish_reason
+        if gen.kind == "chat":
+            choice = ChatStreamChoice(0, ChatDelta(content=delta) if delta else ChatDelta(),
+                                      self._chat_logprobs(frame.logprobs), finish, gen.stop_reason)
+            return ChatCompletionChunk(gen.request_id, now(), gen.model, [choice])
+        choice = CompletionChoice(0, delta, self._completion_logprobs(frame.logprobs, 0), finish, gen.stop_reason)
+        return CompletionChunk(gen.request_id, now(), gen.model, [choice])
+
+    def _chat_chunk(self, gen: Generation, delta: ChatDelta):
+        return ChatCompletionChunk(gen.request_id, now(), gen.model, [ChatStreamChoice(0, delta)])
+
+    def _usage_chunk(self, gen: Generation):
+        if gen.kind == "chat":
+            return ChatCompletionChunk(gen.request_id, now(), gen.model, [], self._usage(gen))
+        return CompletionChunk(gen.request_id, now(), gen.model, [], self._usage(gen))
+
+    def _full_response(self, gen: Generation):
+        if gen.kind == "chat":
+            choice = ChatChoice(0, ChatResponseMessage(gen.text), self._chat_logprobs(gen.logprobs),
+                                gen.finish_reason, gen.stop_reason)
+            return ChatCompletionResponse(gen.request_id, now(), gen.model, [choice], self._usage(gen))
+        choice = CompletionChoice(0, gen.text, self._completion_logprobs(gen.logprobs, 0), gen.finish_reason,
+                                  gen.stop_reason)
+        return CompletionResponse(gen.request_id, now(), gen.model, [choice], self._usage(gen))

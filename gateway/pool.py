@@ -1,0 +1,87 @@
+"""The gateway's view of the worker pools: the registry, refreshed in the background.
+
+Redis down: the last known list is kept (routing by the last known load goes on) and a warning
+and a metric say so.  A worker that fails a request is benched locally for a few seconds, so the
+gateway stops sending it traffic before its heartbeat lapses.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Callable
+
+from common.redis_util import UNAVAILABLE_ERRORS
+from common.registry import WorkerInfo, WorkerRegistry
+
+log = logging.getLogger(__name__)
+
+
+class WorkerPool:
+    """Live workers of one model, as last read from the registry."""
+
+    def __init__(self, registry: WorkerRegistry, model: str, refresh_s: float = 0.5, bench_s: float = 5.0,
+                 on_redis_error: Callable[[], None] | None = None):
+        self.registry = registry
+        self.model = model
+        self.refresh_s = refresh_s
+        self.bench_s = bench_s
+        self.on_redis_error = on_redis_error
+        self.workers: list[WorkerInfo] = []
+        self.redis_ok = True
+        self._benched: dict[str, float] = {}
+        self._task: asyncio.Task | None = None
+        self._stopping = False
+        self._changed = asyncio.Event()
+
+    async def start(self) -> None:
+        await self.refresh()
+        self._task = asyncio.create_task(self._run(), name="worker-pool-refresh")
+
+    async def stop(self) -> None:
+        # A flag as well as cancel(): on Python 3.11 a cancel landing inside a redis-py call can be lost.
+        self._stopping = True
+        if self._task:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+
+    async def _run(self) -> None:
+        while not self._stopping:
+            await asyncio.sleep(self.refresh_s)
+            await self.refresh()
+
+    async def refresh(self) -> None:
+        try:
+            self.workers = await self.registry.list_workers(self.model)
+        except UNAVAILABLE_ERRORS as exc:
+            if self.redis_ok:
+                log.warning("Redis unreachable (%s): routing on the last known pool of %d workers",
+                            exc, len(self.workers))
+            self.redis_ok = False
+            if self.on_redis_error:
+                self.on_redis_error()
+            return
+        if not self.redis_ok:
+            log.warning("Redis is back: pool has %d workers", len(self.workers))
+        self.redis_ok = True
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def bench(self, worker_id: str) -> None:
+        """Keep a worker that just failed out of routing for ``bench_s``."""
+        self._benched[worker_id] = time.monotonic() + self.bench_s
+
+    def routable(self, exclude: set[str] = frozenset()) -> list[WorkerInfo]:
+        now = time.monotonic()
+        return [w for w in self.workers
+                if w.worker_id not in exclude and self._benched.get(w.worker_id, 0.0) <= now]
+
+    async def wait_for_change(self, timeout: float) -> None:
+        """Wait for the next refresh (e.g. while the pool is empty)."""
+        try:
+            await asyncio.wait_for(self._changed.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass

@@ -1,0 +1,293 @@
+"""The gateway process: the OpenAI HTTP API in front of the prefill and decode pools.
+
+    GET  /v1/models, /health, /metrics
+    POST /v1/completions, /v1/chat/completions          (Authorization: Bearer <api key>, if set)
+    GET  /admin/pools                                    (X-Admin-Token)
+    POST /admin/workers/{worker_id}/drain                (proxied to the worker)
+    POST /admin/workers/{worker_id}/role  {"role": ...}  (proxied to the worker)
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hmac
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass
+
+import aiohttp
+import msgspec
+from aiohttp import web
+
+from common.messages import TokenFrame
+from common.model_loader import load_hf_config, resolve_checkpoint
+from common.prefix_index import PrefixIndexReader
+from common.redis_util import connect, redis_url_from_env
+from common.registry import WorkerRegistry
+from gateway.dispatch import Dispatcher
+from gateway.handlers import Generation, OpenAIHandlers
+from gateway.metrics import GatewayMetrics
+from gateway.openai_protocol import ModelCard, ModelList, OpenAIError, json_response, now
+from gateway.pool import WorkerPool
+from gateway.routing import POLICIES, Router, RoutingConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """The gateway's settings; see ``python -m gateway --help``."""
+
+    model: str = "default"
+    model_id: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    redis_url: str = "redis://127.0.0.1:6379"
+    key_prefix: str = "pdserve"
+    routing_policy: str = "prefix_aware"
+    skip_prefill_below_tokens: int = 64
+    api_key: str | None = None
+    admin_token: str | None = None
+    max_inflight: int = 512  # accepted requests at once; beyond: 429
+    max_body_bytes: int = 4 << 20
+    max_model_len: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.routing_policy not in POLICIES:
+            raise ValueError(f"invalid config: routing_policy must be one of {', '.join(POLICIES)}, "
+                             f"got {self.routing_policy!r}")
+        if self.max_inflight < 1:
+            raise ValueError(f"invalid config: max_inflight must be >= 1, got {self.max_inflight}")
+
+
+class Gateway:
+    """Holds everything a request needs; ``start``/``stop`` bracket its life."""
+
+    def __init__(self, config: GatewayConfig):
+        from transformers import AutoTokenizer
+
+        self.config = config
+        checkpoint = resolve_checkpoint(config.model)
+        hf = load_hf_config(checkpoint)
+        self.model_id = config.model_id or checkpoint.name
+        self.max_model_len = min(config.max_model_len or hf.max_position_embeddings, hf.max_position_embeddings)
+        self.vocab_size = hf.vocab_size
+        self.tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+        self.metrics = GatewayMetrics()
+        self.handlers = OpenAIHandlers(self)
+        self.inflight = 0
+        self.redis = None
+        self.session: aiohttp.ClientSession | None = None
+        self.pool: WorkerPool | None = None
+        self.dispatcher: Dispatcher | None = None
+
+    async def start(self) -> None:
+        self.redis = connect(self.config.redis_url)
+        registry = WorkerRegistry(self.redis, key_prefix=self.config.key_prefix)
+        self.pool = WorkerPool(registry, self.model_id, on_redis_error=self.metrics.redis_unavailable.inc)
+        await self.pool.start()
+        prefix_index = PrefixIndexReader(self.redis, key_prefix=self.config.key_prefix,
+                                         on_unavailable=self.metrics.redis_unavailable.inc)
+        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5))
+        router = Router(RoutingConfig(policy=self.config.routing_policy,
+                                      skip_prefill_below_tokens=self.config.skip_prefill_below_tokens))
+        self.dispatcher = Dispatcher(self.pool, router, prefix_index, self.session, self.metrics, self.model_id)
+
+    async def stop(self) -> None:
+        await self.dispatcher.drain()
+        if self.pool:
+            await self.pool.stop()
+        if self.session:
+            await self.session.close()
+        if self.redis:
+            await self.redis.aclose()
+
+    # ---- helpers used by the handlers ------------------------------------------------------
+
+    async def read_body(self, request: web.Request) -> bytes:
+        if request.content_length is not None and request.content_length > self.config.max_body_bytes:
+            raise self._too_large(request.content_length)
+        body = await request.content.read(self.config.max_body_bytes + 1)
+        if len(body) > self.config.max_body_bytes:
+            raise self._too_large(len(body))
+        return body
+
+    def _too_large(self, size: int) -> OpenAIError:
+        return OpenAIError(413, f"Request body of {size} bytes exceeds the limit of {self.config.max_body_bytes}",
+                           code="request_too_large")
+
+    @contextlib.asynccontextmanager
+    async def admission(self, endpoint: str):
+        """Bound the requests in flight: beyond ``max_inflight`` the answer is 429, not a queue."""
+        if self.inflight >= self.config.max_inflight:
+            self.metrics.requests.labels(self.model_id, endpoint, "429").inc()
+            raise OpenAIError(429, f"Too many requests in flight ({self.inflight}); retry shortly",
+                              code="rate_limit_exceeded", retry_after=1)
+        self.inflight += 1
+        self.metrics.requests_in_flight.inc()
+        try:
+            yield
+        finally:
+            self.inflight -= 1
+            self.metrics.requests_in_flight.dec()
+
+    def observe_first_frame(self, gen: Generation, frame: TokenFrame, ttft: float) -> None:
+        self.metrics.time_to_first_token.labels(gen.model).observe(ttft)
+        self.metrics.prefix_cache_hit_tokens.labels(gen.model).inc(frame.num_cached_tokens)
+        if frame.kv_transfer_bytes:
+            self.metrics.kv_transfer_bytes.inc(frame.kv_transfer_bytes)
+            self.metrics.kv_transfer_seconds.observe(frame.kv_transfer_seconds)
+        if frame.prefill_fallback:
+            self.metrics.kv_transfer_failures.labels("remote_prefill_failed").inc()
+
+    # ---- app -------------------------------------------------------------------------------
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._errors, self._auth], client_max_size=self.config.max_body_bytes)
+        app.router.add_post("/v1/completions", self.handlers.completions)
+        app.router.add_post("/v1/chat/completions", self.handlers.chat_completions)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/admin/pools", self._admin_pools)
+        app.router.add_post("/admin/workers/{worker_id}/drain", self._admin_proxy("drain"))
+        app.router.add_post("/admin/workers/{worker_id}/role", self._admin_proxy("role"))
+        return app
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler):
+        try:
+            return await handler(request)
+        except OpenAIError as exc:
+            return exc.to_response()
+        except web.HTTPException as exc:
+            if exc.status == 413:
+                return self._too_large(request.content_length or 0).to_response()
+            if exc.status in (404, 405):
+                return OpenAIError(exc.status, f"{request.method} {request.path}: {exc.reason}").to_response()
+            raise
+        except ValueError as exc:
+            return OpenAIError(400, str(exc)).to_response()
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler):
+        key = self.config.api_key
+        if key and request.path.startswith("/v1/"):
+            given = request.headers.get("Authorization", "")
+            token = given[7:] if given.startswith("Bearer ") else ""
+            if not hmac.compare_digest(token.encode(), key.encode()):
+                raise OpenAIError(401, "Incorrect API key provided", code="invalid_api_key")
+        return await handler(request)
+
+    async def _models(self, _request: web.Request) -> web.Response:
+        return json_response(ModelList([ModelCard(self.model_id, now(), max_model_len=self.max_model_len)]))
+
+    async def _health(self, _request: web.Request) -> web.Response:
+        workers = self.pool.workers
+        active = [w for w in workers if w.state == "active"]
+        return web.json_response({
+            "status": "ok", "model": self.model_id, "redis": self.pool.redis_ok,
+            "workers": {role: sum(1 for w in active if w.role == role) for role in ("prefill", "decode", "both")},
+        })
+
+    async def _metrics(self, _request: web.Request) -> web.Response:
+        self.metrics.observe_workers(self.pool.workers)
+        body, content_type = self.metrics.render()
+        return web.Response(body=body, headers={"Content-Type": content_type})
+
+    def _check_admin(self, request: web.Request) -> None:
+        token = self.config.admin_token
+        if not token:
+            raise OpenAIError(403, "the admin API is disabled (start the gateway with --admin-token)")
+        if not hmac.compare_digest(request.headers.get("X-Admin-Token", "").encode(), token.encode()):
+            raise OpenAIError(401, "missing or wrong admin token", code="invalid_admin_token")
+
+    async def _admin_pools(self, request: web.Request) -> web.Response:
+        self._check_admin(request)
+        await self.pool.refresh()
+        return web.Response(body=msgspec.json.encode({"model": self.model_id, "workers": self.pool.workers}),
+                            content_type="application/json")
+
+    def _admin_proxy(self, action: str):
+        async def proxy(request: web.Request) -> web.Response:
+            self._check_admin(request)
+            worker_id = request.match_info["worker_id"]
+            await self.pool.refresh()
+            worker = next((w for w in self.pool.workers if w.worker_id == worker_id), None)
+            if worker is None:
+                raise OpenAIError(404, f"unknown worker {worker_id!r}", code="worker_not_found")
+            body = await request.read() if action == "role" else b"{}"
+            headers = {"X-Admin-Token": self.config.admin_token, "Content-Type": "application/json"}
+            try:
+                async with self.session.post(f"{worker.http_address}/admin/{action}", data=body, headers=headers,
+                                             timeout=aiohttp.ClientTimeout(total=10)) as resp:
+                    return web.Response(status=resp.status, body=await resp.read(), content_type="application/json")
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                raise OpenAIError(503, f"worker {worker_id} did not answer: {exc}") from None
+
+        return proxy
+
+
+def build_parser() -> argparse.ArgumentParser:
+    env = os.environ.get
+    p = argparse.ArgumentParser(description="pdserve gateway: OpenAI-compatible API in front of the pools",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default=env("PDSERVE_MODEL", "default"), help="checkpoint (for the tokenizer)")
+    p.add_argument("--model-id", default=env("PDSERVE_MODEL_ID"), help="served model name (as the workers use)")
+    p.add_argument("--host", default=env("PDSERVE_GATEWAY_HOST", "127.0.0.1"))
+    p.add_argument("--port", type=int, default=int(env("PDSERVE_GATEWAY_PORT", "8000")))
+    p.add_argument("--redis-url", default=redis_url_from_env())
+    p.add_argument("--key-prefix", default=env("PDSERVE_KEY_PREFIX", "pdserve"))
+    p.add_argument("--routing-policy", default=env("PDSERVE_ROUTING_POLICY", "prefix_aware"), choices=POLICIES)
+    p.add_argument("--skip-prefill-below", type=int, default=int(env("PDSERVE_SKIP_PREFILL_BELOW", "64")),
+                   help="prompts with fewer uncached tokens than this skip the prefill pool")
+    p.add_argument("--api-key", default=env("PDSERVE_API_KEY"), help="require 'Authorization: Bearer KEY'")
+    p.add_argument("--admin-token", default=env("PDSERVE_ADMIN_TOKEN"), help="enables /admin with this token")
+    p.add_argument("--max-inflight", type=int, default=int(env("PDSERVE_MAX_INFLIGHT", "512")))
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--log-level", default=env("PDSERVE_LOG_LEVEL", "INFO"))
+    return p
+
+
+async def serve(config: GatewayConfig) -> None:
+    gateway = Gateway(config)
+    await gateway.start()
+    runner = web.AppRunner(gateway.app(), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, config.port)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    print(f"gateway serving {gateway.model_id} at http://{config.host}:{port}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+        await gateway.stop()
+
+
+def main() -> None:
+    args = build_parser().parse_args()
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = GatewayConfig(
+            model=args.model, model_id=args.model_id, host=args.host, port=args.port, redis_url=args.redis_url,
+            key_prefix=args.key_prefix, routing_policy=args.routing_policy,
+            skip_prefill_below_tokens=args.skip_prefill_below, api_key=args.api_key, admin_token=args.admin_token,
+            max_inflight=args.max_inflight, max_model_len=args.max_model_len,
+        )
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    asyncio.run(serve(config))

@@ -1,0 +1,1 @@
+"""The prefill worker: chunked prefill, ships KV blocks to the decode worker, returns the first token."""

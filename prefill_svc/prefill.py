@@ -1,0 +1,98 @@
+"""POST /prefill: compute a prompt in chunks, ship its KV as the chunks complete, return the first token."""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import msgspec
+from aiohttp import web
+
+from common.messages import PrefillRequest, PrefillResult, TokenLogprob, decode, encode
+from prefill_svc.shipping import ShippingJob, ship, unpin_leftovers
+
+log = logging.getLogger(__name__)
+
+
+async def _first_output(stream: asyncio.Queue, shipping: asyncio.Task):
+    """The request's first output, unless shipping fails first (a dead receiver stops the prefill)."""
+    getter = asyncio.ensure_future(stream.get())
+    try:
+        await asyncio.wait({getter, shipping}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not getter.done():
+            getter.cancel()
+    if not getter.done() or getter.cancelled():
+        shipping.result()  # raises the transfer error
+        raise RuntimeError("shipping ended before the prompt was computed")
+    output = getter.result()
+    if isinstance(output, BaseException):
+        raise output
+    return output
+
+
+def _reply(result: PrefillResult, status: int = 200) -> web.Response:
+    return web.Response(body=encode(result), status=status, content_type="application/msgpack")
+
+
+async def handle_prefill(worker, request: web.Request) -> web.Response:
+    try:
+        body = decode(await request.read(), PrefillRequest)
+    except ValueError as exc:
+        return _reply(PrefillResult(error=str(exc)), 400)
+    refusal = worker.accepts("prefill")
+    if refusal:
+        return _reply(PrefillResult(error=refusal), 503)
+    try:
+        worker.track(body.request_id)
+    except ValueError as exc:
+        return _reply(PrefillResult(error=str(exc)), 409)
+    rid = body.request_id
+    loop = asyncio.get_running_loop()
+    job = ShippingJob(rid, body.kv_address, body.dst_block_ids, body.num_skip_blocks, loop)
+    stream = worker.engine_thread.open_stream(rid)
+    first_token: asyncio.Future = loop.create_future()
+    shipping: asyncio.Task | None = None
+    outcome = "error"
+    # The prefill computes the prompt and samples its first token with the request's own
+    # parameters (seeded sampling depends only on seed and position, so the decode side continues
+    # the same sequence); the decode worker applies max_tokens and stop rules.
+    params = msgspec.structs.replace(body.sampling_params, max_tokens=1)
+
+    def start(engine):
+        worker.shipper.start(engine, job, engine.make_request(body.prompt_token_ids, params, rid))
+
+    try:
+        await worker.engine_thread.call(start)
+        shipping = asyncio.create_task(ship(worker, job, first_token))
+        output = await _first_output(stream, shipping)
+        first_token.set_result(output.new_token_ids[0])
+        num_sent = await shipping
+        computed = output.num_prompt_tokens - output.num_cached_tokens
+        worker.metrics.prefill_computed_tokens.inc(computed)
+        worker.metrics.prefill_cached_tokens.inc(output.num_cached_tokens)
+        worker.metrics.kv_sent_bytes.inc(num_sent * worker.engine.kv_cache.block_nbytes)
+        lp = output.new_logprobs[0] if output.new_logprobs else None
+        outcome = "ok"
+        return _reply(PrefillResult(
+            first_token_id=output.new_token_ids[0],
+            first_logprob=TokenLogprob(lp.token_id, lp.logprob, lp.top) if lp else None,
+            num_cached_tokens=output.num_cached_tokens, num_sent_blocks=num_sent,
+        ))
+    except asyncio.CancelledError:
+        outcome = "aborted"
+        raise
+    except ValueError as exc:
+        outcome = "invalid"
+        return _reply(PrefillResult(error=str(exc)), 400)
+    except Exception as exc:
+        log.warning("prefill of %s failed: %s: %s", rid, type(exc).__name__, exc)
+        worker.metrics.kv_transfer_failures.inc()
+        return _reply(PrefillResult(error=f"{type(exc).__name__}: {exc}"), 502)
+    finally:
+        if shipping is not None and not shipping.done():
+            shipping.cancel()
+        if not first_token.done():
+            first_token.cancel()
+        worker.engine_thread.close_stream(rid)
+        worker.metrics.requests.labels("prefill", outcome).inc()
+        worker.finish_request(rid, lambda e: worker.shipper.stop(e, rid), then=unpin_leftovers(worker, job))

@@ -1,0 +1,128 @@
+"""Shipping a request's KV blocks to its decode worker as soon as each chunk is computed.
+
+The engine thread owns the blocks, so the decision "these blocks are complete, send them" is made
+there, right after the step that completed them (``Shipper.after_step``).  Each such batch is
+pinned (one extra reference) before the step ends, so neither a preemption nor the request's end
+can hand the blocks to someone else while their bytes are on the wire; the sender unpins them
+once sent.
+
+    step k computes tokens 0..255   -> blocks 0..15 complete -> pin, queue (src 0..15 -> dst ...)
+    step k+1 computes 256..511      -> blocks 16..31         -> pin, queue
+    step k+2 finishes the prompt    -> blocks 32..33 (last one partial) + first token -> final
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from common.block_pool import KVCacheBlock
+from common.engine import Engine
+from common.kv_cache_manager import cdiv
+from common.registry import KVAddress
+from common.request import Request
+
+FINAL = object()
+
+
+@dataclass
+class ShippingJob:
+    """One request whose KV goes to ``kv_address``: block index ``i`` lands in
+    ``dst_block_ids[i - num_skip_blocks]`` (the decode worker already has the first ones)."""
+
+    request_id: str
+    kv_address: KVAddress
+    dst_block_ids: list[int]
+    num_skip_blocks: int
+    loop: asyncio.AbstractEventLoop
+    request: Request | None = None
+    next_index: int = 0  # engine thread: first block index not yet queued
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+    def post(self, item) -> None:
+        """Engine thread -> event loop."""
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class Shipper:
+    """Engine-thread side of KV shipping for every request this worker prefills."""
+
+    def __init__(self, worker):
+        self.worker = worker
+        self.jobs: dict[str, ShippingJob] = {}  # touched only in the engine thread
+
+    def start(self, engine: Engine, job: ShippingJob, request: Request) -> None:
+        """Engine thread: admit the request and start watching its blocks."""
+        num_blocks = cdiv(request.num_prompt_tokens, engine.config.block_size)
+        if len(job.dst_block_ids) != num_blocks - job.num_skip_blocks:
+            raise ValueError(
+                f"{len(job.dst_block_ids)} destination blocks for a prompt of {num_blocks} blocks "
+                f"with {job.num_skip_blocks} skipped")
+        request.hold_blocks_on_finish = True
+        engine.scheduler.add_request(request)
+        job.request = request
+        job.next_index = job.num_skip_blocks
+        self.jobs[request.request_id] = job
+
+    def stop(self, engine: Engine, request_id: str) -> None:
+        """Engine thread: forget the job and abort the request if it is still running."""
+        self.jobs.pop(request_id, None)
+        engine.abort(request_id)
+
+    def after_step(self, engine: Engine, _outputs) -> None:
+        bs = engine.config.block_size
+        for request_id, job in list(self.jobs.items()):
+            request = job.request
+            if request.is_finished and request.status.finish_reason in ("abort", "error"):
+                del self.jobs[request_id]
+                continue
+            if request.is_finished:
+                limit = cdiv(request.num_prompt_tokens, bs)
+            else:
+                limit = min(request.num_computed_tokens, request.num_prompt_tokens) // bs
+            if limit > job.next_index:
+                blocks: list[KVCacheBlock] = engine.scheduler.kv.req_to_blocks[request_id][job.next_index:limit]
+                engine.block_pool.touch(blocks)
+                dst = job.dst_block_ids[job.next_index - job.num_skip_blocks : limit - job.num_skip_blocks]
+                job.post(([b.block_id for b in blocks], dst, blocks))
+                job.next_index = limit
+            if request.is_finished:
+                engine.scheduler.release_held(request_id)  # the pins keep the shipped blocks alive
+                del self.jobs[request_id]
+                job.post(FINAL)
+
+
+async def ship(worker, job: ShippingJob, first_token: asyncio.Future) -> int:
+    """Event loop: send each queued batch, unpin it, then finish with the first token.
+
+    Returns the number of blocks sent.  Raises ``TransferError`` subclasses on failure.
+    """
+    sent = 0
+    address = f"{job.kv_address.host}:{job.kv_address.port}"
+    transfer = await worker.kv_sender.begin(job.request_id, address)
+    try:
+        while True:
+            item = await job.queue.get()
+            if item is FINAL:
+                await transfer.finish({"first_token": await first_token})
+                return sent
+            src, dst, blocks = item
+            try:
+                await transfer.send_blocks(src, dst)
+                sent += len(src)
+            finally:
+                await unpin(worker, blocks)
+    except BaseException as exc:
+        transfer.abort(f"prefill side failed: {type(exc).__name__}")
+        raise
+
+
+async def unpin(worker, blocks: list[KVCacheBlock]) -> None:
+    await asyncio.shield(worker.engine_thread.call(lambda e: e.block_pool.free(blocks)))
+
+
+async def unpin_leftovers(worker, job: ShippingJob) -> None:
+    """After the job is stopped in the engine thread: release batches that were never sent."""
+    while not job.queue.empty():
+        item = job.queue.get_nowait()
+        if item is not FINAL:
+            await unpin(worker, item[2])
