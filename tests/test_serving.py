@@ -1,0 +1,292 @@
+"""The served system end to end: real gateway, prefill and decode processes, real Redis, the
+official openai client.  Outputs must equal the offline engine's greedy outputs."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+
+from common.config import EngineConfig
+from common.engine import Engine
+from tests.checkpoints import tiny_llama_config, write_checkpoint, write_tokenizer
+from tests.cluster import Cluster, http_json
+
+API_KEY = "test-key"
+WORKER_ARGS = ["--num-blocks", "512", "--block-size", "4", "--max-num-batched-tokens", "16"]
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog, and then",
+    "KV cache blocks move from the prefill worker",
+    "Streaming tokens to many concurrent clients is what",
+    "Hello",
+]
+GREEDY = {"temperature": 0.0, "max_tokens": 12, "extra_body": {"ignore_eos": True}}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tinyllama")
+    write_checkpoint(tiny_llama_config(), directory)
+    write_tokenizer(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def stack(checkpoint, redis_url, tmp_path_factory):
+    import uuid
+
+    prefix = f"pdtest-{uuid.uuid4().hex[:12]}"
+    cluster = Cluster(checkpoint, tmp_path_factory.mktemp("logs"), redis_url, prefix, prefill=2, decode=1,
+                      worker_args=WORKER_ARGS,
+                      gateway_args=["--api-key", API_KEY, "--skip-prefill-below", "8", "--max-inflight", "24"])
+    try:
+        yield cluster.start()
+    finally:
+        cluster.stop()
+        import redis
+
+        client = redis.Redis.from_url(redis_url)
+        keys = list(client.scan_iter(match=f"{prefix}:*"))
+        if keys:
+            client.delete(*keys)
+        client.close()
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    """The offline engine's greedy text for a prompt (same checkpoint, same tokenizer)."""
+    engine = Engine(EngineConfig(model=str(checkpoint), num_blocks=256, block_size=4))
+    cache = {}
+
+    def run(prompt, max_tokens=12, chat=False):
+        key = (prompt if isinstance(prompt, str) else json.dumps(prompt), max_tokens)
+        if key not in cache:
+            ids = engine.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)["input_ids"] \
+                if chat else engine.tokenizer(prompt).input_ids
+            result = engine.generate([ids], {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})[0]
+            cache[key] = result
+        return cache[key]
+
+    return run
+
+
+def client(stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{stack.gateway_url}/v1", api_key=API_KEY, max_retries=0)
+
+
+def aclient(stack) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{stack.gateway_url}/v1", api_key=API_KEY, max_retries=0)
+
+
+def test_models_and_health(stack):
+    models = client(stack).models.list()
+    assert [m.id for m in models.data] == [stack.checkpoint.name]
+    health = http_json(f"{stack.gateway_url}/health")
+    assert health["workers"] == {"prefill": 2, "decode": 1, "both": 0} and health["redis"] is True
+
+
+def test_completions_equal_offline_engine(stack, reference):
+    c = client(stack)
+    for prompt in PROMPTS:
+        response = c.completions.create(model=stack.checkpoint.name, prompt=prompt, **GREEDY)
+        expected = reference(prompt)
+        assert response.choices[0].text == expected.text
+        assert response.choices[0].finish_reason == "length"
+        assert response.usage.completion_tokens == 12
+        assert response.usage.prompt_tokens == len(expected.prompt_token_ids)
+
+
+def test_prompts_went_through_the_prefill_pool(stack):
+    # Prompts of 8+ tokens are computed by a prefill worker and their KV shipped to the decoder.
+    computed = sum(stack.stats(p)["prefill_computed_tokens"] for p in ("p0", "p1"))
+    received = stack.stats("d0")["kv_received_bytes"]
+    assert computed > 0 and received > 0
+
+
+def test_streaming_completion_equals_non_streaming(stack, reference):
+    c = client(stack)
+    prompt = PROMPTS[0]
+    chunks = list(c.completions.create(model=stack.checkpoint.name, prompt=prompt, stream=True,
+                                       stream_options={"include_usage": True}, **GREEDY))
+    text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+    assert text == reference(prompt).text
+    finishes = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    assert finishes == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+
+
+def test_chat_completions_streaming_and_not(stack, reference):
+    c = client(stack)
+    messages = [{"role": "system", "content": "you are a helpful assistant"},
+                {"role": "user", "content": "Hello world!"}]
+    expected = reference(messages, chat=True).text
+    response = c.chat.completions.create(model=stack.checkpoint.name, messages=messages, **GREEDY)
+    assert response.choices[0].message.content == expected
+    assert response.choices[0].message.role == "assistant"
+    stream = c.chat.completions.create(model=stack.checkpoint.name, messages=messages, stream=True, **GREEDY)
+    assert "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices) == expected
+
+
+def test_many_concurrent_streams(stack, reference):
+    prompts = [f"{PROMPTS[i % 3]} {i}" for i in range(16)]
+
+    async def one(c, prompt):
+        stream = await c.completions.create(model=stack.checkpoint.name, prompt=prompt, stream=True, **GREEDY)
+        return "".join([ch.choices[0].text async for ch in stream if ch.choices])
+
+    async def main():
+        c = aclient(stack)
+        try:
+            return await asyncio.gather(*(one(c, p) for p in prompts))
+        finally:
+            await c.close()
+
+    texts = asyncio.run(main())
+    assert texts == [reference(p).text for p in prompts]
+
+
+def test_prefix_routing_sends_shared_prefix_to_the_same_prefill_worker(stack, reference):
+    c = client(stack)
+    system = "You are a helpful assistant; answer briefly. " * 6
+    before = {p: stack.stats(p)["prefill_computed_tokens"] for p in ("p0", "p1")}
+    first = c.completions.create(model=stack.checkpoint.name, prompt=system + "Question one?", **GREEDY)
+    after_first = {p: stack.stats(p)["prefill_computed_tokens"] for p in ("p0", "p1")}
+    served = [p for p in before if after_first[p] > before[p]]
+    assert len(served) == 1
+    # Let the worker's cache events reach Redis (published by a background task), then reuse the prefix.
+    second_prompt = system + "Second question, longer?"
+    deadline = time.monotonic() + 10
+    while True:
+        second = c.completions.create(model=stack.checkpoint.name, prompt=second_prompt, **GREEDY)
+        after_second = {p: stack.stats(p)["prefill_computed_tokens"] for p in ("p0", "p1")}
+        delta = {p: after_second[p] - after_first[p] for p in before}
+        if delta[served[0]] > 0 or time.monotonic() > deadline:
+            break
+        after_first = after_second  # the decode worker answered from its own cache; try again
+    other = [p for p in before if p != served[0]][0]
+    assert delta[other] == 0, "the shared prefix went to the other prefill worker"
+    prompt_len = second.usage.prompt_tokens
+    assert 0 < delta[served[0]] < prompt_len - 40  # only the suffix was computed
+    assert second.usage.prompt_tokens_details.cached_tokens >= 40
+    assert second.choices[0].text == reference(second_prompt).text
+    assert first.choices[0].text == reference(system + "Question one?").text
+
+
+def test_stop_string_truncates_and_aborts(stack, reference):
+    c = client(stack)
+    prompt = PROMPTS[0]
+    full = reference(prompt, max_tokens=40).text
+    stop = full[5:8]
+    assert stop and stop in full
+    response = c.completions.create(model=stack.checkpoint.name, prompt=prompt, temperature=0, max_tokens=40,
+                                    stop=[stop], extra_body={"ignore_eos": True})
+    assert response.choices[0].finish_reason == "stop"
+    assert response.choices[0].text == full[: full.index(stop)]
+    wait_idle(stack, "d0")
+
+
+def wait_idle(stack, worker: str, timeout: float = 5.0) -> dict:
+    """Poll until the worker runs nothing and every block is free again."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = stack.stats(worker)
+        if stats["inflight"] == 0 and stats["num_running"] == 0 and stats["num_free_blocks"] == stats["num_blocks"]:
+            return stats
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{worker} still busy: {stats}")
+        time.sleep(0.05)
+
+
+def test_client_disconnect_aborts_on_the_workers(stack):
+    c = client(stack)
+    stream = c.completions.create(model=stack.checkpoint.name, prompt=PROMPTS[1], stream=True, temperature=0,
+                                  max_tokens=400, extra_body={"ignore_eos": True})
+    iterator = iter(stream)
+    next(iterator)
+    next(iterator)
+    assert stack.stats("d0")["num_running"] == 1
+    disconnected = time.monotonic()
+    stream.close()
+    stats = wait_idle(stack, "d0")
+    for p in ("p0", "p1"):
+        wait_idle(stack, p)
+    assert stats["num_free_blocks"] == stats["num_blocks"]
+    print(f"aborted on the decode worker {time.monotonic() - disconnected:.3f} s after the disconnect")
+
+
+def post(stack, path: str, body: bytes, headers: dict | None = None):
+    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json", **(headers or {})}
+    req = urllib.request.Request(f"{stack.gateway_url}{path}", data=body, headers=headers, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, json.loads(resp.read()), resp.headers
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read()), exc.headers
+
+
+@pytest.mark.parametrize("body, status, needle", [
+    (b"{not json", 400, "not valid JSON"),
+    (json.dumps({"model": "M", "prompt": "hi", "frobnicate": 1}).encode(), 400, "frobnicate"),
+    (json.dumps({"model": "M", "prompt": "hi", "temperature": 7}).encode(), 400, "temperature"),
+    (json.dumps({"model": "M", "prompt": "hi", "max_tokens": 0}).encode(), 400, "max_tokens"),
+    (json.dumps({"model": "M", "prompt": "hi " * 600, "max_tokens": 600}).encode(), 400, "context length"),
+    (json.dumps({"model": "M", "prompt": "hi", "n": 3}).encode(), 400, "n=3"),
+    (json.dumps({"model": "other-model", "prompt": "hi"}).encode(), 404, "does not exist"),
+])
+def test_bad_input_gets_openai_shaped_errors(stack, body, status, needle):
+    body = body.replace(b'"M"', json.dumps(stack.checkpoint.name).encode())
+    code, payload, _ = post(stack, "/v1/completions", body)
+    assert code == status
+    assert needle in payload["error"]["message"]
+    assert set(payload["error"]) >= {"message", "type", "param", "code"}
+
+
+def test_oversized_body_is_413(stack):
+    code, payload, _ = post(stack, "/v1/completions", b'{"prompt": "' + b"x" * (5 << 20) + b'"}')
+    assert code == 413 and "exceeds" in payload["error"]["message"]
+
+
+def test_wrong_api_key_is_401(stack):
+    bad = openai.OpenAI(base_url=f"{stack.gateway_url}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.completions.create(model=stack.checkpoint.name, prompt="hi", max_tokens=2)
+
+
+def test_saturation_answers_429_with_retry_after(stack):
+    async def one(c):
+        try:
+            stream = await c.completions.create(model=stack.checkpoint.name, prompt=PROMPTS[2], stream=True,
+                                                temperature=0, max_tokens=60, extra_body={"ignore_eos": True})
+            return len([ch async for ch in stream if ch.choices and ch.choices[0].text is not None])
+        except openai.RateLimitError as exc:
+            return exc.response.headers.get("retry-after")
+
+    async def main():
+        c = aclient(stack)
+        try:
+            return await asyncio.gather(*(one(c) for _ in range(40)))
+        finally:
+            await c.close()
+
+    results = asyncio.run(main())
+    rejected = [r for r in results if isinstance(r, str)]
+    served = [r for r in results if isinstance(r, int)]
+    assert rejected and all(r == "1" for r in rejected)  # 429 with Retry-After, never an unbounded queue
+    assert served and all(n > 0 for n in served)
+    wait_idle(stack, "d0", timeout=60)
+
+
+def test_metrics_are_exported(stack):
+    with urllib.request.urlopen(f"{stack.gateway_url}/metrics") as resp:
+        text = resp.read().decode()
+    for name in ("pdserve_time_to_first_token_seconds", "pdserve_inter_token_latency_seconds",
+                 "pdserve_e2e_request_latency_seconds", "pdserve_kv_cache_usage_ratio",
+                 "pdserve_prefix_cache_hit_tokens_total", "pdserve_kv_transfer_bytes_total",
+                 "pdserve_num_requests_waiting"):
+        assert name in text
+    transferred = [line for line in text.splitlines() if line.startswith("pdserve_kv_transfer_bytes_total")]
+    assert float(transferred[0].split()[-1]) > 0
