@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 up: $(STAMP)
-	$(PY) -m common.demo
+	$(PY) -m common.launcher
 
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider tests

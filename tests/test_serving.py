@@ -84,7 +84,7 @@ def aclient(stack) -> openai.AsyncOpenAI:
 
 def test_models_and_health(stack):
     models = client(stack).models.list()
-    assert [m.id for m in models.data] == [stack.checkpoint.name]
+    assert [m.id for m in models.data] == [stack.model_name]
     health = http_json(f"{stack.gateway_url}/health")
     assert health["workers"] == {"prefill": 2, "decode": 1, "both": 0} and health["redis"] is True
 
@@ -92,7 +92,7 @@ def test_models_and_health(stack):
 def test_completions_equal_offline_engine(stack, reference):
     c = client(stack)
     for prompt in PROMPTS:
-        response = c.completions.create(model=stack.checkpoint.name, prompt=prompt, **GREEDY)
+        response = c.completions.create(model=stack.model_name, prompt=prompt, **GREEDY)
         expected = reference(prompt)
         assert response.choices[0].text == expected.text
         assert response.choices[0].finish_reason == "length"
@@ -110,7 +110,7 @@ def test_prompts_went_through_the_prefill_pool(stack):
 def test_streaming_completion_equals_non_streaming(stack, reference):
     c = client(stack)
     prompt = PROMPTS[0]
-    chunks = list(c.completions.create(model=stack.checkpoint.name, prompt=prompt, stream=True,
+    chunks = list(c.completions.create(model=stack.model_name, prompt=prompt, stream=True,
                                        stream_options={"include_usage": True}, **GREEDY))
     text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
     assert text == reference(prompt).text
@@ -124,10 +124,10 @@ def test_chat_completions_streaming_and_not(stack, reference):
     messages = [{"role": "system", "content": "you are a helpful assistant"},
                 {"role": "user", "content": "Hello world!"}]
     expected = reference(messages, chat=True).text
-    response = c.chat.completions.create(model=stack.checkpoint.name, messages=messages, **GREEDY)
+    response = c.chat.completions.create(model=stack.model_name, messages=messages, **GREEDY)
     assert response.choices[0].message.content == expected
     assert response.choices[0].message.role == "assistant"
-    stream = c.chat.completions.create(model=stack.checkpoint.name, messages=messages, stream=True, **GREEDY)
+    stream = c.chat.completions.create(model=stack.model_name, messages=messages, stream=True, **GREEDY)
     assert "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices) == expected
 
 
@@ -135,7 +135,7 @@ def test_many_concurrent_streams(stack, reference):
     prompts = [f"{PROMPTS[i % 3]} {i}" for i in range(16)]
 
     async def one(c, prompt):
-        stream = await c.completions.create(model=stack.checkpoint.name, prompt=prompt, stream=True, **GREEDY)
+        stream = await c.completions.create(model=stack.model_name, prompt=prompt, stream=True, **GREEDY)
         return "".join([ch.choices[0].text async for ch in stream if ch.choices])
 
     async def main():
@@ -153,7 +153,7 @@ def test_prefix_routing_sends_shared_prefix_to_the_same_prefill_worker(stack, re
     c = client(stack)
     system = "You are a helpful assistant; answer briefly. " * 6
     before = {p: stack.stats(p)["prefill_computed_tokens"] for p in ("p0", "p1")}
-    first = c.completions.create(model=stack.checkpoint.name, prompt=system + "Question one?", **GREEDY)
+    first = c.completions.create(model=stack.model_name, prompt=system + "Question one?", **GREEDY)
     after_first = {p: stack.stats(p)["prefill_computed_tokens"] for p in ("p0", "p1")}
     served = [p for p in before if after_first[p] > before[p]]
     assert len(served) == 1
@@ -161,7 +161,7 @@ def test_prefix_routing_sends_shared_prefix_to_the_same_prefill_worker(stack, re
     second_prompt = system + "Second question, longer?"
     deadline = time.monotonic() + 10
     while True:
-        second = c.completions.create(model=stack.checkpoint.name, prompt=second_prompt, **GREEDY)
+        second = c.completions.create(model=stack.model_name, prompt=second_prompt, **GREEDY)
         after_second = {p: stack.stats(p)["prefill_computed_tokens"] for p in ("p0", "p1")}
         delta = {p: after_second[p] - after_first[p] for p in before}
         if delta[served[0]] > 0 or time.monotonic() > deadline:
@@ -182,7 +182,7 @@ def test_stop_string_truncates_and_aborts(stack, reference):
     full = reference(prompt, max_tokens=40).text
     stop = full[5:8]
     assert stop and stop in full
-    response = c.completions.create(model=stack.checkpoint.name, prompt=prompt, temperature=0, max_tokens=40,
+    response = c.completions.create(model=stack.model_name, prompt=prompt, temperature=0, max_tokens=40,
                                     stop=[stop], extra_body={"ignore_eos": True})
     assert response.choices[0].finish_reason == "stop"
     assert response.choices[0].text == full[: full.index(stop)]
@@ -203,7 +203,7 @@ def wait_idle(stack, worker: str, timeout: float = 5.0) -> dict:
 
 def test_client_disconnect_aborts_on_the_workers(stack):
     c = client(stack)
-    stream = c.completions.create(model=stack.checkpoint.name, prompt=PROMPTS[1], stream=True, temperature=0,
+    stream = c.completions.create(model=stack.model_name, prompt=PROMPTS[1], stream=True, temperature=0,
                                   max_tokens=400, extra_body={"ignore_eos": True})
     iterator = iter(stream)
     next(iterator)
@@ -238,7 +238,7 @@ def post(stack, path: str, body: bytes, headers: dict | None = None):
     (json.dumps({"model": "other-model", "prompt": "hi"}).encode(), 404, "does not exist"),
 ])
 def test_bad_input_gets_openai_shaped_errors(stack, body, status, needle):
-    body = body.replace(b'"M"', json.dumps(stack.checkpoint.name).encode())
+    body = body.replace(b'"M"', json.dumps(stack.model_name).encode())
     code, payload, _ = post(stack, "/v1/completions", body)
     assert code == status
     assert needle in payload["error"]["message"]
@@ -253,13 +253,13 @@ def test_oversized_body_is_413(stack):
 def test_wrong_api_key_is_401(stack):
     bad = openai.OpenAI(base_url=f"{stack.gateway_url}/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
-        bad.completions.create(model=stack.checkpoint.name, prompt="hi", max_tokens=2)
+        bad.completions.create(model=stack.model_name, prompt="hi", max_tokens=2)
 
 
 def test_saturation_answers_429_with_retry_after(stack):
     async def one(c):
         try:
-            stream = await c.completions.create(model=stack.checkpoint.name, prompt=PROMPTS[2], stream=True,
+            stream = await c.completions.create(model=stack.model_name, prompt=PROMPTS[2], stream=True,
                                                 temperature=0, max_tokens=60, extra_body={"ignore_eos": True})
             return len([ch async for ch in stream if ch.choices and ch.choices[0].text is not None])
         except openai.RateLimitError as exc:

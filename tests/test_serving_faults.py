@@ -48,7 +48,7 @@ def client(stack) -> openai.OpenAI:
 
 
 def complete(stack, prompt=PROMPT, max_tokens=8):
-    return client(stack).completions.create(model=stack.checkpoint.name, prompt=prompt, temperature=0,
+    return client(stack).completions.create(model=stack.model_name, prompt=prompt, temperature=0,
                                             max_tokens=max_tokens, extra_body={"ignore_eos": True})
 
 
@@ -107,7 +107,7 @@ def test_prefill_worker_killed_request_is_computed_elsewhere(stack):
 
 def test_decode_worker_killed_mid_stream_gives_an_error_event(stack):
     c = client(stack)
-    stream = c.completions.create(model=stack.checkpoint.name, prompt=PROMPT, stream=True, temperature=0,
+    stream = c.completions.create(model=stack.model_name, prompt=PROMPT, stream=True, temperature=0,
                                   max_tokens=1000, extra_body={"ignore_eos": True})
     chunks = iter(stream)
     next(chunks)
