@@ -6,7 +6,8 @@ HTTP API (internal; the gateway and peers call it):
     POST /prefill    PrefillRequest   -> PrefillResult          (prefill / both)
     POST /abort      AbortRequest     -> 200 whether or not the request was here
     GET  /health                      -> 200 while serving
-    GET  /stats                       -> JSON counters (tests and ops)
+    GET  /stats[?check=1]             -> JSON counters (tests and ops); check=1 adds the block
+                                         pool's integrity check (pool_ok, pool_error)
     GET  /metrics                     -> Prometheus text
     GET  /admin/status, POST /admin/drain, POST /admin/role   (X-Admin-Token)
 
@@ -54,6 +55,24 @@ class RecentLatency:
         return sum(self.values) / len(self.values) if self.values else None
 
 
+class RecentRate:
+    """Rate of a growing counter over the last ``window_s`` seconds (prefill tokens computed per
+    second, reported in the registry for ``pdctl rebalance``).  Fed one sample per heartbeat."""
+
+    def __init__(self, window_s: float = 20.0):
+        self.window_s = window_s
+        self.samples: deque[tuple[float, float]] = deque()
+
+    def update(self, count: float, now: float | None = None) -> float:
+        """Record ``count`` at ``now``; return the rate since the oldest sample in the window."""
+        now = time.monotonic() if now is None else now
+        self.samples.append((now, count))
+        while len(self.samples) > 2 and now - self.samples[1][0] >= self.window_s:
+            self.samples.popleft()
+        (t0, c0), (t1, c1) = self.samples[0], self.samples[-1]
+        return max(0.0, (c1 - c0) / (t1 - t0)) if t1 > t0 else 0.0
+
+
 class Worker:
     """One worker process.  ``start()`` loads the model and joins the pool; ``stop()`` leaves it."""
 
@@ -70,6 +89,8 @@ class Worker:
         self.metrics = WorkerMetrics()
         self.ttft = RecentLatency()
         self.tpot = RecentLatency()
+        self.prefill_rate = RecentRate()
+        self._drain_task: asyncio.Task | None = None
         self.started_at = time.time()
         self._idle = asyncio.Event()
         self._redis = None
@@ -135,6 +156,11 @@ class Worker:
             await self.kv_receiver.close()
         if self.kv_sender:
             await self.kv_sender.close()
+        if self.config.kv.transport == "ucx":
+            # ucxx's notifier thread is not a daemon: without this the process never exits.
+            from kvtransfer.transport_ucx import import_ucxx
+
+            import_ucxx().stop_notifier_thread()
         if self.engine_thread:
             self.engine_thread.stop()
         for task in list(self._background):
@@ -152,6 +178,7 @@ class Worker:
         """This worker's registry entry, as of now."""
         stats = self.engine.stats()
         waiting_tokens = sum(r.num_tokens - r.num_computed_tokens for r in list(self.engine.scheduler.waiting))
+        computed = stats["prompt_tokens_total"] - stats["prefix_cache_hit_tokens_total"]
         return WorkerInfo(
             worker_id=self.config.worker_id, role=self.role, model=self.engine.model_id,
             http_address=self.http_url, kv_address=self.kv_address,
@@ -159,7 +186,8 @@ class Worker:
                               max_num_seqs=self.engine.config.max_num_seqs),
             state=self.state,
             load=Load(num_waiting=stats["num_waiting"], num_running=stats["num_running"],
-                      kv_usage=min(1.0, max(0.0, stats["kv_usage"])), num_waiting_prefill_tokens=waiting_tokens),
+                      kv_usage=min(1.0, max(0.0, stats["kv_usage"])), num_waiting_prefill_tokens=waiting_tokens,
+                      prefill_tokens_per_s=self.prefill_rate.update(computed)),
             recent_ttft_s=self.ttft.mean, recent_tpot_s=self.tpot.mean, started_at=self.started_at,
         )
 
@@ -224,21 +252,40 @@ class Worker:
         task.cancel()
         return True
 
-    async def drain(self) -> None:
-        """Stop taking new requests, finish what is in flight, then report idle."""
+    def begin_drain(self) -> asyncio.Task:
+        """Stop taking new requests now; the returned task finishes when nothing is in flight and
+        the worker reports idle.  A role change before then cancels the drain (the worker is
+        active again), so a late "idle" never parks a worker that was put back to work."""
         self.state = "draining"
+        if self._drain_task is None or self._drain_task.done():
+            self._drain_task = self.spawn(self._finish_drain())
+        return self._drain_task
+
+    async def _finish_drain(self) -> None:
         await self._heartbeat.beat()
         if self.inflight:
             await self._idle.wait()
-        self.state = "idle"
-        await self._heartbeat.beat()
+        if self.state == "draining":
+            self.state = "idle"
+            await self._heartbeat.beat()
+
+    async def drain(self) -> None:
+        """Stop taking new requests, finish what is in flight, then report idle."""
+        await self.begin_drain()
 
     async def set_role(self, role: str) -> None:
-        """Change what this worker accepts from now on; work in flight completes as it started."""
+        """Change what this worker accepts from now on; work in flight completes as it started.
+
+        Leaving the decode pool: running streams keep decoding here until they finish (only new
+        /generate calls are refused).  Leaving the prefill pool: prefills in flight finish and ship
+        their KV.  The registry entry is rewritten at once, so the gateway routes by the new role
+        on its next read.  Also the way back from a drain: the worker becomes active again."""
         if role not in ROLES:
             raise ValueError(f"unknown role {role!r}; expected one of {', '.join(ROLES)}")
         log.info("role change %s -> %s", self.role, role)
         self.role = role
+        if self._drain_task is not None and not self._drain_task.done():
+            self._drain_task.cancel()
         if self.state in ("idle", "draining"):
             self.state = "active"
         await self._heartbeat.beat()
@@ -279,9 +326,20 @@ class Worker:
                    inflight=len(self.inflight), engine_steps=self.engine_thread.steps)
         return out
 
-    async def _handle_stats(self, _request: web.Request) -> web.Response:
-        stats = await self.engine_thread.call(lambda _e: self.stats())
-        return web.json_response(stats)
+    async def _handle_stats(self, request: web.Request) -> web.Response:
+        check = request.query.get("check") in ("1", "true")
+
+        def collect(engine: Engine) -> dict:  # engine thread: the pool is not changing under us
+            out = self.stats()
+            if check:
+                try:
+                    engine.block_pool.check_integrity()
+                    out.update(pool_ok=True, pool_error=None)
+                except AssertionError as exc:
+                    out.update(pool_ok=False, pool_error=str(exc))
+            return out
+
+        return web.json_response(await self.engine_thread.call(collect))
 
     async def _handle_metrics(self, _request: web.Request) -> web.Response:
         self.metrics.observe_engine(self.engine.stats())
@@ -303,8 +361,8 @@ class Worker:
         return web.Response(body=msgspec.json.encode(self.info()), content_type="application/json")
 
     async def _handle_drain(self, _request: web.Request) -> web.Response:
-        self.spawn(self.drain())
-        return web.json_response({"worker_id": self.config.worker_id, "state": "draining"})
+        self.begin_drain()
+        return web.json_response({"worker_id": self.config.worker_id, "role": self.role, "state": self.state})
 
     async def _handle_role(self, request: web.Request) -> web.Response:
         try:
