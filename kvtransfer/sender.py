@@ -76,8 +76,8 @@ class OutgoingTransfer:
         try:
             await asyncio.wait_for(asyncio.shield(self._outcome), lease)
         except asyncio.TimeoutError:
-            self.abort(f"no acknowledgement within the {lease}s lease")
             self._fail(TransferTimeout(f"transfer {self.transfer_id!r}: no acknowledgement within {lease}s"))
+            self._conn.notify(Abort(self.transfer_id, f"sender lease of {lease}s expired"))
             self._check()
 
     def abort(self, reason: str = "") -> None:

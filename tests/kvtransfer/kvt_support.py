@@ -1,0 +1,18 @@
+"""Helpers shared by the KV-transfer tests and their subprocess peer (tiny layout, seeded caches)."""
+from __future__ import annotations
+
+import torch
+
+from common.kv_cache import KVCache, KVLayout
+
+# 2 layers x K/V x 4 tokens x 2 heads x 8 dims x fp32 = 1 KiB per block.
+LAYOUT = KVLayout(model_id="tiny", dtype="float32", block_size=4, num_layers=2, num_kv_heads=2, head_dim=8)
+NUM_BLOCKS = 32
+TRANSPORTS = ["inproc", "tcp", "ucx"]
+
+
+def random_cache(seed: int, layout: KVLayout = LAYOUT, num_blocks: int = NUM_BLOCKS) -> KVCache:
+    cache = KVCache(layout, num_blocks)
+    gen = torch.Generator().manual_seed(seed)
+    cache.buffer.copy_(torch.randn(cache.buffer.shape, generator=gen).to(cache.buffer.dtype))
+    return cache
