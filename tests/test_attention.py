@@ -1,0 +1,103 @@
+"""Attention backends: the torch path against a dense reference, and the flash-attn backend's
+metadata (paged and gathered) against the torch path, with a torch stand-in for the CUDA kernel."""
+import math
+
+import pytest
+import torch
+
+from common.attention import AttentionRequest, FlashAttention, TorchAttention
+from common.kv_cache import KVCache, KVLayout
+
+HEADS, KV_HEADS, DIM = 4, 2, 8
+
+
+def varlen_reference(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causal, window_size, block_table=None):
+    """flash_attn_varlen_func's contract in plain torch (bottom-right causal alignment)."""
+    out = torch.empty_like(q)
+    for i in range(len(cu_q) - 1):
+        qs, qe, ks, ke = int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i]), int(cu_k[i + 1])
+        if block_table is not None:  # paged: k is [num_blocks, block_size, heads, dim]
+            bs = k.shape[1]
+            n = ke - ks
+            blocks = block_table[i, : math.ceil(n / bs)].long()
+            keys, values = k[blocks].reshape(-1, *k.shape[2:])[:n], v[blocks].reshape(-1, *v.shape[2:])[:n]
+        else:
+            keys, values = k[ks:ke], v[ks:ke]
+        lq, lk = qe - qs, keys.shape[0]
+        qpos = torch.arange(lk - lq, lk)[:, None]
+        kpos = torch.arange(lk)[None, :]
+        mask = kpos <= qpos if causal else torch.ones(lq, lk, dtype=torch.bool)
+        if window_size[0] >= 0:
+            mask &= kpos >= qpos - window_size[0]
+        rep = q.shape[1] // keys.shape[1]
+        keys, values = keys.repeat_interleave(rep, 1), values.repeat_interleave(rep, 1)
+        scores = torch.einsum("qhd,khd->hqk", q[qs:qe], keys) * softmax_scale
+        scores = scores.masked_fill(~mask, float("-inf"))
+        out[qs:qe] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
+    return out
+
+
+def scenario(block_size, num_blocks=64, seed=0):
+    """Three requests: a prompt chunk after a cached prefix, a decode, a fresh prompt."""
+    g = torch.Generator().manual_seed(seed)
+    layout = KVLayout("m", "float32", block_size, 1, KV_HEADS, DIM)
+    cache = KVCache(layout, num_blocks)
+    cache.buffer.copy_(torch.randn(cache.buffer.shape, generator=g))
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    specs = [(5, 3 * block_size + 7), (1, 2 * block_size + 1), (9, 9)]  # (new tokens, context after step)
+    requests, start = [], 0
+    for n, ctx in specs:
+        nblocks = math.ceil(ctx / block_size)
+        requests.append(AttentionRequest(start, n, ctx, [perm.pop() for _ in range(nblocks)]))
+        start += n
+    q = torch.randn(start, HEADS, DIM, generator=g)
+    k = torch.randn(start, KV_HEADS, DIM, generator=g)
+    v = torch.randn(start, KV_HEADS, DIM, generator=g)
+    return cache, requests, q, k, v
+
+
+def dense_reference(cache, requests, q, k, v, window):
+    """Write the new K/V by hand and attend over each request's full context."""
+    out = torch.empty_like(q)
+    bs = cache.block_size
+    key, value = cache.key(0).clone(), cache.value(0).clone()
+    for r in requests:
+        for j in range(r.num_query_tokens):
+            pos = r.context_len - r.num_query_tokens + j
+            key[r.block_ids[pos // bs], pos % bs] = k[r.query_start + j]
+            value[r.block_ids[pos // bs], pos % bs] = v[r.query_start + j]
+    for r in requests:
+        blocks = torch.tensor(r.block_ids)
+        keys = key[blocks].reshape(-1, KV_HEADS, DIM)[: r.context_len]
+        values = value[blocks].reshape(-1, KV_HEADS, DIM)[: r.context_len]
+        sl = slice(r.query_start, r.query_start + r.num_query_tokens)
+        window_size = (-1, -1) if window is None else (window - 1, 0)
+        out[sl] = varlen_reference(q[sl], keys, values, [0, r.num_query_tokens], [0, r.context_len], 0, 0,
+                                   DIM**-0.5, True, window_size)
+    return out
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_torch_backend_matches_dense_attention(window):
+    cache, requests, q, k, v = scenario(block_size=4)
+    expected = dense_reference(cache, requests, q, k, v, window)
+    backend = TorchAttention({window}, 4)
+    meta = backend.prepare(requests, "cpu")
+    out = backend.forward(q, k, v, cache, 0, meta, window, DIM**-0.5)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("block_size", [4, 256])  # gathered (small blocks) and paged (multiple of 256)
+@pytest.mark.parametrize("window", [None, 5])
+def test_flash_backend_metadata_matches_torch_backend(block_size, window):
+    cache, requests, q, k, v = scenario(block_size, num_blocks=16)
+    torch_cache = KVCache(cache.layout, cache.num_blocks)
+    torch_cache.buffer.copy_(cache.buffer)
+    expected_backend = TorchAttention({window}, block_size)
+    expected = expected_backend.forward(q, k, v, torch_cache, 0, expected_backend.prepare(requests, "cpu"), window,
+                                        DIM**-0.5)
+    flash = FlashAttention({window}, block_size, varlen_func=varlen_reference)
+    assert flash.paged == (block_size == 256)
+    out = flash.forward(q, k, v, cache, 0, flash.prepare(requests, "cpu"), window, DIM**-0.5)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cache.buffer, torch_cache.buffer)  # both wrote the same slots
