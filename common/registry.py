@@ -61,6 +61,7 @@ class Load(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     num_running: NonNegInt = 0
     kv_usage: Fraction = 0.0
     num_waiting_prefill_tokens: NonNegInt = 0  # prompt tokens admitted but not yet computed
+    prefill_tokens_per_s: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0  # prompt tokens computed, recent rate
 
 
 class WorkerInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

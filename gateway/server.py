@@ -26,7 +26,7 @@ from common.messages import TokenFrame
 from common.model_loader import load_hf_config, resolve_checkpoint
 from common.prefix_index import PrefixIndexReader
 from common.redis_util import connect, redis_url_from_env
-from common.registry import WorkerRegistry
+from common.registry import ROLES, WorkerRegistry
 from gateway.dispatch import Dispatcher
 from gateway.handlers import Generation, OpenAIHandlers
 from gateway.metrics import GatewayMetrics
@@ -219,16 +219,34 @@ class Gateway:
             worker = next((w for w in self.pool.workers if w.worker_id == worker_id), None)
             if worker is None:
                 raise OpenAIError(404, f"unknown worker {worker_id!r}", code="worker_not_found")
-            body = await request.read() if action == "role" else b"{}"
+            body = b"{}"
+            if action == "role":
+                body = await request.read()
+                _check_role_body(body)
             headers = {"X-Admin-Token": self.config.admin_token, "Content-Type": "application/json"}
             try:
                 async with self.session.post(f"{worker.http_address}/admin/{action}", data=body, headers=headers,
                                              timeout=aiohttp.ClientTimeout(total=10)) as resp:
-                    return web.Response(status=resp.status, body=await resp.read(), content_type="application/json")
+                    answer = web.Response(status=resp.status, body=await resp.read(), content_type="application/json")
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                 raise OpenAIError(503, f"worker {worker_id} did not answer: {exc}") from None
+            if resp.status == 200:
+                await self.pool.refresh()  # the worker re-registered already: route by its new state now
+            return answer
 
         return proxy
+
+
+def _check_role_body(body: bytes) -> None:
+    """Refuse a bad ``{"role": ...}`` here, before anything reaches the worker."""
+    try:
+        role = msgspec.json.decode(body)["role"]
+    except (msgspec.DecodeError, KeyError, TypeError):
+        choices = "|".join(ROLES)
+        raise OpenAIError(400, f'expected a JSON body {{"role": "{choices}"}}', param="role") from None
+    if role not in ROLES:
+        raise OpenAIError(400, f"unknown role {role!r}; expected one of {', '.join(ROLES)}", param="role",
+                          code="invalid_role")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,300 @@
+"""pdctl: read and resize the pools of a running deployment, through the gateway's admin API.
+
+    pdctl status                          table of the workers, by pool
+    pdctl drain WORKER [--wait]           stop admitting, finish in-flight work, report idle
+    pdctl set-role WORKER ROLE [--wait]   prefill | decode | both, live (also resumes a drained worker)
+    pdctl rebalance [targets] [--apply]   propose (and apply) role moves that meet TTFT/TPOT targets
+    pdctl scale --prefill N --decode M    the `docker compose up --scale` command for that many workers
+
+``--url`` (``PDSERVE_GATEWAY_URL``, default http://127.0.0.1:8000) and ``--admin-token``
+(``PDSERVE_ADMIN_TOKEN``) say where the gateway is.  Exit status: 0 done, 1 the gateway or a
+worker refused or failed, 2 bad command line.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import asdict
+
+from common.registry import ROLES
+from gateway.rebalance import Move, Targets, WorkerReading, plan
+
+
+class AdminError(Exception):
+    """The gateway (or the worker behind it) said no, or could not be reached."""
+
+
+class AdminClient:
+    """The gateway's admin endpoints, over plain HTTP."""
+
+    def __init__(self, url: str, token: str | None, timeout: float = 15.0):
+        self.url = url.rstrip("/")
+        self.token = token
+        self.timeout = timeout
+
+    def _call(self, method: str, path: str, body: dict | None = None) -> dict:
+        headers = {"Content-Type": "application/json"}
+        if self.token:
+            headers["X-Admin-Token"] = self.token
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, method=method, headers=headers)
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                return json.loads(resp.read() or b"{}")
+        except urllib.error.HTTPError as exc:
+            raise AdminError(f"{method} {path}: HTTP {exc.code}: {_error_message(exc.read())}") from None
+        except (urllib.error.URLError, OSError) as exc:
+            reason = getattr(exc, "reason", exc)
+            raise AdminError(f"cannot reach the gateway at {self.url}: {reason}") from None
+
+    def pools(self) -> dict:
+        return self._call("GET", "/admin/pools")
+
+    def workers(self) -> list[dict]:
+        return self.pools()["workers"]
+
+    def drain(self, worker_id: str) -> dict:
+        return self._call("POST", f"/admin/workers/{_quote(worker_id)}/drain", {})
+
+    def set_role(self, worker_id: str, role: str) -> dict:
+        return self._call("POST", f"/admin/workers/{_quote(worker_id)}/role", {"role": role})
+
+    def wait_for(self, worker_id: str, done, what: str, timeout: float, since: float = 0.0) -> dict:
+        """Poll the pools until ``done(entry)`` holds for the worker, with a heartbeat newer than
+        ``since`` (so its load is read after the change).  Raises AdminError on timeout."""
+        deadline = time.monotonic() + timeout
+        entry = None
+        while True:
+            entry = next((w for w in self.workers() if w["worker_id"] == worker_id), None)
+            if entry is not None and entry.get("heartbeat_at", 0) >= since and done(entry):
+                return entry
+            if time.monotonic() > deadline:
+                state = "gone from the registry" if entry is None else f"{entry['role']}/{entry['state']}"
+                raise AdminError(f"worker {worker_id} did not become {what} within {timeout:g}s (now {state})")
+            time.sleep(0.25)
+
+
+def _quote(worker_id: str) -> str:
+    from urllib.parse import quote
+
+    return quote(worker_id, safe="")
+
+
+def _error_message(raw: bytes) -> str:
+    """The message of an OpenAI-shaped error from the gateway or a plain one from a worker."""
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return raw.decode(errors="replace")[:500] or "(empty body)"
+    error = body.get("error") if isinstance(body, dict) else None
+    if isinstance(error, dict):
+        return str(error.get("message"))
+    return str(error if error is not None else body)
+
+
+# ---- status ----------------------------------------------------------------------------------
+
+
+def _fmt(value, spec: str, missing: str = "-") -> str:
+    return missing if value is None else format(value, spec)
+
+
+def status_table(workers: list[dict]) -> str:
+    """One row per worker, grouped by role, then a line per pool."""
+    header = ("WORKER", "ROLE", "STATE", "WAIT", "RUN", "WAIT_TOK", "PREFILL_TOK/S", "KV", "TTFT_MS", "TPOT_MS",
+              "SLOTS")
+    rows = [header]
+    order = {role: i for i, role in enumerate(ROLES)}
+    for w in sorted(workers, key=lambda w: (order.get(w["role"], 9), w["worker_id"])):
+        load, cap = w.get("load") or {}, w.get("capacity") or {}
+        ttft, tpot = w.get("recent_ttft_s"), w.get("recent_tpot_s")
+        rows.append((
+            w["worker_id"], w["role"], w["state"], str(load.get("num_waiting", 0)), str(load.get("num_running", 0)),
+            str(load.get("num_waiting_prefill_tokens", 0)), _fmt(load.get("prefill_tokens_per_s"), ".0f"),
+            f"{load.get('kv_usage', 0.0):.0%}", _fmt(None if ttft is None else ttft * 1000, ".0f"),
+            _fmt(None if tpot is None else tpot * 1000, ".1f"), str(cap.get("max_num_seqs", "-")),
+        ))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
+    active = [w for w in workers if w["state"] == "active"]
+    for pool, roles in (("prefill", ("prefill", "both")), ("decode", ("decode", "both"))):
+        members = [w for w in active if w["role"] in roles]
+        lines.append(f"{pool} pool: {len(members)} active worker(s)")
+    parked = [w["worker_id"] for w in workers if w["state"] != "active"]
+    if parked:
+        lines.append(f"not routable: {', '.join(parked)}")
+    return "\n".join(lines)
+
+
+# ---- commands --------------------------------------------------------------------------------
+
+
+def cmd_status(client: AdminClient, args) -> int:
+    pools = client.pools()
+    if args.json:
+        print(json.dumps(pools, indent=2))
+    else:
+        print(f"model {pools.get('model')}")
+        print(status_table(pools["workers"]))
+    return 0
+
+
+def cmd_drain(client: AdminClient, args) -> int:
+    since = time.time()
+    answer = client.drain(args.worker)
+    print(f"{args.worker}: {answer.get('state', 'draining')}")
+    if args.wait:
+        client.wait_for(args.worker, lambda w: w["state"] == "idle", "idle", args.timeout, since)
+        print(f"{args.worker}: idle")
+    return 0
+
+
+def cmd_set_role(client: AdminClient, args) -> int:
+    apply_move(client, Move(args.worker, "?", args.role), wait=args.wait, timeout=args.timeout)
+    return 0
+
+
+def apply_move(client: AdminClient, move: Move, *, wait: bool, timeout: float) -> None:
+    """Set the role; with ``wait``, until the pools show it active in its new role with a fresh
+    heartbeat (its in-flight work of the old role finishes in the background)."""
+    since = time.time()
+    answer = client.set_role(move.worker_id, move.to_role)
+    print(f"{move.worker_id}: role {answer.get('role', move.to_role)}, state {answer.get('state', '?')}")
+    if wait:
+        client.wait_for(move.worker_id, lambda w: w["role"] == move.to_role and w["state"] == "active",
+                        f"{move.to_role}/active", timeout, since)
+        print(f"{move.worker_id}: settled as {move.to_role}")
+
+
+def targets_from_args(args) -> Targets:
+    return Targets(ttft_s=args.ttft_target, tpot_s=args.tpot_target, prefill_rate=args.prefill_rate,
+                   utilization=args.utilization, kv_target=args.kv_target)
+
+
+def cmd_rebalance(client: AdminClient, args) -> int:
+    targets = targets_from_args(args)
+    readings = [WorkerReading.from_info(w) for w in client.workers()]
+    result = plan(readings, targets)
+    if args.json:
+        print(json.dumps(asdict(result), indent=2))
+    else:
+        for line in result.reasons:
+            print(line)
+        print(f"prefill pool {result.prefill_now} -> needs {result.prefill_needed}; "
+              f"decode pool {result.decode_now} -> needs {result.decode_needed}")
+        if not result.moves:
+            print("no moves")
+        for move in result.moves:
+            print(f"move {move.worker_id}: {move.from_role} -> {move.to_role}")
+    if args.apply:
+        for move in result.moves:  # one at a time, each settled before the next
+            apply_move(client, move, wait=True, timeout=args.timeout)
+    elif result.moves and not args.json:
+        print("dry run: add --apply to make these moves")
+    return 0
+
+
+def scale_command(prefill: int, decode: int, compose_file: str, compose: str = "docker compose",
+                  env_file: str | None = None, project: str | None = None) -> list[str]:
+    """The compose command that runs ``prefill`` prefill and ``decode`` decode workers."""
+    if prefill < 0 or decode < 0 or prefill + decode < 1:
+        raise ValueError(f"need at least one worker, got --prefill {prefill} --decode {decode}")
+    cmd = shlex.split(compose)
+    if project:
+        cmd += ["-p", project]
+    cmd += ["-f", compose_file]
+    if env_file:
+        cmd += ["--env-file", env_file]
+    return cmd + ["up", "-d", "--no-recreate", "--scale", f"prefill={prefill}", "--scale", f"decode={decode}"]
+
+
+def cmd_scale(_client, args) -> int:
+    if args.gpus is not None and args.prefill + args.decode > args.gpus:
+        raise ValueError(f"--prefill {args.prefill} + --decode {args.decode} workers need more GPUs than the "
+                         f"{args.gpus} this host has (one GPU per worker)")
+    cmd = scale_command(args.prefill, args.decode, args.file, args.compose, args.env_file, args.project)
+    print(shlex.join(cmd))
+    print("note: compose stops surplus containers when scaling down; `pdctl drain` them first so no "
+          "stream is cut, and live pool changes are `pdctl set-role`/`rebalance`", file=sys.stderr)
+    if args.run:
+        return subprocess.call(cmd)
+    return 0
+
+
+# ---- command line ----------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    env = os.environ.get
+    p = argparse.ArgumentParser(prog="pdctl", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--url", default=env("PDSERVE_GATEWAY_URL", "http://127.0.0.1:8000"), help="the gateway")
+    p.add_argument("--admin-token", default=env("PDSERVE_ADMIN_TOKEN"), help="X-Admin-Token (PDSERVE_ADMIN_TOKEN)")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("status", help="table of the pools")
+    s.add_argument("--json", action="store_true", help="the raw /admin/pools answer")
+    s.set_defaults(func=cmd_status)
+
+    s = sub.add_parser("drain", help="stop admitting, finish in-flight work, then report idle")
+    s.add_argument("worker")
+    s.add_argument("--wait", action="store_true", help="until the worker reports idle")
+    s.add_argument("--timeout", type=float, default=600.0)
+    s.set_defaults(func=cmd_drain)
+
+    s = sub.add_parser("set-role", help="change a worker's role live")
+    s.add_argument("worker")
+    s.add_argument("role", choices=ROLES)
+    s.add_argument("--wait", action="store_true", help="until the pools show the new role")
+    s.add_argument("--timeout", type=float, default=60.0)
+    s.set_defaults(func=cmd_set_role)
+
+    s = sub.add_parser("rebalance", help="compute the prefill:decode split the load needs; --apply to move",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    s.add_argument("--ttft-target", type=float, default=2.0, help="seconds to first token")
+    s.add_argument("--tpot-target", type=float, default=0.2, help="seconds per output token")
+    s.add_argument("--prefill-rate", type=float, default=None,
+                   help="one worker's prefill throughput in tokens/s (default: estimated from the readings)")
+    s.add_argument("--utilization", type=float, default=0.8, help="plan each worker to this fraction of capacity")
+    s.add_argument("--kv-target", type=float, default=0.8, help="plan decode workers to this KV usage at most")
+    s.add_argument("--apply", action="store_true", help="make the moves, one at a time (default: dry run)")
+    s.add_argument("--timeout", type=float, default=60.0, help="seconds each move may take to settle")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_rebalance)
+
+    s = sub.add_parser("scale", help="compose deployments: `docker compose up --scale` for N prefill, M decode")
+    s.add_argument("--prefill", type=int, required=True)
+    s.add_argument("--decode", type=int, required=True)
+    s.add_argument("--file", "-f", default=env("PDSERVE_COMPOSE_FILE", "compose/docker-compose.yml"))
+    s.add_argument("--env-file", default=None)
+    s.add_argument("--project", "-p", default=None, help="compose project name")
+    s.add_argument("--compose", default=env("PDSERVE_COMPOSE", "docker compose"),
+                   help="the compose command (e.g. docker-compose)")
+    s.add_argument("--gpus", type=int, default=None, help="GPUs on the host: refuse more workers than this")
+    s.add_argument("--run", action="store_true", help="run the command instead of only printing it")
+    s.set_defaults(func=cmd_scale)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    client = AdminClient(args.url, args.admin_token)
+    try:
+        return args.func(client, args)
+    except AdminError as exc:
+        print(f"pdctl: error: {exc}", file=sys.stderr)
+        return 1
+    except ValueError as exc:
+        print(f"pdctl: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
