@@ -38,7 +38,11 @@ Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
 WorkerId = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9._:@-]{1,128}$")]
 
 
-class KVAddress(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+# Registry entries tolerate unknown fields: during a rolling upgrade, old gateways read entries that
+# newer workers wrote (and vice versa), and a new field must not make a live worker invisible.
+
+
+class KVAddress(msgspec.Struct, frozen=True):
     """Where peers reach this worker's KV transfer endpoint."""
 
     transport: Literal["ucx", "tcp", "inproc"]
@@ -46,7 +50,7 @@ class KVAddress(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     port: Port
 
 
-class Capacity(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class Capacity(msgspec.Struct, frozen=True):
     """What the worker's engine was sized to (fixed for the worker's lifetime)."""
 
     num_kv_blocks: PosInt
@@ -54,7 +58,7 @@ class Capacity(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_num_seqs: PosInt
 
 
-class Load(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class Load(msgspec.Struct, frozen=True):
     """The engine's load at the last heartbeat."""
 
     num_waiting: NonNegInt = 0
@@ -64,7 +68,7 @@ class Load(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     prefill_tokens_per_s: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0  # prompt tokens computed, recent rate
 
 
-class WorkerInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class WorkerInfo(msgspec.Struct, frozen=True):
     """One worker's registry entry (the value stored in Redis, as JSON).
 
     ``heartbeat_at`` is stamped by the registry on every write; ``started_at`` by the worker.

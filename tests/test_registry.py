@@ -166,3 +166,29 @@ async def test_heartbeat_survives_redis_outage():
     finally:
         await client.aclose()
         server.stop()
+
+
+async def test_entries_from_a_newer_worker_with_extra_fields_are_still_read(redis_client, key_prefix):
+    """Rolling upgrades: an entry carrying a field this reader does not know must not vanish."""
+    import msgspec as _msgspec
+
+    from common.registry import WorkerRegistry as _Registry
+
+    registry = _Registry(redis_client, key_prefix=key_prefix)
+    info = _make_info_for_compat()
+    await registry.register(info)
+    key = registry.keys(info.model).worker(info.worker_id)
+    raw = _msgspec.json.decode(await redis_client.get(key))
+    raw["future_field"] = 1
+    raw["load"]["future_load_field"] = 2
+    await redis_client.set(key, _msgspec.json.encode(raw), px=5000)
+    workers = await registry.list_workers(info.model)
+    assert [w.worker_id for w in workers] == [info.worker_id]
+
+
+def _make_info_for_compat():
+    from common.registry import Capacity, KVAddress, WorkerInfo
+
+    return WorkerInfo(worker_id="w-compat", role="decode", model="m", http_address="http://127.0.0.1:1",
+                      kv_address=KVAddress(transport="tcp", host="127.0.0.1", port=2),
+                      capacity=Capacity(num_kv_blocks=8, block_size=4, max_num_seqs=2), state="active")
