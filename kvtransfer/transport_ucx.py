@@ -24,6 +24,7 @@ import logging
 import os
 import re
 import struct
+import threading
 from typing import Awaitable, Callable
 
 import numpy as np
@@ -45,6 +46,9 @@ UCX_DEFAULTS = {
 }
 
 
+_exit_hook_registered = False
+
+
 def import_ucxx():
     """Import ucxx with our defaults in the environment (they must be set before UCX starts)."""
     for key, value in UCX_DEFAULTS.items():
@@ -53,6 +57,14 @@ def import_ucxx():
         os.environ.setdefault("UCX_RNDV_FRAG_MEM_TYPE", "host")
     import ucxx
 
+    global _exit_hook_registered
+    if not _exit_hook_registered and os.environ.get("UCXPY_ENABLE_PYTHON_FUTURE") != "0":
+        # ucxx's notifier thread is not a daemon and would block interpreter exit forever; stop it
+        # in the hook that runs before non-daemon threads are joined (what concurrent.futures uses).
+        register = getattr(threading, "_register_atexit", None)
+        if register is not None:
+            register(ucxx.stop_notifier_thread)
+        _exit_hook_registered = True
     return ucxx
 
 
