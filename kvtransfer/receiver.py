@@ -183,12 +183,13 @@ class KVReceiver:
         return len(self._transfers)
 
     async def close(self) -> None:
-        if self._listener is not None:
-            self._listener.close()
         for handle in list(self._transfers.values()):
             handle.fail(TransferAborted("receiver closed"))
         for conn in list(self._conns):
             conn.channel.close()
+        await asyncio.sleep(0)  # let the connection handlers see the close and end
+        if self._listener is not None:
+            self._listener.close()
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -167,6 +167,11 @@ class KVSender:
         conn.transfers[transfer_id] = tx
         return tx
 
+    def describe(self, address: str) -> str | None:
+        """What carries the bytes to ``address`` (e.g. the UCX lanes), if connected."""
+        conn = self._conns.get(address)
+        return conn.channel.description if conn is not None else None
+
     def get(self, transfer_id: str) -> OutgoingTransfer | None:
         for conn in self._conns.values():
             if transfer_id in conn.transfers:
