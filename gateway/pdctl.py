@@ -66,14 +66,20 @@ class AdminClient:
     def set_role(self, worker_id: str, role: str) -> dict:
         return self._call("POST", f"/admin/workers/{_quote(worker_id)}/role", {"role": role})
 
-    def wait_for(self, worker_id: str, done, what: str, timeout: float, since: float = 0.0) -> dict:
-        """Poll the pools until ``done(entry)`` holds for the worker, with a heartbeat newer than
-        ``since`` (so its load is read after the change).  Raises AdminError on timeout."""
+    def last_heartbeat(self, worker_id: str) -> float:
+        """The worker's ``heartbeat_at`` now (its own clock), or 0.0 if it is not registered."""
+        entry = next((w for w in self.workers() if w["worker_id"] == worker_id), None)
+        return entry.get("heartbeat_at", 0.0) if entry else 0.0
+
+    def wait_for(self, worker_id: str, done, what: str, timeout: float, after: float = 0.0) -> dict:
+        """Poll the pools until ``done(entry)`` holds for the worker in an entry written after
+        ``after`` (a ``heartbeat_at`` read before the change: the worker's clock, so no skew with
+        this host's).  Raises AdminError on timeout."""
         deadline = time.monotonic() + timeout
         entry = None
         while True:
             entry = next((w for w in self.workers() if w["worker_id"] == worker_id), None)
-            if entry is not None and entry.get("heartbeat_at", 0) >= since and done(entry):
+            if entry is not None and entry.get("heartbeat_at", 0) > after and done(entry):
                 return entry
             if time.monotonic() > deadline:
                 state = "gone from the registry" if entry is None else f"{entry['role']}/{entry['state']}"
@@ -147,11 +153,11 @@ def cmd_status(client: AdminClient, args) -> int:
 
 
 def cmd_drain(client: AdminClient, args) -> int:
-    since = time.time()
+    before = client.last_heartbeat(args.worker) if args.wait else 0.0
     answer = client.drain(args.worker)
     print(f"{args.worker}: {answer.get('state', 'draining')}")
     if args.wait:
-        client.wait_for(args.worker, lambda w: w["state"] == "idle", "idle", args.timeout, since)
+        client.wait_for(args.worker, lambda w: w["state"] == "idle", "idle", args.timeout, before)
         print(f"{args.worker}: idle")
     return 0
 
@@ -164,12 +170,12 @@ def cmd_set_role(client: AdminClient, args) -> int:
 def apply_move(client: AdminClient, move: Move, *, wait: bool, timeout: float) -> None:
     """Set the role; with ``wait``, until the pools show it active in its new role with a fresh
     heartbeat (its in-flight work of the old role finishes in the background)."""
-    since = time.time()
+    before = client.last_heartbeat(move.worker_id) if wait else 0.0
     answer = client.set_role(move.worker_id, move.to_role)
     print(f"{move.worker_id}: role {answer.get('role', move.to_role)}, state {answer.get('state', '?')}")
     if wait:
         client.wait_for(move.worker_id, lambda w: w["role"] == move.to_role and w["state"] == "active",
-                        f"{move.to_role}/active", timeout, since)
+                        f"{move.to_role}/active", timeout, before)
         print(f"{move.worker_id}: settled as {move.to_role}")
 
 

@@ -46,7 +46,14 @@ def admin(cluster: LocalStack, path: str, body: bytes | None = None) -> dict:
 
 
 def worker_entry(cluster: LocalStack, worker_id: str) -> dict:
-    return next(w for w in admin(cluster, "/admin/pools")["workers"] if w["worker_id"] == worker_id)
+    """The worker's registry entry (waiting out a heartbeat that ran late on a loaded machine)."""
+    deadline = time.monotonic() + 30
+    while True:
+        entry = next((w for w in admin(cluster, "/admin/pools")["workers"] if w["worker_id"] == worker_id), None)
+        if entry is not None or time.monotonic() > deadline:
+            assert entry is not None, f"{worker_id} is not in the registry"
+            return entry
+        time.sleep(0.1)
 
 
 class Load:
