@@ -55,7 +55,8 @@ class TokenFrame(msgspec.Struct, omit_defaults=True):
     prefill_fallback: bool = False
     num_preemptions: int = 0  # on the last frame
     error: str | None = None
-    # "busy": nothing was started, try another worker; "failed": the request broke mid-way.
+    # Nothing was started, try another worker: "busy" (full) or "refused" (draining, or its role
+    # changed: the caller's view is stale).  "invalid": bad input.  "failed": it broke mid-way.
     error_kind: str | None = None
 
 

@@ -49,7 +49,8 @@ async def handle_generate(worker, request: web.Request) -> web.StreamResponse:
         return web.Response(body=frame(TokenFrame(error=str(exc), error_kind="invalid")), status=400)
     refusal = worker.accepts("generate")
     if refusal:
-        return web.Response(body=frame(TokenFrame(error=refusal, error_kind="busy")), status=503)
+        error_kind, reason = refusal
+        return web.Response(body=frame(TokenFrame(error=reason, error_kind=error_kind)), status=503)
     try:
         worker.track(body.request_id)
     except ValueError as exc:

@@ -99,8 +99,8 @@ class Dispatcher:
                         if frame is None:
                             raise ConnectionError("decode worker closed the stream before the request finished")
                         if frame.error:
-                            if frame.error_kind == "busy" and not streamed:
-                                raise _Retry(frame.error)
+                            if frame.error_kind in ("busy", "refused") and not streamed:
+                                raise _Retry(frame.error, stale_view=frame.error_kind == "refused")
                             if frame.error_kind == "invalid":
                                 raise ValueError(frame.error)
                             raise UpstreamError(frame.error)
@@ -111,8 +111,11 @@ class Dispatcher:
                         if finished:
                             return
             except (_Retry, aiohttp.ClientError, ConnectionError, asyncio.TimeoutError) as exc:
-                self.pool.bench(route.decode.worker_id)
                 exclude.add(route.decode.worker_id)
+                if not isinstance(exc, _Retry):
+                    self.pool.bench(route.decode.worker_id)  # unreachable: keep it out for a while
+                elif exc.stale_view:
+                    await self.pool.refresh()  # it drains or changed role: re-read the registry
                 if streamed:
                     raise UpstreamError(f"decode worker {route.decode.worker_id} failed mid-stream: {exc}") from None
                 if result.attempts >= self.max_attempts:
@@ -141,4 +144,8 @@ class Dispatcher:
 
 
 class _Retry(Exception):
-    pass
+    """The decode worker refused before starting; another one may take the request."""
+
+    def __init__(self, reason: str, stale_view: bool):
+        super().__init__(reason)
+        self.stale_view = stale_view

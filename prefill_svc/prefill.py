@@ -41,7 +41,7 @@ async def handle_prefill(worker, request: web.Request) -> web.Response:
         return _reply(PrefillResult(error=str(exc)), 400)
     refusal = worker.accepts("prefill")
     if refusal:
-        return _reply(PrefillResult(error=refusal), 503)
+        return _reply(PrefillResult(error=refusal[1]), 503)
     try:
         worker.track(body.request_id)
     except ValueError as exc:

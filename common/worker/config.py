@@ -48,7 +48,7 @@ class WorkerConfig:
 
 def _env(name: str, default):
     value = os.environ.get(f"PDSERVE_{name.upper()}")
-    if value is None:
+    if value is None or value == "":  # compose files often set a variable to nothing: "unset"
         return default
     return type(default)(value) if default is not None and not isinstance(default, bool) else value
 
@@ -83,6 +83,8 @@ def build_parser(default_role: str, description: str) -> argparse.ArgumentParser
     add("--max-model-len", type=int, default=_env("max_model_len", None))
     add("--model-id", default=_env("model_id", None), help="model name served to clients")
     add("--log-level", default=_env("log_level", "INFO"))
+    add("--drain-timeout", type=float, default=_env("drain_timeout", 30.0),
+        help="on SIGTERM, seconds to let in-flight requests finish before stopping")
     return p
 
 

@@ -8,8 +8,12 @@ import signal
 from common.worker.config import build_parser, config_from_args
 from common.worker.server import Worker
 
+log = logging.getLogger(__name__)
 
-async def serve(config, ready_file: str | None = None) -> None:
+
+async def serve(config, drain_timeout: float = 30.0) -> None:
+    """Run a worker until SIGINT/SIGTERM, then drain (bounded by ``drain_timeout``) and stop, so a
+    restart or a compose scale-down does not cut the streams in flight."""
     worker = Worker(config)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -19,8 +23,14 @@ async def serve(config, ready_file: str | None = None) -> None:
     print(f"worker {config.worker_id} ({worker.role}) ready at {worker.http_url}", flush=True)
     try:
         await stop.wait()
+        log.info("draining before shutdown (at most %.0f s; a second signal stops at once)", drain_timeout)
+        stop.clear()
+        waiters = [asyncio.ensure_future(worker.drain()), asyncio.ensure_future(stop.wait())]
+        await asyncio.wait(waiters, timeout=drain_timeout, return_when=asyncio.FIRST_COMPLETED)
+        for waiter in waiters:
+            waiter.cancel()
     finally:
-        logging.getLogger(__name__).info("shutting down")
+        log.info("shutting down")
         await worker.stop()
 
 
@@ -37,4 +47,4 @@ def main(default_role: str, description: str) -> None:
         uvloop.install()
     except ImportError:
         pass
-    asyncio.run(serve(config))
+    asyncio.run(serve(config, args.drain_timeout))

@@ -209,15 +209,18 @@ class Worker:
 
     # ---- admission and in-flight tracking --------------------------------------------------
 
-    def accepts(self, kind: str) -> str | None:
-        """Why a new ``kind`` ("generate" or "prefill") request is refused now, or None."""
+    def accepts(self, kind: str) -> tuple[str, str] | None:
+        """Why a new ``kind`` ("generate" or "prefill") request is refused now, or None.
+
+        Returns ``(error_kind, reason)``: "refused" when the caller's view of this worker is stale
+        (it drains, or its role changed), "busy" when it is simply full."""
         if self.state != "active":
-            return f"worker is {self.state}"
+            return "refused", f"worker is {self.state}"
         wanted = ("decode", "both") if kind == "generate" else ("prefill", "both")
         if self.role not in wanted:
-            return f"worker role is {self.role}, not {' or '.join(wanted)}"
+            return "refused", f"worker role is {self.role}, not {' or '.join(wanted)}"
         if len(self.inflight) >= self.config.max_pending_requests:
-            return f"worker has {len(self.inflight)} requests in flight (limit {self.config.max_pending_requests})"
+            return "busy", f"worker has {len(self.inflight)} requests in flight (limit {self.config.max_pending_requests})"
         return None
 
     def track(self, request_id: str) -> None:
