@@ -87,6 +87,7 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--checkpoint", type=Path, help="reuse/put the random checkpoint here")
+    parser.add_argument("--size", choices=("100m", "tiny"), help="model size (default: 100m, tiny with --quick)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -96,6 +97,7 @@ def main() -> None:
         size, count, prompt_range, output_range = "tiny", args.num_requests or 32, (32, 256), (8, 48)
     else:
         size, count, prompt_range, output_range = "100m", args.num_requests or 128, (32, 1024), (16, 256)
+    size = args.size or size
     checkpoint = args.checkpoint or Path(tempfile.gettempdir()) / f"pdserve-bench-llama-{size}"
     write_random_llama(checkpoint, size)
     rng = random.Random(args.seed)
