@@ -1,0 +1,464 @@
+"""Serving benchmark: open-loop Poisson load against whole stacks (gateway + workers + Redis).
+
+By default each scenario starts the stacks it compares (real processes through
+``common.launcher.LocalStack``, CPU, one after the other, same seed and workload), runs the same
+workload against each, stops them, and compares.  With ``--url`` it runs the scenario's workload
+once against a gateway that is already up and reports that one configuration (ratios are null).
+
+    python benchmarks/serving.py --scenario prefix [--quick]
+    python benchmarks/serving.py --scenario interference [--quick]
+    python benchmarks/serving.py --scenario prefix --url http://127.0.0.1:8000 --model default
+
+Scenarios
+---------
+``prefix`` -- several long shared prefixes (system prompts) + short unique suffixes, the prefix of
+    each request drawn uniformly.  2 prefill workers + 1 decode worker, ``--skip-prefill-below 0``
+    (every prompt goes through the prefill pool, so the decode worker's own cache cannot hide the
+    routing).  Each prefill worker's KV pool is ``--pool-fraction`` (default 0.6) of all the
+    prefixes' blocks: all prefixes together overflow one worker but fit in two, with 20% to spare
+    for the requests in flight.  ``prefix_aware`` routing partitions the prefixes over the two workers
+    and keeps hitting; ``round_robin`` sends every prefix to both and each LRU pool thrashes.  The
+    decode worker gets a pool four times the size of all prefixes, so it never refuses a reservation
+    (that would fall back to local prefill and blur the comparison).  Before measuring, each
+    prefix is sent once (sequentially, identically for both stacks): the steady state of a service
+    whose system prompts are known, not its cold start.  Result:
+    ``ttft_p50_ratio_round_robin_over_prefix_aware`` (target >= 2), with prefill-pool hit rates
+    from the workers' /stats (counter deltas over the measured window).
+
+``interference`` -- steady decode streams (short prompts, long outputs, Poisson arrivals) plus long
+    prompts (1-2k tokens, 4 output tokens) arriving as a second Poisson stream.
+    disaggregated = 1 prefill + 1 decode worker, each ``OMP_NUM_THREADS=1`` (one core each, standing
+    in for one GPU each), gateway ``--skip-prefill-below`` between the two prompt lengths so the
+    streams go straight to the decode worker and the long prompts through the prefill pool.
+    colocated = 1 ``both`` worker with ``OMP_NUM_THREADS=--colocated-threads`` (default 2: both
+    configurations use the same two cores -- the harder, fairer comparison, since the colocated
+    worker computes every prompt and every decode step with twice the threads).  Both use the
+    same ``--max-num-batched-tokens`` (default 512: the colocated worker chunks the long prompts
+    Sarathi-style, as it would in production).  TPOT/ITL are measured on the steady streams only;
+    the long prompts' TTFT is reported too (disaggregation must not win by starving them), and so
+    are remote-prefill fallbacks: a long prompt whose KV does not arrive within the decode worker's
+    ``--kv-timeout`` (queueing at the prefill worker counts) is recomputed on the decode worker,
+    which brings the interference back.  The full preset keeps the prefill worker below
+    saturation on 2 shared cores (~1 long prompt per 10 s).
+    Result: ``tpot_p99_ratio_colocated_over_disaggregated`` (target >= 2).
+
+Load generator (``benchmarks/loadgen.py``): asyncio + aiohttp, SSE parsed by hand, open loop --
+request i is sent at its Poisson arrival time whatever happened to earlier ones.  Prompts are
+token-id lists (exact lengths) from ids 3..vocab-1; ``ignore_eos`` makes output lengths exact.
+TTFT = first text chunk - send; ITL = gaps between text chunks; TPOT = (e2e - TTFT)/(tokens - 1)
+with tokens from the usage chunk; goodput = completed requests/s meeting both ``--slo-ttft`` and
+``--slo-tpot`` (single-token answers need only the TTFT SLO).  All seeds fixed (``--seed``).
+
+Model: default ``--model 100m``, a random-weight ~110M-parameter Llama (``write_random_llama``),
+where a 1k-token prefill costs tens of decode steps on this CPU; ``tiny`` with ``--quick``;
+``default`` (Gemma 3 270M) or a checkpoint path also work.  Random checkpoints get a word-level
+tokenizer covering the whole vocabulary (token i <-> word ``t<i>``), so every generated token
+streams as a non-empty text chunk and ITL is measured per token.
+
+Outputs: ``--out`` (default ``benchmarks/results/serving-<scenario>[-quick].json``) with every
+configuration's TTFT/TPOT/ITL/e2e p50/p90/p99 (ms), output tok/s, goodput, errors and worker stats,
+and a PNG of the TTFT/TPOT/ITL CDFs next to it.  The last stdout line is one JSON object.
+
+Run time on 2 shared CPU cores: ``--quick`` (tiny model) about 1-2 minutes per scenario; the full
+versions (100m model) about 6-8 minutes per scenario.  Stacks are always stopped (also on
+Ctrl-C / SIGTERM); each stack uses its own Redis key prefix.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import signal
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.bench_util import emit, write_random_llama  # noqa: E402
+from benchmarks.loadgen import (  # noqa: E402
+    LengthDist, PlannedRequest, Record, poisson_times, random_ids, run_load, summarize,
+)
+from common.launcher import LocalStack, http_json  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+# Presets: full (100m model) and --quick (tiny model).  Every value can be overridden by its flag.
+PRESETS = {
+    "prefix": {
+        "full": dict(model="100m", num_prefixes=8, prefix_len=1024, suffix_len="uniform:16:64", output_len="fixed:16",
+                     rate=0.5, num_requests=80, slo_ttft=3.0, slo_tpot=0.5),
+        "quick": dict(model="tiny", num_prefixes=8, prefix_len=1024, suffix_len="uniform:16:64", output_len="fixed:8",
+                      rate=2.5, num_requests=80, slo_ttft=1.0, slo_tpot=0.1),
+    },
+    "interference": {
+        "full": dict(model="100m", stream_rate=0.5, stream_prompt_len="uniform:32:64",
+                     stream_output_len="uniform:96:128", long_rate=0.1, long_prompt_len="uniform:1024:2048",
+                     long_output_len="fixed:4", duration=150.0, slo_ttft=5.0, slo_tpot=0.3),
+        "quick": dict(model="tiny", stream_rate=4.0, stream_prompt_len="uniform:32:64",
+                      stream_output_len="uniform:64:96", long_rate=0.5, long_prompt_len="uniform:1024:2048",
+                      long_output_len="fixed:4", duration=30.0, slo_ttft=1.0, slo_tpot=0.05),
+    },
+}
+TARGET = 2.0
+
+
+# ---- model --------------------------------------------------------------------------------------
+
+def write_word_tokenizer(directory: Path, vocab_size: int) -> None:
+    """A word-level tokenizer where id i is the word ``t<i>``: every id decodes to non-empty text."""
+    if (directory / "tokenizer.json").exists():
+        return
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(directory)
+
+
+def prepare_model(model: str) -> tuple[str, int]:
+    """The checkpoint directory to serve and its vocabulary size."""
+    from common.model_loader import resolve_checkpoint
+
+    if model in ("100m", "tiny"):
+        directory = write_random_llama(Path(tempfile.gettempdir()) / f"pdserve-serving-llama-{model}", model)
+        from transformers import AutoConfig
+
+        write_word_tokenizer(directory, AutoConfig.from_pretrained(directory).vocab_size)
+        checkpoint = directory
+    else:
+        checkpoint = resolve_checkpoint(model)
+    config = json.loads((Path(checkpoint) / "config.json").read_text())
+    return str(checkpoint), config.get("vocab_size") or config["text_config"]["vocab_size"]
+
+
+# ---- workloads ----------------------------------------------------------------------------------
+
+def prefix_workload(args, vocab: int) -> tuple[list[PlannedRequest], list[PlannedRequest]]:
+    """(warm-up, measured): shared prefixes + unique suffixes, prefix drawn uniformly per request."""
+    rng = random.Random(args.seed)
+    prefixes = [random_ids(rng, args.prefix_len, vocab) for _ in range(args.num_prefixes)]
+    suffix, output = LengthDist.parse(args.suffix_len), LengthDist.parse(args.output_len)
+    warmup = [PlannedRequest(p + random_ids(rng, suffix.sample(rng), vocab), output.sample(rng), 0.0, "warmup")
+              for p in prefixes]
+    times = poisson_times(rng, args.rate, args.num_requests)
+    plan = []
+    for t in times:
+        p = rng.randrange(args.num_prefixes)
+        plan.append(PlannedRequest(prefixes[p] + random_ids(rng, suffix.sample(rng), vocab),
+                                   output.sample(rng), t, "prefix"))
+    return warmup, plan
+
+
+def interference_workload(args, vocab: int) -> tuple[list[PlannedRequest], list[PlannedRequest]]:
+    """(warm-up, measured): Poisson steady streams + Poisson long prompts over ``duration`` seconds."""
+    rng = random.Random(args.seed)
+    dists = {k: LengthDist.parse(getattr(args, k)) for k in
+             ("stream_prompt_len", "stream_output_len", "long_prompt_len", "long_output_len")}
+    plan = []
+    for kind, rate in (("stream", args.stream_rate), ("long", args.long_rate)):
+        t = rng.expovariate(rate)
+        while t < args.duration:
+            prompt = random_ids(rng, dists[f"{kind}_prompt_len"].sample(rng), vocab)
+            plan.append(PlannedRequest(prompt, dists[f"{kind}_output_len"].sample(rng), t, kind))
+            t += rng.expovariate(rate)
+    plan.sort(key=lambda r: r.send_at)
+    warmup = [PlannedRequest(random_ids(rng, 48, vocab), 8, 0.0, "warmup"),
+              PlannedRequest(random_ids(rng, dists["long_prompt_len"].low, vocab), 4, 0.0, "warmup")]
+    return warmup, plan
+
+
+# ---- stacks -------------------------------------------------------------------------------------
+
+class BenchStack(LocalStack):
+    """A LocalStack whose workers get extra flags by role (prefill and decode pools sized apart)."""
+
+    role_args: dict[str, list[str]]
+
+    def start_worker(self, name: str, role: str):
+        saved = self.worker_args
+        self.worker_args = [*saved, *getattr(self, "role_args", {}).get(role, [])]
+        try:
+            return super().start_worker(name, role)
+        finally:
+            self.worker_args = saved
+
+
+def stack_configs(args) -> dict[str, dict]:
+    """Name -> how to build that configuration's stack."""
+    common = ["--block-size", str(args.block_size), "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    if args.scenario == "prefix":
+        prefix_blocks = args.num_prefixes * math.ceil(args.prefix_len / args.block_size)
+        # 2 x 0.6 = 1.2: all prefixes fit in the two pools together, with 20% to spare for requests in
+        # flight, but not in one.  The decode worker must never refuse a reservation.
+        prefill_blocks = math.ceil(args.pool_fraction * prefix_blocks)
+        decode_blocks = 4 * prefix_blocks
+        role_args = {"prefill": ["--num-blocks", str(prefill_blocks)], "decode": ["--num-blocks", str(decode_blocks)]}
+        base = dict(prefill=2, decode=1, role_args=role_args, extra_env={"OMP_NUM_THREADS": "1"},
+                    gateway_args=["--skip-prefill-below", "0"], worker_args=common)
+        return {"prefix_aware": dict(base, policy="prefix_aware"), "round_robin": dict(base, policy="round_robin")}
+    blocks = ["--num-blocks", str(args.num_blocks)]
+    gateway = ["--skip-prefill-below", str(args.skip_prefill_below)]
+    return {
+        "disaggregated": dict(prefill=1, decode=1, policy="prefix_aware", worker_args=common + blocks,
+                              gateway_args=gateway, extra_env={"OMP_NUM_THREADS": "1"}),
+        "colocated": dict(prefill=0, decode=0, both=1, policy="prefix_aware", worker_args=common + blocks,
+                          gateway_args=gateway, extra_env={"OMP_NUM_THREADS": str(args.colocated_threads)}),
+    }
+
+
+STAT_KEYS = ("prompt_tokens_total", "prefix_cache_hit_tokens_total", "prefill_computed_tokens",
+             "prefill_cached_tokens", "num_preemptions", "remote_prefill_fallbacks", "kv_transfer_failures",
+             "kv_sent_bytes", "kv_received_bytes", "engine_steps")
+
+
+GATEWAY_COUNTERS = ("pdserve_redis_unavailable_total", "pdserve_prefill_skipped_total")
+
+
+def snapshot(stack: LocalStack) -> dict[str, dict]:
+    return {name: stack.stats(name) for name in stack.procs if name != "gateway"}
+
+
+def gateway_counters(url: str) -> dict[str, float]:
+    """A few gateway counters (summed over labels) from its Prometheus text."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    out = dict.fromkeys(GATEWAY_COUNTERS, 0.0)
+    for line in text.splitlines():
+        name = line.split("{")[0].split(" ")[0]
+        if name in out:
+            out[name] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def stat_deltas(before: dict, after: dict) -> dict[str, dict]:
+    out = {}
+    for name, a in after.items():
+        d = {k: a[k] - before[name].get(k, 0) for k in STAT_KEYS if k in a}
+        d.update(role=a.get("role"), num_blocks=a.get("num_blocks"))
+        pc, pk = d.get("prefill_cached_tokens", 0), d.get("prefill_computed_tokens", 0)
+        d["prefill_hit_rate"] = round(pc / (pc + pk), 3) if pc + pk else None
+        hits, total = d.get("prefix_cache_hit_tokens_total", 0), d.get("prompt_tokens_total", 0)
+        d["engine_hit_rate"] = round(hits / total, 3) if total else None
+        out[name] = d
+    return out
+
+
+async def warm_up(url: str, model: str, warmup: list[PlannedRequest]) -> None:
+    """Send the warm-up requests one at a time; any error here is fatal (the stack is broken)."""
+    for req in warmup:
+        records, _ = await run_load(url, model, [req])
+        if not records[0].ok:
+            raise RuntimeError(f"warm-up request failed: {records[0].error}")
+    await asyncio.sleep(1.0)  # let the prefix index catch up with what the warm-up cached
+
+
+def measure(url: str, model: str, warmup, plan, args, stack: LocalStack | None) -> dict:
+    asyncio.run(warm_up(url, model, warmup))
+    before = snapshot(stack) if stack else None
+    gw_before = gateway_counters(url)
+    records, wall = asyncio.run(run_load(url, model, plan, timeout=args.request_timeout))
+    result = {"wall_s": round(wall, 1), "records": records,
+              "gateway": {k: v - gw_before[k] for k, v in gateway_counters(url).items()}}
+    if stack:
+        result["workers"] = stat_deltas(before, snapshot(stack))
+    return result
+
+
+def run_stack(name: str, config: dict, checkpoint: str, warmup, plan, args) -> dict:
+    kwargs = dict(config)
+    role_args = kwargs.pop("role_args", {})
+    workdir = Path(tempfile.mkdtemp(prefix=f"pdserve-serving-{name}-"))
+    stack = BenchStack(checkpoint, args.redis_url, key_prefix=f"bench-serving-{uuid.uuid4().hex[:10]}",
+                       workdir=workdir, transport=args.transport, **kwargs)
+    stack.role_args = role_args
+    print(f"[{name}] starting stack (logs in {workdir})", file=sys.stderr, flush=True)
+    try:
+        stack.start(timeout=600)
+        model = http_json(f"{stack.gateway_url}/v1/models")["data"][0]["id"]
+        print(f"[{name}] running {len(plan)} requests", file=sys.stderr, flush=True)
+        result = measure(stack.gateway_url, model, warmup, plan, args, stack)
+    finally:
+        stack.stop()
+    result.update(stack={k: v for k, v in config.items()}, logs=str(workdir))
+    return result
+
+
+# ---- reporting ----------------------------------------------------------------------------------
+
+def report(result: dict, args) -> dict:
+    """Summaries overall and by request kind (records dropped, they go to the plot)."""
+    records: list[Record] = result["records"]
+    out = {k: v for k, v in result.items() if k != "records"}
+    out["all"] = summarize(records, result["wall_s"], args.slo_ttft, args.slo_tpot)
+    kinds = sorted({r.kind for r in records})
+    if len(kinds) > 1:
+        out["by_kind"] = {k: summarize([r for r in records if r.kind == k], result["wall_s"], args.slo_ttft,
+                                       args.slo_tpot) for k in kinds}
+    return out
+
+
+def focus(summary: dict, kind: str) -> dict:
+    return summary.get("by_kind", {}).get(kind, summary["all"])
+
+
+def plot(results: dict[str, dict], args, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
+
+    kind = "stream" if args.scenario == "interference" else None
+    panels = [("TTFT", lambda r: [r.ttft]), ("TPOT", lambda r: [r.tpot] if r.tpot is not None else []),
+              ("ITL", lambda r: r.itls)]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for ax, (title, values) in zip(axes, panels):
+        for name, res in results.items():
+            recs = [r for r in res["records"] if r.ok and (kind is None or r.kind == kind or title == "TTFT")]
+            xs = sorted(v * 1e3 for r in recs for v in values(r))
+            if xs:
+                ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=name)
+        scope = " (all requests)" if title == "TTFT" or kind is None else f" ({kind} requests)"
+        ax.set_title(title + scope)
+        ax.set_xlabel("ms")
+        ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_ylabel("CDF")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"serving benchmark: {args.scenario} ({args.model})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def ratio(a, b):
+    return round(a / b, 3) if a is not None and b else None
+
+
+def final_line(summaries: dict[str, dict], args, checkpoint: str) -> dict:
+    line = {"benchmark": "serving", "scenario": args.scenario, "model": args.model, "quick": args.quick,
+            "url": args.url, "seed": args.seed, "target": TARGET}
+    if args.scenario == "prefix":
+        for name, s in summaries.items():
+            line[name] = {"ttft_p50_ms": s["all"]["ttft_ms"]["p50"], "ttft_p99_ms": s["all"]["ttft_ms"]["p99"],
+                          "goodput_req_s": s["all"]["goodput_req_s"], "errors": s["all"]["errors"],
+                          "prefill_hit_rate": s.get("prefill_hit_rate"),
+                          "redis_lookup_failures": s.get("gateway", {}).get("pdserve_redis_unavailable_total")}
+        rr, pa = summaries.get("round_robin"), summaries.get("prefix_aware")
+        value = ratio(rr["all"]["ttft_ms"]["p50"], pa["all"]["ttft_ms"]["p50"]) if rr and pa else None
+        line["ttft_p50_ratio_round_robin_over_prefix_aware"] = value
+    else:
+        for name, s in summaries.items():
+            st, lg = focus(s, "stream"), focus(s, "long")
+            line[name] = {"stream_tpot_p50_ms": st["tpot_ms"]["p50"], "stream_tpot_p99_ms": st["tpot_ms"]["p99"],
+                          "stream_itl_p99_ms": st["itl_ms"]["p99"], "long_ttft_p50_ms": lg["ttft_ms"]["p50"],
+                          "goodput_req_s": s["all"]["goodput_req_s"], "errors": s["all"]["errors"],
+                          "remote_prefill_fallbacks": sum(w.get("remote_prefill_fallbacks", 0)
+                                                          for w in s.get("workers", {}).values())}
+        co, di = summaries.get("colocated"), summaries.get("disaggregated")
+        value = ratio(focus(co, "stream")["tpot_ms"]["p99"], focus(di, "stream")["tpot_ms"]["p99"]) if co and di else None
+        line["tpot_p99_ratio_colocated_over_disaggregated"] = value
+        line["colocated_threads"] = None if args.url else args.colocated_threads
+        line["disaggregated_threads_per_worker"] = None if args.url else 1
+    line["target_met"] = None if value is None else value >= TARGET
+    return line
+
+
+# ---- main ---------------------------------------------------------------------------------------
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--scenario", choices=("prefix", "interference"), required=True)
+    p.add_argument("--quick", action="store_true", help="tiny model, smaller workload: a couple of minutes")
+    p.add_argument("--url", help="gateway of a running stack: run the workload once against it")
+    p.add_argument("--model", help="100m | tiny (random Llama) | default (Gemma 3 270M) | checkpoint path")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, help="JSON path (PNG next to it)")
+    p.add_argument("--slo-ttft", type=float, help="seconds")
+    p.add_argument("--slo-tpot", type=float, help="seconds")
+    p.add_argument("--redis-url", default="redis://127.0.0.1:6379")
+    p.add_argument("--transport", default="tcp", choices=("tcp", "ucx"))
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--request-timeout", type=float, default=900)
+    g = p.add_argument_group("prefix scenario")
+    g.add_argument("--num-prefixes", type=int)
+    g.add_argument("--prefix-len", type=int)
+    g.add_argument("--suffix-len", help="length distribution, e.g. uniform:16:64")
+    g.add_argument("--output-len", help="length distribution")
+    g.add_argument("--rate", type=float, help="requests/s")
+    g.add_argument("--num-requests", type=int)
+    g.add_argument("--pool-fraction", type=float, default=0.6,
+                   help="each prefill worker's KV pool, as a fraction of all prefix blocks (0.5 < f < 1)")
+    g = p.add_argument_group("interference scenario")
+    g.add_argument("--stream-rate", type=float, help="steady streams started per second")
+    g.add_argument("--stream-prompt-len")
+    g.add_argument("--stream-output-len")
+    g.add_argument("--long-rate", type=float, help="long prompts per second")
+    g.add_argument("--long-prompt-len")
+    g.add_argument("--long-output-len")
+    g.add_argument("--duration", type=float, help="seconds of arrivals")
+    g.add_argument("--colocated-threads", type=int, default=2, help="OMP_NUM_THREADS of the colocated worker")
+    g.add_argument("--skip-prefill-below", type=int, default=256,
+                   help="disaggregated gateway: prompts below this go straight to the decode worker")
+    g.add_argument("--num-blocks", type=int, default=2048, help="KV blocks per worker (interference)")
+    args = p.parse_args(argv)
+    for key, value in PRESETS[args.scenario]["quick" if args.quick else "full"].items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        sys.exit("benchmarks/serving.py needs matplotlib for its plot: "
+                 ".venv/bin/pip install matplotlib   (or: pip install -e '.[test]')")
+
+    def on_term(_sig, _frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
+    out = args.out or RESULTS / f"serving-{args.scenario}{'-quick' if args.quick else ''}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    checkpoint, vocab = prepare_model(args.model)
+    workload = prefix_workload if args.scenario == "prefix" else interference_workload
+    warmup, plan = workload(args, vocab)
+
+    results: dict[str, dict] = {}
+    if args.url:
+        model = http_json(f"{args.url}/v1/models")["data"][0]["id"]
+        results["url"] = measure(args.url, model, warmup, plan, args, None)
+    else:
+        for name, config in stack_configs(args).items():
+            results[name] = run_stack(name, config, checkpoint, warmup, plan, args)
+
+    summaries = {name: report(res, args) for name, res in results.items()}
+    for name, s in summaries.items():
+        workers = s.get("workers", {})
+        prefill = [w for w in workers.values() if w["role"] == "prefill"]
+        cached = sum(w.get("prefill_cached_tokens", 0) for w in prefill)
+        computed = sum(w.get("prefill_computed_tokens", 0) for w in prefill)
+        s["prefill_hit_rate"] = round(cached / (cached + computed), 3) if cached + computed else None
+        print(f"[{name}] {json.dumps(s['all'])}", file=sys.stderr)
+    params = {k: v for k, v in vars(args).items() if not isinstance(v, Path)}
+    out.write_text(json.dumps({"params": params, "checkpoint": checkpoint, "configurations": summaries,
+                               "result": final_line(summaries, args, checkpoint)}, indent=2))
+    plot(results, args, out.with_suffix(".png"))
+    print(f"wrote {out} and {out.with_suffix('.png')}", file=sys.stderr)
+    emit(final_line(summaries, args, checkpoint))
+
+
+if __name__ == "__main__":
+    main()
