@@ -141,8 +141,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="512-token prompt only, fewer repetitions")
     parser.add_argument("--reps", type=int, default=None)
     parser.add_argument("--transports", default="ucx,tcp")
+    parser.add_argument("--tokens", default=None, help="comma-separated prompt lengths (default 512,4096)")
     args = parser.parse_args()
     prompts = [512] if args.quick else [512, 4096]
+    if args.tokens:
+        prompts = [int(t) for t in args.tokens.split(",")]
     reps = args.reps or (3 if args.quick else 5)
     transports = args.transports.split(",")
 
