@@ -60,6 +60,21 @@ def _visible(query_pos: torch.Tensor, key_pos: torch.Tensor, context_len: torch.
     return ok
 
 
+def _length_buckets(decodes: list[AttentionRequest], ratio: float = 2.0, slack: int = 256) -> list[list[AttentionRequest]]:
+    """Group decoding requests by context length so one long context does not make every short
+    one gather and attend over its padding: within a group the longest context is at most
+    ``ratio`` times (or ``slack`` tokens more than) the shortest."""
+    groups: list[list[AttentionRequest]] = []
+    for r in sorted(decodes, key=lambda r: r.context_len):
+        if groups:
+            shortest = groups[-1][0].context_len
+            if r.context_len <= max(shortest * ratio, shortest + slack):
+                groups[-1].append(r)
+                continue
+        groups.append([r])
+    return groups
+
+
 class TorchAttention:
     """Pure-torch paged attention: gathers each request's blocks and runs SDPA with a mask.
 
@@ -78,20 +93,20 @@ class TorchAttention:
         slot_blocks, slot_offsets = _slot_tensors(requests, bs, device)
         decodes = [r for r in requests if r.num_query_tokens == 1]
         prefills = [r for r in requests if r.num_query_tokens > 1]
-        extra = {"decode": None, "prefills": []}
-        if decodes:
-            max_blocks = max(len(r.block_ids) for r in decodes)
-            table = torch.zeros((len(decodes), max_blocks), dtype=torch.long)
-            for i, r in enumerate(decodes):
+        extra = {"decodes": [], "prefills": []}
+        for group in _length_buckets(decodes):
+            max_blocks = max(len(r.block_ids) for r in group)
+            table = torch.zeros((len(group), max_blocks), dtype=torch.long)
+            for i, r in enumerate(group):
                 table[i, : len(r.block_ids)] = torch.tensor(r.block_ids)
-            context = torch.tensor([r.context_len for r in decodes])[:, None]
+            context = torch.tensor([r.context_len for r in group])[:, None]
             key_pos = torch.arange(max_blocks * bs)[None, :]
             masks = {w: _visible(context - 1, key_pos, context, w)[:, None, None, :].to(device) for w in self.windows}
-            extra["decode"] = (
-                torch.tensor([r.query_start for r in decodes], device=device),
+            extra["decodes"].append((
+                torch.tensor([r.query_start for r in group], device=device),
                 table.to(device),
                 masks,
-            )
+            ))
         for r in prefills:
             num_blocks = -(-r.context_len // bs)
             query_pos = torch.arange(r.context_len - r.num_query_tokens, r.context_len)[:, None]
@@ -109,9 +124,7 @@ class TorchAttention:
         value_cache[meta.slot_blocks, meta.slot_offsets] = v
         out = torch.empty_like(q)
         gqa = q.shape[1] != k.shape[1]
-        decode = meta.extra["decode"]
-        if decode is not None:
-            index, table, masks = decode
+        for index, table, masks in meta.extra["decodes"]:
             batch = table.shape[0]
             keys = key_cache[table].reshape(batch, -1, *key_cache.shape[2:]).transpose(1, 2)
             values = value_cache[table].reshape(batch, -1, *value_cache.shape[2:]).transpose(1, 2)

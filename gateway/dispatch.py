@@ -61,6 +61,9 @@ class Dispatcher:
         self.max_attempts = max_attempts
         self.wait_for_workers_s = wait_for_workers_s
         self._aborts: set[asyncio.Task] = set()
+        # Prompt tokens this gateway sent to each prefill worker that have not produced their
+        # first token yet: a load signal fresher than the workers' heartbeats.
+        self.pending_prefill: dict[str, int] = {}
 
     async def choose(self, prompt: list[int], exclude: set[str]) -> Route:
         workers = self.pool.routable(exclude)
@@ -68,15 +71,25 @@ class Dispatcher:
             await self.pool.wait_for_change(self.wait_for_workers_s)
             workers = self.pool.routable(exclude)
         matched: dict[str, int] = {}
+        hashes = []
         if workers:
             block_size = workers[0].capacity.block_size
             hashes = hash_prompt_blocks(prompt, block_size)
             if hashes:
                 matched = await self.prefix_index.longest_prefix(self.model, hashes, [w.worker_id for w in workers])
         try:
-            return self.router.route(workers, len(prompt), matched)
+            return self.router.route(workers, len(prompt), matched, affinity_key=hashes[0] if hashes else b"",
+                                     pending=self.pending_prefill)
         except NoWorkerAvailable as exc:
             raise Saturated(str(exc)) from None
+
+    def _count_pending(self, route: Route, prompt_len: int, sign: int) -> None:
+        if route.prefill is None:
+            return
+        wid = route.prefill.worker_id
+        self.pending_prefill[wid] = self.pending_prefill.get(wid, 0) + sign * (prompt_len - route.prefill_matched_tokens)
+        if self.pending_prefill[wid] <= 0:
+            del self.pending_prefill[wid]
 
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
                        result: DispatchResult) -> AsyncIterator[TokenFrame]:
@@ -92,6 +105,8 @@ class Dispatcher:
                                    prefill_url=route.prefill.http_address if route.prefill else None)
             decode_url = route.decode.http_address
             finished = False
+            self._count_pending(route, len(prompt), +1)
+            prefill_pending = route.prefill is not None
             try:
                 async with self.session.post(f"{decode_url}/generate", data=encode(body)) as resp:
                     while True:
@@ -106,6 +121,9 @@ class Dispatcher:
                             raise UpstreamError(frame.error)
                         if frame.token_ids:
                             streamed = True
+                            if prefill_pending:
+                                self._count_pending(route, len(prompt), -1)
+                                prefill_pending = False
                         finished = frame.finished
                         yield frame
                         if finished:
@@ -123,6 +141,8 @@ class Dispatcher:
                 log.warning("request %s: decode worker %s failed before the first token (%s); retrying",
                             request_id, route.decode.worker_id, exc)
             finally:
+                if prefill_pending:
+                    self._count_pending(route, len(prompt), -1)
                 if not finished:
                     # Client gone, stop string, or failure: make sure no worker keeps computing.
                     task = asyncio.get_running_loop().create_task(self.abort(decode_url, request_id))

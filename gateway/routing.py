@@ -10,11 +10,15 @@ Policies for the prefill worker:
 - ``least_load``: fewest queued prefill tokens (then fewest requests, lowest KV usage).
 - ``prefix_aware``: trade cached prefix against queue, with a cap on imbalance::
 
-      q(w)       = prompt tokens admitted on w but not yet computed   (load.num_waiting_prefill_tokens)
+      q(w)       = prompt tokens queued on w, not yet computed: the larger of what w reported
+                   (load.num_waiting_prefill_tokens, as of its last heartbeat) and what this
+                   gateway has sent w that has not produced its first token yet (``pending``)
       m(w)       = tokens of this prompt w already caches              (leading blocks * block_size)
       eligible   = { w : q(w) <= min_v q(v) + max_imbalance_tokens }
       score(w)   = m(w) - alpha * q(w)
-      choose       argmax score over eligible; ties -> smaller q, then worker_id
+      choose       argmax score over eligible; ties -> smaller q, then rendezvous hash of
+                   (the prompt's first block, w), so a prefix nobody caches yet lands on the
+                   same worker every time and different prefixes spread over the pool
 
   With ``alpha = 1`` the score is ``-(q(w) + prompt_len - m(w))`` plus a constant: the prefill work
   queued ahead of this prompt plus the prompt's own uncached work, i.e. a TTFT estimate in tokens.
@@ -34,6 +38,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Mapping, Sequence
+
+import xxhash
 
 from common.registry import WorkerInfo
 
@@ -75,8 +81,13 @@ class Route:
     reason: str
 
 
-def prefill_load(w: WorkerInfo) -> int:
-    return w.load.num_waiting_prefill_tokens
+def prefill_load(w: WorkerInfo, pending: Mapping[str, int] | None = None) -> int:
+    return max(w.load.num_waiting_prefill_tokens, (pending or {}).get(w.worker_id, 0))
+
+
+def rendezvous(key: bytes, worker_id: str) -> int:
+    """Highest-random-weight hashing: a stable, well-spread preference of ``key`` for a worker."""
+    return xxhash.xxh3_64_intdigest(key + worker_id.encode())
 
 
 def decode_load(w: WorkerInfo) -> float:
@@ -96,12 +107,15 @@ class Router:
         self._rr = {"prefill": 0, "decode": 0}
 
     def route(
-        self, workers: Sequence[WorkerInfo], prompt_len: int, matched_blocks: Mapping[str, int] | None = None
+        self, workers: Sequence[WorkerInfo], prompt_len: int, matched_blocks: Mapping[str, int] | None = None,
+        *, affinity_key: bytes = b"", pending: Mapping[str, int] | None = None,
     ) -> Route:
         """Choose the decode worker, then decide whether and where to prefill.
 
         ``matched_blocks`` is ``PrefixIndexReader.longest_prefix`` output (``{}`` when Redis is
-        down, which makes ``prefix_aware`` behave like ``least_load``).
+        down, which makes ``prefix_aware`` behave like ``least_load``).  ``affinity_key`` (the
+        prompt's first block hash) breaks ties; ``pending`` is this gateway's own count of prompt
+        tokens sent to each prefill worker and not started yet (fresher than heartbeats).
         Raises ``NoWorkerAvailable`` when no active worker can decode.
         """
         if prompt_len < 1:
@@ -125,7 +139,7 @@ class Router:
             return direct(why)
         if not prefillers:
             return direct("no active prefill worker")
-        prefill = self.choose_prefill(prefillers, prompt_len, matched_blocks)
+        prefill = self.choose_prefill(prefillers, prompt_len, matched_blocks, affinity_key, pending)
         if prefill.worker_id == decode.worker_id:
             return direct("prefill worker is the decode worker")
         p_matched = matched_tokens(prefill, matched_blocks, prompt_len)
@@ -139,23 +153,26 @@ class Router:
         return min(candidates, key=lambda w: (decode_load(w), w.load.kv_usage, w.worker_id))
 
     def choose_prefill(
-        self, candidates: Sequence[WorkerInfo], prompt_len: int, matched_blocks: Mapping[str, int]
+        self, candidates: Sequence[WorkerInfo], prompt_len: int, matched_blocks: Mapping[str, int],
+        affinity_key: bytes = b"", pending: Mapping[str, int] | None = None,
     ) -> WorkerInfo:
         if not candidates:
             raise NoWorkerAvailable("no active prefill worker")
         policy = self.config.policy
         if policy == "round_robin":
             return self._next("prefill", candidates)
+        load = {w.worker_id: prefill_load(w, pending) for w in candidates}
         if policy == "least_load":
-            return min(candidates, key=lambda w: (prefill_load(w), w.load.num_waiting + w.load.num_running,
+            return min(candidates, key=lambda w: (load[w.worker_id], w.load.num_waiting + w.load.num_running,
                                                   w.load.kv_usage, w.worker_id))
-        q_min = min(prefill_load(w) for w in candidates)
-        eligible = [w for w in candidates if prefill_load(w) <= q_min + self.config.max_imbalance_tokens]
+        q_min = min(load.values())
+        eligible = [w for w in candidates if load[w.worker_id] <= q_min + self.config.max_imbalance_tokens]
         alpha = self.config.alpha
 
-        def rank(w: WorkerInfo) -> tuple[float, int, str]:
-            score = matched_tokens(w, matched_blocks, prompt_len) - alpha * prefill_load(w)
-            return (-score, prefill_load(w), w.worker_id)
+        def rank(w: WorkerInfo) -> tuple[float, int, int]:
+            q = load[w.worker_id]
+            score = matched_tokens(w, matched_blocks, prompt_len) - alpha * q
+            return (-score, q, -rendezvous(affinity_key, w.worker_id))
 
         return min(eligible, key=rank)
 

@@ -1,9 +1,15 @@
 """Real processes for integration tests: gateway, prefill and decode workers, against real Redis."""
 from __future__ import annotations
 
+import contextlib
+import uuid
 from pathlib import Path
 
+import redis
+
 from common.launcher import LocalStack, http_json  # noqa: F401  (re-exported for tests)
+
+ADMIN_TOKEN = "admin-secret"  # what the gateway and the workers of a test cluster accept
 
 
 def Cluster(checkpoint: Path, workdir: Path, redis_url: str, key_prefix: str, *, prefill: int = 2, decode: int = 1,
@@ -12,7 +18,30 @@ def Cluster(checkpoint: Path, workdir: Path, redis_url: str, key_prefix: str, *,
     return LocalStack(
         str(checkpoint), redis_url, key_prefix=key_prefix, workdir=workdir, prefill=prefill, decode=decode,
         transport=transport, policy=policy,
-        worker_args=["--heartbeat-ttl", "2", "--admin-token", "admin-secret", *worker_args],
-        gateway_args=["--admin-token", "admin-secret", *gateway_args],
+        worker_args=["--heartbeat-ttl", "2", "--admin-token", ADMIN_TOKEN, *worker_args],
+        gateway_args=["--admin-token", ADMIN_TOKEN, *gateway_args],
         extra_env={"OMP_NUM_THREADS": "1"},  # several processes share two cores
     )
+
+
+@contextlib.contextmanager
+def running_cluster(checkpoint: Path, workdir: Path, redis_url: str, **kwargs):
+    """Start a test cluster under its own key prefix; stop it and delete only its keys afterwards."""
+    key_prefix = f"pdtest-{uuid.uuid4().hex[:12]}"
+    cluster = Cluster(checkpoint, workdir, redis_url, key_prefix, **kwargs)
+    try:
+        yield cluster.start()
+    finally:
+        cluster.stop()
+        delete_keys(redis_url, key_prefix)
+
+
+def delete_keys(redis_url: str, key_prefix: str) -> None:
+    try:
+        client = redis.Redis.from_url(redis_url)
+        stale = list(client.scan_iter(match=f"{key_prefix}:*", count=1000))
+        if stale:
+            client.delete(*stale)
+        client.close()
+    except redis.exceptions.ConnectionError:
+        pass  # a test may have taken its private Redis down

@@ -46,3 +46,18 @@ async def redis_client(redis_url: str):
         yield client
     finally:
         await client.aclose()
+
+
+# ---- served system (integration tests) -------------------------------------------------------
+# `served_checkpoint`: a tiny random Llama with a tokenizer and a chat template, on disk, shared by
+# every test that starts real gateway/worker processes.
+
+
+@pytest.fixture(scope="session")
+def served_checkpoint(tmp_path_factory):
+    from tests.checkpoints import tiny_llama_config, write_checkpoint, write_tokenizer
+
+    directory = tmp_path_factory.mktemp("served") / "tinyllama"
+    write_checkpoint(tiny_llama_config(), directory)
+    write_tokenizer(directory)
+    return directory

@@ -101,3 +101,23 @@ def test_flash_backend_metadata_matches_torch_backend(block_size, window):
     out = flash.forward(q, k, v, cache, 0, flash.prepare(requests, "cpu"), window, DIM**-0.5)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(cache.buffer, torch_cache.buffer)  # both wrote the same slots
+
+
+def test_decodes_of_very_different_lengths_are_bucketed_and_still_exact():
+    g = torch.Generator().manual_seed(3)
+    bs = 4
+    layout = KVLayout("m", "float32", bs, 1, KV_HEADS, DIM)
+    cache = KVCache(layout, 200)
+    cache.buffer.copy_(torch.randn(cache.buffer.shape, generator=g))
+    perm = torch.randperm(200, generator=g).tolist()
+    requests = [AttentionRequest(i, 1, ctx, [perm.pop() for _ in range(math.ceil(ctx / bs))])
+                for i, ctx in enumerate([3, 700, 6, 9])]
+    q = torch.randn(4, HEADS, DIM, generator=g)
+    k = torch.randn(4, KV_HEADS, DIM, generator=g)
+    v = torch.randn(4, KV_HEADS, DIM, generator=g)
+    expected = dense_reference(cache, requests, q, k, v, None)
+    backend = TorchAttention({None}, bs)
+    meta = backend.prepare(requests, "cpu")
+    assert [len(index) for index, _table, _masks in meta.extra["decodes"]] == [3, 1]  # short ones apart from the long
+    out = backend.forward(q, k, v, cache, 0, meta, None, DIM**-0.5)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)

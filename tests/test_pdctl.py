@@ -141,32 +141,10 @@ TOKEN = "admin-secret"  # what tests/cluster.py gives the gateway and the worker
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory, redis_url):
-    from tests.checkpoints import tiny_llama_config, write_checkpoint, write_tokenizer
-
-    base = tmp_path_factory.mktemp("pdctl")
-    ckpt = base / "tiny"
-    write_checkpoint(tiny_llama_config(), ckpt)
-    write_tokenizer(ckpt)
-    c = Cluster(ckpt, base, redis_url, f"pdtest-pdctl-{base.name}", prefill=1, decode=2,
-                worker_args=["--num-blocks", "256"])
-    try:
-        yield c.start()
-    finally:
-        c.stop()
-        _delete_keys(redis_url, c.key_prefix)
-
-
-def _delete_keys(redis_url: str, prefix: str) -> None:
-    import redis
-
-    client = redis.Redis.from_url(redis_url)
-    try:
-        stale = list(client.scan_iter(match=f"{prefix}:*", count=1000))
-        if stale:
-            client.delete(*stale)
-    finally:
-        client.close()
+def cluster(served_checkpoint, tmp_path_factory, redis_url):
+    with running_cluster(served_checkpoint, tmp_path_factory.mktemp("pdctl"), redis_url, prefill=1, decode=2,
+                         worker_args=["--num-blocks", "256"]) as c:
+        yield c
 
 
 def run_pdctl(cluster: LocalStack, *args: str, token: str | None = TOKEN) -> subprocess.CompletedProcess:

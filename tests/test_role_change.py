@@ -18,26 +18,10 @@ CONCURRENCY = 8
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory, redis_url):
-    from tests.checkpoints import tiny_llama_config, write_checkpoint, write_tokenizer
-
-    base = tmp_path_factory.mktemp("rolechange")
-    ckpt = base / "tiny"
-    write_checkpoint(tiny_llama_config(), ckpt)
-    write_tokenizer(ckpt)
-    c = Cluster(ckpt, base, redis_url, f"pdtest-role-{base.name}", prefill=1, decode=2,
-                worker_args=["--num-blocks", "512"])
-    try:
-        yield c.start()
-    finally:
-        c.stop()
-        import redis
-
-        client = redis.Redis.from_url(redis_url)
-        stale = list(client.scan_iter(match=f"{c.key_prefix}:*", count=1000))
-        if stale:
-            client.delete(*stale)
-        client.close()
+def cluster(served_checkpoint, tmp_path_factory, redis_url):
+    with running_cluster(served_checkpoint, tmp_path_factory.mktemp("rolechange"), redis_url, prefill=1, decode=2,
+                         worker_args=["--num-blocks", "512"]) as c:
+        yield c
 
 
 def admin(cluster: LocalStack, path: str, body: bytes | None = None) -> dict:

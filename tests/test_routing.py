@@ -71,8 +71,8 @@ def test_prefix_aware_caps_imbalance_so_a_hot_worker_is_not_buried():
 
 def test_prefix_aware_without_index_falls_back_to_load():
     pool = DECODE + [w("p0", q=300), w("p1", q=200), w("p2", q=200)]
-    assert router().route(pool, 1000, {}).prefill.worker_id == "p1"
-    assert router().route(pool, 1000, None).prefill.worker_id == "p1"
+    assert router().route(pool, 1000, {}).prefill.worker_id in ("p1", "p2")  # the least loaded
+    assert router().route(pool, 1000, None).prefill.worker_id in ("p1", "p2")
 
 
 def test_prefix_aware_never_exceeds_the_imbalance_cap():
@@ -143,3 +143,24 @@ def test_bad_config_and_input_name_the_problem():
         RoutingConfig(skip_prefill_below_tokens=-5)
     with pytest.raises(ValueError, match="prompt_len"):
         router().route(DECODE, 0)
+
+
+def test_prefix_aware_gives_an_uncached_prefix_a_stable_home_and_spreads_prefixes():
+    pool = DECODE + [w("p0"), w("p1"), w("p2")]
+    homes = {}
+    for i in range(60):
+        key = f"prefix-{i}".encode()
+        chosen = {router().route(pool, 1000, {}, affinity_key=key).prefill.worker_id for _ in range(3)}
+        assert len(chosen) == 1  # the same prefix always lands on the same worker
+        homes[key] = chosen.pop()
+    counts = {wid: list(homes.values()).count(wid) for wid in ("p0", "p1", "p2")}
+    assert all(n >= 10 for n in counts.values()), counts  # and different prefixes spread out
+
+
+def test_prefix_aware_counts_what_this_gateway_has_just_sent():
+    pool = DECODE + [w("p0"), w("p1")]
+    key = next(f"k{i}".encode() for i in range(100)
+               if router().route(pool, 1000, {}, affinity_key=f"k{i}".encode()).prefill.worker_id == "p0")
+    # p0 would be the home, but this gateway just sent it 5000 tokens its heartbeat does not show yet.
+    routed = router().route(pool, 1000, {}, affinity_key=key, pending={"p0": 5000})
+    assert routed.prefill.worker_id == "p1"

@@ -13,8 +13,7 @@ import pytest
 
 from common.config import EngineConfig
 from common.engine import Engine
-from tests.checkpoints import tiny_llama_config, write_checkpoint, write_tokenizer
-from tests.cluster import Cluster, http_json
+from tests.cluster import http_json, running_cluster
 
 API_KEY = "test-key"
 WORKER_ARGS = ["--num-blocks", "512", "--block-size", "4", "--max-num-batched-tokens", "16"]
@@ -28,32 +27,16 @@ GREEDY = {"temperature": 0.0, "max_tokens": 12, "extra_body": {"ignore_eos": Tru
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("tinyllama")
-    write_checkpoint(tiny_llama_config(), directory)
-    write_tokenizer(directory)
-    return directory
+def checkpoint(served_checkpoint):
+    return served_checkpoint
 
 
 @pytest.fixture(scope="module")
 def stack(checkpoint, redis_url, tmp_path_factory):
-    import uuid
-
-    prefix = f"pdtest-{uuid.uuid4().hex[:12]}"
-    cluster = Cluster(checkpoint, tmp_path_factory.mktemp("logs"), redis_url, prefix, prefill=2, decode=1,
-                      worker_args=WORKER_ARGS,
-                      gateway_args=["--api-key", API_KEY, "--skip-prefill-below", "8", "--max-inflight", "24"])
-    try:
-        yield cluster.start()
-    finally:
-        cluster.stop()
-        import redis
-
-        client = redis.Redis.from_url(redis_url)
-        keys = list(client.scan_iter(match=f"{prefix}:*"))
-        if keys:
-            client.delete(*keys)
-        client.close()
+    with running_cluster(checkpoint, tmp_path_factory.mktemp("logs"), redis_url, prefill=2, decode=1,
+                         worker_args=WORKER_ARGS,
+                         gateway_args=["--api-key", API_KEY, "--skip-prefill-below", "8", "--max-inflight", "24"]) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")

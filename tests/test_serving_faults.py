@@ -3,25 +3,15 @@ from __future__ import annotations
 
 import time
 import urllib.request
-import uuid
 
 import openai
 import pytest
 
 from common.redis_util import RedisServer
-from tests.checkpoints import tiny_llama_config, write_checkpoint, write_tokenizer
-from tests.cluster import Cluster, http_json
+from tests.cluster import http_json, running_cluster
 from tests.test_serving import WORKER_ARGS, wait_idle
 
 PROMPT = "The quick brown fox jumps over the lazy dog, and then"
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("tinyllama")
-    write_checkpoint(tiny_llama_config(), directory)
-    write_tokenizer(directory)
-    return directory
 
 
 @pytest.fixture(scope="module")
@@ -34,13 +24,10 @@ def private_redis():
 
 
 @pytest.fixture(scope="module")
-def stack(checkpoint, private_redis, tmp_path_factory):
-    cluster = Cluster(checkpoint, tmp_path_factory.mktemp("logs"), private_redis.url, f"pdfault-{uuid.uuid4().hex[:8]}",
-                      prefill=2, decode=2, worker_args=WORKER_ARGS, gateway_args=["--skip-prefill-below", "8"])
-    try:
-        yield cluster.start()
-    finally:
-        cluster.stop()
+def stack(served_checkpoint, private_redis, tmp_path_factory):
+    with running_cluster(served_checkpoint, tmp_path_factory.mktemp("logs"), private_redis.url, prefill=2, decode=2,
+                         worker_args=WORKER_ARGS, gateway_args=["--skip-prefill-below", "8"]) as c:
+        yield c
 
 
 def client(stack) -> openai.OpenAI:

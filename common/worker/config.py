@@ -67,7 +67,9 @@ def build_parser(default_role: str, description: str) -> argparse.ArgumentParser
     add("--kv-transport", default=_env("kv_transport", "ucx"), choices=("ucx", "tcp"))
     add("--kv-host", default=_env("kv_host", None), help="KV listen address (default: --host)")
     add("--kv-port", type=int, default=_env("kv_port", 0))
-    add("--kv-timeout", type=float, default=_env("kv_timeout", 30.0), help="seconds a KV transfer may take")
+    add("--kv-timeout", type=float, default=_env("kv_timeout", 120.0),
+        help="seconds a remote prefill may take, queueing on the prefill worker included (a dead peer "
+             "is noticed at once through its connections; this bounds a hung one)")
     add("--kv-checksum", action="store_true", default=_env("kv_checksum", "") in ("1", "true"))
     add("--redis-url", default=redis_url_from_env())
     add("--key-prefix", default=_env("key_prefix", "pdserve"))

@@ -177,7 +177,11 @@ class Worker:
     def info(self) -> WorkerInfo:
         """This worker's registry entry, as of now."""
         stats = self.engine.stats()
-        waiting_tokens = sum(r.num_tokens - r.num_computed_tokens for r in list(self.engine.scheduler.waiting))
+        scheduler = self.engine.scheduler
+        # Prompt tokens still to compute: waiting requests and running ones mid-prefill (chunked).
+        waiting_tokens = sum(r.num_tokens - r.num_computed_tokens for r in list(scheduler.waiting)) + sum(
+            r.num_prompt_tokens - r.num_computed_tokens for r in list(scheduler.running)
+            if r.num_computed_tokens < r.num_prompt_tokens)
         computed = stats["prompt_tokens_total"] - stats["prefix_cache_hit_tokens_total"]
         return WorkerInfo(
             worker_id=self.config.worker_id, role=self.role, model=self.engine.model_id,
