@@ -33,6 +33,8 @@ from common.kv_cache import KVCache, KVLayout  # noqa: E402
 LAYOUT = KVLayout(model_id="llama-3-8b-shape", dtype="bfloat16", block_size=16, num_layers=32,
                   num_kv_heads=8, head_dim=128)
 GB = 1e9
+# One event loop for every transfer in this process: ucxx binds its context to the first loop.
+_LOOP = asyncio.new_event_loop()
 
 
 def blocks_for(tokens: int) -> int:
@@ -131,7 +133,7 @@ def kv_transfer_gbps(transport: str, tokens: int, reps: int) -> tuple[float, str
         return best, described
 
     try:
-        return asyncio.run(main())
+        return _LOOP.run_until_complete(main())
     finally:
         proc.join(120)
 
@@ -157,6 +159,7 @@ def main() -> None:
                "memcpy_gbps": memcpy_gbps(nbytes, reps),
                "socket_loopback_gbps": socket_loopback_gbps(nbytes, reps)}
         for transport in transports:
+            print(f"# {tokens} tokens: {transport} ...", file=sys.stderr, flush=True)
             gbps, described = kv_transfer_gbps(transport, tokens, reps)
             row[f"{transport}_gbps"] = gbps
             if transport == "ucx":

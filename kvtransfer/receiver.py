@@ -183,8 +183,11 @@ class KVReceiver:
         return len(self._transfers)
 
     async def close(self) -> None:
+        """Fail what is still pending, flush queued Acks/Aborts (bounded), then drop connections."""
         for handle in list(self._transfers.values()):
             handle.fail(TransferAborted("receiver closed"))
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=self.config.connect_timeout)
         for conn in list(self._conns):
             conn.channel.close()
         await asyncio.sleep(0)  # let the connection handlers see the close and end

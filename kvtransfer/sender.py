@@ -186,6 +186,9 @@ class KVSender:
         return True
 
     async def close(self) -> None:
+        """Flush queued Aborts (bounded), then drop every connection."""
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=self.config.connect_timeout)
         for task in list(self._connecting.values()):
             task.cancel()
         for conn in list(self._conns.values()):
