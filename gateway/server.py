@@ -82,6 +82,7 @@ class Gateway:
         self.redis = None
         self.session: aiohttp.ClientSession | None = None
         self.pool: WorkerPool | None = None
+        self.prefix_index: PrefixIndexReader | None = None
         self.dispatcher: Dispatcher | None = None
 
     async def start(self) -> None:
@@ -89,7 +90,7 @@ class Gateway:
         registry = WorkerRegistry(self.redis, key_prefix=self.config.key_prefix)
         self.pool = WorkerPool(registry, self.model_id, on_redis_error=self.metrics.redis_unavailable.inc)
         await self.pool.start()
-        prefix_index = PrefixIndexReader(self.redis, key_prefix=self.config.key_prefix,
+        self.prefix_index = prefix_index = PrefixIndexReader(self.redis, key_prefix=self.config.key_prefix,
                                          on_unavailable=self.metrics.redis_unavailable.inc)
         self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5))
         router = Router(RoutingConfig(policy=self.config.routing_policy,
@@ -189,7 +190,8 @@ class Gateway:
         workers = self.pool.workers
         active = [w for w in workers if w.state == "active"]
         return web.json_response({
-            "status": "ok", "model": self.model_id, "redis": self.pool.redis_ok,
+            # Redis as last seen by either the registry refresh or a prefix lookup.
+            "status": "ok", "model": self.model_id, "redis": self.pool.redis_ok and self.prefix_index.available,
             "workers": {role: sum(1 for w in active if w.role == role) for role in ("prefill", "decode", "both")},
         })
 

@@ -12,7 +12,7 @@ import pytest
 from common.launcher import ROOT, LocalStack
 from gateway import pdctl
 from gateway.rebalance import Move, Targets, WorkerReading, choose_split, plan
-from tests.cluster import Cluster, http_json
+from tests.cluster import http_json, running_cluster
 
 
 def w(worker_id: str, role: str, **load) -> WorkerReading:

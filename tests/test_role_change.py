@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from common.launcher import LocalStack
-from tests.cluster import Cluster, http_json
+from tests.cluster import http_json, running_cluster
 
 TOKEN = "admin-secret"
 MAX_TOKENS = 24
