@@ -235,7 +235,7 @@ def test_rebalance_dry_run_then_apply(cluster):
 
     client = openai.OpenAI(base_url=f"{cluster.gateway_url}/v1", api_key="x", max_retries=0)
     for i in range(4):
-        client.completions.create(model="tiny", prompt=f"warm up {i} " * 30, max_tokens=4, temperature=0)
+        client.completions.create(model=cluster.model_name, prompt=f"warm up {i} " * 30, max_tokens=4, temperature=0)
     # The decoders' TTFT reaches the registry with their next heartbeat.
     deadline = time.monotonic() + 30
     while not any(w["recent_ttft_s"] for w in pool_entries(cluster) if w["role"] == "decode"):

@@ -46,6 +46,7 @@ class Load:
     def __init__(self, cluster: LocalStack):
         self.client = openai.AsyncOpenAI(base_url=f"{cluster.gateway_url}/v1", api_key="x", max_retries=0,
                                          timeout=120)
+        self.model = cluster.model_name
         self.results: list[tuple[int, str | None, int, int]] = []  # (i, finish_reason, chunks, completion_tokens)
         self.errors: list[str] = []
         self.stop = asyncio.Event()
@@ -57,7 +58,7 @@ class Load:
         finish, chunks, usage = None, 0, None
         try:
             stream = await self.client.completions.create(
-                model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0.8, seed=i, stream=True,
+                model=self.model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0.8, seed=i, stream=True,
                 stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
             async for chunk in stream:
                 if chunk.usage is not None:
