@@ -73,7 +73,6 @@ import random
 import signal
 import sys
 import tempfile
-import time
 import uuid
 from pathlib import Path
 

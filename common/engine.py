@@ -20,7 +20,7 @@ from common.kv_cache import KVCache, KVLayout, dtype_name, num_blocks_for_memory
 from common.kv_cache_manager import KVCacheManager
 from common.model_loader import load_model, resolve_checkpoint
 from common.model_runner import ModelRunner
-from common.request import Request, RequestStatus
+from common.request import Request
 from common.sampler import TokenLogprobs
 from common.sampling_params import SamplingParams
 from common.scheduler import Scheduler

@@ -29,6 +29,7 @@ from typing import Callable, Iterable, Sequence
 
 import redis.asyncio as aioredis
 
+from common.aio import cancel_and_wait
 from common.redis_keys import RedisKeys
 from common.redis_util import UNAVAILABLE_ERRORS
 
@@ -160,12 +161,7 @@ class PrefixIndexPublisher:
         """Stop flushing; with ``delete`` also remove the set (clean shutdown, best effort)."""
         task, self._task = self._task, None
         self._stopping = True
-        if task is not None:
-            task.cancel()
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
+        await cancel_and_wait(task)
         if delete:
             try:
                 await self.client.delete(self.key)

@@ -18,6 +18,7 @@ from typing import Annotated, Callable, Collection, Literal
 import msgspec
 import redis.asyncio as aioredis
 
+from common.aio import cancel_and_wait
 from common.redis_keys import RedisKeys, check_model_id, check_worker_id
 from common.redis_util import UNAVAILABLE_ERRORS
 
@@ -251,12 +252,7 @@ class Heartbeat:
     async def stop(self, *, deregister: bool = True) -> None:
         task, self._task = self._task, None
         self._stopping = True
-        if task is not None:
-            task.cancel()
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
+        await cancel_and_wait(task)
         if deregister:
             info = self.info_fn()
             try:

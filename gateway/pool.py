@@ -11,6 +11,7 @@ import logging
 import time
 from typing import Callable
 
+from common.aio import cancel_and_wait
 from common.redis_util import UNAVAILABLE_ERRORS
 from common.registry import WorkerInfo, WorkerRegistry
 
@@ -41,12 +42,7 @@ class WorkerPool:
     async def stop(self) -> None:
         # A flag as well as cancel(): on Python 3.11 a cancel landing inside a redis-py call can be lost.
         self._stopping = True
-        if self._task:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        await cancel_and_wait(self._task)
 
     async def _run(self) -> None:
         while not self._stopping:

@@ -15,13 +15,13 @@ import hmac
 import logging
 import os
 import signal
-import time
 from dataclasses import dataclass
 
 import aiohttp
 import msgspec
 from aiohttp import web
 
+from common.aio import run_service
 from common.messages import TokenFrame
 from common.model_loader import load_hf_config, resolve_checkpoint
 from common.prefix_index import PrefixIndexReader
@@ -304,10 +304,4 @@ def main() -> None:
         )
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
-    try:
-        import uvloop
-
-        uvloop.install()
-    except ImportError:
-        pass
-    asyncio.run(serve(config))
+    run_service(serve(config))

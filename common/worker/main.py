@@ -5,6 +5,7 @@ import asyncio
 import logging
 import signal
 
+from common.aio import run_service
 from common.worker.config import build_parser, config_from_args
 from common.worker.server import Worker
 
@@ -41,10 +42,4 @@ def main(default_role: str, description: str) -> None:
         config = config_from_args(args)
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
-    try:
-        import uvloop
-
-        uvloop.install()
-    except ImportError:
-        pass
-    asyncio.run(serve(config, args.drain_timeout))
+    run_service(serve(config, args.drain_timeout))

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from common.block_pool import BlockPool
-from common.kv_cache import KVCache
 from kvt_support import LAYOUT, NUM_BLOCKS, random_cache
 from kvtransfer import (
     ChecksumMismatch, ConnectionLost, HandshakeError, KVReceiver, KVSender, KVTransferConfig, PeerLost,
