@@ -39,12 +39,14 @@ def complete(stack, prompt=PROMPT, max_tokens=8):
                                             max_tokens=max_tokens, extra_body={"ignore_eos": True})
 
 
-def metric(stack, name: str) -> float:
+def metric(stack, name: str, labels: str = "") -> float:
+    """The gateway's value of ``name`` (summed over label sets containing ``labels``)."""
+    total = 0.0
     with urllib.request.urlopen(f"{stack.gateway_url}/metrics") as resp:
         for line in resp.read().decode().splitlines():
-            if line.startswith(name + " ") or line.startswith(name + "{"):
-                return float(line.split()[-1])
-    return 0.0
+            if (line.startswith(name + " ") or line.startswith(name + "{")) and labels in line:
+                total += float(line.split()[-1])
+    return total
 
 
 def test_redis_loss_falls_back_to_load_then_refills(stack, private_redis):
@@ -74,6 +76,7 @@ def test_redis_loss_falls_back_to_load_then_refills(stack, private_redis):
 def test_prefill_worker_killed_request_is_computed_elsewhere(stack):
     baseline = complete(stack, max_tokens=6).choices[0].text
     fallbacks_before = sum(stack.stats(d)["remote_prefill_fallbacks"] for d in ("d0", "d1"))
+    direct_before = metric(stack, "pdserve_prefill_skipped_total", "no active prefill worker")
     stack.kill("p0")
     stack.kill("p1")
     # Until their heartbeats lapse the gateway still routes to the dead prefill workers; the
@@ -81,8 +84,11 @@ def test_prefill_worker_killed_request_is_computed_elsewhere(stack):
     # (Fresh prompts: a prompt the decode worker already caches would skip the prefill pool.)
     results = [complete(stack, prompt=f"Number {i}: streaming tokens to many clients", max_tokens=6) for i in range(3)]
     assert all(r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 6 for r in results)
-    fallbacks = sum(stack.stats(d)["remote_prefill_fallbacks"] for d in ("d0", "d1"))
-    assert fallbacks > fallbacks_before
+    # Each request either reached a dead prefill worker and was computed by the decode worker
+    # instead, or (once the gateway saw the heartbeats lapse) went straight to a decode worker.
+    fallbacks = sum(stack.stats(d)["remote_prefill_fallbacks"] for d in ("d0", "d1")) - fallbacks_before
+    direct = metric(stack, "pdserve_prefill_skipped_total", "no active prefill worker") - direct_before
+    assert fallbacks + direct == 3 and fallbacks >= 1
     # Once the heartbeats lapse the gateway stops routing to them.
     health = stack.wait_for_workers(prefill=0, decode=2, timeout=20)
     assert health["workers"]["prefill"] == 0
