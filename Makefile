@@ -19,6 +19,9 @@ install: $(STAMP)
 up: $(STAMP)
 	$(PY) -m common.launcher
 
+demo: $(STAMP)
+	$(PY) -m common.demo
+
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
