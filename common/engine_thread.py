@@ -18,7 +18,6 @@ import asyncio
 import logging
 import queue
 import threading
-import time
 from typing import Any, Callable
 
 from common.engine import Engine, RequestOutput
@@ -38,7 +37,6 @@ class EngineThread:
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self.steps = 0
-        self.busy_seconds = 0.0
         self.fatal_error: BaseException | None = None
 
     def start(self) -> None:
@@ -74,11 +72,9 @@ class EngineThread:
                     return
                 if not engine.has_work():
                     continue
-                began = time.perf_counter()
                 outputs = engine.step()
                 for hook in self.after_step:
                     hook(engine, outputs)
-                self.busy_seconds += time.perf_counter() - began
                 self.steps += 1
                 if outputs:
                     self.loop.call_soon_threadsafe(self._dispatch, outputs)

@@ -393,15 +393,8 @@ class CompletionResponse(msgspec.Struct):
     object: Literal["text_completion"] = "text_completion"
 
 
-class CompletionChunk(msgspec.Struct):
-    """One SSE event of a streamed completion (same choice shape, partial ``text``)."""
-
-    id: str
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-    object: Literal["text_completion"] = "text_completion"
+class CompletionChunk(CompletionResponse):
+    """One SSE event of a streamed completion: the response's shape, with partial ``text``."""
 
 
 class TopLogprob(msgspec.Struct):
