@@ -17,10 +17,10 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 up: $(STAMP)
-	$(PY) -m common.launcher
+	$(PY) -m common.cluster.launcher
 
 demo: $(STAMP)
-	$(PY) -m common.demo
+	$(PY) -m common.engine.demo
 
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider tests

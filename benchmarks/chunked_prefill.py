@@ -19,8 +19,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.bench_util import emit, percentile, random_prompts, write_random_llama  # noqa: E402
-from common.config import EngineConfig  # noqa: E402
-from common.engine import Engine  # noqa: E402
+from common.engine.config import EngineConfig  # noqa: E402
+from common.engine.engine import Engine  # noqa: E402
 
 
 def run(checkpoint: Path, budget: int, args, vocab: int) -> dict:

@@ -21,8 +21,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.bench_util import emit, log_uniform_lengths, random_prompts, write_random_llama  # noqa: E402
-from common.config import EngineConfig  # noqa: E402
-from common.engine import Engine  # noqa: E402
+from common.engine.config import EngineConfig  # noqa: E402
+from common.engine.engine import Engine  # noqa: E402
 
 
 def run_ours(checkpoint: Path, prompts, output_lens, max_num_seqs: int) -> tuple[float, list[list[int]], float, float]:

@@ -1,7 +1,7 @@
 """Serving benchmark: open-loop Poisson load against whole stacks (gateway + workers + Redis).
 
 By default each scenario starts the stacks it compares (real processes through
-``common.launcher.LocalStack``, CPU, one after the other, same seed and workload), runs the same
+``common.cluster.launcher.LocalStack``, CPU, one after the other, same seed and workload), runs the same
 workload against each, stops them, and compares.  With ``--url`` it runs the scenario's workload
 once against a gateway that is already up and reports that one configuration (ratios are null).
 
@@ -82,7 +82,7 @@ from benchmarks.bench_util import emit, write_random_llama  # noqa: E402
 from benchmarks.loadgen import (  # noqa: E402
     LengthDist, PlannedRequest, Record, poisson_times, random_ids, run_load, summarize,
 )
-from common.launcher import LocalStack, http_json  # noqa: E402
+from common.cluster.launcher import LocalStack, http_json  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -122,7 +122,7 @@ def write_word_tokenizer(directory: Path, vocab_size: int) -> None:
 
 def prepare_model(model: str) -> tuple[str, int]:
     """The checkpoint directory to serve and its vocabulary size."""
-    from common.model_loader import resolve_checkpoint
+    from common.engine.model_loader import resolve_checkpoint
 
     if model in ("100m", "tiny"):
         directory = write_random_llama(Path(tempfile.gettempdir()) / f"pdserve-serving-llama-{model}", model)

@@ -16,8 +16,8 @@ import time
 import aiohttp
 from aiohttp import web
 
-from common.engine import Engine, RequestOutput
-from common.messages import (
+from common.engine.engine import Engine, RequestOutput
+from common.cluster.messages import (
     AbortRequest, GenerateRequest, PrefillRequest, PrefillResult, TokenFrame, TokenLogprob, decode, encode, frame,
 )
 

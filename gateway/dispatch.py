@@ -19,10 +19,10 @@ from typing import AsyncIterator
 
 import aiohttp
 
-from common.messages import AbortRequest, GenerateRequest, TokenFrame, encode, read_frame
-from common.prefix_hash import hash_prompt_blocks
-from common.prefix_index import PrefixIndexReader
-from common.sampling_params import SamplingParams
+from common.cluster.messages import AbortRequest, GenerateRequest, TokenFrame, encode, read_frame
+from common.engine.prefix_hash import hash_prompt_blocks
+from common.cluster.prefix_index import PrefixIndexReader
+from common.engine.sampling_params import SamplingParams
 from gateway.metrics import GatewayMetrics
 from gateway.pool import WorkerPool
 from gateway.routing import NoWorkerAvailable, Route, Router

@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from common.detokenizer import StreamingDecoder
-from common.messages import TokenFrame
-from common.sampling_params import SamplingParams
+from gateway.detokenizer import StreamingDecoder
+from common.cluster.messages import TokenFrame
+from common.engine.sampling_params import SamplingParams
 from gateway.dispatch import DispatchResult, Saturated, UpstreamError
 from gateway.openai_protocol import (
     SSE_DONE, SSE_HEADERS, ChatChoice, ChatCompletionChunk, ChatCompletionResponse, ChatDelta, ChatLogprobs,

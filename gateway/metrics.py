@@ -22,7 +22,7 @@ from typing import Iterable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from common.registry import ROLES, STATES, WorkerInfo
+from common.cluster.registry import ROLES, STATES, WorkerInfo
 
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0,
                 7.5, 10.0, 20.0, 40.0, 80.0)

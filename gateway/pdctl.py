@@ -23,7 +23,7 @@ import urllib.error
 import urllib.request
 from dataclasses import asdict
 
-from common.registry import ROLES
+from common.cluster.registry import ROLES
 from gateway.rebalance import Move, Targets, WorkerReading, plan
 
 

@@ -11,9 +11,9 @@ import logging
 import time
 from typing import Callable
 
-from common.aio import cancel_and_wait
-from common.redis_util import UNAVAILABLE_ERRORS
-from common.registry import WorkerInfo, WorkerRegistry
+from common.cluster.aio import cancel_and_wait
+from common.cluster.redis_util import UNAVAILABLE_ERRORS
+from common.cluster.registry import WorkerInfo, WorkerRegistry
 
 log = logging.getLogger(__name__)
 

@@ -41,7 +41,7 @@ from typing import Mapping, Sequence
 
 import xxhash
 
-from common.registry import WorkerInfo
+from common.cluster.registry import WorkerInfo
 
 POLICIES = ("round_robin", "least_load", "prefix_aware")
 

@@ -21,12 +21,12 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
-from common.aio import run_service
-from common.messages import TokenFrame
-from common.model_loader import load_hf_config, resolve_checkpoint
-from common.prefix_index import PrefixIndexReader
-from common.redis_util import connect, redis_url_from_env
-from common.registry import ROLES, WorkerRegistry
+from common.cluster.aio import run_service
+from common.cluster.messages import TokenFrame
+from common.engine.model_loader import load_hf_config, resolve_checkpoint
+from common.cluster.prefix_index import PrefixIndexReader
+from common.cluster.redis_util import connect, redis_url_from_env
+from common.cluster.registry import ROLES, WorkerRegistry
 from gateway.dispatch import Dispatcher
 from gateway.handlers import Generation, OpenAIHandlers
 from gateway.metrics import GatewayMetrics

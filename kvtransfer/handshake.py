@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
-from common.kv_cache import KVLayout
+from common.engine.kv_cache import KVLayout
 from kvtransfer.errors import ConnectionLost, HandshakeError, ProtocolError
 from kvtransfer.messages import PROTOCOL_VERSION, Hello, Reject, Welcome, decode, encode
 from kvtransfer.transport_base import Channel

@@ -32,7 +32,7 @@ from typing import Annotated, Union
 
 import msgspec
 
-from common.kv_cache import KVLayout
+from common.engine.kv_cache import KVLayout
 from kvtransfer.errors import ProtocolError
 
 PROTOCOL_VERSION = 1

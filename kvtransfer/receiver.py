@@ -15,7 +15,7 @@ import time
 
 import msgspec
 
-from common.kv_cache import KVCache
+from common.engine.kv_cache import KVCache
 from kvtransfer.config import KVTransferConfig
 from kvtransfer.errors import (
     ChecksumMismatch, ConnectionLost, HandshakeError, PeerLost, ProtocolError, TransferAborted,

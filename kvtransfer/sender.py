@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from common.kv_cache import KVCache
+from common.engine.kv_cache import KVCache
 from kvtransfer.config import KVTransferConfig, parse_address
 from kvtransfer.errors import (
     ConnectionLost, PeerLost, ProtocolError, TransferAborted, TransferError, TransferTimeout,

@@ -7,7 +7,7 @@ import logging
 import msgspec
 from aiohttp import web
 
-from common.messages import PrefillRequest, PrefillResult, TokenLogprob, decode, encode
+from common.cluster.messages import PrefillRequest, PrefillResult, TokenLogprob, decode, encode
 from prefill_svc.shipping import ShippingJob, ship, unpin_leftovers
 
 log = logging.getLogger(__name__)

@@ -15,11 +15,11 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from common.block_pool import KVCacheBlock
-from common.engine import Engine
-from common.kv_cache_manager import cdiv
-from common.registry import KVAddress
-from common.request import Request
+from common.engine.block_pool import KVCacheBlock
+from common.engine.engine import Engine
+from common.engine.kv_cache_manager import cdiv
+from common.cluster.registry import KVAddress
+from common.engine.request import Request
 
 FINAL = object()
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import redis
 
-from common.launcher import LocalStack, http_json  # noqa: F401  (re-exported for tests)
+from common.cluster.launcher import LocalStack, http_json  # noqa: F401  (re-exported for tests)
 
 ADMIN_TOKEN = "admin-secret"  # what the gateway and the workers of a test cluster accept
 

@@ -6,7 +6,7 @@ import uuid
 import pytest
 import redis
 
-from common.redis_util import connect, ensure_redis, redis_url_from_env
+from common.cluster.redis_util import connect, ensure_redis, redis_url_from_env
 
 
 # ---- Redis (registry, prefix index) ----------------------------------------------------------
@@ -40,7 +40,7 @@ def key_prefix(redis_url: str) -> str:
 
 @pytest.fixture
 async def redis_client(redis_url: str):
-    """An asyncio client from `common.redis_util.connect` (fail-fast settings, bytes replies)."""
+    """An asyncio client from `common.cluster.redis_util.connect` (fail-fast settings, bytes replies)."""
     client = connect(redis_url)
     try:
         yield client

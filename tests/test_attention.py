@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from common.attention import AttentionRequest, FlashAttention, TorchAttention
-from common.kv_cache import KVCache, KVLayout
+from common.engine.attention import AttentionRequest, FlashAttention, TorchAttention
+from common.engine.kv_cache import KVCache, KVLayout
 
 HEADS, KV_HEADS, DIM = 4, 2, 8
 

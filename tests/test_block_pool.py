@@ -1,11 +1,11 @@
 """Block pool and KV cache manager on tiny pools, with exact block ids."""
 import pytest
 
-from common.block_pool import BlockPool
-from common.kv_cache_manager import KVCacheManager
-from common.prefix_hash import hash_block_tokens, hash_prompt_blocks
-from common.request import Request
-from common.sampling_params import SamplingParams
+from common.engine.block_pool import BlockPool
+from common.engine.kv_cache_manager import KVCacheManager
+from common.engine.prefix_hash import hash_block_tokens, hash_prompt_blocks
+from common.engine.request import Request
+from common.engine.sampling_params import SamplingParams
 
 
 def ids(blocks):

@@ -15,7 +15,7 @@ import subprocess
 import pytest
 import yaml
 
-from common.launcher import ROOT, free_port
+from common.cluster.launcher import ROOT, free_port
 
 COMPOSE = ROOT / "compose"
 ENV_EXAMPLE = COMPOSE / ".env.example"

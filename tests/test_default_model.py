@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-from common.config import EngineConfig
-from common.default_model import ensure_default_model
-from common.engine import Engine
+from common.engine.config import EngineConfig
+from common.engine.default_model import ensure_default_model
+from common.engine.engine import Engine
 
 PROMPTS = [
     "The capital of Germany is Berlin. The capital of France is",

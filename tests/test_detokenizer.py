@@ -13,7 +13,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from common.detokenizer import IncrementalDetokenizer, StopStringMatcher, StreamingDecoder
+from gateway.detokenizer import IncrementalDetokenizer, StopStringMatcher, StreamingDecoder
 
 CORPUS = [
     "The café serves crème brûlée and naïve jokes.",

@@ -1,8 +1,8 @@
 """Bad input gets a clear error naming the problem, and frees whatever it held."""
 import pytest
 
-from common.config import EngineConfig
-from common.engine import Engine
+from common.engine.config import EngineConfig
+from common.engine.engine import Engine
 from tests.checkpoints import tiny_llama_config, write_checkpoint
 
 

@@ -3,8 +3,8 @@ architecture, generates exactly what transformers generates from the original we
 import pytest
 import torch
 
-from common.config import EngineConfig
-from common.engine import Engine
+from common.engine.config import EngineConfig
+from common.engine.engine import Engine
 from tests.test_gguf_loader import CASES, _tiny_model, _write_gguf
 
 

@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 
-from common.config import EngineConfig
-from common.engine import Engine
+from common.engine.config import EngineConfig
+from common.engine.engine import Engine
 from tests.checkpoints import VOCAB, tiny_gemma3_config, tiny_llama_config, write_checkpoint
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}

@@ -21,9 +21,9 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from common import default_model
-from common.default_model import converted_gguf_dir, ensure_default_model
-from common.gguf_loader import load_gguf, open_gguf
+from common.engine import default_model
+from common.engine.default_model import converted_gguf_dir, ensure_default_model
+from common.engine.gguf_loader import load_gguf, open_gguf
 
 Q = gguf.GGMLQuantizationType
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from common.registry import Capacity, KVAddress, Load, WorkerInfo
+from common.cluster.registry import Capacity, KVAddress, Load, WorkerInfo
 from gateway.metrics import GatewayMetrics
 
 

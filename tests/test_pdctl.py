@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from common.launcher import ROOT, LocalStack
+from common.cluster.launcher import ROOT, LocalStack
 from gateway import pdctl
 from gateway.rebalance import Move, Targets, WorkerReading, choose_split, plan
 from tests.cluster import http_json, running_cluster

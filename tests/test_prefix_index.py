@@ -7,10 +7,10 @@ import signal
 
 import pytest
 
-from common.prefix_hash import hash_prompt_blocks
-from common.prefix_index import PrefixIndexPublisher, PrefixIndexReader
-from common.redis_keys import RedisKeys
-from common.redis_util import connect, start_redis_server
+from common.engine.prefix_hash import hash_prompt_blocks
+from common.cluster.prefix_index import PrefixIndexPublisher, PrefixIndexReader
+from common.cluster.redis_keys import RedisKeys
+from common.cluster.redis_util import connect, start_redis_server
 
 MODEL = "org/tiny-model"
 BS = 4

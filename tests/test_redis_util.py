@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from common import redis_util
-from common.redis_util import RedisConfig, RedisUnavailableError, ensure_redis, ping, start_redis_server
+from common.cluster import redis_util
+from common.cluster.redis_util import RedisConfig, RedisUnavailableError, ensure_redis, ping, start_redis_server
 
 
 def test_ensure_redis_uses_a_server_that_answers(redis_url):

@@ -6,9 +6,9 @@ import time
 
 import pytest
 
-from common.redis_keys import RedisKeys
-from common.redis_util import connect, start_redis_server
-from common.registry import (Capacity, Heartbeat, KVAddress, Load, WorkerInfo, WorkerRegistry,
+from common.cluster.redis_keys import RedisKeys
+from common.cluster.redis_util import connect, start_redis_server
+from common.cluster.registry import (Capacity, Heartbeat, KVAddress, Load, WorkerInfo, WorkerRegistry,
                              validate_worker_info)
 
 MODEL = "org/tiny-model"
@@ -172,7 +172,7 @@ async def test_entries_from_a_newer_worker_with_extra_fields_are_still_read(redi
     """Rolling upgrades: an entry carrying a field this reader does not know must not vanish."""
     import msgspec as _msgspec
 
-    from common.registry import WorkerRegistry as _Registry
+    from common.cluster.registry import WorkerRegistry as _Registry
 
     registry = _Registry(redis_client, key_prefix=key_prefix)
     info = _make_info_for_compat()
@@ -187,7 +187,7 @@ async def test_entries_from_a_newer_worker_with_extra_fields_are_still_read(redi
 
 
 def _make_info_for_compat():
-    from common.registry import Capacity, KVAddress, WorkerInfo
+    from common.cluster.registry import Capacity, KVAddress, WorkerInfo
 
     return WorkerInfo(worker_id="w-compat", role="decode", model="m", http_address="http://127.0.0.1:1",
                       kv_address=KVAddress(transport="tcp", host="127.0.0.1", port=2),

@@ -9,7 +9,7 @@ import time
 import openai
 import pytest
 
-from common.launcher import LocalStack
+from common.cluster.launcher import LocalStack
 from tests.cluster import http_json, running_cluster
 
 TOKEN = "admin-secret"

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from common.registry import Capacity, KVAddress, Load, WorkerInfo
+from common.cluster.registry import Capacity, KVAddress, Load, WorkerInfo
 from gateway.routing import NoWorkerAvailable, Router, RoutingConfig, decode_load
 
 BS = 16

@@ -3,8 +3,8 @@ import math
 
 import torch
 
-from common.sampler import sample
-from common.sampling_params import SamplingParams
+from common.engine.sampler import sample
+from common.engine.sampling_params import SamplingParams
 
 
 def logits_row(values):

@@ -1,17 +1,17 @@
 """The unified scheduler on tiny pools: token budget per step, ordering, preemption, prefix hits."""
 import pytest
 
-from common.block_pool import BlockPool
-from common.config import SchedulerConfig
-from common.kv_cache_manager import KVCacheManager
-from common.request import Request, RequestStatus
-from common.sampling_params import SamplingParams
+from common.engine.block_pool import BlockPool
+from common.engine.config import SchedulerConfig
+from common.engine.kv_cache_manager import KVCacheManager
+from common.engine.request import Request, RequestStatus
+from common.engine.sampling_params import SamplingParams
 
 EOS = 2
 
 
 def make_scheduler(num_blocks=32, block_size=4, budget=8, max_seqs=8, watermark=0.0, max_model_len=256):
-    from common.scheduler import Scheduler
+    from common.engine.scheduler import Scheduler
 
     config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs,
                              max_model_len=max_model_len, watermark=watermark)

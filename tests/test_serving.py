@@ -11,8 +11,8 @@ import urllib.request
 import openai
 import pytest
 
-from common.config import EngineConfig
-from common.engine import Engine
+from common.engine.config import EngineConfig
+from common.engine.engine import Engine
 from tests.cluster import http_json, running_cluster
 
 API_KEY = "test-key"

@@ -7,7 +7,7 @@ import urllib.request
 import openai
 import pytest
 
-from common.redis_util import RedisServer
+from common.cluster.redis_util import RedisServer
 from tests.cluster import http_json, running_cluster
 from tests.test_serving import WORKER_ARGS, wait_idle
 

@@ -7,8 +7,8 @@ import socket
 import uuid
 from dataclasses import dataclass, field
 
-from common.config import EngineConfig
-from common.redis_util import redis_url_from_env
+from common.engine.config import EngineConfig
+from common.cluster.redis_util import redis_url_from_env
 from kvtransfer.config import KVTransferConfig
 
 ROLES = ("prefill", "decode", "both")

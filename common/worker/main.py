@@ -5,17 +5,18 @@ import asyncio
 import logging
 import signal
 
-from common.aio import run_service
+from common.cluster.aio import run_service
 from common.worker.config import build_parser, config_from_args
+from common.worker.roles import RoleModule
 from common.worker.server import Worker
 
 log = logging.getLogger(__name__)
 
 
-async def serve(config, drain_timeout: float = 30.0) -> None:
+async def serve(config, modules, drain_timeout: float = 30.0) -> None:
     """Run a worker until SIGINT/SIGTERM, then drain (bounded by ``drain_timeout``) and stop, so a
     restart or a compose scale-down does not cut the streams in flight."""
-    worker = Worker(config)
+    worker = Worker(config, modules)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -35,11 +36,12 @@ async def serve(config, drain_timeout: float = 30.0) -> None:
         await worker.stop()
 
 
-def main(default_role: str, description: str) -> None:
+def main(default_role: str, description: str, modules: list[RoleModule]) -> None:
+    """Parse flags and run a worker hosting ``modules`` (the services' role modules)."""
     args = build_parser(default_role, description).parse_args()
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = config_from_args(args)
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
-    run_service(serve(config, args.drain_timeout))
+    run_service(serve(config, modules, args.drain_timeout))

@@ -2,8 +2,8 @@
 
 HTTP API (internal; the gateway and peers call it):
 
-    POST /generate   GenerateRequest  -> stream of TokenFrame   (decode / both)
-    POST /prefill    PrefillRequest   -> PrefillResult          (prefill / both)
+    POST /generate   GenerateRequest  -> stream of TokenFrame   (decode_svc's role module)
+    POST /prefill    PrefillRequest   -> PrefillResult          (prefill_svc's role module)
     POST /abort      AbortRequest     -> 200 whether or not the request was here
     GET  /health                      -> 200 while serving
     GET  /stats[?check=1]             -> JSON counters (tests and ops); check=1 adds the block
@@ -21,19 +21,21 @@ import hmac
 import logging
 import time
 from collections import deque
+from typing import Sequence
 
 import aiohttp
 import msgspec
 from aiohttp import web
 
-from common.engine import Engine
-from common.engine_thread import EngineThread
-from common.messages import AbortRequest, decode
-from common.prefix_index import PrefixIndexPublisher
-from common.redis_util import connect
-from common.registry import Capacity, Heartbeat, KVAddress, Load, WorkerInfo, WorkerRegistry
+from common.engine.engine import Engine
+from common.worker.engine_thread import EngineThread
+from common.cluster.messages import AbortRequest, decode
+from common.cluster.prefix_index import PrefixIndexPublisher
+from common.cluster.redis_util import connect
+from common.cluster.registry import Capacity, Heartbeat, KVAddress, Load, WorkerInfo, WorkerRegistry
 from common.worker.config import ROLES, WorkerConfig
 from common.worker.metrics import WorkerMetrics
+from common.worker.roles import RoleModule
 from kvtransfer.config import parse_address
 from kvtransfer.receiver import KVReceiver
 from kvtransfer.sender import KVSender
@@ -76,8 +78,9 @@ class RecentRate:
 class Worker:
     """One worker process.  ``start()`` loads the model and joins the pool; ``stop()`` leaves it."""
 
-    def __init__(self, config: WorkerConfig):
+    def __init__(self, config: WorkerConfig, modules: Sequence[RoleModule]):
         self.config = config
+        self.modules = list(modules)
         self.role = config.role
         self.state = "starting"
         self.engine: Engine | None = None
@@ -109,10 +112,10 @@ class Worker:
         self.engine = await asyncio.to_thread(Engine, self.config.engine, load_tokenizer=False)
         self.engine_thread = EngineThread(self.engine, loop)
         self.engine_thread.after_step.append(self._publish_cache_events)
-        from prefill_svc.shipping import Shipper  # the prefill role's engine-thread hook
-
-        self.shipper = Shipper(self)
-        self.engine_thread.after_step.append(self.shipper.after_step)
+        app = web.Application(client_max_size=64 << 20)
+        self._routes(app)
+        for module in self.modules:
+            module.install(self, app)
         self.engine_thread.start()
 
         self.kv_receiver = KVReceiver(self.engine.kv_cache, self.config.kv)
@@ -121,8 +124,6 @@ class Worker:
         self.kv_address = KVAddress(transport=self.config.kv.transport,
                                     host=self.config.advertise_host or host, port=port)
 
-        app = web.Application(client_max_size=64 << 20)
-        self._routes(app)
         self._runner = web.AppRunner(app, handle_signals=False, access_log=None, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.host, self.config.port)
@@ -300,11 +301,7 @@ class Worker:
     # ---- HTTP ------------------------------------------------------------------------------
 
     def _routes(self, app: web.Application) -> None:
-        from decode_svc.generate import handle_generate
-        from prefill_svc.prefill import handle_prefill
-
-        app.router.add_post("/generate", lambda r: handle_generate(self, r))
-        app.router.add_post("/prefill", lambda r: handle_prefill(self, r))
+        """Routes every worker has; the role modules add /generate and /prefill."""
         app.router.add_post("/abort", self._handle_abort)
         app.router.add_get("/health", self._handle_health)
         app.router.add_get("/stats", self._handle_stats)

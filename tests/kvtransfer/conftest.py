@@ -5,7 +5,7 @@ import contextlib
 
 import pytest
 
-from common.kv_cache import KVCache, KVLayout
+from common.engine.kv_cache import KVCache, KVLayout
 from kvt_support import LAYOUT, NUM_BLOCKS, TRANSPORTS, random_cache
 from kvtransfer import KVReceiver, KVSender, KVTransferConfig
 

@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 
-from common.block_pool import BlockPool
-from common.kv_cache import KVCache
+from common.engine.block_pool import BlockPool
+from common.engine.kv_cache import KVCache
 from kvt_support import LAYOUT, NUM_BLOCKS, random_cache
 from kvtransfer import KVReceiver, KVSender, KVTransferConfig, PeerLost, TransferError
 

@@ -7,7 +7,7 @@ import contextlib
 import pytest
 import torch
 
-from common.block_pool import BlockPool
+from common.engine.block_pool import BlockPool
 from kvt_support import LAYOUT, NUM_BLOCKS, random_cache
 from kvtransfer import (
     ChecksumMismatch, ConnectionLost, HandshakeError, KVReceiver, KVSender, KVTransferConfig, PeerLost,

@@ -6,7 +6,7 @@ import struct
 
 import pytest
 
-from common.kv_cache import KVCache
+from common.engine.kv_cache import KVCache
 from kvt_support import LAYOUT, NUM_BLOCKS, random_cache
 from kvtransfer import KVReceiver, KVSender, KVTransferConfig, PeerLost
 from kvtransfer.messages import Blocks, Hello, encode

@@ -4,8 +4,8 @@ from __future__ import annotations
 import enum
 import time
 
-from common.prefix_hash import BlockHash, hash_prompt_blocks
-from common.sampling_params import SamplingParams
+from common.engine.prefix_hash import BlockHash, hash_prompt_blocks
+from common.engine.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

@@ -28,7 +28,7 @@ from typing import Callable
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from common.gguf_loader import load_gguf, load_gguf_tokenizer
+from common.engine.gguf_loader import load_gguf, load_gguf_tokenizer
 
 DEFAULT_MODEL_NAME = "gemma-3-270m"
 SOURCE_MARKER = "gguf_source.json"

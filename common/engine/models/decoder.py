@@ -2,7 +2,7 @@
 
 Parameter names follow the Hugging Face checkpoints, so a safetensors state dict loads as is;
 q/k/v and gate/up are fused after loading (one matmul each instead of three and two).
-The forward runs over a packed batch of tokens from many requests (see ``common.attention``).
+The forward runs over a packed batch of tokens from many requests (see ``common.engine.attention``).
 """
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common.attention import AttentionMetadata
-from common.kv_cache import KVCache
-from common.model_config import ModelConfig
-from common.models.rotary import RotaryEmbedding, apply_rotary
+from common.engine.attention import AttentionMetadata
+from common.engine.kv_cache import KVCache
+from common.engine.model_config import ModelConfig
+from common.engine.models.rotary import RotaryEmbedding, apply_rotary
 
 _ACTIVATIONS = {
     "silu": F.silu,

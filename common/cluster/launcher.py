@@ -1,6 +1,6 @@
 """Start a whole stack as local processes: Redis (if none answers), workers, the gateway.
 
-``make up`` runs ``python -m common.launcher``; the integration tests and the serving benchmark
+``make up`` runs ``python -m common.cluster.launcher``; the integration tests and the serving benchmark
 use ``LocalStack`` to start real processes the same way.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def free_port() -> int:
@@ -159,7 +159,7 @@ def default_transport() -> str:
 
 
 def main() -> None:
-    from common.redis_util import ensure_redis, redis_url_from_env
+    from common.cluster.redis_util import ensure_redis, redis_url_from_env
 
     parser = argparse.ArgumentParser(description="Run gateway + prefill + decode workers locally (make up)")
     parser.add_argument("--model", default=os.environ.get("PDSERVE_MODEL", "default"))
@@ -171,7 +171,7 @@ def main() -> None:
     args = parser.parse_args()
 
     if args.model == "default":
-        from common.default_model import ensure_default_model
+        from common.engine.default_model import ensure_default_model
 
         print("preparing the default model (Gemma 3 270M; converted once, then cached)...", flush=True)
         ensure_default_model()

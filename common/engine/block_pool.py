@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
-from common.prefix_hash import BlockHash
+from common.engine.prefix_hash import BlockHash
 
 
 class KVCacheBlock:

@@ -20,7 +20,7 @@ import queue
 import threading
 from typing import Any, Callable
 
-from common.engine import Engine, RequestOutput
+from common.engine.engine import Engine, RequestOutput
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from common.sampling_params import SamplingParams
+from common.engine.sampling_params import SamplingParams
 
 
 @dataclass

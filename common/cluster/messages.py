@@ -12,8 +12,8 @@ from typing import Annotated, Type, TypeVar
 
 import msgspec
 
-from common.registry import KVAddress
-from common.sampling_params import SamplingParams
+from common.cluster.registry import KVAddress
+from common.engine.sampling_params import SamplingParams
 
 MAX_FRAME_BYTES = 4 << 20  # a frame above this is a protocol error, never an allocation
 MAX_PROMPT_TOKENS = 1 << 20

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from common.kv_cache import KVCache
+from common.engine.kv_cache import KVCache
 
 
 @dataclass

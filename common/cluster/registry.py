@@ -3,7 +3,7 @@
 Workers write their own entry (``register`` + a periodic ``Heartbeat``); the gateway and ops
 scripts read the pool with ``list_workers``.  An entry is a JSON ``WorkerInfo`` under a key with a
 TTL, so a worker that dies without deregistering disappears once the TTL runs out.  Key names are
-in ``common.redis_keys``.
+in ``common.cluster.redis_keys``.
 
 Reading takes two round trips: ZRANGE of the per-model index, then MGET of the entries.  Index
 members whose entry has been gone for a long while are pruned by the reader.
@@ -18,9 +18,9 @@ from typing import Annotated, Callable, Collection, Literal
 import msgspec
 import redis.asyncio as aioredis
 
-from common.aio import cancel_and_wait
-from common.redis_keys import RedisKeys, check_model_id, check_worker_id
-from common.redis_util import UNAVAILABLE_ERRORS
+from common.cluster.aio import cancel_and_wait
+from common.cluster.redis_keys import RedisKeys, check_model_id, check_worker_id
+from common.cluster.redis_util import UNAVAILABLE_ERRORS
 
 log = logging.getLogger(__name__)
 

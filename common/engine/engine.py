@@ -13,17 +13,17 @@ from typing import Any, Sequence
 
 import torch
 
-from common.attention import make_attention
-from common.block_pool import BlockPool
-from common.config import EngineConfig
-from common.kv_cache import KVCache, KVLayout, dtype_name, num_blocks_for_memory
-from common.kv_cache_manager import KVCacheManager
-from common.model_loader import load_model, resolve_checkpoint
-from common.model_runner import ModelRunner
-from common.request import Request
-from common.sampler import TokenLogprobs
-from common.sampling_params import SamplingParams
-from common.scheduler import Scheduler
+from common.engine.attention import make_attention
+from common.engine.block_pool import BlockPool
+from common.engine.config import EngineConfig
+from common.engine.kv_cache import KVCache, KVLayout, dtype_name, num_blocks_for_memory
+from common.engine.kv_cache_manager import KVCacheManager
+from common.engine.model_loader import load_model, resolve_checkpoint
+from common.engine.model_runner import ModelRunner
+from common.engine.request import Request
+from common.engine.sampler import TokenLogprobs
+from common.engine.sampling_params import SamplingParams
+from common.engine.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 

@@ -5,11 +5,11 @@ import time
 
 import torch
 
-from common.attention import AttentionRequest
-from common.kv_cache import KVCache
-from common.models.decoder import DecoderModel
-from common.sampler import TokenLogprobs, sample
-from common.scheduler import SchedulerOutput
+from common.engine.attention import AttentionRequest
+from common.engine.kv_cache import KVCache
+from common.engine.models.decoder import DecoderModel
+from common.engine.sampler import TokenLogprobs, sample
+from common.engine.scheduler import SchedulerOutput
 
 
 class ModelRunner:

@@ -8,22 +8,22 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
-from common.model_config import ModelConfig
-from common.models.decoder import DecoderModel
+from common.engine.model_config import ModelConfig
+from common.engine.models.decoder import DecoderModel
 
 
 def resolve_checkpoint(model: str) -> Path:
     """Turn the ``model`` setting into a Hugging Face directory: ``default`` is the bundled Gemma 3
     270M, a ``.gguf`` file is converted once into a cached directory."""
     if model == "default":
-        from common.default_model import ensure_default_model
+        from common.engine.default_model import ensure_default_model
 
         return ensure_default_model()
     path = Path(model).expanduser()
     if not path.exists():
         raise FileNotFoundError(f"checkpoint path {str(path)!r} does not exist")
     if path.is_file() and path.suffix == ".gguf":
-        from common.default_model import converted_gguf_dir
+        from common.engine.default_model import converted_gguf_dir
 
         return converted_gguf_dir(path)
     if not path.is_dir():

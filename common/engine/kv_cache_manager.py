@@ -7,8 +7,8 @@
 """
 from __future__ import annotations
 
-from common.block_pool import BlockPool, KVCacheBlock
-from common.request import Request
+from common.engine.block_pool import BlockPool, KVCacheBlock
+from common.engine.request import Request
 
 
 def cdiv(a: int, b: int) -> int:

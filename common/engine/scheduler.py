@@ -14,10 +14,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from common.config import SchedulerConfig
-from common.kv_cache_manager import KVCacheManager
-from common.request import Request, RequestStatus
-from common.sampling_params import SamplingParams
+from common.engine.config import SchedulerConfig
+from common.engine.kv_cache_manager import KVCacheManager
+from common.engine.request import Request, RequestStatus
+from common.engine.sampling_params import SamplingParams
 
 
 @dataclass

@@ -9,7 +9,7 @@ back-off, which would stall a request for seconds while Redis is down.
 it is used; if not and the address is local, a private ``redis-server`` is started on a free port
 (no persistence, in a temp dir) and its URL returned together with a handle that stops it.
 
-Run ``python -m common.redis_util`` to print a usable URL (starting a private server if needed and
+Run ``python -m common.cluster.redis_util`` to print a usable URL (starting a private server if needed and
 keeping it up until interrupted).
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import ExponentialBackoff
 
-from common.redis_keys import KEY_PREFIX_RE
+from common.cluster.redis_keys import KEY_PREFIX_RE
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379"
 LOCAL_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "0.0.0.0"})

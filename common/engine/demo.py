@@ -5,8 +5,8 @@ import argparse
 import logging
 import time
 
-from common.config import EngineConfig
-from common.engine import Engine
+from common.engine.config import EngineConfig
+from common.engine.engine import Engine
 
 PROMPTS = [
     "The capital of Germany is Berlin. The capital of France is",
