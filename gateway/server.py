@@ -8,14 +8,11 @@
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import hmac
 import logging
-import os
 import signal
-from dataclasses import dataclass
 
 import aiohttp
 import msgspec
@@ -25,42 +22,17 @@ from common.cluster.aio import run_service
 from common.cluster.messages import TokenFrame
 from common.engine.model_loader import load_hf_config, resolve_checkpoint
 from common.cluster.prefix_index import PrefixIndexReader
-from common.cluster.redis_util import connect, redis_url_from_env
+from common.cluster.redis_util import connect
 from common.cluster.registry import ROLES, WorkerRegistry
+from gateway.config import GatewayConfig, build_parser, config_from_args
 from gateway.dispatch import Dispatcher
 from gateway.handlers import Generation, OpenAIHandlers
 from gateway.metrics import GatewayMetrics
 from gateway.openai_protocol import ModelCard, ModelList, OpenAIError, json_response, now
 from gateway.pool import WorkerPool
-from gateway.routing import POLICIES, Router, RoutingConfig
+from gateway.routing import Router, RoutingConfig
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class GatewayConfig:
-    """The gateway's settings; see ``python -m gateway --help``."""
-
-    model: str = "default"
-    model_id: str | None = None
-    host: str = "127.0.0.1"
-    port: int = 8000
-    redis_url: str = "redis://127.0.0.1:6379"
-    key_prefix: str = "pdserve"
-    routing_policy: str = "prefix_aware"
-    skip_prefill_below_tokens: int = 64
-    api_key: str | None = None
-    admin_token: str | None = None
-    max_inflight: int = 512  # accepted requests at once; beyond: 429
-    max_body_bytes: int = 4 << 20
-    max_model_len: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.routing_policy not in POLICIES:
-            raise ValueError(f"invalid config: routing_policy must be one of {', '.join(POLICIES)}, "
-                             f"got {self.routing_policy!r}")
-        if self.max_inflight < 1:
-            raise ValueError(f"invalid config: max_inflight must be >= 1, got {self.max_inflight}")
 
 
 class Gateway:
@@ -251,27 +223,6 @@ def _check_role_body(body: bytes) -> None:
                           code="invalid_role")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    env = os.environ.get
-    p = argparse.ArgumentParser(description="pdserve gateway: OpenAI-compatible API in front of the pools",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", default=env("PDSERVE_MODEL", "default"), help="checkpoint (for the tokenizer)")
-    p.add_argument("--model-id", default=env("PDSERVE_MODEL_ID"), help="served model name (as the workers use)")
-    p.add_argument("--host", default=env("PDSERVE_GATEWAY_HOST", "127.0.0.1"))
-    p.add_argument("--port", type=int, default=int(env("PDSERVE_GATEWAY_PORT", "8000")))
-    p.add_argument("--redis-url", default=redis_url_from_env())
-    p.add_argument("--key-prefix", default=env("PDSERVE_KEY_PREFIX", "pdserve"))
-    p.add_argument("--routing-policy", default=env("PDSERVE_ROUTING_POLICY", "prefix_aware"), choices=POLICIES)
-    p.add_argument("--skip-prefill-below", type=int, default=int(env("PDSERVE_SKIP_PREFILL_BELOW", "64")),
-                   help="prompts with fewer uncached tokens than this skip the prefill pool")
-    p.add_argument("--api-key", default=env("PDSERVE_API_KEY"), help="require 'Authorization: Bearer KEY'")
-    p.add_argument("--admin-token", default=env("PDSERVE_ADMIN_TOKEN"), help="enables /admin with this token")
-    p.add_argument("--max-inflight", type=int, default=int(env("PDSERVE_MAX_INFLIGHT", "512")))
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--log-level", default=env("PDSERVE_LOG_LEVEL", "INFO"))
-    return p
-
-
 async def serve(config: GatewayConfig) -> None:
     gateway = Gateway(config)
     await gateway.start()
@@ -296,12 +247,7 @@ def main() -> None:
     args = build_parser().parse_args()
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        config = GatewayConfig(
-            model=args.model, model_id=args.model_id, host=args.host, port=args.port, redis_url=args.redis_url,
-            key_prefix=args.key_prefix, routing_policy=args.routing_policy,
-            skip_prefill_below_tokens=args.skip_prefill_below, api_key=args.api_key, admin_token=args.admin_token,
-            max_inflight=args.max_inflight, max_model_len=args.max_model_len,
-        )
+        config = config_from_args(args)
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
     run_service(serve(config))

@@ -147,7 +147,7 @@ def test_commands_name_project_modules_and_valid_flags(stack, compose_entrypoint
     """Each service runs compose/entrypoint.py with one of the project's modules and flags that
     module's own parser accepts, and every PDSERVE_* variable it sets is one the project reads."""
     from common.worker.config import build_parser as worker_parser
-    from gateway.server import build_parser as gateway_parser
+    from gateway.config import build_parser as gateway_parser
 
     known = known_env_names()
     for service, spec in stack[1]["services"].items():
@@ -232,10 +232,11 @@ def compose_entrypoint():
 def known_env_names() -> set[str]:
     """PDSERVE_* names the worker flags, the gateway and the entrypoint read."""
     from common.worker.config import build_parser
+    from gateway.config import env_names as gateway_env_names
 
     names = {f"PDSERVE_{a.dest.upper()}" for a in build_parser("decode", "x")._actions if a.dest != "help"}
-    for path in (ROOT / "gateway" / "server.py", COMPOSE / "entrypoint.py"):
-        names |= set(re.findall(r"PDSERVE_[A-Z_]+", path.read_text()))
+    names |= gateway_env_names()
+    names |= set(re.findall(r"PDSERVE_[A-Z_]+", (COMPOSE / "entrypoint.py").read_text()))
     return names
 
 

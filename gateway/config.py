@@ -1,0 +1,115 @@
+"""The gateway's configuration: one typed object built from flags and ``PDSERVE_*`` variables.
+
+Every flag ``--some-flag`` also reads ``PDSERVE_SOME_FLAG`` (an empty variable means unset, as
+compose files often write them).  A few older names stay as aliases because deployments set them:
+``PDSERVE_GATEWAY_HOST``/``PDSERVE_GATEWAY_PORT`` (the compose files) and ``REDIS_URL``.
+Precedence: the flag, then ``PDSERVE_<FLAG>``, then an alias, then the default.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+from common.cluster.redis_util import DEFAULT_REDIS_URL
+from gateway.routing import POLICIES
+
+# flag dest -> older variable names still honoured
+ENV_ALIASES: dict[str, tuple[str, ...]] = {
+    "host": ("PDSERVE_GATEWAY_HOST",),
+    "port": ("PDSERVE_GATEWAY_PORT",),
+    "redis_url": ("REDIS_URL",),
+}
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """The gateway's settings; see ``python -m gateway --help`` for what each one does."""
+
+    model: str = "default"
+    model_id: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    redis_url: str = DEFAULT_REDIS_URL
+    key_prefix: str = "pdserve"
+    routing_policy: str = "prefix_aware"
+    skip_prefill_below_tokens: int = 64
+    api_key: str | None = None
+    admin_token: str | None = None
+    max_inflight: int = 512  # accepted requests at once; beyond: 429
+    max_body_bytes: int = 4 << 20
+    max_model_len: int | None = None
+
+    def __post_init__(self) -> None:
+        def bad(what: str) -> ValueError:
+            return ValueError(f"invalid config: {what}")
+
+        if self.routing_policy not in POLICIES:
+            raise bad(f"routing_policy must be one of {', '.join(POLICIES)}, got {self.routing_policy!r}")
+        for name in ("max_inflight", "max_body_bytes"):
+            if getattr(self, name) < 1:
+                raise bad(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.skip_prefill_below_tokens < 0:
+            raise bad(f"skip_prefill_below_tokens must be >= 0, got {self.skip_prefill_below_tokens}")
+        if not 0 <= self.port <= 65535:
+            raise bad(f"port must be in 0..65535, got {self.port}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise bad(f"max_model_len must be >= 1, got {self.max_model_len}")
+
+
+def _env_default(dest: str, default: Any, env: Mapping[str, str]) -> Any:
+    for name in (f"PDSERVE_{dest.upper()}", *ENV_ALIASES.get(dest, ())):
+        value = env.get(name)
+        if value not in (None, ""):
+            return value
+    return default
+
+
+def env_names(parser: argparse.ArgumentParser | None = None) -> set[str]:
+    """Every environment variable the gateway's flags read (for checks of deployment files)."""
+    parser = parser or build_parser({})
+    names = set()
+    for action in parser._actions:
+        if action.dest != "help":
+            names.add(f"PDSERVE_{action.dest.upper()}")
+            names.update(ENV_ALIASES.get(action.dest, ()))
+    return names
+
+
+def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
+    env = os.environ if env is None else env
+    p = argparse.ArgumentParser(
+        description="pdserve gateway: OpenAI-compatible API in front of the pools. "
+                    "Every flag also reads PDSERVE_<FLAG> (e.g. PDSERVE_MAX_INFLIGHT).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+
+    def add(flag: str, default: Any = None, type: Callable | None = str, **kw) -> None:
+        dest = flag.lstrip("-").replace("-", "_")
+        kw.setdefault("help", " ")  # so the default is shown
+        p.add_argument(flag, default=_env_default(dest, default, env), type=type, **kw)
+
+    add("--model", "default", help="checkpoint (for the tokenizer and the chat template)")
+    add("--model-id", help="served model name (as the workers use)")
+    add("--host", "127.0.0.1", help="bind address")
+    add("--port", 8000, int)
+    add("--redis-url", DEFAULT_REDIS_URL)
+    add("--key-prefix", "pdserve")
+    add("--routing-policy", "prefix_aware", choices=POLICIES)
+    add("--skip-prefill-below", 64, int, help="prompts with fewer uncached tokens than this skip the prefill pool")
+    add("--api-key", help="require 'Authorization: Bearer KEY'")
+    add("--admin-token", help="enables /admin with this token")
+    add("--max-inflight", 512, int, help="requests accepted at once; beyond: 429")
+    add("--max-body-bytes", 4 << 20, int, help="request body limit; beyond: 413")
+    add("--max-model-len", None, int)
+    add("--log-level", "INFO")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> GatewayConfig:
+    return GatewayConfig(
+        model=args.model, model_id=args.model_id, host=args.host, port=args.port, redis_url=args.redis_url,
+        key_prefix=args.key_prefix, routing_policy=args.routing_policy,
+        skip_prefill_below_tokens=args.skip_prefill_below, api_key=args.api_key, admin_token=args.admin_token,
+        max_inflight=args.max_inflight, max_body_bytes=args.max_body_bytes, max_model_len=args.max_model_len,
+    )
