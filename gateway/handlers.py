@@ -71,8 +71,11 @@ class OpenAIHandlers:
                 f"This model's maximum context length is {gw.max_model_len} tokens. However, you requested "
                 f"{len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the prompt, {max_tokens} for the "
                 "completion). Please reduce the prompt or max_tokens.", "max_tokens", "context_length_exceeded")
+        # A top_k at or above the vocabulary keeps every token: clamp it (as vLLM does), so a huge
+        # value never reaches the workers' messages.
+        top_k = options.top_k if options.top_k is not None and options.top_k < vocab else 0
         params = SamplingParams(
-            max_tokens=max_tokens, temperature=options.temperature, top_k=options.top_k or 0,
+            max_tokens=max_tokens, temperature=options.temperature, top_k=top_k,
             top_p=options.top_p, seed=options.seed, ignore_eos=options.ignore_eos, logprobs=options.logprobs,
         )
         prefix = "cmpl" if kind == "completion" else "chatcmpl"

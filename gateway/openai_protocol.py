@@ -9,6 +9,9 @@ engine needs.
 Streaming is Server-Sent Events: one ``data: {json}\\n\\n`` per chunk and ``data: [DONE]\\n\\n`` at
 the end.  An error after the stream started is sent as ``data: {"error": {...}}\\n\\n`` (``sse_error``).
 
+Temperatures below 1e-5 mean greedy (as in vLLM); a ``top_k`` at or above the vocabulary size is
+clamped to "no top-k" (as in vLLM).
+
 Supported, beyond plain OpenAI: ``top_k``, ``ignore_eos``, and ``usage.prompt_tokens_details.cached_tokens``
 (prefix-cache hits).  Rejected with a clear 400: ``n != 1``, non-zero presence/frequency penalties,
 ``logit_bias``, ``echo``, ``best_of > 1``, ``suffix``, batch prompts, non-text message parts.
@@ -24,12 +27,11 @@ from typing import Annotated, Any, Literal
 import msgspec
 from aiohttp import web
 
+from common.engine.sampling_params import INT64_MAX, INT64_MIN, MAX_LOGPROBS, MAX_TEMPERATURE, MAX_TOKEN_ID
+
 MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 256
-MAX_LOGPROBS = 20
-MAX_TOKEN_ID = 2**31 - 1
 MAX_MESSAGES = 4096
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 # ---- errors -------------------------------------------------------------------------------------
 
@@ -122,9 +124,11 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Fields shared by both endpoints.  ``None`` means "the default"."""
 
     model: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
-    temperature: Annotated[float, msgspec.Meta(ge=0.0, le=2.0)] | None = None
+    temperature: Annotated[float, msgspec.Meta(ge=0.0, le=MAX_TEMPERATURE)] | None = None
     top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] | None = None
-    top_k: int | None = None  # extension; 0 or -1 also mean "off" (what vLLM clients send)
+    # Extension.  0 or -1 also mean "off" (what vLLM clients send); a value at or above the
+    # vocabulary size keeps every token, so the handler clamps it to "off" (as vLLM does).
+    top_k: int | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False

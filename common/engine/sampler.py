@@ -1,11 +1,14 @@
 """Turn logits into tokens: greedy, temperature, top-k, top-p, per-request seeds, logprobs."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from common.engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -27,7 +30,7 @@ def _seeded_generator(seed: int, step: int, device) -> torch.Generator:
 
 def _filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     logits = logits / params.temperature
-    if params.top_k > 0 and params.top_k < logits.shape[-1]:
+    if 0 < params.top_k < logits.shape[-1]:  # a top_k at or above the vocabulary size is no top-k
         kth = torch.topk(logits, params.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
@@ -49,12 +52,22 @@ def sample(
     ``output_index[i]`` is how many tokens row ``i``'s request has produced so far (for seeds).
     """
     tokens = logits.argmax(dim=-1)
-    random_rows = [i for i, p in enumerate(params) if not p.greedy]
+    # A row whose maximum is not finite holds NaN or +inf (or only -inf): it gets the argmax over its
+    # finite values and is never sampled, so it cannot make the sampler raise.
+    bad = ~torch.isfinite(logits.amax(dim=-1))
+    if bad.any():
+        rows = logits[bad]
+        tokens[bad] = rows.masked_fill(~torch.isfinite(rows), float("-inf")).argmax(dim=-1)
+    bad_rows = set(bad.nonzero().flatten().tolist())
+    random_rows = [i for i, p in enumerate(params) if not p.greedy and i not in bad_rows]
     for i in random_rows:
         p = params[i]
-        probs = _filtered_probs(logits[i], p)
-        generator = _seeded_generator(p.seed, output_index[i], logits.device) if p.seed is not None else None
-        tokens[i] = torch.multinomial(probs, 1, generator=generator)[0]
+        try:
+            probs = _filtered_probs(logits[i], p)
+            generator = _seeded_generator(p.seed, output_index[i], logits.device) if p.seed is not None else None
+            tokens[i] = torch.multinomial(probs, 1, generator=generator)[0]
+        except RuntimeError as exc:  # a degenerate distribution: this row falls back to its argmax
+            log.warning("sampling row %d failed (%s); using its argmax", i, exc)
     token_ids = tokens.tolist()
 
     logprobs: list[TokenLogprobs | None] = [None] * len(params)

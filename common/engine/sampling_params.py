@@ -1,19 +1,43 @@
-"""Per-request sampling parameters, validated once at the edge."""
+"""Per-request sampling parameters, validated wherever they enter a process.
+
+The gateway checks the same ranges on the OpenAI fields (a 400 naming the field); a worker checks
+them again when it decodes a peer's message, because peers are not trusted to have done so.
+"""
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import msgspec
 
 MAX_LOGPROBS = 20
 MAX_STOP_TOKEN_IDS = 64
+MAX_TOKEN_ID = 2**31 - 1
+MAX_TOKENS = 2**31 - 1
+MAX_TEMPERATURE = 2.0
+# Below this a temperature means greedy, as in vLLM: dividing logits by it overflows fp32.
+GREEDY_TEMPERATURE = 1e-5
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def _finite_in(name: str, value: float, low: float, high: float, *, low_open: bool = False) -> None:
+    below = value <= low if low_open else value < low
+    _require(math.isfinite(value) and not below and value <= high,
+             f"{name} must be {'>' if low_open else '>='} {low:g} and <= {high:g}, got {value}")
 
 
 class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     """How to turn logits into tokens, and when to stop.
 
-    ``temperature == 0`` means greedy.  ``top_k <= 0`` disables top-k; ``top_p == 1`` disables
-    top-p.  ``seed`` makes random sampling reproducible per request.  ``logprobs`` asks for the
+    ``temperature`` below ``GREEDY_TEMPERATURE`` (0 included) means greedy.  ``top_k == 0`` disables
+    top-k, and a ``top_k`` at or above the vocabulary size is the same as none (the sampler clamps
+    it, as vLLM does).  ``top_p == 1`` disables top-p.  ``seed`` makes random sampling reproducible
+    per request: a draw depends only on the seed and the output position.  ``logprobs`` asks for the
     sampled token's log-probability plus the top-``logprobs`` alternatives.
     """
 
@@ -27,22 +51,21 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
-        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed")
+        _require(1 <= self.max_tokens <= MAX_TOKENS, f"max_tokens must be >= 1 and <= {MAX_TOKENS}, got {self.max_tokens}")
+        _finite_in("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
+        _require(0 <= self.top_k <= MAX_TOKEN_ID, f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        _require(math.isfinite(self.top_p) and 0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
+        _require(self.seed is None or INT64_MIN <= self.seed <= INT64_MAX,
+                 f"seed must fit in a signed 64-bit integer, got {self.seed}")
+        _require(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+                 f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        _require(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed")
+        _require(all(0 <= t <= MAX_TOKEN_ID for t in self.stop_token_ids),
+                 f"stop_token_ids must be in [0, {MAX_TOKEN_ID}]")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
     @classmethod
     def from_dict(cls, fields: dict[str, Any]) -> "SamplingParams":
