@@ -5,6 +5,8 @@
     pdctl set-role WORKER ROLE [--wait]   prefill | decode | both, live (also resumes a drained worker)
     pdctl rebalance [targets] [--apply]   propose (and apply) role moves that meet TTFT/TPOT targets
     pdctl scale --prefill N --decode M    the `docker compose up --scale` command for that many workers
+    pdctl plan [traffic] [hardware]       simulate P:D splits on the real scheduler and router; recommend one
+    pdctl calibrate [--model M]           measure engine steps here and fit the planner's cost model
 
 ``--url`` (``PDSERVE_GATEWAY_URL``, default http://127.0.0.1:8000) and ``--admin-token``
 (``PDSERVE_ADMIN_TOKEN``) say where the gateway is.  Exit status: 0 done, 1 the gateway or a
@@ -286,7 +288,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--gpus", type=int, default=None, help="GPUs on the host: refuse more workers than this")
     s.add_argument("--run", action="store_true", help="run the command instead of only printing it")
     s.set_defaults(func=cmd_scale)
+    add_planner_parsers(sub)
     return p
+
+
+def add_planner_parsers(sub) -> None:
+    """``plan`` and ``calibrate`` live in gateway/planner (they need no gateway to talk to)."""
+    from gateway.planner.cli import add_calibrate_parser, add_plan_parser
+
+    add_plan_parser(sub)
+    add_calibrate_parser(sub)
 
 
 def main(argv: list[str] | None = None) -> int:

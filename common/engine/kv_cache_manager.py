@@ -22,6 +22,9 @@ class KVCacheManager:
         self.pool = pool
         self.block_size = block_size
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # The same tables as block ids, grown in place with them: a step copies a list of ints
+        # instead of rebuilding it from the blocks (the table of a long context is long).
+        self._req_to_block_ids: dict[str, list[int]] = {}
         self._num_committed: dict[str, int] = {}
 
     def find_cached_prefix(self, request: Request) -> list[KVCacheBlock]:
@@ -55,17 +58,22 @@ class KVCacheManager:
         Returns the newly allocated blocks, or ``None`` — with nothing changed — if that would leave
         fewer than ``reserve_blocks`` free.
         """
-        blocks = self.req_to_blocks.get(request.request_id, [])
+        blocks = self.req_to_blocks.get(request.request_id, ())
         num_tokens_after = request.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens
         num_needed = max(0, cdiv(num_tokens_after, self.block_size) - len(blocks) - len(cached_blocks))
         # Adopting a hit that sits in the free queue takes it out of the free count too.
-        num_revived = sum(1 for block in cached_blocks if block.ref_cnt == 0)
+        num_revived = sum(1 for block in cached_blocks if block.ref_cnt == 0) if cached_blocks else 0
         if num_needed + num_revived + reserve_blocks > self.pool.num_free_blocks:
             return None
+        if not num_needed and not cached_blocks:
+            return []  # the common decode step: the last block still has room
         self.pool.touch(cached_blocks)
         new_blocks = self.pool.allocate(num_needed)
         assert new_blocks is not None, "free count checked above"
-        self.req_to_blocks[request.request_id] = blocks + list(cached_blocks) + new_blocks
+        added = [*cached_blocks, *new_blocks]
+        table = self.req_to_blocks.setdefault(request.request_id, [])
+        table.extend(added)  # append-only: a table is never rebuilt
+        self._req_to_block_ids.setdefault(request.request_id, []).extend(block.block_id for block in added)
         return new_blocks
 
     def commit(self, request: Request) -> None:
@@ -87,11 +95,13 @@ class KVCacheManager:
         self._num_committed[request_id] = num_full
 
     def block_ids(self, request_id: str) -> list[int]:
-        return [block.block_id for block in self.req_to_blocks.get(request_id, ())]
+        ids = self._req_to_block_ids.get(request_id)
+        return ids.copy() if ids else []
 
     def free(self, request_id: str) -> None:
         """Release the request's blocks, tail first, so the tail is evicted before the head."""
         blocks = self.req_to_blocks.pop(request_id, None)
+        self._req_to_block_ids.pop(request_id, None)
         self._num_committed.pop(request_id, None)
         if blocks:
             self.pool.free(reversed(blocks))

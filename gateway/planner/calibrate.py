@@ -1,0 +1,144 @@
+"""``pdctl calibrate``: measure engine steps on this machine and fit a ``LinearCostModel``.
+
+The real ``Engine`` (model runner, attention, sampler and scheduler) runs a grid of small
+workloads chosen to cover the step shapes a deployment produces::
+
+    prefill    one prompt of L tokens, chunked by max_num_batched_tokens  (tokens, pairs, context)
+    decode     b requests of context c decoding together                   (seqs, samples, context)
+    mixed      decodes running while a prompt's chunks join them            (both at once)
+
+Every step is timed around ``Engine.step()`` (scheduling and sampling included, as in serving)
+and its shape read from the ``SchedulerOutput``.  Repeated shapes keep their median time.
+The file it writes holds the fitted coefficients, the fit's relative errors and the engine
+settings it was measured with, and is what ``pdctl plan --calibration FILE`` reads.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+from gateway.planner.cost_model import LinearCostModel, fit_linear, step_shape
+
+QUICK_GRID = {"prefill": (16, 128, 512, 1024), "decode_batch": (1, 4, 16, 32), "decode_context": (32, 512, 1024),
+              "mixed": ((8, 256, 512),), "repeats": 2, "decode_steps": 4}
+FULL_GRID = {"prefill": (16, 64, 256, 512, 1024, 2048), "decode_batch": (1, 2, 4, 8, 16, 32, 64),
+             "decode_context": (32, 256, 1024, 2048), "mixed": ((4, 128, 1024), (16, 512, 2048)),
+             "repeats": 3, "decode_steps": 6}
+
+
+class StepRecorder:
+    """Times ``engine.step()`` and records the shape the scheduler produced for it."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.samples: list[tuple[tuple, float]] = []
+        self._schedule = engine.scheduler.schedule
+        self._shape = None
+        engine.scheduler.schedule = self._recording_schedule  # this engine instance only
+
+    def _recording_schedule(self):
+        out = self._schedule()
+        self._shape = step_shape(out.scheduled) if out.scheduled else None
+        return out
+
+    def step(self, record: bool = True) -> None:
+        began = time.perf_counter()
+        self.engine.step()
+        elapsed = time.perf_counter() - began
+        if record and self._shape is not None:
+            self.samples.append((self._shape, elapsed))
+
+
+def _ids(n: int, salt: int, vocab: int) -> list[int]:
+    """A prompt that shares no block with any other (so no prefix hit skews a measurement)."""
+    return [3 + (salt * 7919 + k * 31) % (vocab - 3) for k in range(n)]
+
+
+def run_grid(engine, grid: dict, log=None) -> list[tuple[tuple, float]]:
+    """Run the calibration workloads on ``engine`` and return ``(shape, seconds)`` per step."""
+    from common.engine.sampling_params import SamplingParams
+
+    rec = StepRecorder(engine)
+    vocab = engine.model_config.vocab_size
+    limit = engine.max_model_len - 8
+    salt = [0]
+
+    def add(n: int, max_tokens: int) -> None:
+        salt[0] += 1
+        engine.add_request(_ids(min(n, limit), salt[0], vocab), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+
+    def drain(record: bool = True) -> None:
+        while engine.has_unfinished():
+            rec.step(record)
+
+    add(32, 2)
+    drain(record=False)  # warm-up: first calls allocate and compile
+    for _ in range(grid["repeats"]):
+        for length in grid["prefill"]:
+            add(length, 1)
+            drain()
+        for context in grid["decode_context"]:
+            for batch in grid["decode_batch"]:
+                for _ in range(batch):
+                    add(context, grid["decode_steps"] + 1)
+                drain()
+        for batch, context, prompt in grid["mixed"]:
+            for _ in range(batch):
+                add(context, 2 * grid["decode_steps"] + prompt // engine.config.max_num_batched_tokens + 2)
+            rec.step()
+            add(prompt, 1)
+            drain()
+        if log:
+            log(f"  {len(rec.samples)} steps measured")
+    return rec.samples
+
+
+def median_by_shape(samples: list[tuple[tuple, float]]) -> tuple[list[tuple], list[float]]:
+    by_shape: dict[tuple, list[float]] = {}
+    for shape, seconds in samples:
+        by_shape.setdefault(shape, []).append(seconds)
+    shapes = sorted(by_shape)
+    return shapes, [statistics.median(by_shape[s]) for s in shapes]
+
+
+def calibrate(model: str, *, threads: int | None = None, block_size: int = 16, max_num_batched_tokens: int = 512,
+              max_num_seqs: int = 64, num_blocks: int | None = None, dtype: str = "auto", quick: bool = False,
+              log=None) -> dict:
+    """Measure and fit; returns the calibration document (``cost_model``, ``engine``, ``fit``)."""
+    import torch
+
+    from common.engine.config import EngineConfig
+    from common.engine.engine import Engine
+
+    if threads:
+        torch.set_num_threads(threads)
+    grid = QUICK_GRID if quick else FULL_GRID
+    batches = max(grid["decode_batch"])
+    longest = max(max(grid["prefill"]), max(grid["decode_context"]))
+    need_blocks = batches * (longest // block_size + 4) + 64
+    config = EngineConfig(model=model, dtype=dtype, device="cpu", block_size=block_size,
+                          num_blocks=num_blocks or need_blocks, max_num_batched_tokens=max_num_batched_tokens,
+                          max_num_seqs=max(max_num_seqs, batches), enable_prefix_caching=False)
+    engine = Engine(config, load_tokenizer=False)
+    began = time.perf_counter()
+    samples = run_grid(engine, grid, log)
+    shapes, seconds = median_by_shape(samples)
+    source = {"model": str(engine.checkpoint), "threads": torch.get_num_threads(), "dtype": engine.layout.dtype,
+              "max_num_batched_tokens": max_num_batched_tokens, "grid": "quick" if quick else "full",
+              "measured_s": round(time.perf_counter() - began, 1)}
+    model_fit: LinearCostModel = fit_linear(shapes, seconds, source)
+    layout = engine.layout
+    return {
+        "cost_model": model_fit.to_dict(),
+        "engine": {"block_size": block_size, "kv_bytes_per_token": layout.block_nbytes / block_size,
+                   "max_num_batched_tokens": max_num_batched_tokens, "max_model_len": engine.max_model_len,
+                   "model_id": engine.model_id},
+        "points": [{"shape": list(s), "seconds": round(t, 6),
+                    "predicted": round(model_fit.step_time(*s), 6)} for s, t in zip(shapes, seconds)],
+    }
+
+
+def save(document: dict, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(document, indent=2))

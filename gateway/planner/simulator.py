@@ -1,0 +1,516 @@
+"""A discrete-event simulation of one deployment, driving the project's own scheduler and router.
+
+What is real and what is modelled::
+
+    real code, called as the services call it            modelled
+    ---------------------------------------------        -------------------------------------------
+    gateway.routing.Router.route (policy, pending)        the gateway's view: WorkerInfo refreshed
+                                                          per heartbeat, read every pool refresh
+    Scheduler.add_request / reserve_remote /              step time: a CostModel of the step's shape
+      schedule / update / finish_remote / release_held    KV transfer: bytes / link bandwidth,
+    BlockPool + KVCacheManager (prefix cache, hashes,       serialised per sender and per receiver
+      hits, eviction, preemption)                         HTTP hops: a fixed overhead per request
+
+Each worker steps only while it has work: a step is ``schedule()``, its duration from the cost
+model, then ``update()`` at the step's end (event-driven, no global clock ticks).  A prefill
+worker ships the blocks each step completed, as ``prefill_svc.shipping`` does, and the decode
+worker's ``finish_remote`` runs when the last byte lands.  Requests are routed as
+``gateway.dispatch`` routes them: prefix match per worker from its real block pool, the gateway's
+count of pending prefill tokens, up to three attempts when a decode worker is full.
+
+Large clusters are sampled (``slice_for``): a slice of the workers with the same prefill:decode
+ratio receives a matching share of the traffic, so each simulated worker sees the load it would
+see in the whole cluster.  The result says when it was sampled and by how much.
+"""
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import inspect
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from common.cluster.registry import Capacity, KVAddress, Load, WorkerInfo
+from common.engine.block_pool import BlockPool
+from common.engine.config import SchedulerConfig
+from common.engine.kv_cache_manager import KVCacheManager, cdiv
+from common.engine.prefix_hash import hash_prompt_blocks
+from common.engine.request import Request
+from common.engine.sampling_params import SamplingParams
+from common.engine.scheduler import Scheduler
+from gateway.planner.cost_model import CostModel, step_shape
+from gateway.planner.hardware import LinkProfile
+from gateway.planner.traffic import Workload, output_token
+from gateway.routing import NoWorkerAvailable, Router, RoutingConfig
+
+TOKEN = output_token()
+ARRIVAL, STEP_END, KV_DONE, HEARTBEAT, REFRESH = range(5)
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """How many workers of each role (one GPU each)."""
+
+    prefill: int = 0
+    decode: int = 0
+    both: int = 0
+
+    def __post_init__(self) -> None:
+        if min(self.prefill, self.decode, self.both) < 0:
+            raise ValueError(f"worker counts must be >= 0, got {self}")
+        if self.decode + self.both < 1:
+            raise ValueError("a deployment needs at least one decode or colocated worker")
+
+    @property
+    def gpus(self) -> int:
+        return self.prefill + self.decode + self.both
+
+    @property
+    def label(self) -> str:
+        parts = [f"{n}{tag}" for n, tag in ((self.prefill, "P"), (self.decode, "D"), (self.both, "C")) if n]
+        return "+".join(parts)
+
+    @property
+    def colocated(self) -> bool:
+        return self.prefill == 0 and self.decode == 0
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """One worker's engine, as its flags would set it (see ``common/worker/config.py``)."""
+
+    num_blocks: int
+    block_size: int = 16
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    max_model_len: int = 4096
+    watermark: float = 0.01
+    enable_prefix_caching: bool = True
+    max_pending_requests: int = 256
+    scheduler_options: tuple[tuple[str, Any], ...] = ()  # any other SchedulerConfig field
+
+    def scheduler_config(self) -> SchedulerConfig:
+        """Built by ``SchedulerConfig`` itself, so its validation and new knobs apply unchanged."""
+        names = {f.name for f in dataclasses.fields(SchedulerConfig)}
+        extra = dict(self.scheduler_options)
+        unknown = sorted(set(extra) - names)
+        if unknown:
+            raise ValueError(f"unknown scheduler option(s) {unknown}; SchedulerConfig has {sorted(names)}")
+        return SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
+                               max_model_len=self.max_model_len, watermark=self.watermark, **extra)
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """Everything a simulation needs besides the deployment and the traffic."""
+
+    cost: CostModel
+    engine: EngineSettings
+    prefill_engine: EngineSettings | None = None  # prefill workers' own settings (default: ``engine``)
+    link: LinkProfile = LinkProfile("loopback", 2e9, 100e-6)
+    kv_bytes_per_token: float = 131072.0
+    routing: RoutingConfig = RoutingConfig()
+    slo_ttft_s: float = 2.0
+    slo_tpot_s: float = 0.1
+    heartbeat_s: float = 5.0 / 3  # the worker's heartbeat: ttl / 3
+    pool_refresh_s: float = 0.5  # the gateway re-reads the registry this often
+    overhead_s: float = 0.0  # gateway + HTTP hops, added to TTFT and end-to-end latency
+    max_attempts: int = 3
+    drain_s: float | None = None  # simulated time after the last arrival (default: max(60, duration))
+    stop_when_failing: bool = False  # stop as soon as the SLOs are certainly missed
+    seed: int = 0
+
+    def settings_for(self, role: str) -> EngineSettings:
+        return self.prefill_engine if role == "prefill" and self.prefill_engine else self.engine
+
+
+class _Job:
+    """A prompt a worker prefills for another worker: what it has shipped so far."""
+
+    __slots__ = ("request", "source", "dest", "next_index", "arrives", "index", "pending")
+
+    def __init__(self, request: Request, source: "SimWorker", dest: "SimWorker", next_index: int, index: int,
+                 pending: int):
+        self.request = request
+        self.source = source
+        self.dest = dest
+        self.next_index = next_index  # first block index not shipped yet (cached ones are skipped)
+        self.arrives = 0.0  # when the last shipped byte lands
+        self.index = index
+        self.pending = pending  # prompt tokens the gateway counts as pending on the source
+
+
+def _make_scheduler(config: SchedulerConfig, kv: KVCacheManager, clock) -> Scheduler:
+    """A real ``Scheduler``; on simulated time where it takes a clock (reservation leases)."""
+    if "clock" in inspect.signature(Scheduler).parameters:
+        return Scheduler(config, kv, clock=clock)
+    return Scheduler(config, kv)
+
+
+class SimWorker:
+    """One worker: a real ``Scheduler`` over a real ``BlockPool``, stepped by events."""
+
+    def __init__(self, worker_id: str, role: str, settings: EngineSettings, clock=lambda: 0.0):
+        self.worker_id = worker_id
+        self.role = role
+        self.settings = settings
+        self.pool = BlockPool(settings.num_blocks, enable_caching=settings.enable_prefix_caching)
+        self.scheduler = _make_scheduler(settings.scheduler_config(),
+                                         KVCacheManager(self.pool, settings.block_size), clock)
+        self.busy = False
+        self.current = None  # the SchedulerOutput of the step in flight
+        self.jobs: dict[str, _Job] = {}
+        self.link_out_free = 0.0
+        self.link_in_free = 0.0
+        self.last_step_end = -1.0
+        # statistics
+        self.busy_time = 0.0
+        self.steps = 0
+        self.prefill_tokens = 0
+        self.usage_area = 0.0
+        self.usage_peak = 0.0
+        self.last_usage_time = 0.0
+        self.preemptions = 0
+        self._info = WorkerInfo(
+            worker_id=worker_id, role=role, model="simulated", http_address=f"sim://{worker_id}",
+            kv_address=KVAddress(transport="tcp", host="sim", port=1),
+            capacity=Capacity(num_kv_blocks=settings.num_blocks, block_size=settings.block_size,
+                              max_num_seqs=settings.max_num_seqs),
+            state="active")
+        self._rate_mark = (0.0, 0)
+        self.info = self.heartbeat(0.0)
+
+    def heartbeat(self, now: float) -> WorkerInfo:
+        """This worker's registry entry now (what ``Worker.info`` reports)."""
+        s = self.scheduler
+        waiting_tokens = sum(r.num_tokens - r.num_computed_tokens for r in s.waiting) + sum(
+            r.num_prompt_tokens - r.num_computed_tokens for r in s.running
+            if r.num_computed_tokens < r.num_prompt_tokens)
+        t0, c0 = self._rate_mark
+        rate = (self.prefill_tokens - c0) / (now - t0) if now > t0 else 0.0
+        self._rate_mark = (now, self.prefill_tokens)
+        load = Load(num_waiting=len(s.waiting), num_running=len(s.running),
+                    kv_usage=min(1.0, max(0.0, self.pool.usage)), num_waiting_prefill_tokens=waiting_tokens,
+                    prefill_tokens_per_s=max(0.0, rate))
+        self.info = msgspec.structs.replace(self._info, load=load)
+        return self.info
+
+    def note_usage(self, now: float) -> None:
+        usage = self.pool.usage
+        self.usage_area += usage * (now - self.last_usage_time)
+        self.last_usage_time = now
+        if usage > self.usage_peak:
+            self.usage_peak = usage
+
+    def cached_blocks(self, hashes: list[bytes]) -> int:
+        """Leading blocks of a prompt this worker caches (what the Redis prefix index would say)."""
+        cached = self.pool.cached
+        n = 0
+        for h in hashes:
+            if h not in cached:
+                break
+            n += 1
+        return n
+
+
+class Simulation:
+    """Runs one deployment against one workload; ``run()`` returns a ``SimResult`` dict."""
+
+    def __init__(self, deployment: Deployment, workload: Workload, config: SimConfig, traffic_fraction: float = 1.0):
+        self.deployment = deployment
+        self.workload = workload
+        self.config = config
+        self.fraction = traffic_fraction
+        self.router = Router(config.routing)
+        self.now = 0.0
+        self.workers: dict[str, SimWorker] = {}
+        for role, count, tag in (("prefill", deployment.prefill, "p"), ("decode", deployment.decode, "d"),
+                                 ("both", deployment.both, "b")):
+            for k in range(count):
+                wid = f"{tag}{k}"
+                self.workers[wid] = SimWorker(wid, role, config.settings_for(role), clock=self._clock)
+        block_sizes = {w.settings.block_size for w in self.workers.values()}
+        if len(block_sizes) != 1:
+            raise ValueError(f"every worker must use the same block size, got {sorted(block_sizes)}")
+        self.block_size = block_sizes.pop()
+        self.block_bytes = config.kv_bytes_per_token * self.block_size
+        self.view: list[WorkerInfo] = [w.info for w in self.workers.values()]
+        self.pending: dict[str, int] = {}
+        self.events: list = []
+        self._seq = 0
+        n = len(workload)
+        self.first_token = [math.nan] * n
+        self.finish = [math.nan] * n
+        self.last_token = [math.nan] * n
+        self.outcome = [""] * n  # "" in flight, "ok", "error:<why>"
+        self.route_kind = [""] * n
+        self.itl_values: list[float] = []
+        self.itl_weights: list[int] = []
+        self.transfer_bytes = 0.0
+        self.transfer_seconds = 0.0
+        self.fallbacks = 0
+        self.retries = 0
+        self.stopped_early = False
+
+    def _clock(self) -> float:
+        return self.now
+
+    # ---- events ----------------------------------------------------------------------------
+
+    def _push(self, when: float, kind: int, arg) -> None:
+        self._seq += 1
+        heapq.heappush(self.events, (when, self._seq, kind, arg))
+
+    def run(self) -> dict:
+        began = time.perf_counter()
+        wl, cfg = self.workload, self.config
+        for i in range(len(wl)):
+            self._push(float(wl.arrival[i]), ARRIVAL, i)
+        rng = np.random.default_rng(cfg.seed)
+        for w in self.workers.values():  # heartbeats are not in phase across workers
+            self._push(float(rng.uniform(0, cfg.heartbeat_s)), HEARTBEAT, w)
+        self._push(cfg.pool_refresh_s, REFRESH, None)
+        drain = cfg.drain_s if cfg.drain_s is not None else max(60.0, wl.duration)
+        horizon = wl.duration + drain
+        remaining = len(wl)
+        self._remaining = remaining
+        check_every = max(200, len(wl) // 50)
+        arrived = 0
+        events = self.events
+        while events:
+            when, _, kind, arg = heapq.heappop(events)
+            if when > horizon:
+                break
+            self.now = when
+            if kind == STEP_END:
+                self._end_step(arg, when)
+            elif kind == ARRIVAL:
+                self._arrive(arg, when)
+                arrived += 1
+                if cfg.stop_when_failing and arrived % check_every == 0 and self._certainly_failing(when):
+                    self.stopped_early = True
+                    break
+            elif kind == KV_DONE:
+                self._kv_done(arg, when)
+            elif kind == HEARTBEAT:
+                if self._remaining > 0:
+                    arg.heartbeat(when)
+                    self._push(when + cfg.heartbeat_s, HEARTBEAT, arg)
+            elif kind == REFRESH:
+                if self._remaining > 0:
+                    self.view = [w.info for w in self.workers.values()]
+                    self._push(when + cfg.pool_refresh_s, REFRESH, None)
+            if self._remaining == 0 and arrived == len(wl):
+                break
+        for w in self.workers.values():
+            w.note_usage(self.now)
+        return self._result(time.perf_counter() - began)
+
+    def _certainly_failing(self, now: float) -> bool:
+        """More than 10% of all requests already miss an SLO: the p90 cannot meet it any more."""
+        cfg, wl = self.config, self.workload
+        limit = 0.1 * len(wl)
+        late = 0
+        for i in range(len(wl)):
+            arrival = wl.arrival[i]
+            if arrival > now:
+                break
+            ft = self.first_token[i]
+            if self.outcome[i].startswith("error") or (ft == ft and ft - arrival > cfg.slo_ttft_s) or (
+                    ft != ft and now - arrival > cfg.slo_ttft_s):
+                late += 1
+            elif self.finish[i] == self.finish[i] and wl.output_len[i] > 1:
+                if (self.finish[i] - ft) / (wl.output_len[i] - 1) > cfg.slo_tpot_s:
+                    late += 1
+        return late > limit
+
+    # ---- routing and admission (gateway.dispatch + decode_svc.generate) -----------------------
+
+    def _arrive(self, i: int, now: float) -> None:
+        wl, cfg = self.workload, self.config
+        tokens = wl.prompt_tokens(i)
+        n_out = int(wl.output_len[i])
+        bs = self.block_size
+        if wl.shared[i]:
+            hashes = hash_prompt_blocks(tokens, bs)
+            matched = {}
+            for w in self.workers.values():
+                m = w.cached_blocks(hashes)
+                if m:
+                    matched[w.worker_id] = m
+            affinity = hashes[0] if hashes else b""
+        else:
+            matched = {}  # nobody can hold a prompt no other request shares
+            affinity = hash_prompt_blocks(tokens[:bs], bs)[0] if len(tokens) >= bs else b""
+        exclude: set[str] = set()
+        for attempt in range(cfg.max_attempts):
+            workers = [w for w in self.view if w.worker_id not in exclude]
+            try:
+                route = self.router.route(workers, len(tokens), matched, affinity_key=affinity, pending=self.pending)
+            except NoWorkerAvailable:
+                break
+            decode = self.workers[route.decode.worker_id]
+            if decode.scheduler.num_unfinished >= decode.settings.max_pending_requests:
+                exclude.add(decode.worker_id)  # "busy": the gateway tries another decode worker
+                self.retries += 1
+                continue
+            self._admit(i, tokens, n_out, route, decode, now)
+            return
+        self._fail(i, "saturated")
+
+    def _admit(self, i: int, tokens: list[int], n_out: int, route, decode: SimWorker, now: float) -> None:
+        rid = str(i)
+        params = SamplingParams(max_tokens=n_out, ignore_eos=True)
+        try:
+            if route.prefill is not None:
+                reserved = decode.scheduler.reserve_remote(Request(rid, tokens, params, arrival_time=now))
+                if reserved is not None:
+                    self._start_remote(i, rid, tokens, route, decode, reserved[1])
+                    return
+                self.fallbacks += 1  # no blocks to reserve: the decode worker computes the prompt itself
+            decode.scheduler.add_request(Request(rid, tokens, params, arrival_time=now))
+            self.route_kind[i] = "local"
+        except ValueError as exc:
+            self._fail(i, f"invalid: {exc}")
+            return
+        self._kick(decode, now)
+
+    def _start_remote(self, i: int, rid: str, tokens: list[int], route, decode: SimWorker, num_cached: int) -> None:
+        prefill = self.workers[route.prefill.worker_id]
+        request = Request(rid, tokens, SamplingParams(max_tokens=1, ignore_eos=True), arrival_time=self.now)
+        request.hold_blocks_on_finish = True  # shipped after the prompt finishes, as the prefill role does
+        try:
+            prefill.scheduler.add_request(request)
+        except ValueError as exc:
+            decode.scheduler.abort(rid)
+            self._fail(i, f"invalid: {exc}")
+            return
+        pending = len(tokens) - route.prefill_matched_tokens
+        prefill.jobs[rid] = _Job(request, prefill, decode, num_cached // self.block_size, i, pending)
+        self.pending[prefill.worker_id] = self.pending.get(prefill.worker_id, 0) + pending
+        self.route_kind[i] = "remote"
+        self._kick(prefill, self.now)
+
+    def _fail(self, i: int, why: str) -> None:
+        self.outcome[i] = f"error:{why}"
+        self._remaining -= 1
+
+    # ---- stepping ----------------------------------------------------------------------------
+
+    def _kick(self, w: SimWorker, now: float) -> None:
+        if not w.busy:
+            self._start_step(w, now)
+
+    def _start_step(self, w: SimWorker, now: float) -> None:
+        out = w.scheduler.schedule()
+        if out.is_empty:
+            w.busy = False
+            w.current = None
+            return
+        tokens, seqs, samples, pairs, context = step_shape(out.scheduled)
+        duration = self.config.cost.step_time(tokens, seqs, samples, pairs, context)
+        w.busy = True
+        w.current = out
+        w.busy_time += duration
+        w.steps += 1
+        w.prefill_tokens += tokens - sum(1 for s in out.scheduled if len(s.token_ids) == 1)
+        if out.preempted_request_ids:
+            w.preemptions += len(out.preempted_request_ids)
+        self._push(now + duration, STEP_END, w)
+
+    def _end_step(self, w: SimWorker, now: float) -> None:
+        out = w.current
+        sampled = {item.request_id: TOKEN for item in out.scheduled if item.sample}
+        changed = w.scheduler.update(out, sampled)
+        w.note_usage(now)
+        first, last, finish = self.first_token, self.last_token, self.finish
+        prev_end = w.last_step_end
+        steady = 0
+        jobs = w.jobs
+        for request in changed:
+            rid = request.request_id
+            if rid in jobs:
+                continue  # a prefill for another worker: its first token travels with the KV
+            i = int(rid)
+            if first[i] != first[i]:
+                first[i] = now + self.config.overhead_s
+            else:
+                if last[i] == prev_end:
+                    steady += 1
+                else:
+                    self.itl_values.append(now - last[i])
+                    self.itl_weights.append(1)
+            last[i] = now
+            if request.is_finished:
+                finish[i] = now + self.config.overhead_s
+                self.outcome[i] = "ok"
+                self._remaining -= 1
+        if steady:
+            self.itl_values.append(now - prev_end)
+            self.itl_weights.append(steady)
+        if jobs:
+            self._ship(w, out, now)
+        w.last_step_end = now
+        self._start_step(w, now)
+
+    def _ship(self, w: SimWorker, out, now: float) -> None:
+        """What ``prefill_svc.shipping.Shipper.after_step`` does: send every block this step completed."""
+        bs = self.block_size
+        link = self.config.link
+        for item in out.scheduled:
+            job = w.jobs.get(item.request_id)
+            if job is None:
+                continue
+            request = job.request
+            if request.is_finished:
+                limit = cdiv(request.num_prompt_tokens, bs)
+            else:
+                limit = min(request.num_computed_tokens, request.num_prompt_tokens) // bs
+            if limit > job.next_index:
+                nbytes = (limit - job.next_index) * self.block_bytes
+                start = max(now, w.link_out_free, job.dest.link_in_free)
+                end = start + link.latency_s + nbytes / link.bandwidth
+                w.link_out_free = job.dest.link_in_free = end
+                job.next_index = limit
+                job.arrives = end
+                self.transfer_bytes += nbytes
+                self.transfer_seconds += end - start
+            if request.is_finished:
+                w.scheduler.release_held(request.request_id)
+                del w.jobs[request.request_id]
+                self._push(max(now, job.arrives), KV_DONE, job)
+
+    def _kv_done(self, job: _Job, now: float) -> None:
+        """The prompt's KV has landed on the decode worker: the first token goes out."""
+        decode = job.dest
+        i = job.index
+        # The gateway drops the prompt from its pending count when the first token arrives.
+        wid = job.source.worker_id
+        left = self.pending.get(wid, 0) - job.pending
+        if left > 0:
+            self.pending[wid] = left
+        else:
+            self.pending.pop(wid, None)
+        request = decode.scheduler.finish_remote(job.request.request_id, TOKEN)
+        if request is None:
+            self._fail(i, "aborted")
+            return
+        self.first_token[i] = now + self.config.overhead_s
+        self.last_token[i] = now
+        if request.is_finished:
+            self.finish[i] = now + self.config.overhead_s
+            self.outcome[i] = "ok"
+            self._remaining -= 1
+        self._kick(decode, now)
+
+    # ---- results -----------------------------------------------------------------------------
+
+    def _result(self, wall_s: float) -> dict:
+        from gateway.planner.metrics import summarize_simulation
+
+        return summarize_simulation(self, wall_s)
