@@ -1,0 +1,230 @@
+"""Planner validation: does ``pdctl plan`` predict what the real stack measures?
+
+    python benchmarks/planner_validation.py [--quick]
+
+1. **Calibrate** on this machine: ``gateway.planner.calibrate`` runs the real engine (one torch
+   thread, as each worker gets) over a grid of step shapes and fits the linear cost model.
+2. **Measure**: for each split (``1P+1D`` disaggregated, ``2C`` two colocated workers; two workers
+   either way, ``OMP_NUM_THREADS=1`` each, standing in for one GPU each) and each load level, start
+   the real stack (``LocalStack``: Redis, gateway, workers, KV over TCP), warm it up, and send an
+   open-loop Poisson workload with ``benchmarks/loadgen.py`` (exact prompt and output lengths).
+3. **Predict** the same runs with the simulator -- the same arrival times and lengths, the same
+   engine settings, the calibrated cost model -- and compare.
+
+The last line is one JSON object with the worst relative error of the TTFT and TPOT medians over
+all runs (``ttft_p50_rel_error``, ``tpot_p50_rel_error``; target <= 0.25 each), whether the split
+ranked best (smallest SLO ratio: the worse of TTFT p90 / SLO and TPOT p90 / SLO) is the one that
+measured best at every load level (``best_split_agrees``), and ``scale_sim_seconds``: the wall time
+of simulating 64 prefill + 64 decode H200s serving Llama-3-8B at 1,000 req/s for 10 minutes
+(sampled, see ``gateway/planner/search.py``), with its CPU time and the slice it simulated.
+
+On 2 shared vCPUs: ``--quick`` (tiny model, 2 load levels, 40 s each) about 6-8 minutes; the full
+run (100m model, 3 load levels, 60 s each) about 20 minutes.  Other processes on the machine make
+both the calibration and the measurement noisy; the per-run figures are in the JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np  # noqa: E402
+
+from benchmarks.bench_util import emit  # noqa: E402
+from benchmarks.loadgen import PlannedRequest, random_ids, run_load, summarize  # noqa: E402
+from benchmarks.serving import BenchStack, prepare_model, warm_up  # noqa: E402
+from common.cluster.launcher import http_json  # noqa: E402
+from gateway.planner.cost_model import LinearCostModel, cost_model_from_dict  # noqa: E402
+from gateway.planner.metrics import slo_ratio  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+SPLITS = {"1P+1D": dict(prefill=1, decode=1, both=0), "2C": dict(prefill=0, decode=0, both=2)}
+PRESETS = {
+    "quick": dict(model="tiny", rates=(0.6, 1.2), duration=40.0, prompt_len="uniform:64:512",
+                  output_len="uniform:16:48", slo_ttft=2.0, slo_tpot=0.1),
+    "full": dict(model="100m", rates=(0.3, 0.6, 0.9), duration=60.0, prompt_len="uniform:64:768",
+                 output_len="uniform:16:64", slo_ttft=3.0, slo_tpot=0.2),
+}
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def real_plan(workload, vocab: int, seed: int) -> list[PlannedRequest]:
+    """The workload as loadgen requests: same times and lengths, real random token ids."""
+    import random
+
+    rng = random.Random(seed)
+    return [PlannedRequest(random_ids(rng, int(workload.prompt_len[i]), vocab), int(workload.output_len[i]),
+                           float(workload.arrival[i]), "planned") for i in range(len(workload))]
+
+
+def measure(split: str, checkpoint: str, plan, args) -> dict:
+    workdir = Path(tempfile.mkdtemp(prefix=f"pdserve-planval-{split}-"))
+    worker_args = ["--block-size", str(args.block_size), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+                   "--num-blocks", str(args.num_blocks), "--max-num-seqs", str(args.max_num_seqs)]
+    stack = BenchStack(checkpoint, args.redis_url, key_prefix=f"bench-planval-{uuid.uuid4().hex[:10]}",
+                       workdir=workdir, transport="tcp", policy="prefix_aware", worker_args=worker_args,
+                       extra_env={"OMP_NUM_THREADS": "1"}, **SPLITS[split])
+    try:
+        stack.start(timeout=600)
+        model = http_json(f"{stack.gateway_url}/v1/models")["data"][0]["id"]
+        vocab = args.vocab
+        warm = [PlannedRequest(random_ids(__import__("random").Random(1), 48, vocab), 4, 0.0, "warmup"),
+                PlannedRequest(random_ids(__import__("random").Random(2), 400, vocab), 4, 0.0, "warmup")]
+        asyncio.run(warm_up(stack.gateway_url, model, warm))
+        records, wall = asyncio.run(run_load(stack.gateway_url, model, plan, timeout=600))
+    finally:
+        stack.stop()
+    return summarize(records, wall, args.slo_ttft, args.slo_tpot)
+
+
+def predict(split: str, workload, cost, args) -> dict:
+    from gateway.planner.simulator import Deployment, EngineSettings, SimConfig, Simulation
+    from gateway.planner.hardware import LinkProfile
+
+    engine = EngineSettings(num_blocks=args.num_blocks, block_size=args.block_size,
+                            max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                            max_model_len=args.max_model_len)
+    config = SimConfig(cost=cost, engine=engine, link=LinkProfile("tcp-loopback", 1e9, 2e-4),
+                       kv_bytes_per_token=args.kv_bytes_per_token, slo_ttft_s=args.slo_ttft,
+                       slo_tpot_s=args.slo_tpot, overhead_s=args.overhead_ms / 1e3)
+    return Simulation(Deployment(**SPLITS[split]), workload, config).run()
+
+
+def scale_run() -> dict:
+    """64P+64D H200s, Llama-3-8B, chat traffic at 1,000 req/s for 600 s (the issue's scale target)."""
+    from gateway.planner.cost_model import roofline
+    from gateway.planner.hardware import GPUS, LINKS, MODELS, kv_blocks_per_gpu
+    from gateway.planner.search import simulate
+    from gateway.planner.simulator import Deployment, EngineSettings, SimConfig
+    from gateway.planner.traffic import LengthDist, synthetic
+
+    spec = MODELS["llama-3-8b"]
+    began_wall, began_cpu = time.perf_counter(), time.process_time()
+    workload = synthetic(1000.0, 600.0, LengthDist.parse("loguniform:128:2048"), LengthDist.parse("loguniform:32:512"),
+                         seed=0, max_model_len=spec.max_model_len)
+    engine = EngineSettings(num_blocks=kv_blocks_per_gpu(GPUS["H200"], spec, 16), max_num_batched_tokens=8192,
+                            max_num_seqs=256, max_model_len=spec.max_model_len)
+    config = SimConfig(cost=roofline("H200", spec), engine=engine, link=LINKS["nvlink4"],
+                       kv_bytes_per_token=spec.kv_bytes_per_token, slo_ttft_s=2.0, slo_tpot_s=0.05)
+    result = simulate(Deployment(64, 64), workload, config)
+    return {"scale_sim_seconds": round(time.perf_counter() - began_wall, 2),
+            "scale_sim_cpu_seconds": round(time.process_time() - began_cpu, 2),
+            "scale_requests": len(workload), "scale_simulated": result["simulated"],
+            "scale_ttft_p90_ms": result["ttft_ms"]["p90"], "scale_tpot_p90_ms": result["tpot_ms"]["p90"],
+            "scale_goodput_req_s": result["goodput_req_s"]}
+
+
+def rel(pred, meas) -> float | None:
+    if pred is None or meas is None or meas <= 0 or pred == float("inf"):
+        return None
+    return abs(pred - meas) / meas
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--model")
+    p.add_argument("--rates", help="comma-separated req/s")
+    p.add_argument("--duration", type=float)
+    p.add_argument("--redis-url", default="redis://127.0.0.1:6379")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--num-blocks", type=int, default=1024)
+    p.add_argument("--overhead-ms", type=float, default=0.0, help="gateway + HTTP hops in the prediction")
+    p.add_argument("--calibration", type=Path, help="reuse a calibration file instead of measuring")
+    p.add_argument("--skip-scale", action="store_true", help="leave out the 128-GPU simulation")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    preset = PRESETS["quick" if args.quick else "full"]
+    for key, value in preset.items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    rates = [float(r) for r in args.rates.split(",")] if isinstance(args.rates, str) else list(args.rates)
+    checkpoint, args.vocab = prepare_model(args.model)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+
+    from gateway.planner.calibrate import calibrate, save
+    from gateway.planner.traffic import LengthDist, synthetic
+
+    if args.calibration:
+        document = json.loads(args.calibration.read_text())
+    else:
+        log(f"calibrating on {checkpoint} (1 thread)...")
+        document = calibrate(checkpoint, threads=1, block_size=args.block_size,
+                             max_num_batched_tokens=args.max_num_batched_tokens, quick=True, log=log)
+        save(document, RESULTS / f"planner-calibration{'-quick' if args.quick else ''}.json")
+    cost = cost_model_from_dict(document["cost_model"])
+    assert isinstance(cost, LinearCostModel)
+    log(cost.describe() + f"; fit {cost.fit.get('median_rel_error')} median rel error")
+    args.kv_bytes_per_token = document["engine"]["kv_bytes_per_token"]
+    args.max_model_len = document["engine"]["max_model_len"]
+
+    runs = []
+    for level, rate in enumerate(rates):
+        workload = synthetic(rate, args.duration, LengthDist.parse(args.prompt_len), LengthDist.parse(args.output_len),
+                             seed=args.seed + level)
+        plan = real_plan(workload, args.vocab, args.seed + level)
+        for split in SPLITS:
+            predicted = predict(split, workload, cost, args)
+            log(f"[{split} @ {rate} req/s] predicted TTFT p50 {predicted['ttft_ms']['p50']} ms, "
+                f"TPOT p50 {predicted['tpot_ms']['p50']} ms; measuring {len(plan)} requests...")
+            measured = measure(split, checkpoint, plan, args)
+            log(f"[{split} @ {rate} req/s] measured  TTFT p50 {measured['ttft_ms']['p50']} ms, "
+                f"TPOT p50 {measured['tpot_ms']['p50']} ms, errors {measured['errors']}")
+            runs.append({"split": split, "rate": rate, "requests": len(workload),
+                         "predicted": {k: predicted[k] for k in ("ttft_ms", "tpot_ms", "itl_ms", "goodput_req_s",
+                                                                 "slo_ratio", "preemptions")},
+                         "measured": {k: measured[k] for k in ("ttft_ms", "tpot_ms", "itl_ms", "goodput_req_s",
+                                                               "errors")},
+                         "ttft_p50_rel_error": rel(predicted["ttft_ms"]["p50"], measured["ttft_ms"]["p50"]),
+                         "tpot_p50_rel_error": rel(predicted["tpot_ms"]["p50"], measured["tpot_ms"]["p50"])})
+            m = runs[-1]["measured"]
+            m["slo_ratio"] = slo_ratio((m["ttft_ms"]["p90"] or float("inf")) / 1e3,
+                                       (m["tpot_ms"]["p90"] or float("nan")) / 1e3, args.slo_ttft, args.slo_tpot)
+
+    agree = []
+    for rate in rates:
+        at = [r for r in runs if r["rate"] == rate]
+        pred_best = min(at, key=lambda r: r["predicted"]["slo_ratio"] if r["predicted"]["slo_ratio"] is not None
+                        else float("inf"))["split"]
+        meas_best = min(at, key=lambda r: r["measured"]["slo_ratio"])["split"]
+        agree.append({"rate": rate, "predicted_best": pred_best, "measured_best": meas_best})
+
+    def worst(key):
+        values = [r[key] for r in runs]
+        return None if any(v is None for v in values) else round(max(values), 4)
+
+    line = {"benchmark": "planner_validation", "quick": args.quick, "model": args.model,
+            "ttft_p50_rel_error": worst("ttft_p50_rel_error"), "tpot_p50_rel_error": worst("tpot_p50_rel_error"),
+            "best_split_agrees": all(a["predicted_best"] == a["measured_best"] for a in agree),
+            "best_split": agree, "target": 0.25,
+            "calibration_fit": {k: cost.fit.get(k) for k in ("median_rel_error", "p90_rel_error")},
+            "runs": [{"split": r["split"], "rate": r["rate"],
+                      "ttft_p50_ms": [r["predicted"]["ttft_ms"]["p50"], r["measured"]["ttft_ms"]["p50"]],
+                      "tpot_p50_ms": [r["predicted"]["tpot_ms"]["p50"], r["measured"]["tpot_ms"]["p50"]],
+                      "errors": r["measured"]["errors"]} for r in runs]}
+    if not args.skip_scale:
+        log("simulating 64P+64D H200s at 1,000 req/s for 600 s...")
+        line.update(scale_run())
+    line["target_met"] = bool(line["ttft_p50_rel_error"] is not None and line["ttft_p50_rel_error"] <= 0.25
+                              and line["tpot_p50_rel_error"] is not None and line["tpot_p50_rel_error"] <= 0.25)
+    out = RESULTS / f"planner-validation{'-quick' if args.quick else ''}.json"
+    out.write_text(json.dumps({"line": line, "runs": runs}, indent=2, default=str))
+    log(f"wrote {out}")
+    emit(line)
+
+
+if __name__ == "__main__":
+    np.seterr(all="ignore")
+    main()
