@@ -19,6 +19,7 @@ from aiohttp import web
 from common.engine.engine import Engine, RequestOutput
 from common.cluster.messages import (
     AbortRequest, GenerateRequest, PrefillRequest, PrefillResult, TokenFrame, TokenLogprob, decode, encode, frame,
+    read_response,
 )
 
 log = logging.getLogger(__name__)
@@ -158,11 +159,11 @@ async def remote_prefill(worker, body: GenerateRequest) -> TokenFrame:
                              sampling_params=body.sampling_params, kv_address=worker.kv_address,
                              dst_block_ids=dst_block_ids, num_skip_blocks=skip)
     try:
-        result, _metadata = await asyncio.gather(_call_prefill(worker.http_client, body.prefill_url, prefill), transfer)
+        result, _metadata = await asyncio.gather(_call_prefill(worker, body.prefill_url, prefill), transfer)
     except BaseException as exc:
         worker.kv_receiver.abort(rid, "decode side gave up")
         await worker.engine_thread.call(lambda e: e.abort(rid))
-        worker.spawn(_send_abort(worker.http_client, body.prefill_url, rid))
+        worker.spawn(_send_abort(worker, body.prefill_url, rid))
         if isinstance(exc, asyncio.CancelledError):
             raise
         worker.metrics.kv_transfer_failures.inc()
@@ -186,18 +187,21 @@ async def remote_prefill(worker, body: GenerateRequest) -> TokenFrame:
     )
 
 
-async def _call_prefill(session: aiohttp.ClientSession, url: str, prefill: PrefillRequest) -> PrefillResult:
-    async with session.post(f"{url}/prefill", data=encode(prefill)) as resp:
-        result = decode(await resp.read(), PrefillResult)
+async def _call_prefill(worker, url: str, prefill: PrefillRequest) -> PrefillResult:
+    data = encode(prefill)
+    async with worker.http_client.post(f"{url}/prefill", data=data,
+                                       headers=worker.auth.sign_request("POST", "/prefill", data)) as resp:
+        result = decode(await read_response(resp), PrefillResult)
         if resp.status != 200 or result.error:
             raise RemotePrefillFailed(f"prefill worker answered {resp.status}: {result.error}")
         return result
 
 
-async def _send_abort(session: aiohttp.ClientSession, url: str, request_id: str) -> None:
+async def _send_abort(worker, url: str, request_id: str) -> None:
+    data = encode(AbortRequest(request_id))
     try:
-        async with session.post(f"{url}/abort", data=encode(AbortRequest(request_id)),
-                                       timeout=aiohttp.ClientTimeout(total=2)) as resp:
-            await resp.read()
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        async with worker.http_client.post(f"{url}/abort", data=data, timeout=aiohttp.ClientTimeout(total=2),
+                                           headers=worker.auth.sign_request("POST", "/abort", data)) as resp:
+            await read_response(resp, 4096)
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as exc:
         log.info("could not tell %s to abort %s: %s", url, request_id, exc)

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
+from common.cluster.auth import SECRET_ENV, AuthError, ClusterAuth, configure_auth, read_secret
 from common.cluster.redis_util import DEFAULT_REDIS_URL
 from gateway.routing import POLICIES
 
@@ -40,6 +41,9 @@ class GatewayConfig:
     max_inflight: int = 512  # accepted requests at once; beyond: 429
     max_body_bytes: int = 4 << 20
     max_model_len: int | None = None
+    # PDSERVE_CLUSTER_SECRET (or --cluster-secret-file): signs every call to a worker and verifies
+    # the registry's entries; required unless the gateway listens on loopback only.  Never printed.
+    cluster_secret: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         def bad(what: str) -> ValueError:
@@ -56,6 +60,14 @@ class GatewayConfig:
             raise bad(f"port must be in 0..65535, got {self.port}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise bad(f"max_model_len must be >= 1, got {self.max_model_len}")
+        self.auth()
+
+    def auth(self) -> ClusterAuth:
+        """The cluster auth the gateway signs with; raises ValueError naming the problem."""
+        try:
+            return configure_auth(self.cluster_secret, [self.host], "the gateway")
+        except AuthError as exc:
+            raise ValueError(f"invalid config: {exc}") from None
 
 
 def _env_default(dest: str, default: Any, env: Mapping[str, str]) -> Any:
@@ -69,7 +81,7 @@ def _env_default(dest: str, default: Any, env: Mapping[str, str]) -> Any:
 def env_names(parser: argparse.ArgumentParser | None = None) -> set[str]:
     """Every environment variable the gateway's flags read (for checks of deployment files)."""
     parser = parser or build_parser({})
-    names = set()
+    names = {SECRET_ENV}  # read directly, never a flag: a secret does not belong on a command line
     for action in parser._actions:
         if action.dest != "help":
             names.add(f"PDSERVE_{action.dest.upper()}")
@@ -99,6 +111,8 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     add("--skip-prefill-below", 64, int, help="prompts with fewer uncached tokens than this skip the prefill pool")
     add("--api-key", help="require 'Authorization: Bearer KEY'")
     add("--admin-token", help="enables /admin with this token")
+    add("--cluster-secret-file", help="file holding the cluster secret (default: PDSERVE_CLUSTER_SECRET); "
+                                      "required unless --host is a loopback address")
     add("--max-inflight", 512, int, help="requests accepted at once; beyond: 429")
     add("--max-body-bytes", 4 << 20, int, help="request body limit; beyond: 413")
     add("--max-model-len", None, int)
@@ -106,10 +120,15 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     return p
 
 
-def config_from_args(args: argparse.Namespace) -> GatewayConfig:
+def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> GatewayConfig:
+    try:
+        secret = read_secret(args.cluster_secret_file, env)
+    except AuthError as exc:
+        raise ValueError(f"invalid config: {exc}") from None
     return GatewayConfig(
         model=args.model, model_id=args.model_id, host=args.host, port=args.port, redis_url=args.redis_url,
         key_prefix=args.key_prefix, routing_policy=args.routing_policy,
         skip_prefill_below_tokens=args.skip_prefill_below, api_key=args.api_key, admin_token=args.admin_token,
         max_inflight=args.max_inflight, max_body_bytes=args.max_body_bytes, max_model_len=args.max_model_len,
+        cluster_secret=secret,
     )

@@ -19,7 +19,8 @@ from typing import AsyncIterator
 
 import aiohttp
 
-from common.cluster.messages import AbortRequest, GenerateRequest, TokenFrame, encode, read_frame
+from common.cluster.auth import ClusterAuth
+from common.cluster.messages import AbortRequest, GenerateRequest, TokenFrame, encode, read_frame, read_response
 from common.engine.prefix_hash import hash_prompt_blocks
 from common.cluster.prefix_index import PrefixIndexReader
 from common.engine.sampling_params import SamplingParams
@@ -51,8 +52,9 @@ class Dispatcher:
 
     def __init__(self, pool: WorkerPool, router: Router, prefix_index: PrefixIndexReader,
                  session: aiohttp.ClientSession, metrics: GatewayMetrics, model: str, max_attempts: int = 3,
-                 wait_for_workers_s: float = 2.0):
+                 wait_for_workers_s: float = 2.0, auth: ClusterAuth | None = None):
         self.pool = pool
+        self.auth = auth or ClusterAuth.disabled()  # signs every call to a worker
         self.router = router
         self.prefix_index = prefix_index
         self.session = session
@@ -104,11 +106,19 @@ class Dispatcher:
             body = GenerateRequest(request_id=request_id, prompt_token_ids=prompt, sampling_params=params,
                                    prefill_url=route.prefill.http_address if route.prefill else None)
             decode_url = route.decode.http_address
+            data = encode(body)
             finished = False
             self._count_pending(route, len(prompt), +1)
             prefill_pending = route.prefill is not None
             try:
-                async with self.session.post(f"{decode_url}/generate", data=encode(body)) as resp:
+                async with self.session.post(f"{decode_url}/generate", data=data,
+                                             headers=self.auth.sign_request("POST", "/generate", data)) as resp:
+                    if resp.status == 401:
+                        reason = (await read_response(resp, 4096)).decode(errors="replace")
+                        log.warning("decode worker %s refused the gateway's cluster credentials: %s",
+                                    route.decode.worker_id, reason)
+                        raise ConnectionError(f"decode worker refused the cluster credentials ({reason}); "
+                                              f"is PDSERVE_CLUSTER_SECRET the same on every process?")
                     while True:
                         frame = await read_frame(resp.content, TokenFrame)
                         if frame is None:
@@ -155,11 +165,12 @@ class Dispatcher:
             await asyncio.wait(list(self._aborts), timeout=3)
 
     async def abort(self, decode_url: str, request_id: str) -> None:
+        data = encode(AbortRequest(request_id))
         try:
-            async with self.session.post(f"{decode_url}/abort", data=encode(AbortRequest(request_id)),
-                                         timeout=aiohttp.ClientTimeout(total=2)) as resp:
-                await resp.read()
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            async with self.session.post(f"{decode_url}/abort", data=data, timeout=aiohttp.ClientTimeout(total=2),
+                                         headers=self.auth.sign_request("POST", "/abort", data)) as resp:
+                await read_response(resp, 4096)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as exc:
             log.info("abort of %s on %s not delivered: %s", request_id, decode_url, exc)
 
 

@@ -19,7 +19,7 @@ import msgspec
 from aiohttp import web
 
 from common.cluster.aio import run_service
-from common.cluster.messages import TokenFrame
+from common.cluster.messages import TokenFrame, read_response
 from common.engine.model_loader import load_hf_config, resolve_checkpoint
 from common.cluster.prefix_index import PrefixIndexReader
 from common.cluster.redis_util import connect
@@ -42,6 +42,7 @@ class Gateway:
         from transformers import AutoTokenizer
 
         self.config = config
+        self.auth = config.auth()
         checkpoint = resolve_checkpoint(config.model)
         hf = load_hf_config(checkpoint)
         self.model_id = config.model_id or checkpoint.name
@@ -67,7 +68,8 @@ class Gateway:
         self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5))
         router = Router(RoutingConfig(policy=self.config.routing_policy,
                                       skip_prefill_below_tokens=self.config.skip_prefill_below_tokens))
-        self.dispatcher = Dispatcher(self.pool, router, prefix_index, self.session, self.metrics, self.model_id)
+        self.dispatcher = Dispatcher(self.pool, router, prefix_index, self.session, self.metrics, self.model_id,
+                                     auth=self.auth)
 
     async def stop(self) -> None:
         await self.dispatcher.drain()
@@ -197,12 +199,15 @@ class Gateway:
             if action == "role":
                 body = await request.read()
                 _check_role_body(body)
-            headers = {"X-Admin-Token": self.config.admin_token, "Content-Type": "application/json"}
+            path = f"/admin/{action}"
+            headers = {"X-Admin-Token": self.config.admin_token, "Content-Type": "application/json",
+                       **self.auth.sign_request("POST", path, body)}
             try:
-                async with self.session.post(f"{worker.http_address}/admin/{action}", data=body, headers=headers,
+                async with self.session.post(f"{worker.http_address}{path}", data=body, headers=headers,
                                              timeout=aiohttp.ClientTimeout(total=10)) as resp:
-                    answer = web.Response(status=resp.status, body=await resp.read(), content_type="application/json")
-            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                    answer = web.Response(status=resp.status, body=await read_response(resp, 64 << 10),
+                                          content_type="application/json")
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
                 raise OpenAIError(503, f"worker {worker_id} did not answer: {exc}") from None
             if resp.status == 200:
                 await self.pool.refresh()  # the worker re-registered already: route by its new state now

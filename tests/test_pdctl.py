@@ -209,7 +209,7 @@ def test_bad_admin_input_is_refused_and_changes_nothing(cluster):
     assert result.returncode == 1 and "HTTP 401" in result.stderr
     for path in ("/admin/drain", "/admin/role"):  # the worker's own admin API checks the token too
         with pytest.raises(Exception) as err:
-            http_json(cluster.worker_url("d0") + path, "POST", b'{"role": "prefill"}', {"X-Admin-Token": "wrong"})
+            cluster.worker_json("d0", path, "POST", b'{"role": "prefill"}', {"X-Admin-Token": "wrong"})
         assert err.value.code == 401
 
     assert roles(cluster) == before

@@ -129,7 +129,7 @@ async def test_decode_to_prefill_and_back_under_load(cluster):
 
     # Afterwards: every request is gone from every worker, no block is held, and the pools are sound.
     for name in ("p0", "d0", "d1"):
-        stats = await poll(lambda n=name: (s := http_json(f"{cluster.worker_url(n)}/stats?check=1"))["inflight"] == 0
+        stats = await poll(lambda n=name: (s := cluster.worker_json(n, "/stats?check=1"))["inflight"] == 0
                            and s["num_running"] == 0 and s["num_waiting"] == 0 and s, f"{name} to go idle")
         assert stats["pool_ok"], f"{name}: {stats['pool_error']}"
         assert stats["num_free_blocks"] == stats["num_blocks"], f"{name} leaked blocks: {stats}"

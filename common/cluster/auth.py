@@ -18,6 +18,10 @@ whose signature does not match the body is refused before the body is decoded.
 
 No secret configured (``ClusterAuth.disabled()``): allowed only when every listener is on loopback
 (``require_secret``); then nothing is signed or checked.
+
+Every service builds its ``ClusterAuth`` with ``configure_auth`` from ``read_secret`` (a file, for
+compose secrets, or ``PDSERVE_CLUSTER_SECRET``), which refuses weak secrets and exposed listeners
+without one.
 """
 from __future__ import annotations
 
@@ -66,6 +70,34 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False  # a hostname: assume other machines can reach it
+
+
+def read_secret(secret_file: str | None = None, env: Mapping[str, str] | None = None) -> str | None:
+    """The cluster secret: the contents of ``secret_file`` (surrounding whitespace stripped) when
+    given, else ``PDSERVE_CLUSTER_SECRET`` (an empty variable means unset); None when neither."""
+    if secret_file:
+        try:
+            with open(secret_file, encoding="utf-8") as f:
+                return f.read().strip() or None
+        except OSError as exc:
+            raise AuthError(f"cannot read the cluster secret file {secret_file}: {exc.strerror or exc}") from None
+    env = os.environ if env is None else env
+    return env.get(SECRET_ENV) or None
+
+
+def configure_auth(secret: str | None, listen_hosts: Iterable[str], what: str) -> "ClusterAuth":
+    """The ``ClusterAuth`` a service runs with; raises ``AuthError`` with a message saying what to do
+    when the secret is weak, or missing while a listener is reachable from other machines."""
+    if secret is not None:
+        problem = secret_problem(secret)
+        if problem:
+            raise AuthError(
+                f"the cluster secret ({SECRET_ENV}) is not acceptable: {problem}; generate one with "
+                f"`python -c 'import secrets; print(secrets.token_urlsafe(32))'` and give every process of "
+                f"the deployment the same value")
+    auth = ClusterAuth(secret)
+    auth.require_secret(listen_hosts, what)
+    return auth
 
 
 class ClusterAuth:

@@ -1,7 +1,9 @@
 """Start a whole stack as local processes: Redis (if none answers), workers, the gateway.
 
 ``make up`` runs ``python -m common.cluster.launcher``; the integration tests and the serving benchmark
-use ``LocalStack`` to start real processes the same way.
+use ``LocalStack`` to start real processes the same way.  Every process of a stack gets the same
+cluster secret (``PDSERVE_CLUSTER_SECRET`` from the environment, or a fresh random one), and the
+rest of the launcher's environment (``PDSERVE_ADMIN_TOKEN``, ...) as well.
 """
 from __future__ import annotations
 
@@ -16,6 +18,8 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from common.cluster.auth import MIN_SECRET_LEN, SECRET_ENV, ClusterAuth, generate_secret, secret_problem
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -49,7 +53,9 @@ class Proc:
 class LocalStack:
     """``prefill`` prefill workers, ``decode`` decode workers and a gateway on one checkpoint.
 
-    Logs go to ``workdir/<name>.log`` (or the terminal when ``workdir`` is None).
+    Logs go to ``workdir/<name>.log`` (or the terminal when ``workdir`` is None).  Every process
+    gets ``cluster_secret`` (a fresh random one unless given), so workers check every call and
+    ``worker_json`` signs its own.
     """
 
     checkpoint: str
@@ -65,6 +71,7 @@ class LocalStack:
     worker_args: list[str] = field(default_factory=list)
     gateway_args: list[str] = field(default_factory=list)
     extra_env: dict[str, str] = field(default_factory=dict)
+    cluster_secret: str = field(default_factory=generate_secret, repr=False)
     procs: dict[str, Proc] = field(default_factory=dict)
 
     @property
@@ -76,8 +83,15 @@ class LocalStack:
     def gateway_url(self) -> str:
         return self.procs["gateway"].url
 
-    def _spawn(self, name: str, module: str, args: list[str], port: int) -> Proc:
+    def process_env(self) -> dict[str, str]:
+        """The environment every process of the stack starts with."""
         env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", **self.extra_env)
+        env.pop("PDSERVE_CLUSTER_SECRET_FILE", None)  # it would take precedence over the stack's secret
+        env[SECRET_ENV] = self.cluster_secret
+        return env
+
+    def _spawn(self, name: str, module: str, args: list[str], port: int) -> Proc:
+        env = self.process_env()
         log_path = self.workdir / f"{name}.log" if self.workdir else None
         out = log_path.open("w") if log_path else None
         popen = subprocess.Popen([sys.executable, "-m", module, *args], cwd=ROOT, env=env,
@@ -128,8 +142,15 @@ class LocalStack:
     def worker_url(self, name: str) -> str:
         return self.procs[name].url
 
+    def worker_json(self, name: str, path: str, method: str = "GET", body: bytes = b"",
+                    headers: dict | None = None, timeout: float = 10):
+        """Call a worker's internal API the way its peers do (signed with the cluster secret)."""
+        signed = ClusterAuth(self.cluster_secret).sign_request(method, path, body)
+        return http_json(self.worker_url(name) + path, method, body if method != "GET" else None,
+                         {**(headers or {}), **signed}, timeout)
+
     def stats(self, name: str) -> dict:
-        return http_json(f"{self.worker_url(name)}/stats")
+        return self.worker_json(name, "/stats")
 
     def kill(self, name: str) -> None:
         proc = self.procs[name]
@@ -158,6 +179,17 @@ def default_transport() -> str:
         return "tcp"
 
 
+def local_secret(env) -> str:
+    """The cluster secret of a local stack: ``PDSERVE_CLUSTER_SECRET`` when set (and strong enough),
+    else a fresh random one for this run."""
+    secret = env.get(SECRET_ENV) or generate_secret()
+    problem = secret_problem(secret)
+    if problem:
+        raise SystemExit(f"{SECRET_ENV} is not acceptable: {problem}; unset it to have one generated for the "
+                         f"local stack, or set a random value of {MIN_SECRET_LEN}+ characters")
+    return secret
+
+
 def main() -> None:
     from common.cluster.redis_util import ensure_redis, redis_url_from_env
 
@@ -175,11 +207,13 @@ def main() -> None:
 
         print("preparing the default model (Gemma 3 270M; converted once, then cached)...", flush=True)
         ensure_default_model()
+    secret = local_secret(os.environ)
     url, redis_server = ensure_redis(redis_url_from_env())
     if redis_server is not None:
         print(f"no Redis answered at {redis_url_from_env()}; started a private one at {url}", flush=True)
     stack = LocalStack(args.model, url, prefill=args.prefill, decode=args.decode, transport=args.kv_transport,
-                       gateway_port=args.port, worker_args=["--num-blocks", str(args.num_blocks)])
+                       gateway_port=args.port, worker_args=["--num-blocks", str(args.num_blocks)],
+                       cluster_secret=secret)
     stop = False
 
     def on_signal(_sig, _frame):

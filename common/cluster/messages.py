@@ -111,6 +111,22 @@ def frame(message: msgspec.Struct) -> bytes:
     return len(body).to_bytes(4, "big") + body
 
 
+async def read_response(response, limit: int = MAX_FRAME_BYTES) -> bytes:
+    """The whole body of an aiohttp client ``response``, refusing (``ValueError``) one above ``limit``
+    bytes before it is buffered: a peer's answer never makes us allocate more than ``limit``."""
+    declared = response.content_length
+    if declared is not None and declared > limit:
+        raise ValueError(f"response of {declared} bytes exceeds the {limit}-byte limit")
+    body = bytearray()
+    while True:
+        chunk = await response.content.read(limit + 1 - len(body))
+        if not chunk:
+            return bytes(body)
+        body += chunk
+        if len(body) > limit:
+            raise ValueError(f"response exceeds the {limit}-byte limit")
+
+
 async def read_frame(reader, kind: Type[T]) -> T | None:
     """Read one length-prefixed frame from an aiohttp ``StreamReader``; ``None`` at a clean end."""
     import asyncio

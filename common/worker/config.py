@@ -7,6 +7,7 @@ import socket
 import uuid
 from dataclasses import dataclass, field
 
+from common.cluster.auth import AuthError, ClusterAuth, configure_auth, read_secret
 from common.engine.config import EngineConfig
 from common.cluster.redis_util import redis_url_from_env
 from kvtransfer.config import KVTransferConfig
@@ -30,6 +31,9 @@ class WorkerConfig:
     heartbeat_ttl_s: float = 5.0
     admin_token: str | None = None
     max_pending_requests: int = 256  # beyond this, new requests get "busy"
+    # PDSERVE_CLUSTER_SECRET (or --cluster-secret-file): required unless every listener is on
+    # loopback; never printed.
+    cluster_secret: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -40,6 +44,14 @@ class WorkerConfig:
             raise ValueError(f"invalid config: heartbeat_ttl_s must be > 0, got {self.heartbeat_ttl_s}")
         if self.max_pending_requests < 1:
             raise ValueError(f"invalid config: max_pending_requests must be >= 1, got {self.max_pending_requests}")
+        self.auth()  # a weak secret, or none with an exposed listener, is refused at start-up
+
+    def auth(self) -> ClusterAuth:
+        """The cluster auth this worker signs and checks with; raises ValueError naming the problem."""
+        try:
+            return configure_auth(self.cluster_secret, [self.host, self.kv.host], "this worker")
+        except AuthError as exc:
+            raise ValueError(f"invalid config: {exc}") from None
 
     @property
     def public_host(self) -> str:
@@ -75,6 +87,9 @@ def build_parser(default_role: str, description: str) -> argparse.ArgumentParser
     add("--key-prefix", default=_env("key_prefix", "pdserve"))
     add("--heartbeat-ttl", type=float, default=_env("heartbeat_ttl", 5.0))
     add("--admin-token", default=_env("admin_token", None), help="token for /admin (default: admin API disabled)")
+    add("--cluster-secret-file", default=_env("cluster_secret_file", None),
+        help="file holding the cluster secret (default: PDSERVE_CLUSTER_SECRET); required unless --host and "
+             "--kv-host are loopback addresses")
     add("--device", default=_env("device", "auto"))
     add("--dtype", default=_env("dtype", "auto"))
     add("--block-size", type=int, default=_env("block_size", 16))
@@ -102,8 +117,12 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
     kv = KVTransferConfig(transport=args.kv_transport, host=args.kv_host or args.host, port=args.kv_port,
                           transfer_timeout=args.kv_timeout, checksum=bool(args.kv_checksum))
     extra = {"worker_id": args.worker_id} if args.worker_id else {}
+    try:
+        secret = read_secret(args.cluster_secret_file)
+    except AuthError as exc:
+        raise ValueError(f"invalid config: {exc}") from None
     return WorkerConfig(
         engine=engine, kv=kv, role=args.role, host=args.host, port=args.port,
         advertise_host=args.advertise_host, redis_url=args.redis_url, key_prefix=args.key_prefix,
-        heartbeat_ttl_s=args.heartbeat_ttl, admin_token=args.admin_token, **extra,
+        heartbeat_ttl_s=args.heartbeat_ttl, admin_token=args.admin_token, cluster_secret=secret, **extra,
     )

@@ -24,6 +24,9 @@ class WorkerMetrics:
         self.kv_transfer_failures = Counter("pdserve_worker_kv_transfer_failures", "Failed KV transfers", registry=r)
         self.prefill_fallbacks = Counter(
             "pdserve_worker_remote_prefill_fallbacks", "Remote prefills that failed and were computed locally", registry=r)
+        self.auth_refused = Counter(
+            "pdserve_worker_auth_refused", "Requests refused before their handler ran: missing, stale or wrong "
+            "cluster credentials, or a body over the limit", ["reason"], registry=r)
         self.preemptions = Gauge("pdserve_worker_preemptions", "Requests preempted since start", registry=r)
         self.kv_usage = Gauge("pdserve_worker_kv_usage", "Fraction of KV blocks in use", registry=r)
         self.num_running = Gauge("pdserve_worker_num_running", "Requests in the running batch", registry=r)

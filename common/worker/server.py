@@ -1,6 +1,7 @@
 """The worker process: engine thread + KV endpoints + HTTP API + registry heartbeat.
 
-HTTP API (internal; the gateway and peers call it):
+HTTP API (internal; the gateway and peers call it; every endpoint but /health needs a request signed
+with the cluster secret, see ``request_auth``):
 
     POST /generate   GenerateRequest  -> stream of TokenFrame   (decode_svc's role module)
     POST /prefill    PrefillRequest   -> PrefillResult          (prefill_svc's role module)
@@ -29,12 +30,13 @@ from aiohttp import web
 
 from common.engine.engine import Engine
 from common.worker.engine_thread import EngineThread
-from common.cluster.messages import AbortRequest, decode
+from common.cluster.messages import MAX_FRAME_BYTES, AbortRequest, decode
 from common.cluster.prefix_index import PrefixIndexPublisher
 from common.cluster.redis_util import connect
 from common.cluster.registry import Capacity, Heartbeat, KVAddress, Load, WorkerInfo, WorkerRegistry
 from common.worker.config import ROLES, WorkerConfig
 from common.worker.metrics import WorkerMetrics
+from common.worker.request_auth import cluster_auth_middleware
 from common.worker.roles import RoleModule
 from kvtransfer.config import parse_address
 from kvtransfer.receiver import KVReceiver
@@ -81,6 +83,7 @@ class Worker:
     def __init__(self, config: WorkerConfig, modules: Sequence[RoleModule]):
         self.config = config
         self.modules = list(modules)
+        self.auth = config.auth()  # signs calls to peers, checks calls from them
         self.role = config.role
         self.state = "starting"
         self.engine: Engine | None = None
@@ -112,7 +115,10 @@ class Worker:
         self.engine = await asyncio.to_thread(Engine, self.config.engine, load_tokenizer=False)
         self.engine_thread = EngineThread(self.engine, loop)
         self.engine_thread.after_step.append(self._publish_cache_events)
-        app = web.Application(client_max_size=64 << 20)
+        # No internal message is larger than a frame: a bigger body is refused while it is read.
+        refused = self.metrics.auth_refused.labels
+        app = web.Application(client_max_size=MAX_FRAME_BYTES,
+                              middlewares=[cluster_auth_middleware(self.auth, lambda why: refused(why).inc())])
         self._routes(app)
         for module in self.modules:
             module.install(self, app)
