@@ -12,6 +12,8 @@ class KVTransferConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ``host``/``port`` are where a receiver listens (port 0 picks a free one). ``transfer_timeout``
     is the receiver's default deadline for a whole transfer; ``lease_timeout`` is how long a sender
     waits for the receiver's acknowledgement after ``finish`` before it gives the blocks up.
+    ``abort_grace`` bounds how long a failed transfer's payload may keep landing where the
+    transport cannot divert it (UCX) before the receiver closes that connection to stop it.
     """
 
     transport: str = "tcp"
@@ -20,6 +22,7 @@ class KVTransferConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     connect_timeout: float = 5.0
     transfer_timeout: float = 30.0
     lease_timeout: float = 10.0
+    abort_grace: float = 5.0
     checksum: bool = False
 
     def __post_init__(self) -> None:
@@ -29,7 +32,7 @@ class KVTransferConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError("kvtransfer config field 'host': must not be empty")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"kvtransfer config field 'port': {self.port} is outside 0..65535")
-        for name in ("connect_timeout", "transfer_timeout", "lease_timeout"):
+        for name in ("connect_timeout", "transfer_timeout", "lease_timeout", "abort_grace"):
             value = getattr(self, name)
             if not value > 0:
                 raise ValueError(f"kvtransfer config field {name!r}: must be > 0 seconds, got {value}")

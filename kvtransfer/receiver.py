@@ -3,8 +3,8 @@
 The engine owns the blocks. It reserves destination ids, calls ``expect`` before handing the ids
 to the sender (via the gateway), and awaits the handle: success gives the ``Done`` metadata;
 any failure (deadline, peer lost, abort either way, checksum, bad frame) raises a
-``TransferError`` exactly once, and only after no more bytes can land in those blocks, so the
-caller may free them immediately.
+``TransferError``, and only once no more bytes can land in those blocks, so the caller may free
+them as soon as the handle has resolved (``IncomingTransfer`` spells the contract out).
 """
 from __future__ import annotations
 
@@ -39,7 +39,27 @@ class TransferResult(msgspec.Struct, frozen=True):
 
 
 class IncomingTransfer:
-    """One expected transfer: ``await handle.wait()`` for the ``TransferResult`` or a ``TransferError``."""
+    """One expected transfer into reserved destination blocks.
+
+    The contract the decode worker relies on before it frees or reuses the blocks::
+
+        rx = receiver.expect(request_id, block_ids)
+        ...
+        rx.abort("client left")          # or a deadline, a peer abort, a lost connection ...
+        await rx.settled()               # from here on, not one byte lands in block_ids
+        free(block_ids)
+
+    * ``await wait()`` gives the ``TransferResult`` or raises a ``TransferError``; every waiter
+      sees the same outcome.
+    * The handle resolves, either way, only once no more bytes can land in its blocks. A payload
+      that is landing when the transfer fails is diverted where the transport can stop it at once
+      (TCP, inproc: the rest is read and dropped, the connection goes on serving others). Where it
+      cannot (UCX moves the bytes without the event loop), the handle waits for that payload to
+      end, and after ``abort_grace`` seconds closes the connection, which ends it.
+    * So ``settled()`` returns within ``abort_grace`` (plus scheduling) of a failure, and a
+      transfer's failure, abort or timeout never touches another transfer on the same connection
+      unless its payload had to be stopped by closing that connection.
+    """
 
     def __init__(self, receiver: "KVReceiver", transfer_id: str, block_ids: list[int], timeout: float):
         self.transfer_id = transfer_id
@@ -49,35 +69,67 @@ class IncomingTransfer:
         self._missing = set(self.block_ids)
         self._receiver = receiver
         self._conn: _SenderConnection | None = None
-        self._writes = 0  # payloads being written into our blocks right now
+        self._landing: Channel | None = None  # the channel writing a payload into our blocks now
         self._error: TransferError | None = None
         self._started = time.monotonic()
-        loop = asyncio.get_running_loop()
-        self._future: asyncio.Future[TransferResult] = loop.create_future()
+        self._loop = asyncio.get_running_loop()
+        self._future: asyncio.Future[TransferResult] = self._loop.create_future()
         self._future.add_done_callback(lambda f: f.cancelled() or f.exception())  # never "unretrieved"
-        self._timer = loop.call_later(timeout, self._on_deadline, timeout)
+        self._timer = self._loop.call_later(timeout, self._on_deadline, timeout)
+        self._grace_timer: asyncio.TimerHandle | None = None
 
     async def wait(self) -> TransferResult:
         return await asyncio.shield(self._future)
+
+    async def settled(self) -> None:
+        """Return once the handle has resolved (either way); never raises ``TransferError``."""
+        await asyncio.wait((self._future,))
 
     def done(self) -> bool:
         return self._future.done()
 
     @property
     def active(self) -> bool:
+        """Still expecting bytes: not failed, not completed."""
         return self._error is None and not self._future.done()
 
+    @property
+    def landing(self) -> bool:
+        """A payload is being written into this transfer's blocks right now."""
+        return self._landing is not None
+
+    def abort(self, reason: str = "") -> None:
+        """Fail the transfer here and tell its sender; ``await settled()`` before freeing blocks."""
+        if not self.active:
+            return
+        conn = self._conn
+        self.fail(TransferAborted(f"aborted by receiver: {reason}" if reason else "aborted by receiver"))
+        if conn is not None:
+            conn.notify(Abort(self.transfer_id, f"aborted by receiver: {reason}"[:1024]))
+
     def fail(self, error: TransferError) -> None:
-        """Mark failed; reported once no payload is being written into the blocks any more."""
+        """Mark failed; resolved as soon as no payload can land in the blocks any more."""
         if not self.active:
             return
         self._error = error
         self._receiver._forget(self, str(error))
-        if self._writes == 0:
+        channel = self._landing
+        if channel is None or channel.divert_payload():
             self._resolve()
+        else:
+            grace = self._receiver.config.abort_grace
+            self._grace_timer = self._loop.call_later(grace, self._stop_landing, channel, grace)
+
+    def _stop_landing(self, channel: Channel, grace: float) -> None:
+        if self._landing is channel:
+            log.warning("kv receiver: transfer %r failed but its payload was still landing after %ss; "
+                        "closing that sender connection to stop it", self.transfer_id, grace)
+            channel.close()
 
     def _resolve(self) -> None:
         self._timer.cancel()
+        if self._grace_timer is not None:
+            self._grace_timer.cancel()
         if not self._future.done():
             self._future.set_exception(self._error)
 
@@ -86,26 +138,23 @@ class IncomingTransfer:
         self._receiver._forget(self, "completed")
         self._future.set_result(TransferResult(self.transfer_id, metadata, self.nbytes, time.monotonic() - self._started))
 
-    def _write_started(self) -> None:
-        self._writes += 1
+    def _landing_started(self, channel: Channel) -> None:
+        self._landing = channel
 
-    def _write_ended(self) -> None:
-        self._writes -= 1
-        if self._error is not None and self._writes == 0:
+    def _landing_ended(self) -> None:
+        self._landing = None
+        if self._error is not None:
             self._resolve()
 
     def _on_deadline(self, timeout: float) -> None:
         if not self.active:
-            if self._error is not None and self._writes and self._conn is not None:
-                self._conn.channel.close()  # failed but still being written: the link is wedged
             return
         missing = len(self._missing)
+        conn = self._conn
         self.fail(TransferTimeout(f"transfer {self.transfer_id!r} incomplete after {timeout}s "
                                   f"({missing} of {len(self.block_ids)} blocks missing)"))
-        if self._conn is not None:
-            self._conn.notify(Abort(self.transfer_id, "receiver deadline passed"))
-            if self._writes:
-                self._conn.channel.close()
+        if conn is not None:
+            conn.notify(Abort(self.transfer_id, "receiver deadline passed"))
 
 
 class _SenderConnection:
@@ -167,25 +216,29 @@ class KVReceiver:
         self._transfers[transfer_id] = handle
         return handle
 
-    def abort(self, transfer_id: str, reason: str = "") -> bool:
-        """Fail the transfer locally and tell its sender; False if it is not in flight."""
+    def abort(self, transfer_id: str, reason: str = "") -> IncomingTransfer | None:
+        """Fail the transfer locally and tell its sender; ``None`` if it is not in flight.
+
+        Returns the handle: ``await handle.settled()`` before freeing its blocks (see
+        ``IncomingTransfer``)."""
         handle = self._transfers.get(transfer_id)
         if handle is None:
-            return False
-        conn = handle._conn
-        handle.fail(TransferAborted(f"aborted by receiver: {reason}" if reason else "aborted by receiver"))
-        if conn is not None:
-            conn.notify(Abort(transfer_id, f"aborted by receiver: {reason}"[:1024]))
-        return True
+            return None
+        handle.abort(reason)
+        return handle
 
     @property
     def num_pending(self) -> int:
         return len(self._transfers)
 
     async def close(self) -> None:
-        """Fail what is still pending, flush queued Acks/Aborts (bounded), then drop connections."""
-        for handle in list(self._transfers.values()):
+        """Fail what is still pending and let it settle, flush queued Acks/Aborts (both bounded),
+        then drop connections."""
+        pending = list(self._transfers.values())
+        for handle in pending:
             handle.fail(TransferAborted("receiver closed"))
+        if pending:
+            await asyncio.wait([h._future for h in pending], timeout=self.config.abort_grace + 1.0)
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=self.config.connect_timeout)
         for conn in list(self._conns):
@@ -297,11 +350,13 @@ class KVReceiver:
             self._reject(conn, handle, ChecksumMismatch("checksums required but missing or miscounted"))
             return
         region = run_bytes(self.cache, msg.first_block_id, msg.count)
-        handle._write_started()
+        handle._landing_started(conn.channel)
         try:
             await conn.channel.recv_payload_into(region)
         finally:
-            handle._write_ended()
+            handle._landing_ended()
+        if not handle.active:
+            return  # failed while landing: the rest was diverted, or must not count
         if msg.checksums is not None:
             got = block_checksums(region, block_nbytes)
             bad = [b for b, want, have in zip(ids, msg.checksums, got) if want != have]

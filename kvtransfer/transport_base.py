@@ -36,9 +36,23 @@ class Channel(abc.ABC):
     async def discard_payload(self, nbytes: int) -> None:
         """Consume the payload announced by the last header without keeping it (no big buffer)."""
 
+    def divert_payload(self) -> bool:
+        """Stop landing the payload that ``recv_payload_into`` is receiving right now.
+
+        Called from the event loop while the reader is suspended inside ``recv_payload_into``.
+        True means: from this call on, not one more byte is written into the region (the rest of
+        the payload is consumed and dropped, and ``recv_payload_into`` returns normally). False
+        means the transport cannot promise that (the bytes move without the event loop, as with
+        UCX): the caller must wait for ``recv_payload_into`` to end, or ``close()`` the channel,
+        which ends it.
+        """
+        return False
+
     @abc.abstractmethod
     def close(self) -> None:
-        """Close the connection; pending and later calls on either side raise ``ConnectionLost``."""
+        """Close the connection. A receive or send in progress ends at once with ``ConnectionLost``
+        (on every event loop), as do later calls on either side; once a pending receive has ended,
+        nothing more is written into its region."""
 
     @property
     def description(self) -> str:

@@ -2,7 +2,7 @@
 
 Frame on the wire: ``u32 header_len | header | payload`` (the payload length is in the header,
 which the protocol validates before the payload is read). Payloads go from and into the cache
-memory directly with ``sock_sendall``/``sock_recv_into`` on memoryviews: no intermediate copy.
+memory directly (``send``/``recv_into`` on memoryviews of the cache): no intermediate copy.
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from kvtransfer.transport_base import Channel, Listener, Transport
 
 _LEN = struct.Struct("!I")
 _DISCARD_CHUNK = 1 << 20
+_MAX_READ_PER_WAKEUP = 16 << 20
 
 
 def _host_view(region: torch.Tensor) -> memoryview:
@@ -26,17 +27,32 @@ def _host_view(region: torch.Tensor) -> memoryview:
 
 
 class TcpChannel(Channel):
-    """One TCP connection carrying frames in both directions."""
+    """One TCP connection carrying frames in both directions.
+
+    Receives run on the event loop's readiness callbacks (``add_reader``), not on
+    ``sock_recv_into``: every byte is copied in ``_pump``, on the loop thread, into whatever the
+    pending receive points at right then. That makes two guarantees cheap and loop-independent:
+    ``divert_payload`` takes effect before the next byte, and ``close`` ends a pending receive at
+    once (the stdlib loop does not wake a ``sock_recv_into`` whose socket was closed).
+    """
 
     def __init__(self, sock: socket.socket):
         sock.setblocking(False)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._sock = sock
+        self._fd = sock.fileno()
         self._loop = asyncio.get_running_loop()
         self._send_lock = asyncio.Lock()
         self._closed = False
+        self._error: ConnectionLost | None = None
         self._len_buf = bytearray(_LEN.size)
         self._scratch: bytearray | None = None
+        # The receive in progress: what is still to fill, whether it is a divertable payload,
+        # whether it was diverted (bytes go to the scratch buffer), and who waits for it.
+        self._rx_view: memoryview | None = None
+        self._rx_payload = False
+        self._rx_diverted = False
+        self._rx_waiter: asyncio.Future | None = None
 
     @property
     def description(self) -> str:
@@ -47,6 +63,8 @@ class TcpChannel(Channel):
 
     async def send(self, header: bytes, payload: torch.Tensor | None = None) -> None:
         async with self._send_lock:
+            if self._error is not None:
+                raise self._error
             try:
                 await self._loop.sock_sendall(self._sock, _LEN.pack(len(header)) + header)
                 if payload is not None:
@@ -56,15 +74,78 @@ class TcpChannel(Channel):
             except (OSError, RuntimeError) as exc:
                 raise ConnectionLost(f"tcp send failed: {exc}") from None
 
-    async def _recv_exact(self, view: memoryview) -> None:
-        while view:
+    # -- receiving ---------------------------------------------------------------------------
+
+    async def _recv_exact(self, view: memoryview, payload: bool = False) -> None:
+        if self._error is not None:
+            raise self._error
+        assert self._rx_view is None, "TcpChannel receives must not overlap"
+        self._rx_view, self._rx_payload, self._rx_diverted = view, payload, False
+        try:
+            if self._pump():
+                return
+            self._rx_waiter = self._loop.create_future()
+            self._loop.add_reader(self._fd, self._on_readable)
             try:
-                n = await self._loop.sock_recv_into(self._sock, view)
-            except (OSError, RuntimeError) as exc:
+                await self._rx_waiter
+            except asyncio.CancelledError:
+                # The stream is now somewhere inside a frame: nobody can read this connection
+                # correctly any more, so it ends here.
+                self.close()
+                raise
+        except ConnectionLost as exc:
+            self._fail(exc)
+            raise
+        finally:
+            self._rx_view, self._rx_payload, self._rx_waiter = None, False, None
+
+    def _pump(self) -> bool:
+        """Copy what the socket holds into the pending receive; True once it is complete.
+
+        Reads at most ``_MAX_READ_PER_WAKEUP`` bytes per call so one big payload does not keep
+        the event loop from everything else; the reader stays registered for the rest.
+        """
+        view = self._rx_view
+        budget = _MAX_READ_PER_WAKEUP
+        while view and budget > 0:
+            if self._rx_diverted:
+                if self._scratch is None:
+                    self._scratch = bytearray(_DISCARD_CHUNK)
+                target = memoryview(self._scratch)[: min(len(view), len(self._scratch))]
+            else:
+                target = view
+            try:
+                n = self._sock.recv_into(target)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError as exc:
                 raise ConnectionLost(f"tcp receive failed: {exc}") from None
             if n == 0:
                 raise ConnectionLost("peer closed the tcp connection")
             view = view[n:]
+            budget -= n
+        self._rx_view = view
+        return not view
+
+    def _on_readable(self) -> None:
+        waiter = self._rx_waiter
+        if waiter is None or waiter.done():
+            self._loop.remove_reader(self._fd)
+            return
+        try:
+            complete = self._pump()
+        except ConnectionLost as exc:
+            self._loop.remove_reader(self._fd)
+            waiter.set_exception(exc)
+            return
+        if complete:
+            self._loop.remove_reader(self._fd)
+            waiter.set_result(None)
+
+    def divert_payload(self) -> bool:
+        if self._rx_payload:
+            self._rx_diverted = True  # _pump reads the rest into the scratch buffer
+        return True
 
     async def recv_header(self) -> bytes:
         await self._recv_exact(memoryview(self._len_buf))
@@ -77,11 +158,12 @@ class TcpChannel(Channel):
 
     async def recv_payload_into(self, region: torch.Tensor) -> None:
         if region.device.type == "cpu":
-            await self._recv_exact(_host_view(region))
+            await self._recv_exact(_host_view(region), payload=True)
             return
         staging = torch.empty(region.numel(), dtype=torch.uint8)
-        await self._recv_exact(_host_view(staging))
-        region.copy_(staging)
+        await self._recv_exact(_host_view(staging), payload=True)
+        if not self._rx_diverted:
+            region.copy_(staging)
 
     async def discard_payload(self, nbytes: int) -> None:
         if self._scratch is None:
@@ -91,10 +173,23 @@ class TcpChannel(Channel):
             await self._recv_exact(memoryview(self._scratch)[:chunk])
             nbytes -= chunk
 
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def _fail(self, error: ConnectionLost) -> None:
+        if self._error is None:
+            self._error = error
+
     def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._sock.close()
+        if self._closed:
+            return
+        self._closed = True
+        self._fail(ConnectionLost("tcp channel closed"))
+        if not self._loop.is_closed():
+            self._loop.remove_reader(self._fd)
+        waiter = self._rx_waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(self._error)
+        self._sock.close()
 
 
 class _TcpListener(Listener):

@@ -16,3 +16,15 @@ def random_cache(seed: int, layout: KVLayout = LAYOUT, num_blocks: int = NUM_BLO
     gen = torch.Generator().manual_seed(seed)
     cache.buffer.copy_(torch.randn(cache.buffer.shape, generator=gen).to(cache.buffer.dtype))
     return cache
+
+
+async def wait_until(condition, timeout: float = 60.0, what: str = "condition") -> None:
+    """Poll ``condition()`` on the event loop until it holds (for states that have no event)."""
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not condition():
+        if loop.time() > deadline:
+            raise AssertionError(f"{what} did not hold within {timeout}s")
+        await asyncio.sleep(0.005)
