@@ -25,6 +25,30 @@ ENV_ALIASES: dict[str, tuple[str, ...]] = {
 
 
 @dataclass(frozen=True)
+class UpstreamTimeouts:
+    """Bounds on every wait for a worker (seconds).
+
+    ``connect``: TCP connect.  ``response``: the decode worker's answer (status and headers) to
+    ``/generate`` -- it answers at once, with a stream or "busy"; a worker that accepts the
+    connection and says nothing is benched.  ``first_token``: silence before the first frame
+    (queueing and the remote prefill happen then).  ``idle``: silence between later frames.
+    ``control``: the whole of a control call (abort, admin proxy).
+    """
+
+    connect: float = 5.0
+    response: float = 30.0
+    first_token: float = 300.0
+    idle: float = 60.0
+    control: float = 5.0
+
+    def __post_init__(self) -> None:
+        for name in ("connect", "response", "first_token", "idle", "control"):
+            value = getattr(self, name)
+            if not 0 < value <= 86400:
+                raise ValueError(f"invalid config: upstream {name} timeout must be in (0, 86400] s, got {value}")
+
+
+@dataclass(frozen=True)
 class GatewayConfig:
     """The gateway's settings; see ``python -m gateway --help`` for what each one does."""
 
@@ -44,6 +68,8 @@ class GatewayConfig:
     # PDSERVE_CLUSTER_SECRET (or --cluster-secret-file): signs every call to a worker and verifies
     # the registry's entries; required unless the gateway listens on loopback only.  Never printed.
     cluster_secret: str | None = field(default=None, repr=False)
+    timeouts: UpstreamTimeouts = field(default_factory=UpstreamTimeouts)
+    bench_time: float = 5.0  # a worker that failed or timed out stays out of routing this long
 
     def __post_init__(self) -> None:
         def bad(what: str) -> ValueError:
@@ -56,6 +82,8 @@ class GatewayConfig:
                 raise bad(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.skip_prefill_below_tokens < 0:
             raise bad(f"skip_prefill_below_tokens must be >= 0, got {self.skip_prefill_below_tokens}")
+        if not self.bench_time > 0:
+            raise bad(f"bench_time must be > 0, got {self.bench_time}")
         if not 0 <= self.port <= 65535:
             raise bad(f"port must be in 0..65535, got {self.port}")
         if self.max_model_len is not None and self.max_model_len < 1:
@@ -116,6 +144,14 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     add("--max-inflight", 512, int, help="requests accepted at once; beyond: 429")
     add("--max-body-bytes", 4 << 20, int, help="request body limit; beyond: 413")
     add("--max-model-len", None, int)
+    add("--upstream-connect-timeout", 5.0, float, help="seconds to connect to a worker")
+    add("--upstream-response-timeout", 30.0, float, help="seconds for a decode worker to answer /generate "
+                                                        "(a worker that does not is benched)")
+    add("--first-token-timeout", 300.0, float, help="seconds of silence from the decode worker before the first "
+                                                    "token (covers queueing and the remote prefill)")
+    add("--upstream-idle-timeout", 60.0, float, help="seconds of silence between tokens from the decode worker")
+    add("--control-timeout", 5.0, float, help="seconds for a control call to a worker (abort, admin)")
+    add("--bench-time", 5.0, float, help="seconds a worker that failed or timed out is kept out of routing")
     add("--log-level", "INFO")
     return p
 
@@ -131,4 +167,8 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = N
         skip_prefill_below_tokens=args.skip_prefill_below, api_key=args.api_key, admin_token=args.admin_token,
         max_inflight=args.max_inflight, max_body_bytes=args.max_body_bytes, max_model_len=args.max_model_len,
         cluster_secret=secret,
+        timeouts=UpstreamTimeouts(connect=args.upstream_connect_timeout, response=args.upstream_response_timeout,
+                                  first_token=args.first_token_timeout, idle=args.upstream_idle_timeout,
+                                  control=args.control_timeout),
+        bench_time=args.bench_time,
     )

@@ -9,6 +9,16 @@ Before the first token reaches the client, a busy or failed worker is benched an
 retried on another; after that, a failure ends the stream with an explicit error.  Leaving early
 (client gone, stop string) closes the upstream stream and sends D an explicit abort, which D
 forwards to P.
+
+Every wait on D is bounded (``UpstreamTimeouts``)::
+
+    connect ---- response (status + headers) ---- first frame ---- frame ---- frame ... finished
+    `connect`    `response`                        `first_token`    `idle`    `idle`
+
+A timeout before the first token benches D and retries elsewhere (a hung worker, accepting
+connections and saying nothing, is taken out of routing); after it, the stream ends with an error.
+Streams use a connection pool sized to the gateway's ``max_inflight``; control calls (aborts) have
+their own pool of the same size and a total timeout, so they never queue behind streams.
 """
 from __future__ import annotations
 
@@ -24,6 +34,7 @@ from common.cluster.messages import AbortRequest, GenerateRequest, TokenFrame, e
 from common.engine.prefix_hash import hash_prompt_blocks
 from common.cluster.prefix_index import PrefixIndexReader
 from common.engine.sampling_params import SamplingParams
+from gateway.config import UpstreamTimeouts
 from gateway.metrics import GatewayMetrics
 from gateway.pool import WorkerPool
 from gateway.routing import NoWorkerAvailable, Route, Router
@@ -51,15 +62,18 @@ class Dispatcher:
     """Sends requests into the pools; one per gateway."""
 
     def __init__(self, pool: WorkerPool, router: Router, prefix_index: PrefixIndexReader,
-                 session: aiohttp.ClientSession, metrics: GatewayMetrics, model: str, max_attempts: int = 3,
+                 session: aiohttp.ClientSession, control_session: aiohttp.ClientSession, metrics: GatewayMetrics,
+                 model: str, *, timeouts: UpstreamTimeouts = UpstreamTimeouts(), max_attempts: int = 3,
                  wait_for_workers_s: float = 2.0, auth: ClusterAuth | None = None):
         self.pool = pool
         self.auth = auth or ClusterAuth.disabled()  # signs every call to a worker
         self.router = router
         self.prefix_index = prefix_index
-        self.session = session
+        self.session = session  # streams from decode workers (no total timeout; see UpstreamTimeouts)
+        self.control_session = control_session  # aborts: a total timeout per call
         self.metrics = metrics
         self.model = model
+        self.timeouts = timeouts
         self.max_attempts = max_attempts
         self.wait_for_workers_s = wait_for_workers_s
         self._aborts: set[asyncio.Task] = set()
@@ -106,42 +120,43 @@ class Dispatcher:
             body = GenerateRequest(request_id=request_id, prompt_token_ids=prompt, sampling_params=params,
                                    prefill_url=route.prefill.http_address if route.prefill else None)
             decode_url = route.decode.http_address
-            data = encode(body)
             finished = False
             self._count_pending(route, len(prompt), +1)
             prefill_pending = route.prefill is not None
+            resp = None
             try:
-                async with self.session.post(f"{decode_url}/generate", data=data,
-                                             headers=self.auth.sign_request("POST", "/generate", data)) as resp:
-                    if resp.status == 401:
-                        reason = (await read_response(resp, 4096)).decode(errors="replace")
-                        log.warning("decode worker %s refused the gateway's cluster credentials: %s",
-                                    route.decode.worker_id, reason)
-                        raise ConnectionError(f"decode worker refused the cluster credentials ({reason}); "
-                                              f"is PDSERVE_CLUSTER_SECRET the same on every process?")
-                    while True:
-                        frame = await read_frame(resp.content, TokenFrame)
-                        if frame is None:
-                            raise ConnectionError("decode worker closed the stream before the request finished")
-                        if frame.error:
-                            if frame.error_kind in ("busy", "refused") and not streamed:
-                                raise _Retry(frame.error, stale_view=frame.error_kind == "refused")
-                            if frame.error_kind == "invalid":
-                                raise ValueError(frame.error)
-                            raise UpstreamError(frame.error)
-                        if frame.token_ids:
-                            streamed = True
-                            if prefill_pending:
-                                self._count_pending(route, len(prompt), -1)
-                                prefill_pending = False
-                        finished = frame.finished
-                        yield frame
-                        if finished:
-                            return
-            except (_Retry, aiohttp.ClientError, ConnectionError, asyncio.TimeoutError) as exc:
+                resp = await self._open_stream(decode_url, body)
+                if resp.status == 401:
+                    reason = (await read_response(resp, 4096)).decode(errors="replace")
+                    log.warning("decode worker %s refused the gateway's cluster credentials: %s",
+                                route.decode.worker_id, reason)
+                    raise ConnectionError(f"decode worker refused the cluster credentials ({reason}); "
+                                          f"is PDSERVE_CLUSTER_SECRET the same on every process?")
+                got_frame = False
+                while True:
+                    frame = await self._next_frame(resp, first=not got_frame)
+                    got_frame = True
+                    if frame is None:
+                        raise ConnectionError("decode worker closed the stream before the request finished")
+                    if frame.error:
+                        if frame.error_kind in ("busy", "refused") and not streamed:
+                            raise _Retry(frame.error, stale_view=frame.error_kind == "refused")
+                        if frame.error_kind == "invalid":
+                            raise ValueError(frame.error)
+                        raise UpstreamError(frame.error)
+                    if frame.token_ids:
+                        streamed = True
+                        if prefill_pending:
+                            self._count_pending(route, len(prompt), -1)
+                            prefill_pending = False
+                    finished = frame.finished
+                    yield frame
+                    if finished:
+                        return
+            except (_Retry, aiohttp.ClientError, ConnectionError, _UpstreamTimeout) as exc:
                 exclude.add(route.decode.worker_id)
                 if not isinstance(exc, _Retry):
-                    self.pool.bench(route.decode.worker_id)  # unreachable: keep it out for a while
+                    self.pool.bench(route.decode.worker_id)  # unreachable or hung: keep it out for a while
                 elif exc.stale_view:
                     await self.pool.refresh()  # it drains or changed role: re-read the registry
                 if streamed:
@@ -151,6 +166,10 @@ class Dispatcher:
                 log.warning("request %s: decode worker %s failed before the first token (%s); retrying",
                             request_id, route.decode.worker_id, exc)
             finally:
+                if resp is not None:
+                    # An unfinished stream is cut (which D notices at once); a finished one keeps
+                    # its connection for the next request.
+                    resp.release() if finished else resp.close()
                 if prefill_pending:
                     self._count_pending(route, len(prompt), -1)
                 if not finished:
@@ -158,6 +177,31 @@ class Dispatcher:
                     task = asyncio.get_running_loop().create_task(self.abort(decode_url, request_id))
                     self._aborts.add(task)
                     task.add_done_callback(self._aborts.discard)
+
+    async def _open_stream(self, decode_url: str, body: GenerateRequest) -> aiohttp.ClientResponse:
+        """POST /generate (signed) and wait (bounded) for the status and headers."""
+        data = encode(body)
+        headers = self.auth.sign_request("POST", "/generate", data)
+        try:
+            async with asyncio.timeout(self.timeouts.response):
+                return await self.session.post(f"{decode_url}/generate", data=data, headers=headers)
+        except TimeoutError:
+            raise self._timed_out("response", self.timeouts.response) from None
+
+    async def _next_frame(self, resp: aiohttp.ClientResponse, first: bool) -> TokenFrame | None:
+        """The next frame of a stream, bounded by the first-token or the idle timeout."""
+        phase, limit = ("first_token", self.timeouts.first_token) if first else ("idle", self.timeouts.idle)
+        try:
+            async with asyncio.timeout(limit):
+                return await read_frame(resp.content, TokenFrame)
+        except TimeoutError:
+            raise self._timed_out(phase, limit) from None
+
+    def _timed_out(self, phase: str, limit: float) -> "_UpstreamTimeout":
+        self.metrics.upstream_timeouts.labels(phase).inc()
+        what = {"response": "did not answer", "first_token": "sent no token",
+                "idle": "sent nothing more"}[phase]
+        return _UpstreamTimeout(f"decode worker {what} within {limit:g} s")
 
     async def drain(self) -> None:
         """Let the abort messages already sent finish (on shutdown)."""
@@ -167,11 +211,15 @@ class Dispatcher:
     async def abort(self, decode_url: str, request_id: str) -> None:
         data = encode(AbortRequest(request_id))
         try:
-            async with self.session.post(f"{decode_url}/abort", data=data, timeout=aiohttp.ClientTimeout(total=2),
-                                         headers=self.auth.sign_request("POST", "/abort", data)) as resp:
+            async with self.control_session.post(f"{decode_url}/abort", data=data,
+                                                 headers=self.auth.sign_request("POST", "/abort", data)) as resp:
                 await read_response(resp, 4096)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as exc:
             log.info("abort of %s on %s not delivered: %s", request_id, decode_url, exc)
+
+
+class _UpstreamTimeout(Exception):
+    """A decode worker did not answer, or stopped sending, within its timeout."""
 
 
 class _Retry(Exception):

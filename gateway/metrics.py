@@ -9,7 +9,8 @@ several gateways in one process never collide.  Names follow vLLM/Dynamo practic
     requests    pdserve_requests_total{model,endpoint,status}, pdserve_requests_in_flight,
                 pdserve_prompt_tokens_total, pdserve_generation_tokens_total
     prefix hit  pdserve_prefix_cache_hit_tokens_total / pdserve_prompt_tokens_total = hit rate
-    routing     pdserve_prefill_skipped_total{reason}, pdserve_redis_unavailable_total
+    routing     pdserve_prefill_skipped_total{reason}, pdserve_redis_unavailable_total,
+                pdserve_upstream_timeouts_total{phase}
     workers     pdserve_num_requests_waiting / _running, pdserve_kv_cache_usage_ratio,
                 pdserve_num_waiting_prefill_tokens            (gauges, by worker_id and role),
                 pdserve_workers{role,state}
@@ -61,6 +62,9 @@ class GatewayMetrics:
 
         self.prefill_skipped = Counter(
             "prefill_skipped", "Requests sent straight to the decode worker, by reason.", ["reason"], **kw)
+        self.upstream_timeouts = Counter(
+            "upstream_timeouts", "Waits on a decode worker that ran out, by phase (response: no answer; "
+            "first_token / idle: no frame).", ["phase"], **kw)
         self.redis_unavailable = Counter(
             "redis_unavailable", "Redis calls that failed or timed out (routing fell back to load).", **kw)
 

@@ -53,7 +53,8 @@ class Gateway:
         self.handlers = OpenAIHandlers(self)
         self.inflight = 0
         self.redis = None
-        self.session: aiohttp.ClientSession | None = None
+        self.session: aiohttp.ClientSession | None = None  # token streams from decode workers
+        self.control_session: aiohttp.ClientSession | None = None  # aborts, admin calls
         self.pool: WorkerPool | None = None
         self.prefix_index: PrefixIndexReader | None = None
         self.dispatcher: Dispatcher | None = None
@@ -61,22 +62,37 @@ class Gateway:
     async def start(self) -> None:
         self.redis = connect(self.config.redis_url)
         registry = WorkerRegistry(self.redis, key_prefix=self.config.key_prefix)
-        self.pool = WorkerPool(registry, self.model_id, on_redis_error=self.metrics.redis_unavailable.inc)
+        self.pool = WorkerPool(registry, self.model_id, bench_s=self.config.bench_time,
+                               on_redis_error=self.metrics.redis_unavailable.inc)
         await self.pool.start()
         self.prefix_index = prefix_index = PrefixIndexReader(self.redis, key_prefix=self.config.key_prefix,
                                          on_unavailable=self.metrics.redis_unavailable.inc)
-        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5))
+        self.session, self.control_session = self._client_sessions()
         router = Router(RoutingConfig(policy=self.config.routing_policy,
                                       skip_prefill_below_tokens=self.config.skip_prefill_below_tokens))
-        self.dispatcher = Dispatcher(self.pool, router, prefix_index, self.session, self.metrics, self.model_id,
-                                     auth=self.auth)
+        self.dispatcher = Dispatcher(self.pool, router, prefix_index, self.session, self.control_session,
+                                     self.metrics, self.model_id, timeouts=self.config.timeouts, auth=self.auth)
+
+    def _client_sessions(self) -> tuple[aiohttp.ClientSession, aiohttp.ClientSession]:
+        """One pool for streams, one for control calls, each as large as the requests in flight:
+        beyond aiohttp's default of 100 connections, streams and aborts would queue silently.
+        Streams have no total timeout (a long answer is fine); the dispatcher bounds every wait
+        for a frame.  Control calls have a total timeout."""
+        t, n = self.config.timeouts, self.config.max_inflight
+
+        def session(timeout: aiohttp.ClientTimeout) -> aiohttp.ClientSession:
+            return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=n, limit_per_host=n), timeout=timeout)
+
+        return (session(aiohttp.ClientTimeout(total=None, sock_connect=t.connect)),
+                session(aiohttp.ClientTimeout(total=t.control, sock_connect=t.connect)))
 
     async def stop(self) -> None:
         await self.dispatcher.drain()
         if self.pool:
             await self.pool.stop()
-        if self.session:
-            await self.session.close()
+        for session in (self.session, self.control_session):
+            if session:
+                await session.close()
         if self.redis:
             await self.redis.aclose()
 
@@ -203,8 +219,8 @@ class Gateway:
             headers = {"X-Admin-Token": self.config.admin_token, "Content-Type": "application/json",
                        **self.auth.sign_request("POST", path, body)}
             try:
-                async with self.session.post(f"{worker.http_address}{path}", data=body, headers=headers,
-                                             timeout=aiohttp.ClientTimeout(total=10)) as resp:
+                async with self.control_session.post(f"{worker.http_address}{path}", data=body,
+                                                     headers=headers) as resp:
                     answer = web.Response(status=resp.status, body=await read_response(resp, 64 << 10),
                                           content_type="application/json")
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:

@@ -1,0 +1,116 @@
+"""The gateway against decode workers that misbehave: hung, stalled, busy, flooding; and clients that
+misbehave: slow readers, greedy keys, too many connections.
+
+A real gateway process (real Redis, real sockets) routes to fake decode workers (tests/fake_decode.py)
+registered in the registry like real ones; each test registers its own, with its own ids.
+"""
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import aiohttp
+import openai
+import pytest
+
+from tests.cluster import running_cluster
+from tests.fake_decode import FakeDecodeWorker
+
+GATEWAY_ARGS = [
+    "--upstream-response-timeout", "10", "--first-token-timeout", "20", "--upstream-idle-timeout", "10",
+    "--bench-time", "600", "--max-inflight", "200",
+]
+
+
+@pytest.fixture(scope="module")
+def stack(served_checkpoint, redis_url, tmp_path_factory):
+    with running_cluster(served_checkpoint, tmp_path_factory.mktemp("logs"), redis_url, prefill=0, decode=0,
+                         gateway_args=GATEWAY_ARGS) as c:
+        yield c
+
+
+@pytest.fixture
+def fakes(stack):
+    """``fakes(behaviour, ...)`` starts a fake decode worker; the gateway sees all of them on return."""
+    started: list[FakeDecodeWorker] = []
+
+    def start(*behaviours: str, **kw) -> list[FakeDecodeWorker]:
+        tag = uuid.uuid4().hex[:6]
+        for i, behaviour in enumerate(behaviours):
+            # Ids sort in start order: with equal loads the router picks the first.
+            worker = FakeDecodeWorker(stack.redis_url, stack.key_prefix, stack.model_name, f"{tag}-{i}-{behaviour}",
+                                      behaviour, **kw)
+            started.append(worker.start())
+        stack.wait_for_workers(0, len(started))
+        return started[-len(behaviours):]
+
+    yield start
+    for worker in started:
+        worker.stop()
+    stack.wait_for_workers(0, 0)
+
+
+def client(stack, **kw) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{stack.gateway_url}/v1", api_key="none", max_retries=0, timeout=60, **kw)
+
+
+def complete(stack, max_tokens: int = 4, **kw):
+    return client(stack).completions.create(model=stack.model_name, prompt="Hello world", max_tokens=max_tokens,
+                                            **kw)
+
+
+# ---- timeouts (item 5 of issue 8) --------------------------------------------------------------
+
+
+def test_hung_decode_worker_is_benched_and_the_request_retried(stack, fakes):
+    hung, healthy = fakes("hang", "stream")
+    response = complete(stack)
+    assert response.choices[0].finish_reason == "length" and response.usage.completion_tokens == 4
+    assert len(hung.generate_calls) == 1 and len(healthy.generate_calls) == 1
+    hung.wait_for(lambda: hung.open_streams == 0, what="the gateway to drop the hung call")
+    # Benched: the next requests go straight to the healthy worker.
+    for _ in range(3):
+        complete(stack)
+    assert len(hung.generate_calls) == 1 and len(healthy.generate_calls) == 4
+
+
+def test_worker_that_stops_mid_stream_ends_the_stream_with_an_error(stack, fakes):
+    (stalled,) = fakes("stall")
+    stream = client(stack).completions.create(model=stack.model_name, prompt="Hello world", max_tokens=50,
+                                              stream=True)
+    chunks = iter(stream)
+    first = next(chunks)
+    assert first.choices[0].text
+    with pytest.raises(openai.APIError, match="sent nothing more"):
+        for _ in chunks:
+            pass
+    stalled.wait_for(lambda: len(stalled.aborts) == 1, what="the abort")
+    assert stalled.aborts == stalled.generate_calls
+
+
+def test_more_concurrent_streams_than_aiohttps_default_pool(stack, fakes):
+    # aiohttp's default connector holds 100 connections; the gateway admits 200 requests, so
+    # stream 101 would wait silently for a connection if the pool were not sized to max_inflight.
+    (slow,) = fakes("trickle", trickle_s=0.5)  # 1000 tokens: outlasts the test
+    n = 120
+
+    async def main():
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+            bodies = [{"model": stack.model_name, "prompt": f"Hello {i}", "max_tokens": 1000, "stream": True}
+                      for i in range(n)]
+            responses = await asyncio.gather(*(session.post(f"{stack.gateway_url}/v1/completions", json=body)
+                                               for body in bodies))
+            try:
+                assert all(r.status == 200 for r in responses)
+                # Every stream delivers tokens at the same time: none is queued behind another.
+                await asyncio.wait_for(asyncio.gather(*(r.content.readline() for r in responses)), 40)
+                assert slow.peak_streams == n
+            finally:
+                for r in responses:
+                    r.close()
+
+    asyncio.run(main())
+    # Each disconnect sends an abort on the control pool, none lost.
+    slow.wait_for(lambda: len(slow.aborts) == n, what=f"{n} aborts")
+    assert sorted(slow.aborts) == sorted(slow.generate_calls)
+
