@@ -76,7 +76,9 @@ class OpenAIHandlers:
         top_k = options.top_k if options.top_k is not None and options.top_k < vocab else 0
         params = SamplingParams(
             max_tokens=max_tokens, temperature=options.temperature, top_k=top_k,
-            top_p=options.top_p, seed=options.seed, ignore_eos=options.ignore_eos, logprobs=options.logprobs,
+            top_p=options.top_p, min_p=options.min_p, presence_penalty=options.presence_penalty,
+            frequency_penalty=options.frequency_penalty, repetition_penalty=options.repetition_penalty,
+            seed=options.seed, ignore_eos=options.ignore_eos, logprobs=options.logprobs,
         )
         prefix = "cmpl" if kind == "completion" else "chatcmpl"
         return Generation(new_request_id(prefix), kind, model, prompt_ids, options, params)

@@ -12,9 +12,10 @@ the end.  An error after the stream started is sent as ``data: {"error": {...}}\
 Temperatures below 1e-5 mean greedy (as in vLLM); a ``top_k`` at or above the vocabulary size is
 clamped to "no top-k" (as in vLLM).
 
-Supported, beyond plain OpenAI: ``top_k``, ``ignore_eos``, and ``usage.prompt_tokens_details.cached_tokens``
-(prefix-cache hits).  Rejected with a clear 400: ``n != 1``, non-zero presence/frequency penalties,
-``logit_bias``, ``echo``, ``best_of > 1``, ``suffix``, batch prompts, non-text message parts.
+Supported, beyond plain OpenAI (vLLM's extensions): ``top_k``, ``min_p``, ``repetition_penalty``,
+``ignore_eos``, and ``usage.prompt_tokens_details.cached_tokens`` (prefix-cache hits).  Rejected
+with a clear 400: ``n != 1``, ``logit_bias``, ``echo``, ``best_of > 1``, ``suffix``, batch prompts,
+non-text message parts.
 """
 from __future__ import annotations
 
@@ -27,7 +28,9 @@ from typing import Annotated, Any, Literal
 import msgspec
 from aiohttp import web
 
-from common.engine.sampling_params import INT64_MAX, INT64_MIN, MAX_LOGPROBS, MAX_TEMPERATURE, MAX_TOKEN_ID
+from common.engine.sampling_params import (
+    INT64_MAX, INT64_MIN, MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_TEMPERATURE, MAX_TOKEN_ID,
+)
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 256
@@ -114,6 +117,7 @@ def error_response(status: int, message: str, *, param: str | None = None, code:
 
 MaxTokens = Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKEN_ID)]
 Logprobs = Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)]
+Penalty = Annotated[float, msgspec.Meta(ge=-MAX_PENALTY, le=MAX_PENALTY)]
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
@@ -136,8 +140,10 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     ignore_eos: bool = False  # extension
     n: int = 1
     user: Annotated[str, msgspec.Meta(max_length=256)] | None = None
-    presence_penalty: Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)] | None = None
-    frequency_penalty: Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)] | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: Annotated[float, msgspec.Meta(gt=0.0, le=MAX_REPETITION_PENALTY)] | None = None  # extension
+    min_p: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] | None = None  # extension
     logit_bias: dict[str, float] | None = None
 
 
@@ -153,6 +159,10 @@ class SamplingOptions:
     temperature: float
     top_p: float
     top_k: int | None
+    min_p: float
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
     seed: int | None
     stop: tuple[str, ...]
     ignore_eos: bool
@@ -227,6 +237,10 @@ def _sampling(req: _Common, max_tokens: int | None, logprobs: int | None) -> Sam
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
         top_k=req.top_k if req.top_k and req.top_k > 0 else None,
+        min_p=req.min_p or 0.0,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         seed=req.seed,
         stop=stop,
         ignore_eos=req.ignore_eos,
@@ -262,10 +276,6 @@ def _from_msgspec(exc: msgspec.MsgspecError) -> OpenAIError:
 def _validate_common(req: _Common) -> None:
     if req.n != 1:
         raise invalid(f"n={req.n} is not supported; only n=1 (send one request per completion)", "n")
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = getattr(req, name)
-        if value not in (None, 0, 0.0):
-            raise invalid(f"{name}={value} is not supported; only 0", name, "unsupported_value")
     if req.logit_bias:
         raise invalid("logit_bias is not supported", "logit_bias", "unsupported_value")
     if req.top_k is not None and req.top_k < -1:

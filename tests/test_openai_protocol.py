@@ -67,6 +67,14 @@ def test_completion_defaults_and_normalised_sampling():
     assert parse_completion_request(completion(max_tokens=None)).sampling().max_tokens is None
 
 
+def test_penalties_and_min_p_are_accepted_and_defaulted():
+    s = parse_completion_request(completion()).sampling()
+    assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty, s.min_p) == (0.0, 0.0, 1.0, 0.0)
+    s = parse_chat_request(chat(presence_penalty=0.5, frequency_penalty=-1, repetition_penalty=1.2,
+                                min_p=0.05)).sampling()
+    assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty, s.min_p) == (0.5, -1.0, 1.2, 0.05)
+
+
 def test_prompt_forms():
     assert parse_completion_request(completion(prompt=["one string"])).prompt == "one string"
     rejects(parse_completion_request, completion(prompt=["a", "b"]), "prompt", "batch prompts are not supported")
@@ -100,6 +108,11 @@ def test_unknown_fields_are_rejected_by_name():
     ("seed", 2**64, "seed must fit"),
     ("stream", "yes", "Expected `bool`"),
     ("presence_penalty", 3, "<= 2.0"),
+    ("frequency_penalty", -2.5, ">= -2.0"),
+    ("repetition_penalty", 0, "> 0.0"),
+    ("repetition_penalty", 11, "<= 10.0"),
+    ("min_p", 1.5, "<= 1.0"),
+    ("min_p", -0.1, ">= 0.0"),
     ("user", "u" * 300, "length <= 256"),
 ])
 def test_range_errors_name_the_parameter(field, value, text):
@@ -108,8 +121,6 @@ def test_range_errors_name_the_parameter(field, value, text):
 
 @pytest.mark.parametrize("field,value,text", [
     ("n", 2, "only n=1"),
-    ("presence_penalty", 0.5, "presence_penalty=0.5 is not supported"),
-    ("frequency_penalty", -1, "frequency_penalty=-1.0 is not supported"),
     ("logit_bias", {"50256": -100}, "logit_bias is not supported"),
     ("echo", True, "echo is not supported"),
     ("best_of", 3, "best_of=3 is not supported"),

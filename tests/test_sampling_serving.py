@@ -70,3 +70,31 @@ def test_out_of_range_sampling_fields_get_a_400_naming_them(stack, field, value)
     with pytest.raises(openai.BadRequestError) as info:
         client(stack).completions.create(model=stack.model_name, prompt=PROMPT, extra_body={field: value})
     assert info.value.body["param"] == field, info.value.body
+
+
+@pytest.mark.parametrize("params", [
+    {"temperature": 1.0, "seed": 21},
+    {"temperature": 0.8, "top_p": 0.9, "seed": 22, "extra_body": {"top_k": 40, "min_p": 0.02}},
+    {"temperature": 1.0, "seed": 23, "frequency_penalty": 0.8, "presence_penalty": 0.4,
+     "extra_body": {"repetition_penalty": 1.2}},
+])
+def test_seeded_sampling_through_prefill_and_decode_equals_the_offline_engine(stack, offline, params):
+    # The prefill worker samples the first token and the decode worker the rest: both draw from
+    # (seed, position) only, so the text equals a single offline engine's.
+    before_p = stack.stats("p0")["prefill_computed_tokens"]
+    before_d = stack.stats("d0")
+    text = complete(stack, **params)
+    assert stack.stats("p0")["prefill_computed_tokens"] > before_p
+    after_d = stack.stats("d0")
+    assert after_d["remote_prefill_fallbacks"] == before_d["remote_prefill_fallbacks"]
+    assert after_d["kv_received_bytes"] > before_d["kv_received_bytes"]
+    flat = {k: v for k, v in params.items() if k != "extra_body"} | params.get("extra_body", {})
+    assert text == offline(PROMPT, **flat)
+    assert text == complete(stack, **params)  # and again: reproducible
+
+
+def test_penalties_change_the_answer(stack, offline):
+    greedy = complete(stack, temperature=0)
+    penalized = complete(stack, temperature=0, frequency_penalty=2.0, extra_body={"repetition_penalty": 3.0})
+    assert penalized == offline(PROMPT, temperature=0, frequency_penalty=2.0, repetition_penalty=3.0)
+    assert penalized != greedy

@@ -8,7 +8,7 @@ import torch
 from common.engine.attention import AttentionRequest
 from common.engine.kv_cache import KVCache
 from common.engine.models.decoder import DecoderModel
-from common.engine.sampler import TokenLogprobs, sample
+from common.engine.sampler import Sampler, TokenLogprobs
 from common.engine.scheduler import SchedulerOutput
 
 
@@ -24,6 +24,7 @@ class ModelRunner:
         self.cache = cache
         self.attention = attention
         self.device = device
+        self.sampler = Sampler()
         self.forward_seconds = 0.0  # time inside the model, for the overhead figure
 
     def execute(self, out: SchedulerOutput) -> dict[str, tuple[int, TokenLogprobs | None]]:
@@ -56,9 +57,7 @@ class ModelRunner:
             self.forward_seconds += time.perf_counter() - began
             return {}
         logits = self.model.logits(hidden[torch.tensor(sample_rows, device=device)])
-        tokens, logprobs = sample(
-            logits, [i.sampling_params for i in sample_items], [i.num_output_tokens for i in sample_items]
-        )
+        tokens, logprobs = self.sampler(logits, sample_items, scratch_logits=True)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         self.forward_seconds += time.perf_counter() - began

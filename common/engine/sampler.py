@@ -1,14 +1,44 @@
-"""Turn logits into tokens: greedy, temperature, top-k, top-p, per-request seeds, logprobs."""
+"""Turn one step's logits into tokens, every row at once.
+
+    logits [rows, vocab] (fp32, raw model output)
+      |-- rows whose maximum is NaN/+inf/-inf: argmax over their finite values, never sampled
+      |-- greedy rows (temperature < 1e-5, or top_k == 1): argmax (after penalties, if any)
+      `-- random rows, copied into a scratch buffer ordered [filtered | plain | greedy+penalties]:
+            penalties (repetition, frequency, presence: sparse, from each request's token ids)
+            / temperature, - row max, exp          ->  e in (0, 1], the row's max is exactly 1
+            plain rows: inverse CDF over column order, two levels (1024-column block sums, then
+                        the chosen block's cumulative sum)
+            filtered rows (top-k, top-p, min-p): candidates = e >= a per-row threshold that
+                        provably holds every token the filters can keep; one sort over the
+                        candidates of all rows; inverse CDF over the kept prefix
+
+Every random row consumes exactly one uniform number.  A seeded row draws it from a generator
+seeded with (seed, output index), so its token depends only on the seed, the position and its own
+logits: not on the batch, preemption, or which worker samples it (the prefill worker samples the
+first token, the decode worker the rest).  Unseeded rows share one batched draw.
+
+Logprobs are those of the raw model distribution (log_softmax of the logits), as vLLM returns by
+default: one log-sum-exp and one top-k over the rows that ask.
+"""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
 
 import torch
 
 from common.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
+
+BLOCK = 1024  # columns per block of the plain path's two-level inverse CDF
+GROUP = 64  # columns per group whose maxima bound the k-th largest value (top-k candidates)
+# First candidate threshold for top-p rows (relative to the row's most likely token).  It holds
+# the 0.95 nucleus of a real LM's rows (checked on Gemma 3 at T=1); a row where it does not is
+# redone with a threshold that always does.
+TOP_P_FIRST_THRESHOLD = 1e-4
+_SMALLEST_POSITIVE = float(torch.finfo(torch.float32).smallest_normal) * 2.0**-23  # fp32's least subnormal
 
 
 @dataclass
@@ -20,66 +50,465 @@ class TokenLogprobs:
     top: list[tuple[int, float]]
 
 
-def _seeded_generator(seed: int, step: int, device) -> torch.Generator:
-    # Seeding from (seed, output index) makes a request's draws independent of batch composition,
-    # preemption, and of which worker samples which token.
-    generator = torch.Generator(device=device)
-    generator.manual_seed((seed * 1_000_003 + step) & 0xFFFF_FFFF_FFFF_FFFF)
-    return generator
+class SamplingRequest(Protocol):
+    """What the sampler reads about one row (``ScheduledRequest`` provides it).
 
-
-def _filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    logits = logits / params.temperature
-    if 0 < params.top_k < logits.shape[-1]:  # a top_k at or above the vocabulary size is no top-k
-        kth = torch.topk(logits, params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if params.top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True)
-        cumulative = sorted_probs.cumsum(-1)
-        # Keep the smallest set whose mass reaches top_p (the first token is always kept).
-        drop = cumulative - sorted_probs >= params.top_p
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-    return probs
-
-
-def sample(
-    logits: torch.Tensor, params: list[SamplingParams], output_index: list[int]
-) -> tuple[list[int], list[TokenLogprobs | None]]:
-    """Sample one token per row of ``logits`` [rows, vocab] (fp32).
-
-    ``output_index[i]`` is how many tokens row ``i``'s request has produced so far (for seeds).
+    ``prompt_token_ids`` and ``output_token_ids`` may be the request's live lists: the sampler
+    only reads them, and only for rows with penalties.
     """
-    tokens = logits.argmax(dim=-1)
-    # A row whose maximum is not finite holds NaN or +inf (or only -inf): it gets the argmax over its
-    # finite values and is never sampled, so it cannot make the sampler raise.
-    bad = ~torch.isfinite(logits.amax(dim=-1))
-    if bad.any():
-        rows = logits[bad]
-        tokens[bad] = rows.masked_fill(~torch.isfinite(rows), float("-inf")).argmax(dim=-1)
-    bad_rows = set(bad.nonzero().flatten().tolist())
-    random_rows = [i for i, p in enumerate(params) if not p.greedy and i not in bad_rows]
-    for i in random_rows:
-        p = params[i]
-        try:
-            probs = _filtered_probs(logits[i], p)
-            generator = _seeded_generator(p.seed, output_index[i], logits.device) if p.seed is not None else None
-            tokens[i] = torch.multinomial(probs, 1, generator=generator)[0]
-        except RuntimeError as exc:  # a degenerate distribution: this row falls back to its argmax
-            log.warning("sampling row %d failed (%s); using its argmax", i, exc)
-    token_ids = tokens.tolist()
 
-    logprobs: list[TokenLogprobs | None] = [None] * len(params)
-    wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
-    if wanted:
-        log_probs = torch.log_softmax(logits[wanted], dim=-1)
-        for row, i in enumerate(wanted):
-            n = params[i].logprobs
-            top_values, top_ids = torch.topk(log_probs[row], n) if n else (torch.empty(0), torch.empty(0))
-            logprobs[i] = TokenLogprobs(
-                token_id=token_ids[i],
-                logprob=float(log_probs[row, token_ids[i]]),
-                top=list(zip(top_ids.tolist(), top_values.tolist())),
-            )
-    return token_ids, logprobs
+    request_id: str
+    sampling_params: SamplingParams
+    num_output_tokens: int
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+
+
+@dataclass
+class SamplingRow:
+    """A ``SamplingRequest`` built by hand (tests, benchmarks, ``sample``)."""
+
+    sampling_params: SamplingParams
+    num_output_tokens: int = 0
+    prompt_token_ids: Sequence[int] = ()
+    output_token_ids: Sequence[int] = ()
+    request_id: str = ""
+
+
+def seeded_uniform(seed: int, output_index: int) -> float:
+    """The uniform number in [0, 1) a seeded request uses for its ``output_index``-th token."""
+    generator = torch.Generator()
+    generator.manual_seed(_splitmix64((seed & _MASK64) ^ _splitmix64(output_index)))
+    return float(torch.rand(1, generator=generator, dtype=torch.float64))
+
+
+_MASK64 = 0xFFFF_FFFF_FFFF_FFFF
+
+
+def _splitmix64(x: int) -> int:
+    # A bijective mix, so nearby (seed, index) pairs get unrelated generator states.
+    x = (x + 0x9E37_79B9_7F4A_7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58_476D_1CE4_E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D0_49BB_1331_11EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+# ---- token histories for penalties ----------------------------------------------------------------
+
+
+@dataclass
+class _History:
+    """One request's token ids as tensors, kept across steps so a step only converts new tokens."""
+
+    outputs_list: Sequence[int]
+    prompt_unique: torch.Tensor
+    outputs: torch.Tensor  # capacity >= num_outputs
+    num_outputs: int = 0
+
+    def output_ids(self) -> torch.Tensor:
+        new = self.outputs_list[self.num_outputs :]
+        if new:
+            end = self.num_outputs + len(new)
+            if end > self.outputs.numel():
+                grown = torch.empty(max(2 * end, 64), dtype=torch.int64, device=self.outputs.device)
+                grown[: self.num_outputs] = self.outputs[: self.num_outputs]
+                self.outputs = grown
+            self.outputs[self.num_outputs : end] = torch.tensor(new, dtype=torch.int64)
+            self.num_outputs = end
+        return self.outputs[: self.num_outputs]
+
+
+class _Histories:
+    """Token-id tensors of the requests with penalties, by request id (dropped when a request is
+    not sampled in a step: it finished, was aborted or preempted, and is rebuilt if it returns)."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[str, _History] = {}
+
+    def get(self, row: SamplingRequest, device: torch.device) -> _History:
+        history = self._by_id.get(row.request_id) if row.request_id else None
+        if (history is None or history.outputs_list is not row.output_token_ids
+                or len(row.output_token_ids) < history.num_outputs):
+            prompt = torch.tensor(list(row.prompt_token_ids), dtype=torch.int64, device=device).unique()
+            history = _History(row.output_token_ids, prompt, torch.empty(0, dtype=torch.int64, device=device))
+            if row.request_id:
+                self._by_id[row.request_id] = history
+        return history
+
+    def keep_only(self, request_ids: set[str]) -> None:
+        for rid in [r for r in self._by_id if r not in request_ids]:
+            del self._by_id[rid]
+
+
+# ---- the sampler ----------------------------------------------------------------------------------
+
+
+@dataclass
+class _Rows:
+    """Per-row knobs of the rows in the scratch buffer, as tensors (``n`` rows)."""
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor  # 0: none (already clamped to the vocabulary)
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+
+
+@dataclass
+class Sampler:
+    """Samples one token per row of a step's logits with batched tensor ops (see the module doc).
+
+    Holds a scratch buffer as large as the biggest batch of random rows seen (the size of those
+    rows' logits) and the token histories of requests with penalties.  One thread uses it.
+    ``num_fallbacks`` counts rows that fell back to their argmax because sampling them failed.
+    """
+
+    num_fallbacks: int = 0
+    _scratch: torch.Tensor | None = None
+    _mask: torch.Tensor | None = None
+    _histories: _Histories = field(default_factory=_Histories)
+
+    @torch.inference_mode()  # the model's logits are inference tensors; so is the scratch buffer
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRequest], *, scratch_logits: bool = False
+                 ) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """One token per row of ``logits`` [rows, vocab]; logprobs for rows that ask.
+
+        ``scratch_logits``: the caller gives up ``logits``, which may then serve as the scratch
+        buffer (saves a copy when no row wants logprobs).
+        """
+        logits = logits.float()
+        row_max = logits.amax(dim=-1)
+        bad = ~torch.isfinite(row_max)  # NaN, +inf, or nothing finite in the row
+        greedy = _argmax_over_finite(logits, bad, rows)
+        try:
+            tokens = self._sample(logits, rows, greedy, bad, row_max, scratch_logits)
+        except Exception:  # a bug must not fail the other rows: retry row by row, then argmax
+            log.exception("batched sampling failed; sampling the %d rows one by one", len(rows))
+            tokens = greedy.clone()
+            for i, row in enumerate(rows):
+                try:
+                    tokens[i] = self._sample(logits[i : i + 1], [row], greedy[i : i + 1], bad[i : i + 1],
+                                             row_max[i : i + 1], False)[0]
+                except Exception:
+                    self.num_fallbacks += 1
+                    log.exception("sampling row %d failed; using its argmax", i)
+                    tokens[i] = _clean(logits[i : i + 1]).argmax(dim=-1)[0]
+        token_ids = tokens.tolist()
+        return token_ids, _logprobs(logits, rows, token_ids, bad)
+
+    def _sample(self, logits, rows, greedy, bad, raw_max, scratch_logits) -> torch.Tensor:
+        num_rows, vocab = logits.shape
+        bad_rows = bad.tolist()
+        filtered, plain, penalized_argmax = [], [], []
+        for i, row in enumerate(rows):
+            p = row.sampling_params
+            if bad_rows[i]:
+                continue
+            if p.greedy or p.top_k == 1:
+                if _uses_penalties(p):
+                    penalized_argmax.append(i)
+            elif (0 < p.top_k < vocab) or p.top_p < 1.0 or p.min_p > 0.0:
+                filtered.append(i)
+            else:
+                plain.append(i)
+        order = filtered + plain + penalized_argmax
+        if not order:
+            return greedy
+        work = self._work_rows(logits, order, scratch_logits and not _wants_logprobs(rows))
+        self._apply_penalties(work, [rows[i] for i in order], logits.device)
+        tokens = greedy.clone()
+        if penalized_argmax:
+            start = len(filtered) + len(plain)
+            tokens[penalized_argmax] = work[start:].argmax(dim=-1)
+        random = filtered + plain
+        if not random:
+            return tokens
+        knobs = _knobs([rows[i].sampling_params for i in random], vocab, logits.device)
+        e = work[: len(random)]
+        if any(_uses_penalties(rows[i].sampling_params) for i in random):
+            row_max = e.amax(dim=-1, keepdim=True)
+        else:
+            row_max = raw_max[random][:, None]
+        # exp((x - max) / T): the row's best token is exactly 1.  max(x / T) == max(x) / T, since
+        # rounded division by a positive number keeps the order.
+        e.sub_(row_max)
+        if bool((knobs.temperature != 1.0).any()):
+            e.div_(knobs.temperature[:, None])
+        e.exp_()
+        # A row whose numbers overflowed (a tiny temperature on huge logits) takes its argmax; it
+        # is sampled as a harmless one-hot row meanwhile.
+        broken = ~torch.isfinite(row_max[:, 0])
+        if bool(broken.any()):
+            e.masked_fill_(broken[:, None], 0.0)
+            e[broken, 0] = 1.0
+        totals = _block_sums(e)
+        total = totals.sum(dim=-1)
+        uniforms = _uniforms([rows[i] for i in random], logits.device)
+        nf = len(filtered)
+        sampled = torch.empty(len(random), dtype=torch.int64, device=logits.device)
+        if filtered:
+            sampled[:nf] = self._sample_filtered(e[:nf], total[:nf], _slice(knobs, nf), uniforms[:nf])
+        if plain:
+            sampled[nf:] = _sample_plain(e[nf:], totals[nf:], uniforms[nf:])
+        if bool(broken.any()):
+            self.num_fallbacks += int(broken.sum())
+            broken_rows = [random[j] for j in broken.nonzero()[:, 0].tolist()]
+            sampled[broken] = _clean(logits[broken_rows]).argmax(dim=-1)
+        tokens[random] = sampled
+        return tokens
+
+    # ---- scratch and penalties ----------------------------------------------------------------
+
+    def _work_rows(self, logits: torch.Tensor, order: list[int], in_place: bool) -> torch.Tensor:
+        n, vocab = len(order), logits.shape[1]
+        if in_place and order == list(range(logits.shape[0])) and logits.is_contiguous():
+            return logits
+        if self._scratch is None or self._scratch.shape[0] < n or self._scratch.shape[1] != vocab \
+                or self._scratch.device != logits.device:
+            rows = max(n, 0 if self._scratch is None else self._scratch.shape[0])
+            self._scratch = torch.empty(rows, vocab, dtype=torch.float32, device=logits.device)
+            self._mask = None
+        work = self._scratch[:n]
+        torch.index_select(logits, 0, torch.tensor(order, device=logits.device), out=work)
+        return work
+
+    def _candidate_mask(self, e: torch.Tensor) -> torch.Tensor:
+        if self._mask is None or self._mask.shape[0] < e.shape[0] or self._mask.shape[1] != e.shape[1] \
+                or self._mask.device != e.device:
+            self._mask = torch.empty(max(e.shape[0], 1 if self._mask is None else self._mask.shape[0]),
+                                     e.shape[1], dtype=torch.bool, device=e.device)
+        return self._mask[: e.shape[0]]
+
+    def _apply_penalties(self, work: torch.Tensor, rows: list[SamplingRequest], device) -> None:
+        """Repetition (prompt and output tokens), then frequency and presence (output tokens), as
+        vLLM applies them; sparse updates at the rows' token ids, no [rows, vocab] structure."""
+        with_penalties = [(j, row) for j, row in enumerate(rows) if _uses_penalties(row.sampling_params)]
+        self._histories.keep_only({row.request_id for _, row in with_penalties})
+        if not with_penalties:
+            return
+        vocab = work.shape[1]
+        flat = work.view(-1)
+        repeat_idx, repeat_by, count_idx, freq, pres = [], [], [], [], []
+        for j, row in with_penalties:
+            p = row.sampling_params
+            history = self._histories.get(row, device)
+            outputs = history.output_ids().clamp(0, vocab - 1) + j * vocab
+            if p.repetition_penalty != 1.0:
+                ids = torch.cat([history.prompt_unique.clamp(0, vocab - 1) + j * vocab, outputs])
+                repeat_idx.append(ids)
+                repeat_by.append(torch.full((ids.numel(),), p.repetition_penalty, dtype=torch.float32, device=device))
+            if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
+                count_idx.append(outputs)
+                freq.append(torch.full((outputs.numel(),), p.frequency_penalty, dtype=torch.float32, device=device))
+                pres.append(torch.full((outputs.numel(),), p.presence_penalty, dtype=torch.float32, device=device))
+        if repeat_idx:
+            idx, by = torch.cat(repeat_idx), torch.cat(repeat_by)
+            values = flat[idx]  # duplicates read and write the same value
+            flat[idx] = torch.where(values > 0, values / by, values * by)
+        if count_idx:
+            idx = torch.cat(count_idx)
+            flat.index_add_(0, idx, -torch.cat(freq))  # once per occurrence: frequency * count
+            flat[idx] = flat[idx] - torch.cat(pres)  # once per distinct token: presence
+
+    # ---- filtered rows: top-k, top-p, min-p ---------------------------------------------------
+
+    def _sample_filtered(self, e: torch.Tensor, total: torch.Tensor, knobs: _Rows,
+                         uniforms: torch.Tensor) -> torch.Tensor:
+        """Inverse CDF over each row's kept tokens, in descending order.
+
+        A per-row threshold picks the candidates: every token at or above it, chosen so the
+        candidates provably hold whatever top-k/top-p/min-p keep:
+          min-p:  its own threshold (min_p relative to the best token) is exact;
+          top-k:  the k-th largest of the 64-column group maxima (at least k tokens reach it);
+          top-p:  first TOP_P_FIRST_THRESHOLD, kept if the candidates' mass reaches top_p; else
+                  (1 - top_p) * total / vocab, below which all tokens together weigh < 1 - top_p.
+        """
+        n, vocab = e.shape
+        device = e.device
+        top_k, top_p, min_p = knobs.top_k, knobs.top_p, knobs.min_p
+        has_k, has_p, has_min_p = top_k > 0, top_p < 1.0, min_p > 0.0
+        threshold = min_p.clone()
+        # The candidates hold the whole (min-p filtered) distribution: its mass is known from them.
+        complete = has_min_p.clone()
+        groups = vocab // GROUP
+        k_by_groups = has_k & (top_k <= groups)
+        if bool(k_by_groups.any()):
+            rows = k_by_groups.nonzero()[:, 0]
+            maxima = e[:, : groups * GROUP].view(n, groups, GROUP).amax(dim=-1)[rows]
+            kth = maxima.topk(int(top_k[rows].max()), dim=-1).values.gather(1, (top_k[rows] - 1)[:, None])[:, 0]
+            threshold[rows] = torch.maximum(threshold[rows], kth)
+        big_k = has_k & ~k_by_groups & ~has_min_p
+        p_only = has_p & ~has_k & ~has_min_p
+        guaranteed = (1.0 - top_p.double()) * total / vocab
+        threshold = torch.where(p_only, torch.clamp(guaranteed, min=TOP_P_FIRST_THRESHOLD).float(), threshold)
+        threshold = torch.where(big_k, torch.full_like(threshold, TOP_P_FIRST_THRESHOLD), threshold)
+        threshold = torch.where(threshold > 0, threshold, torch.full_like(threshold, _SMALLEST_POSITIVE))
+
+        row_ids, cols = self._candidates(e, threshold)
+        values = e[row_ids, cols]
+        counts = torch.bincount(row_ids, minlength=n)
+        mass = torch.zeros(n, dtype=torch.float64, device=device).index_add_(0, row_ids, values.double())
+        # Rows whose first threshold may have cut off tokens the filters keep: redo them lower.
+        short = (p_only & (mass < top_p.double() * total * (1 + 1e-6))) | (big_k & (counts < top_k))
+        if bool(short.any()):
+            redo = short.nonzero()[:, 0]
+            lower = torch.where(p_only[redo], guaranteed[redo].float() * (1 - 1e-6),
+                                torch.full((len(redo),), _SMALLEST_POSITIVE, device=device))
+            lower = torch.where(lower > 0, lower, torch.full_like(lower, _SMALLEST_POSITIVE))
+            complete = complete | (short & big_k)
+            keep = ~short[row_ids]
+            more_rows, more_cols = self._candidates(e[redo], lower)
+            more_rows = redo[more_rows]
+            row_ids = torch.cat([row_ids[keep], more_rows])
+            cols = torch.cat([cols[keep], more_cols])
+            values = torch.cat([values[keep], e[more_rows, more_cols]])
+            order = torch.argsort(row_ids, stable=True)  # group by row, columns ascending within a row
+            row_ids, cols, values = row_ids[order], cols[order], values[order]
+            counts = torch.bincount(row_ids, minlength=n)
+
+        # Candidates into a [rows, widest] table, then one sort over every row.
+        width = int(counts.max())
+        starts = torch.cumsum(counts, 0) - counts
+        slot = torch.arange(len(row_ids), device=device) - starts[row_ids]
+        table = torch.zeros(n, width, device=device)
+        ids = torch.zeros(n, width, dtype=torch.int64, device=device)
+        table[row_ids, slot] = values
+        ids[row_ids, slot] = cols
+        table, order = table.sort(dim=-1, descending=True, stable=True)  # ties keep column order
+        ids = ids.gather(1, order)
+        cumulative = table.double().cumsum(dim=-1)
+
+        k = torch.where(has_k, torch.minimum(top_k, counts), counts).clamp(min=1)
+        # top_p is relative to what the earlier filters kept: the top-k set, the min-p survivors,
+        # or (when the candidates are only a part of it) the whole distribution.
+        kept_mass = cumulative.gather(1, (k - 1)[:, None])[:, 0]
+        reference = torch.where(has_k | complete, kept_mass, total)
+        before = cumulative - table.double()  # mass strictly before each position
+        position = torch.arange(width, device=device)[None, :]
+        kept = (position < k[:, None]) & (before < (top_p.double() * reference)[:, None])
+        length = kept.sum(dim=-1).clamp(min=1)
+        target = uniforms * cumulative.gather(1, (length - 1)[:, None])[:, 0]
+        index = torch.searchsorted(cumulative, target[:, None], right=True)[:, 0]
+        index = torch.minimum(index, length - 1)
+        return ids.gather(1, index[:, None])[:, 0]
+
+    def _candidates(self, e: torch.Tensor, threshold: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        mask = torch.ge(e, threshold[:, None], out=self._candidate_mask(e))
+        found = mask.nonzero()
+        return found[:, 0], found[:, 1]
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], output_index: list[int]
+           ) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """One-off sampling without histories: ``output_index[i]`` is row ``i``'s output position."""
+    return Sampler()(logits, [SamplingRow(p, i) for p, i in zip(params, output_index)])
+
+
+# ---- helpers ----------------------------------------------------------------------------------
+
+
+def _uses_penalties(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+
+
+def _wants_logprobs(rows: Sequence[SamplingRequest]) -> bool:
+    return any(row.sampling_params.logprobs is not None for row in rows)
+
+
+def _argmax_over_finite(logits: torch.Tensor, bad: torch.Tensor, rows: Sequence[SamplingRequest]) -> torch.Tensor:
+    """The argmax of each row: the greedy token, and the fallback of a row that cannot be sampled.
+    A bad row (``bad``) gets the argmax over its finite values.  Computed over the whole batch
+    when some row is greedy, else only for the bad rows (random rows get theirs when needed)."""
+    if any(row.sampling_params.greedy or row.sampling_params.top_k == 1 for row in rows):
+        tokens = logits.argmax(dim=-1)
+    else:
+        tokens = torch.zeros(logits.shape[0], dtype=torch.int64, device=logits.device)
+    if bool(bad.any()):
+        tokens[bad] = _clean(logits[bad]).argmax(dim=-1)
+    return tokens
+
+
+def _clean(rows: torch.Tensor) -> torch.Tensor:
+    return rows.masked_fill(~torch.isfinite(rows), float("-inf"))
+
+
+def _knobs(params: list[SamplingParams], vocab: int, device) -> _Rows:
+    return _Rows(
+        temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
+        top_k=torch.tensor([p.top_k if 0 < p.top_k < vocab else 0 for p in params], dtype=torch.int64, device=device),
+        top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+        min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
+    )
+
+
+def _slice(knobs: _Rows, n: int) -> _Rows:
+    return _Rows(knobs.temperature[:n], knobs.top_k[:n], knobs.top_p[:n], knobs.min_p[:n])
+
+
+def _uniforms(rows: list[SamplingRequest], device) -> torch.Tensor:
+    """One uniform number per row: seeded rows from (seed, output index), the rest in one draw."""
+    values = torch.rand(len(rows), dtype=torch.float64)
+    for i, row in enumerate(rows):
+        seed = row.sampling_params.seed
+        if seed is not None:
+            values[i] = seeded_uniform(seed, row.num_output_tokens)
+    return values.to(device)
+
+
+def _block_sums(e: torch.Tensor) -> torch.Tensor:
+    """[rows, ceil(vocab / BLOCK)] sums of consecutive BLOCK-column blocks, in fp64."""
+    n, vocab = e.shape
+    full = vocab // BLOCK
+    sums = e[:, : full * BLOCK].view(n, full, BLOCK).sum(dim=-1)
+    if vocab % BLOCK:
+        sums = torch.cat([sums, e[:, full * BLOCK :].sum(dim=-1, keepdim=True)], dim=1)
+    return sums.double()
+
+
+def _last_positive(values: torch.Tensor) -> torch.Tensor:
+    """Index of the last positive entry of each row (rows are known to have one)."""
+    width = values.shape[1]
+    return width - 1 - (values > 0).flip(-1).int().argmax(dim=-1)
+
+
+def _sample_plain(e: torch.Tensor, block_sums: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse CDF over all columns: pick a block by its sum, then a column inside it."""
+    n, vocab = e.shape
+    cumulative = block_sums.cumsum(dim=-1)
+    target = uniforms * cumulative[:, -1]
+    block = torch.searchsorted(cumulative, target[:, None], right=True)[:, 0]
+    block = torch.minimum(block, _last_positive(block_sums))  # never a block of zeros
+    before = torch.where(block > 0, cumulative.gather(1, (block - 1).clamp(min=0)[:, None])[:, 0],
+                         torch.zeros_like(target))
+    fraction = ((target - before) / block_sums.gather(1, block[:, None])[:, 0]).clamp(0.0, 1.0)
+    columns = block[:, None] * BLOCK + torch.arange(BLOCK, device=e.device)[None, :]
+    inside = columns < vocab
+    segment = torch.where(inside, e.gather(1, columns.clamp(max=vocab - 1)), torch.zeros((), device=e.device))
+    segment_cumulative = segment.double().cumsum(dim=-1)
+    index = torch.searchsorted(segment_cumulative, (fraction * segment_cumulative[:, -1])[:, None], right=True)[:, 0]
+    index = torch.minimum(index, _last_positive(segment))
+    return block * BLOCK + index
+
+
+def _logprobs(logits: torch.Tensor, rows: Sequence[SamplingRequest], token_ids: list[int],
+              bad: torch.Tensor) -> list[TokenLogprobs | None]:
+    out: list[TokenLogprobs | None] = [None] * len(rows)
+    wanted = [i for i, row in enumerate(rows) if row.sampling_params.logprobs is not None]
+    if not wanted:
+        return out
+    device = logits.device
+    index = torch.tensor(wanted, device=device)
+    values = logits.index_select(0, index)
+    bad_wanted = bad[index]
+    if bool(bad_wanted.any()):
+        values[bad_wanted] = _clean(values[bad_wanted])
+    normalizer = torch.logsumexp(values, dim=-1, keepdim=True)
+    chosen = (values.gather(1, torch.tensor([token_ids[i] for i in wanted], device=device)[:, None])
+              - normalizer)[:, 0].tolist()
+    n = max(rows[i].sampling_params.logprobs for i in wanted)
+    top_values, top_ids = values.topk(n, dim=-1) if n else (values[:, :0], values[:, :0].long())
+    top_values = (top_values - normalizer).tolist()
+    top_ids = top_ids.tolist()
+    for j, i in enumerate(wanted):
+        k = rows[i].sampling_params.logprobs
+        out[i] = TokenLogprobs(token_ids[i], chosen[j], list(zip(top_ids[j][:k], top_values[j][:k])))
+    return out

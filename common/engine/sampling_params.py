@@ -15,6 +15,8 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_TOKEN_ID = 2**31 - 1
 MAX_TOKENS = 2**31 - 1
 MAX_TEMPERATURE = 2.0
+MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty| (OpenAI's range)
+MAX_REPETITION_PENALTY = 10.0
 # Below this a temperature means greedy, as in vLLM: dividing logits by it overflows fp32.
 GREEDY_TEMPERATURE = 1e-5
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -36,15 +38,24 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
     ``temperature`` below ``GREEDY_TEMPERATURE`` (0 included) means greedy.  ``top_k == 0`` disables
     top-k, and a ``top_k`` at or above the vocabulary size is the same as none (the sampler clamps
-    it, as vLLM does).  ``top_p == 1`` disables top-p.  ``seed`` makes random sampling reproducible
-    per request: a draw depends only on the seed and the output position.  ``logprobs`` asks for the
-    sampled token's log-probability plus the top-``logprobs`` alternatives.
+    it, as vLLM does).  ``top_p == 1`` disables top-p.  ``min_p`` drops tokens less likely than
+    ``min_p`` times the most likely one.  ``presence_penalty`` / ``frequency_penalty`` (OpenAI's)
+    subtract from the logit of every token already generated, once / once per occurrence;
+    ``repetition_penalty`` (vLLM's and transformers') divides positive and multiplies negative
+    logits of tokens in the prompt or the output.  Penalties apply to greedy requests too.
+    ``seed`` makes random sampling reproducible per request: a draw depends only on the seed and
+    the output position.  ``logprobs`` asks for the sampled token's log-probability plus the
+    top-``logprobs`` alternatives.
     """
 
     max_tokens: int = 16
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
@@ -55,6 +66,10 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
         _finite_in("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
         _require(0 <= self.top_k <= MAX_TOKEN_ID, f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         _require(math.isfinite(self.top_p) and 0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
+        _finite_in("min_p", self.min_p, 0.0, 1.0)
+        _finite_in("presence_penalty", self.presence_penalty, -MAX_PENALTY, MAX_PENALTY)
+        _finite_in("frequency_penalty", self.frequency_penalty, -MAX_PENALTY, MAX_PENALTY)
+        _finite_in("repetition_penalty", self.repetition_penalty, 0.0, MAX_REPETITION_PENALTY, low_open=True)
         _require(self.seed is None or INT64_MIN <= self.seed <= INT64_MAX,
                  f"seed must fit in a signed 64-bit integer, got {self.seed}")
         _require(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,

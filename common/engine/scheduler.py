@@ -32,6 +32,9 @@ class ScheduledRequest:
     sample: bool
     sampling_params: SamplingParams
     num_output_tokens: int  # before this step; makes seeded sampling stateless
+    # The request's own lists (not copies), read by the sampler for penalties.
+    prompt_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -181,6 +184,8 @@ class Scheduler:
             sample=start + num_new == request.num_tokens,
             sampling_params=request.sampling_params,
             num_output_tokens=request.num_output_tokens,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=request.output_token_ids,
         )
 
     def _preempt(self, victim: Request, scheduled: dict[str, ScheduledRequest], out: SchedulerOutput) -> int:
