@@ -5,7 +5,7 @@
     KV complete + first token  ->  request joins the running batch
     every step's new token     ->  TokenFrame to the gateway
     any failure before the first token: compute the prompt locally instead
-    client gone / abort: free the blocks, tell the prefill worker
+    client gone / abort: tell the prefill worker; free the blocks once no KV can land in them
 """
 from __future__ import annotations
 
@@ -21,12 +21,21 @@ from common.cluster.messages import (
     AbortRequest, GenerateRequest, PrefillRequest, PrefillResult, TokenFrame, TokenLogprob, decode, encode, frame,
     read_response,
 )
+from kvtransfer.receiver import IncomingTransfer
 
 log = logging.getLogger(__name__)
 
 
 class RemotePrefillFailed(Exception):
     """The prefill worker or the KV transfer failed; nothing has been streamed yet."""
+
+
+class PendingRelease:
+    """What must end before a request's blocks may be freed: set when its KV transfer was
+    abandoned (``release`` frees the blocks itself once the transfer has settled)."""
+
+    def __init__(self):
+        self.release: asyncio.Task | None = None
 
 
 def _logprobs(output: RequestOutput) -> list[TokenLogprob] | None:
@@ -60,13 +69,14 @@ async def handle_generate(worker, request: web.Request) -> web.StreamResponse:
     stream = worker.engine_thread.open_stream(body.request_id)
     started = time.monotonic()
     outcome = "error"
+    pending = PendingRelease()
     try:
         await response.prepare(request)
         first = None
         fallback = False
         if body.prefill_url:
             try:
-                first = await remote_prefill(worker, body)
+                first = await remote_prefill(worker, body, pending)
             except RemotePrefillFailed as exc:
                 fallback = True
                 worker.metrics.prefill_fallbacks.inc()
@@ -94,10 +104,10 @@ async def handle_generate(worker, request: web.Request) -> web.StreamResponse:
     finally:
         # The handler may itself be cancelled here (the gateway closed the stream), so the cleanup
         # runs as its own task.  Aborting is idempotent: it frees the blocks if the request is
-        # still anywhere in the engine.
+        # still anywhere in the engine, after an abandoned KV transfer settled.
         worker.engine_thread.close_stream(body.request_id)
         worker.metrics.requests.labels("generate", outcome).inc()
-        worker.finish_request(body.request_id, lambda e: e.abort(body.request_id))
+        worker.finish_request(body.request_id, lambda e: e.abort(body.request_id), wait_for=pending.release)
     return response
 
 
@@ -135,11 +145,13 @@ async def stream_outputs(worker, stream: asyncio.Queue, response, started: float
             return item.finish_reason or "stop"
 
 
-async def remote_prefill(worker, body: GenerateRequest) -> TokenFrame:
+async def remote_prefill(worker, body: GenerateRequest, pending: PendingRelease) -> TokenFrame:
     """Reserve blocks, have the prefill worker fill them, and queue the request to decode.
 
     Returns the frame carrying the first token.  Raises ``RemotePrefillFailed`` (with every block
     freed and the prefill worker told) if anything on the way fails; ``ValueError`` for bad input.
+    Cancelled mid-transfer, it leaves ``pending.release`` to free the blocks once the transfer
+    has settled.
     """
     rid = body.request_id
     began = time.monotonic()
@@ -154,19 +166,26 @@ async def remote_prefill(worker, body: GenerateRequest) -> TokenFrame:
     block_ids, num_cached = reserved
     skip = num_cached // worker.engine.config.block_size
     dst_block_ids = block_ids[skip:]
-    transfer = worker.kv_receiver.expect(rid, dst_block_ids).wait()
+    handle = worker.kv_receiver.expect(rid, dst_block_ids)
     prefill = PrefillRequest(request_id=rid, prompt_token_ids=body.prompt_token_ids,
                              sampling_params=body.sampling_params, kv_address=worker.kv_address,
                              dst_block_ids=dst_block_ids, num_skip_blocks=skip)
+    call = asyncio.ensure_future(_call_prefill(worker, body.prefill_url, prefill))
+    landed = asyncio.ensure_future(handle.wait())
     try:
-        result, _metadata = await asyncio.gather(_call_prefill(worker, body.prefill_url, prefill), transfer)
+        result, _metadata = await asyncio.gather(call, landed)
     except BaseException as exc:
-        worker.kv_receiver.abort(rid, "decode side gave up")
-        await worker.engine_thread.call(lambda e: e.abort(rid))
+        call.cancel()  # whichever failed first, the other one is of no use any more
+        landed.cancel()
+        # The blocks go back to the pool only once no more bytes can land in them; until then
+        # the reservation keeps them.  A task of its own, so a handler cancelled again meanwhile
+        # (the gateway's abort) cannot free them early.
+        pending.release = worker.spawn(release_reservation(worker, rid, handle))
         worker.spawn(_send_abort(worker, body.prefill_url, rid))
         if isinstance(exc, asyncio.CancelledError):
             raise
         worker.metrics.kv_transfer_failures.inc()
+        await asyncio.shield(pending.release)  # the local fallback reuses the request id
         raise RemotePrefillFailed(f"{type(exc).__name__}: {exc}") from None
     transfer_seconds = time.monotonic() - began
     transfer_bytes = len(dst_block_ids) * worker.engine.kv_cache.block_nbytes
@@ -185,6 +204,24 @@ async def remote_prefill(worker, body: GenerateRequest) -> TokenFrame:
         num_cached_tokens=max(num_cached, result.num_cached_tokens), prefill_worker=body.prefill_url,
         kv_transfer_bytes=transfer_bytes, kv_transfer_seconds=transfer_seconds,
     )
+
+
+async def release_reservation(worker, request_id: str, handle: IncomingTransfer) -> None:
+    """Abort an abandoned transfer and free its reserved blocks once nothing more can land in them.
+
+    A payload may be landing when the request is given up (prefill failed, client gone): freeing
+    the blocks at once could let the rest of it overwrite whoever gets them next.  The receiver
+    stops such a payload at once where the transport allows (TCP) and otherwise within its
+    ``abort_grace`` (UCX); ``settled()`` returns when it has.
+    """
+    handle.abort("decode side gave up")
+    if not handle.done():
+        worker.metrics.kv_transfers_settling.inc()
+        try:
+            await handle.settled()
+        finally:
+            worker.metrics.kv_transfers_settling.dec()
+    await worker.engine_thread.call(lambda e: e.abort(request_id))
 
 
 async def _call_prefill(worker, url: str, prefill: PrefillRequest) -> PrefillResult:

@@ -139,6 +139,22 @@ class LocalStack:
         logs = "\n".join(f"--- {p.name}\n{p.log()}" for p in self.procs.values())
         raise TimeoutError(f"stack not ready (last health {health}):\n{logs}")
 
+    def wait_ready(self, name: str, timeout: float = 60) -> None:
+        """Poll one process's /health until it answers 200 (it need not be registered anywhere)."""
+        proc = self.procs[name]
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.popen.poll() is not None:
+                raise RuntimeError(f"{name} exited with {proc.popen.returncode}:\n{proc.log()}")
+            try:
+                http_json(f"{proc.url}/health", timeout=2)
+                return
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{name} not ready after {timeout} s:\n{proc.log()}")
+            time.sleep(0.2)
+
     def worker_url(self, name: str) -> str:
         return self.procs[name].url
 

@@ -27,6 +27,9 @@ class WorkerMetrics:
         self.auth_refused = Counter(
             "pdserve_worker_auth_refused", "Requests refused before their handler ran: missing, stale or wrong "
             "cluster credentials, or a body over the limit", ["reason"], registry=r)
+        self.kv_transfers_settling = Gauge(
+            "pdserve_worker_kv_transfers_settling",
+            "Abandoned KV transfers whose reserved blocks wait for in-flight bytes before being freed", registry=r)
         self.preemptions = Gauge("pdserve_worker_preemptions", "Requests preempted since start", registry=r)
         self.kv_usage = Gauge("pdserve_worker_kv_usage", "Fraction of KV blocks in use", registry=r)
         self.num_running = Gauge("pdserve_worker_num_running", "Requests in the running batch", registry=r)
@@ -46,6 +49,7 @@ class WorkerMetrics:
             "kv_received_bytes": self.kv_received_bytes._value.get(),
             "kv_transfer_failures": self.kv_transfer_failures._value.get(),
             "remote_prefill_fallbacks": self.prefill_fallbacks._value.get(),
+            "kv_transfers_settling": self.kv_transfers_settling._value.get(),
         }
 
     def render(self) -> bytes:

@@ -241,13 +241,16 @@ class Worker:
         self.inflight[request_id] = task
         self._idle.clear()
 
-    def finish_request(self, request_id: str, engine_cleanup, then=None) -> None:
-        """End a request's handler: run ``engine_cleanup(engine)`` in the engine thread, then the
-        ``then`` coroutine, then forget the request.  Runs as its own task so a handler cancelled
-        mid-cleanup (the peer hung up) still frees everything."""
+    def finish_request(self, request_id: str, engine_cleanup, then=None, wait_for: asyncio.Future | None = None) -> None:
+        """End a request's handler: wait for ``wait_for`` (e.g. an abandoned KV transfer settling),
+        run ``engine_cleanup(engine)`` in the engine thread, then the ``then`` coroutine, then
+        forget the request.  Runs as its own task so a handler cancelled mid-cleanup (the peer
+        hung up) still frees everything."""
 
         async def cleanup() -> None:
             try:
+                if wait_for is not None:
+                    await asyncio.wait([wait_for])
                 await self.engine_thread.call(engine_cleanup)
                 if then is not None:
                     await then

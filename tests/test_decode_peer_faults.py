@@ -1,0 +1,352 @@
+"""A real decode worker against a prefill peer that misbehaves on cue.
+
+The decode worker is a real process (``python -m decode_svc``, TCP transport, real Redis).  The
+prefill worker is scripted in the test process, because these faults need exact timing: it
+answers ``/prefill`` the way each test says, and ships canary KV (every value 100.0) with the
+real ``KVSender``, through a TCP link that can hold the bytes mid-payload::
+
+    test --/generate--> decode worker --/prefill--> scripted peer
+                        decode worker <==KV== ThrottledLink <== KVSender(canary cache)
+
+A canary that lands in blocks another computation already uses changes its greedy tokens, so
+every test ends by comparing tokens with the offline engine's.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import uuid
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from common.cluster.messages import (
+    AbortRequest, GenerateRequest, PrefillRequest, PrefillResult, TokenFrame, decode, encode, read_frame,
+)
+from common.engine.config import EngineConfig
+from common.engine.engine import Engine
+from common.engine.kv_cache import KVCache
+from common.engine.sampling_params import SamplingParams
+from kvtransfer.config import KVTransferConfig
+from kvtransfer.sender import KVSender
+from tests.cluster import LocalStack, delete_keys
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 16          # a prompt of 10 blocks plus its output needs the whole pool
+PROMPT_TOKENS = 40
+MAX_TOKENS = 24
+KV_TIMEOUT = 10.0        # the decode worker's bound on a remote prefill
+WORKER_ARGS = ["--num-blocks", str(NUM_BLOCKS), "--block-size", str(BLOCK_SIZE), "--max-num-batched-tokens", "16",
+               "--kv-timeout", str(KV_TIMEOUT), "--heartbeat-ttl", "2"]
+CANARY = 100.0
+WAIT = 120.0             # generous bound for anything the test waits on
+
+
+@pytest.fixture(scope="module")
+def engine(served_checkpoint):
+    """The offline engine: greedy references, and the KV layout the peer must speak."""
+    return Engine(EngineConfig(model=str(served_checkpoint), num_blocks=64, block_size=BLOCK_SIZE),
+                  load_tokenizer=False)
+
+
+@pytest.fixture(scope="module")
+def decode_worker(served_checkpoint, redis_url, tmp_path_factory):
+    stack = LocalStack(str(served_checkpoint), redis_url, key_prefix=f"pdtest-{uuid.uuid4().hex[:12]}",
+                       workdir=tmp_path_factory.mktemp("logs"), prefill=0, decode=0, transport="tcp",
+                       worker_args=WORKER_ARGS, extra_env={"OMP_NUM_THREADS": "1"})
+    try:
+        stack.start_worker("d0", "decode")
+        stack.wait_ready("d0", timeout=WAIT)
+        yield stack
+    finally:
+        stack.stop()
+        delete_keys(redis_url, stack.key_prefix)
+
+
+def greedy(engine: Engine, prompt: list[int]) -> list[int]:
+    result = engine.generate([prompt], {"max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True})[0]
+    return result.token_ids
+
+
+def fresh_prompt() -> list[int]:
+    """A prompt no earlier test sent (so the worker's prefix cache holds none of it)."""
+    return [random.randrange(3, 500) for _ in range(PROMPT_TOKENS)]
+
+
+class ThrottledLink:
+    """A TCP relay in front of the worker's KV port that can hold the sender's bytes mid-frame.
+
+    ``hold_after(n)``: forward at most ``n`` more bytes towards the receiver, then hold the rest
+    (``held`` is set) until ``release()``.  Replies (Welcome, Ack, Abort) always pass."""
+
+    def __init__(self, target: tuple[str, int]):
+        self.target = target
+        self.held = asyncio.Event()
+        self._quota: int | None = None
+        self._released = asyncio.Event()
+        self._server: asyncio.Server | None = None
+        self._tasks: set[asyncio.Task] = set()
+
+    async def start(self) -> str:
+        self._server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        return f"127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+
+    def hold_after(self, nbytes: int) -> None:
+        self._quota = nbytes
+        self._released.clear()
+
+    def release(self) -> None:
+        self._quota = None
+        self._released.set()
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection(*self.target)
+        tasks = [asyncio.ensure_future(self._pump(reader, up_writer, throttled=True)),
+                 asyncio.ensure_future(self._pump(up_reader, writer, throttled=False))]
+        self._tasks.update(tasks)
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        for task in tasks:
+            task.cancel()
+        writer.close()
+        up_writer.close()
+
+    async def _pump(self, reader, writer, throttled: bool) -> None:
+        while data := await reader.read(1 << 16):
+            while data:
+                if not throttled or self._quota is None:
+                    chunk = data
+                elif self._quota > 0:
+                    chunk = data[: self._quota]
+                    self._quota -= len(chunk)
+                else:
+                    await writer.drain()
+                    self.held.set()
+                    await self._released.wait()
+                    continue
+                writer.write(chunk)
+                data = data[len(chunk):]
+            await writer.drain()
+
+    async def close(self) -> None:
+        self.release()
+        for task in self._tasks:
+            task.cancel()
+        if self._server is not None:
+            self._server.close()
+
+
+class ScriptedPeer:
+    """A stand-in prefill worker: ``/prefill`` runs ``self.script(request)``; ``/abort`` is noted."""
+
+    def __init__(self, engine: Engine):
+        layout = engine.kv_cache.layout
+        self.cache = KVCache(layout, NUM_BLOCKS)
+        self.cache.buffer.fill_(CANARY)
+        self.sender = KVSender(self.cache, KVTransferConfig(transport="tcp"))
+        self.script = None
+        self.aborted: set[str] = set()
+        self.stopping = asyncio.Event()
+        self.links: list[ThrottledLink] = []
+        self._runner: web.AppRunner | None = None
+        self.url = ""
+
+    async def start(self) -> "ScriptedPeer":
+        app = web.Application()
+        app.router.add_post("/prefill", self._prefill)
+        app.router.add_post("/abort", self._abort)
+        self._runner = web.AppRunner(app, shutdown_timeout=1)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        return self
+
+    async def link(self, request: PrefillRequest) -> tuple[ThrottledLink, str]:
+        link = ThrottledLink((request.kv_address.host, request.kv_address.port))
+        self.links.append(link)
+        return link, await link.start()
+
+    async def _prefill(self, request: web.Request) -> web.Response:
+        body = decode(await request.read(), PrefillRequest)
+        result, status = await self.script(body)
+        return web.Response(body=encode(result), status=status)
+
+    async def _abort(self, request: web.Request) -> web.Response:
+        self.aborted.add(decode(await request.read(), AbortRequest).request_id)
+        return web.json_response({"aborted": True})
+
+    async def hang(self) -> None:
+        """What a hung peer does: nothing, until the test ends."""
+        await self.stopping.wait()
+
+    async def close(self) -> None:
+        self.stopping.set()
+        for link in self.links:
+            await link.close()
+        await self.sender.close()
+        await self._runner.cleanup()
+
+
+def last_run(dst_block_ids: list[int]) -> tuple[list[int], list[int]]:
+    """The last run of consecutive destination ids, with as many consecutive canary sources.
+
+    An abandoned reservation is freed tail first, so its last blocks are the first to be handed
+    out again: a late write there is what would corrupt the next user."""
+    start = len(dst_block_ids) - 1
+    while start > 0 and dst_block_ids[start - 1] == dst_block_ids[start] - 1:
+        start -= 1
+    dst = dst_block_ids[start:]
+    return list(range(len(dst))), dst
+
+
+async def ship_held(peer: ScriptedPeer, request: PrefillRequest) -> ThrottledLink:
+    """Start shipping canary KV for the last run of the reservation and hold it mid-payload
+    (the receiver is writing into the blocks when the bytes stop)."""
+    link, address = await peer.link(request)
+    transfer = await peer.sender.begin(request.request_id, address)
+    link.hold_after(512)  # past the frame header, well inside the first block's payload
+    src, dst = last_run(request.dst_block_ids)
+    asyncio.ensure_future(transfer.send_blocks(src, dst))
+    await asyncio.wait_for(link.held.wait(), WAIT)
+    return link
+
+
+class Stream:
+    """One /generate call on the decode worker, read frame by frame in the background."""
+
+    def __init__(self, session: aiohttp.ClientSession, url: str, prompt: list[int], prefill_url: str | None):
+        self.frames: list[TokenFrame] = []
+        self.first = asyncio.Event()
+        self.body = GenerateRequest(request_id=f"t-{uuid.uuid4().hex[:8]}", prompt_token_ids=prompt,
+                                    sampling_params=SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
+                                                                   ignore_eos=True),
+                                    prefill_url=prefill_url)
+        self.task = asyncio.ensure_future(self._read(session, url))
+
+    async def _read(self, session, url) -> list[TokenFrame]:
+        async with session.post(f"{url}/generate", data=encode(self.body)) as resp:
+            while (frame := await read_frame(resp.content, TokenFrame)) is not None:
+                self.frames.append(frame)
+                self.first.set()
+                if frame.finished or frame.error:
+                    break
+        return self.frames
+
+    async def tokens(self) -> list[int]:
+        frames = await asyncio.wait_for(self.task, WAIT)
+        errors = [f.error for f in frames if f.error]
+        assert not errors, errors
+        return [t for f in frames for t in f.token_ids]
+
+
+async def stats(session: aiohttp.ClientSession, url: str) -> dict:
+    async with session.get(f"{url}/stats") as resp:
+        return await resp.json()
+
+
+async def until(predicate, what: str):
+    """Poll ``predicate()`` (a coroutine function) until it returns something truthy."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + WAIT
+    while not (value := await predicate()):
+        assert loop.time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.05)
+    return value
+
+
+async def idle(session, url) -> dict:
+    async def check():
+        s = await stats(session, url)
+        return s if s["inflight"] == 0 and s["num_free_blocks"] == s["num_blocks"] else None
+    return await until(check, "the decode worker to go idle with every block free")
+
+
+@pytest.fixture
+async def peer(engine):
+    peer = await ScriptedPeer(engine).start()
+    try:
+        yield peer
+    finally:
+        await peer.close()
+
+
+async def test_failed_prefill_frees_blocks_only_after_the_bytes_in_flight_landed(decode_worker, engine, peer):
+    """The prefill worker fails while a payload is half-received: the decode worker falls back to
+    computing the prompt itself, but only into blocks nothing can write into any more."""
+    url = decode_worker.worker_url("d0")
+    prompt = fresh_prompt()
+    held: list[ThrottledLink] = []
+
+    async def script(request: PrefillRequest):
+        held.append(await ship_held(peer, request))
+        return PrefillResult(error="scripted failure mid-transfer"), 502
+
+    peer.script = script
+    async with aiohttp.ClientSession() as session:
+        await idle(session, url)
+        stream = Stream(session, url, prompt, peer.url)
+
+        async def settling_or_first_token():
+            if stream.first.is_set():
+                return "computed locally while the payload was still in flight"
+            return (await stats(session, url)).get("kv_transfers_settling") and "settling"
+
+        state = await until(settling_or_first_token, "the transfer to settle or the fallback to start")
+        # Let the rest of the canary payload land: with the bug it overwrites the blocks the
+        # local computation of the prompt is using now.
+        held[0].release()
+        tokens = await stream.tokens()
+        assert tokens == greedy(engine, prompt), f"KV corrupted ({state})"
+        assert state == "settling"
+        assert stream.frames[0].prefill_fallback
+        final = await idle(session, url)
+        assert final["kv_transfers_settling"] == 0
+
+
+async def test_client_gone_mid_transfer_keeps_blocks_until_the_transfer_settled(decode_worker, engine, peer):
+    """The client leaves while a payload is half-received: the blocks stay reserved until the
+    transfer settled, so the next request's KV is never overwritten by the late bytes."""
+    url = decode_worker.worker_url("d0")
+    first, second = fresh_prompt(), fresh_prompt()
+    held: list[ThrottledLink] = []
+
+    async def script(request: PrefillRequest):
+        held.append(await ship_held(peer, request))
+        await peer.hang()
+        return PrefillResult(error="test over"), 502
+
+    peer.script = script
+    async with aiohttp.ClientSession() as session:
+        await idle(session, url)
+        gone = Stream(session, url, first, peer.url)
+
+        async def started():
+            return bool(held)
+
+        await until(started, "the transfer to start")
+        gone.task.cancel()  # the client hangs up mid-transfer
+        with contextlib.suppress(asyncio.CancelledError):
+            await gone.task
+
+        async def settling_or_freed():
+            s = await stats(session, url)
+            if s.get("kv_transfers_settling"):
+                return "settling"
+            return s["inflight"] == 0 and s["num_free_blocks"] == s["num_blocks"] and "freed at once"
+
+        state = await until(settling_or_freed, "the abandoned transfer to settle or be freed")
+        if state == "settling":
+            held[0].release()
+            await idle(session, url)
+            nxt = Stream(session, url, second, None)
+        else:  # the bug: the next request gets the blocks while bytes are still on their way
+            nxt = Stream(session, url, second, None)
+            await asyncio.wait_for(nxt.first.wait(), WAIT)
+            held[0].release()
+        tokens = await nxt.tokens()
+        assert tokens == greedy(engine, second), f"KV corrupted (blocks {state})"
+        assert state == "settling"
+        await idle(session, url)
+
