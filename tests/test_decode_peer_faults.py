@@ -9,7 +9,10 @@ real ``KVSender``, through a TCP link that can hold the bytes mid-payload::
                         decode worker <==KV== ThrottledLink <== KVSender(canary cache)
 
 A canary that lands in blocks another computation already uses changes its greedy tokens, so
-every test ends by comparing tokens with the offline engine's.
+every test ends by comparing tokens with the offline engine's.  Over TCP the receiver also drops
+the rest of a payload whose transfer failed, so these tests guard the whole chain; the decode
+worker's own part (free only after ``settled()``, which matters where a payload cannot be diverted,
+as with UCX) has a unit test at the end.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from common.cluster.auth import ClusterAuth
 from common.cluster.messages import (
     AbortRequest, GenerateRequest, PrefillRequest, PrefillResult, TokenFrame, decode, encode, read_frame,
 )
@@ -216,17 +220,16 @@ async def ship_held(peer: ScriptedPeer, request: PrefillRequest) -> ThrottledLin
 class Stream:
     """One /generate call on the decode worker, read frame by frame in the background."""
 
-    def __init__(self, session: aiohttp.ClientSession, url: str, prompt: list[int], prefill_url: str | None):
+    def __init__(self, client: "WorkerClient", prompt: list[int], prefill_url: str | None):
         self.frames: list[TokenFrame] = []
         self.first = asyncio.Event()
-        self.body = GenerateRequest(request_id=f"t-{uuid.uuid4().hex[:8]}", prompt_token_ids=prompt,
-                                    sampling_params=SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
-                                                                   ignore_eos=True),
-                                    prefill_url=prefill_url)
-        self.task = asyncio.ensure_future(self._read(session, url))
+        body = GenerateRequest(request_id=f"t-{uuid.uuid4().hex[:8]}", prompt_token_ids=prompt,
+                               sampling_params=SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True),
+                               prefill_url=prefill_url)
+        self.task = asyncio.ensure_future(self._read(client, encode(body)))
 
-    async def _read(self, session, url) -> list[TokenFrame]:
-        async with session.post(f"{url}/generate", data=encode(self.body)) as resp:
+    async def _read(self, client: "WorkerClient", data: bytes) -> list[TokenFrame]:
+        async with client.post("/generate", data) as resp:
             while (frame := await read_frame(resp.content, TokenFrame)) is not None:
                 self.frames.append(frame)
                 self.first.set()
@@ -241,9 +244,36 @@ class Stream:
         return [t for f in frames for t in f.token_ids]
 
 
-async def stats(session: aiohttp.ClientSession, url: str) -> dict:
-    async with session.get(f"{url}/stats") as resp:
-        return await resp.json()
+class WorkerClient:
+    """Calls the decode worker's internal API the way its peers do (signed with the cluster secret)."""
+
+    def __init__(self, stack: LocalStack, name: str = "d0"):
+        self.url = stack.worker_url(name)
+        self.auth = ClusterAuth(stack.cluster_secret)
+        self.session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> "WorkerClient":
+        self.session = aiohttp.ClientSession()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.session.close()
+
+    def post(self, path: str, data: bytes):
+        return self.session.post(self.url + path, data=data, headers=self.auth.sign_request("POST", path, data))
+
+    def generate(self, prompt: list[int], prefill_url: str | None) -> Stream:
+        return Stream(self, prompt, prefill_url)
+
+    async def stats(self) -> dict:
+        async with self.session.get(self.url + "/stats", headers=self.auth.sign_request("GET", "/stats")) as resp:
+            return await resp.json()
+
+    async def idle(self) -> dict:
+        async def check():
+            s = await self.stats()
+            return s if s["inflight"] == 0 and s["num_free_blocks"] == s["num_blocks"] else None
+        return await until(check, "the decode worker to go idle with every block free")
 
 
 async def until(predicate, what: str):
@@ -254,13 +284,6 @@ async def until(predicate, what: str):
         assert loop.time() < deadline, f"timed out waiting for {what}"
         await asyncio.sleep(0.05)
     return value
-
-
-async def idle(session, url) -> dict:
-    async def check():
-        s = await stats(session, url)
-        return s if s["inflight"] == 0 and s["num_free_blocks"] == s["num_blocks"] else None
-    return await until(check, "the decode worker to go idle with every block free")
 
 
 @pytest.fixture
@@ -274,8 +297,7 @@ async def peer(engine):
 
 async def test_failed_prefill_frees_blocks_only_after_the_bytes_in_flight_landed(decode_worker, engine, peer):
     """The prefill worker fails while a payload is half-received: the decode worker falls back to
-    computing the prompt itself, but only into blocks nothing can write into any more."""
-    url = decode_worker.worker_url("d0")
+    computing the prompt itself, and none of the late bytes land in the blocks it computes into."""
     prompt = fresh_prompt()
     held: list[ThrottledLink] = []
 
@@ -284,31 +306,29 @@ async def test_failed_prefill_frees_blocks_only_after_the_bytes_in_flight_landed
         return PrefillResult(error="scripted failure mid-transfer"), 502
 
     peer.script = script
-    async with aiohttp.ClientSession() as session:
-        await idle(session, url)
-        stream = Stream(session, url, prompt, peer.url)
+    async with WorkerClient(decode_worker) as worker:
+        await worker.idle()
+        stream = worker.generate(prompt, peer.url)
 
         async def settling_or_first_token():
             if stream.first.is_set():
-                return "computed locally while the payload was still in flight"
-            return (await stats(session, url)).get("kv_transfers_settling") and "settling"
+                return "computing locally while the payload was held"
+            return (await worker.stats()).get("kv_transfers_settling") and "settling"
 
         state = await until(settling_or_first_token, "the transfer to settle or the fallback to start")
-        # Let the rest of the canary payload land: with the bug it overwrites the blocks the
-        # local computation of the prompt is using now.
+        # Let the rest of the canary payload go: it must not reach the blocks the local
+        # computation of the prompt uses.
         held[0].release()
         tokens = await stream.tokens()
         assert tokens == greedy(engine, prompt), f"KV corrupted ({state})"
-        assert state == "settling"
         assert stream.frames[0].prefill_fallback
-        final = await idle(session, url)
+        final = await worker.idle()
         assert final["kv_transfers_settling"] == 0
 
 
 async def test_client_gone_mid_transfer_keeps_blocks_until_the_transfer_settled(decode_worker, engine, peer):
-    """The client leaves while a payload is half-received: the blocks stay reserved until the
-    transfer settled, so the next request's KV is never overwritten by the late bytes."""
-    url = decode_worker.worker_url("d0")
+    """The client leaves while a payload is half-received: the next request that gets those
+    blocks never sees the late bytes."""
     first, second = fresh_prompt(), fresh_prompt()
     held: list[ThrottledLink] = []
 
@@ -317,36 +337,78 @@ async def test_client_gone_mid_transfer_keeps_blocks_until_the_transfer_settled(
         await peer.hang()
         return PrefillResult(error="test over"), 502
 
+    async def started():
+        return bool(held)
+
     peer.script = script
-    async with aiohttp.ClientSession() as session:
-        await idle(session, url)
-        gone = Stream(session, url, first, peer.url)
-
-        async def started():
-            return bool(held)
-
+    async with WorkerClient(decode_worker) as worker:
+        await worker.idle()
+        gone = worker.generate(first, peer.url)
         await until(started, "the transfer to start")
         gone.task.cancel()  # the client hangs up mid-transfer
         with contextlib.suppress(asyncio.CancelledError):
             await gone.task
 
         async def settling_or_freed():
-            s = await stats(session, url)
+            s = await worker.stats()
             if s.get("kv_transfers_settling"):
                 return "settling"
-            return s["inflight"] == 0 and s["num_free_blocks"] == s["num_blocks"] and "freed at once"
+            return s["inflight"] == 0 and s["num_free_blocks"] == s["num_blocks"] and "freed"
 
         state = await until(settling_or_freed, "the abandoned transfer to settle or be freed")
         if state == "settling":
             held[0].release()
-            await idle(session, url)
-            nxt = Stream(session, url, second, None)
-        else:  # the bug: the next request gets the blocks while bytes are still on their way
-            nxt = Stream(session, url, second, None)
+            await worker.idle()
+            nxt = worker.generate(second, None)
+        else:  # the next request takes the blocks while the late bytes are still held back
+            nxt = worker.generate(second, None)
             await asyncio.wait_for(nxt.first.wait(), WAIT)
             held[0].release()
         tokens = await nxt.tokens()
         assert tokens == greedy(engine, second), f"KV corrupted (blocks {state})"
-        assert state == "settling"
-        await idle(session, url)
+        await worker.idle()
 
+
+class _Handle:
+    """A transfer handle whose payload keeps landing until the test says it stopped."""
+
+    def __init__(self):
+        self.aborted = False
+        self.stopped = asyncio.Event()
+
+    def abort(self, reason: str = "") -> None:
+        self.aborted = True
+
+    def done(self) -> bool:
+        return self.stopped.is_set()
+
+    async def settled(self) -> None:
+        await self.stopped.wait()
+
+
+class _EngineThread:
+    def __init__(self):
+        self.calls = []
+
+    async def call(self, fn):
+        self.calls.append(fn)
+
+
+async def test_release_frees_blocks_only_once_the_transfer_settled():
+    """Unit test of the decode worker's side of the contract (UCX cannot divert a payload, so the
+    handle may take up to ``abort_grace`` to settle): abort, wait for ``settled()``, then free."""
+    from common.worker.metrics import WorkerMetrics
+    from decode_svc.generate import release_reservation
+
+    handle, engine_thread = _Handle(), _EngineThread()
+    worker = type("W", (), {"metrics": WorkerMetrics(), "engine_thread": engine_thread})()
+    release = asyncio.ensure_future(release_reservation(worker, "r1", handle))
+    await until(lambda: asyncio.sleep(0, handle.aborted), "the abort")
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert engine_thread.calls == [], "blocks freed while a payload could still land in them"
+    assert worker.metrics.kv_transfers_settling._value.get() == 1
+    handle.stopped.set()
+    await asyncio.wait_for(release, WAIT)
+    assert len(engine_thread.calls) == 1
+    assert worker.metrics.kv_transfers_settling._value.get() == 0
