@@ -70,6 +70,8 @@ class GatewayConfig:
     cluster_secret: str | None = field(default=None, repr=False)
     timeouts: UpstreamTimeouts = field(default_factory=UpstreamTimeouts)
     bench_time: float = 5.0  # a worker that failed or timed out stays out of routing this long
+    queue_size: int = 256  # requests held while no decode worker has room; beyond: 503
+    queue_timeout: float = 10.0  # how long one is held; then 503 + Retry-After
 
     def __post_init__(self) -> None:
         def bad(what: str) -> ValueError:
@@ -82,8 +84,11 @@ class GatewayConfig:
                 raise bad(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.skip_prefill_below_tokens < 0:
             raise bad(f"skip_prefill_below_tokens must be >= 0, got {self.skip_prefill_below_tokens}")
-        if not self.bench_time > 0:
-            raise bad(f"bench_time must be > 0, got {self.bench_time}")
+        for name in ("bench_time", "queue_timeout"):
+            if not getattr(self, name) > 0:
+                raise bad(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.queue_size < 0:
+            raise bad(f"queue_size must be >= 0, got {self.queue_size}")
         if not 0 <= self.port <= 65535:
             raise bad(f"port must be in 0..65535, got {self.port}")
         if self.max_model_len is not None and self.max_model_len < 1:
@@ -152,6 +157,8 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     add("--upstream-idle-timeout", 60.0, float, help="seconds of silence between tokens from the decode worker")
     add("--control-timeout", 5.0, float, help="seconds for a control call to a worker (abort, admin)")
     add("--bench-time", 5.0, float, help="seconds a worker that failed or timed out is kept out of routing")
+    add("--queue-size", 256, int, help="requests held while every decode worker is busy; beyond: 503")
+    add("--queue-timeout", 10.0, float, help="seconds a request is held for a busy decode pool; then 503")
     add("--log-level", "INFO")
     return p
 
@@ -170,5 +177,5 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = N
         timeouts=UpstreamTimeouts(connect=args.upstream_connect_timeout, response=args.upstream_response_timeout,
                                   first_token=args.first_token_timeout, idle=args.upstream_idle_timeout,
                                   control=args.control_timeout),
-        bench_time=args.bench_time,
+        bench_time=args.bench_time, queue_size=args.queue_size, queue_timeout=args.queue_timeout,
     )

@@ -5,10 +5,12 @@
                -> POST D/generate {prompt, params, prefill_url=P}   (D reserves, P fills)
                <- TokenFrame, TokenFrame, ...
 
-Before the first token reaches the client, a busy or failed worker is benched and the request is
-retried on another; after that, a failure ends the stream with an explicit error.  Leaving early
-(client gone, stop string) closes the upstream stream and sends D an explicit abort, which D
-forwards to P.
+Before the first token, a worker that fails is benched and the request is retried on another
+(at most ``max_attempts`` failures); after it, a failure ends the stream with an explicit error.
+A worker that answers "busy" (it cannot reserve blocks) is skipped for this request; when no decode
+worker is left to try, the request waits in the bounded ``WaitQueue`` (gateway/backpressure.py)
+and then tries again, or gets ``Saturated`` (503 + Retry-After).  Leaving early (client gone,
+stop string) closes the upstream stream and sends D an explicit abort, which D forwards to P.
 
 Every wait on D is bounded (``UpstreamTimeouts``)::
 
@@ -24,8 +26,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Sequence
 
 import aiohttp
 
@@ -34,20 +37,18 @@ from common.cluster.messages import AbortRequest, GenerateRequest, TokenFrame, e
 from common.engine.prefix_hash import hash_prompt_blocks
 from common.cluster.prefix_index import PrefixIndexReader
 from common.engine.sampling_params import SamplingParams
+from common.cluster.registry import WorkerInfo
+from gateway.backpressure import Saturated, WaitQueue
 from gateway.config import UpstreamTimeouts
 from gateway.metrics import GatewayMetrics
 from gateway.pool import WorkerPool
-from gateway.routing import NoWorkerAvailable, Route, Router
+from gateway.routing import Route, Router
 
 log = logging.getLogger(__name__)
 
 
 class UpstreamError(Exception):
     """The request failed inside the cluster after it was accepted."""
-
-
-class Saturated(Exception):
-    """No worker can take the request now (the client gets 503 with Retry-After)."""
 
 
 @dataclass
@@ -58,13 +59,55 @@ class DispatchResult:
     attempts: int = 0
 
 
+@dataclass
+class _Sent:
+    blocks: int
+    admitted_at: float | None = None  # wall clock of the first frame: the worker holds it since
+
+
+class SentToDecode:
+    """Requests this gateway sent to each decode worker that the worker's last heartbeat may not
+    show yet: from the send until the first heartbeat stamped after the request's first frame (or
+    until it ends).  A fresher load signal than the heartbeats, so a burst spreads."""
+
+    def __init__(self) -> None:
+        self._by_worker: dict[str, dict[str, _Sent]] = {}
+
+    def add(self, worker_id: str, request_id: str, blocks: int) -> None:
+        self._by_worker.setdefault(worker_id, {})[request_id] = _Sent(blocks)
+
+    def admitted(self, worker_id: str, request_id: str) -> None:
+        sent = self._by_worker.get(worker_id, {}).get(request_id)
+        if sent is not None and sent.admitted_at is None:
+            sent.admitted_at = time.time()
+
+    def remove(self, worker_id: str, request_id: str) -> None:
+        sent = self._by_worker.get(worker_id)
+        if sent is not None:
+            sent.pop(request_id, None)
+            if not sent:
+                del self._by_worker[worker_id]
+
+    def load(self, workers: Sequence[WorkerInfo]) -> dict[str, tuple[int, int]]:
+        """``{worker_id: (requests, prompt blocks)}`` not in each worker's last heartbeat."""
+        out = {}
+        for w in workers:
+            sent = self._by_worker.get(w.worker_id)
+            if not sent:
+                continue
+            for rid in [rid for rid, s in sent.items() if s.admitted_at is not None and s.admitted_at < w.heartbeat_at]:
+                del sent[rid]  # the heartbeat counts it now
+            out[w.worker_id] = (len(sent), sum(s.blocks for s in sent.values()))
+        return out
+
+
 class Dispatcher:
     """Sends requests into the pools; one per gateway."""
 
     def __init__(self, pool: WorkerPool, router: Router, prefix_index: PrefixIndexReader,
                  session: aiohttp.ClientSession, control_session: aiohttp.ClientSession, metrics: GatewayMetrics,
-                 model: str, *, timeouts: UpstreamTimeouts = UpstreamTimeouts(), max_attempts: int = 3,
-                 wait_for_workers_s: float = 2.0, auth: ClusterAuth | None = None):
+                 model: str, *, timeouts: UpstreamTimeouts = UpstreamTimeouts(), queue: WaitQueue | None = None,
+                 max_attempts: int = 3, auth: ClusterAuth | None = None):
         self.pool = pool
         self.auth = auth or ClusterAuth.disabled()  # signs every call to a worker
         self.router = router
@@ -74,30 +117,35 @@ class Dispatcher:
         self.metrics = metrics
         self.model = model
         self.timeouts = timeouts
-        self.max_attempts = max_attempts
-        self.wait_for_workers_s = wait_for_workers_s
+        self.queue = queue or WaitQueue(size=256, timeout_s=10.0)
+        self.max_attempts = max_attempts  # failed attempts (not "busy" answers) before giving up
         self._aborts: set[asyncio.Task] = set()
         # Prompt tokens this gateway sent to each prefill worker that have not produced their
         # first token yet: a load signal fresher than the workers' heartbeats.
         self.pending_prefill: dict[str, int] = {}
+        self.sent_to_decode = SentToDecode()
+        pool.listeners.append(self._pool_changed)
 
-    async def choose(self, prompt: list[int], exclude: set[str]) -> Route:
+    def _pool_changed(self, previous: Sequence[WorkerInfo], current: Sequence[WorkerInfo]) -> None:
+        """New heartbeats: wake a waiting request to probe; a decode worker that joins: wake all."""
+        before = {w.worker_id for w in previous if _can_decode(w)}
+        if any(_can_decode(w) and w.worker_id not in before for w in current):
+            self.queue.notify_all()
+        else:
+            self.queue.notify(1)
+
+    async def choose(self, prompt: list[int], exclude: set[str]) -> Route | None:
+        """A route avoiding ``exclude``, or None when no decode worker is left to try."""
         workers = self.pool.routable(exclude)
-        if not workers:
-            await self.pool.wait_for_change(self.wait_for_workers_s)
-            workers = self.pool.routable(exclude)
+        if not any(_can_decode(w) for w in workers):
+            return None
+        block_size = workers[0].capacity.block_size
+        hashes = hash_prompt_blocks(prompt, block_size)
         matched: dict[str, int] = {}
-        hashes = []
-        if workers:
-            block_size = workers[0].capacity.block_size
-            hashes = hash_prompt_blocks(prompt, block_size)
-            if hashes:
-                matched = await self.prefix_index.longest_prefix(self.model, hashes, [w.worker_id for w in workers])
-        try:
-            return self.router.route(workers, len(prompt), matched, affinity_key=hashes[0] if hashes else b"",
-                                     pending=self.pending_prefill)
-        except NoWorkerAvailable as exc:
-            raise Saturated(str(exc)) from None
+        if hashes:
+            matched = await self.prefix_index.longest_prefix(self.model, hashes, [w.worker_id for w in workers])
+        return self.router.route(workers, len(prompt), matched, affinity_key=hashes[0] if hashes else b"",
+                                 pending=self.pending_prefill, pending_decode=self.sent_to_decode.load(workers))
 
     def _count_pending(self, route: Route, prompt_len: int, sign: int) -> None:
         if route.prefill is None:
@@ -109,19 +157,37 @@ class Dispatcher:
 
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
                        result: DispatchResult) -> AsyncIterator[TokenFrame]:
-        exclude: set[str] = set()
+        """Frames of one request.  Raises ``Saturated`` (no room anywhere within the queue's
+        deadline), ``UpstreamError`` (failed in the cluster), ``ValueError`` (refused as invalid)."""
+        exclude: set[str] = set()  # workers that failed this request
+        busy: set[str] = set()  # workers that said busy since this request last waited
+        deadline: float | None = None
+        failures = 0
         streamed = False
         while True:
+            route = await self.choose(prompt, exclude | busy)
+            if route is None:
+                deadline = deadline or self.queue.deadline()
+                why = "every decode worker is busy" if busy else "no decode worker is available"
+                log.info("request %s waits for room (%s; %d waiting)", request_id, why, self.queue.waiting)
+                self.metrics.requests_queued.inc()
+                try:
+                    await self.queue.wait(deadline, why)
+                finally:
+                    self.metrics.requests_queued.dec()
+                busy.clear()
+                continue
             result.attempts += 1
-            route = await self.choose(prompt, exclude)
             result.route = route
+            decode_id = route.decode.worker_id
             if route.prefill is None:
                 self.metrics.prefill_skipped.labels(route.reason).inc()
             body = GenerateRequest(request_id=request_id, prompt_token_ids=prompt, sampling_params=params,
                                    prefill_url=route.prefill.http_address if route.prefill else None)
             decode_url = route.decode.http_address
-            finished = False
+            finished = said_busy = False
             self._count_pending(route, len(prompt), +1)
+            self.sent_to_decode.add(decode_id, request_id, -(-len(prompt) // route.decode.capacity.block_size))
             prefill_pending = route.prefill is not None
             resp = None
             try:
@@ -146,6 +212,7 @@ class Dispatcher:
                         raise UpstreamError(frame.error)
                     if frame.token_ids:
                         streamed = True
+                        self.sent_to_decode.admitted(decode_id, request_id)
                         if prefill_pending:
                             self._count_pending(route, len(prompt), -1)
                             prefill_pending = False
@@ -153,18 +220,24 @@ class Dispatcher:
                     yield frame
                     if finished:
                         return
-            except (_Retry, aiohttp.ClientError, ConnectionError, _UpstreamTimeout) as exc:
-                exclude.add(route.decode.worker_id)
-                if not isinstance(exc, _Retry):
-                    self.pool.bench(route.decode.worker_id)  # unreachable or hung: keep it out for a while
-                elif exc.stale_view:
-                    await self.pool.refresh()  # it drains or changed role: re-read the registry
+            except _Retry as exc:
+                if not exc.stale_view:
+                    said_busy = True
+                    busy.add(decode_id)
+                    self.metrics.decode_busy.labels(decode_id).inc()
+                    continue
+                exclude.add(decode_id)
+                await self.pool.refresh()  # it drains or changed role: re-read the registry
+            except (aiohttp.ClientError, ConnectionError, _UpstreamTimeout) as exc:
+                exclude.add(decode_id)
+                self.pool.bench(decode_id)  # unreachable or hung: keep it out for a while
                 if streamed:
-                    raise UpstreamError(f"decode worker {route.decode.worker_id} failed mid-stream: {exc}") from None
-                if result.attempts >= self.max_attempts:
-                    raise Saturated(f"no worker could take the request after {result.attempts} attempts: {exc}")
+                    raise UpstreamError(f"decode worker {decode_id} failed mid-stream: {exc}") from None
+                failures += 1
+                if failures >= self.max_attempts:
+                    raise Saturated(f"no worker could take the request after {failures} failed attempts: {exc}")
                 log.warning("request %s: decode worker %s failed before the first token (%s); retrying",
-                            request_id, route.decode.worker_id, exc)
+                            request_id, decode_id, exc)
             finally:
                 if resp is not None:
                     # An unfinished stream is cut (which D notices at once); a finished one keeps
@@ -172,7 +245,10 @@ class Dispatcher:
                     resp.release() if finished else resp.close()
                 if prefill_pending:
                     self._count_pending(route, len(prompt), -1)
-                if not finished:
+                self.sent_to_decode.remove(decode_id, request_id)
+                if not said_busy:
+                    self.queue.notify(1)  # a slot on D is free again: let a waiting request try
+                if not finished and not said_busy:
                     # Client gone, stop string, or failure: make sure no worker keeps computing.
                     task = asyncio.get_running_loop().create_task(self.abort(decode_url, request_id))
                     self._aborts.add(task)
@@ -216,6 +292,10 @@ class Dispatcher:
                 await read_response(resp, 4096)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as exc:
             log.info("abort of %s on %s not delivered: %s", request_id, decode_url, exc)
+
+
+def _can_decode(w: WorkerInfo) -> bool:
+    return w.state == "active" and w.role in ("decode", "both")
 
 
 class _UpstreamTimeout(Exception):

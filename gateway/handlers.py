@@ -126,7 +126,7 @@ class OpenAIHandlers:
                 async for _delta, _frame in self._run(gen):
                     pass
             except Saturated as exc:
-                raise OpenAIError(503, f"The server is saturated: {exc}", retry_after=1) from None
+                raise OpenAIError(503, f"The server is saturated: {exc}", retry_after=exc.retry_after) from None
             except UpstreamError as exc:
                 raise OpenAIError(500, f"generation failed: {exc}", code="upstream_error") from None
             gw.metrics.requests.labels(gen.model, endpoint, "200").inc()

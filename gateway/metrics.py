@@ -10,7 +10,8 @@ several gateways in one process never collide.  Names follow vLLM/Dynamo practic
                 pdserve_prompt_tokens_total, pdserve_generation_tokens_total
     prefix hit  pdserve_prefix_cache_hit_tokens_total / pdserve_prompt_tokens_total = hit rate
     routing     pdserve_prefill_skipped_total{reason}, pdserve_redis_unavailable_total,
-                pdserve_upstream_timeouts_total{phase}
+                pdserve_upstream_timeouts_total{phase}, pdserve_decode_busy_total{worker_id},
+                pdserve_requests_queued
     workers     pdserve_num_requests_waiting / _running, pdserve_kv_cache_usage_ratio,
                 pdserve_num_waiting_prefill_tokens            (gauges, by worker_id and role),
                 pdserve_workers{role,state}
@@ -62,6 +63,11 @@ class GatewayMetrics:
 
         self.prefill_skipped = Counter(
             "prefill_skipped", "Requests sent straight to the decode worker, by reason.", ["reason"], **kw)
+        self.decode_busy = Counter(
+            "decode_busy", "Times a decode worker answered busy (it could not reserve KV blocks).", ["worker_id"],
+            **kw)
+        self.requests_queued = Gauge(
+            "requests_queued", "Requests waiting for a decode worker with room (bounded queue).", **kw)
         self.upstream_timeouts = Counter(
             "upstream_timeouts", "Waits on a decode worker that ran out, by phase (response: no answer; "
             "first_token / idle: no frame).", ["phase"], **kw)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 from common.cluster.aio import cancel_and_wait
 from common.cluster.redis_util import UNAVAILABLE_ERRORS
@@ -34,6 +34,8 @@ class WorkerPool:
         self._task: asyncio.Task | None = None
         self._stopping = False
         self._changed = asyncio.Event()
+        # Called after every successful refresh with (previous, current) listings.
+        self.listeners: list[Callable[[Sequence[WorkerInfo], Sequence[WorkerInfo]], None]] = []
 
     async def start(self) -> None:
         await self.refresh()
@@ -50,6 +52,7 @@ class WorkerPool:
             await self.refresh()
 
     async def refresh(self) -> None:
+        previous = self.workers
         try:
             self.workers = await self.registry.list_workers(self.model)
         except UNAVAILABLE_ERRORS as exc:
@@ -65,6 +68,8 @@ class WorkerPool:
         self.redis_ok = True
         self._changed.set()
         self._changed = asyncio.Event()
+        for listener in self.listeners:
+            listener(previous, self.workers)
 
     def bench(self, worker_id: str) -> None:
         """Keep a worker that just failed out of routing for ``bench_s``."""

@@ -26,8 +26,11 @@ Policies for the prefill worker:
   imbalance cap keeps a worker that holds a popular prefix from being buried: once its queue is
   ``max_imbalance_tokens`` longer than the shortest, it is skipped however good its match.
 
-The decode worker is the one with the lowest ``decode_load = max(kv_usage, (running + waiting) /
-max_num_seqs)``: memory or batch slots, whichever is scarcer (``round_robin`` rotates instead).
+The decode worker is the one with the lowest ``decode_load = max(kv_usage + b / num_kv_blocks,
+(running + waiting + r) / max_num_seqs)``: memory or batch slots, whichever is scarcer, where ``r``
+requests holding ``b`` prompt blocks are what this gateway sent the worker that its last heartbeat
+does not show yet (``pending_decode``), so a burst spreads instead of piling onto the worker that
+was least loaded at its last heartbeat (``round_robin`` rotates instead).
 
 Skipping the prefill pool: the decode worker computes the prompt itself when its uncached part
 ``prompt_len - m(decode)`` is below ``skip_prefill_below_tokens`` (that covers short prompts, since
@@ -90,8 +93,11 @@ def rendezvous(key: bytes, worker_id: str) -> int:
     return xxhash.xxh3_64_intdigest(key + worker_id.encode())
 
 
-def decode_load(w: WorkerInfo) -> float:
-    return max(w.load.kv_usage, (w.load.num_running + w.load.num_waiting) / w.capacity.max_num_seqs)
+def decode_load(w: WorkerInfo, pending: tuple[int, int] = (0, 0)) -> float:
+    """``pending``: (requests, prompt blocks) sent to ``w`` that its last heartbeat does not show."""
+    requests, blocks = pending
+    return max(w.load.kv_usage + blocks / w.capacity.num_kv_blocks,
+               (w.load.num_running + w.load.num_waiting + requests) / w.capacity.max_num_seqs)
 
 
 def matched_tokens(w: WorkerInfo, matched_blocks: Mapping[str, int], prompt_len: int) -> int:
@@ -109,13 +115,16 @@ class Router:
     def route(
         self, workers: Sequence[WorkerInfo], prompt_len: int, matched_blocks: Mapping[str, int] | None = None,
         *, affinity_key: bytes = b"", pending: Mapping[str, int] | None = None,
+        pending_decode: Mapping[str, tuple[int, int]] | None = None,
     ) -> Route:
         """Choose the decode worker, then decide whether and where to prefill.
 
         ``matched_blocks`` is ``PrefixIndexReader.longest_prefix`` output (``{}`` when Redis is
         down, which makes ``prefix_aware`` behave like ``least_load``).  ``affinity_key`` (the
         prompt's first block hash) breaks ties; ``pending`` is this gateway's own count of prompt
-        tokens sent to each prefill worker and not started yet (fresher than heartbeats).
+        tokens sent to each prefill worker and not started yet (fresher than heartbeats);
+        ``pending_decode`` its count of (requests, prompt blocks) sent to each decode worker that
+        the worker's last heartbeat does not show yet.
         Raises ``NoWorkerAvailable`` when no active worker can decode.
         """
         if prompt_len < 1:
@@ -127,7 +136,7 @@ class Router:
         if not decoders:
             raise NoWorkerAvailable("no active decode worker")
 
-        decode = self.choose_decode(decoders)
+        decode = self.choose_decode(decoders, pending_decode)
         d_matched = matched_tokens(decode, matched_blocks, prompt_len)
 
         def direct(reason: str) -> Route:
@@ -145,12 +154,15 @@ class Router:
         p_matched = matched_tokens(prefill, matched_blocks, prompt_len)
         return Route(decode, prefill, d_matched, p_matched, self.config.policy)
 
-    def choose_decode(self, candidates: Sequence[WorkerInfo]) -> WorkerInfo:
+    def choose_decode(self, candidates: Sequence[WorkerInfo],
+                      pending: Mapping[str, tuple[int, int]] | None = None) -> WorkerInfo:
         if not candidates:
             raise NoWorkerAvailable("no active decode worker")
         if self.config.policy == "round_robin":
             return self._next("decode", candidates)
-        return min(candidates, key=lambda w: (decode_load(w), w.load.kv_usage, w.worker_id))
+        pending = pending or {}
+        return min(candidates, key=lambda w: (decode_load(w, pending.get(w.worker_id, (0, 0))), w.load.kv_usage,
+                                              w.worker_id))
 
     def choose_prefill(
         self, candidates: Sequence[WorkerInfo], prompt_len: int, matched_blocks: Mapping[str, int],

@@ -24,6 +24,7 @@ from common.engine.model_loader import load_hf_config, resolve_checkpoint
 from common.cluster.prefix_index import PrefixIndexReader
 from common.cluster.redis_util import connect
 from common.cluster.registry import ROLES, WorkerRegistry
+from gateway.backpressure import WaitQueue
 from gateway.config import GatewayConfig, build_parser, config_from_args
 from gateway.dispatch import Dispatcher
 from gateway.handlers import Generation, OpenAIHandlers
@@ -71,7 +72,8 @@ class Gateway:
         router = Router(RoutingConfig(policy=self.config.routing_policy,
                                       skip_prefill_below_tokens=self.config.skip_prefill_below_tokens))
         self.dispatcher = Dispatcher(self.pool, router, prefix_index, self.session, self.control_session,
-                                     self.metrics, self.model_id, timeouts=self.config.timeouts, auth=self.auth)
+                                     self.metrics, self.model_id, timeouts=self.config.timeouts, auth=self.auth,
+                                     queue=WaitQueue(self.config.queue_size, self.config.queue_timeout))
 
     def _client_sessions(self) -> tuple[aiohttp.ClientSession, aiohttp.ClientSession]:
         """One pool for streams, one for control calls, each as large as the requests in flight:

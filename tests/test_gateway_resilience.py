@@ -7,6 +7,7 @@ registered in the registry like real ones; each test registers its own, with its
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import uuid
 
 import aiohttp
@@ -18,7 +19,7 @@ from tests.fake_decode import FakeDecodeWorker
 
 GATEWAY_ARGS = [
     "--upstream-response-timeout", "10", "--first-token-timeout", "20", "--upstream-idle-timeout", "10",
-    "--bench-time", "600", "--max-inflight", "200",
+    "--bench-time", "600", "--max-inflight", "200", "--queue-size", "2", "--queue-timeout", "8",
 ]
 
 
@@ -114,3 +115,68 @@ def test_more_concurrent_streams_than_aiohttps_default_pool(stack, fakes):
     slow.wait_for(lambda: len(slow.aborts) == n, what=f"{n} aborts")
     assert sorted(slow.aborts) == sorted(slow.generate_calls)
 
+
+# ---- backpressure (item 6 of issue 8) ----------------------------------------------------------
+
+
+def test_a_busy_decode_worker_passes_the_request_to_another(stack, fakes):
+    busy, free = fakes("busy", "stream")
+    response = complete(stack)
+    assert response.choices[0].finish_reason == "length"
+    assert len(busy.generate_calls) == 1 and len(free.generate_calls) == 1
+    assert busy.aborts == []  # nothing started there, nothing to abort
+
+
+def test_when_every_decode_worker_is_busy_the_request_waits_for_room(stack, fakes):
+    (worker,) = fakes("busy")
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(complete, stack)
+        worker.wait_for(lambda: len(worker.generate_calls) >= 1, what="the first (busy) attempt")
+        assert not pending.done()
+        worker.behaviour = "stream"  # room appears: the held request is served
+        response = pending.result(timeout=60)
+    assert response.choices[0].finish_reason == "length" and response.usage.completion_tokens == 4
+    assert len(worker.generate_calls) >= 2 and set(worker.generate_calls) == {response.id}
+
+
+def test_the_wait_queue_is_bounded_and_ends_in_503_with_retry_after(stack, fakes):
+    fakes("busy")
+
+    def attempt():
+        try:
+            complete(stack)
+        except openai.APIStatusError as exc:
+            return exc.status_code, exc.response.headers.get("retry-after"), exc.message
+        return 200, None, ""
+
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        futures = [pool.submit(attempt) for _ in range(3)]
+        done, waiting = concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_COMPLETED)
+        # Queue size 2: the third request is refused at once while two wait for room.
+        assert len(done) == 1 and len(waiting) == 2
+        status, retry_after, message = next(iter(done)).result()
+        assert status == 503 and retry_after and "already waiting" in message
+        # Nothing frees up: when the deadline passes they get 503 + Retry-After too.
+        for future in waiting:
+            status, retry_after, message = future.result(timeout=60)
+            assert status == 503 and retry_after and "busy" in message
+
+
+def test_a_burst_spreads_over_decode_workers(stack, fakes):
+    # Both report the same load at their last heartbeat; counting what it just sent each one, the
+    # gateway alternates instead of sending the whole burst to the first.
+    a, b = fakes("trickle", "trickle")
+    n = 8
+
+    async def main():
+        async with aiohttp.ClientSession() as session:
+            body = {"model": stack.model_name, "prompt": "Hello world", "max_tokens": 20, "stream": True}
+            responses = await asyncio.gather(*(session.post(f"{stack.gateway_url}/v1/completions", json=body)
+                                               for _ in range(n)))
+            await asyncio.gather(*(r.content.readline() for r in responses))  # each stream has started
+            for r in responses:
+                r.close()
+
+    asyncio.run(main())
+    assert len(a.generate_calls) + len(b.generate_calls) == n
+    assert abs(len(a.generate_calls) - len(b.generate_calls)) <= 1, (a.generate_calls, b.generate_calls)

@@ -164,3 +164,19 @@ def test_prefix_aware_counts_what_this_gateway_has_just_sent():
     # p0 would be the home, but this gateway just sent it 5000 tokens its heartbeat does not show yet.
     routed = router().route(pool, 1000, {}, affinity_key=key, pending={"p0": 5000})
     assert routed.prefill.worker_id == "p1"
+
+
+def test_a_burst_of_decodes_spreads_with_what_this_gateway_just_sent():
+    # Both decode workers reported the same load at their last heartbeat.  Counting what was sent
+    # since, a burst alternates between them instead of piling onto the first.
+    pool = [w("d0", "decode"), w("d1", "decode"), w("p0")]
+    for policy in ("least_load", "prefix_aware"):
+        r = router(policy)
+        pending: dict[str, tuple[int, int]] = {}
+        for _ in range(8):
+            chosen = r.route(pool, 100, pending_decode=pending).decode.worker_id
+            requests, blocks = pending.get(chosen, (0, 0))
+            pending[chosen] = (requests + 1, blocks + 100 // BS)
+        assert pending == {"d0": (4, 24), "d1": (4, 24)}
+    # Memory counts too: prompt blocks sent but not yet in kv_usage.
+    assert decode_load(w("d0", "decode"), (1, 500)) == pytest.approx(0.5)
