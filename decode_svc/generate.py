@@ -226,7 +226,9 @@ async def release_reservation(worker, request_id: str, handle: IncomingTransfer)
 
 async def _call_prefill(worker, url: str, prefill: PrefillRequest) -> PrefillResult:
     data = encode(prefill)
-    async with worker.http_client.post(f"{url}/prefill", data=data,
+    connect = worker.config.peer_connect_timeout_s
+    timeout = aiohttp.ClientTimeout(total=worker.config.kv.transfer_timeout, connect=connect, sock_connect=connect)
+    async with worker.http_client.post(f"{url}/prefill", data=data, timeout=timeout,
                                        headers=worker.auth.sign_request("POST", "/prefill", data)) as resp:
         result = decode(await read_response(resp), PrefillResult)
         if resp.status != 200 or result.error:
@@ -237,7 +239,8 @@ async def _call_prefill(worker, url: str, prefill: PrefillRequest) -> PrefillRes
 async def _send_abort(worker, url: str, request_id: str) -> None:
     data = encode(AbortRequest(request_id))
     try:
-        async with worker.http_client.post(f"{url}/abort", data=data, timeout=aiohttp.ClientTimeout(total=2),
+        # Bounded by the session's default: the control-call timeout.
+        async with worker.http_client.post(f"{url}/abort", data=data,
                                            headers=worker.auth.sign_request("POST", "/abort", data)) as resp:
             await read_response(resp, 4096)
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as exc:

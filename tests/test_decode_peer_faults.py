@@ -369,6 +369,27 @@ async def test_client_gone_mid_transfer_keeps_blocks_until_the_transfer_settled(
         await worker.idle()
 
 
+async def test_prefill_peer_that_never_answers_is_bounded(decode_worker, engine, peer):
+    """The KV arrives but the prefill worker never answers /prefill: the decode worker gives up
+    after its remote-prefill bound (--kv-timeout) and computes the prompt itself."""
+    prompt = fresh_prompt()
+
+    async def script(request: PrefillRequest):
+        transfer = await peer.sender.begin(request.request_id, f"{request.kv_address.host}:{request.kv_address.port}")
+        await transfer.send_blocks(list(range(len(request.dst_block_ids))), request.dst_block_ids)
+        await transfer.finish({"first_token": 7})
+        await peer.hang()
+        return PrefillResult(error="test over"), 502
+
+    peer.script = script
+    async with WorkerClient(decode_worker) as worker:
+        await worker.idle()
+        stream = worker.generate(prompt, peer.url)
+        assert await stream.tokens() == greedy(engine, prompt)
+        assert stream.frames[0].prefill_fallback
+        await worker.idle()
+
+
 class _Handle:
     """A transfer handle whose payload keeps landing until the test says it stopped."""
 

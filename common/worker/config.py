@@ -31,6 +31,10 @@ class WorkerConfig:
     heartbeat_ttl_s: float = 5.0
     admin_token: str | None = None
     max_pending_requests: int = 256  # beyond this, new requests get "busy"
+    # Calls this worker makes to other workers: connecting (also waiting for a pooled connection),
+    # and the whole of a control call (/abort).  A remote prefill is bounded by kv.transfer_timeout.
+    peer_connect_timeout_s: float = 5.0
+    control_timeout_s: float = 5.0
     # PDSERVE_CLUSTER_SECRET (or --cluster-secret-file): required unless every listener is on
     # loopback; never printed.
     cluster_secret: str | None = field(default=None, repr=False)
@@ -44,6 +48,9 @@ class WorkerConfig:
             raise ValueError(f"invalid config: heartbeat_ttl_s must be > 0, got {self.heartbeat_ttl_s}")
         if self.max_pending_requests < 1:
             raise ValueError(f"invalid config: max_pending_requests must be >= 1, got {self.max_pending_requests}")
+        for name in ("peer_connect_timeout_s", "control_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"invalid config: {name} must be > 0 seconds, got {getattr(self, name)}")
         self.auth()  # a weak secret, or none with an exposed listener, is refused at start-up
 
     def auth(self) -> ClusterAuth:
@@ -80,8 +87,19 @@ def build_parser(default_role: str, description: str) -> argparse.ArgumentParser
     add("--kv-host", default=_env("kv_host", None), help="KV listen address (default: --host)")
     add("--kv-port", type=int, default=_env("kv_port", 0))
     add("--kv-timeout", type=float, default=_env("kv_timeout", 120.0),
-        help="seconds a remote prefill may take, queueing on the prefill worker included (a dead peer "
-             "is noticed at once through its connections; this bounds a hung one)")
+        help="seconds a remote prefill may take, queueing on the prefill worker included: bounds both the "
+             "/prefill call and the KV transfer (a dead peer is noticed at once through its connections; "
+             "this bounds a hung one, after which the decode worker computes the prompt itself)")
+    add("--kv-connect-timeout", type=float, default=_env("kv_connect_timeout", 5.0),
+        help="seconds to connect to a peer's KV port and complete the handshake")
+    add("--kv-lease-timeout", type=float, default=_env("kv_lease_timeout", 10.0),
+        help="seconds a prefill worker waits for the decode worker's acknowledgement of a transfer")
+    add("--kv-abort-grace", type=float, default=_env("kv_abort_grace", 5.0),
+        help="seconds an aborted transfer's payload may keep landing (UCX) before its connection is closed")
+    add("--peer-connect-timeout", type=float, default=_env("peer_connect_timeout", 5.0),
+        help="seconds to connect to another worker's HTTP API")
+    add("--control-timeout", type=float, default=_env("control_timeout", 5.0),
+        help="seconds for a control call to another worker (abort)")
     add("--kv-checksum", action="store_true", default=_env("kv_checksum", "") in ("1", "true"))
     add("--redis-url", default=redis_url_from_env())
     add("--key-prefix", default=_env("key_prefix", "pdserve"))
@@ -115,7 +133,9 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         max_model_len=max_model_len, model_id=args.model_id,
     )
     kv = KVTransferConfig(transport=args.kv_transport, host=args.kv_host or args.host, port=args.kv_port,
-                          transfer_timeout=args.kv_timeout, checksum=bool(args.kv_checksum))
+                          connect_timeout=args.kv_connect_timeout, transfer_timeout=args.kv_timeout,
+                          lease_timeout=args.kv_lease_timeout, abort_grace=args.kv_abort_grace,
+                          checksum=bool(args.kv_checksum))
     extra = {"worker_id": args.worker_id} if args.worker_id else {}
     try:
         secret = read_secret(args.cluster_secret_file)
@@ -124,5 +144,6 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
     return WorkerConfig(
         engine=engine, kv=kv, role=args.role, host=args.host, port=args.port,
         advertise_host=args.advertise_host, redis_url=args.redis_url, key_prefix=args.key_prefix,
-        heartbeat_ttl_s=args.heartbeat_ttl, admin_token=args.admin_token, cluster_secret=secret, **extra,
+        heartbeat_ttl_s=args.heartbeat_ttl, admin_token=args.admin_token, cluster_secret=secret,
+        peer_connect_timeout_s=args.peer_connect_timeout, control_timeout_s=args.control_timeout, **extra,
     )

@@ -77,6 +77,19 @@ class RecentRate:
         return max(0.0, (c1 - c0) / (t1 - t0)) if t1 > t0 else 0.0
 
 
+def peer_session(config: WorkerConfig) -> aiohttp.ClientSession:
+    """The session for calls to other workers.  Every call is bounded: connecting (a pooled
+    connection included) by ``peer_connect_timeout_s``, a control call as a whole by
+    ``control_timeout_s`` (the default here), a remote prefill by the KV transfer timeout (set on
+    that call).  The pool holds a /prefill and an /abort for every request this worker may have
+    in flight, so no call waits behind the library's default limit of 100."""
+    connect = config.peer_connect_timeout_s
+    return aiohttp.ClientSession(
+        timeout=aiohttp.ClientTimeout(total=config.control_timeout_s, connect=connect, sock_connect=connect),
+        connector=aiohttp.TCPConnector(limit=2 * config.max_pending_requests),
+    )
+
+
 class Worker:
     """One worker process.  ``start()`` loads the model and joins the pool; ``stop()`` leaves it."""
 
@@ -111,7 +124,7 @@ class Worker:
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
-        self.http_client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5))
+        self.http_client = peer_session(self.config)
         self.engine = await asyncio.to_thread(Engine, self.config.engine, load_tokenizer=False)
         self.engine_thread = EngineThread(self.engine, loop)
         self.engine_thread.after_step.append(self._publish_cache_events)
