@@ -4,14 +4,14 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: up test install demo clean
+.PHONY: up test install demo lock clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# The CPU build of torch comes from local disk; install it first so no CUDA build is pulled.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[ucx,test]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -24,6 +24,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider tests
+
+# Regenerate requirements/*.lock (the images' pinned, hashed dependencies) after a pyproject change; needs uv.
+lock:
+	bash requirements/compile.sh
 
 clean:
 	rm -rf $(VENV)

@@ -1,49 +1,188 @@
-"""Container entrypoint for workers and the gateway: claim a GPU, find the address to advertise, exec.
+"""Container entrypoint for workers and the gateway: check secrets, claim a GPU, pin CPUs and NICs, exec.
 
     python compose/entrypoint.py prefill_svc [worker flags...]     # or decode_svc, gateway
     python compose/entrypoint.py --health                          # the compose health check
+    python compose/entrypoint.py --whoami                          # JSON: worker id, GPU, ports (pdctl)
 
-GPU claim (when ``PDSERVE_GPUS`` lists GPU indexes, e.g. ``0,1,2,3,4,5,6,7``): a replica of a
-scaled service (``docker compose up --scale decode=4``) takes the first GPU whose lock file in
-``PDSERVE_LOCK_DIR`` (a volume every worker container on the host mounts) it can ``flock``.  The
-lock is held by the worker process itself (the descriptor survives ``exec``), so it is released
-exactly when the worker exits, and a restarted container claims again.  Slot ``i`` (the position
-of the claimed GPU in the list) then gives:
+It refuses to start (exit 78, a message saying what to change) rather than run in a way that
+looks healthy but is not:
 
-    CUDA_VISIBLE_DEVICES = <claimed>,<the others>   cuda:0 is the claimed GPU, and the peers' GPUs
-                                                    stay visible so UCX can use CUDA IPC / NVLink
-                           <claimed>                with PDSERVE_GPU_ISOLATION=1 (no CUDA IPC)
-    PDSERVE_WORKER_ID    = <hostname>-gpu<claimed>  (unless PDSERVE_WORKER_ID is set)
-    PDSERVE_PORT         = PDSERVE_PORT_BASE + i    (unless PDSERVE_PORT is set)
-    PDSERVE_KV_PORT      = PDSERVE_KV_PORT_BASE + i (unless PDSERVE_KV_PORT is set)
+- a secret that is empty, a placeholder (``change-me...``) or shorter than 16 characters
+  (``PDSERVE_CLUSTER_SECRET``, ``PDSERVE_ADMIN_TOKEN``, the Redis password in ``REDIS_URL``, and
+  for the gateway ``PDSERVE_API_KEY`` unless ``PDSERVE_ALLOW_NO_API_KEY=1``);
+- a worker without an explicit ``PDSERVE_DEVICE`` (``cuda`` or ``cpu``): ``auto`` would quietly
+  serve an fp32 model on the CPU where no GPU is visible;
+- ``PDSERVE_DEVICE=cuda`` where this container sees no GPU, or where ``PDSERVE_GPUS`` names GPUs
+  the host does not have;
+- ``UCX_NET_DEVICES=all`` or a Docker bridge / veth in it, or a device list without a TCP
+  interface while ``UCX_TLS`` allows TCP (TCP is the fallback between hosts).
 
-so replicas sharing the host's network (multi-host deployments) do not collide on ports.
+GPU claim.  ``PDSERVE_GPUS`` (``all``, the default, or indexes like ``0,1,2,3``) lists the GPUs the
+workers of this host may take; a replica takes the first whose lock file in ``PDSERVE_LOCK_DIR``
+(a volume every worker container of the host mounts) it can ``flock``.  The lock is held by the
+worker process itself (the descriptor survives ``exec``), so it is released exactly when the
+worker exits.  A replica that finds every GPU taken is surplus: it says so and exits 0, and the
+services' ``restart: on-failure`` leaves it down.  Slot ``i`` (the position of the claimed GPU in
+the list) then gives::
 
-Advertised address (``PDSERVE_ADVERTISE_HOST`` unset): this container's IP address on the compose
-network.  A service name would resolve to any replica of the service, and the container id
-needs the resolver to know it; the IP is what peers and the gateway can always reach.
+    CUDA_VISIBLE_DEVICES = <claimed>,<the others>   cuda:0 is the claimed GPU; the peers' GPUs stay
+                           <claimed>                visible for CUDA IPC (only the claimed one with
+                                                    PDSERVE_GPU_ISOLATION=1)
+    PDSERVE_WORKER_ID    = <hostname>-gpu<claimed>  (unless set)
+    PDSERVE_PORT         = PDSERVE_PORT_BASE + i    (unless set; host networking needs distinct ports)
+    PDSERVE_KV_PORT      = PDSERVE_KV_PORT_BASE + i
+    UCX_TCP_PORT_RANGE   = PDSERVE_UCX_TCP_PORT_BASE + 16 i .. + 16 i + 15   (UCX's TCP data ports)
 
-Only the standard library: this runs before anything else in the image.
+CPU workers claim the same way from ``PDSERVE_CPUSETS`` (``0-3;4-7``: one CPU list per worker), if set.
+
+Topology (GPU workers; from ``nvidia-smi topo -m``, or the file ``PDSERVE_TOPOLOGY_FILE``): the
+worker is pinned to its share of the CPUs of its GPU's NUMA node (whole cores, ``OMP_NUM_THREADS``
+= that many cores unless set), its memory prefers that node (``numactl``, when present), and
+``UCX_NET_DEVICES=auto`` becomes ``<HCA nearest the GPU>:<port>,<the NIC carrying the advertised
+address>``.  ``PDSERVE_HCA_MAP`` (``0=mlx5_0:1,1=mlx5_1:1``) overrides the choice;
+``PDSERVE_HCAS`` limits it to the compute fabric's HCAs (``none``: no RDMA).  At start-up the
+entrypoint prints what UCX will use (``ucx_info -e``: the lanes to another host).
+
+Advertised address (``PDSERVE_ADVERTISE_HOST`` unset): this container's IP address on its network.
+
+Only the standard library and ``common.cluster.auth`` (itself standard library only).
 """
 from __future__ import annotations
 
 import fcntl
 import json
 import os
+import re
+import shutil
 import socket
+import struct
+import subprocess
 import sys
+import urllib.parse
 import urllib.request
+from dataclasses import dataclass, field
 from pathlib import Path
 
-HEALTH_FILE = Path(os.environ.get("PDSERVE_HEALTH_FILE", "/tmp/pdserve-health-url"))
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent)]  # host_topology; common.cluster.auth from the source tree
+
+import host_topology as topo_mod  # noqa: E402
+from common.cluster.auth import SECRET_ENV, secret_problem  # noqa: E402
+
+RUNTIME_FILE = Path(os.environ.get("PDSERVE_RUNTIME_FILE", "/tmp/pdserve-runtime.json"))
 MODULES = ("prefill_svc", "decode_svc", "gateway")
+EXIT_CONFIG = 78  # sysexits EX_CONFIG: a restart will not help until the configuration changes
+MAKE_SECRET = ("make one with `pdctl gen-secrets` (writes compose/.env, mode 0600) or "
+               "`python3 -c 'import secrets; print(secrets.token_urlsafe(32))'`")
+RDMA_TLS = re.compile(r"^\^?(rc|rc_v|rc_x|rc_mlx5|rc_verbs|dc|dc_x|dc_mlx5|ud|ud_v|ud_x|ud_mlx5|ud_verbs|ib)$")
+UCX_PORTS_PER_WORKER = 16
+# Variables compose sets to "" when the operator leaves them unset; their tools read "" as a value.
+DROP_IF_EMPTY = re.compile(r"^(UCX_|OMP_|CUDA_|NCCL_|HF_|HUGGING_FACE_|TRANSFORMERS_)")
 
 
-def claim_gpu(gpus: list[str], lock_dir: Path) -> tuple[int, int]:
-    """Lock the first free GPU of ``gpus``; returns (slot, file descriptor holding the lock)."""
+class Refusal(Exception):
+    """The configuration cannot work; the message says what to change."""
+
+
+class Surplus(Exception):
+    """Every GPU (or CPU set) of this host is taken: this replica has nothing to run on."""
+
+
+@dataclass
+class Launch:
+    """What ``prepare`` decided: the command prefix, CPUs to pin, the lock to keep, what to print."""
+
+    prefix: list[str] = field(default_factory=list)
+    cpus: list[int] = field(default_factory=list)
+    lock_fd: int | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+class HostProbe:
+    """The host as the container sees it; tests substitute recorded answers."""
+
+    def gpu_indexes(self) -> list[str]:
+        out = _run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"])
+        return topo_mod.parse_gpu_indexes(out) if out is not None else []
+
+    def topology_text(self) -> str | None:
+        return _run(["nvidia-smi", "topo", "-m"])
+
+    def interfaces(self) -> dict[str, str]:
+        """Interface name -> its IPv4 address (SIOCGIFADDR), for interfaces that have one."""
+        found = {}
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            for _index, name in socket.if_nameindex():
+                try:
+                    packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
+                except OSError:
+                    continue  # no IPv4 address
+                found[name] = socket.inet_ntoa(packed[20:24])
+        return found
+
+    def allowed_cpus(self) -> set[int]:
+        return set(os.sched_getaffinity(0))
+
+    def cpu_siblings(self) -> dict[int, frozenset[int]]:
+        siblings = {}
+        for path in Path("/sys/devices/system/cpu").glob("cpu[0-9]*/topology/thread_siblings_list"):
+            cpu = int(path.parts[-3][3:])
+            try:
+                siblings[cpu] = frozenset(topo_mod.parse_cpu_list(path.read_text()))
+            except (OSError, ValueError):
+                continue
+        return siblings
+
+    def has(self, tool: str) -> bool:
+        return shutil.which(tool) is not None
+
+
+def _run(cmd: list[str], env: dict | None = None, timeout: float = 20) -> str | None:
+    """stdout of ``cmd``, or None when it is missing, fails or hangs."""
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout if done.returncode == 0 else None
+
+
+# ---- secrets ---------------------------------------------------------------------------------
+
+
+def _truthy(value: str | None) -> bool:
+    return (value or "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def check_secrets(module: str, env: dict[str, str]) -> list[str]:
+    """Refuse placeholder or weak secrets; returns notes for the log."""
+    required = {SECRET_ENV: env.get(SECRET_ENV), "PDSERVE_ADMIN_TOKEN": env.get("PDSERVE_ADMIN_TOKEN")}
+    redis_url = env.get("REDIS_URL")
+    if redis_url:
+        parsed = urllib.parse.urlsplit(redis_url)
+        if parsed.hostname and parsed.hostname not in ("127.0.0.1", "localhost", "::1"):
+            required["the Redis password in REDIS_URL (REDIS_PASSWORD)"] = urllib.parse.unquote(parsed.password or "")
+    notes = []
+    if module == "gateway":
+        if _truthy(env.get("PDSERVE_ALLOW_NO_API_KEY")) and not env.get("PDSERVE_API_KEY"):
+            notes.append("PDSERVE_ALLOW_NO_API_KEY=1: the API needs no key (only behind your own authenticating proxy)")
+        else:
+            required["PDSERVE_API_KEY"] = env.get("PDSERVE_API_KEY")
+    for name, value in required.items():
+        problem = secret_problem(value)
+        if problem:
+            hint = " (or set PDSERVE_ALLOW_NO_API_KEY=1 to serve without one)" if name == "PDSERVE_API_KEY" else ""
+            raise Refusal(f"{name} is not usable: {problem}; {MAKE_SECRET}{hint}")
+    return notes
+
+
+# ---- slots: one GPU (or CPU set) per worker ----------------------------------------------------
+
+
+def claim(items: list[str], lock_dir: Path, kind: str) -> tuple[int, int]:
+    """Lock the first free item; returns (slot, descriptor holding the lock).  Raises Surplus."""
     lock_dir.mkdir(parents=True, exist_ok=True)
-    for slot, gpu in enumerate(gpus):
-        fd = os.open(lock_dir / f"gpu-{gpu}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    for slot, item in enumerate(items):
+        fd = os.open(lock_dir / f"{kind}-{item.replace(',', '_')}.lock", os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -52,13 +191,35 @@ def claim_gpu(gpus: list[str], lock_dir: Path) -> tuple[int, int]:
         os.ftruncate(fd, 0)
         os.write(fd, f"{socket.gethostname()} pid {os.getpid()}\n".encode())
         return slot, fd
-    raise SystemExit(f"entrypoint: every GPU in PDSERVE_GPUS={','.join(gpus)} is taken by another worker "
-                     f"(locks in {lock_dir}); scale the services to at most {len(gpus)} workers in all")
+    raise Surplus(f"every {kind} of this host ({', '.join(items)}) is taken by another worker (locks in "
+                  f"{lock_dir}); this replica is surplus and exits. Scale the services to at most "
+                  f"{len(items)} workers in all (`pdctl scale`).")
 
 
 def visible_devices(gpus: list[str], slot: int, isolate: bool) -> str:
     claimed = gpus[slot]
     return claimed if isolate else ",".join([claimed] + [g for g in gpus if g != claimed])
+
+
+def resolve_gpus(env: dict[str, str], probe: HostProbe) -> list[str]:
+    """The GPUs this host's workers may claim: real ones only, or a refusal that says why."""
+    present = probe.gpu_indexes()
+    if not present:
+        raise Refusal("PDSERVE_DEVICE=cuda but this container sees no GPU (`nvidia-smi` lists none): give the "
+                      "service the GPUs (deploy.resources.reservations.devices, NVIDIA container toolkit). "
+                      "Refusing to start rather than serve from the CPU.")
+    wanted = (env.get("PDSERVE_GPUS") or "all").strip()
+    if wanted == "all":
+        return present
+    gpus = [g.strip() for g in wanted.split(",") if g.strip()]
+    missing = [g for g in gpus if g not in present]
+    if missing or not gpus:
+        raise Refusal(f"PDSERVE_GPUS={wanted} names GPU(s) {','.join(missing) or '(none)'} that this host does not "
+                      f"have (it has {','.join(present)}); set PDSERVE_GPUS=all or list real indexes")
+    return gpus
+
+
+# ---- network: the advertised address, NICs, UCX -------------------------------------------------
 
 
 def own_address() -> str:
@@ -71,35 +232,254 @@ def own_address() -> str:
             return socket.gethostbyname(socket.gethostname())
 
 
-def prepare(module: str, env: dict[str, str]) -> int | None:
-    """Fill in ``env`` for ``module``; returns the lock descriptor to keep open, if a GPU was claimed."""
-    fd = None
-    slot = 0
-    gpus = [g.strip() for g in env.get("PDSERVE_GPUS", "").split(",") if g.strip()]
-    if module != "gateway":
-        if gpus:
-            slot, fd = claim_gpu(gpus, Path(env.get("PDSERVE_LOCK_DIR", "/run/pdserve-locks")))
-            env["CUDA_VISIBLE_DEVICES"] = visible_devices(gpus, slot, env.get("PDSERVE_GPU_ISOLATION") == "1")
-            env["PDSERVE_GPU"] = gpus[slot]
-            # Readable and stable across restarts: <hostname>-gpu<n> (the host's name on the host
-            # network, the container id otherwise).  Worker ids are unique only per GPU and host.
-            env.setdefault("PDSERVE_WORKER_ID", f"{socket.gethostname()}-gpu{gpus[slot]}")
-        env.setdefault("PDSERVE_PORT", str(int(env.get("PDSERVE_PORT_BASE", "8100")) + slot))
-        env.setdefault("PDSERVE_KV_PORT", str(int(env.get("PDSERVE_KV_PORT_BASE", "8200")) + slot))
-        env.setdefault("PDSERVE_HOST", "0.0.0.0")
-        if not env.get("PDSERVE_ADVERTISE_HOST"):
-            env["PDSERVE_ADVERTISE_HOST"] = own_address()
-        port = env["PDSERVE_PORT"]
+def interface_for(address: str, interfaces: dict[str, str]) -> str | None:
+    """The interface that holds ``address`` (a name is resolved first)."""
+    try:
+        ip = socket.gethostbyname(address)
+    except OSError:
+        return None
+    return next((name for name, addr in interfaces.items() if addr == ip), None)
+
+
+def wants_tls(env: dict[str, str], pattern: re.Pattern | str) -> bool:
+    tls = [t.strip() for t in (env.get("UCX_TLS") or "all").split(",") if t.strip()]
+    if not tls or tls == ["all"] or tls[0].startswith("^"):
+        return True  # UCX's default (or an exclusion list) leaves every transport in
+    return any(re.match(pattern, t) if isinstance(pattern, re.Pattern) else t == pattern for t in tls)
+
+
+def check_net_devices(value: str, env: dict[str, str]) -> None:
+    devices = [d.strip() for d in value.split(",") if d.strip()]
+    if not devices or "all" in devices:
+        raise Refusal("UCX_NET_DEVICES=all offers every interface (docker0, management NICs) to other hosts: set "
+                      "it to `auto` (the HCA nearest the GPU and the NIC carrying the advertised address) or "
+                      "list them, e.g. mlx5_0:1,ens1f0")
+    virtual = [d for d in devices if topo_mod.is_virtual_netdev(d.split(":")[0])]
+    if virtual:
+        raise Refusal(f"UCX_NET_DEVICES lists {','.join(virtual)}, which other hosts cannot reach; name the "
+                      f"cluster network's NIC instead")
+    if wants_tls(env, "tcp") and not any(":" not in d for d in devices):
+        raise Refusal(f"UCX_NET_DEVICES={value} has no TCP interface but UCX_TLS allows tcp: between hosts TCP is "
+                      f"the fallback when RDMA is unavailable, so add the cluster NIC (e.g. {devices[0]},ens1f0), "
+                      f"or drop tcp from UCX_TLS on purpose")
+
+
+def hca_for(gpu: str | None, env: dict[str, str], topology: topo_mod.Topology | None) -> tuple[str | None, str]:
+    """(``mlx5_N:port`` or None, how it was chosen)."""
+    if gpu is None:
+        return None, "no GPU"
+    if env.get("PDSERVE_HCA_MAP"):
+        hca = topo_mod.parse_hca_map(env["PDSERVE_HCA_MAP"]).get(gpu)
+        if hca is None:
+            raise Refusal(f"PDSERVE_HCA_MAP has no entry for GPU {gpu}; list every GPU of PDSERVE_GPUS")
+        return hca, "PDSERVE_HCA_MAP"
+    listed = (env.get("PDSERVE_HCAS") or "").strip()
+    if listed == "none":
+        return None, "PDSERVE_HCAS=none"
+    if topology is None:
+        return None, "no topology (nvidia-smi topo -m)"
+    candidates = [h.strip() for h in listed.split(",") if h.strip()] or None
+    hca = topo_mod.nearest_hca(topology, gpu, candidates)
+    if hca is None:
+        return None, "no HCA close to this GPU"
+    port = env.get("PDSERVE_HCA_PORT") or "1"
+    return (hca if ":" in hca else f"{hca}:{port}"), "nearest in nvidia-smi topo -m"
+
+
+def configure_ucx(env: dict[str, str], slot: int, gpu: str | None, topology, probe: HostProbe) -> list[str]:
+    notes = []
+    if not env.get("UCX_TCP_PORT_RANGE"):
+        base = int(env.get("PDSERVE_UCX_TCP_PORT_BASE") or 8300) + slot * UCX_PORTS_PER_WORKER
+        env["UCX_TCP_PORT_RANGE"] = f"{base}-{base + UCX_PORTS_PER_WORKER - 1}"
+    value = (env.get("UCX_NET_DEVICES") or "auto").strip()
+    if value != "auto":
+        check_net_devices(value, env)
+        notes.append(f"UCX_NET_DEVICES={value} (given)")
+        return notes
+    devices = []
+    if wants_tls(env, RDMA_TLS):
+        hca, why = hca_for(gpu, env, topology)
+        if hca:
+            devices.append(hca)
+            notes.append(f"RDMA: {hca} for GPU {gpu} ({why})")
+        else:
+            notes.append(f"RDMA: none for this worker ({why}); KV to other hosts goes over TCP")
+    if wants_tls(env, "tcp"):
+        nic = env.get("PDSERVE_TCP_NIC") or interface_for(env["PDSERVE_ADVERTISE_HOST"], probe.interfaces())
+        if not nic:
+            raise Refusal(f"cannot tell which interface carries the advertised address "
+                          f"{env['PDSERVE_ADVERTISE_HOST']}; set PDSERVE_TCP_NIC to the cluster network's NIC")
+        if topo_mod.is_virtual_netdev(nic) and env.get("PDSERVE_NETWORK_MODE") == "host":
+            raise Refusal(f"the advertised address is on {nic}, a bridge other hosts cannot reach: set HOST_ADDR "
+                          f"to this host's address on the cluster network")
+        devices.append(nic)
+    if not devices:
+        raise Refusal("UCX_NET_DEVICES=auto found no device (no HCA and TCP excluded from UCX_TLS)")
+    env["UCX_NET_DEVICES"] = ",".join(devices)
+    notes.append(f"UCX_NET_DEVICES={env['UCX_NET_DEVICES']} UCX_TCP_PORT_RANGE={env['UCX_TCP_PORT_RANGE']}")
+    return notes
+
+
+def ucx_lanes(text: str) -> list[str]:
+    """``transport/device`` of each lane in ``ucx_info -e`` output (``tcp/eth0``, ``rc_mlx5/mlx5_0:1``)."""
+    return [m.group(1) for m in re.finditer(r"lane\[\d+\]:\s+\d+:(\S+?)\.\d+\s", text)]
+
+
+def report_ucx(env: dict[str, str]) -> str:
+    """One line saying which UCX library and which transports this worker's KV will use."""
+    if not shutil.which("ucx_info", path=env.get("PATH")):
+        return "UCX: ucx_info not on PATH; cannot show the transports"
+    version = _run(["ucx_info", "-v"], env) or ""
+    library = re.search(r"Library path: (\S+)", version)
+    parts = [f"UCX {library.group(1) if library else '(version unknown)'}"]
+    for placement in ("inter", "intra"):
+        lanes = ucx_lanes(_run(["ucx_info", "-e", "-u", "t", "-P", placement], env) or "")
+        parts.append(f"{placement}-host lanes: {', '.join(dict.fromkeys(lanes)) or 'none (see ucx_info -d)'}")
+    return "; ".join(parts)
+
+
+# ---- CPUs --------------------------------------------------------------------------------------
+
+
+def pin_cpus(env: dict[str, str], gpu: str, gpus: list[str], topology, probe: HostProbe, launch: Launch) -> None:
+    if (env.get("PDSERVE_CPU_PINNING") or "auto") == "off":
+        return
+    allowed = probe.allowed_cpus()
+    cpus, cores = ([], 0)
+    if topology is not None:
+        cpus, cores = topo_mod.cpu_share(topology, gpu, gpus, allowed, probe.cpu_siblings())
+    if not cpus:
+        # No topology: an equal share of the container's CPUs, so workers do not all spin on all of them.
+        ordered = sorted(allowed)
+        k, n = gpus.index(gpu), len(gpus)
+        cpus = ordered[len(ordered) * k // n: len(ordered) * (k + 1) // n] or ordered
+        cores = len(cpus)
+    launch.cpus = cpus
+    env.setdefault("OMP_NUM_THREADS", str(max(1, cores)))
+    node = topology.numa.get(gpu) if topology is not None else None
+    if node is not None and (env.get("PDSERVE_NUMA_BIND") or "auto") != "off" and probe.has("numactl"):
+        launch.prefix = ["numactl", f"--preferred={node}"]
+    launch.notes.append(f"CPUs {topo_mod.format_cpu_list(cpus)} ({cores} cores, OMP_NUM_THREADS="
+                        f"{env['OMP_NUM_THREADS']}), NUMA node {node if node is not None else 'unknown'}")
+
+
+# ---- shutdown ----------------------------------------------------------------------------------
+
+STOP_MARGIN_S = 15.0  # after the drain: KV connections, Redis deregistration, process exit
+
+
+def parse_duration(text: str) -> float:
+    """Compose's durations (``150s``, ``2m30s``, ``1h``, ``90``) in seconds."""
+    text = text.strip()
+    if re.fullmatch(r"\d+(\.\d+)?", text):
+        return float(text)
+    parts = re.findall(r"(\d+(?:\.\d+)?)(h|ms|m|s|us)", text)
+    if not parts or "".join(n + u for n, u in parts) != text:
+        raise Refusal(f"PDSERVE_STOP_GRACE={text!r} is not a duration like 150s or 2m30s")
+    scale = {"h": 3600, "m": 60, "s": 1, "ms": 1e-3, "us": 1e-6}
+    return sum(float(n) * scale[u] for n, u in parts)
+
+
+def check_stop_grace(env: dict[str, str]) -> None:
+    """The container's stop grace period (compose passes it as PDSERVE_STOP_GRACE) must cover the
+    worker's drain, or Docker kills it mid-drain and cuts the streams the drain was finishing."""
+    if not env.get("PDSERVE_STOP_GRACE"):
+        return
+    grace = parse_duration(env["PDSERVE_STOP_GRACE"])
+    drain = float(env.get("PDSERVE_DRAIN_TIMEOUT") or 30)
+    if grace < drain + STOP_MARGIN_S:
+        raise Refusal(f"stop_grace_period {env['PDSERVE_STOP_GRACE']} does not cover PDSERVE_DRAIN_TIMEOUT={drain:g} "
+                      f"plus {STOP_MARGIN_S:g} s to shut down: raise PDSERVE_WORKER_STOP_GRACE to at least "
+                      f"{drain + STOP_MARGIN_S:g}s or lower the drain timeout")
+
+
+# ---- the whole preparation --------------------------------------------------------------------
+
+
+def read_topology(env: dict[str, str], probe: HostProbe) -> tuple[topo_mod.Topology | None, str | None]:
+    path = env.get("PDSERVE_TOPOLOGY_FILE")
+    text = Path(path).read_text() if path else probe.topology_text()
+    if not text:
+        return None, "no topology from `nvidia-smi topo -m`: no CPU/NUMA pinning or HCA choice"
+    try:
+        return topo_mod.parse_topology(text), None
+    except topo_mod.TopologyError as exc:
+        return None, f"unreadable topology ({exc}): no CPU/NUMA pinning or HCA choice"
+
+
+def prepare_worker(env: dict[str, str], probe: HostProbe, launch: Launch) -> tuple[int, str | None]:
+    """Claim a slot and set device, ports, CPUs and UCX; returns (slot, GPU index or None)."""
+    check_stop_grace(env)
+    device = (env.get("PDSERVE_DEVICE") or "").strip()
+    lock_dir = Path(env.get("PDSERVE_LOCK_DIR") or "/run/pdserve-locks")
+    if device not in ("cuda", "cuda:0", "cpu"):
+        raise Refusal(f"PDSERVE_DEVICE={device or '(unset)'}: set it to cuda (GPU hosts) or cpu; the entrypoint "
+                      f"picks the GPU (cuda:N is not accepted) and never guesses the device")
+    slot, gpu, gpus, topology = 0, None, [], None
+    if device.startswith("cuda"):
+        gpus = resolve_gpus(env, probe)
+        slot, launch.lock_fd = claim(gpus, lock_dir, "gpu")
+        gpu = gpus[slot]
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # CUDA's numbering = nvidia-smi's
+        env["CUDA_VISIBLE_DEVICES"] = visible_devices(gpus, slot, _truthy(env.get("PDSERVE_GPU_ISOLATION")))
+        env["PDSERVE_DEVICE"] = "cuda"
+        env["PDSERVE_GPU"] = gpu
+        # Readable and stable across restarts: <hostname>-gpu<n> (the host's name on the host
+        # network, the container id otherwise).
+        env.setdefault("PDSERVE_WORKER_ID", f"{socket.gethostname()}-gpu{gpu}")
+        topology, problem = read_topology(env, probe)
+        if problem:
+            launch.notes.append(problem)
+        pin_cpus(env, gpu, gpus, topology, probe, launch)
+        launch.notes.append(f"GPU {gpu} (slot {slot} of {','.join(gpus)})")
     else:
+        if env.get("PDSERVE_GPUS"):
+            raise Refusal("PDSERVE_GPUS is set but PDSERVE_DEVICE=cpu: use the GPU compose file, or unset PDSERVE_GPUS")
+        cpusets = [c.strip() for c in (env.get("PDSERVE_CPUSETS") or "").split(";") if c.strip()]
+        if cpusets:
+            slot, launch.lock_fd = claim(cpusets, lock_dir, "cpuset")
+            launch.cpus = [c for c in topo_mod.parse_cpu_list(cpusets[slot]) if c in probe.allowed_cpus()]
+            if not launch.cpus:
+                raise Refusal(f"PDSERVE_CPUSETS entry {cpusets[slot]} has no CPU this container may use")
+            env.setdefault("OMP_NUM_THREADS", str(len(launch.cpus)))
+            launch.notes.append(f"CPUs {cpusets[slot]} (slot {slot})")
+    env.setdefault("PDSERVE_PORT", str(int(env.get("PDSERVE_PORT_BASE") or 8100) + slot))
+    env.setdefault("PDSERVE_KV_PORT", str(int(env.get("PDSERVE_KV_PORT_BASE") or 8200) + slot))
+    env.setdefault("PDSERVE_HOST", "0.0.0.0")
+    if not env.get("PDSERVE_ADVERTISE_HOST"):
+        env["PDSERVE_ADVERTISE_HOST"] = own_address()
+    if (env.get("PDSERVE_KV_TRANSPORT") or "ucx") == "ucx":
+        launch.notes += configure_ucx(env, slot, gpu, topology, probe)
+    return slot, gpu
+
+
+def prepare(module: str, env: dict[str, str], probe: HostProbe | None = None) -> Launch:
+    """Check and fill in ``env`` for ``module``.  Raises Refusal or Surplus."""
+    probe = probe or HostProbe()
+    for name in [k for k, v in env.items() if v == "" and DROP_IF_EMPTY.match(k)]:
+        del env[name]
+    launch = Launch()
+    launch.notes += check_secrets(module, env)
+    info: dict = {"module": module}
+    if module == "gateway":
         env.setdefault("PDSERVE_GATEWAY_HOST", "0.0.0.0")
         port = env.setdefault("PDSERVE_GATEWAY_PORT", "8000")
-    HEALTH_FILE.write_text(f"http://127.0.0.1:{port}/health\n")
-    return fd
+    else:
+        slot, gpu = prepare_worker(env, probe, launch)
+        port = env["PDSERVE_PORT"]
+        info.update(worker_id=env.get("PDSERVE_WORKER_ID"), gpu=gpu, slot=slot, kv_port=int(env["PDSERVE_KV_PORT"]),
+                    advertise_host=env["PDSERVE_ADVERTISE_HOST"])
+    info.update(port=int(port), health_url=f"http://127.0.0.1:{port}/health")
+    RUNTIME_FILE.write_text(json.dumps(info) + "\n")
+    return launch
 
 
 def health() -> int:
-    """Exit 0 when the local service answers /health with 200 (compose healthcheck)."""
-    url = HEALTH_FILE.read_text().strip() if HEALTH_FILE.exists() else "http://127.0.0.1:8000/health"
+    """Exit 0 when the local service answers /health with status ok (compose healthcheck)."""
+    try:
+        url = json.loads(RUNTIME_FILE.read_text())["health_url"]
+    except (OSError, ValueError, KeyError):
+        url = "http://127.0.0.1:8000/health"
     try:
         with urllib.request.urlopen(url, timeout=5) as resp:
             status = json.loads(resp.read()).get("status")
@@ -109,17 +489,43 @@ def health() -> int:
     return 0 if status == "ok" else 1
 
 
+def whoami() -> int:
+    """Print the runtime file (worker id, GPU, ports): how ``pdctl`` maps containers to workers."""
+    try:
+        print(RUNTIME_FILE.read_text().strip())
+        return 0
+    except OSError:
+        print("{}")
+        return 1
+
+
 def main(argv: list[str]) -> None:
     if argv[:1] == ["--health"]:
         sys.exit(health())
+    if argv[:1] == ["--whoami"]:
+        sys.exit(whoami())
     if not argv or argv[0] not in MODULES:
-        raise SystemExit(f"usage: entrypoint.py {{{'|'.join(MODULES)}}} [flags...] | --health")
+        raise SystemExit(f"usage: entrypoint.py {{{'|'.join(MODULES)}}} [flags...] | --health | --whoami")
     module, args = argv[0], argv[1:]
     env = dict(os.environ)
-    fd = prepare(module, env)
-    if fd is not None:
-        os.set_inheritable(fd, True)  # the worker process keeps the GPU locked for its lifetime
-    os.execvpe(sys.executable, [sys.executable, "-m", module, *args], env)
+    try:
+        launch = prepare(module, env)
+    except Surplus as exc:
+        print(f"entrypoint: {exc}", flush=True)
+        sys.exit(0)
+    except (Refusal, topo_mod.TopologyError) as exc:
+        print(f"entrypoint: refusing to start {module}: {exc}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_CONFIG)
+    for note in launch.notes:
+        print(f"entrypoint: {note}", flush=True)
+    if module != "gateway" and env.get("PDSERVE_KV_TRANSPORT", "ucx") == "ucx":
+        print(f"entrypoint: {report_ucx(env)}", flush=True)
+    if launch.cpus:
+        os.sched_setaffinity(0, launch.cpus)  # inherited across exec
+    if launch.lock_fd is not None:
+        os.set_inheritable(launch.lock_fd, True)  # the worker process keeps its GPU locked for its lifetime
+    command = [*launch.prefix, sys.executable, "-m", module, *args]
+    os.execvpe(command[0], command, env)
 
 
 if __name__ == "__main__":

@@ -4,9 +4,12 @@
     pdctl drain WORKER [--wait]           stop admitting, finish in-flight work, report idle
     pdctl set-role WORKER ROLE [--wait]   prefill | decode | both, live (also resumes a drained worker)
     pdctl rebalance [targets] [--apply]   propose (and apply) role moves that meet TTFT/TPOT targets
-    pdctl scale --prefill N --decode M    the `docker compose up --scale` command for that many workers
     pdctl plan [traffic] [hardware]       simulate P:D splits on the real scheduler and router; recommend one
     pdctl calibrate [--model M]           measure engine steps here and fit the planner's cost model
+    pdctl gen-secrets                     write compose/.env: project name and fresh secrets (mode 0600)
+    pdctl rollout                         replace compose workers one at a time (drain, recreate, wait)
+    pdctl scale --prefill N --decode M    resize compose workers; scale-down drains what it removes
+    pdctl metrics-proxy                   Prometheus discovery and relay of worker /metrics
 
 ``--url`` (``PDSERVE_GATEWAY_URL``, default http://127.0.0.1:8000) and ``--admin-token``
 (``PDSERVE_ADMIN_TOKEN``) say where the gateway is.  Exit status: 0 done, 1 the gateway or a
@@ -17,8 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
-import subprocess
 import sys
 import time
 import urllib.error
@@ -26,6 +27,7 @@ import urllib.request
 from dataclasses import asdict
 
 from common.cluster.registry import ROLES
+from gateway.ops.cli import add_commands as add_deploy_commands, scale_command  # noqa: F401 (re-exported)
 from gateway.rebalance import Move, Targets, WorkerReading, plan
 
 
@@ -209,33 +211,6 @@ def cmd_rebalance(client: AdminClient, args) -> int:
     return 0
 
 
-def scale_command(prefill: int, decode: int, compose_file: str, compose: str = "docker compose",
-                  env_file: str | None = None, project: str | None = None) -> list[str]:
-    """The compose command that runs ``prefill`` prefill and ``decode`` decode workers."""
-    if prefill < 0 or decode < 0 or prefill + decode < 1:
-        raise ValueError(f"need at least one worker, got --prefill {prefill} --decode {decode}")
-    cmd = shlex.split(compose)
-    if project:
-        cmd += ["-p", project]
-    cmd += ["-f", compose_file]
-    if env_file:
-        cmd += ["--env-file", env_file]
-    return cmd + ["up", "-d", "--no-recreate", "--scale", f"prefill={prefill}", "--scale", f"decode={decode}"]
-
-
-def cmd_scale(_client, args) -> int:
-    if args.gpus is not None and args.prefill + args.decode > args.gpus:
-        raise ValueError(f"--prefill {args.prefill} + --decode {args.decode} workers need more GPUs than the "
-                         f"{args.gpus} this host has (one GPU per worker)")
-    cmd = scale_command(args.prefill, args.decode, args.file, args.compose, args.env_file, args.project)
-    print(shlex.join(cmd))
-    print("note: compose stops surplus containers when scaling down; `pdctl drain` them first so no "
-          "stream is cut, and live pool changes are `pdctl set-role`/`rebalance`", file=sys.stderr)
-    if args.run:
-        return subprocess.call(cmd)
-    return 0
-
-
 # ---- command line ----------------------------------------------------------------------------
 
 
@@ -277,18 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_rebalance)
 
-    s = sub.add_parser("scale", help="compose deployments: `docker compose up --scale` for N prefill, M decode")
-    s.add_argument("--prefill", type=int, required=True)
-    s.add_argument("--decode", type=int, required=True)
-    s.add_argument("--file", "-f", default=env("PDSERVE_COMPOSE_FILE", "compose/docker-compose.yml"))
-    s.add_argument("--env-file", default=None)
-    s.add_argument("--project", "-p", default=None, help="compose project name")
-    s.add_argument("--compose", default=env("PDSERVE_COMPOSE", "docker compose"),
-                   help="the compose command (e.g. docker-compose)")
-    s.add_argument("--gpus", type=int, default=None, help="GPUs on the host: refuse more workers than this")
-    s.add_argument("--run", action="store_true", help="run the command instead of only printing it")
-    s.set_defaults(func=cmd_scale)
     add_planner_parsers(sub)
+    add_deploy_commands(sub)  # gen-secrets, rollout, scale, metrics-proxy (gateway/ops)
     return p
 
 

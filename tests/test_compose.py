@@ -1,35 +1,45 @@
-"""compose/: every compose file validates, and what it names exists in the project.
+"""compose/: every file set renders with the real compose CLI for each profile, and the rendered
+files keep the deployment's promises (distinct projects, bounded logs, ulimits, stop grace over
+the drain, no published worker port, head files without workers, external model cache, no
+secrets in the build context, a dashboard whose metrics exist).
 
-Validation uses the compose CLI when one is installed (``docker compose`` v2, else Debian's
-``docker-compose``); the structural checks below run on the YAML itself either way.  No Docker
-engine is needed: ``config`` only parses and interpolates.
+The CLI is ``docker compose`` v2 or Debian's ``docker-compose`` 1.29 (CI installs it); without one
+the same checks run on the files as this module interpolates and merges them.  No Docker engine
+is needed: ``config`` only parses and interpolates.
 """
 from __future__ import annotations
 
 import importlib.util
-import os
+import inspect
+import json
 import re
 import shutil
 import subprocess
+import sys
 
 import pytest
 import yaml
 
-from common.cluster.launcher import ROOT, free_port
+from common.cluster.launcher import ROOT
+from gateway.ops.env_file import SHARED_SECRETS, STACKS as STACK_PROJECTS, build_env, write_env_file
 
 COMPOSE = ROOT / "compose"
 ENV_EXAMPLE = COMPOSE / ".env.example"
-# (files, the services they must define, the extra variables they require)
-STACKS = {
-    "gpu": (["docker-compose.yml"], {"redis", "gateway", "prefill", "decode"}, {}),
-    "cpu": (["docker-compose.cpu.yml"], {"redis", "gateway", "prefill", "decode"}, {}),
-    "head": (["docker-compose.yml", "docker-compose.head.yml"], {"redis", "gateway", "prefill", "decode"},
-             {"REDIS_BIND_ADDR": "10.0.0.1"}),
-    "workers": (["docker-compose.workers.yml"], {"prefill", "decode"},
-                {"REDIS_HOST": "10.0.0.1", "HOST_ADDR": "10.0.0.2"}),
-}
-SECRETS = {"REDIS_PASSWORD": "test-redis-pw", "PDSERVE_ADMIN_TOKEN": "test-admin-token"}
 WORKER_SERVICES = ("prefill", "decode")
+# file set -> (compose files, host settings its env file needs, profiles it offers)
+STACKS = {
+    "gpu": (["docker-compose.yml"], {"PDSERVE_MODEL": "hf:org/model"}, ("monitoring", "tls")),
+    "cpu": (["docker-compose.cpu.yml"], {}, ("monitoring", "tls")),
+    "head": (["docker-compose.yml", "docker-compose.head.yml"],
+             {"PDSERVE_MODEL": "hf:org/model", "REDIS_BIND_ADDR": "10.0.0.1"}, ("monitoring", "tls")),
+    "workers": (["docker-compose.workers.yml", "docker-compose.rdma.yml"],
+                {"PDSERVE_MODEL": "hf:org/model", "REDIS_HOST": "10.0.0.1", "HOST_ADDR": "10.0.0.2"}, ("monitoring",)),
+}
+PROFILED = {"monitoring": {"metrics-sd", "prometheus", "grafana", "dcgm-exporter"}, "tls": {"tls"}}
+BASE_SERVICES = {"gpu": {"redis", "gateway", "prefill", "decode"}, "cpu": {"redis", "gateway", "prefill", "decode"},
+                 "head": {"redis", "gateway", "prefill", "decode"}, "workers": {"prefill", "decode"}}
+GATEWAY_SHUTDOWN_MARGIN_S = 10
+WORKER_STOP_MARGIN_S = 15
 
 
 def compose_cli() -> list[str] | None:
@@ -41,23 +51,71 @@ def compose_cli() -> list[str] | None:
     return None
 
 
-def clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PDSERVE_", "REDIS_", "UCX_", "HOST_ADDR"))}
-    env.update(extra)
-    return env
+def profile_sets(stack: str) -> list[tuple[str, ...]]:
+    """No profile, and every profile at once (each profile only adds its own services)."""
+    return [(), STACKS[stack][2]]
 
 
-def render(stack: str, env: dict[str, str]) -> subprocess.CompletedProcess:
-    files, _services, _required = STACKS[stack]
-    args = [arg for name in files for arg in ("-f", str(COMPOSE / name))]
-    return subprocess.run([*compose_cli(), "--project-directory", str(COMPOSE), *args, "config"],
-                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=60)
+def expected_services(stack: str, profiles: tuple[str, ...]) -> set[str]:
+    services = set(BASE_SERVICES[stack])
+    for profile in profiles:
+        services |= PROFILED[profile]
+    if stack == "cpu":
+        services.discard("dcgm-exporter")
+    if stack == "workers":
+        services &= {"prefill", "decode", "dcgm-exporter"}
+    return services
+
+
+@pytest.fixture(scope="module")
+def env_files(tmp_path_factory):
+    """One env file per file set, written by `pdctl gen-secrets`' own code."""
+    root = tmp_path_factory.mktemp("env")
+    return {stack: write_env_file(root / f"{stack}.env", build_env(stack, settings=STACKS[stack][1])) for stack in STACKS}
+
+
+def env_values(env_files, stack: str) -> dict[str, str]:
+    from gateway.ops.env_file import read_env_file
+
+    return read_env_file(env_files[stack])
+
+
+def clean_env() -> dict[str, str]:
+    """The test process's environment minus anything the compose files read."""
+    import os
+
+    return {k: v for k, v in os.environ.items()
+            if not k.startswith(("PDSERVE_", "REDIS_", "UCX_", "HOST_ADDR", "COMPOSE_", "HF_", "GRAFANA_"))}
+
+
+def active(doc: dict, profiles) -> dict:
+    """``doc`` with only the services ``up`` would start under ``profiles`` (compose 1.29's
+    ``config`` prints every service, v2's only the active ones)."""
+    doc["services"] = {s: spec for s, spec in doc["services"].items()
+                       if not spec.get("profiles") or set(spec["profiles"]) & set(profiles)}
+    return doc
+
+
+def render_cli(stack: str, env_file, profiles=(), drop: str | None = None) -> subprocess.CompletedProcess:
+    args = [arg for name in STACKS[stack][0] for arg in ("-f", str(COMPOSE / name))]
+    args += [arg for p in profiles for arg in ("--profile", p)]
+    if drop:  # an env file without one variable
+        text = "\n".join(line for line in env_file.read_text().splitlines() if not line.startswith(f"{drop}="))
+        env_file = env_file.with_name(f"without-{drop}.env")
+        env_file.write_text(text + "\n")
+    return subprocess.run([*compose_cli(), "--env-file", str(env_file), *args, "config"],
+                          capture_output=True, text=True, env=clean_env(), cwd=ROOT, timeout=60)
+
+
+# ---- interpolation and merging without the CLI (the structural path) ---------------------------
 
 
 def interpolate(text: str, env: dict[str, str]) -> str:
-    """Compose's ${VAR}, ${VAR:-default}, ${VAR:?error} (enough for these files)."""
+    """Compose's ${VAR}, ${VAR:-default}, ${VAR:?error} and $$ (enough for these files)."""
 
     def sub(m: re.Match) -> str:
+        if m.group(0) == "$$":
+            return "$"
         name, op, arg = m.group(1), m.group(2), m.group(3) or ""
         value = env.get(name)
         if op == ":?" and not value:
@@ -66,156 +124,386 @@ def interpolate(text: str, env: dict[str, str]) -> str:
             return arg
         return value or ""
 
-    return re.sub(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:-|:\?)([^}]*))?\}", sub, text)
+    return re.sub(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:-|:\?)([^}]*))?\}", sub, text)
 
 
-def load_stack(stack: str, env: dict[str, str]) -> dict:
-    """The files of ``stack`` merged the simple way compose does for these files (services by key)."""
-    merged: dict = {"services": {}}
+def merge(base, override):
+    if isinstance(base, dict) and isinstance(override, dict):
+        out = dict(base)
+        for key, value in override.items():
+            out[key] = merge(base[key], value) if key in base else value
+        return out
+    if isinstance(base, list) and isinstance(override, list):
+        return base + [v for v in override if v not in base]
+    return override
+
+
+def load_stack(stack: str, env: dict[str, str], profiles=()) -> dict:
+    """The files of ``stack`` merged the way compose merges them (mappings deeply, lists appended)."""
+    merged: dict = {}
     for name in STACKS[stack][0]:
         doc = yaml.safe_load(interpolate((COMPOSE / name).read_text(), env))
-        for service, spec in doc.get("services", {}).items():
-            base = merged["services"].setdefault(service, {})
-            for key, value in spec.items():
-                if isinstance(value, list) and isinstance(base.get(key), list):
-                    base[key] = base[key] + value
-                else:
-                    base[key] = value
-        for key in ("volumes", "networks"):
-            merged.setdefault(key, {}).update(doc.get(key) or {})
-    return merged
+        doc = {k: v for k, v in doc.items() if not k.startswith("x-")}
+        merged = merge(merged, doc)
+    return active(merged, profiles)
 
 
-def stack_env(stack: str) -> dict[str, str]:
-    return clean_env(**SECRETS, **STACKS[stack][2])
+@pytest.fixture(scope="module")
+def rendered(env_files):
+    """(stack, profiles) -> the configuration: the CLI's rendering when a CLI exists, else ours."""
+    cli = compose_cli()
+    out = {}
+    for stack in STACKS:
+        for profiles in profile_sets(stack):
+            if cli:
+                result = render_cli(stack, env_files[stack], profiles)
+                assert result.returncode == 0, f"{stack} {profiles}: {result.stderr}"
+                out[stack, profiles] = active(yaml.safe_load(result.stdout), profiles)
+            else:
+                out[stack, profiles] = load_stack(stack, env_values(env_files, stack), profiles)
+    return out
 
 
-@pytest.fixture(scope="module", params=sorted(STACKS))
-def stack(request):
-    return request.param, load_stack(request.param, stack_env(request.param))
+def every_rendering(rendered):
+    return [(key, doc) for key, doc in rendered.items()]
 
 
-# ---- the compose CLI -------------------------------------------------------------------------
+def seconds(value) -> float:
+    text = str(value)
+    parts = re.findall(r"(\d+(?:\.\d+)?)(h|m|s)", text)
+    if not parts:
+        return float(text)
+    return sum(float(n) * {"h": 3600, "m": 60, "s": 1}[u] for n, u in parts)
 
 
-@pytest.mark.parametrize("name", sorted(STACKS))
-def test_compose_config_validates(name):
+# ---- the compose CLI ---------------------------------------------------------------------------
+
+
+def test_every_file_set_renders_for_every_profile(rendered):
     if compose_cli() is None:
-        pytest.skip("no compose CLI (install Debian's docker-compose or the docker compose plugin)")
-    result = render(name, stack_env(name))
-    assert result.returncode == 0, result.stderr
-    rendered = yaml.safe_load(result.stdout)
-    assert set(rendered["services"]) == STACKS[name][1]
-    for service in WORKER_SERVICES:
-        assert rendered["services"][service]["environment"]["PDSERVE_ADMIN_TOKEN"] == SECRETS["PDSERVE_ADMIN_TOKEN"]
+        pytest.skip("no compose CLI (install Debian's docker-compose or the docker compose plugin); "
+                    "the structural tests below still run")
+    for stack in STACKS:
+        for profiles in profile_sets(stack):  # the fixture asserted that the CLI accepted each
+            assert set(rendered[stack, profiles]["services"]) == expected_services(stack, profiles), (stack, profiles)
 
 
-@pytest.mark.parametrize("missing", sorted(SECRETS))
-def test_compose_refuses_to_start_without_secrets(missing):
+@pytest.mark.parametrize("missing", ["PDSERVE_CLUSTER_SECRET", "REDIS_PASSWORD", "COMPOSE_PROJECT_NAME",
+                                     "PDSERVE_MODEL"])
+def test_compose_refuses_to_start_without_the_env_file_values(missing, env_files):
     if compose_cli() is None:
         pytest.skip("no compose CLI")
-    env = stack_env("gpu")
-    del env[missing]
-    result = render("gpu", env)
+    result = render_cli("gpu", env_files["gpu"], drop=missing)
     assert result.returncode != 0 and missing in result.stderr
 
 
-# ---- structure (no CLI needed) ---------------------------------------------------------------
+# ---- rendered-file checks (CLI output, or the structural rendering) ------------------------------
 
 
-def test_services_and_secrets(stack):
-    name, doc = stack
-    services = doc["services"]
-    assert set(services) == STACKS[name][1]
-    for service, spec in services.items():
-        assert spec.get("restart") == "unless-stopped", service
-        assert spec.get("healthcheck", {}).get("test"), f"{service} has no health check"
-    if "redis" in services:
-        redis = services["redis"]
-        assert "--requirepass" in redis["command"]
-        assert redis["command"][redis["command"].index("--requirepass") + 1] == SECRETS["REDIS_PASSWORD"]
+def test_each_file_set_has_its_own_project_name(rendered):
+    names = {}
+    for (stack, _profiles), doc in rendered.items():
+        labels = {s: (spec.get("labels") or {}).get("com.pdserve.project") for s, spec in doc["services"].items()}
+        assert set(labels.values()) == {STACK_PROJECTS[stack][0]}, (stack, labels)
+        if "name" in doc:  # compose v2 prints the project name it resolved
+            assert doc["name"] == STACK_PROJECTS[stack][0]
+        names[stack] = STACK_PROJECTS[stack][0]
+    assert len(set(names.values())) == len(names), names
+
+
+def test_logs_rotate_and_limits_apply_everywhere(rendered):
+    for (stack, profiles), doc in rendered.items():
+        for service, spec in doc["services"].items():
+            logging = spec.get("logging") or {}
+            assert logging.get("driver") == "json-file", (stack, service)
+            assert logging["options"]["max-size"] and int(logging["options"]["max-file"]) >= 1, (stack, service)
+            assert spec["deploy"]["resources"]["limits"]["memory"], (stack, service, "no memory limit")
+            if service in ("gateway", "redis", "tls", *WORKER_SERVICES):
+                nofile = spec["ulimits"]["nofile"]
+                assert int(nofile["soft"]) >= 65536 and int(nofile["hard"]) >= 65536, (stack, service)
+
+
+def test_stop_grace_covers_the_drain(rendered):
+    from aiohttp import web
+
+    aiohttp_shutdown = inspect.signature(web.BaseRunner.__init__).parameters["shutdown_timeout"].default
+    assert "shutdown_timeout" not in (ROOT / "gateway" / "server.py").read_text()  # the default applies
+    for (stack, _profiles), doc in rendered.items():
+        for service in WORKER_SERVICES:
+            spec = doc["services"][service]
+            env = spec["environment"]
+            drain = float(env["PDSERVE_DRAIN_TIMEOUT"])
+            grace = seconds(spec["stop_grace_period"])
+            assert grace >= drain + WORKER_STOP_MARGIN_S, (stack, service, grace, drain)
+            assert seconds(env["PDSERVE_STOP_GRACE"]) == grace  # what the entrypoint checks against
+        if "gateway" in doc["services"]:
+            assert seconds(doc["services"]["gateway"]["stop_grace_period"]) >= aiohttp_shutdown + GATEWAY_SHUTDOWN_MARGIN_S
+
+
+def test_no_worker_port_is_published_and_head_files_start_no_worker(rendered):
+    for (stack, _profiles), doc in rendered.items():
+        services = doc["services"]
+        for service in WORKER_SERVICES:
+            assert not services[service].get("ports"), (stack, service)
+            replicas = int(services[service]["deploy"].get("replicas", 1))
+            assert "scale" not in services[service]  # 1.29 refuses scale together with deploy.replicas
+            if stack == "head":
+                assert replicas == 0, "the head file set must start no worker"
+            else:
+                assert replicas >= 1
         published = {s for s, spec in services.items() if spec.get("ports")}
-        assert published == ({"gateway", "redis"} if name == "head" else {"gateway"})
-        if name == "head":  # Redis only on the private address given
-            assert services["redis"]["ports"] == ["10.0.0.1:6379:6379"]
-    for service in WORKER_SERVICES:
-        url = services[service]["environment"]["REDIS_URL"]
-        assert url.startswith(f"redis://:{SECRETS['REDIS_PASSWORD']}@")
+        assert published <= {"gateway", "redis", "tls", "prometheus", "grafana"}, (stack, published)
+        if "redis" in published:
+            assert stack == "head"
+            ports = services["redis"]["ports"]
+            assert all("10.0.0.1" in str(p) for p in ports), ports  # the private address only
+        for service in published & {"prometheus", "grafana"}:
+            assert all("127.0.0.1" in str(p) for p in services[service]["ports"]), (stack, service)
 
 
-def test_commands_name_project_modules_and_valid_flags(stack, compose_entrypoint):
-    """Each service runs compose/entrypoint.py with one of the project's modules and flags that
-    module's own parser accepts, and every PDSERVE_* variable it sets is one the project reads."""
+def test_workers_claim_real_gpus_and_restart_only_on_failure(rendered):
+    for (stack, _profiles), doc in rendered.items():
+        for service in WORKER_SERVICES:
+            spec = doc["services"][service]
+            env = spec["environment"]
+            assert spec["restart"] == "on-failure", (stack, service)  # surplus replicas exit 0 and stay down
+            if stack == "cpu":
+                assert env["PDSERVE_DEVICE"] == "cpu" and not env.get("PDSERVE_GPUS")
+                continue
+            assert env["PDSERVE_DEVICE"] == "cuda", (stack, service)
+            devices = spec["deploy"]["resources"]["reservations"]["devices"]
+            assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
+            assert env["PDSERVE_GPUS"] == "all"
+            assert "cuda_ipc" in env["UCX_TLS"] and env["PDSERVE_KV_TRANSPORT"] == "ucx"
+            assert "/run/pdserve-locks" in " ".join(str(v) for v in spec["volumes"])
+        if "gateway" in doc["services"]:
+            assert doc["services"]["gateway"]["restart"] == "unless-stopped"
+
+
+def test_nics_and_ports_are_pinned_and_tcp_stays_as_fallback(rendered):
+    for (stack, _profiles), doc in rendered.items():
+        for service in WORKER_SERVICES:
+            env = doc["services"][service]["environment"]
+            assert env["UCX_NET_DEVICES"] == "auto", (stack, service)  # never "all"
+            assert int(env["PDSERVE_UCX_TCP_PORT_BASE"]) > 1024
+            if "UCX_TLS" in env:
+                assert "tcp" in env["UCX_TLS"].split(","), (stack, service)
+        if stack == "workers":
+            decode = doc["services"]["decode"]
+            assert decode["network_mode"] == "host"
+            assert decode["environment"]["PDSERVE_NETWORK_MODE"] == "host"
+            assert "rc" in decode["environment"]["UCX_TLS"].split(",")
+            assert decode["environment"]["PDSERVE_ADVERTISE_HOST"] == "10.0.0.2"
+            assert any("/dev/infiniband" in str(d) for d in decode["devices"]) and "IPC_LOCK" in decode["cap_add"]
+
+
+def test_models_read_only_and_the_cache_survives_down_v(rendered):
+    for (stack, _profiles), doc in rendered.items():
+        cache = doc["volumes"]["cache"]
+        assert cache.get("external") in (True, {"name": "pdserve-cache"}) or cache.get("external", {}).get("name")
+        assert (cache.get("name") or cache["external"].get("name")) == "pdserve-cache"
+        for service in (*WORKER_SERVICES, "gateway"):
+            if service not in doc["services"]:
+                continue
+            volumes = doc["services"][service]["volumes"]
+            as_text = [v if isinstance(v, str) else f"{v.get('source')}:{v['target']}:{'ro' if v.get('read_only') else 'rw'}"
+                       for v in volumes]
+            models = [v for v in as_text if ":/models" in v]
+            assert models and all(v.endswith(":ro") for v in models), (stack, service, as_text)
+            assert any(":/cache" in v for v in as_text)
+            assert doc["services"][service]["environment"]["PDSERVE_CACHE"] == "/cache"
+
+
+def test_gateway_requires_an_api_key_unless_opted_out(rendered):
+    for (stack, profiles), doc in rendered.items():
+        if "gateway" not in doc["services"]:
+            continue
+        env = doc["services"]["gateway"]["environment"]
+        assert env["PDSERVE_ALLOW_NO_API_KEY"] == "0" and env["PDSERVE_API_KEY"]
+        if "tls" in profiles:
+            tls = doc["services"]["tls"]
+            assert "PDSERVE_ALLOW_NO_API_KEY" in " ".join(tls["entrypoint"])
+            assert tls["environment"]["PDSERVE_ALLOW_NO_API_KEY"] == "0"
+
+
+def test_redis_password_stays_off_the_command_line(rendered):
+    for (stack, _profiles), doc in rendered.items():
+        redis = doc["services"].get("redis")
+        if redis:
+            password = redis["environment"]["REDIS_PASSWORD"]
+            assert password not in " ".join(redis["command"]) and "requirepass" in " ".join(redis["command"])
+
+
+# ---- the files themselves ------------------------------------------------------------------------
+
+
+def test_services_run_project_modules_with_flags_they_accept(env_files, compose_entrypoint):
+    """Each pdserve service runs compose/entrypoint.py with one of the project's modules and flags
+    that module's own parser accepts, and every PDSERVE_* variable it sets is one the project reads."""
     from common.worker.config import build_parser as worker_parser
     from gateway.config import build_parser as gateway_parser
 
     known = known_env_names()
-    for service, spec in stack[1]["services"].items():
-        if service == "redis":
-            continue
-        assert spec["entrypoint"] == ["python", "/opt/pdserve/compose/entrypoint.py"]
-        module, *flags = spec["command"]
-        assert module in compose_entrypoint.MODULES and importlib.util.find_spec(module) is not None
-        parser = gateway_parser() if module == "gateway" else worker_parser("decode", "test")
-        parser.parse_args(flags)  # SystemExit on an unknown flag or a bad role
-        unknown = {k for k in spec["environment"] if k.startswith("PDSERVE_")} - known
-        assert not unknown, f"{service} sets variables nothing reads: {sorted(unknown)}"
+    for stack in STACKS:
+        doc = load_stack(stack, env_values(env_files, stack), STACKS[stack][2])
+        for service, spec in doc["services"].items():
+            unknown = {k for k in spec.get("environment", {}) if k.startswith("PDSERVE_")} - known
+            assert not unknown, f"{stack}/{service} sets variables nothing reads: {sorted(unknown)}"
+            if spec.get("entrypoint") != ["python", "/opt/pdserve/compose/entrypoint.py"]:
+                continue
+            module, *flags = spec["command"]
+            assert module in compose_entrypoint.MODULES and importlib.util.find_spec(module) is not None
+            parser = gateway_parser() if module == "gateway" else worker_parser("decode", "test")
+            parser.parse_args(flags)  # SystemExit on an unknown flag or a bad role
 
 
-def test_gpu_workers_pinned_and_ucx_configured(stack):
-    name, doc = stack
-    if name == "cpu":
-        for service in WORKER_SERVICES:
-            assert doc["services"][service]["environment"]["PDSERVE_DEVICE"] == "cpu"
-        return
-    for service in WORKER_SERVICES:
-        spec = doc["services"][service]
-        devices = spec["deploy"]["resources"]["reservations"]["devices"]
-        assert devices and devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
-        env = spec["environment"]
-        assert env["PDSERVE_GPUS"] == "0,1,2,3,4,5,6,7"  # the 8-GPU example: one claimed per worker
-        assert "cuda_ipc" in env["UCX_TLS"] and env["PDSERVE_KV_TRANSPORT"] == "ucx"
-        assert spec["ipc"] == "host"  # CUDA IPC between containers
-        assert "/run/pdserve-locks" in " ".join(spec["volumes"])
-    if name == "workers":
-        assert "rc" in doc["services"]["decode"]["environment"]["UCX_TLS"].split(",")
-        assert doc["services"]["decode"]["network_mode"] == "host"
-        assert doc["services"]["decode"]["environment"]["PDSERVE_ADVERTISE_HOST"] == "10.0.0.2"
+def test_cpu_file_monitoring_and_tls_match_the_gpu_file():
+    gpu = yaml.safe_load((COMPOSE / "docker-compose.yml").read_text())["services"]
+    cpu = yaml.safe_load((COMPOSE / "docker-compose.cpu.yml").read_text())["services"]
+    for service in ("prometheus", "grafana", "tls"):
+        assert cpu[service] == gpu[service], service
+    assert {k: v for k, v in cpu["metrics-sd"].items() if k not in ("entrypoint", "image", "build")} == \
+           {k: v for k, v in gpu["metrics-sd"].items() if k not in ("entrypoint", "image", "build")}
+    assert "dcgm-exporter" in gpu and "dcgm-exporter" not in cpu
 
 
-def test_dockerfiles_copy_what_exists():
-    built = {spec["build"]["dockerfile"] for stack in STACKS
-             for spec in load_stack(stack, stack_env(stack))["services"].values() if "build" in spec}
-    assert built == {"compose/Dockerfile.gpu", "compose/Dockerfile.cpu"}
-    for dockerfile in built:
-        text = (ROOT / dockerfile).read_text()
-        for line in text.splitlines():
-            if line.startswith("COPY "):
-                *sources, _dest = line.split()[1:]
-                for source in sources:
-                    assert (ROOT / source).exists(), f"{dockerfile}: COPY {source} does not exist"
-        assert 'ENTRYPOINT ["python", "/opt/pdserve/compose/entrypoint.py"]' in text
-    assert "flash-attn" in (COMPOSE / "Dockerfile.gpu").read_text()
-    assert "ucxx" in (COMPOSE / "Dockerfile.gpu").read_text()
+def test_every_variable_is_documented_and_the_example_has_no_usable_secret():
+    from common.cluster.auth import secret_problem
 
-
-def test_every_variable_is_documented_in_env_example():
-    documented = set(re.findall(r"^#?\s*([A-Z][A-Z0-9_]+)=", ENV_EXAMPLE.read_text(), re.M))
+    text = ENV_EXAMPLE.read_text()
+    documented = set(re.findall(r"^#?\s*([A-Z][A-Z0-9_]+)=", text, re.M))
     used = set()
     for path in COMPOSE.glob("docker-compose*.yml"):
         used |= set(re.findall(r"\$\{([A-Z][A-Z0-9_]+)", path.read_text()))
     assert used - documented == set(), "undocumented variables"
     assert documented - used == set(), "documented variables no compose file reads"
+    values = dict(re.findall(r"^([A-Z][A-Z0-9_]+)=(.*)$", text, re.M))
+    for key in SHARED_SECRETS:
+        assert key in values and secret_problem(values[key]), f"{key} in .env.example looks usable"
 
 
-def test_scale_matches_the_compose_services():
-    from gateway.pdctl import scale_command
+def test_dashboard_uses_metrics_that_exist():
+    from prometheus_client import CollectorRegistry
 
-    for name in ("docker-compose.yml", "docker-compose.cpu.yml", "docker-compose.workers.yml"):
-        services = yaml.safe_load((COMPOSE / name).read_text())["services"]
-        cmd = scale_command(2, 3, f"compose/{name}")
-        scaled = {arg.split("=")[0] for arg in cmd if "=" in arg}
-        assert scaled <= set(services) and scaled == {"prefill", "decode"}
+    from common.worker.metrics import WorkerMetrics
+    from gateway.metrics import GatewayMetrics
+
+    exposed = set()
+    for registry in (GatewayMetrics().registry, WorkerMetrics().registry):
+        assert isinstance(registry, CollectorRegistry)
+        for family in registry.collect():
+            suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"),
+                        "gauge": ("",)}.get(family.type, ("",))
+            exposed |= {family.name + s for s in suffixes}
+    dashboard = json.loads((COMPOSE / "monitoring" / "grafana" / "dashboards" / "pdserve.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    used = {m for e in exprs for m in re.findall(r"\b(pdserve_[a-z0-9_]+)", e)}
+    assert used and used - exposed == set(), f"dashboard queries unknown metrics: {sorted(used - exposed)}"
+    titles = " ".join(p["title"].lower() for p in dashboard["panels"])
+    for topic in ("first token", "inter-token", "throughput", "kv cache usage", "hit rate", "transfer bytes",
+                  "transfer time", "queue depth", "gpu utilization"):
+        assert topic in titles, topic
+    assert any("by (role)" in e for e in exprs)  # per pool
+    prometheus = yaml.safe_load((COMPOSE / "monitoring" / "prometheus.yml").read_text())
+    jobs = {job["job_name"]: job for job in prometheus["scrape_configs"]}
+    assert jobs["pdserve-workers"]["http_sd_configs"][0]["url"].endswith("/targets/workers")
+    assert jobs["dcgm"]["http_sd_configs"][0]["url"].endswith("/targets/dcgm")
+
+
+def test_mounted_config_files_exist():
+    for name in ("docker-compose.yml", "docker-compose.cpu.yml"):
+        for spec in yaml.safe_load((COMPOSE / name).read_text())["services"].values():
+            for volume in spec.get("volumes", []):
+                source = str(volume).split(":")[0]
+                if source.startswith("./"):
+                    assert (COMPOSE / source).exists(), f"{name}: {source} does not exist"
+
+
+# ---- images: what the build contexts hold --------------------------------------------------------
+
+
+def dockerignore_excludes(patterns: list[str], path: str) -> bool:
+    """Docker's .dockerignore rule: the last pattern matching the path or one of its parent
+    directories decides; ``!`` re-includes; ``**`` spans directories."""
+
+    def regex(pattern: str) -> re.Pattern:
+        out, i = "", 0
+        while i < len(pattern):
+            if pattern.startswith("**/", i):
+                out, i = out + "(?:.*/)?", i + 3
+            elif pattern.startswith("**", i):
+                out, i = out + ".*", i + 2
+            elif pattern[i] == "*":
+                out, i = out + "[^/]*", i + 1
+            elif pattern[i] == "?":
+                out, i = out + "[^/]", i + 1
+            else:
+                out, i = out + re.escape(pattern[i]), i + 1
+        return re.compile(out + r"\Z")
+
+    parts = path.split("/")
+    candidates = ["/".join(parts[:n]) for n in range(1, len(parts) + 1)]
+    excluded = False
+    for line in patterns:
+        negate = line.startswith("!")
+        rx = regex(line[1:] if negate else line)
+        if any(rx.match(c) for c in candidates):
+            excluded = not negate
+    return excluded
+
+
+def read_dockerignore(path) -> list[str]:
+    return [line.strip().lstrip("/") for line in path.read_text().splitlines()
+            if line.strip() and not line.strip().startswith("#")]
+
+
+def test_dockerignore_matcher_follows_docker_rules():
+    rules = ["**", "!compose/**", "**/*.env"]
+    assert dockerignore_excludes(rules, "README.md")
+    assert not dockerignore_excludes(rules, "compose/entrypoint.py")
+    assert dockerignore_excludes(rules, "compose/head.env")
+    assert dockerignore_excludes(["secret"], "secret/inner/file")  # a directory takes its contents
+
+
+@pytest.mark.parametrize("dockerfile", ["Dockerfile.gpu", "Dockerfile.cpu"])
+def test_build_contexts_exclude_secrets(dockerfile, tmp_path):
+    """A tree holding env files where operators keep them: none reaches the build context, and
+    everything the Dockerfile copies does."""
+    patterns = read_dockerignore(COMPOSE / f"{dockerfile}.dockerignore")
+    tracked = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+                             capture_output=True, text=True, cwd=ROOT).stdout.split()
+    secrets = ["compose/.env", "compose/head.env", "compose/workers.env", ".env", "compose/.env.local",
+               "gateway/.env", "common/cluster/.env", "compose/tls/server.key", "compose/tls/cert.pem"]
+    context = [p for p in tracked + secrets if not dockerignore_excludes(patterns, p)]
+    assert not set(secrets) & set(context), f"secrets in the build context: {sorted(set(secrets) & set(context))}"
+    assert "compose/.env.example" not in context  # nothing from compose/ but what the image needs
+    for line in (COMPOSE / dockerfile).read_text().splitlines():
+        if line.startswith("COPY ") and "--from=" not in line:
+            *sources, _dest = line.split()[1:]
+            for source in sources:
+                assert (ROOT / source).exists(), f"{dockerfile}: COPY {source} does not exist"
+                assert any(p == source or p.startswith(source.rstrip("/") + "/") for p in context), \
+                    f"{dockerfile}: COPY {source} is excluded from the build context"
+
+
+def test_images_use_the_lock_and_the_gpu_image_is_multi_stage():
+    gpu = (COMPOSE / "Dockerfile.gpu").read_text()
+    cpu = (COMPOSE / "Dockerfile.cpu").read_text()
+    stages = re.findall(r"^FROM (\S+)(?: AS (\w+))?", gpu, re.M)
+    assert len(stages) == 2 and stages[0][1] == "builder"
+    assert "devel" in re.search(r"ARG BUILDER_IMAGE=(\S+)", gpu).group(1)
+    assert "runtime" in re.search(r"ARG RUNTIME_IMAGE=(\S+)", gpu).group(1)
+    assert "! command -v nvcc" in gpu  # the runtime stage proves it has no compiler
+    assert "ensure_default_model" not in gpu  # no model baked into the GPU image
+    assert "--with-verbs" in gpu and "--with-rdmacm" in gpu and "--with-gdrcopy" in gpu and "--with-cuda" in gpu
+    assert "RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY=true" in gpu and "/opt/ucx/bin" in gpu
+    assert "rdma-core" in gpu
+    for text, locks in ((gpu, ("gpu.lock", "flash-attn.lock", "build.lock")), (cpu, ("cpu.lock",))):
+        commands = text.replace("\\\n", " ").splitlines()
+        installs = [line for line in commands if "pip install" in line]
+        for lock in locks:
+            assert any(f"requirements/{lock}" in line and "--require-hashes" in line for line in installs), lock
+        assert all("--require-hashes" in line or "--no-deps" in line for line in installs)
 
 
 # ---- the entrypoint ----------------------------------------------------------------------------
@@ -225,55 +513,19 @@ def test_scale_matches_the_compose_services():
 def compose_entrypoint():
     spec = importlib.util.spec_from_file_location("compose_entrypoint", COMPOSE / "entrypoint.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
 
 def known_env_names() -> set[str]:
-    """PDSERVE_* names the worker flags, the gateway and the entrypoint read."""
+    """PDSERVE_* names the worker flags, the gateway, the model cache and the entrypoint read."""
+    from common.cluster.auth import SECRET_ENV
     from common.worker.config import build_parser
     from gateway.config import env_names as gateway_env_names
 
     names = {f"PDSERVE_{a.dest.upper()}" for a in build_parser("decode", "x")._actions if a.dest != "help"}
-    names |= gateway_env_names()
-    names |= set(re.findall(r"PDSERVE_[A-Z_]+", (COMPOSE / "entrypoint.py").read_text()))
+    names |= gateway_env_names() | {SECRET_ENV}
+    for path in (COMPOSE / "entrypoint.py", ROOT / "common" / "engine" / "default_model.py", COMPOSE / "tls" / "Caddyfile"):
+        names |= set(re.findall(r"PDSERVE_[A-Z_]+", path.read_text()))
     return names
-
-
-def test_gpu_claims_are_exclusive_and_visible_devices_put_the_claim_first(tmp_path, compose_entrypoint):
-    ep = compose_entrypoint
-    gpus = ["0", "1", "2"]
-    held = [ep.claim_gpu(gpus, tmp_path) for _ in gpus]
-    assert [slot for slot, _fd in held] == [0, 1, 2]
-    with pytest.raises(SystemExit, match="every GPU"):
-        ep.claim_gpu(gpus, tmp_path)
-    os.close(held[1][1])  # that worker exited: its GPU is free again
-    slot, fd = ep.claim_gpu(gpus, tmp_path)
-    assert slot == 1
-    for _slot, other in (held[0], held[2], (slot, fd)):
-        os.close(other)
-    assert ep.visible_devices(["4", "5", "6"], 1, isolate=False) == "5,4,6"
-    assert ep.visible_devices(["4", "5", "6"], 1, isolate=True) == "5"
-
-
-def test_prepare_sets_ports_address_and_health_url(tmp_path, monkeypatch, compose_entrypoint):
-    ep = compose_entrypoint
-    monkeypatch.setattr(ep, "HEALTH_FILE", tmp_path / "health")
-    env = {"PDSERVE_GPUS": "0,1", "PDSERVE_LOCK_DIR": str(tmp_path / "locks"), "PDSERVE_PORT_BASE": "9100"}
-    first = ep.prepare("decode_svc", env)
-    env2 = {"PDSERVE_GPUS": "0,1", "PDSERVE_LOCK_DIR": str(tmp_path / "locks"), "PDSERVE_ADVERTISE_HOST": "h2"}
-    second = ep.prepare("prefill_svc", env2)
-    try:
-        assert (env["PDSERVE_PORT"], env["PDSERVE_KV_PORT"], env["CUDA_VISIBLE_DEVICES"]) == ("9100", "8200", "0,1")
-        assert (env2["PDSERVE_PORT"], env2["PDSERVE_KV_PORT"], env2["CUDA_VISIBLE_DEVICES"]) == ("8101", "8201", "1,0")
-        assert env["PDSERVE_HOST"] == "0.0.0.0" and env["PDSERVE_ADVERTISE_HOST"]  # this container's address
-        assert env2["PDSERVE_ADVERTISE_HOST"] == "h2"
-        assert env2["PDSERVE_WORKER_ID"].endswith("-gpu1")
-        assert (tmp_path / "health").read_text().strip() == "http://127.0.0.1:8101/health"
-    finally:
-        os.close(first)
-        os.close(second)
-    gw = {"PDSERVE_GATEWAY_PORT": str(free_port())}
-    assert ep.prepare("gateway", gw) is None
-    assert gw["PDSERVE_GATEWAY_HOST"] == "0.0.0.0" and "CUDA_VISIBLE_DEVICES" not in gw
-    assert ep.health() == 1  # nothing listens on the gateway port here

@@ -122,16 +122,13 @@ def test_bad_targets_are_refused():
 # ---- scale -------------------------------------------------------------------------------------
 
 
-def test_scale_prints_the_compose_command(capsys):
-    assert pdctl.main(["scale", "--prefill", "3", "--decode", "5", "--gpus", "8"]) == 0
-    out = capsys.readouterr().out.strip()
-    assert out == ("docker compose -f compose/docker-compose.yml up -d --no-recreate "
-                   "--scale prefill=3 --scale decode=5")
+def test_scale_command_and_refusals(capsys):
+    """`scale` itself (drain-aware, via a backend) is tested in tests/test_pdctl_deploy.py."""
     assert pdctl.main(["scale", "--prefill", "5", "--decode", "5", "--gpus", "8"]) == 2
     assert "more GPUs" in capsys.readouterr().err
     assert pdctl.main(["scale", "--prefill", "0", "--decode", "0"]) == 2
     cmd = pdctl.scale_command(1, 2, "compose/docker-compose.cpu.yml", "docker-compose", ".env", "pd")
-    assert cmd == ["docker-compose", "-p", "pd", "-f", "compose/docker-compose.cpu.yml", "--env-file", ".env",
+    assert cmd == ["docker-compose", "-p", "pd", "--env-file", ".env", "-f", "compose/docker-compose.cpu.yml",
                    "up", "-d", "--no-recreate", "--scale", "prefill=1", "--scale", "decode=2"]
 
 

@@ -14,11 +14,18 @@ from common.engine.models.decoder import DecoderModel
 
 def resolve_checkpoint(model: str) -> Path:
     """Turn the ``model`` setting into a Hugging Face directory: ``default`` is the bundled Gemma 3
-    270M, a ``.gguf`` file is converted once into a cached directory."""
+    270M, ``hf:ORG/NAME[@REVISION]`` is downloaded once from the Hub (``common.engine.hub``), a
+    ``.gguf`` file is converted once into a cached directory (never next to the file, which may be
+    on a read-only mount)."""
     if model == "default":
         from common.engine.default_model import ensure_default_model
 
         return ensure_default_model()
+    if model.startswith("hf:"):
+        from common.engine.default_model import default_cache_dir
+        from common.engine.hub import hub_checkpoint
+
+        return hub_checkpoint(model, default_cache_dir())
     path = Path(model).expanduser()
     if not path.exists():
         raise FileNotFoundError(f"checkpoint path {str(path)!r} does not exist")

@@ -1,0 +1,115 @@
+"""``pdctl metrics-proxy``: Prometheus service discovery from the registry, and a relay for the
+workers' ``/metrics``.
+
+Workers publish no ports and answer internal requests only when they carry the cluster's
+signature, which Prometheus cannot make.  So Prometheus asks this proxy:
+
+    GET /targets/workers          HTTP SD: one target per registered worker, labelled worker_id,
+                                  role and model; __metrics_path__ = /workers/<id>/metrics
+    GET /workers/<id>/metrics     the worker's /metrics, fetched with a signed request
+    GET /targets/dcgm             HTTP SD for the DCGM exporters (--dcgm-targets)
+    GET /health
+
+The worker list comes from the gateway's ``/admin/pools`` (which lists only verified entries),
+cached for a few seconds.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from urllib.parse import quote, urlsplit
+
+import aiohttp
+from aiohttp import web
+
+from common.cluster.auth import ClusterAuth
+
+log = logging.getLogger(__name__)
+MAX_METRICS_BYTES = 16 << 20
+POOLS_TTL_S = 5.0
+
+
+class MetricsProxy:
+    """See the module docstring.  ``public_address`` is how Prometheus reaches this proxy."""
+
+    def __init__(self, gateway_url: str, admin_token: str | None, auth: ClusterAuth, public_address: str,
+                 dcgm_targets: str = "", timeout_s: float = 5.0):
+        self.gateway_url = gateway_url.rstrip("/")
+        self.admin_token = admin_token
+        self.auth = auth
+        self.public_address = public_address
+        self.dcgm_targets = dcgm_targets
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._pools: tuple[float, list[dict]] = (0.0, [])
+        self._session: aiohttp.ClientSession | None = None
+
+    async def workers(self) -> list[dict]:
+        fetched_at, workers = self._pools
+        if time.monotonic() - fetched_at < POOLS_TTL_S:
+            return workers
+        headers = {"X-Admin-Token": self.admin_token} if self.admin_token else {}
+        async with self._session.get(f"{self.gateway_url}/admin/pools", headers=headers, timeout=self.timeout) as resp:
+            if resp.status != 200:
+                raise web.HTTPBadGateway(text=f"gateway /admin/pools answered {resp.status}")
+            workers = (await resp.json())["workers"]
+        self._pools = (time.monotonic(), workers)
+        return workers
+
+    async def _targets_workers(self, _request: web.Request) -> web.Response:
+        targets = [{"targets": [self.public_address],
+                    "labels": {"__metrics_path__": f"/workers/{quote(w['worker_id'], safe='')}/metrics",
+                               "instance": w["worker_id"], "worker_id": w["worker_id"], "role": w["role"],
+                               "model": w.get("model", "")}}
+                   for w in await self.workers()]
+        return web.json_response(targets)
+
+    async def _targets_dcgm(self, _request: web.Request) -> web.Response:
+        spec = self.dcgm_targets.strip()
+        if spec.startswith("workers:"):  # one exporter per host that runs workers
+            port = spec.split(":", 1)[1]
+            hosts = sorted({urlsplit(w["http_address"]).hostname for w in await self.workers()} - {None})
+            addresses = [f"{h}:{port}" for h in hosts]
+        else:
+            addresses = [a.strip() for a in spec.split(",") if a.strip()]
+        return web.json_response([{"targets": addresses, "labels": {"job": "dcgm"}}] if addresses else [])
+
+    async def _worker_metrics(self, request: web.Request) -> web.Response:
+        worker_id = request.match_info["worker_id"]
+        worker = next((w for w in await self.workers() if w["worker_id"] == worker_id), None)
+        if worker is None:
+            raise web.HTTPNotFound(text=f"unknown worker {worker_id!r}")
+        headers = self.auth.sign_request("GET", "/metrics")
+        try:
+            async with self._session.get(f"{worker['http_address']}/metrics", headers=headers,
+                                         timeout=self.timeout) as resp:
+                body = await resp.content.read(MAX_METRICS_BYTES + 1)
+                if resp.status != 200 or len(body) > MAX_METRICS_BYTES:
+                    raise web.HTTPBadGateway(text=f"worker {worker_id} /metrics: HTTP {resp.status}, {len(body)} bytes")
+                return web.Response(body=body, content_type="text/plain", charset="utf-8")
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            raise web.HTTPBadGateway(text=f"worker {worker_id} did not answer: {exc}") from None
+
+    async def _health(self, _request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/targets/workers", self._targets_workers)
+        app.router.add_get("/targets/dcgm", self._targets_dcgm)
+        app.router.add_get("/workers/{worker_id}/metrics", self._worker_metrics)
+        app.on_startup.append(self._open)
+        app.on_cleanup.append(self._close)
+        return app
+
+    async def _open(self, _app) -> None:
+        self._session = aiohttp.ClientSession()
+
+    async def _close(self, _app) -> None:
+        await self._session.close()
+
+
+def serve(proxy: MetricsProxy, host: str, port: int) -> None:
+    print(f"metrics-proxy on http://{host}:{port} (targets for {proxy.public_address})", flush=True)
+    web.run_app(proxy.app(), host=host, port=port, print=None, access_log=None)
