@@ -2,7 +2,8 @@
 # Regenerate the lock files the images install with `pip install --require-hashes` (run
 # `make lock` after changing a dependency in pyproject.toml; needs `uv` on PATH, or UV=...).
 #
-#   cpu.lock          CPU image: Python 3.11, torch 2.13.0+cpu (PyTorch's CPU index), extra `ucx`
+#   cpu.lock          CPU image: Python 3.11, extra `ucx`, everything from PyPI ...
+#   cpu-torch.lock    ... but torch 2.13.0+cpu, which only PyTorch's CPU index has (installed from there alone)
 #   gpu.lock          GPU image: Python 3.12 (Ubuntu 24.04), torch 2.13.0 (CUDA 13, PyPI), extra `gpu`
 #                     without flash-attn, which the image builds from source in its builder stage:
 #   flash-attn.lock   flash-attn's source archive, pinned by hash
@@ -34,6 +35,19 @@ echo "torch==$TORCH+cpu" > "$tmp/cpu.in"
 "$UV" pip compile pyproject.toml "$tmp/cpu.in" --extra ucx --python-version 3.11 "${common[@]}" \
     ${PIP_FIND_LINKS:+--find-links "$PIP_FIND_LINKS"} ${TORCH_CPU_INDEX:+--extra-index-url "$TORCH_CPU_INDEX"} \
     --index-strategy unsafe-best-match --no-annotate -o requirements/cpu.lock
+# Move torch's entry to its own file: the image installs it from PyTorch's index only, so no other
+# package is ever taken from there.
+python3 - <<'PY'
+from pathlib import Path
+lock = Path("requirements/cpu.lock")
+lines = lock.read_text().splitlines(keepends=True)
+start = next(i for i, line in enumerate(lines) if line.startswith("torch=="))
+end = start + 1
+while end < len(lines) and lines[end].startswith(" "):
+    end += 1
+Path("requirements/cpu-torch.lock").write_text("".join(lines[start:end]))
+lock.write_text("".join(lines[:start] + lines[end:]))
+PY
 
 echo "torch==$TORCH" > "$tmp/gpu.in"
 echo "flash-attn==$FLASH_ATTN" >> "$tmp/gpu.in"

@@ -498,7 +498,7 @@ def test_images_use_the_lock_and_the_gpu_image_is_multi_stage():
     assert "--with-verbs" in gpu and "--with-rdmacm" in gpu and "--with-gdrcopy" in gpu and "--with-cuda" in gpu
     assert "RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY=true" in gpu and "/opt/ucx/bin" in gpu
     assert "rdma-core" in gpu
-    for text, locks in ((gpu, ("gpu.lock", "flash-attn.lock", "build.lock")), (cpu, ("cpu.lock",))):
+    for text, locks in ((gpu, ("gpu.lock", "flash-attn.lock", "build.lock")), (cpu, ("cpu.lock", "cpu-torch.lock"))):
         commands = text.replace("\\\n", " ").splitlines()
         installs = [line for line in commands if "pip install" in line]
         for lock in locks:

@@ -14,7 +14,7 @@ from common.cluster.launcher import ROOT
 
 REQS = ROOT / "requirements"
 # lock files an image installs -> the pyproject extras they must cover
-IMAGES = {"cpu": (["cpu.lock"], ["ucx"]), "gpu": (["gpu.lock", "flash-attn.lock"], ["gpu"])}
+IMAGES = {"cpu": (["cpu.lock", "cpu-torch.lock"], ["ucx"]), "gpu": (["gpu.lock", "flash-attn.lock"], ["gpu"])}
 
 
 def read_lock(name: str) -> dict[str, tuple[str, list[str]]]:
@@ -60,7 +60,8 @@ def test_every_pyproject_dependency_is_pinned_with_hashes(image):
 
 def test_images_run_the_torch_the_tests_run():
     torch = tested_torch()
-    assert read_lock("cpu.lock")["torch"][0] == f"{torch}+cpu"
+    assert read_lock("cpu-torch.lock")["torch"][0] == f"{torch}+cpu" and list(read_lock("cpu-torch.lock")) == ["torch"]
+    assert "torch" not in read_lock("cpu.lock")  # only PyTorch's index serves it, and only it
     assert read_lock("gpu.lock")["torch"][0] == torch
     assert "ucxx-cu13" in read_lock("gpu.lock") and "ucxx-cu12" not in read_lock("gpu.lock")  # torch's CUDA 13
 

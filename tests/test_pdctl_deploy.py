@@ -248,3 +248,26 @@ def test_metrics_proxy_lists_workers_and_relays_their_metrics(stack):
             assert (await client.get("/targets/workers")).status == 502
 
     asyncio.run(check())
+
+
+def test_scale_plan_names_the_containers_it_removes():
+    ps = ["docker", "ps", "-a", "--no-trunc", "--filter", "label=com.docker.compose.project=pdserve",
+          "--filter", "label=com.docker.compose.service=decode", "--format", "{{.ID}} {{.Names}} {{.State}}"]
+    run = Recorder({tuple(ps): "c1 pdserve-decode-1 running\nc2 pdserve-decode-2 running\nc3 pdserve-decode-3 exited\n",
+                    ("docker", "exec", "c1"): json.dumps({"worker_id": "h-gpu0"}),
+                    ("docker", "exec", "c2"): json.dumps({"worker_id": "h-gpu1"})})
+
+    class Registry:  # the admin API's answer, as a fixed reading
+        def workers(self):
+            return [{"worker_id": "h-gpu0", "role": "decode", "state": "active", "load": {"num_running": 3}},
+                    {"worker_id": "h-gpu1", "role": "decode", "state": "active", "load": {"num_running": 0}}]
+
+    backend = ComposeBackend("pdserve", ["compose/docker-compose.yml"], "compose/.env", runner=run)
+    op = Operator(Registry(), backend, say=lambda _line: None)
+    plan = op.plan_scale({"decode": 1})
+    assert [r.name for r in plan.remove["decode"]] == ["pdserve-decode-3", "pdserve-decode-2"]
+    assert plan.describe({w["worker_id"]: w for w in Registry().workers()}) == [
+        "decode: 3 -> 1 replica(s)",
+        "  remove pdserve-decode-3 (not running)",
+        "  remove pdserve-decode-2 (worker h-gpu1, active, 0 running, 0 waiting)",
+    ]
