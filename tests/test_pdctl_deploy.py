@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import stat
 import threading
 import time
@@ -231,7 +230,7 @@ def test_metrics_proxy_lists_workers_and_relays_their_metrics(stack):
     from gateway.ops.metrics_proxy import MetricsProxy
 
     async def check():
-        proxy = MetricsProxy(stack.gateway_url, ADMIN_TOKEN, ClusterAuth.from_env(os.environ), "proxy:9401",
+        proxy = MetricsProxy(stack.gateway_url, ADMIN_TOKEN, ClusterAuth(stack.cluster_secret), "proxy:9401",
                              dcgm_targets="workers:9400")
         async with TestClient(TestServer(proxy.app())) as client:
             targets = await (await client.get("/targets/workers")).json()
@@ -246,6 +245,10 @@ def test_metrics_proxy_lists_workers_and_relays_their_metrics(stack):
         wrong = MetricsProxy(stack.gateway_url, "wrong-token", ClusterAuth.disabled(), "proxy:9401")
         async with TestClient(TestServer(wrong.app())) as client:
             assert (await client.get("/targets/workers")).status == 502
+        # Workers answer only signed scrapes: without the cluster secret the relay gets nothing.
+        unsigned = MetricsProxy(stack.gateway_url, ADMIN_TOKEN, ClusterAuth("not-the-cluster-secret"), "proxy:9401")
+        async with TestClient(TestServer(unsigned.app())) as client:
+            assert (await client.get(decode["labels"]["__metrics_path__"])).status == 502
 
     asyncio.run(check())
 
