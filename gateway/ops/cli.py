@@ -68,8 +68,9 @@ def cmd_gen_secrets(_client, args) -> int:
 
 
 def operator(client, args) -> Operator:
+    # Polling a compose project runs `docker ps` and a `docker exec` per container: every 2 s is plenty.
     return Operator(client, compose_backend(args), drain_timeout=args.drain_timeout, ready_timeout=args.ready_timeout,
-                    stop_grace_s=args.stop_grace)
+                    stop_grace_s=args.stop_grace, poll_s=2.0)
 
 
 def cmd_rollout(client, args) -> int:
