@@ -155,9 +155,10 @@ def test_rollout_replaces_decode_workers_one_at_a_time_without_failing_a_request
                 assert answer["usage"]["completion_tokens"] == 8
                 results["ok"] += 1
             except Exception as exc:  # noqa: BLE001 - every failure is the finding
-                results["failed"].append(repr(exc))
+                body = exc.read().decode(errors="replace")[:300] if hasattr(exc, "read") else ""
+                results["failed"].append(f"{exc!r} {body}")
 
-    clients = [threading.Thread(target=load) for _ in range(2)]
+    clients = [threading.Thread(target=load)]  # back-to-back requests: traffic never pauses
     for c in clients:
         c.start()
     try:
