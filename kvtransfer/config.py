@@ -14,6 +14,8 @@ class KVTransferConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     waits for the receiver's acknowledgement after ``finish`` before it gives the blocks up.
     ``abort_grace`` bounds how long a failed transfer's payload may keep landing where the
     transport cannot divert it (UCX) before the receiver closes that connection to stop it.
+    ``io_timeout``: a frame that makes no progress for this long on TCP (or a UCX payload that
+    does not complete in this long) means the peer is gone, and the connection is closed.
     """
 
     transport: str = "tcp"
@@ -23,6 +25,7 @@ class KVTransferConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     transfer_timeout: float = 30.0
     lease_timeout: float = 10.0
     abort_grace: float = 5.0
+    io_timeout: float = 30.0
     checksum: bool = False
 
     def __post_init__(self) -> None:
@@ -32,7 +35,7 @@ class KVTransferConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError("kvtransfer config field 'host': must not be empty")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"kvtransfer config field 'port': {self.port} is outside 0..65535")
-        for name in ("connect_timeout", "transfer_timeout", "lease_timeout", "abort_grace"):
+        for name in ("connect_timeout", "transfer_timeout", "lease_timeout", "abort_grace", "io_timeout"):
             value = getattr(self, name)
             if not value > 0:
                 raise ValueError(f"kvtransfer config field {name!r}: must be > 0 seconds, got {value}")

@@ -26,6 +26,10 @@ async def client_handshake(channel: Channel, layout: KVLayout, checksum: bool, t
         raise HandshakeError(f"receiver rejected the connection: {reply.reason}")
     if not isinstance(reply, Welcome):
         raise HandshakeError(f"unexpected handshake reply {type(reply).__name__}")
+    try:
+        await channel.open_data_path(sender=True, timeout=timeout)
+    except (ConnectionLost, ProtocolError) as exc:
+        raise HandshakeError(f"handshake failed: {exc}") from None
     return reply.checksum
 
 
@@ -47,4 +51,5 @@ async def server_handshake(channel: Channel, layout: KVLayout, checksum: bool, t
         raise HandshakeError(reason)
     use_checksum = checksum or hello.checksum
     await channel.send(encode(Welcome(checksum=use_checksum)))
+    await channel.open_data_path(sender=False, timeout=timeout)
     return use_checksum

@@ -185,10 +185,12 @@ class KVReceiver:
     def __init__(self, cache: KVCache, config: KVTransferConfig, transport: Transport | None = None):
         self.cache = cache
         self.config = config
-        self.transport = transport or make_transport(config.transport)
+        self._owns_transport = transport is None
+        self.transport = transport or make_transport(config.transport, config)
         self._transfers: dict[str, IncomingTransfer] = {}
         self._ended: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._conns: set[_SenderConnection] = set()
+        self._serving: set[asyncio.Task] = set()  # one per connection (see _serve)
         self._tasks: set[asyncio.Task] = set()
         self._listener: Listener | None = None
 
@@ -241,14 +243,17 @@ class KVReceiver:
             await asyncio.wait([h._future for h in pending], timeout=self.config.abort_grace + 1.0)
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=self.config.connect_timeout)
-        for conn in list(self._conns):
-            conn.channel.close()
-        await asyncio.sleep(0)  # let the connection handlers see the close and end
         if self._listener is not None:
             self._listener.close()
-        for task in list(self._tasks):
+        for conn in list(self._conns):
+            conn.channel.close()  # each connection's handler ends with it
+        if self._serving:
+            await asyncio.wait(list(self._serving), timeout=self.config.connect_timeout)
+        for task in [*self._tasks, *self._serving]:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*self._tasks, *self._serving, return_exceptions=True)
+        if self._owns_transport:
+            self.transport.close()
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -269,6 +274,8 @@ class KVReceiver:
     async def _serve(self, channel: Channel) -> None:
         conn = _SenderConnection(channel, self)
         self._conns.add(conn)
+        task = asyncio.current_task()
+        self._serving.add(task)
         reason = "connection closed"
         try:
             conn.checksum = await server_handshake(channel, self.cache.layout, self.config.checksum,
@@ -294,6 +301,7 @@ class KVReceiver:
         finally:
             channel.close()
             self._conns.discard(conn)
+            self._serving.discard(task)
             for handle in list(conn.transfers):
                 handle.fail(PeerLost(f"transfer {handle.transfer_id!r}: sender connection lost ({reason})"))
 

@@ -62,6 +62,11 @@ class OutgoingTransfer:
             except ConnectionLost as exc:
                 self._fail(PeerLost(f"transfer {self.transfer_id!r}: {exc}"))
                 self._check()
+            except asyncio.CancelledError:
+                # The channel sent this frame whole or not at all; the receiver must still learn
+                # that no more is coming, so it can free the blocks now instead of at its deadline.
+                self.abort("sender cancelled")
+                raise
             self.nbytes += region.numel()
 
     async def finish(self, metadata: dict | None = None, lease_timeout: float | None = None) -> None:
@@ -71,14 +76,17 @@ class OutgoingTransfer:
         lease = lease_timeout or self._sender.config.lease_timeout
         try:
             await self._conn.channel.send(encode(Done(self.transfer_id, metadata)))
+            await asyncio.wait_for(asyncio.shield(self._outcome), lease)
         except ConnectionLost as exc:
             self._fail(PeerLost(f"transfer {self.transfer_id!r}: {exc}"))
-        try:
-            await asyncio.wait_for(asyncio.shield(self._outcome), lease)
+            self._check()
         except asyncio.TimeoutError:
             self._fail(TransferTimeout(f"transfer {self.transfer_id!r}: no acknowledgement within {lease}s"))
             self._conn.notify(Abort(self.transfer_id, f"sender lease of {lease}s expired"))
             self._check()
+        except asyncio.CancelledError:
+            self.abort("sender cancelled")
+            raise
 
     def abort(self, reason: str = "") -> None:
         """Fail this transfer and tell the receiver (best effort)."""
@@ -152,7 +160,8 @@ class KVSender:
     def __init__(self, cache: KVCache, config: KVTransferConfig, transport: Transport | None = None):
         self.cache = cache
         self.config = config
-        self.transport = transport or make_transport(config.transport)
+        self._owns_transport = transport is None
+        self.transport = transport or make_transport(config.transport, config)
         self._conns: dict[str, _ReceiverConnection] = {}
         self._connecting: dict[str, asyncio.Task] = {}
         self._tasks: set[asyncio.Task] = set()
@@ -194,6 +203,8 @@ class KVSender:
         for conn in list(self._conns.values()):
             conn.reader.cancel()
         await asyncio.gather(*[c.reader for c in self._conns.values()], *self._tasks, return_exceptions=True)
+        if self._owns_transport:
+            self.transport.close()
 
     async def _connection(self, address: str) -> _ReceiverConnection:
         conn = self._conns.get(address)

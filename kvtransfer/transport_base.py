@@ -9,9 +9,12 @@ region or ``discard_payload`` it, before reading the next header.
 from __future__ import annotations
 
 import abc
-from typing import Awaitable, Callable
+from typing import TYPE_CHECKING, Awaitable, Callable
 
 import torch
+
+if TYPE_CHECKING:
+    from kvtransfer.config import KVTransferConfig
 
 
 class Channel(abc.ABC):
@@ -35,6 +38,11 @@ class Channel(abc.ABC):
     @abc.abstractmethod
     async def discard_payload(self, nbytes: int) -> None:
         """Consume the payload announced by the last header without keeping it (no big buffer)."""
+
+    async def open_data_path(self, sender: bool, timeout: float) -> None:
+        """Called on both ends once the handshake has passed, before any payload. A transport
+        whose payloads travel apart from the headers (UCX) sets that path up here, so nothing
+        about it reaches a peer that has not authenticated."""
 
     def divert_payload(self) -> bool:
         """Stop landing the payload that ``recv_payload_into`` is receiving right now.
@@ -70,9 +78,13 @@ class Listener(abc.ABC):
 
 
 class Transport(abc.ABC):
-    """Factory for channels: ``listen`` on the receiver, ``connect`` on the sender."""
+    """Factory for channels: ``listen`` on the receiver, ``connect`` on the sender. ``close``
+    releases what the transport holds beyond its channels (the UCX worker)."""
 
     name: str
+
+    def close(self) -> None:
+        """Release the transport's own resources; its channels and listeners are closed first."""
 
     @abc.abstractmethod
     async def listen(self, host: str, port: int, on_channel: Callable[[Channel], Awaitable[None]]) -> Listener:
@@ -88,16 +100,19 @@ def byte_view(region: torch.Tensor) -> torch.Tensor:
     return region.reshape(-1).view(torch.uint8)
 
 
-def make_transport(name: str) -> Transport:
-    """The transport named in the config (imports UCX only when asked for)."""
+def make_transport(name: str, config: "KVTransferConfig | None" = None) -> Transport:
+    """The transport named ``name``, with ``config``'s timeouts (imports UCX only when asked for)."""
+    from kvtransfer.config import KVTransferConfig
+
+    config = config or KVTransferConfig(transport=name)
     if name == "tcp":
         from kvtransfer.transport_tcp import TcpTransport
 
-        return TcpTransport()
+        return TcpTransport(config)
     if name == "ucx":
         from kvtransfer.transport_ucx import UcxTransport
 
-        return UcxTransport()
+        return UcxTransport(config)
     if name == "inproc":
         from kvtransfer.transport_inproc import InProcTransport
 

@@ -13,8 +13,10 @@ from typing import Awaitable, Callable
 
 import torch
 
+from kvtransfer.config import KVTransferConfig
 from kvtransfer.errors import ConnectionLost, ProtocolError
 from kvtransfer.messages import MAX_HEADER_BYTES
+from kvtransfer.socket_io import FrameWriter, TcpListener, connect_tcp
 from kvtransfer.transport_base import Channel, Listener, Transport
 
 _LEN = struct.Struct("!I")
@@ -36,13 +38,13 @@ class TcpChannel(Channel):
     once (the stdlib loop does not wake a ``sock_recv_into`` whose socket was closed).
     """
 
-    def __init__(self, sock: socket.socket):
+    def __init__(self, sock: socket.socket, io_timeout: float = 30.0):
         sock.setblocking(False)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._sock = sock
         self._fd = sock.fileno()
         self._loop = asyncio.get_running_loop()
-        self._send_lock = asyncio.Lock()
+        self._writer = FrameWriter(sock, io_timeout, self._on_stall)
         self._closed = False
         self._error: ConnectionLost | None = None
         self._len_buf = bytearray(_LEN.size)
@@ -62,17 +64,19 @@ class TcpChannel(Channel):
             return "tcp (closed)"
 
     async def send(self, header: bytes, payload: torch.Tensor | None = None) -> None:
-        async with self._send_lock:
-            if self._error is not None:
-                raise self._error
-            try:
-                await self._loop.sock_sendall(self._sock, _LEN.pack(len(header)) + header)
-                if payload is not None:
-                    if payload.device.type != "cpu":
-                        payload = payload.cpu()  # TCP needs host memory; UCX is the GPU path
-                    await self._loop.sock_sendall(self._sock, _host_view(payload))
-            except (OSError, RuntimeError) as exc:
-                raise ConnectionLost(f"tcp send failed: {exc}") from None
+        """Cancel-safe (``FrameWriter``): a cancelled send leaves no half frame on the wire."""
+        if self._error is not None:
+            raise self._error
+        parts = [_LEN.pack(len(header)) + header]
+        if payload is not None:
+            if payload.device.type != "cpu":
+                payload = payload.cpu()  # TCP needs host memory; UCX is the GPU path
+            parts.append(_host_view(payload))
+        await self._writer.send(parts)
+
+    def _on_stall(self, error: ConnectionLost) -> None:
+        self._fail(error)
+        self.close()
 
     # -- receiving ---------------------------------------------------------------------------
 
@@ -184,6 +188,7 @@ class TcpChannel(Channel):
             return
         self._closed = True
         self._fail(ConnectionLost("tcp channel closed"))
+        self._writer.fail(self._error)
         if not self._loop.is_closed():
             self._loop.remove_reader(self._fd)
         waiter = self._rx_waiter
@@ -193,47 +198,27 @@ class TcpChannel(Channel):
 
 
 class _TcpListener(Listener):
-    def __init__(self, sock: socket.socket, accept_task: asyncio.Task, host: str):
-        self._sock = sock
-        self._accept_task = accept_task
-        self.address = f"{host}:{sock.getsockname()[1]}"
+    def __init__(self, listener: TcpListener):
+        self._listener = listener
+        self.address = listener.address
 
     def close(self) -> None:
-        self._accept_task.cancel()
-        self._sock.close()
+        self._listener.close()
 
 
 class TcpTransport(Transport):
-    """Plain TCP; selected with ``transport="tcp"``."""
+    """Plain TCP; selected with ``transport="tcp"``. Listens on exactly the configured host."""
 
     name = "tcp"
 
+    def __init__(self, config: KVTransferConfig):
+        self._io_timeout = config.io_timeout
+
     async def listen(self, host: str, port: int, on_channel: Callable[[Channel], Awaitable[None]]) -> Listener:
-        loop = asyncio.get_running_loop()
-        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen(128)
-        sock.setblocking(False)
+        async def accepted(sock: socket.socket) -> None:
+            await on_channel(TcpChannel(sock, self._io_timeout))
 
-        handlers: set[asyncio.Task] = set()  # strong references until each handler ends
-
-        async def accept_loop() -> None:
-            while True:
-                conn, _ = await loop.sock_accept(sock)
-                task = loop.create_task(on_channel(TcpChannel(conn)))
-                handlers.add(task)
-                task.add_done_callback(handlers.discard)
-
-        return _TcpListener(sock, loop.create_task(accept_loop()), host)
+        return _TcpListener(TcpListener(host, port, accepted))
 
     async def connect(self, host: str, port: int, timeout: float) -> Channel:
-        loop = asyncio.get_running_loop()
-        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-        sock.setblocking(False)
-        try:
-            await asyncio.wait_for(loop.sock_connect(sock, (host, port)), timeout)
-        except (OSError, asyncio.TimeoutError) as exc:
-            sock.close()
-            raise ConnectionLost(f"cannot connect to {host}:{port} over tcp: {exc!r}") from None
-        return TcpChannel(sock)
+        return TcpChannel(await connect_tcp(host, port, timeout), self._io_timeout)

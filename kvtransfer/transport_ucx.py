@@ -1,20 +1,37 @@
-"""UCX transport through ucxx: UCX picks shared memory, TCP, RDMA or CUDA IPC by itself.
+"""UCX transport: headers over a TCP connection, payloads as UCX tag messages.
 
-Frames are UCX tag messages on the endpoint's own tags, so they stay in order: a header message
-(``u32 len | header``, received into a fixed ``4 + MAX_HEADER_BYTES`` buffer: a longer one is a
-truncation error, never an allocation) then the payload message, received straight into the
-destination cache region (host or device memory). Payloads above the rendezvous threshold move
-zero-copy (CMA ``process_vm_readv`` between processes on one host, RDMA or CUDA IPC elsewhere).
+UCX picks shared memory (CMA), RDMA or CUDA IPC for the payloads by itself; the headers, which
+are small, travel over a plain TCP connection that the receiver accepts on exactly the
+configured interface. One channel, from a sender S to a receiver R::
 
-Tuning, applied as defaults before ucxx is imported (the environment still wins):
+    S --TCP connect--> R's listener (bound to the configured host:port; no UCX listener at all)
+    S <== handshake (layout, cluster secret proofs) over TCP ==> R
+    R --TCP: DataPath(R's UCX worker address, random 64-bit tag base)--> S    (authenticated only)
+    S: UCX endpoint to R's worker
 
-* ``UCX_POSIX_ERROR_HANDLING=y``, ``UCX_SYSV_ERROR_HANDLING=y``, ``UCX_CMA_MEMORY_INVALIDATE=y``:
-  endpoints from a UCX listener always use peer error handling (we need it to see a peer die),
-  and without these UCX silently drops every shared-memory transport for such endpoints and
-  falls back to TCP over loopback (~1 GB/s here).
-* ``UCXPY_ENABLE_PYTHON_FUTURE=1``: completions wake the event loop through a notifier thread
-  instead of the loop polling each request, which on a 2-core host halves the bandwidth.
-* ``UCX_RNDV_FRAG_MEM_TYPE=host`` on hosts without CUDA (ucxx defaults it to ``cuda``).
+    frame k on TCP:  u32 header_len | u64 seq | header      seq 0: no payload
+                                                            seq n > 0: payload n follows on UCX
+    payload n:       UCX tag message, tag = tag_base + n    (S posts it right behind its header)
+
+Why this shape:
+
+* The UCX worker address and tags reach only a peer that passed the handshake, and nothing
+  listens on a wildcard address (``ucxx.create_listener`` binds every interface).
+* Every payload has a tag of its own, so a payload can never land in the region meant for
+  another one, whatever was cancelled or lost before it.
+* The TCP connection shows a dead peer at once, even while a payload is awaited: the receiver
+  then cancels its pending UCX receive.
+
+Cancellation and failure:
+
+* A sender's frame is committed once queued: header and payload both go out, and a cancelled
+  ``send`` waits for the payload to be taken (bounded by ``io_timeout``, after which the channel
+  closes, which cancels the UCX send) before the cancellation goes on, because UCX may still be
+  reading the source blocks until then.
+* ``divert_payload`` cancels the receiver's pending UCX receive. If it had not matched yet, a
+  one-byte receive takes the message whenever it comes (the sender completes, nothing lands);
+  if it had, it finishes first. Either way ``recv_payload_into`` returns once nothing more can
+  land in the region.
 """
 from __future__ import annotations
 
@@ -23,49 +40,35 @@ import ctypes
 import logging
 import os
 import re
+import secrets
+import socket
 import struct
-import threading
-from typing import Awaitable, Callable
+from typing import Annotated, Awaitable, Callable
 
+import msgspec
 import numpy as np
 import torch
 
+from kvtransfer.config import KVTransferConfig
 from kvtransfer.errors import ConnectionLost, ProtocolError
 from kvtransfer.messages import MAX_HEADER_BYTES
+from kvtransfer.socket_io import FrameWriter, TcpListener, connect_tcp, wait_uncancelled
 from kvtransfer.transport_base import Channel, Listener, Transport
+from kvtransfer.ucx_worker import UcxWorker
 
 log = logging.getLogger(__name__)
 
-_LEN = struct.Struct("!I")
-UCX_DEFAULTS = {
-    "UCX_POSIX_ERROR_HANDLING": "y",
-    "UCX_SYSV_ERROR_HANDLING": "y",
-    "UCX_CMA_MEMORY_INVALIDATE": "y",
-    "UCX_WARN_UNUSED_ENV_VARS": "n",
-    "UCXPY_ENABLE_PYTHON_FUTURE": "1",
-}
+_CONTROL = struct.Struct("!IQ")  # header length, payload sequence number (0: none)
+_MAX_BUFFERED = 4 * (MAX_HEADER_BYTES + _CONTROL.size)  # then stop reading until frames are taken
+_TAG_MASK = (1 << 64) - 1
+_LATE_CANCEL_S = 5.0
 
 
-_exit_hook_registered = False
+class DataPath(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Receiver -> sender, once the handshake has passed: where and how to send payloads."""
 
-
-def import_ucxx():
-    """Import ucxx with our defaults in the environment (they must be set before UCX starts)."""
-    for key, value in UCX_DEFAULTS.items():
-        os.environ.setdefault(key, value)
-    if not torch.cuda.is_available():
-        os.environ.setdefault("UCX_RNDV_FRAG_MEM_TYPE", "host")
-    import ucxx
-
-    global _exit_hook_registered
-    if not _exit_hook_registered and os.environ.get("UCXPY_ENABLE_PYTHON_FUTURE") != "0":
-        # ucxx's notifier thread is not a daemon and would block interpreter exit forever; stop it
-        # in the hook that runs before non-daemon threads are joined (what concurrent.futures uses).
-        register = getattr(threading, "_register_atexit", None)
-        if register is not None:
-            register(ucxx.stop_notifier_thread)
-        _exit_hook_registered = True
-    return ucxx
+    address: Annotated[bytes, msgspec.Meta(min_length=1, max_length=32 * 1024)]
+    tag_base: Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
 
 
 def ucx_settings() -> dict[str, str]:
@@ -73,7 +76,7 @@ def ucx_settings() -> dict[str, str]:
     return {k: v for k, v in sorted(os.environ.items()) if k.startswith(("UCX_", "UCXPY_"))}
 
 
-def endpoint_lanes(ep) -> list[str]:
+def endpoint_lanes(ucp_endpoint: int) -> list[str]:
     """The transports UCX chose for an endpoint, e.g. ``["sysv/memory(am)", "cma/memory(rma_bw)"]``.
 
     Read from ``ucp_ep_print_info`` (ucxx has no Python API for it); ``[]`` if unavailable.
@@ -87,7 +90,7 @@ def endpoint_lanes(ep) -> list[str]:
         for fn in (libc.fflush, libc.rewind, libc.fileno, libc.fclose):
             fn.argtypes = [ctypes.c_void_p]
         stream = libc.tmpfile()
-        ucp.ucp_ep_print_info(ctypes.c_void_p(ep.ucp_endpoint), ctypes.c_void_p(stream))
+        ucp.ucp_ep_print_info(ctypes.c_void_p(ucp_endpoint), ctypes.c_void_p(stream))
         libc.fflush(stream)
         libc.rewind(stream)
         with os.fdopen(os.dup(libc.fileno(stream)), "r") as f:
@@ -109,111 +112,352 @@ def _array(region: torch.Tensor):
     return region.numpy() if region.device.type == "cpu" else region
 
 
-class UcxChannel(Channel):
-    """One ucxx endpoint carrying frames in both directions."""
+class _ControlConnection:
+    """The TCP half of a UCX channel: buffered frame reader plus the cancel-safe writer.
 
-    def __init__(self, ep, ucxx):
-        self._ep = ep
-        self._ucxx = ucxx
-        self._send_lock = asyncio.Lock()
-        self._header_buf = np.zeros(_LEN.size + MAX_HEADER_BYTES, dtype=np.uint8)
-        self._last_len = 0
+    The reader is always registered (up to ``_MAX_BUFFERED``), so the end of the connection is
+    seen the moment it happens, even while the channel's owner is waiting for a payload."""
+
+    def __init__(self, sock: socket.socket, io_timeout: float, on_lost: Callable[[ConnectionLost], None],
+                 on_stall: Callable[[ConnectionLost], None]):
+        self._sock = sock
+        self._fd = sock.fileno()
+        self._loop = asyncio.get_running_loop()
+        self.writer = FrameWriter(sock, io_timeout, on_stall)
+        self._on_lost = on_lost
+        self._buf = bytearray()
+        self._eof: ConnectionLost | None = None  # what ended the stream; buffered frames still count
         self._closed = False
-        self.lanes = endpoint_lanes(ep)
+        self._waiter: asyncio.Future | None = None
+        self._reading = True
+        self._loop.add_reader(self._fd, self._on_readable)
+
+    @staticmethod
+    def frame(seq: int, header: bytes) -> list[bytes]:
+        return [_CONTROL.pack(len(header), seq), header]
+
+    def _on_readable(self) -> None:
+        try:
+            data = self._sock.recv(256 * 1024)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            self._ended(ConnectionLost(f"ucx channel: tcp receive failed: {exc}"))
+            return
+        if not data:
+            self._ended(ConnectionLost("peer closed the connection"))
+            return
+        self._buf += data
+        if len(self._buf) >= _MAX_BUFFERED:
+            self._pause()
+        self._wake()
+
+    def _ended(self, error: ConnectionLost) -> None:
+        if self._eof is None:
+            self._eof = error
+        self._pause()
+        self._wake()
+        self._on_lost(error)
+
+    def _pause(self) -> None:
+        if self._reading:
+            self._reading = False
+            if not self._loop.is_closed():
+                self._loop.remove_reader(self._fd)
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def _take_frame(self) -> tuple[int, bytes] | None:
+        if len(self._buf) < _CONTROL.size:
+            return None
+        length, seq = _CONTROL.unpack_from(self._buf)
+        if not 0 < length <= MAX_HEADER_BYTES:
+            raise ProtocolError(f"frame announces a {length}-byte header (limit {MAX_HEADER_BYTES})")
+        end = _CONTROL.size + length
+        if len(self._buf) < end:
+            return None
+        header = bytes(self._buf[_CONTROL.size : end])
+        del self._buf[:end]
+        if not self._reading and self._eof is None and not self._closed:
+            self._reading = True
+            self._loop.add_reader(self._fd, self._on_readable)
+        return seq, header
+
+    async def recv_frame(self) -> tuple[int, bytes]:
+        """The next ``(seq, header)``; frames buffered before the end still come out first."""
+        while True:
+            if self._closed:
+                raise ConnectionLost("ucx channel closed")
+            frame = self._take_frame()
+            if frame is not None:
+                return frame
+            if self._eof is not None:
+                raise self._eof
+            self._waiter = self._loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+
+    def close(self, error: ConnectionLost) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._pause()
+        self.writer.fail(error)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_exception(error)
+        self._sock.close()
+
+
+class UcxChannel(Channel):
+    """One sender<->receiver connection: TCP for headers, UCX for payloads (module docstring)."""
+
+    def __init__(self, sock: socket.socket, ucx: UcxWorker, io_timeout: float):
+        self._ucx = ucx
+        self._loop = asyncio.get_running_loop()
+        self._io_timeout = io_timeout
+        self._control = _ControlConnection(sock, io_timeout, self._peer_lost, self._abandon)
+        self._error: ConnectionLost | None = None
+        self._closed = False
+        self._ep = None  # sender: endpoint to the receiver's UCX worker
+        self._tag_base: int | None = None
+        self._send_seq = 0
+        self._last_seq = 0  # receiver: the highest payload number announced so far
+        self._announced: int | None = None
+        # receiver: the UCX receive in progress as [seq, request]; dropping the request object
+        # cancels it (ucxx cancels in its destructor), its future still reports the outcome.
+        self._recv: list | None = None
+        self._diverted = False
+        self._drains: dict[int, object] = {}  # receiver: payloads being consumed into one byte
+        self._sends: dict[int, object] = {}
+        self.lanes: list[str] = []
 
     @property
     def description(self) -> str:
+        if self._ep is None:
+            return "ucx (receiving side)"
         return "ucx " + (" ".join(self.lanes) or "(lanes unknown)")
 
-    def _lost(self, exc: BaseException) -> ConnectionLost:
-        return ConnectionLost(f"ucx endpoint failed: {type(exc).__name__}: {exc}")
+    def _check(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def _tag(self, seq: int):
+        return self._ucx.tag((self._tag_base + seq) & _TAG_MASK)
+
+    # -- data path ---------------------------------------------------------------------------
+
+    async def open_data_path(self, sender: bool, timeout: float) -> None:
+        self._check()
+        if sender:
+            try:
+                seq, body = await asyncio.wait_for(self._control.recv_frame(), timeout)
+                path = msgspec.msgpack.decode(body, type=DataPath)
+            except asyncio.TimeoutError:
+                raise ConnectionLost(f"no UCX data path from the receiver within {timeout}s") from None
+            except msgspec.DecodeError as exc:
+                raise ProtocolError(f"bad DataPath frame: {exc}") from None
+            if seq:
+                raise ProtocolError("DataPath frame announces a payload")
+            self._tag_base = path.tag_base
+            try:
+                self._ep = self._ucx.connect(path.address)
+            except Exception as exc:  # a UCXError naming what UCX could not reach
+                raise ConnectionLost(f"cannot reach the receiver's UCX worker: {exc!r}") from None
+            self.lanes = endpoint_lanes(self._ep.handle)
+        else:
+            self._tag_base = secrets.randbits(63)
+            body = msgspec.msgpack.encode(DataPath(address=self._ucx.address, tag_base=self._tag_base))
+            await self._control.writer.send(self._control.frame(0, body))
+
+    # -- sending -----------------------------------------------------------------------------
 
     async def send(self, header: bytes, payload: torch.Tensor | None = None) -> None:
-        async with self._send_lock:
-            if self._closed:
-                raise ConnectionLost("ucx channel closed")
-            try:
-                await self._ep.send(np.frombuffer(_LEN.pack(len(header)) + header, dtype=np.uint8))
-                if payload is not None:
-                    await self._ep.send(_array(payload))
-            except self._ucxx.exceptions.UCXError as exc:
-                raise self._lost(exc) from None
-
-    async def _recv(self, buf) -> None:
-        if self._closed:
-            raise ConnectionLost("ucx channel closed")
+        self._check()
+        if payload is None:
+            await self._control.writer.send(self._control.frame(0, header))
+            return
+        if self._ep is None:
+            raise ConnectionLost("ucx data path is not open")
+        self._send_seq += 1
+        seq = self._send_seq
+        # Committed from here: the header is queued and the payload posted, both go out.
+        header_sent = self._control.writer.enqueue(self._control.frame(seq, header))
+        request = self._ep.tag_send(self._ucx.array(_array(payload)), self._tag(seq))
+        taken = request.future
+        self._sends[seq] = request
         try:
-            await self._ep.recv(buf)
-        except self._ucxx.exceptions.UCXMessageTruncatedError:
-            raise ProtocolError("ucx message longer than the announced/allowed size") from None
-        except self._ucxx.exceptions.UCXError as exc:
-            raise self._lost(exc) from None
+            cancelled = await self._settle_send(header_sent, taken)
+        finally:
+            self._sends.pop(seq, None)
+        if cancelled:
+            raise asyncio.CancelledError()
+        if not taken.done():
+            raise self._error or ConnectionLost("ucx send abandoned")
+        if header_sent.exception() is not None:
+            raise header_sent.exception()
+        await self._ucx.wait(taken)
+
+    async def _settle_send(self, header_sent: asyncio.Future, taken: asyncio.Future) -> bool:
+        """Wait until header and payload are both out or failed; returns whether this task was
+        cancelled meanwhile (the wait goes on regardless: UCX may still read the payload).
+        Bounded: after ``io_timeout`` the channel closes, which cancels the UCX send."""
+        cancelled = False
+        deadline = self._loop.time() + self._io_timeout
+        while not (header_sent.done() and taken.done()):
+            if header_sent.done() and header_sent.exception() is not None and not self._closed:
+                self._abandon(header_sent.exception())  # without its header, nobody takes it
+            remaining = deadline - self._loop.time()
+            if remaining <= 0:
+                if not self._closed:
+                    self._abandon(ConnectionLost(f"ucx payload not taken within {self._io_timeout}s"))
+                    deadline = self._loop.time() + _LATE_CANCEL_S
+                    continue
+                log.error("a ucx send did not end %ss after its connection closed", _LATE_CANCEL_S)
+                break
+            try:
+                await asyncio.wait((header_sent, taken), timeout=remaining)
+            except asyncio.CancelledError:
+                cancelled = True
+        return cancelled
+
+    # -- receiving ---------------------------------------------------------------------------
 
     async def recv_header(self) -> bytes:
-        # Clear what the previous header left, so a short message can never reuse stale bytes.
-        self._header_buf[: self._last_len] = 0
-        await self._recv(self._header_buf)
-        (length,) = _LEN.unpack(self._header_buf[: _LEN.size].tobytes())
-        if not 0 < length <= MAX_HEADER_BYTES:
-            raise ProtocolError(f"frame announces a {length}-byte header (limit {MAX_HEADER_BYTES})")
-        self._last_len = _LEN.size + length
-        return self._header_buf[_LEN.size : self._last_len].tobytes()
+        seq, header = await self._control.recv_frame()
+        if seq:
+            if self._tag_base is None:
+                raise ProtocolError("payload announced before the data path was opened")
+            if seq <= self._last_seq:
+                raise ProtocolError(f"payload number {seq} after {self._last_seq}")
+            self._last_seq = seq
+        self._announced = seq or None
+        return header
+
+    def _take_announced(self) -> int:
+        seq, self._announced = self._announced, None
+        if seq is None:
+            raise ProtocolError("the last header announced no payload")
+        return seq
+
+    async def _receive(self, seq: int, buffer) -> asyncio.Future:
+        """Post a receive for payload ``seq`` into ``buffer``; wait until it has ended."""
+        self._check()
+        request = self._ucx.worker.tag_recv(self._ucx.array(buffer), self._tag(seq))
+        future = request.future
+        self._recv = [seq, request]
+        del request
+        try:
+            await asyncio.wait((future,))
+        except asyncio.CancelledError:
+            self.close()  # the reader gave up: nobody can follow this stream any more
+            await wait_uncancelled(future)
+            raise
+        finally:
+            self._recv = None
+        return future
 
     async def recv_payload_into(self, region: torch.Tensor) -> None:
-        await self._recv(_array(region))
+        seq = self._take_announced()
+        self._diverted = False
+        future = await self._receive(seq, _array(region))
+        if future.exception() is None:
+            return
+        if self._diverted and self._ucx.is_cancelled(future) and self._error is None:
+            self._drain(seq)  # the payload is still coming: it must land somewhere harmless
+            return
+        if self._error is not None:
+            raise self._error
+        await self._ucx.wait(future)  # raises what went wrong
+
+    def _drain(self, seq: int) -> None:
+        """Consume payload ``seq`` into one byte whenever it comes (UCX truncates it without
+        moving it), so its sender completes; nobody waits for it."""
+        self._check()
+        request = self._ucx.worker.tag_recv(self._ucx.array(np.zeros(1, dtype=np.uint8)), self._tag(seq))
+        self._drains[seq] = request
+        request.future.add_done_callback(lambda _f: self._drains.pop(seq, None))
 
     async def discard_payload(self, nbytes: int) -> None:
-        # A receive into one byte consumes the whole message as "truncated" without moving it.
-        try:
-            await self._recv(np.zeros(1, dtype=np.uint8))
-        except ProtocolError:
-            pass
+        self._drain(self._take_announced())
+
+    def divert_payload(self) -> bool:
+        if self._recv is None:
+            return True
+        self._diverted = True
+        self._recv[1] = None  # cancels the receive if UCX has not matched it yet
+        return False
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def _peer_lost(self, error: ConnectionLost) -> None:
+        """The TCP half ended (or stalled): nothing more can come, so stop every UCX operation.
+        Frames that arrived before the end can still be read."""
+        if self._error is None:
+            self._error = error
+        if self._recv is not None:
+            self._recv[1] = None
+        self._drains.clear()  # cancels them
+        if self._ep is not None:
+            ep, self._ep = self._ep, None
+            self._ucx.close_endpoint(ep)  # cancels the sends still in flight
+        self._sends.clear()
+
+    def _abandon(self, error: ConnectionLost) -> None:
+        self._peer_lost(error)
+        self.close()
 
     def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._ep.abort()
+        if self._closed:
+            return
+        self._closed = True
+        self._peer_lost(ConnectionLost("ucx channel closed"))
+        self._control.close(self._error)
 
 
 class _UcxListener(Listener):
-    def __init__(self, listener, host: str):
+    def __init__(self, listener: TcpListener):
         self._listener = listener
-        self.address = f"{host}:{listener.port}"
+        self.address = listener.address
 
     def close(self) -> None:
         self._listener.close()
 
 
 class UcxTransport(Transport):
-    """UCX through ucxx; ``transport="ucx"``. Logs the transports UCX picked per connection."""
+    """UCX through ucxx's low-level API; ``transport="ucx"``. Listens (TCP) on exactly the
+    configured host; the sender logs which transports UCX chose (``UcxChannel.description``)."""
 
     name = "ucx"
 
-    def __init__(self) -> None:
-        self._ucxx = import_ucxx()
-        self._logged = False
+    def __init__(self, config: KVTransferConfig):
+        self._config = config
+        self._ucx: UcxWorker | None = None
 
-    def _log_lanes(self, channel: UcxChannel, role: str) -> None:
-        level = logging.INFO if not self._logged else logging.DEBUG
-        self._logged = True
-        log.log(level, "UCX %s endpoint uses %s (UCX %s; settings %s)", role, channel.lanes,
-                self._ucxx.get_ucx_version(), ucx_settings())
+    def _worker(self) -> UcxWorker:
+        if self._ucx is None or self._ucx.loop is not asyncio.get_running_loop():
+            if self._ucx is not None:
+                self._ucx.release()
+            self._ucx = UcxWorker.acquire()
+        return self._ucx
 
     async def listen(self, host: str, port: int, on_channel: Callable[[Channel], Awaitable[None]]) -> Listener:
-        async def accepted(ep) -> None:
-            channel = UcxChannel(ep, self._ucxx)
-            self._log_lanes(channel, "server")
-            await on_channel(channel)
+        ucx = self._worker()
 
-        return _UcxListener(self._ucxx.create_listener(accepted, port=port), host)
+        async def accepted(sock: socket.socket) -> None:
+            await on_channel(UcxChannel(sock, ucx, self._config.io_timeout))
+
+        return _UcxListener(TcpListener(host, port, accepted))
 
     async def connect(self, host: str, port: int, timeout: float) -> Channel:
-        try:
-            ep = await asyncio.wait_for(
-                self._ucxx.create_endpoint(host, port, connect_timeout=timeout), timeout
-            )
-        except (self._ucxx.exceptions.UCXError, asyncio.TimeoutError, OSError) as exc:
-            raise ConnectionLost(f"cannot connect to {host}:{port} over ucx: {exc!r}") from None
-        channel = UcxChannel(ep, self._ucxx)
-        self._log_lanes(channel, "client")
-        return channel
+        ucx = self._worker()
+        sock = await connect_tcp(host, port, timeout, "ucx")
+        return UcxChannel(sock, ucx, self._config.io_timeout)
+
+    def close(self) -> None:
+        if self._ucx is not None:
+            self._ucx.release()
+            self._ucx = None

@@ -175,12 +175,7 @@ class Worker:
         if self.kv_receiver:
             await self.kv_receiver.close()
         if self.kv_sender:
-            await self.kv_sender.close()
-        if self.config.kv.transport == "ucx":
-            # ucxx's notifier thread is not a daemon: without this the process never exits.
-            from kvtransfer.transport_ucx import import_ucxx
-
-            import_ucxx().stop_notifier_thread()
+            await self.kv_sender.close()  # each closes its transport (the UCX worker's threads too)
         if self.engine_thread:
             self.engine_thread.stop()
         for task in list(self._background):

@@ -1,13 +1,24 @@
-"""Fixtures for the KV-transfer suite: the three transports and connected sender/receiver pairs."""
+"""Fixtures for the KV-transfer suite: the three transports, both event loops, sender/receiver pairs.
+
+Every async test here runs twice, under the stdlib asyncio loop and under uvloop (what the
+workers use): the transports rely on loop callbacks (add_reader/add_writer) whose behaviour on a
+closed socket differs between the two.
+"""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 
 import pytest
+import uvloop
 
 from common.engine.kv_cache import KVCache, KVLayout
 from kvt_support import LAYOUT, NUM_BLOCKS, TRANSPORTS, random_cache
 from kvtransfer import KVReceiver, KVSender, KVTransferConfig
+
+
+def pytest_asyncio_loop_factories(config, item):
+    return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
 
 
 @pytest.fixture(params=TRANSPORTS)

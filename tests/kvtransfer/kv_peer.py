@@ -67,7 +67,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--chunk", type=int, default=2)
     parser.add_argument("--hang-after", type=int, default=0)
-    parser.add_argument("--timeout", type=float, default=30.0)
+    parser.add_argument("--timeout", type=float, default=120.0)
     args = parser.parse_args()
     asyncio.run(send(args) if args.role == "send" else recv(args))
 

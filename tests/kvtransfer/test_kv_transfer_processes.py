@@ -5,6 +5,7 @@ import asyncio
 import json
 import os
 import sys
+import uuid
 
 import pytest
 import torch
@@ -33,7 +34,7 @@ class Peer:
         return cls(proc)
 
     async def event(self) -> dict:
-        line = await asyncio.wait_for(self.proc.stdout.readline(), 60)
+        line = await asyncio.wait_for(self.proc.stdout.readline(), 120)
         assert line, f"peer exited with {await self.proc.wait()} before reporting"
         return json.loads(line)
 
@@ -43,7 +44,12 @@ class Peer:
         await self.proc.wait()
 
 
-async def start_receiver(transport: str, timeout: float = 30.0) -> KVReceiver:
+def unique_id() -> str:
+    # Other test runs on this host may connect to a port this receiver reuses: never share ids.
+    return f"t-{uuid.uuid4().hex}"
+
+
+async def start_receiver(transport: str, timeout: float = 120.0) -> KVReceiver:
     cfg = KVTransferConfig(transport=transport, transfer_timeout=timeout)
     receiver = KVReceiver(KVCache(LAYOUT, NUM_BLOCKS), cfg)
     await receiver.start()
@@ -53,8 +59,9 @@ async def start_receiver(transport: str, timeout: float = 30.0) -> KVReceiver:
 async def test_round_trip_between_processes(transport):
     receiver = await start_receiver(transport)
     src, dst = [1, 2, 3, 8, 9, 30], [4, 5, 12, 13, 14, 2]
-    rx = receiver.expect("t", dst)
-    peer = await Peer.start("send", "--transport", transport, "--address", receiver.address,
+    tid = unique_id()
+    rx = receiver.expect(tid, dst)
+    peer = await Peer.start("send", "--transport", transport, "--address", receiver.address, "--transfer-id", tid,
                             "--src", ",".join(map(str, src)), "--dst", ",".join(map(str, dst)))
     try:
         result = await rx.wait()
@@ -69,11 +76,12 @@ async def test_round_trip_between_processes(transport):
 async def test_sender_killed_mid_transfer(transport):
     """The receiver reports the failure (peer lost, or at the latest its deadline) and the pool holds."""
     pool = BlockPool(NUM_BLOCKS)
-    receiver = await start_receiver(transport, timeout=20.0)
+    receiver = await start_receiver(transport)
     blocks = pool.allocate(6)
     dst = [b.block_id for b in blocks]
-    rx = receiver.expect("t", dst)
-    peer = await Peer.start("send", "--transport", transport, "--address", receiver.address,
+    tid = unique_id()
+    rx = receiver.expect(tid, dst)
+    peer = await Peer.start("send", "--transport", transport, "--address", receiver.address, "--transfer-id", tid,
                             "--src", "1,2,3,4,5,6", "--dst", ",".join(map(str, dst)), "--hang-after", "1")
     try:
         assert (await peer.event())["event"] == "chunk"
@@ -99,18 +107,19 @@ async def test_sender_killed_mid_transfer(transport):
 
 
 async def test_receiver_killed_sender_frees(transport):
-    peer = await Peer.start("recv", "--transport", transport, "--dst", "1,2,3,4")
-    sender = KVSender(random_cache(1), KVTransferConfig(transport=transport, lease_timeout=20.0))
+    tid = unique_id()
+    peer = await Peer.start("recv", "--transport", transport, "--dst", "1,2,3,4", "--transfer-id", tid)
+    sender = KVSender(random_cache(1), KVTransferConfig(transport=transport, lease_timeout=120.0))
     try:
         listening = await peer.event()
-        tx = await sender.begin("t", listening["address"])
+        tx = await sender.begin(tid, listening["address"])
         await tx.send_blocks([1, 2], [1, 2])
         await peer.kill()
         with pytest.raises(TransferError) as failure:
             await tx.send_blocks([3, 4], [3, 4])
             await tx.finish()
         assert isinstance(failure.value, PeerLost), f"expected peer loss, got {failure.value!r}"
-        assert tx.done() and sender.get("t") is None
+        assert tx.done() and sender.get(tid) is None
     finally:
         await peer.kill()
         await sender.close()

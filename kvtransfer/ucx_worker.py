@@ -1,0 +1,210 @@
+"""One UCX context and worker per event loop, driven the way ucxx's own asyncio layer does it.
+
+ucxx's asyncio layer (``ucxx.create_listener``/``create_endpoint``) keeps one global context bound
+to the first event loop that used it, and its listener binds every interface. This module uses
+ucxx's low-level API instead, so that each event loop gets its own worker (a process may run
+several loops one after the other, and tests run under both uvloop and the stdlib loop), and so
+that nothing of UCX listens for connections at all: peers learn the worker's address over an
+authenticated TCP connection (see ``transport_ucx``)::
+
+    UCX progress thread (C++, no GIL)  --completes requests-->  request notifier queue
+    notifier thread (ours): waits on that queue, then asks the loop to run the notifier
+    event loop: run_request_notifier() sets each request's asyncio future -> awaiting coroutine
+
+Workers are shared per ``(loop, UCX options)`` and reference-counted: ``acquire`` / ``release``.
+
+UCX options applied per context (the environment still wins for anything it sets):
+
+* ``POSIX_ERROR_HANDLING``, ``SYSV_ERROR_HANDLING``, ``CMA_MEMORY_INVALIDATE``: our endpoints use
+  peer error handling (we need to see a peer die), and without these UCX silently drops every
+  shared-memory transport for such endpoints and falls back to TCP over loopback.
+* ``RNDV_FRAG_MEM_TYPE=host`` on hosts without CUDA (ucxx defaults it to ``cuda``).
+* ``NET_DEVICES``: see ``net_devices_for``; keeps UCX's own TCP sockets on the configured interface.
+"""
+from __future__ import annotations
+
+import asyncio
+import atexit
+import logging
+import os
+import threading
+import weakref
+
+from kvtransfer.errors import ConnectionLost, ProtocolError
+
+log = logging.getLogger(__name__)
+
+_BASE_OPTIONS = {
+    "POSIX_ERROR_HANDLING": "y",
+    "SYSV_ERROR_HANDLING": "y",
+    "CMA_MEMORY_INVALIDATE": "y",
+}
+_NOTIFIER_POLL_NS = int(0.5e9)
+_CLOSE_PERIOD_NS = int(1e9)
+
+# UCX variables the user set (ucxx's import adds its own defaults to the environment later, e.g.
+# RNDV_FRAG_MEM_TYPE=cuda, which our options must still override).
+_USER_UCX_ENV = frozenset(k for k in os.environ if k.startswith("UCX_"))
+
+_live: "weakref.WeakSet[UcxWorker]" = weakref.WeakSet()
+_shared: dict[tuple, "UcxWorker"] = {}
+
+
+def ucx_api():
+    """ucxx's low-level API (importing it also applies ucxx's environment defaults)."""
+    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    from ucxx._lib import libucxx
+
+    return libucxx
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def ucx_options(net_devices: str | None) -> dict[str, str]:
+    """The UCX options a context gets; ``UCX_<NAME>`` set by the user overrides any of them."""
+    options = dict(_BASE_OPTIONS)
+    if not _cuda_available():
+        options["RNDV_FRAG_MEM_TYPE"] = "host"
+    if net_devices:
+        options["NET_DEVICES"] = net_devices
+    return {k: v for k, v in options.items() if f"UCX_{k}" not in _USER_UCX_ENV}
+
+
+class UcxWorker:
+    """A UCX context + worker with its progress and notifier threads, for one event loop."""
+
+    @classmethod
+    def acquire(cls, net_devices: str | None = None) -> "UcxWorker":
+        loop = asyncio.get_running_loop()
+        options = ucx_options(net_devices)
+        key = (id(loop), tuple(sorted(options.items())))
+        worker = _shared.get(key)
+        if worker is None or worker._closed or worker.loop is not loop:
+            worker = cls(loop, options)
+            _shared[key] = worker
+            worker._key = key
+        worker._refs += 1
+        return worker
+
+    def release(self) -> None:
+        self._refs -= 1
+        if self._refs <= 0:
+            if _shared.get(self._key) is self:
+                del _shared[self._key]
+            self.close()
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, options: dict[str, str]):
+        api = ucx_api()
+        self.api = api
+        self.loop = loop
+        self.options = options
+        self._key: tuple = ()
+        self._refs = 0
+        self._closed = False
+        self.context = api.UCXContext(options, feature_flags=(api.Feature.TAG, api.Feature.WAKEUP))
+        self.worker = api.UCXWorker(self.context, enable_delayed_submission=False, enable_python_future=True)
+        if _cuda_available():
+            from ucxx._cuda_context import ensure_cuda_context
+
+            # The progress thread moves device memory: it needs the CUDA context current.
+            self.worker.set_progress_thread_start_callback(ensure_cuda_context, cb_args=(0,))
+        self.worker.start_progress_thread(polling_mode=False, epoll_timeout=1)
+        self.address = bytes(self.worker.address.tobytes())
+        log.info("UCX %s worker started (options %s)", ".".join(map(str, api.get_ucx_version())), options)
+        self._stop = threading.Event()
+        self._notifier = threading.Thread(target=self._notify, name="kv-ucx-notifier", daemon=True)
+        self._notifier.start()
+        _live.add(self)
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def tag(self, value: int):
+        return self.api.UCXXTag(value)
+
+    def array(self, buffer):
+        from ucxx._lib.arr import Array
+
+        return Array(buffer)
+
+    async def wait(self, future: asyncio.Future) -> None:
+        """Wait for a request's future without ever cancelling it (ucxx owns it); UCX errors
+        become ``ConnectionLost`` (``ProtocolError`` for a message larger than its buffer)."""
+        await asyncio.wait((future,))
+        error = future.exception()
+        if error is None:
+            return
+        if isinstance(error, self.api.UCXMessageTruncatedError):
+            raise ProtocolError("ucx payload longer than the announced size") from None
+        if isinstance(error, self.api.UCXCanceledError):
+            raise ConnectionLost("ucx request cancelled (connection closed)") from None
+        raise ConnectionLost(f"ucx request failed: {type(error).__name__}: {error}") from None
+
+    def is_cancelled(self, future: asyncio.Future) -> bool:
+        return future.done() and isinstance(future.exception(), self.api.UCXCanceledError)
+
+    def connect(self, address: bytes):
+        """An endpoint to the worker at ``address`` (peer error handling on)."""
+        api = self.api
+        return self.worker.create_endpoint_from_worker_address(api.UCXAddress.create_from_buffer(address), True)
+
+    def close_endpoint(self, ep) -> None:
+        """Cancel the endpoint's requests (their futures fail) and close it; bounded."""
+        try:
+            ep.close_blocking(_CLOSE_PERIOD_NS, 1)
+        except self.api.UCXError as exc:
+            log.debug("ucx endpoint close: %r", exc)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def _notify(self) -> None:
+        asyncio.set_event_loop(self.loop)  # python futures are created for this loop
+        ready = self.api.PythonRequestNotifierWaitState.Ready
+        shutdown = self.api.PythonRequestNotifierWaitState.Shutdown
+        while not self._stop.is_set():
+            self.worker.populate_python_futures_pool()
+            state = self.worker.wait_request_notifier(period_ns=_NOTIFIER_POLL_NS)
+            if state == shutdown:
+                break
+            if state != ready:
+                continue
+            ran = threading.Event()
+            try:
+                self.loop.call_soon_threadsafe(self._run_notifier, ran)
+            except RuntimeError:  # the loop is closed
+                break
+            while not ran.wait(0.1):
+                if self._stop.is_set() or self.loop.is_closed():
+                    return
+
+    def _run_notifier(self, ran: threading.Event) -> None:
+        try:
+            if not self._closed:
+                self.worker.run_request_notifier()
+        finally:
+            ran.set()
+
+    def close(self) -> None:
+        """Stop the threads and drop the worker (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        try:
+            self.worker.stop_request_notifier_thread()
+        except Exception as exc:  # best effort at shutdown
+            log.debug("ucx notifier stop: %r", exc)
+        if threading.current_thread() is not self._notifier:
+            self._notifier.join(timeout=5)
+        self.worker.stop_progress_thread()
+        self.worker.clear_python_futures_pool()
+
+
+@atexit.register
+def _close_all() -> None:
+    # The progress thread is a C++ thread: left running, it aborts the interpreter at exit.
+    for worker in list(_live):
+        worker.close()
