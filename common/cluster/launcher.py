@@ -1,7 +1,9 @@
 """Start a whole stack as local processes: Redis (if none answers), workers, the gateway.
 
-``make up`` runs ``python -m common.cluster.launcher``; the integration tests and the serving benchmark
-use ``LocalStack`` to start real processes the same way.  Every process of a stack gets the same
+``make up`` runs ``python -m common.cluster.launcher``: it starts the stack, then supervises it (a
+process that exits is restarted with backoff while the rest keep serving) until Ctrl-C/SIGTERM.
+The integration tests and the serving benchmark use ``LocalStack`` to start real processes the same
+way (and ``LocalStack.restart`` to bring one back).  Every process of a stack gets the same
 cluster secret (``PDSERVE_CLUSTER_SECRET`` from the environment, or a fresh random one), and the
 rest of the launcher's environment (``PDSERVE_ADMIN_TOKEN``, ...) as well.
 """
@@ -39,14 +41,23 @@ def http_json(url: str, method: str = "GET", body: bytes | None = None, headers:
 
 @dataclass
 class Proc:
+    """One process of a stack and how to start it again (same module, arguments and port)."""
+
     name: str
-    popen: subprocess.Popen
-    log_path: Path | None
+    module: str
+    args: list[str]
     url: str
-    killed: bool = False
+    log_path: Path | None
+    popen: subprocess.Popen | None = None
+    started_at: float = 0.0  # time.monotonic() of the last start
+    killed: bool = False  # stopped on purpose (by a test): not an error for wait_for_workers
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-4000:] if self.log_path else ""
+
+    @property
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
 
 
 @dataclass
@@ -91,13 +102,36 @@ class LocalStack:
         return env
 
     def _spawn(self, name: str, module: str, args: list[str], port: int) -> Proc:
-        env = self.process_env()
         log_path = self.workdir / f"{name}.log" if self.workdir else None
-        out = log_path.open("w") if log_path else None
-        popen = subprocess.Popen([sys.executable, "-m", module, *args], cwd=ROOT, env=env,
-                                 stdout=out, stderr=subprocess.STDOUT if out else None)
-        proc = Proc(name, popen, log_path, f"http://127.0.0.1:{port}")
+        if log_path is not None:
+            log_path.write_text("")
+        proc = Proc(name, module, list(args), f"http://127.0.0.1:{port}", log_path)
         self.procs[name] = proc
+        self._launch(proc)
+        return proc
+
+    def _launch(self, proc: Proc) -> None:
+        out = proc.log_path.open("a") if proc.log_path else None
+        try:
+            proc.popen = subprocess.Popen([sys.executable, "-m", proc.module, *proc.args], cwd=ROOT,
+                                          env=self.process_env(), stdout=out,
+                                          stderr=subprocess.STDOUT if out else None)
+        finally:
+            if out is not None:
+                out.close()  # the child has its own descriptor
+        proc.started_at = time.monotonic()
+        proc.killed = False
+
+    def restart(self, name: str) -> Proc:
+        """Start ``name`` again with the same command line (same port); SIGKILL it first if it is
+        still running.  Returns at once: ``wait_ready``/``wait_for_workers`` to see it serve."""
+        proc = self.procs[name]
+        if proc.alive:
+            self.kill(name)
+        if proc.log_path is not None:
+            with proc.log_path.open("a") as out:
+                out.write(f"\n--- restarted (previous exit status {proc.popen.returncode}) ---\n")
+        self._launch(proc)
         return proc
 
     def start_worker(self, name: str, role: str) -> Proc:
@@ -127,7 +161,7 @@ class LocalStack:
         want = {"prefill": prefill, "decode": decode, "both": both}
         while time.monotonic() < deadline:
             for proc in self.procs.values():
-                if not proc.killed and proc.popen.poll() is not None:
+                if not proc.killed and not proc.alive:
                     raise RuntimeError(f"{proc.name} exited with {proc.popen.returncode}:\n{proc.log()}")
             try:
                 health = http_json(f"{self.gateway_url}/health", timeout=2)
@@ -144,7 +178,7 @@ class LocalStack:
         proc = self.procs[name]
         deadline = time.monotonic() + timeout
         while True:
-            if proc.popen.poll() is not None:
+            if not proc.alive:
                 raise RuntimeError(f"{name} exited with {proc.popen.returncode}:\n{proc.log()}")
             try:
                 http_json(f"{proc.url}/health", timeout=2)
@@ -169,14 +203,16 @@ class LocalStack:
         return self.worker_json(name, "/stats")
 
     def kill(self, name: str) -> None:
+        """SIGKILL ``name`` (a crash) and wait until it is gone."""
         proc = self.procs[name]
         proc.killed = True
         proc.popen.kill()
         proc.popen.wait(10)
 
     def stop(self) -> None:
+        """SIGTERM every process (workers drain, bounded), SIGKILL what is still there after 15 s."""
         for proc in self.procs.values():
-            if proc.popen.poll() is None:
+            if proc.alive:
                 proc.popen.send_signal(signal.SIGTERM)
         for proc in self.procs.values():
             try:
@@ -184,6 +220,85 @@ class LocalStack:
             except subprocess.TimeoutExpired:
                 proc.popen.kill()
                 proc.popen.wait(5)
+
+
+def describe_exit(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exit status {returncode}"
+
+
+class Supervisor:
+    """Keeps a ``LocalStack`` (and the private Redis it may use) running until told to stop.
+
+    A process that exits (killed, crashed, or a worker whose engine failed) is started again with
+    the same command line after a backoff: ``min_backoff`` seconds, doubling with each exit that
+    follows a short run, up to ``max_backoff``; a process that stays up ``stable_after`` seconds
+    starts from ``min_backoff`` again.  The other processes keep serving meanwhile.  Call
+    ``poll()`` periodically (``run()`` does), from the thread that owns the stack.
+    """
+
+    def __init__(self, stack: LocalStack, redis_server=None, *, min_backoff: float = 1.0,
+                 max_backoff: float = 30.0, stable_after: float = 60.0, say=print):
+        if not 0 < min_backoff <= max_backoff:
+            raise ValueError(f"backoff must satisfy 0 < min_backoff <= max_backoff, got {min_backoff}, {max_backoff}")
+        self.stack = stack
+        self.redis_server = redis_server
+        self.min_backoff = min_backoff
+        self.max_backoff = max_backoff
+        self.stable_after = stable_after
+        self.say = say
+        self.restarts: dict[str, int] = {}
+        self._quick_exits: dict[str, int] = {}  # exits in a row that followed a short run
+        self._due: dict[str, float] = {}  # name -> when to start it again
+        self._redis_started = time.monotonic()
+
+    def backoff(self, name: str) -> float:
+        return min(self.max_backoff, self.min_backoff * 2 ** self._quick_exits.get(name, 0))
+
+    def poll(self, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        if self.redis_server is not None:
+            self._watch("redis", self.redis_server.proc.poll(), self._redis_started, now)
+        for name, proc in self.stack.procs.items():
+            self._watch(name, proc.popen.poll(), proc.started_at, now)
+
+    def _watch(self, name: str, returncode: int | None, started_at: float, now: float) -> None:
+        if returncode is None:
+            if now - started_at >= self.stable_after:
+                self._quick_exits.pop(name, None)
+            return
+        due = self._due.get(name)
+        if due is None:
+            delay = self.backoff(name)
+            self._due[name] = now + delay
+            self.say(f"{name} stopped ({describe_exit(returncode)}); restarting it in {delay:.2f} s", flush=True)
+            return
+        if now < due:
+            return
+        del self._due[name]
+        if now - started_at < self.stable_after:
+            self._quick_exits[name] = self._quick_exits.get(name, 0) + 1
+        self.restarts[name] = self.restarts.get(name, 0) + 1
+        try:
+            if name == "redis":
+                self.redis_server.start()
+                self._redis_started = time.monotonic()
+            else:
+                self.stack.restart(name)
+        except Exception as exc:  # e.g. the port is taken: try again after the next backoff
+            self.say(f"could not restart {name}: {exc}", flush=True)
+            return
+        self.say(f"{name} restarted (restart #{self.restarts[name]})", flush=True)
+
+    def run(self, should_stop, interval: float = 0.2) -> None:
+        """Supervise until ``should_stop()`` is true."""
+        while not should_stop():
+            self.poll()
+            time.sleep(interval)
 
 
 def default_transport() -> str:
@@ -216,6 +331,11 @@ def main() -> None:
     parser.add_argument("--decode", type=int, default=1)
     parser.add_argument("--kv-transport", default=os.environ.get("PDSERVE_KV_TRANSPORT") or default_transport())
     parser.add_argument("--num-blocks", default=os.environ.get("PDSERVE_NUM_BLOCKS", "2048"))
+    parser.add_argument("--key-prefix", default=os.environ.get("PDSERVE_KEY_PREFIX") or "pdserve",
+                        help="Redis key prefix of this stack's registry and prefix index")
+    parser.add_argument("--restart-backoff", type=float, default=1.0,
+                        help="seconds before a process that exited is started again (doubles while it keeps "
+                             "exiting soon after starting, up to 30 s)")
     args = parser.parse_args()
 
     if args.model == "default":
@@ -227,14 +347,17 @@ def main() -> None:
     url, redis_server = ensure_redis(redis_url_from_env())
     if redis_server is not None:
         print(f"no Redis answered at {redis_url_from_env()}; started a private one at {url}", flush=True)
-    stack = LocalStack(args.model, url, prefill=args.prefill, decode=args.decode, transport=args.kv_transport,
-                       gateway_port=args.port, worker_args=["--num-blocks", str(args.num_blocks)],
-                       cluster_secret=secret)
+    stack = LocalStack(args.model, url, key_prefix=args.key_prefix, prefill=args.prefill, decode=args.decode,
+                       transport=args.kv_transport, gateway_port=args.port,
+                       worker_args=["--num-blocks", str(args.num_blocks)], cluster_secret=secret)
     stop = False
+    supervising = False
 
     def on_signal(_sig, _frame):
         nonlocal stop
         stop = True
+        if not supervising:
+            raise KeyboardInterrupt  # still starting: give up at once (the finally stops what started)
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
@@ -247,9 +370,10 @@ pdserve is up: {stack.gateway_url}  (model {model}; {args.prefill} prefill + {ar
   curl {stack.gateway_url}/v1/completions -H 'Content-Type: application/json' \\
        -d '{{"model": "{model}", "prompt": "The capital of France is", "max_tokens": 16, "stream": true}}'
 
-Ctrl-C stops everything.""", flush=True)
-        while not stop and all(p.popen.poll() is None for p in stack.procs.values()):
-            time.sleep(0.5)
+A process that stops is restarted; Ctrl-C stops everything.""", flush=True)
+        supervising = True
+        Supervisor(stack, redis_server, min_backoff=args.restart_backoff,
+                   max_backoff=max(30.0, args.restart_backoff)).run(lambda: stop)
     finally:
         print("stopping...", flush=True)
         stack.stop()
