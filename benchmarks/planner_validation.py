@@ -3,7 +3,11 @@
     python benchmarks/planner_validation.py [--quick]
 
 1. **Calibrate** on this machine: ``gateway.planner.calibrate`` runs the real engine (one torch
-   thread, as each worker gets) over a grid of step shapes and fits the linear cost model.
+   thread, as each worker gets) over a grid of step shapes and fits the linear cost model; then
+   one short run of the real ``1P+1D`` stack, at its own load level and seed (not one of the
+   validation runs), fits what the engine grid cannot see (``fit_serving``): how much slower steps
+   run inside serving processes that share the cores, and the fixed latency of the gateway and
+   HTTP hops per request.
 2. **Measure**: for each split (``1P+1D`` disaggregated, ``2C`` two colocated workers; two workers
    either way, ``OMP_NUM_THREADS=1`` each, standing in for one GPU each) and each load level, start
    the real stack (``LocalStack``: Redis, gateway, workers, KV over TCP), warm it up, and send an
@@ -47,10 +51,10 @@ from gateway.planner.metrics import slo_ratio  # noqa: E402
 RESULTS = Path(__file__).resolve().parent / "results"
 SPLITS = {"1P+1D": dict(prefill=1, decode=1, both=0), "2C": dict(prefill=0, decode=0, both=2)}
 PRESETS = {
-    "quick": dict(model="tiny", rates=(0.6, 1.2), duration=40.0, prompt_len="uniform:64:512",
+    "quick": dict(model="tiny", rates=(0.8, 1.6), calibration_rate=1.2, duration=45.0, prompt_len="uniform:64:512",
                   output_len="uniform:16:48", slo_ttft=2.0, slo_tpot=0.1),
-    "full": dict(model="100m", rates=(0.3, 0.6, 0.9), duration=60.0, prompt_len="uniform:64:768",
-                 output_len="uniform:16:64", slo_ttft=3.0, slo_tpot=0.2),
+    "full": dict(model="100m", rates=(0.3, 0.6, 0.9), calibration_rate=0.45, duration=60.0,
+                 prompt_len="uniform:64:768", output_len="uniform:16:64", slo_ttft=3.0, slo_tpot=0.2),
 }
 
 
@@ -87,7 +91,7 @@ def measure(split: str, checkpoint: str, plan, args) -> dict:
     return summarize(records, wall, args.slo_ttft, args.slo_tpot)
 
 
-def predict(split: str, workload, cost, args) -> dict:
+def predict(split: str, workload, cost, args, overhead_s: float | None = None) -> dict:
     from gateway.planner.simulator import Deployment, EngineSettings, SimConfig, Simulation
     from gateway.planner.hardware import LinkProfile
 
@@ -96,8 +100,24 @@ def predict(split: str, workload, cost, args) -> dict:
                             max_model_len=args.max_model_len)
     config = SimConfig(cost=cost, engine=engine, link=LinkProfile("tcp-loopback", 1e9, 2e-4),
                        kv_bytes_per_token=args.kv_bytes_per_token, slo_ttft_s=args.slo_ttft,
-                       slo_tpot_s=args.slo_tpot, overhead_s=args.overhead_ms / 1e3)
+                       slo_tpot_s=args.slo_tpot,
+                       overhead_s=args.overhead_s if overhead_s is None else overhead_s)
     return Simulation(Deployment(**SPLITS[split]), workload, config).run()
+
+
+def calibrate_serving(checkpoint: str, engine_cost, args) -> dict:
+    """One real 1P+1D run at its own rate and seed; fit the serving slowdown and per-request overhead."""
+    from gateway.planner.calibrate import fit_serving
+    from gateway.planner.traffic import LengthDist, synthetic
+
+    workload = synthetic(args.calibration_rate, args.duration * 0.75, LengthDist.parse(args.prompt_len),
+                         LengthDist.parse(args.output_len), seed=args.seed + 1000)
+    log(f"serving calibration: 1P+1D at {args.calibration_rate} req/s ({len(workload)} requests)...")
+    measured = measure("1P+1D", checkpoint, real_plan(workload, args.vocab, args.seed + 1000), args)
+    fitted = fit_serving(lambda scale, overhead: predict("1P+1D", workload, engine_cost.scaled(scale), args, overhead),
+                         measured["ttft_ms"]["p50"], measured["tpot_ms"]["p50"])
+    fitted["rate"] = args.calibration_rate
+    return fitted
 
 
 def scale_run() -> dict:
@@ -141,7 +161,7 @@ def main(argv=None) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--num-blocks", type=int, default=1024)
-    p.add_argument("--overhead-ms", type=float, default=0.0, help="gateway + HTTP hops in the prediction")
+    p.add_argument("--calibration-rate", type=float, help="req/s of the serving-calibration run")
     p.add_argument("--calibration", type=Path, help="reuse a calibration file instead of measuring")
     p.add_argument("--skip-scale", action="store_true", help="leave out the 128-GPU simulation")
     p.add_argument("--seed", type=int, default=0)
@@ -163,12 +183,19 @@ def main(argv=None) -> None:
         log(f"calibrating on {checkpoint} (1 thread)...")
         document = calibrate(checkpoint, threads=1, block_size=args.block_size,
                              max_num_batched_tokens=args.max_num_batched_tokens, quick=True, log=log)
-        save(document, RESULTS / f"planner-calibration{'-quick' if args.quick else ''}.json")
-    cost = cost_model_from_dict(document["cost_model"])
-    assert isinstance(cost, LinearCostModel)
-    log(cost.describe() + f"; fit {cost.fit.get('median_rel_error')} median rel error")
+    engine_cost = cost_model_from_dict(document["cost_model"])
+    assert isinstance(engine_cost, LinearCostModel)
+    log(engine_cost.describe() + f"; fit {engine_cost.fit.get('median_rel_error')} median rel error")
     args.kv_bytes_per_token = document["engine"]["kv_bytes_per_token"]
     args.max_model_len = document["engine"]["max_model_len"]
+    if "serving" not in document:
+        document["serving"] = calibrate_serving(checkpoint, engine_cost, args)
+        save(document, RESULTS / f"planner-calibration{'-quick' if args.quick else ''}.json")
+    serving = document["serving"]
+    cost = engine_cost.scaled(serving["step_scale"])
+    args.overhead_s = serving["request_overhead_s"]
+    log(f"serving calibration: steps x{serving['step_scale']:.3g} in serving, "
+        f"{serving['request_overhead_s'] * 1e3:.0f} ms per request outside the engines")
 
     runs = []
     for level, rate in enumerate(rates):
@@ -209,7 +236,8 @@ def main(argv=None) -> None:
             "ttft_p50_rel_error": worst("ttft_p50_rel_error"), "tpot_p50_rel_error": worst("tpot_p50_rel_error"),
             "best_split_agrees": all(a["predicted_best"] == a["measured_best"] for a in agree),
             "best_split": agree, "target": 0.25,
-            "calibration_fit": {k: cost.fit.get(k) for k in ("median_rel_error", "p90_rel_error")},
+            "calibration_fit": {k: engine_cost.fit.get(k) for k in ("median_rel_error", "p90_rel_error")},
+            "serving_calibration": serving,
             "runs": [{"split": r["split"], "rate": r["rate"],
                       "ttft_p50_ms": [r["predicted"]["ttft_ms"]["p50"], r["measured"]["ttft_ms"]["p50"]],
                       "tpot_p50_ms": [r["predicted"]["tpot_ms"]["p50"], r["measured"]["tpot_ms"]["p50"]],

@@ -4,6 +4,7 @@
     pdctl drain WORKER [--wait]           stop admitting, finish in-flight work, report idle
     pdctl set-role WORKER ROLE [--wait]   prefill | decode | both, live (also resumes a drained worker)
     pdctl rebalance [targets] [--apply]   propose (and apply) role moves that meet TTFT/TPOT targets
+                                          (--gpu/--calibration: chosen by simulating the traffic)
     pdctl plan [traffic] [hardware]       simulate P:D splits on the real scheduler and router; recommend one
     pdctl calibrate [--model M]           measure engine steps here and fit the planner's cost model
     pdctl gen-secrets                     write compose/.env: project name and fresh secrets (mode 0600)
@@ -28,6 +29,7 @@ from dataclasses import asdict
 
 from common.cluster.registry import ROLES
 from gateway.ops.cli import add_commands as add_deploy_commands, scale_command  # noqa: F401 (re-exported)
+from gateway.planner.cli import add_calibrate_parser, add_plan_parser, add_rebalance_model_args
 from gateway.rebalance import Move, Targets, WorkerReading, plan
 
 
@@ -191,7 +193,12 @@ def targets_from_args(args) -> Targets:
 def cmd_rebalance(client: AdminClient, args) -> int:
     targets = targets_from_args(args)
     readings = [WorkerReading.from_info(w) for w in client.workers()]
-    result = plan(readings, targets)
+    if args.gpu or args.calibration:  # choose the split by simulating the traffic (gateway/planner)
+        from gateway.planner.cli import rebalance_by_simulation
+
+        result = rebalance_by_simulation(readings, args)
+    else:
+        result = plan(readings, targets)
     if args.json:
         print(json.dumps(asdict(result), indent=2))
     else:
@@ -251,6 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--timeout", type=float, default=60.0, help="seconds each move may take to settle")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_rebalance)
+    add_rebalance_model_args(s)  # --gpu/--calibration: choose the split by simulation
 
     add_planner_parsers(sub)
     add_deploy_commands(sub)  # gen-secrets, rollout, scale, metrics-proxy (gateway/ops)
@@ -259,8 +267,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def add_planner_parsers(sub) -> None:
     """``plan`` and ``calibrate`` live in gateway/planner (they need no gateway to talk to)."""
-    from gateway.planner.cli import add_calibrate_parser, add_plan_parser
-
     add_plan_parser(sub)
     add_calibrate_parser(sub)
 

@@ -157,6 +157,20 @@ def choose_split(movable: int, both: int, prefill_now: int, need_p: int, need_d:
     return min(allowed, key=score) if allowed else prefill_now
 
 
+def moves_to(num_prefill: int, dedicated_p: Sequence[WorkerReading], dedicated_d: Sequence[WorkerReading]
+             ) -> list[Move]:
+    """The moves that leave ``num_prefill`` dedicated prefill workers, taking the least-loaded
+    workers of the shrinking pool (a decode worker leaving keeps its streams until they finish)."""
+    if num_prefill > len(dedicated_p):
+        leaving = sorted(dedicated_d, key=lambda w: (w.num_running + w.num_waiting, w.kv_usage, w.worker_id))
+        return [Move(w.worker_id, "decode", "prefill") for w in leaving[:num_prefill - len(dedicated_p)]]
+    if num_prefill < len(dedicated_p):
+        leaving = sorted(dedicated_p, key=lambda w: (w.waiting_prefill_tokens, w.num_running + w.num_waiting,
+                                                   w.prefill_tokens_per_s, w.worker_id))
+        return [Move(w.worker_id, "prefill", "decode") for w in leaving[:len(dedicated_p) - num_prefill]]
+    return []
+
+
 def plan(readings: Sequence[WorkerReading], targets: Targets = Targets()) -> Plan:
     """The moves that bring the pools to the split the load needs (see the module docstring).
 
@@ -174,13 +188,7 @@ def plan(readings: Sequence[WorkerReading], targets: Targets = Targets()) -> Pla
     result = Plan(len(prefill_pool), len(decode_pool), need_p, need_d, reasons=reasons)
     movable = len(dedicated_p) + len(dedicated_d)
     p = choose_split(movable, both, len(dedicated_p), need_p, need_d)
-    if p > len(dedicated_p):
-        leaving = sorted(dedicated_d, key=lambda w: (w.num_running + w.num_waiting, w.kv_usage, w.worker_id))
-        result.moves = [Move(w.worker_id, "decode", "prefill") for w in leaving[:p - len(dedicated_p)]]
-    elif p < len(dedicated_p):
-        leaving = sorted(dedicated_p, key=lambda w: (w.waiting_prefill_tokens, w.num_running + w.num_waiting,
-                                                   w.prefill_tokens_per_s, w.worker_id))
-        result.moves = [Move(w.worker_id, "prefill", "decode") for w in leaving[:len(dedicated_p) - p]]
+    result.moves = moves_to(p, dedicated_p, dedicated_d)
     if need_p + need_d > movable + 2 * both and movable:
         reasons.append(f"not enough workers for both targets ({need_p} prefill + {need_d} decode needed, "
                        f"{movable + both} available): split to the smallest relative shortfall")

@@ -291,3 +291,39 @@ def test_calibration_fits_measured_engine_steps(served_checkpoint):
     assert len(shapes) >= 6 and all(t > 0 for t in seconds)
     fitted = fit_linear(shapes, seconds)
     assert fitted.step_time(*shapes[0]) > 0
+
+
+# ---- pdctl rebalance by simulation -----------------------------------------------------------
+
+
+def test_rebalance_by_simulation_moves_towards_the_split_the_traffic_needs():
+    from gateway.planner.rebalance import estimated_rate, simulated_plan
+    from gateway.rebalance import WorkerReading
+
+    readings = [WorkerReading("p0", "prefill", prefill_tokens_per_s=3000.0)] + [
+        WorkerReading(f"d{i}", "decode", num_running=i) for i in range(3)]
+    # Long prompts, two-token answers: the prefill pool is the bottleneck.
+    wl = workload(rate=3, prompt="uniform:1500:2500", output="fixed:2")
+    result = simulated_plan(readings, wl, config(), budget=1e6)
+    assert result.prefill_needed > 1
+    assert [m.from_role for m in result.moves] == ["decode"] * (result.prefill_needed - 1)
+    assert result.moves[0].worker_id == "d0"  # the least-loaded decode worker leaves
+    assert any(line.startswith("split 1P+3D") and "(current)" in line for line in result.reasons)
+    assert estimated_rate(readings, 1500.0) == pytest.approx(2.0)
+
+    light = workload(rate=0.5, prompt="uniform:100:200", output="uniform:8:16")
+    kept = simulated_plan(readings, light, config(), budget=1e6)
+    assert kept.moves == [] and "keep 1P+3D" in kept.reasons[-1]
+
+
+def test_fit_serving_recovers_step_scale_and_request_overhead():
+    from gateway.planner.calibrate import fit_serving
+
+    def simulate_with(scale, overhead):  # TTFT: 10 steps of 8 ms + overhead; TPOT: one 8 ms step
+        return {"ttft_ms": {"p50": 80.0 * scale + overhead * 1e3}, "tpot_ms": {"p50": 8.0 * scale}}
+
+    fitted = fit_serving(simulate_with, measured_ttft_p50_ms=180.0, measured_tpot_p50_ms=12.0)
+    assert fitted["step_scale"] == pytest.approx(1.5)
+    assert fitted["request_overhead_s"] == pytest.approx(0.06)
+    with pytest.raises(ValueError):
+        fit_serving(simulate_with, 0.0, 12.0)

@@ -140,5 +140,31 @@ def calibrate(model: str, *, threads: int | None = None, block_size: int = 16, m
     }
 
 
+def fit_serving(simulate_with, measured_ttft_p50_ms: float, measured_tpot_p50_ms: float, iterations: int = 3
+                ) -> dict:
+    """Fit what the engine grid cannot see: how much slower a step runs inside a serving worker
+    (its event loop, HTTP streams and the other processes share the cores: ``step_scale``
+    multiplies every step) and the fixed latency a request spends outside the engines (gateway,
+    HTTP hops, SSE: ``request_overhead_s``), from one measured run of the real stack.
+
+    ``simulate_with(step_scale, request_overhead_s)`` simulates that same run and returns its
+    result.  TPOT fixes the scale (a decode step is almost all engine), then TTFT the overhead.
+    """
+    if not measured_ttft_p50_ms > 0 or not measured_tpot_p50_ms > 0:
+        raise ValueError("the serving calibration needs measured TTFT and TPOT medians > 0")
+    scale, overhead = 1.0, 0.0
+    for _ in range(iterations):
+        predicted = simulate_with(scale, overhead)
+        tpot = predicted["tpot_ms"]["p50"]
+        if tpot and tpot != float("inf"):
+            scale *= measured_tpot_p50_ms / tpot
+        predicted = simulate_with(scale, overhead)
+        ttft = predicted["ttft_ms"]["p50"]
+        if ttft is not None and ttft != float("inf"):
+            overhead = max(0.0, overhead + (measured_ttft_p50_ms - ttft) / 1e3)
+    return {"step_scale": round(scale, 4), "request_overhead_s": round(overhead, 5),
+            "measured_ttft_p50_ms": measured_ttft_p50_ms, "measured_tpot_p50_ms": measured_tpot_p50_ms}
+
+
 def save(document: dict, path: str | Path) -> None:
     Path(path).write_text(json.dumps(document, indent=2))

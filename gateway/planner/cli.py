@@ -31,6 +31,27 @@ def add_plan_parser(sub) -> None:
     p = sub.add_parser("plan", help="simulate deployments on the real scheduler and router; recommend the cheapest "
                        "that meets the SLOs", description=__doc__.split("\n\n")[0], epilog=EPILOG,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(p)
+    add_traffic_args(p)
+    g = p.add_argument_group("SLOs")
+    g.add_argument("--slo-ttft", type=float, default=2.0, help="TTFT p90 target, seconds (default %(default)s)")
+    g.add_argument("--slo-tpot", type=float, default=0.1, help="TPOT p90 target, seconds (default %(default)s)")
+    g = p.add_argument_group("deployments to compare (default: search up from the fluid bound)")
+    g.add_argument("--gpus", type=int, help="compare every P:D split of this many GPUs, and colocated")
+    g.add_argument("--max-gpus", type=int, default=64, help="search limit (default %(default)s)")
+    g.add_argument("--split", action="append", default=[],
+                   help="a deployment to simulate, P:D or colocated:N (repeatable; replaces the search)")
+    g.add_argument("--no-colocated", action="store_true", help="leave colocated deployments out")
+    add_engine_args(p)
+    g = p.add_argument_group("run")
+    g.add_argument("--budget", type=float, default=DEFAULT_BUDGET,
+                   help="request-steps simulated per deployment before sampling a slice (default %(default)g)")
+    g.add_argument("--out", type=Path, help="write the plan as JSON here and the plot next to it (.png)")
+    g.add_argument("--quiet", action="store_true", help="only the JSON line")
+    p.set_defaults(func=cmd_plan)
+
+
+def add_model_args(p) -> None:
     g = p.add_argument_group("model and hardware")
     g.add_argument("--model", default="llama-3-8b",
                    help=f"built-in ({', '.join(MODELS)}), a checkpoint directory or config.json (default %(default)s)")
@@ -40,8 +61,11 @@ def add_plan_parser(sub) -> None:
                    "0.5 compute / 0.7 bandwidth)")
     g.add_argument("--link", help=f"KV link: {', '.join(LINKS)}, a bandwidth in GB/s, or ucx:FILE / tcp:FILE "
                    "(a benchmarks/kv_transfer.py result); default: the GPU's own (NVLink), else 2 GB/s")
+
+
+def add_traffic_args(p, rate_default: float | None = 10.0) -> None:
     g = p.add_argument_group("traffic (synthetic, or --trace)")
-    g.add_argument("--rate", type=float, default=10.0, help="requests/s (default %(default)s)")
+    g.add_argument("--rate", type=float, default=rate_default, help="requests/s (default %(default)s)")
     g.add_argument("--duration", type=float, default=120.0, help="seconds of arrivals (default %(default)s)")
     g.add_argument("--arrival", choices=("poisson", "gamma"), default="poisson")
     g.add_argument("--cv", type=float, default=2.0, help="gamma arrivals: coefficient of variation (>1 bursty)")
@@ -54,15 +78,9 @@ def add_plan_parser(sub) -> None:
     g.add_argument("--trace-block-size", type=int, default=512, help="tokens per trace hash id (default %(default)s)")
     g.add_argument("--trace-time-scale", type=float, default=1.0, help="stretch trace time (2 = half the rate)")
     g.add_argument("--seed", type=int, default=0)
-    g = p.add_argument_group("SLOs")
-    g.add_argument("--slo-ttft", type=float, default=2.0, help="TTFT p90 target, seconds (default %(default)s)")
-    g.add_argument("--slo-tpot", type=float, default=0.1, help="TPOT p90 target, seconds (default %(default)s)")
-    g = p.add_argument_group("deployments to compare (default: search up from the fluid bound)")
-    g.add_argument("--gpus", type=int, help="compare every P:D split of this many GPUs, and colocated")
-    g.add_argument("--max-gpus", type=int, default=64, help="search limit (default %(default)s)")
-    g.add_argument("--split", action="append", default=[],
-                   help="a deployment to simulate, P:D or colocated:N (repeatable; replaces the search)")
-    g.add_argument("--no-colocated", action="store_true", help="leave colocated deployments out")
+
+
+def add_engine_args(p) -> None:
     g = p.add_argument_group("engine (as the workers' flags)")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--num-blocks", type=int, help="KV blocks per worker (default: what fits next to the weights)")
@@ -76,13 +94,8 @@ def add_plan_parser(sub) -> None:
                    help="any other SchedulerConfig field, e.g. remote_kv_budget=0.3 (repeatable)")
     g.add_argument("--routing-policy", choices=POLICIES, default="prefix_aware")
     g.add_argument("--skip-prefill-below", type=int, default=64)
-    g.add_argument("--overhead-ms", type=float, default=0.0, help="gateway + HTTP hops per request")
-    g = p.add_argument_group("run")
-    g.add_argument("--budget", type=float, default=DEFAULT_BUDGET,
-                   help="request-steps simulated per deployment before sampling a slice (default %(default)g)")
-    g.add_argument("--out", type=Path, help="write the plan as JSON here and the plot next to it (.png)")
-    g.add_argument("--quiet", action="store_true", help="only the JSON line")
-    p.set_defaults(func=cmd_plan)
+    g.add_argument("--overhead-ms", type=float, default=None, help="gateway + HTTP hops per request (default: the "
+                   "calibration's serving fit, else 0)")
 
 
 def add_calibrate_parser(sub) -> None:
@@ -152,7 +165,13 @@ def build_config(args) -> tuple[SimConfig, str]:
         link = parse_link(args.link or GPUS[args.gpu].default_link)
     else:
         cost = load_cost_model(args.calibration)
-        calibration_engine = json.loads(Path(args.calibration).read_text()).get("engine") or {}
+        document = json.loads(Path(args.calibration).read_text())
+        calibration_engine = document.get("engine") or {}
+        serving = document.get("serving") or {}
+        if serving.get("step_scale"):  # fitted on the real stack (benchmarks/planner_validation.py)
+            cost = cost.scaled(float(serving["step_scale"]))
+        if args.overhead_ms is None and serving.get("request_overhead_s") is not None:
+            args.overhead_ms = float(serving["request_overhead_s"]) * 1e3
         if not args.num_blocks:
             raise ValueError("--num-blocks is needed with --calibration (the workers' --num-blocks)")
         num_blocks = args.num_blocks
@@ -172,7 +191,7 @@ def build_config(args) -> tuple[SimConfig, str]:
     config = SimConfig(cost=cost, engine=engine, prefill_engine=prefill_engine, link=link,
                        kv_bytes_per_token=kv_per_token,
                        routing=RoutingConfig(policy=args.routing_policy, skip_prefill_below_tokens=args.skip_prefill_below),
-                       slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot, overhead_s=args.overhead_ms / 1e3,
+                       slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot, overhead_s=(args.overhead_ms or 0.0) / 1e3,
                        seed=args.seed)
     return config, cost.describe()
 
@@ -257,3 +276,38 @@ def clean(value):
     if isinstance(value, (list, tuple)):
         return [clean(v) for v in value]
     return value
+
+
+# ---- pdctl rebalance --gpu / --calibration ---------------------------------------------------
+
+
+def add_rebalance_model_args(p) -> None:
+    """The flags ``pdctl rebalance`` takes to choose its split by simulation (see planner/rebalance.py)."""
+    add_model_args(p)
+    add_traffic_args(p, rate_default=None)
+    add_engine_args(p)
+    g = p.add_argument_group("simulation (with --gpu or --calibration the split is chosen by simulating the traffic "
+                             "on every split of the movable workers)")
+    g.add_argument("--budget", type=float, default=DEFAULT_BUDGET / 4,
+                   help="request-steps simulated per split before sampling")
+
+
+def rebalance_by_simulation(readings, args):
+    """A ``gateway.rebalance.Plan`` chosen by simulating every split of the movable workers."""
+    from gateway.planner.rebalance import estimated_rate, simulated_plan
+
+    args.slo_ttft, args.slo_tpot = args.ttft_target, args.tpot_target
+    config, _ = build_config(args)
+    note = None
+    if args.rate is None and not args.trace:
+        mean_prompt = LengthDist.parse(args.prompt_len).mean + (args.prefix_len if args.prefix_groups else 0)
+        args.rate = estimated_rate(readings, mean_prompt)
+        if args.rate is None:
+            raise ValueError("the prefill pool reports no prompt tokens/s to estimate the rate from: pass --rate")
+        note = (f"rate estimated from the readings: {args.rate:.3g} req/s (prefill pool tokens/s / mean prompt "
+                f"{mean_prompt:.0f})")
+    workload = build_workload(args, config.engine.max_model_len)
+    result = simulated_plan(readings, workload, dataclasses.replace(config, stop_when_failing=True), args.budget)
+    if note:
+        result.reasons.insert(0, note)
+    return result

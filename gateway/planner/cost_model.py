@@ -92,6 +92,12 @@ class LinearCostModel(CostModel):
         shapes = np.asarray(shapes, dtype=float)
         return self.coefficients[0] + shapes @ np.asarray(self.coefficients[1:])
 
+    def scaled(self, factor: float) -> "LinearCostModel":
+        """Every step ``factor`` times as long (a serving slowdown fitted by ``fit_serving``)."""
+        if not factor > 0:
+            raise ValueError(f"scale factor must be > 0, got {factor}")
+        return LinearCostModel(tuple(c * factor for c in self.coefficients), dict(self.fit, step_scale=factor))
+
     def describe(self) -> str:
         c = dict(zip(FEATURES, self.coefficients))
         return (f"linear (calibrated): {c['const'] * 1e3:.3g} ms/step + {c['tokens'] * 1e6:.3g} us/token + "
