@@ -83,6 +83,9 @@ def summarize_simulation(sim, wall_s: float) -> dict:
                 "kv_usage_mean": round(sum(w.usage_area for w in members) / (horizon * len(members)), 4),
                 "kv_usage_peak": round(max(w.usage_peak for w in members), 4),
                 "busy": round(sum(w.busy_time for w in members) / (horizon * len(members)), 4),
+                # Spread of load over the pool: how evenly the router placed the work.
+                "busy_min": round(min(w.busy_time for w in members) / horizon, 4),
+                "busy_max": round(max(w.busy_time for w in members) / horizon, 4),
                 "steps": sum(w.steps for w in members),
                 "preemptions": sum(w.preemptions for w in members)}
 

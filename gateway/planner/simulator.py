@@ -49,7 +49,7 @@ from gateway.planner.traffic import Workload, output_token
 from gateway.routing import NoWorkerAvailable, Router, RoutingConfig
 
 TOKEN = output_token()
-ARRIVAL, STEP_END, KV_DONE, HEARTBEAT, REFRESH = range(5)
+STEP_END, KV_DONE, HEARTBEAT, REFRESH = range(4)
 
 
 @dataclass(frozen=True)
@@ -252,7 +252,6 @@ class Simulation:
         self.itl_values: list[float] = []
         self.itl_weights: list[int] = []
         self.transfer_bytes = 0.0
-        self.transfer_seconds = 0.0
         self.fallbacks = 0
         self.retries = 0
         self.stopped_early = False
@@ -269,44 +268,42 @@ class Simulation:
     def run(self) -> dict:
         began = time.perf_counter()
         wl, cfg = self.workload, self.config
-        for i in range(len(wl)):
-            self._push(float(wl.arrival[i]), ARRIVAL, i)
         rng = np.random.default_rng(cfg.seed)
         for w in self.workers.values():  # heartbeats are not in phase across workers
             self._push(float(rng.uniform(0, cfg.heartbeat_s)), HEARTBEAT, w)
         self._push(cfg.pool_refresh_s, REFRESH, None)
         drain = cfg.drain_s if cfg.drain_s is not None else max(60.0, wl.duration)
         horizon = wl.duration + drain
-        remaining = len(wl)
-        self._remaining = remaining
+        self._remaining = len(wl)
         check_every = max(200, len(wl) // 50)
+        arrivals = wl.arrival.tolist()  # already in order: merged with the heap, never pushed
         arrived = 0
         events = self.events
-        while events:
+        while True:
+            if arrived < len(arrivals) and (not events or arrivals[arrived] <= events[0][0]):
+                self.now = arrivals[arrived]
+                self._arrive(arrived, self.now)
+                arrived += 1
+                if cfg.stop_when_failing and arrived % check_every == 0 and self._certainly_failing(self.now):
+                    self.stopped_early = True
+                    break
+                continue
+            if not events or self._remaining == 0:
+                break
             when, _, kind, arg = heapq.heappop(events)
             if when > horizon:
                 break
             self.now = when
             if kind == STEP_END:
                 self._end_step(arg, when)
-            elif kind == ARRIVAL:
-                self._arrive(arg, when)
-                arrived += 1
-                if cfg.stop_when_failing and arrived % check_every == 0 and self._certainly_failing(when):
-                    self.stopped_early = True
-                    break
             elif kind == KV_DONE:
                 self._kv_done(arg, when)
             elif kind == HEARTBEAT:
-                if self._remaining > 0:
-                    arg.heartbeat(when)
-                    self._push(when + cfg.heartbeat_s, HEARTBEAT, arg)
+                arg.heartbeat(when)
+                self._push(when + cfg.heartbeat_s, HEARTBEAT, arg)
             elif kind == REFRESH:
-                if self._remaining > 0:
-                    self.view = [w.info for w in self.workers.values()]
-                    self._push(when + cfg.pool_refresh_s, REFRESH, None)
-            if self._remaining == 0 and arrived == len(wl):
-                break
+                self.view = [w.info for w in self.workers.values()]
+                self._push(when + cfg.pool_refresh_s, REFRESH, None)
         for w in self.workers.values():
             w.note_usage(self.now)
         return self._result(time.perf_counter() - began)
@@ -479,7 +476,6 @@ class Simulation:
                 job.next_index = limit
                 job.arrives = end
                 self.transfer_bytes += nbytes
-                self.transfer_seconds += end - start
             if request.is_finished:
                 w.scheduler.release_held(request.request_id)
                 del w.jobs[request.request_id]
