@@ -5,9 +5,12 @@
 1. **Calibrate** on this machine: ``gateway.planner.calibrate`` runs the real engine (one torch
    thread, as each worker gets) over a grid of step shapes and fits the linear cost model; then
    one short run of the real ``1P+1D`` stack, at its own load level and seed (not one of the
-   validation runs), fits what the engine grid cannot see (``fit_serving``): how much slower steps
-   run inside serving processes that share the cores, and the fixed latency of the gateway and
+   validation runs), fits what the engine grid cannot see (``fit_serving``): the time serving
+   adds to every step (streaming each step's tokens) and the fixed latency of the gateway and
    HTTP hops per request.
+   The machine is shared, so its speed drifts: a fixed small engine workload (``speed_probe``) is
+   timed right after calibrating and right before every real run, and each prediction runs on
+   the cost model scaled by the ratio (reported per run as ``speed``).
 2. **Measure**: for each split (``1P+1D`` disaggregated, ``2C`` two colocated workers; two workers
    either way, ``OMP_NUM_THREADS=1`` each, standing in for one GPU each) and each load level, start
    the real stack (``LocalStack``: Redis, gateway, workers, KV over TCP), warm it up, and send an
@@ -31,6 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import signal
 import sys
 import tempfile
 import time
@@ -85,10 +89,14 @@ def measure(split: str, checkpoint: str, plan, args) -> dict:
         warm = [PlannedRequest(random_ids(__import__("random").Random(1), 48, vocab), 4, 0.0, "warmup"),
                 PlannedRequest(random_ids(__import__("random").Random(2), 400, vocab), 4, 0.0, "warmup")]
         asyncio.run(warm_up(stack.gateway_url, model, warm))
+        began = time.time()
         records, wall = asyncio.run(run_load(stack.gateway_url, model, plan, timeout=600))
+        window = (began, time.time())
     finally:
         stack.stop()
-    return summarize(records, wall, args.slo_ttft, args.slo_tpot)
+    summary = summarize(records, wall, args.slo_ttft, args.slo_tpot)
+    summary["window"] = window
+    return summary
 
 
 def predict(split: str, workload, cost, args, overhead_s: float | None = None) -> dict:
@@ -105,19 +113,36 @@ def predict(split: str, workload, cost, args, overhead_s: float | None = None) -
     return Simulation(Deployment(**SPLITS[split]), workload, config).run()
 
 
-def calibrate_serving(checkpoint: str, engine_cost, args) -> dict:
-    """One real 1P+1D run at its own rate and seed; fit the serving slowdown and per-request overhead."""
+def calibrate_serving(checkpoint: str, engine_cost, args, probe: SpeedProbe, reference: float) -> dict:
+    """One real 1P+1D run at its own rate and seed; fit the serving step and request overheads."""
     from gateway.planner.calibrate import fit_serving
     from gateway.planner.traffic import LengthDist, synthetic
 
     workload = synthetic(args.calibration_rate, args.duration * 0.75, LengthDist.parse(args.prompt_len),
                          LengthDist.parse(args.output_len), seed=args.seed + 1000)
     log(f"serving calibration: 1P+1D at {args.calibration_rate} req/s ({len(workload)} requests)...")
-    measured = measure("1P+1D", checkpoint, real_plan(workload, args.vocab, args.seed + 1000), args)
-    fitted = fit_serving(lambda scale, overhead: predict("1P+1D", workload, engine_cost.scaled(scale), args, overhead),
+    measured, speed = measure_with_probe("1P+1D", checkpoint, real_plan(workload, args.vocab, args.seed + 1000), args,
+                                         probe, reference)
+    fitted = fit_serving(lambda step, request: predict("1P+1D", workload, serving_cost(engine_cost, step, speed),
+                                                       args, request * speed),
                          measured["ttft_ms"]["p50"], measured["tpot_ms"]["p50"])
-    fitted["rate"] = args.calibration_rate
+    # Both are at the calibration's speed (the fit ran on the probed cost): a run at another speed
+    # scales them with everything else.
+    fitted["rate"], fitted["speed"] = args.calibration_rate, round(speed, 3)
     return fitted
+
+
+def measure_with_probe(split: str, checkpoint: str, plan, args, probe: SpeedProbe, reference: float):
+    """Measure one run, and how fast the machine ran while the load was on."""
+    measured = measure(split, checkpoint, plan, args)
+    speed = probe.mean(*measured.pop("window")) / reference
+    log(f"[{split}] the machine ran {speed:.2f}x as slow as during the engine calibration")
+    return measured, speed
+
+
+def serving_cost(engine_cost, step_overhead_s: float, speed: float):
+    """The cost model of a step inside a serving worker on this machine as fast as it is now."""
+    return engine_cost.with_step_overhead(step_overhead_s).scaled(speed)
 
 
 def scale_run() -> dict:
@@ -142,6 +167,52 @@ def scale_run() -> dict:
             "scale_requests": len(workload), "scale_simulated": result["simulated"],
             "scale_ttft_p90_ms": result["ttft_ms"]["p90"], "scale_tpot_p90_ms": result["tpot_ms"]["p90"],
             "scale_goodput_req_s": result["goodput_req_s"]}
+
+
+PROBE_CODE = """
+import sys, time, torch
+torch.set_num_threads(1)
+a, b = torch.randn(192, 192), torch.randn(192, 192)
+while True:
+    began = time.perf_counter()
+    for _ in range(12):
+        a = torch.tanh(a @ b) * 0.5
+        sum(range(2000))
+    print(f"{time.time():.3f} {time.perf_counter() - began:.6f}", flush=True)
+    time.sleep(0.25)
+"""
+
+
+class SpeedProbe:
+    """How fast this shared machine runs a one-thread process, measured all through the benchmark.
+
+    A side process times a small fixed piece of work (torch and Python, like an engine step) four
+    times a second.  ``mean(start, end)`` is its average over a phase; the ratio of two phases'
+    means says how much slower one ran than the other (other tenants come and go).
+    """
+
+    def __init__(self, path: Path):
+        import subprocess
+
+        self.path = path
+        self._out = path.open("w")
+        self.proc = subprocess.Popen([sys.executable, "-c", PROBE_CODE], stdout=self._out,
+                                     env=dict(__import__("os").environ, OMP_NUM_THREADS="1"))
+
+    def mean(self, start: float, end: float) -> float:
+        values = []
+        for line in self.path.read_text().splitlines():
+            parts = line.split()
+            if len(parts) == 2 and start <= float(parts[0]) <= end:
+                values.append(float(parts[1]))
+        if not values:
+            raise RuntimeError("the speed probe recorded nothing in this phase")
+        return float(np.median(values))
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(10)
+        self._out.close()
 
 
 def rel(pred, meas) -> float | None:
@@ -174,6 +245,14 @@ def main(argv=None) -> None:
     checkpoint, args.vocab = prepare_model(args.model)
     RESULTS.mkdir(parents=True, exist_ok=True)
 
+    probe = SpeedProbe(RESULTS / f"planner-validation-probe{'-quick' if args.quick else ''}.txt")
+    try:
+        run_all(args, checkpoint, probe)
+    finally:
+        probe.stop()
+
+
+def run_all(args, checkpoint: str, probe: SpeedProbe) -> None:
     from gateway.planner.calibrate import calibrate, save
     from gateway.planner.traffic import LengthDist, synthetic
 
@@ -181,20 +260,24 @@ def main(argv=None) -> None:
         document = json.loads(args.calibration.read_text())
     else:
         log(f"calibrating on {checkpoint} (1 thread)...")
+        began = time.time()
         document = calibrate(checkpoint, threads=1, block_size=args.block_size,
                              max_num_batched_tokens=args.max_num_batched_tokens, quick=True, log=log)
+        document["probe_s"] = probe.mean(began, time.time())
     engine_cost = cost_model_from_dict(document["cost_model"])
     assert isinstance(engine_cost, LinearCostModel)
     log(engine_cost.describe() + f"; fit {engine_cost.fit.get('median_rel_error')} median rel error")
     args.kv_bytes_per_token = document["engine"]["kv_bytes_per_token"]
     args.max_model_len = document["engine"]["max_model_len"]
+    if "probe_s" not in document:  # a calibration file from elsewhere: take the machine as it is now
+        time.sleep(5)
+        document["probe_s"] = probe.mean(time.time() - 5, time.time())
+    reference = document["probe_s"]
     if "serving" not in document:
-        document["serving"] = calibrate_serving(checkpoint, engine_cost, args)
+        document["serving"] = calibrate_serving(checkpoint, engine_cost, args, probe, reference)
         save(document, RESULTS / f"planner-calibration{'-quick' if args.quick else ''}.json")
     serving = document["serving"]
-    cost = engine_cost.scaled(serving["step_scale"])
-    args.overhead_s = serving["request_overhead_s"]
-    log(f"serving calibration: steps x{serving['step_scale']:.3g} in serving, "
+    log(f"serving calibration: {serving['step_overhead_s'] * 1e3:.1f} ms per step, "
         f"{serving['request_overhead_s'] * 1e3:.0f} ms per request outside the engines")
 
     runs = []
@@ -203,13 +286,14 @@ def main(argv=None) -> None:
                              seed=args.seed + level)
         plan = real_plan(workload, args.vocab, args.seed + level)
         for split in SPLITS:
-            predicted = predict(split, workload, cost, args)
+            measured, speed = measure_with_probe(split, checkpoint, plan, args, probe, reference)
+            cost = serving_cost(engine_cost, serving["step_overhead_s"], speed)
+            predicted = predict(split, workload, cost, args, serving["request_overhead_s"] * speed)
             log(f"[{split} @ {rate} req/s] predicted TTFT p50 {predicted['ttft_ms']['p50']} ms, "
-                f"TPOT p50 {predicted['tpot_ms']['p50']} ms; measuring {len(plan)} requests...")
-            measured = measure(split, checkpoint, plan, args)
+                f"TPOT p50 {predicted['tpot_ms']['p50']} ms ({len(plan)} requests)")
             log(f"[{split} @ {rate} req/s] measured  TTFT p50 {measured['ttft_ms']['p50']} ms, "
                 f"TPOT p50 {measured['tpot_ms']['p50']} ms, errors {measured['errors']}")
-            runs.append({"split": split, "rate": rate, "requests": len(workload),
+            runs.append({"split": split, "rate": rate, "requests": len(workload), "speed": round(speed, 3),
                          "predicted": {k: predicted[k] for k in ("ttft_ms", "tpot_ms", "itl_ms", "goodput_req_s",
                                                                  "slo_ratio", "preemptions")},
                          "measured": {k: measured[k] for k in ("ttft_ms", "tpot_ms", "itl_ms", "goodput_req_s",
@@ -241,7 +325,7 @@ def main(argv=None) -> None:
             "runs": [{"split": r["split"], "rate": r["rate"],
                       "ttft_p50_ms": [r["predicted"]["ttft_ms"]["p50"], r["measured"]["ttft_ms"]["p50"]],
                       "tpot_p50_ms": [r["predicted"]["tpot_ms"]["p50"], r["measured"]["tpot_ms"]["p50"]],
-                      "errors": r["measured"]["errors"]} for r in runs]}
+                      "speed": r["speed"], "errors": r["measured"]["errors"]} for r in runs]}
     if not args.skip_scale:
         log("simulating 64P+64D H200s at 1,000 req/s for 600 s...")
         line.update(scale_run())
@@ -254,5 +338,8 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    np.seterr(all="ignore")
+    def on_term(_sig, _frame):
+        raise KeyboardInterrupt  # unwinds through every stack.stop() and the probe's stop()
+
+    signal.signal(signal.SIGTERM, on_term)
     main()

@@ -316,14 +316,14 @@ def test_rebalance_by_simulation_moves_towards_the_split_the_traffic_needs():
     assert kept.moves == [] and "keep 1P+3D" in kept.reasons[-1]
 
 
-def test_fit_serving_recovers_step_scale_and_request_overhead():
+def test_fit_serving_recovers_step_and_request_overheads():
     from gateway.planner.calibrate import fit_serving
 
-    def simulate_with(scale, overhead):  # TTFT: 10 steps of 8 ms + overhead; TPOT: one 8 ms step
-        return {"ttft_ms": {"p50": 80.0 * scale + overhead * 1e3}, "tpot_ms": {"p50": 8.0 * scale}}
+    def simulate_with(step, request):  # TTFT: 10 steps of 8 ms + overheads; TPOT: one 8 ms step
+        return {"ttft_ms": {"p50": 10 * (8.0 + step * 1e3) + request * 1e3}, "tpot_ms": {"p50": 8.0 + step * 1e3}}
 
     fitted = fit_serving(simulate_with, measured_ttft_p50_ms=180.0, measured_tpot_p50_ms=12.0)
-    assert fitted["step_scale"] == pytest.approx(1.5)
+    assert fitted["step_overhead_s"] == pytest.approx(0.004)
     assert fitted["request_overhead_s"] == pytest.approx(0.06)
     with pytest.raises(ValueError):
         fit_serving(simulate_with, 0.0, 12.0)

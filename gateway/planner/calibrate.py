@@ -140,30 +140,48 @@ def calibrate(model: str, *, threads: int | None = None, block_size: int = 16, m
     }
 
 
-def fit_serving(simulate_with, measured_ttft_p50_ms: float, measured_tpot_p50_ms: float, iterations: int = 3
+def fit_serving(simulate_with, measured_ttft_p50_ms: float, measured_tpot_p50_ms: float, iterations: int = 4
                 ) -> dict:
-    """Fit what the engine grid cannot see: how much slower a step runs inside a serving worker
-    (its event loop, HTTP streams and the other processes share the cores: ``step_scale``
-    multiplies every step) and the fixed latency a request spends outside the engines (gateway,
-    HTTP hops, SSE: ``request_overhead_s``), from one measured run of the real stack.
+    """Fit what the engine grid cannot see, from one measured run of the real stack:
 
-    ``simulate_with(step_scale, request_overhead_s)`` simulates that same run and returns its
-    result.  TPOT fixes the scale (a decode step is almost all engine), then TTFT the overhead.
+    - ``step_overhead_s``: added to every step inside a serving worker (the engine thread hands
+      each step's tokens to the event loop, which frames and streams them; they share the GIL);
+    - ``request_overhead_s``: the fixed latency a request spends outside the engines (gateway,
+      HTTP hops between gateway, decode and prefill worker, SSE).
+
+    ``simulate_with(step_overhead_s, request_overhead_s)`` simulates that same run and returns its
+    result.  TPOT fixes the step overhead (a light-load decode step is one step), then TTFT the
+    request overhead; a few rounds settle both.
     """
     if not measured_ttft_p50_ms > 0 or not measured_tpot_p50_ms > 0:
         raise ValueError("the serving calibration needs measured TTFT and TPOT medians > 0")
-    scale, overhead = 1.0, 0.0
+    step, request = 0.0, 0.0
     for _ in range(iterations):
-        predicted = simulate_with(scale, overhead)
-        tpot = predicted["tpot_ms"]["p50"]
-        if tpot and tpot != float("inf"):
-            scale *= measured_tpot_p50_ms / tpot
-        predicted = simulate_with(scale, overhead)
-        ttft = predicted["ttft_ms"]["p50"]
+        tpot = simulate_with(step, request)["tpot_ms"]["p50"]
+        if tpot is not None and tpot != float("inf"):
+            step = max(0.0, step + (measured_tpot_p50_ms - tpot) / 1e3)
+        ttft = simulate_with(step, request)["ttft_ms"]["p50"]
         if ttft is not None and ttft != float("inf"):
-            overhead = max(0.0, overhead + (measured_ttft_p50_ms - ttft) / 1e3)
-    return {"step_scale": round(scale, 4), "request_overhead_s": round(overhead, 5),
+            request = max(0.0, request + (measured_ttft_p50_ms - ttft) / 1e3)
+    return {"step_overhead_s": round(step, 6), "request_overhead_s": round(request, 5),
             "measured_ttft_p50_ms": measured_ttft_p50_ms, "measured_tpot_p50_ms": measured_tpot_p50_ms}
+
+
+def speed_probe(engine, repeats: int = 3) -> float:
+    """Seconds a fixed small workload takes on ``engine`` now (median of ``repeats``): how fast this
+    machine runs at the moment, to compare with the same probe taken when it was calibrated."""
+    from common.engine.sampling_params import SamplingParams
+
+    vocab = engine.model_config.vocab_size
+    times = []
+    for r in range(repeats):
+        began = time.perf_counter()
+        for k in range(8):
+            engine.add_request(_ids(128, 10_000 + r * 8 + k, vocab), SamplingParams(max_tokens=9, ignore_eos=True))
+        while engine.has_unfinished():
+            engine.step()
+        times.append(time.perf_counter() - began)
+    return statistics.median(times)
 
 
 def save(document: dict, path: str | Path) -> None:

@@ -168,8 +168,8 @@ def build_config(args) -> tuple[SimConfig, str]:
         document = json.loads(Path(args.calibration).read_text())
         calibration_engine = document.get("engine") or {}
         serving = document.get("serving") or {}
-        if serving.get("step_scale"):  # fitted on the real stack (benchmarks/planner_validation.py)
-            cost = cost.scaled(float(serving["step_scale"]))
+        if serving.get("step_overhead_s"):  # fitted on the real stack (benchmarks/planner_validation.py)
+            cost = cost.with_step_overhead(float(serving["step_overhead_s"]))
         if args.overhead_ms is None and serving.get("request_overhead_s") is not None:
             args.overhead_ms = float(serving["request_overhead_s"]) * 1e3
         if not args.num_blocks:

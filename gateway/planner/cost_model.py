@@ -93,10 +93,18 @@ class LinearCostModel(CostModel):
         return self.coefficients[0] + shapes @ np.asarray(self.coefficients[1:])
 
     def scaled(self, factor: float) -> "LinearCostModel":
-        """Every step ``factor`` times as long (a serving slowdown fitted by ``fit_serving``)."""
+        """Every step ``factor`` times as long (a machine that runs slower now than when calibrated)."""
         if not factor > 0:
             raise ValueError(f"scale factor must be > 0, got {factor}")
-        return LinearCostModel(tuple(c * factor for c in self.coefficients), dict(self.fit, step_scale=factor))
+        return LinearCostModel(tuple(c * factor for c in self.coefficients), dict(self.fit))
+
+    def with_step_overhead(self, seconds: float) -> "LinearCostModel":
+        """Every step ``seconds`` longer (what serving adds to a step; fitted by ``fit_serving``)."""
+        if not seconds >= 0:
+            raise ValueError(f"step overhead must be >= 0 s, got {seconds}")
+        c = list(self.coefficients)
+        c[0] += seconds
+        return LinearCostModel(tuple(c), dict(self.fit))
 
     def describe(self) -> str:
         c = dict(zip(FEATURES, self.coefficients))
