@@ -8,9 +8,10 @@
    validation runs), fits what the engine grid cannot see (``fit_serving``): the time serving
    adds to every step (streaming each step's tokens) and the fixed latency of the gateway and
    HTTP hops per request.
-   The machine is shared, so its speed drifts: a fixed small engine workload (``speed_probe``) is
-   timed right after calibrating and right before every real run, and each prediction runs on
-   the cost model scaled by the ratio (reported per run as ``speed``).
+   The machine is shared, so its speed drifts: a side process (``SpeedProbe``) times a fixed
+   one-thread workload four times a second all through the benchmark, and each prediction runs on
+   the cost model scaled by how much slower the machine ran during that run's load than during
+   the engine calibration (reported per run as ``speed``).
 2. **Measure**: for each split (``1P+1D`` disaggregated, ``2C`` two colocated workers; two workers
    either way, ``OMP_NUM_THREADS=1`` each, standing in for one GPU each) and each load level, start
    the real stack (``LocalStack``: Redis, gateway, workers, KV over TCP), warm it up, and send an

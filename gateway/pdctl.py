@@ -29,7 +29,9 @@ from dataclasses import asdict
 
 from common.cluster.registry import ROLES
 from gateway.ops.cli import add_commands as add_deploy_commands, scale_command  # noqa: F401 (re-exported)
-from gateway.planner.cli import add_calibrate_parser, add_plan_parser, add_rebalance_model_args
+from gateway.planner.cli import (
+    add_calibrate_parser, add_plan_parser, add_rebalance_model_args, rebalance_by_simulation,
+)
 from gateway.rebalance import Move, Targets, WorkerReading, plan
 
 
@@ -194,8 +196,6 @@ def cmd_rebalance(client: AdminClient, args) -> int:
     targets = targets_from_args(args)
     readings = [WorkerReading.from_info(w) for w in client.workers()]
     if args.gpu or args.calibration:  # choose the split by simulating the traffic (gateway/planner)
-        from gateway.planner.cli import rebalance_by_simulation
-
         result = rebalance_by_simulation(readings, args)
     else:
         result = plan(readings, targets)

@@ -327,3 +327,18 @@ def test_fit_serving_recovers_step_and_request_overheads():
     assert fitted["request_overhead_s"] == pytest.approx(0.06)
     with pytest.raises(ValueError):
         fit_serving(simulate_with, 0.0, 12.0)
+
+
+def test_pdctl_rebalance_flags_reach_the_simulation():
+    from gateway.pdctl import build_parser
+    from gateway.planner.cli import rebalance_by_simulation
+    from gateway.rebalance import WorkerReading
+
+    readings = [WorkerReading("p0", "prefill", prefill_tokens_per_s=20_000.0), WorkerReading("d0", "decode"),
+                WorkerReading("d1", "decode")]
+    args = build_parser().parse_args(["rebalance", "--gpu", "H200", "--model", "llama-3-8b", "--duration", "10",
+                                      "--prompt-len", "fixed:1000", "--output-len", "fixed:20", "--tpot-target", "0.05"])
+    result = rebalance_by_simulation(readings, args)
+    assert "rate estimated from the readings: 20 req/s" in result.reasons[0]
+    assert sum(line.startswith("split ") for line in result.reasons) == 2  # 1P+2D and 2P+1D
+    assert result.prefill_needed + result.decode_needed == 3

@@ -167,22 +167,5 @@ def fit_serving(simulate_with, measured_ttft_p50_ms: float, measured_tpot_p50_ms
             "measured_ttft_p50_ms": measured_ttft_p50_ms, "measured_tpot_p50_ms": measured_tpot_p50_ms}
 
 
-def speed_probe(engine, repeats: int = 3) -> float:
-    """Seconds a fixed small workload takes on ``engine`` now (median of ``repeats``): how fast this
-    machine runs at the moment, to compare with the same probe taken when it was calibrated."""
-    from common.engine.sampling_params import SamplingParams
-
-    vocab = engine.model_config.vocab_size
-    times = []
-    for r in range(repeats):
-        began = time.perf_counter()
-        for k in range(8):
-            engine.add_request(_ids(128, 10_000 + r * 8 + k, vocab), SamplingParams(max_tokens=9, ignore_eos=True))
-        while engine.has_unfinished():
-            engine.step()
-        times.append(time.perf_counter() - began)
-    return statistics.median(times)
-
-
 def save(document: dict, path: str | Path) -> None:
     Path(path).write_text(json.dumps(document, indent=2))
