@@ -171,7 +171,7 @@ def scale_run() -> dict:
 
 
 PROBE_CODE = """
-import sys, time, torch
+import time, torch
 torch.set_num_threads(1)
 a, b = torch.randn(192, 192), torch.randn(192, 192)
 while True:
@@ -180,16 +180,17 @@ while True:
         a = torch.tanh(a @ b) * 0.5
         sum(range(2000))
     print(f"{time.time():.3f} {time.perf_counter() - began:.6f}", flush=True)
-    time.sleep(0.25)
 """
 
 
 class SpeedProbe:
     """How fast this shared machine runs a one-thread process, measured all through the benchmark.
 
-    A side process times a small fixed piece of work (torch and Python, like an engine step) four
-    times a second.  ``mean(start, end)`` is its average over a phase; the ratio of two phases'
-    means says how much slower one ran than the other (other tenants come and go).
+    A side process times a small fixed piece of work (torch and Python, like an engine step) over
+    and over, never sleeping: a busy worker competes for the cores the same way (a process that
+    sleeps between samples would be favoured by the kernel when it wakes and measure too fast).
+    ``mean(start, end)`` is its median over a phase; the ratio of two phases' says how much slower
+    one ran than the other (other tenants come and go).
     """
 
     def __init__(self, path: Path):
@@ -242,7 +243,7 @@ def main(argv=None) -> None:
     for key, value in preset.items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
-    rates = [float(r) for r in args.rates.split(",")] if isinstance(args.rates, str) else list(args.rates)
+    args.rates = [float(r) for r in args.rates.split(",")] if isinstance(args.rates, str) else list(args.rates)
     checkpoint, args.vocab = prepare_model(args.model)
     RESULTS.mkdir(parents=True, exist_ok=True)
 
@@ -281,6 +282,7 @@ def run_all(args, checkpoint: str, probe: SpeedProbe) -> None:
     log(f"serving calibration: {serving['step_overhead_s'] * 1e3:.1f} ms per step, "
         f"{serving['request_overhead_s'] * 1e3:.0f} ms per request outside the engines")
 
+    rates = args.rates
     runs = []
     for level, rate in enumerate(rates):
         workload = synthetic(rate, args.duration, LengthDist.parse(args.prompt_len), LengthDist.parse(args.output_len),

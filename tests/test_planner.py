@@ -342,3 +342,11 @@ def test_pdctl_rebalance_flags_reach_the_simulation():
     assert "rate estimated from the readings: 20 req/s" in result.reasons[0]
     assert sum(line.startswith("split ") for line in result.reasons) == 2  # 1P+2D and 2P+1D
     assert result.prefill_needed + result.decode_needed == 3
+
+
+def test_slices_keep_the_per_worker_load():
+    # 5:1 has no smaller slice with the same ratio: the whole cluster is simulated.
+    assert slice_for(Deployment(5, 1), work=1e9, budget=1e6).fraction == 1.0
+    odd = slice_for(Deployment(37, 91), work=1e9, budget=1e6)
+    assert odd.load_skew <= 1.1 and odd.fraction < 0.2
+    assert slice_for(Deployment(48, 80), work=1e9, budget=1e6).deployment in (Deployment(3, 5), Deployment(6, 10))

@@ -59,16 +59,21 @@ def plot(plan: dict, path: str | Path, title: str = "") -> Path:
         marker = "*" if r["deployment"] == best else ("s" if r["both"] else "o")
         left.scatter([x], [y], c=colour, marker=marker, s=160 if marker == "*" else 45, zorder=3)
         left.annotate(r["deployment"], (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    xs = [capped(r["ttft_ms"]["p90"], ttft_cap) for r in candidates] + [slo_ttft]
+    ys = [capped(r["tpot_ms"]["p90"], tpot_cap) for r in candidates] + [slo_tpot]
+    x_low, y_low = max(min(xs) / 2, 1e-3), max(min(ys) / 2, 1e-3)
+    left.set_xscale("log")
+    left.set_yscale("log")
     left.axvline(slo_ttft, color="grey", ls="--")
     left.axhline(slo_tpot, color="grey", ls="--")
-    left.fill_between([0, slo_ttft], 0, slo_tpot, color="tab:green", alpha=0.08)
-    left.set_xlim(0, ttft_cap * 1.05)
-    left.set_ylim(0, tpot_cap * 1.05)
-    left.set_xlabel("TTFT p90 (ms; capped at 4x SLO)")
-    left.set_ylabel("TPOT p90 (ms; capped at 4x SLO)")
+    left.fill_between([x_low, slo_ttft], y_low, slo_tpot, color="tab:green", alpha=0.08)
+    left.set_xlim(x_low, ttft_cap * 1.2)
+    left.set_ylim(y_low, tpot_cap * 1.2)
+    left.set_xlabel("TTFT p90 (ms, log; capped at 4x SLO)")
+    left.set_ylabel("TPOT p90 (ms, log; capped at 4x SLO)")
     left.set_title("predicted latency (green box: meets both SLOs)")
 
-    ordered = sorted(candidates, key=lambda r: (r["gpus"], r["prefill"]))
+    ordered = sorted(candidates, key=lambda r: (r["gpus"], r["both"] > 0, r["prefill"]))
     labels = [r["deployment"] for r in ordered]
     per_gpu = [r["goodput_req_s"] / r["gpus"] for r in ordered]
     colours = ["tab:green" if r["meets_slo"] else "tab:red" for r in ordered]

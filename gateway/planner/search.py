@@ -46,20 +46,29 @@ class Slice:
     load_skew: float  # max/min over roles of (simulated workers / cluster workers): 1.0 is exact
 
 
+MAX_SLICE_SKEW = 1.1  # a slice's per-worker load may differ from the cluster's by at most 10% per role
+
+
 def slice_for(deployment: Deployment, work: float, budget: float) -> Slice:
-    """The largest slice of ``deployment`` whose share of ``work`` fits ``budget`` (see the module docstring)."""
+    """The largest slice of ``deployment`` whose share of ``work`` fits ``budget`` (see the module
+    docstring).  Only slices that keep every role's per-worker load within ``MAX_SLICE_SKEW`` of the
+    cluster's qualify; when none does (an odd ratio such as 5:1), the whole cluster is simulated."""
     counts = (deployment.prefill, deployment.decode, deployment.both)
+    whole = Slice(deployment, 1.0, 1.0)
     if work <= budget:
-        return Slice(deployment, 1.0, 1.0)
-    best = None
+        return whole
+    fitting = []
     for m in range(2, max(counts) + 1):
         sizes = tuple(max(1, round(c / m)) if c else 0 for c in counts)
         fractions = [s / c for s, c in zip(sizes, counts) if c]
-        fraction = sum(sizes) / sum(counts)
-        best = Slice(Deployment(*sizes), fraction, max(fractions) / min(fractions))
-        if work * fraction <= budget:
-            break
-    return best
+        skew = max(fractions) / min(fractions)
+        if skew > MAX_SLICE_SKEW:
+            continue
+        piece = Slice(Deployment(*sizes), sum(sizes) / sum(counts), skew)
+        if work * piece.fraction <= budget:
+            return piece
+        fitting.append(piece)
+    return min(fitting, key=lambda p: p.fraction) if fitting else whole
 
 
 def thin(workload: Workload, fraction: float, seed: int = 0) -> Workload:
@@ -181,7 +190,8 @@ def search(workload: Workload, config: SimConfig, gpus: int | None = None, max_g
     if gpus is not None:
         run(splits(gpus, share * gpus, colocated=colocated))
     else:
-        n = max(2, fluid["min_gpus"])
+        # One below the fluid bound: it ignores prefix-cache hits and short prompts decoded in place.
+        n = max(2, fluid["min_gpus"] - 1)
         while n <= max_gpus:
             if log:
                 log(f"{n} GPUs:")
