@@ -39,7 +39,6 @@ from common.cluster.registry import Capacity, KVAddress, Load, WorkerInfo
 from common.engine.block_pool import BlockPool
 from common.engine.config import SchedulerConfig
 from common.engine.kv_cache_manager import KVCacheManager, cdiv
-from common.engine.prefix_hash import hash_prompt_blocks
 from common.engine.request import Request
 from common.engine.sampling_params import SamplingParams
 from common.engine.scheduler import Scheduler
@@ -331,21 +330,25 @@ class Simulation:
     def _arrive(self, i: int, now: float) -> None:
         wl, cfg = self.workload, self.config
         tokens = wl.prompt_tokens(i)
-        n_out = int(wl.output_len[i])
         bs = self.block_size
-        if wl.shared[i]:
-            hashes = hash_prompt_blocks(tokens, bs)
-            matched = {}
-            for w in self.workers.values():
-                m = w.cached_blocks(hashes)
-                if m:
-                    matched[w.worker_id] = m
-            affinity = hashes[0] if hashes else b""
-        else:
-            matched = {}  # nobody can hold a prompt no other request shares
-            affinity = hash_prompt_blocks(tokens[:bs], bs)[0] if len(tokens) >= bs else b""
+        # The decode worker's own Request: its block hashes (the engine's hash function and extra
+        # keys) serve the gateway's prefix lookup too, and are computed once.
+        request = Request(str(i), tokens, SamplingParams(max_tokens=int(wl.output_len[i]), ignore_eos=True),
+                          arrival_time=now)
+        matched = {}
+        affinity = b""
+        if len(tokens) >= bs:
+            if wl.shared[i]:
+                hashes = request.update_block_hashes(bs)
+                for w in self.workers.values():
+                    m = w.cached_blocks(hashes)
+                    if m:
+                        matched[w.worker_id] = m
+                affinity = hashes[0]
+            else:  # nobody can hold a prompt no other request shares: only the affinity key is needed
+                affinity = Request("affinity", tokens[:bs], request.sampling_params).update_block_hashes(bs)[0]
         exclude: set[str] = set()
-        for attempt in range(cfg.max_attempts):
+        for _ in range(cfg.max_attempts):
             workers = [w for w in self.view if w.worker_id not in exclude]
             try:
                 route = self.router.route(workers, len(tokens), matched, affinity_key=affinity, pending=self.pending)
@@ -356,29 +359,28 @@ class Simulation:
                 exclude.add(decode.worker_id)  # "busy": the gateway tries another decode worker
                 self.retries += 1
                 continue
-            self._admit(i, tokens, n_out, route, decode, now)
+            self._admit(i, request, route, decode, now)
             return
         self._fail(i, "saturated")
 
-    def _admit(self, i: int, tokens: list[int], n_out: int, route, decode: SimWorker, now: float) -> None:
-        rid = str(i)
-        params = SamplingParams(max_tokens=n_out, ignore_eos=True)
+    def _admit(self, i: int, request: Request, route, decode: SimWorker, now: float) -> None:
         try:
             if route.prefill is not None:
-                reserved = decode.scheduler.reserve_remote(Request(rid, tokens, params, arrival_time=now))
+                reserved = decode.scheduler.reserve_remote(request)
                 if reserved is not None:
-                    self._start_remote(i, rid, tokens, route, decode, reserved[1])
+                    self._start_remote(i, request, route, decode, reserved[1])
                     return
                 self.fallbacks += 1  # no blocks to reserve: the decode worker computes the prompt itself
-            decode.scheduler.add_request(Request(rid, tokens, params, arrival_time=now))
+            decode.scheduler.add_request(request)
             self.route_kind[i] = "local"
         except ValueError as exc:
             self._fail(i, f"invalid: {exc}")
             return
         self._kick(decode, now)
 
-    def _start_remote(self, i: int, rid: str, tokens: list[int], route, decode: SimWorker, num_cached: int) -> None:
+    def _start_remote(self, i: int, decode_request: Request, route, decode: SimWorker, num_cached: int) -> None:
         prefill = self.workers[route.prefill.worker_id]
+        rid, tokens = decode_request.request_id, decode_request.prompt_token_ids
         request = Request(rid, tokens, SamplingParams(max_tokens=1, ignore_eos=True), arrival_time=self.now)
         request.hold_blocks_on_finish = True  # shipped after the prompt finishes, as the prefill role does
         try:
