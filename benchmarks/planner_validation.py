@@ -3,21 +3,19 @@
     python benchmarks/planner_validation.py [--quick]
 
 1. **Calibrate** on this machine: ``gateway.planner.calibrate`` runs the real engine (one torch
-   thread, as each worker gets) over a grid of step shapes and fits the linear cost model; then
-   one short run of the real ``1P+1D`` stack, at its own load level and seed (not one of the
-   validation runs), fits what the engine grid cannot see (``fit_serving``): the time serving
-   adds to every step (streaming each step's tokens) and the fixed latency of the gateway and
-   HTTP hops per request.
-   The machine is shared, so its speed drifts: a side process (``SpeedProbe``) times a fixed
-   one-thread workload four times a second all through the benchmark, and each prediction runs on
-   the cost model scaled by how much slower the machine ran during that run's load than during
-   the engine calibration (reported per run as ``speed``).
+   thread, as each worker gets) over a grid of step shapes and fits the linear cost model.
 2. **Measure**: for each split (``1P+1D`` disaggregated, ``2C`` two colocated workers; two workers
    either way, ``OMP_NUM_THREADS=1`` each, standing in for one GPU each) and each load level, start
-   the real stack (``LocalStack``: Redis, gateway, workers, KV over TCP), warm it up, and send an
-   open-loop Poisson workload with ``benchmarks/loadgen.py`` (exact prompt and output lengths).
+   the real stack (``LocalStack``: Redis, gateway, workers, KV over TCP), warm it up, then send
+   three probe requests one at a time (a short prompt, a long prompt, a lone stream) and fit what
+   the stack adds to the engine right now (``fit_stack_overheads``: the machine's current speed --
+   it is shared, and other tenants come and go --, a per-step serving overhead and a per-request
+   overhead).  Then the open-loop Poisson workload with ``benchmarks/loadgen.py`` (exact prompt
+   and output lengths).
 3. **Predict** the same runs with the simulator -- the same arrival times and lengths, the same
-   engine settings, the calibrated cost model -- and compare.
+   engine settings, the calibrated cost model with that run's fitted overheads -- and compare.
+   The probes are idle, one at a time: queueing, batching, chunking, prefill/decode interference and
+   routing under load are what the simulation has to get right.
 
 The last line is one JSON object with the worst relative error of the TTFT and TPOT medians over
 all runs (``ttft_p50_rel_error``, ``tpot_p50_rel_error``; target <= 0.25 each), whether the split
@@ -56,9 +54,9 @@ from gateway.planner.metrics import slo_ratio  # noqa: E402
 RESULTS = Path(__file__).resolve().parent / "results"
 SPLITS = {"1P+1D": dict(prefill=1, decode=1, both=0), "2C": dict(prefill=0, decode=0, both=2)}
 PRESETS = {
-    "quick": dict(model="tiny", rates=(0.8, 1.6), calibration_rate=1.2, duration=45.0, prompt_len="uniform:64:512",
+    "quick": dict(model="tiny", rates=(0.8, 1.6), duration=45.0, prompt_len="uniform:64:512",
                   output_len="uniform:16:48", slo_ttft=2.0, slo_tpot=0.1),
-    "full": dict(model="100m", rates=(0.3, 0.6, 0.9), calibration_rate=0.45, duration=60.0,
+    "full": dict(model="100m", rates=(0.3, 0.6, 0.9), duration=60.0,
                  prompt_len="uniform:64:768", output_len="uniform:16:64", slo_ttft=3.0, slo_tpot=0.2),
 }
 
@@ -90,17 +88,39 @@ def measure(split: str, checkpoint: str, plan, args) -> dict:
         warm = [PlannedRequest(random_ids(__import__("random").Random(1), 48, vocab), 4, 0.0, "warmup"),
                 PlannedRequest(random_ids(__import__("random").Random(2), 400, vocab), 4, 0.0, "warmup")]
         asyncio.run(warm_up(stack.gateway_url, model, warm))
-        began = time.time()
+        probes = asyncio.run(idle_probes(stack.gateway_url, model, args))
         records, wall = asyncio.run(run_load(stack.gateway_url, model, plan, timeout=600))
-        window = (began, time.time())
     finally:
         stack.stop()
     summary = summarize(records, wall, args.slo_ttft, args.slo_tpot)
-    summary["window"] = window
+    summary["probes"] = probes
     return summary
 
 
-def predict(split: str, workload, cost, args, overhead_s: float | None = None) -> dict:
+PROBE_SHORT, PROBE_LONG, PROBE_STREAM = 16, 512, 48
+
+
+async def idle_probes(url: str, model: str, args, repeats: int = 3) -> dict:
+    """Median TTFT of a short and a long prompt and TPOT of a lone stream, one request at a time."""
+    import random
+    import statistics
+
+    rng = random.Random(4242)
+    out = {}
+    for name, prompt, tokens in (("ttft_short_s", PROBE_SHORT, 2), ("ttft_long_s", PROBE_LONG, 2),
+                                 ("tpot_s", PROBE_SHORT, PROBE_STREAM)):
+        values = []
+        for _ in range(repeats):
+            records, _ = await run_load(url, model, [PlannedRequest(random_ids(rng, prompt, args.vocab), tokens, 0.0,
+                                                                    "probe")])
+            if not records[0].ok:
+                raise RuntimeError(f"probe request failed: {records[0].error}")
+            values.append(records[0].tpot if name == "tpot_s" else records[0].ttft)
+        out[name] = statistics.median(values)
+    return out
+
+
+def predict(split: str, workload, cost, args, overhead_s: float) -> dict:
     from gateway.planner.simulator import Deployment, EngineSettings, SimConfig, Simulation
     from gateway.planner.hardware import LinkProfile
 
@@ -110,40 +130,8 @@ def predict(split: str, workload, cost, args, overhead_s: float | None = None) -
     config = SimConfig(cost=cost, engine=engine, link=LinkProfile("tcp-loopback", 1e9, 2e-4),
                        kv_bytes_per_token=args.kv_bytes_per_token, slo_ttft_s=args.slo_ttft,
                        slo_tpot_s=args.slo_tpot,
-                       overhead_s=args.overhead_s if overhead_s is None else overhead_s)
+                       overhead_s=overhead_s)
     return Simulation(Deployment(**SPLITS[split]), workload, config).run()
-
-
-def calibrate_serving(checkpoint: str, engine_cost, args, probe: SpeedProbe, reference: float) -> dict:
-    """One real 1P+1D run at its own rate and seed; fit the serving step and request overheads."""
-    from gateway.planner.calibrate import fit_serving
-    from gateway.planner.traffic import LengthDist, synthetic
-
-    workload = synthetic(args.calibration_rate, args.duration * 0.75, LengthDist.parse(args.prompt_len),
-                         LengthDist.parse(args.output_len), seed=args.seed + 1000)
-    log(f"serving calibration: 1P+1D at {args.calibration_rate} req/s ({len(workload)} requests)...")
-    measured, speed = measure_with_probe("1P+1D", checkpoint, real_plan(workload, args.vocab, args.seed + 1000), args,
-                                         probe, reference)
-    fitted = fit_serving(lambda step, request: predict("1P+1D", workload, serving_cost(engine_cost, step, speed),
-                                                       args, request * speed),
-                         measured["ttft_ms"]["p50"], measured["tpot_ms"]["p50"])
-    # Both are at the calibration's speed (the fit ran on the probed cost): a run at another speed
-    # scales them with everything else.
-    fitted["rate"], fitted["speed"] = args.calibration_rate, round(speed, 3)
-    return fitted
-
-
-def measure_with_probe(split: str, checkpoint: str, plan, args, probe: SpeedProbe, reference: float):
-    """Measure one run, and how fast the machine ran while the load was on."""
-    measured = measure(split, checkpoint, plan, args)
-    speed = probe.mean(*measured.pop("window")) / reference
-    log(f"[{split}] the machine ran {speed:.2f}x as slow as during the engine calibration")
-    return measured, speed
-
-
-def serving_cost(engine_cost, step_overhead_s: float, speed: float):
-    """The cost model of a step inside a serving worker on this machine as fast as it is now."""
-    return engine_cost.with_step_overhead(step_overhead_s).scaled(speed)
 
 
 def scale_run() -> dict:
@@ -170,53 +158,6 @@ def scale_run() -> dict:
             "scale_goodput_req_s": result["goodput_req_s"]}
 
 
-PROBE_CODE = """
-import time, torch
-torch.set_num_threads(1)
-a, b = torch.randn(192, 192), torch.randn(192, 192)
-while True:
-    began = time.perf_counter()
-    for _ in range(12):
-        a = torch.tanh(a @ b) * 0.5
-        sum(range(2000))
-    print(f"{time.time():.3f} {time.perf_counter() - began:.6f}", flush=True)
-"""
-
-
-class SpeedProbe:
-    """How fast this shared machine runs a one-thread process, measured all through the benchmark.
-
-    A side process times a small fixed piece of work (torch and Python, like an engine step) over
-    and over, never sleeping: a busy worker competes for the cores the same way (a process that
-    sleeps between samples would be favoured by the kernel when it wakes and measure too fast).
-    ``mean(start, end)`` is its median over a phase; the ratio of two phases' says how much slower
-    one ran than the other (other tenants come and go).
-    """
-
-    def __init__(self, path: Path):
-        import subprocess
-
-        self.path = path
-        self._out = path.open("w")
-        self.proc = subprocess.Popen([sys.executable, "-c", PROBE_CODE], stdout=self._out,
-                                     env=dict(__import__("os").environ, OMP_NUM_THREADS="1"))
-
-    def mean(self, start: float, end: float) -> float:
-        values = []
-        for line in self.path.read_text().splitlines():
-            parts = line.split()
-            if len(parts) == 2 and start <= float(parts[0]) <= end:
-                values.append(float(parts[1]))
-        if not values:
-            raise RuntimeError("the speed probe recorded nothing in this phase")
-        return float(np.median(values))
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(10)
-        self._out.close()
-
-
 def rel(pred, meas) -> float | None:
     if pred is None or meas is None or meas <= 0 or pred == float("inf"):
         return None
@@ -234,7 +175,6 @@ def main(argv=None) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--num-blocks", type=int, default=1024)
-    p.add_argument("--calibration-rate", type=float, help="req/s of the serving-calibration run")
     p.add_argument("--calibration", type=Path, help="reuse a calibration file instead of measuring")
     p.add_argument("--skip-scale", action="store_true", help="leave out the 128-GPU simulation")
     p.add_argument("--seed", type=int, default=0)
@@ -247,40 +187,25 @@ def main(argv=None) -> None:
     checkpoint, args.vocab = prepare_model(args.model)
     RESULTS.mkdir(parents=True, exist_ok=True)
 
-    probe = SpeedProbe(RESULTS / f"planner-validation-probe{'-quick' if args.quick else ''}.txt")
-    try:
-        run_all(args, checkpoint, probe)
-    finally:
-        probe.stop()
+    run_all(args, checkpoint)
 
 
-def run_all(args, checkpoint: str, probe: SpeedProbe) -> None:
-    from gateway.planner.calibrate import calibrate, save
+def run_all(args, checkpoint: str) -> None:
+    from gateway.planner.calibrate import calibrate, fit_stack_overheads, save, serving_cost
     from gateway.planner.traffic import LengthDist, synthetic
 
     if args.calibration:
         document = json.loads(args.calibration.read_text())
     else:
         log(f"calibrating on {checkpoint} (1 thread)...")
-        began = time.time()
         document = calibrate(checkpoint, threads=1, block_size=args.block_size,
                              max_num_batched_tokens=args.max_num_batched_tokens, quick=True, log=log)
-        document["probe_s"] = probe.mean(began, time.time())
+        save(document, RESULTS / f"planner-calibration{'-quick' if args.quick else ''}.json")
     engine_cost = cost_model_from_dict(document["cost_model"])
     assert isinstance(engine_cost, LinearCostModel)
     log(engine_cost.describe() + f"; fit {engine_cost.fit.get('median_rel_error')} median rel error")
     args.kv_bytes_per_token = document["engine"]["kv_bytes_per_token"]
     args.max_model_len = document["engine"]["max_model_len"]
-    if "probe_s" not in document:  # a calibration file from elsewhere: take the machine as it is now
-        time.sleep(5)
-        document["probe_s"] = probe.mean(time.time() - 5, time.time())
-    reference = document["probe_s"]
-    if "serving" not in document:
-        document["serving"] = calibrate_serving(checkpoint, engine_cost, args, probe, reference)
-        save(document, RESULTS / f"planner-calibration{'-quick' if args.quick else ''}.json")
-    serving = document["serving"]
-    log(f"serving calibration: {serving['step_overhead_s'] * 1e3:.1f} ms per step, "
-        f"{serving['request_overhead_s'] * 1e3:.0f} ms per request outside the engines")
 
     rates = args.rates
     runs = []
@@ -289,14 +214,20 @@ def run_all(args, checkpoint: str, probe: SpeedProbe) -> None:
                              seed=args.seed + level)
         plan = real_plan(workload, args.vocab, args.seed + level)
         for split in SPLITS:
-            measured, speed = measure_with_probe(split, checkpoint, plan, args, probe, reference)
-            cost = serving_cost(engine_cost, serving["step_overhead_s"], speed)
-            predicted = predict(split, workload, cost, args, serving["request_overhead_s"] * speed)
+            log(f"[{split} @ {rate} req/s] measuring {len(plan)} requests...")
+            measured = measure(split, checkpoint, plan, args)
+            overheads = fit_stack_overheads(engine_cost, short_len=PROBE_SHORT, long_len=PROBE_LONG,
+                                            chunk=args.max_num_batched_tokens, decode_context=PROBE_SHORT + PROBE_STREAM // 2,
+                                            **measured.pop("probes"))
+            predicted = predict(split, workload, serving_cost(engine_cost, overheads), args,
+                                overheads["request_overhead_s"])
+            log(f"[{split} @ {rate} req/s] idle stack: engine x{overheads['speed']:.2f}, "
+                f"{overheads['step_overhead_s'] * 1e3:.1f} ms/step, {overheads['request_overhead_s'] * 1e3:.0f} ms/request")
             log(f"[{split} @ {rate} req/s] predicted TTFT p50 {predicted['ttft_ms']['p50']} ms, "
-                f"TPOT p50 {predicted['tpot_ms']['p50']} ms ({len(plan)} requests)")
+                f"TPOT p50 {predicted['tpot_ms']['p50']} ms")
             log(f"[{split} @ {rate} req/s] measured  TTFT p50 {measured['ttft_ms']['p50']} ms, "
                 f"TPOT p50 {measured['tpot_ms']['p50']} ms, errors {measured['errors']}")
-            runs.append({"split": split, "rate": rate, "requests": len(workload), "speed": round(speed, 3),
+            runs.append({"split": split, "rate": rate, "requests": len(workload), "stack": overheads,
                          "predicted": {k: predicted[k] for k in ("ttft_ms", "tpot_ms", "itl_ms", "goodput_req_s",
                                                                  "slo_ratio", "preemptions")},
                          "measured": {k: measured[k] for k in ("ttft_ms", "tpot_ms", "itl_ms", "goodput_req_s",
@@ -324,11 +255,10 @@ def run_all(args, checkpoint: str, probe: SpeedProbe) -> None:
             "best_split_agrees": all(a["predicted_best"] == a["measured_best"] for a in agree),
             "best_split": agree, "target": 0.25,
             "calibration_fit": {k: engine_cost.fit.get(k) for k in ("median_rel_error", "p90_rel_error")},
-            "serving_calibration": serving,
             "runs": [{"split": r["split"], "rate": r["rate"],
                       "ttft_p50_ms": [r["predicted"]["ttft_ms"]["p50"], r["measured"]["ttft_ms"]["p50"]],
                       "tpot_p50_ms": [r["predicted"]["tpot_ms"]["p50"], r["measured"]["tpot_ms"]["p50"]],
-                      "speed": r["speed"], "errors": r["measured"]["errors"]} for r in runs]}
+                      "stack": r["stack"], "errors": r["measured"]["errors"]} for r in runs]}
     if not args.skip_scale:
         log("simulating 64P+64D H200s at 1,000 req/s for 600 s...")
         line.update(scale_run())
@@ -342,7 +272,7 @@ def run_all(args, checkpoint: str, probe: SpeedProbe) -> None:
 
 if __name__ == "__main__":
     def on_term(_sig, _frame):
-        raise KeyboardInterrupt  # unwinds through every stack.stop() and the probe's stop()
+        raise KeyboardInterrupt  # unwinds through every stack.stop()
 
     signal.signal(signal.SIGTERM, on_term)
     main()

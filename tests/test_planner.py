@@ -316,17 +316,24 @@ def test_rebalance_by_simulation_moves_towards_the_split_the_traffic_needs():
     assert kept.moves == [] and "keep 1P+3D" in kept.reasons[-1]
 
 
-def test_fit_serving_recovers_step_and_request_overheads():
-    from gateway.planner.calibrate import fit_serving
+def test_fit_stack_overheads_recovers_speed_step_and_request_overheads():
+    from gateway.planner.calibrate import fit_stack_overheads, prefill_seconds, serving_cost
 
-    def simulate_with(step, request):  # TTFT: 10 steps of 8 ms + overheads; TPOT: one 8 ms step
-        return {"ttft_ms": {"p50": 10 * (8.0 + step * 1e3) + request * 1e3}, "tpot_ms": {"p50": 8.0 + step * 1e3}}
-
-    fitted = fit_serving(simulate_with, measured_ttft_p50_ms=180.0, measured_tpot_p50_ms=12.0)
-    assert fitted["step_overhead_s"] == pytest.approx(0.004)
-    assert fitted["request_overhead_s"] == pytest.approx(0.06)
+    speed, step, request = 1.7, 0.004, 0.06
+    short, short_steps = prefill_seconds(COST, 16, 512)
+    long, long_steps = prefill_seconds(COST, 1000, 512)
+    assert long_steps == 2 and short_steps == 1
+    decode = COST.step_time(1, 1, 1, 41, 41)
+    fitted = fit_stack_overheads(
+        COST, ttft_short_s=speed * short + step + request, ttft_long_s=speed * long + 2 * step + request,
+        tpot_s=speed * decode + step, short_len=16, long_len=1000, chunk=512, decode_context=40)
+    assert fitted["speed"] == pytest.approx(speed, rel=1e-3)
+    assert fitted["step_overhead_s"] == pytest.approx(step, abs=1e-5)
+    assert fitted["request_overhead_s"] == pytest.approx(request, abs=1e-4)
+    assert serving_cost(COST, fitted).step_time(1, 1, 1, 41, 41) == pytest.approx(speed * decode + step, rel=0.02)
     with pytest.raises(ValueError):
-        fit_serving(simulate_with, 0.0, 12.0)
+        fit_stack_overheads(COST, ttft_short_s=0.5, ttft_long_s=0.4, tpot_s=0.01, short_len=16, long_len=1000,
+                            chunk=512, decode_context=40)
 
 
 def test_pdctl_rebalance_flags_reach_the_simulation():

@@ -140,31 +140,53 @@ def calibrate(model: str, *, threads: int | None = None, block_size: int = 16, m
     }
 
 
-def fit_serving(simulate_with, measured_ttft_p50_ms: float, measured_tpot_p50_ms: float, iterations: int = 4
-                ) -> dict:
-    """Fit what the engine grid cannot see, from one measured run of the real stack:
+def prefill_seconds(cost, prompt_len: int, chunk: int) -> tuple[float, int]:
+    """Engine time to compute a lone prompt in chunks of ``chunk`` tokens, and the number of steps."""
+    total, start, steps = 0.0, 0, 0
+    while start < prompt_len:
+        q = min(chunk, prompt_len - start)
+        last = start + q == prompt_len
+        total += cost.step_time(q, 1, int(last), q * (start + (q + 1) / 2), start + q)
+        start += q
+        steps += 1
+    return total, steps
 
-    - ``step_overhead_s``: added to every step inside a serving worker (the engine thread hands
-      each step's tokens to the event loop, which frames and streams them; they share the GIL);
-    - ``request_overhead_s``: the fixed latency a request spends outside the engines (gateway,
-      HTTP hops between gateway, decode and prefill worker, SSE).
 
-    ``simulate_with(step_overhead_s, request_overhead_s)`` simulates that same run and returns its
-    result.  TPOT fixes the step overhead (a light-load decode step is one step), then TTFT the
-    request overhead; a few rounds settle both.
+def fit_stack_overheads(cost, *, ttft_short_s: float, ttft_long_s: float, tpot_s: float, short_len: int,
+                        long_len: int, chunk: int, decode_context: int) -> dict:
+    """What a serving stack adds to the engine, from three requests sent one at a time to an idle
+    stack (so no queueing or batching is in them):
+
+    - ``speed``: how much slower than calibrated the engine runs now -- from the difference of a
+      long and a short prompt's TTFT, where every fixed cost cancels;
+    - ``step_overhead_s``: what serving adds to every step (the engine thread hands the step's tokens
+      to the event loop, which frames and streams them) -- a lone stream's TPOT minus its step;
+    - ``request_overhead_s``: the fixed latency outside the engines (gateway, HTTP hops, SSE) --
+      the short prompt's TTFT minus its steps.
+
+    Everything the planner models -- queueing, batching, chunking, interference, routing -- is left
+    to the simulation.  ``decode_context`` is the lone stream's mean context length.
     """
-    if not measured_ttft_p50_ms > 0 or not measured_tpot_p50_ms > 0:
-        raise ValueError("the serving calibration needs measured TTFT and TPOT medians > 0")
-    step, request = 0.0, 0.0
-    for _ in range(iterations):
-        tpot = simulate_with(step, request)["tpot_ms"]["p50"]
-        if tpot is not None and tpot != float("inf"):
-            step = max(0.0, step + (measured_tpot_p50_ms - tpot) / 1e3)
-        ttft = simulate_with(step, request)["ttft_ms"]["p50"]
-        if ttft is not None and ttft != float("inf"):
-            request = max(0.0, request + (measured_ttft_p50_ms - ttft) / 1e3)
-    return {"step_overhead_s": round(step, 6), "request_overhead_s": round(request, 5),
-            "measured_ttft_p50_ms": measured_ttft_p50_ms, "measured_tpot_p50_ms": measured_tpot_p50_ms}
+    if not (0 < ttft_short_s < ttft_long_s) or not tpot_s > 0 or not 0 < short_len < long_len:
+        raise ValueError(f"need 0 < short TTFT ({ttft_short_s}) < long TTFT ({ttft_long_s}), TPOT > 0 "
+                         f"({tpot_s}) and short_len < long_len")
+    short, short_steps = prefill_seconds(cost, short_len, chunk)
+    long, long_steps = prefill_seconds(cost, long_len, chunk)
+    decode = cost.step_time(1, 1, 1, decode_context + 1, decode_context + 1)
+    # TTFT_long - TTFT_short = speed * (long - short) + step * (extra steps);  TPOT = speed * decode + step
+    extra = long_steps - short_steps
+    speed = (ttft_long_s - ttft_short_s - tpot_s * extra) / (long - short - decode * extra)
+    if not speed > 0:
+        raise ValueError(f"the long prompt's TTFT ({ttft_long_s:.3f}s) is not longer than its extra steps explain: "
+                         "the stack was not idle")
+    step = max(0.0, tpot_s - speed * decode)
+    request = max(0.0, ttft_short_s - short_steps * step - speed * short)
+    return {"speed": round(speed, 4), "step_overhead_s": round(step, 6), "request_overhead_s": round(request, 5)}
+
+
+def serving_cost(cost, overheads: dict):
+    """The cost model of a step inside a serving worker: the engine at ``speed`` plus the step overhead."""
+    return cost.scaled(overheads.get("speed", 1.0)).with_step_overhead(overheads.get("step_overhead_s", 0.0))
 
 
 def save(document: dict, path: str | Path) -> None:

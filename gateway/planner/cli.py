@@ -168,8 +168,10 @@ def build_config(args) -> tuple[SimConfig, str]:
         document = json.loads(Path(args.calibration).read_text())
         calibration_engine = document.get("engine") or {}
         serving = document.get("serving") or {}
-        if serving.get("step_overhead_s"):  # fitted on the real stack (benchmarks/planner_validation.py)
-            cost = cost.with_step_overhead(float(serving["step_overhead_s"]))
+        if serving:  # fitted on the real stack (benchmarks/planner_validation.py: fit_stack_overheads)
+            from gateway.planner.calibrate import serving_cost
+
+            cost = serving_cost(cost, serving)
         if args.overhead_ms is None and serving.get("request_overhead_s") is not None:
             args.overhead_ms = float(serving["request_overhead_s"]) * 1e3
         if not args.num_blocks:
