@@ -54,7 +54,7 @@ from gateway.planner.metrics import slo_ratio  # noqa: E402
 RESULTS = Path(__file__).resolve().parent / "results"
 SPLITS = {"1P+1D": dict(prefill=1, decode=1, both=0), "2C": dict(prefill=0, decode=0, both=2)}
 PRESETS = {
-    "quick": dict(model="tiny", rates=(0.8, 1.6), duration=45.0, prompt_len="uniform:64:512",
+    "quick": dict(model="tiny", rates=(0.5, 1.0), duration=50.0, prompt_len="uniform:64:512",
                   output_len="uniform:16:48", slo_ttft=2.0, slo_tpot=0.1),
     "full": dict(model="100m", rates=(0.3, 0.6, 0.9), duration=60.0,
                  prompt_len="uniform:64:768", output_len="uniform:16:64", slo_ttft=3.0, slo_tpot=0.2),
