@@ -197,7 +197,7 @@ def test_more_load_is_slower_and_more_decode_gpus_no_worse():
 
 
 def test_overload_shows_as_missed_slo_and_stops_early():
-    wl = workload(rate=60, duration=20)
+    wl = workload(rate=200, duration=10)  # ~3x what one prefill worker computes
     cfg = dataclasses.replace(config(), stop_when_failing=True)
     result = Simulation(Deployment(1, 1), wl, cfg).run()
     assert not result["meets_slo"]
