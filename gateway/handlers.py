@@ -23,6 +23,11 @@ from gateway.openai_protocol import (
 log = logging.getLogger(__name__)
 
 
+async def _drain(run) -> None:
+    async for _ in run:
+        pass
+
+
 @dataclass
 class Generation:
     """One accepted request on its way through the gateway."""
@@ -117,20 +122,28 @@ class OpenAIHandlers:
     # ---- generation ------------------------------------------------------------------------
 
     async def _serve(self, request: web.Request, gen: Generation, endpoint: str) -> web.StreamResponse:
+        """Admit, route, wait for the first token, then answer.  Everything up to the first token
+        happens before any byte of the response, so a failure there is a real status code (429,
+        503 + Retry-After, 400, 500), streaming or not; after it, a stream ends with an error event."""
         gw = self.gw
         async with gw.admission(endpoint):
             gw.metrics.prompt_tokens.labels(gen.model).inc(len(gen.prompt_ids))
-            if gen.options.stream:
-                return await self._stream(request, gen, endpoint)
-            try:
-                async for _delta, _frame in self._run(gen):
-                    pass
-            except Saturated as exc:
-                raise OpenAIError(503, f"The server is saturated: {exc}", retry_after=exc.retry_after) from None
-            except UpstreamError as exc:
-                raise OpenAIError(500, f"generation failed: {exc}", code="upstream_error") from None
-            gw.metrics.requests.labels(gen.model, endpoint, "200").inc()
+            async with contextlib.aclosing(self._run(gen)) as run:
+                first = await self._upstream(anext(run))
+                if gen.options.stream:
+                    return await self._stream(request, gen, run, first)
+                await self._upstream(_drain(run))
             return json_response(self._full_response(gen))
+
+    @staticmethod
+    async def _upstream(step):
+        """Await one step of the generation, turning cluster outcomes into HTTP errors."""
+        try:
+            return await step
+        except Saturated as exc:
+            raise OpenAIError(503, f"The server is saturated: {exc}", retry_after=exc.retry_after) from None
+        except UpstreamError as exc:
+            raise OpenAIError(500, f"generation failed: {exc}", code="upstream_error") from None
 
     async def _run(self, gen: Generation):
         """Yield ``(text_delta, frame)`` until the request finishes or a stop string ends it."""
@@ -169,35 +182,34 @@ class OpenAIHandlers:
             gw.metrics.generation_tokens.labels(gen.model).inc(len(gen.token_ids))
             gw.metrics.e2e_request_latency.labels(gen.model).observe(time.monotonic() - gen.arrival)
 
-    async def _stream(self, request: web.Request, gen: Generation, endpoint: str) -> web.StreamResponse:
-        gw = self.gw
+    async def _stream(self, request: web.Request, gen: Generation, run, first) -> web.StreamResponse:
+        """SSE from the first token on; a failure from here is an error event, then [DONE]."""
         response = web.StreamResponse(headers=SSE_HEADERS)
         await response.prepare(request)
-        status = "200"
+        request["outcome"] = "200"
         try:
             if gen.kind == "chat":
                 await response.write(sse_event(self._chat_chunk(gen, ChatDelta(role="assistant", content=""))))
-            async for delta, frame in self._run(gen):
-                if delta or gen.finish_reason is not None or frame.logprobs:
-                    await response.write(sse_event(self._chunk(gen, delta, frame)))
+            await self._write_delta(response, gen, *first)
+            async for delta, frame in run:
+                await self._write_delta(response, gen, delta, frame)
             if gen.options.include_usage:
                 await response.write(sse_event(self._usage_chunk(gen)))
             await response.write(SSE_DONE)
         except (Saturated, UpstreamError) as exc:
-            status = "stream_error"
+            request["outcome"] = "stream_error"
             code = 503 if isinstance(exc, Saturated) else 500
             await response.write(OpenAIError(code, f"generation failed: {exc}").to_sse())
             await response.write(SSE_DONE)
         except ValueError as exc:
-            status = "stream_error"
+            request["outcome"] = "stream_error"
             await response.write(invalid(str(exc)).to_sse())
             await response.write(SSE_DONE)
-        except (ConnectionResetError, asyncio.CancelledError):
-            status = "client_disconnected"
-            raise
-        finally:
-            gw.metrics.requests.labels(gen.model, endpoint, status).inc()
         return response
+
+    async def _write_delta(self, response: web.StreamResponse, gen: Generation, delta: str, frame: TokenFrame):
+        if delta or gen.finish_reason is not None or frame.logprobs:
+            await response.write(sse_event(self._chunk(gen, delta, frame)))
 
     # ---- response shapes -------------------------------------------------------------------
 

@@ -35,6 +35,8 @@ from gateway.routing import Router, RoutingConfig
 
 log = logging.getLogger(__name__)
 
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+
 
 class Gateway:
     """Holds everything a request needs; ``start``/``stop`` bracket its life."""
@@ -116,7 +118,6 @@ class Gateway:
     async def admission(self, endpoint: str):
         """Bound the requests in flight: beyond ``max_inflight`` the answer is 429, not a queue."""
         if self.inflight >= self.config.max_inflight:
-            self.metrics.requests.labels(self.model_id, endpoint, "429").inc()
             raise OpenAIError(429, f"Too many requests in flight ({self.inflight}); retry shortly",
                               code="rate_limit_exceeded", retry_after=1)
         self.inflight += 1
@@ -152,18 +153,32 @@ class Gateway:
 
     @web.middleware
     async def _errors(self, request: web.Request, handler):
+        """OpenAI-shaped errors for everything, and the request count by outcome for /v1 calls
+        (the HTTP status, or what a started stream ended with)."""
+        outcome = "500"
         try:
-            return await handler(request)
+            response = await handler(request)
+            outcome = request.get("outcome", str(response.status))
+            return response
         except OpenAIError as exc:
+            outcome = str(exc.status)
             return exc.to_response()
         except web.HTTPException as exc:
+            outcome = str(exc.status)
             if exc.status == 413:
                 return self._too_large(request.content_length or 0).to_response()
             if exc.status in (404, 405):
                 return OpenAIError(exc.status, f"{request.method} {request.path}: {exc.reason}").to_response()
             raise
         except ValueError as exc:
+            outcome = "400"
             return OpenAIError(400, str(exc)).to_response()
+        except (asyncio.CancelledError, ConnectionResetError):
+            outcome = "client_disconnected"
+            raise
+        finally:
+            if request.path in GENERATION_PATHS:
+                self.metrics.requests.labels(self.model_id, request.path, outcome).inc()
 
     @web.middleware
     async def _auth(self, request: web.Request, handler):

@@ -11,6 +11,7 @@ Behaviours of ``POST /generate`` (``worker.behaviour``, changeable at any time):
     "stream"  stream ``max_tokens`` frames of one token each, then finish ("length")
     "hang"    accept the request and never answer (no status, no headers)
     "busy"    answer 503 with ``TokenFrame(error_kind="busy")``, as a worker that cannot reserve
+    "invalid" answer 400 with ``TokenFrame(error_kind="invalid")``, as for input the engine rejects
     "stall"   send the response headers and one token, then nothing more
     "flood"   stream frames of ``flood_tokens`` tokens as fast as the gateway takes them, forever
     "trickle" like "stream", one frame every ``trickle_s`` seconds
@@ -141,6 +142,9 @@ class FakeDecodeWorker:
         behaviour = self.behaviour
         if behaviour == "busy":
             return web.Response(status=503, body=frame(TokenFrame(error="no free KV blocks", error_kind="busy")))
+        if behaviour == "invalid":
+            return web.Response(status=400, body=frame(TokenFrame(error="prompt rejected by the engine",
+                                                                  error_kind="invalid")))
         self.open_streams += 1
         self.peak_streams = max(self.peak_streams, self.open_streams)
         try:

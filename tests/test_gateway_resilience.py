@@ -55,6 +55,20 @@ def client(stack, **kw) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{stack.gateway_url}/v1", api_key="none", max_retries=0, timeout=60, **kw)
 
 
+def sse_events(stack, body: dict) -> list[str]:
+    """POST a streaming completion; return the data of every SSE event (the status must be 200)."""
+
+    async def main():
+        async with aiohttp.ClientSession() as session:
+            async with session.post(f"{stack.gateway_url}/v1/completions",
+                                    json={"model": stack.model_name, "stream": True, **body}) as resp:
+                assert resp.status == 200
+                text = (await resp.read()).decode()
+        return [line[len("data: "):] for line in text.split("\n") if line.startswith("data: ")]
+
+    return asyncio.run(main())
+
+
 def complete(stack, max_tokens: int = 4, **kw):
     return client(stack).completions.create(model=stack.model_name, prompt="Hello world", max_tokens=max_tokens,
                                             **kw)
@@ -76,17 +90,20 @@ def test_hung_decode_worker_is_benched_and_the_request_retried(stack, fakes):
 
 
 def test_worker_that_stops_mid_stream_ends_the_stream_with_an_error(stack, fakes):
-    (stalled,) = fakes("stall")
+    first, second = fakes("stall", "stall")  # the first is benched after its timeout
     stream = client(stack).completions.create(model=stack.model_name, prompt="Hello world", max_tokens=50,
                                               stream=True)
     chunks = iter(stream)
-    first = next(chunks)
-    assert first.choices[0].text
+    assert next(chunks).choices[0].text
     with pytest.raises(openai.APIError, match="sent nothing more"):
         for _ in chunks:
             pass
-    stalled.wait_for(lambda: len(stalled.aborts) == 1, what="the abort")
-    assert stalled.aborts == stalled.generate_calls
+    # On the wire: the error event, then [DONE].
+    events = sse_events(stack, {"prompt": "Hello world", "max_tokens": 50})
+    assert events[-1] == "[DONE]" and "sent nothing more" in events[-2]
+    for worker in (first, second):
+        worker.wait_for(lambda: len(worker.aborts) == 1, what="the abort")
+        assert worker.aborts == worker.generate_calls
 
 
 def test_more_concurrent_streams_than_aiohttps_default_pool(stack, fakes):
@@ -180,3 +197,25 @@ def test_a_burst_spreads_over_decode_workers(stack, fakes):
     asyncio.run(main())
     assert len(a.generate_calls) + len(b.generate_calls) == n
     assert abs(len(a.generate_calls) - len(b.generate_calls)) <= 1, (a.generate_calls, b.generate_calls)
+
+
+# ---- status codes of streams (item 8 of issue 8) ----------------------------------------------
+
+
+def test_a_stream_that_cannot_start_gets_a_real_status_code(stack, fakes):
+    # Routing, queueing and the first answer of the decode worker happen before the response
+    # starts: a stream that never gets a token is a real 503 (+ Retry-After) or 400, not 200 + SSE.
+    (worker,) = fakes("busy")
+    with pytest.raises(openai.APIStatusError) as info:
+        list(client(stack).completions.create(model=stack.model_name, prompt="Hello world", max_tokens=4,
+                                              stream=True))
+    assert info.value.status_code == 503 and info.value.response.headers.get("retry-after")
+    assert "busy" in info.value.message
+    worker.behaviour = "invalid"
+    with pytest.raises(openai.BadRequestError, match="rejected by the engine"):
+        list(client(stack).completions.create(model=stack.model_name, prompt="Hello world", max_tokens=4,
+                                              stream=True))
+    worker.behaviour = "stream"
+    chunks = list(client(stack).completions.create(model=stack.model_name, prompt="Hello world", max_tokens=4,
+                                                   stream=True))
+    assert [c.choices[0].finish_reason for c in chunks][-1] == "length"
