@@ -72,6 +72,9 @@ class GatewayConfig:
     bench_time: float = 5.0  # a worker that failed or timed out stays out of routing this long
     queue_size: int = 256  # requests held while no decode worker has room; beyond: 503
     queue_timeout: float = 10.0  # how long one is held; then 503 + Retry-After
+    client_read_timeout: float = 30.0  # a request body must arrive within this; then 408
+    inline_tokenize_chars: int = 4096  # longer inputs are tokenized in a thread, off the event loop
+    tokenizer_threads: int = 2
 
     def __post_init__(self) -> None:
         def bad(what: str) -> ValueError:
@@ -84,11 +87,14 @@ class GatewayConfig:
                 raise bad(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.skip_prefill_below_tokens < 0:
             raise bad(f"skip_prefill_below_tokens must be >= 0, got {self.skip_prefill_below_tokens}")
-        for name in ("bench_time", "queue_timeout"):
+        for name in ("bench_time", "queue_timeout", "client_read_timeout"):
             if not getattr(self, name) > 0:
                 raise bad(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.queue_size < 0:
-            raise bad(f"queue_size must be >= 0, got {self.queue_size}")
+        for name in ("queue_size", "inline_tokenize_chars"):
+            if getattr(self, name) < 0:
+                raise bad(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.tokenizer_threads < 1:
+            raise bad(f"tokenizer_threads must be >= 1, got {self.tokenizer_threads}")
         if not 0 <= self.port <= 65535:
             raise bad(f"port must be in 0..65535, got {self.port}")
         if self.max_model_len is not None and self.max_model_len < 1:
@@ -159,6 +165,9 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     add("--bench-time", 5.0, float, help="seconds a worker that failed or timed out is kept out of routing")
     add("--queue-size", 256, int, help="requests held while every decode worker is busy; beyond: 503")
     add("--queue-timeout", 10.0, float, help="seconds a request is held for a busy decode pool; then 503")
+    add("--client-read-timeout", 30.0, float, help="seconds for a request body to arrive; then 408")
+    add("--inline-tokenize-chars", 4096, int, help="longer inputs are tokenized in a thread, off the event loop")
+    add("--tokenizer-threads", 2, int, help="threads for tokenizing long inputs and applying chat templates")
     add("--log-level", "INFO")
     return p
 
@@ -178,4 +187,6 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = N
                                   first_token=args.first_token_timeout, idle=args.upstream_idle_timeout,
                                   control=args.control_timeout),
         bench_time=args.bench_time, queue_size=args.queue_size, queue_timeout=args.queue_timeout,
+        client_read_timeout=args.client_read_timeout, inline_tokenize_chars=args.inline_tokenize_chars,
+        tokenizer_threads=args.tokenizer_threads,
     )

@@ -12,7 +12,17 @@ space of the *first* token they see, so ``decode([t])`` of a mid-sentence "▁wo
     emit new_text[len(prefix_text):]   unless new_text ends in U+FFFD (an unfinished character)
 
 Both strings start at the same token, so a dropped leading space or a stray replacement character
-at the window start cancels out.  The window starts a few prompt tokens back, so the first
+at the window start cancels out.
+
+The window stays short, so the work per token is constant.  Output that keeps ending in U+FFFD
+(a run of invalid bytes, which never completes) would otherwise hold ``read_offset`` back and grow
+the window without end -- quadratic work.  Once more than ``MAX_HELD_TOKENS`` tokens are held, the
+text up to all but the last ``CHAR_TOKENS`` tokens is emitted if it is final: a character still
+being spelled out started within the last 3 tokens (UTF-8 characters are at most 4 bytes, a token
+carries at least one), and the cut text must read the same when decoded with each of the tokens
+after the cut (so the cut splits no character, even under ByteFallback, which rewrites a whole byte
+run).  Past ``FORCE_HELD_TOKENS`` the cut is made regardless, which only a decoder that keeps
+rewriting earlier text could notice.  The window starts a few prompt tokens back, so the first
 generated token is decoded in context.  The streamed pieces concatenate to ``decode(generated)``
 (``finish()`` releases a trailing unfinished character as U+FFFD, as a full decode would).  One
 exception: Llama's ByteFallback decoder turns a whole run of byte tokens into U+FFFD once any byte
@@ -29,6 +39,9 @@ from typing import Any, Callable, Iterable, Sequence
 
 REPLACEMENT = "\ufffd"
 INITIAL_CONTEXT_TOKENS = 5  # prompt tokens decoded with the first generated ones (as vLLM does)
+MAX_HELD_TOKENS = 8  # tokens held back (text ending in U+FFFD) before the final part is emitted anyway
+CHAR_TOKENS = 4  # a character still being spelled out lies within this many trailing tokens
+FORCE_HELD_TOKENS = 64  # beyond this many held tokens the cut is made regardless: the work stays linear
 
 
 def _decode_fn(tokenizer: Any, skip_special_tokens: bool) -> Callable[[list[int]], str]:
@@ -60,7 +73,12 @@ class IncrementalDetokenizer:
         self._num_context = len(context)
         self.prefix_offset = 0
         self.read_offset = len(context)
-        self.text = ""  # everything emitted so far
+        self._pieces: list[str] = []
+
+    @property
+    def text(self) -> str:
+        """Everything emitted so far."""
+        return "".join(self._pieces)
 
     @property
     def generated_token_ids(self) -> list[int]:
@@ -88,11 +106,29 @@ class IncrementalDetokenizer:
         new_text = self._decode(self._tokens[self.prefix_offset:])
         if not final and (len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT)):
             # Nothing new yet, or the last character is still being spelled out byte by byte.
+            return self._emit_final_part(prefix_text, new_text)
+        return self._advance(new_text[len(prefix_text):], len(self._tokens))
+
+    def _emit_final_part(self, prefix_text: str, new_text: str) -> str:
+        """Text is held back: emit what can no longer change once too much is held (module docstring)."""
+        held = len(self._tokens) - self.read_offset
+        if held <= MAX_HELD_TOKENS:
             return ""
-        delta = new_text[len(prefix_text):]
+        end = len(self._tokens)
+        cut = end - CHAR_TOKENS
+        cut_text = self._decode(self._tokens[self.prefix_offset:cut])
+        if len(cut_text) <= len(prefix_text):
+            return ""
+        if held <= FORCE_HELD_TOKENS:
+            longer = [new_text] + [self._decode(self._tokens[self.prefix_offset:i]) for i in range(cut + 1, end)]
+            if not all(text.startswith(cut_text) for text in longer):
+                return ""
+        return self._advance(cut_text[len(prefix_text):], cut)
+
+    def _advance(self, delta: str, read_offset: int) -> str:
         self.prefix_offset = self.read_offset
-        self.read_offset = len(self._tokens)
-        self.text += delta
+        self.read_offset = read_offset
+        self._pieces.append(delta)
         return delta
 
 

@@ -39,12 +39,16 @@ class Generation:
     options: SamplingOptions
     params: SamplingParams
     arrival: float = field(default_factory=time.monotonic)
-    text: str = ""
+    pieces: list[str] = field(default_factory=list)  # the text, as streamed (joined once at the end)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list = field(default_factory=list)
     cached_tokens: int = 0
     finish_reason: str | None = None
     stop_reason: str | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
 
 
 class OpenAIHandlers:
@@ -88,52 +92,59 @@ class OpenAIHandlers:
         prefix = "cmpl" if kind == "completion" else "chatcmpl"
         return Generation(new_request_id(prefix), kind, model, prompt_ids, options, params)
 
-    def _tokenize_prompt(self, prompt) -> list[int]:
-        if isinstance(prompt, str):
-            return self.gw.tokenizer(prompt).input_ids
-        return list(prompt)
-
-    def _tokenize_chat(self, req) -> list[int]:
+    def _chat_renderer(self, req):
+        """A function applying the chat template and tokenizing (run inline or in a thread)."""
         tokenizer = self.gw.tokenizer
         if not getattr(tokenizer, "chat_template", None):
             raise invalid(f"The model '{self.gw.model_id}' has no chat template (it is a base model); "
                           "use /v1/completions", "messages", "chat_template_missing")
-        try:
-            out = tokenizer.apply_chat_template(req.template_messages(), add_generation_prompt=True, tokenize=True)
-        except Exception as exc:  # a template may reject a role order, e.g. two system messages
-            raise invalid(f"the chat template rejected the messages: {exc}", "messages") from None
-        return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+        messages = req.template_messages()
+
+        def render() -> list[int]:
+            try:
+                out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            except Exception as exc:  # a template may reject a role order, e.g. two system messages
+                raise invalid(f"the chat template rejected the messages: {exc}", "messages") from None
+            return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+
+        return messages, render
 
     # ---- endpoints -------------------------------------------------------------------------
+    # Cheap checks first (body, JSON, model), then admission, then the tokenizer: a flood of large
+    # prompts waits for slots (or gets 429) instead of keeping the tokenizer threads busy.
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await self.gw.read_body(request)
         req = parse_completion_request(body)
-        gen = self._prepare("completion", req.model, self._tokenize_prompt(req.prompt), req.sampling())
-        return await self._serve(request, gen, "/v1/completions")
+        self._check_model(req.model)
+        async with self.gw.admission("/v1/completions"):
+            ids = await self.gw.prompts.text(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
+            gen = self._prepare("completion", req.model, ids, req.sampling())
+            return await self._serve(request, gen)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await self.gw.read_body(request)
         req = parse_chat_request(body)
         self._check_model(req.model)
-        gen = self._prepare("chat", req.model, self._tokenize_chat(req), req.sampling())
-        return await self._serve(request, gen, "/v1/chat/completions")
+        messages, render = self._chat_renderer(req)
+        async with self.gw.admission("/v1/chat/completions"):
+            ids = await self.gw.prompts.chat(messages, render)
+            gen = self._prepare("chat", req.model, ids, req.sampling())
+            return await self._serve(request, gen)
 
     # ---- generation ------------------------------------------------------------------------
 
-    async def _serve(self, request: web.Request, gen: Generation, endpoint: str) -> web.StreamResponse:
-        """Admit, route, wait for the first token, then answer.  Everything up to the first token
-        happens before any byte of the response, so a failure there is a real status code (429,
-        503 + Retry-After, 400, 500), streaming or not; after it, a stream ends with an error event."""
-        gw = self.gw
-        async with gw.admission(endpoint):
-            gw.metrics.prompt_tokens.labels(gen.model).inc(len(gen.prompt_ids))
-            async with contextlib.aclosing(self._run(gen)) as run:
-                first = await self._upstream(anext(run))
-                if gen.options.stream:
-                    return await self._stream(request, gen, run, first)
-                await self._upstream(_drain(run))
-            return json_response(self._full_response(gen))
+    async def _serve(self, request: web.Request, gen: Generation) -> web.StreamResponse:
+        """Route, wait for the first token, then answer.  Everything up to the first token happens
+        before any byte of the response, so a failure there is a real status code (503 +
+        Retry-After, 400, 500), streaming or not; after it, a stream ends with an error event."""
+        self.gw.metrics.prompt_tokens.labels(gen.model).inc(len(gen.prompt_ids))
+        async with contextlib.aclosing(self._run(gen)) as run:
+            first = await self._upstream(anext(run))
+            if gen.options.stream:
+                return await self._stream(request, gen, run, first)
+            await self._upstream(_drain(run))
+        return json_response(self._full_response(gen))
 
     @staticmethod
     async def _upstream(step):
@@ -174,7 +185,7 @@ class OpenAIHandlers:
                         gen.finish_reason = frame.finish_reason
                         if frame.num_preemptions and result.route:
                             gw.metrics.preemptions.labels(result.route.decode.worker_id).inc(frame.num_preemptions)
-                    gen.text += delta
+                    gen.pieces.append(delta)
                     yield delta, frame
                     if gen.finish_reason is not None:
                         return

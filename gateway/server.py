@@ -31,6 +31,7 @@ from gateway.handlers import Generation, OpenAIHandlers
 from gateway.metrics import GatewayMetrics
 from gateway.openai_protocol import ModelCard, ModelList, OpenAIError, json_response, now
 from gateway.pool import WorkerPool
+from gateway.prompts import PromptEncoder
 from gateway.routing import Router, RoutingConfig
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,8 @@ class Gateway:
         self.max_model_len = min(config.max_model_len or hf.max_position_embeddings, hf.max_position_embeddings)
         self.vocab_size = hf.vocab_size
         self.tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+        self.prompts = PromptEncoder(self.tokenizer, self.max_model_len, inline_chars=config.inline_tokenize_chars,
+                                     threads=config.tokenizer_threads)
         self.metrics = GatewayMetrics()
         self.handlers = OpenAIHandlers(self)
         self.inflight = 0
@@ -99,16 +102,21 @@ class Gateway:
                 await session.close()
         if self.redis:
             await self.redis.aclose()
+        self.prompts.close()
 
     # ---- helpers used by the handlers ------------------------------------------------------
 
     async def read_body(self, request: web.Request) -> bytes:
+        """The whole body: refused (413) as soon as it is known to exceed the limit -- from its
+        declared length, or while it is read -- and bounded in time (408) for slow senders."""
         if request.content_length is not None and request.content_length > self.config.max_body_bytes:
             raise self._too_large(request.content_length)
-        body = await request.content.read(self.config.max_body_bytes + 1)
-        if len(body) > self.config.max_body_bytes:
-            raise self._too_large(len(body))
-        return body
+        try:
+            async with asyncio.timeout(self.config.client_read_timeout):
+                return await request.read()  # aiohttp stops at client_max_size (HTTPRequestEntityTooLarge)
+        except TimeoutError:
+            raise OpenAIError(408, f"the request body did not arrive within {self.config.client_read_timeout:g} s",
+                              code="request_timeout") from None
 
     def _too_large(self, size: int) -> OpenAIError:
         return OpenAIError(413, f"Request body of {size} bytes exceeds the limit of {self.config.max_body_bytes}",

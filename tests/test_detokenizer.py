@@ -278,3 +278,41 @@ def test_tokenizers_without_a_rust_backend_use_decode(tokenizer):
         assert "".join(stream(IncrementalDetokenizer(DecodeOnly(tokenizer)), ids, rng)) == full_decode(tokenizer, ids)
     with pytest.raises(TypeError, match="no decode"):
         IncrementalDetokenizer(object())
+
+
+# ---- linear work ---------------------------------------------------------------------------------
+
+
+def gpt2_byte_char(b: int) -> str:
+    """The character GPT-2's byte-level alphabet uses for byte ``b``."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    if b in printable:
+        return chr(b)
+    return chr(256 + [x for x in range(256) if x not in printable].index(b))
+
+
+class CountingTokenizer:
+    """A real tokenizer's ``decode``, counting the token ids it is asked to decode (the text work)."""
+
+    def __init__(self, tok):
+        self.tok = tok
+        self.decoded = 0
+
+    def decode(self, ids, **kw):
+        self.decoded += len(ids)
+        return self.tok.decode(ids, **kw)
+
+
+def test_output_that_keeps_ending_in_replacement_characters_costs_linear_work(tokenizer):
+    # A lone continuation byte is invalid UTF-8 for ever: the text keeps ending in U+FFFD.  Holding
+    # it all back would re-decode an ever longer window on every token (2000 tokens: ~2 million ids).
+    lone = "<0x80>" if "<0x80>" in tokenizer.get_vocab() else gpt2_byte_char(0x80)
+    garbage = tokenizer.convert_tokens_to_ids(lone)
+    assert full_decode(tokenizer, [garbage]).endswith("\ufffd")
+    n = 2000
+    counting = CountingTokenizer(tokenizer)
+    detok = IncrementalDetokenizer(counting)
+    pieces = [detok.add([garbage]) for _ in range(n)] + [detok.finish()]
+    assert "".join(pieces) == full_decode(tokenizer, [garbage] * n)
+    assert counting.decoded <= 50 * n, counting.decoded
+    assert "".join(pieces[: n // 2])  # and it streams instead of waiting for the end

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import json
 import uuid
 
 import aiohttp
@@ -219,3 +220,35 @@ def test_a_stream_that_cannot_start_gets_a_real_status_code(stack, fakes):
     chunks = list(client(stack).completions.create(model=stack.model_name, prompt="Hello world", max_tokens=4,
                                                    stream=True))
     assert [c.choices[0].finish_reason for c in chunks][-1] == "length"
+
+
+# ---- request bodies (item 9 of issue 8; limits of issue 9) -------------------------------------
+
+
+def post_raw(stack, data, headers=None) -> tuple[int, dict]:
+    async def main():
+        async with aiohttp.ClientSession() as session:
+            async with session.post(f"{stack.gateway_url}/v1/completions", data=data,
+                                    headers={"Content-Type": "application/json", **(headers or {})}) as resp:
+                return resp.status, await resp.json()
+
+    return asyncio.run(main())
+
+
+def test_a_large_body_is_read_whole(stack):
+    # ~300 kB arrives in many pieces; reading only what was buffered gave "Input data was truncated".
+    body = json.dumps({"model": stack.model_name, "prompt": "hello " * 50_000, "max_tokens": 4}).encode()
+    status, payload = post_raw(stack, body)
+    assert status == 400 and payload["error"]["code"] == "context_length_exceeded", payload
+
+
+def test_a_body_over_the_limit_is_refused_while_it_is_read(stack):
+    # No Content-Length (chunked): the limit is enforced as the bytes arrive.
+    async def chunks():
+        yield b'{"model": "m", "prompt": "'
+        for _ in range(80):
+            yield b"x" * (64 << 10)  # 5 MiB in all, over the 4 MiB default
+        yield b'"}'
+
+    status, payload = post_raw(stack, chunks())
+    assert status == 413 and "exceeds" in payload["error"]["message"]
