@@ -17,10 +17,8 @@ import aiohttp
 from aiohttp import web
 
 from common.engine.engine import Engine, RequestOutput
-from common.cluster.messages import (
-    AbortRequest, GenerateRequest, PrefillRequest, PrefillResult, TokenFrame, TokenLogprob, decode, encode, frame,
-    read_response,
-)
+from common.cluster.messages import GenerateRequest, PrefillRequest, TokenFrame, TokenLogprob, decode, frame
+from decode_svc.prefill_client import BadPrefillAnswer, call_prefill, resolve_prefill_worker, send_abort
 from kvtransfer.receiver import IncomingTransfer
 
 log = logging.getLogger(__name__)
@@ -74,7 +72,7 @@ async def handle_generate(worker, request: web.Request) -> web.StreamResponse:
         await response.prepare(request)
         first = None
         fallback = False
-        if body.prefill_url:
+        if body.prefill_worker_id:
             try:
                 first = await remote_prefill(worker, body, pending)
             except RemotePrefillFailed as exc:
@@ -155,6 +153,10 @@ async def remote_prefill(worker, body: GenerateRequest, pending: PendingRelease)
     """
     rid = body.request_id
     began = time.monotonic()
+    try:
+        peer = await resolve_prefill_worker(worker, body.prefill_worker_id)
+    except BadPrefillAnswer as exc:
+        raise RemotePrefillFailed(str(exc)) from None
 
     def reserve(engine: Engine):
         request = engine.make_request(body.prompt_token_ids, body.sampling_params, rid)
@@ -168,9 +170,9 @@ async def remote_prefill(worker, body: GenerateRequest, pending: PendingRelease)
     dst_block_ids = block_ids[skip:]
     handle = worker.kv_receiver.expect(rid, dst_block_ids)
     prefill = PrefillRequest(request_id=rid, prompt_token_ids=body.prompt_token_ids,
-                             sampling_params=body.sampling_params, kv_address=worker.kv_address,
+                             sampling_params=body.sampling_params, decode_worker_id=worker.config.worker_id,
                              dst_block_ids=dst_block_ids, num_skip_blocks=skip)
-    call = asyncio.ensure_future(_call_prefill(worker, body.prefill_url, prefill))
+    call = asyncio.ensure_future(call_prefill(worker, peer, prefill))
     landed = asyncio.ensure_future(handle.wait())
     try:
         result, _metadata = await asyncio.gather(call, landed)
@@ -181,7 +183,8 @@ async def remote_prefill(worker, body: GenerateRequest, pending: PendingRelease)
         # the reservation keeps them.  A task of its own, so a handler cancelled again meanwhile
         # (the gateway's abort) cannot free them early.
         pending.release = worker.spawn(release_reservation(worker, rid, handle))
-        worker.spawn(_send_abort(worker, body.prefill_url, rid))
+        worker.spawn(send_abort(worker, peer, rid))
+        worker.peers.forget(peer.worker_id)  # it may have restarted elsewhere
         if isinstance(exc, asyncio.CancelledError):
             raise
         worker.metrics.kv_transfer_failures.inc()
@@ -201,7 +204,7 @@ async def remote_prefill(worker, body: GenerateRequest, pending: PendingRelease)
     return TokenFrame(
         token_ids=[result.first_token_id], logprobs=logprobs, finished=request.is_finished,
         finish_reason=request.status.finish_reason, num_prompt_tokens=request.num_prompt_tokens,
-        num_cached_tokens=max(num_cached, result.num_cached_tokens), prefill_worker=body.prefill_url,
+        num_cached_tokens=max(num_cached, result.num_cached_tokens), prefill_worker=peer.worker_id,
         kv_transfer_bytes=transfer_bytes, kv_transfer_seconds=transfer_seconds,
     )
 
@@ -222,26 +225,3 @@ async def release_reservation(worker, request_id: str, handle: IncomingTransfer)
         finally:
             worker.metrics.kv_transfers_settling.dec()
     await worker.engine_thread.call(lambda e: e.abort(request_id))
-
-
-async def _call_prefill(worker, url: str, prefill: PrefillRequest) -> PrefillResult:
-    data = encode(prefill)
-    connect = worker.config.peer_connect_timeout_s
-    timeout = aiohttp.ClientTimeout(total=worker.config.kv.transfer_timeout, connect=connect, sock_connect=connect)
-    async with worker.http_client.post(f"{url}/prefill", data=data, timeout=timeout,
-                                       headers=worker.auth.sign_request("POST", "/prefill", data)) as resp:
-        result = decode(await read_response(resp), PrefillResult)
-        if resp.status != 200 or result.error:
-            raise RemotePrefillFailed(f"prefill worker answered {resp.status}: {result.error}")
-        return result
-
-
-async def _send_abort(worker, url: str, request_id: str) -> None:
-    data = encode(AbortRequest(request_id))
-    try:
-        # Bounded by the session's default: the control-call timeout.
-        async with worker.http_client.post(f"{url}/abort", data=data,
-                                           headers=worker.auth.sign_request("POST", "/abort", data)) as resp:
-            await read_response(resp, 4096)
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as exc:
-        log.info("could not tell %s to abort %s: %s", url, request_id, exc)

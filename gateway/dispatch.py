@@ -2,7 +2,7 @@
 
     prompt ids -> block hashes -> Redis: cached prefix per worker (one round trip)
                -> Router: decode worker D, maybe prefill worker P
-               -> POST D/generate {prompt, params, prefill_url=P}   (D reserves, P fills)
+               -> POST D/generate {prompt, params, prefill_worker_id=P}   (D reserves, P fills)
                <- TokenFrame, TokenFrame, ...
 
 Before the first token, a worker that fails is benched and the request is retried on another
@@ -183,7 +183,7 @@ class Dispatcher:
             if route.prefill is None:
                 self.metrics.prefill_skipped.labels(route.reason).inc()
             body = GenerateRequest(request_id=request_id, prompt_token_ids=prompt, sampling_params=params,
-                                   prefill_url=route.prefill.http_address if route.prefill else None)
+                                   prefill_worker_id=route.prefill.worker_id if route.prefill else None)
             decode_url = route.decode.http_address
             finished = said_busy = False
             self._count_pending(route, len(prompt), +1)

@@ -11,7 +11,8 @@ several gateways in one process never collide.  Names follow vLLM/Dynamo practic
     prefix hit  pdserve_prefix_cache_hit_tokens_total / pdserve_prompt_tokens_total = hit rate
     routing     pdserve_prefill_skipped_total{reason}, pdserve_redis_unavailable_total,
                 pdserve_upstream_timeouts_total{phase}, pdserve_decode_busy_total{worker_id},
-                pdserve_requests_queued
+                pdserve_requests_queued,
+                pdserve_registry_rejected_entries_total{reason}  (entries ignored: signature, address, ...)
     workers     pdserve_num_requests_waiting / _running, pdserve_kv_cache_usage_ratio,
                 pdserve_num_waiting_prefill_tokens            (gauges, by worker_id and role),
                 pdserve_workers{role,state}
@@ -73,6 +74,9 @@ class GatewayMetrics:
             "first_token / idle: no frame).", ["phase"], **kw)
         self.redis_unavailable = Counter(
             "redis_unavailable", "Redis calls that failed or timed out (routing fell back to load).", **kw)
+        self.registry_rejected = Counter(
+            "registry_rejected_entries", "Registry entries ignored on read, by reason: signature (unsigned, "
+            "forged or another secret), misplaced, address, unreadable.", ["reason"], **kw)
 
         worker = ["worker_id", "role"]
         self.num_requests_waiting = Gauge("num_requests_waiting", "Requests queued on a worker.", worker, **kw)

@@ -67,7 +67,8 @@ class Gateway:
 
     async def start(self) -> None:
         self.redis = connect(self.config.redis_url)
-        registry = WorkerRegistry(self.redis, key_prefix=self.config.key_prefix)
+        registry = WorkerRegistry(self.redis, key_prefix=self.config.key_prefix, auth=self.auth,
+                                  on_rejected=lambda reason: self.metrics.registry_rejected.labels(reason).inc())
         self.pool = WorkerPool(registry, self.model_id, bench_s=self.config.bench_time,
                                on_redis_error=self.metrics.redis_unavailable.inc)
         await self.pool.start()

@@ -8,6 +8,7 @@ import msgspec
 from aiohttp import web
 
 from common.cluster.messages import PrefillRequest, PrefillResult, TokenLogprob, decode, encode
+from prefill_svc.request_checks import check_prefill_request
 from prefill_svc.shipping import ShippingJob, ship, unpin_leftovers
 
 log = logging.getLogger(__name__)
@@ -43,12 +44,18 @@ async def handle_prefill(worker, request: web.Request) -> web.Response:
     if refusal:
         return _reply(PrefillResult(error=refusal[1]), 503)
     try:
+        kv_address = check_prefill_request(
+            body, await worker.peers.get(body.decode_worker_id), vocab_size=worker.engine.model_config.vocab_size,
+            block_size=worker.engine.config.block_size, transport=worker.config.kv.transport)
+    except ValueError as exc:
+        return _reply(PrefillResult(error=f"invalid PrefillRequest: {exc}"), 400)
+    try:
         worker.track(body.request_id)
     except ValueError as exc:
         return _reply(PrefillResult(error=str(exc)), 409)
     rid = body.request_id
     loop = asyncio.get_running_loop()
-    job = ShippingJob(rid, body.kv_address, body.dst_block_ids, body.num_skip_blocks, loop)
+    job = ShippingJob(rid, kv_address, body.dst_block_ids, body.num_skip_blocks, loop)
     stream = worker.engine_thread.open_stream(rid)
     first_token: asyncio.Future = loop.create_future()
     shipping: asyncio.Task | None = None

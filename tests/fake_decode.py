@@ -3,8 +3,9 @@
 A real worker cannot be made to hang before answering, to say "busy" on cue, or to stream faster
 than any client reads; this one can.  It is a real aiohttp server on a real socket, registered in
 the real Redis registry (with heartbeats) exactly as a decode worker registers, so the gateway under
-test finds it, routes to it and talks to it over HTTP like to any worker.  It runs its own event
-loop in a thread, so tests can drive the gateway with blocking clients.
+test finds it, routes to it and talks to it over HTTP like to any worker (its entry signed with the
+stack's cluster secret, as the gateway accepts no other).  It runs its own event loop in a thread, so
+tests can drive the gateway with blocking clients.
 
 Behaviours of ``POST /generate`` (``worker.behaviour``, changeable at any time):
 
@@ -24,6 +25,7 @@ import time
 
 from aiohttp import web
 
+from common.cluster.auth import ClusterAuth
 from common.cluster.messages import AbortRequest, GenerateRequest, TokenFrame, decode, frame
 from common.cluster.redis_util import connect
 from common.cluster.registry import Capacity, Heartbeat, KVAddress, Load, WorkerInfo, WorkerRegistry
@@ -34,7 +36,7 @@ TOKEN_ID = 300  # any id inside the tiny test vocabulary
 class FakeDecodeWorker:
     def __init__(self, redis_url: str, key_prefix: str, model: str, worker_id: str, behaviour: str = "stream",
                  *, max_num_seqs: int = 64, flood_tokens: int = 512, trickle_s: float = 0.25,
-                 token_id: int = TOKEN_ID) -> None:
+                 token_id: int = TOKEN_ID, cluster_secret: str | None = None) -> None:
         self.redis_url = redis_url
         self.key_prefix = key_prefix
         self.model = model
@@ -44,6 +46,7 @@ class FakeDecodeWorker:
         self.flood_tokens = flood_tokens
         self.trickle_s = trickle_s
         self.token_id = token_id
+        self.auth = ClusterAuth(cluster_secret)
         self.generate_calls: list[str] = []  # request ids, in arrival order
         self.aborts: list[str] = []
         self.open_streams = 0  # /generate handlers running now (its heartbeat reports them as running)
@@ -118,7 +121,7 @@ class FakeDecodeWorker:
         await site.start()
         self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
         redis = connect(self.redis_url)
-        heartbeat = Heartbeat(WorkerRegistry(redis, key_prefix=self.key_prefix, ttl_s=2.0), self.info)
+        heartbeat = Heartbeat(WorkerRegistry(redis, key_prefix=self.key_prefix, ttl_s=2.0, auth=self.auth), self.info)
         await heartbeat.start()
         self._ready.set()
         try:

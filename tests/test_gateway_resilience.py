@@ -41,7 +41,7 @@ def fakes(stack):
         for i, behaviour in enumerate(behaviours):
             # Ids sort in start order: with equal loads the router picks the first.
             worker = FakeDecodeWorker(stack.redis_url, stack.key_prefix, stack.model_name, f"{tag}-{i}-{behaviour}",
-                                      behaviour, **kw)
+                                      behaviour, cluster_secret=stack.cluster_secret, **kw)
             started.append(worker.start())
         stack.wait_for_workers(0, len(started))
         return started[-len(behaviours):]

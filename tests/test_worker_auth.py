@@ -43,18 +43,12 @@ def call(url: str, method: str, body: bytes | None, headers: dict) -> tuple[int,
         return exc.code, exc.read()
 
 
-def kv_address_of(cluster, worker_id: str):
-    pools = http_json(f"{cluster.gateway_url}/admin/pools", headers={"X-Admin-Token": ADMIN_TOKEN})
-    return next(w["kv_address"] for w in pools["workers"] if w["worker_id"] == worker_id)
-
-
 def endpoints(cluster) -> list[tuple[str, str, str, bytes, dict]]:
     """(worker, method, path, a valid body, extra headers) for every endpoint a worker serves."""
     params = SamplingParams(max_tokens=4, temperature=0.0)
-    kv = kv_address_of(cluster, "d0")
     generate = encode(GenerateRequest(request_id="forged-generate", prompt_token_ids=PROMPT, sampling_params=params))
     prefill = encode(PrefillRequest(request_id="forged-prefill", prompt_token_ids=PROMPT, sampling_params=params,
-                                    kv_address=kv, dst_block_ids=list(range(10)), num_skip_blocks=0))
+                                    decode_worker_id="d0", dst_block_ids=list(range(10)), num_skip_blocks=0))
     admin = {"X-Admin-Token": ADMIN_TOKEN, "Content-Type": "application/json"}
     return [
         ("d0", "POST", "/generate", generate, {}),
@@ -194,3 +188,29 @@ def test_signed_calls_are_served(cluster):
     last = stream.result()
     assert last.finished and last.finish_reason == "length"
     assert sum(len(f.token_ids) for f in stream.frames) == 5
+
+
+def non_loopback_address() -> str | None:
+    """This machine's address on its default route, if it has one besides loopback."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("10.255.255.255", 1))  # no packet is sent; this only picks the interface
+        except OSError:
+            return None
+        address = s.getsockname()[0]
+    return None if address.startswith("127.") else address
+
+
+def test_listeners_bind_loopback_by_default(cluster):
+    """Workers started without --host / --kv-host listen on 127.0.0.1 only (HTTP and KV)."""
+    address = non_loopback_address()
+    if address is None:
+        pytest.skip("this machine has no address but loopback")
+    pools = http_json(f"{cluster.gateway_url}/admin/pools", headers={"X-Admin-Token": ADMIN_TOKEN})
+    ports = [int(w["http_address"].rsplit(":", 1)[1]) for w in pools["workers"]]
+    ports += [w["kv_address"]["port"] for w in pools["workers"]]
+    assert len(ports) == 4 and all(w["kv_address"]["host"] == "127.0.0.1" for w in pools["workers"])
+    for port in ports:
+        socket.create_connection(("127.0.0.1", port), timeout=10).close()
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection((address, port), timeout=10).close()

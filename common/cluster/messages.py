@@ -12,7 +12,7 @@ from typing import Annotated, Type, TypeVar
 
 import msgspec
 
-from common.cluster.registry import KVAddress
+from common.cluster.registry import WorkerId
 from common.engine.sampling_params import SamplingParams
 
 MAX_FRAME_BYTES = 4 << 20  # a frame above this is a protocol error, never an allocation
@@ -20,6 +20,7 @@ MAX_PROMPT_TOKENS = 1 << 20
 
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
 TokenIds = Annotated[list[Annotated[int, msgspec.Meta(ge=0)]], msgspec.Meta(max_length=MAX_PROMPT_TOKENS)]
+BlockIds = Annotated[list[Annotated[int, msgspec.Meta(ge=0)]], msgspec.Meta(max_length=MAX_PROMPT_TOKENS)]
 
 
 class TokenLogprob(msgspec.Struct, array_like=True):
@@ -29,13 +30,14 @@ class TokenLogprob(msgspec.Struct, array_like=True):
 
 
 class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
-    """Gateway -> decode worker: generate for this prompt; ``prefill_url`` set means the prompt's
-    KV is computed by that prefill worker, otherwise this worker computes it itself."""
+    """Gateway -> decode worker: generate for this prompt; ``prefill_worker_id`` set means the
+    prompt's KV is computed by that prefill worker (the decode worker finds its address in the
+    registry itself), otherwise this worker computes it itself."""
 
     request_id: RequestId
     prompt_token_ids: TokenIds
     sampling_params: SamplingParams
-    prefill_url: str | None = None
+    prefill_worker_id: WorkerId | None = None
 
 
 class TokenFrame(msgspec.Struct, omit_defaults=True):
@@ -47,7 +49,7 @@ class TokenFrame(msgspec.Struct, omit_defaults=True):
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
-    prefill_worker: str | None = None
+    prefill_worker: str | None = None  # the prefill worker's id, on the first frame
     # On the first frame of a disaggregated request: the KV that moved, and whether the remote
     # prefill failed and the decode worker computed the prompt itself.
     kv_transfer_bytes: int = 0
@@ -62,14 +64,15 @@ class TokenFrame(msgspec.Struct, omit_defaults=True):
 
 class PrefillRequest(msgspec.Struct, forbid_unknown_fields=True):
     """Decode worker -> prefill worker: compute this prompt and ship its KV blocks
-    ``num_skip_blocks..`` into ``dst_block_ids`` at ``kv_address``."""
+    ``num_skip_blocks..`` into ``dst_block_ids`` of decode worker ``decode_worker_id`` (the prefill
+    worker ships to the KV address that worker registered, never to one a caller names)."""
 
     request_id: RequestId
     prompt_token_ids: TokenIds
     sampling_params: SamplingParams
-    kv_address: KVAddress
-    dst_block_ids: list[int]
-    num_skip_blocks: int = 0
+    decode_worker_id: WorkerId
+    dst_block_ids: BlockIds
+    num_skip_blocks: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
 class PrefillResult(msgspec.Struct, omit_defaults=True):

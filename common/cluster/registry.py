@@ -7,18 +7,33 @@ in ``common.cluster.redis_keys``.
 
 Reading takes two round trips: ZRANGE of the per-model index, then MGET of the entries.  Index
 members whose entry has been gone for a long while are pruned by the reader.
+
+Entries are signed with the cluster secret (``ClusterAuth.sign_entry``), because whoever can write
+to Redis could otherwise register a worker that receives prompts and admin calls.  The signature
+covers the entry's exact JSON bytes and is spliced in as its first field, so the value stays one
+JSON object that older readers (which ignore unknown fields) still read::
+
+    payload = {"worker_id":"p0","role":"prefill",...}                      (the WorkerInfo JSON)
+    stored  = {"signature":"<hex HMAC(registry key, payload)>","worker_id":"p0",...}
+
+A reader with the secret keeps only entries whose signature verifies, that sit under their own
+worker id and model, and whose addresses are plain ``http://host:port`` and ``host``; it skips the
+rest, logging each bad worker id once and counting every skip (``on_rejected(reason)``).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
+import urllib.parse
 from typing import Annotated, Callable, Collection, Literal
 
 import msgspec
 import redis.asyncio as aioredis
 
 from common.cluster.aio import cancel_and_wait
+from common.cluster.auth import ClusterAuth
 from common.cluster.redis_keys import RedisKeys, check_model_id, check_worker_id
 from common.cluster.redis_util import UNAVAILABLE_ERRORS
 
@@ -37,6 +52,10 @@ Fraction = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
 Seconds = Annotated[float, msgspec.Meta(ge=0.0)]
 Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
 WorkerId = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9._:@-]{1,128}$")]
+# A DNS name or an IP address (IPv6 with or without brackets); nothing a URL or a socket call could
+# read as more than a host.
+HOST_PATTERN = r"^([A-Za-z0-9_.-]{1,253}|\[?[0-9A-Fa-f:.]{2,45}\]?)$"
+Host = Annotated[str, msgspec.Meta(pattern=HOST_PATTERN)]
 
 
 # Registry entries tolerate unknown fields: during a rolling upgrade, old gateways read entries that
@@ -47,7 +66,7 @@ class KVAddress(msgspec.Struct, frozen=True):
     """Where peers reach this worker's KV transfer endpoint."""
 
     transport: Literal["ucx", "tcp", "inproc"]
-    host: Annotated[str, msgspec.Meta(min_length=1, max_length=255)]
+    host: Host
     port: Port
 
 
@@ -99,6 +118,24 @@ _encode = msgspec.json.Encoder().encode
 _decode_info = msgspec.json.Decoder(WorkerInfo).decode
 
 
+def check_http_address(url: str) -> str:
+    """``url`` if it is exactly ``http://host:port`` (no credentials, path, query or fragment: a
+    registry entry must not steer a request anywhere but to a worker's root); else ValueError."""
+    if not isinstance(url, str) or any(c.isspace() or ord(c) < 32 or c == "\\" for c in url):
+        raise ValueError(f"http_address {url!r}: must be http://host:port")
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port
+    except ValueError:
+        port = None
+        parts = None
+    if (parts is None or parts.scheme != "http" or "@" in parts.netloc or parts.path or parts.query
+            or parts.fragment or port is None or not 1 <= port <= 65535 or not parts.hostname
+            or not re.fullmatch(HOST_PATTERN, parts.hostname)):
+        raise ValueError(f"http_address {url!r}: must be http://host:port, nothing else")
+    return url
+
+
 def validate_worker_info(info: WorkerInfo) -> WorkerInfo:
     """Check the constraints msgspec only enforces when decoding; raise ValueError naming the field."""
     if not isinstance(info, WorkerInfo):
@@ -108,7 +145,31 @@ def validate_worker_info(info: WorkerInfo) -> WorkerInfo:
     except msgspec.ValidationError as exc:
         raise ValueError(f"invalid WorkerInfo: {exc}") from None
     check_model_id(info.model)
+    check_http_address(info.http_address)
     return checked
+
+
+_SIGNATURE_HEAD = b'{"signature":"'
+_SIGNED_RE = re.compile(rb'\{"signature":"([0-9a-f]{64})",(.*)', re.S)
+
+
+def seal_entry(payload: bytes, auth: ClusterAuth) -> bytes:
+    """The stored form of a WorkerInfo JSON ``payload``: its signature spliced in as the first field
+    (the payload unchanged when auth is disabled)."""
+    if not auth.enabled:
+        return payload
+    assert payload.startswith(b"{") and payload != b"{}", "a WorkerInfo encodes as a non-empty JSON object"
+    return _SIGNATURE_HEAD + auth.sign_entry(payload).encode() + b'",' + payload[1:]
+
+
+def open_entry(raw: bytes, auth: ClusterAuth) -> bytes | None:
+    """The signed payload of a stored entry, or None when it is unsigned or its signature does not
+    verify.  Without a secret every entry is taken as it is (a signature, if any, dropped)."""
+    match = _SIGNED_RE.fullmatch(raw)
+    if match is None:
+        return None if auth.enabled else raw
+    payload = b"{" + match.group(2)
+    return payload if auth.verify_entry(payload, match.group(1).decode()) else None
 
 
 class WorkerRegistry:
@@ -122,13 +183,23 @@ class WorkerRegistry:
     # reader with a skewed clock never prunes a worker that is merely between heartbeats.
     PRUNE_AFTER_S = 60.0
 
-    def __init__(self, client: aioredis.Redis, *, key_prefix: str = "pdserve", ttl_s: float = 5.0) -> None:
+    # Worker ids whose bad entries were logged (bounded: anyone who can write to Redis picks them).
+    MAX_LOGGED_REJECTIONS = 1024
+
+    def __init__(self, client: aioredis.Redis, *, key_prefix: str = "pdserve", ttl_s: float = 5.0,
+                 auth: ClusterAuth | None = None, on_rejected: Callable[[str], None] | None = None) -> None:
+        """``auth``: signs written entries and verifies read ones (None: no secret, loopback-only
+        deployments; entries are then neither signed nor checked).  ``on_rejected(reason)`` is
+        called for every entry skipped on read (a metric)."""
         if not 0 < ttl_s <= 3600:
             raise ValueError(f"ttl_s must be in (0, 3600], got {ttl_s}")
         RedisKeys(key_prefix, "probe")  # validates the prefix now rather than on first use
         self.client = client
         self.key_prefix = key_prefix
         self.ttl_s = ttl_s
+        self.auth = auth or ClusterAuth.disabled()
+        self.on_rejected = on_rejected
+        self._logged_rejections: set[str] = set()
 
     def keys(self, model: str) -> RedisKeys:
         return RedisKeys(self.key_prefix, model)
@@ -140,7 +211,7 @@ class WorkerRegistry:
         ttl_ms = max(1, int(self.ttl_s * 1000))
         expiry_ms = int(info.heartbeat_at * 1000) + ttl_ms
         async with self.client.pipeline(transaction=True) as pipe:
-            pipe.set(keys.worker(info.worker_id), _encode(info), px=ttl_ms)
+            pipe.set(keys.worker(info.worker_id), seal_entry(_encode(info), self.auth), px=ttl_ms)
             pipe.zadd(keys.workers, {info.worker_id: expiry_ms})
             await pipe.execute()
         return info
@@ -154,8 +225,9 @@ class WorkerRegistry:
             await pipe.execute()
 
     async def get(self, model: str, worker_id: str) -> WorkerInfo | None:
+        """The worker's entry, or None if it is absent or does not verify."""
         raw = await self.client.get(self.keys(model).worker(worker_id))
-        return None if raw is None else self._decode(raw)
+        return None if raw is None else self._read(raw, model, worker_id)
 
     async def list_workers(
         self,
@@ -180,21 +252,41 @@ class WorkerRegistry:
                  if raw is None and expiry_ms < stale_before_ms]
         if stale:
             await self.client.zrem(keys.workers, *stale)
-        workers = [w for w in (self._decode(raw) for raw in raws if raw is not None) if w is not None]
+        workers = [w for w in (self._read(raw, model, wid) for wid, raw in zip(ids, raws) if raw is not None)
+                   if w is not None]
         return sorted(
             (w for w in workers
              if (roles is None or w.role in roles) and (states is None or w.state in states)),
             key=lambda w: w.worker_id,
         )
 
-    @staticmethod
-    def _decode(raw: bytes) -> WorkerInfo | None:
+    def _read(self, raw: bytes, model: str, worker_id: str) -> WorkerInfo | None:
+        """The entry stored under ``model``/``worker_id`` if it is trustworthy, else None."""
+        payload = open_entry(raw, self.auth)
+        if payload is None:
+            return self._reject(worker_id, "signature", "it is unsigned or its signature does not verify "
+                                                        "(forged, or written with another cluster secret)")
         try:
-            return _decode_info(raw)
+            info = _decode_info(payload)
         except msgspec.DecodeError as exc:
             # A worker running a newer/older schema must not take the reader down with it.
-            log.warning("skipping unreadable registry entry: %s", exc)
-            return None
+            return self._reject(worker_id, "unreadable", str(exc))
+        if info.worker_id != worker_id or info.model != model:
+            return self._reject(worker_id, "misplaced", f"it describes worker {info.worker_id!r} of model "
+                                                        f"{info.model!r}")
+        try:
+            check_http_address(info.http_address)
+        except ValueError as exc:
+            return self._reject(worker_id, "address", str(exc))
+        return info
+
+    def _reject(self, worker_id: str, reason: str, why: str) -> None:
+        if self.on_rejected is not None:
+            self.on_rejected(reason)
+        if worker_id not in self._logged_rejections and len(self._logged_rejections) < self.MAX_LOGGED_REJECTIONS:
+            self._logged_rejections.add(worker_id)
+            log.warning("ignoring the registry entry of worker %r: %s", worker_id, why)
+        return None
 
 
 class Heartbeat:

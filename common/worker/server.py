@@ -36,6 +36,7 @@ from common.cluster.redis_util import connect
 from common.cluster.registry import Capacity, Heartbeat, KVAddress, Load, WorkerInfo, WorkerRegistry
 from common.worker.config import ROLES, WorkerConfig
 from common.worker.metrics import WorkerMetrics
+from common.worker.peers import PeerDirectory
 from common.worker.request_auth import cluster_auth_middleware
 from common.worker.roles import RoleModule
 from kvtransfer.config import parse_address
@@ -118,6 +119,7 @@ class Worker:
         self._runner: web.AppRunner | None = None
         self.http_port = config.port
         self.http_client: aiohttp.ClientSession | None = None  # calls to peer workers
+        self.peers: PeerDirectory | None = None  # where peer workers are, by worker id
         self._background: set[asyncio.Task] = set()
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -143,14 +145,17 @@ class Worker:
         self.kv_address = KVAddress(transport=self.config.kv.transport,
                                     host=self.config.advertise_host or host, port=port)
 
+        self._redis = connect(self.config.redis_url)
+        registry = WorkerRegistry(self._redis, key_prefix=self.config.key_prefix, ttl_s=self.config.heartbeat_ttl_s,
+                                  auth=self.auth)
+        self.peers = PeerDirectory(registry, self.engine.model_id)  # before the first request can arrive
+
         self._runner = web.AppRunner(app, handle_signals=False, access_log=None, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.host, self.config.port)
         await site.start()
         self.http_port = site._server.sockets[0].getsockname()[1]
 
-        self._redis = connect(self.config.redis_url)
-        registry = WorkerRegistry(self._redis, key_prefix=self.config.key_prefix, ttl_s=self.config.heartbeat_ttl_s)
         self._publisher = PrefixIndexPublisher(
             self._redis, model=self.engine.model_id, worker_id=self.config.worker_id,
             key_prefix=self.config.key_prefix, ttl_s=self.config.heartbeat_ttl_s,
@@ -187,7 +192,8 @@ class Worker:
 
     @property
     def http_url(self) -> str:
-        return f"http://{self.config.public_host}:{self.http_port}"
+        host = self.config.public_host
+        return f"http://[{host}]:{self.http_port}" if ":" in host else f"http://{host}:{self.http_port}"
 
     def info(self) -> WorkerInfo:
         """This worker's registry entry, as of now."""

@@ -1,0 +1,107 @@
+"""The decode worker's calls to a prefill worker, and what it accepts back.
+
+The prefill worker is named by id; its address comes from its signed registry entry (``peers``),
+never from the request.  Calls are signed with the cluster secret; answers are read bounded and
+every field of a PrefillResult is checked before anything of it reaches the engine, because the
+first token is committed to the request and its blocks to the prefix cache:
+
+    first_token_id     in [0, vocab_size)             (an id outside crashes the model's embedding)
+    num_sent_blocks    == the blocks asked for
+    num_cached_tokens  in [0, prompt length]
+    first_logprob      None unless logprobs were asked for; then for first_token_id, finite, <= 0,
+                       at most ``logprobs`` alternatives, each inside the vocabulary
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+
+import aiohttp
+
+from common.cluster.messages import AbortRequest, PrefillRequest, PrefillResult, decode, encode, read_response
+from common.cluster.registry import WorkerInfo
+
+log = logging.getLogger(__name__)
+
+MAX_RESULT_BYTES = 64 << 10  # a PrefillResult is a few hundred bytes; an error message a few more
+LOGPROB_SLACK = 1e-3  # log-softmax rounding can land a hair above 0
+
+
+class BadPrefillAnswer(Exception):
+    """The prefill worker's answer cannot be used (the message says which field and why)."""
+
+
+async def resolve_prefill_worker(worker, worker_id: str) -> WorkerInfo:
+    """The registry entry of prefill worker ``worker_id``; BadPrefillAnswer if it is not one."""
+    peer = await worker.peers.get(worker_id)
+    if peer is None:
+        raise BadPrefillAnswer(f"prefill worker {worker_id!r} has no verified registry entry")
+    if peer.role not in ("prefill", "both"):
+        raise BadPrefillAnswer(f"worker {worker_id!r} is registered as {peer.role}, not as a prefill worker")
+    return peer
+
+
+async def call_prefill(worker, peer: WorkerInfo, prefill: PrefillRequest) -> PrefillResult:
+    """POST the request to ``peer`` and return its checked result; raises on any failure."""
+    data = encode(prefill)
+    headers = worker.auth.sign_request("POST", "/prefill", data)
+    # The whole remote prefill (queueing on the prefill worker included) is bounded like the KV transfer.
+    connect = worker.config.peer_connect_timeout_s
+    timeout = aiohttp.ClientTimeout(total=worker.config.kv.transfer_timeout, connect=connect, sock_connect=connect)
+    async with worker.http_client.post(f"{peer.http_address}/prefill", data=data, headers=headers,
+                                       timeout=timeout) as resp:
+        try:
+            raw = await read_response(resp, MAX_RESULT_BYTES)
+        except ValueError as exc:
+            raise BadPrefillAnswer(f"prefill worker {peer.worker_id}: {exc}") from None
+        try:
+            result = decode(raw, PrefillResult)
+        except ValueError as exc:
+            detail = raw[:200].decode(errors="replace") if resp.status != 200 else exc
+            raise BadPrefillAnswer(f"prefill worker {peer.worker_id} answered {resp.status}: {detail}") from None
+        if resp.status != 200 or result.error:
+            raise BadPrefillAnswer(f"prefill worker {peer.worker_id} answered {resp.status}: {result.error}")
+    check_prefill_result(result, prefill, worker.engine.model_config.vocab_size)
+    return result
+
+
+def check_prefill_result(result: PrefillResult, asked: PrefillRequest, vocab_size: int) -> None:
+    """Raise BadPrefillAnswer unless every field of ``result`` fits the request ``asked``."""
+
+    def bad(message: str) -> BadPrefillAnswer:
+        return BadPrefillAnswer(f"rejected PrefillResult: {message}")
+
+    if not 0 <= result.first_token_id < vocab_size:
+        raise bad(f"first_token_id {result.first_token_id} is outside the vocabulary [0, {vocab_size})")
+    if result.num_sent_blocks != len(asked.dst_block_ids):
+        raise bad(f"num_sent_blocks is {result.num_sent_blocks}, {len(asked.dst_block_ids)} were asked for")
+    if not 0 <= result.num_cached_tokens <= len(asked.prompt_token_ids):
+        raise bad(f"num_cached_tokens {result.num_cached_tokens} is outside [0, {len(asked.prompt_token_ids)}]")
+    wanted = asked.sampling_params.logprobs
+    lp = result.first_logprob
+    if lp is None:
+        return
+    if wanted is None:
+        raise bad("first_logprob was sent but no logprobs were asked for")
+    if lp.token_id != result.first_token_id:
+        raise bad(f"first_logprob is for token {lp.token_id}, not the first token {result.first_token_id}")
+    if len(lp.top) > wanted:
+        raise bad(f"first_logprob has {len(lp.top)} alternatives, at most {wanted} were asked for")
+    for token_id, logprob in [(lp.token_id, lp.logprob), *lp.top]:
+        if not 0 <= token_id < vocab_size:
+            raise bad(f"first_logprob names token {token_id}, outside the vocabulary")
+        if not (math.isfinite(logprob) or logprob == -math.inf) or logprob > LOGPROB_SLACK:
+            raise bad(f"first_logprob has log-probability {logprob} (must be <= 0)")
+
+
+async def send_abort(worker, peer: WorkerInfo, request_id: str) -> None:
+    """Tell the prefill worker to stop ``request_id``; best effort, bounded."""
+    data = encode(AbortRequest(request_id))
+    try:
+        # Bounded by the session's default: the control-call timeout.
+        async with worker.http_client.post(f"{peer.http_address}/abort", data=data,
+                                           headers=worker.auth.sign_request("POST", "/abort", data)) as resp:
+            await read_response(resp, 4096)
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as exc:
+        log.info("could not tell prefill worker %s to abort %s: %s", peer.worker_id, request_id, exc)

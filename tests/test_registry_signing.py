@@ -1,0 +1,129 @@
+"""Signed registry entries against a real Redis: whoever can write to Redis but lacks the cluster
+secret cannot add, alter, move or redirect a worker."""
+from __future__ import annotations
+
+import logging
+import time
+
+import msgspec
+import pytest
+
+from common.cluster.auth import ClusterAuth
+from common.cluster.registry import (
+    Capacity, KVAddress, WorkerInfo, WorkerRegistry, check_http_address, open_entry, seal_entry,
+    validate_worker_info,
+)
+
+MODEL = "org/tiny-model"
+SECRET = "registry-test-secret-0123456789"
+
+
+def make_info(worker_id: str, http_address: str = "http://10.0.0.1:8100", **fields) -> WorkerInfo:
+    return WorkerInfo(worker_id=worker_id, role="prefill", model=MODEL, http_address=http_address,
+                      kv_address=KVAddress("tcp", "10.0.0.1", 9000),
+                      capacity=Capacity(num_kv_blocks=64, block_size=16, max_num_seqs=8), state="active",
+                      **fields)
+
+
+@pytest.fixture
+def rejected():
+    return []
+
+
+@pytest.fixture
+def registry(redis_client, key_prefix, rejected):
+    return WorkerRegistry(redis_client, key_prefix=key_prefix, auth=ClusterAuth(SECRET), on_rejected=rejected.append)
+
+
+async def write_raw(registry: WorkerRegistry, worker_id: str, raw: bytes) -> None:
+    keys = registry.keys(MODEL)
+    await registry.client.set(keys.worker(worker_id), raw, px=5000)
+    await registry.client.zadd(keys.workers, {worker_id: time.time() * 1000 + 5000})
+
+
+async def test_signed_entries_round_trip_and_stay_plain_json(registry):
+    written = await registry.register(make_info("p0"))
+    assert await registry.list_workers(MODEL) == [written]
+    assert await registry.get(MODEL, "p0") == written
+    raw = await registry.client.get(registry.keys(MODEL).worker("p0"))
+    stored = msgspec.json.decode(raw)  # still one JSON object: readers without a secret still read it
+    assert len(stored["signature"]) == 64 and stored["worker_id"] == "p0"
+    assert await WorkerRegistry(registry.client, key_prefix=registry.key_prefix).list_workers(MODEL) == [written]
+
+
+async def test_forged_tampered_and_misplaced_entries_are_ignored_and_counted(registry, rejected, caplog):
+    genuine = await registry.register(make_info("p0"))
+    payload = msgspec.json.encode(make_info("forged", heartbeat_at=time.time()))
+    other = ClusterAuth("some-other-secret-0123456789")
+    raw_p0 = await registry.client.get(registry.keys(MODEL).worker("p0"))
+    with caplog.at_level(logging.WARNING, logger="common.cluster.registry"):
+        await write_raw(registry, "forged", payload)                                  # unsigned
+        await write_raw(registry, "forged2", seal_entry(msgspec.json.encode(make_info("forged2")), other))
+        await write_raw(registry, "p1", raw_p0)                                       # p0's entry under p1
+        await write_raw(registry, "p2", raw_p0.replace(b"10.0.0.1:8100", b"10.6.6.6:8100"))  # redirected
+        for _ in range(3):
+            assert await registry.list_workers(MODEL) == [genuine]
+        assert await registry.get(MODEL, "forged") is None and await registry.get(MODEL, "p1") is None
+    assert sorted(set(rejected)) == ["misplaced", "signature"]
+    assert len(rejected) == 3 * 4 + 2
+    # Logged once per worker id, however often the pool is read.
+    warnings = [r.getMessage() for r in caplog.records]
+    assert sorted(m.split("'")[1] for m in warnings) == ["forged", "forged2", "p1", "p2"]
+    assert all("ignoring the registry entry" in m for m in warnings)
+
+
+async def test_entries_from_a_newer_worker_still_verify(registry):
+    """Rolling upgrades: a newer worker signs an entry with fields this reader does not know."""
+    payload = msgspec.json.decode(msgspec.json.encode(make_info("p9", heartbeat_at=time.time())))
+    payload["future_field"] = {"x": 1}
+    payload["load"] = {"num_running": 2, "future_load_field": 3}
+    await write_raw(registry, "p9", seal_entry(msgspec.json.encode(payload), registry.auth))
+    [entry] = await registry.list_workers(MODEL)
+    assert entry.worker_id == "p9" and entry.load.num_running == 2
+
+
+async def test_a_signed_entry_with_a_bad_address_is_ignored(registry, rejected):
+    bad = msgspec.json.encode(make_info("p3")).replace(b"http://10.0.0.1:8100", b"http://u:p@10.0.0.1:8100/x")
+    await write_raw(registry, "p3", seal_entry(bad, registry.auth))
+    assert await registry.list_workers(MODEL) == [] and rejected == ["address"]
+
+
+@pytest.mark.parametrize("address", [
+    "https://10.0.0.1:8100", "http://user:pw@10.0.0.1:8100", "http://10.0.0.1:8100/admin", "http://10.0.0.1",
+    "http://10.0.0.1:8100?x=1", "http://10.0.0.1:8100#f", "http://10.0.0.1:0", "http://a b:1", "http://10.0.0.1:8100/",
+    "file:///etc/passwd", "http://evil.com\\@10.0.0.1:8100",
+])
+def test_addresses_must_be_plain_http_host_port(address):
+    with pytest.raises(ValueError, match="http_address"):
+        check_http_address(address)
+    with pytest.raises(ValueError, match="http_address"):
+        validate_worker_info(make_info("p0", http_address=address))
+
+
+def test_kv_hosts_are_plain_hosts():
+    for host in ("10.0.0.1", "worker-3.example", "::1", "[fe80::1]", "pdserve_decode_1"):
+        validate_worker_info(msgspec.structs.replace(make_info("p0"), kv_address=KVAddress("tcp", host, 1)))
+    for host in ("a b", "10.0.0.1:9000/x", "user@host", "", "a\nb"):
+        with pytest.raises(ValueError, match="host"):
+            validate_worker_info(msgspec.structs.replace(make_info("p0"), kv_address=KVAddress("tcp", host, 1)))
+
+
+def test_seal_and_open():
+    auth = ClusterAuth(SECRET)
+    payload = msgspec.json.encode(make_info("p0"))
+    sealed = seal_entry(payload, auth)
+    assert open_entry(sealed, auth) == payload
+    assert open_entry(payload, auth) is None  # unsigned
+    assert open_entry(sealed.replace(b'"prefill"', b'"decode"'), auth) is None  # altered after signing
+    assert open_entry(sealed, ClusterAuth("some-other-secret-0123456789")) is None
+    assert open_entry(payload, ClusterAuth.disabled()) == payload  # no secret: loopback-only deployments
+    assert open_entry(sealed, ClusterAuth.disabled()) == payload
+    assert seal_entry(payload, ClusterAuth.disabled()) == payload
+
+
+async def test_without_a_secret_unsigned_entries_are_read(redis_client, key_prefix):
+    plain = WorkerRegistry(redis_client, key_prefix=key_prefix)
+    written = await plain.register(make_info("p0"))
+    assert await plain.list_workers(MODEL) == [written]
+    # ... but a reader with a secret ignores them.
+    assert await WorkerRegistry(redis_client, key_prefix=key_prefix, auth=ClusterAuth(SECRET)).list_workers(MODEL) == []
