@@ -194,16 +194,24 @@ async def remote_prefill(worker, body: GenerateRequest, pending: PendingRelease)
     transfer_bytes = len(dst_block_ids) * worker.engine.kv_cache.block_nbytes
     worker.metrics.kv_transfer_seconds.observe(transfer_seconds)
     worker.metrics.kv_received_bytes.inc(transfer_bytes)
-    request = await worker.engine_thread.call(lambda e: e.scheduler.finish_remote(rid, result.first_token_id))
-    if request is None:
+    def land(engine: Engine):
+        # Read the request's state here: once this returns, the engine thread may step it on (a
+        # tiny model can finish it before the event loop looks), and later tokens reach the stream.
+        request = engine.scheduler.finish_remote(rid, result.first_token_id)
+        return None if request is None else (request.is_finished, request.status.finish_reason,
+                                             request.num_prompt_tokens)
+
+    landed = await worker.engine_thread.call(land)
+    if landed is None:
         raise asyncio.CancelledError()  # aborted while the KV was in flight
+    finished, finish_reason, num_prompt_tokens = landed
     worker.ttft.add(time.monotonic() - began)
     logprobs = None
     if result.first_logprob is not None:
         logprobs = [result.first_logprob]
     return TokenFrame(
-        token_ids=[result.first_token_id], logprobs=logprobs, finished=request.is_finished,
-        finish_reason=request.status.finish_reason, num_prompt_tokens=request.num_prompt_tokens,
+        token_ids=[result.first_token_id], logprobs=logprobs, finished=finished,
+        finish_reason=finish_reason, num_prompt_tokens=num_prompt_tokens,
         num_cached_tokens=max(num_cached, result.num_cached_tokens), prefill_worker=peer.worker_id,
         kv_transfer_bytes=transfer_bytes, kv_transfer_seconds=transfer_seconds,
     )

@@ -143,11 +143,11 @@ def prompt_ids(seed: int, length: int = 41) -> list[int]:
 
 
 async def generate(cluster, prompt: list[int], max_tokens: int, prefill_worker_id: str | None,
-                   request_id: str | None = None) -> list[TokenFrame]:
+                   logprobs: int | None = None) -> list[TokenFrame]:
     """POST /generate on d0 as the gateway does (signed); all frames of the answer."""
-    body = encode(GenerateRequest(request_id=request_id or f"t-{uuid.uuid4().hex[:8]}", prompt_token_ids=prompt,
+    body = encode(GenerateRequest(request_id=f"t-{uuid.uuid4().hex[:8]}", prompt_token_ids=prompt,
                                   sampling_params=SamplingParams(max_tokens=max_tokens, temperature=0.0,
-                                                                 ignore_eos=True),
+                                                                 ignore_eos=True, logprobs=logprobs),
                                   prefill_worker_id=prefill_worker_id))
     headers = ClusterAuth(cluster.cluster_secret).sign_request("POST", "/generate", body)
     frames = []
@@ -248,6 +248,15 @@ async def test_a_bad_prefill_answer_is_rejected_and_the_decode_worker_keeps_serv
     assert frames[0].prefill_worker == "p0"
     stats = cluster.worker_json("d0", "/stats?check=1")
     assert stats["pool_ok"], stats["pool_error"]
+
+
+async def test_a_genuine_answer_with_logprobs_passes_the_checks(cluster, reference):
+    prompt = prompt_ids(60)
+    frames = await generate(cluster, prompt, 3, prefill_worker_id="p0", logprobs=2)
+    assert not frames[0].prefill_fallback and frames[0].prefill_worker == "p0"
+    assert tokens(frames) == reference(prompt, 3)
+    first = frames[0].logprobs[0]
+    assert first.token_id == frames[0].token_ids[0] and len(first.top) == 2
 
 
 async def test_a_prefill_worker_not_in_the_registry_is_never_called(cluster, reference):
