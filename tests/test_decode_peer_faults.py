@@ -1,9 +1,10 @@
 """A real decode worker against a prefill peer that misbehaves on cue.
 
 The decode worker is a real process (``python -m decode_svc``, TCP transport, real Redis).  The
-prefill worker is scripted in the test process, because these faults need exact timing: it
-answers ``/prefill`` the way each test says, and ships canary KV (every value 100.0) with the
-real ``KVSender``, through a TCP link that can hold the bytes mid-payload::
+prefill worker is scripted in the test process, because these faults need exact timing: it is
+registered (signed with the stack's cluster secret) as a prefill worker, answers ``/prefill`` the
+way each test says, and ships canary KV (every value 100.0) with the real ``KVSender`` to the
+decode worker's registered KV address, through a TCP link that can hold the bytes mid-payload::
 
     test --/generate--> decode worker --/prefill--> scripted peer
                         decode worker <==KV== ThrottledLink <== KVSender(canary cache)
@@ -29,6 +30,8 @@ from common.cluster.auth import ClusterAuth
 from common.cluster.messages import (
     AbortRequest, GenerateRequest, PrefillRequest, PrefillResult, TokenFrame, decode, encode, read_frame,
 )
+from common.cluster.redis_util import connect
+from common.cluster.registry import Capacity, KVAddress, WorkerInfo, WorkerRegistry
 from common.engine.config import EngineConfig
 from common.engine.engine import Engine
 from common.engine.kv_cache import KVCache
@@ -144,7 +147,12 @@ class ThrottledLink:
 class ScriptedPeer:
     """A stand-in prefill worker: ``/prefill`` runs ``self.script(request)``; ``/abort`` is noted."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, stack: LocalStack):
+        self.stack = stack
+        self.worker_id = f"scripted-{uuid.uuid4().hex[:8]}"
+        self.redis = connect(stack.redis_url)
+        self.registry = WorkerRegistry(self.redis, key_prefix=stack.key_prefix, ttl_s=600,
+                                       auth=ClusterAuth(stack.cluster_secret))
         layout = engine.kv_cache.layout
         self.cache = KVCache(layout, NUM_BLOCKS)
         self.cache.buffer.fill_(CANARY)
@@ -165,10 +173,20 @@ class ScriptedPeer:
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
         await site.start()
         self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        await self.registry.register(WorkerInfo(
+            worker_id=self.worker_id, role="prefill", model=self.stack.model_name, http_address=self.url,
+            kv_address=KVAddress("tcp", "127.0.0.1", 1), state="active",
+            capacity=Capacity(num_kv_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, max_num_seqs=8)))
         return self
 
+    async def kv_address(self, request: PrefillRequest) -> KVAddress:
+        """Where the calling decode worker receives KV: its registry entry, as a real prefill worker does."""
+        entry = await self.registry.get(self.stack.model_name, request.decode_worker_id)
+        return entry.kv_address
+
     async def link(self, request: PrefillRequest) -> tuple[ThrottledLink, str]:
-        link = ThrottledLink((request.kv_address.host, request.kv_address.port))
+        kv = await self.kv_address(request)
+        link = ThrottledLink((kv.host, kv.port))
         self.links.append(link)
         return link, await link.start()
 
@@ -191,6 +209,8 @@ class ScriptedPeer:
             await link.close()
         await self.sender.close()
         await self._runner.cleanup()
+        await self.registry.deregister(self.stack.model_name, self.worker_id)
+        await self.redis.aclose()
 
 
 def last_run(dst_block_ids: list[int]) -> tuple[list[int], list[int]]:
@@ -220,12 +240,12 @@ async def ship_held(peer: ScriptedPeer, request: PrefillRequest) -> ThrottledLin
 class Stream:
     """One /generate call on the decode worker, read frame by frame in the background."""
 
-    def __init__(self, client: "WorkerClient", prompt: list[int], prefill_url: str | None):
+    def __init__(self, client: "WorkerClient", prompt: list[int], prefill_worker_id: str | None):
         self.frames: list[TokenFrame] = []
         self.first = asyncio.Event()
         body = GenerateRequest(request_id=f"t-{uuid.uuid4().hex[:8]}", prompt_token_ids=prompt,
                                sampling_params=SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True),
-                               prefill_url=prefill_url)
+                               prefill_worker_id=prefill_worker_id)
         self.task = asyncio.ensure_future(self._read(client, encode(body)))
 
     async def _read(self, client: "WorkerClient", data: bytes) -> list[TokenFrame]:
@@ -262,8 +282,8 @@ class WorkerClient:
     def post(self, path: str, data: bytes):
         return self.session.post(self.url + path, data=data, headers=self.auth.sign_request("POST", path, data))
 
-    def generate(self, prompt: list[int], prefill_url: str | None) -> Stream:
-        return Stream(self, prompt, prefill_url)
+    def generate(self, prompt: list[int], prefill_worker_id: str | None) -> Stream:
+        return Stream(self, prompt, prefill_worker_id)
 
     async def stats(self) -> dict:
         async with self.session.get(self.url + "/stats", headers=self.auth.sign_request("GET", "/stats")) as resp:
@@ -287,8 +307,8 @@ async def until(predicate, what: str):
 
 
 @pytest.fixture
-async def peer(engine):
-    peer = await ScriptedPeer(engine).start()
+async def peer(engine, decode_worker):
+    peer = await ScriptedPeer(engine, decode_worker).start()
     try:
         yield peer
     finally:
@@ -308,7 +328,7 @@ async def test_failed_prefill_frees_blocks_only_after_the_bytes_in_flight_landed
     peer.script = script
     async with WorkerClient(decode_worker) as worker:
         await worker.idle()
-        stream = worker.generate(prompt, peer.url)
+        stream = worker.generate(prompt, peer.worker_id)
 
         async def settling_or_first_token():
             if stream.first.is_set():
@@ -343,7 +363,7 @@ async def test_client_gone_mid_transfer_keeps_blocks_until_the_transfer_settled(
     peer.script = script
     async with WorkerClient(decode_worker) as worker:
         await worker.idle()
-        gone = worker.generate(first, peer.url)
+        gone = worker.generate(first, peer.worker_id)
         await until(started, "the transfer to start")
         gone.task.cancel()  # the client hangs up mid-transfer
         with contextlib.suppress(asyncio.CancelledError):
@@ -375,7 +395,8 @@ async def test_prefill_peer_that_never_answers_is_bounded(decode_worker, engine,
     prompt = fresh_prompt()
 
     async def script(request: PrefillRequest):
-        transfer = await peer.sender.begin(request.request_id, f"{request.kv_address.host}:{request.kv_address.port}")
+        kv = await peer.kv_address(request)
+        transfer = await peer.sender.begin(request.request_id, f"{kv.host}:{kv.port}")
         await transfer.send_blocks(list(range(len(request.dst_block_ids))), request.dst_block_ids)
         await transfer.finish({"first_token": 7})
         await peer.hang()
@@ -384,7 +405,7 @@ async def test_prefill_peer_that_never_answers_is_bounded(decode_worker, engine,
     peer.script = script
     async with WorkerClient(decode_worker) as worker:
         await worker.idle()
-        stream = worker.generate(prompt, peer.url)
+        stream = worker.generate(prompt, peer.worker_id)
         assert await stream.tokens() == greedy(engine, prompt)
         assert stream.frames[0].prefill_fallback
         await worker.idle()
