@@ -15,6 +15,7 @@ from typing import Any, Callable, Mapping
 from common.cluster.auth import SECRET_ENV, AuthError, ClusterAuth, configure_auth, read_secret
 from common.cluster.redis_util import DEFAULT_REDIS_URL
 from gateway.routing import POLICIES
+from gateway.tenants import ApiKeys
 
 # flag dest -> older variable names still honoured
 ENV_ALIASES: dict[str, tuple[str, ...]] = {
@@ -60,9 +61,12 @@ class GatewayConfig:
     key_prefix: str = "pdserve"
     routing_policy: str = "prefix_aware"
     skip_prefill_below_tokens: int = 64
-    api_key: str | None = None
-    admin_token: str | None = None
+    api_key: str | None = field(default=None, repr=False)
+    api_keys_file: str | None = None
+    max_inflight_per_key: int = 0  # for keys without their own limit; 0: only the global limit
+    admin_token: str | None = field(default=None, repr=False)
     max_inflight: int = 512  # accepted requests at once; beyond: 429
+    max_connections: int = 2048  # open client connections; beyond: 503 and close
     max_body_bytes: int = 4 << 20
     max_model_len: int | None = None
     # PDSERVE_CLUSTER_SECRET (or --cluster-secret-file): signs every call to a worker and verifies
@@ -73,6 +77,7 @@ class GatewayConfig:
     queue_size: int = 256  # requests held while no decode worker has room; beyond: 503
     queue_timeout: float = 10.0  # how long one is held; then 503 + Retry-After
     client_read_timeout: float = 30.0  # a request body must arrive within this; then 408
+    client_write_timeout: float = 30.0  # a stream whose client takes no bytes for this long is cut off
     inline_tokenize_chars: int = 4096  # longer inputs are tokenized in a thread, off the event loop
     tokenizer_threads: int = 2
 
@@ -82,15 +87,15 @@ class GatewayConfig:
 
         if self.routing_policy not in POLICIES:
             raise bad(f"routing_policy must be one of {', '.join(POLICIES)}, got {self.routing_policy!r}")
-        for name in ("max_inflight", "max_body_bytes"):
+        for name in ("max_inflight", "max_body_bytes", "max_connections"):
             if getattr(self, name) < 1:
                 raise bad(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.skip_prefill_below_tokens < 0:
             raise bad(f"skip_prefill_below_tokens must be >= 0, got {self.skip_prefill_below_tokens}")
-        for name in ("bench_time", "queue_timeout", "client_read_timeout"):
+        for name in ("bench_time", "queue_timeout", "client_read_timeout", "client_write_timeout"):
             if not getattr(self, name) > 0:
                 raise bad(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("queue_size", "inline_tokenize_chars"):
+        for name in ("queue_size", "inline_tokenize_chars", "max_inflight_per_key"):
             if getattr(self, name) < 0:
                 raise bad(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.tokenizer_threads < 1:
@@ -100,6 +105,14 @@ class GatewayConfig:
         if self.max_model_len is not None and self.max_model_len < 1:
             raise bad(f"max_model_len must be >= 1, got {self.max_model_len}")
         self.auth()
+        self.api_keys()
+
+    def api_keys(self) -> ApiKeys:
+        """The API keys the gateway accepts (read from ``api_keys_file``); raises ValueError."""
+        try:
+            return ApiKeys.from_config(self.api_key, self.api_keys_file, self.max_inflight_per_key)
+        except ValueError as exc:
+            raise ValueError(f"invalid config: {exc}") from None
 
     def auth(self) -> ClusterAuth:
         """The cluster auth the gateway signs with; raises ValueError naming the problem."""
@@ -149,10 +162,15 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     add("--routing-policy", "prefix_aware", choices=POLICIES)
     add("--skip-prefill-below", 64, int, help="prompts with fewer uncached tokens than this skip the prefill pool")
     add("--api-key", help="require 'Authorization: Bearer KEY'")
+    add("--api-keys-file", help="accept the keys in this file: one per line, optionally 'key:limit' (that "
+                                "key's limit on requests in flight); '#' starts a comment line")
+    add("--max-inflight-per-key", 0, int, help="requests in flight per API key without its own limit (0: only "
+                                              "--max-inflight)")
     add("--admin-token", help="enables /admin with this token")
     add("--cluster-secret-file", help="file holding the cluster secret (default: PDSERVE_CLUSTER_SECRET); "
                                       "required unless --host is a loopback address")
     add("--max-inflight", 512, int, help="requests accepted at once; beyond: 429")
+    add("--max-connections", 2048, int, help="open client connections; beyond: 503 and close")
     add("--max-body-bytes", 4 << 20, int, help="request body limit; beyond: 413")
     add("--max-model-len", None, int)
     add("--upstream-connect-timeout", 5.0, float, help="seconds to connect to a worker")
@@ -166,6 +184,8 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     add("--queue-size", 256, int, help="requests held while every decode worker is busy; beyond: 503")
     add("--queue-timeout", 10.0, float, help="seconds a request is held for a busy decode pool; then 503")
     add("--client-read-timeout", 30.0, float, help="seconds for a request body to arrive; then 408")
+    add("--client-write-timeout", 30.0, float, help="a stream whose client takes no data for this long is cut "
+                                                    "off (its slot and KV blocks are freed)")
     add("--inline-tokenize-chars", 4096, int, help="longer inputs are tokenized in a thread, off the event loop")
     add("--tokenizer-threads", 2, int, help="threads for tokenizing long inputs and applying chat templates")
     add("--log-level", "INFO")
@@ -180,7 +200,9 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = N
     return GatewayConfig(
         model=args.model, model_id=args.model_id, host=args.host, port=args.port, redis_url=args.redis_url,
         key_prefix=args.key_prefix, routing_policy=args.routing_policy,
-        skip_prefill_below_tokens=args.skip_prefill_below, api_key=args.api_key, admin_token=args.admin_token,
+        skip_prefill_below_tokens=args.skip_prefill_below, api_key=args.api_key, api_keys_file=args.api_keys_file,
+        max_inflight_per_key=args.max_inflight_per_key, admin_token=args.admin_token,
+        max_connections=args.max_connections, client_write_timeout=args.client_write_timeout,
         max_inflight=args.max_inflight, max_body_bytes=args.max_body_bytes, max_model_len=args.max_model_len,
         cluster_secret=secret,
         timeouts=UpstreamTimeouts(connect=args.upstream_connect_timeout, response=args.upstream_response_timeout,

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -21,6 +22,10 @@ from gateway.openai_protocol import (
 )
 
 log = logging.getLogger(__name__)
+
+
+class _ClientTooSlow(Exception):
+    """The client accepted no bytes for ``client_write_timeout`` seconds."""
 
 
 async def _drain(run) -> None:
@@ -117,7 +122,7 @@ class OpenAIHandlers:
         body = await self.gw.read_body(request)
         req = parse_completion_request(body)
         self._check_model(req.model)
-        async with self.gw.admission("/v1/completions"):
+        async with self.gw.admission(request["tenant"]):
             ids = await self.gw.prompts.text(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
             gen = self._prepare("completion", req.model, ids, req.sampling())
             return await self._serve(request, gen)
@@ -127,7 +132,7 @@ class OpenAIHandlers:
         req = parse_chat_request(body)
         self._check_model(req.model)
         messages, render = self._chat_renderer(req)
-        async with self.gw.admission("/v1/chat/completions"):
+        async with self.gw.admission(request["tenant"]):
             ids = await self.gw.prompts.chat(messages, render)
             gen = self._prepare("chat", req.model, ids, req.sampling())
             return await self._serve(request, gen)
@@ -194,33 +199,53 @@ class OpenAIHandlers:
             gw.metrics.e2e_request_latency.labels(gen.model).observe(time.monotonic() - gen.arrival)
 
     async def _stream(self, request: web.Request, gen: Generation, run, first) -> web.StreamResponse:
-        """SSE from the first token on; a failure from here is an error event, then [DONE]."""
+        """SSE from the first token on; a failure from here is an error event, then [DONE].
+
+        Every write is bounded by ``client_write_timeout``: a client that stops reading is cut
+        off, which ends the generation (the decode worker is told to abort, freeing its blocks)
+        and frees the request's slot."""
         response = web.StreamResponse(headers=SSE_HEADERS)
         await response.prepare(request)
         request["outcome"] = "200"
+        write = functools.partial(self._write, response)
         try:
-            if gen.kind == "chat":
-                await response.write(sse_event(self._chat_chunk(gen, ChatDelta(role="assistant", content=""))))
-            await self._write_delta(response, gen, *first)
-            async for delta, frame in run:
-                await self._write_delta(response, gen, delta, frame)
-            if gen.options.include_usage:
-                await response.write(sse_event(self._usage_chunk(gen)))
-            await response.write(SSE_DONE)
-        except (Saturated, UpstreamError) as exc:
-            request["outcome"] = "stream_error"
-            code = 503 if isinstance(exc, Saturated) else 500
-            await response.write(OpenAIError(code, f"generation failed: {exc}").to_sse())
-            await response.write(SSE_DONE)
-        except ValueError as exc:
-            request["outcome"] = "stream_error"
-            await response.write(invalid(str(exc)).to_sse())
-            await response.write(SSE_DONE)
+            try:
+                if gen.kind == "chat":
+                    await write(sse_event(self._chat_chunk(gen, ChatDelta(role="assistant", content=""))))
+                await self._write_delta(write, gen, *first)
+                async for delta, frame in run:
+                    await self._write_delta(write, gen, delta, frame)
+                if gen.options.include_usage:
+                    await write(sse_event(self._usage_chunk(gen)))
+                await write(SSE_DONE)
+            except (Saturated, UpstreamError) as exc:
+                request["outcome"] = "stream_error"
+                code = 503 if isinstance(exc, Saturated) else 500
+                await write(OpenAIError(code, f"generation failed: {exc}").to_sse())
+                await write(SSE_DONE)
+            except ValueError as exc:
+                request["outcome"] = "stream_error"
+                await write(invalid(str(exc)).to_sse())
+                await write(SSE_DONE)
+        except _ClientTooSlow:
+            request["outcome"] = "client_too_slow"
+            self.gw.metrics.client_write_timeouts.inc()
+            log.info("request %s: the client took no data for %g s; cut off", gen.request_id,
+                     self.gw.config.client_write_timeout)
+            if request.transport is not None:
+                request.transport.abort()  # drop what is buffered for it, now
         return response
 
-    async def _write_delta(self, response: web.StreamResponse, gen: Generation, delta: str, frame: TokenFrame):
+    async def _write(self, response: web.StreamResponse, data: bytes) -> None:
+        try:
+            async with asyncio.timeout(self.gw.config.client_write_timeout):
+                await response.write(data)
+        except TimeoutError:
+            raise _ClientTooSlow() from None
+
+    async def _write_delta(self, write, gen: Generation, delta: str, frame: TokenFrame):
         if delta or gen.finish_reason is not None or frame.logprobs:
-            await response.write(sse_event(self._chunk(gen, delta, frame)))
+            await write(sse_event(self._chunk(gen, delta, frame)))
 
     # ---- response shapes -------------------------------------------------------------------
 

@@ -7,6 +7,8 @@ several gateways in one process never collide.  Names follow vLLM/Dynamo practic
     latency     pdserve_time_to_first_token_seconds, pdserve_inter_token_latency_seconds,
                 pdserve_e2e_request_latency_seconds                       (histograms, by model)
     requests    pdserve_requests_total{model,endpoint,status}, pdserve_requests_in_flight,
+                pdserve_client_write_timeouts_total, pdserve_key_limited_total{key_id},
+                pdserve_connections_refused_total,
                 pdserve_prompt_tokens_total, pdserve_generation_tokens_total
     prefix hit  pdserve_prefix_cache_hit_tokens_total / pdserve_prompt_tokens_total = hit rate
     routing     pdserve_prefill_skipped_total{reason}, pdserve_redis_unavailable_total,
@@ -64,6 +66,12 @@ class GatewayMetrics:
 
         self.prefill_skipped = Counter(
             "prefill_skipped", "Requests sent straight to the decode worker, by reason.", ["reason"], **kw)
+        self.client_write_timeouts = Counter(
+            "client_write_timeouts", "Streams cut off because the client took no data for the write timeout.", **kw)
+        self.key_limited = Counter(
+            "key_limited", "Requests refused (429) because their API key had its limit in flight.", ["key_id"], **kw)
+        self.connections_refused = Counter(
+            "connections_refused", "Client connections refused (503) at the connection cap.", **kw)
         self.decode_busy = Counter(
             "decode_busy", "Times a decode worker answered busy (it could not reserve KV blocks).", ["worker_id"],
             **kw)

@@ -30,9 +30,11 @@ from gateway.dispatch import Dispatcher
 from gateway.handlers import Generation, OpenAIHandlers
 from gateway.metrics import GatewayMetrics
 from gateway.openai_protocol import ModelCard, ModelList, OpenAIError, json_response, now
+from gateway.listener import listen
 from gateway.pool import WorkerPool
 from gateway.prompts import PromptEncoder
 from gateway.routing import Router, RoutingConfig
+from gateway.tenants import Tenant
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +58,8 @@ class Gateway:
         self.prompts = PromptEncoder(self.tokenizer, self.max_model_len, inline_chars=config.inline_tokenize_chars,
                                      threads=config.tokenizer_threads)
         self.metrics = GatewayMetrics()
+        self.api_keys = config.api_keys()
+        self.inflight_by_key: dict[str, int] = {}
         self.handlers = OpenAIHandlers(self)
         self.inflight = 0
         self.redis = None
@@ -124,17 +128,29 @@ class Gateway:
                            code="request_too_large")
 
     @contextlib.asynccontextmanager
-    async def admission(self, endpoint: str):
-        """Bound the requests in flight: beyond ``max_inflight`` the answer is 429, not a queue."""
+    async def admission(self, tenant: Tenant):
+        """Bound the requests in flight, overall (``max_inflight``) and per API key (its limit):
+        beyond either the answer is 429 + Retry-After, not a queue."""
         if self.inflight >= self.config.max_inflight:
             raise OpenAIError(429, f"Too many requests in flight ({self.inflight}); retry shortly",
                               code="rate_limit_exceeded", retry_after=1)
+        mine = self.inflight_by_key.get(tenant.key_id, 0)
+        if tenant.limit is not None and mine >= tenant.limit:
+            self.metrics.key_limited.labels(tenant.key_id).inc()
+            raise OpenAIError(429, f"This API key ({tenant.key_id}) has {mine} requests in flight, its limit; "
+                              "retry shortly", code="rate_limit_exceeded", retry_after=1)
         self.inflight += 1
+        self.inflight_by_key[tenant.key_id] = mine + 1
         self.metrics.requests_in_flight.inc()
         try:
             yield
         finally:
             self.inflight -= 1
+            left = self.inflight_by_key[tenant.key_id] - 1
+            if left:
+                self.inflight_by_key[tenant.key_id] = left
+            else:
+                del self.inflight_by_key[tenant.key_id]
             self.metrics.requests_in_flight.dec()
 
     def observe_first_frame(self, gen: Generation, frame: TokenFrame, ttft: float) -> None:
@@ -191,12 +207,11 @@ class Gateway:
 
     @web.middleware
     async def _auth(self, request: web.Request, handler):
-        key = self.config.api_key
-        if key and request.path.startswith("/v1/"):
-            given = request.headers.get("Authorization", "")
-            token = given[7:] if given.startswith("Bearer ") else ""
-            if not hmac.compare_digest(token.encode(), key.encode()):
+        if request.path.startswith("/v1/"):
+            tenant = self.api_keys.authenticate(request.headers.get("Authorization", ""))
+            if tenant is None:
                 raise OpenAIError(401, "Incorrect API key provided", code="invalid_api_key")
+            request["tenant"] = tenant
         return await handler(request)
 
     async def _models(self, _request: web.Request) -> web.Response:
@@ -275,9 +290,9 @@ async def serve(config: GatewayConfig) -> None:
     await gateway.start()
     runner = web.AppRunner(gateway.app(), handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
+    server = await listen(runner, config.host, config.port, config.max_connections,
+                          on_refused=gateway.metrics.connections_refused.inc)
+    port = server.sockets[0].getsockname()[1]
     print(f"gateway serving {gateway.model_id} at http://{config.host}:{port}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -286,6 +301,7 @@ async def serve(config: GatewayConfig) -> None:
     try:
         await stop.wait()
     finally:
+        server.close()
         await runner.cleanup()
         await gateway.stop()
 

@@ -9,13 +9,17 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
+import socket
+import time
+import urllib.error
+import urllib.request
 import uuid
 
 import aiohttp
 import openai
 import pytest
 
-from tests.cluster import running_cluster
+from tests.cluster import http_json, running_cluster
 from tests.fake_decode import FakeDecodeWorker
 
 GATEWAY_ARGS = [
@@ -252,3 +256,115 @@ def test_a_body_over_the_limit_is_refused_while_it_is_read(stack):
 
     status, payload = post_raw(stack, chunks())
     assert status == 413 and "exceeds" in payload["error"]["message"]
+
+
+# ---- slow and greedy clients (item "slow and greedy clients" of issue 8; limits of issue 9) ---
+
+KEYS = {"greedy": "sk-greedy-0123456789", "other": "sk-other-0123456789"}
+MAX_CONNECTIONS = 6
+
+
+@pytest.fixture(scope="module")
+def guarded(stack, tmp_path_factory):
+    """A second gateway on the same pools, with API keys (one limited to 2 requests in flight), a
+    short write timeout and a connection cap."""
+    keys = tmp_path_factory.mktemp("keys") / "api-keys"
+    keys.write_text(f"# test keys\n{KEYS['greedy']}:2\n\n{KEYS['other']}\n")
+    proc = stack.start_gateway("guarded", ["--api-keys-file", str(keys), "--client-write-timeout", "2",
+                                           "--max-connections", str(MAX_CONNECTIONS)])
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            http_json(f"{proc.url}/health", timeout=2)
+            break
+        except urllib.error.HTTPError:
+            break  # answering (503 while it has no decode worker)
+        except OSError:
+            assert proc.popen.poll() is None and time.monotonic() < deadline, proc.log()
+            time.sleep(0.2)
+    try:
+        yield proc.url
+    finally:
+        proc.popen.terminate()
+        proc.popen.wait(15)
+
+
+def metric(url: str, name: str) -> float:
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
+
+
+def test_a_client_that_stops_reading_is_cut_off_and_the_request_aborted(stack, guarded, fakes):
+    (flood,) = fakes("flood")
+    port = int(guarded.rsplit(":", 1)[1])
+    body = json.dumps({"model": stack.model_name, "prompt": "Hello world", "max_tokens": 1000, "stream": True})
+    request = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEYS['other']}\r\n"
+               f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}").encode()
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # reads nothing, buffers little
+        sock.connect(("127.0.0.1", port))
+        sock.sendall(request)
+        # The gateway fills what the socket holds, waits --client-write-timeout, cuts the client off
+        # and aborts the request upstream (on a real decode worker: its blocks are freed).
+        flood.wait_for(lambda: len(flood.aborts) == 1, timeout=60, what="the abort of the stalled stream")
+    assert flood.aborts == flood.generate_calls
+    assert metric(guarded, "pdserve_client_write_timeouts_total") == 1
+    assert metric(guarded, "pdserve_requests_in_flight") == 0
+
+
+def test_one_api_key_cannot_take_every_slot(stack, guarded, fakes):
+    (slow,) = fakes("trickle", trickle_s=0.5)
+
+    async def main():
+        async with aiohttp.ClientSession() as session:
+            def post(key):
+                body = {"model": stack.model_name, "prompt": "Hello world", "max_tokens": 1000, "stream": True}
+                return session.post(f"{guarded}/v1/completions", json=body,
+                                    headers={"Authorization": f"Bearer {KEYS[key]}"})
+
+            held = [await post("greedy"), await post("greedy")]  # its limit: 2 in flight
+            try:
+                assert [r.status for r in held] == [200, 200]
+                async with post("greedy") as third:
+                    assert third.status == 429 and third.headers.get("Retry-After")
+                    assert "limit" in (await third.json())["error"]["message"]
+                async with post("other") as other:  # another key is not affected
+                    assert other.status == 200
+            finally:
+                for r in held:
+                    r.close()
+            for _ in range(200):  # once its streams end, the greedy key is served again
+                async with post("greedy") as again:
+                    if again.status == 200:
+                        return
+                await asyncio.sleep(0.05)
+            raise AssertionError("the greedy key stayed limited after its streams ended")
+
+    asyncio.run(main())
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{guarded}/v1", api_key="sk-unknown", max_retries=0).models.list()
+
+
+def test_connections_beyond_the_cap_get_503(stack, guarded):
+    port = int(guarded.rsplit(":", 1)[1])
+    idle = []
+    try:
+        for _ in range(MAX_CONNECTIONS):  # open and say nothing
+            idle.append(socket.create_connection(("127.0.0.1", port)))
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(f"{guarded}/health", timeout=10)
+        assert info.value.code == 503 and info.value.headers["Retry-After"]
+        assert json.loads(info.value.read())["error"]["code"] == "too_many_connections"
+    finally:
+        for sock in idle:
+            sock.close()
+    deadline = time.monotonic() + 30
+    while True:  # closed connections free their places
+        try:
+            http_json(f"{guarded}/health", timeout=5)
+            return
+        except urllib.error.HTTPError as exc:
+            if exc.code != 503 or "too_many_connections" not in exc.read().decode():
+                return  # answered by the gateway itself (e.g. no decode worker)
+        assert time.monotonic() < deadline, "connections stayed refused after the idle ones closed"
+        time.sleep(0.1)

@@ -147,12 +147,17 @@ class LocalStack:
                  + [(f"b{i}", "both") for i in range(self.both)])
         for name, role in names:
             self.start_worker(name, role)
-        port = self.gateway_port or free_port()
-        self._spawn("gateway", "gateway", [
-            "--model", self.checkpoint, "--port", str(port), "--redis-url", self.redis_url,
-            "--key-prefix", self.key_prefix, "--routing-policy", self.policy, *self.gateway_args], port)
+        self.start_gateway()
         self.wait_for_workers(self.prefill, self.decode, self.both, timeout)
         return self
+
+    def start_gateway(self, name: str = "gateway", extra_args: list[str] | None = None) -> Proc:
+        """A gateway on this stack (``start()`` runs "gateway"; tests may add others, with ``extra_args``)."""
+        port = (self.gateway_port if name == "gateway" else None) or free_port()
+        return self._spawn(name, "gateway", [
+            "--model", self.checkpoint, "--port", str(port), "--redis-url", self.redis_url,
+            "--key-prefix", self.key_prefix, "--routing-policy", self.policy, *self.gateway_args,
+            *(extra_args or [])], port)
 
     def wait_for_workers(self, prefill: int, decode: int, both: int = 0, timeout: float = 60) -> dict:
         """Poll the gateway's /health until it routes to exactly this many active workers."""

@@ -1,0 +1,94 @@
+"""Who is calling: API keys, each with an optional limit on its requests in flight.
+
+Keys come from ``--api-key`` (one key) and/or ``--api-keys-file``: one key per line, optionally
+``key:limit``; blank lines and lines starting with ``#`` are skipped::
+
+    # team-a may hold 32 requests in flight, team-b the --max-inflight-per-key default
+    sk-team-a-3c1f0e...:32
+    sk-team-b-9ab2d4...
+
+A presented key is looked up by its SHA-256 (no per-key string comparison, no timing signal about
+how much of a key matched).  A key is named in logs and metrics by ``key_id``, a prefix of that
+hash, never by the key itself.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Tenant:
+    """One API key's identity and limits.  ``limit``: requests in flight (None: only the global one)."""
+
+    key_id: str
+    limit: int | None = None
+
+
+ANONYMOUS = Tenant("anonymous")  # no API keys configured: everyone is the same caller
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()
+
+
+def key_id(key: str) -> str:
+    return "key-" + _digest(key).hex()[:12]
+
+
+def parse_keys_file(text: str, source: str = "api keys file") -> dict[str, int | None]:
+    """``{key: limit or None}``; raises ValueError naming the line of a malformed entry."""
+    keys: dict[str, int | None] = {}
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        key, limit = line, None
+        head, sep, tail = line.rpartition(":")
+        if sep and tail.isdigit():
+            key, limit = head, int(tail)
+            if limit < 1:
+                raise ValueError(f"{source} line {number}: a key's limit must be >= 1, got {limit}")
+        if not key or any(c.isspace() for c in key):
+            raise ValueError(f"{source} line {number}: expected 'key' or 'key:limit' (no spaces in a key)")
+        if key in keys:
+            raise ValueError(f"{source} line {number}: key {key_id(key)} is listed twice")
+        keys[key] = limit
+    return keys
+
+
+class ApiKeys:
+    """The keys a gateway accepts.  With none configured, every caller is ``ANONYMOUS``."""
+
+    def __init__(self, keys: dict[str, int | None], default_limit: int | None = None):
+        self._tenants = {_digest(k): Tenant(key_id(k), limit if limit is not None else default_limit)
+                         for k, limit in keys.items()}
+
+    @classmethod
+    def from_config(cls, api_key: str | None, api_keys_file: str | None,
+                    max_inflight_per_key: int = 0) -> "ApiKeys":
+        keys: dict[str, int | None] = {}
+        if api_keys_file:
+            path = Path(api_keys_file)
+            try:
+                text = path.read_text()
+            except OSError as exc:
+                raise ValueError(f"cannot read the API keys file {path}: {exc.strerror}") from None
+            keys = parse_keys_file(text, str(path))
+            if not keys:
+                raise ValueError(f"the API keys file {path} lists no key")
+        if api_key:
+            keys.setdefault(api_key, None)
+        return cls(keys, max_inflight_per_key or None)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._tenants)
+
+    def authenticate(self, authorization: str) -> Tenant | None:
+        """The tenant for an ``Authorization`` header value, or None if it names no known key."""
+        if not self.enabled:
+            return ANONYMOUS
+        token = authorization[7:] if authorization.startswith("Bearer ") else ""
+        return self._tenants.get(_digest(token)) if token else None
