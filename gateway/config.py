@@ -78,6 +78,8 @@ class GatewayConfig:
     queue_timeout: float = 10.0  # how long one is held; then 503 + Retry-After
     client_read_timeout: float = 30.0  # a request body must arrive within this; then 408
     client_write_timeout: float = 30.0  # a stream whose client takes no bytes for this long is cut off
+    prefix_lookup_timeout: float = 0.5  # the most one Redis prefix lookup may cost a request
+    redis_retry_interval: float = 2.0  # while Redis fails, prefix lookups skip it and probe this often
     inline_tokenize_chars: int = 4096  # longer inputs are tokenized in a thread, off the event loop
     tokenizer_threads: int = 2
 
@@ -92,7 +94,8 @@ class GatewayConfig:
                 raise bad(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.skip_prefill_below_tokens < 0:
             raise bad(f"skip_prefill_below_tokens must be >= 0, got {self.skip_prefill_below_tokens}")
-        for name in ("bench_time", "queue_timeout", "client_read_timeout", "client_write_timeout"):
+        for name in ("bench_time", "queue_timeout", "client_read_timeout", "client_write_timeout",
+                     "prefix_lookup_timeout", "redis_retry_interval"):
             if not getattr(self, name) > 0:
                 raise bad(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("queue_size", "inline_tokenize_chars", "max_inflight_per_key"):
@@ -186,6 +189,10 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     add("--client-read-timeout", 30.0, float, help="seconds for a request body to arrive; then 408")
     add("--client-write-timeout", 30.0, float, help="a stream whose client takes no data for this long is cut "
                                                     "off (its slot and KV blocks are freed)")
+    add("--prefix-lookup-timeout", 0.5, float, help="seconds one Redis prefix lookup may take (then: route by "
+                                                    "load)")
+    add("--redis-retry-interval", 2.0, float, help="after a failed prefix lookup, lookups skip Redis and probe it "
+                                                   "this often until it answers")
     add("--inline-tokenize-chars", 4096, int, help="longer inputs are tokenized in a thread, off the event loop")
     add("--tokenizer-threads", 2, int, help="threads for tokenizing long inputs and applying chat templates")
     add("--log-level", "INFO")
@@ -210,5 +217,6 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = N
                                   control=args.control_timeout),
         bench_time=args.bench_time, queue_size=args.queue_size, queue_timeout=args.queue_timeout,
         client_read_timeout=args.client_read_timeout, inline_tokenize_chars=args.inline_tokenize_chars,
+        prefix_lookup_timeout=args.prefix_lookup_timeout, redis_retry_interval=args.redis_retry_interval,
         tokenizer_threads=args.tokenizer_threads,
     )

@@ -76,8 +76,9 @@ class Gateway:
         self.pool = WorkerPool(registry, self.model_id, bench_s=self.config.bench_time,
                                on_redis_error=self.metrics.redis_unavailable.inc)
         await self.pool.start()
-        self.prefix_index = prefix_index = PrefixIndexReader(self.redis, key_prefix=self.config.key_prefix,
-                                         on_unavailable=self.metrics.redis_unavailable.inc)
+        self.prefix_index = prefix_index = PrefixIndexReader(
+            self.redis, key_prefix=self.config.key_prefix, timeout_s=self.config.prefix_lookup_timeout,
+            retry_interval_s=self.config.redis_retry_interval, on_unavailable=self.metrics.redis_unavailable.inc)
         self.session, self.control_session = self._client_sessions()
         router = Router(RoutingConfig(policy=self.config.routing_policy,
                                       skip_prefill_below_tokens=self.config.skip_prefill_below_tokens))

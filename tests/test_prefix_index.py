@@ -168,7 +168,9 @@ async def test_redis_crash_degrades_then_refills(private_redis):
     outages = []
     h = prompt_hashes(8)
     pub = PrefixIndexPublisher(client, model=MODEL, worker_id="p0", key_prefix="pdtest-crash")
-    reader = PrefixIndexReader(client, key_prefix="pdtest-crash", on_unavailable=lambda: outages.append(1))
+    now = [0.0]
+    reader = PrefixIndexReader(client, key_prefix="pdtest-crash", on_unavailable=lambda: outages.append(1),
+                               clock=lambda: now[0])
     try:
         pub.publish(h[:4])
         assert await pub.flush()
@@ -186,6 +188,7 @@ async def test_redis_crash_degrades_then_refills(private_redis):
         assert not reader.available and reader.unavailable_total == 1 and outages == [1]
 
         private_redis.start()  # same port, all data lost
+        now[0] += reader.retry_interval_s  # the next lookup probes Redis again
         assert await reader.longest_prefix(MODEL, h, ["p0"]) == {"p0": 0}
         assert reader.available
         assert await pub.flush()  # resync: the whole cached set, including what Redis missed
@@ -217,18 +220,40 @@ async def test_silent_restart_is_detected_by_the_next_flush(private_redis):
         await client.aclose()
 
 
-async def test_unresponsive_redis_times_out_to_empty(private_redis):
-    client = connect(private_redis.url, timeout_s=5.0)
-    reader = PrefixIndexReader(client, key_prefix="pdtest-hang", timeout_s=0.2)
+async def test_unresponsive_redis_costs_one_timeout_then_is_skipped_until_it_answers(private_redis):
+    # A Redis that accepts and never answers (SIGSTOP).  The lookup timeout is generous while Redis
+    # is healthy and short while it is stopped: only its cost changes, not what the test checks.
+    client = connect(private_redis.url, timeout_s=60.0)
+    now = [0.0]
+    reader = PrefixIndexReader(client, key_prefix="pdtest-hang", timeout_s=30.0, retry_interval_s=5.0,
+                               clock=lambda: now[0])
     h = prompt_hashes(2)
     try:
         assert await reader.longest_prefix(MODEL, h, ["p0"]) == {"p0": 0}
-        os.kill(private_redis.proc.pid, signal.SIGSTOP)  # accepts nothing, answers nothing
+        os.kill(private_redis.proc.pid, signal.SIGSTOP)
         try:
-            assert await reader.longest_prefix(MODEL, h, ["p0"]) == {}
-            assert not reader.available
+            reader.timeout_s = 0.5
+            assert await reader.longest_prefix(MODEL, h, ["p0"]) == {}  # one bounded timeout
+            assert not reader.available and reader.unavailable_total == 1
+            # The breaker is open: lookups skip Redis at once, none waits for it.
+            for _ in range(5):
+                assert await reader.longest_prefix(MODEL, h, ["p0"]) == {}
+            assert reader.skipped_total == 5 and reader.unavailable_total == 1
+            # After the retry interval one lookup probes (and times out); lookups meanwhile skip.
+            now[0] += 5.0
+            probe = asyncio.create_task(reader.longest_prefix(MODEL, h, ["p0"]))
+            await asyncio.sleep(0)
+            assert await reader.longest_prefix(MODEL, h, ["p0"]) == {} and reader.skipped_total == 6
+            assert await probe == {} and reader.unavailable_total == 2
+            assert await reader.longest_prefix(MODEL, h, ["p0"]) == {} and reader.skipped_total == 7
         finally:
             os.kill(private_redis.proc.pid, signal.SIGCONT)
+        reader.timeout_s = 30.0
+        # Redis answers again: the next probe closes the breaker.
+        assert await reader.longest_prefix(MODEL, h, ["p0"]) == {}  # still inside the interval
+        now[0] += 5.0
+        assert await reader.longest_prefix(MODEL, h, ["p0"]) == {"p0": 0}
+        assert reader.available
         assert await reader.longest_prefix(MODEL, h, ["p0"]) == {"p0": 0}
     finally:
         await client.aclose()

@@ -18,6 +18,11 @@ a last flush could re-create the set after the registry deleted it.
 
 Gateway side, ``PrefixIndexReader.longest_prefix``: one pipelined round trip of SMISMEMBER per
 worker.  The index is a hint: if Redis is unreachable it returns ``{}`` and routing falls back to load.
+A lookup costs at most ``timeout_s``; after a failure a circuit breaker skips Redis (``{}`` at once)
+and lets one lookup through every ``retry_interval_s`` to probe it, until one succeeds::
+
+    closed --lookup fails or times out--> open: skip --retry_interval_s--> one probe --ok--> closed
+                                                ^------------------------------ fails --'
 """
 from __future__ import annotations
 
@@ -266,7 +271,8 @@ class PrefixIndexReader:
 
     Never raises for Redis trouble: an unreachable or slow Redis (``timeout_s``) yields ``{}``,
     sets ``available`` to False, bumps ``unavailable_total`` and calls ``on_unavailable`` (e.g. a
-    metrics counter).
+    metrics counter).  While unavailable, lookups skip Redis (``skipped_total``) except one probe
+    per ``retry_interval_s`` (see the module docstring).  ``clock`` is for tests.
     """
 
     def __init__(
@@ -275,17 +281,26 @@ class PrefixIndexReader:
         *,
         key_prefix: str = "pdserve",
         timeout_s: float = 0.5,
+        retry_interval_s: float = 2.0,
         on_unavailable: Callable[[], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if retry_interval_s <= 0:
+            raise ValueError(f"retry_interval_s must be > 0, got {retry_interval_s}")
         RedisKeys(key_prefix, "probe")  # validate the prefix up front
         self.client = client
         self.key_prefix = key_prefix
         self.timeout_s = timeout_s
+        self.retry_interval_s = retry_interval_s
         self.on_unavailable = on_unavailable
+        self.clock = clock
         self.available = True
         self.unavailable_total = 0
+        self.skipped_total = 0
+        self._retry_at = 0.0  # while unavailable: no lookup reaches Redis before this
+        self._probing = False
 
     async def longest_prefix(
         self, model: str, hashes: Sequence[bytes], worker_ids: Iterable[str]
@@ -293,7 +308,8 @@ class PrefixIndexReader:
         """``{worker_id: number of leading hashes cached}`` for every worker asked (0 if none).
 
         ``hashes`` are the prompt's chained block hashes in order; a worker's count stops at the
-        first hash it lacks, because later blocks are useless without the earlier ones.
+        first hash it lacks, because later blocks are useless without the earlier ones.  ``{}``
+        when Redis fails, times out, or is being skipped.
         """
         keys = RedisKeys(self.key_prefix, model)
         worker_ids = list(dict.fromkeys(worker_ids))
@@ -303,6 +319,11 @@ class PrefixIndexReader:
             return {}
         if not hashes:
             return dict.fromkeys(worker_ids, 0)
+        if not self.available:
+            if self._probing or self.clock() < self._retry_at:
+                self.skipped_total += 1
+                return {}
+            self._probing = True  # this lookup probes; the others keep skipping meanwhile
         chunks = list(_chunks(hashes))
         try:
             async with self.client.pipeline(transaction=False) as pipe:
@@ -313,6 +334,10 @@ class PrefixIndexReader:
         except (asyncio.TimeoutError, *UNAVAILABLE_ERRORS) as exc:
             self._unavailable(exc)
             return {}
+        finally:
+            self._probing = False
+        if not self.available:
+            log.warning("prefix index: Redis answers again; routing by cached prefixes")
         self.available = True
         matched: dict[str, int] = {}
         per_worker = len(chunks)
@@ -326,8 +351,10 @@ class PrefixIndexReader:
 
     def _unavailable(self, exc: BaseException) -> None:
         if self.available:
-            log.warning("prefix index: Redis unreachable, routing by load only (%r)", exc)
+            log.warning("prefix index: Redis unreachable, routing by load only; probing every %g s (%r)",
+                        self.retry_interval_s, exc)
         self.available = False
+        self._retry_at = self.clock() + self.retry_interval_s
         self.unavailable_total += 1
         if self.on_unavailable is not None:
             self.on_unavailable()
