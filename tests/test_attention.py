@@ -1,11 +1,14 @@
-"""Attention backends: the torch path against a dense reference, and the flash-attn backend's
-metadata (paged and gathered) against the torch path, with a torch stand-in for the CUDA kernel."""
+"""Attention backends: the torch path against a dense reference, the flash-attn backend's paged
+metadata against the torch path (a torch stand-in for the CUDA kernel), and which backend
+``make_attention`` picks. The Triton kernel itself: tests/test_attention_triton.py."""
 import math
+import sys
+import types
 
 import pytest
 import torch
 
-from common.engine.attention import AttentionRequest, FlashAttention, TorchAttention
+from common.engine.attention import AttentionRequest, FlashAttention, TorchAttention, make_attention
 from common.engine.kv_cache import KVCache, KVLayout
 
 HEADS, KV_HEADS, DIM = 4, 2, 8
@@ -87,7 +90,7 @@ def test_torch_backend_matches_dense_attention(window):
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("block_size", [4, 256])  # gathered (small blocks) and paged (multiple of 256)
+@pytest.mark.parametrize("block_size", [256, 512])  # flash-attn 2 pages only in multiples of 256
 @pytest.mark.parametrize("window", [None, 5])
 def test_flash_backend_metadata_matches_torch_backend(block_size, window):
     cache, requests, q, k, v = scenario(block_size, num_blocks=16)
@@ -96,11 +99,50 @@ def test_flash_backend_metadata_matches_torch_backend(block_size, window):
     expected_backend = TorchAttention({window}, block_size)
     expected = expected_backend.forward(q, k, v, torch_cache, 0, expected_backend.prepare(requests, "cpu"), window,
                                         DIM**-0.5)
-    flash = FlashAttention({window}, block_size, varlen_func=varlen_reference)
-    assert flash.paged == (block_size == 256)
+    calls = []
+
+    def varlen(*args, **kwargs):
+        calls.append(kwargs)
+        return varlen_reference(*args, **kwargs)
+
+    flash = FlashAttention({window}, block_size, varlen_func=varlen)
     out = flash.forward(q, k, v, cache, 0, flash.prepare(requests, "cpu"), window, DIM**-0.5)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(cache.buffer, torch_cache.buffer)  # both wrote the same slots
+    assert calls[0]["block_table"].dtype == torch.int32  # the cache itself was read through the table
+
+
+def test_flash_refuses_block_sizes_it_cannot_page():
+    with pytest.raises(ValueError, match="multiple of 256"):
+        FlashAttention({None}, 16, varlen_func=varlen_reference)
+
+
+@pytest.fixture
+def fake_flash_attn(monkeypatch):
+    """Pretend flash-attn is installed (its varlen function is the torch stand-in above)."""
+    module = types.ModuleType("flash_attn")
+    module.flash_attn_varlen_func = varlen_reference
+    monkeypatch.setitem(sys.modules, "flash_attn", module)
+
+
+@pytest.mark.parametrize("block_size, expected", [(16, "triton"), (24, "triton"), (256, "flash"), (512, "flash")])
+def test_auto_backend_on_cuda_is_flash_where_it_pages_else_triton(fake_flash_attn, block_size, expected):
+    backend = make_attention("auto", torch.device("cuda"), {None}, block_size)
+    assert backend.name == expected
+
+
+def test_auto_backend_on_cuda_without_flash_attn_is_triton(monkeypatch):
+    monkeypatch.setitem(sys.modules, "flash_attn", None)  # import fails
+    assert make_attention("auto", torch.device("cuda"), {None}, 256).name == "triton"
+    assert make_attention("auto", torch.device("cpu"), {None}, 256).name == "torch"
+
+
+def test_explicit_backends_that_cannot_run_say_why(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="triton"):
+        make_attention("triton", torch.device("cpu"), {None}, 16)
+    with pytest.raises(ValueError, match="CUDA"):
+        make_attention("flash", torch.device("cpu"), {None}, 256)
 
 
 def test_decodes_of_very_different_lengths_are_bucketed_and_still_exact():

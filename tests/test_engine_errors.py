@@ -3,7 +3,7 @@ import pytest
 
 from common.engine.config import EngineConfig
 from common.engine.engine import Engine
-from tests.checkpoints import tiny_llama_config, write_checkpoint
+from tests.checkpoints import tiny_gemma3_config, tiny_llama_config, write_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +82,12 @@ def test_unsupported_architecture(tmp_path):
     directory.mkdir()
     GPT2Config(n_layer=1, n_embd=32, n_head=2).save_pretrained(directory)
     with pytest.raises(ValueError, match="unsupported model_type 'gpt2'"):
+        Engine(EngineConfig(model=str(directory), num_blocks=4))
+
+
+def test_attention_softcapping_is_refused_not_ignored(tmp_path):
+    directory = write_checkpoint(tiny_gemma3_config(attn_logit_softcapping=50.0), tmp_path / "g")
+    with pytest.raises(ValueError, match="attn_logit_softcapping=50.0"):
         Engine(EngineConfig(model=str(directory), num_blocks=4))
 
 

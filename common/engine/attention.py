@@ -1,4 +1,5 @@
-"""Paged attention over the block-major KV cache: a pure-torch path (CPU) and flash-attn (CUDA).
+"""Paged attention over the block-major KV cache: a pure-torch path (CPU), flash-attn and Triton
+(CUDA; the Triton kernel lives in ``common.engine.attention_triton``).
 
 Both backends see the same packed batch: the new tokens of every scheduled request laid end to
 end, no padding between requests::
@@ -12,6 +13,8 @@ sliding-window layers).
 """
 from __future__ import annotations
 
+import itertools
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -140,79 +143,126 @@ class TorchAttention:
         return out
 
 
-class FlashAttention:
-    """flash-attn varlen on CUDA.
+FLASH_PAGED_BLOCK_MULTIPLE = 256  # flash-attn 2 reads a paged cache only in blocks of a multiple of this
 
-    flash-attn 2 reads a paged cache directly only when the block size is a multiple of 256; for
-    smaller blocks the step's context is gathered into a packed varlen buffer first.
+
+class FlashAttention:
+    """flash-attn 2's varlen kernel reading the paged cache through the block table (no copies).
+
+    flash-attn 2 takes a block table only when the block size is a multiple of 256
+    (``FLASH_PAGED_BLOCK_MULTIPLE``); ``make_attention`` picks the Triton backend for any other
+    block size.
     """
 
     name = "flash"
 
     def __init__(self, windows: set[int | None], block_size: int, varlen_func=None):
+        if block_size % FLASH_PAGED_BLOCK_MULTIPLE:
+            raise ValueError(f"flash-attn reads a paged cache only with a block size that is a multiple of "
+                             f"{FLASH_PAGED_BLOCK_MULTIPLE}, got {block_size}; use the triton backend")
         if varlen_func is None:
             from flash_attn import flash_attn_varlen_func as varlen_func
         self.varlen = varlen_func
         self.block_size = block_size
-        self.paged = block_size % 256 == 0
 
-    def prepare(self, requests: list[AttentionRequest], device) -> AttentionMetadata:
-        bs = self.block_size
-        slot_blocks, slot_offsets = _slot_tensors(requests, bs, device)
-        query_lens = [r.num_query_tokens for r in requests]
-        context_lens = [r.context_len for r in requests]
-        cu_q = torch.tensor([0] + query_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)
-        cu_k = torch.tensor([0] + context_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)
-        extra = {"cu_q": cu_q, "cu_k": cu_k, "max_q": max(query_lens), "max_k": max(context_lens)}
-        if self.paged:
-            max_blocks = max(len(r.block_ids) for r in requests)
-            table = torch.zeros((len(requests), max_blocks), dtype=torch.int32)
-            for i, r in enumerate(requests):
-                table[i, : len(r.block_ids)] = torch.tensor(r.block_ids, dtype=torch.int32)
-            extra["block_table"] = table.to(device)
-        else:
-            gather_blocks, gather_offsets = [], []
-            for r in requests:
-                for pos in range(r.context_len):
-                    gather_blocks.append(r.block_ids[pos // bs])
-                    gather_offsets.append(pos % bs)
-            extra["gather"] = (
-                torch.tensor(gather_blocks, dtype=torch.long, device=device),
-                torch.tensor(gather_offsets, dtype=torch.long, device=device),
-            )
-        return AttentionMetadata(slot_blocks, slot_offsets, extra)
+    def prepare(self, requests: list[AttentionRequest], device) -> "FlashMetadata":
+        paged = PagedMetadata.build(requests, self.block_size, device)
+        cu_k = F.pad(paged.seq_lens.cumsum(0, dtype=torch.int32), (1, 0))
+        return FlashMetadata(paged, cu_k, paged.slots // self.block_size, paged.slots % self.block_size)
 
-    def forward(self, q, k, v, cache: KVCache, layer: int, meta: AttentionMetadata, window, scale) -> torch.Tensor:
+    def forward(self, q, k, v, cache: KVCache, layer: int, meta: "FlashMetadata", window, scale) -> torch.Tensor:
         key_cache, value_cache = cache.key(layer), cache.value(layer)
         key_cache[meta.slot_blocks, meta.slot_offsets] = k
         value_cache[meta.slot_blocks, meta.slot_offsets] = v
-        x = meta.extra
+        paged = meta.paged
         window_size = (-1, -1) if window is None else (window - 1, 0)
-        if self.paged:
-            keys, values, block_table = key_cache, value_cache, x["block_table"]
-        else:
-            blocks, offsets = x["gather"]
-            keys, values, block_table = key_cache[blocks, offsets], value_cache[blocks, offsets], None
-        kwargs = {"block_table": block_table} if block_table is not None else {}
         return self.varlen(
-            q, keys, values, x["cu_q"], x["cu_k"], x["max_q"], x["max_k"],
-            softmax_scale=scale, causal=True, window_size=window_size, **kwargs,
+            q, key_cache, value_cache, paged.query_start, meta.cu_seq_lens, paged.max_query_len, paged.max_seq_len,
+            softmax_scale=scale, causal=True, window_size=window_size, block_table=paged.block_table,
         )
 
 
+@dataclass
+class PagedMetadata:
+    """One step's metadata for the kernels that read the paged cache in place (Triton, flash-attn)::
+
+        block_table  int32 [num_seqs, max_blocks]  each request's block ids, zero-padded
+        seq_lens     int32 [num_seqs]              keys per request after this step
+        query_start  int32 [num_seqs + 1]          where each request's tokens start in the batch
+        slots        int64 [num_tokens]            block_id * block_size + offset of each new token
+    """
+
+    slots: torch.Tensor
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+
+    @classmethod
+    def build(cls, requests: list[AttentionRequest], block_size: int, device) -> "PagedMetadata":
+        max_blocks = max(len(r.block_ids) for r in requests)
+        table = [r.block_ids + [0] * (max_blocks - len(r.block_ids)) for r in requests]
+        slots = [
+            r.block_ids[pos // block_size] * block_size + pos % block_size
+            for r in requests
+            for pos in range(r.context_len - r.num_query_tokens, r.context_len)
+        ]
+        query_lens = [r.num_query_tokens for r in requests]
+        seq_lens = [r.context_len for r in requests]
+        return cls(
+            slots=torch.tensor(slots, dtype=torch.long, device=device),
+            block_table=torch.tensor(table, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            query_start=torch.tensor(list(itertools.accumulate(query_lens, initial=0)), dtype=torch.int32,
+                                     device=device),
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+        )
+
+
+@dataclass
+class FlashMetadata:
+    paged: PagedMetadata
+    cu_seq_lens: torch.Tensor  # int32 [num_seqs + 1], cumulative keys (flash-attn's cu_seqlens_k)
+    slot_blocks: torch.Tensor
+    slot_offsets: torch.Tensor
+
+
+def triton_available(device: torch.device) -> bool:
+    """Triton runs on CUDA, or anywhere under its CPU interpreter (``TRITON_INTERPRET=1``, tests)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def make_attention(backend: str, device: torch.device, windows: set[int | None], block_size: int):
-    """``auto`` picks flash-attn on CUDA when it is installed, the torch path otherwise."""
+    """``auto``: on CUDA flash-attn when it is installed and the block size suits its paged KV,
+    else Triton; on CPU the torch path."""
+    device = torch.device(device)
     if backend == "auto":
         backend = "torch"
         if device.type == "cuda":
-            try:
-                import flash_attn  # noqa: F401
-
-                backend = "flash"
-            except ImportError:
-                pass
+            backend = "flash" if _flash_attn_installed() and block_size % FLASH_PAGED_BLOCK_MULTIPLE == 0 else "triton"
     if backend == "flash":
         if device.type != "cuda":
             raise ValueError("attention_backend 'flash' needs a CUDA device")
         return FlashAttention(windows, block_size)
+    if backend == "triton":
+        if not triton_available(device):
+            raise ValueError("attention_backend 'triton' needs the triton package and a CUDA device "
+                             "(or TRITON_INTERPRET=1, Triton's CPU interpreter, for tests)")
+        from common.engine.attention_triton import TritonAttention
+
+        return TritonAttention(windows, block_size)
     return TorchAttention(windows, block_size)
+
+
+def _flash_attn_installed() -> bool:
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True

@@ -56,6 +56,9 @@ class ModelConfig:
                 f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
         qkv_bias, o_bias, qk_norm, sandwich = _ARCHITECTURES[model_type]
+        if getattr(hf, "attn_logit_softcapping", None):  # Gemma 3 checkpoints leave it unset
+            raise ValueError(f"attention logit softcapping (attn_logit_softcapping={hf.attn_logit_softcapping}) "
+                             "is not supported by the attention backends")
         if model_type in ("llama", "mistral"):
             qkv_bias = o_bias = bool(getattr(hf, "attention_bias", False))
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
