@@ -219,13 +219,31 @@ class Gateway:
         return json_response(ModelList([ModelCard(self.model_id, now(), max_model_len=self.max_model_len)]))
 
     async def _health(self, _request: web.Request) -> web.Response:
-        workers = self.pool.workers
-        active = [w for w in workers if w.state == "active"]
+        """Healthy workers per pool.  503 when no decode-capable worker is healthy (nothing can
+        generate); an empty prefill pool is "degraded" (decode workers compute prompts themselves).
+        ``workers`` counts the active registry entries by role (what ``pdctl`` and the launcher read);
+        ``pools`` the workers routing would use now (active and not benched after a failure)."""
+        active = [w for w in self.pool.workers if w.state == "active"]
+        routable = {w.worker_id for w in self.pool.routable()}
+        pools = {}
+        for pool, roles in (("decode", ("decode", "both")), ("prefill", ("prefill", "both"))):
+            members = [w for w in active if w.role in roles]
+            healthy = sum(1 for w in members if w.worker_id in routable)
+            pools[pool] = {"healthy": healthy, "benched": len(members) - healthy}
+        problems = []
+        if not pools["decode"]["healthy"]:
+            problems.append("no healthy decode worker: generation requests wait for one, then get 503")
+        if not pools["prefill"]["healthy"]:
+            problems.append("no healthy prefill worker: decode workers compute prompts themselves "
+                            "(serving goes on, with slower time to first token)")
+        status = "unavailable" if not pools["decode"]["healthy"] else "degraded" if problems else "ok"
         return web.json_response({
+            "status": status, "model": self.model_id,
             # Redis as last seen by either the registry refresh or a prefix lookup.
-            "status": "ok", "model": self.model_id, "redis": self.pool.redis_ok and self.prefix_index.available,
-            "workers": {role: sum(1 for w in active if w.role == role) for role in ("prefill", "decode", "both")},
-        })
+            "redis": self.pool.redis_ok and self.prefix_index.available,
+            "workers": {role: sum(1 for w in active if w.role == role) for role in ROLES},
+            "pools": pools, "problems": problems,
+        }, status=503 if status == "unavailable" else 200)
 
     async def _metrics(self, _request: web.Request) -> web.Response:
         self.metrics.observe_workers(self.pool.workers)

@@ -36,12 +36,13 @@ TOKEN_ID = 300  # any id inside the tiny test vocabulary
 class FakeDecodeWorker:
     def __init__(self, redis_url: str, key_prefix: str, model: str, worker_id: str, behaviour: str = "stream",
                  *, max_num_seqs: int = 64, flood_tokens: int = 512, trickle_s: float = 0.25,
-                 token_id: int = TOKEN_ID, cluster_secret: str | None = None) -> None:
+                 token_id: int = TOKEN_ID, cluster_secret: str | None = None, role: str = "decode") -> None:
         self.redis_url = redis_url
         self.key_prefix = key_prefix
         self.model = model
         self.worker_id = worker_id
         self.behaviour = behaviour
+        self.role = role  # "both" also makes it count as a prefill-capable worker
         self.max_num_seqs = max_num_seqs
         self.flood_tokens = flood_tokens
         self.trickle_s = trickle_s
@@ -103,7 +104,7 @@ class FakeDecodeWorker:
 
     def info(self) -> WorkerInfo:
         return WorkerInfo(
-            worker_id=self.worker_id, role="decode", model=self.model, http_address=self.url,
+            worker_id=self.worker_id, role=self.role, model=self.model, http_address=self.url,
             kv_address=KVAddress(transport="tcp", host="127.0.0.1", port=1),
             capacity=Capacity(num_kv_blocks=1024, block_size=4, max_num_seqs=self.max_num_seqs),
             state="active", load=Load(num_running=self.open_streams),

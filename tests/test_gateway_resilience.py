@@ -19,6 +19,7 @@ import aiohttp
 import openai
 import pytest
 
+from common.cluster.launcher import gateway_health
 from tests.cluster import http_json, running_cluster
 from tests.fake_decode import FakeDecodeWorker
 
@@ -88,10 +89,11 @@ def test_hung_decode_worker_is_benched_and_the_request_retried(stack, fakes):
     assert response.choices[0].finish_reason == "length" and response.usage.completion_tokens == 4
     assert len(hung.generate_calls) == 1 and len(healthy.generate_calls) == 1
     hung.wait_for(lambda: hung.open_streams == 0, what="the gateway to drop the hung call")
-    # Benched: the next requests go straight to the healthy worker.
+    # Benched: the next requests go straight to the healthy worker, and /health says so.
     for _ in range(3):
         complete(stack)
     assert len(hung.generate_calls) == 1 and len(healthy.generate_calls) == 4
+    assert gateway_health(stack.gateway_url)["pools"]["decode"] == {"healthy": 1, "benched": 1}
 
 
 def test_worker_that_stops_mid_stream_ends_the_stream_with_an_error(stack, fakes):
@@ -368,3 +370,36 @@ def test_connections_beyond_the_cap_get_503(stack, guarded):
                 return  # answered by the gateway itself (e.g. no decode worker)
         assert time.monotonic() < deadline, "connections stayed refused after the idle ones closed"
         time.sleep(0.1)
+
+
+# ---- /health per pool (issue 8) ----------------------------------------------------------------
+
+
+def test_health_reports_each_pool_and_is_503_without_a_decode_worker(stack):
+    def health():
+        try:
+            return 200, http_json(f"{stack.gateway_url}/health")
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read())
+
+    code, body = health()
+    assert code == 503 and body["status"] == "unavailable"
+    assert body["workers"] == {"prefill": 0, "decode": 0, "both": 0} and body["model"] == stack.model_name
+    assert body["pools"]["decode"] == {"healthy": 0, "benched": 0} and "redis" in body
+    assert any("no healthy decode worker" in p for p in body["problems"])
+    with FakeDecodeWorker(stack.redis_url, stack.key_prefix, stack.model_name, f"{uuid.uuid4().hex[:6]}-d",
+                          "stream", cluster_secret=stack.cluster_secret) as decode_only:
+        stack.wait_for_workers(0, 1)
+        code, body = health()
+        # No prefill worker: decode workers compute prompts themselves -- degraded, not down.
+        assert code == 200 and body["status"] == "degraded"
+        assert any("compute prompts themselves" in p for p in body["problems"])
+        assert complete(stack).choices[0].finish_reason == "length"
+        with FakeDecodeWorker(stack.redis_url, stack.key_prefix, stack.model_name, f"{uuid.uuid4().hex[:6]}-b",
+                              "stream", cluster_secret=stack.cluster_secret, role="both"):
+            stack.wait_for_workers(0, 1, 1)
+            code, body = health()
+            assert code == 200 and body["status"] == "ok" and body["problems"] == []
+            assert body["pools"] == {"decode": {"healthy": 2, "benched": 0}, "prefill": {"healthy": 1, "benched": 0}}
+        assert decode_only.generate_calls
+    stack.wait_for_workers(0, 0)

@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +38,16 @@ def http_json(url: str, method: str = "GET", body: bytes | None = None, headers:
     req = urllib.request.Request(url, data=body, method=method, headers=headers or {})
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         return json.loads(resp.read())
+
+
+def gateway_health(url: str, timeout: float = 2) -> dict:
+    """The gateway's /health body, whether it answers 200 (ok, degraded) or 503 (a pool it needs is empty)."""
+    try:
+        return http_json(f"{url}/health", timeout=timeout)
+    except urllib.error.HTTPError as exc:
+        if exc.code != 503:
+            raise
+        return json.loads(exc.read())
 
 
 @dataclass
@@ -169,10 +180,10 @@ class LocalStack:
                 if not proc.killed and not proc.alive:
                     raise RuntimeError(f"{proc.name} exited with {proc.popen.returncode}:\n{proc.log()}")
             try:
-                health = http_json(f"{self.gateway_url}/health", timeout=2)
+                health = gateway_health(self.gateway_url)
                 if health["workers"] == want:
                     return health
-            except OSError:
+            except (OSError, ValueError):
                 pass
             time.sleep(0.2)
         logs = "\n".join(f"--- {p.name}\n{p.log()}" for p in self.procs.values())
