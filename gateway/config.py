@@ -69,6 +69,7 @@ class GatewayConfig:
     max_connections: int = 2048  # open client connections; beyond: 503 and close
     max_body_bytes: int = 4 << 20
     max_model_len: int | None = None
+    chat_template: str | None = None  # a Jinja template, or a file holding one (see gateway/chat_template.py)
     # PDSERVE_CLUSTER_SECRET (or --cluster-secret-file): signs every call to a worker and verifies
     # the registry's entries; required unless the gateway listens on loopback only.  Never printed.
     cluster_secret: str | None = field(default=None, repr=False)
@@ -176,6 +177,8 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     add("--max-connections", 2048, int, help="open client connections; beyond: 503 and close")
     add("--max-body-bytes", 4 << 20, int, help="request body limit; beyond: 413")
     add("--max-model-len", None, int)
+    add("--chat-template", help="chat template for /v1/chat/completions: a file, or the Jinja template itself "
+                                "(default: the checkpoint's; for Gemma checkpoints without one, Gemma's turn format)")
     add("--upstream-connect-timeout", 5.0, float, help="seconds to connect to a worker")
     add("--upstream-response-timeout", 30.0, float, help="seconds for a decode worker to answer /generate "
                                                         "(a worker that does not is benched)")
@@ -211,6 +214,7 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = N
         max_inflight_per_key=args.max_inflight_per_key, admin_token=args.admin_token,
         max_connections=args.max_connections, client_write_timeout=args.client_write_timeout,
         max_inflight=args.max_inflight, max_body_bytes=args.max_body_bytes, max_model_len=args.max_model_len,
+        chat_template=args.chat_template,
         cluster_secret=secret,
         timeouts=UpstreamTimeouts(connect=args.upstream_connect_timeout, response=args.upstream_response_timeout,
                                   first_token=args.first_token_timeout, idle=args.upstream_idle_timeout,

@@ -93,6 +93,8 @@ class OpenAIHandlers:
             top_p=options.top_p, min_p=options.min_p, presence_penalty=options.presence_penalty,
             frequency_penalty=options.frequency_penalty, repetition_penalty=options.repetition_penalty,
             seed=options.seed, ignore_eos=options.ignore_eos, logprobs=options.logprobs,
+            # A built-in chat format's end-of-turn token ends a chat answer (unless EOS is ignored).
+            stop_token_ids=gw.chat_format.stop_token_ids if kind == "chat" and not options.ignore_eos else (),
         )
         prefix = "cmpl" if kind == "completion" else "chatcmpl"
         return Generation(new_request_id(prefix), kind, model, prompt_ids, options, params)
@@ -100,9 +102,10 @@ class OpenAIHandlers:
     def _chat_renderer(self, req):
         """A function applying the chat template and tokenizing (run inline or in a thread)."""
         tokenizer = self.gw.tokenizer
-        if not getattr(tokenizer, "chat_template", None):
-            raise invalid(f"The model '{self.gw.model_id}' has no chat template (it is a base model); "
-                          "use /v1/completions", "messages", "chat_template_missing")
+        if self.gw.chat_format.template is None:
+            raise invalid(f"The model '{self.gw.model_id}' has no chat template (it is a base model): use "
+                          "/v1/completions, or start the gateway with --chat-template", "messages",
+                          "chat_template_missing")
         messages = req.template_messages()
 
         def render() -> list[int]:

@@ -25,6 +25,7 @@ from common.cluster.prefix_index import PrefixIndexReader
 from common.cluster.redis_util import connect
 from common.cluster.registry import ROLES, WorkerRegistry
 from gateway.backpressure import WaitQueue
+from gateway.chat_template import resolve_chat_format
 from gateway.config import GatewayConfig, build_parser, config_from_args
 from gateway.dispatch import Dispatcher
 from gateway.handlers import Generation, OpenAIHandlers
@@ -55,6 +56,10 @@ class Gateway:
         self.max_model_len = min(config.max_model_len or hf.max_position_embeddings, hf.max_position_embeddings)
         self.vocab_size = hf.vocab_size
         self.tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+        self.chat_format = resolve_chat_format(self.tokenizer, hf.model_type, config.chat_template)
+        if self.chat_format.template is not None:
+            self.tokenizer.chat_template = self.chat_format.template
+        log.info("chat template: %s", self.chat_format.source)
         self.prompts = PromptEncoder(self.tokenizer, self.max_model_len, inline_chars=config.inline_tokenize_chars,
                                      threads=config.tokenizer_threads)
         self.metrics = GatewayMetrics()
@@ -305,7 +310,10 @@ def _check_role_body(body: bytes) -> None:
 
 
 async def serve(config: GatewayConfig) -> None:
-    gateway = Gateway(config)
+    try:
+        gateway = Gateway(config)
+    except ValueError as exc:  # a checkpoint or chat template that cannot serve
+        raise SystemExit(f"error: {exc}") from None
     await gateway.start()
     runner = web.AppRunner(gateway.app(), handler_cancellation=True, access_log=None)
     await runner.setup()

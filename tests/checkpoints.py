@@ -77,8 +77,8 @@ TRAINING_TEXT = [
 ]
 
 
-def write_tokenizer(directory: Path, vocab_size: int = VOCAB) -> Path:
-    """A byte-level BPE tokenizer trained on a few sentences, with a chat template.
+def write_tokenizer(directory: Path, vocab_size: int = VOCAB, chat_template: str | None = CHAT_TEMPLATE) -> Path:
+    """A byte-level BPE tokenizer trained on a few sentences, with ``chat_template`` (None: none).
 
     Ids 0, 1, 2 are <pad>, <bos>, <eos> like the tiny configs; any text encodes (byte level).
     """
@@ -92,6 +92,7 @@ def write_tokenizer(directory: Path, vocab_size: int = VOCAB) -> Path:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(TRAINING_TEXT * 20, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>")
-    fast.chat_template = CHAT_TEMPLATE
+    if chat_template is not None:
+        fast.chat_template = chat_template
     fast.save_pretrained(directory)
     return directory
