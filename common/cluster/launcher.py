@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.cluster.auth import MIN_SECRET_LEN, SECRET_ENV, ClusterAuth, generate_secret, secret_problem
+from common.cluster.flags import EnvFlags
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -340,18 +341,21 @@ def local_secret(env) -> str:
 def main() -> None:
     from common.cluster.redis_util import ensure_redis, redis_url_from_env
 
-    parser = argparse.ArgumentParser(description="Run gateway + prefill + decode workers locally (make up)")
-    parser.add_argument("--model", default=os.environ.get("PDSERVE_MODEL", "default"))
-    parser.add_argument("--port", type=int, default=int(os.environ.get("PDSERVE_GATEWAY_PORT", "8000")))
-    parser.add_argument("--prefill", type=int, default=1)
-    parser.add_argument("--decode", type=int, default=1)
-    parser.add_argument("--kv-transport", default=os.environ.get("PDSERVE_KV_TRANSPORT") or default_transport())
-    parser.add_argument("--num-blocks", default=os.environ.get("PDSERVE_NUM_BLOCKS", "2048"))
-    parser.add_argument("--key-prefix", default=os.environ.get("PDSERVE_KEY_PREFIX") or "pdserve",
-                        help="Redis key prefix of this stack's registry and prefix index")
-    parser.add_argument("--restart-backoff", type=float, default=1.0,
-                        help="seconds before a process that exited is started again (doubles while it keeps "
-                             "exiting soon after starting, up to 30 s)")
+    parser = argparse.ArgumentParser(
+        description="Run gateway + prefill + decode workers locally and keep them running (make up). "
+                    "Every flag also reads PDSERVE_<FLAG>; the processes it starts read theirs too.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    flags = EnvFlags(parser, aliases={"port": ("PDSERVE_GATEWAY_PORT",)})
+    flags.add("--model", "default")
+    flags.add("--port", 8000, int, help="the gateway's port (also PDSERVE_GATEWAY_PORT)")
+    flags.add("--prefill", 1, int, help="prefill workers")
+    flags.add("--decode", 1, int, help="decode workers")
+    flags.add("--kv-transport", default_transport(), choices=("ucx", "tcp"))
+    flags.add("--num-blocks", 2048, int, help="KV blocks per worker")
+    flags.add("--key-prefix", "pdserve", help="Redis key prefix of this stack's registry and prefix index")
+    flags.add("--restart-backoff", 1.0, float,
+              help="seconds before a process that exited is started again (doubles while it keeps exiting soon "
+                   "after starting, up to 30 s)")
     args = parser.parse_args()
 
     if args.model == "default":

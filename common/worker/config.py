@@ -1,15 +1,16 @@
-"""A worker's configuration, from command-line flags and ``PDSERVE_*`` environment variables."""
+"""A worker's configuration, from command-line flags and ``PDSERVE_<FLAG>`` environment variables."""
 from __future__ import annotations
 
 import argparse
-import os
 import socket
 import uuid
 from dataclasses import dataclass, field
+from typing import Mapping
 
 from common.cluster.auth import AuthError, ClusterAuth, configure_auth, read_secret
 from common.engine.config import EngineConfig
-from common.cluster.redis_util import redis_url_from_env
+from common.cluster.flags import EnvFlags
+from common.cluster.redis_util import DEFAULT_REDIS_URL
 from kvtransfer.config import KVTransferConfig
 
 ROLES = ("prefill", "decode", "both")
@@ -65,72 +66,72 @@ class WorkerConfig:
         return self.advertise_host or self.host
 
 
-def _env(name: str, default):
-    value = os.environ.get(f"PDSERVE_{name.upper()}")
-    if value is None or value == "":  # compose files often set a variable to nothing: "unset"
-        return default
-    return type(default)(value) if default is not None and not isinstance(default, bool) else value
+# flag dest -> older variable names still honoured
+ENV_ALIASES: dict[str, tuple[str, ...]] = {"redis_url": ("REDIS_URL",)}
 
 
-def build_parser(default_role: str, description: str) -> argparse.ArgumentParser:
-    """Flags shared by ``python -m prefill_svc`` and ``python -m decode_svc``; every flag also
-    reads ``PDSERVE_<FLAG>`` from the environment (e.g. ``PDSERVE_MODEL``, ``PDSERVE_KV_TRANSPORT``)."""
-    p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add = p.add_argument
-    add("--model", default=_env("model", "default"), help="HF checkpoint directory, .gguf file, or 'default'")
-    add("--role", default=_env("role", default_role), choices=ROLES)
-    add("--worker-id", default=_env("worker_id", None), help="unique id (default: hostname + random suffix)")
-    add("--host", default=_env("host", "127.0.0.1"), help="HTTP bind address")
-    add("--port", type=int, default=_env("port", 0), help="HTTP port (0: any free port)")
-    add("--advertise-host", default=_env("advertise_host", None), help="address other hosts use to reach this worker")
-    add("--kv-transport", default=_env("kv_transport", "ucx"), choices=("ucx", "tcp"))
-    add("--kv-host", default=_env("kv_host", None), help="KV listen address (default: --host)")
-    add("--kv-port", type=int, default=_env("kv_port", 0))
-    add("--kv-timeout", type=float, default=_env("kv_timeout", 120.0),
+def build_parser(default_role: str, description: str, env: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
+    """Flags shared by ``python -m prefill_svc`` and ``python -m decode_svc``.  Every flag also
+    reads ``PDSERVE_<FLAG>`` (e.g. ``PDSERVE_MODEL``, ``PDSERVE_KV_TRANSPORT``; ``REDIS_URL`` is an
+    alias of ``PDSERVE_REDIS_URL``); see ``common.cluster.flags``."""
+    p = argparse.ArgumentParser(description=f"{description} Every flag also reads PDSERVE_<FLAG> "
+                                            "(e.g. PDSERVE_NUM_BLOCKS).",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    flags = EnvFlags(p, env, ENV_ALIASES)
+    add = flags.add
+    add("--model", "default", help="HF checkpoint directory, .gguf file, or 'default'")
+    add("--role", default_role, choices=ROLES)
+    add("--worker-id", help="unique id (default: hostname + random suffix)")
+    add("--host", "127.0.0.1", help="HTTP bind address")
+    add("--port", 0, int, help="HTTP port (0: any free port)")
+    add("--advertise-host", help="address other hosts use to reach this worker")
+    add("--kv-transport", "ucx", choices=("ucx", "tcp"))
+    add("--kv-host", help="KV listen address (default: --host)")
+    add("--kv-port", 0, int)
+    add("--kv-timeout", 120.0, float,
         help="seconds a remote prefill may take, queueing on the prefill worker included: bounds both the "
              "/prefill call and the KV transfer (a dead peer is noticed at once through its connections; "
              "this bounds a hung one, after which the decode worker computes the prompt itself)")
-    add("--kv-connect-timeout", type=float, default=_env("kv_connect_timeout", 5.0),
-        help="seconds to connect to a peer's KV port and complete the handshake")
-    add("--kv-lease-timeout", type=float, default=_env("kv_lease_timeout", 10.0),
+    add("--kv-connect-timeout", 5.0, float, help="seconds to connect to a peer's KV port and complete the handshake")
+    add("--kv-lease-timeout", 10.0, float,
         help="seconds a prefill worker waits for the decode worker's acknowledgement of a transfer")
-    add("--kv-abort-grace", type=float, default=_env("kv_abort_grace", 5.0),
+    add("--kv-abort-grace", 5.0, float,
         help="seconds an aborted transfer's payload may keep landing (UCX) before its connection is closed")
-    add("--peer-connect-timeout", type=float, default=_env("peer_connect_timeout", 5.0),
-        help="seconds to connect to another worker's HTTP API")
-    add("--control-timeout", type=float, default=_env("control_timeout", 5.0),
-        help="seconds for a control call to another worker (abort)")
-    add("--kv-checksum", action="store_true", default=_env("kv_checksum", "") in ("1", "true"))
-    add("--redis-url", default=redis_url_from_env())
-    add("--key-prefix", default=_env("key_prefix", "pdserve"))
-    add("--heartbeat-ttl", type=float, default=_env("heartbeat_ttl", 5.0))
-    add("--admin-token", default=_env("admin_token", None), help="token for /admin (default: admin API disabled)")
-    add("--cluster-secret-file", default=_env("cluster_secret_file", None),
+    flags.add_switch("--kv-checksum", help="per-block checksums on KV transfers")
+    add("--peer-connect-timeout", 5.0, float, help="seconds to connect to another worker's HTTP API")
+    add("--control-timeout", 5.0, float, help="seconds for a control call to another worker (abort)")
+    add("--redis-url", DEFAULT_REDIS_URL)
+    add("--key-prefix", "pdserve")
+    add("--heartbeat-ttl", 5.0, float)
+    add("--admin-token", help="token for /admin (default: admin API disabled)")
+    add("--cluster-secret-file",
         help="file holding the cluster secret (default: PDSERVE_CLUSTER_SECRET); required unless --host and "
              "--kv-host are loopback addresses")
-    add("--device", default=_env("device", "auto"))
-    add("--dtype", default=_env("dtype", "auto"))
-    add("--block-size", type=int, default=_env("block_size", 16))
-    add("--num-blocks", type=int, default=_env("num_blocks", None))
-    add("--kv-memory-fraction", type=float, default=_env("kv_memory_fraction", 0.2))
-    add("--max-num-batched-tokens", type=int, default=_env("max_num_batched_tokens", 512))
-    add("--max-num-seqs", type=int, default=_env("max_num_seqs", 64))
-    add("--max-model-len", type=int, default=_env("max_model_len", None))
-    add("--model-id", default=_env("model_id", None), help="model name served to clients")
-    add("--log-level", default=_env("log_level", "INFO"))
-    add("--drain-timeout", type=float, default=_env("drain_timeout", 30.0),
-        help="on SIGTERM, seconds to let in-flight requests finish before stopping")
+    add("--device", "auto")
+    add("--dtype", "auto")
+    add("--block-size", 16, int)
+    add("--num-blocks", None, int)
+    add("--kv-memory-fraction", 0.2, float)
+    add("--max-num-batched-tokens", 512, int)
+    add("--max-num-seqs", 64, int)
+    add("--max-model-len", None, int)
+    add("--model-id", help="model name served to clients")
+    add("--log-level", "INFO")
+    add("--drain-timeout", 30.0, float, help="on SIGTERM, seconds to let in-flight requests finish before stopping")
     return p
 
 
+def env_names(parser: argparse.ArgumentParser | None = None) -> set[str]:
+    """Every environment variable the worker's flags read (for checks of deployment files)."""
+    return EnvFlags(parser or build_parser("decode", "pdserve worker"), {}, ENV_ALIASES).names()
+
+
 def config_from_args(args: argparse.Namespace) -> WorkerConfig:
-    num_blocks = int(args.num_blocks) if args.num_blocks not in (None, "") else None
-    max_model_len = int(args.max_model_len) if args.max_model_len not in (None, "") else None
     engine = EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
-        num_blocks=num_blocks, kv_memory_fraction=args.kv_memory_fraction,
+        num_blocks=args.num_blocks, kv_memory_fraction=args.kv_memory_fraction,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-        max_model_len=max_model_len, model_id=args.model_id,
+        max_model_len=args.max_model_len, model_id=args.model_id,
     )
     kv = KVTransferConfig(transport=args.kv_transport, host=args.kv_host or args.host, port=args.kv_port,
                           connect_timeout=args.kv_connect_timeout, transfer_timeout=args.kv_timeout,

@@ -38,7 +38,10 @@ async def serve(config, modules, drain_timeout: float = 30.0) -> None:
 
 def main(default_role: str, description: str, modules: list[RoleModule]) -> None:
     """Parse flags and run a worker hosting ``modules`` (the services' role modules)."""
-    args = build_parser(default_role, description).parse_args()
+    try:
+        args = build_parser(default_role, description).parse_args()
+    except ValueError as exc:  # a PDSERVE_* variable that is not valid
+        raise SystemExit(f"error: {exc}") from None
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = config_from_args(args)

@@ -1,0 +1,67 @@
+"""The worker's flags: every one also reads PDSERVE_<FLAG>, bad values are named, bounds validated."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from common.worker.config import build_parser, config_from_args, env_names
+
+
+def env_value(action: argparse.Action) -> tuple[str, object]:
+    """A value for ``action`` that differs from its default, as a string and as parsed."""
+    if isinstance(action, argparse._StoreTrueAction):
+        return "true", True
+    if action.choices:
+        choice = next(c for c in action.choices if c != action.default)
+        return choice, choice
+    if action.type is int:
+        return "7", 7
+    if action.type is float:
+        return "7.5", 7.5
+    return "value-from-env", "value-from-env"
+
+
+ACTIONS = [a for a in build_parser("decode", "test")._actions if a.dest != "help"]
+
+
+@pytest.mark.parametrize("action", ACTIONS, ids=[a.option_strings[0] for a in ACTIONS])
+def test_every_flag_reads_its_environment_variable(action):
+    raw, parsed = env_value(action)
+    name = f"PDSERVE_{action.dest.upper()}"
+    assert name in env_names()
+    args = build_parser("decode", "test", env={name: raw}).parse_args([])
+    assert getattr(args, action.dest) == parsed
+    # The command line still wins, and an empty variable means unset.
+    if not isinstance(action, argparse._StoreTrueAction):
+        default = build_parser("decode", "test", env={}).parse_args([])
+        assert getattr(build_parser("decode", "test", env={name: ""}).parse_args([]), action.dest) == \
+            getattr(default, action.dest)
+
+
+def test_flag_beats_variable_and_redis_url_alias():
+    env = {"PDSERVE_NUM_BLOCKS": "64", "REDIS_URL": "redis://alias:1"}
+    args = build_parser("decode", "test", env=env).parse_args(["--num-blocks", "32"])
+    assert args.num_blocks == 32 and args.redis_url == "redis://alias:1"
+    both = {"PDSERVE_REDIS_URL": "redis://flag-name:2", "REDIS_URL": "redis://alias:1"}
+    assert build_parser("decode", "test", env=both).parse_args([]).redis_url == "redis://flag-name:2"
+
+
+def test_bad_values_from_the_environment_are_named(capsys):
+    with pytest.raises(SystemExit):
+        build_parser("decode", "test", env={"PDSERVE_PORT": "eighty"}).parse_args([])
+    assert "--port" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="PDSERVE_KV_CHECKSUM"):
+        build_parser("decode", "test", env={"PDSERVE_KV_CHECKSUM": "maybe"})
+
+
+def test_timeouts_reach_the_config_and_are_validated():
+    args = build_parser("decode", "test", env={}).parse_args(
+        ["--kv-timeout", "9", "--kv-connect-timeout", "2", "--kv-lease-timeout", "3", "--kv-abort-grace", "4",
+         "--peer-connect-timeout", "1.5", "--control-timeout", "2.5"])
+    config = config_from_args(args)
+    assert (config.kv.transfer_timeout, config.kv.connect_timeout, config.kv.lease_timeout,
+            config.kv.abort_grace) == (9, 2, 3, 4)
+    assert (config.peer_connect_timeout_s, config.control_timeout_s) == (1.5, 2.5)
+    with pytest.raises(ValueError, match="control_timeout_s"):
+        config_from_args(build_parser("decode", "test", env={}).parse_args(["--control-timeout", "0"]))
