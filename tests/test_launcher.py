@@ -14,7 +14,7 @@ import openai
 import psutil
 import pytest
 
-from common.cluster.auth import generate_secret
+from common.cluster.auth import ClusterAuth, generate_secret
 from common.cluster.launcher import ROOT, LocalStack, Supervisor, free_port, http_json
 from common.cluster.redis_util import connect
 from common.cluster.registry import WorkerRegistry
@@ -56,11 +56,11 @@ def find_child(launcher: psutil.Process, worker_id: str) -> psutil.Process | Non
     return None
 
 
-def registered_since(redis_url: str, key_prefix: str, model: str, worker_id: str, after: float) -> bool:
+def registered_since(redis_url: str, key_prefix: str, secret: str, model: str, worker_id: str, after: float) -> bool:
     async def check():
         client = connect(redis_url)
         try:
-            info = await WorkerRegistry(client, key_prefix=key_prefix).get(model, worker_id)
+            info = await WorkerRegistry(client, key_prefix=key_prefix, auth=ClusterAuth(secret)).get(model, worker_id)
         finally:
             await client.aclose()
         return info is not None and info.started_at > after and info.state == "active"
@@ -80,8 +80,9 @@ def wait_for(predicate, what: str):
 def test_make_up_restarts_a_killed_worker_and_sigint_stops_everything(served_checkpoint, redis_url, tmp_path):
     port = free_port()
     key_prefix = f"pdtest-{uuid.uuid4().hex[:12]}"
+    secret = generate_secret()
     env = dict(os.environ, REDIS_URL=redis_url, PDSERVE_KEY_PREFIX=key_prefix, PDSERVE_HEARTBEAT_TTL="2",
-               PDSERVE_BLOCK_SIZE="4", PDSERVE_CLUSTER_SECRET=generate_secret(), OMP_NUM_THREADS="1",
+               PDSERVE_BLOCK_SIZE="4", PDSERVE_CLUSTER_SECRET=secret, OMP_NUM_THREADS="1",
                PYTHONUNBUFFERED="1")
     env.pop("PDSERVE_CLUSTER_SECRET_FILE", None)
     log_path = tmp_path / "launcher.log"
@@ -117,7 +118,7 @@ def test_make_up_restarts_a_killed_worker_and_sigint_stops_everything(served_che
                                                  max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
             assert response.choices[0].finish_reason == "length"
             served += 1
-            if registered_since(redis_url, key_prefix, model, "d0", killed_at):
+            if registered_since(redis_url, key_prefix, secret, model, "d0", killed_at):
                 break
             assert time.time() - killed_at < WAIT, f"d0 did not come back:\n{log_path.read_text()}"
         assert served >= 1

@@ -1,6 +1,7 @@
 """Failure behaviour of the served system: Redis loss, a prefill or decode worker killed."""
 from __future__ import annotations
 
+import socket
 import time
 import urllib.request
 
@@ -49,18 +50,29 @@ def metric(stack, name: str, labels: str = "") -> float:
     return total
 
 
+def kill_keeping_port(server: RedisServer) -> socket.socket:
+    """SIGKILL Redis and hold its port (bound, not listening: clients are refused, as by a dead
+    Redis) so no other process on this shared machine takes it before the restart."""
+    server.kill()
+    holder = socket.socket()
+    holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    holder.bind(("127.0.0.1", server.port))
+    return holder
+
+
 def test_redis_loss_falls_back_to_load_then_refills(stack, private_redis):
     import redis
 
     baseline = complete(stack).choices[0].text
     port = int(private_redis.url.rsplit(":", 1)[1])
-    private_redis.kill()
+    holder = kill_keeping_port(private_redis)
     # Serving goes on while Redis is down: routing on the last known pool and its load.
     for _ in range(3):
         assert complete(stack).choices[0].text == baseline
     assert metric(stack, "pdserve_redis_unavailable_total") > 0
     assert http_json(f"{stack.gateway_url}/health")["redis"] is False
     # Redis comes back empty on the same port: workers re-register and republish their caches.
+    holder.close()
     restarted = RedisServer(port=port).start()
     private_redis.proc = restarted.proc  # the module fixture stops whichever process runs now
     stack.wait_for_workers(prefill=2, decode=2, timeout=30)
