@@ -45,6 +45,36 @@ def test_supervisor_backs_off_while_a_process_keeps_exiting(tmp_path):
         stack.stop()
 
 
+def test_supervisor_gives_up_a_crash_loop_and_fails_only_without_the_gateway(tmp_path):
+    """After ``crash_loop_limit`` short runs in a row a process is not started again: a worker
+    given up leaves the stack serving, the gateway given up makes the supervisor fail (run returns)."""
+    stack = LocalStack("unused", "redis://unused", workdir=tmp_path)
+    stack._spawn("flaky", "platform", [], port=0)
+    stack._spawn("steady", "http.server", ["--bind", "127.0.0.1", "0"], port=0)
+    said: list[str] = []
+    supervisor = Supervisor(stack, min_backoff=0.01, max_backoff=0.02, crash_loop_limit=3,
+                            say=lambda msg, **_: said.append(msg))
+    try:
+        deadline = time.monotonic() + WAIT
+        while "flaky" not in supervisor.given_up:
+            assert time.monotonic() < deadline, said
+            supervisor.poll()
+            time.sleep(0.01)
+        assert supervisor.restarts["flaky"] == 2  # three runs in all
+        assert "crash loop" in said[-1] and not supervisor.failed
+        for _ in range(20):  # given up: never started again
+            supervisor.poll()
+            time.sleep(0.01)
+        assert supervisor.restarts["flaky"] == 2 and stack.procs["steady"].alive
+
+        stack._spawn("gateway", "platform", [], port=0)
+        supervisor.run(lambda: time.monotonic() > deadline, interval=0.01)  # returns once the gateway is given up
+        assert supervisor.failed and "gateway" in supervisor.given_up and "cannot serve" in said[-1]
+        assert stack.procs["steady"].alive
+    finally:
+        stack.stop()
+
+
 def find_child(launcher: psutil.Process, worker_id: str) -> psutil.Process | None:
     for child in launcher.children():
         try:
@@ -106,6 +136,7 @@ def test_make_up_restarts_a_killed_worker_and_sigint_stops_everything(served_che
 
         wait_for(serving, "the stack to serve")
         children = launcher.children()
+        gateway_pid = next(c.pid for c in children if "gateway" in c.cmdline())
         killed_at = time.time()
         find_child(launcher, "d0").kill()
 
@@ -125,6 +156,9 @@ def test_make_up_restarts_a_killed_worker_and_sigint_stops_everything(served_che
         wait_for(serving, "the restarted worker to serve")
         assert "d0 stopped (killed by SIGKILL)" in log_path.read_text()
         children = launcher.children()
+        # The gateway was never restarted: the same process served throughout.
+        assert gateway_pid in [c.pid for c in children if "gateway" in c.cmdline()]
+        assert "gateway stopped" not in log_path.read_text()
 
         popen.send_signal(signal.SIGINT)
         assert popen.wait(WAIT) == 0, log_path.read_text()

@@ -254,24 +254,40 @@ class Supervisor:
     A process that exits (killed, crashed, or a worker whose engine failed) is started again with
     the same command line after a backoff: ``min_backoff`` seconds, doubling with each exit that
     follows a short run, up to ``max_backoff``; a process that stays up ``stable_after`` seconds
-    starts from ``min_backoff`` again.  The other processes keep serving meanwhile.  Call
-    ``poll()`` periodically (``run()`` does), from the thread that owns the stack.
+    starts from ``min_backoff`` again.  The other processes keep serving meanwhile.
+
+    A crash loop ends: after ``crash_loop_limit`` short runs in a row a process is given up (named
+    in ``given_up``, not started again).  A worker given up leaves the rest serving; the gateway
+    or the private Redis given up makes ``failed`` true, since nothing can serve without them, and
+    ``run()`` returns.  Call ``poll()`` periodically (``run()`` does), from the thread that owns the
+    stack.
     """
 
+    ESSENTIAL = ("gateway", "redis")
+
     def __init__(self, stack: LocalStack, redis_server=None, *, min_backoff: float = 1.0,
-                 max_backoff: float = 30.0, stable_after: float = 60.0, say=print):
+                 max_backoff: float = 30.0, stable_after: float = 60.0, crash_loop_limit: int = 10, say=print):
         if not 0 < min_backoff <= max_backoff:
             raise ValueError(f"backoff must satisfy 0 < min_backoff <= max_backoff, got {min_backoff}, {max_backoff}")
+        if crash_loop_limit < 1:
+            raise ValueError(f"crash_loop_limit must be >= 1, got {crash_loop_limit}")
         self.stack = stack
         self.redis_server = redis_server
         self.min_backoff = min_backoff
         self.max_backoff = max_backoff
         self.stable_after = stable_after
+        self.crash_loop_limit = crash_loop_limit
         self.say = say
         self.restarts: dict[str, int] = {}
+        self.given_up: set[str] = set()
         self._quick_exits: dict[str, int] = {}  # exits in a row that followed a short run
         self._due: dict[str, float] = {}  # name -> when to start it again
         self._redis_started = time.monotonic()
+
+    @property
+    def failed(self) -> bool:
+        """True once the gateway or the private Redis was given up: the stack cannot serve."""
+        return any(name in self.given_up for name in self.ESSENTIAL)
 
     def backoff(self, name: str) -> float:
         return min(self.max_backoff, self.min_backoff * 2 ** self._quick_exits.get(name, 0))
@@ -288,8 +304,16 @@ class Supervisor:
             if now - started_at >= self.stable_after:
                 self._quick_exits.pop(name, None)
             return
+        if name in self.given_up:
+            return
         due = self._due.get(name)
         if due is None:
+            if now - started_at < self.stable_after and self._quick_exits.get(name, 0) + 1 >= self.crash_loop_limit:
+                self.given_up.add(name)
+                self.say(f"{name} stopped ({describe_exit(returncode)}) {self.crash_loop_limit} times in a row "
+                         f"within {self.stable_after:g} s of starting; not restarting it (crash loop)"
+                         + ("" if name not in self.ESSENTIAL else "; the stack cannot serve without it"), flush=True)
+                return
             delay = self.backoff(name)
             self._due[name] = now + delay
             self.say(f"{name} stopped ({describe_exit(returncode)}); restarting it in {delay:.2f} s", flush=True)
@@ -312,8 +336,8 @@ class Supervisor:
         self.say(f"{name} restarted (restart #{self.restarts[name]})", flush=True)
 
     def run(self, should_stop, interval: float = 0.2) -> None:
-        """Supervise until ``should_stop()`` is true."""
-        while not should_stop():
+        """Supervise until ``should_stop()`` is true (or the stack ``failed``)."""
+        while not should_stop() and not self.failed:
             self.poll()
             time.sleep(interval)
 
@@ -356,6 +380,9 @@ def main() -> None:
     flags.add("--restart-backoff", 1.0, float,
               help="seconds before a process that exited is started again (doubles while it keeps exiting soon "
                    "after starting, up to 30 s)")
+    flags.add("--crash-loop-limit", 10, int,
+              help="a process that exits this many times in a row within 60 s of starting is not started again "
+                   "(a worker: the rest keep serving; the gateway or the private Redis: the launcher stops, exit 1)")
     args = parser.parse_args()
 
     if args.model == "default":
@@ -392,13 +419,16 @@ pdserve is up: {stack.gateway_url}  (model {model}; {args.prefill} prefill + {ar
 
 A process that stops is restarted; Ctrl-C stops everything.""", flush=True)
         supervising = True
-        Supervisor(stack, redis_server, min_backoff=args.restart_backoff,
-                   max_backoff=max(30.0, args.restart_backoff)).run(lambda: stop)
+        supervisor = Supervisor(stack, redis_server, min_backoff=args.restart_backoff,
+                                max_backoff=max(30.0, args.restart_backoff), crash_loop_limit=args.crash_loop_limit)
+        supervisor.run(lambda: stop)
     finally:
         print("stopping...", flush=True)
         stack.stop()
         if redis_server is not None:
             redis_server.stop()
+    if supervisor.failed:
+        raise SystemExit(f"stopped: {', '.join(sorted(supervisor.given_up))} kept crashing")
 
 
 if __name__ == "__main__":
