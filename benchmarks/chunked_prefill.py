@@ -27,18 +27,26 @@ def run(checkpoint: Path, budget: int, args, vocab: int) -> dict:
     engine = Engine(EngineConfig(model=str(checkpoint), num_blocks=None, kv_memory_fraction=0.3,
                                  max_num_batched_tokens=budget, max_num_seqs=64, enable_prefix_caching=False),
                     load_tokenizer=False)
+    return measure_itl(engine, num_decoders=args.num_decoders, num_long=args.num_long, prompt_len=args.prompt_len,
+                       gap=args.gap, vocab=vocab)
+
+
+def measure_itl(engine: Engine, *, num_decoders: int, num_long: int, prompt_len: int, gap: int, vocab: int,
+                decoder_prompt_len: int = 64) -> dict:
+    """``num_decoders`` requests decode while ``num_long`` prompts of ``prompt_len`` tokens arrive,
+    one every ``gap`` steps; the decoders' inter-token latencies and the overall token rate."""
     rng = random.Random(0)
-    decode_tokens = args.num_long * args.gap + 4 * args.gap
+    decode_tokens = num_long * gap + 4 * gap
     greedy = {"temperature": 0, "ignore_eos": True}
     decoders = [engine.add_request(p, {**greedy, "max_tokens": decode_tokens})
-                for p in random_prompts(rng, [64] * args.num_decoders, vocab)]
-    long_prompts = random_prompts(rng, [args.prompt_len] * args.num_long, vocab)
+                for p in random_prompts(rng, [decoder_prompt_len] * num_decoders, vocab)]
+    long_prompts = random_prompts(rng, [prompt_len] * num_long, vocab)
     last_token_at: dict[str, float] = {}
     itls: list[float] = []
     steps = tokens = 0
     start = time.perf_counter()
     while engine.has_unfinished():
-        if steps % args.gap == 0 and long_prompts and steps > 0:
+        if steps % gap == 0 and long_prompts and steps > 0:
             engine.add_request(long_prompts.pop(), {**greedy, "max_tokens": 4})
         outputs = engine.step()
         now = time.perf_counter()
@@ -50,7 +58,7 @@ def run(checkpoint: Path, budget: int, args, vocab: int) -> dict:
                     itls.append(now - last_token_at[o.request_id])
                 last_token_at[o.request_id] = now
     wall = time.perf_counter() - start
-    total_tokens = tokens + args.num_long * args.prompt_len + args.num_decoders * 64
+    total_tokens = tokens + num_long * prompt_len + num_decoders * decoder_prompt_len
     return {"itl_p50_ms": percentile(itls, 50) * 1e3, "itl_p99_ms": percentile(itls, 99) * 1e3,
             "tokens_per_s": total_tokens / wall, "wall_s": wall}
 

@@ -8,7 +8,8 @@ import types
 import pytest
 import torch
 
-from common.engine.attention import AttentionRequest, FlashAttention, TorchAttention, make_attention
+from common.engine.attention import AttentionRequest, TorchAttention, make_attention
+from common.engine.attention_flash import FlashAttention
 from common.engine.kv_cache import KVCache, KVLayout
 
 HEADS, KV_HEADS, DIM = 4, 2, 8
@@ -40,14 +41,25 @@ def varlen_reference(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causal, w
     return out
 
 
-def scenario(block_size, num_blocks=64, seed=0):
-    """Three requests: a prompt chunk after a cached prefix, a decode, a fresh prompt."""
+def kvcache_reference(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, causal, window_size):
+    """flash_attn_with_kvcache's contract (paged, no new k/v) in plain torch: q is [B, Lq, H, D]."""
+    batch, lq = q.shape[:2]
+    cu_q = [i * lq for i in range(batch + 1)]
+    cu_k = [0] + torch.cumsum(cache_seqlens.long(), 0).tolist()
+    out = varlen_reference(q.reshape(-1, *q.shape[2:]), k_cache, v_cache, cu_q, cu_k, lq, max(cu_k),
+                           softmax_scale, causal, window_size, block_table=block_table)
+    return out.reshape(q.shape)
+
+
+def scenario(block_size, num_blocks=64, seed=0, specs=None):
+    """By default three requests: a prompt chunk after a cached prefix, a decode, a fresh prompt."""
     g = torch.Generator().manual_seed(seed)
     layout = KVLayout("m", "float32", block_size, 1, KV_HEADS, DIM)
     cache = KVCache(layout, num_blocks)
     cache.buffer.copy_(torch.randn(cache.buffer.shape, generator=g))
     perm = torch.randperm(num_blocks, generator=g).tolist()
-    specs = [(5, 3 * block_size + 7), (1, 2 * block_size + 1), (9, 9)]  # (new tokens, context after step)
+    # (new tokens, context after step)
+    specs = specs or [(5, 3 * block_size + 7), (1, 2 * block_size + 1), (9, 9)]
     requests, start = [], 0
     for n, ctx in specs:
         nblocks = math.ceil(ctx / block_size)
@@ -90,10 +102,16 @@ def test_torch_backend_matches_dense_attention(window):
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
+DECODES = [(1, 600), (1, 257), (1, 1), (1, 40)]
+
+
 @pytest.mark.parametrize("block_size", [256, 512])  # flash-attn 2 pages only in multiples of 256
 @pytest.mark.parametrize("window", [None, 5])
-def test_flash_backend_metadata_matches_torch_backend(block_size, window):
-    cache, requests, q, k, v = scenario(block_size, num_blocks=16)
+@pytest.mark.parametrize("specs", [None, DECODES], ids=["mixed_varlen", "decodes_kvcache"])
+def test_flash_backend_metadata_matches_torch_backend(block_size, window, specs):
+    """Mixed steps go through flash_attn_varlen_func, decode-only steps through
+    flash_attn_with_kvcache; both read the cache itself through the block table."""
+    cache, requests, q, k, v = scenario(block_size, num_blocks=16, specs=specs)
     torch_cache = KVCache(cache.layout, cache.num_blocks)
     torch_cache.buffer.copy_(cache.buffer)
     expected_backend = TorchAttention({window}, block_size)
@@ -102,19 +120,26 @@ def test_flash_backend_metadata_matches_torch_backend(block_size, window):
     calls = []
 
     def varlen(*args, **kwargs):
-        calls.append(kwargs)
+        calls.append(("varlen", args[1], kwargs))
         return varlen_reference(*args, **kwargs)
 
-    flash = FlashAttention({window}, block_size, varlen_func=varlen)
+    def with_kvcache(*args, **kwargs):
+        calls.append(("kvcache", args[1], kwargs))
+        return kvcache_reference(*args, **kwargs)
+
+    flash = FlashAttention({window}, block_size, varlen_func=varlen, kvcache_func=with_kvcache)
     out = flash.forward(q, k, v, cache, 0, flash.prepare(requests, "cpu"), window, DIM**-0.5)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(cache.buffer, torch_cache.buffer)  # both wrote the same slots
-    assert calls[0]["block_table"].dtype == torch.int32  # the cache itself was read through the table
+    [(kind, key_cache, kwargs)] = calls
+    assert kind == ("kvcache" if specs == DECODES else "varlen")
+    assert key_cache.data_ptr() == cache.key(0).data_ptr()  # the cache itself, read through the table
+    assert kwargs["block_table"].dtype == torch.int32
 
 
 def test_flash_refuses_block_sizes_it_cannot_page():
     with pytest.raises(ValueError, match="multiple of 256"):
-        FlashAttention({None}, 16, varlen_func=varlen_reference)
+        FlashAttention({None}, 16, varlen_func=varlen_reference, kvcache_func=kvcache_reference)
 
 
 @pytest.fixture
@@ -122,6 +147,7 @@ def fake_flash_attn(monkeypatch):
     """Pretend flash-attn is installed (its varlen function is the torch stand-in above)."""
     module = types.ModuleType("flash_attn")
     module.flash_attn_varlen_func = varlen_reference
+    module.flash_attn_with_kvcache = kvcache_reference
     monkeypatch.setitem(sys.modules, "flash_attn", module)
 
 

@@ -1,5 +1,5 @@
 """Paged attention over the block-major KV cache: a pure-torch path (CPU), flash-attn and Triton
-(CUDA; the Triton kernel lives in ``common.engine.attention_triton``).
+(CUDA: ``common.engine.attention_flash`` and ``common.engine.attention_triton``).
 
 Both backends see the same packed batch: the new tokens of every scheduled request laid end to
 end, no padding between requests::
@@ -143,45 +143,6 @@ class TorchAttention:
         return out
 
 
-FLASH_PAGED_BLOCK_MULTIPLE = 256  # flash-attn 2 reads a paged cache only in blocks of a multiple of this
-
-
-class FlashAttention:
-    """flash-attn 2's varlen kernel reading the paged cache through the block table (no copies).
-
-    flash-attn 2 takes a block table only when the block size is a multiple of 256
-    (``FLASH_PAGED_BLOCK_MULTIPLE``); ``make_attention`` picks the Triton backend for any other
-    block size.
-    """
-
-    name = "flash"
-
-    def __init__(self, windows: set[int | None], block_size: int, varlen_func=None):
-        if block_size % FLASH_PAGED_BLOCK_MULTIPLE:
-            raise ValueError(f"flash-attn reads a paged cache only with a block size that is a multiple of "
-                             f"{FLASH_PAGED_BLOCK_MULTIPLE}, got {block_size}; use the triton backend")
-        if varlen_func is None:
-            from flash_attn import flash_attn_varlen_func as varlen_func
-        self.varlen = varlen_func
-        self.block_size = block_size
-
-    def prepare(self, requests: list[AttentionRequest], device) -> "FlashMetadata":
-        paged = PagedMetadata.build(requests, self.block_size, device)
-        cu_k = F.pad(paged.seq_lens.cumsum(0, dtype=torch.int32), (1, 0))
-        return FlashMetadata(paged, cu_k, paged.slots // self.block_size, paged.slots % self.block_size)
-
-    def forward(self, q, k, v, cache: KVCache, layer: int, meta: "FlashMetadata", window, scale) -> torch.Tensor:
-        key_cache, value_cache = cache.key(layer), cache.value(layer)
-        key_cache[meta.slot_blocks, meta.slot_offsets] = k
-        value_cache[meta.slot_blocks, meta.slot_offsets] = v
-        paged = meta.paged
-        window_size = (-1, -1) if window is None else (window - 1, 0)
-        return self.varlen(
-            q, key_cache, value_cache, paged.query_start, meta.cu_seq_lens, paged.max_query_len, paged.max_seq_len,
-            softmax_scale=scale, causal=True, window_size=window_size, block_table=paged.block_table,
-        )
-
-
 @dataclass
 class PagedMetadata:
     """One step's metadata for the kernels that read the paged cache in place (Triton, flash-attn)::
@@ -221,14 +182,6 @@ class PagedMetadata:
         )
 
 
-@dataclass
-class FlashMetadata:
-    paged: PagedMetadata
-    cu_seq_lens: torch.Tensor  # int32 [num_seqs + 1], cumulative keys (flash-attn's cu_seqlens_k)
-    slot_blocks: torch.Tensor
-    slot_offsets: torch.Tensor
-
-
 def triton_available(device: torch.device) -> bool:
     """Triton runs on CUDA, or anywhere under its CPU interpreter (``TRITON_INTERPRET=1``, tests)."""
     try:
@@ -245,10 +198,12 @@ def make_attention(backend: str, device: torch.device, windows: set[int | None],
     if backend == "auto":
         backend = "torch"
         if device.type == "cuda":
-            backend = "flash" if _flash_attn_installed() and block_size % FLASH_PAGED_BLOCK_MULTIPLE == 0 else "triton"
+            backend = "flash" if flash_attn_installed() and flash_pages(block_size) else "triton"
     if backend == "flash":
         if device.type != "cuda":
             raise ValueError("attention_backend 'flash' needs a CUDA device")
+        from common.engine.attention_flash import FlashAttention
+
         return FlashAttention(windows, block_size)
     if backend == "triton":
         if not triton_available(device):
@@ -260,7 +215,15 @@ def make_attention(backend: str, device: torch.device, windows: set[int | None],
     return TorchAttention(windows, block_size)
 
 
-def _flash_attn_installed() -> bool:
+FLASH_PAGED_BLOCK_MULTIPLE = 256  # flash-attn 2 reads a paged cache only in blocks of a multiple of this
+
+
+def flash_pages(block_size: int) -> bool:
+    """Can flash-attn 2 read a paged cache of this block size (``block_table``)?"""
+    return block_size % FLASH_PAGED_BLOCK_MULTIPLE == 0
+
+
+def flash_attn_installed() -> bool:
     try:
         import flash_attn  # noqa: F401
     except ImportError:

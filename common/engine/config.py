@@ -39,6 +39,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # auto | torch | flash | triton
     model_id: str | None = None  # name served to clients; default: derived from the checkpoint
+    # auto: the checkpoint's weights; dummy: random weights of the checkpoint's shape (config.json
+    # alone is enough), for benchmarks of big shapes without a big download (vLLM's --load-format dummy)
+    load_format: str = "auto"
 
     def __post_init__(self) -> None:
         _require(self.block_size >= 1, "block_size", self.block_size, ">= 1")
@@ -48,6 +51,7 @@ class EngineConfig:
                  "one of auto, float32, float16, bfloat16")
         _require(self.attention_backend in ("auto", "torch", "flash", "triton"), "attention_backend",
                  self.attention_backend, "one of auto, torch, flash, triton")
+        _require(self.load_format in ("auto", "dummy"), "load_format", self.load_format, "one of auto, dummy")
         # The scheduler config validates the remaining knobs.
         self.scheduler_config(self.max_model_len or 4096)
 

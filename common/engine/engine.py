@@ -76,7 +76,8 @@ class Engine:
         self.device = _pick_device(config.device)
         self.dtype = _pick_dtype(config.dtype, self.device)
         self.checkpoint = resolve_checkpoint(config.model)
-        self.model, self.model_config = load_model(self.checkpoint, self.dtype, self.device)
+        self.model, self.model_config = load_model(self.checkpoint, self.dtype, self.device,
+                                                   random_weights=config.load_format == "dummy")
         mc = self.model_config
         self.model_id = config.model_id or self.checkpoint.name
         self.layout = KVLayout(

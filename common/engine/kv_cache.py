@@ -17,14 +17,15 @@ so a run of consecutive block ids is a single contiguous region as well.
 """
 from __future__ import annotations
 
-import msgspec
 import torch
+
+from common.engine.structs import Struct
 
 # Bumped whenever the meaning of the bytes in a block changes; checked in the KV-transfer handshake.
 KV_LAYOUT_VERSION = 1
 
 
-class KVLayout(msgspec.Struct, frozen=True):
+class KVLayout(Struct, frozen=True):
     """Everything a peer must agree on before KV bytes can move between two caches."""
 
     model_id: str

@@ -68,9 +68,13 @@ def load_state_dict(checkpoint: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def load_model(checkpoint: Path, dtype: torch.dtype, device: torch.device) -> tuple[DecoderModel, ModelConfig]:
-    """Build the model for ``checkpoint`` and load its weights; errors name the missing pieces."""
+def load_model(checkpoint: Path, dtype: torch.dtype, device: torch.device,
+               random_weights: bool = False) -> tuple[DecoderModel, ModelConfig]:
+    """Build the model for ``checkpoint`` and load its weights; errors name the missing pieces.
+    ``random_weights``: only config.json is read (see ``random_model``)."""
     cfg = ModelConfig.from_hf_config(load_hf_config(checkpoint))
+    if random_weights:
+        return random_model(cfg, dtype, device), cfg
     state = load_state_dict(checkpoint)
     # Multimodal Gemma 3 checkpoints keep the text model under another prefix.
     state = {k.removeprefix("language_model."): v for k, v in state.items()}
@@ -90,3 +94,22 @@ def load_model(checkpoint: Path, dtype: torch.dtype, device: torch.device) -> tu
         raise ValueError(f"checkpoint {str(checkpoint)!r} does not match its config.json: {exc}") from None
     model.finish_loading(device)
     return model.eval(), cfg
+
+
+def random_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0) -> DecoderModel:
+    """A model of ``cfg``'s shape with random weights made in place on ``device`` (normal, std 0.02;
+    norms one, biases zero): an 8B shape costs no download, no disk and no host memory."""
+    with torch.device("meta"):
+        model = DecoderModel(cfg)
+    model = model.to(dtype).to_empty(device=device)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0 - cfg.norm_weight_offset)  # Gemma's (1 + w) folds in after loading
+            elif name.endswith(".bias"):
+                param.zero_()
+            else:
+                param.normal_(0.0, 0.02, generator=generator)
+    model.finish_loading(device)
+    return model.eval()

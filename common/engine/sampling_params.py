@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import msgspec
+from common.engine.structs import Struct, convert
 
 MAX_LOGPROBS = 20
 MAX_STOP_TOKEN_IDS = 64
@@ -33,7 +33,7 @@ def _finite_in(name: str, value: float, low: float, high: float, *, low_open: bo
              f"{name} must be {'>' if low_open else '>='} {low:g} and <= {high:g}, got {value}")
 
 
-class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+class SamplingParams(Struct, forbid_unknown_fields=True, frozen=True):
     """How to turn logits into tokens, and when to stop.
 
     ``temperature`` below ``GREEDY_TEMPERATURE`` (0 included) means greedy.  ``top_k == 0`` disables
@@ -86,6 +86,6 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     def from_dict(cls, fields: dict[str, Any]) -> "SamplingParams":
         """Build from untrusted input; unknown or mistyped fields raise ``ValueError`` naming them."""
         try:
-            return msgspec.convert(fields, cls)
-        except msgspec.ValidationError as exc:
+            return convert(fields, cls)
+        except ValueError as exc:
             raise ValueError(f"invalid sampling parameters: {exc}") from None
