@@ -171,7 +171,8 @@ async def remote_prefill(worker, body: GenerateRequest, pending: PendingRelease)
     handle = worker.kv_receiver.expect(rid, dst_block_ids)
     prefill = PrefillRequest(request_id=rid, prompt_token_ids=body.prompt_token_ids,
                              sampling_params=body.sampling_params, decode_worker_id=worker.config.worker_id,
-                             dst_block_ids=dst_block_ids, num_skip_blocks=skip)
+                             dst_block_ids=dst_block_ids, num_skip_blocks=skip,
+                             kv_transfer_id=handle.transfer_id)
     call = asyncio.ensure_future(call_prefill(worker, peer, prefill))
     landed = asyncio.ensure_future(handle.wait())
     try:

@@ -1,55 +1,110 @@
-"""Connection handshake: the sender's KV layout and protocol version must equal the receiver's.
+"""Connection handshake: both ends prove they hold the cluster secret, then the KV layouts must match.
 
-The sender speaks first (``Hello``); the receiver answers ``Welcome`` or ``Reject`` naming every
-mismatched field, then closes. No ``Blocks`` frame is sent on a connection that did not pass.
+Nothing else travels on a connection before this has passed: no block is accepted, and (UCX) the
+data path -- the receiver's UCX worker address and tag base -- is sent only afterwards::
+
+    S (sender)                                              R (receiver)
+    Hello(layout, version, checksum, nonce_s) ------------>
+                  <------------ Challenge(nonce_r, proof_r)  proof_r = MAC("receiver", hello, nonce_r)
+    proof_r wrong: HandshakeError, close (S sends nothing)
+    Proof(proof_s) --------------------------------------->  proof_s = MAC("sender", hello, nonce_r)
+                  <------------ Welcome(checksum)            proof_s wrong: Reject("authentication
+                             or Reject(reason)                 failed"), close; layout or version
+                                                               mismatch: Reject naming each field
+
+``MAC`` is ``ClusterAuth.kv_proof``: HMAC-SHA256 under the KV key derived from the cluster secret,
+over length-prefixed parts. ``hello`` is the exact bytes of the Hello frame, so the proofs also
+cover the layout, version, checksum flag and the sender's fresh nonce; the role label keeps a
+proof from being reflected back at its maker; each side's fresh nonce keeps a recorded exchange
+from being replayed. A peer without the secret learns nothing but a Reject. Without a secret
+configured (every listener on loopback, see ``common/cluster/auth.py``) the proofs are not checked.
+
+The whole handshake is bounded by ``timeout``; a peer that sends anything out of place (a frame
+that is not the expected one) gets no answer and the connection is closed.
 """
 from __future__ import annotations
 
 import asyncio
+import secrets
 
+from common.cluster.auth import ClusterAuth
 from common.engine.kv_cache import KVLayout
 from kvtransfer.errors import ConnectionLost, HandshakeError, ProtocolError
-from kvtransfer.messages import PROTOCOL_VERSION, Hello, Reject, Welcome, decode, encode
+from kvtransfer.messages import (
+    NONCE_BYTES, PROTOCOL_VERSION, Challenge, Hello, Message, Proof, Reject, Welcome, decode, encode,
+)
 from kvtransfer.transport_base import Channel
 
+_SENDER = b"kv-sender"
+_RECEIVER = b"kv-receiver"
+AUTH_FAILED = "authentication failed"
 
-async def client_handshake(channel: Channel, layout: KVLayout, checksum: bool, timeout: float) -> bool:
-    """Run the sender's side; returns whether per-block checksums are on for this connection."""
+
+async def _expect(channel: Channel, kind: type[Message]) -> Message:
+    msg = decode(await channel.recv_header())
+    if isinstance(msg, Reject):
+        raise HandshakeError(f"receiver rejected the connection: {msg.reason}")
+    if not isinstance(msg, kind):
+        raise ProtocolError(f"expected {kind.__name__}, got {type(msg).__name__}")
+    return msg
+
+
+async def client_handshake(channel: Channel, layout: KVLayout, checksum: bool, timeout: float,
+                           auth: ClusterAuth | None = None) -> bool:
+    """Run the sender's side; returns whether per-block checksums are on for this connection.
+
+    Raises ``HandshakeError`` if the receiver cannot prove the secret (nothing is sent then),
+    rejects this sender, or the exchange fails or takes longer than ``timeout``."""
+    auth = auth or ClusterAuth.disabled()
+    hello = encode(Hello(layout=layout, nonce=secrets.token_bytes(NONCE_BYTES), checksum=checksum))
     try:
-        await channel.send(encode(Hello(layout=layout, checksum=checksum)))
-        reply = decode(await asyncio.wait_for(channel.recv_header(), timeout))
-    except asyncio.TimeoutError:
-        raise HandshakeError(f"no handshake reply within {timeout}s") from None
+        async with asyncio.timeout(timeout):
+            await channel.send(hello)
+            challenge = await _expect(channel, Challenge)
+            if not auth.kv_proof_matches((_RECEIVER, hello, challenge.nonce), challenge.proof):
+                raise HandshakeError("the receiver could not prove it holds the cluster secret")
+            await channel.send(encode(Proof(auth.kv_proof(_SENDER, hello, challenge.nonce))))
+            welcome = await _expect(channel, Welcome)
+            await channel.open_data_path(sender=True, timeout=timeout)
+    except TimeoutError:
+        raise HandshakeError(f"handshake not completed within {timeout}s") from None
     except (ConnectionLost, ProtocolError) as exc:
         raise HandshakeError(f"handshake failed: {exc}") from None
-    if isinstance(reply, Reject):
-        raise HandshakeError(f"receiver rejected the connection: {reply.reason}")
-    if not isinstance(reply, Welcome):
-        raise HandshakeError(f"unexpected handshake reply {type(reply).__name__}")
-    try:
-        await channel.open_data_path(sender=True, timeout=timeout)
-    except (ConnectionLost, ProtocolError) as exc:
-        raise HandshakeError(f"handshake failed: {exc}") from None
-    return reply.checksum
+    return welcome.checksum
 
 
-async def server_handshake(channel: Channel, layout: KVLayout, checksum: bool, timeout: float) -> bool:
-    """Run the receiver's side; raises ``HandshakeError`` after telling the peer why."""
+async def server_handshake(channel: Channel, layout: KVLayout, checksum: bool, timeout: float,
+                           auth: ClusterAuth | None = None) -> bool:
+    """Run the receiver's side; returns whether per-block checksums are on for this connection.
+
+    Raises ``HandshakeError`` (after telling the peer why, when it is a refusal) or
+    ``ProtocolError`` (a frame out of place: no answer); the caller closes the channel."""
+    auth = auth or ClusterAuth.disabled()
     try:
-        hello = decode(await asyncio.wait_for(channel.recv_header(), timeout))
-    except asyncio.TimeoutError:
-        raise HandshakeError(f"no Hello within {timeout}s") from None
-    if not isinstance(hello, Hello):
-        raise ProtocolError(f"expected Hello, got {type(hello).__name__}")
-    problems = []
-    if hello.version != PROTOCOL_VERSION:
-        problems.append(f"protocol version: {hello.version} != {PROTOCOL_VERSION}")
-    problems += layout.mismatches(hello.layout)
-    if problems:
-        reason = "KV layout mismatch (receiver != sender): " + "; ".join(problems)
-        await channel.send(encode(Reject(reason=reason[:1024])))
-        raise HandshakeError(reason)
-    use_checksum = checksum or hello.checksum
-    await channel.send(encode(Welcome(checksum=use_checksum)))
-    await channel.open_data_path(sender=False, timeout=timeout)
+        async with asyncio.timeout(timeout):
+            hello_bytes = await channel.recv_header()
+            hello = decode(hello_bytes)
+            if not isinstance(hello, Hello):
+                raise ProtocolError(f"expected Hello, got {type(hello).__name__}")
+            nonce = secrets.token_bytes(NONCE_BYTES)
+            await channel.send(encode(Challenge(nonce=nonce, proof=auth.kv_proof(_RECEIVER, hello_bytes, nonce))))
+            proof = decode(await channel.recv_header())
+            if not isinstance(proof, Proof):
+                raise ProtocolError(f"expected Proof, got {type(proof).__name__}")
+            if not auth.kv_proof_matches((_SENDER, hello_bytes, nonce), proof.proof):
+                await channel.send(encode(Reject(reason=AUTH_FAILED)))
+                raise HandshakeError("the sender could not prove it holds the cluster secret")
+            problems = []
+            if hello.version != PROTOCOL_VERSION:
+                problems.append(f"protocol version: {hello.version} != {PROTOCOL_VERSION}")
+            problems += layout.mismatches(hello.layout)
+            if problems:
+                reason = "KV layout mismatch (receiver != sender): " + "; ".join(problems)
+                await channel.send(encode(Reject(reason=reason[:1024])))
+                raise HandshakeError(reason)
+            use_checksum = checksum or hello.checksum
+            await channel.send(encode(Welcome(checksum=use_checksum)))
+            await channel.open_data_path(sender=False, timeout=timeout)
+    except TimeoutError:
+        raise HandshakeError(f"handshake not completed within {timeout}s") from None
     return use_checksum

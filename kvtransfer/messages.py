@@ -5,22 +5,27 @@ One transfer, prefill worker P (sender) -> decode worker D (receiver)::
     D (receiver)                                   P (sender)
     ------------                                   ----------
     reserve dst blocks [7, 8, 9, 12]
-    rx = expect("req-1", [7, 8, 9, 12])  --ids via gateway-->  tx = begin("req-1", D.address)
-                                                   |  (connection cached; on first connect:)
-            <-------- Hello(layout, version) ------+
-            --------- Welcome / Reject(field) ---->   mismatch: HandshakeError, nothing sent
+    rx = expect("req-1", [7, 8, 9, 12])            rx.transfer_id = T: 128 random bits, the only
+                                 --T, ids via the signed /prefill call-->  name of this transfer
+                                                   tx = begin(T, D.address)
+                                                   |  (connection cached; on first connect the
+                                                   |   handshake, see handshake.py: both ends prove
+                                                   |   the cluster secret, then layouts must match)
                                                    |  chunk 1 done: send_blocks([3,4], [7,8])
-            <-- Blocks(req-1, dst 7, n=2, nbytes) -+   header ...
+            <-- Blocks(T, dst 7, n=2, nbytes) -----+   header ...   (binds T to this connection)
             <== 2 * block_nbytes raw bytes =======+   ... then payload straight from the cache
                                                    |  chunk 2 done: send_blocks([5,9], [9,12])
-            <-- Blocks(req-1, dst 9, n=1) + bytes -+   (split where src or dst ids break)
-            <-- Blocks(req-1, dst 12, n=1) + bytes +
-            <-- Done(req-1, metadata) -------------+   finish({"first_token": [42]})
+            <-- Blocks(T, dst 9, n=1) + bytes -----+   (split where src or dst ids break)
+            <-- Blocks(T, dst 12, n=1) + bytes ----+
+            <-- Done(T, metadata) -----------------+   finish({"first_token": [42]})
     all reserved ids filled -> rx resolves
-            --- Ack(req-1) ----------------------->   finish() returns; src blocks unpinned
+            --- Ack(T) --------------------------->   finish() returns; src blocks unpinned
 
-    Either side, any time:  Abort(req-1, reason) ---> the other side fails that transfer only.
+    Either side, any time:  Abort(T, reason) ---> the other side fails that transfer only.
     Deadlines: D fails rx after transfer_timeout; P fails tx if no Ack within lease_timeout.
+
+A transfer id is unguessable and, from its first frame on, bound to the authenticated connection
+that presented it: the same id on any other connection is refused (``Abort``), its payload dropped.
 
 Bounds: a header is at most ``MAX_HEADER_BYTES``; a ``Blocks`` header covers at most
 ``MAX_BLOCKS_PER_FRAME`` blocks and its ``nbytes`` must equal ``count * block_nbytes`` of the
@@ -30,12 +35,16 @@ from __future__ import annotations
 
 from typing import Annotated, Union
 
+import secrets
+
 import msgspec
 
 from common.engine.kv_cache import KVLayout
 from kvtransfer.errors import ProtocolError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+NONCE_BYTES = 32
+TRANSFER_ID_BYTES = 16
 MAX_HEADER_BYTES = 64 * 1024
 MAX_BLOCKS_PER_FRAME = 1024
 MAX_METADATA_BYTES = 16 * 1024
@@ -44,19 +53,36 @@ TransferId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 Reason = Annotated[str, msgspec.Meta(max_length=1024)]
 BlockId = Annotated[int, msgspec.Meta(ge=0, lt=2**31)]
 MetaValue = Union[int, float, str, bool, None, Annotated[list[int], msgspec.Meta(max_length=1024)]]
+Nonce = Annotated[bytes, msgspec.Meta(min_length=NONCE_BYTES, max_length=NONCE_BYTES)]
+Mac = Annotated[bytes, msgspec.Meta(min_length=32, max_length=32)]
 Metadata = Annotated[dict[Annotated[str, msgspec.Meta(max_length=64)], MetaValue], msgspec.Meta(max_length=64)]
 
 
 class Hello(msgspec.Struct, tag=True, frozen=True):
-    """Sender -> receiver, first frame on a connection."""
+    """Sender -> receiver, first frame on a connection; ``nonce`` is the sender's challenge."""
 
     layout: KVLayout
+    nonce: Nonce
     version: int = PROTOCOL_VERSION
     checksum: bool = False
 
 
+class Challenge(msgspec.Struct, tag=True, frozen=True):
+    """Receiver -> sender: its own challenge, and its proof of the secret over the sender's Hello."""
+
+    nonce: Nonce
+    proof: Mac
+
+
+class Proof(msgspec.Struct, tag=True, frozen=True):
+    """Sender -> receiver: proof of the secret over the Hello and the receiver's challenge."""
+
+    proof: Mac
+
+
 class Welcome(msgspec.Struct, tag=True, frozen=True):
-    """Receiver accepts; ``checksum`` is true if either side asked for per-block checksums."""
+    """Receiver accepts (both proofs held, layouts equal); ``checksum`` is true if either side
+    asked for per-block checksums."""
 
     checksum: bool = False
 
@@ -91,10 +117,15 @@ class Abort(msgspec.Struct, tag=True, frozen=True):
     reason: Reason = ""
 
 
-Message = Union[Hello, Welcome, Reject, Blocks, Done, Ack, Abort]
+Message = Union[Hello, Challenge, Proof, Welcome, Reject, Blocks, Done, Ack, Abort]
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
+
+
+def new_transfer_id() -> str:
+    """A fresh transfer id: 128 random bits (hex), so nobody can guess one to race its sender."""
+    return secrets.token_bytes(TRANSFER_ID_BYTES).hex()
 
 
 def encode(msg: Message) -> bytes:

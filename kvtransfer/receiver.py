@@ -1,10 +1,11 @@
 """Decode side: accept senders, land their blocks in reserved cache blocks, report each transfer once.
 
 The engine owns the blocks. It reserves destination ids, calls ``expect`` before handing the ids
-to the sender (via the gateway), and awaits the handle: success gives the ``Done`` metadata;
-any failure (deadline, peer lost, abort either way, checksum, bad frame) raises a
-``TransferError``, and only once no more bytes can land in those blocks, so the caller may free
-them as soon as the handle has resolved (``IncomingTransfer`` spells the contract out).
+and the handle's ``transfer_id`` (random, unguessable) to the sender, and awaits the handle:
+success gives the ``Done`` metadata; any failure (deadline, peer lost, abort either way,
+checksum, bad frame) raises a ``TransferError``, and only once no more bytes can land in those
+blocks, so the caller may free them as soon as the handle has resolved (``IncomingTransfer``
+spells the contract out).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import time
 
 import msgspec
 
+from common.cluster.auth import ClusterAuth
 from common.engine.kv_cache import KVCache
 from kvtransfer.config import KVTransferConfig
 from kvtransfer.errors import (
@@ -22,7 +24,7 @@ from kvtransfer.errors import (
     TransferError, TransferTimeout,
 )
 from kvtransfer.handshake import server_handshake
-from kvtransfer.messages import Abort, Ack, Blocks, Done, Message, decode, encode
+from kvtransfer.messages import Abort, Ack, Blocks, Done, Message, decode, encode, new_transfer_id
 from kvtransfer.regions import block_checksums, run_bytes
 from kvtransfer.transport_base import Channel, Listener, Transport, make_transport
 
@@ -44,7 +46,7 @@ class IncomingTransfer:
     The contract the decode worker relies on before it frees or reuses the blocks::
 
         rx = receiver.expect(request_id, block_ids)
-        ...
+        ... tell the sender rx.transfer_id and block_ids ...
         rx.abort("client left")          # or a deadline, a peer abort, a lost connection ...
         await rx.settled()               # from here on, not one byte lands in block_ids
         free(block_ids)
@@ -61,8 +63,9 @@ class IncomingTransfer:
       unless its payload had to be stopped by closing that connection.
     """
 
-    def __init__(self, receiver: "KVReceiver", transfer_id: str, block_ids: list[int], timeout: float):
-        self.transfer_id = transfer_id
+    def __init__(self, receiver: "KVReceiver", request_id: str, block_ids: list[int], timeout: float):
+        self.request_id = request_id  # for logs; the wire knows the transfer only by transfer_id
+        self.transfer_id = new_transfer_id()
         self.block_ids = list(block_ids)
         self.nbytes = 0
         self._reserved = frozenset(self.block_ids)
@@ -123,7 +126,7 @@ class IncomingTransfer:
     def _stop_landing(self, channel: Channel, grace: float) -> None:
         if self._landing is channel:
             log.warning("kv receiver: transfer %r failed but its payload was still landing after %ss; "
-                        "closing that sender connection to stop it", self.transfer_id, grace)
+                        "closing that sender connection to stop it", self.request_id, grace)
             channel.close()
 
     def _resolve(self) -> None:
@@ -151,7 +154,7 @@ class IncomingTransfer:
             return
         missing = len(self._missing)
         conn = self._conn
-        self.fail(TransferTimeout(f"transfer {self.transfer_id!r} incomplete after {timeout}s "
+        self.fail(TransferTimeout(f"transfer of {self.request_id!r} incomplete after {timeout}s "
                                   f"({missing} of {len(self.block_ids)} blocks missing)"))
         if conn is not None:
             conn.notify(Abort(self.transfer_id, "receiver deadline passed"))
@@ -180,11 +183,14 @@ class KVReceiver:
     """Listens for prefill workers and writes their KV straight into ``cache``.
 
     ``await start()`` then ``expect(...)`` per request; ``abort(...)`` also tells the sender.
+    Only senders that prove they hold the cluster secret (``auth``) get past the handshake.
     """
 
-    def __init__(self, cache: KVCache, config: KVTransferConfig, transport: Transport | None = None):
+    def __init__(self, cache: KVCache, config: KVTransferConfig, transport: Transport | None = None,
+                 auth: ClusterAuth | None = None):
         self.cache = cache
         self.config = config
+        self.auth = auth or ClusterAuth.disabled()
         self._owns_transport = transport is None
         self.transport = transport or make_transport(config.transport, config)
         self._transfers: dict[str, IncomingTransfer] = {}
@@ -204,18 +210,17 @@ class KVReceiver:
         assert self._listener is not None, "KVReceiver.start() first"
         return self._listener.address
 
-    def expect(self, transfer_id: str, block_ids: list[int], timeout: float | None = None) -> IncomingTransfer:
-        """Register reserved destination ``block_ids``; must be called before the sender is told them."""
-        if transfer_id in self._transfers:
-            raise ValueError(f"transfer {transfer_id!r} is already expected")
+    def expect(self, request_id: str, block_ids: list[int], timeout: float | None = None) -> IncomingTransfer:
+        """Register reserved destination ``block_ids`` under a fresh random ``transfer_id``; must
+        be called before the sender is told the id and the blocks. ``request_id`` names the
+        transfer in logs and errors only."""
         bad = [b for b in block_ids if not 0 <= b < self.cache.num_blocks]
         if bad:
             raise ValueError(f"block ids {bad[:8]} outside the {self.cache.num_blocks}-block cache")
         if len(set(block_ids)) != len(block_ids):
             raise ValueError("duplicate destination block ids")
-        self._ended.pop(transfer_id, None)
-        handle = IncomingTransfer(self, transfer_id, block_ids, timeout or self.config.transfer_timeout)
-        self._transfers[transfer_id] = handle
+        handle = IncomingTransfer(self, request_id, block_ids, timeout or self.config.transfer_timeout)
+        self._transfers[handle.transfer_id] = handle
         return handle
 
     def abort(self, transfer_id: str, reason: str = "") -> IncomingTransfer | None:
@@ -279,7 +284,7 @@ class KVReceiver:
         reason = "connection closed"
         try:
             conn.checksum = await server_handshake(channel, self.cache.layout, self.config.checksum,
-                                                   self.config.connect_timeout)
+                                                   self.config.connect_timeout, self.auth)
             log.info("kv sender connected: %s", channel.description)
             while True:
                 await self._dispatch(conn, decode(await channel.recv_header()))
@@ -303,7 +308,7 @@ class KVReceiver:
             self._conns.discard(conn)
             self._serving.discard(task)
             for handle in list(conn.transfers):
-                handle.fail(PeerLost(f"transfer {handle.transfer_id!r}: sender connection lost ({reason})"))
+                handle.fail(PeerLost(f"transfer of {handle.request_id!r}: sender connection lost ({reason})"))
 
     async def _dispatch(self, conn: _SenderConnection, msg: Message) -> None:
         if isinstance(msg, Blocks):
@@ -351,7 +356,7 @@ class KVReceiver:
         if outside:
             await conn.channel.discard_payload(msg.nbytes)
             self._reject(conn, handle, TransferAborted(
-                f"sender wrote blocks {outside[:8]} outside the reservation of {msg.transfer_id!r}"))
+                f"sender wrote blocks {outside[:8]} outside the reservation of {handle.request_id!r}"))
             return
         if conn.checksum and (msg.checksums is None or len(msg.checksums) != msg.count):
             await conn.channel.discard_payload(msg.nbytes)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from common.cluster.auth import ClusterAuth
 from common.engine.kv_cache import KVCache
 from kvtransfer.config import KVTransferConfig, parse_address
 from kvtransfer.errors import (
@@ -155,11 +156,15 @@ class _ReceiverConnection:
 
 
 class KVSender:
-    """Connects to decode workers (one cached connection per address) and starts transfers."""
+    """Connects to decode workers (one cached connection per address) and starts transfers.
 
-    def __init__(self, cache: KVCache, config: KVTransferConfig, transport: Transport | None = None):
+    Ships only to receivers that prove they hold the cluster secret (``auth``)."""
+
+    def __init__(self, cache: KVCache, config: KVTransferConfig, transport: Transport | None = None,
+                 auth: ClusterAuth | None = None):
         self.cache = cache
         self.config = config
+        self.auth = auth or ClusterAuth.disabled()
         self._owns_transport = transport is None
         self.transport = transport or make_transport(config.transport, config)
         self._conns: dict[str, _ReceiverConnection] = {}
@@ -167,8 +172,9 @@ class KVSender:
         self._tasks: set[asyncio.Task] = set()
 
     async def begin(self, transfer_id: str, address: str) -> OutgoingTransfer:
-        """Start a transfer to the receiver at ``address`` (``"host:port"``); may raise
-        ``HandshakeError`` (layout mismatch, nothing sent) or ``PeerLost`` (cannot connect)."""
+        """Start transfer ``transfer_id`` (the receiver's ``IncomingTransfer.transfer_id``) to the
+        receiver at ``address`` (``"host:port"``); may raise ``HandshakeError`` (authentication
+        failed either way, or layout mismatch: nothing sent) or ``PeerLost`` (cannot connect)."""
         conn = await self._connection(address)
         if transfer_id in conn.transfers:
             raise ValueError(f"transfer {transfer_id!r} is already in flight to {address}")
@@ -225,7 +231,7 @@ class KVSender:
             raise PeerLost(str(exc)) from None
         try:
             checksum = await client_handshake(channel, self.cache.layout, self.config.checksum,
-                                              self.config.connect_timeout)
+                                              self.config.connect_timeout, self.auth)
         except BaseException:
             channel.close()
             raise

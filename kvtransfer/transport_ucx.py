@@ -54,7 +54,7 @@ from kvtransfer.errors import ConnectionLost, ProtocolError
 from kvtransfer.messages import MAX_HEADER_BYTES
 from kvtransfer.socket_io import FrameWriter, TcpListener, connect_tcp, wait_uncancelled
 from kvtransfer.transport_base import Channel, Listener, Transport
-from kvtransfer.ucx_worker import UcxWorker
+from kvtransfer.ucx_worker import UcxWorker, net_devices_for
 
 log = logging.getLogger(__name__)
 
@@ -429,7 +429,9 @@ class _UcxListener(Listener):
 
 class UcxTransport(Transport):
     """UCX through ucxx's low-level API; ``transport="ucx"``. Listens (TCP) on exactly the
-    configured host; the sender logs which transports UCX chose (``UcxChannel.description``)."""
+    configured host, and UCX's own TCP sockets stay on that host's interface (``net_devices_for``,
+    unless ``UCX_NET_DEVICES`` is set); the sender logs which transports UCX chose
+    (``UcxChannel.description``)."""
 
     name = "ucx"
 
@@ -441,7 +443,7 @@ class UcxTransport(Transport):
         if self._ucx is None or self._ucx.loop is not asyncio.get_running_loop():
             if self._ucx is not None:
                 self._ucx.release()
-            self._ucx = UcxWorker.acquire()
+            self._ucx = UcxWorker.acquire(net_devices_for(self._config.host))
         return self._ucx
 
     async def listen(self, host: str, port: int, on_channel: Callable[[Channel], Awaitable[None]]) -> Listener:

@@ -20,13 +20,20 @@ UCX options applied per context (the environment still wins for anything it sets
   shared-memory transport for such endpoints and falls back to TCP over loopback.
 * ``RNDV_FRAG_MEM_TYPE=host`` on hosts without CUDA (ucxx defaults it to ``cuda``).
 * ``NET_DEVICES``: see ``net_devices_for``; keeps UCX's own TCP sockets on the configured interface.
+  (UCX's TCP transport listens on every network device it uses; without this a worker whose KV
+  host is 127.0.0.1 would still listen on the machine's external addresses.)
 """
 from __future__ import annotations
 
 import asyncio
 import atexit
+import fcntl
+import glob
+import ipaddress
 import logging
 import os
+import socket
+import struct
 import threading
 import weakref
 
@@ -62,6 +69,66 @@ def _cuda_available() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+_SIOCGIFADDR = 0x8915
+_IFF_LOOPBACK = 0x8
+
+
+def _interface_addresses() -> dict[str, set[ipaddress._BaseAddress]]:
+    """Each network interface's addresses (Linux: ioctl for IPv4, /proc for IPv6)."""
+    found: dict[str, set] = {}
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        for _, name in socket.if_nameindex():
+            try:
+                packed = fcntl.ioctl(probe.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+                found.setdefault(name, set()).add(ipaddress.ip_address(packed[20:24]))
+            except OSError:
+                found.setdefault(name, set())
+    try:
+        with open("/proc/net/if_inet6") as f:
+            for line in f:
+                fields = line.split()
+                found.setdefault(fields[-1], set()).add(ipaddress.ip_address(bytes.fromhex(fields[0])))
+    except OSError:
+        pass
+    return found
+
+
+def _is_loopback_interface(name: str) -> bool:
+    try:
+        with open(f"/sys/class/net/{name}/flags") as f:
+            return bool(int(f.read(), 16) & _IFF_LOOPBACK)
+    except (OSError, ValueError):
+        return name == "lo"
+
+
+def _rdma_devices() -> list[str]:
+    """``mlx5_0:1``-style names of the RDMA ports (they open no TCP listener)."""
+    return sorted(f"{port.split('/')[-3]}:{port.split('/')[-1]}"
+                  for port in glob.glob("/sys/class/infiniband/*/ports/*"))
+
+
+def net_devices_for(host: str) -> str | None:
+    """``UCX_NET_DEVICES`` for a worker whose KV listener binds ``host``: the interface holding
+    that address (plus the RDMA ports, which listen on nothing), so UCX's own TCP listeners sit
+    where the configured one does. None (UCX's default: every device) for a wildcard host, or
+    when no interface holds the address (e.g. a name that does not resolve here)."""
+    try:
+        ip = ipaddress.ip_address(socket.getaddrinfo(host, None)[0][4][0].split("%")[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    if ip.is_unspecified:
+        return None
+    interfaces = _interface_addresses()
+    if ip.is_loopback:
+        names = [n for n in interfaces if _is_loopback_interface(n)]
+        return names[0] if names else None
+    holder = next((name for name, addresses in interfaces.items() if ip in addresses), None)
+    if holder is None:
+        log.warning("no network interface holds the KV host %s; UCX keeps its default devices", host)
+        return None
+    return ",".join([holder, *_rdma_devices()])
 
 
 def ucx_options(net_devices: str | None) -> dict[str, str]:

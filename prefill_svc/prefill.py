@@ -55,7 +55,7 @@ async def handle_prefill(worker, request: web.Request) -> web.Response:
         return _reply(PrefillResult(error=str(exc)), 409)
     rid = body.request_id
     loop = asyncio.get_running_loop()
-    job = ShippingJob(rid, kv_address, body.dst_block_ids, body.num_skip_blocks, loop)
+    job = ShippingJob(rid, body.kv_transfer_id, kv_address, body.dst_block_ids, body.num_skip_blocks, loop)
     stream = worker.engine_thread.open_stream(rid)
     first_token: asyncio.Future = loop.create_future()
     shipping: asyncio.Task | None = None

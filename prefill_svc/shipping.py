@@ -26,10 +26,11 @@ FINAL = object()
 
 @dataclass
 class ShippingJob:
-    """One request whose KV goes to ``kv_address``: block index ``i`` lands in
-    ``dst_block_ids[i - num_skip_blocks]`` (the decode worker already has the first ones)."""
+    """One request whose KV goes to ``kv_address`` as transfer ``transfer_id``: block index ``i``
+    lands in ``dst_block_ids[i - num_skip_blocks]`` (the decode worker already has the first ones)."""
 
     request_id: str
+    transfer_id: str
     kv_address: KVAddress
     dst_block_ids: list[int]
     num_skip_blocks: int
@@ -98,7 +99,7 @@ async def ship(worker, job: ShippingJob, first_token: asyncio.Future) -> int:
     """
     sent = 0
     address = f"{job.kv_address.host}:{job.kv_address.port}"
-    transfer = await worker.kv_sender.begin(job.request_id, address)
+    transfer = await worker.kv_sender.begin(job.transfer_id, address)
     try:
         while True:
             item = await job.queue.get()

@@ -156,7 +156,7 @@ class ScriptedPeer:
         layout = engine.kv_cache.layout
         self.cache = KVCache(layout, NUM_BLOCKS)
         self.cache.buffer.fill_(CANARY)
-        self.sender = KVSender(self.cache, KVTransferConfig(transport="tcp"))
+        self.sender = KVSender(self.cache, KVTransferConfig(transport="tcp"), auth=ClusterAuth(stack.cluster_secret))
         self.script = None
         self.aborted: set[str] = set()
         self.stopping = asyncio.Event()
@@ -229,7 +229,7 @@ async def ship_held(peer: ScriptedPeer, request: PrefillRequest) -> ThrottledLin
     """Start shipping canary KV for the last run of the reservation and hold it mid-payload
     (the receiver is writing into the blocks when the bytes stop)."""
     link, address = await peer.link(request)
-    transfer = await peer.sender.begin(request.request_id, address)
+    transfer = await peer.sender.begin(request.kv_transfer_id, address)
     link.hold_after(512)  # past the frame header, well inside the first block's payload
     src, dst = last_run(request.dst_block_ids)
     asyncio.ensure_future(transfer.send_blocks(src, dst))
@@ -396,7 +396,7 @@ async def test_prefill_peer_that_never_answers_is_bounded(decode_worker, engine,
 
     async def script(request: PrefillRequest):
         kv = await peer.kv_address(request)
-        transfer = await peer.sender.begin(request.request_id, f"{kv.host}:{kv.port}")
+        transfer = await peer.sender.begin(request.kv_transfer_id, f"{kv.host}:{kv.port}")
         await transfer.send_blocks(list(range(len(request.dst_block_ids))), request.dst_block_ids)
         await transfer.finish({"first_token": 7})
         await peer.hang()

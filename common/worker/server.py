@@ -139,9 +139,9 @@ class Worker:
             module.install(self, app)
         self.engine_thread.start()
 
-        self.kv_receiver = KVReceiver(self.engine.kv_cache, self.config.kv)
+        self.kv_receiver = KVReceiver(self.engine.kv_cache, self.config.kv, auth=self.auth)
         host, port = parse_address(await self.kv_receiver.start())
-        self.kv_sender = KVSender(self.engine.kv_cache, self.config.kv)
+        self.kv_sender = KVSender(self.engine.kv_cache, self.config.kv, auth=self.auth)
         self.kv_address = KVAddress(transport=self.config.kv.transport,
                                     host=self.config.advertise_host or host, port=port)
 

@@ -13,7 +13,7 @@ import pytest
 import uvloop
 
 from common.engine.kv_cache import KVCache, KVLayout
-from kvt_support import LAYOUT, NUM_BLOCKS, TRANSPORTS, random_cache
+from kvt_support import AUTH, LAYOUT, NUM_BLOCKS, TRANSPORTS, random_cache
 from kvtransfer import KVReceiver, KVSender, KVTransferConfig
 
 
@@ -33,9 +33,9 @@ def make_pair(transport):
     @contextlib.asynccontextmanager
     async def pair(sender_layout: KVLayout = LAYOUT, **config):
         cfg = KVTransferConfig(transport=transport, **config)
-        receiver = KVReceiver(KVCache(LAYOUT, NUM_BLOCKS), cfg)
+        receiver = KVReceiver(KVCache(LAYOUT, NUM_BLOCKS), cfg, auth=AUTH)
         await receiver.start()
-        sender = KVSender(random_cache(1, sender_layout), cfg)
+        sender = KVSender(random_cache(1, sender_layout), cfg, auth=AUTH)
         try:
             yield sender, receiver
         finally:

@@ -1,7 +1,7 @@
 """A sender or receiver in its own process, for the multi-process tests.
 
-    python tests/kvtransfer/kv_peer.py send --transport tcp --address H:P --src 1,2,3 --dst 4,5,6 [--hang-after 1]
-    python tests/kvtransfer/kv_peer.py recv --transport tcp --dst 4,5,6
+    python tests/kvtransfer/kv_peer.py send --transport tcp --address H:P --transfer-id T --src 1,2,3 --dst 4,5,6 [--hang-after 1]
+    python tests/kvtransfer/kv_peer.py recv --transport tcp --dst 4,5,6     (reports the transfer id it expects)
 
 It reports progress as one JSON object per line on stdout ({"event": ...}) so the test can await
 each step instead of sleeping. Caches are seeded (``kvt_support.random_cache``) so the test can
@@ -18,7 +18,7 @@ import sys
 sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), os.getcwd()]
 
 from common.engine.kv_cache import KVCache  # noqa: E402
-from kvt_support import LAYOUT, NUM_BLOCKS, random_cache  # noqa: E402
+from kvt_support import AUTH, LAYOUT, NUM_BLOCKS, random_cache  # noqa: E402
 from kvtransfer import KVReceiver, KVSender, KVTransferConfig, TransferError  # noqa: E402
 
 
@@ -31,7 +31,7 @@ def ids(text: str) -> list[int]:
 
 
 async def send(args) -> None:
-    sender = KVSender(random_cache(args.seed), KVTransferConfig(transport=args.transport))
+    sender = KVSender(random_cache(args.seed), KVTransferConfig(transport=args.transport), auth=AUTH)
     tx = await sender.begin(args.transfer_id, args.address)
     src, dst = ids(args.src), ids(args.dst)
     for i in range(0, len(src), args.chunk):
@@ -45,10 +45,10 @@ async def send(args) -> None:
 
 async def recv(args) -> None:
     cfg = KVTransferConfig(transport=args.transport, transfer_timeout=args.timeout)
-    receiver = KVReceiver(KVCache(LAYOUT, NUM_BLOCKS), cfg)
+    receiver = KVReceiver(KVCache(LAYOUT, NUM_BLOCKS), cfg, auth=AUTH)
     address = await receiver.start()
-    rx = receiver.expect(args.transfer_id, ids(args.dst))
-    emit(event="listening", address=address)
+    rx = receiver.expect("peer", ids(args.dst))
+    emit(event="listening", address=address, transfer_id=rx.transfer_id)
     try:
         result = await rx.wait()
         emit(event="done", metadata=result.metadata)
@@ -61,7 +61,7 @@ def main() -> None:
     parser.add_argument("role", choices=["send", "recv"])
     parser.add_argument("--transport", required=True)
     parser.add_argument("--address")
-    parser.add_argument("--transfer-id", default="t")
+    parser.add_argument("--transfer-id")
     parser.add_argument("--src")
     parser.add_argument("--dst", required=True)
     parser.add_argument("--seed", type=int, default=7)

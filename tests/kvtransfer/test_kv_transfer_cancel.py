@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from common.engine.kv_cache import KVCache
-from kvt_support import LAYOUT, random_cache
+from kvt_support import AUTH, LAYOUT, random_cache
 from kvtransfer import ConnectionLost, KVReceiver, KVSender, KVTransferConfig, TransferAborted, make_transport
 from kvtransfer.config import parse_address
 from kvtransfer.socket_io import FrameWriter
@@ -32,14 +32,14 @@ BIG_BLOCKS = 64
 
 async def test_cancel_mid_payload_leaves_the_other_transfer_intact(transport):
     cfg = KVTransferConfig(transport=transport)
-    receiver = KVReceiver(KVCache(BIG, BIG_BLOCKS), cfg)
+    receiver = KVReceiver(KVCache(BIG, BIG_BLOCKS), cfg, auth=AUTH)
     await receiver.start()
-    sender = KVSender(random_cache(3, BIG, BIG_BLOCKS), cfg)
+    sender = KVSender(random_cache(3, BIG, BIG_BLOCKS), cfg, auth=AUTH)
     try:
         rx_a = receiver.expect("a", list(range(0, 40)))
         rx_b = receiver.expect("b", [40, 41, 42, 43])
-        tx_a = await sender.begin("a", receiver.address)
-        tx_b = await sender.begin("b", receiver.address)
+        tx_a = await sender.begin(rx_a.transfer_id, receiver.address)
+        tx_b = await sender.begin(rx_b.transfer_id, receiver.address)
         assert tx_a._conn is tx_b._conn, "both transfers must share one connection"
 
         send_a = asyncio.create_task(tx_a.send_blocks(list(range(0, 40)), list(range(0, 40))))
@@ -61,7 +61,7 @@ async def test_cancel_mid_payload_leaves_the_other_transfer_intact(transport):
 
         # The connection is still good for new transfers.
         rx_c = receiver.expect("c", [45])
-        tx_c = await sender.begin("c", receiver.address)
+        tx_c = await sender.begin(rx_c.transfer_id, receiver.address)
         assert tx_c._conn is tx_b._conn
         await tx_c.send_blocks([1], [45])
         await asyncio.wait_for(tx_c.finish(), BOUND)

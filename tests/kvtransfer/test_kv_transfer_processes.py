@@ -5,14 +5,13 @@ import asyncio
 import json
 import os
 import sys
-import uuid
 
 import pytest
 import torch
 
 from common.engine.block_pool import BlockPool
 from common.engine.kv_cache import KVCache
-from kvt_support import LAYOUT, NUM_BLOCKS, random_cache
+from kvt_support import AUTH, LAYOUT, NUM_BLOCKS, random_cache
 from kvtransfer import KVReceiver, KVSender, KVTransferConfig, PeerLost, TransferError
 
 pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.parametrize("transport", ["tcp", "ucx"])]
@@ -44,14 +43,9 @@ class Peer:
         await self.proc.wait()
 
 
-def unique_id() -> str:
-    # Other test runs on this host may connect to a port this receiver reuses: never share ids.
-    return f"t-{uuid.uuid4().hex}"
-
-
 async def start_receiver(transport: str, timeout: float = 120.0) -> KVReceiver:
     cfg = KVTransferConfig(transport=transport, transfer_timeout=timeout)
-    receiver = KVReceiver(KVCache(LAYOUT, NUM_BLOCKS), cfg)
+    receiver = KVReceiver(KVCache(LAYOUT, NUM_BLOCKS), cfg, auth=AUTH)
     await receiver.start()
     return receiver
 
@@ -59,10 +53,9 @@ async def start_receiver(transport: str, timeout: float = 120.0) -> KVReceiver:
 async def test_round_trip_between_processes(transport):
     receiver = await start_receiver(transport)
     src, dst = [1, 2, 3, 8, 9, 30], [4, 5, 12, 13, 14, 2]
-    tid = unique_id()
-    rx = receiver.expect(tid, dst)
-    peer = await Peer.start("send", "--transport", transport, "--address", receiver.address, "--transfer-id", tid,
-                            "--src", ",".join(map(str, src)), "--dst", ",".join(map(str, dst)))
+    rx = receiver.expect("round-trip", dst)
+    peer = await Peer.start("send", "--transport", transport, "--address", receiver.address,
+                            "--transfer-id", rx.transfer_id, "--src", ",".join(map(str, src)), "--dst", ",".join(map(str, dst)))
     try:
         result = await rx.wait()
         assert result.metadata == {"first_token": [123]}
@@ -79,10 +72,9 @@ async def test_sender_killed_mid_transfer(transport):
     receiver = await start_receiver(transport)
     blocks = pool.allocate(6)
     dst = [b.block_id for b in blocks]
-    tid = unique_id()
-    rx = receiver.expect(tid, dst)
-    peer = await Peer.start("send", "--transport", transport, "--address", receiver.address, "--transfer-id", tid,
-                            "--src", "1,2,3,4,5,6", "--dst", ",".join(map(str, dst)), "--hang-after", "1")
+    rx = receiver.expect("killed-sender", dst)
+    peer = await Peer.start("send", "--transport", transport, "--address", receiver.address,
+                            "--transfer-id", rx.transfer_id, "--src", "1,2,3,4,5,6", "--dst", ",".join(map(str, dst)), "--hang-after", "1")
     try:
         assert (await peer.event())["event"] == "chunk"
         await peer.kill()
@@ -95,8 +87,8 @@ async def test_sender_killed_mid_transfer(transport):
         assert receiver.num_pending == 0
         # The receiver keeps working for other senders.
         rx2 = receiver.expect("after", [0])
-        sender = KVSender(random_cache(1), receiver.config)
-        tx = await sender.begin("after", receiver.address)
+        sender = KVSender(random_cache(1), receiver.config, auth=AUTH)
+        tx = await sender.begin(rx2.transfer_id, receiver.address)
         await tx.send_blocks([5], [0])
         await tx.finish()
         await rx2.wait()
@@ -107,11 +99,11 @@ async def test_sender_killed_mid_transfer(transport):
 
 
 async def test_receiver_killed_sender_frees(transport):
-    tid = unique_id()
-    peer = await Peer.start("recv", "--transport", transport, "--dst", "1,2,3,4", "--transfer-id", tid)
-    sender = KVSender(random_cache(1), KVTransferConfig(transport=transport, lease_timeout=120.0))
+    peer = await Peer.start("recv", "--transport", transport, "--dst", "1,2,3,4")
+    sender = KVSender(random_cache(1), KVTransferConfig(transport=transport, lease_timeout=120.0), auth=AUTH)
     try:
         listening = await peer.event()
+        tid = listening["transfer_id"]
         tx = await sender.begin(tid, listening["address"])
         await tx.send_blocks([1, 2], [1, 2])
         await peer.kill()

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from common.engine.kv_cache import KVCache
-from kvt_support import LAYOUT, NUM_BLOCKS, random_cache
+from kvt_support import AUTH, LAYOUT, NUM_BLOCKS, random_cache
 from kvtransfer import KVReceiver, KVSender, KVTransferConfig, PeerLost, make_transport
 from kvtransfer.config import parse_address
 from kvtransfer.handshake import client_handshake
@@ -35,7 +35,7 @@ GARBAGE = {
     "absurd header length": lambda t: framed(t, b"x" * 16, length=0xFFFFFFFF),
     "empty header": lambda t: framed(t, b""),
     "msgpack, not a message": lambda t: framed(t, b"\x93\x01\x02"),
-    "truncated, then closed": lambda t: framed(t, encode(Hello(layout=LAYOUT)))[:-3],
+    "truncated, then closed": lambda t: framed(t, encode(Hello(layout=LAYOUT, nonce=bytes(32))))[:-3],
     "payload before the handshake": lambda t: framed(t, encode(Blocks("x", 1, 1, LAYOUT.block_nbytes)), seq=1),
 }
 
@@ -44,9 +44,9 @@ GARBAGE = {
 @pytest.mark.parametrize("garbage", list(GARBAGE), ids=list(GARBAGE))
 async def test_raw_garbage_ends_that_connection_only(transport, garbage):
     cfg = KVTransferConfig(transport=transport)
-    receiver = KVReceiver(KVCache(LAYOUT, NUM_BLOCKS), cfg)
+    receiver = KVReceiver(KVCache(LAYOUT, NUM_BLOCKS), cfg, auth=AUTH)
     host, port = parse_address(await receiver.start())
-    sender = KVSender(random_cache(1), cfg)
+    sender = KVSender(random_cache(1), cfg, auth=AUTH)
     try:
         reader, writer = await asyncio.open_connection(host, port)
         writer.write(GARBAGE[garbage](transport))
@@ -61,7 +61,7 @@ async def test_raw_garbage_ends_that_connection_only(transport, garbage):
         assert not receiver.cache.buffer.any()
 
         rx = receiver.expect("ok", [1])
-        tx = await sender.begin("ok", receiver.address)
+        tx = await sender.begin(rx.transfer_id, receiver.address)
         await tx.send_blocks([2], [1])
         await tx.finish()
         await asyncio.wait_for(rx.wait(), BOUND)
@@ -74,17 +74,17 @@ async def test_raw_garbage_ends_that_connection_only(transport, garbage):
 async def test_payload_length_that_disagrees_with_the_layout_is_refused(transport):
     """After a valid handshake, a Blocks header claiming 1 TiB is refused before a byte of it is read."""
     cfg = KVTransferConfig(transport=transport)
-    receiver = KVReceiver(KVCache(LAYOUT, NUM_BLOCKS), cfg)
+    receiver = KVReceiver(KVCache(LAYOUT, NUM_BLOCKS), cfg, auth=AUTH)
     net = make_transport(transport)
     rx = receiver.expect("big", [1, 2])
     await receiver.start()
     channel = await net.connect(*parse_address(receiver.address), 5.0)
     cache = random_cache(1)
     try:
-        await client_handshake(channel, LAYOUT, False, 5.0)
+        await client_handshake(channel, LAYOUT, False, 5.0, AUTH)
         block = cache.buffer[3].reshape(-1).view(torch.uint8)
-        await channel.send(encode(Blocks("big", 1, 1, block.numel())), block)  # binds "big" here
-        await channel.send(encode(Blocks("big", 2, 1, 1 << 40)))  # no payload follows, none is read
+        await channel.send(encode(Blocks(rx.transfer_id, 1, 1, block.numel())), block)  # binds the transfer here
+        await channel.send(encode(Blocks(rx.transfer_id, 2, 1, 1 << 40)))  # no payload follows, none is read
         with pytest.raises(PeerLost, match="announces 1099511627776 bytes"):
             await asyncio.wait_for(rx.wait(), BOUND)
         assert not receiver.cache.buffer[2].any()

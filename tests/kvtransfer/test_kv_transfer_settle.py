@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from common.engine.kv_cache import KVCache
-from kvt_support import LAYOUT, NUM_BLOCKS, random_cache, wait_until
+from kvt_support import AUTH, LAYOUT, NUM_BLOCKS, random_cache, wait_until
 from kvtransfer import KVReceiver, KVTransferConfig, TransferAborted, TransferTimeout, make_transport
 from kvtransfer.config import parse_address
 from kvtransfer.handshake import client_handshake
@@ -42,7 +42,7 @@ class SlowSender:
     async def connect(cls, transport: str, address: str) -> "SlowSender":
         host, port = parse_address(address)
         channel = await make_transport(transport).connect(host, port, 5.0)
-        await client_handshake(channel, LAYOUT, False, 5.0)
+        await client_handshake(channel, LAYOUT, False, 5.0, AUTH)
         return cls(channel, random_cache(1))
 
     async def announce(self, transfer_id: str, first_dst: int, src: int, count: int) -> torch.Tensor:
@@ -76,7 +76,7 @@ class SlowSender:
 
 @contextlib.asynccontextmanager
 async def receiver_for(transport: str, **config):
-    receiver = KVReceiver(KVCache(LAYOUT, NUM_BLOCKS), KVTransferConfig(transport=transport, **config))
+    receiver = KVReceiver(KVCache(LAYOUT, NUM_BLOCKS), KVTransferConfig(transport=transport, **config), auth=AUTH)
     await receiver.start()
     try:
         yield receiver
@@ -92,12 +92,12 @@ async def test_tcp_abort_mid_payload_diverts_the_rest_and_keeps_the_connection()
         rx = receiver.expect("slow", dst)
         sender = await SlowSender.connect("tcp", receiver.address)
         try:
-            payload = await sender.announce("slow", 3, src=10, count=3)
+            payload = await sender.announce(rx.transfer_id, 3, src=10, count=3)
             half = payload.numel() // 2
             await sender.raw_bytes(payload[:half])
             await wait_until(lambda: rx.landing and receiver.cache.buffer[3].any())
 
-            assert receiver.abort("slow", "client left") is rx
+            assert receiver.abort(rx.transfer_id, "client left") is rx
             await asyncio.wait_for(rx.settled(), SETTLE_BOUND)
             with pytest.raises(TransferAborted, match="client left"):
                 await rx.wait()
@@ -106,7 +106,7 @@ async def test_tcp_abort_mid_payload_diverts_the_rest_and_keeps_the_connection()
 
             await sender.raw_bytes(payload[half:])  # the sender did not know yet
             rx_next = receiver.expect("next", [9])
-            await sender.complete("next", 9, src=2, count=1)
+            await sender.complete(rx_next.transfer_id, 9, src=2, count=1)
             await asyncio.wait_for(rx_next.wait(), SETTLE_BOUND)
             assert torch.equal(receiver.cache.buffer[9], sender.cache.buffer[2]), "framing lost after diversion"
             assert torch.equal(receiver.cache.buffer[dst], canary), "bytes landed after the handle settled"
@@ -119,7 +119,7 @@ async def test_tcp_deadline_mid_payload_settles_without_waiting_for_the_sender()
         rx = receiver.expect("late", [6, 7], timeout=1.0)
         sender = await SlowSender.connect("tcp", receiver.address)
         try:
-            payload = await sender.announce("late", 6, src=1, count=2)
+            payload = await sender.announce(rx.transfer_id, 6, src=1, count=2)
             await sender.raw_bytes(payload[:100])
             await asyncio.wait_for(rx.settled(), SETTLE_BOUND)  # no more bytes come before this
             with pytest.raises(TransferTimeout):
@@ -128,7 +128,7 @@ async def test_tcp_deadline_mid_payload_settles_without_waiting_for_the_sender()
             receiver.cache.buffer[[6, 7]] = canary
             await sender.raw_bytes(payload[100:])
             rx_next = receiver.expect("next", [8])
-            await sender.complete("next", 8, src=3, count=1)
+            await sender.complete(rx_next.transfer_id, 8, src=3, count=1)
             await asyncio.wait_for(rx_next.wait(), SETTLE_BOUND)
             assert torch.equal(receiver.cache.buffer[[6, 7]], canary)
         finally:
@@ -144,9 +144,9 @@ async def test_ucx_abort_while_payload_owed_drains_it_elsewhere():
         rx = receiver.expect("owed", dst)
         sender = await SlowSender.connect("ucx", receiver.address)
         try:
-            payload = await sender.announce("owed", 11, src=4, count=2)
+            payload = await sender.announce(rx.transfer_id, 11, src=4, count=2)
             await wait_until(lambda: rx.landing)
-            receiver.abort("owed", "client left")
+            receiver.abort(rx.transfer_id, "client left")
             await asyncio.wait_for(rx.settled(), SETTLE_BOUND)
             with pytest.raises(TransferAborted):
                 await rx.wait()
@@ -154,7 +154,7 @@ async def test_ucx_abort_while_payload_owed_drains_it_elsewhere():
             receiver.cache.buffer[dst] = canary
             await asyncio.wait_for(sender.pay_ucx(payload), SETTLE_BOUND)
             rx_next = receiver.expect("next", [13])
-            await sender.complete("next", 13, src=5, count=1)
+            await sender.complete(rx_next.transfer_id, 13, src=5, count=1)
             await asyncio.wait_for(rx_next.wait(), SETTLE_BOUND)
             assert torch.equal(receiver.cache.buffer[13], sender.cache.buffer[5])
             assert torch.equal(receiver.cache.buffer[dst], canary), "bytes landed after the handle settled"
@@ -166,8 +166,8 @@ async def test_ucx_abort_while_payload_owed_drains_it_elsewhere():
 async def test_abort_with_nothing_landing_settles_at_once(transport):
     async with receiver_for(transport) as receiver:
         rx = receiver.expect("idle", [1, 2])
-        handle = receiver.abort("idle", "gave up")
-        assert handle is rx and receiver.abort("idle") is None  # not in flight any more
+        handle = receiver.abort(rx.transfer_id, "gave up")
+        assert handle is rx and receiver.abort(rx.transfer_id) is None  # not in flight any more
         await asyncio.wait_for(rx.settled(), SETTLE_BOUND)
         with pytest.raises(TransferAborted, match="gave up"):
             await rx.wait()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from common.engine.block_pool import BlockPool
-from kvt_support import LAYOUT, NUM_BLOCKS, random_cache, wait_until
+from kvt_support import AUTH, LAYOUT, NUM_BLOCKS, random_cache, wait_until
 from kvtransfer import (
     ChecksumMismatch, ConnectionLost, HandshakeError, KVReceiver, KVSender, KVTransferConfig, PeerLost,
     TransferAborted, TransferError, TransferTimeout, make_transport,
@@ -34,7 +34,7 @@ async def test_round_trip_noncontiguous_overlapping_ids(make_pair):
         dst = [b.block_id for b in reserved]
         src = [2, 3, 4, 9, 5, 6]  # overlaps dst ids partially; runs break on either side
         rx = receiver.expect("r1", dst)
-        tx = await sender.begin("r1", receiver.address)
+        tx = await sender.begin(rx.transfer_id, receiver.address)
         await tx.send_blocks(src, dst)
         await tx.finish({"first_token": [7], "note": "ok"})
         result = await rx.wait()
@@ -52,8 +52,8 @@ async def test_chunks_interleaved_with_other_transfers(make_pair):
     async with make_pair() as (sender, receiver):
         rx_a = receiver.expect("a", [10, 11, 12, 13])
         rx_b = receiver.expect("b", [20, 22, 24])
-        tx_a = await sender.begin("a", receiver.address)
-        tx_b = await sender.begin("b", receiver.address)
+        tx_a = await sender.begin(rx_a.transfer_id, receiver.address)
+        tx_b = await sender.begin(rx_b.transfer_id, receiver.address)
         await tx_a.send_blocks([0, 1], [10, 11])  # chunk 1 of a
         await tx_b.send_blocks([5], [20])
         await tx_a.send_blocks([2], [12])  # chunk 2 of a
@@ -68,11 +68,11 @@ async def test_chunks_interleaved_with_other_transfers(make_pair):
 
 async def test_concurrent_transfers_to_one_receiver(make_pair, transport):
     async with make_pair() as (sender, receiver):
-        other = KVSender(random_cache(2), sender.config)  # a second prefill worker
+        other = KVSender(random_cache(2), sender.config, auth=AUTH)  # a second prefill worker
         try:
             async def ship(s: KVSender, name: str, src: list[int], dst: list[int]):
                 rx = receiver.expect(name, dst)
-                tx = await s.begin(name, receiver.address)
+                tx = await s.begin(rx.transfer_id, receiver.address)
                 for i in range(0, len(src), 2):
                     await tx.send_blocks(src[i : i + 2], dst[i : i + 2])
                 await tx.finish({"first_token": [len(name)]})
@@ -81,7 +81,7 @@ async def test_concurrent_transfers_to_one_receiver(make_pair, transport):
             jobs = [(sender if i % 2 else other, f"req-{i}", [i, i + 8, i + 16], [3 * i, 3 * i + 1, 3 * i + 2])
                     for i in range(8)]
             results = await asyncio.gather(*(ship(*job) for job in jobs))
-            assert [r.transfer_id for r in results] == [f"req-{i}" for i in range(8)]
+            assert len({r.transfer_id for r in results}) == 8
             for s, _, src, dst in jobs:
                 assert_copied(s, receiver, src, dst)
         finally:
@@ -95,10 +95,10 @@ async def test_handshake_mismatch_names_field_and_sends_nothing(make_pair):
     async with make_pair(sender_layout=wrong) as (sender, receiver):
         rx = receiver.expect("h", [1, 2])
         with pytest.raises(HandshakeError, match="dtype: 'float32' != 'float16'.*head_dim"):
-            await sender.begin("h", receiver.address)
+            await sender.begin(rx.transfer_id, receiver.address)
         assert not receiver.cache.buffer.any()
         assert not rx.done()
-        receiver.abort("h")
+        receiver.abort(rx.transfer_id)
         with pytest.raises(TransferAborted):
             await rx.wait()
 
@@ -106,9 +106,9 @@ async def test_handshake_mismatch_names_field_and_sends_nothing(make_pair):
 async def test_abort_by_receiver_reaches_sender(make_pair):
     async with make_pair() as (sender, receiver):
         rx = receiver.expect("x", [1, 2, 3])
-        tx = await sender.begin("x", receiver.address)
+        tx = await sender.begin(rx.transfer_id, receiver.address)
         await tx.send_blocks([4], [1])
-        assert receiver.abort("x", "client disconnected")
+        assert receiver.abort(rx.transfer_id, "client disconnected")
         with pytest.raises(TransferAborted, match="client disconnected"):
             await rx.wait()
         with pytest.raises(TransferAborted, match="aborted by receiver"):
@@ -119,7 +119,7 @@ async def test_abort_by_receiver_reaches_sender(make_pair):
 async def test_abort_by_sender_reaches_receiver(make_pair):
     async with make_pair() as (sender, receiver):
         rx = receiver.expect("y", [5, 6])
-        tx = await sender.begin("y", receiver.address)
+        tx = await sender.begin(rx.transfer_id, receiver.address)
         await tx.send_blocks([0], [5])
         tx.abort("prefill preempted")
         with pytest.raises(TransferAborted, match="aborted by sender: prefill preempted"):
@@ -132,7 +132,7 @@ async def test_abort_by_sender_reaches_receiver(make_pair):
 async def test_receiver_deadline_fails_once_and_tells_sender(make_pair):
     async with make_pair() as (sender, receiver):
         rx = receiver.expect("slow", [1, 2], timeout=1.0)  # how long the test waits, not a bound
-        tx = await sender.begin("slow", receiver.address)
+        tx = await sender.begin(rx.transfer_id, receiver.address)
         await tx.send_blocks([3], [1])  # the second block never comes
         with pytest.raises(TransferTimeout, match="of 2 blocks missing"):
             await rx.wait()
@@ -148,7 +148,7 @@ async def test_sender_lease_expires_without_ack(transport):
     frames: list[str] = []
 
     async def silent_receiver(channel):
-        await server_handshake(channel, LAYOUT, False, 5.0)
+        await server_handshake(channel, LAYOUT, False, 5.0, AUTH)
         with contextlib.suppress(ConnectionLost):
             while True:
                 msg = decode(await channel.recv_header())
@@ -157,7 +157,7 @@ async def test_sender_lease_expires_without_ack(transport):
                     await channel.discard_payload(msg.nbytes)
 
     listener = await net.listen("127.0.0.1", 0, silent_receiver)
-    sender = KVSender(random_cache(1), cfg, transport=net)
+    sender = KVSender(random_cache(1), cfg, transport=net, auth=AUTH)
     try:
         tx = await sender.begin("lease", listener.address)
         await tx.send_blocks([1, 2], [1, 2])
@@ -175,7 +175,7 @@ async def test_sender_lease_expires_without_ack(transport):
 async def test_done_before_all_blocks_is_an_error(make_pair):
     async with make_pair() as (sender, receiver):
         rx = receiver.expect("short", [1, 2, 3])
-        tx = await sender.begin("short", receiver.address)
+        tx = await sender.begin(rx.transfer_id, receiver.address)
         await tx.send_blocks([1, 2], [1, 2])
         with pytest.raises(TransferAborted, match="1 of 3 missing"):
             await tx.finish()
@@ -186,7 +186,7 @@ async def test_done_before_all_blocks_is_an_error(make_pair):
 async def test_blocks_outside_reservation_are_refused(make_pair):
     async with make_pair() as (sender, receiver):
         rx = receiver.expect("oob", [1, 2])
-        tx = await sender.begin("oob", receiver.address)
+        tx = await sender.begin(rx.transfer_id, receiver.address)
         await tx.send_blocks([1, 2], [2, 3])  # 3 is not reserved
         with pytest.raises(TransferAborted, match=r"outside the reservation"):
             await rx.wait()
@@ -207,7 +207,7 @@ async def test_unknown_transfer_is_refused_without_harm(make_pair):
 async def test_checksums_round_trip_and_catch_corruption(make_pair, monkeypatch):
     async with make_pair(checksum=True) as (sender, receiver):
         rx = receiver.expect("c1", [1, 2])
-        tx = await sender.begin("c1", receiver.address)
+        tx = await sender.begin(rx.transfer_id, receiver.address)
         await tx.send_blocks([3, 4], [1, 2])
         await tx.finish()
         await rx.wait()
@@ -216,7 +216,7 @@ async def test_checksums_round_trip_and_catch_corruption(make_pair, monkeypatch)
         real = regions.block_checksums
         monkeypatch.setattr("kvtransfer.sender.block_checksums", lambda r, n: [c ^ 1 for c in real(r, n)])
         rx = receiver.expect("c2", [5])
-        tx = await sender.begin("c2", receiver.address)
+        tx = await sender.begin(rx.transfer_id, receiver.address)
         await tx.send_blocks([6], [5])
         with pytest.raises(ChecksumMismatch, match=r"blocks \[5\]"):
             await rx.wait()
@@ -227,8 +227,8 @@ async def test_checksums_round_trip_and_catch_corruption(make_pair, monkeypatch)
 async def test_garbage_frame_drops_only_that_connection(make_pair, transport):
     async with make_pair() as (sender, receiver):
         rx_bad = receiver.expect("bad", [1, 2])
-        bad = KVSender(random_cache(3), sender.config)
-        tx_bad = await bad.begin("bad", receiver.address)
+        bad = KVSender(random_cache(3), sender.config, auth=AUTH)
+        tx_bad = await bad.begin(rx_bad.transfer_id, receiver.address)
         await tx_bad.send_blocks([1], [1])  # binds "bad" to that connection
         await tx_bad._conn.channel.send(b"\xc1 not msgpack")
         with pytest.raises(PeerLost, match="protocol error: malformed header"):
@@ -238,7 +238,7 @@ async def test_garbage_frame_drops_only_that_connection(make_pair, transport):
         await bad.close()
 
         # An absurd payload length in a well-formed header: refused before any payload is read.
-        bad2 = KVSender(random_cache(3), sender.config)
+        bad2 = KVSender(random_cache(3), sender.config, auth=AUTH)
         tx2 = await bad2.begin("absurd", receiver.address)
         await tx2._conn.channel.send(encode(Blocks("absurd", 0, 1, 1 << 40)))
         with pytest.raises(PeerLost):
@@ -247,7 +247,7 @@ async def test_garbage_frame_drops_only_that_connection(make_pair, transport):
 
         # The receiver keeps serving everyone else.
         rx = receiver.expect("good", [7, 8])
-        tx = await sender.begin("good", receiver.address)
+        tx = await sender.begin(rx.transfer_id, receiver.address)
         await tx.send_blocks([9, 10], [7, 8])
         await tx.finish()
         await rx.wait()
@@ -260,6 +260,7 @@ async def test_expect_validates_ids(make_pair):
             receiver.expect("v", [NUM_BLOCKS])
         with pytest.raises(ValueError, match="duplicate"):
             receiver.expect("v", [1, 1])
-        receiver.expect("v", [1])
-        with pytest.raises(ValueError, match="already expected"):
-            receiver.expect("v", [2])
+        first, second = receiver.expect("v", [1]), receiver.expect("v", [2])
+        # The wire knows a transfer only by an id nobody can guess: 128 random bits per expect().
+        assert first.transfer_id != second.transfer_id
+        assert all(len(bytes.fromhex(h.transfer_id)) == 16 for h in (first, second))
