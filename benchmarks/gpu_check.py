@@ -132,6 +132,9 @@ def check_parity(device, workdir: Path, smoke: bool) -> dict:
 
 
 def parity_modes(device) -> list[tuple[str, dict]]:
+    """With and without CUDA graphs on a GPU (decode-only steps replayed, padded to their bucket)."""
+    if device.type == "cuda":
+        return [("cuda_graphs", {"cuda_graphs": True}), ("eager", {"cuda_graphs": False})]
     return [("eager", {})]
 
 
@@ -252,6 +255,7 @@ def check_speed(device, workdir: Path, smoke: bool) -> dict:
     result = {
         "speed_model": "llama-tiny-dummy" if smoke else "llama-3-8b-shape-dummy",
         "speed_attention_backend": engine.attention.name,
+        "cuda_graphs": engine.runner.graphs is not None,
         "decode_weight_bytes": weight_bytes,
         "decode_roofline_ms": round(roofline_ms, 3),
         "decode_step_ms": step_ms,
@@ -282,7 +286,17 @@ def check_speed(device, workdir: Path, smoke: bool) -> dict:
 
 
 def eager_decode(engine, steps: int) -> dict:
-    return {}
+    """Decode at batch 1 with the CUDA graphs set aside: what they save."""
+    graphs = engine.runner.graphs
+    if graphs is None:
+        return {}
+    engine.runner.graphs = None
+    try:
+        ms = round(decode_step_ms(engine, 1, steps), 3)
+    finally:
+        engine.runner.graphs = graphs
+    log(f"decode batch 1 without CUDA graphs: {ms} ms per step")
+    return {"decode_step_ms_no_cuda_graphs": {"1": ms}}
 
 
 # ---- 4. chunked prefill -------------------------------------------------------------------------

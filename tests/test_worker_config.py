@@ -12,6 +12,8 @@ def env_value(action: argparse.Action) -> tuple[str, object]:
     """A value for ``action`` that differs from its default, as a string and as parsed."""
     if isinstance(action, argparse._StoreTrueAction):
         return "true", True
+    if isinstance(action, argparse.BooleanOptionalAction):  # a switch that is on by default
+        return "false", False
     if action.choices:
         choice = next(c for c in action.choices if c != action.default)
         return choice, choice
@@ -65,3 +67,12 @@ def test_timeouts_reach_the_config_and_are_validated():
     assert (config.peer_connect_timeout_s, config.control_timeout_s) == (1.5, 2.5)
     with pytest.raises(ValueError, match="control_timeout_s"):
         config_from_args(build_parser("decode", "test", env={}).parse_args(["--control-timeout", "0"]))
+
+
+def test_cuda_graphs_are_on_unless_turned_off():
+    parse = lambda argv, env=None: config_from_args(build_parser("decode", "test", env=env or {}).parse_args(argv))
+    assert parse([]).engine.cuda_graphs is True
+    assert parse(["--no-cuda-graphs"]).engine.cuda_graphs is False
+    assert parse([], {"PDSERVE_CUDA_GRAPHS": "0"}).engine.cuda_graphs is False
+    assert parse(["--cuda-graphs"], {"PDSERVE_CUDA_GRAPHS": "off"}).engine.cuda_graphs is True
+    assert parse(["--attention-backend", "triton"]).engine.attention_backend == "triton"

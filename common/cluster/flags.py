@@ -42,19 +42,17 @@ class EnvFlags:
         kw.setdefault("help", "(default: %(default)s)")  # argparse shows no default for a flag without help
         self.parser.add_argument(flag, default=default if value is None else value, type=type, **kw)
 
-    def add_switch(self, flag: str, **kw) -> None:
-        """An on/off flag: ``--flag`` turns it on; ``PDSERVE_<FLAG>`` may say 1/true/yes/on or 0/false/no/off."""
+    def add_switch(self, flag: str, default: bool = False, **kw) -> None:
+        """An on/off flag: ``--flag`` turns it on; ``PDSERVE_<FLAG>`` may say 1/true/yes/on or 0/false/no/off.
+        A switch that is on by default also takes ``--no-<flag>``."""
         dest = flag.lstrip("-").replace("-", "_")
         value = self.lookup(dest)
-        if value is None:
-            default = False
-        elif value.lower() in TRUE:
-            default = True
-        elif value.lower() in FALSE:
-            default = False
-        else:
-            raise ValueError(f"{env_name(dest)}={value!r}: expected one of {', '.join(TRUE + FALSE)}")
-        self.parser.add_argument(flag, action="store_true", default=default, **kw)
+        action = argparse.BooleanOptionalAction if default else "store_true"
+        if value is not None:
+            if value.lower() not in TRUE + FALSE:
+                raise ValueError(f"{env_name(dest)}={value!r}: expected one of {', '.join(TRUE + FALSE)}")
+            default = value.lower() in TRUE
+        self.parser.add_argument(flag, action=action, default=default, **kw)
 
     def names(self) -> set[str]:
         """Every environment variable these flags read (for checks of deployment files)."""

@@ -42,6 +42,9 @@ class EngineConfig:
     # auto: the checkpoint's weights; dummy: random weights of the checkpoint's shape (config.json
     # alone is enough), for benchmarks of big shapes without a big download (vLLM's --load-format dummy)
     load_format: str = "auto"
+    # Decode-only steps replay CUDA graphs captured per batch-size bucket (CUDA with the Triton or
+    # flash-attn backend; a no-op elsewhere).
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         _require(self.block_size >= 1, "block_size", self.block_size, ">= 1")

@@ -14,6 +14,7 @@ from typing import Any, Sequence
 import torch
 
 from common.engine.attention import make_attention
+from common.engine import cuda_graphs
 from common.engine.block_pool import BlockPool
 from common.engine.config import EngineConfig
 from common.engine.kv_cache import KVCache, KVLayout, dtype_name, num_blocks_for_memory
@@ -89,23 +90,29 @@ class Engine:
             head_dim=mc.head_dim,
         )
         num_blocks = config.num_blocks or num_blocks_for_memory(self.layout, config.kv_memory_fraction, self.device)
-        self.kv_cache = KVCache(self.layout, num_blocks, self.device)
+        windows = {mc.window(layer) for layer in range(mc.num_layers)}
+        self.attention = make_attention(config.attention_backend, self.device, windows, config.block_size)
+        use_graphs = config.cuda_graphs and cuda_graphs.supported(self.device, self.attention)
+        self.kv_cache = KVCache(self.layout, num_blocks, self.device, scratch_block=use_graphs)
         self.max_model_len = min(config.max_model_len or mc.max_model_len, mc.max_model_len)
         self.block_pool = BlockPool(num_blocks, enable_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(
             config.scheduler_config(self.max_model_len), KVCacheManager(self.block_pool, config.block_size)
         )
-        windows = {mc.window(layer) for layer in range(mc.num_layers)}
-        self.attention = make_attention(config.attention_backend, self.device, windows, config.block_size)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.attention, self.device)
+        graphs = None
+        if use_graphs:
+            max_blocks_per_request = -(-self.max_model_len // config.block_size)
+            graphs = cuda_graphs.CudaGraphs(self.model, self.kv_cache, self.attention, config.max_num_seqs,
+                                            max_blocks_per_request, self.device).capture_all()
+        self.runner = ModelRunner(self.model, self.kv_cache, self.attention, self.device, graphs)
         self.tokenizer = self._load_tokenizer() if load_tokenizer else None
         self._ids = itertools.count()
         self.num_prompt_tokens_total = 0
         self.num_cached_tokens_total = 0
         log.info(
-            "engine ready: model=%s (%s) dtype=%s device=%s attention=%s kv_blocks=%d x %d tokens",
+            "engine ready: model=%s (%s) dtype=%s device=%s attention=%s cuda_graphs=%s kv_blocks=%d x %d tokens",
             self.model_id, mc.model_type, self.layout.dtype, self.device, self.attention.name,
-            num_blocks, config.block_size,
+            use_graphs, num_blocks, config.block_size,
         )
 
     def _load_tokenizer(self):

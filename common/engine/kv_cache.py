@@ -73,15 +73,23 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 class KVCache:
-    """The paged KV cache of one worker: a single block-major tensor plus per-layer K/V views."""
+    """The paged KV cache of one worker: a single block-major tensor plus per-layer K/V views.
 
-    def __init__(self, layout: KVLayout, num_blocks: int, device: torch.device | str = "cpu"):
+    With ``scratch_block`` the buffer holds one block more than ``num_blocks``: block id
+    ``num_blocks``, which the block pool never hands out, for the padding rows of CUDA-graph
+    batches to write into (``common.engine.cuda_graphs``).
+    """
+
+    def __init__(self, layout: KVLayout, num_blocks: int, device: torch.device | str = "cpu",
+                 scratch_block: bool = False):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.layout = layout
         self.num_blocks = num_blocks
+        self.scratch_block: int | None = num_blocks if scratch_block else None
         self.buffer = torch.zeros(
-            (num_blocks, layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim),
+            (num_blocks + int(scratch_block), layout.num_layers, 2, layout.block_size, layout.num_kv_heads,
+             layout.head_dim),
             dtype=dtype_from_name(layout.dtype),
             device=device,
         )

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import torch
 
@@ -17,15 +18,25 @@ class ModelRunner:
 
     Only the last token of a request that finishes its scheduled tokens this step is projected
     to logits; prompt chunks that end mid-prompt produce no logits at all.
+
+    ``on_kv_written``: callables run on every step right after its forward is enqueued, before
+    sampling, with the step's ``SchedulerOutput``. On CUDA the step's KV writes are then queued
+    on the current stream but not necessarily done (a step without sampling returns without a
+    sync): whoever reads those blocks outside this stream (KV shipping) records a CUDA event
+    here and waits on it first.
+
+    ``graphs``: a ``CudaGraphs`` that runs decode-only steps when it can (``None``: eager).
     """
 
-    def __init__(self, model: DecoderModel, cache: KVCache, attention, device: torch.device):
+    def __init__(self, model: DecoderModel, cache: KVCache, attention, device: torch.device, graphs=None):
         self.model = model
         self.cache = cache
         self.attention = attention
         self.device = device
+        self.graphs = graphs
         self.sampler = Sampler()
         self.forward_seconds = 0.0  # time inside the model, for the overhead figure
+        self.on_kv_written: list[Callable[[SchedulerOutput], None]] = []
 
     def execute(self, out: SchedulerOutput) -> dict[str, tuple[int, TokenLogprobs | None]]:
         """Compute the step; returns ``request_id -> (sampled token, logprobs)`` for sampling rows."""
@@ -44,15 +55,20 @@ class ModelRunner:
                 sample_rows.append(start + n - 1)
                 sample_items.append(item)
         device = self.device
-        meta = self.attention.prepare(attn_requests, device)
         began = time.perf_counter()
-        hidden = self.model(
-            torch.tensor(input_ids, device=device),
-            torch.tensor(positions, device=device),
-            self.cache,
-            meta,
-            self.attention,
-        )
+        hidden = self.graphs.run(input_ids, positions, attn_requests) if self.graphs is not None else None
+        if hidden is None:
+            meta = self.attention.prepare(attn_requests, device)
+            began = time.perf_counter()
+            hidden = self.model(
+                torch.tensor(input_ids, device=device),
+                torch.tensor(positions, device=device),
+                self.cache,
+                meta,
+                self.attention,
+            )
+        for hook in self.on_kv_written:
+            hook(out)
         if not sample_items:
             self.forward_seconds += time.perf_counter() - began
             return {}

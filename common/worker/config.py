@@ -116,6 +116,11 @@ def build_parser(default_role: str, description: str, env: Mapping[str, str] | N
     add("--max-num-seqs", 64, int)
     add("--max-model-len", None, int)
     add("--model-id", help="model name served to clients")
+    add("--attention-backend", "auto", choices=("auto", "torch", "flash", "triton"),
+        help="auto: flash-attn on CUDA where it pages the block size (multiples of 256), else Triton; torch on CPU")
+    flags.add_switch("--cuda-graphs", default=True,
+                     help="replay decode-only steps from CUDA graphs captured per batch-size bucket at start-up "
+                          "(CUDA with the triton or flash backend; no effect elsewhere)")
     add("--log-level", "INFO")
     add("--drain-timeout", 30.0, float, help="on SIGTERM, seconds to let in-flight requests finish before stopping")
     return p
@@ -131,7 +136,8 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
         num_blocks=args.num_blocks, kv_memory_fraction=args.kv_memory_fraction,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len, model_id=args.model_id,
+        max_model_len=args.max_model_len, model_id=args.model_id, attention_backend=args.attention_backend,
+        cuda_graphs=bool(args.cuda_graphs),
     )
     kv = KVTransferConfig(transport=args.kv_transport, host=args.kv_host or args.host, port=args.kv_port,
                           connect_timeout=args.kv_connect_timeout, transfer_timeout=args.kv_timeout,
