@@ -118,7 +118,7 @@ async def _try_write(response: web.StreamResponse, data: bytes) -> None:
 
 async def add_local(worker, body: GenerateRequest) -> None:
     await worker.engine_thread.call(
-        lambda e: e.add_request(body.prompt_token_ids, body.sampling_params, body.request_id))
+        lambda e: e.add_request(body.prompt_token_ids, body.sampling_params, body.request_id, body.cache_salt))
 
 
 async def stream_outputs(worker, stream: asyncio.Queue, response, started: float, first_sent: bool,
@@ -159,7 +159,7 @@ async def remote_prefill(worker, body: GenerateRequest, pending: PendingRelease)
         raise RemotePrefillFailed(str(exc)) from None
 
     def reserve(engine: Engine):
-        request = engine.make_request(body.prompt_token_ids, body.sampling_params, rid)
+        request = engine.make_request(body.prompt_token_ids, body.sampling_params, rid, body.cache_salt)
         return engine.scheduler.reserve_remote(request)
 
     reserved = await worker.engine_thread.call(reserve)
@@ -172,7 +172,7 @@ async def remote_prefill(worker, body: GenerateRequest, pending: PendingRelease)
     prefill = PrefillRequest(request_id=rid, prompt_token_ids=body.prompt_token_ids,
                              sampling_params=body.sampling_params, decode_worker_id=worker.config.worker_id,
                              dst_block_ids=dst_block_ids, num_skip_blocks=skip,
-                             kv_transfer_id=handle.transfer_id)
+                             kv_transfer_id=handle.transfer_id, cache_salt=body.cache_salt)
     call = asyncio.ensure_future(call_prefill(worker, peer, prefill))
     landed = asyncio.ensure_future(handle.wait())
     try:

@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping
 from common.cluster.auth import SECRET_ENV, AuthError, ClusterAuth, configure_auth, read_secret
 from common.cluster.redis_util import DEFAULT_REDIS_URL
 from gateway.routing import POLICIES
-from gateway.tenants import ApiKeys
+from gateway.tenants import CACHE_ISOLATION, ApiKeys
 
 # flag dest -> older variable names still honoured
 ENV_ALIASES: dict[str, tuple[str, ...]] = {
@@ -64,6 +64,7 @@ class GatewayConfig:
     api_key: str | None = field(default=None, repr=False)
     api_keys_file: str | None = None
     max_inflight_per_key: int = 0  # for keys without their own limit; 0: only the global limit
+    cache_isolation: str = "none"  # "per-key": API keys never share prefix-cache blocks (gateway/tenants.py)
     admin_token: str | None = field(default=None, repr=False)
     max_inflight: int = 512  # accepted requests at once; beyond: 429
     max_connections: int = 2048  # open client connections; beyond: 503 and close
@@ -108,8 +109,12 @@ class GatewayConfig:
             raise bad(f"port must be in 0..65535, got {self.port}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise bad(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.cache_isolation not in CACHE_ISOLATION:
+            raise bad(f"cache_isolation must be one of {', '.join(CACHE_ISOLATION)}, got {self.cache_isolation!r}")
         self.auth()
-        self.api_keys()
+        if not self.api_keys().enabled and self.cache_isolation == "per-key":
+            raise bad("cache_isolation per-key needs API keys (--api-key or --api-keys-file): without them "
+                      "every caller is the same tenant")
 
     def api_keys(self) -> ApiKeys:
         """The API keys the gateway accepts (read from ``api_keys_file``); raises ValueError."""
@@ -170,6 +175,10 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
                                 "key's limit on requests in flight); '#' starts a comment line")
     add("--max-inflight-per-key", 0, int, help="requests in flight per API key without its own limit (0: only "
                                               "--max-inflight)")
+    add("--cache-isolation", "none", choices=CACHE_ISOLATION,
+        help="prefix-cache sharing between API keys: 'none' (all share cached prompt blocks; a request's "
+             "cache_salt still separates it) or 'per-key' (the gateway salts every request by its API key: "
+             "keys never share blocks, and cached_tokens reveals nothing about other keys' prompts)")
     add("--admin-token", help="enables /admin with this token")
     add("--cluster-secret-file", help="file holding the cluster secret (default: PDSERVE_CLUSTER_SECRET); "
                                       "required unless --host is a loopback address")
@@ -211,7 +220,8 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = N
         model=args.model, model_id=args.model_id, host=args.host, port=args.port, redis_url=args.redis_url,
         key_prefix=args.key_prefix, routing_policy=args.routing_policy,
         skip_prefill_below_tokens=args.skip_prefill_below, api_key=args.api_key, api_keys_file=args.api_keys_file,
-        max_inflight_per_key=args.max_inflight_per_key, admin_token=args.admin_token,
+        max_inflight_per_key=args.max_inflight_per_key, cache_isolation=args.cache_isolation,
+        admin_token=args.admin_token,
         max_connections=args.max_connections, client_write_timeout=args.client_write_timeout,
         max_inflight=args.max_inflight, max_body_bytes=args.max_body_bytes, max_model_len=args.max_model_len,
         chat_template=args.chat_template,

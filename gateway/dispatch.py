@@ -1,6 +1,6 @@
 """From a validated request to a stream of TokenFrames: route, call the decode worker, retry.
 
-    prompt ids -> block hashes -> Redis: cached prefix per worker (one round trip)
+    prompt ids (+ model, cache_salt) -> block hashes -> Redis: cached prefix per worker (one round trip)
                -> Router: decode worker D, maybe prefill worker P
                -> POST D/generate {prompt, params, prefill_worker_id=P}   (D reserves, P fills)
                <- TokenFrame, TokenFrame, ...
@@ -34,7 +34,7 @@ import aiohttp
 
 from common.cluster.auth import ClusterAuth
 from common.cluster.messages import AbortRequest, GenerateRequest, TokenFrame, encode, read_frame, read_response
-from common.engine.prefix_hash import hash_prompt_blocks
+from common.engine.prefix_hash import block_extra_keys, hash_prompt_blocks
 from common.cluster.prefix_index import PrefixIndexReader
 from common.engine.sampling_params import SamplingParams
 from common.cluster.registry import WorkerInfo
@@ -134,13 +134,14 @@ class Dispatcher:
         else:
             self.queue.notify(1)
 
-    async def choose(self, prompt: list[int], exclude: set[str]) -> Route | None:
-        """A route avoiding ``exclude``, or None when no decode worker is left to try."""
+    async def choose(self, prompt: list[int], exclude: set[str], cache_salt: str | None = None) -> Route | None:
+        """A route avoiding ``exclude``, or None when no decode worker is left to try.  The prompt's
+        block hashes are the ones the workers compute (same model id and ``cache_salt``)."""
         workers = self.pool.routable(exclude)
         if not any(_can_decode(w) for w in workers):
             return None
         block_size = workers[0].capacity.block_size
-        hashes = hash_prompt_blocks(prompt, block_size)
+        hashes = hash_prompt_blocks(prompt, block_size, block_extra_keys(self.model, cache_salt))
         matched: dict[str, int] = {}
         if hashes:
             matched = await self.prefix_index.longest_prefix(self.model, hashes, [w.worker_id for w in workers])
@@ -156,16 +157,17 @@ class Dispatcher:
             del self.pending_prefill[wid]
 
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
-                       result: DispatchResult) -> AsyncIterator[TokenFrame]:
+                       result: DispatchResult, cache_salt: str | None = None) -> AsyncIterator[TokenFrame]:
         """Frames of one request.  Raises ``Saturated`` (no room anywhere within the queue's
-        deadline), ``UpstreamError`` (failed in the cluster), ``ValueError`` (refused as invalid)."""
+        deadline), ``UpstreamError`` (failed in the cluster), ``ValueError`` (refused as invalid).
+        ``cache_salt``: the request shares prefix-cache blocks only with requests of the same salt."""
         exclude: set[str] = set()  # workers that failed this request
         busy: set[str] = set()  # workers that said busy since this request last waited
         deadline: float | None = None
         failures = 0
         streamed = False
         while True:
-            route = await self.choose(prompt, exclude | busy)
+            route = await self.choose(prompt, exclude | busy, cache_salt)
             if route is None:
                 deadline = deadline or self.queue.deadline()
                 why = "every decode worker is busy" if busy else "no decode worker is available"
@@ -183,7 +185,8 @@ class Dispatcher:
             if route.prefill is None:
                 self.metrics.prefill_skipped.labels(route.reason).inc()
             body = GenerateRequest(request_id=request_id, prompt_token_ids=prompt, sampling_params=params,
-                                   prefill_worker_id=route.prefill.worker_id if route.prefill else None)
+                                   prefill_worker_id=route.prefill.worker_id if route.prefill else None,
+                                   cache_salt=cache_salt)
             decode_url = route.decode.http_address
             finished = said_busy = False
             self._count_pending(route, len(prompt), +1)

@@ -14,6 +14,7 @@ from gateway.detokenizer import StreamingDecoder
 from common.cluster.messages import TokenFrame
 from common.engine.sampling_params import SamplingParams
 from gateway.dispatch import DispatchResult, Saturated, UpstreamError
+from gateway.tenants import cache_salt
 from gateway.openai_protocol import (
     SSE_DONE, SSE_HEADERS, ChatChoice, ChatCompletionChunk, ChatCompletionResponse, ChatDelta, ChatLogprobs,
     ChatResponseMessage, ChatStreamChoice, ChatTokenLogprob, CompletionChoice, CompletionChunk,
@@ -43,6 +44,7 @@ class Generation:
     prompt_ids: list[int]
     options: SamplingOptions
     params: SamplingParams
+    cache_salt: str | None = None  # as served (gateway/tenants.py: the client's, or per API key)
     arrival: float = field(default_factory=time.monotonic)
     pieces: list[str] = field(default_factory=list)  # the text, as streamed (joined once at the end)
     token_ids: list[int] = field(default_factory=list)
@@ -69,7 +71,8 @@ class OpenAIHandlers:
             raise OpenAIError(404, f"The model '{model}' does not exist; this server serves '{self.gw.model_id}'",
                               param="model", code="model_not_found")
 
-    def _prepare(self, kind: str, model: str, prompt_ids: list[int], options: SamplingOptions) -> Generation:
+    def _prepare(self, request: web.Request, kind: str, req, prompt_ids: list[int]) -> Generation:
+        model, options = req.model, req.sampling()
         self._check_model(model)
         gw = self.gw
         vocab = gw.vocab_size
@@ -97,7 +100,8 @@ class OpenAIHandlers:
             stop_token_ids=gw.chat_format.stop_token_ids if kind == "chat" and not options.ignore_eos else (),
         )
         prefix = "cmpl" if kind == "completion" else "chatcmpl"
-        return Generation(new_request_id(prefix), kind, model, prompt_ids, options, params)
+        salt = cache_salt(request["tenant"], req.cache_salt, gw.config.cache_isolation)
+        return Generation(new_request_id(prefix), kind, model, prompt_ids, options, params, salt)
 
     def _chat_renderer(self, req):
         """A function applying the chat template and tokenizing (run inline or in a thread)."""
@@ -127,7 +131,7 @@ class OpenAIHandlers:
         self._check_model(req.model)
         async with self.gw.admission(request["tenant"]):
             ids = await self.gw.prompts.text(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
-            gen = self._prepare("completion", req.model, ids, req.sampling())
+            gen = self._prepare(request, "completion", req, ids)
             return await self._serve(request, gen)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
@@ -137,7 +141,7 @@ class OpenAIHandlers:
         messages, render = self._chat_renderer(req)
         async with self.gw.admission(request["tenant"]):
             ids = await self.gw.prompts.chat(messages, render)
-            gen = self._prepare("chat", req.model, ids, req.sampling())
+            gen = self._prepare(request, "chat", req, ids)
             return await self._serve(request, gen)
 
     # ---- generation ------------------------------------------------------------------------
@@ -172,7 +176,7 @@ class OpenAIHandlers:
         last = None
         try:
             async with contextlib.aclosing(gw.dispatcher.generate(gen.request_id, gen.prompt_ids, gen.params,
-                                                                   result)) as frames:
+                                                                   result, gen.cache_salt)) as frames:
                 async for frame in frames:
                     now_t = time.monotonic()
                     if last is None:

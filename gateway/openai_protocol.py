@@ -13,7 +13,8 @@ Temperatures below 1e-5 mean greedy (as in vLLM); a ``top_k`` at or above the vo
 clamped to "no top-k" (as in vLLM).
 
 Supported, beyond plain OpenAI (vLLM's extensions): ``top_k``, ``min_p``, ``repetition_penalty``,
-``ignore_eos``, and ``usage.prompt_tokens_details.cached_tokens`` (prefix-cache hits).  Rejected
+``ignore_eos``, ``cache_salt`` (requests share prefix-cache blocks only with requests of the same
+salt), and ``usage.prompt_tokens_details.cached_tokens`` (prefix-cache hits).  Rejected
 with a clear 400: ``n != 1``, ``logit_bias``, ``echo``, ``best_of > 1``, ``suffix``, batch prompts,
 non-text message parts.
 """
@@ -28,6 +29,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from aiohttp import web
 
+from common.engine.prefix_hash import MAX_CACHE_SALT_LEN
 from common.engine.sampling_params import (
     INT64_MAX, INT64_MIN, MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_TEMPERATURE, MAX_TOKEN_ID,
 )
@@ -145,6 +147,8 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     repetition_penalty: Annotated[float, msgspec.Meta(gt=0.0, le=MAX_REPETITION_PENALTY)] | None = None  # extension
     min_p: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] | None = None  # extension
     logit_bias: dict[str, float] | None = None
+    # Extension (vLLM's): the prompt's blocks are cached apart from requests with another salt.
+    cache_salt: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_CACHE_SALT_LEN)] | None = None
 
 
 @dataclass(frozen=True)

@@ -10,11 +10,18 @@ Keys come from ``--api-key`` (one key) and/or ``--api-keys-file``: one key per l
 A presented key is looked up by its SHA-256 (no per-key string comparison, no timing signal about
 how much of a key matched).  A key is named in logs and metrics by ``key_id``, a prefix of that
 hash, never by the key itself.
+
+Prefix-cache isolation (``--cache-isolation``): with ``none`` every request's ``cache_salt`` is the
+client's own (or none), so requests of all keys share cached prompt blocks.  With ``per-key`` the
+gateway sets the salt of every request to an HMAC, keyed by the API key's SHA-256, of the client's
+salt: two keys never share a block (and ``cached_tokens`` tells a key only about its own prompts),
+while one key's requests still share theirs, and a client's own salt still splits them further.
 """
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+import hmac
+from dataclasses import dataclass, field
 from pathlib import Path
 
 
@@ -24,9 +31,21 @@ class Tenant:
 
     key_id: str
     limit: int | None = None
+    key_digest: bytes = field(default=b"", repr=False)  # the key's SHA-256: keys its cache salts
 
 
 ANONYMOUS = Tenant("anonymous")  # no API keys configured: everyone is the same caller
+
+CACHE_ISOLATION = ("none", "per-key")
+
+
+def cache_salt(tenant: Tenant, client_salt: str | None, isolation: str) -> str | None:
+    """The ``cache_salt`` a request is served with (see the module docstring)."""
+    if isolation == "none":
+        return client_salt
+    assert isolation == "per-key", f"unknown cache isolation {isolation!r}"
+    message = b"pdserve cache salt\0" + (b"\1" + client_salt.encode() if client_salt is not None else b"\0")
+    return "key-" + hmac.new(tenant.key_digest, message, hashlib.sha256).hexdigest()
 
 
 def _digest(key: str) -> bytes:
@@ -62,7 +81,7 @@ class ApiKeys:
     """The keys a gateway accepts.  With none configured, every caller is ``ANONYMOUS``."""
 
     def __init__(self, keys: dict[str, int | None], default_limit: int | None = None):
-        self._tenants = {_digest(k): Tenant(key_id(k), limit if limit is not None else default_limit)
+        self._tenants = {_digest(k): Tenant(key_id(k), limit if limit is not None else default_limit, _digest(k))
                          for k, limit in keys.items()}
 
     @classmethod

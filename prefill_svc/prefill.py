@@ -66,7 +66,7 @@ async def handle_prefill(worker, request: web.Request) -> web.Response:
     params = msgspec.structs.replace(body.sampling_params, max_tokens=1)
 
     def start(engine):
-        worker.shipper.start(engine, job, engine.make_request(body.prompt_token_ids, params, rid))
+        worker.shipper.start(engine, job, engine.make_request(body.prompt_token_ids, params, rid, body.cache_salt))
 
     try:
         await worker.engine_thread.call(start)

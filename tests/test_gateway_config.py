@@ -7,7 +7,7 @@ from gateway.config import GatewayConfig, build_parser, config_from_args, env_na
 
 # A valid non-default value for each flag, as an environment variable would carry it.
 SAMPLE = {"int": "7", "float": "3.5", "str": "x-value"}
-CHOICES = {"routing_policy": "least_load", "cache_isolation": "none"}
+CHOICES = {"routing_policy": "least_load", "cache_isolation": "per-key"}
 
 
 def flag_actions():
@@ -48,3 +48,27 @@ def test_config_from_env_is_validated():
         config_from_args(build_parser({"PDSERVE_ROUTING_POLICY": "random"}).parse_args([]))
     with pytest.raises(ValueError, match="max_inflight"):
         config_from_args(build_parser({"PDSERVE_MAX_INFLIGHT": "0"}).parse_args([]))
+
+
+def test_cache_isolation_per_key_needs_api_keys():
+    env = {"PDSERVE_CACHE_ISOLATION": "per-key"}
+    with pytest.raises(ValueError, match="cache_isolation per-key needs API keys"):
+        config_from_args(build_parser(env).parse_args([]))
+    config = config_from_args(build_parser({**env, "PDSERVE_API_KEY": "sk-0123456789"}).parse_args([]))
+    assert config.cache_isolation == "per-key"
+    assert config_from_args(build_parser({}).parse_args([])).cache_isolation == "none"
+    with pytest.raises(ValueError, match="cache_isolation"):
+        GatewayConfig(cache_isolation="shared")
+
+
+def test_per_key_cache_salts_separate_keys_and_client_salts():
+    from gateway.tenants import ApiKeys, cache_salt
+
+    keys = ApiKeys({"sk-a-0123456789": None, "sk-b-0123456789": None})
+    a, b = keys.authenticate("Bearer sk-a-0123456789"), keys.authenticate("Bearer sk-b-0123456789")
+    assert cache_salt(a, "x", "none") == "x" and cache_salt(a, None, "none") is None
+    salts = {cache_salt(t, s, "per-key") for t in (a, b) for s in (None, "x", "y")}
+    assert len(salts) == 6  # per key, and per client salt within a key
+    assert cache_salt(a, "x", "per-key") == cache_salt(keys.authenticate("Bearer sk-a-0123456789"), "x", "per-key")
+    assert all(len(s) <= 256 for s in salts)  # within the wire limit on cache_salt
+    assert repr(a.key_digest) not in repr(a)  # the digest that keys the salts is never printed

@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from common.engine.prefix_hash import hash_prompt_blocks
+from common.engine.prefix_hash import HASH_LEN, hash_prompt_blocks
 from common.cluster.prefix_index import PrefixIndexPublisher, PrefixIndexReader
 from common.cluster.redis_keys import RedisKeys
 from common.cluster.redis_util import connect, start_redis_server
@@ -64,7 +64,7 @@ async def test_remove_is_counted_per_block_and_ttl_is_set(redis_client, key_pref
     pub.publish(h[2:3])  # a second cached block with the same hash
     assert await pub.flush()
     pub.remove(h[2:])
-    pub.remove([b"\xee" * 16])  # never published: ignored
+    pub.remove([b"\xee" * HASH_LEN])  # never published: ignored
     assert await pub.flush()
     assert await reader.longest_prefix(MODEL, h, ["p0"]) == {"p0": 3}  # h[2] still held once
     pub.remove(h[2:3])
@@ -138,16 +138,16 @@ async def test_overflowing_the_queue_drops_updates_then_resyncs(redis_client, ke
 
 async def test_bad_input_is_rejected(redis_client, key_prefix):
     pub = make_publisher(redis_client, key_prefix, "p0")
-    with pytest.raises(ValueError, match="16 bytes"):
+    with pytest.raises(ValueError, match=f"{HASH_LEN} bytes"):
         pub.publish([b"short"])
-    with pytest.raises(ValueError, match="16 bytes"):
-        pub.remove(["0" * 16])
+    with pytest.raises(ValueError, match=f"{HASH_LEN} bytes"):
+        pub.remove(["0" * HASH_LEN])
     with pytest.raises(ValueError, match="worker_id"):
         make_publisher(redis_client, key_prefix, "bad id")
     with pytest.raises(ValueError, match="ttl_s"):
         make_publisher(redis_client, key_prefix, "p0", ttl_s=0)
     reader = PrefixIndexReader(redis_client, key_prefix=key_prefix)
-    with pytest.raises(ValueError, match="16 bytes"):
+    with pytest.raises(ValueError, match=f"{HASH_LEN} bytes"):
         await reader.longest_prefix(MODEL, [b"x"], ["p0"])
 
 

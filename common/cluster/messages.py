@@ -13,12 +13,16 @@ from typing import Annotated, Type, TypeVar
 import msgspec
 
 from common.cluster.registry import WorkerId
+from common.engine.prefix_hash import MAX_CACHE_SALT_LEN
 from common.engine.sampling_params import SamplingParams
 
 MAX_FRAME_BYTES = 4 << 20  # a frame above this is a protocol error, never an allocation
 MAX_PROMPT_TOKENS = 1 << 20
 
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
+# A request's prefix-cache salt (``prefix_hash.block_extra_keys``): blocks are shared only between
+# requests with the same salt.  Set by the client (``cache_salt``) or by the gateway per API key.
+CacheSalt = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_CACHE_SALT_LEN)]
 TokenIds = Annotated[list[Annotated[int, msgspec.Meta(ge=0)]], msgspec.Meta(max_length=MAX_PROMPT_TOKENS)]
 BlockIds = Annotated[list[Annotated[int, msgspec.Meta(ge=0)]], msgspec.Meta(max_length=MAX_PROMPT_TOKENS)]
 # The decode worker's receiver names each KV transfer with 128 random bits (kvtransfer.messages).
@@ -40,6 +44,7 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
     prompt_token_ids: TokenIds
     sampling_params: SamplingParams
     prefill_worker_id: WorkerId | None = None
+    cache_salt: CacheSalt | None = None
 
 
 class TokenFrame(msgspec.Struct, omit_defaults=True):
@@ -77,6 +82,7 @@ class PrefillRequest(msgspec.Struct, forbid_unknown_fields=True):
     dst_block_ids: BlockIds
     kv_transfer_id: KVTransferId
     num_skip_blocks: Annotated[int, msgspec.Meta(ge=0)] = 0
+    cache_salt: CacheSalt | None = None  # the GenerateRequest's: both workers hash the blocks alike
 
 
 class PrefillResult(msgspec.Struct, omit_defaults=True):

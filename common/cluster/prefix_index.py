@@ -3,7 +3,7 @@
 A block hash (``common.engine.prefix_hash``) names its whole prefix, so a worker holds the first ``n``
 blocks of a prompt exactly when the first ``n`` hashes are in its set::
 
-    {prefix}:{model}:blocks:{worker_id}  = SET{ h0, h1, h2, ... }      (16-byte hashes, PX = TTL)
+    {prefix}:{model}:blocks:{worker_id}  = SET{ h0, h1, h2, ... }      (32-byte hashes, PX = TTL)
     prompt hashes                          h0  h1  h2  h7  ...
     SMISMEMBER                             1   1   1   0   1           -> 3 leading blocks
 
@@ -37,10 +37,10 @@ import redis.asyncio as aioredis
 from common.cluster.aio import cancel_and_wait
 from common.cluster.redis_keys import RedisKeys
 from common.cluster.redis_util import UNAVAILABLE_ERRORS
+from common.engine.prefix_hash import HASH_LEN
 
 log = logging.getLogger(__name__)
 
-HASH_LEN = 16
 CHUNK = 4096  # members per SADD/SREM/SMISMEMBER command inside a pipeline
 
 

@@ -5,7 +5,7 @@
                                                  by readers once an entry is long gone
     {prefix}:{model}:worker:{worker_id}  STRING  WorkerInfo as JSON, PX = heartbeat TTL; its
                                                  existence is what "alive" means
-    {prefix}:{model}:blocks:{worker_id}  SET     16-byte prefix-block hashes cached on that
+    {prefix}:{model}:blocks:{worker_id}  SET     32-byte prefix-block hashes cached on that
                                                  worker, PX = heartbeat TTL (refreshed by the
                                                  worker's index publisher)
 

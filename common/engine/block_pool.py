@@ -9,6 +9,11 @@ handed out again.  The free queue is ordered by eviction priority::
 
 Requests free their blocks tail first (``free`` is given the block table reversed), so within one
 sequence the tail is evicted before the head and a shared prefix survives longest.
+
+A cached block remembers what its hash stands for -- its parent's hash, its tokens and the extra
+keys (model, cache_salt) -- and a hit must match all three, so a hash collision is a miss and
+never KV computed for another prefix or another tenant.  The parent check verifies the whole
+chain: the parent hash itself was verified the same way one block earlier.
 """
 from __future__ import annotations
 
@@ -20,14 +25,18 @@ from common.engine.prefix_hash import BlockHash
 class KVCacheBlock:
     """Metadata of one KV block; the bytes live in ``KVCache.buffer[block_id]``."""
 
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "token_ids", "prev_free", "next_free")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "parent_hash", "token_ids", "extra_keys", "prev_free",
+                 "next_free")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_cnt = 0
-        # Set once the block is full and committed to the prefix cache.
+        # Set once the block is full and committed to the prefix cache: its hash and what the hash
+        # stands for (a hit compares all of it).
         self.block_hash: BlockHash | None = None
+        self.parent_hash: BlockHash | None = None
         self.token_ids: tuple[int, ...] | None = None
+        self.extra_keys: bytes | None = None
         self.prev_free: KVCacheBlock | None = None
         self.next_free: KVCacheBlock | None = None
 
@@ -114,10 +123,13 @@ class BlockPool:
             out.append(block)
         return out
 
-    def lookup(self, block_hash: BlockHash, token_ids: Sequence[int]) -> KVCacheBlock | None:
-        """The cached block with this hash, if its tokens really match (guards against collisions)."""
+    def lookup(self, block_hash: BlockHash, parent_hash: BlockHash | None, token_ids: Sequence[int],
+               extra_keys: bytes = b"") -> KVCacheBlock | None:
+        """The cached block with this hash, if its parent hash (``None`` for a first block), tokens
+        and extra keys really match: a hash collision is a miss."""
         block = self.cached.get(block_hash)
-        if block is None or block.token_ids != tuple(token_ids):
+        if (block is None or block.parent_hash != parent_hash or block.extra_keys != extra_keys
+                or block.token_ids != tuple(token_ids)):
             return None
         return block
 
@@ -136,14 +148,18 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
 
-    def commit(self, block: KVCacheBlock, block_hash: BlockHash, token_ids: Sequence[int]) -> None:
-        """Record a full block in the prefix cache (first writer wins on a duplicate hash)."""
+    def commit(self, block: KVCacheBlock, block_hash: BlockHash, parent_hash: BlockHash | None,
+               token_ids: Sequence[int], extra_keys: bytes = b"") -> None:
+        """Record a full block in the prefix cache, with what its hash stands for (``parent_hash``:
+        ``None`` for a first block).  First writer wins on a duplicate hash."""
         if not self.enable_caching or block.block_hash is not None:
             return
         if block_hash in self.cached:
-            return  # another block already holds this prefix; this one stays anonymous
+            return  # another block already holds this prefix (or collides with it); this one stays anonymous
         block.block_hash = block_hash
+        block.parent_hash = parent_hash
         block.token_ids = tuple(token_ids)
+        block.extra_keys = extra_keys
         self.cached[block_hash] = block
         self._stored_events.append(block_hash)
 
@@ -168,7 +184,7 @@ class BlockPool:
         if self.cached.get(block.block_hash) is block:
             del self.cached[block.block_hash]
             self._removed_events.append(block.block_hash)
-        block.block_hash = None
+        block.block_hash = block.parent_hash = block.extra_keys = None
         block.token_ids = None
 
     def check_integrity(self) -> None:

@@ -20,6 +20,7 @@ from common.engine.config import EngineConfig
 from common.engine.kv_cache import KVCache, KVLayout, dtype_name, num_blocks_for_memory
 from common.engine.kv_cache_manager import KVCacheManager
 from common.engine.model_loader import load_model, resolve_checkpoint
+from common.engine.prefix_hash import MAX_CACHE_SALT_LEN, block_extra_keys
 from common.engine.model_runner import ModelRunner
 from common.engine.request import Request
 from common.engine.sampler import TokenLogprobs
@@ -128,9 +129,11 @@ class Engine:
 
     def make_request(
         self, prompt: str | Sequence[int], params: SamplingParams | dict[str, Any] | None = None,
-        request_id: str | None = None,
+        request_id: str | None = None, cache_salt: str | None = None,
     ) -> Request:
-        """Validate input and build a ``Request``; raises ``ValueError`` naming the problem."""
+        """Validate input and build a ``Request``; raises ``ValueError`` naming the problem.
+
+        ``cache_salt``: requests share prefix-cache blocks only with requests of the same salt."""
         if isinstance(params, dict):
             params = SamplingParams.from_dict(params)
         params = params or SamplingParams()
@@ -146,13 +149,16 @@ class Engine:
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        return Request(request_id, prompt_ids, params, eos_token_ids=self.model_config.eos_token_ids)
+        if cache_salt is not None and not 1 <= len(cache_salt) <= MAX_CACHE_SALT_LEN:
+            raise ValueError(f"cache_salt must be 1-{MAX_CACHE_SALT_LEN} characters, got {len(cache_salt)}")
+        return Request(request_id, prompt_ids, params, eos_token_ids=self.model_config.eos_token_ids,
+                       extra_keys=block_extra_keys(self.model_id, cache_salt))
 
     def add_request(
         self, prompt: str | Sequence[int], params: SamplingParams | dict[str, Any] | None = None,
-        request_id: str | None = None,
+        request_id: str | None = None, cache_salt: str | None = None,
     ) -> str:
-        request = self.make_request(prompt, params, request_id)
+        request = self.make_request(prompt, params, request_id, cache_salt)
         self.scheduler.add_request(request)
         return request.request_id
 

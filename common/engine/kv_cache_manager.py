@@ -28,7 +28,8 @@ class KVCacheManager:
         self._num_committed: dict[str, int] = {}
 
     def find_cached_prefix(self, request: Request) -> list[KVCacheBlock]:
-        """Leading blocks of the request already in the prefix cache, verified token by token.
+        """Leading blocks of the request already in the prefix cache, each verified against its
+        parent hash, its tokens and the request's extra keys (see ``BlockPool.lookup``).
 
         Never the whole sequence: the last token is always computed so there are logits to sample.
         """
@@ -39,7 +40,9 @@ class KVCacheManager:
         max_blocks = (request.num_tokens - 1) // bs
         hits = []
         for index, block_hash in enumerate(hashes[:max_blocks]):
-            block = self.pool.lookup(block_hash, request.all_token_ids[index * bs : (index + 1) * bs])
+            parent = hashes[index - 1] if index else None
+            block = self.pool.lookup(block_hash, parent, request.all_token_ids[index * bs : (index + 1) * bs],
+                                     request.extra_keys)
             if block is None:
                 break
             hits.append(block)
@@ -91,7 +94,8 @@ class KVCacheManager:
             return
         hashes = request.update_block_hashes(bs)
         for index in range(start, num_full):
-            self.pool.commit(blocks[index], hashes[index], request.all_token_ids[index * bs : (index + 1) * bs])
+            self.pool.commit(blocks[index], hashes[index], hashes[index - 1] if index else None,
+                             request.all_token_ids[index * bs : (index + 1) * bs], request.extra_keys)
         self._num_committed[request_id] = num_full
 
     def block_ids(self, request_id: str) -> list[int]:

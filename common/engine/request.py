@@ -48,6 +48,7 @@ class Request:
         sampling_params: SamplingParams,
         eos_token_ids: tuple[int, ...] = (),
         arrival_time: float | None = None,
+        extra_keys: bytes = b"",
     ):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -60,6 +61,9 @@ class Request:
         self.num_cached_tokens = -1
         self.num_preemptions = 0
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        # What the block hashes cover besides the tokens (``prefix_hash.block_extra_keys``: the
+        # model and the request's cache_salt): requests with other extra keys share no block.
+        self.extra_keys = extra_keys
         self.block_hashes: list[BlockHash] = []
         self.stop_token_ids = set(sampling_params.stop_token_ids)
         if not sampling_params.ignore_eos:
@@ -91,7 +95,8 @@ class Request:
     def update_block_hashes(self, block_size: int) -> list[BlockHash]:
         """Extend the chained hashes to every full block of the tokens known so far."""
         if len(self.block_hashes) < self.num_tokens // block_size:
-            self.block_hashes = hash_prompt_blocks(self.all_token_ids, block_size, start_hashes=self.block_hashes)
+            self.block_hashes = hash_prompt_blocks(self.all_token_ids, block_size, self.extra_keys,
+                                                   start_hashes=self.block_hashes)
         return self.block_hashes
 
     def __repr__(self) -> str:
