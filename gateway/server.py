@@ -1,6 +1,6 @@
 """The gateway process: the OpenAI HTTP API in front of the prefill and decode pools.
 
-    GET  /v1/models, /health, /metrics
+    GET  /v1/models, /health, /metrics, /openapi.json    (the public API described: gateway/openapi.py)
     POST /v1/completions, /v1/chat/completions          (Authorization: Bearer <api key>, if set)
     GET  /admin/pools                                    (X-Admin-Token)
     POST /admin/workers/{worker_id}/drain                (proxied to the worker)
@@ -30,6 +30,7 @@ from gateway.config import GatewayConfig, build_parser, config_from_args
 from gateway.dispatch import Dispatcher
 from gateway.handlers import Generation, OpenAIHandlers
 from gateway.metrics import GatewayMetrics
+from gateway.openapi import openapi_document
 from gateway.openai_protocol import ModelCard, ModelList, OpenAIError, json_response, now
 from gateway.listener import listen
 from gateway.pool import WorkerPool
@@ -66,6 +67,7 @@ class Gateway:
         self.api_keys = config.api_keys()
         self.inflight_by_key: dict[str, int] = {}
         self.handlers = OpenAIHandlers(self)
+        self.openapi = msgspec.json.encode(openapi_document(self.model_id, api_keys=self.api_keys.enabled))
         self.inflight = 0
         self.redis = None
         self.session: aiohttp.ClientSession | None = None  # token streams from decode workers
@@ -177,6 +179,7 @@ class Gateway:
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/openapi.json", self._openapi)
         app.router.add_get("/admin/pools", self._admin_pools)
         app.router.add_post("/admin/workers/{worker_id}/drain", self._admin_proxy("drain"))
         app.router.add_post("/admin/workers/{worker_id}/role", self._admin_proxy("role"))
@@ -222,6 +225,9 @@ class Gateway:
 
     async def _models(self, _request: web.Request) -> web.Response:
         return json_response(ModelList([ModelCard(self.model_id, now(), max_model_len=self.max_model_len)]))
+
+    async def _openapi(self, _request: web.Request) -> web.Response:
+        return web.Response(body=self.openapi, content_type="application/json")
 
     async def _health(self, _request: web.Request) -> web.Response:
         """Healthy workers per pool.  503 when no decode-capable worker is healthy (nothing can

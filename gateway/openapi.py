@@ -1,0 +1,208 @@
+"""The public API as an OpenAPI 3.1 document, served by the gateway at ``GET /openapi.json``.
+
+The request and response schemas are generated from the msgspec structs the gateway decodes and
+encodes (``gateway/openai_protocol.py``), so their types, ranges, required fields and "no unknown
+field" are the ones enforced.  The checks the gateway makes in code after decoding are added to
+the generated schemas here (``_REQUEST_RULES``): the served model name, ``n == 1``, the fields that
+are accepted only at their default (``logit_bias``, ``echo``, ``best_of``, ``suffix``), the limits
+on ``stop``, the shapes of ``prompt``, text-only message parts.  What no schema can say (the
+prompt's length in tokens against the context, two fields that must agree) is a 400 in OpenAI's
+error shape, described in each operation.
+
+The admin API (``/admin/*``) is for operators, not clients, and is not described here.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import msgspec
+
+from common.engine.prefix_hash import MAX_CACHE_SALT_LEN
+from common.engine.sampling_params import INT64_MAX, INT64_MIN, MAX_TOKEN_ID
+from gateway.openai_protocol import (
+    MAX_STOP_LEN, MAX_STOP_STRINGS, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
+    CompletionChunk, CompletionRequest, CompletionResponse, ErrorResponse, ModelList,
+)
+
+_REF = "#/components/schemas/{name}"
+_NULL = {"type": "null"}
+
+
+def _nullable(schema: dict) -> dict:
+    return {"anyOf": [schema, _NULL], "default": None}
+
+
+_STOP_STRING = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_LEN}
+_COMMON_RULES: dict[str, dict] = {
+    "n": {"type": "integer", "const": 1, "default": 1, "description": "Only 1 is supported."},
+    "logit_bias": {**_nullable({"type": "object", "maxProperties": 0}), "description": "Not supported."},
+    "top_k": {**_nullable({"type": "integer", "minimum": -1, "maximum": INT64_MAX}),
+              "description": "Extension. 0, -1 or null: off. At or above the vocabulary size: off."},
+    "seed": _nullable({"type": "integer", "minimum": INT64_MIN, "maximum": INT64_MAX}),
+    "stop": {"anyOf": [_STOP_STRING, {"type": "array", "items": _STOP_STRING, "maxItems": MAX_STOP_STRINGS},
+                       _NULL], "default": None},
+    "cache_salt": {**_nullable({"type": "string", "minLength": 1, "maxLength": MAX_CACHE_SALT_LEN}),
+                   "description": "Extension (vLLM's). Requests share prefix-cache blocks only with "
+                                  "requests of the same salt; see SECURITY.md."},
+    "stream_options": {**_nullable({"$ref": _REF.format(name="StreamOptions")}),
+                       "description": "Only with stream: true."},
+}
+_REQUEST_RULES: dict[str, dict[str, dict]] = {
+    "CompletionRequest": {
+        **_COMMON_RULES,
+        "prompt": {"anyOf": [
+            {"type": "string", "minLength": 1},
+            {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0, "maximum": MAX_TOKEN_ID},
+             "description": "Token ids (each inside the model's vocabulary)."},
+            {"type": "array", "minItems": 1, "maxItems": 1, "items": {"type": "string", "minLength": 1},
+             "description": "One prompt in a list (batches are not supported)."},
+        ]},
+        "echo": {"type": "boolean", "const": False, "default": False, "description": "Not supported."},
+        "best_of": {**_nullable({"type": "integer", "const": 1}), "description": "Only 1 is supported."},
+        "suffix": {**_nullable({"type": "string", "maxLength": 0}), "description": "Not supported."},
+    },
+    "ChatCompletionRequest": {
+        **_COMMON_RULES,
+        "top_logprobs": {**_nullable({"type": "integer", "minimum": 0, "maximum": 20}),
+                         "description": "Only with logprobs: true."},
+        "max_tokens": {**_nullable({"type": "integer", "minimum": 1, "maximum": MAX_TOKEN_ID}),
+                       "description": "Deprecated alias of max_completion_tokens; if both are sent they must agree."},
+    },
+    "ChatMessage": {
+        "content": {"anyOf": [{"type": "string"},
+                              {"type": "array", "items": {"$ref": _REF.format(name="ContentPart")}}]},
+    },
+}
+# A message needs its content; a content part must be text.
+_SCHEMA_RULES: dict[str, dict] = {
+    "ContentPart": {"type": "object", "properties": {"type": {"type": "string", "const": "text"},
+                                                      "text": {"type": "string"}},
+                    "required": ["type", "text"]},
+}
+_REQUIRED_EXTRA = {"ChatMessage": ["content"]}
+
+_HEALTH = {
+    "type": "object",
+    "properties": {
+        "status": {"type": "string", "enum": ["ok", "degraded", "unavailable"]},
+        "model": {"type": "string"},
+        "redis": {"type": "boolean"},
+        "workers": {"type": "object", "additionalProperties": {"type": "integer", "minimum": 0}},
+        "pools": {"type": "object", "additionalProperties": {
+            "type": "object", "properties": {"healthy": {"type": "integer", "minimum": 0},
+                                             "benched": {"type": "integer", "minimum": 0}},
+            "required": ["healthy", "benched"]}},
+        "problems": {"type": "array", "items": {"type": "string"}},
+    },
+    "required": ["status", "model", "redis", "workers", "pools", "problems"],
+}
+
+_ERRORS = {
+    "400": "Invalid parameters, or a prompt longer than the model's context allows.",
+    "401": "Missing or unknown API key.",
+    "404": "The model is not the one this server serves.",
+    "408": "The request body did not arrive in time.",
+    "413": "The request body is too large.",
+    "429": "Too many requests in flight (overall or for this API key); see Retry-After.",
+    "500": "The generation failed inside the cluster.",
+    "503": "Saturated, or no worker can serve; see Retry-After.",
+}
+
+
+def _error(description: str) -> dict:
+    return {"description": description,
+            "content": {"application/json": {"schema": {"$ref": _REF.format(name="ErrorResponse")}}}}
+
+
+def _events(chunk: str) -> dict:
+    """One Server-Sent Event of a stream (Open API 3.1: the schema of a text/event-stream is that
+    of each event): a chunk, an error after the stream started, or the final ``[DONE]``."""
+    payload = {"anyOf": [{"$ref": _REF.format(name=chunk)}, {"$ref": _REF.format(name="ErrorResponse")}]}
+    return {"anyOf": [
+        {"type": "object", "properties": {"data": {"type": "string", "const": "[DONE]"}}, "required": ["data"]},
+        {"type": "object", "properties": {"data": {"type": "string", "contentMediaType": "application/json",
+                                                    "contentSchema": payload, "not": {"const": "[DONE]"}}},
+         "required": ["data"]},
+    ]}
+
+
+def _generation(summary: str, request: str, response: str, chunk: str, auth: bool) -> dict:
+    op = {
+        "summary": summary,
+        "requestBody": {"required": True,
+                        "content": {"application/json": {"schema": {"$ref": _REF.format(name=request)}}}},
+        "responses": {
+            "200": {"description": "The completion (JSON), or with stream: true a stream of Server-Sent "
+                                   "Events ending with 'data: [DONE]'.",
+                    "content": {"application/json": {"schema": {"$ref": _REF.format(name=response)}},
+                                "text/event-stream": {"schema": _events(chunk)}}},
+            **{status: _error(text) for status, text in _ERRORS.items()},
+        },
+    }
+    if auth:
+        op["security"] = [{"apiKey": []}]
+    return op
+
+
+def openapi_document(model_id: str, *, api_keys: bool, version: str = "0.1.0") -> dict[str, Any]:
+    """The OpenAPI 3.1 description of this gateway's public API (``model_id``: the served name)."""
+    _, schemas = msgspec.json.schema_components(
+        [CompletionRequest, ChatCompletionRequest, CompletionResponse, ChatCompletionResponse, CompletionChunk,
+         ChatCompletionChunk, ModelList, ErrorResponse], ref_template=_REF)
+    schemas = copy.deepcopy(schemas)
+    for name, rules in _REQUEST_RULES.items():
+        props = schemas[name]["properties"]
+        for field, rule in rules.items():
+            assert field in props, f"{name}.{field}: the rule names a field the struct does not have"
+            props[field] = rule
+        if name in ("CompletionRequest", "ChatCompletionRequest"):
+            props["model"] = {"type": "string", "enum": [model_id], "description": "The served model."}
+    for name, schema in _SCHEMA_RULES.items():
+        schemas[name] = schema
+    for name, fields in _REQUIRED_EXTRA.items():
+        schemas[name]["required"] = sorted(set(schemas[name].get("required", [])) | set(fields))
+    schemas["Health"] = _HEALTH
+    paths = {
+        "/v1/completions": {"post": _generation("Text completion", "CompletionRequest", "CompletionResponse",
+                                                "CompletionChunk", api_keys)},
+        "/v1/chat/completions": {"post": _generation("Chat completion", "ChatCompletionRequest",
+                                                     "ChatCompletionResponse", "ChatCompletionChunk", api_keys)},
+        "/v1/models": {"get": {
+            "summary": "The served model",
+            "responses": {"200": {"description": "The one model this server serves.",
+                                  "content": {"application/json": {"schema": {"$ref": _REF.format(name="ModelList")}}}},
+                          "401": _error(_ERRORS["401"])},
+            **({"security": [{"apiKey": []}]} if api_keys else {}),
+        }},
+        "/health": {"get": {
+            "summary": "Serving health per pool",
+            "responses": {
+                "200": {"description": "Serving ('ok', or 'degraded': no prefill worker, decode workers compute "
+                                       "prompts themselves).",
+                        "content": {"application/json": {"schema": {"$ref": _REF.format(name="Health")}}}},
+                "503": {"description": "No decode worker is healthy: nothing can generate.",
+                        "content": {"application/json": {"schema": {"$ref": _REF.format(name="Health")}}}},
+            },
+        }},
+        "/metrics": {"get": {
+            "summary": "Prometheus metrics",
+            "responses": {"200": {"description": "Prometheus text exposition format.",
+                                  "content": {"text/plain": {"schema": {"type": "string"}}}}},
+        }},
+        "/openapi.json": {"get": {
+            "summary": "This document",
+            "responses": {"200": {"description": "OpenAPI 3.1.",
+                                  "content": {"application/json": {"schema": {"type": "object"}}}}},
+        }},
+    }
+    doc: dict[str, Any] = {
+        "openapi": "3.1.0",
+        "info": {"title": "pdserve gateway", "version": version,
+                 "description": "OpenAI-compatible API of a disaggregated prefill/decode LLM server."},
+        "paths": paths,
+        "components": {"schemas": schemas},
+    }
+    if api_keys:
+        doc["components"]["securitySchemes"] = {"apiKey": {"type": "http", "scheme": "bearer"}}
+    return doc

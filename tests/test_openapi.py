@@ -1,0 +1,72 @@
+"""The gateway's OpenAPI description (``GET /openapi.json``), and schemathesis against it: a real
+gateway and a tiny-model decode worker must answer every generated request -- valid by the
+schema or not -- without a 5xx, with a documented status, content type and (JSON) body shape.
+
+The run is bounded (a fixed number of examples per operation, a fixed seed) to stay well under a
+minute on two cores.
+"""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import urllib.request
+
+import pytest
+
+from tests.cluster import running_cluster
+
+API_KEY = "sk-openapi-test-0123456789"
+MAX_EXAMPLES = 20  # per operation (a GET without parameters needs one)
+CHECKS = "not_a_server_error,status_code_conformance,content_type_conformance,response_schema_conformance"
+
+
+@pytest.fixture(scope="module")
+def stack(served_checkpoint, redis_url, tmp_path_factory):
+    with running_cluster(served_checkpoint, tmp_path_factory.mktemp("logs"), redis_url, prefill=0, decode=1,
+                         worker_args=["--num-blocks", "256", "--max-num-seqs", "8"],
+                         gateway_args=["--api-key", API_KEY, "--max-model-len", "128"]) as c:
+        c.wait_for_workers(prefill=0, decode=1)
+        yield c
+
+
+@pytest.fixture(scope="module")
+def document(stack) -> dict:
+    with urllib.request.urlopen(f"{stack.gateway_url}/openapi.json", timeout=10) as resp:
+        assert resp.headers["Content-Type"].startswith("application/json")
+        return json.load(resp)
+
+
+def test_the_document_describes_what_the_gateway_validates(stack, document):
+    assert document["openapi"].startswith("3.1")
+    assert set(document["paths"]) == {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health",
+                                      "/metrics", "/openapi.json"}
+    schemas = document["components"]["schemas"]
+    completion = schemas["CompletionRequest"]
+    assert set(completion["required"]) == {"model", "prompt"} and completion["additionalProperties"] is False
+    assert completion["properties"]["model"]["enum"] == [stack.model_name]
+    assert completion["properties"]["n"]["const"] == 1
+    temperature = completion["properties"]["temperature"]["anyOf"][0]
+    assert (temperature["minimum"], temperature["maximum"]) == (0.0, 2.0)
+    chat = schemas["ChatCompletionRequest"]
+    assert set(chat["required"]) == {"model", "messages"}
+    assert schemas["ChatMessage"]["required"] == ["content", "role"]
+    assert document["components"]["securitySchemes"]["apiKey"]["scheme"] == "bearer"
+
+
+def test_generated_requests_never_get_a_server_error(stack, tmp_path):
+    """Fuzzing only, positive and negative data: the coverage phase's boundary cases of every field
+    would be hundreds of generations.  A fixed seed keeps the run the same from one run to the next."""
+    cmd = [sys.executable, "-m", "schemathesis.cli", "run", f"{stack.gateway_url}/openapi.json",
+           "--phases", "fuzzing", "--mode", "all", "--max-examples", str(MAX_EXAMPLES), "--seed", "20261130",
+           "--checks", CHECKS, "--workers", "1", "--request-timeout", "60", "--generation-database", "none",
+           "--header", f"Authorization: Bearer {API_KEY}", "--no-color", "--suppress-health-check", "all"]
+    run = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, f"schemathesis found problems:\n{run.stdout[-20000:]}\n{run.stderr[-5000:]}"
+    selected = re.search(r"Operations: +(\d+) selected", run.stdout)
+    tested = re.search(r"Tested: (\d+)", run.stdout)
+    cases = re.search(r"(\d+) generated, (\d+) passed", run.stdout)
+    # Every operation of the document ran (schemathesis may leave out the document's own path).
+    assert selected and tested and int(selected.group(1)) >= 5 and tested.group(1) == selected.group(1), run.stdout
+    assert cases and cases.group(1) == cases.group(2) and int(cases.group(1)) > 2 * MAX_EXAMPLES, run.stdout
