@@ -1,6 +1,6 @@
 """The GPU check: one command that tells whether the CUDA path is right and how fast it is.
 
-    python benchmarks/gpu_check.py                  # one CUDA GPU (an H200: a few minutes, at most 8)
+    python benchmarks/gpu_check.py                  # one CUDA GPU (an H200: a few minutes expected, 8 at most)
     python benchmarks/gpu_check.py --cpu-interpret  # step 1 only, on CPU under Triton's interpreter
     python benchmarks/gpu_check.py --smoke          # every step on tiny shapes (tests this script)
 
@@ -100,6 +100,7 @@ def check_parity(device, workdir: Path, smoke: bool) -> dict:
     from common.engine.engine import Engine
 
     checkpoint = write_random_llama(workdir / "parity-llama-tiny", "tiny")
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32, for transformers and for us
     rng = random.Random(0)
     lengths = [5, 40] if smoke else [5, 33, 97, 300, 611, 1000]
     max_tokens = 4 if smoke else 24
@@ -127,6 +128,7 @@ def check_parity(device, workdir: Path, smoke: bool) -> dict:
         mismatched = [i for i, (a, b) in enumerate(zip(outputs, reference)) if a != b]
         log(f"parity {backend}_{mode}: {'equal' if not mismatched else f'requests {mismatched} differ'}")
         del engine
+        free_memory()
     return {"greedy_parity": all(runs.values()), "greedy_parity_runs": runs,
             "greedy_tokens_compared": len(prompts) * max_tokens}
 
@@ -153,6 +155,7 @@ def make_engine(checkpoint: Path, device, **overrides):
     from common.engine.config import EngineConfig
     from common.engine.engine import Engine
 
+    free_memory()  # an engine of a step that failed may just have been let go
     settings = dict(model=str(checkpoint), load_format="dummy", device=device.type,
                     dtype="bfloat16" if device.type == "cuda" else "float32", kv_memory_fraction=0.4,
                     num_blocks=None if device.type == "cuda" else 256,
@@ -161,10 +164,11 @@ def make_engine(checkpoint: Path, device, **overrides):
     return Engine(EngineConfig(**settings), load_tokenizer=False)
 
 
-def release(engine) -> None:
+def free_memory() -> None:
+    """Give the memory of engines no longer referenced back to the device (the next engine sizes
+    its KV cache from what is free)."""
     import torch
 
-    del engine
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -281,7 +285,8 @@ def check_speed(device, workdir: Path, smoke: bool) -> dict:
         "decode_b1_within_1.3x_roofline": result["decode_b1_over_roofline"] <= 1.3,
         "prefill_mfu_at_least_0.5": result["prefill_mfu"] >= 0.5,
     }
-    release(engine)
+    del engine, model
+    free_memory()
     return result
 
 
@@ -317,7 +322,8 @@ def check_chunked_prefill(device, workdir: Path, smoke: bool) -> dict:
             measure_itl(engine, **{**workload, "num_long": 1, "num_decoders": 2, "gap": 2})  # warm-up (compiles)
         results[name] = measure_itl(engine, **workload)
         log(f"chunked prefill {name}: {results[name]}")
-        release(engine)
+        del engine
+        free_memory()
     unchunked, chunked = results["unchunked"], results[f"chunked_{chunk}"]
     return {
         "itl_prompt_len": prompt_len,
