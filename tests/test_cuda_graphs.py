@@ -54,6 +54,14 @@ def test_batch_buckets_and_the_bucket_of_a_batch():
     assert bucket_for(21, buckets) is None
 
 
+def test_graphs_are_captured_on_cuda_for_the_triton_and_flash_backends_only(monkeypatch):
+    cuda = torch.device("cuda")
+    assert cuda_graphs.supported(cuda, make_attention("triton", "cpu", {None}, 16))
+    assert cuda_graphs.supported(cuda, fake_flash(monkeypatch))
+    assert not cuda_graphs.supported(cuda, make_attention("torch", "cpu", {None}, 16))
+    assert not cuda_graphs.supported(torch.device("cpu"), make_attention("triton", "cpu", {None}, 16))
+
+
 def test_padding_rows_point_at_the_scratch_block_only():
     real = [AttentionRequest(0, 1, 20, [5, 2]), AttentionRequest(1, 1, 3, [7])]
     padded = padded_requests(real, 4, scratch_block=9)

@@ -46,6 +46,7 @@ class TritonAttention:
     attends every query of the packed batch over the cache in place (``paged_attention``)."""
 
     name = "triton"
+    supports_cuda_graphs = True  # the launch grid depends only on token and request counts
 
     def __init__(self, windows: set[int | None], block_size: int):
         self.windows = windows
