@@ -92,6 +92,7 @@ class LocalStack:
     policy: str = "prefix_aware"
     gateway_port: int | None = None
     worker_args: list[str] = field(default_factory=list)
+    role_args: dict[str, list[str]] = field(default_factory=dict)  # extra worker args by role (after worker_args)
     gateway_args: list[str] = field(default_factory=list)
     extra_env: dict[str, str] = field(default_factory=dict)
     cluster_secret: str = field(default_factory=generate_secret, repr=False)
@@ -151,7 +152,7 @@ class LocalStack:
         module = "prefill_svc" if role == "prefill" else "decode_svc"
         args = ["--model", self.checkpoint, "--role", role, "--worker-id", name, "--port", str(port),
                 "--kv-transport", self.transport, "--redis-url", self.redis_url, "--key-prefix", self.key_prefix,
-                *self.worker_args]
+                *self.worker_args, *self.role_args.get(role, [])]
         return self._spawn(name, module, args, port)
 
     def start(self, timeout: float = 180) -> "LocalStack":
