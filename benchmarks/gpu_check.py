@@ -30,6 +30,7 @@ import gc
 import json
 import os
 import random
+import signal
 import statistics
 import sys
 import tempfile
@@ -355,6 +356,14 @@ def environment(device) -> dict:
     return info
 
 
+class OutOfTime(Exception):
+    pass
+
+
+def _out_of_time(_signum, _frame) -> None:
+    raise OutOfTime("the step ran past --time-limit")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cpu-interpret", action="store_true",
@@ -365,6 +374,9 @@ def main() -> None:
     parser.add_argument("--steps", default="attention,parity,speed,chunked",
                         help="comma-separated subset of attention,parity,speed,chunked")
     parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "pdserve-gpu-check")
+    parser.add_argument("--time-limit", type=float, default=450.0,
+                        help="seconds for all steps: a step still running then is stopped and reported under "
+                             "errors, later ones are skipped, and the JSON line still comes out")
     args = parser.parse_args()
     if args.cpu_interpret:
         os.environ["TRITON_INTERPRET"] = "1"  # before the first Triton kernel is built
@@ -382,8 +394,14 @@ def main() -> None:
     mode = "cpu-interpret" if args.cpu_interpret else ("smoke" if args.smoke else "gpu")
     result: dict = {"check": "gpu_check", "mode": mode, **environment(device)}
     errors, seconds = {}, {}
+    signal.signal(signal.SIGALRM, _out_of_time)
     for step in steps:
         step_began = time.perf_counter()
+        left = args.time_limit - (step_began - began)
+        if left < 1:
+            errors[step] = "skipped: out of time (--time-limit)"
+            continue
+        signal.setitimer(signal.ITIMER_REAL, left)
         try:
             if step == "attention":
                 if device.type == "cuda":
@@ -403,6 +421,8 @@ def main() -> None:
         except Exception as exc:  # report it and go on: one GPU run should tell as much as it can
             traceback.print_exc()
             errors[step] = f"{type(exc).__name__}: {exc}"
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
         seconds[step] = round(time.perf_counter() - step_began, 1)
         log(f"{step}: {seconds[step]} s")
     result.update({"step_seconds": seconds, "total_seconds": round(time.perf_counter() - began, 1),

@@ -49,3 +49,11 @@ def test_smoke_runs_parity_speed_and_chunked_prefill_steps(tmp_path):
     assert set(result["decode_step_ms"]) == {"1", "4"} and all(ms > 0 for ms in result["decode_step_ms"].values())
     assert result["decode_roofline_ms"] >= 0 and result["prefill_tokens_per_step"] == 64
     assert result["itl_p99_ratio_unchunked_over_chunked"] > 0
+
+
+def test_a_step_past_the_time_limit_is_reported_and_the_json_still_comes_out(tmp_path):
+    """The GPU is lent for minutes: a slow step must not cost the whole report."""
+    result = gpu_check("--smoke", "--steps", "parity,speed", "--time-limit", "0.5", tmp_path=tmp_path)
+    assert set(result["errors"]) == {"parity", "speed"} and not result["ok"]
+    assert "OutOfTime" in result["errors"]["parity"] or "skipped" in result["errors"]["parity"]
+    assert "skipped" in result["errors"]["speed"]
