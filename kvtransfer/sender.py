@@ -21,6 +21,7 @@ from kvtransfer.handshake import client_handshake
 from kvtransfer.messages import (
     MAX_BLOCKS_PER_FRAME, Abort, Ack, Blocks, Done, check_metadata, decode, encode,
 )
+from kvtransfer.ordering import Fence, wait_for_fence
 from kvtransfer.regions import block_checksums, paired_runs, run_bytes
 from kvtransfer.transport_base import Channel, Transport, make_transport
 
@@ -49,11 +50,20 @@ class OutgoingTransfer:
         if self._outcome.done():
             raise self._outcome.exception() or TransferError(f"transfer {self.transfer_id!r} already finished")
 
-    async def send_blocks(self, src_block_ids: list[int], dst_block_ids: list[int]) -> None:
-        """Send the bytes of ``src_block_ids`` into the receiver's ``dst_block_ids`` (same length)."""
+    async def send_blocks(self, src_block_ids: list[int], dst_block_ids: list[int], fence: Fence | None = None) -> None:
+        """Send the bytes of ``src_block_ids`` into the receiver's ``dst_block_ids`` (same length).
+
+        ``fence``: recorded after the step that wrote these blocks (``ordering.record_fence``);
+        nothing of them is read before it has completed (a no-op on CPU)."""
         self._check()
+        try:
+            await wait_for_fence(fence)
+        except asyncio.CancelledError:
+            self.abort("sender cancelled")
+            raise
         cache = self._sender.cache
-        for src, dst, count in paired_runs(src_block_ids, dst_block_ids, MAX_BLOCKS_PER_FRAME):
+        max_count = max(1, min(MAX_BLOCKS_PER_FRAME, self._conn.channel.max_payload_nbytes // cache.block_nbytes))
+        for src, dst, count in paired_runs(src_block_ids, dst_block_ids, max_count):
             region = run_bytes(cache, src, count)
             sums = block_checksums(region, cache.block_nbytes) if self._conn.checksum else None
             header = encode(Blocks(self.transfer_id, dst, count, region.numel(), sums))

@@ -20,7 +20,11 @@ if TYPE_CHECKING:
 class Channel(abc.ABC):
     """One connection. Sends may be called from several tasks (frames never interleave);
     receives are called from a single reader task. Every failure of the link raises
-    ``ConnectionLost``; a frame that breaks the framing raises ``ProtocolError``."""
+    ``ConnectionLost``; a frame that breaks the framing raises ``ProtocolError``.
+
+    ``max_payload_nbytes``: the largest payload ``send`` takes (senders split bigger runs)."""
+
+    max_payload_nbytes: int = 1 << 62
 
     @abc.abstractmethod
     async def send(self, header: bytes, payload: torch.Tensor | None = None) -> None:

@@ -1,8 +1,17 @@
 """TCP transport on plain asyncio sockets, for hosts without UCX.
 
 Frame on the wire: ``u32 header_len | header | payload`` (the payload length is in the header,
-which the protocol validates before the payload is read). Payloads go from and into the cache
-memory directly (``send``/``recv_into`` on memoryviews of the cache): no intermediate copy.
+which the protocol validates before the payload is read). Host payloads go from and into the
+cache memory directly (``send``/``recv_into`` on memoryviews of the cache): no intermediate copy.
+
+A device (CUDA) cache goes through a pinned host buffer per direction, reused for every frame
+and at most ``STAGING_BYTES`` (senders split bigger runs, see ``max_payload_nbytes``; a bigger
+incoming payload is received piece by piece). The device<->host copies run in a worker thread,
+never on the event loop, and are waited for even when the caller is cancelled (the buffer is
+not handed to the next frame while a copy still writes it)::
+
+    send:  device blocks --copy (thread)--> pinned buffer --socket (FrameWriter)--> peer
+    recv:  peer --socket--> pinned buffer --copy (thread)--> device blocks   (repeat per piece)
 """
 from __future__ import annotations
 
@@ -16,16 +25,51 @@ import torch
 from kvtransfer.config import KVTransferConfig
 from kvtransfer.errors import ConnectionLost, ProtocolError
 from kvtransfer.messages import MAX_HEADER_BYTES
-from kvtransfer.socket_io import FrameWriter, TcpListener, connect_tcp
+from kvtransfer.socket_io import FrameWriter, TcpListener, connect_tcp, wait_uncancelled
 from kvtransfer.transport_base import Channel, Listener, Transport
 
 _LEN = struct.Struct("!I")
 _DISCARD_CHUNK = 1 << 20
 _MAX_READ_PER_WAKEUP = 16 << 20
+STAGING_BYTES = 64 << 20
 
 
 def _host_view(region: torch.Tensor) -> memoryview:
     return memoryview(region.numpy()).cast("B")
+
+
+def needs_staging(tensor: torch.Tensor) -> bool:
+    """Whether a payload region must go through the host staging buffer (device memory)."""
+    return tensor.device.type != "cpu"
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    dst.copy_(src)  # synchronous: done (on the device too) when it returns
+
+
+async def _copy_off_loop(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` in a worker thread; waits for it to end even if cancelled meanwhile."""
+    copy = asyncio.ensure_future(asyncio.to_thread(_copy, dst, src))
+    try:
+        await asyncio.shield(copy)
+    except asyncio.CancelledError:
+        await wait_uncancelled(copy)
+        raise
+
+
+class _Staging:
+    """A pinned host buffer for device payloads, one frame at a time (``lock``); grown on demand
+    up to ``STAGING_BYTES`` and then reused."""
+
+    def __init__(self) -> None:
+        self.lock = asyncio.Lock()
+        self._buffer: torch.Tensor | None = None
+
+    def view(self, nbytes: int) -> torch.Tensor:
+        assert 0 < nbytes <= STAGING_BYTES, f"staging {nbytes} bytes (limit {STAGING_BYTES})"
+        if self._buffer is None or self._buffer.numel() < nbytes:
+            self._buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        return self._buffer[:nbytes]
 
 
 class TcpChannel(Channel):
@@ -37,6 +81,10 @@ class TcpChannel(Channel):
     ``divert_payload`` takes effect before the next byte, and ``close`` ends a pending receive at
     once (the stdlib loop does not wake a ``sock_recv_into`` whose socket was closed).
     """
+
+    @property
+    def max_payload_nbytes(self) -> int:
+        return STAGING_BYTES
 
     def __init__(self, sock: socket.socket, io_timeout: float = 30.0):
         sock.setblocking(False)
@@ -55,6 +103,10 @@ class TcpChannel(Channel):
         self._rx_payload = False
         self._rx_diverted = False
         self._rx_waiter: asyncio.Future | None = None
+        self._out_staging = _Staging()  # device payloads only
+        self._in_staging = _Staging()
+        self._diverting = False  # the device payload being received was diverted
+        self._copying = False  # a staged piece is being copied into the device region
 
     @property
     def description(self) -> str:
@@ -68,11 +120,15 @@ class TcpChannel(Channel):
         if self._error is not None:
             raise self._error
         parts = [_LEN.pack(len(header)) + header]
-        if payload is not None:
-            if payload.device.type != "cpu":
-                payload = payload.cpu()  # TCP needs host memory; UCX is the GPU path
-            parts.append(_host_view(payload))
-        await self._writer.send(parts)
+        if payload is None or not needs_staging(payload):
+            if payload is not None:
+                parts.append(_host_view(payload))
+            await self._writer.send(parts)
+            return
+        async with self._out_staging.lock:  # the buffer is reused once this frame is out or withdrawn
+            host = self._out_staging.view(payload.numel())
+            await _copy_off_loop(host, payload)
+            await self._writer.send([*parts, _host_view(host)])
 
     def _on_stall(self, error: ConnectionLost) -> None:
         self._fail(error)
@@ -149,6 +205,11 @@ class TcpChannel(Channel):
     def divert_payload(self) -> bool:
         if self._rx_payload:
             self._rx_diverted = True  # _pump reads the rest into the scratch buffer
+            self._diverting = True  # a staged device payload: no further piece is copied in
+            return True
+        if self._copying:
+            self._diverting = True
+            return False  # a staged piece is being copied into the region: wait for it to end
         return True
 
     async def recv_header(self) -> bytes:
@@ -161,13 +222,28 @@ class TcpChannel(Channel):
         return bytes(header)
 
     async def recv_payload_into(self, region: torch.Tensor) -> None:
-        if region.device.type == "cpu":
+        if not needs_staging(region):
             await self._recv_exact(_host_view(region), payload=True)
             return
-        staging = torch.empty(region.numel(), dtype=torch.uint8)
-        await self._recv_exact(_host_view(staging), payload=True)
-        if not self._rx_diverted:
-            region.copy_(staging)
+        total = region.numel()
+        self._diverting = False
+        async with self._in_staging.lock:
+            for start in range(0, total, STAGING_BYTES):
+                piece = region[start : start + STAGING_BYTES]
+                host = self._in_staging.view(piece.numel())
+                await self._recv_exact(_host_view(host), payload=True)
+                if not self._diverting:
+                    self._copying = True
+                    try:
+                        await _copy_off_loop(piece, host)
+                    except asyncio.CancelledError:
+                        self.close()  # the stream is inside this payload: nobody can follow it now
+                        raise
+                    finally:
+                        self._copying = False
+                if self._diverting:  # nothing more lands in the region: drop the rest
+                    await self.discard_payload(total - start - piece.numel())
+                    return
 
     async def discard_payload(self, nbytes: int) -> None:
         if self._scratch is None:

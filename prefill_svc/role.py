@@ -8,6 +8,7 @@ from prefill_svc.shipping import Shipper
 
 def install(worker, app) -> None:
     worker.shipper = Shipper(worker)
+    worker.engine.runner.on_kv_written.append(worker.shipper.on_kv_written)
     worker.engine_thread.after_step.append(worker.shipper.after_step)
     app.router.add_post("/prefill", lambda request: handle_prefill(worker, request))
 

@@ -4,7 +4,9 @@ The engine thread owns the blocks, so the decision "these blocks are complete, s
 there, right after the step that completed them (``Shipper.after_step``).  Each such batch is
 pinned (one extra reference) before the step ends, so neither a preemption nor the request's end
 can hand the blocks to someone else while their bytes are on the wire; the sender unpins them
-once sent.
+once sent. On CUDA the step's KV writes may still be running when the step returns: each batch
+carries the fence recorded right after that step's forward (``kvtransfer.ordering``), and the
+sender reads none of its blocks before the fence has completed.
 
     step k computes tokens 0..255   -> blocks 0..15 complete -> pin, queue (src 0..15 -> dst ...)
     step k+1 computes 256..511      -> blocks 16..31         -> pin, queue
@@ -20,6 +22,7 @@ from common.engine.engine import Engine
 from common.engine.kv_cache_manager import cdiv
 from common.cluster.registry import KVAddress
 from common.engine.request import Request
+from kvtransfer.ordering import record_fence
 
 FINAL = object()
 
@@ -50,6 +53,11 @@ class Shipper:
     def __init__(self, worker):
         self.worker = worker
         self.jobs: dict[str, ShippingJob] = {}  # touched only in the engine thread
+        self._fence = None  # recorded after the latest forward (None on CPU)
+
+    def on_kv_written(self, _out) -> None:
+        """Engine thread, right after a forward is enqueued (``ModelRunner.on_kv_written``)."""
+        self._fence = record_fence(self.worker.engine.device) if self.jobs else None
 
     def start(self, engine: Engine, job: ShippingJob, request: Request) -> None:
         """Engine thread: admit the request and start watching its blocks."""
@@ -84,7 +92,7 @@ class Shipper:
                 blocks: list[KVCacheBlock] = engine.scheduler.kv.req_to_blocks[request_id][job.next_index:limit]
                 engine.block_pool.touch(blocks)
                 dst = job.dst_block_ids[job.next_index - job.num_skip_blocks : limit - job.num_skip_blocks]
-                job.post(([b.block_id for b in blocks], dst, blocks))
+                job.post(([b.block_id for b in blocks], dst, blocks, self._fence))
                 job.next_index = limit
             if request.is_finished:
                 engine.scheduler.release_held(request_id)  # the pins keep the shipped blocks alive
@@ -106,9 +114,9 @@ async def ship(worker, job: ShippingJob, first_token: asyncio.Future) -> int:
             if item is FINAL:
                 await transfer.finish({"first_token": await first_token})
                 return sent
-            src, dst, blocks = item
+            src, dst, blocks, fence = item
             try:
-                await transfer.send_blocks(src, dst)
+                await transfer.send_blocks(src, dst, fence)
                 sent += len(src)
             finally:
                 await unpin(worker, blocks)

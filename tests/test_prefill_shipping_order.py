@@ -1,0 +1,71 @@
+"""Every batch of blocks the prefill worker ships carries a fence recorded after the step that
+wrote them (on CUDA the sender waits on it before UCX or the staging copy reads device memory).
+
+The engine runs a chunked prefill here on CPU, where ``record_fence`` is replaced by a stand-in
+that names the step it was recorded in; the test checks, block by block, that the fence of each
+shipped batch comes after the forward that wrote the block's last token.
+"""
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from common.engine.config import EngineConfig
+from common.engine.engine import Engine
+from common.engine.sampling_params import SamplingParams
+from common.cluster.registry import KVAddress
+from prefill_svc import shipping
+from prefill_svc.shipping import FINAL, Shipper, ShippingJob
+
+BLOCK = 4
+
+
+@pytest.fixture(scope="module")
+def engine(served_checkpoint):
+    return Engine(EngineConfig(model=str(served_checkpoint), num_blocks=64, block_size=BLOCK,
+                               max_num_batched_tokens=10), load_tokenizer=False)
+
+
+def test_each_shipped_batch_waits_for_the_step_that_wrote_it(engine, monkeypatch):
+    steps = {"n": 0}  # forwards run so far
+    monkeypatch.setattr(shipping, "record_fence", lambda device: ("fence after forward", steps["n"]))
+    written_in: dict[int, int] = {}  # block index of the prompt -> forward that wrote its last slot
+
+    def on_kv_written(out):
+        steps["n"] += 1
+        for item in out.scheduled:
+            last = item.num_computed_tokens + len(item.token_ids) - 1
+            for position in range(item.num_computed_tokens, last + 1):
+                written_in[position // BLOCK] = steps["n"]
+        shipper.on_kv_written(out)
+
+    worker = SimpleNamespace(engine=engine)
+    shipper = Shipper(worker)
+    engine.runner.on_kv_written.append(on_kv_written)
+    posted: list = []
+    prompt = list(range(3, 40))  # 37 tokens: 10 blocks, computed 10 tokens per step
+    job = ShippingJob("r", "0" * 32, KVAddress("tcp", "127.0.0.1", 1), list(range(10)), 0,
+                      asyncio.new_event_loop())
+    job.post = posted.append
+    try:
+        request = engine.make_request(prompt, SamplingParams(max_tokens=1, temperature=0.0), "r")
+        shipper.start(engine, job, request)
+        while engine.has_work():
+            shipper.after_step(engine, engine.step())
+    finally:
+        engine.runner.on_kv_written.remove(on_kv_written)
+        job.loop.close()
+
+    assert posted[-1] is FINAL
+    batches = posted[:-1]
+    assert len(batches) > 1, "the prompt should have shipped chunk by chunk"
+    shipped = []
+    for src, dst, blocks, fence in batches:
+        assert fence is not None and fence[0] == "fence after forward"
+        for index in dst:
+            assert fence[1] >= written_in[index], f"block {index} shipped with a fence before its write"
+        shipped += dst
+        engine.block_pool.free(blocks)  # the pins the sender would drop
+    assert shipped == list(range(10))
