@@ -2,7 +2,9 @@
 
 Requests are decoded strictly: an unknown field is a 400 naming it (a silently ignored
 ``logit_bias`` or ``tools`` would produce an answer the client did not ask for), and every range
-error names the parameter.  ``parse_completion_request`` / ``parse_chat_request`` turn a raw body
+error names the parameter.  Only the JSON types are read as leniently as OpenAI's and vLLM's
+servers do (16.0 is the integer 16; "16" and "true" are read as 16 and true).  ``gateway/openapi.py``
+describes the same rules as an OpenAPI document.  ``parse_completion_request`` / ``parse_chat_request`` turn a raw body
 into a validated struct or raise ``OpenAIError``; ``req.sampling()`` gives the normalised knobs the
 engine needs.
 
@@ -45,6 +47,7 @@ _DEFAULT_ERROR_TYPE = {
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
+    405: "invalid_request_error",
     408: "timeout_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
@@ -296,11 +299,20 @@ def _validate_common(req: _Common) -> None:
             raise invalid(f"each stop string must be 1-{MAX_STOP_LEN} characters, got {len(s)}", "stop")
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _validate_prompt(req: CompletionRequest) -> CompletionRequest:
     prompt = req.prompt
     if isinstance(prompt, list):
         if not prompt:
             raise invalid("prompt must not be empty", "prompt")
+        if any(isinstance(t, float) for t in prompt) and all(_is_number(t) for t in prompt):
+            if not all(t.is_integer() for t in prompt if isinstance(t, float)):
+                raise invalid("prompt token ids must be integers", "prompt")
+            prompt = [int(t) for t in prompt]  # 16.0 is the integer 16, as for every other integer field
+            req = msgspec.structs.replace(req, prompt=prompt)
         if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             bad = next((t for t in prompt if not 0 <= t <= MAX_TOKEN_ID), None)
             if bad is not None:
@@ -363,8 +375,11 @@ def parse_chat_request(body: bytes) -> ChatCompletionRequest:
     return req
 
 
-_completion_decoder = msgspec.json.Decoder(CompletionRequest)
-_chat_decoder = msgspec.json.Decoder(ChatCompletionRequest)
+# Lax as OpenAI's and vLLM's servers are: a number with an integral value is an integer (JSON
+# Schema says so too: 16.0 is a valid "integer", and Python clients send it), and a number or
+# boolean may come as a JSON string ("16", "true").  Nothing else is coerced.
+_completion_decoder = msgspec.json.Decoder(CompletionRequest, strict=False)
+_chat_decoder = msgspec.json.Decoder(ChatCompletionRequest, strict=False)
 
 # ---- responses ----------------------------------------------------------------------------------
 

@@ -54,7 +54,7 @@ _REQUEST_RULES: dict[str, dict[str, dict]] = {
         "prompt": {"anyOf": [
             {"type": "string", "minLength": 1},
             {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0, "maximum": MAX_TOKEN_ID},
-             "description": "Token ids (each inside the model's vocabulary)."},
+             "description": "Token ids, each inside the model's vocabulary."},
             {"type": "array", "minItems": 1, "maxItems": 1, "items": {"type": "string", "minLength": 1},
              "description": "One prompt in a list (batches are not supported)."},
         ]},
@@ -81,6 +81,26 @@ _SCHEMA_RULES: dict[str, dict] = {
                     "required": ["type", "text"]},
 }
 _REQUIRED_EXTRA = {"ChatMessage": ["content"]}
+
+
+def _implies(field: str, present: dict, then: dict) -> dict:
+    """``field`` with a value matching ``present`` requires ``then`` (JSON Schema if/then)."""
+    return {"if": {"properties": {field: present}, "required": [field]}, "then": then}
+
+
+# Rules between fields (stricter than the gateway where JSON Schema cannot say "equal": a chat
+# request may carry max_tokens or max_completion_tokens, the gateway also takes both if equal).
+_STREAM_OPTIONS_NEED_STREAM = _implies("stream_options", {"type": "object"},
+                                       {"properties": {"stream": {"const": True}}, "required": ["stream"]})
+_CROSS_FIELD: dict[str, list[dict]] = {
+    "CompletionRequest": [_STREAM_OPTIONS_NEED_STREAM],
+    "ChatCompletionRequest": [
+        _STREAM_OPTIONS_NEED_STREAM,
+        _implies("top_logprobs", {"type": "integer"},
+                 {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}),
+        _implies("max_tokens", {"type": "integer"}, {"properties": {"max_completion_tokens": _NULL}}),
+    ],
+}
 
 _HEALTH = {
     "type": "object",
@@ -145,8 +165,9 @@ def _generation(summary: str, request: str, response: str, chunk: str, auth: boo
     return op
 
 
-def openapi_document(model_id: str, *, api_keys: bool, version: str = "0.1.0") -> dict[str, Any]:
-    """The OpenAPI 3.1 description of this gateway's public API (``model_id``: the served name)."""
+def openapi_document(model_id: str, *, vocab_size: int, api_keys: bool, version: str = "0.1.0") -> dict[str, Any]:
+    """The OpenAPI 3.1 description of this gateway's public API (``model_id``: the served name;
+    ``vocab_size``: token ids in a prompt are below it)."""
     _, schemas = msgspec.json.schema_components(
         [CompletionRequest, ChatCompletionRequest, CompletionResponse, ChatCompletionResponse, CompletionChunk,
          ChatCompletionChunk, ModelList, ErrorResponse], ref_template=_REF)
@@ -158,6 +179,9 @@ def openapi_document(model_id: str, *, api_keys: bool, version: str = "0.1.0") -
             props[field] = rule
         if name in ("CompletionRequest", "ChatCompletionRequest"):
             props["model"] = {"type": "string", "enum": [model_id], "description": "The served model."}
+            schemas[name]["allOf"] = _CROSS_FIELD[name]
+    token_ids = schemas["CompletionRequest"]["properties"]["prompt"]["anyOf"][1]
+    token_ids["items"] = {**token_ids["items"], "maximum": vocab_size - 1}
     for name, schema in _SCHEMA_RULES.items():
         schemas[name] = schema
     for name, fields in _REQUIRED_EXTRA.items():

@@ -67,7 +67,8 @@ class Gateway:
         self.api_keys = config.api_keys()
         self.inflight_by_key: dict[str, int] = {}
         self.handlers = OpenAIHandlers(self)
-        self.openapi = msgspec.json.encode(openapi_document(self.model_id, api_keys=self.api_keys.enabled))
+        self.openapi = msgspec.json.encode(openapi_document(self.model_id, vocab_size=self.vocab_size,
+                                                             api_keys=self.api_keys.enabled))
         self.inflight = 0
         self.redis = None
         self.session: aiohttp.ClientSession | None = None  # token streams from decode workers
@@ -202,7 +203,10 @@ class Gateway:
             if exc.status == 413:
                 return self._too_large(request.content_length or 0).to_response()
             if exc.status in (404, 405):
-                return OpenAIError(exc.status, f"{request.method} {request.path}: {exc.reason}").to_response()
+                response = OpenAIError(exc.status, f"{request.method} {request.path}: {exc.reason}").to_response()
+                if "Allow" in exc.headers:  # a 405 says which methods the path takes (RFC 9110)
+                    response.headers["Allow"] = exc.headers["Allow"]
+                return response
             raise
         except ValueError as exc:
             outcome = "400"

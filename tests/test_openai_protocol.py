@@ -119,6 +119,19 @@ def test_range_errors_name_the_parameter(field, value, text):
     rejects(parse_completion_request, completion(**{field: value}), field, text)
 
 
+def test_integral_numbers_are_integers_as_in_json_schema():
+    """16.0 is an integer (JSON Schema's, the OpenAPI document's, and OpenAI's / vLLM's servers');
+    16.5 is not.  Numbers and booleans sent as strings are read too (as pydantic-based servers do)."""
+    req = parse_completion_request(completion(prompt=[1.0, 2, 3.0], max_tokens=16.0, seed=7.0, stream="true"))
+    assert req.prompt == [1, 2, 3] and all(type(t) is int for t in req.prompt)
+    assert (req.max_tokens, req.seed, req.stream) == (16, 7, True)
+    assert parse_completion_request(completion(max_tokens="5", temperature="0.5")).sampling().max_tokens == 5
+    rejects(parse_completion_request, completion(prompt=[1.5, 2]), "prompt", "must be integers")
+    rejects(parse_completion_request, completion(prompt=[1e30]), "prompt", "token ids must be in")
+    rejects(parse_completion_request, completion(prompt=[True, 2]), "prompt", "string or a list of token ids")
+    assert parse_chat_request(chat(max_completion_tokens=8.0, top_logprobs=2.0, logprobs=True)).sampling().logprobs == 2
+
+
 @pytest.mark.parametrize("field,value,text", [
     ("n", 2, "only n=1"),
     ("logit_bias", {"50256": -100}, "logit_bias is not supported"),
