@@ -105,6 +105,49 @@ def test_torch_backend_matches_dense_attention(window):
 DECODES = [(1, 600), (1, 257), (1, 1), (1, 40)]
 
 
+@pytest.fixture(scope="module")
+def cpu_kernel():
+    from common.engine import attention_cpu
+
+    kernel = attention_cpu.build_kernel()
+    if kernel is None:
+        pytest.skip("no C compiler: the CPU kernel cannot be built")
+    return kernel
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_cpu_kernel_reads_the_cache_in_place_and_matches_dense_attention(cpu_kernel, window, block_size):
+    from common.engine.attention_cpu import CpuPagedAttention
+
+    # prompt chunks after a cached prefix, decodes (one far longer than the rest), a fresh prompt
+    specs = [(5, 3 * block_size + 7), (1, 2 * block_size + 1), (9, 9), (1, 40 * block_size + 3), (1, 2)]
+    cache, requests, q, k, v = scenario(block_size, num_blocks=128, specs=specs)
+    expected = dense_reference(cache, requests, q, k, v, window)
+    backend = CpuPagedAttention({window}, block_size, cpu_kernel)
+    out = backend.forward(q, k, v, cache, 0, backend.prepare(requests, "cpu"), window, DIM**-0.5)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    # the new K/V are in their slots
+    for r in requests:
+        pos = r.context_len - 1
+        torch.testing.assert_close(cache.key(0)[r.block_ids[pos // block_size], pos % block_size],
+                                   k[r.query_start + r.num_query_tokens - 1])
+
+
+def test_cpu_kernel_in_bf16_is_close_to_fp32(cpu_kernel):
+    from common.engine.attention_cpu import CpuPagedAttention
+
+    cache, requests, q, k, v = scenario(16, num_blocks=64)
+    expected = dense_reference(cache, requests, q, k, v, None)
+    bf16 = KVCache(KVLayout("m", "bfloat16", 16, 1, KV_HEADS, DIM), cache.num_blocks)
+    bf16.buffer.copy_(cache.buffer)
+    backend = CpuPagedAttention({None}, 16, cpu_kernel)
+    out = backend.forward(q.bfloat16(), k.bfloat16(), v.bfloat16(), bf16, 0, backend.prepare(requests, "cpu"), None,
+                          DIM**-0.5)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), expected, rtol=0.05, atol=0.05)
+
+
 @pytest.mark.parametrize("block_size", [256, 512])  # flash-attn 2 pages only in multiples of 256
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("specs", [None, DECODES], ids=["mixed_varlen", "decodes_kvcache"])
@@ -160,7 +203,11 @@ def test_auto_backend_on_cuda_is_flash_where_it_pages_else_triton(fake_flash_att
 def test_auto_backend_on_cuda_without_flash_attn_is_triton(monkeypatch):
     monkeypatch.setitem(sys.modules, "flash_attn", None)  # import fails
     assert make_attention("auto", torch.device("cuda"), {None}, 256).name == "triton"
-    assert make_attention("auto", torch.device("cpu"), {None}, 256).name == "torch"
+    from common.engine import attention_cpu
+
+    cpu_auto = "cpu" if attention_cpu.build_kernel() is not None else "torch"
+    assert make_attention("auto", torch.device("cpu"), {None}, 256).name == cpu_auto
+    assert make_attention("auto", torch.device("cpu"), {None}, 256, torch.float16).name == "torch"
 
 
 def test_explicit_backends_that_cannot_run_say_why(monkeypatch):

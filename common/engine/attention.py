@@ -1,7 +1,8 @@
-"""Paged attention over the block-major KV cache: a pure-torch path (CPU), flash-attn and Triton
-(CUDA: ``common.engine.attention_flash`` and ``common.engine.attention_triton``).
+"""Paged attention over the block-major KV cache: a C kernel that reads the cache in place (CPU:
+``common.engine.attention_cpu``), a pure-torch path (the reference, and the CPU fallback), flash-attn
+and Triton (CUDA: ``common.engine.attention_flash`` and ``common.engine.attention_triton``).
 
-Both backends see the same packed batch: the new tokens of every scheduled request laid end to
+All backends see the same packed batch: the new tokens of every scheduled request laid end to
 end, no padding between requests::
 
     tokens   [ r0 chunk (37 tokens) | r1 decode | r2 decode | r3 chunk (12) ]
@@ -191,14 +192,21 @@ def triton_available(device: torch.device) -> bool:
     return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def make_attention(backend: str, device: torch.device, windows: set[int | None], block_size: int):
+def make_attention(backend: str, device: torch.device, windows: set[int | None], block_size: int,
+                   dtype: torch.dtype = torch.float32):
     """``auto``: on CUDA flash-attn when it is installed and the block size suits its paged KV,
-    else Triton; on CPU the torch path."""
+    else Triton; on CPU the C kernel that reads the cache in place (``attention_cpu``) where it
+    builds and supports the dtype, else the torch path."""
     device = torch.device(device)
     if backend == "auto":
         backend = "torch"
         if device.type == "cuda":
             backend = "flash" if flash_attn_installed() and flash_pages(block_size) else "triton"
+        elif device.type == "cpu":
+            from common.engine import attention_cpu
+
+            if attention_cpu.supports(dtype) and attention_cpu.build_kernel() is not None:
+                backend = "cpu"
     if backend == "flash":
         if device.type != "cuda":
             raise ValueError("attention_backend 'flash' needs a CUDA device")
@@ -212,6 +220,15 @@ def make_attention(backend: str, device: torch.device, windows: set[int | None],
         from common.engine.attention_triton import TritonAttention
 
         return TritonAttention(windows, block_size)
+    if backend == "cpu":
+        from common.engine import attention_cpu
+
+        if device.type != "cpu" or not attention_cpu.supports(dtype):
+            raise ValueError(f"attention_backend 'cpu' needs a CPU device and float32 or bfloat16, got {device} {dtype}")
+        kernel = attention_cpu.build_kernel()
+        if kernel is None:
+            raise ValueError("attention_backend 'cpu': its kernel could not be built (no C compiler?); see the log")
+        return attention_cpu.CpuPagedAttention(windows, block_size, kernel)
     return TorchAttention(windows, block_size)
 
 

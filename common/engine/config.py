@@ -37,7 +37,7 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's own context length
     watermark: float = 0.01
     enable_prefix_caching: bool = True
-    attention_backend: str = "auto"  # auto | torch | flash | triton
+    attention_backend: str = "auto"  # auto | cpu | torch | flash | triton
     model_id: str | None = None  # name served to clients; default: derived from the checkpoint
     # auto: the checkpoint's weights; dummy: random weights of the checkpoint's shape (config.json
     # alone is enough), for benchmarks of big shapes without a big download (vLLM's --load-format dummy)
@@ -52,8 +52,8 @@ class EngineConfig:
         _require(0.0 < self.kv_memory_fraction <= 1.0, "kv_memory_fraction", self.kv_memory_fraction, "in (0, 1]")
         _require(self.dtype in ("auto", "float32", "float16", "bfloat16"), "dtype", self.dtype,
                  "one of auto, float32, float16, bfloat16")
-        _require(self.attention_backend in ("auto", "torch", "flash", "triton"), "attention_backend",
-                 self.attention_backend, "one of auto, torch, flash, triton")
+        _require(self.attention_backend in ("auto", "cpu", "torch", "flash", "triton"), "attention_backend",
+                 self.attention_backend, "one of auto, cpu, torch, flash, triton")
         _require(self.load_format in ("auto", "dummy"), "load_format", self.load_format, "one of auto, dummy")
         # The scheduler config validates the remaining knobs.
         self.scheduler_config(self.max_model_len or 4096)

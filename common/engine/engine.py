@@ -92,7 +92,7 @@ class Engine:
         )
         num_blocks = config.num_blocks or num_blocks_for_memory(self.layout, config.kv_memory_fraction, self.device)
         windows = {mc.window(layer) for layer in range(mc.num_layers)}
-        self.attention = make_attention(config.attention_backend, self.device, windows, config.block_size)
+        self.attention = make_attention(config.attention_backend, self.device, windows, config.block_size, self.dtype)
         use_graphs = config.cuda_graphs and cuda_graphs.supported(self.device, self.attention)
         self.kv_cache = KVCache(self.layout, num_blocks, self.device, scratch_block=use_graphs)
         self.max_model_len = min(config.max_model_len or mc.max_model_len, mc.max_model_len)

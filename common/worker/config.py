@@ -116,8 +116,9 @@ def build_parser(default_role: str, description: str, env: Mapping[str, str] | N
     add("--max-num-seqs", 64, int)
     add("--max-model-len", None, int)
     add("--model-id", help="model name served to clients")
-    add("--attention-backend", "auto", choices=("auto", "torch", "flash", "triton"),
-        help="auto: flash-attn on CUDA where it pages the block size (multiples of 256), else Triton; torch on CPU")
+    add("--attention-backend", "auto", choices=("auto", "cpu", "torch", "flash", "triton"),
+        help="auto: flash-attn on CUDA where it pages the block size (multiples of 256), else Triton; on CPU the "
+             "C kernel that reads the paged cache in place (cpu) where a C compiler builds it, else torch")
     flags.add_switch("--cuda-graphs", default=True,
                      help="replay decode-only steps from CUDA graphs captured per batch-size bucket at start-up "
                           "(CUDA with the triton or flash backend; no effect elsewhere)")

@@ -1,0 +1,161 @@
+"""CPU paged attention that reads the KV cache in place: a small C kernel (csrc/paged_attention_cpu.c).
+
+The kernel is compiled once per machine with the system C compiler (``cc``, OpenMP when it has
+it) into ``<cache>/kernels/`` and loaded with ctypes; the call releases the GIL. One call per
+layer covers every request of the step, prompt chunks and decodes alike; nothing is gathered
+and no mask is built::
+
+    step metadata (built once per step, shared by all layers)
+        block_table   int32 [R, max_blocks]   block ids of each request, zero-padded
+        query_start   int32 [R + 1]           where each request's new tokens start in the batch
+        context_lens  int32 [R]               keys after this step (cached + new)
+        slot_blocks / slot_offsets  [T]       where each new token's K/V is written
+
+    per layer:  cache[slot_blocks, slot_offsets] = k, v     then     kernel(q, cache, table, ...)
+
+``build_kernel`` returns ``None`` (and says why in the log) where there is no compiler;
+``make_attention`` then falls back to the pure-torch path.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from common.engine.kv_cache import KVCache
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "paged_attention_cpu.c"
+_ELEM = {torch.float32: 4, torch.bfloat16: 2}
+_lock = threading.Lock()
+_kernel: ctypes.CDLL | None | bool = False  # False: not tried yet
+
+
+def _cache_dir() -> Path:
+    from common.engine.default_model import default_cache_dir
+
+    return default_cache_dir() / "kernels"
+
+
+def _compile(source: Path, target: Path) -> None:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise RuntimeError("no C compiler (cc/gcc) on PATH")
+    base = [cc, "-O3", "-march=native", "-ffp-contract=fast", "-fPIC", "-shared", str(source), "-lm"]
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        out = Path(tmp) / target.name
+        try:
+            subprocess.run([*base[:-1], "-fopenmp", "-o", str(out), "-lm"], check=True, capture_output=True, timeout=300)
+        except subprocess.CalledProcessError:  # no OpenMP: single-threaded kernel
+            subprocess.run([*base, "-o", str(out)], check=True, capture_output=True, timeout=300)
+        os.replace(out, target)  # atomic: concurrent builders each install a complete file
+
+
+def build_kernel() -> ctypes.CDLL | None:
+    """The compiled kernel (built on first use, then reused from the cache); ``None`` if it cannot be built."""
+    global _kernel
+    with _lock:
+        if _kernel is not False:
+            return _kernel
+        source = SOURCE.read_bytes()
+        digest = hashlib.sha256(source + os.uname().machine.encode()).hexdigest()[:16]
+        target = _cache_dir() / f"paged_attention_cpu-{digest}.so"
+        try:
+            if not target.exists():
+                _compile(SOURCE, target)
+            lib = ctypes.CDLL(str(target))
+        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+            detail = getattr(exc, "stderr", b"") or b""
+            log.warning("CPU paged-attention kernel unavailable (%s %s); using the torch path", exc,
+                        detail.decode(errors="replace")[:500])
+            _kernel = None
+            return None
+        fn = lib.paged_attention
+        fn.restype = ctypes.c_int
+        i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+        fn.argtypes = [i32, ptr, i64, i64, ptr, ptr, i64, i64, i64, ptr, ptr, i64, ptr, ptr,
+                       i32, i32, i32, i32, i32, i32, ctypes.c_float, i32, i32]
+        _kernel = lib
+        return lib
+
+
+@dataclass
+class CpuMetadata:
+    """One step's metadata for ``CpuPagedAttention`` (see the module docstring)."""
+
+    slot_blocks: torch.Tensor
+    slot_offsets: torch.Tensor
+    block_table: torch.Tensor
+    query_start: torch.Tensor
+    context_lens: torch.Tensor
+    max_context: int
+
+
+def step_metadata(requests, block_size: int) -> CpuMetadata:
+    """Vectorized: one pass over the requests (no per-token Python loop)."""
+    num = len(requests)
+    max_blocks = max(len(r.block_ids) for r in requests)
+    table = torch.zeros((num, max_blocks), dtype=torch.int32)
+    for i, r in enumerate(requests):
+        table[i, : len(r.block_ids)] = torch.as_tensor(r.block_ids, dtype=torch.int32)
+    new = torch.tensor([r.num_query_tokens for r in requests], dtype=torch.int32)
+    context = torch.tensor([r.context_len for r in requests], dtype=torch.int32)
+    query_start = torch.zeros(num + 1, dtype=torch.int32)
+    torch.cumsum(new, 0, out=query_start[1:])
+    token_request = torch.repeat_interleave(torch.arange(num), new.long())
+    positions = torch.arange(int(query_start[-1])) - query_start[token_request].long() + (context - new)[token_request].long()
+    slot_blocks = table[token_request, positions // block_size].long()
+    return CpuMetadata(slot_blocks, positions % block_size, table, query_start, context, int(context.max()))
+
+
+class CpuPagedAttention:
+    """The CPU backend: writes the step's K/V into its slots, then one kernel call per layer."""
+
+    name = "cpu"
+
+    def __init__(self, windows: set[int | None], block_size: int, kernel: ctypes.CDLL, num_threads: int | None = None):
+        self.block_size = block_size
+        self.kernel = kernel
+        self.num_threads = num_threads
+
+    def prepare(self, requests, device) -> CpuMetadata:
+        return step_metadata(requests, self.block_size)
+
+    def forward(self, q, k, v, cache: KVCache, layer: int, meta: CpuMetadata, window, scale) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, KVH, D] for the new tokens.  Returns [T, H, D]."""
+        key_cache, value_cache = cache.key(layer), cache.value(layer)
+        key_cache[meta.slot_blocks, meta.slot_offsets] = k
+        value_cache[meta.slot_blocks, meta.slot_offsets] = v
+        elem = _ELEM.get(q.dtype)
+        assert elem is not None and q.dtype == key_cache.dtype, f"cpu attention supports fp32/bf16, got {q.dtype}"
+        if q.stride(-1) != 1:
+            q = q.contiguous()
+        assert key_cache.stride(-1) == 1 and key_cache.stride() == value_cache.stride(), "unexpected cache layout"
+        tokens, heads, dim = q.shape
+        out = torch.empty((tokens, heads, dim), dtype=q.dtype)
+        table = meta.block_table
+        threads = self.num_threads or torch.get_num_threads()
+        rc = self.kernel.paged_attention(
+            elem, q.data_ptr(), q.stride(0), q.stride(1), key_cache.data_ptr(), value_cache.data_ptr(),
+            key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), out.data_ptr(), table.data_ptr(),
+            table.stride(0), meta.query_start.data_ptr(), meta.context_lens.data_ptr(), len(meta.context_lens),
+            heads, key_cache.shape[2], dim, self.block_size, window or 0, float(scale), meta.max_context, threads,
+        )
+        if rc != 0:
+            raise MemoryError("cpu paged attention: scratch allocation failed")
+        return out
+
+
+def supports(dtype: torch.dtype) -> bool:
+    return dtype in _ELEM
