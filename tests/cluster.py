@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 import uuid
 from pathlib import Path
 
@@ -30,6 +31,35 @@ def running_cluster(checkpoint: Path, workdir: Path, redis_url: str, *, prefill:
     finally:
         cluster.stop()
         delete_keys(redis_url, key_prefix)
+
+
+@contextlib.contextmanager
+def extra_gateway(stack: LocalStack, name: str, args: list[str], env: dict[str, str] | None = None,
+                  timeout: float = 120):
+    """Another gateway on ``stack``'s pools, with its own flags and ``PDSERVE_*`` variables; yields
+    its ``Proc`` once it routes to a decode worker, and stops it afterwards."""
+    saved = dict(stack.extra_env)
+    stack.extra_env.update(env or {})
+    try:
+        proc = stack.start_gateway(name, args)
+    finally:
+        stack.extra_env.clear()
+        stack.extra_env.update(saved)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if http_json(f"{proc.url}/health", timeout=2)["pools"]["decode"]["healthy"]:
+                    break
+            except (OSError, ValueError, KeyError):
+                assert proc.popen.poll() is None, proc.log()
+            assert time.monotonic() < deadline, f"gateway {name} not ready:\n{proc.log()}"
+            time.sleep(0.2)
+        yield proc
+    finally:
+        proc.popen.terminate()
+        proc.popen.wait(15)
+        stack.procs.pop(name, None)
 
 
 def delete_keys(redis_url: str, key_prefix: str) -> None:

@@ -61,3 +61,21 @@ def served_checkpoint(tmp_path_factory):
     write_checkpoint(tiny_llama_config(), directory)
     write_tokenizer(directory)
     return directory
+
+
+# ---- a small shared stack (tests of the public API) -----------------------------------------
+# `small_stack`: one prefill and one decode worker (block size 16, 256 blocks) and a gateway
+# without API keys, started once per session.  A module that needs other gateway settings starts
+# its own gateway on these pools (`tests.cluster.extra_gateway`).  Tests on it send prompts no
+# other test sends, so they pass alone and in any order.
+
+
+@pytest.fixture(scope="session")
+def small_stack(served_checkpoint, redis_url, tmp_path_factory):
+    from tests.cluster import running_cluster
+
+    with running_cluster(served_checkpoint, tmp_path_factory.mktemp("small-stack"), redis_url, prefill=1,
+                         decode=1, worker_args=["--num-blocks", "256", "--block-size", "16"],
+                         # generous: on a loaded machine a lookup must not fall back to load-only routing
+                         gateway_args=["--prefix-lookup-timeout", "30"]) as stack:
+        yield stack

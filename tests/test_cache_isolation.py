@@ -19,9 +19,9 @@ import redis
 from common.cluster.redis_keys import RedisKeys
 from common.engine.prefix_hash import MAX_CACHE_SALT_LEN, block_extra_keys, hash_prompt_blocks
 from tests.checkpoints import VOCAB
-from tests.cluster import http_json, running_cluster
+from tests.cluster import extra_gateway
 
-BLOCK_SIZE = 16
+BLOCK_SIZE = 16  # the small_stack's (tests/conftest.py)
 PROMPT_LEN = 6 * BLOCK_SIZE  # above the default --skip-prefill-below (64): a first sight goes to the prefill pool
 # A repeat hits every block but the last (the last prompt token is always computed).
 REPEAT_HIT = PROMPT_LEN - BLOCK_SIZE
@@ -30,13 +30,9 @@ DECODE_CACHES_PROMPT = "decode worker caches most of the prompt"  # a routing re
 
 
 @pytest.fixture(scope="module")
-def stack(served_checkpoint, redis_url, tmp_path_factory):
-    with running_cluster(served_checkpoint, tmp_path_factory.mktemp("logs"), redis_url, prefill=1, decode=1,
-                         worker_args=["--num-blocks", "256", "--block-size", str(BLOCK_SIZE)],
-                         # generous: on a loaded machine a lookup must not fall back to load-only routing
-                         gateway_args=["--prefix-lookup-timeout", "30"]) as c:
-        c.wait_for_workers(prefill=1, decode=1)
-        yield c
+def stack(small_stack):
+    assert small_stack.wait_for_workers(prefill=1, decode=1)
+    return small_stack
 
 
 @pytest.fixture(scope="module")
@@ -50,26 +46,10 @@ def isolated(stack, tmp_path_factory):
     (set through its PDSERVE_ variable, as a deployment would)."""
     keys = tmp_path_factory.mktemp("keys") / "api-keys"
     keys.write_text("".join(f"{k}\n" for k in KEYS.values()))
-    stack.extra_env["PDSERVE_CACHE_ISOLATION"] = "per-key"
-    try:
-        proc = stack.start_gateway("isolated", ["--api-keys-file", str(keys), "--prefix-lookup-timeout", "30"])
-    finally:
-        del stack.extra_env["PDSERVE_CACHE_ISOLATION"]
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            if http_json(f"{proc.url}/health", timeout=2)["pools"]["decode"]["healthy"]:
-                break
-        except (OSError, ValueError, KeyError):
-            assert proc.popen.poll() is None, proc.log()
-        assert time.monotonic() < deadline, proc.log()
-        time.sleep(0.2)
-    try:
+    with extra_gateway(stack, "isolated", ["--api-keys-file", str(keys)],
+                       env={"PDSERVE_CACHE_ISOLATION": "per-key"}) as proc:
         yield {name: openai.OpenAI(base_url=f"{proc.url}/v1", api_key=key, max_retries=0, timeout=120)
                for name, key in KEYS.items()}
-    finally:
-        proc.popen.terminate()
-        proc.popen.wait(15)
 
 
 def fresh_prompt() -> list[int]:

@@ -1,5 +1,5 @@
 """The gateway's OpenAPI description (``GET /openapi.json``), and schemathesis against it: a real
-gateway and a tiny-model decode worker must answer every generated request -- valid by the
+gateway and tiny-model prefill and decode workers must answer every generated request -- valid by the
 schema or not -- without a 5xx, with a documented status, content type and body shape (JSON, and
 each SSE event's payload); a request valid by the schema must be served (our checks in
 tests/openapi_checks.py), so the document says what the gateway really accepts.
@@ -21,11 +21,12 @@ import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from tests.checkpoints import VOCAB
-from tests.cluster import http_json, running_cluster
+from tests.cluster import extra_gateway, http_json
 
 API_KEY = "sk-openapi-test-0123456789"
 MAX_EXAMPLES = 20  # per operation (a GET without parameters needs one)
@@ -35,12 +36,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
-def stack(served_checkpoint, redis_url, tmp_path_factory):
-    with running_cluster(served_checkpoint, tmp_path_factory.mktemp("logs"), redis_url, prefill=0, decode=1,
-                         worker_args=["--num-blocks", "256", "--max-num-seqs", "8"],
-                         gateway_args=["--api-key", API_KEY, "--max-model-len", "128"]) as c:
-        c.wait_for_workers(prefill=0, decode=1)
-        yield c
+def stack(small_stack):
+    """A gateway with an API key and a short context (so generation stays quick) on the shared
+    small stack's pools."""
+    with extra_gateway(small_stack, "openapi", ["--api-key", API_KEY, "--max-model-len", "128"]) as proc:
+        yield SimpleNamespace(gateway_url=proc.url, model_name=small_stack.model_name, procs=small_stack.procs)
 
 
 @pytest.fixture(scope="module")
