@@ -483,7 +483,8 @@ def _spray(host: str, port: int | None, payload: bytes) -> None:
 def worker_problems(stats: dict) -> list[str]:
     """What is still held by a worker that should be idle (empty when all is well)."""
     problems = []
-    for key in ("inflight", "num_running", "num_waiting", "num_waiting_for_remote_kv", "kv_transfers_settling"):
+    for key in ("inflight", "num_unfinished", "num_running", "num_waiting", "num_waiting_for_remote_kv",
+                "kv_transfers_settling", "kv_incoming", "kv_outgoing"):
         if stats.get(key):
             problems.append(f"{key}={stats[key]}")
     if stats.get("num_free_blocks") != stats.get("num_blocks"):

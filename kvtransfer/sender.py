@@ -197,6 +197,11 @@ class KVSender:
         conn = self._conns.get(address)
         return conn.channel.description if conn is not None else None
 
+    @property
+    def num_in_flight(self) -> int:
+        """Transfers started and not yet acknowledged or failed."""
+        return sum(len(conn.transfers) for conn in self._conns.values())
+
     def get(self, transfer_id: str) -> OutgoingTransfer | None:
         for conn in self._conns.values():
             if transfer_id in conn.transfers:

@@ -8,7 +8,8 @@ with the cluster secret, see ``request_auth``):
     POST /abort      AbortRequest     -> 200 whether or not the request was here
     GET  /health                      -> 200 while serving
     GET  /stats[?check=1]             -> JSON counters (tests and ops); check=1 adds the block
-                                         pool's integrity check (pool_ok, pool_error)
+                                         pool's integrity check (pool_ok, pool_error) and the
+                                         requests the engine still holds (num_unfinished)
     GET  /metrics                     -> Prometheus text
     GET  /admin/status, POST /admin/drain, POST /admin/role   (X-Admin-Token)
 
@@ -350,7 +351,9 @@ class Worker:
         out = dict(self.engine.stats())
         out.update(self.metrics.snapshot())
         out.update(worker_id=self.config.worker_id, role=self.role, state=self.state,
-                   inflight=len(self.inflight), engine_steps=self.engine_thread.steps)
+                   inflight=len(self.inflight), engine_steps=self.engine_thread.steps,
+                   kv_incoming=self.kv_receiver.num_pending if self.kv_receiver else 0,
+                   kv_outgoing=self.kv_sender.num_in_flight if self.kv_sender else 0)
         return out
 
     async def _handle_stats(self, request: web.Request) -> web.Response:
@@ -359,6 +362,7 @@ class Worker:
         def collect(engine: Engine) -> dict:  # engine thread: the pool is not changing under us
             out = self.stats()
             if check:
+                out["num_unfinished"] = engine.scheduler.num_unfinished  # requests the engine still holds
                 try:
                     engine.block_pool.check_integrity()
                     out.update(pool_ok=True, pool_error=None)
