@@ -68,10 +68,10 @@ def build_kernel() -> ctypes.CDLL | None:
     with _lock:
         if _kernel is not False:
             return _kernel
-        source = SOURCE.read_bytes()
-        digest = hashlib.sha256(source + os.uname().machine.encode()).hexdigest()[:16]
-        target = _cache_dir() / f"paged_attention_cpu-{digest}.so"
         try:
+            # -march=native: a build is only valid on a CPU with the same features (a shared cache volume)
+            digest = hashlib.sha256(SOURCE.read_bytes() + _cpu_signature()).hexdigest()[:16]
+            target = _cache_dir() / f"paged_attention_cpu-{digest}.so"
             if not target.exists():
                 _compile(SOURCE, target)
             lib = ctypes.CDLL(str(target))
@@ -88,6 +88,16 @@ def build_kernel() -> ctypes.CDLL | None:
                        i32, i32, i32, i32, i32, i32, ctypes.c_float, i32, i32]
         _kernel = lib
         return lib
+
+
+def _cpu_signature() -> bytes:
+    flags = b""
+    try:
+        with open("/proc/cpuinfo", "rb") as f:
+            flags = next((line for line in f if line.startswith(b"flags")), b"")
+    except OSError:
+        pass
+    return os.uname().machine.encode() + flags
 
 
 @dataclass
