@@ -90,7 +90,7 @@ class Shipper:
                 limit = min(request.num_computed_tokens, request.num_prompt_tokens) // bs
             if limit > job.next_index:
                 blocks: list[KVCacheBlock] = engine.scheduler.kv.req_to_blocks[request_id][job.next_index:limit]
-                engine.block_pool.touch(blocks)
+                engine.scheduler.kv.pin(blocks)
                 dst = job.dst_block_ids[job.next_index - job.num_skip_blocks : limit - job.num_skip_blocks]
                 job.post(([b.block_id for b in blocks], dst, blocks, self._fence))
                 job.next_index = limit
@@ -126,7 +126,7 @@ async def ship(worker, job: ShippingJob, first_token: asyncio.Future) -> int:
 
 
 async def unpin(worker, blocks: list[KVCacheBlock]) -> None:
-    await asyncio.shield(worker.engine_thread.call(lambda e: e.block_pool.free(blocks)))
+    await asyncio.shield(worker.engine_thread.call(lambda e: e.scheduler.kv.unpin(blocks)))
 
 
 async def unpin_leftovers(worker, job: ShippingJob) -> None:

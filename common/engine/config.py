@@ -14,12 +14,18 @@ class SchedulerConfig:
     max_model_len: int = 4096  # prompt + output tokens of one request
     # Free blocks, as a fraction of the pool, that new prompts may not take: room for running decodes.
     watermark: float = 0.01
+    # Decode role: blocks that reservations for incoming remote KV may hold, as a fraction of the
+    # pool (one reservation is always allowed, however large), and how long one may wait for its KV.
+    remote_kv_budget: float = 0.5
+    remote_lease_s: float = 300.0
 
     def __post_init__(self) -> None:
         _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", self.max_num_batched_tokens, ">= 1")
         _require(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, ">= 1")
         _require(self.max_model_len >= 2, "max_model_len", self.max_model_len, ">= 2")
         _require(0.0 <= self.watermark < 1.0, "watermark", self.watermark, "in [0, 1)")
+        _require(0.0 < self.remote_kv_budget <= 1.0, "remote_kv_budget", self.remote_kv_budget, "in (0, 1]")
+        _require(self.remote_lease_s > 0, "remote_lease_s", self.remote_lease_s, "> 0")
 
 
 @dataclass(frozen=True)
@@ -36,6 +42,8 @@ class EngineConfig:
     max_num_seqs: int = 128
     max_model_len: int | None = None  # default: the model's own context length
     watermark: float = 0.01
+    remote_kv_budget: float = 0.5
+    remote_lease_s: float = 300.0
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # auto | cpu | torch | flash | triton
     model_id: str | None = None  # name served to clients; default: derived from the checkpoint
@@ -64,6 +72,8 @@ class EngineConfig:
             max_num_seqs=self.max_num_seqs,
             max_model_len=max_model_len,
             watermark=self.watermark,
+            remote_kv_budget=self.remote_kv_budget,
+            remote_lease_s=self.remote_lease_s,
         )
 
     def replace(self, **changes) -> "EngineConfig":

@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -22,7 +22,7 @@ from common.engine.kv_cache_manager import KVCacheManager
 from common.engine.model_loader import load_model, resolve_checkpoint
 from common.engine.prefix_hash import MAX_CACHE_SALT_LEN, block_extra_keys
 from common.engine.model_runner import ModelRunner
-from common.engine.request import Request
+from common.engine.request import Request, RequestStatus
 from common.engine.sampler import TokenLogprobs
 from common.engine.sampling_params import SamplingParams
 from common.engine.scheduler import Scheduler
@@ -43,6 +43,16 @@ class RequestOutput:
     num_output_tokens: int
     new_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     num_preemptions: int = 0
+
+
+class StepFailed(Exception):
+    """A step raised: the requests it had scheduled (``request_ids``) are finished with an error
+    and their blocks freed; the engine itself can go on."""
+
+    def __init__(self, error: BaseException, request_ids: list[str]):
+        super().__init__(f"engine step failed: {type(error).__name__}: {error}")
+        self.error = error
+        self.request_ids = request_ids
 
 
 @dataclass
@@ -110,6 +120,12 @@ class Engine:
         self._ids = itertools.count()
         self.num_prompt_tokens_total = 0
         self.num_cached_tokens_total = 0
+        self.num_steps = 0  # steps that computed something
+        # True after a step that could schedule nothing (and preempted nothing): stepping again
+        # is of no use until something changes (a request arrives, ends, lands; blocks are freed).
+        self.stalled = False
+        # Tests only: called with the step number before each forward (raise to inject a fault).
+        self.fault_injector: Callable[[int], None] | None = None
         log.info(
             "engine ready: model=%s (%s) dtype=%s device=%s attention=%s cuda_graphs=%s kv_blocks=%d x %d tokens",
             self.model_id, mc.model_type, self.layout.dtype, self.device, self.attention.name,
@@ -169,11 +185,25 @@ class Engine:
     # ---- stepping --------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """Schedule, compute and advance one step.  Raises ``StepFailed`` if the forward or the
+        update failed (the step's requests are then finished with an error)."""
         out = self.scheduler.schedule()
+        self.stalled = out.is_empty and not out.preempted_request_ids
         if out.is_empty:
             return []
-        sampled = self.runner.execute(out)
-        changed = self.scheduler.update(out, {rid: tok for rid, (tok, _lp) in sampled.items()})
+        self.num_steps += 1
+        try:
+            if self.fault_injector is not None:
+                self.fault_injector(self.num_steps)
+            sampled = self.runner.execute(out)
+            changed = self.scheduler.update(out, {rid: tok for rid, (tok, _lp) in sampled.items()})
+        except Exception as exc:
+            failed = [item.request_id for item in out.scheduled]
+            for request_id in failed:
+                self.scheduler.abort(request_id, RequestStatus.FINISHED_ERROR)
+            log.error("step %d failed (%s: %s); its %d requests end with an error",
+                      self.num_steps, type(exc).__name__, exc, len(failed))
+            raise StepFailed(exc, failed) from exc
         outputs = []
         for request in changed:
             token_id, logprobs = sampled[request.request_id]
@@ -205,7 +235,7 @@ class Engine:
 
     def has_work(self) -> bool:
         """Anything a step could compute now (requests waiting for remote KV do not count)."""
-        return bool(self.scheduler.waiting or self.scheduler.running)
+        return self.scheduler.has_work()
 
     def generate(
         self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | dict | None = None
@@ -245,10 +275,16 @@ class Engine:
 
     def stats(self) -> dict[str, float]:
         s = self.scheduler
+        # Prompt tokens still to compute: waiting requests and running ones mid-prefill (chunked).
+        waiting_tokens = sum(r.num_tokens - r.num_computed_tokens for r in s.waiting) + sum(
+            r.num_prompt_tokens - r.num_computed_tokens for r in s.running
+            if r.num_computed_tokens < r.num_prompt_tokens)
         return {
             "num_running": len(s.running),
-            "num_waiting": len(s.waiting),
+            "num_waiting": s.num_waiting,
             "num_waiting_for_remote_kv": s.num_waiting_for_remote,
+            "num_reserved_blocks": s.num_reserved_blocks,
+            "num_waiting_prefill_tokens": waiting_tokens,
             "kv_usage": self.block_pool.usage,
             "num_free_blocks": self.block_pool.num_free_blocks,
             "num_blocks": self.block_pool.num_blocks,

@@ -7,6 +7,8 @@
 """
 from __future__ import annotations
 
+from collections import Counter
+
 from common.engine.block_pool import BlockPool, KVCacheBlock
 from common.engine.request import Request
 
@@ -26,6 +28,9 @@ class KVCacheManager:
         # instead of rebuilding it from the blocks (the table of a long context is long).
         self._req_to_block_ids: dict[str, list[int]] = {}
         self._num_committed: dict[str, int] = {}
+        # Extra references held outside any block table (the prefill role pins blocks while their
+        # bytes are on the wire), by block id: every reference has a known owner.
+        self.pins: Counter[int] = Counter()
 
     def find_cached_prefix(self, request: Request) -> list[KVCacheBlock]:
         """Leading blocks of the request already in the prefix cache, each verified against its
@@ -97,6 +102,40 @@ class KVCacheManager:
             self.pool.commit(blocks[index], hashes[index], hashes[index - 1] if index else None,
                              request.all_token_ids[index * bs : (index + 1) * bs], request.extra_keys)
         self._num_committed[request_id] = num_full
+
+    def pin(self, blocks: list[KVCacheBlock]) -> None:
+        """Hold ``blocks`` (already referenced) past their request's end, until ``unpin``."""
+        self.pool.touch(blocks)
+        self.pins.update(block.block_id for block in blocks)
+
+    def unpin(self, blocks: list[KVCacheBlock]) -> None:
+        for block in blocks:
+            assert self.pins[block.block_id] > 0, f"unpin of {block}, which is not pinned"
+            self.pins[block.block_id] -= 1
+            if not self.pins[block.block_id]:
+                del self.pins[block.block_id]
+        self.pool.free(blocks)
+
+    def holds(self, request_id: str) -> bool:
+        return bool(self.req_to_blocks.get(request_id))
+
+    def num_blocks_of(self, request_id: str) -> int:
+        return len(self.req_to_blocks.get(request_id, ()))
+
+    def check_integrity(self) -> None:
+        """Assert the pool's invariants and that every reference on a block is owned: by a block
+        table (a block shared through the prefix cache is in several) or by a pin."""
+        self.pool.check_integrity()
+        owners: Counter[int] = Counter(self.pins)
+        for request_id, blocks in self.req_to_blocks.items():
+            assert [b.block_id for b in blocks] == self._req_to_block_ids.get(request_id), (
+                f"block ids of {request_id!r} out of sync with its table")
+            assert len({b.block_id for b in blocks}) == len(blocks), f"a block is twice in the table of {request_id!r}"
+            owners.update(block.block_id for block in blocks)
+        assert set(self._req_to_block_ids) == set(self.req_to_blocks), "block id lists without tables"
+        for block in self.pool.blocks:
+            assert block.ref_cnt == owners[block.block_id], (
+                f"{block} has {block.ref_cnt} references but {owners[block.block_id]} owners")
 
     def block_ids(self, request_id: str) -> list[int]:
         ids = self._req_to_block_ids.get(request_id)

@@ -8,9 +8,20 @@ Each step, in order:
      is kept for running decodes.
 When blocks run out, the newest running request is preempted (its blocks freed) and recomputed
 later.  The output is a plain ``SchedulerOutput``.
+
+Blocks held outside ``running`` cannot be taken back by preemption, so they are bounded, or the
+pool could fill with them while nothing runs (``running=0, waiting>0``, forever):
+
+    reservations  (decode role: blocks waiting for remote KV)  at most ``remote_kv_budget`` of the
+                  pool (one is always allowed), each with a lease; the owner frees an expired one
+                  once no more bytes can land in it (``expired_leases``)
+    landed        (remote KV complete, not yet running)        admitted before new prompts and
+                  without the watermark; if even so nothing can run, the newest is preempted
+    pins          (prefill role: blocks on the wire)           released as soon as sent
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -56,10 +67,15 @@ class Scheduler:
         self.kv = kv_manager
         self.block_size = kv_manager.block_size
         self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
+        self.waiting: deque[Request] = deque()  # hold no blocks
+        self.landed: deque[Request] = deque()  # decode role: remote KV complete, blocks held
         self.running: list[Request] = []
+        self.reservations: dict[str, Request] = {}  # decode role: blocks held for remote KV
+        self._leases: dict[str, float] = {}  # reservation -> when its lease ends (unexpired ones)
+        self.held: set[str] = set()  # prefill role: finished, blocks kept until shipped
         self.num_preemptions = 0
         self._watermark_blocks = int(config.watermark * kv_manager.pool.num_blocks)
+        self._remote_budget_blocks = int(config.remote_kv_budget * kv_manager.pool.num_blocks)
 
     # ---- admission -------------------------------------------------------------------------
 
@@ -68,16 +84,23 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
-    def reserve_remote(self, request: Request) -> tuple[list[int], int] | None:
+    def reserve_remote(
+        self, request: Request, lease_s: float | None = None, now: float | None = None
+    ) -> tuple[list[int], int] | None:
         """Decode role: allocate blocks for a prompt whose KV another worker computes.
 
         Returns ``(block_ids, num_cached_tokens)``: the request's whole block table and how many
         leading prompt tokens this worker already holds (their KV need not be sent).  ``None`` if
-        the blocks do not fit now.
+        the blocks do not fit now, or reservations already hold their budget.  The reservation's
+        lease ends ``lease_s`` (default: the config's ``remote_lease_s``) after ``now``.
         """
         self._validate(request)
         cached = self.kv.find_cached_prefix(request)
         num_cached_tokens = len(cached) * self.block_size
+        if self.reservations:
+            needed = -(-request.num_tokens // self.block_size)
+            if self.num_reserved_blocks + needed > self._remote_budget_blocks:
+                return None
         new_blocks = self.kv.allocate_slots(
             request, request.num_tokens - num_cached_tokens, cached, reserve_blocks=self._watermark_blocks
         )
@@ -85,8 +108,29 @@ class Scheduler:
             return None
         request.num_cached_tokens = num_cached_tokens
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        now = time.monotonic() if now is None else now
+        self._leases[request.request_id] = now + (self.config.remote_lease_s if lease_s is None else lease_s)
         self.requests[request.request_id] = request
+        self.reservations[request.request_id] = request
         return self.kv.block_ids(request.request_id), num_cached_tokens
+
+    @property
+    def num_reserved_blocks(self) -> int:
+        return sum(self.kv.num_blocks_of(rid) for rid in self.reservations)
+
+    def expired_leases(self, now: float | None = None) -> list[str]:
+        """Reservations whose lease ended: each is reported once, and its KV is refused from now on
+        (``finish_remote`` returns ``None``).  The caller frees each with ``abort`` once no more
+        bytes can land in its blocks."""
+        now = time.monotonic() if now is None else now
+        expired = [rid for rid, deadline in self._leases.items() if deadline <= now]
+        for rid in expired:
+            del self._leases[rid]
+        return expired
+
+    def next_lease_deadline(self) -> float | None:
+        """When the earliest unexpired lease ends (``None``: no lease running)."""
+        return min(self._leases.values(), default=None)
 
     def finish_remote(self, request_id: str, first_token_id: int) -> Request | None:
         """Decode role: the prompt's KV has landed; queue the request to decode from ``first_token_id``.
@@ -95,8 +139,9 @@ class Scheduler:
         was aborted meanwhile.
         """
         request = self.requests.get(request_id)
-        if request is None or request.status != RequestStatus.WAITING_FOR_REMOTE_KV:
-            return None
+        if request is None or request_id not in self._leases:
+            return None  # aborted, or its lease ended: its owner frees it
+        del self.reservations[request_id], self._leases[request_id]
         request.num_computed_tokens = request.num_tokens
         self.kv.commit(request)
         request.status = RequestStatus.WAITING
@@ -104,7 +149,7 @@ class Scheduler:
         if request.is_finished:
             self._finish(request)
         else:
-            self.waiting.appendleft(request)  # it holds its blocks: let it in first
+            self.landed.append(request)  # it holds its blocks: it goes before new prompts
         return request
 
     def _validate(self, request: Request) -> None:
@@ -151,28 +196,42 @@ class Scheduler:
                 scheduled[request.request_id] = self._schedule_one(request, num_new)
                 budget -= num_new
 
-        # New prompts only when nothing had to be preempted: otherwise they would evict each other.
-        while self.waiting and budget > 0 and not out.preempted_request_ids:
-            if len(self.running) >= self.config.max_num_seqs:
-                break
-            request = self.waiting[0]
-            cached = self.kv.find_cached_prefix(request) if request.num_computed_tokens == 0 else []
-            num_hit_tokens = len(cached) * self.block_size
-            num_new = min(request.num_tokens - request.num_computed_tokens - num_hit_tokens, budget)
-            if self.kv.allocate_slots(request, num_new, cached, reserve_blocks=self._watermark_blocks) is None:
-                break  # first come, first served: nobody overtakes the head of the queue
-            self.waiting.popleft()
-            request.num_computed_tokens += num_hit_tokens
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_hit_tokens
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            scheduled[request.request_id] = self._schedule_one(request, num_new)
-            budget -= num_new
+        # New requests only when nothing had to be preempted: otherwise they would evict each other.
+        if not out.preempted_request_ids:
+            budget = self._admit(scheduled, budget)
+            if not scheduled and self.landed:
+                # Nothing runs and a landed request cannot get the block it needs next: the pool is
+                # full of blocks nobody can preempt.  Recompute the newest landed request instead.
+                victim = self.landed.pop()
+                self._requeue(victim)
+                out.preempted_request_ids.append(victim.request_id)
+                budget = self._admit(scheduled, budget)
 
         out.scheduled = list(scheduled.values())
         out.num_scheduled_tokens = self.config.max_num_batched_tokens - budget
         return out
+
+    def _admit(self, scheduled: dict[str, ScheduledRequest], budget: int) -> int:
+        """Admit landed requests (they hold their blocks: no watermark), then waiting ones in FCFS
+        order.  The watermark keeps room for running decodes, so it applies only while some run."""
+        for queue in (self.landed, self.waiting):
+            while queue and budget > 0 and len(self.running) < self.config.max_num_seqs:
+                request = queue[0]
+                cached = self.kv.find_cached_prefix(request) if request.num_computed_tokens == 0 else []
+                num_hit_tokens = len(cached) * self.block_size
+                num_new = min(request.num_tokens - request.num_computed_tokens - num_hit_tokens, budget)
+                reserve = self._watermark_blocks if self.running and queue is self.waiting else 0
+                if self.kv.allocate_slots(request, num_new, cached, reserve_blocks=reserve) is None:
+                    break  # first come, first served: nobody overtakes the head of the queue
+                queue.popleft()
+                request.num_computed_tokens += num_hit_tokens
+                if request.num_cached_tokens < 0:
+                    request.num_cached_tokens = num_hit_tokens
+                request.status = RequestStatus.RUNNING
+                self.running.append(request)
+                scheduled[request.request_id] = self._schedule_one(request, num_new)
+                budget -= num_new
+        return budget
 
     def _schedule_one(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
@@ -193,15 +252,19 @@ class Scheduler:
 
         Returns the budget it had already been given this step (now handed back)."""
         self.running.remove(victim)
+        self._requeue(victim)
+        out.preempted_request_ids.append(victim.request_id)
+        returned = scheduled.pop(victim.request_id, None)
+        return len(returned.token_ids) if returned else 0
+
+    def _requeue(self, victim: Request) -> None:
+        """Take the victim's blocks back; it is recomputed from its first token when admitted again."""
         self.kv.free(victim.request_id)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(victim)
-        out.preempted_request_ids.append(victim.request_id)
-        returned = scheduled.pop(victim.request_id, None)
-        return len(returned.token_ids) if returned else 0
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Advance the requests of a finished step; returns those that produced a token or finished."""
@@ -238,8 +301,9 @@ class Scheduler:
         request = self.requests.get(request_id)
         if request is None:
             return None
-        if request in self.waiting:
-            self.waiting.remove(request)
+        for queue in (self.waiting, self.landed):
+            if request in queue:
+                queue.remove(request)
         request.status = status
         request.hold_blocks_on_finish = False
         self._finish(request)
@@ -249,11 +313,16 @@ class Scheduler:
         if request in self.running:
             self.running.remove(request)
         del self.requests[request.request_id]
-        if not request.hold_blocks_on_finish:
+        self.reservations.pop(request.request_id, None)
+        self._leases.pop(request.request_id, None)
+        if request.hold_blocks_on_finish:
+            self.held.add(request.request_id)
+        else:
             self.kv.free(request.request_id)
 
     def release_held(self, request_id: str) -> None:
         """Prefill role: the KV of a finished request has been shipped; its blocks become cache."""
+        self.held.discard(request_id)
         self.kv.free(request_id)
 
     @property
@@ -261,5 +330,43 @@ class Scheduler:
         return len(self.requests)
 
     @property
+    def num_waiting(self) -> int:
+        return len(self.waiting) + len(self.landed)
+
+    @property
     def num_waiting_for_remote(self) -> int:
-        return sum(1 for r in self.requests.values() if r.status == RequestStatus.WAITING_FOR_REMOTE_KV)
+        return len(self.reservations)
+
+    def has_work(self) -> bool:
+        """Anything a step could compute now (requests waiting for remote KV do not count)."""
+        return bool(self.waiting or self.landed or self.running)
+
+    def check_integrity(self) -> None:
+        """Assert that the pool is sound, that every reference on a block has an owner (a block
+        table or a pin), and that every request is in exactly one place, in a state that fits it."""
+        self.kv.check_integrity()
+        places = {
+            "running": (self.running, {RequestStatus.RUNNING}),
+            "waiting": (self.waiting, {RequestStatus.WAITING, RequestStatus.PREEMPTED}),
+            "landed": (self.landed, {RequestStatus.WAITING}),
+            "reservations": (list(self.reservations.values()), {RequestStatus.WAITING_FOR_REMOTE_KV}),
+        }
+        seen: dict[str, str] = {}
+        for place, (requests, states) in places.items():
+            for request in requests:
+                rid = request.request_id
+                assert rid not in seen, f"{rid!r} is in both {seen[rid]} and {place}"
+                seen[rid] = place
+                assert request.status in states, f"{rid!r} is in {place} as {request.status.name}"
+                assert self.requests.get(rid) is request, f"{rid!r} is in {place} but not among the requests"
+                if place == "waiting":
+                    assert not self.kv.holds(rid), f"waiting request {rid!r} holds blocks"
+                else:
+                    capacity = self.kv.num_blocks_of(rid) * self.block_size
+                    assert capacity >= request.num_computed_tokens, f"{rid!r} has KV beyond its blocks"
+        assert set(self._leases) <= set(self.reservations), "a lease without a reservation"
+        assert set(seen) == set(self.requests), f"requests in no queue: {set(self.requests) - set(seen)}"
+        assert not self.held & set(self.requests), "a held request is still unfinished"
+        owners = set(self.requests) | self.held
+        assert set(self.kv.req_to_blocks) <= owners, (
+            f"block tables of unknown requests: {set(self.kv.req_to_blocks) - owners}")
