@@ -1,10 +1,13 @@
 """POST /generate: one request on a decode worker, streamed back as TokenFrames.
 
     reserve blocks for the prompt (minus what this worker already caches)      -- decode allocates first
+        no room (or reservations hold their budget): answer 503 "busy" before anything streams,
+        and the gateway tries another decode worker
     expect KV into them, and ask the prefill worker to compute and ship it     -- in parallel
     KV complete + first token  ->  request joins the running batch
     every step's new token     ->  TokenFrame to the gateway
-    any failure before the first token: compute the prompt locally instead
+    a failure of the prefill worker or the transfer before the first token: compute the prompt
+        locally instead
     client gone / abort: tell the prefill worker; free the blocks once no KV can land in them
 """
 from __future__ import annotations
@@ -12,11 +15,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 
 import aiohttp
 from aiohttp import web
 
-from common.engine.engine import Engine, RequestOutput
+from common.engine.engine import Engine, RequestOutput, StepFailed
+from common.worker.engine_thread import EngineFailed
+from common.cluster.registry import WorkerInfo
 from common.cluster.messages import GenerateRequest, PrefillRequest, TokenFrame, TokenLogprob, decode, frame
 from decode_svc.prefill_client import BadPrefillAnswer, call_prefill, resolve_prefill_worker, send_abort
 from kvtransfer.receiver import IncomingTransfer
@@ -69,17 +75,24 @@ async def handle_generate(worker, request: web.Request) -> web.StreamResponse:
     outcome = "error"
     pending = PendingRelease()
     try:
-        await response.prepare(request)
         first = None
         fallback = False
-        if body.prefill_worker_id:
-            try:
-                first = await remote_prefill(worker, body, pending)
-            except RemotePrefillFailed as exc:
-                fallback = True
-                worker.metrics.prefill_fallbacks.inc()
-                log.warning("request %s: remote prefill failed (%s); computing the prompt locally",
-                            body.request_id, exc)
+        reservation = None
+        try:
+            if body.prefill_worker_id:
+                reservation = await reserve(worker, body)
+                if reservation is None:  # nothing started: the gateway tries another decode worker
+                    outcome = "busy"
+                    return web.Response(body=frame(TokenFrame(
+                        error="no free KV blocks to reserve for the prompt right now", error_kind="busy")), status=503)
+            await response.prepare(request)
+            if reservation is not None:
+                first = await remote_prefill(worker, body, reservation, pending)
+        except RemotePrefillFailed as exc:
+            fallback = True
+            worker.metrics.prefill_fallbacks.inc()
+            log.warning("request %s: remote prefill failed (%s); computing the prompt locally", body.request_id, exc)
+            await response.prepare(request)
         if first is None:
             await add_local(worker, body)
         else:
@@ -95,10 +108,16 @@ async def handle_generate(worker, request: web.Request) -> web.StreamResponse:
         outcome = "client_gone"
     except ValueError as exc:  # rejected by the engine: bad sampling params, too long, ...
         outcome = "invalid"
-        await _try_write(response, frame(TokenFrame(error=str(exc), error_kind="invalid")))
+        return await _error(response, str(exc), "invalid", 400)
+    except StepFailed as exc:  # this request was in a step that failed: an explicit error, not retried
+        outcome = "failed"
+        return await _error(response, str(exc), "failed", 500)
+    except EngineFailed as exc:  # the engine stopped before a token went out: another worker may serve it
+        outcome = "failed"
+        return await _error(response, str(exc), "refused", 503)
     except Exception as exc:
         log.exception("request %s failed", body.request_id)
-        await _try_write(response, frame(TokenFrame(error=f"internal error: {exc}", error_kind="failed")))
+        return await _error(response, f"internal error: {exc}", "failed", 500)
     finally:
         # The handler may itself be cancelled here (the gateway closed the stream), so the cleanup
         # runs as its own task.  Aborting is idempotent: it frees the blocks if the request is
@@ -106,6 +125,15 @@ async def handle_generate(worker, request: web.Request) -> web.StreamResponse:
         worker.engine_thread.close_stream(body.request_id)
         worker.metrics.requests.labels("generate", outcome).inc()
         worker.finish_request(body.request_id, lambda e: e.abort(body.request_id), wait_for=pending.release)
+    return response
+
+
+async def _error(response: web.StreamResponse, error: str, kind: str, status: int) -> web.StreamResponse:
+    """End the request with an error frame: as the answer's status if the stream has not started."""
+    data = frame(TokenFrame(error=error, error_kind=kind))
+    if not response.prepared:
+        return web.Response(body=data, status=status)
+    await _try_write(response, data)
     return response
 
 
@@ -128,6 +156,8 @@ async def stream_outputs(worker, stream: asyncio.Queue, response, started: float
     while True:
         item = await stream.get()
         if isinstance(item, BaseException):
+            if first_sent and isinstance(item, EngineFailed):
+                raise RuntimeError(str(item))  # mid-stream: the request cannot move any more
             raise item
         now = time.monotonic()
         out = output_frame(item)
@@ -143,31 +173,47 @@ async def stream_outputs(worker, stream: asyncio.Queue, response, started: float
             return item.finish_reason or "stop"
 
 
-async def remote_prefill(worker, body: GenerateRequest, pending: PendingRelease) -> TokenFrame:
-    """Reserve blocks, have the prefill worker fill them, and queue the request to decode.
+@dataclass
+class Reservation:
+    """Blocks reserved on this worker for a prompt that ``peer`` computes."""
 
-    Returns the frame carrying the first token.  Raises ``RemotePrefillFailed`` (with every block
-    freed and the prefill worker told) if anything on the way fails; ``ValueError`` for bad input.
-    Cancelled mid-transfer, it leaves ``pending.release`` to free the blocks once the transfer
-    has settled.
-    """
-    rid = body.request_id
+    peer: WorkerInfo
+    block_ids: list[int]
+    num_cached: int  # leading prompt tokens this worker already holds
+    began: float
+
+
+async def reserve(worker, body: GenerateRequest) -> Reservation | None:
+    """Reserve blocks for a remote prefill, leased for ``worker.reservation_lease_s``; ``None``
+    if they do not fit now.  Raises ``RemotePrefillFailed`` if the prefill worker is unknown,
+    ``ValueError`` for bad input."""
     began = time.monotonic()
     try:
         peer = await resolve_prefill_worker(worker, body.prefill_worker_id)
     except BadPrefillAnswer as exc:
         raise RemotePrefillFailed(str(exc)) from None
+    lease_s = worker.reservation_lease_s
 
-    def reserve(engine: Engine):
-        request = engine.make_request(body.prompt_token_ids, body.sampling_params, rid, body.cache_salt)
-        return engine.scheduler.reserve_remote(request)
+    def reserve_blocks(engine: Engine):
+        request = engine.make_request(body.prompt_token_ids, body.sampling_params, body.request_id, body.cache_salt)
+        return engine.scheduler.reserve_remote(request, lease_s=lease_s)
 
-    reserved = await worker.engine_thread.call(reserve)
-    if reserved is None:
-        raise RemotePrefillFailed("no free KV blocks to reserve for the prompt right now")
-    block_ids, num_cached = reserved
+    reserved = await worker.engine_thread.call(reserve_blocks)
+    return None if reserved is None else Reservation(peer, *reserved, began=began)
+
+
+async def remote_prefill(worker, body: GenerateRequest, reservation: Reservation,
+                         pending: PendingRelease) -> TokenFrame:
+    """Have the prefill worker fill the reserved blocks, and queue the request to decode.
+
+    Returns the frame carrying the first token.  Raises ``RemotePrefillFailed`` (with every block
+    freed and the prefill worker told) if anything on the way fails.  Cancelled mid-transfer, it
+    leaves ``pending.release`` to free the blocks once the transfer has settled.
+    """
+    rid = body.request_id
+    began, peer, num_cached = reservation.began, reservation.peer, reservation.num_cached
     skip = num_cached // worker.engine.config.block_size
-    dst_block_ids = block_ids[skip:]
+    dst_block_ids = reservation.block_ids[skip:]
     handle = worker.kv_receiver.expect(rid, dst_block_ids)
     prefill = PrefillRequest(request_id=rid, prompt_token_ids=body.prompt_token_ids,
                              sampling_params=body.sampling_params, decode_worker_id=worker.config.worker_id,

@@ -16,12 +16,13 @@ async def cancel_and_wait(task: asyncio.Task | None) -> None:
         pass
 
 
-def run_service(main: Awaitable) -> None:
-    """Run a service's main coroutine on uvloop when it is installed (the asyncio loop otherwise)."""
+def run_service(main: Awaitable):
+    """Run a service's main coroutine on uvloop when it is installed (the asyncio loop otherwise);
+    returns what it returns."""
     try:
         import uvloop
 
         uvloop.install()
     except ImportError:
         pass
-    asyncio.run(main)
+    return asyncio.run(main)

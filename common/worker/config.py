@@ -36,6 +36,9 @@ class WorkerConfig:
     # and the whole of a control call (/abort).  A remote prefill is bounded by kv.transfer_timeout.
     peer_connect_timeout_s: float = 5.0
     control_timeout_s: float = 5.0
+    # Engine steps that may fail in a row (their requests get errors) before the worker gives up:
+    # it leaves the pool and exits non-zero so its supervisor restarts it.
+    max_step_failures: int = 3
     # PDSERVE_CLUSTER_SECRET (or --cluster-secret-file): required unless every listener is on
     # loopback; never printed.
     cluster_secret: str | None = field(default=None, repr=False)
@@ -47,6 +50,8 @@ class WorkerConfig:
             raise ValueError(f"invalid config: port must be in 0..65535, got {self.port}")
         if self.heartbeat_ttl_s <= 0:
             raise ValueError(f"invalid config: heartbeat_ttl_s must be > 0, got {self.heartbeat_ttl_s}")
+        if self.max_step_failures < 1:
+            raise ValueError(f"invalid config: max_step_failures must be >= 1, got {self.max_step_failures}")
         if self.max_pending_requests < 1:
             raise ValueError(f"invalid config: max_pending_requests must be >= 1, got {self.max_pending_requests}")
         for name in ("peer_connect_timeout_s", "control_timeout_s"):
@@ -115,6 +120,14 @@ def build_parser(default_role: str, description: str, env: Mapping[str, str] | N
     add("--max-num-batched-tokens", 512, int)
     add("--max-num-seqs", 64, int)
     add("--max-model-len", None, int)
+    add("--remote-kv-budget", 0.5, float,
+        help="fraction of the KV blocks that reservations for remote prefills may hold together (one is always "
+             "allowed); beyond it the decode worker answers busy")
+    add("--max-step-failures", 3, int,
+        help="engine steps that may fail in a row (their requests get an error) before the worker gives up, "
+             "leaves the pool and exits non-zero")
+    add("--failure-drain-timeout", 5.0, float,
+        help="after the engine failed, seconds to let in-flight requests get their error before exiting")
     add("--model-id", help="model name served to clients")
     add("--attention-backend", "auto", choices=("auto", "cpu", "torch", "flash", "triton"),
         help="auto: flash-attn on CUDA where it pages the block size (multiples of 256), else Triton; on CPU the "
@@ -138,7 +151,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         num_blocks=args.num_blocks, kv_memory_fraction=args.kv_memory_fraction,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len, model_id=args.model_id, attention_backend=args.attention_backend,
-        cuda_graphs=bool(args.cuda_graphs),
+        cuda_graphs=bool(args.cuda_graphs), remote_kv_budget=args.remote_kv_budget,
     )
     kv = KVTransferConfig(transport=args.kv_transport, host=args.kv_host or args.host, port=args.kv_port,
                           connect_timeout=args.kv_connect_timeout, transfer_timeout=args.kv_timeout,
@@ -153,5 +166,6 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         engine=engine, kv=kv, role=args.role, host=args.host, port=args.port,
         advertise_host=args.advertise_host, redis_url=args.redis_url, key_prefix=args.key_prefix,
         heartbeat_ttl_s=args.heartbeat_ttl, admin_token=args.admin_token, cluster_secret=secret,
-        peer_connect_timeout_s=args.peer_connect_timeout, control_timeout_s=args.control_timeout, **extra,
+        peer_connect_timeout_s=args.peer_connect_timeout, control_timeout_s=args.control_timeout,
+        max_step_failures=args.max_step_failures, **extra,
     )

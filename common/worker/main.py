@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import sys
 
 from common.cluster.aio import run_service
 from common.worker.config import build_parser, config_from_args
@@ -13,9 +14,11 @@ from common.worker.server import Worker
 log = logging.getLogger(__name__)
 
 
-async def serve(config, modules, drain_timeout: float = 30.0) -> None:
+async def serve(config, modules, drain_timeout: float = 30.0, failure_drain_timeout: float = 5.0) -> int:
     """Run a worker until SIGINT/SIGTERM, then drain (bounded by ``drain_timeout``) and stop, so a
-    restart or a compose scale-down does not cut the streams in flight."""
+    restart or a compose scale-down does not cut the streams in flight.  Returns the exit status:
+    0, or 1 when the engine failed (after at most ``failure_drain_timeout`` for the requests in
+    flight to get their errors), so the supervisor restarts the process."""
     worker = Worker(config, modules)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -24,13 +27,21 @@ async def serve(config, modules, drain_timeout: float = 30.0) -> None:
     await worker.start()
     print(f"worker {config.worker_id} ({worker.role}) ready at {worker.http_url}", flush=True)
     try:
-        await stop.wait()
+        stopped, failed = asyncio.ensure_future(stop.wait()), asyncio.ensure_future(worker.failed.wait())
+        await asyncio.wait([stopped, failed], return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        failed.cancel()
+        if worker.failure is not None:
+            log.error("the engine failed: exiting with status 1 once in-flight requests have their errors")
+            await worker.wait_idle(failure_drain_timeout)
+            return 1
         log.info("draining before shutdown (at most %.0f s; a second signal stops at once)", drain_timeout)
         stop.clear()
         waiters = [asyncio.ensure_future(worker.drain()), asyncio.ensure_future(stop.wait())]
         await asyncio.wait(waiters, timeout=drain_timeout, return_when=asyncio.FIRST_COMPLETED)
         for waiter in waiters:
             waiter.cancel()
+        return 0
     finally:
         log.info("shutting down")
         await worker.stop()
@@ -47,4 +58,4 @@ def main(default_role: str, description: str, modules: list[RoleModule]) -> None
         config = config_from_args(args)
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
-    run_service(serve(config, modules, args.drain_timeout))
+    sys.exit(run_service(serve(config, modules, args.drain_timeout, args.failure_drain_timeout)))

@@ -6,12 +6,19 @@ with the cluster secret, see ``request_auth``):
     POST /generate   GenerateRequest  -> stream of TokenFrame   (decode_svc's role module)
     POST /prefill    PrefillRequest   -> PrefillResult          (prefill_svc's role module)
     POST /abort      AbortRequest     -> 200 whether or not the request was here
-    GET  /health                      -> 200 while serving
+    GET  /health                      -> 200 while serving, 503 once the engine has failed
     GET  /stats[?check=1]             -> JSON counters (tests and ops); check=1 adds the block
                                          pool's integrity check (pool_ok, pool_error) and the
                                          requests the engine still holds (num_unfinished)
     GET  /metrics                     -> Prometheus text
     GET  /admin/status, POST /admin/drain, POST /admin/role   (X-Admin-Token)
+
+Counters read on the event loop (/stats, /metrics, the heartbeat) come from the snapshot the engine
+thread publishes after each step, never from the scheduler itself, which changes under them.
+
+A failed engine (repeated step failures) fails the worker: it leaves the registry, /health answers
+503, every request in flight or arriving gets an explicit error, and ``failed`` is set so the process
+exits non-zero after a short drain (its supervisor restarts it).
 
 The role only decides which of /generate and /prefill a worker accepts; the engine is the same,
 so a role change needs no restart.
@@ -21,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import os
 import time
 from collections import deque
 from typing import Sequence
@@ -30,7 +38,7 @@ import msgspec
 from aiohttp import web
 
 from common.engine.engine import Engine
-from common.worker.engine_thread import EngineThread
+from common.worker.engine_thread import EngineFailed, EngineThread
 from common.cluster.messages import MAX_FRAME_BYTES, AbortRequest, decode
 from common.cluster.prefix_index import PrefixIndexPublisher
 from common.cluster.redis_util import connect
@@ -92,6 +100,26 @@ def peer_session(config: WorkerConfig) -> aiohttp.ClientSession:
     )
 
 
+def fault_injector_from_env(env=os.environ):
+    """Tests only: ``PDSERVE_TEST_FAIL_STEPS`` names engine steps (counted from 1, only steps that
+    compute something) that raise: ``3`` the 3rd, ``3-5`` the 3rd to the 5th, ``3-`` every one
+    from the 3rd on; several joined by commas."""
+    spec = env.get("PDSERVE_TEST_FAIL_STEPS", "").strip()
+    if not spec:
+        return None
+    ranges = []
+    for part in spec.split(","):
+        first, dash, last = part.strip().partition("-")
+        ranges.append((int(first), (int(last) if last else float("inf")) if dash else int(first)))
+    log.warning("fault injection: engine steps %s will fail (PDSERVE_TEST_FAIL_STEPS)", spec)
+
+    def inject(step: int) -> None:
+        if any(lo <= step <= hi for lo, hi in ranges):
+            raise RuntimeError(f"injected fault in step {step} (PDSERVE_TEST_FAIL_STEPS={spec})")
+
+    return inject
+
+
 class Worker:
     """One worker process.  ``start()`` loads the model and joins the pool; ``stop()`` leaves it."""
 
@@ -122,6 +150,8 @@ class Worker:
         self.http_client: aiohttp.ClientSession | None = None  # calls to peer workers
         self.peers: PeerDirectory | None = None  # where peer workers are, by worker id
         self._background: set[asyncio.Task] = set()
+        self.failure: BaseException | None = None  # set once the engine has failed
+        self.failed = asyncio.Event()
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -129,8 +159,11 @@ class Worker:
         loop = asyncio.get_running_loop()
         self.http_client = peer_session(self.config)
         self.engine = await asyncio.to_thread(Engine, self.config.engine, load_tokenizer=False)
-        self.engine_thread = EngineThread(self.engine, loop)
+        self.engine_thread = EngineThread(self.engine, loop, max_step_failures=self.config.max_step_failures)
         self.engine_thread.after_step.append(self._publish_cache_events)
+        self.engine_thread.on_fatal = self._engine_failed
+        self.engine_thread.on_lease_expired = self._leases_expired
+        self.engine.fault_injector = fault_injector_from_env()
         # No internal message is larger than a frame: a bigger body is refused while it is read.
         refused = self.metrics.auth_refused.labels
         app = web.Application(client_max_size=MAX_FRAME_BYTES,
@@ -196,26 +229,65 @@ class Worker:
         host = self.config.public_host
         return f"http://[{host}]:{self.http_port}" if ":" in host else f"http://{host}:{self.http_port}"
 
+    @property
+    def reservation_lease_s(self) -> float:
+        """How long blocks reserved for remote KV may wait: the transfer's own bound, then the
+        grace for an aborted payload to stop landing, with room for the calls in between."""
+        kv = self.config.kv
+        return kv.transfer_timeout + kv.abort_grace + 2 * self.config.control_timeout_s
+
     def info(self) -> WorkerInfo:
-        """This worker's registry entry, as of now."""
-        stats = self.engine.stats()
-        scheduler = self.engine.scheduler
-        # Prompt tokens still to compute: waiting requests and running ones mid-prefill (chunked).
-        waiting_tokens = sum(r.num_tokens - r.num_computed_tokens for r in list(scheduler.waiting)) + sum(
-            r.num_prompt_tokens - r.num_computed_tokens for r in list(scheduler.running)
-            if r.num_computed_tokens < r.num_prompt_tokens)
+        """This worker's registry entry, as of the engine thread's last snapshot."""
+        stats = self.engine_thread.snapshot
+        waiting_tokens = stats["num_waiting_prefill_tokens"]
         computed = stats["prompt_tokens_total"] - stats["prefix_cache_hit_tokens_total"]
         return WorkerInfo(
             worker_id=self.config.worker_id, role=self.role, model=self.engine.model_id,
             http_address=self.http_url, kv_address=self.kv_address,
             capacity=Capacity(num_kv_blocks=stats["num_blocks"], block_size=self.engine.config.block_size,
                               max_num_seqs=self.engine.config.max_num_seqs),
-            state=self.state,
+            state="draining" if self.failure is not None else self.state,
             load=Load(num_waiting=stats["num_waiting"], num_running=stats["num_running"],
                       kv_usage=min(1.0, max(0.0, stats["kv_usage"])), num_waiting_prefill_tokens=waiting_tokens,
                       prefill_tokens_per_s=self.prefill_rate.update(computed)),
             recent_ttft_s=self.ttft.mean, recent_tpot_s=self.tpot.mean, started_at=self.started_at,
         )
+
+    def _engine_failed(self, exc: BaseException) -> None:
+        """Event loop: the engine thread has stopped for good.  Leave the pool now; the process
+        exits once what is in flight has got its error (``failed``)."""
+        if self.failure is not None:
+            return
+        log.error("worker %s: the engine failed (%s); leaving the pool", self.config.worker_id, exc)
+        self.failure = exc  # every stream has its error already (EngineThread)
+
+        async def leave() -> None:
+            try:
+                if self._heartbeat is not None:
+                    await self._heartbeat.stop(deregister=True)
+            finally:
+                self.failed.set()
+
+        self.spawn(leave())
+
+    def _leases_expired(self, request_ids: list[str]) -> None:
+        """Event loop: reservations whose KV never came in time.  Their handler gives them up (it
+        frees the blocks once no more bytes can land); one without a handler is freed here."""
+        for request_id in request_ids:
+            task = self.inflight.get(request_id)
+            if task is not None:
+                task.cancel()
+            else:
+                self.spawn(self._release_orphan(request_id))
+
+    async def _release_orphan(self, request_id: str) -> None:
+        handle = self.kv_receiver.abort(request_id, "the reservation's lease ended")
+        if handle is not None and not handle.done():
+            await handle.settled()
+        try:
+            await self.engine_thread.call(lambda e: e.abort(request_id))
+        except EngineFailed:
+            pass
 
     def _publish_cache_events(self, engine: Engine, _outputs) -> None:
         """Engine thread: forward committed/evicted block hashes to the Redis prefix index."""
@@ -240,6 +312,8 @@ class Worker:
 
         Returns ``(error_kind, reason)``: "refused" when the caller's view of this worker is stale
         (it drains, or its role changed), "busy" when it is simply full."""
+        if self.failure is not None:
+            return "refused", f"worker failed: {self.failure}"
         if self.state != "active":
             return "refused", f"worker is {self.state}"
         wanted = ("decode", "both") if kind == "generate" else ("prefill", "both")
@@ -266,7 +340,10 @@ class Worker:
             try:
                 if wait_for is not None:
                     await asyncio.wait([wait_for])
-                await self.engine_thread.call(engine_cleanup)
+                try:
+                    await self.engine_thread.call(engine_cleanup)
+                except EngineFailed:
+                    pass  # nothing runs any more; the process exits
                 if then is not None:
                     await then
             finally:
@@ -300,6 +377,11 @@ class Worker:
         if self.state == "draining":
             self.state = "idle"
             await self._heartbeat.beat()
+
+    async def wait_idle(self, timeout: float) -> None:
+        """Wait until nothing is in flight, at most ``timeout`` seconds."""
+        if self.inflight:
+            await asyncio.wait([asyncio.ensure_future(self._idle.wait())], timeout=timeout)
 
     async def drain(self) -> None:
         """Stop taking new requests, finish what is in flight, then report idle."""
@@ -347,33 +429,39 @@ class Worker:
         return web.json_response({"status": "ok" if healthy else "engine failed", "role": self.role,
                                   "state": self.state}, status=200 if healthy else 503)
 
-    def stats(self) -> dict:
-        out = dict(self.engine.stats())
+    def stats(self, engine_stats: dict | None = None) -> dict:
+        """Counters for /stats: the engine's from its last snapshot (or ``engine_stats``)."""
+        out = dict(self.engine_thread.snapshot if engine_stats is None else engine_stats)
         out.update(self.metrics.snapshot())
         out.update(worker_id=self.config.worker_id, role=self.role, state=self.state,
-                   inflight=len(self.inflight), engine_steps=self.engine_thread.steps,
+                   inflight=len(self.inflight),
                    kv_incoming=self.kv_receiver.num_pending if self.kv_receiver else 0,
-                   kv_outgoing=self.kv_sender.num_in_flight if self.kv_sender else 0)
+                   kv_outgoing=self.kv_sender.num_in_flight if self.kv_sender else 0,
+                   failed=None if self.failure is None else str(self.failure))
         return out
 
     async def _handle_stats(self, request: web.Request) -> web.Response:
-        check = request.query.get("check") in ("1", "true")
+        if request.query.get("check") not in ("1", "true"):
+            return web.json_response(self.stats())
 
-        def collect(engine: Engine) -> dict:  # engine thread: the pool is not changing under us
-            out = self.stats()
-            if check:
-                out["num_unfinished"] = engine.scheduler.num_unfinished  # requests the engine still holds
-                try:
-                    engine.block_pool.check_integrity()
-                    out.update(pool_ok=True, pool_error=None)
-                except AssertionError as exc:
-                    out.update(pool_ok=False, pool_error=str(exc))
+        def collect(engine: Engine) -> dict:  # engine thread: nothing changes under the check
+            out = dict(engine.stats(), engine_steps=self.engine_thread.steps,
+                       engine_step_failures=self.engine_thread.step_failures,
+                       num_unfinished=engine.scheduler.num_unfinished)  # requests the engine still holds
+            try:
+                engine.scheduler.check_integrity()
+                out.update(pool_ok=True, pool_error=None)
+            except AssertionError as exc:
+                out.update(pool_ok=False, pool_error=str(exc))
             return out
 
-        return web.json_response(await self.engine_thread.call(collect))
+        try:
+            return web.json_response(self.stats(await self.engine_thread.call(collect)))
+        except EngineFailed:
+            return web.json_response(dict(self.stats(), pool_ok=None, pool_error="the engine has failed"))
 
     async def _handle_metrics(self, _request: web.Request) -> web.Response:
-        self.metrics.observe_engine(self.engine.stats())
+        self.metrics.observe_engine(self.engine_thread.snapshot)
         return web.Response(body=self.metrics.render(), content_type="text/plain")
 
     def _admin(self, handler):

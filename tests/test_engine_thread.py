@@ -1,0 +1,136 @@
+"""The engine thread: a failing step ends only its own requests; repeated failures stop the engine
+and every waiter gets an error at once; with nothing runnable the thread sleeps (no empty steps)
+until work arrives or a lease ends."""
+import asyncio
+import time
+
+import pytest
+
+from common.engine.config import EngineConfig
+from common.engine.engine import Engine, StepFailed
+from common.worker.engine_thread import EngineFailed, EngineThread
+from tests.checkpoints import tiny_llama_config, write_checkpoint
+
+WAIT = 120.0
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """The engine thread computes next to the event loop in this process: on a shared 2-core host
+    more torch threads only fight over the cores (and the GIL)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)  # generous bound on anything awaited
+PARAMS = {"max_tokens": 4, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return write_checkpoint(tiny_llama_config(max_position_embeddings=128), tmp_path_factory.mktemp("llama"))
+
+
+def make_engine(checkpoint, **config) -> Engine:
+    return Engine(EngineConfig(model=str(checkpoint), block_size=4, **{"num_blocks": 32, **config}),
+                  load_tokenizer=False)
+
+
+@pytest.fixture
+async def running(checkpoint):
+    """Build an engine thread (``running(**engine_config, max_step_failures=n)``), stopped afterwards."""
+    threads = []
+
+    def start(max_step_failures=3, **config):
+        thread = EngineThread(make_engine(checkpoint, **config), asyncio.get_running_loop(), max_step_failures)
+        thread.start()
+        threads.append(thread)
+        return thread
+
+    yield start
+    for thread in threads:
+        thread.stop()
+
+
+async def generate(thread: EngineThread, rid: str, prompt: list[int], params=PARAMS) -> list[int]:
+    """Run one request through the thread; returns its tokens or raises what ended it."""
+    stream = thread.open_stream(rid)
+    try:
+        await thread.call(lambda e: e.add_request(prompt, params, rid))
+        tokens = []
+        while True:
+            item = await asyncio.wait_for(stream.get(), WAIT)
+            if isinstance(item, BaseException):
+                raise item
+            tokens += item.new_token_ids
+            if item.finished:
+                return tokens
+    finally:
+        thread.close_stream(rid)
+
+
+def faults(*steps):
+    def inject(step):
+        if step in steps:
+            raise RuntimeError(f"injected fault in step {step}")
+    return inject
+
+
+async def test_a_failed_step_ends_its_requests_and_the_engine_goes_on(running, checkpoint):
+    thread = running()
+    thread.engine.fault_injector = faults(2)
+    with pytest.raises(StepFailed, match="injected fault in step 2"):
+        await generate(thread, "a", [5, 6, 7])  # step 1: prompt; step 2: its first decode fails
+    assert await generate(thread, "b", [5, 6, 7]) == make_engine(checkpoint).generate([[5, 6, 7]], PARAMS)[0].token_ids
+    stats = await thread.call(lambda e: (e.scheduler.check_integrity(), e.stats())[1])
+    assert stats["num_free_blocks"] == stats["num_blocks"]  # a's blocks came back
+    assert thread.fatal_error is None and thread.step_failures == 1
+
+
+async def test_repeated_failures_stop_the_engine_and_every_waiter_gets_an_error(running):
+    thread = running(max_step_failures=2, max_num_seqs=1)
+    failed = asyncio.Event()
+    thread.on_fatal = lambda exc: failed.set()
+    thread.engine.fault_injector = faults(1, 2)
+    # One request per step (max_num_seqs=1): a and b fail in steps 1 and 2; c waits behind them.
+    results = await asyncio.wait_for(asyncio.gather(
+        *(generate(thread, rid, [5, 6, 7]) for rid in "abc"), return_exceptions=True), WAIT)
+    assert sorted(type(r).__name__ for r in results) == ["EngineFailed", "StepFailed", "StepFailed"]
+    await asyncio.wait_for(failed.wait(), WAIT)
+    with pytest.raises(EngineFailed):  # a later call fails at once instead of waiting forever
+        await asyncio.wait_for(thread.call(lambda e: None), WAIT)
+    stream = thread.open_stream("late")
+    assert isinstance(stream.get_nowait(), EngineFailed)
+
+
+async def test_calls_after_stop_fail_at_once(running):
+    thread = running()
+    thread.stop()
+    with pytest.raises(EngineFailed):
+        await asyncio.wait_for(thread.call(lambda e: None), WAIT)
+
+
+async def test_nothing_runnable_means_no_steps_until_a_lease_ends(running):
+    """A reservation holds most of the pool, so a new request waits: the thread must sleep (the
+    old loop called empty steps back to back), then wake when the lease ends and run it."""
+    thread = running(num_blocks=8)
+
+    def reserve(engine):
+        request = engine.make_request(list(range(10, 34)), PARAMS, "remote")  # 6 of 8 blocks
+        return engine.scheduler.reserve_remote(request, lease_s=3600)
+
+    assert await thread.call(reserve) is not None
+    waiting = asyncio.ensure_future(generate(thread, "local", list(range(40, 56))))  # needs 5 blocks
+    while (await thread.call(lambda e: e.stats()))["num_waiting"] == 0:
+        await asyncio.sleep(0.01)
+    steps = thread.steps
+    time.sleep(0.3)  # the event loop stays away: whatever the thread does now, it does alone
+    assert thread.steps - steps <= 1, f"{thread.steps - steps} empty steps while nothing could run"
+    assert not waiting.done()
+    # Shorten the lease: the thread must wake by itself when it ends, free the reservation (no
+    # transfer owns it here) and run the request.
+    await thread.call(lambda e: e.scheduler._leases.update(remote=time.monotonic() + 0.2))
+    assert len(await asyncio.wait_for(waiting, WAIT)) == PARAMS["max_tokens"]
+    stats = await thread.call(lambda e: e.stats())
+    assert stats["num_waiting_for_remote_kv"] == 0 and stats["num_free_blocks"] == stats["num_blocks"]
