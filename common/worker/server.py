@@ -272,18 +272,17 @@ class Worker:
 
     def _leases_expired(self, request_ids: list[str]) -> None:
         """Event loop: reservations whose KV never came in time.  Their handler gives them up (it
-        frees the blocks once no more bytes can land); one without a handler is freed here."""
+        frees the blocks once no more bytes can land).  Without a handler in flight none of them
+        has a transfer either (a handler stays in ``inflight`` until its transfer has settled and
+        its blocks are freed), so such an orphan is freed at once."""
         for request_id in request_ids:
             task = self.inflight.get(request_id)
             if task is not None:
                 task.cancel()
             else:
-                self.spawn(self._release_orphan(request_id))
+                self.spawn(self._free_orphan(request_id))
 
-    async def _release_orphan(self, request_id: str) -> None:
-        handle = self.kv_receiver.abort(request_id, "the reservation's lease ended")
-        if handle is not None and not handle.done():
-            await handle.settled()
+    async def _free_orphan(self, request_id: str) -> None:
         try:
             await self.engine_thread.call(lambda e: e.abort(request_id))
         except EngineFailed:
