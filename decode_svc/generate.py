@@ -124,7 +124,12 @@ async def handle_generate(worker, request: web.Request) -> web.StreamResponse:
         # still anywhere in the engine, after an abandoned KV transfer settled.
         worker.engine_thread.close_stream(body.request_id)
         worker.metrics.requests.labels("generate", outcome).inc()
-        worker.finish_request(body.request_id, lambda e: e.abort(body.request_id), wait_for=pending.release)
+        if outcome == "busy":
+            # Nothing was allocated; forget the request now, so the gateway may send it here again
+            # at once without finding it "already in flight".
+            worker.untrack(body.request_id)
+        else:
+            worker.finish_request(body.request_id, lambda e: e.abort(body.request_id), wait_for=pending.release)
     return response
 
 

@@ -49,8 +49,9 @@ def stack(served_checkpoint, redis_url, tmp_path):
 
 
 async def generate(client: WorkerClient, prompt_id: int, prefill_worker_id: str | None = None,
-                   max_tokens: int = 1, prompt_len: int = 3) -> tuple[int, list[TokenFrame]]:
-    body = GenerateRequest(request_id=f"t-{uuid.uuid4().hex[:8]}",
+                   max_tokens: int = 1, prompt_len: int = 3, request_id: str | None = None,
+                   ) -> tuple[int, list[TokenFrame]]:
+    body = GenerateRequest(request_id=request_id or f"t-{uuid.uuid4().hex[:8]}",
                            prompt_token_ids=[prompt_id] + [7] * (prompt_len - 1),
                            sampling_params=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
                            prefill_worker_id=prefill_worker_id)
@@ -103,10 +104,12 @@ async def test_failed_steps_error_their_requests_then_repeated_failures_fail_the
                                               prompt_len=40))
         while (stack.stats("d0"))["num_waiting_for_remote_kv"] == 0:
             await asyncio.sleep(0.05)
-        status, frames = await generate(client, 14, prefill_worker_id=peer.worker_id)
-        assert status == 503 and outcome(frames).startswith("busy: no free KV blocks"), outcome(frames)
+        for _ in range(2):  # the gateway may retry at once with the same id: busy again, not "in flight"
+            status, frames = await generate(client, 14, prefill_worker_id=peer.worker_id, request_id="busy-1")
+            assert status == 503 and outcome(frames).startswith("busy: no free KV blocks"), outcome(frames)
         stats = stack.stats("d0")
-        assert stats["num_waiting_for_remote_kv"] == 1 and stats["remote_prefill_fallbacks"] == 0, stats
+        assert stats["num_waiting_for_remote_kv"] == 1 and stats["inflight"] == 1, stats
+        assert stats["remote_prefill_fallbacks"] == 0, stats
         # Steps 4, 5, 6 fail in a row (one request each: --max-num-seqs 1); the fourth request
         # waits behind them when the engine gives up.
         results = await asyncio.wait_for(asyncio.gather(*(generate(client, 20 + i) for i in range(4))), WAIT)

@@ -329,6 +329,12 @@ class Worker:
         self.inflight[request_id] = task
         self._idle.clear()
 
+    def untrack(self, request_id: str) -> None:
+        """Forget a request that holds nothing on this worker (refused before it got anything)."""
+        self.inflight.pop(request_id, None)
+        if not self.inflight:
+            self._idle.set()
+
     def finish_request(self, request_id: str, engine_cleanup, then=None, wait_for: asyncio.Future | None = None) -> None:
         """End a request's handler: wait for ``wait_for`` (e.g. an abandoned KV transfer settling),
         run ``engine_cleanup(engine)`` in the engine thread, then the ``then`` coroutine, then
@@ -346,9 +352,7 @@ class Worker:
                 if then is not None:
                     await then
             finally:
-                self.inflight.pop(request_id, None)
-                if not self.inflight:
-                    self._idle.set()
+                self.untrack(request_id)
 
         self.spawn(cleanup())
 
