@@ -46,6 +46,8 @@ from gateway.routing import Route, Router
 
 log = logging.getLogger(__name__)
 
+HASH_INLINE_BLOCKS = 256  # prompts with more full blocks are hashed off the event loop
+
 
 class UpstreamError(Exception):
     """The request failed inside the cluster after it was accepted."""
@@ -134,19 +136,32 @@ class Dispatcher:
         else:
             self.queue.notify(1)
 
-    async def choose(self, prompt: list[int], exclude: set[str], cache_salt: str | None = None) -> Route | None:
+    async def choose(self, prompt: list[int], exclude: set[str], cache_salt: str | None = None,
+                     hashed: dict[int, list[bytes]] | None = None) -> Route | None:
         """A route avoiding ``exclude``, or None when no decode worker is left to try.  The prompt's
-        block hashes are the ones the workers compute (same model id and ``cache_salt``)."""
+        block hashes are the ones the workers compute (same model id and ``cache_salt``);
+        ``hashed`` keeps them per block size across the attempts of one request."""
         workers = self.pool.routable(exclude)
         if not any(_can_decode(w) for w in workers):
             return None
         block_size = workers[0].capacity.block_size
-        hashes = hash_prompt_blocks(prompt, block_size, block_extra_keys(self.model, cache_salt))
+        hashed = {} if hashed is None else hashed
+        if block_size not in hashed:
+            hashed[block_size] = await self._hash(prompt, block_size, cache_salt)
+        hashes = hashed[block_size]
         matched: dict[str, int] = {}
         if hashes:
             matched = await self.prefix_index.longest_prefix(self.model, hashes, [w.worker_id for w in workers])
         return self.router.route(workers, len(prompt), matched, affinity_key=hashes[0] if hashes else b"",
                                  pending=self.pending_prefill, pending_decode=self.sent_to_decode.load(workers))
+
+    async def _hash(self, prompt: list[int], block_size: int, cache_salt: str | None) -> list[bytes]:
+        """The prompt's block hashes; a long prompt is hashed in a thread, not on the event loop
+        (a block costs microseconds: a 128k-token prompt would stall every stream ~0.1 s)."""
+        extra_keys = block_extra_keys(self.model, cache_salt)
+        if len(prompt) // block_size <= HASH_INLINE_BLOCKS:
+            return hash_prompt_blocks(prompt, block_size, extra_keys)
+        return await asyncio.to_thread(hash_prompt_blocks, prompt, block_size, extra_keys)
 
     def _count_pending(self, route: Route, prompt_len: int, sign: int) -> None:
         if route.prefill is None:
@@ -166,8 +181,9 @@ class Dispatcher:
         deadline: float | None = None
         failures = 0
         streamed = False
+        hashed: dict[int, list[bytes]] = {}  # the prompt's block hashes, computed once
         while True:
-            route = await self.choose(prompt, exclude | busy, cache_salt)
+            route = await self.choose(prompt, exclude | busy, cache_salt, hashed)
             if route is None:
                 deadline = deadline or self.queue.deadline()
                 why = "every decode worker is busy" if busy else "no decode worker is available"
