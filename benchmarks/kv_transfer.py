@@ -19,7 +19,14 @@ a parallel copy, then one UCX transfer; a raw-socket transfer, then one TCP tran
 ratios reported (``ucx_vs_memcpy``, ``ucx_vs_parallel_copy``, ``tcp_vs_socket_loopback``) are
 the **median of the per-repetition ratios**; ``*_gbps`` are the
 best repetition of each, and ``*_best_ratio`` the ratio of the bests. The first transfer of each
-pair (connection set-up) is a warm-up, not counted. The last line of output is one JSON object.
+pair (connection set-up) is a warm-up, not counted.
+
+On a busy machine wall-clock ratios mostly measure the scheduler: a transfer hands the work
+from thread to thread across two processes, each hand-off waiting for a core, while a memcpy
+runs in one go. ``ucx_cpu_efficiency_vs_memcpy`` is the load-independent figure: CPU seconds of
+the memcpy over CPU seconds of the transfer (sender and receiver processes, every thread),
+median over repetitions; on an idle machine the wall-clock ratio approaches it. The last line
+of output is one JSON object.
 
     python benchmarks/kv_transfer.py [--quick] [--reps N] [--transports ucx,tcp] [--tokens 512,4096]
 """
@@ -60,21 +67,25 @@ def gbps(nbytes: int, seconds: float) -> float:
 # -- references ---------------------------------------------------------------------------------
 
 class ParallelCopy:
-    """One in-process copy of ``nbytes`` per call by torch's intra-op threads (pages faulted in)."""
+    """One in-process copy of ``nbytes`` per call by torch's intra-op threads (pages faulted in).
+    ``cpu_seconds``: the CPU time of the last call (this process, all threads)."""
 
     def __init__(self, nbytes: int):
         self.nbytes = nbytes
         self.src = torch.ones(nbytes, dtype=torch.uint8)
         self.dst = torch.empty_like(self.src)
         self.dst.copy_(self.src)
+        self.cpu_seconds: list[float] = []
 
     def copy(self) -> None:
         self.dst.copy_(self.src)
 
     def __call__(self) -> float:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         self.copy()
-        return gbps(self.nbytes, time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        self.cpu_seconds.append(time.process_time() - cpu)
+        return gbps(self.nbytes, seconds)
 
     def close(self) -> None:
         pass
@@ -133,7 +144,7 @@ class SocketLoopback:
 
 # -- the KV transfer layer ------------------------------------------------------------------------
 
-def _receiver_proc(transport: str, num_blocks: int, count: int, secret: str, queue) -> None:
+def _receiver_proc(transport: str, num_blocks: int, count: int, secret: str, queue, results) -> None:
     from common.cluster.auth import ClusterAuth
     from kvtransfer import KVReceiver, KVTransferConfig
 
@@ -143,8 +154,11 @@ def _receiver_proc(transport: str, num_blocks: int, count: int, secret: str, que
         address = await receiver.start()
         handles = [receiver.expect(f"r{i}", list(range(num_blocks))) for i in range(count)]
         queue.put((address, [h.transfer_id for h in handles]))
+        cpu = [time.process_time()]  # every thread of this process: loop, UCX progress, notifier
         for handle in handles:
             await handle.wait()
+            cpu.append(time.process_time())
+        results.put([b - a for a, b in zip(cpu, cpu[1:])])
         await receiver.close()
 
     asyncio.run(main())
@@ -160,8 +174,8 @@ def kv_transfer(transport: str, tokens: int, reps: int, references) -> dict:
     nbytes = num_blocks * LAYOUT.block_nbytes
     secret = generate_secret()
     ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    proc = ctx.Process(target=_receiver_proc, args=(transport, num_blocks, reps + 1, secret, queue))
+    queue, results = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=_receiver_proc, args=(transport, num_blocks, reps + 1, secret, queue, results))
     proc.start()
     address, transfer_ids = queue.get(timeout=120)
     cache = KVCache(LAYOUT, num_blocks)
@@ -170,18 +184,21 @@ def kv_transfer(transport: str, tokens: int, reps: int, references) -> dict:
 
     async def main() -> dict:
         sender = KVSender(cache, KVTransferConfig(transport=transport, lease_timeout=600), auth=ClusterAuth(secret))
-        rows, described = [], None
+        rows, sender_cpu, described = [], [], None
         for i, transfer_id in enumerate(transfer_ids):
             refs = [reference() for reference in references] if i else None
             tx = await sender.begin(transfer_id, address)
             described = described or sender.describe(address)  # before the receiver may hang up
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             await tx.send_blocks(ids, ids)
             await tx.finish({"first_token": [1]})
             if i:
                 rows.append((*refs, gbps(nbytes, time.perf_counter() - start)))
+                sender_cpu.append(time.process_time() - cpu)
         await sender.close()
-        return {"rows": rows, "described": described}
+        receiver_cpu = results.get(timeout=120)[1:]
+        return {"rows": rows, "described": described,
+                "cpu_seconds": [s + r for s, r in zip(sender_cpu, receiver_cpu)]}
 
     try:
         return _LOOP.run_until_complete(main())
@@ -229,6 +246,11 @@ def main() -> None:
                 row[f"{transport}_vs_{name}_best_ratio"] = max(kvs) / max(refs)
             if transport == "ucx":
                 ucx_lanes = measured["described"]
+                # Load-independent: CPU seconds a memcpy needs / CPU seconds the transfer took
+                # (sender + receiver processes), median over repetitions.
+                memcpy_cpu = references[0].cpu_seconds
+                row["ucx_cpu_efficiency_vs_memcpy"] = statistics.median(
+                    m / t for m, t in zip(memcpy_cpu, measured["cpu_seconds"]))
         row = {k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}
         print(json.dumps(row), flush=True)
         results.append(row)

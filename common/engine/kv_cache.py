@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from common.engine.host_memory import huge_page_zeros
+
 from common.engine.structs import Struct
 
 # Bumped whenever the meaning of the bytes in a block changes; checked in the KV-transfer handshake.
@@ -87,12 +89,13 @@ class KVCache:
         self.layout = layout
         self.num_blocks = num_blocks
         self.scratch_block: int | None = num_blocks if scratch_block else None
-        self.buffer = torch.zeros(
-            (num_blocks + int(scratch_block), layout.num_layers, 2, layout.block_size, layout.num_kv_heads,
-             layout.head_dim),
-            dtype=dtype_from_name(layout.dtype),
-            device=device,
-        )
+        shape = (num_blocks + int(scratch_block), layout.num_layers, 2, layout.block_size, layout.num_kv_heads,
+                 layout.head_dim)
+        dtype = dtype_from_name(layout.dtype)
+        if torch.device(device).type == "cpu":
+            self.buffer = huge_page_zeros(shape, dtype)  # KV shipping through CMA pins pages: fewer, faster
+        else:
+            self.buffer = torch.zeros(shape, dtype=dtype, device=device)
         self._keys = [self.buffer[:, layer, 0] for layer in range(layout.num_layers)]
         self._values = [self.buffer[:, layer, 1] for layer in range(layout.num_layers)]
 
