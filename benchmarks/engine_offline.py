@@ -1,10 +1,17 @@
-"""Offline throughput: this engine vs transformers generate (static batches) and generate_batch.
+"""Offline throughput: this engine vs transformers generate (static batches) and generate_batch,
+and sampled vs greedy throughput of this engine.
 
 Same model, same workload (prompt lengths log-uniform, output lengths uniform, ignore_eos), same
 torch thread count, one run.  The last line of stdout is one JSON object.
 
     python benchmarks/engine_offline.py            # 128 requests, ~110M-parameter Llama
     python benchmarks/engine_offline.py --quick    # a small version, under a minute
+    python benchmarks/engine_offline.py --model default --skip-hf --sampling nucleus
+        # the default model (Gemma 3 270M); nucleus (temperature 1, top_p 0.95) and the same
+        # workload greedy: sampled_over_greedy = sampled tok/s / greedy tok/s
+
+``--sampling``: greedy (temperature 0), default (temperature 1, no filters) or nucleus.  Greedy
+parity (``outputs_match``) compares the first requests, one by one, with transformers' generate().
 """
 from __future__ import annotations
 
@@ -25,12 +32,23 @@ from common.engine.config import EngineConfig  # noqa: E402
 from common.engine.engine import Engine  # noqa: E402
 
 
-def run_ours(checkpoint: Path, prompts, output_lens, max_num_seqs: int) -> tuple[float, list[list[int]], float, float]:
-    engine = Engine(EngineConfig(model=str(checkpoint), num_blocks=None, kv_memory_fraction=0.3,
-                                 max_num_seqs=max_num_seqs, max_num_batched_tokens=2048), load_tokenizer=False)
-    engine.generate([prompts[0][:8]], {"max_tokens": 2, "temperature": 0})  # warm-up
+SAMPLING = {
+    "greedy": {"temperature": 0.0},
+    "default": {"temperature": 1.0},
+    "nucleus": {"temperature": 1.0, "top_p": 0.95},
+}
+
+
+def make_engine(checkpoint: Path, args) -> Engine:
+    return Engine(EngineConfig(model=str(checkpoint), num_blocks=args.num_blocks, kv_memory_fraction=0.3,
+                               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=2048, dtype=args.dtype,
+                               attention_backend=args.attention_backend), load_tokenizer=False)
+
+
+def run_ours(engine: Engine, prompts, output_lens, sampling: str = "greedy") -> tuple[float, list[list[int]], float, float]:
+    engine.generate([prompts[0][:8]], {"max_tokens": 2, **SAMPLING[sampling]})  # warm-up
     engine.runner.forward_seconds = 0.0
-    ids = [engine.add_request(p, {"max_tokens": n, "temperature": 0, "ignore_eos": True})
+    ids = [engine.add_request(p, {"max_tokens": n, "ignore_eos": True, **SAMPLING[sampling]})
            for p, n in zip(prompts, output_lens)]
     outputs = {rid: [] for rid in ids}
     batch_sizes = []
@@ -89,6 +107,17 @@ def main() -> None:
     parser.add_argument("--checkpoint", type=Path, help="reuse/put the random checkpoint here")
     parser.add_argument("--size", choices=("100m", "tiny"), help="model size (default: 100m, tiny with --quick)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model", default="random",
+                        help="random (a random Llama, see --size), default (Gemma 3 270M) or a checkpoint directory")
+    parser.add_argument("--sampling", choices=tuple(SAMPLING), default="greedy",
+                        help="not greedy: the same workload also runs greedy, for sampled_over_greedy")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--num-blocks", type=int, help="KV blocks (default: 30%% of free memory)")
+    parser.add_argument("--skip-hf", action="store_true",
+                        help="no transformers throughput runs (greedy parity on the first requests still runs)")
+    parser.add_argument("--prompt-range", type=int, nargs=2, metavar=("LO", "HI"))
+    parser.add_argument("--output-range", type=int, nargs=2, metavar=("LO", "HI"))
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(args.threads)
@@ -98,8 +127,20 @@ def main() -> None:
     else:
         size, count, prompt_range, output_range = "100m", args.num_requests or 128, (32, 1024), (16, 256)
     size = args.size or size
-    checkpoint = args.checkpoint or Path(tempfile.gettempdir()) / f"pdserve-bench-llama-{size}"
-    write_random_llama(checkpoint, size)
+    prompt_range = tuple(args.prompt_range or prompt_range)
+    output_range = tuple(args.output_range or output_range)
+    if args.model == "random":
+        checkpoint = args.checkpoint or Path(tempfile.gettempdir()) / f"pdserve-bench-llama-{size}"
+        write_random_llama(checkpoint, size)
+        model_name = f"llama-{size}-random"
+    elif args.model == "default":
+        from common.engine.default_model import ensure_default_model
+
+        checkpoint = ensure_default_model()
+        model_name = checkpoint.name
+    else:
+        checkpoint = Path(args.model)
+        model_name = checkpoint.name
     rng = random.Random(args.seed)
     prompt_lens = log_uniform_lengths(rng, count, *prompt_range)
     output_lens = [rng.randint(*output_range) for _ in range(count)]
@@ -109,14 +150,34 @@ def main() -> None:
     prompts = random_prompts(rng, prompt_lens, vocab)
     useful_tokens = sum(output_lens)
 
-    ours_wall, ours_out, overhead, mean_batch = run_ours(checkpoint, prompts, output_lens, args.max_num_seqs)
-    print(f"ours: {ours_wall:.1f} s, mean batch {mean_batch:.1f}, overhead {overhead:.3f}", file=sys.stderr)
+    engine = make_engine(checkpoint, args)
+    sampled = {}
+    if args.sampling != "greedy":  # sampled first, then greedy: any warm-up advantage goes to greedy
+        sampled_wall, _out, sampled_overhead, _batch = run_ours(engine, prompts, output_lens, args.sampling)
+        sampled = {"sampling": args.sampling, "sampled_tok_s": round(useful_tokens / sampled_wall, 2),
+                   "sampled_overhead_fraction": round(sampled_overhead, 4)}
+        print(f"ours {args.sampling}: {sampled_wall:.1f} s", file=sys.stderr)
+    ours_wall, ours_out, overhead, mean_batch = run_ours(engine, prompts, output_lens)
+    print(f"ours greedy: {ours_wall:.1f} s, mean batch {mean_batch:.1f}, overhead {overhead:.3f}", file=sys.stderr)
+    if sampled:
+        sampled["sampled_over_greedy"] = round(sampled["sampled_tok_s"] / (useful_tokens / ours_wall), 3)
+    attention = engine.attention.name
+    del engine
 
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    hf_wall, hf_out = run_hf_generate(model, prompts, output_lens, batch_size=16)
-    print(f"hf generate: {hf_wall:.1f} s", file=sys.stderr)
-    hf_batch_wall = run_hf_generate_batch(model, prompts, output_lens)
-    print(f"hf generate_batch: {hf_batch_wall:.1f} s", file=sys.stderr)
+    hf = {}
+    if not args.skip_hf:
+        hf_wall, hf_out = run_hf_generate(model, prompts, output_lens, batch_size=16)
+        print(f"hf generate: {hf_wall:.1f} s", file=sys.stderr)
+        hf_batch_wall = run_hf_generate_batch(model, prompts, output_lens)
+        print(f"hf generate_batch: {hf_batch_wall:.1f} s", file=sys.stderr)
+        hf = {
+            "hf_generate_tok_s": round(useful_tokens / hf_wall, 2),
+            "hf_generate_batch_tok_s": round(useful_tokens / hf_batch_wall, 2),
+            "ratio_vs_hf_generate": round(hf_wall / ours_wall, 3),
+            "ratio_vs_hf_generate_batch": round(hf_batch_wall / ours_wall, 3),
+            "agreement_with_padded_hf_generate": round(sum(a == b for a, b in zip(ours_out, hf_out)) / count, 3),
+        }
 
     # Greedy parity on requests compared one by one, unpadded (padding itself perturbs the reference).
     compared = min(4, count)
@@ -127,11 +188,12 @@ def main() -> None:
                                  eos_token_id=None, pad_token_id=0)
         ref.append(out[0, len(p):].tolist())
     outputs_match = ours_out[:compared] == ref
-    batched_agreement = sum(a == b for a, b in zip(ours_out, hf_out)) / count
 
     emit({
         "benchmark": "engine_offline",
-        "model": f"llama-{size}-random",
+        "model": model_name,
+        "dtype": args.dtype,
+        "attention_backend": attention,
         "num_requests": count,
         "prompt_tokens": sum(prompt_lens),
         "output_tokens": useful_tokens,
@@ -139,14 +201,11 @@ def main() -> None:
         "max_num_seqs": args.max_num_seqs,
         "ours_mean_batch": round(mean_batch, 1),
         "ours_tok_s": round(useful_tokens / ours_wall, 2),
-        "hf_generate_tok_s": round(useful_tokens / hf_wall, 2),
-        "hf_generate_batch_tok_s": round(useful_tokens / hf_batch_wall, 2),
-        "ratio_vs_hf_generate": round(hf_wall / ours_wall, 3),
-        "ratio_vs_hf_generate_batch": round(hf_batch_wall / ours_wall, 3),
+        **hf,
+        **sampled,
         "overhead_fraction": round(overhead, 4),
-        "outputs_match": outputs_match,
+        "outputs_match": outputs_match if args.dtype == "float32" else None,  # parity is defined in fp32
         "requests_compared": compared,
-        "agreement_with_padded_hf_generate": round(batched_agreement, 3),
     })
 
 
