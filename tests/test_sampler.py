@@ -133,6 +133,38 @@ def test_top_p_on_a_flat_tail_beyond_the_first_threshold():
     assert observed[1:].sum() > 0.05  # the tail is sampled
 
 
+@pytest.mark.parametrize("top_p", [0.5, 0.95])
+def test_a_wide_nucleus_is_found_without_a_sort_and_follows_the_reference(monkeypatch, top_p):
+    # A flat row: thousands of candidates take the threshold path (no sort of the row).
+    monkeypatch.setattr(sampler_module, "WIDE_NUCLEUS", 512)
+    calls = []
+    wide = sampler_module._sample_wide_nucleus
+    monkeypatch.setattr(sampler_module, "_sample_wide_nucleus", lambda *a: calls.append(1) or wide(*a))
+    torch.manual_seed(3)
+    logits = torch.randn(3000) * 0.7
+    logits[:3] += 3.0  # a few likely tokens over a long flat tail
+    params = SamplingParams(top_p=top_p)
+    expected = reference_probs(logits, params)
+    observed = empirical(logits[None], params, 4000)
+    assert calls
+    assert set(observed.nonzero()[:, 0].tolist()) <= set(expected.nonzero()[:, 0].tolist())
+    assert_same_distribution(observed, expected)
+
+
+def test_wide_and_narrow_filtered_rows_in_one_batch(monkeypatch):
+    monkeypatch.setattr(sampler_module, "WIDE_NUCLEUS", 512)
+    torch.manual_seed(4)
+    flat = torch.randn(3000) * 0.5
+    peaked = torch.randn(3000) * 4.0
+    logits = torch.stack([flat, peaked, flat, peaked])
+    params = [SamplingParams(top_p=0.9), SamplingParams(top_k=5), SamplingParams(top_p=0.9, seed=1),
+              SamplingParams(top_p=0.9)]
+    tokens, _ = sample(logits, params, [0, 0, 0, 0])
+    for row, p, token in zip(logits, params, tokens):
+        assert reference_probs(row, p)[token] > 0
+    assert sample(logits, params, [0, 0, 0, 0])[0][2] == tokens[2]  # the seeded wide row is reproducible
+
+
 def test_temperature_sampling_follows_the_distribution():
     logits = torch.tensor([[math.log(0.8), math.log(0.2)]])
     draws = [sample(logits, [SamplingParams(temperature=1.0, seed=s)], [0])[0][0] for s in range(400)]

@@ -38,6 +38,8 @@ GROUP = 64  # columns per group whose maxima bound the k-th largest value (top-k
 # the 0.95 nucleus of a real LM's rows (checked on Gemma 3 at T=1); a row where it does not is
 # redone with a threshold that always does.
 TOP_P_FIRST_THRESHOLD = 1e-4
+# Top-p rows with more candidates than this skip the sort (``_sample_wide_nucleus``).
+WIDE_NUCLEUS = 4096
 _SMALLEST_POSITIVE = float(torch.finfo(torch.float32).smallest_normal) * 2.0**-23  # fp32's least subnormal
 
 
@@ -246,7 +248,8 @@ class Sampler:
         nf = len(filtered)
         sampled = torch.empty(len(random), dtype=torch.int64, device=logits.device)
         if filtered:
-            sampled[:nf] = self._sample_filtered(e[:nf], total[:nf], _slice(knobs, nf), uniforms[:nf])
+            sampled[:nf] = self._sample_filtered_rows(e[:nf], totals[:nf], total[:nf], _slice(knobs, nf),
+                                                      uniforms[:nf])
         if plain:
             sampled[nf:] = _sample_plain(e[nf:], totals[nf:], uniforms[nf:])
         if bool(broken.any()):
@@ -310,6 +313,27 @@ class Sampler:
             flat[idx] = flat[idx] - torch.cat(pres)  # once per distinct token: presence
 
     # ---- filtered rows: top-k, top-p, min-p ---------------------------------------------------
+
+    def _sample_filtered_rows(self, e: torch.Tensor, block_sums: torch.Tensor, total: torch.Tensor, knobs: _Rows,
+                              uniforms: torch.Tensor) -> torch.Tensor:
+        """Top-p-only rows whose nucleus is wide (flat rows: thousands of candidates, where a sort
+        would dominate the step) take ``_sample_wide_nucleus``; every other row the candidate sort."""
+        p_only = (knobs.top_p < 1.0) & (knobs.top_k == 0) & (knobs.min_p == 0.0)
+        if not bool(p_only.any()):
+            return self._sample_filtered(e, total, knobs, uniforms)
+        wide = p_only & ((e >= TOP_P_FIRST_THRESHOLD).sum(dim=-1) > WIDE_NUCLEUS)
+        if not bool(wide.any()):
+            return self._sample_filtered(e, total, knobs, uniforms)
+        if bool(wide.all()):  # no copies of the rows
+            return _sample_wide_nucleus(e, knobs.top_p, uniforms)
+        out = torch.empty(e.shape[0], dtype=torch.int64, device=e.device)
+        w = wide.nonzero()[:, 0]
+        out[w] = _sample_wide_nucleus(e[w], knobs.top_p[w], uniforms[w])
+        rest = (~wide).nonzero()[:, 0]
+        if len(rest):
+            knobs_rest = _Rows(knobs.temperature[rest], knobs.top_k[rest], knobs.top_p[rest], knobs.min_p[rest])
+            out[rest] = self._sample_filtered(e[rest], total[rest], knobs_rest, uniforms[rest])
+        return out
 
     def _sample_filtered(self, e: torch.Tensor, total: torch.Tensor, knobs: _Rows,
                          uniforms: torch.Tensor) -> torch.Tensor:
@@ -468,6 +492,47 @@ def _last_positive(values: torch.Tensor) -> torch.Tensor:
     """Index of the last positive entry of each row (rows are known to have one)."""
     width = values.shape[1]
     return width - 1 - (values > 0).flip(-1).int().argmax(dim=-1)
+
+
+def _sample_wide_nucleus(e: torch.Tensor, top_p: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Top-p without sorting the row: find the nucleus threshold, then sample the kept tokens in
+    column order.
+
+    A token is in the nucleus when the mass strictly above it is below ``top_p * total`` (the
+    sorted rule).  Values in (0, 1] order as their float bit patterns, so the top 16 bits bucket a
+    row monotonically (an exponent and 7 mantissa bits: buckets 1/128 of an octave wide):
+        one weighted bincount        -> each bucket's mass, and the mass above each bucket
+        the boundary bucket          -> every bucket above it is kept, every one below dropped
+        sort only the boundary's tokens -> the exact threshold inside it
+    The kept tokens' distribution is the sorted rule's; only the map from the uniform number to a
+    token differs (column order), and it is as deterministic.
+    """
+    n, vocab = e.shape
+    device = e.device
+    buckets = (int(torch.tensor(1.0).view(torch.int32)) >> 16) + 1
+    keys = e.view(torch.int32) >> 16
+    flat = (keys + (torch.arange(n, device=device, dtype=torch.int32) * buckets)[:, None]).view(-1)
+    mass = torch.bincount(flat, weights=e.view(-1), minlength=n * buckets).view(n, buckets).double()
+    inclusive = mass.flip(-1).cumsum(-1).flip(-1)  # mass at or above each bucket
+    target = top_p.double() * inclusive[:, 0]
+    # inclusive falls with the bucket: [0, boundary] are the buckets whose mass-at-or-above reaches target
+    boundary = ((inclusive >= target[:, None]).sum(dim=-1) - 1).clamp(min=0)
+    above = (inclusive - mass).gather(1, boundary[:, None])[:, 0]  # mass strictly above the boundary bucket
+    rows, cols = (keys == boundary.to(torch.int32)[:, None]).nonzero(as_tuple=True)
+    values = e[rows, cols]
+    order = torch.argsort(values, descending=True, stable=True)
+    order = order[torch.argsort(rows[order], stable=True)]  # by row, descending within a row
+    rows, values = rows[order], values[order]
+    counts = torch.bincount(rows, minlength=n)
+    starts = torch.cumsum(counts, 0) - counts
+    running = values.double().cumsum(0)
+    before = running - values.double() - (running - values.double())[starts][rows]  # within-row mass before
+    kept = above[rows] + before < target[rows]
+    # the smallest kept value of each row (the bucket's largest is always kept: above < target)
+    threshold = torch.full((n,), float("inf"), device=device)
+    threshold.scatter_reduce_(0, rows[kept], values[kept], reduce="amin")
+    e.masked_fill_(e < threshold[:, None], 0.0)
+    return _sample_plain(e, _block_sums(e), uniforms)
 
 
 def _sample_plain(e: torch.Tensor, block_sums: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
