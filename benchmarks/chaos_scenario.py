@@ -654,6 +654,8 @@ def run_chaos(config: ChaosConfig, workdir: Path, checkpoint: Path | None = None
         "disconnects": dict(Counter(o.spec.disconnect for o in outcomes if o.spec.disconnect)),
         "error_statuses": dict(Counter(str(o.status) for o in outcomes if o.kind == "error")),
         "error_reasons": dict(Counter(_reason(o.detail) for o in outcomes if o.kind == "error")),
+        "by_prompt_len": {bucket: dict(Counter(o.kind for o in outcomes if _bucket(len(o.spec.prompt)) == bucket))
+                          for bucket in ("<256", "256-1023", ">=1024")},
         "preemptions": preemptions,
         "decode_busy_answers": busy,
         "remote_prefill_fallbacks": fallbacks,
@@ -667,6 +669,10 @@ def run_chaos(config: ChaosConfig, workdir: Path, checkpoint: Path | None = None
         "mismatch_examples": parity.pop("mismatch_examples"),
     }
     return result
+
+
+def _bucket(prompt_len: int) -> str:
+    return "<256" if prompt_len < 256 else "256-1023" if prompt_len < 1024 else ">=1024"
 
 
 def _reason(detail: str) -> str:

@@ -29,13 +29,16 @@ def checkpoint(tmp_path_factory):
 
 
 def check(result: dict, min_requests: int) -> None:
-    report = json.dumps({k: v for k, v in result.items()}, indent=1, default=str)
+    report = json.dumps(result, indent=1, default=str)
     assert result["requests"] >= min_requests, report
     # No request hangs, none ends without an answer or an explicit error.
     assert result["hangs"] == 0 and result["broken"] == 0, report
     assert result["completed"] >= result["requests"] // 2, report
-    # Well-formed requests are never refused as invalid (the hostile sampling values included).
+    # Well-formed requests are never refused as invalid (the hostile sampling values included),
+    # and no decode worker ever goes silent on a stream (a scheduler that cannot make progress
+    # shows up as the gateway's idle timeout cutting the stream).
     assert set(result["error_statuses"]) <= {"429", "500", "503", "None"}, report
+    assert not [r for r in result["error_reasons"] if "sent nothing more" in r], report
     assert all(h["ok"] for h in result["hostile"]), report
     # Greedy answers equal the offline engine's: no KV corruption under faults.
     assert result["parity_mismatches"] == 0 and result["parity_complete"] >= 20, report
@@ -49,7 +52,7 @@ def check(result: dict, min_requests: int) -> None:
 @pytest.mark.slow
 def test_chaos_over_tcp(checkpoint, tmp_path):
     result = run_chaos(ChaosConfig(transport="tcp", requests=300), tmp_path, checkpoint)
-    print(json.dumps(summary(result)))
+    print(json.dumps(summary(result)), json.dumps(result["error_reasons"]))
     check(result, 300)
     # The faults really happened: both kinds of worker crashed and came back, clients left at
     # every point, and the small pools made requests contend (preemption, failed reservations).
@@ -65,6 +68,6 @@ def test_chaos_over_ucx(checkpoint, tmp_path):
     pytest.importorskip("ucxx")
     config = ChaosConfig(transport="ucx", requests=80, seed=1, faults=("garbage_kv", "kill_prefill"))
     result = run_chaos(config, tmp_path, checkpoint)
-    print(json.dumps(summary(result)))
+    print(json.dumps(summary(result)), json.dumps(result["error_reasons"]))
     check(result, 80)
     assert any(result["restarts"].get(p) for p in ("p0", "p1")), result["events"]
