@@ -15,15 +15,20 @@ parity (``outputs_match``) compares the first requests, one by one, with transfo
 """
 from __future__ import annotations
 
-import argparse
-import logging
-import random
-import sys
-import tempfile
-import time
-from pathlib import Path
+import os
 
-import torch
+# Before torch loads OpenMP: sleeping, not spinning, barrier waits (a shared machine; see vs_vllm_cpu.py).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import argparse  # noqa: E402
+import logging  # noqa: E402
+import random  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 

@@ -155,16 +155,20 @@ class CpuPagedAttention:
         tokens, heads, dim = q.shape
         out = torch.empty((tokens, heads, dim), dtype=q.dtype)
         table = meta.block_table
+        with torch.profiler.record_function("cpu_paged_attention"):  # ctypes calls are invisible to the profiler
+            rc = self._call(elem, q, key_cache, value_cache, out, table, meta, window, scale, heads, dim)
+        if rc != 0:
+            raise MemoryError("cpu paged attention: scratch allocation failed")
+        return out
+
+    def _call(self, elem, q, key_cache, value_cache, out, table, meta, window, scale, heads, dim) -> int:
         threads = self.num_threads or torch.get_num_threads()
-        rc = self.kernel.paged_attention(
+        return self.kernel.paged_attention(
             elem, q.data_ptr(), q.stride(0), q.stride(1), key_cache.data_ptr(), value_cache.data_ptr(),
             key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), out.data_ptr(), table.data_ptr(),
             table.stride(0), meta.query_start.data_ptr(), meta.context_lens.data_ptr(), len(meta.context_lens),
             heads, key_cache.shape[2], dim, self.block_size, window or 0, float(scale), meta.max_context, threads,
         )
-        if rc != 0:
-            raise MemoryError("cpu paged attention: scratch allocation failed")
-        return out
 
 
 def supports(dtype: torch.dtype) -> bool:

@@ -75,9 +75,22 @@ def _pick_device(name: str) -> torch.device:
 
 
 def _pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    """auto: bf16 on CUDA; fp32 on CPU (the parity reference; bf16 on request, with ``--dtype``)."""
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, name)
+    dtype = getattr(torch, name)
+    if dtype == torch.bfloat16 and device.type == "cpu" and not cpu_has_native_bf16():
+        log.warning("dtype bfloat16 on a CPU without AVX512-BF16 or AMX: matmuls are emulated and slower "
+                    "than float32 here")
+    return dtype
+
+
+def cpu_has_native_bf16() -> bool:
+    """AVX512-BF16 or AMX: the CPUs where bf16 matmuls beat fp32 (oneDNN's bf16 kernels)."""
+    try:
+        return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    except AttributeError:  # a torch without these probes
+        return False
 
 
 class Engine:
