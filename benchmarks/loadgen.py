@@ -121,9 +121,9 @@ def random_ids(rng: random.Random, n: int, vocab: int) -> list[int]:
 
 
 async def _send(session: aiohttp.ClientSession, url: str, model: str, req: PlannedRequest, t0: float,
-                timeout: float) -> Record:
+                timeout: float, temperature: float = 0.0) -> Record:
     rec = Record(req.kind, len(req.prompt), req.max_tokens, send=time.perf_counter() - t0)
-    payload = {"model": model, "prompt": req.prompt, "max_tokens": req.max_tokens, "temperature": 0,
+    payload = {"model": model, "prompt": req.prompt, "max_tokens": req.max_tokens, "temperature": temperature,
                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     try:
         async with session.post(f"{url}/v1/completions", json=payload,
@@ -175,7 +175,7 @@ async def run_load(url: str, model: str, plan: list[PlannedRequest], timeout: fl
 
 
 async def run_closed_loop(url: str, model: str, plan: list[PlannedRequest], concurrency: int,
-                          timeout: float = 600) -> tuple[list[Record], float]:
+                          timeout: float = 600, temperature: float = 0.0) -> tuple[list[Record], float]:
     """Send ``plan`` with ``concurrency`` clients, each sending its next request when its last one
     ends (``send_at`` ignored); returns the records (in plan order) and the wall time."""
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
@@ -186,7 +186,7 @@ async def run_closed_loop(url: str, model: str, plan: list[PlannedRequest], conc
 
         async def client() -> None:
             for i in next_index:
-                records[i] = await _send(session, url, model, plan[i], t0, timeout)
+                records[i] = await _send(session, url, model, plan[i], t0, timeout, temperature)
 
         await asyncio.gather(*(client() for _ in range(max(1, concurrency))))
     return list(records), time.perf_counter() - t0

@@ -26,24 +26,33 @@ Scenarios
     from the workers' /stats (counter deltas over the measured window).
 
 ``interference`` -- steady decode streams (short prompts, long outputs, Poisson arrivals) plus long
-    prompts (1-2k tokens, 4 output tokens) arriving as a second Poisson stream.
-    disaggregated = 1 prefill + 1 decode worker, each ``OMP_NUM_THREADS=1`` (one core each, standing
-    in for one GPU each), gateway ``--skip-prefill-below`` between the two prompt lengths so the
-    streams go straight to the decode worker and the long prompts through the prefill pool.
-    colocated = 1 ``both`` worker with ``OMP_NUM_THREADS=--colocated-threads`` (default 2: both
-    configurations use the same two cores -- the harder, fairer comparison, since the colocated
-    worker computes every prompt and every decode step with twice the threads).  Both use the
-    same ``--max-num-batched-tokens`` (default 512: the colocated worker chunks the long prompts
-    Sarathi-style, as it would in production).  TPOT/ITL are measured on the steady streams only;
+    prompts (1-2k tokens, 4 output tokens) arriving as a second Poisson stream, on equal resources:
+    ``--cores N`` (default 2, even) cores for each stack, every worker pinned to one core of its own
+    (CPU affinity set before exec, ``OMP_NUM_THREADS=1``).  disaggregated = N/2 prefill + N/2 decode
+    workers, gateway ``--skip-prefill-below`` between the two prompt lengths so the streams go
+    straight to a decode worker and the long prompts through the prefill pool.  colocated = N
+    ``both`` workers, each computing the prompts of the requests it decodes (no prompt is shipped
+    between two ``both`` workers), chunked Sarathi-style under the same
+    ``--max-num-batched-tokens`` (default 512).  TPOT/ITL are measured on the steady streams only;
     the long prompts' TTFT is reported too (disaggregation must not win by starving them), and so
-    are remote-prefill fallbacks: a long prompt whose KV does not arrive within the decode worker's
-    ``--kv-timeout`` (queueing at the prefill worker counts) is recomputed on the decode worker,
-    which brings the interference back.  The full preset keeps the prefill worker below
-    saturation on 2 shared cores (~1 long prompt per 10 s).
-    Result: ``tpot_p99_ratio_colocated_over_disaggregated`` (target >= 2).
+    are remote-prefill fallbacks.  Goodput, as DistServe defines it: requests/s meeting both
+    ``--slo-ttft`` and ``--slo-tpot``.  Result: ``itl_p99_ratio_coloc_over_disagg`` (target >= 2),
+    ``goodput_ratio_disagg_over_coloc`` (target >= 1), the TPOT p99 ratio, and ``winner``.  With two
+    colocated workers the long prompts stall only half the streams, and the colocated stack has
+    twice the decode capacity: the comparison the operator faces with N GPUs.
+
+``concurrency`` -- what NVIDIA aiperf's ``--concurrency`` does: ``--concurrency`` (default 8)
+    closed-loop clients send ``--num-requests`` (48) requests of ``--prompt-len`` (256) tokens and
+    ``--output-len`` (64), each client its next request as soon as its last one ended, against one
+    colocated worker and against 1 prefill + 1 decode worker, as ``make up`` runs them (no pinning,
+    the default prefill threshold).  Default model: ``default`` (Gemma 3 270M).  Reports output
+    tok/s, ITL, TTFT and TPOT, plus the engine's own time accounting from the workers' /stats:
+    seconds inside engine steps and seconds between two steps while work was waiting
+    (``engine_gap_s``: the engine-thread/event-loop handoff's cost).
 
 Load generator (``benchmarks/loadgen.py``): asyncio + aiohttp, SSE parsed by hand, open loop --
-request i is sent at its Poisson arrival time whatever happened to earlier ones.  Prompts are
+request i is sent at its Poisson arrival time whatever happened to earlier ones (closed loop for
+``concurrency``).  Prompts are
 token-id lists (exact lengths) from ids 3..vocab-1; ``ignore_eos`` makes output lengths exact.
 TTFT = first text chunk - send; ITL = gaps between text chunks; TPOT = (e2e - TTFT)/(tokens - 1)
 with tokens from the usage chunk; goodput = completed requests/s meeting both ``--slo-ttft`` and
@@ -69,6 +78,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import random
 import signal
 import sys
@@ -80,7 +90,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.bench_util import emit, write_random_llama  # noqa: E402
 from benchmarks.loadgen import (  # noqa: E402
-    LengthDist, PlannedRequest, Record, poisson_times, random_ids, run_load, summarize,
+    LengthDist, PlannedRequest, Record, poisson_times, random_ids, run_closed_loop, run_load, summarize,
 )
 from common.cluster.launcher import LocalStack, http_json  # noqa: E402
 
@@ -101,6 +111,12 @@ PRESETS = {
         "quick": dict(model="tiny", stream_rate=4.0, stream_prompt_len="uniform:32:64",
                       stream_output_len="uniform:64:96", long_rate=0.5, long_prompt_len="uniform:1024:2048",
                       long_output_len="fixed:4", duration=30.0, slo_ttft=1.0, slo_tpot=0.05),
+    },
+    "concurrency": {
+        "full": dict(model="default", num_requests=48, prompt_len="fixed:256", output_len="fixed:64", concurrency=8,
+                     slo_ttft=5.0, slo_tpot=0.5),
+        "quick": dict(model="tiny", num_requests=24, prompt_len="fixed:256", output_len="fixed:32", concurrency=8,
+                      slo_ttft=2.0, slo_tpot=0.2),
     },
 }
 TARGET = 2.0
@@ -201,19 +217,46 @@ def stack_configs(args) -> dict[str, dict]:
         base = dict(prefill=2, decode=1, role_args=role_args, extra_env={"OMP_NUM_THREADS": "1"},
                     gateway_args=["--skip-prefill-below", "0"], worker_args=common)
         return {"prefix_aware": dict(base, policy="prefix_aware"), "round_robin": dict(base, policy="round_robin")}
+    if args.scenario == "concurrency":
+        # As `make up` runs them: no thread pinning, the gateway's default prefill threshold (a
+        # 256-token prompt goes through the prefill pool).
+        return {"colocated": dict(prefill=0, decode=0, both=1, policy="prefix_aware", worker_args=common),
+                "disaggregated": dict(prefill=1, decode=1, policy="prefix_aware", worker_args=common)}
     blocks = ["--num-blocks", str(args.num_blocks)]
-    gateway = ["--skip-prefill-below", str(args.skip_prefill_below)]
+    if args.cores < 2 or args.cores % 2:
+        raise SystemExit(f"--cores must be even and >= 2, got {args.cores}")
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < args.cores:
+        raise SystemExit(f"--cores {args.cores}: this process may run on {len(cores)} CPUs only")
+    half = args.cores // 2
+    # Equal resources: every worker one core (OMP_NUM_THREADS=1, pinned), N of them in both stacks.
+    disagg_names = [f"p{i}" for i in range(half)] + [f"d{i}" for i in range(half)]
+    coloc_names = [f"b{i}" for i in range(args.cores)]
+    one_thread = {"OMP_NUM_THREADS": "1"}
     return {
-        "disaggregated": dict(prefill=1, decode=1, policy="prefix_aware", worker_args=common + blocks,
-                              gateway_args=gateway, extra_env={"OMP_NUM_THREADS": "1"}),
-        "colocated": dict(prefill=0, decode=0, both=1, policy="prefix_aware", worker_args=common + blocks,
-                          gateway_args=gateway, extra_env={"OMP_NUM_THREADS": str(args.colocated_threads)}),
+        "disaggregated": dict(prefill=half, decode=half, policy="prefix_aware", worker_args=common + blocks,
+                              gateway_args=["--skip-prefill-below", str(args.skip_prefill_below)],
+                              extra_env=one_thread, cpus={n: [c] for n, c in zip(disagg_names, cores)}),
+        # Every prompt is computed by the worker that decodes it (never shipped between two `both`s).
+        "colocated": dict(prefill=0, decode=0, both=args.cores, policy="prefix_aware", worker_args=common + blocks,
+                          gateway_args=["--skip-prefill-below", str(1 << 30)],
+                          extra_env=one_thread, cpus={n: [c] for n, c in zip(coloc_names, cores)}),
     }
+
+
+def concurrency_workload(args, vocab: int) -> tuple[list[PlannedRequest], list[PlannedRequest]]:
+    """(warm-up, measured): ``num_requests`` fixed-shape requests, sent closed-loop."""
+    rng = random.Random(args.seed)
+    prompt, output = LengthDist.parse(args.prompt_len), LengthDist.parse(args.output_len)
+    plan = [PlannedRequest(random_ids(rng, prompt.sample(rng), vocab), output.sample(rng), 0.0, "request")
+            for _ in range(args.num_requests)]
+    warmup = [PlannedRequest(random_ids(rng, prompt.low, vocab), 8, 0.0, "warmup") for _ in range(2)]
+    return warmup, plan
 
 
 STAT_KEYS = ("prompt_tokens_total", "prefix_cache_hit_tokens_total", "prefill_computed_tokens",
              "prefill_cached_tokens", "num_preemptions", "remote_prefill_fallbacks", "kv_transfer_failures",
-             "kv_sent_bytes", "kv_received_bytes", "engine_steps")
+             "kv_sent_bytes", "kv_received_bytes", "engine_steps", "engine_step_seconds", "engine_gap_seconds")
 
 
 GATEWAY_COUNTERS = ("pdserve_redis_unavailable_total", "pdserve_prefill_skipped_total")
@@ -263,7 +306,11 @@ def measure(url: str, model: str, warmup, plan, args, stack: LocalStack | None) 
     asyncio.run(warm_up(url, model, warmup))
     before = snapshot(stack) if stack else None
     gw_before = gateway_counters(url)
-    records, wall = asyncio.run(run_load(url, model, plan, timeout=args.request_timeout))
+    if args.scenario == "concurrency":
+        load = run_closed_loop(url, model, plan, args.concurrency, args.request_timeout, args.temperature)
+    else:
+        load = run_load(url, model, plan, timeout=args.request_timeout)
+    records, wall = asyncio.run(load)
     result = {"wall_s": round(wall, 1), "records": records,
               "gateway": {k: v - gw_before[k] for k, v in gateway_counters(url).items()}}
     if stack:
@@ -355,20 +402,53 @@ def final_line(summaries: dict[str, dict], args, checkpoint: str) -> dict:
         rr, pa = summaries.get("round_robin"), summaries.get("prefix_aware")
         value = ratio(rr["all"]["ttft_ms"]["p50"], pa["all"]["ttft_ms"]["p50"]) if rr and pa else None
         line["ttft_p50_ratio_round_robin_over_prefix_aware"] = value
-    else:
+    elif args.scenario == "interference":
         for name, s in summaries.items():
             st, lg = focus(s, "stream"), focus(s, "long")
             line[name] = {"stream_tpot_p50_ms": st["tpot_ms"]["p50"], "stream_tpot_p99_ms": st["tpot_ms"]["p99"],
-                          "stream_itl_p99_ms": st["itl_ms"]["p99"], "long_ttft_p50_ms": lg["ttft_ms"]["p50"],
-                          "goodput_req_s": s["all"]["goodput_req_s"], "errors": s["all"]["errors"],
+                          "stream_itl_p50_ms": st["itl_ms"]["p50"], "stream_itl_p99_ms": st["itl_ms"]["p99"],
+                          "long_ttft_p50_ms": lg["ttft_ms"]["p50"], "ttft_p99_ms": s["all"]["ttft_ms"]["p99"],
+                          "goodput_req_s": s["all"]["goodput_req_s"], "slo_attained": s["all"]["slo_attained"],
+                          "errors": s["all"]["errors"],
                           "remote_prefill_fallbacks": sum(w.get("remote_prefill_fallbacks", 0)
                                                           for w in s.get("workers", {}).values())}
         co, di = summaries.get("colocated"), summaries.get("disaggregated")
-        value = ratio(focus(co, "stream")["tpot_ms"]["p99"], focus(di, "stream")["tpot_ms"]["p99"]) if co and di else None
-        line["tpot_p99_ratio_colocated_over_disaggregated"] = value
-        line["colocated_threads"] = None if args.url else args.colocated_threads
-        line["disaggregated_threads_per_worker"] = None if args.url else 1
+        value = ratio(focus(co, "stream")["itl_ms"]["p99"], focus(di, "stream")["itl_ms"]["p99"]) if co and di else None
+        line["itl_p99_ratio_coloc_over_disagg"] = value
+        line["goodput_ratio_disagg_over_coloc"] = (ratio(di["all"]["goodput_req_s"], co["all"]["goodput_req_s"])
+                                                   if co and di else None)
+        line["tpot_p99_ratio_colocated_over_disaggregated"] = (
+            ratio(focus(co, "stream")["tpot_ms"]["p99"], focus(di, "stream")["tpot_ms"]["p99"]) if co and di else None)
+        line["slo_ttft_s"], line["slo_tpot_s"] = args.slo_ttft, args.slo_tpot
+        line["cores"] = None if args.url else args.cores
+        line["layout"] = None if args.url else (f"colocated: {args.cores} x both; disaggregated: {args.cores // 2} "
+                                                f"prefill + {args.cores // 2} decode; 1 core (pinned) per worker")
+        if value is not None:
+            goodput = line["goodput_ratio_disagg_over_coloc"]
+            line["winner"] = ("disaggregated" if value >= TARGET and (goodput or 0) >= 1.0 else
+                              "mixed" if value >= 1.0 or (goodput or 0) >= 1.0 else "colocated")
+    else:
+        for name, s in summaries.items():
+            a = s["all"]
+            workers = s.get("workers", {}).values()
+            steps = sum(w.get("engine_step_seconds", 0) for w in workers)
+            line[name] = {"output_tok_s": a["output_tok_s"], "itl_p50_ms": a["itl_ms"]["p50"],
+                          "itl_p99_ms": a["itl_ms"]["p99"], "ttft_p50_ms": a["ttft_ms"]["p50"],
+                          "ttft_p99_ms": a["ttft_ms"]["p99"], "tpot_p50_ms": a["tpot_ms"]["p50"],
+                          "errors": a["errors"],
+                          # Engine time accounting, summed over the stack's workers: inside engine
+                          # steps vs. between two steps while work was waiting (handoff overhead).
+                          "engine_step_s": round(steps, 2) if steps else None,
+                          "engine_gap_s": round(sum(w.get("engine_gap_seconds", 0) for w in workers), 2) or None,
+                          "engine_steps": sum(w.get("engine_steps", 0) for w in workers) or None}
+        co, di = summaries.get("colocated"), summaries.get("disaggregated")
+        value = None
+        line["concurrency"], line["temperature"] = args.concurrency, args.temperature
+        line["throughput_ratio_disagg_over_coloc"] = (
+            ratio(di["all"]["output_tok_s"], co["all"]["output_tok_s"]) if co and di else None)
     line["target_met"] = None if value is None else value >= TARGET
+    if args.scenario == "interference" and value is not None:
+        line["target_met"] = value >= TARGET and (line["goodput_ratio_disagg_over_coloc"] or 0) >= 1.0
     return line
 
 
@@ -376,7 +456,7 @@ def final_line(summaries: dict[str, dict], args, checkpoint: str) -> dict:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--scenario", choices=("prefix", "interference"), required=True)
+    p.add_argument("--scenario", choices=tuple(PRESETS), required=True)
     p.add_argument("--quick", action="store_true", help="tiny model, smaller workload: a couple of minutes")
     p.add_argument("--url", help="gateway of a running stack: run the workload once against it")
     p.add_argument("--model", help="100m | tiny (random Llama) | default (Gemma 3 270M) | checkpoint path")
@@ -389,6 +469,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--request-timeout", type=float, default=900)
+    g = p.add_argument_group("concurrency scenario (also --num-requests, --output-len)")
+    g.add_argument("--prompt-len", help="length distribution")
+    g.add_argument("--concurrency", type=int, help="closed-loop clients")
+    g.add_argument("--temperature", type=float, default=0.0)
     g = p.add_argument_group("prefix scenario")
     g.add_argument("--num-prefixes", type=int)
     g.add_argument("--prefix-len", type=int)
@@ -406,7 +490,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--long-prompt-len")
     g.add_argument("--long-output-len")
     g.add_argument("--duration", type=float, help="seconds of arrivals")
-    g.add_argument("--colocated-threads", type=int, default=2, help="OMP_NUM_THREADS of the colocated worker")
+    g.add_argument("--cores", type=int, default=2,
+                   help="total cores of each stack (even): N colocated workers vs N/2 prefill + N/2 decode, "
+                        "one pinned core and one thread each")
     g.add_argument("--skip-prefill-below", type=int, default=256,
                    help="disaggregated gateway: prompts below this go straight to the decode worker")
     g.add_argument("--num-blocks", type=int, default=2048, help="KV blocks per worker (interference)")
@@ -432,7 +518,8 @@ def main(argv=None) -> None:
     out = args.out or RESULTS / f"serving-{args.scenario}{'-quick' if args.quick else ''}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     checkpoint, vocab = prepare_model(args.model)
-    workload = prefix_workload if args.scenario == "prefix" else interference_workload
+    workload = {"prefix": prefix_workload, "interference": interference_workload,
+                "concurrency": concurrency_workload}[args.scenario]
     warmup, plan = workload(args, vocab)
 
     results: dict[str, dict] = {}

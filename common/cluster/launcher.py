@@ -95,6 +95,7 @@ class LocalStack:
     role_args: dict[str, list[str]] = field(default_factory=dict)  # extra worker args by role (after worker_args)
     gateway_args: list[str] = field(default_factory=list)
     extra_env: dict[str, str] = field(default_factory=dict)
+    cpus: dict[str, list[int]] = field(default_factory=dict)  # CPU affinity by process name (benchmarks)
     cluster_secret: str = field(default_factory=generate_secret, repr=False)
     procs: dict[str, Proc] = field(default_factory=dict)
 
@@ -126,9 +127,12 @@ class LocalStack:
     def _launch(self, proc: Proc) -> None:
         out = proc.log_path.open("a") if proc.log_path else None
         try:
+            cpus = self.cpus.get(proc.name)
+            # Pinned before exec, so every thread the process starts (OpenMP's too) inherits it.
+            pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
             proc.popen = subprocess.Popen([sys.executable, "-m", proc.module, *proc.args], cwd=ROOT,
                                           env=self.process_env(), stdout=out,
-                                          stderr=subprocess.STDOUT if out else None)
+                                          stderr=subprocess.STDOUT if out else None, preexec_fn=pin)
         finally:
             if out is not None:
                 out.close()  # the child has its own descriptor

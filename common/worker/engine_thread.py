@@ -62,6 +62,11 @@ class EngineThread:
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self.steps = 0
         self.step_failures = 0  # all of them, for the stats
+        # Time accounting (in the stats): seconds from the start of a step to its outputs handed
+        # to the event loop, and seconds between two steps while work was waiting (commands,
+        # waiting for the GIL: the engine thread / event loop handoff's cost).
+        self.step_seconds = 0.0
+        self.gap_seconds = 0.0
         self.fatal_error: BaseException | None = None
         self.snapshot: Mapping[str, Any] = MappingProxyType({})
         self._publish()
@@ -104,14 +109,20 @@ class EngineThread:
     def _run(self) -> None:
         engine = self.engine
         failures = 0  # in a row
+        last_end = None  # when the previous step ended, if work has been waiting since
         try:
             while not self._stopping:
+                if not engine.has_work() or engine.stalled:
+                    last_end = None
                 if not self._drain_commands(block=not engine.has_work() or engine.stalled):
                     return
                 self._expire_leases()
                 if not engine.has_work() or engine.stalled:
                     self._publish()
                     continue
+                began = time.perf_counter()
+                if last_end is not None:
+                    self.gap_seconds += began - last_end
                 try:
                     outputs = engine.step()
                     failed = None
@@ -140,6 +151,8 @@ class EngineThread:
                         self._die(EngineFailed(f"{failures} engine steps failed in a row, the last: {failed}"))
                         return
                 self._publish()
+                self.step_seconds += time.perf_counter() - began
+                last_end = time.perf_counter()
         except Exception as exc:  # a bug in the loop itself
             log.exception("engine thread failed")
             self._die(exc)
@@ -186,7 +199,8 @@ class EngineThread:
     def _publish(self) -> None:
         """Swap in a fresh read-only snapshot of the engine's counters for other threads."""
         stats = self.engine.stats()
-        stats.update(engine_steps=self.steps, engine_step_failures=self.step_failures)
+        stats.update(engine_steps=self.steps, engine_step_failures=self.step_failures,
+                     engine_step_seconds=self.step_seconds, engine_gap_seconds=self.gap_seconds)
         self.snapshot = MappingProxyType(stats)
 
     def _die(self, exc: BaseException, notify: bool = True) -> None:
