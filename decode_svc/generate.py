@@ -156,26 +156,37 @@ async def add_local(worker, body: GenerateRequest) -> None:
 
 async def stream_outputs(worker, stream: asyncio.Queue, response, started: float, first_sent: bool,
                          fallback: bool) -> str:
-    """Forward the engine's outputs for this request until it finishes; returns the finish reason."""
+    """Forward the engine's outputs for this request until it finishes; returns the finish reason.
+
+    Every output queued by the time this handler runs goes out in one write (a handler that fell
+    a step behind catches up in one write, not one per step)."""
     last = time.monotonic()
     while True:
-        item = await stream.get()
-        if isinstance(item, BaseException):
-            if first_sent and isinstance(item, EngineFailed):
-                raise RuntimeError(str(item))  # mid-stream: the request cannot move any more
-            raise item
+        items = [await stream.get()]
+        while not stream.empty() and not isinstance(items[-1], BaseException):
+            items.append(stream.get_nowait())
         now = time.monotonic()
-        out = output_frame(item)
-        if not first_sent:
-            worker.ttft.add(now - started)
-            first_sent = True
-            out.prefill_fallback = fallback
-        else:
-            worker.tpot.add(now - last)
-        last = now
-        await response.write(frame(out))
-        if item.finished:
-            return item.finish_reason or "stop"
+        frames = []
+        for item in items:
+            if isinstance(item, BaseException):
+                if frames:
+                    await response.write(b"".join(frames))
+                if first_sent and isinstance(item, EngineFailed):
+                    raise RuntimeError(str(item))  # mid-stream: the request cannot move any more
+                raise item
+            out = output_frame(item)
+            if not first_sent:
+                worker.ttft.add(now - started)
+                first_sent = True
+                out.prefill_fallback = fallback
+            else:
+                worker.tpot.add(now - last)
+            last = now
+            frames.append(frame(out))
+            if item.finished:
+                await response.write(b"".join(frames))
+                return item.finish_reason or "stop"
+        await response.write(b"".join(frames))
 
 
 @dataclass

@@ -3,7 +3,7 @@
     prompt ids (+ model, cache_salt) -> block hashes -> Redis: cached prefix per worker (one round trip)
                -> Router: decode worker D, maybe prefill worker P
                -> POST D/generate {prompt, params, prefill_worker_id=P}   (D reserves, P fills)
-               <- TokenFrame, TokenFrame, ...
+               <- TokenFrame, TokenFrame, ...   (yielded in batches: every frame that has arrived)
 
 Before the first token, a worker that fails is benched and the request is retried on another
 (at most ``max_attempts`` failures); after it, a failure ends the stream with an explicit error.
@@ -33,7 +33,9 @@ from typing import AsyncIterator, Sequence
 import aiohttp
 
 from common.cluster.auth import ClusterAuth
-from common.cluster.messages import AbortRequest, GenerateRequest, TokenFrame, encode, read_frame, read_response
+from common.cluster.messages import (
+    AbortRequest, FrameReader, GenerateRequest, TokenFrame, encode, read_response,
+)
 from common.engine.prefix_hash import block_extra_keys, hash_prompt_blocks
 from common.cluster.prefix_index import PrefixIndexReader
 from common.engine.sampling_params import SamplingParams
@@ -172,8 +174,10 @@ class Dispatcher:
             del self.pending_prefill[wid]
 
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
-                       result: DispatchResult, cache_salt: str | None = None) -> AsyncIterator[TokenFrame]:
-        """Frames of one request.  Raises ``Saturated`` (no room anywhere within the queue's
+                       result: DispatchResult, cache_salt: str | None = None) -> AsyncIterator[list[TokenFrame]]:
+        """Frames of one request, in batches: each batch is what had arrived from the decode
+        worker when it was read (one frame when the gateway keeps up), the last one ends with
+        the finished frame.  Raises ``Saturated`` (no room anywhere within the queue's
         deadline), ``UpstreamError`` (failed in the cluster), ``ValueError`` (refused as invalid).
         ``cache_salt``: the request shares prefix-cache blocks only with requests of the same salt."""
         exclude: set[str] = set()  # workers that failed this request
@@ -217,26 +221,35 @@ class Dispatcher:
                                 route.decode.worker_id, reason)
                     raise ConnectionError(f"decode worker refused the cluster credentials ({reason}); "
                                           f"is PDSERVE_CLUSTER_SECRET the same on every process?")
+                frames = FrameReader(resp.content, TokenFrame)
                 got_frame = False
                 while True:
-                    frame = await self._next_frame(resp, first=not got_frame)
+                    batch = await self._next_frames(frames, first=not got_frame)
                     got_frame = True
-                    if frame is None:
+                    if not batch:
                         raise ConnectionError("decode worker closed the stream before the request finished")
-                    if frame.error:
-                        if frame.error_kind in ("busy", "refused") and not streamed:
-                            raise _Retry(frame.error, stale_view=frame.error_kind == "refused")
-                        if frame.error_kind == "invalid":
-                            raise ValueError(frame.error)
-                        raise UpstreamError(frame.error)
-                    if frame.token_ids:
-                        streamed = True
-                        self.sent_to_decode.admitted(decode_id, request_id)
-                        if prefill_pending:
-                            self._count_pending(route, len(prompt), -1)
-                            prefill_pending = False
-                    finished = frame.finished
-                    yield frame
+                    ready: list[TokenFrame] = []
+                    for frame in batch:
+                        if frame.error:
+                            if ready:  # what arrived before the error still reaches the client
+                                yield ready
+                                ready = []
+                            if frame.error_kind in ("busy", "refused") and not streamed:
+                                raise _Retry(frame.error, stale_view=frame.error_kind == "refused")
+                            if frame.error_kind == "invalid":
+                                raise ValueError(frame.error)
+                            raise UpstreamError(frame.error)
+                        if frame.token_ids:
+                            streamed = True
+                            self.sent_to_decode.admitted(decode_id, request_id)
+                            if prefill_pending:
+                                self._count_pending(route, len(prompt), -1)
+                                prefill_pending = False
+                        ready.append(frame)
+                        if frame.finished:
+                            finished = True
+                            break
+                    yield ready
                     if finished:
                         return
             except _Retry as exc:
@@ -283,12 +296,13 @@ class Dispatcher:
         except TimeoutError:
             raise self._timed_out("response", self.timeouts.response) from None
 
-    async def _next_frame(self, resp: aiohttp.ClientResponse, first: bool) -> TokenFrame | None:
-        """The next frame of a stream, bounded by the first-token or the idle timeout."""
+    async def _next_frames(self, frames: FrameReader, first: bool) -> list[TokenFrame]:
+        """The frames that have arrived (``[]`` at the end of the stream), bounded by the
+        first-token or the idle timeout."""
         phase, limit = ("first_token", self.timeouts.first_token) if first else ("idle", self.timeouts.idle)
         try:
             async with asyncio.timeout(limit):
-                return await read_frame(resp.content, TokenFrame)
+                return await frames.next_batch()
         except TimeoutError:
             raise self._timed_out(phase, limit) from None
 

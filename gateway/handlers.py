@@ -150,7 +150,7 @@ class OpenAIHandlers:
         """Route, wait for the first token, then answer.  Everything up to the first token happens
         before any byte of the response, so a failure there is a real status code (503 +
         Retry-After, 400, 500), streaming or not; after it, a stream ends with an error event."""
-        self.gw.metrics.prompt_tokens.labels(gen.model).inc(len(gen.prompt_ids))
+        self.gw.metrics.model(gen.model).prompt_tokens.inc(len(gen.prompt_ids))
         async with contextlib.aclosing(self._run(gen)) as run:
             first = await self._upstream(anext(run))
             if gen.options.stream:
@@ -169,41 +169,48 @@ class OpenAIHandlers:
             raise OpenAIError(500, f"generation failed: {exc}", code="upstream_error") from None
 
     async def _run(self, gen: Generation):
-        """Yield ``(text_delta, frame)`` until the request finishes or a stop string ends it."""
+        """Yield lists of ``(text_delta, frame)``, one list per batch of frames that arrived
+        together, until the request finishes or a stop string ends it."""
         gw = self.gw
+        metrics = gw.metrics.model(gen.model)
         decoder = StreamingDecoder(gw.tokenizer, gen.prompt_ids, gen.options.stop)
         result = DispatchResult()
         last = None
         try:
             async with contextlib.aclosing(gw.dispatcher.generate(gen.request_id, gen.prompt_ids, gen.params,
-                                                                   result, gen.cache_salt)) as frames:
-                async for frame in frames:
+                                                                   result, gen.cache_salt)) as batches:
+                async for batch in batches:
                     now_t = time.monotonic()
-                    if last is None:
-                        gw.observe_first_frame(gen, frame, now_t - gen.arrival)
-                    elif frame.token_ids:
-                        gw.metrics.inter_token_latency.labels(gen.model).observe(now_t - last)
-                    last = now_t
-                    gen.cached_tokens = max(gen.cached_tokens, frame.num_cached_tokens)
-                    delta = decoder.step(frame.token_ids)
-                    gen.token_ids.extend(frame.token_ids)
-                    if frame.logprobs:
-                        gen.logprobs.extend(frame.logprobs)
-                    if decoder.stopped:
-                        # Closing the frame generator below aborts the request on the workers.
-                        gen.finish_reason, gen.stop_reason = "stop", decoder.matched_stop
-                    elif frame.finished:
-                        delta += decoder.finish()
-                        gen.finish_reason = frame.finish_reason
-                        if frame.num_preemptions and result.route:
-                            gw.metrics.preemptions.labels(result.route.decode.worker_id).inc(frame.num_preemptions)
-                    gen.pieces.append(delta)
-                    yield delta, frame
+                    out = []
+                    for frame in batch:
+                        if last is None:
+                            gw.observe_first_frame(gen, frame, now_t - gen.arrival)
+                        elif frame.token_ids:
+                            metrics.inter_token_latency.observe(now_t - last)
+                        last = now_t
+                        gen.cached_tokens = max(gen.cached_tokens, frame.num_cached_tokens)
+                        delta = decoder.step(frame.token_ids)
+                        gen.token_ids.extend(frame.token_ids)
+                        if frame.logprobs:
+                            gen.logprobs.extend(frame.logprobs)
+                        if decoder.stopped:
+                            # Closing the frame generator below aborts the request on the workers.
+                            gen.finish_reason, gen.stop_reason = "stop", decoder.matched_stop
+                        elif frame.finished:
+                            delta += decoder.finish()
+                            gen.finish_reason = frame.finish_reason
+                            if frame.num_preemptions and result.route:
+                                gw.metrics.preemptions.labels(result.route.decode.worker_id).inc(frame.num_preemptions)
+                        gen.pieces.append(delta)
+                        out.append((delta, frame))
+                        if gen.finish_reason is not None:
+                            break
+                    yield out
                     if gen.finish_reason is not None:
                         return
         finally:
-            gw.metrics.generation_tokens.labels(gen.model).inc(len(gen.token_ids))
-            gw.metrics.e2e_request_latency.labels(gen.model).observe(time.monotonic() - gen.arrival)
+            metrics.generation_tokens.inc(len(gen.token_ids))
+            metrics.e2e_request_latency.observe(time.monotonic() - gen.arrival)
 
     async def _stream(self, request: web.Request, gen: Generation, run, first) -> web.StreamResponse:
         """SSE from the first token on; a failure from here is an error event, then [DONE].
@@ -219,9 +226,9 @@ class OpenAIHandlers:
             try:
                 if gen.kind == "chat":
                     await write(sse_event(self._chat_chunk(gen, ChatDelta(role="assistant", content=""))))
-                await self._write_delta(write, gen, *first)
-                async for delta, frame in run:
-                    await self._write_delta(write, gen, delta, frame)
+                await self._write_batch(write, gen, first)
+                async for batch in run:
+                    await self._write_batch(write, gen, batch)
                 if gen.options.include_usage:
                     await write(sse_event(self._usage_chunk(gen)))
                 await write(SSE_DONE)
@@ -250,9 +257,13 @@ class OpenAIHandlers:
         except TimeoutError:
             raise _ClientTooSlow() from None
 
-    async def _write_delta(self, write, gen: Generation, delta: str, frame: TokenFrame):
-        if delta or gen.finish_reason is not None or frame.logprobs:
-            await write(sse_event(self._chunk(gen, delta, frame)))
+    async def _write_batch(self, write, gen: Generation, batch: list[tuple[str, TokenFrame]]):
+        """One write for a batch's SSE events (one event per frame that carries something)."""
+        last = len(batch) - 1
+        events = [sse_event(self._chunk(gen, delta, frame, final=i == last)) for i, (delta, frame) in enumerate(batch)
+                  if delta or frame.logprobs or (i == last and gen.finish_reason is not None)]
+        if events:
+            await write(b"".join(events))
 
     # ---- response shapes -------------------------------------------------------------------
 
@@ -285,13 +296,15 @@ class OpenAIHandlers:
     def _usage(self, gen: Generation) -> Usage:
         return Usage.of(len(gen.prompt_ids), len(gen.token_ids), gen.cached_tokens)
 
-    def _chunk(self, gen: Generation, delta: str, frame: TokenFrame):
-        finish = gen.finish_reason
+    def _chunk(self, gen: Generation, delta: str, frame: TokenFrame, final: bool = True):
+        """The chunk of one frame; ``final``: the last frame so far (it carries the finish reason)."""
+        finish = gen.finish_reason if final else None
         if gen.kind == "chat":
             choice = ChatStreamChoice(0, ChatDelta(content=delta) if delta else ChatDelta(),
-                                      self._chat_logprobs(frame.logprobs), finish, gen.stop_reason)
+                                      self._chat_logprobs(frame.logprobs), finish, gen.stop_reason if final else None)
             return ChatCompletionChunk(gen.request_id, now(), gen.model, [choice])
-        choice = CompletionChoice(0, delta, self._completion_logprobs(frame.logprobs, 0), finish, gen.stop_reason)
+        choice = CompletionChoice(0, delta, self._completion_logprobs(frame.logprobs, 0), finish,
+                                  gen.stop_reason if final else None)
         return CompletionChunk(gen.request_id, now(), gen.model, [choice])
 
     def _chat_chunk(self, gen: Generation, delta: ChatDelta):

@@ -37,6 +37,19 @@ E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0
 TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
+class ModelMetrics:
+    """One model's children of the per-model metrics, looked up once (``.labels()`` hashes its
+    arguments and takes a lock: too much to do per token)."""
+
+    def __init__(self, metrics: "GatewayMetrics", model: str) -> None:
+        self.time_to_first_token = metrics.time_to_first_token.labels(model)
+        self.inter_token_latency = metrics.inter_token_latency.labels(model)
+        self.e2e_request_latency = metrics.e2e_request_latency.labels(model)
+        self.prompt_tokens = metrics.prompt_tokens.labels(model)
+        self.generation_tokens = metrics.generation_tokens.labels(model)
+        self.prefix_cache_hit_tokens = metrics.prefix_cache_hit_tokens.labels(model)
+
+
 class GatewayMetrics:
     """The metric objects; the gateway updates them, ``render()`` serves ``/metrics``."""
 
@@ -102,6 +115,14 @@ class GatewayMetrics:
         self.preemptions = Counter("preemptions", "Requests preempted for recompute.", ["worker_id"], **kw)
 
         self._worker_labels: set[tuple[str, str]] = set()
+        self._models: dict[str, ModelMetrics] = {}
+
+    def model(self, model: str) -> ModelMetrics:
+        """The per-model children for ``model`` (created on first use, then cached)."""
+        children = self._models.get(model)
+        if children is None:
+            children = self._models[model] = ModelMetrics(self, model)
+        return children
 
     def observe_workers(self, workers: Iterable[WorkerInfo]) -> None:
         """Set the per-worker gauges from a registry listing; workers no longer listed are dropped."""

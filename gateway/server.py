@@ -163,8 +163,9 @@ class Gateway:
             self.metrics.requests_in_flight.dec()
 
     def observe_first_frame(self, gen: Generation, frame: TokenFrame, ttft: float) -> None:
-        self.metrics.time_to_first_token.labels(gen.model).observe(ttft)
-        self.metrics.prefix_cache_hit_tokens.labels(gen.model).inc(frame.num_cached_tokens)
+        model = self.metrics.model(gen.model)
+        model.time_to_first_token.observe(ttft)
+        model.prefix_cache_hit_tokens.inc(frame.num_cached_tokens)
         if frame.kv_transfer_bytes:
             self.metrics.kv_transfer_bytes.inc(frame.kv_transfer_bytes)
             self.metrics.kv_transfer_seconds.observe(frame.kv_transfer_seconds)

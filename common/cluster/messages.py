@@ -158,3 +158,47 @@ async def read_frame(reader, kind: Type[T]) -> T | None:
     except asyncio.IncompleteReadError:
         raise ConnectionError("stream cut inside a frame") from None
     return decode(body, kind)
+
+
+class FrameReader:
+    """Reads a stream of frames (an aiohttp ``StreamReader``), handing out every complete frame
+    that has arrived at once: a reader that fell behind catches up in one pass, and its caller
+    can answer the whole batch with one write.
+
+    Bounded like ``read_frame``: a header announcing more than ``MAX_FRAME_BYTES`` is a
+    ``ValueError`` before anything is buffered for it, and the buffer never holds more than one
+    frame plus one network chunk.
+    """
+
+    def __init__(self, reader, kind: Type[T]):
+        self._reader = reader
+        self._kind = kind
+        self._buffer = bytearray()
+
+    async def next_batch(self) -> list[T]:
+        """The frames that have arrived (at least one), or ``[]`` at a clean end.  Raises
+        ``ConnectionError`` when the stream is cut inside a frame, ``ValueError`` for a bad one."""
+        while True:
+            frames = self._parse()
+            if frames:
+                return frames
+            chunk = await self._reader.readany()
+            if not chunk:
+                if self._buffer:
+                    raise ConnectionError("stream cut inside a frame")
+                return []
+            self._buffer += chunk
+
+    def _parse(self) -> list[T]:
+        buffer, frames, pos = self._buffer, [], 0
+        while len(buffer) - pos >= 4:
+            length = int.from_bytes(buffer[pos:pos + 4], "big")
+            if length > MAX_FRAME_BYTES:
+                raise ValueError(f"frame of {length} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")
+            if len(buffer) - pos - 4 < length:
+                break
+            frames.append(decode(bytes(buffer[pos + 4:pos + 4 + length]), self._kind))
+            pos += 4 + length
+        if pos:
+            del buffer[:pos]
+        return frames
