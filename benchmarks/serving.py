@@ -438,9 +438,9 @@ def final_line(summaries: dict[str, dict], args, checkpoint: str) -> dict:
                           "errors": a["errors"],
                           # Engine time accounting, summed over the stack's workers: inside engine
                           # steps vs. between two steps while work was waiting (handoff overhead).
-                          "engine_step_s": round(steps, 2) if steps else None,
-                          "engine_gap_s": round(sum(w.get("engine_gap_seconds", 0) for w in workers), 2) or None,
-                          "engine_steps": sum(w.get("engine_steps", 0) for w in workers) or None}
+                          "engine_step_s": round(steps, 2),
+                          "engine_gap_s": round(sum(w.get("engine_gap_seconds", 0) for w in workers), 2),
+                          "engine_steps": sum(w.get("engine_steps", 0) for w in workers)}
         co, di = summaries.get("colocated"), summaries.get("disaggregated")
         value = None
         line["concurrency"], line["temperature"] = args.concurrency, args.temperature
