@@ -6,12 +6,16 @@
 
 Room may appear when one of this gateway's streams ends (``notify(1)``: one slot freed, one waiter
 tries), when the registry refresh brings new loads (``notify(1)``: a probe, since other gateways'
-streams end too), or when a decode worker joins (``notify_all``).  Waiters wake oldest first.
+streams end too), or when a decode worker joins (``notify_all``).  Waiters wake oldest first, and a
+request that waits again (woken, but still no room) keeps its place: it is ordered by its deadline,
+set when it first waited.  So a long prompt that needs more room than short ones is not sent to the
+back each time (decode workers keep the room it needs for it: ``Scheduler.claim``).
 """
 from __future__ import annotations
 
 import asyncio
-import collections
+import bisect
+import itertools
 
 
 class Saturated(Exception):
@@ -31,7 +35,8 @@ class WaitQueue:
             raise ValueError(f"queue size must be >= 0 and timeout > 0, got {size}, {timeout_s}")
         self.size = size
         self.timeout_s = timeout_s
-        self._waiters: collections.deque[asyncio.Future] = collections.deque()
+        self._waiters: list[tuple[float, int, asyncio.Future]] = []  # (deadline, arrival, waiter), oldest first
+        self._arrivals = itertools.count()
 
     @property
     def waiting(self) -> int:
@@ -50,21 +55,21 @@ class WaitQueue:
         remaining = deadline - loop.time()
         if remaining <= 0:
             raise Saturated(f"{why} within {self.timeout_s:g} s; retry shortly")
-        waiter = loop.create_future()
-        self._waiters.append(waiter)
+        entry = (deadline, next(self._arrivals), loop.create_future())
+        bisect.insort(self._waiters, entry)
         try:
             async with asyncio.timeout(remaining):
-                await waiter
+                await entry[2]
         except TimeoutError:
             raise Saturated(f"{why} within {self.timeout_s:g} s; retry shortly") from None
         finally:
-            if waiter in self._waiters:
-                self._waiters.remove(waiter)
+            if entry in self._waiters:
+                self._waiters.remove(entry)
 
     def notify(self, n: int = 1) -> None:
         """Wake the ``n`` oldest waiters."""
         while n > 0 and self._waiters:
-            waiter = self._waiters.popleft()
+            waiter = self._waiters.pop(0)[2]
             if not waiter.done():
                 waiter.set_result(None)
                 n -= 1

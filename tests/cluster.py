@@ -15,14 +15,15 @@ ADMIN_TOKEN = "admin-secret"  # what the gateway and the workers of a test clust
 
 @contextlib.contextmanager
 def running_cluster(checkpoint: Path, workdir: Path, redis_url: str, *, prefill: int = 2, decode: int = 1,
-                    transport: str = "tcp", policy: str = "prefix_aware", worker_args=(), gateway_args=()):
+                    transport: str = "tcp", policy: str = "prefix_aware", worker_args=(), gateway_args=(),
+                    role_args: dict[str, list[str]] | None = None):
     """Start a ``LocalStack`` for a test (logs in ``workdir``, short heartbeats, an admin token) under
     its own key prefix; stop it and delete only its keys afterwards."""
     key_prefix = f"pdtest-{uuid.uuid4().hex[:12]}"
     cluster = LocalStack(
         str(checkpoint), redis_url, key_prefix=key_prefix, workdir=workdir, prefill=prefill, decode=decode,
         transport=transport, policy=policy,
-        worker_args=["--heartbeat-ttl", "2", "--admin-token", ADMIN_TOKEN, *worker_args],
+        worker_args=["--heartbeat-ttl", "2", "--admin-token", ADMIN_TOKEN, *worker_args], role_args=role_args or {},
         gateway_args=["--admin-token", ADMIN_TOKEN, *gateway_args],
         extra_env={"OMP_NUM_THREADS": "1"},  # several processes share two cores
     )

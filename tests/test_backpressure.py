@@ -32,6 +32,38 @@ async def test_waiters_wake_oldest_first():
     assert order == ["a", "b", "c"] and queue.waiting == 0
 
 
+async def test_a_request_that_waits_again_keeps_its_place():
+    """Woken but still without room (a long prompt: decode workers keep room building up for it),
+    a request waits again ahead of those that came after it, not behind them."""
+    queue = WaitQueue(size=3, timeout_s=60)
+    woken = []
+    long_deadline = queue.deadline()
+
+    async def waiter(name, deadline, times=1):
+        for _ in range(times):
+            await queue.wait(deadline, "busy")
+            woken.append(name)
+
+    first = asyncio.create_task(waiter("long", long_deadline, times=2))
+    while queue.waiting < 1:
+        await asyncio.sleep(0)
+    later = [asyncio.create_task(waiter(n, queue.deadline())) for n in ("s1", "s2")]
+    while queue.waiting < 3:
+        await asyncio.sleep(0)
+    queue.notify(1)
+    while queue.waiting < 3:  # woken, found no room, waits again
+        await asyncio.sleep(0)
+    assert woken == ["long"]
+    queue.notify(1)
+    while len(woken) < 2:
+        await asyncio.sleep(0)
+    assert woken == ["long", "long"]
+    await first
+    queue.notify_all()
+    await asyncio.gather(*later)
+    assert woken == ["long", "long", "s1", "s2"]
+
+
 async def test_a_full_queue_refuses_at_once():
     queue = WaitQueue(size=1, timeout_s=60)
     first = asyncio.create_task(queue.wait(queue.deadline(), "every decode worker is busy"))

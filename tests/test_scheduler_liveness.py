@@ -21,9 +21,11 @@ from common.engine.scheduler import Scheduler
 EOS = 2
 
 
-def make(num_blocks=8, block_size=4, budget=16, max_seqs=4, watermark=0.125, remote_kv_budget=0.5, lease_s=10.0):
+def make(num_blocks=8, block_size=4, budget=16, max_seqs=4, watermark=0.125, remote_kv_budget=0.5, lease_s=10.0,
+         claim_s=3.0):
     config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, max_model_len=256,
-                             watermark=watermark, remote_kv_budget=remote_kv_budget, remote_lease_s=lease_s)
+                             watermark=watermark, remote_kv_budget=remote_kv_budget, remote_lease_s=lease_s,
+                             remote_claim_s=claim_s)
     return Scheduler(config, KVCacheManager(BlockPool(num_blocks), block_size))
 
 
@@ -103,6 +105,61 @@ def test_expired_leases_are_reported_once_and_refuse_late_kv():
     assert s.finish_remote("b", 7) is not None
 
 
+def test_a_long_reservation_is_not_starved_by_short_ones():
+    """Short reservations keep coming as room frees; the long one refused first gets the room."""
+    s = make(num_blocks=16, block_size=4, watermark=0.0, remote_kv_budget=0.5)  # 8 blocks of budget
+    assert s.reserve_remote(req("a", 8), now=0.0) is not None  # 2 blocks
+    assert s.reserve_remote(req("b", 8, first=40), now=0.0) is not None  # 4
+    assert s.reserve_remote(req("long", 24, first=80), now=0.0) is None  # 6 more: over the budget
+    assert s.claim.request_id == "long" and s.claim.num_blocks == 6
+    assert s.reserve_remote(req("c", 8, first=120), now=1.0) is None  # fits the budget, but is the long one's
+    s.finish_remote("a", 7)  # 2 blocks of budget free again: before, "c" would take them
+    assert s.reserve_remote(req("c", 8, first=120), now=2.0) is None
+    assert s.claim.request_id == "long"  # the oldest keeps the claim
+    assert s.reserve_remote(req("long", 24, first=80), now=2.5) is not None  # the gateway's retry: 2 + 6 = 8
+    assert s.claim is None
+    s.check_integrity()
+
+
+def test_small_reservations_that_leave_the_claimant_its_room_go_ahead():
+    s = make(num_blocks=16, block_size=4, budget=64, watermark=0.0, remote_kv_budget=1.0)
+    for i in range(3):
+        s.add_request(req(f"run{i}", 16, first=20 * i))  # 12 blocks held by running requests
+    run_step(s), run_step(s)
+    assert s.kv.pool.num_free_blocks == 16 - 15  # each has its 5th block
+    assert s.reserve_remote(req("long", 12, first=100), now=0.0) is None  # 3 blocks, 1 free
+    assert s.reserve_remote(req("tiny", 1, first=150), now=0.0) is None  # would take the claimant's block
+    s.abort("run0")  # 6 blocks free: the claimant needs 3 of them
+    assert s.reserve_remote(req("tiny", 1, first=150), now=0.5) is not None  # leaves the claimant 5
+    assert s.reserve_remote(req("tiny2", 12, first=160), now=0.5) is None  # 3 blocks: would leave 2
+    assert s.reserve_remote(req("long", 12, first=100), now=1.0) is not None
+    s.check_integrity()
+
+
+def test_a_claim_whose_request_never_comes_back_expires():
+    s = make(num_blocks=16, block_size=4, watermark=0.0, remote_kv_budget=0.5, claim_s=3.0)
+    assert s.reserve_remote(req("a", 16), now=0.0) is not None  # 4 blocks
+    assert s.reserve_remote(req("long", 24, first=80), now=0.0) is None  # claims 6
+    assert s.reserve_remote(req("c", 8, first=120), now=2.9) is None
+    assert s.reserve_remote(req("c", 8, first=120), now=3.0) is not None  # the claim ended: no deadlock
+    s.check_integrity()
+
+
+def test_a_prompt_larger_than_the_reservation_budget_is_served_once_it_is_first_in_line():
+    """12 blocks on a 16-block pool with an 8-block budget: allowed only alone; the claim makes the
+    other reservations drain instead of always keeping one held."""
+    s = make(num_blocks=16, block_size=4, watermark=0.125, remote_kv_budget=0.5)
+    assert s.reserve_remote(req("a", 8), now=0.0) is not None
+    assert s.reserve_remote(req("long", 48, first=80), now=0.0) is None  # 12 blocks, not alone
+    assert s.reserve_remote(req("b", 4, first=120), now=0.5) is None  # even one block would block it
+    s.finish_remote("a", 7)
+    while "a" in s.requests:
+        run_step(s)
+    # Nothing else holds blocks: the whole pool is there (no watermark), 12 of 16 blocks.
+    assert s.reserve_remote(req("long", 48, first=80), now=1.0) is not None
+    s.check_integrity()
+
+
 def test_integrity_check_finds_an_unowned_reference():
     s = make()
     s.add_request(req("a", 6))
@@ -116,7 +173,7 @@ def test_integrity_check_finds_an_unowned_reference():
 # ---- the property test -----------------------------------------------------------------------
 
 OPS = st.sampled_from(["add", "add", "reserve", "reserve", "land", "land", "abort", "step", "step", "step",
-                       "tick", "prefill", "unpin"])
+                       "tick", "prefill", "unpin", "retry"])
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -133,6 +190,7 @@ def test_every_request_ends_and_every_block_comes_back(num_blocks, block_size, b
     ids = iter(range(1 << 30))
     pins: list[list] = []  # batches of shipped blocks, oldest first
     started: set[str] = set()
+    refused: list[tuple[str, list[int], int]] = []  # reservations refused: the gateway may retry them
 
     def new_request(arg, max_tokens=None):
         n_prompt = 1 + arg % (2 * block_size * num_blocks // 3 + 1)
@@ -169,13 +227,25 @@ def test_every_request_ends_and_every_block_comes_back(num_blocks, block_size, b
                 started.add(request.request_id)
             except ValueError:
                 pass
-        elif op == "reserve":
-            request = new_request(arg)
+        elif op in ("reserve", "retry"):
+            if op == "retry" and refused:  # the same request id again (the claimant, maybe)
+                rid, prompt, max_tokens = refused.pop(arg % len(refused))
+                request = Request(rid, prompt, SamplingParams(max_tokens=max_tokens), eos_token_ids=(EOS,))
+            else:
+                request = new_request(arg)
+            claim = s.claim if s.claim is not None and s.claim.expires > now else None
             try:
-                if s.reserve_remote(request, now=now) is not None:
-                    started.add(request.request_id)
+                reserved = s.reserve_remote(request, now=now)
             except ValueError:
-                pass
+                continue
+            if reserved is not None:
+                started.add(request.request_id)
+                if claim is not None and claim.request_id != request.request_id:
+                    # Nobody else takes the claimant's room while its claim lasts.
+                    assert s.num_reserved_blocks + claim.num_blocks <= s._remote_budget_blocks
+                    assert s.kv.pool.num_free_blocks - s._watermark_blocks >= claim.num_blocks
+            else:
+                refused.append((request.request_id, request.prompt_token_ids, request.sampling_params.max_tokens))
         elif op == "land" and s.reservations:
             rid = list(s.reservations)[arg % len(s.reservations)]
             s.finish_remote(rid, EOS if arg % 5 == 0 else 5)
@@ -209,3 +279,11 @@ def test_every_request_ends_and_every_block_comes_back(num_blocks, block_size, b
     assert not s.requests, f"never finished: {list(s.requests.values())}"
     assert not s.held and not s.kv.pins
     assert s.kv.pool.num_free_blocks == s.kv.pool.num_blocks  # only cached blocks remain
+    # A claimant that comes back is served once the others are gone (however large: it fits the pool).
+    if s.claim is not None and s.claim.expires > now:
+        rid = s.claim.request_id
+        rid, prompt, max_tokens = next(r for r in reversed(refused) if r[0] == rid)
+        request = Request(rid, prompt, SamplingParams(max_tokens=max_tokens), eos_token_ids=(EOS,))
+        assert s.reserve_remote(request, now=now) is not None, "the claimant was never served"
+        assert s.claim is None
+        s.check_integrity()

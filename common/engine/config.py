@@ -18,6 +18,9 @@ class SchedulerConfig:
     # pool (one reservation is always allowed, however large), and how long one may wait for its KV.
     remote_kv_budget: float = 0.5
     remote_lease_s: float = 300.0
+    # Decode role: how long the oldest refused reservation keeps its claim on the room it needs
+    # after its last try (a bit beyond how often a gateway retries a waiting request).
+    remote_claim_s: float = 3.0
 
     def __post_init__(self) -> None:
         _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", self.max_num_batched_tokens, ">= 1")
@@ -26,6 +29,7 @@ class SchedulerConfig:
         _require(0.0 <= self.watermark < 1.0, "watermark", self.watermark, "in [0, 1)")
         _require(0.0 < self.remote_kv_budget <= 1.0, "remote_kv_budget", self.remote_kv_budget, "in (0, 1]")
         _require(self.remote_lease_s > 0, "remote_lease_s", self.remote_lease_s, "> 0")
+        _require(self.remote_claim_s > 0, "remote_claim_s", self.remote_claim_s, "> 0")
 
 
 @dataclass(frozen=True)

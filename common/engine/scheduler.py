@@ -15,6 +15,11 @@ pool could fill with them while nothing runs (``running=0, waiting>0``, forever)
     reservations  (decode role: blocks waiting for remote KV)  at most ``remote_kv_budget`` of the
                   pool (one is always allowed), each with a lease; the owner frees an expired one
                   once no more bytes can land in it (``expired_leases``)
+    claim         (decode role: the oldest refused reservation) holds no blocks: while it lasts, a
+                  reservation that would take room the claimant needs is refused, so room builds
+                  up for it (first come, first served; a long prompt is not starved by short ones
+                  taking the room as it frees).  It ends when the claimant gets its reservation,
+                  or ``remote_claim_s`` after its last try (its request never came back)
     landed        (remote KV complete, not yet running)        admitted before new prompts and
                   without the watermark; if even so nothing can run, the newest is preempted
     pins          (prefill role: blocks on the wire)           released as soon as sent
@@ -59,6 +64,16 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+@dataclass
+class RemoteClaim:
+    """The oldest reservation refused for lack of room: ``num_blocks`` are kept for it until
+    ``expires`` (each refusal of the same request id renews it)."""
+
+    request_id: str
+    num_blocks: int
+    expires: float
+
+
 class Scheduler:
     """Owns the request queues and the KV cache manager; see the module docstring."""
 
@@ -76,6 +91,7 @@ class Scheduler:
         self.num_preemptions = 0
         self._watermark_blocks = int(config.watermark * kv_manager.pool.num_blocks)
         self._remote_budget_blocks = int(config.remote_kv_budget * kv_manager.pool.num_blocks)
+        self.claim: RemoteClaim | None = None  # decode role: the oldest refused reservation
 
     # ---- admission -------------------------------------------------------------------------
 
@@ -95,24 +111,41 @@ class Scheduler:
         lease ends ``lease_s`` (default: the config's ``remote_lease_s``) after ``now``.
         """
         self._validate(request)
+        now = time.monotonic() if now is None else now
+        if self.claim is not None and self.claim.expires <= now:
+            self.claim = None  # its request never came back
         cached = self.kv.find_cached_prefix(request)
         num_cached_tokens = len(cached) * self.block_size
-        if self.reservations:
-            needed = -(-request.num_tokens // self.block_size)
-            if self.num_reserved_blocks + needed > self._remote_budget_blocks:
-                return None
-        new_blocks = self.kv.allocate_slots(
-            request, request.num_tokens - num_cached_tokens, cached, reserve_blocks=self._watermark_blocks
-        )
+        needed = -(-request.num_tokens // self.block_size)
+        claim = self.claim
+        if claim is not None and claim.request_id != request.request_id and not self._leaves_room(claim, needed):
+            return None  # first come, first served: the claimant waits for this room
+        # The watermark keeps room for requests that will grow; with none, the pool is all there is.
+        reserve = self._watermark_blocks if self.running or self.landed or self.reservations else 0
+        new_blocks = None
+        if not self.reservations or self.num_reserved_blocks + needed <= self._remote_budget_blocks:
+            new_blocks = self.kv.allocate_slots(
+                request, request.num_tokens - num_cached_tokens, cached, reserve_blocks=reserve)
         if new_blocks is None:
+            if claim is None or claim.request_id == request.request_id:
+                self.claim = RemoteClaim(request.request_id, needed, now + self.config.remote_claim_s)
             return None
+        if claim is not None and claim.request_id == request.request_id:
+            self.claim = None
         request.num_cached_tokens = num_cached_tokens
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
-        now = time.monotonic() if now is None else now
         self._leases[request.request_id] = now + (self.config.remote_lease_s if lease_s is None else lease_s)
         self.requests[request.request_id] = request
         self.reservations[request.request_id] = request
         return self.kv.block_ids(request.request_id), num_cached_tokens
+
+    def _leaves_room(self, claim: RemoteClaim, num_blocks: int) -> bool:
+        """Whether reserving ``num_blocks`` more still leaves the claimant its blocks, within the
+        budget and the pool's free blocks above the watermark (a claimant bigger than the budget
+        needs every other reservation gone: it is allowed only alone)."""
+        reserved = self.num_reserved_blocks + num_blocks
+        free = self.kv.pool.num_free_blocks - num_blocks - self._watermark_blocks
+        return reserved + claim.num_blocks <= self._remote_budget_blocks and free >= claim.num_blocks
 
     @property
     def num_reserved_blocks(self) -> int:
@@ -365,6 +398,7 @@ class Scheduler:
                     capacity = self.kv.num_blocks_of(rid) * self.block_size
                     assert capacity >= request.num_computed_tokens, f"{rid!r} has KV beyond its blocks"
         assert set(self._leases) <= set(self.reservations), "a lease without a reservation"
+        assert self.claim is None or self.claim.request_id not in self.reservations, "a granted claim is still held"
         assert set(seen) == set(self.requests), f"requests in no queue: {set(self.requests) - set(seen)}"
         assert not self.held & set(self.requests), "a held request is still unfinished"
         owners = set(self.requests) | self.held
