@@ -28,7 +28,6 @@ from typing import Callable
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from common.engine.gguf_loader import load_gguf, load_gguf_tokenizer
 
 DEFAULT_MODEL_NAME = "gemma-3-270m"
 SOURCE_MARKER = "gguf_source.json"
@@ -55,6 +54,10 @@ def convert_gguf_to_hf_dir(gguf_path: str | os.PathLike, out_dir: str | os.PathL
 
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    # gguf is imported only to convert: the engine (and the GPU check, whose host has no gguf)
+    # reaches this module for default_cache_dir alone.
+    from common.engine.gguf_loader import load_gguf, load_gguf_tokenizer
+
     config_dict, state = load_gguf(gguf_path, progress=progress)
     config = AutoConfig.for_model(**config_dict)
     config.save_pretrained(out_dir)
