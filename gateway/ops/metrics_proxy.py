@@ -24,6 +24,7 @@ import aiohttp
 from aiohttp import web
 
 from common.cluster.auth import ClusterAuth
+from common.cluster.messages import read_response
 
 log = logging.getLogger(__name__)
 MAX_METRICS_BYTES = 16 << 20
@@ -83,10 +84,12 @@ class MetricsProxy:
         try:
             async with self._session.get(f"{worker['http_address']}/metrics", headers=headers,
                                          timeout=self.timeout) as resp:
-                body = await resp.content.read(MAX_METRICS_BYTES + 1)
-                if resp.status != 200 or len(body) > MAX_METRICS_BYTES:
-                    raise web.HTTPBadGateway(text=f"worker {worker_id} /metrics: HTTP {resp.status}, {len(body)} bytes")
+                if resp.status != 200:
+                    raise web.HTTPBadGateway(text=f"worker {worker_id} /metrics: HTTP {resp.status}")
+                body = await read_response(resp, MAX_METRICS_BYTES)  # whole, or refused above the limit
                 return web.Response(body=body, content_type="text/plain", charset="utf-8")
+        except ValueError as exc:
+            raise web.HTTPBadGateway(text=f"worker {worker_id} /metrics: {exc}") from None
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             raise web.HTTPBadGateway(text=f"worker {worker_id} did not answer: {exc}") from None
 
