@@ -55,19 +55,20 @@ def test_chaos_over_tcp(checkpoint, tmp_path):
     print(json.dumps(summary(result)), json.dumps(result["error_reasons"]))
     check(result, 300)
     # The faults really happened: both kinds of worker crashed and came back, clients left at
-    # every point, and the small pools made requests contend (preemption, failed reservations).
+    # every point, and the small pools made requests contend: preempted, or refused a reservation
+    # (since decode workers answer busy instead of over-committing, a pass may see only the latter).
     assert any(result["restarts"].get(p) for p in ("p0", "p1")), result["events"]
     assert any(result["restarts"].get(d) for d in ("d0", "d1")), result["events"]
     assert any("Redis restarted" in e for e in result["events"]), result["events"]
     assert set(result["disconnects"]) == {"before_first", "during_transfer", "mid_decode"}, result["disconnects"]
-    assert result["preemptions"] > 0, summary(result)
+    assert result["preemptions"] > 0 or result["decode_busy_answers"] > 0, summary(result)
 
 
 @pytest.mark.slow
 def test_chaos_over_ucx(checkpoint, tmp_path):
     pytest.importorskip("ucxx")
-    config = ChaosConfig(transport="ucx", requests=80, seed=1, faults=("garbage_kv", "kill_prefill"))
+    config = ChaosConfig(transport="ucx", requests=64, seed=1, faults=("garbage_kv", "kill_prefill"))
     result = run_chaos(config, tmp_path, checkpoint)
     print(json.dumps(summary(result)), json.dumps(result["error_reasons"]))
-    check(result, 80)
+    check(result, 64)
     assert any(result["restarts"].get(p) for p in ("p0", "p1")), result["events"]
