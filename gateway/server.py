@@ -98,13 +98,15 @@ class Gateway:
         """One pool for streams, one for control calls, each as large as the requests in flight:
         beyond aiohttp's default of 100 connections, streams and aborts would queue silently.
         Streams have no total timeout (a long answer is fine); the dispatcher bounds every wait
-        for a frame.  Control calls have a total timeout."""
+        for a frame, and no socket read outlasts the longest of those bounds.  Control calls have a total timeout."""
         t, n = self.config.timeouts, self.config.max_inflight
 
         def session(timeout: aiohttp.ClientTimeout) -> aiohttp.ClientSession:
             return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=n, limit_per_host=n), timeout=timeout)
 
-        return (session(aiohttp.ClientTimeout(total=None, sock_connect=t.connect)),
+        # The dispatcher's bounds come first; the socket read bound is only a backstop under them.
+        backstop = max(t.response, t.first_token, t.idle)
+        return (session(aiohttp.ClientTimeout(total=None, sock_connect=t.connect, sock_read=backstop)),
                 session(aiohttp.ClientTimeout(total=t.control, sock_connect=t.connect)))
 
     async def stop(self) -> None:
