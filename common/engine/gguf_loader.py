@@ -24,12 +24,15 @@ from __future__ import annotations
 import math
 import os
 import re
+import struct
 from pathlib import Path
 
 import gguf
 import numpy as np
 import torch
 from tqdm import tqdm
+
+from common.engine.gguf_file import GGUFFile
 
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
@@ -68,7 +71,7 @@ _DERIVED_TENSORS = {"rope_freqs.weight"}
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
-def open_gguf(path: str | os.PathLike) -> gguf.GGUFReader:
+def open_gguf(path: str | os.PathLike) -> GGUFFile:
     """Open and sanity-check a GGUF file.
 
     Raises FileNotFoundError if ``path`` does not exist and ValueError (naming the path) if it is not a
@@ -78,18 +81,11 @@ def open_gguf(path: str | os.PathLike) -> gguf.GGUFReader:
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {path}")
     try:
-        reader = gguf.GGUFReader(path, "r")
-    except Exception as e:  # the reader raises ValueError/KeyError/IndexError/... on bad bytes
+        reader = GGUFFile(path)
+    except (ValueError, OSError, struct.error) as e:  # bad bytes, a short file, an unknown type
         raise ValueError(
             f"{path}: not a readable GGUF file, truncated or corrupt ({type(e).__name__}: {e})"
         ) from e
-    size = path.stat().st_size
-    for t in reader.tensors:
-        if t.data_offset + t.n_bytes > size:
-            raise ValueError(
-                f"{path}: file is truncated: tensor {t.name!r} ends at byte {t.data_offset + t.n_bytes}, "
-                f"file has {size} bytes"
-            )
     arch = _field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
@@ -98,7 +94,7 @@ def open_gguf(path: str | os.PathLike) -> gguf.GGUFReader:
     return reader
 
 
-def hf_config_from_gguf(reader: gguf.GGUFReader) -> dict:
+def hf_config_from_gguf(reader: GGUFFile) -> dict:
     """Build a transformers 5.x config dict (``AutoConfig.for_model(**d)`` accepts it) from GGUF metadata.
 
     Raises ValueError naming the file for missing keys or features we cannot express.
@@ -113,10 +109,10 @@ def hf_config_from_gguf(reader: gguf.GGUFReader) -> dict:
     hidden = _require(reader, f"{arch}.embedding_length")
     n_kv = _field(reader, f"{arch}.attention.head_count_kv", n_heads)
     if not isinstance(n_heads, int) or not isinstance(n_kv, int):
-        raise ValueError(f"{reader.data.filename}: per-layer head counts are not supported")
+        raise ValueError(f"{reader.path}: per-layer head counts are not supported")
     head_dim = key("attention.key_length", hidden // n_heads)
     if "token_embd.weight" not in tensors:
-        raise ValueError(f"{reader.data.filename}: missing tensor 'token_embd.weight'")
+        raise ValueError(f"{reader.path}: missing tensor 'token_embd.weight'")
     cfg = {
         "model_type": arch,
         "architectures": None,
@@ -137,7 +133,7 @@ def hf_config_from_gguf(reader: gguf.GGUFReader) -> dict:
     rope_dims = key("rope.dimension_count")
     if rope_dims is not None and rope_dims != head_dim:
         raise ValueError(
-            f"{reader.data.filename}: partial rotary embeddings (rope.dimension_count={rope_dims}, "
+            f"{reader.path}: partial rotary embeddings (rope.dimension_count={rope_dims}, "
             f"head_dim={head_dim}) are not supported"
         )
     rope = _rope_parameters(reader, arch, _f32(key("rope.freq_base", 10_000.0)), tensors, head_dim)
@@ -169,7 +165,7 @@ def _llama_family_fields(reader, cfg: dict, rope: dict, tensors: dict) -> None:
             cfg["sliding_window"] = window
             return
         if window is not None:
-            raise ValueError(f"{reader.data.filename}: sliding-window attention on llama arch is not supported")
+            raise ValueError(f"{reader.path}: sliding-window attention on llama arch is not supported")
         cfg["attention_bias"] = "blk.0.attn_q.bias" in tensors
         cfg["mlp_bias"] = "blk.0.ffn_up.bias" in tensors
     else:  # qwen2 always has q/k/v biases; qwen3 may
@@ -211,7 +207,7 @@ def _gemma3_fields(reader, cfg: dict, full_rope: dict) -> None:
 
 def _rope_parameters(reader, arch: str, theta: float, tensors: dict, head_dim: int) -> dict:
     """RoPE settings in transformers 5.x ``rope_parameters`` form."""
-    path = reader.data.filename
+    path = reader.path
     scaling = _field(reader, f"{arch}.rope.scaling.type", "none")
     factor = _field(reader, f"{arch}.rope.scaling.factor")
     if "rope_freqs.weight" in tensors:
@@ -274,10 +270,10 @@ def _llama3_rope_from_factors(ff: np.ndarray, theta: float, head_dim: int, path)
     return params
 
 
-def state_dict_from_gguf(reader: gguf.GGUFReader, config: dict,
+def state_dict_from_gguf(reader: GGUFFile, config: dict,
                          progress: bool = True) -> dict[str, torch.Tensor]:
     """Dequantize every tensor to fp32 and return it under its Hugging Face name, conversions undone."""
-    path = reader.data.filename
+    path = reader.path
     arch = _field(reader, "general.architecture")
     names = _GEMMA3_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
     n_heads, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
@@ -311,14 +307,23 @@ def load_gguf(path: str | os.PathLike, progress: bool = True) -> tuple[dict, dic
     return config, state_dict_from_gguf(reader, config, progress=progress)
 
 
-def load_gguf_tokenizer(path: str | os.PathLike):
-    """Build a transformers tokenizer from the vocabulary embedded in a GGUF file (slow for big vocabs)."""
+def load_gguf_tokenizer(path: str | os.PathLike, model_type: str | None = None):
+    """Build a transformers tokenizer from the vocabulary embedded in a GGUF file.
+
+    With ``model_type`` (the converted config's) the tokenizer class for it is asked directly:
+    ``AutoTokenizer`` would first read the whole file again through gguf-py's reader just to learn
+    that class (~20 s for a 262k vocabulary). Without it, or for a type transformers maps to no
+    class by name, ``AutoTokenizer`` decides.
+    """
     from transformers import AutoTokenizer
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES, tokenizer_class_from_name
 
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {path}")
-    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    class_name = TOKENIZER_MAPPING_NAMES.get(model_type) if model_type else None
+    tokenizer_class = tokenizer_class_from_name(class_name) if isinstance(class_name, str) else None
+    return (tokenizer_class or AutoTokenizer).from_pretrained(str(path.parent), gguf_file=path.name)
 
 
 def _hf_name(name: str, layer_names: dict, path) -> str:
@@ -333,7 +338,7 @@ def _hf_name(name: str, layer_names: dict, path) -> str:
 
 def _dequantize(t, path) -> np.ndarray:
     """fp32 array in torch dimension order (GGUF's ``ne`` reversed)."""
-    shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+    shape = tuple(reversed(t.shape))
     try:
         w = gguf.quants.dequantize(t.data, t.tensor_type)
     except NotImplementedError as e:
@@ -347,15 +352,14 @@ def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _field(reader: gguf.GGUFReader, name: str, default=None):
-    field = reader.get_field(name)
-    return default if field is None else field.contents()
+def _field(reader: GGUFFile, name: str, default=None):
+    return reader.field(name, default)
 
 
-def _require(reader: gguf.GGUFReader, name: str):
+def _require(reader: GGUFFile, name: str):
     value = _field(reader, name)
     if value is None:
-        raise ValueError(f"{reader.data.filename}: missing metadata key {name!r}")
+        raise ValueError(f"{reader.path}: missing metadata key {name!r}")
     return value
 
 
