@@ -20,7 +20,8 @@ from aiohttp import web
 
 from common.cluster.aio import run_service
 from common.cluster.messages import TokenFrame, read_response
-from common.engine.model_loader import load_hf_config, resolve_checkpoint
+from common.engine.model_config import load_model_config
+from common.engine.model_loader import resolve_checkpoint
 from common.cluster.prefix_index import PrefixIndexReader
 from common.cluster.redis_util import connect
 from common.cluster.registry import ROLES, WorkerRegistry
@@ -52,12 +53,12 @@ class Gateway:
         self.config = config
         self.auth = config.auth()
         checkpoint = resolve_checkpoint(config.model)
-        hf = load_hf_config(checkpoint)
+        model = load_model_config(checkpoint)
         self.model_id = config.model_id or checkpoint.name
-        self.max_model_len = min(config.max_model_len or hf.max_position_embeddings, hf.max_position_embeddings)
-        self.vocab_size = hf.vocab_size
+        self.max_model_len = min(config.max_model_len or model.max_model_len, model.max_model_len)
+        self.vocab_size = model.vocab_size
         self.tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-        self.chat_format = resolve_chat_format(self.tokenizer, hf.model_type, config.chat_template)
+        self.chat_format = resolve_chat_format(self.tokenizer, model.model_type, config.chat_template)
         if self.chat_format.template is not None:
             self.tokenizer.chat_template = self.chat_format.template
         log.info("chat template: %s", self.chat_format.source)

@@ -1,8 +1,27 @@
-"""The model facts the engine needs, derived once from a Hugging Face config."""
+"""The model facts the engine needs, derived once from a Hugging Face config.
+
+Deriving them means importing transformers (~3 s of CPU per process) for its config classes,
+whose defaults fill what a config.json leaves out. ``load_model_config`` does that once per
+config.json and transformers version and keeps the result as JSON in the cache directory, so a
+worker that restarts, or the fifth worker of a pool, starts without importing transformers.
+"""
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import tempfile
 from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
+
+# Bump when ModelConfig's fields or their derivation change, so cached entries are not reused.
+CONFIG_CACHE_VERSION = 1
 
 # model_type -> (qkv bias, o bias, q/k norm, Gemma-style sandwich norms)
 _ARCHITECTURES: dict[str, tuple[bool, bool, bool, bool]] = {
@@ -42,7 +61,8 @@ class ModelConfig:
     sliding_window: int | None
     final_logit_softcapping: float | None
     eos_token_ids: tuple[int, ...]
-    hf_config: Any  # the transformers config, for rotary-embedding parameters
+    # layer type -> (rotary inverse frequencies, attention scaling), as transformers computes them
+    rope: dict[str, tuple[tuple[float, ...], float]]
 
     def window(self, layer: int) -> int | None:
         """Tokens a query at position p may see in this layer (p itself included), or None for all."""
@@ -50,6 +70,8 @@ class ModelConfig:
 
     @classmethod
     def from_hf_config(cls, hf: Any) -> "ModelConfig":
+        from common.engine.models.rotary import rope_tables
+
         model_type = hf.model_type
         if model_type not in _ARCHITECTURES:
             raise ValueError(
@@ -97,5 +119,75 @@ class ModelConfig:
             sliding_window=sliding_window,
             final_logit_softcapping=getattr(hf, "final_logit_softcapping", None),
             eos_token_ids=eos_ids,
-            hf_config=hf,
+            rope=rope_tables(hf, head_dim, tuple(layer_types)),
         )
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> "ModelConfig":
+        """The inverse of ``to_json``; KeyError/TypeError/ValueError on anything else."""
+        fields = {f.name for f in dataclasses.fields(cls)}
+        if set(data) != fields:
+            raise KeyError(f"fields differ: {sorted(set(data) ^ fields)}")
+        return cls(**{
+            **data,
+            "layer_types": tuple(data["layer_types"]),
+            "eos_token_ids": tuple(data["eos_token_ids"]),
+            "rope": {t: (tuple(float(f) for f in freqs), float(scaling)) for t, (freqs, scaling) in data["rope"].items()},
+        })
+
+
+def load_hf_config(checkpoint: Path):
+    """The transformers config of ``checkpoint`` (its text config for a multimodal one)."""
+    from transformers import AutoConfig
+
+    config_file = checkpoint / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"checkpoint {str(checkpoint)!r} has no config.json")
+    try:
+        json.loads(config_file.read_text())
+        hf = AutoConfig.from_pretrained(checkpoint)
+    except (ValueError, OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"checkpoint {str(checkpoint)!r} has an unreadable config.json: {exc}") from None
+    return getattr(hf, "text_config", None) or hf
+
+
+def load_model_config(checkpoint: Path, cache_dir: Path | None = None) -> ModelConfig:
+    """``ModelConfig`` of ``checkpoint``, from the cache when this config.json was seen before with
+    this transformers version (``<cache>/model_configs/``); else derived and cached. A cache that
+    cannot be written or read back is skipped, never an error."""
+    config_file = checkpoint / "config.json"
+    try:
+        raw = config_file.read_bytes()
+    except OSError:
+        raise ValueError(f"checkpoint {str(checkpoint)!r} has no config.json") from None
+    entry = _cache_entry(raw, cache_dir)
+    try:
+        return ModelConfig.from_json(json.loads(entry.read_text()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass
+    config = ModelConfig.from_hf_config(load_hf_config(checkpoint))
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=entry.parent, suffix=".tmp")
+        with os.fdopen(fd, "w") as out:
+            json.dump(config.to_json(), out)
+        os.replace(tmp, entry)
+    except OSError as exc:
+        log.debug("model config not cached (%s)", exc)
+    return config
+
+
+def _cache_entry(config_json: bytes, cache_dir: Path | None) -> Path:
+    if cache_dir is None:
+        from common.engine.default_model import default_cache_dir
+
+        cache_dir = default_cache_dir()
+    try:
+        transformers_version = metadata.version("transformers")
+    except metadata.PackageNotFoundError:
+        transformers_version = "none"
+    key = hashlib.sha256(b"%d\0%s\0" % (CONFIG_CACHE_VERSION, transformers_version.encode()) + config_json)
+    return Path(cache_dir) / "model_configs" / f"{key.hexdigest()[:32]}.json"

@@ -1,14 +1,13 @@
 """Load a checkpoint (Hugging Face directory or GGUF file) into a ``DecoderModel``."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
-from common.engine.model_config import ModelConfig
+from common.engine.model_config import ModelConfig, load_model_config
 from common.engine.models.decoder import DecoderModel
 
 
@@ -38,20 +37,6 @@ def resolve_checkpoint(model: str) -> Path:
     return path
 
 
-def load_hf_config(checkpoint: Path):
-    from transformers import AutoConfig
-
-    config_file = checkpoint / "config.json"
-    if not config_file.is_file():
-        raise ValueError(f"checkpoint {str(checkpoint)!r} has no config.json")
-    try:
-        json.loads(config_file.read_text())
-        hf = AutoConfig.from_pretrained(checkpoint)
-    except (ValueError, OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"checkpoint {str(checkpoint)!r} has an unreadable config.json: {exc}") from None
-    return getattr(hf, "text_config", None) or hf
-
-
 def load_state_dict(checkpoint: Path) -> dict[str, torch.Tensor]:
     files = sorted(checkpoint.glob("*.safetensors"))
     if not files:
@@ -72,7 +57,7 @@ def load_model(checkpoint: Path, dtype: torch.dtype, device: torch.device,
                random_weights: bool = False) -> tuple[DecoderModel, ModelConfig]:
     """Build the model for ``checkpoint`` and load its weights; errors name the missing pieces.
     ``random_weights``: only config.json is read (see ``random_model``)."""
-    cfg = ModelConfig.from_hf_config(load_hf_config(checkpoint))
+    cfg = load_model_config(checkpoint)
     if random_weights:
         return random_model(cfg, dtype, device), cfg
     state = load_state_dict(checkpoint)

@@ -128,7 +128,10 @@ class DecoderLayer(nn.Module):
 class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # Given its weight, Embedding skips its random init: on the meta device that init imports
+        # torch._dynamo (~1.7 s of a worker's start), and the loader overwrites the weight anyway.
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -155,7 +158,7 @@ class DecoderModel(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
-        self.rotary = RotaryEmbedding(self.cfg.hf_config, self.cfg.head_dim, self.cfg.layer_types, device)
+        self.rotary = RotaryEmbedding(self.cfg.rope, device)
 
     @torch.inference_mode()
     def forward(self, input_ids, positions, cache: KVCache, meta: AttentionMetadata, backend) -> torch.Tensor:

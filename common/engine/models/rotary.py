@@ -6,30 +6,40 @@ import torch
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
+RopeTables = dict[str, tuple[tuple[float, ...], float]]  # layer type -> (inverse frequencies, scaling)
+
+
+def rope_tables(hf_config, head_dim: int, layer_types: tuple[str, ...]) -> RopeTables:
+    """Inverse frequencies and the attention scaling per layer type, exactly as transformers
+    computes them (its own functions for the scaled types). Plain floats, so a ``ModelConfig``
+    holding them can be cached as JSON and a worker need not import transformers to start."""
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    per_layer_type = bool(params) and all(isinstance(v, dict) for v in params.values())
+    tables: RopeTables = {}
+    for layer_type in sorted(set(layer_types)):
+        layer_params = params.get(layer_type, {}) if per_layer_type else params
+        rope_type = layer_params.get("rope_type", "default")
+        if rope_type not in _STATIC_ROPE_TYPES:
+            raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {', '.join(_STATIC_ROPE_TYPES)}")
+        if rope_type == "default":
+            base = layer_params.get("rope_theta", 10000.0)
+            inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+            scaling = 1.0
+        else:
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            kwargs = {"layer_type": layer_type} if per_layer_type else {}
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, None, **kwargs)
+        tables[layer_type] = (tuple(inv_freq.float().tolist()), float(scaling))
+    return tables
+
+
 class RotaryEmbedding:
-    """cos/sin tables for a step's positions; inverse frequencies follow transformers exactly."""
+    """cos/sin tables for a step's positions, from ``rope_tables``' frequencies (fp32, as transformers)."""
 
-    def __init__(self, hf_config, head_dim: int, layer_types: tuple[str, ...], device: torch.device):
-        params = getattr(hf_config, "rope_parameters", None) or {}
-        per_layer_type = bool(params) and all(isinstance(v, dict) for v in params.values())
-        self._inv_freq: dict[str, torch.Tensor] = {}
-        self._scaling: dict[str, float] = {}
-        for layer_type in sorted(set(layer_types)):
-            layer_params = params.get(layer_type, {}) if per_layer_type else params
-            rope_type = layer_params.get("rope_type", "default")
-            if rope_type not in _STATIC_ROPE_TYPES:
-                raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {', '.join(_STATIC_ROPE_TYPES)}")
-            if rope_type == "default":
-                base = layer_params.get("rope_theta", 10000.0)
-                inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
-                scaling = 1.0
-            else:
-                from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-                kwargs = {"layer_type": layer_type} if per_layer_type else {}
-                inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, None, **kwargs)
-            self._inv_freq[layer_type] = inv_freq.to(device)
-            self._scaling[layer_type] = scaling
+    def __init__(self, tables: RopeTables, device: torch.device):
+        self._inv_freq = {t: torch.tensor(freqs, dtype=torch.float32, device=device) for t, (freqs, _) in tables.items()}
+        self._scaling = {t: scaling for t, (_, scaling) in tables.items()}
 
     def cos_sin(self, positions: torch.Tensor, layer_type: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions[:, None].float() * self._inv_freq[layer_type][None, :]
