@@ -13,6 +13,7 @@ from torch import nn
 from common.engine.attention import AttentionMetadata
 from common.engine.kv_cache import KVCache
 from common.engine.model_config import ModelConfig
+from common.engine.models.linear import Linear, linear
 from common.engine.models.rotary import RotaryEmbedding, apply_rotary
 
 _ACTIVATIONS = {
@@ -46,18 +47,18 @@ class Attention(nn.Module):
         self.layer_type = cfg.layer_types[layer]
         self.scale = cfg.attn_scale
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, q_size, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, kv_size, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.q_proj = Linear(cfg.hidden_size, q_size, bias=cfg.qkv_bias)
+        self.k_proj = Linear(cfg.hidden_size, kv_size, bias=cfg.qkv_bias)
+        self.v_proj = Linear(cfg.hidden_size, kv_size, bias=cfg.qkv_bias)
+        self.o_proj = Linear(q_size, cfg.hidden_size, bias=cfg.o_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-        self.qkv_proj: nn.Linear | None = None
+        self.qkv_proj: Linear | None = None
         self.split = (q_size, kv_size, kv_size)
 
     def fuse(self) -> None:
-        qkv = nn.Linear(self.q_proj.in_features, sum(self.split), bias=self.q_proj.bias is not None)
+        qkv = Linear(self.q_proj.in_features, sum(self.split), bias=self.q_proj.bias is not None)
         qkv = qkv.to(self.q_proj.weight.device, self.q_proj.weight.dtype)
         with torch.no_grad():
             qkv.weight.copy_(torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]))
@@ -83,14 +84,14 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.act = _ACTIVATIONS[cfg.hidden_act]
-        self.gate_up_proj: nn.Linear | None = None
+        self.gate_up_proj: Linear | None = None
 
     def fuse(self) -> None:
-        fused = nn.Linear(self.gate_proj.in_features, 2 * self.gate_proj.out_features, bias=False)
+        fused = Linear(self.gate_proj.in_features, 2 * self.gate_proj.out_features, bias=False)
         fused = fused.to(self.gate_proj.weight.device, self.gate_proj.weight.dtype)
         with torch.no_grad():
             fused.weight.copy_(torch.cat([self.gate_proj.weight, self.up_proj.weight]))
@@ -145,7 +146,7 @@ class DecoderModel(nn.Module):
         self.cfg = cfg
         self.model = Backbone(cfg)
         if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary: RotaryEmbedding | None = None
 
     def finish_loading(self, device: torch.device) -> None:
@@ -174,7 +175,7 @@ class DecoderModel(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         hidden = self.model.norm(hidden)
         weight = self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
-        logits = F.linear(hidden, weight).float()
+        logits = linear(hidden, weight).float()
         cap = self.cfg.final_logit_softcapping
         if cap:
             logits = torch.tanh(logits / cap) * cap
