@@ -322,6 +322,23 @@ def test_a_bad_row_does_not_change_the_draws_of_the_others():
     assert mixed[:1] + mixed[2:] == alone
 
 
+
+@pytest.mark.skipif(sampler_module._top_p_kernel(torch.zeros(1, 2)) is None, reason="no C compiler here")
+def test_the_top_p_kernel_picks_the_tokens_the_torch_path_picks(monkeypatch):
+    # Flat rows of a 262k vocabulary, the case the kernel is for: the same nucleus and the same
+    # column-order inverse CDF as the torch path, so the same uniform gives the same token.
+    torch.manual_seed(5)
+    n, vocab = 8, 262144
+    e = torch.exp(torch.randn(n, vocab) * 1.5)
+    e /= e.max(dim=-1, keepdim=True).values
+    top_p = torch.tensor([0.5, 0.8, 0.9, 0.95, 0.95, 0.99, 0.3, 0.9])
+    uniforms = torch.rand(n, dtype=torch.float64)
+    from_kernel = sampler_module._sample_wide_nucleus(e.clone(), top_p, uniforms)
+    monkeypatch.setattr(sampler_module, "_top_p_kernel", lambda _e: None)
+    from_torch = sampler_module._sample_wide_nucleus(e.clone(), top_p, uniforms)
+    assert (from_kernel == from_torch).sum() >= n - 1  # fp64 sums in another order may move a boundary
+
+
 def test_a_failing_code_path_fails_only_its_own_rows(monkeypatch):
     torch.manual_seed(2)
     logits = torch.randn(3, 400)
@@ -331,7 +348,7 @@ def test_a_failing_code_path_fails_only_its_own_rows(monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("simulated bug")
 
-    monkeypatch.setattr(Sampler, "_sample_filtered", broken)
+    monkeypatch.setattr(Sampler, "_sample_filtered_rows", broken)
     sampler = Sampler()
     tokens, _ = sampler(logits, [SamplingRow(p) for p in params])
     assert tokens[0] == expected[0] and tokens[2] == expected[2]

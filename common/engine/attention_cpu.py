@@ -1,8 +1,7 @@
 """CPU paged attention that reads the KV cache in place: a small C kernel (csrc/paged_attention_cpu.c).
 
-The kernel is compiled once per machine with the system C compiler (``cc``, OpenMP when it has
-it) into ``<cache>/kernels/`` and loaded with ctypes; the call releases the GIL. One call per
-layer covers every request of the step, prompt chunks and decodes alike; nothing is gathered
+The kernel is compiled once per machine (``common.engine.cpu_kernels``); the call releases
+the GIL. One call per layer covers every request of the step, prompt chunks and decodes alike; nothing is gathered
 and no mask is built::
 
     step metadata (built once per step, shared by all layers)
@@ -19,85 +18,29 @@ and no mask is built::
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import shutil
-import subprocess
-import tempfile
-import threading
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
+from common.engine.cpu_kernels import load_kernel
 from common.engine.kv_cache import KVCache
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "paged_attention_cpu.c"
 _ELEM = {torch.float32: 4, torch.bfloat16: 2}
-_lock = threading.Lock()
-_kernel: ctypes.CDLL | None | bool = False  # False: not tried yet
-
-
-def _cache_dir() -> Path:
-    from common.engine.default_model import default_cache_dir
-
-    return default_cache_dir() / "kernels"
-
-
-def _compile(source: Path, target: Path) -> None:
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        raise RuntimeError("no C compiler (cc/gcc) on PATH")
-    base = [cc, "-O3", "-march=native", "-ffp-contract=fast", "-fPIC", "-shared", str(source), "-lm"]
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        out = Path(tmp) / target.name
-        try:
-            subprocess.run([*base[:-1], "-fopenmp", "-o", str(out), "-lm"], check=True, capture_output=True, timeout=300)
-        except subprocess.CalledProcessError:  # no OpenMP: single-threaded kernel
-            subprocess.run([*base, "-o", str(out)], check=True, capture_output=True, timeout=300)
-        os.replace(out, target)  # atomic: concurrent builders each install a complete file
 
 
 def build_kernel() -> ctypes.CDLL | None:
     """The compiled kernel (built on first use, then reused from the cache); ``None`` if it cannot be built."""
-    global _kernel
-    with _lock:
-        if _kernel is not False:
-            return _kernel
-        try:
-            # -march=native: a build is only valid on a CPU with the same features (a shared cache volume)
-            digest = hashlib.sha256(SOURCE.read_bytes() + _cpu_signature()).hexdigest()[:16]
-            target = _cache_dir() / f"paged_attention_cpu-{digest}.so"
-            if not target.exists():
-                _compile(SOURCE, target)
-            lib = ctypes.CDLL(str(target))
-        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-            detail = getattr(exc, "stderr", b"") or b""
-            log.warning("CPU paged-attention kernel unavailable (%s %s); using the torch path", exc,
-                        detail.decode(errors="replace")[:500])
-            _kernel = None
-            return None
+    lib = load_kernel("paged_attention_cpu")
+    if lib is not None:
         fn = lib.paged_attention
         fn.restype = ctypes.c_int
         i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
         fn.argtypes = [i32, ptr, i64, i64, ptr, ptr, i64, i64, i64, ptr, ptr, i64, ptr, ptr,
                        i32, i32, i32, i32, i32, i32, ctypes.c_float, i32, i32]
-        _kernel = lib
-        return lib
-
-
-def _cpu_signature() -> bytes:
-    flags = b""
-    try:
-        with open("/proc/cpuinfo", "rb") as f:
-            flags = next((line for line in f if line.startswith(b"flags")), b"")
-    except OSError:
-        pass
-    return os.uname().machine.encode() + flags
+    return lib
 
 
 @dataclass

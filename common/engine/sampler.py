@@ -22,6 +22,7 @@ default: one log-sum-exp and one top-k over the rows that ask.
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
@@ -321,7 +322,10 @@ class Sampler:
         p_only = (knobs.top_p < 1.0) & (knobs.top_k == 0) & (knobs.min_p == 0.0)
         if not bool(p_only.any()):
             return self._sample_filtered(e, total, knobs, uniforms)
-        wide = p_only & ((e >= TOP_P_FIRST_THRESHOLD).sum(dim=-1) > WIDE_NUCLEUS)
+        if _top_p_kernel(e) is not None:
+            wide = p_only  # the C kernel is cheaper than the candidate sort on any row
+        else:
+            wide = p_only & ((e >= TOP_P_FIRST_THRESHOLD).sum(dim=-1) > WIDE_NUCLEUS)
         if not bool(wide.any()):
             return self._sample_filtered(e, total, knobs, uniforms)
         if bool(wide.all()):  # no copies of the rows
@@ -505,10 +509,22 @@ def _sample_wide_nucleus(e: torch.Tensor, top_p: torch.Tensor, uniforms: torch.T
         the boundary bucket          -> every bucket above it is kept, every one below dropped
         sort only the boundary's tokens -> the exact threshold inside it
     The kept tokens' distribution is the sorted rule's; only the map from the uniform number to a
-    token differs (column order), and it is as deterministic.
+    token differs (column order), and it is as deterministic.  On CPU in fp32 the same three
+    steps run as one C kernel (csrc/top_p_cpu.c), a row per thread, in three passes over the row.
     """
     n, vocab = e.shape
     device = e.device
+    kernel = _top_p_kernel(e)
+    if kernel is not None:
+        if e.stride(-1) != 1:
+            e = e.contiguous()
+        out = torch.empty(n, dtype=torch.int64)
+        p32, u64 = top_p.float().contiguous(), uniforms.double().contiguous()
+        rc = kernel.top_p_sample(e.data_ptr(), n, vocab, e.stride(0), p32.data_ptr(), u64.data_ptr(),
+                                 out.data_ptr(), torch.get_num_threads())
+        if rc != 0:
+            raise MemoryError("top-p sampling kernel: scratch allocation failed")
+        return out
     buckets = (int(torch.tensor(1.0).view(torch.int32)) >> 16) + 1
     keys = e.view(torch.int32) >> 16
     flat = (keys + (torch.arange(n, device=device, dtype=torch.int32) * buckets)[:, None]).view(-1)
@@ -533,6 +549,21 @@ def _sample_wide_nucleus(e: torch.Tensor, top_p: torch.Tensor, uniforms: torch.T
     threshold.scatter_reduce_(0, rows[kept], values[kept], reduce="amin")
     e.masked_fill_(e < threshold[:, None], 0.0)
     return _sample_plain(e, _block_sums(e), uniforms)
+
+
+def _top_p_kernel(e: torch.Tensor):
+    """The compiled top-p kernel for CPU fp32 rows, else ``None`` (the torch path)."""
+    if e.device.type != "cpu" or e.dtype != torch.float32:
+        return None
+    from common.engine.cpu_kernels import load_kernel
+
+    lib = load_kernel("top_p_cpu")
+    if lib is not None:
+        fn = lib.top_p_sample
+        fn.restype = ctypes.c_int
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        fn.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ctypes.c_int]
+    return lib
 
 
 def _sample_plain(e: torch.Tensor, block_sums: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:

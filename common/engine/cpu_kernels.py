@@ -1,0 +1,78 @@
+"""Small C kernels for the CPU path (``common/engine/csrc/<name>.c``), compiled once per machine.
+
+Each kernel is built with the system C compiler (``cc``; OpenMP when it has it, else
+single-threaded) into ``<cache>/kernels/<name>-<digest>.so``, where the digest covers the source
+and the CPU's flags (``-march=native``: a build is only valid on a CPU with the same features,
+say on a shared cache volume), and loaded with ctypes; ctypes calls release the GIL.
+``load_kernel`` returns ``None``, and says why in the log, where there is no compiler: callers
+keep a pure-torch path.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+SOURCES = Path(__file__).with_name("csrc")
+_lock = threading.Lock()
+_loaded: dict[str, ctypes.CDLL | None] = {}
+
+
+def cache_dir() -> Path:
+    from common.engine.default_model import default_cache_dir
+
+    return default_cache_dir() / "kernels"
+
+
+def compile_source(source: Path, target: Path) -> None:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise RuntimeError("no C compiler (cc/gcc) on PATH")
+    base = [cc, "-O3", "-march=native", "-ffp-contract=fast", "-fPIC", "-shared", str(source)]
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        out = Path(tmp) / target.name
+        try:
+            subprocess.run([*base, "-fopenmp", "-o", str(out), "-lm"], check=True, capture_output=True, timeout=300)
+        except subprocess.CalledProcessError:  # no OpenMP: single-threaded kernel
+            subprocess.run([*base, "-o", str(out), "-lm"], check=True, capture_output=True, timeout=300)
+        os.replace(out, target)  # atomic: concurrent builders each install a complete file
+
+
+def load_kernel(name: str) -> ctypes.CDLL | None:
+    """The compiled ``csrc/<name>.c`` (built on first use, then reused from the cache), or ``None``."""
+    with _lock:
+        if name in _loaded:
+            return _loaded[name]
+        source = SOURCES / f"{name}.c"
+        try:
+            digest = hashlib.sha256(source.read_bytes() + _cpu_signature()).hexdigest()[:16]
+            target = cache_dir() / f"{name}-{digest}.so"
+            if not target.exists():
+                compile_source(source, target)
+            lib = ctypes.CDLL(str(target))
+        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+            detail = getattr(exc, "stderr", b"") or b""
+            log.warning("CPU kernel %s unavailable (%s %s); using the torch path", name, exc,
+                        detail.decode(errors="replace")[:500])
+            lib = None
+        _loaded[name] = lib
+        return lib
+
+
+def _cpu_signature() -> bytes:
+    flags = b""
+    try:
+        with open("/proc/cpuinfo", "rb") as f:
+            flags = next((line for line in f if line.startswith(b"flags")), b"")
+    except OSError:
+        pass
+    return os.uname().machine.encode() + flags
