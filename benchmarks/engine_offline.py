@@ -52,6 +52,9 @@ def make_engine(checkpoint: Path, args) -> Engine:
 
 def run_ours(engine: Engine, prompts, output_lens, sampling: str = "greedy") -> tuple[float, list[list[int]], float, float]:
     engine.generate([prompts[0][:8]], {"max_tokens": 2, **SAMPLING[sampling]})  # warm-up
+    # Every run computes its prompts: a run after another on the same engine would otherwise find
+    # them in the prefix cache and skip their prefill.
+    engine.block_pool.reset_prefix_cache()
     engine.runner.forward_seconds = 0.0
     ids = [engine.add_request(p, {"max_tokens": n, "ignore_eos": True, **SAMPLING[sampling]})
            for p, n in zip(prompts, output_lens)]

@@ -39,8 +39,17 @@ static int descending(const void *a, const void *b) {
 }
 
 static int64_t sample_row(const float *x, int64_t vocab, double top_p, double u, double *mass, float *vals) {
-    memset(mass, 0, BUCKETS * sizeof(double));
-    for (int64_t j = 0; j < vocab; j++) mass[key_of(x[j])] += (double)x[j];
+    /* two interleaved histograms: consecutive values of a flat row share a bucket, and one
+       histogram would serialise on that bucket's read-modify-write */
+    double *mass_odd = mass + BUCKETS;
+    memset(mass, 0, 2 * BUCKETS * sizeof(double));
+    int64_t j = 0;
+    for (; j + 1 < vocab; j += 2) {
+        mass[key_of(x[j])] += (double)x[j];
+        mass_odd[key_of(x[j + 1])] += (double)x[j + 1];
+    }
+    if (j < vocab) mass[key_of(x[j])] += (double)x[j];
+    for (int64_t b = 0; b < BUCKETS; b++) mass[b] += mass_odd[b];
     /* inclusive[b]: mass at or above bucket b; the boundary is the highest b where it reaches target */
     double total = 0.0;
     for (int64_t b = BUCKETS - 1; b >= 0; b--) total += mass[b];
@@ -87,7 +96,7 @@ int top_p_sample(const float *e, int64_t rows, int64_t vocab, int64_t row_stride
     int failed = 0;
 #pragma omp parallel num_threads(num_threads > 0 ? num_threads : 1) reduction(| : failed)
     {
-        double *mass = (double *)malloc(BUCKETS * sizeof(double));
+        double *mass = (double *)malloc(2 * BUCKETS * sizeof(double));
         float *vals = (float *)malloc((size_t)vocab * sizeof(float));
         int ok = mass != NULL && vals != NULL;
         if (!ok) failed = 1;
