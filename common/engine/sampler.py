@@ -558,7 +558,7 @@ def _top_p_kernel(e: torch.Tensor):
     from common.engine.cpu_kernels import load_kernel
 
     lib = load_kernel("top_p_cpu")
-    if lib is not None:
+    if lib is not None and lib.top_p_sample.argtypes is None:
         fn = lib.top_p_sample
         fn.restype = ctypes.c_int
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
