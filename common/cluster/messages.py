@@ -8,6 +8,8 @@ A stream is a sequence of frames, each a 4-byte big-endian length and a msgpack 
 """
 from __future__ import annotations
 
+import asyncio
+
 from typing import Annotated, Type, TypeVar
 
 import msgspec
@@ -124,26 +126,28 @@ def frame(message: msgspec.Struct) -> bytes:
     return len(body).to_bytes(4, "big") + body
 
 
-async def read_response(response, limit: int = MAX_FRAME_BYTES) -> bytes:
+READ_RESPONSE_TIMEOUT_S = 30.0
+
+
+async def read_response(response, limit: int = MAX_FRAME_BYTES, timeout: float = READ_RESPONSE_TIMEOUT_S) -> bytes:
     """The whole body of an aiohttp client ``response``, refusing (``ValueError``) one above ``limit``
-    bytes before it is buffered: a peer's answer never makes us allocate more than ``limit``."""
+    bytes before it is buffered: a peer's answer never makes us allocate more than ``limit``.
+    The read is bounded by ``timeout`` seconds (``asyncio.TimeoutError``) besides the session's own
+    timeouts, so a peer that sends headers and then stalls cannot hold the caller."""
     declared = response.content_length
     if declared is not None and declared > limit:
         raise ValueError(f"response of {declared} bytes exceeds the {limit}-byte limit")
     body = bytearray()
-    while True:
-        chunk = await response.content.read(limit + 1 - len(body))
-        if not chunk:
-            return bytes(body)
-        body += chunk
-        if len(body) > limit:
-            raise ValueError(f"response exceeds the {limit}-byte limit")
+    async with asyncio.timeout(timeout):
+        async for chunk in response.content.iter_any():
+            body += chunk
+            if len(body) > limit:
+                raise ValueError(f"response exceeds the {limit}-byte limit")
+    return bytes(body)
 
 
 async def read_frame(reader, kind: Type[T]) -> T | None:
     """Read one length-prefixed frame from an aiohttp ``StreamReader``; ``None`` at a clean end."""
-    import asyncio
-
     try:
         header = await reader.readexactly(4)
     except asyncio.IncompleteReadError as exc:
