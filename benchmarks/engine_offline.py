@@ -47,7 +47,7 @@ SAMPLING = {
 def make_engine(checkpoint: Path, args) -> Engine:
     return Engine(EngineConfig(model=str(checkpoint), num_blocks=args.num_blocks, kv_memory_fraction=0.3,
                                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=2048, dtype=args.dtype,
-                               attention_backend=args.attention_backend), load_tokenizer=False)
+                               attention_backend=args.attention_backend, compile=args.compile), load_tokenizer=False)
 
 
 def run_ours(engine: Engine, prompts, output_lens, sampling: str = "greedy") -> tuple[float, list[list[int]], float, float]:
@@ -121,6 +121,8 @@ def main() -> None:
                         help="not greedy: the same workload also runs greedy, for sampled_over_greedy")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                        help="the decoder layers compiled (torch.compile), as workers run them by default")
     parser.add_argument("--num-blocks", type=int, help="KV blocks (default: 30%% of free memory)")
     parser.add_argument("--skip-hf", action="store_true",
                         help="no transformers throughput runs (greedy parity on the first requests still runs)")
@@ -169,7 +171,7 @@ def main() -> None:
     print(f"ours greedy: {ours_wall:.1f} s, mean batch {mean_batch:.1f}, overhead {overhead:.3f}", file=sys.stderr)
     if sampled:
         sampled["sampled_over_greedy"] = round(sampled["sampled_tok_s"] / (useful_tokens / ours_wall), 3)
-    attention = engine.attention.name
+    attention, compiled = engine.attention.name, engine.model.stages.compiled
     del engine
 
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
@@ -202,6 +204,7 @@ def main() -> None:
         "model": model_name,
         "dtype": args.dtype,
         "attention_backend": attention,
+        "compiled": compiled,
         "num_requests": count,
         "prompt_tokens": sum(prompt_lens),
         "output_tokens": useful_tokens,

@@ -123,7 +123,7 @@ def offline_ours(checkpoint: Path, dtype: str, prompts, output_lens, args) -> di
     torch.set_num_threads(args.threads)
     engine = Engine(EngineConfig(model=str(checkpoint), dtype=dtype, num_blocks=args.num_blocks,
                                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                                 max_model_len=args.max_model_len), load_tokenizer=False)
+                                 max_model_len=args.max_model_len, compile=args.compile), load_tokenizer=False)
     engine.generate([prompts[0][:8]], {"max_tokens": 2, "temperature": 0})  # warm-up
     ids = [engine.add_request(p, {"max_tokens": n, "temperature": 0, "ignore_eos": True})
            for p, n in zip(prompts, output_lens)]
@@ -292,6 +292,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--served-output-len", type=int, default=64)
     p.add_argument("--served-min-requests", type=int, default=8)
     p.add_argument("--served-dtype", default="float32")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                   help="this project's engine compiled (offline; the served workers follow their own default, "
+                        "on, or PDSERVE_COMPILE)")
     p.add_argument("--served-max-num-batched-tokens", type=int, default=512)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -323,7 +326,7 @@ def main(argv=None) -> None:
     else:
         checkpoint = Path(args.model)
     result: dict = {"benchmark": "vs_vllm_cpu", "model": checkpoint.name, "vllm": VLLM_VERSION,
-                    "threads": args.threads, "quick": args.quick}
+                    "threads": args.threads, "quick": args.quick, "compiled": args.compile}
     if not args.skip_offline:
         result.update(run_offline(venv, checkpoint, args))
     if not args.skip_served:

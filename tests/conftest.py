@@ -1,12 +1,17 @@
 """Shared pytest fixtures.  Each section belongs to one area; keep sections self-contained."""
 from __future__ import annotations
 
+import os
 import uuid
 
 import pytest
 import redis
 
 from common.cluster.redis_util import connect, ensure_redis, redis_url_from_env
+
+# Workers that tests start run eagerly: compiling at every start (~10 s on 2 cores) would dominate
+# the suite; tests/test_compile.py covers the compiled engine, test_worker_config the default.
+os.environ.setdefault("PDSERVE_COMPILE", "0")
 
 
 # ---- Redis (registry, prefix index) ----------------------------------------------------------

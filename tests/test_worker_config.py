@@ -76,3 +76,10 @@ def test_cuda_graphs_are_on_unless_turned_off():
     assert parse([], {"PDSERVE_CUDA_GRAPHS": "0"}).engine.cuda_graphs is False
     assert parse(["--cuda-graphs"], {"PDSERVE_CUDA_GRAPHS": "off"}).engine.cuda_graphs is True
     assert parse(["--attention-backend", "triton"]).engine.attention_backend == "triton"
+
+
+def test_compile_is_on_unless_turned_off():
+    parse = lambda argv, env=None: config_from_args(build_parser("decode", "test", env=env or {}).parse_args(argv))
+    assert parse([]).engine.compile is True
+    assert parse(["--no-compile"]).engine.compile is False
+    assert parse([], {"PDSERVE_COMPILE": "0"}).engine.compile is False

@@ -57,6 +57,10 @@ class EngineConfig:
     # Decode-only steps replay CUDA graphs captured per batch-size bucket (CUDA with the Triton or
     # flash-attn backend; a no-op elsewhere).
     cuda_graphs: bool = True
+    # The decoder layers' work around attention compiled by torch.compile (inductor) for
+    # prefill-sized steps, every token bucket at start-up (``common.engine.models.stages``); CPU
+    # only (not validated under CUDA graphs yet); eager where compiling fails.
+    compile: bool = False
 
     def __post_init__(self) -> None:
         _require(self.block_size >= 1, "block_size", self.block_size, ">= 1")

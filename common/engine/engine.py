@@ -22,6 +22,7 @@ from common.engine.kv_cache_manager import KVCacheManager
 from common.engine.model_loader import load_model, resolve_checkpoint
 from common.engine.prefix_hash import MAX_CACHE_SALT_LEN, block_extra_keys
 from common.engine.model_runner import ModelRunner
+from common.engine.models.stages import compile_stages
 from common.engine.request import Request, RequestStatus
 from common.engine.sampler import TokenLogprobs
 from common.engine.sampling_params import SamplingParams
@@ -104,6 +105,10 @@ class Engine:
         self.model, self.model_config = load_model(self.checkpoint, self.dtype, self.device,
                                                    random_weights=config.load_format == "dummy")
         mc = self.model_config
+        if config.compile and self.device.type == "cpu":
+            self.model.stages = compile_stages(self.model)
+        elif config.compile:
+            log.info("compile: not applied on %s (CPU only for now); running eagerly", self.device)
         self.model_id = config.model_id or self.checkpoint.name
         self.layout = KVLayout(
             model_id=self.model_id,
@@ -140,9 +145,9 @@ class Engine:
         # Tests only: called with the step number before each forward (raise to inject a fault).
         self.fault_injector: Callable[[int], None] | None = None
         log.info(
-            "engine ready: model=%s (%s) dtype=%s device=%s attention=%s cuda_graphs=%s kv_blocks=%d x %d tokens",
-            self.model_id, mc.model_type, self.layout.dtype, self.device, self.attention.name,
-            use_graphs, num_blocks, config.block_size,
+            "engine ready: model=%s (%s) dtype=%s device=%s attention=%s cuda_graphs=%s compiled=%s "
+            "kv_blocks=%d x %d tokens", self.model_id, mc.model_type, self.layout.dtype, self.device,
+            self.attention.name, use_graphs, self.model.stages.compiled, num_blocks, config.block_size,
         )
 
     def _load_tokenizer(self):

@@ -135,6 +135,10 @@ def build_parser(default_role: str, description: str, env: Mapping[str, str] | N
     flags.add_switch("--cuda-graphs", default=True,
                      help="replay decode-only steps from CUDA graphs captured per batch-size bucket at start-up "
                           "(CUDA with the triton or flash backend; no effect elsewhere)")
+    flags.add_switch("--compile", default=True,
+                     help="compile the decoder layers' work around attention with torch.compile (inductor) at "
+                          "start-up, for prefill-sized steps (CPU; eager where it fails, and on CUDA, where CUDA "
+                          "graphs serve decode)")
     add("--log-level", "INFO")
     add("--drain-timeout", 30.0, float, help="on SIGTERM, seconds to let in-flight requests finish before stopping")
     return p
@@ -151,7 +155,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         num_blocks=args.num_blocks, kv_memory_fraction=args.kv_memory_fraction,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len, model_id=args.model_id, attention_backend=args.attention_backend,
-        cuda_graphs=bool(args.cuda_graphs), remote_kv_budget=args.remote_kv_budget,
+        cuda_graphs=bool(args.cuda_graphs), compile=bool(args.compile), remote_kv_budget=args.remote_kv_budget,
     )
     kv = KVTransferConfig(transport=args.kv_transport, host=args.kv_host or args.host, port=args.kv_port,
                           connect_timeout=args.kv_connect_timeout, transfer_timeout=args.kv_timeout,

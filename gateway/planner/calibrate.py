@@ -105,8 +105,9 @@ def median_by_shape(samples: list[tuple[tuple, float]]) -> tuple[list[tuple], li
 
 def calibrate(model: str, *, threads: int | None = None, block_size: int = 16, max_num_batched_tokens: int = 512,
               max_num_seqs: int = 64, num_blocks: int | None = None, dtype: str = "auto", quick: bool = False,
-              log=None) -> dict:
-    """Measure and fit; returns the calibration document (``cost_model``, ``engine``, ``fit``)."""
+              compile: bool = True, log=None) -> dict:
+    """Measure and fit; returns the calibration document (``cost_model``, ``engine``, ``fit``).
+    ``compile``: the engine as workers run it by default (``--compile``)."""
     import torch
 
     from common.engine.config import EngineConfig
@@ -120,12 +121,13 @@ def calibrate(model: str, *, threads: int | None = None, block_size: int = 16, m
     need_blocks = batches * (longest // block_size + 4) + 64
     config = EngineConfig(model=model, dtype=dtype, device="cpu", block_size=block_size,
                           num_blocks=num_blocks or need_blocks, max_num_batched_tokens=max_num_batched_tokens,
-                          max_num_seqs=max(max_num_seqs, batches), enable_prefix_caching=False)
+                          max_num_seqs=max(max_num_seqs, batches), enable_prefix_caching=False, compile=compile)
     engine = Engine(config, load_tokenizer=False)
     began = time.perf_counter()
     samples = run_grid(engine, grid, log)
     shapes, seconds = median_by_shape(samples)
     source = {"model": str(engine.checkpoint), "threads": torch.get_num_threads(), "dtype": engine.layout.dtype,
+              "compiled": engine.model.stages.compiled,
               "max_num_batched_tokens": max_num_batched_tokens, "grid": "quick" if quick else "full",
               "measured_s": round(time.perf_counter() - began, 1)}
     model_fit: LinearCostModel = fit_linear(shapes, seconds, source)

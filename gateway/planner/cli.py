@@ -110,6 +110,8 @@ def add_calibrate_parser(sub) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--quick", action="store_true", help="a smaller grid (about a minute on a tiny model)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                   help="measure the engine compiled, as workers run it by default (worker --compile)")
     p.add_argument("--out", type=Path, default=Path("calibration.json"))
     p.set_defaults(func=cmd_calibrate)
 
@@ -119,7 +121,7 @@ def cmd_calibrate(_client, args) -> int:
 
     doc = calibrate(args.model, threads=args.threads, block_size=args.block_size,
                     max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype, quick=args.quick,
-                    log=lambda m: print(m, file=sys.stderr))
+                    compile=args.compile, log=lambda m: print(m, file=sys.stderr))
     save(doc, args.out)
     print(load_cost_model(args.out).describe(), file=sys.stderr)
     print(json.dumps({"calibration": str(args.out), **doc["cost_model"]}))

@@ -14,6 +14,7 @@ from common.engine.attention import AttentionMetadata
 from common.engine.kv_cache import KVCache
 from common.engine.model_config import ModelConfig
 from common.engine.models.linear import Linear, linear
+from common.engine.models.stages import EAGER, LayerStages
 from common.engine.models.rotary import RotaryEmbedding, apply_rotary
 
 _ACTIVATIONS = {
@@ -67,7 +68,8 @@ class Attention(nn.Module):
         self.qkv_proj = qkv
         del self.q_proj, self.k_proj, self.v_proj
 
-    def forward(self, x, rope, cache: KVCache, meta: AttentionMetadata, backend) -> torch.Tensor:
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """The queries, keys and values of ``x`` (normed, rotated), each ``[tokens, heads, head_dim]``."""
         tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
         q = q.view(tokens, self.num_heads, self.head_dim)
@@ -75,10 +77,7 @@ class Attention(nn.Module):
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = rope[self.layer_type]
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = backend.forward(q, k, v, cache, self.layer, meta, self.window, self.scale)
-        return self.o_proj(out.reshape(tokens, -1))
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
 
 class MLP(nn.Module):
@@ -116,14 +115,25 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
             self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, rope, cache, meta, backend):
+    def attention_inputs(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Everything before attention: the input norm and the attention's q, k, v."""
+        return self.self_attn.project(self.input_layernorm(x), cos, sin)
+
+    def after_attention(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """Everything after attention: output projection, norms, residuals and the MLP."""
+        h = self.self_attn.o_proj(attended.reshape(x.shape[0], -1))
         if self.sandwich:
-            h = self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rope, cache, meta, backend))
-            x = x + h
-            h = self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
-            return x + h
-        x = x + self.self_attn(self.input_layernorm(x), rope, cache, meta, backend)
+            x = x + self.post_attention_layernorm(h)
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        x = x + h
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward(self, x, rope, cache, meta, backend, stages: LayerStages = EAGER):
+        attn = self.self_attn
+        cos, sin = rope[attn.layer_type]
+        q, k, v = stages.attention_inputs(self, x, cos, sin)
+        attended = backend.forward(q, k, v, cache, attn.layer, meta, attn.window, attn.scale)
+        return stages.after_attention(self, x, attended)
 
 
 class Backbone(nn.Module):
@@ -148,6 +158,7 @@ class DecoderModel(nn.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary: RotaryEmbedding | None = None
+        self.stages: LayerStages = EAGER  # ``compile_stages`` swaps in compiled ones
 
     def finish_loading(self, device: torch.device) -> None:
         """After the state dict is in: fold Gemma's norm offset, fuse projections, build RoPE."""
@@ -168,7 +179,7 @@ class DecoderModel(nn.Module):
             x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)
         rope = {t: self.rotary.cos_sin(positions, t, x.dtype) for t in set(self.cfg.layer_types)}
         for layer in self.model.layers:
-            x = layer(x, rope, cache, meta, backend)
+            x = layer(x, rope, cache, meta, backend, self.stages)
         return x
 
     @torch.inference_mode()

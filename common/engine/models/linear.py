@@ -6,6 +6,10 @@ took 189 ms where oneDNN takes 94 ms; the layers' projections gain 10-35% at dec
 With many rows (a long prefill chunk) MKL is ahead by about 10%. So CPU fp32 products with fewer
 than ``ONEDNN_MAX_ROWS`` rows go to oneDNN's linear, on the plain (unpacked) weight, shared with
 everything else that reads it (a tied embedding); everything else goes to ``F.linear``.
+
+Inside torch.compile (``common.engine.models.stages``) the oneDNN call goes through the custom
+op ``pdserve::onednn_linear``: inductor cannot lower ``mkldnn._linear_pointwise`` on symbolic
+shapes, and an opaque op keeps the library call while the elementwise work around it is fused.
 """
 from __future__ import annotations
 
@@ -26,10 +30,23 @@ def _onednn_linear_available() -> bool:
 _ONEDNN = _onednn_linear_available()
 
 
+@torch.library.custom_op("pdserve::onednn_linear", mutates_args=())
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """oneDNN's linear on a contiguous 2-D ``x`` and a plain weight, as an op torch.compile keeps opaque."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+@onednn_linear.register_fake
+def _onednn_linear_shape(x, weight, bias):
+    return x.new_empty((x.shape[0], weight.shape[0]))
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for a 2-D ``x``, through oneDNN where it is faster (see above)."""
     if (_ONEDNN and x.dim() == 2 and x.shape[0] < ONEDNN_MAX_ROWS and x.device.type == "cpu"
             and x.dtype == torch.float32 and weight.dtype == torch.float32):
+        if torch.compiler.is_compiling():
+            return onednn_linear(x.contiguous(), weight, bias)
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
