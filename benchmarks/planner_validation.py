@@ -7,15 +7,16 @@
 2. **Measure**: for each split (``1P+1D`` disaggregated, ``2C`` two colocated workers; two workers
    either way, ``OMP_NUM_THREADS=1`` each, standing in for one GPU each) and each load level, start
    the real stack (``LocalStack``: Redis, gateway, workers, KV over TCP), warm it up, then send
-   three probe requests one at a time (a short prompt, a long prompt, a lone stream) and fit what
-   the stack adds to the engine right now (``fit_stack_overheads``: the machine's current speed --
-   it is shared, and other tenants come and go --, a per-step serving overhead and a per-request
-   overhead).  Then the open-loop Poisson workload with ``benchmarks/loadgen.py`` (exact prompt
+   probes: three requests one at a time (a short prompt, a long prompt, a lone stream), then four
+   streams per decoding worker together, and fit what the stack adds to the engine right now
+   (``fit_stack_overheads``: the machine's current speed -- it is shared, and other tenants come
+   and go --, a per-step and a per-streamed-token serving overhead and a per-request overhead;
+   ``--no-sample-overhead`` leaves the per-token one out).  Then the open-loop Poisson workload with ``benchmarks/loadgen.py`` (exact prompt
    and output lengths).
 3. **Predict** the same runs with the simulator -- the same arrival times and lengths, the same
    engine settings, the calibrated cost model with that run's fitted overheads -- and compare.
-   The probes are idle, one at a time: queueing, batching, chunking, prefill/decode interference and
-   routing under load are what the simulation has to get right.
+   The probes are idle (no queueing, no prompt beside a decode): queueing, batching, chunking,
+   prefill/decode interference and routing under load are what the simulation has to get right.
 
 The last line is one JSON object with the worst relative error of the TTFT and TPOT medians over
 all runs (``ttft_p50_rel_error``, ``tpot_p50_rel_error``; target <= 0.25 each), whether the split
@@ -88,7 +89,8 @@ def measure(split: str, checkpoint: str, plan, args) -> dict:
         warm = [PlannedRequest(random_ids(__import__("random").Random(1), 48, vocab), 4, 0.0, "warmup"),
                 PlannedRequest(random_ids(__import__("random").Random(2), 400, vocab), 4, 0.0, "warmup")]
         asyncio.run(warm_up(stack.gateway_url, model, warm))
-        probes = asyncio.run(idle_probes(stack.gateway_url, model, args))
+        decoders = SPLITS[split]["decode"] + SPLITS[split]["both"]
+        probes = asyncio.run(idle_probes(stack.gateway_url, model, args, decoders))
         records, wall = asyncio.run(run_load(stack.gateway_url, model, plan, timeout=600))
     finally:
         stack.stop()
@@ -98,10 +100,12 @@ def measure(split: str, checkpoint: str, plan, args) -> dict:
 
 
 PROBE_SHORT, PROBE_LONG, PROBE_STREAM = 16, 512, 48
+PROBE_BATCH = 4  # streams per decoding worker in the batched probe
 
 
-async def idle_probes(url: str, model: str, args, repeats: int = 3) -> dict:
-    """Median TTFT of a short and a long prompt and TPOT of a lone stream, one request at a time."""
+async def idle_probes(url: str, model: str, args, decoders: int, repeats: int = 3) -> dict:
+    """Median TTFT of a short and a long prompt and TPOT of a lone stream, one request at a time,
+    and the median TPOT of ``PROBE_BATCH`` streams per decoding worker started together."""
     import random
     import statistics
 
@@ -117,6 +121,15 @@ async def idle_probes(url: str, model: str, args, repeats: int = 3) -> dict:
                 raise RuntimeError(f"probe request failed: {records[0].error}")
             values.append(records[0].tpot if name == "tpot_s" else records[0].ttft)
         out[name] = statistics.median(values)
+    values = []
+    for _ in range(repeats):
+        batch = [PlannedRequest(random_ids(rng, PROBE_SHORT, args.vocab), PROBE_STREAM, 0.0, "probe")
+                 for _ in range(PROBE_BATCH * decoders)]
+        records, _ = await run_load(url, model, batch)
+        if not all(r.ok for r in records):
+            raise RuntimeError(f"probe request failed: {[r.error for r in records if not r.ok][0]}")
+        values.append(statistics.median(r.tpot for r in records))
+    out["tpot_batch_s"] = statistics.median(values)
     return out
 
 
@@ -177,6 +190,8 @@ def main(argv=None) -> None:
     p.add_argument("--num-blocks", type=int, default=1024)
     p.add_argument("--calibration", type=Path, help="reuse a calibration file instead of measuring")
     p.add_argument("--skip-scale", action="store_true", help="leave out the 128-GPU simulation")
+    p.add_argument("--sample-overhead", action=argparse.BooleanOptionalAction, default=True,
+                   help="fit a per-token serving overhead from the batched probe (else per step only)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     preset = PRESETS["quick" if args.quick else "full"]
@@ -218,16 +233,19 @@ def run_all(args, checkpoint: str) -> None:
             measured = measure(split, checkpoint, plan, args)
             overheads = fit_stack_overheads(engine_cost, short_len=PROBE_SHORT, long_len=PROBE_LONG,
                                             chunk=args.max_num_batched_tokens, decode_context=PROBE_SHORT + PROBE_STREAM // 2,
-                                            **measured.pop("probes"))
+                                            batch=PROBE_BATCH if args.sample_overhead else 1,
+                                            **measured["probes"])
             predicted = predict(split, workload, serving_cost(engine_cost, overheads), args,
                                 overheads["request_overhead_s"])
             log(f"[{split} @ {rate} req/s] idle stack: engine x{overheads['speed']:.2f}, "
-                f"{overheads['step_overhead_s'] * 1e3:.1f} ms/step, {overheads['request_overhead_s'] * 1e3:.0f} ms/request")
+                f"{overheads['step_overhead_s'] * 1e3:.1f} ms/step, {overheads['sample_overhead_s'] * 1e3:.1f} ms/sample, "
+                f"{overheads['request_overhead_s'] * 1e3:.0f} ms/request")
             log(f"[{split} @ {rate} req/s] predicted TTFT p50 {predicted['ttft_ms']['p50']} ms, "
                 f"TPOT p50 {predicted['tpot_ms']['p50']} ms")
             log(f"[{split} @ {rate} req/s] measured  TTFT p50 {measured['ttft_ms']['p50']} ms, "
                 f"TPOT p50 {measured['tpot_ms']['p50']} ms, errors {measured['errors']}")
             runs.append({"split": split, "rate": rate, "requests": len(workload), "stack": overheads,
+                         "probes": measured.pop("probes"),
                          "predicted": {k: predicted[k] for k in ("ttft_ms", "tpot_ms", "itl_ms", "goodput_req_s",
                                                                  "slo_ratio", "preemptions")},
                          "measured": {k: measured[k] for k in ("ttft_ms", "tpot_ms", "itl_ms", "goodput_req_s",

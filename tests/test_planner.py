@@ -336,6 +336,30 @@ def test_fit_stack_overheads_recovers_speed_step_and_request_overheads():
                             chunk=512, decode_context=40)
 
 
+def test_fit_stack_overheads_separates_the_per_token_overhead_with_a_batched_probe():
+    from gateway.planner.calibrate import fit_stack_overheads, prefill_seconds, serving_cost
+
+    speed, step, sample, request, batch = 1.3, 0.003, 0.002, 0.05, 4
+    short, _ = prefill_seconds(COST, 16, 512)
+    long, long_steps = prefill_seconds(COST, 1000, 512)
+    decode = COST.step_time(1, 1, 1, 41, 41)
+    decode_batch = COST.step_time(batch, batch, batch, batch * 41, batch * 41)
+    probes = dict(ttft_short_s=speed * short + step + sample + request,
+                  ttft_long_s=speed * long + long_steps * step + sample + request,
+                  tpot_s=speed * decode + step + sample, short_len=16, long_len=1000, chunk=512, decode_context=40)
+    fitted = fit_stack_overheads(COST, **probes, tpot_batch_s=speed * decode_batch + step + batch * sample, batch=batch)
+    assert fitted["speed"] == pytest.approx(speed, rel=1e-3)
+    assert fitted["step_overhead_s"] == pytest.approx(step, abs=1e-5)
+    assert fitted["sample_overhead_s"] == pytest.approx(sample, abs=1e-5)
+    assert fitted["request_overhead_s"] == pytest.approx(request, abs=1e-4)
+    # The serving cost of a batch-of-8 decode step includes eight tokens' overhead.
+    shape = (8, 8, 8, 8 * 41, 8 * 41)
+    assert serving_cost(COST, fitted).step_time(*shape) == pytest.approx(
+        speed * COST.step_time(*shape) + step + 8 * sample, rel=1e-3)
+    # Without the batched probe the per-token overhead is folded into the step's.
+    assert fit_stack_overheads(COST, **probes)["sample_overhead_s"] == 0.0
+
+
 def test_pdctl_rebalance_flags_reach_the_simulation():
     from gateway.pdctl import build_parser
     from gateway.planner.cli import rebalance_by_simulation

@@ -106,6 +106,14 @@ class LinearCostModel(CostModel):
         c[0] += seconds
         return LinearCostModel(tuple(c), dict(self.fit))
 
+    def with_sample_overhead(self, seconds: float) -> "LinearCostModel":
+        """Every sampled row ``seconds`` longer (what serving adds per token streamed)."""
+        if not seconds >= 0:
+            raise ValueError(f"sample overhead must be >= 0 s, got {seconds}")
+        c = list(self.coefficients)
+        c[3] += seconds
+        return LinearCostModel(tuple(c), dict(self.fit))
+
     def describe(self) -> str:
         c = dict(zip(FEATURES, self.coefficients))
         return (f"linear (calibrated): {c['const'] * 1e3:.3g} ms/step + {c['tokens'] * 1e6:.3g} us/token + "
