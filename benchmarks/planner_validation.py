@@ -9,9 +9,10 @@
    the real stack (``LocalStack``: Redis, gateway, workers, KV over TCP), warm it up, then send
    probes: three requests one at a time (a short prompt, a long prompt, a lone stream), then four
    streams per decoding worker together, and fit what the stack adds to the engine right now
-   (``fit_stack_overheads``: the machine's current speed -- it is shared, and other tenants come
-   and go --, a per-step and a per-streamed-token serving overhead and a per-request overhead;
-   ``--no-sample-overhead`` leaves the per-token one out).  Then the open-loop Poisson workload with ``benchmarks/loadgen.py`` (exact prompt
+   (``fit_stack_overheads``: the machine's current speed for prefill and for decode steps -- it
+   is shared, and other tenants come and go --, a per-streamed-token serving overhead and a
+   per-request overhead; the per-token one only with ``--sample-overhead``: on the runs measured it
+   made the TPOT error no smaller).  Then the open-loop Poisson workload with ``benchmarks/loadgen.py`` (exact prompt
    and output lengths).
 3. **Predict** the same runs with the simulator -- the same arrival times and lengths, the same
    engine settings, the calibrated cost model with that run's fitted overheads -- and compare.
@@ -190,8 +191,9 @@ def main(argv=None) -> None:
     p.add_argument("--num-blocks", type=int, default=1024)
     p.add_argument("--calibration", type=Path, help="reuse a calibration file instead of measuring")
     p.add_argument("--skip-scale", action="store_true", help="leave out the 128-GPU simulation")
-    p.add_argument("--sample-overhead", action=argparse.BooleanOptionalAction, default=True,
-                   help="fit a per-token serving overhead from the batched probe (else per step only)")
+    p.add_argument("--sample-overhead", action=argparse.BooleanOptionalAction, default=False,
+                   help="fit a per-token serving overhead and the decode speed from both decode probes (else "
+                        "the decode speed from the lone stream; the batched probe is recorded either way)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     preset = PRESETS["quick" if args.quick else "full"]
@@ -237,8 +239,8 @@ def run_all(args, checkpoint: str) -> None:
                                             **measured["probes"])
             predicted = predict(split, workload, serving_cost(engine_cost, overheads), args,
                                 overheads["request_overhead_s"])
-            log(f"[{split} @ {rate} req/s] idle stack: engine x{overheads['speed']:.2f}, "
-                f"{overheads['step_overhead_s'] * 1e3:.1f} ms/step, {overheads['sample_overhead_s'] * 1e3:.1f} ms/sample, "
+            log(f"[{split} @ {rate} req/s] idle stack: prefill x{overheads['speed']:.2f}, decode "
+                f"x{overheads['decode_speed']:.2f}, {overheads['sample_overhead_s'] * 1e3:.2f} ms/token streamed, "
                 f"{overheads['request_overhead_s'] * 1e3:.0f} ms/request")
             log(f"[{split} @ {rate} req/s] predicted TTFT p50 {predicted['ttft_ms']['p50']} ms, "
                 f"TPOT p50 {predicted['tpot_ms']['p50']} ms")

@@ -316,48 +316,48 @@ def test_rebalance_by_simulation_moves_towards_the_split_the_traffic_needs():
     assert kept.moves == [] and "keep 1P+3D" in kept.reasons[-1]
 
 
-def test_fit_stack_overheads_recovers_speed_step_and_request_overheads():
+def test_fit_stack_overheads_recovers_speeds_and_overheads():
     from gateway.planner.calibrate import fit_stack_overheads, prefill_seconds, serving_cost
 
-    speed, step, request = 1.7, 0.004, 0.06
-    short, short_steps = prefill_seconds(COST, 16, 512)
+    speed, decode_speed, sample, request, batch = 1.3, 0.8, 0.002, 0.05, 4
+    short, _ = prefill_seconds(COST, 16, 512)
     long, long_steps = prefill_seconds(COST, 1000, 512)
-    assert long_steps == 2 and short_steps == 1
+    assert long_steps == 2
     decode = COST.step_time(1, 1, 1, 41, 41)
-    fitted = fit_stack_overheads(
-        COST, ttft_short_s=speed * short + step + request, ttft_long_s=speed * long + 2 * step + request,
-        tpot_s=speed * decode + step, short_len=16, long_len=1000, chunk=512, decode_context=40)
+    decode_batch = COST.step_time(batch, batch, batch, batch * 41, batch * 41)
+    probes = dict(ttft_short_s=speed * short + sample + request, ttft_long_s=speed * long + sample + request,
+                  tpot_s=decode_speed * decode + sample, short_len=16, long_len=1000, chunk=512, decode_context=40)
+    fitted = fit_stack_overheads(COST, **probes, tpot_batch_s=decode_speed * decode_batch + batch * sample,
+                                 batch=batch)
     assert fitted["speed"] == pytest.approx(speed, rel=1e-3)
-    assert fitted["step_overhead_s"] == pytest.approx(step, abs=1e-5)
+    assert fitted["decode_speed"] == pytest.approx(decode_speed, rel=1e-3)
+    assert fitted["sample_overhead_s"] == pytest.approx(sample, abs=1e-5)
     assert fitted["request_overhead_s"] == pytest.approx(request, abs=1e-4)
-    assert serving_cost(COST, fitted).step_time(1, 1, 1, 41, 41) == pytest.approx(speed * decode + step, rel=0.02)
+    serving = serving_cost(COST, fitted)
+    # A decode step of 8 streams: decode speed, plus eight tokens' overhead.
+    shape = (8, 8, 8, 8 * 41, 8 * 41)
+    assert serving.step_time(*shape) == pytest.approx(decode_speed * COST.step_time(*shape) + 8 * sample, rel=1e-3)
+    # A prefill chunk beside two decodes: prefill speed.
+    mixed = (514, 3, 2, 512 * 256.5 + 82, 512 + 82)
+    assert serving.step_time(*mixed) == pytest.approx(speed * COST.step_time(*mixed) + 2 * sample, rel=1e-3)
+    assert serving.step_times([shape, mixed]) == pytest.approx([serving.step_time(*shape), serving.step_time(*mixed)])
+    # Without the batched probe the lone stream's TPOT is all decode speed.
+    alone = fit_stack_overheads(COST, **probes)
+    assert alone["sample_overhead_s"] == 0.0
+    assert serving_cost(COST, alone).step_time(1, 1, 1, 41, 41) == pytest.approx(probes["tpot_s"], rel=1e-3)
     with pytest.raises(ValueError):
         fit_stack_overheads(COST, ttft_short_s=0.5, ttft_long_s=0.4, tpot_s=0.01, short_len=16, long_len=1000,
                             chunk=512, decode_context=40)
 
 
-def test_fit_stack_overheads_separates_the_per_token_overhead_with_a_batched_probe():
-    from gateway.planner.calibrate import fit_stack_overheads, prefill_seconds, serving_cost
+def test_serving_cost_model_round_trips_through_its_dict():
+    from gateway.planner.cost_model import ServingCostModel, cost_model_from_dict
 
-    speed, step, sample, request, batch = 1.3, 0.003, 0.002, 0.05, 4
-    short, _ = prefill_seconds(COST, 16, 512)
-    long, long_steps = prefill_seconds(COST, 1000, 512)
-    decode = COST.step_time(1, 1, 1, 41, 41)
-    decode_batch = COST.step_time(batch, batch, batch, batch * 41, batch * 41)
-    probes = dict(ttft_short_s=speed * short + step + sample + request,
-                  ttft_long_s=speed * long + long_steps * step + sample + request,
-                  tpot_s=speed * decode + step + sample, short_len=16, long_len=1000, chunk=512, decode_context=40)
-    fitted = fit_stack_overheads(COST, **probes, tpot_batch_s=speed * decode_batch + step + batch * sample, batch=batch)
-    assert fitted["speed"] == pytest.approx(speed, rel=1e-3)
-    assert fitted["step_overhead_s"] == pytest.approx(step, abs=1e-5)
-    assert fitted["sample_overhead_s"] == pytest.approx(sample, abs=1e-5)
-    assert fitted["request_overhead_s"] == pytest.approx(request, abs=1e-4)
-    # The serving cost of a batch-of-8 decode step includes eight tokens' overhead.
-    shape = (8, 8, 8, 8 * 41, 8 * 41)
-    assert serving_cost(COST, fitted).step_time(*shape) == pytest.approx(
-        speed * COST.step_time(*shape) + step + 8 * sample, rel=1e-3)
-    # Without the batched probe the per-token overhead is folded into the step's.
-    assert fit_stack_overheads(COST, **probes)["sample_overhead_s"] == 0.0
+    model = ServingCostModel(COST, 1.2, 0.9, 0.001, 0.0005)
+    again = cost_model_from_dict(json.loads(json.dumps(model.to_dict())))
+    assert again.step_time(300, 4, 3, 9000.0, 1200) == pytest.approx(model.step_time(300, 4, 3, 9000.0, 1200))
+    with pytest.raises(ValueError):
+        ServingCostModel(COST, 0.0, 1.0)
 
 
 def test_pdctl_rebalance_flags_reach_the_simulation():

@@ -19,7 +19,7 @@ import statistics
 import time
 from pathlib import Path
 
-from gateway.planner.cost_model import LinearCostModel, fit_linear, step_shape
+from gateway.planner.cost_model import LinearCostModel, ServingCostModel, fit_linear, step_shape
 
 QUICK_GRID = {"prefill": (16, 128, 512, 1024), "decode_batch": (1, 4, 16, 32), "decode_context": (32, 512, 1024),
               "mixed": ((8, 256, 512),), "repeats": 2, "decode_steps": 4}
@@ -157,61 +157,51 @@ def prefill_seconds(cost, prompt_len: int, chunk: int) -> tuple[float, int]:
 def fit_stack_overheads(cost, *, ttft_short_s: float, ttft_long_s: float, tpot_s: float, short_len: int,
                         long_len: int, chunk: int, decode_context: int, tpot_batch_s: float | None = None,
                         batch: int = 1) -> dict:
-    """What a serving stack adds to the engine, from requests sent to an idle stack (so no queueing
-    or prefill/decode interference is in them):
+    """How a serving stack runs the calibrated engine right now, from requests sent to an idle
+    stack (so no queueing or prefill/decode interference is in them):
 
-    - ``speed``: how much slower than calibrated the engine runs now -- from the difference of a
-      long and a short prompt's TTFT, where every fixed cost cancels;
-    - ``step_overhead_s``: what serving adds to every step (the engine thread hands the step's tokens
-      to the event loop, which frames and streams them) -- a lone stream's TPOT minus its step;
-    - ``sample_overhead_s``: what serving adds per token streamed in a step (framing, the HTTP
-      writes, the gateway relaying it -- on a CPU host, CPU taken from the engine) -- from
-      ``tpot_batch_s``, the TPOT of ``batch`` streams decoding together on one worker, over what the
-      engine's bigger batch explains; 0 without it;
+    - ``speed``: how much slower than calibrated prefill steps run now -- from the difference of
+      a long and a short prompt's TTFT, where every fixed cost cancels;
+    - ``decode_speed`` and ``sample_overhead_s``: decode steps' speed, and what serving adds per
+      token streamed (framing, HTTP writes, the gateway relaying it -- on a CPU host, CPU taken
+      from the engine) -- from a lone stream's TPOT and ``tpot_batch_s``, the TPOT of ``batch``
+      streams decoding together on one worker.  Without the batched probe, the lone stream's
+      TPOT is all decode speed;
     - ``request_overhead_s``: the fixed latency outside the engines (gateway, HTTP hops, SSE) --
       the short prompt's TTFT minus its steps.
 
-    Everything the planner models -- queueing, batching, chunking, interference, routing -- is left
-    to the simulation.  ``decode_context`` is the streams' mean context length.
+    A per-step overhead cannot be told apart from the decode speed by decode probes (both are
+    paid once per step), so it is folded into ``decode_speed``: ``step_overhead_s`` is 0.
+    Everything the planner models -- queueing, batching, chunking, interference, routing -- is
+    left to the simulation.  ``decode_context`` is the streams' mean context length.
     """
     if not (0 < ttft_short_s < ttft_long_s) or not tpot_s > 0 or not 0 < short_len < long_len:
         raise ValueError(f"need 0 < short TTFT ({ttft_short_s}) < long TTFT ({ttft_long_s}), TPOT > 0 "
                          f"({tpot_s}) and short_len < long_len")
-    short, short_steps = prefill_seconds(cost, short_len, chunk)
-    long, long_steps = prefill_seconds(cost, long_len, chunk)
+    short, _ = prefill_seconds(cost, short_len, chunk)
+    long, _ = prefill_seconds(cost, long_len, chunk)
+    speed = (ttft_long_s - ttft_short_s) / (long - short)
     context = decode_context + 1
     decode = cost.step_time(1, 1, 1, context, context)
-    # Unknowns: speed, step (per step), sample (per streamed token).  A prompt's last step samples,
-    # its other steps do not; a lone stream's step samples one token, a batch's ``batch``:
-    #   TTFT_long - TTFT_short = speed * (long - short) + step * extra
-    #   TPOT                   = speed * decode + step + sample
-    #   TPOT_batch - TPOT      = speed * (decode_batch - decode) + sample * (batch - 1)
-    # With step = TPOT - speed * decode - sample, the first and last lines are linear in (speed, sample).
-    extra = long_steps - short_steps
-    a1, b1, r1 = long - short - decode * extra, -extra, ttft_long_s - ttft_short_s - tpot_s * extra
+    # TPOT = decode_speed * decode + sample;  TPOT_batch = decode_speed * decode_batch + batch * sample
+    decode_speed, sample = tpot_s / decode, 0.0
     if tpot_batch_s is not None and batch > 1:
         decode_batch = cost.step_time(batch, batch, batch, batch * context, batch * context)
-        a2, b2, r2 = decode_batch - decode, batch - 1, tpot_batch_s - tpot_s
-        det = a1 * b2 - b1 * a2
-        speed, sample = (r1 * b2 - b1 * r2) / det, (a1 * r2 - r1 * a2) / det
-        if sample < 0:  # the batch cost less than the engine explains: no per-token overhead to see
-            speed, sample = r1 / a1, 0.0
-    else:
-        speed, sample = r1 / a1, 0.0
-    if not speed > 0:
-        raise ValueError(f"the long prompt's TTFT ({ttft_long_s:.3f}s) is not longer than its extra steps explain: "
-                         "the stack was not idle")
-    step = max(0.0, tpot_s - speed * decode - sample)
-    request = max(0.0, ttft_short_s - short_steps * step - sample - speed * short)
-    return {"speed": round(speed, 4), "step_overhead_s": round(step, 6), "sample_overhead_s": round(sample, 6),
-            "request_overhead_s": round(request, 5)}
+        fitted_speed = (batch * tpot_s - tpot_batch_s) / (batch * decode - decode_batch)
+        fitted_sample = tpot_s - fitted_speed * decode
+        if fitted_speed > 0 and fitted_sample >= 0:  # else the probes disagree (noise): the lone stream's
+            decode_speed, sample = fitted_speed, fitted_sample
+    request = max(0.0, ttft_short_s - sample - speed * short)
+    return {"speed": round(speed, 4), "decode_speed": round(decode_speed, 4), "step_overhead_s": 0.0,
+            "sample_overhead_s": round(sample, 6), "request_overhead_s": round(request, 5)}
 
 
 def serving_cost(cost, overheads: dict):
-    """The cost model of a step inside a serving worker: the engine at ``speed`` plus the step
-    overhead and the per-sample overhead."""
-    return (cost.scaled(overheads.get("speed", 1.0)).with_step_overhead(overheads.get("step_overhead_s", 0.0))
-            .with_sample_overhead(overheads.get("sample_overhead_s", 0.0)))
+    """The cost model of a step inside a serving worker (``ServingCostModel``) from the fitted
+    overheads; ``decode_speed`` defaults to ``speed`` (files from before it existed)."""
+    speed = overheads.get("speed", 1.0)
+    return ServingCostModel(cost, speed, overheads.get("decode_speed", speed), overheads.get("step_overhead_s", 0.0),
+                            overheads.get("sample_overhead_s", 0.0))
 
 
 def save(document: dict, path: str | Path) -> None:

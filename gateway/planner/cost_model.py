@@ -92,28 +92,6 @@ class LinearCostModel(CostModel):
         shapes = np.asarray(shapes, dtype=float)
         return self.coefficients[0] + shapes @ np.asarray(self.coefficients[1:])
 
-    def scaled(self, factor: float) -> "LinearCostModel":
-        """Every step ``factor`` times as long (a machine that runs slower now than when calibrated)."""
-        if not factor > 0:
-            raise ValueError(f"scale factor must be > 0, got {factor}")
-        return LinearCostModel(tuple(c * factor for c in self.coefficients), dict(self.fit))
-
-    def with_step_overhead(self, seconds: float) -> "LinearCostModel":
-        """Every step ``seconds`` longer (what serving adds to a step; fitted by ``fit_serving``)."""
-        if not seconds >= 0:
-            raise ValueError(f"step overhead must be >= 0 s, got {seconds}")
-        c = list(self.coefficients)
-        c[0] += seconds
-        return LinearCostModel(tuple(c), dict(self.fit))
-
-    def with_sample_overhead(self, seconds: float) -> "LinearCostModel":
-        """Every sampled row ``seconds`` longer (what serving adds per token streamed)."""
-        if not seconds >= 0:
-            raise ValueError(f"sample overhead must be >= 0 s, got {seconds}")
-        c = list(self.coefficients)
-        c[3] += seconds
-        return LinearCostModel(tuple(c), dict(self.fit))
-
     def describe(self) -> str:
         c = dict(zip(FEATURES, self.coefficients))
         return (f"linear (calibrated): {c['const'] * 1e3:.3g} ms/step + {c['tokens'] * 1e6:.3g} us/token + "
@@ -157,6 +135,49 @@ class RooflineCostModel(CostModel):
 
 
 # ---- fitting ---------------------------------------------------------------------------------
+
+
+@dataclass
+class ServingCostModel(CostModel):
+    """An engine cost model as a serving worker runs it now: prefill steps (any prompt tokens)
+    ``prefill_speed`` times the engine's time, decode-only steps ``decode_speed`` times, plus
+    ``step_overhead_s`` per step and ``sample_overhead_s`` per token streamed (what serving adds).
+
+    Two speeds, because on a shared host a prompt's compute and a decode step's latency-bound work
+    do not slow down alike (and ``pdctl calibrate`` times decode steps in-process, without the
+    worker's event loop around them)."""
+
+    base: CostModel
+    prefill_speed: float = 1.0
+    decode_speed: float = 1.0
+    step_overhead_s: float = 0.0
+    sample_overhead_s: float = 0.0
+    kind = "serving"
+
+    def __post_init__(self) -> None:
+        if not (self.prefill_speed > 0 and self.decode_speed > 0):
+            raise ValueError(f"speeds must be > 0, got {self.prefill_speed}, {self.decode_speed}")
+        if not (self.step_overhead_s >= 0 and self.sample_overhead_s >= 0):
+            raise ValueError("overheads must be >= 0 s")
+
+    def step_time(self, tokens, seqs, samples, pairs, context) -> float:
+        speed = self.prefill_speed if tokens > seqs else self.decode_speed
+        return (speed * self.base.step_time(tokens, seqs, samples, pairs, context) + self.step_overhead_s
+                + self.sample_overhead_s * samples)
+
+    def step_times(self, shapes: np.ndarray) -> np.ndarray:
+        s = np.asarray(shapes, dtype=float)
+        speed = np.where(s[:, 0] > s[:, 1], self.prefill_speed, self.decode_speed)
+        return speed * self.base.step_times(s) + self.step_overhead_s + self.sample_overhead_s * s[:, 2]
+
+    def describe(self) -> str:
+        return (f"{self.base.describe()}; serving: prefill x{self.prefill_speed:.3g}, decode x{self.decode_speed:.3g}, "
+                f"+{self.step_overhead_s * 1e3:.3g} ms/step, +{self.sample_overhead_s * 1e3:.3g} ms/token streamed")
+
+    def to_dict(self) -> dict:
+        return {"kind": self.kind, "base": self.base.to_dict(), "prefill_speed": self.prefill_speed,
+                "decode_speed": self.decode_speed, "step_overhead_s": self.step_overhead_s,
+                "sample_overhead_s": self.sample_overhead_s}
 
 
 def nnls(a: np.ndarray, b: np.ndarray, max_iter: int = 200) -> np.ndarray:
@@ -225,7 +246,11 @@ def cost_model_from_dict(data: dict) -> CostModel:
         return LinearCostModel(tuple(data["coefficients"]), dict(data.get("fit") or {}))
     if kind == "roofline":
         return RooflineCostModel(GPUProfile(**data["gpu"]), ModelSpec(**data["model"]))
-    raise ValueError(f"unknown cost model kind {kind!r} (expected 'linear' or 'roofline')")
+    if kind == "serving":
+        return ServingCostModel(cost_model_from_dict(data["base"]), float(data["prefill_speed"]),
+                                float(data["decode_speed"]), float(data.get("step_overhead_s", 0.0)),
+                                float(data.get("sample_overhead_s", 0.0)))
+    raise ValueError(f"unknown cost model kind {kind!r} (expected 'linear', 'roofline' or 'serving')")
 
 
 def load_cost_model(path: str | Path) -> CostModel:
