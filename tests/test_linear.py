@@ -1,4 +1,4 @@
-"""The decoder's products: oneDNN for few-row CPU fp32 products, ``F.linear`` otherwise, the same values."""
+"""The decoder's products: packed oneDNN weights on CPU, oneDNN for few-row plain fp32 products, ``F.linear`` otherwise; the same values."""
 from __future__ import annotations
 
 import pytest
@@ -35,3 +35,46 @@ def test_few_rows_go_to_onednn_many_rows_to_f_linear():
         # bf16 and 3-D inputs keep F.linear
         assert "mkldnn::_linear_pointwise" not in ops_called(lambda: linear(few.bfloat16(), layer.weight.bfloat16()))
         assert "mkldnn::_linear_pointwise" not in ops_called(lambda: layer(few[None]))
+
+
+needs_onednn = pytest.mark.skipif(not linear_module._ONEDNN, reason="this torch has no oneDNN linear")
+
+
+@needs_onednn
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1,), (16,), (700,), (3, 5)])
+def test_packed_layer_computes_what_the_plain_one_did(dtype, shape):
+    gen = torch.Generator().manual_seed(len(shape) * 1000 + shape[0])
+    layer = Linear(64, 96, bias=True).to(dtype)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(96, 64, generator=gen))
+    weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()
+    x = torch.randn(*shape, 64, generator=gen).to(dtype)
+    assert layer.pack()
+    assert layer.weight.numel() == 0  # the plain copy is gone; only the packed one is read
+    with torch.inference_mode():
+        out = layer(x)
+        assert "mkldnn::_linear_pointwise" in ops_called(lambda: layer(x))
+    expected = F.linear(x.float(), weight.float(), bias.float())
+    tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-1)
+    assert out.shape == (*shape, 96) and out.dtype == dtype
+    torch.testing.assert_close(out.float(), expected, **tol)
+
+
+def test_weights_that_cannot_be_packed_stay_plain():
+    for layer in (Linear(8, 4).half(), Linear(8, 4, device="meta")):
+        before = layer.weight
+        assert not layer.pack()
+        assert layer.weight is before and layer.packed_weight is None
+    assert linear_module.pack_weight(torch.randn(2, 3, 4)) is None
+
+
+@needs_onednn
+def test_packed_weight_inside_torch_compile():
+    layer = Linear(64, 96)
+    x = torch.randn(70, 64)
+    with torch.inference_mode():
+        expected = layer(x)
+        layer.pack()
+        compiled = torch.compile(lambda t: torch.relu(layer(t)) * 2, dynamic=True, fullgraph=True)
+        torch.testing.assert_close(compiled(x), torch.relu(expected) * 2, rtol=1e-5, atol=1e-5)

@@ -13,7 +13,7 @@ from torch import nn
 from common.engine.attention import AttentionMetadata
 from common.engine.kv_cache import KVCache
 from common.engine.model_config import ModelConfig
-from common.engine.models.linear import Linear, linear
+from common.engine.models.linear import Linear, linear, pack_weight, packed_linear
 from common.engine.models.stages import EAGER, LayerStages
 from common.engine.models.rotary import RotaryEmbedding, apply_rotary
 
@@ -159,9 +159,11 @@ class DecoderModel(nn.Module):
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary: RotaryEmbedding | None = None
         self.stages: LayerStages = EAGER  # ``compile_stages`` swaps in compiled ones
+        self.packed_lm_head: torch.Tensor | None = None  # a tied LM head's packed copy
 
     def finish_loading(self, device: torch.device) -> None:
-        """After the state dict is in: fold Gemma's norm offset, fuse projections, build RoPE."""
+        """After the state dict is in: fold Gemma's norm offset, fuse projections, pack the CPU
+        products' weights (``common.engine.models.linear``), build RoPE."""
         offset = self.cfg.norm_weight_offset
         with torch.no_grad():
             for module in self.modules():
@@ -170,6 +172,11 @@ class DecoderModel(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack()
+        if self.cfg.tie_word_embeddings:  # the embedding keeps its plain rows for the lookup
+            self.packed_lm_head = pack_weight(self.model.embed_tokens.weight)
         self.rotary = RotaryEmbedding(self.cfg.rope, device)
 
     @torch.inference_mode()
@@ -185,8 +192,12 @@ class DecoderModel(nn.Module):
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         hidden = self.model.norm(hidden)
-        weight = self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
-        logits = linear(hidden, weight).float()
+        if not self.cfg.tie_word_embeddings:
+            logits = self.lm_head(hidden).float()
+        elif self.packed_lm_head is not None:
+            logits = packed_linear(hidden, self.packed_lm_head).float()
+        else:
+            logits = linear(hidden, self.model.embed_tokens.weight).float()
         cap = self.cfg.final_logit_softcapping
         if cap:
             logits = torch.tanh(logits / cap) * cap
