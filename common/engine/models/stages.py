@@ -8,18 +8,18 @@ kernel, Triton, flash-attn), so a layer is split at it::
     after_attention(layer, x, attended)  -> x           output product, norms, residual adds, MLP
 
 Compiled (inductor), each half becomes a few fused loops around the matrix products, which stay
-library calls (``linear``'s oneDNN custom op, or MKL): RMSNorm's five passes, RoPE's four and the
-gated activation's three each become one. That pays on prefill-sized steps (on a 2-core AVX-512
-machine, Gemma 3 270M, a 2048-token step: fp32 -9%, bf16 -10..-19%); on decode-sized steps the
-generated loops, parallel whatever their size, were no faster than eager and sometimes slower,
-so steps under ``MIN_COMPILED_TOKENS`` tokens run eagerly.
+library calls (oneDNN on packed weights through ``linear``'s custom op): RMSNorm's five passes,
+RoPE's four and the gated activation's three each become one. That pays on prefill-sized steps
+(on a 2-core AVX-512 machine, Gemma 3 270M, a 2048-token step on packed weights: fp32 -5%, bf16
+-9%); on decode-sized steps the generated loops, parallel whatever their size, were no faster
+than eager and sometimes slower, so steps under ``MIN_COMPILED_TOKENS`` tokens run eagerly.
 
 Bounded recompiles: one compiled function serves every layer (its guards are on the layer's
 structure, not on which layer it is), and token counts are symbolic (``dynamic=True``), so each
-half compiles once per token bucket: ``MIN_COMPILED_TOKENS``..511 and 512+ (where ``linear``
-changes library, ``ONEDNN_MAX_ROWS``), per dtype. ``compile_stages`` compiles both buckets up
-front, on dummy inputs, so no request pays for it; where compiling fails (no C++ compiler, an
-unsupported op) it says why and the engine runs eagerly.
+half compiles one graph for every count from ``MIN_COMPILED_TOKENS`` up (two where plain fp32
+weights change library at ``ONEDNN_MAX_ROWS``), per dtype. ``compile_stages`` compiles them up
+front, on dummy inputs below and above that bound, so no request pays for it; where compiling
+fails (no C++ compiler, an unsupported op) it says why and the engine runs eagerly.
 """
 from __future__ import annotations
 
@@ -34,8 +34,8 @@ log = logging.getLogger(__name__)
 
 # Steps with fewer tokens run eagerly (see the module docstring).
 MIN_COMPILED_TOKENS = 64
-# Token counts compiled at start-up, one per bucket (see the module docstring); odd, so that no
-# model dimension equals them when the symbolic shapes are traced.
+# Token counts compiled at start-up, below and above ``ONEDNN_MAX_ROWS`` (see the module
+# docstring); odd, so that no model dimension equals them when the symbolic shapes are traced.
 WARM_UP_TOKENS = (MIN_COMPILED_TOKENS + 3, 523)
 
 
