@@ -32,6 +32,7 @@ class AttentionRequest:
     num_query_tokens: int
     context_len: int  # tokens with KV after this step (cached + new)
     block_ids: list[int]
+    table_row: int = -1  # its row in the persistent block table (``common.engine.block_table``), if any
 
 
 @dataclass

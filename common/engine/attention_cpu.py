@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from common.engine.block_table import BlockTable
+
 from common.engine.cpu_kernels import load_kernel
 from common.engine.kv_cache import KVCache
 
@@ -55,13 +57,18 @@ class CpuMetadata:
     max_context: int
 
 
-def step_metadata(requests, block_size: int) -> CpuMetadata:
-    """Vectorized: one pass over the requests (no per-token Python loop)."""
+def step_metadata(requests, block_size: int, block_table: BlockTable | None = None) -> CpuMetadata:
+    """Vectorized: no per-token Python loop. With ``block_table`` (the KV manager's persistent
+    one) and every request on a row of it, the step's table is one gather of those rows;
+    otherwise it is built from each request's ``block_ids``."""
     num = len(requests)
     max_blocks = max(len(r.block_ids) for r in requests)
-    table = torch.zeros((num, max_blocks), dtype=torch.int32)
-    for i, r in enumerate(requests):
-        table[i, : len(r.block_ids)] = torch.as_tensor(r.block_ids, dtype=torch.int32)
+    if block_table is not None and all(r.table_row >= 0 for r in requests):
+        table = block_table.gather([r.table_row for r in requests], max_blocks)
+    else:
+        table = torch.zeros((num, max_blocks), dtype=torch.int32)
+        for i, r in enumerate(requests):
+            table[i, : len(r.block_ids)] = torch.as_tensor(r.block_ids, dtype=torch.int32)
     new = torch.tensor([r.num_query_tokens for r in requests], dtype=torch.int32)
     context = torch.tensor([r.context_len for r in requests], dtype=torch.int32)
     query_start = torch.zeros(num + 1, dtype=torch.int32)
@@ -81,9 +88,11 @@ class CpuPagedAttention:
         self.block_size = block_size
         self.kernel = kernel
         self.num_threads = num_threads
+        # The KV manager's persistent table (``Engine`` hands it over); ``None``: tables per step.
+        self.block_table: BlockTable | None = None
 
     def prepare(self, requests, device) -> CpuMetadata:
-        return step_metadata(requests, self.block_size)
+        return step_metadata(requests, self.block_size, self.block_table)
 
     def forward(self, q, k, v, cache: KVCache, layer: int, meta: CpuMetadata, window, scale) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KVH, D] for the new tokens.  Returns [T, H, D]."""

@@ -128,6 +128,8 @@ class Engine:
         self.scheduler = Scheduler(
             config.scheduler_config(self.max_model_len), KVCacheManager(self.block_pool, config.block_size)
         )
+        if hasattr(self.attention, "block_table"):  # backends that read the persistent table
+            self.attention.block_table = self.scheduler.kv.table
         graphs = None
         if use_graphs:
             max_blocks_per_request = -(-self.max_model_len // config.block_size)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import Counter
 
 from common.engine.block_pool import BlockPool, KVCacheBlock
+from common.engine.block_table import BlockTable
 from common.engine.request import Request
 
 
@@ -27,6 +28,9 @@ class KVCacheManager:
         # The same tables as block ids, grown in place with them: a step copies a list of ints
         # instead of rebuilding it from the blocks (the table of a long context is long).
         self._req_to_block_ids: dict[str, list[int]] = {}
+        # The same again as rows of one persistent tensor, which steps gather instead of building
+        # a table from the lists (``common.engine.block_table``).
+        self.table = BlockTable()
         self._num_committed: dict[str, int] = {}
         # Extra references held outside any block table (the prefill role pins blocks while their
         # bytes are on the wire), by block id: every reference has a known owner.
@@ -81,7 +85,9 @@ class KVCacheManager:
         added = [*cached_blocks, *new_blocks]
         table = self.req_to_blocks.setdefault(request.request_id, [])
         table.extend(added)  # append-only: a table is never rebuilt
-        self._req_to_block_ids.setdefault(request.request_id, []).extend(block.block_id for block in added)
+        added_ids = [block.block_id for block in added]
+        self._req_to_block_ids.setdefault(request.request_id, []).extend(added_ids)
+        self.table.append(request.request_id, added_ids)
         return new_blocks
 
     def commit(self, request: Request) -> None:
@@ -130,9 +136,12 @@ class KVCacheManager:
         for request_id, blocks in self.req_to_blocks.items():
             assert [b.block_id for b in blocks] == self._req_to_block_ids.get(request_id), (
                 f"block ids of {request_id!r} out of sync with its table")
+            assert self.table.ids(request_id) == self._req_to_block_ids[request_id], (
+                f"the persistent row of {request_id!r} out of sync with its table")
             assert len({b.block_id for b in blocks}) == len(blocks), f"a block is twice in the table of {request_id!r}"
             owners.update(block.block_id for block in blocks)
         assert set(self._req_to_block_ids) == set(self.req_to_blocks), "block id lists without tables"
+        assert set(self.table.lengths) == {r for r, b in self.req_to_blocks.items() if b}, "rows without tables"
         for block in self.pool.blocks:
             assert block.ref_cnt == owners[block.block_id], (
                 f"{block} has {block.ref_cnt} references but {owners[block.block_id]} owners")
@@ -145,6 +154,7 @@ class KVCacheManager:
         """Release the request's blocks, tail first, so the tail is evicted before the head."""
         blocks = self.req_to_blocks.pop(request_id, None)
         self._req_to_block_ids.pop(request_id, None)
+        self.table.release(request_id)
         self._num_committed.pop(request_id, None)
         if blocks:
             self.pool.free(reversed(blocks))

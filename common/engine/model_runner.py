@@ -50,7 +50,8 @@ class ModelRunner:
             n = len(item.token_ids)
             input_ids.extend(item.token_ids)
             positions.extend(range(item.num_computed_tokens, item.num_computed_tokens + n))
-            attn_requests.append(AttentionRequest(start, n, item.num_computed_tokens + n, item.block_ids))
+            attn_requests.append(AttentionRequest(start, n, item.num_computed_tokens + n, item.block_ids,
+                                                  item.table_row))
             if item.sample:
                 sample_rows.append(start + n - 1)
                 sample_items.append(item)

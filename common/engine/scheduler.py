@@ -51,6 +51,8 @@ class ScheduledRequest:
     # The request's own lists (not copies), read by the sampler for penalties.
     prompt_token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
+    # The request's row in ``KVCacheManager.table``, the persistent form of ``block_ids``.
+    table_row: int = -1
 
 
 @dataclass
@@ -278,6 +280,7 @@ class Scheduler:
             num_output_tokens=request.num_output_tokens,
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,
+            table_row=self.kv.table.row(request.request_id),
         )
 
     def _preempt(self, victim: Request, scheduled: dict[str, ScheduledRequest], out: SchedulerOutput) -> int:
