@@ -1,5 +1,6 @@
-"""The persistent block table: rows appended to, released and reused, grown; the CPU attention
-metadata gathered from it equals the one built from block id lists; the engine's steps use it."""
+"""The persistent block table: rows appended to, released and reused, grown; the attention
+metadata (CPU kernel, Triton/flash-attn) gathered from it equals the one built from block id
+lists; the engine's steps use it."""
 import random
 
 import pytest
@@ -53,6 +54,14 @@ def test_cpu_metadata_from_the_table_equals_the_one_from_lists(seed):
     built, gathered = step_metadata(requests, 4), step_metadata(requests, 4, table)
     for field in ("slot_blocks", "slot_offsets", "block_table", "query_start", "context_lens"):
         assert torch.equal(getattr(built, field), getattr(gathered, field)), field
+    from common.engine.attention import PagedMetadata  # the Triton and flash-attn backends' metadata
+
+    paged_built, paged_gathered = PagedMetadata.build(requests, 4, "cpu"), PagedMetadata.build(requests, 4, "cpu", table)
+    for field in ("slots", "block_table", "seq_lens", "query_start", "max_query_len", "max_seq_len"):
+        assert torch.equal(torch.as_tensor(getattr(paged_built, field)), torch.as_tensor(getattr(paged_gathered, field)))
+    expected_slots = [r.block_ids[p // 4] * 4 + p % 4 for r in requests
+                      for p in range(r.context_len - r.num_query_tokens, r.context_len)]
+    assert paged_built.slots.tolist() == expected_slots
     requests[0].table_row = -1  # a request without a row: built from the lists for the whole step
     assert torch.equal(step_metadata(requests, 4, table).block_table, built.block_table)
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from common.engine.attention import step_layout
 from common.engine.block_table import BlockTable
 
 from common.engine.cpu_kernels import load_kernel
@@ -58,25 +59,10 @@ class CpuMetadata:
 
 
 def step_metadata(requests, block_size: int, block_table: BlockTable | None = None) -> CpuMetadata:
-    """Vectorized: no per-token Python loop. With ``block_table`` (the KV manager's persistent
-    one) and every request on a row of it, the step's table is one gather of those rows;
-    otherwise it is built from each request's ``block_ids``."""
-    num = len(requests)
-    max_blocks = max(len(r.block_ids) for r in requests)
-    if block_table is not None and all(r.table_row >= 0 for r in requests):
-        table = block_table.gather([r.table_row for r in requests], max_blocks)
-    else:
-        table = torch.zeros((num, max_blocks), dtype=torch.int32)
-        for i, r in enumerate(requests):
-            table[i, : len(r.block_ids)] = torch.as_tensor(r.block_ids, dtype=torch.int32)
-    new = torch.tensor([r.num_query_tokens for r in requests], dtype=torch.int32)
-    context = torch.tensor([r.context_len for r in requests], dtype=torch.int32)
-    query_start = torch.zeros(num + 1, dtype=torch.int32)
-    torch.cumsum(new, 0, out=query_start[1:])
-    token_request = torch.repeat_interleave(torch.arange(num), new.long())
-    positions = torch.arange(int(query_start[-1])) - query_start[token_request].long() + (context - new)[token_request].long()
-    slot_blocks = table[token_request, positions // block_size].long()
-    return CpuMetadata(slot_blocks, positions % block_size, table, query_start, context, int(context.max()))
+    """From the requests' block ids, or from ``block_table`` (see ``attention.step_layout``)."""
+    step = step_layout(requests, block_size, block_table)
+    return CpuMetadata(step.slot_blocks, step.positions % block_size, step.block_table, step.query_start,
+                       step.context_lens, int(step.context_lens.max()))
 
 
 class CpuPagedAttention:

@@ -54,9 +54,10 @@ class FlashAttention:
         self.varlen = varlen_func
         self.with_kvcache = kvcache_func
         self.block_size = block_size
+        self.block_table = None  # the KV manager's persistent ``BlockTable`` (``Engine`` hands it over)
 
     def prepare(self, requests: list[AttentionRequest], device) -> FlashMetadata:
-        paged = PagedMetadata.build(requests, self.block_size, device)
+        paged = PagedMetadata.build(requests, self.block_size, device, self.block_table)
         decode_only = paged.max_query_len == 1
         cu_k = None if decode_only else F.pad(paged.seq_lens.cumsum(0, dtype=torch.int32), (1, 0))
         return FlashMetadata(paged, paged.slots // self.block_size, paged.slots % self.block_size, cu_k)

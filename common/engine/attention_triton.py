@@ -51,9 +51,10 @@ class TritonAttention:
     def __init__(self, windows: set[int | None], block_size: int):
         self.windows = windows
         self.block_size = block_size
+        self.block_table = None  # the KV manager's persistent ``BlockTable`` (``Engine`` hands it over)
 
     def prepare(self, requests: list[AttentionRequest], device) -> PagedMetadata:
-        return PagedMetadata.build(requests, self.block_size, device)
+        return PagedMetadata.build(requests, self.block_size, device, self.block_table)
 
     def forward(self, q, k, v, cache: KVCache, layer: int, meta: PagedMetadata, window, scale) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KVH, D] for the new tokens.  Returns [T, H, D]."""
