@@ -25,7 +25,6 @@ import torch
 
 from common.engine.attention import step_layout
 from common.engine.block_table import BlockTable
-
 from common.engine.cpu_kernels import load_kernel
 from common.engine.kv_cache import KVCache
 
