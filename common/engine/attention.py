@@ -14,7 +14,6 @@ sliding-window layers).
 """
 from __future__ import annotations
 
-import itertools
 import os
 from dataclasses import dataclass, field
 

@@ -4,7 +4,7 @@
 to that request's row, and when it frees them the row goes back for reuse. Nothing is rebuilt
 per step: a step gathers the rows of the requests it runs (``gather``), one indexed copy, and
 the attention backend derives the step's positions and slot mappings from that table and the
-context lengths with vectorised ops (``attention_cpu.step_metadata``)::
+context lengths with vectorised ops (``attention.step_layout``)::
 
     row 0  [ 12  5 31  0  0 ]   request "a": 3 blocks
     row 1  [  7  8  0  0  0 ]   request "b": 2 blocks

@@ -25,11 +25,8 @@ class KVCacheManager:
         self.pool = pool
         self.block_size = block_size
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
-        # The same tables as block ids, grown in place with them: a step copies a list of ints
-        # instead of rebuilding it from the blocks (the table of a long context is long).
-        self._req_to_block_ids: dict[str, list[int]] = {}
-        # The same again as rows of one persistent tensor, which steps gather instead of building
-        # a table from the lists (``common.engine.block_table``).
+        # The same tables as block ids, rows of one persistent tensor grown in place with them,
+        # which steps gather instead of rebuilding a table from the blocks (``common.engine.block_table``).
         self.table = BlockTable()
         self._num_committed: dict[str, int] = {}
         # Extra references held outside any block table (the prefill role pins blocks while their
@@ -85,9 +82,7 @@ class KVCacheManager:
         added = [*cached_blocks, *new_blocks]
         table = self.req_to_blocks.setdefault(request.request_id, [])
         table.extend(added)  # append-only: a table is never rebuilt
-        added_ids = [block.block_id for block in added]
-        self._req_to_block_ids.setdefault(request.request_id, []).extend(added_ids)
-        self.table.append(request.request_id, added_ids)
+        self.table.append(request.request_id, [block.block_id for block in added])
         return new_blocks
 
     def commit(self, request: Request) -> None:
@@ -134,26 +129,21 @@ class KVCacheManager:
         self.pool.check_integrity()
         owners: Counter[int] = Counter(self.pins)
         for request_id, blocks in self.req_to_blocks.items():
-            assert [b.block_id for b in blocks] == self._req_to_block_ids.get(request_id), (
-                f"block ids of {request_id!r} out of sync with its table")
-            assert self.table.ids(request_id) == self._req_to_block_ids[request_id], (
+            assert [b.block_id for b in blocks] == self.table.ids(request_id), (
                 f"the persistent row of {request_id!r} out of sync with its table")
             assert len({b.block_id for b in blocks}) == len(blocks), f"a block is twice in the table of {request_id!r}"
             owners.update(block.block_id for block in blocks)
-        assert set(self._req_to_block_ids) == set(self.req_to_blocks), "block id lists without tables"
         assert set(self.table.lengths) == {r for r, b in self.req_to_blocks.items() if b}, "rows without tables"
         for block in self.pool.blocks:
             assert block.ref_cnt == owners[block.block_id], (
                 f"{block} has {block.ref_cnt} references but {owners[block.block_id]} owners")
 
     def block_ids(self, request_id: str) -> list[int]:
-        ids = self._req_to_block_ids.get(request_id)
-        return ids.copy() if ids else []
+        return self.table.ids(request_id)
 
     def free(self, request_id: str) -> None:
         """Release the request's blocks, tail first, so the tail is evicted before the head."""
         blocks = self.req_to_blocks.pop(request_id, None)
-        self._req_to_block_ids.pop(request_id, None)
         self.table.release(request_id)
         self._num_committed.pop(request_id, None)
         if blocks:

@@ -134,9 +134,6 @@ class RooflineCostModel(CostModel):
         return {"kind": self.kind, "gpu": asdict(self.gpu), "model": asdict(self.model)}
 
 
-# ---- fitting ---------------------------------------------------------------------------------
-
-
 @dataclass
 class ServingCostModel(CostModel):
     """An engine cost model as a serving worker runs it now: prefill steps (any prompt tokens)
@@ -178,6 +175,9 @@ class ServingCostModel(CostModel):
         return {"kind": self.kind, "base": self.base.to_dict(), "prefill_speed": self.prefill_speed,
                 "decode_speed": self.decode_speed, "step_overhead_s": self.step_overhead_s,
                 "sample_overhead_s": self.sample_overhead_s}
+
+
+# ---- fitting ---------------------------------------------------------------------------------
 
 
 def nnls(a: np.ndarray, b: np.ndarray, max_iter: int = 200) -> np.ndarray:
