@@ -22,6 +22,7 @@ from common.engine.engine import Engine
 from common.engine.kv_cache_manager import cdiv
 from common.cluster.registry import KVAddress
 from common.engine.request import Request
+from common.worker.engine_thread import EngineFailed
 from kvtransfer.ordering import record_fence
 
 FINAL = object()
@@ -103,6 +104,10 @@ class Shipper:
 async def ship(worker, job: ShippingJob, first_token: asyncio.Future) -> int:
     """Event loop: send each queued batch, unpin it, then finish with the first token.
 
+    A batch is unpinned by a command the engine thread runs between steps; nothing waits for it,
+    or the first token would wait for the step running meanwhile -- often another prompt's whole
+    chunk.  The commands still run before the request's own cleanup (queued later, run in order).
+
     Returns the number of blocks sent.  Raises ``TransferError`` subclasses on failure.
     """
     sent = 0
@@ -119,14 +124,17 @@ async def ship(worker, job: ShippingJob, first_token: asyncio.Future) -> int:
                 await transfer.send_blocks(src, dst, fence)
                 sent += len(src)
             finally:
-                await unpin(worker, blocks)
+                worker.spawn(unpin(worker, blocks))
     except BaseException as exc:
         transfer.abort(f"prefill side failed: {type(exc).__name__}")
         raise
 
 
 async def unpin(worker, blocks: list[KVCacheBlock]) -> None:
-    await asyncio.shield(worker.engine_thread.call(lambda e: e.scheduler.kv.unpin(blocks)))
+    try:
+        await asyncio.shield(worker.engine_thread.call(lambda e: e.scheduler.kv.unpin(blocks)))
+    except EngineFailed:
+        pass  # the engine has stopped: no block is handed out any more
 
 
 async def unpin_leftovers(worker, job: ShippingJob) -> None:

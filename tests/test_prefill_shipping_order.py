@@ -69,3 +69,71 @@ def test_each_shipped_batch_waits_for_the_step_that_wrote_it(engine, monkeypatch
         shipped += dst
         engine.block_pool.free(blocks)  # the pins the sender would drop
     assert shipped == list(range(10))
+
+
+class StepInProgress:
+    """An engine thread in the middle of a long step: commands queue until ``end_step``."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.queued: list = []
+
+    async def call(self, fn):
+        future = asyncio.get_running_loop().create_future()
+        self.queued.append((fn, future))
+        return await future
+
+    def end_step(self) -> None:
+        for fn, future in self.queued:
+            future.set_result(fn(self.engine))
+        self.queued.clear()
+
+
+class RecordingTransfer:
+    def __init__(self):
+        self.sent: list[list[int]] = []
+        self.finished = None
+
+    async def send_blocks(self, src, dst, fence):
+        self.sent.append(list(dst))
+
+    async def finish(self, metadata):
+        self.finished = metadata
+
+    def abort(self, reason):
+        raise AssertionError(f"aborted: {reason}")
+
+
+async def test_the_first_token_goes_out_without_waiting_for_the_next_step():
+    """The last batch's unpin runs between steps, but the transfer finishes (and the first token
+    leaves) while another request's step is still running; the blocks are unpinned when it ends."""
+    unpinned: list = []
+    engine = SimpleNamespace(scheduler=SimpleNamespace(kv=SimpleNamespace(unpin=unpinned.append)))
+    transfer = RecordingTransfer()
+    background: set = set()
+
+    async def begin(transfer_id, address):
+        return transfer
+
+    def spawn(coro):
+        task = asyncio.ensure_future(coro)
+        background.add(task)
+        return task
+
+    worker = SimpleNamespace(engine_thread=StepInProgress(engine), kv_sender=SimpleNamespace(begin=begin), spawn=spawn)
+    job = ShippingJob("r", "0" * 32, KVAddress("tcp", "127.0.0.1", 1), [7, 8, 9], 0, asyncio.get_running_loop())
+    blocks = ["block 0", "block 1", "block 2"]
+    job.queue.put_nowait(([0, 1], [7, 8], blocks[:2], None))
+    job.queue.put_nowait(([2], [9], blocks[2:], None))
+    job.queue.put_nowait(FINAL)
+    first_token = asyncio.get_running_loop().create_future()
+    first_token.set_result(42)
+
+    sent = await asyncio.wait_for(shipping.ship(worker, job, first_token), timeout=10)
+
+    assert sent == 3 and transfer.sent == [[7, 8], [9]] and transfer.finished == {"first_token": 42}
+    await asyncio.sleep(0)  # the unpin tasks queue their commands ...
+    assert unpinned == [] and len(worker.engine_thread.queued) == 2  # ... which wait for the step's end
+    worker.engine_thread.end_step()
+    await asyncio.wait_for(asyncio.gather(*background), timeout=10)
+    assert unpinned == [blocks[:2], blocks[2:]]
