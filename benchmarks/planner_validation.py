@@ -97,55 +97,124 @@ def measure(split: str, checkpoint: str, plan, args) -> dict:
         stack.stop()
     summary = summarize(records, wall, args.slo_ttft, args.slo_tpot)
     summary["probes"] = probes
+    summary["per_request"] = [(r.ttft, r.tpot) if r.ok else (None, None) for r in records]
     return summary
 
 
 PROBE_SHORT, PROBE_LONG, PROBE_STREAM = 16, 512, 48
-PROBE_BATCH = 4  # streams per decoding worker in the batched probe
+PROBE_BATCH = 4  # streams per decoding worker in the batched and the contended probes
+PROBE_PAUSE = 2.0  # seconds idle before each cold probe
+COLD_STREAM_PROMPT = 256
+CONTENDED_STREAM, CONTENDED_DELAY = 128, 0.1  # the contended probe's streams, and when its prompt follows them
+
+
+def contended_plan(decoders: int) -> list[tuple[float, int, int]]:
+    """The contended probe as (send time, prompt tokens, output tokens): ``PROBE_BATCH`` streams per
+    decoding worker, then a long prompt while they decode."""
+    return [(0.0, PROBE_SHORT, CONTENDED_STREAM)] * (PROBE_BATCH * decoders) + [(CONTENDED_DELAY, PROBE_LONG, 2)]
 
 
 async def idle_probes(url: str, model: str, args, decoders: int, repeats: int = 3) -> dict:
-    """Median TTFT of a short and a long prompt and TPOT of a lone stream, one request at a time,
-    and the median TPOT of ``PROBE_BATCH`` streams per decoding worker started together."""
+    """Requests that show how the stack runs the engine, each a median of ``repeats``:
+
+    - one at a time, back to back: the TTFT of a short and a long prompt and the TPOT of a lone stream;
+    - ``PROBE_BATCH`` streams per decoding worker started together: their median TPOT;
+    - after ``PROBE_PAUSE`` seconds of idle each (waking up): the long prompt's TTFT, and the TPOT of
+      a stream with a ``COLD_STREAM_PROMPT``-token prompt (computed just before, as in the load);
+    - the contended probe (``contended_plan``): the long prompt's TTFT while the streams decode."""
     import random
     import statistics
 
     rng = random.Random(4242)
+
+    async def send(plan: list[tuple[float, int, int]]):
+        records, _ = await run_load(url, model, [PlannedRequest(random_ids(rng, prompt, args.vocab), tokens, at, "probe")
+                                                 for at, prompt, tokens in plan])
+        failed = [r.error for r in records if not r.ok]
+        if failed:
+            raise RuntimeError(f"probe request failed: {failed[0]}")
+        return records
+
     out = {}
     for name, prompt, tokens in (("ttft_short_s", PROBE_SHORT, 2), ("ttft_long_s", PROBE_LONG, 2),
                                  ("tpot_s", PROBE_SHORT, PROBE_STREAM)):
-        values = []
-        for _ in range(repeats):
-            records, _ = await run_load(url, model, [PlannedRequest(random_ids(rng, prompt, args.vocab), tokens, 0.0,
-                                                                    "probe")])
-            if not records[0].ok:
-                raise RuntimeError(f"probe request failed: {records[0].error}")
-            values.append(records[0].tpot if name == "tpot_s" else records[0].ttft)
-        out[name] = statistics.median(values)
+        values = [(await send([(0.0, prompt, tokens)]))[0] for _ in range(repeats)]
+        out[name] = statistics.median(r.tpot if name == "tpot_s" else r.ttft for r in values)
     values = []
     for _ in range(repeats):
-        batch = [PlannedRequest(random_ids(rng, PROBE_SHORT, args.vocab), PROBE_STREAM, 0.0, "probe")
-                 for _ in range(PROBE_BATCH * decoders)]
-        records, _ = await run_load(url, model, batch)
-        if not all(r.ok for r in records):
-            raise RuntimeError(f"probe request failed: {[r.error for r in records if not r.ok][0]}")
+        records = await send([(0.0, PROBE_SHORT, PROBE_STREAM)] * (PROBE_BATCH * decoders))
         values.append(statistics.median(r.tpot for r in records))
     out["tpot_batch_s"] = statistics.median(values)
+    prompts, streams = [], []
+    for _ in range(repeats):
+        await asyncio.sleep(PROBE_PAUSE)
+        prompts.append((await send([(0.0, PROBE_LONG, 2)]))[0].ttft)
+        await asyncio.sleep(PROBE_PAUSE)
+        streams.append((await send([(0.0, COLD_STREAM_PROMPT, PROBE_STREAM)]))[0].tpot)
+    out["ttft_long_cold_s"], out["tpot_cold_s"] = statistics.median(prompts), statistics.median(streams)
+    values = [(await send(contended_plan(decoders)))[-1].ttft for _ in range(repeats)]
+    out["ttft_contended_s"] = statistics.median(values)
     return out
 
 
-def predict(split: str, workload, cost, args, overhead_s: float) -> dict:
-    from gateway.planner.simulator import Deployment, EngineSettings, SimConfig, Simulation
+def simulate_probe(split: str, cost, args, overhead_s: float, host) -> float:
+    """The contended probe's long-prompt TTFT as the simulator predicts it."""
+    from gateway.planner.traffic import Workload
+
+    decoders = SPLITS[split]["decode"] + SPLITS[split]["both"]
+    plan = contended_plan(decoders)
+    workload = Workload(np.array([p[0] for p in plan]), np.array([p[1] for p in plan]), np.array([p[2] for p in plan]))
+    _, sim = simulation(split, workload, cost, args, overhead_s, host)
+    return sim.first_token[-1] - workload.arrival[-1]
+
+
+def fit_serving(engine_cost, probes: dict, split: str, args):
+    """What the stack adds to the calibrated engine, fitted from ``split``'s probes: the overheads
+    (the ``serving`` section of a calibration file), the serving cost model and the host effects."""
+    from gateway.planner.calibrate import (
+        cold_slowdowns, fit_host_effects, fit_stack_overheads, host_effects, serving_cost,
+    )
+    from gateway.planner.simulator import HostEffects
+
+    overheads = fit_stack_overheads(engine_cost, short_len=PROBE_SHORT, long_len=PROBE_LONG,
+                                    chunk=args.max_num_batched_tokens, decode_context=PROBE_SHORT + PROBE_STREAM // 2,
+                                    batch=PROBE_BATCH if args.sample_overhead else 1,
+                                    **{k: probes[k] for k in ("ttft_short_s", "ttft_long_s", "tpot_s", "tpot_batch_s")})
+    cost = serving_cost(engine_cost, overheads)
+    prefill_cold, decode_cold = cold_slowdowns(
+        engine_cost, ttft_long_s=probes["ttft_long_s"], ttft_long_cold_s=probes["ttft_long_cold_s"],
+        request_overhead_s=overheads["request_overhead_s"], tpot_s=probes["tpot_s"], tpot_cold_s=probes["tpot_cold_s"],
+        decode_context=PROBE_SHORT + PROBE_STREAM // 2, cold_decode_context=COLD_STREAM_PROMPT + PROBE_STREAM // 2)
+    overheads.update(fit_host_effects(
+        cold_prefill_slowdown=prefill_cold, cold_decode_slowdown=decode_cold, pause_s=PROBE_PAUSE,
+        contended_ttft_s=probes["ttft_contended_s"],
+        predict_contended=lambda c: simulate_probe(split, cost, args, overheads["request_overhead_s"],
+                                                   HostEffects(contention=c))))
+    overheads["cold_slowdowns"] = [round(prefill_cold, 4), round(decode_cold, 4)]
+    return overheads, cost, host_effects(overheads)
+
+
+def simulation(split: str, workload, cost, args, overhead_s: float, host):
+    """Runs the simulator on ``workload`` as the stack was set up; returns its result and itself."""
     from gateway.planner.hardware import LinkProfile
+    from gateway.planner.simulator import Deployment, EngineSettings, SimConfig, Simulation
 
     engine = EngineSettings(num_blocks=args.num_blocks, block_size=args.block_size,
                             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                             max_model_len=args.max_model_len)
     config = SimConfig(cost=cost, engine=engine, link=LinkProfile("tcp-loopback", 1e9, 2e-4),
                        kv_bytes_per_token=args.kv_bytes_per_token, slo_ttft_s=args.slo_ttft,
-                       slo_tpot_s=args.slo_tpot,
-                       overhead_s=overhead_s)
-    return Simulation(Deployment(**SPLITS[split]), workload, config).run()
+                       slo_tpot_s=args.slo_tpot, overhead_s=overhead_s, host=host)
+    sim = Simulation(Deployment(**SPLITS[split]), workload, config)
+    return sim.run(), sim
+
+
+def predict(split: str, workload, cost, args, overhead_s: float, host) -> dict:
+    result, sim = simulation(split, workload, cost, args, overhead_s, host)
+    first, finish = np.asarray(sim.first_token), np.asarray(sim.finish)
+    tpot = (finish - first) / np.maximum(workload.output_len - 1, 1)
+    result["per_request"] = list(zip((first - workload.arrival).tolist(), tpot.tolist()))
+    return result
 
 
 def scale_run() -> dict:
@@ -172,6 +241,10 @@ def scale_run() -> dict:
             "scale_goodput_req_s": result["goodput_req_s"]}
 
 
+def _ms(seconds) -> float | None:
+    return None if seconds is None or not np.isfinite(seconds) else round(seconds * 1e3, 3)
+
+
 def rel(pred, meas) -> float | None:
     if pred is None or meas is None or meas <= 0 or pred == float("inf"):
         return None
@@ -191,6 +264,9 @@ def main(argv=None) -> None:
     p.add_argument("--num-blocks", type=int, default=1024)
     p.add_argument("--calibration", type=Path, help="reuse a calibration file instead of measuring")
     p.add_argument("--skip-scale", action="store_true", help="leave out the 128-GPU simulation")
+    p.add_argument("--repredict", type=Path, metavar="RESULTS",
+                   help="measure nothing: predict the runs of a results file again from the probes it recorded "
+                        "(with --calibration and the flags it was measured with), e.g. after a model change")
     p.add_argument("--sample-overhead", action=argparse.BooleanOptionalAction, default=False,
                    help="fit a per-token serving overhead and the decode speed from both decode probes (else "
                         "the decode speed from the lone stream; the batched probe is recorded either way)")
@@ -207,8 +283,19 @@ def main(argv=None) -> None:
     run_all(args, checkpoint)
 
 
+def recorded_measurement(runs: list[dict], split: str, rate: float, requests: int) -> dict:
+    """A run's measurement as a results file recorded it (``--repredict``)."""
+    for run in runs:
+        if run["split"] == split and run["rate"] == rate and run["requests"] == requests:
+            return {**run["measured"], "probes": run["probes"],
+                    "per_request": [tuple(None if q[key][1] is None else q[key][1] / 1e3 for key in ("ttft_ms", "tpot_ms"))
+                                    for q in run["per_request"]]}
+    raise SystemExit(f"the results file has no {split} run at {rate} req/s of {requests} requests: "
+                     "give the flags it was measured with")
+
+
 def run_all(args, checkpoint: str) -> None:
-    from gateway.planner.calibrate import calibrate, fit_stack_overheads, save, serving_cost
+    from gateway.planner.calibrate import calibrate, save
     from gateway.planner.traffic import LengthDist, synthetic
 
     if args.calibration:
@@ -226,28 +313,34 @@ def run_all(args, checkpoint: str) -> None:
 
     rates = args.rates
     runs = []
+    recorded = json.loads(args.repredict.read_text())["runs"] if args.repredict else None
     for level, rate in enumerate(rates):
         workload = synthetic(rate, args.duration, LengthDist.parse(args.prompt_len), LengthDist.parse(args.output_len),
                              seed=args.seed + level)
         plan = real_plan(workload, args.vocab, args.seed + level)
         for split in SPLITS:
-            log(f"[{split} @ {rate} req/s] measuring {len(plan)} requests...")
-            measured = measure(split, checkpoint, plan, args)
-            overheads = fit_stack_overheads(engine_cost, short_len=PROBE_SHORT, long_len=PROBE_LONG,
-                                            chunk=args.max_num_batched_tokens, decode_context=PROBE_SHORT + PROBE_STREAM // 2,
-                                            batch=PROBE_BATCH if args.sample_overhead else 1,
-                                            **measured["probes"])
-            predicted = predict(split, workload, serving_cost(engine_cost, overheads), args,
-                                overheads["request_overhead_s"])
+            if recorded is not None:
+                measured = recorded_measurement(recorded, split, rate, len(plan))
+            else:
+                log(f"[{split} @ {rate} req/s] measuring {len(plan)} requests...")
+                measured = measure(split, checkpoint, plan, args)
+            overheads, cost, host = fit_serving(engine_cost, measured["probes"], split, args)
+            predicted = predict(split, workload, cost, args, overheads["request_overhead_s"], host)
             log(f"[{split} @ {rate} req/s] idle stack: prefill x{overheads['speed']:.2f}, decode "
                 f"x{overheads['decode_speed']:.2f}, {overheads['sample_overhead_s'] * 1e3:.2f} ms/token streamed, "
-                f"{overheads['request_overhead_s'] * 1e3:.0f} ms/request")
+                f"{overheads['request_overhead_s'] * 1e3:.0f} ms/request, cold x{1 + overheads['wake_slowdown']:.2f} "
+                f"(prefill x{1 + overheads['cold_slowdowns'][0]:.2f}, decode x{1 + overheads['cold_slowdowns'][1]:.2f}), "
+                f"contention {overheads['host_contention']:.2f} per busy worker")
             log(f"[{split} @ {rate} req/s] predicted TTFT p50 {predicted['ttft_ms']['p50']} ms, "
                 f"TPOT p50 {predicted['tpot_ms']['p50']} ms")
             log(f"[{split} @ {rate} req/s] measured  TTFT p50 {measured['ttft_ms']['p50']} ms, "
                 f"TPOT p50 {measured['tpot_ms']['p50']} ms, errors {measured['errors']}")
+            per_request = [{"prompt": int(workload.prompt_len[i]), "output": int(workload.output_len[i]),
+                            "arrival_s": round(float(workload.arrival[i]), 4),
+                            "ttft_ms": [_ms(p[0]), _ms(m[0])], "tpot_ms": [_ms(p[1]), _ms(m[1])]}
+                           for i, (p, m) in enumerate(zip(predicted.pop("per_request"), measured.pop("per_request")))]
             runs.append({"split": split, "rate": rate, "requests": len(workload), "stack": overheads,
-                         "probes": measured.pop("probes"),
+                         "probes": measured.pop("probes"), "per_request": per_request,
                          "predicted": {k: predicted[k] for k in ("ttft_ms", "tpot_ms", "itl_ms", "goodput_req_s",
                                                                  "slo_ratio", "preemptions")},
                          "measured": {k: measured[k] for k in ("ttft_ms", "tpot_ms", "itl_ms", "goodput_req_s",
@@ -284,7 +377,7 @@ def run_all(args, checkpoint: str) -> None:
         line.update(scale_run())
     line["target_met"] = bool(line["ttft_p50_rel_error"] is not None and line["ttft_p50_rel_error"] <= 0.25
                               and line["tpot_p50_rel_error"] is not None and line["tpot_p50_rel_error"] <= 0.25)
-    out = RESULTS / f"planner-validation{'-quick' if args.quick else ''}.json"
+    out = RESULTS / f"planner-validation{'-quick' if args.quick else ''}{'-repredicted' if args.repredict else ''}.json"
     out.write_text(json.dumps({"line": line, "runs": runs}, indent=2, default=str))
     log(f"wrote {out}")
     emit(line)

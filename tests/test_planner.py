@@ -381,3 +381,121 @@ def test_slices_keep_the_per_worker_load():
     odd = slice_for(Deployment(37, 91), work=1e9, budget=1e6)
     assert odd.load_skew <= 1.1 and odd.fraction < 0.2
     assert slice_for(Deployment(48, 80), work=1e9, budget=1e6).deployment in (Deployment(3, 5), Deployment(6, 10))
+
+
+# ---- host effects: workers sharing CPUs ------------------------------------------------------
+
+
+def spaced(prompts, outputs, every=5.0) -> Workload:
+    """Requests ``every`` seconds apart: each runs alone on an idle deployment."""
+    n = len(prompts)
+    return Workload(np.arange(n) * every, np.array(prompts), np.array(outputs))
+
+
+def test_host_effects_step_time():
+    from gateway.planner.simulator import HostEffects
+
+    host = HostEffects(contention=0.25, wake_slowdown=0.2, wake_full_s=2.0, wake_window_s=0.5)
+    assert host.step_time(0.1, 2) == pytest.approx(0.15)
+    assert host.step_time(0.1, 0, idle_before_s=1.0) == pytest.approx(0.11)  # half the full idle: half as cold
+    assert host.step_time(0.1, 1, idle_before_s=9.0, busy_for_s=0.2) == pytest.approx(0.145)
+    assert host.step_time(0.1, 0, idle_before_s=9.0, busy_for_s=0.6) == pytest.approx(0.1)  # warm again
+    with pytest.raises(ValueError):
+        HostEffects(contention=-0.1)
+
+
+def test_a_worker_woken_from_idle_runs_cold_for_a_while():
+    from gateway.planner.simulator import HostEffects
+
+    wl = spaced([300, 400, 500], [20, 20, 20])
+    base = Simulation(Deployment(both=1), wl, config())
+    woken = Simulation(Deployment(both=1), wl, dataclasses.replace(config(), host=HostEffects(wake_slowdown=0.25)))
+    short_window = Simulation(Deployment(both=1), wl, dataclasses.replace(
+        config(), host=HostEffects(wake_slowdown=0.25, wake_window_s=0.03)))
+    for sim in (base, woken, short_window):
+        sim.run()
+    for i in range(3):
+        # Each prompt arrives after seconds of idle: its step runs 25% slower ...
+        assert woken.first_token[i] - wl.arrival[i] == pytest.approx(1.25 * (base.first_token[i] - wl.arrival[i]))
+        # ... and so do the decode steps inside the window: all of a short stream, the first of a
+        # long one.
+        stream = base.finish[i] - base.first_token[i]
+        assert woken.finish[i] - woken.first_token[i] == pytest.approx(1.25 * stream)
+        assert stream < short_window.finish[i] - short_window.first_token[i] < 1.25 * stream
+    # Back to back, nothing is cold after the first window.
+    busy = Workload(np.zeros(8), np.full(8, 400), np.full(8, 300))
+    warm = Simulation(Deployment(both=1), busy, dataclasses.replace(config(), host=HostEffects(wake_slowdown=0.25)))
+    warm.run()
+    plain = Simulation(Deployment(both=1), busy, config())
+    plain.run()
+    assert max(warm.finish) - max(plain.finish) < 0.25 * 0.5 + 1e-9
+
+
+def test_busy_workers_on_one_host_slow_each_other():
+    from gateway.planner.simulator import HostEffects
+
+    # A long stream on the decode worker while prompts are computed on the prefill worker.
+    wl = Workload(np.array([0.0, 0.05, 5.0]), np.array([32, 500, 500]), np.array([400, 2, 2]))
+    base = Simulation(Deployment(1, 1), wl, config())
+    shared = Simulation(Deployment(1, 1), wl, dataclasses.replace(config(), host=HostEffects(contention=0.5)))
+    base.run(), shared.run()
+
+    def ttft(sim, i):
+        return sim.first_token[i] - wl.arrival[i]
+
+    # The prompt sent while the stream decodes is computed 1.5x slower; the one sent after it ends is not.
+    assert ttft(shared, 1) > 1.3 * ttft(base, 1)
+    assert ttft(shared, 2) == pytest.approx(ttft(base, 2))
+    # The stream's steps beside that prompt's were slower too.
+    assert shared.finish[0] - shared.first_token[0] > base.finish[0] - base.first_token[0]
+    alone = spaced([500, 500], [2, 2])  # never two workers busy at once: no effect
+    assert (Simulation(Deployment(1, 1), alone, dataclasses.replace(config(), host=HostEffects(contention=0.5))).run()
+            ["ttft_ms"]["p50"] == pytest.approx(Simulation(Deployment(1, 1), alone, config()).run()["ttft_ms"]["p50"]))
+
+
+def test_fit_host_effects_recovers_contention_by_simulating_the_probe():
+    from gateway.planner.calibrate import fit_host_effects, host_effects
+    from gateway.planner.simulator import HostEffects
+
+    probe = Workload(np.array([0.0, 0.0, 0.05]), np.array([16, 16, 800]), np.array([200, 200, 2]))
+
+    def contended_ttft(contention):
+        sim = Simulation(Deployment(1, 1), probe, dataclasses.replace(config(), host=HostEffects(contention=contention)))
+        sim.run()
+        return sim.first_token[-1] - probe.arrival[-1]
+
+    fitted = fit_host_effects(cold_prefill_slowdown=0.1, cold_decode_slowdown=0.2, pause_s=2.0,
+                              contended_ttft_s=contended_ttft(0.37), predict_contended=contended_ttft)
+    assert fitted["host_contention"] == pytest.approx(0.37, abs=0.01)
+    assert fitted["wake_slowdown"] == pytest.approx(0.15) and fitted["wake_full_s"] == 2.0
+    assert host_effects(fitted) == HostEffects(contention=fitted["host_contention"], wake_slowdown=0.15)
+    # Faster than the simulator without contention (noise): none; a negative slowdown counts as none.
+    none = fit_host_effects(cold_prefill_slowdown=-0.1, cold_decode_slowdown=0.0, pause_s=1.0,
+                            contended_ttft_s=0.5 * contended_ttft(0.0), predict_contended=contended_ttft)
+    assert none["host_contention"] == 0.0 and none["wake_slowdown"] == 0.0
+    assert host_effects({}) == HostEffects()
+
+
+def test_cold_slowdowns_compare_like_with_like():
+    from gateway.planner.calibrate import cold_slowdowns
+
+    overhead = 0.005
+    warm_step, cold_step = COST.step_time(1, 1, 1, 41, 41), COST.step_time(1, 1, 1, 281, 281)
+    prefill, decode = cold_slowdowns(COST, ttft_long_s=overhead + 0.1, ttft_long_cold_s=overhead + 0.12,
+                                     request_overhead_s=overhead, tpot_s=1.1 * warm_step, tpot_cold_s=1.1 * 1.3 * cold_step,
+                                     decode_context=40, cold_decode_context=280)
+    assert prefill == pytest.approx(0.2) and decode == pytest.approx(0.3)
+
+
+def test_pdctl_plan_reads_host_effects_from_the_calibration(tmp_path):
+    from gateway.pdctl import build_parser
+    from gateway.planner.cli import build_config
+
+    path = tmp_path / "calibration.json"
+    path.write_text(json.dumps({"cost_model": COST.to_dict(), "engine": {"kv_bytes_per_token": 4096, "max_model_len": 4096},
+                                "serving": {"speed": 1.1, "decode_speed": 0.9, "request_overhead_s": 0.004,
+                                            "host_contention": 0.2, "wake_slowdown": 0.15, "wake_full_s": 1.5}}))
+    args = build_parser().parse_args(["plan", "--calibration", str(path), "--num-blocks", "512"])
+    sim_config, _ = build_config(args)
+    assert (sim_config.host.contention, sim_config.host.wake_slowdown, sim_config.host.wake_full_s) == (0.2, 0.15, 1.5)
+    assert sim_config.overhead_s == pytest.approx(0.004)

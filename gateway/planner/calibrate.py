@@ -196,6 +196,64 @@ def fit_stack_overheads(cost, *, ttft_short_s: float, ttft_long_s: float, tpot_s
             "sample_overhead_s": round(sample, 6), "request_overhead_s": round(request, 5)}
 
 
+def fit_host_effects(*, cold_prefill_slowdown: float, cold_decode_slowdown: float, pause_s: float,
+                     contended_ttft_s: float | None = None, predict_contended=None, most: float = 4.0) -> dict:
+    """How workers sharing a host's CPUs slow themselves and each other (``HostEffects``), from
+    probes of the real stack:
+
+    - ``wake_slowdown``: the mean of how much slower a prompt and a stream ran when sent after
+      ``pause_s`` of idle than back to back (each >= 0; ``cold_slowdowns`` computes them);
+      ``wake_full_s`` is ``pause_s``;
+    - ``host_contention``: the value for which ``predict_contended(contention)`` -- the simulator
+      running the contended probe (a long prompt sent while streams decode on every decoding
+      worker) with everything else as fitted -- predicts the TTFT measured, ``contended_ttft_s``;
+      found by bisection between 0 and ``most``.  The probe runs on a warm stack: its simulation
+      should leave the wake-up out.
+    """
+    if not pause_s > 0:
+        raise ValueError(f"pause_s must be > 0, got {pause_s}")
+    wake = 0.5 * (max(0.0, cold_prefill_slowdown) + max(0.0, cold_decode_slowdown))
+    fitted = {"wake_slowdown": round(wake, 4), "wake_full_s": pause_s, "host_contention": 0.0}
+    if contended_ttft_s is None or predict_contended is None:
+        return fitted
+    low, high = 0.0, most
+    if predict_contended(low) >= contended_ttft_s:
+        return fitted
+    if predict_contended(high) <= contended_ttft_s:
+        fitted["host_contention"] = high
+        return fitted
+    for _ in range(24):
+        middle = 0.5 * (low + high)
+        if predict_contended(middle) < contended_ttft_s:
+            low = middle
+        else:
+            high = middle
+    fitted["host_contention"] = round(0.5 * (low + high), 4)
+    return fitted
+
+
+def cold_slowdowns(cost, *, ttft_long_s: float, ttft_long_cold_s: float, request_overhead_s: float,
+                   tpot_s: float, tpot_cold_s: float, decode_context: int, cold_decode_context: int) -> tuple[float, float]:
+    """How much slower (a fraction) prefill and decode ran on a stack woken from idle than on a warm
+    one: the long prompt's TTFT without the fixed overhead, cold over warm; and a stream's TPOT
+    cold over warm, each per calibrated decode step of its own context (the cold stream's prompt
+    may be longer)."""
+    prefill = (ttft_long_cold_s - request_overhead_s) / (ttft_long_s - request_overhead_s) - 1.0
+    warm_step = cost.step_time(1, 1, 1, decode_context + 1, decode_context + 1)
+    cold_step = cost.step_time(1, 1, 1, cold_decode_context + 1, cold_decode_context + 1)
+    decode = (tpot_cold_s / cold_step) / (tpot_s / warm_step) - 1.0
+    return prefill, decode
+
+
+def host_effects(serving: dict):
+    """The simulator's ``HostEffects`` from a calibration's ``serving`` section (none: no effects)."""
+    from gateway.planner.simulator import HostEffects
+
+    return HostEffects(contention=float(serving.get("host_contention", 0.0)),
+                       wake_slowdown=float(serving.get("wake_slowdown", 0.0)),
+                       wake_full_s=float(serving.get("wake_full_s", 2.0)))
+
+
 def serving_cost(cost, overheads: dict):
     """The cost model of a step inside a serving worker (``ServingCostModel``) from the fitted
     overheads; ``decode_speed`` defaults to ``speed`` (files from before it existed)."""

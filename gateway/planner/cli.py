@@ -20,7 +20,7 @@ from pathlib import Path
 from gateway.planner.cost_model import load_cost_model, roofline
 from gateway.planner.hardware import GPUS, LINKS, MODELS, kv_blocks_per_gpu, load_model_spec, parse_link
 from gateway.planner.search import DEFAULT_BUDGET, search
-from gateway.planner.simulator import Deployment, EngineSettings, SimConfig
+from gateway.planner.simulator import Deployment, EngineSettings, HostEffects, SimConfig
 from gateway.planner.traffic import LengthDist, load_trace, synthetic
 from gateway.routing import POLICIES, RoutingConfig
 
@@ -156,6 +156,7 @@ def build_config(args) -> tuple[SimConfig, str]:
     if bool(args.gpu) == bool(args.calibration):
         raise ValueError("give exactly one of --gpu (hardware profile) or --calibration (pdctl calibrate file)")
     calibration_engine: dict = {}
+    host = HostEffects()
     if args.gpu:
         spec = load_model_spec(args.model)
         cost = roofline(args.gpu, spec, args.efficiency)
@@ -171,9 +172,10 @@ def build_config(args) -> tuple[SimConfig, str]:
         calibration_engine = document.get("engine") or {}
         serving = document.get("serving") or {}
         if serving:  # fitted on the real stack (benchmarks/planner_validation.py: fit_stack_overheads)
-            from gateway.planner.calibrate import serving_cost
+            from gateway.planner.calibrate import host_effects, serving_cost
 
             cost = serving_cost(cost, serving)
+            host = host_effects(serving)
         if args.overhead_ms is None and serving.get("request_overhead_s") is not None:
             args.overhead_ms = float(serving["request_overhead_s"]) * 1e3
         if not args.num_blocks:
@@ -196,7 +198,7 @@ def build_config(args) -> tuple[SimConfig, str]:
                        kv_bytes_per_token=kv_per_token,
                        routing=RoutingConfig(policy=args.routing_policy, skip_prefill_below_tokens=args.skip_prefill_below),
                        slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot, overhead_s=(args.overhead_ms or 0.0) / 1e3,
-                       seed=args.seed)
+                       host=host, seed=args.seed)
     return config, cost.describe()
 
 

@@ -105,6 +105,42 @@ class EngineSettings:
 
 
 @dataclass(frozen=True)
+class HostEffects:
+    """What workers sharing a host's CPUs do to their own and each other's step times (CPU
+    serving; all 0 for GPU workers, each on its own GPU).
+
+    - ``contention``: each other worker busy stepping when a step starts makes it this fraction
+      slower (cores, memory bandwidth and the serving processes around the engines are shared);
+    - ``wake_slowdown``: a worker that wakes from idle runs cold (caches refilled, clocks
+      ramping) -- its steps in the first ``wake_window_s`` of work are this fraction slower after
+      an idle of ``wake_full_s`` or longer, that share of it after a shorter one.
+
+    ``gateway.planner.calibrate.fit_host_effects`` fits them from probes of the real stack.
+    """
+
+    contention: float = 0.0
+    wake_slowdown: float = 0.0
+    wake_full_s: float = 2.0
+    wake_window_s: float = 0.5
+
+    def __post_init__(self) -> None:
+        if not (self.contention >= 0 and self.wake_slowdown >= 0 and self.wake_full_s > 0
+                and self.wake_window_s >= 0):
+            raise ValueError(f"host effects must be >= 0 (wake_full_s > 0), got {self}")
+
+    def step_time(self, seconds: float, other_busy: int, idle_before_s: float = 0.0, busy_for_s: float = 0.0) -> float:
+        """A step of ``seconds`` (the cost model's) beside ``other_busy`` busy workers, started
+        ``busy_for_s`` into a busy period that followed ``idle_before_s`` of idle."""
+        factor = 1.0 + self.contention * other_busy
+        if self.wake_slowdown and idle_before_s > 0 and busy_for_s < self.wake_window_s:
+            factor += self.wake_slowdown * min(1.0, idle_before_s / self.wake_full_s)
+        return seconds * factor
+
+
+NO_HOST_EFFECTS = HostEffects()
+
+
+@dataclass(frozen=True)
 class SimConfig:
     """Everything a simulation needs besides the deployment and the traffic."""
 
@@ -119,6 +155,7 @@ class SimConfig:
     heartbeat_s: float = 5.0 / 3  # the worker's heartbeat: ttl / 3
     pool_refresh_s: float = 0.5  # the gateway re-reads the registry this often
     overhead_s: float = 0.0  # gateway + HTTP hops, added to TTFT and end-to-end latency
+    host: HostEffects = HostEffects()  # workers sharing CPUs (all simulated workers on one host)
     max_attempts: int = 3
     drain_s: float | None = None  # simulated time after the last arrival (default: max(60, duration))
     stop_when_failing: bool = False  # stop as soon as the SLOs are certainly missed
@@ -166,7 +203,9 @@ class SimWorker:
         self.jobs: dict[str, _Job] = {}
         self.link_out_free = 0.0
         self.link_in_free = 0.0
-        self.last_step_end = -1.0
+        self.last_step_end = -math.inf  # idle since ever: the first step wakes it
+        self.idle_before = math.inf  # the idle that preceded the current busy period
+        self.busy_since = 0.0
         # statistics
         self.busy_time = 0.0
         self.steps = 0
@@ -251,6 +290,7 @@ class Simulation:
         self.itl_values: list[float] = []
         self.itl_weights: list[int] = []
         self.transfer_bytes = 0.0
+        self.busy_workers = 0
         self.fallbacks = 0
         self.retries = 0
         self.stopped_early = False
@@ -408,11 +448,19 @@ class Simulation:
     def _start_step(self, w: SimWorker, now: float) -> None:
         out = w.scheduler.schedule()
         if out.is_empty:
+            if w.busy:
+                self.busy_workers -= 1
             w.busy = False
             w.current = None
             return
         tokens, seqs, samples, pairs, context = step_shape(out.scheduled)
         duration = self.config.cost.step_time(tokens, seqs, samples, pairs, context)
+        if not w.busy:  # a busy period begins
+            self.busy_workers += 1
+            w.idle_before = now - w.last_step_end
+            w.busy_since = now
+        if self.config.host != NO_HOST_EFFECTS:
+            duration = self.config.host.step_time(duration, self.busy_workers - 1, w.idle_before, now - w.busy_since)
         w.busy = True
         w.current = out
         w.busy_time += duration
