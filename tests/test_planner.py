@@ -499,3 +499,34 @@ def test_pdctl_plan_reads_host_effects_from_the_calibration(tmp_path):
     sim_config, _ = build_config(args)
     assert (sim_config.host.contention, sim_config.host.wake_slowdown, sim_config.host.wake_full_s) == (0.2, 0.15, 1.5)
     assert sim_config.overhead_s == pytest.approx(0.004)
+
+
+# ---- planner validation: judging the best split against noisy measurements -----------------
+
+
+def test_best_split_is_judged_only_where_the_measurement_can_tell_the_splits_apart():
+    from types import SimpleNamespace
+
+    from benchmarks.planner_validation import best_split_at
+
+    args = SimpleNamespace(slo_ttft=1.0, slo_tpot=0.05)
+    rng = np.random.default_rng(0)
+
+    def run(split, ttft_s, tpot_s, predicted_ratio):
+        per_request = [{"ttft_ms": [None, a * 1e3], "tpot_ms": [None, b * 1e3]} for a, b in zip(ttft_s, tpot_s)]
+        measured = max(np.quantile(ttft_s, 0.9) / args.slo_ttft, np.quantile(tpot_s, 0.9) / args.slo_tpot)
+        return {"split": split, "per_request": per_request, "predicted": {"slo_ratio": predicted_ratio},
+                "measured": {"slo_ratio": measured}}
+
+    ttft, tpot = rng.uniform(0.1, 0.3, 40), rng.uniform(0.004, 0.006, 40)
+    # 2C is clearly worse on every request: the measurement is sure, and a wrong ranking disagrees.
+    clear = [run("1P+1D", ttft, tpot, 0.3), run("2C", 2 * ttft, 2 * tpot, 0.2)]
+    judged = best_split_at(1.0, clear, args)
+    assert judged["measured_best"] == "1P+1D" and judged["measured_confidence"] > 0.99
+    assert not judged["tie"] and not judged["agrees"]
+    clear[1]["predicted"]["slo_ratio"] = 0.4
+    assert best_split_at(1.0, clear, args)["agrees"]
+    # The same requests measured twice, 1% apart: the measurement cannot tell them apart.
+    close = [run("1P+1D", ttft, tpot, 0.3), run("2C", 1.01 * ttft[::-1], tpot[::-1], 0.2)]
+    judged = best_split_at(1.0, close, args)
+    assert judged["tie"] and judged["agrees"] and judged["measured_confidence"] < 0.9

@@ -10,6 +10,8 @@ What is real and what is modelled::
       schedule / update / finish_remote / release_held    KV transfer: bytes / link bandwidth,
     BlockPool + KVCacheManager (prefix cache, hashes,       serialised per sender and per receiver
       hits, eviction, preemption)                         HTTP hops: a fixed overhead per request
+                                                          CPU hosts: workers slowing each other and
+                                                            waking cold from idle (HostEffects)
 
 Each worker steps only while it has work: a step is ``schedule()``, its duration from the cost
 model, then ``update()`` at the step's end (event-driven, no global clock ticks).  A prefill
@@ -115,6 +117,7 @@ class HostEffects:
       ramping) -- its steps in the first ``wake_window_s`` of work are this fraction slower after
       an idle of ``wake_full_s`` or longer, that share of it after a shorter one.
 
+    Every simulated worker counts as on the one host (a CPU deployment on one machine).
     ``gateway.planner.calibrate.fit_host_effects`` fits them from probes of the real stack.
     """
 
