@@ -7,7 +7,7 @@
 2. **Measure**: for each split (``1P+1D`` disaggregated, ``2C`` two colocated workers; two workers
    either way, ``OMP_NUM_THREADS=1`` each, standing in for one GPU each) and each load level, start
    the real stack (``LocalStack``: Redis, gateway, workers, KV over TCP), warm it up, then probe it
-   (``idle_probes``; before and after the load, averaged: the machine's speed drifts): a short
+   (``stack_probes``; before and after the load, averaged: the machine's speed drifts): a short
    and a long prompt and a lone stream one at a time; four streams per decoding worker together;
    a long prompt and a stream each after ``PROBE_PAUSE`` seconds of idle; a long prompt sent while
    streams decode.  From these, ``fit_serving`` fits what the stack adds to the engine right now
@@ -99,9 +99,9 @@ def measure(split: str, checkpoint: str, plan, args) -> dict:
                 PlannedRequest(random_ids(__import__("random").Random(2), 400, vocab), 4, 0.0, "warmup")]
         asyncio.run(warm_up(stack.gateway_url, model, warm))
         decoders = SPLITS[split]["decode"] + SPLITS[split]["both"]
-        before = asyncio.run(idle_probes(stack.gateway_url, model, args, decoders, seed=4242))
+        before = asyncio.run(stack_probes(stack.gateway_url, model, args, decoders, seed=4242))
         records, wall = asyncio.run(run_load(stack.gateway_url, model, plan, timeout=600))
-        after = asyncio.run(idle_probes(stack.gateway_url, model, args, decoders, seed=4243))
+        after = asyncio.run(stack_probes(stack.gateway_url, model, args, decoders, seed=4243))
     finally:
         stack.stop()
     summary = summarize(records, wall, args.slo_ttft, args.slo_tpot)
@@ -127,7 +127,7 @@ def contended_plan(decoders: int) -> list[tuple[float, int, int]]:
     return [(0.0, PROBE_SHORT, CONTENDED_STREAM)] * (PROBE_BATCH * decoders) + [(CONTENDED_DELAY, PROBE_LONG, 2)]
 
 
-async def idle_probes(url: str, model: str, args, decoders: int, seed: int, repeats: int = 3) -> dict:
+async def stack_probes(url: str, model: str, args, decoders: int, seed: int, repeats: int = 3) -> dict:
     """Requests that show how the stack runs the engine, each a median of ``repeats``:
 
     - one at a time, back to back: the TTFT of a short and a long prompt and the TPOT of a lone stream;
