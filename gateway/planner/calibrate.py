@@ -251,7 +251,7 @@ def host_effects(serving: dict):
 
     return HostEffects(contention=float(serving.get("host_contention", 0.0)),
                        wake_slowdown=float(serving.get("wake_slowdown", 0.0)),
-                       wake_full_s=float(serving.get("wake_full_s", 2.0)))
+                       wake_full_s=float(serving.get("wake_full_s", HostEffects.wake_full_s)))
 
 
 def serving_cost(cost, overheads: dict):

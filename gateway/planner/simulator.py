@@ -140,9 +140,6 @@ class HostEffects:
         return seconds * factor
 
 
-NO_HOST_EFFECTS = HostEffects()
-
-
 @dataclass(frozen=True)
 class SimConfig:
     """Everything a simulation needs besides the deployment and the traffic."""
@@ -294,6 +291,7 @@ class Simulation:
         self.itl_weights: list[int] = []
         self.transfer_bytes = 0.0
         self.busy_workers = 0
+        self.host = None if config.host == HostEffects() else config.host  # decided once, not per step
         self.fallbacks = 0
         self.retries = 0
         self.stopped_early = False
@@ -462,8 +460,8 @@ class Simulation:
             self.busy_workers += 1
             w.idle_before = now - w.last_step_end
             w.busy_since = now
-        if self.config.host != NO_HOST_EFFECTS:
-            duration = self.config.host.step_time(duration, self.busy_workers - 1, w.idle_before, now - w.busy_since)
+        if self.host is not None:
+            duration = self.host.step_time(duration, self.busy_workers - 1, w.idle_before, now - w.busy_since)
         w.busy = True
         w.current = out
         w.busy_time += duration
