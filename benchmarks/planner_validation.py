@@ -66,9 +66,24 @@ SPLITS = {"1P+1D": dict(prefill=1, decode=1, both=0), "2C": dict(prefill=0, deco
 PRESETS = {
     "quick": dict(model="tiny", rates=(0.5, 1.0), duration=50.0, prompt_len="uniform:64:512",
                   output_len="uniform:16:48", slo_ttft=2.0, slo_tpot=0.1),
-    "full": dict(model="100m", rates=(0.3, 0.6, 0.9), duration=60.0,
+    # The full preset's load levels are fractions of what one prefill worker can take on this machine
+    # (``capacity_rate``), so a slower machine is not measured deep in overload, where a queue grows
+    # for as long as the run lasts and its median says more about the run's length than the stack.
+    "full": dict(model="100m", loads=(0.3, 0.55, 0.8), duration=60.0, min_requests=20,
                  prompt_len="uniform:64:768", output_len="uniform:16:64", slo_ttft=3.0, slo_tpot=0.2),
 }
+
+
+def capacity_rate(engine_cost, prompt_len: str, chunk: int) -> float:
+    """Requests per second one worker can prefill, by the calibrated engine: 1 / the mean time to
+    compute a prompt of the distribution's lengths in chunks of ``chunk`` tokens."""
+    from gateway.planner.calibrate import prefill_seconds
+    from gateway.planner.traffic import LengthDist
+
+    lengths, counts = np.unique(LengthDist.parse(prompt_len).sample(np.random.default_rng(0), 4096),
+                                return_counts=True)
+    mean = float(np.average([prefill_seconds(engine_cost, int(n), chunk)[0] for n in lengths], weights=counts))
+    return 1.0 / mean
 
 
 def log(message: str) -> None:
@@ -134,7 +149,8 @@ async def stack_probes(url: str, model: str, args, decoders: int, seed: int, rep
     - ``PROBE_BATCH`` streams per decoding worker started together: their median TPOT;
     - after ``PROBE_PAUSE`` seconds of idle each (waking up): the long prompt's TTFT, and the TPOT of
       a stream with a ``COLD_STREAM_PROMPT``-token prompt (computed just before, as in the load);
-    - the contended probe (``contended_plan``): the long prompt's TTFT while the streams decode."""
+    - the contended probe (``contended_plan``): the long prompt's TTFT while the streams decode, and
+      the streams' median TPOT (their decode steps beside -- colocated, with -- its chunks)."""
     import random
     import statistics
 
@@ -165,20 +181,27 @@ async def stack_probes(url: str, model: str, args, decoders: int, seed: int, rep
         await asyncio.sleep(PROBE_PAUSE)
         streams.append((await send([(0.0, COLD_STREAM_PROMPT, PROBE_STREAM)]))[0].tpot)
     out["ttft_long_cold_s"], out["tpot_cold_s"] = statistics.median(prompts), statistics.median(streams)
-    values = [(await send(contended_plan(decoders)))[-1].ttft for _ in range(repeats)]
-    out["ttft_contended_s"] = statistics.median(values)
+    prompts, streams = [], []
+    for _ in range(repeats):
+        records = await send(contended_plan(decoders))
+        prompts.append(records[-1].ttft)
+        streams.append(statistics.median(r.tpot for r in records[:-1]))
+    out["ttft_contended_s"], out["tpot_contended_s"] = statistics.median(prompts), statistics.median(streams)
     return out
 
 
-def simulate_probe(split: str, cost, args, overhead_s: float, host) -> float:
-    """The contended probe's long-prompt TTFT as the simulator predicts it."""
+def simulate_probe(split: str, cost, args, overhead_s: float, host) -> tuple[float, float]:
+    """The contended probe as the simulator predicts it: the long prompt's TTFT and the streams'
+    median TPOT."""
     from gateway.planner.traffic import Workload
 
     decoders = SPLITS[split]["decode"] + SPLITS[split]["both"]
     plan = contended_plan(decoders)
     workload = Workload(np.array([p[0] for p in plan]), np.array([p[1] for p in plan]), np.array([p[2] for p in plan]))
     _, sim = simulation(split, workload, cost, args, overhead_s, host)
-    return sim.first_token[-1] - workload.arrival[-1]
+    first, finish = np.asarray(sim.first_token[:-1]), np.asarray(sim.finish[:-1])
+    streams_tpot = float(np.median((finish - first) / (workload.output_len[:-1] - 1)))
+    return sim.first_token[-1] - workload.arrival[-1], streams_tpot
 
 
 def fit_serving(engine_cost, probes: dict, split: str, args):
@@ -202,8 +225,12 @@ def fit_serving(engine_cost, probes: dict, split: str, args):
         cold_prefill_slowdown=prefill_cold, cold_decode_slowdown=decode_cold, pause_s=PROBE_PAUSE,
         contended_ttft_s=probes["ttft_contended_s"],
         predict_contended=lambda c: simulate_probe(split, cost, args, overheads["request_overhead_s"],
-                                                   HostEffects(contention=c))))
+                                                   HostEffects(contention=c))[0]))
     overheads["cold_slowdowns"] = [round(prefill_cold, 4), round(decode_cold, 4)]
+    if "tpot_contended_s" in probes:  # how the fitted simulation does on the contended streams (a check)
+        _, streams = simulate_probe(split, cost, args, overheads["request_overhead_s"],
+                                    HostEffects(contention=overheads["host_contention"]))
+        overheads["contended_streams_tpot_s"] = [round(streams, 5), round(probes["tpot_contended_s"], 5)]
     return overheads, cost, host_effects(overheads)
 
 
@@ -268,8 +295,12 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--model")
-    p.add_argument("--rates", help="comma-separated req/s")
-    p.add_argument("--duration", type=float)
+    p.add_argument("--rates", help="comma-separated req/s (default: the preset's)")
+    p.add_argument("--loads", help="comma-separated fractions of one prefill worker's calibrated capacity, "
+                                   "instead of --rates")
+    p.add_argument("--duration", type=float, help="seconds of traffic per run, at least")
+    p.add_argument("--min-requests", type=int, help="make each run long enough for this many requests on "
+                                                    "average (the full preset: 20)")
     p.add_argument("--redis-url", default="redis://127.0.0.1:6379")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
@@ -283,13 +314,19 @@ def main(argv=None) -> None:
     p.add_argument("--sample-overhead", action=argparse.BooleanOptionalAction, default=False,
                    help="fit a per-token serving overhead and the decode speed from both decode probes (else "
                         "the decode speed from the lone stream; the batched probe is recorded either way)")
+    p.add_argument("--pool-contention", action=argparse.BooleanOptionalAction, default=True,
+                   help="predict every run with the median of the runs' fitted host contention (else each "
+                        "run's own fit)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     preset = PRESETS["quick" if args.quick else "full"]
     for key, value in preset.items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
-    args.rates = [float(r) for r in args.rates.split(",")] if isinstance(args.rates, str) else list(args.rates)
+    if isinstance(args.rates, str):
+        args.rates, args.loads = [float(r) for r in args.rates.split(",")], None
+    elif isinstance(args.loads, str):
+        args.loads = [float(x) for x in args.loads.split(",")]
     checkpoint, args.vocab = prepare_model(args.model)
     RESULTS.mkdir(parents=True, exist_ok=True)
 
@@ -346,7 +383,7 @@ def recorded_measurement(runs: list[dict], split: str, rate: float, requests: in
 
 
 def run_all(args, checkpoint: str) -> None:
-    from gateway.planner.calibrate import calibrate, save
+    from gateway.planner.calibrate import calibrate, host_effects, save
     from gateway.planner.traffic import LengthDist, synthetic
 
     if args.calibration:
@@ -362,11 +399,18 @@ def run_all(args, checkpoint: str) -> None:
     args.kv_bytes_per_token = document["engine"]["kv_bytes_per_token"]
     args.max_model_len = document["engine"]["max_model_len"]
 
-    rates = args.rates
-    runs = []
+    if args.loads:
+        capacity = capacity_rate(engine_cost, args.prompt_len, args.max_num_batched_tokens)
+        rates = [round(load * capacity, 3) for load in args.loads]
+        log(f"one prefill worker takes {capacity:.3f} req/s of {args.prompt_len} prompts (calibrated engine): "
+            f"load levels {list(args.loads)} -> {rates} req/s")
+    else:
+        capacity, rates = None, list(args.rates)
+    runs, fitted = [], []
     recorded = json.loads(args.repredict.read_text())["runs"] if args.repredict else None
     for level, rate in enumerate(rates):
-        workload = synthetic(rate, args.duration, LengthDist.parse(args.prompt_len), LengthDist.parse(args.output_len),
+        duration = max(args.duration, (args.min_requests or 0) / rate)
+        workload = synthetic(rate, duration, LengthDist.parse(args.prompt_len), LengthDist.parse(args.output_len),
                              seed=args.seed + level)
         plan = real_plan(workload, args.vocab, args.seed + level)
         for split in SPLITS:
@@ -375,33 +419,43 @@ def run_all(args, checkpoint: str) -> None:
             else:
                 log(f"[{split} @ {rate} req/s] measuring {len(plan)} requests...")
                 measured = measure(split, checkpoint, plan, args)
-            overheads, cost, host = fit_serving(engine_cost, measured["probes"], split, args)
-            predicted = predict(split, workload, cost, args, overheads["request_overhead_s"], host)
-            log(f"[{split} @ {rate} req/s] idle stack: prefill x{overheads['speed']:.2f}, decode "
-                f"x{overheads['decode_speed']:.2f}, {overheads['sample_overhead_s'] * 1e3:.2f} ms/token streamed, "
-                f"{overheads['request_overhead_s'] * 1e3:.0f} ms/request, cold x{1 + overheads['wake_slowdown']:.2f} "
-                f"(prefill x{1 + overheads['cold_slowdowns'][0]:.2f}, decode x{1 + overheads['cold_slowdowns'][1]:.2f}), "
-                f"contention {overheads['host_contention']:.2f} per busy worker")
-            log(f"[{split} @ {rate} req/s] predicted TTFT p50 {predicted['ttft_ms']['p50']} ms, "
-                f"TPOT p50 {predicted['tpot_ms']['p50']} ms")
-            log(f"[{split} @ {rate} req/s] measured  TTFT p50 {measured['ttft_ms']['p50']} ms, "
-                f"TPOT p50 {measured['tpot_ms']['p50']} ms, errors {measured['errors']}")
-            per_request = [{"prompt": int(workload.prompt_len[i]), "output": int(workload.output_len[i]),
-                            "arrival_s": round(float(workload.arrival[i]), 4),
-                            "ttft_ms": [_ms(p[0]), _ms(m[0])], "tpot_ms": [_ms(p[1]), _ms(m[1])]}
-                           for i, (p, m) in enumerate(zip(predicted.pop("per_request"), measured.pop("per_request")))]
-            runs.append({"split": split, "rate": rate, "requests": len(workload), "stack": overheads,
-                         "probes": measured.pop("probes"), "probes_before_after": measured.get("probes_before_after"),
-                         "per_request": per_request,
-                         "predicted": {k: predicted[k] for k in ("ttft_ms", "tpot_ms", "itl_ms", "goodput_req_s",
-                                                                 "slo_ratio", "preemptions")},
-                         "measured": {k: measured[k] for k in ("ttft_ms", "tpot_ms", "itl_ms", "goodput_req_s",
-                                                               "errors")},
-                         "ttft_p50_rel_error": rel(predicted["ttft_ms"]["p50"], measured["ttft_ms"]["p50"]),
-                         "tpot_p50_rel_error": rel(predicted["tpot_ms"]["p50"], measured["tpot_ms"]["p50"])})
-            m = runs[-1]["measured"]
-            m["slo_ratio"] = slo_ratio((m["ttft_ms"]["p90"] or float("inf")) / 1e3,
-                                       (m["tpot_ms"]["p90"] or float("nan")) / 1e3, args.slo_ttft, args.slo_tpot)
+            overheads, cost, _ = fit_serving(engine_cost, measured["probes"], split, args)
+            fitted.append((rate, split, workload, measured, overheads, cost))
+    if args.pool_contention:
+        # How much busy workers slow each other is the host's, not one run's: each run's contended
+        # probe is three requests on a machine whose speed drifts, so every run uses the runs' median.
+        pooled = float(np.median([overheads["host_contention"] for *_, overheads, _ in fitted]))
+        for *_, overheads, _ in fitted:
+            overheads["host_contention_run"], overheads["host_contention"] = overheads["host_contention"], pooled
+        log(f"host contention: {pooled:.3f} per busy worker (the median of the runs' fits)")
+    for rate, split, workload, measured, overheads, cost in fitted:
+        host = host_effects(overheads)
+        predicted = predict(split, workload, cost, args, overheads["request_overhead_s"], host)
+        log(f"[{split} @ {rate} req/s] idle stack: prefill x{overheads['speed']:.2f}, decode "
+            f"x{overheads['decode_speed']:.2f}, {overheads['sample_overhead_s'] * 1e3:.2f} ms/token streamed, "
+            f"{overheads['request_overhead_s'] * 1e3:.0f} ms/request, cold x{1 + overheads['wake_slowdown']:.2f} "
+            f"(prefill x{1 + overheads['cold_slowdowns'][0]:.2f}, decode x{1 + overheads['cold_slowdowns'][1]:.2f}), "
+            f"contention {overheads['host_contention']:.2f} per busy worker")
+        log(f"[{split} @ {rate} req/s] predicted TTFT p50 {predicted['ttft_ms']['p50']} ms, "
+            f"TPOT p50 {predicted['tpot_ms']['p50']} ms")
+        log(f"[{split} @ {rate} req/s] measured  TTFT p50 {measured['ttft_ms']['p50']} ms, "
+            f"TPOT p50 {measured['tpot_ms']['p50']} ms, errors {measured['errors']}")
+        per_request = [{"prompt": int(workload.prompt_len[i]), "output": int(workload.output_len[i]),
+                        "arrival_s": round(float(workload.arrival[i]), 4),
+                        "ttft_ms": [_ms(p[0]), _ms(m[0])], "tpot_ms": [_ms(p[1]), _ms(m[1])]}
+                       for i, (p, m) in enumerate(zip(predicted.pop("per_request"), measured.pop("per_request")))]
+        runs.append({"split": split, "rate": rate, "requests": len(workload), "stack": overheads,
+                     "probes": measured.pop("probes"), "probes_before_after": measured.get("probes_before_after"),
+                     "per_request": per_request,
+                     "predicted": {k: predicted[k] for k in ("ttft_ms", "tpot_ms", "itl_ms", "goodput_req_s",
+                                                             "slo_ratio", "preemptions")},
+                     "measured": {k: measured[k] for k in ("ttft_ms", "tpot_ms", "itl_ms", "goodput_req_s",
+                                                           "errors")},
+                     "ttft_p50_rel_error": rel(predicted["ttft_ms"]["p50"], measured["ttft_ms"]["p50"]),
+                     "tpot_p50_rel_error": rel(predicted["tpot_ms"]["p50"], measured["tpot_ms"]["p50"])})
+        m = runs[-1]["measured"]
+        m["slo_ratio"] = slo_ratio((m["ttft_ms"]["p90"] or float("inf")) / 1e3,
+                                   (m["tpot_ms"]["p90"] or float("nan")) / 1e3, args.slo_ttft, args.slo_tpot)
 
     agree = [best_split_at(rate, [r for r in runs if r["rate"] == rate], args, seed=args.seed) for rate in rates]
 
@@ -412,6 +466,8 @@ def run_all(args, checkpoint: str) -> None:
     line = {"benchmark": "planner_validation", "quick": args.quick, "model": args.model,
             "ttft_p50_rel_error": worst("ttft_p50_rel_error"), "tpot_p50_rel_error": worst("tpot_p50_rel_error"),
             "best_split_agrees": all(a["agrees"] for a in agree),
+            "rates": rates, "loads": list(args.loads) if args.loads else None,
+            "capacity_req_s": None if capacity is None else round(capacity, 4),
             "best_split": agree, "target": 0.25,
             "calibration_fit": {k: engine_cost.fit.get(k) for k in ("median_rel_error", "p90_rel_error")},
             "runs": [{"split": r["split"], "rate": r["rate"],

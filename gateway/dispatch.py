@@ -28,7 +28,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Sequence
+from typing import AsyncIterator, Callable, Sequence
 
 import aiohttp
 
@@ -72,10 +72,12 @@ class _Sent:
 class SentToDecode:
     """Requests this gateway sent to each decode worker that the worker's last heartbeat may not
     show yet: from the send until the first heartbeat stamped after the request's first frame (or
-    until it ends).  A fresher load signal than the heartbeats, so a burst spreads."""
+    until it ends).  A fresher load signal than the heartbeats, so a burst spreads.  ``clock``: the
+    clock heartbeats are stamped with (wall time; the planner's simulator passes its own)."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self._by_worker: dict[str, dict[str, _Sent]] = {}
+        self._clock = clock
 
     def add(self, worker_id: str, request_id: str, blocks: int) -> None:
         self._by_worker.setdefault(worker_id, {})[request_id] = _Sent(blocks)
@@ -83,7 +85,7 @@ class SentToDecode:
     def admitted(self, worker_id: str, request_id: str) -> None:
         sent = self._by_worker.get(worker_id, {}).get(request_id)
         if sent is not None and sent.admitted_at is None:
-            sent.admitted_at = time.time()
+            sent.admitted_at = self._clock()
 
     def remove(self, worker_id: str, request_id: str) -> None:
         sent = self._by_worker.get(worker_id)

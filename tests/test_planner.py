@@ -530,3 +530,77 @@ def test_best_split_is_judged_only_where_the_measurement_can_tell_the_splits_apa
     close = [run("1P+1D", ttft, tpot, 0.3), run("2C", 1.01 * ttft[::-1], tpot[::-1], 0.2)]
     judged = best_split_at(1.0, close, args)
     assert judged["tie"] and judged["agrees"] and judged["measured_confidence"] < 0.9
+
+
+# ---- the gateway around the router: spreading bursts, waiting for room -----------------------
+
+
+def decode_side_admissions(monkeypatch, sim: Simulation) -> dict[str, int]:
+    """Counts, per worker, the requests it took as their decode worker (a reservation for a remote
+    prompt, or a prompt it computes itself); filled in as ``sim`` runs."""
+    owner = {id(w.scheduler): wid for wid, w in sim.workers.items()}
+    counts = {wid: 0 for wid in sim.workers}
+    for name in ("add_request", "reserve_remote"):
+        original = getattr(Scheduler, name)
+
+        def spy(self, request, *args, _original=original, **kwargs):
+            result = _original(self, request, *args, **kwargs)
+            if request.sampling_params.max_tokens > 1 and result is not False and id(self) in owner:
+                counts[owner[id(self)]] += 1
+            return result
+
+        monkeypatch.setattr(Scheduler, name, spy)
+    return counts
+
+
+def test_a_burst_spreads_over_the_decode_workers_before_any_heartbeat_shows_it(monkeypatch):
+    # Eight requests at once: every heartbeat still says both workers are idle, but the gateway
+    # counts what it sent each one (gateway.dispatch.SentToDecode, driven on simulated time).
+    burst = Workload(np.zeros(8), np.full(8, 100), np.full(8, 40))
+    sim = Simulation(Deployment(both=2), burst, config())
+    counts = decode_side_admissions(monkeypatch, sim)
+    result = sim.run()
+    assert result["completed"] == 8
+    assert counts == {"b0": 4, "b1": 4}
+
+
+def two_prompts_for_one_room(**changes) -> tuple[Workload, SimConfig]:
+    """Two 600-token prompts at once for a decode worker whose 64 blocks hold one of them."""
+    wl = Workload(np.zeros(2), np.full(2, 600), np.full(2, 200))
+    return wl, dataclasses.replace(config(num_blocks=64), **changes)
+
+
+def test_a_decode_worker_without_room_answers_busy_and_the_request_waits_at_the_gateway():
+    wl, cfg = two_prompts_for_one_room()
+    sim = Simulation(Deployment(1, 1), wl, cfg)
+    result = sim.run()
+    # The second prompt is not computed on the decode worker instead (the real decode worker
+    # answers "busy"): it waits in the gateway's queue until the first stream ends, then goes
+    # the remote way like the first.
+    assert result["completed"] == 2 and result["errors"] == 0
+    assert result["remote_prefills"] == 2 and result["local_prefills"] == 0
+    assert result["queued_requests"] == 1 and result["decode_busy_answers"] >= 1
+    assert sim.first_token[1] > sim.finish[0]
+
+
+def test_a_request_that_waits_past_the_queue_timeout_or_finds_the_queue_full_fails_as_saturated():
+    wl, cfg = two_prompts_for_one_room(queue_timeout_s=0.2)  # the first stream takes longer than this
+    sim = Simulation(Deployment(1, 1), wl, cfg)
+    result = sim.run()
+    assert result["completed"] == 1 and result["errors"] == 1
+    assert sim.outcome[1] == "error:saturated"
+    wl, cfg = two_prompts_for_one_room(queue_size=0)
+    sim = Simulation(Deployment(1, 1), wl, cfg)
+    assert sim.run()["errors"] == 1 and sim.outcome[1] == "error:saturated"
+
+
+def test_validation_load_levels_are_fractions_of_the_calibrated_prefill_capacity():
+    from benchmarks.planner_validation import capacity_rate
+
+    # 10 ms per step + 1 ms per token: a 90-token prompt takes 0.1 s, one of 190 tokens 0.2 s.
+    cost = LinearCostModel((0.01, 1e-3, 0.0, 0.0, 0.0, 0.0))
+    assert capacity_rate(cost, "fixed:90", chunk=512) == pytest.approx(10.0)
+    # Chunked: 600 tokens in chunks of 512 is two steps.
+    assert capacity_rate(cost, "fixed:600", chunk=512) == pytest.approx(1 / 0.62)
+    # A distribution: the mean prompt time, not the time of the mean prompt.
+    assert 1 / capacity_rate(cost, "uniform:90:190", chunk=512) == pytest.approx(0.15, rel=0.02)

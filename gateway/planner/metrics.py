@@ -106,7 +106,7 @@ def summarize_simulation(sim, wall_s: float) -> dict:
         "preemptions": sum(w.preemptions for w in workers),
         "remote_prefills": sum(1 for k in sim.route_kind if k == "remote"),
         "local_prefills": sum(1 for k in sim.route_kind if k == "local"),
-        "prefill_fallbacks": sim.fallbacks, "decode_retries": sim.retries,
+        "decode_busy_answers": sim.retries, "queued_requests": sim.queued,
         "transfer_gb": round(sim.transfer_bytes * scale / 1e9, 4),
         "transfer_gb_s": round(sim.transfer_bytes * scale / 1e9 / span, 4),
         "traffic_fraction": round(sim.fraction, 6),

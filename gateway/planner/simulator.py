@@ -4,8 +4,10 @@ What is real and what is modelled::
 
     real code, called as the services call it            modelled
     ---------------------------------------------        -------------------------------------------
-    gateway.routing.Router.route (policy, pending)        the gateway's view: WorkerInfo refreshed
+    gateway.routing.Router.route (policy, pending,        the gateway's view: WorkerInfo refreshed
+      gateway.dispatch.SentToDecode's pending_decode)
                                                           per heartbeat, read every pool refresh
+    gateway.backpressure.WaitQueue (size, deadline)       the gateway's dispatch loop around them
     Scheduler.add_request / reserve_remote /              step time: a CostModel of the step's shape
       schedule / update / finish_remote / release_held    KV transfer: bytes / link bandwidth,
     BlockPool + KVCacheManager (prefix cache, hashes,       serialised per sender and per receiver
@@ -18,7 +20,10 @@ model, then ``update()`` at the step's end (event-driven, no global clock ticks)
 worker ships the blocks each step completed, as ``prefill_svc.shipping`` does, and the decode
 worker's ``finish_remote`` runs when the last byte lands.  Requests are routed as
 ``gateway.dispatch`` routes them: prefix match per worker from its real block pool, the gateway's
-count of pending prefill tokens, up to three attempts when a decode worker is full.
+count of pending prefill tokens.  A decode worker that is full (its pending-request limit, or no
+room to reserve a remote prompt's blocks) answers "busy" and is skipped; with none left the
+request waits in the gateway's ``WaitQueue`` -- woken oldest first when a stream ends or the pool
+refreshes, failed as saturated past its deadline or when the queue is full -- as the gateway does.
 
 Large clusters are sampled (``slice_for``): a slice of the workers with the same prefill:decode
 ratio receives a matching share of the traffic, so each simulated worker sees the load it would
@@ -26,6 +31,7 @@ see in the whole cluster.  The result says when it was sampled and by how much.
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import heapq
 import inspect
@@ -44,6 +50,7 @@ from common.engine.kv_cache_manager import KVCacheManager, cdiv
 from common.engine.request import Request
 from common.engine.sampling_params import SamplingParams
 from common.engine.scheduler import Scheduler
+from gateway.dispatch import SentToDecode
 from gateway.planner.cost_model import CostModel, step_shape
 from gateway.planner.hardware import LinkProfile
 from gateway.planner.traffic import Workload, output_token
@@ -156,7 +163,8 @@ class SimConfig:
     pool_refresh_s: float = 0.5  # the gateway re-reads the registry this often
     overhead_s: float = 0.0  # gateway + HTTP hops, added to TTFT and end-to-end latency
     host: HostEffects = HostEffects()  # workers sharing CPUs (all simulated workers on one host)
-    max_attempts: int = 3
+    queue_size: int = 256  # the gateway's wait queue (GatewayConfig.queue_size) ...
+    queue_timeout_s: float = 10.0  # ... and how long a request may wait in it (queue_timeout)
     drain_s: float | None = None  # simulated time after the last arrival (default: max(60, duration))
     stop_when_failing: bool = False  # stop as soon as the SLOs are certainly missed
     seed: int = 0
@@ -235,7 +243,7 @@ class SimWorker:
         load = Load(num_waiting=len(s.waiting), num_running=len(s.running),
                     kv_usage=min(1.0, max(0.0, self.pool.usage)), num_waiting_prefill_tokens=waiting_tokens,
                     prefill_tokens_per_s=max(0.0, rate))
-        self.info = msgspec.structs.replace(self._info, load=load)
+        self.info = msgspec.structs.replace(self._info, load=load, heartbeat_at=now)
         return self.info
 
     def note_usage(self, now: float) -> None:
@@ -278,7 +286,9 @@ class Simulation:
         self.block_size = block_sizes.pop()
         self.block_bytes = config.kv_bytes_per_token * self.block_size
         self.view: list[WorkerInfo] = [w.info for w in self.workers.values()]
-        self.pending: dict[str, int] = {}
+        self.pending: dict[str, int] = {}  # the gateway's pending prefill tokens per prefill worker
+        self.sent_to_decode = SentToDecode(clock=self._clock)  # and its requests not in a heartbeat yet
+        self.decode_of: dict[int, str] = {}  # request index -> the decode worker it was sent to
         self.events: list = []
         self._seq = 0
         n = len(workload)
@@ -292,8 +302,12 @@ class Simulation:
         self.transfer_bytes = 0.0
         self.busy_workers = 0
         self.host = None if config.host == HostEffects() else config.host  # decided once, not per step
-        self.fallbacks = 0
-        self.retries = 0
+        self.retries = 0  # "busy" answers: a decode worker skipped for a request
+        self.queued = 0  # requests that waited for room at least once
+        # The gateway's WaitQueue: (deadline, request index), oldest deadline first; and what each
+        # waiting request needs to be routed again.
+        self.waiting: list[tuple[float, int]] = []
+        self._wait_state: dict[int, tuple[Request, bytes]] = {}
         self.stopped_early = False
 
     def _clock(self) -> float:
@@ -344,6 +358,11 @@ class Simulation:
             elif kind == REFRESH:
                 self.view = [w.info for w in self.workers.values()]
                 self._push(when + cfg.pool_refresh_s, REFRESH, None)
+                if self.waiting:
+                    self._wake(1, when)  # new loads: one waiting request probes them
+        for deadline, i in self.waiting:  # still waiting at the end: the gateway would give up
+            self.outcome[i] = "error:saturated"
+        self.waiting.clear()
         for w in self.workers.values():
             w.note_usage(self.now)
         return self._result(time.perf_counter() - began)
@@ -369,55 +388,94 @@ class Simulation:
     # ---- routing and admission (gateway.dispatch + decode_svc.generate) -----------------------
 
     def _arrive(self, i: int, now: float) -> None:
-        wl, cfg = self.workload, self.config
+        wl = self.workload
         tokens = wl.prompt_tokens(i)
         bs = self.block_size
         # The decode worker's own Request: its block hashes (the engine's hash function and extra
         # keys) serve the gateway's prefix lookup too, and are computed once.
         request = Request(str(i), tokens, SamplingParams(max_tokens=int(wl.output_len[i]), ignore_eos=True),
                           arrival_time=now)
-        matched = {}
         affinity = b""
         if len(tokens) >= bs:
             if wl.shared[i]:
-                hashes = request.update_block_hashes(bs)
-                for w in self.workers.values():
-                    m = w.cached_blocks(hashes)
-                    if m:
-                        matched[w.worker_id] = m
-                affinity = hashes[0]
+                affinity = request.update_block_hashes(bs)[0]
             else:  # nobody can hold a prompt no other request shares: only the affinity key is needed
                 affinity = Request("affinity", tokens[:bs], request.sampling_params).update_block_hashes(bs)[0]
-        exclude: set[str] = set()
-        for _ in range(cfg.max_attempts):
-            workers = [w for w in self.view if w.worker_id not in exclude]
-            try:
-                route = self.router.route(workers, len(tokens), matched, affinity_key=affinity, pending=self.pending)
-            except NoWorkerAvailable:
-                break
-            decode = self.workers[route.decode.worker_id]
-            if decode.scheduler.num_unfinished >= decode.settings.max_pending_requests:
-                exclude.add(decode.worker_id)  # "busy": the gateway tries another decode worker
-                self.retries += 1
-                continue
-            self._admit(i, request, route, decode, now)
-            return
-        self._fail(i, "saturated")
+        self._dispatch(i, request, affinity, now, None)
 
-    def _admit(self, i: int, request: Request, route, decode: SimWorker, now: float) -> None:
+    def _dispatch(self, i: int, request: Request, affinity: bytes, now: float, deadline: float | None) -> None:
+        """``gateway.dispatch.Dispatcher.generate`` up to the first token: look the prompt's prefix
+        up, route; a decode worker that answers busy is skipped; with none left, wait
+        (``deadline``: set when it first waited)."""
+        matched = {}
+        if self.workload.shared[i] and request.num_prompt_tokens >= self.block_size:
+            hashes = request.block_hashes
+            for w in self.workers.values():
+                m = w.cached_blocks(hashes)
+                if m:
+                    matched[w.worker_id] = m
+        busy: set[str] = set()
+        while True:
+            workers = [w for w in self.view if w.worker_id not in busy] if busy else self.view
+            try:
+                route = self.router.route(workers, request.num_prompt_tokens, matched, affinity_key=affinity,
+                                          pending=self.pending, pending_decode=self.sent_to_decode.load(workers))
+            except NoWorkerAvailable:
+                self._wait(i, request, affinity, now, deadline)
+                return
+            decode = self.workers[route.decode.worker_id]
+            if decode.scheduler.num_unfinished < decode.settings.max_pending_requests and self._admit(
+                    i, request, route, decode, now):
+                if self.outcome[i] == "":  # admitted (not refused as invalid)
+                    self.decode_of[i] = decode.worker_id
+                    self.sent_to_decode.add(decode.worker_id, request.request_id,
+                                            cdiv(request.num_prompt_tokens, decode.settings.block_size))
+                return
+            busy.add(decode.worker_id)  # "busy": the gateway tries another decode worker
+            self.retries += 1
+
+    def _wait(self, i: int, request: Request, affinity: bytes, now: float, deadline: float | None) -> None:
+        """``WaitQueue.wait``: a full queue or a passed deadline fails the request (503 saturated)."""
+        cfg = self.config
+        if deadline is None:
+            deadline = now + cfg.queue_timeout_s
+            self.queued += 1
+        if len(self.waiting) >= cfg.queue_size or deadline <= now:
+            self._wait_state.pop(i, None)
+            self._fail(i, "saturated")
+            return
+        bisect.insort(self.waiting, (deadline, i))
+        self._wait_state[i] = (request, affinity)
+
+    def _wake(self, n: int, now: float) -> None:
+        """``WaitQueue.notify(n)``: the ``n`` oldest waiting requests try again; one whose deadline
+        passed meanwhile has already failed (its wait timed out), and does not count."""
+        while n > 0 and self.waiting:
+            deadline, i = self.waiting.pop(0)
+            request, affinity = self._wait_state.pop(i)
+            if deadline <= now:
+                self._fail(i, "saturated")
+                continue
+            n -= 1
+            self._dispatch(i, request, affinity, now, deadline)
+
+    def _admit(self, i: int, request: Request, route, decode: SimWorker, now: float) -> bool:
+        """``decode_svc.generate``: reserve blocks for a remote prefill, or queue the prompt locally.
+        False when the decode worker answers busy (no room to reserve the prompt's blocks)."""
         try:
             if route.prefill is not None:
                 reserved = decode.scheduler.reserve_remote(request)
-                if reserved is not None:
-                    self._start_remote(i, request, route, decode, reserved[1])
-                    return
-                self.fallbacks += 1  # no blocks to reserve: the decode worker computes the prompt itself
+                if reserved is None:
+                    return False
+                self._start_remote(i, request, route, decode, reserved[1])
+                return True
             decode.scheduler.add_request(request)
             self.route_kind[i] = "local"
         except ValueError as exc:
             self._fail(i, f"invalid: {exc}")
-            return
+            return True
         self._kick(decode, now)
+        return True
 
     def _start_remote(self, i: int, decode_request: Request, route, decode: SimWorker, num_cached: int) -> None:
         prefill = self.workers[route.prefill.worker_id]
@@ -478,7 +536,7 @@ class Simulation:
         w.note_usage(now)
         first, last, finish = self.first_token, self.last_token, self.finish
         prev_end = w.last_step_end
-        steady = 0
+        steady = ended = 0
         jobs = w.jobs
         for request in changed:
             rid = request.request_id
@@ -487,6 +545,7 @@ class Simulation:
             i = int(rid)
             if first[i] != first[i]:
                 first[i] = now + self.config.overhead_s
+                self.sent_to_decode.admitted(self.decode_of[i], rid)
             else:
                 if last[i] == prev_end:
                     steady += 1
@@ -498,6 +557,8 @@ class Simulation:
                 finish[i] = now + self.config.overhead_s
                 self.outcome[i] = "ok"
                 self._remaining -= 1
+                self.sent_to_decode.remove(self.decode_of.pop(i), rid)
+                ended += 1
         if steady:
             self.itl_values.append(now - prev_end)
             self.itl_weights.append(steady)
@@ -505,6 +566,8 @@ class Simulation:
             self._ship(w, out, now)
         w.last_step_end = now
         self._start_step(w, now)
+        if ended and self.waiting:
+            self._wake(ended, now)  # each stream that ended lets one waiting request try
 
     def _ship(self, w: SimWorker, out, now: float) -> None:
         """What ``prefill_svc.shipping.Shipper.after_step`` does: send every block this step completed."""
@@ -543,17 +606,23 @@ class Simulation:
             self.pending[wid] = left
         else:
             self.pending.pop(wid, None)
-        request = decode.scheduler.finish_remote(job.request.request_id, TOKEN)
+        rid = job.request.request_id
+        request = decode.scheduler.finish_remote(rid, TOKEN)
         if request is None:
             self._fail(i, "aborted")
+            self.sent_to_decode.remove(self.decode_of.pop(i), rid)
             return
         self.first_token[i] = now + self.config.overhead_s
         self.last_token[i] = now
+        self.sent_to_decode.admitted(decode.worker_id, rid)
+        self._kick(decode, now)
         if request.is_finished:
             self.finish[i] = now + self.config.overhead_s
             self.outcome[i] = "ok"
             self._remaining -= 1
-        self._kick(decode, now)
+            self.sent_to_decode.remove(self.decode_of.pop(i), rid)
+            if self.waiting:
+                self._wake(1, now)
 
     # ---- results -----------------------------------------------------------------------------
 
