@@ -34,8 +34,14 @@ is a tie, which any ranking agrees with; each level says which it was --; and
 at 1,000 req/s for 10 minutes (sampled, see ``gateway/planner/search.py``), with its CPU time and
 the slice it simulated.
 
-On 2 shared vCPUs: ``--quick`` (tiny model, 2 load levels, 50 s each) about 11 minutes; the full
-run (100m model, 3 load levels, 60 s each) about 25 minutes.  Other processes on the machine make
+Load levels: ``--quick`` 0.5 and 1 req/s; the full preset 0.3, 0.55 and 0.8 of what one prefill worker
+takes by the calibration (``capacity_rate``), so a slower machine is not measured in overload.  Host
+contention is pooled over the runs (``--pool-contention``, on by default: each run's probe is three
+requests, and how busy workers slow each other is the host's).
+
+On 2 shared vCPUs: ``--quick`` (tiny model, 2 load levels, 50 s each) about 15 minutes; the full
+run (100m model, 3 load levels, at least 60 s and 20 requests each) about 45 minutes, 30 with
+``--calibration`` reusing an earlier calibration file.  Other processes on the machine make
 both the calibration and the measurement noisy; the per-run figures are in the JSON.
 """
 from __future__ import annotations
