@@ -212,9 +212,10 @@ def simulate_probe(split: str, cost, args, overhead_s: float, host) -> tuple[flo
 
 def fit_serving(engine_cost, probes: dict, split: str, args):
     """What the stack adds to the calibrated engine, fitted from ``split``'s probes: the overheads
-    (the ``serving`` section of a calibration file), the serving cost model and the host effects."""
+    and host effects (the ``serving`` section of a calibration file; ``host_effects`` reads the
+    latter) and the serving cost model."""
     from gateway.planner.calibrate import (
-        cold_slowdowns, fit_host_effects, fit_stack_overheads, host_effects, serving_cost,
+        cold_slowdowns, fit_host_effects, fit_stack_overheads, serving_cost,
     )
     from gateway.planner.simulator import HostEffects
 
@@ -237,7 +238,7 @@ def fit_serving(engine_cost, probes: dict, split: str, args):
         _, streams = simulate_probe(split, cost, args, overheads["request_overhead_s"],
                                     HostEffects(contention=overheads["host_contention"]))
         overheads["contended_streams_tpot_s"] = [round(streams, 5), round(probes["tpot_contended_s"], 5)]
-    return overheads, cost, host_effects(overheads)
+    return overheads, cost
 
 
 def simulation(split: str, workload, cost, args, overhead_s: float, host):
@@ -425,7 +426,7 @@ def run_all(args, checkpoint: str) -> None:
             else:
                 log(f"[{split} @ {rate} req/s] measuring {len(plan)} requests...")
                 measured = measure(split, checkpoint, plan, args)
-            overheads, cost, _ = fit_serving(engine_cost, measured["probes"], split, args)
+            overheads, cost = fit_serving(engine_cost, measured["probes"], split, args)
             fitted.append((rate, split, workload, measured, overheads, cost))
     if args.pool_contention:
         # How much busy workers slow each other is the host's, not one run's: each run's contended
