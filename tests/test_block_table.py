@@ -17,7 +17,10 @@ def test_rows_grow_by_appending_and_are_reused_after_release():
     table.append("b", [7])
     table.append("a", [31])  # past the columns: the table grows
     assert table.ids("a") == [12, 5, 31] and table.ids("b") == [7]
+    assert table.row_ids("a") == [12, 5, 31] and table.row_ids("b") == [7]  # the tensor holds the same
     assert table.table.shape[1] >= 3
+    table.ids("a").append(99)  # a copy: the caller cannot change the table
+    assert table.ids("a") == [12, 5, 31]
     row_a = table.row("a")
     table.release("a")
     assert table.row("a") == -1 and table.ids("a") == []
@@ -26,6 +29,7 @@ def test_rows_grow_by_appending_and_are_reused_after_release():
     assert table.row("c") == row_a and table.ids("c") == [3, 4]
     table.append("d", [9])  # past the rows: the table grows, every row keeps its ids
     assert table.ids("b") == [7] and table.ids("c") == [3, 4] and table.ids("d") == [9]
+    assert [table.row_ids(r) for r in "bcd"] == [[7], [3, 4], [9]]
     assert len({table.row(r) for r in "bcd"}) == 3
     table.append("e", [])
     assert table.row("e") == -1  # no blocks, no row

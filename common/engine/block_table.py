@@ -10,7 +10,9 @@ context lengths with vectorised ops (``attention.step_layout``)::
     row 1  [  7  8  0  0  0 ]   request "b": 2 blocks
     row 2  [  0  0  0  0  0 ]   free (its request finished)
 
-Rows and columns grow by doubling when a new request or a longer one needs them.
+Rows and columns grow by doubling when a new request or a longer one needs them.  Each row is
+also kept as a Python list, for the per-request reads of every step (``ids``): reading a tensor
+slice back into a list costs microseconds per request per step.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ class BlockTable:
     def __init__(self, rows: int = 64, max_blocks: int = 64):
         self.table = torch.zeros((max(1, rows), max(1, max_blocks)), dtype=torch.int32)
         self.lengths: dict[str, int] = {}  # request id -> block ids written in its row
+        self._ids: dict[str, list[int]] = {}  # request id -> its row's block ids, as a list
         self._rows: dict[str, int] = {}
         self._free_rows = list(range(self.table.shape[0] - 1, -1, -1))
 
@@ -45,6 +48,7 @@ class BlockTable:
             self._grow(columns=max(end, 2 * self.table.shape[1]))
         self.table[row, start:end] = torch.tensor(block_ids, dtype=torch.int32)
         self.lengths[request_id] = end
+        self._ids.setdefault(request_id, []).extend(block_ids)
 
     def release(self, request_id: str) -> None:
         """Give the request's row back (its blocks were freed)."""
@@ -52,10 +56,16 @@ class BlockTable:
         if row is None:
             return
         self.table[row, : self.lengths.pop(request_id)] = 0
+        self._ids.pop(request_id, None)
         self._free_rows.append(row)
 
     def ids(self, request_id: str) -> list[int]:
-        """The request's block ids as the table holds them (checks and tests)."""
+        """The request's block ids (a copy of its list)."""
+        ids = self._ids.get(request_id)
+        return [] if ids is None else ids.copy()
+
+    def row_ids(self, request_id: str) -> list[int]:
+        """The request's block ids as the tensor row holds them (integrity checks and tests)."""
         row = self._rows.get(request_id)
         return [] if row is None else self.table[row, : self.lengths[request_id]].tolist()
 

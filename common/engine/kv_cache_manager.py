@@ -129,7 +129,7 @@ class KVCacheManager:
         self.pool.check_integrity()
         owners: Counter[int] = Counter(self.pins)
         for request_id, blocks in self.req_to_blocks.items():
-            assert [b.block_id for b in blocks] == self.table.ids(request_id), (
+            assert [b.block_id for b in blocks] == self.table.row_ids(request_id) == self.table.ids(request_id), (
                 f"the persistent row of {request_id!r} out of sync with its table")
             assert len({b.block_id for b in blocks}) == len(blocks), f"a block is twice in the table of {request_id!r}"
             owners.update(block.block_id for block in blocks)
