@@ -24,7 +24,6 @@ class BlockTable:
 
     def __init__(self, rows: int = 64, max_blocks: int = 64):
         self.table = torch.zeros((max(1, rows), max(1, max_blocks)), dtype=torch.int32)
-        self.lengths: dict[str, int] = {}  # request id -> block ids written in its row
         self._ids: dict[str, list[int]] = {}  # request id -> its row's block ids, as a list
         self._rows: dict[str, int] = {}
         self._free_rows = list(range(self.table.shape[0] - 1, -1, -1))
@@ -42,21 +41,19 @@ class BlockTable:
             if not self._free_rows:
                 self._grow(rows=2 * self.table.shape[0])
             row = self._rows[request_id] = self._free_rows.pop()
-        start = self.lengths.get(request_id, 0)
-        end = start + len(block_ids)
+        ids = self._ids.setdefault(request_id, [])
+        start, end = len(ids), len(ids) + len(block_ids)
         if end > self.table.shape[1]:
             self._grow(columns=max(end, 2 * self.table.shape[1]))
         self.table[row, start:end] = torch.tensor(block_ids, dtype=torch.int32)
-        self.lengths[request_id] = end
-        self._ids.setdefault(request_id, []).extend(block_ids)
+        ids.extend(block_ids)
 
     def release(self, request_id: str) -> None:
         """Give the request's row back (its blocks were freed)."""
         row = self._rows.pop(request_id, None)
         if row is None:
             return
-        self.table[row, : self.lengths.pop(request_id)] = 0
-        self._ids.pop(request_id, None)
+        self.table[row, : len(self._ids.pop(request_id))] = 0
         self._free_rows.append(row)
 
     def ids(self, request_id: str) -> list[int]:
@@ -67,7 +64,12 @@ class BlockTable:
     def row_ids(self, request_id: str) -> list[int]:
         """The request's block ids as the tensor row holds them (integrity checks and tests)."""
         row = self._rows.get(request_id)
-        return [] if row is None else self.table[row, : self.lengths[request_id]].tolist()
+        return [] if row is None else self.table[row, : len(self._ids[request_id])].tolist()
+
+    @property
+    def lengths(self) -> dict[str, int]:
+        """Request id -> block ids written in its row (checks and tests)."""
+        return {request_id: len(ids) for request_id, ids in self._ids.items()}
 
     def gather(self, rows: list[int], max_blocks: int) -> torch.Tensor:
         """The step's block table: ``rows`` in order, their first ``max_blocks`` columns (a copy)."""

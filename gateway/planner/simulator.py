@@ -441,7 +441,6 @@ class Simulation:
             deadline = now + cfg.queue_timeout_s
             self.queued += 1
         if len(self.waiting) >= cfg.queue_size or deadline <= now:
-            self._wait_state.pop(i, None)
             self._fail(i, "saturated")
             return
         bisect.insort(self.waiting, (deadline, i))
