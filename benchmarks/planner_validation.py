@@ -24,6 +24,16 @@
    measurements are in the results file (``--repredict FILE`` predicts its runs again from the
    probes it recorded, without measuring).
 
+4. **Replay the machine's speed**: every worker's engine logs each step (``common.engine.step_log``;
+   read through its admin API after each phase).  Against the simulator's own view of each step --
+   the serving cost model times the host effects of that moment, other workers mid-step and how
+   long the worker had idled -- the steps tell how fast the machine ran during the load, window by
+   window, relative to during the probes (``gateway.planner.live.speed_trace``).  The runs are
+   predicted again with that speed replayed (``replayed`` in the JSON): the error that is left
+   is the simulation's -- queueing, batching, routing -- and the difference from the plain
+   prediction is what the machine's drift cost.  The replay uses the engines' step times, never
+   a request's TTFT or TPOT.
+
 The last line is one JSON object with the worst relative error of the TTFT and TPOT medians over
 all runs (``ttft_p50_rel_error``, ``tpot_p50_rel_error``; target <= 0.25 each); whether the split
 ranked best (smallest SLO ratio: the worse of TTFT p90 / SLO and TPOT p90 / SLO) is the one that
@@ -105,10 +115,26 @@ def real_plan(workload, vocab: int, seed: int) -> list[PlannedRequest]:
                            float(workload.arrival[i]), "planned") for i in range(len(workload))]
 
 
+ADMIN_TOKEN = "planner-validation"  # the workers' admin API: their step logs
+
+
+def worker_steps(stack, since: float) -> dict[str, np.ndarray]:
+    """Every worker's engine steps that ended after ``since`` (unix time), from its step log."""
+    from gateway.planner.live import fetch_steps
+
+    out = {}
+    for name in stack.procs:
+        if name != "gateway":
+            out[name], _ = fetch_steps(lambda after: stack.worker_json(
+                name, f"/admin/steps?since={after!r}", headers={"X-Admin-Token": ADMIN_TOKEN}), since)
+    return out
+
+
 def measure(split: str, checkpoint: str, plan, args) -> dict:
     workdir = Path(tempfile.mkdtemp(prefix=f"pdserve-planval-{split}-"))
     worker_args = ["--block-size", str(args.block_size), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-                   "--num-blocks", str(args.num_blocks), "--max-num-seqs", str(args.max_num_seqs)]
+                   "--num-blocks", str(args.num_blocks), "--max-num-seqs", str(args.max_num_seqs),
+                   "--admin-token", ADMIN_TOKEN]
     stack = BenchStack(checkpoint, args.redis_url, key_prefix=f"bench-planval-{uuid.uuid4().hex[:10]}",
                        workdir=workdir, transport="tcp", policy="prefix_aware", worker_args=worker_args,
                        extra_env={"OMP_NUM_THREADS": "1"}, **SPLITS[split])
@@ -120,9 +146,17 @@ def measure(split: str, checkpoint: str, plan, args) -> dict:
                 PlannedRequest(random_ids(__import__("random").Random(2), 400, vocab), 4, 0.0, "warmup")]
         asyncio.run(warm_up(stack.gateway_url, model, warm))
         decoders = SPLITS[split]["decode"] + SPLITS[split]["both"]
+        # Each phase's steps are read right after it (a step log keeps its last 16k steps).
+        marks = [time.time()]
         before = asyncio.run(stack_probes(stack.gateway_url, model, args, decoders, seed=4242))
+        phases = [worker_steps(stack, marks[-1])]
+        marks.append(time.time())
         records, wall = asyncio.run(run_load(stack.gateway_url, model, plan, timeout=600))
+        marks.append(time.time())
+        phases.append(worker_steps(stack, marks[-2]))
         after = asyncio.run(stack_probes(stack.gateway_url, model, args, decoders, seed=4243))
+        marks.append(time.time())
+        phases.append(worker_steps(stack, marks[-2]))
     finally:
         stack.stop()
     summary = summarize(records, wall, args.slo_ttft, args.slo_tpot)
@@ -130,7 +164,27 @@ def measure(split: str, checkpoint: str, plan, args) -> dict:
     summary["probes"] = {key: 0.5 * (before[key] + after[key]) for key in before}
     summary["probes_before_after"] = {key: [round(before[key], 6), round(after[key], 6)] for key in before}
     summary["per_request"] = [(r.ttft, r.tpot) if r.ok else (None, None) for r in records]
+    # The engines' steps (wall-clock time ended, seconds, shape): how fast the machine ran in each
+    # phase, for the prediction that replays it (``speed_replay``).
+    summary["steps"] = {name: np.round(np.vstack([phase[name] for phase in phases]), 6).tolist()
+                        for name in phases[0]}
+    summary["phases"] = {"probes": [marks[0:2], marks[2:4]], "load": marks[1:3]}
     return summary
+
+
+def speed_replay(measured: dict, cost, host) -> tuple[object, dict] | tuple[None, None]:
+    """The machine's speed during a run's load, window by window, relative to its speed during the
+    probes the serving cost model was fitted to (``gateway.planner.live.speed_trace``): the speed
+    trace the replayed prediction runs with, and its summary.  ``(None, None)`` for a run recorded
+    without step logs."""
+    from gateway.planner.live import speed_trace
+
+    if not measured.get("steps"):
+        return None, None
+    steps = {name: np.asarray(rows, dtype=float).reshape(-1, 7) for name, rows in measured["steps"].items()}
+    phases = measured["phases"]
+    return speed_trace(steps, cost, reference=[tuple(w) for w in phases["probes"]], load=tuple(phases["load"]),
+                       host=host)
 
 
 # The short probe is above the gateway's skip-prefill threshold (64): disaggregated, both probes take the
@@ -241,8 +295,9 @@ def fit_serving(engine_cost, probes: dict, split: str, args):
     return overheads, cost
 
 
-def simulation(split: str, workload, cost, args, overhead_s: float, host):
-    """Runs the simulator on ``workload`` as the stack was set up; returns its result and itself."""
+def simulation(split: str, workload, cost, args, overhead_s: float, host, speed=None):
+    """Runs the simulator on ``workload`` as the stack was set up (``speed``: a ``SpeedTrace`` to
+    replay); returns its result and itself."""
     from gateway.planner.hardware import LinkProfile
     from gateway.planner.simulator import Deployment, EngineSettings, SimConfig, Simulation
 
@@ -251,13 +306,13 @@ def simulation(split: str, workload, cost, args, overhead_s: float, host):
                             max_model_len=args.max_model_len)
     config = SimConfig(cost=cost, engine=engine, link=LinkProfile("tcp-loopback", 1e9, 2e-4),
                        kv_bytes_per_token=args.kv_bytes_per_token, slo_ttft_s=args.slo_ttft,
-                       slo_tpot_s=args.slo_tpot, overhead_s=overhead_s, host=host)
+                       slo_tpot_s=args.slo_tpot, overhead_s=overhead_s, host=host, speed=speed)
     sim = Simulation(Deployment(**SPLITS[split]), workload, config)
     return sim.run(), sim
 
 
-def predict(split: str, workload, cost, args, overhead_s: float, host) -> dict:
-    result, sim = simulation(split, workload, cost, args, overhead_s, host)
+def predict(split: str, workload, cost, args, overhead_s: float, host, speed=None) -> dict:
+    result, sim = simulation(split, workload, cost, args, overhead_s, host, speed)
     first, finish = np.asarray(sim.first_token), np.asarray(sim.finish)
     tpot = (finish - first) / np.maximum(workload.output_len - 1, 1)
     result["per_request"] = list(zip((first - workload.arrival).tolist(), tpot.tolist()))
@@ -343,7 +398,8 @@ def main(argv=None) -> None:
 CONFIDENCE = 0.9  # how sure the measurement must be of its best split for a disagreement to count
 
 
-def best_split_at(rate: float, runs: list[dict], args, seed: int = 0, resamples: int = 2000) -> dict:
+def best_split_at(rate: float, runs: list[dict], args, seed: int = 0, resamples: int = 2000,
+                  prediction: str = "predicted") -> dict:
     """The split the planner ranks best at one load level (smallest predicted SLO ratio) against the
     one measured best, and how sure the measurement is of it: the share of paired bootstrap
     resamples of the requests (every split served the same ones) in which it is still best.
@@ -359,7 +415,7 @@ def best_split_at(rate: float, runs: list[dict], args, seed: int = 0, resamples:
     def measured(run: dict, key: str) -> np.ndarray:
         return np.array([np.inf if q[key][1] is None else q[key][1] / 1e3 for q in run["per_request"]])
 
-    pred_best = min(runs, key=lambda r: r["predicted"]["slo_ratio"] if r["predicted"]["slo_ratio"] is not None
+    pred_best = min(runs, key=lambda r: r[prediction]["slo_ratio"] if r[prediction]["slo_ratio"] is not None
                     else float("inf"))["split"]
     meas_best = min(runs, key=lambda r: r["measured"]["slo_ratio"])["split"]
     samples = {r["split"]: (measured(r, "ttft_ms"), measured(r, "tpot_ms")) for r in runs}
@@ -374,7 +430,7 @@ def best_split_at(rate: float, runs: list[dict], args, seed: int = 0, resamples:
     return {"rate": rate, "predicted_best": pred_best, "measured_best": meas_best,
             "measured_confidence": round(confidence, 3), "tie": confidence < CONFIDENCE,
             "agrees": pred_best == meas_best or confidence < CONFIDENCE,
-            "slo_ratio": {r["split"]: {"predicted": r["predicted"]["slo_ratio"],
+            "slo_ratio": {r["split"]: {"predicted": r[prediction]["slo_ratio"],
                                        "measured": round(r["measured"]["slo_ratio"], 4)} for r in runs}}
 
 
@@ -383,6 +439,7 @@ def recorded_measurement(runs: list[dict], split: str, rate: float, requests: in
     for run in runs:
         if run["split"] == split and run["rate"] == rate and run["requests"] == requests:
             return {**run["measured"], "probes": run["probes"], "probes_before_after": run.get("probes_before_after"),
+                    "steps": run.get("steps"), "phases": run.get("phases"),
                     "per_request": [tuple(None if q[key][1] is None else q[key][1] / 1e3 for key in ("ttft_ms", "tpot_ms"))
                                     for q in run["per_request"]]}
     raise SystemExit(f"the results file has no {split} run at {rate} req/s of {requests} requests: "
@@ -447,6 +504,14 @@ def run_all(args, checkpoint: str) -> None:
             f"TPOT p50 {predicted['tpot_ms']['p50']} ms")
         log(f"[{split} @ {rate} req/s] measured  TTFT p50 {measured['ttft_ms']['p50']} ms, "
             f"TPOT p50 {measured['tpot_ms']['p50']} ms, errors {measured['errors']}")
+        trace, speed = speed_replay(measured, cost, host)
+        replayed = None if trace is None else predict(split, workload, cost, args, overheads["request_overhead_s"],
+                                                      host, trace)
+        if replayed is not None:
+            replayed.pop("per_request")
+            log(f"[{split} @ {rate} req/s] engines during the load x{speed['prefill']:.2f} (prefill) "
+                f"x{speed['decode']:.2f} (decode) of their speed in the probes; replayed: TTFT p50 "
+                f"{replayed['ttft_ms']['p50']} ms, TPOT p50 {replayed['tpot_ms']['p50']} ms")
         per_request = [{"prompt": int(workload.prompt_len[i]), "output": int(workload.output_len[i]),
                         "arrival_s": round(float(workload.arrival[i]), 4),
                         "ttft_ms": [_ms(p[0]), _ms(m[0])], "tpot_ms": [_ms(p[1]), _ms(m[1])]}
@@ -459,7 +524,13 @@ def run_all(args, checkpoint: str) -> None:
                      "measured": {k: measured[k] for k in ("ttft_ms", "tpot_ms", "itl_ms", "goodput_req_s",
                                                            "errors")},
                      "ttft_p50_rel_error": rel(predicted["ttft_ms"]["p50"], measured["ttft_ms"]["p50"]),
-                     "tpot_p50_rel_error": rel(predicted["tpot_ms"]["p50"], measured["tpot_ms"]["p50"])})
+                     "tpot_p50_rel_error": rel(predicted["tpot_ms"]["p50"], measured["tpot_ms"]["p50"]),
+                     "speed_replay": speed, "steps": measured.get("steps"), "phases": measured.get("phases")})
+        if replayed is not None:
+            runs[-1].update(
+                replayed={k: replayed[k] for k in ("ttft_ms", "tpot_ms", "goodput_req_s", "slo_ratio")},
+                replayed_ttft_p50_rel_error=rel(replayed["ttft_ms"]["p50"], measured["ttft_ms"]["p50"]),
+                replayed_tpot_p50_rel_error=rel(replayed["tpot_ms"]["p50"], measured["tpot_ms"]["p50"]))
         m = runs[-1]["measured"]
         m["slo_ratio"] = slo_ratio((m["ttft_ms"]["p90"] or float("inf")) / 1e3,
                                    (m["tpot_ms"]["p90"] or float("nan")) / 1e3, args.slo_ttft, args.slo_tpot)
@@ -467,7 +538,7 @@ def run_all(args, checkpoint: str) -> None:
     agree = [best_split_at(rate, [r for r in runs if r["rate"] == rate], args, seed=args.seed) for rate in rates]
 
     def worst(key):
-        values = [r[key] for r in runs]
+        values = [r.get(key) for r in runs]
         return None if any(v is None for v in values) else round(max(values), 4)
 
     line = {"benchmark": "planner_validation", "quick": args.quick, "model": args.model,
@@ -476,10 +547,22 @@ def run_all(args, checkpoint: str) -> None:
             "rates": rates, "loads": list(args.loads) if args.loads else None,
             "capacity_req_s": None if capacity is None else round(capacity, 4),
             "best_split": agree, "target": 0.25,
+            # The same runs predicted again with the engines' speed during each load replayed from
+            # their step logs (``speed_replay``): what is left is the simulation's own error.
+            "replayed": None if not all("replayed" in r for r in runs) else {
+                "ttft_p50_rel_error": worst("replayed_ttft_p50_rel_error"),
+                "tpot_p50_rel_error": worst("replayed_tpot_p50_rel_error"),
+                "best_split_agrees": all(best_split_at(rate, [r for r in runs if r["rate"] == rate], args,
+                                                       seed=args.seed, prediction="replayed")["agrees"]
+                                         for rate in rates),
+                "engine_speed": [[r["split"], r["rate"], r["speed_replay"]["prefill"], r["speed_replay"]["decode"]]
+                                 for r in runs]},
             "calibration_fit": {k: engine_cost.fit.get(k) for k in ("median_rel_error", "p90_rel_error")},
             "runs": [{"split": r["split"], "rate": r["rate"],
                       "ttft_p50_ms": [r["predicted"]["ttft_ms"]["p50"], r["measured"]["ttft_ms"]["p50"]],
                       "tpot_p50_ms": [r["predicted"]["tpot_ms"]["p50"], r["measured"]["tpot_ms"]["p50"]],
+                      "replayed_p50_ms": [r["replayed"]["ttft_ms"]["p50"], r["replayed"]["tpot_ms"]["p50"]]
+                      if "replayed" in r else None,
                       "stack": r["stack"], "errors": r["measured"]["errors"]} for r in runs]}
     if not args.skip_scale:
         log("simulating 64P+64D H200s at 1,000 req/s for 600 s...")

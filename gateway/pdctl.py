@@ -68,6 +68,10 @@ class AdminClient:
     def workers(self) -> list[dict]:
         return self.pools()["workers"]
 
+    def steps(self, worker_id: str, since: float, limit: int = 4096) -> dict:
+        """One page of a worker's step log (``gateway.planner.live``)."""
+        return self._call("GET", f"/admin/workers/{_quote(worker_id)}/steps?since={since!r}&limit={int(limit)}")
+
     def drain(self, worker_id: str) -> dict:
         return self._call("POST", f"/admin/workers/{_quote(worker_id)}/drain", {})
 

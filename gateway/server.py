@@ -5,6 +5,7 @@
     GET  /admin/pools                                    (X-Admin-Token)
     POST /admin/workers/{worker_id}/drain                (proxied to the worker)
     POST /admin/workers/{worker_id}/role  {"role": ...}  (proxied to the worker)
+    GET  /admin/workers/{worker_id}/steps?since=&limit=  (proxied: the engine's recent steps)
 """
 from __future__ import annotations
 
@@ -13,10 +14,12 @@ import contextlib
 import hmac
 import logging
 import signal
+from urllib.parse import urlencode
 
 import aiohttp
 import msgspec
 from aiohttp import web
+from yarl import URL
 
 from common.cluster.aio import run_service
 from common.cluster.messages import TokenFrame, read_response
@@ -188,6 +191,7 @@ class Gateway:
         app.router.add_get("/admin/pools", self._admin_pools)
         app.router.add_post("/admin/workers/{worker_id}/drain", self._admin_proxy("drain"))
         app.router.add_post("/admin/workers/{worker_id}/role", self._admin_proxy("role"))
+        app.router.add_get("/admin/workers/{worker_id}/steps", self._admin_proxy("steps"))
         return app
 
     @web.middleware
@@ -283,6 +287,11 @@ class Gateway:
                             content_type="application/json")
 
     def _admin_proxy(self, action: str):
+        """A worker admin call, signed with the cluster secret: POST drain and role (the pool is
+        re-read after a change), GET steps (its query string passed on, the answer bounded)."""
+        method = "GET" if action == "steps" else "POST"
+        answer_limit = (2 << 20) if action == "steps" else (64 << 10)
+
         async def proxy(request: web.Request) -> web.Response:
             self._check_admin(request)
             worker_id = request.match_info["worker_id"]
@@ -290,21 +299,24 @@ class Gateway:
             worker = next((w for w in self.pool.workers if w.worker_id == worker_id), None)
             if worker is None:
                 raise OpenAIError(404, f"unknown worker {worker_id!r}", code="worker_not_found")
-            body = b"{}"
+            body = b"{}" if method == "POST" else b""
             if action == "role":
                 body = await request.read()
                 _check_role_body(body)
             path = f"/admin/{action}"
+            query = {key: request.query[key] for key in ("since", "limit") if key in request.query}
+            if query:  # re-encoded here, so the signature covers exactly what is sent
+                path += "?" + urlencode(query)
             headers = {"X-Admin-Token": self.config.admin_token, "Content-Type": "application/json",
-                       **self.auth.sign_request("POST", path, body)}
+                       **self.auth.sign_request(method, path, body)}
             try:
-                async with self.control_session.post(f"{worker.http_address}{path}", data=body,
-                                                     headers=headers) as resp:
-                    answer = web.Response(status=resp.status, body=await read_response(resp, 64 << 10),
+                async with self.control_session.request(method, URL(f"{worker.http_address}{path}", encoded=True),
+                                                        data=body or None, headers=headers) as resp:
+                    answer = web.Response(status=resp.status, body=await read_response(resp, answer_limit),
                                           content_type="application/json")
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
                 raise OpenAIError(503, f"worker {worker_id} did not answer: {exc}") from None
-            if resp.status == 200:
+            if resp.status == 200 and method == "POST":
                 await self.pool.refresh()  # the worker re-registered already: route by its new state now
             return answer
 

@@ -180,6 +180,52 @@ def test_status_table(cluster):
     assert {w["worker_id"] for w in raw["workers"]} == {"p0", "d0", "d1"}
 
 
+def test_calibrate_live_fits_the_steps_the_workers_ran(cluster, tmp_path):
+    import openai
+
+    client = openai.OpenAI(base_url=f"{cluster.gateway_url}/v1", api_key="x", max_retries=0)
+    for i in range(6):
+        client.completions.create(model=cluster.model_name, prompt=f"calibrate {i} " * (10 + 20 * i),
+                                  max_tokens=12, temperature=0)
+    url, admin = cluster.gateway_url, {"X-Admin-Token": TOKEN}
+    # One worker's log through the gateway, a page at a time, with the engine's settings.
+    page = http_json(f"{url}/admin/workers/p0/steps?limit=2", headers=admin)
+    assert page["columns"][:2] == ["ended_at", "seconds"] and len(page["steps"]) == 2 and page["more"] is True
+    assert page["engine"]["block_size"] == 16 and page["recorded"] >= 6
+    after = http_json(f"{url}/admin/workers/p0/steps?since={page['steps'][-1][0]!r}", headers=admin)
+    assert after["steps"] and after["steps"][0][0] > page["steps"][-1][0]
+    for query, code in (("limit=0", 400), ("limit=99999", 400), ("since=nan", 400), ("since=soon", 400)):
+        with pytest.raises(Exception) as err:
+            http_json(f"{url}/admin/workers/p0/steps?{query}", headers=admin)
+        assert err.value.code == code, query
+    with pytest.raises(Exception) as err:
+        http_json(f"{url}/admin/workers/p0/steps")  # no admin token
+    assert err.value.code == 401
+    with pytest.raises(Exception) as err:  # the worker itself: the admin token alone is not enough
+        http_json(f"{cluster.worker_url('p0')}/admin/steps", headers=admin)
+    assert err.value.code == 401
+
+    out = tmp_path / "live.json"
+    result = run_pdctl(cluster, "calibrate", "--live", "--window", "600", "--min-steps", "20", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    doc = json.loads(out.read_text())
+    fit = doc["cost_model"]["fit"]
+    assert fit["source"] == "live" and set(fit["workers"]) == {"p0", "d0", "d1"}
+    assert fit["prefill_steps"] > 0 and fit["decode_steps"] >= 12 and fit["max_tokens"] > 100
+    assert doc["engine"]["max_model_len"] > 0 and json.loads(result.stdout.splitlines()[-1])["kind"] == "linear"
+    # The file plans like any calibration.
+    plan = subprocess.run([sys.executable, "-m", "gateway.pdctl", "plan", "--calibration", str(out), "--num-blocks", "256",
+                           "--rate", "2", "--duration", "10", "--prompt-len", "uniform:32:256", "--output-len", "fixed:16",
+                           "--split", "1:1", "--slo-ttft", "2", "--slo-tpot", "0.2"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert plan.returncode == 0, plan.stderr
+    assert json.loads(plan.stdout.splitlines()[-1])["candidates"][0]["deployment"] == "1P+1D"
+
+    refused = run_pdctl(cluster, "calibrate", "--live", "--worker", "nope", "--out", str(tmp_path / "x.json"))
+    assert refused.returncode == 2 and "no such worker" in refused.stderr
+    assert not (tmp_path / "x.json").exists()
+
+
 def test_bad_admin_input_is_refused_and_changes_nothing(cluster):
     before = roles(cluster)
     url = cluster.gateway_url

@@ -9,9 +9,8 @@ import numpy as np
 import pytest
 
 from common.engine.scheduler import Scheduler
-from gateway.planner.cost_model import (
-    FEATURES, LinearCostModel, fit_linear, load_cost_model, roofline, step_shape,
-)
+from common.engine.step_log import step_shape
+from gateway.planner.cost_model import FEATURES, LinearCostModel, fit_linear, load_cost_model, roofline
 from gateway.planner.hardware import MODELS, parse_link
 from gateway.planner.search import estimate_work, simulate, slice_for, splits, thin
 from gateway.planner.simulator import Deployment, EngineSettings, SimConfig, Simulation
@@ -287,8 +286,16 @@ def test_calibration_fits_measured_engine_steps(served_checkpoint):
                                  max_num_batched_tokens=64, enable_prefix_caching=False), load_tokenizer=False)
     grid = {"prefill": (16, 100), "decode_batch": (1, 3), "decode_context": (8, 40), "mixed": ((2, 8, 80),),
             "repeats": 1, "decode_steps": 2}
-    shapes, seconds = median_by_shape(run_grid(engine, grid))
+    samples = run_grid(engine, grid)
+    shapes, seconds = median_by_shape(samples)
     assert len(shapes) >= 6 and all(t > 0 for t in seconds)
+    # The engine's own step log holds every step (the warm-up too), with the scheduler's shapes:
+    # the 100-token prompt in chunks of 64 and 36.
+    rows = engine.step_log.since()
+    assert len(rows) == engine.step_log.total > len(samples)
+    logged = {tuple(row[2:]) for row in rows}
+    assert (64, 1, 0, 64 * 32.5, 64) in logged and (36, 1, 1, 36 * (64 + 18.5), 100) in logged
+    assert (rows[:, 1] > 0).all() and (np.diff(rows[:, 0]) >= 0).all()
     fitted = fit_linear(shapes, seconds)
     assert fitted.step_time(*shapes[0]) > 0
 
@@ -429,6 +436,27 @@ def test_a_worker_woken_from_idle_runs_cold_for_a_while():
     plain = Simulation(Deployment(both=1), busy, config())
     plain.run()
     assert max(warm.finish) - max(plain.finish) < 0.25 * 0.5 + 1e-9
+
+
+def test_a_speed_trace_replays_a_machine_that_changes_speed():
+    from gateway.planner.simulator import SpeedTrace
+
+    wl = spaced([300, 400, 500], [20, 20, 20])  # at 0, 5 and 10 s, each alone
+    base = Simulation(Deployment(both=1), wl, config())
+    # Prefill 2x slower from 4 s on, decode 1.5x slower from 9 s on.
+    trace = SpeedTrace((0.0, 4.0, 9.0), (1.0, 2.0, 2.0), (1.0, 1.0, 1.5))
+    replayed = Simulation(Deployment(both=1), wl, dataclasses.replace(config(), speed=trace))
+    base.run()
+    replayed.run()
+    ttft = lambda sim, i: sim.first_token[i] - wl.arrival[i]  # noqa: E731
+    stream = lambda sim, i: sim.finish[i] - sim.first_token[i]  # noqa: E731
+    assert ttft(replayed, 0) == pytest.approx(ttft(base, 0)) and stream(replayed, 0) == pytest.approx(stream(base, 0))
+    assert ttft(replayed, 1) == pytest.approx(2 * ttft(base, 1)) and stream(replayed, 1) == pytest.approx(stream(base, 1))
+    assert stream(replayed, 2) == pytest.approx(1.5 * stream(base, 2))
+    assert trace.factor(-1.0, True) == 1.0 and trace.factor(100.0, False) == 1.5
+    for bad in (((0.0, 1.0), (1.0,), (1.0, 1.0)), ((1.0, 0.0), (1.0, 1.0), (1.0, 1.0)), ((0.0,), (0.0,), (1.0,))):
+        with pytest.raises(ValueError):
+            SpeedTrace(*bad)
 
 
 def test_busy_workers_on_one_host_slow_each_other():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -27,6 +28,7 @@ from common.engine.request import Request, RequestStatus
 from common.engine.sampler import TokenLogprobs
 from common.engine.sampling_params import SamplingParams
 from common.engine.scheduler import Scheduler
+from common.engine.step_log import StepLog, step_shape
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +143,7 @@ class Engine:
         self.num_prompt_tokens_total = 0
         self.num_cached_tokens_total = 0
         self.num_steps = 0  # steps that computed something
+        self.step_log = StepLog()  # each successful step's end, duration and shape
         # True after a step that could schedule nothing (and preempted nothing): stepping again
         # is of no use until something changes (a request arrives, ends, lands; blocks are freed).
         self.stalled = False
@@ -207,6 +210,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Schedule, compute and advance one step.  Raises ``StepFailed`` if the forward or the
         update failed (the step's requests are then finished with an error)."""
+        began = time.perf_counter()
         out = self.scheduler.schedule()
         self.stalled = out.is_empty and not out.preempted_request_ids
         if out.is_empty:
@@ -230,6 +234,7 @@ class Engine:
             if request.num_output_tokens == 1:
                 self._count_prefix_hit(request)
             outputs.append(self._output(request, [token_id], [logprobs]))
+        self.step_log.record(time.time(), time.perf_counter() - began, step_shape(out.scheduled))
         return outputs
 
     def _count_prefix_hit(self, request: Request) -> None:

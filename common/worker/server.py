@@ -12,6 +12,7 @@ with the cluster secret, see ``request_auth``):
                                          requests the engine still holds (num_unfinished)
     GET  /metrics                     -> Prometheus text
     GET  /admin/status, POST /admin/drain, POST /admin/role   (X-Admin-Token)
+    GET  /admin/steps?since=&limit=   -> the engine's recent steps: time, duration, shape (X-Admin-Token)
 
 Counters read on the event loop (/stats, /metrics, the heartbeat) come from the snapshot the engine
 thread publishes after each step, never from the scheduler itself, which changes under them.
@@ -28,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import math
 import os
 import time
 from collections import deque
@@ -38,6 +40,7 @@ import msgspec
 from aiohttp import web
 
 from common.engine.engine import Engine
+from common.engine.step_log import COLUMNS as STEP_COLUMNS
 from common.worker.engine_thread import EngineFailed, EngineThread
 from common.cluster.messages import MAX_FRAME_BYTES, AbortRequest, decode
 from common.cluster.prefix_index import PrefixIndexPublisher
@@ -53,6 +56,8 @@ from kvtransfer.receiver import KVReceiver
 from kvtransfer.sender import KVSender
 
 log = logging.getLogger(__name__)
+
+STEPS_PAGE = 4096  # most steps one /admin/steps answer holds (about 400 KB of JSON)
 
 
 class RecentLatency:
@@ -416,6 +421,7 @@ class Worker:
         app.router.add_get("/stats", self._handle_stats)
         app.router.add_get("/metrics", self._handle_metrics)
         app.router.add_get("/admin/status", self._admin(self._handle_status))
+        app.router.add_get("/admin/steps", self._admin(self._handle_steps))
         app.router.add_post("/admin/drain", self._admin(self._handle_drain))
         app.router.add_post("/admin/role", self._admin(self._handle_role))
 
@@ -481,6 +487,28 @@ class Worker:
 
     async def _handle_status(self, _request: web.Request) -> web.Response:
         return web.Response(body=msgspec.json.encode(self.info()), content_type="application/json")
+
+    async def _handle_steps(self, request: web.Request) -> web.Response:
+        """The engine's recent steps (``common.engine.step_log``): ``?since=<unix time>`` those that
+        ended after it, at most ``?limit=`` (default and most ``STEPS_PAGE``), oldest first."""
+        try:
+            since = float(request.query.get("since", "-inf"))
+            limit = int(request.query.get("limit", STEPS_PAGE))
+            if math.isnan(since) or not 1 <= limit <= STEPS_PAGE:
+                raise ValueError
+        except ValueError:
+            return web.json_response({"error": f"expected ?since=<unix time>&limit=<1-{STEPS_PAGE}>"}, status=400)
+        engine = self.engine
+        log = engine.step_log
+        rows = log.since(since, limit + 1)
+        settings = {"model_id": engine.model_id, "dtype": engine.layout.dtype, "block_size": engine.layout.block_size,
+                    "kv_bytes_per_token": engine.layout.block_nbytes / engine.layout.block_size,
+                    "max_num_batched_tokens": engine.config.max_num_batched_tokens,
+                    "max_num_seqs": engine.config.max_num_seqs, "max_model_len": engine.max_model_len}
+        body = {"worker_id": self.config.worker_id, "role": self.role, "engine": settings,
+                "columns": list(STEP_COLUMNS), "steps": rows[:limit].tolist(), "more": len(rows) > limit,
+                "recorded": log.total, "kept": len(log)}
+        return web.Response(body=msgspec.json.encode(body), content_type="application/json")
 
     async def _handle_drain(self, _request: web.Request) -> web.Response:
         self.begin_drain()

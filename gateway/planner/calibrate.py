@@ -7,7 +7,7 @@ workloads chosen to cover the step shapes a deployment produces::
     decode     b requests of context c decoding together                   (seqs, samples, context)
     mixed      decodes running while a prompt's chunks join them            (both at once)
 
-Every step is timed around ``Engine.step()`` (scheduling and sampling included, as in serving)
+Every step is timed by the engine's step log (scheduling, forward, sampling and update, as in serving)
 and its shape read from the ``SchedulerOutput``.  Repeated shapes keep their median time.
 The file it writes holds the fitted coefficients, the fit's relative errors and the engine
 settings it was measured with, and is what ``pdctl plan --calibration FILE`` reads.
@@ -19,7 +19,7 @@ import statistics
 import time
 from pathlib import Path
 
-from gateway.planner.cost_model import LinearCostModel, ServingCostModel, fit_linear, step_shape
+from gateway.planner.cost_model import LinearCostModel, ServingCostModel, fit_linear
 
 QUICK_GRID = {"prefill": (16, 128, 512, 1024), "decode_batch": (1, 4, 16, 32), "decode_context": (32, 512, 1024),
               "mixed": ((8, 256, 512),), "repeats": 2, "decode_steps": 4}
@@ -29,26 +29,19 @@ FULL_GRID = {"prefill": (16, 64, 256, 512, 1024, 2048), "decode_batch": (1, 2, 4
 
 
 class StepRecorder:
-    """Times ``engine.step()`` and records the shape the scheduler produced for it."""
+    """Steps ``engine`` and keeps the time and shape of each step its ``step_log`` recorded."""
 
     def __init__(self, engine):
         self.engine = engine
         self.samples: list[tuple[tuple, float]] = []
-        self._schedule = engine.scheduler.schedule
-        self._shape = None
-        engine.scheduler.schedule = self._recording_schedule  # this engine instance only
-
-    def _recording_schedule(self):
-        out = self._schedule()
-        self._shape = step_shape(out.scheduled) if out.scheduled else None
-        return out
 
     def step(self, record: bool = True) -> None:
-        began = time.perf_counter()
+        log = self.engine.step_log
+        before = log.total
         self.engine.step()
-        elapsed = time.perf_counter() - began
-        if record and self._shape is not None:
-            self.samples.append((self._shape, elapsed))
+        if record and log.total > before:
+            row = log.since()[-1]
+            self.samples.append((tuple(row[2:]), float(row[1])))
 
 
 def _ids(n: int, salt: int, vocab: int) -> list[int]:

@@ -1,6 +1,7 @@
 """``pdctl plan`` and ``pdctl calibrate``: flags, and turning them into a simulation.
 
     pdctl calibrate [--model M] [--threads N] --out calibration.json
+    pdctl calibrate --live [--window 600] --out calibration.json    (a running deployment's steps)
     pdctl plan --model llama-3-8b --gpu H200 --rate 20 --prompt-len ... --slo-ttft 1 --slo-tpot 0.05
     pdctl plan --calibration calibration.json --model CHECKPOINT --gpus 2 ...
     pdctl plan ... --trace mooncake.jsonl
@@ -15,6 +16,7 @@ import dataclasses
 import json
 import math
 import sys
+import time
 from pathlib import Path
 
 from gateway.planner.cost_model import load_cost_model, roofline
@@ -102,7 +104,9 @@ def add_calibrate_parser(sub) -> None:
     p = sub.add_parser("calibrate", help="measure engine steps on this machine and fit the planner's cost model",
                        description="Run the real engine on a grid of batch shapes (prefill chunks, decode batches, "
                        "mixed) and fit step time = c0 + c1*tokens + c2*seqs + c3*samples + c4*attention pairs + "
-                       "c5*context tokens.  The file is what `pdctl plan --calibration FILE` reads.",
+                       "c5*context tokens.  The file is what `pdctl plan --calibration FILE` reads.  With --live, fit the "
+                       "same model to the steps a running deployment's workers logged instead (their real traffic, "
+                       "on their own hardware).",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default="default", help="checkpoint directory, .gguf file, or 'default'")
     p.add_argument("--threads", type=int, default=1, help="torch threads: what one worker gets")
@@ -113,19 +117,60 @@ def add_calibrate_parser(sub) -> None:
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                    help="measure the engine compiled, as workers run it by default (worker --compile)")
     p.add_argument("--out", type=Path, default=Path("calibration.json"))
+    live = p.add_argument_group("live", "fit the steps a running deployment's workers ran instead of measuring "
+                                "here (through the gateway's admin API: --url, --admin-token)")
+    live.add_argument("--live", action="store_true", help="read the workers' step logs and fit those")
+    live.add_argument("--window", type=float, default=600.0, help="seconds of steps to read, back from now")
+    live.add_argument("--worker", action="append", default=[], metavar="ID",
+                      help="only this worker (repeat for more; default: every active worker)")
+    live.add_argument("--min-steps", type=int, default=50, help="refuse to fit fewer steps than this")
     p.set_defaults(func=cmd_calibrate)
 
 
-def cmd_calibrate(_client, args) -> int:
+def cmd_calibrate(client, args) -> int:
     from gateway.planner.calibrate import calibrate, save
 
-    doc = calibrate(args.model, threads=args.threads, block_size=args.block_size,
-                    max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype, quick=args.quick,
-                    compile=args.compile, log=lambda m: print(m, file=sys.stderr))
+    if args.live:
+        doc = calibrate_live(client, args)
+    else:
+        doc = calibrate(args.model, threads=args.threads, block_size=args.block_size,
+                        max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype, quick=args.quick,
+                        compile=args.compile, log=lambda m: print(m, file=sys.stderr))
     save(doc, args.out)
+    for warning in doc.get("warnings", ()):
+        print(f"pdctl: warning: {warning}", file=sys.stderr)
     print(load_cost_model(args.out).describe(), file=sys.stderr)
     print(json.dumps({"calibration": str(args.out), **doc["cost_model"]}))
     return 0
+
+
+def calibrate_live(client, args) -> dict:
+    """``pdctl calibrate --live``: the calibration fitted to the step logs of the deployment's
+    active workers (or ``--worker``s) over the last ``--window`` seconds."""
+    from gateway.pdctl import AdminError
+    from gateway.planner.live import StepLogError, fetch_steps, fit_live
+
+    if not args.window > 0 or args.min_steps < 6:
+        raise ValueError("--window must be > 0 and --min-steps at least 6")
+    workers = [w for w in client.workers() if w.get("state") == "active" or w.get("worker_id") in args.worker]
+    if args.worker:
+        missing = set(args.worker) - {w.get("worker_id") for w in workers}
+        if missing:
+            raise ValueError(f"no such worker(s) in the registry: {', '.join(sorted(missing))}")
+        workers = [w for w in workers if w.get("worker_id") in args.worker]
+    since = time.time() - args.window
+    steps, engines = {}, {}
+    for worker in workers:
+        worker_id = worker["worker_id"]
+        try:
+            steps[worker_id], engines[worker_id] = fetch_steps(lambda after: client.steps(worker_id, after), since)
+        except (AdminError, StepLogError) as exc:
+            print(f"pdctl: skipping {worker_id}: {exc}", file=sys.stderr)
+            continue
+        print(f"{worker_id} ({worker.get('role')}): {len(steps[worker_id])} steps", file=sys.stderr)
+    if not steps:
+        raise ValueError("no worker answered with its steps")
+    return fit_live(steps, engines, args.min_steps)
 
 
 def _parse_split(text: str) -> Deployment:

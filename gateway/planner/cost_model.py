@@ -1,13 +1,7 @@
 """How long one engine step takes, from the shape of the batch the scheduler produced.
 
-A step is described by five numbers taken from a ``SchedulerOutput``::
-
-    tokens   sum of q                      tokens computed (prefill chunks + one per decode)
-    seqs     number of requests in the step
-    samples  requests that sample a token  (decodes, and prompts whose last chunk ran)
-    pairs    sum of q * (s + (q + 1) / 2)  (query, key) pairs of attention
-    context  sum of (s + q)                KV tokens the step reads
-             -- for a request with s tokens already computed and q scheduled now
+A step is described by the five numbers of ``common.engine.step_log.step_shape`` (tokens, seqs,
+samples, attention pairs, context tokens), taken from a ``SchedulerOutput``.
 
 Two models turn them into seconds:
 
@@ -32,21 +26,6 @@ import numpy as np
 from gateway.planner.hardware import GPUS, MODELS, GPUProfile, ModelSpec
 
 FEATURES = ("const", "tokens", "seqs", "samples", "pairs", "context")
-
-
-def step_shape(scheduled) -> tuple[int, int, int, float, int]:
-    """``(tokens, seqs, samples, pairs, context)`` of a step's ``ScheduledRequest`` list."""
-    tokens = samples = context = 0
-    pairs = 0.0
-    for item in scheduled:
-        q = len(item.token_ids)
-        s = item.num_computed_tokens
-        tokens += q
-        context += s + q
-        pairs += q * (s + (q + 1) * 0.5)
-        if item.sample:
-            samples += 1
-    return tokens, len(scheduled), samples, pairs, context
 
 
 class CostModel:

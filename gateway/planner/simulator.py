@@ -50,8 +50,9 @@ from common.engine.kv_cache_manager import KVCacheManager, cdiv
 from common.engine.request import Request
 from common.engine.sampling_params import SamplingParams
 from common.engine.scheduler import Scheduler
+from common.engine.step_log import step_shape
 from gateway.dispatch import SentToDecode
-from gateway.planner.cost_model import CostModel, step_shape
+from gateway.planner.cost_model import CostModel
 from gateway.planner.hardware import LinkProfile
 from gateway.planner.traffic import Workload, output_token
 from gateway.routing import NoWorkerAvailable, Router, RoutingConfig
@@ -148,6 +149,28 @@ class HostEffects:
 
 
 @dataclass(frozen=True)
+class SpeedTrace:
+    """The machine's speed over simulated time, replayed from a measured run
+    (``gateway.planner.live.speed_trace``): from ``starts[k]`` seconds on, a step that computes
+    prompt tokens takes ``prefill[k]`` times what the cost model says, a decode-only step
+    ``decode[k]`` times.  Before ``starts[0]``, the first factors hold."""
+
+    starts: tuple[float, ...]
+    prefill: tuple[float, ...]
+    decode: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if not (len(self.starts) == len(self.prefill) == len(self.decode) > 0):
+            raise ValueError("a speed trace needs as many prefill and decode factors as start times, at least one")
+        if list(self.starts) != sorted(self.starts) or not all(f > 0 for f in (*self.prefill, *self.decode)):
+            raise ValueError("a speed trace's start times must be sorted and its factors > 0")
+
+    def factor(self, now: float, prefill: bool) -> float:
+        k = max(0, bisect.bisect_right(self.starts, now) - 1)
+        return self.prefill[k] if prefill else self.decode[k]
+
+
+@dataclass(frozen=True)
 class SimConfig:
     """Everything a simulation needs besides the deployment and the traffic."""
 
@@ -163,6 +186,7 @@ class SimConfig:
     pool_refresh_s: float = 0.5  # the gateway re-reads the registry this often
     overhead_s: float = 0.0  # gateway + HTTP hops, added to TTFT and end-to-end latency
     host: HostEffects = HostEffects()  # workers sharing CPUs (all simulated workers on one host)
+    speed: SpeedTrace | None = None  # the machine's speed over time, replayed from a run (validation)
     queue_size: int = 256  # the gateway's wait queue (GatewayConfig.queue_size) ...
     queue_timeout_s: float = 10.0  # ... and how long a request may wait in it (queue_timeout)
     drain_s: float | None = None  # simulated time after the last arrival (default: max(60, duration))
@@ -519,6 +543,8 @@ class Simulation:
             w.busy_since = now
         if self.host is not None:
             duration = self.host.step_time(duration, self.busy_workers - 1, w.idle_before, now - w.busy_since)
+        if self.config.speed is not None:
+            duration *= self.config.speed.factor(now, tokens > seqs)
         w.busy = True
         w.current = out
         w.busy_time += duration

@@ -1,0 +1,222 @@
+"""The steps a running deployment's engines ran, read from their step logs, for the planner.
+
+Each worker keeps its last steps (``common.engine.step_log``: when each ended, how long it took,
+its shape) and answers ``GET /admin/steps?since=&limit=`` (the gateway proxies it as
+``/admin/workers/{id}/steps``).  From these:
+
+- ``pdctl calibrate --live`` fits the cost model to the steps the deployment really ran, on its
+  own hardware, under its own traffic (``fit_live``), instead of a grid run on a spare machine;
+- ``speed_against`` says how fast the engines ran compared with a cost model -- the machine's
+  speed now, what ``benchmarks/planner_validation.py`` reads during a run.
+
+Every answer is validated before use (``parse_steps_answer``): a worker is a network peer.
+"""
+from __future__ import annotations
+
+import time
+from collections import Counter
+from typing import Callable
+
+import numpy as np
+
+from common.engine.step_log import COLUMNS
+from gateway.planner.calibrate import median_by_shape
+from gateway.planner.cost_model import CostModel, fit_linear
+
+MAX_PAGES = 200  # pages read from one worker in one fetch (a step log holds about 4 pages)
+MAX_STEP_SECONDS = 3600.0
+ENGINE_FIELDS = {"block_size": int, "max_num_batched_tokens": int, "max_num_seqs": int, "max_model_len": int,
+                 "kv_bytes_per_token": float}
+
+
+class StepLogError(ValueError):
+    """A worker's /admin/steps answer that cannot be used."""
+
+
+def parse_steps_answer(answer) -> tuple[np.ndarray, dict, bool]:
+    """``(rows, engine settings, more)`` of one /admin/steps answer; ``StepLogError`` naming the
+    problem if any field is missing, of the wrong type or out of range."""
+    if not isinstance(answer, dict):
+        raise StepLogError("the answer is not a JSON object")
+    if answer.get("columns") != list(COLUMNS):
+        raise StepLogError(f"columns {answer.get('columns')!r} differ from {list(COLUMNS)}")
+    steps = answer.get("steps")
+    if not isinstance(steps, list):
+        raise StepLogError("'steps' is not a list")
+    try:
+        rows = np.asarray(steps, dtype=float).reshape(-1, len(COLUMNS)) if steps else np.zeros((0, len(COLUMNS)))
+    except (TypeError, ValueError):
+        raise StepLogError(f"'steps' must be rows of {len(COLUMNS)} numbers") from None
+    if len(rows) != len(steps):
+        raise StepLogError(f"'steps' must be rows of {len(COLUMNS)} numbers")
+    if not np.isfinite(rows).all():
+        raise StepLogError("a step holds a number that is not finite")
+    seconds, tokens, seqs, samples, pairs, context = (rows[:, k] for k in range(1, 7))
+    bad = ~((seconds > 0) & (seconds <= MAX_STEP_SECONDS) & (seqs >= 1) & (tokens >= seqs) & (samples >= 0)
+            & (samples <= seqs) & (pairs >= 0) & (context >= tokens))
+    if bad.any():
+        raise StepLogError(f"step {int(np.argmax(bad))} is impossible: {rows[np.argmax(bad)].tolist()}")
+    engine = answer.get("engine")
+    if not isinstance(engine, dict):
+        raise StepLogError("'engine' is not an object")
+    settings = {}
+    for name, kind in ENGINE_FIELDS.items():
+        value = engine.get(name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1e12:
+            raise StepLogError(f"engine.{name} must be a positive number, got {value!r}")
+        settings[name] = kind(value)
+    model_id = engine.get("model_id")
+    if not isinstance(model_id, str) or not 0 < len(model_id) <= 256:
+        raise StepLogError("engine.model_id must be a string of 1-256 characters")
+    settings["model_id"] = model_id
+    more = answer.get("more", False)
+    if not isinstance(more, bool):
+        raise StepLogError("'more' must be true or false")
+    return rows, settings, more
+
+
+def fetch_steps(get_page: Callable[[float], dict], since: float) -> tuple[np.ndarray, dict]:
+    """Every step a worker logged after ``since`` (unix time), page by page: ``get_page(after)``
+    returns one /admin/steps answer.  Returns ``(rows, engine settings)``."""
+    pages, engine = [], {}
+    for _ in range(MAX_PAGES):
+        rows, engine, more = parse_steps_answer(get_page(since))
+        pages.append(rows)
+        if not more or not len(rows):
+            break
+        since = float(rows[-1, 0])
+    return (np.vstack(pages) if pages else np.zeros((0, len(COLUMNS)))), engine
+
+
+def _step_kinds(rows: np.ndarray) -> np.ndarray:
+    """True for steps that computed prompt tokens (more tokens than requests), False for decode-only."""
+    return rows[:, 2] > rows[:, 3]
+
+
+def fit_live(steps: dict[str, np.ndarray], engines: dict[str, dict], min_steps: int = 50) -> dict:
+    """A calibration document (as ``pdctl calibrate`` writes) fitted to workers' logged steps.
+
+    ``steps`` and ``engines`` are by worker id.  The workers must serve one model; steps of the
+    same shape keep their median time.  ``warnings`` says where the steps cover the shapes a plan
+    needs poorly (no prefill steps, no decode batches): a fit extrapolates there."""
+    rows = [r for r in steps.values() if len(r)]
+    if not rows:
+        raise ValueError("the workers logged no steps in the window: send traffic, or widen --window")
+    models = {e["model_id"] for e in engines.values()}
+    if len(models) != 1:
+        raise ValueError(f"the workers serve different models {sorted(models)}: calibrate one at a time")
+    all_rows = np.vstack(rows)
+    if len(all_rows) < min_steps:
+        raise ValueError(f"only {len(all_rows)} steps logged (need {min_steps}): send more traffic first")
+    samples = [(tuple(float(v) for v in row[2:]), float(row[1])) for row in all_rows]
+    shapes, seconds = median_by_shape(samples)
+    prefill = _step_kinds(all_rows)
+    source = {"source": "live", "workers": sorted(steps), "steps": int(len(all_rows)),
+              "prefill_steps": int(prefill.sum()), "decode_steps": int((~prefill).sum()),
+              "window_s": round(float(all_rows[:, 0].max() - all_rows[:, 0].min()), 1),
+              "max_tokens": int(all_rows[:, 2].max()), "max_seqs": int(all_rows[:, 3].max()),
+              "fitted_at": round(time.time(), 1)}
+    model = fit_linear(shapes, seconds, source)
+    warnings = []
+    if not prefill.any():
+        warnings.append("no prefill steps in the window: prompt costs are extrapolated")
+    if (~prefill).sum() == 0:
+        warnings.append("no decode-only steps in the window: decode costs are extrapolated")
+    elif int(all_rows[~prefill, 3].max()) < 4:
+        warnings.append("decode batches of at most 3 requests: larger batches are extrapolated")
+    settings = Counter(tuple(sorted(e.items())) for e in engines.values()).most_common(1)[0][0]
+    return {"cost_model": model.to_dict(), "engine": dict(settings), "warnings": warnings,
+            "points": [{"shape": list(s), "seconds": round(t, 6), "predicted": round(model.step_time(*s), 6)}
+                       for s, t in zip(shapes, seconds)]}
+
+
+def speed_against(cost: CostModel, rows: np.ndarray) -> dict:
+    """How fast logged steps ran against ``cost``: the median of measured / predicted time over
+    prefill steps and over decode-only steps (None where there were none), and how many of each."""
+    out = {}
+    if not len(rows):
+        return {"prefill": None, "decode": None, "prefill_steps": 0, "decode_steps": 0}
+    ratio = rows[:, 1] / np.maximum(cost.step_times(rows[:, 2:]), 1e-9)
+    prefill = _step_kinds(rows)
+    for name, mask in (("prefill", prefill), ("decode", ~prefill)):
+        out[name] = round(float(np.median(ratio[mask])), 4) if mask.any() else None
+        out[f"{name}_steps"] = int(mask.sum())
+    return out
+
+
+IDLE_GAP_S = 0.005  # a gap this long between two of a worker's steps ends a busy period
+
+
+def step_residuals(steps: dict[str, np.ndarray], cost: CostModel, host=None) -> dict[str, np.ndarray]:
+    """Per worker, each logged step's measured time over what the simulator would give it: the cost
+    model's time, times the host effects (``HostEffects``) of the moment it started -- how many
+    other workers were mid-step (from their logs: workers on one host share a clock) and how long
+    the worker had been idle before its busy period.  1.0 where the model and the machine agree."""
+    spans = {name: (rows[:, 0] - rows[:, 1], rows[:, 0]) for name, rows in steps.items()}
+    out = {}
+    for name, rows in steps.items():
+        if not len(rows):
+            out[name] = np.zeros(0)
+            continue
+        expected = cost.step_times(rows[:, 2:])
+        if host is not None:
+            started, ended = spans[name]
+            others = np.zeros(len(rows))
+            for other, (o_start, o_end) in spans.items():
+                if other == name or not len(o_start):
+                    continue
+                k = np.searchsorted(o_start, started, side="right") - 1
+                others += (k >= 0) & (o_end[np.maximum(k, 0)] > started)
+            gaps = np.concatenate([[np.inf], started[1:] - ended[:-1]])
+            period = np.maximum.accumulate(np.where(gaps > IDLE_GAP_S, np.arange(len(rows)), 0))
+            idle = np.where(np.isinf(gaps[period]), 0.0, gaps[period])
+            busy_for = started - started[period]
+            expected = np.array([host.step_time(e, int(o), i, b)
+                                 for e, o, i, b in zip(expected, others, idle, busy_for)])
+        out[name] = rows[:, 1] / np.maximum(expected, 1e-9)
+    return out
+
+
+def speed_trace(steps: dict[str, np.ndarray], cost: CostModel, *, reference: list[tuple[float, float]],
+                load: tuple[float, float], window_s: float = 10.0, min_steps: int = 5, host=None):
+    """How fast the engines ran during ``load`` (wall-clock start and end) compared with during the
+    ``reference`` windows (the probes the cost model was fitted to), in windows of ``window_s``:
+    the median residual (``step_residuals``) of the window's prefill and decode-only steps over the
+    reference's.  A window with fewer than ``min_steps`` of a kind takes the whole load's factor
+    for it (1.0 where the load had none either).  Returns ``(SpeedTrace in seconds from the load's
+    start, summary)``."""
+    from gateway.planner.simulator import SpeedTrace
+
+    residuals = step_residuals(steps, cost, host)
+    ended = np.concatenate([rows[:, 0] for rows in steps.values()]) if steps else np.zeros(0)
+    ratio = np.concatenate(list(residuals.values())) if steps else np.zeros(0)
+    prefill = np.concatenate([_step_kinds(rows) for rows in steps.values()]) if steps else np.zeros(0, bool)
+    in_reference = np.zeros(len(ended), bool)
+    for a, b in reference:
+        in_reference |= (ended > a) & (ended <= b)
+    start, end = load
+    in_load = (ended > start) & (ended <= end)
+
+    def median(mask) -> float | None:
+        return float(np.median(ratio[mask])) if mask.sum() >= min_steps else None
+
+    base, whole = {}, {}
+    for kind, mask in (("prefill", prefill), ("decode", ~prefill)):
+        base[kind] = median(in_reference & mask)
+        load_median = median(in_load & mask)
+        whole[kind] = load_median / base[kind] if base[kind] and load_median else 1.0
+    starts, factors = [], {"prefill": [], "decode": []}
+    t = start
+    while t < end or not starts:
+        window = in_load & (ended > t) & (ended <= t + window_s)
+        starts.append(round(t - start, 3))
+        for kind, mask in (("prefill", prefill), ("decode", ~prefill)):
+            value = median(window & mask)
+            factors[kind].append(round(value / base[kind], 4) if value and base[kind] else round(whole[kind], 4))
+        t += window_s
+    trace = SpeedTrace(tuple(starts), tuple(factors["prefill"]), tuple(factors["decode"]))
+    summary = {"prefill": round(whole["prefill"], 4), "decode": round(whole["decode"], 4),
+               "reference_residual": {k: None if v is None else round(v, 4) for k, v in base.items()},
+               "load_steps": int(in_load.sum()), "reference_steps": int(in_reference.sum()),
+               "windows": {"starts_s": list(starts), "prefill": factors["prefill"], "decode": factors["decode"]}}
+    return trace, summary
