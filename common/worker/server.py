@@ -499,15 +499,15 @@ class Worker:
         except ValueError:
             return web.json_response({"error": f"expected ?since=<unix time>&limit=<1-{STEPS_PAGE}>"}, status=400)
         engine = self.engine
-        log = engine.step_log
-        rows = log.since(since, limit + 1)
+        step_log = engine.step_log
+        rows = step_log.since(since, limit + 1)
         settings = {"model_id": engine.model_id, "dtype": engine.layout.dtype, "block_size": engine.layout.block_size,
                     "kv_bytes_per_token": engine.layout.block_nbytes / engine.layout.block_size,
                     "max_num_batched_tokens": engine.config.max_num_batched_tokens,
                     "max_num_seqs": engine.config.max_num_seqs, "max_model_len": engine.max_model_len}
         body = {"worker_id": self.config.worker_id, "role": self.role, "engine": settings,
                 "columns": list(STEP_COLUMNS), "steps": rows[:limit].tolist(), "more": len(rows) > limit,
-                "recorded": log.total, "kept": len(log)}
+                "recorded": step_log.total, "kept": len(step_log)}
         return web.Response(body=msgspec.json.encode(body), content_type="application/json")
 
     async def _handle_drain(self, _request: web.Request) -> web.Response:
