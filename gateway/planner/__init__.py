@@ -3,6 +3,7 @@
     hardware.py    GPU and link profiles, model sizes (built-in table or a config.json)
     cost_model.py  step time from a step's shape: roofline (profile) or linear (calibrated)
     calibrate.py   pdctl calibrate: time the real engine on a grid of shapes, fit; serving overheads
+    live.py        a running deployment's step logs: pdctl calibrate --live, the machine's speed now
     traffic.py     synthetic traffic (rate, Poisson/gamma, lengths, shared prompts) and traces
     simulator.py   the discrete-event simulation (real Scheduler, BlockPool, Router)
     metrics.py     percentiles, goodput, KV usage, preemptions, transfers (loadgen's definitions)

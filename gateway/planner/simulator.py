@@ -14,6 +14,8 @@ What is real and what is modelled::
       hits, eviction, preemption)                         HTTP hops: a fixed overhead per request
                                                           CPU hosts: workers slowing each other and
                                                             waking cold from idle (HostEffects)
+                                                          a measured run's machine speed over time,
+                                                            replayed (SpeedTrace; validation only)
 
 Each worker steps only while it has work: a step is ``schedule()``, its duration from the cost
 model, then ``update()`` at the step's end (event-driven, no global clock ticks).  A prefill
