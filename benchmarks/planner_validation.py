@@ -172,6 +172,30 @@ def measure(split: str, checkpoint: str, plan, args) -> dict:
     return summary
 
 
+def recorded_steps(measured: dict) -> dict[str, np.ndarray]:
+    return {name: np.asarray(rows, dtype=float).reshape(-1, 7) for name, rows in measured["steps"].items()}
+
+
+def refit_from_steps(engine_cost, measured: dict, overheads: dict):
+    """Fit the decode speed and the host contention on the probes' engine steps instead of their
+    requests (``gateway.planner.live``): the decode speed as the median of decode steps started
+    while the other worker was idle (a lone stream's TPOT is three requests, and what else ran
+    meanwhile), contention as how much slower a step started beside another worker's ran.  The
+    request-level fits stay in ``overheads`` as ``*_probe``; returns the serving cost model."""
+    from gateway.planner.calibrate import serving_cost
+    from gateway.planner.live import fit_contention, fit_speeds
+
+    steps, windows = recorded_steps(measured), [tuple(w) for w in measured["phases"]["probes"]]
+    speeds = fit_speeds(steps, engine_cost, windows)
+    if speeds["decode"] is not None:
+        overheads["decode_speed_probe"], overheads["decode_speed"] = overheads["decode_speed"], speeds["decode"]
+    cost = serving_cost(engine_cost, overheads)
+    contention = fit_contention(steps, cost, windows)["contention"]
+    if contention is not None:
+        overheads["host_contention_probe"], overheads["host_contention"] = overheads["host_contention"], contention
+    return cost
+
+
 def speed_replay(measured: dict, cost, host) -> tuple[object, dict] | tuple[None, None]:
     """The machine's speed during a run's load, window by window, relative to its speed during the
     probes the serving cost model was fitted to (``gateway.planner.live.speed_trace``): the speed
@@ -181,7 +205,7 @@ def speed_replay(measured: dict, cost, host) -> tuple[object, dict] | tuple[None
 
     if not measured.get("steps"):
         return None, None
-    steps = {name: np.asarray(rows, dtype=float).reshape(-1, 7) for name, rows in measured["steps"].items()}
+    steps = recorded_steps(measured)
     phases = measured["phases"]
     return speed_trace(steps, cost, reference=[tuple(w) for w in phases["probes"]], load=tuple(phases["load"]),
                        host=host)
@@ -376,9 +400,14 @@ def main(argv=None) -> None:
     p.add_argument("--sample-overhead", action=argparse.BooleanOptionalAction, default=False,
                    help="fit a per-token serving overhead and the decode speed from both decode probes (else "
                         "the decode speed from the lone stream; the batched probe is recorded either way)")
-    p.add_argument("--pool-contention", action=argparse.BooleanOptionalAction, default=True,
-                   help="predict every run with the median of the runs' fitted host contention (else each "
-                        "run's own fit)")
+    p.add_argument("--pool-contention", action=argparse.BooleanOptionalAction, default=None,
+                   help="predict every run with the median of the runs' fitted host contention, else each "
+                        "run's own fit (default: pooled with --fit-from probes, where each run's fit rests on "
+                        "three requests; each run's own from its steps, hundreds of them)")
+    p.add_argument("--fit-from", choices=("steps", "probes"), default="steps",
+                   help="fit the decode speed and host contention from the probes' engine steps (their step "
+                        "logs), or from the probe requests alone (a lone stream's TPOT; simulating the "
+                        "contended probe's TTFT)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     preset = PRESETS["quick" if args.quick else "full"]
@@ -484,7 +513,11 @@ def run_all(args, checkpoint: str) -> None:
                 log(f"[{split} @ {rate} req/s] measuring {len(plan)} requests...")
                 measured = measure(split, checkpoint, plan, args)
             overheads, cost = fit_serving(engine_cost, measured["probes"], split, args)
+            if args.fit_from == "steps" and measured.get("steps"):
+                cost = refit_from_steps(engine_cost, measured, overheads)
             fitted.append((rate, split, workload, measured, overheads, cost))
+    if args.pool_contention is None:
+        args.pool_contention = args.fit_from == "probes"
     if args.pool_contention:
         # How much busy workers slow each other is the host's, not one run's: each run's contended
         # probe is three requests on a machine whose speed drifts, so every run uses the runs' median.

@@ -162,3 +162,34 @@ def test_speed_trace_replays_how_fast_the_engines_ran_in_each_window():
     # Too few steps of a kind in a window: the whole load's factor for that kind.
     _, sparse = speed_trace({"w": np.array(rows)}, TRUE, reference=[(0.0, 20.0)], load=(20.0, 40.0), min_steps=10**6)
     assert sparse["windows"]["prefill"] == [1.0, 1.0]
+
+
+def two_workers_on_one_host(contention: float, speed: float, seed: int = 0):
+    """Two workers' logs: b runs a 1 s step every other second; a steps throughout (prompt and
+    decode steps, now and then after a pause), ``1 + contention`` times longer when it starts one
+    while b is mid-step; a runs at ``speed`` times the model."""
+    rng = np.random.default_rng(seed)
+    b = np.array([(2.0 * k + 1.0, 1.0, *shape(512, 1, 512)) for k in range(30)])
+    rows, t = [], 0.05
+    while t < 60.0:
+        s = shape(64, 1, 64) if rng.random() < 0.3 else shape(2, 2, 200)
+        overlapped = int(t) % 2 == 0  # b is mid-step from 2k to 2k + 1
+        seconds = speed * TRUE.step_time(*s) * (1 + contention * overlapped) * (1 + 0.02 * rng.standard_normal())
+        rows.append((t + seconds, seconds, *s))
+        t += seconds + (0.0002 if rng.random() < 0.9 else 0.3)
+    return {"a": np.array(rows), "b": b}
+
+
+def test_contention_and_speeds_are_measured_on_the_steps():
+    from gateway.planner.live import fit_contention, fit_speeds
+
+    steps = two_workers_on_one_host(contention=0.25, speed=1.2)
+    fitted = fit_contention(steps, TRUE, [(0.0, 60.0)])
+    assert fitted["contention"] == pytest.approx(0.25, abs=0.03)
+    assert {(g["worker"], g["kind"]) for g in fitted["groups"]} >= {("a", "prefill"), ("a", "decode")}
+    speeds = fit_speeds(steps, TRUE, [(0.0, 60.0)])
+    assert speeds["prefill"] == pytest.approx(1.2, rel=0.03) and speeds["decode"] == pytest.approx(1.2, rel=0.03)
+    # Without contention: none found; outside the windows: nothing to go on.
+    assert fit_contention(two_workers_on_one_host(0.0, 1.0, seed=1), TRUE, [(0.0, 60.0)])["contention"] < 0.03
+    assert fit_contention(steps, TRUE, [(100.0, 200.0)])["contention"] is None
+    assert fit_speeds(steps, TRUE, [(100.0, 200.0)])["decode"] is None

@@ -147,12 +147,56 @@ def speed_against(cost: CostModel, rows: np.ndarray) -> dict:
 IDLE_GAP_S = 0.005  # a gap this long between two of a worker's steps ends a busy period
 
 
+def _others_mid_step(steps: dict[str, np.ndarray], name: str) -> np.ndarray:
+    """For each of worker ``name``'s steps, how many other workers were mid-step as it started
+    (their logs share the host's clock)."""
+    started = steps[name][:, 0] - steps[name][:, 1]
+    count = np.zeros(len(started))
+    for other, rows in steps.items():
+        if other == name or not len(rows):
+            continue
+        o_start, o_end = rows[:, 0] - rows[:, 1], rows[:, 0]
+        k = np.searchsorted(o_start, started, side="right") - 1
+        count += (k >= 0) & (o_end[np.maximum(k, 0)] > started)
+    return count
+
+
+def _inside(rows: np.ndarray, windows: list[tuple[float, float]]) -> np.ndarray:
+    """Steps that ended inside any of ``windows`` (wall-clock start, end)."""
+    mask = np.zeros(len(rows), bool)
+    for a, b in windows:
+        mask |= (rows[:, 0] > a) & (rows[:, 0] <= b)
+    return mask
+
+
+def fit_speeds(steps: dict[str, np.ndarray], cost: CostModel, windows: list[tuple[float, float]],
+               min_steps: int = 3) -> dict:
+    """How fast the engines ran against ``cost`` in ``windows``: the median of measured / predicted
+    time over the steps that started while no other worker was mid-step, for prefill and for
+    decode-only steps (None with fewer than ``min_steps``) -- a serving cost model's speeds, with
+    host contention left to ``fit_contention``."""
+    ratios = {"prefill": [], "decode": []}
+    for name, rows in steps.items():
+        if not len(rows):
+            continue
+        chosen = _inside(rows, windows) & (_others_mid_step(steps, name) == 0)
+        ratio = rows[:, 1] / np.maximum(cost.step_times(rows[:, 2:]), 1e-9)
+        prefill = _step_kinds(rows)
+        ratios["prefill"].append(ratio[chosen & prefill])
+        ratios["decode"].append(ratio[chosen & ~prefill])
+    out = {}
+    for kind, parts in ratios.items():
+        values = np.concatenate(parts) if parts else np.zeros(0)
+        out[kind] = round(float(np.median(values)), 4) if len(values) >= min_steps else None
+        out[f"{kind}_steps"] = int(len(values))
+    return out
+
+
 def step_residuals(steps: dict[str, np.ndarray], cost: CostModel, host=None) -> dict[str, np.ndarray]:
     """Per worker, each logged step's measured time over what the simulator would give it: the cost
     model's time, times the host effects (``HostEffects``) of the moment it started -- how many
     other workers were mid-step (from their logs: workers on one host share a clock) and how long
     the worker had been idle before its busy period.  1.0 where the model and the machine agree."""
-    spans = {name: (rows[:, 0] - rows[:, 1], rows[:, 0]) for name, rows in steps.items()}
     out = {}
     for name, rows in steps.items():
         if not len(rows):
@@ -160,13 +204,8 @@ def step_residuals(steps: dict[str, np.ndarray], cost: CostModel, host=None) -> 
             continue
         expected = cost.step_times(rows[:, 2:])
         if host is not None:
-            started, ended = spans[name]
-            others = np.zeros(len(rows))
-            for other, (o_start, o_end) in spans.items():
-                if other == name or not len(o_start):
-                    continue
-                k = np.searchsorted(o_start, started, side="right") - 1
-                others += (k >= 0) & (o_end[np.maximum(k, 0)] > started)
+            started, ended = rows[:, 0] - rows[:, 1], rows[:, 0]
+            others = _others_mid_step(steps, name)
             gaps = np.concatenate([[np.inf], started[1:] - ended[:-1]])
             period = np.maximum.accumulate(np.where(gaps > IDLE_GAP_S, np.arange(len(rows)), 0))
             idle = np.where(np.isinf(gaps[period]), 0.0, gaps[period])
@@ -191,9 +230,7 @@ def speed_trace(steps: dict[str, np.ndarray], cost: CostModel, *, reference: lis
     ended = np.concatenate([rows[:, 0] for rows in steps.values()]) if steps else np.zeros(0)
     ratio = np.concatenate(list(residuals.values())) if steps else np.zeros(0)
     prefill = np.concatenate([_step_kinds(rows) for rows in steps.values()]) if steps else np.zeros(0, bool)
-    in_reference = np.zeros(len(ended), bool)
-    for a, b in reference:
-        in_reference |= (ended > a) & (ended <= b)
+    in_reference = np.concatenate([_inside(rows, reference) for rows in steps.values()]) if steps else np.zeros(0, bool)
     start, end = load
     in_load = (ended > start) & (ended <= end)
 
@@ -220,3 +257,35 @@ def speed_trace(steps: dict[str, np.ndarray], cost: CostModel, *, reference: lis
                "load_steps": int(in_load.sum()), "reference_steps": int(in_reference.sum()),
                "windows": {"starts_s": list(starts), "prefill": factors["prefill"], "decode": factors["decode"]}}
     return trace, summary
+
+
+def fit_contention(steps: dict[str, np.ndarray], cost: CostModel, windows: list[tuple[float, float]],
+                   min_steps: int = 3) -> dict:
+    """``HostEffects.contention`` from workers' step logs on one host: how much slower a step ran
+    when another worker was mid-step as it started (as the simulator applies it) than when none
+    was, against ``cost``.  Compared within each worker and kind of step (prefill, decode-only),
+    over the steps that ended inside ``windows`` (wall-clock); the groups' slowdowns are combined
+    by a median weighted by their contended steps.  ``contention`` is None where no group had
+    ``min_steps`` steps each way."""
+    slowdowns, weights, groups = [], [], []
+    for name, rows in steps.items():
+        if not len(rows):
+            continue
+        inside = _inside(rows, windows)
+        others = _others_mid_step(steps, name) > 0
+        residual = rows[:, 1] / np.maximum(cost.step_times(rows[:, 2:]), 1e-9)
+        prefill = _step_kinds(rows)
+        for kind, mask in (("prefill", prefill), ("decode", ~prefill)):
+            alone, contended = residual[inside & mask & ~others], residual[inside & mask & others]
+            if len(alone) >= min_steps and len(contended) >= min_steps:
+                slowdown = float(np.median(contended) / np.median(alone) - 1.0)
+                slowdowns.append(slowdown)
+                weights.append(len(contended))
+                groups.append({"worker": name, "kind": kind, "slowdown": round(slowdown, 4),
+                               "alone": int(len(alone)), "contended": int(len(contended))})
+    if not slowdowns:
+        return {"contention": None, "groups": groups}
+    order = np.argsort(slowdowns)
+    cumulative = np.cumsum(np.asarray(weights, float)[order])
+    median = float(np.asarray(slowdowns)[order][np.searchsorted(cumulative, cumulative[-1] / 2)])
+    return {"contention": round(max(0.0, median), 4), "groups": groups}
