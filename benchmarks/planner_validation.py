@@ -14,9 +14,16 @@
    -- the machine's current speed for prefill and for decode steps (it is shared: other tenants
    come and go), a per-request overhead (and, with ``--sample-overhead``, a per-streamed-token
    one), and the host effects of workers sharing two cores (``HostEffects``): how much slower a
-   worker woken from idle runs, and how much a busy worker slows the others (found by simulating
-   the contended probe).  Then the open-loop Poisson workload with ``benchmarks/loadgen.py``
-   (exact prompt and output lengths).
+   worker woken from idle runs, and how much a busy worker slows the others.  Every worker's
+   engine logs each step (``common.engine.step_log``; read through its admin API after each
+   phase), and by default (``--fit-from steps``) two of these come from the probes' steps rather
+   than their requests (``refit_from_steps``): the decode speed (the median of decode steps
+   started while the other worker was idle; a lone stream's TPOT is three requests) and the host
+   contention (a step started while the other worker was mid-step against one started alone,
+   hundreds of steps; ``--fit-from probes`` simulates the contended probe's TTFT instead).  The
+   prefill speed stays the probes' TTFT fit: prompt steps run 5-15% slower in the probes than
+   under load, and the TTFT fit matched the load better.  Then the open-loop Poisson workload
+   with ``benchmarks/loadgen.py`` (exact prompt and output lengths).
 3. **Predict** the same runs with the simulator -- the same arrival times and lengths, the same
    engine settings, the calibrated cost model with that run's fitted overheads and host
    effects -- and compare.  Queueing, batching, chunking, prefill/decode interference and
@@ -24,15 +31,15 @@
    measurements are in the results file (``--repredict FILE`` predicts its runs again from the
    probes it recorded, without measuring).
 
-4. **Replay the machine's speed**: every worker's engine logs each step (``common.engine.step_log``;
-   read through its admin API after each phase).  Against the simulator's own view of each step --
+4. **Replay the machine's speed** (a diagnostic).  Against the simulator's own view of each step --
    the serving cost model times the host effects of that moment, other workers mid-step and how
    long the worker had idled -- the steps tell how fast the machine ran during the load, window by
    window, relative to during the probes (``gateway.planner.live.speed_trace``).  The runs are
-   predicted again with that speed replayed (``replayed`` in the JSON): the error that is left
-   is the simulation's -- queueing, batching, routing -- and the difference from the plain
-   prediction is what the machine's drift cost.  The replay uses the engines' step times, never
-   a request's TTFT or TPOT.
+   predicted again with that speed replayed (``replayed`` in the JSON): what changes tells how
+   much of the error is the machine's speed during the load (drift, and whatever the probes'
+   fit misses about the load's steps) rather than the simulation's queueing, batching and
+   routing.  The replay uses the engines' step times, never a request's TTFT or TPOT; the
+   headline figures are the plain prediction's.
 
 The last line is one JSON object with the worst relative error of the TTFT and TPOT medians over
 all runs (``ttft_p50_rel_error``, ``tpot_p50_rel_error``; target <= 0.25 each); whether the split
@@ -45,9 +52,9 @@ at 1,000 req/s for 10 minutes (sampled, see ``gateway/planner/search.py``), with
 the slice it simulated.
 
 Load levels: ``--quick`` 0.5 and 1 req/s; the full preset 0.3, 0.55 and 0.8 of what one prefill worker
-takes by the calibration (``capacity_rate``), so a slower machine is not measured in overload.  Host
-contention is pooled over the runs (``--pool-contention``, on by default: each run's probe is three
-requests, and how busy workers slow each other is the host's).
+takes by the calibration (``capacity_rate``), so a slower machine is not measured in overload.  Each
+run is predicted with its own host contention when it was fitted on steps; fitted on the contended
+probe (three requests) it is pooled over the runs (``--pool-contention``: the median of their fits).
 
 On 2 shared vCPUs: ``--quick`` (tiny model, 2 load levels, 50 s each) about 15 minutes; the full
 run (100m model, 3 load levels, at least 60 s and 20 requests each) about 45 minutes, 30 with
