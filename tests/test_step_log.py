@@ -7,7 +7,7 @@ import pytest
 
 from common.engine.step_log import COLUMNS, StepLog
 from gateway.planner.cost_model import LinearCostModel
-from gateway.planner.live import StepLogError, fetch_steps, fit_live, parse_steps_answer, speed_against
+from gateway.planner.live import StepLogError, fetch_steps, fit_live, parse_steps_answer
 
 ENGINE = {"model_id": "m", "dtype": "float32", "block_size": 16, "kv_bytes_per_token": 4096.0,
           "max_num_batched_tokens": 512, "max_num_seqs": 64, "max_model_len": 2048}
@@ -115,14 +115,6 @@ def test_a_live_fit_refuses_too_little_and_mixed_models_and_warns_on_gaps():
     decode_only = decode_only[decode_only[:, 2] == decode_only[:, 3]]
     doc = fit_live({"d0": decode_only}, {"d0": ENGINE})
     assert any("no prefill steps" in w for w in doc["warnings"])
-
-
-def test_speed_against_a_cost_model():
-    rows = logged_steps(TRUE, 5, speed=1.3)
-    speed = speed_against(TRUE, rows)
-    assert speed["prefill"] == pytest.approx(1.3, rel=0.03) and speed["decode"] == pytest.approx(1.3, rel=0.03)
-    assert speed["prefill_steps"] + speed["decode_steps"] == len(rows)
-    assert speed_against(TRUE, rows[:0]) == {"prefill": None, "decode": None, "prefill_steps": 0, "decode_steps": 0}
 
 
 def test_residuals_apply_the_host_effects_of_the_moment_each_step_started():

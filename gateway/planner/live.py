@@ -6,8 +6,10 @@ its shape) and answers ``GET /admin/steps?since=&limit=`` (the gateway proxies i
 
 - ``pdctl calibrate --live`` fits the cost model to the steps the deployment really ran, on its
   own hardware, under its own traffic (``fit_live``), instead of a grid run on a spare machine;
-- ``speed_against`` says how fast the engines ran compared with a cost model -- the machine's
-  speed now, what ``benchmarks/planner_validation.py`` reads during a run.
+- ``fit_speeds`` and ``fit_contention`` say how fast the engines ran against a cost model, and how
+  much workers sharing a host slowed each other's steps (``HostEffects.contention``);
+- ``speed_trace`` follows the machine's speed through a run, window by window, for the simulator
+  to replay (``benchmarks/planner_validation.py``).
 
 Every answer is validated before use (``parse_steps_answer``): a worker is a network peer.
 """
@@ -128,20 +130,6 @@ def fit_live(steps: dict[str, np.ndarray], engines: dict[str, dict], min_steps: 
     return {"cost_model": model.to_dict(), "engine": dict(settings), "warnings": warnings,
             "points": [{"shape": list(s), "seconds": round(t, 6), "predicted": round(model.step_time(*s), 6)}
                        for s, t in zip(shapes, seconds)]}
-
-
-def speed_against(cost: CostModel, rows: np.ndarray) -> dict:
-    """How fast logged steps ran against ``cost``: the median of measured / predicted time over
-    prefill steps and over decode-only steps (None where there were none), and how many of each."""
-    out = {}
-    if not len(rows):
-        return {"prefill": None, "decode": None, "prefill_steps": 0, "decode_steps": 0}
-    ratio = rows[:, 1] / np.maximum(cost.step_times(rows[:, 2:]), 1e-9)
-    prefill = _step_kinds(rows)
-    for name, mask in (("prefill", prefill), ("decode", ~prefill)):
-        out[name] = round(float(np.median(ratio[mask])), 4) if mask.any() else None
-        out[f"{name}_steps"] = int(mask.sum())
-    return out
 
 
 IDLE_GAP_S = 0.005  # a gap this long between two of a worker's steps ends a busy period
