@@ -50,13 +50,19 @@ def test_packed_layer_computes_what_the_plain_one_did(dtype, shape):
         layer.weight.copy_(torch.randn(96, 64, generator=gen))
     weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()
     x = torch.randn(*shape, 64, generator=gen).to(dtype)
+    expected = F.linear(x.float(), weight.float(), bias.float())
+    tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-1)
+    if dtype == torch.bfloat16 and linear_module.pack_weight(weight) is None:
+        # oneDNN refuses to pack bf16 on a CPU without bf16 instructions (AVX2 only): the layer
+        # says so, keeps its plain weight and computes the same values.
+        assert not layer.pack() and layer.packed_weight is None and layer.weight.numel() == 96 * 64
+        torch.testing.assert_close(layer(x).float(), expected, **tol)
+        return
     assert layer.pack()
     assert layer.weight.numel() == 0  # the plain copy is gone; only the packed one is read
     with torch.inference_mode():
         out = layer(x)
         assert "mkldnn::_linear_pointwise" in ops_called(lambda: layer(x))
-    expected = F.linear(x.float(), weight.float(), bias.float())
-    tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-1)
     assert out.shape == (*shape, 96) and out.dtype == dtype
     torch.testing.assert_close(out.float(), expected, **tol)
 
