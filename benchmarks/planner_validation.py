@@ -180,7 +180,10 @@ def measure(split: str, checkpoint: str, plan, args) -> dict:
 
 
 def recorded_steps(measured: dict) -> dict[str, np.ndarray]:
-    return {name: np.asarray(rows, dtype=float).reshape(-1, 7) for name, rows in measured["steps"].items()}
+    """A run's recorded step logs as arrays of ``common.engine.step_log.COLUMNS`` rows, by worker."""
+    from common.engine.step_log import COLUMNS
+
+    return {name: np.asarray(rows, dtype=float).reshape(-1, len(COLUMNS)) for name, rows in measured["steps"].items()}
 
 
 def refit_from_steps(engine_cost, measured: dict, overheads: dict):

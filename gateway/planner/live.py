@@ -135,6 +135,11 @@ def fit_live(steps: dict[str, np.ndarray], engines: dict[str, dict], min_steps: 
 IDLE_GAP_S = 0.005  # a gap this long between two of a worker's steps ends a busy period
 
 
+def _against(rows: np.ndarray, cost: CostModel) -> np.ndarray:
+    """Each logged step's measured time over ``cost``'s time for its shape."""
+    return rows[:, 1] / np.maximum(cost.step_times(rows[:, 2:]), 1e-9)
+
+
 def _others_mid_step(steps: dict[str, np.ndarray], name: str) -> np.ndarray:
     """For each of worker ``name``'s steps, how many other workers were mid-step as it started
     (their logs share the host's clock)."""
@@ -168,7 +173,7 @@ def fit_speeds(steps: dict[str, np.ndarray], cost: CostModel, windows: list[tupl
         if not len(rows):
             continue
         chosen = _inside(rows, windows) & (_others_mid_step(steps, name) == 0)
-        ratio = rows[:, 1] / np.maximum(cost.step_times(rows[:, 2:]), 1e-9)
+        ratio = _against(rows, cost)
         prefill = _step_kinds(rows)
         ratios["prefill"].append(ratio[chosen & prefill])
         ratios["decode"].append(ratio[chosen & ~prefill])
@@ -261,7 +266,7 @@ def fit_contention(steps: dict[str, np.ndarray], cost: CostModel, windows: list[
             continue
         inside = _inside(rows, windows)
         others = _others_mid_step(steps, name) > 0
-        residual = rows[:, 1] / np.maximum(cost.step_times(rows[:, 2:]), 1e-9)
+        residual = _against(rows, cost)
         prefill = _step_kinds(rows)
         for kind, mask in (("prefill", prefill), ("decode", ~prefill)):
             alone, contended = residual[inside & mask & ~others], residual[inside & mask & others]
