@@ -186,23 +186,37 @@ def recorded_steps(measured: dict) -> dict[str, np.ndarray]:
     return {name: np.asarray(rows, dtype=float).reshape(-1, len(COLUMNS)) for name, rows in measured["steps"].items()}
 
 
-def refit_from_steps(engine_cost, measured: dict, overheads: dict):
-    """Fit the decode speed and the host contention on the probes' engine steps instead of their
-    requests (``gateway.planner.live``): the decode speed as the median of decode steps started
-    while the other worker was idle (a lone stream's TPOT is three requests, and what else ran
-    meanwhile), contention as how much slower a step started beside another worker's ran.  The
-    request-level fits stay in ``overheads`` as ``*_probe``; returns the serving cost model."""
-    from gateway.planner.calibrate import serving_cost
+def refit_from_steps(engine_cost, measured: dict, overheads: dict, args):
+    """Fit the engine speeds and the host contention on the probes' engine steps instead of their
+    requests (``gateway.planner.live``): each speed as the median of the steps of its kind started
+    while the other worker was idle (hundreds of decode steps and dozens of prompt steps, where
+    the request-level fits rest on three requests each: a lone stream's TPOT, the difference of a
+    long and a short prompt's TTFT, which also takes in how the cost model's error differs
+    between those two shapes), the per-request overhead then what the short prompt's TTFT leaves,
+    and contention as how much slower a step started beside another worker's ran (a decode-only
+    step beside a decode-only one apart: ``host_decode_contention``).  The request-level fits stay
+    in ``overheads`` as ``*_probe``; returns the serving cost model."""
+    from gateway.planner.calibrate import request_overhead, serving_cost
     from gateway.planner.live import fit_contention, fit_speeds
 
     steps, windows = recorded_steps(measured), [tuple(w) for w in measured["phases"]["probes"]]
     speeds = fit_speeds(steps, engine_cost, windows)
     if speeds["decode"] is not None:
         overheads["decode_speed_probe"], overheads["decode_speed"] = overheads["decode_speed"], speeds["decode"]
+    if speeds["prefill"] is not None:
+        overheads["speed_probe"], overheads["speed"] = overheads["speed"], speeds["prefill"]
+        overheads["request_overhead_s_probe"] = overheads["request_overhead_s"]
+        overheads["request_overhead_s"] = request_overhead(
+            engine_cost, ttft_short_s=measured["probes"]["ttft_short_s"], short_len=PROBE_SHORT,
+            chunk=args.max_num_batched_tokens, speed=speeds["prefill"],
+            sample_overhead_s=overheads["sample_overhead_s"])
     cost = serving_cost(engine_cost, overheads)
-    contention = fit_contention(steps, cost, windows)["contention"]
-    if contention is not None:
-        overheads["host_contention_probe"], overheads["host_contention"] = overheads["host_contention"], contention
+    contention = fit_contention(steps, cost, windows)
+    if contention["contention"] is not None:
+        overheads["host_contention_probe"], overheads["host_contention"] = (overheads["host_contention"],
+                                                                            contention["contention"])
+    if contention["decode_contention"] is not None:
+        overheads["host_decode_contention"] = contention["decode_contention"]
     return cost
 
 
@@ -524,7 +538,7 @@ def run_all(args, checkpoint: str) -> None:
                 measured = measure(split, checkpoint, plan, args)
             overheads, cost = fit_serving(engine_cost, measured["probes"], split, args)
             if args.fit_from == "steps" and measured.get("steps"):
-                cost = refit_from_steps(engine_cost, measured, overheads)
+                cost = refit_from_steps(engine_cost, measured, overheads, args)
             fitted.append((rate, split, workload, measured, overheads, cost))
     if args.pool_contention is None:
         args.pool_contention = args.fit_from == "probes"

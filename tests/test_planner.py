@@ -459,6 +459,29 @@ def test_a_speed_trace_replays_a_machine_that_changes_speed():
             SpeedTrace(*bad)
 
 
+def test_decode_steps_beside_decode_steps_take_their_own_contention():
+    from gateway.planner.simulator import HostEffects
+
+    # Two colocated workers, one long stream each (short prompts: computed where they decode).
+    wl = Workload(np.array([0.0, 0.0]), np.array([32, 32]), np.array([300, 300]))
+
+    def tpot(host):
+        sim = Simulation(Deployment(0, 0, 2), wl, dataclasses.replace(config(), host=host))
+        sim.run()
+        return [(sim.finish[i] - sim.first_token[i]) / 299 for i in range(2)]
+
+    base = tpot(None)
+    # Decode beside decode: the pair's own contention, whatever the general one is.
+    assert tpot(HostEffects(contention=0.0, decode_contention=0.5)) == pytest.approx([1.5 * t for t in base], rel=0.02)
+    assert tpot(HostEffects(contention=0.5, decode_contention=0.0)) == pytest.approx(base, rel=0.02)
+    # Not given: every pairing takes ``contention``, as before.
+    assert tpot(HostEffects(contention=0.5)) == pytest.approx([1.5 * t for t in base], rel=0.02)
+    host = HostEffects(contention=0.1, decode_contention=0.4)
+    assert host.step_time(0.1, 2, decode_pairs=1) == pytest.approx(0.1 * (1 + 0.1 + 0.4))
+    with pytest.raises(ValueError):
+        HostEffects(decode_contention=-0.1)
+
+
 def test_busy_workers_on_one_host_slow_each_other():
     from gateway.planner.simulator import HostEffects
 
@@ -522,10 +545,12 @@ def test_pdctl_plan_reads_host_effects_from_the_calibration(tmp_path):
     path = tmp_path / "calibration.json"
     path.write_text(json.dumps({"cost_model": COST.to_dict(), "engine": {"kv_bytes_per_token": 4096, "max_model_len": 4096},
                                 "serving": {"speed": 1.1, "decode_speed": 0.9, "request_overhead_s": 0.004,
-                                            "host_contention": 0.2, "wake_slowdown": 0.15, "wake_full_s": 1.5}}))
+                                            "host_contention": 0.2, "wake_slowdown": 0.15, "wake_full_s": 1.5,
+                                            "host_decode_contention": 0.3}}))
     args = build_parser().parse_args(["plan", "--calibration", str(path), "--num-blocks", "512"])
     sim_config, _ = build_config(args)
     assert (sim_config.host.contention, sim_config.host.wake_slowdown, sim_config.host.wake_full_s) == (0.2, 0.15, 1.5)
+    assert sim_config.host.decode_contention == 0.3
     assert sim_config.overhead_s == pytest.approx(0.004)
 
 

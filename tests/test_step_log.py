@@ -156,17 +156,24 @@ def test_speed_trace_replays_how_fast_the_engines_ran_in_each_window():
     assert sparse["windows"]["prefill"] == [1.0, 1.0]
 
 
-def two_workers_on_one_host(contention: float, speed: float, seed: int = 0):
-    """Two workers' logs: b runs a 1 s step every other second; a steps throughout (prompt and
-    decode steps, now and then after a pause), ``1 + contention`` times longer when it starts one
-    while b is mid-step; a runs at ``speed`` times the model."""
+def two_workers_on_one_host(contention: float, speed: float, seed: int = 0, decode_contention: float | None = None):
+    """Two workers' logs: b runs a 1 s step every other second, a prompt's and a decode-only one
+    in turn; a steps throughout (prompt and decode steps, now and then after a pause),
+    ``1 + contention`` times longer when it starts one while b is mid-step -- ``1 +
+    decode_contention`` for a decode-only step while b is mid decode-only step (default:
+    ``contention``); a runs at ``speed`` times the model."""
+    decode_contention = contention if decode_contention is None else decode_contention
     rng = np.random.default_rng(seed)
-    b = np.array([(2.0 * k + 1.0, 1.0, *shape(512, 1, 512)) for k in range(30)])
+    b = np.array([(2.0 * k + 1.0, 1.0, *(shape(512, 1, 512) if k % 2 == 0 else shape(32, 32, 4000)))
+                  for k in range(30)])
     rows, t = [], 0.05
     while t < 60.0:
-        s = shape(64, 1, 64) if rng.random() < 0.3 else shape(2, 2, 200)
+        prefill = rng.random() < 0.3
+        s = shape(64, 1, 64) if prefill else shape(2, 2, 200)
         overlapped = int(t) % 2 == 0  # b is mid-step from 2k to 2k + 1
-        seconds = speed * TRUE.step_time(*s) * (1 + contention * overlapped) * (1 + 0.02 * rng.standard_normal())
+        b_decoding = (int(t) // 2) % 2 == 1
+        slowdown = decode_contention if (b_decoding and not prefill) else contention
+        seconds = speed * TRUE.step_time(*s) * (1 + slowdown * overlapped) * (1 + 0.02 * rng.standard_normal())
         rows.append((t + seconds, seconds, *s))
         t += seconds + (0.0002 if rng.random() < 0.9 else 0.3)
     return {"a": np.array(rows), "b": b}
@@ -185,3 +192,22 @@ def test_contention_and_speeds_are_measured_on_the_steps():
     assert fit_contention(two_workers_on_one_host(0.0, 1.0, seed=1), TRUE, [(0.0, 60.0)])["contention"] < 0.03
     assert fit_contention(steps, TRUE, [(100.0, 200.0)])["contention"] is None
     assert fit_speeds(steps, TRUE, [(100.0, 200.0)])["decode"] is None
+
+
+def test_decode_steps_beside_decode_steps_are_fitted_apart():
+    from gateway.planner.live import fit_contention, step_residuals
+    from gateway.planner.simulator import HostEffects
+
+    steps = two_workers_on_one_host(contention=0.05, speed=1.0, decode_contention=0.3, seed=2)
+    fitted = fit_contention(steps, TRUE, [(0.0, 60.0)])
+    assert fitted["contention"] == pytest.approx(0.05, abs=0.03)
+    assert fitted["decode_contention"] == pytest.approx(0.3, abs=0.03)
+    assert {g["fits"] for g in fitted["groups"] if g["worker"] == "a" and g["kind"] == "decode"} == {
+        "contention", "decode_contention"}
+    # The simulator's view of each step with both applied leaves a's steps at the model's speed.
+    host = HostEffects(contention=fitted["contention"], decode_contention=fitted["decode_contention"])
+    assert np.median(step_residuals(steps, TRUE, host)["a"]) == pytest.approx(1.0, abs=0.03)
+    assert np.percentile(step_residuals(steps, TRUE, host)["a"], 90) < 1.1
+    assert np.percentile(step_residuals(steps, TRUE, HostEffects(contention=0.05))["a"], 90) > 1.2
+    # One worker alone has no pairs to fit.
+    assert fit_contention({"a": steps["a"]}, TRUE, [(0.0, 60.0)])["decode_contention"] is None

@@ -184,9 +184,18 @@ def fit_stack_overheads(cost, *, ttft_short_s: float, ttft_long_s: float, tpot_s
         fitted_sample = tpot_s - fitted_speed * decode
         if fitted_speed > 0 and fitted_sample >= 0:  # else the probes disagree (noise): the lone stream's
             decode_speed, sample = fitted_speed, fitted_sample
-    request = max(0.0, ttft_short_s - sample - speed * short)
+    request = request_overhead(cost, ttft_short_s=ttft_short_s, short_len=short_len, chunk=chunk, speed=speed,
+                               sample_overhead_s=sample)
     return {"speed": round(speed, 4), "decode_speed": round(decode_speed, 4), "step_overhead_s": 0.0,
             "sample_overhead_s": round(sample, 6), "request_overhead_s": round(request, 5)}
+
+
+def request_overhead(cost, *, ttft_short_s: float, short_len: int, chunk: int, speed: float,
+                     sample_overhead_s: float = 0.0) -> float:
+    """The fixed latency outside the engines: a short prompt's TTFT on an idle stack minus its
+    prefill steps at ``speed`` (and its first token's streaming)."""
+    short, _ = prefill_seconds(cost, short_len, chunk)
+    return round(max(0.0, ttft_short_s - sample_overhead_s - speed * short), 5)
 
 
 def fit_host_effects(*, cold_prefill_slowdown: float, cold_decode_slowdown: float, pause_s: float,
@@ -242,9 +251,11 @@ def host_effects(serving: dict):
     """The simulator's ``HostEffects`` from a calibration's ``serving`` section (none: no effects)."""
     from gateway.planner.simulator import HostEffects
 
+    decode_contention = serving.get("host_decode_contention")
     return HostEffects(contention=float(serving.get("host_contention", 0.0)),
                        wake_slowdown=float(serving.get("wake_slowdown", 0.0)),
-                       wake_full_s=float(serving.get("wake_full_s", HostEffects.wake_full_s)))
+                       wake_full_s=float(serving.get("wake_full_s", HostEffects.wake_full_s)),
+                       decode_contention=None if decode_contention is None else float(decode_contention))
 
 
 def serving_cost(cost, overheads: dict):

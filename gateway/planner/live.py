@@ -140,18 +140,20 @@ def _against(rows: np.ndarray, cost: CostModel) -> np.ndarray:
     return rows[:, 1] / np.maximum(cost.step_times(rows[:, 2:]), 1e-9)
 
 
-def _others_mid_step(steps: dict[str, np.ndarray], name: str) -> np.ndarray:
-    """For each of worker ``name``'s steps, how many other workers were mid-step as it started
-    (their logs share the host's clock)."""
+def _others_mid_step(steps: dict[str, np.ndarray], name: str) -> tuple[np.ndarray, np.ndarray]:
+    """For each of worker ``name``'s steps, how many other workers were mid-step as it started,
+    and how many of those were mid decode-only step (their logs share the host's clock)."""
     started = steps[name][:, 0] - steps[name][:, 1]
-    count = np.zeros(len(started))
+    count, decoding = np.zeros(len(started)), np.zeros(len(started))
     for other, rows in steps.items():
         if other == name or not len(rows):
             continue
         o_start, o_end = rows[:, 0] - rows[:, 1], rows[:, 0]
         k = np.searchsorted(o_start, started, side="right") - 1
-        count += (k >= 0) & (o_end[np.maximum(k, 0)] > started)
-    return count
+        mid = (k >= 0) & (o_end[np.maximum(k, 0)] > started)
+        count += mid
+        decoding += mid & ~_step_kinds(rows)[np.maximum(k, 0)]
+    return count, decoding
 
 
 def _inside(rows: np.ndarray, windows: list[tuple[float, float]]) -> np.ndarray:
@@ -172,7 +174,7 @@ def fit_speeds(steps: dict[str, np.ndarray], cost: CostModel, windows: list[tupl
     for name, rows in steps.items():
         if not len(rows):
             continue
-        chosen = _inside(rows, windows) & (_others_mid_step(steps, name) == 0)
+        chosen = _inside(rows, windows) & (_others_mid_step(steps, name)[0] == 0)
         ratio = _against(rows, cost)
         prefill = _step_kinds(rows)
         ratios["prefill"].append(ratio[chosen & prefill])
@@ -198,13 +200,14 @@ def step_residuals(steps: dict[str, np.ndarray], cost: CostModel, host=None) -> 
         expected = cost.step_times(rows[:, 2:])
         if host is not None:
             started, ended = rows[:, 0] - rows[:, 1], rows[:, 0]
-            others = _others_mid_step(steps, name)
+            others, decoding = _others_mid_step(steps, name)
+            pairs = np.where(_step_kinds(rows), 0, decoding)  # a decode-only step beside decode-only ones
             gaps = np.concatenate([[np.inf], started[1:] - ended[:-1]])
             period = np.maximum.accumulate(np.where(gaps > IDLE_GAP_S, np.arange(len(rows)), 0))
             idle = np.where(np.isinf(gaps[period]), 0.0, gaps[period])
             busy_for = started - started[period]
-            expected = np.array([host.step_time(e, int(o), i, b)
-                                 for e, o, i, b in zip(expected, others, idle, busy_for)])
+            expected = np.array([host.step_time(e, int(o), i, b, int(p))
+                                 for e, o, i, b, p in zip(expected, others, idle, busy_for, pairs)])
         out[name] = rows[:, 1] / np.maximum(expected, 1e-9)
     return out
 
@@ -254,31 +257,41 @@ def speed_trace(steps: dict[str, np.ndarray], cost: CostModel, *, reference: lis
 
 def fit_contention(steps: dict[str, np.ndarray], cost: CostModel, windows: list[tuple[float, float]],
                    min_steps: int = 3) -> dict:
-    """``HostEffects.contention`` from workers' step logs on one host: how much slower a step ran
-    when another worker was mid-step as it started (as the simulator applies it) than when none
-    was, against ``cost``.  Compared within each worker and kind of step (prefill, decode-only),
-    over the steps that ended inside ``windows`` (wall-clock); the groups' slowdowns are combined
-    by a median weighted by their contended steps.  ``contention`` is None where no group had
-    ``min_steps`` steps each way."""
-    slowdowns, weights, groups = [], [], []
+    """``HostEffects.contention`` and ``decode_contention`` from workers' step logs on one host:
+    how much slower a step ran when another worker was mid-step as it started (as the simulator
+    applies them) than when none was, against ``cost``.  Compared within each worker and kind of
+    step (prefill, decode-only), over the steps that ended inside ``windows`` (wall-clock), apart
+    for a decode-only step beside decode-only ones (``decode_contention``: both memory-bound) and
+    every other pairing (``contention``); each one's groups are combined by a median weighted by
+    their contended steps.  Either is None where no group had ``min_steps`` steps each way."""
+    found = {"contention": [], "decode_contention": []}
+    groups = []
     for name, rows in steps.items():
         if not len(rows):
             continue
         inside = _inside(rows, windows)
-        others = _others_mid_step(steps, name) > 0
+        others, decoding = _others_mid_step(steps, name)
         residual = _against(rows, cost)
         prefill = _step_kinds(rows)
+        pairs = ~prefill & (decoding > 0)
         for kind, mask in (("prefill", prefill), ("decode", ~prefill)):
-            alone, contended = residual[inside & mask & ~others], residual[inside & mask & others]
-            if len(alone) >= min_steps and len(contended) >= min_steps:
-                slowdown = float(np.median(contended) / np.median(alone) - 1.0)
-                slowdowns.append(slowdown)
-                weights.append(len(contended))
-                groups.append({"worker": name, "kind": kind, "slowdown": round(slowdown, 4),
-                               "alone": int(len(alone)), "contended": int(len(contended))})
-    if not slowdowns:
-        return {"contention": None, "groups": groups}
+            alone = residual[inside & mask & (others == 0)]
+            for key, beside in (("contention", (others > 0) & ~pairs), ("decode_contention", pairs)):
+                contended = residual[inside & mask & beside]
+                if len(alone) >= min_steps and len(contended) >= min_steps:
+                    slowdown = float(np.median(contended) / np.median(alone) - 1.0)
+                    found[key].append((slowdown, len(contended)))
+                    groups.append({"worker": name, "kind": kind, "fits": key, "slowdown": round(slowdown, 4),
+                                   "alone": int(len(alone)), "contended": int(len(contended))})
+    out = {"groups": groups}
+    for key, values in found.items():
+        out[key] = round(max(0.0, _weighted_median(values)), 4) if values else None
+    return out
+
+
+def _weighted_median(values: list[tuple[float, int]]) -> float:
+    """The median of ``(value, weight)`` pairs."""
+    slowdowns, weights = np.array([v for v, _ in values]), np.array([w for _, w in values], float)
     order = np.argsort(slowdowns)
-    cumulative = np.cumsum(np.asarray(weights, float)[order])
-    median = float(np.asarray(slowdowns)[order][np.searchsorted(cumulative, cumulative[-1] / 2)])
-    return {"contention": round(max(0.0, median), 4), "groups": groups}
+    cumulative = np.cumsum(weights[order])
+    return float(slowdowns[order][np.searchsorted(cumulative, cumulative[-1] / 2)])

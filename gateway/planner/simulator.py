@@ -123,6 +123,10 @@ class HostEffects:
 
     - ``contention``: each other worker busy stepping when a step starts makes it this fraction
       slower (cores, memory bandwidth and the serving processes around the engines are shared);
+    - ``decode_contention``: instead, for a decode-only step, each other worker mid decode-only
+      step (None: ``contention``).  Two decode steps each stream every weight from memory, so
+      they slow each other more than a step beside a prompt's compute-bound chunk does (on the
+      2-vCPU validation host about 0.2 against 0.05);
     - ``wake_slowdown``: a worker that wakes from idle runs cold (caches refilled, clocks
       ramping) -- its steps in the first ``wake_window_s`` of work are this fraction slower after
       an idle of ``wake_full_s`` or longer, that share of it after a shorter one.
@@ -135,16 +139,21 @@ class HostEffects:
     wake_slowdown: float = 0.0
     wake_full_s: float = 2.0
     wake_window_s: float = 0.5
+    decode_contention: float | None = None
 
     def __post_init__(self) -> None:
         if not (self.contention >= 0 and self.wake_slowdown >= 0 and self.wake_full_s > 0
-                and self.wake_window_s >= 0):
+                and self.wake_window_s >= 0 and (self.decode_contention is None or self.decode_contention >= 0)):
             raise ValueError(f"host effects must be >= 0 (wake_full_s > 0), got {self}")
 
-    def step_time(self, seconds: float, other_busy: int, idle_before_s: float = 0.0, busy_for_s: float = 0.0) -> float:
-        """A step of ``seconds`` (the cost model's) beside ``other_busy`` busy workers, started
+    def step_time(self, seconds: float, other_busy: int, idle_before_s: float = 0.0, busy_for_s: float = 0.0,
+                  decode_pairs: int = 0) -> float:
+        """A step of ``seconds`` (the cost model's) beside ``other_busy`` busy workers, of which
+        ``decode_pairs`` are mid decode-only step while this one is decode-only too, started
         ``busy_for_s`` into a busy period that followed ``idle_before_s`` of idle."""
         factor = 1.0 + self.contention * other_busy
+        if decode_pairs and self.decode_contention is not None:
+            factor += (self.decode_contention - self.contention) * decode_pairs
         if self.wake_slowdown and idle_before_s > 0 and busy_for_s < self.wake_window_s:
             factor += self.wake_slowdown * min(1.0, idle_before_s / self.wake_full_s)
         return seconds * factor
@@ -234,6 +243,7 @@ class SimWorker:
                                          KVCacheManager(self.pool, settings.block_size), clock)
         self.busy = False
         self.current = None  # the SchedulerOutput of the step in flight
+        self.decoding = False  # the step in flight is decode-only
         self.jobs: dict[str, _Job] = {}
         self.link_out_free = 0.0
         self.link_in_free = 0.0
@@ -327,6 +337,7 @@ class Simulation:
         self.itl_weights: list[int] = []
         self.transfer_bytes = 0.0
         self.busy_workers = 0
+        self.decoding_workers = 0  # workers mid decode-only step
         self.host = None if config.host == HostEffects() else config.host  # decided once, not per step
         self.retries = 0  # "busy" answers: a decode worker skipped for a request
         self.queued = 0  # requests that waited for room at least once
@@ -531,6 +542,9 @@ class Simulation:
 
     def _start_step(self, w: SimWorker, now: float) -> None:
         out = w.scheduler.schedule()
+        if w.decoding:
+            self.decoding_workers -= 1
+            w.decoding = False
         if out.is_empty:
             if w.busy:
                 self.busy_workers -= 1
@@ -543,10 +557,15 @@ class Simulation:
             self.busy_workers += 1
             w.idle_before = now - w.last_step_end
             w.busy_since = now
+        decoding = tokens == seqs
         if self.host is not None:
-            duration = self.host.step_time(duration, self.busy_workers - 1, w.idle_before, now - w.busy_since)
+            duration = self.host.step_time(duration, self.busy_workers - 1, w.idle_before, now - w.busy_since,
+                                           self.decoding_workers if decoding else 0)
+        if decoding:
+            self.decoding_workers += 1
+            w.decoding = True
         if self.config.speed is not None:
-            duration *= self.config.speed.factor(now, tokens > seqs)
+            duration *= self.config.speed.factor(now, not decoding)
         w.busy = True
         w.current = out
         w.busy_time += duration
