@@ -194,6 +194,28 @@ def test_contention_and_speeds_are_measured_on_the_steps():
     assert fit_speeds(steps, TRUE, [(100.0, 200.0)])["decode"] is None
 
 
+def test_speeds_leave_out_the_steps_a_worker_ran_waking_up():
+    from gateway.planner.live import fit_speeds
+
+    # Busy 0.8 s, idle 1 s, over and over; the first 0.5 s of each busy period runs 1.6x slower (cold).
+    rng = np.random.default_rng(3)
+    rows, t = [], 0.0
+    for period in range(20):
+        start = t
+        while t < start + 0.8:
+            s = shape(64, 1, 64) if rng.random() < 0.3 else shape(2, 2, 200)
+            seconds = TRUE.step_time(*s) * (1.6 if t - start < 0.5 else 1.0)
+            rows.append((t + seconds, seconds, *s))
+            t += seconds + 0.0002
+        t += 1.0
+    steps = {"w": np.array(rows)}
+    warm = fit_speeds(steps, TRUE, [(0.0, t)])
+    assert warm["prefill"] == pytest.approx(1.0, abs=0.01) and warm["decode"] == pytest.approx(1.0, abs=0.01)
+    # Counted in, most of the steps are cold ones: the speed would take the wake-up in twice.
+    everything = fit_speeds(steps, TRUE, [(0.0, t)], waking=(np.inf, 0.0))
+    assert everything["decode_steps"] > 2 * warm["decode_steps"] and everything["decode"] > 1.3
+
+
 def test_decode_steps_beside_decode_steps_are_fitted_apart():
     from gateway.planner.live import fit_contention, step_residuals
     from gateway.planner.simulator import HostEffects

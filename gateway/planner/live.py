@@ -156,6 +156,15 @@ def _others_mid_step(steps: dict[str, np.ndarray], name: str) -> tuple[np.ndarra
     return count, decoding
 
 
+def _busy_periods(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For each of a worker's steps, the idle that preceded its busy period (0 for the log's
+    first) and how long into that period it started."""
+    started, ended = rows[:, 0] - rows[:, 1], rows[:, 0]
+    gaps = np.concatenate([[np.inf], started[1:] - ended[:-1]])
+    period = np.maximum.accumulate(np.where(gaps > IDLE_GAP_S, np.arange(len(rows)), 0))
+    return np.where(np.isinf(gaps[period]), 0.0, gaps[period]), started - started[period]
+
+
 def _inside(rows: np.ndarray, windows: list[tuple[float, float]]) -> np.ndarray:
     """Steps that ended inside any of ``windows`` (wall-clock start, end)."""
     mask = np.zeros(len(rows), bool)
@@ -165,16 +174,20 @@ def _inside(rows: np.ndarray, windows: list[tuple[float, float]]) -> np.ndarray:
 
 
 def fit_speeds(steps: dict[str, np.ndarray], cost: CostModel, windows: list[tuple[float, float]],
-               min_steps: int = 3) -> dict:
+               min_steps: int = 3, waking: tuple[float, float] = (0.5, 0.5)) -> dict:
     """How fast the engines ran against ``cost`` in ``windows``: the median of measured / predicted
     time over the steps that started while no other worker was mid-step, for prefill and for
     decode-only steps (None with fewer than ``min_steps``) -- a serving cost model's speeds, with
-    host contention left to ``fit_contention``."""
+    host contention left to ``fit_contention``.  Steps a worker ran waking up -- in the first
+    ``waking[1]`` seconds of a busy period that followed at least ``waking[0]`` seconds of idle
+    -- are left out: the simulator slows those by ``HostEffects.wake_slowdown`` on top."""
     ratios = {"prefill": [], "decode": []}
     for name, rows in steps.items():
         if not len(rows):
             continue
-        chosen = _inside(rows, windows) & (_others_mid_step(steps, name)[0] == 0)
+        idle, busy_for = _busy_periods(rows)
+        awake = (idle < waking[0]) | (busy_for >= waking[1])
+        chosen = _inside(rows, windows) & (_others_mid_step(steps, name)[0] == 0) & awake
         ratio = _against(rows, cost)
         prefill = _step_kinds(rows)
         ratios["prefill"].append(ratio[chosen & prefill])
@@ -202,10 +215,7 @@ def step_residuals(steps: dict[str, np.ndarray], cost: CostModel, host=None) -> 
             started, ended = rows[:, 0] - rows[:, 1], rows[:, 0]
             others, decoding = _others_mid_step(steps, name)
             pairs = np.where(_step_kinds(rows), 0, decoding)  # a decode-only step beside decode-only ones
-            gaps = np.concatenate([[np.inf], started[1:] - ended[:-1]])
-            period = np.maximum.accumulate(np.where(gaps > IDLE_GAP_S, np.arange(len(rows)), 0))
-            idle = np.where(np.isinf(gaps[period]), 0.0, gaps[period])
-            busy_for = started - started[period]
+            idle, busy_for = _busy_periods(rows)
             expected = np.array([host.step_time(e, int(o), i, b, int(p))
                                  for e, o, i, b, p in zip(expected, others, idle, busy_for, pairs)])
         out[name] = rows[:, 1] / np.maximum(expected, 1e-9)
