@@ -16,13 +16,15 @@
    one), and the host effects of workers sharing two cores (``HostEffects``): how much slower a
    worker woken from idle runs, and how much a busy worker slows the others.  Every worker's
    engine logs each step (``common.engine.step_log``; read through its admin API after each
-   phase), and by default (``--fit-from steps``) two of these come from the probes' steps rather
-   than their requests (``refit_from_steps``): the decode speed (the median of decode steps
-   started while the other worker was idle; a lone stream's TPOT is three requests) and the host
-   contention (a step started while the other worker was mid-step against one started alone,
-   hundreds of steps; ``--fit-from probes`` simulates the contended probe's TTFT instead).  The
-   prefill speed stays the probes' TTFT fit: prompt steps run 5-15% slower in the probes than
-   under load, and the TTFT fit matched the load better.  Then the open-loop Poisson workload
+   phase), and by default (``--fit-from steps``) the speeds and the host contention come from
+   the probes' steps rather than their requests (``refit_from_steps``): the prefill and decode
+   speeds as the median of prompt and decode steps started while the other worker was idle and
+   awake (a lone stream's TPOT and the difference of two prompts' TTFTs are three requests each),
+   the per-request overhead as what the short prompt's TTFT leaves, and the host contention as
+   how much slower a step started while the other worker was mid-step ran than one started
+   alone -- a decode-only step beside a decode-only one apart (both stream every weight from
+   memory: about 0.2 here, against 0.05 for any pairing with a prompt's chunk); ``--fit-from
+   probes`` simulates the contended probe's TTFT instead.  Then the open-loop Poisson workload
    with ``benchmarks/loadgen.py`` (exact prompt and output lengths).
 3. **Predict** the same runs with the simulator -- the same arrival times and lengths, the same
    engine settings, the calibrated cost model with that run's fitted overheads and host
@@ -429,9 +431,9 @@ def main(argv=None) -> None:
                         "run's own fit (default: pooled with --fit-from probes, where each run's fit rests on "
                         "three requests; each run's own from its steps, hundreds of them)")
     p.add_argument("--fit-from", choices=("steps", "probes"), default="steps",
-                   help="fit the decode speed and host contention from the probes' engine steps (their step "
-                        "logs), or from the probe requests alone (a lone stream's TPOT; simulating the "
-                        "contended probe's TTFT)")
+                   help="fit the engine speeds and host contention from the probes' engine steps (their step "
+                        "logs), or from the probe requests alone (two prompts' TTFTs, a lone stream's TPOT; "
+                        "simulating the contended probe's TTFT)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     preset = PRESETS["quick" if args.quick else "full"]
