@@ -212,7 +212,6 @@ def step_residuals(steps: dict[str, np.ndarray], cost: CostModel, host=None) -> 
             continue
         expected = cost.step_times(rows[:, 2:])
         if host is not None:
-            started, ended = rows[:, 0] - rows[:, 1], rows[:, 0]
             others, decoding = _others_mid_step(steps, name)
             pairs = np.where(_step_kinds(rows), 0, decoding)  # a decode-only step beside decode-only ones
             idle, busy_for = _busy_periods(rows)
