@@ -173,29 +173,45 @@ def _inside(rows: np.ndarray, windows: list[tuple[float, float]]) -> np.ndarray:
     return mask
 
 
+def _weighted_median(values: list[tuple[float, float]]) -> float:
+    """The median of ``(value, weight)`` pairs."""
+    slowdowns, weights = np.array([v for v, _ in values]), np.array([w for _, w in values], float)
+    order = np.argsort(slowdowns)
+    cumulative = np.cumsum(weights[order])
+    return float(slowdowns[order][np.searchsorted(cumulative, cumulative[-1] / 2)])
+
+
 def fit_speeds(steps: dict[str, np.ndarray], cost: CostModel, windows: list[tuple[float, float]],
                min_steps: int = 3, waking: tuple[float, float] = (0.5, 0.5)) -> dict:
     """How fast the engines ran against ``cost`` in ``windows``: the median of measured / predicted
-    time over the steps that started while no other worker was mid-step, for prefill and for
-    decode-only steps (None with fewer than ``min_steps``) -- a serving cost model's speeds, with
-    host contention left to ``fit_contention``.  Steps a worker ran waking up -- in the first
+    time over the steps that started while no other worker was mid-step, each step weighted by
+    its predicted time, for prefill and for decode-only steps (None with fewer than
+    ``min_steps``) -- a serving cost model's speeds, with host contention left to
+    ``fit_contention``.  Weighted by time, the speed is that of an engine-second: the cost
+    model's error differs between shapes (on the validation host a lone 80-token prompt's step
+    ran ~1.2x the model, a 512-token one ~1.05x), and what a load's queues feel is its long
+    steps, not the count of short ones.  Steps a worker ran waking up -- in the first
     ``waking[1]`` seconds of a busy period that followed at least ``waking[0]`` seconds of idle
     -- are left out: the simulator slows those by ``HostEffects.wake_slowdown`` on top."""
     ratios = {"prefill": [], "decode": []}
+    weights = {"prefill": [], "decode": []}
     for name, rows in steps.items():
         if not len(rows):
             continue
         idle, busy_for = _busy_periods(rows)
         awake = (idle < waking[0]) | (busy_for >= waking[1])
         chosen = _inside(rows, windows) & (_others_mid_step(steps, name)[0] == 0) & awake
-        ratio = _against(rows, cost)
+        predicted = np.maximum(cost.step_times(rows[:, 2:]), 1e-9)
+        ratio = rows[:, 1] / predicted
         prefill = _step_kinds(rows)
-        ratios["prefill"].append(ratio[chosen & prefill])
-        ratios["decode"].append(ratio[chosen & ~prefill])
+        for kind, mask in (("prefill", chosen & prefill), ("decode", chosen & ~prefill)):
+            ratios[kind].append(ratio[mask])
+            weights[kind].append(predicted[mask])
     out = {}
     for kind, parts in ratios.items():
         values = np.concatenate(parts) if parts else np.zeros(0)
-        out[kind] = round(float(np.median(values)), 4) if len(values) >= min_steps else None
+        weight = np.concatenate(weights[kind]) if parts else np.zeros(0)
+        out[kind] = round(_weighted_median(list(zip(values, weight))), 4) if len(values) >= min_steps else None
         out[f"{kind}_steps"] = int(len(values))
     return out
 
@@ -296,11 +312,3 @@ def fit_contention(steps: dict[str, np.ndarray], cost: CostModel, windows: list[
     for key, values in found.items():
         out[key] = round(max(0.0, _weighted_median(values)), 4) if values else None
     return out
-
-
-def _weighted_median(values: list[tuple[float, int]]) -> float:
-    """The median of ``(value, weight)`` pairs."""
-    slowdowns, weights = np.array([v for v, _ in values]), np.array([w for _, w in values], float)
-    order = np.argsort(slowdowns)
-    cumulative = np.cumsum(weights[order])
-    return float(slowdowns[order][np.searchsorted(cumulative, cumulative[-1] / 2)])
