@@ -126,8 +126,10 @@ class Dispatcher:
         self.queue = queue or WaitQueue(size=256, timeout_s=10.0)
         self.max_attempts = max_attempts  # failed attempts (not "busy" answers) before giving up
         self._aborts: set[asyncio.Task] = set()
-        # Prompt tokens this gateway sent to each prefill worker that have not produced their
-        # first token yet: a load signal fresher than the workers' heartbeats.
+        # Prompt tokens this gateway sent to each worker to compute -- a prefill worker, or a
+        # decode worker computing the prompt itself -- that have not produced their first token
+        # yet: a load signal fresher than the workers' heartbeats (a colocated worker computing a
+        # local prompt is not chosen to prefill the next one as if it were idle).
         self.pending_prefill: dict[str, int] = {}
         self.sent_to_decode = SentToDecode()
         pool.listeners.append(self._pool_changed)
@@ -168,10 +170,10 @@ class Dispatcher:
         return await asyncio.to_thread(hash_prompt_blocks, prompt, block_size, extra_keys)
 
     def _count_pending(self, route: Route, prompt_len: int, sign: int) -> None:
-        if route.prefill is None:
-            return
-        wid = route.prefill.worker_id
-        self.pending_prefill[wid] = self.pending_prefill.get(wid, 0) + sign * (prompt_len - route.prefill_matched_tokens)
+        worker, matched = ((route.prefill, route.prefill_matched_tokens) if route.prefill is not None
+                           else (route.decode, route.decode_matched_tokens))
+        wid = worker.worker_id
+        self.pending_prefill[wid] = self.pending_prefill.get(wid, 0) + sign * (prompt_len - matched)
         if self.pending_prefill[wid] <= 0:
             del self.pending_prefill[wid]
 
@@ -213,7 +215,7 @@ class Dispatcher:
             finished = said_busy = False
             self._count_pending(route, len(prompt), +1)
             self.sent_to_decode.add(decode_id, request_id, -(-len(prompt) // route.decode.capacity.block_size))
-            prefill_pending = route.prefill is not None
+            prompt_pending = True
             resp = None
             try:
                 resp = await self._open_stream(decode_url, body)
@@ -244,9 +246,9 @@ class Dispatcher:
                         if frame.token_ids:
                             streamed = True
                             self.sent_to_decode.admitted(decode_id, request_id)
-                            if prefill_pending:
+                            if prompt_pending:
                                 self._count_pending(route, len(prompt), -1)
-                                prefill_pending = False
+                                prompt_pending = False
                         ready.append(frame)
                         if frame.finished:
                             finished = True
@@ -277,7 +279,7 @@ class Dispatcher:
                     # An unfinished stream is cut (which D notices at once); a finished one keeps
                     # its connection for the next request.
                     resp.release() if finished else resp.close()
-                if prefill_pending:
+                if prompt_pending:
                     self._count_pending(route, len(prompt), -1)
                 self.sent_to_decode.remove(decode_id, request_id)
                 if not said_busy:

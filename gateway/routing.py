@@ -12,7 +12,9 @@ Policies for the prefill worker:
 
       q(w)       = prompt tokens queued on w, not yet computed: the larger of what w reported
                    (load.num_waiting_prefill_tokens, as of its last heartbeat) and what this
-                   gateway has sent w that has not produced its first token yet (``pending``)
+                   gateway has sent w to compute -- to prefill, or as a colocated worker
+                   computing the prompt itself -- that has not produced its first token yet
+                   (``pending``)
       m(w)       = tokens of this prompt w already caches              (leading blocks * block_size)
       eligible   = { w : q(w) <= min_v q(v) + max_imbalance_tokens }
       score(w)   = m(w) - alpha * q(w)
@@ -122,7 +124,8 @@ class Router:
         ``matched_blocks`` is ``PrefixIndexReader.longest_prefix`` output (``{}`` when Redis is
         down, which makes ``prefix_aware`` behave like ``least_load``).  ``affinity_key`` (the
         prompt's first block hash) breaks ties; ``pending`` is this gateway's own count of prompt
-        tokens sent to each prefill worker and not started yet (fresher than heartbeats);
+        tokens sent to each worker to compute (prefill, or a decode worker's own) and not started
+        yet (fresher than heartbeats);
         ``pending_decode`` its count of (requests, prompt blocks) sent to each decode worker that
         the worker's last heartbeat does not show yet.
         Raises ``NoWorkerAvailable`` when no active worker can decode.

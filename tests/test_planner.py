@@ -459,6 +459,23 @@ def test_a_speed_trace_replays_a_machine_that_changes_speed():
             SpeedTrace(*bad)
 
 
+def test_a_prompt_sent_beside_a_local_one_is_computed_on_the_other_colocated_worker():
+    # Ten pairs of prompts 10 ms apart (long before a heartbeat can show the first), 10 s between
+    # pairs.  The gateway counts the first as pending on the worker computing it, so the second is
+    # computed on the other one: each prompt's TTFT is what it would be alone.
+    prompts = [400, 300] * 10
+    arrivals = np.array([10.0 * (k // 2) + 0.01 * (k % 2) for k in range(20)])
+    pairs = Workload(arrivals, np.array(prompts), np.array([2] * 20))
+    alone = Workload(np.arange(20) * 10.0, np.array(prompts), np.array([2] * 20))
+
+    def ttfts(wl):
+        sim = Simulation(Deployment(0, 0, 2), wl, config())
+        sim.run()
+        return np.asarray(sim.first_token) - wl.arrival
+
+    assert ttfts(pairs) == pytest.approx(ttfts(alone), rel=0.05)
+
+
 def test_decode_steps_beside_decode_steps_take_their_own_contention():
     from gateway.planner.simulator import HostEffects
 

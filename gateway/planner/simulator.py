@@ -322,7 +322,8 @@ class Simulation:
         self.block_size = block_sizes.pop()
         self.block_bytes = config.kv_bytes_per_token * self.block_size
         self.view: list[WorkerInfo] = [w.info for w in self.workers.values()]
-        self.pending: dict[str, int] = {}  # the gateway's pending prefill tokens per prefill worker
+        self.pending: dict[str, int] = {}  # the gateway's pending prompt tokens per computing worker
+        self.local_pending: dict[int, tuple[str, int]] = {}  # of those, prompts computed where they decode
         self.sent_to_decode = SentToDecode(clock=self._clock)  # and its requests not in a heartbeat yet
         self.decode_of: dict[int, str] = {}  # request index -> the decode worker it was sent to
         self.events: list = []
@@ -507,11 +508,26 @@ class Simulation:
                 return True
             decode.scheduler.add_request(request)
             self.route_kind[i] = "local"
+            self._count_local(i, decode.worker_id, request.num_prompt_tokens - route.decode_matched_tokens)
         except ValueError as exc:
             self._fail(i, f"invalid: {exc}")
             return True
         self._kick(decode, now)
         return True
+
+    def _count_local(self, i: int, worker_id: str, tokens: int) -> None:
+        """The gateway counts a prompt a worker computes itself as pending on it until its first
+        token, as it does a remote prefill's (``gateway.dispatch.Dispatcher._count_pending``)."""
+        if tokens > 0:
+            self.pending[worker_id] = self.pending.get(worker_id, 0) + tokens
+            self.local_pending[i] = (worker_id, tokens)
+
+    def _drop_pending(self, worker_id: str, tokens: int) -> None:
+        left = self.pending.get(worker_id, 0) - tokens
+        if left > 0:
+            self.pending[worker_id] = left
+        else:
+            self.pending.pop(worker_id, None)
 
     def _start_remote(self, i: int, decode_request: Request, route, decode: SimWorker, num_cached: int) -> None:
         prefill = self.workers[route.prefill.worker_id]
@@ -592,6 +608,8 @@ class Simulation:
             if first[i] != first[i]:
                 first[i] = now + self.config.overhead_s
                 self.sent_to_decode.admitted(self.decode_of[i], rid)
+                if i in self.local_pending:
+                    self._drop_pending(*self.local_pending.pop(i))
             else:
                 if last[i] == prev_end:
                     steady += 1
@@ -646,12 +664,7 @@ class Simulation:
         decode = job.dest
         i = job.index
         # The gateway drops the prompt from its pending count when the first token arrives.
-        wid = job.source.worker_id
-        left = self.pending.get(wid, 0) - job.pending
-        if left > 0:
-            self.pending[wid] = left
-        else:
-            self.pending.pop(wid, None)
+        self._drop_pending(job.source.worker_id, job.pending)
         rid = job.request.request_id
         request = decode.scheduler.finish_remote(rid, TOKEN)
         if request is None:
