@@ -6,28 +6,10 @@ from __future__ import annotations
 
 import random
 
-from common.cluster.registry import Capacity, KVAddress, Load, WorkerInfo
 from gateway.dispatch import Dispatcher
 from gateway.metrics import GatewayMetrics
 from gateway.routing import Router, RoutingConfig
-
-BS = 16
-MODEL = "org/model"
-
-
-def worker(worker_id: str, role: str) -> WorkerInfo:
-    return WorkerInfo(worker_id=worker_id, role=role, state="active", model=MODEL,
-                      http_address=f"http://{worker_id}:8000", kv_address=KVAddress("tcp", worker_id, 9000),
-                      capacity=Capacity(num_kv_blocks=1000, block_size=BS, max_num_seqs=64), load=Load())
-
-
-class Pool:
-    def __init__(self, workers):
-        self.workers = workers
-        self.listeners = []
-
-    def routable(self, exclude=()):
-        return [w for w in self.workers if w.worker_id not in exclude]
+from tests.dispatch_stubs import BS, MODEL, Pool, worker
 
 
 class NoPrefixes:
