@@ -18,8 +18,9 @@
    engine logs each step (``common.engine.step_log``; read through its admin API after each
    phase), and by default (``--fit-from steps``) the speeds and the host contention come from
    the probes' steps rather than their requests (``refit_from_steps``): the prefill and decode
-   speeds as the median of prompt and decode steps started while the other worker was idle and
-   awake (a lone stream's TPOT and the difference of two prompts' TTFTs are three requests each),
+   speeds as the median, weighted by predicted time, of prompt and decode steps started while
+   the other worker was idle and awake (a lone stream's TPOT and the difference of two prompts'
+   TTFTs are three requests each),
    the per-request overhead as what the short prompt's TTFT leaves, and the host contention as
    how much slower a step started while the other worker was mid-step ran than one started
    alone -- a decode-only step beside a decode-only one apart (both stream every weight from
@@ -190,8 +191,9 @@ def recorded_steps(measured: dict) -> dict[str, np.ndarray]:
 
 def refit_from_steps(engine_cost, measured: dict, overheads: dict, args):
     """Fit the engine speeds and the host contention on the probes' engine steps instead of their
-    requests (``gateway.planner.live``): each speed as the median of the steps of its kind started
-    while the other worker was idle (hundreds of decode steps and dozens of prompt steps, where
+    requests (``gateway.planner.live.fit_speeds``): each speed as the time-weighted median of the
+    steps of its kind started while the other worker was idle and awake (hundreds of decode steps
+    and dozens of prompt steps, where
     the request-level fits rest on three requests each: a lone stream's TPOT, the difference of a
     long and a short prompt's TTFT, which also takes in how the cost model's error differs
     between those two shapes), the per-request overhead then what the short prompt's TTFT leaves,
