@@ -69,6 +69,24 @@ class _Sent:
     admitted_at: float | None = None  # wall clock of the first frame: the worker holds it since
 
 
+def computed_on(route: Route, prompt_len: int) -> tuple[str, int]:
+    """The worker that computes a request's prompt along ``route`` -- its prefill worker, or the
+    decode worker itself -- and the prompt tokens it computes (what it does not cache)."""
+    if route.prefill is not None:
+        return route.prefill.worker_id, prompt_len - route.prefill_matched_tokens
+    return route.decode.worker_id, prompt_len - route.decode_matched_tokens
+
+
+def count_pending(pending: dict[str, int], worker_id: str, tokens: int) -> None:
+    """Adds ``tokens`` (negative: takes them off) to a worker's pending prompt tokens; a worker
+    left with none is dropped."""
+    left = pending.get(worker_id, 0) + tokens
+    if left > 0:
+        pending[worker_id] = left
+    else:
+        pending.pop(worker_id, None)
+
+
 class SentToDecode:
     """Requests this gateway sent to each decode worker that the worker's last heartbeat may not
     show yet: from the send until the first heartbeat stamped after the request's first frame (or
@@ -170,12 +188,8 @@ class Dispatcher:
         return await asyncio.to_thread(hash_prompt_blocks, prompt, block_size, extra_keys)
 
     def _count_pending(self, route: Route, prompt_len: int, sign: int) -> None:
-        worker, matched = ((route.prefill, route.prefill_matched_tokens) if route.prefill is not None
-                           else (route.decode, route.decode_matched_tokens))
-        wid = worker.worker_id
-        self.pending_prefill[wid] = self.pending_prefill.get(wid, 0) + sign * (prompt_len - matched)
-        if self.pending_prefill[wid] <= 0:
-            del self.pending_prefill[wid]
+        worker_id, tokens = computed_on(route, prompt_len)
+        count_pending(self.pending_prefill, worker_id, sign * tokens)
 
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
                        result: DispatchResult, cache_salt: str | None = None) -> AsyncIterator[list[TokenFrame]]:

@@ -53,7 +53,7 @@ from common.engine.request import Request
 from common.engine.sampling_params import SamplingParams
 from common.engine.scheduler import Scheduler
 from common.engine.step_log import step_shape
-from gateway.dispatch import SentToDecode
+from gateway.dispatch import SentToDecode, computed_on, count_pending
 from gateway.planner.cost_model import CostModel
 from gateway.planner.hardware import LinkProfile
 from gateway.planner.traffic import Workload, output_token
@@ -508,26 +508,14 @@ class Simulation:
                 return True
             decode.scheduler.add_request(request)
             self.route_kind[i] = "local"
-            self._count_local(i, decode.worker_id, request.num_prompt_tokens - route.decode_matched_tokens)
+            worker_id, tokens = computed_on(route, request.num_prompt_tokens)
+            count_pending(self.pending, worker_id, tokens)  # until its first token, as the gateway does
+            self.local_pending[i] = (worker_id, tokens)
         except ValueError as exc:
             self._fail(i, f"invalid: {exc}")
             return True
         self._kick(decode, now)
         return True
-
-    def _count_local(self, i: int, worker_id: str, tokens: int) -> None:
-        """The gateway counts a prompt a worker computes itself as pending on it until its first
-        token, as it does a remote prefill's (``gateway.dispatch.Dispatcher._count_pending``)."""
-        if tokens > 0:
-            self.pending[worker_id] = self.pending.get(worker_id, 0) + tokens
-            self.local_pending[i] = (worker_id, tokens)
-
-    def _drop_pending(self, worker_id: str, tokens: int) -> None:
-        left = self.pending.get(worker_id, 0) - tokens
-        if left > 0:
-            self.pending[worker_id] = left
-        else:
-            self.pending.pop(worker_id, None)
 
     def _start_remote(self, i: int, decode_request: Request, route, decode: SimWorker, num_cached: int) -> None:
         prefill = self.workers[route.prefill.worker_id]
@@ -540,9 +528,9 @@ class Simulation:
             decode.scheduler.abort(rid)
             self._fail(i, f"invalid: {exc}")
             return
-        pending = len(tokens) - route.prefill_matched_tokens
+        _, pending = computed_on(route, len(tokens))
         prefill.jobs[rid] = _Job(request, prefill, decode, num_cached // self.block_size, i, pending)
-        self.pending[prefill.worker_id] = self.pending.get(prefill.worker_id, 0) + pending
+        count_pending(self.pending, prefill.worker_id, pending)
         self.route_kind[i] = "remote"
         self._kick(prefill, self.now)
 
@@ -609,7 +597,8 @@ class Simulation:
                 first[i] = now + self.config.overhead_s
                 self.sent_to_decode.admitted(self.decode_of[i], rid)
                 if i in self.local_pending:
-                    self._drop_pending(*self.local_pending.pop(i))
+                    worker_id, tokens = self.local_pending.pop(i)
+                    count_pending(self.pending, worker_id, -tokens)
             else:
                 if last[i] == prev_end:
                     steady += 1
@@ -664,7 +653,7 @@ class Simulation:
         decode = job.dest
         i = job.index
         # The gateway drops the prompt from its pending count when the first token arrives.
-        self._drop_pending(job.source.worker_id, job.pending)
+        count_pending(self.pending, job.source.worker_id, -job.pending)
         rid = job.request.request_id
         request = decode.scheduler.finish_remote(rid, TOKEN)
         if request is None:
