@@ -120,7 +120,7 @@ def real_plan(workload, vocab: int, seed: int) -> list[PlannedRequest]:
     """The workload as loadgen requests: same times and lengths, real random token ids."""
     import random
 
-    rng = random.Random(seed)
+    rng = random.Random(f"load-{seed}")
     return [PlannedRequest(random_ids(rng, int(workload.prompt_len[i]), vocab), int(workload.output_len[i]),
                            float(workload.arrival[i]), "planned") for i in range(len(workload))]
 
@@ -152,8 +152,10 @@ def measure(split: str, checkpoint: str, plan, args) -> dict:
         stack.start(timeout=600)
         model = http_json(f"{stack.gateway_url}/v1/models")["data"][0]["id"]
         vocab = args.vocab
-        warm = [PlannedRequest(random_ids(__import__("random").Random(1), 48, vocab), 4, 0.0, "warmup"),
-                PlannedRequest(random_ids(__import__("random").Random(2), 400, vocab), 4, 0.0, "warmup")]
+        # Token streams of their own (as the probes' and each load's are): a warm-up prompt drawn
+        # from a load's seed would put that load's first prompt in the prefix cache.
+        warm = [PlannedRequest(random_ids(__import__("random").Random("warmup-short"), 48, vocab), 4, 0.0, "warmup"),
+                PlannedRequest(random_ids(__import__("random").Random("warmup-long"), 400, vocab), 4, 0.0, "warmup")]
         asyncio.run(warm_up(stack.gateway_url, model, warm))
         decoders = SPLITS[split]["decode"] + SPLITS[split]["both"]
         # Each phase's steps are read right after it (a step log keeps its last 16k steps).
@@ -266,7 +268,7 @@ async def stack_probes(url: str, model: str, args, decoders: int, seed: int, rep
     import random
     import statistics
 
-    rng = random.Random(seed)  # each call its own prompts: no prefix cache hit on an earlier call's
+    rng = random.Random(f"probes-{seed}")  # each call its own prompts: no prefix cache hit on an earlier call's
 
     async def send(plan: list[tuple[float, int, int]]):
         records, _ = await run_load(url, model, [PlannedRequest(random_ids(rng, prompt, args.vocab), tokens, at, "probe")
@@ -368,6 +370,8 @@ def predict(split: str, workload, cost, args, overhead_s: float, host, speed=Non
     first, finish = np.asarray(sim.first_token), np.asarray(sim.finish)
     tpot = (finish - first) / np.maximum(workload.output_len - 1, 1)
     result["per_request"] = list(zip((first - workload.arrival).tolist(), tpot.tolist()))
+    # Where each prompt was computed: "local@b0" where it decodes, "remote@b1" on another worker.
+    result["routes"] = [f"{kind}@{worker}" for kind, worker in zip(sim.route_kind, sim.computed_by)]
     return result
 
 
@@ -575,8 +579,10 @@ def run_all(args, checkpoint: str) -> None:
                 f"{replayed['ttft_ms']['p50']} ms, TPOT p50 {replayed['tpot_ms']['p50']} ms")
         per_request = [{"prompt": int(workload.prompt_len[i]), "output": int(workload.output_len[i]),
                         "arrival_s": round(float(workload.arrival[i]), 4),
-                        "ttft_ms": [_ms(p[0]), _ms(m[0])], "tpot_ms": [_ms(p[1]), _ms(m[1])]}
-                       for i, (p, m) in enumerate(zip(predicted.pop("per_request"), measured.pop("per_request")))]
+                        "ttft_ms": [_ms(p[0]), _ms(m[0])], "tpot_ms": [_ms(p[1]), _ms(m[1])],
+                        "predicted_route": route}
+                       for i, (p, m, route) in enumerate(zip(predicted.pop("per_request"), measured.pop("per_request"),
+                                                             predicted.pop("routes")))]
         runs.append({"split": split, "rate": rate, "requests": len(workload), "stack": overheads,
                      "probes": measured.pop("probes"), "probes_before_after": measured.get("probes_before_after"),
                      "per_request": per_request,

@@ -19,8 +19,11 @@ What is real and what is modelled::
 
 Each worker steps only while it has work: a step is ``schedule()``, its duration from the cost
 model, then ``update()`` at the step's end (event-driven, no global clock ticks).  A prefill
-worker ships the blocks each step completed, as ``prefill_svc.shipping`` does, and the decode
-worker's ``finish_remote`` runs when the last byte lands.  Requests are routed as
+worker ships the blocks each step completed, as ``prefill_svc.shipping`` does.  What a worker's
+event loop asks of its engine runs between two steps, as ``EngineThread.call`` runs it: a busy
+decode worker starts a remote prefill (asks the prefill worker, after reserving the blocks) and
+lands the KV (``finish_remote``, which releases the first token) only when its step in flight
+ends -- under load that wait is a large part of a remote prompt's TTFT.  Requests are routed as
 ``gateway.dispatch`` routes them: prefix match per worker from its real block pool, the gateway's
 count of pending prefill tokens.  A decode worker that is full (its pending-request limit, or no
 room to reserve a remote prompt's blocks) answers "busy" and is skipped; with none left the
@@ -245,6 +248,7 @@ class SimWorker:
         self.current = None  # the SchedulerOutput of the step in flight
         self.decoding = False  # the step in flight is decode-only
         self.jobs: dict[str, _Job] = {}
+        self.between_steps: list = []  # the event loop's calls waiting for the step in flight to end
         self.link_out_free = 0.0
         self.link_in_free = 0.0
         self.last_step_end = -math.inf  # idle since ever: the first step wakes it
@@ -334,6 +338,7 @@ class Simulation:
         self.last_token = [math.nan] * n
         self.outcome = [""] * n  # "" in flight, "ok", "error:<why>"
         self.route_kind = [""] * n
+        self.computed_by = [""] * n  # the worker that computes each prompt
         self.itl_values: list[float] = []
         self.itl_weights: list[int] = []
         self.transfer_bytes = 0.0
@@ -509,6 +514,7 @@ class Simulation:
             decode.scheduler.add_request(request)
             self.route_kind[i] = "local"
             worker_id, tokens = computed_on(route, request.num_prompt_tokens)
+            self.computed_by[i] = worker_id
             count_pending(self.pending, worker_id, tokens)  # until its first token, as the gateway does
             self.local_pending[i] = (worker_id, tokens)
         except ValueError as exc:
@@ -518,21 +524,40 @@ class Simulation:
         return True
 
     def _start_remote(self, i: int, decode_request: Request, route, decode: SimWorker, num_cached: int) -> None:
+        """The gateway counts the prompt as pending on the prefill worker from now; the decode
+        worker asks the prefill worker once its reservation has run, between two of its steps."""
         prefill = self.workers[route.prefill.worker_id]
+        _, pending = computed_on(route, decode_request.num_prompt_tokens)
+        count_pending(self.pending, prefill.worker_id, pending)
+        self.route_kind[i] = "remote"
+        self.computed_by[i] = prefill.worker_id
+        self._between_steps(decode, lambda now: self._ask_prefill(i, decode_request, prefill, decode, num_cached,
+                                                                  pending, now))
+
+    def _ask_prefill(self, i: int, decode_request: Request, prefill: SimWorker, decode: SimWorker, num_cached: int,
+                     pending: int, now: float) -> None:
         rid, tokens = decode_request.request_id, decode_request.prompt_token_ids
-        request = Request(rid, tokens, SamplingParams(max_tokens=1, ignore_eos=True), arrival_time=self.now)
+        request = Request(rid, tokens, SamplingParams(max_tokens=1, ignore_eos=True), arrival_time=now)
         request.hold_blocks_on_finish = True  # shipped after the prompt finishes, as the prefill role does
         try:
             prefill.scheduler.add_request(request)
         except ValueError as exc:
+            count_pending(self.pending, prefill.worker_id, -pending)
             decode.scheduler.abort(rid)
+            if i in self.decode_of:  # refused after the gateway counted it as sent
+                self.sent_to_decode.remove(self.decode_of.pop(i), rid)
             self._fail(i, f"invalid: {exc}")
             return
-        _, pending = computed_on(route, len(tokens))
         prefill.jobs[rid] = _Job(request, prefill, decode, num_cached // self.block_size, i, pending)
-        count_pending(self.pending, prefill.worker_id, pending)
-        self.route_kind[i] = "remote"
-        self._kick(prefill, self.now)
+        self._kick(prefill, now)
+
+    def _between_steps(self, w: SimWorker, call) -> None:
+        """``EngineThread.call``: ``call(now)`` runs at once on an idle worker, else when its step
+        in flight ends (before the next one is scheduled)."""
+        if w.busy:
+            w.between_steps.append(call)
+        else:
+            call(self.now)
 
     def _fail(self, i: int, why: str) -> None:
         self.outcome[i] = f"error:{why}"
@@ -618,6 +643,10 @@ class Simulation:
         if jobs:
             self._ship(w, out, now)
         w.last_step_end = now
+        while w.between_steps:
+            calls, w.between_steps = w.between_steps, []
+            for call in calls:
+                call(now)
         self._start_step(w, now)
         if ended and self.waiting:
             self._wake(ended, now)  # each stream that ended lets one waiting request try
@@ -649,7 +678,11 @@ class Simulation:
                 self._push(max(now, job.arrives), KV_DONE, job)
 
     def _kv_done(self, job: _Job, now: float) -> None:
-        """The prompt's KV has landed on the decode worker: the first token goes out."""
+        """The prompt's KV (and its first token) has reached the decode worker: it lands between
+        two of the worker's steps, and then the first token goes out."""
+        self._between_steps(job.dest, lambda when: self._land(job, when))
+
+    def _land(self, job: _Job, now: float) -> None:
         decode = job.dest
         i = job.index
         # The gateway drops the prompt from its pending count when the first token arrives.
