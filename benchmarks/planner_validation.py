@@ -176,6 +176,7 @@ def measure(split: str, checkpoint: str, plan, args) -> dict:
     summary["probes"] = {key: 0.5 * (before[key] + after[key]) for key in before}
     summary["probes_before_after"] = {key: [round(before[key], 6), round(after[key], 6)] for key in before}
     summary["per_request"] = [(r.ttft, r.tpot) if r.ok else (None, None) for r in records]
+    summary["model_id"] = model
     # The engines' steps (wall-clock time ended, seconds, shape): how fast the machine ran in each
     # phase, for the prediction that replays it (``speed_replay``).
     summary["steps"] = {name: np.round(np.vstack([phase[name] for phase in phases]), 6).tolist()
@@ -349,9 +350,22 @@ def fit_serving(engine_cost, probes: dict, split: str, args):
     return overheads, cost
 
 
-def simulation(split: str, workload, cost, args, overhead_s: float, host, speed=None):
+def affinity_keys(plan: list[PlannedRequest], model_id: str, block_size: int) -> list[bytes]:
+    """Each planned request's key for the router's tie-break, as the gateway computes it: the
+    hash of the real prompt's first block (``b""`` for a prompt shorter than a block).  With
+    these and the stack's worker names, the simulated router breaks a tie between equally loaded
+    workers -- two idle colocated workers: compute the prompt where it decodes or on the other
+    one -- as the real one did, instead of by a hash of the simulation's own tokens."""
+    from common.engine.prefix_hash import block_extra_keys, hash_prompt_blocks
+
+    extra = block_extra_keys(model_id)
+    return [hash_prompt_blocks(r.prompt[:block_size], block_size, extra)[0] if len(r.prompt) >= block_size else b""
+            for r in plan]
+
+
+def simulation(split: str, workload, cost, args, overhead_s: float, host, speed=None, affinity=None):
     """Runs the simulator on ``workload`` as the stack was set up (``speed``: a ``SpeedTrace`` to
-    replay); returns its result and itself."""
+    replay; ``affinity``: ``affinity_keys`` of the real requests); returns its result and itself."""
     from gateway.planner.hardware import LinkProfile
     from gateway.planner.simulator import Deployment, EngineSettings, SimConfig, Simulation
 
@@ -361,12 +375,12 @@ def simulation(split: str, workload, cost, args, overhead_s: float, host, speed=
     config = SimConfig(cost=cost, engine=engine, link=LinkProfile("tcp-loopback", 1e9, 2e-4),
                        kv_bytes_per_token=args.kv_bytes_per_token, slo_ttft_s=args.slo_ttft,
                        slo_tpot_s=args.slo_tpot, overhead_s=overhead_s, host=host, speed=speed)
-    sim = Simulation(Deployment(**SPLITS[split]), workload, config)
+    sim = Simulation(Deployment(**SPLITS[split]), workload, config, affinity_keys=affinity)
     return sim.run(), sim
 
 
-def predict(split: str, workload, cost, args, overhead_s: float, host, speed=None) -> dict:
-    result, sim = simulation(split, workload, cost, args, overhead_s, host, speed)
+def predict(split: str, workload, cost, args, overhead_s: float, host, speed=None, affinity=None) -> dict:
+    result, sim = simulation(split, workload, cost, args, overhead_s, host, speed, affinity)
     first, finish = np.asarray(sim.first_token), np.asarray(sim.finish)
     tpot = (finish - first) / np.maximum(workload.output_len - 1, 1)
     result["per_request"] = list(zip((first - workload.arrival).tolist(), tpot.tolist()))
@@ -440,6 +454,9 @@ def main(argv=None) -> None:
                    help="fit the engine speeds and host contention from the probes' engine steps (their step "
                         "logs), or from the probe requests alone (two prompts' TTFTs, a lone stream's TPOT; "
                         "simulating the contended probe's TTFT)")
+    p.add_argument("--real-affinity", action=argparse.BooleanOptionalAction, default=True,
+                   help="break the simulated router's ties with the real prompts' first-block hashes, as the "
+                        "gateway does (else with the simulation's own tokens: an unrelated coin flip)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     preset = PRESETS["quick" if args.quick else "full"]
@@ -500,7 +517,7 @@ def recorded_measurement(runs: list[dict], split: str, rate: float, requests: in
     for run in runs:
         if run["split"] == split and run["rate"] == rate and run["requests"] == requests:
             return {**run["measured"], "probes": run["probes"], "probes_before_after": run.get("probes_before_after"),
-                    "steps": run.get("steps"), "phases": run.get("phases"),
+                    "steps": run.get("steps"), "phases": run.get("phases"), "model_id": run.get("model_id"),
                     "per_request": [tuple(None if q[key][1] is None else q[key][1] / 1e3 for key in ("ttft_ms", "tpot_ms"))
                                     for q in run["per_request"]]}
     raise SystemExit(f"the results file has no {split} run at {rate} req/s of {requests} requests: "
@@ -547,6 +564,9 @@ def run_all(args, checkpoint: str) -> None:
             overheads, cost = fit_serving(engine_cost, measured["probes"], split, args)
             if args.fit_from == "steps" and measured.get("steps"):
                 cost = refit_from_steps(engine_cost, measured, overheads, args)
+            if args.real_affinity:  # recorded before the model id was: the gateway's default, the checkpoint's name
+                measured["affinity"] = affinity_keys(plan, measured.get("model_id") or Path(checkpoint).name,
+                                                     args.block_size)
             fitted.append((rate, split, workload, measured, overheads, cost))
     if args.pool_contention is None:
         args.pool_contention = args.fit_from == "probes"
@@ -559,7 +579,8 @@ def run_all(args, checkpoint: str) -> None:
         log(f"host contention: {pooled:.3f} per busy worker (the median of the runs' fits)")
     for rate, split, workload, measured, overheads, cost in fitted:
         host = host_effects(overheads)
-        predicted = predict(split, workload, cost, args, overheads["request_overhead_s"], host)
+        affinity = measured.get("affinity")
+        predicted = predict(split, workload, cost, args, overheads["request_overhead_s"], host, affinity=affinity)
         log(f"[{split} @ {rate} req/s] idle stack: prefill x{overheads['speed']:.2f}, decode "
             f"x{overheads['decode_speed']:.2f}, {overheads['sample_overhead_s'] * 1e3:.2f} ms/token streamed, "
             f"{overheads['request_overhead_s'] * 1e3:.0f} ms/request, cold x{1 + overheads['wake_slowdown']:.2f} "
@@ -571,7 +592,7 @@ def run_all(args, checkpoint: str) -> None:
             f"TPOT p50 {measured['tpot_ms']['p50']} ms, errors {measured['errors']}")
         trace, speed = speed_replay(measured, cost, host)
         replayed = None if trace is None else predict(split, workload, cost, args, overheads["request_overhead_s"],
-                                                      host, trace)
+                                                      host, trace, affinity)
         if replayed is not None:
             replayed.pop("per_request")
             log(f"[{split} @ {rate} req/s] engines during the load x{speed['prefill']:.2f} (prefill) "
@@ -592,7 +613,8 @@ def run_all(args, checkpoint: str) -> None:
                                                            "errors")},
                      "ttft_p50_rel_error": rel(predicted["ttft_ms"]["p50"], measured["ttft_ms"]["p50"]),
                      "tpot_p50_rel_error": rel(predicted["tpot_ms"]["p50"], measured["tpot_ms"]["p50"]),
-                     "speed_replay": speed, "steps": measured.get("steps"), "phases": measured.get("phases")})
+                     "speed_replay": speed, "steps": measured.get("steps"), "phases": measured.get("phases"),
+                     "model_id": measured.get("model_id")})
         if replayed is not None:
             runs[-1].update(
                 replayed={k: replayed[k] for k in ("ttft_ms", "tpot_ms", "goodput_req_s", "slo_ratio")},

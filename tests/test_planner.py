@@ -490,6 +490,25 @@ def test_a_remote_prompt_waits_for_the_decode_workers_step_in_flight_twice():
     assert idle.first_token[0] == pytest.approx(0.25 + 0.1 + 100e-6 + 500 * 4096.0 / 2e9, abs=1e-4)
 
 
+def test_given_affinity_keys_break_the_routers_ties_as_the_real_prompts_would():
+    from gateway.routing import rendezvous
+
+    # Two idle colocated workers: the decode worker is b0 (ties go to the first id) and the prompt
+    # is computed where the rendezvous hash of its key prefers -- b0 (local) or b1 (remote).
+    keys = [bytes([k]) * 8 for k in range(64)]
+    prefers_b0 = next(k for k in keys if rendezvous(k, "b0") > rendezvous(k, "b1"))
+    prefers_b1 = next(k for k in keys if rendezvous(k, "b1") > rendezvous(k, "b0"))
+    wl = Workload(np.array([0.0]), np.array([400]), np.array([4]))
+    routes = []
+    for key in (prefers_b0, prefers_b1):
+        sim = Simulation(Deployment(0, 0, 2), wl, config(), affinity_keys=[key])
+        sim.run()
+        routes.append((sim.route_kind[0], sim.computed_by[0]))
+    assert routes == [("local", "b0"), ("remote", "b1")]
+    with pytest.raises(ValueError):
+        Simulation(Deployment(0, 0, 2), wl, config(), affinity_keys=[])
+
+
 def test_decode_steps_beside_decode_steps_take_their_own_contention():
     from gateway.planner.simulator import HostEffects
 
@@ -688,3 +707,16 @@ def test_validation_load_levels_are_fractions_of_the_calibrated_prefill_capacity
     assert capacity_rate(cost, "fixed:600", chunk=512) == pytest.approx(1 / 0.62)
     # A distribution: the mean prompt time, not the time of the mean prompt.
     assert 1 / capacity_rate(cost, "uniform:90:190", chunk=512) == pytest.approx(0.15, rel=0.02)
+
+
+def test_validation_affinity_keys_are_the_gateways_first_block_hashes():
+    from benchmarks.loadgen import PlannedRequest
+    from benchmarks.planner_validation import affinity_keys
+    from common.engine.prefix_hash import block_extra_keys, hash_prompt_blocks
+
+    plan = [PlannedRequest(list(range(3, 40)), 4, 0.0, "planned"), PlannedRequest([5] * 10, 4, 0.0, "planned")]
+    keys = affinity_keys(plan, "served-model", 16)
+    # What gateway.dispatch.Dispatcher hashes for the router: the model's extra keys, full blocks only.
+    assert keys[0] == hash_prompt_blocks(plan[0].prompt, 16, block_extra_keys("served-model"))[0]
+    assert keys[0] != affinity_keys(plan, "another-model", 16)[0]
+    assert keys[1] == b""  # shorter than a block: no key, as in the gateway

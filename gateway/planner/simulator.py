@@ -307,7 +307,14 @@ class SimWorker:
 class Simulation:
     """Runs one deployment against one workload; ``run()`` returns a ``SimResult`` dict."""
 
-    def __init__(self, deployment: Deployment, workload: Workload, config: SimConfig, traffic_fraction: float = 1.0):
+    def __init__(self, deployment: Deployment, workload: Workload, config: SimConfig, traffic_fraction: float = 1.0,
+                 affinity_keys: list[bytes] | None = None):
+        """``affinity_keys``: each request's key for the router's tie-break (the hash of its
+        prompt's first block, as the gateway computes it from the real tokens), when the
+        simulation replays a measured run; by default it comes from the workload's own tokens."""
+        if affinity_keys is not None and len(affinity_keys) != len(workload):
+            raise ValueError(f"{len(affinity_keys)} affinity keys for {len(workload)} requests")
+        self.affinity_keys = affinity_keys
         self.deployment = deployment
         self.workload = workload
         self.config = config
@@ -442,8 +449,10 @@ class Simulation:
         if len(tokens) >= bs:
             if wl.shared[i]:
                 affinity = request.update_block_hashes(bs)[0]
-            else:  # nobody can hold a prompt no other request shares: only the affinity key is needed
+            elif self.affinity_keys is None:  # nobody can hold a prompt no other request shares
                 affinity = Request("affinity", tokens[:bs], request.sampling_params).update_block_hashes(bs)[0]
+        if self.affinity_keys is not None:
+            affinity = self.affinity_keys[i]
         self._dispatch(i, request, affinity, now, None)
 
     def _dispatch(self, i: int, request: Request, affinity: bytes, now: float, deadline: float | None) -> None:
