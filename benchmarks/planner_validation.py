@@ -27,10 +27,11 @@
    memory: about 0.2 here, against 0.05 for any pairing with a prompt's chunk); ``--fit-from
    probes`` simulates the contended probe's TTFT instead.  Then the open-loop Poisson workload
    with ``benchmarks/loadgen.py`` (exact prompt and output lengths).
-3. **Predict** the same runs with the simulator -- the same arrival times and lengths, the same
-   engine settings, the calibrated cost model with that run's fitted overheads and host
-   effects -- and compare.  Queueing, batching, chunking, prefill/decode interference and
-   routing under load are what the simulation has to get right; per-request predictions and
+3. **Predict** the same runs with the simulator -- the same arrival times and lengths, the
+   router's tie-breaks from the real prompts (``affinity_keys``), the same engine settings, the
+   calibrated cost model with that run's fitted overheads and host effects -- and compare.
+   Queueing, batching, chunking, prefill/decode interference and routing under load are what
+   the simulation has to get right; per-request predictions and
    measurements are in the results file (``--repredict FILE`` predicts its runs again from the
    probes it recorded, without measuring).
 
