@@ -565,7 +565,7 @@ def run_all(args, checkpoint: str) -> None:
             overheads, cost = fit_serving(engine_cost, measured["probes"], split, args)
             if args.fit_from == "steps" and measured.get("steps"):
                 cost = refit_from_steps(engine_cost, measured, overheads, args)
-            if args.real_affinity:  # recorded before the model id was: the gateway's default, the checkpoint's name
+            if args.real_affinity:  # a file recorded without the model id: the gateway's default, the checkpoint's name
                 measured["affinity"] = affinity_keys(plan, measured.get("model_id") or Path(checkpoint).name,
                                                      args.block_size)
             fitted.append((rate, split, workload, measured, overheads, cost))
