@@ -4,7 +4,8 @@
         no room (or reservations hold their budget): answer 503 "busy" before anything streams,
         and the gateway tries another decode worker
     expect KV into them, and ask the prefill worker to compute and ship it     -- in parallel
-    KV complete + first token  ->  request joins the running batch
+    KV complete + first token  ->  the first token goes out; the request joins the running batch
+                                   between two engine steps
     every step's new token     ->  TokenFrame to the gateway
     a failure of the prefill worker or the transfer before the first token: compute the prompt
         locally instead
@@ -21,6 +22,8 @@ import aiohttp
 from aiohttp import web
 
 from common.engine.engine import Engine, RequestOutput, StepFailed
+from common.engine.request import Request
+from common.engine.scheduler import status_after_token
 from common.worker.engine_thread import EngineFailed
 from common.cluster.registry import WorkerInfo
 from common.cluster.messages import GenerateRequest, PrefillRequest, TokenFrame, TokenLogprob, decode, frame
@@ -95,11 +98,21 @@ async def handle_generate(worker, request: web.Request) -> web.StreamResponse:
             await response.prepare(request)
         if first is None:
             await add_local(worker, body)
-        else:
+        elif first.finished:  # the first token ends it: land it (its blocks become cache), then answer
+            await land(worker, body.request_id, first.token_ids[0])
+            worker.ttft.add(time.monotonic() - started)
             await response.write(frame(first))
-            if first.finished:
-                outcome = first.finish_reason or "stop"
-                return response
+            outcome = first.finish_reason or "stop"
+            return response
+        else:
+            # The first token goes out now, not after the engine's step in flight (a colocated
+            # worker's step may carry a long prompt chunk); the request joins the batch after it.
+            worker.ttft.add(time.monotonic() - started)
+            await response.write(frame(first))
+            try:
+                await land(worker, body.request_id, first.token_ids[0])
+            except EngineFailed as exc:
+                raise RuntimeError(str(exc)) from None  # mid-stream: the request cannot move any more
         outcome = await stream_outputs(worker, stream, response, started, first is not None, fallback)
     except asyncio.CancelledError:
         outcome = "aborted"
@@ -197,6 +210,8 @@ class Reservation:
     block_ids: list[int]
     num_cached: int  # leading prompt tokens this worker already holds
     began: float
+    # The engine's request, read-only outside the engine thread: whether the first token ends it.
+    request: Request
 
 
 async def reserve(worker, body: GenerateRequest) -> Reservation | None:
@@ -212,19 +227,25 @@ async def reserve(worker, body: GenerateRequest) -> Reservation | None:
 
     def reserve_blocks(engine: Engine):
         request = engine.make_request(body.prompt_token_ids, body.sampling_params, body.request_id, body.cache_salt)
-        return engine.scheduler.reserve_remote(request, lease_s=lease_s)
+        reserved = engine.scheduler.reserve_remote(request, lease_s=lease_s)
+        return None if reserved is None else (request, *reserved)
 
     reserved = await worker.engine_thread.call(reserve_blocks)
-    return None if reserved is None else Reservation(peer, *reserved, began=began)
+    if reserved is None:
+        return None
+    request, block_ids, num_cached = reserved
+    return Reservation(peer, block_ids, num_cached, began=began, request=request)
 
 
 async def remote_prefill(worker, body: GenerateRequest, reservation: Reservation,
                          pending: PendingRelease) -> TokenFrame:
-    """Have the prefill worker fill the reserved blocks, and queue the request to decode.
+    """Have the prefill worker fill the reserved blocks.
 
-    Returns the frame carrying the first token.  Raises ``RemotePrefillFailed`` (with every block
-    freed and the prefill worker told) if anything on the way fails.  Cancelled mid-transfer, it
-    leaves ``pending.release`` to free the blocks once the transfer has settled.
+    Returns the frame carrying the first token once the KV is all in; the request is not in the
+    engine's batch yet (``land`` puts it there).  The frame says finished if that token ends the
+    request.  Raises ``RemotePrefillFailed`` (with every block freed and the prefill worker told)
+    if anything on the way fails.  Cancelled mid-transfer, it leaves ``pending.release`` to free
+    the blocks once the transfer has settled.
     """
     rid = body.request_id
     began, peer, num_cached = reservation.began, reservation.peer, reservation.num_cached
@@ -257,27 +278,28 @@ async def remote_prefill(worker, body: GenerateRequest, reservation: Reservation
     transfer_bytes = len(dst_block_ids) * worker.engine.kv_cache.block_nbytes
     worker.metrics.kv_transfer_seconds.observe(transfer_seconds)
     worker.metrics.kv_received_bytes.inc(transfer_bytes)
-    def land(engine: Engine):
-        # Read the request's state here: once this returns, the engine thread may step it on (a
-        # tiny model can finish it before the event loop looks), and later tokens reach the stream.
-        request = engine.scheduler.finish_remote(rid, result.first_token_id)
-        return None if request is None else (request.is_finished, request.status.finish_reason,
-                                             request.num_prompt_tokens)
-
-    landed = await worker.engine_thread.call(land)
-    if landed is None:
-        raise asyncio.CancelledError()  # aborted while the KV was in flight
-    finished, finish_reason, num_prompt_tokens = landed
-    worker.ttft.add(time.monotonic() - began)
+    ending = status_after_token(reservation.request, result.first_token_id,
+                                worker.engine.scheduler.config.max_model_len)
     logprobs = None
     if result.first_logprob is not None:
         logprobs = [result.first_logprob]
     return TokenFrame(
-        token_ids=[result.first_token_id], logprobs=logprobs, finished=finished,
-        finish_reason=finish_reason, num_prompt_tokens=num_prompt_tokens,
+        token_ids=[result.first_token_id], logprobs=logprobs, finished=ending is not None,
+        finish_reason=None if ending is None else ending.finish_reason,
+        num_prompt_tokens=len(body.prompt_token_ids),
         num_cached_tokens=max(num_cached, result.num_cached_tokens), prefill_worker=peer.worker_id,
         kv_transfer_bytes=transfer_bytes, kv_transfer_seconds=transfer_seconds,
     )
+
+
+async def land(worker, request_id: str, first_token_id: int) -> None:
+    """Queue a request whose KV has landed to decode from ``first_token_id`` (between two engine
+    steps: the engine thread's next call).  Raises ``CancelledError`` if it was aborted, or its
+    lease ended, while the KV was in flight."""
+    landed = await worker.engine_thread.call(
+        lambda engine: engine.scheduler.finish_remote(request_id, first_token_id) is not None)
+    if not landed:
+        raise asyncio.CancelledError()
 
 
 async def release_reservation(worker, request_id: str, handle: IncomingTransfer) -> None:

@@ -472,22 +472,28 @@ def test_a_prompt_sent_beside_a_local_one_is_computed_on_the_other_colocated_wor
     assert any(sim.route_kind[k] == "local" for k in range(0, 20, 2)) and all(sim.computed_by)
 
 
-def test_a_remote_prompt_waits_for_the_decode_workers_step_in_flight_twice():
+def test_a_remote_prompt_waits_for_the_decode_workers_step_in_flight_to_start_not_to_answer():
     # Every step takes 100 ms.  The decode worker streams a short prompt (computed there) from t=0,
     # stepping at 0, 0.1, 0.2, ...; a long prompt (prefilled on the prefill worker) arrives at 0.25.
     # As EngineThread.call runs it, the reservation runs when the step in flight ends (0.3), the
-    # prefill worker computes the prompt then (0.3-0.4), and the KV that lands at ~0.401 is taken
-    # in at the next step end (0.5), when the first token goes out.  An idle decode worker takes
-    # both at once.
+    # prefill worker computes the prompt then (0.3-0.4), and the first token goes out as the KV
+    # lands (~0.401, as decode_svc.generate sends it); the request joins the batch at the next step
+    # end (0.5), so its second token comes at 0.6.  An idle decode worker reserves at once.
     flat = dataclasses.replace(config(), cost=LinearCostModel((0.1, 0.0, 0.0, 0.0, 0.0, 0.0)))
+    landing = 0.4 + 100e-6 + 500 * 4096.0 / 2e9
     busy = Workload(np.array([0.0, 0.25]), np.array([32, 500]), np.array([10, 2]))
     sim = Simulation(Deployment(1, 1), busy, flat)
     sim.run()
     assert sim.route_kind == ["local", "remote"]
-    assert sim.first_token[1] == pytest.approx(0.5, abs=1e-6)
+    assert sim.first_token[1] == pytest.approx(landing, abs=1e-4)
+    assert sim.finish[1] == pytest.approx(0.6, abs=1e-6)
     idle = Simulation(Deployment(1, 1), Workload(np.array([0.25]), np.array([500]), np.array([2])), flat)
     idle.run()
     assert idle.first_token[0] == pytest.approx(0.25 + 0.1 + 100e-6 + 500 * 4096.0 / 2e9, abs=1e-4)
+    # A first token that ends the request goes out once it has landed, with the finish.
+    one = Simulation(Deployment(1, 1), Workload(np.array([0.0, 0.25]), np.array([32, 500]), np.array([10, 1])), flat)
+    one.run()
+    assert one.first_token[1] == pytest.approx(0.5, abs=1e-6) and one.finish[1] == pytest.approx(0.5, abs=1e-6)
 
 
 def test_given_affinity_keys_break_the_routers_ties_as_the_real_prompts_would():

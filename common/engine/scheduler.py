@@ -76,6 +76,18 @@ class RemoteClaim:
     expires: float
 
 
+def status_after_token(request: Request, token_id: int, max_model_len: int) -> RequestStatus | None:
+    """What appending ``token_id`` as its next output token makes of ``request``: finished by a
+    stop token or by length, or ``None`` if it goes on.  Reads the request only, so a decode worker
+    can tell before a remote prompt lands whether its first token ends it."""
+    if token_id in request.stop_token_ids:
+        return RequestStatus.FINISHED_STOPPED
+    if (request.num_output_tokens + 1 >= request.sampling_params.max_tokens
+            or request.num_tokens + 1 >= max_model_len):
+        return RequestStatus.FINISHED_LENGTH
+    return None
+
+
 class Scheduler:
     """Owns the request queues and the KV cache manager; see the module docstring."""
 
@@ -320,15 +332,12 @@ class Scheduler:
         return changed
 
     def _append_token(self, request: Request, token_id: int) -> None:
+        status = status_after_token(request, token_id, self.config.max_model_len)
         request.append_output_token(token_id)
-        if token_id in request.stop_token_ids:
-            request.status = RequestStatus.FINISHED_STOPPED
+        if status is RequestStatus.FINISHED_STOPPED:
             request.stop_reason = token_id
-        elif (
-            request.num_output_tokens >= request.sampling_params.max_tokens
-            or request.num_tokens >= self.config.max_model_len
-        ):
-            request.status = RequestStatus.FINISHED_LENGTH
+        if status is not None:
+            request.status = status
 
     # ---- leaving ---------------------------------------------------------------------------
 

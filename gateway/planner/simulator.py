@@ -21,9 +21,10 @@ Each worker steps only while it has work: a step is ``schedule()``, its duration
 model, then ``update()`` at the step's end (event-driven, no global clock ticks).  A prefill
 worker ships the blocks each step completed, as ``prefill_svc.shipping`` does.  What a worker's
 event loop asks of its engine runs between two steps, as ``EngineThread.call`` runs it: a busy
-decode worker starts a remote prefill (asks the prefill worker, after reserving the blocks) and
-lands the KV (``finish_remote``, which releases the first token) only when its step in flight
-ends -- under load that wait is a large part of a remote prompt's TTFT.  Requests are routed as
+decode worker starts a remote prefill (asks the prefill worker, after reserving the blocks) only
+when its step in flight ends -- under load that wait is a large part of a remote prompt's TTFT.
+The first token goes out as the KV arrives; the request joins the batch (``finish_remote``) when
+the step in flight ends.  Requests are routed as
 ``gateway.dispatch`` routes them: prefix match per worker from its real block pool, the gateway's
 count of pending prefill tokens.  A decode worker that is full (its pending-request limit, or no
 room to reserve a remote prompt's blocks) answers "busy" and is skipped; with none left the
@@ -54,7 +55,7 @@ from common.engine.config import SchedulerConfig
 from common.engine.kv_cache_manager import KVCacheManager, cdiv
 from common.engine.request import Request
 from common.engine.sampling_params import SamplingParams
-from common.engine.scheduler import Scheduler
+from common.engine.scheduler import Scheduler, status_after_token
 from common.engine.step_log import step_shape
 from gateway.dispatch import SentToDecode, computed_on, count_pending
 from gateway.planner.cost_model import CostModel
@@ -687,24 +688,36 @@ class Simulation:
                 self._push(max(now, job.arrives), KV_DONE, job)
 
     def _kv_done(self, job: _Job, now: float) -> None:
-        """The prompt's KV (and its first token) has reached the decode worker: it lands between
-        two of the worker's steps, and then the first token goes out."""
-        self._between_steps(job.dest, lambda when: self._land(job, when))
+        """The prompt's KV and its first token have reached the decode worker.  The first token
+        goes out at once (unless it ends the request: then once it has landed); the request lands
+        between two of the worker's steps."""
+        decode = job.dest
+        request = decode.scheduler.requests.get(job.request.request_id)
+        if request is not None and status_after_token(request, TOKEN, decode.scheduler.config.max_model_len) is None:
+            self._first_remote_token(job, now)
+        self._between_steps(decode, lambda when: self._land(job, when))
+
+    def _first_remote_token(self, job: _Job, now: float) -> None:
+        i = job.index
+        # The gateway drops the prompt from its pending count when the first token arrives.
+        count_pending(self.pending, job.source.worker_id, -job.pending)
+        self.first_token[i] = now + self.config.overhead_s
+        self.last_token[i] = now
+        self.sent_to_decode.admitted(job.dest.worker_id, job.request.request_id)
 
     def _land(self, job: _Job, now: float) -> None:
         decode = job.dest
         i = job.index
-        # The gateway drops the prompt from its pending count when the first token arrives.
-        count_pending(self.pending, job.source.worker_id, -job.pending)
         rid = job.request.request_id
         request = decode.scheduler.finish_remote(rid, TOKEN)
         if request is None:
+            if self.first_token[i] != self.first_token[i]:
+                count_pending(self.pending, job.source.worker_id, -job.pending)
             self._fail(i, "aborted")
             self.sent_to_decode.remove(self.decode_of.pop(i), rid)
             return
-        self.first_token[i] = now + self.config.overhead_s
-        self.last_token[i] = now
-        self.sent_to_decode.admitted(decode.worker_id, rid)
+        if self.first_token[i] != self.first_token[i]:
+            self._first_remote_token(job, now)
         self._kick(decode, now)
         if request.is_finished:
             self.finish[i] = now + self.config.overhead_s
