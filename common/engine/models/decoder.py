@@ -6,6 +6,8 @@ The forward runs over a packed batch of tokens from many requests (see ``common.
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -13,9 +15,14 @@ from torch import nn
 from common.engine.attention import AttentionMetadata
 from common.engine.kv_cache import KVCache
 from common.engine.model_config import ModelConfig
-from common.engine.models.linear import Linear, linear, pack_weight, packed_linear
+from common.engine.models.linear import Linear, linear, pack_weight, packed_linear, tune_row_padding
 from common.engine.models.stages import EAGER, LayerStages
 from common.engine.models.rotary import RotaryEmbedding, apply_rotary
+
+log = logging.getLogger(__name__)
+# Below this many bytes of packed weights a model's products are too quick for their row count to
+# matter (and too quick to time apart): no row padding is tuned.
+ROW_PADDING_MIN_BYTES = 32 << 20
 
 _ACTIVATIONS = {
     "silu": F.silu,
@@ -160,6 +167,7 @@ class DecoderModel(nn.Module):
         self.rotary: RotaryEmbedding | None = None
         self.stages: LayerStages = EAGER  # ``compile_stages`` swaps in compiled ones
         self.packed_lm_head: torch.Tensor | None = None  # a tied LM head's packed copy
+        self.row_padding: tuple[int, ...] = ()  # see _tune_row_padding
 
     def finish_loading(self, device: torch.device) -> None:
         """After the state dict is in: fold Gemma's norm offset, fuse projections, pack the CPU
@@ -177,7 +185,25 @@ class DecoderModel(nn.Module):
                 module.pack()
         if self.cfg.tie_word_embeddings:  # the embedding keeps its plain rows for the lookup
             self.packed_lm_head = pack_weight(self.model.embed_tokens.weight)
+        self._tune_row_padding()
         self.rotary = RotaryEmbedding(self.cfg.rope, device)
+
+    def _tune_row_padding(self) -> None:
+        """Time this model's packed products for few rows and pad where more rows run faster
+        (``common.engine.models.linear.tune_row_padding``); a model too small for a product's
+        time to matter (the tests' tiny ones) is left alone."""
+        linears = [m for m in self.modules() if isinstance(m, Linear) and m.packed_weight is not None]
+        packed = [m.packed_weight for m in linears]
+        if self.packed_lm_head is not None:
+            packed.append(self.packed_lm_head)
+        if not packed or sum(w.numel() * w.element_size() for w in packed) < ROW_PADDING_MIN_BYTES:
+            return
+        self.row_padding = tune_row_padding(packed)
+        for module in linears:
+            module.row_padding = self.row_padding
+        if self.row_padding != tuple(range(len(self.row_padding))):
+            log.info("products of few rows computed with more (rows -> rows computed): %s",
+                     {rows: to for rows, to in enumerate(self.row_padding) if to != rows})
 
     @torch.inference_mode()
     def forward(self, input_ids, positions, cache: KVCache, meta: AttentionMetadata, backend) -> torch.Tensor:
@@ -195,7 +221,7 @@ class DecoderModel(nn.Module):
         if not self.cfg.tie_word_embeddings:
             logits = self.lm_head(hidden).float()
         elif self.packed_lm_head is not None:
-            logits = packed_linear(hidden, self.packed_lm_head).float()
+            logits = packed_linear(hidden, self.packed_lm_head, row_padding=self.row_padding).float()
         else:
             logits = linear(hidden, self.model.embed_tokens.weight).float()
         cap = self.cfg.final_logit_softcapping
