@@ -28,14 +28,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.bench_util import emit, write_random_llama  # noqa: E402
 from common.engine.config import EngineConfig  # noqa: E402
 from common.engine.engine import Engine  # noqa: E402
-from common.engine.models.linear import Linear  # noqa: E402
-
-
-def set_row_padding(engine: Engine, table: tuple[int, ...]) -> None:
-    engine.model.row_padding = table
-    for module in engine.model.modules():
-        if isinstance(module, Linear):
-            module.row_padding = table
 
 
 def decode(engine: Engine, prompts: list[list[int]], steps: int) -> tuple[list[float], list[list[int]]]:
@@ -87,7 +79,7 @@ def main() -> None:
         tokens = {}
         for _ in range(args.rounds):
             for label, table in (("padded", tuned), ("plain", ())):
-                set_row_padding(engine, table)
+                engine.model.set_row_padding(table)
                 step_times, tokens[label] = decode(engine, prompts, args.steps)
                 times[label] += step_times
         same_tokens &= tokens["padded"] == tokens["plain"]
@@ -95,7 +87,7 @@ def main() -> None:
         results[batch] = {"padded_ms": round(padded * 1e3, 2), "plain_ms": round(plain * 1e3, 2),
                           "speedup": round(plain / padded, 3)}
         print(f"{batch} streams: {results[batch]}", file=sys.stderr)
-    set_row_padding(engine, tuned)
+    engine.model.set_row_padding(tuned)
     emit({"benchmark": "row_padding", "model": checkpoint.name, "threads": args.threads, "compiled": args.compile,
           "context": args.context, "row_padding": list(tuned), "decode_step_by_batch": results,
           "greedy_tokens_identical": same_tokens})

@@ -192,18 +192,22 @@ class DecoderModel(nn.Module):
         """Time this model's packed products for few rows and pad where more rows run faster
         (``common.engine.models.linear.tune_row_padding``); a model too small for a product's
         time to matter (the tests' tiny ones) is left alone."""
-        linears = [m for m in self.modules() if isinstance(m, Linear) and m.packed_weight is not None]
-        packed = [m.packed_weight for m in linears]
+        packed = [m.packed_weight for m in self.modules() if isinstance(m, Linear) and m.packed_weight is not None]
         if self.packed_lm_head is not None:
             packed.append(self.packed_lm_head)
         if not packed or sum(w.numel() * w.element_size() for w in packed) < ROW_PADDING_MIN_BYTES:
             return
-        self.row_padding = tune_row_padding(packed)
-        for module in linears:
-            module.row_padding = self.row_padding
+        self.set_row_padding(tune_row_padding(packed))
         if self.row_padding != tuple(range(len(self.row_padding))):
             log.info("products of few rows computed with more (rows -> rows computed): %s",
                      {rows: to for rows, to in enumerate(self.row_padding) if to != rows})
+
+    def set_row_padding(self, table: tuple[int, ...]) -> None:
+        """Compute every packed product with ``table`` (``tune_row_padding``'s; ``()``: none)."""
+        self.row_padding = table
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.row_padding = table
 
     @torch.inference_mode()
     def forward(self, input_ids, positions, cache: KVCache, meta: AttentionMetadata, backend) -> torch.Tensor:
