@@ -145,6 +145,9 @@ def load_stack(stack: str, env: dict[str, str], profiles=()) -> dict:
         doc = yaml.safe_load(interpolate((COMPOSE / name).read_text(), env))
         doc = {k: v for k, v in doc.items() if not k.startswith("x-")}
         merged = merge(merged, doc)
+    for spec in merged.get("services", {}).values():  # compose passes environment values as strings
+        if isinstance(spec.get("environment"), dict):
+            spec["environment"] = {k: v if v is None else str(v) for k, v in spec["environment"].items()}
     return active(merged, profiles)
 
 
