@@ -25,7 +25,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.bench_util import emit, write_random_llama  # noqa: E402
+from benchmarks.bench_util import emit, random_prompts, write_random_llama  # noqa: E402
 from common.engine.config import EngineConfig  # noqa: E402
 from common.engine.engine import Engine  # noqa: E402
 
@@ -74,7 +74,7 @@ def main() -> None:
     vocab = engine.model_config.vocab_size
     results, same_tokens = {}, True
     for batch in [int(b) for b in args.batches.split(",")]:
-        prompts = [[rng.randrange(3, vocab) for _ in range(args.context)] for _ in range(batch)]
+        prompts = random_prompts(rng, [args.context] * batch, vocab)
         times = {"padded": [], "plain": []}
         tokens = {}
         for _ in range(args.rounds):
