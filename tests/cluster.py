@@ -1,6 +1,7 @@
 """Real processes for integration tests: gateway, prefill and decode workers, against real Redis."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 import uuid
@@ -8,24 +9,37 @@ from pathlib import Path
 
 import redis
 
+from common.cluster.auth import ClusterAuth
 from common.cluster.launcher import LocalStack, http_json  # noqa: F401  (re-exported for tests)
+from common.cluster.redis_util import connect
+from common.cluster.registry import WorkerInfo, WorkerRegistry
 
-ADMIN_TOKEN = "admin-secret"  # what the gateway and the workers of a test cluster accept
+# What the gateway of a test cluster accepts on /admin (strong enough to be accepted; given in the
+# environment, as secrets should be, not on a command line).
+ADMIN_TOKEN = "pdtest-admin-token-5f0c9e1a7b"
+# Registry entries of a test cluster's workers outlive their last heartbeat by this much (beats
+# every third of it).  Long enough that a live worker's entry never lapses between two beats on
+# a loaded machine; a test that needs a dead worker's entry gone waits for it (bounded), and one
+# that needs it present holds it (``HeldEntries``), so no test races it either way.
+HEARTBEAT_TTL_S = 5.0
+# How long a held entry lives without being written again: far longer than any test.
+HOLD_TTL_S = 3600.0
 
 
 @contextlib.contextmanager
 def running_cluster(checkpoint: Path, workdir: Path, redis_url: str, *, prefill: int = 2, decode: int = 1,
                     transport: str = "tcp", policy: str = "prefix_aware", worker_args=(), gateway_args=(),
                     role_args: dict[str, list[str]] | None = None):
-    """Start a ``LocalStack`` for a test (logs in ``workdir``, short heartbeats, an admin token) under
-    its own key prefix; stop it and delete only its keys afterwards."""
+    """Start a ``LocalStack`` for a test (logs in ``workdir``, heartbeats of ``HEARTBEAT_TTL_S``, an
+    admin token) under its own key prefix; stop it and delete only its keys afterwards."""
     key_prefix = f"pdtest-{uuid.uuid4().hex[:12]}"
     cluster = LocalStack(
         str(checkpoint), redis_url, key_prefix=key_prefix, workdir=workdir, prefill=prefill, decode=decode,
         transport=transport, policy=policy,
-        worker_args=["--heartbeat-ttl", "2", "--admin-token", ADMIN_TOKEN, *worker_args], role_args=role_args or {},
-        gateway_args=["--admin-token", ADMIN_TOKEN, *gateway_args],
-        extra_env={"OMP_NUM_THREADS": "1"},  # several processes share two cores
+        worker_args=["--heartbeat-ttl", str(HEARTBEAT_TTL_S), *worker_args], role_args=role_args or {},
+        gateway_args=list(gateway_args),
+        extra_env={"OMP_NUM_THREADS": "1",  # several processes share two cores
+                   "PDSERVE_ADMIN_TOKEN": ADMIN_TOKEN},
     )
     try:
         yield cluster.start()
@@ -72,3 +86,61 @@ def delete_keys(redis_url: str, key_prefix: str) -> None:
         client.close()
     except redis.exceptions.ConnectionError:
         pass  # a test may have taken its private Redis down
+
+
+class HeldEntries:
+    """The registry entries of some workers, captured while they run, to be kept in Redis after
+    they die -- the condition a test of "the gateway still routes to a dead worker" needs, held
+    rather than raced against the entries' TTL::
+
+        held = HeldEntries.capture(stack, ["p0"])   # the workers are alive: their entries exist
+        stack.kill("p0")
+        with held.kept():                            # written again, living HOLD_TTL_S
+            stack.wait_for_workers(...)              # the gateway sees the dead worker: route to it
+        # on exit each entry is written once more with the stack's TTL: it lapses as the entry of
+        # a worker that stopped heartbeating just now would
+
+    Entries are written the way workers write them (``WorkerRegistry.register``: signed with the
+    stack's cluster secret, ``heartbeat_at`` stamped now), so readers take them as live.
+    """
+
+    def __init__(self, stack: LocalStack, entries: list[WorkerInfo]):
+        self.stack = stack
+        self.entries = entries
+
+    @classmethod
+    def capture(cls, stack: LocalStack, names: list[str]) -> "HeldEntries":
+        async def read() -> list[WorkerInfo]:
+            client = connect(stack.redis_url, timeout_s=10)
+            try:
+                registry = WorkerRegistry(client, key_prefix=stack.key_prefix, auth=ClusterAuth(stack.cluster_secret))
+                found = {name: await registry.get(stack.model_name, name) for name in names}
+            finally:
+                await client.aclose()
+            missing = [name for name, info in found.items() if info is None]
+            assert not missing, f"no registry entry for {missing}: capture entries while the workers run"
+            return list(found.values())
+
+        return cls(stack, asyncio.run(read()))
+
+    def write(self, ttl_s: float) -> None:
+        """Write every entry now, to live ``ttl_s`` seconds."""
+        async def put() -> None:
+            client = connect(self.stack.redis_url, timeout_s=10)
+            try:
+                registry = WorkerRegistry(client, key_prefix=self.stack.key_prefix, ttl_s=ttl_s,
+                                          auth=ClusterAuth(self.stack.cluster_secret))
+                for info in self.entries:
+                    await registry.register(info)
+            finally:
+                await client.aclose()
+
+        asyncio.run(put())
+
+    @contextlib.contextmanager
+    def kept(self):
+        self.write(HOLD_TTL_S)
+        try:
+            yield self
+        finally:
+            self.write(HEARTBEAT_TTL_S)
