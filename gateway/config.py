@@ -4,18 +4,30 @@ Every flag ``--some-flag`` also reads ``PDSERVE_SOME_FLAG`` (an empty variable m
 compose files often write them).  A few older names stay as aliases because deployments set them:
 ``PDSERVE_GATEWAY_HOST``/``PDSERVE_GATEWAY_PORT`` (the compose files) and ``REDIS_URL``.
 Precedence: the flag, then ``PDSERVE_<FLAG>``, then an alias, then the default.
+
+Secrets (the admin token, the API key, the Redis password) are read from the environment or a
+file and never printed (``common.cluster.secret_sources``); each must be strong, no two equal.  A
+gateway that other machines can reach refuses to start without an API key unless
+``--allow-no-api-key`` (an authenticating proxy in front of it) says so.
 """
 from __future__ import annotations
 
 import argparse
-import os
+import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from pathlib import Path
+from typing import Mapping
 
-from common.cluster.auth import SECRET_ENV, AuthError, ClusterAuth, configure_auth, read_secret
-from common.cluster.redis_util import DEFAULT_REDIS_URL
+from common.cluster.auth import SECRET_ENV, AuthError, ClusterAuth, configure_auth, is_loopback, read_secret
+from common.cluster.flags import EnvFlags, RecordsCommandLine, given_on_command_line, secret_value
+from common.cluster.redis_util import (
+    DEFAULT_REDIS_URL, redact_url, redis_url_with_password_file, warn_password_on_command_line,
+)
+from common.cluster.secret_sources import check_distinct, check_secret
 from gateway.routing import POLICIES
-from gateway.tenants import CACHE_ISOLATION, ApiKeys
+from gateway.tenants import CACHE_ISOLATION, ApiKeys, key_id, parse_keys_file
+
+log = logging.getLogger("pdserve.config")
 
 # flag dest -> older variable names still honoured
 ENV_ALIASES: dict[str, tuple[str, ...]] = {
@@ -57,7 +69,7 @@ class GatewayConfig:
     model_id: str | None = None
     host: str = "127.0.0.1"
     port: int = 8000
-    redis_url: str = DEFAULT_REDIS_URL
+    redis_url: str = field(default=DEFAULT_REDIS_URL, repr=False)  # may hold the Redis password
     key_prefix: str = "pdserve"
     routing_policy: str = "prefix_aware"
     skip_prefill_below_tokens: int = 64
@@ -65,6 +77,8 @@ class GatewayConfig:
     api_keys_file: str | None = None
     max_inflight_per_key: int = 0  # for keys without their own limit; 0: only the global limit
     cache_isolation: str = "none"  # "per-key": API keys never share prefix-cache blocks (gateway/tenants.py)
+    # Serve without an API key on an address other machines reach (an authenticating proxy in front).
+    allow_no_api_key: bool = False
     admin_token: str | None = field(default=None, repr=False)
     max_inflight: int = 512  # accepted requests at once; beyond: 429
     max_connections: int = 2048  # open client connections; beyond: 503 and close
@@ -115,6 +129,40 @@ class GatewayConfig:
         if not self.api_keys().enabled and self.cache_isolation == "per-key":
             raise bad("cache_isolation per-key needs API keys (--api-key or --api-keys-file): without them "
                       "every caller is the same tenant")
+        self._check_secrets()
+        if self.open_to_the_network and not self.allow_no_api_key:
+            raise bad(f"the gateway listens on {self.host}, which other machines can reach, but requires no API key: "
+                      f"anyone who reaches it can use the model. Set PDSERVE_API_KEY (or --api-keys-file), bind "
+                      f"--host 127.0.0.1, or set PDSERVE_ALLOW_NO_API_KEY=1 (--allow-no-api-key) when an "
+                      f"authenticating proxy stands in front of it")
+
+    @property
+    def open_to_the_network(self) -> bool:
+        """Other machines can reach the gateway and it asks them for no API key."""
+        return not is_loopback(self.host) and not self.api_keys().enabled
+
+    def _check_secrets(self) -> None:
+        """The admin token and every API key are strong, and no two secrets are equal."""
+        keys = self._api_key_values()
+        try:
+            check_secret(self.admin_token, "the admin token (PDSERVE_ADMIN_TOKEN)")
+            for key in keys:
+                check_secret(key, f"API key {key_id(key)}")
+            check_distinct({"the cluster secret": self.cluster_secret, "the admin token": self.admin_token,
+                            **{f"API key {key_id(key)}": key for key in keys}})
+        except ValueError as exc:
+            raise ValueError(f"invalid config: {exc}") from None
+
+    def _api_key_values(self) -> list[str]:
+        keys = [] if self.api_key is None else [self.api_key]
+        if self.api_keys_file:
+            try:
+                text = Path(self.api_keys_file).read_text()
+            except OSError as exc:
+                raise ValueError(f"invalid config: cannot read the API keys file {self.api_keys_file}: "
+                                 f"{exc.strerror}") from None
+            keys += [key for key in parse_keys_file(text, self.api_keys_file) if key not in keys]
+        return keys
 
     def api_keys(self) -> ApiKeys:
         """The API keys the gateway accepts (read from ``api_keys_file``); raises ValueError."""
@@ -131,14 +179,6 @@ class GatewayConfig:
             raise ValueError(f"invalid config: {exc}") from None
 
 
-def _env_default(dest: str, default: Any, env: Mapping[str, str]) -> Any:
-    for name in (f"PDSERVE_{dest.upper()}", *ENV_ALIASES.get(dest, ())):
-        value = env.get(name)
-        if value not in (None, ""):
-            return value
-    return default
-
-
 def env_names(parser: argparse.ArgumentParser | None = None) -> set[str]:
     """Every environment variable the gateway's flags read (for checks of deployment files)."""
     parser = parser or build_parser({})
@@ -151,26 +191,25 @@ def env_names(parser: argparse.ArgumentParser | None = None) -> set[str]:
 
 
 def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
-    env = os.environ if env is None else env
     p = argparse.ArgumentParser(
         description="pdserve gateway: OpenAI-compatible API in front of the pools. "
                     "Every flag also reads PDSERVE_<FLAG> (e.g. PDSERVE_MAX_INFLIGHT).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-
-    def add(flag: str, default: Any = None, type: Callable | None = str, **kw) -> None:
-        dest = flag.lstrip("-").replace("-", "_")
-        kw.setdefault("help", " ")  # so the default is shown
-        p.add_argument(flag, default=_env_default(dest, default, env), type=type, **kw)
+    flags = EnvFlags(p, env, ENV_ALIASES)  # secrets: --help shows where they come from, never their value
+    add = flags.add
 
     add("--model", "default", help="checkpoint (for the tokenizer and the chat template)")
     add("--model-id", help="served model name (as the workers use)")
     add("--host", "127.0.0.1", help="bind address")
     add("--port", 8000, int)
-    add("--redis-url", DEFAULT_REDIS_URL)
+    add("--redis-url", DEFAULT_REDIS_URL, show=redact_url, action=RecordsCommandLine,
+        help="Redis (a password in it is never shown; better: --redis-password-file)")
+    add("--redis-password-file", help="file holding the Redis password (spliced into --redis-url)")
     add("--key-prefix", "pdserve")
     add("--routing-policy", "prefix_aware", choices=POLICIES)
     add("--skip-prefill-below", 64, int, help="prompts with fewer uncached tokens than this skip the prefill pool")
-    add("--api-key", help="require 'Authorization: Bearer KEY'")
+    flags.add_secret("--api-key", "the API key", help="require 'Authorization: Bearer KEY' (a file of keys: "
+                                                      "--api-keys-file)", file_flag=False)
     add("--api-keys-file", help="accept the keys in this file: one per line, optionally 'key:limit' (that "
                                 "key's limit on requests in flight); '#' starts a comment line")
     add("--max-inflight-per-key", 0, int, help="requests in flight per API key without its own limit (0: only "
@@ -179,7 +218,9 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
         help="prefix-cache sharing between API keys: 'none' (all share cached prompt blocks; a request's "
              "cache_salt still separates it) or 'per-key' (the gateway salts every request by its API key: "
              "keys never share blocks, and cached_tokens reveals nothing about other keys' prompts)")
-    add("--admin-token", help="enables /admin with this token")
+    flags.add_switch("--allow-no-api-key", help="serve without an API key on an address other machines reach (only "
+                                                "behind an authenticating proxy; logged as a warning)")
+    flags.add_secret("--admin-token", "the admin token", help="enables /admin with this token")
     add("--cluster-secret-file", help="file holding the cluster secret (default: PDSERVE_CLUSTER_SECRET); "
                                       "required unless --host is a loopback address")
     add("--max-inflight", 512, int, help="requests accepted at once; beyond: 429")
@@ -212,16 +253,22 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
 
 
 def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> GatewayConfig:
+    """The configuration ``args`` describe; logs a warning for each secret given on the command line
+    and for a gateway that serves other machines without an API key (``--allow-no-api-key``)."""
     try:
         secret = read_secret(args.cluster_secret_file, env)
-    except AuthError as exc:
+        api_key = secret_value(args, "api_key", "the API key")
+        admin_token = secret_value(args, "admin_token", "the admin token")
+        redis_url = redis_url_with_password_file(args.redis_url, args.redis_password_file)
+    except (AuthError, ValueError) as exc:
         raise ValueError(f"invalid config: {exc}") from None
-    return GatewayConfig(
-        model=args.model, model_id=args.model_id, host=args.host, port=args.port, redis_url=args.redis_url,
+    warn_password_on_command_line(args.redis_url, given_on_command_line(args, "redis_url"))
+    config = GatewayConfig(
+        model=args.model, model_id=args.model_id, host=args.host, port=args.port, redis_url=redis_url,
         key_prefix=args.key_prefix, routing_policy=args.routing_policy,
-        skip_prefill_below_tokens=args.skip_prefill_below, api_key=args.api_key, api_keys_file=args.api_keys_file,
+        skip_prefill_below_tokens=args.skip_prefill_below, api_key=api_key, api_keys_file=args.api_keys_file,
         max_inflight_per_key=args.max_inflight_per_key, cache_isolation=args.cache_isolation,
-        admin_token=args.admin_token,
+        allow_no_api_key=bool(args.allow_no_api_key), admin_token=admin_token,
         max_connections=args.max_connections, client_write_timeout=args.client_write_timeout,
         max_inflight=args.max_inflight, max_body_bytes=args.max_body_bytes, max_model_len=args.max_model_len,
         chat_template=args.chat_template,
@@ -234,3 +281,7 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = N
         prefix_lookup_timeout=args.prefix_lookup_timeout, redis_retry_interval=args.redis_retry_interval,
         tokenizer_threads=args.tokenizer_threads,
     )
+    if config.open_to_the_network:
+        log.warning("the gateway serves %s without an API key (PDSERVE_ALLOW_NO_API_KEY): anyone who reaches it can "
+                    "use the model; only an authenticating proxy in front of it should", config.host)
+    return config

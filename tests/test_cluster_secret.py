@@ -59,7 +59,7 @@ def test_gateway_with_an_exposed_listener_needs_a_secret():
     GatewayConfig(host="127.0.0.1")
     with pytest.raises(ValueError, match=SECRET_ENV):
         GatewayConfig(host="0.0.0.0")
-    assert GatewayConfig(host="0.0.0.0", cluster_secret=GOOD).auth().enabled
+    assert GatewayConfig(host="0.0.0.0", cluster_secret=GOOD, allow_no_api_key=True).auth().enabled
 
 
 @pytest.mark.parametrize("module, flags", [("decode_svc", ["--host", "0.0.0.0"]),

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from common.cluster import redis_util
-from common.cluster.redis_util import RedisConfig, RedisUnavailableError, ensure_redis, ping, start_redis_server
+from common.cluster.redis_util import RedisConfig, RedisUnavailableError, connect, ensure_redis, ping, start_redis_server
 
 
 def test_ensure_redis_uses_a_server_that_answers(redis_url):
@@ -51,3 +51,74 @@ def test_config_from_env_and_validation():
         RedisConfig(key_prefix="has space")
     with pytest.raises(ValueError, match="heartbeat_ttl_s"):
         RedisConfig(heartbeat_ttl_s=0)
+
+
+# ---- the password in REDIS_URL is never printed ------------------------------------------------------
+
+PASSWORD = "s3cret-redis-pw-0123456789"
+
+
+@pytest.mark.parametrize("url", [
+    f"http://:{PASSWORD}@redis:6379/0",               # wrong scheme
+    f"redis://:{PASSWORD}@redis:port/0",               # port not a number
+    f"redis://:{PASSWORD}@[::1:6379/0",                # unclosed IPv6 bracket
+    f"redis://:{PASSWORD}@/0",                         # no host
+    f"redis://user:{PASSWORD}@/0",
+    f"{PASSWORD}@redis:6379",                          # no scheme at all
+    f"http://redis:6379/0?password={PASSWORD}",        # redis-py's query-string password
+])
+def test_a_malformed_redis_url_is_refused_without_its_password(url):
+    for build in (lambda: RedisConfig(url=url), lambda: RedisConfig.from_env({"REDIS_URL": url}),
+                  lambda: connect(url), lambda: ensure_redis(url)):
+        try:
+            build()
+        except ValueError as exc:
+            assert PASSWORD not in str(exc) and "REDIS_URL" in str(exc), str(exc)
+        else:
+            pytest.fail(f"{url} was accepted")
+
+
+def test_an_unreachable_remote_redis_is_named_without_its_password(monkeypatch):
+    monkeypatch.setattr(redis_util, "ping", lambda url, timeout_s=0.5: False)
+    with pytest.raises(RedisUnavailableError, match=r"no Redis answers at redis://\*\*\*@10.1.2.3:6379") as err:
+        ensure_redis(f"redis://:{PASSWORD}@10.1.2.3:6379")
+    assert PASSWORD not in str(err.value)
+
+
+def test_redis_config_repr_hides_the_password():
+    config = RedisConfig(url=f"redis://user:{PASSWORD}@redis:6379/0")
+    assert PASSWORD not in repr(config) and "redis://***@redis:6379/0" in repr(config)
+
+
+def test_redact_and_with_password():
+    from common.cluster.redis_util import redact_url, with_password
+
+    assert redact_url("redis://redis:6379/0") == "redis://redis:6379/0"
+    assert redact_url(f"redis://:p@ss/{PASSWORD}@redis:6379/0") == "redis://***@redis:6379/0"  # unencoded '/', '@'
+    assert redact_url(f"rediss://u:{PASSWORD}@h:1/2?db=3&password={PASSWORD}") == "rediss://***@h:1/2?db=3&password=***"
+    assert with_password("redis://redis:6379/0", "p@ss/w:rd") == "redis://:p%40ss%2Fw%3Ard@redis:6379/0"
+    assert with_password("redis://app@redis:6379/0", "pw") == "redis://app:pw@redis:6379/0"
+    with pytest.raises(ValueError, match="already holds a password") as err:
+        with_password(f"redis://:{PASSWORD}@redis:6379", "other")
+    assert PASSWORD not in str(err.value)
+
+
+def test_a_password_spliced_in_authenticates():
+    """with_password's URL is one redis-py reads back exactly (a real server that requires it)."""
+    import redis
+
+    from common.cluster.redis_util import with_password
+
+    password = "p@ss/w:rd#%20?x"
+    with start_redis_server() as server:
+        client = redis.Redis.from_url(server.url)
+        client.config_set("requirepass", password)
+        client.close()
+        assert ping(with_password(server.url, password))
+        authed = redis.Redis.from_url(with_password(server.url, password))
+        try:
+            assert authed.ping()
+        finally:
+            authed.close()
+        with pytest.raises(redis.exceptions.AuthenticationError):
+            redis.Redis.from_url(with_password(server.url, "wrong")).ping()

@@ -10,7 +10,7 @@ from common.engine.config import EngineConfig
 from common.engine.engine import Engine
 from tests.cluster import running_cluster
 
-API_KEY = "test-key"
+API_KEY = "sk-test-key-0123456789"  # the gateway refuses keys under 16 characters
 WORKER_ARGS = ["--num-blocks", "256", "--block-size", "4", "--max-num-batched-tokens", "32"]
 PROMPT = "The quick brown fox jumps over the lazy dog, and then"
 MAX_TOKENS = 10

@@ -19,7 +19,7 @@ from common.engine.config import EngineConfig
 from common.engine.engine import Engine
 from tests.cluster import http_json, running_cluster
 
-API_KEY = "test-key"
+API_KEY = "sk-test-key-0123456789"  # the gateway refuses keys under 16 characters
 SKIP_PREFILL_BELOW = 8  # prompts with fewer uncached tokens go straight to the decode worker
 WORKER_ARGS = ["--num-blocks", "512", "--block-size", "4", "--max-num-batched-tokens", "16"]
 PROMPTS = [

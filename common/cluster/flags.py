@@ -4,19 +4,77 @@
 variable means unset (compose files often write them so).  A few older names stay as aliases.
 Precedence: the flag, then ``PDSERVE_<FLAG>``, then an alias, then the default.  Values from the
 environment go through the flag's own ``type`` and ``choices``, so a bad one is reported by name.
+
+Secrets (``add_secret``) also read a file, and ``--help`` never shows their value: a default taken
+from the environment would otherwise be printed by ``--help`` (see ``common.cluster.secret_sources``
+for the sources and checks; ``secret_value`` resolves one after parsing).
 """
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 from typing import Any, Callable, Mapping
 
+from common.cluster.secret_sources import read_secret_file
+
 TRUE = ("1", "true", "yes", "on")
 FALSE = ("0", "false", "no", "off")
+ARGV_SECRETS = "_secrets_on_command_line"  # namespace attribute: {dest: flag} of secrets given as arguments
+log = logging.getLogger("pdserve.config")
 
 
 def env_name(dest: str) -> str:
     return f"PDSERVE_{dest.upper()}"
+
+
+class _ShownDefaults:
+    """Help-formatter mixin: an action with a ``shown_default`` shows that text as its default
+    instead of its value (a secret's source, a URL without its password)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        shown = getattr(action, "shown_default", None)
+        if shown is None:
+            return super()._get_help_string(action)
+        # argparse %-formats help strings: a literal '%' in the shown text must be doubled.
+        return f"{action.help or ''} (default: {shown.replace('%', '%%')})".lstrip()
+
+
+def _with_shown_defaults(formatter: type) -> type:
+    if issubclass(formatter, _ShownDefaults):
+        return formatter
+    return type(f"ShownDefaults{formatter.__name__}", (_ShownDefaults, formatter), {})
+
+
+class RecordsCommandLine(argparse.Action):
+    """Stores a value and records that it came from the command line (for flags that may carry a
+    secret: ``secret_value`` and ``given_on_command_line`` read the record)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        given = dict(getattr(namespace, ARGV_SECRETS, None) or {})
+        given[self.dest] = option_string or self.option_strings[0]
+        setattr(namespace, ARGV_SECRETS, given)
+
+
+def given_on_command_line(args: argparse.Namespace, dest: str) -> str | None:
+    """The flag that set ``dest`` on the command line (a ``RecordsCommandLine`` flag), else None."""
+    return (getattr(args, ARGV_SECRETS, None) or {}).get(dest)
+
+
+def secret_value(args: argparse.Namespace, dest: str, what: str) -> str | None:
+    """The secret ``dest`` after parsing (see the module docstring for the order of sources): the
+    command line (logged as a warning naming the flag), else its file, else ``PDSERVE_<DEST>``.
+    None when none is set; "" for an empty file (refused by the strength check)."""
+    flag = given_on_command_line(args, dest)
+    if flag is not None:
+        log.warning("%s was given on the command line (%s): every user of this machine can read a process's "
+                    "command line; pass it in %s or a file (%s-file) instead", what, flag, env_name(dest), flag)
+        return getattr(args, dest)
+    path = getattr(args, f"{dest}_file", None)
+    if path:
+        return read_secret_file(path, what)
+    return getattr(args, dest, None) or None
 
 
 class EnvFlags:
@@ -27,6 +85,7 @@ class EnvFlags:
         self.parser = parser
         self.env = os.environ if env is None else env
         self.aliases = dict(aliases or {})
+        parser.formatter_class = _with_shown_defaults(parser.formatter_class)
 
     def lookup(self, dest: str) -> str | None:
         for name in (env_name(dest), *self.aliases.get(dest, ())):
@@ -35,12 +94,30 @@ class EnvFlags:
                 return value
         return None
 
-    def add(self, flag: str, default: Any = None, type: Callable | None = str, **kw) -> None:
-        """A valued flag; argparse applies ``type`` (and checks ``choices``) to an environment value."""
+    def add(self, flag: str, default: Any = None, type: Callable | None = str, *,
+            show: Callable[[Any], str] | None = None, **kw) -> None:
+        """A valued flag; argparse applies ``type`` (and checks ``choices``) to an environment value.
+        ``show``: how ``--help`` shows the default (e.g. a URL without its password)."""
         dest = flag.lstrip("-").replace("-", "_")
         value = self.lookup(dest)
+        value = default if value is None else value
         kw.setdefault("help", "(default: %(default)s)")  # argparse shows no default for a flag without help
-        self.parser.add_argument(flag, default=default if value is None else value, type=type, **kw)
+        action = self.parser.add_argument(flag, default=value, type=type, **kw)
+        if show is not None:
+            action.shown_default = show(value)
+
+    def add_secret(self, flag: str, what: str, help: str = "", file_flag: bool = True) -> None:
+        """A secret: ``PDSERVE_<FLAG>``, a file (``--<flag>-file``/``PDSERVE_<FLAG>_FILE``, unless
+        ``file_flag`` is False), or the flag itself (with a warning).  ``--help`` shows where it is
+        read from, never its value; read it with ``secret_value(args, dest, what)``."""
+        dest = flag.lstrip("-").replace("-", "_")
+        sources = env_name(dest) + (f" or the file {flag}-file" if file_flag else "")
+        action = self.parser.add_argument(
+            flag, default=self.lookup(dest), action=RecordsCommandLine, metavar="VALUE",
+            help=f"{help} (discouraged on the command line, where other users of the machine can read it)".lstrip())
+        action.shown_default = f"{sources}; never shown"
+        if file_flag:
+            self.add(f"{flag}-file", help=f"file holding {what} (Docker/Kubernetes secrets)")
 
     def add_switch(self, flag: str, default: bool = False, **kw) -> None:
         """An on/off flag: ``--flag`` turns it on; ``PDSERVE_<FLAG>`` may say 1/true/yes/on or 0/false/no/off.

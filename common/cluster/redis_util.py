@@ -14,7 +14,9 @@ keeping it up until interrupted).
 """
 from __future__ import annotations
 
+import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -23,15 +25,18 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit, urlunsplit
 
 import redis
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import ExponentialBackoff
 
+from common.cluster.children import die_with_parent
 from common.cluster.redis_keys import KEY_PREFIX_RE
+from common.cluster.secret_sources import read_secret_file
 
+log = logging.getLogger(__name__)
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379"
 LOCAL_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "0.0.0.0"})
 # Errors that mean "Redis is not reachable right now" (as opposed to a bug in our command).
@@ -50,7 +55,8 @@ class RedisConfig:
     """Where Redis is and how this deployment's keys are named.
 
     ``key_prefix`` separates deployments (and tests) sharing one Redis; ``heartbeat_ttl_s`` is how
-    long a worker's registry entry and prefix-index entries outlive its last heartbeat.
+    long a worker's registry entry and prefix-index entries outlive its last heartbeat.  Its repr
+    shows the URL without credentials.
     """
 
     url: str = DEFAULT_REDIS_URL
@@ -66,6 +72,10 @@ class RedisConfig:
             raise ValueError(f"heartbeat_ttl_s must be in (0, 3600], got {self.heartbeat_ttl_s}")
         if not 0 < self.timeout_s <= 60:
             raise ValueError(f"timeout_s must be in (0, 60], got {self.timeout_s}")
+
+    def __repr__(self) -> str:
+        return (f"RedisConfig(url={redact_url(self.url)!r}, key_prefix={self.key_prefix!r}, "
+                f"heartbeat_ttl_s={self.heartbeat_ttl_s!r}, timeout_s={self.timeout_s!r})")
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> "RedisConfig":
@@ -99,12 +109,64 @@ def redis_url_from_env(env: dict[str, str] | None = None) -> str:
     return env.get("REDIS_URL") or DEFAULT_REDIS_URL
 
 
-def _check_url(url: str) -> None:
+_PASSWORD_PARAM = re.compile(r"(?i)([?&;]password=)[^&;#]*")
+
+
+def redact_url(url: str) -> str:
+    """``url`` fit to print: credentials (``user:password@``, a ``password=`` query parameter)
+    replaced by ``***``.  Works on malformed URLs too: everything up to the last ``@`` after the
+    scheme goes, so a password that holds ``/``, ``#`` or ``@`` does not leak either."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        scheme, rest = "", url
+    if "@" in rest:
+        rest = "***@" + rest.rsplit("@", 1)[1]
+    rest = _PASSWORD_PARAM.sub(r"\1***", rest)
+    return f"{scheme}{sep}{rest}"
+
+
+def with_password(url: str, password: str) -> str:
+    """``url`` with ``password`` in it (percent-encoded), for a password read from a file; raises
+    ValueError when the URL carries a password already (two sources: say which one is meant)."""
+    _check_url(url)
     parts = urlsplit(url)
+    if parts.password or _PASSWORD_PARAM.search(url):
+        raise ValueError(f"REDIS_URL {redact_url(url)} already holds a password; give it there or in the "
+                         f"password file, not both")
+    user = quote(parts.username or "", safe="")
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{user}:{quote(password, safe='')}@{host}"))
+
+
+def redis_url_with_password_file(url: str, password_file: str | None) -> str:
+    """``url``, with the password read from ``password_file`` (``--redis-password-file``) when given."""
+    if not password_file:
+        return url
+    return with_password(url, read_secret_file(password_file, "the Redis password"))
+
+
+def warn_password_on_command_line(url: str, flag: str | None) -> None:
+    """Log a warning (naming ``flag``, not the password) when a URL with a password came from the
+    command line (``flag`` is the flag that set it, or None)."""
+    if flag and (urlsplit(url).password or _PASSWORD_PARAM.search(url)):
+        log.warning("the Redis password was given on the command line (%s): every user of this machine can read a "
+                    "process's command line; set REDIS_URL in the environment or put the password in a file "
+                    "(--redis-password-file)", flag)
+
+
+def _check_url(url: str) -> None:
+    """Raise ValueError (without the URL's credentials) unless ``url`` is a usable Redis URL."""
+    shown = redact_url(url)
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 -- raises on a port that is not a number
+    except ValueError:  # not echoed: a password typed where the port goes would be in the message
+        raise ValueError("REDIS_URL is malformed: its port must be a number in 0-65535 and an IPv6 host "
+                         "needs [brackets] (redis://[:password@]host[:port][/db])") from None
     if parts.scheme not in ("redis", "rediss", "unix"):
-        raise ValueError(f"REDIS_URL {url!r}: scheme must be redis://, rediss:// or unix://")
+        raise ValueError(f"REDIS_URL {shown}: scheme must be redis://, rediss:// or unix://")
     if parts.scheme != "unix" and not parts.hostname:
-        raise ValueError(f"REDIS_URL {url!r} has no host")
+        raise ValueError(f"REDIS_URL {shown} has no host")
 
 
 def connect(url: str | None = None, *, timeout_s: float = 1.0) -> aioredis.Redis:
@@ -183,7 +245,8 @@ class RedisServer:
             "--logfile", self.log_path, "--daemonize", "no",
         ]
         self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL, start_new_session=True)
+                                     stderr=subprocess.DEVNULL, start_new_session=True,
+                                     preexec_fn=die_with_parent())  # dies with us, even SIGKILLed
         deadline = time.monotonic() + timeout_s
         # A child process's readiness is not awaitable, so poll PING until the deadline.
         while not ping(self.url, timeout_s=0.2):
@@ -254,7 +317,7 @@ def ensure_redis(url: str | None = None) -> tuple[str, RedisServer | None]:
     parts = urlsplit(url)
     if parts.scheme != "redis" or parts.hostname not in LOCAL_HOSTS:
         raise RedisUnavailableError(
-            f"no Redis answers at {url}; start one there or set REDIS_URL to a running Redis"
+            f"no Redis answers at {redact_url(url)}; start one there or set REDIS_URL to a running Redis"
         )
     server = start_redis_server()
     return server.url, server

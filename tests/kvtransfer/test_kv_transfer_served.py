@@ -13,7 +13,7 @@ from common.engine.config import EngineConfig
 from common.engine.engine import Engine
 from tests.cluster import running_cluster
 
-API_KEY = "test-key"
+API_KEY = "sk-test-key-0123456789"  # the gateway refuses keys under 16 characters
 PROMPTS = ["KV cache blocks move from the prefill worker to the decode worker over UCX, and then",
            "Streaming tokens to many concurrent clients is what the decode worker does"]
 
