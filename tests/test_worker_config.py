@@ -83,3 +83,30 @@ def test_compile_is_on_unless_turned_off():
     assert parse([]).engine.compile is True
     assert parse(["--no-compile"]).engine.compile is False
     assert parse([], {"PDSERVE_COMPILE": "0"}).engine.compile is False
+
+
+# ---- the Redis password: never printed, readable from a file -------------------------------------
+
+REDIS_PASSWORD = "redis-pw-0123456789abcdef"
+
+
+def test_help_and_repr_never_show_the_redis_password(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "10000")  # no line breaks inside a value
+    env = {"REDIS_URL": f"redis://:{REDIS_PASSWORD}@redis.internal:6379/0"}
+    parser = build_parser("decode", "test", env=env)
+    text = parser.format_help()
+    assert REDIS_PASSWORD not in text and "redis://***@redis.internal:6379/0" in text
+    config = config_from_args(parser.parse_args([]))
+    assert REDIS_PASSWORD in config.redis_url  # what the worker connects with
+    assert REDIS_PASSWORD not in repr(config)
+
+
+def test_the_redis_password_reads_from_a_file(tmp_path):
+    path = tmp_path / "redis-password"
+    path.write_text(REDIS_PASSWORD + "\n")
+    env = {"REDIS_URL": "redis://redis.internal:6379/0", "PDSERVE_REDIS_PASSWORD_FILE": str(path)}
+    config = config_from_args(build_parser("decode", "test", env=env).parse_args([]))
+    assert config.redis_url == f"redis://:{REDIS_PASSWORD}@redis.internal:6379/0"
+    with pytest.raises(ValueError, match="cannot read the Redis password from the file"):
+        config_from_args(build_parser("decode", "test", env={}).parse_args(
+            ["--redis-password-file", str(tmp_path / "missing")]))

@@ -9,8 +9,10 @@ from typing import Mapping
 
 from common.cluster.auth import AuthError, ClusterAuth, configure_auth, read_secret
 from common.engine.config import EngineConfig
-from common.cluster.flags import EnvFlags
-from common.cluster.redis_util import DEFAULT_REDIS_URL
+from common.cluster.flags import EnvFlags, RecordsCommandLine, given_on_command_line
+from common.cluster.redis_util import (
+    DEFAULT_REDIS_URL, redact_url, redis_url_with_password_file, warn_password_on_command_line,
+)
 from kvtransfer.config import KVTransferConfig
 
 ROLES = ("prefill", "decode", "both")
@@ -27,10 +29,10 @@ class WorkerConfig:
     host: str = "127.0.0.1"  # HTTP bind address
     port: int = 0
     advertise_host: str | None = None  # the address peers use (another host, a container name)
-    redis_url: str = "redis://127.0.0.1:6379"
+    redis_url: str = field(default=DEFAULT_REDIS_URL, repr=False)  # may hold the Redis password
     key_prefix: str = "pdserve"
     heartbeat_ttl_s: float = 5.0
-    admin_token: str | None = None
+    admin_token: str | None = field(default=None, repr=False)
     max_pending_requests: int = 256  # beyond this, new requests get "busy"
     # Calls this worker makes to other workers: connecting (also waiting for a pooled connection),
     # and the whole of a control call (/abort).  A remote prefill is bounded by kv.transfer_timeout.
@@ -105,7 +107,9 @@ def build_parser(default_role: str, description: str, env: Mapping[str, str] | N
     flags.add_switch("--kv-checksum", help="per-block checksums on KV transfers")
     add("--peer-connect-timeout", 5.0, float, help="seconds to connect to another worker's HTTP API")
     add("--control-timeout", 5.0, float, help="seconds for a control call to another worker (abort)")
-    add("--redis-url", DEFAULT_REDIS_URL)
+    add("--redis-url", DEFAULT_REDIS_URL, show=redact_url, action=RecordsCommandLine,
+        help="Redis (a password in it is never shown; better: --redis-password-file)")
+    add("--redis-password-file", help="file holding the Redis password (spliced into --redis-url)")
     add("--key-prefix", "pdserve")
     add("--heartbeat-ttl", 5.0, float)
     add("--admin-token", help="token for /admin (default: admin API disabled)")
@@ -164,11 +168,13 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
     extra = {"worker_id": args.worker_id} if args.worker_id else {}
     try:
         secret = read_secret(args.cluster_secret_file)
-    except AuthError as exc:
+        redis_url = redis_url_with_password_file(args.redis_url, args.redis_password_file)
+    except (AuthError, ValueError) as exc:
         raise ValueError(f"invalid config: {exc}") from None
+    warn_password_on_command_line(args.redis_url, given_on_command_line(args, "redis_url"))
     return WorkerConfig(
         engine=engine, kv=kv, role=args.role, host=args.host, port=args.port,
-        advertise_host=args.advertise_host, redis_url=args.redis_url, key_prefix=args.key_prefix,
+        advertise_host=args.advertise_host, redis_url=redis_url, key_prefix=args.key_prefix,
         heartbeat_ttl_s=args.heartbeat_ttl, admin_token=args.admin_token, cluster_secret=secret,
         peer_connect_timeout_s=args.peer_connect_timeout, control_timeout_s=args.control_timeout,
         max_step_failures=args.max_step_failures, **extra,
