@@ -3,9 +3,9 @@
 Each step, in order:
   1. running requests that decode take their one token each,
   2. running requests with a partial prompt continue their prefill,
-  3. waiting requests are admitted first-come-first-served, the last one chunked to fit
-     ``max_num_batched_tokens``; ``max_num_seqs`` caps the batch and a watermark of free blocks
-     is kept for running decodes.
+  3. landed requests, then waiting ones, are admitted first-come-first-served, the last one chunked
+     to fit ``max_num_batched_tokens``; ``max_num_seqs`` caps the batch and a watermark of free
+     blocks is kept for running decodes.
 When blocks run out, the newest running request is preempted (its blocks freed) and recomputed
 later.  The output is a plain ``SchedulerOutput``.
 
@@ -21,8 +21,20 @@ pool could fill with them while nothing runs (``running=0, waiting>0``, forever)
                   taking the room as it frees).  It ends when the claimant gets its reservation,
                   or ``remote_claim_s`` after its last try (its request never came back)
     landed        (remote KV complete, not yet running)        admitted before new prompts and
-                  without the watermark; if even so nothing can run, the newest is preempted
-    pins          (prefill role: blocks on the wire)           released as soon as sent
+                  without the watermark
+    held, pins    (prefill role: finished, or on the wire)     released as soon as sent
+
+Room to run alone (``room_alone``): a request samples a token only once all its tokens have KV,
+and the most it can ever hold is what preempting every other running request leaves.  One that
+needs more cannot make progress until something outside ``running`` lets go, so
+  * it is not admitted (it would compute a chunk, preempt itself, be admitted again from its
+    cached blocks, forever: steps never empty, the queue behind it never served); requests behind
+    it that fit go ahead, except those that will hold their blocks on finish (what it waits for);
+  * running and out of blocks, it preempts itself only: the others' blocks would not be enough;
+  * landed, it is recomputed (the newest landed request if that makes room for it, else itself);
+  * the oldest such request holds ``local_claim`` until it samples a token or ends: no reservation
+    may leave it without room meanwhile, so what it waits for is not replaced by new holders.
+A step with nothing to do is then empty and ``has_work`` is false: the engine thread sleeps.
 """
 from __future__ import annotations
 
@@ -33,6 +45,8 @@ from dataclasses import dataclass, field
 from common.engine.config import SchedulerConfig
 from common.engine.kv_cache_manager import KVCacheManager
 from common.engine.request import Request, RequestStatus
+from common.engine.room_alone import RoomAlone
+from common.engine.scheduler_integrity import check_scheduler
 from common.engine.sampling_params import SamplingParams
 
 
@@ -106,6 +120,9 @@ class Scheduler:
         self._watermark_blocks = int(config.watermark * kv_manager.pool.num_blocks)
         self._remote_budget_blocks = int(config.remote_kv_budget * kv_manager.pool.num_blocks)
         self.claim: RemoteClaim | None = None  # decode role: the oldest refused reservation
+        # The oldest request found without room to run alone, until it samples a token or ends.
+        self.local_claim: Request | None = None
+        self.room = RoomAlone(kv_manager)
 
     # ---- admission -------------------------------------------------------------------------
 
@@ -137,7 +154,8 @@ class Scheduler:
         # The watermark keeps room for requests that will grow; with none, the pool is all there is.
         reserve = self._watermark_blocks if self.running or self.landed or self.reservations else 0
         new_blocks = None
-        if not self.reservations or self.num_reserved_blocks + needed <= self._remote_budget_blocks:
+        if ((not self.reservations or self.num_reserved_blocks + needed <= self._remote_budget_blocks)
+                and self._leaves_local_claimant_room(needed, cached)):
             new_blocks = self.kv.allocate_slots(
                 request, request.num_tokens - num_cached_tokens, cached, reserve_blocks=reserve)
         if new_blocks is None:
@@ -160,6 +178,12 @@ class Scheduler:
         reserved = self.num_reserved_blocks + num_blocks
         free = self.kv.pool.num_free_blocks - num_blocks - self._watermark_blocks
         return reserved + claim.num_blocks <= self._remote_budget_blocks and free >= claim.num_blocks
+
+    def _leaves_local_claimant_room(self, num_blocks: int, cached: list) -> bool:
+        """Whether a reservation of ``num_blocks`` (``cached``: the prefix hits among them) still
+        leaves the local claimant room to run alone."""
+        claimant = self.local_claim
+        return claimant is None or self.room.fits_after(claimant, self._outside_owners(), num_blocks, cached)
 
     @property
     def num_reserved_blocks(self) -> int:
@@ -225,6 +249,7 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, ScheduledRequest] = {}
+        contended = False  # a request that could grow took blocks from others
 
         decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
@@ -234,51 +259,98 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while self.kv.allocate_slots(request, num_new) is None:
-                victim = self.running[-1]
-                budget += self._preempt(victim, scheduled, out)
-                if victim is request:
-                    break
+            if self.kv.allocate_slots(request, num_new) is None:
+                if not self._fits_alone(request):
+                    self._preempt(request, scheduled, out)  # the others' blocks would not be enough
+                    continue
+                contended = True
+                while self.kv.allocate_slots(request, num_new) is None:
+                    victim = self.running[-1]
+                    budget += self._preempt(victim, scheduled, out)
+                    if victim is request:
+                        break
             if request.status == RequestStatus.RUNNING:
                 scheduled[request.request_id] = self._schedule_one(request, num_new)
                 budget -= num_new
 
-        # New requests only when nothing had to be preempted: otherwise they would evict each other.
-        if not out.preempted_request_ids:
-            budget = self._admit(scheduled, budget)
-            if not scheduled and self.landed:
-                # Nothing runs and a landed request cannot get the block it needs next: the pool is
-                # full of blocks nobody can preempt.  Recompute the newest landed request instead.
-                victim = self.landed.pop()
-                self._requeue(victim)
-                out.preempted_request_ids.append(victim.request_id)
-                budget = self._admit(scheduled, budget)
+        # New requests only when no request that could grow had to preempt: otherwise they would
+        # evict each other.
+        if not contended:
+            budget = self._admit_landed(scheduled, budget, out)
+            budget = self._admit_waiting(scheduled, budget)
 
         out.scheduled = list(scheduled.values())
         out.num_scheduled_tokens = self.config.max_num_batched_tokens - budget
         return out
 
-    def _admit(self, scheduled: dict[str, ScheduledRequest], budget: int) -> int:
-        """Admit landed requests (they hold their blocks: no watermark), then waiting ones in FCFS
-        order.  The watermark keeps room for running decodes, so it applies only while some run."""
-        for queue in (self.landed, self.waiting):
-            while queue and budget > 0 and len(self.running) < self.config.max_num_seqs:
-                request = queue[0]
-                cached = self.kv.find_cached_prefix(request) if request.num_computed_tokens == 0 else []
-                num_hit_tokens = len(cached) * self.block_size
-                num_new = min(request.num_tokens - request.num_computed_tokens - num_hit_tokens, budget)
-                reserve = self._watermark_blocks if self.running and queue is self.waiting else 0
-                if self.kv.allocate_slots(request, num_new, cached, reserve_blocks=reserve) is None:
-                    break  # first come, first served: nobody overtakes the head of the queue
-                queue.popleft()
-                request.num_computed_tokens += num_hit_tokens
-                if request.num_cached_tokens < 0:
-                    request.num_cached_tokens = num_hit_tokens
-                request.status = RequestStatus.RUNNING
-                self.running.append(request)
-                scheduled[request.request_id] = self._schedule_one(request, num_new)
-                budget -= num_new
+    def _admit_landed(self, scheduled: dict[str, ScheduledRequest], budget: int, out: SchedulerOutput) -> int:
+        """Admit landed requests in order, without the watermark (they hold their blocks).  One
+        that cannot run alone is recomputed: the newest landed request if that leaves it room
+        (landed requests can fill the pool between them with nothing running), else itself."""
+        while self.landed and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.landed[0]
+            if not self._fits_alone(request):
+                victim = self.landed[-1]
+                if victim is not request and not self.room.fits(
+                        request, (), outside=self.room.outside(self._outside_owners(landed=False))):
+                    victim = request
+                self.landed.remove(victim)
+                self._requeue(victim)
+                out.preempted_request_ids.append(victim.request_id)
+                continue
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self.kv.allocate_slots(request, num_new) is None:
+                break  # running requests hold the block it needs: they will let go
+            self.landed.popleft()
+            budget = self._start(request, num_new, scheduled, budget)
         return budget
+
+    def _admit_waiting(self, scheduled: dict[str, ScheduledRequest], budget: int) -> int:
+        """Admit waiting requests first come, first served, with the watermark while some run.  One
+        that cannot run alone is passed over (and may take the local claim) until it can."""
+        index = 0
+        passed_over = False
+        while index < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[index]
+            cached = self.kv.find_cached_prefix(request)
+            if not self._may_start(request, cached, passed_over):
+                if self.local_claim is None and not self._fits_alone(request, cached):
+                    self.local_claim = request
+                passed_over = True
+                index += 1
+                continue
+            num_hit_tokens = len(cached) * self.block_size
+            num_new = min(request.num_tokens - num_hit_tokens, budget)
+            reserve = self._watermark_blocks if self.running else 0
+            if self.kv.allocate_slots(request, num_new, cached, reserve_blocks=reserve) is None:
+                break  # first come, first served: nobody overtakes a request that can run
+            del self.waiting[index]
+            request.num_computed_tokens += num_hit_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+            budget = self._start(request, num_new, scheduled, budget)
+        return budget
+
+    def _may_start(self, request: Request, cached: list, passed_over: bool) -> bool:
+        """Whether the waiting ``request`` may be admitted, room permitting: it can run alone, and
+        if a request before it could not (``passed_over``), it will not hold blocks on finish."""
+        return self._fits_alone(request, cached) and not (passed_over and request.hold_blocks_on_finish)
+
+    def _start(self, request: Request, num_new: int, scheduled: dict[str, ScheduledRequest], budget: int) -> int:
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        scheduled[request.request_id] = self._schedule_one(request, num_new)
+        return budget - num_new
+
+    # ---- room to run alone (see the module docstring) -----------------------------------------
+
+    def _outside_owners(self, landed: bool = True) -> list[str]:
+        """The requests whose blocks preempting running requests cannot free (pins aside)."""
+        return [*self.reservations, *(r.request_id for r in self.landed if landed), *self.held]
+
+    def _fits_alone(self, request: Request, shared: list = ()) -> bool:
+        """See ``RoomAlone.fits``; a waiting request passes the prefix hits it would adopt."""
+        return self.room.fits(request, self._outside_owners(), shared)
 
     def _schedule_one(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
@@ -326,6 +398,8 @@ class Scheduler:
             if not item.sample:
                 continue
             self._append_token(request, sampled[item.request_id])
+            if request is self.local_claim:
+                self.local_claim = None  # it made progress: the next one without room may claim
             if request.is_finished:
                 self._finish(request)
             changed.append(request)
@@ -358,6 +432,8 @@ class Scheduler:
         if request in self.running:
             self.running.remove(request)
         del self.requests[request.request_id]
+        if request is self.local_claim:
+            self.local_claim = None
         self.reservations.pop(request.request_id, None)
         self._leases.pop(request.request_id, None)
         if request.hold_blocks_on_finish:
@@ -383,36 +459,19 @@ class Scheduler:
         return len(self.reservations)
 
     def has_work(self) -> bool:
-        """Anything a step could compute now (requests waiting for remote KV do not count)."""
-        return bool(self.waiting or self.landed or self.running)
+        """Whether a step could do anything now: something runs, a landed request waits (admitted,
+        or recomputed to make room), or a waiting request may start (with nothing running, the
+        blocks it needs are free).  Requests waiting for remote KV, or for room that only blocks
+        held outside ``running`` can give, do not count: the engine thread sleeps on ``False``."""
+        if self.running or self.landed:
+            return True
+        passed_over = False
+        for request in self.waiting:
+            if self._may_start(request, self.kv.find_cached_prefix(request), passed_over):
+                return True
+            passed_over = True
+        return False
 
     def check_integrity(self) -> None:
-        """Assert that the pool is sound, that every reference on a block has an owner (a block
-        table or a pin), and that every request is in exactly one place, in a state that fits it."""
-        self.kv.check_integrity()
-        places = {
-            "running": (self.running, {RequestStatus.RUNNING}),
-            "waiting": (self.waiting, {RequestStatus.WAITING, RequestStatus.PREEMPTED}),
-            "landed": (self.landed, {RequestStatus.WAITING}),
-            "reservations": (list(self.reservations.values()), {RequestStatus.WAITING_FOR_REMOTE_KV}),
-        }
-        seen: dict[str, str] = {}
-        for place, (requests, states) in places.items():
-            for request in requests:
-                rid = request.request_id
-                assert rid not in seen, f"{rid!r} is in both {seen[rid]} and {place}"
-                seen[rid] = place
-                assert request.status in states, f"{rid!r} is in {place} as {request.status.name}"
-                assert self.requests.get(rid) is request, f"{rid!r} is in {place} but not among the requests"
-                if place == "waiting":
-                    assert not self.kv.holds(rid), f"waiting request {rid!r} holds blocks"
-                else:
-                    capacity = self.kv.num_blocks_of(rid) * self.block_size
-                    assert capacity >= request.num_computed_tokens, f"{rid!r} has KV beyond its blocks"
-        assert set(self._leases) <= set(self.reservations), "a lease without a reservation"
-        assert self.claim is None or self.claim.request_id not in self.reservations, "a granted claim is still held"
-        assert set(seen) == set(self.requests), f"requests in no queue: {set(self.requests) - set(seen)}"
-        assert not self.held & set(self.requests), "a held request is still unfinished"
-        owners = set(self.requests) | self.held
-        assert set(self.kv.req_to_blocks) <= owners, (
-            f"block tables of unknown requests: {set(self.kv.req_to_blocks) - owners}")
+        """Assert the scheduler's invariants (``scheduler_integrity.check_scheduler``)."""
+        check_scheduler(self)

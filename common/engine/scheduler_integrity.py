@@ -1,0 +1,42 @@
+"""The scheduler's invariants, asserted: for tests, the property tests and debug builds."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from common.engine.request import RequestStatus
+
+if TYPE_CHECKING:
+    from common.engine.scheduler import Scheduler
+
+
+def check_scheduler(s: Scheduler) -> None:
+    """Assert that the pool is sound, that every reference on a block has an owner (a block table
+    or a pin), and that every request is in exactly one place, in a state that fits it."""
+    s.kv.check_integrity()
+    places = {
+        "running": (s.running, {RequestStatus.RUNNING}),
+        "waiting": (s.waiting, {RequestStatus.WAITING, RequestStatus.PREEMPTED}),
+        "landed": (s.landed, {RequestStatus.WAITING}),
+        "reservations": (list(s.reservations.values()), {RequestStatus.WAITING_FOR_REMOTE_KV}),
+    }
+    seen: dict[str, str] = {}
+    for place, (requests, states) in places.items():
+        for request in requests:
+            rid = request.request_id
+            assert rid not in seen, f"{rid!r} is in both {seen[rid]} and {place}"
+            seen[rid] = place
+            assert request.status in states, f"{rid!r} is in {place} as {request.status.name}"
+            assert s.requests.get(rid) is request, f"{rid!r} is in {place} but not among the requests"
+            if place == "waiting":
+                assert not s.kv.holds(rid), f"waiting request {rid!r} holds blocks"
+            else:
+                capacity = s.kv.num_blocks_of(rid) * s.block_size
+                assert capacity >= request.num_computed_tokens, f"{rid!r} has KV beyond its blocks"
+    assert set(s._leases) <= set(s.reservations), "a lease without a reservation"
+    assert s.claim is None or s.claim.request_id not in s.reservations, "a granted claim is still held"
+    assert s.local_claim is None or s.requests.get(s.local_claim.request_id) is s.local_claim, (
+        "the local claim belongs to a request that has ended")
+    assert set(seen) == set(s.requests), f"requests in no queue: {set(s.requests) - set(seen)}"
+    assert not s.held & set(s.requests), "a held request is still unfinished"
+    owners = set(s.requests) | s.held
+    assert set(s.kv.req_to_blocks) <= owners, f"block tables of unknown requests: {set(s.kv.req_to_blocks) - owners}"
