@@ -286,7 +286,7 @@ class ChaosStack:
         self.redis = RedisServer().start()
         self.events: list[str] = []
         c = config
-        common = ["--heartbeat-ttl", "2", "--admin-token", ADMIN_TOKEN, "--block-size", str(c.block_size),
+        common = ["--heartbeat-ttl", "2", "--block-size", str(c.block_size),
                   "--max-num-batched-tokens", "256", "--max-num-seqs", "16", "--max-model-len", str(MAX_MODEL_LEN),
                   "--kv-timeout", "30", "--kv-lease-timeout", "10", "--kv-abort-grace", "2", "--dtype", "float32"]
         self.stack = LocalStack(
@@ -440,8 +440,7 @@ class ChaosStack:
         sprayed = []
         for name in self.workers:
             try:
-                status = await asyncio.to_thread(self.stack.worker_json, name, "/admin/status",
-                                                 headers={"X-Admin-Token": ADMIN_TOKEN})
+                status = await asyncio.to_thread(self.stack.worker_json, name, "/admin/status")  # signed for it
             except (OSError, ValueError):
                 continue  # down (being restarted)
             kv = status["kv_address"]

@@ -129,9 +129,6 @@ def real_plan(workload, vocab: int, seed: int) -> list[PlannedRequest]:
                            float(workload.arrival[i]), "planned") for i in range(len(workload))]
 
 
-ADMIN_TOKEN = "planner-validation"  # the workers' admin API: their step logs
-
-
 def worker_steps(stack, since: float) -> dict[str, np.ndarray]:
     """Every worker's engine steps that ended after ``since`` (unix time), from its step log."""
     from gateway.planner.live import fetch_steps
@@ -139,16 +136,15 @@ def worker_steps(stack, since: float) -> dict[str, np.ndarray]:
     out = {}
     for name in stack.procs:
         if name != "gateway":
-            out[name], _ = fetch_steps(lambda after: stack.worker_json(
-                name, f"/admin/steps?since={after!r}", headers={"X-Admin-Token": ADMIN_TOKEN}), since)
+            # The workers' admin API, signed for each (workers take no admin token).
+            out[name], _ = fetch_steps(lambda after: stack.worker_json(name, f"/admin/steps?since={after!r}"), since)
     return out
 
 
 def measure(split: str, checkpoint: str, plan, args) -> dict:
     workdir = Path(tempfile.mkdtemp(prefix=f"pdserve-planval-{split}-"))
     worker_args = ["--block-size", str(args.block_size), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-                   "--num-blocks", str(args.num_blocks), "--max-num-seqs", str(args.max_num_seqs),
-                   "--admin-token", ADMIN_TOKEN]
+                   "--num-blocks", str(args.num_blocks), "--max-num-seqs", str(args.max_num_seqs)]
     stack = BenchStack(checkpoint, args.redis_url, key_prefix=f"bench-planval-{uuid.uuid4().hex[:10]}",
                        workdir=workdir, transport="tcp", policy="prefix_aware", worker_args=worker_args,
                        extra_env={"OMP_NUM_THREADS": "1"}, **SPLITS[split])

@@ -232,7 +232,7 @@ class Dispatcher:
             prompt_pending = True
             resp = None
             try:
-                resp = await self._open_stream(decode_url, body)
+                resp = await self._open_stream(decode_url, body, decode_id)
                 if resp.status == 401:
                     reason = (await read_response(resp, 4096)).decode(errors="replace")
                     log.warning("decode worker %s refused the gateway's cluster credentials: %s",
@@ -300,14 +300,14 @@ class Dispatcher:
                     self.queue.notify(1)  # a slot on D is free again: let a waiting request try
                 if not finished and not said_busy:
                     # Client gone, stop string, or failure: make sure no worker keeps computing.
-                    task = asyncio.get_running_loop().create_task(self.abort(decode_url, request_id))
+                    task = asyncio.get_running_loop().create_task(self.abort(decode_url, request_id, decode_id))
                     self._aborts.add(task)
                     task.add_done_callback(self._aborts.discard)
 
-    async def _open_stream(self, decode_url: str, body: GenerateRequest) -> aiohttp.ClientResponse:
+    async def _open_stream(self, decode_url: str, body: GenerateRequest, decode_id: str) -> aiohttp.ClientResponse:
         """POST /generate (signed) and wait (bounded) for the status and headers."""
         data = encode(body)
-        headers = self.auth.sign_request("POST", "/generate", data)
+        headers = self.auth.sign_request("POST", "/generate", data, audience=decode_id)
         try:
             async with asyncio.timeout(self.timeouts.response):
                 return await self.session.post(f"{decode_url}/generate", data=data, headers=headers)
@@ -335,11 +335,11 @@ class Dispatcher:
         if self._aborts:
             await asyncio.wait(list(self._aborts), timeout=3)
 
-    async def abort(self, decode_url: str, request_id: str) -> None:
+    async def abort(self, decode_url: str, request_id: str, decode_id: str) -> None:
         data = encode(AbortRequest(request_id))
+        headers = self.auth.sign_request("POST", "/abort", data, audience=decode_id)
         try:
-            async with self.control_session.post(f"{decode_url}/abort", data=data,
-                                                 headers=self.auth.sign_request("POST", "/abort", data)) as resp:
+            async with self.control_session.post(f"{decode_url}/abort", data=data, headers=headers) as resp:
                 await read_response(resp, 4096)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as exc:
             log.info("abort of %s on %s not delivered: %s", request_id, decode_url, exc)

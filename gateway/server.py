@@ -307,8 +307,9 @@ class Gateway:
             query = {key: request.query[key] for key in ("since", "limit") if key in request.query}
             if query:  # re-encoded here, so the signature covers exactly what is sent
                 path += "?" + urlencode(query)
-            headers = {"X-Admin-Token": self.config.admin_token, "Content-Type": "application/json",
-                       **self.auth.sign_request(method, path, body)}
+            # The operator's admin token stays here: the worker trusts the signature, made for it alone.
+            headers = {"Content-Type": "application/json",
+                       **self.auth.sign_request(method, path, body, audience=worker.worker_id)}
             try:
                 async with self.control_session.request(method, URL(f"{worker.http_address}{path}", encoded=True),
                                                         data=body or None, headers=headers) as resp:

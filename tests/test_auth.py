@@ -1,44 +1,138 @@
-"""The cluster-secret primitives every internal channel uses (common.cluster.auth)."""
+"""The cluster-secret primitives every internal channel uses (common.cluster.auth), and the request
+verifier of cluster auth v2 on a clock the tests hold (no sleeping, no races)."""
 from __future__ import annotations
 
 import pytest
 
 from common.cluster.auth import (
-    MAX_CLOCK_SKEW_S, SIGNATURE_HEADER, TIME_HEADER, AuthError, ClusterAuth, generate_secret, is_loopback,
-    secret_problem,
+    AUDIENCE_HEADER, MAX_CLOCK_SKEW_S, NONCE_HEADER, SIGNATURE_HEADER, TIME_HEADER, VERSION_HEADER, AuthError,
+    ClusterAuth, generate_secret, is_loopback, secret_problem,
 )
 
 SECRET = "k3Jv8s0Lw2qZrTn5YpQm7bVx"
+T0 = 1_700_000_000
 
 
-def test_signed_request_verifies_and_any_change_is_refused():
-    auth = ClusterAuth(SECRET)
-    headers = auth.sign_request("POST", "/generate", b'{"a": 1}', now=1000)
-    auth.verify_request("POST", "/generate", headers, b'{"a": 1}', now=1000)
+class Clock:
+    def __init__(self, now: float = T0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def verifier(worker_id: str = "d0", clock: Clock | None = None, max_nonces: int = 1024, secret: str = SECRET):
+    return ClusterAuth(secret).request_verifier(worker_id, clock=clock or Clock(), max_nonces=max_nonces)
+
+
+def signed(method="POST", path="/generate", body=b'{"a": 1}', audience="d0", now=T0, secret=SECRET) -> dict:
+    return ClusterAuth(secret).sign_request(method, path, body, audience=audience, now=now)
+
+
+def refusal(v, method, path, headers, body) -> AuthError:
+    with pytest.raises(AuthError) as err:
+        v.verify_request(method, path, headers, body)
+    return err.value
+
+
+def test_a_signed_request_verifies_once_and_any_change_is_refused():
+    v = verifier()
+    headers = signed()
     for method, path, body in [("GET", "/generate", b'{"a": 1}'), ("POST", "/prefill", b'{"a": 1}'),
-                               ("POST", "/generate", b'{"a": 2}')]:
-        with pytest.raises(AuthError, match="wrong"):
-            auth.verify_request(method, path, headers, body, now=1000)
+                               ("POST", "/generate", b'{"a": 2}'), ("POST", "/generate?x=1", b'{"a": 1}')]:
+        assert refusal(v, method, path, headers, body).reason == "credentials"
+    v.verify_request("POST", "/generate", headers, b'{"a": 1}')
+    assert set(headers) == {VERSION_HEADER, TIME_HEADER, NONCE_HEADER, AUDIENCE_HEADER, SIGNATURE_HEADER}
+    assert headers[VERSION_HEADER] == "2" and headers[AUDIENCE_HEADER] == "d0"
 
 
-def test_another_secret_missing_or_stale_credentials_are_refused():
-    auth = ClusterAuth(SECRET)
-    forged = ClusterAuth("another-secret-of-enough-length").sign_request("POST", "/abort", b"x", now=50)
-    with pytest.raises(AuthError, match="wrong"):
-        auth.verify_request("POST", "/abort", forged, b"x", now=50)
-    with pytest.raises(AuthError, match="missing"):
-        auth.check_request_headers({})
-    with pytest.raises(AuthError, match="malformed"):
-        auth.check_request_headers({TIME_HEADER: "abc", SIGNATURE_HEADER: "00" * 32})
-    old = auth.sign_request("POST", "/abort", b"x", now=50)
-    with pytest.raises(AuthError, match="stale"):
-        auth.verify_request("POST", "/abort", old, b"x", now=50 + MAX_CLOCK_SKEW_S + 1)
+def test_a_replayed_request_is_refused_until_it_is_stale():
+    clock = Clock()
+    v = verifier(clock=clock)
+    headers = signed()
+    v.verify_request("POST", "/generate", headers, b'{"a": 1}')
+    for advance in (0, 1, MAX_CLOCK_SKEW_S):  # the nonce is remembered as long as the time is acceptable
+        clock.now = T0 + advance
+        err = refusal(v, "POST", "/generate", headers, b'{"a": 1}')
+        assert err.reason == "replay" and "replayed" in str(err)
+    clock.now = T0 + MAX_CLOCK_SKEW_S + 1  # then forgotten, because the request is stale anyway
+    assert "stale" in str(refusal(v, "POST", "/generate", headers, b'{"a": 1}'))
+    v.verify_request("POST", "/generate", signed(now=clock.now), b'{"a": 1}')
+    assert len(v.seen) == 1  # only the new nonce: the stale one's is gone
+    # Another signature of the same call has its own nonce.
+    v.verify_request("POST", "/generate", signed(now=clock.now), b'{"a": 1}')
+
+
+def test_a_request_for_another_worker_is_refused_even_with_the_audience_header_rewritten():
+    v = verifier("d1")
+    headers = signed(audience="d0")
+    err = refusal(v, "POST", "/generate", headers, b'{"a": 1}')
+    assert err.reason == "audience" and "'d0'" in str(err) and "'d1'" in str(err)
+    # The MAC is computed with the verifier's own id: rewriting the header does not help.
+    err = refusal(v, "POST", "/generate", {**headers, AUDIENCE_HEADER: "d1"}, b'{"a": 1}')
+    assert err.reason == "credentials" and "wrong" in str(err)
+    with pytest.raises(ValueError, match="worker id"):
+        ClusterAuth(SECRET).sign_request("POST", "/generate", audience="http://10.0.0.1:1")
+
+
+def test_another_secret_missing_malformed_or_stale_credentials_are_refused():
+    v = verifier()
+    assert "wrong" in str(refusal(v, "POST", "/abort", signed(path="/abort", secret="another-secret-of-enough-length"),
+                                  b'{"a": 1}'))
+    assert "missing" in str(refusal(v, "POST", "/abort", {}, b""))
+    good = signed()
+    for name in (TIME_HEADER, NONCE_HEADER, AUDIENCE_HEADER, SIGNATURE_HEADER):
+        headers = {k: val for k, val in good.items() if k != name}
+        assert name in str(refusal(v, "POST", "/generate", headers, b'{"a": 1}'))
+    for name, bad in [(TIME_HEADER, "abc"), (TIME_HEADER, "\u0661\u0667" + "0" * 8), (TIME_HEADER, "1" * 13),
+                      (TIME_HEADER, "\u00b2" * 10), (TIME_HEADER, "+1700000000"), (NONCE_HEADER, "0" * 31),
+                      (NONCE_HEADER, "A" * 32), (SIGNATURE_HEADER, good[SIGNATURE_HEADER].upper()),
+                      (SIGNATURE_HEADER, "\u00e9" * 64), (SIGNATURE_HEADER, "\udcff" * 64),
+                      (AUDIENCE_HEADER, "d0 "), (AUDIENCE_HEADER, "d\u0660")]:
+        err = refusal(v, "POST", "/generate", {**good, name: bad}, b'{"a": 1}')
+        assert err.reason == "credentials" and f"malformed cluster credentials ({name})" in str(err), (name, bad)
+    for skew in (-MAX_CLOCK_SKEW_S - 1, MAX_CLOCK_SKEW_S + 1):
+        assert "stale" in str(refusal(v, "POST", "/generate", signed(now=T0 + skew), b'{"a": 1}'))
+
+
+def test_another_scheme_version_is_refused_with_a_message_saying_so():
+    v = verifier()
+    good = signed()
+    v1 = {TIME_HEADER: good[TIME_HEADER], SIGNATURE_HEADER: good[SIGNATURE_HEADER]}  # what a v1 caller sends
+    err = refusal(v, "POST", "/generate", v1, b'{"a": 1}')
+    assert err.reason == "version" and "v1" in str(err) and "older pdserve" in str(err)
+    err = refusal(v, "POST", "/generate", {**good, VERSION_HEADER: "3"}, b'{"a": 1}')
+    assert err.reason == "version" and "version 3" in str(err)
+    err = refusal(v, "POST", "/generate", {**good, VERSION_HEADER: "2\u00e9"}, b'{"a": 1}')
+    assert err.reason == "version" and "\u00e9" not in str(err)  # a stranger's bytes are not echoed
+
+
+def test_the_replay_cache_is_bounded_and_never_accepts_a_replay_when_full():
+    """Full: the nonce that expires first is evicted and requests acceptable only until its expiry
+    are refused from then on (they might be its replay); fresh requests still pass."""
+    clock = Clock()
+    v = verifier(clock=clock, max_nonces=3)
+    old = [signed(now=T0 - 30 + i) for i in range(3)]  # signed 30, 29, 28 s ago (in flight that long)
+    for headers in old:
+        v.verify_request("POST", "/generate", headers, b'{"a": 1}')
+    fresh = signed(now=T0)
+    v.verify_request("POST", "/generate", fresh, b'{"a": 1}')  # evicts the oldest nonce
+    assert len(v.seen) == 3 and v.seen.evicted == 1
+    err = refusal(v, "POST", "/generate", old[0], b'{"a": 1}')  # its replay: not accepted, though forgotten
+    assert err.reason == "replay_window" and "too old" in str(err)
+    late = signed(now=T0 - 30)  # a new request as old as the evicted one: refused too, nothing evicted
+    assert refusal(v, "POST", "/generate", late, b'{"a": 1}').reason == "replay_window"
+    assert v.seen.evicted == 1
+    for headers in (old[1], old[2], fresh):
+        assert refusal(v, "POST", "/generate", headers, b'{"a": 1}').reason == "replay"
+    v.verify_request("POST", "/generate", signed(now=T0), b'{"a": 1}')  # fresh ones keep passing
+    assert len(v.seen) == 3
 
 
 def test_disabled_auth_signs_nothing_and_accepts_everything():
     auth = ClusterAuth.disabled()
-    assert auth.sign_request("POST", "/generate") == {}
-    auth.verify_request("POST", "/generate", {}, b"anything")
+    assert auth.sign_request("POST", "/generate", audience="d0") == {}
+    auth.request_verifier("d0").verify_request("POST", "/generate", {}, b"anything")
     assert auth.sign_entry(b"entry") == "" and auth.verify_entry(b"entry", "")
 
 

@@ -1,5 +1,5 @@
 """Signed registry entries against a real Redis: whoever can write to Redis but lacks the cluster
-secret cannot add, alter, move or redirect a worker."""
+secret cannot add, alter, move or redirect a worker, nor bring back an entry that has expired."""
 from __future__ import annotations
 
 import logging
@@ -19,6 +19,13 @@ SECRET = "registry-test-secret-0123456789"
 
 
 def make_info(worker_id: str, http_address: str = "http://10.0.0.1:8100", **fields) -> WorkerInfo:
+    """An entry as a current worker signs it now (``register`` stamps these fields itself)."""
+    now = time.time()
+    return entry_fields(worker_id, http_address, **{"heartbeat_at": now, "expires_at": now + 5, "auth_version": 2,
+                                                    **fields})
+
+
+def entry_fields(worker_id: str, http_address: str = "http://10.0.0.1:8100", **fields) -> WorkerInfo:
     return WorkerInfo(worker_id=worker_id, role="prefill", model=MODEL, http_address=http_address,
                       kv_address=KVAddress("tcp", "10.0.0.1", 9000),
                       capacity=Capacity(num_kv_blocks=64, block_size=16, max_num_seqs=8), state="active",
@@ -74,7 +81,7 @@ async def test_forged_tampered_and_misplaced_entries_are_ignored_and_counted(reg
 
 async def test_entries_from_a_newer_worker_still_verify(registry):
     """Rolling upgrades: a newer worker signs an entry with fields this reader does not know."""
-    payload = msgspec.json.decode(msgspec.json.encode(make_info("p9", heartbeat_at=time.time())))
+    payload = msgspec.json.decode(msgspec.json.encode(make_info("p9")))
     payload["future_field"] = {"x": 1}
     payload["load"] = {"num_running": 2, "future_load_field": 3}
     await write_raw(registry, "p9", seal_entry(msgspec.json.encode(payload), registry.auth))
@@ -127,3 +134,62 @@ async def test_without_a_secret_unsigned_entries_are_read(redis_client, key_pref
     assert await plain.list_workers(MODEL) == [written]
     # ... but a reader with a secret ignores them.
     assert await WorkerRegistry(redis_client, key_prefix=key_prefix, auth=ClusterAuth(SECRET)).list_workers(MODEL) == []
+
+
+# ---- expiry (M2): a signed entry is live only until its signed expiry ----------------------------
+
+
+async def test_a_captured_entry_written_back_after_it_expired_is_ignored(registry, rejected):
+    """Someone who read a worker's signed entry an hour ago writes it back into Redis, with a fresh
+    Redis TTL: its signature still verifies, but it expired long ago."""
+    hour_ago = time.time() - 3600
+    captured = msgspec.json.decode(msgspec.json.encode(entry_fields("p0", heartbeat_at=hour_ago)))
+    captured.update(expires_at=hour_ago + 5, auth_version=2)  # as the worker signed it then
+    await write_raw(registry, "p0", seal_entry(msgspec.json.encode(captured), registry.auth))
+    assert await registry.list_workers(MODEL) == []
+    assert await registry.get(MODEL, "p0") is None
+    assert rejected == ["expired", "expired"]
+
+
+class Clock:
+    def __init__(self, now: float):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def test_readers_enforce_the_signed_expiry_with_a_clock_skew_allowance(redis_client, key_prefix):
+    """Writer and readers on clocks the test holds; the Redis TTL is long, so only the signed expiry
+    decides (no race with Redis)."""
+    from common.cluster.registry import ENTRY_CLOCK_SKEW_S
+
+    t0 = time.time()
+    auth = ClusterAuth(SECRET)
+    writer = WorkerRegistry(redis_client, key_prefix=key_prefix, ttl_s=600, auth=auth, clock=Clock(t0))
+    written = await writer.register(make_info("p0"))
+    assert (written.heartbeat_at, written.expires_at, written.auth_version) == (t0, t0 + 600, 2)
+    rejected = []
+    clock = Clock(t0)
+    reader = WorkerRegistry(redis_client, key_prefix=key_prefix, auth=auth, clock=clock, on_rejected=rejected.append)
+    for now, live in [(t0 - ENTRY_CLOCK_SKEW_S, True),             # the reader's clock behind by the allowance
+                      (t0 + 600 + ENTRY_CLOCK_SKEW_S, True),       # past expiry, within the allowance
+                      (t0 + 600 + ENTRY_CLOCK_SKEW_S + 1, False),  # expired
+                      (t0 - ENTRY_CLOCK_SKEW_S - 1, False)]:       # written in the reader's future
+        clock.now = now
+        assert (await reader.list_workers(MODEL) == [written]) is live, now - t0
+        assert (await reader.get(MODEL, "p0") == written) is live, now - t0
+    assert rejected == ["expired", "expired", "clock", "clock"]
+    # Without a secret the expiry holds all the same.
+    plain = WorkerRegistry(redis_client, key_prefix=key_prefix, clock=Clock(t0 + 600 + ENTRY_CLOCK_SKEW_S + 1))
+    assert await plain.list_workers(MODEL) == []
+
+
+async def test_entries_of_an_older_auth_version_are_ignored_with_a_warning_naming_it(registry, rejected, caplog):
+    """A worker of cluster auth v1 (no version, no expiry in its entry) in a v2 cluster."""
+    v1 = msgspec.json.encode(entry_fields("old0", heartbeat_at=time.time()))  # what a v1 worker signed
+    with caplog.at_level(logging.WARNING, logger="common.cluster.registry"):
+        await write_raw(registry, "old0", seal_entry(v1, registry.auth))
+        assert await registry.list_workers(MODEL) == []
+    assert rejected == ["version"]
+    assert "speaks cluster auth v1, this process v2" in caplog.text

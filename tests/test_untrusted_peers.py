@@ -107,7 +107,7 @@ def test_forged_registry_entries_never_receive_a_prompt_or_a_token(cluster, redi
         # /admin/pools re-reads the registry, so the routing pool is fresh from here on.
         pools = http_json(f"{cluster.gateway_url}/admin/pools", headers={"X-Admin-Token": ADMIN_TOKEN})
         assert {w["worker_id"] for w in pools["workers"]} == {"p0", "d0"}
-        for worker_id in forged:  # the admin proxy does not know them: the token never leaves
+        for worker_id in forged:  # the admin proxy does not know them
             with pytest.raises(urllib.error.HTTPError) as err:
                 http_json(f"{cluster.gateway_url}/admin/workers/{worker_id}/drain", "POST", b"{}",
                           {"X-Admin-Token": ADMIN_TOKEN})
@@ -149,7 +149,7 @@ async def generate(cluster, prompt: list[int], max_tokens: int, prefill_worker_i
                                   sampling_params=SamplingParams(max_tokens=max_tokens, temperature=0.0,
                                                                  ignore_eos=True, logprobs=logprobs),
                                   prefill_worker_id=prefill_worker_id))
-    headers = ClusterAuth(cluster.cluster_secret).sign_request("POST", "/generate", body)
+    headers = ClusterAuth(cluster.cluster_secret).sign_request("POST", "/generate", body, audience="d0")
     frames = []
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
         async with session.post(cluster.worker_url("d0") + "/generate", data=body, headers=headers) as resp:
@@ -198,7 +198,7 @@ class EvilPrefill:
     async def prefill(self, request: web.Request) -> web.StreamResponse:
         self.calls += 1
         body = await request.read()
-        headers = self.auth.sign_request("POST", "/prefill", body)
+        headers = self.auth.sign_request("POST", "/prefill", body, audience="p0")
         async with aiohttp.ClientSession() as session:
             async with session.post(self.cluster.worker_url("p0") + "/prefill", data=body, headers=headers) as resp:
                 genuine = decode(await resp.read(), PrefillResult)
@@ -282,7 +282,7 @@ async def test_a_prefill_worker_not_in_the_registry_is_never_called(cluster, ref
 def post_signed(cluster, worker: str, path: str, body: bytes) -> tuple[int, bytes]:
     import urllib.request
 
-    headers = ClusterAuth(cluster.cluster_secret).sign_request("POST", path, body)
+    headers = ClusterAuth(cluster.cluster_secret).sign_request("POST", path, body, audience=worker)
     req = urllib.request.Request(cluster.worker_url(worker) + path, data=body, method="POST", headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=60) as resp:
@@ -328,3 +328,70 @@ def test_bad_prefill_requests_are_refused_with_a_clear_error(cluster, changes, n
     after = cluster.stats("p0")
     for key in ("inflight", "num_running", "num_waiting", "num_free_blocks", "prefill_computed_tokens", "kv_sent_bytes"):
         assert after[key] == before[key], key
+
+
+# ---- the gateway's admin calls to a worker: signed for it, and the admin token stays home -------
+
+
+class AdminRecorder:
+    """A worker registered with the cluster secret (state idle: nothing is routed to it) that
+    records what the gateway's admin proxy sends it."""
+
+    def __init__(self, cluster):
+        self.cluster = cluster
+        self.worker_id = "admin-recorder"
+        self.received: list[tuple[str, str, dict, bytes]] = []  # method, path, headers, body
+
+    async def start(self, redis_client) -> "AdminRecorder":
+        async def record(request: web.Request) -> web.Response:
+            self.received.append((request.method, request.raw_path, dict(request.headers), await request.read()))
+            return web.json_response({"worker_id": self.worker_id, "role": "prefill", "state": "draining"})
+
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", record)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        entry = msgspec.structs.replace(forged_entry(self.worker_id, "prefill", self.cluster.model_name, port),
+                                        state="idle")
+        self.registry = WorkerRegistry(redis_client, key_prefix=self.cluster.key_prefix, ttl_s=120,
+                                       auth=ClusterAuth(self.cluster.cluster_secret))
+        await self.registry.register(entry)
+        return self
+
+    async def stop(self) -> None:
+        await self.registry.deregister(self.cluster.model_name, self.worker_id)
+        await self.runner.cleanup()
+
+
+async def test_admin_calls_reach_a_worker_signed_for_it_without_the_admin_token(cluster, redis_client):
+    import asyncio
+
+    recorder = await AdminRecorder(cluster).start(redis_client)
+    try:
+        for path, body in [("/admin/workers/admin-recorder/drain", b"{}"),
+                           ("/admin/workers/admin-recorder/role", b'{"role": "decode"}'),
+                           ("/admin/workers/admin-recorder/steps?limit=3", None)]:
+            await asyncio.to_thread(http_json, f"{cluster.gateway_url}{path}", "GET" if body is None else "POST",
+                                    body, {"X-Admin-Token": ADMIN_TOKEN, "Content-Type": "application/json"})
+    finally:
+        await recorder.stop()
+    assert [(m, p) for m, p, _, _ in recorder.received] == [
+        ("POST", "/admin/drain"), ("POST", "/admin/role"), ("GET", "/admin/steps?limit=3")]
+    verifier = ClusterAuth(cluster.cluster_secret).request_verifier(recorder.worker_id)
+    for method, path, headers, body in recorder.received:
+        assert not any(ADMIN_TOKEN in value for value in headers.values()), f"{path}: the admin token left the gateway"
+        assert "X-Admin-Token" not in headers
+        assert headers["X-PD-Audience"] == recorder.worker_id
+        verifier.verify_request(method, path, headers, body)  # signed for this worker, once each
+    # ... and what the gateway sent one worker is no use on another, nor twice.
+    method, path, headers, body = recorder.received[0]
+    import urllib.request
+
+    req = urllib.request.Request(cluster.worker_url("p0") + path, data=body, method=method, headers=headers)
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req, timeout=30)
+    assert err.value.code == 401
+    assert cluster.stats("p0")["state"] == "active"

@@ -217,7 +217,7 @@ class LocalStack:
     def worker_json(self, name: str, path: str, method: str = "GET", body: bytes = b"",
                     headers: dict | None = None, timeout: float = 10):
         """Call a worker's internal API the way its peers do (signed with the cluster secret)."""
-        signed = ClusterAuth(self.cluster_secret).sign_request(method, path, body)
+        signed = ClusterAuth(self.cluster_secret).sign_request(method, path, body, audience=name)
         return http_json(self.worker_url(name) + path, method, body if method != "GET" else None,
                          {**(headers or {}), **signed}, timeout)
 

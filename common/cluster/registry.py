@@ -16,9 +16,19 @@ JSON object that older readers (which ignore unknown fields) still read::
     payload = {"worker_id":"p0","role":"prefill",...}                      (the WorkerInfo JSON)
     stored  = {"signature":"<hex HMAC(registry key, payload)>","worker_id":"p0",...}
 
+Every entry carries, inside what is signed, the cluster auth version its worker speaks
+(``auth_version``) and when it expires (``expires_at`` = the write's ``heartbeat_at`` + the TTL,
+on the writer's clock).  Redis drops the key at that time too; the signed copy is what stops an old
+entry, written back into Redis by someone who captured it, from routing prompts and admin calls
+to whoever holds that address now.  Clocks of different machines differ a little, so an entry
+counts as expired only ``ENTRY_CLOCK_SKEW_S`` after its ``expires_at`` (and one written more than
+that far in the reader's future is refused as well: its clock would stretch its life).
+
 A reader with the secret keeps only entries whose signature verifies, that sit under their own
-worker id and model, and whose addresses are plain ``http://host:port`` and ``host``; it skips the
-rest, logging each bad worker id once and counting every skip (``on_rejected(reason)``).
+worker id and model, that speak this auth version, have not expired, and whose addresses are plain
+``http://host:port`` and ``host``; it skips the rest like absent ones, logging each bad worker id
+once and counting every skip (``on_rejected(reason)``: signature, unreadable, misplaced, version,
+expired, clock, address).  Without a secret the version and the expiry are enforced all the same.
 """
 from __future__ import annotations
 
@@ -33,11 +43,15 @@ import msgspec
 import redis.asyncio as aioredis
 
 from common.cluster.aio import cancel_and_wait
-from common.cluster.auth import ClusterAuth
+from common.cluster.auth import AUTH_VERSION, ClusterAuth
 from common.cluster.redis_keys import RedisKeys, check_model_id, check_worker_id
 from common.cluster.redis_util import UNAVAILABLE_ERRORS
 
 log = logging.getLogger(__name__)
+
+# How far apart the clocks of a reader and a writer may be (NTP keeps them far closer).  A captured
+# entry written back into Redis is read as live for at most this long past its expiry.
+ENTRY_CLOCK_SKEW_S = 30.0
 
 Role = Literal["prefill", "decode", "both"]
 # starting: loading weights, not routable yet; active: takes new requests; draining: finishes what
@@ -91,9 +105,10 @@ class Load(msgspec.Struct, frozen=True):
 class WorkerInfo(msgspec.Struct, frozen=True):
     """One worker's registry entry (the value stored in Redis, as JSON).
 
-    ``heartbeat_at`` is stamped by the registry on every write; ``started_at`` by the worker.
-    Times are unix seconds.  ``recent_ttft_s`` / ``recent_tpot_s`` are the worker's recent means,
-    ``None`` until it has served something.
+    ``heartbeat_at``, ``expires_at`` and ``auth_version`` are stamped by the registry on every
+    write; ``started_at`` by the worker.  Times are unix seconds.  ``recent_ttft_s`` /
+    ``recent_tpot_s`` are the worker's recent means, ``None`` until it has served something.
+    ``auth_version`` is 1 in entries of workers from before it existed (cluster auth v1).
     """
 
     worker_id: WorkerId
@@ -108,6 +123,8 @@ class WorkerInfo(msgspec.Struct, frozen=True):
     recent_tpot_s: Seconds | None = None
     started_at: Seconds = 0.0
     heartbeat_at: Seconds = 0.0
+    expires_at: Seconds = 0.0
+    auth_version: PosInt = 1
 
     @property
     def is_routable(self) -> bool:
@@ -187,10 +204,12 @@ class WorkerRegistry:
     MAX_LOGGED_REJECTIONS = 1024
 
     def __init__(self, client: aioredis.Redis, *, key_prefix: str = "pdserve", ttl_s: float = 5.0,
-                 auth: ClusterAuth | None = None, on_rejected: Callable[[str], None] | None = None) -> None:
+                 auth: ClusterAuth | None = None, on_rejected: Callable[[str], None] | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
         """``auth``: signs written entries and verifies read ones (None: no secret, loopback-only
         deployments; entries are then neither signed nor checked).  ``on_rejected(reason)`` is
-        called for every entry skipped on read (a metric)."""
+        called for every entry skipped on read (a metric).  ``clock``: unix time, for the
+        entries' times and their expiry (tests pass their own)."""
         if not 0 < ttl_s <= 3600:
             raise ValueError(f"ttl_s must be in (0, 3600], got {ttl_s}")
         RedisKeys(key_prefix, "probe")  # validates the prefix now rather than on first use
@@ -199,14 +218,18 @@ class WorkerRegistry:
         self.ttl_s = ttl_s
         self.auth = auth or ClusterAuth.disabled()
         self.on_rejected = on_rejected
+        self.clock = clock
         self._logged_rejections: set[str] = set()
 
     def keys(self, model: str) -> RedisKeys:
         return RedisKeys(self.key_prefix, model)
 
     async def register(self, info: WorkerInfo) -> WorkerInfo:
-        """Write (or refresh) the entry, stamping ``heartbeat_at``; returns what was written."""
-        info = msgspec.structs.replace(validate_worker_info(info), heartbeat_at=time.time())
+        """Write (or refresh) the entry, stamping ``heartbeat_at``, ``expires_at`` and
+        ``auth_version``; returns what was written."""
+        now = self.clock()
+        info = msgspec.structs.replace(validate_worker_info(info), heartbeat_at=now, expires_at=now + self.ttl_s,
+                                       auth_version=AUTH_VERSION)
         keys = self.keys(info.model)
         ttl_ms = max(1, int(self.ttl_s * 1000))
         expiry_ms = int(info.heartbeat_at * 1000) + ttl_ms
@@ -247,7 +270,7 @@ class WorkerRegistry:
             return []
         ids = [m.decode() for m, _ in members]
         raws = await self.client.mget([keys.worker_key_prefix + wid for wid in ids])
-        stale_before_ms = (time.time() - self.PRUNE_AFTER_S) * 1000
+        stale_before_ms = (self.clock() - self.PRUNE_AFTER_S) * 1000
         stale = [wid for (wid, (_, expiry_ms), raw) in zip(ids, members, raws)
                  if raw is None and expiry_ms < stale_before_ms]
         if stale:
@@ -274,6 +297,19 @@ class WorkerRegistry:
         if info.worker_id != worker_id or info.model != model:
             return self._reject(worker_id, "misplaced", f"it describes worker {info.worker_id!r} of model "
                                                         f"{info.model!r}")
+        if info.auth_version != AUTH_VERSION:
+            return self._reject(worker_id, "version", f"its worker speaks cluster auth v{info.auth_version}, this "
+                                                      f"process v{AUTH_VERSION}: run one pdserve version across "
+                                                      "the cluster")
+        now = self.clock()
+        if now > info.expires_at + ENTRY_CLOCK_SKEW_S:
+            return self._reject(worker_id, "expired", f"it expired {now - info.expires_at:.0f} s ago (an old entry "
+                                                      "written back into Redis, or this machine's clock is more than "
+                                                      f"{ENTRY_CLOCK_SKEW_S:.0f} s ahead of the worker's)")
+        if info.heartbeat_at > now + ENTRY_CLOCK_SKEW_S:
+            return self._reject(worker_id, "clock", f"it was written {info.heartbeat_at - now:.0f} s in this "
+                                                    "machine's future (the worker's clock is more than "
+                                                    f"{ENTRY_CLOCK_SKEW_S:.0f} s ahead)")
         try:
             check_http_address(info.http_address)
         except ValueError as exc:

@@ -32,7 +32,6 @@ class WorkerConfig:
     redis_url: str = field(default=DEFAULT_REDIS_URL, repr=False)  # may hold the Redis password
     key_prefix: str = "pdserve"
     heartbeat_ttl_s: float = 5.0
-    admin_token: str | None = field(default=None, repr=False)
     max_pending_requests: int = 256  # beyond this, new requests get "busy"
     # Calls this worker makes to other workers: connecting (also waiting for a pooled connection),
     # and the whole of a control call (/abort).  A remote prefill is bounded by kv.transfer_timeout.
@@ -112,7 +111,6 @@ def build_parser(default_role: str, description: str, env: Mapping[str, str] | N
     add("--redis-password-file", help="file holding the Redis password (spliced into --redis-url)")
     add("--key-prefix", "pdserve")
     add("--heartbeat-ttl", 5.0, float)
-    add("--admin-token", help="token for /admin (default: admin API disabled)")
     add("--cluster-secret-file",
         help="file holding the cluster secret (default: PDSERVE_CLUSTER_SECRET); required unless --host and "
              "--kv-host are loopback addresses")
@@ -175,7 +173,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
     return WorkerConfig(
         engine=engine, kv=kv, role=args.role, host=args.host, port=args.port,
         advertise_host=args.advertise_host, redis_url=redis_url, key_prefix=args.key_prefix,
-        heartbeat_ttl_s=args.heartbeat_ttl, admin_token=args.admin_token, cluster_secret=secret,
+        heartbeat_ttl_s=args.heartbeat_ttl, cluster_secret=secret,
         peer_connect_timeout_s=args.peer_connect_timeout, control_timeout_s=args.control_timeout,
         max_step_failures=args.max_step_failures, **extra,
     )

@@ -1,12 +1,17 @@
-"""Every worker endpoint but ``/health`` answers only callers that hold the cluster secret.
+"""Every worker endpoint but ``/health`` answers only requests signed with the cluster secret for
+this worker, once each.
 
-    headers present, well formed, fresh?   no -> 401, body never read
-    Content-Length within the limit?       no -> 413, body never read
-    read the body (bounded by the app's client_max_size), signature matches it?   no -> 401
+    headers present, well formed, v2, for this worker, fresh, nonce unused?   no -> 401, body never read
+    Content-Length within the limit?                                          no -> 413, body never read
+    read the body (bounded by the app's client_max_size), signature matches it, nonce still unused?
+                                                                              no -> 401
     -> the handler runs; its ``await request.read()`` gets the bytes already read
 
-So a caller without the secret cannot make a worker decode a message, allocate a block or abort a
-request.  The signature scheme is ``common.cluster.auth``'s.
+So a caller without the secret cannot make a worker decode a message, allocate a block, abort a
+request or drain it, and a captured request works neither again nor on another worker.  This is
+the whole authority of the admin endpoints too: the gateway checks the operator's admin token and
+signs the call; the token itself never reaches a worker.  The signature scheme is
+``common.cluster.auth``'s.
 """
 from __future__ import annotations
 
@@ -15,18 +20,20 @@ from typing import Callable
 
 from aiohttp import web
 
-from common.cluster.auth import AuthError, ClusterAuth
+from common.cluster.auth import AuthError, RequestVerifier
 
 log = logging.getLogger(__name__)
 
 OPEN_PATHS = frozenset({"/health"})  # liveness probes (compose health checks) carry no secret
 
 
-def cluster_auth_middleware(auth: ClusterAuth, on_refused: Callable[[str], None] | None = None):
-    """An aiohttp middleware enforcing ``auth`` on every path but ``OPEN_PATHS``.
+def cluster_auth_middleware(verifier: RequestVerifier, on_refused: Callable[[str], None] | None = None):
+    """An aiohttp middleware enforcing ``verifier`` (``ClusterAuth.request_verifier(worker_id)``)
+    on every path but ``OPEN_PATHS``.
 
     ``on_refused(reason)`` is called once per refused request (a metric); reasons are
-    "credentials" (missing, malformed, stale or wrong) and "too_large"."""
+    ``AuthError.reason``'s (credentials, version, audience, replay, replay_window) and "too_large"."""
+    auth = verifier.auth
 
     def refuse(reason: str, status: int, message: str) -> web.Response:
         if on_refused is not None:
@@ -38,9 +45,9 @@ def cluster_auth_middleware(auth: ClusterAuth, on_refused: Callable[[str], None]
         if not auth.enabled or request.path in OPEN_PATHS:
             return await handler(request)
         try:
-            auth.check_request_headers(request.headers)
+            credentials = verifier.check_headers(request.headers)
         except AuthError as exc:
-            return refuse("credentials", 401, str(exc))
+            return refuse(exc.reason, 401, str(exc))
         limit = request.client_max_size
         if request.content_length is not None and request.content_length > limit:
             return refuse("too_large", 413, f"request body of {request.content_length} bytes exceeds "
@@ -50,10 +57,10 @@ def cluster_auth_middleware(auth: ClusterAuth, on_refused: Callable[[str], None]
         except web.HTTPRequestEntityTooLarge:
             return refuse("too_large", 413, f"request body exceeds the limit of {limit} bytes")
         try:
-            auth.verify_request(request.method, request.raw_path, request.headers, body)
+            verifier.verify(request.method, request.raw_path, credentials, body)
         except AuthError as exc:
-            log.debug("refused %s %s from %s: %s", request.method, request.path, request.remote, exc)
-            return refuse("credentials", 401, str(exc))
+            log.debug("refused %s %r from %s: %s", request.method, request.path, request.remote, exc)
+            return refuse(exc.reason, 401, str(exc))
         return await handler(request)
 
     return check

@@ -80,7 +80,7 @@ class MetricsProxy:
         worker = next((w for w in await self.workers() if w["worker_id"] == worker_id), None)
         if worker is None:
             raise web.HTTPNotFound(text=f"unknown worker {worker_id!r}")
-        headers = self.auth.sign_request("GET", "/metrics")
+        headers = self.auth.sign_request("GET", "/metrics", audience=worker_id)
         try:
             async with self._session.get(f"{worker['http_address']}/metrics", headers=headers,
                                          timeout=self.timeout) as resp:
