@@ -6,6 +6,12 @@ The integration tests and the serving benchmark use ``LocalStack`` to start real
 way (and ``LocalStack.restart`` to bring one back).  Every process of a stack gets the same
 cluster secret (``PDSERVE_CLUSTER_SECRET`` from the environment, or a fresh random one), and the
 rest of the launcher's environment (``PDSERVE_ADMIN_TOKEN``, ...) as well.
+
+Every process is started by ``common.cluster.children``: in a process group of its own, and
+SIGKILLed by the kernel if the launcher dies (even by SIGKILL), the private Redis too.  Stopping
+drains every process at once, within one bound: the workers' ``--drain-timeout`` plus
+``STOP_GRACE_S``.  Ctrl-C (or SIGTERM, SIGHUP) stops the stack; a second one changes nothing; a
+third kills every process at once.  Restarts and crash loops: ``common.cluster.supervisor``.
 """
 from __future__ import annotations
 
@@ -21,11 +27,32 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, Mapping
 
 from common.cluster.auth import MIN_SECRET_LEN, SECRET_ENV, ClusterAuth, generate_secret, secret_problem
+from common.cluster.children import StopSignals, exit_status, signal_group, start_child, stop_all
 from common.cluster.flags import EnvFlags
+from common.cluster.supervisor import DID_NOT_START, Supervisor, describe_exit  # noqa: F401 (re-exported)
 
 ROOT = Path(__file__).resolve().parents[2]
+# What a process gets beyond its drain to shut down (close listeners, deregister, stop its engine)
+# before ``LocalStack.stop`` SIGKILLs it.
+STOP_GRACE_S = 10.0
+
+
+class StartCancelled(Exception):
+    """Start-up was abandoned: a stop was asked for before the stack was up."""
+
+
+def worker_drain_timeout(args: list[str], env: Mapping[str, str]) -> float:
+    """How long a worker started with ``args`` and ``env`` drains on SIGTERM: its own
+    ``--drain-timeout`` (or ``PDSERVE_DRAIN_TIMEOUT``), read by the worker's own flag parser."""
+    from common.worker.config import build_parser  # imports torch: only where workers are started
+
+    try:
+        return build_parser("decode", "pdserve worker", env).parse_known_args(args)[0].drain_timeout
+    except (SystemExit, ValueError):  # flags the worker refuses too: it exits at once, the default bounds it
+        return build_parser("decode", "pdserve worker", {}).get_default("drain_timeout")
 
 
 def free_port() -> int:
@@ -53,23 +80,33 @@ def gateway_health(url: str, timeout: float = 2) -> dict:
 
 @dataclass
 class Proc:
-    """One process of a stack and how to start it again (same module, arguments and port)."""
+    """One process of a stack and how to start it again (same command line, so the same port).
+
+    ``popen`` is None until a start succeeded, and after a start that failed."""
 
     name: str
-    module: str
-    args: list[str]
+    command: list[str]
     url: str
     log_path: Path | None
+    drain_timeout_s: float = 0.0  # how long it may take to finish its work after SIGTERM
     popen: subprocess.Popen | None = None
-    started_at: float = 0.0  # time.monotonic() of the last start
+    started_at: float = 0.0  # the stack's clock at the last start (or attempt)
     killed: bool = False  # stopped on purpose (by a test): not an error for wait_for_workers
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-4000:] if self.log_path else ""
 
+    def exit_status(self) -> int | str | None:
+        """None while it runs; its exit status once it exited; ``DID_NOT_START`` when its last start failed."""
+        return DID_NOT_START if self.popen is None else exit_status(self.popen)
+
     @property
     def alive(self) -> bool:
-        return self.popen is not None and self.popen.poll() is None
+        return self.exit_status() is None
+
+    def describe_exit(self) -> str:
+        status = self.exit_status()
+        return "running" if status is None else describe_exit(status)
 
 
 @dataclass
@@ -78,7 +115,9 @@ class LocalStack:
 
     Logs go to ``workdir/<name>.log`` (or the terminal when ``workdir`` is None).  Every process
     gets ``cluster_secret`` (a fresh random one unless given), so workers check every call and
-    ``worker_json`` signs its own.
+    ``worker_json`` signs its own.  Processes are started by ``common.cluster.children.start_child``
+    (their own process group; they die with this process when started from its main thread).
+    ``clock`` stamps starts (``Proc.started_at``) and is the default clock of a ``Supervisor``.
     """
 
     checkpoint: str
@@ -97,6 +136,8 @@ class LocalStack:
     extra_env: dict[str, str] = field(default_factory=dict)
     cpus: dict[str, list[int]] = field(default_factory=dict)  # CPU affinity by process name (benchmarks)
     cluster_secret: str = field(default_factory=generate_secret, repr=False)
+    stop_grace_s: float = STOP_GRACE_S
+    clock: Callable[[], float] = field(default=time.monotonic, repr=False)
     procs: dict[str, Proc] = field(default_factory=dict)
 
     @property
@@ -115,29 +156,33 @@ class LocalStack:
         env[SECRET_ENV] = self.cluster_secret
         return env
 
-    def _spawn(self, name: str, module: str, args: list[str], port: int) -> Proc:
+    def spawn(self, name: str, command: list[str], url: str = "", drain_timeout_s: float = 0.0) -> Proc:
+        """Start ``command`` as the stack's process ``name`` (in the stack's environment, from the
+        repository root); ``drain_timeout_s``: how long it may take to finish after SIGTERM.  The
+        process is in ``procs`` even if it could not be started (the error is raised)."""
         log_path = self.workdir / f"{name}.log" if self.workdir else None
         if log_path is not None:
             log_path.write_text("")
-        proc = Proc(name, module, list(args), f"http://127.0.0.1:{port}", log_path)
+        proc = Proc(name, list(command), url, log_path, drain_timeout_s)
         self.procs[name] = proc
         self._launch(proc)
         return proc
 
+    def _spawn(self, name: str, module: str, args: list[str], port: int, drain_timeout_s: float = 0.0) -> Proc:
+        """``spawn`` for ``python -m module args`` serving HTTP on ``port``."""
+        return self.spawn(name, [sys.executable, "-m", module, *args], f"http://127.0.0.1:{port}", drain_timeout_s)
+
     def _launch(self, proc: Proc) -> None:
+        proc.popen = None
+        proc.started_at = self.clock()  # a start that fails is a run of no length
+        proc.killed = False
         out = proc.log_path.open("a") if proc.log_path else None
         try:
-            cpus = self.cpus.get(proc.name)
-            # Pinned before exec, so every thread the process starts (OpenMP's too) inherits it.
-            pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
-            proc.popen = subprocess.Popen([sys.executable, "-m", proc.module, *proc.args], cwd=ROOT,
-                                          env=self.process_env(), stdout=out,
-                                          stderr=subprocess.STDOUT if out else None, preexec_fn=pin)
+            proc.popen = start_child(proc.command, cpus=self.cpus.get(proc.name), cwd=ROOT, env=self.process_env(),
+                                     stdout=out, stderr=subprocess.STDOUT if out else None)
         finally:
             if out is not None:
                 out.close()  # the child has its own descriptor
-        proc.started_at = time.monotonic()
-        proc.killed = False
 
     def restart(self, name: str) -> Proc:
         """Start ``name`` again with the same command line (same port); SIGKILL it first if it is
@@ -147,7 +192,7 @@ class LocalStack:
             self.kill(name)
         if proc.log_path is not None:
             with proc.log_path.open("a") as out:
-                out.write(f"\n--- restarted (previous exit status {proc.popen.returncode}) ---\n")
+                out.write(f"\n--- restarted (previous run: {proc.describe_exit()}) ---\n")
         self._launch(proc)
         return proc
 
@@ -157,15 +202,19 @@ class LocalStack:
         args = ["--model", self.checkpoint, "--role", role, "--worker-id", name, "--port", str(port),
                 "--kv-transport", self.transport, "--redis-url", self.redis_url, "--key-prefix", self.key_prefix,
                 *self.worker_args, *self.role_args.get(role, [])]
-        return self._spawn(name, module, args, port)
+        return self._spawn(name, module, args, port, worker_drain_timeout(args, self.process_env()))
 
-    def start(self, timeout: float = 180) -> "LocalStack":
+    def start(self, timeout: float = 180, cancelled: Callable[[], bool] = lambda: False) -> "LocalStack":
+        """Start the workers and the gateway; return once the gateway routes to all of them.
+        Raises ``StartCancelled`` as soon as ``cancelled()`` is true (the caller stops what started)."""
         names = ([(f"p{i}", "prefill") for i in range(self.prefill)] + [(f"d{i}", "decode") for i in range(self.decode)]
                  + [(f"b{i}", "both") for i in range(self.both)])
         for name, role in names:
+            if cancelled():
+                raise StartCancelled("stopped before the stack was up")
             self.start_worker(name, role)
         self.start_gateway()
-        self.wait_for_workers(self.prefill, self.decode, self.both, timeout)
+        self.wait_for_workers(self.prefill, self.decode, self.both, timeout, cancelled)
         return self
 
     def start_gateway(self, name: str = "gateway", extra_args: list[str] | None = None) -> Proc:
@@ -176,15 +225,19 @@ class LocalStack:
             "--key-prefix", self.key_prefix, "--routing-policy", self.policy, *self.gateway_args,
             *(extra_args or [])], port)
 
-    def wait_for_workers(self, prefill: int, decode: int, both: int = 0, timeout: float = 60) -> dict:
-        """Poll the gateway's /health until it routes to exactly this many active workers."""
+    def wait_for_workers(self, prefill: int, decode: int, both: int = 0, timeout: float = 60,
+                         cancelled: Callable[[], bool] = lambda: False) -> dict:
+        """Poll the gateway's /health until it routes to exactly this many active workers
+        (``StartCancelled`` as soon as ``cancelled()`` is true)."""
         deadline = time.monotonic() + timeout
         health = None
         want = {"prefill": prefill, "decode": decode, "both": both}
         while time.monotonic() < deadline:
+            if cancelled():
+                raise StartCancelled("stopped before the stack was up")
             for proc in self.procs.values():
                 if not proc.killed and not proc.alive:
-                    raise RuntimeError(f"{proc.name} exited with {proc.popen.returncode}:\n{proc.log()}")
+                    raise RuntimeError(f"{proc.name} stopped ({proc.describe_exit()}):\n{proc.log()}")
             try:
                 health = gateway_health(self.gateway_url)
                 if health["workers"] == want:
@@ -201,7 +254,7 @@ class LocalStack:
         deadline = time.monotonic() + timeout
         while True:
             if not proc.alive:
-                raise RuntimeError(f"{name} exited with {proc.popen.returncode}:\n{proc.log()}")
+                raise RuntimeError(f"{name} stopped ({proc.describe_exit()}):\n{proc.log()}")
             try:
                 http_json(f"{proc.url}/health", timeout=2)
                 return
@@ -216,7 +269,8 @@ class LocalStack:
 
     def worker_json(self, name: str, path: str, method: str = "GET", body: bytes = b"",
                     headers: dict | None = None, timeout: float = 10):
-        """Call a worker's internal API the way its peers do (signed with the cluster secret)."""
+        """Call a worker's internal API the way its peers do (signed with the cluster secret for
+        that worker: its name is its worker id)."""
         signed = ClusterAuth(self.cluster_secret).sign_request(method, path, body, audience=name)
         return http_json(self.worker_url(name) + path, method, body if method != "GET" else None,
                          {**(headers or {}), **signed}, timeout)
@@ -225,126 +279,24 @@ class LocalStack:
         return self.worker_json(name, "/stats")
 
     def kill(self, name: str) -> None:
-        """SIGKILL ``name`` (a crash) and wait until it is gone."""
+        """SIGKILL ``name`` (a crash; its process group with it) and wait until it is gone."""
         proc = self.procs[name]
         proc.killed = True
-        proc.popen.kill()
+        if proc.popen is None:
+            return
+        signal_group(proc.popen, signal.SIGKILL)
         proc.popen.wait(10)
+        proc.exit_status()  # reaps it
 
-    def stop(self) -> None:
-        """SIGTERM every process (workers drain, bounded), SIGKILL what is still there after 15 s."""
-        for proc in self.procs.values():
-            if proc.alive:
-                proc.popen.send_signal(signal.SIGTERM)
-        for proc in self.procs.values():
-            try:
-                proc.popen.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.popen.kill()
-                proc.popen.wait(5)
+    def stop_bound(self) -> float:
+        """The most ``stop()`` waits before SIGKILL: the longest drain of its processes (a worker's
+        ``--drain-timeout``), plus ``stop_grace_s`` to shut down."""
+        return max((p.drain_timeout_s for p in self.procs.values()), default=0.0) + self.stop_grace_s
 
-
-def describe_exit(returncode: int) -> str:
-    if returncode < 0:
-        try:
-            return f"killed by {signal.Signals(-returncode).name}"
-        except ValueError:
-            return f"killed by signal {-returncode}"
-    return f"exit status {returncode}"
-
-
-class Supervisor:
-    """Keeps a ``LocalStack`` (and the private Redis it may use) running until told to stop.
-
-    A process that exits (killed, crashed, or a worker whose engine failed) is started again with
-    the same command line after a backoff: ``min_backoff`` seconds, doubling with each exit that
-    follows a short run, up to ``max_backoff``; a process that stays up ``stable_after`` seconds
-    starts from ``min_backoff`` again.  The other processes keep serving meanwhile.
-
-    A crash loop ends: after ``crash_loop_limit`` short runs in a row a process is given up (named
-    in ``given_up``, not started again).  A worker given up leaves the rest serving; the gateway
-    or the private Redis given up makes ``failed`` true, since nothing can serve without them, and
-    ``run()`` returns.  Call ``poll()`` periodically (``run()`` does), from the thread that owns the
-    stack.
-    """
-
-    ESSENTIAL = ("gateway", "redis")
-
-    def __init__(self, stack: LocalStack, redis_server=None, *, min_backoff: float = 1.0,
-                 max_backoff: float = 30.0, stable_after: float = 60.0, crash_loop_limit: int = 10, say=print):
-        if not 0 < min_backoff <= max_backoff:
-            raise ValueError(f"backoff must satisfy 0 < min_backoff <= max_backoff, got {min_backoff}, {max_backoff}")
-        if crash_loop_limit < 1:
-            raise ValueError(f"crash_loop_limit must be >= 1, got {crash_loop_limit}")
-        self.stack = stack
-        self.redis_server = redis_server
-        self.min_backoff = min_backoff
-        self.max_backoff = max_backoff
-        self.stable_after = stable_after
-        self.crash_loop_limit = crash_loop_limit
-        self.say = say
-        self.restarts: dict[str, int] = {}
-        self.given_up: set[str] = set()
-        self._quick_exits: dict[str, int] = {}  # exits in a row that followed a short run
-        self._due: dict[str, float] = {}  # name -> when to start it again
-        self._redis_started = time.monotonic()
-
-    @property
-    def failed(self) -> bool:
-        """True once the gateway or the private Redis was given up: the stack cannot serve."""
-        return any(name in self.given_up for name in self.ESSENTIAL)
-
-    def backoff(self, name: str) -> float:
-        return min(self.max_backoff, self.min_backoff * 2 ** self._quick_exits.get(name, 0))
-
-    def poll(self, now: float | None = None) -> None:
-        now = time.monotonic() if now is None else now
-        if self.redis_server is not None:
-            self._watch("redis", self.redis_server.proc.poll(), self._redis_started, now)
-        for name, proc in self.stack.procs.items():
-            self._watch(name, proc.popen.poll(), proc.started_at, now)
-
-    def _watch(self, name: str, returncode: int | None, started_at: float, now: float) -> None:
-        if returncode is None:
-            if now - started_at >= self.stable_after:
-                self._quick_exits.pop(name, None)
-            return
-        if name in self.given_up:
-            return
-        due = self._due.get(name)
-        if due is None:
-            if now - started_at < self.stable_after and self._quick_exits.get(name, 0) + 1 >= self.crash_loop_limit:
-                self.given_up.add(name)
-                self.say(f"{name} stopped ({describe_exit(returncode)}) {self.crash_loop_limit} times in a row "
-                         f"within {self.stable_after:g} s of starting; not restarting it (crash loop)"
-                         + ("" if name not in self.ESSENTIAL else "; the stack cannot serve without it"), flush=True)
-                return
-            delay = self.backoff(name)
-            self._due[name] = now + delay
-            self.say(f"{name} stopped ({describe_exit(returncode)}); restarting it in {delay:.2f} s", flush=True)
-            return
-        if now < due:
-            return
-        del self._due[name]
-        if now - started_at < self.stable_after:
-            self._quick_exits[name] = self._quick_exits.get(name, 0) + 1
-        self.restarts[name] = self.restarts.get(name, 0) + 1
-        try:
-            if name == "redis":
-                self.redis_server.start()
-                self._redis_started = time.monotonic()
-            else:
-                self.stack.restart(name)
-        except Exception as exc:  # e.g. the port is taken: try again after the next backoff
-            self.say(f"could not restart {name}: {exc}", flush=True)
-            return
-        self.say(f"{name} restarted (restart #{self.restarts[name]})", flush=True)
-
-    def run(self, should_stop, interval: float = 0.2) -> None:
-        """Supervise until ``should_stop()`` is true (or the stack ``failed``)."""
-        while not should_stop() and not self.failed:
-            self.poll()
-            time.sleep(interval)
+    def stop(self, hurry: Callable[[], bool] = lambda: False) -> None:
+        """SIGTERM every process at once (workers drain), wait for all of them together within
+        ``stop_bound()`` (or until ``hurry()``), then SIGKILL the process groups still there."""
+        stop_all([proc.popen for proc in self.procs.values()], self.stop_bound(), hurry)
 
 
 def default_transport() -> str:
@@ -365,6 +317,26 @@ def local_secret(env) -> str:
         raise SystemExit(f"{SECRET_ENV} is not acceptable: {problem}; unset it to have one generated for the "
                          f"local stack, or set a random value of {MIN_SECRET_LEN}+ characters")
     return secret
+
+
+def run_stack(stack: LocalStack, redis_server, signals: StopSignals, start: Callable[[], object],
+              make_supervisor: Callable[[], Supervisor]) -> Supervisor:
+    """What ``make up`` does with a stack: ``start()`` it (which should raise ``StartCancelled`` once
+    ``signals.requested``), supervise it until a stop signal (or until the supervisor gives up the
+    gateway or Redis), and on every path stop every process of the stack, then the private Redis
+    (``redis_server``, may be None); at once when ``signals.hurry``.  Returns the supervisor."""
+    try:
+        start()
+        supervisor = make_supervisor()
+        supervisor.run(lambda: signals.requested)
+        return supervisor
+    finally:
+        print("stopping...", flush=True)
+        stack.stop(hurry=lambda: signals.hurry)
+        if redis_server is not None:
+            if signals.hurry:
+                redis_server.kill()
+            redis_server.stop()
 
 
 def main() -> None:
@@ -396,25 +368,16 @@ def main() -> None:
         print("preparing the default model (Gemma 3 270M; converted once, then cached)...", flush=True)
         ensure_default_model()
     secret = local_secret(os.environ)
+    signals = StopSignals().install()  # from here on a signal never interrupts: start-up checks for it
     url, redis_server = ensure_redis(redis_url_from_env())
     if redis_server is not None:
         print(f"no Redis answered at {redis_url_from_env()}; started a private one at {url}", flush=True)
     stack = LocalStack(args.model, url, key_prefix=args.key_prefix, prefill=args.prefill, decode=args.decode,
                        transport=args.kv_transport, gateway_port=args.port,
                        worker_args=["--num-blocks", str(args.num_blocks)], cluster_secret=secret)
-    stop = False
-    supervising = False
 
-    def on_signal(_sig, _frame):
-        nonlocal stop
-        stop = True
-        if not supervising:
-            raise KeyboardInterrupt  # still starting: give up at once (the finally stops what started)
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
-    try:
-        stack.start(timeout=600)
+    def start() -> None:
+        stack.start(timeout=600, cancelled=lambda: signals.requested)
         model = http_json(f"{stack.gateway_url}/v1/models")["data"][0]["id"]
         print(f"""
 pdserve is up: {stack.gateway_url}  (model {model}; {args.prefill} prefill + {args.decode} decode, KV over {args.kv_transport})
@@ -422,16 +385,16 @@ pdserve is up: {stack.gateway_url}  (model {model}; {args.prefill} prefill + {ar
   curl {stack.gateway_url}/v1/completions -H 'Content-Type: application/json' \\
        -d '{{"model": "{model}", "prompt": "The capital of France is", "max_tokens": 16, "stream": true}}'
 
-A process that stops is restarted; Ctrl-C stops everything.""", flush=True)
-        supervising = True
-        supervisor = Supervisor(stack, redis_server, min_backoff=args.restart_backoff,
-                                max_backoff=max(30.0, args.restart_backoff), crash_loop_limit=args.crash_loop_limit)
-        supervisor.run(lambda: stop)
-    finally:
-        print("stopping...", flush=True)
-        stack.stop()
-        if redis_server is not None:
-            redis_server.stop()
+A process that stops is restarted; Ctrl-C stops everything (drained; Ctrl-C three times: at once).""", flush=True)
+
+    def new_supervisor() -> Supervisor:
+        return Supervisor(stack, redis_server, min_backoff=args.restart_backoff,
+                          max_backoff=max(30.0, args.restart_backoff), crash_loop_limit=args.crash_loop_limit)
+
+    try:
+        supervisor = run_stack(stack, redis_server, signals, start, new_supervisor)
+    except StartCancelled as exc:
+        raise SystemExit(f"pdserve: {exc}") from None
     if supervisor.failed:
         raise SystemExit(f"stopped: {', '.join(sorted(supervisor.given_up))} kept crashing")
 

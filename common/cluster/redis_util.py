@@ -32,6 +32,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import ExponentialBackoff
 
+from common.cluster.children import die_with_parent
 from common.cluster.redis_keys import KEY_PREFIX_RE
 from common.cluster.secret_sources import read_secret_file
 
@@ -244,7 +245,8 @@ class RedisServer:
             "--logfile", self.log_path, "--daemonize", "no",
         ]
         self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL, start_new_session=True)
+                                     stderr=subprocess.DEVNULL, start_new_session=True,
+                                     preexec_fn=die_with_parent())  # dies with us, even SIGKILLed
         deadline = time.monotonic() + timeout_s
         # A child process's readiness is not awaitable, so poll PING until the deadline.
         while not ping(self.url, timeout_s=0.2):
