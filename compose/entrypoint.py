@@ -9,7 +9,9 @@ looks healthy but is not:
 
 - a secret that is empty, a placeholder (``change-me...``) or shorter than 16 characters
   (``PDSERVE_CLUSTER_SECRET``, ``PDSERVE_ADMIN_TOKEN``, the Redis password in ``REDIS_URL``, and
-  for the gateway ``PDSERVE_API_KEY`` unless ``PDSERVE_ALLOW_NO_API_KEY=1``);
+  for the gateway ``PDSERVE_API_KEY`` unless ``PDSERVE_ALLOW_NO_API_KEY=1``), or an admin token
+  equal to the cluster secret; each may come from a file instead (``PDSERVE_CLUSTER_SECRET_FILE``,
+  ``PDSERVE_ADMIN_TOKEN_FILE``, ``PDSERVE_REDIS_PASSWORD_FILE``; API keys: ``PDSERVE_API_KEYS_FILE``);
 - a worker without an explicit ``PDSERVE_DEVICE`` (``cuda`` or ``cpu``): ``auto`` would quietly
   serve an fp32 model on the CPU where no GPU is visible;
 - ``PDSERVE_DEVICE=cuda`` where this container sees no GPU, or where ``PDSERVE_GPUS`` names GPUs
@@ -44,8 +46,12 @@ address>``.  ``PDSERVE_HCA_MAP`` (``0=mlx5_0:1,1=mlx5_1:1``) overrides the choic
 entrypoint prints what UCX will use (``ucx_info -e``: the lanes to another host).
 
 Advertised address (``PDSERVE_ADVERTISE_HOST`` unset): this container's IP address on its network.
+Bind address (``PDSERVE_HOST`` unset): ``0.0.0.0`` in a container's own network namespace (its
+interfaces are the container's); on the host's network (``PDSERVE_NETWORK_MODE=host``) the
+advertised address, so a worker never listens on every interface of the host.
 
-Only the standard library and ``common.cluster.auth`` (itself standard library only).
+Only the standard library, ``common.cluster.auth`` and ``common.cluster.secret_sources`` (standard
+library only themselves); the network and UCX part lives in ``net_devices.py``.
 """
 from __future__ import annotations
 
@@ -56,7 +62,6 @@ import re
 import shutil
 import socket
 import struct
-import subprocess
 import sys
 import urllib.parse
 import urllib.request
@@ -67,21 +72,19 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]  # host_topology; common.cluster.auth from the source tree
 
 import host_topology as topo_mod  # noqa: E402
+from net_devices import (  # noqa: E402,F401 (interface_for, ucx_lanes: re-exported for the tests)
+    Refusal, configure_ucx, interface_for, own_address, report_ucx, run_tool, ucx_lanes,
+)
 from common.cluster.auth import SECRET_ENV, secret_problem  # noqa: E402
+from common.cluster.secret_sources import secret_from_env  # noqa: E402
 
 RUNTIME_FILE = Path(os.environ.get("PDSERVE_RUNTIME_FILE", "/tmp/pdserve-runtime.json"))
 MODULES = ("prefill_svc", "decode_svc", "gateway")
 EXIT_CONFIG = 78  # sysexits EX_CONFIG: a restart will not help until the configuration changes
 MAKE_SECRET = ("make one with `pdctl gen-secrets` (writes compose/.env, mode 0600) or "
                "`python3 -c 'import secrets; print(secrets.token_urlsafe(32))'`")
-RDMA_TLS = re.compile(r"^\^?(rc|rc_v|rc_x|rc_mlx5|rc_verbs|dc|dc_x|dc_mlx5|ud|ud_v|ud_x|ud_mlx5|ud_verbs|ib)$")
-UCX_PORTS_PER_WORKER = 16
 # Variables compose sets to "" when the operator leaves them unset; their tools read "" as a value.
 DROP_IF_EMPTY = re.compile(r"^(UCX_|OMP_|CUDA_|NCCL_|HF_|HUGGING_FACE_|TRANSFORMERS_)")
-
-
-class Refusal(Exception):
-    """The configuration cannot work; the message says what to change."""
 
 
 class Surplus(Exception):
@@ -102,11 +105,11 @@ class HostProbe:
     """The host as the container sees it; tests substitute recorded answers."""
 
     def gpu_indexes(self) -> list[str]:
-        out = _run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"])
+        out = run_tool(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"])
         return topo_mod.parse_gpu_indexes(out) if out is not None else []
 
     def topology_text(self) -> str | None:
-        return _run(["nvidia-smi", "topo", "-m"])
+        return run_tool(["nvidia-smi", "topo", "-m"])
 
     def interfaces(self) -> dict[str, str]:
         """Interface name -> its IPv4 address (SIOCGIFADDR), for interfaces that have one."""
@@ -137,15 +140,6 @@ class HostProbe:
         return shutil.which(tool) is not None
 
 
-def _run(cmd: list[str], env: dict | None = None, timeout: float = 20) -> str | None:
-    """stdout of ``cmd``, or None when it is missing, fails or hangs."""
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return done.stdout if done.returncode == 0 else None
-
-
 # ---- secrets ---------------------------------------------------------------------------------
 
 
@@ -153,17 +147,29 @@ def _truthy(value: str | None) -> bool:
     return (value or "").strip().lower() in ("1", "true", "yes", "on")
 
 
+def _secret(name: str, env: dict[str, str]) -> str | None:
+    """``name``'s value, from the file ``{name}_FILE`` names when set (a Refusal if unreadable)."""
+    try:
+        return secret_from_env(name, env)
+    except ValueError as exc:
+        raise Refusal(str(exc)) from None
+
+
 def check_secrets(module: str, env: dict[str, str]) -> list[str]:
-    """Refuse placeholder or weak secrets; returns notes for the log."""
-    required = {SECRET_ENV: env.get(SECRET_ENV), "PDSERVE_ADMIN_TOKEN": env.get("PDSERVE_ADMIN_TOKEN")}
+    """Refuse placeholder, weak or shared secrets; returns notes for the log."""
+    required = {SECRET_ENV: _secret(SECRET_ENV, env), "PDSERVE_ADMIN_TOKEN": _secret("PDSERVE_ADMIN_TOKEN", env)}
     redis_url = env.get("REDIS_URL")
     if redis_url:
         parsed = urllib.parse.urlsplit(redis_url)
         if parsed.hostname and parsed.hostname not in ("127.0.0.1", "localhost", "::1"):
-            required["the Redis password in REDIS_URL (REDIS_PASSWORD)"] = urllib.parse.unquote(parsed.password or "")
+            password = _secret("PDSERVE_REDIS_PASSWORD", {"PDSERVE_REDIS_PASSWORD_FILE": env.get(
+                "PDSERVE_REDIS_PASSWORD_FILE", "")}) or urllib.parse.unquote(parsed.password or "")
+            required["the Redis password in REDIS_URL (REDIS_PASSWORD)"] = password
     notes = []
     if module == "gateway":
-        if _truthy(env.get("PDSERVE_ALLOW_NO_API_KEY")) and not env.get("PDSERVE_API_KEY"):
+        if env.get("PDSERVE_API_KEYS_FILE"):
+            pass  # the gateway checks every key of the file (strength, no key equal to another secret)
+        elif _truthy(env.get("PDSERVE_ALLOW_NO_API_KEY")) and not env.get("PDSERVE_API_KEY"):
             notes.append("PDSERVE_ALLOW_NO_API_KEY=1: the API needs no key (only behind your own authenticating proxy)")
         else:
             required["PDSERVE_API_KEY"] = env.get("PDSERVE_API_KEY")
@@ -172,6 +178,9 @@ def check_secrets(module: str, env: dict[str, str]) -> list[str]:
         if problem:
             hint = " (or set PDSERVE_ALLOW_NO_API_KEY=1 to serve without one)" if name == "PDSERVE_API_KEY" else ""
             raise Refusal(f"{name} is not usable: {problem}; {MAKE_SECRET}{hint}")
+    if required[SECRET_ENV] == required["PDSERVE_ADMIN_TOKEN"]:
+        raise Refusal(f"PDSERVE_ADMIN_TOKEN and {SECRET_ENV} are the same value: each must be its own random secret "
+                      f"(whoever holds the cluster secret must not be an operator); {MAKE_SECRET}")
     return notes
 
 
@@ -217,125 +226,6 @@ def resolve_gpus(env: dict[str, str], probe: HostProbe) -> list[str]:
         raise Refusal(f"PDSERVE_GPUS={wanted} names GPU(s) {','.join(missing) or '(none)'} that this host does not "
                       f"have (it has {','.join(present)}); set PDSERVE_GPUS=all or list real indexes")
     return gpus
-
-
-# ---- network: the advertised address, NICs, UCX -------------------------------------------------
-
-
-def own_address() -> str:
-    """This container's address on its network (the source address of a route outwards)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect(("10.255.255.255", 1))  # no packet is sent; this only picks the interface
-            return s.getsockname()[0]
-        except OSError:
-            return socket.gethostbyname(socket.gethostname())
-
-
-def interface_for(address: str, interfaces: dict[str, str]) -> str | None:
-    """The interface that holds ``address`` (a name is resolved first)."""
-    try:
-        ip = socket.gethostbyname(address)
-    except OSError:
-        return None
-    return next((name for name, addr in interfaces.items() if addr == ip), None)
-
-
-def wants_tls(env: dict[str, str], pattern: re.Pattern | str) -> bool:
-    tls = [t.strip() for t in (env.get("UCX_TLS") or "all").split(",") if t.strip()]
-    if not tls or tls == ["all"] or tls[0].startswith("^"):
-        return True  # UCX's default (or an exclusion list) leaves every transport in
-    return any(re.match(pattern, t) if isinstance(pattern, re.Pattern) else t == pattern for t in tls)
-
-
-def check_net_devices(value: str, env: dict[str, str]) -> None:
-    devices = [d.strip() for d in value.split(",") if d.strip()]
-    if not devices or "all" in devices:
-        raise Refusal("UCX_NET_DEVICES=all offers every interface (docker0, management NICs) to other hosts: set "
-                      "it to `auto` (the HCA nearest the GPU and the NIC carrying the advertised address) or "
-                      "list them, e.g. mlx5_0:1,ens1f0")
-    virtual = [d for d in devices if topo_mod.is_virtual_netdev(d.split(":")[0])]
-    if virtual:
-        raise Refusal(f"UCX_NET_DEVICES lists {','.join(virtual)}, which other hosts cannot reach; name the "
-                      f"cluster network's NIC instead")
-    if wants_tls(env, "tcp") and not any(":" not in d for d in devices):
-        raise Refusal(f"UCX_NET_DEVICES={value} has no TCP interface but UCX_TLS allows tcp: between hosts TCP is "
-                      f"the fallback when RDMA is unavailable, so add the cluster NIC (e.g. {devices[0]},ens1f0), "
-                      f"or drop tcp from UCX_TLS on purpose")
-
-
-def hca_for(gpu: str | None, env: dict[str, str], topology: topo_mod.Topology | None) -> tuple[str | None, str]:
-    """(``mlx5_N:port`` or None, how it was chosen)."""
-    if gpu is None:
-        return None, "no GPU"
-    if env.get("PDSERVE_HCA_MAP"):
-        hca = topo_mod.parse_hca_map(env["PDSERVE_HCA_MAP"]).get(gpu)
-        if hca is None:
-            raise Refusal(f"PDSERVE_HCA_MAP has no entry for GPU {gpu}; list every GPU of PDSERVE_GPUS")
-        return hca, "PDSERVE_HCA_MAP"
-    listed = (env.get("PDSERVE_HCAS") or "").strip()
-    if listed == "none":
-        return None, "PDSERVE_HCAS=none"
-    if topology is None:
-        return None, "no topology (nvidia-smi topo -m)"
-    candidates = [h.strip() for h in listed.split(",") if h.strip()] or None
-    hca = topo_mod.nearest_hca(topology, gpu, candidates)
-    if hca is None:
-        return None, "no HCA close to this GPU"
-    port = env.get("PDSERVE_HCA_PORT") or "1"
-    return (hca if ":" in hca else f"{hca}:{port}"), "nearest in nvidia-smi topo -m"
-
-
-def configure_ucx(env: dict[str, str], slot: int, gpu: str | None, topology, probe: HostProbe) -> list[str]:
-    notes = []
-    if not env.get("UCX_TCP_PORT_RANGE"):
-        base = int(env.get("PDSERVE_UCX_TCP_PORT_BASE") or 8300) + slot * UCX_PORTS_PER_WORKER
-        env["UCX_TCP_PORT_RANGE"] = f"{base}-{base + UCX_PORTS_PER_WORKER - 1}"
-    value = (env.get("UCX_NET_DEVICES") or "auto").strip()
-    if value != "auto":
-        check_net_devices(value, env)
-        notes.append(f"UCX_NET_DEVICES={value} (given)")
-        return notes
-    devices = []
-    if wants_tls(env, RDMA_TLS):
-        hca, why = hca_for(gpu, env, topology)
-        if hca:
-            devices.append(hca)
-            notes.append(f"RDMA: {hca} for GPU {gpu} ({why})")
-        else:
-            notes.append(f"RDMA: none for this worker ({why}); KV to other hosts goes over TCP")
-    if wants_tls(env, "tcp"):
-        nic = env.get("PDSERVE_TCP_NIC") or interface_for(env["PDSERVE_ADVERTISE_HOST"], probe.interfaces())
-        if not nic:
-            raise Refusal(f"cannot tell which interface carries the advertised address "
-                          f"{env['PDSERVE_ADVERTISE_HOST']}; set PDSERVE_TCP_NIC to the cluster network's NIC")
-        if topo_mod.is_virtual_netdev(nic) and env.get("PDSERVE_NETWORK_MODE") == "host":
-            raise Refusal(f"the advertised address is on {nic}, a bridge other hosts cannot reach: set HOST_ADDR "
-                          f"to this host's address on the cluster network")
-        devices.append(nic)
-    if not devices:
-        raise Refusal("UCX_NET_DEVICES=auto found no device (no HCA and TCP excluded from UCX_TLS)")
-    env["UCX_NET_DEVICES"] = ",".join(devices)
-    notes.append(f"UCX_NET_DEVICES={env['UCX_NET_DEVICES']} UCX_TCP_PORT_RANGE={env['UCX_TCP_PORT_RANGE']}")
-    return notes
-
-
-def ucx_lanes(text: str) -> list[str]:
-    """``transport/device`` of each lane in ``ucx_info -e`` output (``tcp/eth0``, ``rc_mlx5/mlx5_0:1``)."""
-    return [m.group(1) for m in re.finditer(r"lane\[\d+\]:\s+\d+:(\S+?)\.\d+\s", text)]
-
-
-def report_ucx(env: dict[str, str]) -> str:
-    """One line saying which UCX library and which transports this worker's KV will use."""
-    if not shutil.which("ucx_info", path=env.get("PATH")):
-        return "UCX: ucx_info not on PATH; cannot show the transports"
-    version = _run(["ucx_info", "-v"], env) or ""
-    library = re.search(r"Library path: (\S+)", version)
-    parts = [f"UCX {library.group(1) if library else '(version unknown)'}"]
-    for placement in ("inter", "intra"):
-        lanes = ucx_lanes(_run(["ucx_info", "-e", "-u", "t", "-P", placement], env) or "")
-        parts.append(f"{placement}-host lanes: {', '.join(dict.fromkeys(lanes)) or 'none (see ucx_info -d)'}")
-    return "; ".join(parts)
 
 
 # ---- CPUs --------------------------------------------------------------------------------------
@@ -445,9 +335,11 @@ def prepare_worker(env: dict[str, str], probe: HostProbe, launch: Launch) -> tup
             launch.notes.append(f"CPUs {cpusets[slot]} (slot {slot})")
     env.setdefault("PDSERVE_PORT", str(int(env.get("PDSERVE_PORT_BASE") or 8100) + slot))
     env.setdefault("PDSERVE_KV_PORT", str(int(env.get("PDSERVE_KV_PORT_BASE") or 8200) + slot))
-    env.setdefault("PDSERVE_HOST", "0.0.0.0")
     if not env.get("PDSERVE_ADVERTISE_HOST"):
         env["PDSERVE_ADVERTISE_HOST"] = own_address()
+    if not env.get("PDSERVE_HOST"):
+        # The host's network: the cluster address only.  A container's own namespace: all of it.
+        env["PDSERVE_HOST"] = env["PDSERVE_ADVERTISE_HOST"] if env.get("PDSERVE_NETWORK_MODE") == "host" else "0.0.0.0"
     if (env.get("PDSERVE_KV_TRANSPORT") or "ucx") == "ucx":
         launch.notes += configure_ucx(env, slot, gpu, topology, probe)
     return slot, gpu
@@ -469,9 +361,18 @@ def prepare(module: str, env: dict[str, str], probe: HostProbe | None = None) ->
         port = env["PDSERVE_PORT"]
         info.update(worker_id=env.get("PDSERVE_WORKER_ID"), gpu=gpu, slot=slot, kv_port=int(env["PDSERVE_KV_PORT"]),
                     advertise_host=env["PDSERVE_ADVERTISE_HOST"])
-    info.update(port=int(port), health_url=f"http://127.0.0.1:{port}/health")
+    info.update(port=int(port), health_url=f"http://{_local_address(env, module)}:{port}/health")
     RUNTIME_FILE.write_text(json.dumps(info) + "\n")
     return launch
+
+
+def _local_address(env: dict[str, str], module: str) -> str:
+    """Where this container's health check reaches the service: its bind address, unless that is
+    every interface (then loopback)."""
+    host = env.get("PDSERVE_GATEWAY_HOST" if module == "gateway" else "PDSERVE_HOST") or "0.0.0.0"
+    if host in ("0.0.0.0", "::", "[::]"):
+        return "127.0.0.1"
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
 def health() -> int:

@@ -12,9 +12,11 @@
     pdctl scale --prefill N --decode M    resize compose workers; scale-down drains what it removes
     pdctl metrics-proxy                   Prometheus discovery and relay of worker /metrics
 
-``--url`` (``PDSERVE_GATEWAY_URL``, default http://127.0.0.1:8000) and ``--admin-token``
-(``PDSERVE_ADMIN_TOKEN``) say where the gateway is.  Exit status: 0 done, 1 the gateway or a
-worker refused or failed, 2 bad command line.
+``--url`` (``PDSERVE_GATEWAY_URL``, default http://127.0.0.1:8000) says where the gateway is; the
+admin token comes from ``PDSERVE_ADMIN_TOKEN`` or a file (``--admin-token-file``,
+``PDSERVE_ADMIN_TOKEN_FILE``); ``--admin-token`` works too, with a warning (other users of the
+machine can read a command line).  Exit status: 0 done, 1 the gateway or a worker refused or
+failed, 2 bad command line.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ import urllib.error
 import urllib.request
 from dataclasses import asdict
 
+from common.cluster.flags import EnvFlags, secret_value
 from common.cluster.registry import ROLES
 from gateway.ops.cli import add_commands as add_deploy_commands, scale_command  # noqa: F401 (re-exported)
 from gateway.planner.cli import (
@@ -230,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdctl", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--url", default=env("PDSERVE_GATEWAY_URL", "http://127.0.0.1:8000"), help="the gateway")
-    p.add_argument("--admin-token", default=env("PDSERVE_ADMIN_TOKEN"), help="X-Admin-Token (PDSERVE_ADMIN_TOKEN)")
+    EnvFlags(p).add_secret("--admin-token", "the admin token", help="X-Admin-Token")
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("status", help="table of the pools")
@@ -277,8 +280,8 @@ def add_planner_parsers(sub) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    client = AdminClient(args.url, args.admin_token)
     try:
+        client = AdminClient(args.url, secret_value(args, "admin_token", "the admin token"))
         return args.func(client, args)
     except AdminError as exc:
         print(f"pdctl: error: {exc}", file=sys.stderr)

@@ -340,6 +340,42 @@ def test_redis_password_and_api_key_are_checked(ep, tmp_path):
     assert launch.lock_fd is None
 
 
+def test_every_secret_may_come_from_a_file(ep, tmp_path):
+    files = {"PDSERVE_CLUSTER_SECRET_FILE": "k" * 32, "PDSERVE_ADMIN_TOKEN_FILE": "a" * 32,
+             "PDSERVE_REDIS_PASSWORD_FILE": "r" * 24, "PDSERVE_API_KEYS_FILE": "sk-" + "z" * 40}
+    env = {"REDIS_URL": "redis://redis:6379/0", "PDSERVE_GATEWAY_PORT": "8123"}
+    for name, value in files.items():
+        (tmp_path / name).write_text(value + "\n")
+        env[name] = str(tmp_path / name)
+    ep.prepare("gateway", dict(env))  # no secret in the environment itself, and nothing refused
+    (tmp_path / "weak").write_text("change-me\n")
+    with pytest.raises(ep.Refusal, match="PDSERVE_ADMIN_TOKEN is not usable: it is a placeholder"):
+        ep.prepare("gateway", {**env, "PDSERVE_ADMIN_TOKEN_FILE": str(tmp_path / "weak")})
+    with pytest.raises(ep.Refusal, match="Redis password.*not usable"):
+        ep.prepare("gateway", {**env, "PDSERVE_REDIS_PASSWORD_FILE": str(tmp_path / "weak")})
+    with pytest.raises(ep.Refusal, match="cannot read PDSERVE_CLUSTER_SECRET from the file .*missing"):
+        ep.prepare("gateway", {**env, "PDSERVE_CLUSTER_SECRET_FILE": str(tmp_path / "missing")})
+
+
+def test_an_admin_token_equal_to_the_cluster_secret_is_refused(ep, tmp_path):
+    same = {"PDSERVE_CLUSTER_SECRET": "s" * 32, "PDSERVE_ADMIN_TOKEN": "s" * 32}
+    with pytest.raises(ep.Refusal, match="PDSERVE_ADMIN_TOKEN and PDSERVE_CLUSTER_SECRET are the same value") as err:
+        ep.prepare("decode_svc", worker_env(tmp_path, **same), FakeHost())
+    assert "s" * 32 not in str(err.value)
+
+
+def test_workers_on_the_host_network_bind_only_the_advertised_address(ep, tmp_path, runtime_file):
+    env = worker_env(tmp_path, PDSERVE_NETWORK_MODE="host", PDSERVE_KV_TRANSPORT="tcp")
+    release(ep.prepare("decode_svc", env, FakeHost()))
+    assert env["PDSERVE_HOST"] == "10.0.0.12"  # HTTP, and KV (--kv-host defaults to --host)
+    assert json.loads(runtime_file.read_text())["health_url"] == "http://10.0.0.12:8100/health"
+    # In its own network namespace a container binds all of it; the health check uses loopback.
+    env = worker_env(tmp_path, PDSERVE_KV_TRANSPORT="tcp")
+    release(ep.prepare("decode_svc", env, FakeHost()))
+    assert env["PDSERVE_HOST"] == "0.0.0.0"
+    assert json.loads(runtime_file.read_text())["health_url"] == "http://127.0.0.1:8100/health"
+
+
 def test_stop_grace_must_cover_the_drain(ep, tmp_path):
     assert ep.parse_duration("2m30s") == 150 and ep.parse_duration("150") == 150
     with pytest.raises(ep.Refusal, match="does not cover PDSERVE_DRAIN_TIMEOUT=120"):

@@ -23,14 +23,16 @@ from tests.cluster import ADMIN_TOKEN, running_cluster
 
 
 def test_gen_secrets_writes_a_private_env_file_with_strong_secrets(tmp_path, capsys):
+    from gateway.ops.env_file import HOST_SECRETS
+
     path = tmp_path / "compose" / ".env"
     assert pdctl.main(["gen-secrets", "--env-file", str(path)]) == 0
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     values = read_env_file(path)
     assert values["COMPOSE_PROJECT_NAME"] == "pdserve" and values["PDSERVE_STACK"] == "gpu"
-    for key in SHARED_SECRETS:
+    for key in SHARED_SECRETS + HOST_SECRETS:
         assert secret_problem(values[key]) is None, key
-    assert len({values[k] for k in SHARED_SECRETS}) == len(SHARED_SECRETS)  # all different
+    assert len({values[k] for k in SHARED_SECRETS + HOST_SECRETS}) == len(SHARED_SECRETS + HOST_SECRETS)  # all different
     assert "--env-file" in capsys.readouterr().out
     # Never over secrets in use, unless asked.
     assert pdctl.main(["gen-secrets", "--env-file", str(path)]) == 1
@@ -42,6 +44,7 @@ def test_gen_secrets_writes_a_private_env_file_with_strong_secrets(tmp_path, cap
     other = read_env_file(workers)
     assert other["COMPOSE_PROJECT_NAME"] == "pdserve-workers" and other["HOST_ADDR"] == "10.0.0.12"
     assert all(other[k] == values[k] for k in SHARED_SECRETS)
+    assert all(other[k] != values[k] and secret_problem(other[k]) is None for k in HOST_SECRETS)  # its own
     assert stat.S_IMODE(workers.stat().st_mode) == 0o600
 
 
@@ -232,7 +235,7 @@ def test_metrics_proxy_lists_workers_and_relays_their_metrics(stack):
 
     async def check():
         proxy = MetricsProxy(stack.gateway_url, ADMIN_TOKEN, ClusterAuth(stack.cluster_secret), "proxy:9401",
-                             dcgm_targets="workers:9400")
+                             dcgm_targets="workers:9400", scrape_token=None)  # scrapers' auth: tested below
         async with TestClient(TestServer(proxy.app())) as client:
             targets = await (await client.get("/targets/workers")).json()
             ids = {t["labels"]["worker_id"] for t in targets}
@@ -243,15 +246,84 @@ def test_metrics_proxy_lists_workers_and_relays_their_metrics(stack):
             assert (await client.get("/workers/nobody/metrics")).status == 404
             dcgm = await (await client.get("/targets/dcgm")).json()
             assert dcgm == [{"targets": ["127.0.0.1:9400"], "labels": {"job": "dcgm"}}]
-        wrong = MetricsProxy(stack.gateway_url, "wrong-token", ClusterAuth.disabled(), "proxy:9401")
+        wrong = MetricsProxy(stack.gateway_url, "wrong-token", ClusterAuth.disabled(), "proxy:9401", scrape_token=None)
         async with TestClient(TestServer(wrong.app())) as client:
             assert (await client.get("/targets/workers")).status == 502
         # Workers answer only signed scrapes: without the cluster secret the relay gets nothing.
-        unsigned = MetricsProxy(stack.gateway_url, ADMIN_TOKEN, ClusterAuth("not-the-cluster-secret"), "proxy:9401")
+        unsigned = MetricsProxy(stack.gateway_url, ADMIN_TOKEN, ClusterAuth("not-the-cluster-secret"), "proxy:9401",
+                                scrape_token=None)
         async with TestClient(TestServer(unsigned.app())) as client:
             assert (await client.get(decode["labels"]["__metrics_path__"])).status == 502
 
     asyncio.run(check())
+
+
+def test_metrics_proxy_relays_only_to_scrapers_with_its_token():
+    """Anyone on the compose network reaches the proxy; only Prometheus holds its token.  A refused
+    scrape costs nothing: no call to the gateway or a worker (the gateway URL here answers nothing)."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from common.cluster.auth import ClusterAuth
+    from gateway.ops.metrics_proxy import MetricsProxy
+
+    token = "scrape-" + "x" * 32
+
+    async def check():
+        proxy = MetricsProxy("http://127.0.0.1:9", None, ClusterAuth.disabled(), "proxy:9401",
+                             dcgm_targets="dcgm:9400", scrape_token=token)
+        async with TestClient(TestServer(proxy.app())) as client:
+            assert (await client.get("/health")).status == 200  # the container's health check carries no token
+            for path in ("/targets/dcgm", "/targets/workers", "/workers/w1/metrics"):
+                for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": token},
+                                {"Authorization": f"Bearer {token}x"}, {"Authorization": "Bearer \u00e9t\u00e9"}):
+                    resp = await client.get(path, headers=headers)
+                    assert resp.status == 401, (path, headers, resp.status)
+                    assert resp.headers["WWW-Authenticate"].startswith("Bearer")
+            resp = await client.get("/targets/dcgm", headers={"Authorization": f"Bearer {token}"})
+            assert resp.status == 200 and await resp.json() == [{"targets": ["dcgm:9400"], "labels": {"job": "dcgm"}}]
+
+    asyncio.run(check())
+
+
+def test_metrics_proxy_refuses_to_listen_openly_without_a_strong_distinct_token(monkeypatch, capsys):
+    for name in ("PDSERVE_METRICS_TOKEN", "PDSERVE_METRICS_TOKEN_FILE", "PDSERVE_ADMIN_TOKEN", "PDSERVE_ADMIN_TOKEN_FILE",
+                 "PDSERVE_CLUSTER_SECRET", "PDSERVE_CLUSTER_SECRET_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    served = []
+    monkeypatch.setattr("gateway.ops.metrics_proxy.serve", lambda proxy, host, port: served.append((proxy, host, port)))
+    assert pdctl.main(["metrics-proxy", "--listen", "0.0.0.0:9401"]) == 2
+    assert "has no scrape token: set PDSERVE_METRICS_TOKEN" in capsys.readouterr().err
+    monkeypatch.setenv("PDSERVE_METRICS_TOKEN", "short")
+    assert pdctl.main(["metrics-proxy", "--listen", "0.0.0.0:9401"]) == 2
+    assert "metrics token (PDSERVE_METRICS_TOKEN) is not acceptable" in capsys.readouterr().err
+    strong = "m" * 32
+    monkeypatch.setenv("PDSERVE_METRICS_TOKEN", strong)
+    monkeypatch.setenv("PDSERVE_ADMIN_TOKEN", strong)
+    assert pdctl.main(["metrics-proxy", "--listen", "0.0.0.0:9401"]) == 2
+    err = capsys.readouterr().err
+    assert "the admin token and the metrics token are the same value" in err and strong not in err
+    monkeypatch.setenv("PDSERVE_ADMIN_TOKEN", "a" * 32)
+    assert pdctl.main(["metrics-proxy", "--listen", "0.0.0.0:9401"]) == 0
+    assert served[-1][1:] == ("0.0.0.0", 9401) and served[-1][0]._token_digest is not None
+    monkeypatch.delenv("PDSERVE_METRICS_TOKEN")
+    assert pdctl.main(["metrics-proxy", "--listen", "127.0.0.1:9401"]) == 0  # only this machine reaches it
+    assert served[-1][0]._token_digest is None
+
+
+def test_pdctl_reads_the_admin_token_from_a_file_and_never_shows_it(tmp_path, monkeypatch, capsys):
+    token = "admin-" + "t" * 32
+    monkeypatch.setenv("PDSERVE_ADMIN_TOKEN", token)
+    monkeypatch.setenv("COLUMNS", "10000")
+    with pytest.raises(SystemExit):
+        pdctl.main(["--help"])
+    out = capsys.readouterr().out
+    assert token not in out and "PDSERVE_ADMIN_TOKEN or the file --admin-token-file; never shown" in out
+    path = tmp_path / "admin-token"
+    path.write_text(token + "\n")
+    monkeypatch.delenv("PDSERVE_ADMIN_TOKEN")
+    seen = []
+    monkeypatch.setattr(pdctl, "cmd_status", lambda client, args: seen.append(client.token) or 0)
+    assert pdctl.main(["--admin-token-file", str(path), "status"]) == 0 and seen == [token]
 
 
 def test_scale_plan_names_the_containers_it_removes():

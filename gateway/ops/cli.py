@@ -16,7 +16,9 @@ import os
 import shlex
 import sys
 
-from common.cluster.auth import ClusterAuth
+from common.cluster.auth import AuthError, configure_auth, is_loopback, read_secret
+from common.cluster.flags import EnvFlags, secret_value
+from common.cluster.secret_sources import check_distinct, check_secret
 from gateway.ops.backends import SERVICES, ComposeBackend
 from gateway.ops.env_file import STACK_KEY, STACKS, build_env, read_env_file, write_env_file
 from gateway.ops.rollout import OperationError, Operator
@@ -105,13 +107,33 @@ def cmd_scale(client, args) -> int:
     return 0
 
 
-def cmd_metrics_proxy(_client, args) -> int:
+def metrics_proxy_token(args, listen_host: str, others: dict[str, str | None]) -> str | None:
+    """The scrapers' bearer token: strong, unlike the ``others`` secrets, and required unless only
+    this machine can reach the proxy.  Raises ValueError saying what to set."""
+    token = secret_value(args, "metrics_token", "the metrics token")
+    check_secret(token, "the metrics token (PDSERVE_METRICS_TOKEN)")
+    if token is None and not is_loopback(listen_host):
+        raise ValueError(f"metrics-proxy listens on {listen_host}, which other machines can reach, but has no scrape "
+                         f"token: set PDSERVE_METRICS_TOKEN (or --metrics-token-file; pdctl gen-secrets makes one) "
+                         f"and give Prometheus the same value, or listen on 127.0.0.1")
+    check_distinct({**others, "the metrics token": token})
+    return token
+
+
+def cmd_metrics_proxy(client, args) -> int:
     from gateway.ops.metrics_proxy import MetricsProxy, serve
 
     host, _, port = args.listen.rpartition(":")
-    proxy = MetricsProxy(args.url, args.admin_token, ClusterAuth.from_env(), args.public_address or f"metrics-sd:{port}",
-                         args.dcgm_targets)
-    serve(proxy, host or "0.0.0.0", int(port))
+    host = host or "0.0.0.0"
+    try:
+        secret = read_secret(args.cluster_secret_file)
+        auth = configure_auth(secret, [], "metrics-proxy")  # refuses a weak cluster secret
+    except AuthError as exc:
+        raise ValueError(str(exc)) from None
+    token = metrics_proxy_token(args, host.strip("[]"), {"the cluster secret": secret, "the admin token": client.token})
+    proxy = MetricsProxy(args.url, client.token, auth, args.public_address or f"metrics-sd:{port}", args.dcgm_targets,
+                         scrape_token=token)
+    serve(proxy, host, int(port))
     return 0
 
 
@@ -152,7 +174,11 @@ def add_commands(sub) -> None:
     s.set_defaults(func=cmd_scale)
 
     s = sub.add_parser("metrics-proxy", help="Prometheus HTTP SD from the registry + signed relay of worker /metrics")
-    s.add_argument("--listen", default="0.0.0.0:9401")
-    s.add_argument("--public-address", default=None, help="how Prometheus reaches this proxy (default metrics-sd:PORT)")
-    s.add_argument("--dcgm-targets", default="", help="host:port,... or workers:PORT (every host running workers)")
+    flags = EnvFlags(s)  # every flag also reads PDSERVE_<FLAG> (the compose service sets the token so)
+    flags.add("--listen", "0.0.0.0:9401", help="HOST:PORT")
+    flags.add("--public-address", help="how Prometheus reaches this proxy (default metrics-sd:PORT)")
+    flags.add("--dcgm-targets", "", help="host:port,... or workers:PORT (every host running workers)")
+    flags.add_secret("--metrics-token", "the metrics token",
+                     help="bearer token Prometheus presents (required unless --listen is a loopback address)")
+    flags.add("--cluster-secret-file", help="file holding the cluster secret (default: PDSERVE_CLUSTER_SECRET)")
     s.set_defaults(func=cmd_metrics_proxy)

@@ -21,6 +21,9 @@ STACKS: dict[str, tuple[str, list[str]]] = {
 }
 # Secrets every host of one deployment shares (copied by --from).
 SHARED_SECRETS = (SECRET_ENV, "PDSERVE_ADMIN_TOKEN", "PDSERVE_API_KEY", "REDIS_PASSWORD", "GRAFANA_ADMIN_PASSWORD")
+# Secrets of one host's services only (fresh in every file): the metrics proxy's scrape token,
+# which only that host's Prometheus presents.
+HOST_SECRETS = ("PDSERVE_METRICS_TOKEN",)
 STACK_KEY = "PDSERVE_STACK"
 
 
@@ -42,7 +45,7 @@ def read_env_file(path: str | os.PathLike) -> dict[str, str]:
 def new_secrets() -> dict[str, str]:
     return {SECRET_ENV: generate_secret(), "PDSERVE_ADMIN_TOKEN": generate_secret(),
             "PDSERVE_API_KEY": "sk-" + secrets.token_urlsafe(32), "REDIS_PASSWORD": secrets.token_hex(24),
-            "GRAFANA_ADMIN_PASSWORD": secrets.token_urlsafe(18)}
+            "GRAFANA_ADMIN_PASSWORD": secrets.token_urlsafe(18), "PDSERVE_METRICS_TOKEN": generate_secret()}
 
 
 def build_env(stack: str, shared: dict[str, str] | None = None, settings: dict[str, str] | None = None) -> dict[str, str]:
@@ -51,16 +54,18 @@ def build_env(stack: str, shared: dict[str, str] | None = None, settings: dict[s
     if stack not in STACKS:
         raise ValueError(f"unknown stack {stack!r}; expected one of {', '.join(STACKS)}")
     values = {"COMPOSE_PROJECT_NAME": STACKS[stack][0], STACK_KEY: stack}
+    fresh = new_secrets()
     if shared is None:
-        values.update(new_secrets())
+        values.update(fresh)
     else:
         for key in SHARED_SECRETS:
             problem = secret_problem(shared.get(key))
             if problem:
                 raise ValueError(f"{key} in the --from file is not usable: {problem}")
             values[key] = shared[key]
+        values.update({key: fresh[key] for key in HOST_SECRETS})
     for key, value in (settings or {}).items():
-        if key in values and key in SHARED_SECRETS:
+        if key in SHARED_SECRETS + HOST_SECRETS:
             raise ValueError(f"{key} is a secret: generate it, or copy it with --from")
         values[key] = value
     return values

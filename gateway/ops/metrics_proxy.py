@@ -12,10 +12,16 @@ signature, which Prometheus cannot make.  So Prometheus asks this proxy:
 
 The worker list comes from the gateway's ``/admin/pools`` (which lists only verified entries),
 cached for a few seconds.
+
+Scrapers authenticate: every endpoint but ``/health`` requires ``Authorization: Bearer <token>``
+(``--metrics-token``, ``PDSERVE_METRICS_TOKEN``, or a file), answered 401 otherwise, so the proxy
+relays the workers' metrics only to Prometheus, not to whatever else shares its network.
 """
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import logging
 import time
 from urllib.parse import quote, urlsplit
@@ -32,13 +38,17 @@ POOLS_TTL_S = 5.0
 
 
 class MetricsProxy:
-    """See the module docstring.  ``public_address`` is how Prometheus reaches this proxy."""
+    """See the module docstring.  ``public_address`` is how Prometheus reaches this proxy;
+    ``scrape_token`` the bearer token scrapers must present (None: no check, for a proxy that only
+    this machine reaches -- ``pdctl metrics-proxy`` refuses that on any other address)."""
 
     def __init__(self, gateway_url: str, admin_token: str | None, auth: ClusterAuth, public_address: str,
-                 dcgm_targets: str = "", timeout_s: float = 5.0):
+                 dcgm_targets: str = "", timeout_s: float = 5.0, *, scrape_token: str | None):
         self.gateway_url = gateway_url.rstrip("/")
         self.admin_token = admin_token
         self.auth = auth
+        # Compared as digests: equal length, constant time, nothing learned from a near miss.
+        self._token_digest = hashlib.sha256(scrape_token.encode()).digest() if scrape_token else None
         self.public_address = public_address
         self.dcgm_targets = dcgm_targets
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
@@ -96,8 +106,18 @@ class MetricsProxy:
     async def _health(self, _request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
 
+    @web.middleware
+    async def _require_token(self, request: web.Request, handler):
+        if self._token_digest is not None and request.path != "/health":
+            header = request.headers.get("Authorization", "")
+            presented = header[7:].encode("utf-8", "surrogateescape") if header.startswith("Bearer ") else b""
+            if not hmac.compare_digest(hashlib.sha256(presented).digest(), self._token_digest):
+                raise web.HTTPUnauthorized(text="metrics-proxy: missing or wrong bearer token\n",
+                                           headers={"WWW-Authenticate": 'Bearer realm="pdserve-metrics"'})
+        return await handler(request)
+
     def app(self) -> web.Application:
-        app = web.Application()
+        app = web.Application(middlewares=[self._require_token])
         app.router.add_get("/health", self._health)
         app.router.add_get("/targets/workers", self._targets_workers)
         app.router.add_get("/targets/dcgm", self._targets_dcgm)
