@@ -1,7 +1,8 @@
 """The engine thread: a failing step ends only its own requests; repeated failures stop the engine
-and every waiter gets an error at once; with nothing runnable the thread sleeps (no empty steps)
-until work arrives or a lease ends."""
+and every waiter gets an error at once; so does a step or a command that hangs (the watchdog); with
+nothing runnable the thread sleeps (no empty steps) until work arrives or a lease ends."""
 import asyncio
+import threading
 import time
 
 import pytest
@@ -42,8 +43,9 @@ async def running(checkpoint):
     """Build an engine thread (``running(**engine_config, max_step_failures=n)``), stopped afterwards."""
     threads = []
 
-    def start(max_step_failures=3, **config):
-        thread = EngineThread(make_engine(checkpoint, **config), asyncio.get_running_loop(), max_step_failures)
+    def start(max_step_failures=3, watchdog_s=None, **config):
+        thread = EngineThread(make_engine(checkpoint, **config), asyncio.get_running_loop(), max_step_failures,
+                              watchdog_s=watchdog_s)
         thread.start()
         threads.append(thread)
         return thread
@@ -134,3 +136,85 @@ async def test_nothing_runnable_means_no_steps_until_a_lease_ends(running):
     assert len(await asyncio.wait_for(waiting, WAIT)) == PARAMS["max_tokens"]
     stats = await thread.call(lambda e: e.stats())
     assert stats["num_waiting_for_remote_kv"] == 0 and stats["num_free_blocks"] == stats["num_blocks"]
+
+
+# ---- the watchdog -----------------------------------------------------------------------------
+# Each test holds the engine thread inside one step or command (a threading.Event only the test
+# sets), so the bound below is the only clock: nothing else the thread does comes near it.
+WATCHDOG_S = 1.0
+
+
+class Hold:
+    """Blocks the engine thread where it is called, until the test lets go."""
+
+    def __init__(self):
+        self.entered = threading.Event()
+        self.released = threading.Event()
+
+    def __call__(self, *_args) -> None:
+        self.entered.set()
+        self.released.wait()
+
+    async def wait_entered(self) -> None:
+        assert await asyncio.to_thread(self.entered.wait, WAIT), "the engine thread never got there"
+
+
+def fatal_event(thread: EngineThread) -> tuple[asyncio.Event, list[BaseException]]:
+    failed, errors = asyncio.Event(), []
+
+    def on_fatal(exc):
+        errors.append(exc)
+        failed.set()
+
+    thread.on_fatal = on_fatal
+    return failed, errors
+
+
+async def test_a_hung_step_fails_the_engine_and_every_waiter_gets_an_error(running):
+    thread = running(watchdog_s=WATCHDOG_S)
+    failed, errors = fatal_event(thread)
+    hold = Hold()
+    thread.engine.fault_injector = lambda step: hold() if step == 1 else None
+    try:
+        in_step = asyncio.ensure_future(generate(thread, "a", [5, 6, 7]))
+        await hold.wait_entered()
+        behind = asyncio.ensure_future(generate(thread, "b", [5, 6, 7]))  # its add waits for the step
+        call = asyncio.ensure_future(thread.call(lambda e: e.stats()))
+        await asyncio.wait_for(failed.wait(), WAIT)
+        assert "hung" in str(errors[0]) and "step 1" in str(errors[0]), errors
+        assert thread.hung and thread.fatal_error is not None  # what the worker's /health reads
+        for waiter in (in_step, behind, call):
+            with pytest.raises(EngineFailed, match="hung"):
+                await asyncio.wait_for(waiter, WAIT)
+        with pytest.raises(EngineFailed):  # a later call fails at once
+            await asyncio.wait_for(thread.call(lambda e: None), WAIT)
+        assert isinstance(thread.open_stream("late").get_nowait(), EngineFailed)
+    finally:
+        hold.released.set()
+
+
+async def test_a_hung_command_fails_the_engine_and_the_call_waiting_for_it(running):
+    thread = running(watchdog_s=WATCHDOG_S)
+    failed, errors = fatal_event(thread)
+    hold = Hold()
+    try:
+        stuck = asyncio.ensure_future(thread.call(hold))
+        await hold.wait_entered()
+        behind = asyncio.ensure_future(thread.call(lambda e: None))
+        await asyncio.wait_for(failed.wait(), WAIT)
+        assert "hung" in str(errors[0]) and "call" in str(errors[0]), errors
+        for waiter in (stuck, behind):
+            with pytest.raises(EngineFailed, match="hung"):
+                await asyncio.wait_for(waiter, WAIT)
+    finally:
+        hold.released.set()
+    # Let go, the abandoned command returns into nothing: the thread stops, no step runs.
+    await asyncio.to_thread(thread._thread.join, WAIT)
+    assert not thread._thread.is_alive() and thread.steps == 0
+
+
+async def test_the_watchdog_leaves_an_idle_engine_alone(running):
+    """It bounds steps and commands, not the time without any (nothing runs here at all)."""
+    thread = running(watchdog_s=0.05)
+    await asyncio.sleep(0.5)  # ten bounds with nothing to do
+    assert thread.fatal_error is None and not thread.hung

@@ -1,9 +1,12 @@
-"""A real decode worker whose engine steps fail on cue (``PDSERVE_TEST_FAIL_STEPS``).
+"""A real decode worker whose engine steps fail or hang on cue (``PDSERVE_TEST_FAIL_STEPS``,
+``PDSERVE_TEST_HANG_STEPS``).
 
 One failed step ends the requests in it with an explicit error and the worker keeps serving.
-Failures in a row (``--max-step-failures``) fail the worker: it leaves the registry, /health
-answers 503, every request in flight or arriving gets an explicit error at once, and the process
-exits non-zero once the last in-flight request has its answer (so its supervisor restarts it).
+Failures in a row (``--max-step-failures``), or a step that outlives the watchdog's bound
+(``--engine-watchdog``: a hung engine thread, which cannot report itself), fail the worker: it
+leaves the registry, /health answers 503, every request in flight or arriving gets an explicit
+error at once, and the process exits non-zero once the last in-flight request has its answer (so
+its supervisor restarts it).
 
 A request whose remote prefill hangs (a scripted prefill peer) keeps the worker in its drain long
 enough to look at it (and, holding more blocks than reservations may, shows that another remote
@@ -34,11 +37,15 @@ WORKER_ARGS = ["--num-blocks", str(NUM_BLOCKS), "--block-size", str(BLOCK_SIZE),
                "--kv-timeout", str(WAIT)]
 
 
-@pytest.fixture
-def stack(served_checkpoint, redis_url, tmp_path):
-    stack = LocalStack(str(served_checkpoint), redis_url, key_prefix=f"pdtest-{uuid.uuid4().hex[:12]}",
-                       workdir=tmp_path, prefill=0, decode=0, transport="tcp", worker_args=WORKER_ARGS,
-                       extra_env={"OMP_NUM_THREADS": "1", "PDSERVE_TEST_FAIL_STEPS": FAIL_STEPS})
+# The first step hangs; the watchdog gives it FIRST_STEP_ALLOWANCE times this (the only other
+# work before it, a few engine calls, takes microseconds).
+WATCHDOG_S = 2.0
+
+
+def worker_stack(checkpoint, redis_url, workdir, env: dict[str, str], args: list[str]):
+    stack = LocalStack(str(checkpoint), redis_url, key_prefix=f"pdtest-{uuid.uuid4().hex[:12]}",
+                       workdir=workdir, prefill=0, decode=0, transport="tcp", worker_args=WORKER_ARGS + args,
+                       extra_env={"OMP_NUM_THREADS": "1", **env})
     try:
         stack.start_worker("d0", "decode")
         stack.wait_ready("d0", timeout=WAIT)
@@ -46,6 +53,17 @@ def stack(served_checkpoint, redis_url, tmp_path):
     finally:
         stack.stop()
         delete_keys(redis_url, stack.key_prefix)
+
+
+@pytest.fixture
+def stack(served_checkpoint, redis_url, tmp_path):
+    yield from worker_stack(served_checkpoint, redis_url, tmp_path, {"PDSERVE_TEST_FAIL_STEPS": FAIL_STEPS}, [])
+
+
+@pytest.fixture
+def hang_stack(served_checkpoint, redis_url, tmp_path):
+    yield from worker_stack(served_checkpoint, redis_url, tmp_path, {"PDSERVE_TEST_HANG_STEPS": "1"},
+                            ["--engine-watchdog", str(WATCHDOG_S)])
 
 
 async def generate(client: WorkerClient, prompt_id: int, prefill_worker_id: str | None = None,
@@ -129,6 +147,47 @@ async def test_failed_steps_error_their_requests_then_repeated_failures_fail_the
         assert stack.procs["d0"].alive  # still draining: the hung request is in flight
 
         # The peer gives up: the last request ends with an explicit error, and the process exits 1.
+        await peer.close()
+        _, frames = await asyncio.wait_for(hung, WAIT)
+        assert outcome(frames).startswith("refused"), outcome(frames)
+    assert await asyncio.to_thread(stack.procs["d0"].popen.wait, WAIT) == 1
+
+
+async def test_a_hung_engine_step_fails_the_worker(hang_stack, served_checkpoint):
+    stack = hang_stack
+    engine = Engine(EngineConfig(model=str(served_checkpoint), num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE),
+                    load_tokenizer=False)
+    peer = await ScriptedPeer(engine, stack).start()
+    peer.script = lambda request: peer.hang()
+    async with WorkerClient(stack) as client:
+        assert "d0" in await registered(stack) and stack.worker_json("d0", "/health")["status"] == "ok"
+        # A request that waits for its (hung) remote prefill: in flight, in no engine step; it keeps
+        # the failed worker in its drain long enough to look at it.
+        hung = asyncio.ensure_future(generate(client, 13, prefill_worker_id=peer.worker_id, max_tokens=4,
+                                              prompt_len=40))
+        while (stack.stats("d0"))["num_waiting_for_remote_kv"] == 0:
+            await asyncio.sleep(0.05)
+        # The first step hangs: the request in it, and the one waiting behind it, get an explicit
+        # error once the watchdog gives up on the engine thread (not never).
+        results = await asyncio.wait_for(asyncio.gather(generate(client, 20), generate(client, 21)), WAIT)
+        for _, frames in results:
+            assert outcome(frames).startswith("refused: engine failed: the engine thread is hung"), outcome(frames)
+
+        async def left_the_registry():
+            while "d0" in await registered(stack):
+                await asyncio.sleep(0.05)
+        await asyncio.wait_for(left_the_registry(), WAIT)
+        status, frames = await generate(client, 30)
+        assert status == 503 and outcome(frames).startswith("refused: worker failed"), outcome(frames)
+        async with client.session.get(client.url + "/health") as resp:
+            health = await resp.json()
+            assert resp.status == 503 and health["status"] == "engine failed", health
+        stats = stack.stats("d0")
+        assert "hung" in stats["failed"] and stats["inflight"] == 1, stats
+        assert stack.procs["d0"].alive  # still draining: the hung request is in flight
+
+        # The peer gives up: the last request ends with an explicit error, and the process exits 1
+        # although its engine thread never returns.
         await peer.close()
         _, frames = await asyncio.wait_for(hung, WAIT)
         assert outcome(frames).startswith("refused"), outcome(frames)

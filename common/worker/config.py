@@ -40,6 +40,10 @@ class WorkerConfig:
     # Engine steps that may fail in a row (their requests get errors) before the worker gives up:
     # it leaves the pool and exits non-zero so its supervisor restarts it.
     max_step_failures: int = 3
+    # The most one engine step or engine call may take (the first step 4x) before the worker counts
+    # its engine as hung and fails the same way (0: no bound).  Generous: a long prompt chunk of a
+    # big model on CPU, or a kernel compiled on first use, must never trip it.
+    engine_watchdog_s: float = 300.0
     # PDSERVE_CLUSTER_SECRET (or --cluster-secret-file): required unless every listener is on
     # loopback; never printed.
     cluster_secret: str | None = field(default=None, repr=False)
@@ -53,6 +57,8 @@ class WorkerConfig:
             raise ValueError(f"invalid config: heartbeat_ttl_s must be > 0, got {self.heartbeat_ttl_s}")
         if self.max_step_failures < 1:
             raise ValueError(f"invalid config: max_step_failures must be >= 1, got {self.max_step_failures}")
+        if not self.engine_watchdog_s >= 0:
+            raise ValueError(f"invalid config: engine_watchdog_s must be >= 0 seconds (0: off), got {self.engine_watchdog_s}")
         if self.max_pending_requests < 1:
             raise ValueError(f"invalid config: max_pending_requests must be >= 1, got {self.max_pending_requests}")
         for name in ("peer_connect_timeout_s", "control_timeout_s"):
@@ -128,6 +134,9 @@ def build_parser(default_role: str, description: str, env: Mapping[str, str] | N
     add("--max-step-failures", 3, int,
         help="engine steps that may fail in a row (their requests get an error) before the worker gives up, "
              "leaves the pool and exits non-zero")
+    add("--engine-watchdog", WorkerConfig.engine_watchdog_s, float,
+        help="seconds one engine step or engine call may run (the first step 4x) before the engine counts as hung: "
+             "the worker then fails as for repeated step failures (0: no bound)")
     add("--failure-drain-timeout", 5.0, float,
         help="after the engine failed, seconds to let in-flight requests get their error before exiting")
     add("--model-id", help="model name served to clients")
@@ -175,5 +184,5 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         advertise_host=args.advertise_host, redis_url=redis_url, key_prefix=args.key_prefix,
         heartbeat_ttl_s=args.heartbeat_ttl, cluster_secret=secret,
         peer_connect_timeout_s=args.peer_connect_timeout, control_timeout_s=args.control_timeout,
-        max_step_failures=args.max_step_failures, **extra,
+        max_step_failures=args.max_step_failures, engine_watchdog_s=args.engine_watchdog, **extra,
     )

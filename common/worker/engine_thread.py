@@ -17,18 +17,31 @@ to pin freshly computed blocks for shipping before anything can reuse them).
 When nothing can run (no requests, or only ones waiting for blocks held elsewhere) the thread
 sleeps until a command arrives or a reservation's lease ends: an idle worker uses no CPU.
 
-A step that raises ends the requests it had scheduled with an error (``Engine.step``) and the
-engine goes on; ``max_step_failures`` failures in a row mean the engine is broken: the thread
-stops, every stream and every pending or later ``call`` fails at once with ``EngineFailed``, and
-``on_fatal`` tells the worker.
+The engine fails for good -- the thread stops, every stream and every pending or later ``call``
+fails at once with ``EngineFailed``, and ``on_fatal`` tells the worker -- when
+
+* ``max_step_failures`` steps fail in a row (a step that raises ends the requests it had
+  scheduled with an error, ``Engine.step``, and the engine goes on), or
+* the watchdog finds one step or one command running longer than ``watchdog_s`` (the first step
+  ``FIRST_STEP_ALLOWANCE`` times that).  A hung thread cannot check itself, so a thread of its own
+  watches; the hung step or command is abandoned (it may never return), and the ``call`` that
+  waits for it fails with the rest.  This is also what bounds ``call``: every command waits only
+  for steps and commands that are each bounded, and gets ``EngineFailed`` once one is not.  (A
+  timeout on one call alone would be wrong: its ``fn`` could still run later, unseen -- reserve
+  blocks nobody frees.)  Compiling the model and capturing CUDA graphs happen when the ``Engine``
+  is built, before the thread starts, outside the watchdog; the first step's allowance covers what
+  is still initialised lazily (Triton kernels compiled on first use, oneDNN primitives, the first
+  touch of the weights).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import queue
 import threading
 import time
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Callable, Mapping
 
@@ -36,20 +49,41 @@ from common.engine.engine import Engine, RequestOutput, StepFailed
 
 log = logging.getLogger(__name__)
 
+# The first step may take this many times the watchdog's bound (see the module docstring).
+FIRST_STEP_ALLOWANCE = 4.0
+
 
 class EngineFailed(RuntimeError):
-    """The engine thread has stopped (repeated step failures, or shut down): nothing more runs."""
+    """The engine thread has stopped (repeated step failures, hung, or shut down): nothing more runs."""
+
+
+@dataclass(frozen=True, eq=False)
+class _Work:
+    """One step or command the engine thread is running (compared by identity)."""
+
+    what: str
+    began: float  # time.monotonic()
+    deadline: float
 
 
 class EngineThread:
-    """Owns the engine thread; all engine access from async code goes through ``call``."""
+    """Owns the engine thread; all engine access from async code goes through ``call``.
 
-    def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop, max_step_failures: int = 3):
+    ``watchdog_s``: the most one step or one command may take before the engine counts as hung
+    (``None`` or 0: no bound).  ``clock``: what lease deadlines are read against (time.monotonic's
+    scale; tests move it)."""
+
+    def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop, max_step_failures: int = 3,
+                 watchdog_s: float | None = None, clock: Callable[[], float] = time.monotonic):
         if max_step_failures < 1:
             raise ValueError(f"max_step_failures must be >= 1, got {max_step_failures}")
+        if watchdog_s is not None and not watchdog_s >= 0:
+            raise ValueError(f"watchdog_s must be >= 0 seconds (0: off), got {watchdog_s}")
         self.engine = engine
         self.loop = loop
         self.max_step_failures = max_step_failures
+        self.watchdog_s = watchdog_s or None
+        self.clock = clock
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, asyncio.Queue] = {}
         self.after_step: list[Callable[[Engine, list[RequestOutput]], None]] = []
@@ -60,6 +94,13 @@ class EngineThread:
         self._stopping = False
         self._closed = threading.Lock()  # orders "no more commands" against queueing one
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        # Watchdog: what the engine thread runs now, and the command whose future waits for it.
+        self._work: _Work | None = None
+        self._command_future: asyncio.Future | None = None
+        self._watch_until = math.inf  # when the watchdog wakes next (written by it only)
+        self._watch_wake = threading.Event()
+        self._watchdog = threading.Thread(target=self._watch, name="engine-watchdog", daemon=True)
+        self.hung = False  # the watchdog gave up on the engine thread
         self.steps = 0
         self.step_failures = 0  # all of them, for the stats
         # Time accounting (in the stats): seconds from the start of a step to its outputs handed
@@ -73,18 +114,24 @@ class EngineThread:
 
     def start(self) -> None:
         self._thread.start()
+        if self.watchdog_s is not None:
+            self._watchdog.start()
 
     def stop(self) -> None:
-        """Stop the thread after its current step; later calls fail at once (event loop thread)."""
+        """Stop the thread after its current step; later calls fail at once (event loop thread).
+        A hung thread is not waited for."""
         self._stopping = True
         self._commands.put(None)
-        self._thread.join(timeout=10)
+        if self._thread.is_alive() and not self.hung:
+            self._thread.join(timeout=10)
+        self._watch_wake.set()
         if self.fatal_error is None:
             self._die(EngineFailed("the engine has stopped"), notify=False)
 
     async def call(self, fn: Callable[[Engine], Any]) -> Any:
         """Run ``fn(engine)`` in the engine thread between steps and return its result.  Raises
-        ``EngineFailed`` at once if the engine thread has stopped (or stops before running it)."""
+        ``EngineFailed`` at once if the engine thread has stopped, or when it stops before ``fn``
+        has returned (with a watchdog, so this never waits unbounded)."""
         future = self.loop.create_future()
         with self._closed:
             if self.fatal_error is not None:
@@ -111,7 +158,7 @@ class EngineThread:
         failures = 0  # in a row
         last_end = None  # when the previous step ended, if work has been waiting since
         try:
-            while not self._stopping:
+            while not self._stopping and self.fatal_error is None:
                 if not engine.has_work() or engine.stalled:
                     last_end = None
                 if not self._drain_commands(block=not engine.has_work() or engine.stalled):
@@ -123,6 +170,7 @@ class EngineThread:
                 began = time.perf_counter()
                 if last_end is not None:
                     self.gap_seconds += began - last_end
+                self._begin(f"step {self.steps + 1}", FIRST_STEP_ALLOWANCE if self.steps == 0 else 1.0)
                 try:
                     outputs = engine.step()
                     failed = None
@@ -137,6 +185,9 @@ class EngineThread:
                 except Exception as exc:
                     log.exception("after-step hook failed")
                     failed = failed or StepFailed(exc, [])
+                self._work = None
+                if self.fatal_error is not None:
+                    return  # the watchdog gave up on this step: every waiter has its error
                 self.steps += 1
                 if outputs:
                     self._post(self._dispatch, outputs)
@@ -159,13 +210,13 @@ class EngineThread:
 
     def _drain_commands(self, block: bool) -> bool:
         """Run queued commands; wait for one if ``block`` (at most until the next lease ends).
-        False once asked to stop."""
+        False once asked to stop, or failed."""
         while True:
             timeout = None
             if block:
                 deadline = self.engine.scheduler.next_lease_deadline()
                 if deadline is not None:
-                    timeout = max(0.0, deadline - time.monotonic())
+                    timeout = max(0.0, deadline - self.clock())
                     if timeout == 0.0:
                         return not self._stopping
             try:
@@ -175,17 +226,23 @@ class EngineThread:
             if item is None:
                 return False
             fn, future = item
+            self._command_future = future
+            self._begin(f"call {getattr(fn, '__qualname__', fn)!s}")
             try:
                 result = fn(self.engine)
             except Exception as exc:
                 self._post(_set_exception, future, exc)
             else:
                 self._post(_set_result, future, result)
+            finally:
+                self._work = self._command_future = None
+            if self.fatal_error is not None:
+                return False  # the watchdog gave up on this command
             self.engine.stalled = False  # the command may have made room or work
             block = False
 
     def _expire_leases(self) -> None:
-        expired = self.engine.scheduler.expired_leases()
+        expired = self.engine.scheduler.expired_leases(now=self.clock())
         if not expired:
             return
         self.engine.stalled = False
@@ -203,13 +260,57 @@ class EngineThread:
                      engine_step_seconds=self.step_seconds, engine_gap_seconds=self.gap_seconds)
         self.snapshot = MappingProxyType(stats)
 
+    def _begin(self, what: str, allowance: float = 1.0) -> None:
+        """Engine thread: a step or command starts; wake the watchdog if it must look sooner."""
+        if self.watchdog_s is None:
+            return
+        now = time.monotonic()
+        work = _Work(what, now, now + allowance * self.watchdog_s)
+        self._work = work
+        if work.deadline < self._watch_until:
+            self._watch_wake.set()
+
+    # ---- watchdog thread -------------------------------------------------------------------
+
+    def _watch(self) -> None:
+        """Sleep until what the engine thread runs now is due; if it is still the same step or
+        command by then, the engine thread is hung: fail the engine."""
+        while not self._stopping and self.fatal_error is None:
+            work = self._work
+            now = time.monotonic()
+            if work is not None and work.deadline <= now:
+                if self._work is work:
+                    self._hung(work, now)
+                    return
+                continue
+            self._watch_until = work.deadline if work is not None else math.inf
+            self._watch_wake.clear()
+            if self._work is not work:  # changed meanwhile: look again (see _begin)
+                continue
+            self._watch_wake.wait(None if work is None else work.deadline - now)
+        self._watch_until = math.inf
+
+    def _hung(self, work: _Work, now: float) -> None:
+        self.hung = True
+        error = EngineFailed(f"the engine thread is hung: {work.what} has run for {now - work.began:.1f} s, over "
+                             f"the watchdog's bound of {work.deadline - work.began:g} s")
+        self._die(error)
+
+    # ---- any thread ------------------------------------------------------------------------
+
     def _die(self, exc: BaseException, notify: bool = True) -> None:
-        """Stop for good: fail every stream, every queued command and every later one."""
+        """Stop for good: fail every stream, every queued command (and the one running, which a
+        hung thread may never finish) and every later one.  The first failure wins."""
+        with self._closed:
+            if self.fatal_error is not None:
+                return
+            self.fatal_error = exc
         if notify:
             log.error("engine thread stops: %s", exc)
-        with self._closed:
-            self.fatal_error = exc
         error = EngineFailed(f"engine failed: {exc}")
+        running = self._command_future
+        if running is not None:
+            self._post(_set_exception, running, error)
         while True:
             try:
                 item = self._commands.get_nowait()
@@ -217,6 +318,7 @@ class EngineThread:
                 break
             if item is not None:
                 self._post(_set_exception, item[1], error)
+        self._watch_wake.set()
         self._post(self._fail_all, error, notify)
 
     def _post(self, fn, *args) -> None:

@@ -67,4 +67,11 @@ def main(default_role: str, description: str, modules: list[RoleModule]) -> None
         config = config_from_args(args)
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
-    sys.exit(run_service(serve(config, modules, args.drain_timeout, args.failure_drain_timeout)))
+    status = run_service(serve(config, modules, args.drain_timeout, args.failure_drain_timeout))
+    if status:
+        # The engine failed, perhaps hung: its thread may never return, and the interpreter's
+        # shutdown could wait on whatever it holds.  Everything else is closed by now: leave.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    sys.exit(status)

@@ -17,9 +17,10 @@ with the cluster secret, see ``request_auth``):
 Counters read on the event loop (/stats, /metrics, the heartbeat) come from the snapshot the engine
 thread publishes after each step, never from the scheduler itself, which changes under them.
 
-A failed engine (repeated step failures) fails the worker: it leaves the registry, /health answers
-503, every request in flight or arriving gets an explicit error, and ``failed`` is set so the process
-exits non-zero after a short drain (its supervisor restarts it).
+A failed engine (repeated step failures, or a step or engine call that outlives the watchdog's
+bound, ``--engine-watchdog``: a hung engine thread) fails the worker: it leaves the registry, /health
+answers 503, every request in flight or arriving gets an explicit error, and ``failed`` is set so the
+process exits non-zero after a short drain (its supervisor restarts it).
 
 The role only decides which of /generate and /prefill a worker accepts; the engine is the same,
 so a role change needs no restart.
@@ -29,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import os
 import time
 from collections import deque
 from typing import Sequence
@@ -41,6 +41,7 @@ from aiohttp import web
 from common.engine.engine import Engine
 from common.engine.step_log import COLUMNS as STEP_COLUMNS
 from common.worker.engine_thread import EngineFailed, EngineThread
+from common.worker.fault_injection import fault_injector_from_env
 from common.cluster.messages import MAX_FRAME_BYTES, AbortRequest, decode
 from common.cluster.prefix_index import PrefixIndexPublisher
 from common.cluster.redis_util import connect
@@ -104,26 +105,6 @@ def peer_session(config: WorkerConfig) -> aiohttp.ClientSession:
     )
 
 
-def fault_injector_from_env(env=os.environ):
-    """Tests only: ``PDSERVE_TEST_FAIL_STEPS`` names engine steps (counted from 1, only steps that
-    compute something) that raise: ``3`` the 3rd, ``3-5`` the 3rd to the 5th, ``3-`` every one
-    from the 3rd on; several joined by commas."""
-    spec = env.get("PDSERVE_TEST_FAIL_STEPS", "").strip()
-    if not spec:
-        return None
-    ranges = []
-    for part in spec.split(","):
-        first, dash, last = part.strip().partition("-")
-        ranges.append((int(first), (int(last) if last else float("inf")) if dash else int(first)))
-    log.warning("fault injection: engine steps %s will fail (PDSERVE_TEST_FAIL_STEPS)", spec)
-
-    def inject(step: int) -> None:
-        if any(lo <= step <= hi for lo, hi in ranges):
-            raise RuntimeError(f"injected fault in step {step} (PDSERVE_TEST_FAIL_STEPS={spec})")
-
-    return inject
-
-
 class Worker:
     """One worker process.  ``start()`` loads the model and joins the pool; ``stop()`` leaves it."""
 
@@ -163,7 +144,8 @@ class Worker:
         loop = asyncio.get_running_loop()
         self.http_client = peer_session(self.config)
         self.engine = await asyncio.to_thread(Engine, self.config.engine, load_tokenizer=False)
-        self.engine_thread = EngineThread(self.engine, loop, max_step_failures=self.config.max_step_failures)
+        self.engine_thread = EngineThread(self.engine, loop, max_step_failures=self.config.max_step_failures,
+                                          watchdog_s=self.config.engine_watchdog_s)
         self.engine_thread.after_step.append(self._publish_cache_events)
         self.engine_thread.on_fatal = self._engine_failed
         self.engine_thread.on_lease_expired = self._leases_expired

@@ -1,0 +1,46 @@
+"""Tests only: engine steps that fail or hang on cue, named by environment variables.
+
+``PDSERVE_TEST_FAIL_STEPS`` names engine steps (counted from 1, only steps that compute something)
+that raise: ``3`` the 3rd, ``3-5`` the 3rd to the 5th, ``3-`` every one from the 3rd on; several
+joined by commas.  ``PDSERVE_TEST_HANG_STEPS`` names, the same way, steps that never return (a hung
+engine thread: what the watchdog is for).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Callable
+
+log = logging.getLogger(__name__)
+
+
+def _step_ranges(spec: str) -> list[tuple[int, float]]:
+    ranges = []
+    for part in spec.split(","):
+        first, dash, last = part.strip().partition("-")
+        ranges.append((int(first), (int(last) if last else float("inf")) if dash else int(first)))
+    return ranges
+
+
+def fault_injector_from_env(env=os.environ) -> Callable[[int], None] | None:
+    """The ``Engine.fault_injector`` those variables ask for, or ``None`` when neither is set."""
+    fail = env.get("PDSERVE_TEST_FAIL_STEPS", "").strip()
+    hang = env.get("PDSERVE_TEST_HANG_STEPS", "").strip()
+    if not fail and not hang:
+        return None
+    fail_ranges = _step_ranges(fail) if fail else []
+    hang_ranges = _step_ranges(hang) if hang else []
+    if fail:
+        log.warning("fault injection: engine steps %s will fail (PDSERVE_TEST_FAIL_STEPS)", fail)
+    if hang:
+        log.warning("fault injection: engine steps %s will hang (PDSERVE_TEST_HANG_STEPS)", hang)
+
+    def inject(step: int) -> None:
+        if any(lo <= step <= hi for lo, hi in hang_ranges):
+            log.warning("fault injection: engine step %d hangs (PDSERVE_TEST_HANG_STEPS=%s)", step, hang)
+            threading.Event().wait()
+        if any(lo <= step <= hi for lo, hi in fail_ranges):
+            raise RuntimeError(f"injected fault in step {step} (PDSERVE_TEST_FAIL_STEPS={fail})")
+
+    return inject
