@@ -16,22 +16,25 @@ it longer.  Both call ``run_chaos(ChaosConfig(...), workdir)`` and judge the dic
               and garbage on every KV port, a prefill worker SIGKILLed, a decode worker SIGKILLed
               while it streams, Redis killed and restarted on its port, garbage on the KV ports
               again (the restarted workers' too)
-    judged    every request ends within ``request_bound_s`` with a complete answer or an explicit
-              error (an HTTP status, or an error event in the stream); every greedy answer (and
-              every greedy partial answer) equals the offline engine's output for its prompt, in
-              fp32 on the same checkpoint; afterwards every worker passes the block-pool integrity
+    judged    (``benchmarks/chaos_checks.py``) every request ends within ``request_bound_s`` with a
+              complete answer or an explicit error (an HTTP status, or an error event in the
+              stream) that a fault explains (a stream cut by its decode worker's SIGKILL, 503 or
+              429 with Retry-After); every greedy answer (and every greedy partial answer) equals
+              the offline engine's output for its prompt, in fp32 on the same checkpoint;
+              afterwards -- checked before any lease of the run could have ended, so nothing that
+              only a lease would free looks clean -- every worker passes the block-pool integrity
               check with every block free (only cached blocks), holds nothing in flight, is
               registered and healthy; the gateway has nothing in flight; idle workers use ~no CPU.
 
 The returned dict has ``requests``, ``completed``, ``explicit_errors``, ``disconnected``, ``hangs``,
 ``broken`` (ended without an answer or an explicit error, or with a wrong-length answer),
-``parity_checked``, ``parity_mismatches``, ``leaked_blocks``, ``workers_healthy_at_end`` and details.
+``unexplained_errors``, ``error_classes``, ``parity_checked``, ``parity_mismatches``,
+``leaked_blocks``, ``leak_check_before_leases_end``, ``workers_healthy_at_end`` and details.
 """
 from __future__ import annotations
 
 import asyncio
 import json
-import math
 import os
 import random
 import re
@@ -43,16 +46,17 @@ import urllib.error
 import urllib.request
 import uuid
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import openai
-import psutil
 
-from common.cluster.launcher import LocalStack, Supervisor, gateway_health, http_json
+from benchmarks.chaos_checks import classify_error, gateway_metric, reference_texts, settle
+from benchmarks.chaos_requests import Outcome, Planner, run_request
+from common.cluster.launcher import LocalStack, Supervisor, http_json
 from common.cluster.redis_util import RedisServer
 
-ADMIN_TOKEN = "chaos-admin-token"
+ADMIN_TOKEN = "pdserve-chaos-admin-token"  # the gateway's (in its environment: never on a command line)
 T0 = time.monotonic()  # event and outcome times are relative to this
 MAX_MODEL_LEN = 1600
 
@@ -77,6 +81,15 @@ class ChaosConfig:
     settle_timeout_s: float = 120.0  # for the stack to be back to idle after the load
     idle_cpu_window_s: float = 5.0
 
+    @property
+    def kv_backstop_s(self) -> float:
+        """The workers' ``--kv-timeout`` and ``--kv-lease-timeout``: longer than the whole run, its
+        settling included.  A reservation's lease (the KV timeout and then some) or a prefill
+        worker's wait for an acknowledgement can then never end before the leak check, so whatever
+        only such a backstop would free is still held there.  (Chaos injects no hung peer: a
+        killed one is noticed through its connections.)"""
+        return 3600.0 + self.minutes * 60
+
 
 # ---- the checkpoint and the offline reference ---------------------------------------------------
 
@@ -91,190 +104,6 @@ def write_checkpoint(directory: Path) -> Path:
     return directory
 
 
-def reference_texts(checkpoint: Path, items: list[tuple[tuple[int, ...], int]]) -> dict:
-    """``{(prompt_ids, max_tokens): text}``: the offline engine's greedy output in fp32, as the
-    gateway would stream it (its detokenizer over the generated ids, prompt as context)."""
-    from common.engine.config import EngineConfig
-    from common.engine.engine import Engine
-    from gateway.detokenizer import StreamingDecoder
-
-    items = sorted(set(items))
-    if not items:
-        return {}
-    engine = Engine(EngineConfig(model=str(checkpoint), dtype="float32", device="cpu", block_size=16,
-                                 num_blocks=2048, max_model_len=MAX_MODEL_LEN))
-    ids: dict[str, list[int]] = {}
-    keys: dict[str, tuple] = {}
-    for prompt, max_tokens in items:
-        rid = engine.add_request(list(prompt), {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
-        ids[rid], keys[rid] = [], (prompt, max_tokens)
-    while engine.has_unfinished():
-        for out in engine.step():
-            ids[out.request_id].extend(out.new_token_ids)
-    texts = {}
-    for rid, token_ids in ids.items():
-        decoder = StreamingDecoder(engine.tokenizer, keys[rid][0])
-        texts[keys[rid]] = decoder.step(token_ids) + decoder.finish()
-    return texts
-
-
-# ---- the requests ------------------------------------------------------------------------------
-
-
-@dataclass
-class Spec:
-    """One planned request."""
-
-    index: int
-    prompt: list[int]
-    max_tokens: int
-    temperature: float
-    stream: bool
-    top_p: float = 1.0
-    seed: int | None = None
-    extra: dict = field(default_factory=dict)  # hostile fields (huge top_k)
-    disconnect: str | None = None  # "before_first" | "during_transfer" | "mid_decode"
-    cancel_after_s: float | None = None
-    after_chunks: int = 0
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < 1e-5
-
-    @property
-    def kind(self) -> str:
-        if self.temperature and self.greedy:
-            return "tiny_temperature"
-        if self.extra:
-            return "huge_top_k"
-        return ("greedy" if self.greedy else "sampled") + ("_stream" if self.stream else "")
-
-
-@dataclass
-class Outcome:
-    spec: Spec
-    kind: str  # completed | error | disconnected | hang | broken
-    text: str = ""
-    detail: str = ""
-    status: int | None = None
-    seconds: float = 0.0
-    ended_at: float = field(default_factory=time.monotonic)
-
-
-class Planner:
-    """Random request specs from a seed: a mix of lengths, modes and planned disconnects."""
-
-    def __init__(self, config: ChaosConfig, vocab: int):
-        self.config = config
-        self.rng = random.Random(config.seed)
-        self.vocab = vocab
-        self.count = 0
-        # Long shared prefixes: prefix-cache hits on both pools, so only the missing blocks move.
-        self.prefixes = [self._ids(self.rng.randint(64, 600)) for _ in range(4)]
-
-    def _ids(self, n: int) -> list[int]:
-        return [self.rng.randrange(3, self.vocab) for _ in range(n)]
-
-    def _length(self) -> int:
-        c = self.config
-        return int(round(math.exp(self.rng.uniform(math.log(c.min_prompt), math.log(c.max_prompt)))))
-
-    def next(self) -> Spec:
-        rng, c = self.rng, self.config
-        n = self._length()
-        if rng.random() < 0.35:
-            prefix = rng.choice(self.prefixes)
-            prompt = (prefix + self._ids(max(1, n - len(prefix))))[: max(n, len(prefix) + 1)]
-        else:
-            prompt = self._ids(n)
-        prompt = prompt[: c.max_prompt]
-        spec = Spec(self.count, prompt, max_tokens=rng.randint(1, c.max_tokens), temperature=0.0,
-                    stream=rng.random() < 0.5)
-        self.count += 1
-        roll = rng.random()
-        if roll < 0.35:
-            spec.temperature, spec.top_p = rng.uniform(0.6, 1.3), rng.choice([1.0, 0.9])
-            spec.seed = rng.choice([None, rng.randrange(1 << 30)])
-        elif roll < 0.38:
-            spec.temperature = 1e-40  # hostile: must mean greedy, not inf/NaN logits
-        elif roll < 0.41:
-            spec.temperature, spec.extra = 0.8, {"top_k": 2 ** 70}  # hostile: bounded by the vocabulary
-        roll = rng.random()
-        if roll < 0.05:
-            spec.disconnect, spec.cancel_after_s = "before_first", rng.uniform(0.0, 0.05)
-        elif roll < 0.10 and len(prompt) >= 300:
-            spec.disconnect, spec.cancel_after_s = "during_transfer", rng.uniform(0.05, 1.0)
-        elif roll < 0.15 and spec.max_tokens >= 4:
-            spec.disconnect, spec.stream = "mid_decode", True
-            spec.after_chunks = rng.randint(1, spec.max_tokens - 2)
-        return spec
-
-
-async def run_request(client: openai.AsyncOpenAI, model: str, spec: Spec, bound_s: float) -> Outcome:
-    """Send one request as a client would; classify how it ended."""
-    kwargs = dict(model=model, prompt=spec.prompt, max_tokens=spec.max_tokens, temperature=spec.temperature,
-                  top_p=spec.top_p, stream=spec.stream, extra_body={"ignore_eos": True, **spec.extra})
-    if spec.seed is not None:
-        kwargs["seed"] = spec.seed
-    if spec.stream:
-        kwargs["stream_options"] = {"include_usage": True}
-    pieces: list[str] = []
-    began = time.monotonic()
-
-    def outcome(kind: str, **kw) -> Outcome:
-        return Outcome(spec, kind, text="".join(pieces), seconds=time.monotonic() - began, **kw)
-
-    async def send() -> Outcome:
-        if not spec.stream:
-            r = await client.completions.create(**kwargs)
-            pieces.append(r.choices[0].text)
-            return judge_complete(r.choices[0].finish_reason, r.usage.completion_tokens)
-        stream = await client.completions.create(**kwargs)
-        finish, tokens, chunks = None, None, 0
-        try:
-            async for chunk in stream:
-                if chunk.usage is not None:
-                    tokens = chunk.usage.completion_tokens
-                if not chunk.choices:
-                    continue
-                pieces.append(chunk.choices[0].text)
-                finish = chunk.choices[0].finish_reason or finish
-                chunks += 1
-                if spec.disconnect == "mid_decode" and chunks >= spec.after_chunks and finish is None:
-                    return outcome("disconnected", detail="mid_decode")
-        finally:
-            await stream.close()
-        return judge_complete(finish, tokens)
-
-    def judge_complete(finish, tokens) -> Outcome:
-        if finish == "length" and tokens == spec.max_tokens:
-            return outcome("completed")
-        return outcome("broken", detail=f"ended with finish_reason={finish}, {tokens} tokens of {spec.max_tokens}")
-
-    task = asyncio.ensure_future(send())
-    try:
-        if spec.cancel_after_s is not None:
-            done, _ = await asyncio.wait({task}, timeout=spec.cancel_after_s)
-            if not done:
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-                return outcome("disconnected", detail=spec.disconnect)
-        async with asyncio.timeout(max(0.0, bound_s - (time.monotonic() - began))):
-            return await asyncio.shield(task)
-    except TimeoutError:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        return outcome("hang", detail=f"no end within {bound_s:g} s")
-    except openai.APIStatusError as exc:
-        return outcome("error", status=exc.status_code, detail=str(exc.message)[:300])
-    except openai.APIConnectionError as exc:
-        return outcome("broken", detail=f"connection lost without an error: {exc!r}"[:300])
-    except openai.APIError as exc:  # an error event in a started stream
-        return outcome("error", detail=str(exc.message)[:300])
-    except Exception as exc:  # noqa: BLE001 - anything else is a broken answer, reported
-        return outcome("broken", detail=f"{type(exc).__name__}: {exc}"[:300])
-
-
 # ---- the stack and its faults ------------------------------------------------------------------
 
 
@@ -286,24 +115,31 @@ class ChaosStack:
         self.redis = RedisServer().start()
         self.events: list[str] = []
         c = config
+        backstop = str(c.kv_backstop_s)  # no lease ends before the leak check (ChaosConfig.kv_backstop_s)
         common = ["--heartbeat-ttl", "2", "--block-size", str(c.block_size),
                   "--max-num-batched-tokens", "256", "--max-num-seqs", "16", "--max-model-len", str(MAX_MODEL_LEN),
-                  "--kv-timeout", "30", "--kv-lease-timeout", "10", "--kv-abort-grace", "2", "--dtype", "float32"]
+                  "--kv-timeout", backstop, "--kv-lease-timeout", backstop, "--kv-abort-grace", "2",
+                  "--dtype", "float32"]
         self.stack = LocalStack(
             str(checkpoint), self.redis.url, key_prefix=f"chaos-{uuid.uuid4().hex[:8]}", workdir=workdir,
             prefill=2, decode=2, transport=c.transport, worker_args=common,
             role_args={"decode": ["--num-blocks", str(c.decode_blocks)],
                        "prefill": ["--num-blocks", str(c.prefill_blocks)]},
-            gateway_args=["--admin-token", ADMIN_TOKEN, "--skip-prefill-below", "32", "--max-inflight", "64",
-                          "--bench-time", "2", "--queue-timeout", "15", "--first-token-timeout", "60",
+            # A first token later than a request's bound is a hang the client reports, not a retry
+            # elsewhere after a timeout that would hide what the worker still holds.
+            gateway_args=["--skip-prefill-below", "32", "--max-inflight", "64",
+                          "--bench-time", "2", "--queue-timeout", "15",
+                          "--first-token-timeout", str(c.request_bound_s + 30),
                           "--upstream-idle-timeout", "30", "--max-model-len", str(MAX_MODEL_LEN)],
-            extra_env={"OMP_NUM_THREADS": "1"})
+            extra_env={"OMP_NUM_THREADS": "1", "PDSERVE_ADMIN_TOKEN": ADMIN_TOKEN})
+        self.admin_token = ADMIN_TOKEN
         self._stop = threading.Event()
         self.supervisor = Supervisor(self.stack, min_backoff=0.5, max_backoff=4.0, say=self._say)
         self._thread = threading.Thread(target=self.supervisor.run, args=(self._stop.is_set,), daemon=True)
         self.hostile_results: list[dict] = []
         self._recovering: set[asyncio.Task] = set()
         self.longest_stall_s: dict[str, float] = {}
+        self.kills: list[tuple[str, float]] = []  # (name, time.monotonic()) of every SIGKILL
 
     def _say(self, message: str, **_) -> None:
         self.event(message)
@@ -337,6 +173,7 @@ class ChaosStack:
         proc = self.stack.procs[name]
         old = proc.popen
         os.kill(old.pid, signal.SIGKILL)
+        self.kills.append((name, time.monotonic()))
         self.event(f"SIGKILL {name} ({why})")
         task = asyncio.ensure_future(self._back(name, old))
         self._recovering.add(task)
@@ -387,21 +224,22 @@ class ChaosStack:
         await self.kill(f"p{round_no % 2}", "a prefill worker crashes")
 
     async def kill_decode(self, round_no: int) -> None:
-        """SIGKILL a decode worker while it streams (the one with the most running requests)."""
-        deadline = time.monotonic() + 10
-        best, running = f"d{round_no % 2}", 0
+        """SIGKILL a decode worker while it serves (the one with the most requests in flight, as
+        its handlers count them now, not as of its engine's last snapshot)."""
+        deadline = time.monotonic() + 60
+        best, serving = f"d{round_no % 2}", 0
         while time.monotonic() < deadline:
             for name in ("d0", "d1"):
                 try:
-                    n = (await asyncio.to_thread(self.stack.stats, name))["num_running"]
+                    n = (await asyncio.to_thread(self.stack.stats, name))["inflight"]
                 except (OSError, ValueError, KeyError):
                     continue
-                if n > running:
-                    best, running = name, n
-            if running:
+                if n > serving:
+                    best, serving = name, n
+            if serving:
                 break
             await asyncio.sleep(0.1)
-        await self.kill(best, f"a decode worker crashes with {running} requests running")
+        await self.kill(best, f"a decode worker crashes with {serving} requests in flight")
 
     async def restart_redis(self, _round_no: int) -> None:
         """Kill Redis, hold its port (refused, as by a dead Redis) for a moment, start it again empty."""
@@ -476,85 +314,6 @@ def _spray(host: str, port: int | None, payload: bytes) -> None:
         pass  # the worker may hang up at once: that is fine
 
 
-# ---- after the load: is everything back? -------------------------------------------------------
-
-
-def worker_problems(stats: dict) -> list[str]:
-    """What is still held by a worker that should be idle (empty when all is well)."""
-    problems = []
-    for key in ("inflight", "num_unfinished", "num_running", "num_waiting", "num_waiting_for_remote_kv",
-                "kv_transfers_settling", "kv_incoming", "kv_outgoing"):
-        if stats.get(key):
-            problems.append(f"{key}={stats[key]}")
-    if stats.get("num_free_blocks") != stats.get("num_blocks"):
-        problems.append(f"{stats['num_blocks'] - stats['num_free_blocks']} blocks held")
-    if stats.get("pool_ok") is not True:
-        problems.append(f"block pool integrity: {stats.get('pool_error')}")
-    return problems
-
-
-def gateway_metric(url: str, name: str) -> float:
-    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    return sum(float(line.split()[-1]) for line in text.splitlines()
-               if line.startswith(name + " ") or line.startswith(name + "{"))
-
-
-async def settle(chaos: ChaosStack) -> dict:
-    """Wait (bounded) for the stack to be idle and whole again; report what is not."""
-    c = chaos.config
-    deadline = time.monotonic() + c.settle_timeout_s
-    while True:
-        report = await asyncio.to_thread(_snapshot, chaos)
-        if report["workers_healthy_at_end"] or time.monotonic() > deadline:
-            break
-        await asyncio.sleep(0.5)
-    # Idle: every worker's CPU time over a few seconds of no traffic.
-    procs = {name: psutil.Process(chaos.pid(name)) for name in chaos.workers}
-    before = {name: sum(p.cpu_times()[:2]) for name, p in procs.items()}
-    await asyncio.sleep(c.idle_cpu_window_s)
-    report["idle_cpu_s"] = {name: round(sum(p.cpu_times()[:2]) - before[name], 3) for name, p in procs.items()}
-    report["idle_cpu_window_s"] = c.idle_cpu_window_s
-    report["settle_s"] = round(c.settle_timeout_s - max(0.0, deadline - time.monotonic()), 1)
-    return report
-
-
-def _snapshot(chaos: ChaosStack) -> dict:
-    stack = chaos.stack
-    problems: dict[str, list[str]] = {}
-    leaked = 0
-    for name in chaos.workers:
-        try:
-            stats = stack.worker_json(name, "/stats?check=1")
-            http_json(f"{stack.procs[name].url}/health", timeout=5)
-        except (OSError, ValueError) as exc:
-            problems[name] = [f"unreachable or unhealthy: {exc}"]
-            continue
-        leaked += stats["num_blocks"] - stats["num_free_blocks"]
-        if found := worker_problems(stats):
-            problems[name] = found
-    try:
-        health = gateway_health(stack.gateway_url)
-        pools = http_json(f"{stack.gateway_url}/admin/pools", headers={"X-Admin-Token": ADMIN_TOKEN})
-        inflight = gateway_metric(stack.gateway_url, "pdserve_requests_in_flight")
-        queued = gateway_metric(stack.gateway_url, "pdserve_requests_queued")
-    except (OSError, ValueError) as exc:
-        problems["gateway"] = [f"unreachable: {exc}"]
-        health, pools, inflight, queued = {}, {"workers": []}, None, None
-    registered = {w["worker_id"]: (w["role"], w["state"]) for w in pools["workers"]}
-    want = {"p0": ("prefill", "active"), "p1": ("prefill", "active"), "d0": ("decode", "active"),
-            "d1": ("decode", "active")}
-    if registered != want:
-        problems.setdefault("registry", []).append(f"registered {registered}")
-    if health.get("status") != "ok" or health.get("pools") != {"decode": {"healthy": 2, "benched": 0},
-                                                               "prefill": {"healthy": 2, "benched": 0}}:
-        problems.setdefault("gateway", []).append(f"health {health}")
-    if inflight or queued:
-        problems.setdefault("gateway", []).append(f"in flight {inflight}, queued {queued}")
-    return {"workers_healthy_at_end": not problems, "problems": problems, "leaked_blocks": leaked,
-            "gateway_inflight": inflight}
-
-
 # ---- the run -----------------------------------------------------------------------------------
 
 
@@ -624,7 +383,10 @@ def run_chaos(config: ChaosConfig, workdir: Path, checkpoint: Path | None = None
         load_began = time.monotonic()
         outcomes = asyncio.run(_drive(chaos, config))
         load_s = time.monotonic() - load_began
-        aftermath = asyncio.run(settle(chaos))
+        # No reservation or pin of the run can have a lease ending before this (none began before the load).
+        leases_end_at = load_began + config.kv_backstop_s
+        aftermath = asyncio.run(settle(chaos, config.settle_timeout_s, leases_end_at, config.idle_cpu_window_s))
+        upstream_timeouts = gateway_metric(chaos.stack.gateway_url, "pdserve_upstream_timeouts_total")
         preemptions = gateway_metric(chaos.stack.gateway_url, "pdserve_preemptions_total")
         busy = gateway_metric(chaos.stack.gateway_url, "pdserve_decode_busy_total")
         fallbacks = gateway_metric(chaos.stack.gateway_url, "pdserve_kv_transfer_failures_total")
@@ -632,6 +394,7 @@ def run_chaos(config: ChaosConfig, workdir: Path, checkpoint: Path | None = None
         chaos.stop()
     parity = check_parity(checkpoint, outcomes)
     kinds = Counter(o.kind for o in outcomes)
+    errors = [(o, classify_error(o, chaos.kills)) for o in outcomes if o.kind == "error"]
     result = {
         "transport": config.transport,
         "requests": len(outcomes),
@@ -642,6 +405,8 @@ def run_chaos(config: ChaosConfig, workdir: Path, checkpoint: Path | None = None
         "broken": kinds["broken"],
         **parity,
         "leaked_blocks": aftermath["leaked_blocks"],
+        "leak_check_before_leases_end": aftermath["leak_check_before_leases_end"],
+        "settle_s": aftermath["settle_s"],
         "workers_healthy_at_end": aftermath["workers_healthy_at_end"],
         "problems_at_end": aftermath["problems"],
         "gateway_inflight_at_end": aftermath["gateway_inflight"],
@@ -653,6 +418,10 @@ def run_chaos(config: ChaosConfig, workdir: Path, checkpoint: Path | None = None
         "disconnects": dict(Counter(o.spec.disconnect for o in outcomes if o.spec.disconnect)),
         "error_statuses": dict(Counter(str(o.status) for o in outcomes if o.kind == "error")),
         "error_reasons": dict(Counter(_reason(o.detail) for o in outcomes if o.kind == "error")),
+        # Every explicit error is explained by a fault (chaos_checks.ERROR_CLASSES) or listed here.
+        "error_classes": dict(Counter(kind for _, kind in errors if kind)),
+        "unexplained_errors": [_describe(o) for o, kind in errors if kind is None],
+        "upstream_timeouts": upstream_timeouts,
         "by_prompt_len": {bucket: dict(Counter(o.kind for o in outcomes if _bucket(len(o.spec.prompt)) == bucket))
                           for bucket in ("<256", "256-1023", ">=1024")},
         "preemptions": preemptions,
@@ -682,14 +451,15 @@ def _reason(detail: str) -> str:
 def _describe(o: Outcome) -> dict:
     s = o.spec
     return {"index": s.index, "kind": s.kind, "prompt_len": len(s.prompt), "max_tokens": s.max_tokens,
-            "stream": s.stream, "disconnect": s.disconnect, "status": o.status, "detail": o.detail,
+            "stream": s.stream, "disconnect": s.disconnect, "status": o.status, "retry_after": o.retry_after,
+            "detail": o.detail,
             "seconds": round(o.seconds, 2), "ended_at": round(o.ended_at - T0, 2)}
 
 
 def check_parity(checkpoint: Path, outcomes: list[Outcome]) -> dict:
     """Greedy answers (and greedy partial answers) against the offline engine's output."""
     greedy = [o for o in outcomes if o.spec.greedy and (o.kind == "completed" or o.text)]
-    refs = reference_texts(checkpoint, [(tuple(o.spec.prompt), o.spec.max_tokens) for o in greedy])
+    refs = reference_texts(checkpoint, [(tuple(o.spec.prompt), o.spec.max_tokens) for o in greedy], MAX_MODEL_LEN)
     mismatches = []
     for o in greedy:
         ref = refs[(tuple(o.spec.prompt), o.spec.max_tokens)]
@@ -703,11 +473,13 @@ def check_parity(checkpoint: Path, outcomes: list[Outcome]) -> dict:
 def summary(result: dict) -> dict:
     """The headline numbers (what the benchmark prints last)."""
     keys = ("transport", "requests", "completed", "explicit_errors", "disconnected", "hangs", "broken",
-            "parity_checked", "parity_mismatches", "leaked_blocks", "workers_healthy_at_end", "preemptions",
+            "parity_checked", "parity_mismatches", "leaked_blocks", "leak_check_before_leases_end",
+            "workers_healthy_at_end", "error_classes", "preemptions",
             "decode_busy_answers", "remote_prefill_fallbacks", "restarts", "longest_stall_s", "load_s", "total_s")
     out = {k: result[k] for k in keys}
     out["idle_cpu_s_max"] = max(result["idle_cpu_s"].values(), default=None)
     out["hostile_ok"] = all(h["ok"] for h in result["hostile"])
+    out["unexplained_errors"] = len(result["unexplained_errors"])
     return out
 
 
