@@ -307,6 +307,15 @@ def test_worker_admin_calls_are_authorised_by_the_signature_not_by_an_admin_toke
     assert cluster.stats("d0")["state"] == "active"
 
 
+def test_a_caller_of_the_previous_auth_version_is_refused_with_a_message_naming_it(cluster):
+    """A mixed-version cluster fails loudly: a v1 request, signed with the right secret (what a
+    gateway or worker of the previous version sends), is a 401 that says why."""
+    body = encode(AbortRequest("from-v1"))
+    status, answer = send_raw(cluster.worker_url("d0"), b"POST", b"/abort",
+                              raw_headers(v1_signature(cluster.cluster_secret, "POST", "/abort", body, time.time())), body)
+    assert status == 401 and b"auth v1" in answer and b"older pdserve" in answer, (status, answer)
+
+
 @pytest.mark.parametrize("name, value", [
     (b"X-PD-Signature", "\u00e9".encode() * 64),                     # non-ASCII signature
     (b"X-PD-Signature", b"\xff" * 64),                               # not even UTF-8
