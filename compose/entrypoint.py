@@ -8,9 +8,9 @@ It refuses to start (exit 78, a message saying what to change) rather than run i
 looks healthy but is not:
 
 - a secret that is empty, a placeholder (``change-me...``) or shorter than 16 characters
-  (``PDSERVE_CLUSTER_SECRET``, ``PDSERVE_ADMIN_TOKEN``, the Redis password in ``REDIS_URL``, and
-  for the gateway ``PDSERVE_API_KEY`` unless ``PDSERVE_ALLOW_NO_API_KEY=1``), or an admin token
-  equal to the cluster secret; each may come from a file instead (``PDSERVE_CLUSTER_SECRET_FILE``,
+  (``PDSERVE_CLUSTER_SECRET``, the Redis password in ``REDIS_URL``, and for the gateway
+  ``PDSERVE_ADMIN_TOKEN`` and ``PDSERVE_API_KEY``, the latter unless ``PDSERVE_ALLOW_NO_API_KEY=1``),
+  or an admin token equal to the cluster secret; each may come from a file instead (``PDSERVE_CLUSTER_SECRET_FILE``,
   ``PDSERVE_ADMIN_TOKEN_FILE``, ``PDSERVE_REDIS_PASSWORD_FILE``; API keys: ``PDSERVE_API_KEYS_FILE``);
 - a worker without an explicit ``PDSERVE_DEVICE`` (``cuda`` or ``cpu``): ``auto`` would quietly
   serve an fp32 model on the CPU where no GPU is visible;
@@ -156,8 +156,9 @@ def _secret(name: str, env: dict[str, str]) -> str | None:
 
 
 def check_secrets(module: str, env: dict[str, str]) -> list[str]:
-    """Refuse placeholder, weak or shared secrets; returns notes for the log."""
-    required = {SECRET_ENV: _secret(SECRET_ENV, env), "PDSERVE_ADMIN_TOKEN": _secret("PDSERVE_ADMIN_TOKEN", env)}
+    """Refuse placeholder, weak or shared secrets; returns notes for the log.  The admin token is
+    the gateway's alone: workers take signed admin calls and no token."""
+    required = {SECRET_ENV: _secret(SECRET_ENV, env)}
     redis_url = env.get("REDIS_URL")
     if redis_url:
         parsed = urllib.parse.urlsplit(redis_url)
@@ -167,18 +168,22 @@ def check_secrets(module: str, env: dict[str, str]) -> list[str]:
             required["the Redis password in REDIS_URL (REDIS_PASSWORD)"] = password
     notes = []
     if module == "gateway":
+        required["PDSERVE_ADMIN_TOKEN"] = _secret("PDSERVE_ADMIN_TOKEN", env)
         if env.get("PDSERVE_API_KEYS_FILE"):
             pass  # the gateway checks every key of the file (strength, no key equal to another secret)
         elif _truthy(env.get("PDSERVE_ALLOW_NO_API_KEY")) and not env.get("PDSERVE_API_KEY"):
             notes.append("PDSERVE_ALLOW_NO_API_KEY=1: the API needs no key (only behind your own authenticating proxy)")
         else:
             required["PDSERVE_API_KEY"] = env.get("PDSERVE_API_KEY")
+    elif env.get("PDSERVE_ADMIN_TOKEN") or env.get("PDSERVE_ADMIN_TOKEN_FILE"):
+        notes.append("PDSERVE_ADMIN_TOKEN is set but a worker takes no admin token (the gateway signs its admin "
+                     "calls): remove it from the worker's environment")
     for name, value in required.items():
         problem = secret_problem(value)
         if problem:
             hint = " (or set PDSERVE_ALLOW_NO_API_KEY=1 to serve without one)" if name == "PDSERVE_API_KEY" else ""
             raise Refusal(f"{name} is not usable: {problem}; {MAKE_SECRET}{hint}")
-    if required[SECRET_ENV] == required["PDSERVE_ADMIN_TOKEN"]:
+    if required[SECRET_ENV] == required.get("PDSERVE_ADMIN_TOKEN"):
         raise Refusal(f"PDSERVE_ADMIN_TOKEN and {SECRET_ENV} are the same value: each must be its own random secret "
                       f"(whoever holds the cluster secret must not be an operator); {MAKE_SECRET}")
     return notes

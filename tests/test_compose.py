@@ -786,3 +786,19 @@ def test_prometheus_refuses_a_short_metrics_token_and_keeps_it_off_its_command_l
     for weak in ("", "short"):
         refused = run_service_script(prometheus, {"PDSERVE_METRICS_TOKEN": weak}, tmp_path / "bin", paths)
         assert refused.returncode == 78 and "set PDSERVE_METRICS_TOKEN" in refused.stderr
+
+
+def test_each_service_gets_only_the_secrets_it_uses(rendered):
+    """Workers take no admin token (the gateway signs its admin calls) and no API key; the metrics
+    proxy's token goes to it and Prometheus only; the TLS front holds no secret of the gateway."""
+    uses = {"gateway": {"PDSERVE_CLUSTER_SECRET", "PDSERVE_ADMIN_TOKEN", "PDSERVE_API_KEY", "REDIS_URL"},
+            "prefill": {"PDSERVE_CLUSTER_SECRET", "REDIS_URL"}, "decode": {"PDSERVE_CLUSTER_SECRET", "REDIS_URL"},
+            "metrics-sd": {"PDSERVE_CLUSTER_SECRET", "PDSERVE_ADMIN_TOKEN", "PDSERVE_METRICS_TOKEN"},
+            "prometheus": {"PDSERVE_METRICS_TOKEN"}, "tls": set(), "grafana": set(), "dcgm-exporter": set(),
+            "redis": {"REDIS_PASSWORD", "REDISCLI_AUTH"}}
+    secrets = {"PDSERVE_CLUSTER_SECRET", "PDSERVE_ADMIN_TOKEN", "PDSERVE_API_KEY", "PDSERVE_METRICS_TOKEN", "REDIS_URL",
+               "REDIS_PASSWORD", "REDISCLI_AUTH"}
+    for (stack, profiles), doc in rendered.items():
+        for service, spec in doc["services"].items():
+            given = set(spec.get("environment") or {}) & secrets
+            assert given <= uses[service], (stack, service, sorted(given - uses[service]))

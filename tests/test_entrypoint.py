@@ -71,7 +71,7 @@ mlx5_1  PXB     PXB     PIX      X
 
 SIBLINGS = {c: frozenset({c % 8, c % 8 + 8}) for c in range(16)}
 INTERFACES = {"lo": "127.0.0.1", "docker0": "172.17.0.1", "eno1": "192.168.1.5", "ens1f0": "10.0.0.12"}
-STRONG = {"PDSERVE_CLUSTER_SECRET": "k" * 32, "PDSERVE_ADMIN_TOKEN": "a" * 32}
+STRONG = {"PDSERVE_CLUSTER_SECRET": "k" * 32, "PDSERVE_ADMIN_TOKEN": "a" * 32}  # the gateway's secrets
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +118,8 @@ class FakeHost:
 
 
 def worker_env(tmp_path, **extra) -> dict[str, str]:
-    env = {**STRONG, "PDSERVE_DEVICE": "cuda", "PDSERVE_LOCK_DIR": str(tmp_path / "locks"),
+    env = {"PDSERVE_CLUSTER_SECRET": STRONG["PDSERVE_CLUSTER_SECRET"], "PDSERVE_DEVICE": "cuda",  # no admin token
+           "PDSERVE_LOCK_DIR": str(tmp_path / "locks"),
            "PDSERVE_ADVERTISE_HOST": "10.0.0.12", "REDIS_URL": "redis://:" + "r" * 24 + "@10.0.0.11:6379/0"}
     env.update(extra)
     return env
@@ -319,11 +320,26 @@ def test_ucx_lanes_are_reported(ep, monkeypatch):
 # ---- secrets, drain, runtime file -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["PDSERVE_CLUSTER_SECRET", "PDSERVE_ADMIN_TOKEN"])
+@pytest.mark.parametrize("module, name", [("decode_svc", "PDSERVE_CLUSTER_SECRET"), ("gateway", "PDSERVE_CLUSTER_SECRET"),
+                                          ("gateway", "PDSERVE_ADMIN_TOKEN")])
 @pytest.mark.parametrize("value", ["", "change-me", "change-me-too-long-enough", "short-but-real"])
-def test_placeholder_and_weak_secrets_are_refused(ep, tmp_path, name, value):
+def test_placeholder_and_weak_secrets_are_refused(ep, tmp_path, module, name, value):
+    env = worker_env(tmp_path, **{name: value}) if module != "gateway" else \
+        {**STRONG, "PDSERVE_API_KEY": "sk-" + "z" * 40, name: value}
     with pytest.raises(ep.Refusal, match=f"{name} is not usable.*pdctl gen-secrets"):
-        ep.prepare("decode_svc", worker_env(tmp_path, **{name: value}), FakeHost())
+        ep.prepare(module, env, FakeHost())
+
+
+def test_workers_take_no_admin_token(ep, tmp_path):
+    """The admin token never leaves the gateway (workers take signed admin calls): a worker starts
+    without one, and one given to it anyway is pointed out."""
+    env = worker_env(tmp_path, PDSERVE_KV_TRANSPORT="tcp")
+    assert "PDSERVE_ADMIN_TOKEN" not in env
+    release(ep.prepare("decode_svc", env, FakeHost()))
+    launch = ep.prepare("decode_svc", worker_env(tmp_path, PDSERVE_KV_TRANSPORT="tcp", PDSERVE_ADMIN_TOKEN="a" * 32),
+                        FakeHost())
+    release(launch)
+    assert any("a worker takes no admin token" in note for note in launch.notes)
 
 
 def test_redis_password_and_api_key_are_checked(ep, tmp_path):
@@ -357,10 +373,10 @@ def test_every_secret_may_come_from_a_file(ep, tmp_path):
         ep.prepare("gateway", {**env, "PDSERVE_CLUSTER_SECRET_FILE": str(tmp_path / "missing")})
 
 
-def test_an_admin_token_equal_to_the_cluster_secret_is_refused(ep, tmp_path):
-    same = {"PDSERVE_CLUSTER_SECRET": "s" * 32, "PDSERVE_ADMIN_TOKEN": "s" * 32}
+def test_an_admin_token_equal_to_the_cluster_secret_is_refused(ep):
+    same = {"PDSERVE_CLUSTER_SECRET": "s" * 32, "PDSERVE_ADMIN_TOKEN": "s" * 32, "PDSERVE_API_KEY": "sk-" + "z" * 40}
     with pytest.raises(ep.Refusal, match="PDSERVE_ADMIN_TOKEN and PDSERVE_CLUSTER_SECRET are the same value") as err:
-        ep.prepare("decode_svc", worker_env(tmp_path, **same), FakeHost())
+        ep.prepare("gateway", same)
     assert "s" * 32 not in str(err.value)
 
 
