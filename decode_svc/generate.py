@@ -4,12 +4,14 @@
         no room (or reservations hold their budget): answer 503 "busy" before anything streams,
         and the gateway tries another decode worker
     expect KV into them, and ask the prefill worker to compute and ship it     -- in parallel
+    KV complete                ->  the reservation's lease stops: landed KV is never taken for late
     KV complete + first token  ->  the first token goes out; the request joins the running batch
                                    between two engine steps
     every step's new token     ->  TokenFrame to the gateway
     a failure of the prefill worker or the transfer before the first token: compute the prompt
         locally instead
-    client gone / abort: tell the prefill worker; free the blocks once no KV can land in them
+    client gone / abort, or the lease ended before the KV landed: tell the prefill worker; free the
+        blocks once no KV can land in them
 """
 from __future__ import annotations
 
@@ -35,6 +37,11 @@ log = logging.getLogger(__name__)
 
 class RemotePrefillFailed(Exception):
     """The prefill worker or the KV transfer failed; nothing has been streamed yet."""
+
+
+class LeaseEnded(Exception):
+    """The reservation's lease ended before its KV landed: the KV is late and refused, and the
+    request is given up as for any expired lease (``Worker._leases_expired``)."""
 
 
 class PendingRelease:
@@ -244,8 +251,9 @@ async def remote_prefill(worker, body: GenerateRequest, reservation: Reservation
     Returns the frame carrying the first token once the KV is all in; the request is not in the
     engine's batch yet (``land`` puts it there).  The frame says finished if that token ends the
     request.  Raises ``RemotePrefillFailed`` (with every block freed and the prefill worker told)
-    if anything on the way fails.  Cancelled mid-transfer, it leaves ``pending.release`` to free
-    the blocks once the transfer has settled.
+    if anything on the way fails.  Cancelled mid-transfer, or finding that the lease ended before
+    the KV landed (``CancelledError`` then too), it leaves ``pending.release`` to free the blocks
+    once the transfer has settled.
     """
     rid = body.request_id
     began, peer, num_cached = reservation.began, reservation.peer, reservation.num_cached
@@ -257,7 +265,7 @@ async def remote_prefill(worker, body: GenerateRequest, reservation: Reservation
                              dst_block_ids=dst_block_ids, num_skip_blocks=skip,
                              kv_transfer_id=handle.transfer_id, cache_salt=body.cache_salt)
     call = asyncio.ensure_future(call_prefill(worker, peer, prefill))
-    landed = asyncio.ensure_future(handle.wait())
+    landed = asyncio.ensure_future(kv_landed(worker, handle, reservation.request))
     try:
         result, _metadata = await asyncio.gather(call, landed)
     except BaseException as exc:
@@ -271,6 +279,8 @@ async def remote_prefill(worker, body: GenerateRequest, reservation: Reservation
         worker.peers.forget(peer.worker_id)  # it may have restarted elsewhere
         if isinstance(exc, asyncio.CancelledError):
             raise
+        if isinstance(exc, LeaseEnded):  # its owner gives it up (the lease's end cancels this handler)
+            raise asyncio.CancelledError() from None
         worker.metrics.kv_transfer_failures.inc()
         await asyncio.shield(pending.release)  # the local fallback reuses the request id
         raise RemotePrefillFailed(f"{type(exc).__name__}: {exc}") from None
@@ -292,10 +302,20 @@ async def remote_prefill(worker, body: GenerateRequest, reservation: Reservation
     )
 
 
+async def kv_landed(worker, handle: IncomingTransfer, request: Request):
+    """Wait for the KV to land, then stop the reservation's lease at once (not after the engine's
+    step in flight), so a first token that is yet to come never finds it expired.  Raises
+    ``LeaseEnded`` if the lease ended first, or what failed the transfer."""
+    metadata = await handle.wait()
+    if not worker.engine_thread.keep_lease(request):
+        raise LeaseEnded(f"the lease on the blocks of {request.request_id!r} ended before its KV landed")
+    return metadata
+
+
 async def land(worker, request_id: str, first_token_id: int) -> None:
     """Queue a request whose KV has landed to decode from ``first_token_id`` (between two engine
-    steps: the engine thread's next call).  Raises ``CancelledError`` if it was aborted, or its
-    lease ended, while the KV was in flight."""
+    steps: the engine thread's next call).  Raises ``CancelledError`` if it was aborted meanwhile
+    (its lease stopped when its KV landed: ``kv_landed``)."""
     landed = await worker.engine_thread.call(
         lambda engine: engine.scheduler.finish_remote(request_id, first_token_id) is not None)
     if not landed:
@@ -317,4 +337,7 @@ async def release_reservation(worker, request_id: str, handle: IncomingTransfer)
             await handle.settled()
         finally:
             worker.metrics.kv_transfers_settling.dec()
-    await worker.engine_thread.call(lambda e: e.abort(request_id))
+    try:
+        await worker.engine_thread.call(lambda e: e.abort(request_id))
+    except EngineFailed:
+        pass  # nothing runs any more; the process exits

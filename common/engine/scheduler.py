@@ -38,6 +38,7 @@ A step with nothing to do is then empty and ``has_work`` is false: the engine th
 """
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -114,7 +115,7 @@ class Scheduler:
         self.landed: deque[Request] = deque()  # decode role: remote KV complete, blocks held
         self.running: list[Request] = []
         self.reservations: dict[str, Request] = {}  # decode role: blocks held for remote KV
-        self._leases: dict[str, float] = {}  # reservation -> when its lease ends (unexpired ones)
+        self._leases: dict[str, float] = {}  # reservation -> when its lease ends (unexpired ones; inf: stopped)
         self.held: set[str] = set()  # prefill role: finished, blocks kept until shipped
         self.num_preemptions = 0
         self._watermark_blocks = int(config.watermark * kv_manager.pool.num_blocks)
@@ -200,8 +201,17 @@ class Scheduler:
         return expired
 
     def next_lease_deadline(self) -> float | None:
-        """When the earliest unexpired lease ends (``None``: no lease running)."""
-        return min(self._leases.values(), default=None)
+        """When the earliest running lease ends (``None``: no lease running)."""
+        deadline = min(self._leases.values(), default=math.inf)
+        return None if deadline == math.inf else deadline
+
+    def end_lease(self, request_id: str) -> bool:
+        """Decode role: the reservation's KV has all landed, so its lease stops: it never expires,
+        and ``finish_remote`` (or ``abort``) ends it.  ``False`` if the lease had ended already."""
+        if request_id not in self._leases:
+            return False
+        self._leases[request_id] = math.inf
+        return True
 
     def finish_remote(self, request_id: str, first_token_id: int) -> Request | None:
         """Decode role: the prompt's KV has landed; queue the request to decode from ``first_token_id``.

@@ -17,6 +17,11 @@ to pin freshly computed blocks for shipping before anything can reuse them).
 When nothing can run (no requests, or only ones waiting for blocks held elsewhere) the thread
 sleeps until a command arrives or a reservation's lease ends: an idle worker uses no CPU.
 
+Leases of reservations for remote KV end in the engine thread (``expired_leases``); the owner of a
+reservation stops its lease with ``keep_lease`` once it has seen the KV land, and learns there
+and then, exactly, whether the lease had ended first (both sides hold ``_lease_lock``), so KV that
+has landed is never taken for late and late KV never reaches the batch.
+
 The engine fails for good -- the thread stops, every stream and every pending or later ``call``
 fails at once with ``EngineFailed``, and ``on_fatal`` tells the worker -- when
 
@@ -46,6 +51,7 @@ from types import MappingProxyType
 from typing import Any, Callable, Mapping
 
 from common.engine.engine import Engine, RequestOutput, StepFailed
+from common.engine.request import Request
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +100,11 @@ class EngineThread:
         self._stopping = False
         self._closed = threading.Lock()  # orders "no more commands" against queueing one
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        # Leases: reservations whose owner saw their KV land (their lease stops before the next
+        # check), and those whose lease the engine thread ended (until they are freed).
+        self._lease_lock = threading.Lock()
+        self._keep: dict[str, Request] = {}
+        self._lease_ended: dict[str, Request] = {}
         # Watchdog: what the engine thread runs now, and the command whose future waits for it.
         self._work: _Work | None = None
         self._command_future: asyncio.Future | None = None
@@ -151,6 +162,17 @@ class EngineThread:
     def close_stream(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
 
+    def keep_lease(self, request: Request) -> bool:
+        """The KV of ``request``'s reservation has all landed: stop its lease, so it never expires
+        (the engine thread does so before it next looks at leases; ``finish_remote`` then takes
+        it).  ``False`` if its lease has already ended: that KV is late, the reservation is given
+        up (``on_lease_expired``).  Any thread; never waits for a step."""
+        with self._lease_lock:
+            if self._lease_ended.get(request.request_id) is request:
+                return False
+            self._keep[request.request_id] = request
+            return True
+
     # ---- engine thread ---------------------------------------------------------------------
 
     def _run(self) -> None:
@@ -163,7 +185,7 @@ class EngineThread:
                     last_end = None
                 if not self._drain_commands(block=not engine.has_work() or engine.stalled):
                     return
-                self._expire_leases()
+                self._settle_leases()
                 if not engine.has_work() or engine.stalled:
                     self._publish()
                     continue
@@ -241,8 +263,21 @@ class EngineThread:
             self.engine.stalled = False  # the command may have made room or work
             block = False
 
-    def _expire_leases(self) -> None:
-        expired = self.engine.scheduler.expired_leases(now=self.clock())
+    def _settle_leases(self) -> None:
+        """Stop the leases whose KV has landed, then end those that ran out (in that order, under
+        the lease lock: see ``keep_lease``)."""
+        scheduler = self.engine.scheduler
+        with self._lease_lock:
+            for request_id, request in self._keep.items():
+                if scheduler.reservations.get(request_id) is request:
+                    scheduler.end_lease(request_id)
+            self._keep.clear()
+            for request_id, request in list(self._lease_ended.items()):
+                if scheduler.reservations.get(request_id) is not request:
+                    del self._lease_ended[request_id]  # given up since: nothing can keep it any more
+            expired = scheduler.expired_leases(now=self.clock())
+            for request_id in expired:
+                self._lease_ended[request_id] = scheduler.reservations[request_id]
         if not expired:
             return
         self.engine.stalled = False
