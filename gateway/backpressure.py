@@ -1,15 +1,32 @@
-"""Holding requests while every decode worker is busy: a bounded queue with a deadline.
+"""Holding requests while every decode worker is busy: a bounded, first-come-first-served queue.
 
-    request --route--> D1: busy --> D2: busy --> (no decode worker left with room)
-        --> WaitQueue.wait(deadline) ... woken when room may have appeared ... --> route again
+    request --turn()--> route --> D1: busy --> D2: busy --> no_room()
+        --turn()--> (queued: a place in line, kept until the request leaves) ... woken ...
+        --> route again --> D3: a stream --> admitted() (the place goes, the next in line is woken)
         --> queue full, or deadline passed: Saturated (the client gets 503 + Retry-After)
 
-Room may appear when one of this gateway's streams ends (``notify(1)``: one slot freed, one waiter
-tries), when the registry refresh brings new loads (``notify(1)``: a probe, since other gateways'
-streams end too), or when a decode worker joins (``notify_all``).  Waiters wake oldest first, and a
-request that waits again (woken, but still no room) keeps its place: it is ordered by its deadline,
-set when it first waited.  So a long prompt that needs more room than short ones is not sent to the
-back each time (decode workers keep the room it needs for it: ``Scheduler.claim``).
+Each request holds one ``Place``.  Its rules, which make the queue strictly first come, first
+served:
+
+* A request that finds the queue empty tries at once; one that finds anybody in it (waiting or
+  trying) queues behind them -- a newcomer never overtakes a waiting request.
+* A request that found no room queues with a deadline (``timeout_s`` from then) and keeps its
+  place, in order of arrival, until it leaves: woken and trying, it still counts against ``size``
+  and stays ahead of everyone who came later; finding no room again, it waits again at the same
+  place.  So a long prompt that needs more room than short ones is not sent to the back each time
+  (decode workers keep the room it needs for it: ``Scheduler.claim``).
+* Room may appear when one of this gateway's streams ends (``notify(1)``: one slot freed), when
+  the registry refresh brings new loads (``notify(1)``: a probe, since other gateways' streams
+  end too), or when a decode worker joins (``notify_all``).  A notification wakes the oldest
+  waiting requests; a woken request that finds an older one back in line hands its turn to it.
+* No wake-up is lost: one that lands on a request that then leaves without using it (its client
+  went away, its deadline passed, its request failed) is passed on to the oldest waiting; one
+  that finds nobody waiting while requests are trying is passed on when such a try ends without
+  room (the room may have appeared after a worker said busy); and a request that leaves its place
+  because it got room passes a wake-up on (more room may be free).
+
+So no request starts a try while a request that queued before it waits.  Requests woken together
+try concurrently: the queue orders who may try, the workers' answers decide who gets the room.
 """
 from __future__ import annotations
 
@@ -27,52 +44,170 @@ class Saturated(Exception):
 
 
 class WaitQueue:
-    """At most ``size`` requests wait at once, each until its deadline (``timeout_s`` after it
-    first found no room); ``size == 0`` disables waiting."""
+    """At most ``size`` requests hold a place at once, each until its deadline (``timeout_s``
+    after it first queued); ``size == 0`` disables waiting."""
 
     def __init__(self, size: int, timeout_s: float):
         if size < 0 or timeout_s <= 0:
             raise ValueError(f"queue size must be >= 0 and timeout > 0, got {size}, {timeout_s}")
         self.size = size
         self.timeout_s = timeout_s
-        self._waiters: list[tuple[float, int, asyncio.Future]] = []  # (deadline, arrival, waiter), oldest first
-        self._arrivals = itertools.count()
+        self._places: dict[Place, None] = {}  # every place held (waiting or trying), in arrival order
+        self._waiting: list[tuple[int, Place]] = []  # (ticket, place) of those waiting to be woken, sorted
+        self._tickets = itertools.count()
+        # Notifications that found nobody waiting; a request whose try spans one tries again.
+        self._missed = 0
 
     @property
     def waiting(self) -> int:
-        return len(self._waiters)
+        """Requests holding a place (waiting, or woken and trying)."""
+        return len(self._places)
+
+    def place(self) -> "Place":
+        """A request's place in line; call ``leave()`` when the request ends, on every path."""
+        return Place(self)
+
+    def notify(self, n: int = 1) -> None:
+        """Room for ``n`` more may have appeared: wake the ``n`` oldest waiting requests."""
+        while n > 0 and self._waiting:
+            self._waiting.pop(0)[1]._wake()
+            n -= 1
+        if n > 0:
+            self._missed += 1
+
+    def notify_all(self) -> None:
+        """Room for many may have appeared (a decode worker joined): wake every waiting request."""
+        self.notify(len(self._waiting) + 1)
 
     def deadline(self) -> float:
         return asyncio.get_running_loop().time() + self.timeout_s
 
-    async def wait(self, deadline: float, why: str) -> None:
-        """Wait until woken (room may have appeared) or raise ``Saturated`` (full, or past the
-        deadline).  ``why`` says what the request found, for the 503's message."""
+
+class Place:
+    """One request's place in a ``WaitQueue`` (see the module docstring).
+
+    ``await turn()`` before each attempt to route: it returns at once while the request may try
+    (a newcomer facing an empty queue, a request retrying after one worker said busy or failed),
+    and otherwise queues it and waits until it is woken; it raises ``Saturated`` when the queue is
+    full or the deadline passes.  Then ``no_room(why)`` when no decode worker has room (the next
+    ``turn()`` waits), ``admitted()`` when one took the request, and ``leave()`` at the end.
+    """
+
+    def __init__(self, queue: WaitQueue):
+        self._queue = queue
+        self.ticket: int | None = None  # the order of its arrival in line; None: not queued
+        self.deadline: float | None = None  # set when it first queues
+        self.why = "earlier requests are waiting for room"
+        self._fresh = True  # has not tried yet
+        self._may_try = False  # woken (or never queued) and not yet told no_room
+        self._retry = False  # a notification went unheard during its try: try again at once
+        self._missed_at_try = 0
+        self._woken: asyncio.Future | None = None
+        self._listed = False  # in the queue's list of those waiting to be woken
+        self._left = False
+
+    @property
+    def queued(self) -> bool:
+        return self.ticket is not None
+
+    async def turn(self) -> bool:
+        """Return when the request may try to route; True when it waited in line first."""
+        queue = self._queue
+        if self._left:
+            raise RuntimeError("turn() after leave()")
+        if self._may_try:  # still trying (after a busy answer, a failure): no wait
+            return False
+        if self._fresh and not queue._places:  # a newcomer, nobody in line: it tries at once
+            self._start_try()
+            return False
+        if self.ticket is None:
+            self._join()
+        while True:
+            await self._wait()
+            head = queue._waiting[0] if queue._waiting else None
+            if head is None or head[0] > self.ticket:
+                break
+            # An older request went back in line after this one was woken: the turn is its.
+            self._may_try = False
+            queue._waiting.pop(0)[1]._wake()
+        self._start_try()
+        return True
+
+    def no_room(self, why: str) -> None:
+        """This try found no decode worker with room (``why``: for the 503's message)."""
+        self.why = why
+        self._fresh = self._may_try = False
+        self._retry = self._queue._missed != self._missed_at_try
+
+    def admitted(self) -> None:
+        """A decode worker took the request: its place goes, and the next in line is woken (more
+        room may be free).  A later failure retries at once and queues at the back if need be."""
+        if self.ticket is not None:
+            self._release()
+            self._queue.notify(1)
+
+    def leave(self) -> None:
+        """The request ends (served, failed, timed out, or its client went away).  A wake-up it
+        holds unused is passed on.  Idempotent."""
+        if self._left:
+            return
+        self._left = True
+        pass_on = self._retry or (self.ticket is not None and self._may_try)
+        if self.ticket is not None:
+            self._release()
+        if pass_on:
+            self._queue.notify(1)
+
+    # ---- internals ---------------------------------------------------------------------------
+
+    def _start_try(self) -> None:
+        self._fresh = False
+        self._may_try = True
+        self._missed_at_try = self._queue._missed
+
+    def _join(self) -> None:
+        queue = self._queue
+        if len(queue._places) >= queue.size:
+            raise Saturated(f"{self.why}, and {len(queue._places)} requests are already waiting; retry shortly",
+                            retry_after=max(1.0, queue.timeout_s / 2))
+        if self.deadline is None:
+            self.deadline = queue.deadline()
+        self.ticket = next(queue._tickets)
+        queue._places[self] = None
+
+    def _release(self) -> None:
+        queue = self._queue
+        self._unlist()
+        queue._places.pop(self, None)
+        self.ticket = None
+
+    def _wake(self) -> None:
+        """Called by the queue, which has taken it off ``_waiting``."""
+        self._listed = False
+        self._may_try = True
+        if self._woken is not None and not self._woken.done():
+            self._woken.set_result(None)
+
+    def _unlist(self) -> None:
+        if self._listed:
+            self._queue._waiting.remove((self.ticket, self))
+            self._listed = False
+
+    async def _wait(self) -> None:
+        queue = self._queue
         loop = asyncio.get_running_loop()
-        if len(self._waiters) >= self.size:
-            raise Saturated(f"{why}, and {len(self._waiters)} requests are already waiting; retry shortly",
-                            retry_after=max(1.0, self.timeout_s / 2))
-        remaining = deadline - loop.time()
-        if remaining <= 0:
-            raise Saturated(f"{why} within {self.timeout_s:g} s; retry shortly")
-        entry = (deadline, next(self._arrivals), loop.create_future())
-        bisect.insort(self._waiters, entry)
+        if loop.time() >= self.deadline:
+            raise Saturated(f"{self.why} within {queue.timeout_s:g} s; retry shortly")
+        self._woken = loop.create_future()
+        bisect.insort(queue._waiting, (self.ticket, self))
+        self._listed = True
+        if self._retry:  # a notification nobody heard came during its try: the oldest in line tries
+            self._retry = False
+            queue.notify(1)
         try:
-            async with asyncio.timeout(remaining):
-                await entry[2]
+            async with asyncio.timeout_at(self.deadline):
+                await self._woken
         except TimeoutError:
-            raise Saturated(f"{why} within {self.timeout_s:g} s; retry shortly") from None
+            raise Saturated(f"{self.why} within {queue.timeout_s:g} s; retry shortly") from None
         finally:
-            if entry in self._waiters:
-                self._waiters.remove(entry)
-
-    def notify(self, n: int = 1) -> None:
-        """Wake the ``n`` oldest waiters."""
-        while n > 0 and self._waiters:
-            waiter = self._waiters.pop(0)[2]
-            if not waiter.done():
-                waiter.set_result(None)
-                n -= 1
-
-    def notify_all(self) -> None:
-        self.notify(len(self._waiters))
+            self._unlist()  # cancelled or timed out while waiting: out of the list

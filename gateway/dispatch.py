@@ -8,9 +8,10 @@
 Before the first token, a worker that fails is benched and the request is retried on another
 (at most ``max_attempts`` failures); after it, a failure ends the stream with an explicit error.
 A worker that answers "busy" (it cannot reserve blocks) is skipped for this request; when no decode
-worker is left to try, the request waits in the bounded ``WaitQueue`` (gateway/backpressure.py)
-and then tries again, or gets ``Saturated`` (503 + Retry-After).  Leaving early (client gone,
-stop string) closes the upstream stream and sends D an explicit abort, which D forwards to P.
+worker is left to try, the request waits in the bounded, first-come-first-served ``WaitQueue``
+(gateway/backpressure.py) and then tries again, or gets ``Saturated`` (503 + Retry-After).
+Leaving early (client gone, stop string) closes the upstream stream and sends D an explicit
+abort, which D forwards to P.
 
 Every wait on D is bounded (``UpstreamTimeouts``)::
 
@@ -142,6 +143,7 @@ class Dispatcher:
         self.model = model
         self.timeouts = timeouts
         self.queue = queue or WaitQueue(size=256, timeout_s=10.0)
+        metrics.requests_queued.set_function(lambda: self.queue.waiting)
         self.max_attempts = max_attempts  # failed attempts (not "busy" answers) before giving up
         self._aborts: set[asyncio.Task] = set()
         # Prompt tokens this gateway sent to each worker to compute -- a prefill worker, or a
@@ -200,109 +202,110 @@ class Dispatcher:
         ``cache_salt``: the request shares prefix-cache blocks only with requests of the same salt."""
         exclude: set[str] = set()  # workers that failed this request
         busy: set[str] = set()  # workers that said busy since this request last waited
-        deadline: float | None = None
         failures = 0
         streamed = False
         hashed: dict[int, list[bytes]] = {}  # the prompt's block hashes, computed once
-        while True:
-            route = await self.choose(prompt, exclude | busy, cache_salt, hashed)
-            if route is None:
-                deadline = deadline or self.queue.deadline()
-                why = "every decode worker is busy" if busy else "no decode worker is available"
-                log.info("request %s waits for room (%s; %d waiting)", request_id, why, self.queue.waiting)
-                self.metrics.requests_queued.inc()
-                try:
-                    await self.queue.wait(deadline, why)
-                finally:
-                    self.metrics.requests_queued.dec()
-                busy.clear()
-                continue
-            result.attempts += 1
-            result.route = route
-            decode_id = route.decode.worker_id
-            if route.prefill is None:
-                self.metrics.prefill_skipped.labels(route.reason).inc()
-            body = GenerateRequest(request_id=request_id, prompt_token_ids=prompt, sampling_params=params,
-                                   prefill_worker_id=route.prefill.worker_id if route.prefill else None,
-                                   cache_salt=cache_salt)
-            decode_url = route.decode.http_address
-            finished = said_busy = False
-            self._count_pending(route, len(prompt), +1)
-            self.sent_to_decode.add(decode_id, request_id, -(-len(prompt) // route.decode.capacity.block_size))
-            prompt_pending = True
-            resp = None
-            try:
-                resp = await self._open_stream(decode_url, body, decode_id)
-                if resp.status == 401:
-                    reason = (await read_response(resp, 4096)).decode(errors="replace")
-                    log.warning("decode worker %s refused the gateway's cluster credentials: %s",
-                                route.decode.worker_id, reason)
-                    raise ConnectionError(f"decode worker refused the cluster credentials ({reason}); "
-                                          f"is PDSERVE_CLUSTER_SECRET the same on every process?")
-                frames = FrameReader(resp.content, TokenFrame)
-                got_frame = False
-                while True:
-                    batch = await self._next_frames(frames, first=not got_frame)
-                    got_frame = True
-                    if not batch:
-                        raise ConnectionError("decode worker closed the stream before the request finished")
-                    ready: list[TokenFrame] = []
-                    for frame in batch:
-                        if frame.error:
-                            if ready:  # what arrived before the error still reaches the client
-                                yield ready
-                                ready = []
-                            if frame.error_kind in ("busy", "refused") and not streamed:
-                                raise _Retry(frame.error, stale_view=frame.error_kind == "refused")
-                            if frame.error_kind == "invalid":
-                                raise ValueError(frame.error)
-                            raise UpstreamError(frame.error)
-                        if frame.token_ids:
-                            streamed = True
-                            self.sent_to_decode.admitted(decode_id, request_id)
-                            if prompt_pending:
-                                self._count_pending(route, len(prompt), -1)
-                                prompt_pending = False
-                        ready.append(frame)
-                        if frame.finished:
-                            finished = True
-                            break
-                    yield ready
-                    if finished:
-                        return
-            except _Retry as exc:
-                if not exc.stale_view:
-                    said_busy = True
-                    busy.add(decode_id)
-                    self.metrics.decode_busy.labels(decode_id).inc()
+        place = self.queue.place()  # its place in line while no decode worker has room (first come, first served)
+        try:
+            while True:
+                if await place.turn():  # it waited in line: room may have appeared anywhere
+                    busy.clear()
+                route = await self.choose(prompt, exclude | busy, cache_salt, hashed)
+                if route is None:
+                    why = "every decode worker is busy" if busy else "no decode worker is available"
+                    log.info("request %s waits for room (%s; %d in line)", request_id, why, self.queue.waiting)
+                    place.no_room(why)
                     continue
-                exclude.add(decode_id)
-                await self.pool.refresh()  # it drains or changed role: re-read the registry
-            except (aiohttp.ClientError, ConnectionError, _UpstreamTimeout) as exc:
-                exclude.add(decode_id)
-                self.pool.bench(decode_id)  # unreachable or hung: keep it out for a while
-                if streamed:
-                    raise UpstreamError(f"decode worker {decode_id} failed mid-stream: {exc}") from None
-                failures += 1
-                if failures >= self.max_attempts:
-                    raise Saturated(f"no worker could take the request after {failures} failed attempts: {exc}")
-                log.warning("request %s: decode worker %s failed before the first token (%s); retrying",
-                            request_id, decode_id, exc)
-            finally:
-                if resp is not None:
-                    # An unfinished stream is cut (which D notices at once); a finished one keeps
-                    # its connection for the next request.
-                    resp.release() if finished else resp.close()
-                if prompt_pending:
-                    self._count_pending(route, len(prompt), -1)
-                self.sent_to_decode.remove(decode_id, request_id)
-                if not said_busy:
-                    self.queue.notify(1)  # a slot on D is free again: let a waiting request try
-                if not finished and not said_busy:
-                    # Client gone, stop string, or failure: make sure no worker keeps computing.
-                    task = asyncio.get_running_loop().create_task(self.abort(decode_url, request_id, decode_id))
-                    self._aborts.add(task)
-                    task.add_done_callback(self._aborts.discard)
+                result.attempts += 1
+                result.route = route
+                decode_id = route.decode.worker_id
+                if route.prefill is None:
+                    self.metrics.prefill_skipped.labels(route.reason).inc()
+                body = GenerateRequest(request_id=request_id, prompt_token_ids=prompt, sampling_params=params,
+                                       prefill_worker_id=route.prefill.worker_id if route.prefill else None,
+                                       cache_salt=cache_salt)
+                decode_url = route.decode.http_address
+                finished = said_busy = False
+                self._count_pending(route, len(prompt), +1)
+                self.sent_to_decode.add(decode_id, request_id, -(-len(prompt) // route.decode.capacity.block_size))
+                prompt_pending = True
+                resp = None
+                try:
+                    resp = await self._open_stream(decode_url, body, decode_id)
+                    if resp.status == 401:
+                        reason = (await read_response(resp, 4096)).decode(errors="replace")
+                        log.warning("decode worker %s refused the gateway's cluster credentials: %s",
+                                    route.decode.worker_id, reason)
+                        raise ConnectionError(f"decode worker refused the cluster credentials ({reason}); "
+                                              f"is PDSERVE_CLUSTER_SECRET the same on every process?")
+                    if resp.status == 200:
+                        place.admitted()  # D took it: its place in line goes to the next
+                    frames = FrameReader(resp.content, TokenFrame)
+                    got_frame = False
+                    while True:
+                        batch = await self._next_frames(frames, first=not got_frame)
+                        got_frame = True
+                        if not batch:
+                            raise ConnectionError("decode worker closed the stream before the request finished")
+                        ready: list[TokenFrame] = []
+                        for frame in batch:
+                            if frame.error:
+                                if ready:  # what arrived before the error still reaches the client
+                                    yield ready
+                                    ready = []
+                                if frame.error_kind in ("busy", "refused") and not streamed:
+                                    raise _Retry(frame.error, stale_view=frame.error_kind == "refused")
+                                if frame.error_kind == "invalid":
+                                    raise ValueError(frame.error)
+                                raise UpstreamError(frame.error)
+                            if frame.token_ids:
+                                streamed = True
+                                self.sent_to_decode.admitted(decode_id, request_id)
+                                if prompt_pending:
+                                    self._count_pending(route, len(prompt), -1)
+                                    prompt_pending = False
+                            ready.append(frame)
+                            if frame.finished:
+                                finished = True
+                                break
+                        yield ready
+                        if finished:
+                            return
+                except _Retry as exc:
+                    if not exc.stale_view:
+                        said_busy = True
+                        busy.add(decode_id)
+                        self.metrics.decode_busy.labels(decode_id).inc()
+                        continue
+                    exclude.add(decode_id)
+                    await self.pool.refresh()  # it drains or changed role: re-read the registry
+                except (aiohttp.ClientError, ConnectionError, _UpstreamTimeout) as exc:
+                    exclude.add(decode_id)
+                    self.pool.bench(decode_id)  # unreachable or hung: keep it out for a while
+                    if streamed:
+                        raise UpstreamError(f"decode worker {decode_id} failed mid-stream: {exc}") from None
+                    failures += 1
+                    if failures >= self.max_attempts:
+                        raise Saturated(f"no worker could take the request after {failures} failed attempts: {exc}")
+                    log.warning("request %s: decode worker %s failed before the first token (%s); retrying",
+                                request_id, decode_id, exc)
+                finally:
+                    if resp is not None:
+                        # An unfinished stream is cut (which D notices at once); a finished one keeps
+                        # its connection for the next request.
+                        resp.release() if finished else resp.close()
+                    if prompt_pending:
+                        self._count_pending(route, len(prompt), -1)
+                    self.sent_to_decode.remove(decode_id, request_id)
+                    if not said_busy:
+                        self.queue.notify(1)  # a slot on D is free again: let a waiting request try
+                    if not finished and not said_busy:
+                        # Client gone, stop string, or failure: make sure no worker keeps computing.
+                        task = asyncio.get_running_loop().create_task(self.abort(decode_url, request_id, decode_id))
+                        self._aborts.add(task)
+                        task.add_done_callback(self._aborts.discard)
+        finally:
+            place.leave()
 
     async def _open_stream(self, decode_url: str, body: GenerateRequest, decode_id: str) -> aiohttp.ClientResponse:
         """POST /generate (signed) and wait (bounded) for the status and headers."""

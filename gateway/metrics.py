@@ -89,7 +89,8 @@ class GatewayMetrics:
             "decode_busy", "Times a decode worker answered busy (it could not reserve KV blocks).", ["worker_id"],
             **kw)
         self.requests_queued = Gauge(
-            "requests_queued", "Requests waiting for a decode worker with room (bounded queue).", **kw)
+            "requests_queued", "Requests holding a place in line for a decode worker with room (bounded queue).",
+            **kw)
         self.upstream_timeouts = Counter(
             "upstream_timeouts", "Waits on a decode worker that ran out, by phase (response: no answer; "
             "first_token / idle: no frame).", ["phase"], **kw)

@@ -1,5 +1,10 @@
-"""The gateway's wait queue (bounded, deadlines, oldest first) and its count of requests sent to
-decode workers that their heartbeats do not show yet."""
+"""The gateway's wait queue (bounded, deadlines, strictly first come first served, no lost wake-up)
+and its count of requests sent to decode workers that their heartbeats do not show yet.
+
+The queue is tested as a state machine (hypothesis) on an event loop whose clock moves only when
+the test says so: requests arrive, try for room and get their answers late, streams end, the
+registry refresh probes, decode workers join, clients leave, time passes; and examples pin each
+rule of the module docstring."""
 from __future__ import annotations
 
 import asyncio
@@ -7,97 +12,355 @@ import time
 
 import msgspec
 import pytest
+from hypothesis import settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from common.cluster.registry import Capacity, KVAddress, WorkerInfo
 from gateway.backpressure import Saturated, WaitQueue
 from gateway.dispatch import SentToDecode
 
 
-async def test_waiters_wake_oldest_first():
-    queue = WaitQueue(size=3, timeout_s=60)
-    order = []
-
-    async def waiter(name):
-        await queue.wait(queue.deadline(), "busy")
-        order.append(name)
-
-    tasks = [asyncio.create_task(waiter(n)) for n in ("a", "b", "c")]
-    while queue.waiting < 3:
+async def settle() -> None:
+    """Run every task that can run (the clock does not move)."""
+    loop = asyncio.get_running_loop()
+    for _ in range(10_000):
         await asyncio.sleep(0)
+        if not loop._ready and not any(h.when() <= loop.time() for h in loop._scheduled if not h.cancelled()):
+            return
+    raise AssertionError("tasks never settled")
+
+
+class Request:
+    """A request as the dispatcher drives its place: try, then no room or admitted; ``tries``
+    counts the tries started, ``outcome`` is how it ended."""
+
+    def __init__(self, queue: WaitQueue, room: list[int], hold: bool = False):
+        self.place = queue.place()
+        self.room = room  # [free slots], shared
+        self.hold = hold  # each try's answer waits until the test sets ``answer``
+        self.tries = 0
+        self.outcome: str | None = None
+        self.answer: asyncio.Future | None = None
+
+    async def run(self) -> None:
+        try:
+            while True:
+                await self.place.turn()
+                self.tries += 1
+                got = self.room[0] > 0  # decided as the try starts; the answer may come later
+                if got:
+                    self.room[0] -= 1
+                if self.hold:
+                    self.answer = asyncio.get_running_loop().create_future()
+                    await self.answer
+                if got:
+                    self.place.admitted()
+                    self.outcome = "admitted"
+                    return
+                self.place.no_room("every decode worker is busy")
+        except Saturated as exc:
+            self.outcome = str(exc)
+        finally:
+            self.place.leave()
+
+
+async def start(queue: WaitQueue, room: list[int], n: int, hold: bool = False) -> list[tuple[Request, asyncio.Task]]:
+    out = []
+    for _ in range(n):
+        request = Request(queue, room, hold)
+        out.append((request, asyncio.create_task(request.run())))
+        await settle()
+    return out
+
+
+async def test_requests_are_woken_oldest_first():
+    queue, room = WaitQueue(size=3, timeout_s=60), [0]
+    requests = await start(queue, room, 3)
+    assert queue.waiting == 3 and [r.tries for r, _ in requests] == [1, 0, 0]  # only the first found the queue empty
+    for expected in range(3):
+        room[0] += 1
+        queue.notify(1)
+        await settle()
+        assert [r.outcome == "admitted" for r, _ in requests] == [i <= expected for i in range(3)]
+    assert queue.waiting == 0
+
+
+async def test_a_woken_request_that_finds_no_room_keeps_its_place_ahead_of_newcomers():
+    """Size 2: A and B wait; A is woken and tries (its answer still on the way).  A newcomer finds
+    the line full -- A still holds its place -- and A, finding no room, waits again ahead of B."""
+    queue, room = WaitQueue(size=2, timeout_s=60), [0]
+    (a, _), (b, _) = await start(queue, room, 2)
+    assert a.tries == 1 and b.tries == 0
+    a.hold = True
+    queue.notify(1)  # a probe: room may have appeared
+    await settle()
+    assert a.tries == 2 and not a.answer.done()
+    newcomer = Request(queue, room)
+    await newcomer.run()
+    assert "2 requests are already waiting" in newcomer.outcome and newcomer.tries == 0
+    a.answer.set_result(None)  # no room this time either: A waits again, at the head
+    await settle()
+    room[0] = 1
     queue.notify(1)
-    await tasks[0]
-    assert order == ["a"] and queue.waiting == 2
-    queue.notify_all()
-    await asyncio.gather(*tasks)
-    assert order == ["a", "b", "c"] and queue.waiting == 0
+    await settle()
+    assert a.tries == 3 and b.tries == 0
+    a.answer.set_result(None)
+    await settle()
+    assert a.outcome == "admitted" and b.outcome is None
 
 
-async def test_a_request_that_waits_again_keeps_its_place():
-    """Woken but still without room (a long prompt: decode workers keep room building up for it),
-    a request waits again ahead of those that came after it, not behind them."""
-    queue = WaitQueue(size=3, timeout_s=60)
-    woken = []
-    long_deadline = queue.deadline()
-
-    async def waiter(name, deadline, times=1):
-        for _ in range(times):
-            await queue.wait(deadline, "busy")
-            woken.append(name)
-
-    first = asyncio.create_task(waiter("long", long_deadline, times=2))
-    while queue.waiting < 1:
-        await asyncio.sleep(0)
-    later = [asyncio.create_task(waiter(n, queue.deadline())) for n in ("s1", "s2")]
-    while queue.waiting < 3:
-        await asyncio.sleep(0)
+async def test_a_newcomer_queues_behind_waiting_requests():
+    queue, room = WaitQueue(size=4, timeout_s=60), [0]
+    (first, _), = await start(queue, room, 1)
+    room[0] = 1  # room appears, nobody has been told yet
+    (newcomer, _), = await start(queue, room, 1)
+    assert newcomer.tries == 0 and room[0] == 1  # it did not take the room ahead of the waiting one
     queue.notify(1)
-    while queue.waiting < 3:  # woken, found no room, waits again
-        await asyncio.sleep(0)
-    assert woken == ["long"]
-    queue.notify(1)
-    while len(woken) < 2:
-        await asyncio.sleep(0)
-    assert woken == ["long", "long"]
-    await first
-    queue.notify_all()
-    await asyncio.gather(*later)
-    assert woken == ["long", "long", "s1", "s2"]
+    await settle()
+    assert first.outcome == "admitted" and newcomer.outcome is None and newcomer.tries == 1  # woken by the chain
+
+
+async def test_a_wake_up_landing_on_a_request_whose_client_left_is_passed_on():
+    queue, room = WaitQueue(size=3, timeout_s=60), [0]
+    (a, task_a), (b, _) = await start(queue, room, 2)
+    room[0] = 1
+    queue.notify(1)  # wakes A ...
+    task_a.cancel()  # ... whose client leaves before it runs
+    await settle()
+    assert task_a.cancelled() and b.outcome == "admitted" and queue.waiting == 0
+
+
+async def test_a_wake_up_that_finds_everyone_trying_is_not_lost():
+    """Room appears while the only request is trying (the worker said busy before it was freed):
+    the request tries again instead of waiting for the next notification."""
+    queue, room = WaitQueue(size=3, timeout_s=60), [0]
+    (a, _), = await start(queue, room, 1, hold=True)
+    room[0] = 1
+    queue.notify(1)  # nobody waits: A is trying
+    a.answer.set_result(None)  # "busy", as decided before the room appeared
+    await settle()
+    assert a.tries == 2
+    a.answer.set_result(None)
+    await settle()
+    assert a.outcome == "admitted"
 
 
 async def test_a_full_queue_refuses_at_once():
-    queue = WaitQueue(size=1, timeout_s=60)
-    first = asyncio.create_task(queue.wait(queue.deadline(), "every decode worker is busy"))
-    while queue.waiting < 1:
-        await asyncio.sleep(0)
-    with pytest.raises(Saturated, match="1 requests are already waiting") as info:
-        await queue.wait(queue.deadline(), "every decode worker is busy")
-    assert info.value.retry_after >= 1
-    queue.notify()
-    await first
-    with pytest.raises(Saturated, match="already waiting"):
-        await WaitQueue(size=0, timeout_s=1).wait(time.monotonic() + 10, "busy")
+    queue, room = WaitQueue(size=1, timeout_s=60), [0]
+    await start(queue, room, 1)
+    late = Request(queue, room)
+    await late.run()
+    assert "1 requests are already waiting" in late.outcome
+    zero = Request(WaitQueue(size=0, timeout_s=1), [0])
+    await zero.run()
+    assert "already waiting" in zero.outcome and zero.tries == 1
 
 
 async def test_the_deadline_ends_the_wait():
     queue = WaitQueue(size=4, timeout_s=0.05)
-    deadline = queue.deadline()
-    with pytest.raises(Saturated, match="busy within"):
-        await queue.wait(deadline, "every decode worker is busy")  # nobody notifies
+    request = Request(queue, [0])
+    await request.run()  # nobody notifies
+    assert request.outcome == "every decode worker is busy within 0.05 s; retry shortly"
     assert queue.waiting == 0
-    with pytest.raises(Saturated):  # a later wait of the same request: already past its deadline
-        await queue.wait(deadline, "busy")
 
 
 async def test_a_cancelled_waiter_leaves_the_queue():
-    queue = WaitQueue(size=1, timeout_s=60)
-    task = asyncio.create_task(queue.wait(queue.deadline(), "busy"))
-    while queue.waiting < 1:
-        await asyncio.sleep(0)
+    queue, room = WaitQueue(size=1, timeout_s=60), [0]
+    (_, task), = await start(queue, room, 1)
     task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
+    await settle()
     assert queue.waiting == 0
     queue.notify()  # nothing to wake, nothing breaks
+
+
+# ---- the state machine ---------------------------------------------------------------------------
+
+
+class VirtualClockLoop(asyncio.SelectorEventLoop):
+    """An event loop whose clock moves only when the test advances it."""
+
+    def __init__(self):
+        super().__init__()
+        self.now = 0.0
+
+    def time(self) -> float:
+        return self.now
+
+
+class Model(Request):
+    """A request of the state machine: its try's answer comes when a rule delivers it; it checks
+    the FIFO rule as each try starts."""
+
+    def __init__(self, machine: "QueueMachine"):
+        super().__init__(machine.queue, machine.room)
+        self.machine = machine
+
+    async def run(self) -> None:
+        queue, place = self.machine.queue, self.place
+        got = False
+        try:
+            while True:
+                await place.turn()
+                older_waiting = [t for t, _ in queue._waiting if place.ticket is None or t < place.ticket]
+                assert not older_waiting, f"ticket {place.ticket} tries while {older_waiting} wait"
+                if place.ticket is None:
+                    assert not queue._places, "a newcomer tried ahead of requests in line"
+                self.tries += 1
+                got = self.room[0] > 0
+                if got:
+                    self.room[0] -= 1
+                self.answer = asyncio.get_running_loop().create_future()
+                await self.answer
+                if got:
+                    place.admitted()
+                    self.outcome = "admitted"
+                    self.machine.streams += 1
+                    return
+                place.no_room("every decode worker is busy")
+        except Saturated as exc:
+            self.outcome = str(exc)
+            if "already waiting" in self.outcome:
+                assert len(queue._places) >= queue.size
+            else:
+                assert asyncio.get_running_loop().time() >= place.deadline
+        except asyncio.CancelledError:
+            self.outcome = "cancelled"
+            if got:  # the dispatcher closes the stream: the slot is free again
+                self.room[0] += 1
+                self.machine.queue.notify(1)
+            raise
+        finally:
+            place.leave()
+
+
+class QueueMachine(RuleBasedStateMachine):
+    """Rules change the world; each then runs the loop until it settles, or not (so that several
+    changes land before any request runs: a wake-up and its client leaving, a stream ending while
+    the only request in line is trying).  Invariants hold in every state; "no lost wake-up" once
+    the loop has settled: room is free while somebody waits only if a try is still on its way
+    (its end wakes the next or tries again)."""
+
+    def __init__(self):
+        super().__init__()
+        self.loop = VirtualClockLoop()
+        self.queue = WaitQueue(size=4, timeout_s=10.0)
+        self.room = [0]  # decode slots free; two streams hold the others at the start
+        self.streams = 2  # streams running, of requests admitted before the machine started or by it
+        self.requests: list[tuple[Model, asyncio.Task]] = []
+        self.settled = True
+
+    def run(self, coro):
+        return self.loop.run_until_complete(coro)
+
+    def live(self, predicate) -> list[Model]:
+        return [r for r, task in self.requests if not task.done() and predicate(r)]
+
+    def pending_answers(self) -> list[Model]:
+        return self.live(lambda r: r.answer is not None and not r.answer.done())
+
+    def then(self, settle_now: bool) -> None:
+        self.settled = False
+        if settle_now:
+            self.settle()
+
+    @initialize(n=st.integers(0, 4))
+    def requests_in_line(self, n):
+        """``n`` requests that found no room wait in line."""
+        for _ in range(n):
+            self.arrive(settle_now=True)
+            self.answers_arrive(None, every=True, settle_now=True)
+
+    @precondition(lambda self: len(self.requests) < 16)
+    @rule(settle_now=st.booleans())
+    def arrive(self, settle_now):
+        request = Model(self)
+        self.requests.append((request, self.loop.create_task(request.run())))
+        self.then(settle_now)
+
+    @rule(data=st.data(), every=st.booleans(), settle_now=st.booleans())
+    def answers_arrive(self, data, every, settle_now):
+        pending = self.pending_answers()
+        if pending and not every:
+            pending = [data.draw(st.sampled_from(pending))]
+        for r in pending:
+            r.answer.set_result(None)
+        self.then(settle_now)
+
+    @rule(settle_now=st.booleans())
+    def stream_ends(self, settle_now):
+        if self.streams:
+            self.streams -= 1
+            self.room[0] += 1
+            self.queue.notify(1)
+        self.then(settle_now)
+
+    @rule(settle_now=st.booleans())
+    def registry_refresh(self, settle_now):
+        self.queue.notify(1)
+        self.then(settle_now)
+
+    @rule(n=st.integers(1, 2), settle_now=st.booleans())
+    def decode_worker_joins(self, n, settle_now):
+        self.room[0] += n
+        self.queue.notify_all()
+        self.then(settle_now)
+
+    @rule(data=st.data(), woken=st.booleans(), settle_now=st.booleans())
+    def client_leaves(self, data, woken, settle_now):
+        """Any request's client, or one whose request was just woken (before it runs)."""
+        running = [(r, task) for r, task in self.requests if not task.done()]
+        if woken:
+            running = [(r, task) for r, task in running if r.place.queued and r.place._may_try]
+        if running:
+            data.draw(st.sampled_from(running))[1].cancel()
+        self.then(settle_now)
+
+    @rule(dt=st.sampled_from([1.0, 5.0, 10.0]), settle_now=st.booleans())
+    def time_passes(self, dt, settle_now):
+        self.loop.now += dt
+        self.then(settle_now)
+
+    @rule()
+    def settle(self):
+        self.run(settle())
+        for r, task in self.requests:
+            if task.done() and not task.cancelled():
+                task.result()  # an assertion inside a request fails the test here
+        self.settled = True
+
+    @invariant()
+    def the_queue_is_bounded(self):
+        assert len(self.queue._places) <= self.queue.size
+
+    @invariant()
+    def no_wake_up_is_lost(self):
+        if self.settled and self.room[0] > 0 and self.queue._waiting:
+            assert self.pending_answers(), f"room for {self.room[0]} while {len(self.queue._waiting)} wait"
+
+    def teardown(self):
+        try:
+            # Everyone ends: answers come, time runs out for the rest; then the queue is empty.
+            for _ in range(64):
+                for r in self.pending_answers():
+                    r.answer.set_result(None)
+                self.loop.now += 5.0
+                self.run(settle())
+                if all(task.done() for _, task in self.requests):
+                    break
+            for r, task in self.requests:
+                assert task.done()
+                if not task.cancelled():
+                    task.result()
+            assert not self.queue._places and not self.queue._waiting
+        finally:
+            self.loop.close()
+
+
+TestQueueMachine = QueueMachine.TestCase
+TestQueueMachine.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
+
+
+# ---- requests sent and not yet in a heartbeat ----------------------------------------------------
 
 
 def worker(worker_id: str, heartbeat_at: float) -> WorkerInfo:

@@ -7,9 +7,11 @@ registered in the registry like real ones; each test registers its own, with its
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import json
 import socket
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -18,14 +20,16 @@ import uuid
 import aiohttp
 import openai
 import pytest
+from aiohttp import web
 
 from common.cluster.launcher import gateway_health
+from common.cluster.messages import GenerateRequest, TokenFrame, decode, frame
 from tests.cluster import http_json, running_cluster
 from tests.fake_decode import FakeDecodeWorker
 
 GATEWAY_ARGS = [
     "--upstream-response-timeout", "10", "--first-token-timeout", "20", "--upstream-idle-timeout", "10",
-    "--bench-time", "600", "--max-inflight", "200", "--queue-size", "2", "--queue-timeout", "8",
+    "--bench-time", "600", "--max-inflight", "200", "--queue-size", "2", "--queue-timeout", "12",
 ]
 
 
@@ -163,27 +167,73 @@ def test_when_every_decode_worker_is_busy_the_request_waits_for_room(stack, fake
     assert len(worker.generate_calls) >= 2 and set(worker.generate_calls) == {response.id}
 
 
-def test_the_wait_queue_is_bounded_and_ends_in_503_with_retry_after(stack, fakes):
-    fakes("busy")
+class HoldingBusyWorker(FakeDecodeWorker):
+    """Answers busy (or as ``behaviour`` says), except that its ``hold_call``-th call for the
+    prompt ending in ``hold_tag`` waits for ``release()`` (``holding`` is set meanwhile), then
+    answers busy."""
 
-    def attempt():
+    def __init__(self, *args, hold_tag: int, hold_call: int, **kw):
+        super().__init__(*args, **kw)
+        self.hold_tag, self.hold_call = hold_tag, hold_call
+        self.calls_by_tag: collections.Counter[int] = collections.Counter()
+        self.holding = threading.Event()
+        self._released: asyncio.Event | None = None
+
+    def release(self) -> None:
+        self._loop.call_soon_threadsafe(self._released.set)
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        tag = decode(await request.read(), GenerateRequest).prompt_token_ids[-1]
+        self.calls_by_tag[tag] += 1
+        if tag == self.hold_tag and self.calls_by_tag[tag] == self.hold_call:
+            self._released = asyncio.Event()
+            self.holding.set()
+            await self._released.wait()
+            return web.Response(status=503, body=frame(TokenFrame(error="no free KV blocks", error_kind="busy")))
+        return await super()._generate(request)
+
+
+def test_the_wait_queue_is_bounded_and_first_come_first_served(stack):
+    """Queue size 2.  A waits, then B.  A is woken (a registry refresh) and tries again; its
+    answer is held while C arrives: the line is full -- A still holds its place -- so C gets 503
+    + Retry-After at once, without overtaking anyone.  A's answer is busy: it waits again, first in
+    line, and when room appears A and B are served."""
+    a, b, c = 21, 22, 23  # the last prompt token tells the worker which request it is
+    worker = HoldingBusyWorker(stack.redis_url, stack.key_prefix, stack.model_name, f"{uuid.uuid4().hex[:6]}-held",
+                               "busy", cluster_secret=stack.cluster_secret, hold_tag=a, hold_call=2)
+
+    def attempt(tag):
         try:
-            complete(stack)
+            client(stack).completions.create(model=stack.model_name, prompt=[11, 12, 13, tag], max_tokens=4)
         except openai.APIStatusError as exc:
             return exc.status_code, exc.response.headers.get("retry-after"), exc.message
         return 200, None, ""
 
-    with concurrent.futures.ThreadPoolExecutor(3) as pool:
-        futures = [pool.submit(attempt) for _ in range(3)]
-        done, waiting = concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_COMPLETED)
-        # Queue size 2: the third request is refused at once while two wait for room.
-        assert len(done) == 1 and len(waiting) == 2
-        status, retry_after, message = next(iter(done)).result()
-        assert status == 503 and retry_after and "already waiting" in message
-        # Nothing frees up: when the deadline passes they get 503 + Retry-After too.
-        for future in waiting:
-            status, retry_after, message = future.result(timeout=60)
-            assert status == 503 and retry_after and "busy" in message
+    def wait_until(predicate, what):
+        deadline = time.monotonic() + 60
+        while not predicate():
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            time.sleep(0.02)
+
+    with worker, concurrent.futures.ThreadPoolExecutor(3) as pool:
+        stack.wait_for_workers(0, 1)
+        first = pool.submit(attempt, a)
+        wait_until(lambda: worker.holding.is_set() or metric(stack.gateway_url, "pdserve_requests_queued") == 1,
+                   "A in line")
+        second = pool.submit(attempt, b)
+        wait_until(lambda: metric(stack.gateway_url, "pdserve_requests_queued") == 2 or worker.calls_by_tag[b],
+                   "B in line")
+        assert worker.holding.wait(30), "A was never woken to try again"
+        third = pool.submit(attempt, c)  # while A's second try is on its way
+        wait_until(lambda: third.done() or worker.calls_by_tag[c], "C refused, or trying")
+        worker.behaviour = "stream"  # room, from now on; A's held answer is still busy
+        worker.release()
+        assert first.result(timeout=60) == (200, None, "")  # waited longest: served, not refused
+        assert second.result(timeout=60) == (200, None, "")
+        status, retry_after, message = third.result(timeout=60)
+        assert status == 503 and retry_after and "2 requests are already waiting" in message, message
+        assert worker.calls_by_tag[c] == 0  # it did not try ahead of those in line
+    stack.wait_for_workers(0, 0)
 
 
 def test_a_burst_spreads_over_decode_workers(stack, fakes):
