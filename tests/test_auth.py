@@ -21,8 +21,14 @@ class Clock:
         return self.now
 
 
-def verifier(worker_id: str = "d0", clock: Clock | None = None, max_nonces: int = 1024, secret: str = SECRET):
-    return ClusterAuth(secret).request_verifier(worker_id, clock=clock or Clock(), max_nonces=max_nonces)
+def verifier(worker_id: str = "d0", clock: Clock | None = None, max_nonces: int = 1024, secret: str = SECRET,
+             started_s_ago: float = 3600):
+    """A worker's verifier, the worker started ``started_s_ago`` before ``clock``'s time."""
+    clock = clock or Clock()
+    now, clock.now = clock.now, clock.now - started_s_ago
+    v = ClusterAuth(secret).request_verifier(worker_id, clock=clock, max_nonces=max_nonces)
+    clock.now = now
+    return v
 
 
 def signed(method="POST", path="/generate", body=b'{"a": 1}', audience="d0", now=T0, secret=SECRET) -> dict:
@@ -205,3 +211,19 @@ def test_two_copies_in_flight_at_once_are_accepted_once():
     with pytest.raises(AuthError) as err:
         v.check_headers(headers)
     assert err.value.reason == "replay"
+
+
+def test_a_request_accepted_before_a_worker_restarted_is_refused_after_it():
+    """The nonces of a worker's previous run are gone with it; requests signed before the new run
+    began are refused instead (``signed_not_before``)."""
+    clock = Clock(T0)
+    previous = verifier(clock=clock)
+    headers = signed(now=T0 - 2)
+    previous.verify_request("POST", "/generate", headers, b'{"a": 1}')
+    restarted = verifier(clock=clock, started_s_ago=0)  # same worker id, empty replay cache
+    err = refusal(restarted, "POST", "/generate", headers, b'{"a": 1}')
+    assert err.reason == "replay_window" and "before this worker started" in str(err)
+    assert refusal(restarted, "POST", "/generate", signed(now=T0 - 1), b'{"a": 1}').reason == "replay_window"
+    restarted.verify_request("POST", "/generate", signed(now=T0), b'{"a": 1}')  # signed in its first second
+    clock.now = T0 + 0.999
+    restarted.verify_request("POST", "/generate", signed(now=T0), b'{"a": 1}')

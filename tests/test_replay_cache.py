@@ -23,9 +23,10 @@ ops = st.lists(st.one_of(
 @settings(max_examples=300, deadline=None)
 @given(capacity=st.integers(1, 6), script=ops)
 def test_no_replay_is_ever_accepted_and_the_cache_stays_bounded(capacity, script):
-    now = [float(T0)]
+    now = [float(T0 - 3600)]  # the worker started an hour before the script begins
     auth = ClusterAuth(SECRET)
     verifier = auth.request_verifier("d0", clock=lambda: now[0], max_nonces=capacity)
+    now[0] = float(T0)
     sent: list[tuple[dict, int]] = []  # every request signed so far, with its signing time
     accepted: dict[str, int] = {}  # nonce -> signing time, of accepted requests
     for op, arg in script:

@@ -22,7 +22,8 @@ receiving worker's ``RequestVerifier``)::
 MAC with its *own* worker id, so a request signed for one worker is refused by every other (the
 header only lets the refusal say so); and it remembers every accepted nonce until the request's
 time is out of the skew window (``nonce_cache``), so a captured request is refused when replayed
-to the same worker, and is stale by the time the nonce is forgotten.
+to the same worker, and is stale by the time the nonce is forgotten.  A worker also refuses requests
+signed before it started, since its previous run's nonces are gone.
 
 Every header must be present once and match its exact ASCII form; anything else, a non-ASCII byte
 or a Unicode digit included, is a 401 like a wrong signature.  A request whose credentials are
@@ -258,6 +259,10 @@ class RequestVerifier:
         self.audience = audience
         self.clock = clock
         self.seen = NonceCache(max_nonces)
+        # The nonces a previous run of this worker accepted are gone: requests signed before this
+        # run began are refused, so none of them can be replayed to it (a caller whose clock lags
+        # this one's gets 401s only until its clock passes this second).
+        self.signed_not_before = int(clock())
 
     def check_headers(self, headers: Mapping[str, str]) -> SignedCredentials | None:
         """The request's credentials if its headers pass every check that needs no body (None when
@@ -290,6 +295,9 @@ class RequestVerifier:
         if abs(now - int(creds.stamp)) > MAX_CLOCK_SKEW_S:
             raise AuthError("stale cluster credentials (signed more than "
                             f"{MAX_CLOCK_SKEW_S:.0f} s away from this worker's clock)")
+        if int(creds.stamp) < self.signed_not_before:
+            raise AuthError("cluster credentials signed before this worker started (a replay from its previous run, "
+                            "or the caller's clock is behind this worker's)", "replay_window")
         why = self.seen.refusal(creds.nonce, creds.acceptable_until, now)
         if why is not None:
             raise AuthError(why, "replay" if why == REPLAYED else "replay_window")
