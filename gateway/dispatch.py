@@ -53,7 +53,24 @@ HASH_INLINE_BLOCKS = 256  # prompts with more full blocks are hashed off the eve
 
 
 class UpstreamError(Exception):
-    """The request failed inside the cluster after it was accepted."""
+    """The request failed inside the cluster after it was accepted (the client gets ``status``)."""
+
+    status = 500
+
+
+class WorkerAnswerError(UpstreamError):
+    """No decode worker gave an answer the gateway can read: an error page (the worker's auth
+    middleware's JSON, aiohttp's plain-text 500, a proxy's HTML) or bytes that are no frame
+    stream.  A failure of the cluster, never of the client's request."""
+
+    status = 502
+
+
+# A decode worker answers /generate with frames: a stream (200, FRAMES_CONTENT_TYPE) or one
+# error frame (4xx/5xx; aiohttp labels a bytes body application/octet-stream).
+FRAMES_CONTENT_TYPE = "application/x-pdserve-frames"
+FRAME_CONTENT_TYPES = frozenset({FRAMES_CONTENT_TYPE, "application/octet-stream"})
+BAD_ANSWER_EXCERPT = 256  # bytes of a bad answer's body kept for the log
 
 
 @dataclass
@@ -203,6 +220,7 @@ class Dispatcher:
         exclude: set[str] = set()  # workers that failed this request
         busy: set[str] = set()  # workers that said busy since this request last waited
         failures = 0
+        last_bad_answer: _BadAnswer | None = None  # the last worker answer that was no frame stream
         streamed = False
         hashed: dict[int, list[bytes]] = {}  # the prompt's block hashes, computed once
         place = self.queue.place()  # its place in line while no decode worker has room (first come, first served)
@@ -211,6 +229,9 @@ class Dispatcher:
                 if await place.turn():  # it waited in line: room may have appeared anywhere
                     busy.clear()
                 route = await self.choose(prompt, exclude | busy, cache_salt, hashed)
+                if route is None and last_bad_answer is not None and not busy:
+                    # Every worker left answered garbage: no room will appear by waiting.
+                    raise WorkerAnswerError(f"no decode worker gave a readable answer ({last_bad_answer})")
                 if route is None:
                     why = "every decode worker is busy" if busy else "no decode worker is available"
                     log.info("request %s waits for room (%s; %d in line)", request_id, why, self.queue.waiting)
@@ -232,18 +253,13 @@ class Dispatcher:
                 resp = None
                 try:
                     resp = await self._open_stream(decode_url, body, decode_id)
-                    if resp.status == 401:
-                        reason = (await read_response(resp, 4096)).decode(errors="replace")
-                        log.warning("decode worker %s refused the gateway's cluster credentials: %s",
-                                    route.decode.worker_id, reason)
-                        raise ConnectionError(f"decode worker refused the cluster credentials ({reason}); "
-                                              f"is PDSERVE_CLUSTER_SECRET the same on every process?")
+                    await self._check_answer(resp, decode_id)
                     if resp.status == 200:
                         place.admitted()  # D took it: its place in line goes to the next
                     frames = FrameReader(resp.content, TokenFrame)
                     got_frame = False
                     while True:
-                        batch = await self._next_frames(frames, first=not got_frame)
+                        batch = await self._next_frames(resp, frames, first=not got_frame)
                         got_frame = True
                         if not batch:
                             raise ConnectionError("decode worker closed the stream before the request finished")
@@ -258,6 +274,8 @@ class Dispatcher:
                                 if frame.error_kind == "invalid":
                                     raise ValueError(frame.error)
                                 raise UpstreamError(frame.error)
+                            if resp.status != 200:  # an error status must carry an error frame
+                                raise _BadAnswer(resp.status, resp.content_type, "a frame that is no error")
                             if frame.token_ids:
                                 streamed = True
                                 self.sent_to_decode.admitted(decode_id, request_id)
@@ -279,13 +297,20 @@ class Dispatcher:
                         continue
                     exclude.add(decode_id)
                     await self.pool.refresh()  # it drains or changed role: re-read the registry
-                except (aiohttp.ClientError, ConnectionError, _UpstreamTimeout) as exc:
+                except (aiohttp.ClientError, ConnectionError, _UpstreamTimeout, _BadAnswer) as exc:
                     exclude.add(decode_id)
-                    self.pool.bench(decode_id)  # unreachable or hung: keep it out for a while
+                    if isinstance(exc, _BadAnswer):
+                        last_bad_answer = exc
+                        log.warning("request %s: decode worker %s: %s", request_id, decode_id, exc.detail())
+                    if not isinstance(exc, _BadAnswer) or exc.worker_fault:
+                        self.pool.bench(decode_id)  # unreachable, hung or broken: keep it out for a while
                     if streamed:
                         raise UpstreamError(f"decode worker {decode_id} failed mid-stream: {exc}") from None
                     failures += 1
                     if failures >= self.max_attempts:
+                        if isinstance(exc, _BadAnswer):
+                            raise WorkerAnswerError(f"no decode worker gave a readable answer after {failures} "
+                                                    f"attempts ({exc})") from None
                         raise Saturated(f"no worker could take the request after {failures} failed attempts: {exc}")
                     log.warning("request %s: decode worker %s failed before the first token (%s); retrying",
                                 request_id, decode_id, exc)
@@ -317,15 +342,36 @@ class Dispatcher:
         except TimeoutError:
             raise self._timed_out("response", self.timeouts.response) from None
 
-    async def _next_frames(self, frames: FrameReader, first: bool) -> list[TokenFrame]:
+    async def _check_answer(self, resp: aiohttp.ClientResponse, decode_id: str) -> None:
+        """Raise unless ``resp`` is a frame answer: ``ConnectionError`` for refused cluster
+        credentials, ``_BadAnswer`` for anything else that is no frame stream (read no further
+        than an excerpt for the log)."""
+        if resp.status == 401:
+            reason = (await read_response(resp, 4096, timeout=self.timeouts.response)).decode(errors="replace")
+            log.warning("decode worker %s refused the gateway's cluster credentials: %s", decode_id, reason)
+            raise ConnectionError(f"decode worker refused the cluster credentials ({reason}); "
+                                  f"is PDSERVE_CLUSTER_SECRET the same on every process?")
+        if resp.content_type in FRAME_CONTENT_TYPES:
+            return
+        try:
+            async with asyncio.timeout(self.timeouts.response):
+                excerpt = await resp.content.read(BAD_ANSWER_EXCERPT)
+        except (TimeoutError, aiohttp.ClientError):
+            excerpt = b""
+        raise _BadAnswer(resp.status, resp.content_type, "no frame stream", excerpt)
+
+    async def _next_frames(self, resp: aiohttp.ClientResponse, frames: FrameReader,
+                           first: bool) -> list[TokenFrame]:
         """The frames that have arrived (``[]`` at the end of the stream), bounded by the
-        first-token or the idle timeout."""
+        first-token or the idle timeout; bytes that are no frames are a ``_BadAnswer``."""
         phase, limit = ("first_token", self.timeouts.first_token) if first else ("idle", self.timeouts.idle)
         try:
             async with asyncio.timeout(limit):
                 return await frames.next_batch()
         except TimeoutError:
             raise self._timed_out(phase, limit) from None
+        except ValueError as exc:  # a header announcing too much, or a body that does not decode
+            raise _BadAnswer(resp.status, resp.content_type, f"malformed frames: {exc}") from None
 
     def _timed_out(self, phase: str, limit: float) -> "_UpstreamTimeout":
         self.metrics.upstream_timeouts.labels(phase).inc()
@@ -354,6 +400,25 @@ def _can_decode(w: WorkerInfo) -> bool:
 
 class _UpstreamTimeout(Exception):
     """A decode worker did not answer, or stopped sending, within its timeout."""
+
+
+class _BadAnswer(Exception):
+    """A decode worker's answer that is no frame stream.  ``worker_fault``: a 5xx (or a 2xx/3xx
+    that is not frames) says the worker or a proxy before it is broken, and benches it; a 4xx
+    says it refused this request (too large for it, say), which excludes it for this request
+    only -- a client must not be able to bench workers with its requests."""
+
+    def __init__(self, status: int, content_type: str, what: str, excerpt: bytes = b""):
+        super().__init__(f"decode worker answered {status} {content_type or '(no content type)'}: {what}")
+        self.status = status
+        self.excerpt = excerpt
+        self.worker_fault = not 400 <= status < 500
+
+    def detail(self) -> str:
+        """The message and an excerpt of the body, printable, for the log (not the client)."""
+        text = self.excerpt.decode("utf-8", "replace")
+        text = "".join(c if c.isprintable() else " " for c in text).strip()
+        return f"{self}{f' ({text!r})' if text else ''}"
 
 
 class _Retry(Exception):

@@ -165,8 +165,8 @@ class OpenAIHandlers:
             return await step
         except Saturated as exc:
             raise OpenAIError(503, f"The server is saturated: {exc}", retry_after=exc.retry_after) from None
-        except UpstreamError as exc:
-            raise OpenAIError(500, f"generation failed: {exc}", code="upstream_error") from None
+        except UpstreamError as exc:  # 500, or 502 when no worker gave a readable answer
+            raise OpenAIError(exc.status, f"generation failed: {exc}", code="upstream_error") from None
 
     async def _run(self, gen: Generation):
         """Yield lists of ``(text_delta, frame)``, one list per batch of frames that arrived
@@ -234,7 +234,7 @@ class OpenAIHandlers:
                 await write(SSE_DONE)
             except (Saturated, UpstreamError) as exc:
                 request["outcome"] = "stream_error"
-                code = 503 if isinstance(exc, Saturated) else 500
+                code = 503 if isinstance(exc, Saturated) else exc.status
                 await write(OpenAIError(code, f"generation failed: {exc}").to_sse())
                 await write(SSE_DONE)
             except ValueError as exc:

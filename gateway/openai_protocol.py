@@ -52,6 +52,7 @@ _DEFAULT_ERROR_TYPE = {
     413: "invalid_request_error",
     429: "rate_limit_error",
     500: "internal_server_error",
+    502: "upstream_error",
     503: "service_unavailable_error",
 }
 

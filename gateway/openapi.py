@@ -126,6 +126,7 @@ _ERRORS = {
     "413": "The request body is too large.",
     "429": "Too many requests in flight (overall or for this API key); see Retry-After.",
     "500": "The generation failed inside the cluster.",
+    "502": "No decode worker gave an answer the gateway could read (an error page instead of a token stream).",
     "503": "Saturated, or no worker can serve; see Retry-After.",
 }
 

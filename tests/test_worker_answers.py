@@ -1,0 +1,171 @@
+"""A decode worker's answer that is no frame stream is the worker's failure, never the client's: the
+gateway retries it on another worker before the first token, and answers 502 when no worker gives
+a readable answer -- never a 400.
+
+Real aiohttp servers on real sockets stand in for the workers (this tests the dispatcher above
+them): each answers ``/generate`` as a worker's auth middleware (JSON 413), a crashed aiohttp
+handler (plain-text 500), a proxy (an HTML 502, or an HTML page with 200), or with bytes that are
+no frames; a good one streams frames."""
+from __future__ import annotations
+
+import contextlib
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from common.cluster.messages import GenerateRequest, TokenFrame, decode, frame
+from common.cluster.registry import Capacity, KVAddress, Load, WorkerInfo
+from common.engine.sampling_params import SamplingParams
+from gateway.backpressure import WaitQueue
+from gateway.dispatch import DispatchResult, Dispatcher, UpstreamError, WorkerAnswerError
+from gateway.handlers import OpenAIHandlers
+from gateway.metrics import GatewayMetrics
+from gateway.openai_protocol import OpenAIError
+from gateway.routing import Router, RoutingConfig
+
+HTML = b"<!DOCTYPE html><html><body><h1>502 Bad Gateway</h1></body></html>"
+
+
+async def json_413(request):  # the worker's auth middleware refusing a body over its limit
+    return web.json_response({"error": "request body of 9999999 bytes exceeds the limit of 4194304"}, status=413)
+
+
+async def crash_500(request):  # aiohttp's own answer to a handler that raised
+    raise RuntimeError("handler crashed")
+
+
+async def proxy_502(request):
+    return web.Response(status=502, body=HTML, content_type="text/html")
+
+
+async def proxy_200(request):  # a captive proxy's page
+    return web.Response(status=200, body=HTML, content_type="text/html")
+
+
+async def garbage_frames(request):  # labelled as frames, but no frame: a header announcing 1 GiB
+    return web.Response(status=503, body=b"\x40\x00\x00\x00" + b"x" * 64)
+
+
+async def not_an_error_frame(request):  # an error status whose frame carries no error
+    return web.Response(status=500, body=frame(TokenFrame(token_ids=[7])))
+
+
+async def stream(request):
+    body = decode(await request.read(), GenerateRequest)
+    response = web.StreamResponse(headers={"Content-Type": "application/x-pdserve-frames"})
+    await response.prepare(request)
+    for i in range(body.sampling_params.max_tokens):
+        last = i == body.sampling_params.max_tokens - 1
+        await response.write(frame(TokenFrame(token_ids=[7], finished=last, finish_reason="length" if last else None)))
+    return response
+
+
+BAD = {"json 413": json_413, "plain-text 500": crash_500, "html 502": proxy_502, "html 200": proxy_200,
+       "garbage frames": garbage_frames, "500 without an error frame": not_an_error_frame}
+WORKER_FAULT = {"plain-text 500", "html 502", "html 200", "garbage frames", "500 without an error frame"}
+
+
+async def aborted(request):
+    return web.json_response({"aborted": True})
+
+
+@contextlib.asynccontextmanager
+async def worker_server(handler):
+    app = web.Application()
+    app.router.add_post("/generate", handler)
+    app.router.add_post("/abort", aborted)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    finally:
+        await runner.cleanup()
+
+
+def info(worker_id: str, url: str, running: int) -> WorkerInfo:
+    return WorkerInfo(worker_id=worker_id, role="decode", state="active", model="m", http_address=url,
+                      kv_address=KVAddress("tcp", "127.0.0.1", 1), capacity=Capacity(1000, 16, 64),
+                      load=Load(num_running=running))
+
+
+class Pool:
+    """The dispatcher's view of fixed workers; records benching."""
+
+    def __init__(self, workers):
+        self.workers = workers
+        self.listeners = []
+        self.benched: list[str] = []
+
+    def routable(self, exclude=()):
+        return [w for w in self.workers if w.worker_id not in exclude and w.worker_id not in self.benched]
+
+    def bench(self, worker_id):
+        self.benched.append(worker_id)
+
+    async def refresh(self):
+        pass
+
+
+class NoPrefixes:
+    async def longest_prefix(self, model, hashes, worker_ids):
+        return {}
+
+
+@contextlib.asynccontextmanager
+async def dispatcher(*handlers):
+    """A dispatcher over one worker per handler; the first is the least loaded (tried first)."""
+    async with contextlib.AsyncExitStack() as stack:
+        urls = [await stack.enter_async_context(worker_server(h)) for h in handlers]
+        session = await stack.enter_async_context(aiohttp.ClientSession())
+        pool = Pool([info(f"d{i}", url, running=i) for i, url in enumerate(urls)])
+        d = Dispatcher(pool, Router(RoutingConfig()), NoPrefixes(), session, session, GatewayMetrics(), "m",
+                       queue=WaitQueue(4, 60.0))
+        try:
+            yield d
+        finally:
+            await d.drain()  # the aborts it sent, before the session closes
+
+
+async def generate(d: Dispatcher) -> list[TokenFrame]:
+    out = []
+    async with contextlib.aclosing(d.generate("r1", [1, 2, 3], SamplingParams(max_tokens=3), DispatchResult())) as run:
+        async for batch in run:
+            out.extend(batch)
+    return out
+
+
+@pytest.mark.parametrize("kind", list(BAD))
+async def test_an_answer_that_is_no_frame_stream_is_retried_on_another_worker(kind):
+    async with dispatcher(BAD[kind], stream) as d:
+        frames = await generate(d)
+        assert [f.token_ids for f in frames] == [[7]] * 3 and frames[-1].finished
+        # A broken worker (or its proxy) is benched; one that refused this request only is not.
+        assert d.pool.benched == (["d0"] if kind in WORKER_FAULT else [])
+
+
+@pytest.mark.parametrize("kind", list(BAD))
+async def test_when_no_worker_answers_readably_the_client_gets_502_not_400(kind):
+    async with dispatcher(BAD[kind], BAD[kind]) as d:
+        with pytest.raises(WorkerAnswerError, match="no decode worker gave a readable answer") as info:
+            await generate(d)
+    assert info.value.status == 502
+    with pytest.raises(OpenAIError) as http:
+        await OpenAIHandlers._upstream(generate_failing(info.value))
+    assert http.value.status == 502 and http.value.code == "upstream_error"
+
+
+async def generate_failing(exc: UpstreamError):
+    raise exc
+
+
+async def test_a_worker_error_frame_still_means_what_it_says():
+    """A real worker's refusals are frames with an error status: "invalid" is the client's 400."""
+    async def invalid(request):
+        return web.Response(status=400, body=frame(TokenFrame(error="prompt rejected", error_kind="invalid")))
+
+    async with dispatcher(invalid) as d:
+        with pytest.raises(ValueError, match="prompt rejected"):
+            await generate(d)
