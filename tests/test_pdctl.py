@@ -12,7 +12,7 @@ import pytest
 from common.cluster.launcher import ROOT, LocalStack
 from gateway import pdctl
 from gateway.rebalance import Move, Targets, WorkerReading, choose_split, plan
-from tests.cluster import http_json, running_cluster
+from tests.cluster import ADMIN_TOKEN, http_json, running_cluster
 
 
 def w(worker_id: str, role: str, **load) -> WorkerReading:
@@ -134,7 +134,7 @@ def test_scale_command_and_refusals(capsys):
 
 # ---- against a running stack -------------------------------------------------------------------
 
-TOKEN = "admin-secret"  # what tests/cluster.py gives the gateway and the workers
+TOKEN = ADMIN_TOKEN  # what tests/cluster.py gives the gateway
 
 
 @pytest.fixture(scope="module")

@@ -10,9 +10,9 @@ import openai
 import pytest
 
 from common.cluster.launcher import LocalStack
-from tests.cluster import http_json, running_cluster
+from tests.cluster import ADMIN_TOKEN, http_json, running_cluster
 
-TOKEN = "admin-secret"
+TOKEN = ADMIN_TOKEN  # what tests/cluster.py gives the gateway
 MAX_TOKENS = 24
 CONCURRENCY = 8
 
