@@ -98,7 +98,8 @@ class GatewayMetrics:
             "redis_unavailable", "Redis calls that failed or timed out (routing fell back to load).", **kw)
         self.registry_rejected = Counter(
             "registry_rejected_entries", "Registry entries ignored on read, by reason: signature (unsigned, "
-            "forged or another secret), misplaced, address, unreadable.", ["reason"], **kw)
+            "forged or another secret), version (an older writer), expired, clock (written in the reader's future), "
+            "misplaced, address, unreadable.", ["reason"], **kw)
 
         worker = ["worker_id", "role"]
         self.num_requests_waiting = Gauge("num_requests_waiting", "Requests queued on a worker.", worker, **kw)

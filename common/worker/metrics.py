@@ -25,8 +25,10 @@ class WorkerMetrics:
         self.prefill_fallbacks = Counter(
             "pdserve_worker_remote_prefill_fallbacks", "Remote prefills that failed and were computed locally", registry=r)
         self.auth_refused = Counter(
-            "pdserve_worker_auth_refused", "Requests refused before their handler ran: missing, stale or wrong "
-            "cluster credentials, or a body over the limit", ["reason"], registry=r)
+            "pdserve_worker_auth_refused", "Requests refused before their handler ran, by reason: credentials "
+            "(missing, malformed, stale or wrong), version (an older caller), audience (signed for another worker), "
+            "replay, replay_window (signed too long ago for the replay cache), too_large (the body)", ["reason"],
+            registry=r)
         self.kv_transfers_settling = Gauge(
             "pdserve_worker_kv_transfers_settling",
             "Abandoned KV transfers whose reserved blocks wait for in-flight bytes before being freed", registry=r)
