@@ -138,3 +138,28 @@ def test_a_real_process_that_ran_35_s_each_time_is_given_up(tmp_path):
         assert supervisor.restarts == {"flaky": 2}  # three runs
     finally:
         stack.stop()
+
+
+def test_a_process_that_cannot_be_started_again_is_given_up(tmp_path):
+    """A start that fails (here: pinned to a CPU that does not exist) is a run of no length, so
+    a process that can no longer be started ends as a crash loop instead of being retried forever."""
+    clock = ManualClock(1000.0)
+    stack = LocalStack("unused", "redis://unused", workdir=tmp_path, clock=clock)
+    proc = stack._spawn("flaky", "platform", [], port=0)
+    stack.cpus = {"flaky": [1 << 20]}  # every later start fails before exec
+    supervisor = Supervisor(stack, min_backoff=30.0, max_backoff=30.0, stable_after=60.0, crash_loop_limit=3,
+                            say=lambda *_, **__: None)
+    try:
+        proc.popen.wait(120)
+        clock.now += 35.0
+        for _ in range(10):
+            supervisor.poll()  # an exit, or a failed start, is seen
+            if "flaky" in supervisor.given_up:
+                break
+            clock.now += supervisor.backoff("flaky")
+            supervisor.poll()  # the restart, which fails
+        assert supervisor.given_up == {"flaky"}
+        assert supervisor.restarts == {"flaky": 2}  # one run, two starts that failed
+        assert proc.popen is None
+    finally:
+        stack.stop()

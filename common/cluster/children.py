@@ -106,6 +106,8 @@ def exit_status(popen: subprocess.Popen) -> int | None:
     (helpers it started) first, while the unreaped leader still holds the group id."""
     if popen.returncode is not None:
         return popen.returncode
+    if not hasattr(os, "waitid"):  # macOS before Python 3.13: no look without reaping, no sweep
+        return popen.poll()
     try:
         exited = os.waitid(os.P_PID, popen.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
     except ChildProcessError:  # reaped meanwhile by a wait() in another thread
@@ -123,8 +125,8 @@ def stop_all(popens: Iterable[subprocess.Popen | None], bound_s: float,
     ``None`` (a process that never started) and processes that already exited are skipped."""
     live = [p for p in popens if p is not None and exit_status(p) is None]
     for popen in live:
-        try:
-            popen.send_signal(signal.SIGTERM)
+        try:  # not popen.send_signal: it may reap the process, and then its group is not swept
+            os.kill(popen.pid, signal.SIGTERM)  # unreaped, so the pid is still this process's
         except ProcessLookupError:
             pass
     deadline = time.monotonic() + bound_s

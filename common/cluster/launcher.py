@@ -16,6 +16,8 @@ third kills every process at once.  Restarts and crash loops: ``common.cluster.s
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import signal
@@ -50,7 +52,8 @@ def worker_drain_timeout(args: list[str], env: Mapping[str, str]) -> float:
     from common.worker.config import build_parser  # imports torch: only where workers are started
 
     try:
-        return build_parser("decode", "pdserve worker", env).parse_known_args(args)[0].drain_timeout
+        with contextlib.redirect_stderr(io.StringIO()):  # the worker itself reports what it refuses
+            return build_parser("decode", "pdserve worker", env).parse_known_args(args)[0].drain_timeout
     except (SystemExit, ValueError):  # flags the worker refuses too: it exits at once, the default bounds it
         return build_parser("decode", "pdserve worker", {}).get_default("drain_timeout")
 
