@@ -73,13 +73,16 @@ def test_services_refuse_to_start_with_a_clear_message(module, flags):
     assert SECRET_ENV in result.stderr and "other machines can reach" in result.stderr
 
 
-def test_local_stack_gives_every_process_the_secret_and_the_admin_token(monkeypatch):
+def test_local_stack_gives_every_process_the_secret_and_the_admin_token_to_the_gateway_only(monkeypatch):
     monkeypatch.setenv("PDSERVE_ADMIN_TOKEN", "admin-token-from-make-up")
+    monkeypatch.setenv("PDSERVE_ADMIN_TOKEN_FILE", "/run/secrets/admin")
     monkeypatch.setenv("PDSERVE_CLUSTER_SECRET_FILE", "/nonexistent")  # must not override the stack's secret
     stack = LocalStack("ckpt", "redis://127.0.0.1:1", cluster_secret=GOOD)
-    env = stack.process_env()
-    assert env[SECRET_ENV] == GOOD and env["PDSERVE_ADMIN_TOKEN"] == "admin-token-from-make-up"
-    assert "PDSERVE_CLUSTER_SECRET_FILE" not in env
+    gateway, worker = stack.process_env(gateway=True), stack.process_env()
+    assert gateway[SECRET_ENV] == worker[SECRET_ENV] == GOOD
+    assert gateway["PDSERVE_ADMIN_TOKEN"] == "admin-token-from-make-up"
+    assert "PDSERVE_ADMIN_TOKEN" not in worker and "PDSERVE_ADMIN_TOKEN_FILE" not in worker  # signed calls only
+    assert "PDSERVE_CLUSTER_SECRET_FILE" not in gateway and "PDSERVE_CLUSTER_SECRET_FILE" not in worker
     # A stack built without one still gets a fresh, strong secret.
     assert ClusterAuth(LocalStack("ckpt", "redis://127.0.0.1:1").process_env()[SECRET_ENV]).enabled
 

@@ -5,7 +5,8 @@ process that exits is restarted with backoff while the rest keep serving) until 
 The integration tests and the serving benchmark use ``LocalStack`` to start real processes the same
 way (and ``LocalStack.restart`` to bring one back).  Every process of a stack gets the same
 cluster secret (``PDSERVE_CLUSTER_SECRET`` from the environment, or a fresh random one), and the
-rest of the launcher's environment (``PDSERVE_ADMIN_TOKEN``, ...) as well.
+rest of the launcher's environment as well -- but for the admin token (``PDSERVE_ADMIN_TOKEN``,
+``PDSERVE_ADMIN_TOKEN_FILE``), which goes to the gateway only: workers take signed admin calls.
 
 Every process is started by ``common.cluster.children``: in a process group of its own, and
 SIGKILLed by the kernel if the launcher dies (even by SIGKILL), the private Redis too.  Stopping
@@ -40,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # What a process gets beyond its drain to shut down (close listeners, deregister, stop its engine)
 # before ``LocalStack.stop`` SIGKILLs it.
 STOP_GRACE_S = 10.0
+ADMIN_TOKEN_ENVS = ("PDSERVE_ADMIN_TOKEN", "PDSERVE_ADMIN_TOKEN_FILE")  # the gateway's alone
 
 
 class StartCancelled(Exception):
@@ -152,11 +154,14 @@ class LocalStack:
     def gateway_url(self) -> str:
         return self.procs["gateway"].url
 
-    def process_env(self) -> dict[str, str]:
-        """The environment every process of the stack starts with."""
+    def process_env(self, gateway: bool = False) -> dict[str, str]:
+        """The environment every process of the stack starts with (the admin token: a gateway's only)."""
         env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", **self.extra_env)
         env.pop("PDSERVE_CLUSTER_SECRET_FILE", None)  # it would take precedence over the stack's secret
         env[SECRET_ENV] = self.cluster_secret
+        if not gateway:
+            for name in ADMIN_TOKEN_ENVS:
+                env.pop(name, None)
         return env
 
     def spawn(self, name: str, command: list[str], url: str = "", drain_timeout_s: float = 0.0) -> Proc:
@@ -181,7 +186,7 @@ class LocalStack:
         proc.killed = False
         out = proc.log_path.open("a") if proc.log_path else None
         try:
-            proc.popen = start_child(proc.command, cpus=self.cpus.get(proc.name), cwd=ROOT, env=self.process_env(),
+            proc.popen = start_child(proc.command, cpus=self.cpus.get(proc.name), cwd=ROOT, env=self.process_env(gateway=proc.command[1:3] == ["-m", "gateway"]),
                                      stdout=out, stderr=subprocess.STDOUT if out else None)
         finally:
             if out is not None:
