@@ -76,11 +76,9 @@ class OpenAIHandlers:
         self._check_model(model)
         gw = self.gw
         vocab = gw.vocab_size
-        bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise invalid(f"prompt token id {bad} is outside the vocabulary [0, {vocab})", "prompt")
         if not prompt_ids:
             raise invalid("the prompt is empty after tokenization", "prompt")
+        # Sizes before any per-token work: the length bounds the scan of the ids below.
         room = gw.max_model_len - len(prompt_ids)
         max_tokens = options.max_tokens if options.max_tokens is not None else room
         if room < 1 or max_tokens > room:
@@ -88,6 +86,9 @@ class OpenAIHandlers:
                 f"This model's maximum context length is {gw.max_model_len} tokens. However, you requested "
                 f"{len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the prompt, {max_tokens} for the "
                 "completion). Please reduce the prompt or max_tokens.", "max_tokens", "context_length_exceeded")
+        if max(prompt_ids) >= vocab:  # ids are >= 0 (decoded so, or from the tokenizer)
+            bad = next(t for t in prompt_ids if t >= vocab)
+            raise invalid(f"prompt token id {bad} is outside the vocabulary [0, {vocab})", "prompt")
         # A top_k at or above the vocabulary keeps every token: clamp it (as vLLM does), so a huge
         # value never reaches the workers' messages.
         top_k = options.top_k if options.top_k is not None and options.top_k < vocab else 0
@@ -127,10 +128,10 @@ class OpenAIHandlers:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await self.gw.read_body(request)
-        req = parse_completion_request(body)
+        req = parse_completion_request(body, max_prompt_tokens=self.gw.max_model_len)
         self._check_model(req.model)
         async with self.gw.admission(request["tenant"]):
-            ids = await self.gw.prompts.text(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
+            ids = await self.gw.prompts.text(req.prompt) if isinstance(req.prompt, str) else req.prompt
             gen = self._prepare(request, "completion", req, ids)
             return await self._serve(request, gen)
 

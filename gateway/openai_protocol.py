@@ -26,7 +26,7 @@ import re
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 import msgspec
 from aiohttp import web
@@ -35,89 +35,13 @@ from common.engine.prefix_hash import MAX_CACHE_SALT_LEN
 from common.engine.sampling_params import (
     INT64_MAX, INT64_MIN, MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_TEMPERATURE, MAX_TOKEN_ID,
 )
+from common.cluster.messages import MAX_PROMPT_TOKENS
+from gateway.openai_errors import ErrorBody, ErrorResponse, OpenAIError, error_response, invalid  # noqa: F401 (API)
+from gateway.prompt_input import decode_prompt
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 256
 MAX_MESSAGES = 4096
-
-# ---- errors -------------------------------------------------------------------------------------
-
-_DEFAULT_ERROR_TYPE = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    408: "timeout_error",
-    413: "invalid_request_error",
-    429: "rate_limit_error",
-    500: "internal_server_error",
-    502: "upstream_error",
-    503: "service_unavailable_error",
-}
-
-
-class ErrorBody(msgspec.Struct):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(msgspec.Struct):
-    """OpenAI's error shape: ``{"error": {"message", "type", "param", "code"}}``."""
-
-    error: ErrorBody
-
-
-class OpenAIError(Exception):
-    """A request failure with its HTTP status, in OpenAI's error shape.
-
-    ``retry_after`` (seconds) becomes a ``Retry-After`` header; 429 and 503 always carry one.
-    """
-
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 type: str | None = None, retry_after: float | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.code = code
-        self.type = type or _DEFAULT_ERROR_TYPE.get(status, "error")
-        if retry_after is None and status in (429, 503):
-            retry_after = 1
-        self.retry_after = retry_after
-
-    def body(self) -> ErrorResponse:
-        return ErrorResponse(ErrorBody(self.message, self.type, self.param, self.code))
-
-    def to_json(self) -> bytes:
-        return _encode(self.body())
-
-    def to_response(self) -> web.Response:
-        headers = {}
-        if self.retry_after is not None:
-            headers["Retry-After"] = str(max(1, round(self.retry_after)))
-        return web.Response(status=self.status, body=self.to_json(), headers=headers,
-                            content_type="application/json")
-
-    def to_sse(self) -> bytes:
-        """The error as one SSE event, for a stream that has already started."""
-        return b"data: " + self.to_json() + b"\n\n"
-
-
-def invalid(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
-    """A 400 for a bad parameter."""
-    return OpenAIError(400, message, param=param, code=code)
-
-
-def error_response(status: int, message: str, *, param: str | None = None, code: str | None = None,
-                   type: str | None = None, retry_after: float | None = None) -> web.Response:
-    """An aiohttp response in OpenAI's error shape (e.g. 401 bad key, 404 unknown model,
-    413 body too large, 429/503 saturated with Retry-After)."""
-    return OpenAIError(status, message, param=param, code=code, type=type,
-                       retry_after=retry_after).to_response()
-
 
 # ---- requests -----------------------------------------------------------------------------------
 
@@ -180,9 +104,10 @@ class SamplingOptions:
 
 
 class CompletionRequest(_Common):
-    """``POST /v1/completions``.  ``prompt`` is a string or a list of token ids."""
+    """``POST /v1/completions``.  ``prompt`` is a string or a list of token ids (decoded from the
+    body by gateway/prompt_input.py)."""
 
-    prompt: str | list[Any]
+    prompt: str | list[int]
     max_tokens: MaxTokens | None = 16
     logprobs: Logprobs | None = None
     echo: bool = False
@@ -191,6 +116,12 @@ class CompletionRequest(_Common):
 
     def sampling(self) -> SamplingOptions:
         return _sampling(self, self.max_tokens, self.logprobs)
+
+
+class _CompletionBody(CompletionRequest):
+    """What the body decodes to: the prompt's JSON as it came, for ``decode_prompt``."""
+
+    prompt: msgspec.Raw
 
 
 class ContentPart(msgspec.Struct, kw_only=True):
@@ -300,45 +231,22 @@ def _validate_common(req: _Common) -> None:
             raise invalid(f"each stop string must be 1-{MAX_STOP_LEN} characters, got {len(s)}", "stop")
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _validate_prompt(req: CompletionRequest) -> CompletionRequest:
-    prompt = req.prompt
-    if isinstance(prompt, list):
-        if not prompt:
-            raise invalid("prompt must not be empty", "prompt")
-        if any(isinstance(t, float) for t in prompt) and all(_is_number(t) for t in prompt):
-            if not all(t.is_integer() for t in prompt if isinstance(t, float)):
-                raise invalid("prompt token ids must be integers", "prompt")
-            prompt = [int(t) for t in prompt]  # 16.0 is the integer 16, as for every other integer field
-            req = msgspec.structs.replace(req, prompt=prompt)
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            bad = next((t for t in prompt if not 0 <= t <= MAX_TOKEN_ID), None)
-            if bad is not None:
-                raise invalid(f"prompt token ids must be in [0, {MAX_TOKEN_ID}], got {bad}", "prompt")
-            return req
-        if all(isinstance(t, str) for t in prompt):
-            if len(prompt) == 1:
-                return msgspec.structs.replace(req, prompt=prompt[0])
-            raise invalid(f"batch prompts are not supported (got a list of {len(prompt)} strings); "
-                          "send one request per prompt", "prompt", "unsupported_value")
-        if all(isinstance(t, list) for t in prompt):
-            raise invalid("batch prompts are not supported (got a list of token lists); "
-                          "send one request per prompt", "prompt", "unsupported_value")
-        raise invalid("prompt must be a string or a list of token ids", "prompt")
-    if prompt == "":
-        raise invalid("prompt must not be empty", "prompt")
-    return req
-
-
-def parse_completion_request(body: bytes) -> CompletionRequest:
-    """Decode and validate a ``/v1/completions`` body; raises ``OpenAIError`` (400)."""
+def _decode(decoder: msgspec.json.Decoder, body: bytes):
     try:
-        req = _completion_decoder.decode(body)
+        return decoder.decode(body)
     except msgspec.MsgspecError as exc:
         raise _from_msgspec(exc) from None
+    except RecursionError:  # msgspec's guard on nesting (the interpreter's recursion limit)
+        raise invalid("Request body is nested too deeply: JSON arrays and objects nested hundreds of levels "
+                      "deep (no field of this API nests more than a few)", code="json_too_deep") from None
+
+
+def parse_completion_request(body: bytes, max_prompt_tokens: int = MAX_PROMPT_TOKENS) -> CompletionRequest:
+    """Decode and validate a ``/v1/completions`` body; raises ``OpenAIError`` (400).
+    ``max_prompt_tokens``: a longer list of token ids is refused before any is decoded."""
+    body_req = _decode(_completion_decoder, body)
+    fields = {name: getattr(body_req, name) for name in CompletionRequest.__struct_fields__ if name != "prompt"}
+    req = CompletionRequest(prompt=decode_prompt(body_req.prompt, max_prompt_tokens), **fields)
     _validate_common(req)
     if req.echo:
         raise invalid("echo is not supported", "echo", "unsupported_value")
@@ -346,15 +254,12 @@ def parse_completion_request(body: bytes) -> CompletionRequest:
         raise invalid(f"best_of={req.best_of} is not supported; only 1", "best_of", "unsupported_value")
     if req.suffix:
         raise invalid("suffix is not supported", "suffix", "unsupported_value")
-    return _validate_prompt(req)
+    return req
 
 
 def parse_chat_request(body: bytes) -> ChatCompletionRequest:
     """Decode and validate a ``/v1/chat/completions`` body; raises ``OpenAIError`` (400)."""
-    try:
-        req = _chat_decoder.decode(body)
-    except msgspec.MsgspecError as exc:
-        raise _from_msgspec(exc) from None
+    req = _decode(_chat_decoder, body)
     _validate_common(req)
     if (req.max_tokens is not None and req.max_completion_tokens is not None
             and req.max_tokens != req.max_completion_tokens):
@@ -379,7 +284,7 @@ def parse_chat_request(body: bytes) -> ChatCompletionRequest:
 # Lax as OpenAI's and vLLM's servers are: a number with an integral value is an integer (JSON
 # Schema says so too: 16.0 is a valid "integer", and Python clients send it), and a number or
 # boolean may come as a JSON string ("16", "true").  Nothing else is coerced.
-_completion_decoder = msgspec.json.Decoder(CompletionRequest, strict=False)
+_completion_decoder = msgspec.json.Decoder(_CompletionBody, strict=False)
 _chat_decoder = msgspec.json.Decoder(ChatCompletionRequest, strict=False)
 
 # ---- responses ----------------------------------------------------------------------------------

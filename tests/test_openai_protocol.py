@@ -6,6 +6,7 @@ tiny aiohttp app built from these helpers is driven by `openai.AsyncOpenAI` (str
 from __future__ import annotations
 
 import json
+import tracemalloc
 
 import msgspec
 import openai
@@ -82,8 +83,58 @@ def test_prompt_forms():
     rejects(parse_completion_request, completion(prompt=[1, "a"]), "prompt", "string or a list of token ids")
     rejects(parse_completion_request, completion(prompt=[]), "prompt", "must not be empty")
     rejects(parse_completion_request, completion(prompt=""), "prompt", "must not be empty")
-    rejects(parse_completion_request, completion(prompt=[5, -1]), "prompt", "token ids must be in")
-    rejects(parse_completion_request, completion(prompt=7), "prompt", "Expected `str | array`")
+    rejects(parse_completion_request, completion(prompt=[5, -1]), "prompt", "prompt[1]: Expected `int` >= 0")
+    rejects(parse_completion_request, completion(prompt=7), "prompt", "string or a list of token ids")
+    rejects(parse_completion_request, completion(prompt={"a": 1}), "prompt", "string or a list of token ids")
+    rejects(parse_completion_request, completion(prompt=["a", 1]), "prompt", "batch prompts")
+    rejects(parse_completion_request, completion(prompt=[""]), "prompt", "must not be empty")
+    assert parse_completion_request(b'{"model": "m", "prompt": [ \n 3 , 4 ]}').prompt == [3, 4]
+
+
+# Bodies that cost the gateway's event loop over a second each when ``prompt`` was ``str | list[Any]``
+# (decoded into Python objects, then walked).  Each is refused, naming the prompt, without building
+# an object per element: what it allocates stays below twice the body (a copy of the prompt's bytes
+# at most; the old decoding peaked at 16-158 MiB for these 4 MiB bodies).
+MIB = 1 << 20
+
+
+def filler(item: bytes, size: int = 4 * MIB - 64) -> bytes:
+    return b",".join([item] * (size // (len(item) + 1)))
+
+
+@pytest.mark.parametrize("prompt,text", [
+    (b"[" + filler(b"[1,2,3,4,5,6,7,8]") + b"]", "batch prompts"),
+    (b"[" + filler(b"[[[[[[[[1]]]]]]]]") + b"]", "batch prompts"),
+    (b"[" + filler(b'"a"') + b"]", "batch prompts"),
+    (b"[1," + filler(b"[1]") + b"]", "prompt[1]: Expected `int`, got `array`"),
+    (b"[" + filler(b"1") + b"]", "maximum context length is 4096 tokens"),
+    (b"[" + filler(b"1.0") + b"]", "maximum context length is 4096 tokens"),
+])
+def test_hostile_prompts_are_refused_naming_the_prompt(prompt, text):
+    raw = b'{"model": "m", "prompt": ' + prompt + b"}"
+    assert len(raw) <= 4 * MIB
+    tracemalloc.start()
+    try:
+        with pytest.raises(OpenAIError) as info:
+            parse_completion_request(raw, max_prompt_tokens=4096)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert info.value.status == 400 and info.value.param == "prompt" and text in info.value.message, info.value.message
+    assert peak < 2 * len(raw), f"decoding the prompt allocated {peak / MIB:.1f} MiB"
+
+
+@pytest.mark.parametrize("parse,raw", [
+    (parse_completion_request, b'{"model": "m", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"),
+    (parse_completion_request, b'{"model": "m", "prompt": [1, ' + b"[" * 100_000 + b"]" * 100_000 + b"]}"),
+    (parse_chat_request, b'{"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "x", '
+                         b'"extra": ' + b"[" * 100_000 + b"]" * 100_000 + b"}]}]}"),
+])
+def test_deeply_nested_json_is_a_400(parse, raw):
+    with pytest.raises(OpenAIError) as info:
+        parse(raw)
+    assert info.value.status == 400, info.value.message
+    assert "nested too deeply" in info.value.message or "Expected" in info.value.message
 
 
 def test_unknown_fields_are_rejected_by_name():
@@ -126,8 +177,8 @@ def test_integral_numbers_are_integers_as_in_json_schema():
     assert req.prompt == [1, 2, 3] and all(type(t) is int for t in req.prompt)
     assert (req.max_tokens, req.seed, req.stream) == (16, 7, True)
     assert parse_completion_request(completion(max_tokens="5", temperature="0.5")).sampling().max_tokens == 5
-    rejects(parse_completion_request, completion(prompt=[1.5, 2]), "prompt", "must be integers")
-    rejects(parse_completion_request, completion(prompt=[1e30]), "prompt", "token ids must be in")
+    rejects(parse_completion_request, completion(prompt=[1.5, 2]), "prompt", "list of token ids (integers in")
+    rejects(parse_completion_request, completion(prompt=[1e30]), "prompt", "list of token ids (integers in")
     rejects(parse_completion_request, completion(prompt=[True, 2]), "prompt", "string or a list of token ids")
     assert parse_chat_request(chat(max_completion_tokens=8.0, top_logprobs=2.0, logprobs=True)).sampling().logprobs == 2
 

@@ -1,0 +1,85 @@
+"""Errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``, as a JSON response
+or as an SSE event of a stream that has already started."""
+from __future__ import annotations
+
+import msgspec
+from aiohttp import web
+
+_DEFAULT_ERROR_TYPE = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    408: "timeout_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "internal_server_error",
+    502: "upstream_error",
+    503: "service_unavailable_error",
+}
+
+
+class ErrorBody(msgspec.Struct):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(msgspec.Struct):
+    """OpenAI's error shape: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    error: ErrorBody
+
+
+class OpenAIError(Exception):
+    """A request failure with its HTTP status, in OpenAI's error shape.
+
+    ``retry_after`` (seconds) becomes a ``Retry-After`` header; 429 and 503 always carry one.
+    """
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 type: str | None = None, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or _DEFAULT_ERROR_TYPE.get(status, "error")
+        if retry_after is None and status in (429, 503):
+            retry_after = 1
+        self.retry_after = retry_after
+
+    def body(self) -> ErrorResponse:
+        return ErrorResponse(ErrorBody(self.message, self.type, self.param, self.code))
+
+    def to_json(self) -> bytes:
+        return _encode(self.body())
+
+    def to_response(self) -> web.Response:
+        headers = {}
+        if self.retry_after is not None:
+            headers["Retry-After"] = str(max(1, round(self.retry_after)))
+        return web.Response(status=self.status, body=self.to_json(), headers=headers,
+                            content_type="application/json")
+
+    def to_sse(self) -> bytes:
+        """The error as one SSE event, for a stream that has already started."""
+        return b"data: " + self.to_json() + b"\n\n"
+
+
+def invalid(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
+    """A 400 for a bad parameter."""
+    return OpenAIError(400, message, param=param, code=code)
+
+
+def error_response(status: int, message: str, *, param: str | None = None, code: str | None = None,
+                   type: str | None = None, retry_after: float | None = None) -> web.Response:
+    """An aiohttp response in OpenAI's error shape (e.g. 401 bad key, 404 unknown model,
+    413 body too large, 429/503 saturated with Retry-After)."""
+    return OpenAIError(status, message, param=param, code=code, type=type,
+                       retry_after=retry_after).to_response()
+
+
+_encode = msgspec.json.Encoder().encode
