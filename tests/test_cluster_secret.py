@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from common.cluster import launcher
 from common.cluster.auth import SECRET_ENV, AuthError, ClusterAuth, generate_secret, read_secret
 from common.cluster.launcher import ROOT, LocalStack, local_secret
 from common.worker.config import build_parser, config_from_args
@@ -93,3 +94,18 @@ def test_make_up_uses_the_environment_secret_or_generates_one():
     assert first != second and len(first) >= 32
     with pytest.raises(SystemExit, match="placeholder"):
         local_secret({SECRET_ENV: "change-me"})
+
+
+def test_local_stack_passes_the_redis_url_in_the_environment_never_on_a_command_line(monkeypatch):
+    """A REDIS_URL may hold a password: ``ps`` shows every user the command lines, not environments."""
+    started = []
+    monkeypatch.setattr(launcher, "start_child", lambda command, **kwargs: started.append((command, kwargs["env"])))
+    monkeypatch.setattr(launcher, "worker_drain_timeout", lambda args, env: 1.0)
+    url = "redis://:hunter2-redis-password@10.0.0.5:6379"
+    stack = LocalStack("ckpt", url, cluster_secret=GOOD)
+    stack.start_worker("d0", "decode")
+    stack.start_gateway()
+    assert len(started) == 2
+    for command, env in started:
+        assert not any("hunter2" in arg for arg in command), command
+        assert env["REDIS_URL"] == env["PDSERVE_REDIS_URL"] == url

@@ -159,6 +159,8 @@ class LocalStack:
         env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", **self.extra_env)
         env.pop("PDSERVE_CLUSTER_SECRET_FILE", None)  # it would take precedence over the stack's secret
         env[SECRET_ENV] = self.cluster_secret
+        # In the environment, not on command lines (``ps`` shows those): the URL may hold a password.
+        env["PDSERVE_REDIS_URL"] = env["REDIS_URL"] = self.redis_url
         if not gateway:
             for name in ADMIN_TOKEN_ENVS:
                 env.pop(name, None)
@@ -186,7 +188,8 @@ class LocalStack:
         proc.killed = False
         out = proc.log_path.open("a") if proc.log_path else None
         try:
-            proc.popen = start_child(proc.command, cpus=self.cpus.get(proc.name), cwd=ROOT, env=self.process_env(gateway=proc.command[1:3] == ["-m", "gateway"]),
+            env = self.process_env(gateway=proc.command[1:3] == ["-m", "gateway"])
+            proc.popen = start_child(proc.command, cpus=self.cpus.get(proc.name), cwd=ROOT, env=env,
                                      stdout=out, stderr=subprocess.STDOUT if out else None)
         finally:
             if out is not None:
@@ -208,7 +211,7 @@ class LocalStack:
         port = free_port()
         module = "prefill_svc" if role == "prefill" else "decode_svc"
         args = ["--model", self.checkpoint, "--role", role, "--worker-id", name, "--port", str(port),
-                "--kv-transport", self.transport, "--redis-url", self.redis_url, "--key-prefix", self.key_prefix,
+                "--kv-transport", self.transport, "--key-prefix", self.key_prefix,
                 *self.worker_args, *self.role_args.get(role, [])]
         return self._spawn(name, module, args, port, worker_drain_timeout(args, self.process_env()))
 
@@ -229,7 +232,7 @@ class LocalStack:
         """A gateway on this stack (``start()`` runs "gateway"; tests may add others, with ``extra_args``)."""
         port = (self.gateway_port if name == "gateway" else None) or free_port()
         return self._spawn(name, "gateway", [
-            "--model", self.checkpoint, "--port", str(port), "--redis-url", self.redis_url,
+            "--model", self.checkpoint, "--port", str(port),
             "--key-prefix", self.key_prefix, "--routing-policy", self.policy, *self.gateway_args,
             *(extra_args or [])], port)
 
@@ -348,7 +351,7 @@ def run_stack(stack: LocalStack, redis_server, signals: StopSignals, start: Call
 
 
 def main() -> None:
-    from common.cluster.redis_util import ensure_redis, redis_url_from_env
+    from common.cluster.redis_util import ensure_redis, redact_url, redis_url_from_env
 
     parser = argparse.ArgumentParser(
         description="Run gateway + prefill + decode workers locally and keep them running (make up). "
@@ -379,7 +382,7 @@ def main() -> None:
     signals = StopSignals().install()  # from here on a signal never interrupts: start-up checks for it
     url, redis_server = ensure_redis(redis_url_from_env())
     if redis_server is not None:
-        print(f"no Redis answered at {redis_url_from_env()}; started a private one at {url}", flush=True)
+        print(f"no Redis answered at {redact_url(redis_url_from_env())}; started a private one at {url}", flush=True)
     stack = LocalStack(args.model, url, key_prefix=args.key_prefix, prefill=args.prefill, decode=args.decode,
                        transport=args.kv_transport, gateway_port=args.port,
                        worker_args=["--num-blocks", str(args.num_blocks)], cluster_secret=secret)
