@@ -5,6 +5,7 @@ import argparse
 
 import pytest
 
+from common.cluster.flags import RemovedFlag
 from common.worker.config import build_parser, config_from_args, env_names
 
 
@@ -24,7 +25,7 @@ def env_value(action: argparse.Action) -> tuple[str, object]:
     return "value-from-env", "value-from-env"
 
 
-ACTIONS = [a for a in build_parser("decode", "test")._actions if a.dest != "help"]
+ACTIONS = [a for a in build_parser("decode", "test")._actions if a.dest != "help" and not isinstance(a, RemovedFlag)]
 
 
 @pytest.mark.parametrize("action", ACTIONS, ids=[a.option_strings[0] for a in ACTIONS])
@@ -110,3 +111,14 @@ def test_the_redis_password_reads_from_a_file(tmp_path):
     with pytest.raises(ValueError, match="cannot read the Redis password from the file"):
         config_from_args(build_parser("decode", "test", env={}).parse_args(
             ["--redis-password-file", str(tmp_path / "missing")]))
+
+
+@pytest.mark.parametrize("argv", [["--admin-token", "old-admin-token-0123456789"], ["--admin-token=old-admin-token-0123456789"]])
+def test_the_removed_admin_token_flag_is_refused_without_echoing_its_value(capsys, argv):
+    """Workers take signed admin calls only; an old command line must not print the token it holds."""
+    with pytest.raises(SystemExit) as exit_:
+        build_parser("decode", "pdserve worker").parse_args(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "--admin-token is no longer taken" in err
+    assert "old-admin-token" not in err
+    assert "--admin-token" not in build_parser("decode", "pdserve worker").format_help()

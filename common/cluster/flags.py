@@ -57,6 +57,19 @@ class RecordsCommandLine(argparse.Action):
         setattr(namespace, ARGV_SECRETS, given)
 
 
+class RemovedFlag(argparse.Action):
+    """A flag no longer taken (hidden from ``--help``): giving it is an error that names the flag and
+    why, never its value (argparse's "unrecognized arguments" would echo a secret given with it)."""
+
+    def __init__(self, option_strings, dest, why: str = "", **kwargs):
+        kwargs.update(nargs="?", help=argparse.SUPPRESS, default=argparse.SUPPRESS)
+        super().__init__(option_strings, dest, **kwargs)
+        self.why = why
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string} is no longer taken: {self.why}")
+
+
 def given_on_command_line(args: argparse.Namespace, dest: str) -> str | None:
     """The flag that set ``dest`` on the command line (a ``RecordsCommandLine`` flag), else None."""
     return (getattr(args, ARGV_SECRETS, None) or {}).get(dest)

@@ -9,7 +9,7 @@ from typing import Mapping
 
 from common.cluster.auth import AuthError, ClusterAuth, configure_auth, read_secret
 from common.engine.config import EngineConfig
-from common.cluster.flags import EnvFlags, RecordsCommandLine, given_on_command_line
+from common.cluster.flags import EnvFlags, RecordsCommandLine, RemovedFlag, given_on_command_line
 from common.cluster.redis_util import (
     DEFAULT_REDIS_URL, redact_url, redis_url_with_password_file, warn_password_on_command_line,
 )
@@ -116,6 +116,8 @@ def build_parser(default_role: str, description: str, env: Mapping[str, str] | N
         help="Redis (a password in it is never shown; better: --redis-password-file)")
     add("--redis-password-file", help="file holding the Redis password (spliced into --redis-url)")
     add("--key-prefix", "pdserve")
+    p.add_argument("--admin-token", action=RemovedFlag,
+                   why="workers take admin calls signed with the cluster secret; the admin token is the gateway's alone")
     add("--heartbeat-ttl", 5.0, float)
     add("--cluster-secret-file",
         help="file holding the cluster secret (default: PDSERVE_CLUSTER_SECRET); required unless --host and "
