@@ -7,7 +7,7 @@ several gateways in one process never collide.  Names follow vLLM/Dynamo practic
     latency     pdserve_time_to_first_token_seconds, pdserve_inter_token_latency_seconds,
                 pdserve_e2e_request_latency_seconds                       (histograms, by model)
     requests    pdserve_requests_total{model,endpoint,status}, pdserve_requests_in_flight,
-                pdserve_client_write_timeouts_total, pdserve_key_limited_total{key_id},
+                pdserve_client_write_timeouts_total, pdserve_key_limited_total,
                 pdserve_connections_refused_total,
                 pdserve_prompt_tokens_total, pdserve_generation_tokens_total
     prefix hit  pdserve_prefix_cache_hit_tokens_total / pdserve_prompt_tokens_total = hit rate
@@ -20,6 +20,11 @@ several gateways in one process never collide.  Names follow vLLM/Dynamo practic
                 pdserve_workers{role,state}
     engine/KV   pdserve_kv_transfer_bytes_total, pdserve_kv_transfer_seconds,
                 pdserve_kv_transfer_failures_total{reason}, pdserve_preemptions_total{worker_id}
+
+Per API key (``render_per_key``, served at ``/admin/metrics`` to the admin token only: a key's id
+tells who calls and how much, so it is not on the public ``/metrics``):
+
+    per key     pdserve_key_limited_by_key_total{key_id}
 """
 from __future__ import annotations
 
@@ -82,7 +87,12 @@ class GatewayMetrics:
         self.client_write_timeouts = Counter(
             "client_write_timeouts", "Streams cut off because the client took no data for the write timeout.", **kw)
         self.key_limited = Counter(
-            "key_limited", "Requests refused (429) because their API key had its limit in flight.", ["key_id"], **kw)
+            "key_limited", "Requests refused (429) because their API key had its limit in flight "
+            "(per key: /admin/metrics).", **kw)
+        self.per_key_registry = CollectorRegistry()
+        self.key_limited_by_key = Counter(
+            "key_limited_by_key", "Requests refused (429) because their API key had its limit in flight, by key.",
+            ["key_id"], namespace=namespace, registry=self.per_key_registry)
         self.connections_refused = Counter(
             "connections_refused", "Client connections refused (503) at the connection cap.", **kw)
         self.decode_busy = Counter(
@@ -147,6 +157,15 @@ class GatewayMetrics:
         for (role, state), n in counts.items():
             self.workers.labels(role, state).set(n)
 
+    def key_refused(self, key_id: str) -> None:
+        """A request refused (429) at its API key's limit."""
+        self.key_limited.inc()
+        self.key_limited_by_key.labels(key_id).inc()
+
     def render(self) -> tuple[bytes, str]:
         """``(body, content_type)`` for a ``/metrics`` response in the Prometheus text format."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    def render_per_key(self) -> tuple[bytes, str]:
+        """The per-API-key metrics (for ``/admin/metrics``), in the same format."""
+        return generate_latest(self.per_key_registry), CONTENT_TYPE_LATEST

@@ -3,6 +3,7 @@
     GET  /v1/models, /health, /metrics, /openapi.json    (the public API described: gateway/openapi.py)
     POST /v1/completions, /v1/chat/completions          (Authorization: Bearer <api key>, if set)
     GET  /admin/pools                                    (X-Admin-Token)
+    GET  /admin/metrics                                  (X-Admin-Token; the per-API-key metrics)
     POST /admin/workers/{worker_id}/drain                (proxied to the worker)
     POST /admin/workers/{worker_id}/role  {"role": ...}  (proxied to the worker)
     GET  /admin/workers/{worker_id}/steps?since=&limit=  (proxied: the engine's recent steps)
@@ -39,6 +40,7 @@ from gateway.openai_protocol import ModelCard, ModelList, OpenAIError, json_resp
 from gateway.listener import listen
 from gateway.pool import WorkerPool
 from gateway.prompts import PromptEncoder
+from gateway.redis_probe import RedisProbe
 from gateway.routing import Router, RoutingConfig
 from gateway.tenants import Tenant
 
@@ -79,6 +81,7 @@ class Gateway:
         self.control_session: aiohttp.ClientSession | None = None  # aborts, admin calls
         self.pool: WorkerPool | None = None
         self.prefix_index: PrefixIndexReader | None = None
+        self.redis_probe: RedisProbe | None = None
         self.dispatcher: Dispatcher | None = None
 
     async def start(self) -> None:
@@ -91,6 +94,8 @@ class Gateway:
         self.prefix_index = prefix_index = PrefixIndexReader(
             self.redis, key_prefix=self.config.key_prefix, timeout_s=self.config.prefix_lookup_timeout,
             retry_interval_s=self.config.redis_retry_interval, on_unavailable=self.metrics.redis_unavailable.inc)
+        self.redis_probe = RedisProbe(self.redis, timeout_s=self.config.prefix_lookup_timeout,
+                                      interval_s=self.config.redis_retry_interval)
         self.session, self.control_session = self._client_sessions()
         router = Router(RoutingConfig(policy=self.config.routing_policy,
                                       skip_prefill_below_tokens=self.config.skip_prefill_below_tokens))
@@ -120,6 +125,8 @@ class Gateway:
         for session in (self.session, self.control_session):
             if session:
                 await session.close()
+        if self.redis_probe:
+            await self.redis_probe.close()
         if self.redis:
             await self.redis.aclose()
         self.prompts.close()
@@ -151,7 +158,7 @@ class Gateway:
                               code="rate_limit_exceeded", retry_after=1)
         mine = self.inflight_by_key.get(tenant.key_id, 0)
         if tenant.limit is not None and mine >= tenant.limit:
-            self.metrics.key_limited.labels(tenant.key_id).inc()
+            self.metrics.key_refused(tenant.key_id)
             raise OpenAIError(429, f"This API key ({tenant.key_id}) has {mine} requests in flight, its limit; "
                               "retry shortly", code="rate_limit_exceeded", retry_after=1)
         self.inflight += 1
@@ -189,6 +196,7 @@ class Gateway:
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/openapi.json", self._openapi)
         app.router.add_get("/admin/pools", self._admin_pools)
+        app.router.add_get("/admin/metrics", self._admin_metrics)
         app.router.add_post("/admin/workers/{worker_id}/drain", self._admin_proxy("drain"))
         app.router.add_post("/admin/workers/{worker_id}/role", self._admin_proxy("role"))
         app.router.add_get("/admin/workers/{worker_id}/steps", self._admin_proxy("steps"))
@@ -260,17 +268,27 @@ class Gateway:
             problems.append("no healthy prefill worker: decode workers compute prompts themselves "
                             "(serving goes on, with slower time to first token)")
         status = "unavailable" if not pools["decode"]["healthy"] else "degraded" if problems else "ok"
+        # Redis as the registry refresh saw it (twice a second) and, when a prefix lookup failed
+        # last (it stays so until the next lookup, which an idle gateway never makes), as a
+        # bounded PING finds it now (gateway/redis_probe.py).
+        redis_ok = self.pool.redis_ok and (self.prefix_index.available or await self.redis_probe.answers())
         return web.json_response({
             "status": status, "model": self.model_id,
-            # Redis as last seen by either the registry refresh or a prefix lookup.
-            "redis": self.pool.redis_ok and self.prefix_index.available,
+            "redis": redis_ok,
             "workers": {role: sum(1 for w in active if w.role == role) for role in ROLES},
             "pools": pools, "problems": problems,
         }, status=503 if status == "unavailable" else 200)
 
     async def _metrics(self, _request: web.Request) -> web.Response:
+        """The public metrics: nothing in them names an API key."""
         self.metrics.observe_workers(self.pool.workers)
         body, content_type = self.metrics.render()
+        return web.Response(body=body, headers={"Content-Type": content_type})
+
+    async def _admin_metrics(self, request: web.Request) -> web.Response:
+        """The metrics per API key (``key_id`` labels), for the admin only."""
+        self._check_admin(request)
+        body, content_type = self.metrics.render_per_key()
         return web.Response(body=body, headers={"Content-Type": content_type})
 
     def _check_admin(self, request: web.Request) -> None:

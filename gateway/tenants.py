@@ -7,15 +7,23 @@ Keys come from ``--api-key`` (one key) and/or ``--api-keys-file``: one key per l
     sk-team-a-3c1f0e...:32
     sk-team-b-9ab2d4...
 
-A presented key is looked up by its SHA-256 (no per-key string comparison, no timing signal about
-how much of a key matched).  A key is named in logs and metrics by ``key_id``, a prefix of that
-hash, never by the key itself.
+A key without its own limit gets ``--max-inflight-per-key`` (by default a quarter of
+``--max-inflight``, so one key cannot take every slot; 0: no per-key limit).  Beyond its limit a
+key's requests get 429 with Retry-After.
 
-Prefix-cache isolation (``--cache-isolation``): with ``none`` every request's ``cache_salt`` is the
-client's own (or none), so requests of all keys share cached prompt blocks.  With ``per-key`` the
-gateway sets the salt of every request to an HMAC, keyed by the API key's SHA-256, of the client's
-salt: two keys never share a block (and ``cached_tokens`` tells a key only about its own prompts),
-while one key's requests still share theirs, and a client's own salt still splits them further.
+A presented key is looked up by its SHA-256 (no per-key string comparison, no timing signal about
+how much of a key matched).  A key is named in logs by ``key_id``, a prefix of that hash, never by
+the key itself; metrics per key are served to the admin only (``/admin/metrics``).
+
+Prefix-cache isolation (``--cache-isolation``).  A client's ``cache_salt`` is always bound to its
+API key: the salt served is an HMAC, keyed by the key's SHA-256, of the client's salt, so a salt
+shares blocks only with requests of the same key and the same salt -- another key that guesses or
+learns it shares nothing.  Then, with ``none``, requests without a salt are served without one and
+share cached prompt blocks across keys (a common system prompt is computed once for everyone; the
+price is that ``cached_tokens`` and time to first token can tell a key that another sent the same
+prompt prefix).  With ``per-key`` requests without a salt are salted by their key too: two keys
+never share a block, and ``cached_tokens`` tells a key only about its own prompts.  Without API
+keys every caller is the same tenant and the client's salt is served as it is.
 """
 from __future__ import annotations
 
@@ -41,9 +49,9 @@ CACHE_ISOLATION = ("none", "per-key")
 
 def cache_salt(tenant: Tenant, client_salt: str | None, isolation: str) -> str | None:
     """The ``cache_salt`` a request is served with (see the module docstring)."""
-    if isolation == "none":
-        return client_salt
-    assert isolation == "per-key", f"unknown cache isolation {isolation!r}"
+    assert isolation in CACHE_ISOLATION, f"unknown cache isolation {isolation!r}"
+    if tenant.key_digest == b"" or (isolation == "none" and client_salt is None):
+        return client_salt  # no API keys (one tenant), or shared on purpose
     message = b"pdserve cache salt\0" + (b"\1" + client_salt.encode() if client_salt is not None else b"\0")
     return "key-" + hmac.new(tenant.key_digest, message, hashlib.sha256).hexdigest()
 
@@ -86,7 +94,9 @@ class ApiKeys:
 
     @classmethod
     def from_config(cls, api_key: str | None, api_keys_file: str | None,
-                    max_inflight_per_key: int = 0) -> "ApiKeys":
+                    default_limit: int | None = None) -> "ApiKeys":
+        """The keys of ``--api-key`` and ``--api-keys-file``; ``default_limit``: requests in flight
+        for a key without its own limit (None: only the global limit)."""
         keys: dict[str, int | None] = {}
         if api_keys_file:
             path = Path(api_keys_file)
@@ -99,7 +109,7 @@ class ApiKeys:
                 raise ValueError(f"the API keys file {path} lists no key")
         if api_key:
             keys.setdefault(api_key, None)
-        return cls(keys, max_inflight_per_key or None)
+        return cls(keys, default_limit)
 
     @property
     def enabled(self) -> bool:

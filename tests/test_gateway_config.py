@@ -77,7 +77,7 @@ def test_per_key_cache_salts_separate_keys_and_client_salts():
 
     keys = ApiKeys({"sk-a-0123456789": None, "sk-b-0123456789": None})
     a, b = keys.authenticate("Bearer sk-a-0123456789"), keys.authenticate("Bearer sk-b-0123456789")
-    assert cache_salt(a, "x", "none") == "x" and cache_salt(a, None, "none") is None
+    assert cache_salt(a, "x", "none") == cache_salt(a, "x", "per-key") != "x" and cache_salt(a, None, "none") is None
     salts = {cache_salt(t, s, "per-key") for t in (a, b) for s in (None, "x", "y")}
     assert len(salts) == 6  # per key, and per client salt within a key
     assert cache_salt(a, "x", "per-key") == cache_salt(keys.authenticate("Bearer sk-a-0123456789"), "x", "per-key")

@@ -1,0 +1,137 @@
+"""A real gateway in this process (its app on a test server, real Redis behind a proxy the test can
+hold): /health reports Redis as it is now, /metrics names no API key, and a key without its own
+limit gets the default per-key limit.  No workers: nothing here needs one."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import urllib.parse
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from common.engine.prefix_hash import HASH_LEN
+from gateway.config import GatewayConfig
+from gateway.openai_protocol import OpenAIError
+from gateway.server import Gateway
+
+KEYS = {"a": "sk-inprocess-a-5c0f9e2b7d41a8c3", "b": "sk-inprocess-b-91d4e7a02f6c3b58"}
+ADMIN_TOKEN = "admin-inprocess-3f8a1c6e9b2d7045"
+
+
+class HoldableProxy:
+    """A TCP proxy in front of Redis; ``hold()`` stops the bytes in both directions (nothing is
+    lost or closed), ``release()`` lets them flow again."""
+
+    def __init__(self, host: str, port: int):
+        self.target = (host, port)
+        self.flowing = asyncio.Event()
+        self.flowing.set()
+        self._tasks: set[asyncio.Task] = set()
+
+    async def __aenter__(self) -> "HoldableProxy":
+        self.server = await asyncio.start_server(self._connection, "127.0.0.1", 0)
+        self.port = self.server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.server.close()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.server.wait_closed()
+
+    def hold(self) -> None:
+        self.flowing.clear()
+
+    def release(self) -> None:
+        self.flowing.set()
+
+    async def _connection(self, reader, writer) -> None:
+        self._tasks.add(asyncio.current_task())
+        try:
+            up_reader, up_writer = await asyncio.open_connection(*self.target)
+            try:
+                await asyncio.gather(self._pump(reader, up_writer), self._pump(up_reader, writer))
+            finally:
+                up_writer.close()
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            writer.close()
+            self._tasks.discard(asyncio.current_task())
+
+    async def _pump(self, reader, writer) -> None:
+        while data := await reader.read(1 << 16):
+            await self.flowing.wait()
+            writer.write(data)
+            await writer.drain()
+        writer.close()
+
+
+@contextlib.asynccontextmanager
+async def gateway(served_checkpoint, redis_url: str, key_prefix: str, **settings):
+    """A started gateway and a client of its app."""
+    config = GatewayConfig(model=str(served_checkpoint), redis_url=redis_url, key_prefix=key_prefix,
+                           api_key=KEYS["a"], admin_token=ADMIN_TOKEN, **settings)
+    gw = Gateway(config)
+    await gw.start()
+    try:
+        async with TestClient(TestServer(gw.app())) as client:
+            yield gw, client
+    finally:
+        await gw.stop()
+
+
+@pytest.fixture
+async def proxy(redis_url):
+    url = urllib.parse.urlsplit(redis_url)
+    async with HoldableProxy(url.hostname, url.port or 6379) as proxy:
+        proxy.url = urllib.parse.urlunsplit((url.scheme, f"127.0.0.1:{proxy.port}", url.path, url.query, ""))
+        yield proxy
+
+
+async def health(client) -> dict:
+    async with client.get("/health") as resp:
+        return await resp.json()
+
+
+async def test_health_reports_redis_as_it_is_now_after_a_slow_prefix_lookup(served_checkpoint, proxy, key_prefix):
+    # A lookup may take 2 s (time enough for a PING on a loaded machine); the lookup held below
+    # times out after that.  No request comes afterwards: the gateway is idle.
+    async with gateway(served_checkpoint, proxy.url, key_prefix, prefix_lookup_timeout=2.0) as (gw, client):
+        assert (await health(client))["redis"] is True
+        proxy.hold()
+        assert await gw.prefix_index.longest_prefix(gw.model_id, [b"\1" * HASH_LEN], ["w0"]) == {}
+        assert not gw.prefix_index.available
+        assert (await health(client))["redis"] is False  # Redis does not answer now
+        proxy.release()
+        await gw.pool.refresh()  # the registry refresh has read Redis again (it does so twice a second)
+        assert gw.pool.redis_ok
+        assert (await health(client))["redis"] is True  # it answers now, though no lookup came since
+
+
+async def test_public_metrics_name_no_api_key_and_keys_have_a_default_limit(served_checkpoint, redis_url,
+                                                                           key_prefix, tmp_path):
+    keys = tmp_path / "api-keys"
+    keys.write_text(f"{KEYS['b']}\n")
+    # --max-inflight 8: a key without its own limit may hold a quarter, 2.
+    async with gateway(served_checkpoint, redis_url, key_prefix, api_keys_file=str(keys),
+                       max_inflight=8) as (gw, client):
+        a, b = (gw.api_keys.authenticate(f"Bearer {KEYS[k]}") for k in "ab")
+        async with contextlib.AsyncExitStack() as held:
+            for _ in range(2):
+                await held.enter_async_context(gw.admission(a))
+            with pytest.raises(OpenAIError) as info:
+                await held.enter_async_context(gw.admission(a))
+            assert info.value.status == 429 and info.value.retry_after and "limit" in info.value.message
+            await held.enter_async_context(gw.admission(b))  # another key is not affected
+        async with client.get("/metrics") as resp:
+            public = await resp.text()
+        assert "pdserve_key_limited_total 1.0" in public
+        assert a.key_id not in public and b.key_id not in public and "key_id" not in public
+        async with client.get("/admin/metrics") as resp:
+            assert resp.status == 401
+        async with client.get("/admin/metrics", headers={"X-Admin-Token": ADMIN_TOKEN}) as resp:
+            assert resp.status == 200
+            assert f'pdserve_key_limited_by_key_total{{key_id="{a.key_id}"}} 1.0' in await resp.text()

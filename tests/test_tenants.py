@@ -1,0 +1,42 @@
+"""API keys as tenants: a client's cache_salt is bound to its key in both isolation modes (a salt
+another key guesses shares nothing), and a key without its own limit gets the default one."""
+from __future__ import annotations
+
+from common.engine.prefix_hash import block_extra_keys, hash_prompt_blocks
+from gateway.config import GatewayConfig
+from gateway.tenants import ANONYMOUS, ApiKeys, cache_salt
+
+KEY_A, KEY_B = "sk-tenant-a-7e3c9f01b2d4a658", "sk-tenant-b-0d6b2a9e4c1f7358"
+
+
+def tenants():
+    keys = ApiKeys({KEY_A: None, KEY_B: None})
+    return keys.authenticate(f"Bearer {KEY_A}"), keys.authenticate(f"Bearer {KEY_B}")
+
+
+def test_a_guessed_salt_shares_nothing_with_another_key_in_the_shared_mode():
+    a, b = tenants()
+    for isolation in ("none", "per-key"):
+        served_a, served_b = cache_salt(a, "team", isolation), cache_salt(b, "team", isolation)
+        assert served_a != served_b and "team" not in (served_a, served_b)
+        assert served_a == cache_salt(a, "team", isolation)  # one key's requests with its salt still share
+        prompt = list(range(64))
+        assert (hash_prompt_blocks(prompt, 16, block_extra_keys("m", served_a))
+                != hash_prompt_blocks(prompt, 16, block_extra_keys("m", served_b)))
+    # Unsalted requests are what the shared mode shares; without API keys the salt is the client's.
+    assert cache_salt(a, None, "none") is None and cache_salt(b, None, "none") is None
+    assert cache_salt(ANONYMOUS, "team", "none") == "team"
+
+
+def test_a_key_without_its_own_limit_gets_a_quarter_of_max_inflight(tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text(f"{KEY_A}:3\n{KEY_B}\n")
+    limits = {t.key_id: t.limit for t in tenants_of(GatewayConfig(api_keys_file=str(keys), max_inflight=40))}
+    assert sorted(limit or 0 for limit in limits.values()) == [3, 10]
+    unlimited = GatewayConfig(api_keys_file=str(keys), max_inflight=40, max_inflight_per_key=0)
+    assert sorted(t.limit or 0 for t in tenants_of(unlimited)) == [0, 3]
+
+
+def tenants_of(config: GatewayConfig):
+    keys = config.api_keys()
+    return [keys.authenticate(f"Bearer {k}") for k in (KEY_A, KEY_B)]
