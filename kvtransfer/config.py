@@ -16,6 +16,8 @@ class KVTransferConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     transport cannot divert it (UCX) before the receiver closes that connection to stop it.
     ``io_timeout``: a frame that makes no progress for this long on TCP (or a UCX payload that
     does not complete in this long) means the peer is gone, and the connection is closed.
+    ``max_handshakes``: connections a receiver holds that have not authenticated yet (each has
+    ``connect_timeout`` to do so); a newcomer beyond that closes the oldest of them.
     """
 
     transport: str = "tcp"
@@ -27,6 +29,7 @@ class KVTransferConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     abort_grace: float = 5.0
     io_timeout: float = 30.0
     checksum: bool = False
+    max_handshakes: int = 128
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
@@ -35,6 +38,8 @@ class KVTransferConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError("kvtransfer config field 'host': must not be empty")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"kvtransfer config field 'port': {self.port} is outside 0..65535")
+        if self.max_handshakes < 1:
+            raise ValueError(f"kvtransfer config field 'max_handshakes': must be >= 1, got {self.max_handshakes}")
         for name in ("connect_timeout", "transfer_timeout", "lease_timeout", "abort_grace", "io_timeout"):
             value = getattr(self, name)
             if not value > 0:

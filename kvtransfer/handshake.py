@@ -20,7 +20,9 @@ from being replayed. A peer without the secret learns nothing but a Reject. With
 configured (every listener on loopback, see ``common/cluster/auth.py``) the proofs are not checked.
 
 The whole handshake is bounded by ``timeout``; a peer that sends anything out of place (a frame
-that is not the expected one) gets no answer and the connection is closed.
+that is not the expected one) gets no answer and the connection is closed. Until a channel's data
+path is open (after ``Welcome``), its transport takes no header longer than
+``PREAUTH_MAX_HEADER_BYTES``: whoever has not authenticated makes it hold no more than that.
 """
 from __future__ import annotations
 
@@ -35,9 +37,18 @@ from kvtransfer.messages import (
 )
 from kvtransfer.transport_base import Channel
 
+# Every frame before authentication fits (a Hello carries the layout, model id included; a Reject's
+# reason is cut to fit); a transport refuses a longer announced header before reading it.
+PREAUTH_MAX_HEADER_BYTES = 1024
+_REJECT_REASON_BYTES = PREAUTH_MAX_HEADER_BYTES - 64  # room for the Reject's own encoding
+
 _SENDER = b"kv-sender"
 _RECEIVER = b"kv-receiver"
 AUTH_FAILED = "authentication failed"
+
+
+def _reject(reason: str) -> bytes:
+    return encode(Reject(reason=reason.encode()[:_REJECT_REASON_BYTES].decode(errors="ignore")))
 
 
 async def _expect(channel: Channel, kind: type[Message]) -> Message:
@@ -57,6 +68,9 @@ async def client_handshake(channel: Channel, layout: KVLayout, checksum: bool, t
     rejects this sender, or the exchange fails or takes longer than ``timeout``."""
     auth = auth or ClusterAuth.disabled()
     hello = encode(Hello(layout=layout, nonce=secrets.token_bytes(NONCE_BYTES), checksum=checksum))
+    if len(hello) > PREAUTH_MAX_HEADER_BYTES:
+        raise HandshakeError(f"the Hello frame is {len(hello)} bytes, over the {PREAUTH_MAX_HEADER_BYTES} a receiver "
+                             f"reads before authentication (is the model id {len(layout.model_id)} characters long?)")
     try:
         async with asyncio.timeout(timeout):
             await channel.send(hello)
@@ -92,7 +106,7 @@ async def server_handshake(channel: Channel, layout: KVLayout, checksum: bool, t
             if not isinstance(proof, Proof):
                 raise ProtocolError(f"expected Proof, got {type(proof).__name__}")
             if not auth.kv_proof_matches((_SENDER, hello_bytes, nonce), proof.proof):
-                await channel.send(encode(Reject(reason=AUTH_FAILED)))
+                await channel.send(_reject(AUTH_FAILED))
                 raise HandshakeError("the sender could not prove it holds the cluster secret")
             problems = []
             if hello.version != PROTOCOL_VERSION:
@@ -100,7 +114,7 @@ async def server_handshake(channel: Channel, layout: KVLayout, checksum: bool, t
             problems += layout.mismatches(hello.layout)
             if problems:
                 reason = "KV layout mismatch (receiver != sender): " + "; ".join(problems)
-                await channel.send(encode(Reject(reason=reason[:1024])))
+                await channel.send(_reject(reason))
                 raise HandshakeError(reason)
             use_checksum = checksum or hello.checksum
             await channel.send(encode(Welcome(checksum=use_checksum)))

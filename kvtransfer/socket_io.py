@@ -14,17 +14,25 @@ nothing of it does, or the connection is closed. A frame that makes no progress 
 ``stall_timeout`` seconds (the peer stopped reading) fails the writer, and ``on_stall`` closes
 the connection.
 
-``listen_tcp``/``connect_tcp`` open the sockets both transports use (the UCX transport carries
-its headers over TCP and only payloads over UCX), bound to the configured interface.
+``TcpListener``/``connect_tcp`` open the sockets both transports use (the UCX transport carries
+its headers over TCP and only payloads over UCX), bound to the configured interface. A listener
+keeps accepting through a full descriptor table, and holds at most a bounded number of
+connections that have not authenticated (``PreAuthTable``); until a channel has, it reads no
+header longer than ``PREAUTH_MAX_HEADER_BYTES`` (``kvtransfer.handshake``).
 """
 from __future__ import annotations
 
 import asyncio
 import collections
+import errno
+import logging
 import socket
+import weakref
 from typing import Awaitable, Callable, Sequence
 
 from kvtransfer.errors import ConnectionLost
+
+log = logging.getLogger(__name__)
 
 _MAX_WRITE_PER_WAKEUP = 16 << 20  # then let the loop run other callbacks before writing more
 
@@ -187,10 +195,74 @@ def _family(host: str) -> socket.AddressFamily:
     return socket.AF_INET6 if ":" in host else socket.AF_INET
 
 
-class TcpListener:
-    """A listening socket bound to ``host:port``; ``on_socket`` runs as a task per connection."""
+class PreAuthTicket:
+    """One accepted connection that has not authenticated yet (see ``PreAuthTable``)."""
 
-    def __init__(self, host: str, port: int, on_socket: Callable[[socket.socket], Awaitable[None]]):
+    __slots__ = ("_table", "_close")
+
+    def __init__(self, table: "PreAuthTable", close: Callable[[], None]):
+        self._table = table
+        self._close = close
+
+    def bind(self, close: Callable[[], None]) -> None:
+        """``close`` ends the connection from now on (its channel's, once it owns the socket)."""
+        self._close = close
+
+    def passed(self) -> None:
+        """The connection authenticated, or ended: it no longer counts (idempotent)."""
+        self._table._entries.pop(self, None)
+
+    def _evict(self) -> None:
+        self.passed()
+        self._close()
+
+
+class PreAuthTable:
+    """The connections of one listener that have not authenticated yet: at most ``limit``.
+
+    A newcomer beyond that closes the oldest of them, the one that has had longest to prove
+    itself: whoever holds unauthenticated connections open only pushes its own out, while a
+    genuine handshake (two round trips) is done long before ``limit`` newer connections arrive."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._entries: dict[PreAuthTicket, None] = {}  # oldest first
+        self.evicted = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def admit(self, sock: socket.socket) -> PreAuthTicket:
+        while len(self._entries) >= self.limit:
+            self.evicted += 1
+            next(iter(self._entries))._evict()
+        ticket = PreAuthTicket(self, sock.close)
+        self._entries[ticket] = None
+        return ticket
+
+
+# How the accept loop treats an error of accept.  A connection that failed before it was taken
+# (Linux reports the pending network errors of a new connection from accept): count it, accept the
+# next at once.  The listening socket itself is broken: the loop ends.  Anything else (a full
+# descriptor table: EMFILE, ENFILE; no memory: ENOBUFS, ENOMEM): count it, back off and retry; the
+# pending connection stays in the backlog meanwhile.
+_ACCEPT_CONNECTION_FAILED = {getattr(errno, name) for name in (
+    "ECONNABORTED", "ECONNRESET", "EPROTO", "EPERM", "ETIMEDOUT", "ENETDOWN", "ENETUNREACH", "EHOSTDOWN",
+    "EHOSTUNREACH", "ENONET", "ENOPROTOOPT", "EOPNOTSUPP") if hasattr(errno, name)}
+_ACCEPT_FATAL = {errno.EBADF, errno.ENOTSOCK, errno.EINVAL, errno.EFAULT}
+_ACCEPT_BACKOFF = (0.01, 1.0)  # first and longest pause after resource exhaustion
+_listeners: "weakref.WeakSet[TcpListener]" = weakref.WeakSet()
+
+
+class TcpListener:
+    """A listening socket bound to ``host:port``; ``on_socket(sock, ticket)`` runs as a task per
+    connection, ``ticket`` its place among the ``max_preauth`` unauthenticated connections.
+
+    The accept loop outlives a full descriptor table and failed connections (each counted in
+    ``accept_errors``); if it ends anyway, ``failure`` says why and ``failed_listeners`` lists it."""
+
+    def __init__(self, host: str, port: int, on_socket: Callable[[socket.socket, PreAuthTicket], Awaitable[None]],
+                 max_preauth: int = 128):
         loop = asyncio.get_running_loop()
         sock = socket.socket(_family(host), socket.SOCK_STREAM)
         try:
@@ -202,22 +274,87 @@ class TcpListener:
             sock.close()
             raise
         self._sock = sock
+        self._loop = loop
+        self._closed = False
         self._handlers: set[asyncio.Task] = set()  # strong references until each handler ends
+        self.preauth = PreAuthTable(max_preauth)
+        self.accept_errors: collections.Counter[str] = collections.Counter()  # by errno name
+        self.failure: BaseException | None = None
         self.address = f"{host}:{sock.getsockname()[1]}"
-        self._task = loop.create_task(self._accept_loop(loop, on_socket))
+        self._task = loop.create_task(self._accept_loop(on_socket))
+        _listeners.add(self)
 
-    async def _accept_loop(self, loop, on_socket) -> None:
-        while True:
-            conn, _ = await loop.sock_accept(self._sock)
+    async def _accept_loop(self, on_socket) -> None:
+        backoff = _ACCEPT_BACKOFF[0]
+        try:
+            while True:
+                try:
+                    conn, _ = await self._loop.sock_accept(self._sock)
+                except OSError as exc:
+                    if self._closed or exc.errno in _ACCEPT_FATAL:
+                        raise
+                    name = errno.errorcode.get(exc.errno, str(exc.errno))
+                    self.accept_errors[name] += 1
+                    if exc.errno not in _ACCEPT_CONNECTION_FAILED:
+                        if backoff == _ACCEPT_BACKOFF[0]:
+                            log.warning("kv listener %s: cannot accept (%s); retrying", self.address, exc)
+                        await asyncio.sleep(backoff)
+                        backoff = min(2 * backoff, _ACCEPT_BACKOFF[1])
+                    continue
+                backoff = _ACCEPT_BACKOFF[0]
+                self._admit(conn, on_socket)
+        except asyncio.CancelledError:
+            if not self._closed:
+                self.failure = RuntimeError("accept loop cancelled")
+            raise
+        except BaseException as exc:
+            if not self._closed:
+                self.failure = exc
+                self._sock.close()  # peers are refused at once instead of waiting in the backlog
+                log.error("kv listener %s stopped accepting: %r", self.address, exc)
+            if not isinstance(exc, Exception):
+                raise
+
+    def _admit(self, conn: socket.socket, on_socket) -> None:
+        try:
             conn.setblocking(False)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            task = loop.create_task(on_socket(conn))
-            self._handlers.add(task)
-            task.add_done_callback(self._handlers.discard)
+        except OSError:  # the peer is gone already
+            conn.close()
+            return
+        ticket = self.preauth.admit(conn)
+        task = self._loop.create_task(on_socket(conn, ticket))
+        self._handlers.add(task)
+        task.add_done_callback(self._handlers.discard)
+        task.add_done_callback(lambda _task: ticket.passed())  # however the handler ended
+
+    @property
+    def failed(self) -> bool:
+        """The accept loop ended although the listener is open."""
+        return not self._closed and (self._task.done() or self.failure is not None)
 
     def close(self) -> None:
+        self._closed = True
         self._task.cancel()
         self._sock.close()
+
+
+def failed_listeners() -> list[str]:
+    """The KV listeners of this process whose accept loop ended while they were open, each with
+    why: a worker with one of these accepts no KV and must not report itself healthy."""
+    return [f"{lst.address}: {lst.failure!r}" for lst in list(_listeners) if lst.failed]
+
+
+def listener_stats() -> dict[str, int]:
+    """Counters over this process's open KV listeners: accept errors survived (by errno) and
+    unauthenticated connections closed for newcomers."""
+    out: collections.Counter[str] = collections.Counter()
+    for lst in list(_listeners):
+        if not lst._closed:
+            out["kv_preauth_evicted"] += lst.preauth.evicted
+            for name, count in lst.accept_errors.items():
+                out[f"kv_accept_errors_{name}"] += count
+    return dict(out)
 
 
 async def connect_tcp(host: str, port: int, timeout: float, what: str = "tcp") -> socket.socket:

@@ -24,8 +24,9 @@ import torch
 
 from kvtransfer.config import KVTransferConfig
 from kvtransfer.errors import ConnectionLost, ProtocolError
+from kvtransfer.handshake import PREAUTH_MAX_HEADER_BYTES
 from kvtransfer.messages import MAX_HEADER_BYTES
-from kvtransfer.socket_io import FrameWriter, TcpListener, connect_tcp, wait_uncancelled
+from kvtransfer.socket_io import FrameWriter, PreAuthTicket, TcpListener, connect_tcp, wait_uncancelled
 from kvtransfer.transport_base import Channel, Listener, Transport
 
 _LEN = struct.Struct("!I")
@@ -80,13 +81,17 @@ class TcpChannel(Channel):
     pending receive points at right then. That makes two guarantees cheap and loop-independent:
     ``divert_payload`` takes effect before the next byte, and ``close`` ends a pending receive at
     once (the stdlib loop does not wake a ``sock_recv_into`` whose socket was closed).
+
+    Until ``open_data_path`` (the handshake passed) a header may announce at most
+    ``PREAUTH_MAX_HEADER_BYTES``; a longer one is refused before a byte of it is read. An accepted
+    connection's ``ticket`` is its place among its listener's unauthenticated connections.
     """
 
     @property
     def max_payload_nbytes(self) -> int:
         return STAGING_BYTES
 
-    def __init__(self, sock: socket.socket, io_timeout: float = 30.0):
+    def __init__(self, sock: socket.socket, io_timeout: float = 30.0, ticket: PreAuthTicket | None = None):
         sock.setblocking(False)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._sock = sock
@@ -107,6 +112,10 @@ class TcpChannel(Channel):
         self._in_staging = _Staging()
         self._diverting = False  # the device payload being received was diverted
         self._copying = False  # a staged piece is being copied into the device region
+        self._header_limit = PREAUTH_MAX_HEADER_BYTES  # MAX_HEADER_BYTES once authenticated
+        self._ticket = ticket
+        if ticket is not None:
+            ticket.bind(self.close)
 
     @property
     def description(self) -> str:
@@ -129,6 +138,11 @@ class TcpChannel(Channel):
             host = self._out_staging.view(payload.numel())
             await _copy_off_loop(host, payload)
             await self._writer.send([*parts, _host_view(host)])
+
+    async def open_data_path(self, sender: bool, timeout: float) -> None:
+        self._header_limit = MAX_HEADER_BYTES
+        if self._ticket is not None:
+            self._ticket.passed()
 
     def _on_stall(self, error: ConnectionLost) -> None:
         self._fail(error)
@@ -215,8 +229,8 @@ class TcpChannel(Channel):
     async def recv_header(self) -> bytes:
         await self._recv_exact(memoryview(self._len_buf))
         (length,) = _LEN.unpack(self._len_buf)
-        if not 0 < length <= MAX_HEADER_BYTES:
-            raise ProtocolError(f"frame announces a {length}-byte header (limit {MAX_HEADER_BYTES})")
+        if not 0 < length <= self._header_limit:
+            raise ProtocolError(f"frame announces a {length}-byte header (limit {self._header_limit})")
         header = bytearray(length)
         await self._recv_exact(memoryview(header))
         return bytes(header)
@@ -263,6 +277,8 @@ class TcpChannel(Channel):
         if self._closed:
             return
         self._closed = True
+        if self._ticket is not None:
+            self._ticket.passed()
         self._fail(ConnectionLost("tcp channel closed"))
         self._writer.fail(self._error)
         if not self._loop.is_closed():
@@ -289,12 +305,13 @@ class TcpTransport(Transport):
 
     def __init__(self, config: KVTransferConfig):
         self._io_timeout = config.io_timeout
+        self._max_handshakes = config.max_handshakes
 
     async def listen(self, host: str, port: int, on_channel: Callable[[Channel], Awaitable[None]]) -> Listener:
-        async def accepted(sock: socket.socket) -> None:
-            await on_channel(TcpChannel(sock, self._io_timeout))
+        async def accepted(sock: socket.socket, ticket: PreAuthTicket) -> None:
+            await on_channel(TcpChannel(sock, self._io_timeout, ticket))
 
-        return _TcpListener(TcpListener(host, port, accepted))
+        return _TcpListener(TcpListener(host, port, accepted, self._max_handshakes))
 
     async def connect(self, host: str, port: int, timeout: float) -> Channel:
         return TcpChannel(await connect_tcp(host, port, timeout), self._io_timeout)

@@ -51,8 +51,9 @@ import torch
 
 from kvtransfer.config import KVTransferConfig
 from kvtransfer.errors import ConnectionLost, ProtocolError
+from kvtransfer.handshake import PREAUTH_MAX_HEADER_BYTES
 from kvtransfer.messages import MAX_HEADER_BYTES
-from kvtransfer.socket_io import FrameWriter, TcpListener, connect_tcp, wait_uncancelled
+from kvtransfer.socket_io import FrameWriter, PreAuthTicket, TcpListener, connect_tcp, wait_uncancelled
 from kvtransfer.transport_base import Channel, Listener, Transport
 from kvtransfer.ucx_worker import UcxWorker, net_devices_for
 
@@ -60,6 +61,8 @@ log = logging.getLogger(__name__)
 
 _CONTROL = struct.Struct("!IQ")  # header length, payload sequence number (0: none)
 _MAX_BUFFERED = 4 * (MAX_HEADER_BYTES + _CONTROL.size)  # then stop reading until frames are taken
+_PREAUTH_BUFFERED = PREAUTH_MAX_HEADER_BYTES + _CONTROL.size  # the same, before authentication: one frame
+_RECV_BYTES = 256 * 1024
 _TAG_MASK = (1 << 64) - 1
 _LATE_CANCEL_S = 5.0
 
@@ -116,10 +119,11 @@ class _ControlConnection:
     """The TCP half of a UCX channel: buffered frame reader plus the cancel-safe writer.
 
     The reader is always registered (up to ``_MAX_BUFFERED``), so the end of the connection is
-    seen the moment it happens, even while the channel's owner is waiting for a payload."""
+    seen the moment it happens, even while the channel's owner is waiting for a payload. Until
+    ``authenticated()``, it buffers at most one frame of ``PREAUTH_MAX_HEADER_BYTES``."""
 
     def __init__(self, sock: socket.socket, io_timeout: float, on_lost: Callable[[ConnectionLost], None],
-                 on_stall: Callable[[ConnectionLost], None]):
+                 on_stall: Callable[[ConnectionLost], None], ticket: PreAuthTicket | None = None):
         self._sock = sock
         self._fd = sock.fileno()
         self._loop = asyncio.get_running_loop()
@@ -130,7 +134,17 @@ class _ControlConnection:
         self._closed = False
         self._waiter: asyncio.Future | None = None
         self._reading = True
+        self._header_limit = PREAUTH_MAX_HEADER_BYTES
+        self._max_buffered = _PREAUTH_BUFFERED
+        self._ticket = ticket
         self._loop.add_reader(self._fd, self._on_readable)
+
+    def authenticated(self) -> None:
+        """The handshake passed: full-size frames from now on."""
+        self._header_limit, self._max_buffered = MAX_HEADER_BYTES, _MAX_BUFFERED
+        if self._ticket is not None:
+            self._ticket.passed()
+        self._resume()
 
     @staticmethod
     def frame(seq: int, header: bytes) -> list[bytes]:
@@ -138,7 +152,7 @@ class _ControlConnection:
 
     def _on_readable(self) -> None:
         try:
-            data = self._sock.recv(256 * 1024)
+            data = self._sock.recv(max(1, min(_RECV_BYTES, self._max_buffered - len(self._buf))))
         except (BlockingIOError, InterruptedError):
             return
         except OSError as exc:
@@ -148,7 +162,7 @@ class _ControlConnection:
             self._ended(ConnectionLost("peer closed the connection"))
             return
         self._buf += data
-        if len(self._buf) >= _MAX_BUFFERED:
+        if len(self._buf) >= self._max_buffered:
             self._pause()
         self._wake()
 
@@ -165,6 +179,11 @@ class _ControlConnection:
             if not self._loop.is_closed():
                 self._loop.remove_reader(self._fd)
 
+    def _resume(self) -> None:
+        if not self._reading and self._eof is None and not self._closed and len(self._buf) < self._max_buffered:
+            self._reading = True
+            self._loop.add_reader(self._fd, self._on_readable)
+
     def _wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
@@ -173,16 +192,14 @@ class _ControlConnection:
         if len(self._buf) < _CONTROL.size:
             return None
         length, seq = _CONTROL.unpack_from(self._buf)
-        if not 0 < length <= MAX_HEADER_BYTES:
-            raise ProtocolError(f"frame announces a {length}-byte header (limit {MAX_HEADER_BYTES})")
+        if not 0 < length <= self._header_limit:
+            raise ProtocolError(f"frame announces a {length}-byte header (limit {self._header_limit})")
         end = _CONTROL.size + length
         if len(self._buf) < end:
             return None
         header = bytes(self._buf[_CONTROL.size : end])
         del self._buf[:end]
-        if not self._reading and self._eof is None and not self._closed:
-            self._reading = True
-            self._loop.add_reader(self._fd, self._on_readable)
+        self._resume()
         return seq, header
 
     async def recv_frame(self) -> tuple[int, bytes]:
@@ -205,6 +222,8 @@ class _ControlConnection:
         if self._closed:
             return
         self._closed = True
+        if self._ticket is not None:
+            self._ticket.passed()
         self._pause()
         self.writer.fail(error)
         if self._waiter is not None and not self._waiter.done():
@@ -215,11 +234,13 @@ class _ControlConnection:
 class UcxChannel(Channel):
     """One sender<->receiver connection: TCP for headers, UCX for payloads (module docstring)."""
 
-    def __init__(self, sock: socket.socket, ucx: UcxWorker, io_timeout: float):
+    def __init__(self, sock: socket.socket, ucx: UcxWorker, io_timeout: float, ticket: PreAuthTicket | None = None):
         self._ucx = ucx
         self._loop = asyncio.get_running_loop()
         self._io_timeout = io_timeout
-        self._control = _ControlConnection(sock, io_timeout, self._peer_lost, self._abandon)
+        self._control = _ControlConnection(sock, io_timeout, self._peer_lost, self._abandon, ticket)
+        if ticket is not None:
+            ticket.bind(self.close)
         self._error: ConnectionLost | None = None
         self._closed = False
         self._ep = None  # sender: endpoint to the receiver's UCX worker
@@ -252,6 +273,7 @@ class UcxChannel(Channel):
 
     async def open_data_path(self, sender: bool, timeout: float) -> None:
         self._check()
+        self._control.authenticated()
         if sender:
             try:
                 seq, body = await asyncio.wait_for(self._control.recv_frame(), timeout)
@@ -449,10 +471,10 @@ class UcxTransport(Transport):
     async def listen(self, host: str, port: int, on_channel: Callable[[Channel], Awaitable[None]]) -> Listener:
         ucx = self._worker()
 
-        async def accepted(sock: socket.socket) -> None:
-            await on_channel(UcxChannel(sock, ucx, self._config.io_timeout))
+        async def accepted(sock: socket.socket, ticket: PreAuthTicket) -> None:
+            await on_channel(UcxChannel(sock, ucx, self._config.io_timeout, ticket))
 
-        return _UcxListener(TcpListener(host, port, accepted))
+        return _UcxListener(TcpListener(host, port, accepted, self._config.max_handshakes))
 
     async def connect(self, host: str, port: int, timeout: float) -> Channel:
         ucx = self._worker()

@@ -1,0 +1,235 @@
+"""What a stranger can make a KV listener hold before authenticating, and what stops it accepting.
+
+* The accept loop survives a full descriptor table (a real one: the process's limit lowered
+  under it) and the other errors ``accept`` reports, and keeps accepting afterwards.
+* An accept loop that ends anyway is reported (``failed_listeners``), which fails the worker's
+  ``/health`` (tests/test_worker_kv_health.py).
+* At most ``max_handshakes`` unauthenticated connections are held: beyond, the oldest is closed.
+* Before authentication no header longer than ``PREAUTH_MAX_HEADER_BYTES`` is read or buffered.
+"""
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import resource
+import socket
+import struct
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvt_support import AUTH, LAYOUT, NUM_BLOCKS, random_cache, wait_until
+from common.engine.kv_cache import KVCache
+from kvtransfer import KVReceiver, KVSender, KVTransferConfig
+from kvtransfer.config import parse_address
+from kvtransfer.handshake import PREAUTH_MAX_HEADER_BYTES
+from kvtransfer.socket_io import failed_listeners
+from kvtransfer.transport_tcp import TcpChannel
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")  # one UCX worker per loop, as in the other files
+
+BOUND = 60.0
+# Raw connections stay unauthenticated for as long as a test needs: the handshake deadline is
+# far beyond any wait here, so only the pre-authentication bound can close them.
+PATIENT = dict(connect_timeout=600.0)
+
+
+async def start_receiver(transport: str, **config) -> KVReceiver:
+    receiver = KVReceiver(KVCache(LAYOUT, NUM_BLOCKS), KVTransferConfig(transport=transport, **config), auth=AUTH)
+    await receiver.start()
+    return receiver
+
+
+async def transfer_completes(receiver: KVReceiver) -> None:
+    """A genuine sender connects, authenticates and lands a block: the listener still accepts."""
+    sender = KVSender(random_cache(1), KVTransferConfig(transport=receiver.config.transport), auth=AUTH)
+    try:
+        rx = receiver.expect("probe", [3])
+        tx = await asyncio.wait_for(sender.begin(rx.transfer_id, receiver.address), BOUND)
+        await tx.send_blocks([5], [3])
+        await asyncio.wait_for(tx.finish(), BOUND)
+        await asyncio.wait_for(rx.wait(), BOUND)
+        assert torch.equal(receiver.cache.buffer[3], sender.cache.buffer[5])
+    finally:
+        await sender.close()
+
+
+async def raw_connect(receiver: KVReceiver) -> socket.socket:
+    sock = socket.socket()
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, parse_address(receiver.address))
+    return sock
+
+
+def closed_by_peer(sock: socket.socket) -> bool:
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except ConnectionError:
+        return True
+
+
+# ---- accept loop -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("transport", ["tcp", "ucx"])
+async def test_accept_loop_survives_the_errors_accept_reports(transport, monkeypatch):
+    """EMFILE, ENFILE, ENOBUFS (back off) and ECONNABORTED (a connection gone before it was
+    taken) each end one accept, not the loop: a sender arriving afterwards is served."""
+    receiver = await start_receiver(transport)
+    loop = asyncio.get_running_loop()
+    errors = [errno.EMFILE, errno.ENFILE, errno.ECONNABORTED, errno.ENOBUFS]
+    real_accept = loop.sock_accept
+
+    async def flaky_accept(sock):
+        if errors:
+            code = errors.pop(0)
+            raise OSError(code, os.strerror(code))
+        return await real_accept(sock)
+
+    monkeypatch.setattr(loop, "sock_accept", flaky_accept)
+    try:
+        await transfer_completes(receiver)
+        assert not errors
+        assert not failed_listeners()
+    finally:
+        monkeypatch.undo()
+        await receiver.close()
+
+
+async def full_descriptor_table() -> None:
+    """A real EMFILE: the process's descriptor limit is lowered until accept cannot get one,
+    held there while the loop fails at least twice, then raised; the pending connection and a
+    genuine sender are then served."""
+    receiver = await start_receiver("tcp", **PATIENT)
+    listener = receiver._listener._listener
+    # Connected (the kernel queues it) before the limit drops, without yielding to the event loop:
+    # the listener's accept of it is what meets the full table.
+    waiting = socket.create_connection(parse_address(receiver.address))
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    probe = os.open(os.devnull, os.O_RDONLY)  # the lowest free descriptor number
+    os.close(probe)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (probe, hard))
+        await wait_until(lambda: listener.accept_errors["EMFILE"] >= 2, BOUND, "two failed accepts")
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    try:
+        await wait_until(lambda: len(listener.preauth) == 1, BOUND, "the waiting connection accepted")
+        await transfer_completes(receiver)
+        assert not failed_listeners()
+    finally:
+        waiting.close()
+        await receiver.close()
+
+
+async def test_accept_loop_survives_a_full_descriptor_table():
+    """In a process of its own, on this test's kind of event loop: a descriptor limit lowered
+    under the UCX threads other tests leave behind would break them."""
+    import uvloop
+
+    loop = "uvloop" if isinstance(asyncio.get_running_loop(), uvloop.Loop) else "asyncio"
+    root = Path(__file__).resolve().parents[2]
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, __file__, loop, cwd=root, env={**os.environ, "PYTHONPATH": str(root)},
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    try:
+        output, _ = await asyncio.wait_for(proc.communicate(), 4 * BOUND)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert proc.returncode == 0, output.decode()
+
+
+async def test_an_accept_loop_that_ended_is_reported_until_its_listener_closes(monkeypatch):
+    """EBADF says the listening socket itself is broken: the loop ends, and says so."""
+    loop = asyncio.get_running_loop()
+
+    async def broken_accept(sock):
+        raise OSError(errno.EBADF, "the listening socket is gone")
+
+    monkeypatch.setattr(loop, "sock_accept", broken_accept)
+    receiver = await start_receiver("tcp")
+    try:
+        listener = receiver._listener._listener
+        await asyncio.gather(listener._task, return_exceptions=True)
+        assert [receiver.address in entry for entry in failed_listeners()] == [True]
+    finally:
+        monkeypatch.undo()
+        await receiver.close()
+    assert not failed_listeners(), "a listener closed on purpose is not a failure"
+
+
+# ---- before authentication ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("transport", ["tcp", "ucx"])
+async def test_unauthenticated_connections_beyond_the_bound_close_the_oldest(transport):
+    bound, extra = 4, 3
+    receiver = await start_receiver(transport, max_handshakes=bound, **PATIENT)
+    listener = receiver._listener._listener
+    socks = []
+    try:
+        for _ in range(bound + extra):  # one at a time, so they are accepted in this order
+            socks.append(await raw_connect(receiver))
+            await wait_until(lambda: len(listener.preauth) == min(len(socks), bound), BOUND, "accepted")
+        await wait_until(lambda: all(closed_by_peer(s) for s in socks[:extra]), BOUND, "the oldest closed")
+        assert not any(closed_by_peer(s) for s in socks[extra:]), "a newer connection was closed"
+        assert len(listener.preauth) == bound and listener.preauth.evicted == extra
+        await transfer_completes(receiver)  # a genuine sender still gets in (pushing one more out)
+    finally:
+        for sock in socks:
+            sock.close()
+        await receiver.close()
+
+
+@pytest.mark.parametrize("transport", ["tcp", "ucx"])
+async def test_a_big_header_before_authentication_is_refused_unread(transport, monkeypatch):
+    """A frame announcing a 60 000-byte header (under the 64 KiB limit for authenticated peers),
+    sent whole: the receiver closes the connection having read or buffered no more than the
+    pre-authentication bound (TCP: the largest read it asked for; UCX: its control buffer)."""
+    largest = [0]
+    if transport == "tcp":
+        real = TcpChannel._recv_exact
+
+        async def recv_exact(self, view, payload=False):
+            largest[0] = max(largest[0], len(view))
+            return await real(self, view, payload)
+
+        monkeypatch.setattr(TcpChannel, "_recv_exact", recv_exact)
+        frame = struct.pack("!I", 60_000) + bytes(60_000)
+    else:
+        from kvtransfer.transport_ucx import _ControlConnection
+
+        real = _ControlConnection._on_readable
+
+        def on_readable(self):
+            real(self)
+            largest[0] = max(largest[0], len(self._buf))
+
+        monkeypatch.setattr(_ControlConnection, "_on_readable", on_readable)
+        frame = struct.pack("!IQ", 60_000, 0) + bytes(60_000)
+    receiver = await start_receiver(transport, **PATIENT)
+    sock = await raw_connect(receiver)
+    try:
+        await asyncio.get_running_loop().sock_sendall(sock, frame)
+        await wait_until(lambda: closed_by_peer(sock), BOUND, "the connection closed")
+        assert 0 < largest[0] <= PREAUTH_MAX_HEADER_BYTES + 12, largest[0]
+        monkeypatch.undo()
+        await transfer_completes(receiver)
+    finally:
+        sock.close()
+        await receiver.close()
+
+
+if __name__ == "__main__":  # test_accept_loop_survives_a_full_descriptor_table's own process
+    import uvloop
+
+    factory = {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}[sys.argv[1]]
+    with asyncio.Runner(loop_factory=factory) as runner:
+        runner.run(full_descriptor_table())
