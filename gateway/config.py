@@ -75,7 +75,7 @@ class GatewayConfig:
     skip_prefill_below_tokens: int = 64
     api_key: str | None = field(default=None, repr=False)
     api_keys_file: str | None = None
-    max_inflight_per_key: int | None = None  # keys without their own limit; None: max_inflight // 4; 0: none
+    max_inflight_per_key: int | None = None  # keys without their own limit; 0: none (default: tenants.py)
     cache_isolation: str = "none"  # "per-key": API keys never share prefix-cache blocks (gateway/tenants.py)
     # Serve without an API key on an address other machines reach (an authenticating proxy in front).
     allow_no_api_key: bool = False
@@ -164,17 +164,11 @@ class GatewayConfig:
             keys += [key for key in parse_keys_file(text, self.api_keys_file) if key not in keys]
         return keys
 
-    @property
-    def per_key_limit(self) -> int | None:
-        """Requests in flight for an API key without its own limit (None: only ``max_inflight``)."""
-        if self.max_inflight_per_key is None:
-            return max(1, self.max_inflight // 4)
-        return self.max_inflight_per_key or None
-
     def api_keys(self) -> ApiKeys:
         """The API keys the gateway accepts (read from ``api_keys_file``); raises ValueError."""
         try:
-            return ApiKeys.from_config(self.api_key, self.api_keys_file, self.per_key_limit)
+            return ApiKeys.from_config(self.api_key, self.api_keys_file, self.max_inflight_per_key,
+                                       self.max_inflight)
         except ValueError as exc:
             raise ValueError(f"invalid config: {exc}") from None
 
@@ -220,7 +214,8 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     add("--api-keys-file", help="accept the keys in this file: one per line, optionally 'key:limit' (that "
                                 "key's limit on requests in flight); '#' starts a comment line")
     add("--max-inflight-per-key", None, int, help="requests in flight per API key without its own limit; "
-                                                 "beyond: 429 (default: a quarter of --max-inflight; 0: none)")
+                                                 "beyond: 429 (default: half of --max-inflight when several keys are "
+                                                 "configured, none for a single key; 0: none)")
     add("--cache-isolation", "none", choices=CACHE_ISOLATION,
         help="prefix-cache sharing between API keys: 'none' (requests without a cache_salt share cached prompt "
              "blocks across keys; a cache_salt, bound to its API key, shares only with the same key's) or "

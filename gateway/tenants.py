@@ -7,9 +7,10 @@ Keys come from ``--api-key`` (one key) and/or ``--api-keys-file``: one key per l
     sk-team-a-3c1f0e...:32
     sk-team-b-9ab2d4...
 
-A key without its own limit gets ``--max-inflight-per-key`` (by default a quarter of
-``--max-inflight``, so one key cannot take every slot; 0: no per-key limit).  Beyond its limit a
-key's requests get 429 with Retry-After.
+A key without its own limit gets ``--max-inflight-per-key`` (0: no per-key limit).  By default,
+when several keys share the gateway, that is half of ``--max-inflight``: no one key can take
+every slot, and a single key may still use them all.  Beyond its limit a key's requests get 429
+with Retry-After.
 
 A presented key is looked up by its SHA-256 (no per-key string comparison, no timing signal about
 how much of a key matched).  A key is named in logs by ``key_id``, a prefix of that hash, never by
@@ -56,6 +57,16 @@ def cache_salt(tenant: Tenant, client_salt: str | None, isolation: str) -> str |
     return "key-" + hmac.new(tenant.key_digest, message, hashlib.sha256).hexdigest()
 
 
+def default_key_limit(per_key: int | None, max_inflight: int | None, num_keys: int) -> int | None:
+    """Requests in flight for a key without its own limit (None: only the global limit):
+    ``per_key`` when set (0: none); else half of ``max_inflight`` when several keys share it."""
+    if per_key is not None:
+        return per_key or None
+    if max_inflight is None or num_keys < 2:
+        return None
+    return max(1, max_inflight // 2)
+
+
 def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
 
@@ -93,10 +104,9 @@ class ApiKeys:
                          for k, limit in keys.items()}
 
     @classmethod
-    def from_config(cls, api_key: str | None, api_keys_file: str | None,
-                    default_limit: int | None = None) -> "ApiKeys":
-        """The keys of ``--api-key`` and ``--api-keys-file``; ``default_limit``: requests in flight
-        for a key without its own limit (None: only the global limit)."""
+    def from_config(cls, api_key: str | None, api_keys_file: str | None, max_inflight_per_key: int | None = None,
+                    max_inflight: int | None = None) -> "ApiKeys":
+        """The keys of ``--api-key`` and ``--api-keys-file``, with their limits (``default_key_limit``)."""
         keys: dict[str, int | None] = {}
         if api_keys_file:
             path = Path(api_keys_file)
@@ -109,7 +119,7 @@ class ApiKeys:
                 raise ValueError(f"the API keys file {path} lists no key")
         if api_key:
             keys.setdefault(api_key, None)
-        return cls(keys, default_limit)
+        return cls(keys, default_key_limit(max_inflight_per_key, max_inflight, len(keys)))
 
     @property
     def enabled(self) -> bool:

@@ -115,12 +115,12 @@ async def test_public_metrics_name_no_api_key_and_keys_have_a_default_limit(serv
                                                                            key_prefix, tmp_path):
     keys = tmp_path / "api-keys"
     keys.write_text(f"{KEYS['b']}\n")
-    # --max-inflight 8: a key without its own limit may hold a quarter, 2.
+    # Two keys, --max-inflight 8: a key without its own limit may hold half, 4.
     async with gateway(served_checkpoint, redis_url, key_prefix, api_keys_file=str(keys),
                        max_inflight=8) as (gw, client):
         a, b = (gw.api_keys.authenticate(f"Bearer {KEYS[k]}") for k in "ab")
         async with contextlib.AsyncExitStack() as held:
-            for _ in range(2):
+            for _ in range(4):
                 await held.enter_async_context(gw.admission(a))
             with pytest.raises(OpenAIError) as info:
                 await held.enter_async_context(gw.admission(a))

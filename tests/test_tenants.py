@@ -28,13 +28,15 @@ def test_a_guessed_salt_shares_nothing_with_another_key_in_the_shared_mode():
     assert cache_salt(ANONYMOUS, "team", "none") == "team"
 
 
-def test_a_key_without_its_own_limit_gets_a_quarter_of_max_inflight(tmp_path):
+def test_a_key_without_its_own_limit_gets_half_of_max_inflight_when_keys_share_the_gateway(tmp_path):
     keys = tmp_path / "keys"
     keys.write_text(f"{KEY_A}:3\n{KEY_B}\n")
-    limits = {t.key_id: t.limit for t in tenants_of(GatewayConfig(api_keys_file=str(keys), max_inflight=40))}
-    assert sorted(limit or 0 for limit in limits.values()) == [3, 10]
+    limits = sorted(t.limit or 0 for t in tenants_of(GatewayConfig(api_keys_file=str(keys), max_inflight=40)))
+    assert limits == [3, 20]
     unlimited = GatewayConfig(api_keys_file=str(keys), max_inflight=40, max_inflight_per_key=0)
     assert sorted(t.limit or 0 for t in tenants_of(unlimited)) == [0, 3]
+    alone = GatewayConfig(api_key=KEY_A, max_inflight=40).api_keys().authenticate(f"Bearer {KEY_A}")
+    assert alone.limit is None  # a single key may use every slot
 
 
 def tenants_of(config: GatewayConfig):
