@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Mapping
 
 from common.cluster.auth import SECRET_ENV, AuthError, ClusterAuth, configure_auth, is_loopback, read_secret
+from common.cluster.http_limits import DEFAULTS as HTTP_DEFAULTS, HELP as HTTP_HELP, add_http_flags
 from common.cluster.flags import EnvFlags, RecordsCommandLine, given_on_command_line, secret_value
 from common.cluster.redis_util import (
     DEFAULT_REDIS_URL, redact_url, redis_url_with_password_file, warn_password_on_command_line,
@@ -81,7 +82,9 @@ class GatewayConfig:
     allow_no_api_key: bool = False
     admin_token: str | None = field(default=None, repr=False)
     max_inflight: int = 512  # accepted requests at once; beyond: 429
-    max_connections: int = 2048  # open client connections; beyond: 503 and close
+    max_connections: int = 2048  # open client connections; at the cap an idle one is closed, else 503
+    header_timeout: float = HTTP_DEFAULTS.header_timeout  # the HTTP port's limits: common/cluster/http_limits.py
+    keepalive_timeout: float = HTTP_DEFAULTS.keepalive_timeout
     max_body_bytes: int = 4 << 20
     max_model_len: int | None = None
     chat_template: str | None = None  # a Jinja template, or a file holding one (see gateway/chat_template.py)
@@ -111,7 +114,7 @@ class GatewayConfig:
         if self.skip_prefill_below_tokens < 0:
             raise bad(f"skip_prefill_below_tokens must be >= 0, got {self.skip_prefill_below_tokens}")
         for name in ("bench_time", "queue_timeout", "client_read_timeout", "client_write_timeout",
-                     "prefix_lookup_timeout", "redis_retry_interval"):
+                     "prefix_lookup_timeout", "redis_retry_interval", "header_timeout", "keepalive_timeout"):
             if not getattr(self, name) > 0:
                 raise bad(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("queue_size", "inline_tokenize_chars", "max_inflight_per_key"):
@@ -227,7 +230,8 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     add("--cluster-secret-file", help="file holding the cluster secret (default: PDSERVE_CLUSTER_SECRET); "
                                       "required unless --host is a loopback address")
     add("--max-inflight", 512, int, help="requests accepted at once; beyond: 429")
-    add("--max-connections", 2048, int, help="open client connections; beyond: 503 and close")
+    add("--max-connections", 2048, int, help=HTTP_HELP["max_connections"])
+    add_http_flags(add, names=("header_timeout", "keepalive_timeout"))
     add("--max-body-bytes", 4 << 20, int, help="request body limit; beyond: 413")
     add("--max-model-len", None, int)
     add("--chat-template", help="chat template for /v1/chat/completions: a file, or the Jinja template itself "
@@ -273,6 +277,7 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = N
         max_inflight_per_key=args.max_inflight_per_key, cache_isolation=args.cache_isolation,
         allow_no_api_key=bool(args.allow_no_api_key), admin_token=admin_token,
         max_connections=args.max_connections, client_write_timeout=args.client_write_timeout,
+        header_timeout=args.header_timeout, keepalive_timeout=args.keepalive_timeout,
         max_inflight=args.max_inflight, max_body_bytes=args.max_body_bytes, max_model_len=args.max_model_len,
         chat_template=args.chat_template,
         cluster_secret=secret,

@@ -31,13 +31,14 @@ from common.cluster.redis_util import connect
 from common.cluster.registry import ROLES, WorkerRegistry
 from gateway.backpressure import WaitQueue
 from gateway.chat_template import resolve_chat_format
+from common.cluster.http_limits import HttpLimits
+from common.cluster.http_listener import GuardedSite
 from gateway.config import GatewayConfig, build_parser, config_from_args
 from gateway.dispatch import Dispatcher
 from gateway.handlers import Generation, OpenAIHandlers
 from gateway.metrics import GatewayMetrics
 from gateway.openapi import openapi_document
 from gateway.openai_protocol import ModelCard, ModelList, OpenAIError, json_response, now
-from gateway.listener import listen
 from gateway.pool import WorkerPool
 from gateway.prompts import PromptEncoder
 from gateway.redis_probe import RedisProbe
@@ -362,9 +363,11 @@ async def serve(config: GatewayConfig) -> None:
     await gateway.start()
     runner = web.AppRunner(gateway.app(), handler_cancellation=True, access_log=None)
     await runner.setup()
-    server = await listen(runner, config.host, config.port, config.max_connections,
-                          on_refused=gateway.metrics.connections_refused.inc)
-    port = server.sockets[0].getsockname()[1]
+    limits = HttpLimits(max_connections=config.max_connections, header_timeout=config.header_timeout,
+                        keepalive_timeout=config.keepalive_timeout, body_timeout=config.client_read_timeout)
+    site = GuardedSite(runner, config.host, config.port, limits, on_refused=gateway.metrics.connections_refused.inc)
+    await site.start()  # stopped by runner.cleanup()
+    port = site.port
     print(f"gateway serving {gateway.model_id} at http://{config.host}:{port}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -373,7 +376,6 @@ async def serve(config: GatewayConfig) -> None:
     try:
         await stop.wait()
     finally:
-        server.close()
         await runner.cleanup()
         await gateway.stop()
 

@@ -9,6 +9,7 @@ from typing import Mapping
 
 from common.cluster.auth import AuthError, ClusterAuth, configure_auth, read_secret
 from common.engine.config import EngineConfig
+from common.cluster.http_limits import HttpLimits, add_http_flags, http_limits_from_args
 from common.cluster.flags import EnvFlags, RecordsCommandLine, RemovedFlag, given_on_command_line
 from common.cluster.redis_util import (
     DEFAULT_REDIS_URL, redact_url, redis_url_with_password_file, warn_password_on_command_line,
@@ -47,6 +48,7 @@ class WorkerConfig:
     # PDSERVE_CLUSTER_SECRET (or --cluster-secret-file): required unless every listener is on
     # loopback; never printed.
     cluster_secret: str | None = field(default=None, repr=False)
+    http: HttpLimits = field(default_factory=HttpLimits)  # the HTTP port's connection limits
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -110,6 +112,9 @@ def build_parser(default_role: str, description: str, env: Mapping[str, str] | N
     add("--kv-abort-grace", 5.0, float,
         help="seconds an aborted transfer's payload may keep landing (UCX) before its connection is closed")
     flags.add_switch("--kv-checksum", help="per-block checksums on KV transfers")
+    add("--kv-max-handshakes", KVTransferConfig().max_handshakes, int,
+        help="KV connections held that have not authenticated yet; beyond, the oldest of them is closed")
+    add_http_flags(add, prefix="http-")
     add("--peer-connect-timeout", 5.0, float, help="seconds to connect to another worker's HTTP API")
     add("--control-timeout", 5.0, float, help="seconds for a control call to another worker (abort)")
     add("--redis-url", DEFAULT_REDIS_URL, show=redact_url, action=RecordsCommandLine,
@@ -173,7 +178,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
     kv = KVTransferConfig(transport=args.kv_transport, host=args.kv_host or args.host, port=args.kv_port,
                           connect_timeout=args.kv_connect_timeout, transfer_timeout=args.kv_timeout,
                           lease_timeout=args.kv_lease_timeout, abort_grace=args.kv_abort_grace,
-                          checksum=bool(args.kv_checksum))
+                          checksum=bool(args.kv_checksum), max_handshakes=args.kv_max_handshakes)
     extra = {"worker_id": args.worker_id} if args.worker_id else {}
     try:
         secret = read_secret(args.cluster_secret_file)
@@ -182,7 +187,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         raise ValueError(f"invalid config: {exc}") from None
     warn_password_on_command_line(args.redis_url, given_on_command_line(args, "redis_url"))
     return WorkerConfig(
-        engine=engine, kv=kv, role=args.role, host=args.host, port=args.port,
+        engine=engine, kv=kv, role=args.role, host=args.host, port=args.port, http=http_limits_from_args(args, "http_"),
         advertise_host=args.advertise_host, redis_url=redis_url, key_prefix=args.key_prefix,
         heartbeat_ttl_s=args.heartbeat_ttl, cluster_secret=secret,
         peer_connect_timeout_s=args.peer_connect_timeout, control_timeout_s=args.control_timeout,

@@ -51,9 +51,11 @@ from common.worker.metrics import WorkerMetrics
 from common.worker.peers import PeerDirectory
 from common.worker.request_auth import cluster_auth_middleware
 from common.worker.roles import RoleModule
+from common.cluster.http_listener import GuardedSite
 from kvtransfer.config import parse_address
 from kvtransfer.receiver import KVReceiver
 from kvtransfer.sender import KVSender
+from kvtransfer.socket_io import failed_listeners, listener_stats
 
 log = logging.getLogger(__name__)
 
@@ -173,9 +175,9 @@ class Worker:
 
         self._runner = web.AppRunner(app, handle_signals=False, access_log=None, handler_cancellation=True)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.config.host, self.config.port)
+        site = GuardedSite(self._runner, self.config.host, self.config.port, self.config.http)
         await site.start()
-        self.http_port = site._server.sockets[0].getsockname()[1]
+        self.http_port = site.port
 
         self._publisher = PrefixIndexPublisher(
             self._redis, model=self.engine.model_id, worker_id=self.config.worker_id,
@@ -419,7 +421,10 @@ class Worker:
 
     async def _handle_health(self, _request: web.Request) -> web.Response:
         healthy = self.engine_thread is not None and self.engine_thread.fatal_error is None
-        return web.json_response({"status": "ok" if healthy else "engine failed", "role": self.role,
+        status = "ok" if healthy else "engine failed"
+        if healthy and failed_listeners():  # the KV port stopped accepting: no prefill reaches this worker
+            healthy, status = False, "kv listener down"
+        return web.json_response({"status": status, "role": self.role,
                                   "state": self.state}, status=200 if healthy else 503)
 
     def stats(self, engine_stats: dict | None = None) -> dict:
@@ -431,6 +436,7 @@ class Worker:
                    kv_incoming=self.kv_receiver.num_pending if self.kv_receiver else 0,
                    kv_outgoing=self.kv_sender.num_in_flight if self.kv_sender else 0,
                    failed=None if self.failure is None else str(self.failure))
+        out.update(listener_stats())  # KV accept errors survived, unauthenticated connections closed
         return out
 
     async def _handle_stats(self, request: web.Request) -> web.Response:
