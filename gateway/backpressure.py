@@ -97,10 +97,10 @@ class Place:
         self._queue = queue
         self.ticket: int | None = None  # the order of its arrival in line; None: not queued
         self.deadline: float | None = None  # set when it first queues
-        self.why = "earlier requests are waiting for room"
+        self.why = "no decode worker has room"  # until a try of its own says why
         self._fresh = True  # has not tried yet
         self._may_try = False  # woken (or never queued) and not yet told no_room
-        self._retry = False  # a notification went unheard during its try: try again at once
+        self._retry = False  # a notification nobody heard came during its try: pass it on as it queues
         self._missed_at_try = 0
         self._woken: asyncio.Future | None = None
         self._listed = False  # in the queue's list of those waiting to be woken

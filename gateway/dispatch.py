@@ -7,6 +7,9 @@
 
 Before the first token, a worker that fails is benched and the request is retried on another
 (at most ``max_attempts`` failures); after it, a failure ends the stream with an explicit error.
+An answer that is no frame stream (an error page from the worker's middleware, aiohttp or a
+proxy; bytes that are no frames) is such a failure, never the client's: when no worker answers
+readably the client gets 502 (``WorkerAnswerError``).
 A worker that answers "busy" (it cannot reserve blocks) is skipped for this request; when no decode
 worker is left to try, the request waits in the bounded, first-come-first-served ``WaitQueue``
 (gateway/backpressure.py) and then tries again, or gets ``Saturated`` (503 + Retry-After).

@@ -397,28 +397,49 @@ def test_one_api_key_cannot_take_every_slot(stack, guarded, fakes):
         openai.OpenAI(base_url=f"{guarded}/v1", api_key="sk-unknown", max_retries=0).models.list()
 
 
-def test_connections_beyond_the_cap_get_503(stack, guarded):
+def health_answer(url: str) -> tuple[int, dict, str]:
+    """``GET /health`` on a new connection: status, headers, body."""
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=10) as resp:
+            return resp.status, dict(resp.headers), resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, dict(exc.headers), exc.read().decode()
+
+
+def test_idle_connections_never_shut_out_a_client_and_busy_ones_at_the_cap_get_503(stack, guarded, fakes):
     port = int(guarded.rsplit(":", 1)[1])
     idle = []
     try:
         for _ in range(MAX_CONNECTIONS):  # open and say nothing
             idle.append(socket.create_connection(("127.0.0.1", port)))
-        with pytest.raises(urllib.error.HTTPError) as info:
-            urllib.request.urlopen(f"{guarded}/health", timeout=10)
-        assert info.value.code == 503 and info.value.headers["Retry-After"]
-        assert json.loads(info.value.read())["error"]["code"] == "too_many_connections"
+        # The connection idle longest makes room: silent sockets cannot shut clients out (issue 27 H1).
+        status, _, text = health_answer(guarded)
+        assert "too_many_connections" not in text, (status, text)
     finally:
         for sock in idle:
             sock.close()
+    (slow,) = fakes("trickle", trickle_s=0.5)  # 1000 tokens: streams outlast the test
+
+    async def main():
+        async with aiohttp.ClientSession() as session:
+            body = {"model": stack.model_name, "prompt": "Hello world", "max_tokens": 1000, "stream": True}
+            streams = [await session.post(f"{guarded}/v1/completions", json=body,
+                                          headers={"Authorization": f"Bearer {KEYS['other']}"})
+                       for _ in range(MAX_CONNECTIONS)]
+            try:
+                assert [r.status for r in streams] == [200] * MAX_CONNECTIONS
+                # Every connection is busy with a request: a newcomer is refused, none of them cut.
+                status, headers, text = await asyncio.to_thread(health_answer, guarded)
+                assert status == 503 and headers.get("Retry-After") and "too_many_connections" in text, text
+                await asyncio.gather(*(r.content.readline() for r in streams))  # all still streaming
+            finally:
+                for r in streams:
+                    r.close()
+
+    asyncio.run(main())
     deadline = time.monotonic() + 30
-    while True:  # closed connections free their places
-        try:
-            http_json(f"{guarded}/health", timeout=5)
-            return
-        except urllib.error.HTTPError as exc:
-            if exc.code != 503 or "too_many_connections" not in exc.read().decode():
-                return  # answered by the gateway itself (e.g. no decode worker)
-        assert time.monotonic() < deadline, "connections stayed refused after the idle ones closed"
+    while "too_many_connections" in health_answer(guarded)[2]:  # closed connections free their places
+        assert time.monotonic() < deadline, "connections stayed refused after the streams closed"
         time.sleep(0.1)
 
 
