@@ -347,3 +347,38 @@ def test_scale_plan_names_the_containers_it_removes():
         "  remove pdserve-decode-3 (not running)",
         "  remove pdserve-decode-2 (worker h-gpu1, active, 0 running, 0 waiting)",
     ]
+
+
+def test_the_metrics_proxy_closes_a_connection_that_sends_no_request(tmp_path):
+    """The proxy's port has the limits of every HTTP port (``GuardedSite``): a silent socket is closed at
+    the header deadline (10 s) instead of being held until aiohttp's keep-alive (75 s under ``run_app``)."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from common.cluster.launcher import ROOT, free_port
+
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
+    proc = subprocess.Popen([sys.executable, "-m", "gateway.pdctl", "--url", "http://127.0.0.1:9", "metrics-proxy",
+                             "--listen", f"127.0.0.1:{port}"], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert "metrics-proxy on" in proc.stdout.readline()
+        deadline = time.monotonic() + 120
+        while True:  # listening shortly after the line above
+            try:
+                sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+                break
+            except ConnectionRefusedError:
+                assert time.monotonic() < deadline, "the proxy never listened"
+                time.sleep(0.1)
+        with sock:
+            sock.settimeout(60)  # far beyond the 10 s deadline, short of aiohttp's own 75 s
+            received = b""
+            while chunk := sock.recv(4096):  # socket.timeout: the proxy held the silent socket
+                received += chunk
+            assert received == b"" or received.startswith(b"HTTP/1.1 408"), received
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)

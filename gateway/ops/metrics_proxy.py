@@ -23,6 +23,7 @@ import asyncio
 import hashlib
 import hmac
 import logging
+import signal
 import time
 from urllib.parse import quote, urlsplit
 
@@ -30,6 +31,8 @@ import aiohttp
 from aiohttp import web
 
 from common.cluster.auth import ClusterAuth
+from common.cluster.http_limits import HttpLimits
+from common.cluster.http_listener import GuardedSite
 from common.cluster.messages import read_response
 
 log = logging.getLogger(__name__)
@@ -134,5 +137,20 @@ class MetricsProxy:
 
 
 def serve(proxy: MetricsProxy, host: str, port: int) -> None:
+    """Serve until SIGINT/SIGTERM, with the connection limits of every HTTP port (``GuardedSite``)."""
     print(f"metrics-proxy on http://{host}:{port} (targets for {proxy.public_address})", flush=True)
-    web.run_app(proxy.app(), host=host, port=port, print=None, access_log=None)
+    asyncio.run(_serve(proxy, host, port))
+
+
+async def _serve(proxy: MetricsProxy, host: str, port: int) -> None:
+    runner = web.AppRunner(proxy.app(), handle_signals=False, access_log=None)
+    await runner.setup()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await GuardedSite(runner, host, port, HttpLimits()).start()
+        await stop.wait()
+    finally:
+        await runner.cleanup()
