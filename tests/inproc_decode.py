@@ -31,6 +31,7 @@ from common.worker.server import Worker
 from decode_svc import generate
 from decode_svc.role import DECODE
 from kvtransfer.config import KVTransferConfig
+from tests.waiting import until
 
 WAIT = 120.0  # generous bound on anything a test waits for
 PEER_ID = "p-scripted"
@@ -141,11 +142,3 @@ class DecodeHarness:
         await until(done, "the decode worker to go idle with every block free")
 
 
-async def until(predicate: Callable[[], Awaitable[object]], what: str):
-    """Poll ``predicate()`` until it returns something truthy (bounded by ``WAIT``)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + WAIT
-    while not (value := await predicate()):
-        assert loop.time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.02)
-    return value

@@ -51,7 +51,7 @@ from kvtransfer.sender import KVSender
 from tests.cluster import LocalStack, delete_keys
 from tests.held_inproc import HeldInProcTransport, PayloadHold
 from tests.inproc_decode import DecodeHarness
-from tests.inproc_decode import until as until_true
+from tests.waiting import until
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 16          # a prompt of 10 blocks plus its output needs the whole pool
@@ -312,16 +312,6 @@ class WorkerClient:
         return await until(check, "the decode worker to go idle with every block free")
 
 
-async def until(predicate, what: str):
-    """Poll ``predicate()`` (a coroutine function) until it returns something truthy."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + WAIT
-    while not (value := await predicate()):
-        assert loop.time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.05)
-    return value
-
-
 # ---- the decode worker's own part: blocks stay reserved while a payload may still land -------------
 
 
@@ -397,7 +387,7 @@ async def test_failed_prefill_frees_blocks_only_after_the_bytes_in_flight_landed
             return "computing locally while the payload was held"
         return peer.settling() and "settling"
 
-    state = await until_true(settling_or_started, "the transfer to settle or the fallback to start")
+    state = await until(settling_or_started, "the transfer to settle or the fallback to start")
     assert state == "settling", f"the blocks were given up while bytes could still land: {state}"
     assert await peer.reserved_blocks(stream.request_id) == len(prompt) // BLOCK_SIZE, "blocks freed early"
     assert not stream.first.is_set()
@@ -432,7 +422,7 @@ async def test_client_gone_mid_transfer_keeps_blocks_until_the_transfer_settled(
             return "settling"
         return not await peer.reserved_blocks(gone.request_id) and "freed"
 
-    state = await until_true(settling_or_freed, "the abandoned transfer to settle or its blocks to be freed")
+    state = await until(settling_or_freed, "the abandoned transfer to settle or its blocks to be freed")
     assert state == "settling", f"the blocks were freed while bytes could still land: {state}"
     assert await peer.reserved_blocks(gone.request_id) == len(first) // BLOCK_SIZE
     assert gone.request_id in peer.harness.worker.inflight  # its cleanup waits for the transfer

@@ -16,6 +16,7 @@ from aiohttp import web
 
 from common.cluster.http_limits import HttpLimits
 from common.cluster.http_listener import GuardedSite
+from tests.waiting import until
 
 BOUND = 60.0  # the most any wait here may take; a deadline of 0.5 s is waited for this long
 SHORT = 0.5
@@ -77,14 +78,6 @@ async def serve(app: App, limits: HttpLimits):
         await runner.cleanup()
 
 
-async def wait_until(condition, what: str) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + BOUND
-    while not condition():
-        assert loop.time() < deadline, f"{what} did not hold within {BOUND}s"
-        await asyncio.sleep(0.01)
-
-
 async def until_closed(reader: asyncio.StreamReader) -> bytes:
     """Everything the server sends until it closes the connection (bounded by ``BOUND``)."""
     return await asyncio.wait_for(reader.read(), BOUND)
@@ -111,13 +104,13 @@ def test_idle_connections_at_the_cap_make_room_for_a_client_and_busy_ones_are_ne
                 holds.append(await session.get(f"{url}/hold"))
                 assert await holds[-1].content.readline() == b"start\n"
             idle_reader, idle_writer = await asyncio.open_connection("127.0.0.1", port)
-            await wait_until(lambda: open_connections() == 4, "4 connections open")
+            await until(lambda: open_connections() == 4, "4 connections open", timeout=BOUND)
             async with session.get(f"{url}/ok") as answer:
                 assert answer.status == 200 and await answer.text() == "ok"
             assert await until_closed(idle_reader) == b""
             holds.append(await session.get(f"{url}/hold"))
             assert await holds[-1].content.readline() == b"start\n"
-            await wait_until(lambda: open_connections() == 4, "4 streams open")
+            await until(lambda: open_connections() == 4, "4 streams open", timeout=BOUND)
             async with session.get(f"{url}/ok") as refused:
                 assert refused.status == 503 and refused.headers["Retry-After"]
                 assert (await refused.json())["error"]["code"] == "too_many_connections"

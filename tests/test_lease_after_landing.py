@@ -28,7 +28,8 @@ from common.engine.kv_cache_manager import KVCacheManager
 from common.engine.request import Request
 from common.engine.sampling_params import SamplingParams
 from common.engine.scheduler import Scheduler
-from tests.inproc_decode import WAIT, DecodeHarness, until
+from tests.inproc_decode import WAIT, DecodeHarness
+from tests.waiting import until
 
 FIRST_TOKEN = 42
 PROMPT = list(range(5, 25))

@@ -19,6 +19,7 @@ import pytest
 from common.cluster.redis_util import RedisServer
 from tests.cluster import HeldEntries, http_json, running_cluster
 from tests.test_serving import WORKER_ARGS, wait_idle
+from tests.waiting import wait_until
 
 PROMPT = "The quick brown fox jumps over the lazy dog, and then"
 POOL = {"prefill": 1, "decode": 2}
@@ -86,13 +87,6 @@ def wait_active(stack, name: str) -> None:
             pass
         assert time.monotonic() < deadline, f"{name} not active after {WAIT_S:g} s:\n{stack.procs[name].log()}"
         time.sleep(0.2)
-
-
-def wait_until(condition, what: str, timeout: float = WAIT_S) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"{what} did not happen within {timeout:g} s"
-        time.sleep(0.1)
 
 
 def client(stack) -> openai.OpenAI:

@@ -27,6 +27,7 @@ from common.engine.config import EngineConfig
 from common.engine.engine import Engine
 from common.engine.sampling_params import SamplingParams
 from tests.cluster import LocalStack, delete_keys
+from tests.waiting import until
 from tests.test_decode_peer_faults import BLOCK_SIZE, NUM_BLOCKS, ScriptedPeer, WorkerClient
 
 WAIT = 120.0
@@ -99,6 +100,10 @@ async def registered(stack: LocalStack) -> set[str]:
         await redis.aclose()
 
 
+async def left_the_registry(stack: LocalStack) -> bool:
+    return "d0" not in await registered(stack)
+
+
 async def test_failed_steps_error_their_requests_then_repeated_failures_fail_the_worker(stack, served_checkpoint):
     engine = Engine(EngineConfig(model=str(served_checkpoint), num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE),
                     load_tokenizer=False)
@@ -120,8 +125,7 @@ async def test_failed_steps_error_their_requests_then_repeated_failures_fail_the
         # is let in, but another remote prefill now gets "busy" at once, not a local fallback.
         hung = asyncio.ensure_future(generate(client, 13, prefill_worker_id=peer.worker_id, max_tokens=4,
                                               prompt_len=40))
-        while (stack.stats("d0"))["num_waiting_for_remote_kv"] == 0:
-            await asyncio.sleep(0.05)
+        await until(lambda: stack.stats("d0")["num_waiting_for_remote_kv"], "the request to wait for its remote KV")
         for _ in range(2):  # the gateway may retry at once with the same id: busy again, not "in flight"
             status, frames = await generate(client, 14, prefill_worker_id=peer.worker_id, request_id="busy-1")
             assert status == 503 and outcome(frames).startswith("busy: no free KV blocks"), outcome(frames)
@@ -135,8 +139,7 @@ async def test_failed_steps_error_their_requests_then_repeated_failures_fail_the
         assert outcomes == ["failed", "failed", "failed", "refused"], [outcome(f) for _, f in results]
 
         # Failed: out of the registry, 503 on /health, new requests refused at once.
-        while "d0" in await registered(stack):
-            await asyncio.sleep(0.05)
+        await until(lambda: left_the_registry(stack), "d0 to leave the registry")
         status, frames = await generate(client, 30)
         assert status == 503 and outcome(frames).startswith("refused: worker failed"), outcome(frames)
         async with client.session.get(client.url + "/health") as resp:
@@ -165,18 +168,14 @@ async def test_a_hung_engine_step_fails_the_worker(hang_stack, served_checkpoint
         # the failed worker in its drain long enough to look at it.
         hung = asyncio.ensure_future(generate(client, 13, prefill_worker_id=peer.worker_id, max_tokens=4,
                                               prompt_len=40))
-        while (stack.stats("d0"))["num_waiting_for_remote_kv"] == 0:
-            await asyncio.sleep(0.05)
+        await until(lambda: stack.stats("d0")["num_waiting_for_remote_kv"], "the request to wait for its remote KV")
         # The first step hangs: the request in it, and the one waiting behind it, get an explicit
         # error once the watchdog gives up on the engine thread (not never).
         results = await asyncio.wait_for(asyncio.gather(generate(client, 20), generate(client, 21)), WAIT)
         for _, frames in results:
             assert outcome(frames).startswith("refused: engine failed: the engine thread is hung"), outcome(frames)
 
-        async def left_the_registry():
-            while "d0" in await registered(stack):
-                await asyncio.sleep(0.05)
-        await asyncio.wait_for(left_the_registry(), WAIT)
+        await until(lambda: left_the_registry(stack), "d0 to leave the registry")
         status, frames = await generate(client, 30)
         assert status == 503 and outcome(frames).startswith("refused: worker failed"), outcome(frames)
         async with client.session.get(client.url + "/health") as resp:
