@@ -8,11 +8,12 @@ rule of the module docstring."""
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
 import msgspec
 import pytest
-from hypothesis import settings, strategies as st
+from hypothesis import Phase, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from common.cluster.registry import Capacity, KVAddress, WorkerInfo
@@ -357,7 +358,10 @@ class QueueMachine(RuleBasedStateMachine):
 
 
 TestQueueMachine = QueueMachine.TestCase
-TestQueueMachine.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
+# Under mutation testing (mutmut sets MUTANT_UNDER_TEST) only whether the test fails counts: no shrinking.
+_PHASES = tuple(p for p in Phase if p not in (Phase.shrink, Phase.explain)) if os.environ.get("MUTANT_UNDER_TEST") \
+    else tuple(Phase)
+TestQueueMachine.settings = settings(max_examples=300, stateful_step_count=40, deadline=None, phases=_PHASES)
 
 
 # ---- requests sent and not yet in a heartbeat ----------------------------------------------------
