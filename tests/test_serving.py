@@ -14,14 +14,17 @@ import urllib.request
 
 import openai
 import pytest
+import redis
 
 from common.engine.config import EngineConfig
 from common.engine.engine import Engine
 from tests.cluster import http_json, running_cluster
+from tests.waiting import wait_until
 
 API_KEY = "sk-test-key-0123456789"  # the gateway refuses keys under 16 characters
 SKIP_PREFILL_BELOW = 8  # prompts with fewer uncached tokens go straight to the decode worker
-WORKER_ARGS = ["--num-blocks", "512", "--block-size", "4", "--max-num-batched-tokens", "16"]
+BLOCK_SIZE = 4
+WORKER_ARGS = ["--num-blocks", "512", "--block-size", str(BLOCK_SIZE), "--max-num-batched-tokens", "16"]
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog, and then",
     "KV cache blocks move from the prefill worker",
@@ -161,16 +164,20 @@ def test_prefix_routing_sends_shared_prefix_to_the_same_prefill_worker(stack, re
     after_first = {p: stack.stats(p)["prefill_computed_tokens"] for p in ("p0", "p1")}
     served = [p for p in before if after_first[p] > before[p]]
     assert len(served) == 1
-    # Let the worker's cache events reach Redis (published by a background task), then reuse the prefix.
-    second_prompt = system + "Second question, longer?"
-    deadline = time.monotonic() + 10
-    while True:
-        second = c.completions.create(model=stack.model_name, prompt=second_prompt, **GREEDY)
-        after_second = {p: stack.stats(p)["prefill_computed_tokens"] for p in ("p0", "p1")}
-        delta = {p: after_second[p] - after_first[p] for p in before}
-        if delta[served[0]] > 0 or time.monotonic() > deadline:
-            break
-        after_first = after_second  # the decode worker answered from its own cache; try again
+    # Hold what routing needs: the serving worker's cached blocks published in the prefix index (a
+    # background task publishes them).  The suffix is long enough that the prompt goes through the
+    # prefill pool even where the decode worker caches the prefix too.
+    full_blocks = first.usage.prompt_tokens // BLOCK_SIZE
+    blocks_key = f"{stack.key_prefix}:{stack.model_name}:blocks:{served[0]}"
+    index = redis.Redis.from_url(stack.redis_url)
+    try:
+        wait_until(lambda: index.scard(blocks_key) >= full_blocks, f"{served[0]}'s blocks in the prefix index")
+    finally:
+        index.close()
+    second_prompt = system + "Second question, a longer one, about several more things at once, please?"
+    second = c.completions.create(model=stack.model_name, prompt=second_prompt, **GREEDY)
+    after_second = {p: stack.stats(p)["prefill_computed_tokens"] for p in ("p0", "p1")}
+    delta = {p: after_second[p] - after_first[p] for p in before}
     other = [p for p in before if p != served[0]][0]
     assert delta[other] == 0, "the shared prefix went to the other prefill worker"
     prompt_len = second.usage.prompt_tokens
@@ -213,7 +220,7 @@ def test_client_disconnect_aborts_on_the_workers(stack):
     iterator = iter(stream)
     next(iterator)
     next(iterator)
-    assert stack.stats("d0")["num_running"] == 1
+    wait_until(lambda: stack.stats("d0")["inflight"] == 1, "the stream in flight on d0")
     disconnected = time.monotonic()
     stream.close()
     stats = wait_idle(stack, "d0")
