@@ -67,7 +67,7 @@ class WaitQueue:
         """A request's place in line; call ``leave()`` when the request ends, on every path."""
         return Place(self)
 
-    def notify(self, n: int = 1) -> None:
+    def notify(self, n: int) -> None:
         """Room for ``n`` more may have appeared: wake the ``n`` oldest waiting requests."""
         while n > 0 and self._waiting:
             self._waiting.pop(0)[1]._wake()
@@ -98,7 +98,7 @@ class Place:
         self.ticket: int | None = None  # the order of its arrival in line; None: not queued
         self.deadline: float | None = None  # set when it first queues
         self.why = "no decode worker has room"  # until a try of its own says why
-        self._fresh = True  # has not tried yet
+        self._fresh = True  # has not been told no_room yet
         self._may_try = False  # woken (or never queued) and not yet told no_room
         self._retry = False  # a notification nobody heard came during its try: pass it on as it queues
         self._missed_at_try = 0
@@ -161,7 +161,6 @@ class Place:
     # ---- internals ---------------------------------------------------------------------------
 
     def _start_try(self) -> None:
-        self._fresh = False
         self._may_try = True
         self._missed_at_try = self._queue._missed
 

@@ -17,7 +17,7 @@ from hypothesis import Phase, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from common.cluster.registry import Capacity, KVAddress, WorkerInfo
-from gateway.backpressure import Saturated, WaitQueue
+from gateway.backpressure import Place, Saturated, WaitQueue
 from gateway.dispatch import SentToDecode
 
 
@@ -171,7 +171,151 @@ async def test_a_cancelled_waiter_leaves_the_queue():
     task.cancel()
     await settle()
     assert queue.waiting == 0
-    queue.notify()  # nothing to wake, nothing breaks
+    queue.notify(1)  # nothing to wake, nothing breaks
+
+
+# ---- each rule of a Place, driven by hand -------------------------------------------------------
+
+
+async def in_line(queue: WaitQueue, n: int) -> list[tuple[Place, asyncio.Task]]:
+    """``n`` requests waiting in line, oldest first (the first found the line empty and tried)."""
+    out = []
+    for _ in range(n):
+        place = queue.place()
+        if not queue.waiting:
+            assert await place.turn() is False  # a newcomer facing an empty line tries at once
+            place.no_room("every decode worker is busy")
+        out.append((place, asyncio.create_task(place.turn())))
+        await settle()
+        assert not out[-1][1].done()
+    return out
+
+
+async def test_turn_says_whether_the_request_waited_and_a_request_still_trying_never_waits():
+    queue = WaitQueue(size=2, timeout_s=60)
+    (a, first), = await in_line(queue, 1)
+    queue.notify(1)
+    await settle()
+    assert first.result() is True  # it waited in line
+    assert await a.turn() is False  # one worker said busy, it tries the next: no wait, no place lost
+    assert queue.waiting == 1 and a.queued
+
+
+async def test_a_request_that_gets_room_gives_its_place_up_at_once_and_queues_at_the_back_if_it_loses_it():
+    queue = WaitQueue(size=3, timeout_s=60)
+    (a, first), (b, second) = await in_line(queue, 2)
+    queue.notify(1)
+    await settle()
+    assert first.done() and not second.done()
+    a.admitted()  # its stream runs on; its place is free now
+    assert queue.waiting == 1 and not a.queued
+    await settle()
+    assert second.done()  # the next in line was woken (more room may be free)
+    b.no_room("every decode worker is busy")
+    again = asyncio.create_task(b.turn())
+    await settle()
+    assert await a.turn() is False  # its worker failed before the first token: it tries again at once
+    a.no_room("every decode worker is busy")  # and finds no room: it queues behind B
+    back = asyncio.create_task(a.turn())
+    await settle()
+    assert a.ticket > b.ticket
+    queue.notify(1)
+    await settle()
+    assert again.done() and not back.done()  # B, ahead of it now, is woken first
+    back.cancel()
+
+
+async def test_a_woken_request_hands_its_turn_to_an_older_one_back_in_line():
+    """A (older) is trying; B is woken; before B runs, A found no room and is back in line: the
+    turn is A's, and B waits again."""
+    queue = WaitQueue(size=3, timeout_s=60)
+    (a, first), (b, second) = await in_line(queue, 2)
+    queue.notify(1)
+    await settle()
+    assert first.done()
+    a.no_room("every decode worker is busy")
+    a_again = asyncio.create_task(a.turn())  # runs before B wakes up: A is back in line first
+    queue.notify(1)  # nobody but B waits yet: B is woken
+    await settle()
+    assert a_again.done() and a_again.result() is True and not second.done()
+    second.cancel()
+
+
+async def test_a_notification_that_reached_a_waiting_request_does_not_make_a_trying_one_try_again():
+    queue = WaitQueue(size=3, timeout_s=60)
+    (a, first), (b, second) = await in_line(queue, 2)
+    queue.notify(1)
+    await settle()
+    queue.notify(1)  # B is woken: the notification was heard
+    await settle()
+    a.no_room("every decode worker is busy")
+    a_again = asyncio.create_task(a.turn())
+    await settle()
+    assert second.done() and not a_again.done()  # A waits; it does not try again on B's notification
+    a_again.cancel()
+
+
+async def test_a_request_tries_again_once_for_a_notification_nobody_heard():
+    queue = WaitQueue(size=3, timeout_s=60)
+    a = queue.place()
+    assert await a.turn() is False
+    queue.notify(1)  # while A tries: nobody waits
+    a.no_room("every decode worker is busy")  # "busy", said before the room appeared
+    assert await a.turn() is True  # it queues and is woken at once: it tries again
+    a.no_room("every decode worker is busy")  # no room after all, and no notification since
+    again = asyncio.create_task(a.turn())
+    await settle()
+    assert not again.done()  # it waits now
+    again.cancel()
+
+
+async def test_a_request_that_leaves_while_trying_passes_its_wake_up_on():
+    queue = WaitQueue(size=3, timeout_s=60)
+    (a, first), (b, second) = await in_line(queue, 2)
+    queue.notify(1)
+    await settle()
+    assert first.done()
+    a.leave()  # its client left while it was routing: it took no room
+    await settle()
+    assert second.done()
+
+
+async def test_notify_all_wakes_everyone_in_line_at_once():
+    queue = WaitQueue(size=4, timeout_s=60)
+    line = await in_line(queue, 3)
+    queue.notify_all()
+    await settle()
+    assert all(task.done() for _, task in line)
+
+
+async def test_the_deadline_holds_for_every_wait_of_a_request_and_retry_after_is_set():
+    queue = WaitQueue(size=2, timeout_s=0.05)
+    (a, first), = await in_line(queue, 1)
+    queue.notify(1)
+    await settle()
+    assert first.done()
+    await asyncio.sleep(0.06)  # past its deadline while it tries
+    a.no_room("every decode worker is busy")
+    with pytest.raises(Saturated, match="every decode worker is busy within 0.05 s") as info:
+        await a.turn()
+    assert info.value.retry_after == 1.0
+    full = WaitQueue(size=1, timeout_s=60)
+    await in_line(full, 1)
+    with pytest.raises(Saturated, match="no decode worker has room, and 1 requests are already waiting") as info:
+        await full.place().turn()
+    assert info.value.retry_after == 30.0  # half the queue's timeout
+
+
+async def test_a_place_is_used_once_and_the_queue_is_checked():
+    queue = WaitQueue(size=1, timeout_s=1)
+    place = queue.place()
+    place.leave()
+    place.leave()  # idempotent
+    with pytest.raises(RuntimeError, match=r"turn\(\) after leave\(\)"):
+        await place.turn()
+    for size, timeout in ((-1, 1), (1, 0)):
+        with pytest.raises(ValueError, match="queue size must be >= 0 and timeout > 0"):
+            WaitQueue(size, timeout)
 
 
 # ---- the state machine ---------------------------------------------------------------------------
