@@ -129,3 +129,50 @@ def test_has_work_says_whether_a_step_could_compute_anything():
     assert s.has_work()
     run_step(s)
     assert [r.request_id for r in s.running] == ["long"]
+
+
+def test_prefill_prompts_do_not_overtake_a_prompt_that_waits_for_their_pins():
+    """Prefill role: a prompt waits for the blocks on the wire.  Prompts that would hold their own
+    blocks once finished (shipping) do not go ahead of it, or it could wait forever; others may."""
+    s = make(num_blocks=8, block_size=4, budget=8, watermark=0.0)
+    shipped = req("p", 12, max_tokens=1)
+    shipped.hold_blocks_on_finish = True
+    s.add_request(shipped)
+    run_step(s), run_step(s)
+    pins = list(s.kv.req_to_blocks["p"])  # 3 blocks on the wire, as the shipper pins them
+    s.kv.pin(pins)
+    s.release_held("p")
+    for rid, n_prompt, first, hold in (("big", 24, 100, True), ("held", 4, 150, True), ("free", 4, 200, False)):
+        request = req(rid, n_prompt, max_tokens=1, first=first)
+        request.hold_blocks_on_finish = hold
+        s.add_request(request)  # big needs 6 blocks: 5 are left beside the pins
+    out = run_step(s)
+    assert [x.request_id for x in out.scheduled] == ["free"], f"scheduled {out.scheduled}"
+    assert s.local_claim is s.requests["big"]
+    s.kv.unpin(pins)  # sent
+    out = run_step(s)
+    assert [x.request_id for x in out.scheduled] == ["big"]
+
+
+def test_a_landed_request_blocked_by_another_landed_one_has_the_newest_recomputed():
+    s = make(num_blocks=8, block_size=4, budget=8, watermark=0.0, remote_kv_budget=0.5)
+    assert s.reserve_remote(req("old", 12)) is not None  # 3 blocks
+    s.finish_remote("old", 7)  # needs a 4th
+    assert s.reserve_remote(req("new", 20, first=100)) is not None  # 5 blocks (alone: over the budget)
+    s.finish_remote("new", 7)  # needs a 6th; nothing is free
+    out = run_step(s)
+    assert out.preempted_request_ids == ["new"] and [x.request_id for x in out.scheduled] == ["old"]
+
+
+def test_a_landed_request_that_cannot_fit_even_without_the_other_landed_ones_is_recomputed_itself():
+    """Here the newer landed request's blocks are shared with a reservation: recomputing it would
+    free nothing for the head, so the head goes, and the newer one runs."""
+    s = make(num_blocks=16, block_size=4, budget=8, watermark=0.0, remote_kv_budget=0.5)
+    assert s.reserve_remote(req("head", 36)) is not None  # 9 blocks (alone: over the budget)
+    s.finish_remote("head", 7)  # needs a 10th
+    assert s.reserve_remote(req("newer", 8, first=100)) is not None  # 2 blocks
+    s.finish_remote("newer", 7)  # needs a 3rd; its 2 full blocks are in the prefix cache now
+    sharing = Request("r", [100 + i for i in range(8)] + [7] * 20, SamplingParams(max_tokens=2))
+    assert s.reserve_remote(sharing)[1] == 8  # 7 blocks, 2 of them newer's: nothing is free
+    out = run_step(s)
+    assert out.preempted_request_ids == ["head"] and [x.request_id for x in out.scheduled] == ["newer"]
