@@ -154,7 +154,11 @@ def test_prefill_prompts_do_not_overtake_a_prompt_that_waits_for_their_pins():
     assert [x.request_id for x in out.scheduled] == ["big"]
 
 
-def test_a_landed_request_blocked_by_another_landed_one_has_the_newest_recomputed():
+def test_a_landed_request_that_cannot_run_alone_is_recomputed_or_has_the_newest_recomputed():
+    """Blocked by another landed request only: the newest landed request is recomputed (as before).
+    Blocked even without the other landed ones -- here the newer one's blocks are shared with a
+    reservation, so recomputing it would free nothing: the head itself goes, and the newer one runs
+    (before, both were recomputed, the newer one for nothing)."""
     s = make(num_blocks=8, block_size=4, budget=8, watermark=0.0, remote_kv_budget=0.5)
     assert s.reserve_remote(req("old", 12)) is not None  # 3 blocks
     s.finish_remote("old", 7)  # needs a 4th
@@ -163,10 +167,6 @@ def test_a_landed_request_blocked_by_another_landed_one_has_the_newest_recompute
     out = run_step(s)
     assert out.preempted_request_ids == ["new"] and [x.request_id for x in out.scheduled] == ["old"]
 
-
-def test_a_landed_request_that_cannot_fit_even_without_the_other_landed_ones_is_recomputed_itself():
-    """Here the newer landed request's blocks are shared with a reservation: recomputing it would
-    free nothing for the head, so the head goes, and the newer one runs."""
     s = make(num_blocks=16, block_size=4, budget=8, watermark=0.0, remote_kv_budget=0.5)
     assert s.reserve_remote(req("head", 36)) is not None  # 9 blocks (alone: over the budget)
     s.finish_remote("head", 7)  # needs a 10th
