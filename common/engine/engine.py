@@ -259,7 +259,8 @@ class Engine:
         return self.scheduler.num_unfinished > 0
 
     def has_work(self) -> bool:
-        """Anything a step could compute now (requests waiting for remote KV do not count)."""
+        """Whether a step could do anything now (``Scheduler.has_work``: requests waiting for remote
+        KV, or for blocks only reservations, landed requests or pins can free, do not count)."""
         return self.scheduler.has_work()
 
     def generate(
