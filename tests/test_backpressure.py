@@ -174,6 +174,17 @@ async def test_a_cancelled_waiter_leaves_the_queue():
     queue.notify(1)  # nothing to wake, nothing breaks
 
 
+async def test_a_request_that_leaves_its_place_unwoken_wakes_nobody():
+    queue = WaitQueue(size=3, timeout_s=60)
+    (a, first), (b, second) = await in_line(queue, 2)
+    first.cancel()  # its client left while it waited: it held no wake-up
+    await settle()
+    a.leave()
+    await settle()
+    assert not second.done() and queue.waiting == 1
+    second.cancel()
+
+
 # ---- each rule of a Place, driven by hand -------------------------------------------------------
 
 
@@ -229,16 +240,21 @@ async def test_a_woken_request_hands_its_turn_to_an_older_one_back_in_line():
     """A (older) is trying; B is woken; before B runs, A found no room and is back in line: the
     turn is A's, and B waits again."""
     queue = WaitQueue(size=3, timeout_s=60)
-    (a, first), (b, second) = await in_line(queue, 2)
+    (a, first), (b, second), (c, third) = await in_line(queue, 3)
     queue.notify(1)
     await settle()
     assert first.done()
     a.no_room("every decode worker is busy")
     a_again = asyncio.create_task(a.turn())  # runs before B wakes up: A is back in line first
-    queue.notify(1)  # nobody but B waits yet: B is woken
+    queue.notify(1)  # nobody but B and C waits yet: B is woken
     await settle()
     assert a_again.done() and a_again.result() is True and not second.done()
-    second.cancel()
+    second.cancel()  # B waits again holding no wake-up: its leaving wakes nobody
+    await settle()
+    b.leave()
+    await settle()
+    assert not third.done()
+    third.cancel()
 
 
 async def test_a_notification_that_reached_a_waiting_request_does_not_make_a_trying_one_try_again():
@@ -253,6 +269,21 @@ async def test_a_notification_that_reached_a_waiting_request_does_not_make_a_try
     await settle()
     assert second.done() and not a_again.done()  # A waits; it does not try again on B's notification
     a_again.cancel()
+
+
+async def test_an_unheard_notification_goes_to_the_oldest_in_line_only():
+    queue = WaitQueue(size=3, timeout_s=60)
+    (a, first), (b, second) = await in_line(queue, 2)
+    queue.notify_all()
+    await settle()
+    assert first.done() and second.done()  # both trying
+    queue.notify(1)  # nobody waits: unheard
+    (c, third), = await in_line(queue, 1)  # a newcomer queues behind them
+    a.no_room("every decode worker is busy")
+    a_again = asyncio.create_task(a.turn())
+    await settle()
+    assert a_again.done() and not third.done()  # A, oldest, tries again; C still waits
+    third.cancel()
 
 
 async def test_a_request_tries_again_once_for_a_notification_nobody_heard():
@@ -271,13 +302,14 @@ async def test_a_request_tries_again_once_for_a_notification_nobody_heard():
 
 async def test_a_request_that_leaves_while_trying_passes_its_wake_up_on():
     queue = WaitQueue(size=3, timeout_s=60)
-    (a, first), (b, second) = await in_line(queue, 2)
+    (a, first), (b, second), (c, third) = await in_line(queue, 3)
     queue.notify(1)
     await settle()
     assert first.done()
     a.leave()  # its client left while it was routing: it took no room
     await settle()
-    assert second.done()
+    assert second.done() and not third.done()  # one wake-up, passed to the next in line
+    third.cancel()
 
 
 async def test_notify_all_wakes_everyone_in_line_at_once():
@@ -304,6 +336,11 @@ async def test_the_deadline_holds_for_every_wait_of_a_request_and_retry_after_is
     with pytest.raises(Saturated, match="no decode worker has room, and 1 requests are already waiting") as info:
         await full.place().turn()
     assert info.value.retry_after == 30.0  # half the queue's timeout
+    short = WaitQueue(size=1, timeout_s=1)
+    await in_line(short, 1)
+    with pytest.raises(Saturated) as info:
+        await short.place().turn()
+    assert info.value.retry_after == 1.0  # at least a second
 
 
 async def test_a_place_is_used_once_and_the_queue_is_checked():
@@ -311,7 +348,7 @@ async def test_a_place_is_used_once_and_the_queue_is_checked():
     place = queue.place()
     place.leave()
     place.leave()  # idempotent
-    with pytest.raises(RuntimeError, match=r"turn\(\) after leave\(\)"):
+    with pytest.raises(RuntimeError, match=r"^turn\(\) after leave\(\)$"):
         await place.turn()
     for size, timeout in ((-1, 1), (1, 0)):
         with pytest.raises(ValueError, match="queue size must be >= 0 and timeout > 0"):
