@@ -347,7 +347,7 @@ def _check_role_body(body: bytes) -> None:
     """Refuse a bad ``{"role": ...}`` here, before anything reaches the worker."""
     try:
         role = msgspec.json.decode(body)["role"]
-    except (msgspec.DecodeError, KeyError, TypeError):
+    except (msgspec.DecodeError, KeyError, TypeError, RecursionError):  # RecursionError: nested too deep
         choices = "|".join(ROLES)
         raise OpenAIError(400, f'expected a JSON body {{"role": "{choices}"}}', param="role") from None
     if role not in ROLES:
@@ -381,7 +381,10 @@ async def serve(config: GatewayConfig) -> None:
 
 
 def main() -> None:
-    args = build_parser().parse_args()
+    try:
+        args = build_parser().parse_args()
+    except ValueError as exc:  # a PDSERVE_* variable that is not valid
+        raise SystemExit(f"error: {exc}") from None
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = config_from_args(args)

@@ -213,3 +213,20 @@ def test_the_gateway_process_refuses_to_serve_other_machines_without_an_api_key(
                             text=True, env=env, cwd=ROOT, timeout=120)
     assert result.returncode != 0
     assert "requires no API key" in result.stderr and "PDSERVE_ALLOW_NO_API_KEY=1" in result.stderr
+
+
+def test_a_bad_environment_value_is_an_error_line_naming_it_not_a_traceback():
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "PDSERVE_ALLOW_NO_API_KEY": "maybe"}
+    result = subprocess.run([sys.executable, "-m", "gateway"], capture_output=True, text=True, env=env, cwd=ROOT,
+                            timeout=120)
+    assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.startswith("error: PDSERVE_ALLOW_NO_API_KEY='maybe'"), result.stderr
+
+
+def test_a_role_body_nested_too_deep_is_a_400_naming_role():
+    from gateway.openai_errors import OpenAIError
+    from gateway.server import _check_role_body
+
+    with pytest.raises(OpenAIError) as refused:
+        _check_role_body(b"[" * 100_000 + b"]" * 100_000)
+    assert refused.value.status == 400 and refused.value.param == "role"
