@@ -28,7 +28,9 @@ from common.engine.request import Request
 from common.engine.scheduler import status_after_token
 from common.worker.engine_thread import EngineFailed
 from common.cluster.registry import WorkerInfo
-from common.cluster.messages import GenerateRequest, PrefillRequest, TokenFrame, TokenLogprob, decode, frame
+from common.cluster.messages import (
+    FRAMES_CONTENT_TYPE, GenerateRequest, PrefillRequest, TokenFrame, TokenLogprob, decode, frame,
+)
 from decode_svc.prefill_client import BadPrefillAnswer, call_prefill, resolve_prefill_worker, send_abort
 from kvtransfer.receiver import IncomingTransfer
 
@@ -70,16 +72,16 @@ async def handle_generate(worker, request: web.Request) -> web.StreamResponse:
     try:
         body = decode(await request.read(), GenerateRequest)
     except ValueError as exc:
-        return web.Response(body=frame(TokenFrame(error=str(exc), error_kind="invalid")), status=400)
+        return error_answer(str(exc), "invalid", 400)
     refusal = worker.accepts("generate")
     if refusal:
         error_kind, reason = refusal
-        return web.Response(body=frame(TokenFrame(error=reason, error_kind=error_kind)), status=503)
+        return error_answer(reason, error_kind, 503)
     try:
         worker.track(body.request_id)
     except ValueError as exc:
-        return web.Response(body=frame(TokenFrame(error=str(exc), error_kind="invalid")), status=409)
-    response = web.StreamResponse(headers={"Content-Type": "application/x-pdserve-frames"})
+        return error_answer(str(exc), "invalid", 409)
+    response = web.StreamResponse(headers={"Content-Type": FRAMES_CONTENT_TYPE})
     stream = worker.engine_thread.open_stream(body.request_id)
     started = time.monotonic()
     outcome = "error"
@@ -93,8 +95,7 @@ async def handle_generate(worker, request: web.Request) -> web.StreamResponse:
                 reservation = await reserve(worker, body)
                 if reservation is None:  # nothing started: the gateway tries another decode worker
                     outcome = "busy"
-                    return web.Response(body=frame(TokenFrame(
-                        error="no free KV blocks to reserve for the prompt right now", error_kind="busy")), status=503)
+                    return error_answer("no free KV blocks to reserve for the prompt right now", "busy", 503)
             await response.prepare(request)
             if reservation is not None:
                 first = await remote_prefill(worker, body, reservation, pending)
@@ -155,11 +156,16 @@ async def handle_generate(worker, request: web.Request) -> web.StreamResponse:
 
 async def _error(response: web.StreamResponse, error: str, kind: str, status: int) -> web.StreamResponse:
     """End the request with an error frame: as the answer's status if the stream has not started."""
-    data = frame(TokenFrame(error=error, error_kind=kind))
     if not response.prepared:
-        return web.Response(body=data, status=status)
-    await _try_write(response, data)
+        return error_answer(error, kind, status)
+    await _try_write(response, frame(TokenFrame(error=error, error_kind=kind)))
     return response
+
+
+def error_answer(error: str, kind: str, status: int) -> web.Response:
+    """The whole answer of a request that ends before its stream starts: one error frame."""
+    return web.Response(body=frame(TokenFrame(error=error, error_kind=kind)), status=status,
+                        content_type=FRAMES_CONTENT_TYPE)
 
 
 async def _try_write(response: web.StreamResponse, data: bytes) -> None:

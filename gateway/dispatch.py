@@ -38,7 +38,7 @@ import aiohttp
 
 from common.cluster.auth import ClusterAuth
 from common.cluster.messages import (
-    AbortRequest, FrameReader, GenerateRequest, TokenFrame, encode, read_response,
+    FRAMES_CONTENT_TYPE, AbortRequest, FrameReader, GenerateRequest, TokenFrame, encode, read_response,
 )
 from common.engine.prefix_hash import block_extra_keys, hash_prompt_blocks
 from common.cluster.prefix_index import PrefixIndexReader
@@ -69,10 +69,8 @@ class WorkerAnswerError(UpstreamError):
     status = 502
 
 
-# A decode worker answers /generate with frames: a stream (200, FRAMES_CONTENT_TYPE) or one
-# error frame (4xx/5xx; aiohttp labels a bytes body application/octet-stream).
-FRAMES_CONTENT_TYPE = "application/x-pdserve-frames"
-FRAME_CONTENT_TYPES = frozenset({FRAMES_CONTENT_TYPE, "application/octet-stream"})
+# A decode worker answers /generate with frames, labelled FRAMES_CONTENT_TYPE: a stream (200) or
+# one error frame (4xx/5xx).
 BAD_ANSWER_EXCERPT = 256  # bytes of a bad answer's body kept for the log
 
 
@@ -354,7 +352,7 @@ class Dispatcher:
             log.warning("decode worker %s refused the gateway's cluster credentials: %s", decode_id, reason)
             raise ConnectionError(f"decode worker refused the cluster credentials ({reason}); "
                                   f"is PDSERVE_CLUSTER_SECRET the same on every process?")
-        if resp.content_type in FRAME_CONTENT_TYPES:
+        if resp.content_type == FRAMES_CONTENT_TYPE:
             return
         try:
             async with asyncio.timeout(self.timeouts.response):

@@ -26,7 +26,7 @@ import time
 from aiohttp import web
 
 from common.cluster.auth import ClusterAuth
-from common.cluster.messages import AbortRequest, GenerateRequest, TokenFrame, decode, frame
+from common.cluster.messages import FRAMES_CONTENT_TYPE, AbortRequest, GenerateRequest, TokenFrame, decode, frame
 from common.cluster.redis_util import connect
 from common.cluster.registry import Capacity, Heartbeat, KVAddress, Load, WorkerInfo, WorkerRegistry
 
@@ -145,16 +145,18 @@ class FakeDecodeWorker:
         self.generate_calls.append(body.request_id)
         behaviour = self.behaviour
         if behaviour == "busy":
-            return web.Response(status=503, body=frame(TokenFrame(error="no free KV blocks", error_kind="busy")))
+            return web.Response(status=503, body=frame(TokenFrame(error="no free KV blocks", error_kind="busy")),
+                                content_type=FRAMES_CONTENT_TYPE)
         if behaviour == "invalid":
             return web.Response(status=400, body=frame(TokenFrame(error="prompt rejected by the engine",
-                                                                  error_kind="invalid")))
+                                                                  error_kind="invalid")),
+                                content_type=FRAMES_CONTENT_TYPE)
         self.open_streams += 1
         self.peak_streams = max(self.peak_streams, self.open_streams)
         try:
             if behaviour == "hang":
                 await asyncio.Future()  # until the gateway gives up and closes the connection
-            response = web.StreamResponse(headers={"Content-Type": "application/x-pdserve-frames"})
+            response = web.StreamResponse(headers={"Content-Type": FRAMES_CONTENT_TYPE})
             await response.prepare(request)
             n = len(body.prompt_token_ids)
             if behaviour == "stall":

@@ -23,7 +23,7 @@ import pytest
 from aiohttp import web
 
 from common.cluster.launcher import gateway_health
-from common.cluster.messages import GenerateRequest, TokenFrame, decode, frame
+from common.cluster.messages import FRAMES_CONTENT_TYPE, GenerateRequest, TokenFrame, decode, frame
 from tests.cluster import http_json, running_cluster
 from tests.fake_decode import FakeDecodeWorker
 
@@ -189,7 +189,8 @@ class HoldingBusyWorker(FakeDecodeWorker):
             self._released = asyncio.Event()
             self.holding.set()
             await self._released.wait()
-            return web.Response(status=503, body=frame(TokenFrame(error="no free KV blocks", error_kind="busy")))
+            return web.Response(status=503, body=frame(TokenFrame(error="no free KV blocks", error_kind="busy")),
+                                content_type=FRAMES_CONTENT_TYPE)
         return await super()._generate(request)
 
 

@@ -14,7 +14,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from common.cluster.messages import GenerateRequest, TokenFrame, decode, frame
+from common.cluster.messages import FRAMES_CONTENT_TYPE, GenerateRequest, TokenFrame, decode, frame
 from common.cluster.registry import Capacity, KVAddress, Load, WorkerInfo
 from common.engine.sampling_params import SamplingParams
 from gateway.backpressure import WaitQueue
@@ -44,16 +44,20 @@ async def proxy_200(request):  # a captive proxy's page
 
 
 async def garbage_frames(request):  # labelled as frames, but no frame: a header announcing 1 GiB
-    return web.Response(status=503, body=b"\x40\x00\x00\x00" + b"x" * 64)
+    return web.Response(status=503, body=b"\x40\x00\x00\x00" + b"x" * 64, content_type=FRAMES_CONTENT_TYPE)
+
+
+async def frames_unlabelled(request):  # a frame, but not labelled as one: who knows what sent it
+    return web.Response(status=503, body=frame(TokenFrame(error="no free KV blocks", error_kind="busy")))
 
 
 async def not_an_error_frame(request):  # an error status whose frame carries no error
-    return web.Response(status=500, body=frame(TokenFrame(token_ids=[7])))
+    return web.Response(status=500, body=frame(TokenFrame(token_ids=[7])), content_type=FRAMES_CONTENT_TYPE)
 
 
 async def stream(request):
     body = decode(await request.read(), GenerateRequest)
-    response = web.StreamResponse(headers={"Content-Type": "application/x-pdserve-frames"})
+    response = web.StreamResponse(headers={"Content-Type": FRAMES_CONTENT_TYPE})
     await response.prepare(request)
     for i in range(body.sampling_params.max_tokens):
         last = i == body.sampling_params.max_tokens - 1
@@ -62,8 +66,10 @@ async def stream(request):
 
 
 BAD = {"json 413": json_413, "plain-text 500": crash_500, "html 502": proxy_502, "html 200": proxy_200,
-       "garbage frames": garbage_frames, "500 without an error frame": not_an_error_frame}
-WORKER_FAULT = {"plain-text 500", "html 502", "html 200", "garbage frames", "500 without an error frame"}
+       "garbage frames": garbage_frames, "500 without an error frame": not_an_error_frame,
+       "frames unlabelled": frames_unlabelled}
+WORKER_FAULT = {"plain-text 500", "html 502", "html 200", "garbage frames", "500 without an error frame",
+                "frames unlabelled"}
 
 
 async def aborted(request):
@@ -164,7 +170,8 @@ async def generate_failing(exc: UpstreamError):
 async def test_a_worker_error_frame_still_means_what_it_says():
     """A real worker's refusals are frames with an error status: "invalid" is the client's 400."""
     async def invalid(request):
-        return web.Response(status=400, body=frame(TokenFrame(error="prompt rejected", error_kind="invalid")))
+        return web.Response(status=400, body=frame(TokenFrame(error="prompt rejected", error_kind="invalid")),
+                            content_type=FRAMES_CONTENT_TYPE)
 
     async with dispatcher(invalid) as d:
         with pytest.raises(ValueError, match="prompt rejected"):

@@ -121,6 +121,10 @@ def decode(data: bytes, kind: Type[T]) -> T:
         raise ValueError(f"malformed {kind.__name__}: {exc}") from None
 
 
+# The content type of a frame stream: a decode worker's /generate answer, stream and error alike.
+FRAMES_CONTENT_TYPE = "application/x-pdserve-frames"
+
+
 def frame(message: msgspec.Struct) -> bytes:
     body = _encoder.encode(message)
     return len(body).to_bytes(4, "big") + body
