@@ -692,6 +692,17 @@ def test_a_decode_worker_without_room_answers_busy_and_the_request_waits_at_the_
     assert sim.first_token[1] > sim.finish[0]
 
 
+def test_a_newcomer_queues_behind_a_waiting_request_as_the_gateways_queue_does():
+    # As gateway.backpressure.WaitQueue: the short prompt would fit beside the first stream, but the
+    # second long prompt waits already, so it queues behind it instead of overtaking.
+    wl = Workload(np.array([0.0, 0.0, 0.01]), np.array([600, 600, 20]), np.array([200, 200, 4]))
+    sim = Simulation(Deployment(1, 1), wl, config(num_blocks=64))
+    result = sim.run()
+    assert result["completed"] == 3 and result["errors"] == 0
+    assert result["queued_requests"] == 2
+    assert sim.first_token[2] >= sim.first_token[1] > sim.finish[0]
+
+
 def test_a_request_that_waits_past_the_queue_timeout_or_finds_the_queue_full_fails_as_saturated():
     wl, cfg = two_prompts_for_one_room(queue_timeout_s=0.2)  # the first stream takes longer than this
     sim = Simulation(Deployment(1, 1), wl, cfg)

@@ -454,6 +454,9 @@ class Simulation:
                 affinity = Request("affinity", tokens[:bs], request.sampling_params).update_block_hashes(bs)[0]
         if self.affinity_keys is not None:
             affinity = self.affinity_keys[i]
+        if self.waiting:  # first come, first served: a newcomer queues behind every waiting request
+            self._wait(i, request, affinity, now, None)
+            return
         self._dispatch(i, request, affinity, now, None)
 
     def _dispatch(self, i: int, request: Request, affinity: bytes, now: float, deadline: float | None) -> None:
@@ -488,12 +491,16 @@ class Simulation:
             self.retries += 1
 
     def _wait(self, i: int, request: Request, affinity: bytes, now: float, deadline: float | None) -> None:
-        """``WaitQueue.wait``: a full queue or a passed deadline fails the request (503 saturated)."""
+        """``WaitQueue``: a request queues with a deadline and keeps its place (by arrival) until it
+        leaves; a newcomer that finds the queue full, or a deadline passed, fails the request (503
+        saturated).  A woken request that finds no room again still holds its place: no size check."""
         cfg = self.config
+        full = False
         if deadline is None:
             deadline = now + cfg.queue_timeout_s
             self.queued += 1
-        if len(self.waiting) >= cfg.queue_size or deadline <= now:
+            full = len(self.waiting) >= cfg.queue_size
+        if full or deadline <= now:
             self._fail(i, "saturated")
             return
         bisect.insort(self.waiting, (deadline, i))
