@@ -345,21 +345,27 @@ class Dispatcher:
 
     async def _check_answer(self, resp: aiohttp.ClientResponse, decode_id: str) -> None:
         """Raise unless ``resp`` is a frame answer: ``ConnectionError`` for refused cluster
-        credentials, ``_BadAnswer`` for anything else that is no frame stream (read no further
-        than an excerpt for the log)."""
+        credentials (401), ``_BadAnswer`` for anything else that is no frame stream.  Of such a
+        body only an excerpt is read, for the log, bounded in size and time (a page of any size, or
+        a body that never ends, is still the worker's failure)."""
         if resp.status == 401:
-            reason = (await read_response(resp, 4096, timeout=self.timeouts.response)).decode(errors="replace")
-            log.warning("decode worker %s refused the gateway's cluster credentials: %s", decode_id, reason)
-            raise ConnectionError(f"decode worker refused the cluster credentials ({reason}); "
-                                  f"is PDSERVE_CLUSTER_SECRET the same on every process?")
+            excerpt = await self._excerpt(resp)
+            log.warning("decode worker %s refused the gateway's cluster credentials: %s", decode_id,
+                        _printable(excerpt) or "(no body)")
+            raise ConnectionError("decode worker refused the cluster credentials; "
+                                  "is PDSERVE_CLUSTER_SECRET the same on every process?")
         if resp.content_type == FRAMES_CONTENT_TYPE:
             return
+        raise _BadAnswer(resp.status, resp.content_type, "no frame stream", await self._excerpt(resp))
+
+    async def _excerpt(self, resp: aiohttp.ClientResponse) -> bytes:
+        """At most ``BAD_ANSWER_EXCERPT`` bytes of a body that is no frame stream, waiting at most
+        the response timeout for them; what could not be read is left out."""
         try:
             async with asyncio.timeout(self.timeouts.response):
-                excerpt = await resp.content.read(BAD_ANSWER_EXCERPT)
+                return await resp.content.read(BAD_ANSWER_EXCERPT)
         except (TimeoutError, aiohttp.ClientError):
-            excerpt = b""
-        raise _BadAnswer(resp.status, resp.content_type, "no frame stream", excerpt)
+            return b""
 
     async def _next_frames(self, resp: aiohttp.ClientResponse, frames: FrameReader,
                            first: bool) -> list[TokenFrame]:
@@ -417,9 +423,14 @@ class _BadAnswer(Exception):
 
     def detail(self) -> str:
         """The message and an excerpt of the body, printable, for the log (not the client)."""
-        text = self.excerpt.decode("utf-8", "replace")
-        text = "".join(c if c.isprintable() else " " for c in text).strip()
+        text = _printable(self.excerpt)
         return f"{self}{f' ({text!r})' if text else ''}"
+
+
+def _printable(excerpt: bytes) -> str:
+    """A peer's bytes as text fit for a log line (control characters blanked)."""
+    text = excerpt.decode("utf-8", "replace")
+    return "".join(c if c.isprintable() else " " for c in text).strip()
 
 
 class _Retry(Exception):

@@ -8,6 +8,7 @@ handler (plain-text 500), a proxy (an HTML 502, or an HTML page with 200), or wi
 no frames; a good one streams frames."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 
 import aiohttp
@@ -18,6 +19,7 @@ from common.cluster.messages import FRAMES_CONTENT_TYPE, GenerateRequest, TokenF
 from common.cluster.registry import Capacity, KVAddress, Load, WorkerInfo
 from common.engine.sampling_params import SamplingParams
 from gateway.backpressure import WaitQueue
+from gateway.config import UpstreamTimeouts
 from gateway.dispatch import DispatchResult, Dispatcher, UpstreamError, WorkerAnswerError
 from gateway.handlers import OpenAIHandlers
 from gateway.metrics import GatewayMetrics
@@ -81,7 +83,7 @@ async def worker_server(handler):
     app = web.Application()
     app.router.add_post("/generate", handler)
     app.router.add_post("/abort", aborted)
-    runner = web.AppRunner(app, access_log=None)
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
@@ -121,14 +123,14 @@ class NoPrefixes:
 
 
 @contextlib.asynccontextmanager
-async def dispatcher(*handlers):
+async def dispatcher(*handlers, timeouts: UpstreamTimeouts = UpstreamTimeouts()):
     """A dispatcher over one worker per handler; the first is the least loaded (tried first)."""
     async with contextlib.AsyncExitStack() as stack:
         urls = [await stack.enter_async_context(worker_server(h)) for h in handlers]
         session = await stack.enter_async_context(aiohttp.ClientSession())
         pool = Pool([info(f"d{i}", url, running=i) for i, url in enumerate(urls)])
         d = Dispatcher(pool, Router(RoutingConfig()), NoPrefixes(), session, session, GatewayMetrics(), "m",
-                       queue=WaitQueue(4, 60.0))
+                       queue=WaitQueue(4, 60.0), timeouts=timeouts)
         try:
             yield d
         finally:
@@ -165,6 +167,28 @@ async def test_when_no_worker_answers_readably_the_client_gets_502_not_400(kind)
 
 async def generate_failing(exc: UpstreamError):
     raise exc
+
+
+async def html_401_page(request):  # a proxy's or server's 401 page, larger than any excerpt the gateway reads
+    return web.Response(status=401, body=b"<html>" + b"x" * 16384 + b"</html>", content_type="text/html")
+
+
+async def stalled_401(request):  # a 401 whose body never finishes: headers, a little, then silence
+    response = web.StreamResponse(status=401, headers={"Content-Type": "text/plain"})  # chunked
+    await response.prepare(request)
+    await response.write(b"unauthorized: ")
+    await asyncio.Event().wait()  # cancelled when the gateway closes the connection
+
+
+@pytest.mark.parametrize("refusal", [html_401_page, stalled_401])
+async def test_a_401_whatever_its_body_is_refused_credentials_retried_elsewhere(refusal):
+    """A worker that refuses the cluster credentials is a cluster failure: benched and the request
+    retried on another worker, whether its 401 body is a page larger than the excerpt read or never
+    finishes (bounded by the response timeout) -- not a client 400, not a 500 after the timeout."""
+    async with dispatcher(refusal, stream, timeouts=UpstreamTimeouts(response=1.0)) as d:
+        frames = await generate(d)
+        assert [f.token_ids for f in frames] == [[7]] * 3 and frames[-1].finished
+        assert d.pool.benched == ["d0"]
 
 
 async def test_a_worker_error_frame_still_means_what_it_says():
