@@ -2,6 +2,8 @@
 or as an SSE event of a stream that has already started."""
 from __future__ import annotations
 
+import re
+
 import msgspec
 from aiohttp import web
 
@@ -21,6 +23,10 @@ _DEFAULT_ERROR_TYPE = {
 
 
 class ErrorBody(msgspec.Struct):
+    """The inside of OpenAI's error object: a human-readable ``message``, the error ``type``
+    (``invalid_request_error``, ``rate_limit_error``, ...), the request parameter at fault
+    (``param``, e.g. ``"messages[0].content"``; None when none is), and a machine-readable ``code``."""
+
     message: str
     type: str
     param: str | None = None
@@ -80,6 +86,16 @@ def error_response(status: int, message: str, *, param: str | None = None, code:
     413 body too large, 429/503 saturated with Retry-After)."""
     return OpenAIError(status, message, param=param, code=code, type=type,
                        retry_after=retry_after).to_response()
+
+
+_ERROR_PATH_RE = re.compile(r" - at `\$\.?([^`]*)`$")
+
+
+def split_error_path(text: str) -> tuple[str, str]:
+    """A msgspec error message split into ``(detail, path)``: ``"Expected `int` - at `$.stop[0]`"``
+    gives ``("Expected `int`", "stop[0]")``; a path into an array at the top is ``"[1]"``; no path: ``""``."""
+    m = _ERROR_PATH_RE.search(text)
+    return (text[: m.start()], m.group(1)) if m else (text, "")
 
 
 _encode = msgspec.json.Encoder().encode

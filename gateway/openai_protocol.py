@@ -36,7 +36,9 @@ from common.engine.sampling_params import (
     INT64_MAX, INT64_MIN, MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_TEMPERATURE, MAX_TOKEN_ID,
 )
 from common.cluster.messages import MAX_PROMPT_TOKENS
-from gateway.openai_errors import ErrorBody, ErrorResponse, OpenAIError, error_response, invalid  # noqa: F401 (API)
+from gateway.openai_errors import (  # noqa: F401 (API)
+    ErrorBody, ErrorResponse, OpenAIError, error_response, invalid, split_error_path,
+)
 from gateway.prompt_input import decode_prompt
 
 MAX_STOP_STRINGS = 16
@@ -189,7 +191,6 @@ def _sampling(req: _Common, max_tokens: int | None, logprobs: int | None) -> Sam
     )
 
 
-_PATH_RE = re.compile(r" - at `\$\.?([^`]*)`$")
 _UNKNOWN_RE = re.compile(r"^Object contains unknown field `([^`]*)`")
 _MISSING_RE = re.compile(r"^Object missing required field `([^`]*)`")
 
@@ -198,9 +199,7 @@ def _from_msgspec(exc: msgspec.MsgspecError) -> OpenAIError:
     text = str(exc)
     if isinstance(exc, msgspec.DecodeError) and not isinstance(exc, msgspec.ValidationError):
         return invalid(f"Request body is not valid JSON: {text}")
-    m = _PATH_RE.search(text)
-    path = m.group(1) if m else ""
-    detail = text[: m.start()] if m else text
+    detail, path = split_error_path(text)
     if u := _UNKNOWN_RE.match(detail):
         name = f"{path}.{u.group(1)}" if path else u.group(1)
         return invalid(f"Unrecognized request argument supplied: {name}", name, "unknown_parameter")

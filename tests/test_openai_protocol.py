@@ -22,6 +22,7 @@ from gateway.openai_protocol import (
     ModelCard, ModelList, OpenAIError, Usage, error_response, json_response, new_request_id,
     parse_chat_request, parse_completion_request, sse_event,
 )
+from gateway.prompt_input import decode_prompt
 
 
 def body(**fields) -> bytes:
@@ -91,6 +92,14 @@ def test_prompt_forms():
     assert parse_completion_request(b'{"model": "m", "prompt": [ \n 3 , 4 ]}').prompt == [3, 4]
 
 
+def test_a_prompt_is_read_past_leading_whitespace():
+    """``decode_prompt`` takes JSON as it may come, whitespace before the value included."""
+    assert decode_prompt(msgspec.Raw(b" \n [1, 2]"), 8) == [1, 2]
+    assert decode_prompt(msgspec.Raw(b'  ["text"]'), 8) == "text"
+    with pytest.raises(OpenAIError, match="batch prompts"):
+        decode_prompt(msgspec.Raw(b"\t[[1], [2]]"), 8)
+
+
 # Bodies that cost the gateway's event loop over a second each when ``prompt`` was ``str | list[Any]``
 # (decoded into Python objects, then walked).  Each is refused, naming the prompt, without building
 # an object per element: what it allocates stays below twice the body (a copy of the prompt's bytes
@@ -106,9 +115,11 @@ def filler(item: bytes, size: int = 4 * MIB - 64) -> bytes:
     (b"[" + filler(b"[1,2,3,4,5,6,7,8]") + b"]", "batch prompts"),
     (b"[" + filler(b"[[[[[[[[1]]]]]]]]") + b"]", "batch prompts"),
     (b"[" + filler(b'"a"') + b"]", "batch prompts"),
-    (b"[1," + filler(b"[1]") + b"]", "prompt[1]: Expected `int`, got `array`"),
+    (b"[1," + filler(b"[1]") + b"]", "comma-separated parts"),
     (b"[" + filler(b"1") + b"]", "maximum context length is 4096 tokens"),
     (b"[" + filler(b"1.0") + b"]", "maximum context length is 4096 tokens"),
+    # Counted by their commas though a string follows (it once skipped the count: 24.5 MiB of ints).
+    (b"[" + filler(b"1000000", 4 * MIB - 128) + b', "1"]', "maximum context length is 4096 tokens"),
 ])
 def test_hostile_prompts_are_refused_naming_the_prompt(prompt, text):
     raw = b'{"model": "m", "prompt": ' + prompt + b"}"
