@@ -1,4 +1,5 @@
-"""The OpenAI HTTP API as msgspec structs: requests, responses, stream chunks, errors.
+"""The OpenAI HTTP API's requests as msgspec structs, their decoding and validation; the answers
+(responses, stream chunks, SSE) are in ``gateway/openai_responses.py`` and re-exported here.
 
 Requests are decoded strictly: an unknown field is a 400 naming it (a silently ignored
 ``logit_bias`` or ``tools`` would produce an answer the client did not ask for), and every range
@@ -8,8 +9,11 @@ describes the same rules as an OpenAPI document.  ``parse_completion_request`` /
 into a validated struct or raise ``OpenAIError``; ``req.sampling()`` gives the normalised knobs the
 engine needs.
 
-Streaming is Server-Sent Events: one ``data: {json}\\n\\n`` per chunk and ``data: [DONE]\\n\\n`` at
-the end.  An error after the stream started is sent as ``data: {"error": {...}}\\n\\n`` (``sse_error``).
+No field makes the gateway build an object per element before its bound is checked: the fields a
+4 MiB body could fill with hundreds of thousands of elements -- ``prompt``, ``stop``, ``messages``
+and their content parts, ``logit_bias`` -- are first decoded as ``msgspec.Raw`` (JSON checked, no
+objects), then counted or decoded within their bounds (``gateway/json_bounds.py``,
+``gateway/prompt_input.py``); ``logit_bias`` is refused unread unless it is ``{}`` or null.
 
 Temperatures below 1e-5 mean greedy (as in vLLM); a ``top_k`` at or above the vocabulary size is
 clamped to "no top-k" (as in vLLM).
@@ -23,13 +27,10 @@ non-text message parts.
 from __future__ import annotations
 
 import re
-import time
-import uuid
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
 import msgspec
-from aiohttp import web
 
 from common.engine.prefix_hash import MAX_CACHE_SALT_LEN
 from common.engine.sampling_params import (
@@ -39,11 +40,20 @@ from common.cluster.messages import MAX_PROMPT_TOKENS
 from gateway.openai_errors import (  # noqa: F401 (API)
     ErrorBody, ErrorResponse, OpenAIError, error_response, invalid, split_error_path,
 )
+from gateway.json_bounds import bounded_list, items, too_deep_field
+from gateway.openai_responses import (  # noqa: F401 (API: the answers, with the requests)
+    SSE_DONE, SSE_HEADERS, ChatChoice, ChatCompletionChunk, ChatCompletionResponse, ChatDelta, ChatLogprobs,
+    ChatResponseMessage, ChatStreamChoice, ChatTokenLogprob, CompletionChoice, CompletionChunk, CompletionLogprobs,
+    CompletionResponse, FinishReason, ModelCard, ModelList, PromptTokensDetails, TopLogprob, Usage, json_response,
+    new_request_id, now, sse_event,
+)
 from gateway.prompt_input import decode_prompt
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 256
 MAX_MESSAGES = 4096
+MAX_PARTS_PER_MESSAGE = 64  # content parts of one message ...
+MAX_CONTENT_PARTS = 4096  # ... and of all the messages of a request together
 
 # ---- requests -----------------------------------------------------------------------------------
 
@@ -66,7 +76,7 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # vocabulary size keeps every token, so the handler clamps it to "off" (as vLLM does).
     top_k: int | None = None
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: str | Annotated[list[str], msgspec.Meta(max_length=MAX_STOP_STRINGS)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # extension
@@ -121,9 +131,13 @@ class CompletionRequest(_Common):
 
 
 class _CompletionBody(CompletionRequest):
-    """What the body decodes to: the prompt's JSON as it came, for ``decode_prompt``."""
+    """What the body decodes to: the fields a body can fill with hundreds of thousands of elements
+    as their JSON (checked as JSON, no Python objects), for bounded decoding (``decode_prompt``,
+    ``_common_fields``)."""
 
     prompt: msgspec.Raw
+    stop: msgspec.Raw = msgspec.Raw()  # empty: not sent (msgspec.Raw | None is not a union msgspec decodes)
+    logit_bias: msgspec.Raw = msgspec.Raw()
 
 
 class ContentPart(msgspec.Struct, kw_only=True):
@@ -135,7 +149,7 @@ class ContentPart(msgspec.Struct, kw_only=True):
 
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[ContentPart] | None = None
+    content: str | Annotated[list[ContentPart], msgspec.Meta(max_length=MAX_PARTS_PER_MESSAGE)] | None = None
     name: Annotated[str, msgspec.Meta(max_length=256)] | None = None
 
     def text(self) -> str:
@@ -171,6 +185,20 @@ class ChatCompletionRequest(_Common):
         return out
 
 
+class _MessageBody(ChatMessage):
+    """A message as decoded: its content's JSON, for bounded decoding (``_decode_messages``)."""
+
+    content: msgspec.Raw = msgspec.Raw()
+
+
+class _ChatBody(ChatCompletionRequest):
+    """What a chat body decodes to (see ``_CompletionBody``)."""
+
+    messages: msgspec.Raw
+    stop: msgspec.Raw = msgspec.Raw()
+    logit_bias: msgspec.Raw = msgspec.Raw()
+
+
 def _sampling(req: _Common, max_tokens: int | None, logprobs: int | None) -> SamplingOptions:
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     return SamplingOptions(
@@ -195,11 +223,15 @@ _UNKNOWN_RE = re.compile(r"^Object contains unknown field `([^`]*)`")
 _MISSING_RE = re.compile(r"^Object missing required field `([^`]*)`")
 
 
-def _from_msgspec(exc: msgspec.MsgspecError) -> OpenAIError:
+def _from_msgspec(exc: msgspec.MsgspecError, at: str = "") -> OpenAIError:
+    """A msgspec error as a 400 naming the parameter; ``at``: where the decoded value sits in the
+    request (``"messages[2]"``), its error path continues from there."""
     text = str(exc)
     if isinstance(exc, msgspec.DecodeError) and not isinstance(exc, msgspec.ValidationError):
         return invalid(f"Request body is not valid JSON: {text}")
     detail, path = split_error_path(text)
+    if at:
+        path = at + path if not path or path.startswith("[") else f"{at}.{path}"
     if u := _UNKNOWN_RE.match(detail):
         name = f"{path}.{u.group(1)}" if path else u.group(1)
         return invalid(f"Unrecognized request argument supplied: {name}", name, "unknown_parameter")
@@ -214,8 +246,6 @@ def _from_msgspec(exc: msgspec.MsgspecError) -> OpenAIError:
 def _validate_common(req: _Common) -> None:
     if req.n != 1:
         raise invalid(f"n={req.n} is not supported; only n=1 (send one request per completion)", "n")
-    if req.logit_bias:
-        raise invalid("logit_bias is not supported", "logit_bias", "unsupported_value")
     if req.top_k is not None and req.top_k < -1:
         raise invalid(f"top_k must be >= 1 (or 0/-1/null to disable), got {req.top_k}", "top_k")
     if req.seed is not None and not INT64_MIN <= req.seed <= INT64_MAX:
@@ -236,16 +266,71 @@ def _decode(decoder: msgspec.json.Decoder, body: bytes):
     except msgspec.MsgspecError as exc:
         raise _from_msgspec(exc) from None
     except RecursionError:  # msgspec's guard on nesting (the interpreter's recursion limit)
-        raise invalid("Request body is nested too deeply: JSON arrays and objects nested hundreds of levels "
-                      "deep (no field of this API nests more than a few)", code="json_too_deep") from None
+        field = too_deep_field(body)
+        raise invalid(f"Request body is nested too deeply{f' in {field!r}' if field else ''}: JSON arrays and "
+                      "objects nested hundreds of levels deep (no field of this API nests more than a few)",
+                      field, "json_too_deep") from None
+
+
+def _decode_at(decoder: msgspec.json.Decoder, raw: msgspec.Raw, at: str):
+    """A part of the request kept as ``msgspec.Raw`` decoded on its own; errors name ``at``."""
+    try:
+        return decoder.decode(raw)
+    except msgspec.MsgspecError as exc:
+        raise _from_msgspec(exc, at) from None
+
+
+def _common_fields(body: _Common, cls: type[_Common]) -> dict:
+    """The fields of ``cls`` from a decoded body, ``stop`` decoded within its bounds and
+    ``logit_bias`` checked unread."""
+    fields = {name: getattr(body, name) for name in cls.__struct_fields__}
+    fields["stop"] = None
+    if _given(body.stop):
+        stop = _decode_at(_stop_decoder, body.stop, "stop")
+        fields["stop"] = stop if isinstance(stop, str) else items(stop)
+    if _given(body.logit_bias) and not _empty_object(body.logit_bias):
+        raise invalid("logit_bias is not supported", "logit_bias", "unsupported_value")
+    fields["logit_bias"] = None
+    return fields
+
+
+def _given(raw: msgspec.Raw) -> bool:
+    """A field kept as ``msgspec.Raw`` was sent, and not as null."""
+    return len(raw) > 0 and raw != _NULL
+
+
+def _empty_object(raw: msgspec.Raw) -> bool:
+    """``{}`` (whitespace inside allowed), told without reading a long value."""
+    return len(raw) <= 64 and _EMPTY_OBJECT_RE.fullmatch(bytes(raw)) is not None
+
+
+def _decode_messages(raw: msgspec.Raw) -> list[ChatMessage]:
+    """The messages, each decoded on its own: at most ``MAX_MESSAGES``, each with at most
+    ``MAX_PARTS_PER_MESSAGE`` content parts and ``MAX_CONTENT_PARTS`` in all, each bound checked
+    before the elements past it are decoded."""
+    messages, parts = [], 0
+    for i, element in enumerate(items(_decode_at(_messages_decoder, raw, "messages"))):
+        message = _decode_at(_message_decoder, element, f"messages[{i}]")
+        content = None
+        if _given(message.content):
+            content = _decode_at(_content_decoder, message.content, f"messages[{i}].content")
+            if not isinstance(content, str):
+                content = items(content)
+                parts += len(content)
+                if parts > MAX_CONTENT_PARTS:
+                    raise invalid(f"the messages hold at most {MAX_CONTENT_PARTS} content parts in all",
+                                  f"messages[{i}].content")
+        messages.append(ChatMessage(role=message.role, content=content, name=message.name))
+    return messages
 
 
 def parse_completion_request(body: bytes, max_prompt_tokens: int = MAX_PROMPT_TOKENS) -> CompletionRequest:
     """Decode and validate a ``/v1/completions`` body; raises ``OpenAIError`` (400).
     ``max_prompt_tokens``: a longer list of token ids is refused before any is decoded."""
     body_req = _decode(_completion_decoder, body)
-    fields = {name: getattr(body_req, name) for name in CompletionRequest.__struct_fields__ if name != "prompt"}
-    req = CompletionRequest(prompt=decode_prompt(body_req.prompt, max_prompt_tokens), **fields)
+    fields = _common_fields(body_req, CompletionRequest)
+    fields["prompt"] = decode_prompt(body_req.prompt, max_prompt_tokens)
+    req = CompletionRequest(**fields)
     _validate_common(req)
     if req.echo:
         raise invalid("echo is not supported", "echo", "unsupported_value")
@@ -258,7 +343,10 @@ def parse_completion_request(body: bytes, max_prompt_tokens: int = MAX_PROMPT_TO
 
 def parse_chat_request(body: bytes) -> ChatCompletionRequest:
     """Decode and validate a ``/v1/chat/completions`` body; raises ``OpenAIError`` (400)."""
-    req = _decode(_chat_decoder, body)
+    body_req = _decode(_chat_decoder, body)
+    fields = _common_fields(body_req, ChatCompletionRequest)
+    fields["messages"] = _decode_messages(body_req.messages)
+    req = ChatCompletionRequest(**fields)
     _validate_common(req)
     if (req.max_tokens is not None and req.max_completion_tokens is not None
             and req.max_tokens != req.max_completion_tokens):
@@ -284,153 +372,10 @@ def parse_chat_request(body: bytes) -> ChatCompletionRequest:
 # Schema says so too: 16.0 is a valid "integer", and Python clients send it), and a number or
 # boolean may come as a JSON string ("16", "true").  Nothing else is coerced.
 _completion_decoder = msgspec.json.Decoder(_CompletionBody, strict=False)
-_chat_decoder = msgspec.json.Decoder(ChatCompletionRequest, strict=False)
-
-# ---- responses ----------------------------------------------------------------------------------
-
-FinishReason = Literal["stop", "length", "abort"]
-
-
-class PromptTokensDetails(msgspec.Struct):
-    cached_tokens: int = 0  # prompt tokens served from the prefix cache
-
-
-class Usage(msgspec.Struct, omit_defaults=True):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails | None = None
-
-    @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> "Usage":
-        details = None if cached_tokens is None else PromptTokensDetails(cached_tokens)
-        return cls(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens, details)
-
-
-class CompletionLogprobs(msgspec.Struct):
-    tokens: list[str]
-    token_logprobs: list[float | None]
-    top_logprobs: list[dict[str, float] | None] | None
-    text_offset: list[int]
-
-
-class CompletionChoice(msgspec.Struct):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: str | None = None  # extension: the stop string that ended the text
-
-
-class CompletionResponse(msgspec.Struct):
-    id: str
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-    object: Literal["text_completion"] = "text_completion"
-
-
-class CompletionChunk(CompletionResponse):
-    """One SSE event of a streamed completion: the response's shape, with partial ``text``."""
-
-
-class TopLogprob(msgspec.Struct):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class ChatTokenLogprob(msgspec.Struct):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-    top_logprobs: list[TopLogprob] = []
-
-
-class ChatLogprobs(msgspec.Struct):
-    content: list[ChatTokenLogprob] | None = None
-
-
-class ChatResponseMessage(msgspec.Struct):
-    content: str | None
-    role: Literal["assistant"] = "assistant"
-
-
-class ChatChoice(msgspec.Struct):
-    index: int
-    message: ChatResponseMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: str | None = None
-
-
-class ChatCompletionResponse(msgspec.Struct):
-    id: str
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage | None = None
-    object: Literal["chat.completion"] = "chat.completion"
-
-
-class ChatDelta(msgspec.Struct, omit_defaults=True):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-
-class ChatStreamChoice(msgspec.Struct):
-    index: int
-    delta: ChatDelta
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: str | None = None
-
-
-class ChatCompletionChunk(msgspec.Struct):
-    """One SSE event of a streamed chat completion.  With ``include_usage`` the last chunk has
-    ``choices == []`` and the usage; earlier ones have ``usage: null``."""
-
-    id: str
-    created: int
-    model: str
-    choices: list[ChatStreamChoice]
-    usage: Usage | None = None
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-
-
-class ModelCard(msgspec.Struct):
-    id: str
-    created: int
-    owned_by: str = "pdserve"
-    max_model_len: int | None = None  # extension (vLLM's name)
-    object: Literal["model"] = "model"
-
-
-class ModelList(msgspec.Struct):
-    data: list[ModelCard]
-    object: Literal["list"] = "list"
-
-
-# ---- encoding helpers ---------------------------------------------------------------------------
-
-_encode = msgspec.json.Encoder().encode
-SSE_DONE = b"data: [DONE]\n\n"
-SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-def new_request_id(kind: Literal["cmpl", "chatcmpl"]) -> str:
-    return f"{kind}-{uuid.uuid4().hex}"
-
-
-def now() -> int:
-    return int(time.time())
-
-
-def sse_event(obj: msgspec.Struct) -> bytes:
-    """``data: {json}\\n\\n``."""
-    return b"data: " + _encode(obj) + b"\n\n"
-
-
-def json_response(obj: msgspec.Struct, status: int = 200) -> web.Response:
-    return web.Response(status=status, body=_encode(obj), content_type="application/json")
+_chat_decoder = msgspec.json.Decoder(_ChatBody, strict=False)
+_stop_decoder = msgspec.json.Decoder(str | bounded_list(str, MAX_STOP_STRINGS), strict=False)
+_messages_decoder = msgspec.json.Decoder(bounded_list(msgspec.Raw, MAX_MESSAGES, min_items=1))
+_message_decoder = msgspec.json.Decoder(_MessageBody, strict=False)
+_content_decoder = msgspec.json.Decoder(str | bounded_list(ContentPart, MAX_PARTS_PER_MESSAGE), strict=False)
+_NULL = msgspec.Raw(b"null")
+_EMPTY_OBJECT_RE = re.compile(rb"\{[ \t\r\n]*\}")  # logit_bias {} is "none": the only value accepted

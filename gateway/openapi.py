@@ -21,8 +21,9 @@ import msgspec
 from common.engine.prefix_hash import MAX_CACHE_SALT_LEN
 from common.engine.sampling_params import INT64_MAX, INT64_MIN, MAX_TOKEN_ID
 from gateway.openai_protocol import (
-    MAX_STOP_LEN, MAX_STOP_STRINGS, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
-    CompletionChunk, CompletionRequest, CompletionResponse, ErrorResponse, ModelList,
+    MAX_CONTENT_PARTS, MAX_PARTS_PER_MESSAGE, MAX_STOP_LEN, MAX_STOP_STRINGS, ChatCompletionChunk,
+    ChatCompletionRequest, ChatCompletionResponse, CompletionChunk, CompletionRequest, CompletionResponse,
+    ErrorResponse, ModelList,
 )
 
 _REF = "#/components/schemas/{name}"
@@ -71,7 +72,9 @@ _REQUEST_RULES: dict[str, dict[str, dict]] = {
     },
     "ChatMessage": {
         "content": {"anyOf": [{"type": "string"},
-                              {"type": "array", "items": {"$ref": _REF.format(name="ContentPart")}}]},
+                              {"type": "array", "items": {"$ref": _REF.format(name="ContentPart")},
+                               "maxItems": MAX_PARTS_PER_MESSAGE}],
+                    "description": f"At most {MAX_CONTENT_PARTS} parts in all the messages together."},
     },
 }
 # A message needs its content; a content part must be text.

@@ -135,17 +135,62 @@ def test_hostile_prompts_are_refused_naming_the_prompt(prompt, text):
     assert peak < 2 * len(raw), f"decoding the prompt allocated {peak / MIB:.1f} MiB"
 
 
-@pytest.mark.parametrize("parse,raw", [
-    (parse_completion_request, b'{"model": "m", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"),
-    (parse_completion_request, b'{"model": "m", "prompt": [1, ' + b"[" * 100_000 + b"]" * 100_000 + b"]}"),
+DEEP = b"[" * 100_000 + b"]" * 100_000
+
+
+@pytest.mark.parametrize("parse,raw,param", [
+    (parse_completion_request, b'{"model": "m", "prompt": ' + DEEP + b"}", "prompt"),
+    (parse_completion_request, b'{"model": "m", "prompt": [1, ' + DEEP + b"]}", "prompt"),
+    (parse_completion_request, b'{"model": "m",\n "user" : "u", "prompt": "x", "stop": ' + DEEP + b"}", "stop"),
     (parse_chat_request, b'{"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "x", '
-                         b'"extra": ' + b"[" * 100_000 + b"]" * 100_000 + b"}]}]}"),
+                         b'"extra": ' + DEEP + b"}]}]}", "messages"),
 ])
-def test_deeply_nested_json_is_a_400(parse, raw):
+def test_deeply_nested_json_is_a_400_naming_the_field(parse, raw, param):
     with pytest.raises(OpenAIError) as info:
         parse(raw)
     assert info.value.status == 400, info.value.message
-    assert "nested too deeply" in info.value.message or "Expected" in info.value.message
+    assert "nested too deeply" in info.value.message and info.value.code == "json_too_deep", info.value.message
+    assert info.value.param == param
+
+
+def many(item: bytes, size: int = 4 * MIB - 256) -> bytes:
+    return b"[" + filler(item, size) + b"]"
+
+
+PART = b'{"type": "text", "text": "x"}'
+# 38 parts a message: the parts of the first 108 messages are more than 4096 in all.
+SPREAD = b"[" + b",".join([b'{"role": "user", "content": [' + b",".join([PART] * 38) + b"]}"] * 3000) + b"]"
+LOGIT_BIAS = b"{" + b",".join(b'"%d": -100' % i for i in range(280_000)) + b"}"
+
+
+@pytest.mark.parametrize("parse,field,value,param,text", [
+    (parse_completion_request, "logit_bias", LOGIT_BIAS, "logit_bias", "logit_bias is not supported"),
+    (parse_chat_request, "logit_bias", LOGIT_BIAS, "logit_bias", "logit_bias is not supported"),
+    (parse_completion_request, "stop", many(b'"ab"'), "stop", "at most length 16"),
+    (parse_chat_request, "stop", many(b'"ab"'), "stop", "at most length 16"),
+    (parse_chat_request, "messages", many(b'{"role": "user", "content": ""}'), "messages", "at most length 4096"),
+    (parse_chat_request, "messages", b'[{"role": "user", "content": ' + many(PART) + b"}]", "messages[0].content",
+     "at most length 64"),
+    (parse_chat_request, "messages", SPREAD, "messages[107].content", "at most 4096 content parts in all"),
+])
+def test_hostile_lists_are_refused_before_their_elements_are_decoded(parse, field, value, param, text):
+    """Fields other than the prompt that a 4 MiB body can fill with hundreds of thousands of
+    elements are refused, naming the field, without building an object per element (decoding
+    them first cost 40-260 ms of the event loop each, or let 155k content parts through)."""
+    fields = {"model": b'"m"', "prompt": b'"x"'} if parse is parse_completion_request else {
+        "model": b'"m"', "messages": b'[{"role": "user", "content": "x"}]'}
+    fields[field] = value
+    raw = b"{" + b", ".join(b'"%s": %s' % (k.encode(), v) for k, v in fields.items()) + b"}"
+    assert len(raw) <= 4 * MIB
+    tracemalloc.start()
+    try:
+        with pytest.raises(OpenAIError) as info:
+            parse(raw)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert info.value.status == 400 and info.value.param == param and text in info.value.message, info.value.message
+    assert peak < len(raw) // 4, f"decoding {field} allocated {peak / MIB:.1f} MiB"
 
 
 def test_unknown_fields_are_rejected_by_name():
@@ -208,10 +253,33 @@ def test_unsupported_features_are_rejected_clearly(field, value, text):
 
 def test_stop_strings_are_bounded():
     assert parse_completion_request(completion(stop=["a", "bc"])).sampling().stop == ("a", "bc")
-    rejects(parse_completion_request, completion(stop=[str(i) for i in range(17)]), "stop", "at most 16")
+    rejects(parse_completion_request, completion(stop=[str(i) for i in range(17)]), "stop", "at most length 16")
     rejects(parse_completion_request, completion(stop=[""]), "stop", "1-256 characters")
     rejects(parse_completion_request, completion(stop="x" * 257), "stop", "1-256 characters")
     rejects(parse_completion_request, completion(stop=[1]), "stop[0]", "Expected `str`")
+
+
+def test_bounded_fields_accept_what_they_always_did():
+    """Kept as raw JSON until checked, the bounded fields still take every value they took."""
+    for parse, make in ((parse_completion_request, completion), (parse_chat_request, chat)):
+        for value in ({}, None):
+            assert parse(make(logit_bias=value)).logit_bias is None
+        assert parse(b'{"model": "m", "logit_bias": { \n }, ' + make()[1:]).logit_bias is None
+        assert parse(make(stop=None)).sampling().stop == ()
+        assert parse(make(stop=[str(i) for i in range(16)])).sampling().stop == tuple(str(i) for i in range(16))
+        rejects(parse, make(stop=["a", None]), "stop[1]", "Expected `str`, got `null`")
+        rejects(parse, make(stop={"a": 1}), "stop", "Expected `str | array`, got `object`")
+    part = {"type": "text", "text": "x"}
+    req = parse_chat_request(body(model="m", messages=[{"role": "user", "content": [part] * 64}] * 64))
+    assert len(req.messages) == 64 and req.template_messages()[0]["content"] == "x" * 64
+    rejects(parse_chat_request, body(model="m", messages=[{"role": "user", "content": [part] * 65}]),
+            "messages[0].content", "at most length 64")
+    rejects(parse_chat_request, body(model="m", messages=[{"role": "user", "content": [part] * 64}] * 65),
+            "messages[64].content", "at most 4096 content parts in all")
+    rejects(parse_chat_request, body(model="m", messages=[{"role": "user", "content": None}]),
+            "messages[0].content", "required")
+    rejects(parse_chat_request, body(model="m", messages=[{"role": "user", "content": "x"}, 5]),
+            "messages[1]", "Expected `object`, got `int`")
 
 
 def test_stream_options_need_stream():
@@ -252,7 +320,7 @@ def test_chat_messages_and_max_tokens_alias():
 def test_chat_rejections():
     rejects(parse_chat_request, chat(max_tokens=5, max_completion_tokens=6), "max_tokens", "disagree")
     rejects(parse_chat_request, chat(top_logprobs=2), "top_logprobs", "requires logprobs")
-    rejects(parse_chat_request, body(model="m", messages=[]), "messages", "length >= 1")
+    rejects(parse_chat_request, body(model="m", messages=[]), "messages", "at least length 1")
     rejects(parse_chat_request, body(model="m", messages=[{"role": "tool", "content": "x"}]),
             "messages[0].role", "Invalid enum value 'tool'")
     rejects(parse_chat_request, body(model="m", messages=[{"role": "user"}]), "messages[0].content", "required")
