@@ -96,18 +96,33 @@ async def health(client) -> dict:
         return await resp.json()
 
 
+class Clock:
+    """The Redis probe's clock, moved by the test (how long an answer is kept is not waited for)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 async def test_health_reports_redis_as_it_is_now_after_a_slow_prefix_lookup(served_checkpoint, proxy, key_prefix):
     # A lookup may take 2 s (time enough for a PING on a loaded machine); the lookup held below
     # times out after that.  No request comes afterwards: the gateway is idle.
     async with gateway(served_checkpoint, proxy.url, key_prefix, prefix_lookup_timeout=2.0) as (gw, client):
+        # The test refreshes the pool itself: a background refresh that timed out while Redis was
+        # held could otherwise end after the test's own refresh and say Redis is down.
+        await gw.pool.stop()
+        gw.redis_probe.clock = clock = Clock()
         assert (await health(client))["redis"] is True
         proxy.hold()
         assert await gw.prefix_index.longest_prefix(gw.model_id, [b"\1" * HASH_LEN], ["w0"]) == {}
         assert not gw.prefix_index.available
         assert (await health(client))["redis"] is False  # Redis does not answer now
         proxy.release()
-        await gw.pool.refresh()  # the registry refresh has read Redis again (it does so twice a second)
+        await gw.pool.refresh()  # what the registry refresh does twice a second: it reads Redis again
         assert gw.pool.redis_ok
+        clock.now += gw.redis_probe.interval_s  # past the time the probe keeps its "no"
         assert (await health(client))["redis"] is True  # it answers now, though no lookup came since
 
 
