@@ -1,8 +1,9 @@
 """The decode worker's calls to a prefill worker, and what it accepts back.
 
 The prefill worker is named by id; its address comes from its signed registry entry (``peers``),
-never from the request.  Calls are signed with the cluster secret for that worker id (a worker
-that now holds the address under another id refuses them); answers are read bounded and
+never from the request.  Calls are signed with the cluster secret for that worker's current run
+(``WorkerInfo.audience``: a worker that now holds the address under another id, or the same
+worker restarted since, refuses them); answers are read bounded and
 every field of a PrefillResult is checked before anything of it reaches the engine, because the
 first token is committed to the request and its blocks to the prefix cache:
 
@@ -46,7 +47,7 @@ async def resolve_prefill_worker(worker, worker_id: str) -> WorkerInfo:
 async def call_prefill(worker, peer: WorkerInfo, prefill: PrefillRequest) -> PrefillResult:
     """POST the request to ``peer`` and return its checked result; raises on any failure."""
     data = encode(prefill)
-    headers = worker.auth.sign_request("POST", "/prefill", data, audience=peer.worker_id)
+    headers = worker.auth.sign_request("POST", "/prefill", data, audience=peer.audience)
     # The whole remote prefill (queueing on the prefill worker included) is bounded like the KV transfer.
     connect = worker.config.peer_connect_timeout_s
     timeout = aiohttp.ClientTimeout(total=worker.config.kv.transfer_timeout, connect=connect, sock_connect=connect)
@@ -99,7 +100,7 @@ def check_prefill_result(result: PrefillResult, asked: PrefillRequest, vocab_siz
 async def send_abort(worker, peer: WorkerInfo, request_id: str) -> None:
     """Tell the prefill worker to stop ``request_id``; best effort, bounded."""
     data = encode(AbortRequest(request_id))
-    headers = worker.auth.sign_request("POST", "/abort", data, audience=peer.worker_id)
+    headers = worker.auth.sign_request("POST", "/abort", data, audience=peer.audience)
     try:
         # Bounded by the session's default: the control-call timeout.
         async with worker.http_client.post(f"{peer.http_address}/abort", data=data, headers=headers) as resp:

@@ -246,14 +246,14 @@ class Dispatcher:
                 body = GenerateRequest(request_id=request_id, prompt_token_ids=prompt, sampling_params=params,
                                        prefill_worker_id=route.prefill.worker_id if route.prefill else None,
                                        cache_salt=cache_salt)
-                decode_url = route.decode.http_address
+                decode_url, audience = route.decode.http_address, route.decode.audience
                 finished = said_busy = False
                 self._count_pending(route, len(prompt), +1)
                 self.sent_to_decode.add(decode_id, request_id, -(-len(prompt) // route.decode.capacity.block_size))
                 prompt_pending = True
                 resp = None
                 try:
-                    resp = await self._open_stream(decode_url, body, decode_id)
+                    resp = await self._open_stream(decode_url, body, audience)
                     await self._check_answer(resp, decode_id)
                     if resp.status == 200:
                         place.admitted()  # D took it: its place in line goes to the next
@@ -327,16 +327,16 @@ class Dispatcher:
                         self.queue.notify(1)  # a slot on D is free again: let a waiting request try
                     if not finished and not said_busy:
                         # Client gone, stop string, or failure: make sure no worker keeps computing.
-                        task = asyncio.get_running_loop().create_task(self.abort(decode_url, request_id, decode_id))
+                        task = asyncio.get_running_loop().create_task(self.abort(decode_url, request_id, audience))
                         self._aborts.add(task)
                         task.add_done_callback(self._aborts.discard)
         finally:
             place.leave()
 
-    async def _open_stream(self, decode_url: str, body: GenerateRequest, decode_id: str) -> aiohttp.ClientResponse:
+    async def _open_stream(self, decode_url: str, body: GenerateRequest, audience: str) -> aiohttp.ClientResponse:
         """POST /generate (signed) and wait (bounded) for the status and headers."""
         data = encode(body)
-        headers = self.auth.sign_request("POST", "/generate", data, audience=decode_id)
+        headers = self.auth.sign_request("POST", "/generate", data, audience=audience)
         try:
             async with asyncio.timeout(self.timeouts.response):
                 return await self.session.post(f"{decode_url}/generate", data=data, headers=headers)
@@ -391,9 +391,9 @@ class Dispatcher:
         if self._aborts:
             await asyncio.wait(list(self._aborts), timeout=3)
 
-    async def abort(self, decode_url: str, request_id: str, decode_id: str) -> None:
+    async def abort(self, decode_url: str, request_id: str, audience: str) -> None:
         data = encode(AbortRequest(request_id))
-        headers = self.auth.sign_request("POST", "/abort", data, audience=decode_id)
+        headers = self.auth.sign_request("POST", "/abort", data, audience=audience)
         try:
             async with self.control_session.post(f"{decode_url}/abort", data=data, headers=headers) as resp:
                 await read_response(resp, 4096)

@@ -328,7 +328,7 @@ class Gateway:
                 path += "?" + urlencode(query)
             # The operator's admin token stays here: the worker trusts the signature, made for it alone.
             headers = {"Content-Type": "application/json",
-                       **self.auth.sign_request(method, path, body, audience=worker.worker_id)}
+                       **self.auth.sign_request(method, path, body, audience=worker.audience)}
             try:
                 async with self.control_session.request(method, URL(f"{worker.http_address}{path}", encoded=True),
                                                         data=body or None, headers=headers) as resp:

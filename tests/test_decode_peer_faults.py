@@ -281,7 +281,7 @@ class WorkerClient:
     """Calls the decode worker's internal API the way its peers do (signed with the cluster secret)."""
 
     def __init__(self, stack: LocalStack, name: str = "d0"):
-        self.name = name  # its worker id: the audience of every signed call
+        self.audience = stack.worker_audience(name)  # its id and run: what every call is signed for
         self.url = stack.worker_url(name)
         self.auth = ClusterAuth(stack.cluster_secret)
         self.session: aiohttp.ClientSession | None = None
@@ -295,14 +295,14 @@ class WorkerClient:
 
     def post(self, path: str, data: bytes):
         return self.session.post(self.url + path, data=data,
-                                 headers=self.auth.sign_request("POST", path, data, audience=self.name))
+                                 headers=self.auth.sign_request("POST", path, data, audience=self.audience))
 
     def generate(self, prompt: list[int], prefill_worker_id: str | None) -> Stream:
         return Stream(self, prompt, prefill_worker_id)
 
     async def stats(self) -> dict:
         async with self.session.get(self.url + "/stats",
-                                    headers=self.auth.sign_request("GET", "/stats", audience=self.name)) as resp:
+                                    headers=self.auth.sign_request("GET", "/stats", audience=self.audience)) as resp:
             return await resp.json()
 
     async def idle(self) -> dict:

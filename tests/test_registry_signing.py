@@ -8,7 +8,7 @@ import time
 import msgspec
 import pytest
 
-from common.cluster.auth import ClusterAuth
+from common.cluster.auth import AUTH_VERSION, ClusterAuth
 from common.cluster.registry import (
     Capacity, KVAddress, WorkerInfo, WorkerRegistry, check_http_address, open_entry, seal_entry,
     validate_worker_info,
@@ -21,7 +21,8 @@ SECRET = "registry-test-secret-0123456789"
 def make_info(worker_id: str, http_address: str = "http://10.0.0.1:8100", **fields) -> WorkerInfo:
     """An entry as a current worker signs it now (``register`` stamps these fields itself)."""
     now = time.time()
-    return entry_fields(worker_id, http_address, **{"heartbeat_at": now, "expires_at": now + 5, "auth_version": 2,
+    return entry_fields(worker_id, http_address, **{"heartbeat_at": now, "expires_at": now + 5,
+                                                    "auth_version": AUTH_VERSION,
                                                     **fields})
 
 
@@ -144,7 +145,7 @@ async def test_a_captured_entry_written_back_after_it_expired_is_ignored(registr
     Redis TTL: its signature still verifies, but it expired long ago."""
     hour_ago = time.time() - 3600
     captured = msgspec.json.decode(msgspec.json.encode(entry_fields("p0", heartbeat_at=hour_ago)))
-    captured.update(expires_at=hour_ago + 5, auth_version=2)  # as the worker signed it then
+    captured.update(expires_at=hour_ago + 5, auth_version=AUTH_VERSION)  # as the worker signed it then
     await write_raw(registry, "p0", seal_entry(msgspec.json.encode(captured), registry.auth))
     assert await registry.list_workers(MODEL) == []
     assert await registry.get(MODEL, "p0") is None
@@ -168,7 +169,7 @@ async def test_readers_enforce_the_signed_expiry_with_a_clock_skew_allowance(red
     auth = ClusterAuth(SECRET)
     writer = WorkerRegistry(redis_client, key_prefix=key_prefix, ttl_s=600, auth=auth, clock=Clock(t0))
     written = await writer.register(make_info("p0"))
-    assert (written.heartbeat_at, written.expires_at, written.auth_version) == (t0, t0 + 600, 2)
+    assert (written.heartbeat_at, written.expires_at, written.auth_version) == (t0, t0 + 600, AUTH_VERSION)
     rejected = []
     clock = Clock(t0)
     reader = WorkerRegistry(redis_client, key_prefix=key_prefix, auth=auth, clock=clock, on_rejected=rejected.append)
@@ -186,10 +187,30 @@ async def test_readers_enforce_the_signed_expiry_with_a_clock_skew_allowance(red
 
 
 async def test_entries_of_an_older_auth_version_are_ignored_with_a_warning_naming_it(registry, rejected, caplog):
-    """A worker of cluster auth v1 (no version, no expiry in its entry) in a v2 cluster."""
+    """A worker of cluster auth v1 (no version, no expiry in its entry) in a v3 cluster; and one of v2
+    (no instance: requests to it were signed for its id alone)."""
     v1 = msgspec.json.encode(entry_fields("old0", heartbeat_at=time.time()))  # what a v1 worker signed
     with caplog.at_level(logging.WARNING, logger="common.cluster.registry"):
         await write_raw(registry, "old0", seal_entry(v1, registry.auth))
         assert await registry.list_workers(MODEL) == []
     assert rejected == ["version"]
-    assert "speaks cluster auth v1, this process v2" in caplog.text
+    assert f"speaks cluster auth v1, this process v{AUTH_VERSION}" in caplog.text
+    v2 = msgspec.json.decode(msgspec.json.encode(make_info("old1")))
+    del v2["instance"]
+    v2["auth_version"] = 2
+    with caplog.at_level(logging.WARNING, logger="common.cluster.registry"):
+        await write_raw(registry, "old1", seal_entry(msgspec.json.encode(v2), registry.auth))
+        assert await registry.get(MODEL, "old1") is None
+    assert rejected == ["version", "version"] and "speaks cluster auth v2" in caplog.text
+
+
+async def test_an_entry_names_its_run_and_callers_sign_for_it(registry, rejected):
+    """``instance`` is signed with the entry; a malformed one makes the entry unreadable."""
+    written = await registry.register(make_info("p0", instance="ab" * 16))
+    assert written.audience == "p0/" + "ab" * 16
+    assert (await registry.get(MODEL, "p0")).audience == written.audience
+    assert make_info("p1").instance != make_info("p1").instance  # a fresh run unless one is given
+    bad = msgspec.json.decode(msgspec.json.encode(written))
+    bad["instance"] = "AB" * 16
+    await write_raw(registry, "p0", seal_entry(msgspec.json.encode(bad), registry.auth))
+    assert await registry.get(MODEL, "p0") is None and rejected == ["unreadable"]

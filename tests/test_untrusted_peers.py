@@ -149,7 +149,8 @@ async def generate(cluster, prompt: list[int], max_tokens: int, prefill_worker_i
                                   sampling_params=SamplingParams(max_tokens=max_tokens, temperature=0.0,
                                                                  ignore_eos=True, logprobs=logprobs),
                                   prefill_worker_id=prefill_worker_id))
-    headers = ClusterAuth(cluster.cluster_secret).sign_request("POST", "/generate", body, audience="d0")
+    headers = ClusterAuth(cluster.cluster_secret).sign_request("POST", "/generate", body,
+                                                               audience=cluster.worker_audience("d0"))
     frames = []
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
         async with session.post(cluster.worker_url("d0") + "/generate", data=body, headers=headers) as resp:
@@ -173,6 +174,7 @@ class EvilPrefill:
         self.auth = ClusterAuth(cluster.cluster_secret)
         self.calls = 0
         self.bytes_written = 0
+        self.p0 = cluster.worker_audience("p0")  # where it relays
 
     async def start(self, redis_client) -> "EvilPrefill":
         app = web.Application()
@@ -198,7 +200,7 @@ class EvilPrefill:
     async def prefill(self, request: web.Request) -> web.StreamResponse:
         self.calls += 1
         body = await request.read()
-        headers = self.auth.sign_request("POST", "/prefill", body, audience="p0")
+        headers = self.auth.sign_request("POST", "/prefill", body, audience=self.p0)
         async with aiohttp.ClientSession() as session:
             async with session.post(self.cluster.worker_url("p0") + "/prefill", data=body, headers=headers) as resp:
                 genuine = decode(await resp.read(), PrefillResult)
@@ -282,7 +284,8 @@ async def test_a_prefill_worker_not_in_the_registry_is_never_called(cluster, ref
 def post_signed(cluster, worker: str, path: str, body: bytes) -> tuple[int, bytes]:
     import urllib.request
 
-    headers = ClusterAuth(cluster.cluster_secret).sign_request("POST", path, body, audience=worker)
+    audience = cluster.worker_audience(worker)
+    headers = ClusterAuth(cluster.cluster_secret).sign_request("POST", path, body, audience=audience)
     req = urllib.request.Request(cluster.worker_url(worker) + path, data=body, method="POST", headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=60) as resp:
@@ -356,6 +359,7 @@ class AdminRecorder:
         port = site._server.sockets[0].getsockname()[1]
         entry = msgspec.structs.replace(forged_entry(self.worker_id, "prefill", self.cluster.model_name, port),
                                         state="idle")
+        self.instance = entry.instance  # the run the gateway signs its calls for
         self.registry = WorkerRegistry(redis_client, key_prefix=self.cluster.key_prefix, ttl_s=120,
                                        auth=ClusterAuth(self.cluster.cluster_secret))
         await self.registry.register(entry)
@@ -383,9 +387,9 @@ async def test_admin_calls_reach_a_worker_signed_for_it_without_the_admin_token(
     for _, path, headers, _ in recorder.received:
         assert not any(ADMIN_TOKEN in value for value in headers.values()), f"{path}: the admin token left the gateway"
         assert "X-Admin-Token" not in headers
-    verifier = ClusterAuth(cluster.cluster_secret).request_verifier(recorder.worker_id)
+    verifier = ClusterAuth(cluster.cluster_secret).request_verifier(recorder.worker_id, recorder.instance)
     for method, path, headers, body in recorder.received:
-        assert headers["X-PD-Audience"] == recorder.worker_id
+        assert headers["X-PD-Audience"] == f"{recorder.worker_id}/{recorder.instance}"
         verifier.verify_request(method, path, headers, body)  # signed for this worker, once each
     # ... and what the gateway sent one worker is no use on another, nor twice.
     method, path, headers, body = recorder.received[0]

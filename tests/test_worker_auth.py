@@ -1,7 +1,8 @@
 """Every worker endpoint but /health refuses callers without the cluster secret, before reading the
 body, and nothing happens: no request admitted, no block allocated, no abort, no drain, no role change.
-A signed request works once, on the worker it was signed for: replayed, or sent to another worker,
-it is refused (cluster auth v2: nonce and audience).  The admin endpoints take signed calls only.
+A signed request works once, on the worker run it was signed for: replayed, sent to another
+worker or to another run of the same one, it is refused (cluster auth v3: nonce, audience with the
+run's instance, body digest in the signed headers).  The admin endpoints take signed calls only.
 
 A real stack (1 prefill + 1 decode worker, real Redis, the gateway): the test holds the stack's
 secret, so it can also show that the same calls, correctly signed, do take effect.  Requests that
@@ -19,13 +20,11 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from unittest import mock
 
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from common.cluster import launcher
-from common.cluster.auth import MAX_CLOCK_SKEW_S, ClusterAuth
+from common.cluster.auth import MAX_CLOCK_SKEW_S, ClusterAuth, audience_of, new_instance_id
 from common.cluster.messages import (
     MAX_FRAME_BYTES, AbortRequest, GenerateRequest, PrefillRequest, TokenFrame, decode, encode,
 )
@@ -80,22 +79,25 @@ def v1_signature(secret: str, method: str, path: str, body: bytes, now: float) -
     return {"X-PD-Time": stamp, "X-PD-Signature": hmac.new(key, message, hashlib.sha256).hexdigest()}
 
 
-def forgeries(secret: str, worker: str, method: str, path: str, body: bytes) -> dict[str, tuple[str, bytes, dict]]:
+def forgeries(secret: str, audiences: dict[str, str], worker: str, method: str, path: str,
+              body: bytes) -> dict[str, tuple[str, bytes, dict]]:
     """Ways to call ``worker`` without valid credentials: (path sent, body sent, auth headers) by name."""
     right, wrong = ClusterAuth(secret), ClusterAuth("a-different-secret-of-enough-length")
-    other = {"d0": "p0", "p0": "d0"}[worker]
+    audience, other = audiences[worker], audiences[{"d0": "p0", "p0": "d0"}[worker]]
     if body:
-        tampered = (path, body[:-1] + bytes([body[-1] ^ 1]), right.sign_request(method, path, body, audience=worker))
+        tampered = (path, body[:-1] + bytes([body[-1] ^ 1]), right.sign_request(method, path, body, audience=audience))
     else:  # nothing to tamper with in a GET body: the signature is for another path
-        tampered = (path, body, right.sign_request(method, path + "x", body, audience=worker))
+        tampered = (path, body, right.sign_request(method, path + "x", body, audience=audience))
     return {
         "no credentials": (path, body, {}),
-        "wrong secret": (path, body, wrong.sign_request(method, path, body, audience=worker)),
+        "wrong secret": (path, body, wrong.sign_request(method, path, body, audience=audience)),
         "tampered": tampered,
         "for another worker": (path, body, right.sign_request(method, path, body, audience=other)),
-        "stale": (path, body, right.sign_request(method, path, body, audience=worker,
+        "for an earlier run": (path, body, right.sign_request(method, path, body,
+                                                              audience=audience_of(worker, new_instance_id()))),
+        "stale": (path, body, right.sign_request(method, path, body, audience=audience,
                                                  now=time.time() - MAX_CLOCK_SKEW_S - 60)),
-        "malformed": (path, body, {"X-PD-Auth": "2", "X-PD-Time": "soon", "X-PD-Signature": "00"}),
+        "malformed": (path, body, {"X-PD-Auth": "3", "X-PD-Time": "soon", "X-PD-Signature": "00"}),
         "auth v1": (path, body, v1_signature(secret, method, path, body, time.time())),
     }
 
@@ -114,7 +116,7 @@ def state(cluster) -> dict:
 
 def auth_refusals(cluster, name: str) -> float:
     url = cluster.worker_url(name) + "/metrics"
-    signed = ClusterAuth(cluster.cluster_secret).sign_request("GET", "/metrics", audience=name)
+    signed = ClusterAuth(cluster.cluster_secret).sign_request("GET", "/metrics", audience=cluster.worker_audience(name))
     status, body = call(url, "GET", None, signed)
     assert status == 200
     return sum(float(line.split()[-1]) for line in body.decode().splitlines()
@@ -125,8 +127,9 @@ def test_every_endpoint_refuses_bad_credentials_and_nothing_changes(cluster):
     before = state(cluster)
     refusals_before = {n: auth_refusals(cluster, n) for n in ("p0", "d0")}
     expected_refusals = {"p0": 0, "d0": 0}
+    audiences = {name: cluster.worker_audience(name) for name in ("p0", "d0")}
     for worker, method, path, body, extra in endpoints(cluster):
-        for how, (sent_path, sent_body, creds) in forgeries(cluster.cluster_secret, worker, method, path,
+        for how, (sent_path, sent_body, creds) in forgeries(cluster.cluster_secret, audiences, worker, method, path,
                                                             body).items():
             status, answer = call(cluster.worker_url(worker) + sent_path, method, sent_body or None,
                                   {**extra, **creds})
@@ -148,9 +151,26 @@ def test_credentials_are_checked_before_the_body_is_read(cluster):
     assert answer.startswith(b"HTTP/1.1 401"), answer[:200]
 
 
+def test_credentials_are_verified_whole_before_the_body_is_read(cluster):
+    """A stranger who builds fresh, well-formed credentials for this very worker run (its id and
+    instance are no secret: /health names the instance) but cannot sign them gets its 401 without
+    the worker waiting for the 4 MiB it declared (issue 27 security review: 2,048 such connections
+    held ~8 GiB of a worker for 30 s)."""
+    headers = ClusterAuth("a-stranger-secret-of-enough-length").sign_request(
+        "POST", "/generate", b"\x00" * MAX_FRAME_BYTES, audience=cluster.worker_audience("d0"))
+    host, port = urllib.parse.urlsplit(cluster.worker_url("d0")).netloc.split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+        sock.sendall(f"POST /generate HTTP/1.1\r\nHost: x\r\n{head}Content-Length: {MAX_FRAME_BYTES}\r\n\r\n"
+                     .encode() + b"\x00" * 100)
+        answer = sock.recv(4096)
+    assert answer.startswith(b"HTTP/1.1 401") and b"wrong cluster credentials" in answer, answer[:300]
+
+
 def test_a_body_over_the_limit_is_refused_before_it_is_read(cluster):
     secret = ClusterAuth(cluster.cluster_secret)
-    headers = secret.sign_request("POST", "/generate", b"whatever", audience="d0")  # fresh and well formed
+    headers = secret.sign_request("POST", "/generate", b"\x00" * (MAX_FRAME_BYTES + 1),
+                                  audience=cluster.worker_audience("d0"))
     host, port = urllib.parse.urlsplit(cluster.worker_url("d0")).netloc.split(":")
     with socket.create_connection((host, int(port)), timeout=30) as sock:
         head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
@@ -167,7 +187,8 @@ class Stream:
         body = encode(GenerateRequest(request_id=request_id, prompt_token_ids=PROMPT,
                                       sampling_params=SamplingParams(max_tokens=max_tokens, temperature=0.0,
                                                                      ignore_eos=True)))
-        headers = ClusterAuth(cluster.cluster_secret).sign_request("POST", "/generate", body, audience="d0")
+        headers = ClusterAuth(cluster.cluster_secret).sign_request("POST", "/generate", body,
+                                                                   audience=cluster.worker_audience("d0"))
         req = urllib.request.Request(cluster.worker_url("d0") + "/generate", data=body, method="POST", headers=headers)
         self.resp = urllib.request.urlopen(req, timeout=120)
         self.frames: list[TokenFrame] = []
@@ -193,7 +214,8 @@ def test_forged_abort_leaves_an_inflight_request_running(cluster):
     victim = Stream(cluster, "victim", max_tokens=900)
     assert victim.first.wait(60) and not victim.frames[0].error, victim.frames[:1]
     body = encode(AbortRequest("victim"))
-    for how, (path, sent, creds) in forgeries(cluster.cluster_secret, "d0", "POST", "/abort", body).items():
+    audiences = {name: cluster.worker_audience(name) for name in ("p0", "d0")}
+    for how, (path, sent, creds) in forgeries(cluster.cluster_secret, audiences, "d0", "POST", "/abort", body).items():
         status, _ = call(cluster.worker_url("d0") + path, "POST", sent, creds)
         assert status == 401, how
     stats = cluster.stats("d0")
@@ -238,22 +260,16 @@ def test_listeners_bind_loopback_by_default(cluster):
             socket.create_connection((address, port), timeout=10).close()
 
 
-# ---- cluster auth v2: each signed request works once, on the worker it was signed for -----------
-# The requests are signed the way the deployment's own tools sign them (LocalStack.worker_json, as
-# the gateway and peers do), captured on their way out, then sent as raw bytes.
+# ---- cluster auth v3: each signed request works once, on the worker run it was signed for --------
+# The requests are signed the way the deployment's own tools sign them (for the audience of the
+# worker's current run, as LocalStack.worker_json, the gateway and peers do), then sent as raw bytes.
 
 
 def captured(cluster, worker: str, method: str, path: str, body: bytes = b"", headers: dict | None = None) -> dict:
-    """The headers ``worker_json`` sends for this call, without sending it."""
-    seen = {}
-
-    def record(url, method, body, headers, timeout):
-        seen.update(headers)
-        return {}
-
-    with mock.patch.object(launcher, "http_json", record):
-        cluster.worker_json(worker, path, method, body, headers)
-    return seen
+    """The headers of a signed call to ``worker``'s current run (not sent)."""
+    signed = ClusterAuth(cluster.cluster_secret).sign_request(method, path, body,
+                                                              audience=cluster.worker_audience(worker))
+    return {**(headers or {}), **signed}
 
 
 def send_raw(url: str, method: bytes, target: bytes, headers: list[tuple[bytes, bytes]], body: bytes) -> tuple[int, bytes]:
@@ -291,8 +307,20 @@ def test_a_request_signed_for_one_worker_is_refused_by_another(cluster):
                        {"X-Admin-Token": ADMIN_TOKEN, "Content-Type": "application/json"})
     assert cluster.stats("d0")["state"] == "active"
     status, answer = send_raw(cluster.worker_url("d0"), b"POST", b"/admin/drain", raw_headers(headers), b"{}")
-    assert status == 401 and b"'p0'" in answer and b"'d0'" in answer, (status, answer)
+    assert status == 401 and b"another worker" in answer, (status, answer)
+    assert b"p0" not in answer and b"d0" not in answer  # the refusal names no worker
     assert cluster.stats("d0")["state"] == "active"
+
+
+def test_the_run_a_worker_publishes_is_the_one_it_verifies_for(cluster):
+    """The instance in a worker's signed registry entry (what the gateway signs for) and in its
+    /health (what tools read) is its verifier's: a call signed for it is served."""
+    pools = http_json(f"{cluster.gateway_url}/admin/pools", headers={"X-Admin-Token": ADMIN_TOKEN})
+    for worker in pools["workers"]:
+        assert audience_of(worker["worker_id"], worker["instance"]) == cluster.worker_audience(worker["worker_id"])
+    status, _ = send_raw(cluster.worker_url("d0"), b"GET", b"/stats", raw_headers(captured(cluster, "d0", "GET",
+                                                                                          "/stats")), b"")
+    assert status == 200
 
 
 def test_worker_admin_calls_are_authorised_by_the_signature_not_by_an_admin_token(cluster):
@@ -325,6 +353,8 @@ def test_a_caller_of_the_previous_auth_version_is_refused_with_a_message_naming_
     (b"X-PD-Nonce", "\u0660".encode() * 32),
     (b"X-PD-Audience", "d\u00e9".encode()),
     (b"X-PD-Auth", "\u0662".encode()),
+    (b"X-PD-Body", "\u0663".encode() + b":" + b"0" * 64),
+    (b"X-PD-Body", b"2:" + "\u00e9".encode() * 64),
 ])
 def test_malformed_credentials_are_a_401_never_a_500(cluster, name, value):
     body = encode(AbortRequest("malformed"))
@@ -341,7 +371,7 @@ def test_malformed_credentials_are_a_401_never_a_500(cluster, name, value):
 # parser strips, so a value padded with it would be no change).
 HEADER_BYTES = st.binary(max_size=80).map(lambda b: bytes(c for c in b if c > 0x20 and c != 0x7f))
 DIGIT_SCRIPTS = [0x0660, 0x06F0, 0x0966, 0xFF10, 0x1D7CE]  # Arabic-Indic, Persian, Devanagari, fullwidth, math bold
-SIGNED_NAMES = [b"X-PD-Auth", b"X-PD-Time", b"X-PD-Nonce", b"X-PD-Audience", b"X-PD-Signature"]
+SIGNED_NAMES = [b"X-PD-Auth", b"X-PD-Time", b"X-PD-Nonce", b"X-PD-Audience", b"X-PD-Body", b"X-PD-Signature"]
 
 
 @st.composite
@@ -390,7 +420,7 @@ def test_any_change_to_a_signed_request_is_a_401_and_burns_nothing(cluster, muta
     """Whatever part of a signed request changes -- method, path, body, or any credential header's
     value, digits, case, presence or count -- the worker answers 401 (never a 500, never the
     handler), and the original, sent afterwards, is still accepted once: a refused request uses up
-    no nonce."""
+    no nonce (one whose body is not the signed one gives back the nonce its headers took)."""
     what, apply = mutation
     body = encode(AbortRequest(f"prop-{request_id}"))
     original = (b"POST", b"/abort", raw_headers(captured(cluster, "d0", "POST", "/abort", body)), body)

@@ -4,37 +4,54 @@ Everything behind the gateway shares one secret (``PDSERVE_CLUSTER_SECRET``).  I
 each channel uses a key derived from it for its own purpose, so a value signed for one channel is
 worthless on another::
 
-    secret --HMAC("pdserve/http/2")---> http key      signs internal HTTP requests (headers below)
+    secret --HMAC("pdserve/http/3")---> http key      signs internal HTTP requests (headers below)
            --HMAC("pdserve/registry")-> registry key  signs worker entries in Redis
            --HMAC("pdserve/kv")-------> kv key        KV-connection challenge-response
 
-Internal HTTP request signature, cluster auth v2 (``ClusterAuth.sign_request``, checked by the
+Internal HTTP request signature, cluster auth v3 (``ClusterAuth.sign_request``, checked by the
 receiving worker's ``RequestVerifier``)::
 
-    X-PD-Auth:      2                   the scheme's version
+    X-PD-Auth:      3                   the scheme's version
     X-PD-Time:      unix seconds        when it was signed (the verifier accepts +-MAX_CLOCK_SKEW_S)
     X-PD-Nonce:     32 lower-case hex   random, never used twice
-    X-PD-Audience:  a worker id         the worker the request is for
+    X-PD-Audience:  WORKER_ID/INSTANCE  the worker the request is for, and which run of it
+    X-PD-Body:      LENGTH:SHA256HEX    the body's length in bytes (decimal) and SHA-256 (lower-case hex)
     X-PD-Signature: 64 lower-case hex   HMAC-SHA256(http key, LP(METHOD) LP(PATH_QS) LP(TIME) LP(NONCE)
-                                                                  LP(AUDIENCE) LP(SHA256(body)))
+                                                                  LP(AUDIENCE) LP(BODY))
 
-``LP(x)`` is ``x`` prefixed with its length (4 bytes, big-endian).  The receiving worker computes the
-MAC with its *own* worker id, so a request signed for one worker is refused by every other (the
-header only lets the refusal say so); and it remembers every accepted nonce until the request's
-time is out of the skew window (``nonce_cache``), so a captured request is refused when replayed
-to the same worker, and is stale by the time the nonce is forgotten.  A worker also refuses requests
-signed before it started, since its previous run's nonces are gone.
+``LP(x)`` is ``x`` (the header's exact text; METHOD upper-case, PATH_QS the request target as sent)
+prefixed with its length (4 bytes, big-endian).  Everything the MAC covers is in the headers, so
+the worker verifies it before it reads a byte of the body, then reads exactly the declared length
+(``Content-Length`` must say the same, and no more than the worker's body limit) and compares the
+hash: a caller without the secret never gets a body read.
+
+The audience names the worker (its id) and its run: every worker process draws a random
+``INSTANCE`` (``new_instance_id``) when it starts and publishes it in its signed registry entry
+(``WorkerInfo.instance``, ``WorkerInfo.audience``) and its ``/health``.  The worker computes the
+MAC with its *own* audience, so a request signed for one worker, or for an earlier run of the same
+worker, is refused (the refusal names neither).  Within a run, the worker remembers every accepted
+nonce until the request's time is out of the skew window (``nonce_cache``), so a captured request
+is refused when replayed, and is stale by the time the nonce is forgotten.  A restarted worker has
+a new instance, so nothing signed for its previous run -- whatever the signer's clock said --
+is accepted by it.  Callers take the audience from the worker's current registry entry (its
+``/health`` for tools outside the cluster plane); one signed for a worker that restarted since is
+refused with reason "audience", and the caller's next read of the registry has the new one.
 
 Every header must be present once and match its exact ASCII form; anything else, a non-ASCII byte
 or a Unicode digit included, is a 401 like a wrong signature.  A request whose credentials are
-missing, malformed, of another version, for another worker, stale or already used is refused
-before its body is read; one whose signature does not match the body is refused before the body
-is decoded.  Callers sign each request right before sending it, and sign again to resend.
+missing, malformed, of another version, for another worker or run, stale, wrongly signed or already
+used is refused before its body is read; one whose body is not the one signed is refused after it
+was read, before it is decoded, and its nonce stays usable (nothing was done with it).  Callers
+sign each request right before sending it, and sign again to resend.
 
-Versions: a request with ``X-PD-Time``/``X-PD-Signature`` but no ``X-PD-Auth`` comes from a v1
-caller (no nonce, no audience, replayable) and is refused with a message saying so; registry entries
-carry the version too (``registry.WorkerInfo.auth_version``), so a v2 reader ignores, with a warning
-naming the version, the workers a v1 process registered.  A cluster runs one version.
+Versions: v3 replaced v2 on the day v2 landed (v2's MAC covered the body, so the worker had to read
+a stranger's body before it could check anything; and its audience had no run, so a request
+stamped in the worker's future could be replayed to it after a restart).  v2 and v3 derive
+different keys and are refused by each other with a message naming the version; a request with
+``X-PD-Time``/``X-PD-Signature`` but no ``X-PD-Auth`` comes from a v1 caller (no nonce, no audience,
+replayable) and is refused with a message saying so.  Registry entries carry the version too
+(``registry.WorkerInfo.auth_version``), so a reader ignores, with a warning naming the version, the
+workers a process of another version registered.  A cluster runs one version.
 
 No secret configured (``ClusterAuth.disabled()``): allowed only when every listener is on loopback
 (``require_secret``); then nothing is signed or checked.
@@ -55,22 +72,26 @@ import time
 from typing import Callable, Iterable, Mapping
 
 from common.cluster.nonce_cache import DEFAULT_CAPACITY, REPLAYED, NonceCache
+from common.cluster.redis_keys import WORKER_ID_RE
 
 SECRET_ENV = "PDSERVE_CLUSTER_SECRET"
 MIN_SECRET_LEN = 16
 MAX_CLOCK_SKEW_S = 300.0
-AUTH_VERSION = 2
+AUTH_VERSION = 3
 VERSION_HEADER = "X-PD-Auth"
 TIME_HEADER = "X-PD-Time"
 NONCE_HEADER = "X-PD-Nonce"
 AUDIENCE_HEADER = "X-PD-Audience"
+BODY_HEADER = "X-PD-Body"
 SIGNATURE_HEADER = "X-PD-Signature"
+INSTANCE_RE = re.compile(r"[0-9a-f]{32}")  # a worker run's instance id (new_instance_id)
 _PLACEHOLDER_PREFIXES = ("change-me", "changeme", "replace-me", "secret", "password", "example")
 # The exact form of each header (explicit ASCII classes: ``\d`` and ``str.isdigit`` take any script's digits).
 _HEADER_FORMS = {
     TIME_HEADER: re.compile(r"[0-9]{1,12}"),
     NONCE_HEADER: re.compile(r"[0-9a-f]{32}"),
-    AUDIENCE_HEADER: re.compile(r"[A-Za-z0-9._:@-]{1,128}"),  # a worker id (registry.WorkerId)
+    AUDIENCE_HEADER: re.compile(rf"{WORKER_ID_RE.pattern}/{INSTANCE_RE.pattern}"),  # audience_of(id, instance)
+    BODY_HEADER: re.compile(r"(0|[1-9][0-9]{0,11}):[0-9a-f]{64}"),
     SIGNATURE_HEADER: re.compile(r"[0-9a-f]{64}"),
 }
 _SIGNED_HEADERS = (VERSION_HEADER, *_HEADER_FORMS)
@@ -79,9 +100,10 @@ _SIGNED_HEADERS = (VERSION_HEADER, *_HEADER_FORMS)
 class AuthError(Exception):
     """A request, entry or peer failed authentication (the message says why, never the secret).
 
-    ``reason`` names the kind for metrics: credentials (missing, malformed, stale or wrong),
-    version (another scheme version), audience (for another worker), replay (a nonce already
-    used), replay_window (too old to tell, while the replay cache is full)."""
+    ``reason`` names the kind for metrics: credentials (missing, malformed, stale or wrong, or a
+    body that is not the one signed), version (another scheme version), audience (for another
+    worker, or another run of this one), replay (a nonce already used), replay_window (too old to
+    tell, while the replay cache is full)."""
 
     def __init__(self, message: str, reason: str = "credentials"):
         super().__init__(message)
@@ -91,6 +113,26 @@ class AuthError(Exception):
 def generate_secret() -> str:
     """A fresh random secret (256 bits, URL-safe text)."""
     return secrets.token_urlsafe(32)
+
+
+def new_instance_id() -> str:
+    """A fresh instance id for one run of a worker (the second half of its audience)."""
+    return secrets.token_hex(16)
+
+
+def audience_of(worker_id: str, instance: str) -> str:
+    """The audience a request for run ``instance`` of worker ``worker_id`` is signed for (what
+    ``WorkerInfo.audience`` gives); ValueError when either is malformed."""
+    if not isinstance(worker_id, str) or not WORKER_ID_RE.fullmatch(worker_id):
+        raise ValueError(f"{worker_id!r} is not a worker id")
+    if not isinstance(instance, str) or not INSTANCE_RE.fullmatch(instance):
+        raise ValueError(f"instance of worker {worker_id!r} is not 32 lower-case hex digits")
+    return f"{worker_id}/{instance}"
+
+
+def body_digest(body: bytes) -> str:
+    """The ``X-PD-Body`` value of ``body``: its length and SHA-256."""
+    return f"{len(body)}:{hashlib.sha256(body).hexdigest()}"
 
 
 def secret_problem(value: str | None) -> str | None:
@@ -177,30 +219,33 @@ class ClusterAuth:
 
     def sign_request(self, method: str, path_qs: str, body: bytes = b"", *, audience: str,
                      now: float | None = None) -> dict[str, str]:
-        """Headers proving the caller holds the secret, for one request to the worker ``audience``
-        (its worker id); ``{}`` when auth is disabled.  Sign each request right before sending it:
-        the verifier refuses a second use of the same headers."""
+        """Headers proving the caller holds the secret, for one request with exactly this method,
+        request target and body, to the worker run ``audience`` (``WorkerInfo.audience``, i.e.
+        ``audience_of(worker_id, instance)``); ``{}`` when auth is disabled.  Sign each request
+        right before sending it: the verifier refuses a second use of the same headers."""
+        if not isinstance(audience, str) or not _HEADER_FORMS[AUDIENCE_HEADER].fullmatch(audience):
+            raise ValueError(f"audience {audience!r} is not WORKER_ID/INSTANCE (WorkerInfo.audience)")
         if not self.enabled:
             return {}
-        if not isinstance(audience, str) or not _HEADER_FORMS[AUDIENCE_HEADER].fullmatch(audience):
-            raise ValueError(f"audience {audience!r} is not a worker id")
         stamp = str(int(time.time() if now is None else now))
         nonce = secrets.token_hex(16)
+        digest = body_digest(body)
         return {VERSION_HEADER: str(AUTH_VERSION), TIME_HEADER: stamp, NONCE_HEADER: nonce,
-                AUDIENCE_HEADER: audience,
-                SIGNATURE_HEADER: self._request_mac(method, path_qs, stamp, nonce, audience, body)}
+                AUDIENCE_HEADER: audience, BODY_HEADER: digest,
+                SIGNATURE_HEADER: self._request_mac(method, path_qs, stamp, nonce, audience, digest)}
 
-    def request_verifier(self, audience: str, *, clock: Callable[[], float] = time.time,
+    def request_verifier(self, worker_id: str, instance: str | None = None, *,
+                         clock: Callable[[], float] = time.time,
                          max_nonces: int = DEFAULT_CAPACITY) -> "RequestVerifier":
-        """The verifier of requests signed for the worker ``audience`` (one per worker process)."""
-        return RequestVerifier(self, audience, clock=clock, max_nonces=max_nonces)
+        """The verifier of requests signed for run ``instance`` of the worker ``worker_id`` (one
+        per worker process; a fresh instance id when None)."""
+        return RequestVerifier(self, worker_id, instance, clock=clock, max_nonces=max_nonces)
 
-    def _request_mac(self, method: str, path_qs: str, stamp: str, nonce: str, audience: str, body: bytes) -> str:
+    def _request_mac(self, method: str, path_qs: str, stamp: str, nonce: str, audience: str, digest: str) -> str:
         mac = hmac.new(self._http, digestmod=hashlib.sha256)
         # surrogatepass: a path aiohttp decoded from non-UTF-8 bytes still encodes (and matches nothing).
-        for part in (method.upper(), path_qs, stamp, nonce, audience):
+        for part in (method.upper(), path_qs, stamp, nonce, audience, digest):
             _update_lp(mac, part.encode("utf-8", "surrogatepass"))
-        _update_lp(mac, hashlib.sha256(body).digest())
         return mac.hexdigest()
 
     # ---- registry entries ----------------------------------------------------------------
@@ -233,40 +278,42 @@ class ClusterAuth:
 
 
 class SignedCredentials:
-    """The well-formed credential headers of one request (``RequestVerifier.check_headers``)."""
+    """What a request's verified headers promise about its body (``RequestVerifier.verify_headers``)."""
 
-    __slots__ = ("stamp", "nonce", "signature", "acceptable_until")
+    __slots__ = ("nonce", "acceptable_until", "body_length", "body_sha256")
 
-    def __init__(self, stamp: str, nonce: str, signature: str):
-        self.stamp, self.nonce, self.signature = stamp, nonce, signature
+    def __init__(self, stamp: str, nonce: str, digest: str):
+        self.nonce = nonce
         self.acceptable_until = int(stamp) + MAX_CLOCK_SKEW_S
+        length, _, sha256 = digest.partition(":")
+        self.body_length = int(length)
+        self.body_sha256 = bytes.fromhex(sha256)
 
 
 class RequestVerifier:
-    """Checks requests signed for one worker (``audience``, its worker id) and refuses replays.
+    """Checks requests signed for one run of one worker (``audience``: its worker id and
+    ``instance``) and refuses replays.
 
-    Two stages, so that a request is refused before its body is read whenever its headers suffice:
-    ``check_headers`` (present once, exact form, this version, this worker, fresh, nonce not
-    used), then ``verify`` with the body (the signature matches, and the nonce is remembered;
-    refused if another request with it was accepted meanwhile).  With auth disabled both accept
-    everything.  ``clock`` is unix time (tests pass their own).  One event loop uses it."""
+    Two stages, so that nothing of a request is read before its headers are proven:
+    ``verify_headers`` (present once, exact form, this version, this worker and run, fresh, the
+    signature matches, the nonce unused -- and now taken), then ``verify_body`` (the body read is
+    the one the headers promise).  A request that passed the first stage but is not served after
+    all (its body does not match, never arrives, or its caller leaves) gives its nonce back with
+    ``release``.  With auth disabled all accept everything.  ``clock`` is unix time (tests pass
+    their own).  One event loop uses it."""
 
-    def __init__(self, auth: ClusterAuth, audience: str, *, clock: Callable[[], float] = time.time,
-                 max_nonces: int = DEFAULT_CAPACITY):
-        if not _HEADER_FORMS[AUDIENCE_HEADER].fullmatch(audience):
-            raise ValueError(f"audience {audience!r} is not a worker id")
+    def __init__(self, auth: ClusterAuth, worker_id: str, instance: str | None = None, *,
+                 clock: Callable[[], float] = time.time, max_nonces: int = DEFAULT_CAPACITY):
+        self.instance = new_instance_id() if instance is None else instance
+        self.audience = audience_of(worker_id, self.instance)
+        self.worker_id = worker_id
         self.auth = auth
-        self.audience = audience
         self.clock = clock
         self.seen = NonceCache(max_nonces)
-        # The nonces a previous run of this worker accepted are gone: requests signed before this
-        # run began are refused, so none of them can be replayed to it (a caller whose clock lags
-        # this one's gets 401s only until its clock passes this second).
-        self.signed_not_before = int(clock())
 
-    def check_headers(self, headers: Mapping[str, str]) -> SignedCredentials | None:
-        """The request's credentials if its headers pass every check that needs no body (None when
-        auth is disabled); raises ``AuthError`` naming the problem otherwise."""
+    def verify_headers(self, method: str, path_qs: str, headers: Mapping[str, str]) -> SignedCredentials | None:
+        """The promise about the body of a request whose headers pass every check (None when auth
+        is disabled), its nonce taken; raises ``AuthError`` naming the problem otherwise."""
         if not self.auth.enabled:
             return None
         values = {name: _single(headers, name) for name in _SIGNED_HEADERS}
@@ -288,36 +335,45 @@ class RequestVerifier:
             if not form.fullmatch(value):
                 raise AuthError(f"malformed cluster credentials ({name})")
         if values[AUDIENCE_HEADER] != self.audience:
-            raise AuthError(f"cluster credentials for worker {values[AUDIENCE_HEADER]!r}, not for this worker "
-                            f"({self.audience!r})", "audience")
-        creds = SignedCredentials(values[TIME_HEADER], values[NONCE_HEADER], values[SIGNATURE_HEADER])
+            # Neither audience is named: the refusal tells a stranger nothing about this worker.
+            raise AuthError("cluster credentials for another worker, or for an earlier run of this one (sign for "
+                            "the audience of its current registry entry)", "audience")
+        stamp, nonce = values[TIME_HEADER], values[NONCE_HEADER]
         now = self.clock()
-        if abs(now - int(creds.stamp)) > MAX_CLOCK_SKEW_S:
+        if abs(now - int(stamp)) > MAX_CLOCK_SKEW_S:
             raise AuthError("stale cluster credentials (signed more than "
                             f"{MAX_CLOCK_SKEW_S:.0f} s away from this worker's clock)")
-        if int(creds.stamp) < self.signed_not_before:
-            raise AuthError("cluster credentials signed before this worker started (a replay from its previous run, "
-                            "or the caller's clock is behind this worker's)", "replay_window")
-        why = self.seen.refusal(creds.nonce, creds.acceptable_until, now)
+        # The MAC with this worker's own audience (equal to the header's, checked above).
+        expected = self.auth._request_mac(method, path_qs, stamp, nonce, self.audience, values[BODY_HEADER])
+        if not hmac.compare_digest(expected, values[SIGNATURE_HEADER]):  # both ASCII: checked above
+            raise AuthError("wrong cluster credentials")
+        creds = SignedCredentials(stamp, nonce, values[BODY_HEADER])
+        why = self.seen.remember(nonce, creds.acceptable_until, now)
         if why is not None:
             raise AuthError(why, "replay" if why == REPLAYED else "replay_window")
         return creds
 
-    def verify(self, method: str, path_qs: str, creds: SignedCredentials | None, body: bytes) -> None:
-        """Raise ``AuthError`` unless ``creds`` (from ``check_headers``) sign exactly this method,
-        path and body for this worker, and were not used before; remembers their nonce."""
-        if not self.auth.enabled:
+    def verify_body(self, creds: SignedCredentials | None, body: bytes) -> None:
+        """Raise ``AuthError`` unless ``body`` is the one ``creds`` (from ``verify_headers``) promise."""
+        if creds is None:
             return
-        expected = self.auth._request_mac(method, path_qs, creds.stamp, creds.nonce, self.audience, body)
-        if not hmac.compare_digest(expected, creds.signature):  # both ASCII: checked by check_headers
-            raise AuthError("wrong cluster credentials")
-        why = self.seen.remember(creds.nonce, creds.acceptable_until, self.clock())
-        if why is not None:
-            raise AuthError(why, "replay" if why == REPLAYED else "replay_window")
+        if len(body) != creds.body_length or not hmac.compare_digest(hashlib.sha256(body).digest(),
+                                                                       creds.body_sha256):
+            raise AuthError("the body is not the one the cluster credentials were signed for")
+
+    def release(self, creds: SignedCredentials | None) -> None:
+        """The request of ``creds`` was not served after all: its nonce may be used once more."""
+        if creds is not None:
+            self.seen.release(creds.nonce)
 
     def verify_request(self, method: str, path_qs: str, headers: Mapping[str, str], body: bytes) -> None:
         """Both stages at once (callers that have the body already)."""
-        self.verify(method, path_qs, self.check_headers(headers), body)
+        creds = self.verify_headers(method, path_qs, headers)
+        try:
+            self.verify_body(creds, body)
+        except AuthError:
+            self.release(creds)
+            raise
 
 
 def _single(headers: Mapping[str, str], name: str) -> str | None:

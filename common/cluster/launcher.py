@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping
 
-from common.cluster.auth import MIN_SECRET_LEN, SECRET_ENV, ClusterAuth, generate_secret, secret_problem
+from common.cluster.auth import MIN_SECRET_LEN, SECRET_ENV, ClusterAuth, audience_of, generate_secret, secret_problem
 from common.cluster.children import StopSignals, exit_status, signal_group, start_child, stop_all
 from common.cluster.flags import EnvFlags
 from common.cluster.supervisor import DID_NOT_START, Supervisor, describe_exit  # noqa: F401 (re-exported)
@@ -278,11 +278,17 @@ class LocalStack:
     def worker_url(self, name: str) -> str:
         return self.procs[name].url
 
+    def worker_audience(self, name: str, timeout: float = 10) -> str:
+        """What a call to the current run of worker ``name`` (its name is its worker id) is signed
+        for: the instance comes from its /health (a failed worker's 503 names it too)."""
+        return audience_of(name, gateway_health(self.worker_url(name), timeout)["instance"])
+
     def worker_json(self, name: str, path: str, method: str = "GET", body: bytes = b"",
                     headers: dict | None = None, timeout: float = 10):
         """Call a worker's internal API the way its peers do (signed with the cluster secret for
-        that worker: its name is its worker id)."""
-        signed = ClusterAuth(self.cluster_secret).sign_request(method, path, body, audience=name)
+        that worker's current run)."""
+        audience = self.worker_audience(name, timeout)
+        signed = ClusterAuth(self.cluster_secret).sign_request(method, path, body, audience=audience)
         return http_json(self.worker_url(name) + path, method, body if method != "GET" else None,
                          {**(headers or {}), **signed}, timeout)
 

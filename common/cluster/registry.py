@@ -17,8 +17,10 @@ JSON object that older readers (which ignore unknown fields) still read::
     stored  = {"signature":"<hex HMAC(registry key, payload)>","worker_id":"p0",...}
 
 Every entry carries, inside what is signed, the cluster auth version its worker speaks
-(``auth_version``) and when it expires (``expires_at`` = the write's ``heartbeat_at`` + the TTL,
-on the writer's clock).  Redis drops the key at that time too; the signed copy is what stops an old
+(``auth_version``), the id of the worker's current run that requests to it are signed for
+(``instance``: a request signed for an earlier run is refused, see ``common.cluster.auth``) and
+when it expires (``expires_at`` = the write's ``heartbeat_at`` + the TTL, on the writer's
+clock).  Redis drops the key at that time too; the signed copy is what stops an old
 entry, written back into Redis by someone who captured it, from routing prompts and admin calls
 to whoever holds that address now.  Clocks of different machines differ a little, so an entry
 counts as expired only ``ENTRY_CLOCK_SKEW_S`` after its ``expires_at`` (and one written more than
@@ -43,8 +45,8 @@ import msgspec
 import redis.asyncio as aioredis
 
 from common.cluster.aio import cancel_and_wait
-from common.cluster.auth import AUTH_VERSION, ClusterAuth
-from common.cluster.redis_keys import RedisKeys, check_model_id, check_worker_id
+from common.cluster.auth import AUTH_VERSION, INSTANCE_RE, ClusterAuth, audience_of, new_instance_id
+from common.cluster.redis_keys import WORKER_ID_RE, RedisKeys, check_model_id, check_worker_id
 from common.cluster.redis_util import UNAVAILABLE_ERRORS
 
 log = logging.getLogger(__name__)
@@ -65,7 +67,8 @@ PosInt = Annotated[int, msgspec.Meta(ge=1)]
 Fraction = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
 Seconds = Annotated[float, msgspec.Meta(ge=0.0)]
 Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
-WorkerId = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9._:@-]{1,128}$")]
+WorkerId = Annotated[str, msgspec.Meta(pattern=rf"^{WORKER_ID_RE.pattern}$")]
+Instance = Annotated[str, msgspec.Meta(pattern=rf"^{INSTANCE_RE.pattern}$")]
 # A DNS name or an IP address (IPv6 with or without brackets); nothing a URL or a socket call could
 # read as more than a host.
 HOST_PATTERN = r"^([A-Za-z0-9_.-]{1,253}|\[?[0-9A-Fa-f:.]{2,45}\]?)$"
@@ -106,9 +109,13 @@ class WorkerInfo(msgspec.Struct, frozen=True):
     """One worker's registry entry (the value stored in Redis, as JSON).
 
     ``heartbeat_at``, ``expires_at`` and ``auth_version`` are stamped by the registry on every
-    write; ``started_at`` by the worker.  Times are unix seconds.  ``recent_ttft_s`` /
-    ``recent_tpot_s`` are the worker's recent means, ``None`` until it has served something.
-    ``auth_version`` is 1 in entries of workers from before it existed (cluster auth v1).
+    write; ``started_at`` and ``instance`` by the worker.  Times are unix seconds.
+    ``recent_ttft_s`` / ``recent_tpot_s`` are the worker's recent means, ``None`` until it has
+    served something.  ``auth_version`` is 1 in entries of workers from before it existed
+    (cluster auth v1).  ``instance`` identifies the worker's current run (random, drawn at start):
+    requests to it are signed for ``audience``, so none outlives the run (``common.cluster.auth``).
+    A worker passes its own; the default, a fresh one, suits entries of test fakes and simulations,
+    whose calls no real worker verifies.
     """
 
     worker_id: WorkerId
@@ -125,10 +132,16 @@ class WorkerInfo(msgspec.Struct, frozen=True):
     heartbeat_at: Seconds = 0.0
     expires_at: Seconds = 0.0
     auth_version: PosInt = 1
+    instance: Instance = msgspec.field(default_factory=new_instance_id)
 
     @property
     def is_routable(self) -> bool:
         return self.state == "active"
+
+    @property
+    def audience(self) -> str:
+        """What a request to this run of this worker is signed for (``ClusterAuth.sign_request``)."""
+        return audience_of(self.worker_id, self.instance)
 
 
 _encode = msgspec.json.Encoder().encode
@@ -283,6 +296,11 @@ class WorkerRegistry:
             key=lambda w: w.worker_id,
         )
 
+    def expired(self, info: WorkerInfo, now: float | None = None) -> bool:
+        """Whether ``info`` has expired for readers (``ENTRY_CLOCK_SKEW_S`` past its ``expires_at``
+        on this registry's clock): an entry read earlier and kept stops counting then too."""
+        return (self.clock() if now is None else now) > info.expires_at + ENTRY_CLOCK_SKEW_S
+
     def _read(self, raw: bytes, model: str, worker_id: str) -> WorkerInfo | None:
         """The entry stored under ``model``/``worker_id`` if it is trustworthy, else None."""
         payload = open_entry(raw, self.auth)
@@ -302,7 +320,7 @@ class WorkerRegistry:
                                                       f"process v{AUTH_VERSION}: run one pdserve version across "
                                                       "the cluster")
         now = self.clock()
-        if now > info.expires_at + ENTRY_CLOCK_SKEW_S:
+        if self.expired(info, now):
             return self._reject(worker_id, "expired", f"it expired {now - info.expires_at:.0f} s ago (an old entry "
                                                       "written back into Redis, or this machine's clock is more than "
                                                       f"{ENTRY_CLOCK_SKEW_S:.0f} s ahead of the worker's)")

@@ -42,6 +42,7 @@ from common.engine.engine import Engine
 from common.engine.step_log import COLUMNS as STEP_COLUMNS
 from common.worker.engine_thread import EngineFailed, EngineThread
 from common.worker.fault_injection import fault_injector_from_env
+from common.cluster.auth import new_instance_id
 from common.cluster.messages import MAX_FRAME_BYTES, AbortRequest, decode
 from common.cluster.prefix_index import PrefixIndexPublisher
 from common.cluster.redis_util import connect
@@ -128,6 +129,7 @@ class Worker:
         self.prefill_rate = RecentRate()
         self._drain_task: asyncio.Task | None = None
         self.started_at = time.time()
+        self.instance = new_instance_id()  # this run's: requests to it are signed for it (auth v3)
         self._idle = asyncio.Event()
         self._redis = None
         self._heartbeat: Heartbeat | None = None
@@ -154,9 +156,9 @@ class Worker:
         self.engine.fault_injector = fault_injector_from_env()
         # No internal message is larger than a frame: a bigger body is refused while it is read.
         refused = self.metrics.auth_refused.labels
+        verifier = self.auth.request_verifier(self.config.worker_id, self.instance)
         app = web.Application(client_max_size=MAX_FRAME_BYTES,
-                              middlewares=[cluster_auth_middleware(self.auth.request_verifier(self.config.worker_id),
-                                                                  lambda why: refused(why).inc())])
+                              middlewares=[cluster_auth_middleware(verifier, lambda why: refused(why).inc())])
         self._routes(app)
         for module in self.modules:
             module.install(self, app)
@@ -240,6 +242,7 @@ class Worker:
                       kv_usage=min(1.0, max(0.0, stats["kv_usage"])), num_waiting_prefill_tokens=waiting_tokens,
                       prefill_tokens_per_s=self.prefill_rate.update(computed)),
             recent_ttft_s=self.ttft.mean, recent_tpot_s=self.tpot.mean, started_at=self.started_at,
+            instance=self.instance,
         )
 
     def _engine_failed(self, exc: BaseException) -> None:
@@ -424,8 +427,8 @@ class Worker:
         status = "ok" if healthy else "engine failed"
         if healthy and failed_listeners():  # the KV port stopped accepting: no prefill reaches this worker
             healthy, status = False, "kv listener down"
-        return web.json_response({"status": status, "role": self.role,
-                                  "state": self.state}, status=200 if healthy else 503)
+        return web.json_response({"status": status, "role": self.role, "state": self.state,
+                                  "instance": self.instance}, status=200 if healthy else 503)
 
     def stats(self, engine_stats: dict | None = None) -> dict:
         """Counters for /stats: the engine's from its last snapshot (or ``engine_stats``)."""

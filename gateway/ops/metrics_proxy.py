@@ -30,7 +30,7 @@ from urllib.parse import quote, urlsplit
 import aiohttp
 from aiohttp import web
 
-from common.cluster.auth import ClusterAuth
+from common.cluster.auth import ClusterAuth, audience_of
 from common.cluster.http_limits import HttpLimits
 from common.cluster.http_listener import GuardedSite
 from common.cluster.messages import read_response
@@ -93,7 +93,7 @@ class MetricsProxy:
         worker = next((w for w in await self.workers() if w["worker_id"] == worker_id), None)
         if worker is None:
             raise web.HTTPNotFound(text=f"unknown worker {worker_id!r}")
-        headers = self.auth.sign_request("GET", "/metrics", audience=worker_id)
+        headers = self.auth.sign_request("GET", "/metrics", audience=audience_of(worker_id, worker["instance"]))
         try:
             async with self._session.get(f"{worker['http_address']}/metrics", headers=headers,
                                          timeout=self.timeout) as resp:
