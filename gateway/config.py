@@ -20,7 +20,7 @@ from typing import Mapping
 
 from common.cluster.auth import SECRET_ENV, AuthError, ClusterAuth, configure_auth, is_loopback, read_secret
 from common.cluster.http_limits import DEFAULTS as HTTP_DEFAULTS, HELP as HTTP_HELP, add_http_flags
-from common.cluster.flags import EnvFlags, RecordsCommandLine, given_on_command_line, secret_value
+from common.cluster.flags import EnvFlags, FlagParser, RecordsCommandLine, given_on_command_line, secret_value
 from common.cluster.redis_util import (
     DEFAULT_REDIS_URL, redact_url, redis_url_with_password_file, warn_password_on_command_line,
 )
@@ -195,7 +195,7 @@ def env_names(parser: argparse.ArgumentParser | None = None) -> set[str]:
 
 
 def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = FlagParser(
         description="pdserve gateway: OpenAI-compatible API in front of the pools. "
                     "Every flag also reads PDSERVE_<FLAG> (e.g. PDSERVE_MAX_INFLIGHT).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)

@@ -29,7 +29,7 @@ import urllib.error
 import urllib.request
 from dataclasses import asdict
 
-from common.cluster.flags import EnvFlags, secret_value
+from common.cluster.flags import EnvFlags, FlagParser, secret_value
 from common.cluster.registry import ROLES
 from gateway.ops.cli import add_commands as add_deploy_commands, scale_command  # noqa: F401 (re-exported)
 from gateway.planner.cli import (
@@ -230,8 +230,8 @@ def cmd_rebalance(client: AdminClient, args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     env = os.environ.get
-    p = argparse.ArgumentParser(prog="pdctl", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p = FlagParser(prog="pdctl", description=__doc__.split("\n\n")[0],
+                   formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--url", default=env("PDSERVE_GATEWAY_URL", "http://127.0.0.1:8000"), help="the gateway")
     EnvFlags(p).add_secret("--admin-token", "the admin token", help="X-Admin-Token")
     sub = p.add_subparsers(dest="command", required=True)

@@ -8,12 +8,18 @@ environment go through the flag's own ``type`` and ``choices``, so a bad one is 
 Secrets (``add_secret``) also read a file, and ``--help`` never shows their value: a default taken
 from the environment would otherwise be printed by ``--help`` (see ``common.cluster.secret_sources``
 for the sources and checks; ``secret_value`` resolves one after parsing).
+
+Every parser that takes a secret is a ``FlagParser``: it takes no abbreviated flag (argparse would
+read ``--api=VALUE`` as ``--api-key`` -- or, with two candidates, print "ambiguous option:
+--api=VALUE") and its error messages name flags, never a value given on the command line
+(argparse prints "unrecognized arguments: --api-kye VALUE" for a typo).
 """
 from __future__ import annotations
 
 import argparse
 import logging
 import os
+import sys
 from typing import Any, Callable, Mapping
 
 from common.cluster.secret_sources import read_secret_file
@@ -22,6 +28,60 @@ TRUE = ("1", "true", "yes", "on")
 FALSE = ("0", "false", "no", "off")
 ARGV_SECRETS = "_secrets_on_command_line"  # namespace attribute: {dest: flag} of secrets given as arguments
 log = logging.getLogger("pdserve.config")
+NOT_SHOWN = "(value not shown)"
+
+
+class FlagParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose errors never repeat a value from the command line (it may be a
+    secret given to a mistyped flag) and that takes flags only by their full names.
+
+    Errors name the flags (an unknown ``--flag=VALUE`` as ``--flag=(value not shown)``) and count
+    the values left over; an invalid value (a bad number, a choice not offered) is reported by its
+    flag and the choices, without the value.  Sub-commands (``add_subparsers().add_parser``) are
+    FlagParsers too."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs["allow_abbrev"] = False
+        super().__init__(*args, **kwargs)
+        self._given: tuple[str, ...] = ()
+
+    def parse_known_args(self, args=None, namespace=None):
+        args = list(sys.argv[1:] if args is None else args)
+        self._given = tuple(args)
+        return super().parse_known_args(args, namespace)
+
+    def parse_args(self, args=None, namespace=None):
+        namespace, extras = self.parse_known_args(args, namespace)
+        if extras:
+            self.error(unrecognized(extras))
+        return namespace
+
+    def error(self, message: str):
+        super().error(self._without_values(message))
+
+    def _without_values(self, message: str) -> str:
+        """``message`` with every argument given that is not a flag or a sub-command's name taken out."""
+        names = set(self._option_string_actions)
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                names.update(action.choices)
+        for arg in sorted(self._given, key=len, reverse=True):  # longest first: one may contain another
+            flag, eq, value = arg.partition("=")
+            if arg.startswith("-") and eq:
+                message = message.replace(arg, f"{flag}={NOT_SHOWN}").replace(repr(value), NOT_SHOWN)
+            elif arg not in names:
+                message = message.replace(repr(arg), NOT_SHOWN)
+        return message
+
+
+def unrecognized(extras: list[str]) -> str:
+    """argparse's "unrecognized arguments" error, naming the flags only."""
+    flags = [arg.partition("=")[0] + (f"={NOT_SHOWN}" if "=" in arg else "") for arg in extras if arg.startswith("-")]
+    values = sum(1 for arg in extras if not arg.startswith("-"))
+    shown = " ".join(flags)
+    if values:
+        shown += f"{' and ' if flags else ''}{values} value{'s' if values > 1 else ''} (not shown)"
+    return f"unrecognized arguments: {shown}"
 
 
 def env_name(dest: str) -> str:
@@ -122,7 +182,11 @@ class EnvFlags:
     def add_secret(self, flag: str, what: str, help: str = "", file_flag: bool = True) -> None:
         """A secret: ``PDSERVE_<FLAG>``, a file (``--<flag>-file``/``PDSERVE_<FLAG>_FILE``, unless
         ``file_flag`` is False), or the flag itself (with a warning).  ``--help`` shows where it is
-        read from, never its value; read it with ``secret_value(args, dest, what)``."""
+        read from, never its value; read it with ``secret_value(args, dest, what)``.  The parser must
+        be a ``FlagParser`` (whose errors never show a value)."""
+        if not isinstance(self.parser, FlagParser):
+            raise TypeError(f"{flag}: a parser that takes a secret must be a FlagParser "
+                            "(argparse's errors echo values)")
         dest = flag.lstrip("-").replace("-", "_")
         sources = env_name(dest) + (f" or the file {flag}-file" if file_flag else "")
         action = self.parser.add_argument(

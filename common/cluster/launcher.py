@@ -34,7 +34,7 @@ from typing import Callable, Mapping
 
 from common.cluster.auth import MIN_SECRET_LEN, SECRET_ENV, ClusterAuth, audience_of, generate_secret, secret_problem
 from common.cluster.children import StopSignals, exit_status, signal_group, start_child, stop_all
-from common.cluster.flags import EnvFlags
+from common.cluster.flags import EnvFlags, FlagParser
 from common.cluster.supervisor import DID_NOT_START, Supervisor, describe_exit  # noqa: F401 (re-exported)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -359,7 +359,7 @@ def run_stack(stack: LocalStack, redis_server, signals: StopSignals, start: Call
 def main() -> None:
     from common.cluster.redis_util import ensure_redis, redact_url, redis_url_from_env
 
-    parser = argparse.ArgumentParser(
+    parser = FlagParser(
         description="Run gateway + prefill + decode workers locally and keep them running (make up). "
                     "Every flag also reads PDSERVE_<FLAG>; the processes it starts read theirs too.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)

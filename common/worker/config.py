@@ -10,7 +10,7 @@ from typing import Mapping
 from common.cluster.auth import AuthError, ClusterAuth, configure_auth, read_secret
 from common.engine.config import EngineConfig
 from common.cluster.http_limits import HttpLimits, add_http_flags, http_limits_from_args
-from common.cluster.flags import EnvFlags, RecordsCommandLine, RemovedFlag, given_on_command_line
+from common.cluster.flags import EnvFlags, FlagParser, RecordsCommandLine, RemovedFlag, given_on_command_line
 from common.cluster.redis_util import (
     DEFAULT_REDIS_URL, redact_url, redis_url_with_password_file, warn_password_on_command_line,
 )
@@ -88,9 +88,9 @@ def build_parser(default_role: str, description: str, env: Mapping[str, str] | N
     """Flags shared by ``python -m prefill_svc`` and ``python -m decode_svc``.  Every flag also
     reads ``PDSERVE_<FLAG>`` (e.g. ``PDSERVE_MODEL``, ``PDSERVE_KV_TRANSPORT``; ``REDIS_URL`` is an
     alias of ``PDSERVE_REDIS_URL``); see ``common.cluster.flags``."""
-    p = argparse.ArgumentParser(description=f"{description} Every flag also reads PDSERVE_<FLAG> "
-                                            "(e.g. PDSERVE_NUM_BLOCKS).",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = FlagParser(description=f"{description} Every flag also reads PDSERVE_<FLAG> "
+                               "(e.g. PDSERVE_NUM_BLOCKS).",
+                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     flags = EnvFlags(p, env, ENV_ALIASES)
     add = flags.add
     add("--model", "default", help="HF checkpoint directory, .gguf file, or 'default'")
