@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Callable
 
 from common.cluster.redis_util import UNAVAILABLE_ERRORS
 from common.cluster.registry import WorkerInfo, WorkerRegistry
@@ -20,26 +21,39 @@ class PeerDirectory:
     """Looks peers up in the registry, caching each verified entry for ``max_age_s``.
 
     Redis unreachable: the last verified entry of that peer is used (serving goes on, as the
-    gateway's routing does); a peer never seen, absent or failing verification is None."""
+    gateway's routing does) until the entry expires (``WorkerRegistry.expired``, the rule every
+    reader applies) -- then the peer counts as absent, as it would in Redis: the decode worker
+    computes the prompt itself rather than send it to whoever holds that address by now.  A peer
+    never seen, absent, expired or failing verification is None.  ``monotonic``: the clock of
+    the cache's age (tests pass their own; the expiry is on the registry's clock)."""
 
     MAX_CACHED = 4096  # peer ids come from authenticated callers; this only bounds a misbehaving one
 
-    def __init__(self, registry: WorkerRegistry, model: str, max_age_s: float = 1.0):
+    def __init__(self, registry: WorkerRegistry, model: str, max_age_s: float = 1.0, *,
+                 monotonic: Callable[[], float] = time.monotonic):
         self.registry = registry
         self.model = model
         self.max_age_s = max_age_s
+        self.monotonic = monotonic
         self._cache: dict[str, tuple[float, WorkerInfo]] = {}
 
     async def get(self, worker_id: str) -> WorkerInfo | None:
-        now = time.monotonic()
+        now = self.monotonic()
         cached = self._cache.get(worker_id)
+        if cached is not None and self.registry.expired(cached[1]):
+            self._cache.pop(worker_id, None)
+            cached = None
         if cached is not None and now - cached[0] < self.max_age_s:
             return cached[1]
         try:
             info = await self.registry.get(self.model, worker_id)
         except UNAVAILABLE_ERRORS as exc:
+            if cached is None:
+                log.warning("registry unreachable looking up worker %s (%s); no unexpired entry of it known",
+                            worker_id, exc)
+                return None
             log.warning("registry unreachable looking up worker %s (%s); using its last known entry", worker_id, exc)
-            return cached[1] if cached is not None else None
+            return cached[1]
         if info is None:
             self._cache.pop(worker_id, None)
             return None
