@@ -256,13 +256,14 @@ _listeners: "weakref.WeakSet[TcpListener]" = weakref.WeakSet()
 
 class TcpListener:
     """A listening socket bound to ``host:port``; ``on_socket(sock, ticket)`` runs as a task per
-    connection, ``ticket`` its place among the ``max_preauth`` unauthenticated connections.
+    connection, ``ticket`` its place among the ``max_preauth`` unauthenticated connections (the
+    transport passes ``KVTransferConfig.max_handshakes``, where the default lives).
 
     The accept loop outlives a full descriptor table and failed connections (each counted in
     ``accept_errors``); if it ends anyway, ``failure`` says why and ``failed_listeners`` lists it."""
 
     def __init__(self, host: str, port: int, on_socket: Callable[[socket.socket, PreAuthTicket], Awaitable[None]],
-                 max_preauth: int = 128):
+                 max_preauth: int):
         loop = asyncio.get_running_loop()
         sock = socket.socket(_family(host), socket.SOCK_STREAM)
         try:
