@@ -2,8 +2,9 @@
 
     request --turn()--> route --> D1: busy --> D2: busy --> no_room()
         --turn()--> (queued: a place in line, kept until the request leaves) ... woken ...
-        --> route again --> D3: a stream --> admitted() (the place goes, the next in line is woken)
+        --> route again --> D3: a stream --> admitted() (the place goes, the next two in line are woken)
         --> queue full, or deadline passed: Saturated (the client gets 503 + Retry-After)
+        --> its API key holds its share of the places: KeyLineFull (429 + Retry-After)
 
 Each request holds one ``Place``.  Its rules, which make the queue strictly first come, first
 served:
@@ -11,10 +12,12 @@ served:
 * A request that finds the queue empty tries at once; one that finds anybody in it (waiting or
   trying) queues behind them -- a newcomer never overtakes a waiting request.
 * A request that found no room queues with a deadline (``timeout_s`` from then) and keeps its
-  place, in order of arrival, until it leaves: woken and trying, it still counts against ``size``
-  and stays ahead of everyone who came later; finding no room again, it waits again at the same
-  place.  So a long prompt that needs more room than short ones is not sent to the back each time
-  (decode workers keep the room it needs for it: ``Scheduler.claim``).
+  place, in order of arrival, until it leaves or a decode worker takes it: woken and trying, it
+  still counts against ``size`` and stays ahead of everyone who came later; finding no room again,
+  it waits again at the same place.  So a long prompt that needs more room than short ones is not
+  sent to the back each time (decode workers keep the room it needs for it: ``Scheduler.claim``).
+  A request taken, whose worker then fails before the first token and which finds no room, queues
+  again at the back, with a deadline of its own.
 * Room may appear when one of this gateway's streams ends (``notify(1)``: one slot freed), when
   the registry refresh brings new loads (``notify(1)``: a probe, since other gateways' streams
   end too), or when a decode worker joins (``notify_all``).  A notification wakes the oldest
@@ -22,8 +25,13 @@ served:
 * No wake-up is lost: one that lands on a request that then leaves without using it (its client
   went away, its deadline passed, its request failed) is passed on to the oldest waiting; one
   that finds nobody waiting while requests are trying is passed on when such a try ends without
-  room (the room may have appeared after a worker said busy); and a request that leaves its place
-  because it got room passes a wake-up on (more room may be free).
+  room (the room may have appeared after a worker said busy).
+* Room found is passed on, doubled: a request that leaves its place because it got room wakes the
+  next ``ADMITTED_WAKES`` (2) in line (more room may be free).  While room lasts the tries in
+  flight double every round trip to a decode worker, so a long line drains in a few round trips
+  rather than one request per round trip for the whole gateway (256 in line at ~50 ms each
+  outlasted the queue timeout while workers had room); each busy answer ends its branch.
+* One API key holds at most ``per_key`` places (None: no limit): no one key fills the line.
 
 So no request starts a try while a request that queued before it waits.  Requests woken together
 try concurrently: the queue orders who may try, the workers' answers decide who gets the room.
@@ -35,51 +43,75 @@ import bisect
 import itertools
 
 
+ADMITTED_WAKES = 2  # wake-ups a request that got room passes on (see the module docstring)
+
+
 class Saturated(Exception):
-    """No worker can take the request now (the client gets 503 with Retry-After)."""
+    """No worker can take the request now (the client gets ``status``, 503, with Retry-After)."""
+
+    status = 503
 
     def __init__(self, message: str, retry_after: float = 1.0):
         super().__init__(message)
         self.retry_after = retry_after
 
 
-class WaitQueue:
-    """At most ``size`` requests hold a place at once, each until its deadline (``timeout_s``
-    after it first queued); ``size == 0`` disables waiting."""
+class KeyLineFull(Saturated):
+    """The request's API key already holds its share of the places in line (429 with Retry-After:
+    the key's own limit, as for its requests in flight)."""
 
-    def __init__(self, size: int, timeout_s: float):
-        if size < 0 or timeout_s <= 0:
-            raise ValueError(f"queue size must be >= 0 and timeout > 0, got {size}, {timeout_s}")
+    status = 429
+
+
+class WaitQueue:
+    """At most ``size`` requests hold a place at once, at most ``per_key`` of them for one key
+    (None: no such limit), each until its deadline (``timeout_s`` after it queued); ``size == 0``
+    disables waiting."""
+
+    def __init__(self, size: int, timeout_s: float, per_key: int | None = None):
+        if size < 0 or timeout_s <= 0 or (per_key is not None and per_key < 1):
+            raise ValueError(f"queue size must be >= 0, timeout > 0 and a per-key limit >= 1 or none, "
+                             f"got {size}, {timeout_s}, {per_key}")
         self.size = size
         self.timeout_s = timeout_s
+        self.per_key = per_key
         self._places: dict[Place, None] = {}  # every place held (waiting or trying), in arrival order
+        self._by_key: dict[str, int] = {}  # places held per key
         self._waiting: list[tuple[int, Place]] = []  # (ticket, place) of those waiting to be woken, sorted
         self._tickets = itertools.count()
         # Notifications that found nobody waiting; a request whose try spans one tries again.
         self._missed = 0
 
     @property
-    def waiting(self) -> int:
-        """Requests holding a place (waiting, or woken and trying)."""
+    def places_held(self) -> int:
+        """Requests holding a place: waiting to be woken, or woken and trying."""
         return len(self._places)
 
-    def place(self) -> "Place":
-        """A request's place in line; call ``leave()`` when the request ends, on every path."""
-        return Place(self)
+    def place(self, key: str | None = None) -> "Place":
+        """A request's place in line (``key``: its API key's id, for ``per_key``); call ``leave()``
+        when the request ends, on every path."""
+        return Place(self, key)
 
     def notify(self, n: int) -> None:
-        """Room for ``n`` more may have appeared: wake the ``n`` oldest waiting requests."""
-        while n > 0 and self._waiting:
-            self._waiting.pop(0)[1]._wake()
-            n -= 1
-        if n > 0:
+        """Room for ``n`` more may have appeared: wake the ``n`` oldest waiting requests (one that
+        finds nobody is kept for the requests trying now)."""
+        if self._wake_oldest(n) < n:
             self._missed += 1
+
+    def _wake_oldest(self, n: int) -> int:
+        """Wake up to ``n`` of the oldest waiting requests; how many were woken."""
+        woken = 0
+        while woken < n and self._waiting:
+            self._waiting.pop(0)[1]._wake()
+            woken += 1
+        return woken
 
     def notify_all(self) -> None:
         """Room for many may have appeared (a decode worker joined): wake every waiting request."""
         self.notify(len(self._waiting) + 1)
 
     def deadline(self) -> float:
+        """The deadline of a request that queues now, on the event loop's clock."""
         return asyncio.get_running_loop().time() + self.timeout_s
 
 
@@ -89,14 +121,16 @@ class Place:
     ``await turn()`` before each attempt to route: it returns at once while the request may try
     (a newcomer facing an empty queue, a request retrying after one worker said busy or failed),
     and otherwise queues it and waits until it is woken; it raises ``Saturated`` when the queue is
-    full or the deadline passes.  Then ``no_room(why)`` when no decode worker has room (the next
-    ``turn()`` waits), ``admitted()`` when one took the request, and ``leave()`` at the end.
+    full or the deadline passes (``KeyLineFull`` when its key holds its share of the places).  Then
+    ``no_room(why)`` when no decode worker has room (the next ``turn()`` waits), ``admitted()`` when
+    one took the request, and ``leave()`` at the end.
     """
 
-    def __init__(self, queue: WaitQueue):
+    def __init__(self, queue: WaitQueue, key: str | None = None):
         self._queue = queue
+        self.key = key
         self.ticket: int | None = None  # the order of its arrival in line; None: not queued
-        self.deadline: float | None = None  # set when it first queues
+        self.deadline: float | None = None  # set when it queues, cleared when it is admitted
         self.why = "no decode worker has room"  # until a try of its own says why
         self._fresh = True  # has not been told no_room yet
         self._may_try = False  # woken (or never queued) and not yet told no_room
@@ -140,11 +174,15 @@ class Place:
         self._retry = self._queue._missed != self._missed_at_try
 
     def admitted(self) -> None:
-        """A decode worker took the request: its place goes, and the next in line is woken (more
-        room may be free).  A later failure retries at once and queues at the back if need be."""
+        """A decode worker took the request: its place goes, and the next ``ADMITTED_WAKES`` in line
+        are woken (more room may be free).  A later failure retries at once and, finding no room,
+        queues at the back with a new deadline."""
+        self.deadline = None
         if self.ticket is not None:
             self._release()
-            self._queue.notify(1)
+            # A guess that more room is free, not news of room freed (which notify() brings): with
+            # nobody waiting it is dropped, not kept for the requests trying now.
+            self._queue._wake_oldest(ADMITTED_WAKES)
 
     def leave(self) -> None:
         """The request ends (served, failed, timed out, or its client went away).  A wake-up it
@@ -166,18 +204,31 @@ class Place:
 
     def _join(self) -> None:
         queue = self._queue
+        retry_after = max(1.0, queue.timeout_s / 2)
         if len(queue._places) >= queue.size:
             raise Saturated(f"{self.why}, and {len(queue._places)} requests are already waiting; retry shortly",
-                            retry_after=max(1.0, queue.timeout_s / 2))
+                            retry_after=retry_after)
+        mine = queue._by_key.get(self.key, 0) if self.key is not None else 0
+        if queue.per_key is not None and mine >= queue.per_key:
+            raise KeyLineFull(f"{self.why}, and this API key ({self.key}) already has {mine} requests waiting, "
+                              f"its share of the wait queue; retry shortly", retry_after=retry_after)
         if self.deadline is None:
             self.deadline = queue.deadline()
         self.ticket = next(queue._tickets)
         queue._places[self] = None
+        if self.key is not None:
+            queue._by_key[self.key] = mine + 1
 
     def _release(self) -> None:
         queue = self._queue
         self._unlist()
-        queue._places.pop(self, None)
+        del queue._places[self]
+        if self.key is not None:
+            left = queue._by_key[self.key] - 1
+            if left:
+                queue._by_key[self.key] = left
+            else:
+                del queue._by_key[self.key]
         self.ticket = None
 
     def _wake(self) -> None:

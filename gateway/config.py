@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import logging
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Mapping
 
 from common.cluster.auth import SECRET_ENV, AuthError, ClusterAuth, configure_auth, is_loopback, read_secret
@@ -25,8 +24,9 @@ from common.cluster.redis_util import (
     DEFAULT_REDIS_URL, redact_url, redis_url_with_password_file, warn_password_on_command_line,
 )
 from common.cluster.secret_sources import check_distinct, check_secret
+from gateway.backpressure import WaitQueue
 from gateway.routing import POLICIES
-from gateway.tenants import CACHE_ISOLATION, ApiKeys, key_id, parse_keys_file
+from gateway.tenants import CACHE_ISOLATION, ApiKeys, default_key_share, key_id, read_api_keys
 
 log = logging.getLogger("pdserve.config")
 
@@ -95,12 +95,15 @@ class GatewayConfig:
     bench_time: float = 5.0  # a worker that failed or timed out stays out of routing this long
     queue_size: int = 256  # requests held while no decode worker has room; beyond: 503
     queue_timeout: float = 10.0  # how long one is held; then 503 + Retry-After
+    queue_size_per_key: int | None = None  # places one API key may hold; 0: no limit (default: tenants.py)
     client_read_timeout: float = 30.0  # a request body must arrive within this; then 408
     client_write_timeout: float = 30.0  # a stream whose client takes no bytes for this long is cut off
     prefix_lookup_timeout: float = 0.5  # the most one Redis prefix lookup may cost a request
     redis_retry_interval: float = 2.0  # while Redis fails, prefix lookups skip it and probe this often
     inline_tokenize_chars: int = 4096  # longer inputs are tokenized in a thread, off the event loop
     tokenizer_threads: int = 2
+    # The API keys, read once by __post_init__: the keys checked are the keys served (api_keys()).
+    _api_keys: ApiKeys = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         def bad(what: str) -> ValueError:
@@ -117,7 +120,7 @@ class GatewayConfig:
                      "prefix_lookup_timeout", "redis_retry_interval", "header_timeout", "keepalive_timeout"):
             if not getattr(self, name) > 0:
                 raise bad(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("queue_size", "inline_tokenize_chars", "max_inflight_per_key"):
+        for name in ("queue_size", "inline_tokenize_chars", "max_inflight_per_key", "queue_size_per_key"):
             if (getattr(self, name) or 0) < 0:
                 raise bad(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.tokenizer_threads < 1:
@@ -129,10 +132,16 @@ class GatewayConfig:
         if self.cache_isolation not in CACHE_ISOLATION:
             raise bad(f"cache_isolation must be one of {', '.join(CACHE_ISOLATION)}, got {self.cache_isolation!r}")
         self.auth()
-        if not self.api_keys().enabled and self.cache_isolation == "per-key":
+        try:
+            keys = read_api_keys(self.api_key, self.api_keys_file)
+        except ValueError as exc:
+            raise bad(str(exc)) from None
+        self._check_secrets(list(keys))
+        object.__setattr__(self, "_api_keys", ApiKeys(keys, default_key_share(self.max_inflight_per_key,
+                                                                              self.max_inflight, len(keys))))
+        if not self._api_keys.enabled and self.cache_isolation == "per-key":
             raise bad("cache_isolation per-key needs API keys (--api-key or --api-keys-file): without them "
                       "every caller is the same tenant")
-        self._check_secrets()
         if self.open_to_the_network and not self.allow_no_api_key:
             raise bad(f"the gateway listens on {self.host}, which other machines can reach, but requires no API key: "
                       f"anyone who reaches it can use the model. Set PDSERVE_API_KEY (or --api-keys-file), bind "
@@ -144,9 +153,8 @@ class GatewayConfig:
         """Other machines can reach the gateway and it asks them for no API key."""
         return not is_loopback(self.host) and not self.api_keys().enabled
 
-    def _check_secrets(self) -> None:
-        """The admin token and every API key are strong, and no two secrets are equal."""
-        keys = self._api_key_values()
+    def _check_secrets(self, keys: list[str]) -> None:
+        """The admin token and every API key (``keys``) are strong, and no two secrets are equal."""
         try:
             check_secret(self.admin_token, "the admin token (PDSERVE_ADMIN_TOKEN)")
             for key in keys:
@@ -156,24 +164,14 @@ class GatewayConfig:
         except ValueError as exc:
             raise ValueError(f"invalid config: {exc}") from None
 
-    def _api_key_values(self) -> list[str]:
-        keys = [] if self.api_key is None else [self.api_key]
-        if self.api_keys_file:
-            try:
-                text = Path(self.api_keys_file).read_text()
-            except OSError as exc:
-                raise ValueError(f"invalid config: cannot read the API keys file {self.api_keys_file}: "
-                                 f"{exc.strerror}") from None
-            keys += [key for key in parse_keys_file(text, self.api_keys_file) if key not in keys]
-        return keys
-
     def api_keys(self) -> ApiKeys:
-        """The API keys the gateway accepts (read from ``api_keys_file``); raises ValueError."""
-        try:
-            return ApiKeys.from_config(self.api_key, self.api_keys_file, self.max_inflight_per_key,
-                                       self.max_inflight)
-        except ValueError as exc:
-            raise ValueError(f"invalid config: {exc}") from None
+        """The API keys the gateway accepts, as read (once) and checked when the config was made."""
+        return self._api_keys
+
+    def wait_queue(self) -> WaitQueue:
+        """The queue requests wait in while no decode worker has room (gateway/backpressure.py)."""
+        return WaitQueue(self.queue_size, self.queue_timeout,
+                         per_key=default_key_share(self.queue_size_per_key, self.queue_size, self._api_keys.count))
 
     def auth(self) -> ClusterAuth:
         """The cluster auth the gateway signs with; raises ValueError naming the problem."""
@@ -244,15 +242,20 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     add("--upstream-idle-timeout", 60.0, float, help="seconds of silence between tokens from the decode worker")
     add("--control-timeout", 5.0, float, help="seconds for a control call to a worker (abort, admin)")
     add("--bench-time", 5.0, float, help="seconds a worker that failed or timed out is kept out of routing")
-    add("--queue-size", 256, int, help="requests held while every decode worker is busy; beyond: 503")
-    add("--queue-timeout", 10.0, float, help="seconds a request is held for a busy decode pool; then 503")
+    add("--queue-size", GatewayConfig.queue_size, int, help="requests held while every decode worker is busy; "
+                                                            "beyond: 503")
+    add("--queue-timeout", GatewayConfig.queue_timeout, float, help="seconds a request is held for a busy decode "
+                                                                    "pool; then 503")
+    add("--queue-size-per-key", None, int, help="places in the wait queue one API key may hold; beyond: 429 "
+                                               "(default: half of --queue-size when several keys are configured, "
+                                               "none for a single key; 0: none)")
     add("--client-read-timeout", 30.0, float, help="seconds for a request body to arrive; then 408")
     add("--client-write-timeout", 30.0, float, help="a stream whose client takes no data for this long is cut "
                                                     "off (its slot and KV blocks are freed)")
     add("--prefix-lookup-timeout", 0.5, float, help="seconds one Redis prefix lookup may take (then: route by "
                                                     "load)")
-    add("--redis-retry-interval", 2.0, float, help="after a failed prefix lookup, lookups skip Redis and probe it "
-                                                   "this often until it answers")
+    add("--redis-retry-interval", GatewayConfig.redis_retry_interval, float,
+        help="after a failed prefix lookup, lookups skip Redis and probe it this often until it answers")
     add("--inline-tokenize-chars", 4096, int, help="longer inputs are tokenized in a thread, off the event loop")
     add("--tokenizer-threads", 2, int, help="threads for tokenizing long inputs and applying chat templates")
     add("--log-level", "INFO")
@@ -285,6 +288,7 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = N
                                   first_token=args.first_token_timeout, idle=args.upstream_idle_timeout,
                                   control=args.control_timeout),
         bench_time=args.bench_time, queue_size=args.queue_size, queue_timeout=args.queue_timeout,
+        queue_size_per_key=args.queue_size_per_key,
         client_read_timeout=args.client_read_timeout, inline_tokenize_chars=args.inline_tokenize_chars,
         prefix_lookup_timeout=args.prefix_lookup_timeout, redis_retry_interval=args.redis_retry_interval,
         tokenizer_threads=args.tokenizer_threads,

@@ -44,8 +44,8 @@ from common.engine.prefix_hash import block_extra_keys, hash_prompt_blocks
 from common.cluster.prefix_index import PrefixIndexReader
 from common.engine.sampling_params import SamplingParams
 from common.cluster.registry import WorkerInfo
-from gateway.backpressure import Saturated, WaitQueue
-from gateway.config import UpstreamTimeouts
+from gateway.backpressure import KeyLineFull, Saturated, WaitQueue
+from gateway.config import GatewayConfig, UpstreamTimeouts
 from gateway.metrics import GatewayMetrics
 from gateway.pool import WorkerPool
 from gateway.routing import Route, Router
@@ -160,8 +160,8 @@ class Dispatcher:
         self.metrics = metrics
         self.model = model
         self.timeouts = timeouts
-        self.queue = queue or WaitQueue(size=256, timeout_s=10.0)
-        metrics.requests_queued.set_function(lambda: self.queue.waiting)
+        self.queue = queue or WaitQueue(GatewayConfig.queue_size, GatewayConfig.queue_timeout)
+        metrics.requests_queued.set_function(lambda: self.queue.places_held)
         self.max_attempts = max_attempts  # failed attempts (not "busy" answers) before giving up
         self._aborts: set[asyncio.Task] = set()
         # Prompt tokens this gateway sent to each worker to compute -- a prefill worker, or a
@@ -211,12 +211,13 @@ class Dispatcher:
         worker_id, tokens = computed_on(route, prompt_len)
         count_pending(self.pending_prefill, worker_id, sign * tokens)
 
-    async def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
-                       result: DispatchResult, cache_salt: str | None = None) -> AsyncIterator[list[TokenFrame]]:
+    async def generate(self, request_id: str, prompt: list[int], params: SamplingParams, result: DispatchResult,
+                       cache_salt: str | None = None, key_id: str | None = None) -> AsyncIterator[list[TokenFrame]]:
         """Frames of one request, in batches: each batch is what had arrived from the decode
         worker when it was read (one frame when the gateway keeps up), the last one ends with
         the finished frame.  Raises ``Saturated`` (no room anywhere within the queue's
-        deadline), ``UpstreamError`` (failed in the cluster), ``ValueError`` (refused as invalid).
+        deadline; ``KeyLineFull`` when ``key_id`` holds its share of the wait queue),
+        ``UpstreamError`` (failed in the cluster), ``ValueError`` (refused as invalid).
         ``cache_salt``: the request shares prefix-cache blocks only with requests of the same salt."""
         exclude: set[str] = set()  # workers that failed this request
         busy: set[str] = set()  # workers that said busy since this request last waited
@@ -224,10 +225,15 @@ class Dispatcher:
         last_bad_answer: _BadAnswer | None = None  # the last worker answer that was no frame stream
         streamed = False
         hashed: dict[int, list[bytes]] = {}  # the prompt's block hashes, computed once
-        place = self.queue.place()  # its place in line while no decode worker has room (first come, first served)
+        place = self.queue.place(key_id)  # its place in line while no decode worker has room (first come, first served)
         try:
             while True:
-                if await place.turn():  # it waited in line: room may have appeared anywhere
+                try:
+                    waited = await place.turn()
+                except KeyLineFull:
+                    self.metrics.key_refused(key_id)
+                    raise
+                if waited:  # it waited in line: room may have appeared anywhere
                     busy.clear()
                 route = await self.choose(prompt, exclude | busy, cache_salt, hashed)
                 if route is None and last_bad_answer is not None and not busy:
@@ -235,7 +241,7 @@ class Dispatcher:
                     raise WorkerAnswerError(f"no decode worker gave a readable answer ({last_bad_answer})")
                 if route is None:
                     why = "every decode worker is busy" if busy else "no decode worker is available"
-                    log.info("request %s waits for room (%s; %d in line)", request_id, why, self.queue.waiting)
+                    log.info("request %s waits for room (%s; %d in line)", request_id, why, self.queue.places_held)
                     place.no_room(why)
                     continue
                 result.attempts += 1

@@ -45,6 +45,7 @@ class Generation:
     options: SamplingOptions
     params: SamplingParams
     cache_salt: str | None = None  # as served (gateway/tenants.py: the client's, or per API key)
+    key_id: str | None = None  # its API key (Tenant.key_id): its share of the wait queue
     arrival: float = field(default_factory=time.monotonic)
     pieces: list[str] = field(default_factory=list)  # the text, as streamed (joined once at the end)
     token_ids: list[int] = field(default_factory=list)
@@ -101,8 +102,9 @@ class OpenAIHandlers:
             stop_token_ids=gw.chat_format.stop_token_ids if kind == "chat" and not options.ignore_eos else (),
         )
         prefix = "cmpl" if kind == "completion" else "chatcmpl"
-        salt = cache_salt(request["tenant"], req.cache_salt, gw.config.cache_isolation)
-        return Generation(new_request_id(prefix), kind, model, prompt_ids, options, params, salt)
+        tenant = request["tenant"]
+        salt = cache_salt(tenant, req.cache_salt, gw.config.cache_isolation)
+        return Generation(new_request_id(prefix), kind, model, prompt_ids, options, params, salt, tenant.key_id)
 
     def _chat_renderer(self, req):
         """A function applying the chat template and tokenizing (run inline or in a thread)."""
@@ -164,8 +166,10 @@ class OpenAIHandlers:
         """Await one step of the generation, turning cluster outcomes into HTTP errors."""
         try:
             return await step
-        except Saturated as exc:
-            raise OpenAIError(503, f"The server is saturated: {exc}", retry_after=exc.retry_after) from None
+        except Saturated as exc:  # 503, or 429 when the API key holds its share of the wait queue
+            if exc.status == 429:
+                raise OpenAIError(429, str(exc), code="rate_limit_exceeded", retry_after=exc.retry_after) from None
+            raise OpenAIError(exc.status, f"The server is saturated: {exc}", retry_after=exc.retry_after) from None
         except UpstreamError as exc:  # 500, or 502 when no worker gave a readable answer
             raise OpenAIError(exc.status, f"generation failed: {exc}", code="upstream_error") from None
 
@@ -178,8 +182,8 @@ class OpenAIHandlers:
         result = DispatchResult()
         last = None
         try:
-            async with contextlib.aclosing(gw.dispatcher.generate(gen.request_id, gen.prompt_ids, gen.params,
-                                                                   result, gen.cache_salt)) as batches:
+            async with contextlib.aclosing(gw.dispatcher.generate(gen.request_id, gen.prompt_ids, gen.params, result,
+                                                                   gen.cache_salt, gen.key_id)) as batches:
                 async for batch in batches:
                     now_t = time.monotonic()
                     out = []
@@ -235,8 +239,7 @@ class OpenAIHandlers:
                 await write(SSE_DONE)
             except (Saturated, UpstreamError) as exc:
                 request["outcome"] = "stream_error"
-                code = 503 if isinstance(exc, Saturated) else exc.status
-                await write(OpenAIError(code, f"generation failed: {exc}").to_sse())
+                await write(OpenAIError(exc.status, f"generation failed: {exc}").to_sse())
                 await write(SSE_DONE)
             except ValueError as exc:
                 request["outcome"] = "stream_error"

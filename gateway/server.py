@@ -29,7 +29,6 @@ from common.engine.model_loader import resolve_checkpoint
 from common.cluster.prefix_index import PrefixIndexReader
 from common.cluster.redis_util import connect
 from common.cluster.registry import ROLES, WorkerRegistry
-from gateway.backpressure import WaitQueue
 from gateway.chat_template import resolve_chat_format
 from common.cluster.http_limits import HttpLimits
 from common.cluster.http_listener import GuardedSite
@@ -102,7 +101,7 @@ class Gateway:
                                       skip_prefill_below_tokens=self.config.skip_prefill_below_tokens))
         self.dispatcher = Dispatcher(self.pool, router, prefix_index, self.session, self.control_session,
                                      self.metrics, self.model_id, timeouts=self.config.timeouts, auth=self.auth,
-                                     queue=WaitQueue(self.config.queue_size, self.config.queue_timeout))
+                                     queue=self.config.wait_queue())
 
     def _client_sessions(self) -> tuple[aiohttp.ClientSession, aiohttp.ClientSession]:
         """One pool for streams, one for control calls, each as large as the requests in flight:

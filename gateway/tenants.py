@@ -10,7 +10,9 @@ Keys come from ``--api-key`` (one key) and/or ``--api-keys-file``: one key per l
 A key without its own limit gets ``--max-inflight-per-key`` (0: no per-key limit).  By default,
 when several keys share the gateway, that is half of ``--max-inflight``: no one key can take
 every slot, and a single key may still use them all.  Beyond its limit a key's requests get 429
-with Retry-After.
+with Retry-After.  Likewise a key holds at most ``--queue-size-per-key`` places in the wait queue
+(by default half of ``--queue-size`` when several keys share the gateway), 429 beyond
+(``default_key_share`` says both defaults).
 
 A presented key is looked up by its SHA-256 (no per-key string comparison, no timing signal about
 how much of a key matched).  A key is named in logs by ``key_id``, a prefix of that hash, never by
@@ -57,14 +59,15 @@ def cache_salt(tenant: Tenant, client_salt: str | None, isolation: str) -> str |
     return "key-" + hmac.new(tenant.key_digest, message, hashlib.sha256).hexdigest()
 
 
-def default_key_limit(per_key: int | None, max_inflight: int | None, num_keys: int) -> int | None:
-    """Requests in flight for a key without its own limit (None: only the global limit):
-    ``per_key`` when set (0: none); else half of ``max_inflight`` when several keys share it."""
+def default_key_share(per_key: int | None, total: int | None, num_keys: int) -> int | None:
+    """One key's share of a limit every key shares -- the requests in flight (``max_inflight``) of a
+    key without its own limit, the places in the wait queue (``queue_size``) -- None: only the
+    shared limit.  ``per_key`` when set (0: none); else half of ``total`` when several keys share it."""
     if per_key is not None:
         return per_key or None
-    if max_inflight is None or num_keys < 2:
+    if total is None or num_keys < 2:
         return None
-    return max(1, max_inflight // 2)
+    return max(1, total // 2)
 
 
 def _digest(key: str) -> bytes:
@@ -96,34 +99,39 @@ def parse_keys_file(text: str, source: str = "api keys file") -> dict[str, int |
     return keys
 
 
+def read_api_keys(api_key: str | None, api_keys_file: str | None) -> dict[str, int | None]:
+    """``{key: its own limit or None}`` of ``--api-key`` and ``--api-keys-file`` (read once: check
+    and serve the keys this returns, never a second reading of the file); raises ValueError."""
+    keys: dict[str, int | None] = {}
+    if api_keys_file:
+        path = Path(api_keys_file)
+        try:
+            text = path.read_text()
+        except OSError as exc:
+            raise ValueError(f"cannot read the API keys file {path}: {exc.strerror}") from None
+        keys = parse_keys_file(text, str(path))
+        if not keys:
+            raise ValueError(f"the API keys file {path} lists no key")
+    if api_key is not None:  # an empty key is listed, for the strength check to refuse
+        keys.setdefault(api_key, None)
+    return keys
+
+
 class ApiKeys:
-    """The keys a gateway accepts.  With none configured, every caller is ``ANONYMOUS``."""
+    """The keys a gateway accepts (``read_api_keys``), each with its limit or ``default_limit``.
+    With none configured, every caller is ``ANONYMOUS``."""
 
     def __init__(self, keys: dict[str, int | None], default_limit: int | None = None):
         self._tenants = {_digest(k): Tenant(key_id(k), limit if limit is not None else default_limit, _digest(k))
                          for k, limit in keys.items()}
 
-    @classmethod
-    def from_config(cls, api_key: str | None, api_keys_file: str | None, max_inflight_per_key: int | None = None,
-                    max_inflight: int | None = None) -> "ApiKeys":
-        """The keys of ``--api-key`` and ``--api-keys-file``, with their limits (``default_key_limit``)."""
-        keys: dict[str, int | None] = {}
-        if api_keys_file:
-            path = Path(api_keys_file)
-            try:
-                text = path.read_text()
-            except OSError as exc:
-                raise ValueError(f"cannot read the API keys file {path}: {exc.strerror}") from None
-            keys = parse_keys_file(text, str(path))
-            if not keys:
-                raise ValueError(f"the API keys file {path} lists no key")
-        if api_key:
-            keys.setdefault(api_key, None)
-        return cls(keys, default_key_limit(max_inflight_per_key, max_inflight, len(keys)))
-
     @property
     def enabled(self) -> bool:
         return bool(self._tenants)
+
+    @property
+    def count(self) -> int:
+        return len(self._tenants)
 
     def authenticate(self, authorization: str) -> Tenant | None:
         """The tenant for an ``Authorization`` header value, or None if it names no known key."""

@@ -8,20 +8,22 @@ import asyncio
 
 import pytest
 
-from gateway.backpressure import Saturated, WaitQueue
-from tests.wait_queue_driver import Request, in_line, settle, start
+from gateway.backpressure import KeyLineFull, Saturated, WaitQueue
+from gateway.handlers import OpenAIHandlers
+from gateway.openai_errors import OpenAIError
+from tests.wait_queue_driver import Request, VirtualClockLoop, in_line, settle, start
 
 
 async def test_requests_are_woken_oldest_first():
     queue, room = WaitQueue(size=3, timeout_s=60), [0]
     requests = await start(queue, room, 3)
-    assert queue.waiting == 3 and [r.tries for r, _ in requests] == [1, 0, 0]  # only the first found the queue empty
+    assert queue.places_held == 3 and [r.tries for r, _ in requests] == [1, 0, 0]  # only the first found the queue empty
     for expected in range(3):
         room[0] += 1
         queue.notify(1)
         await settle()
         assert [r.outcome == "admitted" for r, _ in requests] == [i <= expected for i in range(3)]
-    assert queue.waiting == 0
+    assert queue.places_held == 0
 
 
 async def test_a_woken_request_that_finds_no_room_keeps_its_place_ahead_of_newcomers():
@@ -66,7 +68,7 @@ async def test_a_wake_up_landing_on_a_request_whose_client_left_is_passed_on():
     queue.notify(1)  # wakes A ...
     task_a.cancel()  # ... whose client leaves before it runs
     await settle()
-    assert task_a.cancelled() and b.outcome == "admitted" and queue.waiting == 0
+    assert task_a.cancelled() and b.outcome == "admitted" and queue.places_held == 0
 
 
 async def test_a_wake_up_that_finds_everyone_trying_is_not_lost():
@@ -100,7 +102,7 @@ async def test_the_deadline_ends_the_wait():
     request = Request(queue, [0])
     await request.run()  # nobody notifies
     assert request.outcome == "every decode worker is busy within 0.05 s; retry shortly"
-    assert queue.waiting == 0
+    assert queue.places_held == 0
 
 
 async def test_a_cancelled_waiter_leaves_the_queue():
@@ -108,7 +110,7 @@ async def test_a_cancelled_waiter_leaves_the_queue():
     (_, task), = await start(queue, room, 1)
     task.cancel()
     await settle()
-    assert queue.waiting == 0
+    assert queue.places_held == 0
     queue.notify(1)  # nothing to wake, nothing breaks
 
 
@@ -119,7 +121,7 @@ async def test_a_request_that_leaves_its_place_unwoken_wakes_nobody():
     await settle()
     a.leave()
     await settle()
-    assert not second.done() and queue.waiting == 1
+    assert not second.done() and queue.places_held == 1
     second.cancel()
 
 
@@ -133,7 +135,7 @@ async def test_turn_says_whether_the_request_waited_and_a_request_still_trying_n
     await settle()
     assert first.result() is True  # it waited in line
     assert await a.turn() is False  # one worker said busy, it tries the next: no wait, no place lost
-    assert queue.waiting == 1 and a.queued
+    assert queue.places_held == 1 and a.queued
 
 
 async def test_a_request_that_gets_room_gives_its_place_up_at_once_and_queues_at_the_back_if_it_loses_it():
@@ -143,7 +145,7 @@ async def test_a_request_that_gets_room_gives_its_place_up_at_once_and_queues_at
     await settle()
     assert first.done() and not second.done()
     a.admitted()  # its stream runs on; its place is free now
-    assert queue.waiting == 1 and not a.queued
+    assert queue.places_held == 1 and not a.queued
     await settle()
     assert second.done()  # the next in line was woken (more room may be free)
     b.no_room("every decode worker is busy")
@@ -274,7 +276,142 @@ async def test_a_place_is_used_once_and_the_queue_is_checked():
     place.leave()  # idempotent
     with pytest.raises(RuntimeError, match=r"^turn\(\) after leave\(\)$"):
         await place.turn()
-    for size, timeout in ((-1, 1), (1, 0)):
-        with pytest.raises(ValueError, match="queue size must be >= 0 and timeout > 0"):
-            WaitQueue(size, timeout)
+    for size, timeout, per_key in ((-1, 1, None), (1, 0, None), (1, 1, 0)):
+        with pytest.raises(ValueError, match="queue size must be >= 0, timeout > 0 and a per-key limit >= 1 or none"):
+            WaitQueue(size, timeout, per_key)
 
+
+
+# ---- many in line, room for many: the line drains in round trips that double --------------------
+
+
+def held(requests) -> list[int]:
+    """Which requests (by arrival) have a try whose answer the test holds."""
+    return [i for i, (r, _) in enumerate(requests) if r.answer is not None and not r.answer.done()]
+
+
+async def answer_all(requests) -> None:
+    for i in held(requests):
+        requests[i][0].answer.set_result(None)
+    await settle()
+
+
+async def test_tries_in_flight_double_while_room_lasts_and_stop_at_the_first_busy_answers():
+    """Fifteen wait, then room appears for three: the oldest tries; admitted, it wakes the next two,
+    who, admitted, wake four -- tries in flight grow while answers are held instead of one at a time
+    for the whole gateway (256 in line at one decode round trip each outlasted the queue timeout
+    while workers had room) -- and each busy answer ends its branch: nobody behind them tries."""
+    queue, room = WaitQueue(size=16, timeout_s=60), [0]
+    requests = await start(queue, room, 15)
+    for r, _ in requests:
+        r.hold = True
+    room[0] = 3
+    queue.notify(1)
+    await settle()
+    assert held(requests) == [0]
+    await answer_all(requests)  # admitted: it wakes two
+    assert held(requests) == [1, 2]
+    await answer_all(requests)  # both admitted: four try (no room is left, though they cannot know)
+    assert held(requests) == [3, 4, 5, 6]
+    await answer_all(requests)  # four busy answers: they wait again, at their places, and wake nobody
+    assert held(requests) == [] and [r.outcome for r, _ in requests[:3]] == ["admitted"] * 3
+    assert [r.tries for r, _ in requests[3:]] == [1, 1, 1, 1] + [0] * 8
+    assert queue.places_held == 12
+    room[0] = 1
+    queue.notify(1)  # the next room goes to the oldest of them
+    await settle()
+    assert held(requests) == [3]
+    for _, task in requests:
+        task.cancel()
+
+
+# ---- a request admitted, then back in line --------------------------------------------------------
+
+
+def on_virtual_clock(scenario) -> None:
+    loop = VirtualClockLoop()
+    try:
+        loop.run_until_complete(scenario(loop))
+    finally:
+        loop.close()
+
+
+def test_a_request_admitted_then_back_in_line_waits_a_full_timeout_again():
+    """A request waited 9.9 s of its 10, was admitted, and lost its decode worker before the first
+    token while every other one was busy: its new wait has a deadline of its own (the old one made
+    it a 503 at once)."""
+    async def scenario(loop: VirtualClockLoop) -> None:
+        queue = WaitQueue(size=2, timeout_s=10)
+        (a, first), = await in_line(queue, 1)
+        loop.now = 9.9
+        queue.notify(1)
+        await settle()
+        assert first.result() is True
+        a.admitted()
+        loop.now = 10.5  # its worker fails after the old deadline
+        assert await a.turn() is False  # it tries again at once ...
+        a.no_room("every decode worker is busy")  # ... and finds no room: it queues again
+        again = asyncio.create_task(a.turn())
+        await settle()
+        loop.now = 20.4
+        await settle()
+        assert not again.done()
+        loop.now = 20.5
+        await settle()
+        with pytest.raises(Saturated, match="within 10 s"):
+            again.result()
+
+    on_virtual_clock(scenario)
+
+
+# ---- one API key's share of the line -----------------------------------------------------------
+
+
+async def test_one_api_key_holds_at_most_its_share_of_the_places_in_line():
+    queue = WaitQueue(size=4, timeout_s=60, per_key=2)
+    a = await in_line(queue, 2, key="key-a")
+    with pytest.raises(KeyLineFull, match=r"this API key \(key-a\) already has 2 requests waiting") as info:
+        await queue.place("key-a").turn()
+    assert info.value.status == 429 and info.value.retry_after == 30.0
+    b = await in_line(queue, 2, key="key-b")  # another key still finds its places
+    with pytest.raises(Saturated, match="4 requests are already waiting") as info:
+        await queue.place("key-c").turn()
+    assert info.value.status == 503 and not isinstance(info.value, KeyLineFull)
+    (first, waiting), (second, woken) = a
+    waiting.cancel()  # a client of key-a goes away: its place is free for key-a again ...
+    await settle()
+    first.leave()
+    queue.notify(1)  # ... and so is the place of a request that got room
+    await settle()
+    assert woken.done()
+    second.admitted()
+    again = await in_line(queue, 2, key="key-a")
+    for place, task in again + b:
+        task.cancel()
+        await settle()
+        place.leave()
+    assert queue.places_held == 0 and not queue._by_key
+
+
+async def test_without_a_per_key_limit_or_a_key_any_request_may_take_every_place():
+    for queue, key in ((WaitQueue(size=3, timeout_s=60), "key-a"), (WaitQueue(size=3, timeout_s=60, per_key=1), None)):
+        line = await in_line(queue, 3, key=key)
+        assert queue.places_held == 3
+        for place, task in line:
+            task.cancel()
+            await settle()
+            place.leave()
+
+
+async def test_a_key_over_its_share_of_the_line_is_told_429_with_retry_after():
+    with pytest.raises(OpenAIError) as info:
+        await OpenAIHandlers._upstream(refuse(KeyLineFull("its share of the wait queue", retry_after=5.0)))
+    assert info.value.status == 429 and info.value.retry_after == 5.0 and info.value.code == "rate_limit_exceeded"
+    assert "its share of the wait queue" in info.value.message
+    with pytest.raises(OpenAIError) as info:
+        await OpenAIHandlers._upstream(refuse(Saturated("every decode worker is busy", retry_after=5.0)))
+    assert info.value.status == 503 and info.value.message.startswith("The server is saturated")
+
+
+async def refuse(exc: Exception):
+    raise exc

@@ -42,3 +42,35 @@ def test_a_key_without_its_own_limit_gets_half_of_max_inflight_when_keys_share_t
 def tenants_of(config: GatewayConfig):
     keys = config.api_keys()
     return [keys.authenticate(f"Bearer {k}") for k in (KEY_A, KEY_B)]
+
+
+def test_the_keys_checked_are_the_keys_served_and_the_file_is_read_once(tmp_path, monkeypatch):
+    """The API keys file is read once per configuration: a key added to it after the strength
+    check (a weak one, here) is not served by a gateway started from that configuration."""
+    keys = tmp_path / "keys"
+    keys.write_text(f"{KEY_A}\n")
+    reads = []
+    read_text = type(keys).read_text
+
+    def counting(path, *args, **kwargs):
+        if path == keys:
+            reads.append(path)
+        return read_text(path, *args, **kwargs)
+
+    monkeypatch.setattr(type(keys), "read_text", counting)
+    config = GatewayConfig(api_keys_file=str(keys), host="0.0.0.0", cluster_secret="c" * 32)
+    keys.write_text(f"{KEY_A}\nweak\n")
+    served = config.api_keys()
+    assert served.authenticate(f"Bearer {KEY_A}") is not None and served.authenticate("Bearer weak") is None
+    assert config.open_to_the_network is False and len(reads) == 1
+
+
+def test_a_key_gets_half_of_the_wait_queue_when_keys_share_the_gateway(tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text(f"{KEY_A}:3\n{KEY_B}\n")
+    queue = GatewayConfig(api_keys_file=str(keys), queue_size=100, queue_timeout=4.0).wait_queue()
+    assert (queue.size, queue.timeout_s, queue.per_key) == (100, 4.0, 50)
+    assert GatewayConfig(api_keys_file=str(keys), queue_size=100, queue_size_per_key=7).wait_queue().per_key == 7
+    assert GatewayConfig(api_keys_file=str(keys), queue_size_per_key=0).wait_queue().per_key is None
+    assert GatewayConfig(api_key=KEY_A).wait_queue().per_key is None  # a single key may fill the line
+    assert GatewayConfig().wait_queue().per_key is None  # no keys: one tenant

@@ -60,12 +60,13 @@ async def start(queue: WaitQueue, room: list[int], n: int, hold: bool = False) -
     return out
 
 
-async def in_line(queue: WaitQueue, n: int) -> list[tuple[Place, asyncio.Task]]:
-    """``n`` requests waiting in line, oldest first (the first found the line empty and tried)."""
+async def in_line(queue: WaitQueue, n: int, key: str | None = None) -> list[tuple[Place, asyncio.Task]]:
+    """``n`` requests (of API key ``key``) waiting in line, oldest first (the first found the line
+    empty and tried)."""
     out = []
     for _ in range(n):
-        place = queue.place()
-        if not queue.waiting:
+        place = queue.place(key)
+        if not queue.places_held:
             assert await place.turn() is False  # a newcomer facing an empty line tries at once
             place.no_room("every decode worker is busy")
         out.append((place, asyncio.create_task(place.turn())))
