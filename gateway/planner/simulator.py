@@ -29,7 +29,8 @@ the step in flight ends.  Requests are routed as
 count of pending prefill tokens.  A decode worker that is full (its pending-request limit, or no
 room to reserve a remote prompt's blocks) answers "busy" and is skipped; with none left the
 request waits in the gateway's ``WaitQueue`` -- woken oldest first when a stream ends or the pool
-refreshes, failed as saturated past its deadline or when the queue is full -- as the gateway does.
+refreshes, each that gets room waking the next two, failed as saturated past its deadline or when
+the queue is full -- as the gateway does.
 
 Large clusters are sampled (``slice_for``): a slice of the workers with the same prefill:decode
 ratio receives a matching share of the traffic, so each simulated worker sees the load it would
@@ -57,6 +58,8 @@ from common.engine.request import Request
 from common.engine.sampling_params import SamplingParams
 from common.engine.scheduler import Scheduler, status_after_token
 from common.engine.step_log import step_shape
+from gateway.backpressure import ADMITTED_WAKES
+from gateway.config import GatewayConfig
 from gateway.dispatch import SentToDecode, computed_on, count_pending
 from gateway.planner.cost_model import CostModel
 from gateway.planner.hardware import LinkProfile
@@ -202,8 +205,8 @@ class SimConfig:
     overhead_s: float = 0.0  # gateway + HTTP hops, added to TTFT and end-to-end latency
     host: HostEffects = HostEffects()  # workers sharing CPUs (all simulated workers on one host)
     speed: SpeedTrace | None = None  # the machine's speed over time, replayed from a run (validation)
-    queue_size: int = 256  # the gateway's wait queue (GatewayConfig.queue_size) ...
-    queue_timeout_s: float = 10.0  # ... and how long a request may wait in it (queue_timeout)
+    queue_size: int = GatewayConfig.queue_size  # the gateway's wait queue ...
+    queue_timeout_s: float = GatewayConfig.queue_timeout  # ... and how long a request may wait in it
     drain_s: float | None = None  # simulated time after the last arrival (default: max(60, duration))
     stop_when_failing: bool = False  # stop as soon as the SLOs are certainly missed
     seed: int = 0
@@ -459,10 +462,11 @@ class Simulation:
             return
         self._dispatch(i, request, affinity, now, None)
 
-    def _dispatch(self, i: int, request: Request, affinity: bytes, now: float, deadline: float | None) -> None:
+    def _dispatch(self, i: int, request: Request, affinity: bytes, now: float, deadline: float | None) -> str:
         """``gateway.dispatch.Dispatcher.generate`` up to the first token: look the prompt's prefix
         up, route; a decode worker that answers busy is skipped; with none left, wait
-        (``deadline``: set when it first waited)."""
+        (``deadline``: set when it first waited).  How it went: "admitted" (a decode worker took
+        it), "refused" (as invalid: it leaves), "no room" (it waits, or failed as saturated)."""
         matched = {}
         if self.workload.shared[i] and request.num_prompt_tokens >= self.block_size:
             hashes = request.block_hashes
@@ -478,15 +482,16 @@ class Simulation:
                                           pending=self.pending, pending_decode=self.sent_to_decode.load(workers))
             except NoWorkerAvailable:
                 self._wait(i, request, affinity, now, deadline)
-                return
+                return "no room"
             decode = self.workers[route.decode.worker_id]
             if decode.scheduler.num_unfinished < decode.settings.max_pending_requests and self._admit(
                     i, request, route, decode, now):
-                if self.outcome[i] == "":  # admitted (not refused as invalid)
-                    self.decode_of[i] = decode.worker_id
-                    self.sent_to_decode.add(decode.worker_id, request.request_id,
-                                            cdiv(request.num_prompt_tokens, decode.settings.block_size))
-                return
+                if self.outcome[i] != "":
+                    return "refused"
+                self.decode_of[i] = decode.worker_id
+                self.sent_to_decode.add(decode.worker_id, request.request_id,
+                                        cdiv(request.num_prompt_tokens, decode.settings.block_size))
+                return "admitted"
             busy.add(decode.worker_id)  # "busy": the gateway tries another decode worker
             self.retries += 1
 
@@ -508,15 +513,25 @@ class Simulation:
 
     def _wake(self, n: int, now: float) -> None:
         """``WaitQueue.notify(n)``: the ``n`` oldest waiting requests try again; one whose deadline
-        passed meanwhile has already failed (its wait timed out), and does not count."""
+        passed meanwhile has already failed (its wait timed out), and does not count.  Then, as
+        ``Place.admitted`` and ``Place.leave`` do, each that got room wakes the next
+        ``ADMITTED_WAKES`` and each refused as invalid passes its wake-up on, in rounds: the
+        requests woken together all try before any answer counts (they try concurrently at the
+        gateway), and one that found no room is back at its place for the next round's wake-ups.
+        Tries take no time here, so the chain runs at once until a round admits nobody."""
         while n > 0 and self.waiting:
-            deadline, i = self.waiting.pop(0)
-            request, affinity = self._wait_state.pop(i)
-            if deadline <= now:
-                self._fail(i, "saturated")
-                continue
-            n -= 1
-            self._dispatch(i, request, affinity, now, deadline)
+            woken = []
+            while len(woken) < n and self.waiting:
+                deadline, i = self.waiting.pop(0)
+                request, affinity = self._wait_state.pop(i)
+                if deadline <= now:
+                    self._fail(i, "saturated")
+                    continue
+                woken.append((i, request, affinity, deadline))
+            n = 0
+            for i, request, affinity, deadline in woken:
+                outcome = self._dispatch(i, request, affinity, now, deadline)
+                n += ADMITTED_WAKES if outcome == "admitted" else 1 if outcome == "refused" else 0
 
     def _admit(self, i: int, request: Request, route, decode: SimWorker, now: float) -> bool:
         """``decode_svc.generate``: reserve blocks for a remote prefill, or queue the prompt locally.
