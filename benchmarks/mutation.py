@@ -46,16 +46,22 @@ EQUIVALENTS_FILE = Path(__file__).with_name("mutation_equivalents.json")
 
 # Each module, and the test files that exercise it in-process (mutmut traces which test reaches
 # which function; tests that only drive the module inside another process cannot be traced).
+SCHEDULER_TESTS = ["tests/test_scheduler.py", "tests/test_scheduler_liveness.py", "tests/test_scheduler_livelock.py",
+                   "tests/test_scheduler_progress.py", "tests/test_lease_after_landing.py"]
+KV_TESTS = ["tests/kvtransfer", "tests/test_decode_peer_faults.py", "tests/test_prefill_shipping_order.py"]
+AUTH_TESTS = ["tests/test_auth.py", "tests/test_replay_cache.py", "tests/test_worker_auth.py",
+              "tests/test_registry_signing.py"]
 MODULES: dict[str, list[str]] = {
-    "common/engine/scheduler.py": ["tests/test_scheduler.py", "tests/test_scheduler_liveness.py"],
-    "common/engine/kv_cache_manager.py": ["tests/test_scheduler.py", "tests/test_prefix_lookup.py",
-                                          "tests/test_block_table.py"],
-    "common/engine/block_pool.py": ["tests/test_block_pool.py", "tests/test_prefix_lookup.py"],
-    "common/engine/block_table.py": ["tests/test_block_table.py"],
-    "kvtransfer/receiver.py": ["tests/kvtransfer"],
-    "kvtransfer/sender.py": ["tests/kvtransfer"],
-    "gateway/backpressure.py": ["tests/test_backpressure.py"],
-    "common/cluster/auth.py": ["tests/test_auth.py", "tests/test_worker_auth.py", "tests/test_registry_signing.py"],
+    "common/engine/scheduler.py": SCHEDULER_TESTS,
+    "common/engine/room_alone.py": SCHEDULER_TESTS,  # the scheduler's room computation, moved out of it
+    "common/engine/kv_cache_manager.py": [*SCHEDULER_TESTS, "tests/test_prefix_lookup.py", "tests/test_block_table.py"],
+    "common/engine/block_pool.py": ["tests/test_block_pool.py", "tests/test_prefix_lookup.py", *SCHEDULER_TESTS],
+    "common/engine/block_table.py": ["tests/test_block_table.py", *SCHEDULER_TESTS],
+    "kvtransfer/receiver.py": KV_TESTS,
+    "kvtransfer/sender.py": KV_TESTS,
+    "gateway/backpressure.py": ["tests/test_backpressure.py", "tests/test_backpressure_machine.py"],
+    "common/cluster/auth.py": AUTH_TESTS,
+    "common/cluster/nonce_cache.py": AUTH_TESTS,  # auth's replay cache, moved out of it
 }
 
 # mutmut's exit codes (mutmut.stats.status_by_exit_code) as the categories reported here.
@@ -131,7 +137,7 @@ def equivalence_key(module: str, name: str, diff: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="run every 5th mutant of each module only")
-    parser.add_argument("--module", action="append", help="only this module (repeatable); default: all eight")
+    parser.add_argument("--module", action="append", help="only this module (repeatable); default: all of them")
     parser.add_argument("--survivors", action="store_true", help="print each surviving mutant's diff and key")
     parser.add_argument("--keep", help="run in this folder and keep it (default: a temporary one)")
     parser.add_argument("--max-children", type=int, default=os.cpu_count() or 1)
