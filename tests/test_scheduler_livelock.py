@@ -114,7 +114,7 @@ def test_new_reservations_cannot_starve_a_prompt_that_waits_for_room():
         run_step(s)
     assert s.requests["long"].num_output_tokens, "the waiting prompt never ran"
     assert refused, "no reservation was refused for it"
-    assert s.local_claim is None  # it has its token: its claim has ended
+    assert s.local_claim is s.requests["long"]  # its claim lasts until it ends
 
 
 def test_has_work_says_whether_a_step_could_compute_anything():

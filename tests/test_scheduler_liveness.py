@@ -128,13 +128,13 @@ def test_a_long_reservation_is_not_starved_by_short_ones():
     assert s.reserve_remote(req("a", 8), now=0.0) is not None  # 2 blocks
     assert s.reserve_remote(req("b", 8, first=40), now=0.0) is not None  # 4
     assert s.reserve_remote(req("long", 24, first=80), now=0.0) is None  # 6 more: over the budget
-    assert s.claim.request_id == "long" and s.claim.num_blocks == 6
+    assert s.remote_claim.request_id == "long" and s.remote_claim.num_blocks == 6
     assert s.reserve_remote(req("c", 8, first=120), now=1.0) is None  # fits the budget, but is the long one's
     s.finish_remote("a", 7)  # 2 blocks of budget free again: before, "c" would take them
     assert s.reserve_remote(req("c", 8, first=120), now=2.0) is None
-    assert s.claim.request_id == "long"  # the oldest keeps the claim
+    assert s.remote_claim.request_id == "long"  # the oldest keeps the claim
     assert s.reserve_remote(req("long", 24, first=80), now=2.5) is not None  # the gateway's retry: 2 + 6 = 8
-    assert s.claim is None
+    assert s.remote_claim is None
     s.check_integrity()
 
 

@@ -5,21 +5,29 @@ it: local prompts, prefill-role prompts (blocks held on finish, then pinned whil
 reservations for remote KV that land on time, late, never, or after their lease ended (the owner
 then frees them: ``expired_leases`` + ``abort``, as the decode worker does), retries of refused
 reservations, aborts, unpins, and steps.  After every operation the scheduler's invariants hold
-(``check_integrity``).  The property:
+(``check_integrity``).  Steps are taken as the engine thread takes them: only while ``has_work()``
+(and then a step on a copy of the scheduler must do nothing).  The properties:
 
-    whenever some request could run alone in the blocks not held outside ``running`` (see
-    ``could_run_alone``: the oracle below, written from the definition, not from the scheduler),
-    within a bounded number of steps some request gains a token or ends.
+    progress: whenever some request could run alone in the blocks not held outside ``running``
+    (see ``could_run_alone``: the oracle below, written from the definition, not from the
+    scheduler), within a bounded number of steps some request gains a token or ends;
 
-The count of steps without progress restarts only when a reservation is granted (it may take the
-room a request was using, a legitimate setback) or when something ends or lands (progress).  A
-prefill-role prompt queued behind a request that waits for room is not counted as one that could
-run: it would add held blocks to what that request waits for, so it waits too (the scheduler's
+    no starvation: the oldest waiting request that could run alone gains a token (or ends)
+    within a bound set by the work ahead of it -- however many reservations are granted meanwhile.
+
+The first count restarts when a reservation is granted (it may take the room a request was using,
+a legitimate setback) or when something ends or lands (progress); the second only when that
+request gains a token, so reservations granted again and again are seen (``steady``: one or two
+offered before every step, their KV landing at once or a few steps later).  A prefill-role
+prompt queued behind a request that waits for room is not counted as one that could run: it
+would add held blocks to what that request waits for, so it waits too (the scheduler's
 docstring).  Runs with prefix caching on and off.  Before the fix, a chunked prompt that needed
-more than the room left beside reservations preempted itself forever while others waited.
+more than the room left beside reservations preempted itself forever while others waited; and
+then, reservations granted before every step starved a waiting prompt that fit alone.
 """
 from __future__ import annotations
 
+import copy
 import os
 
 import pytest
@@ -32,7 +40,7 @@ from common.engine.config import SchedulerConfig
 from common.engine.kv_cache_manager import KVCacheManager
 from common.engine.request import Request
 from common.engine.sampling_params import SamplingParams
-from common.engine.scheduler import Scheduler
+from common.engine.scheduler import Scheduler, SchedulerOutput
 
 EOS = 2
 LEASE_S = 30.0
@@ -59,17 +67,22 @@ def could_run_alone(s: Scheduler, request: Request, outside: set[int]) -> bool:
     return cdiv(request.num_tokens, s.kv.block_size) <= room
 
 
-def some_request_could_run(s: Scheduler) -> bool:
+def waiting_that_could_run(s: Scheduler) -> list[Request]:
+    """Waiting requests that could run alone, oldest first, but those that would hold blocks on
+    finish queued behind one that cannot (what it waits for)."""
     outside = outside_running(s)
-    if any(could_run_alone(s, r, outside) for r in [*s.running, *s.landed]):
-        return True
-    waiting_for_room = False
+    found, waiting_for_room = [], False
     for request in s.waiting:
         if not could_run_alone(s, request, outside):
             waiting_for_room = True
         elif not (waiting_for_room and request.hold_blocks_on_finish):
-            return True
-    return False
+            found.append(request)
+    return found
+
+
+def some_request_could_run(s: Scheduler) -> bool:
+    outside = outside_running(s)
+    return any(could_run_alone(s, r, outside) for r in [*s.running, *s.landed]) or bool(waiting_that_could_run(s))
 
 
 class SchedulerMachine(RuleBasedStateMachine):
@@ -90,6 +103,15 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.refused: list[Request] = []  # reservations refused: the gateway may retry them
         self.pins: list[list] = []  # batches of shipped blocks, oldest first
         self.stale = 0  # steps in a row in which some request could run and none progressed
+        # The oldest waiting request that could run, once seen: (its outputs then, steps it has
+        # waited since while it could run), until it gains a token or ends.
+        self.watched: dict[str, tuple[int, int]] = {}
+        self.idle_verified = False  # a step on a copy did nothing, and nothing happened since
+
+    def check(self) -> None:
+        """After something happened to the scheduler: its invariants hold."""
+        self.s.check_integrity()
+        self.idle_verified = False
 
     # ---- what happens to the scheduler ------------------------------------------------------
 
@@ -109,7 +131,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.s.add_request(request)
         except ValueError:
             pass
-        self.s.check_integrity()
+        self.check()
 
     @rule(shape=SHAPES, fate=st.sampled_from(FATES), delay=st.integers(0, 6), retry=st.integers(-1, 3))
     def reserve(self, shape, fate, delay, retry):
@@ -119,7 +141,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             request = Request(old.request_id, old.prompt_token_ids, old.sampling_params, eos_token_ids=(EOS,))
         else:
             request = self.new_request(shape)
-        claim = s.claim if s.claim is not None and s.claim.expires > self.now else None
+        claim = s.remote_claim if s.remote_claim is not None and s.remote_claim.expires > self.now else None
         try:
             reserved = s.reserve_remote(request, now=self.now)
         except ValueError:
@@ -133,14 +155,33 @@ class SchedulerMachine(RuleBasedStateMachine):
                 # Nobody else takes the room of the oldest refused reservation while its claim lasts.
                 assert s.num_reserved_blocks + claim.num_blocks <= s._remote_budget_blocks
                 assert s.kv.pool.num_free_blocks - s._watermark_blocks >= claim.num_blocks
-        s.check_integrity()
+        self.check()
+
+    @rule(n=st.integers(1, 50), per_step=st.integers(1, 2), size=st.integers(1, 8), delay=st.integers(0, 3))
+    def steady(self, n, per_step, size, delay):
+        """Steady remote traffic: ``per_step`` reservations of ``size`` tokens offered before each
+        of ``n`` steps, their KV landing ``delay`` steps later (as the gateway keeps a decode
+        worker busy while a local prompt waits)."""
+        for _ in range(n):
+            for _ in range(per_step):
+                self.ids += 1
+                request = Request(f"r{self.ids}", [100 + (self.ids % 7) * 8 + i for i in range(size)],
+                                  SamplingParams(max_tokens=2), eos_token_ids=(EOS,))
+                try:
+                    if self.s.reserve_remote(request, now=self.now) is not None:
+                        self.stale = 0
+                        self.fates[request.request_id] = ("land", self.steps + delay)
+                        self.idle_verified = False
+                except ValueError:
+                    pass
+            self.step()
 
     @rule(index=st.integers(0, 15))
     def abort(self, index):
         if self.s.requests:
             self.s.abort(list(self.s.requests)[index % len(self.s.requests)])
             self.stale = 0
-        self.s.check_integrity()
+        self.check()
 
     @rule(dt=st.integers(0, 40))
     def tick(self, dt):
@@ -151,13 +192,13 @@ class SchedulerMachine(RuleBasedStateMachine):
                 assert self.s.finish_remote(rid, 5) is None, "KV accepted after its lease ended"
             self.s.abort(rid)
             self.stale = 0
-        self.s.check_integrity()
+        self.check()
 
     @rule()
     def unpin(self):
         if self.pins:
             self.s.kv.unpin(self.pins.pop(0))
-        self.s.check_integrity()
+        self.check()
 
     @rule(n=st.integers(1, 3))
     def steps_(self, n):
@@ -183,11 +224,48 @@ class SchedulerMachine(RuleBasedStateMachine):
         longest = max((r.num_tokens for r in s.requests.values()), default=0)
         return 2 * (len(s.requests) + cdiv(longest, s.config.max_num_batched_tokens) + 2)
 
+    def work_ahead_bound(self, request: Request) -> int:
+        """Steps ``request`` may wait, as the oldest waiting request that could run, before it gains
+        a token: what is ahead of it (running, landed and reserved requests, waiting ones before
+        it) may run to its end, and it computes its own tokens a chunk a step; twice that, each
+        request perhaps preempted once more."""
+        s = self.s
+        budget = s.config.max_num_batched_tokens
+        waiting = list(s.waiting)
+        before = waiting[:waiting.index(request)] if request in waiting else []
+        ahead = [*s.running, *s.landed, *s.reservations.values(), *before]
+        work = sum(2 * cdiv(r.num_tokens, budget) + r.sampling_params.max_tokens + 2 for r in ahead if r is not request)
+        return 2 * (work + 2 * cdiv(request.num_tokens, budget) + 7 + 6)  # 6: the longest KV delay
+
+    def watch(self) -> None:
+        """Start watching the oldest waiting request that could run (see ``count_waits``)."""
+        could_run = waiting_that_could_run(self.s)
+        if could_run and could_run[0].request_id not in self.watched:
+            self.watched[could_run[0].request_id] = (could_run[0].num_output_tokens, 0)
+
+    def count_waits(self) -> None:
+        """After a step: each watched request that gained no token and could still run (or runs)
+        has waited one more step; it may not wait longer than the work ahead of it allows."""
+        s = self.s
+        could_run = {r.request_id for r in waiting_that_could_run(s)} | {r.request_id for r in s.running}
+        for rid, (outputs, waited) in list(self.watched.items()):
+            request = s.requests.get(rid)
+            if request is None or request.num_output_tokens > outputs:
+                del self.watched[rid]  # it ended, or gained a token
+            elif rid in could_run:
+                waited += 1
+                self.watched[rid] = (outputs, waited)
+                assert waited <= self.work_ahead_bound(request), (
+                    f"{rid} waited {waited} steps without a token although it could run: running={s.running} "
+                    f"waiting={list(s.waiting)} landed={list(s.landed)} reserved={list(s.reservations)} "
+                    f"free={s.kv.pool.num_free_blocks}")
+
     def land_due(self) -> None:
         """KV that arrives now: on time it lands; late, after its lease, it is refused (tick frees it)."""
         for rid, (fate, due) in list(self.fates.items()):
             if fate == "land" and due <= self.steps and rid in self.s.reservations:
                 del self.fates[rid]
+                self.idle_verified = False
                 if self.s.finish_remote(rid, EOS if due % 5 == 0 else 5) is not None:
                     self.stale = 0  # it gained its first token (or ended)
 
@@ -195,10 +273,17 @@ class SchedulerMachine(RuleBasedStateMachine):
         s = self.s
         self.land_due()
         could_run = some_request_could_run(s)
-        idle = not s.has_work()
-        out = s.schedule()
-        assert not idle or (out.is_empty and not out.preempted_request_ids), (
-            "has_work() said no step could do anything, but one did: the engine thread would sleep through it")
+        self.watch()
+        if s.has_work():
+            out = s.schedule()
+            self.idle_verified = False
+        else:  # the engine thread takes no step: one would do nothing (tried on a copy, once)
+            if not self.idle_verified:
+                out = copy.deepcopy(s).schedule()
+                assert out.is_empty and not out.preempted_request_ids, (
+                    "has_work() said no step could do anything, but one did: the engine thread would sleep through it")
+                self.idle_verified = True
+            out = SchedulerOutput()
         ended_before = len(s.requests)
         changed = s.update(out, {x.request_id: EOS if (self.steps + len(x.token_ids)) % 7 == 0 else 5
                                  for x in out.scheduled if x.sample})
@@ -208,6 +293,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             s.kv.pin(self.pins[-1])
             s.release_held(rid)
         s.check_integrity()
+        self.count_waits()
         if changed or len(s.requests) < ended_before:
             self.stale = 0
         elif could_run:
@@ -236,6 +322,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             s.abort(rid)
         while self.pins:
             s.kv.unpin(self.pins.pop())
+        self.idle_verified = False
         self.stale = 0  # all that held blocks outside running let go at once: a new count
         for _ in range(5000):
             if not s.requests:
@@ -243,17 +330,18 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.step()
             while self.pins:
                 s.kv.unpin(self.pins.pop())
+                self.idle_verified = False
         assert not s.requests, f"never finished: {list(s.requests.values())}"
         assert not s.held and not s.kv.pins
         assert s.kv.pool.num_free_blocks == s.kv.pool.num_blocks  # only cached blocks remain
         s.check_integrity()
         # The oldest refused reservation, if its claim lasts, is served when it comes back (however
         # large: it fits the pool).
-        old = next((r for r in self.refused if s.claim and r.request_id == s.claim.request_id), None)
-        if old is not None and s.claim.expires > self.now:
+        old = next((r for r in self.refused if s.remote_claim and r.request_id == s.remote_claim.request_id), None)
+        if old is not None and s.remote_claim.expires > self.now:
             request = Request(old.request_id, old.prompt_token_ids, old.sampling_params, eos_token_ids=(EOS,))
             assert s.reserve_remote(request, now=self.now) is not None, "the claimant was never served"
-            assert s.claim is None
+            assert s.remote_claim is None
             s.check_integrity()
 
 

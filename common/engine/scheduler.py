@@ -15,7 +15,7 @@ pool could fill with them while nothing runs (``running=0, waiting>0``, forever)
     reservations  (decode role: blocks waiting for remote KV)  at most ``remote_kv_budget`` of the
                   pool (one is always allowed), each with a lease; the owner frees an expired one
                   once no more bytes can land in it (``expired_leases``)
-    claim         (decode role: the oldest refused reservation) holds no blocks: while it lasts, a
+    remote claim  (decode role: the oldest refused reservation) holds no blocks: while it lasts, a
                   reservation that would take room the claimant needs is refused, so room builds
                   up for it (first come, first served; a long prompt is not starved by short ones
                   taking the room as it frees).  It ends when the claimant gets its reservation,
@@ -23,6 +23,12 @@ pool could fill with them while nothing runs (``running=0, waiting>0``, forever)
     landed        (remote KV complete, not yet running)        admitted before new prompts and
                   without the watermark
     held, pins    (prefill role: finished, or on the wire)     released as soon as sent
+
+Reservations and local requests take turns first come, first served (``scheduler_turns``): a
+reservation is refused while the head of ``waiting`` could not start (or could not once it is
+granted), and while the local claimant -- the oldest request found unable to start, until it
+finishes -- computes its prompt or would lose the room to finish alone.  Both are judged when a
+reservation asks, not only in steps (which the engine thread skips while ``has_work`` is false).
 
 Room to run alone (``room_alone``): a request samples a token only once all its tokens have KV,
 and the most it can ever hold is what preempting every other running request leaves.  One that
@@ -32,8 +38,8 @@ needs more cannot make progress until something outside ``running`` lets go, so
     it that fit go ahead, except those that will hold their blocks on finish (what it waits for);
   * running and out of blocks, it preempts itself only: the others' blocks would not be enough;
   * landed, it is recomputed (the newest landed request if that makes room for it, else itself);
-  * the oldest such request holds ``local_claim`` until it samples a token or ends: no reservation
-    may leave it without room meanwhile, so what it waits for is not replaced by new holders.
+  * waiting, it heads the line once the requests before it that fit are admitted, and no
+    reservation then replaces what it waits for (above).
 A step with nothing to do is then empty and ``has_work`` is false: the engine thread sleeps.
 """
 from __future__ import annotations
@@ -44,10 +50,13 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from common.engine.config import SchedulerConfig
-from common.engine.kv_cache_manager import KVCacheManager
+from common.engine.kv_cache_manager import KVCacheManager, cdiv
 from common.engine.request import Request, RequestStatus
-from common.engine.room_alone import RoomAlone
+from common.engine.room_alone import RoomAlone, final_tokens
 from common.engine.scheduler_integrity import check_scheduler
+from common.engine.scheduler_turns import (
+    RemoteClaim, leaves_local_requests_their_turn, leaves_remote_claimant_room, update_remote_claim,
+)
 from common.engine.sampling_params import SamplingParams
 
 
@@ -72,6 +81,10 @@ class ScheduledRequest:
 
 @dataclass
 class SchedulerOutput:
+    """What one step does: the requests it computes (``scheduled``, each with its share), the
+    tokens they compute in all, and the requests it preempted (their blocks freed; each is
+    computed again from its first token when admitted again)."""
+
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     num_scheduled_tokens: int = 0
     preempted_request_ids: list[str] = field(default_factory=list)
@@ -79,16 +92,6 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
-
-
-@dataclass
-class RemoteClaim:
-    """The oldest reservation refused for lack of room: ``num_blocks`` are kept for it until
-    ``expires`` (each refusal of the same request id renews it)."""
-
-    request_id: str
-    num_blocks: int
-    expires: float
 
 
 def status_after_token(request: Request, token_id: int, max_model_len: int) -> RequestStatus | None:
@@ -120,9 +123,12 @@ class Scheduler:
         self.num_preemptions = 0
         self._watermark_blocks = int(config.watermark * kv_manager.pool.num_blocks)
         self._remote_budget_blocks = int(config.remote_kv_budget * kv_manager.pool.num_blocks)
-        self.claim: RemoteClaim | None = None  # decode role: the oldest refused reservation
-        # The oldest request found without room to run alone, until it samples a token or ends.
-        self.local_claim: Request | None = None
+        self.remote_claim: RemoteClaim | None = None  # decode role: the oldest refused reservation
+        self.local_claim: Request | None = None  # the oldest request refused its turn, until it ends
+        self._waited_a_step: Request | None = None  # the head of ``waiting`` when the last step ended
+        # Waiting requests that free their blocks on finish: behind a request passed over, only
+        # these may start (``_admit_waiting``), so a scan ends when none is left.
+        self._num_waiting_releasing = 0
         self.room = RoomAlone(kv_manager)
 
     # ---- admission -------------------------------------------------------------------------
@@ -130,7 +136,7 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         self._validate(request)
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self._queue(request)
 
     def reserve_remote(
         self, request: Request, lease_s: float | None = None, now: float | None = None
@@ -144,47 +150,27 @@ class Scheduler:
         """
         self._validate(request)
         now = time.monotonic() if now is None else now
-        if self.claim is not None and self.claim.expires <= now:
-            self.claim = None  # its request never came back
+        needed = cdiv(request.num_tokens, self.block_size)
+        if not leaves_remote_claimant_room(self, request.request_id, needed, now):
+            return None  # first come, first served: the claimant waits for this room
         cached = self.kv.find_cached_prefix(request)
         num_cached_tokens = len(cached) * self.block_size
-        needed = -(-request.num_tokens // self.block_size)
-        claim = self.claim
-        if claim is not None and claim.request_id != request.request_id and not self._leaves_room(claim, needed):
-            return None  # first come, first served: the claimant waits for this room
         # The watermark keeps room for requests that will grow; with none, the pool is all there is.
         reserve = self._watermark_blocks if self.running or self.landed or self.reservations else 0
         new_blocks = None
-        if ((not self.reservations or self.num_reserved_blocks + needed <= self._remote_budget_blocks)
-                and self._leaves_local_claimant_room(needed, cached)):
+        if (leaves_local_requests_their_turn(self, needed, cached)  # first: it may take the local claim
+                and (not self.reservations or self.num_reserved_blocks + needed <= self._remote_budget_blocks)):
             new_blocks = self.kv.allocate_slots(
                 request, request.num_tokens - num_cached_tokens, cached, reserve_blocks=reserve)
+        update_remote_claim(self, request.request_id, needed, now, granted=new_blocks is not None)
         if new_blocks is None:
-            if claim is None or claim.request_id == request.request_id:
-                self.claim = RemoteClaim(request.request_id, needed, now + self.config.remote_claim_s)
             return None
-        if claim is not None and claim.request_id == request.request_id:
-            self.claim = None
         request.num_cached_tokens = num_cached_tokens
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self._leases[request.request_id] = now + (self.config.remote_lease_s if lease_s is None else lease_s)
         self.requests[request.request_id] = request
         self.reservations[request.request_id] = request
         return self.kv.block_ids(request.request_id), num_cached_tokens
-
-    def _leaves_room(self, claim: RemoteClaim, num_blocks: int) -> bool:
-        """Whether reserving ``num_blocks`` more still leaves the claimant its blocks, within the
-        budget and the pool's free blocks above the watermark (a claimant bigger than the budget
-        needs every other reservation gone: it is allowed only alone)."""
-        reserved = self.num_reserved_blocks + num_blocks
-        free = self.kv.pool.num_free_blocks - num_blocks - self._watermark_blocks
-        return reserved + claim.num_blocks <= self._remote_budget_blocks and free >= claim.num_blocks
-
-    def _leaves_local_claimant_room(self, num_blocks: int, cached: list) -> bool:
-        """Whether a reservation of ``num_blocks`` (``cached``: the prefix hits among them) still
-        leaves the local claimant room to run alone."""
-        claimant = self.local_claim
-        return claimant is None or self.room.fits_after(claimant, self._outside_owners(), num_blocks, cached)
 
     @property
     def num_reserved_blocks(self) -> int:
@@ -245,7 +231,7 @@ class Scheduler:
             )
         # A request must fit the pool alone, so preempting everyone else always makes room for it.
         capacity = self.kv.pool.num_blocks * self.block_size
-        longest = min(request.num_prompt_tokens + request.sampling_params.max_tokens, self.config.max_model_len)
+        longest = final_tokens(request, self.config.max_model_len)
         if longest > capacity:
             raise ValueError(
                 f"prompt ({request.num_prompt_tokens} tokens) plus max_tokens "
@@ -288,6 +274,10 @@ class Scheduler:
         if not contended:
             budget = self._admit_landed(scheduled, budget, out)
             budget = self._admit_waiting(scheduled, budget)
+        # Whoever still heads the line has waited through this step: it claims, if nobody does.
+        self._waited_a_step = self.waiting[0] if self.waiting else None
+        if self.local_claim is None:
+            self.local_claim = self._waited_a_step
 
         out.scheduled = list(scheduled.values())
         out.num_scheduled_tokens = self.config.max_num_batched_tokens - budget
@@ -302,7 +292,7 @@ class Scheduler:
             if not self._fits_alone(request):
                 victim = self.landed[-1]
                 if victim is not request and not self.room.fits(
-                        request, (), outside=self.room.outside(self._outside_owners(landed=False))):
+                        request, self.room.outside(self._outside_owners(landed=False))):
                     victim = request
                 self.landed.remove(victim)
                 self._requeue(victim)
@@ -317,15 +307,23 @@ class Scheduler:
 
     def _admit_waiting(self, scheduled: dict[str, ScheduledRequest], budget: int) -> int:
         """Admit waiting requests first come, first served, with the watermark while some run.  One
-        that cannot run alone is passed over (and may take the local claim) until it can."""
+        that cannot run alone is passed over until it can; behind it, only requests that free their
+        blocks on finish may start (one that would hold them would add to what it waits for)."""
         index = 0
         passed_over = False
+        releasing_left = self._num_waiting_releasing  # among the requests not looked at yet
+        outside = None  # the same for every request here: admissions change only ``running``
         while index < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            if passed_over and not releasing_left:
+                break  # every request left would hold its blocks on finish: none may start
             request = self.waiting[index]
+            releasing_left -= not request.hold_blocks_on_finish
+            if passed_over and request.hold_blocks_on_finish:
+                index += 1
+                continue
             cached = self.kv.find_cached_prefix(request)
-            if not self._may_start(request, cached, passed_over):
-                if self.local_claim is None and not self._fits_alone(request, cached):
-                    self.local_claim = request
+            outside = outside or self.room.outside(self._outside_owners())
+            if not self.room.fits(request, outside, cached):
                 passed_over = True
                 index += 1
                 continue
@@ -334,17 +332,23 @@ class Scheduler:
             reserve = self._watermark_blocks if self.running else 0
             if self.kv.allocate_slots(request, num_new, cached, reserve_blocks=reserve) is None:
                 break  # first come, first served: nobody overtakes a request that can run
-            del self.waiting[index]
+            self._unqueue(request, index)
             request.num_computed_tokens += num_hit_tokens
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
             budget = self._start(request, num_new, scheduled, budget)
         return budget
 
-    def _may_start(self, request: Request, cached: list, passed_over: bool) -> bool:
-        """Whether the waiting ``request`` may be admitted, room permitting: it can run alone, and
-        if a request before it could not (``passed_over``), it will not hold blocks on finish."""
-        return self._fits_alone(request, cached) and not (passed_over and request.hold_blocks_on_finish)
+    def _queue(self, request: Request, front: bool = False) -> None:
+        (self.waiting.appendleft if front else self.waiting.append)(request)
+        self._num_waiting_releasing += not request.hold_blocks_on_finish
+
+    def _unqueue(self, request: Request, index: int | None = None) -> None:
+        if index is None:
+            self.waiting.remove(request)
+        else:
+            del self.waiting[index]
+        self._num_waiting_releasing -= not request.hold_blocks_on_finish
 
     def _start(self, request: Request, num_new: int, scheduled: dict[str, ScheduledRequest], budget: int) -> int:
         request.status = RequestStatus.RUNNING
@@ -360,7 +364,7 @@ class Scheduler:
 
     def _fits_alone(self, request: Request, shared: list = ()) -> bool:
         """See ``RoomAlone.fits``; a waiting request passes the prefix hits it would adopt."""
-        return self.room.fits(request, self._outside_owners(), shared)
+        return self.room.fits(request, self.room.outside(self._outside_owners()), shared)
 
     def _schedule_one(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
@@ -394,7 +398,7 @@ class Scheduler:
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(victim)
+        self._queue(victim, front=True)
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Advance the requests of a finished step; returns those that produced a token or finished."""
@@ -408,8 +412,6 @@ class Scheduler:
             if not item.sample:
                 continue
             self._append_token(request, sampled[item.request_id])
-            if request is self.local_claim:
-                self.local_claim = None  # it made progress: the next one without room may claim
             if request.is_finished:
                 self._finish(request)
             changed.append(request)
@@ -430,9 +432,10 @@ class Scheduler:
         request = self.requests.get(request_id)
         if request is None:
             return None
-        for queue in (self.waiting, self.landed):
-            if request in queue:
-                queue.remove(request)
+        if request in self.waiting:
+            self._unqueue(request)
+        if request in self.landed:
+            self.landed.remove(request)
         request.status = status
         request.hold_blocks_on_finish = False
         self._finish(request)
@@ -443,7 +446,9 @@ class Scheduler:
             self.running.remove(request)
         del self.requests[request.request_id]
         if request is self.local_claim:
-            self.local_claim = None
+            self.local_claim = None  # the next request that cannot start claims
+        if request is self._waited_a_step:
+            self._waited_a_step = None
         self.reservations.pop(request.request_id, None)
         self._leases.pop(request.request_id, None)
         if request.hold_blocks_on_finish:
@@ -476,8 +481,15 @@ class Scheduler:
         if self.running or self.landed:
             return True
         passed_over = False
-        for request in self.waiting:
-            if self._may_start(request, self.kv.find_cached_prefix(request), passed_over):
+        releasing_left = self._num_waiting_releasing
+        outside = self.room.outside(self._outside_owners()) if self.waiting else None
+        for request in self.waiting:  # as ``_admit_waiting`` looks at them
+            if passed_over and not releasing_left:
+                return False
+            releasing_left -= not request.hold_blocks_on_finish
+            if passed_over and request.hold_blocks_on_finish:
+                continue
+            if self.room.fits(request, outside, self.kv.find_cached_prefix(request)):
                 return True
             passed_over = True
         return False

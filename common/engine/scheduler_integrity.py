@@ -33,9 +33,11 @@ def check_scheduler(s: Scheduler) -> None:
                 capacity = s.kv.num_blocks_of(rid) * s.block_size
                 assert capacity >= request.num_computed_tokens, f"{rid!r} has KV beyond its blocks"
     assert set(s._leases) <= set(s.reservations), "a lease without a reservation"
-    assert s.claim is None or s.claim.request_id not in s.reservations, "a granted claim is still held"
+    assert s.remote_claim is None or s.remote_claim.request_id not in s.reservations, "a granted claim is still held"
     assert s.local_claim is None or s.requests.get(s.local_claim.request_id) is s.local_claim, (
         "the local claim belongs to a request that has ended")
+    assert s._num_waiting_releasing == sum(not r.hold_blocks_on_finish for r in s.waiting), (
+        "the count of waiting requests that free their blocks on finish is off")
     assert set(seen) == set(s.requests), f"requests in no queue: {set(s.requests) - set(seen)}"
     assert not s.held & set(s.requests), "a held request is still unfinished"
     owners = set(s.requests) | s.held
