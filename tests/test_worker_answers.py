@@ -185,7 +185,7 @@ async def test_a_401_whatever_its_body_is_refused_credentials_retried_elsewhere(
     """A worker that refuses the cluster credentials is a cluster failure: benched and the request
     retried on another worker, whether its 401 body is a page larger than the excerpt read or never
     finishes (bounded by the response timeout) -- not a client 400, not a 500 after the timeout."""
-    async with dispatcher(refusal, stream, timeouts=UpstreamTimeouts(response=1.0)) as d:
+    async with dispatcher(refusal, stream, timeouts=UpstreamTimeouts(response=5.0)) as d:
         frames = await generate(d)
         assert [f.token_ids for f in frames] == [[7]] * 3 and frames[-1].finished
         assert d.pool.benched == ["d0"]
