@@ -195,6 +195,14 @@ def test_weak_and_placeholder_secrets_are_named():
     assert secret_problem(generate_secret()) is None
 
 
+def test_a_generated_secret_never_reads_as_a_flag():
+    """token_urlsafe starts one secret in 64 with "-": given after its flag on a command line, it
+    was taken for another flag ("expected one argument"; test_gateway_config failed so, now and then)."""
+    drawn = [generate_secret() for _ in range(4000)]
+    assert not any(s.startswith("-") for s in drawn)
+    assert len(set(drawn)) == len(drawn) and all(len(s) == 43 for s in drawn)
+
+
 def test_the_v3_signature_is_the_documented_one():
     """A known-answer check of the wire format (the module docstring), computed independently:
     a caller written from the documentation interoperates."""

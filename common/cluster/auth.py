@@ -111,8 +111,11 @@ class AuthError(Exception):
 
 
 def generate_secret() -> str:
-    """A fresh random secret (256 bits, URL-safe text)."""
-    return secrets.token_urlsafe(32)
+    """A fresh random secret (256 bits, URL-safe text) that does not start with "-" (a command line
+    would read it as a flag: ``--admin-token -x...`` is "expected one argument")."""
+    while (secret := secrets.token_urlsafe(32)).startswith("-"):
+        pass
+    return secret
 
 
 def new_instance_id() -> str:
