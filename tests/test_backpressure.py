@@ -17,7 +17,8 @@ from tests.wait_queue_driver import Request, VirtualClockLoop, in_line, settle, 
 async def test_requests_are_woken_oldest_first():
     queue, room = WaitQueue(size=3, timeout_s=60), [0]
     requests = await start(queue, room, 3)
-    assert queue.places_held == 3 and [r.tries for r, _ in requests] == [1, 0, 0]  # only the first found the queue empty
+    assert queue.places_held == 3
+    assert [r.tries for r, _ in requests] == [1, 0, 0]  # only the first found the queue empty
     for expected in range(3):
         room[0] += 1
         queue.notify(1)
