@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from common.cluster.auth import SECRET_ENV, AuthError, ClusterAuth, configure_auth, is_loopback, read_secret
-from common.cluster.http_limits import DEFAULTS as HTTP_DEFAULTS, HELP as HTTP_HELP, add_http_flags
+from common.cluster.http_limits import DEFAULTS as HTTP_DEFAULTS, HELP as HTTP_HELP, HttpLimits, add_http_flags
 from common.cluster.flags import EnvFlags, FlagParser, RecordsCommandLine, given_on_command_line, secret_value
 from common.cluster.redis_util import (
     DEFAULT_REDIS_URL, redact_url, redis_url_with_password_file, warn_password_on_command_line,
@@ -82,8 +82,9 @@ class GatewayConfig:
     allow_no_api_key: bool = False
     admin_token: str | None = field(default=None, repr=False)
     max_inflight: int = 512  # accepted requests at once; beyond: 429
-    max_connections: int = 2048  # open client connections; at the cap an idle one is closed, else 503
-    header_timeout: float = HTTP_DEFAULTS.header_timeout  # the HTTP port's limits: common/cluster/http_limits.py
+    # The HTTP port's limits (common/cluster/http_limits.py, where their defaults live): http_limits().
+    max_connections: int = HTTP_DEFAULTS.max_connections
+    header_timeout: float = HTTP_DEFAULTS.header_timeout
     keepalive_timeout: float = HTTP_DEFAULTS.keepalive_timeout
     max_body_bytes: int = 4 << 20
     max_model_len: int | None = None
@@ -96,8 +97,8 @@ class GatewayConfig:
     queue_size: int = 256  # requests held while no decode worker has room; beyond: 503
     queue_timeout: float = 10.0  # how long one is held; then 503 + Retry-After
     queue_size_per_key: int | None = None  # places one API key may hold; 0: no limit (default: tenants.py)
-    client_read_timeout: float = 30.0  # a request body must arrive within this; then 408
-    client_write_timeout: float = 30.0  # a stream whose client takes no bytes for this long is cut off
+    client_read_timeout: float = HTTP_DEFAULTS.body_timeout  # a request body must arrive within this; then 408
+    client_write_timeout: float = HTTP_DEFAULTS.write_timeout  # a client that takes no bytes this long is cut off
     prefix_lookup_timeout: float = 0.5  # the most one Redis prefix lookup may cost a request
     redis_retry_interval: float = 2.0  # while Redis fails, prefix lookups skip it and probe this often
     inline_tokenize_chars: int = 4096  # longer inputs are tokenized in a thread, off the event loop
@@ -173,6 +174,12 @@ class GatewayConfig:
         return WaitQueue(self.queue_size, self.queue_timeout,
                          per_key=default_key_share(self.queue_size_per_key, self.queue_size, self._api_keys.count))
 
+    def http_limits(self) -> HttpLimits:
+        """What the gateway's HTTP port lets a client hold (``common.cluster.http_listener``)."""
+        return HttpLimits(max_connections=self.max_connections, header_timeout=self.header_timeout,
+                          keepalive_timeout=self.keepalive_timeout, body_timeout=self.client_read_timeout,
+                          write_timeout=self.client_write_timeout)
+
     def auth(self) -> ClusterAuth:
         """The cluster auth the gateway signs with; raises ValueError naming the problem."""
         try:
@@ -228,8 +235,7 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     add("--cluster-secret-file", help="file holding the cluster secret (default: PDSERVE_CLUSTER_SECRET); "
                                       "required unless --host is a loopback address")
     add("--max-inflight", 512, int, help="requests accepted at once; beyond: 429")
-    add("--max-connections", 2048, int, help=HTTP_HELP["max_connections"])
-    add_http_flags(add, names=("header_timeout", "keepalive_timeout"))
+    add_http_flags(add, names=("max_connections", "header_timeout", "keepalive_timeout"))
     add("--max-body-bytes", 4 << 20, int, help="request body limit; beyond: 413")
     add("--max-model-len", None, int)
     add("--chat-template", help="chat template for /v1/chat/completions: a file, or the Jinja template itself "
@@ -249,9 +255,9 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     add("--queue-size-per-key", None, int, help="places in the wait queue one API key may hold; beyond: 429 "
                                                "(default: half of --queue-size when several keys are configured, "
                                                "none for a single key; 0: none)")
-    add("--client-read-timeout", 30.0, float, help="seconds for a request body to arrive; then 408")
-    add("--client-write-timeout", 30.0, float, help="a stream whose client takes no data for this long is cut "
-                                                    "off (its slot and KV blocks are freed)")
+    add("--client-read-timeout", HTTP_DEFAULTS.body_timeout, float, help=HTTP_HELP["body_timeout"])
+    add("--client-write-timeout", HTTP_DEFAULTS.write_timeout, float,
+        help=HTTP_HELP["write_timeout"] + "; a stream cut off frees its slot and KV blocks")
     add("--prefix-lookup-timeout", 0.5, float, help="seconds one Redis prefix lookup may take (then: route by "
                                                     "load)")
     add("--redis-retry-interval", GatewayConfig.redis_retry_interval, float,

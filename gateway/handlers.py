@@ -247,10 +247,10 @@ class OpenAIHandlers:
                 await write(SSE_DONE)
         except _ClientTooSlow:
             request["outcome"] = "client_too_slow"
-            self.gw.metrics.client_write_timeouts.inc()
-            log.info("request %s: the client took no data for %g s; cut off", gen.request_id,
-                     self.gw.config.client_write_timeout)
-            if request.transport is not None:
+            if request.transport is not None:  # else the listener's write deadline cut it off, and counted it
+                self.gw.metrics.client_write_timeouts.inc()
+                log.info("request %s: the client took no data for %g s; cut off", gen.request_id,
+                         self.gw.config.client_write_timeout)
                 request.transport.abort()  # drop what is buffered for it, now
         return response
 

@@ -85,7 +85,8 @@ class GatewayMetrics:
         self.prefill_skipped = Counter(
             "prefill_skipped", "Requests sent straight to the decode worker, by reason.", ["reason"], **kw)
         self.client_write_timeouts = Counter(
-            "client_write_timeouts", "Streams cut off because the client took no data for the write timeout.", **kw)
+            "client_write_timeouts", "Connections (streams or not) cut off because the client took no data for "
+            "the write timeout.", **kw)
         self.key_limited = Counter(
             "key_limited", "Requests refused (429) because their API key had its limit in flight "
             "(per key: /admin/metrics).", **kw)

@@ -30,7 +30,6 @@ from common.cluster.prefix_index import PrefixIndexReader
 from common.cluster.redis_util import connect
 from common.cluster.registry import ROLES, WorkerRegistry
 from gateway.chat_template import resolve_chat_format
-from common.cluster.http_limits import HttpLimits
 from common.cluster.http_listener import GuardedSite
 from gateway.config import GatewayConfig, build_parser, config_from_args
 from gateway.dispatch import Dispatcher
@@ -362,9 +361,9 @@ async def serve(config: GatewayConfig) -> None:
     await gateway.start()
     runner = web.AppRunner(gateway.app(), handler_cancellation=True, access_log=None)
     await runner.setup()
-    limits = HttpLimits(max_connections=config.max_connections, header_timeout=config.header_timeout,
-                        keepalive_timeout=config.keepalive_timeout, body_timeout=config.client_read_timeout)
-    site = GuardedSite(runner, config.host, config.port, limits, on_refused=gateway.metrics.connections_refused.inc)
+    site = GuardedSite(runner, config.host, config.port, config.http_limits(),
+                       on_refused=gateway.metrics.connections_refused.inc,
+                       on_write_timeout=gateway.metrics.client_write_timeouts.inc)
     await site.start()  # stopped by runner.cleanup()
     port = site.port
     print(f"gateway serving {gateway.model_id} at http://{config.host}:{port}", flush=True)

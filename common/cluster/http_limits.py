@@ -17,6 +17,9 @@ HELP = {
                       "first byte of a later request on the connection); then the connection is closed",
     "keepalive_timeout": "seconds a connection may stay idle between requests before it is closed",
     "body_timeout": "seconds a request's body has, from its headers, to arrive in full; then 408 and close",
+    "write_timeout": "seconds a client may leave the connection's send buffer full (taking no bytes of what it "
+                     "is sent) before the connection is cut off; also the most a connection being closed may "
+                     "take to receive what is left for it",
 }
 
 
@@ -30,11 +33,12 @@ class HttpLimits:
     header_timeout: float = 10.0
     keepalive_timeout: float = 20.0
     body_timeout: float = 30.0
+    write_timeout: float = 30.0
 
     def __post_init__(self) -> None:
         if self.max_connections < 1:
             raise ValueError(f"invalid config: max_connections must be >= 1, got {self.max_connections}")
-        for name in ("header_timeout", "keepalive_timeout", "body_timeout"):
+        for name in ("header_timeout", "keepalive_timeout", "body_timeout", "write_timeout"):
             value = getattr(self, name)
             if not 0 < value <= 86400:
                 raise ValueError(f"invalid config: {name} must be in (0, 86400] seconds, got {value}")

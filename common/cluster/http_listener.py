@@ -9,17 +9,29 @@ sending a byte.  ``GuardedSite`` serves an ``AppRunner``'s app under ``HttpLimit
                       ▲                                      body: must arrive within          │
                       └───────────────(first byte of the next request)──── body_timeout ◄──────┘
 
-* At ``max_connections`` a newcomer makes room by closing the connection idle longest (waiting
-  for headers or between requests); only when every connection is busy with a request is the
-  newcomer answered ``503`` + ``Retry-After`` and closed, before anything is read from it.
+* At ``max_connections`` a newcomer makes room by aborting a connection the guard is closing, else
+  by evicting (aborting) the connection idle longest (waiting for headers or between requests);
+  only when every connection is busy with a request is the newcomer answered ``503`` +
+  ``Retry-After`` and closed, before anything is read from it.
 * A request whose body has not arrived in full ``body_timeout`` after its headers: reads of it
   raise ``BodyTimeout`` (aiohttp answers 408; a handler bounding its own read sees a
   ``TimeoutError``), and the connection is closed once the request has been answered.
+* Writing, in every state: when a client takes so little that the connection's send buffer
+  passes its high-water mark, the transport pauses writing; if it has not resumed within
+  ``write_timeout`` the connection is aborted (``write_timeout`` in the stats).  The deadline runs
+  only while writing is paused and restarts with each pause, so a long stream to a client that
+  reads slowly, but reads, is never cut; a client that never reads its answers (say, thousands of
+  pipelined requests) cannot keep a connection busy for ever.
+* A connection the guard closes (deadlines, 408) keeps its slot until its socket is closed: what
+  was written goes out first, and a client that takes none of it within ``write_timeout`` has the
+  connection aborted then.  Evictions and write timeouts abort at once.  Every socket of this
+  listener is thus counted, from its accept to its close, and none outlives its deadlines.
 
 The states come from aiohttp's ``RequestHandler`` (a subclass here: ``_handle_request`` spans a
 request from its complete headers to its answer, ``_messages`` holds parsed requests not yet
-handled); ``_check_aiohttp`` refuses to start on an aiohttp without them, or with a name of its
-own in the ``_g_`` namespace the subclass keeps its state in.
+handled, ``pause_writing``/``resume_writing`` are the transport's flow control); ``_check_aiohttp``
+refuses to start on an aiohttp without them, or with a name of its own in the ``_g_`` namespace the
+subclass keeps its state in.
 """
 from __future__ import annotations
 
@@ -53,7 +65,7 @@ class BodyTimeout(web.HTTPRequestTimeout, TimeoutError):
 
 
 def _check_aiohttp() -> None:
-    handler_attrs = ("_handle_request", "_messages", "force_close")
+    handler_attrs = ("_handle_request", "_messages", "force_close", "writing_paused")
     missing = [a for a in handler_attrs if not hasattr(web.RequestHandler, a)]
     clashing = [a for a in dir(web.RequestHandler) if a.startswith("_g_")]
     if missing or clashing:
@@ -67,7 +79,7 @@ class _Refuse(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.on_refused()
-        transport.write(_REFUSAL)
+        transport.write(_REFUSAL)  # a few hundred bytes into an empty socket buffer: close() frees it at once
         transport.close()
 
 
@@ -77,17 +89,20 @@ class _GuardedHandler(web.RequestHandler):
     def __init__(self, guard: "ConnectionGuard", **kwargs):
         super().__init__(guard.server, loop=guard.loop, **kwargs)
         self._g_guard = guard
-        self._g_deadline: asyncio.TimerHandle | None = None
+        self._g_transport: asyncio.Transport | None = None  # kept: aiohttp drops its own when it closes
+        self._g_deadline: asyncio.TimerHandle | None = None  # the state's: headers, keep-alive or closing
+        self._g_write_deadline: asyncio.TimerHandle | None = None  # runs while writing is paused
         self._g_busy = False  # a request's headers are complete and it is not answered yet
         self._g_waiting_headers = True  # idle kind: False while between requests (keep-alive)
         self._g_partial = False  # bytes of the next request's headers arrived
         self._g_body_overdue = False
-        self._g_gone = False  # closed by the guard, or lost
+        self._g_gone = False  # being closed by the guard, or closed
 
     # -- asyncio protocol --------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
+        self._g_transport = transport  # type: ignore[assignment]
         self._g_guard._connected(self)
         self._g_become_idle(waiting_headers=True)
 
@@ -100,8 +115,22 @@ class _GuardedHandler(web.RequestHandler):
         if not self._g_busy and self._messages:  # a whole request (headers) arrived
             self._g_become_busy()
 
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._g_write_deadline is None and self._g_transport is not None:
+            self._g_write_deadline = self._loop.call_later(self._g_guard.limits.write_timeout,
+                                                           self._g_write_deadline_passed)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._g_cancel_write_deadline()
+
     def connection_lost(self, exc: BaseException | None) -> None:
-        self._g_leave()
+        self._g_gone = True
+        self._g_cancel_deadline()
+        self._g_cancel_write_deadline()
+        self._g_transport = None
+        self._g_guard._forget(self)
         super().connection_lost(exc)
 
     # -- requests ----------------------------------------------------------------------------
@@ -153,48 +182,80 @@ class _GuardedHandler(web.RequestHandler):
         if self._g_busy or self._g_gone:
             return
         if self._g_waiting_headers:
-            if self._g_partial and self.transport is not None:
-                self.transport.write(_HEADER_TIMEOUT)
+            if self._g_partial and self._g_transport is not None:
+                self._g_transport.write(_HEADER_TIMEOUT)
             self._g_close("header_timeout")
         else:
             self._g_close("keepalive_timeout")
+
+    def _g_write_deadline_passed(self) -> None:
+        self._g_write_deadline = None
+        if not self.writing_paused or self._g_transport is None:
+            return
+        if not self._g_gone:  # a connection already being closed was counted under its reason
+            self._g_guard._count("write_timeout")
+            self._g_guard.on_write_timeout()
+        self._g_abort()
 
     def _g_cancel_deadline(self) -> None:
         if self._g_deadline is not None:
             self._g_deadline.cancel()
             self._g_deadline = None
 
+    def _g_cancel_write_deadline(self) -> None:
+        if self._g_write_deadline is not None:
+            self._g_write_deadline.cancel()
+            self._g_write_deadline = None
+
     def _g_close(self, why: str) -> None:
-        """Close this connection now (after what is already written goes out)."""
+        """Close this connection after what is written goes out; it keeps its slot until its socket
+        is closed, and is aborted if the client has not taken that within ``write_timeout``."""
         if self._g_gone:
             return
-        self._g_guard.stats[why] += 1
-        self._g_leave()
-        self.force_close()
-
-    def _g_leave(self) -> None:
+        self._g_guard._count(why)
         self._g_gone = True
         self._g_cancel_deadline()
+        self._g_guard._closing_started(self)
+        self._g_deadline = self._loop.call_later(self._g_guard.limits.write_timeout, self._g_abort)
+        self.force_close()  # transport.close(): flushes, then closes the socket
+
+    def _g_evict(self) -> None:
+        self._g_guard._count("evicted")
+        self._g_abort()
+
+    def _g_abort(self) -> None:
+        """Close the socket now, dropping what is unsent: its slot is free at once."""
+        self._g_gone = True
+        self._g_cancel_deadline()
+        self._g_cancel_write_deadline()
         self._g_guard._forget(self)
+        if self._g_transport is not None:
+            self._g_transport.abort()  # connection_lost follows on the next loop iteration
+        self.force_close()  # ends aiohttp's request loop
 
 
 class ConnectionGuard:
     """The listening socket's protocol factory: counts every connection from its accept (aiohttp
-    registers one only a loop iteration later, so a burst of accepts cannot overshoot the cap)
-    and makes room at the cap by closing the connection idle longest."""
+    registers one only a loop iteration later, so a burst of accepts cannot overshoot the cap) to
+    its socket's close, and makes room at the cap by aborting a connection being closed, else the
+    connection idle longest.  ``on_write_timeout`` is called for each connection aborted at the
+    write deadline."""
 
-    def __init__(self, server: web.Server, limits: HttpLimits, on_refused: Callable[[], None] | None = None):
+    def __init__(self, server: web.Server, limits: HttpLimits, on_refused: Callable[[], None] | None = None,
+                 on_write_timeout: Callable[[], None] | None = None):
         _check_aiohttp()
         self.server = server
         self.loop = asyncio.get_running_loop()
         self.limits = limits
         self.max_connections = limits.max_connections
         self.on_refused = on_refused or (lambda: None)
+        self.on_write_timeout = on_write_timeout or (lambda: None)
         # aiohttp's own keep-alive timer stays as a backstop that never fires before ours.
         self._handler_kwargs = {**server._kwargs, "keepalive_timeout": limits.keepalive_timeout + limits.header_timeout}
-        self._open: set[_GuardedHandler] = set()
+        self._open: set[_GuardedHandler] = set()  # connected, socket not closed yet (closing ones too)
         self._unconnected: dict[_GuardedHandler, float] = {}  # created, connection_made not called yet
         self._idle: dict[_GuardedHandler, None] = {}  # idle connections, the longest idle first
+        self._closing: dict[_GuardedHandler, None] = {}  # closed by the guard, socket not closed yet; oldest first
         self.stats: collections.Counter[str] = collections.Counter()
 
     @property
@@ -205,34 +266,49 @@ class ConnectionGuard:
     def num_idle(self) -> int:
         return len(self._idle)
 
+    @property
+    def num_closing(self) -> int:
+        return len(self._closing)
+
     def __call__(self) -> asyncio.Protocol:
         if self._unconnected:
             now = time.monotonic()
             for handler, since in list(self._unconnected.items()):
                 if now - since > _UNCONNECTED_S:
                     del self._unconnected[handler]
-        if self.num_open >= self.max_connections and not self._evict_one():
-            self.stats["refused"] += 1
+        if self.num_open >= self.max_connections and not self._make_room():
+            self._count("refused")
             return _Refuse(self.on_refused)
         handler = _GuardedHandler(self, **self._handler_kwargs)
         self._unconnected[handler] = time.monotonic()
         return handler
 
-    def _evict_one(self) -> bool:
-        if not self._idle:
-            return False
-        victim = next(iter(self._idle))
-        victim._g_close("evicted")
-        return True
+    def _make_room(self) -> bool:
+        if self._closing:
+            next(iter(self._closing))._g_abort()
+            return True
+        if self._idle:
+            next(iter(self._idle))._g_evict()
+            return True
+        return False
+
+    def _count(self, why: str) -> None:
+        self.stats[why] += 1
 
     def _connected(self, handler: _GuardedHandler) -> None:
         self._unconnected.pop(handler, None)
         self._open.add(handler)
 
+    def _closing_started(self, handler: _GuardedHandler) -> None:
+        self._idle.pop(handler, None)
+        if handler in self._open:
+            self._closing[handler] = None
+
     def _forget(self, handler: _GuardedHandler) -> None:
         self._unconnected.pop(handler, None)
         self._open.discard(handler)
         self._idle.pop(handler, None)
+        self._closing.pop(handler, None)
 
 
 def ensure_fd_headroom(max_connections: int) -> int:
@@ -258,13 +334,14 @@ def ensure_fd_headroom(max_connections: int) -> int:
 
 class GuardedSite(web.BaseSite):
     """``web.TCPSite`` with ``ConnectionGuard`` in front of the runner's server; stopped by
-    ``runner.cleanup()`` like any site.  ``on_refused`` is called for each 503 at the cap."""
+    ``runner.cleanup()`` like any site.  ``on_refused`` is called for each 503 at the cap,
+    ``on_write_timeout`` for each connection cut off at the write deadline."""
 
     def __init__(self, runner: web.BaseRunner, host: str, port: int, limits: HttpLimits,
-                 on_refused: Callable[[], None] | None = None):
+                 on_refused: Callable[[], None] | None = None, on_write_timeout: Callable[[], None] | None = None):
         super().__init__(runner, backlog=min(4096, limits.max_connections))
         self._host, self._port = host, port
-        self.guard = ConnectionGuard(runner.server, limits, on_refused)
+        self.guard = ConnectionGuard(runner.server, limits, on_refused, on_write_timeout)
 
     @property
     def name(self) -> str:
@@ -279,8 +356,9 @@ class GuardedSite(web.BaseSite):
 
     @property
     def stats(self) -> dict[str, int]:
-        """Connections open and idle now; closed by the guard, by reason; refused at the cap."""
-        return {"open": self.guard.num_open, "idle": self.guard.num_idle, **self.guard.stats}
+        """Connections open, idle and being closed now; closed by the guard, by reason; refused at the cap."""
+        return {"open": self.guard.num_open, "idle": self.guard.num_idle, "closing": self.guard.num_closing,
+                **self.guard.stats}
 
     async def start(self) -> None:
         await super().start()
