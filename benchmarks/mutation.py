@@ -50,7 +50,7 @@ SCHEDULER_TESTS = ["tests/test_scheduler.py", "tests/test_scheduler_liveness.py"
                    "tests/test_scheduler_progress.py", "tests/test_lease_after_landing.py"]
 KV_TESTS = ["tests/kvtransfer", "tests/test_decode_peer_faults.py", "tests/test_prefill_shipping_order.py"]
 AUTH_TESTS = ["tests/test_auth.py", "tests/test_replay_cache.py", "tests/test_worker_auth.py",
-              "tests/test_registry_signing.py"]
+              "tests/test_signed_body.py", "tests/test_registry_signing.py"]
 MODULES: dict[str, list[str]] = {
     "common/engine/scheduler.py": SCHEDULER_TESTS,
     "common/engine/room_alone.py": SCHEDULER_TESTS,  # the scheduler's room computation, moved out of it

@@ -88,11 +88,12 @@ class GatewayMetrics:
             "client_write_timeouts", "Connections (streams or not) cut off because the client took no data for "
             "the write timeout.", **kw)
         self.key_limited = Counter(
-            "key_limited", "Requests refused (429) because their API key had its limit in flight "
-            "(per key: /admin/metrics).", **kw)
+            "key_limited", "Requests refused (429) because their API key had its limit in flight or its "
+            "share of the wait queue (per key: /admin/metrics).", **kw)
         self.per_key_registry = CollectorRegistry()
         self.key_limited_by_key = Counter(
-            "key_limited_by_key", "Requests refused (429) because their API key had its limit in flight, by key.",
+            "key_limited_by_key", "Requests refused (429) because their API key had its limit in flight or its "
+            "share of the wait queue, by key.",
             ["key_id"], namespace=namespace, registry=self.per_key_registry)
         self.connections_refused = Counter(
             "connections_refused", "Client connections refused (503) at the connection cap.", **kw)

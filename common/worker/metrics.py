@@ -26,7 +26,7 @@ class WorkerMetrics:
             "pdserve_worker_remote_prefill_fallbacks", "Remote prefills that failed and were computed locally", registry=r)
         self.auth_refused = Counter(
             "pdserve_worker_auth_refused", "Requests refused before their handler ran, by reason: credentials "
-            "(missing, malformed, stale or wrong), version (an older caller), audience (signed for another worker), "
+            "(missing, malformed, stale or wrong, or a body that is not the signed one), version (an older caller), audience (signed for another worker), "
             "replay, replay_window (signed too long ago for the replay cache), too_large (the body)", ["reason"],
             registry=r)
         self.kv_transfers_settling = Gauge(
