@@ -17,7 +17,10 @@ looks healthy but is not:
 - ``PDSERVE_DEVICE=cuda`` where this container sees no GPU, or where ``PDSERVE_GPUS`` names GPUs
   the host does not have;
 - ``UCX_NET_DEVICES=all`` or a Docker bridge / veth in it, or a device list without a TCP
-  interface while ``UCX_TLS`` allows TCP (TCP is the fallback between hosts).
+  interface while ``UCX_TLS`` allows TCP (TCP is the fallback between hosts);
+- the gateway behind the TLS front (``docker-compose.tls.yml`` sets ``PDSERVE_TLS_FRONT=1``) while
+  its plain-HTTP port is published beyond loopback (``PDSERVE_GATEWAY_BIND``): clients must reach
+  it only through TLS.
 
 GPU claim.  ``PDSERVE_GPUS`` (``all``, the default, or indexes like ``0,1,2,3``) lists the GPUs the
 workers of this host may take; a replica takes the first whose lock file in ``PDSERVE_LOCK_DIR``
@@ -75,7 +78,7 @@ import host_topology as topo_mod  # noqa: E402
 from net_devices import (  # noqa: E402,F401 (interface_for, ucx_lanes: re-exported for the tests)
     Refusal, configure_ucx, interface_for, own_address, report_ucx, run_tool, ucx_lanes,
 )
-from common.cluster.auth import SECRET_ENV, secret_problem  # noqa: E402
+from common.cluster.auth import SECRET_ENV, is_loopback, secret_problem  # noqa: E402
 from common.cluster.secret_sources import secret_from_env  # noqa: E402
 
 RUNTIME_FILE = Path(os.environ.get("PDSERVE_RUNTIME_FILE", "/tmp/pdserve-runtime.json"))
@@ -187,6 +190,16 @@ def check_secrets(module: str, env: dict[str, str]) -> list[str]:
         raise Refusal(f"PDSERVE_ADMIN_TOKEN and {SECRET_ENV} are the same value: each must be its own random secret "
                       f"(whoever holds the cluster secret must not be an operator); {MAKE_SECRET}")
     return notes
+
+
+def check_tls_front(env: dict[str, str]) -> None:
+    """Behind the TLS front the gateway's plain-HTTP port stays on loopback (the TLS front is an
+    override file because a compose profile cannot change the gateway's published port)."""
+    bind = env.get("PDSERVE_GATEWAY_BIND") or "127.0.0.1"
+    if _truthy(env.get("PDSERVE_TLS_FRONT")) and not is_loopback(bind):
+        raise Refusal(f"with the TLS front (docker-compose.tls.yml) the gateway's plain-HTTP port is published on "
+                      f"{bind} (PDSERVE_GATEWAY_BIND), where clients would bypass TLS: keep PDSERVE_GATEWAY_BIND="
+                      f"127.0.0.1 (the default), or leave docker-compose.tls.yml out to serve plain HTTP")
 
 
 # ---- slots: one GPU (or CPU set) per worker ----------------------------------------------------
@@ -359,6 +372,7 @@ def prepare(module: str, env: dict[str, str], probe: HostProbe | None = None) ->
     launch.notes += check_secrets(module, env)
     info: dict = {"module": module}
     if module == "gateway":
+        check_tls_front(env)
         env.setdefault("PDSERVE_GATEWAY_HOST", "0.0.0.0")
         port = env.setdefault("PDSERVE_GATEWAY_PORT", "8000")
     else:

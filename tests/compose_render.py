@@ -31,6 +31,9 @@ STACKS = {
                 {"PDSERVE_MODEL": "hf:org/model", "REDIS_HOST": "10.0.0.1", "HOST_ADDR": "10.0.0.2"}, ("monitoring",)),
 }
 PROFILED = {"monitoring": {"metrics-sd", "prometheus", "grafana", "dcgm-exporter"}, "tls": {"tls"}}
+# "Profiles" that are override files: TLS changes the gateway (its plain port must stay on loopback),
+# which a compose profile cannot do.
+PROFILE_FILES = {"tls": "docker-compose.tls.yml"}
 BASE_SERVICES = {"gpu": {"redis", "gateway", "prefill", "decode"}, "cpu": {"redis", "gateway", "prefill", "decode"},
                  "head": {"redis", "gateway", "prefill", "decode"}, "workers": {"prefill", "decode"}}
 
@@ -47,6 +50,11 @@ def compose_cli() -> list[str] | None:
 def profile_sets(stack: str) -> list[tuple[str, ...]]:
     """No profile, and every profile at once (each profile only adds its own services)."""
     return [(), STACKS[stack][2]]
+
+
+def stack_files(stack: str, profiles=()) -> list[str]:
+    """The compose files of ``stack`` with ``profiles`` on (the override files among them added)."""
+    return [*STACKS[stack][0], *(PROFILE_FILES[p] for p in profiles if p in PROFILE_FILES)]
 
 
 def expected_services(stack: str, profiles: tuple[str, ...]) -> set[str]:
@@ -92,8 +100,8 @@ def active(doc: dict, profiles) -> dict:
 
 
 def render_cli(stack: str, env_file, profiles=(), drop: str | None = None) -> subprocess.CompletedProcess:
-    args = [arg for name in STACKS[stack][0] for arg in ("-f", str(COMPOSE / name))]
-    args += [arg for p in profiles for arg in ("--profile", p)]
+    args = [arg for name in stack_files(stack, profiles) for arg in ("-f", str(COMPOSE / name))]
+    args += [arg for p in profiles if p not in PROFILE_FILES for arg in ("--profile", p)]
     if drop:  # an env file without one variable
         text = "\n".join(line for line in env_file.read_text().splitlines() if not line.startswith(f"{drop}="))
         env_file = env_file.with_name(f"without-{drop}.env")
@@ -136,7 +144,7 @@ def merge(base, override):
 def load_stack(stack: str, env: dict[str, str], profiles=()) -> dict:
     """The files of ``stack`` merged the way compose merges them (mappings deeply, lists appended)."""
     merged: dict = {}
-    for name in STACKS[stack][0]:
+    for name in stack_files(stack, profiles):
         doc = yaml.safe_load(interpolate((COMPOSE / name).read_text(), env))
         doc = {k: v for k, v in doc.items() if not k.startswith("x-")}
         merged = merge(merged, doc)

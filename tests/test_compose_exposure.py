@@ -1,21 +1,25 @@
 """compose/: what faces the network.  The gateway's plain HTTP port is published on loopback, and
-the TLS front refuses anything else; the public proxy (Caddy) sends the gateway only the client
-API, checked in the Caddyfile and through a real Caddy; multi-host workers bind the host's cluster
-address; the metrics proxy answers only Prometheus's token; each service gets only the secrets it
-uses.  Renderings: ``tests/compose_render.py``.
+behind the TLS front (docker-compose.tls.yml) the gateway refuses anything else; the public proxy
+(Caddy) sends the gateway only the client API, checked in the Caddyfile and through a real Caddy,
+and gives up an idle connection to the gateway before the gateway closes it; multi-host workers
+bind the host's cluster address; the metrics proxy answers only Prometheus's token; each service
+gets only the secrets it uses.  Renderings: ``tests/compose_render.py``.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import shutil
 import subprocess
+import sys
 
 import pytest
 import yaml
 
-from tests.compose_render import COMPOSE, WORKER_SERVICES, env_values, load_stack, profile_sets, published_addresses, \
-    renderings
+from common.cluster.http_limits import DEFAULTS as HTTP_DEFAULTS
+from tests.compose_render import COMPOSE, STACKS, WORKER_SERVICES, compose_cli, env_values, load_stack, profile_sets, \
+    published_addresses, render_cli, renderings, seconds
 from tests.compose_render import env_files as make_env_files
 
 
@@ -34,8 +38,9 @@ def test_the_gateways_plain_http_port_is_published_on_loopback_only(rendered):
         if "gateway" not in doc["services"]:
             continue
         assert published_addresses(doc["services"]["gateway"]) == ["127.0.0.1"], (stack, profiles)
-        if "tls" in profiles:  # the TLS front checks the same setting the port uses
-            assert doc["services"]["tls"]["environment"]["PDSERVE_GATEWAY_BIND"] == "127.0.0.1"
+        if "tls" in profiles:  # the gateway's entrypoint checks the same setting the port uses
+            env = doc["services"]["gateway"]["environment"]
+            assert env["PDSERVE_TLS_FRONT"] == "1" and env["PDSERVE_GATEWAY_BIND"] == "127.0.0.1"
 
 
 def run_service_script(spec: dict, env: dict[str, str], bin_dir, replace: dict[str, str] | None = None):
@@ -57,18 +62,56 @@ def stand_in(bin_dir, name: str):
     return tool
 
 
+@pytest.fixture(scope="module")
+def entrypoint():
+    spec = importlib.util.spec_from_file_location("compose_entrypoint_x", COMPOSE / "entrypoint.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def render_with(stack: str, env_files, tmp_path, profiles, **settings) -> dict:
+    """``stack`` as compose renders it with ``settings`` added to its env file (the CLI's rendering
+    when a CLI exists, else ours)."""
+    values = {**env_values(env_files, stack), **settings}
+    if compose_cli() is None:
+        return load_stack(stack, values, profiles)
+    env_file = tmp_path / f"{stack}-{'-'.join(profiles) or 'plain'}.env"
+    env_file.write_text("".join(f"{k}={v}\n" for k, v in values.items()))
+    result = render_cli(stack, env_file, profiles)
+    assert result.returncode == 0, result.stderr
+    return yaml.safe_load(result.stdout)
+
+
+@pytest.mark.parametrize("stack", [stack for stack in STACKS if "tls" in STACKS[stack][2]])
+def test_behind_the_tls_front_the_gateway_refuses_a_plain_port_beyond_loopback(stack, env_files, entrypoint, tmp_path,
+                                                                               monkeypatch):
+    """With PDSERVE_GATEWAY_BIND beyond loopback, compose publishes the gateway's plain port there;
+    with the TLS front the gateway's own entrypoint then refuses to start (exit 78), so nothing
+    answers plain HTTP there (the TLS front could only refuse itself).  Without the TLS front that
+    bind is the operator's choice."""
+    monkeypatch.setattr(entrypoint, "RUNTIME_FILE", tmp_path / "runtime.json")
+    for bind in ("0.0.0.0", "10.0.0.5", "127.0.0.2"):
+        for profiles in ((), ("tls",)):
+            gateway = render_with(stack, env_files, tmp_path, profiles, PDSERVE_GATEWAY_BIND=bind)["services"]["gateway"]
+            assert published_addresses(gateway) == [bind]
+            env = {k: str(v) for k, v in gateway["environment"].items() if v is not None}
+            if profiles and not bind.startswith("127."):
+                with pytest.raises(entrypoint.Refusal, match=rf"published on {re.escape(bind)} \(PDSERVE_GATEWAY_BIND\)"):
+                    entrypoint.prepare("gateway", env)
+            else:
+                entrypoint.prepare("gateway", env)
+
+
 @pytest.mark.skipif(shutil.which("sh") is None, reason="needs /bin/sh")
-def test_the_tls_front_refuses_a_plain_gateway_port_beyond_loopback(env_files, tmp_path):
+def test_the_tls_front_refuses_to_serve_without_the_api_key(env_files, tmp_path):
     tls = load_stack("gpu", env_values(env_files, "gpu"), ("tls",))["services"]["tls"]
     stand_in(tmp_path / "bin", "caddy")
     ok = run_service_script(tls, tls["environment"], tmp_path / "bin")
     assert ok.returncode == 0 and "caddy ran: run --config /etc/caddy/Caddyfile" in ok.stdout, ok.stderr
-    for bind in ("0.0.0.0", "10.0.0.5", "gateway.example.com"):
-        refused = run_service_script(tls, {**tls["environment"], "PDSERVE_GATEWAY_BIND": bind}, tmp_path / "bin")
-        assert refused.returncode == 78 and "caddy ran" not in refused.stdout
-        assert f"published on {bind}" in refused.stderr and "PDSERVE_GATEWAY_BIND=127.0.0.1" in refused.stderr
     refused = run_service_script(tls, {**tls["environment"], "PDSERVE_ALLOW_NO_API_KEY": "1"}, tmp_path / "bin")
-    assert refused.returncode == 78 and "requires the gateway API key" in refused.stderr
+    assert refused.returncode == 78 and "requires the gateway API key" in refused.stderr and "caddy ran" not in refused.stdout
 
 
 # The paths the gateway serves to clients, and paths that must never reach it from the public
@@ -116,6 +159,29 @@ def test_the_public_proxy_routes_only_the_client_api():
     assert fallback and fallback[0][0][0] == ["respond", "404"]
 
 
+def test_the_public_proxy_gives_up_an_idle_gateway_connection_before_the_gateway_does(rendered):
+    """Caddy's idle upstream connections (2 minutes by default) must close before the gateway's
+    --keepalive-timeout does, else a request sent on a connection the gateway has just closed
+    comes back 502."""
+    (site,) = caddyfile_blocks((COMPOSE / "tls" / "Caddyfile").read_text())
+
+    def find(blocks, *path):
+        for tokens, body in blocks:
+            if tokens[:len(path[0])] == path[0]:
+                return body if len(path) == 1 else find(body, *path[1:])
+        return None
+
+    proxy = next(find(body, ["reverse_proxy"]) for tokens, body in site[1] if tokens[0] == "handle"
+                 and find(body, ["reverse_proxy"]) is not None)
+    transport = find(proxy, ["transport", "http"])
+    keepalive = [tokens[1] for tokens, _ in transport or [] if tokens[0] == "keepalive"]
+    assert keepalive, "no keepalive in the reverse proxy's transport http block"
+    for (stack, profiles), doc in rendered.items():
+        if "tls" in profiles:  # the gateway's keep-alive in the TLS stacks is the default one
+            assert "PDSERVE_KEEPALIVE_TIMEOUT" not in doc["services"]["gateway"]["environment"], stack
+    assert seconds(keepalive[0]) < HTTP_DEFAULTS.keepalive_timeout
+
+
 def free_port() -> int:
     import socket
 
@@ -160,6 +226,8 @@ def test_caddy_sends_only_client_api_paths_to_the_gateway(tmp_path):
                                   "caddyfile"], capture_output=True, text=True, env=env, timeout=60)
         assert adapted.returncode == 0, adapted.stderr
         config = json.loads(adapted.stdout)
+        idle = re.findall(r'"keep_alive":\{[^}]*"idle_timeout":(\d+)', adapted.stdout)
+        assert idle and all(int(ns) / 1e9 < HTTP_DEFAULTS.keepalive_timeout for ns in idle), idle
         config["admin"] = {"disabled": True}
         config["apps"].pop("tls", None)
         (server,) = config["apps"]["http"]["servers"].values()
