@@ -9,7 +9,7 @@ import pytest
 
 from common.engine.config import EngineConfig
 from common.engine.engine import Engine, StepFailed
-from common.worker.engine_thread import EngineFailed, EngineThread
+from common.worker.engine_thread import FIRST_STEP_ALLOWANCE, EngineFailed, EngineThread
 from tests.checkpoints import tiny_llama_config, write_checkpoint
 
 WAIT = 120.0
@@ -218,3 +218,55 @@ async def test_the_watchdog_leaves_an_idle_engine_alone(running):
     thread = running(watchdog_s=0.05)
     await asyncio.sleep(0.5)  # ten bounds with nothing to do
     assert thread.fatal_error is None and not thread.hung
+
+
+async def test_the_first_step_of_each_kind_gets_the_allowance(running):
+    """What a step runs first may be compiled or initialised then: a decode worker's first decode
+    (a landed remote prompt) and, perhaps much later, its first local prefill each get
+    FIRST_STEP_ALLOWANCE times the bound; later steps of either kind get the bound.  Empty steps do
+    not count.  (Before, only the engine thread's very first step got it -- empty or not -- so a
+    first local prefill after many decodes had 1x.)  Read off the watchdog's deadline inside each
+    step: no clock is raced."""
+    thread = running(watchdog_s=100.0)
+    allowances: list[tuple[int, float]] = []
+
+    def record(step):
+        work = thread._work
+        allowances.append((step, round((work.deadline - work.began) / thread.watchdog_s, 3)))
+
+    thread.engine.fault_injector = record
+
+    def land(engine):  # a remote prompt whose KV has landed: its first step decodes only
+        request = engine.make_request([5, 6, 7, 8], PARAMS, "remote")
+        assert engine.scheduler.reserve_remote(request) is not None
+        assert engine.scheduler.finish_remote("remote", 9) is not None
+
+    stream = thread.open_stream("remote")
+    await thread.call(land)
+    while not (item := await asyncio.wait_for(stream.get(), WAIT)).finished:
+        pass
+    thread.close_stream("remote")
+    assert await generate(thread, "local", [5, 6, 7]) and await generate(thread, "again", [9, 10, 11])
+    decode_steps = PARAMS["max_tokens"] - 1  # the remote request's first token came with its KV
+    assert allowances[0] == (1, FIRST_STEP_ALLOWANCE), allowances  # its first decode
+    assert all(a == 1.0 for _, a in allowances[1:decode_steps]), allowances
+    assert allowances[decode_steps] == (decode_steps + 1, FIRST_STEP_ALLOWANCE), allowances  # the first prefill
+    assert all(a == 1.0 for _, a in allowances[decode_steps + 1:]), allowances
+
+
+async def test_a_busy_loop_asks_has_work_once_a_step(running):
+    """``has_work`` walks the waiting queue (prefix lookups included): the engine thread asks it
+    once per loop, and again only when a command or a lease changed something (before: three
+    times a step)."""
+    thread = running()
+    calls = []
+    has_work = thread.engine.has_work
+    thread.engine.has_work = lambda: calls.append(1) or has_work()
+    stream = thread.open_stream("a")
+    await thread.call(lambda e: e.add_request([5, 6, 7], {**PARAMS, "max_tokens": 12}, "a"))
+    calls.clear()  # from here on no command is sent until the request ends
+    steps = thread.steps
+    while not (item := await asyncio.wait_for(stream.get(), WAIT)).finished:
+        pass
+    steps = thread.steps - steps
+    assert steps >= 11 and len(calls) <= steps + 2, f"{len(calls)} calls of has_work in {steps} steps"

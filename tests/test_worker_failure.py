@@ -6,7 +6,10 @@ Failures in a row (``--max-step-failures``), or a step that outlives the watchdo
 (``--engine-watchdog``: a hung engine thread, which cannot report itself), fail the worker: it
 leaves the registry, /health answers 503, every request in flight or arriving gets an explicit
 error at once, and the process exits non-zero once the last in-flight request has its answer (so
-its supervisor restarts it).
+its supervisor restarts it) -- also when a thread of its event loop's default executor never
+returns, as one waiting on a hung GPU kernel's fence would (``PDSERVE_TEST_STUCK_EXECUTOR``): the
+interpreter's shutdown used to wait for it forever, and the worker, out of the registry, was never
+restarted.
 
 A request whose remote prefill hangs (a scripted prefill peer) keeps the worker in its drain long
 enough to look at it (and, holding more blocks than reservations may, shows that another remote
@@ -63,7 +66,8 @@ def stack(served_checkpoint, redis_url, tmp_path):
 
 @pytest.fixture
 def hang_stack(served_checkpoint, redis_url, tmp_path):
-    yield from worker_stack(served_checkpoint, redis_url, tmp_path, {"PDSERVE_TEST_HANG_STEPS": "1"},
+    yield from worker_stack(served_checkpoint, redis_url, tmp_path,
+                            {"PDSERVE_TEST_HANG_STEPS": "1", "PDSERVE_TEST_STUCK_EXECUTOR": "1"},
                             ["--engine-watchdog", str(WATCHDOG_S)])
 
 
@@ -173,7 +177,8 @@ async def test_a_hung_engine_step_fails_the_worker(hang_stack, served_checkpoint
         # error once the watchdog gives up on the engine thread (not never).
         results = await asyncio.wait_for(asyncio.gather(generate(client, 20), generate(client, 21)), WAIT)
         for _, frames in results:
-            assert outcome(frames).startswith("refused: engine failed: the engine thread is hung"), outcome(frames)
+            assert outcome(frames).startswith("refused: engine failed: the engine thread is hung: step 1 "), (
+                outcome(frames))  # the hung one, named: not a later one, nor a command
 
         await until(lambda: left_the_registry(stack), "d0 to leave the registry")
         status, frames = await generate(client, 30)
@@ -186,7 +191,7 @@ async def test_a_hung_engine_step_fails_the_worker(hang_stack, served_checkpoint
         assert stack.procs["d0"].alive  # still draining: the hung request is in flight
 
         # The peer gives up: the last request ends with an explicit error, and the process exits 1
-        # although its engine thread never returns.
+        # although its engine thread never returns, nor a thread of its default executor.
         await peer.close()
         _, frames = await asyncio.wait_for(hung, WAIT)
         assert outcome(frames).startswith("refused"), outcome(frames)

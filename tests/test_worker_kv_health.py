@@ -23,7 +23,7 @@ def bare_worker() -> Worker:
     """A started worker's state as far as /health reads it: an engine thread that has not failed."""
     worker = Worker.__new__(Worker)
     worker.engine_thread = types.SimpleNamespace(fatal_error=None)
-    worker.role, worker.state = "decode", "active"
+    worker.role, worker.state, worker.instance = "decode", "active", "run-1"
     return worker
 
 

@@ -27,7 +27,7 @@ from common.engine.models.stages import compile_stages
 from common.engine.request import Request, RequestStatus
 from common.engine.sampler import TokenLogprobs
 from common.engine.sampling_params import SamplingParams
-from common.engine.scheduler import Scheduler
+from common.engine.scheduler import Scheduler, SchedulerOutput
 from common.engine.step_log import StepLog, step_shape
 
 log = logging.getLogger(__name__)
@@ -147,6 +147,9 @@ class Engine:
         # True after a step that could schedule nothing (and preempted nothing): stepping again
         # is of no use until something changes (a request arrives, ends, lands; blocks are freed).
         self.stalled = False
+        # Called with a step's schedule before its forward (the engine thread's watchdog reads
+        # what kind of step it is).
+        self.on_scheduled: Callable[[SchedulerOutput], None] | None = None
         # Tests only: called with the step number before each forward (raise to inject a fault).
         self.fault_injector: Callable[[int], None] | None = None
         log.info(
@@ -216,6 +219,8 @@ class Engine:
         if out.is_empty:
             return []
         self.num_steps += 1
+        if self.on_scheduled is not None:
+            self.on_scheduled(out)
         try:
             if self.fault_injector is not None:
                 self.fault_injector(self.num_steps)

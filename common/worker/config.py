@@ -14,6 +14,7 @@ from common.cluster.flags import EnvFlags, FlagParser, RecordsCommandLine, Remov
 from common.cluster.redis_util import (
     DEFAULT_REDIS_URL, redact_url, redis_url_with_password_file, warn_password_on_command_line,
 )
+from common.worker.engine_thread import FIRST_STEP_ALLOWANCE, MAX_STEP_FAILURES
 from kvtransfer.config import KVTransferConfig
 
 ROLES = ("prefill", "decode", "both")
@@ -40,10 +41,11 @@ class WorkerConfig:
     control_timeout_s: float = 5.0
     # Engine steps that may fail in a row (their requests get errors) before the worker gives up:
     # it leaves the pool and exits non-zero so its supervisor restarts it.
-    max_step_failures: int = 3
-    # The most one engine step or engine call may take (the first step 4x) before the worker counts
-    # its engine as hung and fails the same way (0: no bound).  Generous: a long prompt chunk of a
-    # big model on CPU, or a kernel compiled on first use, must never trip it.
+    max_step_failures: int = MAX_STEP_FAILURES
+    # The most one engine step or engine call may take (the first step of each kind, prefill-sized
+    # or decode-only, FIRST_STEP_ALLOWANCE times that) before the worker counts its engine as hung
+    # and fails the same way (0: no bound).  Generous: a long prompt chunk of a big model on CPU, or
+    # a kernel compiled on first use, must never trip it.
     engine_watchdog_s: float = 300.0
     # PDSERVE_CLUSTER_SECRET (or --cluster-secret-file): required unless every listener is on
     # loopback; never printed.
@@ -138,12 +140,13 @@ def build_parser(default_role: str, description: str, env: Mapping[str, str] | N
     add("--remote-kv-budget", 0.5, float,
         help="fraction of the KV blocks that reservations for remote prefills may hold together (one is always "
              "allowed); beyond it the decode worker answers busy")
-    add("--max-step-failures", 3, int,
+    add("--max-step-failures", WorkerConfig.max_step_failures, int,
         help="engine steps that may fail in a row (their requests get an error) before the worker gives up, "
              "leaves the pool and exits non-zero")
     add("--engine-watchdog", WorkerConfig.engine_watchdog_s, float,
-        help="seconds one engine step or engine call may run (the first step 4x) before the engine counts as hung: "
-             "the worker then fails as for repeated step failures (0: no bound)")
+        help=f"seconds one engine step or engine call may run (the first step of each kind, prefill-sized or "
+             f"decode-only, {FIRST_STEP_ALLOWANCE:g}x) before the engine counts as hung: the worker then fails as for "
+             f"repeated step failures (0: no bound)")
     add("--failure-drain-timeout", 5.0, float,
         help="after the engine failed, seconds to let in-flight requests get their error before exiting")
     add("--model-id", help="model name served to clients")

@@ -28,15 +28,20 @@ fails at once with ``EngineFailed``, and ``on_fatal`` tells the worker -- when
 * ``max_step_failures`` steps fail in a row (a step that raises ends the requests it had
   scheduled with an error, ``Engine.step``, and the engine goes on), or
 * the watchdog finds one step or one command running longer than ``watchdog_s`` (the first step
-  ``FIRST_STEP_ALLOWANCE`` times that).  A hung thread cannot check itself, so a thread of its own
-  watches; the hung step or command is abandoned (it may never return), and the ``call`` that
-  waits for it fails with the rest.  This is also what bounds ``call``: every command waits only
-  for steps and commands that are each bounded, and gets ``EngineFailed`` once one is not.  (A
-  timeout on one call alone would be wrong: its ``fn`` could still run later, unseen -- reserve
-  blocks nobody frees.)  Compiling the model and capturing CUDA graphs happen when the ``Engine``
-  is built, before the thread starts, outside the watchdog; the first step's allowance covers what
-  is still initialised lazily (Triton kernels compiled on first use, oneDNN primitives, the first
-  touch of the weights).
+  of each kind, prefill-sized or decode-only, ``FIRST_STEP_ALLOWANCE`` times that).  A hung
+  thread cannot check itself, so a thread of its own watches; the hung step or command is
+  abandoned (it may never return), and the ``call`` that waits for it fails with the rest.  This
+  is also what bounds ``call``: every command waits only for steps and commands that are each
+  bounded, and gets ``EngineFailed`` once one is not.  (A timeout on one call alone would be
+  wrong: its ``fn`` could still run later, unseen -- reserve blocks nobody frees.)  Compiling the
+  model and capturing CUDA graphs happen when the ``Engine`` is built, before the thread starts,
+  outside the watchdog; the allowance covers what is still initialised lazily, on the first step
+  that needs it (Triton kernels compiled on first use, oneDNN primitives, the first touch of the
+  weights) -- and a decode worker's first local prefill may come long after its first decode.
+
+A step that hangs holding the GIL stops the watchdog too; with ``hang_backstop`` a C timer
+(``common.worker.hang_backstop``) ends the process then, ``BACKSTOP_GRACE_S`` after the watchdog's
+longest bound (or a little later).
 """
 from __future__ import annotations
 
@@ -52,11 +57,17 @@ from typing import Any, Callable, Mapping
 
 from common.engine.engine import Engine, RequestOutput, StepFailed
 from common.engine.request import Request
+from common.engine.scheduler import SchedulerOutput
+from common.worker.hang_backstop import HangBackstop
 
 log = logging.getLogger(__name__)
 
-# The first step may take this many times the watchdog's bound (see the module docstring).
+# The first step of each kind may take this many times the watchdog's bound (the module docstring).
 FIRST_STEP_ALLOWANCE = 4.0
+MAX_STEP_FAILURES = 3  # steps that may fail in a row before the engine fails (the worker's default)
+# How much longer than the watchdog's longest bound the hang backstop waits: the watchdog's own time
+# to notice, its thread perhaps descheduled on a loaded host (see common.worker.hang_backstop).
+BACKSTOP_GRACE_S = 10.0
 
 
 class EngineFailed(RuntimeError):
@@ -76,11 +87,13 @@ class EngineThread:
     """Owns the engine thread; all engine access from async code goes through ``call``.
 
     ``watchdog_s``: the most one step or one command may take before the engine counts as hung
-    (``None`` or 0: no bound).  ``clock``: what lease deadlines are read against (time.monotonic's
-    scale; tests move it)."""
+    (``None`` or 0: no bound).  ``hang_backstop`` (with a watchdog; one engine thread per process):
+    the process exits if a step hangs so that not even the watchdog runs.  ``clock``: what lease
+    deadlines are read against (time.monotonic's scale; tests move it)."""
 
-    def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop, max_step_failures: int = 3,
-                 watchdog_s: float | None = None, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop, max_step_failures: int = MAX_STEP_FAILURES,
+                 watchdog_s: float | None = None, clock: Callable[[], float] = time.monotonic,
+                 hang_backstop: bool = False):
         if max_step_failures < 1:
             raise ValueError(f"max_step_failures must be >= 1, got {max_step_failures}")
         if watchdog_s is not None and not watchdog_s >= 0:
@@ -112,6 +125,10 @@ class EngineThread:
         self._watch_wake = threading.Event()
         self._watchdog = threading.Thread(target=self._watch, name="engine-watchdog", daemon=True)
         self.hung = False  # the watchdog gave up on the engine thread
+        self._kinds_begun: set[str] = set()  # kinds of step ("prefill", "decode") run so far
+        self.backstop = HangBackstop(FIRST_STEP_ALLOWANCE * self.watchdog_s + BACKSTOP_GRACE_S) \
+            if hang_backstop and self.watchdog_s is not None else None
+        engine.on_scheduled = self._scheduled
         self.steps = 0
         self.step_failures = 0  # all of them, for the stats
         # Time accounting (in the stats): seconds from the start of a step to its outputs handed
@@ -136,6 +153,8 @@ class EngineThread:
         if self._thread.is_alive() and not self.hung:
             self._thread.join(timeout=10)
         self._watch_wake.set()
+        if self.backstop is not None:
+            self.backstop.disarm()
         if self.fatal_error is None:
             self._die(EngineFailed("the engine has stopped"), notify=False)
 
@@ -181,18 +200,23 @@ class EngineThread:
         last_end = None  # when the previous step ended, if work has been waiting since
         try:
             while not self._stopping and self.fatal_error is None:
-                if not engine.has_work() or engine.stalled:
+                idle = engine.stalled or not engine.has_work()
+                if idle:
                     last_end = None
-                if not self._drain_commands(block=not engine.has_work() or engine.stalled):
+                    if self.backstop is not None:
+                        self.backstop.disarm()  # nothing may run for a long time now
+                ran = self._drain_commands(block=idle)
+                if ran is None:
                     return
-                self._settle_leases()
-                if not engine.has_work() or engine.stalled:
+                if self._settle_leases() or ran:  # the work may have changed
+                    idle = engine.stalled or not engine.has_work()
+                if idle:
                     self._publish()
                     continue
                 began = time.perf_counter()
                 if last_end is not None:
                     self.gap_seconds += began - last_end
-                self._begin(f"step {self.steps + 1}", FIRST_STEP_ALLOWANCE if self.steps == 0 else 1.0)
+                self._begin(f"step {engine.num_steps + 1}")  # its kind, hence its allowance: ``_scheduled``
                 try:
                     outputs = engine.step()
                     failed = None
@@ -230,9 +254,10 @@ class EngineThread:
             log.exception("engine thread failed")
             self._die(exc)
 
-    def _drain_commands(self, block: bool) -> bool:
+    def _drain_commands(self, block: bool) -> bool | None:
         """Run queued commands; wait for one if ``block`` (at most until the next lease ends).
-        False once asked to stop, or failed."""
+        Returns whether any ran; ``None`` once asked to stop, or failed."""
+        ran = False
         while True:
             timeout = None
             if block:
@@ -240,13 +265,13 @@ class EngineThread:
                 if deadline is not None:
                     timeout = max(0.0, deadline - self.clock())
                     if timeout == 0.0:
-                        return not self._stopping
+                        return None if self._stopping else ran
             try:
                 item = self._commands.get(block=block, timeout=timeout)
             except queue.Empty:
-                return not self._stopping
+                return None if self._stopping else ran
             if item is None:
-                return False
+                return None
             fn, future = item
             self._command_future = future
             self._begin(f"call {getattr(fn, '__qualname__', fn)!s}")
@@ -259,13 +284,14 @@ class EngineThread:
             finally:
                 self._work = self._command_future = None
             if self.fatal_error is not None:
-                return False  # the watchdog gave up on this command
+                return None  # the watchdog gave up on this command
             self.engine.stalled = False  # the command may have made room or work
+            ran = True
             block = False
 
-    def _settle_leases(self) -> None:
+    def _settle_leases(self) -> bool:
         """Stop the leases whose KV has landed, then end those that ran out (in that order, under
-        the lease lock: see ``keep_lease``)."""
+        the lease lock: see ``keep_lease``).  Returns whether any ran out."""
         scheduler = self.engine.scheduler
         with self._lease_lock:
             for request_id, request in self._keep.items():
@@ -279,7 +305,7 @@ class EngineThread:
             for request_id in expired:
                 self._lease_ended[request_id] = scheduler.reservations[request_id]
         if not expired:
-            return
+            return False
         self.engine.stalled = False
         log.warning("%d reservations for remote KV outlived their lease: %s", len(expired), expired[:8])
         if self.on_lease_expired is not None:
@@ -287,6 +313,7 @@ class EngineThread:
         else:
             for request_id in expired:
                 self.engine.abort(request_id)
+        return True
 
     def _publish(self) -> None:
         """Swap in a fresh read-only snapshot of the engine's counters for other threads."""
@@ -295,15 +322,30 @@ class EngineThread:
                      engine_step_seconds=self.step_seconds, engine_gap_seconds=self.gap_seconds)
         self.snapshot = MappingProxyType(stats)
 
-    def _begin(self, what: str, allowance: float = 1.0) -> None:
-        """Engine thread: a step or command starts; wake the watchdog if it must look sooner."""
+    def _begin(self, what: str, allowance: float = 1.0, began: float | None = None) -> None:
+        """Engine thread: a step or command starts (at ``began``, default now); wake the watchdog
+        if it must look sooner."""
         if self.watchdog_s is None:
             return
-        now = time.monotonic()
-        work = _Work(what, now, now + allowance * self.watchdog_s)
+        began = time.monotonic() if began is None else began
+        work = _Work(what, began, began + allowance * self.watchdog_s)
         self._work = work
+        if self.backstop is not None:
+            self.backstop.arm()
         if work.deadline < self._watch_until:
             self._watch_wake.set()
+
+    def _scheduled(self, out: SchedulerOutput) -> None:
+        """Engine thread, before a step's forward: the first step of each kind (prefill-sized or
+        decode-only) gets ``FIRST_STEP_ALLOWANCE`` (what it runs first may be compiled or
+        initialised now)."""
+        kind = "decode" if all(len(item.token_ids) == 1 for item in out.scheduled) else "prefill"
+        if kind in self._kinds_begun:
+            return
+        self._kinds_begun.add(kind)
+        work = self._work
+        if work is not None:
+            self._begin(f"{work.what} (the first {kind} step)", FIRST_STEP_ALLOWANCE, began=work.began)
 
     # ---- watchdog thread -------------------------------------------------------------------
 
@@ -327,6 +369,8 @@ class EngineThread:
 
     def _hung(self, work: _Work, now: float) -> None:
         self.hung = True
+        if self.backstop is not None:
+            self.backstop.disarm()  # the worker's own bounded exit takes over
         error = EngineFailed(f"the engine thread is hung: {work.what} has run for {now - work.began:.1f} s, over "
                              f"the watchdog's bound of {work.deadline - work.began:g} s")
         self._die(error)

@@ -14,6 +14,7 @@ import asyncio  # noqa: E402
 import logging  # noqa: E402
 import signal  # noqa: E402
 import sys  # noqa: E402
+import threading  # noqa: E402
 
 from common.cluster.aio import run_service  # noqa: E402
 from common.worker.config import build_parser, config_from_args  # noqa: E402
@@ -22,12 +23,39 @@ from common.worker.server import Worker  # noqa: E402
 
 log = logging.getLogger(__name__)
 
+# Beyond --failure-drain-timeout, how long a worker whose engine failed may take to stop (listeners,
+# registry, transports) before it exits regardless.
+FAILURE_EXIT_GRACE_S = 15.0
 
-async def serve(config, modules, drain_timeout: float = 30.0, failure_drain_timeout: float = 5.0) -> int:
+
+def exit_now(status: int) -> None:
+    """End the process at once with ``status``, stdout and stderr flushed.  For a worker whose
+    engine failed: its engine thread may never return, nor a thread of the event loop's default
+    executor waiting on the device (``kvtransfer.ordering.wait_for_fence`` on a hung kernel), and
+    the interpreter's shutdown -- ``asyncio.run``'s first -- would wait for them forever."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(status)
+
+
+def exit_later(seconds: float, status: int) -> threading.Timer:
+    """``exit_now(status)`` from a daemon timer ``seconds`` from now (the bound on an orderly exit)."""
+    timer = threading.Timer(seconds, exit_now, (status,))
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
+async def serve(config, modules, drain_timeout: float, failure_drain_timeout: float) -> int:
     """Run a worker until SIGINT/SIGTERM, then drain (bounded by ``drain_timeout``) and stop, so a
     restart or a compose scale-down does not cut the streams in flight.  Returns the exit status:
-    0, or 1 when the engine failed (after at most ``failure_drain_timeout`` for the requests in
-    flight to get their errors), so the supervisor restarts the process."""
+    0 -- or, when the engine failed, never: after at most ``failure_drain_timeout`` for the
+    requests in flight to get their errors the worker stops and the process exits with status 1
+    (``exit_now``), within ``FAILURE_EXIT_GRACE_S`` more even if stopping hangs, so the supervisor
+    restarts it."""
     worker = Worker(config, modules)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -42,6 +70,7 @@ async def serve(config, modules, drain_timeout: float = 30.0, failure_drain_time
         failed.cancel()
         if worker.failure is not None:
             log.error("the engine failed: exiting with status 1 once in-flight requests have their errors")
+            exit_later(failure_drain_timeout + FAILURE_EXIT_GRACE_S, 1)
             await worker.wait_idle(failure_drain_timeout)
             return 1
         log.info("draining before shutdown (at most %.0f s; a second signal stops at once)", drain_timeout)
@@ -53,7 +82,11 @@ async def serve(config, modules, drain_timeout: float = 30.0, failure_drain_time
         return 0
     finally:
         log.info("shutting down")
+        if worker.failure is not None:
+            exit_later(FAILURE_EXIT_GRACE_S, 1)  # (also when the engine failed during a drain)
         await worker.stop()
+        if worker.failure is not None:
+            exit_now(1)  # not through asyncio.run's shutdown: see exit_now
 
 
 def main(default_role: str, description: str, modules: list[RoleModule]) -> None:
@@ -67,11 +100,4 @@ def main(default_role: str, description: str, modules: list[RoleModule]) -> None
         config = config_from_args(args)
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
-    status = run_service(serve(config, modules, args.drain_timeout, args.failure_drain_timeout))
-    if status:
-        # The engine failed, perhaps hung: its thread may never return, and the interpreter's
-        # shutdown could wait on whatever it holds.  Everything else is closed by now: leave.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(status)
-    sys.exit(status)
+    sys.exit(run_service(serve(config, modules, args.drain_timeout, args.failure_drain_timeout)))

@@ -20,7 +20,9 @@ thread publishes after each step, never from the scheduler itself, which changes
 A failed engine (repeated step failures, or a step or engine call that outlives the watchdog's
 bound, ``--engine-watchdog``: a hung engine thread) fails the worker: it leaves the registry, /health
 answers 503, every request in flight or arriving gets an explicit error, and ``failed`` is set so the
-process exits non-zero after a short drain (its supervisor restarts it).
+process exits non-zero after a short drain (its supervisor restarts it; ``common.worker.main``
+bounds that exit).  A step that hangs holding the GIL, so that not even the watchdog runs, ends the
+process from a C timer (``common.worker.hang_backstop``).
 
 The role only decides which of /generate and /prefill a worker accepts; the engine is the same,
 so a role change needs no restart.
@@ -31,7 +33,6 @@ import asyncio
 import logging
 import math
 import time
-from collections import deque
 from typing import Sequence
 
 import aiohttp
@@ -41,7 +42,7 @@ from aiohttp import web
 from common.engine.engine import Engine
 from common.engine.step_log import COLUMNS as STEP_COLUMNS
 from common.worker.engine_thread import EngineFailed, EngineThread
-from common.worker.fault_injection import fault_injector_from_env
+from common.worker.fault_injection import fault_injector_from_env, stick_an_executor_thread
 from common.cluster.auth import new_instance_id
 from common.cluster.messages import MAX_FRAME_BYTES, AbortRequest, decode
 from common.cluster.prefix_index import PrefixIndexPublisher
@@ -50,6 +51,7 @@ from common.cluster.registry import Capacity, Heartbeat, KVAddress, Load, Worker
 from common.worker.config import ROLES, WorkerConfig
 from common.worker.metrics import WorkerMetrics
 from common.worker.peers import PeerDirectory
+from common.worker.recent import RecentLatency, RecentRate
 from common.worker.request_auth import cluster_auth_middleware
 from common.worker.roles import RoleModule
 from common.cluster.http_listener import GuardedSite
@@ -61,38 +63,6 @@ from kvtransfer.socket_io import failed_listeners, listener_stats
 log = logging.getLogger(__name__)
 
 STEPS_PAGE = 4096  # most steps one /admin/steps answer holds (about 400 KB of JSON)
-
-
-class RecentLatency:
-    """Mean of the last few observations (TTFT, TPOT) reported in the registry."""
-
-    def __init__(self, size: int = 64):
-        self.values: deque[float] = deque(maxlen=size)
-
-    def add(self, value: float) -> None:
-        self.values.append(value)
-
-    @property
-    def mean(self) -> float | None:
-        return sum(self.values) / len(self.values) if self.values else None
-
-
-class RecentRate:
-    """Rate of a growing counter over the last ``window_s`` seconds (prefill tokens computed per
-    second, reported in the registry for ``pdctl rebalance``).  Fed one sample per heartbeat."""
-
-    def __init__(self, window_s: float = 20.0):
-        self.window_s = window_s
-        self.samples: deque[tuple[float, float]] = deque()
-
-    def update(self, count: float, now: float | None = None) -> float:
-        """Record ``count`` at ``now``; return the rate since the oldest sample in the window."""
-        now = time.monotonic() if now is None else now
-        self.samples.append((now, count))
-        while len(self.samples) > 2 and now - self.samples[1][0] >= self.window_s:
-            self.samples.popleft()
-        (t0, c0), (t1, c1) = self.samples[0], self.samples[-1]
-        return max(0.0, (c1 - c0) / (t1 - t0)) if t1 > t0 else 0.0
 
 
 def peer_session(config: WorkerConfig) -> aiohttp.ClientSession:
@@ -149,11 +119,12 @@ class Worker:
         self.http_client = peer_session(self.config)
         self.engine = await asyncio.to_thread(Engine, self.config.engine, load_tokenizer=False)
         self.engine_thread = EngineThread(self.engine, loop, max_step_failures=self.config.max_step_failures,
-                                          watchdog_s=self.config.engine_watchdog_s)
+                                          watchdog_s=self.config.engine_watchdog_s, hang_backstop=True)
         self.engine_thread.after_step.append(self._publish_cache_events)
         self.engine_thread.on_fatal = self._engine_failed
         self.engine_thread.on_lease_expired = self._leases_expired
         self.engine.fault_injector = fault_injector_from_env()
+        stick_an_executor_thread(loop)
         # No internal message is larger than a frame: a bigger body is refused while it is read.
         refused = self.metrics.auth_refused.labels
         verifier = self.auth.request_verifier(self.config.worker_id, self.instance)
