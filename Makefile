@@ -22,8 +22,11 @@ up: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m common.engine.demo
 
+# Test files run in TEST_WORKERS processes, each file whole in one (--dist loadfile): most tests wait
+# on processes they started, so three share two cores well.  TEST_WORKERS=0 runs them in this one.
+TEST_WORKERS ?= 3
 test: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile tests
 
 # Regenerate requirements/*.lock (the images' pinned, hashed dependencies) after a pyproject change; needs uv.
 lock:

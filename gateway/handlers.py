@@ -247,7 +247,8 @@ class OpenAIHandlers:
                 await write(SSE_DONE)
         except _ClientTooSlow:
             request["outcome"] = "client_too_slow"
-            if request.transport is not None:  # else the listener's write deadline cut it off, and counted it
+            # Else the listener's write deadline (the same bound, raced) cut it off, and counted it.
+            if request.transport is not None and not request.transport.is_closing():
                 self.gw.metrics.client_write_timeouts.inc()
                 log.info("request %s: the client took no data for %g s; cut off", gen.request_id,
                          self.gw.config.client_write_timeout)

@@ -24,6 +24,8 @@ ADMIN_TOKEN = "pdtest-admin-token-5f0c9e1a7b"
 HEARTBEAT_TTL_S = 5.0
 # How long a held entry lives without being written again: far longer than any test.
 HOLD_TTL_S = 3600.0
+# How long ``HeldEntries.capture`` waits for a live worker's entry that is missing for a moment.
+CAPTURE_WAIT_S = 60.0
 
 
 @contextlib.contextmanager
@@ -112,12 +114,19 @@ class HeldEntries:
     def capture(cls, stack: LocalStack, names: list[str]) -> "HeldEntries":
         async def read() -> list[WorkerInfo]:
             client = connect(stack.redis_url, timeout_s=10)
+            registry = WorkerRegistry(client, key_prefix=stack.key_prefix, auth=ClusterAuth(stack.cluster_secret))
+            deadline = time.monotonic() + CAPTURE_WAIT_S
             try:
-                registry = WorkerRegistry(client, key_prefix=stack.key_prefix, auth=ClusterAuth(stack.cluster_secret))
-                found = {name: await registry.get(stack.model_name, name) for name in names}
+                # A live worker's entry may have lapsed for a moment (a heartbeat late on a loaded
+                # machine): it is back at the next heartbeat.
+                while True:
+                    found = {name: await registry.get(stack.model_name, name) for name in names}
+                    missing = [name for name, info in found.items() if info is None]
+                    if not missing or time.monotonic() > deadline:
+                        break
+                    await asyncio.sleep(0.1)
             finally:
                 await client.aclose()
-            missing = [name for name, info in found.items() if info is None]
             assert not missing, f"no registry entry for {missing}: capture entries while the workers run"
             return list(found.values())
 

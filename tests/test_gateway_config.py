@@ -189,7 +189,7 @@ def test_weak_keys_in_the_api_keys_file_are_refused_by_id(tmp_path):
     ({"admin_token": CLUSTER_SECRET, "cluster_secret": CLUSTER_SECRET}, "the cluster secret and the admin token"),
     ({"api_key": ADMIN_TOKEN, "admin_token": ADMIN_TOKEN}, f"the admin token and API key {key_id(ADMIN_TOKEN)}"),
     ({"api_key": CLUSTER_SECRET, "cluster_secret": CLUSTER_SECRET}, "the cluster secret and API key"),
-])
+], ids=["admin-token-is-cluster-secret", "api-key-is-admin-token", "api-key-is-cluster-secret"])  # no random ids
 def test_secrets_must_be_distinct(settings, pair):
     with pytest.raises(ValueError, match=f"{pair}.* are the same value"):
         GatewayConfig(**settings)

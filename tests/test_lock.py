@@ -35,7 +35,7 @@ def pyproject() -> dict:
     return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 
 
-def tested_torch() -> str:
+def torch_version_under_test() -> str:
     return re.search(r"pip install -q torch==([0-9.]+)", (ROOT / "Makefile").read_text()).group(1)
 
 
@@ -59,7 +59,7 @@ def test_every_pyproject_dependency_is_pinned_with_hashes(image):
 
 
 def test_images_run_the_torch_the_tests_run():
-    torch = tested_torch()
+    torch = torch_version_under_test()
     assert read_lock("cpu-torch.lock")["torch"][0] == f"{torch}+cpu" and list(read_lock("cpu-torch.lock")) == ["torch"]
     assert "torch" not in read_lock("cpu.lock")  # only PyTorch's index serves it, and only it
     assert read_lock("gpu.lock")["torch"][0] == torch

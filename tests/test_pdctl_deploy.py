@@ -204,10 +204,11 @@ def test_scale_down_drains_exactly_the_workers_it_removes(stack):
         busy = {w["worker_id"] for w in admin.workers() if w["role"] == "decode" and w["load"]["num_running"] > 0}
         if busy >= {r.worker_id for r in decoders}:
             break
-        if len(threads) < 8:
+        if sum(t.is_alive() for t in threads) < 8:  # streams end; keep eight going until both are seen busy
             threads.append(threading.Thread(target=stream))
             threads[-1].start()
         time.sleep(0.3)
+    assert busy >= {r.worker_id for r in decoders}, f"only {busy} seen with a stream in flight"
     plan = op.plan_scale({"prefill": 1, "decode": 1})
     victim = plan.remove["decode"][0]
     assert plan.remove == {"decode": [victim]} and victim.handle in {r.handle for r in decoders}

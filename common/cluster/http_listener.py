@@ -192,7 +192,9 @@ class _GuardedHandler(web.RequestHandler):
         self._g_write_deadline = None
         if not self.writing_paused or self._g_transport is None:
             return
-        if not self._g_gone:  # a connection already being closed was counted under its reason
+        # A connection already being closed was counted under its reason (by the guard, or by a
+        # handler that cut it off itself with transport.abort(): the same deadline, raced).
+        if not self._g_gone and not self._g_transport.is_closing():
             self._g_guard._count("write_timeout")
             self._g_guard.on_write_timeout()
         self._g_abort()
