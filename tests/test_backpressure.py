@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from gateway.backpressure import KeyLineFull, Saturated, WaitQueue
+from gateway.backpressure import ADMITTED_WAKES, KeyLineFull, Saturated, WaitQueue
 from gateway.handlers import OpenAIHandlers
 from gateway.openai_errors import OpenAIError
 from tests.wait_queue_driver import Request, VirtualClockLoop, in_line, settle, start
@@ -225,6 +225,23 @@ async def test_a_request_tries_again_once_for_a_notification_nobody_heard():
     await settle()
     assert not again.done()  # it waits now
     again.cancel()
+
+
+async def test_a_wake_up_passed_on_as_a_request_queues_is_not_passed_on_again_when_it_leaves():
+    """A request that queued after an unheard notification passed that wake-up on once (to itself,
+    the only one in line); admitted, it wakes the next ADMITTED_WAKES and leaving wakes nobody more."""
+    queue = WaitQueue(size=5, timeout_s=60)
+    a = queue.place()
+    assert await a.turn() is False
+    queue.notify(1)  # while A tries: nobody waits
+    a.no_room("every decode worker is busy")
+    assert await a.turn() is True  # it queued and passed the wake-up on: to itself
+    waiting = await in_line(queue, ADMITTED_WAKES + 1)
+    a.admitted()
+    a.leave()
+    await settle()
+    assert [task.done() for _, task in waiting] == [True] * ADMITTED_WAKES + [False]
+    waiting[-1][1].cancel()
 
 
 async def test_a_request_that_leaves_while_trying_passes_its_wake_up_on():

@@ -54,6 +54,20 @@ def test_cached_block_survives_free_and_is_evicted_lru_first():
     pool.check_integrity()
 
 
+def test_reset_forgets_only_the_cached_blocks_no_request_holds():
+    pool = BlockPool(3)
+    held, free = pool.allocate(2)
+    h_held, h_free = hash_block_tokens(None, [1, 2]), hash_block_tokens(None, [3, 4])
+    pool.commit(held, h_held, None, [1, 2])
+    pool.commit(free, h_free, None, [3, 4])
+    pool.free([free])
+    pool.take_events()
+    pool.reset_prefix_cache()
+    assert pool.lookup(h_free, None, [3, 4]) is None and pool.lookup(h_held, None, [1, 2]) is held
+    assert pool.take_events() == ([], [h_free]) and pool.cached_hashes() == [h_held]
+    pool.check_integrity()
+
+
 def test_hit_in_free_queue_is_revived_by_touch():
     pool = BlockPool(2)
     (a,) = pool.allocate(1)

@@ -129,14 +129,37 @@ async def test_abort_by_sender_reaches_receiver(make_pair):
         assert receiver.num_pending == 0
 
 
+async def test_the_sender_aborts_a_transfer_by_its_id(make_pair):
+    """``KVSender.abort`` (what a prefill worker calls when its request is cancelled): the transfer
+    fails on both sides with the reason, or without one when none is given; an unknown id is
+    False.  ``describe`` names what carries the bytes to a connected receiver only."""
+    async with make_pair() as (sender, receiver):
+        assert sender.describe(receiver.address) is None  # not connected yet
+        first, second = receiver.expect("a", [1]), receiver.expect("b", [2])
+        tx_first = await sender.begin(first.transfer_id, receiver.address)
+        tx_second = await sender.begin(second.transfer_id, receiver.address)
+        assert sender.describe(receiver.address)
+        assert sender.describe("127.0.0.1:1") is None
+        assert sender.abort(first.transfer_id, "request cancelled")
+        with pytest.raises(TransferAborted, match="^aborted by sender: request cancelled$"):
+            await tx_first.finish()
+        with pytest.raises(TransferAborted, match="aborted by sender: request cancelled$"):
+            await first.wait()
+        assert sender.abort(second.transfer_id)
+        with pytest.raises(TransferAborted, match="^aborted by sender$"):
+            await tx_second.finish()
+        assert not sender.abort(second.transfer_id)  # gone once failed
+        assert not sender.abort("never-begun")
+
+
 async def test_receiver_deadline_fails_once_and_tells_sender(make_pair):
     async with make_pair() as (sender, receiver):
         rx = receiver.expect("slow", [1, 2], timeout=1.0)  # how long the test waits, not a bound
         tx = await sender.begin(rx.transfer_id, receiver.address)
         await tx.send_blocks([3], [1])  # the second block never comes
-        with pytest.raises(TransferTimeout, match="of 2 blocks missing"):
+        with pytest.raises(TransferTimeout, match=r"\(1 of 2 blocks missing\)"):
             await rx.wait()
-        with pytest.raises(TransferAborted, match="deadline"):
+        with pytest.raises(TransferAborted, match="aborted by receiver: receiver deadline passed$"):
             await tx.finish()
         assert receiver.num_pending == 0
 
