@@ -326,7 +326,7 @@ def fit_serving(engine_cost, probes: dict, split: str, args):
     from gateway.planner.calibrate import (
         cold_slowdowns, fit_host_effects, fit_stack_overheads, serving_cost,
     )
-    from gateway.planner.simulator import HostEffects
+    from gateway.planner.sim_config import HostEffects
 
     overheads = fit_stack_overheads(engine_cost, short_len=PROBE_SHORT, long_len=PROBE_LONG,
                                     chunk=args.max_num_batched_tokens, decode_context=PROBE_SHORT + PROBE_STREAM // 2,
@@ -367,7 +367,8 @@ def simulation(split: str, workload, cost, args, overhead_s: float, host, speed=
     """Runs the simulator on ``workload`` as the stack was set up (``speed``: a ``SpeedTrace`` to
     replay; ``affinity``: ``affinity_keys`` of the real requests); returns its result and itself."""
     from gateway.planner.hardware import LinkProfile
-    from gateway.planner.simulator import Deployment, EngineSettings, SimConfig, Simulation
+    from gateway.planner.sim_config import Deployment, EngineSettings, SimConfig
+    from gateway.planner.simulator import Simulation
 
     engine = EngineSettings(num_blocks=args.num_blocks, block_size=args.block_size,
                             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
@@ -394,7 +395,7 @@ def scale_run() -> dict:
     from gateway.planner.cost_model import roofline
     from gateway.planner.hardware import GPUS, LINKS, MODELS, kv_blocks_per_gpu
     from gateway.planner.search import simulate
-    from gateway.planner.simulator import Deployment, EngineSettings, SimConfig
+    from gateway.planner.sim_config import Deployment, EngineSettings, SimConfig
     from gateway.planner.traffic import LengthDist, synthetic
 
     spec = MODELS["llama-3-8b"]

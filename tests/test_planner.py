@@ -13,7 +13,8 @@ from common.engine.step_log import step_shape
 from gateway.planner.cost_model import FEATURES, LinearCostModel, fit_linear, load_cost_model, roofline
 from gateway.planner.hardware import MODELS, parse_link
 from gateway.planner.search import estimate_work, simulate, slice_for, splits, thin
-from gateway.planner.simulator import Deployment, EngineSettings, SimConfig, Simulation
+from gateway.planner.sim_config import Deployment, EngineSettings, SimConfig
+from gateway.planner.simulator import Simulation
 from gateway.planner.traffic import LengthDist, Workload, load_trace, synthetic
 
 # A cheap CPU-like step: 3 ms + 40 us per token + 2 us per sequence + 0.1 us per context token.
@@ -400,7 +401,7 @@ def spaced(prompts, outputs, every=5.0) -> Workload:
 
 
 def test_host_effects_step_time():
-    from gateway.planner.simulator import HostEffects
+    from gateway.planner.sim_config import HostEffects
 
     host = HostEffects(contention=0.25, wake_slowdown=0.2, wake_full_s=2.0, wake_window_s=0.5)
     assert host.step_time(0.1, 2) == pytest.approx(0.15)
@@ -412,7 +413,7 @@ def test_host_effects_step_time():
 
 
 def test_a_worker_woken_from_idle_runs_cold_for_a_while():
-    from gateway.planner.simulator import HostEffects
+    from gateway.planner.sim_config import HostEffects
 
     wl = spaced([300, 400, 500], [20, 20, 20])
     base = Simulation(Deployment(both=1), wl, config())
@@ -439,7 +440,7 @@ def test_a_worker_woken_from_idle_runs_cold_for_a_while():
 
 
 def test_a_speed_trace_replays_a_machine_that_changes_speed():
-    from gateway.planner.simulator import SpeedTrace
+    from gateway.planner.sim_config import SpeedTrace
 
     wl = spaced([300, 400, 500], [20, 20, 20])  # at 0, 5 and 10 s, each alone
     base = Simulation(Deployment(both=1), wl, config())
@@ -516,7 +517,7 @@ def test_given_affinity_keys_break_the_routers_ties_as_the_real_prompts_would():
 
 
 def test_decode_steps_beside_decode_steps_take_their_own_contention():
-    from gateway.planner.simulator import HostEffects
+    from gateway.planner.sim_config import HostEffects
 
     # Two colocated workers, one long stream each (short prompts: computed where they decode).
     wl = Workload(np.array([0.0, 0.0]), np.array([32, 32]), np.array([300, 300]))
@@ -539,7 +540,7 @@ def test_decode_steps_beside_decode_steps_take_their_own_contention():
 
 
 def test_busy_workers_on_one_host_slow_each_other():
-    from gateway.planner.simulator import HostEffects
+    from gateway.planner.sim_config import HostEffects
 
     # A long stream on the decode worker while prompts are computed on the prefill worker.
     wl = Workload(np.array([0.0, 0.05, 5.0]), np.array([32, 500, 500]), np.array([400, 2, 2]))
@@ -562,7 +563,7 @@ def test_busy_workers_on_one_host_slow_each_other():
 
 def test_fit_host_effects_recovers_contention_by_simulating_the_probe():
     from gateway.planner.calibrate import fit_host_effects, host_effects
-    from gateway.planner.simulator import HostEffects
+    from gateway.planner.sim_config import HostEffects
 
     probe = Workload(np.array([0.0, 0.0, 0.05]), np.array([16, 16, 800]), np.array([200, 200, 2]))
 

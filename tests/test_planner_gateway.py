@@ -9,7 +9,8 @@ import dataclasses
 import numpy as np
 
 from common.engine.scheduler import Scheduler
-from gateway.planner.simulator import Deployment, SimConfig, Simulation
+from gateway.planner.sim_config import Deployment, SimConfig
+from gateway.planner.simulator import Simulation
 from gateway.planner.traffic import Workload
 from tests.test_planner import config
 

@@ -119,7 +119,7 @@ def test_a_live_fit_refuses_too_little_and_mixed_models_and_warns_on_gaps():
 
 def test_residuals_apply_the_host_effects_of_the_moment_each_step_started():
     from gateway.planner.live import step_residuals
-    from gateway.planner.simulator import HostEffects
+    from gateway.planner.sim_config import HostEffects
 
     flat = LinearCostModel((0.1, 0, 0, 0, 0, 0))  # every step 100 ms by the model
     host = HostEffects(contention=0.5, wake_slowdown=1.0, wake_full_s=2.0, wake_window_s=0.5)
@@ -218,7 +218,7 @@ def test_speeds_leave_out_the_steps_a_worker_ran_waking_up():
 
 def test_decode_steps_beside_decode_steps_are_fitted_apart():
     from gateway.planner.live import fit_contention, step_residuals
-    from gateway.planner.simulator import HostEffects
+    from gateway.planner.sim_config import HostEffects
 
     steps = two_workers_on_one_host(contention=0.05, speed=1.0, decode_contention=0.3, seed=2)
     fitted = fit_contention(steps, TRUE, [(0.0, 60.0)])

@@ -249,7 +249,7 @@ def cold_slowdowns(cost, *, ttft_long_s: float, ttft_long_cold_s: float, request
 
 def host_effects(serving: dict):
     """The simulator's ``HostEffects`` from a calibration's ``serving`` section (none: no effects)."""
-    from gateway.planner.simulator import HostEffects
+    from gateway.planner.sim_config import HostEffects
 
     decode_contention = serving.get("host_decode_contention")
     return HostEffects(contention=float(serving.get("host_contention", 0.0)),

@@ -22,7 +22,7 @@ from pathlib import Path
 from gateway.planner.cost_model import load_cost_model, roofline
 from gateway.planner.hardware import GPUS, LINKS, MODELS, kv_blocks_per_gpu, load_model_spec, parse_link
 from gateway.planner.search import DEFAULT_BUDGET, search
-from gateway.planner.simulator import Deployment, EngineSettings, HostEffects, SimConfig
+from gateway.planner.sim_config import Deployment, EngineSettings, HostEffects, SimConfig
 from gateway.planner.traffic import LengthDist, load_trace, synthetic
 from gateway.routing import POLICIES, RoutingConfig
 

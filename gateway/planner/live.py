@@ -245,7 +245,7 @@ def speed_trace(steps: dict[str, np.ndarray], cost: CostModel, *, reference: lis
     reference's.  A window with fewer than ``min_steps`` of a kind takes the whole load's factor
     for it (1.0 where the load had none either).  Returns ``(SpeedTrace in seconds from the load's
     start, summary)``."""
-    from gateway.planner.simulator import SpeedTrace
+    from gateway.planner.sim_config import SpeedTrace
 
     residuals = step_residuals(steps, cost, host)
     ended = np.concatenate([rows[:, 0] for rows in steps.values()]) if steps else np.zeros(0)

@@ -51,6 +51,26 @@ def slo_ratio(ttft_p90_s: float, tpot_p90_s: float, slo_ttft_s: float, slo_tpot_
     return max(ttft_p90_s / slo_ttft_s, tpot)
 
 
+def certainly_failing(sim, now: float) -> bool:
+    """More than 10% of all requests of the simulation ``sim`` already miss an SLO at ``now``: its
+    p90 cannot meet it any more (``SimConfig.stop_when_failing`` ends the run then)."""
+    cfg, wl = sim.config, sim.workload
+    limit = 0.1 * len(wl)
+    late = 0
+    for i in range(len(wl)):
+        arrival = wl.arrival[i]
+        if arrival > now:
+            break
+        ft = sim.first_token[i]
+        if sim.outcome[i].startswith("error") or (ft == ft and ft - arrival > cfg.slo_ttft_s) or (
+                ft != ft and now - arrival > cfg.slo_ttft_s):
+            late += 1
+        elif sim.finish[i] == sim.finish[i] and wl.output_len[i] > 1:
+            if (sim.finish[i] - ft) / (wl.output_len[i] - 1) > cfg.slo_tpot_s:
+                late += 1
+    return late > limit
+
+
 def summarize_simulation(sim, wall_s: float) -> dict:
     wl, cfg = sim.workload, sim.config
     arrival = wl.arrival

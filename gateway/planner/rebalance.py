@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 from gateway.planner.search import simulate
-from gateway.planner.simulator import Deployment, SimConfig
+from gateway.planner.sim_config import Deployment, SimConfig
 from gateway.planner.traffic import Workload
 from gateway.rebalance import Plan, WorkerReading, moves_to
 

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from gateway.planner.metrics import slo_ratio
-from gateway.planner.simulator import Deployment, SimConfig, Simulation
+from gateway.planner.sim_config import Deployment, SimConfig
+from gateway.planner.simulator import Simulation
 from gateway.planner.traffic import Workload
 
 DEFAULT_BUDGET = 1_500_000  # scheduler passes (request-steps) per simulation: ~10-20 s on one core

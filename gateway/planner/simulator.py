@@ -39,273 +39,28 @@ see in the whole cluster.  The result says when it was sampled and by how much.
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import heapq
-import inspect
 import math
 import time
-from dataclasses import dataclass, field
-from typing import Any
 
-import msgspec
 import numpy as np
 
-from common.cluster.registry import Capacity, KVAddress, Load, WorkerInfo
-from common.engine.block_pool import BlockPool
-from common.engine.config import SchedulerConfig
-from common.engine.kv_cache_manager import KVCacheManager, cdiv
+from common.cluster.registry import WorkerInfo
+from common.engine.kv_cache_manager import cdiv
 from common.engine.request import Request
 from common.engine.sampling_params import SamplingParams
-from common.engine.scheduler import Scheduler, status_after_token
+from common.engine.scheduler import status_after_token
 from common.engine.step_log import step_shape
 from gateway.backpressure import ADMITTED_WAKES
-from gateway.config import GatewayConfig
 from gateway.dispatch import SentToDecode, computed_on, count_pending
-from gateway.planner.cost_model import CostModel
-from gateway.planner.hardware import LinkProfile
+from gateway.planner.metrics import certainly_failing, summarize_simulation
+from gateway.planner.sim_config import Deployment, HostEffects, SimConfig
+from gateway.planner.sim_worker import Job, SimWorker
 from gateway.planner.traffic import Workload, output_token
-from gateway.routing import NoWorkerAvailable, Router, RoutingConfig
+from gateway.routing import NoWorkerAvailable, Router
 
 TOKEN = output_token()
 STEP_END, KV_DONE, HEARTBEAT, REFRESH = range(4)
-
-
-@dataclass(frozen=True)
-class Deployment:
-    """How many workers of each role (one GPU each)."""
-
-    prefill: int = 0
-    decode: int = 0
-    both: int = 0
-
-    def __post_init__(self) -> None:
-        if min(self.prefill, self.decode, self.both) < 0:
-            raise ValueError(f"worker counts must be >= 0, got {self}")
-        if self.decode + self.both < 1:
-            raise ValueError("a deployment needs at least one decode or colocated worker")
-
-    @property
-    def gpus(self) -> int:
-        return self.prefill + self.decode + self.both
-
-    @property
-    def label(self) -> str:
-        parts = [f"{n}{tag}" for n, tag in ((self.prefill, "P"), (self.decode, "D"), (self.both, "C")) if n]
-        return "+".join(parts)
-
-    @property
-    def colocated(self) -> bool:
-        return self.prefill == 0 and self.decode == 0
-
-
-@dataclass(frozen=True)
-class EngineSettings:
-    """One worker's engine, as its flags would set it (see ``common/worker/config.py``)."""
-
-    num_blocks: int
-    block_size: int = 16
-    max_num_batched_tokens: int = 512
-    max_num_seqs: int = 64
-    max_model_len: int = 4096
-    watermark: float = 0.01
-    enable_prefix_caching: bool = True
-    max_pending_requests: int = 256
-    scheduler_options: tuple[tuple[str, Any], ...] = ()  # any other SchedulerConfig field
-
-    def scheduler_config(self) -> SchedulerConfig:
-        """Built by ``SchedulerConfig`` itself, so its validation and new knobs apply unchanged."""
-        names = {f.name for f in dataclasses.fields(SchedulerConfig)}
-        extra = dict(self.scheduler_options)
-        unknown = sorted(set(extra) - names)
-        if unknown:
-            raise ValueError(f"unknown scheduler option(s) {unknown}; SchedulerConfig has {sorted(names)}")
-        return SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
-                               max_model_len=self.max_model_len, watermark=self.watermark, **extra)
-
-
-@dataclass(frozen=True)
-class HostEffects:
-    """What workers sharing a host's CPUs do to their own and each other's step times (CPU
-    serving; all 0 for GPU workers, each on its own GPU).
-
-    - ``contention``: each other worker busy stepping when a step starts makes it this fraction
-      slower (cores, memory bandwidth and the serving processes around the engines are shared);
-    - ``decode_contention``: instead, for a decode-only step, each other worker mid decode-only
-      step (None: ``contention``).  Two decode steps each stream every weight from memory, so
-      they slow each other more than a step beside a prompt's compute-bound chunk does (on the
-      2-vCPU validation host about 0.2 against 0.05);
-    - ``wake_slowdown``: a worker that wakes from idle runs cold (caches refilled, clocks
-      ramping) -- its steps in the first ``wake_window_s`` of work are this fraction slower after
-      an idle of ``wake_full_s`` or longer, that share of it after a shorter one.
-
-    Every simulated worker counts as on the one host (a CPU deployment on one machine).
-    ``gateway.planner.calibrate.fit_host_effects`` fits them from probes of the real stack.
-    """
-
-    contention: float = 0.0
-    wake_slowdown: float = 0.0
-    wake_full_s: float = 2.0
-    wake_window_s: float = 0.5
-    decode_contention: float | None = None
-
-    def __post_init__(self) -> None:
-        if not (self.contention >= 0 and self.wake_slowdown >= 0 and self.wake_full_s > 0
-                and self.wake_window_s >= 0 and (self.decode_contention is None or self.decode_contention >= 0)):
-            raise ValueError(f"host effects must be >= 0 (wake_full_s > 0), got {self}")
-
-    def step_time(self, seconds: float, other_busy: int, idle_before_s: float = 0.0, busy_for_s: float = 0.0,
-                  decode_pairs: int = 0) -> float:
-        """A step of ``seconds`` (the cost model's) beside ``other_busy`` busy workers, of which
-        ``decode_pairs`` are mid decode-only step while this one is decode-only too, started
-        ``busy_for_s`` into a busy period that followed ``idle_before_s`` of idle."""
-        factor = 1.0 + self.contention * other_busy
-        if decode_pairs and self.decode_contention is not None:
-            factor += (self.decode_contention - self.contention) * decode_pairs
-        if self.wake_slowdown and idle_before_s > 0 and busy_for_s < self.wake_window_s:
-            factor += self.wake_slowdown * min(1.0, idle_before_s / self.wake_full_s)
-        return seconds * factor
-
-
-@dataclass(frozen=True)
-class SpeedTrace:
-    """The machine's speed over simulated time, replayed from a measured run
-    (``gateway.planner.live.speed_trace``): from ``starts[k]`` seconds on, a step that computes
-    prompt tokens takes ``prefill[k]`` times what the cost model says, a decode-only step
-    ``decode[k]`` times.  Before ``starts[0]``, the first factors hold."""
-
-    starts: tuple[float, ...]
-    prefill: tuple[float, ...]
-    decode: tuple[float, ...]
-
-    def __post_init__(self) -> None:
-        if not (len(self.starts) == len(self.prefill) == len(self.decode) > 0):
-            raise ValueError("a speed trace needs as many prefill and decode factors as start times, at least one")
-        if list(self.starts) != sorted(self.starts) or not all(f > 0 for f in (*self.prefill, *self.decode)):
-            raise ValueError("a speed trace's start times must be sorted and its factors > 0")
-
-    def factor(self, now: float, prefill: bool) -> float:
-        k = max(0, bisect.bisect_right(self.starts, now) - 1)
-        return self.prefill[k] if prefill else self.decode[k]
-
-
-@dataclass(frozen=True)
-class SimConfig:
-    """Everything a simulation needs besides the deployment and the traffic."""
-
-    cost: CostModel
-    engine: EngineSettings
-    prefill_engine: EngineSettings | None = None  # prefill workers' own settings (default: ``engine``)
-    link: LinkProfile = LinkProfile("loopback", 2e9, 100e-6)
-    kv_bytes_per_token: float = 131072.0
-    routing: RoutingConfig = RoutingConfig()
-    slo_ttft_s: float = 2.0
-    slo_tpot_s: float = 0.1
-    heartbeat_s: float = 5.0 / 3  # the worker's heartbeat: ttl / 3
-    pool_refresh_s: float = 0.5  # the gateway re-reads the registry this often
-    overhead_s: float = 0.0  # gateway + HTTP hops, added to TTFT and end-to-end latency
-    host: HostEffects = HostEffects()  # workers sharing CPUs (all simulated workers on one host)
-    speed: SpeedTrace | None = None  # the machine's speed over time, replayed from a run (validation)
-    queue_size: int = GatewayConfig.queue_size  # the gateway's wait queue ...
-    queue_timeout_s: float = GatewayConfig.queue_timeout  # ... and how long a request may wait in it
-    drain_s: float | None = None  # simulated time after the last arrival (default: max(60, duration))
-    stop_when_failing: bool = False  # stop as soon as the SLOs are certainly missed
-    seed: int = 0
-
-    def settings_for(self, role: str) -> EngineSettings:
-        return self.prefill_engine if role == "prefill" and self.prefill_engine else self.engine
-
-
-class _Job:
-    """A prompt a worker prefills for another worker: what it has shipped so far."""
-
-    __slots__ = ("request", "source", "dest", "next_index", "arrives", "index", "pending")
-
-    def __init__(self, request: Request, source: "SimWorker", dest: "SimWorker", next_index: int, index: int,
-                 pending: int):
-        self.request = request
-        self.source = source
-        self.dest = dest
-        self.next_index = next_index  # first block index not shipped yet (cached ones are skipped)
-        self.arrives = 0.0  # when the last shipped byte lands
-        self.index = index
-        self.pending = pending  # prompt tokens the gateway counts as pending on the source
-
-
-def _make_scheduler(config: SchedulerConfig, kv: KVCacheManager, clock) -> Scheduler:
-    """A real ``Scheduler``; on simulated time where it takes a clock (reservation leases)."""
-    if "clock" in inspect.signature(Scheduler).parameters:
-        return Scheduler(config, kv, clock=clock)
-    return Scheduler(config, kv)
-
-
-class SimWorker:
-    """One worker: a real ``Scheduler`` over a real ``BlockPool``, stepped by events."""
-
-    def __init__(self, worker_id: str, role: str, settings: EngineSettings, clock=lambda: 0.0):
-        self.worker_id = worker_id
-        self.role = role
-        self.settings = settings
-        self.pool = BlockPool(settings.num_blocks, enable_caching=settings.enable_prefix_caching)
-        self.scheduler = _make_scheduler(settings.scheduler_config(),
-                                         KVCacheManager(self.pool, settings.block_size), clock)
-        self.busy = False
-        self.current = None  # the SchedulerOutput of the step in flight
-        self.decoding = False  # the step in flight is decode-only
-        self.jobs: dict[str, _Job] = {}
-        self.between_steps: list = []  # the event loop's calls waiting for the step in flight to end
-        self.link_out_free = 0.0
-        self.link_in_free = 0.0
-        self.last_step_end = -math.inf  # idle since ever: the first step wakes it
-        self.idle_before = math.inf  # the idle that preceded the current busy period
-        self.busy_since = 0.0
-        # statistics
-        self.busy_time = 0.0
-        self.steps = 0
-        self.prefill_tokens = 0
-        self.usage_area = 0.0
-        self.usage_peak = 0.0
-        self.last_usage_time = 0.0
-        self.preemptions = 0
-        self._info = WorkerInfo(
-            worker_id=worker_id, role=role, model="simulated", http_address=f"sim://{worker_id}",
-            kv_address=KVAddress(transport="tcp", host="sim", port=1),
-            capacity=Capacity(num_kv_blocks=settings.num_blocks, block_size=settings.block_size,
-                              max_num_seqs=settings.max_num_seqs),
-            state="active")
-        self._rate_mark = (0.0, 0)
-        self.info = self.heartbeat(0.0)
-
-    def heartbeat(self, now: float) -> WorkerInfo:
-        """This worker's registry entry now (what ``Worker.info`` reports)."""
-        s = self.scheduler
-        waiting_tokens = sum(r.num_tokens - r.num_computed_tokens for r in s.waiting) + sum(
-            r.num_prompt_tokens - r.num_computed_tokens for r in s.running
-            if r.num_computed_tokens < r.num_prompt_tokens)
-        t0, c0 = self._rate_mark
-        rate = (self.prefill_tokens - c0) / (now - t0) if now > t0 else 0.0
-        self._rate_mark = (now, self.prefill_tokens)
-        load = Load(num_waiting=len(s.waiting), num_running=len(s.running),
-                    kv_usage=min(1.0, max(0.0, self.pool.usage)), num_waiting_prefill_tokens=waiting_tokens,
-                    prefill_tokens_per_s=max(0.0, rate))
-        self.info = msgspec.structs.replace(self._info, load=load, heartbeat_at=now)
-        return self.info
-
-    def note_usage(self, now: float) -> None:
-        usage = self.pool.usage
-        self.usage_area += usage * (now - self.last_usage_time)
-        self.last_usage_time = now
-        if usage > self.usage_peak:
-            self.usage_peak = usage
-
-    def cached_blocks(self, hashes: list[bytes]) -> int:
-        """Leading blocks of a prompt this worker caches (what the Redis prefix index would say)."""
-        cached = self.pool.cached
-        n = 0
-        for h in hashes:
-            if h not in cached:
-                break
-            n += 1
-        return n
 
 
 class Simulation:
@@ -392,7 +147,7 @@ class Simulation:
                 self.now = arrivals[arrived]
                 self._arrive(arrived, self.now)
                 arrived += 1
-                if cfg.stop_when_failing and arrived % check_every == 0 and self._certainly_failing(self.now):
+                if cfg.stop_when_failing and arrived % check_every == 0 and certainly_failing(self, self.now):
                     self.stopped_early = True
                     break
                 continue
@@ -420,24 +175,6 @@ class Simulation:
         for w in self.workers.values():
             w.note_usage(self.now)
         return self._result(time.perf_counter() - began)
-
-    def _certainly_failing(self, now: float) -> bool:
-        """More than 10% of all requests already miss an SLO: the p90 cannot meet it any more."""
-        cfg, wl = self.config, self.workload
-        limit = 0.1 * len(wl)
-        late = 0
-        for i in range(len(wl)):
-            arrival = wl.arrival[i]
-            if arrival > now:
-                break
-            ft = self.first_token[i]
-            if self.outcome[i].startswith("error") or (ft == ft and ft - arrival > cfg.slo_ttft_s) or (
-                    ft != ft and now - arrival > cfg.slo_ttft_s):
-                late += 1
-            elif self.finish[i] == self.finish[i] and wl.output_len[i] > 1:
-                if (self.finish[i] - ft) / (wl.output_len[i] - 1) > cfg.slo_tpot_s:
-                    late += 1
-        return late > limit
 
     # ---- routing and admission (gateway.dispatch + decode_svc.generate) -----------------------
 
@@ -580,7 +317,7 @@ class Simulation:
                 self.sent_to_decode.remove(self.decode_of.pop(i), rid)
             self._fail(i, f"invalid: {exc}")
             return
-        prefill.jobs[rid] = _Job(request, prefill, decode, num_cached // self.block_size, i, pending)
+        prefill.jobs[rid] = Job(request, prefill, decode, num_cached // self.block_size, i, pending)
         self._kick(prefill, now)
 
     def _between_steps(self, w: SimWorker, call) -> None:
@@ -709,7 +446,7 @@ class Simulation:
                 del w.jobs[request.request_id]
                 self._push(max(now, job.arrives), KV_DONE, job)
 
-    def _kv_done(self, job: _Job, now: float) -> None:
+    def _kv_done(self, job: Job, now: float) -> None:
         """The prompt's KV and its first token have reached the decode worker.  The first token
         goes out at once (unless it ends the request: then once it has landed); the request lands
         between two of the worker's steps."""
@@ -719,7 +456,7 @@ class Simulation:
             self._first_remote_token(job, now)
         self._between_steps(decode, lambda when: self._land(job, when))
 
-    def _first_remote_token(self, job: _Job, now: float) -> None:
+    def _first_remote_token(self, job: Job, now: float) -> None:
         i = job.index
         # The gateway drops the prompt from its pending count when the first token arrives.
         count_pending(self.pending, job.source.worker_id, -job.pending)
@@ -727,7 +464,7 @@ class Simulation:
         self.last_token[i] = now
         self.sent_to_decode.admitted(job.dest.worker_id, job.request.request_id)
 
-    def _land(self, job: _Job, now: float) -> None:
+    def _land(self, job: Job, now: float) -> None:
         decode = job.dest
         i = job.index
         rid = job.request.request_id
@@ -752,6 +489,4 @@ class Simulation:
     # ---- results -----------------------------------------------------------------------------
 
     def _result(self, wall_s: float) -> dict:
-        from gateway.planner.metrics import summarize_simulation
-
         return summarize_simulation(self, wall_s)
