@@ -11,8 +11,10 @@ import pytest
 import torch
 
 from common.cluster.messages import GenerateRequest, decode
+from common.engine import inverse_cdf
 from common.engine import sampler as sampler_module
-from common.engine.sampler import Sampler, SamplingRow, sample, seeded_uniform
+from common.engine.inverse_cdf import seeded_uniform
+from common.engine.sampler import Sampler, SamplingRow, sample
 from common.engine.sampling_params import SamplingParams
 
 NAN, INF = float("nan"), float("inf")
@@ -97,7 +99,7 @@ CASES = {
 def test_batched_sampling_matches_the_dense_reference(case):
     # 2500 columns: two full 1024-column blocks and a tail; 39 groups of 64 columns (top_k=60 > 39
     # takes the other candidate path).
-    assert sampler_module.BLOCK == 1024 and sampler_module.GROUP == 64
+    assert inverse_cdf.BLOCK == 1024 and sampler_module.GROUP == 64
     torch.manual_seed(7)
     logits = torch.randn(2500) * 2.5
     logits[[3, 1100, 2499]] += 6  # mass in every block, the tail included
@@ -138,8 +140,8 @@ def test_a_wide_nucleus_is_found_without_a_sort_and_follows_the_reference(monkey
     # A flat row: thousands of candidates take the threshold path (no sort of the row).
     monkeypatch.setattr(sampler_module, "WIDE_NUCLEUS", 512)
     calls = []
-    wide = sampler_module._sample_wide_nucleus
-    monkeypatch.setattr(sampler_module, "_sample_wide_nucleus", lambda *a: calls.append(1) or wide(*a))
+    wide = sampler_module.sample_wide_nucleus
+    monkeypatch.setattr(sampler_module, "sample_wide_nucleus", lambda *a: calls.append(1) or wide(*a))
     torch.manual_seed(3)
     logits = torch.randn(3000) * 0.7
     logits[:3] += 3.0  # a few likely tokens over a long flat tail
@@ -323,7 +325,7 @@ def test_a_bad_row_does_not_change_the_draws_of_the_others():
 
 
 
-@pytest.mark.skipif(sampler_module._top_p_kernel(torch.zeros(1, 2)) is None, reason="no C compiler here")
+@pytest.mark.skipif(inverse_cdf.top_p_kernel(torch.zeros(1, 2)) is None, reason="no C compiler here")
 def test_the_top_p_kernel_picks_the_tokens_the_torch_path_picks(monkeypatch):
     # Flat rows of a 262k vocabulary, the case the kernel is for: the same nucleus and the same
     # column-order inverse CDF as the torch path, so the same uniform gives the same token.
@@ -333,9 +335,9 @@ def test_the_top_p_kernel_picks_the_tokens_the_torch_path_picks(monkeypatch):
     e /= e.max(dim=-1, keepdim=True).values
     top_p = torch.tensor([0.5, 0.8, 0.9, 0.95, 0.95, 0.99, 0.3, 0.9])
     uniforms = torch.rand(n, dtype=torch.float64)
-    from_kernel = sampler_module._sample_wide_nucleus(e.clone(), top_p, uniforms)
-    monkeypatch.setattr(sampler_module, "_top_p_kernel", lambda _e: None)
-    from_torch = sampler_module._sample_wide_nucleus(e.clone(), top_p, uniforms)
+    from_kernel = inverse_cdf.sample_wide_nucleus(e.clone(), top_p, uniforms)
+    monkeypatch.setattr(inverse_cdf, "top_p_kernel", lambda _e: None)
+    from_torch = inverse_cdf.sample_wide_nucleus(e.clone(), top_p, uniforms)
     assert (from_kernel == from_torch).sum() >= n - 1  # fp64 sums in another order may move a boundary
 
 
