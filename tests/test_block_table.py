@@ -23,7 +23,7 @@ def test_rows_grow_by_appending_and_are_reused_after_release():
     assert table.ids("a") == [12, 5, 31]
     row_a = table.row("a")
     table.release("a")
-    assert table.row("a") == -1 and table.ids("a") == []
+    assert table.row("a") == -1 and table.ids("a") == [] and table.row_ids("a") == []
     assert table.table[row_a].tolist() == [0] * table.table.shape[1]
     table.append("c", [3, 4])  # takes the freed row
     assert table.row("c") == row_a and table.ids("c") == [3, 4]
