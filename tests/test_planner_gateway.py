@@ -12,7 +12,7 @@ from common.engine.scheduler import Scheduler
 from gateway.planner.sim_config import Deployment, SimConfig
 from gateway.planner.simulator import Simulation
 from gateway.planner.traffic import Workload
-from tests.test_planner import config
+from tests.planner_support import config
 
 
 def decode_side_admissions(monkeypatch, sim: Simulation) -> dict[str, int]:
