@@ -38,7 +38,8 @@ import aiohttp
 
 from common.cluster.auth import ClusterAuth
 from common.cluster.messages import (
-    FRAMES_CONTENT_TYPE, AbortRequest, FrameReader, GenerateRequest, TokenFrame, encode, read_response,
+    FRAMES_CONTENT_TYPE, AbortRequest, FrameReader, GenerateRequest, TokenFrame, encode, read_excerpt,
+    read_response,
 )
 from common.engine.prefix_hash import block_extra_keys, hash_prompt_blocks
 from common.cluster.prefix_index import PrefixIndexReader
@@ -368,9 +369,8 @@ class Dispatcher:
         """At most ``BAD_ANSWER_EXCERPT`` bytes of a body that is no frame stream, waiting at most
         the response timeout for them; what could not be read is left out."""
         try:
-            async with asyncio.timeout(self.timeouts.response):
-                return await resp.content.read(BAD_ANSWER_EXCERPT)
-        except (TimeoutError, aiohttp.ClientError):
+            return await read_excerpt(resp, BAD_ANSWER_EXCERPT, self.timeouts.response)
+        except aiohttp.ClientError:
             return b""
 
     async def _next_frames(self, resp: aiohttp.ClientResponse, frames: FrameReader,

@@ -150,6 +150,22 @@ async def read_response(response, limit: int = MAX_FRAME_BYTES, timeout: float =
     return bytes(body)
 
 
+async def read_excerpt(response, limit: int, timeout: float) -> bytes:
+    """The first ``limit`` bytes of an aiohttp client ``response``'s body (all of it when shorter),
+    read whole up to that limit within ``timeout`` seconds; what arrived before a timeout is
+    returned as it is.  For logging an answer that is not what was asked."""
+    body = bytearray()
+    try:
+        async with asyncio.timeout(timeout):
+            async for chunk in response.content.iter_any():
+                body += chunk[:limit - len(body)]
+                if len(body) >= limit:
+                    break
+    except TimeoutError:
+        pass
+    return bytes(body)
+
+
 async def read_frame(reader, kind: Type[T]) -> T | None:
     """Read one length-prefixed frame from an aiohttp ``StreamReader``; ``None`` at a clean end."""
     try:
