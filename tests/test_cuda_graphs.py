@@ -24,7 +24,7 @@ from common.engine.engine import Engine  # noqa: E402
 from common.engine.kv_cache import KVCache, KVLayout  # noqa: E402
 from common.engine.model_loader import load_model  # noqa: E402
 from tests.checkpoints import VOCAB, tiny_llama_config, write_checkpoint  # noqa: E402
-from tests.test_attention import kvcache_reference, varlen_reference  # noqa: E402
+from tests.support.attention_reference import kvcache_reference, varlen_reference  # noqa: E402
 
 
 class EagerCapture:

@@ -5,15 +5,15 @@ import torch
 
 from common.engine.config import EngineConfig
 from common.engine.engine import Engine
-from tests.test_gguf_loader import CASES, _tiny_model, _write_gguf
+from tests.support.gguf_checkpoints import CASES, tiny_model, write_gguf
 
 
 @pytest.mark.parametrize("arch", list(CASES))
 def test_engine_on_gguf_matches_transformers(tmp_path, monkeypatch, arch):
     monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path / "cache"))
-    model = _tiny_model(arch)
+    model = tiny_model(arch)
     path = tmp_path / f"tiny-{arch}.gguf"
-    _write_gguf(model, arch, path)
+    write_gguf(model, arch, path)
     prompts = [list(range(5, 5 + n)) for n in (3, 11, 19)]
     engine = Engine(EngineConfig(model=str(path), num_blocks=64, block_size=4, max_num_batched_tokens=8))
     results = engine.generate(prompts, {"max_tokens": 8, "temperature": 0, "ignore_eos": True})

@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 
 from common.engine.gguf_file import GGUFFile
-from tests.test_gguf_loader import Q, _tiny_model, _write_gguf
+from tests.support.gguf_checkpoints import Q, tiny_model, write_gguf
 
 
 @pytest.mark.parametrize("qtype", [Q.F32, Q.Q8_0, Q.Q5_0], ids=["f32", "q8_0", "q5_0"])
 def test_fields_and_tensors_equal_gguf_py(tmp_path, qtype):
     path = tmp_path / "m.gguf"
-    _write_gguf(_tiny_model("gemma3"), "gemma3", path, qtype)
+    write_gguf(tiny_model("gemma3"), "gemma3", path, qtype)
     ours, reference = GGUFFile(path), gguf.GGUFReader(path, "r")
 
     want = {name: field.contents() for name, field in reference.fields.items() if not name.startswith("GGUF.")}

@@ -10,13 +10,13 @@ import pytest
 
 from common.engine.hub import MARKER, parse_spec
 from common.engine.model_loader import resolve_checkpoint
-from tests.test_gguf_loader import _tiny_model, _write_gguf
+from tests.support.gguf_checkpoints import tiny_model, write_gguf
 
 
 def test_gguf_on_a_read_only_mount_converts_into_the_cache(tmp_path, monkeypatch):
     models = tmp_path / "models"
     models.mkdir()
-    _write_gguf(_tiny_model("llama"), "llama", models / "tiny.gguf")
+    write_gguf(tiny_model("llama"), "llama", models / "tiny.gguf")
     models.chmod(stat.S_IRUSR | stat.S_IXUSR)  # read-only, as the compose files mount /models
     monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path / "cache"))
     try:

@@ -383,7 +383,7 @@ def test_slices_keep_the_per_worker_load():
 def test_best_split_is_judged_only_where_the_measurement_can_tell_the_splits_apart():
     from types import SimpleNamespace
 
-    from benchmarks.planner_validation import best_split_at
+    from benchmarks.planner_judging import best_split_at
 
     args = SimpleNamespace(slo_ttft=1.0, slo_tpot=0.05)
     rng = np.random.default_rng(0)
@@ -422,7 +422,7 @@ def test_validation_load_levels_are_fractions_of_the_calibrated_prefill_capacity
 
 def test_validation_affinity_keys_are_the_gateways_first_block_hashes():
     from benchmarks.loadgen import PlannedRequest
-    from benchmarks.planner_validation import affinity_keys
+    from benchmarks.planner_probes import affinity_keys
     from common.engine.prefix_hash import block_extra_keys, hash_prompt_blocks
 
     plan = [PlannedRequest(list(range(3, 40)), 4, 0.0, "planned"), PlannedRequest([5] * 10, 4, 0.0, "planned")]

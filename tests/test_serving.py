@@ -19,12 +19,11 @@ import redis
 from common.engine.config import EngineConfig
 from common.engine.engine import Engine
 from tests.cluster import http_json, running_cluster
+from tests.support.serving import BLOCK_SIZE, WORKER_ARGS, wait_idle
 from tests.waiting import wait_until
 
 API_KEY = "sk-test-key-0123456789"  # the gateway refuses keys under 16 characters
 SKIP_PREFILL_BELOW = 8  # prompts with fewer uncached tokens go straight to the decode worker
-BLOCK_SIZE = 4
-WORKER_ARGS = ["--num-blocks", "512", "--block-size", str(BLOCK_SIZE), "--max-num-batched-tokens", "16"]
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog, and then",
     "KV cache blocks move from the prefill worker",
@@ -198,19 +197,6 @@ def test_stop_string_truncates_and_aborts(stack, reference):
     assert response.choices[0].finish_reason == "stop"
     assert response.choices[0].text == full[: full.index(stop)]
     wait_idle(stack, "d0")
-
-
-def wait_idle(stack, worker: str, timeout: float = 120.0) -> dict:
-    """Poll until the worker runs nothing and every block is free again (the bound only turns a
-    hang into a failure; a loaded machine may take a while)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        stats = stack.stats(worker)
-        if stats["inflight"] == 0 and stats["num_running"] == 0 and stats["num_free_blocks"] == stats["num_blocks"]:
-            return stats
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{worker} still busy: {stats}")
-        time.sleep(0.05)
 
 
 def test_client_disconnect_aborts_on_the_workers(stack):

@@ -18,7 +18,7 @@ import pytest
 
 from common.cluster.redis_util import RedisServer
 from tests.cluster import HeldEntries, http_json, running_cluster
-from tests.test_serving import WORKER_ARGS, wait_idle
+from tests.support.serving import WORKER_ARGS, wait_idle
 from tests.waiting import wait_until
 
 PROMPT = "The quick brown fox jumps over the lazy dog, and then"

@@ -31,7 +31,7 @@ from common.engine.engine import Engine
 from common.engine.sampling_params import SamplingParams
 from tests.cluster import LocalStack, delete_keys
 from tests.waiting import until
-from tests.test_decode_peer_faults import BLOCK_SIZE, NUM_BLOCKS, ScriptedPeer, WorkerClient
+from tests.support.scripted_peer import BLOCK_SIZE, NUM_BLOCKS, ScriptedPeer, WorkerClient
 
 WAIT = 120.0
 # Step 2 fails alone; from step 4 on every step fails, and 3 in a row fail the worker.
