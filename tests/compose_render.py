@@ -7,9 +7,11 @@ from __future__ import annotations
 import atexit
 import copy
 import functools
+import importlib.util
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -45,6 +47,16 @@ def compose_cli() -> list[str] | None:
         if subprocess.run([*cmd, "version"], capture_output=True).returncode == 0:
             return cmd
     return None
+
+
+@functools.cache
+def entrypoint_module():
+    """compose/entrypoint.py, loaded once as the module ``compose_entrypoint`` (not a package)."""
+    spec = importlib.util.spec_from_file_location("compose_entrypoint", COMPOSE / "entrypoint.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
 
 
 def profile_sets(stack: str) -> list[tuple[str, ...]]:

@@ -11,7 +11,6 @@ import inspect
 import json
 import re
 import subprocess
-import sys
 
 import pytest
 import yaml
@@ -19,8 +18,8 @@ import yaml
 from common.cluster.launcher import ROOT
 from gateway.ops.env_file import SHARED_SECRETS, STACKS as STACK_PROJECTS
 from tests.compose_render import (
-    COMPOSE, ENV_EXAMPLE, STACKS, WORKER_SERVICES, compose_cli, env_values, expected_services, load_stack,
-    profile_sets, render_cli, renderings, seconds,
+    COMPOSE, ENV_EXAMPLE, STACKS, WORKER_SERVICES, compose_cli, entrypoint_module, env_values, expected_services,
+    load_stack, profile_sets, render_cli, renderings, seconds,
 )
 from tests.compose_render import env_files as make_env_files
 
@@ -377,11 +376,7 @@ def test_images_use_the_lock_and_the_gpu_image_is_multi_stage():
 
 @pytest.fixture(scope="module")
 def compose_entrypoint():
-    spec = importlib.util.spec_from_file_location("compose_entrypoint", COMPOSE / "entrypoint.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return entrypoint_module()
 
 
 def metrics_proxy_env_names() -> set[str]:

@@ -7,18 +7,16 @@ gets only the secrets it uses.  Renderings: ``tests/compose_render.py``.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import shutil
 import subprocess
-import sys
 
 import pytest
 import yaml
 
 from common.cluster.http_limits import DEFAULTS as HTTP_DEFAULTS
-from tests.compose_render import COMPOSE, STACKS, WORKER_SERVICES, compose_cli, env_values, load_stack, profile_sets, \
+from tests.compose_render import entrypoint_module, COMPOSE, STACKS, WORKER_SERVICES, compose_cli, env_values, load_stack, profile_sets, \
     published_addresses, render_cli, renderings, seconds
 from tests.compose_render import env_files as make_env_files
 
@@ -64,11 +62,7 @@ def stand_in(bin_dir, name: str):
 
 @pytest.fixture(scope="module")
 def entrypoint():
-    spec = importlib.util.spec_from_file_location("compose_entrypoint_x", COMPOSE / "entrypoint.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return entrypoint_module()
 
 
 def render_with(stack: str, env_files, tmp_path, profiles, cli: bool = True, **settings) -> dict:
