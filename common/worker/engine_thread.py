@@ -339,6 +339,8 @@ class EngineThread:
         """Engine thread, before a step's forward: the first step of each kind (prefill-sized or
         decode-only) gets ``FIRST_STEP_ALLOWANCE`` (what it runs first may be compiled or
         initialised now)."""
+        if len(self._kinds_begun) == 2:
+            return  # both kinds seen: nothing to look at on the steps that follow
         kind = "decode" if all(len(item.token_ids) == 1 for item in out.scheduled) else "prefill"
         if kind in self._kinds_begun:
             return
