@@ -263,9 +263,14 @@ async def test_a_busy_loop_asks_has_work_once_a_step(running):
     has_work = thread.engine.has_work
     thread.engine.has_work = lambda: calls.append(1) or has_work()
     stream = thread.open_stream("a")
-    await thread.call(lambda e: e.add_request([5, 6, 7], {**PARAMS, "max_tokens": 12}, "a"))
-    calls.clear()  # from here on no command is sent until the request ends
-    steps = thread.steps
+
+    def add_and_start_counting(engine):
+        # in the engine thread, between two steps: no step can run between the reset and the snapshot
+        engine.add_request([5, 6, 7], {**PARAMS, "max_tokens": 12}, "a")
+        calls.clear()  # from here on no command is sent until the request ends
+        return thread.steps
+
+    steps = await thread.call(add_and_start_counting)
     while not (item := await asyncio.wait_for(stream.get(), WAIT)).finished:
         pass
     steps = thread.steps - steps
