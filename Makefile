@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 up: $(STAMP)
-	$(PY) -m common.cluster.launcher
+	$(PY) -m launcher
 
 demo: $(STAMP)
 	$(PY) -m common.engine.demo

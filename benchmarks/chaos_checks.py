@@ -23,7 +23,7 @@ import urllib.request
 from pathlib import Path
 from typing import Protocol
 
-from common.cluster.launcher import gateway_health, http_json
+from launcher.local_stack import gateway_health, http_json
 
 # What each allowed kind of error means (the keys of ``error_classes`` in the result).
 ERROR_CLASSES = {

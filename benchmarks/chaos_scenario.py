@@ -53,7 +53,8 @@ import openai
 
 from benchmarks.chaos_checks import classify_error, gateway_metric, reference_texts, settle
 from benchmarks.chaos_requests import Outcome, Planner, run_request
-from common.cluster.launcher import LocalStack, Supervisor, http_json
+from launcher.local_stack import LocalStack, http_json
+from launcher.supervisor import Supervisor
 from common.cluster.redis_util import RedisServer
 
 ADMIN_TOKEN = "pdserve-chaos-admin-token"  # the gateway's (in its environment: never on a command line)

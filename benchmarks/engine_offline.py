@@ -144,7 +144,7 @@ def main() -> None:
         write_random_llama(checkpoint, size)
         model_name = f"llama-{size}-random"
     elif args.model == "default":
-        from common.engine.default_model import ensure_default_model
+        from common.engine.loading.default_model import ensure_default_model
 
         checkpoint = ensure_default_model()
         model_name = checkpoint.name

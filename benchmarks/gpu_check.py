@@ -6,7 +6,7 @@
 
 1. **Attention.** The Triton backend (and flash-attn, when installed, at the block sizes it pages)
    against the torch path on packed batches: prompt chunks, decodes, mixed steps, sliding
-   windows, GQA, block sizes 16, 24 and 256 (``common.engine.attention_check``). On a GPU in bf16,
+   windows, GQA, block sizes 16, 24 and 256 (``common.engine.attention.check``). On a GPU in bf16,
    plus model-sized heads and contexts; under ``--cpu-interpret`` in fp32 on small shapes.
 2. **Greedy parity.** A random Llama-shaped checkpoint, fp32, chunked prompts beside decodes:
    our engine's greedy tokens against transformers' ``generate()`` on the same GPU, request by
@@ -62,8 +62,9 @@ def log(message: str) -> None:
 
 def check_attention(device, dtype, cases, tolerance: float) -> dict:
     """Every case on every backend that can run it; the worst error and whether all passed."""
-    from common.engine.attention import FLASH_PAGED_BLOCK_MULTIPLE, flash_attn_installed
-    from common.engine.attention_check import run_case
+    from common.engine.attention.interface import FLASH_PAGED_BLOCK_MULTIPLE
+    from common.engine.attention.selection import flash_attn_installed
+    from common.engine.attention.check import run_case
 
     backends = ["triton"] + (["flash"] if device.type == "cuda" and flash_attn_installed() else [])
     errors, failed = {}, []
@@ -344,7 +345,7 @@ def environment(device) -> dict:
     import transformers
     import triton
 
-    from common.engine.attention import flash_attn_installed
+    from common.engine.attention.selection import flash_attn_installed
 
     info = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "torch": torch.__version__, "triton": triton.__version__, "transformers": transformers.__version__,
@@ -383,7 +384,7 @@ def main() -> None:
 
     import torch
 
-    from common.engine.attention_check import GPU_CASES, SMALL_CASES
+    from common.engine.attention.check import GPU_CASES, SMALL_CASES
 
     began = time.perf_counter()
     cuda = torch.cuda.is_available() and not args.cpu_interpret

@@ -47,7 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from common.engine.kv_cache import KVCache, KVLayout  # noqa: E402
+from common.engine.kv.kv_cache import KVCache, KVLayout  # noqa: E402
 
 LAYOUT = KVLayout(model_id="llama-3-8b-shape", dtype="bfloat16", block_size=16, num_layers=32,
                   num_kv_heads=8, head_dim=128)

@@ -54,9 +54,9 @@ AUTH_TESTS = ["tests/test_auth.py", "tests/test_replay_cache.py", "tests/test_wo
 MODULES: dict[str, list[str]] = {
     "common/engine/scheduler.py": SCHEDULER_TESTS,
     "common/engine/room_alone.py": ["tests/test_room_alone.py", *SCHEDULER_TESTS],  # the scheduler's room computation
-    "common/engine/kv_cache_manager.py": [*SCHEDULER_TESTS, "tests/test_prefix_lookup.py", "tests/test_block_table.py"],
-    "common/engine/block_pool.py": ["tests/test_block_pool.py", "tests/test_prefix_lookup.py", *SCHEDULER_TESTS],
-    "common/engine/block_table.py": ["tests/test_block_table.py", *SCHEDULER_TESTS],
+    "common/engine/kv/kv_cache_manager.py": [*SCHEDULER_TESTS, "tests/test_prefix_lookup.py", "tests/test_block_table.py"],
+    "common/engine/kv/block_pool.py": ["tests/test_block_pool.py", "tests/test_prefix_lookup.py", *SCHEDULER_TESTS],
+    "common/engine/kv/block_table.py": ["tests/test_block_table.py", *SCHEDULER_TESTS],
     "kvtransfer/receiver.py": KV_TESTS,
     "kvtransfer/sender.py": KV_TESTS,
     "gateway/backpressure.py": ["tests/test_backpressure.py", "tests/test_backpressure_machine.py"],

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from gateway.planner.metrics import slo_ratio
+from pdctl.planner.metrics import slo_ratio
 
 CONFIDENCE = 0.9  # how sure the measurement must be of its best split for a disagreement to count
 
@@ -16,7 +16,7 @@ def best_split_at(rate: float, runs: list[dict], args, seed: int = 0, resamples:
     resamples of the requests (every split served the same ones) in which it is still best.
     Under ``CONFIDENCE`` the measurement cannot tell the splits apart: a tie, which any
     prediction agrees with.  Reported, so a tie is never mistaken for an agreement."""
-    from gateway.planner.metrics import percentile
+    from pdctl.planner.metrics import percentile
 
     def ratio(ttft_s: np.ndarray, tpot_s: np.ndarray) -> float:
         tpot = tpot_s[np.isfinite(tpot_s)]

@@ -78,7 +78,7 @@ async def stack_probes(url: str, model: str, args, decoders: int, seed: int, rep
 def simulate_probe(split: str, cost, args, overhead_s: float, host) -> tuple[float, float]:
     """The contended probe as the simulator predicts it: the long prompt's TTFT and the streams'
     median TPOT."""
-    from gateway.planner.traffic import Workload
+    from pdctl.planner.traffic import Workload
 
     decoders = SPLITS[split]["decode"] + SPLITS[split]["both"]
     plan = contended_plan(decoders)
@@ -93,10 +93,10 @@ def fit_serving(engine_cost, probes: dict, split: str, args):
     """What the stack adds to the calibrated engine, fitted from ``split``'s probes: the overheads
     and host effects (the ``serving`` section of a calibration file; ``host_effects`` reads the
     latter) and the serving cost model."""
-    from gateway.planner.calibrate import (
+    from pdctl.planner.calibrate import (
         cold_slowdowns, fit_host_effects, fit_stack_overheads, serving_cost,
     )
-    from gateway.planner.sim_config import HostEffects
+    from pdctl.planner.sim_config import HostEffects
 
     overheads = fit_stack_overheads(engine_cost, short_len=PROBE_SHORT, long_len=PROBE_LONG,
                                     chunk=args.max_num_batched_tokens, decode_context=PROBE_SHORT + PROBE_STREAM // 2,
@@ -126,7 +126,7 @@ def affinity_keys(plan: list[PlannedRequest], model_id: str, block_size: int) ->
     these and the stack's worker names, the simulated router breaks a tie between equally loaded
     workers -- two idle colocated workers: compute the prompt where it decodes or on the other
     one -- as the real one did, instead of by a hash of the simulation's own tokens."""
-    from common.engine.prefix_hash import block_extra_keys, hash_prompt_blocks
+    from common.engine.kv.prefix_hash import block_extra_keys, hash_prompt_blocks
 
     extra = block_extra_keys(model_id)
     return [hash_prompt_blocks(r.prompt[:block_size], block_size, extra)[0] if len(r.prompt) >= block_size else b""
@@ -136,9 +136,9 @@ def affinity_keys(plan: list[PlannedRequest], model_id: str, block_size: int) ->
 def simulation(split: str, workload, cost, args, overhead_s: float, host, speed=None, affinity=None):
     """Runs the simulator on ``workload`` as the stack was set up (``speed``: a ``SpeedTrace`` to
     replay; ``affinity``: ``affinity_keys`` of the real requests); returns its result and itself."""
-    from gateway.planner.hardware import LinkProfile
-    from gateway.planner.sim_config import Deployment, EngineSettings, SimConfig
-    from gateway.planner.simulator import Simulation
+    from pdctl.planner.hardware import LinkProfile
+    from pdctl.planner.sim_config import Deployment, EngineSettings, SimConfig
+    from pdctl.planner.simulator import Simulation
 
     engine = EngineSettings(num_blocks=args.num_blocks, block_size=args.block_size,
                             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,

@@ -2,7 +2,7 @@
 
     python benchmarks/planner_validation.py [--quick]
 
-1. **Calibrate** on this machine: ``gateway.planner.calibrate`` runs the real engine (one torch
+1. **Calibrate** on this machine: ``pdctl.planner.calibrate`` runs the real engine (one torch
    thread, as each worker gets) over a grid of step shapes and fits the linear cost model.
 2. **Measure**: for each split (``1P+1D`` disaggregated, ``2C`` two colocated workers; two workers
    either way, ``OMP_NUM_THREADS=1`` each, standing in for one GPU each) and each load level, start
@@ -38,7 +38,7 @@
 4. **Replay the machine's speed** (a diagnostic).  Against the simulator's own view of each step --
    the serving cost model times the host effects of that moment, other workers mid-step and how
    long the worker had idled -- the steps tell how fast the machine ran during the load, window by
-   window, relative to during the probes (``gateway.planner.live.speed_trace``).  The runs are
+   window, relative to during the probes (``pdctl.planner.live.speed_trace``).  The runs are
    predicted again with that speed replayed (``replayed`` in the JSON): what changes tells how
    much of the error is the machine's speed during the load (drift, and whatever the probes'
    fit misses about the load's steps) rather than the simulation's queueing, batching and
@@ -52,7 +52,7 @@ measured best at every load level (``best_split_agrees``) -- where the measureme
 than 90% sure of its best split (paired bootstrap over the requests, ``best_split_at``) the level
 is a tie, which any ranking agrees with; each level says which it was --; and
 ``scale_sim_seconds``: the wall time of simulating 64 prefill + 64 decode H200s serving Llama-3-8B
-at 1,000 req/s for 10 minutes (sampled, see ``gateway/planner/search.py``), with its CPU time and
+at 1,000 req/s for 10 minutes (sampled, see ``pdctl/planner/search.py``), with its CPU time and
 the slice it simulated (target <= 60 s).  ``target_met``: both errors and the scale time (when
 measured) within their targets; ``best_split_agrees`` is reported beside it.
 
@@ -89,9 +89,9 @@ from benchmarks.planner_probes import (  # noqa: E402
     PROBE_SHORT, SPLITS, affinity_keys, fit_serving, predict, stack_probes,
 )
 from benchmarks.serving import BenchStack, prepare_model, warm_up  # noqa: E402
-from common.cluster.launcher import http_json  # noqa: E402
-from gateway.planner.cost_model import LinearCostModel, cost_model_from_dict  # noqa: E402
-from gateway.planner.metrics import slo_ratio  # noqa: E402
+from launcher.local_stack import http_json  # noqa: E402
+from pdctl.planner.cost_model import LinearCostModel, cost_model_from_dict  # noqa: E402
+from pdctl.planner.metrics import slo_ratio  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ERROR_TARGET = 0.25  # the worst TTFT and TPOT p50 relative errors
@@ -110,8 +110,8 @@ PRESETS = {
 def capacity_rate(engine_cost, prompt_len: str, chunk: int) -> float:
     """Requests per second one worker can prefill, by the calibrated engine: 1 / the mean time to
     compute a prompt of the distribution's lengths in chunks of ``chunk`` tokens."""
-    from gateway.planner.calibrate import prefill_seconds
-    from gateway.planner.traffic import LengthDist
+    from pdctl.planner.calibrate import prefill_seconds
+    from pdctl.planner.traffic import LengthDist
 
     lengths, counts = np.unique(LengthDist.parse(prompt_len).sample(np.random.default_rng(0), 4096),
                                 return_counts=True)
@@ -134,7 +134,7 @@ def real_plan(workload, vocab: int, seed: int) -> list[PlannedRequest]:
 
 def worker_steps(stack, since: float) -> dict[str, np.ndarray]:
     """Every worker's engine steps that ended after ``since`` (unix time), from its step log."""
-    from gateway.planner.live import fetch_steps
+    from pdctl.planner.live import fetch_steps
 
     out = {}
     for name in stack.procs:
@@ -197,7 +197,7 @@ def recorded_steps(measured: dict) -> dict[str, np.ndarray]:
 
 def refit_from_steps(engine_cost, measured: dict, overheads: dict, args):
     """Fit the engine speeds and the host contention on the probes' engine steps instead of their
-    requests (``gateway.planner.live.fit_speeds``): each speed as the time-weighted median of the
+    requests (``pdctl.planner.live.fit_speeds``): each speed as the time-weighted median of the
     steps of its kind started while the other worker was idle and awake (hundreds of decode steps
     and dozens of prompt steps, where
     the request-level fits rest on three requests each: a lone stream's TPOT, the difference of a
@@ -206,8 +206,8 @@ def refit_from_steps(engine_cost, measured: dict, overheads: dict, args):
     and contention as how much slower a step started beside another worker's ran (a decode-only
     step beside a decode-only one apart: ``host_decode_contention``).  The request-level fits stay
     in ``overheads`` as ``*_probe``; returns the serving cost model."""
-    from gateway.planner.calibrate import request_overhead, serving_cost
-    from gateway.planner.live import fit_contention, fit_speeds
+    from pdctl.planner.calibrate import request_overhead, serving_cost
+    from pdctl.planner.live import fit_contention, fit_speeds
 
     steps, windows = recorded_steps(measured), [tuple(w) for w in measured["phases"]["probes"]]
     speeds = fit_speeds(steps, engine_cost, windows)
@@ -232,10 +232,10 @@ def refit_from_steps(engine_cost, measured: dict, overheads: dict, args):
 
 def speed_replay(measured: dict, cost, host) -> tuple[object, dict] | tuple[None, None]:
     """The machine's speed during a run's load, window by window, relative to its speed during the
-    probes the serving cost model was fitted to (``gateway.planner.live.speed_trace``): the speed
+    probes the serving cost model was fitted to (``pdctl.planner.live.speed_trace``): the speed
     trace the replayed prediction runs with, and its summary.  ``(None, None)`` for a run recorded
     without step logs."""
-    from gateway.planner.live import speed_trace
+    from pdctl.planner.live import speed_trace
 
     if not measured.get("steps"):
         return None, None
@@ -247,11 +247,11 @@ def speed_replay(measured: dict, cost, host) -> tuple[object, dict] | tuple[None
 
 def scale_run() -> dict:
     """64P+64D H200s, Llama-3-8B, chat traffic at 1,000 req/s for 600 s (the issue's scale target)."""
-    from gateway.planner.cost_model import roofline
-    from gateway.planner.hardware import GPUS, LINKS, MODELS, kv_blocks_per_gpu
-    from gateway.planner.search import simulate
-    from gateway.planner.sim_config import Deployment, EngineSettings, SimConfig
-    from gateway.planner.traffic import LengthDist, synthetic
+    from pdctl.planner.cost_model import roofline
+    from pdctl.planner.hardware import GPUS, LINKS, MODELS, kv_blocks_per_gpu
+    from pdctl.planner.search import simulate
+    from pdctl.planner.sim_config import Deployment, EngineSettings, SimConfig
+    from pdctl.planner.traffic import LengthDist, synthetic
 
     spec = MODELS["llama-3-8b"]
     began_wall, began_cpu = time.perf_counter(), time.process_time()
@@ -332,8 +332,8 @@ def main(argv=None) -> None:
 
 
 def run_all(args, checkpoint: str) -> None:
-    from gateway.planner.calibrate import calibrate, host_effects, save
-    from gateway.planner.traffic import LengthDist, synthetic
+    from pdctl.planner.calibrate import calibrate, host_effects, save
+    from pdctl.planner.traffic import LengthDist, synthetic
 
     if args.calibration:
         document = json.loads(args.calibration.read_text())

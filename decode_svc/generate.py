@@ -26,7 +26,7 @@ from aiohttp import web
 from common.engine.engine import Engine, RequestOutput, StepFailed
 from common.engine.request import Request
 from common.engine.scheduler import status_after_token
-from common.worker.engine_thread import EngineFailed
+from worker.engine_thread import EngineFailed
 from common.cluster.registry import WorkerInfo
 from common.cluster.messages import (
     FRAMES_CONTENT_TYPE, GenerateRequest, PrefillRequest, TokenFrame, TokenLogprob, decode, frame,

@@ -1,7 +1,7 @@
 """The decode role module: ``POST /generate`` (reserve, remote prefill, continuous-batched decode)."""
 from __future__ import annotations
 
-from common.worker.roles import RoleModule
+from worker.roles import RoleModule
 from decode_svc.generate import handle_generate
 
 

@@ -41,7 +41,7 @@ from common.cluster.messages import (
     FRAMES_CONTENT_TYPE, AbortRequest, FrameReader, GenerateRequest, TokenFrame, encode, read_excerpt,
     read_response,
 )
-from common.engine.prefix_hash import block_extra_keys, hash_prompt_blocks
+from common.engine.kv.prefix_hash import block_extra_keys, hash_prompt_blocks
 from common.cluster.prefix_index import PrefixIndexReader
 from common.engine.sampling_params import SamplingParams
 from common.cluster.registry import WorkerInfo

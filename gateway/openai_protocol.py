@@ -32,7 +32,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from common.engine.prefix_hash import MAX_CACHE_SALT_LEN
+from common.engine.kv.prefix_hash import MAX_CACHE_SALT_LEN
 from common.engine.sampling_params import (
     INT64_MAX, INT64_MIN, MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_TEMPERATURE, MAX_TOKEN_ID,
 )

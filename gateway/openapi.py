@@ -18,7 +18,7 @@ from typing import Any
 
 import msgspec
 
-from common.engine.prefix_hash import MAX_CACHE_SALT_LEN
+from common.engine.kv.prefix_hash import MAX_CACHE_SALT_LEN
 from common.engine.sampling_params import INT64_MAX, INT64_MIN, MAX_TOKEN_ID
 from gateway.openai_protocol import (
     MAX_CONTENT_PARTS, MAX_PARTS_PER_MESSAGE, MAX_STOP_LEN, MAX_STOP_STRINGS, ChatCompletionChunk,

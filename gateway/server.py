@@ -25,7 +25,7 @@ from yarl import URL
 from common.cluster.aio import run_service
 from common.cluster.messages import TokenFrame, read_response
 from common.engine.model_config import load_model_config
-from common.engine.model_loader import resolve_checkpoint
+from common.engine.loading.model_loader import resolve_checkpoint
 from common.cluster.prefix_index import PrefixIndexReader
 from common.cluster.redis_util import connect
 from common.cluster.registry import ROLES, WorkerRegistry

@@ -20,7 +20,7 @@ from kvtransfer.errors import (
 )
 from kvtransfer.receiver import IncomingTransfer, KVReceiver, TransferResult
 from kvtransfer.sender import KVSender, OutgoingTransfer
-from kvtransfer.transport_base import make_transport
+from kvtransfer.transports import make_transport
 
 __all__ = [
     "KVTransferConfig", "KVReceiver", "KVSender", "IncomingTransfer", "OutgoingTransfer",

@@ -30,7 +30,7 @@ import asyncio
 import secrets
 
 from common.cluster.auth import ClusterAuth
-from common.engine.kv_cache import KVLayout
+from common.engine.kv.kv_cache import KVLayout
 from kvtransfer.errors import ConnectionLost, HandshakeError, ProtocolError
 from kvtransfer.messages import (
     NONCE_BYTES, PROTOCOL_VERSION, Challenge, Hello, Message, Proof, Reject, Welcome, decode, encode,

@@ -39,7 +39,7 @@ import secrets
 
 import msgspec
 
-from common.engine.kv_cache import KVLayout
+from common.engine.kv.kv_cache import KVLayout
 from kvtransfer.errors import ProtocolError
 
 PROTOCOL_VERSION = 2

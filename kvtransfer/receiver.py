@@ -17,7 +17,7 @@ import time
 import msgspec
 
 from common.cluster.auth import ClusterAuth
-from common.engine.kv_cache import KVCache
+from common.engine.kv.kv_cache import KVCache
 from kvtransfer.config import KVTransferConfig
 from kvtransfer.errors import (
     ChecksumMismatch, ConnectionLost, HandshakeError, PeerLost, ProtocolError, TransferAborted,
@@ -26,7 +26,8 @@ from kvtransfer.errors import (
 from kvtransfer.handshake import server_handshake
 from kvtransfer.messages import Abort, Ack, Blocks, Done, Message, decode, encode, new_transfer_id
 from kvtransfer.regions import block_checksums, run_bytes
-from kvtransfer.transport_base import Channel, Listener, Transport, make_transport
+from kvtransfer.transport_base import Channel, Listener, Transport
+from kvtransfer.transports import make_transport
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import xxhash
 
-from common.engine.kv_cache import KVCache
+from common.engine.kv.kv_cache import KVCache
 from kvtransfer.transport_base import byte_view
 
 

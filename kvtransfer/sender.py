@@ -12,7 +12,7 @@ import asyncio
 import logging
 
 from common.cluster.auth import ClusterAuth
-from common.engine.kv_cache import KVCache
+from common.engine.kv.kv_cache import KVCache
 from kvtransfer.config import KVTransferConfig, parse_address
 from kvtransfer.errors import (
     ConnectionLost, PeerLost, ProtocolError, TransferAborted, TransferError, TransferTimeout,
@@ -23,7 +23,8 @@ from kvtransfer.messages import (
 )
 from kvtransfer.ordering import Fence, wait_for_fence
 from kvtransfer.regions import block_checksums, paired_runs, run_bytes
-from kvtransfer.transport_base import Channel, Transport, make_transport
+from kvtransfer.transport_base import Channel, Transport
+from kvtransfer.transports import make_transport
 
 log = logging.getLogger(__name__)
 

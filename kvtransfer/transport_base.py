@@ -9,12 +9,9 @@ region or ``discard_payload`` it, before reading the next header.
 from __future__ import annotations
 
 import abc
-from typing import TYPE_CHECKING, Awaitable, Callable
+from typing import Awaitable, Callable
 
 import torch
-
-if TYPE_CHECKING:
-    from kvtransfer.config import KVTransferConfig
 
 
 class Channel(abc.ABC):
@@ -102,23 +99,3 @@ def byte_view(region: torch.Tensor) -> torch.Tensor:
     """A flat uint8 view of a contiguous tensor region (no copy)."""
     assert region.is_contiguous(), "KV regions must be contiguous to be sent without a copy"
     return region.reshape(-1).view(torch.uint8)
-
-
-def make_transport(name: str, config: "KVTransferConfig | None" = None) -> Transport:
-    """The transport named ``name``, with ``config``'s timeouts (imports UCX only when asked for)."""
-    from kvtransfer.config import KVTransferConfig
-
-    config = config or KVTransferConfig(transport=name)
-    if name == "tcp":
-        from kvtransfer.transport_tcp import TcpTransport
-
-        return TcpTransport(config)
-    if name == "ucx":
-        from kvtransfer.transport_ucx import UcxTransport
-
-        return UcxTransport(config)
-    if name == "inproc":
-        from kvtransfer.transport_inproc import InProcTransport
-
-        return InProcTransport()
-    raise ValueError(f"unknown kvtransfer transport {name!r}")

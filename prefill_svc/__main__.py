@@ -1,5 +1,5 @@
 """``python -m prefill_svc --help``: a worker in the prefill role."""
-from common.worker.main import main
+from worker.main import main
 from decode_svc.role import DECODE
 from prefill_svc.role import PREFILL
 

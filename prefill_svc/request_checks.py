@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from common.cluster.messages import PrefillRequest
 from common.cluster.registry import KVAddress, WorkerInfo
-from common.engine.kv_cache_manager import cdiv
+from common.engine.kv.kv_cache_manager import cdiv
 
 
 def check_prefill_request(body: PrefillRequest, decode_entry: WorkerInfo | None, *, vocab_size: int,

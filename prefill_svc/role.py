@@ -1,7 +1,7 @@
 """The prefill role module: ``POST /prefill`` and the engine-thread hook that ships KV chunk by chunk."""
 from __future__ import annotations
 
-from common.worker.roles import RoleModule
+from worker.roles import RoleModule
 from prefill_svc.prefill import handle_prefill
 from prefill_svc.shipping import Shipper
 

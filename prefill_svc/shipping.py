@@ -17,12 +17,12 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from common.engine.block_pool import KVCacheBlock
+from common.engine.kv.block_pool import KVCacheBlock
 from common.engine.engine import Engine
-from common.engine.kv_cache_manager import cdiv
+from common.engine.kv.kv_cache_manager import cdiv
 from common.cluster.registry import KVAddress
 from common.engine.request import Request
-from common.worker.engine_thread import EngineFailed
+from worker.engine_thread import EngineFailed
 from kvtransfer.ordering import record_fence
 
 FINAL = object()

@@ -10,7 +10,7 @@ from pathlib import Path
 import redis
 
 from common.cluster.auth import ClusterAuth
-from common.cluster.launcher import LocalStack, http_json  # noqa: F401  (re-exported for tests)
+from launcher.local_stack import LocalStack, http_json  # noqa: F401  (re-exported for tests)
 from common.cluster.redis_util import connect
 from common.cluster.registry import WorkerInfo, WorkerRegistry
 

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import yaml
 
-from common.cluster.launcher import ROOT
-from gateway.ops.env_file import build_env, write_env_file
+from launcher.local_stack import ROOT
+from pdctl.deploy.env_file import build_env, write_env_file
 
 COMPOSE = ROOT / "compose"
 ENV_EXAMPLE = COMPOSE / ".env.example"
@@ -90,7 +90,7 @@ def env_files() -> dict[str, Path]:
 
 
 def env_values(env_files, stack: str) -> dict[str, str]:
-    from gateway.ops.env_file import read_env_file
+    from pdctl.deploy.env_file import read_env_file
 
     return read_env_file(env_files[stack])
 

@@ -25,9 +25,9 @@ from aiohttp import web
 from common.cluster.messages import GenerateRequest, PrefillRequest, PrefillResult, TokenFrame, encode, read_frame
 from common.engine.engine import Engine
 from common.engine.sampling_params import SamplingParams
-from common.worker.config import WorkerConfig
-from common.worker.engine_thread import EngineThread
-from common.worker.server import Worker
+from worker.config import WorkerConfig
+from worker.engine_thread import EngineThread
+from worker.server import Worker
 from decode_svc import generate
 from decode_svc.role import DECODE
 from kvtransfer.config import KVTransferConfig

@@ -2,7 +2,7 @@
 
     python tests/launcher_parent.py DIR MODE N
 
-Does what ``make up`` does (``common.cluster.launcher.run_stack``: stop signals, start-up,
+Does what ``make up`` does (``launcher.run.run_stack``: stop signals, start-up,
 supervision, stop) with a private ``redis-server`` and N ``tests/launcher_child.py`` processes in
 MODE (drain/stuck), each allowed a long drain (so only a signal or the test ends a stop), plus a
 "gateway" child that never answers, so start-up waits for workers until a stop signal.  Writes
@@ -20,7 +20,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common.cluster.children import StopSignals  # noqa: E402
-from common.cluster.launcher import LocalStack, StartCancelled, Supervisor, free_port, run_stack  # noqa: E402
+from launcher.local_stack import LocalStack, StartCancelled, free_port  # noqa: E402
+from launcher.run import run_stack  # noqa: E402
+from launcher.supervisor import Supervisor  # noqa: E402
 from common.cluster.redis_util import start_redis_server  # noqa: E402
 
 CHILD = str(Path(__file__).with_name("launcher_child.py"))

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from gateway.planner.cost_model import LinearCostModel
-from gateway.planner.sim_config import EngineSettings, SimConfig
-from gateway.planner.traffic import LengthDist, Workload, synthetic
+from pdctl.planner.cost_model import LinearCostModel
+from pdctl.planner.sim_config import EngineSettings, SimConfig
+from pdctl.planner.traffic import LengthDist, Workload, synthetic
 
 # A cheap CPU-like step: 3 ms + 40 us per token + 2 us per sequence + 0.1 us per context token.
 COST = LinearCostModel((3e-3, 4e-5, 2e-6, 0.0, 0.0, 1e-7))

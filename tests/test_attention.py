@@ -8,9 +8,13 @@ import types
 import pytest
 import torch
 
-from common.engine.attention import AttentionRequest, TorchAttention, make_attention
-from common.engine.attention_flash import FlashAttention
-from common.engine.kv_cache import KVCache, KVLayout
+from common.engine.attention.backend_torch import TorchAttention
+
+from common.engine.attention.interface import AttentionRequest
+
+from common.engine.attention.selection import make_attention
+from common.engine.attention.backend_flash import FlashAttention
+from common.engine.kv.kv_cache import KVCache, KVLayout
 from tests.support.attention_reference import kvcache_reference, varlen_reference
 
 HEADS, KV_HEADS, DIM = 4, 2, 8
@@ -72,7 +76,7 @@ DECODES = [(1, 600), (1, 257), (1, 1), (1, 40)]
 
 @pytest.fixture(scope="module")
 def cpu_kernel():
-    from common.engine import attention_cpu
+    from common.engine.attention import backend_cpu as attention_cpu
 
     kernel = attention_cpu.build_kernel()
     if kernel is None:
@@ -83,7 +87,7 @@ def cpu_kernel():
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_cpu_kernel_reads_the_cache_in_place_and_matches_dense_attention(cpu_kernel, window, block_size):
-    from common.engine.attention_cpu import CpuPagedAttention
+    from common.engine.attention.backend_cpu import CpuPagedAttention
 
     # prompt chunks after a cached prefix, decodes (one far longer than the rest), a fresh prompt
     specs = [(5, 3 * block_size + 7), (1, 2 * block_size + 1), (9, 9), (1, 40 * block_size + 3), (1, 2)]
@@ -100,7 +104,7 @@ def test_cpu_kernel_reads_the_cache_in_place_and_matches_dense_attention(cpu_ker
 
 
 def test_cpu_kernel_in_bf16_is_close_to_fp32(cpu_kernel):
-    from common.engine.attention_cpu import CpuPagedAttention
+    from common.engine.attention.backend_cpu import CpuPagedAttention
 
     cache, requests, q, k, v = scenario(16, num_blocks=64)
     expected = dense_reference(cache, requests, q, k, v, None)
@@ -168,7 +172,7 @@ def test_auto_backend_on_cuda_is_flash_where_it_pages_else_triton(fake_flash_att
 def test_auto_backend_on_cuda_without_flash_attn_is_triton(monkeypatch):
     monkeypatch.setitem(sys.modules, "flash_attn", None)  # import fails
     assert make_attention("auto", torch.device("cuda"), {None}, 256).name == "triton"
-    from common.engine import attention_cpu
+    from common.engine.attention import backend_cpu as attention_cpu
 
     cpu_auto = "cpu" if attention_cpu.build_kernel() is not None else "torch"
     assert make_attention("auto", torch.device("cpu"), {None}, 256).name == cpu_auto

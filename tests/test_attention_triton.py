@@ -11,12 +11,12 @@ os.environ["TRITON_INTERPRET"] = "1"
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from common.engine.attention import AttentionRequest, PagedMetadata  # noqa: E402
-from common.engine.attention_check import SMALL_CASES, run_case  # noqa: E402
-from common.engine.attention_triton import paged_attention, write_kv  # noqa: E402
+from common.engine.attention.interface import AttentionRequest, PagedMetadata  # noqa: E402
+from common.engine.attention.check import SMALL_CASES, run_case  # noqa: E402
+from common.engine.attention.backend_triton import paged_attention, write_kv  # noqa: E402
 from common.engine.config import EngineConfig  # noqa: E402
 from common.engine.engine import Engine  # noqa: E402
-from common.engine.kv_cache import KVCache, KVLayout  # noqa: E402
+from common.engine.kv.kv_cache import KVCache, KVLayout  # noqa: E402
 from tests.checkpoints import VOCAB, tiny_gemma3_config, tiny_llama_config, write_checkpoint  # noqa: E402
 
 TOLERANCE = 1e-3  # issue 13: every case within 1e-3 of the torch path in fp32

@@ -3,10 +3,10 @@ import hashlib
 
 import pytest
 
-from common.engine.block_pool import BlockPool
-from common.engine.kv_cache_manager import KVCacheManager
-from common.engine import prefix_hash
-from common.engine.prefix_hash import block_extra_keys, hash_block_tokens, hash_prompt_blocks
+from common.engine.kv.block_pool import BlockPool
+from common.engine.kv.kv_cache_manager import KVCacheManager
+from common.engine.kv import prefix_hash
+from common.engine.kv.prefix_hash import block_extra_keys, hash_block_tokens, hash_prompt_blocks
 from common.engine.request import Request
 from common.engine.sampling_params import SamplingParams
 

@@ -6,9 +6,9 @@ import random
 import pytest
 import torch
 
-from common.engine.attention import AttentionRequest
-from common.engine.attention_cpu import step_metadata
-from common.engine.block_table import BlockTable
+from common.engine.attention.interface import AttentionRequest
+from common.engine.attention.backend_cpu import step_metadata
+from common.engine.kv.block_table import BlockTable
 
 
 def test_rows_grow_by_appending_and_are_reused_after_release():
@@ -58,7 +58,7 @@ def test_cpu_metadata_from_the_table_equals_the_one_from_lists(seed):
     built, gathered = step_metadata(requests, 4), step_metadata(requests, 4, table)
     for field in ("slot_blocks", "slot_offsets", "block_table", "query_start", "context_lens"):
         assert torch.equal(getattr(built, field), getattr(gathered, field)), field
-    from common.engine.attention import PagedMetadata  # the Triton and flash-attn backends' metadata
+    from common.engine.attention.interface import PagedMetadata  # the Triton and flash-attn backends' metadata
 
     paged_built, paged_gathered = PagedMetadata.build(requests, 4, "cpu"), PagedMetadata.build(requests, 4, "cpu", table)
     for field in ("slots", "block_table", "seq_lens", "query_start", "max_query_len", "max_seq_len"):
@@ -71,8 +71,8 @@ def test_cpu_metadata_from_the_table_equals_the_one_from_lists(seed):
 
 
 def test_engine_steps_gather_the_persistent_table(monkeypatch, tmp_path):
-    from common.engine import block_table as module
-    from common.engine.attention_cpu import CpuPagedAttention
+    from common.engine.kv import block_table as module
+    from common.engine.attention.backend_cpu import CpuPagedAttention
     from common.engine.config import EngineConfig
     from common.engine.engine import Engine
     from tests.checkpoints import hf_greedy, tiny_llama_config, write_checkpoint

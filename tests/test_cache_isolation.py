@@ -17,7 +17,7 @@ import pytest
 import redis
 
 from common.cluster.redis_keys import RedisKeys
-from common.engine.prefix_hash import MAX_CACHE_SALT_LEN, block_extra_keys, hash_prompt_blocks
+from common.engine.kv.prefix_hash import MAX_CACHE_SALT_LEN, block_extra_keys, hash_prompt_blocks
 from tests.checkpoints import VOCAB
 from tests.cluster import extra_gateway
 

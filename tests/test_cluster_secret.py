@@ -7,10 +7,10 @@ import sys
 
 import pytest
 
-from common.cluster import launcher
+from launcher import local_stack as launcher
 from common.cluster.auth import SECRET_ENV, AuthError, ClusterAuth, generate_secret, read_secret
-from common.cluster.launcher import ROOT, LocalStack, local_secret
-from common.worker.config import build_parser, config_from_args
+from launcher.local_stack import ROOT, LocalStack, local_secret
+from worker.config import build_parser, config_from_args
 from gateway.config import GatewayConfig
 
 GOOD = generate_secret()

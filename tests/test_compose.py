@@ -15,8 +15,8 @@ import subprocess
 import pytest
 import yaml
 
-from common.cluster.launcher import ROOT
-from gateway.ops.env_file import SHARED_SECRETS, STACKS as STACK_PROJECTS
+from launcher.local_stack import ROOT
+from pdctl.deploy.env_file import SHARED_SECRETS, STACKS as STACK_PROJECTS
 from tests.compose_render import (
     COMPOSE, ENV_EXAMPLE, STACKS, WORKER_SERVICES, compose_cli, entrypoint_module, env_values, expected_services,
     load_stack, profile_sets, render_cli, renderings, seconds,
@@ -201,7 +201,7 @@ def test_redis_password_stays_off_the_command_line(rendered):
 def test_services_run_project_modules_with_flags_they_accept(env_files, compose_entrypoint):
     """Each pdserve service runs compose/entrypoint.py with one of the project's modules and flags
     that module's own parser accepts, and every PDSERVE_* variable it sets is one the project reads."""
-    from common.worker.config import build_parser as worker_parser
+    from worker.config import build_parser as worker_parser
     from gateway.config import build_parser as gateway_parser
 
     known = known_env_names()
@@ -233,7 +233,7 @@ def test_cpu_file_monitoring_and_tls_match_the_gpu_file():
 
 def test_every_variable_is_documented_and_the_example_has_no_usable_secret():
     from common.cluster.auth import secret_problem
-    from gateway.ops.env_file import HOST_SECRETS
+    from pdctl.deploy.env_file import HOST_SECRETS
 
     text = ENV_EXAMPLE.read_text()
     documented = set(re.findall(r"^#?\s*([A-Z][A-Z0-9_]+)=", text, re.M))
@@ -250,7 +250,7 @@ def test_every_variable_is_documented_and_the_example_has_no_usable_secret():
 def test_dashboard_uses_metrics_that_exist():
     from prometheus_client import CollectorRegistry
 
-    from common.worker.metrics import WorkerMetrics
+    from worker.metrics import WorkerMetrics
     from gateway.metrics import GatewayMetrics
 
     exposed = set()
@@ -384,7 +384,7 @@ def metrics_proxy_env_names() -> set[str]:
     import argparse
 
     from common.cluster.flags import EnvFlags
-    from gateway.pdctl import build_parser as pdctl_parser
+    from pdctl.cli import build_parser as pdctl_parser
 
     commands = next(a for a in pdctl_parser()._actions if isinstance(a, argparse._SubParsersAction))
     return EnvFlags(commands.choices["metrics-proxy"], {}).names()
@@ -393,12 +393,12 @@ def metrics_proxy_env_names() -> set[str]:
 def known_env_names() -> set[str]:
     """PDSERVE_* names the worker flags, the gateway, the model cache and the entrypoint read."""
     from common.cluster.auth import SECRET_ENV
-    from common.worker.config import build_parser
+    from worker.config import build_parser
     from gateway.config import env_names as gateway_env_names
 
     names = {f"PDSERVE_{a.dest.upper()}" for a in build_parser("decode", "x")._actions if a.dest != "help"}
     names |= gateway_env_names() | {SECRET_ENV} | metrics_proxy_env_names()
-    for path in (COMPOSE / "entrypoint.py", COMPOSE / "net_devices.py", ROOT / "common" / "engine" / "default_model.py",
+    for path in (COMPOSE / "entrypoint.py", COMPOSE / "net_devices.py", ROOT / "common" / "engine" / "loading" / "default_model.py",
                  COMPOSE / "tls" / "Caddyfile"):
         names |= set(re.findall(r"PDSERVE_[A-Z_]+", path.read_text()))
     return names

@@ -16,13 +16,14 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from common.engine import cuda_graphs  # noqa: E402
-from common.engine.attention import AttentionRequest, PagedMetadata, make_attention  # noqa: E402
-from common.engine.attention_flash import FlashAttention  # noqa: E402
+from common.engine.attention.interface import AttentionRequest, PagedMetadata  # noqa: E402
+from common.engine.attention.selection import make_attention  # noqa: E402
+from common.engine.attention.backend_flash import FlashAttention  # noqa: E402
 from common.engine.config import EngineConfig  # noqa: E402
 from common.engine.cuda_graphs import CudaGraphs, batch_buckets, bucket_for, copy_into, padded_requests  # noqa: E402
 from common.engine.engine import Engine  # noqa: E402
-from common.engine.kv_cache import KVCache, KVLayout  # noqa: E402
-from common.engine.model_loader import load_model  # noqa: E402
+from common.engine.kv.kv_cache import KVCache, KVLayout  # noqa: E402
+from common.engine.loading.model_loader import load_model  # noqa: E402
 from tests.checkpoints import VOCAB, tiny_llama_config, write_checkpoint  # noqa: E402
 from tests.support.attention_reference import kvcache_reference, varlen_reference  # noqa: E402
 

@@ -35,7 +35,7 @@ import pytest
 from common.cluster.messages import PrefillRequest, PrefillResult
 from common.engine.config import EngineConfig
 from common.engine.engine import Engine
-from common.engine.kv_cache import KVCache
+from common.engine.kv.kv_cache import KVCache
 from decode_svc.prefill_client import BadPrefillAnswer
 from kvtransfer.config import KVTransferConfig
 from kvtransfer.receiver import KVReceiver
@@ -339,7 +339,7 @@ class _EngineThread:
 async def test_release_frees_blocks_only_once_the_transfer_settled():
     """Unit test of the decode worker's side of the contract (UCX cannot divert a payload, so the
     handle may take up to ``abort_grace`` to settle): abort, wait for ``settled()``, then free."""
-    from common.worker.metrics import WorkerMetrics
+    from worker.metrics import WorkerMetrics
     from decode_svc.generate import release_reservation
 
     handle, engine_thread = _Handle(), _EngineThread()

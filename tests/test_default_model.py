@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from common.engine.config import EngineConfig
-from common.engine.default_model import ensure_default_model
+from common.engine.loading.default_model import ensure_default_model
 from common.engine.engine import Engine
 
 PROMPTS = [

@@ -9,7 +9,7 @@ import pytest
 
 from common.engine.config import EngineConfig
 from common.engine.engine import Engine, StepFailed
-from common.worker.engine_thread import FIRST_STEP_ALLOWANCE, EngineFailed, EngineThread
+from worker.engine_thread import FIRST_STEP_ALLOWANCE, EngineFailed, EngineThread
 from tests.checkpoints import tiny_llama_config, write_checkpoint
 
 WAIT = 120.0

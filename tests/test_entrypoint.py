@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from common.cluster.launcher import ROOT
+from launcher.local_stack import ROOT
 
 COMPOSE = ROOT / "compose"
 

@@ -22,12 +22,12 @@ def gateway_parser():
 
 
 def worker_parser():
-    from common.worker.config import build_parser
+    from worker.config import build_parser
     return build_parser("decode", "pdserve worker", {})
 
 
 def pdctl_parser():
-    from gateway.pdctl import build_parser
+    from pdctl.cli import build_parser
     return build_parser()
 
 
@@ -77,7 +77,7 @@ def test_pdctl_and_its_commands_name_the_flag_never_the_value(argv, capsys):
 
 def test_the_launcher_names_the_flag_never_the_value():
     for argv in (["--pre=" + SECRET], ["--prefil", SECRET], ["--prefill", SECRET]):
-        done = subprocess.run([sys.executable, "-m", "common.cluster.launcher", *argv], capture_output=True,
+        done = subprocess.run([sys.executable, "-m", "launcher", *argv], capture_output=True,
                               text=True, timeout=120)
         assert done.returncode == 2 and SECRET not in done.stdout + done.stderr, done.stderr
         assert "--pre" in done.stderr

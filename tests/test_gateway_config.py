@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from common.cluster.auth import SECRET_ENV, generate_secret
-from common.cluster.launcher import ROOT
+from launcher.local_stack import ROOT
 from gateway.config import GatewayConfig, build_parser, config_from_args, env_names
 from gateway.tenants import key_id
 

@@ -10,7 +10,7 @@ import urllib.parse
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from common.engine.prefix_hash import HASH_LEN
+from common.engine.kv.prefix_hash import HASH_LEN
 from gateway.config import GatewayConfig
 from gateway.openai_protocol import OpenAIError
 from gateway.server import Gateway

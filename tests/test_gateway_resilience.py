@@ -22,7 +22,7 @@ import openai
 import pytest
 from aiohttp import web
 
-from common.cluster.launcher import gateway_health
+from launcher.local_stack import gateway_health
 from common.cluster.messages import FRAMES_CONTENT_TYPE, GenerateRequest, TokenFrame, decode, frame
 from tests.cluster import http_json, running_cluster
 from tests.fake_decode import FakeDecodeWorker

@@ -7,7 +7,7 @@ import gguf
 import numpy as np
 import pytest
 
-from common.engine.gguf_file import GGUFFile
+from common.engine.loading.gguf_file import GGUFFile
 from tests.support.gguf_checkpoints import Q, tiny_model, write_gguf
 
 

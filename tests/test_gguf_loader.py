@@ -20,9 +20,9 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from common.engine import default_model
-from common.engine.default_model import converted_gguf_dir, ensure_default_model
-from common.engine.gguf_loader import load_gguf, open_gguf
+from common.engine.loading import default_model
+from common.engine.loading.default_model import converted_gguf_dir, ensure_default_model
+from common.engine.loading.gguf_loader import load_gguf, open_gguf
 from tests.support.gguf_checkpoints import CASES, Q, tiny_model, write_gguf
 
 @pytest.mark.parametrize("qtype", [Q.F32, Q.Q8_0], ids=["f32", "q8_0"])

@@ -24,8 +24,8 @@ SCRIPT = """
 import asyncio, sys
 from common.engine.config import EngineConfig
 from common.engine.engine import Engine
-from common.worker.engine_thread import EngineThread
-from common.worker.fault_injection import fault_injector_from_env
+from worker.engine_thread import EngineThread
+from worker.fault_injection import fault_injector_from_env
 
 async def main(checkpoint):
     engine = Engine(EngineConfig(model=checkpoint, block_size=4, num_blocks=32, compile=False), load_tokenizer=False)

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from common.engine.host_memory import HUGE_PAGE_BYTES, huge_page_zeros
-from common.engine.kv_cache import KVCache, KVLayout
+from common.engine.kv.host_memory import HUGE_PAGE_BYTES, huge_page_zeros
+from common.engine.kv.kv_cache import KVCache, KVLayout
 
 
 def test_large_regions_are_zeroed_and_aligned_to_huge_pages():

@@ -15,7 +15,8 @@ import psutil
 import pytest
 
 from common.cluster.auth import ClusterAuth, generate_secret
-from common.cluster.launcher import ROOT, LocalStack, Supervisor, free_port, http_json
+from launcher.local_stack import ROOT, LocalStack, free_port, http_json
+from launcher.supervisor import Supervisor
 from common.cluster.redis_util import connect
 from common.cluster.registry import WorkerRegistry
 from tests.cluster import delete_keys
@@ -118,7 +119,7 @@ def test_make_up_restarts_a_killed_worker_and_sigint_stops_everything(served_che
     log_path = tmp_path / "launcher.log"
     with log_path.open("w") as log:
         popen = subprocess.Popen(
-            [sys.executable, "-m", "common.cluster.launcher", "--model", str(served_checkpoint), "--port", str(port),
+            [sys.executable, "-m", "launcher", "--model", str(served_checkpoint), "--port", str(port),
              "--prefill", "1", "--decode", "2", "--num-blocks", "256", "--kv-transport", "tcp",
              "--key-prefix", key_prefix, "--restart-backoff", "0.5"],
             cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)

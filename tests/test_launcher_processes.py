@@ -21,7 +21,7 @@ import psutil
 import pytest
 
 from common.cluster.children import die_with_parent, start_child
-from common.cluster.launcher import ROOT, LocalStack
+from launcher.local_stack import ROOT, LocalStack
 
 WAIT = 120.0  # generous: processes start and stop on two shared cores
 TESTS = Path(__file__).resolve().parent
@@ -190,7 +190,7 @@ def test_stop_drains_every_process_at_once_and_kills_the_stuck_ones_at_one_bound
 def test_stop_covers_the_workers_drain_timeout_as_the_workers_read_it(tmp_path, monkeypatch):
     """The stop bound is the longest drain a worker of the stack was started with (its own
     ``--drain-timeout`` flag, ``PDSERVE_DRAIN_TIMEOUT``, or the worker's default), plus the grace."""
-    from common.worker.config import build_parser  # imports torch: only for this test
+    from worker.config import build_parser  # imports torch: only for this test
 
     monkeypatch.setattr(LocalStack, "_launch", lambda self, proc: None)  # the bookkeeping, without a model
     default = build_parser("decode", "pdserve worker", {}).get_default("drain_timeout")

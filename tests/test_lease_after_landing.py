@@ -21,10 +21,10 @@ import uuid
 import pytest
 
 from common.cluster.messages import PrefillResult
-from common.engine.block_pool import BlockPool
+from common.engine.kv.block_pool import BlockPool
 from common.engine.config import EngineConfig, SchedulerConfig
 from common.engine.engine import Engine
-from common.engine.kv_cache_manager import KVCacheManager
+from common.engine.kv.kv_cache_manager import KVCacheManager
 from common.engine.request import Request
 from common.engine.sampling_params import SamplingParams
 from common.engine.scheduler import Scheduler

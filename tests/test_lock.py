@@ -10,7 +10,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
-from common.cluster.launcher import ROOT
+from launcher.local_stack import ROOT
 
 REQS = ROOT / "requirements"
 # lock files an image installs -> the pyproject extras they must cover

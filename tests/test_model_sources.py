@@ -8,8 +8,8 @@ import stat
 
 import pytest
 
-from common.engine.hub import MARKER, parse_spec
-from common.engine.model_loader import resolve_checkpoint
+from common.engine.loading.hub import MARKER, parse_spec
+from common.engine.loading.model_loader import resolve_checkpoint
 from tests.support.gguf_checkpoints import tiny_model, write_gguf
 
 

@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from common.cluster.launcher import ROOT, LocalStack
-from gateway import pdctl
-from gateway.rebalance import Move, Targets, WorkerReading, choose_split, plan
+from launcher.local_stack import ROOT, LocalStack
+from pdctl import cli as pdctl
+from pdctl.rebalance import Move, Targets, WorkerReading, choose_split, plan
 from tests.cluster import ADMIN_TOKEN, http_json, running_cluster
 
 
@@ -147,7 +147,7 @@ def cluster(served_checkpoint, tmp_path_factory, redis_url):
 def run_pdctl(cluster: LocalStack, *args: str, token: str | None = TOKEN) -> subprocess.CompletedProcess:
     """The CLI as an operator runs it (a separate process)."""
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}
-    base = [sys.executable, "-m", "gateway.pdctl", "--url", cluster.gateway_url]
+    base = [sys.executable, "-m", "pdctl", "--url", cluster.gateway_url]
     if token is not None:
         base += ["--admin-token", token]
     return subprocess.run([*base, *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
@@ -214,7 +214,7 @@ def test_calibrate_live_fits_the_steps_the_workers_ran(cluster, tmp_path):
     assert fit["prefill_steps"] > 0 and fit["decode_steps"] >= 12 and fit["max_tokens"] > 100
     assert doc["engine"]["max_model_len"] > 0 and json.loads(result.stdout.splitlines()[-1])["kind"] == "linear"
     # The file plans like any calibration.
-    plan = subprocess.run([sys.executable, "-m", "gateway.pdctl", "plan", "--calibration", str(out), "--num-blocks", "256",
+    plan = subprocess.run([sys.executable, "-m", "pdctl", "plan", "--calibration", str(out), "--num-blocks", "256",
                            "--rate", "2", "--duration", "10", "--prompt-len", "uniform:32:256", "--output-len", "fixed:16",
                            "--split", "1:1", "--slo-ttft", "2", "--slo-tpot", "0.2"],
                           capture_output=True, text=True, cwd=ROOT, timeout=120)

@@ -13,17 +13,17 @@ import urllib.request
 import pytest
 
 from common.cluster.auth import secret_problem
-from gateway import pdctl
-from gateway.ops.backends import ComposeBackend, LocalBackend, Replica
-from gateway.ops.env_file import SHARED_SECRETS, read_env_file
-from gateway.ops.rollout import OperationError, Operator
+from pdctl import cli as pdctl
+from pdctl.deploy.backends import ComposeBackend, LocalBackend, Replica
+from pdctl.deploy.env_file import SHARED_SECRETS, read_env_file
+from pdctl.deploy.rollout import OperationError, Operator
 from tests.cluster import ADMIN_TOKEN, running_cluster
 
 # ---- gen-secrets ---------------------------------------------------------------------------------
 
 
 def test_gen_secrets_writes_a_private_env_file_with_strong_secrets(tmp_path, capsys):
-    from gateway.ops.env_file import HOST_SECRETS
+    from pdctl.deploy.env_file import HOST_SECRETS
 
     path = tmp_path / "compose" / ".env"
     assert pdctl.main(["gen-secrets", "--env-file", str(path)]) == 0
@@ -232,7 +232,7 @@ def test_metrics_proxy_lists_workers_and_relays_their_metrics(stack):
     from aiohttp.test_utils import TestClient, TestServer
 
     from common.cluster.auth import ClusterAuth
-    from gateway.ops.metrics_proxy import MetricsProxy
+    from pdctl.deploy.metrics_proxy import MetricsProxy
 
     async def check():
         proxy = MetricsProxy(stack.gateway_url, ADMIN_TOKEN, ClusterAuth(stack.cluster_secret), "proxy:9401",
@@ -265,7 +265,7 @@ def test_metrics_proxy_relays_only_to_scrapers_with_its_token():
     from aiohttp.test_utils import TestClient, TestServer
 
     from common.cluster.auth import ClusterAuth
-    from gateway.ops.metrics_proxy import MetricsProxy
+    from pdctl.deploy.metrics_proxy import MetricsProxy
 
     token = "scrape-" + "x" * 32
 
@@ -291,7 +291,7 @@ def test_metrics_proxy_refuses_to_listen_openly_without_a_strong_distinct_token(
                  "PDSERVE_CLUSTER_SECRET", "PDSERVE_CLUSTER_SECRET_FILE"):
         monkeypatch.delenv(name, raising=False)
     served = []
-    monkeypatch.setattr("gateway.ops.metrics_proxy.serve", lambda proxy, host, port: served.append((proxy, host, port)))
+    monkeypatch.setattr("pdctl.deploy.metrics_proxy.serve", lambda proxy, host, port: served.append((proxy, host, port)))
     assert pdctl.main(["metrics-proxy", "--listen", "0.0.0.0:9401"]) == 2
     assert "has no scrape token: set PDSERVE_METRICS_TOKEN" in capsys.readouterr().err
     monkeypatch.setenv("PDSERVE_METRICS_TOKEN", "short")
@@ -358,11 +358,11 @@ def test_the_metrics_proxy_closes_a_connection_that_sends_no_request(tmp_path):
     import subprocess
     import sys
 
-    from common.cluster.launcher import ROOT, free_port
+    from launcher.local_stack import ROOT, free_port
 
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
-    proc = subprocess.Popen([sys.executable, "-m", "gateway.pdctl", "--url", "http://127.0.0.1:9", "metrics-proxy",
+    proc = subprocess.Popen([sys.executable, "-m", "pdctl", "--url", "http://127.0.0.1:9", "metrics-proxy",
                              "--listen", f"127.0.0.1:{port}"], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
     try:
         assert "metrics-proxy on" in proc.stdout.readline()

@@ -1,4 +1,4 @@
-"""A worker's view of its peers (common.worker.peers) while Redis is unreachable: the last verified
+"""A worker's view of its peers (worker.peers) while Redis is unreachable: the last verified
 entry of a peer serves only until that entry expires (issue 27 security review: it served forever,
 so a decode worker kept sending prompts to an address its owner had long left).  Real Redis for the
 entry, a Redis address nothing listens on for the outage, and clocks the test holds."""
@@ -12,7 +12,7 @@ import pytest
 from common.cluster.auth import ClusterAuth
 from common.cluster.redis_util import connect
 from common.cluster.registry import ENTRY_CLOCK_SKEW_S, Capacity, KVAddress, WorkerInfo, WorkerRegistry
-from common.worker.peers import PeerDirectory
+from worker.peers import PeerDirectory
 
 MODEL = "org/tiny-model"
 SECRET = "peer-directory-test-secret-0123456789"

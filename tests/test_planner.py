@@ -10,12 +10,12 @@ import pytest
 
 from common.engine.scheduler import Scheduler
 from common.engine.step_log import step_shape
-from gateway.planner.cost_model import FEATURES, LinearCostModel, fit_linear, load_cost_model, roofline
-from gateway.planner.hardware import MODELS, parse_link
-from gateway.planner.search import estimate_work, simulate, slice_for, splits, thin
-from gateway.planner.sim_config import Deployment
-from gateway.planner.simulator import Simulation
-from gateway.planner.traffic import LengthDist, load_trace, synthetic
+from pdctl.planner.cost_model import FEATURES, LinearCostModel, fit_linear, load_cost_model, roofline
+from pdctl.planner.hardware import MODELS, parse_link
+from pdctl.planner.search import estimate_work, simulate, slice_for, splits, thin
+from pdctl.planner.sim_config import Deployment
+from pdctl.planner.simulator import Simulation
+from pdctl.planner.traffic import LengthDist, load_trace, synthetic
 from tests.planner_support import COST, config, workload
 
 # ---- cost model ------------------------------------------------------------------------------
@@ -223,7 +223,7 @@ def test_splits():
 
 
 def test_pdctl_plan_and_calibrate_help(capsys):
-    from gateway.pdctl import main
+    from pdctl.cli import main
 
     for command in ("plan", "calibrate"):
         with pytest.raises(SystemExit) as exit_info:
@@ -234,7 +234,7 @@ def test_pdctl_plan_and_calibrate_help(capsys):
 
 
 def test_pdctl_plan_end_to_end(tmp_path, capsys):
-    from gateway.pdctl import main
+    from pdctl.cli import main
 
     out = tmp_path / "plan.json"
     code = main(["plan", "--gpu", "H200", "--model", "llama-3-8b", "--rate", "10", "--duration", "10",
@@ -249,9 +249,9 @@ def test_pdctl_plan_end_to_end(tmp_path, capsys):
 
 
 def test_step_shape_of_a_scheduler_output():
-    from common.engine.block_pool import BlockPool
+    from common.engine.kv.block_pool import BlockPool
     from common.engine.config import SchedulerConfig
-    from common.engine.kv_cache_manager import KVCacheManager
+    from common.engine.kv.kv_cache_manager import KVCacheManager
     from common.engine.request import Request
     from common.engine.sampling_params import SamplingParams
 
@@ -266,7 +266,7 @@ def test_calibration_fits_measured_engine_steps(served_checkpoint):
 
     from common.engine.config import EngineConfig
     from common.engine.engine import Engine
-    from gateway.planner.calibrate import median_by_shape, run_grid
+    from pdctl.planner.calibrate import median_by_shape, run_grid
 
     torch.set_num_threads(1)
     engine = Engine(EngineConfig(model=str(served_checkpoint), device="cpu", num_blocks=256,
@@ -291,8 +291,8 @@ def test_calibration_fits_measured_engine_steps(served_checkpoint):
 
 
 def test_rebalance_by_simulation_moves_towards_the_split_the_traffic_needs():
-    from gateway.planner.rebalance import estimated_rate, simulated_plan
-    from gateway.rebalance import WorkerReading
+    from pdctl.planner.rebalance_sim import estimated_rate, simulated_plan
+    from pdctl.rebalance import WorkerReading
 
     readings = [WorkerReading("p0", "prefill", prefill_tokens_per_s=3000.0)] + [
         WorkerReading(f"d{i}", "decode", num_running=i) for i in range(3)]
@@ -311,7 +311,7 @@ def test_rebalance_by_simulation_moves_towards_the_split_the_traffic_needs():
 
 
 def test_fit_stack_overheads_recovers_speeds_and_overheads():
-    from gateway.planner.calibrate import fit_stack_overheads, prefill_seconds, serving_cost
+    from pdctl.planner.calibrate import fit_stack_overheads, prefill_seconds, serving_cost
 
     speed, decode_speed, sample, request, batch = 1.3, 0.8, 0.002, 0.05, 4
     short, _ = prefill_seconds(COST, 16, 512)
@@ -345,7 +345,7 @@ def test_fit_stack_overheads_recovers_speeds_and_overheads():
 
 
 def test_serving_cost_model_round_trips_through_its_dict():
-    from gateway.planner.cost_model import ServingCostModel, cost_model_from_dict
+    from pdctl.planner.cost_model import ServingCostModel, cost_model_from_dict
 
     model = ServingCostModel(COST, 1.2, 0.9, 0.001, 0.0005)
     again = cost_model_from_dict(json.loads(json.dumps(model.to_dict())))
@@ -355,9 +355,9 @@ def test_serving_cost_model_round_trips_through_its_dict():
 
 
 def test_pdctl_rebalance_flags_reach_the_simulation():
-    from gateway.pdctl import build_parser
-    from gateway.planner.cli import rebalance_by_simulation
-    from gateway.rebalance import WorkerReading
+    from pdctl.cli import build_parser
+    from pdctl.planner.cli import rebalance_by_simulation
+    from pdctl.rebalance import WorkerReading
 
     readings = [WorkerReading("p0", "prefill", prefill_tokens_per_s=20_000.0), WorkerReading("d0", "decode"),
                 WorkerReading("d1", "decode")]
@@ -423,7 +423,7 @@ def test_validation_load_levels_are_fractions_of_the_calibrated_prefill_capacity
 def test_validation_affinity_keys_are_the_gateways_first_block_hashes():
     from benchmarks.loadgen import PlannedRequest
     from benchmarks.planner_probes import affinity_keys
-    from common.engine.prefix_hash import block_extra_keys, hash_prompt_blocks
+    from common.engine.kv.prefix_hash import block_extra_keys, hash_prompt_blocks
 
     plan = [PlannedRequest(list(range(3, 40)), 4, 0.0, "planned"), PlannedRequest([5] * 10, 4, 0.0, "planned")]
     keys = affinity_keys(plan, "served-model", 16)

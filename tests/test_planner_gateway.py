@@ -9,9 +9,9 @@ import dataclasses
 import numpy as np
 
 from common.engine.scheduler import Scheduler
-from gateway.planner.sim_config import Deployment, SimConfig
-from gateway.planner.simulator import Simulation
-from gateway.planner.traffic import Workload
+from pdctl.planner.sim_config import Deployment, SimConfig
+from pdctl.planner.simulator import Simulation
+from pdctl.planner.traffic import Workload
 from tests.planner_support import config
 
 

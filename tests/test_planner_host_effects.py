@@ -9,10 +9,10 @@ import json
 import numpy as np
 import pytest
 
-from gateway.planner.cost_model import LinearCostModel
-from gateway.planner.sim_config import Deployment
-from gateway.planner.simulator import Simulation
-from gateway.planner.traffic import Workload
+from pdctl.planner.cost_model import LinearCostModel
+from pdctl.planner.sim_config import Deployment
+from pdctl.planner.simulator import Simulation
+from pdctl.planner.traffic import Workload
 from tests.planner_support import COST, config
 
 
@@ -26,7 +26,7 @@ def spaced(prompts, outputs, every=5.0) -> Workload:
 
 
 def test_host_effects_step_time():
-    from gateway.planner.sim_config import HostEffects
+    from pdctl.planner.sim_config import HostEffects
 
     host = HostEffects(contention=0.25, wake_slowdown=0.2, wake_full_s=2.0, wake_window_s=0.5)
     assert host.step_time(0.1, 2) == pytest.approx(0.15)
@@ -38,7 +38,7 @@ def test_host_effects_step_time():
 
 
 def test_a_worker_woken_from_idle_runs_cold_for_a_while():
-    from gateway.planner.sim_config import HostEffects
+    from pdctl.planner.sim_config import HostEffects
 
     wl = spaced([300, 400, 500], [20, 20, 20])
     base = Simulation(Deployment(both=1), wl, config())
@@ -65,7 +65,7 @@ def test_a_worker_woken_from_idle_runs_cold_for_a_while():
 
 
 def test_a_speed_trace_replays_a_machine_that_changes_speed():
-    from gateway.planner.sim_config import SpeedTrace
+    from pdctl.planner.sim_config import SpeedTrace
 
     wl = spaced([300, 400, 500], [20, 20, 20])  # at 0, 5 and 10 s, each alone
     base = Simulation(Deployment(both=1), wl, config())
@@ -142,7 +142,7 @@ def test_given_affinity_keys_break_the_routers_ties_as_the_real_prompts_would():
 
 
 def test_decode_steps_beside_decode_steps_take_their_own_contention():
-    from gateway.planner.sim_config import HostEffects
+    from pdctl.planner.sim_config import HostEffects
 
     # Two colocated workers, one long stream each (short prompts: computed where they decode).
     wl = Workload(np.array([0.0, 0.0]), np.array([32, 32]), np.array([300, 300]))
@@ -165,7 +165,7 @@ def test_decode_steps_beside_decode_steps_take_their_own_contention():
 
 
 def test_busy_workers_on_one_host_slow_each_other():
-    from gateway.planner.sim_config import HostEffects
+    from pdctl.planner.sim_config import HostEffects
 
     # A long stream on the decode worker while prompts are computed on the prefill worker.
     wl = Workload(np.array([0.0, 0.05, 5.0]), np.array([32, 500, 500]), np.array([400, 2, 2]))
@@ -187,8 +187,8 @@ def test_busy_workers_on_one_host_slow_each_other():
 
 
 def test_fit_host_effects_recovers_contention_by_simulating_the_probe():
-    from gateway.planner.calibrate import fit_host_effects, host_effects
-    from gateway.planner.sim_config import HostEffects
+    from pdctl.planner.calibrate import fit_host_effects, host_effects
+    from pdctl.planner.sim_config import HostEffects
 
     probe = Workload(np.array([0.0, 0.0, 0.05]), np.array([16, 16, 800]), np.array([200, 200, 2]))
 
@@ -210,7 +210,7 @@ def test_fit_host_effects_recovers_contention_by_simulating_the_probe():
 
 
 def test_cold_slowdowns_compare_like_with_like():
-    from gateway.planner.calibrate import cold_slowdowns
+    from pdctl.planner.calibrate import cold_slowdowns
 
     overhead = 0.005
     warm_step, cold_step = COST.step_time(1, 1, 1, 41, 41), COST.step_time(1, 1, 1, 281, 281)
@@ -221,8 +221,8 @@ def test_cold_slowdowns_compare_like_with_like():
 
 
 def test_pdctl_plan_reads_host_effects_from_the_calibration(tmp_path):
-    from gateway.pdctl import build_parser
-    from gateway.planner.cli import build_config
+    from pdctl.cli import build_parser
+    from pdctl.planner.cli import build_config
 
     path = tmp_path / "calibration.json"
     path.write_text(json.dumps({"cost_model": COST.to_dict(), "engine": {"kv_bytes_per_token": 4096, "max_model_len": 4096},

@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from common.engine.prefix_hash import HASH_LEN, hash_prompt_blocks
+from common.engine.kv.prefix_hash import HASH_LEN, hash_prompt_blocks
 from common.cluster.prefix_index import PrefixIndexPublisher, PrefixIndexReader
 from common.cluster.redis_keys import RedisKeys
 from common.cluster.redis_util import connect, start_redis_server

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 
-from common.engine.prefix_hash import block_extra_keys
+from common.engine.kv.prefix_hash import block_extra_keys
 from common.engine.request import Request
 from common.engine.sampling_params import SamplingParams
 from gateway import dispatch

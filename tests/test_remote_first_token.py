@@ -22,9 +22,9 @@ from common.cluster.messages import GenerateRequest, PrefillResult, TokenFrame, 
 from common.engine.config import EngineConfig
 from common.engine.engine import Engine
 from common.engine.sampling_params import SamplingParams
-from common.worker.config import WorkerConfig
-from common.worker.engine_thread import EngineThread
-from common.worker.server import Worker
+from worker.config import WorkerConfig
+from worker.engine_thread import EngineThread
+from worker.server import Worker
 from decode_svc import generate
 from decode_svc.role import DECODE
 from kvtransfer.config import KVTransferConfig

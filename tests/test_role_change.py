@@ -9,7 +9,7 @@ import time
 import openai
 import pytest
 
-from common.cluster.launcher import LocalStack
+from launcher.local_stack import LocalStack
 from tests.cluster import ADMIN_TOKEN, http_json, running_cluster
 
 TOKEN = ADMIN_TOKEN  # what tests/cluster.py gives the gateway

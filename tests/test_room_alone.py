@@ -3,8 +3,8 @@ running request preempted, against the blocks held outside running (reservations
 examples on a real block pool, on both sides of the cheap bound that answers first."""
 from __future__ import annotations
 
-from common.engine.block_pool import BlockPool
-from common.engine.kv_cache_manager import KVCacheManager
+from common.engine.kv.block_pool import BlockPool
+from common.engine.kv.kv_cache_manager import KVCacheManager
 from common.engine.request import Request
 from common.engine.room_alone import RoomAlone
 from common.engine.sampling_params import SamplingParams

@@ -1,9 +1,9 @@
 """The unified scheduler on tiny pools: token budget per step, ordering, preemption, prefix hits."""
 import pytest
 
-from common.engine.block_pool import BlockPool
+from common.engine.kv.block_pool import BlockPool
 from common.engine.config import SchedulerConfig
-from common.engine.kv_cache_manager import KVCacheManager
+from common.engine.kv.kv_cache_manager import KVCacheManager
 from common.engine.request import Request, RequestStatus
 from common.engine.sampling_params import SamplingParams
 

@@ -9,7 +9,7 @@ import pytest
 
 from common.engine.config import EngineConfig
 from common.engine.engine import Engine
-from common.worker.engine_thread import EngineThread
+from worker.engine_thread import EngineThread
 from tests.checkpoints import tiny_llama_config, write_checkpoint
 
 WAIT = 120.0  # generous bound on anything awaited

@@ -13,9 +13,9 @@ keep it waiting is refused.  Three ways it was not (review of issue 27's fix):
 
 These tests drive the scheduler as the engine thread does: a step only when ``has_work()``.
 """
-from common.engine.block_pool import BlockPool
+from common.engine.kv.block_pool import BlockPool
 from common.engine.config import SchedulerConfig
-from common.engine.kv_cache_manager import KVCacheManager
+from common.engine.kv.kv_cache_manager import KVCacheManager
 from common.engine.request import Request
 from common.engine.sampling_params import SamplingParams
 from common.engine.scheduler import Scheduler

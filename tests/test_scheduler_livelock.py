@@ -8,9 +8,9 @@ reservations it waits for cannot be replaced by new ones, and a step with nothin
 """
 import pytest
 
-from common.engine.block_pool import BlockPool
+from common.engine.kv.block_pool import BlockPool
 from common.engine.config import SchedulerConfig
-from common.engine.kv_cache_manager import KVCacheManager
+from common.engine.kv.kv_cache_manager import KVCacheManager
 from common.engine.request import Request, RequestStatus
 from common.engine.sampling_params import SamplingParams
 from common.engine.scheduler import Scheduler

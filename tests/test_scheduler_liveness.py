@@ -7,9 +7,9 @@ scheduler) is ``test_scheduler_progress.py``; the livelock of issue 27 is ``test
 """
 import pytest
 
-from common.engine.block_pool import BlockPool
+from common.engine.kv.block_pool import BlockPool
 from common.engine.config import SchedulerConfig
-from common.engine.kv_cache_manager import KVCacheManager
+from common.engine.kv.kv_cache_manager import KVCacheManager
 from common.engine.request import Request, RequestStatus
 from common.engine.sampling_params import SamplingParams
 from common.engine.scheduler import Scheduler

@@ -35,9 +35,9 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, rule, run_state_machine_as_test
 
-from common.engine.block_pool import BlockPool
+from common.engine.kv.block_pool import BlockPool
 from common.engine.config import SchedulerConfig
-from common.engine.kv_cache_manager import KVCacheManager
+from common.engine.kv.kv_cache_manager import KVCacheManager
 from common.engine.request import Request
 from common.engine.sampling_params import SamplingParams
 from common.engine.scheduler import Scheduler, SchedulerOutput

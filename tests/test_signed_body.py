@@ -12,7 +12,7 @@ import pytest
 from aiohttp import web
 
 from common.cluster.auth import ClusterAuth
-from common.worker.request_auth import cluster_auth_middleware
+from worker.request_auth import cluster_auth_middleware
 from tests.waiting import until
 
 SECRET = "signed-body-test-secret-0123456789"

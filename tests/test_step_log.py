@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from common.engine.step_log import COLUMNS, StepLog
-from gateway.planner.cost_model import LinearCostModel
-from gateway.planner.live import StepLogError, fetch_steps, fit_live, parse_steps_answer
+from pdctl.planner.cost_model import LinearCostModel
+from pdctl.planner.live import StepLogError, fetch_steps, fit_live, parse_steps_answer
 
 ENGINE = {"model_id": "m", "dtype": "float32", "block_size": 16, "kv_bytes_per_token": 4096.0,
           "max_num_batched_tokens": 512, "max_num_seqs": 64, "max_model_len": 2048}
@@ -118,8 +118,8 @@ def test_a_live_fit_refuses_too_little_and_mixed_models_and_warns_on_gaps():
 
 
 def test_residuals_apply_the_host_effects_of_the_moment_each_step_started():
-    from gateway.planner.live import step_residuals
-    from gateway.planner.sim_config import HostEffects
+    from pdctl.planner.live import step_residuals
+    from pdctl.planner.sim_config import HostEffects
 
     flat = LinearCostModel((0.1, 0, 0, 0, 0, 0))  # every step 100 ms by the model
     host = HostEffects(contention=0.5, wake_slowdown=1.0, wake_full_s=2.0, wake_window_s=0.5)
@@ -136,7 +136,7 @@ def test_residuals_apply_the_host_effects_of_the_moment_each_step_started():
 
 
 def test_speed_trace_replays_how_fast_the_engines_ran_in_each_window():
-    from gateway.planner.live import speed_trace
+    from pdctl.planner.live import speed_trace
 
     rng = np.random.default_rng(7)
     rows, t = [], 0.0
@@ -180,7 +180,7 @@ def two_workers_on_one_host(contention: float, speed: float, seed: int = 0, deco
 
 
 def test_contention_and_speeds_are_measured_on_the_steps():
-    from gateway.planner.live import fit_contention, fit_speeds
+    from pdctl.planner.live import fit_contention, fit_speeds
 
     steps = two_workers_on_one_host(contention=0.25, speed=1.2)
     fitted = fit_contention(steps, TRUE, [(0.0, 60.0)])
@@ -195,7 +195,7 @@ def test_contention_and_speeds_are_measured_on_the_steps():
 
 
 def test_speeds_leave_out_the_steps_a_worker_ran_waking_up():
-    from gateway.planner.live import fit_speeds
+    from pdctl.planner.live import fit_speeds
 
     # Busy 0.8 s, idle 1 s, over and over; the first 0.5 s of each busy period runs 1.6x slower (cold).
     rng = np.random.default_rng(3)
@@ -217,8 +217,8 @@ def test_speeds_leave_out_the_steps_a_worker_ran_waking_up():
 
 
 def test_decode_steps_beside_decode_steps_are_fitted_apart():
-    from gateway.planner.live import fit_contention, step_residuals
-    from gateway.planner.sim_config import HostEffects
+    from pdctl.planner.live import fit_contention, step_residuals
+    from pdctl.planner.sim_config import HostEffects
 
     steps = two_workers_on_one_host(contention=0.05, speed=1.0, decode_contention=0.3, seed=2)
     fitted = fit_contention(steps, TRUE, [(0.0, 60.0)])

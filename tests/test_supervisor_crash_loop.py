@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from common.cluster.launcher import LocalStack, Supervisor
+from launcher.local_stack import LocalStack
+from launcher.supervisor import Supervisor
 
 TICK = 0.25  # the test clock's step; every uptime and backoff below is a multiple of it
 

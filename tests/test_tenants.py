@@ -2,7 +2,7 @@
 another key guesses shares nothing), and a key without its own limit gets the default one."""
 from __future__ import annotations
 
-from common.engine.prefix_hash import block_extra_keys, hash_prompt_blocks
+from common.engine.kv.prefix_hash import block_extra_keys, hash_prompt_blocks
 from gateway.config import GatewayConfig
 from gateway.tenants import ANONYMOUS, ApiKeys, cache_salt
 

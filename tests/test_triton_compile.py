@@ -15,7 +15,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from common.engine import attention_triton as at
+from common.engine.attention import backend_triton as at
 
 attention, write = at._kernels()
 launches = []

@@ -6,7 +6,7 @@ import argparse
 import pytest
 
 from common.cluster.flags import RemovedFlag
-from common.worker.config import build_parser, config_from_args, env_names
+from worker.config import build_parser, config_from_args, env_names
 
 
 def env_value(action: argparse.Action) -> tuple[str, object]:

@@ -12,8 +12,8 @@ import errno
 import json
 import types
 
-from common.engine.kv_cache import KVCache, KVLayout
-from common.worker.server import Worker
+from common.engine.kv.kv_cache import KVCache, KVLayout
+from worker.server import Worker
 from kvtransfer import KVReceiver, KVTransferConfig
 
 LAYOUT = KVLayout(model_id="tiny", dtype="float32", block_size=4, num_layers=1, num_kv_heads=1, head_dim=4)

@@ -17,8 +17,8 @@ import aiohttp
 import pytest
 
 from common.engine.config import EngineConfig
-from common.worker.config import WorkerConfig
-from common.worker.server import Worker
+from worker.config import WorkerConfig
+from worker.server import Worker
 from decode_svc.role import DECODE
 from kvtransfer.config import KVTransferConfig
 

@@ -29,6 +29,20 @@ import threading
 import time
 from typing import Callable, Iterable
 
+DID_NOT_START = "did not start"  # the exit status of a process whose last start failed
+
+
+def describe_exit(returncode: int | str) -> str:
+    if isinstance(returncode, str):
+        return returncode
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exit status {returncode}"
+
+
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 PARENT_DEATH_SIGNAL = signal.SIGKILL  # nobody is left to bound a graceful drain once the launcher is gone
 KILL_WAIT_S = 10.0  # how long a SIGKILLed process may take to be reaped (uninterruptible I/O) before we move on

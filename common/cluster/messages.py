@@ -15,7 +15,7 @@ from typing import Annotated, Type, TypeVar
 import msgspec
 
 from common.cluster.registry import WorkerId
-from common.engine.prefix_hash import MAX_CACHE_SALT_LEN
+from common.engine.kv.prefix_hash import MAX_CACHE_SALT_LEN
 from common.engine.sampling_params import SamplingParams
 
 MAX_FRAME_BYTES = 4 << 20  # a frame above this is a protocol error, never an allocation

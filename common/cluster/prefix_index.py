@@ -1,6 +1,6 @@
 """The prefix-cache index in Redis: which worker holds which prefix blocks.
 
-A block hash (``common.engine.prefix_hash``) names its whole prefix, so a worker holds the first ``n``
+A block hash (``common.engine.kv.prefix_hash``) names its whole prefix, so a worker holds the first ``n``
 blocks of a prompt exactly when the first ``n`` hashes are in its set::
 
     {prefix}:{model}:blocks:{worker_id}  = SET{ h0, h1, h2, ... }      (32-byte hashes, PX = TTL)
@@ -37,7 +37,7 @@ import redis.asyncio as aioredis
 from common.cluster.aio import cancel_and_wait
 from common.cluster.redis_keys import RedisKeys
 from common.cluster.redis_util import UNAVAILABLE_ERRORS
-from common.engine.prefix_hash import HASH_LEN
+from common.engine.kv.prefix_hash import HASH_LEN
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ _loaded: dict[str, ctypes.CDLL | None] = {}
 
 
 def cache_dir() -> Path:
-    from common.engine.default_model import default_cache_dir
+    from common.engine.loading.default_model import default_cache_dir
 
     return default_cache_dir() / "kernels"
 

@@ -31,8 +31,8 @@ from typing import Callable
 
 import torch
 
-from common.engine.attention import AttentionRequest
-from common.engine.kv_cache import KVCache
+from common.engine.attention.interface import AttentionRequest
+from common.engine.kv.kv_cache import KVCache
 
 log = logging.getLogger(__name__)
 

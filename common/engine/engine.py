@@ -14,14 +14,14 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from common.engine.attention import make_attention
+from common.engine.attention.selection import make_attention
 from common.engine import cuda_graphs
-from common.engine.block_pool import BlockPool
+from common.engine.kv.block_pool import BlockPool
 from common.engine.config import EngineConfig
-from common.engine.kv_cache import KVCache, KVLayout, dtype_name, num_blocks_for_memory
-from common.engine.kv_cache_manager import KVCacheManager
-from common.engine.model_loader import load_model, resolve_checkpoint
-from common.engine.prefix_hash import MAX_CACHE_SALT_LEN, block_extra_keys
+from common.engine.kv.kv_cache import KVCache, KVLayout, dtype_name, num_blocks_for_memory
+from common.engine.kv.kv_cache_manager import KVCacheManager
+from common.engine.loading.model_loader import load_model, resolve_checkpoint
+from common.engine.kv.prefix_hash import MAX_CACHE_SALT_LEN, block_extra_keys
 from common.engine.model_runner import ModelRunner
 from common.engine.models.stages import compile_stages
 from common.engine.request import Request, RequestStatus

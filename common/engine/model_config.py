@@ -182,7 +182,7 @@ def load_model_config(checkpoint: Path, cache_dir: Path | None = None) -> ModelC
 
 def _cache_entry(config_json: bytes, cache_dir: Path | None) -> Path:
     if cache_dir is None:
-        from common.engine.default_model import default_cache_dir
+        from common.engine.loading.default_model import default_cache_dir
 
         cache_dir = default_cache_dir()
     try:

@@ -6,8 +6,8 @@ from typing import Callable
 
 import torch
 
-from common.engine.attention import AttentionRequest
-from common.engine.kv_cache import KVCache
+from common.engine.attention.interface import AttentionRequest
+from common.engine.kv.kv_cache import KVCache
 from common.engine.models.decoder import DecoderModel
 from common.engine.sampler import Sampler, TokenLogprobs
 from common.engine.scheduler import SchedulerOutput

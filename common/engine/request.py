@@ -4,7 +4,7 @@ from __future__ import annotations
 import enum
 import time
 
-from common.engine.prefix_hash import BlockHash, hash_prompt_blocks
+from common.engine.kv.prefix_hash import BlockHash, hash_prompt_blocks
 from common.engine.sampling_params import SamplingParams
 
 

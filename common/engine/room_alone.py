@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
-from common.engine.block_pool import KVCacheBlock
-from common.engine.kv_cache_manager import KVCacheManager, cdiv
+from common.engine.kv.block_pool import KVCacheBlock
+from common.engine.kv.kv_cache_manager import KVCacheManager, cdiv
 from common.engine.request import Request
 
 

@@ -50,7 +50,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from common.engine.config import SchedulerConfig
-from common.engine.kv_cache_manager import KVCacheManager, cdiv
+from common.engine.kv.kv_cache_manager import KVCacheManager, cdiv
 from common.engine.request import Request, RequestStatus
 from common.engine.room_alone import RoomAlone, final_tokens
 from common.engine.scheduler_integrity import check_scheduler

@@ -26,8 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
-from common.engine.block_pool import KVCacheBlock
-from common.engine.kv_cache_manager import cdiv
+from common.engine.kv.block_pool import KVCacheBlock
+from common.engine.kv.kv_cache_manager import cdiv
 from common.engine.request import Request, RequestStatus
 from common.engine.room_alone import final_tokens
 

@@ -9,7 +9,7 @@ A step's shape is five numbers taken from the scheduler's output (``step_shape``
     context  sum of (s + q)                KV tokens the step reads
              -- for a request with s tokens already computed and q scheduled now
 
-These are the features of the planner's cost model (``gateway.planner.cost_model``), so a running
+These are the features of the planner's cost model (``pdctl.planner.cost_model``), so a running
 worker's log is what ``pdctl calibrate --live`` fits a cost model to, and what the planner's
 validation compares with the machine's speed during a run.  The engine thread appends; any thread
 reads (``since``), under a lock.  Storage is one preallocated array, overwritten oldest first.

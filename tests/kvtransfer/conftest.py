@@ -12,7 +12,7 @@ import contextlib
 import pytest
 import uvloop
 
-from common.engine.kv_cache import KVCache, KVLayout
+from common.engine.kv.kv_cache import KVCache, KVLayout
 from kvt_support import AUTH, LAYOUT, NUM_BLOCKS, TRANSPORTS, random_cache
 from kvtransfer import KVReceiver, KVSender, KVTransferConfig
 

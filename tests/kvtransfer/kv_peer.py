@@ -17,7 +17,7 @@ import sys
 
 sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), os.getcwd()]
 
-from common.engine.kv_cache import KVCache  # noqa: E402
+from common.engine.kv.kv_cache import KVCache  # noqa: E402
 from kvt_support import AUTH, LAYOUT, NUM_BLOCKS, random_cache  # noqa: E402
 from kvtransfer import KVReceiver, KVSender, KVTransferConfig, TransferError  # noqa: E402
 

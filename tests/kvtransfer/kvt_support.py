@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from common.cluster.auth import ClusterAuth
-from common.engine.kv_cache import KVCache, KVLayout
+from common.engine.kv.kv_cache import KVCache, KVLayout
 
 # 2 layers x K/V x 4 tokens x 2 heads x 8 dims x fp32 = 1 KiB per block.
 LAYOUT = KVLayout(model_id="tiny", dtype="float32", block_size=4, num_layers=2, num_kv_heads=2, head_dim=8)

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from kvt_support import AUTH, LAYOUT, NUM_BLOCKS, random_cache, wait_until
-from common.engine.kv_cache import KVCache
+from common.engine.kv.kv_cache import KVCache
 from kvtransfer import KVReceiver, KVSender, KVTransferConfig
 from kvtransfer.config import parse_address
 from kvtransfer.handshake import PREAUTH_MAX_HEADER_BYTES

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from common.cluster.auth import ClusterAuth
-from common.engine.kv_cache import KVCache
+from common.engine.kv.kv_cache import KVCache
 from kvt_support import AUTH, LAYOUT, NUM_BLOCKS, random_cache
 from kvtransfer import (
     ConnectionLost, HandshakeError, KVReceiver, KVSender, KVTransferConfig, TransferAborted, make_transport,

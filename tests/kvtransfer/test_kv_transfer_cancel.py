@@ -15,7 +15,7 @@ import msgspec
 import pytest
 import torch
 
-from common.engine.kv_cache import KVCache
+from common.engine.kv.kv_cache import KVCache
 from kvt_support import AUTH, LAYOUT, random_cache
 from kvtransfer import ConnectionLost, KVReceiver, KVSender, KVTransferConfig, TransferAborted, make_transport
 from kvtransfer.config import parse_address

@@ -14,7 +14,7 @@ import threading
 import pytest
 import torch
 
-from common.engine.kv_cache import KVCache
+from common.engine.kv.kv_cache import KVCache
 from kvt_support import AUTH, LAYOUT, NUM_BLOCKS, random_cache, wait_until
 from kvtransfer import KVReceiver, KVSender, KVTransferConfig, TransferAborted
 from kvtransfer import transport_tcp

@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 
-from common.engine.block_pool import BlockPool
-from common.engine.kv_cache import KVCache
+from common.engine.kv.block_pool import BlockPool
+from common.engine.kv.kv_cache import KVCache
 from kvt_support import AUTH, LAYOUT, NUM_BLOCKS, random_cache
 from kvtransfer import KVReceiver, KVSender, KVTransferConfig, PeerLost, TransferError
 

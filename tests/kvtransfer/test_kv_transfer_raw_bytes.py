@@ -12,7 +12,7 @@ import struct
 import pytest
 import torch
 
-from common.engine.kv_cache import KVCache
+from common.engine.kv.kv_cache import KVCache
 from kvt_support import AUTH, LAYOUT, NUM_BLOCKS, random_cache
 from kvtransfer import KVReceiver, KVSender, KVTransferConfig, PeerLost, make_transport
 from kvtransfer.config import parse_address

@@ -13,7 +13,7 @@ import contextlib
 import pytest
 import torch
 
-from common.engine.kv_cache import KVCache
+from common.engine.kv.kv_cache import KVCache
 from kvt_support import AUTH, LAYOUT, NUM_BLOCKS, random_cache, wait_until
 from kvtransfer import KVReceiver, KVTransferConfig, TransferAborted, TransferTimeout, make_transport
 from kvtransfer.config import parse_address

@@ -7,7 +7,7 @@ import contextlib
 import pytest
 import torch
 
-from common.engine.block_pool import BlockPool
+from common.engine.kv.block_pool import BlockPool
 from kvt_support import AUTH, LAYOUT, NUM_BLOCKS, random_cache, wait_until
 from kvtransfer import (
     ChecksumMismatch, ConnectionLost, HandshakeError, KVReceiver, KVSender, KVTransferConfig, PeerLost,

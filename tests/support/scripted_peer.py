@@ -18,7 +18,7 @@ from common.cluster.messages import (
 from common.cluster.redis_util import connect
 from common.cluster.registry import Capacity, KVAddress, WorkerInfo, WorkerRegistry
 from common.engine.engine import Engine
-from common.engine.kv_cache import KVCache
+from common.engine.kv.kv_cache import KVCache
 from common.engine.sampling_params import SamplingParams
 from kvtransfer.config import KVTransferConfig
 from kvtransfer.sender import KVSender

@@ -12,7 +12,7 @@
  *   query_start int32 [R + 1], context_lens int32 [R] (keys after this step, new ones included)
  *
  * A query at position p sees keys k with k <= p and, with window > 0, k > p - window.
- * Built by common/engine/attention_cpu.py with the system C compiler; loaded with ctypes.
+ * Built by common/engine/attention/backend_cpu.py with the system C compiler; loaded with ctypes.
  */
 #include <math.h>
 #include <stdint.h>

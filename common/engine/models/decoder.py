@@ -2,7 +2,7 @@
 
 Parameter names follow the Hugging Face checkpoints, so a safetensors state dict loads as is;
 q/k/v and gate/up are fused after loading (one matmul each instead of three and two).
-The forward runs over a packed batch of tokens from many requests (see ``common.engine.attention``).
+The forward runs over a packed batch of tokens from many requests (see ``common.engine.attention.interface``).
 """
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common.engine.attention import AttentionMetadata
-from common.engine.kv_cache import KVCache
+from common.engine.attention.interface import AttentionMetadata
+from common.engine.kv.kv_cache import KVCache
 from common.engine.model_config import ModelConfig
 from common.engine.models.linear import Linear, linear, pack_weight, packed_linear, tune_row_padding
 from common.engine.models.stages import EAGER, LayerStages

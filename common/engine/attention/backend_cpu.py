@@ -1,0 +1,112 @@
+"""CPU paged attention that reads the KV cache in place: a small C kernel (csrc/paged_attention_cpu.c).
+
+The kernel is compiled once per machine (``common.engine.cpu_kernels``); the call releases
+the GIL. One call per layer covers every request of the step, prompt chunks and decodes alike; nothing is gathered
+and no mask is built::
+
+    step metadata (built once per step, shared by all layers)
+        block_table   int32 [R, max_blocks]   block ids of each request, zero-padded
+        query_start   int32 [R + 1]           where each request's new tokens start in the batch
+        context_lens  int32 [R]               keys after this step (cached + new)
+        slot_blocks / slot_offsets  [T]       where each new token's K/V is written
+
+    per layer:  cache[slot_blocks, slot_offsets] = k, v     then     kernel(q, cache, table, ...)
+
+``build_kernel`` returns ``None`` (and says why in the log) where there is no compiler;
+``make_attention`` then falls back to the pure-torch path.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from common.engine.attention.interface import step_layout
+from common.engine.kv.block_table import BlockTable
+from common.engine.cpu_kernels import load_kernel
+from common.engine.kv.kv_cache import KVCache
+
+log = logging.getLogger(__name__)
+
+_ELEM = {torch.float32: 4, torch.bfloat16: 2}
+
+
+def build_kernel() -> ctypes.CDLL | None:
+    """The compiled kernel (built on first use, then reused from the cache); ``None`` if it cannot be built."""
+    lib = load_kernel("paged_attention_cpu")
+    if lib is not None:
+        fn = lib.paged_attention
+        fn.restype = ctypes.c_int
+        i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+        fn.argtypes = [i32, ptr, i64, i64, ptr, ptr, i64, i64, i64, ptr, ptr, i64, ptr, ptr,
+                       i32, i32, i32, i32, i32, i32, ctypes.c_float, i32, i32]
+    return lib
+
+
+@dataclass
+class CpuMetadata:
+    """One step's metadata for ``CpuPagedAttention`` (see the module docstring)."""
+
+    slot_blocks: torch.Tensor
+    slot_offsets: torch.Tensor
+    block_table: torch.Tensor
+    query_start: torch.Tensor
+    context_lens: torch.Tensor
+    max_context: int
+
+
+def step_metadata(requests, block_size: int, block_table: BlockTable | None = None) -> CpuMetadata:
+    """From the requests' block ids, or from ``block_table`` (see ``attention.step_layout``)."""
+    step = step_layout(requests, block_size, block_table)
+    return CpuMetadata(step.slot_blocks, step.positions % block_size, step.block_table, step.query_start,
+                       step.context_lens, int(step.context_lens.max()))
+
+
+class CpuPagedAttention:
+    """The CPU backend: writes the step's K/V into its slots, then one kernel call per layer."""
+
+    name = "cpu"
+
+    def __init__(self, windows: set[int | None], block_size: int, kernel: ctypes.CDLL, num_threads: int | None = None):
+        self.block_size = block_size
+        self.kernel = kernel
+        self.num_threads = num_threads
+        # The KV manager's persistent table (``Engine`` hands it over); ``None``: tables per step.
+        self.block_table: BlockTable | None = None
+
+    def prepare(self, requests, device) -> CpuMetadata:
+        return step_metadata(requests, self.block_size, self.block_table)
+
+    def forward(self, q, k, v, cache: KVCache, layer: int, meta: CpuMetadata, window, scale) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, KVH, D] for the new tokens.  Returns [T, H, D]."""
+        key_cache, value_cache = cache.key(layer), cache.value(layer)
+        key_cache[meta.slot_blocks, meta.slot_offsets] = k
+        value_cache[meta.slot_blocks, meta.slot_offsets] = v
+        elem = _ELEM.get(q.dtype)
+        assert elem is not None and q.dtype == key_cache.dtype, f"cpu attention supports fp32/bf16, got {q.dtype}"
+        if q.stride(-1) != 1:
+            q = q.contiguous()
+        assert key_cache.stride(-1) == 1 and key_cache.stride() == value_cache.stride(), "unexpected cache layout"
+        tokens, heads, dim = q.shape
+        out = torch.empty((tokens, heads, dim), dtype=q.dtype)
+        table = meta.block_table
+        with torch.profiler.record_function("cpu_paged_attention"):  # ctypes calls are invisible to the profiler
+            rc = self._call(elem, q, key_cache, value_cache, out, table, meta, window, scale, heads, dim)
+        if rc != 0:
+            raise MemoryError("cpu paged attention: scratch allocation failed")
+        return out
+
+    def _call(self, elem, q, key_cache, value_cache, out, table, meta, window, scale, heads, dim) -> int:
+        threads = self.num_threads or torch.get_num_threads()
+        return self.kernel.paged_attention(
+            elem, q.data_ptr(), q.stride(0), q.stride(1), key_cache.data_ptr(), value_cache.data_ptr(),
+            key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), out.data_ptr(), table.data_ptr(),
+            table.stride(0), meta.query_start.data_ptr(), meta.context_lens.data_ptr(), len(meta.context_lens),
+            heads, key_cache.shape[2], dim, self.block_size, window or 0, float(scale), meta.max_context, threads,
+        )
+
+
+def supports(dtype: torch.dtype) -> bool:
+    return dtype in _ELEM

@@ -1,0 +1,121 @@
+"""The attention backends' shared interface: the packed batch each one sees, and the step metadata
+built from it (``step_layout``, ``PagedMetadata``).  The backends are ``backend_cpu`` (a C kernel
+that reads the cache in place), ``backend_torch`` (the reference, and the CPU fallback),
+``backend_flash`` and ``backend_triton`` (CUDA); ``selection.make_attention`` picks one.
+
+All backends see the same packed batch: the new tokens of every scheduled request laid end to
+end, no padding between requests::
+
+    tokens   [ r0 chunk (37 tokens) | r1 decode | r2 decode | r3 chunk (12) ]
+    positions  p0 .. p0+36            q1          q2          p3 .. p3+11
+
+Each layer first writes the new K/V into the cache slots of its tokens, then every query attends
+to its request's cached keys up to its own position (and only the last ``window`` of them on
+sliding-window layers).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class AttentionRequest:
+    """One request's slice of the packed batch, as attention needs it."""
+
+    query_start: int  # index of its first token in the packed batch
+    num_query_tokens: int
+    context_len: int  # tokens with KV after this step (cached + new)
+    block_ids: list[int]
+    table_row: int = -1  # its row in the persistent block table (``common.engine.kv.block_table``), if any
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step tensors shared by every layer; built once by ``AttentionBackend.prepare``."""
+
+    slot_blocks: torch.Tensor  # [num_tokens] block id each new token's KV goes to
+    slot_offsets: torch.Tensor  # [num_tokens] offset inside that block
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass
+class StepLayout:
+    """Where a step's tokens sit, on the CPU, for backends to build their metadata from::
+
+        block_table   int32 [num_seqs, max_blocks]  each request's block ids, zero-padded
+        query_start   int32 [num_seqs + 1]          where each request's tokens start in the batch
+        context_lens  int32 [num_seqs]              keys per request after this step
+        positions     int64 [num_tokens]            each new token's position in its request
+        slot_blocks   int64 [num_tokens]            the block each new token's KV goes to
+    """
+
+    block_table: torch.Tensor
+    query_start: torch.Tensor
+    context_lens: torch.Tensor
+    positions: torch.Tensor
+    slot_blocks: torch.Tensor
+    max_query_len: int
+
+
+def step_layout(requests: list[AttentionRequest], block_size: int, block_table=None) -> StepLayout:
+    """Vectorised: no per-token Python loop. With ``block_table`` (the KV manager's persistent
+    ``BlockTable``) and every request on a row of it, the step's table is one gather of those
+    rows; otherwise it is built from each request's ``block_ids``."""
+    num = len(requests)
+    max_blocks = max(len(r.block_ids) for r in requests)
+    if block_table is not None and all(r.table_row >= 0 for r in requests):
+        table = block_table.gather([r.table_row for r in requests], max_blocks)
+    else:
+        table = torch.zeros((num, max_blocks), dtype=torch.int32)
+        for i, r in enumerate(requests):
+            table[i, : len(r.block_ids)] = torch.as_tensor(r.block_ids, dtype=torch.int32)
+    new = torch.tensor([r.num_query_tokens for r in requests], dtype=torch.int32)
+    context = torch.tensor([r.context_len for r in requests], dtype=torch.int32)
+    query_start = torch.zeros(num + 1, dtype=torch.int32)
+    torch.cumsum(new, 0, out=query_start[1:])
+    token_request = torch.repeat_interleave(torch.arange(num), new.long())
+    positions = torch.arange(int(query_start[-1])) - query_start[token_request].long() + (context - new)[token_request].long()
+    slot_blocks = table[token_request, positions // block_size].long()
+    return StepLayout(table, query_start, context, positions, slot_blocks, int(new.max()))
+
+
+@dataclass
+class PagedMetadata:
+    """One step's metadata for the kernels that read the paged cache in place (Triton, flash-attn)::
+
+        block_table  int32 [num_seqs, max_blocks]  each request's block ids, zero-padded
+        seq_lens     int32 [num_seqs]              keys per request after this step
+        query_start  int32 [num_seqs + 1]          where each request's tokens start in the batch
+        slots        int64 [num_tokens]            block_id * block_size + offset of each new token
+    """
+
+    slots: torch.Tensor
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+
+    @classmethod
+    def build(cls, requests: list[AttentionRequest], block_size: int, device, block_table=None) -> "PagedMetadata":
+        """From the requests' block ids, or from ``block_table`` (see ``step_layout``)."""
+        step = step_layout(requests, block_size, block_table)
+        slots = step.slot_blocks * block_size + step.positions % block_size
+        return cls(
+            slots=slots.to(device),
+            block_table=step.block_table.to(device),
+            seq_lens=step.context_lens.to(device),
+            query_start=step.query_start.to(device),
+            max_query_len=step.max_query_len,
+            max_seq_len=int(step.context_lens.max()),
+        )
+
+
+FLASH_PAGED_BLOCK_MULTIPLE = 256  # flash-attn 2 reads a paged cache only in blocks of a multiple of this
+
+
+def flash_pages(block_size: int) -> bool:
+    """Can flash-attn 2 read a paged cache of this block size (``block_table``)?"""
+    return block_size % FLASH_PAGED_BLOCK_MULTIPLE == 0

@@ -1,0 +1,67 @@
+"""Which attention backend a model runs with: ``make_attention("auto" | "cpu" | "torch" | "triton" |
+"flash", ...)``, from the device, the dtype and what is installed."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from common.engine.attention.backend_torch import TorchAttention
+from common.engine.attention.interface import flash_pages
+
+
+def triton_available(device: torch.device) -> bool:
+    """Triton runs on CUDA, or anywhere under its CPU interpreter (``TRITON_INTERPRET=1``, tests)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def make_attention(backend: str, device: torch.device, windows: set[int | None], block_size: int,
+                   dtype: torch.dtype = torch.float32):
+    """``auto``: on CUDA flash-attn when it is installed and the block size suits its paged KV,
+    else Triton; on CPU the C kernel that reads the cache in place (``attention_cpu``) where it
+    builds and supports the dtype, else the torch path."""
+    device = torch.device(device)
+    if backend == "auto":
+        backend = "torch"
+        if device.type == "cuda":
+            backend = "flash" if flash_attn_installed() and flash_pages(block_size) else "triton"
+        elif device.type == "cpu":
+            from common.engine.attention import backend_cpu as attention_cpu
+
+            if attention_cpu.supports(dtype) and attention_cpu.build_kernel() is not None:
+                backend = "cpu"
+    if backend == "flash":
+        if device.type != "cuda":
+            raise ValueError("attention_backend 'flash' needs a CUDA device")
+        from common.engine.attention.backend_flash import FlashAttention
+
+        return FlashAttention(windows, block_size)
+    if backend == "triton":
+        if not triton_available(device):
+            raise ValueError("attention_backend 'triton' needs the triton package and a CUDA device "
+                             "(or TRITON_INTERPRET=1, Triton's CPU interpreter, for tests)")
+        from common.engine.attention.backend_triton import TritonAttention
+
+        return TritonAttention(windows, block_size)
+    if backend == "cpu":
+        from common.engine.attention import backend_cpu as attention_cpu
+
+        if device.type != "cpu" or not attention_cpu.supports(dtype):
+            raise ValueError(f"attention_backend 'cpu' needs a CPU device and float32 or bfloat16, got {device} {dtype}")
+        kernel = attention_cpu.build_kernel()
+        if kernel is None:
+            raise ValueError("attention_backend 'cpu': its kernel could not be built (no C compiler?); see the log")
+        return attention_cpu.CpuPagedAttention(windows, block_size, kernel)
+    return TorchAttention(windows, block_size)
+
+
+def flash_attn_installed() -> bool:
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True

@@ -1,0 +1,100 @@
+"""Load a checkpoint (Hugging Face directory or GGUF file) into a ``DecoderModel``."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from tqdm import tqdm
+
+from common.engine.model_config import ModelConfig, load_model_config
+from common.engine.models.decoder import DecoderModel
+
+
+def resolve_checkpoint(model: str) -> Path:
+    """Turn the ``model`` setting into a Hugging Face directory: ``default`` is the bundled Gemma 3
+    270M, ``hf:ORG/NAME[@REVISION]`` is downloaded once from the Hub (``common.engine.loading.hub``), a
+    ``.gguf`` file is converted once into a cached directory (never next to the file, which may be
+    on a read-only mount)."""
+    if model == "default":
+        from common.engine.loading.default_model import ensure_default_model
+
+        return ensure_default_model()
+    if model.startswith("hf:"):
+        from common.engine.loading.default_model import default_cache_dir
+        from common.engine.loading.hub import hub_checkpoint
+
+        return hub_checkpoint(model, default_cache_dir())
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint path {str(path)!r} does not exist")
+    if path.is_file() and path.suffix == ".gguf":
+        from common.engine.loading.default_model import converted_gguf_dir
+
+        return converted_gguf_dir(path)
+    if not path.is_dir():
+        raise ValueError(f"checkpoint {str(path)!r} is neither a directory nor a .gguf file")
+    return path
+
+
+def load_state_dict(checkpoint: Path) -> dict[str, torch.Tensor]:
+    files = sorted(checkpoint.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"checkpoint {str(checkpoint)!r} has no .safetensors weights")
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        try:
+            with safe_open(file, framework="pt") as weights:
+                for name in tqdm(list(weights.keys()), desc=f"loading {file.name}", unit="tensor", leave=False,
+                                 disable=len(files) == 1 and file.stat().st_size < 64 << 20):
+                    state[name] = weights.get_tensor(name)
+        except (SafetensorError, OSError) as exc:
+            raise ValueError(f"weights file {str(file)!r} is corrupt or unreadable: {exc}") from None
+    return state
+
+
+def load_model(checkpoint: Path, dtype: torch.dtype, device: torch.device,
+               random_weights: bool = False) -> tuple[DecoderModel, ModelConfig]:
+    """Build the model for ``checkpoint`` and load its weights; errors name the missing pieces.
+    ``random_weights``: only config.json is read (see ``random_model``)."""
+    cfg = load_model_config(checkpoint)
+    if random_weights:
+        return random_model(cfg, dtype, device), cfg
+    state = load_state_dict(checkpoint)
+    # Multimodal Gemma 3 checkpoints keep the text model under another prefix.
+    state = {k.removeprefix("language_model."): v for k, v in state.items()}
+    with torch.device("meta"):
+        model = DecoderModel(cfg)
+    expected = set(model.state_dict())
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    missing = sorted(expected - set(state))
+    if missing:
+        raise ValueError(f"checkpoint {str(checkpoint)!r} lacks weights: {', '.join(missing[:5])}"
+                         + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+    state = {k: v.to(device=device, dtype=dtype) for k, v in state.items() if k in expected}
+    try:
+        model.load_state_dict(state, strict=True, assign=True)
+    except RuntimeError as exc:
+        raise ValueError(f"checkpoint {str(checkpoint)!r} does not match its config.json: {exc}") from None
+    model.finish_loading(device)
+    return model.eval(), cfg
+
+
+def random_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0) -> DecoderModel:
+    """A model of ``cfg``'s shape with random weights made in place on ``device`` (normal, std 0.02;
+    norms one, biases zero): an 8B shape costs no download, no disk and no host memory."""
+    with torch.device("meta"):
+        model = DecoderModel(cfg)
+    model = model.to(dtype).to_empty(device=device)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0 - cfg.norm_weight_offset)  # Gemma's (1 + w) folds in after loading
+            elif name.endswith(".bias"):
+                param.zero_()
+            else:
+                param.normal_(0.0, 0.02, generator=generator)
+    model.finish_loading(device)
+    return model.eval()

@@ -1,0 +1,93 @@
+"""``python -m launcher`` (what ``make up`` runs): start the local stack, keep it running, stop it on
+Ctrl-C.  ``run_stack`` is that life cycle, for the tests to drive with their own stack."""
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Callable
+
+from common.cluster.children import StopSignals
+from common.cluster.flags import EnvFlags, FlagParser
+from launcher.local_stack import LocalStack, StartCancelled, default_transport, http_json, local_secret
+from launcher.supervisor import Supervisor
+
+
+def run_stack(stack: LocalStack, redis_server, signals: StopSignals, start: Callable[[], object],
+              make_supervisor: Callable[[], Supervisor]) -> Supervisor:
+    """What ``make up`` does with a stack: ``start()`` it (which should raise ``StartCancelled`` once
+    ``signals.requested``), supervise it until a stop signal (or until the supervisor gives up the
+    gateway or Redis), and on every path stop every process of the stack, then the private Redis
+    (``redis_server``, may be None); at once when ``signals.hurry``.  Returns the supervisor."""
+    try:
+        start()
+        supervisor = make_supervisor()
+        supervisor.run(lambda: signals.requested)
+        return supervisor
+    finally:
+        print("stopping...", flush=True)
+        stack.stop(hurry=lambda: signals.hurry)
+        if redis_server is not None:
+            if signals.hurry:
+                redis_server.kill()
+            redis_server.stop()
+
+
+def main() -> None:
+    from common.cluster.redis_util import ensure_redis, redact_url, redis_url_from_env
+
+    parser = FlagParser(
+        description="Run gateway + prefill + decode workers locally and keep them running (make up). "
+                    "Every flag also reads PDSERVE_<FLAG>; the processes it starts read theirs too.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    flags = EnvFlags(parser, aliases={"port": ("PDSERVE_GATEWAY_PORT",)})
+    flags.add("--model", "default")
+    flags.add("--port", 8000, int, help="the gateway's port (also PDSERVE_GATEWAY_PORT)")
+    flags.add("--prefill", 1, int, help="prefill workers")
+    flags.add("--decode", 1, int, help="decode workers")
+    flags.add("--kv-transport", default_transport(), choices=("ucx", "tcp"))
+    flags.add("--num-blocks", 2048, int, help="KV blocks per worker")
+    flags.add("--key-prefix", "pdserve", help="Redis key prefix of this stack's registry and prefix index")
+    flags.add("--restart-backoff", 1.0, float,
+              help="seconds before a process that exited is started again (doubles while it keeps exiting soon "
+                   "after starting, up to 30 s)")
+    flags.add("--crash-loop-limit", 10, int,
+              help="a process that exits this many times in a row within 60 s of starting is not started again "
+                   "(a worker: the rest keep serving; the gateway or the private Redis: the launcher stops, exit 1)")
+    args = parser.parse_args()
+
+    if args.model == "default":
+        from common.engine.loading.default_model import ensure_default_model
+
+        print("preparing the default model (Gemma 3 270M; converted once, then cached)...", flush=True)
+        ensure_default_model()
+    secret = local_secret(os.environ)
+    signals = StopSignals().install()  # from here on a signal never interrupts: start-up checks for it
+    url, redis_server = ensure_redis(redis_url_from_env())
+    if redis_server is not None:
+        print(f"no Redis answered at {redact_url(redis_url_from_env())}; started a private one at {url}", flush=True)
+    stack = LocalStack(args.model, url, key_prefix=args.key_prefix, prefill=args.prefill, decode=args.decode,
+                       transport=args.kv_transport, gateway_port=args.port,
+                       worker_args=["--num-blocks", str(args.num_blocks)], cluster_secret=secret)
+
+    def start() -> None:
+        stack.start(timeout=600, cancelled=lambda: signals.requested)
+        model = http_json(f"{stack.gateway_url}/v1/models")["data"][0]["id"]
+        print(f"""
+pdserve is up: {stack.gateway_url}  (model {model}; {args.prefill} prefill + {args.decode} decode, KV over {args.kv_transport})
+
+  curl {stack.gateway_url}/v1/completions -H 'Content-Type: application/json' \\
+       -d '{{"model": "{model}", "prompt": "The capital of France is", "max_tokens": 16, "stream": true}}'
+
+A process that stops is restarted; Ctrl-C stops everything (drained; Ctrl-C three times: at once).""", flush=True)
+
+    def new_supervisor() -> Supervisor:
+        return Supervisor(stack, redis_server, min_backoff=args.restart_backoff,
+                          max_backoff=max(30.0, args.restart_backoff), crash_loop_limit=args.crash_loop_limit)
+
+    try:
+        supervisor = run_stack(stack, redis_server, signals, start, new_supervisor)
+    except StartCancelled as exc:
+        raise SystemExit(f"pdserve: {exc}") from None
+    if supervisor.failed:
+        raise SystemExit(f"stopped: {', '.join(sorted(supervisor.given_up))} kept crashing")
+

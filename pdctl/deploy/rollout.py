@@ -1,0 +1,176 @@
+"""Replace and remove workers without cutting a stream: ``pdctl rollout`` and ``pdctl scale``.
+
+    rollout, per worker, one at a time:   drain (admin API) -> idle -> remove -> recreate from the
+                                          current config and image -> healthy and registered -> next
+    scale down:                           pick the replicas to remove (exited ones first, then the
+                                          least loaded), drain exactly those, remove exactly those
+    scale up:                             create the missing replicas, wait until they serve
+
+The registry is the truth about workers; the backend (``pdctl.deploy.backends``) knows where they
+run.  Every wait is bounded; a step that fails stops the operation with the rest untouched.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from pdctl.deploy.backends import Backend, Replica
+
+
+class OperationError(Exception):
+    """A drain, a removal or a replacement did not complete; the message says which and why."""
+
+
+@dataclass
+class ScalePlan:
+    """What ``scale`` will do, per service: the target count and the replicas it removes."""
+
+    current: dict[str, int] = field(default_factory=dict)
+    target: dict[str, int] = field(default_factory=dict)
+    remove: dict[str, list[Replica]] = field(default_factory=dict)
+
+    def describe(self, entries: dict[str, dict]) -> list[str]:
+        lines = []
+        for service, target in self.target.items():
+            lines.append(f"{service}: {self.current[service]} -> {target} replica(s)")
+            for r in self.remove.get(service, []):
+                entry = entries.get(r.worker_id or "")
+                load = entry.get("load", {}) if entry else {}
+                what = (f"worker {r.worker_id}, {entry['state']}, {load.get('num_running', 0)} running, "
+                        f"{load.get('num_waiting', 0)} waiting" if entry else
+                        "not running" if not r.running else f"worker {r.worker_id or '?'}, not registered")
+                lines.append(f"  remove {r.name} ({what})")
+        return lines
+
+
+class Operator:
+    """Drives an ``AdminClient`` (drain, the registry) and a ``Backend`` (processes/containers)."""
+
+    def __init__(self, client, backend: Backend, *, drain_timeout: float = 600.0, ready_timeout: float = 900.0,
+                 stop_grace_s: float = 150.0, say: Callable[[str], None] = print, poll_s: float = 0.5):
+        self.client, self.backend = client, backend
+        self.drain_timeout, self.ready_timeout, self.stop_grace_s = drain_timeout, ready_timeout, stop_grace_s
+        self.say, self.poll_s = say, poll_s
+        self.events: list[tuple[str, str]] = []  # (what happened, replica name): the order, for tests
+
+    def _event(self, what: str, replica: Replica, message: str) -> None:
+        self.events.append((what, replica.name))
+        self.say(message)
+
+    def entries(self) -> dict[str, dict]:
+        return {w["worker_id"]: w for w in self.client.workers()}
+
+    # ---- building blocks ------------------------------------------------------------------
+
+    def drain(self, replicas: list[Replica]) -> None:
+        """Ask each registered replica to drain, then wait until each reports idle."""
+        entries = self.entries()
+        started = []
+        for r in replicas:
+            entry = entries.get(r.worker_id or "")
+            if entry is None:
+                continue  # not registered: nothing routes to it, nothing to finish
+            before = entry.get("heartbeat_at", 0.0)
+            self.client.drain(r.worker_id)
+            self._event("drain", r, f"{r.service}: draining {r.name} (worker {r.worker_id})")
+            started.append((r, before))
+        for r, before in started:
+            try:
+                self.client.wait_for(r.worker_id, lambda w: w["state"] == "idle", "idle", self.drain_timeout, before)
+            except Exception as exc:
+                raise OperationError(f"{r.name} did not finish draining: {exc}") from None
+            self._event("idle", r, f"{r.service}: {r.name} is idle")
+
+    def remove(self, r: Replica) -> None:
+        self.backend.remove(r, self.stop_grace_s)
+        self._event("removed", r, f"{r.service}: removed {r.name}")
+
+    def wait_new(self, service: str, known: set[str], count: int, replaced: dict[str, float]) -> list[Replica]:
+        """Wait until ``count`` replicas of ``service`` not in ``known`` are running, healthy and
+        registered as active (a worker id seen in ``replaced`` must show a later ``started_at``)."""
+        deadline = time.monotonic() + self.ready_timeout
+        while True:
+            fresh = [r for r in self.backend.replicas(service) if r.handle not in known and r.running]
+            entries = self.entries()
+            ready = [r for r in fresh if r.worker_id in entries and entries[r.worker_id]["state"] == "active"
+                     and entries[r.worker_id].get("started_at", 0.0) > replaced.get(r.worker_id, -1.0)
+                     and self.backend.healthy(r)]
+            if len(ready) >= count:
+                for r in ready:
+                    self._event("ready", r, f"{service}: {r.name} (worker {r.worker_id}) is healthy and registered")
+                return ready
+            if time.monotonic() > deadline:
+                raise OperationError(f"{service}: {count - len(ready)} new replica(s) not healthy and registered within "
+                                     f"{self.ready_timeout:g}s (seen: {[r.name for r in fresh]})")
+            time.sleep(self.poll_s)
+
+    # ---- rollout --------------------------------------------------------------------------
+
+    def rollout(self, services: list[str], allow_outage: bool = False) -> list[tuple[Replica, Replica]]:
+        """Replace every running replica of ``services``, one at a time."""
+        replaced = []
+        for service in services:
+            for old in [r for r in self.backend.replicas(service) if r.running]:
+                entries = self.entries()
+                if not allow_outage:
+                    self._check_pool_survives(old, entries)
+                all_now = self.backend.replicas(service)
+                started = {old.worker_id: entries[old.worker_id].get("started_at", 0.0)} if old.worker_id in entries else {}
+                self.drain([old])
+                self.remove(old)
+                self.backend.ensure(service, len(all_now))
+                new = self.wait_new(service, {r.handle for r in all_now}, 1, started)[0]
+                replaced.append((old, new))
+        return replaced
+
+    def _check_pool_survives(self, old: Replica, entries: dict[str, dict]) -> None:
+        entry = entries.get(old.worker_id or "")
+        if entry is None:
+            return
+        pools = ["prefill", "decode"] if entry["role"] == "both" else [entry["role"]]
+        for pool in pools:
+            others = [w for w in entries.values() if w["worker_id"] != old.worker_id and w["state"] == "active"
+                      and w["role"] in (pool, "both")]
+            if not others:
+                raise OperationError(f"{old.name} is the only active worker of the {pool} pool: replacing it is an "
+                                     f"outage (scale the pool to two first, or pass --allow-outage)")
+
+    # ---- scale ----------------------------------------------------------------------------
+
+    def plan_scale(self, targets: dict[str, int]) -> ScalePlan:
+        plan = ScalePlan()
+        entries = self.entries()
+        for service, target in targets.items():
+            if target < 0:
+                raise ValueError(f"--{service} must be >= 0, got {target}")
+            replicas = self.backend.replicas(service)
+            plan.current[service], plan.target[service] = len(replicas), target
+            if target < len(replicas):
+                plan.remove[service] = self.victims(replicas, len(replicas) - target, entries)
+        return plan
+
+    @staticmethod
+    def victims(replicas: list[Replica], n: int, entries: dict[str, dict]) -> list[Replica]:
+        """Exited replicas first, then running ones no registry entry knows, then the least loaded
+        (running + waiting requests); ties go to the last name, as compose would pick."""
+
+        def cost(r: Replica) -> tuple:
+            entry = entries.get(r.worker_id or "")
+            load = (entry or {}).get("load", {})
+            return (r.running, entry is not None, load.get("num_running", 0) + load.get("num_waiting", 0))
+
+        by_name = sorted(replicas, key=lambda r: r.name, reverse=True)
+        return sorted(by_name, key=cost)[:n]
+
+    def scale(self, plan: ScalePlan) -> None:
+        for service, victims in plan.remove.items():
+            self.drain([r for r in victims if r.running])
+            for r in victims:
+                self.remove(r)
+        for service, target in plan.target.items():
+            before = self.backend.replicas(service)
+            self.backend.ensure(service, target)
+            missing = target - len(before)
+            if missing > 0:
+                self.wait_new(service, {r.handle for r in before}, missing, {})
