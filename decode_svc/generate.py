@@ -33,6 +33,7 @@ from common.cluster.messages import (
 )
 from decode_svc.prefill_client import BadPrefillAnswer, call_prefill, resolve_prefill_worker, send_abort
 from kvtransfer.receiver import IncomingTransfer
+from worker.role_context import RoleContext
 
 log = logging.getLogger(__name__)
 
@@ -68,21 +69,21 @@ def output_frame(output: RequestOutput) -> TokenFrame:
     )
 
 
-async def handle_generate(worker, request: web.Request) -> web.StreamResponse:
+async def handle_generate(context: RoleContext, request: web.Request) -> web.StreamResponse:
     try:
         body = decode(await request.read(), GenerateRequest)
     except ValueError as exc:
         return error_answer(str(exc), "invalid", 400)
-    refusal = worker.accepts("generate")
+    refusal = context.accepts("generate")
     if refusal:
         error_kind, reason = refusal
         return error_answer(reason, error_kind, 503)
     try:
-        worker.track(body.request_id)
+        context.in_flight.track(body.request_id)
     except ValueError as exc:
         return error_answer(str(exc), "invalid", 409)
     response = web.StreamResponse(headers={"Content-Type": FRAMES_CONTENT_TYPE})
-    stream = worker.engine_thread.open_stream(body.request_id)
+    stream = context.engine.open_stream(body.request_id)
     started = time.monotonic()
     outcome = "error"
     pending = PendingRelease()
@@ -92,36 +93,36 @@ async def handle_generate(worker, request: web.Request) -> web.StreamResponse:
         reservation = None
         try:
             if body.prefill_worker_id:
-                reservation = await reserve(worker, body)
+                reservation = await reserve(context, body)
                 if reservation is None:  # nothing started: the gateway tries another decode worker
                     outcome = "busy"
                     return error_answer("no free KV blocks to reserve for the prompt right now", "busy", 503)
             await response.prepare(request)
             if reservation is not None:
-                first = await remote_prefill(worker, body, reservation, pending)
+                first = await remote_prefill(context, body, reservation, pending)
         except RemotePrefillFailed as exc:
             fallback = True
-            worker.metrics.prefill_fallbacks.inc()
+            context.metrics.prefill_fallbacks.inc()
             log.warning("request %s: remote prefill failed (%s); computing the prompt locally", body.request_id, exc)
             await response.prepare(request)
         if first is None:
-            await add_local(worker, body)
+            await add_local(context, body)
         elif first.finished:  # the first token ends it: land it (its blocks become cache), then answer
-            await land(worker, body.request_id, first.token_ids[0])
-            worker.ttft.add(time.monotonic() - started)
+            await land(context, body.request_id, first.token_ids[0])
+            context.ttft.add(time.monotonic() - started)
             await response.write(frame(first))
             outcome = first.finish_reason or "stop"
             return response
         else:
             # The first token goes out now, not after the engine's step in flight (a colocated
             # worker's step may carry a long prompt chunk); the request joins the batch after it.
-            worker.ttft.add(time.monotonic() - started)
+            context.ttft.add(time.monotonic() - started)
             await response.write(frame(first))
             try:
-                await land(worker, body.request_id, first.token_ids[0])
+                await land(context, body.request_id, first.token_ids[0])
             except EngineFailed as exc:
                 raise RuntimeError(str(exc)) from None  # mid-stream: the request cannot move any more
-        outcome = await stream_outputs(worker, stream, response, started, first is not None, fallback)
+        outcome = await stream_outputs(context, stream, response, started, first is not None, fallback)
     except asyncio.CancelledError:
         outcome = "aborted"
         raise
@@ -143,14 +144,14 @@ async def handle_generate(worker, request: web.Request) -> web.StreamResponse:
         # The handler may itself be cancelled here (the gateway closed the stream), so the cleanup
         # runs as its own task.  Aborting is idempotent: it frees the blocks if the request is
         # still anywhere in the engine, after an abandoned KV transfer settled.
-        worker.engine_thread.close_stream(body.request_id)
-        worker.metrics.requests.labels("generate", outcome).inc()
+        context.engine.close_stream(body.request_id)
+        context.metrics.requests.labels("generate", outcome).inc()
         if outcome == "busy":
             # Nothing was allocated; forget the request now, so the gateway may send it here again
             # at once without finding it "already in flight".
-            worker.untrack(body.request_id)
+            context.in_flight.untrack(body.request_id)
         else:
-            worker.finish_request(body.request_id, lambda e: e.abort(body.request_id), wait_for=pending.release)
+            context.in_flight.finish(body.request_id, lambda e: e.abort(body.request_id), wait_for=pending.release)
     return response
 
 
@@ -175,12 +176,12 @@ async def _try_write(response: web.StreamResponse, data: bytes) -> None:
         pass
 
 
-async def add_local(worker, body: GenerateRequest) -> None:
-    await worker.engine_thread.call(
+async def add_local(context: RoleContext, body: GenerateRequest) -> None:
+    await context.engine.call(
         lambda e: e.add_request(body.prompt_token_ids, body.sampling_params, body.request_id, body.cache_salt))
 
 
-async def stream_outputs(worker, stream: asyncio.Queue, response, started: float, first_sent: bool,
+async def stream_outputs(context: RoleContext, stream: asyncio.Queue, response, started: float, first_sent: bool,
                          fallback: bool) -> str:
     """Forward the engine's outputs for this request until it finishes; returns the finish reason.
 
@@ -202,11 +203,11 @@ async def stream_outputs(worker, stream: asyncio.Queue, response, started: float
                 raise item
             out = output_frame(item)
             if not first_sent:
-                worker.ttft.add(now - started)
+                context.ttft.add(now - started)
                 first_sent = True
                 out.prefill_fallback = fallback
             else:
-                worker.tpot.add(now - last)
+                context.tpot.add(now - last)
             last = now
             frames.append(frame(out))
             if item.finished:
@@ -227,30 +228,30 @@ class Reservation:
     request: Request
 
 
-async def reserve(worker, body: GenerateRequest) -> Reservation | None:
-    """Reserve blocks for a remote prefill, leased for ``worker.reservation_lease_s``; ``None``
+async def reserve(context: RoleContext, body: GenerateRequest) -> Reservation | None:
+    """Reserve blocks for a remote prefill, leased for ``context.reservation_lease_s``; ``None``
     if they do not fit now.  Raises ``RemotePrefillFailed`` if the prefill worker is unknown,
     ``ValueError`` for bad input."""
     began = time.monotonic()
     try:
-        peer = await resolve_prefill_worker(worker, body.prefill_worker_id)
+        peer = await resolve_prefill_worker(context, body.prefill_worker_id)
     except BadPrefillAnswer as exc:
         raise RemotePrefillFailed(str(exc)) from None
-    lease_s = worker.reservation_lease_s
+    lease_s = context.reservation_lease_s
 
     def reserve_blocks(engine: Engine):
         request = engine.make_request(body.prompt_token_ids, body.sampling_params, body.request_id, body.cache_salt)
         reserved = engine.scheduler.reserve_remote(request, lease_s=lease_s)
         return None if reserved is None else (request, *reserved)
 
-    reserved = await worker.engine_thread.call(reserve_blocks)
+    reserved = await context.engine.call(reserve_blocks)
     if reserved is None:
         return None
     request, block_ids, num_cached = reserved
     return Reservation(peer, block_ids, num_cached, began=began, request=request)
 
 
-async def remote_prefill(worker, body: GenerateRequest, reservation: Reservation,
+async def remote_prefill(context: RoleContext, body: GenerateRequest, reservation: Reservation,
                          pending: PendingRelease) -> TokenFrame:
     """Have the prefill worker fill the reserved blocks.
 
@@ -263,15 +264,15 @@ async def remote_prefill(worker, body: GenerateRequest, reservation: Reservation
     """
     rid = body.request_id
     began, peer, num_cached = reservation.began, reservation.peer, reservation.num_cached
-    skip = num_cached // worker.engine.config.block_size
+    skip = num_cached // context.model.block_size
     dst_block_ids = reservation.block_ids[skip:]
-    handle = worker.kv_receiver.expect(rid, dst_block_ids)
+    handle = context.kv_receiver.expect(rid, dst_block_ids)
     prefill = PrefillRequest(request_id=rid, prompt_token_ids=body.prompt_token_ids,
-                             sampling_params=body.sampling_params, decode_worker_id=worker.config.worker_id,
+                             sampling_params=body.sampling_params, decode_worker_id=context.worker_id,
                              dst_block_ids=dst_block_ids, num_skip_blocks=skip,
                              kv_transfer_id=handle.transfer_id, cache_salt=body.cache_salt)
-    call = asyncio.ensure_future(call_prefill(worker, peer, prefill))
-    landed = asyncio.ensure_future(kv_landed(worker, handle, reservation.request))
+    call = asyncio.ensure_future(call_prefill(context, peer, prefill))
+    landed = asyncio.ensure_future(kv_landed(context, handle, reservation.request))
     try:
         result, _metadata = await asyncio.gather(call, landed)
     except BaseException as exc:
@@ -280,22 +281,22 @@ async def remote_prefill(worker, body: GenerateRequest, reservation: Reservation
         # The blocks go back to the pool only once no more bytes can land in them; until then
         # the reservation keeps them.  A task of its own, so a handler cancelled again meanwhile
         # (the gateway's abort) cannot free them early.
-        pending.release = worker.spawn(release_reservation(worker, rid, handle))
-        worker.spawn(send_abort(worker, peer, rid))
-        worker.peers.forget(peer.worker_id)  # it may have restarted elsewhere
+        pending.release = context.spawn(release_reservation(context, rid, handle))
+        context.spawn(send_abort(context, peer, rid))
+        context.peers.forget(peer.worker_id)  # it may have restarted elsewhere
         if isinstance(exc, asyncio.CancelledError):
             raise
         if isinstance(exc, LeaseEnded):  # its owner gives it up (the lease's end cancels this handler)
             raise asyncio.CancelledError() from None
-        worker.metrics.kv_transfer_failures.inc()
+        context.metrics.kv_transfer_failures.inc()
         await asyncio.shield(pending.release)  # the local fallback reuses the request id
         raise RemotePrefillFailed(f"{type(exc).__name__}: {exc}") from None
     transfer_seconds = time.monotonic() - began
-    transfer_bytes = len(dst_block_ids) * worker.engine.kv_cache.block_nbytes
-    worker.metrics.kv_transfer_seconds.observe(transfer_seconds)
-    worker.metrics.kv_received_bytes.inc(transfer_bytes)
+    transfer_bytes = len(dst_block_ids) * context.model.block_nbytes
+    context.metrics.kv_transfer_seconds.observe(transfer_seconds)
+    context.metrics.kv_received_bytes.inc(transfer_bytes)
     ending = status_after_token(reservation.request, result.first_token_id,
-                                worker.engine.scheduler.config.max_model_len)
+                                context.model.max_model_len)
     logprobs = None
     if result.first_logprob is not None:
         logprobs = [result.first_logprob]
@@ -308,27 +309,27 @@ async def remote_prefill(worker, body: GenerateRequest, reservation: Reservation
     )
 
 
-async def kv_landed(worker, handle: IncomingTransfer, request: Request):
+async def kv_landed(context: RoleContext, handle: IncomingTransfer, request: Request):
     """Wait for the KV to land, then stop the reservation's lease at once (not after the engine's
     step in flight), so a first token that is yet to come never finds it expired.  Raises
     ``LeaseEnded`` if the lease ended first, or what failed the transfer."""
     metadata = await handle.wait()
-    if not worker.engine_thread.keep_lease(request):
+    if not context.engine.keep_lease(request):
         raise LeaseEnded(f"the lease on the blocks of {request.request_id!r} ended before its KV landed")
     return metadata
 
 
-async def land(worker, request_id: str, first_token_id: int) -> None:
+async def land(context: RoleContext, request_id: str, first_token_id: int) -> None:
     """Queue a request whose KV has landed to decode from ``first_token_id`` (between two engine
     steps: the engine thread's next call).  Raises ``CancelledError`` if it was aborted meanwhile
     (its lease stopped when its KV landed: ``kv_landed``)."""
-    landed = await worker.engine_thread.call(
+    landed = await context.engine.call(
         lambda engine: engine.scheduler.finish_remote(request_id, first_token_id) is not None)
     if not landed:
         raise asyncio.CancelledError()
 
 
-async def release_reservation(worker, request_id: str, handle: IncomingTransfer) -> None:
+async def release_reservation(context: RoleContext, request_id: str, handle: IncomingTransfer) -> None:
     """Abort an abandoned transfer and free its reserved blocks once nothing more can land in them.
 
     A payload may be landing when the request is given up (prefill failed, client gone): freeing
@@ -338,12 +339,12 @@ async def release_reservation(worker, request_id: str, handle: IncomingTransfer)
     """
     handle.abort("decode side gave up")
     if not handle.done():
-        worker.metrics.kv_transfers_settling.inc()
+        context.metrics.kv_transfers_settling.inc()
         try:
             await handle.settled()
         finally:
-            worker.metrics.kv_transfers_settling.dec()
+            context.metrics.kv_transfers_settling.dec()
     try:
-        await worker.engine_thread.call(lambda e: e.abort(request_id))
+        await context.engine.call(lambda e: e.abort(request_id))
     except EngineFailed:
         pass  # nothing runs any more; the process exits

@@ -23,6 +23,7 @@ import aiohttp
 
 from common.cluster.messages import AbortRequest, PrefillRequest, PrefillResult, decode, encode, read_response
 from common.cluster.registry import WorkerInfo
+from worker.role_context import RoleContext
 
 log = logging.getLogger(__name__)
 
@@ -34,9 +35,9 @@ class BadPrefillAnswer(Exception):
     """The prefill worker's answer cannot be used (the message says which field and why)."""
 
 
-async def resolve_prefill_worker(worker, worker_id: str) -> WorkerInfo:
+async def resolve_prefill_worker(context: RoleContext, worker_id: str) -> WorkerInfo:
     """The registry entry of prefill worker ``worker_id``; BadPrefillAnswer if it is not one."""
-    peer = await worker.peers.get(worker_id)
+    peer = await context.peers.get(worker_id)
     if peer is None:
         raise BadPrefillAnswer(f"prefill worker {worker_id!r} has no verified registry entry")
     if peer.role not in ("prefill", "both"):
@@ -44,14 +45,14 @@ async def resolve_prefill_worker(worker, worker_id: str) -> WorkerInfo:
     return peer
 
 
-async def call_prefill(worker, peer: WorkerInfo, prefill: PrefillRequest) -> PrefillResult:
+async def call_prefill(context: RoleContext, peer: WorkerInfo, prefill: PrefillRequest) -> PrefillResult:
     """POST the request to ``peer`` and return its checked result; raises on any failure."""
     data = encode(prefill)
-    headers = worker.auth.sign_request("POST", "/prefill", data, audience=peer.audience)
+    headers = context.auth.sign_request("POST", "/prefill", data, audience=peer.audience)
     # The whole remote prefill (queueing on the prefill worker included) is bounded like the KV transfer.
-    connect = worker.config.peer_connect_timeout_s
-    timeout = aiohttp.ClientTimeout(total=worker.config.kv.transfer_timeout, connect=connect, sock_connect=connect)
-    async with worker.http_client.post(f"{peer.http_address}/prefill", data=data, headers=headers,
+    connect = context.config.peer_connect_timeout_s
+    timeout = aiohttp.ClientTimeout(total=context.config.kv.transfer_timeout, connect=connect, sock_connect=connect)
+    async with context.peer_http.post(f"{peer.http_address}/prefill", data=data, headers=headers,
                                        timeout=timeout) as resp:
         try:
             raw = await read_response(resp, MAX_RESULT_BYTES)
@@ -64,7 +65,7 @@ async def call_prefill(worker, peer: WorkerInfo, prefill: PrefillRequest) -> Pre
             raise BadPrefillAnswer(f"prefill worker {peer.worker_id} answered {resp.status}: {detail}") from None
         if resp.status != 200 or result.error:
             raise BadPrefillAnswer(f"prefill worker {peer.worker_id} answered {resp.status}: {result.error}")
-    check_prefill_result(result, prefill, worker.engine.model_config.vocab_size)
+    check_prefill_result(result, prefill, context.model.vocab_size)
     return result
 
 
@@ -97,13 +98,13 @@ def check_prefill_result(result: PrefillResult, asked: PrefillRequest, vocab_siz
             raise bad(f"first_logprob has log-probability {logprob} (must be <= 0)")
 
 
-async def send_abort(worker, peer: WorkerInfo, request_id: str) -> None:
+async def send_abort(context: RoleContext, peer: WorkerInfo, request_id: str) -> None:
     """Tell the prefill worker to stop ``request_id``; best effort, bounded."""
     data = encode(AbortRequest(request_id))
-    headers = worker.auth.sign_request("POST", "/abort", data, audience=peer.audience)
+    headers = context.auth.sign_request("POST", "/abort", data, audience=peer.audience)
     try:
         # Bounded by the session's default: the control-call timeout.
-        async with worker.http_client.post(f"{peer.http_address}/abort", data=data, headers=headers) as resp:
+        async with context.peer_http.post(f"{peer.http_address}/abort", data=data, headers=headers) as resp:
             await read_response(resp, 4096)
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as exc:
         log.info("could not tell prefill worker %s to abort %s: %s", peer.worker_id, request_id, exc)

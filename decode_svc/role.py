@@ -1,12 +1,12 @@
 """The decode role module: ``POST /generate`` (reserve, remote prefill, continuous-batched decode)."""
 from __future__ import annotations
 
-from worker.roles import RoleModule
 from decode_svc.generate import handle_generate
+from worker.role_context import RoleContext, RoleModule
 
 
-def install(worker, app) -> None:
-    app.router.add_post("/generate", lambda request: handle_generate(worker, request))
+def install(context: RoleContext, app) -> None:
+    app.router.add_post("/generate", lambda request: handle_generate(context, request))
 
 
 DECODE = RoleModule("decode", install)

@@ -9,7 +9,8 @@ from aiohttp import web
 
 from common.cluster.messages import PrefillRequest, PrefillResult, TokenLogprob, decode, encode
 from prefill_svc.request_checks import check_prefill_request
-from prefill_svc.shipping import ShippingJob, ship, unpin_leftovers
+from prefill_svc.shipping import Shipper, ShippingJob, ship, unpin_leftovers
+from worker.role_context import RoleContext
 
 log = logging.getLogger(__name__)
 
@@ -35,28 +36,28 @@ def _reply(result: PrefillResult, status: int = 200) -> web.Response:
     return web.Response(body=encode(result), status=status, content_type="application/msgpack")
 
 
-async def handle_prefill(worker, request: web.Request) -> web.Response:
+async def handle_prefill(context: RoleContext, shipper: Shipper, request: web.Request) -> web.Response:
     try:
         body = decode(await request.read(), PrefillRequest)
     except ValueError as exc:
         return _reply(PrefillResult(error=str(exc)), 400)
-    refusal = worker.accepts("prefill")
+    refusal = context.accepts("prefill")
     if refusal:
         return _reply(PrefillResult(error=refusal[1]), 503)
     try:
         kv_address = check_prefill_request(
-            body, await worker.peers.get(body.decode_worker_id), vocab_size=worker.engine.model_config.vocab_size,
-            block_size=worker.engine.config.block_size, transport=worker.config.kv.transport)
+            body, await context.peers.get(body.decode_worker_id), vocab_size=context.model.vocab_size,
+            block_size=context.model.block_size, transport=context.config.kv.transport)
     except ValueError as exc:
         return _reply(PrefillResult(error=f"invalid PrefillRequest: {exc}"), 400)
     try:
-        worker.track(body.request_id)
+        context.in_flight.track(body.request_id)
     except ValueError as exc:
         return _reply(PrefillResult(error=str(exc)), 409)
     rid = body.request_id
     loop = asyncio.get_running_loop()
     job = ShippingJob(rid, body.kv_transfer_id, kv_address, body.dst_block_ids, body.num_skip_blocks, loop)
-    stream = worker.engine_thread.open_stream(rid)
+    stream = context.engine.open_stream(rid)
     first_token: asyncio.Future = loop.create_future()
     shipping: asyncio.Task | None = None
     outcome = "error"
@@ -66,18 +67,18 @@ async def handle_prefill(worker, request: web.Request) -> web.Response:
     params = msgspec.structs.replace(body.sampling_params, max_tokens=1)
 
     def start(engine):
-        worker.shipper.start(engine, job, engine.make_request(body.prompt_token_ids, params, rid, body.cache_salt))
+        shipper.start(engine, job, engine.make_request(body.prompt_token_ids, params, rid, body.cache_salt))
 
     try:
-        await worker.engine_thread.call(start)
-        shipping = asyncio.create_task(ship(worker, job, first_token))
+        await context.engine.call(start)
+        shipping = asyncio.create_task(ship(context, job, first_token))
         output = await _first_output(stream, shipping)
         first_token.set_result(output.new_token_ids[0])
         num_sent = await shipping
         computed = output.num_prompt_tokens - output.num_cached_tokens
-        worker.metrics.prefill_computed_tokens.inc(computed)
-        worker.metrics.prefill_cached_tokens.inc(output.num_cached_tokens)
-        worker.metrics.kv_sent_bytes.inc(num_sent * worker.engine.kv_cache.block_nbytes)
+        context.metrics.prefill_computed_tokens.inc(computed)
+        context.metrics.prefill_cached_tokens.inc(output.num_cached_tokens)
+        context.metrics.kv_sent_bytes.inc(num_sent * context.model.block_nbytes)
         lp = output.new_logprobs[0] if output.new_logprobs else None
         outcome = "ok"
         return _reply(PrefillResult(
@@ -93,13 +94,13 @@ async def handle_prefill(worker, request: web.Request) -> web.Response:
         return _reply(PrefillResult(error=str(exc)), 400)
     except Exception as exc:
         log.warning("prefill of %s failed: %s: %s", rid, type(exc).__name__, exc)
-        worker.metrics.kv_transfer_failures.inc()
+        context.metrics.kv_transfer_failures.inc()
         return _reply(PrefillResult(error=f"{type(exc).__name__}: {exc}"), 502)
     finally:
         if shipping is not None and not shipping.done():
             shipping.cancel()
         if not first_token.done():
             first_token.cancel()
-        worker.engine_thread.close_stream(rid)
-        worker.metrics.requests.labels("prefill", outcome).inc()
-        worker.finish_request(rid, lambda e: worker.shipper.stop(e, rid), then=unpin_leftovers(worker, job))
+        context.engine.close_stream(rid)
+        context.metrics.requests.labels("prefill", outcome).inc()
+        context.in_flight.finish(rid, lambda e: shipper.stop(e, rid), then=unpin_leftovers(context, job))

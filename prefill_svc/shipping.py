@@ -24,6 +24,7 @@ from common.cluster.registry import KVAddress
 from common.engine.request import Request
 from worker.engine_thread import EngineFailed
 from kvtransfer.ordering import record_fence
+from worker.role_context import RoleContext
 
 FINAL = object()
 
@@ -51,14 +52,14 @@ class ShippingJob:
 class Shipper:
     """Engine-thread side of KV shipping for every request this worker prefills."""
 
-    def __init__(self, worker):
-        self.worker = worker
+    def __init__(self, context: RoleContext):
+        self.context = context
         self.jobs: dict[str, ShippingJob] = {}  # touched only in the engine thread
         self._fence = None  # recorded after the latest forward (None on CPU)
 
     def on_kv_written(self, _out) -> None:
         """Engine thread, right after a forward is enqueued (``ModelRunner.on_kv_written``)."""
-        self._fence = record_fence(self.worker.engine.device) if self.jobs else None
+        self._fence = record_fence(self.context.model.device) if self.jobs else None
 
     def start(self, engine: Engine, job: ShippingJob, request: Request) -> None:
         """Engine thread: admit the request and start watching its blocks."""
@@ -101,7 +102,7 @@ class Shipper:
                 job.post(FINAL)
 
 
-async def ship(worker, job: ShippingJob, first_token: asyncio.Future) -> int:
+async def ship(context: RoleContext, job: ShippingJob, first_token: asyncio.Future) -> int:
     """Event loop: send each queued batch, unpin it, then finish with the first token.
 
     A batch is unpinned by a command the engine thread runs between steps; nothing waits for it,
@@ -112,7 +113,7 @@ async def ship(worker, job: ShippingJob, first_token: asyncio.Future) -> int:
     """
     sent = 0
     address = f"{job.kv_address.host}:{job.kv_address.port}"
-    transfer = await worker.kv_sender.begin(job.transfer_id, address)
+    transfer = await context.kv_sender.begin(job.transfer_id, address)
     try:
         while True:
             item = await job.queue.get()
@@ -124,22 +125,22 @@ async def ship(worker, job: ShippingJob, first_token: asyncio.Future) -> int:
                 await transfer.send_blocks(src, dst, fence)
                 sent += len(src)
             finally:
-                worker.spawn(unpin(worker, blocks))
+                context.spawn(unpin(context, blocks))
     except BaseException as exc:
         transfer.abort(f"prefill side failed: {type(exc).__name__}")
         raise
 
 
-async def unpin(worker, blocks: list[KVCacheBlock]) -> None:
+async def unpin(context: RoleContext, blocks: list[KVCacheBlock]) -> None:
     try:
-        await asyncio.shield(worker.engine_thread.call(lambda e: e.scheduler.kv.unpin(blocks)))
+        await asyncio.shield(context.engine.call(lambda e: e.scheduler.kv.unpin(blocks)))
     except EngineFailed:
         pass  # the engine has stopped: no block is handed out any more
 
 
-async def unpin_leftovers(worker, job: ShippingJob) -> None:
+async def unpin_leftovers(context: RoleContext, job: ShippingJob) -> None:
     """After the job is stopped in the engine thread: release batches that were never sent."""
     while not job.queue.empty():
         item = job.queue.get_nowait()
         if item is not FINAL:
-            await unpin(worker, item[2])
+            await unpin(context, item[2])

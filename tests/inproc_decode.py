@@ -27,7 +27,7 @@ from common.engine.engine import Engine
 from common.engine.sampling_params import SamplingParams
 from worker.config import WorkerConfig
 from worker.engine_thread import EngineThread
-from worker.server import Worker
+from worker.lifecycle import Worker
 from decode_svc import generate
 from decode_svc.role import DECODE
 from kvtransfer.config import KVTransferConfig
@@ -106,7 +106,7 @@ class DecodeHarness:
         self._monkeypatch.setattr(generate, "send_abort", send_abort)
         worker.engine_thread.start()
         app = web.Application()
-        DECODE.install(worker, app)
+        DECODE.install(worker.role_context(), app)
         self._runner = web.AppRunner(app, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
@@ -138,7 +138,7 @@ class DecodeHarness:
         """Until nothing is in flight and every block is free again."""
         async def done() -> bool:
             stats = await self.engine_state(lambda e: e.stats())
-            return not self.worker.inflight and stats["num_free_blocks"] == stats["num_blocks"]
+            return not self.worker.in_flight and stats["num_free_blocks"] == stats["num_blocks"]
         await until(done, "the decode worker to go idle with every block free")
 
 

@@ -198,7 +198,7 @@ async def test_client_gone_mid_transfer_keeps_blocks_until_the_transfer_settled(
     state = await until(settling_or_freed, "the abandoned transfer to settle or its blocks to be freed")
     assert state == "settling", f"the blocks were freed while bytes could still land: {state}"
     assert await peer.reserved_blocks(gone.request_id) == len(first) // BLOCK_SIZE
-    assert gone.request_id in peer.harness.worker.inflight  # its cleanup waits for the transfer
+    assert gone.request_id in peer.harness.worker.in_flight  # its cleanup waits for the transfer
     peer.hold.release()
     await peer.harness.idle()  # settled: the blocks came back
     assert peer.settling() == 0 and peer.harness.aborts == [gone.request_id]
@@ -343,7 +343,7 @@ async def test_release_frees_blocks_only_once_the_transfer_settled():
     from decode_svc.generate import release_reservation
 
     handle, engine_thread = _Handle(), _EngineThread()
-    worker = type("W", (), {"metrics": WorkerMetrics(), "engine_thread": engine_thread})()
+    worker = type("W", (), {"metrics": WorkerMetrics(), "engine": engine_thread})()
     release = asyncio.ensure_future(release_reservation(worker, "r1", handle))
     await until(lambda: asyncio.sleep(0, handle.aborted), "the abort")
     for _ in range(20):

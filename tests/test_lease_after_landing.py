@@ -172,7 +172,7 @@ async def test_kv_that_lands_after_the_lease_ended_is_refused_before_its_first_t
     harness.answer.set()
     # The handler either has given the request up by itself, or would have sent the first token.
     async def handled():
-        return stream.task.done() or stream.first.is_set() or stream.request_id not in worker.inflight
+        return stream.task.done() or stream.first.is_set() or stream.request_id not in worker.in_flight
     await until(handled, "the handler to act on its late KV")
     assert not stream.first.is_set(), f"a first token went out on late KV: {stream.frames}"
     worker._leases_expired(held_expiries[0])  # what the engine thread had posted

@@ -41,8 +41,7 @@ def test_each_shipped_batch_waits_for_the_step_that_wrote_it(engine, monkeypatch
                 written_in[position // BLOCK] = steps["n"]
         shipper.on_kv_written(out)
 
-    worker = SimpleNamespace(engine=engine)
-    shipper = Shipper(worker)
+    shipper = Shipper(SimpleNamespace(model=SimpleNamespace(device=engine.device)))
     engine.runner.on_kv_written.append(on_kv_written)
     posted: list = []
     prompt = list(range(3, 40))  # 37 tokens: 10 blocks, computed 10 tokens per step
@@ -120,7 +119,7 @@ async def test_the_first_token_goes_out_without_waiting_for_the_next_step():
         background.add(task)
         return task
 
-    worker = SimpleNamespace(engine_thread=StepInProgress(engine), kv_sender=SimpleNamespace(begin=begin), spawn=spawn)
+    context = SimpleNamespace(engine=StepInProgress(engine), kv_sender=SimpleNamespace(begin=begin), spawn=spawn)
     job = ShippingJob("r", "0" * 32, KVAddress("tcp", "127.0.0.1", 1), [7, 8, 9], 0, asyncio.get_running_loop())
     blocks = ["block 0", "block 1", "block 2"]
     job.queue.put_nowait(([0, 1], [7, 8], blocks[:2], None))
@@ -129,11 +128,11 @@ async def test_the_first_token_goes_out_without_waiting_for_the_next_step():
     first_token = asyncio.get_running_loop().create_future()
     first_token.set_result(42)
 
-    sent = await asyncio.wait_for(shipping.ship(worker, job, first_token), timeout=10)
+    sent = await asyncio.wait_for(shipping.ship(context, job, first_token), timeout=10)
 
     assert sent == 3 and transfer.sent == [[7, 8], [9]] and transfer.finished == {"first_token": 42}
     await asyncio.sleep(0)  # the unpin tasks queue their commands ...
-    assert unpinned == [] and len(worker.engine_thread.queued) == 2  # ... which wait for the step's end
-    worker.engine_thread.end_step()
+    assert unpinned == [] and len(context.engine.queued) == 2  # ... which wait for the step's end
+    context.engine.end_step()
     await asyncio.wait_for(asyncio.gather(*background), timeout=10)
     assert unpinned == [blocks[:2], blocks[2:]]

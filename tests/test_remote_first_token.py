@@ -24,7 +24,7 @@ from common.engine.engine import Engine
 from common.engine.sampling_params import SamplingParams
 from worker.config import WorkerConfig
 from worker.engine_thread import EngineThread
-from worker.server import Worker
+from worker.lifecycle import Worker
 from decode_svc import generate
 from decode_svc.role import DECODE
 from kvtransfer.config import KVTransferConfig
@@ -84,10 +84,10 @@ async def decode_worker(served_checkpoint, monkeypatch):
     async def resolve_prefill_worker(worker, worker_id):
         return SimpleNamespace(worker_id=worker_id)
 
-    async def call_prefill(worker, peer, request):
+    async def call_prefill(context, peer, request):
         # Another request streams on this worker; the prefill answers while its step is running.
         gate.armed = True
-        await worker.engine_thread.call(lambda e: e.add_request(
+        await context.engine.call(lambda e: e.add_request(
             list(range(3, 40)), SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True), "background"))
         assert await asyncio.to_thread(gate.entered.wait, WAIT), "the background request never stepped"
         peer_answered.set()
@@ -97,7 +97,7 @@ async def decode_worker(served_checkpoint, monkeypatch):
     monkeypatch.setattr(generate, "call_prefill", call_prefill)
     worker.engine_thread.start()
     app = web.Application()
-    DECODE.install(worker, app)
+    DECODE.install(worker.role_context(), app)
     runner = web.AppRunner(app, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -117,7 +117,7 @@ def generate_body(sampling: SamplingParams) -> bytes:
 
 
 async def all_freed(worker: Worker) -> None:
-    while worker.inflight or worker.engine.scheduler.requests:
+    while worker.in_flight or worker.engine.scheduler.requests:
         await asyncio.sleep(0.02)
 
 

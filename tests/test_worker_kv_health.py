@@ -13,7 +13,8 @@ import json
 import types
 
 from common.engine.kv.kv_cache import KVCache, KVLayout
-from worker.server import Worker
+from worker.admin_routes import AdminHandlers
+from worker.lifecycle import Worker
 from kvtransfer import KVReceiver, KVTransferConfig
 
 LAYOUT = KVLayout(model_id="tiny", dtype="float32", block_size=4, num_layers=1, num_kv_heads=1, head_dim=4)
@@ -28,7 +29,7 @@ def bare_worker() -> Worker:
 
 
 async def health(worker: Worker) -> tuple[int, dict]:
-    response = await worker._handle_health(None)
+    response = await AdminHandlers(worker).health(None)
     return response.status, json.loads(response.body)
 
 

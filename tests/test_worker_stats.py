@@ -18,7 +18,7 @@ import pytest
 
 from common.engine.config import EngineConfig
 from worker.config import WorkerConfig
-from worker.server import Worker
+from worker.lifecycle import Worker
 from decode_svc.role import DECODE
 from kvtransfer.config import KVTransferConfig
 

@@ -18,8 +18,8 @@ import threading  # noqa: E402
 
 from common.cluster.aio import run_service  # noqa: E402
 from worker.config import build_parser, config_from_args  # noqa: E402
-from worker.roles import RoleModule  # noqa: E402
-from worker.server import Worker  # noqa: E402
+from worker.role_context import RoleModule  # noqa: E402
+from worker.lifecycle import Worker  # noqa: E402
 
 log = logging.getLogger(__name__)
 
