@@ -1,4 +1,4 @@
-"""Chaos benchmark: the chaos scenario of tests/test_chaos.py, run for ``--minutes``.
+"""Chaos benchmark: the chaos scenario of tests/serving/test_chaos.py, run for ``--minutes``.
 
     python benchmarks/chaos.py --minutes 3 [--transport tcp|ucx] [--requests 300] [--concurrency 12]
 

@@ -1,10 +1,10 @@
 """The chaos scenario: a real stack under disconnects, crashes, a Redis restart and hostile input.
 
-``tests/test_chaos.py`` runs it briefly in ``make test``; ``benchmarks/chaos.py --minutes N`` runs
+``tests/serving/test_chaos.py`` runs it briefly in ``make test``; ``benchmarks/chaos.py --minutes N`` runs
 it longer.  Both call ``run_chaos(ChaosConfig(...), workdir)`` and judge the dict it returns.
 
     stack     gateway + 2 prefill + 2 decode workers (real processes, ``LocalStack``), a private
-              redis-server, KV over TCP or UCX, a tiny random Llama (tests/checkpoints.py), KV
+              redis-server, KV over TCP or UCX, a tiny random Llama (tests/support/checkpoints.py), KV
               pools small enough that reservations contend and requests get preempted; a
               ``Supervisor`` (the launcher's) restarts whatever dies
     load      ``concurrency`` clients of the official ``openai`` package; each request greedy or
@@ -96,8 +96,8 @@ class ChaosConfig:
 
 
 def write_checkpoint(directory: Path) -> Path:
-    """The tiny random Llama of tests/checkpoints.py, long enough for 1500-token prompts."""
-    from tests.checkpoints import tiny_llama_config, write_checkpoint as write, write_tokenizer
+    """The tiny random Llama of tests/support/checkpoints.py, long enough for 1500-token prompts."""
+    from tests.support.checkpoints import tiny_llama_config, write_checkpoint as write, write_tokenizer
 
     if not (directory / "config.json").exists():
         write(tiny_llama_config(max_position_embeddings=2048), directory)

@@ -46,20 +46,22 @@ EQUIVALENTS_FILE = Path(__file__).with_name("mutation_equivalents.json")
 
 # Each module, and the test files that exercise it in-process (mutmut traces which test reaches
 # which function; tests that only drive the module inside another process cannot be traced).
-SCHEDULER_TESTS = ["tests/test_scheduler.py", "tests/test_scheduler_liveness.py", "tests/test_scheduler_livelock.py",
-                   "tests/test_scheduler_progress.py", "tests/test_lease_after_landing.py"]
-KV_TESTS = ["tests/kvtransfer", "tests/test_decode_peer_faults.py", "tests/test_prefill_shipping_order.py"]
-AUTH_TESTS = ["tests/test_auth.py", "tests/test_replay_cache.py", "tests/test_worker_auth.py",
-              "tests/test_signed_body.py", "tests/test_registry_signing.py"]
+SCHEDULER_TESTS = ["tests/engine/test_scheduler.py", "tests/engine/test_scheduler_liveness.py",
+                   "tests/engine/test_scheduler_livelock.py", "tests/engine/test_scheduler_progress.py",
+                   "tests/worker/test_lease_after_landing.py"]
+KV_TESTS = ["tests/kvtransfer", "tests/worker/test_decode_peer_faults.py", "tests/worker/test_prefill_shipping_order.py"]
+AUTH_TESTS = ["tests/cluster/test_auth.py", "tests/cluster/test_replay_cache.py", "tests/worker/test_worker_auth.py",
+              "tests/worker/test_signed_body.py", "tests/cluster/test_registry_signing.py"]
 MODULES: dict[str, list[str]] = {
     "common/engine/scheduler.py": SCHEDULER_TESTS,
-    "common/engine/room_alone.py": ["tests/test_room_alone.py", *SCHEDULER_TESTS],  # the scheduler's room computation
-    "common/engine/kv/kv_cache_manager.py": [*SCHEDULER_TESTS, "tests/test_prefix_lookup.py", "tests/test_block_table.py"],
-    "common/engine/kv/block_pool.py": ["tests/test_block_pool.py", "tests/test_prefix_lookup.py", *SCHEDULER_TESTS],
-    "common/engine/kv/block_table.py": ["tests/test_block_table.py", *SCHEDULER_TESTS],
+    "common/engine/room_alone.py": ["tests/engine/test_room_alone.py", *SCHEDULER_TESTS],  # the scheduler's room computation
+    "common/engine/kv/kv_cache_manager.py": [*SCHEDULER_TESTS, "tests/gateway/test_prefix_lookup.py",
+                                             "tests/engine/test_block_table.py"],
+    "common/engine/kv/block_pool.py": ["tests/engine/test_block_pool.py", "tests/gateway/test_prefix_lookup.py", *SCHEDULER_TESTS],
+    "common/engine/kv/block_table.py": ["tests/engine/test_block_table.py", *SCHEDULER_TESTS],
     "kvtransfer/receiver.py": KV_TESTS,
     "kvtransfer/sender.py": KV_TESTS,
-    "gateway/backpressure.py": ["tests/test_backpressure.py", "tests/test_backpressure_machine.py"],
+    "gateway/backpressure.py": ["tests/gateway/test_backpressure.py", "tests/gateway/test_backpressure_machine.py"],
     "common/cluster/auth.py": AUTH_TESTS,
     "common/cluster/nonce_cache.py": AUTH_TESTS,  # auth's replay cache, moved out of it
 }
@@ -88,7 +90,8 @@ def configure(workdir: Path, modules: dict[str, list[str]]) -> None:
     settings = {
         "source_paths": packages,
         "only_mutate": sorted(modules),
-        "also_copy": ["benchmarks", "decode_svc", "prefill_svc", "common", "gateway", "kvtransfer"],
+        "also_copy": ["benchmarks", "decode_svc", "prefill_svc", "common", "gateway", "kvtransfer", "worker", "launcher",
+                      "pdctl"],
         "pytest_add_cli_args_test_selection": tests,
         "pytest_add_cli_args": ["-p", "no:cacheprovider", "-q", "-x"],
         "timeout_multiplier": 10.0,

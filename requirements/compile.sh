@@ -10,7 +10,7 @@
 #   build.lock        what building flash-attn needs (ninja, packaging, psutil, setuptools, wheel)
 #
 # torch is pinned to the version `make test` installs (Makefile), so images run what the tests ran;
-# tests/test_lock.py checks that and that every pyproject dependency is pinned, with hashes.
+# tests/deploy/test_lock.py checks that and that every pyproject dependency is pinned, with hashes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 UV=${UV:-uv}

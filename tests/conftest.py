@@ -10,7 +10,7 @@ import redis
 from common.cluster.redis_util import connect, ensure_redis, redis_url_from_env
 
 # Workers that tests start run eagerly: compiling at every start (~10 s on 2 cores) would dominate
-# the suite; tests/test_compile.py covers the compiled engine, test_worker_config the default.
+# the suite; tests/engine/test_compile.py covers the compiled engine, test_worker_config the default.
 os.environ.setdefault("PDSERVE_COMPILE", "0")
 
 
@@ -60,7 +60,7 @@ async def redis_client(redis_url: str):
 
 @pytest.fixture(scope="session")
 def served_checkpoint(tmp_path_factory):
-    from tests.checkpoints import tiny_llama_config, write_checkpoint, write_tokenizer
+    from tests.support.checkpoints import tiny_llama_config, write_checkpoint, write_tokenizer
 
     directory = tmp_path_factory.mktemp("served") / "tinyllama"
     write_checkpoint(tiny_llama_config(), directory)
@@ -71,13 +71,13 @@ def served_checkpoint(tmp_path_factory):
 # ---- a small shared stack (tests of the public API) -----------------------------------------
 # `small_stack`: one prefill and one decode worker (block size 16, 256 blocks) and a gateway
 # without API keys, started once per session.  A module that needs other gateway settings starts
-# its own gateway on these pools (`tests.cluster.extra_gateway`).  Tests on it send prompts no
+# its own gateway on these pools (`tests.support.cluster.extra_gateway`).  Tests on it send prompts no
 # other test sends, so they pass alone and in any order.
 
 
 @pytest.fixture(scope="session")
 def small_stack(served_checkpoint, redis_url, tmp_path_factory):
-    from tests.cluster import running_cluster
+    from tests.support.cluster import running_cluster
 
     with running_cluster(served_checkpoint, tmp_path_factory.mktemp("small-stack"), redis_url, prefill=1,
                          decode=1, worker_args=["--num-blocks", "256", "--block-size", "16"],

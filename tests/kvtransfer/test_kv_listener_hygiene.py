@@ -3,7 +3,7 @@
 * The accept loop survives a full descriptor table (a real one: the process's limit lowered
   under it) and the other errors ``accept`` reports, and keeps accepting afterwards.
 * An accept loop that ends anyway is reported (``failed_listeners``), which fails the worker's
-  ``/health`` (tests/test_worker_kv_health.py).
+  ``/health`` (tests/worker/test_worker_kv_health.py).
 * At most ``max_handshakes`` unauthenticated connections are held: beyond, the oldest is closed.
 * Before authentication no header longer than ``PREAUTH_MAX_HEADER_BYTES`` is read or buffered.
 """

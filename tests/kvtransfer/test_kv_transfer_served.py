@@ -11,7 +11,7 @@ import pytest
 
 from common.engine.config import EngineConfig
 from common.engine.engine import Engine
-from tests.cluster import running_cluster
+from tests.support.cluster import running_cluster
 
 API_KEY = "sk-test-key-0123456789"  # the gateway refuses keys under 16 characters
 PROMPTS = ["KV cache blocks move from the prefill worker to the decode worker over UCX, and then",

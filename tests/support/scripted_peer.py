@@ -22,8 +22,8 @@ from common.engine.kv.kv_cache import KVCache
 from common.engine.sampling_params import SamplingParams
 from kvtransfer.config import KVTransferConfig
 from kvtransfer.sender import KVSender
-from tests.cluster import LocalStack
-from tests.waiting import until
+from tests.support.cluster import LocalStack
+from tests.support.waiting import until
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 16          # a prompt of 10 blocks plus its output needs the whole pool

@@ -1,0 +1,214 @@
+"""Failure behaviour of the served system: Redis loss, a prefill or decode worker killed.
+
+The tests share one stack (a private Redis, one prefill and two decode workers, a gateway).  Each
+holds the condition it needs instead of racing a heartbeat: a killed worker's registry entry is
+kept alive while the test needs the gateway to route to it (``HeldEntries``), the serving worker
+is found by what it reports in flight, and every wait is for a condition, with a bound that only
+turns a hang into a failure.  Whatever a test breaks is repaired after it, pass or fail
+(``whole_stack``), so a failure never spills into the next test.
+"""
+from __future__ import annotations
+
+import socket
+import time
+import urllib.request
+
+import openai
+import pytest
+
+from common.cluster.redis_util import RedisServer
+from tests.support.cluster import HeldEntries, http_json, running_cluster
+from tests.support.serving import WORKER_ARGS, wait_idle
+from tests.support.waiting import wait_until
+
+PROMPT = "The quick brown fox jumps over the lazy dog, and then"
+POOL = {"prefill": 1, "decode": 2}
+DECODERS = ("d0", "d1")
+# Bounds on waits for a condition that must come (a process start, a registry entry lapsing, a
+# worker going idle): generous, since 2 shared cores may be busy with other work.
+WAIT_S = 300.0
+
+
+@pytest.fixture(scope="module")
+def private_redis():
+    server = RedisServer().start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def stack(served_checkpoint, private_redis, tmp_path_factory):
+    with running_cluster(served_checkpoint, tmp_path_factory.mktemp("logs"), private_redis.url, **POOL,
+                         worker_args=WORKER_ARGS, gateway_args=["--skip-prefill-below", "8"]) as c:
+        yield c
+
+
+@pytest.fixture(autouse=True)
+def whole_stack(stack, private_redis):
+    """Before a test: the stack is whole (every process serving, the gateway routing to all of
+    them, nobody benched, every worker idle).  After it, pass or fail: whatever it stopped is
+    started again (the next test, or the module's teardown, waits for it)."""
+    wait_whole(stack)
+    yield
+    if private_redis.proc is None or private_redis.proc.poll() is not None:
+        private_redis.start(timeout_s=60)  # empty: the workers re-register at their next heartbeat
+    for name, proc in stack.procs.items():
+        if not proc.alive:
+            stack.restart(name)
+
+
+def wait_whole(stack) -> None:
+    for name in stack.procs:
+        if name != "gateway":
+            wait_active(stack, name)
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        health = stack.wait_for_workers(**POOL, timeout=WAIT_S)
+        if all(pool["benched"] == 0 for pool in health["pools"].values()):
+            break
+        assert time.monotonic() < deadline, f"workers still benched: {health}"
+        time.sleep(0.2)
+    for name in stack.procs:
+        if name != "gateway":
+            wait_idle(stack, name, timeout=WAIT_S)
+
+
+def wait_active(stack, name: str) -> None:
+    """Until the worker process ``name`` itself answers, active (loaded, registered)."""
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        assert stack.procs[name].alive, f"{name} stopped:\n{stack.procs[name].log()}"
+        try:
+            if stack.stats(name)["state"] == "active":
+                return
+        except (OSError, ValueError):
+            pass
+        assert time.monotonic() < deadline, f"{name} not active after {WAIT_S:g} s:\n{stack.procs[name].log()}"
+        time.sleep(0.2)
+
+
+def client(stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{stack.gateway_url}/v1", api_key="none", max_retries=0)
+
+
+def complete(stack, prompt=PROMPT, max_tokens=8):
+    return client(stack).completions.create(model=stack.model_name, prompt=prompt, temperature=0,
+                                            max_tokens=max_tokens, extra_body={"ignore_eos": True})
+
+
+def metric(stack, name: str, labels: str = "") -> float:
+    """The gateway's value of ``name`` (summed over label sets containing ``labels``)."""
+    total = 0.0
+    with urllib.request.urlopen(f"{stack.gateway_url}/metrics", timeout=30) as resp:
+        for line in resp.read().decode().splitlines():
+            if (line.startswith(name + " ") or line.startswith(name + "{")) and labels in line:
+                total += float(line.split()[-1])
+    return total
+
+
+def fallbacks(stack) -> int:
+    """Prompts the decode workers computed themselves after their remote prefill failed."""
+    return sum(stack.stats(d)["remote_prefill_fallbacks"] for d in DECODERS)
+
+
+def skipped_for_no_prefill_worker(stack) -> float:
+    return metric(stack, "pdserve_prefill_skipped_total", "no active prefill worker")
+
+
+def kill_keeping_port(server: RedisServer) -> socket.socket:
+    """SIGKILL Redis and hold its port (bound, not listening: clients are refused, as by a dead
+    Redis) so no other process on this shared machine takes it before the restart."""
+    server.kill()
+    holder = socket.socket()
+    holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    holder.bind(("127.0.0.1", server.port))
+    return holder
+
+
+def test_redis_loss_falls_back_to_load_then_refills(stack, private_redis):
+    import redis
+
+    baseline = complete(stack).choices[0].text
+    holder = kill_keeping_port(private_redis)
+    try:
+        # The gateway notices (its pool refresh fails) ...
+        wait_until(lambda: http_json(f"{stack.gateway_url}/health")["redis"] is False, "the gateway seeing Redis down")
+        assert metric(stack, "pdserve_redis_unavailable_total") > 0
+        # ... and serving goes on while Redis is down: routing on the last known pool and its load.
+        for _ in range(3):
+            assert complete(stack).choices[0].text == baseline
+    finally:
+        holder.close()
+    # Redis comes back empty on the same port: workers re-register and republish their caches.
+    private_redis.start(timeout_s=60)
+    stack.wait_for_workers(**POOL, timeout=WAIT_S)
+    client_ = redis.Redis.from_url(private_redis.url)
+    try:
+        wait_until(lambda: any(client_.scard(k) for k in client_.scan_iter(match=f"{stack.key_prefix}:*:blocks:*")),
+                   "the prefix index refilling after Redis came back")
+    finally:
+        client_.close()
+    assert complete(stack).choices[0].text == baseline
+
+
+def test_prefill_worker_killed_request_is_computed_elsewhere(stack):
+    baseline = complete(stack, max_tokens=6).choices[0].text
+    fallbacks_before, direct_before = fallbacks(stack), skipped_for_no_prefill_worker(stack)
+    held = HeldEntries.capture(stack, ["p0"])
+    stack.kill("p0")
+    with held.kept():
+        # Until its entry lapses the gateway routes prompts to the dead prefill worker: held here,
+        # so every request below goes there.  The decode worker cannot reach it and computes the
+        # prompt itself; nothing was streamed yet, so nothing is lost.  (Fresh prompts: one the
+        # decode worker already caches would skip the prefill pool.)
+        stack.wait_for_workers(**POOL, timeout=WAIT_S)
+        results = [complete(stack, prompt=f"{word} streaming tokens to many clients, request {i}", max_tokens=6)
+                   for i, word in enumerate(("Alpha", "Bravo", "Charlie"))]
+        assert all(r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 6 for r in results)
+        assert fallbacks(stack) - fallbacks_before == 3
+        assert skipped_for_no_prefill_worker(stack) == direct_before
+    # Once its entry lapses (as when its heartbeats stop) the gateway stops routing to it: a fresh
+    # prompt goes straight to a decode worker, no remote prefill tried.
+    health = stack.wait_for_workers(prefill=0, decode=POOL["decode"], timeout=WAIT_S)
+    assert health["workers"]["prefill"] == 0
+    direct = complete(stack, prompt="Delta streaming tokens to many clients, request 3", max_tokens=6)
+    assert direct.usage.completion_tokens == 6
+    assert skipped_for_no_prefill_worker(stack) == direct_before + 1
+    assert fallbacks(stack) - fallbacks_before == 3
+    assert complete(stack, max_tokens=6).choices[0].text == baseline
+
+
+def serving_decode_worker(stack) -> str:
+    """The one decode worker that reports a request in flight (the caller has one stream open)."""
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        serving = [d for d in DECODERS if stack.stats(d)["inflight"] > 0]
+        if serving:
+            assert len(serving) == 1, f"more than one decode worker busy: {serving}"
+            return serving[0]
+        assert time.monotonic() < deadline, "no decode worker reports the open stream"
+        time.sleep(0.05)
+
+
+def test_decode_worker_killed_mid_stream_gives_an_error_event(stack):
+    c = client(stack)
+    # As many tokens as the model's context allows: the stream is far from done when it is cut.
+    stream = c.completions.create(model=stack.model_name, prompt=PROMPT, stream=True, temperature=0,
+                                  max_tokens=1000, extra_body={"ignore_eos": True})
+    chunks = iter(stream)
+    next(chunks)
+    serving = serving_decode_worker(stack)
+    stack.kill(serving)
+    with pytest.raises(openai.APIError, match="failed mid-stream"):
+        for _ in chunks:
+            pass
+    # The other decode worker keeps serving (a request the gateway still sends to the dead one is
+    # retried there), and the dead one leaves the pool once its entry lapses.
+    survivor = next(d for d in DECODERS if d != serving)
+    assert complete(stack).choices[0].finish_reason == "length"
+    stack.wait_for_workers(prefill=POOL["prefill"], decode=POOL["decode"] - 1, timeout=WAIT_S)
+    for _ in range(3):
+        assert complete(stack).choices[0].finish_reason == "length"
+    wait_idle(stack, survivor, timeout=WAIT_S)

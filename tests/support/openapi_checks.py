@@ -1,0 +1,51 @@
+"""Schemathesis checks of our own (loaded with SCHEMATHESIS_HOOKS=tests.support.openapi_checks by
+tests/gateway/test_openapi.py): the OpenAPI document must describe what the gateway accepts.
+
+``valid_requests_are_served``: a request valid by the schema is served, unless it asks for more
+tokens than the context holds -- a limit that depends on the prompt's length in tokens, which no
+schema can state -- or the gateway is saturated (429/503, a legitimate answer to any request).
+``generation_is_reached``: each generation endpoint served at least one request during the run,
+so the fuzzing reached the engine and not only the validation in front of it.
+"""
+from __future__ import annotations
+
+import schemathesis
+
+GENERATION = ("POST /v1/completions", "POST /v1/chat/completions")
+
+
+def _error_code(response) -> str | None:
+    try:
+        return response.json()["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+@schemathesis.check
+def valid_requests_are_served(ctx, response, case):
+    meta = case.meta
+    if meta is None or not meta.generation.mode.is_positive or response.status_code < 400:
+        return None
+    if response.status_code in (429, 503):
+        return None
+    if response.status_code == 400 and _error_code(response) == "context_length_exceeded":
+        return None
+    raise AssertionError(f"a request valid by the OpenAPI document was refused with {response.status_code}: "
+                         f"{response.text[:500]}")
+
+
+@schemathesis.check
+class generation_is_reached:  # noqa: N801 (the check's name, as schemathesis reports it)
+    """Each generation endpoint answered 200 at least once."""
+
+    def __init__(self):
+        self.served: set[str] = set()
+
+    def after_response(self, ctx, response, case):
+        if response.status_code == 200:
+            self.served.add(case.operation.label)
+
+    def after_run(self, ctx):
+        missing = [label for label in GENERATION if label not in self.served]
+        if missing:
+            raise AssertionError(f"no generated request was served by {', '.join(missing)}")
