@@ -80,6 +80,7 @@ from net_devices import (  # noqa: E402,F401 (interface_for, ucx_lanes: re-expor
 )
 from common.cluster.auth import SECRET_ENV, is_loopback, secret_problem  # noqa: E402
 from common.cluster.secret_sources import secret_from_env  # noqa: E402
+from kvtransfer.config import default_transport  # noqa: E402
 
 RUNTIME_FILE = Path(os.environ.get("PDSERVE_RUNTIME_FILE", "/tmp/pdserve-runtime.json"))
 MODULES = ("prefill_svc", "decode_svc", "gateway")
@@ -88,6 +89,11 @@ MAKE_SECRET = ("make one with `pdctl gen-secrets` (writes compose/.env, mode 060
                "`python3 -c 'import secrets; print(secrets.token_urlsafe(32))'`")
 # Variables compose sets to "" when the operator leaves them unset; their tools read "" as a value.
 DROP_IF_EMPTY = re.compile(r"^(UCX_|OMP_|CUDA_|NCCL_|HF_|HUGGING_FACE_|TRANSFORMERS_)")
+
+
+def kv_transport(env) -> str:
+    """The KV transport the worker will run: its flag's variable, or the flag's default."""
+    return env.get("PDSERVE_KV_TRANSPORT") or default_transport()
 
 
 class Surplus(Exception):
@@ -358,7 +364,7 @@ def prepare_worker(env: dict[str, str], probe: HostProbe, launch: Launch) -> tup
     if not env.get("PDSERVE_HOST"):
         # The host's network: the cluster address only.  A container's own namespace: all of it.
         env["PDSERVE_HOST"] = env["PDSERVE_ADVERTISE_HOST"] if env.get("PDSERVE_NETWORK_MODE") == "host" else "0.0.0.0"
-    if (env.get("PDSERVE_KV_TRANSPORT") or "ucx") == "ucx":
+    if kv_transport(env) == "ucx":
         launch.notes += configure_ucx(env, slot, gpu, topology, probe)
     return slot, gpu
 
@@ -438,7 +444,7 @@ def main(argv: list[str]) -> None:
         sys.exit(EXIT_CONFIG)
     for note in launch.notes:
         print(f"entrypoint: {note}", flush=True)
-    if module != "gateway" and env.get("PDSERVE_KV_TRANSPORT", "ucx") == "ucx":
+    if module != "gateway" and kv_transport(env) == "ucx":
         print(f"entrypoint: {report_ucx(env)}", flush=True)
     if launch.cpus:
         os.sched_setaffinity(0, launch.cpus)  # inherited across exec

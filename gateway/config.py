@@ -23,9 +23,10 @@ from common.cluster.flags import EnvFlags, FlagParser, RecordsCommandLine, given
 from common.cluster.redis_util import (
     DEFAULT_REDIS_URL, redact_url, redis_url_with_password_file, warn_password_on_command_line,
 )
+from common.cluster.redis_keys import DEFAULT_KEY_PREFIX
 from common.cluster.secret_sources import check_distinct, check_secret
 from gateway.backpressure import WaitQueue
-from gateway.routing import POLICIES
+from gateway.routing import POLICIES, RoutingConfig
 from gateway.tenants import CACHE_ISOLATION, ApiKeys, default_key_share, key_id, read_api_keys
 
 log = logging.getLogger("pdserve.config")
@@ -71,7 +72,7 @@ class GatewayConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     redis_url: str = field(default=DEFAULT_REDIS_URL, repr=False)  # may hold the Redis password
-    key_prefix: str = "pdserve"
+    key_prefix: str = DEFAULT_KEY_PREFIX
     routing_policy: str = "prefix_aware"
     skip_prefill_below_tokens: int = 64
     api_key: str | None = field(default=None, repr=False)
@@ -207,24 +208,24 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     flags = EnvFlags(p, env, ENV_ALIASES)  # secrets: --help shows where they come from, never their value
     add = flags.add
 
-    add("--model", "default", help="checkpoint (for the tokenizer and the chat template)")
+    add("--model", GatewayConfig.model, help="checkpoint (for the tokenizer and the chat template)")
     add("--model-id", help="served model name (as the workers use)")
-    add("--host", "127.0.0.1", help="bind address")
-    add("--port", 8000, int)
+    add("--host", GatewayConfig.host, help="bind address")
+    add("--port", GatewayConfig.port, int)
     add("--redis-url", DEFAULT_REDIS_URL, show=redact_url, action=RecordsCommandLine,
         help="Redis (a password in it is never shown; better: --redis-password-file)")
     add("--redis-password-file", help="file holding the Redis password (spliced into --redis-url)")
-    add("--key-prefix", "pdserve")
-    add("--routing-policy", "prefix_aware", choices=POLICIES)
-    add("--skip-prefill-below", 64, int, help="prompts with fewer uncached tokens than this skip the prefill pool")
+    add("--key-prefix", GatewayConfig.key_prefix)
+    add("--routing-policy", RoutingConfig.policy, choices=POLICIES)
+    add("--skip-prefill-below", RoutingConfig.skip_prefill_below_tokens, int, help="prompts with fewer uncached tokens than this skip the prefill pool")
     flags.add_secret("--api-key", "the API key", help="require 'Authorization: Bearer KEY' (a file of keys: "
                                                       "--api-keys-file)", file_flag=False)
     add("--api-keys-file", help="accept the keys in this file: one per line, optionally 'key:limit' (that "
                                 "key's limit on requests in flight); '#' starts a comment line")
-    add("--max-inflight-per-key", None, int, help="requests in flight per API key without its own limit; "
+    add("--max-inflight-per-key", GatewayConfig.max_inflight_per_key, int, help="requests in flight per API key without its own limit; "
                                                  "beyond: 429 (default: half of --max-inflight when several keys are "
                                                  "configured, none for a single key; 0: none)")
-    add("--cache-isolation", "none", choices=CACHE_ISOLATION,
+    add("--cache-isolation", GatewayConfig.cache_isolation, choices=CACHE_ISOLATION,
         help="prefix-cache sharing between API keys: 'none' (requests without a cache_salt share cached prompt "
              "blocks across keys; a cache_salt, bound to its API key, shares only with the same key's) or "
              "'per-key' (the gateway salts every request by its API key: keys never share blocks, and "
@@ -234,36 +235,36 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     flags.add_secret("--admin-token", "the admin token", help="enables /admin with this token")
     add("--cluster-secret-file", help="file holding the cluster secret (default: PDSERVE_CLUSTER_SECRET); "
                                       "required unless --host is a loopback address")
-    add("--max-inflight", 512, int, help="requests accepted at once; beyond: 429")
+    add("--max-inflight", GatewayConfig.max_inflight, int, help="requests accepted at once; beyond: 429")
     add_http_flags(add, names=("max_connections", "header_timeout", "keepalive_timeout"))
-    add("--max-body-bytes", 4 << 20, int, help="request body limit; beyond: 413")
-    add("--max-model-len", None, int)
+    add("--max-body-bytes", GatewayConfig.max_body_bytes, int, help="request body limit; beyond: 413")
+    add("--max-model-len", GatewayConfig.max_model_len, int)
     add("--chat-template", help="chat template for /v1/chat/completions: a file, or the Jinja template itself "
                                 "(default: the checkpoint's; for Gemma checkpoints without one, Gemma's turn format)")
-    add("--upstream-connect-timeout", 5.0, float, help="seconds to connect to a worker")
-    add("--upstream-response-timeout", 30.0, float, help="seconds for a decode worker to answer /generate "
+    add("--upstream-connect-timeout", UpstreamTimeouts.connect, float, help="seconds to connect to a worker")
+    add("--upstream-response-timeout", UpstreamTimeouts.response, float, help="seconds for a decode worker to answer /generate "
                                                         "(a worker that does not is benched)")
-    add("--first-token-timeout", 300.0, float, help="seconds of silence from the decode worker before the first "
+    add("--first-token-timeout", UpstreamTimeouts.first_token, float, help="seconds of silence from the decode worker before the first "
                                                     "token (covers queueing and the remote prefill)")
-    add("--upstream-idle-timeout", 60.0, float, help="seconds of silence between tokens from the decode worker")
-    add("--control-timeout", 5.0, float, help="seconds for a control call to a worker (abort, admin)")
-    add("--bench-time", 5.0, float, help="seconds a worker that failed or timed out is kept out of routing")
+    add("--upstream-idle-timeout", UpstreamTimeouts.idle, float, help="seconds of silence between tokens from the decode worker")
+    add("--control-timeout", UpstreamTimeouts.control, float, help="seconds for a control call to a worker (abort, admin)")
+    add("--bench-time", GatewayConfig.bench_time, float, help="seconds a worker that failed or timed out is kept out of routing")
     add("--queue-size", GatewayConfig.queue_size, int, help="requests held while every decode worker is busy; "
                                                             "beyond: 503")
     add("--queue-timeout", GatewayConfig.queue_timeout, float, help="seconds a request is held for a busy decode "
                                                                     "pool; then 503")
-    add("--queue-size-per-key", None, int, help="places in the wait queue one API key may hold; beyond: 429 "
+    add("--queue-size-per-key", GatewayConfig.queue_size_per_key, int, help="places in the wait queue one API key may hold; beyond: 429 "
                                                "(default: half of --queue-size when several keys are configured, "
                                                "none for a single key; 0: none)")
     add("--client-read-timeout", HTTP_DEFAULTS.body_timeout, float, help=HTTP_HELP["body_timeout"])
     add("--client-write-timeout", HTTP_DEFAULTS.write_timeout, float,
         help=HTTP_HELP["write_timeout"] + "; a stream cut off frees its slot and KV blocks")
-    add("--prefix-lookup-timeout", 0.5, float, help="seconds one Redis prefix lookup may take (then: route by "
+    add("--prefix-lookup-timeout", GatewayConfig.prefix_lookup_timeout, float, help="seconds one Redis prefix lookup may take (then: route by "
                                                     "load)")
     add("--redis-retry-interval", GatewayConfig.redis_retry_interval, float,
         help="after a failed prefix lookup, lookups skip Redis and probe it this often until it answers")
-    add("--inline-tokenize-chars", 4096, int, help="longer inputs are tokenized in a thread, off the event loop")
-    add("--tokenizer-threads", 2, int, help="threads for tokenizing long inputs and applying chat templates")
+    add("--inline-tokenize-chars", GatewayConfig.inline_tokenize_chars, int, help="longer inputs are tokenized in a thread, off the event loop")
+    add("--tokenizer-threads", GatewayConfig.tokenizer_threads, int, help="threads for tokenizing long inputs and applying chat templates")
     add("--log-level", "INFO")
     return p
 

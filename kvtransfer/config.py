@@ -20,11 +20,11 @@ class KVTransferConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ``connect_timeout`` to do so); a newcomer beyond that closes the oldest of them.
     """
 
-    transport: str = "tcp"
+    transport: str = "ucx"  # where ucxx is not installed the flags fall back to TCP (default_transport)
     host: str = "127.0.0.1"
     port: int = 0
     connect_timeout: float = 5.0
-    transfer_timeout: float = 30.0
+    transfer_timeout: float = 120.0
     lease_timeout: float = 10.0
     abort_grace: float = 5.0
     io_timeout: float = 30.0
@@ -64,3 +64,16 @@ def parse_address(address: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
         raise ValueError(f"bad kvtransfer address {address!r}; expected 'host:port'")
     return host, int(port)
+
+
+KV_DEFAULTS = KVTransferConfig()  # every KV setting's default, for the flags and the launcher
+
+
+def default_transport() -> str:
+    """The default transport, or TCP where UCX (the ``ucx`` extra, ``ucxx``) is not installed."""
+    if KV_DEFAULTS.transport == "ucx":
+        try:
+            import ucxx  # noqa: F401
+        except Exception:
+            return "tcp"
+    return KV_DEFAULTS.transport

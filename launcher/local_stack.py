@@ -32,6 +32,8 @@ from pathlib import Path
 from typing import Callable, Mapping
 
 from common.cluster.auth import MIN_SECRET_LEN, SECRET_ENV, ClusterAuth, audience_of, generate_secret, secret_problem
+from common.cluster.redis_keys import DEFAULT_KEY_PREFIX
+from gateway.routing import RoutingConfig
 from common.cluster.children import DID_NOT_START, describe_exit, exit_status, signal_group, start_child, stop_all
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -124,13 +126,13 @@ class LocalStack:
 
     checkpoint: str
     redis_url: str
-    key_prefix: str = "pdserve"
+    key_prefix: str = DEFAULT_KEY_PREFIX
     workdir: Path | None = None
     prefill: int = 1
     decode: int = 1
     both: int = 0
     transport: str = "tcp"
-    policy: str = "prefix_aware"
+    policy: str = RoutingConfig.policy
     gateway_port: int | None = None
     worker_args: list[str] = field(default_factory=list)
     role_args: dict[str, list[str]] = field(default_factory=dict)  # extra worker args by role (after worker_args)
@@ -204,12 +206,16 @@ class LocalStack:
         self._launch(proc)
         return proc
 
+    def worker_command(self, name: str, role: str, port: int) -> tuple[str, list[str]]:
+        """The module and flags worker ``name`` runs with."""
+        module = "prefill_svc" if role == "prefill" else "decode_svc"
+        return module, ["--model", self.checkpoint, "--role", role, "--worker-id", name, "--port", str(port),
+                        "--kv-transport", self.transport, "--key-prefix", self.key_prefix,
+                        *self.worker_args, *self.role_args.get(role, [])]
+
     def start_worker(self, name: str, role: str) -> Proc:
         port = free_port()
-        module = "prefill_svc" if role == "prefill" else "decode_svc"
-        args = ["--model", self.checkpoint, "--role", role, "--worker-id", name, "--port", str(port),
-                "--kv-transport", self.transport, "--key-prefix", self.key_prefix,
-                *self.worker_args, *self.role_args.get(role, [])]
+        module, args = self.worker_command(name, role, port)
         return self._spawn(name, module, args, port, worker_drain_timeout(args, self.process_env()))
 
     def start(self, timeout: float = 180, cancelled: Callable[[], bool] = lambda: False) -> "LocalStack":
@@ -311,15 +317,6 @@ class LocalStack:
         """SIGTERM every process at once (workers drain), wait for all of them together within
         ``stop_bound()`` (or until ``hurry()``), then SIGKILL the process groups still there."""
         stop_all([proc.popen for proc in self.procs.values()], self.stop_bound(), hurry)
-
-
-def default_transport() -> str:
-    try:
-        import ucxx  # noqa: F401
-
-        return "ucx"
-    except Exception:
-        return "tcp"
 
 
 def local_secret(env) -> str:

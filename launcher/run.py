@@ -8,7 +8,9 @@ from typing import Callable
 
 from common.cluster.children import StopSignals
 from common.cluster.flags import EnvFlags, FlagParser
-from launcher.local_stack import LocalStack, StartCancelled, default_transport, http_json, local_secret
+from common.cluster.redis_keys import DEFAULT_KEY_PREFIX
+from kvtransfer.config import default_transport
+from launcher.local_stack import LocalStack, StartCancelled, http_json, local_secret
 from launcher.supervisor import Supervisor
 
 
@@ -32,28 +34,40 @@ def run_stack(stack: LocalStack, redis_server, signals: StopSignals, start: Call
             redis_server.stop()
 
 
-def main() -> None:
-    from common.cluster.redis_util import ensure_redis, redact_url, redis_url_from_env
-
+def build_parser(env=None) -> FlagParser:
+    """``python -m launcher``'s flags (each also read from ``PDSERVE_<FLAG>`` in ``env``)."""
     parser = FlagParser(
         description="Run gateway + prefill + decode workers locally and keep them running (make up). "
                     "Every flag also reads PDSERVE_<FLAG>; the processes it starts read theirs too.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    flags = EnvFlags(parser, aliases={"port": ("PDSERVE_GATEWAY_PORT",)})
+    flags = EnvFlags(parser, env, aliases={"port": ("PDSERVE_GATEWAY_PORT",)})
     flags.add("--model", "default")
     flags.add("--port", 8000, int, help="the gateway's port (also PDSERVE_GATEWAY_PORT)")
     flags.add("--prefill", 1, int, help="prefill workers")
     flags.add("--decode", 1, int, help="decode workers")
     flags.add("--kv-transport", default_transport(), choices=("ucx", "tcp"))
     flags.add("--num-blocks", 2048, int, help="KV blocks per worker")
-    flags.add("--key-prefix", "pdserve", help="Redis key prefix of this stack's registry and prefix index")
+    flags.add("--key-prefix", DEFAULT_KEY_PREFIX, help="Redis key prefix of this stack's registry and prefix index")
     flags.add("--restart-backoff", 1.0, float,
               help="seconds before a process that exited is started again (doubles while it keeps exiting soon "
                    "after starting, up to 30 s)")
     flags.add("--crash-loop-limit", 10, int,
               help="a process that exits this many times in a row within 60 s of starting is not started again "
                    "(a worker: the rest keep serving; the gateway or the private Redis: the launcher stops, exit 1)")
-    args = parser.parse_args()
+    return parser
+
+
+def stack_from_args(args, redis_url: str, cluster_secret: str | None = None) -> LocalStack:
+    """The stack ``make up`` runs for these flags."""
+    return LocalStack(args.model, redis_url, key_prefix=args.key_prefix, prefill=args.prefill, decode=args.decode,
+                      transport=args.kv_transport, gateway_port=args.port,
+                      worker_args=["--num-blocks", str(args.num_blocks)], cluster_secret=cluster_secret)
+
+
+def main() -> None:
+    from common.cluster.redis_util import ensure_redis, redact_url, redis_url_from_env
+
+    args = build_parser().parse_args()
 
     if args.model == "default":
         from common.engine.loading.default_model import ensure_default_model
@@ -65,9 +79,7 @@ def main() -> None:
     url, redis_server = ensure_redis(redis_url_from_env())
     if redis_server is not None:
         print(f"no Redis answered at {redact_url(redis_url_from_env())}; started a private one at {url}", flush=True)
-    stack = LocalStack(args.model, url, key_prefix=args.key_prefix, prefill=args.prefill, decode=args.decode,
-                       transport=args.kv_transport, gateway_port=args.port,
-                       worker_args=["--num-blocks", str(args.num_blocks)], cluster_secret=secret)
+    stack = stack_from_args(args, url, secret)
 
     def start() -> None:
         stack.start(timeout=600, cancelled=lambda: signals.requested)

@@ -8,14 +8,15 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from common.cluster.auth import AuthError, ClusterAuth, configure_auth, read_secret
-from common.engine.config import EngineConfig
+from common.cluster.redis_keys import DEFAULT_KEY_PREFIX
+from common.engine.config import EngineConfig, describe_default
 from common.cluster.http_limits import HttpLimits, add_http_flags, http_limits_from_args
 from common.cluster.flags import EnvFlags, FlagParser, RecordsCommandLine, RemovedFlag, given_on_command_line
 from common.cluster.redis_util import (
     DEFAULT_REDIS_URL, redact_url, redis_url_with_password_file, warn_password_on_command_line,
 )
 from worker.engine_thread import FIRST_STEP_ALLOWANCE, MAX_STEP_FAILURES
-from kvtransfer.config import KVTransferConfig
+from kvtransfer.config import KV_DEFAULTS, KVTransferConfig, default_transport
 
 ROLES = ("prefill", "decode", "both")
 
@@ -32,7 +33,7 @@ class WorkerConfig:
     port: int = 0
     advertise_host: str | None = None  # the address peers use (another host, a container name)
     redis_url: str = field(default=DEFAULT_REDIS_URL, repr=False)  # may hold the Redis password
-    key_prefix: str = "pdserve"
+    key_prefix: str = DEFAULT_KEY_PREFIX
     heartbeat_ttl_s: float = 5.0
     max_pending_requests: int = 256  # beyond this, new requests get "busy"
     # Calls this worker makes to other workers: connecting (also waiting for a pooled connection),
@@ -98,46 +99,48 @@ def build_parser(default_role: str, description: str, env: Mapping[str, str] | N
     add("--model", "default", help="HF checkpoint directory, .gguf file, or 'default'")
     add("--role", default_role, choices=ROLES)
     add("--worker-id", help="unique id (default: hostname + random suffix)")
-    add("--host", "127.0.0.1", help="HTTP bind address")
-    add("--port", 0, int, help="HTTP port (0: any free port)")
+    add("--host", WorkerConfig.host, help="HTTP bind address")
+    add("--port", WorkerConfig.port, int, help="HTTP port (0: any free port)")
     add("--advertise-host", help="address other hosts use to reach this worker")
-    add("--kv-transport", "ucx", choices=("ucx", "tcp"))
+    add("--kv-transport", default_transport(), choices=("ucx", "tcp"))
     add("--kv-host", help="KV listen address (default: --host)")
     add("--kv-port", 0, int)
-    add("--kv-timeout", 120.0, float,
+    add("--kv-timeout", KV_DEFAULTS.transfer_timeout, float,
         help="seconds a remote prefill may take, queueing on the prefill worker included: bounds both the "
              "/prefill call and the KV transfer (a dead peer is noticed at once through its connections; "
              "this bounds a hung one, after which the decode worker computes the prompt itself)")
-    add("--kv-connect-timeout", 5.0, float, help="seconds to connect to a peer's KV port and complete the handshake")
-    add("--kv-lease-timeout", 10.0, float,
+    add("--kv-connect-timeout", KV_DEFAULTS.connect_timeout, float, help="seconds to connect to a peer's KV port and complete the handshake")
+    add("--kv-lease-timeout", KV_DEFAULTS.lease_timeout, float,
         help="seconds a prefill worker waits for the decode worker's acknowledgement of a transfer")
-    add("--kv-abort-grace", 5.0, float,
+    add("--kv-abort-grace", KV_DEFAULTS.abort_grace, float,
         help="seconds an aborted transfer's payload may keep landing (UCX) before its connection is closed")
     flags.add_switch("--kv-checksum", help="per-block checksums on KV transfers")
-    add("--kv-max-handshakes", KVTransferConfig().max_handshakes, int,
+    add("--kv-max-handshakes", KV_DEFAULTS.max_handshakes, int,
         help="KV connections held that have not authenticated yet; beyond, the oldest of them is closed")
     add_http_flags(add, prefix="http-")
-    add("--peer-connect-timeout", 5.0, float, help="seconds to connect to another worker's HTTP API")
-    add("--control-timeout", 5.0, float, help="seconds for a control call to another worker (abort)")
+    add("--peer-connect-timeout", WorkerConfig.peer_connect_timeout_s, float, help="seconds to connect to another worker's HTTP API")
+    add("--control-timeout", WorkerConfig.control_timeout_s, float, help="seconds for a control call to another worker (abort)")
     add("--redis-url", DEFAULT_REDIS_URL, show=redact_url, action=RecordsCommandLine,
         help="Redis (a password in it is never shown; better: --redis-password-file)")
     add("--redis-password-file", help="file holding the Redis password (spliced into --redis-url)")
-    add("--key-prefix", "pdserve")
+    add("--key-prefix", WorkerConfig.key_prefix)
     p.add_argument("--admin-token", action=RemovedFlag,
                    why="workers take admin calls signed with the cluster secret; the admin token is the gateway's alone")
-    add("--heartbeat-ttl", 5.0, float)
+    add("--heartbeat-ttl", WorkerConfig.heartbeat_ttl_s, float)
     add("--cluster-secret-file",
         help="file holding the cluster secret (default: PDSERVE_CLUSTER_SECRET); required unless --host and "
              "--kv-host are loopback addresses")
-    add("--device", "auto")
-    add("--dtype", "auto")
-    add("--block-size", 16, int)
-    add("--num-blocks", None, int)
-    add("--kv-memory-fraction", 0.2, float)
-    add("--max-num-batched-tokens", 512, int)
-    add("--max-num-seqs", 64, int)
+    add("--device", EngineConfig.device)
+    add("--dtype", EngineConfig.dtype)
+    add("--block-size", EngineConfig.block_size, int)
+    add("--num-blocks", EngineConfig.num_blocks, int)
+    add("--kv-memory-fraction", EngineConfig.kv_memory_fraction, float)
+    add("--max-num-batched-tokens", EngineConfig.max_num_batched_tokens, int,
+        help=f"tokens computed per step (default: {describe_default('max_num_batched_tokens')})")
+    add("--max-num-seqs", EngineConfig.max_num_seqs, int,
+        help=f"requests in the running batch (default: {describe_default('max_num_seqs')})")
     add("--max-model-len", None, int)
-    add("--remote-kv-budget", 0.5, float,
+    add("--remote-kv-budget", EngineConfig.remote_kv_budget, float,
         help="fraction of the KV blocks that reservations for remote prefills may hold together (one is always "
              "allowed); beyond it the decode worker answers busy")
     add("--max-step-failures", WorkerConfig.max_step_failures, int,
@@ -150,10 +153,10 @@ def build_parser(default_role: str, description: str, env: Mapping[str, str] | N
     add("--failure-drain-timeout", 5.0, float,
         help="after the engine failed, seconds to let in-flight requests get their error before exiting")
     add("--model-id", help="model name served to clients")
-    add("--attention-backend", "auto", choices=("auto", "cpu", "torch", "flash", "triton"),
+    add("--attention-backend", EngineConfig.attention_backend, choices=("auto", "cpu", "torch", "flash", "triton"),
         help="auto: flash-attn on CUDA where it pages the block size (multiples of 256), else Triton; on CPU the "
              "C kernel that reads the paged cache in place (cpu) where a C compiler builds it, else torch")
-    flags.add_switch("--cuda-graphs", default=True,
+    flags.add_switch("--cuda-graphs", default=EngineConfig.cuda_graphs,
                      help="replay decode-only steps from CUDA graphs captured per batch-size bucket at start-up "
                           "(CUDA with the triton or flash backend; no effect elsewhere)")
     flags.add_switch("--compile", default=True,

@@ -35,7 +35,7 @@ from typing import Callable, Iterable, Sequence
 import redis.asyncio as aioredis
 
 from common.cluster.aio import cancel_and_wait
-from common.cluster.redis_keys import RedisKeys
+from common.cluster.redis_keys import DEFAULT_KEY_PREFIX, RedisKeys
 from common.cluster.redis_util import UNAVAILABLE_ERRORS
 from common.engine.kv.prefix_hash import HASH_LEN
 
@@ -74,7 +74,7 @@ class PrefixIndexPublisher:
         *,
         model: str,
         worker_id: str,
-        key_prefix: str = "pdserve",
+        key_prefix: str = DEFAULT_KEY_PREFIX,
         ttl_s: float = 5.0,
         max_pending: int = 100_000,
         retry_interval_s: float = 1.0,
@@ -279,7 +279,7 @@ class PrefixIndexReader:
         self,
         client: aioredis.Redis,
         *,
-        key_prefix: str = "pdserve",
+        key_prefix: str = DEFAULT_KEY_PREFIX,
         timeout_s: float = 0.5,
         retry_interval_s: float = 2.0,
         on_unavailable: Callable[[], None] | None = None,

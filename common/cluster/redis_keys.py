@@ -17,6 +17,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+DEFAULT_KEY_PREFIX = "pdserve"  # of every Redis key a deployment writes; one per stack
 WORKER_ID_RE = re.compile(r"[A-Za-z0-9._:@-]{1,128}")
 KEY_PREFIX_RE = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 MAX_MODEL_ID_LEN = 256

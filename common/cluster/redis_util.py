@@ -33,7 +33,7 @@ from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import ExponentialBackoff
 
 from common.cluster.children import die_with_parent
-from common.cluster.redis_keys import KEY_PREFIX_RE
+from common.cluster.redis_keys import DEFAULT_KEY_PREFIX, KEY_PREFIX_RE
 from common.cluster.secret_sources import read_secret_file
 
 log = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ class RedisConfig:
     """
 
     url: str = DEFAULT_REDIS_URL
-    key_prefix: str = "pdserve"
+    key_prefix: str = DEFAULT_KEY_PREFIX
     heartbeat_ttl_s: float = 5.0
     timeout_s: float = 1.0
 
@@ -93,7 +93,7 @@ class RedisConfig:
 
         return cls(
             url=redis_url_from_env(env),
-            key_prefix=env.get("PDSERVE_KEY_PREFIX") or "pdserve",
+            key_prefix=env.get("PDSERVE_KEY_PREFIX") or DEFAULT_KEY_PREFIX,
             heartbeat_ttl_s=num("PDSERVE_HEARTBEAT_TTL_S", 5.0),
             timeout_s=num("PDSERVE_REDIS_TIMEOUT_S", 1.0),
         )

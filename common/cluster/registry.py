@@ -46,7 +46,7 @@ import redis.asyncio as aioredis
 
 from common.cluster.aio import cancel_and_wait
 from common.cluster.auth import AUTH_VERSION, INSTANCE_RE, ClusterAuth, audience_of, new_instance_id
-from common.cluster.redis_keys import WORKER_ID_RE, RedisKeys, check_model_id, check_worker_id
+from common.cluster.redis_keys import DEFAULT_KEY_PREFIX, WORKER_ID_RE, RedisKeys, check_model_id, check_worker_id
 from common.cluster.redis_util import UNAVAILABLE_ERRORS
 
 log = logging.getLogger(__name__)
@@ -216,7 +216,7 @@ class WorkerRegistry:
     # Worker ids whose bad entries were logged (bounded: anyone who can write to Redis picks them).
     MAX_LOGGED_REJECTIONS = 1024
 
-    def __init__(self, client: aioredis.Redis, *, key_prefix: str = "pdserve", ttl_s: float = 5.0,
+    def __init__(self, client: aioredis.Redis, *, key_prefix: str = DEFAULT_KEY_PREFIX, ttl_s: float = 5.0,
                  auth: ClusterAuth | None = None, on_rejected: Callable[[str], None] | None = None,
                  clock: Callable[[], float] = time.time) -> None:
         """``auth``: signs written entries and verifies read ones (None: no secret, loopback-only

@@ -1,4 +1,11 @@
-"""Typed, validated configuration of the engine core."""
+"""Typed, validated configuration of the engine core.
+
+Every engine setting is declared here once, with its default: the workers' flags
+(``worker/config.py``), the local launcher (``make up``), the compose files (which pass an unset
+``PDSERVE_*`` variable through empty, so the flag's default applies) and the capacity planner all
+read it from here.  The batch limits depend on the device (``SCHEDULING_DEFAULTS``); an
+``EngineConfig`` leaves them ``None`` until the engine knows its device (``for_device``).
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -6,11 +13,38 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
-class SchedulerConfig:
-    """Token-budget scheduling knobs (after vLLM V1 / Sarathi-Serve)."""
+class SchedulingDefaults:
+    """The batch limits of a worker whose flags do not set them."""
 
-    max_num_batched_tokens: int = 2048  # tokens computed per step, decodes and prefill chunks together
-    max_num_seqs: int = 128  # requests in the running batch
+    max_num_batched_tokens: int  # tokens computed per step, decodes and prefill chunks together
+    max_num_seqs: int  # requests in the running batch
+
+
+# By device type.  On CPU a step that computes 2048 prompt tokens makes every decode in its batch
+# wait for it, so prompts go in smaller chunks; a GPU computes such a step in milliseconds.
+SCHEDULING_DEFAULTS: dict[str, SchedulingDefaults] = {
+    "cpu": SchedulingDefaults(max_num_batched_tokens=512, max_num_seqs=64),
+    "cuda": SchedulingDefaults(max_num_batched_tokens=2048, max_num_seqs=128),
+}
+
+
+def scheduling_defaults(device_type: str) -> SchedulingDefaults:
+    """The defaults for ``device_type`` ("cpu", "cuda"; any other accelerator: CUDA's)."""
+    return SCHEDULING_DEFAULTS.get(device_type, SCHEDULING_DEFAULTS["cuda"])
+
+
+def describe_default(field: str) -> str:
+    """``field``'s defaults for ``--help``: "512 on CPU, 2048 on CUDA"."""
+    return ", ".join(f"{getattr(d, field)} on {device.upper()}" for device, d in SCHEDULING_DEFAULTS.items())
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Token-budget scheduling knobs (after vLLM V1 / Sarathi-Serve).  A scheduler built with no
+    device in view (the planner's simulator, tests) takes CUDA's batch limits by default."""
+
+    max_num_batched_tokens: int = SCHEDULING_DEFAULTS["cuda"].max_num_batched_tokens
+    max_num_seqs: int = SCHEDULING_DEFAULTS["cuda"].max_num_seqs
     max_model_len: int = 4096  # prompt + output tokens of one request
     # Free blocks, as a fraction of the pool, that new prompts may not take: room for running decodes.
     watermark: float = 0.01
@@ -42,12 +76,12 @@ class EngineConfig:
     block_size: int = 16
     num_blocks: int | None = None
     kv_memory_fraction: float = 0.2  # of the memory available at start-up, when num_blocks is None
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 128
+    max_num_batched_tokens: int | None = None  # None: the device's (SCHEDULING_DEFAULTS)
+    max_num_seqs: int | None = None  # None: the device's (SCHEDULING_DEFAULTS)
     max_model_len: int | None = None  # default: the model's own context length
-    watermark: float = 0.01
-    remote_kv_budget: float = 0.5
-    remote_lease_s: float = 300.0
+    watermark: float = SchedulerConfig.watermark
+    remote_kv_budget: float = SchedulerConfig.remote_kv_budget
+    remote_lease_s: float = SchedulerConfig.remote_lease_s
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # auto | cpu | torch | flash | triton
     model_id: str | None = None  # name served to clients; default: derived from the checkpoint
@@ -72,12 +106,29 @@ class EngineConfig:
                  self.attention_backend, "one of auto, cpu, torch, flash, triton")
         _require(self.load_format in ("auto", "dummy"), "load_format", self.load_format, "one of auto, dummy")
         # The scheduler config validates the remaining knobs.
-        self.scheduler_config(self.max_model_len or 4096)
+        self._scheduler_config(self.max_model_len or SchedulerConfig.max_model_len, *self._batch_limits("cpu"))
+
+    def _batch_limits(self, device_type: str) -> tuple[int, int]:
+        defaults = scheduling_defaults(device_type)
+        batched, seqs = self.max_num_batched_tokens, self.max_num_seqs
+        return (defaults.max_num_batched_tokens if batched is None else batched,
+                defaults.max_num_seqs if seqs is None else seqs)
+
+    def for_device(self, device_type: str) -> "EngineConfig":
+        """This config with the batch limits it leaves unset taken from ``device_type``'s defaults."""
+        batched, seqs = self._batch_limits(device_type)
+        return dataclasses.replace(self, max_num_batched_tokens=batched, max_num_seqs=seqs)
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
+        """The scheduler's config; the batch limits must be set (``for_device``)."""
+        if self.max_num_batched_tokens is None or self.max_num_seqs is None:
+            raise ValueError("EngineConfig.scheduler_config: resolve the batch limits first (for_device)")
+        return self._scheduler_config(max_model_len, self.max_num_batched_tokens, self.max_num_seqs)
+
+    def _scheduler_config(self, max_model_len: int, max_num_batched_tokens: int, max_num_seqs: int) -> SchedulerConfig:
         return SchedulerConfig(
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
             max_model_len=max_model_len,
             watermark=self.watermark,
             remote_kv_budget=self.remote_kv_budget,

@@ -100,8 +100,8 @@ class Engine:
     """One model, one paged KV cache, one scheduler.  Not thread-safe: one thread drives it."""
 
     def __init__(self, config: EngineConfig, load_tokenizer: bool = True):
-        self.config = config
         self.device = _pick_device(config.device)
+        self.config = config = config.for_device(self.device.type)  # the batch limits it left to the device
         self.dtype = _pick_dtype(config.dtype, self.device)
         self.checkpoint = resolve_checkpoint(config.model)
         self.model, self.model_config = load_model(self.checkpoint, self.dtype, self.device,

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from pdctl.planner.cost_model import LinearCostModel, ServingCostModel, fit_linear
+from common.engine.config import SCHEDULING_DEFAULTS, EngineConfig
 
 QUICK_GRID = {"prefill": (16, 128, 512, 1024), "decode_batch": (1, 4, 16, 32), "decode_context": (32, 512, 1024),
               "mixed": ((8, 256, 512),), "repeats": 2, "decode_steps": 4}
@@ -96,14 +97,14 @@ def median_by_shape(samples: list[tuple[tuple, float]]) -> tuple[list[tuple], li
     return shapes, [statistics.median(by_shape[s]) for s in shapes]
 
 
-def calibrate(model: str, *, threads: int | None = None, block_size: int = 16, max_num_batched_tokens: int = 512,
-              max_num_seqs: int = 64, num_blocks: int | None = None, dtype: str = "auto", quick: bool = False,
+def calibrate(model: str, *, threads: int | None = None, block_size: int = EngineConfig.block_size,
+              max_num_batched_tokens: int = SCHEDULING_DEFAULTS["cpu"].max_num_batched_tokens,
+              max_num_seqs: int = SCHEDULING_DEFAULTS["cpu"].max_num_seqs, num_blocks: int | None = None, dtype: str = "auto", quick: bool = False,
               compile: bool = True, log=None) -> dict:
     """Measure and fit; returns the calibration document (``cost_model``, ``engine``, ``fit``).
     ``compile``: the engine as workers run it by default (``--compile``)."""
     import torch
 
-    from common.engine.config import EngineConfig
     from common.engine.engine import Engine
 
     if threads:

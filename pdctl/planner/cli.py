@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+from common.engine.config import EngineConfig, SchedulerConfig, scheduling_defaults
 from pdctl.planner.cost_model import load_cost_model, roofline
 from pdctl.planner.hardware import GPUS, LINKS, MODELS, kv_blocks_per_gpu, load_model_spec, parse_link
 from pdctl.planner.search import DEFAULT_BUDGET, search
@@ -84,18 +85,19 @@ def add_traffic_args(p, rate_default: float | None = 10.0) -> None:
 
 def add_engine_args(p) -> None:
     g = p.add_argument_group("engine (as the workers' flags)")
-    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--block-size", type=int, default=EngineConfig.block_size)
     g.add_argument("--num-blocks", type=int, help="KV blocks per worker (default: what fits next to the weights)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: 8192 on a GPU profile, "
-                   "else the calibration's")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: the workers' (on a GPU "
+                   f"profile {scheduling_defaults('cuda').max_num_batched_tokens}), else the calibration's")
     g.add_argument("--prefill-max-num-batched-tokens", type=int, help="prefill workers' own budget")
-    g.add_argument("--max-num-seqs", type=int, default=None, help="default: 256 on a GPU profile, else 64")
+    g.add_argument("--max-num-seqs", type=int, default=None, help="default: the workers' (on a GPU profile "
+                   f"{scheduling_defaults('cuda').max_num_seqs}), else the calibration's")
     g.add_argument("--max-model-len", type=int, help="default: the model's")
-    g.add_argument("--watermark", type=float, default=0.01)
+    g.add_argument("--watermark", type=float, default=SchedulerConfig.watermark)
     g.add_argument("--sched", action="append", default=[], metavar="KEY=VALUE",
                    help="any other SchedulerConfig field, e.g. remote_kv_budget=0.3 (repeatable)")
-    g.add_argument("--routing-policy", choices=POLICIES, default="prefix_aware")
-    g.add_argument("--skip-prefill-below", type=int, default=64)
+    g.add_argument("--routing-policy", choices=POLICIES, default=RoutingConfig.policy)
+    g.add_argument("--skip-prefill-below", type=int, default=RoutingConfig.skip_prefill_below_tokens)
     g.add_argument("--overhead-ms", type=float, default=None, help="gateway + HTTP hops per request (default: the "
                    "calibration's serving fit, else 0)")
 
@@ -110,8 +112,8 @@ def add_calibrate_parser(sub) -> None:
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default="default", help="checkpoint directory, .gguf file, or 'default'")
     p.add_argument("--threads", type=int, default=1, help="torch threads: what one worker gets")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--block-size", type=int, default=EngineConfig.block_size)
+    p.add_argument("--max-num-batched-tokens", type=int, default=scheduling_defaults("cpu").max_num_batched_tokens)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--quick", action="store_true", help="a smaller grid (about a minute on a tiny model)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
@@ -208,8 +210,8 @@ def build_config(args) -> tuple[SimConfig, str]:
         num_blocks = args.num_blocks or kv_blocks_per_gpu(GPUS[args.gpu], spec, args.block_size)
         kv_per_token = spec.kv_bytes_per_token
         max_model_len = args.max_model_len or spec.max_model_len
-        batched = args.max_num_batched_tokens or 8192
-        seqs = args.max_num_seqs or 256
+        batched = args.max_num_batched_tokens or scheduling_defaults("cuda").max_num_batched_tokens
+        seqs = args.max_num_seqs or scheduling_defaults("cuda").max_num_seqs
         link = parse_link(args.link or GPUS[args.gpu].default_link)
     else:
         cost = load_cost_model(args.calibration)
@@ -229,8 +231,10 @@ def build_config(args) -> tuple[SimConfig, str]:
         kv_per_token = float(calibration_engine.get("kv_bytes_per_token", 0)) or load_model_spec(
             args.model).kv_bytes_per_token
         max_model_len = args.max_model_len or int(calibration_engine.get("max_model_len", 4096))
-        batched = args.max_num_batched_tokens or int(calibration_engine.get("max_num_batched_tokens", 512))
-        seqs = args.max_num_seqs or 64
+        cpu = scheduling_defaults("cpu")  # a calibration is measured on CPU workers
+        batched = args.max_num_batched_tokens or int(calibration_engine.get("max_num_batched_tokens",
+                                                                            cpu.max_num_batched_tokens))
+        seqs = args.max_num_seqs or int(calibration_engine.get("max_num_seqs", cpu.max_num_seqs))
         link = parse_link(args.link or "2")
     engine = EngineSettings(num_blocks=num_blocks, block_size=args.block_size, max_num_batched_tokens=batched,
                             max_num_seqs=seqs, max_model_len=max_model_len, watermark=args.watermark,

@@ -8,10 +8,11 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from common.engine.config import SchedulerConfig
+from common.engine.config import SCHEDULING_DEFAULTS, EngineConfig, SchedulerConfig
 from gateway.config import GatewayConfig
 from pdctl.planner.cost_model import CostModel
 from pdctl.planner.hardware import LinkProfile
+from worker.config import WorkerConfig
 from gateway.routing import RoutingConfig
 
 
@@ -48,13 +49,13 @@ class EngineSettings:
     """One worker's engine, as its flags would set it (see ``worker/config.py``)."""
 
     num_blocks: int
-    block_size: int = 16
-    max_num_batched_tokens: int = 512
-    max_num_seqs: int = 64
-    max_model_len: int = 4096
-    watermark: float = 0.01
-    enable_prefix_caching: bool = True
-    max_pending_requests: int = 256
+    block_size: int = EngineConfig.block_size
+    max_num_batched_tokens: int = SCHEDULING_DEFAULTS["cpu"].max_num_batched_tokens
+    max_num_seqs: int = SCHEDULING_DEFAULTS["cpu"].max_num_seqs
+    max_model_len: int = SchedulerConfig.max_model_len
+    watermark: float = SchedulerConfig.watermark
+    enable_prefix_caching: bool = EngineConfig.enable_prefix_caching
+    max_pending_requests: int = WorkerConfig.max_pending_requests
     scheduler_options: tuple[tuple[str, Any], ...] = ()  # any other SchedulerConfig field
 
     def scheduler_config(self) -> SchedulerConfig:

@@ -1,0 +1,96 @@
+"""One declaration per setting: ``make up``, every compose stack and the capacity planner resolve the
+same engine and KV-transfer defaults, from ``common.engine.config`` and ``kvtransfer.config``.
+
+Each side is resolved the way it runs: the launcher's flags and the worker command line it builds
+(``make up``); the compose files rendered, each worker service's environment and command parsed by
+the worker's own flags (an unset ``PDSERVE_*`` variable reaches the worker empty, meaning unset);
+the planner's flags for a GPU profile and for a calibration measured on CPU workers.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from common.engine.config import EngineConfig, scheduling_defaults
+from kvtransfer.config import KV_DEFAULTS, default_transport
+from launcher.run import build_parser as launcher_parser, stack_from_args
+from pdctl.planner.cli import build_config
+from pdctl.cli import build_parser as pdctl_parser
+from tests.support.compose_render import WORKER_SERVICES, renderings
+from worker.config import build_parser as worker_parser
+
+# What a worker decides from its flags and the device it runs on.
+SETTINGS = ("max_num_batched_tokens", "max_num_seqs", "block_size", "kv_transport", "kv_timeout")
+
+
+def resolved(args, device_type: str) -> dict:
+    engine = EngineConfig(model="m", block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
+                          max_num_seqs=args.max_num_seqs).for_device(device_type)
+    return {"max_num_batched_tokens": engine.max_num_batched_tokens, "max_num_seqs": engine.max_num_seqs,
+            "block_size": engine.block_size, "kv_transport": args.kv_transport, "kv_timeout": args.kv_timeout}
+
+
+def declared(device_type: str) -> dict:
+    """The declarations themselves."""
+    batch = scheduling_defaults(device_type)
+    return {"max_num_batched_tokens": batch.max_num_batched_tokens, "max_num_seqs": batch.max_num_seqs,
+            "block_size": EngineConfig.block_size, "kv_transport": default_transport(),
+            "kv_timeout": KV_DEFAULTS.transfer_timeout}
+
+
+def make_up_worker_args(role: str):
+    """The flags ``make up``'s worker of ``role`` parses, in a clean environment."""
+    stack = stack_from_args(launcher_parser(env={}).parse_args([]), "redis://127.0.0.1:6379/0")
+    module, argv = stack.worker_command(f"{role}-0", role, 9999)
+    assert module == f"{role}_svc"
+    return worker_parser(role, "pdserve worker", env={}).parse_args(argv)
+
+
+@pytest.mark.parametrize("role", WORKER_SERVICES)
+def test_make_up_runs_the_declared_defaults(role):
+    assert resolved(make_up_worker_args(role), "cpu") == declared("cpu")
+
+
+def compose_workers():
+    for (stack, profiles), doc in renderings().items():
+        for service in WORKER_SERVICES:
+            spec = doc["services"][service]
+            yield stack, profiles, service, spec
+
+
+def test_every_compose_worker_resolves_what_make_up_resolves_on_its_device():
+    seen = set()
+    for stack, profiles, service, spec in compose_workers():
+        env = {k: "" if v is None else str(v) for k, v in (spec.get("environment") or {}).items()}
+        command = list(spec.get("command") or [])
+        assert command and command[0] == f"{service}_svc", (stack, service, command)
+        args = worker_parser(service, "pdserve worker", env=env).parse_args(command[1:])
+        device = env.get("PDSERVE_DEVICE") or "cpu"
+        got = resolved(args, device)
+        assert got == declared(device), (stack, profiles, service)
+        if device == "cpu":  # the CPU stack runs what make up runs
+            assert got == resolved(make_up_worker_args(service), "cpu"), (stack, profiles, service)
+        seen.add((stack, device))
+    assert {device for _stack, device in seen} == {"cpu", "cuda"}, seen
+
+
+def test_the_planner_simulates_the_declared_defaults(tmp_path):
+    gpu = pdctl_parser().parse_args(["plan", "--gpu", "H200", "--model", "llama-3-8b", "--rate", "1"])
+    config, _ = build_config(gpu)
+    cuda = scheduling_defaults("cuda")
+    assert (config.engine.max_num_batched_tokens, config.engine.max_num_seqs) == (cuda.max_num_batched_tokens,
+                                                                                  cuda.max_num_seqs)
+    assert config.engine.block_size == EngineConfig.block_size
+
+    calibration = tmp_path / "calibration.json"  # measured on a CPU worker that ran its defaults
+    calibration.write_text(json.dumps({"cost_model": {"kind": "linear", "coefficients": [1e-3, 1e-5, 0, 0, 0, 0]},
+                                       "engine": {}}))
+    cpu_args = pdctl_parser().parse_args(["plan", "--calibration", str(calibration), "--num-blocks", "256",
+                                          "--model", "llama-3-8b", "--rate", "1"])
+    config, _ = build_config(cpu_args)
+    cpu = scheduling_defaults("cpu")
+    assert (config.engine.max_num_batched_tokens, config.engine.max_num_seqs) == (cpu.max_num_batched_tokens,
+                                                                                  cpu.max_num_seqs)
+    worker = make_up_worker_args("decode")
+    assert resolved(worker, "cpu")["max_num_batched_tokens"] == config.engine.max_num_batched_tokens
