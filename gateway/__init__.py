@@ -1,1 +1,2 @@
-"""The gateway: OpenAI-compatible HTTP API, routing, streaming, metrics."""
+"""The gateway process: the OpenAI-compatible HTTP API, tokenizing, routing to the pools,
+backpressure, streaming back, metrics.  ``python -m gateway``."""

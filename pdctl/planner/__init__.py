@@ -8,7 +8,7 @@
     simulator.py   the discrete-event simulation (real Scheduler, BlockPool, Router)
     metrics.py     percentiles, goodput, KV usage, preemptions, transfers (loadgen's definitions)
     search.py      fluid bound, candidate splits, sampled slices of large clusters, recommendation
-    rebalance.py   pdctl rebalance --gpu/--calibration: the split chosen by simulation
+    rebalance_sim.py  pdctl rebalance --gpu/--calibration: the split chosen by simulation
     report.py      table and PNG
-    cli.py         the pdctl plan / calibrate flags (pdctl.py only registers them)
+    cli.py         the pdctl plan / calibrate flags (pdctl/cli.py only registers them)
 """
