@@ -16,15 +16,41 @@ import math
 import random
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import openai
 
-if TYPE_CHECKING:
-    from benchmarks.chaos_scenario import ChaosConfig
-
 
 # ---- the requests ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ChaosConfig:
+    """One chaos run.  ``requests`` per round; rounds repeat until ``minutes`` have passed (0: one round)."""
+
+    transport: str = "tcp"
+    requests: int = 300
+    minutes: float = 0.0
+    concurrency: int = 12
+    seed: int = 0
+    min_prompt: int = 8
+    max_prompt: int = 1500
+    max_tokens: int = 24
+    faults: tuple[str, ...] = ("hostile", "kill_prefill", "kill_decode", "restart_redis", "garbage_kv")
+    request_bound_s: float = 120.0  # a request that has not ended by then is a hang
+    block_size: int = 16
+    decode_blocks: int = 112  # 1792 tokens: one long prompt nearly fills a decode worker
+    prefill_blocks: int = 112
+    settle_timeout_s: float = 120.0  # for the stack to be back to idle after the load
+    idle_cpu_window_s: float = 5.0
+
+    @property
+    def kv_backstop_s(self) -> float:
+        """The workers' ``--kv-timeout`` and ``--kv-lease-timeout``: longer than the whole run, its
+        settling included.  A reservation's lease (the KV timeout and then some) or a prefill
+        worker's wait for an acknowledgement can then never end before the leak check, so whatever
+        only such a backstop would free is still held there.  (Chaos injects no hung peer: a
+        killed one is noticed through its connections.)"""
+        return 3600.0 + self.minutes * 60
 
 
 @dataclass

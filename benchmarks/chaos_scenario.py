@@ -46,13 +46,12 @@ import urllib.error
 import urllib.request
 import uuid
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 
 import openai
 
 from benchmarks.chaos_checks import classify_error, gateway_metric, reference_texts, settle
-from benchmarks.chaos_requests import Outcome, Planner, run_request
+from benchmarks.chaos_requests import ChaosConfig, Outcome, Planner, run_request
 from launcher.local_stack import LocalStack, http_json
 from launcher.supervisor import Supervisor
 from common.cluster.redis_util import RedisServer
@@ -60,36 +59,6 @@ from common.cluster.redis_util import RedisServer
 ADMIN_TOKEN = "pdserve-chaos-admin-token"  # the gateway's (in its environment: never on a command line)
 T0 = time.monotonic()  # event and outcome times are relative to this
 MAX_MODEL_LEN = 1600
-
-
-@dataclass(frozen=True)
-class ChaosConfig:
-    """One chaos run.  ``requests`` per round; rounds repeat until ``minutes`` have passed (0: one round)."""
-
-    transport: str = "tcp"
-    requests: int = 300
-    minutes: float = 0.0
-    concurrency: int = 12
-    seed: int = 0
-    min_prompt: int = 8
-    max_prompt: int = 1500
-    max_tokens: int = 24
-    faults: tuple[str, ...] = ("hostile", "kill_prefill", "kill_decode", "restart_redis", "garbage_kv")
-    request_bound_s: float = 120.0  # a request that has not ended by then is a hang
-    block_size: int = 16
-    decode_blocks: int = 112  # 1792 tokens: one long prompt nearly fills a decode worker
-    prefill_blocks: int = 112
-    settle_timeout_s: float = 120.0  # for the stack to be back to idle after the load
-    idle_cpu_window_s: float = 5.0
-
-    @property
-    def kv_backstop_s(self) -> float:
-        """The workers' ``--kv-timeout`` and ``--kv-lease-timeout``: longer than the whole run, its
-        settling included.  A reservation's lease (the KV timeout and then some) or a prefill
-        worker's wait for an acknowledgement can then never end before the leak check, so whatever
-        only such a backstop would free is still held there.  (Chaos injects no hung peer: a
-        killed one is noticed through its connections.)"""
-        return 3600.0 + self.minutes * 60
 
 
 # ---- the checkpoint and the offline reference ---------------------------------------------------

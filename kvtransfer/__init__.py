@@ -11,7 +11,7 @@ Prefill side::
     sender = KVSender(cache, config)
     tx = await sender.begin(request_id, address)
     await tx.send_blocks(src_block_ids, dst_block_ids)   # once per finished prefill chunk
-    await tx.finish({"first_token": [token_id]})         # waits for the receiver's ack (lease)
+    await tx.finish({"note": "any small JSON"})           # waits for the receiver's ack (lease)
 """
 from kvtransfer.config import KVTransferConfig
 from kvtransfer.errors import (

@@ -17,7 +17,7 @@ One transfer, prefill worker P (sender) -> decode worker D (receiver)::
                                                    |  chunk 2 done: send_blocks([5,9], [9,12])
             <-- Blocks(T, dst 9, n=1) + bytes -----+   (split where src or dst ids break)
             <-- Blocks(T, dst 12, n=1) + bytes ----+
-            <-- Done(T, metadata) -----------------+   finish({"first_token": [42]})
+            <-- Done(T, metadata) -----------------+   finish({...}): optional small JSON
     all reserved ids filled -> rx resolves
             --- Ack(T) --------------------------->   finish() returns; src blocks unpinned
 

@@ -118,7 +118,7 @@ def targets_from_args(args) -> Targets:
 def cmd_rebalance(client: AdminClient, args) -> int:
     targets = targets_from_args(args)
     readings = [WorkerReading.from_info(w) for w in client.workers()]
-    if args.gpu or args.calibration:  # choose the split by simulating the traffic (gateway/planner)
+    if args.gpu or args.calibration:  # choose the split by simulating the traffic (pdctl/planner)
         result = rebalance_by_simulation(readings, args)
     else:
         result = plan(readings, targets)
@@ -184,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_rebalance_model_args(s)  # --gpu/--calibration: choose the split by simulation
 
     add_planner_parsers(sub)
-    add_deploy_commands(sub)  # gen-secrets, rollout, scale, metrics-proxy (gateway/ops)
+    add_deploy_commands(sub)  # gen-secrets, rollout, scale, metrics-proxy (pdctl/deploy)
     return p
 
 

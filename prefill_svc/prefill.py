@@ -58,7 +58,6 @@ async def handle_prefill(context: RoleContext, shipper: Shipper, request: web.Re
     loop = asyncio.get_running_loop()
     job = ShippingJob(rid, body.kv_transfer_id, kv_address, body.dst_block_ids, body.num_skip_blocks, loop)
     stream = context.engine.open_stream(rid)
-    first_token: asyncio.Future = loop.create_future()
     shipping: asyncio.Task | None = None
     outcome = "error"
     # The prefill computes the prompt and samples its first token with the request's own
@@ -71,9 +70,8 @@ async def handle_prefill(context: RoleContext, shipper: Shipper, request: web.Re
 
     try:
         await context.engine.call(start)
-        shipping = asyncio.create_task(ship(context, job, first_token))
+        shipping = asyncio.create_task(ship(context, job))
         output = await _first_output(stream, shipping)
-        first_token.set_result(output.new_token_ids[0])
         num_sent = await shipping
         computed = output.num_prompt_tokens - output.num_cached_tokens
         context.metrics.prefill_computed_tokens.inc(computed)
@@ -99,8 +97,6 @@ async def handle_prefill(context: RoleContext, shipper: Shipper, request: web.Re
     finally:
         if shipping is not None and not shipping.done():
             shipping.cancel()
-        if not first_token.done():
-            first_token.cancel()
         context.engine.close_stream(rid)
         context.metrics.requests.labels("prefill", outcome).inc()
         context.in_flight.finish(rid, lambda e: shipper.stop(e, rid), then=unpin_leftovers(context, job))

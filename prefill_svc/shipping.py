@@ -91,8 +91,9 @@ class Shipper:
             else:
                 limit = min(request.num_computed_tokens, request.num_prompt_tokens) // bs
             if limit > job.next_index:
-                blocks: list[KVCacheBlock] = engine.scheduler.kv.req_to_blocks[request_id][job.next_index:limit]
-                engine.scheduler.kv.pin(blocks)
+                outgoing = engine.scheduler.handoff.prefill
+                blocks: list[KVCacheBlock] = outgoing.ready_blocks(request_id, job.next_index, limit)
+                outgoing.pin(blocks)
                 dst = job.dst_block_ids[job.next_index - job.num_skip_blocks : limit - job.num_skip_blocks]
                 job.post(([b.block_id for b in blocks], dst, blocks, self._fence))
                 job.next_index = limit
@@ -102,8 +103,9 @@ class Shipper:
                 job.post(FINAL)
 
 
-async def ship(context: RoleContext, job: ShippingJob, first_token: asyncio.Future) -> int:
-    """Event loop: send each queued batch, unpin it, then finish with the first token.
+async def ship(context: RoleContext, job: ShippingJob) -> int:
+    """Event loop: send each queued batch, unpin it, then finish the transfer.  The first token goes
+    to the decode worker once, in the answer to its /prefill call, not with the KV.
 
     A batch is unpinned by a command the engine thread runs between steps; nothing waits for it,
     or the first token would wait for the step running meanwhile -- often another prompt's whole
@@ -118,7 +120,7 @@ async def ship(context: RoleContext, job: ShippingJob, first_token: asyncio.Futu
         while True:
             item = await job.queue.get()
             if item is FINAL:
-                await transfer.finish({"first_token": await first_token})
+                await transfer.finish()
                 return sent
             src, dst, blocks, fence = item
             try:
@@ -133,7 +135,7 @@ async def ship(context: RoleContext, job: ShippingJob, first_token: asyncio.Futu
 
 async def unpin(context: RoleContext, blocks: list[KVCacheBlock]) -> None:
     try:
-        await asyncio.shield(context.engine.call(lambda e: e.scheduler.kv.unpin(blocks)))
+        await asyncio.shield(context.engine.call(lambda e: e.scheduler.handoff.prefill.unpin(blocks)))
     except EngineFailed:
         pass  # the engine has stopped: no block is handed out any more
 

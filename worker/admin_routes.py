@@ -15,8 +15,6 @@ route: operators go through the gateway's /admin, which checks their admin token
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
-
 import msgspec
 from aiohttp import web
 
@@ -26,14 +24,11 @@ from common.engine.step_log import COLUMNS as STEP_COLUMNS
 from kvtransfer.socket_io import failed_listeners
 from worker.engine_thread import EngineFailed
 
-if TYPE_CHECKING:
-    from worker.lifecycle import Worker
-
 STEPS_PAGE = 4096  # most steps one /admin/steps answer holds (about 400 KB of JSON)
 
 
-def add_admin_routes(worker: "Worker", app: web.Application) -> None:
-    """Add the routes above for ``worker`` to ``app``."""
+def add_admin_routes(worker, app: web.Application) -> None:
+    """Add the routes above for ``worker`` (a ``worker.lifecycle.Worker``, which calls this) to ``app``."""
     handlers = AdminHandlers(worker)
     app.router.add_post("/abort", handlers.abort)
     app.router.add_get("/health", handlers.health)
@@ -46,9 +41,9 @@ def add_admin_routes(worker: "Worker", app: web.Application) -> None:
 
 
 class AdminHandlers:
-    """The handlers of the routes every worker serves, over one ``Worker``."""
+    """The handlers of the routes every worker serves, over one ``worker.lifecycle.Worker``."""
 
-    def __init__(self, worker: "Worker"):
+    def __init__(self, worker):
         self.worker = worker
 
     async def abort(self, request: web.Request) -> web.Response:

@@ -11,6 +11,7 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import asyncio  # noqa: E402
+import importlib  # noqa: E402
 import logging  # noqa: E402
 import signal  # noqa: E402
 import sys  # noqa: E402
@@ -22,6 +23,10 @@ from worker.role_context import RoleModule  # noqa: E402
 from worker.lifecycle import Worker  # noqa: E402
 
 log = logging.getLogger(__name__)
+
+# The role modules every worker hosts, so that its role can change without a restart: by import
+# path, loaded when the worker starts (the service packages import the worker, never the reverse).
+ROLE_MODULES = ("prefill_svc.role:PREFILL", "decode_svc.role:DECODE")
 
 # Beyond --failure-drain-timeout, how long a worker whose engine failed may take to stop (listeners,
 # registry, transports) before it exits regardless.
@@ -89,8 +94,18 @@ async def serve(config, modules, drain_timeout: float, failure_drain_timeout: fl
             exit_now(1)  # not through asyncio.run's shutdown: see exit_now
 
 
-def main(default_role: str, description: str, modules: list[RoleModule]) -> None:
-    """Parse flags and run a worker hosting ``modules`` (the services' role modules)."""
+def load_role_modules(paths: tuple[str, ...] = ROLE_MODULES) -> list[RoleModule]:
+    """The ``RoleModule`` objects named ``"package.module:NAME"``."""
+    modules = []
+    for path in paths:
+        module_name, _, name = path.partition(":")
+        modules.append(getattr(importlib.import_module(module_name), name))
+    return modules
+
+
+def main(default_role: str, description: str) -> None:
+    """Parse flags and run a worker hosting every role module (``ROLE_MODULES``)."""
+    modules = load_role_modules()
     try:
         args = build_parser(default_role, description).parse_args()
     except ValueError as exc:  # a PDSERVE_* variable that is not valid

@@ -7,7 +7,7 @@ HTTP routes and engine-thread hooks.  A worker process hosts every role module, 
 change at run time without a restart; the role only decides which of them accept new requests
 (``RoleContext.accepts``).
 
-    python -m decode_svc  ->  worker.main.main("decode", ..., modules=[PREFILL, DECODE])
+    python -m decode_svc  ->  worker.main.main("decode", ...): load_role_modules() -> [PREFILL, DECODE]
                                    Worker.start(): module.install(worker.role_context(), app)
 """
 from __future__ import annotations

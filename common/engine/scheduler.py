@@ -24,6 +24,9 @@ pool could fill with them while nothing runs (``running=0, waiting>0``, forever)
                   without the watermark
     held, pins    (prefill role: finished, or on the wire)     released as soon as sent
 
+Their bookkeeping is the remote-KV hand-off's (``remote_kv``: a decode side and a prefill side);
+the policy -- when a reservation may be granted, what fits -- is this module's.
+
 Reservations and local requests take turns first come, first served (``scheduler_turns``): a
 reservation is refused while the head of ``waiting`` could not start (or could not once it is
 granted), and while the local claimant -- the oldest request found unable to start, until it
@@ -44,7 +47,6 @@ A step with nothing to do is then empty and ``has_work`` is false: the engine th
 """
 from __future__ import annotations
 
-import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -52,12 +54,11 @@ from dataclasses import dataclass, field
 from common.engine.config import SchedulerConfig
 from common.engine.kv.kv_cache_manager import KVCacheManager, cdiv
 from common.engine.request import Request, RequestStatus
+from common.engine.remote_kv import RemoteClaim, RemoteKVHandoff
 from common.engine.room_alone import RoomAlone, final_tokens
-from common.engine.scheduler_integrity import check_scheduler
-from common.engine.scheduler_turns import (
-    RemoteClaim, leaves_local_requests_their_turn, leaves_remote_claimant_room, update_remote_claim,
-)
 from common.engine.sampling_params import SamplingParams
+from common.engine.scheduler_integrity import check_scheduler
+from common.engine.scheduler_turns import TurnTaking
 
 
 @dataclass
@@ -106,8 +107,10 @@ def status_after_token(request: Request, token_id: int, max_model_len: int) -> R
     return None
 
 
-class Scheduler:
-    """Owns the request queues and the KV cache manager; see the module docstring."""
+class Scheduler(TurnTaking):
+    """Owns the request queues and the KV cache manager; see the module docstring.  What is held
+    for the remote-KV hand-off (reservations, leases, the remote claim; held requests, pins) is
+    ``handoff``'s bookkeeping, asked by the policy here."""
 
     def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager):
         self.config = config
@@ -117,19 +120,30 @@ class Scheduler:
         self.waiting: deque[Request] = deque()  # hold no blocks
         self.landed: deque[Request] = deque()  # decode role: remote KV complete, blocks held
         self.running: list[Request] = []
-        self.reservations: dict[str, Request] = {}  # decode role: blocks held for remote KV
-        self._leases: dict[str, float] = {}  # reservation -> when its lease ends (unexpired ones; inf: stopped)
-        self.held: set[str] = set()  # prefill role: finished, blocks kept until shipped
         self.num_preemptions = 0
         self._watermark_blocks = int(config.watermark * kv_manager.pool.num_blocks)
-        self._remote_budget_blocks = int(config.remote_kv_budget * kv_manager.pool.num_blocks)
-        self.remote_claim: RemoteClaim | None = None  # decode role: the oldest refused reservation
+        self.handoff = RemoteKVHandoff(kv_manager, config, self._watermark_blocks)
         self.local_claim: Request | None = None  # the oldest request refused its turn, until it ends
         self._waited_a_step: Request | None = None  # the head of ``waiting`` when the last step ended
         # Waiting requests that free their blocks on finish: behind a request passed over, only
         # these may start (``_admit_waiting``), so a scan ends when none is left.
         self._num_waiting_releasing = 0
         self.room = RoomAlone(kv_manager)
+
+    @property
+    def reservations(self) -> dict[str, Request]:
+        """Decode role: requests holding blocks for remote KV (``handoff.decode``)."""
+        return self.handoff.decode.reservations
+
+    @property
+    def held(self) -> set[str]:
+        """Prefill role: finished requests whose blocks are kept until shipped (``handoff.prefill``)."""
+        return self.handoff.prefill.held
+
+    @property
+    def remote_claim(self) -> RemoteClaim | None:
+        """Decode role: the oldest reservation refused for lack of room (``handoff.decode``)."""
+        return self.handoff.decode.claim
 
     # ---- admission -------------------------------------------------------------------------
 
@@ -149,55 +163,45 @@ class Scheduler:
         lease ends ``lease_s`` (default: the config's ``remote_lease_s``) after ``now``.
         """
         self._validate(request)
+        decode = self.handoff.decode
         now = time.monotonic() if now is None else now
         needed = cdiv(request.num_tokens, self.block_size)
-        if not leaves_remote_claimant_room(self, request.request_id, needed, now):
+        if not decode.leaves_claimant_room(request.request_id, needed, now):
             return None  # first come, first served: the claimant waits for this room
         cached = self.kv.find_cached_prefix(request)
         num_cached_tokens = len(cached) * self.block_size
         # The watermark keeps room for requests that will grow; with none, the pool is all there is.
         reserve = self._watermark_blocks if self.running or self.landed or self.reservations else 0
         new_blocks = None
-        if (leaves_local_requests_their_turn(self, needed, cached)  # first: it may take the local claim
-                and (not self.reservations or self.num_reserved_blocks + needed <= self._remote_budget_blocks)):
+        if self.leaves_local_requests_their_turn(needed, cached) and decode.within_budget(needed):
+            # (the turn first: it may take the local claim)
             new_blocks = self.kv.allocate_slots(
                 request, request.num_tokens - num_cached_tokens, cached, reserve_blocks=reserve)
-        update_remote_claim(self, request.request_id, needed, now, granted=new_blocks is not None)
+        decode.decided(request.request_id, needed, now, granted=new_blocks is not None)
         if new_blocks is None:
             return None
-        request.num_cached_tokens = num_cached_tokens
-        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
-        self._leases[request.request_id] = now + (self.config.remote_lease_s if lease_s is None else lease_s)
+        decode.reserve(request, num_cached_tokens, now + (self.config.remote_lease_s if lease_s is None else lease_s))
         self.requests[request.request_id] = request
-        self.reservations[request.request_id] = request
         return self.kv.block_ids(request.request_id), num_cached_tokens
 
     @property
     def num_reserved_blocks(self) -> int:
-        return sum(self.kv.num_blocks_of(rid) for rid in self.reservations)
+        return self.handoff.decode.num_reserved_blocks
 
     def expired_leases(self, now: float | None = None) -> list[str]:
         """Reservations whose lease ended: each is reported once, and its KV is refused from now on
         (``finish_remote`` returns ``None``).  The caller frees each with ``abort`` once no more
         bytes can land in its blocks."""
-        now = time.monotonic() if now is None else now
-        expired = [rid for rid, deadline in self._leases.items() if deadline <= now]
-        for rid in expired:
-            del self._leases[rid]
-        return expired
+        return self.handoff.decode.expired_leases(time.monotonic() if now is None else now)
 
     def next_lease_deadline(self) -> float | None:
         """When the earliest running lease ends (``None``: no lease running)."""
-        deadline = min(self._leases.values(), default=math.inf)
-        return None if deadline == math.inf else deadline
+        return self.handoff.decode.next_lease_deadline()
 
     def end_lease(self, request_id: str) -> bool:
         """Decode role: the reservation's KV has all landed, so its lease stops: it never expires,
         and ``finish_remote`` (or ``abort``) ends it.  ``False`` if the lease had ended already."""
-        if request_id not in self._leases:
-            return False
-        self._leases[request_id] = math.inf
-        return True
+        return self.handoff.decode.end_lease(request_id)
 
     def finish_remote(self, request_id: str, first_token_id: int) -> Request | None:
         """Decode role: the prompt's KV has landed; queue the request to decode from ``first_token_id``.
@@ -205,10 +209,9 @@ class Scheduler:
         Returns the request (finished at once if that token already stops it), or ``None`` if it
         was aborted meanwhile.
         """
-        request = self.requests.get(request_id)
-        if request is None or request_id not in self._leases:
+        request = self.handoff.decode.land(request_id)
+        if request is None:
             return None  # aborted, or its lease ended: its owner frees it
-        del self.reservations[request_id], self._leases[request_id]
         request.num_computed_tokens = request.num_tokens
         self.kv.commit(request)
         request.status = RequestStatus.WAITING
@@ -449,17 +452,15 @@ class Scheduler:
             self.local_claim = None  # the next request that cannot start claims
         if request is self._waited_a_step:
             self._waited_a_step = None
-        self.reservations.pop(request.request_id, None)
-        self._leases.pop(request.request_id, None)
+        self.handoff.decode.release(request.request_id)
         if request.hold_blocks_on_finish:
-            self.held.add(request.request_id)
+            self.handoff.prefill.hold(request.request_id)
         else:
             self.kv.free(request.request_id)
 
     def release_held(self, request_id: str) -> None:
         """Prefill role: the KV of a finished request has been shipped; its blocks become cache."""
-        self.held.discard(request_id)
-        self.kv.free(request_id)
+        self.handoff.prefill.release(request_id)
 
     @property
     def num_unfinished(self) -> int:

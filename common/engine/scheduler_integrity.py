@@ -1,16 +1,11 @@
 """The scheduler's invariants, asserted: for tests, the property tests and debug builds."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from common.engine.request import RequestStatus
 
-if TYPE_CHECKING:
-    from common.engine.scheduler import Scheduler
 
-
-def check_scheduler(s: Scheduler) -> None:
-    """Assert that the pool is sound, that every reference on a block has an owner (a block table
+def check_scheduler(s) -> None:
+    """Of ``s``, a ``common.engine.scheduler.Scheduler`` (which calls this): assert that the pool is sound, that every reference on a block has an owner (a block table
     or a pin), and that every request is in exactly one place, in a state that fits it."""
     s.kv.check_integrity()
     places = {
@@ -32,7 +27,7 @@ def check_scheduler(s: Scheduler) -> None:
             else:
                 capacity = s.kv.num_blocks_of(rid) * s.block_size
                 assert capacity >= request.num_computed_tokens, f"{rid!r} has KV beyond its blocks"
-    assert set(s._leases) <= set(s.reservations), "a lease without a reservation"
+    assert set(s.handoff.decode.leases) <= set(s.reservations), "a lease without a reservation"
     assert s.remote_claim is None or s.remote_claim.request_id not in s.reservations, "a granted claim is still held"
     assert s.local_claim is None or s.requests.get(s.local_claim.request_id) is s.local_claim, (
         "the local claim belongs to a request that has ended")

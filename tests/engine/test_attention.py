@@ -76,9 +76,9 @@ DECODES = [(1, 600), (1, 257), (1, 1), (1, 40)]
 
 @pytest.fixture(scope="module")
 def cpu_kernel():
-    from common.engine.attention import backend_cpu as attention_cpu
+    from common.engine.attention import backend_cpu
 
-    kernel = attention_cpu.build_kernel()
+    kernel = backend_cpu.build_kernel()
     if kernel is None:
         pytest.skip("no C compiler: the CPU kernel cannot be built")
     return kernel
@@ -172,9 +172,9 @@ def test_auto_backend_on_cuda_is_flash_where_it_pages_else_triton(fake_flash_att
 def test_auto_backend_on_cuda_without_flash_attn_is_triton(monkeypatch):
     monkeypatch.setitem(sys.modules, "flash_attn", None)  # import fails
     assert make_attention("auto", torch.device("cuda"), {None}, 256).name == "triton"
-    from common.engine.attention import backend_cpu as attention_cpu
+    from common.engine.attention import backend_cpu
 
-    cpu_auto = "cpu" if attention_cpu.build_kernel() is not None else "torch"
+    cpu_auto = "cpu" if backend_cpu.build_kernel() is not None else "torch"
     assert make_attention("auto", torch.device("cpu"), {None}, 256).name == cpu_auto
     assert make_attention("auto", torch.device("cpu"), {None}, 256, torch.float16).name == "torch"
 

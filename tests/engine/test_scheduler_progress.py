@@ -153,7 +153,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.fates[request.request_id] = (fate, self.steps + delay)
             if claim is not None and claim.request_id != request.request_id:
                 # Nobody else takes the room of the oldest refused reservation while its claim lasts.
-                assert s.num_reserved_blocks + claim.num_blocks <= s._remote_budget_blocks
+                assert s.num_reserved_blocks + claim.num_blocks <= s.handoff.decode.budget_blocks
                 assert s.kv.pool.num_free_blocks - s._watermark_blocks >= claim.num_blocks
         self.check()
 

@@ -132,7 +132,7 @@ async def test_nothing_runnable_means_no_steps_until_a_lease_ends(running):
     assert not waiting.done()
     # Shorten the lease: the thread must wake by itself when it ends, free the reservation (no
     # transfer owns it here) and run the request.
-    await thread.call(lambda e: e.scheduler._leases.update(remote=time.monotonic() + 0.2))
+    await thread.call(lambda e: e.scheduler.handoff.decode.leases.update(remote=time.monotonic() + 0.2))
     assert len(await asyncio.wait_for(waiting, WAIT)) == PARAMS["max_tokens"]
     stats = await thread.call(lambda e: e.stats())
     assert stats["num_waiting_for_remote_kv"] == 0 and stats["num_free_blocks"] == stats["num_blocks"]

@@ -75,7 +75,7 @@ async def test_a_prompt_that_cannot_fit_beside_a_reservation_lets_the_thread_sle
         stats = await thread.call(lambda e: e.stats())
         assert stats["num_preemptions"] == 0, "the long prompt was admitted although it could not fit"
         # The lease ends: the thread wakes by itself, frees the reservation and runs the long prompt.
-        await thread.call(lambda e: e.scheduler._leases.update(remote=time.monotonic() + 0.2))
+        await thread.call(lambda e: e.scheduler.handoff.decode.leases.update(remote=time.monotonic() + 0.2))
         assert len(await asyncio.wait_for(long, WAIT)) == PARAMS["max_tokens"]
         await thread.call(lambda e: e.scheduler.check_integrity())
     finally:

@@ -79,10 +79,10 @@ class Witness:
         scheduler.requests = WatchedDict(scheduler.requests)
         scheduler.waiting = WatchedDeque(scheduler.waiting)
         scheduler.running = WatchedList(scheduler.running)
-        for name in ("landed", "reservations"):  # absent before the liveness work
-            if hasattr(scheduler, name):
-                value = getattr(scheduler, name)
-                setattr(scheduler, name, WatchedDict(value) if isinstance(value, dict) else WatchedDeque(value))
+        scheduler.landed = WatchedDeque(scheduler.landed)
+        decode = scheduler.handoff.decode  # the remote-KV hand-off's reservations and leases
+        decode.reservations = WatchedDict(decode.reservations)
+        decode.leases = WatchedDict(decode.leases)
 
 
 @pytest.fixture

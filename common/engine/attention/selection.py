@@ -22,7 +22,7 @@ def triton_available(device: torch.device) -> bool:
 def make_attention(backend: str, device: torch.device, windows: set[int | None], block_size: int,
                    dtype: torch.dtype = torch.float32):
     """``auto``: on CUDA flash-attn when it is installed and the block size suits its paged KV,
-    else Triton; on CPU the C kernel that reads the cache in place (``attention_cpu``) where it
+    else Triton; on CPU the C kernel that reads the cache in place (``backend_cpu``) where it
     builds and supports the dtype, else the torch path."""
     device = torch.device(device)
     if backend == "auto":
@@ -30,9 +30,9 @@ def make_attention(backend: str, device: torch.device, windows: set[int | None],
         if device.type == "cuda":
             backend = "flash" if flash_attn_installed() and flash_pages(block_size) else "triton"
         elif device.type == "cpu":
-            from common.engine.attention import backend_cpu as attention_cpu
+            from common.engine.attention import backend_cpu
 
-            if attention_cpu.supports(dtype) and attention_cpu.build_kernel() is not None:
+            if backend_cpu.supports(dtype) and backend_cpu.build_kernel() is not None:
                 backend = "cpu"
     if backend == "flash":
         if device.type != "cuda":
@@ -48,14 +48,14 @@ def make_attention(backend: str, device: torch.device, windows: set[int | None],
 
         return TritonAttention(windows, block_size)
     if backend == "cpu":
-        from common.engine.attention import backend_cpu as attention_cpu
+        from common.engine.attention import backend_cpu
 
-        if device.type != "cpu" or not attention_cpu.supports(dtype):
+        if device.type != "cpu" or not backend_cpu.supports(dtype):
             raise ValueError(f"attention_backend 'cpu' needs a CPU device and float32 or bfloat16, got {device} {dtype}")
-        kernel = attention_cpu.build_kernel()
+        kernel = backend_cpu.build_kernel()
         if kernel is None:
             raise ValueError("attention_backend 'cpu': its kernel could not be built (no C compiler?); see the log")
-        return attention_cpu.CpuPagedAttention(windows, block_size, kernel)
+        return backend_cpu.CpuPagedAttention(windows, block_size, kernel)
     return TorchAttention(windows, block_size)
 
 
