@@ -262,15 +262,15 @@ async def remote_prefill(context: RoleContext, body: GenerateRequest, reservatio
     the KV landed (``CancelledError`` then too), it leaves ``pending.release`` to free the blocks
     once the transfer has settled.
     """
-    rid = body.request_id
+    request_id = body.request_id
     began, peer, num_cached = reservation.began, reservation.peer, reservation.num_cached
     skip = num_cached // context.model.block_size
     dst_block_ids = reservation.block_ids[skip:]
-    handle = context.kv_receiver.expect(rid, dst_block_ids)
-    prefill = PrefillRequest(request_id=rid, prompt_token_ids=body.prompt_token_ids,
+    handle = context.kv_receiver.expect(request_id, dst_block_ids)
+    prefill = PrefillRequest(request_id=request_id, prompt_token_ids=body.prompt_token_ids,
                              sampling_params=body.sampling_params, decode_worker_id=context.worker_id,
                              dst_block_ids=dst_block_ids, num_skip_blocks=skip,
-                             kv_transfer_id=handle.transfer_id, cache_salt=body.cache_salt)
+                             transfer_id=handle.transfer_id, cache_salt=body.cache_salt)
     call = asyncio.ensure_future(call_prefill(context, peer, prefill))
     landed = asyncio.ensure_future(kv_landed(context, handle, reservation.request))
     try:
@@ -281,8 +281,8 @@ async def remote_prefill(context: RoleContext, body: GenerateRequest, reservatio
         # The blocks go back to the pool only once no more bytes can land in them; until then
         # the reservation keeps them.  A task of its own, so a handler cancelled again meanwhile
         # (the gateway's abort) cannot free them early.
-        pending.release = context.spawn(release_reservation(context, rid, handle))
-        context.spawn(send_abort(context, peer, rid))
+        pending.release = context.spawn(release_reservation(context, request_id, handle))
+        context.spawn(send_abort(context, peer, request_id))
         context.peers.forget(peer.worker_id)  # it may have restarted elsewhere
         if isinstance(exc, asyncio.CancelledError):
             raise

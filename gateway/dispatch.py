@@ -139,8 +139,10 @@ class SentToDecode:
             sent = self._by_worker.get(w.worker_id)
             if not sent:
                 continue
-            for rid in [rid for rid, s in sent.items() if s.admitted_at is not None and s.admitted_at < w.heartbeat_at]:
-                del sent[rid]  # the heartbeat counts it now
+            counted = [request_id for request_id, s in sent.items()
+                       if s.admitted_at is not None and s.admitted_at < w.heartbeat_at]
+            for request_id in counted:
+                del sent[request_id]  # the heartbeat counts it now
             out[w.worker_id] = (len(sent), sum(s.blocks for s in sent.values()))
         return out
 

@@ -7,14 +7,19 @@ import functools
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any, AsyncContextManager, Awaitable, Callable
 
 from aiohttp import web
 
-from gateway.detokenizer import StreamingDecoder
 from common.cluster.messages import TokenFrame
 from common.engine.sampling_params import SamplingParams
-from gateway.dispatch import DispatchResult, Saturated, UpstreamError
-from gateway.tenants import cache_salt
+from gateway.chat_template import ChatFormat
+from gateway.config import GatewayConfig
+from gateway.detokenizer import StreamingDecoder
+from gateway.dispatch import DispatchResult, Dispatcher, Saturated, UpstreamError
+from gateway.metrics import GatewayMetrics
+from gateway.prompts import PromptEncoder
+from gateway.tenants import Tenant, cache_salt
 from gateway.openai_protocol import (
     SSE_DONE, SSE_HEADERS, ChatChoice, ChatCompletionChunk, ChatCompletionResponse, ChatDelta, ChatLogprobs,
     ChatResponseMessage, ChatStreamChoice, ChatTokenLogprob, CompletionChoice, CompletionChunk,
@@ -59,32 +64,50 @@ class Generation:
         return "".join(self.pieces)
 
 
-class OpenAIHandlers:
-    """``/v1/completions`` and ``/v1/chat/completions`` on top of a ``Gateway``."""
+@dataclass(frozen=True)
+class HandlerServices:
+    """What the OpenAI handlers use of the gateway: the served model's facts and tokenizer, the
+    prompt encoder, the dispatcher, metrics, and the gateway's bounds on bodies and admission."""
 
-    def __init__(self, gateway):
-        self.gw = gateway
+    config: GatewayConfig
+    model_id: str
+    max_model_len: int
+    vocab_size: int
+    tokenizer: Any  # a transformers tokenizer
+    chat_format: ChatFormat
+    prompts: PromptEncoder
+    dispatcher: Dispatcher
+    metrics: GatewayMetrics
+    read_body: Callable[[web.Request], Awaitable[bytes]]  # whole, bounded in size and time
+    admission: Callable[[Tenant], AsyncContextManager]  # 429 beyond the requests in flight allowed
+
+
+class OpenAIHandlers:
+    """``/v1/completions`` and ``/v1/chat/completions`` over the gateway's ``HandlerServices``."""
+
+    def __init__(self, services: HandlerServices):
+        self.services = services
 
     # ---- request preparation ---------------------------------------------------------------
 
     def _check_model(self, model: str) -> None:
-        if model != self.gw.model_id:
-            raise OpenAIError(404, f"The model '{model}' does not exist; this server serves '{self.gw.model_id}'",
+        if model != self.services.model_id:
+            raise OpenAIError(404, f"The model '{model}' does not exist; this server serves '{self.services.model_id}'",
                               param="model", code="model_not_found")
 
     def _prepare(self, request: web.Request, kind: str, req, prompt_ids: list[int]) -> Generation:
         model, options = req.model, req.sampling()
         self._check_model(model)
-        gw = self.gw
-        vocab = gw.vocab_size
+        services = self.services
+        vocab = services.vocab_size
         if not prompt_ids:
             raise invalid("the prompt is empty after tokenization", "prompt")
         # Sizes before any per-token work: the length bounds the scan of the ids below.
-        room = gw.max_model_len - len(prompt_ids)
+        room = services.max_model_len - len(prompt_ids)
         max_tokens = options.max_tokens if options.max_tokens is not None else room
         if room < 1 or max_tokens > room:
             raise invalid(
-                f"This model's maximum context length is {gw.max_model_len} tokens. However, you requested "
+                f"This model's maximum context length is {services.max_model_len} tokens. However, you requested "
                 f"{len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the prompt, {max_tokens} for the "
                 "completion). Please reduce the prompt or max_tokens.", "max_tokens", "context_length_exceeded")
         if max(prompt_ids) >= vocab:  # ids are >= 0 (decoded so, or from the tokenizer)
@@ -99,18 +122,18 @@ class OpenAIHandlers:
             frequency_penalty=options.frequency_penalty, repetition_penalty=options.repetition_penalty,
             seed=options.seed, ignore_eos=options.ignore_eos, logprobs=options.logprobs,
             # A built-in chat format's end-of-turn token ends a chat answer (unless EOS is ignored).
-            stop_token_ids=gw.chat_format.stop_token_ids if kind == "chat" and not options.ignore_eos else (),
+            stop_token_ids=services.chat_format.stop_token_ids if kind == "chat" and not options.ignore_eos else (),
         )
         prefix = "cmpl" if kind == "completion" else "chatcmpl"
         tenant = request["tenant"]
-        salt = cache_salt(tenant, req.cache_salt, gw.config.cache_isolation)
+        salt = cache_salt(tenant, req.cache_salt, services.config.cache_isolation)
         return Generation(new_request_id(prefix), kind, model, prompt_ids, options, params, salt, tenant.key_id)
 
     def _chat_renderer(self, req):
         """A function applying the chat template and tokenizing (run inline or in a thread)."""
-        tokenizer = self.gw.tokenizer
-        if self.gw.chat_format.template is None:
-            raise invalid(f"The model '{self.gw.model_id}' has no chat template (it is a base model): use "
+        tokenizer = self.services.tokenizer
+        if self.services.chat_format.template is None:
+            raise invalid(f"The model '{self.services.model_id}' has no chat template (it is a base model): use "
                           "/v1/completions, or start the gateway with --chat-template", "messages",
                           "chat_template_missing")
         messages = req.template_messages()
@@ -129,21 +152,21 @@ class OpenAIHandlers:
     # prompts waits for slots (or gets 429) instead of keeping the tokenizer threads busy.
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        body = await self.gw.read_body(request)
-        req = parse_completion_request(body, max_prompt_tokens=self.gw.max_model_len)
+        body = await self.services.read_body(request)
+        req = parse_completion_request(body, max_prompt_tokens=self.services.max_model_len)
         self._check_model(req.model)
-        async with self.gw.admission(request["tenant"]):
-            ids = await self.gw.prompts.text(req.prompt) if isinstance(req.prompt, str) else req.prompt
+        async with self.services.admission(request["tenant"]):
+            ids = await self.services.prompts.text(req.prompt) if isinstance(req.prompt, str) else req.prompt
             gen = self._prepare(request, "completion", req, ids)
             return await self._serve(request, gen)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        body = await self.gw.read_body(request)
+        body = await self.services.read_body(request)
         req = parse_chat_request(body)
         self._check_model(req.model)
         messages, render = self._chat_renderer(req)
-        async with self.gw.admission(request["tenant"]):
-            ids = await self.gw.prompts.chat(messages, render)
+        async with self.services.admission(request["tenant"]):
+            ids = await self.services.prompts.chat(messages, render)
             gen = self._prepare(request, "chat", req, ids)
             return await self._serve(request, gen)
 
@@ -153,7 +176,7 @@ class OpenAIHandlers:
         """Route, wait for the first token, then answer.  Everything up to the first token happens
         before any byte of the response, so a failure there is a real status code (503 +
         Retry-After, 400, 500), streaming or not; after it, a stream ends with an error event."""
-        self.gw.metrics.model(gen.model).prompt_tokens.inc(len(gen.prompt_ids))
+        self.services.metrics.model(gen.model).prompt_tokens.inc(len(gen.prompt_ids))
         async with contextlib.aclosing(self._run(gen)) as run:
             first = await self._upstream(anext(run))
             if gen.options.stream:
@@ -176,20 +199,21 @@ class OpenAIHandlers:
     async def _run(self, gen: Generation):
         """Yield lists of ``(text_delta, frame)``, one list per batch of frames that arrived
         together, until the request finishes or a stop string ends it."""
-        gw = self.gw
-        metrics = gw.metrics.model(gen.model)
-        decoder = StreamingDecoder(gw.tokenizer, gen.prompt_ids, gen.options.stop)
+        services = self.services
+        metrics = services.metrics.model(gen.model)
+        decoder = StreamingDecoder(services.tokenizer, gen.prompt_ids, gen.options.stop)
         result = DispatchResult()
         last = None
         try:
-            async with contextlib.aclosing(gw.dispatcher.generate(gen.request_id, gen.prompt_ids, gen.params, result,
-                                                                   gen.cache_salt, gen.key_id)) as batches:
+            stream = services.dispatcher.generate(gen.request_id, gen.prompt_ids, gen.params, result, gen.cache_salt,
+                                                  gen.key_id)
+            async with contextlib.aclosing(stream) as batches:
                 async for batch in batches:
                     now_t = time.monotonic()
                     out = []
                     for frame in batch:
                         if last is None:
-                            gw.observe_first_frame(gen, frame, now_t - gen.arrival)
+                            self._observe_first_frame(gen, frame, now_t - gen.arrival)
                         elif frame.token_ids:
                             metrics.inter_token_latency.observe(now_t - last)
                         last = now_t
@@ -205,7 +229,8 @@ class OpenAIHandlers:
                             delta += decoder.finish()
                             gen.finish_reason = frame.finish_reason
                             if frame.num_preemptions and result.route:
-                                gw.metrics.preemptions.labels(result.route.decode.worker_id).inc(frame.num_preemptions)
+                                decode_id = result.route.decode.worker_id
+                                services.metrics.preemptions.labels(decode_id).inc(frame.num_preemptions)
                         gen.pieces.append(delta)
                         out.append((delta, frame))
                         if gen.finish_reason is not None:
@@ -249,15 +274,15 @@ class OpenAIHandlers:
             request["outcome"] = "client_too_slow"
             # Else the listener's write deadline (the same bound, raced) cut it off, and counted it.
             if request.transport is not None and not request.transport.is_closing():
-                self.gw.metrics.client_write_timeouts.inc()
+                self.services.metrics.client_write_timeouts.inc()
                 log.info("request %s: the client took no data for %g s; cut off", gen.request_id,
-                         self.gw.config.client_write_timeout)
+                         self.services.config.client_write_timeout)
                 request.transport.abort()  # drop what is buffered for it, now
         return response
 
     async def _write(self, response: web.StreamResponse, data: bytes) -> None:
         try:
-            async with asyncio.timeout(self.gw.config.client_write_timeout):
+            async with asyncio.timeout(self.services.config.client_write_timeout):
                 await response.write(data)
         except TimeoutError:
             raise _ClientTooSlow() from None
@@ -272,8 +297,19 @@ class OpenAIHandlers:
 
     # ---- response shapes -------------------------------------------------------------------
 
+    def _observe_first_frame(self, gen: Generation, frame: TokenFrame, ttft: float) -> None:
+        metrics = self.services.metrics
+        model = metrics.model(gen.model)
+        model.time_to_first_token.observe(ttft)
+        model.prefix_cache_hit_tokens.inc(frame.num_cached_tokens)
+        if frame.kv_transfer_bytes:
+            metrics.kv_transfer_bytes.inc(frame.kv_transfer_bytes)
+            metrics.kv_transfer_seconds.observe(frame.kv_transfer_seconds)
+        if frame.prefill_fallback:
+            metrics.kv_transfer_failures.labels("remote_prefill_failed").inc()
+
     def _token_text(self, token_id: int) -> str:
-        return self.gw.tokenizer.decode([token_id])
+        return self.services.tokenizer.decode([token_id])
 
     def _completion_logprobs(self, entries, offset: int) -> CompletionLogprobs | None:
         if not entries:

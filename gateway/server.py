@@ -23,7 +23,7 @@ from aiohttp import web
 from yarl import URL
 
 from common.cluster.aio import run_service
-from common.cluster.messages import TokenFrame, read_response
+from common.cluster.messages import read_response
 from common.engine.model_config import load_model_config
 from common.engine.loading.model_loader import resolve_checkpoint
 from common.cluster.prefix_index import PrefixIndexReader
@@ -33,7 +33,7 @@ from gateway.chat_template import resolve_chat_format
 from common.cluster.http_listener import GuardedSite
 from gateway.config import GatewayConfig, build_parser, config_from_args
 from gateway.dispatch import Dispatcher
-from gateway.handlers import Generation, OpenAIHandlers
+from gateway.handlers import HandlerServices, OpenAIHandlers
 from gateway.metrics import GatewayMetrics
 from gateway.openapi import openapi_document
 from gateway.openai_protocol import ModelCard, ModelList, OpenAIError, json_response, now
@@ -71,7 +71,6 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.api_keys = config.api_keys()
         self.inflight_by_key: dict[str, int] = {}
-        self.handlers = OpenAIHandlers(self)
         self.openapi = msgspec.json.encode(openapi_document(self.model_id, vocab_size=self.vocab_size,
                                                              api_keys=self.api_keys.enabled))
         self.inflight = 0
@@ -174,22 +173,21 @@ class Gateway:
                 del self.inflight_by_key[tenant.key_id]
             self.metrics.requests_in_flight.dec()
 
-    def observe_first_frame(self, gen: Generation, frame: TokenFrame, ttft: float) -> None:
-        model = self.metrics.model(gen.model)
-        model.time_to_first_token.observe(ttft)
-        model.prefix_cache_hit_tokens.inc(frame.num_cached_tokens)
-        if frame.kv_transfer_bytes:
-            self.metrics.kv_transfer_bytes.inc(frame.kv_transfer_bytes)
-            self.metrics.kv_transfer_seconds.observe(frame.kv_transfer_seconds)
-        if frame.prefill_fallback:
-            self.metrics.kv_transfer_failures.labels("remote_prefill_failed").inc()
-
     # ---- app -------------------------------------------------------------------------------
 
+    def handler_services(self) -> HandlerServices:
+        """What the OpenAI handlers use of this gateway (once ``start`` has built the dispatcher)."""
+        return HandlerServices(
+            config=self.config, model_id=self.model_id, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
+            tokenizer=self.tokenizer, chat_format=self.chat_format, prompts=self.prompts, dispatcher=self.dispatcher,
+            metrics=self.metrics, read_body=self.read_body, admission=self.admission)
+
     def app(self) -> web.Application:
+        """The HTTP application (after ``start``)."""
+        handlers = OpenAIHandlers(self.handler_services())
         app = web.Application(middlewares=[self._errors, self._auth], client_max_size=self.config.max_body_bytes)
-        app.router.add_post("/v1/completions", self.handlers.completions)
-        app.router.add_post("/v1/chat/completions", self.handlers.chat_completions)
+        app.router.add_post("/v1/completions", handlers.completions)
+        app.router.add_post("/v1/chat/completions", handlers.chat_completions)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)

@@ -54,10 +54,10 @@ async def handle_prefill(context: RoleContext, shipper: Shipper, request: web.Re
         context.in_flight.track(body.request_id)
     except ValueError as exc:
         return _reply(PrefillResult(error=str(exc)), 409)
-    rid = body.request_id
+    request_id = body.request_id
     loop = asyncio.get_running_loop()
-    job = ShippingJob(rid, body.kv_transfer_id, kv_address, body.dst_block_ids, body.num_skip_blocks, loop)
-    stream = context.engine.open_stream(rid)
+    job = ShippingJob(request_id, body.transfer_id, kv_address, body.dst_block_ids, body.num_skip_blocks, loop)
+    stream = context.engine.open_stream(request_id)
     shipping: asyncio.Task | None = None
     outcome = "error"
     # The prefill computes the prompt and samples its first token with the request's own
@@ -66,7 +66,7 @@ async def handle_prefill(context: RoleContext, shipper: Shipper, request: web.Re
     params = msgspec.structs.replace(body.sampling_params, max_tokens=1)
 
     def start(engine):
-        shipper.start(engine, job, engine.make_request(body.prompt_token_ids, params, rid, body.cache_salt))
+        shipper.start(engine, job, engine.make_request(body.prompt_token_ids, params, request_id, body.cache_salt))
 
     try:
         await context.engine.call(start)
@@ -91,12 +91,12 @@ async def handle_prefill(context: RoleContext, shipper: Shipper, request: web.Re
         outcome = "invalid"
         return _reply(PrefillResult(error=str(exc)), 400)
     except Exception as exc:
-        log.warning("prefill of %s failed: %s: %s", rid, type(exc).__name__, exc)
+        log.warning("prefill of %s failed: %s: %s", request_id, type(exc).__name__, exc)
         context.metrics.kv_transfer_failures.inc()
         return _reply(PrefillResult(error=f"{type(exc).__name__}: {exc}"), 502)
     finally:
         if shipping is not None and not shipping.done():
             shipping.cancel()
-        context.engine.close_stream(rid)
+        context.engine.close_stream(request_id)
         context.metrics.requests.labels("prefill", outcome).inc()
-        context.in_flight.finish(rid, lambda e: shipper.stop(e, rid), then=unpin_leftovers(context, job))
+        context.in_flight.finish(request_id, lambda e: shipper.stop(e, request_id), then=unpin_leftovers(context, job))

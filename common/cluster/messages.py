@@ -28,7 +28,7 @@ CacheSalt = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_CACHE_SALT_
 TokenIds = Annotated[list[Annotated[int, msgspec.Meta(ge=0)]], msgspec.Meta(max_length=MAX_PROMPT_TOKENS)]
 BlockIds = Annotated[list[Annotated[int, msgspec.Meta(ge=0)]], msgspec.Meta(max_length=MAX_PROMPT_TOKENS)]
 # The decode worker's receiver names each KV transfer with 128 random bits (kvtransfer.messages).
-KVTransferId = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{32}$")]
+TransferIdHex = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{32}$")]
 
 
 class TokenLogprob(msgspec.Struct, array_like=True):
@@ -75,14 +75,14 @@ class PrefillRequest(msgspec.Struct, forbid_unknown_fields=True):
     """Decode worker -> prefill worker: compute this prompt and ship its KV blocks
     ``num_skip_blocks..`` into ``dst_block_ids`` of decode worker ``decode_worker_id`` (the prefill
     worker ships to the KV address that worker registered, never to one a caller names), as KV
-    transfer ``kv_transfer_id`` (the decode worker's receiver chose it; unguessable)."""
+    transfer ``transfer_id`` (the decode worker's receiver chose it; unguessable)."""
 
     request_id: RequestId
     prompt_token_ids: TokenIds
     sampling_params: SamplingParams
     decode_worker_id: WorkerId
     dst_block_ids: BlockIds
-    kv_transfer_id: KVTransferId
+    transfer_id: TransferIdHex
     num_skip_blocks: Annotated[int, msgspec.Meta(ge=0)] = 0
     cache_salt: CacheSalt | None = None  # the GenerateRequest's: both workers hash the blocks alike
 

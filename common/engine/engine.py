@@ -131,7 +131,7 @@ class Engine:
             config.scheduler_config(self.max_model_len), KVCacheManager(self.block_pool, config.block_size)
         )
         if hasattr(self.attention, "block_table"):  # backends that read the persistent table
-            self.attention.block_table = self.scheduler.kv.table
+            self.attention.block_table = self.scheduler.kv_manager.table
         graphs = None
         if use_graphs:
             max_blocks_per_request = -(-self.max_model_len // config.block_size)
@@ -282,7 +282,7 @@ class Engine:
                 results[request.request_id] = CompletionResult(
                     request.request_id, request.prompt_token_ids, [], None, None, 0, []
                 )
-            while any(results[rid].finish_reason is None for rid in added):
+            while any(results[request_id].finish_reason is None for request_id in added):
                 for output in self.step():
                     result = results.get(output.request_id)
                     if result is None:
@@ -293,9 +293,9 @@ class Engine:
                     if output.finished:
                         result.finish_reason = output.finish_reason
         finally:
-            for rid in added:
-                if results[rid].finish_reason is None:
-                    self.abort(rid)
+            for request_id in added:
+                if results[request_id].finish_reason is None:
+                    self.abort(request_id)
         ordered = [results[r.request_id] for r in requests]
         if self.tokenizer is not None:
             for result in ordered:

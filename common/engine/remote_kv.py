@@ -40,7 +40,7 @@ class DecodeSide:
     reservations may hold together (one is always allowed, however large)."""
 
     def __init__(self, kv: KVCacheManager, config: SchedulerConfig, watermark_blocks: int):
-        self.kv = kv
+        self.kv_manager = kv
         self.config = config
         self.watermark_blocks = watermark_blocks
         self.budget_blocks = int(config.remote_kv_budget * kv.pool.num_blocks)
@@ -50,7 +50,7 @@ class DecodeSide:
 
     @property
     def num_reserved_blocks(self) -> int:
-        return sum(self.kv.num_blocks_of(rid) for rid in self.reservations)
+        return sum(self.kv_manager.num_blocks_of(request_id) for request_id in self.reservations)
 
     def within_budget(self, num_blocks: int) -> bool:
         return not self.reservations or self.num_reserved_blocks + num_blocks <= self.budget_blocks
@@ -66,7 +66,7 @@ class DecodeSide:
         if claim is None or claim.request_id == request_id:
             return True
         reserved = self.num_reserved_blocks + num_blocks
-        free = self.kv.pool.num_free_blocks - num_blocks - self.watermark_blocks
+        free = self.kv_manager.pool.num_free_blocks - num_blocks - self.watermark_blocks
         return reserved + claim.num_blocks <= self.budget_blocks and free >= claim.num_blocks
 
     def decided(self, request_id: str, num_blocks: int, now: float, granted: bool) -> None:
@@ -89,9 +89,9 @@ class DecodeSide:
     def expired_leases(self, now: float) -> list[str]:
         """Reservations whose lease ended: each is reported once, and its KV is refused from now on
         (``land`` returns ``None``)."""
-        expired = [rid for rid, deadline in self.leases.items() if deadline <= now]
-        for rid in expired:
-            del self.leases[rid]
+        expired = [request_id for request_id, deadline in self.leases.items() if deadline <= now]
+        for request_id in expired:
+            del self.leases[request_id]
         return expired
 
     def next_lease_deadline(self) -> float | None:
@@ -126,19 +126,19 @@ class PrefillSide:
     finished requests that keep their blocks until shipped (``held``)."""
 
     def __init__(self, kv: KVCacheManager):
-        self.kv = kv
+        self.kv_manager = kv
         self.held: set[str] = set()
 
     def ready_blocks(self, request_id: str, start: int, stop: int) -> list[KVCacheBlock]:
         """Blocks ``start:stop`` of ``request_id``'s table (the caller knows their KV is written)."""
-        return self.kv.req_to_blocks[request_id][start:stop]
+        return self.kv_manager.req_to_blocks[request_id][start:stop]
 
     def pin(self, blocks: list[KVCacheBlock]) -> None:
         """Keep ``blocks`` (neither freed nor evicted) while their bytes are on the wire."""
-        self.kv.pin(blocks)
+        self.kv_manager.pin(blocks)
 
     def unpin(self, blocks: list[KVCacheBlock]) -> None:
-        self.kv.unpin(blocks)
+        self.kv_manager.unpin(blocks)
 
     def hold(self, request_id: str) -> None:
         """A finished request keeps its blocks until ``release``."""
@@ -147,7 +147,7 @@ class PrefillSide:
     def release(self, request_id: str) -> None:
         """The finished request's KV has been shipped; its blocks become cache."""
         self.held.discard(request_id)
-        self.kv.free(request_id)
+        self.kv_manager.free(request_id)
 
 
 class RemoteKVHandoff:

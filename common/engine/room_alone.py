@@ -32,7 +32,7 @@ class Outside:
     they do not change (one step's admissions): the cheap bound at once, the exact set on demand."""
 
     def __init__(self, kv: KVCacheManager, owners: Iterable[str]):
-        self.kv = kv
+        self.kv_manager = kv
         self.owners = list(owners)
         # At least len(self.ids), without building it (a shared block counts twice).
         self.bound = sum(kv.num_blocks_of(request_id) for request_id in self.owners) + len(kv.pins)
@@ -42,8 +42,8 @@ class Outside:
     def ids(self) -> set[int]:
         """Ids of the blocks held by the owners or pinned."""
         if self._ids is None:
-            tables = self.kv.req_to_blocks
-            ids = set(self.kv.pins)
+            tables = self.kv_manager.req_to_blocks
+            ids = set(self.kv_manager.pins)
             for request_id in self.owners:
                 ids.update(block.block_id for block in tables.get(request_id, ()))
             self._ids = ids
@@ -54,24 +54,24 @@ class RoomAlone:
     """Answers "could it run alone?" for one block pool, against an ``Outside``."""
 
     def __init__(self, kv: KVCacheManager):
-        self.kv = kv
+        self.kv_manager = kv
 
     def outside(self, owners: Iterable[str]) -> Outside:
-        return Outside(self.kv, owners)
+        return Outside(self.kv_manager, owners)
 
     def own(self, request: Request, shared: Sequence[KVCacheBlock] = ()) -> set[int]:
         """The blocks ``request`` holds, or (waiting: it holds none) the prefix hits it would adopt."""
-        blocks = self.kv.req_to_blocks.get(request.request_id) or shared
+        blocks = self.kv_manager.req_to_blocks.get(request.request_id) or shared
         return {block.block_id for block in blocks}
 
     def fits(self, request: Request, outside: Outside, shared: Sequence[KVCacheBlock] = (),
              num_tokens: int | None = None) -> bool:
         """Whether ``request`` could hold the blocks of ``num_tokens`` (default: all its tokens so
         far) with every other running request preempted."""
-        need = cdiv(request.num_tokens if num_tokens is None else num_tokens, self.kv.block_size)
-        if need <= self.kv.pool.num_blocks - outside.bound:
+        need = cdiv(request.num_tokens if num_tokens is None else num_tokens, self.kv_manager.block_size)
+        if need <= self.kv_manager.pool.num_blocks - outside.bound:
             return True  # the fast answer: even if nothing were shared
-        return need <= self.kv.pool.num_blocks - len(outside.ids - self.own(request, shared))
+        return need <= self.kv_manager.pool.num_blocks - len(outside.ids - self.own(request, shared))
 
     def fits_after(self, request: Request, outside: Outside, num_blocks: int, hits: Sequence[KVCacheBlock],
                    num_tokens: int | None = None, shared: Sequence[KVCacheBlock] | None = None) -> bool:
@@ -79,13 +79,13 @@ class RoomAlone:
         owner takes ``num_blocks`` blocks, ``hits`` of them prefix hits it shares: each new block,
         and each hit neither outside yet nor the request's own, is one block less for it.
         ``shared``: the request's own prefix hits, if known (looked up when it holds no blocks)."""
-        need = cdiv(request.num_tokens if num_tokens is None else num_tokens, self.kv.block_size)
-        if need <= self.kv.pool.num_blocks - outside.bound - num_blocks:
+        need = cdiv(request.num_tokens if num_tokens is None else num_tokens, self.kv_manager.block_size)
+        if need <= self.kv_manager.pool.num_blocks - outside.bound - num_blocks:
             return True  # the fast answer: even if nothing were shared
         ids, own = outside.ids, self.own(request, self._hits(request) if shared is None else shared)
         taken = num_blocks - len(hits) + sum(1 for block in hits if block.block_id not in ids and block.block_id not in own)
-        return need <= self.kv.pool.num_blocks - len(ids - own) - taken
+        return need <= self.kv_manager.pool.num_blocks - len(ids - own) - taken
 
     def _hits(self, request: Request) -> list[KVCacheBlock]:
         """The prefix hits of a request that holds no blocks (none for one that does)."""
-        return [] if self.kv.holds(request.request_id) else self.kv.find_cached_prefix(request)
+        return [] if self.kv_manager.holds(request.request_id) else self.kv_manager.find_cached_prefix(request)

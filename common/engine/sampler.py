@@ -120,8 +120,8 @@ class _Histories:
         return history
 
     def keep_only(self, request_ids: set[str]) -> None:
-        for rid in [r for r in self._by_id if r not in request_ids]:
-            del self._by_id[rid]
+        for request_id in [r for r in self._by_id if r not in request_ids]:
+            del self._by_id[request_id]
 
 
 # ---- the sampler ----------------------------------------------------------------------------------

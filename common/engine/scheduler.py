@@ -114,7 +114,7 @@ class Scheduler(TurnTaking):
 
     def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager):
         self.config = config
-        self.kv = kv_manager
+        self.kv_manager = kv_manager
         self.block_size = kv_manager.block_size
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()  # hold no blocks
@@ -168,21 +168,21 @@ class Scheduler(TurnTaking):
         needed = cdiv(request.num_tokens, self.block_size)
         if not decode.leaves_claimant_room(request.request_id, needed, now):
             return None  # first come, first served: the claimant waits for this room
-        cached = self.kv.find_cached_prefix(request)
+        cached = self.kv_manager.find_cached_prefix(request)
         num_cached_tokens = len(cached) * self.block_size
         # The watermark keeps room for requests that will grow; with none, the pool is all there is.
         reserve = self._watermark_blocks if self.running or self.landed or self.reservations else 0
         new_blocks = None
         if self.leaves_local_requests_their_turn(needed, cached) and decode.within_budget(needed):
             # (the turn first: it may take the local claim)
-            new_blocks = self.kv.allocate_slots(
+            new_blocks = self.kv_manager.allocate_slots(
                 request, request.num_tokens - num_cached_tokens, cached, reserve_blocks=reserve)
         decode.decided(request.request_id, needed, now, granted=new_blocks is not None)
         if new_blocks is None:
             return None
         decode.reserve(request, num_cached_tokens, now + (self.config.remote_lease_s if lease_s is None else lease_s))
         self.requests[request.request_id] = request
-        return self.kv.block_ids(request.request_id), num_cached_tokens
+        return self.kv_manager.block_ids(request.request_id), num_cached_tokens
 
     @property
     def num_reserved_blocks(self) -> int:
@@ -213,7 +213,7 @@ class Scheduler(TurnTaking):
         if request is None:
             return None  # aborted, or its lease ended: its owner frees it
         request.num_computed_tokens = request.num_tokens
-        self.kv.commit(request)
+        self.kv_manager.commit(request)
         request.status = RequestStatus.WAITING
         self._append_token(request, first_token_id)
         if request.is_finished:
@@ -233,7 +233,7 @@ class Scheduler(TurnTaking):
                 f"{self.config.max_model_len}; it must leave room for at least one output token"
             )
         # A request must fit the pool alone, so preempting everyone else always makes room for it.
-        capacity = self.kv.pool.num_blocks * self.block_size
+        capacity = self.kv_manager.pool.num_blocks * self.block_size
         longest = final_tokens(request, self.config.max_model_len)
         if longest > capacity:
             raise ValueError(
@@ -258,12 +258,12 @@ class Scheduler(TurnTaking):
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if self.kv.allocate_slots(request, num_new) is None:
+            if self.kv_manager.allocate_slots(request, num_new) is None:
                 if not self._fits_alone(request):
                     self._preempt(request, scheduled, out)  # the others' blocks would not be enough
                     continue
                 contended = True
-                while self.kv.allocate_slots(request, num_new) is None:
+                while self.kv_manager.allocate_slots(request, num_new) is None:
                     victim = self.running[-1]
                     budget += self._preempt(victim, scheduled, out)
                     if victim is request:
@@ -302,7 +302,7 @@ class Scheduler(TurnTaking):
                 out.preempted_request_ids.append(victim.request_id)
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if self.kv.allocate_slots(request, num_new) is None:
+            if self.kv_manager.allocate_slots(request, num_new) is None:
                 break  # running requests hold the block it needs: they will let go
             self.landed.popleft()
             budget = self._start(request, num_new, scheduled, budget)
@@ -324,7 +324,7 @@ class Scheduler(TurnTaking):
             if passed_over and request.hold_blocks_on_finish:
                 index += 1
                 continue
-            cached = self.kv.find_cached_prefix(request)
+            cached = self.kv_manager.find_cached_prefix(request)
             outside = outside or self.room.outside(self._outside_owners())
             if not self.room.fits(request, outside, cached):
                 passed_over = True
@@ -333,7 +333,7 @@ class Scheduler(TurnTaking):
             num_hit_tokens = len(cached) * self.block_size
             num_new = min(request.num_tokens - num_hit_tokens, budget)
             reserve = self._watermark_blocks if self.running else 0
-            if self.kv.allocate_slots(request, num_new, cached, reserve_blocks=reserve) is None:
+            if self.kv_manager.allocate_slots(request, num_new, cached, reserve_blocks=reserve) is None:
                 break  # first come, first served: nobody overtakes a request that can run
             self._unqueue(request, index)
             request.num_computed_tokens += num_hit_tokens
@@ -375,13 +375,13 @@ class Scheduler(TurnTaking):
             request_id=request.request_id,
             token_ids=request.all_token_ids[start : start + num_new],
             num_computed_tokens=start,
-            block_ids=self.kv.block_ids(request.request_id),
+            block_ids=self.kv_manager.block_ids(request.request_id),
             sample=start + num_new == request.num_tokens,
             sampling_params=request.sampling_params,
             num_output_tokens=request.num_output_tokens,
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,
-            table_row=self.kv.table.row(request.request_id),
+            table_row=self.kv_manager.table.row(request.request_id),
         )
 
     def _preempt(self, victim: Request, scheduled: dict[str, ScheduledRequest], out: SchedulerOutput) -> int:
@@ -396,7 +396,7 @@ class Scheduler(TurnTaking):
 
     def _requeue(self, victim: Request) -> None:
         """Take the victim's blocks back; it is recomputed from its first token when admitted again."""
-        self.kv.free(victim.request_id)
+        self.kv_manager.free(victim.request_id)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
@@ -411,7 +411,7 @@ class Scheduler(TurnTaking):
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             request.num_computed_tokens += len(item.token_ids)
-            self.kv.commit(request)
+            self.kv_manager.commit(request)
             if not item.sample:
                 continue
             self._append_token(request, sampled[item.request_id])
@@ -456,7 +456,7 @@ class Scheduler(TurnTaking):
         if request.hold_blocks_on_finish:
             self.handoff.prefill.hold(request.request_id)
         else:
-            self.kv.free(request.request_id)
+            self.kv_manager.free(request.request_id)
 
     def release_held(self, request_id: str) -> None:
         """Prefill role: the KV of a finished request has been shipped; its blocks become cache."""
@@ -490,7 +490,7 @@ class Scheduler(TurnTaking):
             releasing_left -= not request.hold_blocks_on_finish
             if passed_over and request.hold_blocks_on_finish:
                 continue
-            if self.room.fits(request, outside, self.kv.find_cached_prefix(request)):
+            if self.room.fits(request, outside, self.kv_manager.find_cached_prefix(request)):
                 return True
             passed_over = True
         return False

@@ -58,13 +58,13 @@ class TurnTaking:
         blocks hold its first chunk (and the watermark while others run)."""
         if request is self._waited_a_step or len(self.running) >= self.config.max_num_seqs:
             return False
-        own_hits = self.kv.find_cached_prefix(request)
+        own_hits = self.kv_manager.find_cached_prefix(request)
         if not self.room.fits_after(request, self.room.outside(self._outside_owners()), num_blocks, hits,
                                     shared=own_hits):
             return False
         reserve = self._watermark_blocks if self.running else 0
         taken = num_blocks - len(hits) + sum(1 for block in hits if block.ref_cnt == 0)  # as allocate_slots counts
-        return self.chunk_blocks(request, own_hits) + reserve <= self.kv.pool.num_free_blocks - taken
+        return self.chunk_blocks(request, own_hits) + reserve <= self.kv_manager.pool.num_free_blocks - taken
 
     def chunk_blocks(self, request: Request, hits: Sequence[KVCacheBlock]) -> int:
         """The free blocks admitting the waiting ``request`` (``hits``: its prefix hits) with a full

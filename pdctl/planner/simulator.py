@@ -305,19 +305,19 @@ class Simulation:
 
     def _ask_prefill(self, i: int, decode_request: Request, prefill: SimWorker, decode: SimWorker, num_cached: int,
                      pending: int, now: float) -> None:
-        rid, tokens = decode_request.request_id, decode_request.prompt_token_ids
-        request = Request(rid, tokens, SamplingParams(max_tokens=1, ignore_eos=True), arrival_time=now)
+        request_id, tokens = decode_request.request_id, decode_request.prompt_token_ids
+        request = Request(request_id, tokens, SamplingParams(max_tokens=1, ignore_eos=True), arrival_time=now)
         request.hold_blocks_on_finish = True  # shipped after the prompt finishes, as the prefill role does
         try:
             prefill.scheduler.add_request(request)
         except ValueError as exc:
             count_pending(self.pending, prefill.worker_id, -pending)
-            decode.scheduler.abort(rid)
+            decode.scheduler.abort(request_id)
             if i in self.decode_of:  # refused after the gateway counted it as sent
-                self.sent_to_decode.remove(self.decode_of.pop(i), rid)
+                self.sent_to_decode.remove(self.decode_of.pop(i), request_id)
             self._fail(i, f"invalid: {exc}")
             return
-        prefill.jobs[rid] = Job(request, prefill, decode, num_cached // self.block_size, i, pending)
+        prefill.jobs[request_id] = Job(request, prefill, decode, num_cached // self.block_size, i, pending)
         self._kick(prefill, now)
 
     def _between_steps(self, w: SimWorker, call) -> None:
@@ -383,13 +383,13 @@ class Simulation:
         steady = ended = 0
         jobs = w.jobs
         for request in changed:
-            rid = request.request_id
-            if rid in jobs:
+            request_id = request.request_id
+            if request_id in jobs:
                 continue  # a prefill for another worker: its first token travels with the KV
-            i = int(rid)
+            i = int(request_id)
             if first[i] != first[i]:
                 first[i] = now + self.config.overhead_s
-                self.sent_to_decode.admitted(self.decode_of[i], rid)
+                self.sent_to_decode.admitted(self.decode_of[i], request_id)
                 if i in self.local_pending:
                     worker_id, tokens = self.local_pending.pop(i)
                     count_pending(self.pending, worker_id, -tokens)
@@ -404,7 +404,7 @@ class Simulation:
                 finish[i] = now + self.config.overhead_s
                 self.outcome[i] = "ok"
                 self._remaining -= 1
-                self.sent_to_decode.remove(self.decode_of.pop(i), rid)
+                self.sent_to_decode.remove(self.decode_of.pop(i), request_id)
                 ended += 1
         if steady:
             self.itl_values.append(now - prev_end)
@@ -467,13 +467,13 @@ class Simulation:
     def _land(self, job: Job, now: float) -> None:
         decode = job.dest
         i = job.index
-        rid = job.request.request_id
-        request = decode.scheduler.finish_remote(rid, TOKEN)
+        request_id = job.request.request_id
+        request = decode.scheduler.finish_remote(request_id, TOKEN)
         if request is None:
             if self.first_token[i] != self.first_token[i]:
                 count_pending(self.pending, job.source.worker_id, -job.pending)
             self._fail(i, "aborted")
-            self.sent_to_decode.remove(self.decode_of.pop(i), rid)
+            self.sent_to_decode.remove(self.decode_of.pop(i), request_id)
             return
         if self.first_token[i] != self.first_token[i]:
             self._first_remote_token(job, now)
@@ -482,7 +482,7 @@ class Simulation:
             self.finish[i] = now + self.config.overhead_s
             self.outcome[i] = "ok"
             self._remaining -= 1
-            self.sent_to_decode.remove(self.decode_of.pop(i), rid)
+            self.sent_to_decode.remove(self.decode_of.pop(i), request_id)
             if self.waiting:
                 self._wake(1, now)
 

@@ -300,7 +300,7 @@ PREFILL_PROMPT = list(range(3, 44))  # 41 tokens = 11 blocks of 4
 def prefill_body(**changes) -> dict:
     body = {"request_id": f"bad-{uuid.uuid4().hex[:8]}", "prompt_token_ids": PREFILL_PROMPT,
             "sampling_params": {"max_tokens": 4, "temperature": 0.0}, "decode_worker_id": "d0",
-            "dst_block_ids": list(range(11)), "num_skip_blocks": 0, "kv_transfer_id": uuid.uuid4().hex}
+            "dst_block_ids": list(range(11)), "num_skip_blocks": 0, "transfer_id": uuid.uuid4().hex}
     body.update(changes)
     return body
 
@@ -317,7 +317,7 @@ def prefill_body(**changes) -> dict:
     ({"prompt_token_ids": []}, "prompt"),
     ({"decode_worker_id": "nobody"}, "decode_worker_id 'nobody'"),
     ({"decode_worker_id": "http://10.0.0.1:1"}, "decode_worker_id"),
-    ({"kv_transfer_id": "guessable"}, "kv_transfer_id"),
+    ({"transfer_id": "guessable"}, "transfer_id"),
     ({"kv_address": {"transport": "tcp", "host": "10.6.6.6", "port": 1}}, "kv_address"),
     ({"sampling_params": {"temperature": -1.0}}, "temperature"),
     ({"sampling_params": {"top_p": 0.0}}, "top_p"),

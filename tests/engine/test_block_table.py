@@ -82,7 +82,7 @@ def test_engine_steps_gather_the_persistent_table(monkeypatch, tmp_path):
                     load_tokenizer=False)
     if not isinstance(engine.attention, CpuPagedAttention):
         pytest.skip("the CPU attention kernel did not build here")
-    assert engine.attention.block_table is engine.scheduler.kv.table
+    assert engine.attention.block_table is engine.scheduler.kv_manager.table
     gathers = []
     real_gather = module.BlockTable.gather
     monkeypatch.setattr(module.BlockTable, "gather", lambda self, rows, n: gathers.append(rows) or real_gather(self, rows, n))
@@ -92,4 +92,4 @@ def test_engine_steps_gather_the_persistent_table(monkeypatch, tmp_path):
     for prompt, result in zip(prompts, results):
         assert result.token_ids == hf_greedy(directory, prompt, 6)
     engine.scheduler.check_integrity()
-    assert engine.scheduler.kv.table.lengths == {}  # finished requests gave their rows back
+    assert engine.scheduler.kv_manager.table.lengths == {}  # finished requests gave their rows back

@@ -94,7 +94,7 @@ def test_stop_token_max_tokens_and_context_length():
     changed = s.update(out, {"len": 7, "ign": EOS})
     assert {r.request_id: r.status for r in changed} == {
         "len": RequestStatus.FINISHED_LENGTH, "ign": RequestStatus.FINISHED_LENGTH}
-    assert s.kv.pool.num_free_blocks == s.kv.pool.num_blocks
+    assert s.kv_manager.pool.num_free_blocks == s.kv_manager.pool.num_blocks
 
     short = make_scheduler(budget=64, max_model_len=6)
     short.add_request(req("ctx", 4, max_tokens=100))
@@ -114,7 +114,7 @@ def test_preempts_newest_and_recomputes_later():
     new = s.requests["new"]
     assert new.status == RequestStatus.PREEMPTED and new.num_computed_tokens == 0
     assert s.waiting[0] is new and new.num_output_tokens == 1
-    s.kv.pool.check_integrity()
+    s.kv_manager.pool.check_integrity()
     # Once old finishes, new is recomputed from scratch, including its first output token.
     while "old" in s.requests:
         step(s)
@@ -150,12 +150,12 @@ def test_abort_frees_blocks_at_once_wherever_the_request_is():
     s.add_request(req("run", 10))
     s.add_request(req("wait", 10))
     step(s)
-    assert s.kv.pool.num_free_blocks < s.kv.pool.num_blocks
+    assert s.kv_manager.pool.num_free_blocks < s.kv_manager.pool.num_blocks
     assert s.abort("run").status == RequestStatus.FINISHED_ABORTED
     assert s.abort("wait").status == RequestStatus.FINISHED_ABORTED
     assert s.abort("missing") is None
-    assert s.kv.pool.num_free_blocks == s.kv.pool.num_blocks and not s.running and not s.waiting
-    s.kv.pool.check_integrity()
+    assert s.kv_manager.pool.num_free_blocks == s.kv_manager.pool.num_blocks and not s.running and not s.waiting
+    s.kv_manager.pool.check_integrity()
 
 
 def test_remote_kv_reservation_then_decode():
@@ -181,7 +181,7 @@ def test_remote_kv_first_token_can_finish_the_request():
     s.reserve_remote(r)
     s.finish_remote("d", 7)
     assert r.status == RequestStatus.FINISHED_LENGTH
-    assert s.kv.pool.num_free_blocks == s.kv.pool.num_blocks
+    assert s.kv_manager.pool.num_free_blocks == s.kv_manager.pool.num_blocks
 
 
 def test_rejects_requests_that_can_never_run():

@@ -64,7 +64,7 @@ def test_a_prompt_that_cannot_fit_beside_a_reservation_neither_spins_nor_blocks_
             break
         run_step(s)
     assert not s.requests, f"never finished: {list(s.requests.values())}"
-    assert s.kv.pool.num_free_blocks == s.kv.pool.num_blocks
+    assert s.kv_manager.pool.num_free_blocks == s.kv_manager.pool.num_blocks
 
 
 def test_a_running_request_that_cannot_grow_even_alone_preempts_only_itself():
@@ -74,7 +74,7 @@ def test_a_running_request_that_cannot_grow_even_alone_preempts_only_itself():
     s.add_request(req("long", 31, max_tokens=20))
     s.add_request(req("x", 8, max_tokens=30, first=100))
     run_step(s), run_step(s), run_step(s)  # long: 8 blocks, decoding; x: 2 full blocks, decoding
-    assert [r.request_id for r in s.running] == ["long", "x"] and s.kv.pool.num_free_blocks == 6
+    assert [r.request_id for r in s.running] == ["long", "x"] and s.kv_manager.pool.num_free_blocks == 6
     shares_x = Request("q", [100 + i for i in range(8)] + [7, 7, 7, 7], SamplingParams(max_tokens=2))
     assert s.reserve_remote(shares_x)[1] == 8  # x's 2 blocks (cached) + 1 new
     assert s.reserve_remote(req("q2", 20, first=200)) is not None  # 5 blocks: none free now
@@ -139,8 +139,8 @@ def test_prefill_prompts_do_not_overtake_a_prompt_that_waits_for_their_pins():
     shipped.hold_blocks_on_finish = True
     s.add_request(shipped)
     run_step(s), run_step(s)
-    pins = list(s.kv.req_to_blocks["p"])  # 3 blocks on the wire, as the shipper pins them
-    s.kv.pin(pins)
+    pins = list(s.kv_manager.req_to_blocks["p"])  # 3 blocks on the wire, as the shipper pins them
+    s.kv_manager.pin(pins)
     s.release_held("p")
     for rid, n_prompt, first, hold in (("big", 24, 100, True), ("held", 4, 150, True), ("free", 4, 200, False)):
         request = req(rid, n_prompt, max_tokens=1, first=first)
@@ -149,7 +149,7 @@ def test_prefill_prompts_do_not_overtake_a_prompt_that_waits_for_their_pins():
     out = run_step(s)
     assert [x.request_id for x in out.scheduled] == ["free"], f"scheduled {out.scheduled}"
     assert s.local_claim is s.requests["big"]
-    s.kv.unpin(pins)  # sent
+    s.kv_manager.unpin(pins)  # sent
     out = run_step(s)
     assert [x.request_id for x in out.scheduled] == ["big"]
 

@@ -44,7 +44,7 @@ def test_landed_requests_run_although_reservations_hold_the_rest_of_the_pool():
     assert s.reserve_remote(req("b", 12)) is not None  # 3 blocks
     s.finish_remote("b", 7)  # 13 tokens now: b needs a 4th block
     assert s.reserve_remote(req("a", 16, first=50)) is not None  # 4 blocks: one block left free
-    assert s.kv.pool.num_free_blocks == 1
+    assert s.kv_manager.pool.num_free_blocks == 1
     s.finish_remote("a", 7)  # a needs a 5th block as well
     out = run_step(s)
     assert [x.request_id for x in out.scheduled] == ["b"], f"b was not admitted: {out}"
@@ -55,9 +55,9 @@ def test_landed_requests_run_although_reservations_hold_the_rest_of_the_pool():
             break
         run_step(s)
     assert finished == {"a", "b"}, f"stuck: running={len(s.running)} unfinished={s.num_unfinished} " \
-                                   f"free={s.kv.pool.num_free_blocks}"
+                                   f"free={s.kv_manager.pool.num_free_blocks}"
     assert s.num_preemptions == 0, "a landed request was recomputed although the pool could serve both in turn"
-    assert s.kv.pool.num_free_blocks == s.kv.pool.num_blocks
+    assert s.kv_manager.pool.num_free_blocks == s.kv_manager.pool.num_blocks
     s.check_integrity()
 
 
@@ -70,10 +70,10 @@ def test_landed_requests_take_blocks_below_the_watermark_while_others_run():
     assert s.reserve_remote(req("b", 12)) is not None  # 3 blocks
     s.finish_remote("b", 7)  # b needs a 4th block
     assert s.reserve_remote(req("a", 8, first=50)) is not None  # 2 blocks
-    assert s.kv.pool.num_free_blocks == 2
+    assert s.kv_manager.pool.num_free_blocks == 2
     out = run_step(s)  # x takes its 2nd block; b takes the last one, below the watermark
     assert [x.request_id for x in out.scheduled] == ["x", "b"], f"b waits for x: {out}"
-    assert s.kv.pool.num_free_blocks == 0 and not out.preempted_request_ids
+    assert s.kv_manager.pool.num_free_blocks == 0 and not out.preempted_request_ids
     s.check_integrity()
 
 
@@ -82,7 +82,7 @@ def test_a_landed_request_that_cannot_grow_is_recomputed_instead_of_waiting_fore
     s.reserve_remote(req("b", 16))  # the first reservation is allowed over the budget
     s.finish_remote("b", 7)  # b needs a 5th block
     assert s.reserve_remote(req("a", 16, first=50)) is not None  # the last 4 blocks
-    assert s.kv.pool.num_free_blocks == 0
+    assert s.kv_manager.pool.num_free_blocks == 0
     out = s.schedule()
     assert out.preempted_request_ids == ["b"] and s.requests["b"].status == RequestStatus.PREEMPTED
     s.check_integrity()
@@ -92,7 +92,7 @@ def test_a_landed_request_that_cannot_grow_is_recomputed_instead_of_waiting_fore
         s.check_integrity()
         if not s.requests:
             break
-    assert not s.requests and s.kv.pool.num_free_blocks == 8
+    assert not s.requests and s.kv_manager.pool.num_free_blocks == 8
 
 
 def test_reservations_stay_within_their_budget():
@@ -116,7 +116,7 @@ def test_expired_leases_are_reported_once_and_refuse_late_kv():
     assert s.expired_leases(now=106.0) == []  # once
     assert s.next_lease_deadline() == 150.0
     assert s.finish_remote("a", 7) is None  # too late: the owner frees it
-    assert s.kv.holds("a")  # ... only once no more bytes can land, so not here
+    assert s.kv_manager.holds("a")  # ... only once no more bytes can land, so not here
     s.abort("a")
     s.check_integrity()
     assert s.finish_remote("b", 7) is not None
@@ -143,7 +143,7 @@ def test_small_reservations_that_leave_the_claimant_its_room_go_ahead():
     for i in range(3):
         s.add_request(req(f"run{i}", 16, first=20 * i))  # 12 blocks held by running requests
     run_step(s), run_step(s)
-    assert s.kv.pool.num_free_blocks == 16 - 15  # each has its 5th block
+    assert s.kv_manager.pool.num_free_blocks == 16 - 15  # each has its 5th block
     assert s.reserve_remote(req("long", 12, first=100), now=0.0) is None  # 3 blocks, 1 free
     assert s.reserve_remote(req("tiny", 1, first=150), now=0.0) is None  # would take the claimant's block
     s.abort("run0")  # 6 blocks free: the claimant needs 3 of them
@@ -183,6 +183,6 @@ def test_integrity_check_finds_an_unowned_reference():
     s.add_request(req("a", 6))
     run_step(s)
     s.check_integrity()
-    s.kv.pool.touch([s.kv.req_to_blocks["a"][0]])  # a reference nobody owns
+    s.kv_manager.pool.touch([s.kv_manager.req_to_blocks["a"][0]])  # a reference nobody owns
     with pytest.raises(AssertionError, match="owners"):
         s.check_integrity()

@@ -54,17 +54,17 @@ def cdiv(a: int, b: int) -> int:
 
 def outside_running(s: Scheduler) -> set[int]:
     """Blocks that preempting every running request would not free."""
-    ids = set(s.kv.pins)
+    ids = set(s.kv_manager.pins)
     for rid in [*s.reservations, *(r.request_id for r in s.landed), *s.held]:
-        ids.update(block.block_id for block in s.kv.req_to_blocks.get(rid, ()))
+        ids.update(block.block_id for block in s.kv_manager.req_to_blocks.get(rid, ()))
     return ids
 
 
 def could_run_alone(s: Scheduler, request: Request, outside: set[int]) -> bool:
     """All its tokens' KV fits in the pool minus the outside blocks it does not hold or share."""
-    own = s.kv.req_to_blocks.get(request.request_id) or s.kv.find_cached_prefix(request)
-    room = s.kv.pool.num_blocks - len(outside - {block.block_id for block in own})
-    return cdiv(request.num_tokens, s.kv.block_size) <= room
+    own = s.kv_manager.req_to_blocks.get(request.request_id) or s.kv_manager.find_cached_prefix(request)
+    room = s.kv_manager.pool.num_blocks - len(outside - {block.block_id for block in own})
+    return cdiv(request.num_tokens, s.kv_manager.block_size) <= room
 
 
 def waiting_that_could_run(s: Scheduler) -> list[Request]:
@@ -118,7 +118,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def new_request(self, shape: tuple[int, int, int]) -> Request:
         """A prompt of up to 2/3 of the pool; few distinct ones, so prefix hits happen."""
         length, prefix, max_tokens = shape
-        n_prompt = 1 + length % (2 * self.s.block_size * self.s.kv.pool.num_blocks // 3 + 1)
+        n_prompt = 1 + length % (2 * self.s.block_size * self.s.kv_manager.pool.num_blocks // 3 + 1)
         self.ids += 1
         return Request(f"r{self.ids}", [4 * prefix + i for i in range(n_prompt)],
                        SamplingParams(max_tokens=max_tokens), eos_token_ids=(EOS,))
@@ -154,7 +154,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             if claim is not None and claim.request_id != request.request_id:
                 # Nobody else takes the room of the oldest refused reservation while its claim lasts.
                 assert s.num_reserved_blocks + claim.num_blocks <= s.handoff.decode.budget_blocks
-                assert s.kv.pool.num_free_blocks - s._watermark_blocks >= claim.num_blocks
+                assert s.kv_manager.pool.num_free_blocks - s._watermark_blocks >= claim.num_blocks
         self.check()
 
     @rule(n=st.integers(1, 50), per_step=st.integers(1, 2), size=st.integers(1, 8), delay=st.integers(0, 3))
@@ -197,7 +197,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule()
     def unpin(self):
         if self.pins:
-            self.s.kv.unpin(self.pins.pop(0))
+            self.s.kv_manager.unpin(self.pins.pop(0))
         self.check()
 
     @rule(n=st.integers(1, 3))
@@ -258,7 +258,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 assert waited <= self.work_ahead_bound(request), (
                     f"{rid} waited {waited} steps without a token although it could run: running={s.running} "
                     f"waiting={list(s.waiting)} landed={list(s.landed)} reserved={list(s.reservations)} "
-                    f"free={s.kv.pool.num_free_blocks}")
+                    f"free={s.kv_manager.pool.num_free_blocks}")
 
     def land_due(self) -> None:
         """KV that arrives now: on time it lands; late, after its lease, it is refused (tick frees it)."""
@@ -289,8 +289,8 @@ class SchedulerMachine(RuleBasedStateMachine):
                                  for x in out.scheduled if x.sample})
         self.steps += 1
         for rid in list(s.held):  # what the prefill role's shipper does after a step
-            self.pins.append(list(s.kv.req_to_blocks.get(rid, [])))
-            s.kv.pin(self.pins[-1])
+            self.pins.append(list(s.kv_manager.req_to_blocks.get(rid, [])))
+            s.kv_manager.pin(self.pins[-1])
             s.release_held(rid)
         s.check_integrity()
         self.count_waits()
@@ -301,7 +301,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert self.stale <= self.bound(), (
                 f"no request gained a token or ended in {self.stale} steps although one could run "
                 f"alone: running={s.running} waiting={list(s.waiting)} landed={list(s.landed)} "
-                f"reserved={list(s.reservations)} pins={len(s.kv.pins)} free={s.kv.pool.num_free_blocks}")
+                f"reserved={list(s.reservations)} pins={len(s.kv_manager.pins)} free={s.kv_manager.pool.num_free_blocks}")
         else:
             self.stale = 0
 
@@ -321,7 +321,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 assert s.finish_remote(rid, 5) is None, "KV accepted after its lease ended"
             s.abort(rid)
         while self.pins:
-            s.kv.unpin(self.pins.pop())
+            s.kv_manager.unpin(self.pins.pop())
         self.idle_verified = False
         self.stale = 0  # all that held blocks outside running let go at once: a new count
         for _ in range(5000):
@@ -329,11 +329,11 @@ class SchedulerMachine(RuleBasedStateMachine):
                 break
             self.step()
             while self.pins:
-                s.kv.unpin(self.pins.pop())
+                s.kv_manager.unpin(self.pins.pop())
                 self.idle_verified = False
         assert not s.requests, f"never finished: {list(s.requests.values())}"
-        assert not s.held and not s.kv.pins
-        assert s.kv.pool.num_free_blocks == s.kv.pool.num_blocks  # only cached blocks remain
+        assert not s.held and not s.kv_manager.pins
+        assert s.kv_manager.pool.num_free_blocks == s.kv_manager.pool.num_blocks  # only cached blocks remain
         s.check_integrity()
         # The oldest refused reservation, if its claim lasts, is served when it comes back (however
         # large: it fits the pool).

@@ -179,7 +179,7 @@ async def ship_held(peer: ScriptedPeer, request: PrefillRequest) -> ThrottledLin
     """Start shipping canary KV for the last run of the reservation and hold it mid-payload
     (the receiver is writing into the blocks when the bytes stop)."""
     link, address = await peer.link(request)
-    transfer = await peer.sender.begin(request.kv_transfer_id, address)
+    transfer = await peer.sender.begin(request.transfer_id, address)
     link.hold_after(512)  # past the frame header, well inside the first block's payload
     src, dst = last_run(request.dst_block_ids)
     asyncio.ensure_future(transfer.send_blocks(src, dst))

@@ -100,7 +100,7 @@ class HeldPeer:
     async def ship_held(self, request: PrefillRequest) -> None:
         """Start shipping canary KV for the last run of the reservation; return once the payload is
         held half-written in the blocks."""
-        transfer = await self.sender.begin(request.kv_transfer_id, self.receiver.address)
+        transfer = await self.sender.begin(request.transfer_id, self.receiver.address)
         self.hold.arm()
         src, dst = last_run(request.dst_block_ids)
         self.shipping.append(asyncio.ensure_future(transfer.send_blocks(src, dst)))
@@ -109,7 +109,7 @@ class HeldPeer:
     async def reserved_blocks(self, request_id: str) -> int:
         """Blocks the engine still holds for ``request_id``'s reservation (0: freed)."""
         def count(e: Engine) -> int:
-            return e.scheduler.kv.num_blocks_of(request_id) if request_id in e.scheduler.reservations else 0
+            return e.scheduler.kv_manager.num_blocks_of(request_id) if request_id in e.scheduler.reservations else 0
         return await self.harness.engine_state(count)
 
     def settling(self) -> int:
@@ -296,7 +296,7 @@ async def test_prefill_peer_that_never_answers_is_bounded(decode_worker, engine,
 
     async def script(request: PrefillRequest):
         kv = await peer.kv_address(request)
-        transfer = await peer.sender.begin(request.kv_transfer_id, f"{kv.host}:{kv.port}")
+        transfer = await peer.sender.begin(request.transfer_id, f"{kv.host}:{kv.port}")
         await transfer.send_blocks(list(range(len(request.dst_block_ids))), request.dst_block_ids)
         await transfer.finish({"first_token": 7})
         await peer.hang()

@@ -166,4 +166,4 @@ async def test_a_first_token_that_ends_the_request_goes_out_once_it_has_landed(d
     await asyncio.wait_for(all_freed(worker), WAIT)
     # Landed, the prompt's blocks became prefix cache (the engine thread is idle: safe to look).
     probe = worker.engine.make_request(PROMPT, sampling, "probe")
-    assert len(worker.engine.scheduler.kv.find_cached_prefix(probe)) * 4 >= len(PROMPT) - 4
+    assert len(worker.engine.scheduler.kv_manager.find_cached_prefix(probe)) * 4 >= len(PROMPT) - 4

@@ -56,7 +56,7 @@ def endpoints(cluster) -> list[tuple[str, str, str, bytes, dict]]:
     generate = encode(GenerateRequest(request_id="forged-generate", prompt_token_ids=PROMPT, sampling_params=params))
     prefill = encode(PrefillRequest(request_id="forged-prefill", prompt_token_ids=PROMPT, sampling_params=params,
                                     decode_worker_id="d0", dst_block_ids=list(range(10)), num_skip_blocks=0,
-                                    kv_transfer_id="0" * 32))
+                                    transfer_id="0" * 32))
     admin = {"Content-Type": "application/json"}
     return [
         ("d0", "POST", "/generate", generate, {}),
