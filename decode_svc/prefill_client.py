@@ -75,7 +75,7 @@ def check_prefill_result(result: PrefillResult, asked: PrefillRequest, vocab_siz
     def bad(message: str) -> BadPrefillAnswer:
         return BadPrefillAnswer(f"rejected PrefillResult: {message}")
 
-    if not 0 <= result.first_token_id < vocab_size:
+    if result.first_token_id is None or not 0 <= result.first_token_id < vocab_size:
         raise bad(f"first_token_id {result.first_token_id} is outside the vocabulary [0, {vocab_size})")
     if result.num_sent_blocks != len(asked.dst_block_ids):
         raise bad(f"num_sent_blocks is {result.num_sent_blocks}, {len(asked.dst_block_ids)} were asked for")

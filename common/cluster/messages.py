@@ -90,7 +90,7 @@ class PrefillRequest(msgspec.Struct, forbid_unknown_fields=True):
 class PrefillResult(msgspec.Struct, omit_defaults=True):
     """Prefill worker -> decode worker: the first token, and what the prefill cost."""
 
-    first_token_id: int = -1
+    first_token_id: int | None = None  # None with an error
     first_logprob: TokenLogprob | None = None
     num_cached_tokens: int = 0  # prompt tokens the prefill worker found in its own prefix cache
     num_sent_blocks: int = 0

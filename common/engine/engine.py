@@ -244,7 +244,7 @@ class Engine:
 
     def _count_prefix_hit(self, request: Request) -> None:
         self.num_prompt_tokens_total += request.num_prompt_tokens
-        self.num_cached_tokens_total += max(request.num_cached_tokens, 0)
+        self.num_cached_tokens_total += request.num_cached_tokens or 0
 
     @staticmethod
     def _output(request: Request, token_ids: list[int], logprobs: list) -> RequestOutput:
@@ -254,7 +254,7 @@ class Engine:
             finished=request.is_finished,
             finish_reason=request.status.finish_reason,
             num_prompt_tokens=request.num_prompt_tokens,
-            num_cached_tokens=max(request.num_cached_tokens, 0),
+            num_cached_tokens=request.num_cached_tokens or 0,
             num_output_tokens=request.num_output_tokens,
             new_logprobs=logprobs,
             num_preemptions=request.num_preemptions,

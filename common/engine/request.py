@@ -58,7 +58,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         # Prompt tokens found in the prefix cache when first admitted (for metrics and tests).
-        self.num_cached_tokens = -1
+        self.num_cached_tokens: int | None = None  # prompt tokens found cached when it was admitted
         self.num_preemptions = 0
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         # What the block hashes cover besides the tokens (``prefix_hash.block_extra_keys``: the

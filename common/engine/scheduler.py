@@ -77,7 +77,7 @@ class ScheduledRequest:
     prompt_token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
     # The request's row in ``KVCacheManager.table``, the persistent form of ``block_ids``.
-    table_row: int = -1
+    table_row: int | None = None  # its row in the persistent block table
 
 
 @dataclass
@@ -337,7 +337,7 @@ class Scheduler(TurnTaking):
                 break  # first come, first served: nobody overtakes a request that can run
             self._unqueue(request, index)
             request.num_computed_tokens += num_hit_tokens
-            if request.num_cached_tokens < 0:
+            if request.num_cached_tokens is None:
                 request.num_cached_tokens = num_hit_tokens
             budget = self._start(request, num_new, scheduled, budget)
         return budget

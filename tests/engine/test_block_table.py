@@ -23,7 +23,7 @@ def test_rows_grow_by_appending_and_are_reused_after_release():
     assert table.ids("a") == [12, 5, 31]
     row_a = table.row("a")
     table.release("a")
-    assert table.row("a") == -1 and table.ids("a") == [] and table.row_ids("a") == []
+    assert table.row("a") is None and table.ids("a") == [] and table.row_ids("a") == []
     assert table.table[row_a].tolist() == [0] * table.table.shape[1]
     table.append("c", [3, 4])  # takes the freed row
     assert table.row("c") == row_a and table.ids("c") == [3, 4]
@@ -32,7 +32,7 @@ def test_rows_grow_by_appending_and_are_reused_after_release():
     assert [table.row_ids(r) for r in "bcd"] == [[7], [3, 4], [9]]
     assert len({table.row(r) for r in "bcd"}) == 3
     table.append("e", [])
-    assert table.row("e") == -1  # no blocks, no row
+    assert table.row("e") is None  # no blocks, no row
 
 
 def test_gather_takes_rows_in_step_order():
@@ -66,7 +66,7 @@ def test_cpu_metadata_from_the_table_equals_the_one_from_lists(seed):
     expected_slots = [r.block_ids[p // 4] * 4 + p % 4 for r in requests
                       for p in range(r.context_len - r.num_query_tokens, r.context_len)]
     assert paged_built.slots.tolist() == expected_slots
-    requests[0].table_row = -1  # a request without a row: built from the lists for the whole step
+    requests[0].table_row = None  # a request without a row: built from the lists for the whole step
     assert torch.equal(step_metadata(requests, 4, table).block_table, built.block_table)
 
 

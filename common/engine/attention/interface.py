@@ -28,7 +28,7 @@ class AttentionRequest:
     num_query_tokens: int
     context_len: int  # tokens with KV after this step (cached + new)
     block_ids: list[int]
-    table_row: int = -1  # its row in the persistent block table (``common.engine.kv.block_table``), if any
+    table_row: int | None = None  # its row in the persistent block table (``common.engine.kv.block_table``), if any
 
 
 @dataclass
@@ -65,7 +65,7 @@ def step_layout(requests: list[AttentionRequest], block_size: int, block_table=N
     rows; otherwise it is built from each request's ``block_ids``."""
     num = len(requests)
     max_blocks = max(len(r.block_ids) for r in requests)
-    if block_table is not None and all(r.table_row >= 0 for r in requests):
+    if block_table is not None and all(r.table_row is not None for r in requests):
         table = block_table.gather([r.table_row for r in requests], max_blocks)
     else:
         table = torch.zeros((num, max_blocks), dtype=torch.int32)

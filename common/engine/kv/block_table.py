@@ -28,9 +28,9 @@ class BlockTable:
         self._rows: dict[str, int] = {}
         self._free_rows = list(range(self.table.shape[0] - 1, -1, -1))
 
-    def row(self, request_id: str) -> int:
-        """The request's row, or -1 if it holds no blocks."""
-        return self._rows.get(request_id, -1)
+    def row(self, request_id: str) -> int | None:
+        """The request's row, or None if it holds no blocks."""
+        return self._rows.get(request_id)
 
     def append(self, request_id: str, block_ids: list[int]) -> None:
         """Append ``block_ids`` to the request's row (assigned on its first blocks)."""
