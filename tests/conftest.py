@@ -14,6 +14,14 @@ from common.cluster.redis_util import connect, ensure_redis, redis_url_from_env
 os.environ.setdefault("PDSERVE_COMPILE", "0")
 
 
+def pytest_collection_modifyitems(config, items):
+    """Files with a ``slow`` test first, each file still whole and in order: ``make test`` hands
+    files to several processes in this order, and a long file handed out last would make the run
+    as long as itself after every other file has finished."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)  # stable
+
+
 # ---- Redis (registry, prefix index) ----------------------------------------------------------
 # `redis_url`: the Redis at REDIS_URL if it answers, else a private redis-server for this session.
 # `key_prefix`: a prefix unique to one test; only keys under it are deleted afterwards, so tests

@@ -11,20 +11,20 @@ from __future__ import annotations
 import json
 
 import pytest
+import yaml
 
 from common.engine.config import EngineConfig, scheduling_defaults
 from kvtransfer.config import KV_DEFAULTS, default_transport
 from launcher.run import build_parser as launcher_parser, stack_from_args
 from pdctl.planner.cli import build_config
 from pdctl.cli import build_parser as pdctl_parser
-from tests.support.compose_render import WORKER_SERVICES, renderings
+from tests.support.compose_render import (
+    STACKS, WORKER_SERVICES, compose_cli, env_files, env_values, load_stack, render_cli,
+)
 from worker.config import build_parser as worker_parser
 
-# What a worker decides from its flags and the device it runs on.
-SETTINGS = ("max_num_batched_tokens", "max_num_seqs", "block_size", "kv_transport", "kv_timeout")
-
-
 def resolved(args, device_type: str) -> dict:
+    """What a worker decides from its flags and the device it runs on."""
     engine = EngineConfig(model="m", block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
                           max_num_seqs=args.max_num_seqs).for_device(device_type)
     return {"max_num_batched_tokens": engine.max_num_batched_tokens, "max_num_seqs": engine.max_num_seqs,
@@ -53,10 +53,17 @@ def test_make_up_runs_the_declared_defaults(role):
 
 
 def compose_workers():
-    for (stack, profiles), doc in renderings().items():
+    """Each stack's worker services as compose renders them (the profiles add other services)."""
+    files = env_files()
+    for stack in STACKS:
+        if compose_cli():
+            result = render_cli(stack, files[stack])
+            assert result.returncode == 0, f"{stack}: {result.stderr}"
+            doc = yaml.safe_load(result.stdout)
+        else:
+            doc = load_stack(stack, env_values(files, stack))
         for service in WORKER_SERVICES:
-            spec = doc["services"][service]
-            yield stack, profiles, service, spec
+            yield stack, (), service, doc["services"][service]
 
 
 def test_every_compose_worker_resolves_what_make_up_resolves_on_its_device():

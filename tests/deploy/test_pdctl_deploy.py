@@ -19,6 +19,8 @@ from pdctl.deploy.env_file import SHARED_SECRETS, read_env_file
 from pdctl.deploy.rollout import OperationError, Operator
 from tests.support.cluster import ADMIN_TOKEN, running_cluster
 
+pytestmark = pytest.mark.slow  # a long file: scheduled first (tests/conftest.py)
+
 # ---- gen-secrets ---------------------------------------------------------------------------------
 
 

@@ -28,6 +28,8 @@ import pytest
 from tests.support.checkpoints import VOCAB
 from tests.support.cluster import extra_gateway, http_json
 
+pytestmark = pytest.mark.slow  # a long file: scheduled first (tests/conftest.py)
+
 API_KEY = "sk-openapi-test-0123456789"
 MAX_EXAMPLES = 20  # per operation (a GET without parameters needs one)
 CHECKS = ("not_a_server_error,status_code_conformance,content_type_conformance,response_schema_conformance,"

@@ -13,6 +13,8 @@ import pytest
 
 from common.cluster.flags import EnvFlags, FlagParser
 
+pytestmark = pytest.mark.slow  # a long file: scheduled first (tests/conftest.py)
+
 SECRET = "Sup3rSecretValue-0123456789abcdef"
 
 

@@ -14,6 +14,8 @@ from pdctl import cli as pdctl
 from pdctl.rebalance import Move, Targets, WorkerReading, choose_split, plan
 from tests.support.cluster import ADMIN_TOKEN, http_json, running_cluster
 
+pytestmark = pytest.mark.slow  # a long file: scheduled first (tests/conftest.py)
+
 
 def w(worker_id: str, role: str, **load) -> WorkerReading:
     return WorkerReading(worker_id=worker_id, role=role, **load)

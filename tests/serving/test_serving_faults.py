@@ -21,6 +21,8 @@ from tests.support.cluster import HeldEntries, http_json, running_cluster
 from tests.support.serving import WORKER_ARGS, wait_idle
 from tests.support.waiting import wait_until
 
+pytestmark = pytest.mark.slow  # a long file: scheduled first (tests/conftest.py)
+
 PROMPT = "The quick brown fox jumps over the lazy dog, and then"
 POOL = {"prefill": 1, "decode": 2}
 DECODERS = ("d0", "d1")

@@ -40,7 +40,9 @@ BASE_SERVICES = {"gpu": {"redis", "gateway", "prefill", "decode"}, "cpu": {"redi
                  "head": {"redis", "gateway", "prefill", "decode"}, "workers": {"prefill", "decode"}}
 
 
+@functools.cache
 def compose_cli() -> list[str] | None:
+    """The compose CLI here (``docker compose`` or Debian's ``docker-compose``), asked once."""
     for cmd in (["docker", "compose"], ["docker-compose"]):
         if shutil.which(cmd[0]) is None:
             continue
