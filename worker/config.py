@@ -15,10 +15,12 @@ from common.cluster.flags import EnvFlags, FlagParser, RecordsCommandLine, Remov
 from common.cluster.redis_util import (
     DEFAULT_REDIS_URL, redact_url, redis_url_with_password_file, warn_password_on_command_line,
 )
-from worker.engine_thread import FIRST_STEP_ALLOWANCE, MAX_STEP_FAILURES
 from kvtransfer.config import KV_DEFAULTS, KVTransferConfig, default_transport
 
 ROLES = ("prefill", "decode", "both")
+MAX_STEP_FAILURES = 3  # engine steps that may fail in a row before the engine fails
+# The first step of each kind may take this many times the watchdog's bound (worker.engine_thread).
+FIRST_STEP_ALLOWANCE = 4.0
 
 
 @dataclass(frozen=True)

@@ -56,15 +56,13 @@ from types import MappingProxyType
 from typing import Any, Callable, Mapping
 
 from common.engine.engine import Engine, RequestOutput, StepFailed
+from worker.config import FIRST_STEP_ALLOWANCE, MAX_STEP_FAILURES
 from common.engine.request import Request
 from common.engine.scheduler import SchedulerOutput
 from worker.hang_backstop import HangBackstop
 
 log = logging.getLogger(__name__)
 
-# The first step of each kind may take this many times the watchdog's bound (the module docstring).
-FIRST_STEP_ALLOWANCE = 4.0
-MAX_STEP_FAILURES = 3  # steps that may fail in a row before the engine fails (the worker's default)
 # How much longer than the watchdog's longest bound the hang backstop waits: the watchdog's own time
 # to notice, its thread perhaps descheduled on a loaded host (see worker.hang_backstop).
 BACKSTOP_GRACE_S = 10.0
