@@ -29,12 +29,6 @@ class InFlight:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._tasks
 
-    def get(self, request_id: str) -> asyncio.Task | None:
-        return self._tasks.get(request_id)
-
-    def tasks(self) -> list[asyncio.Task]:
-        return list(self._tasks.values())
-
     def track(self, request_id: str) -> None:
         """The current task handles ``request_id`` from now on; ValueError if one already does."""
         if request_id in self._tasks:
