@@ -16,8 +16,8 @@ from worker.engine_thread import EngineFailed, EngineThread
 class InFlight:
     """Request id -> its handler task, with an event set while none is in flight."""
 
-    def __init__(self, engine: EngineThread | None, spawn: Callable[[Awaitable], asyncio.Task]):
-        self.engine = engine  # set by the worker once the engine thread exists
+    def __init__(self, engine: Callable[[], EngineThread], spawn: Callable[[Awaitable], asyncio.Task]):
+        self._engine = engine  # the worker's engine thread, which exists once a request can arrive
         self._spawn = spawn
         self._tasks: dict[str, asyncio.Task] = {}
         self._idle = asyncio.Event()
@@ -52,7 +52,7 @@ class InFlight:
                 if wait_for is not None:
                     await asyncio.wait([wait_for])
                 try:
-                    await self.engine.call(engine_cleanup)
+                    await self._engine().call(engine_cleanup)
                 except EngineFailed:
                     pass  # nothing runs any more; the process exits
                 if then is not None:

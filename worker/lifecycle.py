@@ -82,7 +82,7 @@ class Worker:
         self.kv_sender: KVSender | None = None
         self.kv_address: KVAddress | None = None
         self._background: set[asyncio.Task] = set()
-        self.in_flight = InFlight(None, self.spawn)  # its engine: set once the engine thread exists
+        self.in_flight = InFlight(lambda: self.engine_thread, self.spawn)
         self.metrics = WorkerMetrics()
         self.ttft = RecentLatency()
         self.tpot = RecentLatency()
@@ -181,10 +181,8 @@ class Worker:
         return f"http://[{host}]:{self.http_port}" if ":" in host else f"http://{host}:{self.http_port}"
 
     def role_context(self) -> RoleContext:
-        """What the role modules get of this worker (its engine thread and KV endpoints built).
-        Also binds the in-flight tracker to the engine thread, which frees what a request held."""
+        """What the role modules get of this worker (its engine thread and KV endpoints built)."""
         engine = self.engine
-        self.in_flight.engine = self.engine_thread
         model = ModelShape(vocab_size=engine.model_config.vocab_size, block_size=engine.config.block_size,
                            block_nbytes=engine.kv_cache.block_nbytes, max_model_len=engine.scheduler.config.max_model_len,
                            device=engine.device)
