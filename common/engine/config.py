@@ -11,6 +11,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from common.engine.structured.backend import BACKENDS, DEFAULT_BACKEND
+from common.engine.structured.compiler import DEFAULT_COMPILE_TIMEOUT_S
+
 
 @dataclass(frozen=True)
 class SchedulingDefaults:
@@ -95,6 +98,10 @@ class EngineConfig:
     # prefill-sized steps, every token bucket at start-up (``common.engine.models.stages``); CPU
     # only (not validated under CUDA graphs yet); eager where compiling fails.
     compile: bool = False
+    # Structured output: the grammar backend (llguidance | xgrammar) and how long a grammar may
+    # take to compile before its request fails with a 400.
+    structured_output_backend: str = DEFAULT_BACKEND
+    grammar_compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S
 
     def __post_init__(self) -> None:
         _require(self.block_size >= 1, "block_size", self.block_size, ">= 1")
@@ -105,6 +112,9 @@ class EngineConfig:
         _require(self.attention_backend in ("auto", "cpu", "torch", "flash", "triton"), "attention_backend",
                  self.attention_backend, "one of auto, cpu, torch, flash, triton")
         _require(self.load_format in ("auto", "dummy"), "load_format", self.load_format, "one of auto, dummy")
+        _require(self.structured_output_backend in BACKENDS, "structured_output_backend",
+                 self.structured_output_backend, f"one of {', '.join(BACKENDS)}")
+        _require(self.grammar_compile_timeout_s > 0, "grammar_compile_timeout_s", self.grammar_compile_timeout_s, "> 0")
         # The scheduler config validates the remaining knobs.
         self._scheduler_config(self.max_model_len or SchedulerConfig.max_model_len, *self._batch_limits("cpu"))
 

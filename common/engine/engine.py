@@ -29,6 +29,8 @@ from common.engine.sampler import TokenLogprobs
 from common.engine.sampling_params import SamplingParams
 from common.engine.scheduler import Scheduler, SchedulerOutput
 from common.engine.step_log import StepLog, step_shape
+from common.engine.structured.backend import CompiledGrammar, make_backend
+from common.engine.structured.compiler import GrammarCompiler
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +141,7 @@ class Engine:
                                             max_blocks_per_request, self.device).capture_all()
         self.runner = ModelRunner(self.model, self.kv_cache, self.attention, self.device, graphs)
         self.tokenizer = self._load_tokenizer() if load_tokenizer else None
+        self._grammars: GrammarCompiler | None = None
         self._ids = itertools.count()
         self.num_prompt_tokens_total = 0
         self.num_cached_tokens_total = 0
@@ -167,15 +170,27 @@ class Engine:
             log.warning("no tokenizer in %s (%s); prompts must be token ids", self.checkpoint, exc)
             return None
 
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The grammar compiler (built on first use); ``ValueError`` without a tokenizer."""
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise ValueError("structured output needs the model's tokenizer, and this checkpoint has none")
+            backend = make_backend(self.config.structured_output_backend, self.tokenizer, self.model_config.vocab_size)
+            self._grammars = GrammarCompiler(backend, timeout_s=self.config.grammar_compile_timeout_s)
+        return self._grammars
+
     # ---- requests --------------------------------------------------------------------------
 
     def make_request(
         self, prompt: str | Sequence[int], params: SamplingParams | dict[str, Any] | None = None,
-        request_id: str | None = None, cache_salt: str | None = None,
+        request_id: str | None = None, cache_salt: str | None = None, grammar: CompiledGrammar | None = None,
     ) -> Request:
         """Validate input and build a ``Request``; raises ``ValueError`` naming the problem.
 
-        ``cache_salt``: requests share prefix-cache blocks only with requests of the same salt."""
+        ``cache_salt``: requests share prefix-cache blocks only with requests of the same salt.
+        ``grammar``: ``params.structured`` compiled already (a worker compiles it off the engine
+        thread, ``GrammarCompiler.compile_async``); else it is compiled here."""
         if isinstance(params, dict):
             params = SamplingParams.from_dict(params)
         params = params or SamplingParams()
@@ -190,17 +205,22 @@ class Engine:
         vocab = self.model_config.vocab_size
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if any(t >= vocab for t, _ in params.logit_bias):
+            raise ValueError(f"logit_bias: token ids must be in [0, {vocab})")
+        matcher = None
+        if params.structured is not None:
+            matcher = (grammar or self.grammars.compile(params.structured)).matcher()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if cache_salt is not None and not 1 <= len(cache_salt) <= MAX_CACHE_SALT_LEN:
             raise ValueError(f"cache_salt must be 1-{MAX_CACHE_SALT_LEN} characters, got {len(cache_salt)}")
         return Request(request_id, prompt_ids, params, eos_token_ids=self.model_config.eos_token_ids,
-                       extra_keys=block_extra_keys(self.model_id, cache_salt))
+                       extra_keys=block_extra_keys(self.model_id, cache_salt), grammar=matcher)
 
     def add_request(
         self, prompt: str | Sequence[int], params: SamplingParams | dict[str, Any] | None = None,
-        request_id: str | None = None, cache_salt: str | None = None,
+        request_id: str | None = None, cache_salt: str | None = None, grammar: CompiledGrammar | None = None,
     ) -> str:
-        request = self.make_request(prompt, params, request_id, cache_salt)
+        request = self.make_request(prompt, params, request_id, cache_salt, grammar)
         self.scheduler.add_request(request)
         return request.request_id
 

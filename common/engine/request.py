@@ -2,10 +2,14 @@
 from __future__ import annotations
 
 import enum
+import logging
 import time
 
 from common.engine.kv.prefix_hash import BlockHash, hash_prompt_blocks
 from common.engine.sampling_params import SamplingParams
+from common.engine.structured.backend import GrammarMatcher
+
+log = logging.getLogger(__name__)
 
 
 class RequestStatus(enum.Enum):
@@ -49,6 +53,7 @@ class Request:
         eos_token_ids: tuple[int, ...] = (),
         arrival_time: float | None = None,
         extra_keys: bytes = b"",
+        grammar: GrammarMatcher | None = None,
     ):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -71,6 +76,9 @@ class Request:
         # Prefill role: blocks stay referenced after the prompt finishes, until the KV is shipped.
         self.hold_blocks_on_finish = False
         self.stop_reason: int | None = None
+        # The request's position in its grammar (``sampling_params.structured``): it advances with
+        # every output token but a stop token, and survives preemption (no output token is undone).
+        self.grammar = grammar
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -92,6 +100,22 @@ class Request:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
 
+    def append_token(self, token_id: int, max_model_len: int) -> None:
+        """Append ``token_id`` as the next output token, advancing the grammar, and finish the
+        request if it ends it (``status_after_token``; or the grammar is complete)."""
+        status = status_after_token(self, token_id, max_model_len)
+        if self.grammar is not None and token_id not in self.stop_token_ids:
+            if not self.grammar.accept(token_id):  # the mask allowed it: only a backend bug gets here
+                log.error("request %s: its grammar refused token %d; it ends with an error", self.request_id, token_id)
+                status = RequestStatus.FINISHED_ERROR
+            elif status is None and self.grammar.is_stopped():
+                status = RequestStatus.FINISHED_STOPPED
+        self.append_output_token(token_id)
+        if status is RequestStatus.FINISHED_STOPPED:
+            self.stop_reason = token_id
+        if status is not None:
+            self.status = status
+
     def update_block_hashes(self, block_size: int) -> list[BlockHash]:
         """Extend the chained hashes to every full block of the tokens known so far."""
         if len(self.block_hashes) < self.num_tokens // block_size:
@@ -104,3 +128,24 @@ class Request:
             f"Request({self.request_id!r}, {self.status.name}, computed={self.num_computed_tokens}/"
             f"{self.num_tokens})"
         )
+
+
+def status_after_token(request: Request, token_id: int, max_model_len: int) -> RequestStatus | None:
+    """What appending ``token_id`` as its next output token makes of ``request``: finished by a
+    stop token or by length, or ``None`` if it goes on.  Reads the request only, so a decode worker
+    can tell before a remote prompt lands whether its first token ends it."""
+    if token_id in request.stop_token_ids:
+        return RequestStatus.FINISHED_STOPPED
+    if (request.num_output_tokens + 1 >= request.sampling_params.max_tokens
+            or request.num_tokens + 1 >= max_model_len):
+        return RequestStatus.FINISHED_LENGTH
+    return None
+
+
+def grammar_verdict(request: Request, token_id: int) -> str:
+    """What ``token_id`` as the next output token does to the request's grammar, without advancing
+    it: ``"open"`` (no grammar, a stop token, or the grammar goes on), ``"stopped"`` (it completes
+    the grammar) or ``"rejected"`` (the grammar forbids it)."""
+    if request.grammar is None or token_id in request.stop_token_ids:
+        return "open"
+    return request.grammar.probe(token_id)

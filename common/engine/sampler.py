@@ -1,6 +1,7 @@
 """Turn one step's logits into tokens, every row at once.
 
     logits [rows, vocab] (fp32, raw model output)
+      |-- logit bias, min_tokens, grammar masks (logit_rules.py), in place
       |-- rows whose maximum is NaN/+inf/-inf: argmax over their finite values, never sampled
       |-- greedy rows (temperature < 1e-5, or top_k == 1): argmax (after penalties, if any)
       `-- random rows, copied into a scratch buffer ordered [filtered | plain | greedy+penalties]:
@@ -17,19 +18,23 @@ seeded with (seed, output index), so its token depends only on the seed, the pos
 logits: not on the batch, preemption, or which worker samples it (the prefill worker samples the
 first token, the decode worker the rest).  Unseeded rows share one batched draw.
 
-Logprobs are those of the raw model distribution (log_softmax of the logits), as vLLM returns by
-default: one log-sum-exp and one top-k over the rows that ask.
+Logprobs are those of the model's distribution after the logit rules (log_softmax of the logits
+with bias and masks applied, before penalties and temperature), as vLLM returns by default: one
+log-sum-exp and one top-k over the rows that ask.
 """
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Collection, Protocol, Sequence
 
 import torch
 
 from common.engine.inverse_cdf import block_sums, sample_plain, sample_wide_nucleus, top_p_kernel, uniforms_for
+from common.engine.logit_rules import apply_logit_rules, needs_rules
 from common.engine.sampling_params import SamplingParams
+from common.engine.structured.backend import GrammarMatcher
+from common.engine.structured.masking import TokenMasks
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +69,8 @@ class SamplingRequest(Protocol):
     num_output_tokens: int
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
+    stop_token_ids: Collection[int]  # what ends it (held back until min_tokens)
+    grammar: GrammarMatcher | None
 
 
 @dataclass
@@ -75,6 +82,8 @@ class SamplingRow:
     prompt_token_ids: Sequence[int] = ()
     output_token_ids: Sequence[int] = ()
     request_id: str = ""
+    stop_token_ids: Collection[int] = ()
+    grammar: GrammarMatcher | None = None
 
 
 # ---- token histories for penalties ----------------------------------------------------------------
@@ -150,6 +159,7 @@ class Sampler:
     _scratch: torch.Tensor | None = None
     _mask: torch.Tensor | None = None
     _histories: _Histories = field(default_factory=_Histories)
+    _masks: TokenMasks = field(default_factory=TokenMasks)
 
     @torch.inference_mode()  # the model's logits are inference tensors; so is the scratch buffer
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRequest], *, scratch_logits: bool = False
@@ -159,6 +169,9 @@ class Sampler:
         ``scratch_logits``: the caller gives up ``logits``, which may then serve as the scratch
         buffer (saves a copy when no row wants logprobs).
         """
+        if needs_rules(rows):  # logit bias, min_tokens, grammars (common/engine/logit_rules.py)
+            logits = logits.float() if scratch_logits else logits.float().clone()
+            apply_logit_rules(logits, rows, self._masks)
         logits = logits.float()
         row_max = logits.amax(dim=-1)
         bad = ~torch.isfinite(row_max)  # NaN, +inf, or nothing finite in the row

@@ -9,9 +9,12 @@ import math
 from typing import Any
 
 from common.engine.structs import Struct, convert
+from common.engine.structured.spec import StructuredOutput
 
 MAX_LOGPROBS = 20
 MAX_STOP_TOKEN_IDS = 64
+MAX_LOGIT_BIAS = 300  # entries (OpenAI's bound)
+MAX_LOGIT_BIAS_VALUE = 100.0
 MAX_TOKEN_ID = 2**31 - 1
 MAX_TOKENS = 2**31 - 1
 MAX_TEMPERATURE = 2.0
@@ -45,7 +48,10 @@ class SamplingParams(Struct, forbid_unknown_fields=True, frozen=True):
     logits of tokens in the prompt or the output.  Penalties apply to greedy requests too.
     ``seed`` makes random sampling reproducible per request: a draw depends only on the seed and
     the output position.  ``logprobs`` asks for the sampled token's log-probability plus the
-    top-``logprobs`` alternatives.
+    top-``logprobs`` alternatives.  ``logit_bias`` adds ``bias`` to token ``id``'s logit for each
+    ``(id, bias)`` (±100 bans or forces a token).  ``min_tokens``: no stop token (EOS included)
+    may end the output before it has that many tokens.  ``structured``: the output must match
+    this grammar (every sampled token is masked to what it allows).
     """
 
     max_tokens: int = 16
@@ -60,6 +66,9 @@ class SamplingParams(Struct, forbid_unknown_fields=True, frozen=True):
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         _require(1 <= self.max_tokens <= MAX_TOKENS, f"max_tokens must be >= 1 and <= {MAX_TOKENS}, got {self.max_tokens}")
@@ -77,6 +86,12 @@ class SamplingParams(Struct, forbid_unknown_fields=True, frozen=True):
         _require(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed")
         _require(all(0 <= t <= MAX_TOKEN_ID for t in self.stop_token_ids),
                  f"stop_token_ids must be in [0, {MAX_TOKEN_ID}]")
+        _require(len(self.logit_bias) <= MAX_LOGIT_BIAS, f"at most {MAX_LOGIT_BIAS} logit_bias entries are allowed")
+        for token_id, bias in self.logit_bias:
+            _require(0 <= token_id <= MAX_TOKEN_ID, f"logit_bias token ids must be in [0, {MAX_TOKEN_ID}]")
+            _finite_in("a logit_bias value", bias, -MAX_LOGIT_BIAS_VALUE, MAX_LOGIT_BIAS_VALUE)
+        _require(0 <= self.min_tokens <= self.max_tokens,
+                 f"min_tokens must be >= 0 and <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
 
     @property
     def greedy(self) -> bool:

@@ -53,10 +53,11 @@ from dataclasses import dataclass, field
 
 from common.engine.config import SchedulerConfig
 from common.engine.kv.kv_cache_manager import KVCacheManager, cdiv
-from common.engine.request import Request, RequestStatus
+from common.engine.request import Request, RequestStatus, status_after_token  # noqa: F401 (API)
 from common.engine.remote_kv import RemoteClaim, RemoteKVHandoff
 from common.engine.room_alone import RoomAlone, final_tokens
 from common.engine.sampling_params import SamplingParams
+from common.engine.structured.backend import GrammarMatcher
 from common.engine.scheduler_integrity import check_scheduler
 from common.engine.scheduler_turns import TurnTaking
 
@@ -78,6 +79,9 @@ class ScheduledRequest:
     output_token_ids: list[int] = field(default_factory=list)
     # The request's row in ``KVCacheManager.table``, the persistent form of ``block_ids``.
     table_row: int | None = None  # its row in the persistent block table
+    # The request's own: what ends it (min_tokens holds these back) and its grammar's matcher.
+    stop_token_ids: frozenset[int] | set[int] = frozenset()
+    grammar: GrammarMatcher | None = None
 
 
 @dataclass
@@ -93,18 +97,6 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
-
-
-def status_after_token(request: Request, token_id: int, max_model_len: int) -> RequestStatus | None:
-    """What appending ``token_id`` as its next output token makes of ``request``: finished by a
-    stop token or by length, or ``None`` if it goes on.  Reads the request only, so a decode worker
-    can tell before a remote prompt lands whether its first token ends it."""
-    if token_id in request.stop_token_ids:
-        return RequestStatus.FINISHED_STOPPED
-    if (request.num_output_tokens + 1 >= request.sampling_params.max_tokens
-            or request.num_tokens + 1 >= max_model_len):
-        return RequestStatus.FINISHED_LENGTH
-    return None
 
 
 class Scheduler(TurnTaking):
@@ -380,6 +372,8 @@ class Scheduler(TurnTaking):
             sampling_params=request.sampling_params,
             num_output_tokens=request.num_output_tokens,
             prompt_token_ids=request.prompt_token_ids,
+            stop_token_ids=request.stop_token_ids,
+            grammar=request.grammar,
             output_token_ids=request.output_token_ids,
             table_row=self.kv_manager.table.row(request.request_id),
         )
@@ -421,12 +415,7 @@ class Scheduler(TurnTaking):
         return changed
 
     def _append_token(self, request: Request, token_id: int) -> None:
-        status = status_after_token(request, token_id, self.config.max_model_len)
-        request.append_output_token(token_id)
-        if status is RequestStatus.FINISHED_STOPPED:
-            request.stop_reason = token_id
-        if status is not None:
-            request.status = status
+        request.append_token(token_id, self.config.max_model_len)
 
     # ---- leaving ---------------------------------------------------------------------------
 

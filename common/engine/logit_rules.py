@@ -1,0 +1,60 @@
+"""What a request allows before sampling: its logit bias, its ``min_tokens``, its grammar.
+
+Applied to a step's raw logits, in place, before penalties, temperature and the top-k/top-p/min-p
+filters (and before greedy's argmax), in this order:
+
+    logit_bias     logits[row, id] += bias          (one sparse index_add over the batch)
+    min_tokens     logits[row, stop ids] = -inf     while the row has fewer outputs than min_tokens
+    grammar        logits[row, not allowed] = -inf  (``structured.masking``: one bitmask per row)
+
+Logprobs are computed from the processed logits (as vLLM does: a banned token has -inf).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from common.engine.structured.masking import TokenMasks
+
+
+def needs_rules(rows: Sequence) -> bool:
+    return any(_rules_of(row) for row in rows)
+
+
+def _rules_of(row) -> bool:
+    p = row.sampling_params
+    return bool(p.logit_bias) or _holds_stops(row) or row.grammar is not None
+
+
+def _holds_stops(row) -> bool:
+    return row.num_output_tokens < row.sampling_params.min_tokens and bool(row.stop_token_ids)
+
+
+def apply_logit_rules(logits: torch.Tensor, rows: Sequence, masks: TokenMasks) -> None:
+    """Apply every row's rules to ``logits`` [rows, vocab] in place."""
+    vocab = logits.shape[1]
+    flat = logits.view(-1)
+    bias_index, bias_value, banned = [], [], []
+    grammar_rows, matchers, grammar_stops = [], [], []
+    for i, row in enumerate(rows):
+        p = row.sampling_params
+        for token_id, bias in p.logit_bias:
+            if token_id < vocab:
+                bias_index.append(i * vocab + token_id)
+                bias_value.append(bias)
+        if _holds_stops(row):
+            banned.extend(i * vocab + t for t in row.stop_token_ids if t < vocab)
+        if row.grammar is not None:
+            grammar_rows.append(i)
+            matchers.append(row.grammar)
+            # min_tokens keeps the stop tokens banned even where the grammar could end
+            grammar_stops.append(() if _holds_stops(row) else tuple(row.stop_token_ids))
+    device = logits.device
+    if bias_index:
+        flat.index_add_(0, torch.tensor(bias_index, device=device),
+                        torch.tensor(bias_value, dtype=logits.dtype, device=device))
+    if banned:
+        flat[torch.tensor(banned, device=device)] = float("-inf")
+    if grammar_rows:
+        masks.apply(logits, grammar_rows, matchers, grammar_stops)

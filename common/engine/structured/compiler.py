@@ -1,0 +1,85 @@
+"""Compiles grammars off the engine thread and off the event loop, cached by spec, time-bounded.
+
+    compiled = await compiler.compile_async(spec)   # a worker or gateway handler: waits alone
+    compiled = compiler.compile(spec)               # the offline engine
+
+A spec compiles at most once at a time (concurrent requests for it share the compile), the result
+stays in an LRU cache of ``cache_size`` entries, and a spec the backend rejects is remembered as
+rejected too.  A compile that takes longer than ``timeout_s`` fails the request that waits for it
+with ``GrammarError`` (the backend's own resource limits end the compile itself soon after).
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import threading
+
+from common.engine.structured.backend import CompiledGrammar, GrammarBackend, GrammarError
+from common.engine.structured.spec import StructuredOutput
+
+DEFAULT_COMPILE_TIMEOUT_S = 10.0
+DEFAULT_CACHE_SIZE = 256
+COMPILE_THREADS = 2
+
+
+class GrammarCompiler:
+    def __init__(self, backend: GrammarBackend, *, timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
+                 cache_size: int = DEFAULT_CACHE_SIZE, threads: int = COMPILE_THREADS):
+        self.backend = backend
+        self.timeout_s = timeout_s
+        self.cache_size = cache_size
+        self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="grammar")
+        self._lock = threading.Lock()
+        # spec key -> a future of the compiled grammar (or of its GrammarError), most recent last
+        self._cache: collections.OrderedDict[tuple, concurrent.futures.Future] = collections.OrderedDict()
+        self.compiles = 0
+        self.hits = 0
+
+    def _future(self, spec: StructuredOutput) -> concurrent.futures.Future:
+        key = spec.cache_key
+        with self._lock:
+            future = self._cache.get(key)
+            if future is not None:
+                self._cache.move_to_end(key)
+                self.hits += 1
+                return future
+            future = self._pool.submit(self.backend.compile, spec)
+            self.compiles += 1
+            self._cache[key] = future
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+            return future
+
+    def _forget_timeout(self, spec: StructuredOutput, future) -> None:
+        # A compile that ran out of time is not cached as such: the next request may try again
+        # (once the backend's own limits ended the first, it fails or finishes fast).
+        with self._lock:
+            if self._cache.get(spec.cache_key) is future and not future.done():
+                del self._cache[spec.cache_key]
+
+    def _timed_out(self, spec: StructuredOutput) -> GrammarError:
+        return GrammarError(f"{spec.field}: the {spec.kind} took longer than {self.timeout_s:g} s to compile")
+
+    def compile(self, spec: StructuredOutput) -> CompiledGrammar:
+        """The compiled grammar; raises ``GrammarError``."""
+        future = self._future(spec)
+        try:
+            return future.result(timeout=self.timeout_s)
+        except concurrent.futures.TimeoutError:
+            self._forget_timeout(spec, future)
+            raise self._timed_out(spec) from None
+
+    async def compile_async(self, spec: StructuredOutput) -> CompiledGrammar:
+        """As ``compile``, awaited: the event loop and other requests go on meanwhile.  Cancelling
+        the caller does not cancel a compile other requests may share."""
+        future = self._future(spec)
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                return await asyncio.shield(asyncio.wrap_future(future))
+        except TimeoutError:
+            self._forget_timeout(spec, future)
+            raise self._timed_out(spec) from None
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

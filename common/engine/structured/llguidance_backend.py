@@ -1,0 +1,93 @@
+"""The llguidance backend (the default): JSON schemas, regexes, choices, Lark and GBNF grammars.
+
+Compiling builds one matcher per spec (checking the grammar and its resource limits); each request
+gets a ``deep_copy`` of it.  JSON is generated compact (no free whitespace): a model cannot pad an
+answer with newlines until it runs out of tokens, and the output is what ``json.dumps`` would give.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import llguidance
+import llguidance.hf
+from llguidance.gbnf_to_lark import gbnf_to_lark
+import torch
+
+from common.engine.structured.backend import GrammarError
+from common.engine.structured.spec import StructuredOutput, is_gbnf
+
+# Bounds on the work one grammar may cost, at compile and per step (llguidance's own defaults are
+# larger: a hostile schema must not hold a compile thread or a step for long).
+LIMITS = dict(max_items_in_row=2000, initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000,
+              step_max_items=50_000, max_lexer_states=100_000, max_grammar_size=200_000)
+JSON_DEFAULTS = {"whitespace_flexible": False}
+
+
+class LLGuidanceMatcher:
+    def __init__(self, matcher: llguidance.LLMatcher):
+        self._m = matcher
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        words = bitmask[row]
+        self._m.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
+
+    def accept(self, token_id: int) -> bool:
+        return bool(self._m.consume_token(token_id))
+
+    def probe(self, token_id: int) -> str:
+        copy = self._m.deep_copy()
+        if not copy.consume_token(token_id):
+            return "rejected"
+        return "stopped" if copy.is_stopped() else "open"
+
+    def is_stopped(self) -> bool:
+        return self._m.is_stopped()
+
+
+class LLGuidanceGrammar:
+    def __init__(self, prototype: llguidance.LLMatcher):
+        self._prototype = prototype
+
+    def matcher(self) -> LLGuidanceMatcher:
+        return LLGuidanceMatcher(self._prototype.deep_copy())
+
+
+class LLGuidanceBackend:
+    name = "llguidance"
+
+    def __init__(self, tokenizer: Any, vocab_size: int):
+        self.vocab_size = vocab_size
+        self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
+        self._limits = llguidance.LLParserLimits(**LIMITS)
+
+    def compile(self, spec: StructuredOutput) -> LLGuidanceGrammar:
+        grammar = self._grammar(spec)
+        matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0, limits=self._limits)
+        if matcher.is_error():
+            raise GrammarError(f"{spec.field}: unsupported or invalid {_what(spec)}: {matcher.get_error()}")
+        return LLGuidanceGrammar(matcher)
+
+    def _grammar(self, spec: StructuredOutput) -> str:
+        try:
+            if spec.kind in ("json_schema", "json_object"):
+                schema = spec.schema()
+                return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_DEFAULTS)
+            if spec.kind == "regex":
+                return llguidance.LLMatcher.grammar_from_regex(spec.value)
+            if spec.kind == "choice":
+                alternatives = " | ".join(json.dumps(c) for c in spec.choices())
+                return llguidance.LLMatcher.grammar_from_lark(f"start: {alternatives}")
+            text = gbnf_to_lark(spec.value) if is_gbnf(spec.value) else spec.value
+            return llguidance.LLMatcher.grammar_from_lark(text)
+        except GrammarError:
+            raise
+        except Exception as exc:  # ValueError from the spec; llguidance's own errors
+            message = str(exc)
+            raise GrammarError(message if message.startswith(spec.field) else
+                               f"{spec.field}: invalid {_what(spec)}: {message}") from None
+
+
+def _what(spec: StructuredOutput) -> str:
+    return {"json_schema": "JSON schema", "json_object": "JSON object", "regex": "regex", "choice": "choice",
+            "grammar": "grammar"}[spec.kind]
