@@ -24,8 +24,8 @@ import aiohttp
 from aiohttp import web
 
 from common.engine.engine import Engine, RequestOutput, StepFailed
-from common.engine.request import Request
-from common.engine.scheduler import status_after_token
+from common.engine.request import Request, RequestStatus, grammar_verdict, status_after_token
+from common.engine.structured.backend import CompiledGrammar
 from worker.engine_thread import EngineFailed
 from common.cluster.registry import WorkerInfo
 from common.cluster.messages import (
@@ -91,9 +91,10 @@ async def handle_generate(context: RoleContext, request: web.Request) -> web.Str
         first = None
         fallback = False
         reservation = None
+        grammar = await context.compile_grammar(body.sampling_params)
         try:
             if body.prefill_worker_id:
-                reservation = await reserve(context, body)
+                reservation = await reserve(context, body, grammar)
                 if reservation is None:  # nothing started: the gateway tries another decode worker
                     outcome = "busy"
                     return error_answer("no free KV blocks to reserve for the prompt right now", "busy", 503)
@@ -106,7 +107,7 @@ async def handle_generate(context: RoleContext, request: web.Request) -> web.Str
             log.warning("request %s: remote prefill failed (%s); computing the prompt locally", body.request_id, exc)
             await response.prepare(request)
         if first is None:
-            await add_local(context, body)
+            await add_local(context, body, grammar)
         elif first.finished:  # the first token ends it: land it (its blocks become cache), then answer
             await land(context, body.request_id, first.token_ids[0])
             context.ttft.add(time.monotonic() - started)
@@ -128,7 +129,7 @@ async def handle_generate(context: RoleContext, request: web.Request) -> web.Str
         raise
     except (ConnectionResetError, aiohttp.ClientConnectionResetError):
         outcome = "client_gone"
-    except ValueError as exc:  # rejected by the engine: bad sampling params, too long, ...
+    except ValueError as exc:  # rejected by the engine: bad sampling params, too long, a bad grammar ...
         outcome = "invalid"
         return await _error(response, str(exc), "invalid", 400)
     except StepFailed as exc:  # this request was in a step that failed: an explicit error, not retried
@@ -176,9 +177,9 @@ async def _try_write(response: web.StreamResponse, data: bytes) -> None:
         pass
 
 
-async def add_local(context: RoleContext, body: GenerateRequest) -> None:
+async def add_local(context: RoleContext, body: GenerateRequest, grammar: CompiledGrammar | None) -> None:
     await context.engine.call(
-        lambda e: e.add_request(body.prompt_token_ids, body.sampling_params, body.request_id, body.cache_salt))
+        lambda e: e.add_request(body.prompt_token_ids, body.sampling_params, body.request_id, body.cache_salt, grammar))
 
 
 async def stream_outputs(context: RoleContext, stream: asyncio.Queue, response, started: float, first_sent: bool,
@@ -228,7 +229,8 @@ class Reservation:
     request: Request
 
 
-async def reserve(context: RoleContext, body: GenerateRequest) -> Reservation | None:
+async def reserve(context: RoleContext, body: GenerateRequest, grammar: CompiledGrammar | None
+                  ) -> Reservation | None:
     """Reserve blocks for a remote prefill, leased for ``context.reservation_lease_s``; ``None``
     if they do not fit now.  Raises ``RemotePrefillFailed`` if the prefill worker is unknown,
     ``ValueError`` for bad input."""
@@ -240,7 +242,8 @@ async def reserve(context: RoleContext, body: GenerateRequest) -> Reservation | 
     lease_s = context.reservation_lease_s
 
     def reserve_blocks(engine: Engine):
-        request = engine.make_request(body.prompt_token_ids, body.sampling_params, body.request_id, body.cache_salt)
+        request = engine.make_request(body.prompt_token_ids, body.sampling_params, body.request_id, body.cache_salt,
+                                      grammar)
         reserved = engine.scheduler.reserve_remote(request, lease_s=lease_s)
         return None if reserved is None else (request, *reserved)
 
@@ -295,8 +298,17 @@ async def remote_prefill(context: RoleContext, body: GenerateRequest, reservatio
     transfer_bytes = len(dst_block_ids) * context.model.block_nbytes
     context.metrics.kv_transfer_seconds.observe(transfer_seconds)
     context.metrics.kv_received_bytes.inc(transfer_bytes)
-    ending = status_after_token(reservation.request, result.first_token_id,
-                                context.model.max_model_len)
+    # The prefill worker sampled the first token under the same grammar; the matcher here continues
+    # from it (``finish_remote``).  One the grammar forbids (a peer that did not apply it) is not
+    # taken: the prompt is computed here instead.
+    verdict = grammar_verdict(reservation.request, result.first_token_id)
+    if verdict == "rejected":
+        pending.release = context.spawn(release_reservation(context, request_id, handle))
+        await asyncio.shield(pending.release)
+        raise RemotePrefillFailed(f"the prefill worker's first token {result.first_token_id} breaks the grammar")
+    ending = status_after_token(reservation.request, result.first_token_id, context.model.max_model_len)
+    if ending is None and verdict == "stopped":
+        ending = RequestStatus.FINISHED_STOPPED
     logprobs = None
     if result.first_logprob is not None:
         logprobs = [result.first_logprob]

@@ -17,6 +17,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Mapping
 
+from common.engine.structured.backend import BACKENDS, DEFAULT_BACKEND
+from common.engine.structured.compiler import DEFAULT_COMPILE_TIMEOUT_S
 from common.cluster.auth import SECRET_ENV, AuthError, ClusterAuth, configure_auth, is_loopback, read_secret
 from common.cluster.http_limits import DEFAULTS as HTTP_DEFAULTS, HELP as HTTP_HELP, HttpLimits, add_http_flags
 from common.cluster.flags import EnvFlags, FlagParser, RecordsCommandLine, given_on_command_line, secret_value
@@ -104,6 +106,10 @@ class GatewayConfig:
     redis_retry_interval: float = 2.0  # while Redis fails, prefix lookups skip it and probe this often
     inline_tokenize_chars: int = 4096  # longer inputs are tokenized in a thread, off the event loop
     tokenizer_threads: int = 2
+    # Structured output: the backend that checks a request's grammar before dispatch (the workers'
+    # --structured-output-backend), and how long that may take.
+    structured_output_backend: str = DEFAULT_BACKEND
+    grammar_compile_timeout: float = DEFAULT_COMPILE_TIMEOUT_S
     # The API keys, read once by __post_init__: the keys checked are the keys served (api_keys()).
     _api_keys: ApiKeys = field(init=False, repr=False, compare=False)
 
@@ -127,6 +133,11 @@ class GatewayConfig:
                 raise bad(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.tokenizer_threads < 1:
             raise bad(f"tokenizer_threads must be >= 1, got {self.tokenizer_threads}")
+        if self.structured_output_backend not in BACKENDS:
+            raise bad(f"structured_output_backend must be one of {', '.join(BACKENDS)}, got "
+                      f"{self.structured_output_backend!r}")
+        if not self.grammar_compile_timeout > 0:
+            raise bad(f"grammar_compile_timeout must be > 0, got {self.grammar_compile_timeout}")
         if not 0 <= self.port <= 65535:
             raise bad(f"port must be in 0..65535, got {self.port}")
         if self.max_model_len is not None and self.max_model_len < 1:
@@ -265,6 +276,11 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
         help="after a failed prefix lookup, lookups skip Redis and probe it this often until it answers")
     add("--inline-tokenize-chars", GatewayConfig.inline_tokenize_chars, int, help="longer inputs are tokenized in a thread, off the event loop")
     add("--tokenizer-threads", GatewayConfig.tokenizer_threads, int, help="threads for tokenizing long inputs and applying chat templates")
+    add("--structured-output-backend", GatewayConfig.structured_output_backend, choices=BACKENDS,
+        help="grammar backend that checks response_format, structured_outputs and tools before dispatch "
+             "(the workers' own flag of the same name should agree)")
+    add("--grammar-compile-timeout", GatewayConfig.grammar_compile_timeout, float,
+        help="seconds a request's grammar may take to compile; then a 400")
     add("--log-level", "INFO")
     return p
 
@@ -298,7 +314,8 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = N
         queue_size_per_key=args.queue_size_per_key,
         client_read_timeout=args.client_read_timeout, inline_tokenize_chars=args.inline_tokenize_chars,
         prefix_lookup_timeout=args.prefix_lookup_timeout, redis_retry_interval=args.redis_retry_interval,
-        tokenizer_threads=args.tokenizer_threads,
+        tokenizer_threads=args.tokenizer_threads, structured_output_backend=args.structured_output_backend,
+        grammar_compile_timeout=args.grammar_compile_timeout,
     )
     if config.open_to_the_network:
         log.warning("the gateway serves %s without an API key (PDSERVE_ALLOW_NO_API_KEY): anyone who reaches it can "

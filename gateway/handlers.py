@@ -13,6 +13,8 @@ from aiohttp import web
 
 from common.cluster.messages import TokenFrame
 from common.engine.sampling_params import SamplingParams
+from common.engine.structured.backend import GrammarError
+from common.engine.structured.compiler import GrammarCompiler
 from gateway.chat_template import ChatFormat
 from gateway.config import GatewayConfig
 from gateway.detokenizer import StreamingDecoder
@@ -80,6 +82,7 @@ class HandlerServices:
     metrics: GatewayMetrics
     read_body: Callable[[web.Request], Awaitable[bytes]]  # whole, bounded in size and time
     admission: Callable[[Tenant], AsyncContextManager]  # 429 beyond the requests in flight allowed
+    grammars: GrammarCompiler  # checks structured-output grammars before dispatch
 
 
 class OpenAIHandlers:
@@ -116,18 +119,35 @@ class OpenAIHandlers:
         # A top_k at or above the vocabulary keeps every token: clamp it (as vLLM does), so a huge
         # value never reaches the workers' messages.
         top_k = options.top_k if options.top_k is not None and options.top_k < vocab else 0
+        for name, ids in (("logit_bias", [t for t, _ in options.logit_bias]), ("stop_token_ids", options.stop_token_ids)):
+            if ids and max(ids) >= vocab:
+                raise invalid(f"{name}: token id {max(ids)} is outside the vocabulary [0, {vocab})", name)
+        if options.min_tokens > max_tokens:
+            raise invalid(f"min_tokens ({options.min_tokens}) is more than max_tokens ({max_tokens})", "min_tokens")
+        # A built-in chat format's end-of-turn token ends a chat answer (unless EOS is ignored).
+        turn_end = services.chat_format.stop_token_ids if kind == "chat" and not options.ignore_eos else ()
         params = SamplingParams(
             max_tokens=max_tokens, temperature=options.temperature, top_k=top_k,
             top_p=options.top_p, min_p=options.min_p, presence_penalty=options.presence_penalty,
             frequency_penalty=options.frequency_penalty, repetition_penalty=options.repetition_penalty,
             seed=options.seed, ignore_eos=options.ignore_eos, logprobs=options.logprobs,
-            # A built-in chat format's end-of-turn token ends a chat answer (unless EOS is ignored).
-            stop_token_ids=services.chat_format.stop_token_ids if kind == "chat" and not options.ignore_eos else (),
+            stop_token_ids=tuple(dict.fromkeys(turn_end + options.stop_token_ids)),
+            logit_bias=options.logit_bias, min_tokens=options.min_tokens, structured=options.structured,
         )
         prefix = "cmpl" if kind == "completion" else "chatcmpl"
         tenant = request["tenant"]
         salt = cache_salt(tenant, req.cache_salt, services.config.cache_isolation)
         return Generation(new_request_id(prefix), kind, model, prompt_ids, options, params, salt, tenant.key_id)
+
+    async def _check_grammar(self, params: SamplingParams) -> None:
+        """Compile the request's grammar here first (cached by spec, off the event loop): one the
+        backend refuses is a 400 naming its field before any worker sees it."""
+        if params.structured is None:
+            return
+        try:
+            await self.services.grammars.compile_async(params.structured)
+        except GrammarError as exc:
+            raise invalid(str(exc), params.structured.field, "invalid_grammar") from None
 
     def _chat_renderer(self, req):
         """A function applying the chat template and tokenizing (run inline or in a thread)."""
@@ -158,6 +178,7 @@ class OpenAIHandlers:
         async with self.services.admission(request["tenant"]):
             ids = await self.services.prompts.text(req.prompt) if isinstance(req.prompt, str) else req.prompt
             gen = self._prepare(request, "completion", req, ids)
+            await self._check_grammar(gen.params)
             return await self._serve(request, gen)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
@@ -168,6 +189,7 @@ class OpenAIHandlers:
         async with self.services.admission(request["tenant"]):
             ids = await self.services.prompts.chat(messages, render)
             gen = self._prepare(request, "chat", req, ids)
+            await self._check_grammar(gen.params)
             return await self._serve(request, gen)
 
     # ---- generation ------------------------------------------------------------------------

@@ -13,16 +13,17 @@ No field makes the gateway build an object per element before its bound is check
 4 MiB body could fill with hundreds of thousands of elements -- ``prompt``, ``stop``, ``messages``
 and their content parts, ``logit_bias`` -- are first decoded as ``msgspec.Raw`` (JSON checked, no
 objects), then counted or decoded within their bounds (``gateway/json_bounds.py``,
-``gateway/prompt_input.py``); ``logit_bias`` is refused unread unless it is ``{}`` or null.
+``gateway/prompt_input.py``); ``logit_bias`` is refused by size beyond its 300 entries, and the
+structured-output fields beyond ``MAX_GRAMMAR_CHARS`` (``gateway/structured_request.py``).
 
 Temperatures below 1e-5 mean greedy (as in vLLM); a ``top_k`` at or above the vocabulary size is
 clamped to "no top-k" (as in vLLM).
 
 Supported, beyond plain OpenAI (vLLM's extensions): ``top_k``, ``min_p``, ``repetition_penalty``,
-``ignore_eos``, ``cache_salt`` (requests share prefix-cache blocks only with requests of the same
-salt), and ``usage.prompt_tokens_details.cached_tokens`` (prefix-cache hits).  Rejected
-with a clear 400: ``n != 1``, ``logit_bias``, ``echo``, ``best_of > 1``, ``suffix``, batch prompts,
-non-text message parts.
+``ignore_eos``, ``min_tokens``, ``stop_token_ids``, ``structured_outputs``, ``cache_salt`` (requests
+share prefix-cache blocks only with requests of the same salt), and
+``usage.prompt_tokens_details.cached_tokens`` (prefix-cache hits).  The README's field table says
+which OpenAI fields are honoured and which are refused with a 400 naming them.
 """
 from __future__ import annotations
 
@@ -34,8 +35,10 @@ import msgspec
 
 from common.engine.kv.prefix_hash import MAX_CACHE_SALT_LEN
 from common.engine.sampling_params import (
-    INT64_MAX, INT64_MIN, MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_TEMPERATURE, MAX_TOKEN_ID,
+    INT64_MAX, INT64_MIN, MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_VALUE, MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION_PENALTY,
+    MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, MAX_TOKEN_ID,
 )
+from common.engine.structured.spec import StructuredOutput
 from common.cluster.messages import MAX_PROMPT_TOKENS
 from gateway.openai_errors import (  # noqa: F401 (API)
     ErrorBody, ErrorResponse, OpenAIError, error_response, invalid, split_error_path,
@@ -48,6 +51,7 @@ from gateway.openai_responses import (  # noqa: F401 (API: the answers, with the
     new_request_id, now, sse_event,
 )
 from gateway.prompt_input import decode_prompt
+from gateway.structured_request import read_response_format, read_structured_outputs
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 256
@@ -86,7 +90,14 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     frequency_penalty: Penalty | None = None
     repetition_penalty: Annotated[float, msgspec.Meta(gt=0.0, le=MAX_REPETITION_PENALTY)] | None = None  # extension
     min_p: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] | None = None  # extension
-    logit_bias: dict[str, float] | None = None
+    # token id -> bias in [-100, 100] (read from the body by ``_read_logit_bias``)
+    logit_bias: dict[int, float] | None = None
+    # Read from the body by gateway/structured_request.py; at most one of the two is set.
+    response_format: StructuredOutput | None = None
+    structured_outputs: StructuredOutput | None = None  # extension (vLLM's)
+    min_tokens: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)] = 0  # extension (vLLM's)
+    stop_token_ids: Annotated[list[Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]],
+                              msgspec.Meta(max_length=MAX_STOP_TOKEN_IDS)] | None = None  # extension (vLLM's)
     # Extension (vLLM's): the prompt's blocks are cached apart from requests with another salt.
     cache_salt: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_CACHE_SALT_LEN)] | None = None
 
@@ -113,6 +124,10 @@ class SamplingOptions:
     logprobs: int | None
     stream: bool
     include_usage: bool
+    structured: StructuredOutput | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
 
 
 class CompletionRequest(_Common):
@@ -138,6 +153,8 @@ class _CompletionBody(CompletionRequest):
     prompt: msgspec.Raw
     stop: msgspec.Raw = msgspec.Raw()  # empty: not sent (msgspec.Raw | None is not a union msgspec decodes)
     logit_bias: msgspec.Raw = msgspec.Raw()
+    response_format: msgspec.Raw = msgspec.Raw()
+    structured_outputs: msgspec.Raw = msgspec.Raw()
 
 
 class ContentPart(msgspec.Struct, kw_only=True):
@@ -197,6 +214,8 @@ class _ChatBody(ChatCompletionRequest):
     messages: msgspec.Raw
     stop: msgspec.Raw = msgspec.Raw()
     logit_bias: msgspec.Raw = msgspec.Raw()
+    response_format: msgspec.Raw = msgspec.Raw()
+    structured_outputs: msgspec.Raw = msgspec.Raw()
 
 
 def _sampling(req: _Common, max_tokens: int | None, logprobs: int | None) -> SamplingOptions:
@@ -216,6 +235,10 @@ def _sampling(req: _Common, max_tokens: int | None, logprobs: int | None) -> Sam
         logprobs=logprobs,
         stream=req.stream,
         include_usage=bool(req.stream and req.stream_options and req.stream_options.include_usage),
+        structured=req.response_format or req.structured_outputs,
+        logit_bias=tuple(sorted((req.logit_bias or {}).items())),
+        min_tokens=req.min_tokens,
+        stop_token_ids=tuple(req.stop_token_ids or ()),
     )
 
 
@@ -288,20 +311,38 @@ def _common_fields(body: _Common, cls: type[_Common]) -> dict:
     if _given(body.stop):
         stop = _decode_at(_stop_decoder, body.stop, "stop")
         fields["stop"] = stop if isinstance(stop, str) else items(stop)
-    if _given(body.logit_bias) and not _empty_object(body.logit_bias):
-        raise invalid("logit_bias is not supported", "logit_bias", "unsupported_value")
-    fields["logit_bias"] = None
+    fields["logit_bias"] = _read_logit_bias(body.logit_bias) if _given(body.logit_bias) else None
+    fields["response_format"] = (read_response_format(body.response_format, _from_msgspec)
+                                 if _given(body.response_format) else None)
+    fields["structured_outputs"] = (read_structured_outputs(body.structured_outputs, _from_msgspec)
+                                    if _given(body.structured_outputs) else None)
+    if fields["response_format"] is not None and fields["structured_outputs"] is not None:
+        raise invalid("response_format and structured_outputs both constrain the output; send one",
+                      "structured_outputs")
     return fields
+
+
+def _read_logit_bias(raw: msgspec.Raw) -> dict[int, float]:
+    """``{"token id": bias}``: at most ``MAX_LOGIT_BIAS`` entries (refused by size before they are
+    read), ids as decimal strings, biases in [-100, 100]."""
+    if len(raw) > MAX_LOGIT_BIAS * 40:
+        raise invalid(f"logit_bias holds at most {MAX_LOGIT_BIAS} entries", "logit_bias")
+    bias = _decode_at(_logit_bias_decoder, raw, "logit_bias")
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise invalid(f"logit_bias holds at most {MAX_LOGIT_BIAS} entries, got {len(bias)}", "logit_bias")
+    out = {}
+    for key, value in bias.items():
+        if not key.isascii() or not key.isdigit() or int(key) > MAX_TOKEN_ID:
+            raise invalid(f"logit_bias keys must be token ids (decimal strings), got {key!r}", "logit_bias")
+        if not -MAX_LOGIT_BIAS_VALUE <= value <= MAX_LOGIT_BIAS_VALUE:
+            raise invalid(f"logit_bias values must be in [-100, 100], got {value} for token {key}", "logit_bias")
+        out[int(key)] = float(value)
+    return out
 
 
 def _given(raw: msgspec.Raw) -> bool:
     """A field kept as ``msgspec.Raw`` was sent, and not as null."""
     return len(raw) > 0 and raw != _NULL
-
-
-def _empty_object(raw: msgspec.Raw) -> bool:
-    """``{}`` (whitespace inside allowed), told without reading a long value."""
-    return len(raw) <= 64 and _EMPTY_OBJECT_RE.fullmatch(bytes(raw)) is not None
 
 
 def _decode_messages(raw: msgspec.Raw) -> list[ChatMessage]:
@@ -377,5 +418,5 @@ _stop_decoder = msgspec.json.Decoder(str | bounded_list(str, MAX_STOP_STRINGS), 
 _messages_decoder = msgspec.json.Decoder(bounded_list(msgspec.Raw, MAX_MESSAGES, min_items=1))
 _message_decoder = msgspec.json.Decoder(_MessageBody, strict=False)
 _content_decoder = msgspec.json.Decoder(str | bounded_list(ContentPart, MAX_PARTS_PER_MESSAGE), strict=False)
+_logit_bias_decoder = msgspec.json.Decoder(dict[str, float], strict=False)
 _NULL = msgspec.Raw(b"null")
-_EMPTY_OBJECT_RE = re.compile(rb"\{[ \t\r\n]*\}")  # logit_bias {} is "none": the only value accepted

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import contextlib
 import hmac
 import logging
@@ -22,6 +23,8 @@ import msgspec
 from aiohttp import web
 from yarl import URL
 
+from common.engine.structured.backend import make_backend
+from common.engine.structured.compiler import GrammarCompiler
 from common.cluster.aio import run_service
 from common.cluster.messages import read_response
 from common.engine.model_config import load_model_config
@@ -66,6 +69,9 @@ class Gateway:
         if self.chat_format.template is not None:
             self.tokenizer.chat_template = self.chat_format.template
         log.info("chat template: %s", self.chat_format.source)
+        self.grammars = GrammarCompiler(
+            functools.partial(make_backend, config.structured_output_backend, self.tokenizer, self.vocab_size),
+            timeout_s=config.grammar_compile_timeout)
         self.prompts = PromptEncoder(self.tokenizer, self.max_model_len, inline_chars=config.inline_tokenize_chars,
                                      threads=config.tokenizer_threads)
         self.metrics = GatewayMetrics()
@@ -180,7 +186,7 @@ class Gateway:
         return HandlerServices(
             config=self.config, model_id=self.model_id, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
             tokenizer=self.tokenizer, chat_format=self.chat_format, prompts=self.prompts, dispatcher=self.dispatcher,
-            metrics=self.metrics, read_body=self.read_body, admission=self.admission)
+            metrics=self.metrics, read_body=self.read_body, admission=self.admission, grammars=self.grammars)
 
     def app(self) -> web.Application:
         """The HTTP application (after ``start``)."""

@@ -65,10 +65,14 @@ async def handle_prefill(context: RoleContext, shipper: Shipper, request: web.Re
     # the same sequence); the decode worker applies max_tokens and stop rules.
     params = msgspec.structs.replace(body.sampling_params, max_tokens=1)
 
-    def start(engine):
-        shipper.start(engine, job, engine.make_request(body.prompt_token_ids, params, request_id, body.cache_salt))
-
     try:
+        # The first token obeys the request's grammar: it is compiled here too (cached by spec).
+        grammar = await context.compile_grammar(params)
+
+        def start(engine):
+            shipper.start(engine, job, engine.make_request(body.prompt_token_ids, params, request_id, body.cache_salt,
+                                                           grammar))
+
         await context.engine.call(start)
         shipping = asyncio.create_task(ship(context, job))
         output = await _first_output(stream, shipping)

@@ -7,6 +7,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Mapping
 
+from common.engine.structured.backend import BACKENDS
 from common.cluster.auth import AuthError, ClusterAuth, configure_auth, read_secret
 from common.cluster.redis_keys import DEFAULT_KEY_PREFIX
 from common.engine.config import EngineConfig, describe_default
@@ -165,6 +166,11 @@ def build_parser(default_role: str, description: str, env: Mapping[str, str] | N
                      help="compile the decoder layers' work around attention with torch.compile (inductor) at "
                           "start-up, for prefill-sized steps (CPU; eager where it fails, and on CUDA, where CUDA "
                           "graphs serve decode)")
+    add("--structured-output-backend", EngineConfig.structured_output_backend, choices=BACKENDS,
+        help="grammar backend for response_format, structured_outputs and tool calls (xgrammar: the "
+             "'xgrammar' extra)")
+    add("--grammar-compile-timeout", EngineConfig.grammar_compile_timeout_s, float,
+        help="seconds a request's grammar may take to compile; then the request fails with a 400")
     add("--log-level", "INFO")
     add("--drain-timeout", 30.0, float, help="on SIGTERM, seconds to let in-flight requests finish before stopping")
     return p
@@ -182,6 +188,8 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len, model_id=args.model_id, attention_backend=args.attention_backend,
         cuda_graphs=bool(args.cuda_graphs), compile=bool(args.compile), remote_kv_budget=args.remote_kv_budget,
+        structured_output_backend=args.structured_output_backend,
+        grammar_compile_timeout_s=args.grammar_compile_timeout,
     )
     kv = KVTransferConfig(transport=args.kv_transport, host=args.kv_host or args.host, port=args.kv_port,
                           connect_timeout=args.kv_connect_timeout, transfer_timeout=args.kv_timeout,

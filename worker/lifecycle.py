@@ -36,6 +36,8 @@ from common.cluster.prefix_index import PrefixIndexPublisher
 from common.cluster.redis_util import connect
 from common.cluster.registry import Capacity, Heartbeat, KVAddress, Load, WorkerInfo, WorkerRegistry
 from common.engine.engine import Engine
+from common.engine.sampling_params import SamplingParams
+from common.engine.structured.backend import CompiledGrammar
 from kvtransfer.config import parse_address
 from kvtransfer.receiver import KVReceiver
 from kvtransfer.sender import KVSender
@@ -190,7 +192,14 @@ class Worker:
                            on_kv_written=engine.runner.on_kv_written, kv_sender=self.kv_sender,
                            kv_receiver=self.kv_receiver, peers=self.peers, peer_http=self.http_client, auth=self.auth,
                            in_flight=self.in_flight, accepts=self.accepts, spawn=self.spawn, metrics=self.metrics,
-                           ttft=self.ttft, tpot=self.tpot, reservation_lease_s=self.reservation_lease_s)
+                           ttft=self.ttft, tpot=self.tpot, reservation_lease_s=self.reservation_lease_s,
+                           compile_grammar=self.compile_grammar)
+
+    async def compile_grammar(self, params: SamplingParams) -> CompiledGrammar | None:
+        """``params.structured`` compiled in the grammar compiler's threads (cached by spec)."""
+        if params.structured is None:
+            return None
+        return await self.engine.grammars.compile_async(params.structured)
 
     @property
     def reservation_lease_s(self) -> float:

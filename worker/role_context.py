@@ -13,7 +13,7 @@ change at run time without a restart; the role only decides which of them accept
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Awaitable, Callable
 
 if TYPE_CHECKING:
     import asyncio
@@ -23,6 +23,8 @@ if TYPE_CHECKING:
     from aiohttp import web
 
     from common.cluster.auth import ClusterAuth
+    from common.engine.sampling_params import SamplingParams
+    from common.engine.structured.backend import CompiledGrammar
     from kvtransfer.receiver import KVReceiver
     from kvtransfer.sender import KVSender
     from worker.config import WorkerConfig
@@ -53,7 +55,8 @@ class RoleContext:
     registry entry, ``peer_http`` and ``auth`` call it; ``in_flight`` tracks this worker's
     requests (``accepts`` says whether a new one may start); ``spawn`` starts a task that shutdown
     still cancels; ``on_kv_written`` holds the model runner's hooks, called in the engine thread
-    once a step's KV is written."""
+    once a step's KV is written; ``compile_grammar`` compiles a request's grammar off the engine
+    thread and the event loop (``None`` without one; ``GrammarError``, a 400, when it cannot)."""
 
     config: "WorkerConfig"
     model: ModelShape
@@ -71,6 +74,7 @@ class RoleContext:
     ttft: "RecentLatency"
     tpot: "RecentLatency"
     reservation_lease_s: float
+    compile_grammar: Callable[["SamplingParams"], "Awaitable[CompiledGrammar | None]"]
 
     @property
     def worker_id(self) -> str:

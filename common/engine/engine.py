@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -29,7 +30,7 @@ from common.engine.sampler import TokenLogprobs
 from common.engine.sampling_params import SamplingParams
 from common.engine.scheduler import Scheduler, SchedulerOutput
 from common.engine.step_log import StepLog, step_shape
-from common.engine.structured.backend import CompiledGrammar, make_backend
+from common.engine.structured.backend import CompiledGrammar, GrammarBackend, make_backend
 from common.engine.structured.compiler import GrammarCompiler
 
 log = logging.getLogger(__name__)
@@ -142,6 +143,7 @@ class Engine:
         self.runner = ModelRunner(self.model, self.kv_cache, self.attention, self.device, graphs)
         self.tokenizer = self._load_tokenizer() if load_tokenizer else None
         self._grammars: GrammarCompiler | None = None
+        self._grammars_lock = threading.Lock()
         self._ids = itertools.count()
         self.num_prompt_tokens_total = 0
         self.num_cached_tokens_total = 0
@@ -172,13 +174,18 @@ class Engine:
 
     @property
     def grammars(self) -> GrammarCompiler:
-        """The grammar compiler (built on first use); ``ValueError`` without a tokenizer."""
-        if self._grammars is None:
-            if self.tokenizer is None:
-                raise ValueError("structured output needs the model's tokenizer, and this checkpoint has none")
-            backend = make_backend(self.config.structured_output_backend, self.tokenizer, self.model_config.vocab_size)
-            self._grammars = GrammarCompiler(backend, timeout_s=self.config.grammar_compile_timeout_s)
-        return self._grammars
+        """The grammar compiler (built on first use, from any thread).  Its backend is built in a
+        compile thread, with the tokenizer (loaded then if the engine was built without one)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self._grammar_backend, timeout_s=self.config.grammar_compile_timeout_s)
+            return self._grammars
+
+    def _grammar_backend(self) -> GrammarBackend:
+        tokenizer = self.tokenizer or self._load_tokenizer()
+        if tokenizer is None:
+            raise ValueError("structured output needs the model's tokenizer, and this checkpoint has none")
+        return make_backend(self.config.structured_output_backend, tokenizer, self.model_config.vocab_size)
 
     # ---- requests --------------------------------------------------------------------------
 

@@ -7,6 +7,9 @@ A spec compiles at most once at a time (concurrent requests for it share the com
 stays in an LRU cache of ``cache_size`` entries, and a spec the backend rejects is remembered as
 rejected too.  A compile that takes longer than ``timeout_s`` fails the request that waits for it
 with ``GrammarError`` (the backend's own resource limits end the compile itself soon after).
+
+The backend is built on the first compile, in a compile thread (converting a 262k-token vocabulary
+takes a moment): a worker that never sees a grammar never pays for it.
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import asyncio
 import collections
 import concurrent.futures
 import threading
+from typing import Callable
 
 from common.engine.structured.backend import CompiledGrammar, GrammarBackend, GrammarError
 from common.engine.structured.spec import StructuredOutput
@@ -24,9 +28,13 @@ COMPILE_THREADS = 2
 
 
 class GrammarCompiler:
-    def __init__(self, backend: GrammarBackend, *, timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
+    """``make_backend``: builds the backend (once, in a compile thread)."""
+
+    def __init__(self, make_backend: Callable[[], GrammarBackend], *, timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
                  cache_size: int = DEFAULT_CACHE_SIZE, threads: int = COMPILE_THREADS):
-        self.backend = backend
+        self._make_backend = make_backend
+        self._backend: GrammarBackend | None = None
+        self._backend_lock = threading.Lock()
         self.timeout_s = timeout_s
         self.cache_size = cache_size
         self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="grammar")
@@ -44,12 +52,21 @@ class GrammarCompiler:
                 self._cache.move_to_end(key)
                 self.hits += 1
                 return future
-            future = self._pool.submit(self.backend.compile, spec)
+            future = self._pool.submit(self._compile, spec)
             self.compiles += 1
             self._cache[key] = future
             while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
             return future
+
+    def _compile(self, spec: StructuredOutput) -> CompiledGrammar:
+        with self._backend_lock:
+            if self._backend is None:
+                try:
+                    self._backend = self._make_backend()
+                except (ValueError, RuntimeError) as exc:  # no tokenizer; the backend not installed
+                    raise GrammarError(f"{spec.field}: {exc}") from None
+        return self._backend.compile(spec)
 
     def _forget_timeout(self, spec: StructuredOutput, future) -> None:
         # A compile that ran out of time is not cached as such: the next request may try again
