@@ -122,8 +122,6 @@ class OpenAIHandlers:
         for name, ids in (("logit_bias", [t for t, _ in options.logit_bias]), ("stop_token_ids", options.stop_token_ids)):
             if ids and max(ids) >= vocab:
                 raise invalid(f"{name}: token id {max(ids)} is outside the vocabulary [0, {vocab})", name)
-        if options.min_tokens > max_tokens:
-            raise invalid(f"min_tokens ({options.min_tokens}) is more than max_tokens ({max_tokens})", "min_tokens")
         # A built-in chat format's end-of-turn token ends a chat answer (unless EOS is ignored).
         turn_end = services.chat_format.stop_token_ids if kind == "chat" and not options.ignore_eos else ()
         params = SamplingParams(
@@ -132,7 +130,8 @@ class OpenAIHandlers:
             frequency_penalty=options.frequency_penalty, repetition_penalty=options.repetition_penalty,
             seed=options.seed, ignore_eos=options.ignore_eos, logprobs=options.logprobs,
             stop_token_ids=tuple(dict.fromkeys(turn_end + options.stop_token_ids)),
-            logit_bias=options.logit_bias, min_tokens=options.min_tokens, structured=options.structured,
+            # min_tokens beyond max_tokens: no stop token ends the output early (it ends at max_tokens)
+            logit_bias=options.logit_bias, min_tokens=min(options.min_tokens, max_tokens), structured=options.structured,
         )
         prefix = "cmpl" if kind == "completion" else "chatcmpl"
         tenant = request["tenant"]

@@ -4,8 +4,10 @@ The request and response schemas are generated from the msgspec structs the gate
 encodes (``gateway/openai_protocol.py``), so their types, ranges, required fields and "no unknown
 field" are the ones enforced.  The checks the gateway makes in code after decoding are added to
 the generated schemas here (``_REQUEST_RULES``): the served model name, ``n == 1``, the fields that
-are accepted only at their default (``logit_bias``, ``echo``, ``best_of``, ``suffix``), the limits
-on ``stop``, the shapes of ``prompt``, text-only message parts.  What no schema can say (the
+are accepted only at their default (``echo``, ``best_of``, ``suffix``), the limits on ``stop`` and
+``logit_bias``, the shapes of ``prompt``, text-only message parts, the wire shapes of
+``response_format`` and ``structured_outputs``.  Whether a grammar compiles is a 400 with the
+code ``invalid_grammar``.  What no schema can say (the
 prompt's length in tokens against the context, two fields that must agree) is a 400 in OpenAI's
 error shape, described in each operation.
 
@@ -19,12 +21,15 @@ from typing import Any
 import msgspec
 
 from common.engine.kv.prefix_hash import MAX_CACHE_SALT_LEN
-from common.engine.sampling_params import INT64_MAX, INT64_MIN, MAX_TOKEN_ID
+from common.engine.sampling_params import (
+    INT64_MAX, INT64_MIN, MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_VALUE, MAX_STOP_TOKEN_IDS, MAX_TOKEN_ID,
+)
 from gateway.openai_protocol import (
     MAX_CONTENT_PARTS, MAX_PARTS_PER_MESSAGE, MAX_STOP_LEN, MAX_STOP_STRINGS, ChatCompletionChunk,
     ChatCompletionRequest, ChatCompletionResponse, CompletionChunk, CompletionRequest, CompletionResponse,
     ErrorResponse, ModelList,
 )
+from gateway.structured_request import ResponseFormat, StructuredOutputsParams
 
 _REF = "#/components/schemas/{name}"
 _NULL = {"type": "null"}
@@ -37,7 +42,21 @@ def _nullable(schema: dict) -> dict:
 _STOP_STRING = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_LEN}
 _COMMON_RULES: dict[str, dict] = {
     "n": {"type": "integer", "const": 1, "default": 1, "description": "Only 1 is supported."},
-    "logit_bias": {**_nullable({"type": "object", "maxProperties": 0}), "description": "Not supported."},
+    "logit_bias": {**_nullable({"type": "object", "maxProperties": MAX_LOGIT_BIAS,
+                                "additionalProperties": {"type": "number", "minimum": -MAX_LOGIT_BIAS_VALUE,
+                                                         "maximum": MAX_LOGIT_BIAS_VALUE}}),
+                   "description": "Token id (a decimal string, inside the vocabulary) -> bias added to its logit."},
+    "min_tokens": {"type": "integer", "minimum": 0, "maximum": MAX_TOKEN_ID, "default": 0,
+                   "description": "Extension (vLLM's). No stop token ends the output before this many tokens."},
+    "stop_token_ids": {**_nullable({"type": "array", "maxItems": MAX_STOP_TOKEN_IDS,
+                                    "items": {"type": "integer", "minimum": 0, "maximum": MAX_TOKEN_ID}}),
+                       "description": "Extension (vLLM's). Token ids that end the output."},
+    "response_format": {**_nullable({"$ref": _REF.format(name="ResponseFormat")}),
+                        "description": "json_object or json_schema (strict or not: enforced either way). A schema "
+                                       "the grammar backend cannot compile is a 400 (code invalid_grammar)."},
+    "structured_outputs": {**_nullable({"$ref": _REF.format(name="StructuredOutputsParams")}),
+                           "description": "Extension (vLLM's): one of json, regex, choice, grammar (Lark or GBNF), "
+                                          "json_object. Not together with response_format."},
     "top_k": {**_nullable({"type": "integer", "minimum": -1, "maximum": INT64_MAX}),
               "description": "Extension. 0, -1 or null: off. At or above the vocabulary size: off."},
     "seed": _nullable({"type": "integer", "minimum": INT64_MIN, "maximum": INT64_MAX}),
@@ -169,6 +188,18 @@ def _generation(summary: str, request: str, response: str, chunk: str, auth: boo
     return op
 
 
+def decimal_below(n: int) -> str:
+    """A regex of the decimal numbers in [0, n) (leading zeros allowed), for token ids as keys."""
+    digits = str(n - 1)
+    branches = [f"[0-9]{{1,{len(digits) - 1}}}"] if len(digits) > 1 else []
+    for i, d in enumerate(digits):
+        if d != "0":
+            rest = len(digits) - i - 1
+            branches.append(digits[:i] + f"[0-{int(d) - 1}]" + (f"[0-9]{{{rest}}}" if rest else ""))
+    branches.append(digits)
+    return "^0*(" + "|".join(branches) + ")$"
+
+
 def openapi_document(model_id: str, *, vocab_size: int, api_keys: bool, version: str = "0.1.0") -> dict[str, Any]:
     """The OpenAPI 3.1 description of this gateway's public API (``model_id``: the served name;
     ``vocab_size``: token ids in a prompt are below it)."""
@@ -176,6 +207,11 @@ def openapi_document(model_id: str, *, vocab_size: int, api_keys: bool, version:
         [CompletionRequest, ChatCompletionRequest, CompletionResponse, ChatCompletionResponse, CompletionChunk,
          ChatCompletionChunk, ModelList, ErrorResponse], ref_template=_REF)
     schemas = copy.deepcopy(schemas)
+    _, structured = msgspec.json.schema_components([ResponseFormat, StructuredOutputsParams], ref_template=_REF)
+    schemas.update(copy.deepcopy(structured))
+    schemas.pop("StructuredOutput", None)  # the internal form of the two above, never on the wire
+    schemas["StructuredOutputsParams"]["maxProperties"] = 1  # one constraint
+    schemas["ResponseFormat"]["allOf"] = [_implies("type", {"const": "json_schema"}, {"required": ["json_schema"]})]
     for name, rules in _REQUEST_RULES.items():
         props = schemas[name]["properties"]
         for field, rule in rules.items():
@@ -186,6 +222,10 @@ def openapi_document(model_id: str, *, vocab_size: int, api_keys: bool, version:
             schemas[name]["allOf"] = _CROSS_FIELD[name]
     token_ids = schemas["CompletionRequest"]["properties"]["prompt"]["anyOf"][1]
     token_ids["items"] = {**token_ids["items"], "maximum": vocab_size - 1}
+    for name in ("CompletionRequest", "ChatCompletionRequest"):
+        props = schemas[name]["properties"]
+        props["logit_bias"]["anyOf"][0]["propertyNames"] = {"pattern": decimal_below(vocab_size)}
+        props["stop_token_ids"]["anyOf"][0]["items"]["maximum"] = vocab_size - 1
     for name, schema in _SCHEMA_RULES.items():
         schemas[name] = schema
     for name, fields in _REQUIRED_EXTRA.items():

@@ -23,8 +23,7 @@ import msgspec
 from aiohttp import web
 from yarl import URL
 
-from common.engine.structured.backend import make_backend
-from common.engine.structured.compiler import GrammarCompiler
+from common.engine.structured.compiler import GrammarCompiler, make_backend
 from common.cluster.aio import run_service
 from common.cluster.messages import read_response
 from common.engine.model_config import load_model_config

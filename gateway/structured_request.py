@@ -15,7 +15,7 @@ itself is compiled (and refused with a 400 naming the field) by ``GrammarCompile
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -25,7 +25,7 @@ from gateway.openai_errors import invalid
 
 class JsonSchemaFormat(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     name: str = "response"
-    schema: Any = msgspec.UNSET
+    schema: dict[str, Any] | bool
     strict: bool | None = None
     description: str | None = None
 
@@ -38,9 +38,10 @@ class ResponseFormat(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 class StructuredOutputsParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """vLLM's ``structured_outputs`` (the constraint fields; its backend-tuning fields are refused)."""
 
-    json: Any = None
+    json: dict[str, Any] | bool | str | None = None  # a schema, or its JSON text
     regex: str | None = None
-    choice: list[str] | None = None
+    choice: Annotated[list[Annotated[str, msgspec.Meta(min_length=1)]],
+                      msgspec.Meta(min_length=1, max_length=MAX_CHOICES)] | None = None
     grammar: str | None = None
     json_object: bool | None = None
 
@@ -60,8 +61,8 @@ def read_response_format(raw: msgspec.Raw, from_msgspec) -> StructuredOutput | N
         return None
     if fmt.type == "json_object":
         return StructuredOutput("json_object", "", "response_format")
-    if fmt.json_schema is None or fmt.json_schema.schema is msgspec.UNSET:
-        raise invalid("response_format: type json_schema needs json_schema.schema", "response_format.json_schema")
+    if fmt.json_schema is None:
+        raise invalid("response_format: type json_schema needs json_schema", "response_format.json_schema")
     return _schema(fmt.json_schema.schema, "response_format")
 
 
@@ -82,9 +83,6 @@ def read_structured_outputs(raw: msgspec.Raw, from_msgspec) -> StructuredOutput 
     if kind == "json_object":
         return StructuredOutput("json_object", "", "structured_outputs")
     if kind == "choice":
-        if not so.choice or len(so.choice) > MAX_CHOICES or not all(so.choice):
-            raise invalid(f"structured_outputs.choice must be 1-{MAX_CHOICES} non-empty strings",
-                          "structured_outputs.choice")
         return StructuredOutput("choice", json.dumps(so.choice), "structured_outputs")
     return StructuredOutput(kind, getattr(so, kind), "structured_outputs")
 
@@ -99,5 +97,5 @@ def _is_json(text: str) -> bool:
 
 def _schema(schema: Any, field: str) -> StructuredOutput:
     if not isinstance(schema, (dict, bool)):
-        raise invalid(f"{field}: the JSON schema must be a JSON object", field)
+        raise invalid(f"{field}: the JSON schema must be a JSON object", field, "invalid_grammar")
     return StructuredOutput("json_schema", json.dumps(schema), field)

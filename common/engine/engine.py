@@ -30,8 +30,8 @@ from common.engine.sampler import TokenLogprobs
 from common.engine.sampling_params import SamplingParams
 from common.engine.scheduler import Scheduler, SchedulerOutput
 from common.engine.step_log import StepLog, step_shape
-from common.engine.structured.backend import CompiledGrammar, GrammarBackend, make_backend
-from common.engine.structured.compiler import GrammarCompiler
+from common.engine.structured.backend import CompiledGrammar, GrammarBackend
+from common.engine.structured.compiler import GrammarCompiler, make_backend
 
 log = logging.getLogger(__name__)
 

@@ -164,8 +164,12 @@ LOGIT_BIAS = b"{" + b",".join(b'"%d": -100' % i for i in range(280_000)) + b"}"
 
 
 @pytest.mark.parametrize("parse,field,value,param,text", [
-    (parse_completion_request, "logit_bias", LOGIT_BIAS, "logit_bias", "logit_bias is not supported"),
-    (parse_chat_request, "logit_bias", LOGIT_BIAS, "logit_bias", "logit_bias is not supported"),
+    (parse_completion_request, "logit_bias", LOGIT_BIAS, "logit_bias", "at most 300 entries"),
+    (parse_chat_request, "logit_bias", LOGIT_BIAS, "logit_bias", "at most 300 entries"),
+    (parse_chat_request, "response_format", b'{"type": "json_schema", "json_schema": {"schema": ' + many(b"1") + b"}}",
+     "response_format", "at most 262144 are allowed"),
+    (parse_chat_request, "structured_outputs", b'{"choice": ' + many(b'"a"') + b"}", "structured_outputs",
+     "at most 262144 are allowed"),
     (parse_completion_request, "stop", many(b'"ab"'), "stop", "at most length 16"),
     (parse_chat_request, "stop", many(b'"ab"'), "stop", "at most length 16"),
     (parse_chat_request, "messages", many(b'{"role": "user", "content": ""}'), "messages", "at most length 4096"),
@@ -196,7 +200,8 @@ def test_hostile_lists_are_refused_before_their_elements_are_decoded(parse, fiel
 def test_unknown_fields_are_rejected_by_name():
     err = rejects(parse_completion_request, completion(tools=[]), "tools", "Unrecognized request argument supplied: tools")
     assert err.code == "unknown_parameter"
-    rejects(parse_chat_request, chat(response_format={"type": "json_object"}), "response_format", "response_format")
+    rejects(parse_chat_request, chat(response_format={"type": "json_object", "strict": True}), "response_format.strict",
+            "Unrecognized request argument supplied: response_format.strict")
     rejects(parse_chat_request, body(model="m", messages=[{"role": "user", "content": "x", "tool_call_id": "1"}]),
             "messages[0].tool_call_id", "tool_call_id")
     rejects(parse_completion_request, completion(stream=True, stream_options={"include_usage": True, "x": 1}),
@@ -241,7 +246,6 @@ def test_integral_numbers_are_integers_as_in_json_schema():
 
 @pytest.mark.parametrize("field,value,text", [
     ("n", 2, "only n=1"),
-    ("logit_bias", {"50256": -100}, "logit_bias is not supported"),
     ("echo", True, "echo is not supported"),
     ("best_of", 3, "best_of=3 is not supported"),
     ("suffix", "tail", "suffix is not supported"),
@@ -249,6 +253,39 @@ def test_integral_numbers_are_integers_as_in_json_schema():
 def test_unsupported_features_are_rejected_clearly(field, value, text):
     err = rejects(parse_completion_request, completion(**{field: value}), field, text)
     assert err.to_response().status == 400
+
+
+@pytest.mark.parametrize("value,text", [
+    ({"x": 1}, "keys must be token ids"), ({"-1": 1}, "keys must be token ids"), ({"5": 100.5}, "in [-100, 100]"),
+    ({str(i): 1 for i in range(301)}, "at most 300 entries"), ([1], "Expected `object`"),
+])
+def test_logit_bias_is_checked(value, text):
+    rejects(parse_chat_request, chat(logit_bias=value), "logit_bias", text)
+
+
+def test_response_format_and_structured_outputs_are_read():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
+    spec = parse_chat_request(chat(response_format=fmt)).sampling().structured
+    assert (spec.kind, json.loads(spec.value), spec.field) == ("json_schema", schema, "response_format")
+    assert parse_chat_request(chat(response_format={"type": "text"})).sampling().structured is None
+    assert parse_completion_request(completion(response_format={"type": "json_object"})).sampling().structured.kind \
+        == "json_object"
+    for constraint, kind in (({"json": schema}, "json_schema"), ({"json": json.dumps(schema)}, "json_schema"),
+                             ({"regex": "a+"}, "regex"), ({"choice": ["x", "y"]}, "choice"),
+                             ({"grammar": 'start: "a"'}, "grammar"), ({"json_object": True}, "json_object")):
+        spec = parse_chat_request(chat(structured_outputs=constraint)).sampling().structured
+        assert (spec.kind, spec.field) == (kind, "structured_outputs")
+    rejects(parse_chat_request, chat(response_format={"type": "json_schema"}), "response_format.json_schema",
+            "needs json_schema")
+    rejects(parse_chat_request, chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
+            "response_format.json_schema.schema", "Missing required parameter")
+    rejects(parse_chat_request, chat(structured_outputs={"regex": "a", "grammar": "b"}), "structured_outputs",
+            "give one of")
+    rejects(parse_chat_request, chat(structured_outputs={"whitespace_pattern": " "}),
+            "structured_outputs.whitespace_pattern", "Unrecognized request argument")
+    rejects(parse_chat_request, chat(response_format={"type": "json_object"}, structured_outputs={"regex": "a"}),
+            "structured_outputs", "send one")
 
 
 def test_stop_strings_are_bounded():
@@ -262,9 +299,10 @@ def test_stop_strings_are_bounded():
 def test_bounded_fields_accept_what_they_always_did():
     """Kept as raw JSON until checked, the bounded fields still take every value they took."""
     for parse, make in ((parse_completion_request, completion), (parse_chat_request, chat)):
-        for value in ({}, None):
-            assert parse(make(logit_bias=value)).logit_bias is None
-        assert parse(b'{"model": "m", "logit_bias": { \n }, ' + make()[1:]).logit_bias is None
+        assert parse(make(logit_bias=None)).logit_bias is None
+        assert parse(make(logit_bias={})).sampling().logit_bias == ()
+        assert parse(b'{"model": "m", "logit_bias": { \n }, ' + make()[1:]).sampling().logit_bias == ()
+        assert parse(make(logit_bias={"7": 100, "3": -1.5})).sampling().logit_bias == ((3, -1.5), (7, 100.0))
         assert parse(make(stop=None)).sampling().stop == ()
         assert parse(make(stop=[str(i) for i in range(16)])).sampling().stop == tuple(str(i) for i in range(16))
         rejects(parse, make(stop=["a", None]), "stop[1]", "Expected `str`, got `null`")

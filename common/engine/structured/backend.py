@@ -8,7 +8,7 @@ the sampled token.
 """
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
@@ -57,20 +57,3 @@ class GrammarBackend(Protocol):
 
 def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
-
-
-def make_backend(name: str, tokenizer: Any, vocab_size: int) -> GrammarBackend:
-    """The backend ``name`` over a Hugging Face ``tokenizer``; ``ValueError`` for an unknown name,
-    ``RuntimeError`` when the backend is not installed."""
-    if name == "llguidance":
-        from common.engine.structured.llguidance_backend import LLGuidanceBackend
-
-        return LLGuidanceBackend(tokenizer, vocab_size)
-    if name == "xgrammar":
-        try:
-            from common.engine.structured.xgrammar_backend import XGrammarBackend
-        except ImportError as exc:
-            raise RuntimeError("the xgrammar backend needs the 'xgrammar' extra: pip install 'pdserve[xgrammar]'"
-                               ) from exc
-        return XGrammarBackend(tokenizer, vocab_size)
-    raise ValueError(f"unknown structured output backend {name!r}; choose from {', '.join(BACKENDS)}")

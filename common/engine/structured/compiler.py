@@ -17,9 +17,9 @@ import asyncio
 import collections
 import concurrent.futures
 import threading
-from typing import Callable
+from typing import Any, Callable
 
-from common.engine.structured.backend import CompiledGrammar, GrammarBackend, GrammarError
+from common.engine.structured.backend import BACKENDS, CompiledGrammar, GrammarBackend, GrammarError
 from common.engine.structured.spec import StructuredOutput
 
 DEFAULT_COMPILE_TIMEOUT_S = 10.0
@@ -100,3 +100,20 @@ class GrammarCompiler:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def make_backend(name: str, tokenizer: Any, vocab_size: int) -> GrammarBackend:
+    """The backend ``name`` over a Hugging Face ``tokenizer``; ``ValueError`` for an unknown name,
+    ``RuntimeError`` when the backend is not installed."""
+    if name == "llguidance":
+        from common.engine.structured.llguidance_backend import LLGuidanceBackend
+
+        return LLGuidanceBackend(tokenizer, vocab_size)
+    if name == "xgrammar":
+        try:
+            from common.engine.structured.xgrammar_backend import XGrammarBackend
+        except ImportError as exc:
+            raise RuntimeError("the xgrammar backend needs the 'xgrammar' extra: pip install 'pdserve[xgrammar]'"
+                               ) from exc
+        return XGrammarBackend(tokenizer, vocab_size)
+    raise ValueError(f"unknown structured output backend {name!r}; choose from {', '.join(BACKENDS)}")
