@@ -19,6 +19,7 @@ from typing import Mapping
 
 from common.engine.structured.backend import BACKENDS, DEFAULT_BACKEND
 from common.engine.structured.compiler import DEFAULT_COMPILE_TIMEOUT_S
+from gateway.tool_parsers import DEFAULT_PARSER, PARSERS
 from common.cluster.auth import SECRET_ENV, AuthError, ClusterAuth, configure_auth, is_loopback, read_secret
 from common.cluster.http_limits import DEFAULTS as HTTP_DEFAULTS, HELP as HTTP_HELP, HttpLimits, add_http_flags
 from common.cluster.flags import EnvFlags, FlagParser, RecordsCommandLine, given_on_command_line, secret_value
@@ -110,6 +111,7 @@ class GatewayConfig:
     # --structured-output-backend), and how long that may take.
     structured_output_backend: str = DEFAULT_BACKEND
     grammar_compile_timeout: float = DEFAULT_COMPILE_TIMEOUT_S
+    tool_call_parser: str = DEFAULT_PARSER  # how tool calls are read from an answer (tool_choice auto)
     # The API keys, read once by __post_init__: the keys checked are the keys served (api_keys()).
     _api_keys: ApiKeys = field(init=False, repr=False, compare=False)
 
@@ -136,6 +138,8 @@ class GatewayConfig:
         if self.structured_output_backend not in BACKENDS:
             raise bad(f"structured_output_backend must be one of {', '.join(BACKENDS)}, got "
                       f"{self.structured_output_backend!r}")
+        if self.tool_call_parser not in PARSERS:
+            raise bad(f"tool_call_parser must be one of {', '.join(PARSERS)}, got {self.tool_call_parser!r}")
         if not self.grammar_compile_timeout > 0:
             raise bad(f"grammar_compile_timeout must be > 0, got {self.grammar_compile_timeout}")
         if not 0 <= self.port <= 65535:
@@ -281,6 +285,9 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
              "(the workers' own flag of the same name should agree)")
     add("--grammar-compile-timeout", GatewayConfig.grammar_compile_timeout, float,
         help="seconds a request's grammar may take to compile; then a 400")
+    add("--tool-call-parser", GatewayConfig.tool_call_parser, choices=PARSERS,
+        help="the format tool calls take in the model's answers (tool_choice auto): hermes (<tool_call> JSON, "
+             "Qwen 2.5/3), llama3_json (Llama 3.x), json (a JSON call or list of calls, any template)")
     add("--log-level", "INFO")
     return p
 
@@ -315,7 +322,7 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = N
         client_read_timeout=args.client_read_timeout, inline_tokenize_chars=args.inline_tokenize_chars,
         prefix_lookup_timeout=args.prefix_lookup_timeout, redis_retry_interval=args.redis_retry_interval,
         tokenizer_threads=args.tokenizer_threads, structured_output_backend=args.structured_output_backend,
-        grammar_compile_timeout=args.grammar_compile_timeout,
+        grammar_compile_timeout=args.grammar_compile_timeout, tool_call_parser=args.tool_call_parser,
     )
     if config.open_to_the_network:
         log.warning("the gateway serves %s without an API key (PDSERVE_ALLOW_NO_API_KEY): anyone who reaches it can "

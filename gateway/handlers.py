@@ -22,6 +22,9 @@ from gateway.dispatch import DispatchResult, Dispatcher, Saturated, UpstreamErro
 from gateway.metrics import GatewayMetrics
 from gateway.prompts import PromptEncoder
 from gateway.tenants import Tenant, cache_salt
+from gateway.tool_output import ToolOutput
+from gateway.tool_parsers import ToolCallParser
+from gateway.tools_request import ToolPlan
 from gateway.openai_protocol import (
     SSE_DONE, SSE_HEADERS, ChatChoice, ChatCompletionChunk, ChatCompletionResponse, ChatDelta, ChatLogprobs,
     ChatResponseMessage, ChatStreamChoice, ChatTokenLogprob, CompletionChoice, CompletionChunk,
@@ -60,6 +63,7 @@ class Generation:
     cached_tokens: int = 0
     finish_reason: str | None = None
     stop_reason: str | None = None
+    tools: ToolOutput | None = None  # a chat request whose answer may hold tool calls
 
     @property
     def text(self) -> str:
@@ -83,6 +87,7 @@ class HandlerServices:
     read_body: Callable[[web.Request], Awaitable[bytes]]  # whole, bounded in size and time
     admission: Callable[[Tenant], AsyncContextManager]  # 429 beyond the requests in flight allowed
     grammars: GrammarCompiler  # checks structured-output grammars before dispatch
+    tool_parser: ToolCallParser  # reads tool calls from an answer (tool_choice auto)
 
 
 class OpenAIHandlers:
@@ -98,7 +103,8 @@ class OpenAIHandlers:
             raise OpenAIError(404, f"The model '{model}' does not exist; this server serves '{self.services.model_id}'",
                               param="model", code="model_not_found")
 
-    def _prepare(self, request: web.Request, kind: str, req, prompt_ids: list[int]) -> Generation:
+    def _prepare(self, request: web.Request, kind: str, req, prompt_ids: list[int], plan: ToolPlan | None = None
+                 ) -> Generation:
         model, options = req.model, req.sampling()
         self._check_model(model)
         services = self.services
@@ -131,12 +137,16 @@ class OpenAIHandlers:
             seed=options.seed, ignore_eos=options.ignore_eos, logprobs=options.logprobs,
             stop_token_ids=tuple(dict.fromkeys(turn_end + options.stop_token_ids)),
             # min_tokens beyond max_tokens: no stop token ends the output early (it ends at max_tokens)
-            logit_bias=options.logit_bias, min_tokens=min(options.min_tokens, max_tokens), structured=options.structured,
+            logit_bias=options.logit_bias, min_tokens=min(options.min_tokens, max_tokens),
+            structured=options.structured or (plan.structured if plan else None),
         )
         prefix = "cmpl" if kind == "completion" else "chatcmpl"
         tenant = request["tenant"]
         salt = cache_salt(tenant, req.cache_salt, services.config.cache_isolation)
-        return Generation(new_request_id(prefix), kind, model, prompt_ids, options, params, salt, tenant.key_id)
+        gen = Generation(new_request_id(prefix), kind, model, prompt_ids, options, params, salt, tenant.key_id)
+        if plan is not None and plan.parses_calls:
+            gen.tools = ToolOutput(plan, services.tool_parser)
+        return gen
 
     async def _check_grammar(self, params: SamplingParams) -> None:
         """Compile the request's grammar here first (cached by spec, off the event loop): one the
@@ -148,18 +158,20 @@ class OpenAIHandlers:
         except GrammarError as exc:
             raise invalid(str(exc), params.structured.field, "invalid_grammar") from None
 
-    def _chat_renderer(self, req):
-        """A function applying the chat template and tokenizing (run inline or in a thread)."""
+    def _chat_renderer(self, req, plan: ToolPlan):
+        """A function applying the chat template (with the request's tools) and tokenizing (run
+        inline or in a thread)."""
         tokenizer = self.services.tokenizer
         if self.services.chat_format.template is None:
             raise invalid(f"The model '{self.services.model_id}' has no chat template (it is a base model): use "
                           "/v1/completions, or start the gateway with --chat-template", "messages",
                           "chat_template_missing")
         messages = req.template_messages()
+        tools = plan.template_tools()
 
         def render() -> list[int]:
             try:
-                out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+                out = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
             except Exception as exc:  # a template may reject a role order, e.g. two system messages
                 raise invalid(f"the chat template rejected the messages: {exc}", "messages") from None
             return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
@@ -184,10 +196,11 @@ class OpenAIHandlers:
         body = await self.services.read_body(request)
         req = parse_chat_request(body)
         self._check_model(req.model)
-        messages, render = self._chat_renderer(req)
+        plan = req.tool_plan()
+        messages, render = self._chat_renderer(req, plan)
         async with self.services.admission(request["tenant"]):
             ids = await self.services.prompts.chat(messages, render)
-            gen = self._prepare(request, "chat", req, ids)
+            gen = self._prepare(request, "chat", req, ids, plan)
             await self._check_grammar(gen.params)
             return await self._serve(request, gen)
 
@@ -311,10 +324,39 @@ class OpenAIHandlers:
     async def _write_batch(self, write, gen: Generation, batch: list[tuple[str, TokenFrame]]):
         """One write for a batch's SSE events (one event per frame that carries something)."""
         last = len(batch) - 1
-        events = [sse_event(self._chunk(gen, delta, frame, final=i == last)) for i, (delta, frame) in enumerate(batch)
-                  if delta or frame.logprobs or (i == last and gen.finish_reason is not None)]
+        if gen.tools is not None:
+            events = [sse_event(c) for i, (delta, frame) in enumerate(batch)
+                      for c in self._tool_chunks(gen, delta, frame, final=i == last)]
+        else:
+            events = [sse_event(self._chunk(gen, delta, frame, final=i == last))
+                      for i, (delta, frame) in enumerate(batch)
+                      if delta or frame.logprobs or (i == last and gen.finish_reason is not None)]
         if events:
             await write(b"".join(events))
+
+    def _tool_chunks(self, gen: Generation, delta: str, frame: TokenFrame, final: bool) -> list[ChatCompletionChunk]:
+        """A chat frame's chunks when the answer may hold tool calls (gateway/tool_output.py)."""
+        deltas = gen.tools.step(delta)
+        ending = final and gen.finish_reason is not None
+        if ending:
+            deltas += gen.tools.finish()
+        if not deltas and (frame.logprobs or ending):
+            deltas = [ChatDelta()]
+        logprobs = self._chat_logprobs(frame.logprobs)
+        chunks = []
+        for i, d in enumerate(deltas):
+            last = ending and i == len(deltas) - 1
+            finish = self._finish_reason(gen) if last else None
+            choice = ChatStreamChoice(0, d, logprobs if i == 0 else None, finish, gen.stop_reason if last else None)
+            chunks.append(ChatCompletionChunk(gen.request_id, now(), gen.model, [choice]))
+        return chunks
+
+    @staticmethod
+    def _finish_reason(gen: Generation) -> str | None:
+        """``tool_calls`` for an answer that ended in tool calls (OpenAI's), else the engine's."""
+        if gen.tools is not None and gen.tools.made_calls and gen.finish_reason == "stop":
+            return "tool_calls"
+        return gen.finish_reason
 
     # ---- response shapes -------------------------------------------------------------------
 
@@ -379,8 +421,13 @@ class OpenAIHandlers:
 
     def _full_response(self, gen: Generation):
         if gen.kind == "chat":
-            choice = ChatChoice(0, ChatResponseMessage(gen.text), self._chat_logprobs(gen.logprobs),
-                                gen.finish_reason, gen.stop_reason)
+            message, finish = ChatResponseMessage(gen.text), gen.finish_reason
+            if gen.tools is not None:
+                content, calls = gen.tools.final(gen.text)
+                message = ChatResponseMessage(content, tool_calls=gen.tools.message_calls(calls))
+                if calls and finish == "stop":
+                    finish = "tool_calls"
+            choice = ChatChoice(0, message, self._chat_logprobs(gen.logprobs), finish, gen.stop_reason)
             return ChatCompletionResponse(gen.request_id, now(), gen.model, [choice], self._usage(gen))
         choice = CompletionChoice(0, gen.text, self._completion_logprobs(gen.logprobs, 0), gen.finish_reason,
                                   gen.stop_reason)

@@ -27,6 +27,7 @@ which OpenAI fields are honoured and which are refused with a 400 naming them.
 """
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from typing import Annotated, Literal
@@ -52,6 +53,7 @@ from gateway.openai_responses import (  # noqa: F401 (API: the answers, with the
 )
 from gateway.prompt_input import decode_prompt
 from gateway.structured_request import read_response_format, read_structured_outputs
+from gateway.tools_request import MAX_TOOLS, FunctionName, Tool, ToolChoice, ToolPlan, plan_tools, read_tools
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 256
@@ -164,10 +166,25 @@ class ContentPart(msgspec.Struct, kw_only=True):
     text: str | None = None
 
 
+class CalledFunction(msgspec.Struct, forbid_unknown_fields=True):
+    name: FunctionName
+    arguments: str  # JSON text, as the assistant produced it
+
+
+class MessageToolCall(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A tool call of an earlier assistant turn, sent back in the history."""
+
+    id: Annotated[str, msgspec.Meta(max_length=256)]
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | Annotated[list[ContentPart], msgspec.Meta(max_length=MAX_PARTS_PER_MESSAGE)] | None = None
     name: Annotated[str, msgspec.Meta(max_length=256)] | None = None
+    tool_calls: Annotated[list[MessageToolCall], msgspec.Meta(max_length=MAX_TOOLS)] | None = None  # assistant
+    tool_call_id: Annotated[str, msgspec.Meta(min_length=1, max_length=256)] | None = None  # tool
 
     def text(self) -> str:
         if self.content is None:
@@ -186,18 +203,32 @@ class ChatCompletionRequest(_Common):
     max_tokens: MaxTokens | None = None
     logprobs: bool = False
     top_logprobs: Logprobs | None = None
+    tools: tuple[Tool, ...] = ()  # read from the body by gateway/tools_request.py
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     def sampling(self) -> SamplingOptions:
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return _sampling(self, self.max_completion_tokens or self.max_tokens, logprobs)
 
-    def template_messages(self) -> list[dict[str, str]]:
-        """Messages as plain dicts with text content, ready for a chat template."""
+    def tool_plan(self) -> ToolPlan:
+        return plan_tools(self.tools, self.tool_choice, self.parallel_tool_calls)
+
+    def template_messages(self) -> list[dict]:
+        """Messages as plain dicts with text content, ready for a chat template: an assistant's
+        tool calls with their arguments as objects (as templates read them), a tool result with
+        its call's id."""
         out = []
         for m in self.messages:
-            d = {"role": m.role, "content": m.text()}
+            d: dict = {"role": m.role, "content": m.text()}
             if m.name is not None:
                 d["name"] = m.name
+            if m.tool_calls:
+                d["tool_calls"] = [{"id": c.id, "type": "function",
+                                    "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                                   for c in m.tool_calls]
+            if m.tool_call_id is not None:
+                d["tool_call_id"] = m.tool_call_id
             out.append(d)
         return out
 
@@ -208,10 +239,19 @@ class _MessageBody(ChatMessage):
     content: msgspec.Raw = msgspec.Raw()
 
 
+def _arguments(text: str):
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, dict) else text
+
+
 class _ChatBody(ChatCompletionRequest):
     """What a chat body decodes to (see ``_CompletionBody``)."""
 
     messages: msgspec.Raw
+    tools: msgspec.Raw = msgspec.Raw()
     stop: msgspec.Raw = msgspec.Raw()
     logit_bias: msgspec.Raw = msgspec.Raw()
     response_format: msgspec.Raw = msgspec.Raw()
@@ -361,7 +401,8 @@ def _decode_messages(raw: msgspec.Raw) -> list[ChatMessage]:
                 if parts > MAX_CONTENT_PARTS:
                     raise invalid(f"the messages hold at most {MAX_CONTENT_PARTS} content parts in all",
                                   f"messages[{i}].content")
-        messages.append(ChatMessage(role=message.role, content=content, name=message.name))
+        messages.append(ChatMessage(role=message.role, content=content, name=message.name,
+                                    tool_calls=message.tool_calls, tool_call_id=message.tool_call_id))
     return messages
 
 
@@ -387,6 +428,7 @@ def parse_chat_request(body: bytes) -> ChatCompletionRequest:
     body_req = _decode(_chat_decoder, body)
     fields = _common_fields(body_req, ChatCompletionRequest)
     fields["messages"] = _decode_messages(body_req.messages)
+    fields["tools"] = read_tools(body_req.tools, _from_msgspec) if _given(body_req.tools) else ()
     req = ChatCompletionRequest(**fields)
     _validate_common(req)
     if (req.max_tokens is not None and req.max_completion_tokens is not None
@@ -404,8 +446,18 @@ def parse_chat_request(body: bytes) -> ChatCompletionRequest:
                                   where, "unsupported_value")
                 if part.text is None:
                     raise invalid(f"{where}: a text part needs 'text'", where)
-        elif m.content is None:
+        elif m.content is None and not (m.role == "assistant" and m.tool_calls):
             raise invalid(f"messages[{i}].content is required", f"messages[{i}].content")
+        if m.role == "tool" and not m.tool_call_id:
+            raise invalid(f"messages[{i}]: a tool message needs tool_call_id", f"messages[{i}].tool_call_id")
+        if m.tool_call_id is not None and m.role != "tool":
+            raise invalid(f"messages[{i}]: only a tool message has tool_call_id", f"messages[{i}].tool_call_id")
+        if m.tool_calls and m.role != "assistant":
+            raise invalid(f"messages[{i}]: only an assistant message has tool_calls", f"messages[{i}].tool_calls")
+    plan = req.tool_plan()  # a choice the tools cannot meet is a 400 here
+    if plan.structured is not None and req.sampling().structured is not None:
+        raise invalid(f"tool_choice {plan.mode!r} constrains the output itself; it cannot be combined with "
+                      "response_format or structured_outputs", "tool_choice")
     return req
 
 

@@ -79,9 +79,21 @@ class ChatLogprobs(msgspec.Struct):
     content: list[ChatTokenLogprob] | None = None
 
 
+class ResponseFunction(msgspec.Struct):
+    name: str
+    arguments: str  # JSON text
+
+
+class ResponseToolCall(msgspec.Struct):
+    id: str
+    function: ResponseFunction
+    type: Literal["function"] = "function"
+
+
 class ChatResponseMessage(msgspec.Struct):
     content: str | None
     role: Literal["assistant"] = "assistant"
+    tool_calls: list[ResponseToolCall] | msgspec.UnsetType = msgspec.UNSET  # present only with calls
 
 
 class ChatChoice(msgspec.Struct):
@@ -101,9 +113,24 @@ class ChatCompletionResponse(msgspec.Struct):
     object: Literal["chat.completion"] = "chat.completion"
 
 
+class DeltaFunction(msgspec.Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(msgspec.Struct, omit_defaults=True):
+    """A tool call's part of a stream: the first for a call has its id, type and name."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunction | None = None
+
+
 class ChatDelta(msgspec.Struct, omit_defaults=True):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(msgspec.Struct):

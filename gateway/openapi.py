@@ -6,8 +6,9 @@ field" are the ones enforced.  The checks the gateway makes in code after decodi
 the generated schemas here (``_REQUEST_RULES``): the served model name, ``n == 1``, the fields that
 are accepted only at their default (``echo``, ``best_of``, ``suffix``), the limits on ``stop`` and
 ``logit_bias``, the shapes of ``prompt``, text-only message parts, the wire shapes of
-``response_format`` and ``structured_outputs``.  Whether a grammar compiles is a 400 with the
-code ``invalid_grammar``.  What no schema can say (the
+``response_format`` and ``structured_outputs``, the rules between a tool message and its call.
+Whether a grammar compiles is a 400 with the code ``invalid_grammar``; a ``tool_choice`` naming a
+function the tools lack, or tools with one name twice, a 400 with the code ``invalid_tools``.  What no schema can say (the
 prompt's length in tokens against the context, two fields that must agree) is a 400 in OpenAI's
 error shape, described in each operation.
 
@@ -25,7 +26,7 @@ from common.engine.sampling_params import (
     INT64_MAX, INT64_MIN, MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_VALUE, MAX_STOP_TOKEN_IDS, MAX_TOKEN_ID,
 )
 from gateway.openai_protocol import (
-    MAX_CONTENT_PARTS, MAX_PARTS_PER_MESSAGE, MAX_STOP_LEN, MAX_STOP_STRINGS, ChatCompletionChunk,
+    MAX_CONTENT_PARTS, MAX_PARTS_PER_MESSAGE, MAX_STOP_LEN, MAX_STOP_STRINGS, MAX_TOOLS, ChatCompletionChunk,
     ChatCompletionRequest, ChatCompletionResponse, CompletionChunk, CompletionRequest, CompletionResponse,
     ErrorResponse, ModelList,
 )
@@ -90,6 +91,9 @@ _REQUEST_RULES: dict[str, dict[str, dict]] = {
                        "description": "Deprecated alias of max_completion_tokens; if both are sent they must agree."},
     },
     "ChatMessage": {
+        "tool_calls": {**_nullable({"type": "array", "items": {"$ref": _REF.format(name="MessageToolCall")},
+                                    "maxItems": MAX_TOOLS, "minItems": 1}),
+                       "description": "An assistant's tool calls (then content may be null)."},
         "content": {"anyOf": [{"type": "string"},
                               {"type": "array", "items": {"$ref": _REF.format(name="ContentPart")},
                                "maxItems": MAX_PARTS_PER_MESSAGE}],
@@ -121,6 +125,10 @@ _CROSS_FIELD: dict[str, list[dict]] = {
         _implies("top_logprobs", {"type": "integer"},
                  {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}),
         _implies("max_tokens", {"type": "integer"}, {"properties": {"max_completion_tokens": _NULL}}),
+        _implies("tool_choice", {"anyOf": [{"enum": ["auto", "required"]}, {"type": "object"}]},
+                 {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}}),
+        _implies("tool_choice", {"anyOf": [{"const": "required"}, {"type": "object"}]},
+                 {"properties": {"response_format": _NULL, "structured_outputs": _NULL}}),
     ],
 }
 
@@ -228,6 +236,12 @@ def openapi_document(model_id: str, *, vocab_size: int, api_keys: bool, version:
         props["stop_token_ids"]["anyOf"][0]["items"]["maximum"] = vocab_size - 1
     for name, schema in _SCHEMA_RULES.items():
         schemas[name] = schema
+    schemas["ChatMessage"]["allOf"] = [
+        _implies("role", {"const": "tool"}, {"required": ["tool_call_id"],
+                                             "properties": {"tool_call_id": {"type": "string"}}}),
+        _implies("tool_calls", {"type": "array"}, {"properties": {"role": {"const": "assistant"}}}),
+        _implies("tool_call_id", {"type": "string"}, {"properties": {"role": {"const": "tool"}}}),
+    ]
     for name, fields in _REQUIRED_EXTRA.items():
         schemas[name]["required"] = sorted(set(schemas[name].get("required", [])) | set(fields))
     schemas["Health"] = _HEALTH

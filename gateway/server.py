@@ -44,6 +44,7 @@ from gateway.prompts import PromptEncoder
 from gateway.redis_probe import RedisProbe
 from gateway.routing import Router, RoutingConfig
 from gateway.tenants import Tenant
+from gateway.tool_parsers import make_parser
 
 log = logging.getLogger(__name__)
 
@@ -185,7 +186,8 @@ class Gateway:
         return HandlerServices(
             config=self.config, model_id=self.model_id, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
             tokenizer=self.tokenizer, chat_format=self.chat_format, prompts=self.prompts, dispatcher=self.dispatcher,
-            metrics=self.metrics, read_body=self.read_body, admission=self.admission, grammars=self.grammars)
+            metrics=self.metrics, read_body=self.read_body, admission=self.admission, grammars=self.grammars,
+            tool_parser=make_parser(self.config.tool_call_parser))
 
     def app(self) -> web.Application:
         """The HTTP application (after ``start``)."""

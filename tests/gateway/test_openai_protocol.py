@@ -360,12 +360,23 @@ def test_chat_rejections():
     rejects(parse_chat_request, chat(top_logprobs=2), "top_logprobs", "requires logprobs")
     rejects(parse_chat_request, body(model="m", messages=[]), "messages", "at least length 1")
     rejects(parse_chat_request, body(model="m", messages=[{"role": "tool", "content": "x"}]),
-            "messages[0].role", "Invalid enum value 'tool'")
+            "messages[0].tool_call_id", "a tool message needs tool_call_id")
+    rejects(parse_chat_request, body(model="m", messages=[{"role": "robot", "content": "x"}]),
+            "messages[0].role", "Invalid enum value 'robot'")
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    rejects(parse_chat_request, body(model="m", messages=[{"role": "user", "content": "x", "tool_calls": [call]}]),
+            "messages[0].tool_calls", "only an assistant message has tool_calls")
+    history = parse_chat_request(body(model="m", messages=[
+        {"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "42"}])).template_messages()
+    assert history[1]["tool_calls"][0]["function"]["arguments"] == {} and history[2]["tool_call_id"] == "c1"
+    rejects(parse_chat_request, body(model="m", messages=[{"role": "user", "content": "x"}], tool_choice="required"),
+            "tool_choice", "needs tools")
     rejects(parse_chat_request, body(model="m", messages=[{"role": "user"}]), "messages[0].content", "required")
     image = {"type": "image_url", "image_url": {"url": "http://x/y.png"}}
     rejects(parse_chat_request, body(model="m", messages=[{"role": "user", "content": [
         {"type": "text", "text": "what is this"}, image]}]), "messages[0].content[1]", "text only")
-    rejects(parse_chat_request, chat(tools=[{"type": "function"}]), "tools", "Unrecognized")
+    rejects(parse_chat_request, chat(tools=[{"type": "function"}]), "tools[0].function", "Missing required parameter")
     rejects(parse_chat_request, chat(n=3), "n", "only n=1")
 
 

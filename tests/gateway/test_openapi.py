@@ -69,8 +69,15 @@ def test_the_document_describes_what_the_gateway_validates(stack, document):
     assert document["components"]["securitySchemes"]["apiKey"]["scheme"] == "bearer"
     token_ids = completion["properties"]["prompt"]["anyOf"][1]["items"]
     assert (token_ids["minimum"], token_ids["maximum"]) == (0, VOCAB - 1)
-    # Rules between fields are stated too (stream_options needs stream; top_logprobs needs logprobs).
-    assert {rule["if"]["required"][0] for rule in chat["allOf"]} == {"stream_options", "top_logprobs", "max_tokens"}
+    # Rules between fields are stated too (stream_options needs stream; top_logprobs needs logprobs;
+    # a tool choice needs tools; a tool message needs its call's id).
+    assert {rule["if"]["required"][0] for rule in chat["allOf"]} == {"stream_options", "top_logprobs", "max_tokens",
+                                                                      "tool_choice"}
+    assert {rule["if"]["required"][0] for rule in schemas["ChatMessage"]["allOf"]} == {"role", "tool_calls", "tool_call_id"}
+    # The grammar-bearing fields are described in their wire shapes.
+    assert set(schemas["ResponseFormat"]["properties"]["type"]["enum"]) == {"text", "json_object", "json_schema"}
+    assert "StructuredOutput" not in schemas and schemas["StructuredOutputsParams"]["maxProperties"] == 1
+    assert chat["properties"]["logit_bias"]["anyOf"][0]["maxProperties"] == 300
 
 
 def test_generated_requests_never_get_a_server_error(stack, tmp_path):

@@ -1,0 +1,136 @@
+"""A chat answer with tools: its text turned into content and tool calls, whole or as a stream.
+
+    named      the text is the named function's arguments: the first chunk carries the call's
+               index, id and name, every later text delta is an argument fragment
+    required   the text is a JSON array of {"name", "parameters"}: each call goes out (id and name,
+               then its arguments) as soon as its object is complete
+    auto       the text goes out as content up to where a call may begin (``held_from``); the rest
+               is parsed when the answer ends, its calls sent then
+
+Streamed or not, the calls and the content are the same: a stream's argument fragments joined
+are the non-streamed ``arguments``.
+"""
+from __future__ import annotations
+
+import json
+import uuid
+
+import msgspec
+
+from gateway.openai_responses import ChatDelta, DeltaFunction, DeltaToolCall, ResponseFunction, ResponseToolCall
+from gateway.tool_parsers import ParsedCall, ToolCallParser
+from gateway.tools_request import ToolPlan
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _required_calls(text: str) -> list[ParsedCall] | None:
+    try:
+        items = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(items, list):
+        return None
+    return [ParsedCall(item["name"], json.dumps(item["parameters"], ensure_ascii=False))
+            for item in items if isinstance(item, dict) and "name" in item and "parameters" in item]
+
+
+class ToolOutput:
+    """One answer's tool calls (``plan.parses_calls`` must be true)."""
+
+    def __init__(self, plan: ToolPlan, parser: ToolCallParser):
+        self.plan = plan
+        self.parser = parser
+        self.names = frozenset(t.function.name for t in plan.tools)
+        self.text = ""
+        self.num_calls = 0  # calls sent so far (a stream)
+        self._content_sent = ""  # the (stripped) content sent so far
+        self._required_pos = 0  # where the next call's object may start (required)
+
+    # ---- whole ---------------------------------------------------------------------------------
+
+    def final(self, text: str) -> tuple[str | None, list[ParsedCall]]:
+        """The content and calls of the finished ``text``."""
+        if self.plan.mode == "named":
+            return None, [ParsedCall(self.plan.function, text)]
+        if self.plan.mode == "required":
+            calls = _required_calls(text)
+            return (text or None, []) if not calls else (None, calls)
+        return self.parser.parse(text, self.names)
+
+    def message_calls(self, calls: list[ParsedCall]) -> list[ResponseToolCall] | msgspec.UnsetType:
+        return [ResponseToolCall(new_call_id(), ResponseFunction(c.name, c.arguments)) for c in calls] or msgspec.UNSET
+
+    # ---- streamed ------------------------------------------------------------------------------
+
+    def step(self, delta: str) -> list[ChatDelta]:
+        """The deltas to send for ``delta``, the next piece of the text."""
+        self.text += delta
+        if self.plan.mode == "named":
+            out = [] if self.num_calls else [self._call_start(self.plan.function)]
+            self.num_calls = 1
+            if delta:
+                out.append(self._arguments(0, delta))
+            return out
+        if self.plan.mode == "required":
+            return self._complete_required_calls()
+        return self._content(self.text[:self.parser.held_from(self.text)])
+
+    def finish(self) -> list[ChatDelta]:
+        """The deltas still to send once the text is complete."""
+        if self.plan.mode == "named":
+            return [] if self.num_calls else [self._call_start(self.plan.function)]
+        if self.plan.mode == "required":
+            out = self._complete_required_calls()
+            if not self.num_calls:  # cut short: what there is goes out as content
+                out += self._content(self.text)
+            return out
+        content, calls = self.parser.parse(self.text, self.names)
+        out = self._content(content or "")
+        for call in calls:
+            out += self._send_call(call)
+        return out
+
+    @property
+    def made_calls(self) -> bool:
+        return self.num_calls > 0
+
+    def _content(self, visible: str) -> list[ChatDelta]:
+        # Leading and trailing whitespace is held back: the whole answer's content is stripped.
+        visible = visible.strip()
+        if len(visible) <= len(self._content_sent) or not visible.startswith(self._content_sent):
+            return []
+        piece = visible[len(self._content_sent):]
+        self._content_sent = visible
+        return [ChatDelta(content=piece)]
+
+    def _complete_required_calls(self) -> list[ChatDelta]:
+        out = []
+        decoder = json.JSONDecoder()
+        while True:
+            start = self.text.find("{", self._required_pos)
+            if start < 0:
+                return out
+            try:
+                item, end = decoder.raw_decode(self.text, start)
+            except ValueError:
+                return out
+            self._required_pos = end
+            if isinstance(item, dict) and "name" in item and "parameters" in item:
+                out += self._send_call(ParsedCall(item["name"], json.dumps(item["parameters"], ensure_ascii=False)))
+
+    def _send_call(self, call: ParsedCall) -> list[ChatDelta]:
+        index = self.num_calls
+        self.num_calls += 1
+        return [self._call_start(call.name, index), self._arguments(index, call.arguments)]
+
+    @staticmethod
+    def _call_start(name: str, index: int = 0) -> ChatDelta:
+        return ChatDelta(tool_calls=[DeltaToolCall(index, id=new_call_id(), type="function",
+                                                   function=DeltaFunction(name=name, arguments=""))])
+
+    @staticmethod
+    def _arguments(index: int, fragment: str) -> ChatDelta:
+        return ChatDelta(tool_calls=[DeltaToolCall(index, function=DeltaFunction(arguments=fragment))])

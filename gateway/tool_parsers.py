@@ -1,0 +1,141 @@
+"""Tool calls read from a model's text (``tool_choice: auto``), one parser per output format.
+
+    hermes       <tool_call>{"name": "f", "arguments": {...}}</tool_call> ...   Qwen 2.5/3, Hermes
+    llama3_json  <|python_tag|>{"name": "f", "parameters": {...}}; {...}      Llama 3.1-3.3
+    json         {"name": "f", "arguments": {...}}  or  [{...}, ...]          any template
+
+``parse(text)`` gives the content (the text outside the calls, stripped; None when empty) and
+the calls; a call naming a function that is not among the request's tools is left as text.
+``held_from(text)`` tells a stream how much of the text so far may go out as content now: the
+rest may still become a call.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Protocol
+
+PARSERS = ("hermes", "llama3_json", "json")
+DEFAULT_PARSER = "hermes"
+
+
+@dataclass(frozen=True)
+class ParsedCall:
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallParser(Protocol):
+    def parse(self, text: str, names: frozenset[str]) -> tuple[str | None, list[ParsedCall]]:
+        """The content and the calls of a finished output."""
+
+    def held_from(self, text: str) -> int:
+        """Where the part of an unfinished output that may still be (or be in) a call begins."""
+
+
+def _call(value, names: frozenset[str]) -> ParsedCall | None:
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str) or value["name"] not in names:
+        return None
+    arguments = value.get("arguments", value.get("parameters", {}))
+    if isinstance(arguments, str):
+        try:
+            json.loads(arguments)
+        except ValueError:
+            return None
+        return ParsedCall(value["name"], arguments)
+    if not isinstance(arguments, dict):
+        return None
+    return ParsedCall(value["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+def _content(text: str) -> str | None:
+    return text.strip() or None
+
+
+def _partial_tag_at_end(text: str, tag: str) -> int:
+    """Where a prefix of ``tag`` that ``text`` ends with begins (``len(text)`` if none)."""
+    for size in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:size]):
+            return len(text) - size
+    return len(text)
+
+
+class HermesParser:
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    _BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+    def parse(self, text: str, names: frozenset[str]) -> tuple[str | None, list[ParsedCall]]:
+        calls, outside, pos = [], [], 0
+        for m in self._BLOCK.finditer(text):
+            call = self._read(m.group(1), names)
+            outside.append(text[pos:m.start()] if call else text[pos:m.end()])
+            if call:
+                calls.append(call)
+            pos = m.end()
+        rest = text[pos:]
+        start = rest.find(self.OPEN)
+        if start >= 0:  # an unclosed last call (the model stopped before the closing tag)
+            call = self._read(rest[start + len(self.OPEN):], names)
+            if call:
+                calls.append(call)
+                rest = rest[:start]
+        outside.append(rest)
+        return _content("".join(outside)), calls
+
+    @staticmethod
+    def _read(body: str, names: frozenset[str]) -> ParsedCall | None:
+        try:
+            return _call(json.loads(body), names)
+        except ValueError:
+            return None
+
+    def held_from(self, text: str) -> int:
+        start = text.find(self.OPEN)
+        return start if start >= 0 else _partial_tag_at_end(text, self.OPEN)
+
+
+class JsonParser:
+    """A JSON object or array of calls, or several separated by ``;`` (after an optional prefix)."""
+
+    prefix = ""
+
+    def parse(self, text: str, names: frozenset[str]) -> tuple[str | None, list[ParsedCall]]:
+        body = text.strip()
+        if self.prefix and body.startswith(self.prefix):
+            body = body[len(self.prefix):].lstrip()
+        if not body.startswith(("{", "[")):
+            return _content(text), []
+        decoder, calls, pos = json.JSONDecoder(), [], 0
+        try:
+            while pos < len(body):
+                value, pos = decoder.raw_decode(body, pos)
+                for item in value if isinstance(value, list) else [value]:
+                    call = _call(item, names)
+                    if call is None:
+                        return _content(text), []
+                    calls.append(call)
+                while pos < len(body) and body[pos] in " \t\r\n;,":
+                    pos += 1
+        except ValueError:
+            return _content(text), []
+        return (None, calls) if calls else (_content(text), [])
+
+    def held_from(self, text: str) -> int:
+        stripped = text.lstrip()
+        start = len(text) - len(stripped)
+        if stripped.startswith(("{", "[")) or (self.prefix and (stripped.startswith(self.prefix)
+                                                                or self.prefix.startswith(stripped))):
+            return start
+        return len(text)
+
+
+class Llama3JsonParser(JsonParser):
+    prefix = "<|python_tag|>"
+
+
+def make_parser(name: str) -> ToolCallParser:
+    parsers = {"hermes": HermesParser, "llama3_json": Llama3JsonParser, "json": JsonParser}
+    if name not in parsers:
+        raise ValueError(f"unknown tool call parser {name!r}; choose from {', '.join(PARSERS)}")
+    return parsers[name]()

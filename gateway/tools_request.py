@@ -1,0 +1,121 @@
+"""A chat request's tools: ``tools``, ``tool_choice`` and ``parallel_tool_calls``, read within bounds,
+and what they make of the request.
+
+    tool_choice     the output                                   how
+    none            text (the tools are still shown to the model through the template)
+    auto            text, or tool calls in the template's format  parsed by --tool-call-parser
+    required        a JSON array of {"name", "parameters"}        a grammar from the tools' schemas
+                    objects, at least one (exactly one with
+                    parallel_tool_calls false)
+    {"type": "function", "function": {"name": N}}
+                    the arguments of N: a JSON object             a grammar from N's parameters
+
+``required`` and a named function are enforced (``ToolPlan.structured``), so the output always
+parses; ``auto`` is read from the text after the fact.  Default: ``auto`` when tools are given,
+``none`` otherwise (OpenAI's rule).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from common.engine.structured.spec import MAX_GRAMMAR_CHARS, StructuredOutput
+from gateway.openai_errors import invalid
+
+MAX_TOOLS = 128
+FunctionName = Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")]
+
+
+class FunctionDefinition(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(msgspec.Struct, forbid_unknown_fields=True):
+    name: FunctionName
+
+
+class NamedToolChoice(msgspec.Struct, forbid_unknown_fields=True):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """What the tools make of one request: ``mode`` is none | auto | required | named;
+    ``function`` the named function; ``structured`` the grammar that enforces it (None: free text)."""
+
+    tools: tuple[Tool, ...]
+    mode: str
+    function: str | None = None
+    parallel: bool = True
+    structured: StructuredOutput | None = None
+
+    @property
+    def parses_calls(self) -> bool:
+        return self.mode != "none" and bool(self.tools)
+
+    def template_tools(self) -> list[dict] | None:
+        """The tools as chat templates take them (OpenAI's shape, as plain dicts)."""
+        if not self.tools:
+            return None
+        return [msgspec.to_builtins(t) for t in self.tools]
+
+
+def read_tools(raw: msgspec.Raw, from_msgspec) -> tuple[Tool, ...]:
+    if len(raw) > MAX_GRAMMAR_CHARS:
+        raise invalid(f"tools is {len(raw)} bytes of JSON; at most {MAX_GRAMMAR_CHARS} are allowed", "tools")
+    try:
+        tools = msgspec.json.decode(raw, type=Annotated[list[Tool], msgspec.Meta(max_length=MAX_TOOLS)], strict=False)
+    except msgspec.MsgspecError as exc:
+        raise from_msgspec(exc, "tools") from None
+    names = [t.function.name for t in tools]
+    if len(set(names)) != len(names):
+        raise invalid("tools: two functions have the same name", "tools", "invalid_tools")
+    return tuple(tools)
+
+
+def plan_tools(tools: tuple[Tool, ...], choice: ToolChoice | None, parallel: bool) -> ToolPlan:
+    """The request's ``ToolPlan``; a 400 for a choice the tools cannot meet."""
+    if choice is None:
+        choice = "auto" if tools else "none"
+    if isinstance(choice, NamedToolChoice):
+        name = choice.function.name
+        match = next((t for t in tools if t.function.name == name), None)
+        if match is None:
+            raise invalid(f"tool_choice names function {name!r}, which is not among the tools", "tool_choice",
+                          "invalid_tools")
+        schema = match.function.parameters or {"type": "object"}
+        return ToolPlan(tools, "named", name, parallel, StructuredOutput("json_schema", json.dumps(schema), "tools"))
+    if choice in ("auto", "required") and not tools:
+        raise invalid(f"tool_choice {choice!r} needs tools", "tool_choice")
+    if choice == "required":
+        return ToolPlan(tools, "required", None, parallel,
+                        StructuredOutput("json_schema", json.dumps(calls_schema(tools, parallel)), "tools"))
+    return ToolPlan(tools, choice, None, parallel)
+
+
+def calls_schema(tools: tuple[Tool, ...], parallel: bool) -> dict:
+    """The JSON schema of ``required``'s output: ``[{"name": ..., "parameters": {...}}, ...]``."""
+    items = [{"type": "object",
+              "properties": {"name": {"const": t.function.name},
+                             "parameters": t.function.parameters or {"type": "object"}},
+              "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
+    schema: dict[str, Any] = {"type": "array", "items": items[0] if len(items) == 1 else {"anyOf": items},
+                              "minItems": 1}
+    if not parallel:
+        schema["maxItems"] = 1
+    return schema

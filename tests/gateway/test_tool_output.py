@@ -1,0 +1,99 @@
+"""Tool calls read from text (the parsers) and streamed (``ToolOutput``): a stream, however its text
+is cut into deltas, sends the content and the calls the whole answer has."""
+from __future__ import annotations
+
+import json
+
+from hypothesis import given, settings, strategies as st
+
+from gateway.tool_output import ToolOutput
+from gateway.tool_parsers import HermesParser, JsonParser, Llama3JsonParser, ParsedCall
+from gateway.tools_request import FunctionDefinition, NamedFunction, NamedToolChoice, Tool, plan_tools
+
+NAMES = frozenset({"get_weather", "get_time"})
+TOOLS = tuple(Tool(type="function", function=FunctionDefinition(name=n)) for n in sorted(NAMES))
+
+
+def test_hermes():
+    text = 'Sure. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n' \
+           '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+    assert HermesParser().parse(text, NAMES) == (
+        "Sure.", [ParsedCall("get_weather", '{"city": "Oslo"}'), ParsedCall("get_time", "{}")])
+    # an unknown function or bad JSON stays text; an unclosed last call is read
+    assert HermesParser().parse('<tool_call>{"name": "rm", "arguments": {}}</tool_call>', NAMES)[1] == []
+    assert HermesParser().parse("<tool_call>{oops</tool_call>", NAMES) == ("<tool_call>{oops</tool_call>", [])
+    assert HermesParser().parse('<tool_call>{"name": "get_time", "arguments": {}}', NAMES) == (
+        None, [ParsedCall("get_time", "{}")])
+    assert HermesParser().parse("just words", NAMES) == ("just words", [])
+
+
+def test_llama3_and_json():
+    text = '<|python_tag|>{"name": "get_time", "parameters": {"zone": "utc"}}; {"name": "get_weather", "parameters": {}}'
+    assert Llama3JsonParser().parse(text, NAMES) == (
+        None, [ParsedCall("get_time", '{"zone": "utc"}'), ParsedCall("get_weather", "{}")])
+    assert JsonParser().parse('[{"name": "get_time", "arguments": "{\\"zone\\": \\"cet\\"}"}]', NAMES) == (
+        None, [ParsedCall("get_time", '{"zone": "cet"}')])
+    assert JsonParser().parse('{"name": "nope", "arguments": {}}', NAMES)[1] == []
+    assert JsonParser().parse("{not json", NAMES) == ("{not json", [])
+    assert JsonParser().parse("plain answer", NAMES) == ("plain answer", [])
+
+
+def stream(output: ToolOutput, pieces: list[str]):
+    deltas = [d for p in pieces for d in output.step(p)] + output.finish()
+    content = "".join(d.content or "" for d in deltas) or None
+    calls: dict[int, dict] = {}
+    for d in deltas:
+        for c in d.tool_calls or []:
+            entry = calls.setdefault(c.index, {"name": None, "arguments": ""})
+            if c.id is not None:
+                assert entry["name"] is None, "one start per call"
+                entry["name"] = c.function.name
+            entry["arguments"] += c.function.arguments or ""
+    return content, [ParsedCall(calls[i]["name"], calls[i]["arguments"]) for i in sorted(calls)]
+
+
+def cuts(text: str):
+    return st.lists(st.integers(0, len(text)), max_size=12).map(
+        lambda points: [text[a:b] for a, b in zip([0, *sorted(points)], [*sorted(points), len(text)])])
+
+
+HERMES_TEXTS = [
+    '  Let me look. <tool_call>{"name": "get_time", "arguments": {"zone": "utc"}}</tool_call> ',
+    'A<tool_call>{"name": "get_weather", "arguments": {}}</tool_call>B<tool_call>{"name": "get_time", '
+    '"arguments": {}}</tool_call>C',
+    "no calls at all, but a < and <tool",
+    "<tool_call>broken</tool_call> tail",
+]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(HERMES_TEXTS).flatmap(lambda t: st.tuples(st.just(t), cuts(t))))
+def test_auto_streams_what_the_whole_answer_holds(case):
+    text, pieces = case
+    plan = plan_tools(TOOLS, "auto", True)
+    assert stream(ToolOutput(plan, HermesParser()), pieces) == ToolOutput(plan, HermesParser()).final(text)
+
+
+REQUIRED = '[{"name": "get_time", "parameters": {"zone": "utc"}}, {"name": "get_weather", "parameters": {"a": [1, "}"]}}]'
+
+
+@settings(max_examples=60, deadline=None)
+@given(cuts(REQUIRED))
+def test_required_streams_each_call_once_complete(pieces):
+    plan = plan_tools(TOOLS, "required", True)
+    output = ToolOutput(plan, HermesParser())
+    assert stream(output, pieces) == ToolOutput(plan, HermesParser()).final(REQUIRED) == (
+        None, [ParsedCall("get_time", '{"zone": "utc"}'), ParsedCall("get_weather", '{"a": [1, "}"]}')])
+
+
+@settings(max_examples=30, deadline=None)
+@given(cuts('{"zone": "cet"}'))
+def test_named_streams_argument_fragments(pieces):
+    plan = plan_tools(TOOLS, NamedToolChoice("function", NamedFunction("get_time")), True)
+    assert stream(ToolOutput(plan, HermesParser()), pieces) == (None, [ParsedCall("get_time", '{"zone": "cet"}')])
+
+
+def test_required_schema_lists_every_tool():
+    plan = plan_tools(TOOLS, "required", False)
+    schema = json.loads(plan.structured.value)
+    assert schema["maxItems"] == 1 and {i["properties"]["name"]["const"] for i in schema["items"]["anyOf"]} == NAMES
