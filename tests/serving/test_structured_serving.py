@@ -114,7 +114,8 @@ def test_json_object_regex_choice_and_grammar(client, stack):
 @pytest.mark.parametrize("body, param", [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/nope"}}}},
      "response_format"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
     ({"response_format": {"type": "yaml"}}, "response_format.type"),
     ({"structured_outputs": {"regex": "(open"}}, "structured_outputs"),
     ({"structured_outputs": {"grammar": "start: missing_rule"}}, "structured_outputs"),
