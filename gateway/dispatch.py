@@ -210,18 +210,33 @@ class Dispatcher:
             return hash_prompt_blocks(prompt, block_size, extra_keys)
         return await asyncio.to_thread(hash_prompt_blocks, prompt, block_size, extra_keys)
 
+    def _sibling_route(self, follow: DispatchResult | None, exclude: set[str]) -> Route | None:
+        """The decode worker ``follow`` ran on, computing the prompt there (it holds its blocks),
+        if it is still routable and not excluded."""
+        if follow is None or follow.route is None:
+            return None
+        worker_id = follow.route.decode.worker_id
+        worker = next((w for w in self.pool.routable(exclude) if w.worker_id == worker_id and _can_decode(w)), None)
+        if worker is None:
+            return None
+        return Route(decode=worker, prefill=None, decode_matched_tokens=0, prefill_matched_tokens=0,
+                     reason="sibling of an n > 1 request: the prompt is cached there")
+
     def _count_pending(self, route: Route, prompt_len: int, sign: int) -> None:
         worker_id, tokens = computed_on(route, prompt_len)
         count_pending(self.pending_prefill, worker_id, sign * tokens)
 
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams, result: DispatchResult,
-                       cache_salt: str | None = None, key_id: str | None = None) -> AsyncIterator[list[TokenFrame]]:
+                       cache_salt: str | None = None, key_id: str | None = None,
+                       follow: DispatchResult | None = None) -> AsyncIterator[list[TokenFrame]]:
         """Frames of one request, in batches: each batch is what had arrived from the decode
         worker when it was read (one frame when the gateway keeps up), the last one ends with
         the finished frame.  Raises ``Saturated`` (no room anywhere within the queue's
         deadline; ``KeyLineFull`` when ``key_id`` holds its share of the wait queue),
         ``UpstreamError`` (failed in the cluster), ``ValueError`` (refused as invalid).
-        ``cache_salt``: the request shares prefix-cache blocks only with requests of the same salt."""
+        ``cache_salt``: the request shares prefix-cache blocks only with requests of the same salt.
+        ``follow``: another request's result (a sibling of an ``n > 1`` request, whose prompt is
+        this one's): its decode worker, which caches the prompt, is tried first, computing it there."""
         exclude: set[str] = set()  # workers that failed this request
         busy: set[str] = set()  # workers that said busy since this request last waited
         failures = 0
@@ -238,7 +253,8 @@ class Dispatcher:
                     raise
                 if waited:  # it waited in line: room may have appeared anywhere
                     busy.clear()
-                route = await self.choose(prompt, exclude | busy, cache_salt, hashed)
+                route = self._sibling_route(follow, exclude | busy) or await self.choose(prompt, exclude | busy,
+                                                                                         cache_salt, hashed)
                 if route is None and last_bad_answer is not None and not busy:
                     # Every worker left answered garbage: no room will appear by waiting.
                     raise WorkerAnswerError(f"no decode worker gave a readable answer ({last_bad_answer})")

@@ -6,9 +6,10 @@ import contextlib
 import functools
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, AsyncContextManager, Awaitable, Callable
 
+import msgspec
 from aiohttp import web
 
 from common.cluster.messages import TokenFrame
@@ -18,18 +19,18 @@ from common.engine.structured.compiler import GrammarCompiler
 from gateway.chat_template import ChatFormat
 from gateway.config import GatewayConfig
 from gateway.detokenizer import StreamingDecoder
-from gateway.dispatch import DispatchResult, Dispatcher, Saturated, UpstreamError
+from gateway.dispatch import Dispatcher, Saturated, UpstreamError
 from gateway.metrics import GatewayMetrics
 from gateway.prompts import PromptEncoder
 from gateway.tenants import Tenant, cache_salt
+from gateway.generation import Generation
+from gateway.response_shapes import ResponseShapes, usage
 from gateway.tool_output import ToolOutput
 from gateway.tool_parsers import ToolCallParser
 from gateway.tools_request import ToolPlan
 from gateway.openai_protocol import (
-    SSE_DONE, SSE_HEADERS, ChatChoice, ChatCompletionChunk, ChatCompletionResponse, ChatDelta, ChatLogprobs,
-    ChatResponseMessage, ChatStreamChoice, ChatTokenLogprob, CompletionChoice, CompletionChunk,
-    CompletionLogprobs, CompletionResponse, OpenAIError, SamplingOptions, TopLogprob, Usage, invalid,
-    json_response, new_request_id, now, parse_chat_request, parse_completion_request, sse_event,
+    SSE_DONE, SSE_HEADERS, OpenAIError, invalid, json_response, new_request_id, parse_chat_request,
+    parse_completion_request, sse_event,
 )
 
 log = logging.getLogger(__name__)
@@ -44,30 +45,40 @@ async def _drain(run) -> None:
         pass
 
 
-@dataclass
-class Generation:
-    """One accepted request on its way through the gateway."""
+async def _merge(gens: list[Generation], runs: list):
+    """``(generation, batch)`` from every run, as they arrive, after the first run's first batch
+    (already read).  One run is read directly; several are pumped by tasks into a small queue (it
+    holds a few batches: a slow client still holds the workers back)."""
+    if len(runs) == 1:
+        async for batch in runs[0]:
+            yield gens[0], batch
+        return
+    queue: asyncio.Queue = asyncio.Queue(maxsize=2 * len(runs))
+    done = object()
 
-    request_id: str
-    kind: str  # "completion" | "chat"
-    model: str
-    prompt_ids: list[int]
-    options: SamplingOptions
-    params: SamplingParams
-    cache_salt: str | None = None  # as served (gateway/tenants.py: the client's, or per API key)
-    key_id: str | None = None  # its API key (Tenant.key_id): its share of the wait queue
-    arrival: float = field(default_factory=time.monotonic)
-    pieces: list[str] = field(default_factory=list)  # the text, as streamed (joined once at the end)
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list = field(default_factory=list)
-    cached_tokens: int = 0
-    finish_reason: str | None = None
-    stop_reason: str | None = None
-    tools: ToolOutput | None = None  # a chat request whose answer may hold tool calls
+    async def pump(gen: Generation, run) -> None:
+        try:
+            async for batch in run:
+                await queue.put((gen, batch))
+            await queue.put((gen, done))
+        except Exception as exc:
+            await queue.put((gen, exc))
 
-    @property
-    def text(self) -> str:
-        return "".join(self.pieces)
+    tasks = [asyncio.create_task(pump(g, r)) for g, r in zip(gens, runs)]
+    try:
+        running = len(tasks)
+        while running:
+            gen, item = await queue.get()
+            if item is done:
+                running -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield gen, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 @dataclass(frozen=True)
@@ -95,6 +106,7 @@ class OpenAIHandlers:
 
     def __init__(self, services: HandlerServices):
         self.services = services
+        self.shapes = ResponseShapes(services.tokenizer)
 
     # ---- request preparation ---------------------------------------------------------------
 
@@ -103,8 +115,10 @@ class OpenAIHandlers:
             raise OpenAIError(404, f"The model '{model}' does not exist; this server serves '{self.services.model_id}'",
                               param="model", code="model_not_found")
 
-    def _prepare(self, request: web.Request, kind: str, req, prompt_ids: list[int], plan: ToolPlan | None = None
-                 ) -> Generation:
+    def _prepare(self, request: web.Request, kind: str, req, prompt_ids: list[int], plan: ToolPlan | None = None,
+                 echo: str = "") -> list[Generation]:
+        """The request's ``n`` generations.  With a seed, choice ``i`` is seeded ``seed + i``: each
+        is reproducible, and they differ."""
         model, options = req.model, req.sampling()
         self._check_model(model)
         services = self.services
@@ -140,13 +154,19 @@ class OpenAIHandlers:
             logit_bias=options.logit_bias, min_tokens=min(options.min_tokens, max_tokens),
             structured=options.structured or (plan.structured if plan else None),
         )
-        prefix = "cmpl" if kind == "completion" else "chatcmpl"
         tenant = request["tenant"]
         salt = cache_salt(tenant, req.cache_salt, services.config.cache_isolation)
-        gen = Generation(new_request_id(prefix), kind, model, prompt_ids, options, params, salt, tenant.key_id)
-        if plan is not None and plan.parses_calls:
-            gen.tools = ToolOutput(plan, services.tool_parser)
-        return gen
+        response_id = new_request_id("cmpl" if kind == "completion" else "chatcmpl")
+        gens = []
+        for i in range(req.n):
+            seeded = params if i == 0 or params.seed is None else msgspec.structs.replace(
+                params, seed=(params.seed + i + 2**63) % 2**64 - 2**63)  # stays a signed 64-bit integer
+            gen = Generation(response_id if req.n == 1 else f"{response_id}-{i}", kind, model, prompt_ids, options,
+                             seeded, salt, tenant.key_id, index=i, response_id=response_id, echo=echo)
+            if plan is not None and plan.parses_calls:
+                gen.tools = ToolOutput(plan, services.tool_parser)
+            gens.append(gen)
+        return gens
 
     async def _check_grammar(self, params: SamplingParams) -> None:
         """Compile the request's grammar here first (cached by spec, off the event loop): one the
@@ -158,7 +178,7 @@ class OpenAIHandlers:
         except GrammarError as exc:
             raise invalid(str(exc), params.structured.field, "invalid_grammar") from None
 
-    def _chat_renderer(self, req, plan: ToolPlan):
+    def _chat_renderer(self, req, plan: ToolPlan, add_generation_prompt: bool = True):
         """A function applying the chat template (with the request's tools) and tokenizing (run
         inline or in a thread)."""
         tokenizer = self.services.tokenizer
@@ -171,7 +191,8 @@ class OpenAIHandlers:
 
         def render() -> list[int]:
             try:
-                out = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
+                out = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                                    tokenize=True)
             except Exception as exc:  # a template may reject a role order, e.g. two system messages
                 raise invalid(f"the chat template rejected the messages: {exc}", "messages") from None
             return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
@@ -188,9 +209,10 @@ class OpenAIHandlers:
         self._check_model(req.model)
         async with self.services.admission(request["tenant"]):
             ids = await self.services.prompts.text(req.prompt) if isinstance(req.prompt, str) else req.prompt
-            gen = self._prepare(request, "completion", req, ids)
-            await self._check_grammar(gen.params)
-            return await self._serve(request, gen)
+            echo = "" if not req.echo else req.prompt if isinstance(req.prompt, str) else self.services.tokenizer.decode(ids)
+            gens = self._prepare(request, "completion", req, ids, echo=echo)
+            await self._check_grammar(gens[0].params)
+            return await self._serve(request, gens)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await self.services.read_body(request)
@@ -200,23 +222,31 @@ class OpenAIHandlers:
         messages, render = self._chat_renderer(req, plan)
         async with self.services.admission(request["tenant"]):
             ids = await self.services.prompts.chat(messages, render)
-            gen = self._prepare(request, "chat", req, ids, plan)
-            await self._check_grammar(gen.params)
-            return await self._serve(request, gen)
+            gens = self._prepare(request, "chat", req, ids, plan)
+            await self._check_grammar(gens[0].params)
+            return await self._serve(request, gens)
 
     # ---- generation ------------------------------------------------------------------------
 
-    async def _serve(self, request: web.Request, gen: Generation) -> web.StreamResponse:
+    async def _serve(self, request: web.Request, gens: list[Generation]) -> web.StreamResponse:
         """Route, wait for the first token, then answer.  Everything up to the first token happens
         before any byte of the response, so a failure there is a real status code (503 +
-        Retry-After, 400, 500), streaming or not; after it, a stream ends with an error event."""
-        self.services.metrics.model(gen.model).prompt_tokens.inc(len(gen.prompt_ids))
-        async with contextlib.aclosing(self._run(gen)) as run:
-            first = await self._upstream(anext(run))
-            if gen.options.stream:
-                return await self._stream(request, gen, run, first)
-            await self._upstream(_drain(run))
-        return json_response(self._full_response(gen))
+        Retry-After, 400, 500), streaming or not; after it, a stream ends with an error event.
+
+        With ``n > 1`` the first choice goes first; once its first token is out (its prompt is in
+        its decode worker's prefix cache) the others start on that worker, where they find the
+        prompt's blocks and share them instead of computing it again."""
+        self.services.metrics.model(gens[0].model).prompt_tokens.inc(len(gens[0].prompt_ids))
+        async with contextlib.AsyncExitStack() as stack:
+            runs = [await stack.enter_async_context(contextlib.aclosing(self._run(gens[0])))]
+            first = await self._upstream(anext(runs[0]))
+            for gen in gens[1:]:
+                runs.append(await stack.enter_async_context(contextlib.aclosing(self._run(gen, follow=gens[0]))))
+            rest = await stack.enter_async_context(contextlib.aclosing(_merge(gens, runs)))
+            if gens[0].options.stream:
+                return await self._stream(request, gens, rest, first)
+            await self._upstream(_drain(rest))
+        return json_response(self.shapes.full_response(gens))
 
     @staticmethod
     async def _upstream(step):
@@ -230,17 +260,18 @@ class OpenAIHandlers:
         except UpstreamError as exc:  # 500, or 502 when no worker gave a readable answer
             raise OpenAIError(exc.status, f"generation failed: {exc}", code="upstream_error") from None
 
-    async def _run(self, gen: Generation):
+    async def _run(self, gen: Generation, follow: Generation | None = None):
         """Yield lists of ``(text_delta, frame)``, one list per batch of frames that arrived
-        together, until the request finishes or a stop string ends it."""
+        together, until the request finishes or a stop string ends it.  ``follow``: go to the
+        decode worker that generation went to (it holds the prompt), if it can take it."""
         services = self.services
         metrics = services.metrics.model(gen.model)
         decoder = StreamingDecoder(services.tokenizer, gen.prompt_ids, gen.options.stop)
-        result = DispatchResult()
+        result = gen.dispatch
         last = None
         try:
             stream = services.dispatcher.generate(gen.request_id, gen.prompt_ids, gen.params, result, gen.cache_salt,
-                                                  gen.key_id)
+                                                  gen.key_id, follow=follow.dispatch if follow else None)
             async with contextlib.aclosing(stream) as batches:
                 async for batch in batches:
                     now_t = time.monotonic()
@@ -276,25 +307,27 @@ class OpenAIHandlers:
             metrics.generation_tokens.inc(len(gen.token_ids))
             metrics.e2e_request_latency.observe(time.monotonic() - gen.arrival)
 
-    async def _stream(self, request: web.Request, gen: Generation, run, first) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, gens: list[Generation], rest, first) -> web.StreamResponse:
         """SSE from the first token on; a failure from here is an error event, then [DONE].
 
         Every write is bounded by ``client_write_timeout``: a client that stops reading is cut
         off, which ends the generation (the decode worker is told to abort, freeing its blocks)
         and frees the request's slot."""
+        gen = gens[0]
         response = web.StreamResponse(headers=SSE_HEADERS)
         await response.prepare(request)
         request["outcome"] = "200"
         write = functools.partial(self._write, response)
         try:
             try:
-                if gen.kind == "chat":
-                    await write(sse_event(self._chat_chunk(gen, ChatDelta(role="assistant", content=""))))
-                await self._write_batch(write, gen, first)
-                async for batch in run:
-                    await self._write_batch(write, gen, batch)
+                opening = [sse_event(chunk) for g in gens for chunk in self.shapes.first_chunks(g)]
+                if opening:
+                    await write(b"".join(opening))
+                await self._write_batch(write, gens, gen, first)
+                async for sibling, batch in rest:
+                    await self._write_batch(write, gens, sibling, batch)
                 if gen.options.include_usage:
-                    await write(sse_event(self._usage_chunk(gen)))
+                    await write(sse_event(self.shapes.usage_chunk(gens)))
                 await write(SSE_DONE)
             except (Saturated, UpstreamError) as exc:
                 request["outcome"] = "stream_error"
@@ -321,44 +354,16 @@ class OpenAIHandlers:
         except TimeoutError:
             raise _ClientTooSlow() from None
 
-    async def _write_batch(self, write, gen: Generation, batch: list[tuple[str, TokenFrame]]):
+    async def _write_batch(self, write, gens: list[Generation], gen: Generation, batch: list[tuple[str, TokenFrame]]):
         """One write for a batch's SSE events (one event per frame that carries something)."""
         last = len(batch) - 1
-        if gen.tools is not None:
-            events = [sse_event(c) for i, (delta, frame) in enumerate(batch)
-                      for c in self._tool_chunks(gen, delta, frame, final=i == last)]
-        else:
-            events = [sse_event(self._chunk(gen, delta, frame, final=i == last))
-                      for i, (delta, frame) in enumerate(batch)
-                      if delta or frame.logprobs or (i == last and gen.finish_reason is not None)]
+        running_usage = usage(gens) if gen.options.continuous_usage else None
+        events = [sse_event(chunk) for i, (delta, frame) in enumerate(batch)
+                  for chunk in self.shapes.chunks(gen, delta, frame, i == last, running_usage)]
         if events:
             await write(b"".join(events))
 
-    def _tool_chunks(self, gen: Generation, delta: str, frame: TokenFrame, final: bool) -> list[ChatCompletionChunk]:
-        """A chat frame's chunks when the answer may hold tool calls (gateway/tool_output.py)."""
-        deltas = gen.tools.step(delta)
-        ending = final and gen.finish_reason is not None
-        if ending:
-            deltas += gen.tools.finish()
-        if not deltas and (frame.logprobs or ending):
-            deltas = [ChatDelta()]
-        logprobs = self._chat_logprobs(frame.logprobs)
-        chunks = []
-        for i, d in enumerate(deltas):
-            last = ending and i == len(deltas) - 1
-            finish = self._finish_reason(gen) if last else None
-            choice = ChatStreamChoice(0, d, logprobs if i == 0 else None, finish, gen.stop_reason if last else None)
-            chunks.append(ChatCompletionChunk(gen.request_id, now(), gen.model, [choice]))
-        return chunks
-
-    @staticmethod
-    def _finish_reason(gen: Generation) -> str | None:
-        """``tool_calls`` for an answer that ended in tool calls (OpenAI's), else the engine's."""
-        if gen.tools is not None and gen.tools.made_calls and gen.finish_reason == "stop":
-            return "tool_calls"
-        return gen.finish_reason
-
-    # ---- response shapes -------------------------------------------------------------------
+    # ---- metrics ---------------------------------------------------------------------------
 
     def _observe_first_frame(self, gen: Generation, frame: TokenFrame, ttft: float) -> None:
         metrics = self.services.metrics
@@ -370,65 +375,3 @@ class OpenAIHandlers:
             metrics.kv_transfer_seconds.observe(frame.kv_transfer_seconds)
         if frame.prefill_fallback:
             metrics.kv_transfer_failures.labels("remote_prefill_failed").inc()
-
-    def _token_text(self, token_id: int) -> str:
-        return self.services.tokenizer.decode([token_id])
-
-    def _completion_logprobs(self, entries, offset: int) -> CompletionLogprobs | None:
-        if not entries:
-            return None
-        tokens = [self._token_text(e.token_id) for e in entries]
-        offsets, pos = [], offset
-        for t in tokens:
-            offsets.append(pos)
-            pos += len(t)
-        return CompletionLogprobs(
-            tokens=tokens, token_logprobs=[e.logprob for e in entries],
-            top_logprobs=[{self._token_text(t): lp for t, lp in e.top} for e in entries], text_offset=offsets,
-        )
-
-    def _chat_logprobs(self, entries) -> ChatLogprobs | None:
-        if not entries:
-            return None
-        out = []
-        for e in entries:
-            token = self._token_text(e.token_id)
-            top = [TopLogprob(self._token_text(t), lp, list(self._token_text(t).encode())) for t, lp in e.top]
-            out.append(ChatTokenLogprob(token, e.logprob, list(token.encode()), top))
-        return ChatLogprobs(content=out)
-
-    def _usage(self, gen: Generation) -> Usage:
-        return Usage.of(len(gen.prompt_ids), len(gen.token_ids), gen.cached_tokens)
-
-    def _chunk(self, gen: Generation, delta: str, frame: TokenFrame, final: bool = True):
-        """The chunk of one frame; ``final``: the last frame so far (it carries the finish reason)."""
-        finish = gen.finish_reason if final else None
-        if gen.kind == "chat":
-            choice = ChatStreamChoice(0, ChatDelta(content=delta) if delta else ChatDelta(),
-                                      self._chat_logprobs(frame.logprobs), finish, gen.stop_reason if final else None)
-            return ChatCompletionChunk(gen.request_id, now(), gen.model, [choice])
-        choice = CompletionChoice(0, delta, self._completion_logprobs(frame.logprobs, 0), finish,
-                                  gen.stop_reason if final else None)
-        return CompletionChunk(gen.request_id, now(), gen.model, [choice])
-
-    def _chat_chunk(self, gen: Generation, delta: ChatDelta):
-        return ChatCompletionChunk(gen.request_id, now(), gen.model, [ChatStreamChoice(0, delta)])
-
-    def _usage_chunk(self, gen: Generation):
-        if gen.kind == "chat":
-            return ChatCompletionChunk(gen.request_id, now(), gen.model, [], self._usage(gen))
-        return CompletionChunk(gen.request_id, now(), gen.model, [], self._usage(gen))
-
-    def _full_response(self, gen: Generation):
-        if gen.kind == "chat":
-            message, finish = ChatResponseMessage(gen.text), gen.finish_reason
-            if gen.tools is not None:
-                content, calls = gen.tools.final(gen.text)
-                message = ChatResponseMessage(content, tool_calls=gen.tools.message_calls(calls))
-                if calls and finish == "stop":
-                    finish = "tool_calls"
-            choice = ChatChoice(0, message, self._chat_logprobs(gen.logprobs), finish, gen.stop_reason)
-            return ChatCompletionResponse(gen.request_id, now(), gen.model, [choice], self._usage(gen))
-        choice = CompletionChoice(0, gen.text, self._completion_logprobs(gen.logprobs, 0), gen.finish_reason,
-                                  gen.stop_reason)
-        return CompletionResponse(gen.request_id, now(), gen.model, [choice], self._usage(gen))

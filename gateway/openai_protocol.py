@@ -55,6 +55,7 @@ from gateway.prompt_input import decode_prompt
 from gateway.structured_request import read_response_format, read_structured_outputs
 from gateway.tools_request import MAX_TOOLS, FunctionName, Tool, ToolChoice, ToolPlan, plan_tools, read_tools
 
+MAX_N = 16  # choices per request (each is a sequence the workers generate)
 MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 256
 MAX_MESSAGES = 4096
@@ -70,6 +71,7 @@ Penalty = Annotated[float, msgspec.Meta(ge=-MAX_PENALTY, le=MAX_PENALTY)]
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # every chunk carries the usage so far (vLLM's)
 
 
 class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -86,8 +88,11 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # extension
-    n: int = 1
+    n: Annotated[int, msgspec.Meta(ge=1, le=MAX_N)] = 1
     user: Annotated[str, msgspec.Meta(max_length=256)] | None = None
+    # OpenAI's: accepted and not used (at most 16 string pairs, as OpenAI bounds them)
+    metadata: Annotated[dict[Annotated[str, msgspec.Meta(max_length=64)], Annotated[str, msgspec.Meta(max_length=512)]],
+                        msgspec.Meta(max_length=16)] | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     repetition_penalty: Annotated[float, msgspec.Meta(gt=0.0, le=MAX_REPETITION_PENALTY)] | None = None  # extension
@@ -126,6 +131,7 @@ class SamplingOptions:
     logprobs: int | None
     stream: bool
     include_usage: bool
+    continuous_usage: bool = False
     structured: StructuredOutput | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
@@ -275,6 +281,7 @@ def _sampling(req: _Common, max_tokens: int | None, logprobs: int | None) -> Sam
         logprobs=logprobs,
         stream=req.stream,
         include_usage=bool(req.stream and req.stream_options and req.stream_options.include_usage),
+        continuous_usage=bool(req.stream and req.stream_options and req.stream_options.continuous_usage_stats),
         structured=req.response_format or req.structured_outputs,
         logit_bias=tuple(sorted((req.logit_bias or {}).items())),
         min_tokens=req.min_tokens,
@@ -307,8 +314,6 @@ def _from_msgspec(exc: msgspec.MsgspecError, at: str = "") -> OpenAIError:
 
 
 def _validate_common(req: _Common) -> None:
-    if req.n != 1:
-        raise invalid(f"n={req.n} is not supported; only n=1 (send one request per completion)", "n")
     if req.top_k is not None and req.top_k < -1:
         raise invalid(f"top_k must be >= 1 (or 0/-1/null to disable), got {req.top_k}", "top_k")
     if req.seed is not None and not INT64_MIN <= req.seed <= INT64_MAX:
@@ -414,8 +419,9 @@ def parse_completion_request(body: bytes, max_prompt_tokens: int = MAX_PROMPT_TO
     fields["prompt"] = decode_prompt(body_req.prompt, max_prompt_tokens)
     req = CompletionRequest(**fields)
     _validate_common(req)
-    if req.echo:
-        raise invalid("echo is not supported", "echo", "unsupported_value")
+    if req.echo and req.logprobs is not None:
+        raise invalid("echo with logprobs needs the prompt's logprobs, which this server does not compute",
+                      "echo", "unsupported_value")
     if req.best_of not in (None, 1):
         raise invalid(f"best_of={req.best_of} is not supported; only 1", "best_of", "unsupported_value")
     if req.suffix:

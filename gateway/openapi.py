@@ -3,8 +3,8 @@
 The request and response schemas are generated from the msgspec structs the gateway decodes and
 encodes (``gateway/openai_protocol.py``), so their types, ranges, required fields and "no unknown
 field" are the ones enforced.  The checks the gateway makes in code after decoding are added to
-the generated schemas here (``_REQUEST_RULES``): the served model name, ``n == 1``, the fields that
-are accepted only at their default (``echo``, ``best_of``, ``suffix``), the limits on ``stop`` and
+the generated schemas here (``_REQUEST_RULES``): the served model name, the fields that are
+accepted only at their default (``best_of``, ``suffix``), the limits on ``stop`` and
 ``logit_bias``, the shapes of ``prompt``, text-only message parts, the wire shapes of
 ``response_format`` and ``structured_outputs``, the rules between a tool message and its call.
 Whether a grammar compiles is a 400 with the code ``invalid_grammar``; a ``tool_choice`` naming a
@@ -26,7 +26,7 @@ from common.engine.sampling_params import (
     INT64_MAX, INT64_MIN, MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_VALUE, MAX_STOP_TOKEN_IDS, MAX_TOKEN_ID,
 )
 from gateway.openai_protocol import (
-    MAX_CONTENT_PARTS, MAX_PARTS_PER_MESSAGE, MAX_STOP_LEN, MAX_STOP_STRINGS, MAX_TOOLS, ChatCompletionChunk,
+    MAX_CONTENT_PARTS, MAX_N, MAX_PARTS_PER_MESSAGE, MAX_STOP_LEN, MAX_STOP_STRINGS, MAX_TOOLS, ChatCompletionChunk,
     ChatCompletionRequest, ChatCompletionResponse, CompletionChunk, CompletionRequest, CompletionResponse,
     ErrorResponse, ModelList,
 )
@@ -42,7 +42,8 @@ def _nullable(schema: dict) -> dict:
 
 _STOP_STRING = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_LEN}
 _COMMON_RULES: dict[str, dict] = {
-    "n": {"type": "integer", "const": 1, "default": 1, "description": "Only 1 is supported."},
+    "n": {"type": "integer", "minimum": 1, "maximum": MAX_N, "default": 1,
+          "description": "Choices; the prompt is computed once and shared."},
     "logit_bias": {**_nullable({"type": "object", "maxProperties": MAX_LOGIT_BIAS,
                                 "additionalProperties": {"type": "number", "minimum": -MAX_LOGIT_BIAS_VALUE,
                                                          "maximum": MAX_LOGIT_BIAS_VALUE}}),
@@ -79,7 +80,8 @@ _REQUEST_RULES: dict[str, dict[str, dict]] = {
             {"type": "array", "minItems": 1, "maxItems": 1, "items": {"type": "string", "minLength": 1},
              "description": "One prompt in a list (batches are not supported)."},
         ]},
-        "echo": {"type": "boolean", "const": False, "default": False, "description": "Not supported."},
+        "echo": {"type": "boolean", "default": False, "description": "The prompt before the completion (not "
+                                                                       "with logprobs: no prompt logprobs)."},
         "best_of": {**_nullable({"type": "integer", "const": 1}), "description": "Only 1 is supported."},
         "suffix": {**_nullable({"type": "string", "maxLength": 0}), "description": "Not supported."},
     },
@@ -119,7 +121,8 @@ def _implies(field: str, present: dict, then: dict) -> dict:
 _STREAM_OPTIONS_NEED_STREAM = _implies("stream_options", {"type": "object"},
                                        {"properties": {"stream": {"const": True}}, "required": ["stream"]})
 _CROSS_FIELD: dict[str, list[dict]] = {
-    "CompletionRequest": [_STREAM_OPTIONS_NEED_STREAM],
+    "CompletionRequest": [_STREAM_OPTIONS_NEED_STREAM,
+                          _implies("echo", {"const": True}, {"properties": {"logprobs": _NULL}})],
     "ChatCompletionRequest": [
         _STREAM_OPTIONS_NEED_STREAM,
         _implies("top_logprobs", {"type": "integer"},

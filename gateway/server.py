@@ -44,6 +44,7 @@ from gateway.prompts import PromptEncoder
 from gateway.redis_probe import RedisProbe
 from gateway.routing import Router, RoutingConfig
 from gateway.tenants import Tenant
+from gateway.tokenize_routes import TOKENIZE_PATHS, add_tokenize_routes
 from gateway.tool_parsers import make_parser
 
 log = logging.getLogger(__name__)
@@ -196,6 +197,7 @@ class Gateway:
         app.router.add_post("/v1/completions", handlers.completions)
         app.router.add_post("/v1/chat/completions", handlers.chat_completions)
         app.router.add_get("/v1/models", self._models)
+        add_tokenize_routes(app, handlers)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/openapi.json", self._openapi)
@@ -240,7 +242,7 @@ class Gateway:
 
     @web.middleware
     async def _auth(self, request: web.Request, handler):
-        if request.path.startswith("/v1/"):
+        if request.path.startswith("/v1/") or request.path in TOKENIZE_PATHS:
             tenant = self.api_keys.authenticate(request.headers.get("Authorization", ""))
             if tenant is None:
                 raise OpenAIError(401, "Incorrect API key provided", code="invalid_api_key")

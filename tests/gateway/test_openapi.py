@@ -60,7 +60,7 @@ def test_the_document_describes_what_the_gateway_validates(stack, document):
     completion = schemas["CompletionRequest"]
     assert set(completion["required"]) == {"model", "prompt"} and completion["additionalProperties"] is False
     assert completion["properties"]["model"]["enum"] == [stack.model_name]
-    assert completion["properties"]["n"]["const"] == 1
+    assert (completion["properties"]["n"]["minimum"], completion["properties"]["n"]["maximum"]) == (1, 16)
     temperature = completion["properties"]["temperature"]["anyOf"][0]
     assert (temperature["minimum"], temperature["maximum"]) == (0.0, 2.0)
     chat = schemas["ChatCompletionRequest"]

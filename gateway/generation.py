@@ -1,0 +1,51 @@
+"""One sequence of an accepted request on its way through the gateway (``n`` of them for ``n > 1``)."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from common.engine.sampling_params import SamplingParams
+from gateway.dispatch import DispatchResult
+from gateway.openai_protocol import SamplingOptions
+from gateway.tool_output import ToolOutput
+
+
+@dataclass
+class Generation:
+    """``request_id`` names it to the workers; ``response_id`` is the client's id (shared by the
+    ``n`` choices of one request, each with its ``index``)."""
+
+    request_id: str
+    kind: str  # "completion" | "chat"
+    model: str
+    prompt_ids: list[int]
+    options: SamplingOptions
+    params: SamplingParams
+    cache_salt: str | None = None  # as served (gateway/tenants.py: the client's, or per API key)
+    key_id: str | None = None  # its API key (Tenant.key_id): its share of the wait queue
+    index: int = 0
+    response_id: str = ""
+    echo: str = ""  # completions with echo: the prompt's text, before the answer
+    arrival: float = field(default_factory=time.monotonic)
+    pieces: list[str] = field(default_factory=list)  # the text, as streamed (joined once at the end)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    cached_tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: str | None = None
+    tools: ToolOutput | None = None  # a chat request whose answer may hold tool calls
+    dispatch: DispatchResult = field(default_factory=DispatchResult)  # where it ran
+
+    def __post_init__(self) -> None:
+        self.response_id = self.response_id or self.request_id
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+    @property
+    def output_finish_reason(self) -> str | None:
+        """``tool_calls`` for an answer that ended in tool calls (OpenAI's), else the engine's."""
+        if self.tools is not None and self.tools.made_calls and self.finish_reason == "stop":
+            return "tool_calls"
+        return self.finish_reason

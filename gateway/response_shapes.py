@@ -1,0 +1,120 @@
+"""The OpenAI answers of one request's generations: stream chunks and whole responses.
+
+A request with ``n`` choices has ``n`` generations; every chunk names its choice's ``index``, the
+usage counts the prompt once and the completions of all of them.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from common.cluster.messages import TokenFrame
+from gateway.generation import Generation
+from gateway.openai_protocol import (
+    ChatChoice, ChatCompletionChunk, ChatCompletionResponse, ChatDelta, ChatLogprobs, ChatResponseMessage,
+    ChatStreamChoice, ChatTokenLogprob, CompletionChoice, CompletionChunk, CompletionLogprobs, CompletionResponse,
+    TopLogprob, Usage, now,
+)
+
+
+def usage(gens: Sequence[Generation]) -> Usage:
+    return Usage.of(len(gens[0].prompt_ids), sum(len(g.token_ids) for g in gens), gens[0].cached_tokens)
+
+
+class ResponseShapes:
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def completion_logprobs(self, entries, offset: int) -> CompletionLogprobs | None:
+        if not entries:
+            return None
+        tokens = [self._token_text(e.token_id) for e in entries]
+        offsets, pos = [], offset
+        for t in tokens:
+            offsets.append(pos)
+            pos += len(t)
+        return CompletionLogprobs(
+            tokens=tokens, token_logprobs=[e.logprob for e in entries],
+            top_logprobs=[{self._token_text(t): lp for t, lp in e.top} for e in entries], text_offset=offsets,
+        )
+
+    def chat_logprobs(self, entries) -> ChatLogprobs | None:
+        if not entries:
+            return None
+        out = []
+        for e in entries:
+            token = self._token_text(e.token_id)
+            top = [TopLogprob(self._token_text(t), lp, list(self._token_text(t).encode())) for t, lp in e.top]
+            out.append(ChatTokenLogprob(token, e.logprob, list(token.encode()), top))
+        return ChatLogprobs(content=out)
+
+    # ---- streamed ------------------------------------------------------------------------------
+
+    def first_chunks(self, gen: Generation) -> list:
+        """What a choice's stream opens with: a chat's role; a completion's echoed prompt."""
+        if gen.kind == "chat":
+            return [ChatCompletionChunk(gen.response_id, now(), gen.model,
+                                        [ChatStreamChoice(gen.index, ChatDelta(role="assistant", content=""))])]
+        if gen.echo:
+            return [CompletionChunk(gen.response_id, now(), gen.model, [CompletionChoice(gen.index, gen.echo)])]
+        return []
+
+    def chunks(self, gen: Generation, delta: str, frame: TokenFrame, final: bool, usage_so_far: Usage | None) -> list:
+        """A frame's chunks; ``final``: the last frame so far (the finish reason goes on it)."""
+        ending = final and gen.finish_reason is not None
+        if gen.tools is not None:
+            return self._tool_chunks(gen, delta, frame, ending, usage_so_far)
+        if not (delta or frame.logprobs or ending):
+            return []
+        finish, stop = (gen.output_finish_reason, gen.stop_reason) if final else (None, None)
+        if gen.kind == "chat":
+            choice = ChatStreamChoice(gen.index, ChatDelta(content=delta) if delta else ChatDelta(),
+                                      self.chat_logprobs(frame.logprobs), finish, stop)
+            return [ChatCompletionChunk(gen.response_id, now(), gen.model, [choice], usage_so_far)]
+        choice = CompletionChoice(gen.index, delta, self.completion_logprobs(frame.logprobs, 0), finish, stop)
+        return [CompletionChunk(gen.response_id, now(), gen.model, [choice], usage_so_far)]
+
+    def _tool_chunks(self, gen: Generation, delta: str, frame: TokenFrame, ending: bool, usage_so_far) -> list:
+        """A chat frame's chunks when the answer may hold tool calls (gateway/tool_output.py)."""
+        deltas = gen.tools.step(delta)
+        if ending:
+            deltas += gen.tools.finish()
+        if not deltas and (frame.logprobs or ending):
+            deltas = [ChatDelta()]
+        logprobs = self.chat_logprobs(frame.logprobs)
+        chunks = []
+        for i, d in enumerate(deltas):
+            last = ending and i == len(deltas) - 1
+            choice = ChatStreamChoice(gen.index, d, logprobs if i == 0 else None,
+                                      gen.output_finish_reason if last else None, gen.stop_reason if last else None)
+            chunks.append(ChatCompletionChunk(gen.response_id, now(), gen.model, [choice], usage_so_far))
+        return chunks
+
+    def usage_chunk(self, gens: Sequence[Generation]):
+        gen = gens[0]
+        if gen.kind == "chat":
+            return ChatCompletionChunk(gen.response_id, now(), gen.model, [], usage(gens))
+        return CompletionChunk(gen.response_id, now(), gen.model, [], usage(gens))
+
+    # ---- whole ---------------------------------------------------------------------------------
+
+    def full_response(self, gens: Sequence[Generation]):
+        gen = gens[0]
+        if gen.kind == "chat":
+            return ChatCompletionResponse(gen.response_id, now(), gen.model, [self._chat_choice(g) for g in gens],
+                                          usage(gens))
+        choices = [CompletionChoice(g.index, g.echo + g.text, self.completion_logprobs(g.logprobs, len(g.echo)),
+                                    g.finish_reason, g.stop_reason) for g in gens]
+        return CompletionResponse(gen.response_id, now(), gen.model, choices, usage(gens))
+
+    def _chat_choice(self, gen: Generation) -> ChatChoice:
+        message = ChatResponseMessage(gen.text)
+        if gen.tools is not None:
+            content, calls = gen.tools.final(gen.text)
+            message = ChatResponseMessage(content, tool_calls=gen.tools.message_calls(calls))
+            if calls:
+                gen.tools.num_calls = len(calls)  # output_finish_reason: "tool_calls"
+        return ChatChoice(gen.index, message, self.chat_logprobs(gen.logprobs), gen.output_finish_reason,
+                          gen.stop_reason)

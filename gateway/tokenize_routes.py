@@ -1,0 +1,88 @@
+"""``POST /tokenize`` and ``POST /detokenize``, shaped as vLLM's.
+
+    /tokenize    {"model", "prompt", "add_special_tokens": true}
+                 {"model", "messages", "add_generation_prompt": true, "tools"?}   (the chat template)
+                 -> {"count", "max_model_len", "tokens", "token_strs": null}
+    /detokenize  {"model", "tokens"} -> {"prompt"}
+
+Behind the same API keys as ``/v1``; bodies bounded like the generation endpoints' (a prompt too
+long for the model is a 400 before it is tokenized), token ids checked against the vocabulary.
+"""
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+from aiohttp import web
+
+from common.engine.sampling_params import MAX_TOKEN_ID
+from gateway.handlers import OpenAIHandlers
+from gateway.openai_protocol import invalid, json_response, parse_chat_request
+
+TOKENIZE_PATHS = ("/tokenize", "/detokenize")
+
+
+class TokenizeText(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    prompt: str
+    model: str | None = None
+    add_special_tokens: bool = True
+
+
+class Detokenize(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    tokens: Annotated[list[Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]], msgspec.Meta(max_length=1 << 20)]
+    model: str | None = None
+
+
+class TokenizeAnswer(msgspec.Struct):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeAnswer(msgspec.Struct):
+    prompt: str
+
+
+def _decode(body: bytes, kind: type):
+    try:
+        return msgspec.json.decode(body, type=kind, strict=False)
+    except msgspec.MsgspecError as exc:
+        raise invalid(f"Invalid request body: {exc}") from None
+
+
+def add_tokenize_routes(app: web.Application, handlers: OpenAIHandlers) -> None:
+    services = handlers.services
+
+    def check_model(model: str | None) -> None:
+        if model is not None:
+            handlers._check_model(model)
+
+    async def tokenize(request: web.Request) -> web.Response:
+        body = await services.read_body(request)
+        if b'"messages"' in body:  # the chat shape: the same checks as a chat request
+            chat = msgspec.json.decode(body, type=dict[str, msgspec.Raw])
+            add_generation_prompt = msgspec.json.decode(chat.pop("add_generation_prompt", b"true"), type=bool)
+            chat.pop("add_special_tokens", None)
+            chat.setdefault("model", msgspec.json.encode(services.model_id))
+            req = parse_chat_request(b"{" + b",".join(msgspec.json.encode(k) + b":" + bytes(v)
+                                                       for k, v in chat.items()) + b"}")
+            check_model(req.model)
+            messages, render = handlers._chat_renderer(req, req.tool_plan(), add_generation_prompt)
+            ids = await services.prompts.chat(messages, render)
+        else:
+            req = _decode(body, TokenizeText)
+            check_model(req.model)
+            services.prompts.check_size(len(req.prompt), len(req.prompt.encode("utf-8", "surrogatepass")), "prompt")
+            ids = list(services.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens).input_ids)
+        return json_response(TokenizeAnswer(len(ids), services.max_model_len, ids))
+
+    async def detokenize(request: web.Request) -> web.Response:
+        req = _decode(await services.read_body(request), Detokenize)
+        check_model(req.model)
+        if req.tokens and max(req.tokens) >= services.vocab_size:
+            raise invalid(f"token id {max(req.tokens)} is outside the vocabulary [0, {services.vocab_size})", "tokens")
+        return json_response(DetokenizeAnswer(services.tokenizer.decode(req.tokens)))
+
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)

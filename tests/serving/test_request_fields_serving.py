@@ -1,0 +1,140 @@
+"""The request fields beyond one plain completion, served: ``n`` (the prompt computed once, the
+other choices sharing its blocks; reproducible with a seed), ``echo``, ``stream_options``
+(``include_usage``, ``continuous_usage_stats``), logprobs on chat and completions including the
+first token (sampled by the prefill worker), ``stop_token_ids``, ``user`` and ``metadata``."""
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+
+from tests.support.checkpoints import TRAINING_TEXT
+
+LONG = " ".join(TRAINING_TEXT) * 2  # over --skip-prefill-below: through the prefill pool
+
+
+@pytest.fixture(scope="module")
+def stack(small_stack):
+    assert small_stack.wait_for_workers(prefill=1, decode=1)
+    return small_stack
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    return openai.OpenAI(base_url=f"{stack.gateway_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def texts(response):
+    return [c.text for c in sorted(response.choices, key=lambda c: c.index)]
+
+
+def test_n_choices_are_reproducible_with_a_seed_and_share_the_prompt(client, stack):
+    prompt = f"{LONG} n choices"
+    prefilled, hits = stack.stats("p0")["prefill_computed_tokens"], stack.stats("d0")["prefix_cache_hit_tokens_total"]
+    first = client.completions.create(model=stack.model_name, prompt=prompt, n=3, max_tokens=8, temperature=1.0,
+                                      seed=11, extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in first.choices) == [0, 1, 2] and len(set(texts(first))) > 1
+    assert first.usage.completion_tokens == 24
+    # The prompt was computed once (by the prefill worker, for choice 0); choices 1 and 2 found
+    # all of it but the last block in the decode worker's cache.
+    prompt_tokens = first.usage.prompt_tokens
+    assert stack.stats("p0")["prefill_computed_tokens"] - prefilled <= prompt_tokens
+    assert stack.stats("d0")["prefix_cache_hit_tokens_total"] - hits >= 2 * (prompt_tokens - 16)
+    again = client.completions.create(model=stack.model_name, prompt=prompt, n=3, max_tokens=8, temperature=1.0,
+                                      seed=11, extra_body={"ignore_eos": True})
+    assert texts(again) == texts(first)
+    # Choice i is seeded seed + i: choice 1 of seed 11 is choice 0 of seed 12.
+    alone = client.completions.create(model=stack.model_name, prompt=prompt, max_tokens=8, temperature=1.0, seed=12,
+                                      extra_body={"ignore_eos": True})
+    assert alone.choices[0].text == texts(first)[1]
+
+
+def test_n_streamed_chat_carries_every_index(client, stack):
+    stream = client.chat.completions.create(model=stack.model_name, messages=[{"role": "user", "content": "n stream"}],
+                                            n=2, max_tokens=5, temperature=1.0, seed=3, stream=True,
+                                            stream_options={"include_usage": True})
+    pieces, finished, usage = {0: "", 1: ""}, set(), None
+    for chunk in stream:
+        if chunk.usage:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            pieces[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                finished.add(choice.index)
+    assert finished == {0, 1} and usage.completion_tokens >= 2
+    whole = client.chat.completions.create(model=stack.model_name, messages=[{"role": "user", "content": "n stream"}],
+                                           n=2, max_tokens=5, temperature=1.0, seed=3)
+    assert [whole.choices[i].message.content for i in (0, 1)] == [pieces[0], pieces[1]]
+
+
+def test_echo_streamed_and_not(client, stack):
+    whole = client.completions.create(model=stack.model_name, prompt="Echo me", max_tokens=4, temperature=0, echo=True)
+    assert whole.choices[0].text.startswith("Echo me") and len(whole.choices[0].text) > len("Echo me")
+    stream = client.completions.create(model=stack.model_name, prompt="Echo me", max_tokens=4, temperature=0, echo=True,
+                                       stream=True)
+    assert "".join(c.choices[0].text for c in stream if c.choices) == whole.choices[0].text
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=stack.model_name, prompt="Echo me", echo=True, logprobs=1)
+    assert info.value.body["param"] == "echo"
+
+
+def test_continuous_usage_stats(client, stack):
+    stream = client.completions.create(model=stack.model_name, prompt="usage as it goes", max_tokens=6, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True},
+                                       stream_options={"include_usage": True, "continuous_usage_stats": True})
+    counts = [c.usage.completion_tokens for c in stream if c.usage is not None]
+    assert counts == sorted(counts) and counts[-1] == 6 and len(counts) >= 2
+
+
+@pytest.mark.parametrize("prompt", ["short logprobs", LONG])
+def test_logprobs_cover_the_first_token_streamed_and_not(client, stack, prompt):
+    messages = [{"role": "user", "content": prompt}]
+    whole = client.chat.completions.create(model=stack.model_name, messages=messages, max_tokens=5, temperature=0,
+                                           logprobs=True, top_logprobs=3).choices[0]
+    assert len(whole.logprobs.content) == 5 and all(len(e.top_logprobs) == 3 for e in whole.logprobs.content)
+    stream = client.chat.completions.create(model=stack.model_name, messages=messages, max_tokens=5, temperature=0,
+                                            logprobs=True, top_logprobs=3, stream=True)
+    streamed = [e for c in stream if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, round(e.logprob, 4)) for e in streamed] == [(e.token, round(e.logprob, 4))
+                                                                   for e in whole.logprobs.content]
+    completion = client.completions.create(model=stack.model_name, prompt=prompt, max_tokens=5, temperature=0,
+                                           logprobs=2)
+    assert len(completion.choices[0].logprobs.token_logprobs) == 5
+
+
+def test_stop_token_ids_user_and_metadata(client, stack):
+    forced = {"logit_bias": {"77": 100}}  # every token is 77
+    runs_on = client.completions.create(model=stack.model_name, prompt="stop ids", max_tokens=6, temperature=0,
+                                        extra_body={"ignore_eos": True}, **forced)
+    assert runs_on.choices[0].finish_reason == "length" and runs_on.usage.completion_tokens == 6
+    stopped = client.completions.create(model=stack.model_name, prompt="stop ids", max_tokens=6, temperature=0,
+                                        user="someone", extra_body={"stop_token_ids": [77], "metadata": {"k": "v"}},
+                                        **forced)
+    assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens == 1
+
+
+def post(stack, path: str, body: dict) -> tuple[int, dict]:
+    request = urllib.request.Request(f"{stack.gateway_url}{path}", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_tokenize_and_detokenize(stack):
+    text = "The quick brown fox"
+    tokenized = post(stack, "/tokenize", {"model": stack.model_name, "prompt": text})[1]
+    assert tokenized["count"] == len(tokenized["tokens"]) > 0 and tokenized["max_model_len"] > 0
+    back = post(stack, "/detokenize", {"model": stack.model_name, "tokens": tokenized["tokens"]})[1]
+    assert text in back["prompt"]
+    chat = post(stack, "/tokenize", {"model": stack.model_name, "add_generation_prompt": True,
+                                     "messages": [{"role": "user", "content": text}]})[1]
+    assert chat["count"] > tokenized["count"]
+    status, bad = post(stack, "/detokenize", {"model": stack.model_name, "tokens": [10**9]})
+    assert status == 400 and bad["error"]["param"] == "tokens"
+    assert post(stack, "/tokenize", {"model": "other", "prompt": "x"})[0] == 404
