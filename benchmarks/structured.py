@@ -4,11 +4,13 @@
     python benchmarks/structured.py --quick    # a tiny random Llama with a 512-token vocabulary
 
 A batch of 16 sampled requests (temperature 1, one seed each) under a JSON schema, then the same
-16 requests free, each held to the length its constrained twin produced (ignore_eos): the same
-tokens to compute, so ``json_schema_over_free_throughput`` (output tok/s constrained / free) is the
+16 requests free, each held to the length its constrained twin produced (ignore_eos), each run
+computing its prompts (the prefix cache emptied): the same tokens to compute, so ``json_schema_over_free_throughput`` (output tok/s constrained / free) is the
 grammar's whole cost per step (mask fill, mask application, matcher advance).  Also:
 
-    mask_us_per_row_step   time in the logit rules per constrained row per step (fill + apply)
+    mask_us_per_row_step   time the sampler spends on grammars per constrained row per step (the
+                           masks applied, and any wait for their fill)
+    mask_fill_us_per_row_step  the fill itself (in a thread, while the model runs)
     first_compile_ms       compiling a schema not seen before (the backend already built)
     cached_compile_ms      the same schema again (the compiler's cache)
     backend_build_ms       building the backend once (the tokenizer's vocabulary converted)
@@ -34,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import jsonschema  # noqa: E402
 
 import common.engine.sampler as sampler_module  # noqa: E402
+import common.engine.structured.masking as masking  # noqa: E402
 from benchmarks.bench_util import emit  # noqa: E402
 from common.engine.config import EngineConfig  # noqa: E402
 from common.engine.engine import Engine  # noqa: E402
@@ -57,6 +60,21 @@ OTHER_SCHEMA = {"type": "object", "properties": {"id": {"type": "integer"}, "not
                 "required": ["id", "note"], "additionalProperties": False}
 PROMPTS = ["Write the user's record as JSON:", "A customer profile:", "Here is one account, as JSON:",
            "Output a person object."]
+
+
+class FillTimer:
+    """Wraps the grammar mask fill (run ahead of the sampler, in a thread, while the model runs)."""
+
+    def __init__(self):
+        self.seconds = 0.0
+        self.rows = 0
+        self._fill = masking.fill_bitmasks
+
+    def __call__(self, matchers, words):
+        began = time.perf_counter()
+        self._fill(matchers, words)
+        self.seconds += time.perf_counter() - began
+        self.rows += len(matchers)
 
 
 class RuleTimer:
@@ -86,6 +104,7 @@ def checkpoint(args) -> str:
 
 
 def run(engine: Engine, prompts: list[str], params: list[SamplingParams]):
+    engine.block_pool.reset_prefix_cache()  # every run computes its prompts
     ids = [engine.add_request(p, q) for p, q in zip(prompts, params)]
     tokens: dict[str, list[int]] = {i: [] for i in ids}
     began = time.perf_counter()
@@ -100,7 +119,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true")
     p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--rounds", type=int, default=2, help="constrained batches (seeds differ) for valid_fraction")
+    p.add_argument("--rounds", type=int, default=4, help="constrained batches (seeds differ) for valid_fraction")
     p.add_argument("--backend", default="llguidance", choices=("llguidance", "xgrammar"))
     args = p.parse_args()
 
@@ -127,33 +146,34 @@ def main() -> None:
     engine.generate(prompts[:2], SamplingParams(max_tokens=4))
     timer = RuleTimer()
     sampler_module.apply_logit_rules = timer
-    valid, total, constrained_tokens, constrained_s, lengths = 0, 0, 0, 0.0, []
-    try:
-        for round_ in range(args.rounds):
-            params = [SamplingParams(max_tokens=256, temperature=1.0, seed=1000 * round_ + i, structured=spec)
-                      for i in range(args.batch)]
+    valid, total, constrained_tokens, constrained_s, free_tokens, free_s = 0, 0, 0, 0.0, 0, 0.0
+    rule_seconds, row_steps, fill_seconds, fill_rows = 0.0, 0, 0.0, 0
+    for round_ in range(args.rounds):
+        params = [SamplingParams(max_tokens=256, temperature=1.0, seed=1000 * round_ + i, structured=spec)
+                  for i in range(args.batch)]
+        sampler_module.apply_logit_rules = timer = RuleTimer()
+        masking.fill_bitmasks = fills = FillTimer()
+        try:
             outputs, seconds = run(engine, prompts, params)
-            constrained_tokens += sum(map(len, outputs))
-            constrained_s += seconds
-            if round_ == 0:
-                lengths = [len(o) for o in outputs]
-            for o in outputs:
-                total += 1
-                try:
-                    jsonschema.validate(json.loads(engine.tokenizer.decode(o, skip_special_tokens=True)), SCHEMA)
-                    valid += 1
-                except (ValueError, jsonschema.ValidationError):
-                    pass
-    finally:
-        sampler_module.apply_logit_rules = timer._apply
-    rule_seconds, row_steps = timer.seconds, timer.row_steps
-    # The free twin of the first constrained round: the same prompts and lengths, no grammar.
-    free_params = [SamplingParams(max_tokens=max(n, 1), temperature=1.0, seed=i, ignore_eos=True)
-                   for i, n in enumerate(lengths)]
-    free_tokens, free_s = 0, 0.0
-    for _ in range(args.rounds):
-        outputs, seconds = run(engine, prompts, free_params)
-        free_tokens += sum(map(len, outputs))
+        finally:
+            sampler_module.apply_logit_rules = timer._apply
+            masking.fill_bitmasks = fills._fill
+        fill_seconds, fill_rows = fill_seconds + fills.seconds, fill_rows + fills.rows
+        rule_seconds, row_steps = rule_seconds + timer.seconds, row_steps + timer.row_steps
+        constrained_tokens += sum(map(len, outputs))
+        constrained_s += seconds
+        for o in outputs:
+            total += 1
+            try:
+                jsonschema.validate(json.loads(engine.tokenizer.decode(o, skip_special_tokens=True)), SCHEMA)
+                valid += 1
+            except (ValueError, jsonschema.ValidationError):
+                pass
+        # The free twin: the same prompts, seeds and lengths, no grammar.
+        free_params = [SamplingParams(max_tokens=max(len(o), 1), temperature=1.0, seed=1000 * round_ + i,
+                                      ignore_eos=True) for i, o in enumerate(outputs)]
+        free_outputs, seconds = run(engine, prompts, free_params)
+        free_tokens += sum(map(len, free_outputs))
         free_s += seconds
     constrained_tps = constrained_tokens / constrained_s
     free_tps = free_tokens / free_s
@@ -163,6 +183,7 @@ def main() -> None:
         "constrained_output_tok_s": round(constrained_tps, 1), "free_output_tok_s": round(free_tps, 1),
         "json_schema_over_free_throughput": round(constrained_tps / free_tps, 3),
         "mask_us_per_row_step": round(rule_seconds / max(row_steps, 1) * 1e6, 1),
+        "mask_fill_us_per_row_step": round(fill_seconds / max(fill_rows, 1) * 1e6, 1),
         "backend_build_ms": round(backend_build_ms, 1), "first_compile_ms": round(first_compile_ms, 2),
         "second_schema_compile_ms": round(second_schema_ms, 2), "cached_compile_ms": round(cached_compile_ms, 4),
         "valid_fraction": valid / total, "outputs": total, "mean_output_tokens": round(constrained_tokens / total, 1),

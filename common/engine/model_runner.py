@@ -56,6 +56,8 @@ class ModelRunner:
                 sample_rows.append(start + n - 1)
                 sample_items.append(item)
         device = self.device
+        if sample_items:  # grammar masks fill in a thread while the model runs
+            self.sampler.prefetch_masks(sample_items, self.model.cfg.vocab_size)
         began = time.perf_counter()
         hidden = self.graphs.run(input_ids, positions, attn_requests) if self.graphs is not None else None
         if hidden is None:

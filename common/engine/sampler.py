@@ -161,6 +161,12 @@ class Sampler:
     _histories: _Histories = field(default_factory=_Histories)
     _masks: TokenMasks = field(default_factory=TokenMasks)
 
+    def prefetch_masks(self, rows: Sequence[SamplingRequest], vocab: int) -> None:
+        """Start filling the grammar masks of the rows about to be sampled (before the forward)."""
+        matchers = [row.grammar for row in rows if row.grammar is not None]
+        if matchers:
+            self._masks.prefetch(matchers, vocab)
+
     @torch.inference_mode()  # the model's logits are inference tensors; so is the scratch buffer
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRequest], *, scratch_logits: bool = False
                  ) -> tuple[list[int], list[TokenLogprobs | None]]:

@@ -6,12 +6,14 @@ answer with newlines until it runs out of tokens, and the output is what ``json.
 """
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
 import llguidance
 import llguidance.hf
 from llguidance.gbnf_to_lark import gbnf_to_lark
+from llguidance.torch import fill_next_token_bitmask_par
 import torch
 
 from common.engine.structured.backend import GrammarError
@@ -24,9 +26,19 @@ LIMITS = dict(max_items_in_row=2000, initial_lexer_fuel=1_000_000, step_lexer_fu
 JSON_DEFAULTS = {"whitespace_flexible": False}
 
 
+@functools.cache
+def _executor() -> llguidance.LLExecutor:
+    return llguidance.LLExecutor()
+
+
 class LLGuidanceMatcher:
     def __init__(self, matcher: llguidance.LLMatcher):
         self._m = matcher
+
+    @staticmethod
+    def fill_many(matchers: "list[LLGuidanceMatcher]", bitmask: torch.Tensor) -> None:
+        """Row ``i``: ``matchers[i]``'s mask; the rows computed in parallel (llguidance's threads)."""
+        fill_next_token_bitmask_par(_executor(), [(m._m, i) for i, m in enumerate(matchers)], bitmask)
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         words = bitmask[row]
