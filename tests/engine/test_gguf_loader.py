@@ -18,7 +18,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from common.engine.loading import default_model
 from common.engine.loading.default_model import converted_gguf_dir, ensure_default_model
@@ -172,6 +172,19 @@ def test_converted_gguf_dir_converts_once(tmp_path):
     assert converted_gguf_dir(src, cache_dir=tmp_path / "cache", progress=False) == out
     assert json.loads((out / "config.json").read_text())["model_type"] == "qwen3"
     _assert_loads_like(out, model2)
+
+
+def test_the_files_chat_template_comes_with_the_tokenizer(tmp_path):
+    """A GGUF's ``tokenizer.chat_template`` is the converted checkpoint's chat template (the
+    gateway's choice after --chat-template): transformers' GGUF tokenizer carries it into
+    the saved tokenizer."""
+    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    write_gguf(tiny_model("llama"), "llama", tmp_path / "chat.gguf", chat_template=template)
+    out = converted_gguf_dir(tmp_path / "chat.gguf", cache_dir=tmp_path / "cache", progress=False)
+    assert AutoTokenizer.from_pretrained(out).chat_template == template
+    write_gguf(tiny_model("llama"), "llama", tmp_path / "plain.gguf")
+    plain = converted_gguf_dir(tmp_path / "plain.gguf", cache_dir=tmp_path / "cache", progress=False)
+    assert not AutoTokenizer.from_pretrained(plain).chat_template
 
 
 def test_ensure_default_model_uses_marker(tmp_path, monkeypatch):

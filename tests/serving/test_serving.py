@@ -234,7 +234,7 @@ def post(stack, path: str, body: bytes, headers: dict | None = None):
     (json.dumps({"model": "M", "prompt": "hi", "temperature": 7}).encode(), 400, "temperature"),
     (json.dumps({"model": "M", "prompt": "hi", "max_tokens": 0}).encode(), 400, "max_tokens"),
     (json.dumps({"model": "M", "prompt": "hi " * 600, "max_tokens": 600}).encode(), 400, "context length"),
-    (json.dumps({"model": "M", "prompt": "hi", "n": 3}).encode(), 400, "n=3"),
+    (json.dumps({"model": "M", "prompt": "hi", "n": 17}).encode(), 400, "<= 16"),
     (json.dumps({"model": "other-model", "prompt": "hi"}).encode(), 404, "does not exist"),
 ])
 def test_bad_input_gets_openai_shaped_errors(stack, body, status, needle):

@@ -47,8 +47,9 @@ def permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(model, arch: str, path, qtype=Q.F32, name="tiny") -> None:
-    """Convert ``model`` the way convert_hf_to_gguf.py would and write it to ``path``."""
+def write_gguf(model, arch: str, path, qtype=Q.F32, name="tiny", chat_template: str | None = None) -> None:
+    """Convert ``model`` the way convert_hf_to_gguf.py would and write it to ``path`` (with
+    ``chat_template`` as ``tokenizer.chat_template``, when given)."""
     cfg = model.config
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(name)
@@ -70,6 +71,8 @@ def write_gguf(model, arch: str, path, qtype=Q.F32, name="tiny") -> None:
     w.add_token_scores([0.0] * 4 + [-float(i) for i in range(cfg.vocab_size - 4)])
     w.add_token_types([3, 3, 3, 2] + [1] * (cfg.vocab_size - 4))
     w.add_unk_token_id(3)
+    if chat_template is not None:
+        w.add_chat_template(chat_template)
     rope = cfg.rope_parameters
     if arch == "gemma3":
         w.add_rope_freq_base(rope["full_attention"]["rope_theta"])

@@ -1,0 +1,63 @@
+"""``GrammarCompiler``: compiles once per spec (concurrent requests share the compile, the result
+and a rejection are cached), a compile over its time limit fails only the requests waiting for
+it (and is tried again later), and the event loop and other requests go on meanwhile."""
+import asyncio
+import threading
+
+import pytest
+
+from common.engine.structured.backend import GrammarError
+from common.engine.structured.compiler import GrammarCompiler
+from common.engine.structured.spec import StructuredOutput
+
+
+class Backend:
+    """Compiles instantly, except ``slow`` regexes (held until released) and ``bad`` ones (refused)."""
+
+    def __init__(self):
+        self.compiled: list[str] = []
+        self.release = threading.Event()
+
+    def compile(self, spec):
+        self.compiled.append(spec.value)
+        if spec.value == "slow":
+            self.release.wait(30)
+        if spec.value == "bad":
+            raise GrammarError(f"{spec.field}: bad regex")
+        return ("compiled", spec.value)
+
+
+def regex(value):
+    return StructuredOutput("regex", value)
+
+
+def test_each_spec_compiles_once_and_rejections_are_cached():
+    backend = Backend()
+    compiler = GrammarCompiler(lambda: backend, timeout_s=5)
+    assert compiler.compile(regex("a")) == compiler.compile(regex("a")) == ("compiled", "a")
+    for _ in range(2):
+        with pytest.raises(GrammarError, match="^response_format: bad regex"):
+            compiler.compile(regex("bad"))
+    assert backend.compiled == ["a", "bad"] and compiler.hits == 2
+
+
+async def test_a_slow_compile_times_out_alone_and_is_tried_again():
+    backend = Backend()
+    compiler = GrammarCompiler(lambda: backend, timeout_s=0.3, threads=2)
+    slow = asyncio.ensure_future(compiler.compile_async(regex("slow")))
+    # Other requests compile and the event loop runs while the slow one is held.
+    assert await compiler.compile_async(regex("fast")) == ("compiled", "fast")
+    with pytest.raises(GrammarError, match="took longer than 0.3 s to compile"):
+        await slow
+    backend.release.set()  # the held compile ends in its thread; a timed-out spec is not cached
+    assert await compiler.compile_async(regex("slow")) == ("compiled", "slow")
+    assert backend.compiled.count("slow") == 2
+    compiler.close()
+
+
+def test_a_backend_that_cannot_be_built_is_a_grammar_error_naming_the_field():
+    def no_tokenizer():
+        raise ValueError("structured output needs the model's tokenizer")
+
+    with pytest.raises(GrammarError, match="^tools: structured output needs"):
+        GrammarCompiler(no_tokenizer).compile(StructuredOutput("json_object", field="tools"))
