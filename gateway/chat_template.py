@@ -15,7 +15,10 @@ ship none -- Gemma's, so the default model (a base Gemma 3 whose GGUF carries no
     <start_of_turn>model
 
 A built-in format also names the token that ends a turn (``<end_of_turn>``): chat requests stop
-there, as the instruction-tuned checkpoints' generation configs do.  Without any template, chat
+there, as the instruction-tuned checkpoints' generation configs do.  Gemma's has no tool syntax of
+its own; the built-in one lists the request's tools in the first turn and writes calls and results
+as Hermes does (``<tool_call>{...}</tool_call>`` in a model turn, ``<tool_response>`` in a user
+turn; consecutive results share one turn), which the default ``--tool-call-parser`` reads.  Without any template, chat
 requests get a 400 naming the problem.
 """
 from __future__ import annotations
@@ -27,21 +30,44 @@ from typing import Any
 GEMMA_TURNS = (
     "{{ bos_token }}"
     "{%- if messages and messages[0]['role'] in ['system', 'developer'] -%}"
-    "{%- set first_user_prefix = messages[0]['content'] + '\\n\\n' -%}"
+    "{%- set system = messages[0]['content'] -%}"
     "{%- set loop_messages = messages[1:] -%}"
     "{%- else -%}"
-    "{%- set first_user_prefix = '' -%}"
+    "{%- set system = '' -%}"
     "{%- set loop_messages = messages -%}"
     "{%- endif -%}"
+    "{%- if tools -%}"
+    "{%- set system = (system + '\\n\\n' if system else '') + 'You can call these functions (JSON schemas):\\n'"
+    " + (tools | map(attribute='function') | map('tojson') | join('\\n'))"
+    " + '\\nTo call one, answer with <tool_call>{\"name\": <function name>, \"arguments\": <arguments object>}'"
+    " + '</tool_call>, one per call.' -%}"
+    "{%- endif -%}"
+    "{%- set first_user_prefix = system + '\\n\\n' if system else '' -%}"
+    "{%- set state = namespace(turn='', role='') -%}"
     "{%- for message in loop_messages -%}"
-    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+    "{%- set turn = 'model' if message['role'] == 'assistant' else 'user' -%}"
+    "{%- set more_results = message['role'] == 'tool' and state.role == 'tool' -%}"
+    "{%- if (turn == state.turn and not more_results) or (loop.first and turn == 'model') -%}"
     "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
     "{%- endif -%}"
-    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
-    "{{ '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else '') }}"
+    "{%- if state.role == 'tool' and not more_results -%}{{ '<end_of_turn>\\n' }}{%- endif -%}"
+    "{%- if not more_results -%}"
+    "{{ '<start_of_turn>' + turn + '\\n' + (first_user_prefix if loop.first else '') }}"
+    "{%- endif -%}"
+    "{%- if message['role'] == 'tool' -%}"
+    "{{ '<tool_response>\\n' + message['content'] | trim + '\\n</tool_response>\\n' }}"
+    "{%- else -%}"
     "{{ message['content'] | trim }}"
-    "{{ '<end_of_turn>\\n' }}"
+    "{%- for call in message.get('tool_calls') or [] -%}"
+    "{{ '<tool_call>' + {'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson"
+    " + '</tool_call>' }}"
     "{%- endfor -%}"
+    "{{ '<end_of_turn>\\n' }}"
+    "{%- endif -%}"
+    "{%- set state.turn = turn -%}"
+    "{%- set state.role = message['role'] -%}"
+    "{%- endfor -%}"
+    "{%- if state.role == 'tool' -%}{{ '<end_of_turn>\\n' }}{%- endif -%}"
     "{%- if add_generation_prompt -%}"
     "{{ '<start_of_turn>model\\n' }}"
     "{%- endif -%}"

@@ -19,6 +19,7 @@ from typing import Mapping
 
 from common.engine.structured.backend import BACKENDS, DEFAULT_BACKEND
 from common.engine.structured.compiler import DEFAULT_COMPILE_TIMEOUT_S
+from gateway.prompts import DEFAULT_TEMPLATE_TIMEOUT_S
 from gateway.tool_parsers import DEFAULT_PARSER, PARSERS
 from common.cluster.auth import SECRET_ENV, AuthError, ClusterAuth, configure_auth, is_loopback, read_secret
 from common.cluster.http_limits import DEFAULTS as HTTP_DEFAULTS, HELP as HTTP_HELP, HttpLimits, add_http_flags
@@ -112,6 +113,7 @@ class GatewayConfig:
     structured_output_backend: str = DEFAULT_BACKEND
     grammar_compile_timeout: float = DEFAULT_COMPILE_TIMEOUT_S
     tool_call_parser: str = DEFAULT_PARSER  # how tool calls are read from an answer (tool_choice auto)
+    chat_template_timeout: float = DEFAULT_TEMPLATE_TIMEOUT_S  # a render that takes longer is a 400
     # The API keys, read once by __post_init__: the keys checked are the keys served (api_keys()).
     _api_keys: ApiKeys = field(init=False, repr=False, compare=False)
 
@@ -140,6 +142,8 @@ class GatewayConfig:
                       f"{self.structured_output_backend!r}")
         if self.tool_call_parser not in PARSERS:
             raise bad(f"tool_call_parser must be one of {', '.join(PARSERS)}, got {self.tool_call_parser!r}")
+        if not self.chat_template_timeout > 0:
+            raise bad(f"chat_template_timeout must be > 0, got {self.chat_template_timeout}")
         if not self.grammar_compile_timeout > 0:
             raise bad(f"grammar_compile_timeout must be > 0, got {self.grammar_compile_timeout}")
         if not 0 <= self.port <= 65535:
@@ -285,6 +289,8 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
              "(the workers' own flag of the same name should agree)")
     add("--grammar-compile-timeout", GatewayConfig.grammar_compile_timeout, float,
         help="seconds a request's grammar may take to compile; then a 400")
+    add("--chat-template-timeout", GatewayConfig.chat_template_timeout, float,
+        help="seconds the chat template may take to render one request's messages (then a 400)")
     add("--tool-call-parser", GatewayConfig.tool_call_parser, choices=PARSERS,
         help="the format tool calls take in the model's answers (tool_choice auto): hermes (<tool_call> JSON, "
              "Qwen 2.5/3), llama3_json (Llama 3.x), json (a JSON call or list of calls, any template)")
@@ -323,6 +329,7 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = N
         prefix_lookup_timeout=args.prefix_lookup_timeout, redis_retry_interval=args.redis_retry_interval,
         tokenizer_threads=args.tokenizer_threads, structured_output_backend=args.structured_output_backend,
         grammar_compile_timeout=args.grammar_compile_timeout, tool_call_parser=args.tool_call_parser,
+        chat_template_timeout=args.chat_template_timeout,
     )
     if config.open_to_the_network:
         log.warning("the gateway serves %s without an API key (PDSERVE_ALLOW_NO_API_KEY): anyone who reaches it can "

@@ -191,11 +191,13 @@ class OpenAIHandlers:
 
         def render() -> list[int]:
             try:
-                out = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                                    tokenize=True)
+                text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                                     tokenize=False)
             except Exception as exc:  # a template may reject a role order, e.g. two system messages
                 raise invalid(f"the chat template rejected the messages: {exc}", "messages") from None
-            return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+            # What the template made of the messages is bounded like a prompt, before it is tokenized.
+            self.services.prompts.check_size(len(text), len(text.encode("utf-8", "surrogatepass")), "messages")
+            return list(tokenizer(text, add_special_tokens=False).input_ids)
 
         return messages, render
 

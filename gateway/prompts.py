@@ -26,6 +26,9 @@ def max_token_bytes(tokenizer: Any) -> int:
     return max(1, longest)
 
 
+DEFAULT_TEMPLATE_TIMEOUT_S = 5.0
+
+
 class PromptEncoder:
     """Prompt text and chat messages to token ids (see the module docstring).
 
@@ -36,10 +39,12 @@ class PromptEncoder:
     # Slack on the size bound: normalizers may drop characters, templates add a few tokens.
     SIZE_SLACK = 2
 
-    def __init__(self, tokenizer: Any, max_model_len: int, *, inline_chars: int = 4096, threads: int = 2):
+    def __init__(self, tokenizer: Any, max_model_len: int, *, inline_chars: int = 4096, threads: int = 2,
+                 template_timeout_s: float = DEFAULT_TEMPLATE_TIMEOUT_S):
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.inline_chars = inline_chars
+        self.template_timeout_s = template_timeout_s
         self.max_token_bytes = max_token_bytes(tokenizer)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tokenize")
         # The first call may adjust the Rust tokenizer's settings (truncation, padding); do it now,
@@ -63,10 +68,18 @@ class PromptEncoder:
         return await self._run(len(text), lambda: list(self.tokenizer(text).input_ids))
 
     async def chat(self, messages: Sequence[dict[str, str]], render: Callable[[], list[int]]) -> list[int]:
-        """``render()`` applies the chat template and tokenizes (run inline or in a thread)."""
+        """``render()`` applies the chat template and tokenizes, always in a thread and within
+        ``template_timeout_s``: a template is a program (jinja2's sandbox bounds what it may touch,
+        not how long it runs), and one that loops must cost its request a 400, not the event loop.
+        (The thread it holds is freed when the render ends.)"""
         chars = sum(len(m["content"]) for m in messages)
         self.check_size(chars, sum(len(m["content"].encode("utf-8", "surrogatepass")) for m in messages), "messages")
-        return await self._run(chars, render)
+        try:
+            async with asyncio.timeout(self.template_timeout_s):
+                return await asyncio.get_running_loop().run_in_executor(self._pool, render)
+        except TimeoutError:
+            raise invalid(f"the chat template took longer than {self.template_timeout_s:g} s to render these "
+                          "messages", "messages", "chat_template_timeout") from None
 
     async def _run(self, size: int, work: Callable[[], list[int]]) -> list[int]:
         if size <= self.inline_chars:

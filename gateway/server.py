@@ -74,6 +74,7 @@ class Gateway:
             functools.partial(make_backend, config.structured_output_backend, self.tokenizer, self.vocab_size),
             timeout_s=config.grammar_compile_timeout)
         self.prompts = PromptEncoder(self.tokenizer, self.max_model_len, inline_chars=config.inline_tokenize_chars,
+                                     template_timeout_s=config.chat_template_timeout,
                                      threads=config.tokenizer_threads)
         self.metrics = GatewayMetrics()
         self.api_keys = config.api_keys()

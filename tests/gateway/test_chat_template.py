@@ -64,6 +64,33 @@ def test_gemma_turn_format_and_its_end_of_turn_stop_token(gemma_dir):
         tok.apply_chat_template([{"role": "assistant", "content": "x"}], chat_template=chat.template)
 
 
+def test_gemma_turn_format_with_tools_calls_and_results(gemma_dir):
+    """The built-in format lists the tools in the first turn, writes an assistant's calls as the
+    default tool-call parser (hermes) reads them, and puts consecutive results in one user turn."""
+    from gateway.tool_parsers import HermesParser
+
+    tok = AutoTokenizer.from_pretrained(gemma_dir)
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+    calls = [{"id": "1", "type": "function", "function": {"name": "get_time", "arguments": {"zone": "utc"}}},
+             {"id": "2", "type": "function", "function": {"name": "get_time", "arguments": {}}}]
+    messages = [{"role": "user", "content": "time?"}, {"role": "assistant", "content": "", "tool_calls": calls},
+                {"role": "tool", "tool_call_id": "1", "content": "12:00"},
+                {"role": "tool", "tool_call_id": "2", "content": "13:00"}]
+    text = tok.apply_chat_template(messages, tools=tools, chat_template=GEMMA_TURNS, add_generation_prompt=True,
+                                   tokenize=False)
+    first, model, results, prompt = text.split("<start_of_turn>")[1:]
+    assert first.startswith("user\nYou can call these functions") and '"name": "get_time"' in first
+    assert first.endswith("time?<end_of_turn>\n")
+    _, parsed = HermesParser().parse(model[len("model\n"):-len("<end_of_turn>\n")], frozenset({"get_time"}))
+    assert [(c.name, c.arguments) for c in parsed] == [("get_time", '{"zone": "utc"}'), ("get_time", "{}")]
+    assert results == ("user\n<tool_response>\n12:00\n</tool_response>\n<tool_response>\n13:00\n"
+                       "</tool_response>\n<end_of_turn>\n")
+    assert prompt == "model\n"
+    with pytest.raises(Exception, match="alternate"):  # two user turns in a row are still refused
+        tok.apply_chat_template([*messages, {"role": "user", "content": "x"}, {"role": "user", "content": "y"}],
+                                chat_template=GEMMA_TURNS)
+
+
 # ---- served -------------------------------------------------------------------------------------
 
 

@@ -70,3 +70,23 @@ async def test_an_input_too_large_for_the_model_is_refused_without_tokenizing(to
         assert await encoder.text(fits) == tokenizer(fits).input_ids
     finally:
         encoder.close()
+
+
+async def test_a_chat_template_that_runs_too_long_costs_its_request_a_400(tokenizer):
+    """Every render runs in a thread within the time bound: a looping template fails its request
+    and the event loop goes on (a short chat is rendered in a thread too)."""
+    encoder = PromptEncoder(tokenizer, max_model_len=1024, threads=2, template_timeout_s=0.2)
+    release = threading.Event()
+    try:
+        loop_thread = threading.current_thread().name
+        where = []
+        assert await encoder.chat([{"role": "user", "content": "hi"}],
+                                  lambda: where.append(threading.current_thread().name) or [7]) == [7]
+        assert where[0] != loop_thread
+        with pytest.raises(OpenAIError, match="longer than 0.2 s") as info:
+            await encoder.chat([{"role": "user", "content": "hi"}], lambda: release.wait(30) and [1])
+        assert info.value.status == 400 and info.value.code == "chat_template_timeout"
+        assert await encoder.text("still serving") == tokenizer("still serving").input_ids
+    finally:
+        release.set()
+        encoder.close()
