@@ -90,6 +90,8 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     ignore_eos: bool = False  # extension
     n: Annotated[int, msgspec.Meta(ge=1, le=MAX_N)] = 1
     user: Annotated[str, msgspec.Meta(max_length=256)] | None = None
+    safety_identifier: Annotated[str, msgspec.Meta(max_length=256)] | None = None  # OpenAI's: accepted, not used
+    store: bool = False  # OpenAI's stored completions: only false (there is no store)
     # OpenAI's: accepted and not used (at most 16 string pairs, as OpenAI bounds them)
     metadata: Annotated[dict[Annotated[str, msgspec.Meta(max_length=64)], Annotated[str, msgspec.Meta(max_length=512)]],
                         msgspec.Meta(max_length=16)] | None = None
@@ -318,6 +320,8 @@ def _validate_common(req: _Common) -> None:
         raise invalid(f"top_k must be >= 1 (or 0/-1/null to disable), got {req.top_k}", "top_k")
     if req.seed is not None and not INT64_MIN <= req.seed <= INT64_MAX:
         raise invalid(f"seed must fit in a signed 64-bit integer, got {req.seed}", "seed")
+    if req.store:
+        raise invalid("store: stored completions are not supported", "store", "unsupported_value")
     if req.stream_options is not None and not req.stream:
         raise invalid("stream_options is only allowed when stream is true", "stream_options")
     stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])

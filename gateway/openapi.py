@@ -48,6 +48,7 @@ _COMMON_RULES: dict[str, dict] = {
                                 "additionalProperties": {"type": "number", "minimum": -MAX_LOGIT_BIAS_VALUE,
                                                          "maximum": MAX_LOGIT_BIAS_VALUE}}),
                    "description": "Token id (a decimal string, inside the vocabulary) -> bias added to its logit."},
+    "store": {"type": "boolean", "const": False, "default": False, "description": "Only false: no stored completions."},
     "min_tokens": {"type": "integer", "minimum": 0, "maximum": MAX_TOKEN_ID, "default": 0,
                    "description": "Extension (vLLM's). No stop token ends the output before this many tokens."},
     "stop_token_ids": {**_nullable({"type": "array", "maxItems": MAX_STOP_TOKEN_IDS,

@@ -248,6 +248,7 @@ def test_integral_numbers_are_integers_as_in_json_schema():
     ("n", 17, "Expected `int` <= 16"),
     ("best_of", 3, "best_of=3 is not supported"),
     ("suffix", "tail", "suffix is not supported"),
+    ("store", True, "stored completions are not supported"),
 ])
 def test_unsupported_features_are_rejected_clearly(field, value, text):
     err = rejects(parse_completion_request, completion(**{field: value}), field, text)
