@@ -61,3 +61,21 @@ def test_a_backend_that_cannot_be_built_is_a_grammar_error_naming_the_field():
 
     with pytest.raises(GrammarError, match="^tools: structured output needs"):
         GrammarCompiler(no_tokenizer).compile(StructuredOutput("json_object", field="tools"))
+
+
+async def test_building_the_backend_does_not_count_against_the_compile_time_limit():
+    """Converting a large vocabulary takes seconds, once: the first request waits for it without
+    timing out (the limit is the grammar's), and the event loop runs meanwhile."""
+    backend, built = Backend(), threading.Event()
+
+    def slow_build():
+        built.wait(30)
+        return backend
+
+    compiler = GrammarCompiler(slow_build, timeout_s=0.1)
+    first = asyncio.ensure_future(compiler.compile_async(regex("a")))
+    await asyncio.sleep(0.3)  # past the time limit, while the backend is still being built
+    assert not first.done()
+    built.set()
+    assert await first == ("compiled", "a")
+    compiler.close()

@@ -9,7 +9,8 @@ rejected too.  A compile that takes longer than ``timeout_s`` fails the request 
 with ``GrammarError`` (the backend's own resource limits end the compile itself soon after).
 
 The backend is built on the first compile, in a compile thread (converting a 262k-token vocabulary
-takes a moment): a worker that never sees a grammar never pays for it.
+takes seconds): a worker that never sees a grammar never pays for it, and the time limit counts
+from when the backend is ready (requests wait for it meanwhile, the event loop does not).
 """
 from __future__ import annotations
 
@@ -33,8 +34,7 @@ class GrammarCompiler:
     def __init__(self, make_backend: Callable[[], GrammarBackend], *, timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
                  cache_size: int = DEFAULT_CACHE_SIZE, threads: int = COMPILE_THREADS):
         self._make_backend = make_backend
-        self._backend: GrammarBackend | None = None
-        self._backend_lock = threading.Lock()
+        self._backend: concurrent.futures.Future | None = None  # built once, in a compile thread
         self.timeout_s = timeout_s
         self.cache_size = cache_size
         self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="grammar")
@@ -59,14 +59,20 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
             return future
 
-    def _compile(self, spec: StructuredOutput) -> CompiledGrammar:
-        with self._backend_lock:
+    def _backend_future(self) -> concurrent.futures.Future:
+        with self._lock:
             if self._backend is None:
-                try:
-                    self._backend = self._make_backend()
-                except (ValueError, RuntimeError) as exc:  # no tokenizer; the backend not installed
-                    raise GrammarError(f"{spec.field}: {exc}") from None
-        return self._backend.compile(spec)
+                self._backend = self._pool.submit(self._make_backend)
+            return self._backend
+
+    def _backend_for(self, spec: StructuredOutput) -> GrammarBackend:
+        try:
+            return self._backend_future().result()
+        except (ValueError, RuntimeError) as exc:  # no tokenizer; the backend not installed
+            raise GrammarError(f"{spec.field}: {exc}") from None
+
+    def _compile(self, spec: StructuredOutput) -> CompiledGrammar:
+        return self._backend_for(spec).compile(spec)
 
     def _forget_timeout(self, spec: StructuredOutput, future) -> None:
         # A compile that ran out of time is not cached as such: the next request may try again
@@ -80,6 +86,7 @@ class GrammarCompiler:
 
     def compile(self, spec: StructuredOutput) -> CompiledGrammar:
         """The compiled grammar; raises ``GrammarError``."""
+        self._backend_for(spec)  # built first: its one-off cost is not the compile's
         future = self._future(spec)
         try:
             return future.result(timeout=self.timeout_s)
@@ -90,6 +97,10 @@ class GrammarCompiler:
     async def compile_async(self, spec: StructuredOutput) -> CompiledGrammar:
         """As ``compile``, awaited: the event loop and other requests go on meanwhile.  Cancelling
         the caller does not cancel a compile other requests may share."""
+        try:  # built first: its one-off cost is not the compile's
+            await asyncio.shield(asyncio.wrap_future(self._backend_future()))
+        except (ValueError, RuntimeError) as exc:
+            raise GrammarError(f"{spec.field}: {exc}") from None
         future = self._future(spec)
         try:
             async with asyncio.timeout(self.timeout_s):
