@@ -3,7 +3,8 @@
     named      the text is the named function's arguments: the first chunk carries the call's
                index, id and name, every later text delta is an argument fragment
     required   the text is a JSON array of {"name", "parameters"}: each call goes out (id and name,
-               then its arguments) as soon as its object is complete
+               then its arguments) as soon as its object is complete (an array cut short by
+               max_tokens still gives the calls complete in it)
     auto       the text goes out as content up to where a call may begin (``held_from``); the rest
                is parsed when the answer ends, its calls sent then
 
@@ -26,15 +27,21 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def _required_calls(text: str) -> list[ParsedCall] | None:
-    try:
-        items = json.loads(text)
-    except ValueError:
-        return None
-    if not isinstance(items, list):
-        return None
-    return [ParsedCall(item["name"], json.dumps(item["parameters"], ensure_ascii=False))
-            for item in items if isinstance(item, dict) and "name" in item and "parameters" in item]
+def complete_calls(text: str, start: int = 0) -> tuple[list[ParsedCall], int]:
+    """The ``{"name", "parameters"}`` objects complete in ``text`` from ``start`` on (``required``'s
+    array, perhaps cut short), and where the scan stopped."""
+    calls, decoder = [], json.JSONDecoder()
+    while True:
+        begin = text.find("{", start)
+        if begin < 0:
+            return calls, start
+        try:
+            item, end = decoder.raw_decode(text, begin)
+        except ValueError:
+            return calls, start
+        start = end
+        if isinstance(item, dict) and "name" in item and "parameters" in item:
+            calls.append(ParsedCall(item["name"], json.dumps(item["parameters"], ensure_ascii=False)))
 
 
 class ToolOutput:
@@ -55,8 +62,8 @@ class ToolOutput:
         """The content and calls of the finished ``text``."""
         if self.plan.mode == "named":
             return None, [ParsedCall(self.plan.function, text)]
-        if self.plan.mode == "required":
-            calls = _required_calls(text)
+        if self.plan.mode == "required":  # cut short (max_tokens): the calls complete so far
+            calls, _ = complete_calls(text)
             return (text or None, []) if not calls else (None, calls)
         return self.parser.parse(text, self.names)
 
@@ -107,19 +114,8 @@ class ToolOutput:
         return [ChatDelta(content=piece)]
 
     def _complete_required_calls(self) -> list[ChatDelta]:
-        out = []
-        decoder = json.JSONDecoder()
-        while True:
-            start = self.text.find("{", self._required_pos)
-            if start < 0:
-                return out
-            try:
-                item, end = decoder.raw_decode(self.text, start)
-            except ValueError:
-                return out
-            self._required_pos = end
-            if isinstance(item, dict) and "name" in item and "parameters" in item:
-                out += self._send_call(ParsedCall(item["name"], json.dumps(item["parameters"], ensure_ascii=False)))
+        calls, self._required_pos = complete_calls(self.text, self._required_pos)
+        return [delta for call in calls for delta in self._send_call(call)]
 
     def _send_call(self, call: ParsedCall) -> list[ChatDelta]:
         index = self.num_calls

@@ -91,4 +91,13 @@ def small_stack(served_checkpoint, redis_url, tmp_path_factory):
                          decode=1, worker_args=["--num-blocks", "256", "--block-size", "16"],
                          # generous: on a loaded machine a lookup must not fall back to load-only routing
                          gateway_args=["--prefix-lookup-timeout", "30"]) as stack:
+        assert stack.wait_for_workers(prefill=1, decode=1)
         yield stack
+
+
+@pytest.fixture(scope="session")
+def small_client(small_stack):
+    """The official openai client on the small stack's gateway (no API key; no retries)."""
+    import openai
+
+    return openai.OpenAI(base_url=f"{small_stack.gateway_url}/v1", api_key="unused", max_retries=0, timeout=120)

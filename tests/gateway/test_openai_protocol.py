@@ -25,26 +25,7 @@ from gateway.openai_protocol import (
 from gateway.prompt_input import decode_prompt
 
 
-def body(**fields) -> bytes:
-    return json.dumps(fields).encode()
-
-
-def completion(**fields) -> bytes:
-    return body(**{"model": "m", "prompt": "Hello", **fields})
-
-
-def chat(**fields) -> bytes:
-    return body(**{"model": "m", "messages": [{"role": "user", "content": "Hi"}], **fields})
-
-
-def rejects(parse, raw: bytes, param: str | None, text: str) -> OpenAIError:
-    with pytest.raises(OpenAIError) as info:
-        parse(raw)
-    err = info.value
-    assert err.status == 400 and err.type == "invalid_request_error"
-    assert err.param == param, err.message
-    assert text in err.message, err.message
-    return err
+from tests.support.request_bodies import body, chat, completion, rejects
 
 
 # ---- requests -----------------------------------------------------------------------------------
@@ -253,39 +234,6 @@ def test_integral_numbers_are_integers_as_in_json_schema():
 def test_unsupported_features_are_rejected_clearly(field, value, text):
     err = rejects(parse_completion_request, completion(**{field: value}), field, text)
     assert err.to_response().status == 400
-
-
-@pytest.mark.parametrize("value,text", [
-    ({"x": 1}, "keys must be token ids"), ({"-1": 1}, "keys must be token ids"), ({"5": 100.5}, "in [-100, 100]"),
-    ({str(i): 1 for i in range(301)}, "at most 300 entries"), ([1], "Expected `object`"),
-])
-def test_logit_bias_is_checked(value, text):
-    rejects(parse_chat_request, chat(logit_bias=value), "logit_bias", text)
-
-
-def test_response_format_and_structured_outputs_are_read():
-    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
-    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
-    spec = parse_chat_request(chat(response_format=fmt)).sampling().structured
-    assert (spec.kind, json.loads(spec.value), spec.field) == ("json_schema", schema, "response_format")
-    assert parse_chat_request(chat(response_format={"type": "text"})).sampling().structured is None
-    assert parse_completion_request(completion(response_format={"type": "json_object"})).sampling().structured.kind \
-        == "json_object"
-    for constraint, kind in (({"json": schema}, "json_schema"), ({"json": json.dumps(schema)}, "json_schema"),
-                             ({"regex": "a+"}, "regex"), ({"choice": ["x", "y"]}, "choice"),
-                             ({"grammar": 'start: "a"'}, "grammar"), ({"json_object": True}, "json_object")):
-        spec = parse_chat_request(chat(structured_outputs=constraint)).sampling().structured
-        assert (spec.kind, spec.field) == (kind, "structured_outputs")
-    rejects(parse_chat_request, chat(response_format={"type": "json_schema"}), "response_format.json_schema",
-            "needs json_schema")
-    rejects(parse_chat_request, chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
-            "response_format.json_schema.schema", "Missing required parameter")
-    rejects(parse_chat_request, chat(structured_outputs={"regex": "a", "grammar": "b"}), "structured_outputs",
-            "give one of")
-    rejects(parse_chat_request, chat(structured_outputs={"whitespace_pattern": " "}),
-            "structured_outputs.whitespace_pattern", "Unrecognized request argument")
-    rejects(parse_chat_request, chat(response_format={"type": "json_object"}, structured_outputs={"regex": "a"}),
-            "structured_outputs", "send one")
 
 
 def test_stop_strings_are_bounded():

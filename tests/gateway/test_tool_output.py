@@ -97,3 +97,12 @@ def test_required_schema_lists_every_tool():
     plan = plan_tools(TOOLS, "required", False)
     schema = json.loads(plan.structured.value)
     assert schema["maxItems"] == 1 and {i["properties"]["name"]["const"] for i in schema["items"]["anyOf"]} == NAMES
+
+
+def test_required_cut_short_keeps_the_calls_complete_in_it():
+    plan = plan_tools(TOOLS, "required", True)
+    cut = REQUIRED[:REQUIRED.index("get_weather") + 20]
+    whole = ToolOutput(plan, HermesParser()).final(cut)
+    assert whole == (None, [ParsedCall("get_time", '{"zone": "utc"}')])
+    assert stream(ToolOutput(plan, HermesParser()), [cut[:10], cut[10:]]) == whole
+    assert ToolOutput(plan, HermesParser()).final('[{"name": "get_t') == ('[{"name": "get_t', [])

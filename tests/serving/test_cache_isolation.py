@@ -30,17 +30,6 @@ DECODE_CACHES_PROMPT = "decode worker caches most of the prompt"  # a routing re
 
 
 @pytest.fixture(scope="module")
-def stack(small_stack):
-    assert small_stack.wait_for_workers(prefill=1, decode=1)
-    return small_stack
-
-
-@pytest.fixture(scope="module")
-def client(stack):
-    return openai.OpenAI(base_url=f"{stack.gateway_url}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
 def isolated(stack, tmp_path_factory):
     """A second gateway on the same pools with two API keys and ``--cache-isolation per-key``
     (set through its PDSERVE_ variable, as a deployment would)."""

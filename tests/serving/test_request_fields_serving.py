@@ -16,17 +16,6 @@ from tests.support.checkpoints import TRAINING_TEXT
 LONG = " ".join(TRAINING_TEXT) * 2  # over --skip-prefill-below: through the prefill pool
 
 
-@pytest.fixture(scope="module")
-def stack(small_stack):
-    assert small_stack.wait_for_workers(prefill=1, decode=1)
-    return small_stack
-
-
-@pytest.fixture(scope="module")
-def client(stack):
-    return openai.OpenAI(base_url=f"{stack.gateway_url}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
 def texts(response):
     return [c.text for c in sorted(response.choices, key=lambda c: c.index)]
 

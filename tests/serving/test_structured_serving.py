@@ -32,17 +32,6 @@ SHORT = "Where to go:"  # under --skip-prefill-below (64 tokens): computed by th
 LONG = " ".join(TRAINING_TEXT) * 2  # over it: computed by the prefill worker
 
 
-@pytest.fixture(scope="module")
-def stack(small_stack):
-    assert small_stack.wait_for_workers(prefill=1, decode=1)
-    return small_stack
-
-
-@pytest.fixture(scope="module")
-def client(stack):
-    return openai.OpenAI(base_url=f"{stack.gateway_url}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
 def chat(client, stack, content, **params):
     return client.chat.completions.create(model=stack.model_name, messages=[{"role": "user", "content": content}],
                                           max_tokens=params.pop("max_tokens", 80), **params)

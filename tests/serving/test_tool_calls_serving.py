@@ -26,17 +26,6 @@ SHORT = "Use a tool:"
 LONG = " ".join(TRAINING_TEXT) * 2  # over --skip-prefill-below: the prefill worker samples the first token
 
 
-@pytest.fixture(scope="module")
-def stack(small_stack):
-    assert small_stack.wait_for_workers(prefill=1, decode=1)
-    return small_stack
-
-
-@pytest.fixture(scope="module")
-def client(stack):
-    return openai.OpenAI(base_url=f"{stack.gateway_url}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
 def ask(client, stack, content, **params):
     messages = params.pop("messages", [{"role": "user", "content": content}])
     return client.chat.completions.create(model=stack.model_name, messages=messages, tools=TOOLS,
