@@ -100,6 +100,9 @@ class EngineConfig:
     compile: bool = False
     # Structured output: the grammar backend (llguidance | xgrammar) and how long a grammar may
     # take to compile before its request fails with a 400.
+    # Ranks of one model (one process each, torch.distributed initialised by the caller): see
+    # common/engine/parallel/tensor_parallel.py.
+    tensor_parallel_size: int = 1
     structured_output_backend: str = DEFAULT_BACKEND
     grammar_compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S
 
@@ -114,6 +117,7 @@ class EngineConfig:
         _require(self.load_format in ("auto", "dummy"), "load_format", self.load_format, "one of auto, dummy")
         _require(self.structured_output_backend in BACKENDS, "structured_output_backend",
                  self.structured_output_backend, f"one of {', '.join(BACKENDS)}")
+        _require(self.tensor_parallel_size >= 1, "tensor_parallel_size", self.tensor_parallel_size, ">= 1")
         _require(self.grammar_compile_timeout_s > 0, "grammar_compile_timeout_s", self.grammar_compile_timeout_s, "> 0")
         # The scheduler config validates the remaining knobs.
         self._scheduler_config(self.max_model_len or SchedulerConfig.max_model_len, *self._batch_limits("cpu"))

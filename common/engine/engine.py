@@ -29,6 +29,7 @@ from common.engine.request import Request, RequestStatus
 from common.engine.sampler import TokenLogprobs
 from common.engine.sampling_params import SamplingParams
 from common.engine.scheduler import Scheduler, SchedulerOutput
+from common.engine.parallel.tensor_parallel import TensorParallel
 from common.engine.step_log import StepLog, step_shape
 from common.engine.structured.backend import CompiledGrammar, GrammarBackend
 from common.engine.structured.compiler import GrammarCompiler, make_backend
@@ -107,10 +108,13 @@ class Engine:
         self.config = config = config.for_device(self.device.type)  # the batch limits it left to the device
         self.dtype = _pick_dtype(config.dtype, self.device)
         self.checkpoint = resolve_checkpoint(config.model)
+        self.tp = TensorParallel.of_process_group(config.tensor_parallel_size)
         self.model, self.model_config = load_model(self.checkpoint, self.dtype, self.device,
-                                                   random_weights=config.load_format == "dummy")
+                                                   random_weights=config.load_format == "dummy", tp=self.tp)
         mc = self.model_config
-        if config.compile and self.device.type == "cpu":
+        if config.compile and self.tp.size > 1:
+            log.info("compile: not applied with tensor parallelism yet; running eagerly")
+        elif config.compile and self.device.type == "cpu":
             self.model.stages = compile_stages(self.model)
         elif config.compile:
             log.info("compile: not applied on %s (CPU only for now); running eagerly", self.device)
@@ -120,13 +124,13 @@ class Engine:
             dtype=dtype_name(self.dtype),
             block_size=config.block_size,
             num_layers=mc.num_layers,
-            num_kv_heads=mc.num_kv_heads,
+            num_kv_heads=self.tp.local_config(mc).num_kv_heads,  # this rank's share
             head_dim=mc.head_dim,
         )
         num_blocks = config.num_blocks or num_blocks_for_memory(self.layout, config.kv_memory_fraction, self.device)
         windows = {mc.window(layer) for layer in range(mc.num_layers)}
         self.attention = make_attention(config.attention_backend, self.device, windows, config.block_size, self.dtype)
-        use_graphs = config.cuda_graphs and cuda_graphs.supported(self.device, self.attention)
+        use_graphs = config.cuda_graphs and self.tp.size == 1 and cuda_graphs.supported(self.device, self.attention)
         self.kv_cache = KVCache(self.layout, num_blocks, self.device, scratch_block=use_graphs)
         self.max_model_len = min(config.max_model_len or mc.max_model_len, mc.max_model_len)
         self.block_pool = BlockPool(num_blocks, enable_caching=config.enable_prefix_caching)
@@ -140,7 +144,7 @@ class Engine:
             max_blocks_per_request = -(-self.max_model_len // config.block_size)
             graphs = cuda_graphs.CudaGraphs(self.model, self.kv_cache, self.attention, config.max_num_seqs,
                                             max_blocks_per_request, self.device).capture_all()
-        self.runner = ModelRunner(self.model, self.kv_cache, self.attention, self.device, graphs)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.attention, self.device, graphs, self.tp)
         self.tokenizer = self._load_tokenizer() if load_tokenizer else None
         self._grammars: GrammarCompiler | None = None
         self._grammars_lock = threading.Lock()

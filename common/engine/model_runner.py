@@ -9,6 +9,7 @@ import torch
 from common.engine.attention.interface import AttentionRequest
 from common.engine.kv.kv_cache import KVCache
 from common.engine.models.decoder import DecoderModel
+from common.engine.parallel.tensor_parallel import TensorParallel
 from common.engine.sampler import Sampler, TokenLogprobs
 from common.engine.scheduler import SchedulerOutput
 
@@ -26,14 +27,17 @@ class ModelRunner:
     here and waits on it first.
 
     ``graphs``: a ``CudaGraphs`` that runs decode-only steps when it can (``None``: eager).
+    ``tp``: with tensor parallelism every rank runs the forward, rank 0 samples and broadcasts.
     """
 
-    def __init__(self, model: DecoderModel, cache: KVCache, attention, device: torch.device, graphs=None):
+    def __init__(self, model: DecoderModel, cache: KVCache, attention, device: torch.device, graphs=None,
+                 tp: TensorParallel | None = None):
         self.model = model
         self.cache = cache
         self.attention = attention
         self.device = device
         self.graphs = graphs
+        self.tp = tp or TensorParallel()
         self.sampler = Sampler()
         self.forward_seconds = 0.0  # time inside the model, for the overhead figure
         self.on_kv_written: list[Callable[[SchedulerOutput], None]] = []
@@ -56,7 +60,7 @@ class ModelRunner:
                 sample_rows.append(start + n - 1)
                 sample_items.append(item)
         device = self.device
-        if sample_items:  # grammar masks fill in a thread while the model runs
+        if sample_items and self.tp.rank == 0:  # grammar masks fill in a thread while the model runs
             self.sampler.prefetch_masks(sample_items, self.model.cfg.vocab_size)
         began = time.perf_counter()
         hidden = self.graphs.run(input_ids, positions, attn_requests) if self.graphs is not None else None
@@ -76,7 +80,11 @@ class ModelRunner:
             self.forward_seconds += time.perf_counter() - began
             return {}
         logits = self.model.logits(hidden[torch.tensor(sample_rows, device=device)])
-        tokens, logprobs = self.sampler(logits, sample_items, scratch_logits=True)
+        if self.tp.rank == 0:
+            tokens, logprobs = self.sampler(logits, sample_items, scratch_logits=True)
+        else:  # tensor parallelism: rank 0 samples, the other ranks take its tokens
+            tokens, logprobs = None, [None] * len(sample_items)
+        tokens = self.tp.broadcast_tokens(tokens, len(sample_items))
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         self.forward_seconds += time.perf_counter() - began

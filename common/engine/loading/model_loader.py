@@ -8,7 +8,8 @@ from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
 from common.engine.model_config import ModelConfig, load_model_config
-from common.engine.models.decoder import DecoderModel
+from common.engine.models.decoder import SINGLE, DecoderModel
+from common.engine.parallel.tensor_parallel import TensorParallel
 
 
 def resolve_checkpoint(model: str) -> Path:
@@ -54,20 +55,22 @@ def load_state_dict(checkpoint: Path) -> dict[str, torch.Tensor]:
 
 
 def load_model(checkpoint: Path, dtype: torch.dtype, device: torch.device,
-               random_weights: bool = False) -> tuple[DecoderModel, ModelConfig]:
+               random_weights: bool = False, tp: TensorParallel = SINGLE) -> tuple[DecoderModel, ModelConfig]:
     """Build the model for ``checkpoint`` and load its weights; errors name the missing pieces.
-    ``random_weights``: only config.json is read (see ``random_model``)."""
+    ``random_weights``: only config.json is read (see ``random_model``).  ``tp``: this rank's
+    share of the model only (the config returned is the whole model's)."""
     cfg = load_model_config(checkpoint)
     if random_weights:
-        return random_model(cfg, dtype, device), cfg
+        return random_model(cfg, dtype, device, tp=tp), cfg
     state = load_state_dict(checkpoint)
     # Multimodal Gemma 3 checkpoints keep the text model under another prefix.
     state = {k.removeprefix("language_model."): v for k, v in state.items()}
-    with torch.device("meta"):
-        model = DecoderModel(cfg)
-    expected = set(model.state_dict())
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
+    state = tp.shard_state_dict(state, cfg)
+    with torch.device("meta"):
+        model = DecoderModel(tp.local_config(cfg), tp)
+    expected = set(model.state_dict())
     missing = sorted(expected - set(state))
     if missing:
         raise ValueError(f"checkpoint {str(checkpoint)!r} lacks weights: {', '.join(missing[:5])}"
@@ -81,11 +84,12 @@ def load_model(checkpoint: Path, dtype: torch.dtype, device: torch.device,
     return model.eval(), cfg
 
 
-def random_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0) -> DecoderModel:
+def random_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0,
+                 tp: TensorParallel = SINGLE) -> DecoderModel:
     """A model of ``cfg``'s shape with random weights made in place on ``device`` (normal, std 0.02;
     norms one, biases zero): an 8B shape costs no download, no disk and no host memory."""
     with torch.device("meta"):
-        model = DecoderModel(cfg)
+        model = DecoderModel(tp.local_config(cfg), tp)
     model = model.to(dtype).to_empty(device=device)
     generator = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():

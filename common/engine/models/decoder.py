@@ -18,6 +18,9 @@ from common.engine.model_config import ModelConfig
 from common.engine.models.linear import Linear, linear, pack_weight, packed_linear, tune_row_padding
 from common.engine.models.stages import EAGER, LayerStages
 from common.engine.models.rotary import RotaryEmbedding, apply_rotary
+from common.engine.parallel.tensor_parallel import TensorParallel
+
+SINGLE = TensorParallel()  # one rank: no collectives
 
 log = logging.getLogger(__name__)
 # Below this many bytes of packed weights a model's products are too quick for their row count to
@@ -88,8 +91,9 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE):
         super().__init__()
+        self.tp = tp
         self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
@@ -106,15 +110,16 @@ class MLP(nn.Module):
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        return self.tp.all_reduce(self.down_proj(self.act(gate) * up))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int):
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TensorParallel = SINGLE):
         super().__init__()
+        self.tp = tp
         self.sandwich = cfg.sandwich_norms
         self.self_attn = Attention(cfg, layer)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # Llama: the norm before the MLP.  Gemma: the norm after attention (sandwich).
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -128,7 +133,7 @@ class DecoderLayer(nn.Module):
 
     def after_attention(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         """Everything after attention: output projection, norms, residuals and the MLP."""
-        h = self.self_attn.o_proj(attended.reshape(x.shape[0], -1))
+        h = self.tp.all_reduce(self.self_attn.o_proj(attended.reshape(x.shape[0], -1)))
         if self.sandwich:
             x = x + self.post_attention_layernorm(h)
             return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
@@ -144,26 +149,28 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE):
         super().__init__()
         # Given its weight, Embedding skips its random init: on the meta device that init imports
         # torch._dynamo (~1.7 s of a worker's start), and the loader overwrites the weight anyway.
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
-                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        rows = tp.vocab_share(cfg.vocab_size)
+        self.embed_tokens = nn.Embedding(rows, cfg.hidden_size, _weight=torch.empty(rows, cfg.hidden_size))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class DecoderModel(nn.Module):
     """A causal LM over paged KV: ``forward`` returns the final hidden states of all tokens;
-    ``logits`` projects only the rows that sample."""
+    ``logits`` projects only the rows that sample.  With tensor parallelism (``tp``), ``cfg`` is
+    this rank's share (``TensorParallel.local_config``) and ``logits`` are whole on rank 0 only."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE):
         super().__init__()
         self.cfg = cfg
-        self.model = Backbone(cfg)
+        self.tp = tp
+        self.model = Backbone(cfg, tp)
         if not cfg.tie_word_embeddings:
-            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = Linear(cfg.hidden_size, tp.vocab_share(cfg.vocab_size), bias=False)
         self.rotary: RotaryEmbedding | None = None
         self.stages: LayerStages = EAGER  # ``compile_stages`` swaps in compiled ones
         self.packed_lm_head: torch.Tensor | None = None  # a tied LM head's packed copy
@@ -211,7 +218,7 @@ class DecoderModel(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids, positions, cache: KVCache, meta: AttentionMetadata, backend) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)
+        x = self.tp.embed(self.model.embed_tokens, input_ids, self.cfg.vocab_size)
         if self.cfg.embed_scale != 1.0:
             x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)
         rope = {t: self.rotary.cos_sin(positions, t, x.dtype) for t in set(self.cfg.layer_types)}
@@ -220,7 +227,8 @@ class DecoderModel(nn.Module):
         return x
 
     @torch.inference_mode()
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The logits of ``hidden``'s rows (None on tensor-parallel ranks other than 0)."""
         hidden = self.model.norm(hidden)
         if not self.cfg.tie_word_embeddings:
             logits = self.lm_head(hidden).float()
@@ -228,6 +236,9 @@ class DecoderModel(nn.Module):
             logits = packed_linear(hidden, self.packed_lm_head, row_padding=self.row_padding).float()
         else:
             logits = linear(hidden, self.model.embed_tokens.weight).float()
+        logits = self.tp.gather_logits(logits, self.cfg.vocab_size)
+        if logits is None:
+            return None
         cap = self.cfg.final_logit_softcapping
         if cap:
             logits = torch.tanh(logits / cap) * cap

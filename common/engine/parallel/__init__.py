@@ -1,0 +1,1 @@
+"""Tensor parallelism: one model across ranks of a ``torch.distributed`` group (``tensor_parallel``)."""

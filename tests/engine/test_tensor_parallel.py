@@ -1,0 +1,99 @@
+"""Tensor parallelism in the engine, on CPU with gloo: one process per rank, each holding its
+share of every layer (and its kv heads of the KV cache).  Greedy outputs at TP=2 and TP=4 equal
+TP=1's and transformers'; with fewer kv heads than ranks (Gemma 3's one) the kv heads are
+replicated and the outputs still equal."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from common.engine.config import EngineConfig
+from common.engine.engine import Engine
+from common.engine.parallel.tensor_parallel import TensorParallel
+from tests.support.checkpoints import VOCAB, hf_greedy, tiny_gemma3_config, tiny_llama_config, write_checkpoint
+
+MAX_NEW = 10
+PROMPTS = [[5, 17, 99, 230, 11], list(range(3, 40)), [400, 401, 7, 7, 7, 9, 300, 12, 1, 250]]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank(rank: int, size: int, port: int, directory: str, out: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
+    try:
+        engine = Engine(EngineConfig(model=directory, num_blocks=64, block_size=4, tensor_parallel_size=size),
+                        load_tokenizer=False)
+        results = engine.generate(PROMPTS, {"max_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True})
+        if rank == 0:
+            with open(out, "w") as f:
+                json.dump({"tokens": [r.token_ids for r in results],
+                           "kv_heads": engine.layout.num_kv_heads}, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_tp(directory, size: int, tmp_path) -> dict:
+    out = tmp_path / f"tp{size}.json"
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    mp.start_processes(_rank, args=(size, _free_port(), str(directory), str(out)), nprocs=size, join=True,
+                       start_method="spawn")
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    # 8 query heads, 4 kv heads: split at TP=2 and TP=4.
+    return write_checkpoint(tiny_llama_config(num_attention_heads=8, num_key_value_heads=4, hidden_size=64,
+                                              intermediate_size=128), tmp_path_factory.mktemp("llama8x4"))
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory):
+    # One kv head (Gemma 3 270M's shape): replicated on both ranks at TP=2.
+    return write_checkpoint(tiny_gemma3_config(), tmp_path_factory.mktemp("gemma1kv"))
+
+
+def single(directory) -> list[list[int]]:
+    engine = Engine(EngineConfig(model=str(directory), num_blocks=64, block_size=4), load_tokenizer=False)
+    return [r.token_ids for r in engine.generate(PROMPTS, {"max_tokens": MAX_NEW, "temperature": 0,
+                                                           "ignore_eos": True})]
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_split_kv_heads_equal_one_rank_and_transformers(llama, tmp_path, size):
+    expected = single(llama)
+    assert expected == [hf_greedy(llama, p, MAX_NEW) for p in PROMPTS]
+    result = run_tp(llama, size, tmp_path)
+    assert result["kv_heads"] == 4 // size  # each rank's KV cache holds its share of the heads
+    assert result["tokens"] == expected
+
+
+def test_replicated_kv_head_equals_one_rank(gemma, tmp_path):
+    result = run_tp(gemma, 2, tmp_path)
+    assert result["kv_heads"] == 1
+    assert result["tokens"] == single(gemma)
+
+
+def test_shares_and_refusals():
+
+    tp = TensorParallel(size=4, rank=3)
+    assert tp.split(8, "heads") == slice(6, 8) and tp.vocab(VOCAB + 1) == slice(387, 513)
+    assert TensorParallel(size=4, rank=2).kv_heads(8, 2) == slice(1, 2)  # q heads 4,5 use kv head 1
+    with pytest.raises(ValueError, match="must divide by the tensor-parallel size 4"):
+        tp.split(6, "the attention heads")
+    with pytest.raises(ValueError, match="cannot be split or replicated"):
+        TensorParallel(size=4, rank=0).kv_heads(12, 3)
+    with pytest.raises(ValueError, match="needs torch.distributed initialised"):
+        TensorParallel.of_process_group(2)
