@@ -333,6 +333,24 @@ class Engine:
                 result.text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
         return ordered
 
+    # ---- tensor parallelism ----------------------------------------------------------------
+
+    def follow(self) -> int:
+        """Ranks other than 0 of a tensor-parallel group: run rank 0's steps (their shares of every
+        layer) until it says stop; returns the steps run."""
+        if self.tp.rank == 0:
+            raise RuntimeError("rank 0 schedules; only the other ranks follow")
+        steps = 0
+        while (out := self.runner.steps.receive()) is not None:
+            self.runner.execute(out)
+            steps += 1
+        return steps
+
+    def stop_followers(self) -> None:
+        """Rank 0: tell the other ranks of the group that no step follows."""
+        if self.runner.steps is not None and self.tp.rank == 0:
+            self.runner.steps.send_stop()
+
     # ---- introspection ---------------------------------------------------------------------
 
     def stats(self) -> dict[str, float]:

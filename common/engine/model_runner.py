@@ -9,6 +9,7 @@ import torch
 from common.engine.attention.interface import AttentionRequest
 from common.engine.kv.kv_cache import KVCache
 from common.engine.models.decoder import DecoderModel
+from common.engine.parallel.step_broadcast import StepBroadcast
 from common.engine.parallel.tensor_parallel import TensorParallel
 from common.engine.sampler import Sampler, TokenLogprobs
 from common.engine.scheduler import SchedulerOutput
@@ -38,12 +39,16 @@ class ModelRunner:
         self.device = device
         self.graphs = graphs
         self.tp = tp or TensorParallel()
+        # Rank 0 of a tensor-parallel group sends each step to the other ranks before computing it.
+        self.steps = StepBroadcast(self.tp) if self.tp.size > 1 else None
         self.sampler = Sampler()
         self.forward_seconds = 0.0  # time inside the model, for the overhead figure
         self.on_kv_written: list[Callable[[SchedulerOutput], None]] = []
 
     def execute(self, out: SchedulerOutput) -> dict[str, tuple[int, TokenLogprobs | None]]:
         """Compute the step; returns ``request_id -> (sampled token, logprobs)`` for sampling rows."""
+        if self.steps is not None and self.tp.rank == 0:
+            self.steps.send(out)
         input_ids: list[int] = []
         positions: list[int] = []
         attn_requests: list[AttentionRequest] = []

@@ -1,5 +1,6 @@
 """Tensor parallelism in the engine, on CPU with gloo: one process per rank, each holding its
-share of every layer (and its kv heads of the KV cache).  Greedy outputs at TP=2 and TP=4 equal
+share of every layer (and its kv heads of the KV cache); rank 0 schedules and sends each step, the
+others follow.  Greedy outputs at TP=2 and TP=4 equal
 TP=1's and transformers'; with fewer kv heads than ranks (Gemma 3's one) the kv heads are
 replicated and the outputs still equal."""
 from __future__ import annotations
@@ -35,11 +36,13 @@ def _rank(rank: int, size: int, port: int, directory: str, out: str) -> None:
     try:
         engine = Engine(EngineConfig(model=directory, num_blocks=64, block_size=4, tensor_parallel_size=size),
                         load_tokenizer=False)
+        if rank != 0:  # rank 0 schedules and sends each step; the others compute their shares
+            engine.follow()
+            return
         results = engine.generate(PROMPTS, {"max_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True})
-        if rank == 0:
-            with open(out, "w") as f:
-                json.dump({"tokens": [r.token_ids for r in results],
-                           "kv_heads": engine.layout.num_kv_heads}, f)
+        engine.stop_followers()
+        with open(out, "w") as f:
+            json.dump({"tokens": [r.token_ids for r in results], "kv_heads": engine.layout.num_kv_heads}, f)
     finally:
         dist.destroy_process_group()
 
@@ -97,3 +100,16 @@ def test_shares_and_refusals():
         TensorParallel(size=4, rank=0).kv_heads(12, 3)
     with pytest.raises(ValueError, match="needs torch.distributed initialised"):
         TensorParallel.of_process_group(2)
+
+
+def test_a_step_survives_its_encoding():
+    from common.engine.parallel.step_broadcast import decode_step, encode_step
+    from common.engine.sampling_params import SamplingParams
+    from common.engine.scheduler import ScheduledRequest, SchedulerOutput
+
+    items = [ScheduledRequest("a", [5, 6, 7], 0, [3, 9], False, SamplingParams(), 0),
+             ScheduledRequest("b", [8], 41, [1, 2, 4, 11, 12, 13], True, SamplingParams(), 2)]
+    decoded = decode_step(encode_step(SchedulerOutput(items, 4)))
+    assert [(s.token_ids, s.num_computed_tokens, s.block_ids, s.sample) for s in decoded.scheduled] == \
+        [(s.token_ids, s.num_computed_tokens, s.block_ids, s.sample) for s in items]
+    assert decoded.num_scheduled_tokens == 4

@@ -1,0 +1,75 @@
+"""Rank 0 of a tensor-parallel group schedules; every step's work goes to the other ranks as one
+int64 tensor (no pickle), and they run the same forward on their shares.
+
+    [num_items, then per item: num_tokens, num_computed_tokens, num_blocks, sample,
+     token ids..., block ids...]
+
+A length of 0 tells the followers to stop.  What a follower needs of a step is what the model
+runner reads (tokens, positions, blocks, which rows sample); the sampling itself is rank 0's.
+"""
+from __future__ import annotations
+
+import torch
+
+from common.engine.parallel.tensor_parallel import TensorParallel
+from common.engine.sampling_params import SamplingParams
+from common.engine.scheduler import ScheduledRequest, SchedulerOutput
+
+_FOLLOWER_PARAMS = SamplingParams()  # followers never sample
+
+
+def encode_step(out: SchedulerOutput) -> torch.Tensor:
+    values = [len(out.scheduled)]
+    for item in out.scheduled:
+        values += [len(item.token_ids), item.num_computed_tokens, len(item.block_ids), int(item.sample)]
+        values += item.token_ids
+        values += item.block_ids
+    return torch.tensor(values, dtype=torch.int64)
+
+
+def decode_step(data: torch.Tensor) -> SchedulerOutput:
+    values = data.tolist()
+    count, pos, scheduled = values[0], 1, []
+    for i in range(count):
+        num_tokens, computed, num_blocks, sample = values[pos:pos + 4]
+        pos += 4
+        tokens = values[pos:pos + num_tokens]
+        pos += num_tokens
+        blocks = values[pos:pos + num_blocks]
+        pos += num_blocks
+        scheduled.append(ScheduledRequest(request_id=f"follower-{i}", token_ids=tokens, num_computed_tokens=computed,
+                                          block_ids=blocks, sample=bool(sample), sampling_params=_FOLLOWER_PARAMS,
+                                          num_output_tokens=0))
+    return SchedulerOutput(scheduled=scheduled, num_scheduled_tokens=sum(len(s.token_ids) for s in scheduled))
+
+
+class StepBroadcast:
+    """Sends (rank 0) and receives (the others) the steps of one tensor-parallel group."""
+
+    def __init__(self, tp: TensorParallel):
+        self.tp = tp
+
+    def send(self, out: SchedulerOutput) -> None:
+        self._send(encode_step(out))
+
+    def send_stop(self) -> None:
+        self._send(torch.empty(0, dtype=torch.int64))
+
+    def _send(self, data: torch.Tensor) -> None:
+        import torch.distributed as dist
+
+        dist.broadcast(torch.tensor([data.numel()], dtype=torch.int64), src=0, group=self.tp.group)
+        if data.numel():
+            dist.broadcast(data, src=0, group=self.tp.group)
+
+    def receive(self) -> SchedulerOutput | None:
+        """The next step, or None when rank 0 says stop."""
+        import torch.distributed as dist
+
+        length = torch.empty(1, dtype=torch.int64)
+        dist.broadcast(length, src=0, group=self.tp.group)
+        if int(length) == 0:
+            return None
+        data = torch.empty(int(length), dtype=torch.int64)
+        dist.broadcast(data, src=0, group=self.tp.group)
+        return decode_step(data)
