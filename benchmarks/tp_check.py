@@ -1,0 +1,133 @@
+"""Tensor parallelism on CPU (gloo): greedy parity across TP sizes, and where a TP step's time goes.
+
+    python benchmarks/tp_check.py            # a 4-layer Llama (hidden 512, 8 q / 4 kv heads) and a
+                                             # Gemma 3 shape with one kv head
+    python benchmarks/tp_check.py --quick    # the tests' tiny sizes
+
+One process per rank (torch.multiprocessing, gloo over loopback); rank 0 schedules and samples,
+the others follow.  Prints one JSON object as its last line:
+
+    tp2_identical, tp4_identical   greedy tokens equal to TP=1's (same checkpoint, same prompts)
+    replicated_kv_identical        one kv head replicated over 2 ranks, equal to TP=1's
+    kv_bytes_per_token_per_rank    the KV one rank holds per token, by TP size (its heads only)
+    tp2_collective_fraction        at TP=2, the share of rank 0's step time spent in collectives
+                                   (all_reduce of the row-parallel outputs and the embedding,
+                                   the logits' gather, the token and step broadcasts)
+    hetero_*                       not measured: the KV transfer between pools of different TP
+                                   sizes is not built yet (null)
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import socket  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.bench_util import emit  # noqa: E402
+
+PROMPTS = [[5, 17, 99, 230, 11] * 8, list(range(3, 120)), [400, 401, 7, 7, 7, 9, 300, 12, 1, 250] * 4]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _timed_collectives(seconds: list[float]) -> None:
+    """Count the time rank 0 spends in torch.distributed's collectives."""
+    import torch.distributed as dist
+
+    for name in ("all_reduce", "gather", "broadcast"):
+        original = getattr(dist, name)
+
+        def timed(*args, _original=original, **kwargs):
+            began = time.perf_counter()
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                seconds[0] += time.perf_counter() - began
+        setattr(dist, name, timed)
+
+
+def _rank(rank: int, size: int, port: int, directory: str, max_new: int, out: str) -> None:
+    import torch.distributed as dist
+
+    from common.engine.config import EngineConfig
+    from common.engine.engine import Engine
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // size))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
+    try:
+        engine = Engine(EngineConfig(model=directory, num_blocks=512, block_size=16, tensor_parallel_size=size),
+                        load_tokenizer=False)
+        if rank != 0:
+            engine.follow()
+            return
+        collective = [0.0]
+        if size > 1:
+            _timed_collectives(collective)
+        engine.generate(PROMPTS[:1], {"max_tokens": 2, "temperature": 0})  # warm-up
+        collective[0] = 0.0
+        began = time.perf_counter()
+        results = engine.generate(PROMPTS, {"max_tokens": max_new, "temperature": 0, "ignore_eos": True})
+        seconds = time.perf_counter() - began
+        engine.stop_followers()
+        layout = engine.layout
+        kv_bytes = 2 * layout.num_layers * layout.num_kv_heads * layout.head_dim * torch.finfo(torch.float32).bits // 8
+        Path(out).write_text(json.dumps({"tokens": [r.token_ids for r in results], "seconds": seconds,
+                                         "collective_seconds": collective[0], "kv_bytes_per_token": kv_bytes}))
+    finally:
+        dist.destroy_process_group()
+
+
+def run(directory: Path, size: int, max_new: int) -> dict:
+    out = Path(tempfile.mkdtemp()) / "result.json"
+    mp.start_processes(_rank, args=(size, _free_port(), str(directory), max_new, str(out)), nprocs=size,
+                       join=True, start_method="spawn")
+    return json.loads(out.read_text())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--max-new", type=int, default=32)
+    args = p.parse_args()
+    from tests.support.checkpoints import tiny_gemma3_config, tiny_llama_config, write_checkpoint
+
+    root = Path(tempfile.mkdtemp(prefix="tp-check-"))
+    llama_shape = dict(num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048)
+    if not args.quick:
+        llama_shape.update(hidden_size=512, intermediate_size=1536, num_hidden_layers=4, vocab_size=8192)
+    llama = write_checkpoint(tiny_llama_config(**llama_shape), root / "llama")
+    gemma = write_checkpoint(tiny_gemma3_config(max_position_embeddings=2048), root / "gemma")
+    base = run(llama, 1, args.max_new)
+    tp2, tp4 = run(llama, 2, args.max_new), run(llama, 4, args.max_new)
+    gemma1, gemma2 = run(gemma, 1, args.max_new), run(gemma, 2, args.max_new)
+    emit({
+        "benchmark": "tp_check", "model": "tiny" if args.quick else "llama-4x512 (8 q / 4 kv heads)",
+        "tp2_identical": tp2["tokens"] == base["tokens"], "tp4_identical": tp4["tokens"] == base["tokens"],
+        "replicated_kv_identical": gemma2["tokens"] == gemma1["tokens"],
+        "hetero_p2_d1_identical": None, "hetero_p1_d2_identical": None,
+        "kv_bytes_per_token_per_rank": {"tp1": base["kv_bytes_per_token"], "tp2": tp2["kv_bytes_per_token"],
+                                        "tp4": tp4["kv_bytes_per_token"]},
+        "tp2_collective_fraction": round(tp2["collective_seconds"] / tp2["seconds"], 3),
+        "tp1_seconds": round(base["seconds"], 3), "tp2_seconds": round(tp2["seconds"], 3),
+        "tp4_seconds": round(tp4["seconds"], 3),
+    })
+
+
+if __name__ == "__main__":
+    main()
