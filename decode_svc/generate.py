@@ -93,7 +93,8 @@ async def handle_generate(context: RoleContext, request: web.Request) -> web.Str
         reservation = None
         grammar = await context.compile_grammar(body.sampling_params)
         try:
-            if body.prefill_worker_id:
+            if body.prefill_worker_id and context.model.tensor_parallel_size == 1:
+                # (a tensor-parallel worker computes its prompts: no KV between TP sizes yet)
                 reservation = await reserve(context, body, grammar)
                 if reservation is None:  # nothing started: the gateway tries another decode worker
                     outcome = "busy"

@@ -59,6 +59,9 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"invalid config: role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if self.engine.tensor_parallel_size > 1 and self.role == "prefill":
+            raise ValueError("invalid config: a prefill worker ships KV, which tensor-parallel workers cannot do yet "
+                             "(--tensor-parallel-size > 1 is for decode and colocated workers)")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"invalid config: port must be in 0..65535, got {self.port}")
         if self.heartbeat_ttl_s <= 0:
@@ -166,6 +169,9 @@ def build_parser(default_role: str, description: str, env: Mapping[str, str] | N
                      help="compile the decoder layers' work around attention with torch.compile (inductor) at "
                           "start-up, for prefill-sized steps (CPU; eager where it fails, and on CUDA, where CUDA "
                           "graphs serve decode)")
+    add("--tensor-parallel-size", EngineConfig.tensor_parallel_size, int,
+        help="processes (ranks) this worker runs the model on, each with its share of every layer "
+             "(gloo on CPU, NCCL on GPU); decode and colocated workers only for now")
     add("--structured-output-backend", EngineConfig.structured_output_backend, choices=BACKENDS,
         help="grammar backend for response_format, structured_outputs and tool calls (xgrammar: the "
              "'xgrammar' extra)")
@@ -188,7 +194,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len, model_id=args.model_id, attention_backend=args.attention_backend,
         cuda_graphs=bool(args.cuda_graphs), compile=bool(args.compile), remote_kv_budget=args.remote_kv_budget,
-        structured_output_backend=args.structured_output_backend,
+        tensor_parallel_size=args.tensor_parallel_size, structured_output_backend=args.structured_output_backend,
         grammar_compile_timeout_s=args.grammar_compile_timeout,
     )
     kv = KVTransferConfig(transport=args.kv_transport, host=args.kv_host or args.host, port=args.kv_port,

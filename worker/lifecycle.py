@@ -52,8 +52,10 @@ from worker.peers import PeerDirectory
 from worker.recent import RecentLatency, RecentRate
 from worker.request_auth import cluster_auth_middleware
 from worker.role_context import ModelShape, RoleContext, RoleModule
+from worker.tensor_ranks import TensorRanks
 
 log = logging.getLogger(__name__)
+STOP_FOLLOWERS_S = 30.0  # rank 0 tells the followers to stop between two steps; a step may be in flight
 
 
 def peer_session(config: WorkerConfig) -> aiohttp.ClientSession:
@@ -100,6 +102,7 @@ class Worker:
         self.http_client: aiohttp.ClientSession | None = None  # calls to peer workers
         self.peers: PeerDirectory | None = None  # where peer workers are, by worker id
         self.failure: BaseException | None = None  # set once the engine has failed
+        self.ranks: TensorRanks | None = None  # the follower ranks of a tensor-parallel worker
         self.failed = asyncio.Event()
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -107,6 +110,10 @@ class Worker:
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         self.http_client = peer_session(self.config)
+        if self.config.engine.tensor_parallel_size > 1:  # the follower ranks first: the engine joins them
+            self.ranks = TensorRanks(self.config.engine)
+            await asyncio.to_thread(self.ranks.start)
+            self.ranks.watch(lambda why: loop.call_soon_threadsafe(self._engine_failed, RuntimeError(why)))
         self.engine = await asyncio.to_thread(Engine, self.config.engine, load_tokenizer=False)
         self.engine_thread = EngineThread(self.engine, loop, max_step_failures=self.config.max_step_failures,
                                           watchdog_s=self.config.engine_watchdog_s, hang_backstop=True)
@@ -168,8 +175,15 @@ class Worker:
             await self.kv_receiver.close()
         if self.kv_sender:
             await self.kv_sender.close()  # each closes its transport (the UCX worker's threads too)
+        if self.ranks is not None and self.engine_thread and self.failure is None:
+            try:  # between two steps, in the thread that runs the collectives
+                await asyncio.wait_for(self.engine_thread.call(lambda e: e.stop_followers()), STOP_FOLLOWERS_S)
+            except Exception as exc:  # the engine failed meanwhile: the followers are killed below
+                log.warning("tensor-parallel followers not told to stop (%s)", exc)
         if self.engine_thread:
             self.engine_thread.stop()
+        if self.ranks is not None:
+            await asyncio.to_thread(self.ranks.stop)
         for task in list(self._background):
             task.cancel()
         if self.http_client:
@@ -187,7 +201,7 @@ class Worker:
         engine = self.engine
         model = ModelShape(vocab_size=engine.model_config.vocab_size, block_size=engine.config.block_size,
                            block_nbytes=engine.kv_cache.block_nbytes, max_model_len=engine.scheduler.config.max_model_len,
-                           device=engine.device)
+                           device=engine.device, tensor_parallel_size=engine.tp.size)
         return RoleContext(config=self.config, model=model, engine=self.engine_thread,
                            on_kv_written=engine.runner.on_kv_written, kv_sender=self.kv_sender,
                            kv_receiver=self.kv_receiver, peers=self.peers, peer_http=self.http_client, auth=self.auth,
@@ -288,6 +302,8 @@ class Worker:
         wanted = ("decode", "both") if kind == "generate" else ("prefill", "both")
         if self.role not in wanted:
             return "refused", f"worker role is {self.role}, not {' or '.join(wanted)}"
+        if kind == "prefill" and self.config.engine.tensor_parallel_size > 1:
+            return "refused", "a tensor-parallel worker ships no KV yet (it would be rank 0's heads only)"
         if len(self.in_flight) >= self.config.max_pending_requests:
             return "busy", f"worker has {len(self.in_flight)} requests in flight (limit {self.config.max_pending_requests})"
         return None
@@ -325,6 +341,8 @@ class Worker:
         on its next read.  Also the way back from a drain: the worker becomes active again."""
         if role not in ROLES:
             raise ValueError(f"unknown role {role!r}; expected one of {', '.join(ROLES)}")
+        if role == "prefill" and self.config.engine.tensor_parallel_size > 1:
+            raise ValueError("a tensor-parallel worker cannot take the prefill role yet (it ships no KV)")
         log.info("role change %s -> %s", self.role, role)
         self.role = role
         if self._drain_task is not None and not self._drain_task.done():
@@ -338,6 +356,7 @@ class Worker:
         out = dict(self.engine_thread.snapshot if engine_stats is None else engine_stats)
         out.update(self.metrics.snapshot())
         out.update(worker_id=self.config.worker_id, role=self.role, state=self.state,
+                   tensor_parallel_size=self.config.engine.tensor_parallel_size,
                    inflight=len(self.in_flight),
                    kv_incoming=self.kv_receiver.num_pending if self.kv_receiver else 0,
                    kv_outgoing=self.kv_sender.num_in_flight if self.kv_sender else 0,

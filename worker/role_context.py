@@ -44,6 +44,7 @@ class ModelShape:
     block_nbytes: int  # bytes of one KV block, every layer
     max_model_len: int
     device: "torch.device"
+    tensor_parallel_size: int = 1
 
 
 @dataclass(frozen=True)
