@@ -186,7 +186,7 @@ class Engine:
             return self._grammars
 
     def _grammar_backend(self) -> GrammarBackend:
-        tokenizer = self.tokenizer or self._load_tokenizer()
+        tokenizer = self.tokenizer if self.tokenizer is not None else self._load_tokenizer()
         if tokenizer is None:
             raise ValueError("structured output needs the model's tokenizer, and this checkpoint has none")
         return make_backend(self.config.structured_output_backend, tokenizer, self.model_config.vocab_size)
