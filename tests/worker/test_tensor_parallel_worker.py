@@ -3,8 +3,10 @@ greedy answers equal the one-rank engine's, it takes no prefill requests, and a 
 dies fails the whole worker (it leaves the pool and exits non-zero) instead of hanging it."""
 from __future__ import annotations
 
+import json
 import signal
 import time
+import urllib.error
 
 import openai
 import psutil
@@ -34,6 +36,14 @@ def test_greedy_answers_equal_one_rank(stack, served_checkpoint):
                                            extra_body={"ignore_eos": True}).choices[0].text
         assert served == engine.generate([prompt], {"max_tokens": 12, "temperature": 0, "ignore_eos": True})[0].text
     assert stack.stats("d0")["tensor_parallel_size"] == 2
+
+
+def test_it_refuses_the_prefill_role(stack):
+    """It would ship rank 0's heads only: until KV moves between TP sizes, no prefill role."""
+    with pytest.raises(urllib.error.HTTPError) as info:
+        stack.worker_json("d0", "/admin/role", "POST", json.dumps({"role": "prefill"}).encode())
+    assert info.value.code == 400 and b"tensor-parallel" in info.value.read()
+    assert stack.stats("d0")["role"] == "decode"
 
 
 def test_a_dead_follower_fails_the_whole_worker(stack):
