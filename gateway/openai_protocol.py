@@ -250,7 +250,7 @@ class _MessageBody(ChatMessage):
 def _arguments(text: str):
     try:
         value = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON (or nested past Python's parser): the text as it is
         return text
     return value if isinstance(value, dict) else text
 

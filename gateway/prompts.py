@@ -63,9 +63,9 @@ class PromptEncoder:
                 f"{num_chars} characters is at least {at_least} tokens. Please reduce the prompt.", param,
                 "context_length_exceeded")
 
-    async def text(self, text: str) -> list[int]:
+    async def text(self, text: str, add_special_tokens: bool = True) -> list[int]:
         self.check_size(len(text), len(text.encode("utf-8", "surrogatepass")), "prompt")
-        return await self._run(len(text), lambda: list(self.tokenizer(text).input_ids))
+        return await self._run(len(text), lambda: list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids))
 
     async def chat(self, messages: Sequence[dict[str, str]], render: Callable[[], list[int]]) -> list[int]:
         """``render()`` applies the chat template and tokenizes, always in a thread and within

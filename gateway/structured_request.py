@@ -90,7 +90,7 @@ def read_structured_outputs(raw: msgspec.Raw, from_msgspec) -> StructuredOutput 
 def _is_json(text: str) -> bool:
     try:
         json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # nested too deeply for Python's parser: not a schema we read
         return False
     return True
 
@@ -98,4 +98,12 @@ def _is_json(text: str) -> bool:
 def _schema(schema: Any, field: str) -> StructuredOutput:
     if not isinstance(schema, (dict, bool)):
         raise invalid(f"{field}: the JSON schema must be a JSON object", field, "invalid_grammar")
-    return StructuredOutput("json_schema", json.dumps(schema), field)
+    return StructuredOutput("json_schema", schema_text(schema, field), field)
+
+
+def schema_text(schema: Any, field: str) -> str:
+    """``schema`` as JSON text; one nested past Python's own limit is a 400 naming ``field``."""
+    try:
+        return json.dumps(schema)
+    except RecursionError:
+        raise invalid(f"{field}: the JSON schema is nested too deeply", field, "invalid_grammar") from None

@@ -49,6 +49,8 @@ def _decode(body: bytes, kind: type):
         return msgspec.json.decode(body, type=kind, strict=False)
     except msgspec.MsgspecError as exc:
         raise invalid(f"Invalid request body: {exc}") from None
+    except RecursionError:
+        raise invalid("Request body is nested too deeply") from None
 
 
 def add_tokenize_routes(app: web.Application, handlers: OpenAIHandlers) -> None:
@@ -60,9 +62,10 @@ def add_tokenize_routes(app: web.Application, handlers: OpenAIHandlers) -> None:
 
     async def tokenize(request: web.Request) -> web.Response:
         body = await services.read_body(request)
-        if b'"messages"' in body:  # the chat shape: the same checks as a chat request
-            chat = msgspec.json.decode(body, type=dict[str, msgspec.Raw])
-            add_generation_prompt = msgspec.json.decode(chat.pop("add_generation_prompt", b"true"), type=bool)
+        fields = _decode(body, dict[str, msgspec.Raw])
+        if "messages" in fields:  # the chat shape: the same checks as a chat request
+            chat = fields
+            add_generation_prompt = _decode(chat.pop("add_generation_prompt", b"true"), bool)
             chat.pop("add_special_tokens", None)
             chat.setdefault("model", msgspec.json.encode(services.model_id))
             req = parse_chat_request(b"{" + b",".join(msgspec.json.encode(k) + b":" + bytes(v)
@@ -73,8 +76,7 @@ def add_tokenize_routes(app: web.Application, handlers: OpenAIHandlers) -> None:
         else:
             req = _decode(body, TokenizeText)
             check_model(req.model)
-            services.prompts.check_size(len(req.prompt), len(req.prompt.encode("utf-8", "surrogatepass")), "prompt")
-            ids = list(services.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens).input_ids)
+            ids = await services.prompts.text(req.prompt, req.add_special_tokens)  # bounded, off the loop when long
         return json_response(TokenizeAnswer(len(ids), services.max_model_len, ids))
 
     async def detokenize(request: web.Request) -> web.Response:

@@ -37,7 +37,7 @@ def complete_calls(text: str, start: int = 0) -> tuple[list[ParsedCall], int]:
             return calls, start
         try:
             item, end = decoder.raw_decode(text, begin)
-        except ValueError:
+        except (ValueError, RecursionError):  # incomplete (or nested past Python's parser)
             return calls, start
         start = end
         if isinstance(item, dict) and "name" in item and "parameters" in item:
@@ -53,7 +53,8 @@ class ToolOutput:
         self.names = frozenset(t.function.name for t in plan.tools)
         self.text = ""
         self.num_calls = 0  # calls sent so far (a stream)
-        self._content_sent = ""  # the (stripped) content sent so far
+        self._sent: list[str] = []  # the content sent so far, piece by piece
+        self._sent_end = 0  # where in ``text`` the content sent (or skipped: leading whitespace) ends
         self._required_pos = 0  # where the next call's object may start (required)
 
     # ---- whole ---------------------------------------------------------------------------------
@@ -64,7 +65,7 @@ class ToolOutput:
             return None, [ParsedCall(self.plan.function, text)]
         if self.plan.mode == "required":  # cut short (max_tokens): the calls complete so far
             calls, _ = complete_calls(text)
-            return (text or None, []) if not calls else (None, calls)
+            return (text.strip() or None, []) if not calls else (None, calls)
         return self.parser.parse(text, self.names)
 
     def message_calls(self, calls: list[ParsedCall]) -> list[ResponseToolCall] | msgspec.UnsetType:
@@ -81,9 +82,9 @@ class ToolOutput:
             if delta:
                 out.append(self._arguments(0, delta))
             return out
-        if self.plan.mode == "required":
-            return self._complete_required_calls()
-        return self._content(self.text[:self.parser.held_from(self.text)])
+        if self.plan.mode == "required":  # a call can only complete with a closing brace
+            return self._complete_required_calls() if "}" in delta else []
+        return self._content_until(self.parser.held_from(self.text, self._sent_end))
 
     def finish(self) -> list[ChatDelta]:
         """The deltas still to send once the text is complete."""
@@ -92,10 +93,13 @@ class ToolOutput:
         if self.plan.mode == "required":
             out = self._complete_required_calls()
             if not self.num_calls:  # cut short: what there is goes out as content
-                out += self._content(self.text)
+                out += self._content_until(len(self.text))
             return out
         content, calls = self.parser.parse(self.text, self.names)
-        out = self._content(content or "")
+        out = []
+        sent = "".join(self._sent)
+        if content and content.startswith(sent) and len(content) > len(sent):  # text after the calls
+            out.append(ChatDelta(content=content[len(sent):]))
         for call in calls:
             out += self._send_call(call)
         return out
@@ -104,13 +108,20 @@ class ToolOutput:
     def made_calls(self) -> bool:
         return self.num_calls > 0
 
-    def _content(self, visible: str) -> list[ChatDelta]:
-        # Leading and trailing whitespace is held back: the whole answer's content is stripped.
-        visible = visible.strip()
-        if len(visible) <= len(self._content_sent) or not visible.startswith(self._content_sent):
+    def _content_until(self, end: int) -> list[ChatDelta]:
+        """Send ``text[..end]`` as content, past what was sent; leading whitespace is skipped and
+        trailing whitespace held back (the whole answer's content is stripped).  Each call looks at
+        the new text only."""
+        segment = self.text[self._sent_end:end]
+        if not self._sent:
+            kept = segment.lstrip()
+            self._sent_end += len(segment) - len(kept)
+            segment = kept
+        piece = segment.rstrip()
+        if not piece:
             return []
-        piece = visible[len(self._content_sent):]
-        self._content_sent = visible
+        self._sent.append(piece)
+        self._sent_end += len(piece)
         return [ChatDelta(content=piece)]
 
     def _complete_required_calls(self) -> list[ChatDelta]:

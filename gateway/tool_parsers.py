@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 PARSERS = ("hermes", "llama3_json", "json")
+_NOT_SPACE = re.compile(r"\S")
 DEFAULT_PARSER = "hermes"
 
 
@@ -30,8 +31,9 @@ class ToolCallParser(Protocol):
     def parse(self, text: str, names: frozenset[str]) -> tuple[str | None, list[ParsedCall]]:
         """The content and the calls of a finished output."""
 
-    def held_from(self, text: str) -> int:
-        """Where the part of an unfinished output that may still be (or be in) a call begins."""
+    def held_from(self, text: str, start: int = 0) -> int:
+        """Where the part of an unfinished output that may still be (or be in) a call begins;
+        ``start``: no call begins before it (what a stream has sent already)."""
 
 
 def _call(value, names: frozenset[str]) -> ParsedCall | None:
@@ -41,7 +43,7 @@ def _call(value, names: frozenset[str]) -> ParsedCall | None:
     if isinstance(arguments, str):
         try:
             json.loads(arguments)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
         return ParsedCall(value["name"], arguments)
     if not isinstance(arguments, dict):
@@ -87,12 +89,12 @@ class HermesParser:
     def _read(body: str, names: frozenset[str]) -> ParsedCall | None:
         try:
             return _call(json.loads(body), names)
-        except ValueError:
+        except (ValueError, RecursionError):  # a model's text nested past Python's parser is no call
             return None
 
-    def held_from(self, text: str) -> int:
-        start = text.find(self.OPEN)
-        return start if start >= 0 else _partial_tag_at_end(text, self.OPEN)
+    def held_from(self, text: str, start: int = 0) -> int:
+        found = text.find(self.OPEN, start)
+        return found if found >= 0 else max(start, _partial_tag_at_end(text, self.OPEN))
 
 
 class JsonParser:
@@ -117,16 +119,18 @@ class JsonParser:
                     calls.append(call)
                 while pos < len(body) and body[pos] in " \t\r\n;,":
                     pos += 1
-        except ValueError:
+        except (ValueError, RecursionError):
             return _content(text), []
         return (None, calls) if calls else (_content(text), [])
 
-    def held_from(self, text: str) -> int:
-        stripped = text.lstrip()
-        start = len(text) - len(stripped)
-        if stripped.startswith(("{", "[")) or (self.prefix and (stripped.startswith(self.prefix)
-                                                                or self.prefix.startswith(stripped))):
+    def held_from(self, text: str, start: int = 0) -> int:
+        first = _NOT_SPACE.search(text)  # the output's first character decides: a call, or text
+        if first is None:
             return start
+        head = text[first.start():first.start() + max(len(self.prefix), 1)]
+        if head.startswith(("{", "[")) or (self.prefix and (head.startswith(self.prefix)
+                                                            or self.prefix.startswith(head))):
+            return first.start()
         return len(text)
 
 

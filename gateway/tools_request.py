@@ -16,7 +16,6 @@ parses; ``auto`` is read from the text after the fact.  Default: ``auto`` when t
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -24,6 +23,7 @@ import msgspec
 
 from common.engine.structured.spec import MAX_GRAMMAR_CHARS, StructuredOutput
 from gateway.openai_errors import invalid
+from gateway.structured_request import schema_text
 
 MAX_TOOLS = 128
 FunctionName = Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")]
@@ -99,12 +99,13 @@ def plan_tools(tools: tuple[Tool, ...], choice: ToolChoice | None, parallel: boo
             raise invalid(f"tool_choice names function {name!r}, which is not among the tools", "tool_choice",
                           "invalid_tools")
         schema = match.function.parameters or {"type": "object"}
-        return ToolPlan(tools, "named", name, parallel, StructuredOutput("json_schema", json.dumps(schema), "tools"))
+        return ToolPlan(tools, "named", name, parallel,
+                        StructuredOutput("json_schema", schema_text(schema, "tools"), "tools"))
     if choice in ("auto", "required") and not tools:
         raise invalid(f"tool_choice {choice!r} needs tools", "tool_choice")
     if choice == "required":
         return ToolPlan(tools, "required", None, parallel,
-                        StructuredOutput("json_schema", json.dumps(calls_schema(tools, parallel)), "tools"))
+                        StructuredOutput("json_schema", schema_text(calls_schema(tools, parallel), "tools"), "tools"))
     return ToolPlan(tools, choice, None, parallel)
 
 

@@ -63,7 +63,8 @@ async def handle_prefill(context: RoleContext, shipper: Shipper, request: web.Re
     # The prefill computes the prompt and samples its first token with the request's own
     # parameters (seeded sampling depends only on seed and position, so the decode side continues
     # the same sequence); the decode worker applies max_tokens and stop rules.
-    params = msgspec.structs.replace(body.sampling_params, max_tokens=1)
+    params = msgspec.structs.replace(body.sampling_params, max_tokens=1,
+                                     min_tokens=min(body.sampling_params.min_tokens, 1))
 
     try:
         # The first token obeys the request's grammar: it is compiled here too (cached by spec).

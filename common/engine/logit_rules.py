@@ -5,6 +5,7 @@ filters (and before greedy's argmax), in this order:
 
     logit_bias     logits[row, id] += bias          (one sparse index_add over the batch)
     min_tokens     logits[row, stop ids] = -inf     while the row has fewer outputs than min_tokens
+                                                    (a grammar row: unless its grammar allows nothing else)
     grammar        logits[row, not allowed] = -inf  (``structured.masking``: one bitmask per row)
 
 Logprobs are computed from the processed logits (as vLLM does: a banned token has -inf).
@@ -36,20 +37,20 @@ def apply_logit_rules(logits: torch.Tensor, rows: Sequence, masks: TokenMasks) -
     vocab = logits.shape[1]
     flat = logits.view(-1)
     bias_index, bias_value, banned = [], [], []
-    grammar_rows, matchers, grammar_stops = [], [], []
+    grammar_rows, matchers, grammar_stops, holding = [], [], [], []
     for i, row in enumerate(rows):
         p = row.sampling_params
         for token_id, bias in p.logit_bias:
             if token_id < vocab:
                 bias_index.append(i * vocab + token_id)
                 bias_value.append(bias)
-        if _holds_stops(row):
-            banned.extend(i * vocab + t for t in row.stop_token_ids if t < vocab)
-        if row.grammar is not None:
+        if row.grammar is not None:  # its mask bans the stop tokens itself (see TokenMasks.apply)
             grammar_rows.append(i)
             matchers.append(row.grammar)
-            # min_tokens keeps the stop tokens banned even where the grammar could end
-            grammar_stops.append(() if _holds_stops(row) else tuple(row.stop_token_ids))
+            grammar_stops.append(tuple(row.stop_token_ids))
+            holding.append(_holds_stops(row))
+        elif _holds_stops(row):
+            banned.extend(i * vocab + t for t in row.stop_token_ids if t < vocab)
     device = logits.device
     if bias_index:
         flat.index_add_(0, torch.tensor(bias_index, device=device),
@@ -57,4 +58,4 @@ def apply_logit_rules(logits: torch.Tensor, rows: Sequence, masks: TokenMasks) -
     if banned:
         flat[torch.tensor(banned, device=device)] = float("-inf")
     if grammar_rows:
-        masks.apply(logits, grammar_rows, matchers, grammar_stops)
+        masks.apply(logits, grammar_rows, matchers, grammar_stops, holding)

@@ -177,6 +177,7 @@ class Sampler:
         """
         if needs_rules(rows):  # logit bias, min_tokens, grammars (common/engine/logit_rules.py)
             logits = logits.float() if scratch_logits else logits.float().clone()
+            logits = logits.contiguous()  # a view (the gathered logits of tensor parallelism) is copied
             apply_logit_rules(logits, rows, self._masks)
         logits = logits.float()
         row_max = logits.amax(dim=-1)

@@ -127,6 +127,12 @@ def test_xgrammar_backend(directory):
         result = engine.generate(["Hello"], sampled(spec, seed))[0]
         assert result.finish_reason == "stop"
         jsonschema.validate(json.loads(result.text), schema)
+    # A complete grammar ends the request even before min_tokens (xgrammar's mask then allows the
+    # stop tokens only): a stop, not an error.
+    choice = StructuredOutput("choice", json.dumps(["yes"]))
+    result = engine.generate(["Hello"], SamplingParams(max_tokens=20, temperature=0, min_tokens=10,
+                                                        structured=choice))[0]
+    assert (result.text, result.finish_reason) == ("yes", "stop")
     with pytest.raises(GrammarError, match="not Lark"):
         engine.make_request("Hello", SamplingParams(structured=StructuredOutput("grammar", 'start: "a"')))
 

@@ -58,3 +58,11 @@ def test_bit_31_of_a_word(path):
     logits = torch.zeros(1, 64)
     TokenMasks().apply(logits, [0], [FixedSet({5})], [(5, 63)])  # 5 is a stop token: 63 too
     assert torch.isfinite(logits[0]).nonzero()[:, 0].tolist() == [5, 63]
+
+
+def test_min_tokens_holds_the_stop_tokens_back_unless_the_grammar_can_only_end(path):
+    logits = torch.zeros(2, 64)
+    # row 0: the grammar allows 3, 5 (a stop token) and more; row 1: only 5 (its grammar is complete)
+    TokenMasks().apply(logits, [0, 1], [FixedSet({3, 5}), FixedSet({5})], [(5, 63), (5, 63)], [True, True])
+    assert torch.isfinite(logits[0]).nonzero()[:, 0].tolist() == [3]
+    assert torch.isfinite(logits[1]).nonzero()[:, 0].tolist() == [5, 63]

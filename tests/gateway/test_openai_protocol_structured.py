@@ -42,3 +42,13 @@ def test_response_format_and_structured_outputs_are_read():
             "structured_outputs.whitespace_pattern", "Unrecognized request argument")
     rejects(parse_chat_request, chat(response_format={"type": "json_object"}, structured_outputs={"regex": "a"}),
             "structured_outputs", "send one")
+
+
+def test_json_nested_past_pythons_parser_is_a_400_not_a_crash():
+    deep = "[" * 5000 + "]" * 5000
+    rejects(parse_chat_request, chat(structured_outputs={"json": deep}), "structured_outputs",
+            "must be a JSON object")
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": deep}}
+    req = parse_chat_request(chat(messages=[{"role": "user", "content": "x"},
+                                            {"role": "assistant", "content": None, "tool_calls": [call]}]))
+    assert req.template_messages()[1]["tool_calls"][0]["function"]["arguments"] == deep  # kept as text

@@ -105,4 +105,29 @@ def test_required_cut_short_keeps_the_calls_complete_in_it():
     whole = ToolOutput(plan, HermesParser()).final(cut)
     assert whole == (None, [ParsedCall("get_time", '{"zone": "utc"}')])
     assert stream(ToolOutput(plan, HermesParser()), [cut[:10], cut[10:]]) == whole
-    assert ToolOutput(plan, HermesParser()).final('[{"name": "get_t') == ('[{"name": "get_t', [])
+    assert ToolOutput(plan, HermesParser()).final(' [{"name": "get_t') == ('[{"name": "get_t', [])
+    assert stream(ToolOutput(plan, HermesParser()), [' [{"name"', ': "get_t ']) == ('[{"name": "get_t', [])
+
+
+def test_text_nested_past_pythons_parser_is_no_call():
+    deep = "[" * 5000
+    assert HermesParser().parse(f"<tool_call>{deep}</tool_call>", NAMES)[1] == []
+    assert JsonParser().parse(deep, NAMES) == (deep, [])
+    plan = plan_tools(TOOLS, "required", True)
+    assert ToolOutput(plan, HermesParser()).final("[{" + deep) == ("[{" + deep, [])
+
+
+JSON_TEXTS = [
+    '<|python_tag|>{"name": "get_time", "parameters": {"zone": "utc"}}; {"name": "get_weather", "parameters": {}}',
+    '  {"name": "get_time", "parameters": {}}',
+    "Just an answer, no call.  ",
+    "<|python_tag|> not json",
+]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(JSON_TEXTS).flatmap(lambda t: st.tuples(st.just(t), cuts(t))))
+def test_auto_streams_what_the_whole_answer_holds_with_json_calls(case):
+    text, pieces = case
+    plan = plan_tools(TOOLS, "auto", True)
+    assert stream(ToolOutput(plan, Llama3JsonParser()), pieces) == ToolOutput(plan, Llama3JsonParser()).final(text)

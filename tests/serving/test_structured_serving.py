@@ -131,6 +131,9 @@ def test_logit_bias_and_min_tokens(client, stack):
     held = client.completions.create(model=stack.model_name, prompt=f"{SHORT} eos", max_tokens=8, temperature=0,
                                      logit_bias={str(eos): 100}, extra_body={"min_tokens": 4})
     assert held.choices[0].finish_reason == "stop" and held.usage.completion_tokens == 5
+    fallbacks = stack.stats("d0")["remote_prefill_fallbacks"]
     long_held = client.completions.create(model=stack.model_name, prompt=f"{LONG} eos", max_tokens=8, temperature=0,
                                           logit_bias={str(eos): 100}, extra_body={"min_tokens": 3})
     assert long_held.usage.completion_tokens == 4
+    # The prefill worker sampled the first token under min_tokens too (it once refused the request).
+    assert stack.stats("d0")["remote_prefill_fallbacks"] == fallbacks

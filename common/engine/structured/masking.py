@@ -60,15 +60,25 @@ class TokenMasks:
         return words
 
     def apply(self, logits: torch.Tensor, rows: Sequence[int], matchers: Sequence[GrammarMatcher],
-              stop_token_ids: Sequence[Sequence[int]]) -> None:
-        """Mask ``logits[rows[i]]`` (in place) to what ``matchers[i]`` allows next."""
+              stop_token_ids: Sequence[Sequence[int]], holding: Sequence[bool] = ()) -> None:
+        """Mask ``logits[rows[i]]`` (in place) to what ``matchers[i]`` allows next.
+
+        ``stop_token_ids[i]``: the request's stop tokens.  Where the grammar lets the output end,
+        all of them are allowed; where ``holding[i]`` (``min_tokens`` not reached yet) none is,
+        unless the grammar allows nothing else (it is complete: ending early beats an empty row)."""
         vocab = logits.shape[1]
         packed = self._filled(matchers, vocab).numpy()
         for i, stops in enumerate(stop_token_ids):
             inside = [t for t in stops if t < vocab]
-            if inside and any(packed[i, t >> 5] >> (t & 31) & 1 for t in inside):
+            if not inside:
+                continue
+            set_bits = [t for t in inside if packed[i, t >> 5] >> (t & 31) & 1]
+            if holding and holding[i] and len(set_bits) < np.bitwise_count(packed[i].view(np.uint32)).sum():
+                for t in set_bits:
+                    packed[i, t >> 5] &= ~_bit(t)
+            elif set_bits:
                 for t in inside:  # the output may end: any of its stop tokens ends it
-                    packed[i, t >> 5] |= np.int32(np.uint32(1 << (t & 31)).view(np.int32))
+                    packed[i, t >> 5] |= _bit(t)
         kernel = _kernel(logits)
         if kernel is not None:
             index = torch.tensor(list(rows), dtype=torch.int64)
@@ -108,6 +118,11 @@ def _kernel(logits: torch.Tensor):
 
 
 _BITS = np.arange(32, dtype=np.uint32)
+
+
+def _bit(token_id: int) -> np.int32:
+    """Token ``token_id``'s bit in its int32 word."""
+    return np.uint32(1 << (token_id & 31)).view(np.int32)
 
 
 def _bit_ids(words: np.ndarray, vocab: int) -> np.ndarray:

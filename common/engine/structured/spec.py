@@ -40,14 +40,15 @@ class StructuredOutput(Struct, forbid_unknown_fields=True, frozen=True):
             raise ValueError("structured output field name too long")
 
     @property
-    def cache_key(self) -> tuple[str, str]:
-        return self.kind, self.value
+    def cache_key(self) -> tuple[str, str, str]:
+        """The compiler's cache key (the field too: a rejection's message names it)."""
+        return self.kind, self.value, self.field
 
     def choices(self) -> list[str]:
         """The strings of a ``choice`` spec; ``ValueError`` when it is not a non-empty list of them."""
         try:
             values = json.loads(self.value)
-        except ValueError:
+        except (ValueError, RecursionError):
             raise ValueError(f"{self.field}: choice must be a JSON array of strings") from None
         if (not isinstance(values, list) or not values or len(values) > MAX_CHOICES
                 or not all(isinstance(v, str) and v for v in values)):
@@ -60,8 +61,8 @@ class StructuredOutput(Struct, forbid_unknown_fields=True, frozen=True):
             return {"type": "object"}
         try:
             schema = json.loads(self.value)
-        except ValueError as exc:
-            raise ValueError(f"{self.field}: the JSON schema is not valid JSON: {exc}") from None
+        except (ValueError, RecursionError) as exc:
+            raise ValueError(f"{self.field}: the JSON schema is not valid JSON (or nested too deeply): {exc}") from None
         if not isinstance(schema, (dict, bool)):
             raise ValueError(f"{self.field}: a JSON schema must be an object (or true/false)")
         return schema
