@@ -132,8 +132,11 @@ def test_logit_bias_and_min_tokens(client, stack):
                                      logit_bias={str(eos): 100}, extra_body={"min_tokens": 4})
     assert held.choices[0].finish_reason == "stop" and held.usage.completion_tokens == 5
     fallbacks = stack.stats("d0")["remote_prefill_fallbacks"]
-    long_held = client.completions.create(model=stack.model_name, prompt=f"{LONG} eos", max_tokens=8, temperature=0,
-                                          logit_bias={str(eos): 100}, extra_body={"min_tokens": 3})
+    prefilled = stack.stats("p0")["prefill_computed_tokens"]
+    # A prompt no other test sends, long enough for the prefill pool (nothing of it cached anywhere).
+    long_held = client.completions.create(model=stack.model_name, prompt=f"Held back: {LONG}", max_tokens=8,
+                                          temperature=0, logit_bias={str(eos): 100}, extra_body={"min_tokens": 3})
     assert long_held.usage.completion_tokens == 4
+    assert stack.stats("p0")["prefill_computed_tokens"] > prefilled
     # The prefill worker sampled the first token under min_tokens too (it once refused the request).
     assert stack.stats("d0")["remote_prefill_fallbacks"] == fallbacks
