@@ -83,6 +83,21 @@ def test_split_kv_heads_equal_one_rank_and_transformers(llama, tmp_path, size):
     assert result["tokens"] == expected
 
 
+def test_biases_are_split_and_added_once(tmp_path_factory, tmp_path):
+    """q/k/v biases go with their heads; the row-parallel o_proj's bias is added once, after the sum."""
+    from safetensors.torch import load_file, save_file
+
+    biased = write_checkpoint(tiny_llama_config(num_attention_heads=8, num_key_value_heads=4, attention_bias=True),
+                              tmp_path_factory.mktemp("llama-bias"))
+    weights = biased / "model.safetensors"
+    state = load_file(weights)
+    generator = torch.Generator().manual_seed(1)
+    for name in [n for n in state if n.endswith("_proj.bias")]:  # transformers starts biases at zero
+        state[name] = torch.randn(state[name].shape, generator=generator)
+    save_file(state, weights, metadata={"format": "pt"})
+    assert run_tp(biased, 2, tmp_path)["tokens"] == single(biased)
+
+
 def test_replicated_kv_head_equals_one_rank(gemma, tmp_path):
     result = run_tp(gemma, 2, tmp_path)
     assert result["kv_heads"] == 1
