@@ -66,14 +66,6 @@ HERMES_TEXTS = [
 ]
 
 
-@settings(max_examples=60, deadline=None)
-@given(st.sampled_from(HERMES_TEXTS).flatmap(lambda t: st.tuples(st.just(t), cuts(t))))
-def test_auto_streams_what_the_whole_answer_holds(case):
-    text, pieces = case
-    plan = plan_tools(TOOLS, "auto", True)
-    assert stream(ToolOutput(plan, HermesParser()), pieces) == ToolOutput(plan, HermesParser()).final(text)
-
-
 REQUIRED = '[{"name": "get_time", "parameters": {"zone": "utc"}}, {"name": "get_weather", "parameters": {"a": [1, "}"]}}]'
 
 
@@ -123,11 +115,12 @@ JSON_TEXTS = [
     "Just an answer, no call.  ",
     "<|python_tag|> not json",
 ]
+CASES = [(HermesParser, text) for text in HERMES_TEXTS] + [(Llama3JsonParser, text) for text in JSON_TEXTS]
 
 
-@settings(max_examples=60, deadline=None)
-@given(st.sampled_from(JSON_TEXTS).flatmap(lambda t: st.tuples(st.just(t), cuts(t))))
-def test_auto_streams_what_the_whole_answer_holds_with_json_calls(case):
-    text, pieces = case
+@settings(max_examples=120, deadline=None)
+@given(st.sampled_from(CASES).flatmap(lambda c: st.tuples(st.just(c), cuts(c[1]))))
+def test_auto_streams_what_the_whole_answer_holds(case):
+    (parser, text), pieces = case
     plan = plan_tools(TOOLS, "auto", True)
-    assert stream(ToolOutput(plan, Llama3JsonParser()), pieces) == ToolOutput(plan, Llama3JsonParser()).final(text)
+    assert stream(ToolOutput(plan, parser()), pieces) == ToolOutput(plan, parser()).final(text)
