@@ -128,6 +128,9 @@ class Engine:
             head_dim=mc.head_dim,
         )
         num_blocks = config.num_blocks or num_blocks_for_memory(self.layout, config.kv_memory_fraction, self.device)
+        # Every rank of a tensor-parallel group holds the same block ids: the pool is the smallest any
+        # rank's memory allows (rank 0 allocates ids the others write to).
+        num_blocks = self.tp.agree_min(num_blocks)
         windows = {mc.window(layer) for layer in range(mc.num_layers)}
         self.attention = make_attention(config.attention_backend, self.device, windows, config.block_size, self.dtype)
         use_graphs = config.cuda_graphs and self.tp.size == 1 and cuda_graphs.supported(self.device, self.attention)

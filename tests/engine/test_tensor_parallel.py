@@ -34,15 +34,17 @@ def _rank(rank: int, size: int, port: int, directory: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
     try:
-        engine = Engine(EngineConfig(model=directory, num_blocks=64, block_size=4, tensor_parallel_size=size),
-                        load_tokenizer=False)
+        # Each rank asks for a different pool: they agree on the smallest (the block ids are shared).
+        engine = Engine(EngineConfig(model=directory, num_blocks=64 + 8 * (size - 1 - rank), block_size=4,
+                                     tensor_parallel_size=size), load_tokenizer=False)
         if rank != 0:  # rank 0 schedules and sends each step; the others compute their shares
             engine.follow()
             return
         results = engine.generate(PROMPTS, {"max_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True})
         engine.stop_followers()
         with open(out, "w") as f:
-            json.dump({"tokens": [r.token_ids for r in results], "kv_heads": engine.layout.num_kv_heads}, f)
+            json.dump({"tokens": [r.token_ids for r in results], "kv_heads": engine.layout.num_kv_heads,
+                       "num_blocks": engine.block_pool.num_blocks}, f)
     finally:
         dist.destroy_process_group()
 
@@ -80,6 +82,7 @@ def test_split_kv_heads_equal_one_rank_and_transformers(llama, tmp_path, size):
     assert expected == [hf_greedy(llama, p, MAX_NEW) for p in PROMPTS]
     result = run_tp(llama, size, tmp_path)
     assert result["kv_heads"] == 4 // size  # each rank's KV cache holds its share of the heads
+    assert result["num_blocks"] == 64  # the smallest pool any rank asked for
     assert result["tokens"] == expected
 
 

@@ -123,6 +123,16 @@ class TensorParallel:
 
     # ---- collectives -----------------------------------------------------------------------
 
+    def agree_min(self, value: int) -> int:
+        """The smallest ``value`` of all ranks (every rank calls it)."""
+        if self.size == 1:
+            return value
+        import torch.distributed as dist
+
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return int(t)
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of ``x`` over the ranks (in place)."""
         if self.size > 1:
