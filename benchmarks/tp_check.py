@@ -24,26 +24,17 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import socket  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-import torch  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.bench_util import emit  # noqa: E402
 
 PROMPTS = [[5, 17, 99, 230, 11] * 8, list(range(3, 120)), [400, 401, 7, 7, 7, 9, 300, 12, 1, 250] * 4]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _timed_collectives(seconds: list[float]) -> None:
@@ -62,41 +53,34 @@ def _timed_collectives(seconds: list[float]) -> None:
         setattr(dist, name, timed)
 
 
-def _rank(rank: int, size: int, port: int, directory: str, max_new: int, out: str) -> None:
-    import torch.distributed as dist
-
+def _rank(rank: int, size: int, directory: str, max_new: int, out: str) -> None:
     from common.engine.config import EngineConfig
     from common.engine.engine import Engine
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // size))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
-    try:
-        engine = Engine(EngineConfig(model=directory, num_blocks=512, block_size=16, tensor_parallel_size=size),
-                        load_tokenizer=False)
-        if rank != 0:
-            engine.follow()
-            return
-        collective = [0.0]
-        if size > 1:
-            _timed_collectives(collective)
-        engine.generate(PROMPTS[:1], {"max_tokens": 2, "temperature": 0})  # warm-up
-        collective[0] = 0.0
-        began = time.perf_counter()
-        results = engine.generate(PROMPTS, {"max_tokens": max_new, "temperature": 0, "ignore_eos": True})
-        seconds = time.perf_counter() - began
-        engine.stop_followers()
-        layout = engine.layout
-        kv_bytes = 2 * layout.num_layers * layout.num_kv_heads * layout.head_dim * torch.finfo(torch.float32).bits // 8
-        Path(out).write_text(json.dumps({"tokens": [r.token_ids for r in results], "seconds": seconds,
-                                         "collective_seconds": collective[0], "kv_bytes_per_token": kv_bytes}))
-    finally:
-        dist.destroy_process_group()
+    engine = Engine(EngineConfig(model=directory, num_blocks=512, block_size=16, tensor_parallel_size=size),
+                    load_tokenizer=False)
+    if rank != 0:
+        engine.follow()
+        return
+    collective = [0.0]
+    if size > 1:
+        _timed_collectives(collective)
+    engine.generate(PROMPTS[:1], {"max_tokens": 2, "temperature": 0})  # warm-up
+    collective[0] = 0.0
+    began = time.perf_counter()
+    results = engine.generate(PROMPTS, {"max_tokens": max_new, "temperature": 0, "ignore_eos": True})
+    seconds = time.perf_counter() - began
+    engine.stop_followers()
+    kv_bytes = engine.kv_cache.block_nbytes // engine.config.block_size
+    Path(out).write_text(json.dumps({"tokens": [r.token_ids for r in results], "seconds": seconds,
+                                     "collective_seconds": collective[0], "kv_bytes_per_token": kv_bytes}))
 
 
 def run(directory: Path, size: int, max_new: int) -> dict:
+    from tests.support.rank_group import run_group
+
     out = Path(tempfile.mkdtemp()) / "result.json"
-    mp.start_processes(_rank, args=(size, _free_port(), str(directory), max_new, str(out)), nprocs=size,
-                       join=True, start_method="spawn")
+    run_group(_rank, size, str(directory), max_new, str(out))
     return json.loads(out.read_text())
 
 

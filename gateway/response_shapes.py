@@ -110,11 +110,9 @@ class ResponseShapes:
         return CompletionResponse(gen.response_id, now(), gen.model, choices, usage(gens))
 
     def _chat_choice(self, gen: Generation) -> ChatChoice:
-        message = ChatResponseMessage(gen.text)
+        message, finish = ChatResponseMessage(gen.text), gen.finish_reason
         if gen.tools is not None:
             content, calls = gen.tools.final(gen.text)
             message = ChatResponseMessage(content, tool_calls=gen.tools.message_calls(calls))
-            if calls:
-                gen.tools.num_calls = len(calls)  # output_finish_reason: "tool_calls"
-        return ChatChoice(gen.index, message, self.chat_logprobs(gen.logprobs), gen.output_finish_reason,
-                          gen.stop_reason)
+            finish = "tool_calls" if calls and finish == "stop" else finish
+        return ChatChoice(gen.index, message, self.chat_logprobs(gen.logprobs), finish, gen.stop_reason)

@@ -21,7 +21,6 @@ import io
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -31,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping
 
+from common.cluster.ports import free_port  # noqa: F401 (API: the tests take it from here too)
 from common.cluster.auth import MIN_SECRET_LEN, SECRET_ENV, ClusterAuth, audience_of, generate_secret, secret_problem
 from common.cluster.redis_keys import DEFAULT_KEY_PREFIX
 from gateway.routing import RoutingConfig
@@ -57,12 +57,6 @@ def worker_drain_timeout(args: list[str], env: Mapping[str, str]) -> float:
             return build_parser("decode", "pdserve worker", env).parse_known_args(args)[0].drain_timeout
     except (SystemExit, ValueError):  # flags the worker refuses too: it exits at once, the default bounds it
         return build_parser("decode", "pdserve worker", {}).get_default("drain_timeout")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def http_json(url: str, method: str = "GET", body: bytes | None = None, headers: dict | None = None,

@@ -21,11 +21,11 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import multiprocessing.connection
-import socket
 import threading
 from datetime import timedelta
 from typing import Callable
 
+from common.cluster.ports import free_port
 from common.engine.config import EngineConfig
 
 log = logging.getLogger(__name__)
@@ -33,12 +33,6 @@ log = logging.getLogger(__name__)
 JOIN_TIMEOUT_S = 300.0  # followers load their share of the model before the group forms
 STOP_WAIT_S = 10.0
 PR_SET_PDEATHSIG = 1
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _backend(config: EngineConfig) -> str:
@@ -81,7 +75,7 @@ class TensorRanks:
         """Spawn the followers and form the group (blocking: run it off the event loop)."""
         import torch.distributed as dist
 
-        port = _free_port()
+        port = free_port()
         context = multiprocessing.get_context("spawn")
         for rank in range(1, self.size):
             process = context.Process(target=_follow, args=(rank, self.size, port, self.config),

@@ -19,7 +19,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,6 +31,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import ExponentialBackoff
 
+from common.cluster.ports import free_port
 from common.cluster.children import die_with_parent
 from common.cluster.redis_keys import DEFAULT_KEY_PREFIX, KEY_PREFIX_RE
 from common.cluster.secret_sources import read_secret_file
@@ -203,12 +203,6 @@ def ping(url: str, *, timeout_s: float = 0.5) -> bool:
         client.close()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 class RedisServer:
     """A private ``redis-server`` child process: no persistence, loopback only, in a temp dir.
 
@@ -223,7 +217,7 @@ class RedisServer:
                 "redis-server is not installed. Install it (Debian/Ubuntu: `apt-get install "
                 "redis-server`) or point REDIS_URL at a running Redis (e.g. REDIS_URL=redis://host:6379)."
             )
-        self.port = port or _free_port()
+        self.port = port or free_port()
         self.dir = tempfile.mkdtemp(prefix="pdserve-redis-")
         self.proc: subprocess.Popen | None = None
 

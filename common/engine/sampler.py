@@ -179,7 +179,8 @@ class Sampler:
             logits = logits.float() if scratch_logits else logits.float().clone()
             logits = logits.contiguous()  # a view (the gathered logits of tensor parallelism) is copied
             apply_logit_rules(logits, rows, self._masks)
-        logits = logits.float()
+        else:
+            logits = logits.float()
         row_max = logits.amax(dim=-1)
         bad = ~torch.isfinite(row_max)  # NaN, +inf, or nothing finite in the row
         greedy = _argmax_over_finite(logits, bad, rows)

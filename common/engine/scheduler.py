@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 
 from common.engine.config import SchedulerConfig
 from common.engine.kv.kv_cache_manager import KVCacheManager, cdiv
-from common.engine.request import Request, RequestStatus, status_after_token  # noqa: F401 (API)
+from common.engine.request import Request, RequestStatus
 from common.engine.remote_kv import RemoteClaim, RemoteKVHandoff
 from common.engine.room_alone import RoomAlone, final_tokens
 from common.engine.sampling_params import SamplingParams

@@ -49,7 +49,7 @@ from common.cluster.registry import WorkerInfo
 from common.engine.kv.kv_cache_manager import cdiv
 from common.engine.request import Request
 from common.engine.sampling_params import SamplingParams
-from common.engine.scheduler import status_after_token
+from common.engine.request import status_after_token
 from common.engine.step_log import step_shape
 from gateway.backpressure import ADMITTED_WAKES
 from gateway.dispatch import SentToDecode, computed_on, count_pending

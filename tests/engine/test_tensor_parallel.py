@@ -1,59 +1,41 @@
 """Tensor parallelism in the engine, on CPU with gloo: one process per rank, each holding its
 share of every layer (and its kv heads of the KV cache); rank 0 schedules and sends each step, the
-others follow.  Greedy outputs at TP=2 and TP=4 equal
-TP=1's and transformers'; with fewer kv heads than ranks (Gemma 3's one) the kv heads are
+others follow.  Greedy outputs at TP=2 and TP=4 equal TP=1's and transformers'; with fewer kv heads than ranks (Gemma 3's one) the kv heads are
 replicated and the outputs still equal."""
 from __future__ import annotations
 
 import json
-import os
-import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from common.engine.config import EngineConfig
 from common.engine.engine import Engine
 from common.engine.parallel.tensor_parallel import TensorParallel
 from tests.support.checkpoints import VOCAB, hf_greedy, tiny_gemma3_config, tiny_llama_config, write_checkpoint
+from tests.support.rank_group import run_group
 
 MAX_NEW = 10
 PROMPTS = [[5, 17, 99, 230, 11], list(range(3, 40)), [400, 401, 7, 7, 7, 9, 300, 12, 1, 250]]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank(rank: int, size: int, port: int, directory: str, out: str) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
-    try:
-        # Each rank asks for a different pool: they agree on the smallest (the block ids are shared).
-        engine = Engine(EngineConfig(model=directory, num_blocks=64 + 8 * (size - 1 - rank), block_size=4,
-                                     tensor_parallel_size=size), load_tokenizer=False)
-        if rank != 0:  # rank 0 schedules and sends each step; the others compute their shares
-            engine.follow()
-            return
-        results = engine.generate(PROMPTS, {"max_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True})
-        engine.stop_followers()
-        with open(out, "w") as f:
-            json.dump({"tokens": [r.token_ids for r in results], "kv_heads": engine.layout.num_kv_heads,
-                       "num_blocks": engine.block_pool.num_blocks}, f)
-    finally:
-        dist.destroy_process_group()
+def _rank(rank: int, size: int, directory: str, out: str) -> None:
+    # Each rank asks for a different pool: they agree on the smallest (the block ids are shared).
+    engine = Engine(EngineConfig(model=directory, num_blocks=64 + 8 * (size - 1 - rank), block_size=4,
+                                 tensor_parallel_size=size), load_tokenizer=False)
+    if rank != 0:  # rank 0 schedules and sends each step; the others compute their shares
+        engine.follow()
+        return
+    results = engine.generate(PROMPTS, {"max_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True})
+    engine.stop_followers()
+    with open(out, "w") as f:
+        json.dump({"tokens": [r.token_ids for r in results], "kv_heads": engine.layout.num_kv_heads,
+                   "num_blocks": engine.block_pool.num_blocks}, f)
 
 
 def run_tp(directory, size: int, tmp_path) -> dict:
     out = tmp_path / f"tp{size}.json"
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.start_processes(_rank, args=(size, _free_port(), str(directory), str(out)), nprocs=size, join=True,
-                       start_method="spawn")
+    run_group(_rank, size, str(directory), str(out))
     return json.loads(out.read_text())
 
 

@@ -70,7 +70,7 @@ class TensorParallel:
 
     def vocab(self, vocab_size: int) -> slice:
         """This rank's rows of the embedding and the LM head (the last share may be short)."""
-        share = -(-vocab_size // self.size)
+        share = self.vocab_share(vocab_size)
         return slice(min(self.rank * share, vocab_size), min((self.rank + 1) * share, vocab_size))
 
     def vocab_share(self, vocab_size: int) -> int:
