@@ -20,6 +20,10 @@ async def _first_output(stream: asyncio.Queue, shipping: asyncio.Task):
     getter = asyncio.ensure_future(stream.get())
     try:
         await asyncio.wait({getter, shipping}, return_when=asyncio.FIRST_COMPLETED)
+        if not getter.done() and shipping.done() and not shipping.cancelled() and shipping.exception() is None:
+            # Every block went out (the request finished: its output was posted right after its
+            # last blocks), before this handler saw the output: it is on its way.
+            await getter
     finally:
         if not getter.done():
             getter.cancel()
