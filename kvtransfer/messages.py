@@ -42,12 +42,16 @@ import msgspec
 from common.engine.kv.kv_cache import KVLayout
 from kvtransfer.errors import ProtocolError
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 NONCE_BYTES = 32
 TRANSFER_ID_BYTES = 16
 MAX_HEADER_BYTES = 64 * 1024
 MAX_BLOCKS_PER_FRAME = 1024
 MAX_METADATA_BYTES = 16 * 1024
+MAX_RANKS = 64
+# A piece that is part of a rank's heads is staged (copied) on the way; one frame of it is at most
+# this many bytes unless a single block is bigger.
+MAX_STAGING_BYTES = 64 << 20
 
 TransferId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 Reason = Annotated[str, msgspec.Meta(max_length=1024)]
@@ -55,16 +59,22 @@ BlockId = Annotated[int, msgspec.Meta(ge=0, lt=2**31)]
 MetaValue = Union[int, float, str, bool, None, Annotated[list[int], msgspec.Meta(max_length=1024)]]
 Nonce = Annotated[bytes, msgspec.Meta(min_length=NONCE_BYTES, max_length=NONCE_BYTES)]
 Mac = Annotated[bytes, msgspec.Meta(min_length=32, max_length=32)]
+HeadIndex = Annotated[int, msgspec.Meta(ge=0, lt=2**16)]
+HeadRanges = Annotated[list[tuple[HeadIndex, HeadIndex]], msgspec.Meta(min_length=1, max_length=MAX_RANKS)]
 Metadata = Annotated[dict[Annotated[str, msgspec.Meta(max_length=64)], MetaValue], msgspec.Meta(max_length=64)]
 
 
 class Hello(msgspec.Struct, tag=True, frozen=True):
-    """Sender -> receiver, first frame on a connection; ``nonce`` is the sender's challenge."""
+    """Sender -> receiver, first frame on a connection; ``nonce`` is the sender's challenge.
+
+    ``layout`` is the model's (``num_kv_heads`` counts every head); ``shards`` the kv heads each of
+    the sender's tensor-parallel ranks holds, index = rank (None: one rank with every head)."""
 
     layout: KVLayout
     nonce: Nonce
     version: int = PROTOCOL_VERSION
     checksum: bool = False
+    shards: HeadRanges | None = None
 
 
 class Challenge(msgspec.Struct, tag=True, frozen=True):
@@ -81,10 +91,12 @@ class Proof(msgspec.Struct, tag=True, frozen=True):
 
 
 class Welcome(msgspec.Struct, tag=True, frozen=True):
-    """Receiver accepts (both proofs held, layouts equal); ``checksum`` is true if either side
-    asked for per-block checksums."""
+    """Receiver accepts (both proofs held, layouts equal, its heads all held by the sender's
+    ranks); ``checksum`` is true if either side asked for per-block checksums; ``shards`` are the
+    receiver's ranks' kv heads (None: one rank with every head)."""
 
     checksum: bool = False
+    shards: HeadRanges | None = None
 
 
 class Reject(msgspec.Struct, tag=True, frozen=True):
@@ -92,13 +104,17 @@ class Reject(msgspec.Struct, tag=True, frozen=True):
 
 
 class Blocks(msgspec.Struct, tag=True, frozen=True):
-    """Announces ``nbytes`` raw payload bytes for dst blocks ``first_block_id .. +count-1``."""
+    """Announces ``nbytes`` raw payload bytes for dst blocks ``first_block_id .. +count-1`` of the
+    receiver's rank ``rank``: kv heads ``heads`` (model numbering; None: every head that rank
+    holds), laid out ``[count, layers, 2, block_size, heads, head_dim]``."""
 
     transfer_id: TransferId
     first_block_id: BlockId
     count: Annotated[int, msgspec.Meta(ge=1, le=MAX_BLOCKS_PER_FRAME)]
     nbytes: Annotated[int, msgspec.Meta(ge=1)]
     checksums: Annotated[list[int], msgspec.Meta(max_length=MAX_BLOCKS_PER_FRAME)] | None = None
+    rank: Annotated[int, msgspec.Meta(ge=0, lt=MAX_RANKS)] = 0
+    heads: tuple[HeadIndex, HeadIndex] | None = None
 
 
 class Done(msgspec.Struct, tag=True, frozen=True):

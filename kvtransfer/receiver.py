@@ -6,6 +6,11 @@ success gives the ``Done`` metadata; any failure (deadline, peer lost, abort eit
 checksum, bad frame) raises a ``TransferError``, and only once no more bytes can land in those
 blocks, so the caller may free them as soon as the handle has resolved (``IncomingTransfer``
 spells the contract out).
+
+With tensor parallelism (``KVShards``) the blocks are those of every rank's cache: a frame names
+the rank and the heads it carries, and a transfer is complete once every head of every reserved
+block of every rank has arrived.  A frame with part of a rank's heads lands in a staging buffer
+first (bounded by ``MAX_STAGING_BYTES``) and is copied into place only if the transfer still wants it.
 """
 from __future__ import annotations
 
@@ -15,18 +20,22 @@ import logging
 import time
 
 import msgspec
+import torch
 
 from common.cluster.auth import ClusterAuth
 from common.engine.kv.kv_cache import KVCache
+from common.engine.kv.kv_shards import KVShards
 from kvtransfer.config import KVTransferConfig
 from kvtransfer.errors import (
     ChecksumMismatch, ConnectionLost, HandshakeError, PeerLost, ProtocolError, TransferAborted,
     TransferError, TransferTimeout,
 )
 from kvtransfer.handshake import server_handshake
-from kvtransfer.messages import Abort, Ack, Blocks, Done, Message, decode, encode, new_transfer_id
-from kvtransfer.regions import block_checksums, run_bytes
-from kvtransfer.transport_base import Channel, Listener, Transport
+from kvtransfer.messages import (
+    MAX_STAGING_BYTES, Abort, Ack, Blocks, Done, Message, decode, encode, new_transfer_id,
+)
+from kvtransfer.regions import block_checksums
+from kvtransfer.transport_base import Channel, Listener, Transport, byte_view
 from kvtransfer.transports import make_transport
 
 log = logging.getLogger(__name__)
@@ -70,7 +79,9 @@ class IncomingTransfer:
         self.block_ids = list(block_ids)
         self.nbytes = 0
         self._reserved = frozenset(self.block_ids)
-        self._missing = set(self.block_ids)
+        # (rank, block id) -> bit mask of that rank's heads still to come for the block
+        self._missing = {(rank, block): (1 << (stop - start)) - 1
+                         for rank, (start, stop) in enumerate(receiver.shards.head_ranges) for block in self.block_ids}
         self._receiver = receiver
         self._conn: _SenderConnection | None = None
         self._landing: Channel | None = None  # the channel writing a payload into our blocks now
@@ -153,7 +164,7 @@ class IncomingTransfer:
     def _on_deadline(self, timeout: float) -> None:
         if not self.active:
             return
-        missing = len(self._missing)
+        missing = len({block for _rank, block in self._missing})
         conn = self._conn
         self.fail(TransferTimeout(f"transfer of {self.request_id!r} incomplete after {timeout}s "
                                   f"({missing} of {len(self.block_ids)} blocks missing)"))
@@ -187,9 +198,9 @@ class KVReceiver:
     Only senders that prove they hold the cluster secret (``auth``) get past the handshake.
     """
 
-    def __init__(self, cache: KVCache, config: KVTransferConfig, transport: Transport | None = None,
+    def __init__(self, cache: KVCache | KVShards, config: KVTransferConfig, transport: Transport | None = None,
                  auth: ClusterAuth | None = None):
-        self.cache = cache
+        self.shards = cache if isinstance(cache, KVShards) else KVShards.single(cache)
         self.config = config
         self.auth = auth or ClusterAuth.disabled()
         self._owns_transport = transport is None
@@ -200,6 +211,11 @@ class KVReceiver:
         self._serving: set[asyncio.Task] = set()  # one per connection (see _serve)
         self._tasks: set[asyncio.Task] = set()
         self._listener: Listener | None = None
+
+    @property
+    def cache(self) -> KVCache:
+        """This process's own cache (rank 0's, with tensor parallelism)."""
+        return self.shards.caches[0]
 
     async def start(self) -> str:
         self._listener = await self.transport.listen(self.config.host, self.config.port, self._serve)
@@ -215,9 +231,9 @@ class KVReceiver:
         """Register reserved destination ``block_ids`` under a fresh random ``transfer_id``; must
         be called before the sender is told the id and the blocks. ``request_id`` names the
         transfer in logs and errors only."""
-        bad = [b for b in block_ids if not 0 <= b < self.cache.num_blocks]
+        bad = [b for b in block_ids if not 0 <= b < self.shards.num_blocks]
         if bad:
-            raise ValueError(f"block ids {bad[:8]} outside the {self.cache.num_blocks}-block cache")
+            raise ValueError(f"block ids {bad[:8]} outside the {self.shards.num_blocks}-block cache")
         if len(set(block_ids)) != len(block_ids):
             raise ValueError("duplicate destination block ids")
         handle = IncomingTransfer(self, request_id, block_ids, timeout or self.config.transfer_timeout)
@@ -284,9 +300,10 @@ class KVReceiver:
         self._serving.add(task)
         reason = "connection closed"
         try:
-            conn.checksum = await server_handshake(channel, self.cache.layout, self.config.checksum,
-                                                   self.config.connect_timeout, self.auth)
-            log.info("kv sender connected: %s", channel.description)
+            conn.checksum, sender_ranges = await server_handshake(channel, self.shards, self.config.checksum,
+                                                                  self.config.connect_timeout, self.auth)
+            log.info("kv sender connected: %s (%d ranks there, %d here)", channel.description, len(sender_ranges),
+                     self.shards.num_ranks)
             while True:
                 await self._dispatch(conn, decode(await channel.recv_header()))
         except HandshakeError as exc:
@@ -342,12 +359,28 @@ class KVReceiver:
         handle.fail(error)
         conn.notify(Abort(handle.transfer_id, str(error)[:1024]))
 
-    async def _on_blocks(self, conn: _SenderConnection, msg: Blocks) -> None:
-        block_nbytes = self.cache.block_nbytes
-        if msg.nbytes != msg.count * block_nbytes:
-            # The header itself is inconsistent: the framing can no longer be trusted.
+    def _piece(self, msg: Blocks) -> tuple[int, int, int]:
+        """``(head_start, head_end, nbytes per block)`` of a frame's piece; a header that cannot be
+        right (a rank or heads this worker does not have, a size that does not fit them) breaks
+        the framing: ``ProtocolError``."""
+        shards = self.shards
+        if msg.rank >= shards.num_ranks:
+            raise ProtocolError(f"Blocks for rank {msg.rank}, but this worker has {shards.num_ranks} ranks")
+        start, stop = shards.head_ranges[msg.rank]
+        head_start, head_end = msg.heads if msg.heads is not None else (start, stop)
+        if not start <= head_start < head_end <= stop:
+            raise ProtocolError(f"Blocks for heads [{head_start}, {head_end}) of rank {msg.rank}, which holds [{start}, {stop})")
+        per_block = (head_end - head_start) * shards.head_nbytes(msg.rank)
+        if msg.nbytes != msg.count * per_block:
             raise ProtocolError(f"Blocks header announces {msg.nbytes} bytes for {msg.count} blocks "
-                                f"of {block_nbytes} bytes")
+                                f"of {per_block} bytes")
+        if (head_start, head_end) != (start, stop) and msg.count > 1 and msg.nbytes > MAX_STAGING_BYTES:
+            raise ProtocolError(f"Blocks of part of a rank's heads announce {msg.nbytes} bytes, over the "
+                                f"{MAX_STAGING_BYTES} staged at once")
+        return head_start, head_end, per_block
+
+    async def _on_blocks(self, conn: _SenderConnection, msg: Blocks) -> None:
+        head_start, head_end, per_block = self._piece(msg)
         handle = self._claim(conn, msg.transfer_id)
         if handle is None or not handle.active:
             await conn.channel.discard_payload(msg.nbytes)
@@ -363,7 +396,9 @@ class KVReceiver:
             await conn.channel.discard_payload(msg.nbytes)
             self._reject(conn, handle, ChecksumMismatch("checksums required but missing or miscounted"))
             return
-        region = run_bytes(self.cache, msg.first_block_id, msg.count)
+        view = self.shards.heads_view(msg.rank, msg.first_block_id, msg.count, head_start, head_end)
+        whole = view.is_contiguous()
+        region = byte_view(view) if whole else torch.empty(msg.nbytes, dtype=torch.uint8, device=view.device)
         handle._landing_started(conn.channel)
         try:
             await conn.channel.recv_payload_into(region)
@@ -372,12 +407,25 @@ class KVReceiver:
         if not handle.active:
             return  # failed while landing: the rest was diverted, or must not count
         if msg.checksums is not None:
-            got = block_checksums(region, block_nbytes)
+            got = block_checksums(region, per_block)
             bad = [b for b, want, have in zip(ids, msg.checksums, got) if want != have]
             if bad:
                 self._reject(conn, handle, ChecksumMismatch(f"checksum mismatch in blocks {bad[:8]}"))
                 return
-        handle._missing.difference_update(ids)
+        if not whole:
+            view.copy_(region.view(view.dtype).view(view.shape))
+            if view.device.type == "cuda":  # another rank's process reads it after the next step's broadcast
+                torch.cuda.synchronize(view.device)
+        rank_start = self.shards.head_ranges[msg.rank][0]
+        arrived = ((1 << (head_end - head_start)) - 1) << (head_start - rank_start)
+        missing = handle._missing
+        for block in ids:
+            key = (msg.rank, block)
+            left = missing.get(key, 0) & ~arrived
+            if left:
+                missing[key] = left
+            else:
+                missing.pop(key, None)
         handle.nbytes += msg.nbytes
 
     def _on_done(self, conn: _SenderConnection, msg: Done) -> None:

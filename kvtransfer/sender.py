@@ -5,6 +5,10 @@ first use), then ``await tx.send_blocks(src_ids, dst_ids)`` whenever a prefill c
 final (the engine thread keeps computing other blocks meanwhile), then ``await tx.finish(meta)``
 which returns once the receiver acknowledged, or raises a ``TransferError`` (receiver abort, peer
 lost, no ack within the lease). The caller keeps the source blocks pinned until then.
+
+Between workers with tensor parallelism (``KVShards``), each run of blocks goes as one frame per
+piece of the connection's plan (``transfer_plan``): every receiving rank gets exactly its heads,
+from a rank here that holds them; a piece that is part of a rank's share is copied out first.
 """
 from __future__ import annotations
 
@@ -13,17 +17,18 @@ import logging
 
 from common.cluster.auth import ClusterAuth
 from common.engine.kv.kv_cache import KVCache
+from common.engine.kv.kv_shards import HeadRange, KVShards, Piece, transfer_plan
 from kvtransfer.config import KVTransferConfig, parse_address
 from kvtransfer.errors import (
     ConnectionLost, PeerLost, ProtocolError, TransferAborted, TransferError, TransferTimeout,
 )
 from kvtransfer.handshake import client_handshake
 from kvtransfer.messages import (
-    MAX_BLOCKS_PER_FRAME, Abort, Ack, Blocks, Done, check_metadata, decode, encode,
+    MAX_BLOCKS_PER_FRAME, MAX_STAGING_BYTES, Abort, Ack, Blocks, Done, check_metadata, decode, encode,
 )
 from kvtransfer.ordering import Fence, wait_for_fence
-from kvtransfer.regions import block_checksums, paired_runs, run_bytes
-from kvtransfer.transport_base import Channel, Transport
+from kvtransfer.regions import block_checksums, paired_runs
+from kvtransfer.transport_base import Channel, Transport, byte_view
 from kvtransfer.transports import make_transport
 
 log = logging.getLogger(__name__)
@@ -62,24 +67,27 @@ class OutgoingTransfer:
         except asyncio.CancelledError:
             self.abort("sender cancelled")
             raise
-        cache = self._sender.cache
-        max_count = max(1, min(MAX_BLOCKS_PER_FRAME, self._conn.channel.max_payload_nbytes // cache.block_nbytes))
-        for src, dst, count in paired_runs(src_block_ids, dst_block_ids, max_count):
-            region = run_bytes(cache, src, count)
-            sums = block_checksums(region, cache.block_nbytes) if self._conn.checksum else None
-            header = encode(Blocks(self.transfer_id, dst, count, region.numel(), sums))
-            self._check()
-            try:
-                await self._conn.channel.send(header, region)
-            except ConnectionLost as exc:
-                self._fail(PeerLost(f"transfer {self.transfer_id!r}: {exc}"))
+        shards, conn = self._sender.shards, self._conn
+        for src, dst, count in paired_runs(src_block_ids, dst_block_ids, conn.max_count):
+            for piece in conn.plan:
+                region = _piece_bytes(shards, piece, src, count)
+                sums = block_checksums(region, region.numel() // count) if conn.checksum else None
+                heads = (piece.head_start, piece.head_end)
+                if heads == conn.receiver_ranges[piece.dst_rank]:
+                    heads = None  # all that rank holds
+                header = encode(Blocks(self.transfer_id, dst, count, region.numel(), sums, piece.dst_rank, heads))
                 self._check()
-            except asyncio.CancelledError:
-                # The channel sent this frame whole or not at all; the receiver must still learn
-                # that no more is coming, so it can free the blocks now instead of at its deadline.
-                self.abort("sender cancelled")
-                raise
-            self.nbytes += region.numel()
+                try:
+                    await conn.channel.send(header, region)
+                except ConnectionLost as exc:
+                    self._fail(PeerLost(f"transfer {self.transfer_id!r}: {exc}"))
+                    self._check()
+                except asyncio.CancelledError:
+                    # The channel sent this frame whole or not at all; the receiver must still learn
+                    # that no more is coming, so it can free the blocks now instead of at its deadline.
+                    self.abort("sender cancelled")
+                    raise
+                self.nbytes += region.numel()
 
     async def finish(self, metadata: dict | None = None, lease_timeout: float | None = None) -> None:
         """Send ``Done`` and wait for the receiver's ``Ack`` within the lease."""
@@ -118,13 +126,33 @@ class OutgoingTransfer:
             self._conn.transfers.pop(self.transfer_id, None)
 
 
-class _ReceiverConnection:
-    """Sender's view of one receiver: the channel, its reader task and the transfers on it."""
+def _piece_bytes(shards: KVShards, piece: Piece, first_block_id: int, count: int):
+    """The bytes of one piece of a block run: a view of the cache where the piece is the sending
+    rank's whole share, else a contiguous copy of its heads."""
+    view = shards.heads_view(piece.src_rank, first_block_id, count, piece.head_start, piece.head_end)
+    return byte_view(view if view.is_contiguous() else view.contiguous())
 
-    def __init__(self, sender: "KVSender", address: str, channel: Channel, checksum: bool):
+
+class _ReceiverConnection:
+    """Sender's view of one receiver: the channel, its reader task and the transfers on it, and
+    the plan for its ranks: which heads of each block go to which of them (``transfer_plan``)."""
+
+    def __init__(self, sender: "KVSender", address: str, channel: Channel, checksum: bool,
+                 receiver_ranges: list[HeadRange]):
         self.address = address
         self.channel = channel
         self.checksum = checksum
+        shards = sender.shards
+        self.receiver_ranges = [tuple(r) for r in receiver_ranges]
+        self.plan = transfer_plan(shards.head_ranges, self.receiver_ranges)
+        piece_bytes = [(p.head_end - p.head_start) * shards.head_nbytes(p.src_rank) for p in self.plan]
+        partial = [b for p, b in zip(self.plan, piece_bytes)
+                   if not shards.is_whole_share(p.src_rank, p.head_start, p.head_end)
+                   or self.receiver_ranges[p.dst_rank] != (p.head_start, p.head_end)]
+        limits = [MAX_BLOCKS_PER_FRAME, channel.max_payload_nbytes // max(piece_bytes)]
+        if partial:  # staged on one side or the other: bounded
+            limits.append(MAX_STAGING_BYTES // max(partial))
+        self.max_count = max(1, min(limits))
         self.transfers: dict[str, OutgoingTransfer] = {}
         self.alive = True
         self._sender = sender
@@ -171,9 +199,9 @@ class KVSender:
 
     Ships only to receivers that prove they hold the cluster secret (``auth``)."""
 
-    def __init__(self, cache: KVCache, config: KVTransferConfig, transport: Transport | None = None,
+    def __init__(self, cache: KVCache | KVShards, config: KVTransferConfig, transport: Transport | None = None,
                  auth: ClusterAuth | None = None):
-        self.cache = cache
+        self.shards = cache if isinstance(cache, KVShards) else KVShards.single(cache)
         self.config = config
         self.auth = auth or ClusterAuth.disabled()
         self._owns_transport = transport is None
@@ -181,6 +209,11 @@ class KVSender:
         self._conns: dict[str, _ReceiverConnection] = {}
         self._connecting: dict[str, asyncio.Task] = {}
         self._tasks: set[asyncio.Task] = set()
+
+    @property
+    def cache(self) -> KVCache:
+        """This process's own cache (rank 0's, with tensor parallelism)."""
+        return self.shards.caches[0]
 
     async def begin(self, transfer_id: str, address: str) -> OutgoingTransfer:
         """Start transfer ``transfer_id`` (the receiver's ``IncomingTransfer.transfer_id``) to the
@@ -246,13 +279,14 @@ class KVSender:
         except ConnectionLost as exc:
             raise PeerLost(str(exc)) from None
         try:
-            checksum = await client_handshake(channel, self.cache.layout, self.config.checksum,
-                                              self.config.connect_timeout, self.auth)
+            checksum, receiver_ranges = await client_handshake(channel, self.shards, self.config.checksum,
+                                                               self.config.connect_timeout, self.auth)
+            conn = _ReceiverConnection(self, address, channel, checksum, receiver_ranges)
         except BaseException:
             channel.close()
             raise
-        log.info("kv sender connected to %s: %s", address, channel.description)
-        conn = _ReceiverConnection(self, address, channel, checksum)
+        log.info("kv sender connected to %s: %s (%d ranks here, %d there)", address, channel.description,
+                 self.shards.num_ranks, len(receiver_ranges))
         self._conns[address] = conn
         return conn
 

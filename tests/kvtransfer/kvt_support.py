@@ -5,10 +5,12 @@ import torch
 
 from common.cluster.auth import ClusterAuth
 from common.engine.kv.kv_cache import KVCache, KVLayout
+from common.engine.kv.kv_shards import KVShards
 
 # 2 layers x K/V x 4 tokens x 2 heads x 8 dims x fp32 = 1 KiB per block.
 LAYOUT = KVLayout(model_id="tiny", dtype="float32", block_size=4, num_layers=2, num_kv_heads=2, head_dim=8)
 NUM_BLOCKS = 32
+SHARDS = KVShards.single(KVCache(LAYOUT, 1))  # what a one-rank worker of LAYOUT announces in a handshake
 TRANSPORTS = ["inproc", "tcp", "ucx"]
 # Every sender and receiver in the suite proves this secret, as workers prove the cluster secret.
 AUTH = ClusterAuth("kvtransfer-test-cluster-secret")

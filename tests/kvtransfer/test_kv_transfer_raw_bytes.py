@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from common.engine.kv.kv_cache import KVCache
-from kvt_support import AUTH, LAYOUT, NUM_BLOCKS, random_cache
+from kvt_support import AUTH, LAYOUT, NUM_BLOCKS, SHARDS, random_cache
 from kvtransfer import KVReceiver, KVSender, KVTransferConfig, PeerLost, make_transport
 from kvtransfer.config import parse_address
 from kvtransfer.handshake import client_handshake
@@ -81,7 +81,7 @@ async def test_payload_length_that_disagrees_with_the_layout_is_refused(transpor
     channel = await net.connect(*parse_address(receiver.address), 5.0)
     cache = random_cache(1)
     try:
-        await client_handshake(channel, LAYOUT, False, 5.0, AUTH)
+        await client_handshake(channel, SHARDS, False, 5.0, AUTH)
         block = cache.buffer[3].reshape(-1).view(torch.uint8)
         await channel.send(encode(Blocks(rx.transfer_id, 1, 1, block.numel())), block)  # binds the transfer here
         await channel.send(encode(Blocks(rx.transfer_id, 2, 1, 1 << 40)))  # no payload follows, none is read

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from common.engine.kv.kv_cache import KVCache
-from kvt_support import AUTH, LAYOUT, NUM_BLOCKS, random_cache, wait_until
+from kvt_support import AUTH, LAYOUT, NUM_BLOCKS, SHARDS, random_cache, wait_until
 from kvtransfer import KVReceiver, KVTransferConfig, TransferAborted, TransferTimeout, make_transport
 from kvtransfer.config import parse_address
 from kvtransfer.handshake import client_handshake
@@ -42,7 +42,7 @@ class SlowSender:
     async def connect(cls, transport: str, address: str) -> "SlowSender":
         host, port = parse_address(address)
         channel = await make_transport(transport).connect(host, port, 5.0)
-        await client_handshake(channel, LAYOUT, False, 5.0, AUTH)
+        await client_handshake(channel, SHARDS, False, 5.0, AUTH)
         return cls(channel, random_cache(1))
 
     async def announce(self, transfer_id: str, first_dst: int, src: int, count: int) -> torch.Tensor:

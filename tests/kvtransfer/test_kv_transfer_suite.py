@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from common.engine.kv.block_pool import BlockPool
-from kvt_support import AUTH, LAYOUT, NUM_BLOCKS, random_cache, wait_until
+from kvt_support import AUTH, LAYOUT, NUM_BLOCKS, SHARDS, random_cache, wait_until
 from kvtransfer import (
     ChecksumMismatch, ConnectionLost, HandshakeError, KVReceiver, KVSender, KVTransferConfig, PeerLost,
     TransferAborted, TransferError, TransferTimeout, make_transport,
@@ -171,7 +171,7 @@ async def test_sender_lease_expires_without_ack(transport):
     frames: list[str] = []
 
     async def silent_receiver(channel):
-        await server_handshake(channel, LAYOUT, False, 5.0, AUTH)
+        await server_handshake(channel, SHARDS, False, 5.0, AUTH)
         with contextlib.suppress(ConnectionLost):
             while True:
                 msg = decode(await channel.recv_header())
