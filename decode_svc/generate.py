@@ -32,7 +32,7 @@ from common.cluster.messages import (
     FRAMES_CONTENT_TYPE, GenerateRequest, PrefillRequest, TokenFrame, TokenLogprob, decode, frame,
 )
 from decode_svc.prefill_client import BadPrefillAnswer, call_prefill, resolve_prefill_worker, send_abort
-from kvtransfer.receiver import IncomingTransfer
+from kvtransfer.receiver import IncomingTransfer, TransferResult
 from worker.role_context import RoleContext
 
 log = logging.getLogger(__name__)
@@ -93,8 +93,7 @@ async def handle_generate(context: RoleContext, request: web.Request) -> web.Str
         reservation = None
         grammar = await context.compile_grammar(body.sampling_params)
         try:
-            if body.prefill_worker_id and context.model.tensor_parallel_size == 1:
-                # (a tensor-parallel worker computes its prompts: no KV between TP sizes yet)
+            if body.prefill_worker_id:
                 reservation = await reserve(context, body, grammar)
                 if reservation is None:  # nothing started: the gateway tries another decode worker
                     outcome = "busy"
@@ -278,7 +277,7 @@ async def remote_prefill(context: RoleContext, body: GenerateRequest, reservatio
     call = asyncio.ensure_future(call_prefill(context, peer, prefill))
     landed = asyncio.ensure_future(kv_landed(context, handle, reservation.request))
     try:
-        result, _metadata = await asyncio.gather(call, landed)
+        result, landed_kv = await asyncio.gather(call, landed)
     except BaseException as exc:
         call.cancel()  # whichever failed first, the other one is of no use any more
         landed.cancel()
@@ -296,7 +295,7 @@ async def remote_prefill(context: RoleContext, body: GenerateRequest, reservatio
         await asyncio.shield(pending.release)  # the local fallback reuses the request id
         raise RemotePrefillFailed(f"{type(exc).__name__}: {exc}") from None
     transfer_seconds = time.monotonic() - began
-    transfer_bytes = len(dst_block_ids) * context.model.block_nbytes
+    transfer_bytes = landed_kv.nbytes  # every rank's heads, as they arrived
     context.metrics.kv_transfer_seconds.observe(transfer_seconds)
     context.metrics.kv_received_bytes.inc(transfer_bytes)
     # The prefill worker sampled the first token under the same grammar; the matcher here continues
@@ -322,7 +321,7 @@ async def remote_prefill(context: RoleContext, body: GenerateRequest, reservatio
     )
 
 
-async def kv_landed(context: RoleContext, handle: IncomingTransfer, request: Request):
+async def kv_landed(context: RoleContext, handle: IncomingTransfer, request: Request) -> TransferResult:
     """Wait for the KV to land, then stop the reservation's lease at once (not after the engine's
     step in flight), so a first token that is yet to come never finds it expired.  Raises
     ``LeaseEnded`` if the lease ended first, or what failed the transfer."""

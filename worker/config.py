@@ -59,9 +59,6 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"invalid config: role must be one of {', '.join(ROLES)}, got {self.role!r}")
-        if self.engine.tensor_parallel_size > 1 and self.role == "prefill":
-            raise ValueError("invalid config: a prefill worker ships KV, which tensor-parallel workers cannot do yet "
-                             "(--tensor-parallel-size > 1 is for decode and colocated workers)")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"invalid config: port must be in 0..65535, got {self.port}")
         if self.heartbeat_ttl_s <= 0:

@@ -123,9 +123,10 @@ class Worker:
         self.engine.fault_injector = fault_injector_from_env()
         stick_an_executor_thread(loop)
 
-        self.kv_receiver = KVReceiver(self.engine.kv_cache, self.config.kv, auth=self.auth)
+        # Every rank's cache: the KV of a tensor-parallel worker moves in the ranks' own memory.
+        self.kv_receiver = KVReceiver(self.engine.kv_shards, self.config.kv, auth=self.auth)
         host, port = parse_address(await self.kv_receiver.start())
-        self.kv_sender = KVSender(self.engine.kv_cache, self.config.kv, auth=self.auth)
+        self.kv_sender = KVSender(self.engine.kv_shards, self.config.kv, auth=self.auth)
         self.kv_address = KVAddress(transport=self.config.kv.transport,
                                     host=self.config.advertise_host or host, port=port)
 
@@ -302,8 +303,6 @@ class Worker:
         wanted = ("decode", "both") if kind == "generate" else ("prefill", "both")
         if self.role not in wanted:
             return "refused", f"worker role is {self.role}, not {' or '.join(wanted)}"
-        if kind == "prefill" and self.config.engine.tensor_parallel_size > 1:
-            return "refused", "a tensor-parallel worker ships no KV yet (it would be rank 0's heads only)"
         if len(self.in_flight) >= self.config.max_pending_requests:
             return "busy", f"worker has {len(self.in_flight)} requests in flight (limit {self.config.max_pending_requests})"
         return None
@@ -341,8 +340,6 @@ class Worker:
         on its next read.  Also the way back from a drain: the worker becomes active again."""
         if role not in ROLES:
             raise ValueError(f"unknown role {role!r}; expected one of {', '.join(ROLES)}")
-        if role == "prefill" and self.config.engine.tensor_parallel_size > 1:
-            raise ValueError("a tensor-parallel worker cannot take the prefill role yet (it ships no KV)")
         log.info("role change %s -> %s", self.role, role)
         self.role = role
         if self._drain_task is not None and not self._drain_task.done():
@@ -357,6 +354,8 @@ class Worker:
         out.update(self.metrics.snapshot())
         out.update(worker_id=self.config.worker_id, role=self.role, state=self.state,
                    tensor_parallel_size=self.config.engine.tensor_parallel_size,
+                   # one block of every rank: what a prompt block costs to receive
+                   kv_bytes_per_block=sum(cache.block_nbytes for cache in self.engine.kv_shards.caches),
                    inflight=len(self.in_flight),
                    kv_incoming=self.kv_receiver.num_pending if self.kv_receiver else 0,
                    kv_outgoing=self.kv_sender.num_in_flight if self.kv_sender else 0,

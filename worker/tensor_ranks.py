@@ -13,8 +13,9 @@ unit:
 * ``stop`` (the worker's shutdown, after the engine thread has told the followers to stop) waits
   for them, then kills what is left.
 
-Until the KV transfer between pools of different TP sizes exists, a TP worker computes the prompts
-it decodes itself and takes no prefill requests (it would ship rank 0's heads only).
+Rank 0 maps the followers' KV caches (``parallel/shared_kv.py``): its KV endpoint ships and lands
+every rank's heads in that rank's memory, so a TP worker prefills and decodes for peers of any TP
+size (``common/engine/kv/kv_shards.py``).
 """
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ from common.engine.attention.selection import make_attention
 from common.engine import cuda_graphs
 from common.engine.kv.block_pool import BlockPool
 from common.engine.config import EngineConfig
-from common.engine.kv.kv_cache import KVCache, KVLayout, dtype_name, num_blocks_for_memory
+from common.engine.kv.kv_cache import KVCache, KVLayout, dtype_from_name, dtype_name, num_blocks_for_memory
 from common.engine.kv.kv_cache_manager import KVCacheManager
 from common.engine.loading.model_loader import load_model, resolve_checkpoint
 from common.engine.kv.prefix_hash import MAX_CACHE_SALT_LEN, block_extra_keys
@@ -29,6 +29,7 @@ from common.engine.request import Request, RequestStatus
 from common.engine.sampler import TokenLogprobs
 from common.engine.sampling_params import SamplingParams
 from common.engine.scheduler import Scheduler, SchedulerOutput
+from common.engine.parallel.shared_kv import share_caches, shared_host_zeros
 from common.engine.parallel.tensor_parallel import TensorParallel
 from common.engine.step_log import StepLog, step_shape
 from common.engine.structured.backend import CompiledGrammar, GrammarBackend
@@ -134,7 +135,15 @@ class Engine:
         windows = {mc.window(layer) for layer in range(mc.num_layers)}
         self.attention = make_attention(config.attention_backend, self.device, windows, config.block_size, self.dtype)
         use_graphs = config.cuda_graphs and self.tp.size == 1 and cuda_graphs.supported(self.device, self.attention)
-        self.kv_cache = KVCache(self.layout, num_blocks, self.device, scratch_block=use_graphs)
+        # A follower's cache on CPU lives in shared memory: rank 0 maps it to move its heads between workers.
+        buffer, host_fd = None, None
+        if self.tp.rank > 0 and self.device.type == "cpu":
+            buffer, host_fd = shared_host_zeros(KVCache.buffer_shape(self.layout, num_blocks, use_graphs),
+                                                dtype_from_name(self.layout.dtype), f"pdserve-kv-rank{self.tp.rank}")
+        self.kv_cache = KVCache(self.layout, num_blocks, self.device, scratch_block=use_graphs, buffer=buffer)
+        # Every rank's cache (rank 0; None on the others), as the KV transfer sees them.
+        self.kv_shards = share_caches(self.tp, self.kv_cache, self.tp.kv_head_ranges(mc.num_heads, mc.num_kv_heads),
+                                      mc.num_kv_heads, host_fd)
         self.max_model_len = min(config.max_model_len or mc.max_model_len, mc.max_model_len)
         self.block_pool = BlockPool(num_blocks, enable_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(

@@ -190,11 +190,12 @@ async def ship_held(peer: ScriptedPeer, request: PrefillRequest) -> ThrottledLin
 class Stream:
     """One /generate call on the decode worker, read frame by frame in the background."""
 
-    def __init__(self, client: "WorkerClient", prompt: list[int], prefill_worker_id: str | None):
+    def __init__(self, client: "WorkerClient", prompt: list[int], prefill_worker_id: str | None,
+                 max_tokens: int = MAX_TOKENS):
         self.frames: list[TokenFrame] = []
         self.first = asyncio.Event()
         body = GenerateRequest(request_id=f"t-{uuid.uuid4().hex[:8]}", prompt_token_ids=prompt,
-                               sampling_params=SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True),
+                               sampling_params=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
                                prefill_worker_id=prefill_worker_id)
         self.task = asyncio.ensure_future(self._read(client, encode(body)))
 

@@ -83,21 +83,29 @@ class KVCache:
     """
 
     def __init__(self, layout: KVLayout, num_blocks: int, device: torch.device | str = "cpu",
-                 scratch_block: bool = False):
+                 scratch_block: bool = False, buffer: torch.Tensor | None = None):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.layout = layout
         self.num_blocks = num_blocks
         self.scratch_block: int | None = num_blocks if scratch_block else None
-        shape = (num_blocks + int(scratch_block), layout.num_layers, 2, layout.block_size, layout.num_kv_heads,
-                 layout.head_dim)
+        shape = self.buffer_shape(layout, num_blocks, scratch_block)
         dtype = dtype_from_name(layout.dtype)
-        if torch.device(device).type == "cpu":
+        if buffer is not None:  # memory allocated elsewhere (shared with another process)
+            if tuple(buffer.shape) != shape or buffer.dtype != dtype or not buffer.is_contiguous():
+                raise ValueError(f"a KV buffer of {tuple(buffer.shape)} {buffer.dtype}, expected {shape} {dtype}")
+            self.buffer = buffer
+        elif torch.device(device).type == "cpu":
             self.buffer = huge_page_zeros(shape, dtype)  # KV shipping through CMA pins pages: fewer, faster
         else:
             self.buffer = torch.zeros(shape, dtype=dtype, device=device)
         self._keys = [self.buffer[:, layer, 0] for layer in range(layout.num_layers)]
         self._values = [self.buffer[:, layer, 1] for layer in range(layout.num_layers)]
+
+    @staticmethod
+    def buffer_shape(layout: KVLayout, num_blocks: int, scratch_block: bool = False) -> tuple[int, ...]:
+        return (num_blocks + int(scratch_block), layout.num_layers, 2, layout.block_size, layout.num_kv_heads,
+                layout.head_dim)
 
     @property
     def block_size(self) -> int:

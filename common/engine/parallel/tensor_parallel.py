@@ -68,6 +68,11 @@ class TensorParallel:
         head = self.split(num_heads, "the attention heads").start * num_kv_heads // num_heads
         return slice(head, head + 1)
 
+    def kv_head_ranges(self, num_heads: int, num_kv_heads: int) -> list[tuple[int, int]]:
+        """The kv heads of every rank of the group, index = rank."""
+        ranks = (TensorParallel(self.size, rank).kv_heads(num_heads, num_kv_heads) for rank in range(self.size))
+        return [(heads.start, heads.stop) for heads in ranks]
+
     def vocab(self, vocab_size: int) -> slice:
         """This rank's rows of the embedding and the LM head (the last share may be short)."""
         share = self.vocab_share(vocab_size)
