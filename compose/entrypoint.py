@@ -24,16 +24,21 @@ looks healthy but is not:
 
 GPU claim.  ``PDSERVE_GPUS`` (``all``, the default, or indexes like ``0,1,2,3``) lists the GPUs the
 workers of this host may take; a replica takes the first whose lock file in ``PDSERVE_LOCK_DIR``
-(a volume every worker container of the host mounts) it can ``flock``.  The lock is held by the
+(a volume every worker container of the host mounts) it can ``flock``.  A tensor-parallel worker
+(``PDSERVE_TENSOR_PARALLEL_SIZE=N``) takes N GPUs at once, all or none, under a host-wide claim
+lock: an aligned group (GPUs 0-1, 2-3, ... for N=2; 0-3, 4-7 for N=4: the same switch and NUMA
+node on the usual hosts) where one is free, else any N free ones; pools of different N share a
+host, each GPU locked by the worker that holds it.  The lock is held by the
 worker process itself (the descriptor survives ``exec``), so it is released exactly when the
 worker exits.  A replica that finds every GPU taken is surplus: it says so and exits 0, and the
 services' ``restart: on-failure`` leaves it down.  Slot ``i`` (the position of the claimed GPU in
 the list) then gives::
 
-    CUDA_VISIBLE_DEVICES = <claimed>,<the others>   cuda:0 is the claimed GPU; the peers' GPUs stay
-                           <claimed>                visible for CUDA IPC (only the claimed one with
+    CUDA_VISIBLE_DEVICES = <claimed>,<the others>   cuda:0..N-1 are the claimed GPUs (rank r on
+                           <claimed>                cuda:r); the peers' GPUs stay visible for CUDA
+                                                    IPC (only the claimed ones with
                                                     PDSERVE_GPU_ISOLATION=1)
-    PDSERVE_WORKER_ID    = <hostname>-gpu<claimed>  (unless set)
+    PDSERVE_WORKER_ID    = <hostname>-gpu<claimed>  (unless set; gpu<a>_<b>_... for a group)
     PDSERVE_PORT         = PDSERVE_PORT_BASE + i    (unless set; host networking needs distinct ports)
     PDSERVE_KV_PORT      = PDSERVE_KV_PORT_BASE + i
     UCX_TCP_PORT_RANGE   = PDSERVE_UCX_TCP_PORT_BASE + 16 i .. + 16 i + 15   (UCX's TCP data ports)
@@ -106,7 +111,7 @@ class Launch:
 
     prefix: list[str] = field(default_factory=list)
     cpus: list[int] = field(default_factory=list)
-    lock_fd: int | None = None
+    lock_fds: list[int] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
 
@@ -211,27 +216,59 @@ def check_tls_front(env: dict[str, str]) -> None:
 # ---- slots: one GPU (or CPU set) per worker ----------------------------------------------------
 
 
-def claim(items: list[str], lock_dir: Path, kind: str) -> tuple[int, int]:
-    """Lock the first free item; returns (slot, descriptor holding the lock).  Raises Surplus."""
+def _try_lock(lock_dir: Path, kind: str, item: str) -> int | None:
+    fd = os.open(lock_dir / f"{kind}-{item.replace(',', '_')}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{socket.gethostname()} pid {os.getpid()}\n".encode())
+    return fd
+
+
+def claim(items: list[str], lock_dir: Path, kind: str, count: int = 1) -> tuple[list[int], list[int]]:
+    """Lock ``count`` free items, all or none; returns (their slots, the descriptors holding the
+    locks).  An aligned group of slots (``count``-sized, starting at a multiple of it) is taken
+    before a scattered one.  Raises Surplus when fewer than ``count`` are free."""
     lock_dir.mkdir(parents=True, exist_ok=True)
-    for slot, item in enumerate(items):
-        fd = os.open(lock_dir / f"{kind}-{item.replace(',', '_')}.lock", os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            continue
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{socket.gethostname()} pid {os.getpid()}\n".encode())
-        return slot, fd
-    raise Surplus(f"every {kind} of this host ({', '.join(items)}) is taken by another worker (locks in "
-                  f"{lock_dir}); this replica is surplus and exits. Scale the services to at most "
-                  f"{len(items)} workers in all (`pdctl scale`).")
+    mutex = os.open(lock_dir / f"{kind}-claim.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(mutex, fcntl.LOCK_EX)  # one claimer at a time: two half-claims never starve each other
+        held: dict[int, int] = {}
+        for slot, item in enumerate(items):
+            fd = _try_lock(lock_dir, kind, item)
+            if fd is not None:
+                held[slot] = fd
+        aligned = [list(range(first, first + count)) for first in range(0, len(items) - count + 1, count)]
+        chosen = next((group for group in aligned if all(s in held for s in group)), sorted(held)[:count])
+        for slot in [s for s in held if s not in chosen]:
+            os.close(held.pop(slot))
+        if len(chosen) < count:
+            for fd in held.values():
+                os.close(fd)
+            raise Surplus(f"{len(held)} of this host's {kind}s ({', '.join(items)}) are free (locks in {lock_dir}), "
+                          f"this worker needs {count}; this replica is surplus and exits. Scale the services to "
+                          f"what the host holds (`pdctl scale`, `pdctl plan`).")
+        return chosen, [held[s] for s in chosen]
+    finally:
+        os.close(mutex)
 
 
-def visible_devices(gpus: list[str], slot: int, isolate: bool) -> str:
-    claimed = gpus[slot]
-    return claimed if isolate else ",".join([claimed] + [g for g in gpus if g != claimed])
+def tensor_parallel_size(env: dict[str, str], gpus: list[str]) -> int:
+    text = (env.get("PDSERVE_TENSOR_PARALLEL_SIZE") or "1").strip()
+    if not text.isdigit() or int(text) < 1:
+        raise Refusal(f"PDSERVE_TENSOR_PARALLEL_SIZE={text!r}: a positive number of GPUs per worker")
+    if int(text) > len(gpus):
+        raise Refusal(f"PDSERVE_TENSOR_PARALLEL_SIZE={text} but PDSERVE_GPUS gives this host's workers "
+                      f"{len(gpus)} GPU(s) ({','.join(gpus)})")
+    return int(text)
+
+
+def visible_devices(gpus: list[str], slots: list[int], isolate: bool) -> str:
+    claimed = [gpus[s] for s in slots]
+    return ",".join(claimed if isolate else claimed + [g for g in gpus if g not in claimed])
 
 
 def resolve_gpus(env: dict[str, str], probe: HostProbe) -> list[str]:
@@ -255,21 +292,28 @@ def resolve_gpus(env: dict[str, str], probe: HostProbe) -> list[str]:
 # ---- CPUs --------------------------------------------------------------------------------------
 
 
-def pin_cpus(env: dict[str, str], gpu: str, gpus: list[str], topology, probe: HostProbe, launch: Launch) -> None:
+def pin_cpus(env: dict[str, str], claimed: list[str], gpus: list[str], topology, probe: HostProbe,
+             launch: Launch) -> None:
+    """Pin the worker to the CPU shares of its GPUs (every rank's), threads per rank to its share."""
     if (env.get("PDSERVE_CPU_PINNING") or "auto") == "off":
         return
     allowed = probe.allowed_cpus()
-    cpus, cores = ([], 0)
-    if topology is not None:
-        cpus, cores = topo_mod.cpu_share(topology, gpu, gpus, allowed, probe.cpu_siblings())
-    if not cpus:
-        # No topology: an equal share of the container's CPUs, so workers do not all spin on all of them.
-        ordered = sorted(allowed)
-        k, n = gpus.index(gpu), len(gpus)
-        cpus = ordered[len(ordered) * k // n: len(ordered) * (k + 1) // n] or ordered
-        cores = len(cpus)
+    cpus, cores = [], 0
+    for gpu in claimed:
+        share, share_cores = ([], 0)
+        if topology is not None:
+            share, share_cores = topo_mod.cpu_share(topology, gpu, gpus, allowed, probe.cpu_siblings())
+        if not share:
+            # No topology: an equal share of the container's CPUs, so workers do not all spin on all of them.
+            ordered = sorted(allowed)
+            k, n = gpus.index(gpu), len(gpus)
+            share = ordered[len(ordered) * k // n: len(ordered) * (k + 1) // n] or ordered
+            share_cores = len(share)
+        cpus += [c for c in share if c not in cpus]
+        cores += share_cores
     launch.cpus = cpus
-    env.setdefault("OMP_NUM_THREADS", str(max(1, cores)))
+    env.setdefault("OMP_NUM_THREADS", str(max(1, cores // len(claimed))))  # each rank is its own process
+    gpu = claimed[0]
     node = topology.numa.get(gpu) if topology is not None else None
     if node is not None and (env.get("PDSERVE_NUMA_BIND") or "auto") != "off" and probe.has("numactl"):
         launch.prefix = ["numactl", f"--preferred={node}"]
@@ -332,26 +376,28 @@ def prepare_worker(env: dict[str, str], probe: HostProbe, launch: Launch) -> tup
     slot, gpu, gpus, topology = 0, None, [], None
     if device.startswith("cuda"):
         gpus = resolve_gpus(env, probe)
-        slot, launch.lock_fd = claim(gpus, lock_dir, "gpu")
-        gpu = gpus[slot]
+        slots, launch.lock_fds = claim(gpus, lock_dir, "gpu", tensor_parallel_size(env, gpus))
+        slot, claimed = slots[0], [gpus[s] for s in slots]
+        gpu = claimed[0]  # rank 0's: it moves the worker's KV (the nearest HCA is its)
         env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # CUDA's numbering = nvidia-smi's
-        env["CUDA_VISIBLE_DEVICES"] = visible_devices(gpus, slot, _truthy(env.get("PDSERVE_GPU_ISOLATION")))
+        env["CUDA_VISIBLE_DEVICES"] = visible_devices(gpus, slots, _truthy(env.get("PDSERVE_GPU_ISOLATION")))
         env["PDSERVE_DEVICE"] = "cuda"
-        env["PDSERVE_GPU"] = gpu
+        env["PDSERVE_GPU"] = ",".join(claimed)
         # Readable and stable across restarts: <hostname>-gpu<n> (the host's name on the host
         # network, the container id otherwise).
-        env.setdefault("PDSERVE_WORKER_ID", f"{socket.gethostname()}-gpu{gpu}")
+        env.setdefault("PDSERVE_WORKER_ID", f"{socket.gethostname()}-gpu{'_'.join(claimed)}")
         topology, problem = read_topology(env, probe)
         if problem:
             launch.notes.append(problem)
-        pin_cpus(env, gpu, gpus, topology, probe, launch)
-        launch.notes.append(f"GPU {gpu} (slot {slot} of {','.join(gpus)})")
+        pin_cpus(env, claimed, gpus, topology, probe, launch)
+        launch.notes.append(f"GPU {','.join(claimed)} (slot {slot} of {','.join(gpus)})")
     else:
         if env.get("PDSERVE_GPUS"):
             raise Refusal("PDSERVE_GPUS is set but PDSERVE_DEVICE=cpu: use the GPU compose file, or unset PDSERVE_GPUS")
         cpusets = [c.strip() for c in (env.get("PDSERVE_CPUSETS") or "").split(";") if c.strip()]
         if cpusets:
-            slot, launch.lock_fd = claim(cpusets, lock_dir, "cpuset")
+            slots, launch.lock_fds = claim(cpusets, lock_dir, "cpuset")
+            slot = slots[0]
             launch.cpus = [c for c in topo_mod.parse_cpu_list(cpusets[slot]) if c in probe.allowed_cpus()]
             if not launch.cpus:
                 raise Refusal(f"PDSERVE_CPUSETS entry {cpusets[slot]} has no CPU this container may use")
@@ -384,7 +430,7 @@ def prepare(module: str, env: dict[str, str], probe: HostProbe | None = None) ->
     else:
         slot, gpu = prepare_worker(env, probe, launch)
         port = env["PDSERVE_PORT"]
-        info.update(worker_id=env.get("PDSERVE_WORKER_ID"), gpu=gpu, slot=slot, kv_port=int(env["PDSERVE_KV_PORT"]),
+        info.update(worker_id=env.get("PDSERVE_WORKER_ID"), gpu=env.get("PDSERVE_GPU"), slot=slot, kv_port=int(env["PDSERVE_KV_PORT"]),
                     advertise_host=env["PDSERVE_ADVERTISE_HOST"])
     info.update(port=int(port), health_url=f"http://{_local_address(env, module)}:{port}/health")
     RUNTIME_FILE.write_text(json.dumps(info) + "\n")
@@ -448,8 +494,8 @@ def main(argv: list[str]) -> None:
         print(f"entrypoint: {report_ucx(env)}", flush=True)
     if launch.cpus:
         os.sched_setaffinity(0, launch.cpus)  # inherited across exec
-    if launch.lock_fd is not None:
-        os.set_inheritable(launch.lock_fd, True)  # the worker process keeps its GPU locked for its lifetime
+    for fd in launch.lock_fds:
+        os.set_inheritable(fd, True)  # the worker process keeps its GPUs locked for its lifetime
     command = [*launch.prefix, sys.executable, "-m", module, *args]
     os.execvpe(command[0], command, env)
 

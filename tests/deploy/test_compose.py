@@ -141,6 +141,24 @@ def test_workers_claim_real_gpus_and_restart_only_on_failure(rendered):
             assert doc["services"]["gateway"]["restart"] == "unless-stopped"
 
 
+def test_each_pool_sets_its_own_tensor_parallel_size(env_files, tmp_path):
+    """PDSERVE_PREFILL_TP / PDSERVE_DECODE_TP reach each pool's workers (the entrypoint claims that
+    many GPUs); GPU workers get a /dev/shm for NCCL and NCCL's settings pass through."""
+    if compose_cli() is None:
+        pytest.skip("no compose CLI")
+    for stack in ("gpu", "workers", "cpu"):
+        env_file = tmp_path / f"{stack}.env"
+        env_file.write_text(env_files[stack].read_text() + "PDSERVE_PREFILL_TP=4\nPDSERVE_DECODE_TP=2\n")
+        result = render_cli(stack, env_file)
+        assert result.returncode == 0, result.stderr
+        services = yaml.safe_load(result.stdout)["services"]
+        assert services["prefill"]["environment"]["PDSERVE_TENSOR_PARALLEL_SIZE"] == "4", stack
+        assert services["decode"]["environment"]["PDSERVE_TENSOR_PARALLEL_SIZE"] == "2", stack
+        assert services["decode"]["environment"]["PDSERVE_MODEL"], "the pool's env still merges the common one"
+        if stack != "cpu":
+            assert "shm_size" in services["decode"] and "NCCL_P2P_LEVEL" in services["decode"]["environment"]
+
+
 def test_nics_and_ports_are_pinned_and_tcp_stays_as_fallback(rendered):
     for (stack, _profiles), doc in rendered.items():
         for service in WORKER_SERVICES:
