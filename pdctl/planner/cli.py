@@ -43,7 +43,12 @@ def add_plan_parser(sub) -> None:
     g.add_argument("--gpus", type=int, help="compare every P:D split of this many GPUs, and colocated")
     g.add_argument("--max-gpus", type=int, default=64, help="search limit (default %(default)s)")
     g.add_argument("--split", action="append", default=[],
-                   help="a deployment to simulate, P:D or colocated:N (repeatable; replaces the search)")
+                   help="a deployment to simulate, P:D or colocated:N, each count optionally xTP (workers of TP "
+                        "GPUs: 1x4:2x2 is one prefill worker of 4 GPUs and two decode workers of 2); repeatable, "
+                        "replaces the search")
+    g.add_argument("--tp-sizes", default="1",
+                   help="GPUs per worker the search may give each pool, e.g. 1,2,4,8 (tensor parallelism, --gpu "
+                        "only; default %(default)s)")
     g.add_argument("--no-colocated", action="store_true", help="leave colocated deployments out")
     add_engine_args(p)
     g = p.add_argument_group("run")
@@ -175,14 +180,32 @@ def calibrate_live(client, args) -> dict:
     return fit_live(steps, engines, args.min_steps)
 
 
+def _workers(text: str) -> tuple[int, int]:
+    count, _, tp = text.partition("x")
+    return int(count), int(tp or 1)
+
+
 def _parse_split(text: str) -> Deployment:
     try:
         left, right = text.split(":")
         if left == "colocated":
-            return Deployment(both=int(right))
-        return Deployment(prefill=int(left), decode=int(right))
+            both, both_tp = _workers(right)
+            return Deployment(both=both, both_tp=both_tp)
+        (prefill, prefill_tp), (decode, decode_tp) = _workers(left), _workers(right)
+        return Deployment(prefill=prefill, decode=decode, prefill_tp=prefill_tp, decode_tp=decode_tp)
     except ValueError:
-        raise ValueError(f"--split {text!r}: expected P:D (e.g. 2:6) or colocated:N") from None
+        raise ValueError(f"--split {text!r}: expected P:D (e.g. 2:6), colocated:N, each count optionally xTP "
+                         f"(1x4:2x2)") from None
+
+
+def _parse_tp_sizes(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(sorted({int(s) for s in text.split(",") if s.strip()}))
+    except ValueError:
+        sizes = ()
+    if not sizes or sizes[0] < 1:
+        raise ValueError(f"--tp-sizes {text!r}: expected GPU counts per worker, e.g. 1,2,4")
+    return sizes
 
 
 def _scheduler_options(items: list[str]) -> tuple:
@@ -198,6 +221,19 @@ def _scheduler_options(items: list[str]) -> tuple:
     return tuple(out)
 
 
+def _blocks_of_smallest_fitting_worker(args, spec) -> int:
+    """KV blocks of a worker of the fewest GPUs that holds the model (what the plan prints as the
+    workers' pool; each simulated worker gets what its own GPUs hold)."""
+    problem = None
+    named = {_parse_split(s).tp_of(role) for s in getattr(args, "split", []) for role in ("prefill", "decode", "both")}
+    for tp in sorted(set(_parse_tp_sizes(getattr(args, "tp_sizes", "1"))) | named):
+        try:
+            return kv_blocks_per_gpu(GPUS[args.gpu], spec, args.block_size, tp=tp)
+        except ValueError as exc:
+            problem = exc
+    raise ValueError(f"{problem} (--tp-sizes, --split AxTP:BxTP)")
+
+
 def build_config(args) -> tuple[SimConfig, str]:
     """The SimConfig the flags describe, and a one-line description of the cost model."""
     if bool(args.gpu) == bool(args.calibration):
@@ -207,7 +243,7 @@ def build_config(args) -> tuple[SimConfig, str]:
     if args.gpu:
         spec = load_model_spec(args.model)
         cost = roofline(args.gpu, spec, args.efficiency)
-        num_blocks = args.num_blocks or kv_blocks_per_gpu(GPUS[args.gpu], spec, args.block_size)
+        num_blocks = args.num_blocks or _blocks_of_smallest_fitting_worker(args, spec)
         kv_per_token = spec.kv_bytes_per_token
         max_model_len = args.max_model_len or spec.max_model_len
         batched = args.max_num_batched_tokens or scheduling_defaults("cuda").max_num_batched_tokens
@@ -244,6 +280,7 @@ def build_config(args) -> tuple[SimConfig, str]:
     if args.prefill_max_num_batched_tokens:
         prefill_engine = dataclasses.replace(engine, max_num_batched_tokens=args.prefill_max_num_batched_tokens)
     config = SimConfig(cost=cost, engine=engine, prefill_engine=prefill_engine, link=link,
+                       blocks_from_memory=bool(args.gpu and not args.num_blocks),
                        kv_bytes_per_token=kv_per_token,
                        routing=RoutingConfig(policy=args.routing_policy, skip_prefill_below_tokens=args.skip_prefill_below),
                        slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot, overhead_s=(args.overhead_ms or 0.0) / 1e3,
@@ -272,15 +309,22 @@ def cmd_plan(_client, args) -> int:
     say(f"traffic: {workload.description} ({len(workload)} requests)")
     config = dataclasses.replace(config, stop_when_failing=True)
     if args.split:
-        from pdctl.planner.search import fluid_estimate, rank_key, recommend, simulate
+        from pdctl.planner.search import fits, fluid_estimate, rank_key, recommend, simulate
 
-        results = [simulate(_parse_split(s), workload, config, args.budget) for s in args.split]
+        deployments = [_parse_split(s) for s in args.split]
+        for d in deployments:
+            problem = fits(d, config)
+            if problem:
+                raise ValueError(f"--split {d.label}: {problem}")
+        results = [simulate(d, workload, config, args.budget) for d in deployments]
         plan = {"fluid": fluid_estimate(workload, config), "candidates": sorted(results, key=rank_key),
                 "recommended": recommend(results)}
     else:
         colocated = not args.no_colocated
         plan = search(workload, config, gpus=args.gpus, max_gpus=args.max_gpus, budget=args.budget,
-                      colocated=colocated, log=say)
+                      colocated=colocated, log=say, tp_sizes=_parse_tp_sizes(args.tp_sizes))
+        for label, problem in plan["skipped"].items():
+            say(f"  {label:>10}: skipped, {problem}")
     plan["slo"] = {"ttft_s": args.slo_ttft, "tpot_s": args.slo_tpot, "percentile": 90}
     plan["traffic"] = workload.summary()
     plan["cost_model"] = cost_text
@@ -314,7 +358,8 @@ def cmd_plan(_client, args) -> int:
 
 def final_line(plan: dict) -> dict:
     best = plan["recommended"]
-    keys = ("deployment", "gpus", "prefill", "decode", "both", "ttft_ms", "tpot_ms", "itl_ms", "goodput_req_s",
+    keys = ("deployment", "gpus", "prefill", "decode", "both", "prefill_tp", "decode_tp", "both_tp", "ttft_ms",
+            "tpot_ms", "itl_ms", "goodput_req_s",
             "meets_slo", "slo_ratio", "preemptions", "transfer_gb_s")
     return {"recommended": None if best is None else {k: best[k] for k in keys},
             "candidates": [{k: r[k] for k in keys} | {"kv_usage_decode_peak": (r.get("decode_pool") or {}).get(

@@ -11,19 +11,22 @@ Two models turn them into seconds:
 - ``RooflineCostModel``: a GPU profile and a model's FLOPs/bytes:
   ``t = overhead + max(FLOPs / (peak * mfu), bytes / (bandwidth * mbu))`` where FLOPs are the
   matmuls of every token, the logits of every sample and the attention pairs, and bytes are the
-  weights (read once per step) plus the KV read and written.
+  weights (read once per step) plus the KV read and written.  With ``tp`` ranks each computes and
+  reads its share (its heads' KV: a replicated head is read on every rank holding it), and the
+  step adds its collectives on the worker's interconnect: two all-reduces of the hidden states per
+  layer and one for the embedding, plus the sampled rows' logits gathered on rank 0.
 """
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
-from pdctl.planner.hardware import GPUS, MODELS, GPUProfile, ModelSpec
+from pdctl.planner.hardware import GPUS, LINKS, MODELS, GPUProfile, LinkProfile, ModelSpec, all_reduce_seconds
 
 FEATURES = ("const", "tokens", "seqs", "samples", "pairs", "context")
 
@@ -88,29 +91,52 @@ class RooflineCostModel(CostModel):
 
     gpu: GPUProfile
     model: ModelSpec
+    tp: int = 1  # GPUs per worker (tensor parallelism)
+    interconnect: LinkProfile | None = None  # between a worker's GPUs (default: the GPU's NVLink)
     kind = "roofline"
 
+    def with_tp(self, tp: int) -> "RooflineCostModel":
+        """The same GPU and model on workers of ``tp`` GPUs."""
+        return replace(self, tp=tp)
+
+    def __post_init__(self) -> None:
+        self._rank_kv_bytes = self.model.rank_kv_bytes_per_token(self.tp)  # refuses a TP that does not split it
+        self._link = self.interconnect or LINKS[self.gpu.default_link]
+
     def step_time(self, tokens, seqs, samples, pairs, context) -> float:
-        m, g = self.model, self.gpu
+        m, g, tp = self.model, self.gpu, self.tp
         flops = m.flops_per_token * tokens + m.flops_per_logit_row * samples + m.attention_flops_per_pair * pairs
-        nbytes = m.weight_bytes + m.kv_bytes_per_token * (context + tokens)
-        return g.step_overhead_s + max(flops / (g.bf16_flops * g.mfu), nbytes / (g.hbm_bandwidth * g.mbu))
+        nbytes = m.weight_bytes / tp + self._rank_kv_bytes * (context + tokens)
+        seconds = g.step_overhead_s + max(flops / tp / (g.bf16_flops * g.mfu), nbytes / (g.hbm_bandwidth * g.mbu))
+        return seconds + self.collective_seconds(tokens, samples) if tp > 1 else seconds
 
     def step_times(self, shapes: np.ndarray) -> np.ndarray:
         s = np.asarray(shapes, dtype=float)
-        m, g = self.model, self.gpu
+        m, g, tp = self.model, self.gpu, self.tp
         flops = m.flops_per_token * s[:, 0] + m.flops_per_logit_row * s[:, 2] + m.attention_flops_per_pair * s[:, 3]
-        nbytes = m.weight_bytes + m.kv_bytes_per_token * (s[:, 4] + s[:, 0])
-        return g.step_overhead_s + np.maximum(flops / (g.bf16_flops * g.mfu), nbytes / (g.hbm_bandwidth * g.mbu))
+        nbytes = m.weight_bytes / tp + self._rank_kv_bytes * (s[:, 4] + s[:, 0])
+        seconds = g.step_overhead_s + np.maximum(flops / tp / (g.bf16_flops * g.mfu), nbytes / (g.hbm_bandwidth * g.mbu))
+        if tp > 1:
+            seconds = seconds + np.array([self.collective_seconds(t, n) for t, n in zip(s[:, 0], s[:, 2])])
+        return seconds
+
+    def collective_seconds(self, tokens: float, samples: float) -> float:
+        """A step's collectives: two all-reduces of the hidden states per layer and one for the
+        vocabulary-parallel embedding, then the sampled rows' logits (fp32) gathered on rank 0."""
+        m, link, tp = self.model, self._link, self.tp
+        hidden = all_reduce_seconds(tokens * m.hidden_size * m.dtype_bytes, tp, link)
+        gather = (tp - 1) * (link.latency_s + samples * m.vocab_size * 4.0 / tp / link.bandwidth)
+        return (2 * m.num_layers + 1) * hidden + gather
 
     def describe(self) -> str:
         g, m = self.gpu, self.model
-        return (f"roofline: {g.name} ({g.bf16_flops / 1e12:.0f} TFLOP/s bf16 x mfu {g.mfu:g}, "
+        tp = f" x TP {self.tp}" if self.tp > 1 else ""
+        return (f"roofline: {g.name}{tp} ({g.bf16_flops / 1e12:.0f} TFLOP/s bf16 x mfu {g.mfu:g}, "
                 f"{g.hbm_bandwidth / 1e12:.2f} TB/s x mbu {g.mbu:g}, {g.step_overhead_s * 1e3:g} ms/step) running "
                 f"{m.name} ({m.num_params / 1e9:.2f}B params, {m.kv_bytes_per_token / 1024:.0f} KiB KV/token)")
 
     def to_dict(self) -> dict:
-        return {"kind": self.kind, "gpu": asdict(self.gpu), "model": asdict(self.model)}
+        return {"kind": self.kind, "gpu": asdict(self.gpu), "model": asdict(self.model), "tp": self.tp}
 
 
 @dataclass
@@ -224,7 +250,7 @@ def cost_model_from_dict(data: dict) -> CostModel:
                              "re-run pdctl calibrate")
         return LinearCostModel(tuple(data["coefficients"]), dict(data.get("fit") or {}))
     if kind == "roofline":
-        return RooflineCostModel(GPUProfile(**data["gpu"]), ModelSpec(**data["model"]))
+        return RooflineCostModel(GPUProfile(**data["gpu"]), ModelSpec(**data["model"]), data.get("tp", 1))
     if kind == "serving":
         return ServingCostModel(cost_model_from_dict(data["base"]), float(data["prefill_speed"]),
                                 float(data["decode_speed"]), float(data.get("step_overhead_s", 0.0)),

@@ -101,7 +101,8 @@ def parse_link(text: str) -> LinkProfile:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """The model facts a cost model needs (one GPU holds the whole model: no tensor parallelism)."""
+    """The model facts a cost model needs (``rank_*``: one rank's share under tensor parallelism,
+    split as ``common/engine/parallel/tensor_parallel.py`` splits the model)."""
 
     name: str
     vocab_size: int
@@ -148,6 +149,25 @@ class ModelSpec:
     def kv_bytes_per_token(self) -> float:
         return 2.0 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
 
+    def rank_kv_heads(self, tp: int) -> int:
+        """The kv heads one of ``tp`` ranks holds: its share, or one replicated head when there
+        are fewer heads than ranks."""
+        if tp > self.num_kv_heads:
+            if tp % self.num_kv_heads:
+                raise ValueError(f"{self.name}: {self.num_kv_heads} kv heads cannot be split or replicated over TP {tp}")
+            return 1
+        if self.num_kv_heads % tp or self.num_heads % tp or self.intermediate_size % tp:
+            raise ValueError(f"{self.name}: TP {tp} does not divide its heads ({self.num_heads} q, "
+                             f"{self.num_kv_heads} kv) and MLP ({self.intermediate_size})")
+        return self.num_kv_heads // tp
+
+    def rank_kv_bytes_per_token(self, tp: int) -> float:
+        return self.kv_bytes_per_token * self.rank_kv_heads(tp) / self.num_kv_heads
+
+    def worker_kv_bytes_per_token(self, tp: int) -> float:
+        """What all ``tp`` ranks of a worker hold (and receive) per token: replicated heads count once per rank."""
+        return self.rank_kv_bytes_per_token(tp) * tp
+
     @classmethod
     def from_hf_config(cls, config: dict, name: str) -> "ModelSpec":
         text = config.get("text_config") or config  # multimodal configs nest the decoder
@@ -165,6 +185,7 @@ class ModelSpec:
 MODELS: dict[str, ModelSpec] = {
     "llama-3-8b": ModelSpec("llama-3-8b", 128256, 4096, 14336, 32, 32, 8, 128, max_model_len=8192),
     "llama-3.1-8b": ModelSpec("llama-3.1-8b", 128256, 4096, 14336, 32, 32, 8, 128, max_model_len=131072),
+    "llama-3.1-70b": ModelSpec("llama-3.1-70b", 128256, 8192, 28672, 80, 64, 8, 128, max_model_len=131072),
     "llama-3.2-3b": ModelSpec("llama-3.2-3b", 128256, 3072, 8192, 28, 24, 8, 128, True, 131072),
     "qwen2.5-7b": ModelSpec("qwen2.5-7b", 152064, 3584, 18944, 28, 28, 4, 128, max_model_len=32768),
     "mistral-7b": ModelSpec("mistral-7b", 32768, 4096, 14336, 32, 32, 8, 128, max_model_len=32768),
@@ -196,11 +217,20 @@ def load_model_spec(model: str) -> ModelSpec:
 
 
 def kv_blocks_per_gpu(gpu: GPUProfile, model: ModelSpec, block_size: int, memory_utilization: float = 0.9,
-                      activation_reserve: float = 2 * GB) -> int:
-    """KV blocks that fit next to the weights (as an engine sized by memory fraction would get)."""
-    free = gpu.memory_bytes * memory_utilization - model.weight_bytes - activation_reserve
-    blocks = int(free // (model.kv_bytes_per_token * block_size))
+                      activation_reserve: float = 2 * GB, tp: int = 1) -> int:
+    """KV blocks of a worker of ``tp`` GPUs: what fits on each rank next to its share of the
+    weights (every rank holds the same block ids), as an engine sized by memory fraction gets."""
+    free = gpu.memory_bytes * memory_utilization - model.weight_bytes / tp - activation_reserve
+    blocks = int(free // (model.rank_kv_bytes_per_token(tp) * block_size))
     if blocks < 1:
         raise ValueError(f"{model.name} ({model.weight_bytes / GB:.1f} GB of weights) leaves no room for KV "
-                         f"on one {gpu.name} ({gpu.memory_bytes / GB:.0f} GB); tensor parallelism is not modelled")
+                         f"on {tp} x {gpu.name} ({gpu.memory_bytes / GB:.0f} GB each): raise the TP size")
     return blocks
+
+
+def all_reduce_seconds(nbytes: float, tp: int, link: LinkProfile) -> float:
+    """A ring all-reduce of ``nbytes`` over ``tp`` ranks on ``link``: 2 (tp - 1) steps, each moving
+    1/tp of the data and paying the link's latency."""
+    if tp == 1:
+        return 0.0
+    return 2 * (tp - 1) * (link.latency_s + nbytes / tp / link.bandwidth)

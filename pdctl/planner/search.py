@@ -19,6 +19,7 @@ cluster; what a slice cannot show is routing balance across more workers than it
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 import zlib
@@ -65,7 +66,8 @@ def slice_for(deployment: Deployment, work: float, budget: float) -> Slice:
         skew = max(fractions) / min(fractions)
         if skew > MAX_SLICE_SKEW:
             continue
-        piece = Slice(Deployment(*sizes), sum(sizes) / sum(counts), skew)
+        piece = Slice(dataclasses.replace(deployment, prefill=sizes[0], decode=sizes[1], both=sizes[2]),
+                      sum(sizes) / sum(counts), skew)
         if work * piece.fraction <= budget:
             return piece
         fitting.append(piece)
@@ -97,7 +99,8 @@ def simulate(deployment: Deployment, workload: Workload, config: SimConfig, budg
     result = Simulation(piece.deployment, part, config, traffic_fraction=piece.fraction).run()
     # Report the cluster that was asked about; the slice that ran is under "simulated".
     result.update(deployment=deployment.label, prefill=deployment.prefill, decode=deployment.decode,
-                  both=deployment.both, gpus=deployment.gpus)
+                  both=deployment.both, gpus=deployment.gpus, prefill_tp=deployment.prefill_tp,
+                  decode_tp=deployment.decode_tp, both_tp=deployment.both_tp)
     result["simulated"] = {"deployment": piece.deployment.label, "traffic_fraction": round(piece.fraction, 6),
                            "load_skew": round(piece.load_skew, 4), "requests": len(part),
                            "cpu_s": round(time.process_time() - began, 3)}
@@ -140,23 +143,40 @@ def fluid_estimate(workload: Workload, config: SimConfig) -> dict:
 # ---- candidates and the recommendation -------------------------------------------------------
 
 
-def splits(gpus: int, around: float | None = None, width: int = 2, colocated: bool = True) -> list[Deployment]:
+def splits(gpus: int, around: float | None = None, width: int = 2, colocated: bool = True,
+           tp_sizes: tuple[int, ...] = (1,)) -> list[Deployment]:
     """P:D splits of ``gpus`` (all of them when few, else near ``around`` prefill GPUs plus a coarse
-    grid), and the colocated deployment."""
+    grid), and the colocated deployment; with several ``tp_sizes``, each pool's workers of every
+    size that fills its GPUs (``1Px4+2Dx2``)."""
     if gpus < 1:
         raise ValueError(f"need at least one GPU, got {gpus}")
-    if gpus == 1:
-        return [Deployment(both=1)]
-    if gpus <= 8 or around is None:
-        prefill = set(range(1, gpus))
-    else:
-        centre = min(gpus - 1, max(1, round(around)))
-        prefill = {p for p in range(centre - width, centre + width + 1) if 1 <= p < gpus}
-        prefill |= {max(1, min(gpus - 1, round(gpus * f))) for f in (0.25, 0.5, 0.75)}
-    out = [Deployment(p, gpus - p) for p in sorted(prefill)]
-    if colocated:
-        out.append(Deployment(both=gpus))
+    out = []
+    if gpus > 1:
+        if gpus <= 8 or around is None:
+            prefill = set(range(1, gpus))
+        else:
+            centre = min(gpus - 1, max(1, round(around)))
+            prefill = {p for p in range(centre - width, centre + width + 1) if 1 <= p < gpus}
+            prefill |= {max(1, min(gpus - 1, round(gpus * f))) for f in (0.25, 0.5, 0.75)}
+        for p in sorted(prefill):
+            out += [Deployment(p // ptp, (gpus - p) // dtp, prefill_tp=ptp, decode_tp=dtp)
+                    for ptp in tp_sizes for dtp in tp_sizes if p % ptp == 0 and (gpus - p) % dtp == 0]
+    if colocated or gpus == 1:
+        out += [Deployment(both=gpus // tp, both_tp=tp) for tp in tp_sizes if gpus % tp == 0]
     return out
+
+
+def fits(deployment: Deployment, config: SimConfig) -> str | None:
+    """Why ``deployment``'s workers cannot hold the model (None: they can)."""
+    for role in ("prefill", "decode", "both"):
+        count, tp = getattr(deployment, role), deployment.tp_of(role)
+        if count:
+            try:
+                config.settings_for(role, tp)
+                config.cost_for(tp)
+            except ValueError as exc:
+                return str(exc)
+    return None
 
 
 def rank_key(result: dict) -> tuple:
@@ -172,15 +192,24 @@ def recommend(results: list[dict]) -> dict | None:
 
 
 def search(workload: Workload, config: SimConfig, gpus: int | None = None, max_gpus: int = 64,
-           budget: float = DEFAULT_BUDGET, colocated: bool = True, log=None) -> dict:
+           budget: float = DEFAULT_BUDGET, colocated: bool = True, log=None, tp_sizes: tuple[int, ...] = (1,)
+           ) -> dict:
     """Simulate candidates and recommend one.  ``gpus`` fixed: every split of that many GPUs.
-    Otherwise: from the fluid bound up, until a GPU count has a split that meets the SLOs."""
+    Otherwise: from the fluid bound up, until a GPU count has a split that meets the SLOs.  Each
+    pool's workers may span any of ``tp_sizes`` GPUs; a deployment whose workers cannot hold the
+    model is skipped (and said so)."""
     fluid = fluid_estimate(workload, config)
     share = fluid["prefill_gpus"] / max(1e-9, fluid["prefill_gpus"] + fluid["decode_gpus"])
     results: list[dict] = []
 
+    skipped: dict[str, str] = {}
+
     def run(candidates: list[Deployment]) -> None:
         for d in candidates:
+            problem = fits(d, config)
+            if problem:
+                skipped[d.label] = problem
+                continue
             r = simulate(d, workload, config, budget)
             results.append(r)
             if log:
@@ -189,19 +218,20 @@ def search(workload: Workload, config: SimConfig, gpus: int | None = None, max_g
                     f"{'  meets SLOs' if r['meets_slo'] else ''}  [{r['simulated']['cpu_s']:.1f} s]")
 
     if gpus is not None:
-        run(splits(gpus, share * gpus, colocated=colocated))
+        run(splits(gpus, share * gpus, colocated=colocated, tp_sizes=tp_sizes))
     else:
         # One below the fluid bound: it ignores prefix-cache hits and short prompts decoded in place.
         n = max(2, fluid["min_gpus"] - 1)
         while n <= max_gpus:
             if log:
                 log(f"{n} GPUs:")
-            run(splits(n, share * n, width=1, colocated=colocated))
+            run(splits(n, share * n, width=1, colocated=colocated, tp_sizes=tp_sizes))
             if any(r["meets_slo"] and r["gpus"] == n for r in results):
                 break
             n = n + 1 if n < 16 else math.ceil(n * 1.25)
     best = recommend(results)
-    return {"fluid": fluid, "candidates": sorted(results, key=rank_key), "recommended": best}
+    return {"fluid": fluid, "candidates": sorted(results, key=rank_key), "recommended": best,
+            "skipped": skipped}
 
 
 def _fmt(value) -> str:
@@ -210,5 +240,5 @@ def _fmt(value) -> str:
     return "inf" if math.isinf(value) else f"{value:.0f}"
 
 
-__all__ = ["Slice", "estimate_work", "fluid_estimate", "recommend", "search", "simulate", "slice_for",
+__all__ = ["Slice", "estimate_work", "fits", "fluid_estimate", "recommend", "search", "simulate", "slice_for",
            "splits", "thin", "slo_ratio"]

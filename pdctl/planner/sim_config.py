@@ -10,33 +10,46 @@ from typing import Any
 
 from common.engine.config import SCHEDULING_DEFAULTS, EngineConfig, SchedulerConfig
 from gateway.config import GatewayConfig
-from pdctl.planner.cost_model import CostModel
-from pdctl.planner.hardware import LinkProfile
+from pdctl.planner.cost_model import CostModel, RooflineCostModel
+from pdctl.planner.hardware import LinkProfile, kv_blocks_per_gpu
 from worker.config import WorkerConfig
 from gateway.routing import RoutingConfig
 
 
 @dataclass(frozen=True)
 class Deployment:
-    """How many workers of each role (one GPU each)."""
+    """How many workers of each role, and how many GPUs each worker of a role spans (its
+    tensor-parallel size: the pools may differ)."""
 
     prefill: int = 0
     decode: int = 0
     both: int = 0
+    prefill_tp: int = 1
+    decode_tp: int = 1
+    both_tp: int = 1
 
     def __post_init__(self) -> None:
         if min(self.prefill, self.decode, self.both) < 0:
             raise ValueError(f"worker counts must be >= 0, got {self}")
+        if min(self.prefill_tp, self.decode_tp, self.both_tp) < 1:
+            raise ValueError(f"tensor-parallel sizes must be >= 1, got {self}")
         if self.decode + self.both < 1:
             raise ValueError("a deployment needs at least one decode or colocated worker")
 
+    def tp_of(self, role: str) -> int:
+        return {"prefill": self.prefill_tp, "decode": self.decode_tp, "both": self.both_tp}[role]
+
     @property
     def gpus(self) -> int:
-        return self.prefill + self.decode + self.both
+        return self.prefill * self.prefill_tp + self.decode * self.decode_tp + self.both * self.both_tp
 
     @property
     def label(self) -> str:
-        parts = [f"{n}{tag}" for n, tag in ((self.prefill, "P"), (self.decode, "D"), (self.both, "C")) if n]
+        """``1P+2D``; with tensor parallelism ``1Px4+2Dx2`` (one prefill worker of 4 GPUs, two
+        decode workers of 2)."""
+        parts = [f"{n}{tag}" + (f"x{tp}" if tp > 1 else "")
+                 for n, tag, tp in ((self.prefill, "P", self.prefill_tp), (self.decode, "D", self.decode_tp),
+                                    (self.both, "C", self.both_tp)) if n]
         return "+".join(parts)
 
     @property
@@ -141,6 +154,9 @@ class SimConfig:
     cost: CostModel
     engine: EngineSettings
     prefill_engine: EngineSettings | None = None  # prefill workers' own settings (default: ``engine``)
+    # The workers' KV blocks are what fits next to the weights of a GPU profile (``cost`` a roofline):
+    # recomputed for a worker of several GPUs.  False: every worker has ``num_blocks`` as given.
+    blocks_from_memory: bool = False
     link: LinkProfile = LinkProfile("loopback", 2e9, 100e-6)
     kv_bytes_per_token: float = 131072.0
     routing: RoutingConfig = RoutingConfig()
@@ -157,5 +173,29 @@ class SimConfig:
     stop_when_failing: bool = False  # stop as soon as the SLOs are certainly missed
     seed: int = 0
 
-    def settings_for(self, role: str) -> EngineSettings:
-        return self.prefill_engine if role == "prefill" and self.prefill_engine else self.engine
+    def settings_for(self, role: str, tp: int = 1) -> EngineSettings:
+        """A worker's engine: its role's settings, and with ``tp`` GPUs the KV blocks they hold."""
+        settings = self.prefill_engine if role == "prefill" and self.prefill_engine else self.engine
+        if not self.blocks_from_memory:
+            return settings
+        roofline = self._roofline()
+        return dataclasses.replace(settings, num_blocks=kv_blocks_per_gpu(roofline.gpu, roofline.model,
+                                                                         settings.block_size, tp=tp))
+
+    def cost_for(self, tp: int) -> CostModel:
+        """The step cost of a worker of ``tp`` GPUs."""
+        return self.cost if tp == 1 else self._roofline().with_tp(tp)
+
+    def kv_bytes_per_token_for(self, decode_tp: int) -> float:
+        """What one prompt token's KV costs to ship to a decode worker of ``decode_tp`` GPUs:
+        its ranks' heads, a replicated head once per rank holding it."""
+        if decode_tp == 1:
+            return self.kv_bytes_per_token
+        model = self._roofline().model
+        return self.kv_bytes_per_token * model.worker_kv_bytes_per_token(decode_tp) / model.kv_bytes_per_token
+
+    def _roofline(self) -> RooflineCostModel:
+        if not isinstance(self.cost, RooflineCostModel):
+            raise ValueError("tensor parallelism is modelled from a GPU profile (--gpu); a calibration "
+                             "(--calibration) measured one device and says nothing of collectives")
+        return self.cost

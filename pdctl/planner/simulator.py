@@ -53,6 +53,7 @@ from common.engine.request import status_after_token
 from common.engine.step_log import step_shape
 from gateway.backpressure import ADMITTED_WAKES
 from gateway.dispatch import SentToDecode, computed_on, count_pending
+from pdctl.planner.cost_model import CostModel
 from pdctl.planner.metrics import certainly_failing, summarize_simulation
 from pdctl.planner.sim_config import Deployment, HostEffects, SimConfig
 from pdctl.planner.sim_worker import Job, SimWorker
@@ -81,16 +82,20 @@ class Simulation:
         self.router = Router(config.routing)
         self.now = 0.0
         self.workers: dict[str, SimWorker] = {}
+        self.costs: dict[str, CostModel] = {}  # each worker's step cost (its GPUs)
         for role, count, tag in (("prefill", deployment.prefill, "p"), ("decode", deployment.decode, "d"),
                                  ("both", deployment.both, "b")):
             for k in range(count):
                 wid = f"{tag}{k}"
-                self.workers[wid] = SimWorker(wid, role, config.settings_for(role), clock=self._clock)
+                tp = deployment.tp_of(role)
+                self.workers[wid] = SimWorker(wid, role, config.settings_for(role, tp), clock=self._clock)
+                self.costs[wid] = config.cost_for(tp)
         block_sizes = {w.settings.block_size for w in self.workers.values()}
         if len(block_sizes) != 1:
             raise ValueError(f"every worker must use the same block size, got {sorted(block_sizes)}")
         self.block_size = block_sizes.pop()
-        self.block_bytes = config.kv_bytes_per_token * self.block_size
+        # A prompt block's KV as it travels to a decode worker (a TP one receives every rank's heads).
+        self.block_bytes = config.kv_bytes_per_token_for(deployment.tp_of("decode")) * self.block_size
         self.view: list[WorkerInfo] = [w.info for w in self.workers.values()]
         self.pending: dict[str, int] = {}  # the gateway's pending prompt tokens per computing worker
         self.local_pending: dict[int, tuple[str, int]] = {}  # of those, prompts computed where they decode
@@ -350,7 +355,7 @@ class Simulation:
             w.current = None
             return
         tokens, seqs, samples, pairs, context = step_shape(out.scheduled)
-        duration = self.config.cost.step_time(tokens, seqs, samples, pairs, context)
+        duration = self.costs[w.worker_id].step_time(tokens, seqs, samples, pairs, context)
         if not w.busy:  # a busy period begins
             self.busy_workers += 1
             w.idle_before = now - w.last_step_end
