@@ -17,6 +17,9 @@
    time / 989 TFLOP/s, H200 dense bf16).
 4. **Chunked prefill.** The 8B shape again: p99 inter-token latency of running decodes while long
    prompts arrive, unchunked over chunked (``benchmarks/chunked_prefill.measure_itl``).
+5. **Tensor parallelism** (2+ GPUs; skipped, and said so, on one): the tiny Llama at TP=2 over
+   NCCL (rank r on cuda:r), greedy tokens against TP=1 on the same checkpoint, and rank 0's CUDA
+   IPC view of rank 1's KV cache byte-equal to what rank 1 holds (what the KV transfer ships from).
 
 It needs only torch, triton and transformers (plus numpy, safetensors, xxhash, tqdm, which come
 with them): no msgspec, redis, ucxx, gguf or network. A step that fails is reported under
@@ -340,6 +343,59 @@ def check_chunked_prefill(device, workdir: Path, smoke: bool) -> dict:
 # ---- driver -------------------------------------------------------------------------------------
 
 
+# ---- 5. tensor parallelism ----------------------------------------------------------------------
+
+TP_PROMPTS = [[5, 17, 99, 230, 11] * 8, list(range(3, 120))]
+
+
+def _tp_rank(rank: int, size: int, checkpoint: str, out: str) -> None:
+    import torch
+
+    from common.engine.config import EngineConfig
+    from common.engine.engine import Engine
+
+    engine = Engine(EngineConfig(model=checkpoint, device="cuda", dtype="float32", num_blocks=256, block_size=16,
+                                 tensor_parallel_size=size, cuda_graphs=False), load_tokenizer=False)
+    if rank:
+        engine.follow()
+        torch.cuda.synchronize()
+        Path(f"{out}.rank{rank}").write_text(str(float(engine.kv_cache.buffer.double().sum())))
+        return
+    tokens = [r.token_ids for r in engine.generate(TP_PROMPTS, {"max_tokens": 16, "temperature": 0,
+                                                                "ignore_eos": True})]
+    engine.stop_followers()
+    torch.cuda.synchronize()
+    seen = [float(c.buffer.double().sum()) for c in engine.kv_shards.caches[1:]]
+    Path(out).write_text(json.dumps({"tokens": tokens, "mapped_sums": seen}))
+
+
+def check_tensor_parallel(device, workdir: Path) -> dict:
+    """TP=2 over NCCL against TP=1 (see the module docstring); None fields on fewer than 2 GPUs."""
+    import torch
+
+    from benchmarks.bench_util import write_random_llama
+    from common.engine.config import EngineConfig
+    from common.engine.engine import Engine
+    from tests.support.rank_group import run_group
+
+    if device.type != "cuda" or torch.cuda.device_count() < 2:
+        log("tp: skipped (needs 2 CUDA GPUs)")
+        return {"tp2_identical": None, "tp2_kv_mapped": None}
+    checkpoint = write_random_llama(workdir / "tp-llama-tiny", "tiny")
+    engine = Engine(EngineConfig(model=str(checkpoint), device="cuda", dtype="float32", num_blocks=256,
+                                 block_size=16), load_tokenizer=False)
+    reference = [r.token_ids for r in engine.generate(TP_PROMPTS, {"max_tokens": 16, "temperature": 0,
+                                                                   "ignore_eos": True})]
+    del engine
+    free_memory()
+    out = workdir / "tp2.json"
+    run_group(_tp_rank, 2, str(checkpoint), str(out), backend="nccl")
+    got = json.loads(out.read_text())
+    follower_sum = float(Path(f"{out}.rank1").read_text())
+    return {"tp2_identical": got["tokens"] == reference,
+            "tp2_kv_mapped": abs(got["mapped_sums"][0] - follower_sum) <= 1e-6 * max(1.0, abs(follower_sum))}
+
+
 def environment(device) -> dict:
     import torch
     import transformers
@@ -372,8 +428,8 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true",
                         help="every step on tiny shapes, on whatever device there is: checks this script, "
                              "its numbers mean nothing")
-    parser.add_argument("--steps", default="attention,parity,speed,chunked",
-                        help="comma-separated subset of attention,parity,speed,chunked")
+    parser.add_argument("--steps", default="attention,parity,speed,chunked,tp",
+                        help="comma-separated subset of attention,parity,speed,chunked,tp")
     parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "pdserve-gpu-check")
     parser.add_argument("--time-limit", type=float, default=450.0,
                         help="seconds for all steps: a step still running then is stopped and reported under "
@@ -417,6 +473,8 @@ def main() -> None:
                 result.update(check_speed(device, args.workdir, args.smoke))
             elif step == "chunked":
                 result.update(check_chunked_prefill(device, args.workdir, args.smoke))
+            elif step == "tp":
+                result.update(check_tensor_parallel(device, args.workdir))
             else:
                 raise ValueError(f"unknown step {step!r}")
         except Exception as exc:  # report it and go on: one GPU run should tell as much as it can

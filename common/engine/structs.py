@@ -51,3 +51,10 @@ else:
             return cls(**values)
         except TypeError as exc:
             raise ValueError(str(exc)) from None
+
+
+def replace(value: Any, **changes: Any) -> Any:
+    """A copy of the struct ``value`` with ``changes`` (msgspec's ``structs.replace`` or the stand-in's)."""
+    if msgspec is not None:
+        return msgspec.structs.replace(value, **changes)
+    return dataclasses.replace(value, **changes)

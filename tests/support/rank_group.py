@@ -1,5 +1,6 @@
 """A tensor-parallel group on this machine for tests and benchmarks: ``size`` processes (spawned),
-joined in a gloo group over loopback, each running ``target(rank, size, *args)``."""
+joined in a gloo group over loopback (NCCL with ``backend="nccl"``, rank r on cuda:r), each running
+``target(rank, size, *args)``."""
 from __future__ import annotations
 
 import os
@@ -10,17 +11,20 @@ import torch.multiprocessing as mp
 from common.cluster.ports import free_port
 
 
-def run_group(target, size: int, *args) -> None:
+def run_group(target, size: int, *args, backend: str = "gloo") -> None:
     """Run ``target`` (a module-level function) on every rank; returns when all have ended."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.start_processes(_entry, args=(target, size, free_port(), args), nprocs=size, join=True, start_method="spawn")
+    mp.start_processes(_entry, args=(target, size, free_port(), backend, args), nprocs=size, join=True,
+                       start_method="spawn")
 
 
-def _entry(rank: int, target, size: int, port: int, args: tuple) -> None:
+def _entry(rank: int, target, size: int, port: int, backend: str, args: tuple) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // size))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
     try:
         target(rank, size, *args)
     finally:

@@ -21,10 +21,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-import msgspec
 import torch
 
 from common.engine.kv.kv_cache import KVCache, KVLayout
+from common.engine.structs import replace
 
 HeadRange = tuple[int, int]  # [start, stop) in the model's kv heads
 
@@ -92,7 +92,7 @@ class KVShards:
                 raise ValueError("every rank's cache must hold its heads and the same block ids")
         self.caches = caches
         self.head_ranges = [tuple(r) for r in head_ranges]
-        self.layout: KVLayout = msgspec.structs.replace(caches[0].layout, num_kv_heads=num_kv_heads)
+        self.layout: KVLayout = replace(caches[0].layout, num_kv_heads=num_kv_heads)
 
     @classmethod
     def single(cls, cache: KVCache) -> "KVShards":

@@ -9,16 +9,18 @@ rank gathers another's heads, and two workers need one connection whatever their
           ranks of a worker always are).
 
 The ranks tell rank 0 where their caches are with one all-gather of a small fixed-size record each
-(msgspec, never pickle), right after the caches exist; every rank calls ``share_caches`` there.
+(JSON, never pickle), right after the caches exist; every rank calls ``share_caches`` there.
 """
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import math
 import mmap
 import os
+from dataclasses import dataclass
 
-import msgspec
 import torch
 
 from common.engine.kv.kv_cache import KVCache, KVLayout, dtype_from_name
@@ -30,13 +32,15 @@ log = logging.getLogger(__name__)
 _RECORD_BYTES = 1024  # one rank's record, padded (a CUDA IPC handle is ~100 bytes)
 
 
-class _HostCache(msgspec.Struct, tag=True, frozen=True):
+@dataclass(frozen=True)
+class _HostCache:
     pid: int
     fd: int
     nbytes: int
 
 
-class _CudaCache(msgspec.Struct, tag=True, frozen=True):
+@dataclass(frozen=True)
+class _CudaCache:
     device: int
     handle: bytes
     storage_nbytes: int
@@ -48,11 +52,25 @@ class _CudaCache(msgspec.Struct, tag=True, frozen=True):
     buffer_offset: int  # elements into the storage where the cache buffer starts
 
 
-class _NoCache(msgspec.Struct, tag=True, frozen=True):
-    pass
+_KINDS = {"host": _HostCache, "cuda": _CudaCache}
 
 
-_Record = _HostCache | _CudaCache | _NoCache
+def _encode(record: _HostCache | _CudaCache | None) -> bytes:
+    """JSON (bytes as hex): the engine runs where msgspec is not installed (the GPU check)."""
+    if record is None:
+        return b"null"
+    fields = {k: v.hex() if isinstance(v, bytes) else v for k, v in dataclasses.asdict(record).items()}
+    kind = next(name for name, cls in _KINDS.items() if isinstance(record, cls))
+    return json.dumps({"kind": kind, **fields}).encode()
+
+
+def _decode(data: bytes) -> _HostCache | _CudaCache:
+    fields = json.loads(data)
+    if not isinstance(fields, dict) or fields.get("kind") not in _KINDS:
+        raise RuntimeError("a follower rank reported no KV cache")
+    cls = _KINDS[fields.pop("kind")]
+    types = {f.name: f.type for f in dataclasses.fields(cls)}
+    return cls(**{k: bytes.fromhex(v) if types[k] == "bytes" else v for k, v in fields.items()})
 
 
 def shared_host_zeros(shape: tuple[int, ...], dtype: torch.dtype, name: str) -> tuple[torch.Tensor, int]:
@@ -73,7 +91,7 @@ def _map(fd: int, nbytes: int) -> mmap.mmap:
     return region
 
 
-def _record(cache: KVCache, host_fd: int | None) -> _Record:
+def _record(cache: KVCache, host_fd: int | None) -> _HostCache | _CudaCache:
     buffer = cache.buffer
     if buffer.device.type == "cuda":
         storage = buffer.untyped_storage()
@@ -86,7 +104,7 @@ def _record(cache: KVCache, host_fd: int | None) -> _Record:
     return _HostCache(os.getpid(), host_fd, buffer.numel() * buffer.element_size())
 
 
-def _open(record: _Record, layout: KVLayout, shape: tuple[int, ...]) -> torch.Tensor:
+def _open(record: _HostCache | _CudaCache, layout: KVLayout, shape: tuple[int, ...]) -> torch.Tensor:
     dtype = dtype_from_name(layout.dtype)
     if isinstance(record, _HostCache):
         fd = os.open(f"/proc/{record.pid}/fd/{record.fd}", os.O_RDWR | os.O_CLOEXEC)
@@ -101,7 +119,7 @@ def _open(record: _Record, layout: KVLayout, shape: tuple[int, ...]) -> torch.Te
             record.ref_counter_offset, record.event_handle or None, record.event_sync_required)
         out = torch.empty(0, dtype=dtype, device=f"cuda:{record.device}")
         return out.set_(storage, record.buffer_offset, shape)
-    raise RuntimeError("a follower rank reported no KV cache")
+    raise RuntimeError(f"unknown KV cache record {record!r}")
 
 
 def share_caches(tp: TensorParallel, cache: KVCache, head_ranges: list[tuple[int, int]], num_kv_heads: int,
@@ -113,25 +131,24 @@ def share_caches(tp: TensorParallel, cache: KVCache, head_ranges: list[tuple[int
         return KVShards.single(cache)
     import torch.distributed as dist
 
-    device = cache.buffer.device
-    mine = msgspec.msgpack.encode(_record(cache, host_fd) if tp.rank else _NoCache())
+    mine = _encode(_record(cache, host_fd) if tp.rank else None)
     if len(mine) > _RECORD_BYTES:
         raise RuntimeError(f"KV cache record of {len(mine)} bytes exceeds {_RECORD_BYTES}")
-    padded = torch.zeros(_RECORD_BYTES + 8, dtype=torch.uint8, device=device)
+    padded = torch.zeros(_RECORD_BYTES + 8, dtype=torch.uint8)
     padded[:8] = torch.tensor(list(len(mine).to_bytes(8, "little")), dtype=torch.uint8)
     padded[8:8 + len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
     gathered = [torch.empty_like(padded) for _ in range(tp.size)]
-    dist.all_gather(gathered, padded, group=tp.group)
+    dist.all_gather(gathered, padded, group=tp.control_group)
     if tp.rank:
         return None
     caches = [cache]
     shape = tuple(cache.buffer.shape)
     for rank in range(1, tp.size):
-        raw = gathered[rank].cpu().numpy().tobytes()
+        raw = gathered[rank].numpy().tobytes()
         length = int.from_bytes(raw[:8], "little")
-        record = msgspec.msgpack.decode(raw[8:8 + length], type=_Record)
+        record = _decode(raw[8:8 + length])
         buffer = _open(record, cache.layout, shape)
         caches.append(KVCache(cache.layout, cache.num_blocks, buffer=buffer,
                               scratch_block=cache.scratch_block is not None))
-    log.info("tensor parallelism: rank 0 maps the KV caches of ranks 1..%d (%s)", tp.size - 1, device.type)
+    log.info("tensor parallelism: rank 0 maps the KV caches of ranks 1..%d (%s)", tp.size - 1, cache.buffer.device.type)
     return KVShards(caches, head_ranges, num_kv_heads)

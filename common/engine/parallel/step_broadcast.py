@@ -58,18 +58,18 @@ class StepBroadcast:
     def _send(self, data: torch.Tensor) -> None:
         import torch.distributed as dist
 
-        dist.broadcast(torch.tensor([data.numel()], dtype=torch.int64), src=0, group=self.tp.group)
+        dist.broadcast(torch.tensor([data.numel()], dtype=torch.int64), src=0, group=self.tp.control_group)
         if data.numel():
-            dist.broadcast(data, src=0, group=self.tp.group)
+            dist.broadcast(data, src=0, group=self.tp.control_group)
 
     def receive(self) -> SchedulerOutput | None:
         """The next step, or None when rank 0 says stop."""
         import torch.distributed as dist
 
         length = torch.empty(1, dtype=torch.int64)
-        dist.broadcast(length, src=0, group=self.tp.group)
+        dist.broadcast(length, src=0, group=self.tp.control_group)
         if int(length) == 0:
             return None
         data = torch.empty(int(length), dtype=torch.int64)
-        dist.broadcast(data, src=0, group=self.tp.group)
+        dist.broadcast(data, src=0, group=self.tp.control_group)
         return decode_step(data)

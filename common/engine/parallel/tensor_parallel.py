@@ -34,7 +34,10 @@ class TensorParallel:
 
     size: int = 1
     rank: int = 0
-    group: Any = None
+    group: Any = None  # the model's collectives, on the device's tensors (gloo on CPU, NCCL on GPU)
+    # Small host-side messages (the step, sampled tokens, the pool size): gloo even beside NCCL,
+    # which takes device tensors only.
+    control_group: Any = None
 
     @classmethod
     def of_process_group(cls, size: int) -> "TensorParallel":
@@ -47,7 +50,8 @@ class TensorParallel:
             raise ValueError(f"tensor_parallel_size {size} needs torch.distributed initialised (one process per rank)")
         if dist.get_world_size() != size:
             raise ValueError(f"tensor_parallel_size {size} but the process group has {dist.get_world_size()} ranks")
-        return cls(size, dist.get_rank(), dist.group.WORLD)
+        control = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        return cls(size, dist.get_rank(), dist.group.WORLD, control)
 
     # ---- shares ----------------------------------------------------------------------------
 
@@ -135,7 +139,7 @@ class TensorParallel:
         import torch.distributed as dist
 
         t = torch.tensor([value], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.control_group)
         return int(t)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -173,5 +177,5 @@ class TensorParallel:
         import torch.distributed as dist
 
         t = torch.tensor(tokens, dtype=torch.int64) if self.rank == 0 else torch.empty(count, dtype=torch.int64)
-        dist.broadcast(t, src=0, group=self.group)
+        dist.broadcast(t, src=0, group=self.control_group)
         return t.tolist()
