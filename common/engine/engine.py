@@ -113,9 +113,7 @@ class Engine:
         self.model, self.model_config = load_model(self.checkpoint, self.dtype, self.device,
                                                    random_weights=config.load_format == "dummy", tp=self.tp)
         mc = self.model_config
-        if config.compile and self.tp.size > 1:
-            log.info("compile: not applied with tensor parallelism yet; running eagerly")
-        elif config.compile and self.device.type == "cpu":
+        if config.compile and self.device.type == "cpu":
             self.model.stages = compile_stages(self.model)
         elif config.compile:
             log.info("compile: not applied on %s (CPU only for now); running eagerly", self.device)

@@ -19,23 +19,23 @@ MAX_NEW = 10
 PROMPTS = [[5, 17, 99, 230, 11], list(range(3, 40)), [400, 401, 7, 7, 7, 9, 300, 12, 1, 250]]
 
 
-def _rank(rank: int, size: int, directory: str, out: str) -> None:
+def _rank(rank: int, size: int, directory: str, out: str, compile_stages: bool, prompts: list[list[int]]) -> None:
     # Each rank asks for a different pool: they agree on the smallest (the block ids are shared).
     engine = Engine(EngineConfig(model=directory, num_blocks=64 + 8 * (size - 1 - rank), block_size=4,
-                                 tensor_parallel_size=size), load_tokenizer=False)
+                                 tensor_parallel_size=size, compile=compile_stages), load_tokenizer=False)
     if rank != 0:  # rank 0 schedules and sends each step; the others compute their shares
         engine.follow()
         return
-    results = engine.generate(PROMPTS, {"max_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True})
+    results = engine.generate(prompts, {"max_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True})
     engine.stop_followers()
     with open(out, "w") as f:
         json.dump({"tokens": [r.token_ids for r in results], "kv_heads": engine.layout.num_kv_heads,
-                   "num_blocks": engine.block_pool.num_blocks}, f)
+                   "num_blocks": engine.block_pool.num_blocks, "compiled": engine.model.stages.compiled}, f)
 
 
-def run_tp(directory, size: int, tmp_path) -> dict:
-    out = tmp_path / f"tp{size}.json"
-    run_group(_rank, size, str(directory), str(out))
+def run_tp(directory, size: int, tmp_path, compile_stages: bool = False, prompts=PROMPTS) -> dict:
+    out = tmp_path / f"tp{size}-{compile_stages}.json"
+    run_group(_rank, size, str(directory), str(out), compile_stages, prompts)
     return json.loads(out.read_text())
 
 
@@ -52,9 +52,9 @@ def gemma(tmp_path_factory):
     return write_checkpoint(tiny_gemma3_config(), tmp_path_factory.mktemp("gemma1kv"))
 
 
-def single(directory) -> list[list[int]]:
+def single(directory, prompts=PROMPTS) -> list[list[int]]:
     engine = Engine(EngineConfig(model=str(directory), num_blocks=64, block_size=4), load_tokenizer=False)
-    return [r.token_ids for r in engine.generate(PROMPTS, {"max_tokens": MAX_NEW, "temperature": 0,
+    return [r.token_ids for r in engine.generate(prompts, {"max_tokens": MAX_NEW, "temperature": 0,
                                                            "ignore_eos": True})]
 
 
@@ -113,3 +113,12 @@ def test_a_step_survives_its_encoding():
     assert [(s.token_ids, s.num_computed_tokens, s.block_ids, s.sample) for s in decoded.scheduled] == \
         [(s.token_ids, s.num_computed_tokens, s.block_ids, s.sample) for s in items]
     assert decoded.num_scheduled_tokens == 4
+
+
+def test_tp2_compiled_equals_one_rank(llama, tmp_path):
+    """torch.compile under TP: the halves around attention, their all-reduces inside, compiled on
+    every rank alike; a prompt past ``MIN_COMPILED_TOKENS`` runs the compiled path."""
+    prompts = [list(range(3, 140)), *PROMPTS[1:]]
+    got = run_tp(llama, 2, tmp_path, compile_stages=True, prompts=prompts)
+    assert got["compiled"], "the stages were not compiled under TP"
+    assert got["tokens"] == single(llama, prompts)
