@@ -10,6 +10,7 @@ from typing import Mapping
 from common.engine.structured.backend import BACKENDS
 from common.cluster.auth import AuthError, ClusterAuth, configure_auth, read_secret
 from common.cluster.redis_keys import DEFAULT_KEY_PREFIX
+from common.engine.models.quantized import INT4_GROUP_SIZES, QUANTIZATIONS
 from common.engine.config import EngineConfig, describe_default
 from common.cluster.http_limits import HttpLimits, add_http_flags, http_limits_from_args
 from common.cluster.flags import EnvFlags, FlagParser, RecordsCommandLine, RemovedFlag, given_on_command_line
@@ -168,7 +169,12 @@ def build_parser(default_role: str, description: str, env: Mapping[str, str] | N
                           "graphs serve decode)")
     add("--tensor-parallel-size", EngineConfig.tensor_parallel_size, int,
         help="processes (ranks) this worker runs the model on, each with its share of every layer "
-             "(gloo on CPU, NCCL on GPU); decode and colocated workers only for now")
+             "(gloo on CPU, NCCL on GPU); pools of different sizes exchange KV")
+    add("--quantization", EngineConfig.quantization, choices=QUANTIZATIONS,
+        help="weight-only quantization of the projections, LM head and embedding: int8 (per channel) and "
+             "int4 (groups; the head int8) on CPU, fp8 (per channel, torch._scaled_mm) on GPU")
+    add("--quantization-group-size", EngineConfig.quantization_group_size, int, choices=INT4_GROUP_SIZES,
+        help="int4: inputs per group sharing a scale and zero point")
     add("--structured-output-backend", EngineConfig.structured_output_backend, choices=BACKENDS,
         help="grammar backend for response_format, structured_outputs and tool calls (xgrammar: the "
              "'xgrammar' extra)")
@@ -192,6 +198,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         max_model_len=args.max_model_len, model_id=args.model_id, attention_backend=args.attention_backend,
         cuda_graphs=bool(args.cuda_graphs), compile=bool(args.compile), remote_kv_budget=args.remote_kv_budget,
         tensor_parallel_size=args.tensor_parallel_size, structured_output_backend=args.structured_output_backend,
+        quantization=args.quantization, quantization_group_size=args.quantization_group_size,
         grammar_compile_timeout_s=args.grammar_compile_timeout,
     )
     kv = KVTransferConfig(transport=args.kv_transport, host=args.kv_host or args.host, port=args.kv_port,

@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from common.engine.structured.backend import BACKENDS, DEFAULT_BACKEND
+from common.engine.models.quantized import INT4_GROUP_SIZES, QUANTIZATIONS, Quantization
 from common.engine.structured.compiler import DEFAULT_COMPILE_TIMEOUT_S
 
 
@@ -103,6 +104,10 @@ class EngineConfig:
     # Ranks of one model (one process each, torch.distributed initialised by the caller): see
     # common/engine/parallel/tensor_parallel.py.
     tensor_parallel_size: int = 1
+    # Weight-only quantization of the projections, the LM head and the embedding
+    # (common/engine/models/quantized.py): none | int8 | int4 | fp8; int4's inputs per group.
+    quantization: str = Quantization.scheme
+    quantization_group_size: int = Quantization.group_size
     structured_output_backend: str = DEFAULT_BACKEND
     grammar_compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S
 
@@ -118,9 +123,17 @@ class EngineConfig:
         _require(self.structured_output_backend in BACKENDS, "structured_output_backend",
                  self.structured_output_backend, f"one of {', '.join(BACKENDS)}")
         _require(self.tensor_parallel_size >= 1, "tensor_parallel_size", self.tensor_parallel_size, ">= 1")
+        _require(self.quantization in QUANTIZATIONS, "quantization", self.quantization, f"one of {', '.join(QUANTIZATIONS)}")
+        _require(self.quantization_group_size in INT4_GROUP_SIZES, "quantization_group_size",
+                 self.quantization_group_size, f"one of {INT4_GROUP_SIZES}")
         _require(self.grammar_compile_timeout_s > 0, "grammar_compile_timeout_s", self.grammar_compile_timeout_s, "> 0")
         # The scheduler config validates the remaining knobs.
         self._scheduler_config(self.max_model_len or SchedulerConfig.max_model_len, *self._batch_limits("cpu"))
+
+    @property
+    def weights(self) -> Quantization:
+        """How the model's weights are stored (``quantization`` and its group size)."""
+        return Quantization(self.quantization, self.quantization_group_size)
 
     def _batch_limits(self, device_type: str) -> tuple[int, int]:
         defaults = scheduling_defaults(device_type)

@@ -111,7 +111,8 @@ class Engine:
         self.checkpoint = resolve_checkpoint(config.model)
         self.tp = TensorParallel.of_process_group(config.tensor_parallel_size)
         self.model, self.model_config = load_model(self.checkpoint, self.dtype, self.device,
-                                                   random_weights=config.load_format == "dummy", tp=self.tp)
+                                                   random_weights=config.load_format == "dummy", tp=self.tp,
+                                                   quantization=config.weights)
         mc = self.model_config
         if config.compile and self.device.type == "cpu":
             self.model.stages = compile_stages(self.model)

@@ -28,6 +28,7 @@ from common.engine.kv.kv_cache_manager import KVCacheManager
 from common.engine.request import Request
 from common.engine.sampling_params import SamplingParams
 from common.engine.scheduler import Scheduler
+from kvtransfer.receiver import TransferResult
 from tests.support.inproc_decode import WAIT, DecodeHarness
 from tests.support.waiting import until
 
@@ -74,10 +75,10 @@ class HeldTransfer:
         self.seen = asyncio.Event()  # the decode worker has seen it (the same step it acts on it)
         self.aborted: str | None = None
 
-    async def wait(self) -> dict:
+    async def wait(self) -> TransferResult:
         await self.landed.wait()
         self.seen.set()
-        return {}
+        return TransferResult(self.transfer_id, {}, nbytes=0, seconds=0.0)
 
     def done(self) -> bool:
         return self.landed.is_set() or self.aborted is not None

@@ -28,6 +28,7 @@ from worker.lifecycle import Worker
 from decode_svc import generate
 from decode_svc.role import DECODE
 from kvtransfer.config import KVTransferConfig
+from kvtransfer.receiver import TransferResult
 
 WAIT = 30.0
 FIRST_TOKEN = 42
@@ -59,10 +60,12 @@ class LandedAtOnce:
     """A KV receiver whose transfers complete at once (the scripted peer sends nothing)."""
 
     def expect(self, request_id: str, block_ids: list[int]):
-        async def wait():
-            return {}
+        transfer_id = uuid.uuid4().hex
 
-        return SimpleNamespace(transfer_id=uuid.uuid4().hex, wait=wait, abort=lambda reason: None,
+        async def wait():
+            return TransferResult(transfer_id, {}, nbytes=0, seconds=0.0)
+
+        return SimpleNamespace(transfer_id=transfer_id, wait=wait, abort=lambda reason: None,
                                done=lambda: True)
 
 

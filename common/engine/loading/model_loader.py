@@ -8,6 +8,7 @@ from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
 from common.engine.model_config import ModelConfig, load_model_config
+from common.engine.models.quantized import NO_QUANTIZATION, Quantization
 from common.engine.models.decoder import SINGLE, DecoderModel
 from common.engine.parallel.tensor_parallel import TensorParallel
 
@@ -55,13 +56,15 @@ def load_state_dict(checkpoint: Path) -> dict[str, torch.Tensor]:
 
 
 def load_model(checkpoint: Path, dtype: torch.dtype, device: torch.device,
-               random_weights: bool = False, tp: TensorParallel = SINGLE) -> tuple[DecoderModel, ModelConfig]:
+               random_weights: bool = False, tp: TensorParallel = SINGLE,
+               quantization: Quantization = NO_QUANTIZATION) -> tuple[DecoderModel, ModelConfig]:
     """Build the model for ``checkpoint`` and load its weights; errors name the missing pieces.
     ``random_weights``: only config.json is read (see ``random_model``).  ``tp``: this rank's
-    share of the model only (the config returned is the whole model's)."""
+    share of the model only (the config returned is the whole model's).  ``quantization``: how
+    the loaded weights are stored (quantized on load)."""
     cfg = load_model_config(checkpoint)
     if random_weights:
-        return random_model(cfg, dtype, device, tp=tp), cfg
+        return random_model(cfg, dtype, device, tp=tp, quantization=quantization), cfg
     state = load_state_dict(checkpoint)
     # Multimodal Gemma 3 checkpoints keep the text model under another prefix.
     state = {k.removeprefix("language_model."): v for k, v in state.items()}
@@ -80,12 +83,12 @@ def load_model(checkpoint: Path, dtype: torch.dtype, device: torch.device,
         model.load_state_dict(state, strict=True, assign=True)
     except RuntimeError as exc:
         raise ValueError(f"checkpoint {str(checkpoint)!r} does not match its config.json: {exc}") from None
-    model.finish_loading(device)
+    model.finish_loading(device, quantization)
     return model.eval(), cfg
 
 
 def random_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0,
-                 tp: TensorParallel = SINGLE) -> DecoderModel:
+                 tp: TensorParallel = SINGLE, quantization: Quantization = NO_QUANTIZATION) -> DecoderModel:
     """A model of ``cfg``'s shape with random weights made in place on ``device`` (normal, std 0.02;
     norms one, biases zero): an 8B shape costs no download, no disk and no host memory."""
     with torch.device("meta"):
@@ -100,5 +103,5 @@ def random_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, see
                 param.zero_()
             else:
                 param.normal_(0.0, 0.02, generator=generator)
-    model.finish_loading(device)
+    model.finish_loading(device, quantization)
     return model.eval()

@@ -15,6 +15,9 @@ from torch import nn
 from common.engine.attention.interface import AttentionMetadata
 from common.engine.kv.kv_cache import KVCache
 from common.engine.model_config import ModelConfig
+from common.engine.models.quantized import (
+    NO_QUANTIZATION, Quantization, QuantizedEmbedding, QuantizedWeight, quantize_weight, quantized_linear,
+)
 from common.engine.models.linear import Linear, linear, pack_weight, packed_linear, tune_row_padding
 from common.engine.models.stages import EAGER, LayerStages
 from common.engine.models.rotary import RotaryEmbedding, apply_rotary
@@ -174,11 +177,13 @@ class DecoderModel(nn.Module):
         self.rotary: RotaryEmbedding | None = None
         self.stages: LayerStages = EAGER  # ``compile_stages`` swaps in compiled ones
         self.packed_lm_head: torch.Tensor | None = None  # a tied LM head's packed copy
+        self.quantized_lm_head: QuantizedWeight | None = None  # a tied LM head's quantized rows
         self.row_padding: tuple[int, ...] = ()  # see _tune_row_padding
 
-    def finish_loading(self, device: torch.device) -> None:
+    def finish_loading(self, device: torch.device, quantization: Quantization = NO_QUANTIZATION) -> None:
         """After the state dict is in: fold Gemma's norm offset, fuse projections, pack the CPU
-        products' weights (``common.engine.models.linear``), build RoPE."""
+        products' weights (``common.engine.models.linear``) or quantize them, the LM head and
+        the embedding (``common.engine.models.quantized``), build RoPE."""
         offset = self.cfg.norm_weight_offset
         with torch.no_grad():
             for module in self.modules():
@@ -187,13 +192,28 @@ class DecoderModel(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.pack()
-        if self.cfg.tie_word_embeddings:  # the embedding keeps its plain rows for the lookup
-            self.packed_lm_head = pack_weight(self.model.embed_tokens.weight)
+        if quantization.enabled:
+            self._quantize(quantization)
+        else:
+            for module in self.modules():
+                if isinstance(module, Linear):
+                    module.pack()
+            if self.cfg.tie_word_embeddings:  # the embedding keeps its plain rows for the lookup
+                self.packed_lm_head = pack_weight(self.model.embed_tokens.weight)
         self._tune_row_padding()
         self.rotary = RotaryEmbedding(self.cfg.rope, device)
+
+    def _quantize(self, quantization: Quantization) -> None:
+        scheme, group = quantization.scheme, quantization.group_size
+        head = getattr(self, "lm_head", None)
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.quantize(scheme, group, head=module is head)
+        embedding = self.model.embed_tokens.weight
+        rows = quantize_weight(embedding, scheme, group, head=True)  # a head's rows: int8 under int4
+        self.model.embed_tokens = QuantizedEmbedding(rows)
+        if self.cfg.tie_word_embeddings:
+            self.quantized_lm_head = rows  # one quantized copy for the lookup and the head
 
     def _tune_row_padding(self) -> None:
         """Time this model's packed products for few rows and pad where more rows run faster
@@ -232,6 +252,8 @@ class DecoderModel(nn.Module):
         hidden = self.model.norm(hidden)
         if not self.cfg.tie_word_embeddings:
             logits = self.lm_head(hidden).float()
+        elif self.quantized_lm_head is not None:
+            logits = quantized_linear(hidden, self.quantized_lm_head, None).float()
         elif self.packed_lm_head is not None:
             logits = packed_linear(hidden, self.packed_lm_head, row_padding=self.row_padding).float()
         else:

@@ -38,6 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from common.engine.models.quantized import QuantizedWeight, quantize_weight, quantized_linear
+
 ONEDNN_MAX_ROWS = 512
 # The batch size oneDNN's packed layout is chosen for; the layout serves every row count (decode
 # batches and prefill chunks measured alike with hints of 8 and 512).
@@ -152,12 +154,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 class Linear(nn.Linear):
     """``nn.Linear`` whose product is ``linear`` (same parameters, same state-dict names), or,
-    after ``pack()``, ``packed_linear`` on its packed weight."""
+    after ``pack()``, ``packed_linear`` on its packed weight, or after ``quantize()`` the
+    quantized product (``common.engine.models.quantized``)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.register_buffer("packed_weight", None, persistent=False)
+        self.quantized: QuantizedWeight | None = None
         self.row_padding: tuple[int, ...] = ()  # see tune_row_padding
+
+    def quantize(self, scheme: str, group_size: int, head: bool = False) -> None:
+        """Replace the weight by its quantized form; the plain ``weight`` is emptied."""
+        self.quantized = quantize_weight(self.weight, scheme, group_size, head)
+        self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
     def pack(self) -> bool:
         """Replace the weight by its packed copy (see the module docstring); ``False`` (and
@@ -171,6 +180,8 @@ class Linear(nn.Linear):
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None:
+            return quantized_linear(x, self.quantized, self.bias)
         if self.packed_weight is not None:
             return packed_linear(x, self.packed_weight, self.bias, self.row_padding)
         return linear(x, self.weight, self.bias)

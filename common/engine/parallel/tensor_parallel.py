@@ -157,7 +157,8 @@ class TensorParallel:
         first = self.vocab(vocab_size).start
         local = ids - first
         inside = (local >= 0) & (local < embedding.num_embeddings)
-        x = embedding(local.clamp(0, embedding.num_embeddings - 1)) * inside[:, None].to(embedding.weight.dtype)
+        x = embedding(local.clamp(0, embedding.num_embeddings - 1))
+        x = x * inside[:, None].to(x.dtype)
         return self.all_reduce(x)
 
     def gather_logits(self, local: torch.Tensor, vocab_size: int) -> torch.Tensor | None:

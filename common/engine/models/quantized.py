@@ -1,0 +1,190 @@
+"""Weight-only quantized products (``--quantization``): the weights are stored in fewer bytes and
+every product reads those, so a decode step -- bound by reading weights -- moves less memory.
+
+    scheme  weight                                       product (CPU)                      (CUDA)
+    int8    int8 per output channel, symmetric:          aten._weight_int8pack_mm           --
+            w = q * scale[row]
+    int4    4-bit groups of ``group_size`` inputs along  aten._weight_int4pack_mm_for_cpu   --
+            K, asymmetric: w = (q - 8) * scale + zero
+    fp8     float8 e4m3 per output channel:              the dequantized weight (a check,   torch._scaled_mm, the
+            w = q * scale[row]                           not a fast path)                   activations quantized
+                                                                                            per row on the fly
+
+The LM head is quantized too: int8 under int8 and int4 (a 4-bit head costs too much quality for
+the bytes it saves), fp8 under fp8; a tied embedding shares the head's quantized rows (its lookup
+dequantizes the rows it reads), so the model holds one copy of them.  Activations, norms, the
+KV cache and the logits stay in the model's dtype.  Quality is measured, not assumed:
+``benchmarks/quant_quality.py``.
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+QUANTIZATIONS = ("none", "int8", "int4", "fp8")
+INT4_GROUP_SIZES = (32, 64, 128)
+
+
+@dataclass(frozen=True)
+class Quantization:
+    """How a model's weights are stored: ``scheme`` one of ``QUANTIZATIONS``; ``group_size`` the
+    inputs per int4 group."""
+
+    scheme: str = "none"
+    group_size: int = 128
+
+    def __post_init__(self) -> None:
+        if self.scheme not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.scheme!r}")
+        if self.group_size not in INT4_GROUP_SIZES:
+            raise ValueError(f"quantization group size must be one of {INT4_GROUP_SIZES}, got {self.group_size}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.scheme != "none"
+
+
+NO_QUANTIZATION = Quantization()
+_FP8_MAX = 448.0  # float8 e4m3's largest finite value
+
+
+class QuantizedWeight(abc.ABC):
+    """A quantized ``[out_features, in_features]`` weight and its product with activations."""
+
+    out_features: int
+    in_features: int
+
+    @abc.abstractmethod
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T`` for a 2-D ``x`` in the model's dtype."""
+
+    @abc.abstractmethod
+    def dequantize(self) -> torch.Tensor:
+        """The weight these bytes stand for, in the model's dtype (tests and references)."""
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Dequantized rows ``ids`` (an embedding lookup of a tied head)."""
+        return self.dequantize()[ids]
+
+    @property
+    @abc.abstractmethod
+    def nbytes(self) -> int: ...
+
+
+class Int8Weight(QuantizedWeight):
+    def __init__(self, weight: torch.Tensor):
+        w = weight.detach().float()
+        self.out_features, self.in_features = w.shape
+        self.dtype = weight.dtype
+        scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
+        self.q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
+        self.scale = scale.to(weight.dtype).contiguous()
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.q, self.scale.to(x.dtype))
+
+    def dequantize(self) -> torch.Tensor:
+        return (self.q.float() * self.scale.float()[:, None]).to(self.dtype)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return (self.q[ids].float() * self.scale.float()[ids, None]).to(self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.numel() + self.scale.numel() * self.scale.element_size()
+
+
+class Int4Weight(QuantizedWeight):
+    def __init__(self, weight: torch.Tensor, group_size: int):
+        if group_size not in INT4_GROUP_SIZES:
+            raise ValueError(f"int4 group size must be one of {INT4_GROUP_SIZES}, got {group_size}")
+        w = weight.detach().float()
+        self.out_features, self.in_features = w.shape
+        if self.in_features % group_size:
+            raise ValueError(f"int4: {self.in_features} inputs do not split into groups of {group_size}")
+        self.dtype, self.group_size = weight.dtype, group_size
+        groups = w.reshape(self.out_features, -1, group_size)
+        low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+        scale = ((high - low) / 15.0).clamp(min=1e-12)
+        q = torch.round((groups - low) / scale).clamp(0, 15).to(torch.int32).reshape(self.out_features, -1)
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+        zero = low + 8.0 * scale  # the kernel computes (q - 8) * scale + zero
+        # [groups, out_features, 2]: the layout the kernel reads
+        self.scales_and_zeros = torch.stack([scale.squeeze(-1).t(), zero.squeeze(-1).t()], dim=-1).contiguous()
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, self.group_size,
+                                                           self.scales_and_zeros.to(x.dtype))
+
+    def dequantize(self) -> torch.Tensor:
+        """Through the kernel itself (the identity's product), so nothing else is kept."""
+        eye = torch.eye(self.in_features, dtype=torch.float32)
+        return self.matmul(eye).t().to(self.dtype).contiguous()
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() + self.scales_and_zeros.numel() * 4
+
+
+class Fp8Weight(QuantizedWeight):
+    def __init__(self, weight: torch.Tensor):
+        w = weight.detach().float()
+        self.out_features, self.in_features = w.shape
+        self.dtype = weight.dtype
+        scale = (w.abs().amax(dim=1) / _FP8_MAX).clamp(min=1e-12)
+        self.q = (w / scale[:, None]).to(torch.float8_e4m3fn).contiguous()
+        self.scale = scale.contiguous()  # fp32
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "cuda":
+            x_scale = (x.abs().amax(dim=1, keepdim=True).float() / _FP8_MAX).clamp(min=1e-12)
+            x_q = (x.float() / x_scale).to(torch.float8_e4m3fn)
+            return torch._scaled_mm(x_q, self.q.t(), scale_a=x_scale, scale_b=self.scale[None, :],
+                                    out_dtype=x.dtype)
+        return torch.nn.functional.linear(x, self.dequantize().to(x.dtype))
+
+    def dequantize(self) -> torch.Tensor:
+        return (self.q.float() * self.scale[:, None]).to(self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.numel() + self.scale.numel() * 4
+
+
+def quantize_weight(weight: torch.Tensor, scheme: str, group_size: int, head: bool = False) -> QuantizedWeight:
+    """``weight`` under ``scheme`` (an LM head: int8 under int4, see the module docstring)."""
+    if scheme == "int4" and head:
+        scheme = "int8"
+    if scheme in ("int8", "int4") and weight.device.type != "cpu":
+        raise ValueError(f"--quantization {scheme} runs on CPU kernels; on {weight.device.type} use fp8")
+    if scheme == "int8":
+        return Int8Weight(weight)
+    if scheme == "int4":
+        return Int4Weight(weight, group_size)
+    if scheme == "fp8":
+        return Fp8Weight(weight)
+    raise ValueError(f"unknown quantization {scheme!r}; expected one of {', '.join(QUANTIZATIONS)}")
+
+
+def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ W.T + bias`` for ``x`` of any leading shape."""
+    flat = weight.matmul(x.reshape(-1, x.shape[-1]))
+    if bias is not None:
+        flat = flat + bias
+    return flat.reshape(*x.shape[:-1], weight.out_features)
+
+
+class QuantizedEmbedding(nn.Module):
+    """An embedding whose rows are a (tied) head's quantized weight: a lookup dequantizes the
+    rows it reads."""
+
+    def __init__(self, weight: QuantizedWeight):
+        super().__init__()
+        self.quantized = weight
+        self.num_embeddings = weight.out_features
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.quantized.rows(ids)

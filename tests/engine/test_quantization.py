@@ -1,0 +1,115 @@
+"""Weight-only quantization (``common/engine/models/quantized.py``): each scheme's product equals
+the product with the weight it stands for, stays near the full-precision product, and a quantized
+engine holds fewer bytes and generates close to the full-precision one."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.engine.config import EngineConfig
+from common.engine.engine import Engine
+from common.engine.models.linear import Linear
+from common.engine.models.quantized import (
+    Fp8Weight, Int4Weight, Int8Weight, Quantization, QuantizedEmbedding, quantize_weight,
+)
+from tests.support.checkpoints import tiny_gemma3_config, tiny_llama_config, write_checkpoint
+
+PROMPTS = [[5, 17, 99, 230, 11] * 4, list(range(3, 60))]
+
+
+def weights(out_features=96, in_features=256, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(out_features, in_features, generator=g) * 0.05, torch.randn(7, in_features, generator=g)
+
+
+@pytest.mark.parametrize("make,tolerance", [
+    (Int8Weight, 0.01), (lambda w: Int4Weight(w, 32), 0.1), (lambda w: Int4Weight(w, 64), 0.12),
+    (lambda w: Int4Weight(w, 128), 0.15), (Fp8Weight, 0.05)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_product_is_the_dequantized_weights_and_near_the_original(make, tolerance, dtype):
+    w, x = weights()
+    q = make(w.to(dtype))
+    got = q.matmul(x.to(dtype)).float()
+    exact = x.to(dtype).float() @ q.dequantize().float().t()
+    assert torch.allclose(got, exact, atol=0.02 if dtype == torch.bfloat16 else 1e-4, rtol=0.02), \
+        "the kernel does not compute with the weight it stores"
+    full = x @ w.t()
+    assert (got - full).norm() / full.norm() < tolerance
+
+
+def test_quantized_bytes_are_a_fraction_of_the_weight():
+    w, _ = weights(256, 512)
+    full = w.numel() * 4
+    assert Int8Weight(w).nbytes < 0.27 * full and Int4Weight(w, 128).nbytes < 0.15 * full
+    assert Fp8Weight(w).nbytes < 0.27 * full
+
+
+def test_an_lm_head_is_int8_under_int4_and_bad_settings_are_named():
+    w, _ = weights()
+    assert isinstance(quantize_weight(w, "int4", 32, head=True), Int8Weight)
+    assert isinstance(quantize_weight(w, "int4", 32), Int4Weight)
+    with pytest.raises(ValueError, match="group size must be one of"):
+        Quantization("int4", 48)
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        EngineConfig(model="x", quantization="int3")
+    layer = Linear(256, 96, bias=True)
+    with torch.no_grad():
+        layer.weight.copy_(w)
+        layer.bias.fill_(0.5)
+    _, x = weights()
+    full = layer(x)
+    layer.quantize("int8", 128)
+    assert layer.weight.numel() == 0 and torch.allclose(layer(x), full, atol=0.05)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return write_checkpoint(tiny_llama_config(), tmp_path_factory.mktemp("q-llama"))
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory):
+    return write_checkpoint(tiny_gemma3_config(), tmp_path_factory.mktemp("q-gemma"))
+
+
+def engine(checkpoint, scheme: str, group: int = 32) -> Engine:
+    return Engine(EngineConfig(model=str(checkpoint), num_blocks=64, block_size=4, quantization=scheme,
+                               quantization_group_size=group), load_tokenizer=False)
+
+
+def model_bytes(e: Engine) -> int:
+    tensors = [*e.model.parameters(), *e.model.buffers()]
+    if e.model.packed_lm_head is not None:
+        tensors.append(e.model.packed_lm_head)
+    total = sum(t.numel() * t.element_size() for t in tensors)
+    seen = set()
+    for module in e.model.modules():
+        for q in (getattr(module, "quantized", None), getattr(module, "quantized_lm_head", None)):
+            if q is not None and id(q) not in seen:
+                seen.add(id(q))
+                total += q.nbytes
+    return total
+
+
+@pytest.mark.parametrize("checkpoint", ["llama", "gemma"])
+@pytest.mark.parametrize("scheme", ["int8", "int4", "fp8"])
+def test_a_quantized_engine_is_smaller_and_its_logits_follow_full_precision(request, checkpoint, scheme):
+    directory = request.getfixturevalue(checkpoint)
+    full, quantized = engine(directory, "none"), engine(directory, scheme)
+    assert isinstance(quantized.model.model.embed_tokens, QuantizedEmbedding), "the embedding is quantized"
+    assert model_bytes(quantized) < 0.6 * model_bytes(full)
+    a, b = top_logprobs(full, PROMPTS[1]), top_logprobs(quantized, PROMPTS[1])
+    overlap = len(set(a) & set(b)) / len(a)
+    shift = max(abs(a[t] - b[t]) for t in set(a) & set(b))
+    # Loose: tiny random models have nearly flat logits (the real model's quality is measured in
+    # benchmarks/quant_quality.py); a wrong scale, zero point or layout leaves next to no overlap.
+    assert overlap >= (0.9 if scheme == "int8" else 0.5) and shift < (0.25 if scheme == "int8" else 1.5), \
+        f"{scheme}: the next token's top 20 drift (overlap {overlap:.2f}, largest log-prob change {shift:.3f})"
+    out = quantized.generate(PROMPTS, {"max_tokens": 8, "temperature": 0, "ignore_eos": True})
+    assert all(len(r.token_ids) == 8 for r in out)
+
+
+def top_logprobs(e: Engine, prompt: list[int]) -> dict[int, float]:
+    """The next token's 20 likeliest ids and their log-probabilities."""
+    first = e.generate([prompt], {"max_tokens": 1, "temperature": 0, "logprobs": 20})[0].logprobs[0]
+    return dict(first.top)
