@@ -2,10 +2,11 @@
 every product reads those, so a decode step -- bound by reading weights -- moves less memory.
 
     scheme  weight                                       product (CPU)                      (CUDA)
-    int8    int8 per output channel, symmetric:          aten._weight_int8pack_mm           --
-            w = q * scale[row]
+    int8    int8 per output channel, symmetric:          few rows: csrc/int8_gemv_cpu.c     --
+            w = q * scale[row]                           (fp32 sums); more: PyTorch's
+                                                         _weight_int8pack_mm (bf16)
     int4    4-bit groups of ``group_size`` inputs along  aten._weight_int4pack_mm_for_cpu   --
-            K, asymmetric: w = (q - 8) * scale + zero
+            K, asymmetric: w = (q - 8) * scale + zero    (bf16 activations)
     fp8     float8 e4m3 per output channel:              the dequantized weight (a check,   torch._scaled_mm, the
             w = q * scale[row]                           not a fast path)                   activations quantized
                                                                                             per row on the fly
@@ -74,27 +75,74 @@ class QuantizedWeight(abc.ABC):
     def nbytes(self) -> int: ...
 
 
+GEMV_MAX_ROWS = 16  # csrc/int8_gemv_cpu.c's MAX_ROWS
+
+
+def _int8_gemv():
+    """The C kernel for few rows (``csrc/int8_gemv_cpu.c``), or None (no compiler: torch's kernel)."""
+    import ctypes
+
+    from common.engine.cpu_kernels import load_kernel
+
+    lib = load_kernel("int8_gemv_cpu")
+    if lib is None:
+        return None
+    fn = lib.int8_gemv_f32
+    if fn.argtypes is None:
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64]
+        fn.restype = None
+    return fn
+
+
 class Int8Weight(QuantizedWeight):
+    """Per-output-channel int8, packed for ``csrc/int8_gemv_cpu.c`` (blocks of 8 channels,
+    k-major).  Up to ``GEMV_MAX_ROWS`` rows (decode) take that kernel: it streams the int8 bytes
+    once per step and accumulates in fp32.  More rows (prefill, compute-bound) dequantize the
+    weight and take the fp32 product; so does a CPU without a C compiler."""
+
     def __init__(self, weight: torch.Tensor):
         w = weight.detach().float()
         self.out_features, self.in_features = w.shape
         self.dtype = weight.dtype
         scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
-        self.q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
-        self.scale = scale.to(weight.dtype).contiguous()
+        q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        padded = -(-self.out_features // 8) * 8
+        if padded != self.out_features:
+            q = torch.cat([q, q.new_zeros(padded - self.out_features, self.in_features)])
+        self.packed = q.reshape(padded // 8, 8, self.in_features).transpose(1, 2).contiguous()  # [N/8, K, 8]
+        self.scale = scale.contiguous()  # fp32
+        self._gemv = _int8_gemv() if weight.device.type == "cpu" else None
+
+    @property
+    def q(self) -> torch.Tensor:
+        """The int8 weight as ``[out_features, in_features]`` (a strided view of the packed bytes)."""
+        return self.packed.transpose(1, 2).reshape(-1, self.in_features)[: self.out_features]
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.q, self.scale.to(x.dtype))
+        if self._gemv is not None and x.shape[0] <= GEMV_MAX_ROWS:
+            import ctypes
+
+            a = x.detach().float().contiguous()
+            y = torch.empty(a.shape[0], self.out_features, dtype=torch.float32)
+            self._gemv(ctypes.c_void_p(a.data_ptr()), a.shape[0], ctypes.c_void_p(self.packed.data_ptr()),
+                       ctypes.c_void_p(self.scale.data_ptr()), ctypes.c_void_p(y.data_ptr()), self.out_features,
+                       self.in_features)
+            return y.to(x.dtype)
+        from common.engine.models.linear import linear
+
+        return linear(x.float(), self.dequantize().float()).to(x.dtype)
 
     def dequantize(self) -> torch.Tensor:
-        return (self.q.float() * self.scale.float()[:, None]).to(self.dtype)
+        return (self.q.float() * self.scale[:, None]).to(self.dtype)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        return (self.q[ids].float() * self.scale.float()[ids, None]).to(self.dtype)
+        blocks, lanes = ids // 8, ids % 8
+        return (self.packed[blocks, :, lanes].float() * self.scale[ids, None]).to(self.dtype)
 
     @property
     def nbytes(self) -> int:
-        return self.q.numel() + self.scale.numel() * self.scale.element_size()
+        return self.packed.numel() + self.scale.numel() * 4
 
 
 class Int4Weight(QuantizedWeight):
@@ -114,10 +162,13 @@ class Int4Weight(QuantizedWeight):
         zero = low + 8.0 * scale  # the kernel computes (q - 8) * scale + zero
         # [groups, out_features, 2]: the layout the kernel reads
         self.scales_and_zeros = torch.stack([scale.squeeze(-1).t(), zero.squeeze(-1).t()], dim=-1).contiguous()
+        self._scales_and_zeros_bf16 = self.scales_and_zeros.to(torch.bfloat16)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, self.group_size,
-                                                           self.scales_and_zeros.to(x.dtype))
+        # bf16 in and out: the kernel's fp32 path is far slower on CPUs without AVX-512
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16).contiguous(), self.packed,
+                                                          self.group_size, self._scales_and_zeros_bf16)
+        return out.to(x.dtype)
 
     def dequantize(self) -> torch.Tensor:
         """Through the kernel itself (the identity's product), so nothing else is kept."""
