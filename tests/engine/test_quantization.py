@@ -38,7 +38,7 @@ def test_the_product_is_the_dequantized_weights_and_near_the_original(make, tole
     assert (got - full).norm() / full.norm() < tolerance
 
 
-@pytest.mark.parametrize("rows", [1, 5, 8, 13, 16, 40])
+@pytest.mark.parametrize("rows", [1, 5, 8, 13, 16, 40, 200])
 def test_int8_takes_the_c_kernel_for_few_rows_and_agrees_with_the_reference_for_any(rows):
     w, _ = weights(out_features=203, in_features=96)  # a partial block of 8 channels
     q = Int8Weight(w)
