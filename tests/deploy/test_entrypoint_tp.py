@@ -1,11 +1,11 @@
 """compose/gpu_claims.py through the entrypoint: a tensor-parallel worker claims its N GPUs at
-once, all or none, an aligned group first, next to one-GPU workers (the host of
-``test_entrypoint.py``: a two-socket 8-GPU topology)."""
+once, all or none, an aligned group first, next to one-GPU workers (the recorded
+host of ``tests/support/entrypoint_host.py``: a two-socket 8-GPU topology)."""
 from __future__ import annotations
 
 import pytest
 
-from tests.deploy.test_entrypoint import FakeHost, ep, release, runtime_file, worker_env  # noqa: F401 (fixtures)
+from tests.support.entrypoint_host import FakeHost, ep, release, runtime_file, worker_env  # noqa: F401 (fixtures)
 
 
 def test_tensor_parallel_workers_claim_aligned_gpu_groups_next_to_one_gpu_workers(ep, tmp_path):
