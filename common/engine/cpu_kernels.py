@@ -68,6 +68,19 @@ def load_kernel(name: str) -> ctypes.CDLL | None:
         return lib
 
 
+def kernel_function(name: str, symbol: str, argtypes: list, restype=None):
+    """Function ``symbol`` of the compiled ``csrc/<name>.c`` with its C signature set, or ``None``
+    where the kernel cannot be built (``load_kernel``)."""
+    lib = load_kernel(name)
+    if lib is None:
+        return None
+    fn = getattr(lib, symbol)
+    if fn.argtypes is None:
+        fn.argtypes = argtypes
+        fn.restype = restype
+    return fn
+
+
 def _cpu_signature() -> bytes:
     flags = b""
     try:

@@ -10,7 +10,7 @@ NUM_HEADS = 8
 
 
 def head_ranges(tp: int, kv_heads: int) -> list[tuple[int, int]]:
-    return [(s.start, s.stop) for s in (TensorParallel(tp, r).kv_heads(NUM_HEADS, kv_heads) for r in range(tp))]
+    return TensorParallel(tp).kv_head_ranges(NUM_HEADS, kv_heads)
 
 
 @given(kv_heads=st.sampled_from([1, 2, 4, 8]), p=st.sampled_from([1, 2, 4, 8]), d=st.sampled_from([1, 2, 4, 8]))

@@ -30,11 +30,7 @@ def model_layout(kv_heads: int) -> KVLayout:
 
 
 def head_ranges(tp: int, kv_heads: int) -> list[tuple[int, int]]:
-    out = []
-    for rank in range(tp):
-        heads = TensorParallel(tp, rank).kv_heads(NUM_HEADS, kv_heads)
-        out.append((heads.start, heads.stop))
-    return out
+    return TensorParallel(tp).kv_head_ranges(NUM_HEADS, kv_heads)
 
 
 def shards_of(full: KVCache, tp: int) -> KVShards:

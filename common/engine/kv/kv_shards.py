@@ -127,7 +127,3 @@ class KVShards:
             raise ValueError(f"blocks {first_block_id}..{first_block_id + count - 1} outside a "
                              f"{cache.num_blocks}-block cache")
         return cache.blocks(first_block_id, count)[..., head_start - start : head_end - start, :]
-
-    def bytes_per_block(self, pieces: list[Piece]) -> int:
-        """Bytes one block costs on the wire under ``pieces``."""
-        return sum((p.head_end - p.head_start) * self.head_nbytes(p.dst_rank) for p in pieces)

@@ -20,6 +20,7 @@ KV cache and the logits stay in the model's dtype.  Quality is measured, not ass
 from __future__ import annotations
 
 import abc
+import ctypes
 from dataclasses import dataclass
 
 import torch
@@ -81,20 +82,16 @@ GEMV_MAX_ROWS = 128
 
 
 def _int8_gemv():
-    """The C kernel for few rows (``csrc/int8_gemv_cpu.c``), or None (no compiler: torch's kernel)."""
-    import ctypes
+    """The C kernel for few rows (``csrc/int8_gemv_cpu.c``), or None (no compiler: the fp32 product)."""
+    from common.engine.cpu_kernels import kernel_function
 
-    from common.engine.cpu_kernels import load_kernel
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    return kernel_function("int8_gemv_cpu", "int8_gemv_f32", [ptr, i64, ptr, ptr, ptr, i64, i64])
 
-    lib = load_kernel("int8_gemv_cpu")
-    if lib is None:
-        return None
-    fn = lib.int8_gemv_f32
-    if fn.argtypes is None:
-        i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64]
-        fn.restype = None
-    return fn
+
+def _row_scales(w: torch.Tensor, largest: float) -> torch.Tensor:
+    """Per-row symmetric scales (fp32) mapping each row's largest magnitude to ``largest``."""
+    return (w.abs().amax(dim=1).float() / largest).clamp(min=1e-12)
 
 
 class Int8Weight(QuantizedWeight):
@@ -108,7 +105,7 @@ class Int8Weight(QuantizedWeight):
         w = weight.detach().float()
         self.out_features, self.in_features = w.shape
         self.dtype = weight.dtype
-        scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
+        scale = _row_scales(w, 127.0)
         q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
         padded = -(-self.out_features // 8) * 8
         if padded != self.out_features:
@@ -124,8 +121,6 @@ class Int8Weight(QuantizedWeight):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self._gemv is not None and x.shape[0] <= GEMV_MAX_ROWS:
-            import ctypes
-
             a = x.detach().float().contiguous()
             y = torch.empty(a.shape[0], self.out_features, dtype=torch.float32)
             self._gemv(ctypes.c_void_p(a.data_ptr()), a.shape[0], ctypes.c_void_p(self.packed.data_ptr()),
@@ -186,13 +181,13 @@ class Fp8Weight(QuantizedWeight):
         w = weight.detach().float()
         self.out_features, self.in_features = w.shape
         self.dtype = weight.dtype
-        scale = (w.abs().amax(dim=1) / _FP8_MAX).clamp(min=1e-12)
+        scale = _row_scales(w, _FP8_MAX)
         self.q = (w / scale[:, None]).to(torch.float8_e4m3fn).contiguous()
         self.scale = scale.contiguous()  # fp32
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type == "cuda":
-            x_scale = (x.abs().amax(dim=1, keepdim=True).float() / _FP8_MAX).clamp(min=1e-12)
+            x_scale = _row_scales(x, _FP8_MAX)[:, None]
             x_q = (x.float() / x_scale).to(torch.float8_e4m3fn)
             return torch._scaled_mm(x_q, self.q.t(), scale_a=x_scale, scale_b=self.scale[None, :],
                                     out_dtype=x.dtype)

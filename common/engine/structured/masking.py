@@ -104,17 +104,10 @@ def _kernel(logits: torch.Tensor):
     """The compiled mask kernel (csrc/token_bitmask_cpu.c) for contiguous CPU fp32 rows, else None."""
     if logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.stride(1) != 1:
         return None
-    from common.engine.cpu_kernels import load_kernel
+    from common.engine.cpu_kernels import kernel_function
 
-    lib = load_kernel("token_bitmask_cpu")
-    if lib is None:
-        return None
-    fn = lib.apply_token_bitmask
-    if fn.argtypes is None:
-        i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        fn.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64]
-        fn.restype = None
-    return fn
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    return kernel_function("token_bitmask_cpu", "apply_token_bitmask", [ptr, i64, i64, ptr, i64, ptr, i64])
 
 
 _BITS = np.arange(32, dtype=np.uint32)
