@@ -77,8 +77,9 @@ def served_checkpoint(tmp_path_factory):
 
 
 # ---- a small shared stack (tests of the public API) -----------------------------------------
-# `small_stack`: one prefill and one decode worker (block size 16, 256 blocks) and a gateway
-# without API keys, started once per session.  A module that needs other gateway settings starts
+# `small_stack`: one prefill and one decode worker (block size 16, 256 blocks, n-gram speculation
+# from one-token matches up, so the decode worker verifies drafts on most streams: every test on it
+# also checks that speculation changes no answer) and a gateway without API keys, started once per session.  A module that needs other gateway settings starts
 # its own gateway on these pools (`tests.support.cluster.extra_gateway`).  Tests on it send prompts no
 # other test sends, so they pass alone and in any order.
 
@@ -88,7 +89,8 @@ def small_stack(served_checkpoint, redis_url, tmp_path_factory):
     from tests.support.cluster import running_cluster
 
     with running_cluster(served_checkpoint, tmp_path_factory.mktemp("small-stack"), redis_url, prefill=1,
-                         decode=1, worker_args=["--num-blocks", "256", "--block-size", "16"],
+                         decode=1, worker_args=["--num-blocks", "256", "--block-size", "16",
+                                                "--speculative", "ngram", "--ngram-min", "1"],
                          # generous: on a loaded machine a lookup must not fall back to load-only routing
                          gateway_args=["--prefix-lookup-timeout", "30"]) as stack:
         assert stack.wait_for_workers(prefill=1, decode=1)

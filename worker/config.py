@@ -12,6 +12,7 @@ from common.cluster.auth import AuthError, ClusterAuth, configure_auth, read_sec
 from common.cluster.redis_keys import DEFAULT_KEY_PREFIX
 from common.engine.models.quantized import INT4_GROUP_SIZES, QUANTIZATIONS
 from common.engine.config import EngineConfig, describe_default
+from common.engine.speculative.speculation import METHODS as SPECULATIVE_METHODS
 from common.cluster.http_limits import HttpLimits, add_http_flags, http_limits_from_args
 from common.cluster.flags import EnvFlags, FlagParser, RecordsCommandLine, RemovedFlag, given_on_command_line
 from common.cluster.redis_util import (
@@ -175,6 +176,18 @@ def build_parser(default_role: str, description: str, env: Mapping[str, str] | N
              "int4 (groups; the head int8) on CPU, fp8 (per channel, torch._scaled_mm) on GPU")
     add("--quantization-group-size", EngineConfig.quantization_group_size, int, choices=INT4_GROUP_SIZES,
         help="int4: inputs per group sharing a scale and zero point")
+    add("--speculative", EngineConfig.speculative, choices=SPECULATIVE_METHODS,
+        help="speculative decoding on decode workers: ngram proposes the tokens that followed the latest earlier "
+             "occurrence of a request's last tokens (prompt lookup); one step verifies them (greedy output unchanged)")
+    add("--num-speculative-tokens", EngineConfig.num_speculative_tokens, int, help="draft tokens per request per step")
+    add("--ngram-min", EngineConfig.ngram_min, int, help="ngram: the shortest suffix that may match")
+    add("--ngram-max", EngineConfig.ngram_max, int, help="ngram: the longest suffix, tried first")
+    add("--ngram-lookup-window", EngineConfig.ngram_lookup_window, int,
+        help="ngram: tokens searched, back from the end of the request")
+    add("--speculative-min-accepted", EngineConfig.speculative_min_accepted, float,
+        help="drafts accepted per verification (moving average) below which a request decodes plainly for a while")
+    add("--speculative-disable-batch-size", EngineConfig.speculative_disable_batch_size, int,
+        help="no speculation while more requests than this decode (0: at any batch size)")
     add("--structured-output-backend", EngineConfig.structured_output_backend, choices=BACKENDS,
         help="grammar backend for response_format, structured_outputs and tool calls (xgrammar: the "
              "'xgrammar' extra)")
@@ -199,7 +212,10 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         cuda_graphs=bool(args.cuda_graphs), compile=bool(args.compile), remote_kv_budget=args.remote_kv_budget,
         tensor_parallel_size=args.tensor_parallel_size, structured_output_backend=args.structured_output_backend,
         quantization=args.quantization, quantization_group_size=args.quantization_group_size,
-        grammar_compile_timeout_s=args.grammar_compile_timeout,
+        grammar_compile_timeout_s=args.grammar_compile_timeout, speculative=args.speculative,
+        num_speculative_tokens=args.num_speculative_tokens, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
+        ngram_lookup_window=args.ngram_lookup_window, speculative_min_accepted=args.speculative_min_accepted,
+        speculative_disable_batch_size=args.speculative_disable_batch_size,
     )
     kv = KVTransferConfig(transport=args.kv_transport, host=args.kv_host or args.host, port=args.kv_port,
                           connect_timeout=args.kv_connect_timeout, transfer_timeout=args.kv_timeout,

@@ -58,7 +58,7 @@ from typing import Any, Callable, Mapping
 from common.engine.engine import Engine, RequestOutput, StepFailed
 from worker.config import FIRST_STEP_ALLOWANCE, MAX_STEP_FAILURES
 from common.engine.request import Request
-from common.engine.scheduler import SchedulerOutput
+from common.engine.scheduler_output import SchedulerOutput
 from worker.hang_backstop import HangBackstop
 
 log = logging.getLogger(__name__)

@@ -36,12 +36,33 @@ class WorkerMetrics:
         self.kv_usage = Gauge("pdserve_worker_kv_usage", "Fraction of KV blocks in use", registry=r)
         self.num_running = Gauge("pdserve_worker_num_running", "Requests in the running batch", registry=r)
         self.num_waiting = Gauge("pdserve_worker_num_waiting", "Requests waiting for admission", registry=r)
+        # Speculative decoding (the engine's counters, mirrored at each scrape).
+        self.spec_draft_tokens = Gauge("pdserve_worker_spec_draft_tokens", "Draft tokens verified since start",
+                                       registry=r)
+        self.spec_accepted_tokens = Gauge("pdserve_worker_spec_accepted_tokens", "Draft tokens accepted since start",
+                                          registry=r)
+        self.spec_acceptance_rate = Gauge("pdserve_worker_spec_acceptance_rate",
+                                          "Accepted draft tokens / draft tokens, since start", registry=r)
+        self.spec_tokens_per_verification = Gauge(
+            "pdserve_worker_spec_mean_tokens_per_verification",
+            "Tokens a request produced per verification step (accepted drafts + 1), since start", registry=r)
+        self.spec_verify_step_seconds = Gauge(
+            "pdserve_worker_spec_verify_step_seconds", "Mean duration of steps that verified drafts", registry=r)
+        self.decode_only_step_seconds = Gauge(
+            "pdserve_worker_decode_only_step_seconds",
+            "Mean duration of decode steps without drafts (what a verification is compared with)", registry=r)
 
     def observe_engine(self, stats: dict) -> None:
         self.preemptions.set(stats["num_preemptions"])
         self.kv_usage.set(stats["kv_usage"])
         self.num_running.set(stats["num_running"])
         self.num_waiting.set(stats["num_waiting"])
+        self.spec_draft_tokens.set(stats["spec_draft_tokens_total"])
+        self.spec_accepted_tokens.set(stats["spec_accepted_tokens_total"])
+        self.spec_acceptance_rate.set(stats["spec_acceptance_rate"])
+        self.spec_tokens_per_verification.set(stats["spec_mean_tokens_per_verification"])
+        self.spec_verify_step_seconds.set(_mean(stats["spec_verify_step_seconds_total"], stats["spec_verify_steps_total"]))
+        self.decode_only_step_seconds.set(_mean(stats["decode_only_step_seconds_total"], stats["decode_only_steps_total"]))
 
     def snapshot(self) -> dict[str, float]:
         return {
@@ -56,3 +77,7 @@ class WorkerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _mean(total: float, count: float) -> float:
+    return total / count if count else 0.0

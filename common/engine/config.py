@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from common.engine.structured.backend import BACKENDS, DEFAULT_BACKEND
 from common.engine.models.quantized import INT4_GROUP_SIZES, QUANTIZATIONS, Quantization
 from common.engine.structured.compiler import DEFAULT_COMPILE_TIMEOUT_S
+from common.engine.speculative.speculation import SpeculativeConfig
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,16 @@ class EngineConfig:
     quantization_group_size: int = Quantization.group_size
     structured_output_backend: str = DEFAULT_BACKEND
     grammar_compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S
+    # Speculative decoding (common/engine/speculative): the proposer (none | ngram), draft tokens per
+    # step, the n-gram sizes and how far back they are looked up, the acceptance below which a
+    # request backs off, and the batch size above which nobody speculates (0: none).
+    speculative: str = SpeculativeConfig.method
+    num_speculative_tokens: int = SpeculativeConfig.num_tokens
+    ngram_min: int = SpeculativeConfig.ngram_min
+    ngram_max: int = SpeculativeConfig.ngram_max
+    ngram_lookup_window: int = SpeculativeConfig.lookup_window
+    speculative_min_accepted: float = SpeculativeConfig.min_accepted
+    speculative_disable_batch_size: int = SpeculativeConfig.disable_batch_size
 
     def __post_init__(self) -> None:
         _require(self.block_size >= 1, "block_size", self.block_size, ">= 1")
@@ -127,6 +138,7 @@ class EngineConfig:
         _require(self.quantization_group_size in INT4_GROUP_SIZES, "quantization_group_size",
                  self.quantization_group_size, f"one of {INT4_GROUP_SIZES}")
         _require(self.grammar_compile_timeout_s > 0, "grammar_compile_timeout_s", self.grammar_compile_timeout_s, "> 0")
+        self.speculation  # validates its knobs
         # The scheduler config validates the remaining knobs.
         self._scheduler_config(self.max_model_len or SchedulerConfig.max_model_len, *self._batch_limits("cpu"))
 
@@ -134,6 +146,13 @@ class EngineConfig:
     def weights(self) -> Quantization:
         """How the model's weights are stored (``quantization`` and its group size)."""
         return Quantization(self.quantization, self.quantization_group_size)
+
+    @property
+    def speculation(self) -> SpeculativeConfig:
+        """Speculative decoding's settings."""
+        return SpeculativeConfig(self.speculative, self.num_speculative_tokens, self.ngram_min, self.ngram_max,
+                                 self.ngram_lookup_window, self.speculative_min_accepted,
+                                 self.speculative_disable_batch_size)
 
     def _batch_limits(self, device_type: str) -> tuple[int, int]:
         defaults = scheduling_defaults(device_type)

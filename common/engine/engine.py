@@ -28,9 +28,11 @@ from common.engine.models.stages import compile_stages
 from common.engine.request import Request, RequestStatus
 from common.engine.sampler import TokenLogprobs
 from common.engine.sampling_params import SamplingParams
-from common.engine.scheduler import Scheduler, SchedulerOutput
+from common.engine.scheduler import Scheduler
+from common.engine.scheduler_output import SchedulerOutput
 from common.engine.parallel.shared_kv import share_caches, shared_host_zeros
 from common.engine.parallel.tensor_parallel import TensorParallel
+from common.engine.speculative.speculation import Speculation
 from common.engine.step_log import StepLog, step_shape
 from common.engine.structured.backend import CompiledGrammar, GrammarBackend
 from common.engine.structured.compiler import GrammarCompiler, make_backend
@@ -149,7 +151,8 @@ class Engine:
         self.max_model_len = min(config.max_model_len or mc.max_model_len, mc.max_model_len)
         self.block_pool = BlockPool(num_blocks, enable_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(
-            config.scheduler_config(self.max_model_len), KVCacheManager(self.block_pool, config.block_size)
+            config.scheduler_config(self.max_model_len), KVCacheManager(self.block_pool, config.block_size),
+            Speculation(config.speculation, self.max_model_len),
         )
         if hasattr(self.attention, "block_table"):  # backends that read the persistent table
             self.attention.block_table = self.scheduler.kv_manager.table
@@ -177,8 +180,9 @@ class Engine:
         self.fault_injector: Callable[[int], None] | None = None
         log.info(
             "engine ready: model=%s (%s) dtype=%s device=%s attention=%s cuda_graphs=%s compiled=%s "
-            "kv_blocks=%d x %d tokens", self.model_id, mc.model_type, self.layout.dtype, self.device,
+            "kv_blocks=%d x %d tokens speculative=%s", self.model_id, mc.model_type, self.layout.dtype, self.device,
             self.attention.name, use_graphs, self.model.stages.compiled, num_blocks, config.block_size,
+            config.speculative,
         )
 
     def _load_tokenizer(self):
@@ -270,7 +274,7 @@ class Engine:
             if self.fault_injector is not None:
                 self.fault_injector(self.num_steps)
             sampled = self.runner.execute(out)
-            changed = self.scheduler.update(out, {rid: tok for rid, (tok, _lp) in sampled.items()})
+            changed = self.scheduler.update(out, {rid: tokens for rid, (tokens, _lp) in sampled.items()})
         except Exception as exc:
             failed = [item.request_id for item in out.scheduled]
             for request_id in failed:
@@ -280,11 +284,13 @@ class Engine:
             raise StepFailed(exc, failed) from exc
         outputs = []
         for request in changed:
-            token_id, logprobs = sampled[request.request_id]
+            token_ids, logprobs = sampled[request.request_id]  # cut by ``update`` to the tokens taken
             if request.num_output_tokens == 1:
                 self._count_prefix_hit(request)
-            outputs.append(self._output(request, [token_id], [logprobs]))
-        self.step_log.record(time.time(), time.perf_counter() - began, step_shape(out.scheduled))
+            outputs.append(self._output(request, token_ids, logprobs[: len(token_ids)]))
+        seconds = time.perf_counter() - began
+        self.step_log.record(time.time(), seconds, step_shape(out.scheduled))
+        self.scheduler.speculation.stats.observe_step(out.scheduled, seconds)
         return outputs
 
     def _count_prefix_hit(self, request: Request) -> None:
@@ -385,4 +391,5 @@ class Engine:
             "num_preemptions": s.num_preemptions,
             "prompt_tokens_total": self.num_prompt_tokens_total,
             "prefix_cache_hit_tokens_total": self.num_cached_tokens_total,
+            **self.scheduler.speculation.stats.as_dict(),
         }

@@ -12,14 +12,16 @@ from common.engine.models.decoder import DecoderModel
 from common.engine.parallel.step_broadcast import StepBroadcast
 from common.engine.parallel.tensor_parallel import TensorParallel
 from common.engine.sampler import Sampler, TokenLogprobs
-from common.engine.scheduler import SchedulerOutput
+from common.engine.scheduler_output import SchedulerOutput
+from common.engine.speculative.verify import kept_tokens, num_rows, sampling_rows
 
 
 class ModelRunner:
     """Turns a ``SchedulerOutput`` into model inputs, runs the model and samples.
 
     Only the last token of a request that finishes its scheduled tokens this step is projected
-    to logits; prompt chunks that end mid-prompt produce no logits at all.
+    to logits (and its draft tokens', when it speculates: ``speculative.verify``); prompt chunks
+    that end mid-prompt produce no logits at all.
 
     ``on_kv_written``: callables run on every step right after its forward is enqueued, before
     sampling, with the step's ``SchedulerOutput``. On CUDA the step's KV writes are then queued
@@ -45,8 +47,9 @@ class ModelRunner:
         self.forward_seconds = 0.0  # time inside the model, for the overhead figure
         self.on_kv_written: list[Callable[[SchedulerOutput], None]] = []
 
-    def execute(self, out: SchedulerOutput) -> dict[str, tuple[int, TokenLogprobs | None]]:
-        """Compute the step; returns ``request_id -> (sampled token, logprobs)`` for sampling rows."""
+    def execute(self, out: SchedulerOutput) -> dict[str, tuple[list[int], list[TokenLogprobs | None]]]:
+        """Compute the step; returns ``request_id -> (tokens, their logprobs)`` for the requests that
+        sample: one token, or the drafts the model agreed with and one of its own."""
         if self.steps is not None and self.tp.rank == 0:
             self.steps.send(out)
         input_ids: list[int] = []
@@ -62,11 +65,12 @@ class ModelRunner:
             attn_requests.append(AttentionRequest(start, n, item.num_computed_tokens + n, item.block_ids,
                                                   item.table_row))
             if item.sample:
-                sample_rows.append(start + n - 1)
+                sample_rows.extend(range(start + n - num_rows(item), start + n))
                 sample_items.append(item)
         device = self.device
-        if sample_items and self.tp.rank == 0:  # grammar masks fill in a thread while the model runs
-            self.sampler.prefetch_masks(sample_items, self.model.cfg.vocab_size)
+        rows = sampling_rows(sample_items)
+        if rows and self.tp.rank == 0:  # grammar masks fill in a thread while the model runs
+            self.sampler.prefetch_masks(rows, self.model.cfg.vocab_size)
         began = time.perf_counter()
         hidden = self.graphs.run(input_ids, positions, attn_requests) if self.graphs is not None else None
         if hidden is None:
@@ -86,11 +90,11 @@ class ModelRunner:
             return {}
         logits = self.model.logits(hidden[torch.tensor(sample_rows, device=device)])
         if self.tp.rank == 0:
-            tokens, logprobs = self.sampler(logits, sample_items, scratch_logits=True)
+            tokens, logprobs = self.sampler(logits, rows, scratch_logits=True)
         else:  # tensor parallelism: rank 0 samples, the other ranks take its tokens
-            tokens, logprobs = None, [None] * len(sample_items)
-        tokens = self.tp.broadcast_tokens(tokens, len(sample_items))
+            tokens, logprobs = None, [None] * len(rows)
+        tokens = self.tp.broadcast_tokens(tokens, len(rows))
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         self.forward_seconds += time.perf_counter() - began
-        return {item.request_id: (tok, lp) for item, tok, lp in zip(sample_items, tokens, logprobs)}
+        return kept_tokens(sample_items, tokens, logprobs)

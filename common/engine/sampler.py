@@ -209,7 +209,7 @@ class Sampler:
             if bad_rows[i]:
                 continue
             if p.greedy or p.top_k == 1:
-                if _uses_penalties(p):
+                if p.uses_penalties:
                     penalized_argmax.append(i)
             elif (0 < p.top_k < vocab) or p.top_p < 1.0 or p.min_p > 0.0:
                 filtered.append(i)
@@ -229,7 +229,7 @@ class Sampler:
             return tokens
         knobs = _knobs([rows[i].sampling_params for i in random], vocab, logits.device)
         e = work[: len(random)]
-        if any(_uses_penalties(rows[i].sampling_params) for i in random):
+        if any(rows[i].sampling_params.uses_penalties for i in random):
             row_max = e.amax(dim=-1, keepdim=True)
         else:
             row_max = raw_max[random][:, None]
@@ -287,7 +287,7 @@ class Sampler:
     def _apply_penalties(self, work: torch.Tensor, rows: list[SamplingRequest], device) -> None:
         """Repetition (prompt and output tokens), then frequency and presence (output tokens), as
         vLLM applies them; sparse updates at the rows' token ids, no [rows, vocab] structure."""
-        with_penalties = [(j, row) for j, row in enumerate(rows) if _uses_penalties(row.sampling_params)]
+        with_penalties = [(j, row) for j, row in enumerate(rows) if row.sampling_params.uses_penalties]
         self._histories.keep_only({row.request_id for _, row in with_penalties})
         if not with_penalties:
             return
@@ -434,10 +434,6 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], output_index: lis
 
 
 # ---- helpers ----------------------------------------------------------------------------------
-
-
-def _uses_penalties(p: SamplingParams) -> bool:
-    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
 
 
 def _wants_logprobs(rows: Sequence[SamplingRequest]) -> bool:

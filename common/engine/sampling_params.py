@@ -97,6 +97,11 @@ class SamplingParams(Struct, forbid_unknown_fields=True, frozen=True):
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
 
+    @property
+    def uses_penalties(self) -> bool:
+        """Repetition, frequency or presence penalties: sampling reads the request's token history."""
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
     @classmethod
     def from_dict(cls, fields: dict[str, Any]) -> "SamplingParams":
         """Build from untrusted input; unknown or mistyped fields raise ``ValueError`` naming them."""

@@ -49,54 +49,16 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 from common.engine.config import SchedulerConfig
 from common.engine.kv.kv_cache_manager import KVCacheManager, cdiv
 from common.engine.request import Request, RequestStatus
 from common.engine.remote_kv import RemoteClaim, RemoteKVHandoff
 from common.engine.room_alone import RoomAlone, final_tokens
-from common.engine.sampling_params import SamplingParams
-from common.engine.structured.backend import GrammarMatcher
 from common.engine.scheduler_integrity import check_scheduler
+from common.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from common.engine.scheduler_turns import TurnTaking
-
-
-@dataclass
-class ScheduledRequest:
-    """One request's share of a step: compute ``token_ids`` at positions starting at
-    ``num_computed_tokens``, writing KV into ``block_ids``; sample a token if ``sample``."""
-
-    request_id: str
-    token_ids: list[int]
-    num_computed_tokens: int
-    block_ids: list[int]
-    sample: bool
-    sampling_params: SamplingParams
-    num_output_tokens: int  # before this step; makes seeded sampling stateless
-    # The request's own lists (not copies), read by the sampler for penalties.
-    prompt_token_ids: list[int] = field(default_factory=list)
-    output_token_ids: list[int] = field(default_factory=list)
-    # The request's row in ``KVCacheManager.table``, the persistent form of ``block_ids``.
-    table_row: int | None = None  # its row in the persistent block table
-    # The request's own: what ends it (min_tokens holds these back) and its grammar's matcher.
-    stop_token_ids: frozenset[int] | set[int] = frozenset()
-    grammar: GrammarMatcher | None = None
-
-
-@dataclass
-class SchedulerOutput:
-    """What one step does: the requests it computes (``scheduled``, each with its share), the
-    tokens they compute in all, and the requests it preempted (their blocks freed; each is
-    computed again from its first token when admitted again)."""
-
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    num_scheduled_tokens: int = 0
-    preempted_request_ids: list[str] = field(default_factory=list)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
+from common.engine.speculative.speculation import Speculation, SpeculativeConfig
 
 
 class Scheduler(TurnTaking):
@@ -104,8 +66,10 @@ class Scheduler(TurnTaking):
     for the remote-KV hand-off (reservations, leases, the remote claim; held requests, pins) is
     ``handoff``'s bookkeeping, asked by the policy here."""
 
-    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager):
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager, speculation: Speculation | None = None):
         self.config = config
+        # Draft tokens for decoding requests (``common.engine.speculative``); off unless configured.
+        self.speculation = speculation or Speculation(SpeculativeConfig(), config.max_model_len)
         self.kv_manager = kv_manager
         self.block_size = kv_manager.block_size
         self.requests: dict[str, Request] = {}
@@ -244,6 +208,7 @@ class Scheduler(TurnTaking):
 
         decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        self.speculation.begin_step(len(decoding))
         for request in decoding + prefilling:
             if budget == 0:
                 break
@@ -261,8 +226,9 @@ class Scheduler(TurnTaking):
                     if victim is request:
                         break
             if request.status == RequestStatus.RUNNING:
-                scheduled[request.request_id] = self._schedule_one(request, num_new)
-                budget -= num_new
+                drafts = self.speculation.draft(request, budget - num_new, self.kv_manager) if num_new == 1 else []
+                scheduled[request.request_id] = self._schedule_one(request, num_new, drafts)
+                budget -= num_new + len(drafts)
 
         # New requests only when no request that could grow had to preempt: otherwise they would
         # evict each other.
@@ -361,11 +327,12 @@ class Scheduler(TurnTaking):
         """See ``RoomAlone.fits``; a waiting request passes the prefix hits it would adopt."""
         return self.room.fits(request, self.room.outside(self._outside_owners()), shared)
 
-    def _schedule_one(self, request: Request, num_new: int) -> ScheduledRequest:
+    def _schedule_one(self, request: Request, num_new: int, drafts: list[int] = ()) -> ScheduledRequest:
         start = request.num_computed_tokens
         return ScheduledRequest(
             request_id=request.request_id,
-            token_ids=request.all_token_ids[start : start + num_new],
+            token_ids=request.all_token_ids[start : start + num_new] + list(drafts),
+            draft_token_ids=list(drafts),
             num_computed_tokens=start,
             block_ids=self.kv_manager.block_ids(request.request_id),
             sample=start + num_new == request.num_tokens,
@@ -397,22 +364,44 @@ class Scheduler(TurnTaking):
         self.num_preemptions += 1
         self._queue(victim, front=True)
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance the requests of a finished step; returns those that produced a token or finished."""
+    def update(self, out: SchedulerOutput, sampled: dict[str, int | list[int]]) -> list[Request]:
+        """Advance the requests of a finished step; returns those that produced a token or finished.
+
+        ``sampled``: each sampling request's token, or the tokens of a speculating one (its accepted
+        drafts, then one more); such a list is cut to the tokens taken when one of them ends it."""
         changed = []
         for item in out.scheduled:
             request = self.requests.get(item.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            request.num_computed_tokens += len(item.token_ids)
-            self.kv_manager.commit(request)
-            if not item.sample:
-                continue
-            self._append_token(request, sampled[item.request_id])
+            if item.draft_token_ids:
+                self._take_verified(request, item, sampled[item.request_id])
+            else:
+                request.num_computed_tokens += len(item.token_ids)
+                self.kv_manager.commit(request)
+                if not item.sample:
+                    continue
+                token = sampled[item.request_id]
+                self._append_token(request, token[0] if isinstance(token, list) else token)
             if request.is_finished:
                 self._finish(request)
             changed.append(request)
         return changed
+
+    def _take_verified(self, request: Request, item: ScheduledRequest, tokens: list[int]) -> None:
+        """Append a speculating request's kept tokens; KV is valid for its last token and the
+        accepted drafts, i.e. for every token now but the newest (the rest of the step's slots are
+        written over later).  The tokens are appended before the commit, which hashes them."""
+        self.speculation.record(request.request_id, len(item.draft_token_ids), len(tokens) - 1)
+        taken = 0
+        for token in tokens:
+            self._append_token(request, token)
+            taken += 1
+            if request.is_finished:
+                break
+        del tokens[taken:]
+        request.num_computed_tokens += taken
+        self.kv_manager.commit(request)
 
     def _append_token(self, request: Request, token_id: int) -> None:
         request.append_token(token_id, self.config.max_model_len)
@@ -442,6 +431,7 @@ class Scheduler(TurnTaking):
         if request is self._waited_a_step:
             self._waited_a_step = None
         self.handoff.decode.release(request.request_id)
+        self.speculation.forget(request.request_id)
         if request.hold_blocks_on_finish:
             self.handoff.prefill.hold(request.request_id)
         else:

@@ -7,7 +7,7 @@ import torch
 
 from common.engine.config import EngineConfig
 from common.engine.engine import Engine
-from tests.support.checkpoints import VOCAB, tiny_gemma3_config, tiny_llama_config, write_checkpoint
+from tests.support.checkpoints import VOCAB, GreedyReference, tiny_gemma3_config, tiny_llama_config, write_checkpoint
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 MAX_NEW = 10
@@ -18,30 +18,11 @@ def random_prompts(lengths, seed=0):
     return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
 
 
-class Reference:
-    """transformers' generate() on the same checkpoint, fp32 greedy, EOS ignored; memoised."""
-
-    def __init__(self, directory):
-        from transformers import AutoModelForCausalLM
-
-        self.model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
-        self.cache = {}
-
-    def __call__(self, prompt, max_new=MAX_NEW):
-        key = (tuple(prompt), max_new)
-        if key not in self.cache:
-            with torch.no_grad():
-                out = self.model.generate(torch.tensor([prompt]), max_new_tokens=max_new, min_new_tokens=max_new,
-                                          do_sample=False, eos_token_id=None, pad_token_id=0)
-            self.cache[key] = out[0, len(prompt):].tolist()
-        return self.cache[key]
-
-
 @pytest.fixture(scope="module", params=["llama", "gemma3"])
 def checkpoint(request, tmp_path_factory):
     config = tiny_llama_config() if request.param == "llama" else tiny_gemma3_config()
     directory = write_checkpoint(config, tmp_path_factory.mktemp(request.param))
-    return directory, Reference(directory)
+    return directory, GreedyReference(directory, MAX_NEW)
 
 
 def engine_for(directory, **overrides):

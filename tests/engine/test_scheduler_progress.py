@@ -21,7 +21,8 @@ request gains a token, so reservations granted again and again are seen (``stead
 offered before every step, their KV landing at once or a few steps later).  A prefill-role
 prompt queued behind a request that waits for room is not counted as one that could run: it
 would add held blocks to what that request waits for, so it waits too (the scheduler's
-docstring).  Runs with prefix caching on and off.  Before the fix, a chunked prompt that needed
+docstring).  Runs with prefix caching on and off, and with speculation (drafts on every decode
+step, some accepted: the extra slots are taken only where free, never by preempting).  Before the fix, a chunked prompt that needed
 more than the room left beside reservations preempted itself forever while others waited; and
 then, reservations granted before every step starved a waiting prompt that fit alone.
 """
@@ -40,7 +41,9 @@ from common.engine.config import SchedulerConfig
 from common.engine.kv.kv_cache_manager import KVCacheManager
 from common.engine.request import Request
 from common.engine.sampling_params import SamplingParams
-from common.engine.scheduler import Scheduler, SchedulerOutput
+from common.engine.scheduler import Scheduler
+from common.engine.scheduler_output import SchedulerOutput
+from common.engine.speculative.speculation import Speculation, SpeculativeConfig
 
 EOS = 2
 LEASE_S = 30.0
@@ -87,6 +90,7 @@ def some_request_could_run(s: Scheduler) -> bool:
 
 class SchedulerMachine(RuleBasedStateMachine):
     caching = True  # set by the subclasses below
+    speculating = False
 
     @initialize(num_blocks=st.integers(3, 12), block_size=st.integers(1, 4), budget=st.integers(1, 12),
                 max_seqs=st.integers(1, 4), watermark=st.sampled_from([0.0, 0.1, 0.3]),
@@ -95,7 +99,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, max_model_len=256,
                                  watermark=watermark, remote_kv_budget=remote_kv_budget,
                                  remote_lease_s=LEASE_S, remote_claim_s=3.0)
-        self.s = Scheduler(config, KVCacheManager(BlockPool(num_blocks, enable_caching=self.caching), block_size))
+        speculation = None
+        if self.speculating:  # drafts from a stub, some accepted, some not: never backing off
+            speculation = Speculation(SpeculativeConfig("ngram", num_tokens=3, min_accepted=0.0), 256)
+            speculation.proposer = CountingProposer()
+        self.s = Scheduler(config, KVCacheManager(BlockPool(num_blocks, enable_caching=self.caching), block_size),
+                           speculation)
         self.now = 0.0
         self.steps = 0
         self.ids = 0
@@ -277,6 +286,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         if s.has_work():
             out = s.schedule()
             self.idle_verified = False
+            for item in out.scheduled:  # every token computed (drafts too) has its KV slot
+                assert len(item.block_ids) * s.block_size >= item.num_computed_tokens + len(item.token_ids), item
         else:  # the engine thread takes no step: one would do nothing (tried on a copy, once)
             if not self.idle_verified:
                 out = copy.deepcopy(s).schedule()
@@ -285,8 +296,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 self.idle_verified = True
             out = SchedulerOutput()
         ended_before = len(s.requests)
-        changed = s.update(out, {x.request_id: EOS if (self.steps + len(x.token_ids)) % 7 == 0 else 5
-                                 for x in out.scheduled if x.sample})
+        changed = s.update(out, {x.request_id: self.sampled(x) for x in out.scheduled if x.sample})
         self.steps += 1
         for rid in list(s.held):  # what the prefill role's shipper does after a step
             self.pins.append(list(s.kv_manager.req_to_blocks.get(rid, [])))
@@ -304,6 +314,13 @@ class SchedulerMachine(RuleBasedStateMachine):
                 f"reserved={list(s.reservations)} pins={len(s.kv_manager.pins)} free={s.kv_manager.pool.num_free_blocks}")
         else:
             self.stale = 0
+
+    def sampled(self, item) -> int | list[int]:
+        """What a step samples for ``item``: one token, or some of its drafts and one more."""
+        token = EOS if (self.steps + len(item.token_ids)) % 7 == 0 else 5
+        if not item.draft_token_ids:
+            return token
+        return [*item.draft_token_ids[: (self.steps + item.num_computed_tokens) % (len(item.draft_token_ids) + 1)], token]
 
     def teardown(self):
         """Reservations that never land keep holding blocks while the rest must still progress;
@@ -353,6 +370,21 @@ class WithoutPrefixCaching(SchedulerMachine):
     caching = False
 
 
+class WithSpeculation(SchedulerMachine):
+    caching = True
+    speculating = True
+
+
+class CountingProposer:
+    """Up to three drafts (3, 4, 5 ...) for every request, as many as its length allows."""
+
+    def propose(self, request_id, token_ids, num_tokens):
+        return [3 + i for i in range(min(num_tokens, len(token_ids) % 4))]
+
+    def forget(self, request_id):
+        pass
+
+
 # Under mutation testing (mutmut sets MUTANT_UNDER_TEST) only whether the test fails counts: no shrinking.
 _PHASES = tuple(p for p in Phase if p not in (Phase.shrink, Phase.explain)) if os.environ.get("MUTANT_UNDER_TEST") \
     else tuple(Phase)
@@ -360,7 +392,7 @@ SETTINGS = settings(max_examples=100, stateful_step_count=50, deadline=None, rep
                     phases=_PHASES, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 
 
-@pytest.mark.parametrize("machine", [WithPrefixCaching, WithoutPrefixCaching],
-                         ids=["prefix-caching", "no-prefix-caching"])
+@pytest.mark.parametrize("machine", [WithPrefixCaching, WithoutPrefixCaching, WithSpeculation],
+                         ids=["prefix-caching", "no-prefix-caching", "speculation"])
 def test_some_request_progresses_whenever_one_could_run(machine):
     run_state_machine_as_test(machine, settings=SETTINGS)

@@ -105,14 +105,16 @@ def test_shares_and_refusals():
 def test_a_step_survives_its_encoding():
     from common.engine.parallel.step_broadcast import decode_step, encode_step
     from common.engine.sampling_params import SamplingParams
-    from common.engine.scheduler import ScheduledRequest, SchedulerOutput
+    from common.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 
     items = [ScheduledRequest("a", [5, 6, 7], 0, [3, 9], False, SamplingParams(), 0),
-             ScheduledRequest("b", [8], 41, [1, 2, 4, 11, 12, 13], True, SamplingParams(), 2)]
-    decoded = decode_step(encode_step(SchedulerOutput(items, 4)))
-    assert [(s.token_ids, s.num_computed_tokens, s.block_ids, s.sample) for s in decoded.scheduled] == \
-        [(s.token_ids, s.num_computed_tokens, s.block_ids, s.sample) for s in items]
-    assert decoded.num_scheduled_tokens == 4
+             ScheduledRequest("b", [8], 41, [1, 2, 4, 11, 12, 13], True, SamplingParams(), 2),
+             ScheduledRequest("c", [8, 4, 4, 9], 17, [5, 6], True, SamplingParams(), 3, draft_token_ids=[4, 4, 9])]
+    decoded = decode_step(encode_step(SchedulerOutput(items, 8)))
+    fields = ("token_ids", "num_computed_tokens", "block_ids", "sample", "draft_token_ids")
+    assert [[getattr(s, f) for f in fields] for s in decoded.scheduled] == \
+        [[getattr(s, f) for f in fields] for s in items]  # the followers sample after the same rows
+    assert decoded.num_scheduled_tokens == 8
 
 
 def test_tp2_compiled_equals_one_rank(llama, tmp_path):

@@ -11,7 +11,9 @@ from common.engine.engine import Engine
 from tests.support.cluster import running_cluster
 
 API_KEY = "sk-test-key-0123456789"  # the gateway refuses keys under 16 characters
-WORKER_ARGS = ["--num-blocks", "256", "--block-size", "4", "--max-num-batched-tokens", "32"]
+# The decode worker speculates (n-gram, from one-token matches): the sampled tokens must not change.
+WORKER_ARGS = ["--num-blocks", "256", "--block-size", "4", "--max-num-batched-tokens", "32",
+               "--speculative", "ngram", "--ngram-min", "1"]
 PROMPT = "The quick brown fox jumps over the lazy dog, and then"
 MAX_TOKENS = 10
 

@@ -96,3 +96,25 @@ def write_tokenizer(directory: Path, vocab_size: int = VOCAB, chat_template: str
         fast.chat_template = chat_template
     fast.save_pretrained(directory)
     return directory
+
+
+class GreedyReference:
+    """transformers' generate() on a checkpoint, fp32 greedy, EOS ignored; memoised per prompt."""
+
+    def __init__(self, directory: Path, max_new: int = 10):
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+        self.max_new = max_new
+        self.cache: dict = {}
+
+    def __call__(self, prompt: list[int], max_new: int | None = None) -> list[int]:
+        max_new = self.max_new if max_new is None else max_new
+        key = (tuple(prompt), max_new)
+        if key not in self.cache:
+            with torch.no_grad():
+                out = self.model.generate(torch.tensor([prompt]), max_new_tokens=max_new, min_new_tokens=max_new,
+                                          do_sample=False, eos_token_id=None, pad_token_id=0)
+            self.cache[key] = out[0, len(prompt):].tolist()
+        return self.cache[key]
+

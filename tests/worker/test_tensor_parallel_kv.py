@@ -1,5 +1,7 @@
 """KV between pools of different tensor-parallel sizes, through real workers: prefill TP=2 and
-TP=1, decode TP=1 and TP=2, every pairing; over TCP and UCX.  Each answer equals the one-rank
+TP=1, decode TP=1 and TP=2, every pairing over TCP; over UCX the pairing that splits a rank's
+share (prefill TP=2 to decode TP=1: the other pairings' frames are the same over either transport,
+and tests/kvtransfer/test_kv_transfer_shards.py moves every pairing over UCX).  Each answer equals the one-rank
 engine's greedy output, was prefilled where it was sent (no local fallback), and moved exactly
 the bytes the decode worker's ranks own; a repeated prompt hits the decode worker's prefix cache
 across the TP change."""
@@ -18,16 +20,24 @@ BLOCK_SIZE = 4
 PAIRS = [("p2", "d1"), ("p1", "d2"), ("p2", "d2"), ("p1", "d1")]  # p<prefill TP>, d<decode TP>
 
 
-@pytest.fixture(scope="module", params=["tcp", "ucx"])
+# The workers each transport's stack runs: p<prefill TP>, d<decode TP>.
+STACK_WORKERS = {"tcp": ["p2", "p1", "d1", "d2"], "ucx": ["p2", "d1"]}
+CASES = [pytest.param("tcp", p, d, id=f"tcp-{p}-{d}") for p, d in PAIRS] + [pytest.param("ucx", "p2", "d1", id="ucx-p2-d1")]
+
+
+@pytest.fixture(scope="module")
 def stack(request, served_checkpoint, redis_url, tmp_path_factory):
-    """Prefill workers p2 (TP=2) and p1, decode workers d1 and d2 (TP=2)."""
+    """Prefill workers p2 (TP=2) and p1, decode workers d1 and d2 (TP=2), those of ``STACK_WORKERS``."""
+    names = STACK_WORKERS[request.param]
     with running_cluster(served_checkpoint, tmp_path_factory.mktemp("tp-kv-logs"), redis_url, prefill=0, decode=0,
                          transport=request.param,
                          worker_args=["--num-blocks", "96", "--block-size", str(BLOCK_SIZE), "--no-compile"]) as c:
-        for name, role in [("p2", "prefill"), ("p1", "prefill"), ("d1", "decode"), ("d2", "decode")]:
+        for name in names:
+            role = "prefill" if name[0] == "p" else "decode"
             c.role_args[role] = ["--tensor-parallel-size", name[1]]
             c.start_worker(name, role)
-        assert c.wait_for_workers(prefill=2, decode=2, timeout=240)
+        assert c.wait_for_workers(prefill=sum(n[0] == "p" for n in names), decode=sum(n[0] == "d" for n in names),
+                                  timeout=240)
         yield c
 
 
@@ -46,7 +56,7 @@ async def generate(stack, prefill: str, decode: str, prompt: list[int]):
         return tokens, stream.frames[0]
 
 
-@pytest.mark.parametrize("prefill,decode", PAIRS)
+@pytest.mark.parametrize("stack,prefill,decode", CASES, indirect=["stack"])
 def test_greedy_output_equals_one_rank_across_tp_sizes(stack, one_rank, prefill, decode):
     prompt = [7 + PAIRS.index((prefill, decode)), *range(20, 33)]  # its own first token: no prefix hit
     tokens, first = asyncio.run(generate(stack, prefill, decode, prompt))
@@ -57,7 +67,7 @@ def test_greedy_output_equals_one_rank_across_tp_sizes(stack, one_rank, prefill,
         "the KV that moved is not exactly what the decode worker's ranks own"
 
 
-@pytest.mark.parametrize("prefill,decode", [("p1", "d2"), ("p2", "d1")])
+@pytest.mark.parametrize("stack,prefill,decode", [("tcp", "p1", "d2"), ("tcp", "p2", "d1")], indirect=["stack"])
 def test_a_repeated_prompt_hits_the_decode_prefix_cache_across_tp_sizes(stack, one_rank, prefill, decode):
     prompt = [90 + (prefill == "p1"), *range(40, 57)]  # its own first token: no hit from another test
     first_tokens, first = asyncio.run(generate(stack, prefill, decode, prompt))

@@ -1,11 +1,12 @@
 """Rank 0 of a tensor-parallel group schedules; every step's work goes to the other ranks as one
 int64 tensor (no pickle), and they run the same forward on their shares.
 
-    [num_items, then per item: num_tokens, num_computed_tokens, num_blocks, sample,
+    [num_items, then per item: num_tokens, num_computed_tokens, num_blocks, sample, num_drafts,
      token ids..., block ids...]
 
 A length of 0 tells the followers to stop.  What a follower needs of a step is what the model
-runner reads (tokens, positions, blocks, which rows sample); the sampling itself is rank 0's.
+runner reads (tokens, positions, blocks, which rows sample: the last token's and a speculating
+request's drafts'); the sampling itself is rank 0's.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 
 from common.engine.parallel.tensor_parallel import TensorParallel
 from common.engine.sampling_params import SamplingParams
-from common.engine.scheduler import ScheduledRequest, SchedulerOutput
+from common.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 
 _FOLLOWER_PARAMS = SamplingParams()  # followers never sample
 
@@ -21,7 +22,8 @@ _FOLLOWER_PARAMS = SamplingParams()  # followers never sample
 def encode_step(out: SchedulerOutput) -> torch.Tensor:
     values = [len(out.scheduled)]
     for item in out.scheduled:
-        values += [len(item.token_ids), item.num_computed_tokens, len(item.block_ids), int(item.sample)]
+        values += [len(item.token_ids), item.num_computed_tokens, len(item.block_ids), int(item.sample),
+                   len(item.draft_token_ids)]
         values += item.token_ids
         values += item.block_ids
     return torch.tensor(values, dtype=torch.int64)
@@ -31,15 +33,16 @@ def decode_step(data: torch.Tensor) -> SchedulerOutput:
     values = data.tolist()
     count, pos, scheduled = values[0], 1, []
     for i in range(count):
-        num_tokens, computed, num_blocks, sample = values[pos:pos + 4]
-        pos += 4
+        num_tokens, computed, num_blocks, sample, num_drafts = values[pos:pos + 5]
+        pos += 5
         tokens = values[pos:pos + num_tokens]
         pos += num_tokens
         blocks = values[pos:pos + num_blocks]
         pos += num_blocks
         scheduled.append(ScheduledRequest(request_id=f"follower-{i}", token_ids=tokens, num_computed_tokens=computed,
                                           block_ids=blocks, sample=bool(sample), sampling_params=_FOLLOWER_PARAMS,
-                                          num_output_tokens=0))
+                                          num_output_tokens=0, draft_token_ids=tokens[num_tokens - num_drafts:]
+                                          if num_drafts else []))
     return SchedulerOutput(scheduled=scheduled, num_scheduled_tokens=sum(len(s.token_ids) for s in scheduled))
 
 

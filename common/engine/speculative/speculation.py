@@ -1,0 +1,176 @@
+"""The scheduler's side of speculative decoding: draft tokens for the requests that may speculate
+this step, their KV slots, and each request's acceptance (``SpeculativeConfig`` holds the knobs).
+
+A decoding request is scheduled as ``[its last token, d1 .. dk]``: one step computes all k + 1
+positions and the runner keeps the drafts the model agrees with plus one token of its own
+(``verify``).  Rejected drafts leave KV in slots past ``num_computed_tokens``; those are written
+over when the request gets that far, and blocks allocated for them stay in the request's table
+(used by its next tokens, freed with it), so nothing leaks and no other request sees them.
+
+Who speculates: decoding requests (at least one output token: a prompt's first token is never
+guessed), not holding their blocks for shipping, without a grammar or penalties (their state would
+have to advance through tokens that may be rejected), while the batch has at most
+``disable_batch_size`` decoding requests (0: any size), and not while backing off.
+
+Backing off: each request keeps a moving average of the drafts accepted per verification.  While
+it is below ``min_accepted`` the request decodes plainly for a while (8 steps, doubling on every
+relapse up to 128) and then tries again; on text that never repeats itself the proposer rarely
+finds a match at all, and a match that proves wrong costs a few verifications, not a slower stream.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from common.engine.speculative.ngram import NgramProposer
+
+METHODS = ("none", "ngram")
+_FIRST_BACKOFF, _MAX_BACKOFF = 8, 128
+_AVERAGE_WEIGHT = 0.3  # of the newest verification in the moving average
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding's settings (declared once here; ``EngineConfig`` and the workers' flags
+    take their defaults from this class)."""
+
+    method: str = "none"  # none | ngram
+    num_tokens: int = 4  # draft tokens per request per step (k)
+    ngram_min: int = 2  # shortest suffix that may match
+    ngram_max: int = 4  # longest suffix tried first
+    lookup_window: int = 4096  # tokens searched back from the end
+    min_accepted: float = 0.5  # drafts accepted per verification below which a request backs off
+    disable_batch_size: int = 0  # no speculation while more requests decode (0: never disabled)
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.method in METHODS, "speculative", self.method, f"one of {', '.join(METHODS)}"),
+            (1 <= self.num_tokens <= 32, "num_speculative_tokens", self.num_tokens, "in 1..32"),
+            (1 <= self.ngram_min <= self.ngram_max, "ngram_min", self.ngram_min, "in 1..ngram_max"),
+            (self.ngram_max <= 64, "ngram_max", self.ngram_max, "<= 64"),
+            (self.lookup_window > self.ngram_max, "ngram_lookup_window", self.lookup_window, "> ngram_max"),
+            (self.min_accepted >= 0, "speculative_min_accepted", self.min_accepted, ">= 0"),
+            (self.disable_batch_size >= 0, "speculative_disable_batch_size", self.disable_batch_size, ">= 0"),
+        ]
+        for ok, name, value, expected in checks:
+            if not ok:
+                raise ValueError(f"invalid config: {name} must be {expected}, got {value!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none"
+
+
+@dataclass
+class _Track:
+    """One request's acceptance and back-off."""
+
+    average: float  # drafts accepted per verification (moving average)
+    pause: int = 0  # steps left without speculation
+    backoff: int = _FIRST_BACKOFF  # the next pause
+
+
+@dataclass
+class SpeculationStats:
+    """Counters since start (the engine's ``stats`` and the workers' /metrics)."""
+
+    draft_tokens: int = 0  # proposed and verified
+    accepted_tokens: int = 0
+    verifications: int = 0  # request-steps that verified drafts
+    backoffs: int = 0  # times a request stopped speculating for low acceptance
+    # What a verification costs: steps that verified drafts, and decode steps that did not.
+    verify_steps: int = 0
+    verify_step_seconds: float = 0.0
+    decode_steps: int = 0
+    decode_step_seconds: float = 0.0
+
+    def observe_step(self, scheduled, seconds: float) -> None:
+        """Count a finished step's time (its ``ScheduledRequest`` list) as a verification or a decode."""
+        if any(item.draft_token_ids for item in scheduled):
+            self.verify_steps += 1
+            self.verify_step_seconds += seconds
+        elif all(len(item.token_ids) == 1 for item in scheduled):
+            self.decode_steps += 1
+            self.decode_step_seconds += seconds
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "spec_draft_tokens_total": self.draft_tokens,
+            "spec_accepted_tokens_total": self.accepted_tokens,
+            "spec_verifications_total": self.verifications,
+            "spec_backoffs_total": self.backoffs,
+            "spec_acceptance_rate": self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0,
+            # Tokens each verification produced: the accepted drafts plus the model's own one.
+            "spec_mean_tokens_per_verification":
+                1 + self.accepted_tokens / self.verifications if self.verifications else 0.0,
+            "spec_verify_steps_total": self.verify_steps,
+            "spec_verify_step_seconds_total": self.verify_step_seconds,
+            "decode_only_steps_total": self.decode_steps,
+            "decode_only_step_seconds_total": self.decode_step_seconds,
+        }
+
+
+class Speculation:
+    """Drafts for the scheduler (``draft``) and what became of them (``record``)."""
+
+    def __init__(self, config: SpeculativeConfig, max_model_len: int):
+        self.config = config
+        self.max_model_len = max_model_len
+        self.proposer = NgramProposer(config.ngram_min, config.ngram_max, config.lookup_window) \
+            if config.method == "ngram" else None
+        self.stats = SpeculationStats()
+        self._tracks: dict[str, _Track] = {}
+        self._batch_allows = True
+
+    def begin_step(self, num_decoding: int) -> None:
+        limit = self.config.disable_batch_size
+        self._batch_allows = not limit or num_decoding <= limit
+
+    def draft(self, request, budget: int, kv_manager) -> list[int]:
+        """Draft tokens for ``request`` (decoding, its next token's slot allocated), with slots for
+        them allocated; ``[]`` when it does not speculate this step.  ``budget``: step tokens left."""
+        if self.proposer is None or not self._batch_allows or not self._may_speculate(request):
+            return []
+        track = self._tracks.get(request.request_id)
+        if track is None:
+            track = self._tracks[request.request_id] = _Track(average=self.config.min_accepted + 1.0)
+        if track.pause:
+            track.pause -= 1
+            if not track.pause:
+                track.average = self.config.min_accepted  # try again: one bad verification backs off
+            return []
+        # Never more than the request may still produce: accepting every draft yields one more token.
+        room = min(request.sampling_params.max_tokens - request.num_output_tokens,
+                   self.max_model_len - request.num_tokens) - 1
+        drafts = self.proposer.propose(request.request_id, request.all_token_ids,
+                                       min(self.config.num_tokens, room, budget))
+        if drafts and kv_manager.allocate_slots(request, 1 + len(drafts)) is None:
+            return []  # no room for their slots: decode plainly rather than preempt anyone
+        return drafts
+
+    @staticmethod
+    def _may_speculate(request) -> bool:
+        return (request.num_output_tokens >= 1 and request.grammar is None and not request.hold_blocks_on_finish
+                and not request.sampling_params.uses_penalties)
+
+    def record(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
+        """A verification of ``num_drafts`` drafts kept ``num_accepted``."""
+        stats = self.stats
+        stats.draft_tokens += num_drafts
+        stats.accepted_tokens += num_accepted
+        stats.verifications += 1
+        track = self._tracks.get(request_id)
+        if track is None:
+            return
+        track.average += _AVERAGE_WEIGHT * (num_accepted - track.average)
+        if track.average < self.config.min_accepted:
+            stats.backoffs += 1
+            track.pause = track.backoff
+            track.backoff = min(2 * track.backoff, _MAX_BACKOFF)
+        elif num_accepted:
+            track.backoff = max(_FIRST_BACKOFF, track.backoff // 2)
+
+    def forget(self, request_id: str) -> None:
+        """The request finished (or was aborted): drop what was kept for it."""
+        self._tracks.pop(request_id, None)
+        if self.proposer is not None:
+            self.proposer.forget(request_id)
