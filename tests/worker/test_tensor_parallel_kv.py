@@ -20,17 +20,9 @@ BLOCK_SIZE = 4
 PAIRS = [("p2", "d1"), ("p1", "d2"), ("p2", "d2"), ("p1", "d1")]  # p<prefill TP>, d<decode TP>
 
 
-# The workers each transport's stack runs: p<prefill TP>, d<decode TP>.
-STACK_WORKERS = {"tcp": ["p2", "p1", "d1", "d2"], "ucx": ["p2", "d1"]}
-CASES = [pytest.param("tcp", p, d, id=f"tcp-{p}-{d}") for p, d in PAIRS] + [pytest.param("ucx", "p2", "d1", id="ucx-p2-d1")]
-
-
-@pytest.fixture(scope="module")
-def stack(request, served_checkpoint, redis_url, tmp_path_factory):
-    """Prefill workers p2 (TP=2) and p1, decode workers d1 and d2 (TP=2), those of ``STACK_WORKERS``."""
-    names = STACK_WORKERS[request.param]
-    with running_cluster(served_checkpoint, tmp_path_factory.mktemp("tp-kv-logs"), redis_url, prefill=0, decode=0,
-                         transport=request.param,
+def start_stack(transport, names, checkpoint, redis_url, logs):
+    """Prefill workers p2 (TP=2) and p1, decode workers d1 and d2 (TP=2): those in ``names``."""
+    with running_cluster(checkpoint, logs, redis_url, prefill=0, decode=0, transport=transport,
                          worker_args=["--num-blocks", "96", "--block-size", str(BLOCK_SIZE), "--no-compile"]) as c:
         for name in names:
             role = "prefill" if name[0] == "p" else "decode"
@@ -39,6 +31,17 @@ def stack(request, served_checkpoint, redis_url, tmp_path_factory):
         assert c.wait_for_workers(prefill=sum(n[0] == "p" for n in names), decode=sum(n[0] == "d" for n in names),
                                   timeout=240)
         yield c
+
+
+@pytest.fixture(scope="module")
+def stack(served_checkpoint, redis_url, tmp_path_factory):
+    yield from start_stack("tcp", ["p2", "p1", "d1", "d2"], served_checkpoint, redis_url,
+                           tmp_path_factory.mktemp("tp-kv-logs"))
+
+
+@pytest.fixture(scope="module")
+def ucx_stack(served_checkpoint, redis_url, tmp_path_factory):
+    yield from start_stack("ucx", ["p2", "d1"], served_checkpoint, redis_url, tmp_path_factory.mktemp("tp-kv-ucx-logs"))
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +59,18 @@ async def generate(stack, prefill: str, decode: str, prompt: list[int]):
         return tokens, stream.frames[0]
 
 
-@pytest.mark.parametrize("stack,prefill,decode", CASES, indirect=["stack"])
+@pytest.mark.parametrize("prefill,decode", PAIRS)
 def test_greedy_output_equals_one_rank_across_tp_sizes(stack, one_rank, prefill, decode):
+    check_pairing(stack, one_rank, prefill, decode)
+
+
+def test_a_split_share_over_ucx_equals_one_rank(ucx_stack, one_rank):
+    check_pairing(ucx_stack, one_rank, "p2", "d1")
+
+
+def check_pairing(stack, one_rank, prefill: str, decode: str) -> None:
+    """A greedy stream prefilled on ``prefill`` and decoded on ``decode`` equals the one-rank
+    engine's, was prefilled there, and moved exactly what the decode worker's ranks own."""
     prompt = [7 + PAIRS.index((prefill, decode)), *range(20, 33)]  # its own first token: no prefix hit
     tokens, first = asyncio.run(generate(stack, prefill, decode, prompt))
     assert tokens == one_rank(prompt)
@@ -67,7 +80,7 @@ def test_greedy_output_equals_one_rank_across_tp_sizes(stack, one_rank, prefill,
         "the KV that moved is not exactly what the decode worker's ranks own"
 
 
-@pytest.mark.parametrize("stack,prefill,decode", [("tcp", "p1", "d2"), ("tcp", "p2", "d1")], indirect=["stack"])
+@pytest.mark.parametrize("prefill,decode", [("p1", "d2"), ("p2", "d1")])
 def test_a_repeated_prompt_hits_the_decode_prefix_cache_across_tp_sizes(stack, one_rank, prefill, decode):
     prompt = [90 + (prefill == "p1"), *range(40, 57)]  # its own first token: no hit from another test
     first_tokens, first = asyncio.run(generate(stack, prefill, decode, prompt))

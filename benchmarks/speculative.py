@@ -1,0 +1,152 @@
+"""N-gram speculative decoding against plain decoding, offline, one run.
+
+    python benchmarks/speculative.py [--quick] [--threads N]
+
+The default model (Gemma 3 270M, a base model), greedy, ignore_eos, 128 output tokens (``--quick``:
+64), prompts tokenized from real text:
+
+- **high overlap**: answers that repeat spans of their prompt -- a passage of Newton's *Opticks*
+  (benchmarks/data/opticks.txt) to copy out, a passage to quote in answer to a question, and
+  Python functions of this repository to reproduce with one change;
+- **random**: random token ids (nothing to look up: what speculation costs when it cannot help).
+
+Each at concurrency 1 (requests one after another) and 8 (all at once), in fp32 and with int8
+weights, with speculation off and on (``--speculative ngram``, 4 draft tokens, n-grams 2-4; the
+engine's defaults otherwise); the same engine settings and threads for both.  Throughput is output
+tokens over wall time, prompts included.
+
+The last line of stdout is one JSON object: ``speedup_high_overlap_c1`` and ``_c8`` (fp32, on / off),
+``ratio_random_c1`` and ``_c8``, the same with an ``int8_`` prefix, ``greedy_identical`` (every
+request's tokens equal with speculation on and off, in both precisions), and per run the
+acceptance rate, tokens per verification and the mean verify and plain decode step times.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import argparse  # noqa: E402
+import inspect  # noqa: E402
+import random  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.bench_util import emit  # noqa: E402
+
+TEXT = Path(__file__).resolve().parent / "data" / "opticks.txt"
+SCHEMES = [("fp32", "none"), ("int8", "int8")]
+CONCURRENCY = (1, 8)
+
+
+def passages(count: int, words: int, seed: int) -> list[str]:
+    body = TEXT.read_text(encoding="utf-8").split()
+    rng = random.Random(seed)
+    starts = [rng.randrange(2000, len(body) - words) for _ in range(count)]
+    return [" ".join(body[s : s + words]) for s in starts]
+
+
+def functions(count: int) -> list[str]:
+    """Sources of this repository's functions of 8-30 lines."""
+    from common.engine import scheduler, sampler, engine
+
+    found = []
+    for module in (scheduler, sampler, engine):
+        for _, obj in inspect.getmembers(module):
+            for fn in [obj, *(v for v in vars(obj).values() if inspect.isfunction(v))] if inspect.isclass(obj) else [obj]:
+                if inspect.isfunction(fn) and fn.__module__ == module.__name__:
+                    source = inspect.getsource(fn)
+                    if 8 <= source.count("\n") <= 30:
+                        found.append(inspect.cleandoc(source))
+    return found[:count]
+
+
+def high_overlap_prompts(n: int) -> list[str]:
+    texts = passages(n, 110, seed=1)
+    prompts = []
+    for i in range(n):
+        kind = i % 3
+        if kind == 0:
+            text = texts[i]
+            prompts.append(f"Passage:\n{text}\n\nThe passage above, copied out word for word:\n{' '.join(text.split()[:4])}")
+        elif kind == 1:
+            text = texts[i]
+            prompts.append(f"Document:\n{text}\n\nQuestion: What does the document say, exactly? Quote it in full.\n"
+                           f"Answer: The document says: \"{' '.join(text.split()[:3])}")
+        else:
+            source = functions(n)[i % max(1, len(functions(n)))]
+            prompts.append(f"```python\n{source}\n```\n\nThe same function, with `self` renamed to `this`:\n\n```python\n"
+                           f"{source.splitlines()[0].replace('self', 'this')}\n")
+    return prompts
+
+
+def run(engine, prompts: list[list[int]], max_tokens: int, concurrency: int) -> tuple[float, list[list[int]], dict]:
+    from common.engine.speculative.speculation import SpeculationStats
+
+    engine.scheduler.speculation.stats = SpeculationStats()
+    params = {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    outputs = []
+    began = time.perf_counter()
+    for start in range(0, len(prompts), concurrency):
+        outputs += [r.token_ids for r in engine.generate(prompts[start : start + concurrency], params)]
+    wall = time.perf_counter() - began
+    return sum(map(len, outputs)) / wall, outputs, engine.scheduler.speculation.stats.as_dict()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    args = p.parse_args()
+    import torch
+
+    from common.engine.config import EngineConfig
+    from common.engine.engine import Engine
+
+    torch.set_num_threads(args.threads)
+    max_tokens = 64 if args.quick else 128
+    n = 8
+    result: dict = {"benchmark": "speculative", "model": "gemma-3-270m (default)", "threads": args.threads,
+                    "max_tokens": max_tokens, "requests": n, "num_speculative_tokens": 4}
+    identical = True
+    for scheme_name, scheme in SCHEMES:
+        engines = {spec: Engine(EngineConfig(model="default", quantization=scheme, num_blocks=1024, speculative=spec,
+                                             num_speculative_tokens=4, enable_prefix_caching=False))
+                   for spec in ("none", "ngram")}
+        tokenizer = engines["none"].tokenizer
+        rng = random.Random(0)
+        workloads = {
+            "high_overlap": [tokenizer(t).input_ids for t in high_overlap_prompts(n)],
+            "random": [[rng.randrange(3, tokenizer.vocab_size) for _ in range(rng.randint(64, 256))] for _ in range(n)],
+        }
+        for engine in engines.values():
+            engine.generate([workloads["random"][0][:8]], {"max_tokens": 4, "temperature": 0})  # warm-up
+        prefix = "" if scheme_name == "fp32" else f"{scheme_name}_"
+        for workload, prompts in workloads.items():
+            for c in CONCURRENCY:
+                off, off_tokens, _ = run(engines["none"], prompts, max_tokens, c)
+                on, on_tokens, stats = run(engines["ngram"], prompts, max_tokens, c)
+                identical &= on_tokens == off_tokens
+                key = f"{prefix}{workload}_c{c}"
+                result[f"{key}_off_tok_s"], result[f"{key}_on_tok_s"] = round(off, 2), round(on, 2)
+                result[f"{key}_acceptance_rate"] = round(stats["spec_acceptance_rate"], 3)
+                result[f"{key}_tokens_per_verification"] = round(stats["spec_mean_tokens_per_verification"], 2)
+                if stats["spec_verify_steps_total"] and stats["decode_only_steps_total"]:
+                    result[f"{key}_verify_over_decode_step"] = round(
+                        (stats["spec_verify_step_seconds_total"] / stats["spec_verify_steps_total"])
+                        / (stats["decode_only_step_seconds_total"] / stats["decode_only_steps_total"]), 2)
+                ratio_name = "speedup" if workload == "high_overlap" else "ratio"
+                result[f"{prefix}{ratio_name}_{workload}_c{c}"] = round(on / off, 3)
+                print(f"{scheme_name} {workload} c={c}: off {off:.1f} tok/s, on {on:.1f} tok/s "
+                      f"(x{on / off:.2f}, acceptance {stats['spec_acceptance_rate']:.2f}, "
+                      f"{stats['spec_mean_tokens_per_verification']:.2f} tokens/verification)", file=sys.stderr, flush=True)
+        del engines
+    result["greedy_identical"] = identical
+    emit(result)
+
+
+if __name__ == "__main__":
+    main()
