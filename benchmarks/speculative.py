@@ -2,22 +2,28 @@
 
     python benchmarks/speculative.py [--quick] [--threads N]
 
-The default model (Gemma 3 270M, a base model), greedy, ignore_eos, 128 output tokens (``--quick``:
-64), prompts tokenized from real text:
+The default model (Gemma 3 270M, a base model), ignore_eos, 64-128 output tokens per request
+(``--quick``: 32-64), prompts tokenized from real text:
 
 - **high overlap**: answers that repeat spans of their prompt -- a passage of Newton's *Opticks*
   (benchmarks/data/opticks.txt) to copy out, a passage to quote in answer to a question, and
   Python functions of this repository to reproduce with one change;
-- **random**: random token ids (nothing to look up: what speculation costs when it cannot help).
+- **random**: random token-id prompts, answers sampled at temperature 1 (seeded per request): random
+  text, with little to look up -- what speculation costs when it cannot help.  (Greedy answers to
+  random prompts are no test of that: a base model then falls into loops the lookup predicts.)
 
-Each at concurrency 1 (requests one after another) and 8 (all at once), in fp32 and with int8
+Each at concurrency 1 (8 requests one after another; ``--quick``: 4) and 8 (24 requests, 8 in flight,
+a finished one replaced at once; ``--quick``: 12), in fp32 and with int8
 weights, with speculation off and on (``--speculative ngram``, 4 draft tokens, n-grams 2-4; the
 engine's defaults otherwise); the same engine settings and threads for both.  Throughput is output
 tokens over wall time, prompts included.
 
 The last line of stdout is one JSON object: ``speedup_high_overlap_c1`` and ``_c8`` (fp32, on / off),
 ``ratio_random_c1`` and ``_c8``, the same with an ``int8_`` prefix, ``greedy_identical`` (every
-request's tokens equal with speculation on and off, in both precisions), and per run the
+greedy request's tokens equal with speculation on and off, in both precisions),
+``seeded_identical_requests`` (the seeded sampled ones whose tokens are all equal: each token is
+drawn from (seed, position), so only rounding differences between a step of k + 1 positions and one
+of 1 can tell them apart), and per run the
 acceptance rate, tokens per verification and the mean verify and plain decode step times.
 """
 from __future__ import annotations
@@ -27,9 +33,10 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse  # noqa: E402
-import inspect  # noqa: E402
+import ast  # noqa: E402
 import random  # noqa: E402
 import sys  # noqa: E402
+import textwrap  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -51,21 +58,19 @@ def passages(count: int, words: int, seed: int) -> list[str]:
 
 def functions(count: int) -> list[str]:
     """Sources of this repository's functions of 8-30 lines."""
-    from common.engine import scheduler, sampler, engine
-
+    root = Path(__file__).resolve().parent.parent / "common" / "engine"
     found = []
-    for module in (scheduler, sampler, engine):
-        for _, obj in inspect.getmembers(module):
-            for fn in [obj, *(v for v in vars(obj).values() if inspect.isfunction(v))] if inspect.isclass(obj) else [obj]:
-                if inspect.isfunction(fn) and fn.__module__ == module.__name__:
-                    source = inspect.getsource(fn)
-                    if 8 <= source.count("\n") <= 30:
-                        found.append(inspect.cleandoc(source))
+    for path in ("scheduler.py", "sampler.py", "engine.py"):
+        source = (root / path).read_text()
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.FunctionDef) and 8 <= node.end_lineno - node.lineno <= 30:
+                found.append(textwrap.dedent(ast.get_source_segment(source, node, padded=True)))
     return found[:count]
 
 
 def high_overlap_prompts(n: int) -> list[str]:
     texts = passages(n, 110, seed=1)
+    sources = functions(n)
     prompts = []
     for i in range(n):
         kind = i % 3
@@ -77,22 +82,37 @@ def high_overlap_prompts(n: int) -> list[str]:
             prompts.append(f"Document:\n{text}\n\nQuestion: What does the document say, exactly? Quote it in full.\n"
                            f"Answer: The document says: \"{' '.join(text.split()[:3])}")
         else:
-            source = functions(n)[i % max(1, len(functions(n)))]
+            source = sources[i % len(sources)]
             prompts.append(f"```python\n{source}\n```\n\nThe same function, with `self` renamed to `this`:\n\n```python\n"
                            f"{source.splitlines()[0].replace('self', 'this')}\n")
     return prompts
 
 
-def run(engine, prompts: list[list[int]], max_tokens: int, concurrency: int) -> tuple[float, list[list[int]], dict]:
+def run(engine, prompts: list[list[int]], max_tokens: int, concurrency: int, sampled: bool
+        ) -> tuple[float, list[list[int]], dict]:
+    """Every prompt, ``concurrency`` in flight (a finished request is replaced at once); request i
+    asks for between half of ``max_tokens`` and all of it (the same on every run), so finishes --
+    and the prompts that replace them -- are spread as in real traffic, with speculation or without."""
+    lengths = random.Random(1).choices(range(max_tokens // 2, max_tokens + 1), k=len(prompts))
     from common.engine.speculative.speculation import SpeculationStats
 
     engine.scheduler.speculation.stats = SpeculationStats()
-    params = {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
-    outputs = []
+    tokens: dict[str, list[int]] = {}
+    pending = list(enumerate(prompts))
+    in_flight = 0
     began = time.perf_counter()
-    for start in range(0, len(prompts), concurrency):
-        outputs += [r.token_ids for r in engine.generate(prompts[start : start + concurrency], params)]
+    while pending or in_flight:
+        while pending and in_flight < concurrency:
+            i, prompt = pending.pop(0)
+            params = {"max_tokens": lengths[i], "ignore_eos": True, "temperature": 1.0 if sampled else 0.0,
+                      "seed": i if sampled else None}
+            engine.add_request(prompt, params, request_id=f"r{i}")
+            in_flight += 1
+        for output in engine.step():
+            tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
+            in_flight -= output.finished
     wall = time.perf_counter() - began
+    outputs = [tokens[f"r{i}"] for i in range(len(prompts))]
     return sum(map(len, outputs)) / wall, outputs, engine.scheduler.speculation.stats.as_dict()
 
 
@@ -108,10 +128,10 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     max_tokens = 64 if args.quick else 128
-    n = 8
+    n = 12 if args.quick else 24  # requests per workload; at concurrency 1 the first 8 (4 quick)
     result: dict = {"benchmark": "speculative", "model": "gemma-3-270m (default)", "threads": args.threads,
                     "max_tokens": max_tokens, "requests": n, "num_speculative_tokens": 4}
-    identical = True
+    identical = {"high_overlap": [0, 0], "random": [0, 0]}  # requests with equal tokens, requests
     for scheme_name, scheme in SCHEMES:
         engines = {spec: Engine(EngineConfig(model="default", quantization=scheme, num_blocks=1024, speculative=spec,
                                              num_speculative_tokens=4, enable_prefix_caching=False))
@@ -125,15 +145,20 @@ def main() -> None:
         for engine in engines.values():
             engine.generate([workloads["random"][0][:8]], {"max_tokens": 4, "temperature": 0})  # warm-up
         prefix = "" if scheme_name == "fp32" else f"{scheme_name}_"
-        for workload, prompts in workloads.items():
+        for workload, all_prompts in workloads.items():
             for c in CONCURRENCY:
-                off, off_tokens, _ = run(engines["none"], prompts, max_tokens, c)
-                on, on_tokens, stats = run(engines["ngram"], prompts, max_tokens, c)
-                identical &= on_tokens == off_tokens
+                sampled = workload == "random"
+                prompts = all_prompts if c > 1 else all_prompts[: 4 if args.quick else 8]
+                off, off_tokens, _ = run(engines["none"], prompts, max_tokens, c, sampled)
+                on, on_tokens, stats = run(engines["ngram"], prompts, max_tokens, c, sampled)
+                identical[workload][0] += sum(a == b for a, b in zip(on_tokens, off_tokens))
+                identical[workload][1] += len(prompts)
                 key = f"{prefix}{workload}_c{c}"
                 result[f"{key}_off_tok_s"], result[f"{key}_on_tok_s"] = round(off, 2), round(on, 2)
                 result[f"{key}_acceptance_rate"] = round(stats["spec_acceptance_rate"], 3)
                 result[f"{key}_tokens_per_verification"] = round(stats["spec_mean_tokens_per_verification"], 2)
+                result[f"{key}_batch_paused_steps"] = stats["spec_batch_paused_steps_total"]
+                result[f"{key}_requests"] = len(prompts)
                 if stats["spec_verify_steps_total"] and stats["decode_only_steps_total"]:
                     result[f"{key}_verify_over_decode_step"] = round(
                         (stats["spec_verify_step_seconds_total"] / stats["spec_verify_steps_total"])
@@ -144,7 +169,8 @@ def main() -> None:
                       f"(x{on / off:.2f}, acceptance {stats['spec_acceptance_rate']:.2f}, "
                       f"{stats['spec_mean_tokens_per_verification']:.2f} tokens/verification)", file=sys.stderr, flush=True)
         del engines
-    result["greedy_identical"] = identical
+    result["greedy_identical"] = identical["high_overlap"][0] == identical["high_overlap"][1]
+    result["seeded_identical_requests"] = "{}/{}".format(*identical["random"])
     emit(result)
 
 

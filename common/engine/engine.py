@@ -290,7 +290,7 @@ class Engine:
             outputs.append(self._output(request, token_ids, logprobs[: len(token_ids)]))
         seconds = time.perf_counter() - began
         self.step_log.record(time.time(), seconds, step_shape(out.scheduled))
-        self.scheduler.speculation.stats.observe_step(out.scheduled, seconds)
+        self.scheduler.speculation.observe_step(out.scheduled, seconds, sum(len(o.new_token_ids) for o in outputs))
         return outputs
 
     def _count_prefix_hit(self, request: Request) -> None:

@@ -10,7 +10,8 @@ over when the request gets that far, and blocks allocated for them stay in the r
 Who speculates: decoding requests (at least one output token: a prompt's first token is never
 guessed), not holding their blocks for shipping, without a grammar or penalties (their state would
 have to advance through tokens that may be rejected), while the batch has at most
-``disable_batch_size`` decoding requests (0: any size), and not while backing off.
+``disable_batch_size`` decoding requests (0: any size), while verifying pays at this batch size
+(``step_cost``: measured tokens per second with and without drafts), and not while backing off.
 
 Backing off: each request keeps a moving average of the drafts accepted per verification.  While
 it is below ``min_accepted`` the request decodes plainly for a while (8 steps, doubling on every
@@ -22,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from common.engine.speculative.ngram import NgramProposer
+from common.engine.speculative.step_cost import StepCostGate
 
 METHODS = ("none", "ngram")
 _FIRST_BACKOFF, _MAX_BACKOFF = 8, 128
@@ -77,20 +79,12 @@ class SpeculationStats:
     accepted_tokens: int = 0
     verifications: int = 0  # request-steps that verified drafts
     backoffs: int = 0  # times a request stopped speculating for low acceptance
-    # What a verification costs: steps that verified drafts, and decode steps that did not.
+    # What a verification costs: decode-only steps that verified drafts, and those that did not.
     verify_steps: int = 0
     verify_step_seconds: float = 0.0
     decode_steps: int = 0
     decode_step_seconds: float = 0.0
-
-    def observe_step(self, scheduled, seconds: float) -> None:
-        """Count a finished step's time (its ``ScheduledRequest`` list) as a verification or a decode."""
-        if any(item.draft_token_ids for item in scheduled):
-            self.verify_steps += 1
-            self.verify_step_seconds += seconds
-        elif all(len(item.token_ids) == 1 for item in scheduled):
-            self.decode_steps += 1
-            self.decode_step_seconds += seconds
+    batch_pauses: int = 0  # steps the batch decoded plainly because speculation did not pay (``step_cost``)
 
     def as_dict(self) -> dict[str, float]:
         return {
@@ -106,6 +100,7 @@ class SpeculationStats:
             "spec_verify_step_seconds_total": self.verify_step_seconds,
             "decode_only_steps_total": self.decode_steps,
             "decode_only_step_seconds_total": self.decode_step_seconds,
+            "spec_batch_paused_steps_total": self.batch_pauses,
         }
 
 
@@ -118,12 +113,32 @@ class Speculation:
         self.proposer = NgramProposer(config.ngram_min, config.ngram_max, config.lookup_window) \
             if config.method == "ngram" else None
         self.stats = SpeculationStats()
+        self.gate = StepCostGate()  # per batch size: does verifying pay (``step_cost``)
         self._tracks: dict[str, _Track] = {}
         self._batch_allows = True
 
     def begin_step(self, num_decoding: int) -> None:
         limit = self.config.disable_batch_size
-        self._batch_allows = not limit or num_decoding <= limit
+        self._batch_allows = self.proposer is not None and (not limit or num_decoding <= limit)
+        if self._batch_allows and num_decoding:
+            self._batch_allows = self.gate.allows(num_decoding)
+            self.stats.batch_pauses += not self._batch_allows
+
+    def observe_step(self, scheduled, seconds: float, num_new_tokens: int) -> None:
+        """A finished step (its ``ScheduledRequest`` list) that produced ``num_new_tokens``: decode-only
+        steps are timed, with or without drafts, for the counters and the batch's gate."""
+        if self.proposer is None or not all(item.sample and len(item.token_ids) == 1 + len(item.draft_token_ids)
+                                            for item in scheduled):
+            return  # off, or a prompt chunk in the step: not a decode step
+        stats = self.stats
+        verified = any(item.draft_token_ids for item in scheduled)
+        if verified:
+            stats.verify_steps += 1
+            stats.verify_step_seconds += seconds
+        else:
+            stats.decode_steps += 1
+            stats.decode_step_seconds += seconds
+        self.gate.observe(len(scheduled), verified, num_new_tokens, seconds)
 
     def draft(self, request, budget: int, kv_manager) -> list[int]:
         """Draft tokens for ``request`` (decoding, its next token's slot allocated), with slots for

@@ -1,0 +1,93 @@
+"""Whether speculation pays for the batch as it is: output tokens per second of the steps that
+verify drafts against those of plain decode steps, per batch size.
+
+A verification computes k + 1 positions per request.  Where a step costs about the same whatever
+its size (one request, weights read once), every accepted draft is a token for free; where the
+step is compute-bound (a large batch, an int8 kernel whose cost grows with its rows, a 262k-token
+LM head projected for every position) the same acceptance can make decoding slower.  So the engine
+measures instead of predicting: for each batch-size bucket it keeps a moving average of both rates
+over decode-only steps, speculates while the verifying rate is at least the plain one, and else
+decodes plainly for a while (``_FIRST_PAUSE`` steps, doubling on every relapse up to ``_MAX_PAUSE``)
+before measuring speculation again.  The plain rate is measured by pausing for a few steps once the
+verifying rate is known, and again every ``_REFRESH`` verifying steps (the load changes).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+_WEIGHT = 0.3  # of the newest step in a moving average
+_MIN_SAMPLES = 3  # steps of a kind before its rate counts
+_PROBE = 3  # plain steps taken to measure the plain rate
+_FIRST_PAUSE, _MAX_PAUSE = 16, 512
+_REFRESH = 128  # verifying steps after which the plain rate is measured again
+
+
+@dataclass
+class _Rate:
+    value: float = 0.0
+    samples: int = 0
+
+    def add(self, rate: float) -> None:
+        self.value = rate if not self.samples else self.value + _WEIGHT * (rate - self.value)
+        self.samples += 1
+
+    @property
+    def known(self) -> bool:
+        return self.samples >= _MIN_SAMPLES
+
+
+@dataclass
+class _Bucket:
+    plain: _Rate
+    verifying: _Rate
+    pause: int = 0  # plain steps left before speculating again
+    next_pause: int = _FIRST_PAUSE
+    since_plain: int = 0  # verifying steps since the plain rate was last measured
+
+
+def batch_bucket(num_decoding: int) -> int:
+    """1, 2, 4, 8, ...: batches of about the same size share their measurements."""
+    return 1 << max(0, num_decoding - 1).bit_length()
+
+
+class StepCostGate:
+    """Per batch-size bucket: may this step speculate (``allows``), and what a step showed (``observe``)."""
+
+    def __init__(self) -> None:
+        self._buckets: dict[int, _Bucket] = {}
+
+    def _bucket(self, num_decoding: int) -> _Bucket:
+        key = batch_bucket(num_decoding)
+        if key not in self._buckets:
+            self._buckets[key] = _Bucket(_Rate(), _Rate())
+        return self._buckets[key]
+
+    def allows(self, num_decoding: int) -> bool:
+        """Called once per step that has ``num_decoding`` decoding requests."""
+        bucket = self._bucket(num_decoding)
+        if bucket.pause:
+            bucket.pause -= 1
+            return False
+        return True
+
+    def observe(self, num_decoding: int, verified: bool, tokens: int, seconds: float) -> None:
+        """A decode-only step (no prompt chunk in it) produced ``tokens`` in ``seconds``."""
+        if seconds <= 0 or not num_decoding:
+            return
+        bucket = self._bucket(num_decoding)
+        if not verified:
+            bucket.plain.add(tokens / seconds)
+            return
+        bucket.verifying.add(tokens / seconds)
+        bucket.since_plain += 1
+        if not bucket.verifying.known:
+            return
+        if not bucket.plain.known or bucket.since_plain >= _REFRESH:
+            bucket.plain = _Rate()  # measure it (again) now
+            bucket.pause, bucket.since_plain = _PROBE, 0
+        elif bucket.verifying.value < bucket.plain.value:
+            bucket.pause = bucket.next_pause
+            bucket.next_pause = min(2 * bucket.next_pause, _MAX_PAUSE)
+            bucket.verifying = _Rate()  # judged afresh when it resumes
+        else:
+            bucket.next_pause = max(_FIRST_PAUSE, bucket.next_pause // 2)
