@@ -1,4 +1,5 @@
-"""The real default model, Gemma 3 270M from PyPI: greedy parity with transformers in fp32."""
+"""The real default model, Gemma 3 270M from PyPI: greedy parity with transformers in fp32, with
+n-gram speculation off and on (the prompts repeat themselves, so drafts are proposed and accepted)."""
 import pytest
 import torch
 
@@ -11,7 +12,7 @@ PROMPTS = [
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
     "Once upon a time, in a small village by the sea, there lived",
 ]
-NEW_TOKENS = 32
+NEW_TOKENS = 20
 
 pytestmark = pytest.mark.slow
 
@@ -25,10 +26,17 @@ def test_greedy_parity_with_transformers(checkpoint):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     # A small token budget so the prompts are also chunked and batched beside each other's decodes.
-    engine = Engine(EngineConfig(model=str(checkpoint), dtype="float32", device="cpu", num_blocks=64,
-                                 max_num_batched_tokens=16))
-    results = engine.generate(PROMPTS, {"max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True})
-    del engine
+    runs = {}
+    for speculative in ("none", "ngram"):
+        engine = Engine(EngineConfig(model=str(checkpoint), dtype="float32", device="cpu", num_blocks=64,
+                                     max_num_batched_tokens=16, speculative=speculative, ngram_min=1,
+                                     speculative_min_accepted=0.0))
+        runs[speculative] = engine.generate(PROMPTS, {"max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True})
+        accepted = engine.stats()["spec_accepted_tokens_total"]
+        del engine
+    assert accepted > 0, "speculation never had a draft accepted: the run with it tested nothing"
+    assert [r.token_ids for r in runs["ngram"]] == [r.token_ids for r in runs["none"]]
+    results = runs["none"]
 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
