@@ -33,8 +33,8 @@ class FixedDrafts:
     def __init__(self, k: int):
         self.k = k
 
-    def propose(self, request_id, token_ids, num_tokens):
-        return [token_ids[-1]] * min(self.k, num_tokens)
+    def propose(self, request, num_tokens, block_ids):
+        return [request.all_token_ids[-1]] * min(self.k, num_tokens)
 
     def forget(self, request_id):
         pass

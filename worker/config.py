@@ -178,7 +178,11 @@ def build_parser(default_role: str, description: str, env: Mapping[str, str] | N
         help="int4: inputs per group sharing a scale and zero point")
     add("--speculative", EngineConfig.speculative, choices=SPECULATIVE_METHODS,
         help="speculative decoding on decode workers: ngram proposes the tokens that followed the latest earlier "
-             "occurrence of a request's last tokens (prompt lookup); one step verifies them (greedy output unchanged)")
+             "occurrence of a request's last tokens (prompt lookup), draft a smaller model's greedy tokens "
+             "(--draft-model); one step verifies them (greedy output unchanged)")
+    add("--draft-model", EngineConfig.draft_model,
+        help="speculative draft: a smaller checkpoint (or .gguf) with the same tokenizer, run greedily on the decode "
+             "worker to propose the tokens")
     add("--num-speculative-tokens", EngineConfig.num_speculative_tokens, int, help="draft tokens per request per step")
     add("--ngram-min", EngineConfig.ngram_min, int, help="ngram: the shortest suffix that may match")
     add("--ngram-max", EngineConfig.ngram_max, int, help="ngram: the longest suffix, tried first")
@@ -215,7 +219,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         grammar_compile_timeout_s=args.grammar_compile_timeout, speculative=args.speculative,
         num_speculative_tokens=args.num_speculative_tokens, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
         ngram_lookup_window=args.ngram_lookup_window, speculative_min_accepted=args.speculative_min_accepted,
-        speculative_disable_batch_size=args.speculative_disable_batch_size,
+        speculative_disable_batch_size=args.speculative_disable_batch_size, draft_model=args.draft_model,
     )
     kv = KVTransferConfig(transport=args.kv_transport, host=args.kv_host or args.host, port=args.kv_port,
                           connect_timeout=args.kv_connect_timeout, transfer_timeout=args.kv_timeout,

@@ -111,7 +111,7 @@ class EngineConfig:
     quantization_group_size: int = Quantization.group_size
     structured_output_backend: str = DEFAULT_BACKEND
     grammar_compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S
-    # Speculative decoding (common/engine/speculative): the proposer (none | ngram), draft tokens per
+    # Speculative decoding (common/engine/speculative): the proposer (none | ngram | draft), draft tokens per
     # step, the n-gram sizes and how far back they are looked up, the acceptance below which a
     # request backs off, and the batch size above which nobody speculates (0: none).
     speculative: str = SpeculativeConfig.method
@@ -121,6 +121,7 @@ class EngineConfig:
     ngram_lookup_window: int = SpeculativeConfig.lookup_window
     speculative_min_accepted: float = SpeculativeConfig.min_accepted
     speculative_disable_batch_size: int = SpeculativeConfig.disable_batch_size
+    draft_model: str | None = SpeculativeConfig.draft_model  # speculative "draft": its checkpoint
 
     def __post_init__(self) -> None:
         _require(self.block_size >= 1, "block_size", self.block_size, ">= 1")
@@ -152,7 +153,7 @@ class EngineConfig:
         """Speculative decoding's settings."""
         return SpeculativeConfig(self.speculative, self.num_speculative_tokens, self.ngram_min, self.ngram_max,
                                  self.ngram_lookup_window, self.speculative_min_accepted,
-                                 self.speculative_disable_batch_size)
+                                 self.speculative_disable_batch_size, self.draft_model)
 
     def _batch_limits(self, device_type: str) -> tuple[int, int]:
         defaults = scheduling_defaults(device_type)

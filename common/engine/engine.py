@@ -150,10 +150,10 @@ class Engine:
                                       mc.num_kv_heads, host_fd)
         self.max_model_len = min(config.max_model_len or mc.max_model_len, mc.max_model_len)
         self.block_pool = BlockPool(num_blocks, enable_caching=config.enable_prefix_caching)
-        self.scheduler = Scheduler(
-            config.scheduler_config(self.max_model_len), KVCacheManager(self.block_pool, config.block_size),
-            Speculation(config.speculation, self.max_model_len),
-        )
+        kv_manager = KVCacheManager(self.block_pool, config.block_size)
+        self.scheduler = Scheduler(config.scheduler_config(self.max_model_len), kv_manager,
+                                   Speculation(config.speculation, self.max_model_len,
+                                               self._draft_proposer(num_blocks, kv_manager)))
         if hasattr(self.attention, "block_table"):  # backends that read the persistent table
             self.attention.block_table = self.scheduler.kv_manager.table
         graphs = None
@@ -184,6 +184,18 @@ class Engine:
             self.attention.name, use_graphs, self.model.stages.compiled, num_blocks, config.block_size,
             config.speculative,
         )
+
+    def _draft_proposer(self, num_blocks: int, kv_manager: KVCacheManager):
+        """Speculative "draft": the draft model, on this device, at the pool's block ids (rank 0's:
+        the other ranks of a tensor-parallel group never propose)."""
+        if self.config.speculative != "draft" or self.tp.rank > 0:
+            return None
+        from common.engine.speculative.draft_model import DraftModelProposer
+
+        return DraftModelProposer(self.config.draft_model, vocab_size=self.model_config.vocab_size,
+                                  num_blocks=num_blocks, block_size=self.config.block_size, dtype=self.dtype,
+                                  device=self.device, attention_backend=self.config.attention_backend,
+                                  block_table=kv_manager.table)
 
     def _load_tokenizer(self):
         from transformers import AutoTokenizer

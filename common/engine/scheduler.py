@@ -358,6 +358,7 @@ class Scheduler(TurnTaking):
     def _requeue(self, victim: Request) -> None:
         """Take the victim's blocks back; it is recomputed from its first token when admitted again."""
         self.kv_manager.free(victim.request_id)
+        self.speculation.forget(victim.request_id)  # a draft model's KV went with the blocks
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
@@ -392,7 +393,7 @@ class Scheduler(TurnTaking):
         """Append a speculating request's kept tokens; KV is valid for its last token and the
         accepted drafts, i.e. for every token now but the newest (the rest of the step's slots are
         written over later).  The tokens are appended before the commit, which hashes them."""
-        self.speculation.record(request.request_id, len(item.draft_token_ids), len(tokens) - 1)
+        self.speculation.record(request.request_id, len(item.draft_token_ids), len(tokens) - 1, request.num_tokens)
         taken = 0
         for token in tokens:
             self._append_token(request, token)

@@ -4,7 +4,13 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from types import SimpleNamespace
+
 from common.engine.speculative.ngram import NgramProposer, propose_from
+
+
+def request(tokens, request_id="r"):
+    return SimpleNamespace(request_id=request_id, all_token_ids=tokens)
 
 
 def reference(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
@@ -28,25 +34,25 @@ def test_matches_the_rule(tokens, min_n, extra, k):
 def test_copies_a_quoted_span():
     text = [5, 6, 7, 8, 9, 10, 11, 12]
     tokens = [1, 2, *text, 3, 4, *text[:3]]  # the answer has started to quote the prompt
-    assert NgramProposer(2, 4, 1024).propose("r", tokens, 4) == [8, 9, 10, 11]
+    assert NgramProposer(2, 4, 1024).propose(request(tokens), 4) == [8, 9, 10, 11]
 
 
 def test_window_bounds_the_search():
     tokens = [5, 6, 7, 8] + [1] * 20 + [5, 6]
-    assert NgramProposer(2, 2, 1024).propose("r", tokens, 2) == [7, 8]
-    assert NgramProposer(2, 2, 10).propose("r", tokens, 2) == []  # the earlier "5 6" is out of the window
+    assert NgramProposer(2, 2, 1024).propose(request(tokens), 2) == [7, 8]
+    assert NgramProposer(2, 2, 10).propose(request(tokens), 2) == []  # the earlier "5 6" is out of the window
 
 
 def test_incremental_history_follows_the_list():
     proposer = NgramProposer(1, 2, 64)
     tokens = [1, 2, 3]
-    assert proposer.propose("r", tokens, 2) == []
+    assert proposer.propose(request(tokens), 2) == []
     tokens += [1]
-    assert proposer.propose("r", tokens, 2) == [2, 3]
+    assert proposer.propose(request(tokens), 2) == [2, 3]
     tokens += [9, 9]
-    assert proposer.propose("r", tokens, 3) == [9]
+    assert proposer.propose(request(tokens), 3) == [9]
     proposer.forget("r")
-    assert proposer.propose("r", [4, 4], 1) == [4]
+    assert proposer.propose(request([4, 4]), 1) == [4]
 
 
 @pytest.mark.parametrize("min_n,max_n,window", [(0, 2, 10), (3, 2, 10), (2, 4, 4)])

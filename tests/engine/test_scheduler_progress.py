@@ -378,8 +378,8 @@ class WithSpeculation(SchedulerMachine):
 class CountingProposer:
     """Up to three drafts (3, 4, 5 ...) for every request, as many as its length allows."""
 
-    def propose(self, request_id, token_ids, num_tokens):
-        return [3 + i for i in range(min(num_tokens, len(token_ids) % 4))]
+    def propose(self, request, num_tokens, block_ids):
+        return [3 + i for i in range(min(num_tokens, request.num_tokens % 4))]
 
     def forget(self, request_id):
         pass

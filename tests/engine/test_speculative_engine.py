@@ -43,7 +43,8 @@ class ScriptedProposer:
         self.wrong_at = wrong_at
         self.proposals = 0
 
-    def propose(self, request_id, token_ids, num_tokens):
+    def propose(self, request, num_tokens, block_ids):
+        token_ids = request.all_token_ids
         for prompt, answer in self.continuations.items():
             if tuple(token_ids[: len(prompt)]) == prompt:
                 drafts = list(answer[len(token_ids) - len(prompt): len(token_ids) - len(prompt) + num_tokens])

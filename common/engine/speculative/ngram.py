@@ -50,11 +50,12 @@ class NgramProposer:
         self.window = window
         self._tokens: dict[str, _Tokens] = {}
 
-    def propose(self, request_id: str, token_ids: list[int], num_tokens: int) -> list[int]:
-        """Up to ``num_tokens`` tokens likely to follow ``token_ids`` (prompt + output so far)."""
+    def propose(self, request, num_tokens: int, block_ids=None) -> list[int]:
+        """Up to ``num_tokens`` tokens likely to follow ``request``'s tokens (prompt + output so far)."""
+        token_ids = request.all_token_ids
         if num_tokens <= 0 or len(token_ids) <= self.min_n:
             return []
-        history = self._tokens.setdefault(request_id, _Tokens()).sync(token_ids)
+        history = self._tokens.setdefault(request.request_id, _Tokens()).sync(token_ids)
         return propose_from(history[-self.window :], self.min_n, self.max_n, num_tokens)
 
     def forget(self, request_id: str) -> None:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from common.engine.speculative.ngram import NgramProposer
 from common.engine.speculative.step_cost import StepCostGate
 
-METHODS = ("none", "ngram")
+METHODS = ("none", "ngram", "draft")
 _FIRST_BACKOFF, _MAX_BACKOFF = 8, 128
 _AVERAGE_WEIGHT = 0.3  # of the newest verification in the moving average
 
@@ -35,13 +35,14 @@ class SpeculativeConfig:
     """Speculative decoding's settings (declared once here; ``EngineConfig`` and the workers' flags
     take their defaults from this class)."""
 
-    method: str = "none"  # none | ngram
+    method: str = "none"  # none | ngram | draft (a draft model: ``draft_model``)
     num_tokens: int = 4  # draft tokens per request per step (k)
     ngram_min: int = 2  # shortest suffix that may match
     ngram_max: int = 4  # longest suffix tried first
     lookup_window: int = 4096  # tokens searched back from the end
     min_accepted: float = 0.5  # drafts accepted per verification below which a request backs off
     disable_batch_size: int = 0  # no speculation while more requests decode (0: never disabled)
+    draft_model: str | None = None  # the draft model's checkpoint (method "draft")
 
     def __post_init__(self) -> None:
         checks = [
@@ -52,6 +53,8 @@ class SpeculativeConfig:
             (self.lookup_window > self.ngram_max, "ngram_lookup_window", self.lookup_window, "> ngram_max"),
             (self.min_accepted >= 0, "speculative_min_accepted", self.min_accepted, ">= 0"),
             (self.disable_batch_size >= 0, "speculative_disable_batch_size", self.disable_batch_size, ">= 0"),
+            ((self.method == "draft") == bool(self.draft_model), "draft_model", self.draft_model,
+             "set exactly when speculative is draft"),
         ]
         for ok, name, value, expected in checks:
             if not ok:
@@ -105,13 +108,20 @@ class SpeculationStats:
 
 
 class Speculation:
-    """Drafts for the scheduler (``draft``) and what became of them (``record``)."""
+    """Drafts for the scheduler (``draft``) and what became of them (``record``).
 
-    def __init__(self, config: SpeculativeConfig, max_model_len: int):
+    A proposer has ``propose(request, num_tokens, block_ids) -> drafts`` (``block_ids``: the
+    request's block table, slots for the drafts allocated, when it sets ``needs_slots_first``;
+    else ``None``), ``forget(request_id)``, and optionally ``accepted(...)`` (see ``record``)."""
+
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, proposer=None):
+        """``proposer``: the draft model's (``draft_model.DraftModelProposer``, built by the engine,
+        which has the device and the pool); n-gram lookup is built here."""
         self.config = config
         self.max_model_len = max_model_len
-        self.proposer = NgramProposer(config.ngram_min, config.ngram_max, config.lookup_window) \
-            if config.method == "ngram" else None
+        if config.method == "ngram":
+            proposer = NgramProposer(config.ngram_min, config.ngram_max, config.lookup_window)
+        self.proposer = proposer if config.enabled else None
         self.stats = SpeculationStats()
         self.gate = StepCostGate()  # per batch size: does verifying pay (``step_cost``)
         self._tracks: dict[str, _Track] = {}
@@ -156,10 +166,17 @@ class Speculation:
         # Never more than the request may still produce: accepting every draft yields one more token.
         room = min(request.sampling_params.max_tokens - request.num_output_tokens,
                    self.max_model_len - request.num_tokens) - 1
-        drafts = self.proposer.propose(request.request_id, request.all_token_ids,
-                                       min(self.config.num_tokens, room, budget))
+        wanted = min(self.config.num_tokens, room, budget)
+        if wanted <= 0:
+            return []
+        # No room for the drafts' slots: decode plainly rather than preempt anyone.
+        if getattr(self.proposer, "needs_slots_first", False):  # its forwards write KV at them
+            if kv_manager.allocate_slots(request, 1 + wanted) is None:
+                return []
+            return self.proposer.propose(request, wanted, kv_manager.block_ids(request.request_id))
+        drafts = self.proposer.propose(request, wanted, None)
         if drafts and kv_manager.allocate_slots(request, 1 + len(drafts)) is None:
-            return []  # no room for their slots: decode plainly rather than preempt anyone
+            return []
         return drafts
 
     @staticmethod
@@ -167,8 +184,11 @@ class Speculation:
         return (request.num_output_tokens >= 1 and request.grammar is None and not request.hold_blocks_on_finish
                 and not request.sampling_params.uses_penalties)
 
-    def record(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
-        """A verification of ``num_drafts`` drafts kept ``num_accepted``."""
+    def record(self, request_id: str, num_drafts: int, num_accepted: int, num_tokens_before: int) -> None:
+        """A verification of ``num_drafts`` drafts kept ``num_accepted`` (the request had
+        ``num_tokens_before`` tokens when they were proposed)."""
+        if hasattr(self.proposer, "accepted"):
+            self.proposer.accepted(request_id, num_tokens_before, num_drafts, num_accepted)
         stats = self.stats
         stats.draft_tokens += num_drafts
         stats.accepted_tokens += num_accepted

@@ -1,0 +1,87 @@
+"""A draft model as the proposer: a smaller model of the same vocabulary guesses the next tokens
+greedily, on the decode worker, beside the target model.
+
+Its KV lives in a cache of its own shape at the target's block ids: a request's block table holds
+the slots of both, so the draft needs no allocation of its own and its KV is freed with the
+request's blocks.  The draft computes what it lacks itself: a request's prompt (in PD serving the
+target's prompt KV came from the prefill worker; the draft's never leaves the decode worker), then
+the tokens accepted since it last ran, then one token per draft::
+
+    all tokens   [ prompt ...... | out ... last ]   draft KV valid below ``computed``
+    one proposal:  feed [computed .. last] -> d1, feed [d1] -> d2, ... -> dk   (k forwards)
+
+The slots it writes (up to the one before the last draft) are among those the scheduler allocated
+for the verification.  After it, the draft's KV stays valid up to the last accepted draft it fed;
+a preempted request (its blocks freed) starts again from nothing.  Greedy drafts are a
+deterministic proposal, so verification stays exact (``verify``).  Blocks shared through the
+prefix cache are written with the same values by every request that computes them.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from common.engine.attention.interface import AttentionRequest
+from common.engine.attention.selection import make_attention
+from common.engine.kv.kv_cache import KVCache, KVLayout, dtype_name
+from common.engine.loading.model_loader import load_model, resolve_checkpoint
+
+log = logging.getLogger(__name__)
+
+
+class DraftModelProposer:
+    """Greedy drafts from ``checkpoint`` (see the module docstring)."""
+
+    needs_slots_first = True  # its forwards write KV at the slots the verification will use
+
+    def __init__(self, checkpoint: str, *, vocab_size: int, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device, attention_backend: str, block_table=None):
+        self.checkpoint = resolve_checkpoint(checkpoint)
+        self.model, self.config = load_model(self.checkpoint, dtype, device)
+        if self.config.vocab_size != vocab_size:
+            raise ValueError(f"the draft model {checkpoint!r} has a vocabulary of {self.config.vocab_size} tokens but the "
+                             f"model it drafts for has {vocab_size}: a draft model must share the tokenizer")
+        cfg = self.config
+        layout = KVLayout(model_id=f"draft:{Path(self.checkpoint).name}", dtype=dtype_name(dtype), block_size=block_size,
+                          num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim)
+        self.cache = KVCache(layout, num_blocks, device)
+        self.attention = make_attention(attention_backend, device, {cfg.window(i) for i in range(cfg.num_layers)},
+                                        block_size, dtype)
+        if hasattr(self.attention, "block_table"):
+            self.attention.block_table = block_table
+        self.device = device
+        self._computed: dict[str, int] = {}  # request -> its tokens with draft KV
+        log.info("draft model %s: %d layers, its KV cache %.1f MiB", self.checkpoint.name, cfg.num_layers,
+                 num_blocks * self.cache.block_nbytes / 2**20)
+
+    @torch.inference_mode()
+    def propose(self, request, num_tokens: int, block_ids: list[int]) -> list[int]:
+        """Up to ``num_tokens`` greedy drafts after ``request``'s tokens, writing the draft's KV
+        at ``block_ids`` (which hold every position up to the last draft)."""
+        if num_tokens <= 0:
+            return []
+        tokens = request.all_token_ids
+        position = self._computed.get(request.request_id, 0)
+        feed = tokens[position:]
+        drafts: list[int] = []
+        for _ in range(num_tokens):
+            context = position + len(feed)
+            meta = self.attention.prepare([AttentionRequest(0, len(feed), context, block_ids)], self.device)
+            hidden = self.model(torch.tensor(feed, device=self.device),
+                                torch.arange(position, context, device=self.device), self.cache, meta, self.attention)
+            drafts.append(int(self.model.logits(hidden[-1:]).argmax(dim=-1)[0]))
+            position, feed = context, [drafts[-1]]
+        self._computed[request.request_id] = position  # through d(k-1); dk was never fed
+        return drafts
+
+    def accepted(self, request_id: str, num_tokens_before: int, num_drafts: int, num_accepted: int) -> None:
+        """A verification kept ``num_accepted`` of ``num_drafts``: the draft's KV stays valid for the
+        last token before it and the accepted drafts it fed."""
+        if request_id in self._computed:
+            valid = num_tokens_before + min(num_accepted, num_drafts - 1)
+            self._computed[request_id] = min(self._computed[request_id], valid)
+
+    def forget(self, request_id: str) -> None:
+        self._computed.pop(request_id, None)

@@ -1,0 +1,106 @@
+"""Speculative decoding with a draft model (``speculative.draft_model``): greedy drafts of a smaller
+model, its KV at the target's block ids, computed on the decode side from the prompt on.  Greedy
+output equals transformers' generate() whatever the draft (the target itself: every draft accepted;
+another model: most rejected), across preemption (the draft's KV is recomputed with the blocks);
+seeded sampling draws the same tokens; a draft of another vocabulary is refused."""
+import pytest
+import torch
+
+from common.engine.config import EngineConfig
+from common.engine.engine import Engine
+from tests.support.checkpoints import VOCAB, GreedyReference, tiny_llama_config, write_checkpoint
+
+GREEDY = {"temperature": 0.0, "ignore_eos": True}
+MAX_NEW = 20
+
+
+class AlwaysPays:
+    """The batch gate told that verifying pays (it judges by step times; these tests count steps)."""
+
+    def allows(self, num_decoding):
+        return True
+
+    def observe(self, num_decoding, verified, tokens, seconds):
+        pass
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    directory = write_checkpoint(tiny_llama_config(), tmp_path_factory.mktemp("target"))
+    return directory, GreedyReference(directory, MAX_NEW)
+
+
+@pytest.fixture(scope="module")
+def other_draft(tmp_path_factory):
+    """A smaller model of the same vocabulary, other weights: its guesses are mostly wrong."""
+    return write_checkpoint(tiny_llama_config(num_hidden_layers=1, hidden_size=32, intermediate_size=64),
+                            tmp_path_factory.mktemp("draft"), seed=1)
+
+
+def engine_for(directory, draft, **overrides):
+    fields = dict(model=str(directory), num_blocks=128, block_size=4, max_num_batched_tokens=512,
+                  speculative="draft", draft_model=str(draft), num_speculative_tokens=4, speculative_min_accepted=0.0)
+    fields.update(overrides)
+    engine = Engine(EngineConfig(**fields), load_tokenizer=False)
+    engine.scheduler.speculation.gate = AlwaysPays()
+    return engine
+
+
+def prompts(lengths, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+def test_the_target_as_its_own_draft_is_always_right(target):
+    directory, reference = target
+    engine = engine_for(directory, directory)
+    batch = prompts([9, 23, 14], seed=1)
+    results = engine.generate(batch, {**GREEDY, "max_tokens": MAX_NEW + 1})
+    assert [r.token_ids for r in results] == [reference(p, MAX_NEW + 1) for p in batch]
+    stats = engine.stats()
+    assert stats["spec_acceptance_rate"] == 1.0
+    assert engine.num_steps == 1 + MAX_NEW // 5  # the prompts' step, then 5 tokens per verification
+    engine.scheduler.kv_manager.check_integrity()
+    assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks
+
+
+def test_another_draft_changes_nothing_but_the_speed(target, other_draft):
+    directory, reference = target
+    engine = engine_for(directory, other_draft)
+    batch = prompts([5, 17, 30], seed=2)
+    results = engine.generate(batch, {**GREEDY, "max_tokens": MAX_NEW})
+    assert [r.token_ids for r in results] == [reference(p) for p in batch]
+    assert engine.stats()["spec_verifications_total"] > 0
+
+
+def test_preempted_requests_recompute_the_drafts_kv(target, other_draft):
+    directory, reference = target
+    batch = prompts([20, 22, 18, 21], seed=3)
+    for draft in (directory, other_draft):
+        engine = engine_for(directory, draft, num_blocks=16, max_num_batched_tokens=64, watermark=0.0)
+        results = engine.generate(batch, {**GREEDY, "max_tokens": 16})
+        assert engine.scheduler.num_preemptions > 0
+        assert [r.token_ids for r in results] == [reference(p, 16) for p in batch]
+        engine.scheduler.kv_manager.check_integrity()
+        if draft == directory:  # stale draft KV after a preemption would show as rejected drafts
+            assert engine.stats()["spec_acceptance_rate"] == 1.0
+
+
+def test_seeded_sampling_is_unchanged(target, other_draft):
+    directory, _ = target
+    batch = prompts([8, 15], seed=4)
+    params = [{"temperature": 0.8, "seed": 21 + i, "ignore_eos": True, "max_tokens": MAX_NEW} for i in range(2)]
+    plain = Engine(EngineConfig(model=str(directory), num_blocks=128, block_size=4), load_tokenizer=False)
+    expected = [plain.generate([p], q)[0].token_ids for p, q in zip(batch, params)]
+    for draft in (directory, other_draft):
+        engine = engine_for(directory, draft)
+        assert [engine.generate([p], q)[0].token_ids for p, q in zip(batch, params)] == expected
+
+
+def test_a_draft_of_another_vocabulary_is_refused(target, tmp_path):
+    directory, _ = target
+    draft = write_checkpoint(tiny_llama_config(vocab_size=VOCAB * 2), tmp_path / "wide")
+    with pytest.raises(ValueError, match="must share the tokenizer"):
+        engine_for(directory, draft)
+    with pytest.raises(ValueError, match="draft_model"):
+        EngineConfig(model=str(directory), speculative="draft")
