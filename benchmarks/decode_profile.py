@@ -49,7 +49,6 @@ class AlwaysPays:
 
 
 def profile(engine, batch: int, drafts: int, steps: int) -> dict:
-    import torch
     from torch.profiler import ProfilerActivity, profile as torch_profile, record_function
 
     rng = random.Random(batch)
