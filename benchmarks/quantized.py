@@ -73,7 +73,6 @@ def run_vllm(prompts, output_lens, threads: int) -> float:
     venv = vs_vllm_cpu.default_venv()
     if not (venv / "bin" / "python").exists():
         raise FileNotFoundError(f"no vLLM venv at {venv} (python benchmarks/vs_vllm_cpu.py --setup)")
-    os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"  # its best offline setting here (see the docstring)
     args = SimpleNamespace(max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=2048, threads=threads,
                            timeout=1800)
     out = vs_vllm_cpu.offline_vllm(venv, resolve_checkpoint("default"), "bfloat16", prompts, output_lens, args)

@@ -3,29 +3,27 @@ official openai client.  Hostile sampling values must not break anything, and sa
 (seeded) must equal the offline engine's, whichever workers computed them."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import openai
 import pytest
 
 from common.engine.config import EngineConfig
 from common.engine.engine import Engine
-from tests.support.cluster import running_cluster
+from tests.support.cluster import extra_gateway
 
 API_KEY = "sk-test-key-0123456789"  # the gateway refuses keys under 16 characters
-# The decode worker speculates (n-gram, from one-token matches): the sampled tokens must not change.
-WORKER_ARGS = ["--num-blocks", "256", "--block-size", "4", "--max-num-batched-tokens", "32",
-               "--speculative", "ngram", "--ngram-min", "1"]
-PROMPT = "The quick brown fox jumps over the lazy dog, and then"
+PROMPT = "Sampling through the shared stack: the quick brown fox jumps over the lazy dog, and then"
 MAX_TOKENS = 10
 
 
 @pytest.fixture(scope="module")
-def stack(served_checkpoint, redis_url, tmp_path_factory):
-    # --skip-prefill-below 1: every prompt goes through the prefill worker, which samples the first
-    # token; the decode worker samples the rest.
-    with running_cluster(served_checkpoint, tmp_path_factory.mktemp("logs"), redis_url, prefill=1, decode=1,
-                         worker_args=WORKER_ARGS,
-                         gateway_args=["--api-key", API_KEY, "--skip-prefill-below", "1"]) as c:
-        yield c
+def stack(small_stack):
+    """The session's small stack (its decode worker speculates: the sampled tokens must not change)
+    behind a gateway of this module's own: an API key, and --skip-prefill-below 1, so every prompt
+    goes through the prefill worker, which samples the first token; the decode worker the rest."""
+    with extra_gateway(small_stack, "sampling", ["--api-key", API_KEY, "--skip-prefill-below", "1"]) as proc:
+        yield SimpleNamespace(gateway_url=proc.url, model_name=small_stack.model_name, stats=small_stack.stats)
 
 
 @pytest.fixture(scope="module")
