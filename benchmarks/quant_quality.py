@@ -97,14 +97,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true")
     p.add_argument("--window", type=int, default=1024)
-    from common.engine.models.quantized import Quantization
+    from common.engine.models.quantization_scheme import Quantization
 
     p.add_argument("--group-size", type=int, default=Quantization.group_size, help="int4 inputs per group")
     p.add_argument("--fp8", action="store_true", help="also fp8 (its CPU path dequantizes every product: slow)")
     args = p.parse_args()
     from transformers import AutoTokenizer
 
-    from common.engine.loading.model_loader import resolve_checkpoint
+    from common.engine.loading.checkpoint_path import resolve_checkpoint
 
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_checkpoint("default")))
     ids = tokenizer(TEXT.read_text())["input_ids"]

@@ -68,7 +68,7 @@ def run_ours(dtype: str, scheme: str, prompts, output_lens, threads: int) -> flo
 
 def run_vllm(prompts, output_lens, threads: int) -> float:
     from benchmarks import vs_vllm_cpu
-    from common.engine.loading.model_loader import resolve_checkpoint
+    from common.engine.loading.checkpoint_path import resolve_checkpoint
 
     venv = vs_vllm_cpu.default_venv()
     if not (venv / "bin" / "python").exists():
@@ -100,7 +100,7 @@ def main() -> None:
     args = p.parse_args()
     from transformers import AutoConfig
 
-    from common.engine.loading.model_loader import resolve_checkpoint
+    from common.engine.loading.checkpoint_path import resolve_checkpoint
 
     vocab = AutoConfig.from_pretrained(resolve_checkpoint("default")).vocab_size
     result: dict = {"benchmark": "quantized", "model": "gemma-3-270m (default)", "threads": args.threads,

@@ -138,7 +138,7 @@ def write_word_tokenizer(directory: Path, vocab_size: int) -> None:
 
 def prepare_model(model: str) -> tuple[str, int]:
     """The checkpoint directory to serve and its vocabulary size."""
-    from common.engine.loading.model_loader import resolve_checkpoint
+    from common.engine.loading.checkpoint_path import resolve_checkpoint
 
     if model in ("100m", "tiny"):
         directory = write_random_llama(Path(tempfile.gettempdir()) / f"pdserve-serving-llama-{model}", model)

@@ -27,7 +27,7 @@ from common.engine.structured.compiler import GrammarCompiler, make_backend
 from common.cluster.aio import run_service
 from common.cluster.messages import read_response
 from common.engine.model_config import load_model_config
-from common.engine.loading.model_loader import resolve_checkpoint
+from common.engine.loading.checkpoint_path import resolve_checkpoint
 from common.cluster.prefix_index import PrefixIndexReader
 from common.cluster.redis_util import connect
 from common.cluster.registry import ROLES, WorkerRegistry

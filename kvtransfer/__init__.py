@@ -13,17 +13,27 @@ Prefill side::
     await tx.send_blocks(src_block_ids, dst_block_ids)   # once per finished prefill chunk
     await tx.finish({"note": "any small JSON"})           # waits for the receiver's ack (lease)
 """
-from kvtransfer.config import KVTransferConfig
-from kvtransfer.errors import (
-    ChecksumMismatch, ConnectionLost, HandshakeError, PeerLost, ProtocolError, TransferAborted,
-    TransferError, TransferTimeout,
-)
-from kvtransfer.receiver import IncomingTransfer, KVReceiver, TransferResult
-from kvtransfer.sender import KVSender, OutgoingTransfer
-from kvtransfer.transports import make_transport
+import importlib
 
-__all__ = [
-    "KVTransferConfig", "KVReceiver", "KVSender", "IncomingTransfer", "OutgoingTransfer",
-    "TransferResult", "TransferError", "TransferTimeout", "TransferAborted", "PeerLost",
-    "ChecksumMismatch", "HandshakeError", "ProtocolError", "ConnectionLost", "make_transport",
-]
+# Imported on first use (PEP 562): configuration readers (the worker's flags, pdctl) take
+# ``kvtransfer.config`` without loading torch through the sender and receiver.
+_EXPORTS = {
+    "KVTransferConfig": "kvtransfer.config",
+    **{name: "kvtransfer.errors" for name in (
+        "ChecksumMismatch", "ConnectionLost", "HandshakeError", "PeerLost", "ProtocolError", "TransferAborted",
+        "TransferError", "TransferTimeout")},
+    "IncomingTransfer": "kvtransfer.receiver", "KVReceiver": "kvtransfer.receiver",
+    "TransferResult": "kvtransfer.receiver",
+    "KVSender": "kvtransfer.sender", "OutgoingTransfer": "kvtransfer.sender",
+    "make_transport": "kvtransfer.transports",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvtransfer' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

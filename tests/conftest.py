@@ -90,7 +90,10 @@ def small_stack(served_checkpoint, redis_url, tmp_path_factory):
 
     with running_cluster(served_checkpoint, tmp_path_factory.mktemp("small-stack"), redis_url, prefill=1,
                          decode=1, worker_args=["--num-blocks", "256", "--block-size", "16",
-                                                "--speculative", "ngram", "--ngram-min", "1"],
+                                                "--speculative", "ngram", "--ngram-min", "1",
+                                                # verify whenever a draft exists, however the loaded
+                                                # machine times the steps
+                                                "--no-speculative-cost-gate"],
                          # generous: on a loaded machine a lookup must not fall back to load-only routing
                          gateway_args=["--prefix-lookup-timeout", "30"]) as stack:
         assert stack.wait_for_workers(prefill=1, decode=1)

@@ -10,7 +10,7 @@ from typing import Mapping
 from common.engine.structured.backend import BACKENDS
 from common.cluster.auth import AuthError, ClusterAuth, configure_auth, read_secret
 from common.cluster.redis_keys import DEFAULT_KEY_PREFIX
-from common.engine.models.quantized import INT4_GROUP_SIZES, QUANTIZATIONS
+from common.engine.models.quantization_scheme import INT4_GROUP_SIZES, QUANTIZATIONS
 from common.engine.config import EngineConfig, describe_default
 from common.engine.speculative.speculation import METHODS as SPECULATIVE_METHODS
 from common.cluster.http_limits import HttpLimits, add_http_flags, http_limits_from_args
@@ -192,6 +192,9 @@ def build_parser(default_role: str, description: str, env: Mapping[str, str] | N
         help="drafts accepted per verification (moving average) below which a request decodes plainly for a while")
     add("--speculative-disable-batch-size", EngineConfig.speculative_disable_batch_size, int,
         help="no speculation while more requests than this decode (0: at any batch size)")
+    flags.add_switch("--speculative-cost-gate", default=EngineConfig.speculative_cost_gate,
+                     help="time decode steps with and without drafts per batch size and decode plainly for a while "
+                          "where verifying makes fewer tokens per second (--no-speculative-cost-gate: always verify)")
     add("--structured-output-backend", EngineConfig.structured_output_backend, choices=BACKENDS,
         help="grammar backend for response_format, structured_outputs and tool calls (xgrammar: the "
              "'xgrammar' extra)")
@@ -219,7 +222,8 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         grammar_compile_timeout_s=args.grammar_compile_timeout, speculative=args.speculative,
         num_speculative_tokens=args.num_speculative_tokens, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
         ngram_lookup_window=args.ngram_lookup_window, speculative_min_accepted=args.speculative_min_accepted,
-        speculative_disable_batch_size=args.speculative_disable_batch_size, draft_model=args.draft_model,
+        speculative_disable_batch_size=args.speculative_disable_batch_size,
+        speculative_cost_gate=bool(args.speculative_cost_gate), draft_model=args.draft_model,
     )
     kv = KVTransferConfig(transport=args.kv_transport, host=args.kv_host or args.host, port=args.kv_port,
                           connect_timeout=args.kv_connect_timeout, transfer_timeout=args.kv_timeout,

@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from common.engine.structured.backend import BACKENDS, DEFAULT_BACKEND
-from common.engine.models.quantized import INT4_GROUP_SIZES, QUANTIZATIONS, Quantization
+from common.engine.models.quantization_scheme import INT4_GROUP_SIZES, QUANTIZATIONS, Quantization
 from common.engine.structured.compiler import DEFAULT_COMPILE_TIMEOUT_S
 from common.engine.speculative.speculation import SpeculativeConfig
 
@@ -121,6 +121,7 @@ class EngineConfig:
     ngram_lookup_window: int = SpeculativeConfig.lookup_window
     speculative_min_accepted: float = SpeculativeConfig.min_accepted
     speculative_disable_batch_size: int = SpeculativeConfig.disable_batch_size
+    speculative_cost_gate: bool = SpeculativeConfig.cost_gate  # pause where verifying is measured not to pay
     draft_model: str | None = SpeculativeConfig.draft_model  # speculative "draft": its checkpoint
 
     def __post_init__(self) -> None:
@@ -153,7 +154,8 @@ class EngineConfig:
         """Speculative decoding's settings."""
         return SpeculativeConfig(self.speculative, self.num_speculative_tokens, self.ngram_min, self.ngram_max,
                                  self.ngram_lookup_window, self.speculative_min_accepted,
-                                 self.speculative_disable_batch_size, self.draft_model)
+                                 self.speculative_disable_batch_size, self.speculative_cost_gate,
+                                 self.draft_model)
 
     def _batch_limits(self, device_type: str) -> tuple[int, int]:
         defaults = scheduling_defaults(device_type)

@@ -21,7 +21,8 @@ from common.engine.kv.block_pool import BlockPool
 from common.engine.config import EngineConfig
 from common.engine.kv.kv_cache import KVCache, KVLayout, dtype_from_name, dtype_name, num_blocks_for_memory
 from common.engine.kv.kv_cache_manager import KVCacheManager
-from common.engine.loading.model_loader import load_model, resolve_checkpoint
+from common.engine.loading.checkpoint_path import resolve_checkpoint
+from common.engine.loading.model_loader import load_model
 from common.engine.kv.prefix_hash import MAX_CACHE_SALT_LEN, block_extra_keys
 from common.engine.model_runner import ModelRunner
 from common.engine.models.stages import compile_stages

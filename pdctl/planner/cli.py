@@ -22,8 +22,7 @@ from pathlib import Path
 from common.engine.config import EngineConfig, SchedulerConfig, scheduling_defaults
 from pdctl.planner.cost_model import load_cost_model, roofline
 from pdctl.planner.hardware import GPUS, LINKS, MODELS, kv_blocks_per_gpu, load_model_spec, parse_link
-from pdctl.planner.search import DEFAULT_BUDGET, search
-from pdctl.planner.sim_config import Deployment, EngineSettings, HostEffects, SimConfig
+from pdctl.planner.sim_config import DEFAULT_BUDGET, Deployment, EngineSettings, HostEffects, SimConfig
 from pdctl.planner.traffic import LengthDist, load_trace, synthetic
 from gateway.routing import POLICIES, RoutingConfig
 
@@ -308,9 +307,10 @@ def cmd_plan(_client, args) -> int:
         f"{config.engine.num_blocks} KV blocks x {config.engine.block_size} tokens per worker")
     say(f"traffic: {workload.description} ({len(workload)} requests)")
     config = dataclasses.replace(config, stop_when_failing=True)
-    if args.split:
-        from pdctl.planner.search import fits, fluid_estimate, rank_key, recommend, simulate
+    # The simulator (on the engine's scheduler, with torch) loads only for the commands that simulate.
+    from pdctl.planner.search import fits, fluid_estimate, rank_key, recommend, search, simulate
 
+    if args.split:
         deployments = [_parse_split(s) for s in args.split]
         for d in deployments:
             problem = fits(d, config)

@@ -198,7 +198,7 @@ def load_model_spec(model: str) -> ModelSpec:
     if model in MODELS:
         return MODELS[model]
     if model == "default":
-        from common.engine.loading.model_loader import resolve_checkpoint
+        from common.engine.loading.checkpoint_path import resolve_checkpoint
 
         path = Path(resolve_checkpoint(model)) / "config.json"
     else:

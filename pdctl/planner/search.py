@@ -28,11 +28,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from pdctl.planner.metrics import slo_ratio
-from pdctl.planner.sim_config import Deployment, SimConfig
+from pdctl.planner.sim_config import DEFAULT_BUDGET, Deployment, SimConfig
 from pdctl.planner.simulator import Simulation
 from pdctl.planner.traffic import Workload
-
-DEFAULT_BUDGET = 1_500_000  # scheduler passes (request-steps) per simulation: ~10-20 s on one core
 
 
 def estimate_work(workload: Workload, config: SimConfig) -> float:

@@ -15,6 +15,8 @@ from pdctl.planner.hardware import LinkProfile, kv_blocks_per_gpu
 from worker.config import WorkerConfig
 from gateway.routing import RoutingConfig
 
+DEFAULT_BUDGET = 1_500_000  # scheduler passes (request-steps) per simulation: ~10-20 s on one core
+
 
 @dataclass(frozen=True)
 class Deployment:

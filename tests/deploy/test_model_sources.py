@@ -9,7 +9,7 @@ import stat
 import pytest
 
 from common.engine.loading.hub import MARKER, parse_spec
-from common.engine.loading.model_loader import resolve_checkpoint
+from common.engine.loading.checkpoint_path import resolve_checkpoint
 from tests.support.gguf_checkpoints import tiny_model, write_gguf
 
 

@@ -9,9 +9,8 @@ import torch
 from common.engine.config import EngineConfig
 from common.engine.engine import Engine
 from common.engine.models.linear import Linear
-from common.engine.models.quantized import (
-    Fp8Weight, Int4Weight, Int8Weight, Quantization, QuantizedEmbedding, quantize_weight,
-)
+from common.engine.models.quantization_scheme import Quantization
+from common.engine.models.quantized import Fp8Weight, Int4Weight, Int8Weight, QuantizedEmbedding, quantize_weight
 from tests.support.checkpoints import tiny_gemma3_config, tiny_llama_config, write_checkpoint
 
 PROMPTS = [[5, 17, 99, 230, 11] * 4, list(range(3, 60))]

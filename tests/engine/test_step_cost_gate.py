@@ -56,3 +56,16 @@ def test_speculation_times_only_decode_steps_and_counts_pauses():
     stats = speculation.stats
     assert (stats.verify_steps, stats.decode_steps) == (4, 3)
     assert stats.batch_pauses == step_cost._PROBE + 1
+
+
+def test_without_the_gate_steps_are_timed_but_never_paused():
+    speculation = Speculation(SpeculativeConfig("ngram", cost_gate=False), 1024)
+    item = lambda drafts: SimpleNamespace(sample=True, draft_token_ids=[7] * drafts,  # noqa: E731
+                                          token_ids=[1] * (1 + drafts))
+    for _ in range(50):  # verifying at a tenth of the plain rate
+        speculation.begin_step(1)
+        speculation.observe_step([item(0)], 0.1, 1)
+        speculation.begin_step(1)
+        speculation.observe_step([item(3)], 1.0, 1)
+    assert speculation._batch_allows
+    assert (speculation.stats.verify_steps, speculation.stats.decode_steps, speculation.stats.batch_pauses) == (50, 50, 0)

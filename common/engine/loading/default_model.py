@@ -25,7 +25,6 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from safetensors.torch import save_file
 from tqdm import tqdm
 
 
@@ -57,6 +56,7 @@ def convert_gguf_to_hf_dir(gguf_path: str | os.PathLike, out_dir: str | os.PathL
     # gguf is imported only to convert: the engine (and the GPU check, whose host has no gguf)
     # reaches this module for default_cache_dir alone.
     from common.engine.loading.gguf_loader import load_gguf, load_gguf_tokenizer
+    from safetensors.torch import save_file
 
     config_dict, state = load_gguf(gguf_path, progress=progress)
     config = AutoConfig.for_model(**config_dict)

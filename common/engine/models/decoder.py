@@ -15,9 +15,8 @@ from torch import nn
 from common.engine.attention.interface import AttentionMetadata
 from common.engine.kv.kv_cache import KVCache
 from common.engine.model_config import ModelConfig
-from common.engine.models.quantized import (
-    NO_QUANTIZATION, Quantization, QuantizedEmbedding, QuantizedWeight, quantize_weight, quantized_linear,
-)
+from common.engine.models.quantization_scheme import NO_QUANTIZATION, Quantization
+from common.engine.models.quantized import QuantizedEmbedding, QuantizedWeight, quantize_weight, quantized_linear
 from common.engine.models.linear import Linear, linear, pack_weight, packed_linear, tune_row_padding
 from common.engine.models.stages import EAGER, LayerStages
 from common.engine.models.rotary import RotaryEmbedding, apply_rotary

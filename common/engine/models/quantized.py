@@ -21,35 +21,12 @@ from __future__ import annotations
 
 import abc
 import ctypes
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-QUANTIZATIONS = ("none", "int8", "int4", "fp8")
-INT4_GROUP_SIZES = (32, 64, 128)
+from common.engine.models.quantization_scheme import INT4_GROUP_SIZES, QUANTIZATIONS
 
-
-@dataclass(frozen=True)
-class Quantization:
-    """How a model's weights are stored: ``scheme`` one of ``QUANTIZATIONS``; ``group_size`` the
-    inputs per int4 group."""
-
-    scheme: str = "none"
-    group_size: int = 32  # the smallest: on Gemma 3 270M, 128 costs +75% perplexity, 32 +20% (quant_quality.py)
-
-    def __post_init__(self) -> None:
-        if self.scheme not in QUANTIZATIONS:
-            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.scheme!r}")
-        if self.group_size not in INT4_GROUP_SIZES:
-            raise ValueError(f"quantization group size must be one of {INT4_GROUP_SIZES}, got {self.group_size}")
-
-    @property
-    def enabled(self) -> bool:
-        return self.scheme != "none"
-
-
-NO_QUANTIZATION = Quantization()
 _FP8_MAX = 448.0  # float8 e4m3's largest finite value
 
 

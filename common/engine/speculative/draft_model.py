@@ -26,7 +26,8 @@ import torch
 from common.engine.attention.interface import AttentionRequest
 from common.engine.attention.selection import make_attention
 from common.engine.kv.kv_cache import KVCache, KVLayout, dtype_name
-from common.engine.loading.model_loader import load_model, resolve_checkpoint
+from common.engine.loading.checkpoint_path import resolve_checkpoint
+from common.engine.loading.model_loader import load_model
 
 log = logging.getLogger(__name__)
 

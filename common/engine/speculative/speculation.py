@@ -11,7 +11,8 @@ Who speculates: decoding requests (at least one output token: a prompt's first t
 guessed), not holding their blocks for shipping, without a grammar or penalties (their state would
 have to advance through tokens that may be rejected), while the batch has at most
 ``disable_batch_size`` decoding requests (0: any size), while verifying pays at this batch size
-(``step_cost``: measured tokens per second with and without drafts), and not while backing off.
+(``step_cost``: measured tokens per second with and without drafts; ``cost_gate`` off skips the
+measurement and always verifies), and not while backing off.
 
 Backing off: each request keeps a moving average of the drafts accepted per verification.  While
 it is below ``min_accepted`` the request decodes plainly for a while (8 steps, doubling on every
@@ -42,6 +43,7 @@ class SpeculativeConfig:
     lookup_window: int = 4096  # tokens searched back from the end
     min_accepted: float = 0.5  # drafts accepted per verification below which a request backs off
     disable_batch_size: int = 0  # no speculation while more requests decode (0: never disabled)
+    cost_gate: bool = True  # measure whether verifying pays per batch size, and pause where it does not
     draft_model: str | None = None  # the draft model's checkpoint (method "draft")
 
     def __post_init__(self) -> None:
@@ -123,14 +125,14 @@ class Speculation:
             proposer = NgramProposer(config.ngram_min, config.ngram_max, config.lookup_window)
         self.proposer = proposer if config.enabled else None
         self.stats = SpeculationStats()
-        self.gate = StepCostGate()  # per batch size: does verifying pay (``step_cost``)
+        self.gate = StepCostGate() if config.cost_gate else None  # per batch size: does verifying pay
         self._tracks: dict[str, _Track] = {}
         self._batch_allows = True
 
     def begin_step(self, num_decoding: int) -> None:
         limit = self.config.disable_batch_size
         self._batch_allows = self.proposer is not None and (not limit or num_decoding <= limit)
-        if self._batch_allows and num_decoding:
+        if self._batch_allows and num_decoding and self.gate is not None:
             self._batch_allows = self.gate.allows(num_decoding)
             self.stats.batch_pauses += not self._batch_allows
 
@@ -148,7 +150,8 @@ class Speculation:
         else:
             stats.decode_steps += 1
             stats.decode_step_seconds += seconds
-        self.gate.observe(len(scheduled), verified, num_new_tokens, seconds)
+        if self.gate is not None:
+            self.gate.observe(len(scheduled), verified, num_new_tokens, seconds)
 
     def draft(self, request, budget: int, kv_manager) -> list[int]:
         """Draft tokens for ``request`` (decoding, its next token's slot allocated), with slots for

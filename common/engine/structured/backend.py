@@ -8,11 +8,12 @@ the sampled token.
 """
 from __future__ import annotations
 
-from typing import Protocol
-
-import torch
+from typing import TYPE_CHECKING, Protocol
 
 from common.engine.structured.spec import StructuredOutput
+
+if TYPE_CHECKING:  # the gateway checks grammars without loading torch
+    import torch
 
 BACKENDS = ("llguidance", "xgrammar")
 DEFAULT_BACKEND = "llguidance"

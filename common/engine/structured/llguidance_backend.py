@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import functools
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llguidance
 import llguidance.hf
 from llguidance.gbnf_to_lark import gbnf_to_lark
-from llguidance.torch import fill_next_token_bitmask_par
-import torch
 
 from common.engine.structured.backend import GrammarError
 from common.engine.structured.spec import StructuredOutput, is_gbnf
@@ -24,6 +22,9 @@ from common.engine.structured.spec import StructuredOutput, is_gbnf
 LIMITS = dict(max_items_in_row=2000, initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000,
               step_max_items=50_000, max_lexer_states=100_000, max_grammar_size=200_000)
 JSON_DEFAULTS = {"whitespace_flexible": False}
+
+if TYPE_CHECKING:  # masks are filled on workers; the gateway only compiles, without loading torch
+    import torch
 
 
 @functools.cache
@@ -38,6 +39,8 @@ class LLGuidanceMatcher:
     @staticmethod
     def fill_many(matchers: "list[LLGuidanceMatcher]", bitmask: torch.Tensor) -> None:
         """Row ``i``: ``matchers[i]``'s mask; the rows computed in parallel (llguidance's threads)."""
+        from llguidance.torch import fill_next_token_bitmask_par
+
         fill_next_token_bitmask_par(_executor(), [(m._m, i) for i, m in enumerate(matchers)], bitmask)
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
