@@ -28,6 +28,7 @@ from common.cluster.aio import run_service
 from common.cluster.messages import read_response
 from common.engine.model_config import load_model_config
 from common.engine.loading.checkpoint_path import resolve_checkpoint
+from common.engine.loading.tokenizer import load_tokenizer
 from common.cluster.prefix_index import PrefixIndexReader
 from common.cluster.redis_util import connect
 from common.cluster.registry import ROLES, WorkerRegistry
@@ -56,8 +57,6 @@ class Gateway:
     """Holds everything a request needs; ``start``/``stop`` bracket its life."""
 
     def __init__(self, config: GatewayConfig):
-        from transformers import AutoTokenizer
-
         self.config = config
         self.auth = config.auth()
         checkpoint = resolve_checkpoint(config.model)
@@ -65,7 +64,7 @@ class Gateway:
         self.model_id = config.model_id or checkpoint.name
         self.max_model_len = min(config.max_model_len or model.max_model_len, model.max_model_len)
         self.vocab_size = model.vocab_size
-        self.tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+        self.tokenizer = load_tokenizer(checkpoint)
         self.chat_format = resolve_chat_format(self.tokenizer, model.model_type, config.chat_template)
         if self.chat_format.template is not None:
             self.tokenizer.chat_template = self.chat_format.template

@@ -23,6 +23,7 @@ from common.engine.kv.kv_cache import KVCache, KVLayout, dtype_from_name, dtype_
 from common.engine.kv.kv_cache_manager import KVCacheManager
 from common.engine.loading.checkpoint_path import resolve_checkpoint
 from common.engine.loading.model_loader import load_model
+from common.engine.loading.tokenizer import load_tokenizer
 from common.engine.kv.prefix_hash import MAX_CACHE_SALT_LEN, block_extra_keys
 from common.engine.model_runner import ModelRunner
 from common.engine.models.stages import compile_stages
@@ -199,10 +200,8 @@ class Engine:
                                   block_table=kv_manager.table)
 
     def _load_tokenizer(self):
-        from transformers import AutoTokenizer
-
         try:
-            return AutoTokenizer.from_pretrained(self.checkpoint)
+            return load_tokenizer(self.checkpoint)
         except (OSError, ValueError) as exc:
             log.warning("no tokenizer in %s (%s); prompts must be token ids", self.checkpoint, exc)
             return None
