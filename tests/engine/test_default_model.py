@@ -30,7 +30,7 @@ def test_greedy_parity_with_transformers(checkpoint):
     for speculative in ("none", "ngram"):
         engine = Engine(EngineConfig(model=str(checkpoint), dtype="float32", device="cpu", num_blocks=64,
                                      max_num_batched_tokens=16, speculative=speculative, ngram_min=1,
-                                     speculative_min_accepted=0.0))
+                                     speculative_min_accepted=0.0, speculative_cost_gate=False))
         runs[speculative] = engine.generate(PROMPTS, {"max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True})
         accepted = engine.stats()["spec_accepted_tokens_total"]
         del engine
