@@ -14,16 +14,6 @@ GREEDY = {"temperature": 0.0, "ignore_eos": True}
 MAX_NEW = 20
 
 
-class AlwaysPays:
-    """The batch gate told that verifying pays (it judges by step times; these tests count steps)."""
-
-    def allows(self, num_decoding):
-        return True
-
-    def observe(self, num_decoding, verified, tokens, seconds):
-        pass
-
-
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
     directory = write_checkpoint(tiny_llama_config(), tmp_path_factory.mktemp("target"))
@@ -39,10 +29,10 @@ def other_draft(tmp_path_factory):
 
 def engine_for(directory, draft, **overrides):
     fields = dict(model=str(directory), num_blocks=128, block_size=4, max_num_batched_tokens=512,
-                  speculative="draft", draft_model=str(draft), num_speculative_tokens=4, speculative_min_accepted=0.0)
+                  speculative="draft", draft_model=str(draft), num_speculative_tokens=4, speculative_min_accepted=0.0,
+                  speculative_cost_gate=False)
     fields.update(overrides)
     engine = Engine(EngineConfig(**fields), load_tokenizer=False)
-    engine.scheduler.speculation.gate = AlwaysPays()
     return engine
 
 
