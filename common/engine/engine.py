@@ -27,7 +27,7 @@ from common.engine.loading.tokenizer import load_tokenizer
 from common.engine.kv.prefix_hash import MAX_CACHE_SALT_LEN, block_extra_keys
 from common.engine.model_runner import ModelRunner
 from common.engine.models.stages import compile_stages
-from common.engine.request import Request, RequestStatus
+from common.engine.request import Request, RequestStatus, resume_request
 from common.engine.sampler import TokenLogprobs
 from common.engine.sampling_params import SamplingParams
 from common.engine.scheduler import Scheduler
@@ -226,12 +226,15 @@ class Engine:
     def make_request(
         self, prompt: str | Sequence[int], params: SamplingParams | dict[str, Any] | None = None,
         request_id: str | None = None, cache_salt: str | None = None, grammar: CompiledGrammar | None = None,
+        resume_token_ids: Sequence[int] = (),
     ) -> Request:
         """Validate input and build a ``Request``; raises ``ValueError`` naming the problem.
 
         ``cache_salt``: requests share prefix-cache blocks only with requests of the same salt.
         ``grammar``: ``params.structured`` compiled already (a worker compiles it off the engine
-        thread, ``GrammarCompiler.compile_async``); else it is compiled here."""
+        thread, ``GrammarCompiler.compile_async``); else it is compiled here.
+        ``resume_token_ids``: output tokens another worker already produced for this request (a
+        stream that moved, ``resume_request``); the request continues after them."""
         if isinstance(params, dict):
             params = SamplingParams.from_dict(params)
         params = params or SamplingParams()
@@ -254,14 +257,18 @@ class Engine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if cache_salt is not None and not 1 <= len(cache_salt) <= MAX_CACHE_SALT_LEN:
             raise ValueError(f"cache_salt must be 1-{MAX_CACHE_SALT_LEN} characters, got {len(cache_salt)}")
-        return Request(request_id, prompt_ids, params, eos_token_ids=self.model_config.eos_token_ids,
-                       extra_keys=block_extra_keys(self.model_id, cache_salt), grammar=matcher)
+        request = Request(request_id, prompt_ids, params, eos_token_ids=self.model_config.eos_token_ids,
+                          extra_keys=block_extra_keys(self.model_id, cache_salt), grammar=matcher)
+        if resume_token_ids:
+            resume_request(request, resume_token_ids, vocab, self.max_model_len)
+        return request
 
     def add_request(
         self, prompt: str | Sequence[int], params: SamplingParams | dict[str, Any] | None = None,
         request_id: str | None = None, cache_salt: str | None = None, grammar: CompiledGrammar | None = None,
+        resume_token_ids: Sequence[int] = (),
     ) -> str:
-        request = self.make_request(prompt, params, request_id, cache_salt, grammar)
+        request = self.make_request(prompt, params, request_id, cache_salt, grammar, resume_token_ids)
         self.scheduler.add_request(request)
         return request.request_id
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import enum
 import logging
 import time
+from typing import Sequence
 
 from common.engine.kv.prefix_hash import BlockHash, hash_prompt_blocks
 from common.engine.sampling_params import SamplingParams
@@ -149,3 +150,26 @@ def grammar_verdict(request: Request, token_id: int) -> str:
     if request.grammar is None or token_id in request.stop_token_ids:
         return "open"
     return request.grammar.probe(token_id)
+
+
+def resume_request(request: Request, token_ids: Sequence[int], vocab_size: int, max_model_len: int) -> None:
+    """Make ``token_ids`` -- output tokens a lost or draining worker already streamed for this
+    request -- the fresh ``request``'s first outputs, as if it had produced them itself: they count
+    toward ``max_tokens``, ``min_tokens`` and the penalties, the next token is sampled at the next
+    output index (a seeded request draws what it would have drawn), and its grammar has advanced
+    through them.  The request then computes the KV of its prompt and these tokens as a preempted
+    one does, and samples on.  Raises ``ValueError`` (naming ``resume_token_ids``) for tokens the
+    request could not have produced and gone on: a stop token, past a limit, or against its grammar."""
+    tokens = list(token_ids)
+    if any(not isinstance(t, int) or not 0 <= t < vocab_size for t in tokens):
+        raise ValueError(f"resume_token_ids must be integers in [0, {vocab_size})")
+    if len(tokens) >= request.sampling_params.max_tokens or request.num_tokens + len(tokens) >= max_model_len:
+        raise ValueError("resume_token_ids: the request would already have ended by length")
+    for i, token_id in enumerate(tokens):
+        if token_id in request.stop_token_ids:
+            raise ValueError(f"resume_token_ids[{i}] is a stop token: the request would already have ended")
+        if request.grammar is not None and not request.grammar.accept(token_id):
+            raise ValueError(f"resume_token_ids[{i}] breaks the request's grammar")
+        request.append_output_token(token_id)
+    if request.grammar is not None and request.grammar.is_stopped():
+        raise ValueError("resume_token_ids complete the request's grammar: the request would already have ended")
