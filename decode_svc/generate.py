@@ -10,6 +10,9 @@
     every step's new token     ->  TokenFrame to the gateway
     a failure of the prefill worker or the transfer before the first token: compute the prompt
         locally instead
+    a stream moved here (``resume_token_ids``): compute the prompt and those tokens locally, go on
+    this worker drains (``HandOver``, for a request that ``may_migrate``): after the tokens sent so
+        far, a "migrate" frame; the gateway continues the stream on another worker
     client gone / abort, or the lease ended before the KV landed: tell the prefill worker; free the
         blocks once no KV can land in them
 """
@@ -26,7 +29,7 @@ from aiohttp import web
 from common.engine.engine import Engine, RequestOutput, StepFailed
 from common.engine.request import Request, RequestStatus, grammar_verdict, status_after_token
 from common.engine.structured.backend import CompiledGrammar
-from worker.engine_thread import EngineFailed
+from worker.engine_thread import EngineFailed, HandOver
 from common.cluster.registry import WorkerInfo
 from common.cluster.messages import (
     FRAMES_CONTENT_TYPE, GenerateRequest, PrefillRequest, TokenFrame, TokenLogprob, decode, frame,
@@ -74,6 +77,9 @@ async def handle_generate(context: RoleContext, request: web.Request) -> web.Str
         body = decode(await request.read(), GenerateRequest)
     except ValueError as exc:
         return error_answer(str(exc), "invalid", 400)
+    if body.resume_token_ids and body.prefill_worker_id:
+        return error_answer("resume_token_ids: a moved stream is computed by its decode worker; "
+                            "prefill_worker_id must be unset", "invalid", 400)
     refusal = context.accepts("generate")
     if refusal:
         error_kind, reason = refusal
@@ -82,6 +88,8 @@ async def handle_generate(context: RoleContext, request: web.Request) -> web.Str
         context.in_flight.track(body.request_id)
     except ValueError as exc:
         return error_answer(str(exc), "invalid", 409)
+    if body.may_migrate:  # from now on a drain hands it over (before any await: no drain slips between)
+        context.movable_streams.add(body.request_id)
     response = web.StreamResponse(headers={"Content-Type": FRAMES_CONTENT_TYPE})
     stream = context.engine.open_stream(body.request_id)
     started = time.monotonic()
@@ -127,6 +135,10 @@ async def handle_generate(context: RoleContext, request: web.Request) -> web.Str
     except asyncio.CancelledError:
         outcome = "aborted"
         raise
+    except HandOver as exc:  # this worker drains: the gateway continues the stream elsewhere
+        outcome = "migrated"
+        context.metrics.streams_handed_over.inc()
+        return await _error(response, str(exc), "migrate", 503)
     except (ConnectionResetError, aiohttp.ClientConnectionResetError):
         outcome = "client_gone"
     except ValueError as exc:  # rejected by the engine: bad sampling params, too long, a bad grammar ...
@@ -146,6 +158,7 @@ async def handle_generate(context: RoleContext, request: web.Request) -> web.Str
         # runs as its own task.  Aborting is idempotent: it frees the blocks if the request is
         # still anywhere in the engine, after an abandoned KV transfer settled.
         context.engine.close_stream(body.request_id)
+        context.movable_streams.discard(body.request_id)
         context.metrics.requests.labels("generate", outcome).inc()
         if outcome == "busy":
             # Nothing was allocated; forget the request now, so the gateway may send it here again
@@ -179,7 +192,8 @@ async def _try_write(response: web.StreamResponse, data: bytes) -> None:
 
 async def add_local(context: RoleContext, body: GenerateRequest, grammar: CompiledGrammar | None) -> None:
     await context.engine.call(
-        lambda e: e.add_request(body.prompt_token_ids, body.sampling_params, body.request_id, body.cache_salt, grammar))
+        lambda e: e.add_request(body.prompt_token_ids, body.sampling_params, body.request_id, body.cache_salt, grammar,
+                                body.resume_token_ids))
 
 
 async def stream_outputs(context: RoleContext, stream: asyncio.Queue, response, started: float, first_sent: bool,

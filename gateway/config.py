@@ -99,6 +99,7 @@ class GatewayConfig:
     cluster_secret: str | None = field(default=None, repr=False)
     timeouts: UpstreamTimeouts = field(default_factory=UpstreamTimeouts)
     bench_time: float = 5.0  # a worker that failed or timed out stays out of routing this long
+    migration_limit: int = 3  # times one stream may move to another decode worker (gateway.migration); 0: never
     queue_size: int = 256  # requests held while no decode worker has room; beyond: 503
     queue_timeout: float = 10.0  # how long one is held; then 503 + Retry-After
     queue_size_per_key: int | None = None  # places one API key may hold; 0: no limit (default: tenants.py)
@@ -132,7 +133,8 @@ class GatewayConfig:
                      "prefix_lookup_timeout", "redis_retry_interval", "header_timeout", "keepalive_timeout"):
             if not getattr(self, name) > 0:
                 raise bad(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("queue_size", "inline_tokenize_chars", "max_inflight_per_key", "queue_size_per_key"):
+        for name in ("queue_size", "inline_tokenize_chars", "max_inflight_per_key", "queue_size_per_key",
+                     "migration_limit"):
             if (getattr(self, name) or 0) < 0:
                 raise bad(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.tokenizer_threads < 1:
@@ -268,6 +270,10 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     add("--upstream-idle-timeout", UpstreamTimeouts.idle, float, help="seconds of silence between tokens from the decode worker")
     add("--control-timeout", UpstreamTimeouts.control, float, help="seconds for a control call to a worker (abort, admin)")
     add("--bench-time", GatewayConfig.bench_time, float, help="seconds a worker that failed or timed out is kept out of routing")
+    add("--migration-limit", GatewayConfig.migration_limit, int,
+        help="times one stream may move to another decode worker when its worker dies, stops answering or drains "
+             "(the prompt and the tokens sent so far are replayed there; 0: never: a lost worker ends its streams "
+             "with an error, a draining one decodes them to the end)")
     add("--queue-size", GatewayConfig.queue_size, int, help="requests held while every decode worker is busy; "
                                                             "beyond: 503")
     add("--queue-timeout", GatewayConfig.queue_timeout, float, help="seconds a request is held for a busy decode "
@@ -323,7 +329,7 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = N
         timeouts=UpstreamTimeouts(connect=args.upstream_connect_timeout, response=args.upstream_response_timeout,
                                   first_token=args.first_token_timeout, idle=args.upstream_idle_timeout,
                                   control=args.control_timeout),
-        bench_time=args.bench_time, queue_size=args.queue_size, queue_timeout=args.queue_timeout,
+        bench_time=args.bench_time, migration_limit=args.migration_limit, queue_size=args.queue_size, queue_timeout=args.queue_timeout,
         queue_size_per_key=args.queue_size_per_key,
         client_read_timeout=args.client_read_timeout, inline_tokenize_chars=args.inline_tokenize_chars,
         prefix_lookup_timeout=args.prefix_lookup_timeout, redis_retry_interval=args.redis_retry_interval,

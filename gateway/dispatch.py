@@ -6,7 +6,9 @@
                <- TokenFrame, TokenFrame, ...   (yielded in batches: every frame that has arrived)
 
 Before the first token, a worker that fails is benched and the request is retried on another
-(at most ``max_attempts`` failures); after it, a failure ends the stream with an explicit error.
+(at most ``max_attempts`` failures); after it, the stream moves to another decode worker, which
+continues after the tokens already sent (``gateway.migration``, at most ``migration_limit`` times;
+a draining worker hands its streams over the same way), and beyond that ends with an explicit error.
 An answer that is no frame stream (an error page from the worker's middleware, aiohttp or a
 proxy; bytes that are no frames) is such a failure, never the client's: when no worker answers
 readably the client gets 502 (``WorkerAnswerError``).
@@ -29,6 +31,7 @@ their own pool of the same size and a total timeout, so they never queue behind 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -48,6 +51,7 @@ from common.cluster.registry import WorkerInfo
 from gateway.backpressure import KeyLineFull, Saturated, WaitQueue
 from gateway.config import GatewayConfig, UpstreamTimeouts
 from gateway.metrics import GatewayMetrics
+from gateway.migration import StreamMigration
 from gateway.pool import WorkerPool
 from gateway.routing import Route, Router
 
@@ -153,7 +157,8 @@ class Dispatcher:
     def __init__(self, pool: WorkerPool, router: Router, prefix_index: PrefixIndexReader,
                  session: aiohttp.ClientSession, control_session: aiohttp.ClientSession, metrics: GatewayMetrics,
                  model: str, *, timeouts: UpstreamTimeouts = UpstreamTimeouts(), queue: WaitQueue | None = None,
-                 max_attempts: int = 3, auth: ClusterAuth | None = None):
+                 max_attempts: int = 3, auth: ClusterAuth | None = None,
+                 migration_limit: int = GatewayConfig.migration_limit):
         self.pool = pool
         self.auth = auth or ClusterAuth.disabled()  # signs every call to a worker
         self.router = router
@@ -166,6 +171,7 @@ class Dispatcher:
         self.queue = queue or WaitQueue(GatewayConfig.queue_size, GatewayConfig.queue_timeout)
         metrics.requests_queued.set_function(lambda: self.queue.places_held)
         self.max_attempts = max_attempts  # failed attempts (not "busy" answers) before giving up
+        self.migration_limit = migration_limit  # moves of one stream to another decode worker
         self._aborts: set[asyncio.Task] = set()
         # Prompt tokens this gateway sent to each worker to compute -- a prefill worker, or a
         # decode worker computing the prompt itself -- that have not produced their first token
@@ -241,7 +247,7 @@ class Dispatcher:
         busy: set[str] = set()  # workers that said busy since this request last waited
         failures = 0
         last_bad_answer: _BadAnswer | None = None  # the last worker answer that was no frame stream
-        streamed = False
+        migration = StreamMigration(self.migration_limit, self.metrics)  # the tokens the client has
         hashed: dict[int, list[bytes]] = {}  # the prompt's block hashes, computed once
         place = self.queue.place(key_id)  # its place in line while no decode worker has room (first come, first served)
         try:
@@ -253,8 +259,13 @@ class Dispatcher:
                     raise
                 if waited:  # it waited in line: room may have appeared anywhere
                     busy.clear()
-                route = self._sibling_route(follow, exclude | busy) or await self.choose(prompt, exclude | busy,
-                                                                                         cache_salt, hashed)
+                resume = list(migration.sent)  # a moved stream: the new worker computes these too
+                if resume:
+                    route = await self.choose(prompt + resume, exclude | busy, cache_salt)
+                    route = route and dataclasses.replace(route, prefill=None, reason="a moved stream")
+                else:
+                    route = self._sibling_route(follow, exclude | busy) or await self.choose(
+                        prompt, exclude | busy, cache_salt, hashed)
                 if route is None and last_bad_answer is not None and not busy:
                     # Every worker left answered garbage: no room will appear by waiting.
                     raise WorkerAnswerError(f"no decode worker gave a readable answer ({last_bad_answer})")
@@ -270,11 +281,13 @@ class Dispatcher:
                     self.metrics.prefill_skipped.labels(route.reason).inc()
                 body = GenerateRequest(request_id=request_id, prompt_token_ids=prompt, sampling_params=params,
                                        prefill_worker_id=route.prefill.worker_id if route.prefill else None,
-                                       cache_salt=cache_salt)
+                                       cache_salt=cache_salt, resume_token_ids=resume,
+                                       may_migrate=migration.may_move)
                 decode_url, audience = route.decode.http_address, route.decode.audience
-                finished = said_busy = False
-                self._count_pending(route, len(prompt), +1)
-                self.sent_to_decode.add(decode_id, request_id, -(-len(prompt) // route.decode.capacity.block_size))
+                finished = said_busy = streamed = False  # streamed: this attempt passed tokens on
+                to_compute = len(prompt) + len(resume)
+                self._count_pending(route, to_compute, +1)
+                self.sent_to_decode.add(decode_id, request_id, -(-to_compute // route.decode.capacity.block_size))
                 prompt_pending = True
                 resp = None
                 try:
@@ -293,10 +306,13 @@ class Dispatcher:
                         for frame in batch:
                             if frame.error:
                                 if ready:  # what arrived before the error still reaches the client
+                                    migration.passed_on(ready)
                                     yield ready
                                     ready = []
                                 if frame.error_kind in ("busy", "refused") and not streamed:
                                     raise _Retry(frame.error, stale_view=frame.error_kind == "refused")
+                                if frame.error_kind == "migrate":  # it drains: the stream goes on elsewhere
+                                    raise _HandedOver(frame.error)
                                 if frame.error_kind == "invalid":
                                     raise ValueError(frame.error)
                                 raise UpstreamError(frame.error)
@@ -306,15 +322,22 @@ class Dispatcher:
                                 streamed = True
                                 self.sent_to_decode.admitted(decode_id, request_id)
                                 if prompt_pending:
-                                    self._count_pending(route, len(prompt), -1)
+                                    self._count_pending(route, to_compute, -1)
                                     prompt_pending = False
                             ready.append(frame)
                             if frame.finished:
                                 finished = True
                                 break
+                        migration.passed_on(ready)
                         yield ready
                         if finished:
                             return
+                except _HandedOver as exc:
+                    exclude.add(decode_id)  # draining: healthy, but takes nothing new
+                    if migration.sent and not migration.move("drain"):
+                        raise UpstreamError(f"decode worker {decode_id} drained mid-stream: {exc}") from None
+                    log.info("request %s: decode worker %s drains; the stream moves on after %d tokens",
+                             request_id, decode_id, len(migration.sent))
                 except _Retry as exc:
                     if not exc.stale_view:
                         said_busy = True
@@ -331,7 +354,11 @@ class Dispatcher:
                     if not isinstance(exc, _BadAnswer) or exc.worker_fault:
                         self.pool.bench(decode_id)  # unreachable, hung or broken: keep it out for a while
                     if streamed:
-                        raise UpstreamError(f"decode worker {decode_id} failed mid-stream: {exc}") from None
+                        if not migration.move("worker_lost"):
+                            raise UpstreamError(f"decode worker {decode_id} failed mid-stream: {exc}") from None
+                        log.warning("request %s: decode worker %s failed mid-stream (%s); the stream moves on after "
+                                    "%d tokens", request_id, decode_id, exc, len(migration.sent))
+                        continue
                     failures += 1
                     if failures >= self.max_attempts:
                         if isinstance(exc, _BadAnswer):
@@ -346,7 +373,7 @@ class Dispatcher:
                         # its connection for the next request.
                         resp.release() if finished else resp.close()
                     if prompt_pending:
-                        self._count_pending(route, len(prompt), -1)
+                        self._count_pending(route, to_compute, -1)
                     self.sent_to_decode.remove(decode_id, request_id)
                     if not said_busy:
                         self.queue.notify(1)  # a slot on D is free again: let a waiting request try
@@ -455,6 +482,10 @@ def _printable(excerpt: bytes) -> str:
     """A peer's bytes as text fit for a log line (control characters blanked)."""
     text = excerpt.decode("utf-8", "replace")
     return "".join(c if c.isprintable() else " " for c in text).strip()
+
+
+class _HandedOver(Exception):
+    """The decode worker drains and handed the stream over (a "migrate" frame)."""
 
 
 class _Retry(Exception):

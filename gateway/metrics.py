@@ -14,6 +14,7 @@ several gateways in one process never collide.  Names follow vLLM/Dynamo practic
     routing     pdserve_prefill_skipped_total{reason}, pdserve_redis_unavailable_total,
                 pdserve_upstream_timeouts_total{phase}, pdserve_decode_busy_total{worker_id},
                 pdserve_requests_queued,
+                pdserve_migrations_total{cause}, pdserve_migrated_tokens_total  (streams moved, tokens replayed)
                 pdserve_registry_rejected_entries_total{reason}  (entries ignored: signature, address, ...)
     workers     pdserve_num_requests_waiting / _running, pdserve_kv_cache_usage_ratio,
                 pdserve_num_waiting_prefill_tokens            (gauges, by worker_id and role),
@@ -127,6 +128,11 @@ class GatewayMetrics:
             "kv_transfer_seconds", "Time to ship one request's KV blocks.", buckets=TRANSFER_BUCKETS, **kw)
         self.kv_transfer_failures = Counter("kv_transfer_failures", "Failed KV transfers.", ["reason"], **kw)
         self.preemptions = Counter("preemptions", "Requests preempted for recompute.", ["worker_id"], **kw)
+        self.migrations = Counter(
+            "migrations", "Streams moved to another decode worker mid-stream, by cause: worker_lost (it died or "
+            "stopped answering), drain (it handed the stream over).", ["cause"], **kw)
+        self.migrated_tokens = Counter(
+            "migrated_tokens", "Output tokens replayed to the decode worker a stream moved to.", **kw)
 
         self._worker_labels: set[tuple[str, str]] = set()
         self._models: dict[str, ModelMetrics] = {}

@@ -106,7 +106,7 @@ class Gateway:
                                       skip_prefill_below_tokens=self.config.skip_prefill_below_tokens))
         self.dispatcher = Dispatcher(self.pool, router, prefix_index, self.session, self.control_session,
                                      self.metrics, self.model_id, timeouts=self.config.timeouts, auth=self.auth,
-                                     queue=self.config.wait_queue())
+                                     queue=self.config.wait_queue(), migration_limit=self.config.migration_limit)
 
     def _client_sessions(self) -> tuple[aiohttp.ClientSession, aiohttp.ClientSession]:
         """One pool for streams, one for control calls, each as large as the requests in flight:

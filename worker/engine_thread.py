@@ -72,6 +72,11 @@ class EngineFailed(RuntimeError):
     """The engine thread has stopped (repeated step failures, hung, or shut down): nothing more runs."""
 
 
+class HandOver(Exception):
+    """Put into a stream whose worker drains: the stream ends after the outputs queued before it
+    and moves to another worker (``decode_svc.generate``)."""
+
+
 @dataclass(frozen=True, eq=False)
 class _Work:
     """One step or command the engine thread is running (compared by identity)."""
@@ -178,6 +183,14 @@ class EngineThread:
 
     def close_stream(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
+
+    def hand_over(self, request_ids) -> int:
+        """End the open streams of ``request_ids`` after the outputs already queued in them (event
+        loop thread; the requests themselves are aborted by their handlers).  Returns how many."""
+        streams = [self._streams[r] for r in request_ids if r in self._streams]
+        for stream in streams:
+            stream.put_nowait(HandOver("this worker drains: the stream moves to another worker"))
+        return len(streams)
 
     def keep_lease(self, request: Request) -> bool:
         """The KV of ``request``'s reservation has all landed: stop its lease, so it never expires

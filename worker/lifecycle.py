@@ -92,6 +92,7 @@ class Worker:
         self.tpot = RecentLatency()
         self.prefill_rate = RecentRate()
         self._drain_task: asyncio.Task | None = None
+        self.movable_streams: set[str] = set()  # streams a drain hands over (``RoleContext``)
         self.started_at = time.time()
         self.instance = new_instance_id()  # this run's: requests to it are signed for it (auth v3)
         self._redis = None
@@ -208,7 +209,7 @@ class Worker:
                            kv_receiver=self.kv_receiver, peers=self.peers, peer_http=self.http_client, auth=self.auth,
                            in_flight=self.in_flight, accepts=self.accepts, spawn=self.spawn, metrics=self.metrics,
                            ttft=self.ttft, tpot=self.tpot, reservation_lease_s=self.reservation_lease_s,
-                           compile_grammar=self.compile_grammar)
+                           compile_grammar=self.compile_grammar, movable_streams=self.movable_streams)
 
     async def compile_grammar(self, params: SamplingParams) -> CompiledGrammar | None:
         """``params.structured`` compiled in the grammar compiler's threads (cached by spec)."""
@@ -310,8 +311,15 @@ class Worker:
     def begin_drain(self) -> asyncio.Task:
         """Stop taking new requests now; the returned task finishes when nothing is in flight and
         the worker reports idle.  A role change before then cancels the drain (the worker is
-        active again), so a late "idle" never parks a worker that was put back to work."""
+        active again), so a late "idle" never parks a worker that was put back to work.
+
+        Streams whose gateway can move them (``movable_streams``) are handed over at their next
+        token boundary, so the drain takes the time of a hand-over, not of the longest stream;
+        the others decode to their end here."""
         self.state = "draining"
+        moved = self.engine_thread.hand_over(self.movable_streams)
+        if moved:
+            log.info("drain: handing %d streams over to other decode workers", moved)
         if self._drain_task is None or self._drain_task.done():
             self._drain_task = self.spawn(self._finish_drain())
         return self._drain_task

@@ -24,6 +24,9 @@ class WorkerMetrics:
         self.kv_transfer_failures = Counter("pdserve_worker_kv_transfer_failures", "Failed KV transfers", registry=r)
         self.prefill_fallbacks = Counter(
             "pdserve_worker_remote_prefill_fallbacks", "Remote prefills that failed and were computed locally", registry=r)
+        self.streams_handed_over = Counter(
+            "pdserve_worker_streams_handed_over", "Streams a drain handed over to the gateway to continue elsewhere",
+            registry=r)
         self.auth_refused = Counter(
             "pdserve_worker_auth_refused", "Requests refused before their handler ran, by reason: credentials "
             "(missing, malformed, stale or wrong, or a body that is not the signed one), version (an older caller), audience (signed for another worker), "
@@ -73,6 +76,7 @@ class WorkerMetrics:
             "kv_transfer_failures": self.kv_transfer_failures._value.get(),
             "remote_prefill_fallbacks": self.prefill_fallbacks._value.get(),
             "kv_transfers_settling": self.kv_transfers_settling._value.get(),
+            "streams_handed_over": self.streams_handed_over._value.get(),
         }
 
     def render(self) -> bytes:

@@ -57,7 +57,9 @@ class RoleContext:
     requests (``accepts`` says whether a new one may start); ``spawn`` starts a task that shutdown
     still cancels; ``on_kv_written`` holds the model runner's hooks, called in the engine thread
     once a step's KV is written; ``compile_grammar`` compiles a request's grammar off the engine
-    thread and the event loop (``None`` without one; ``GrammarError``, a 400, when it cannot)."""
+    thread and the event loop (``None`` without one; ``GrammarError``, a 400, when it cannot);
+    ``movable_streams`` holds the requests whose gateway can move them on (a drain hands those
+    over: ``EngineThread.hand_over``)."""
 
     config: "WorkerConfig"
     model: ModelShape
@@ -76,6 +78,7 @@ class RoleContext:
     tpot: "RecentLatency"
     reservation_lease_s: float
     compile_grammar: Callable[["SamplingParams"], "Awaitable[CompiledGrammar | None]"]
+    movable_streams: set
 
     @property
     def worker_id(self) -> str:

@@ -47,6 +47,13 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
     sampling_params: SamplingParams
     prefill_worker_id: WorkerId | None = None
     cache_salt: CacheSalt | None = None
+    # A stream that moved here from another decode worker (``gateway.migration``): the output
+    # tokens the client already has.  This worker computes the KV of the prompt and these tokens
+    # itself (``prefill_worker_id`` must then be unset) and continues after them.
+    resume_token_ids: TokenIds = []
+    # The gateway can move this stream on: a draining worker may end it at a token boundary with a
+    # "migrate" frame instead of decoding it to the end.
+    may_migrate: bool = False
 
 
 class TokenFrame(msgspec.Struct, omit_defaults=True):
@@ -68,6 +75,8 @@ class TokenFrame(msgspec.Struct, omit_defaults=True):
     error: str | None = None
     # Nothing was started, try another worker: "busy" (full) or "refused" (draining, or its role
     # changed: the caller's view is stale).  "invalid": bad input.  "failed": it broke mid-way.
+    # "migrate": this worker drains and hands the stream over after the tokens sent so far (only
+    # for a request that said ``may_migrate``): the gateway continues it on another worker.
     error_kind: str | None = None
 
 

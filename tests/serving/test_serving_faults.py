@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from common.cluster.redis_util import RedisServer
-from tests.support.cluster import HeldEntries, http_json, running_cluster
+from tests.support.cluster import ADMIN_TOKEN, HeldEntries, extra_gateway, http_json, running_cluster
 from tests.support.serving import WORKER_ARGS, wait_idle
 from tests.support.waiting import wait_until
 
@@ -194,18 +194,43 @@ def serving_decode_worker(stack) -> str:
         time.sleep(0.05)
 
 
-def test_decode_worker_killed_mid_stream_gives_an_error_event(stack):
-    c = client(stack)
-    # As many tokens as the model's context allows: the stream is far from done when it is cut.
-    stream = c.completions.create(model=stack.model_name, prompt=PROMPT, stream=True, temperature=0,
-                                  max_tokens=1000, extra_body={"ignore_eos": True})
+def open_stream(base_url: str, model: str, prompt: str, max_tokens: int, **params):
+    """A streamed completion with its first chunk read (the request holds a decode worker)."""
+    stream = openai.OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0).completions.create(
+        model=model, prompt=prompt, stream=True, max_tokens=max_tokens, extra_body={"ignore_eos": True}, **params)
     chunks = iter(stream)
-    next(chunks)
+    first = next(chunks)
+    return first.choices[0].text, chunks
+
+
+def rest_of(first: str, chunks) -> str:
+    return first + "".join(chunk.choices[0].text for chunk in chunks if chunk.choices)
+
+
+def test_a_stream_whose_decode_worker_dies_moves_to_the_other_and_goes_on_unbroken(stack):
+    # Seeded sampling: the worker the stream moves to draws what the dead one would have drawn.
+    params = dict(temperature=0.8, top_p=0.95, seed=23)
+    prompt = "A stream that outlives its decode worker:"
+    whole = client(stack).completions.create(model=stack.model_name, prompt=prompt, max_tokens=400,
+                                             extra_body={"ignore_eos": True}, **params).choices[0].text
+    moves_before = metric(stack, "pdserve_migrations_total", 'cause="worker_lost"')
+    first, chunks = open_stream(stack.gateway_url, stack.model_name, prompt, 400, **params)
     serving = serving_decode_worker(stack)
     stack.kill(serving)
-    with pytest.raises(openai.APIError, match="failed mid-stream"):
-        for _ in chunks:
-            pass
+    assert rest_of(first, chunks) == whole  # no break, no duplicate, no lost token
+    assert metric(stack, "pdserve_migrations_total", 'cause="worker_lost"') == moves_before + 1
+    assert metric(stack, "pdserve_migrated_tokens_total") > 0
+    survivor = next(d for d in DECODERS if d != serving)
+    wait_idle(stack, survivor, timeout=WAIT_S)
+
+
+def test_without_migration_a_dead_decode_worker_ends_its_stream_with_an_error(stack):
+    with extra_gateway(stack, "gateway-no-migration", ["--migration-limit", "0"]) as gateway:
+        first, chunks = open_stream(gateway.url, stack.model_name, PROMPT, 1000, temperature=0)
+        serving = serving_decode_worker(stack)
+        stack.kill(serving)
+        with pytest.raises(openai.APIError, match="failed mid-stream"):
+            rest_of(first, chunks)
     # The other decode worker keeps serving (a request the gateway still sends to the dead one is
     # retried there), and the dead one leaves the pool once its entry lapses.
     survivor = next(d for d in DECODERS if d != serving)
@@ -214,3 +239,23 @@ def test_decode_worker_killed_mid_stream_gives_an_error_event(stack):
     for _ in range(3):
         assert complete(stack).choices[0].finish_reason == "length"
     wait_idle(stack, survivor, timeout=WAIT_S)
+
+
+def test_a_drain_hands_its_streams_over_and_each_goes_on_unbroken(stack):
+    prompts = [f"Stream {i} of a drained decode worker goes on" for i in range(4)]
+    wholes = [complete(stack, prompt=p, max_tokens=300).choices[0].text for p in prompts]
+    streams = [open_stream(stack.gateway_url, stack.model_name, p, 300, temperature=0) for p in prompts]
+    inflight = {d: stack.stats(d)["inflight"] for d in DECODERS}
+    drained = max(DECODERS, key=inflight.get)
+    handed_before = stack.stats(drained)["streams_handed_over"]
+    moves_before = metric(stack, "pdserve_migrations_total", 'cause="drain"')
+    try:
+        http_json(f"{stack.gateway_url}/admin/workers/{drained}/drain", "POST", b"{}", {"X-Admin-Token": ADMIN_TOKEN})
+        assert [rest_of(first, chunks) for first, chunks in streams] == wholes
+        wait_until(lambda: stack.stats(drained)["state"] == "idle", f"{drained} idle after its drain")
+        handed = stack.stats(drained)["streams_handed_over"] - handed_before
+        assert handed >= 1  # its streams moved rather than decoding to the end there
+        assert metric(stack, "pdserve_migrations_total", 'cause="drain"') == moves_before + handed
+    finally:
+        http_json(f"{stack.gateway_url}/admin/workers/{drained}/role", "POST", b'{"role": "decode"}',
+                  {"X-Admin-Token": ADMIN_TOKEN})
