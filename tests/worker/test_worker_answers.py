@@ -11,20 +11,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-import aiohttp
 import pytest
 from aiohttp import web
 
 from common.cluster.messages import FRAMES_CONTENT_TYPE, GenerateRequest, TokenFrame, decode, frame
-from common.cluster.registry import Capacity, KVAddress, Load, WorkerInfo
 from common.engine.sampling_params import SamplingParams
-from gateway.backpressure import WaitQueue
 from gateway.config import UpstreamTimeouts
 from gateway.dispatch import DispatchResult, Dispatcher, UpstreamError, WorkerAnswerError
 from gateway.handlers import OpenAIHandlers
-from gateway.metrics import GatewayMetrics
 from gateway.openai_protocol import OpenAIError
-from gateway.routing import Router, RoutingConfig
+from tests.support.dispatch_stubs import dispatcher
 
 HTML = b"<!DOCTYPE html><html><body><h1>502 Bad Gateway</h1></body></html>"
 
@@ -72,69 +68,6 @@ BAD = {"json 413": json_413, "plain-text 500": crash_500, "html 502": proxy_502,
        "frames unlabelled": frames_unlabelled}
 WORKER_FAULT = {"plain-text 500", "html 502", "html 200", "garbage frames", "500 without an error frame",
                 "frames unlabelled"}
-
-
-async def aborted(request):
-    return web.json_response({"aborted": True})
-
-
-@contextlib.asynccontextmanager
-async def worker_server(handler):
-    app = web.Application()
-    app.router.add_post("/generate", handler)
-    app.router.add_post("/abort", aborted)
-    runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
-    finally:
-        await runner.cleanup()
-
-
-def info(worker_id: str, url: str, running: int) -> WorkerInfo:
-    return WorkerInfo(worker_id=worker_id, role="decode", state="active", model="m", http_address=url,
-                      kv_address=KVAddress("tcp", "127.0.0.1", 1), capacity=Capacity(1000, 16, 64),
-                      load=Load(num_running=running))
-
-
-class Pool:
-    """The dispatcher's view of fixed workers; records benching."""
-
-    def __init__(self, workers):
-        self.workers = workers
-        self.listeners = []
-        self.benched: list[str] = []
-
-    def routable(self, exclude=()):
-        return [w for w in self.workers if w.worker_id not in exclude and w.worker_id not in self.benched]
-
-    def bench(self, worker_id):
-        self.benched.append(worker_id)
-
-    async def refresh(self):
-        pass
-
-
-class NoPrefixes:
-    async def longest_prefix(self, model, hashes, worker_ids):
-        return {}
-
-
-@contextlib.asynccontextmanager
-async def dispatcher(*handlers, timeouts: UpstreamTimeouts = UpstreamTimeouts()):
-    """A dispatcher over one worker per handler; the first is the least loaded (tried first)."""
-    async with contextlib.AsyncExitStack() as stack:
-        urls = [await stack.enter_async_context(worker_server(h)) for h in handlers]
-        session = await stack.enter_async_context(aiohttp.ClientSession())
-        pool = Pool([info(f"d{i}", url, running=i) for i, url in enumerate(urls)])
-        d = Dispatcher(pool, Router(RoutingConfig()), NoPrefixes(), session, session, GatewayMetrics(), "m",
-                       queue=WaitQueue(4, 60.0), timeouts=timeouts)
-        try:
-            yield d
-        finally:
-            await d.drain()  # the aborts it sent, before the session closes
 
 
 async def generate(d: Dispatcher) -> list[TokenFrame]:
