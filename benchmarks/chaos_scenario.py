@@ -359,6 +359,7 @@ def run_chaos(config: ChaosConfig, workdir: Path, checkpoint: Path | None = None
         upstream_timeouts = gateway_metric(chaos.stack.gateway_url, "pdserve_upstream_timeouts_total")
         preemptions = gateway_metric(chaos.stack.gateway_url, "pdserve_preemptions_total")
         busy = gateway_metric(chaos.stack.gateway_url, "pdserve_decode_busy_total")
+        migrations = gateway_metric(chaos.stack.gateway_url, "pdserve_migrations_total")
         fallbacks = gateway_metric(chaos.stack.gateway_url, "pdserve_kv_transfer_failures_total")
     finally:
         chaos.stop()
@@ -395,6 +396,7 @@ def run_chaos(config: ChaosConfig, workdir: Path, checkpoint: Path | None = None
         "by_prompt_len": {bucket: dict(Counter(o.kind for o in outcomes if _bucket(len(o.spec.prompt)) == bucket))
                           for bucket in ("<256", "256-1023", ">=1024")},
         "preemptions": preemptions,
+        "migrations": migrations,  # streams that moved to another decode worker (gateway.migration)
         "decode_busy_answers": busy,
         "remote_prefill_fallbacks": fallbacks,
         "restarts": dict(chaos.supervisor.restarts),
@@ -444,7 +446,7 @@ def summary(result: dict) -> dict:
     """The headline numbers (what the benchmark prints last)."""
     keys = ("transport", "requests", "completed", "explicit_errors", "disconnected", "hangs", "broken",
             "parity_checked", "parity_mismatches", "leaked_blocks", "leak_check_before_leases_end",
-            "workers_healthy_at_end", "error_classes", "preemptions",
+            "workers_healthy_at_end", "error_classes", "preemptions", "migrations",
             "decode_busy_answers", "remote_prefill_fallbacks", "restarts", "longest_stall_s", "load_s", "total_s")
     out = {k: result[k] for k in keys}
     out["idle_cpu_s_max"] = max(result["idle_cpu_s"].values(), default=None)
