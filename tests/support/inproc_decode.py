@@ -64,6 +64,13 @@ class Stream:
         return [t for f in frames for t in f.token_ids]
 
 
+class NoRegistry:
+    """The heartbeat of a worker that has no registry entry."""
+
+    async def beat(self) -> None:
+        pass
+
+
 class DecodeHarness:
     """See the module docstring.  ``clock``: the engine thread's lease clock."""
 
@@ -89,6 +96,7 @@ class DecodeHarness:
         worker.engine_thread.on_fatal = worker._engine_failed
         worker.kv_receiver = self.receiver
         worker.peers = SimpleNamespace(forget=lambda worker_id: None)
+        worker._heartbeat = NoRegistry()  # a drain or role change reports to nobody
         worker.state = "active"
         self.worker = worker
 
@@ -124,10 +132,11 @@ class DecodeHarness:
             task.cancel()
         self.worker.engine_thread.stop()
 
-    def generate(self, prompt: list[int], max_tokens: int, remote: bool = True) -> Stream:
+    def generate(self, prompt: list[int], max_tokens: int, remote: bool = True, **fields) -> Stream:
+        """A greedy stream; ``fields``: more of ``GenerateRequest`` (``resume_token_ids``, ``may_migrate``)."""
         body = GenerateRequest(request_id=f"t-{uuid.uuid4().hex[:8]}", prompt_token_ids=prompt,
                                sampling_params=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
-                               prefill_worker_id=PEER_ID if remote else None)
+                               prefill_worker_id=PEER_ID if remote else None, **fields)
         return Stream(self._session, self.url, body)
 
     async def engine_state(self, fn: Callable[[Engine], object]):

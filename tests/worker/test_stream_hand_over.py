@@ -1,0 +1,59 @@
+"""A decode worker's side of stream migration (``decode_svc.generate``): a drain ends each stream
+whose gateway may move it with a "migrate" frame right after the tokens it sent, frees its blocks
+at once, and leaves the other streams decoding to their end; a stream resumed after those tokens
+(``resume_token_ids``) continues exactly where it stopped; a resumed stream is never sent to a
+prefill worker.  The worker is the real handler in this process (``tests.support.inproc_decode``)."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from common.engine.config import EngineConfig
+from common.engine.engine import Engine
+from tests.support.inproc_decode import WAIT, DecodeHarness
+from tests.support.waiting import until
+
+PROMPT = list(range(5, 25))
+MAX_TOKENS = 200
+
+
+@pytest.fixture
+async def harness(served_checkpoint, monkeypatch):
+    engine = Engine(EngineConfig(model=str(served_checkpoint), num_blocks=128, block_size=4), load_tokenizer=False)
+    harness = await DecodeHarness(engine, receiver=None, monkeypatch=monkeypatch).start()
+    try:
+        yield harness
+    finally:
+        await harness.stop()
+
+
+async def test_a_drain_hands_movable_streams_over_and_a_resumed_stream_goes_on(harness):
+    whole = await harness.generate(PROMPT, MAX_TOKENS, remote=False).tokens()
+    movable = harness.generate(PROMPT, MAX_TOKENS, remote=False, may_migrate=True)
+    pinned = harness.generate(PROMPT, MAX_TOKENS, remote=False)  # its gateway cannot move it
+    await asyncio.wait_for(movable.first.wait(), WAIT)
+    await asyncio.wait_for(pinned.first.wait(), WAIT)
+    drained = harness.worker.begin_drain()
+
+    frames = await asyncio.wait_for(movable.task, WAIT)
+    assert frames[-1].error_kind == "migrate" and not frames[-1].finished
+    sent = [t for f in frames for t in f.token_ids]
+    assert sent == whole[:len(sent)] and len(sent) < MAX_TOKENS  # handed over mid-stream
+    assert await pinned.tokens() == whole  # decoded to its end here
+    await asyncio.wait_for(drained, WAIT)
+    assert harness.worker.state == "idle" and harness.worker.metrics.snapshot()["streams_handed_over"] == 1
+    await harness.idle()  # every block of the handed-over stream freed
+
+    await harness.worker.set_role("decode")  # active again: the stream comes back, resumed
+    rest = await harness.generate(PROMPT, MAX_TOKENS, remote=False, resume_token_ids=sent).tokens()
+    assert sent + rest == whole
+
+
+async def test_a_resumed_stream_is_computed_here_never_by_a_prefill_worker(harness):
+    stream = harness.generate(PROMPT, 8, remote=True, resume_token_ids=[7, 8])
+    frames = await asyncio.wait_for(stream.task, WAIT)
+    assert frames[-1].error_kind == "invalid" and "prefill_worker_id" in frames[-1].error
+    bad = await asyncio.wait_for(harness.generate(PROMPT, 3, remote=False, resume_token_ids=[7, 8, 9]).task, WAIT)
+    assert bad[-1].error_kind == "invalid" and "resume_token_ids" in bad[-1].error  # max_tokens reached already
+    await until(lambda: not harness.worker.in_flight, "nothing in flight")
