@@ -3,6 +3,7 @@
     python compose/entrypoint.py prefill_svc [worker flags...]     # or decode_svc, gateway
     python compose/entrypoint.py --health                          # the compose health check
     python compose/entrypoint.py --whoami                          # JSON: worker id, GPU, ports (pdctl)
+    python compose/entrypoint.py --drain [SECONDS]                 # drain this worker, wait idle (preStop)
 
 It refuses to start (exit 78, a message saying what to change) rather than run in a way that
 looks healthy but is not:
@@ -419,8 +420,12 @@ def main(argv: list[str]) -> None:
         sys.exit(health())
     if argv[:1] == ["--whoami"]:
         sys.exit(whoami())
+    if argv[:1] == ["--drain"]:
+        import local_drain
+
+        sys.exit(local_drain.main(argv[1:]))
     if not argv or argv[0] not in MODULES:
-        raise SystemExit(f"usage: entrypoint.py {{{'|'.join(MODULES)}}} [flags...] | --health | --whoami")
+        raise SystemExit(f"usage: entrypoint.py {{{'|'.join(MODULES)}}} [flags...] | --health | --whoami | --drain")
     module, args = argv[0], argv[1:]
     env = dict(os.environ)
     try:

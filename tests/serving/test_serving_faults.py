@@ -9,9 +9,14 @@ turns a hang into a failure.  Whatever a test breaks is repaired after it, pass 
 """
 from __future__ import annotations
 
+import json
+import os
 import socket
+import subprocess
+import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import openai
 import pytest
@@ -20,6 +25,8 @@ from common.cluster.redis_util import RedisServer
 from tests.support.cluster import ADMIN_TOKEN, HeldEntries, extra_gateway, http_json, running_cluster
 from tests.support.serving import WORKER_ARGS, wait_idle
 from tests.support.waiting import wait_until
+
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.slow  # a long file: scheduled first (tests/conftest.py)
 
@@ -241,8 +248,21 @@ def test_without_migration_a_dead_decode_worker_ends_its_stream_with_an_error(st
     wait_idle(stack, survivor, timeout=WAIT_S)
 
 
-def test_a_drain_hands_its_streams_over_and_each_goes_on_unbroken(stack):
-    prompts = [f"Stream {i} of a drained decode worker goes on" for i in range(4)]
+def drain_from_the_container(stack, worker: str, tmp_path) -> None:
+    """What a Kubernetes preStop hook runs in the worker's container: ``entrypoint.py --drain``,
+    with the container's runtime file and cluster secret."""
+    runtime = tmp_path / "runtime.json"
+    runtime.write_text(json.dumps({"worker_id": worker, "health_url": f"{stack.worker_url(worker)}/health"}))
+    env = {**os.environ, "PDSERVE_RUNTIME_FILE": str(runtime), "PDSERVE_CLUSTER_SECRET": stack.cluster_secret}
+    result = subprocess.run([sys.executable, str(ROOT / "compose" / "entrypoint.py"), "--drain", str(WAIT_S)],
+                            env=env, capture_output=True, text=True, timeout=WAIT_S + 60)
+    assert result.returncode == 0 and f"{worker} is idle" in result.stdout, result.stderr
+    assert stack.cluster_secret not in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("via", ["gateway admin API", "container preStop"])
+def test_a_drain_hands_its_streams_over_and_each_goes_on_unbroken(stack, via, tmp_path):
+    prompts = [f"Stream {i} of a drained decode worker goes on ({via})" for i in range(4)]
     wholes = [complete(stack, prompt=p, max_tokens=300).choices[0].text for p in prompts]
     streams = [open_stream(stack.gateway_url, stack.model_name, p, 300, temperature=0) for p in prompts]
     inflight = {d: stack.stats(d)["inflight"] for d in DECODERS}
@@ -250,7 +270,11 @@ def test_a_drain_hands_its_streams_over_and_each_goes_on_unbroken(stack):
     handed_before = stack.stats(drained)["streams_handed_over"]
     moves_before = metric(stack, "pdserve_migrations_total", 'cause="drain"')
     try:
-        http_json(f"{stack.gateway_url}/admin/workers/{drained}/drain", "POST", b"{}", {"X-Admin-Token": ADMIN_TOKEN})
+        if via == "container preStop":
+            drain_from_the_container(stack, drained, tmp_path)
+        else:
+            http_json(f"{stack.gateway_url}/admin/workers/{drained}/drain", "POST", b"{}",
+                      {"X-Admin-Token": ADMIN_TOKEN})
         assert [rest_of(first, chunks) for first, chunks in streams] == wholes
         wait_until(lambda: stack.stats(drained)["state"] == "idle", f"{drained} idle after its drain")
         handed = stack.stats(drained)["streams_handed_over"] - handed_before
