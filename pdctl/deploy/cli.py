@@ -1,6 +1,7 @@
 """The deployment subcommands of ``pdctl``: gen-secrets, rollout, scale, metrics-proxy.
 
     pdctl gen-secrets [--stack S] [--env-file F] [--from F] [--set K=V]   write a compose env file (0600)
+    pdctl gen-secrets --k8s FILE [--namespace NS]                        write a Kubernetes Secret (0600)
     pdctl rollout [--service S]                     replace workers one at a time, each drained first
     pdctl scale --prefill N --decode M [--run]      plan (or apply) a resize that drains what it removes
     pdctl metrics-proxy --listen HOST:PORT          Prometheus discovery + signed relay of worker /metrics
@@ -20,7 +21,8 @@ from common.cluster.auth import AuthError, configure_auth, is_loopback, read_sec
 from common.cluster.flags import EnvFlags, secret_value
 from common.cluster.secret_sources import check_distinct, check_secret
 from pdctl.deploy.backends import SERVICES, ComposeBackend
-from pdctl.deploy.env_file import STACK_KEY, STACKS, build_env, read_env_file, write_env_file
+from pdctl.deploy.env_file import STACK_KEY, STACKS, build_env, read_env_file, write_env_file, write_private_file
+from pdctl.deploy.k8s_secret import SECRET_NAME, secret_manifest
 from pdctl.deploy.rollout import OperationError, Operator
 
 
@@ -58,8 +60,14 @@ def cmd_gen_secrets(_client, args) -> int:
             raise ValueError(f"--set {item!r}: expected KEY=VALUE")
         settings[key] = value
     shared = read_env_file(args.from_file) if args.from_file else None
+    values = build_env(args.stack, shared, settings)
     try:
-        path = write_env_file(args.env_file, build_env(args.stack, shared, settings), force=args.force)
+        if args.k8s:
+            path = write_private_file(args.k8s, secret_manifest(values, args.namespace), force=args.force)
+            print(f"wrote {path} (mode 0600): the Secret {SECRET_NAME}; apply it, then an overlay of k8s/:")
+            print(f"  kubectl apply -f {path} && kubectl apply -k k8s/overlays/gpu")
+            return 0
+        path = write_env_file(args.env_file, values, force=args.force)
     except FileExistsError as exc:
         print(f"pdctl: {exc}", file=sys.stderr)
         return 1
@@ -157,6 +165,9 @@ def add_commands(sub) -> None:
     s.add_argument("--from", dest="from_file", default=None, help="copy the shared secrets from this env file")
     s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a host setting (repeatable)")
     s.add_argument("--force", action="store_true", help="replace an existing file (and its secrets)")
+    s.add_argument("--k8s", metavar="FILE", default=None,
+                   help="write a Kubernetes Secret manifest (k8s/) to FILE instead of a compose env file")
+    s.add_argument("--namespace", default=None, help="--k8s: the Secret's namespace (default: kubectl's)")
     s.set_defaults(func=cmd_gen_secrets)
 
     s = sub.add_parser("rollout", help="replace workers one at a time: drain, recreate, wait healthy+registered")

@@ -72,20 +72,25 @@ def build_env(stack: str, shared: dict[str, str] | None = None, settings: dict[s
 
 
 def write_env_file(path: str | os.PathLike, values: dict[str, str], *, force: bool = False) -> Path:
-    """Write ``values`` to ``path`` with mode 0600 (atomically; never over an existing file unless
+    """Write ``values`` to ``path`` as a compose env file (``write_private_file``)."""
+    lines = ["# pdserve compose env file (pdctl gen-secrets). Secrets: keep it mode 0600, never commit it.",
+             "# Pass it to every compose command: docker compose --env-file " + str(path) + " -f ...",
+             *(f"{key}={value}" for key, value in values.items())]
+    return write_private_file(path, "\n".join(lines) + "\n", force=force)
+
+
+def write_private_file(path: str | os.PathLike, text: str, *, force: bool = False) -> Path:
+    """Write ``text`` to ``path`` with mode 0600 (atomically; never over an existing file unless
     ``force``: regenerating the secrets of a running deployment locks every host out)."""
     path = Path(path)
     if path.exists() and not force:
         raise FileExistsError(f"{path} exists; its secrets are in use. Pass --force to replace them")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    lines = ["# pdserve compose env file (pdctl gen-secrets). Secrets: keep it mode 0600, never commit it.",
-             "# Pass it to every compose command: docker compose --env-file " + str(path) + " -f ...",
-             *(f"{key}={value}" for key, value in values.items())]
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         with os.fdopen(fd, "w") as f:
-            f.write("\n".join(lines) + "\n")
+            f.write(text)
         os.chmod(tmp, 0o600)  # whatever the umask
         os.replace(tmp, path)
     finally:

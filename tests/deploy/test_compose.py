@@ -19,6 +19,7 @@ from launcher.local_stack import ROOT
 from pdctl.deploy.env_file import SHARED_SECRETS, STACKS as STACK_PROJECTS
 from tests.support.compose_render import (
     COMPOSE, ENV_EXAMPLE, STACKS, WORKER_SERVICES, compose_cli, entrypoint_module, env_values, expected_services,
+    known_env_names,
     load_stack, profile_sets, render_cli, renderings, seconds,
 )
 from tests.support.compose_render import env_files as make_env_files
@@ -395,28 +396,3 @@ def test_images_use_the_lock_and_the_gpu_image_is_multi_stage():
 @pytest.fixture(scope="module")
 def compose_entrypoint():
     return entrypoint_module()
-
-
-def metrics_proxy_env_names() -> set[str]:
-    """What ``pdctl metrics-proxy`` (service metrics-sd) reads: its flags' PDSERVE_<FLAG> names."""
-    import argparse
-
-    from common.cluster.flags import EnvFlags
-    from pdctl.cli import build_parser as pdctl_parser
-
-    commands = next(a for a in pdctl_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    return EnvFlags(commands.choices["metrics-proxy"], {}).names()
-
-
-def known_env_names() -> set[str]:
-    """PDSERVE_* names the worker flags, the gateway, the model cache and the entrypoint read."""
-    from common.cluster.auth import SECRET_ENV
-    from worker.config import build_parser
-    from gateway.config import env_names as gateway_env_names
-
-    names = {f"PDSERVE_{a.dest.upper()}" for a in build_parser("decode", "x")._actions if a.dest != "help"}
-    names |= gateway_env_names() | {SECRET_ENV} | metrics_proxy_env_names()
-    for path in (COMPOSE / "entrypoint.py", COMPOSE / "net_devices.py", ROOT / "common" / "engine" / "loading" / "default_model.py",
-                 COMPOSE / "tls" / "Caddyfile"):
-        names |= set(re.findall(r"PDSERVE_[A-Z_]+", path.read_text()))
-    return names

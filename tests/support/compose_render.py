@@ -208,3 +208,28 @@ def published_addresses(spec: dict) -> list[str]:
             parts = str(port).split(":")
             out.append(parts[0] if len(parts) == 3 else "0.0.0.0")
     return out
+
+
+def metrics_proxy_env_names() -> set[str]:
+    """What ``pdctl metrics-proxy`` (service metrics-sd) reads: its flags' PDSERVE_<FLAG> names."""
+    import argparse
+
+    from common.cluster.flags import EnvFlags
+    from pdctl.cli import build_parser as pdctl_parser
+
+    commands = next(a for a in pdctl_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return EnvFlags(commands.choices["metrics-proxy"], {}).names()
+
+
+def known_env_names() -> set[str]:
+    """PDSERVE_* names the worker flags, the gateway, the model cache and the entrypoint read."""
+    from common.cluster.auth import SECRET_ENV
+    from worker.config import build_parser
+    from gateway.config import env_names as gateway_env_names
+
+    names = {f"PDSERVE_{a.dest.upper()}" for a in build_parser("decode", "x")._actions if a.dest != "help"}
+    names |= gateway_env_names() | {SECRET_ENV} | metrics_proxy_env_names()
+    for path in (COMPOSE / "entrypoint.py", COMPOSE / "net_devices.py", ROOT / "common" / "engine" / "loading" / "default_model.py",
+                 COMPOSE / "tls" / "Caddyfile"):
+        names |= set(re.findall(r"PDSERVE_[A-Z_]+", path.read_text()))
+    return names
