@@ -2,8 +2,8 @@
 
     pdctl gen-secrets [--stack S] [--env-file F] [--from F] [--set K=V]   write a compose env file (0600)
     pdctl gen-secrets --k8s FILE [--namespace NS]                        write a Kubernetes Secret (0600)
-    pdctl rollout [--service S]                     replace workers one at a time, each drained first
-    pdctl scale --prefill N --decode M [--run]      plan (or apply) a resize that drains what it removes
+    pdctl rollout [--service S] [--k8s]             replace workers one at a time, each drained first
+    pdctl scale --prefill N --decode M [--run] [--k8s]   plan (or apply) a resize that drains what it removes
     pdctl metrics-proxy --listen HOST:PORT          Prometheus discovery + signed relay of worker /metrics
 
 Compose commands take the env file (``--env-file``, default ``compose/.env``): its
@@ -78,8 +78,15 @@ def cmd_gen_secrets(_client, args) -> int:
 
 
 def operator(client, args) -> Operator:
-    # Polling a compose project runs `docker ps` and a `docker exec` per container: every 2 s is plenty.
-    return Operator(client, compose_backend(args), drain_timeout=args.drain_timeout, ready_timeout=args.ready_timeout,
+    # Polling a compose project runs `docker ps` and a `docker exec` per container (kubectl: an API
+    # call per poll): every 2 s is plenty.
+    if args.k8s:
+        from pdctl.deploy.k8s_backend import KubernetesBackend
+
+        backend = KubernetesBackend(args.namespace, args.kubectl)
+    else:
+        backend = compose_backend(args)
+    return Operator(client, backend, drain_timeout=args.drain_timeout, ready_timeout=args.ready_timeout,
                     stop_grace_s=args.stop_grace, poll_s=2.0)
 
 
@@ -154,7 +161,12 @@ def _compose_options(s: argparse.ArgumentParser) -> None:
     s.add_argument("--compose", default=env("PDSERVE_COMPOSE", "docker compose"), help="e.g. docker-compose")
     s.add_argument("--drain-timeout", type=float, default=600.0, help="seconds a worker may take to drain")
     s.add_argument("--ready-timeout", type=float, default=900.0, help="seconds a new worker may take to serve")
-    s.add_argument("--stop-grace", type=float, default=150.0, help="docker stop --time for a drained worker")
+    s.add_argument("--stop-grace", type=float, default=150.0, help="docker stop --time for a drained worker "
+                   "(--k8s: how long to wait for its pod to go)")
+    s.add_argument("--k8s", action="store_true", help="the workers are pods of the k8s/ Deployments (kubectl), "
+                   "not compose containers")
+    s.add_argument("--namespace", default=None, help="--k8s: the namespace (default: kubectl's)")
+    s.add_argument("--kubectl", default=env("PDSERVE_KUBECTL", "kubectl"), help="--k8s: the kubectl command")
 
 
 def add_commands(sub) -> None:
