@@ -12,6 +12,9 @@ from common.cluster.redis_util import connect, ensure_redis, redis_url_from_env
 # Workers that tests start run eagerly: compiling at every start (~10 s on 2 cores) would dominate
 # the suite; tests/engine/test_compile.py covers the compiled engine, test_worker_config the default.
 os.environ.setdefault("PDSERVE_COMPILE", "0")
+# `make test` runs several test processes on two cores, and each starts workers: one compute
+# thread per process (torch's default, a thread per core in every process, makes them contend).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def pytest_collection_modifyitems(config, items):
