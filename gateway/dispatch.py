@@ -333,7 +333,9 @@ class Dispatcher:
                         if finished:
                             return
                 except _HandedOver as exc:
-                    exclude.add(decode_id)  # draining: healthy, but takes nothing new
+                    # Draining: its entry says so (not excluded for good: it may be put back to work
+                    # and take this stream again after another move).
+                    await self.pool.refresh()
                     if migration.sent and not migration.move("drain"):
                         raise UpstreamError(f"decode worker {decode_id} drained mid-stream: {exc}") from None
                     log.info("request %s: decode worker %s drains; the stream moves on after %d tokens",

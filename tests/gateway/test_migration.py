@@ -31,6 +31,7 @@ class Worker:
     def __init__(self, stop_after: int | None = None, how: str = "die"):
         self.stop_after, self.how = stop_after, how
         self.bodies: list[GenerateRequest] = []
+        self.on_hand_over = lambda: None  # what its registry entry then says (set by the test)
 
     async def handle(self, request):
         body = decode(await request.read(), GenerateRequest)
@@ -43,12 +44,19 @@ class Worker:
                 if self.how == "die":
                     request.transport.close()
                     return response
+                self.on_hand_over()
                 await response.write(frame(TokenFrame(error="draining", error_kind="migrate")))
                 return response
             last = i == body.sampling_params.max_tokens - 1
             await response.write(frame(TokenFrame(token_ids=[token(i)], finished=last,
                                                   finish_reason="length" if last else None)))
         return response
+
+
+def registered(d, workers) -> None:
+    """Each worker that hands a stream over is draining in the dispatcher's view from then on."""
+    for i, worker in enumerate(workers):
+        worker.on_hand_over = lambda worker_id=f"d{i}": d.pool.draining.add(worker_id)
 
 
 async def run(d, result=None) -> list[int]:
@@ -64,6 +72,7 @@ async def run(d, result=None) -> list[int]:
 async def test_a_stream_goes_on_at_another_worker_after_the_tokens_passed_on(how):
     first, second = Worker(stop_after=4, how=how), Worker()
     async with dispatcher(first.handle, second.handle) as d:
+        registered(d, [first, second])
         assert await run(d) == [token(i) for i in range(MAX_TOKENS)]  # each token once
         cause = "worker_lost" if how == "die" else "drain"
         assert d.metrics.migrations.labels(cause)._value.get() == 1
@@ -78,6 +87,7 @@ async def test_a_stream_goes_on_at_another_worker_after_the_tokens_passed_on(how
 async def test_two_moves_and_the_limit():
     workers = [Worker(stop_after=2), Worker(stop_after=3, how="migrate"), Worker()]
     async with dispatcher(*(w.handle for w in workers), migration_limit=2) as d:
+        registered(d, workers)
         assert await run(d) == [token(i) for i in range(MAX_TOKENS)]
     assert [len(w.bodies[0].resume_token_ids) for w in workers] == [0, 2, 5]
     assert [w.bodies[0].may_migrate for w in workers] == [True, True, False]  # no move left for the last

@@ -218,10 +218,10 @@ def test_a_stream_whose_decode_worker_dies_moves_to_the_other_and_goes_on_unbrok
     # Seeded sampling: the worker the stream moves to draws what the dead one would have drawn.
     params = dict(temperature=0.8, top_p=0.95, seed=23)
     prompt = "A stream that outlives its decode worker:"
-    whole = client(stack).completions.create(model=stack.model_name, prompt=prompt, max_tokens=400,
+    whole = client(stack).completions.create(model=stack.model_name, prompt=prompt, max_tokens=250,
                                              extra_body={"ignore_eos": True}, **params).choices[0].text
     moves_before = metric(stack, "pdserve_migrations_total", 'cause="worker_lost"')
-    first, chunks = open_stream(stack.gateway_url, stack.model_name, prompt, 400, **params)
+    first, chunks = open_stream(stack.gateway_url, stack.model_name, prompt, 250, **params)
     serving = serving_decode_worker(stack)
     stack.kill(serving)
     assert rest_of(first, chunks) == whole  # no break, no duplicate, no lost token
@@ -262,9 +262,9 @@ def drain_from_the_container(stack, worker: str, tmp_path) -> None:
 
 @pytest.mark.parametrize("via", ["gateway admin API", "container preStop"])
 def test_a_drain_hands_its_streams_over_and_each_goes_on_unbroken(stack, via, tmp_path):
-    prompts = [f"Stream {i} of a drained decode worker goes on ({via})" for i in range(4)]
-    wholes = [complete(stack, prompt=p, max_tokens=300).choices[0].text for p in prompts]
-    streams = [open_stream(stack.gateway_url, stack.model_name, p, 300, temperature=0) for p in prompts]
+    prompts = [f"Stream {i} of a drained decode worker goes on ({via})" for i in range(3)]
+    wholes = [complete(stack, prompt=p, max_tokens=200).choices[0].text for p in prompts]
+    streams = [open_stream(stack.gateway_url, stack.model_name, p, 200, temperature=0) for p in prompts]
     inflight = {d: stack.stats(d)["inflight"] for d in DECODERS}
     drained = max(DECODERS, key=inflight.get)
     handed_before = stack.stats(drained)["streams_handed_over"]
@@ -283,3 +283,28 @@ def test_a_drain_hands_its_streams_over_and_each_goes_on_unbroken(stack, via, tm
     finally:
         http_json(f"{stack.gateway_url}/admin/workers/{drained}/role", "POST", b'{"role": "decode"}',
                   {"X-Admin-Token": ADMIN_TOKEN})
+
+
+def test_one_stream_moved_twice_equals_the_unmoved_answer(stack):
+    prompt = "One stream, drained away twice:"
+    whole = complete(stack, prompt=prompt, max_tokens=800).choices[0].text
+    moves_before = metric(stack, "pdserve_migrations_total", 'cause="drain"')
+    first, chunks = open_stream(stack.gateway_url, stack.model_name, prompt, 800, temperature=0)
+    a = serving_decode_worker(stack)
+    b = next(d for d in DECODERS if d != a)
+
+    def admin(worker: str, action: str, body: bytes) -> None:
+        http_json(f"{stack.gateway_url}/admin/workers/{worker}/{action}", "POST", body, {"X-Admin-Token": ADMIN_TOKEN})
+
+    try:
+        admin(a, "drain", b"{}")  # first move: a -> b
+        wait_until(lambda: stack.stats(b)["inflight"] > 0, f"the stream running on {b}")
+        admin(a, "role", b'{"role": "decode"}')  # a serves again ...
+        wait_until(lambda: http_json(f"{stack.gateway_url}/health")["pools"]["decode"]["healthy"] == 2,
+                   f"the gateway routing to {a} again")
+        admin(b, "drain", b"{}")  # ... and takes the stream back: b -> a
+        assert rest_of(first, chunks) == whole
+        assert metric(stack, "pdserve_migrations_total", 'cause="drain"') == moves_before + 2
+    finally:
+        for worker in DECODERS:
+            admin(worker, "role", b'{"role": "decode"}')

@@ -26,15 +26,18 @@ def worker(worker_id: str, role: str) -> WorkerInfo:
 
 
 class Pool:
-    """``WorkerPool``'s routing view over fixed workers; records benching."""
+    """``WorkerPool``'s routing view over fixed workers; records benching; ``draining``: workers
+    whose entries say they drain (the registry's view after a refresh)."""
 
     def __init__(self, workers):
         self.workers = workers
         self.listeners = []
         self.benched: list[str] = []
+        self.draining: set[str] = set()
 
     def routable(self, exclude=()):
-        return [w for w in self.workers if w.worker_id not in exclude and w.worker_id not in self.benched]
+        return [w for w in self.workers
+                if w.worker_id not in exclude and w.worker_id not in self.benched and w.worker_id not in self.draining]
 
     def bench(self, worker_id):
         self.benched.append(worker_id)
