@@ -1,7 +1,7 @@
 """Partial failures between hosts, on real network namespaces (``tests.support.netns``): Redis, the
 gateway, two prefill hosts and two decode hosts, each in its own namespace with its own address
 on a bridge, every process bound to its host's address (never 0.0.0.0, never loopback), the
-cluster secret on, an API key required, KV over TCP between hosts.
+cluster secret on, an API key required, KV between hosts over TCP and over UCX.
 
 Each fault happens while requests run, and each test asserts that every request ends within its
 bounds with the complete greedy answer (equal to the offline engine's) or, where the fault allows
@@ -43,22 +43,36 @@ IDLE_S, KV_TIMEOUT_S = 4.0, 6.0
 REQUEST_BOUND_S = 120.0
 
 
-def worker_command(lab, checkpoint, key_prefix, name: str, role: str) -> list[str]:
+def worker_command(lab, checkpoint, key_prefix, name: str, role: str, transport: str) -> list[str]:
     address = lab.address(name)
     return [*lab.prefix(name), sys.executable, "-m", f"{role}_svc", "--model", str(checkpoint), "--role", role,
-            "--worker-id", name, "--host", address, "--port", "8100", "--kv-port", "8200", "--kv-transport", "tcp",
+            "--worker-id", name, "--host", address, "--port", "8100", "--kv-port", "8200", "--kv-transport", transport,
             "--key-prefix", key_prefix, "--heartbeat-ttl", str(HEARTBEAT_TTL_S), "--kv-timeout", str(KV_TIMEOUT_S),
             "--kv-connect-timeout", "3", "--peer-connect-timeout", "3", *WORKER_ARGS]
 
 
+@pytest.fixture(scope="module", params=["tcp", "ucx"])
+def transport(request):
+    """KV between hosts over TCP, and over UCX (its TCP lane: the hosts' eth0, picked from the
+    address the KV listener binds).  The faults that do not touch KV run over TCP only."""
+    if request.param == "ucx":
+        pytest.importorskip("ucxx")
+    return request.param
+
+
+def kv_fault_only(transport) -> None:
+    if transport != "tcp":
+        pytest.skip("transport-independent: run over TCP")
+
+
 @pytest.fixture(scope="module")
-def lab():
+def lab(transport):
     with netns.Lab(HOSTS) as lab:
         yield lab
 
 
 @pytest.fixture(scope="module")
-def stack(lab, served_checkpoint, tmp_path_factory):
+def stack(lab, transport, served_checkpoint, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("multihost")
     password = generate_secret()
     conf = workdir / "redis.conf"
@@ -66,15 +80,17 @@ def stack(lab, served_checkpoint, tmp_path_factory):
     conf.chmod(0o600)
     key_prefix = f"pdmh-{uuid.uuid4().hex[:10]}"
     redis_url = f"redis://:{password}@{lab.address('redis')}:6379/0"
+    # The hosts share one kernel: UCX would move KV through shared memory (sysv, cma), around the
+    # network the faults act on.  Its TCP lane only, as between machines without RDMA.
     stack = LocalStack(str(served_checkpoint), redis_url, key_prefix=key_prefix, workdir=workdir, prefill=0, decode=0,
-                       extra_env={"OMP_NUM_THREADS": "1", "PDSERVE_API_KEY": API_KEY})
+                       extra_env={"OMP_NUM_THREADS": "1", "PDSERVE_API_KEY": API_KEY, "UCX_TLS": "tcp"})
     try:
         stack.spawn("redis", [*lab.prefix("redis"), "redis-server", str(conf)])
         for name in PREFILL:
-            stack.spawn(name, worker_command(lab, served_checkpoint, key_prefix, name, "prefill"),
+            stack.spawn(name, worker_command(lab, served_checkpoint, key_prefix, name, "prefill", transport),
                         f"http://{lab.address(name)}:8100")
         for name in DECODE:
-            stack.spawn(name, worker_command(lab, served_checkpoint, key_prefix, name, "decode"),
+            stack.spawn(name, worker_command(lab, served_checkpoint, key_prefix, name, "decode", transport),
                         f"http://{lab.address(name)}:8100")
         gw = lab.address("gw")
         stack.spawn("gateway", [*lab.prefix("gw"), sys.executable, "-m", "gateway", "--model", str(served_checkpoint),
@@ -153,7 +169,8 @@ def test_the_processes_are_bound_to_their_hosts_addresses(lab, stack):
         assert all(a.startswith(lab.address(host) + ":") for a in addresses), addresses  # no 0.0.0.0, no loopback
 
 
-def test_gateway_cut_from_a_decode_host_mid_stream_moves_the_stream(lab, stack, offline):
+def test_gateway_cut_from_a_decode_host_mid_stream_moves_the_stream(lab, stack, offline, transport):
+    kv_fault_only(transport)
     prompt = fresh_prompt(40, seed=1)
     expected = offline(prompt, 300)
     moves = metric(stack, "pdserve_migrations_total", 'cause="worker_lost"')
@@ -205,7 +222,8 @@ def test_prefill_decode_links_cut_mid_transfer_fall_back_to_local_compute(lab, s
 
 
 @pytest.mark.parametrize("fault", ["cut from Redis", "interface down"])
-def test_a_decode_host_that_loses_its_network_leaves_the_pool_and_comes_back(lab, stack, offline, fault):
+def test_a_decode_host_that_loses_its_network_leaves_the_pool_and_comes_back(lab, stack, offline, fault, transport):
+    kv_fault_only(transport)
     host = "d1"
     if fault == "cut from Redis":  # the gateway still reaches it: only its registry entry lapses
         lab.cut(host, "redis")
