@@ -19,8 +19,6 @@ from dataclasses import dataclass, field
 from common.cluster.messages import TokenFrame
 from gateway.metrics import GatewayMetrics
 
-CAUSES = ("worker_lost", "drain")
-
 
 @dataclass
 class StreamMigration:
