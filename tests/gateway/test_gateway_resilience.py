@@ -28,7 +28,7 @@ from tests.support.cluster import http_json, running_cluster
 from tests.support.fake_decode import FakeDecodeWorker
 
 GATEWAY_ARGS = [
-    "--upstream-response-timeout", "10", "--first-token-timeout", "20", "--upstream-idle-timeout", "10",
+    "--upstream-response-timeout", "10", "--first-token-timeout", "20", "--upstream-idle-timeout", "5",
     "--bench-time", "600", "--max-inflight", "200", "--queue-size", "2", "--queue-timeout", "12",
     # The bounds on one decode worker's answer, seen alone: a stream that stalls after its first
     # token ends with the idle timeout's error instead of moving on (the fakes cannot continue a
