@@ -244,6 +244,7 @@ class Dispatcher:
         ``follow``: another request's result (a sibling of an ``n > 1`` request, whose prompt is
         this one's): its decode worker, which caches the prompt, is tried first, computing it there."""
         exclude: set[str] = set()  # workers that failed this request
+        stale: set[str] = set()  # workers that refused it as no longer decoding (until its stream moves)
         busy: set[str] = set()  # workers that said busy since this request last waited
         failures = 0
         last_bad_answer: _BadAnswer | None = None  # the last worker answer that was no frame stream
@@ -261,11 +262,11 @@ class Dispatcher:
                     busy.clear()
                 resume = list(migration.sent)  # a moved stream: the new worker computes these too
                 if resume:
-                    route = await self.choose(prompt + resume, exclude | busy, cache_salt)
+                    route = await self.choose(prompt + resume, exclude | stale | busy, cache_salt)
                     route = route and dataclasses.replace(route, prefill=None, reason="a moved stream")
                 else:
-                    route = self._sibling_route(follow, exclude | busy) or await self.choose(
-                        prompt, exclude | busy, cache_salt, hashed)
+                    route = self._sibling_route(follow, exclude | stale | busy) or await self.choose(
+                        prompt, exclude | stale | busy, cache_salt, hashed)
                 if route is None and last_bad_answer is not None and not busy:
                     # Every worker left answered garbage: no room will appear by waiting.
                     raise WorkerAnswerError(f"no decode worker gave a readable answer ({last_bad_answer})")
@@ -336,6 +337,7 @@ class Dispatcher:
                     # Draining: its entry says so (not excluded for good: it may be put back to work
                     # and take this stream again after another move).
                     await self.pool.refresh()
+                    stale.clear()  # a worker that refused it before may be back at work by now
                     if migration.sent and not migration.move("drain"):
                         raise UpstreamError(f"decode worker {decode_id} drained mid-stream: {exc}") from None
                     log.info("request %s: decode worker %s drains; the stream moves on after %d tokens",
@@ -346,7 +348,7 @@ class Dispatcher:
                         busy.add(decode_id)
                         self.metrics.decode_busy.labels(decode_id).inc()
                         continue
-                    exclude.add(decode_id)
+                    stale.add(decode_id)
                     await self.pool.refresh()  # it drains or changed role: re-read the registry
                 except (aiohttp.ClientError, ConnectionError, _UpstreamTimeout, _BadAnswer) as exc:
                     exclude.add(decode_id)

@@ -317,15 +317,17 @@ class Worker:
         token boundary, so the drain takes the time of a hand-over, not of the longest stream;
         the others decode to their end here."""
         self.state = "draining"
-        moved = self.engine_thread.hand_over(self.movable_streams)
-        if moved:
-            log.info("drain: handing %d streams over to other decode workers", moved)
         if self._drain_task is None or self._drain_task.done():
             self._drain_task = self.spawn(self._finish_drain())
         return self._drain_task
 
     async def _finish_drain(self) -> None:
+        # The registry says "draining" before any stream is handed over: a gateway that re-reads it
+        # on the hand-over never routes the stream straight back here.
         await self._heartbeat.beat()
+        moved = self.engine_thread.hand_over(self.movable_streams)
+        if moved:
+            log.info("drain: handing %d streams over to other decode workers", moved)
         await self.in_flight.wait_idle()
         if self.state == "draining":
             self.state = "idle"

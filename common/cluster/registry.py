@@ -364,9 +364,16 @@ class Heartbeat:
         self.last: WorkerInfo | None = None
         self._task: asyncio.Task | None = None
         self._stopping = False
+        self._writing = asyncio.Lock()
 
     async def beat(self) -> bool:
-        """Write the entry now (also used right after a state change); True on success."""
+        """Write the entry now (also used right after a state change); True on success.  Beats
+        are written one at a time, each with the state of its own turn: a periodic beat that read
+        the state before a change never lands after the change's beat."""
+        async with self._writing:
+            return await self._write()
+
+    async def _write(self) -> bool:
         try:
             info = self.info_fn()
             self.last = await self.registry.register(info)

@@ -148,6 +148,31 @@ async def test_heartbeat_refreshes_entry_and_deregisters_on_stop(redis_client, k
         Heartbeat(reg, info_fn, interval_s=3.0)
 
 
+async def test_a_beat_that_read_the_old_state_never_lands_after_the_change(redis_client, key_prefix):
+    """A periodic beat reads "draining", then a role change's beat reads "active": whichever write
+    Redis sees last must be the newer state, however the two writes' round trips interleave."""
+    reg = WorkerRegistry(redis_client, key_prefix=key_prefix, ttl_s=5.0)
+    register = reg.register
+    first_write_may_finish = asyncio.Event()
+
+    async def slow_first_write(info):
+        if info.state == "draining":
+            await first_write_may_finish.wait()
+        return await register(info)
+
+    reg.register = slow_first_write
+    state = {"now": "draining"}
+    hb = Heartbeat(reg, lambda: make_info("p0", state=state["now"]))
+    periodic = asyncio.create_task(hb.beat())
+    await asyncio.sleep(0)  # it has read "draining" and is writing it
+    state["now"] = "active"
+    change = asyncio.create_task(hb.beat())
+    await asyncio.sleep(0.05)
+    first_write_may_finish.set()
+    assert await periodic and await change
+    assert (await reg.get(MODEL, "p0")).state == "active"
+
+
 async def test_heartbeat_survives_redis_outage():
     server = start_redis_server()
     client = connect(server.url, timeout_s=0.5)

@@ -34,7 +34,9 @@ class Worker:
         self.on_hand_over = lambda: None  # what its registry entry then says (set by the test)
 
     async def handle(self, request):
-        body = decode(await request.read(), GenerateRequest)
+        return await self.handle_body(request, decode(await request.read(), GenerateRequest))
+
+    async def handle_body(self, request, body: GenerateRequest):
         self.bodies.append(body)
         response = web.StreamResponse(headers={"Content-Type": FRAMES_CONTENT_TYPE})
         await response.prepare(request)
@@ -105,3 +107,26 @@ async def test_without_migration_a_lost_worker_ends_the_stream_with_an_error():
         with pytest.raises(UpstreamError, match="failed mid-stream"):
             await run(d)
     assert not first.bodies[0].may_migrate and not second.bodies
+
+
+async def test_a_worker_that_refused_the_moved_stream_takes_it_back_once_it_serves_again():
+    """d0 hands the stream over before its registry entry says it drains, so the gateway tries it
+    again and is refused (a stale view).  Put back to work, it must still be a candidate when d1
+    hands the stream over in turn: a refusal excludes a worker only until the stream moves again."""
+    d0_calls = []
+
+    async def d0(request):
+        d0_calls.append(decode(await request.read(), GenerateRequest))
+        if len(d0_calls) == 2:  # the stale route back: refused, and now its entry says it drains
+            d.pool.draining.add("d0")
+            return web.Response(body=frame(TokenFrame(error="worker is draining", error_kind="refused")),
+                                status=503, content_type=FRAMES_CONTENT_TYPE)
+        return await Worker(stop_after=2 if len(d0_calls) == 1 else None, how="migrate").handle_body(
+            request, d0_calls[-1])
+
+    d1 = Worker(stop_after=3, how="migrate")
+    d1.on_hand_over = lambda: d.pool.draining.discard("d0")  # d0 serves again; d1 drains
+    async with dispatcher(d0, d1.handle, migration_limit=2) as d:
+        assert await run(d) == [token(i) for i in range(MAX_TOKENS)]
+    assert [len(body.resume_token_ids) for body in d0_calls] == [0, 2, 5]
+    assert len(d1.bodies[0].resume_token_ids) == 2
