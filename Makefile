@@ -24,9 +24,11 @@ demo: $(STAMP)
 
 # Test files run in TEST_WORKERS processes, each file whole in one (--dist loadfile): most tests wait
 # on processes they started, so three share two cores well.  TEST_WORKERS=0 runs them in this one.
+# Bytecode is cached (in the checkout's gitignored __pycache__ folders) even where the environment
+# turns it off: the suite starts ~200 Python processes, each importing the project's modules.
 TEST_WORKERS ?= 3
 test: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile tests
+	env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile tests
 
 # Regenerate requirements/*.lock (the images' pinned, hashed dependencies) after a pyproject change; needs uv.
 lock:

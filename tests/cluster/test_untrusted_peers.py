@@ -25,6 +25,8 @@ from common.cluster.registry import Capacity, KVAddress, WorkerInfo, WorkerRegis
 from common.engine.sampling_params import SamplingParams
 from tests.support.cluster import ADMIN_TOKEN, http_json, running_cluster
 
+pytestmark = pytest.mark.slow(seconds=15)  # a long file: scheduled by its length (tests/conftest.py)
+
 WORKER_ARGS = ["--num-blocks", "256", "--block-size", "4", "--max-num-batched-tokens", "32"]
 PROMPT = "KV cache blocks move from the prefill worker to the decode worker over UCX. "
 

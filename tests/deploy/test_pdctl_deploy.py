@@ -19,7 +19,7 @@ from pdctl.deploy.env_file import SHARED_SECRETS, read_env_file
 from pdctl.deploy.rollout import OperationError, Operator
 from tests.support.cluster import ADMIN_TOKEN, running_cluster
 
-pytestmark = pytest.mark.slow  # a long file: scheduled first (tests/conftest.py)
+pytestmark = pytest.mark.slow(seconds=36)  # a long file: scheduled by its length (tests/conftest.py)
 
 # ---- gen-secrets ---------------------------------------------------------------------------------
 

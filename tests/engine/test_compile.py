@@ -10,6 +10,8 @@ from common.engine.engine import Engine
 from common.engine.models import stages
 from tests.support.checkpoints import VOCAB, hf_greedy, tiny_gemma3_config, write_checkpoint
 
+pytestmark = pytest.mark.slow(seconds=21)  # a long file: scheduled by its length (tests/conftest.py)
+
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 
 

@@ -14,7 +14,7 @@ PROMPTS = [
 ]
 NEW_TOKENS = 20
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow(seconds=57)  # a long file: scheduled by its length (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow(seconds=30)  # a long file: scheduled by its length (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parents[2]
 ABSENT = ("msgspec", "redis", "ucxx", "gguf")
 RUN_WITHOUT = f"""

@@ -8,6 +8,8 @@ import torch.nn.functional as F
 from common.engine.models import linear as linear_module
 from common.engine.models.linear import ONEDNN_MAX_ROWS, Linear, linear
 
+pytestmark = pytest.mark.slow(seconds=38)  # a long file: scheduled by its length (tests/conftest.py)
+
 
 def ops_called(fn) -> set[str]:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:

@@ -27,6 +27,8 @@ from common.cluster.messages import FRAMES_CONTENT_TYPE, GenerateRequest, TokenF
 from tests.support.cluster import http_json, running_cluster
 from tests.support.fake_decode import FakeDecodeWorker
 
+pytestmark = pytest.mark.slow(seconds=56)  # a long file: scheduled by its length (tests/conftest.py)
+
 GATEWAY_ARGS = [
     "--upstream-response-timeout", "10", "--first-token-timeout", "20", "--upstream-idle-timeout", "5",
     "--bench-time", "600", "--max-inflight", "200", "--queue-size", "2", "--queue-timeout", "12",

@@ -14,7 +14,8 @@ from common.engine.kv.kv_cache import KVCache
 from kvt_support import AUTH, LAYOUT, NUM_BLOCKS, random_cache
 from kvtransfer import KVReceiver, KVSender, KVTransferConfig, PeerLost, TransferError
 
-pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.parametrize("transport", ["tcp", "ucx"])]
+pytestmark = [pytest.mark.slow(seconds=21),  # a long file: scheduled by its length (tests/conftest.py)
+              pytest.mark.asyncio(loop_scope="session"), pytest.mark.parametrize("transport", ["tcp", "ucx"])]
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PEER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kv_peer.py")

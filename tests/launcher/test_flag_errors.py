@@ -13,7 +13,7 @@ import pytest
 
 from common.cluster.flags import EnvFlags, FlagParser
 
-pytestmark = pytest.mark.slow  # a long file: scheduled first (tests/conftest.py)
+pytestmark = pytest.mark.slow(seconds=5)  # a long file: scheduled by its length (tests/conftest.py)
 
 SECRET = "Sup3rSecretValue-0123456789abcdef"
 

@@ -107,7 +107,7 @@ def wait_for(predicate, what: str):
     return value
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=22)
 def test_make_up_restarts_a_killed_worker_and_sigint_stops_everything(served_checkpoint, redis_url, tmp_path):
     port = free_port()
     key_prefix = f"pdtest-{uuid.uuid4().hex[:12]}"

@@ -28,7 +28,7 @@ from tests.support.cluster import delete_keys
 from tests.support.serving import WORKER_ARGS, wait_idle
 from tests.support.waiting import wait_until
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(netns.unavailable() is not None,
+pytestmark = [pytest.mark.slow(seconds=64), pytest.mark.skipif(netns.unavailable() is not None,
                                                      reason=f"no network namespaces: {netns.unavailable()}")]
 
 HOSTS = ["redis", "gw", "p0", "p1", "d0", "d1"]

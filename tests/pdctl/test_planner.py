@@ -18,6 +18,8 @@ from pdctl.planner.simulator import Simulation
 from pdctl.planner.traffic import LengthDist, load_trace, synthetic
 from tests.support.planner_support import COST, config, workload
 
+pytestmark = pytest.mark.slow(seconds=15)  # a long file: scheduled by its length (tests/conftest.py)
+
 # ---- cost model ------------------------------------------------------------------------------
 
 

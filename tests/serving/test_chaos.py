@@ -59,7 +59,7 @@ def check(result: dict, min_requests: int) -> None:
     assert all(cpu <= IDLE_CPU_SHARE * window for cpu in result["idle_cpu_s"].values()), report
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=46)
 def test_chaos_over_tcp(checkpoint, tmp_path):
     result = run_chaos(ChaosConfig(transport="tcp", requests=120), tmp_path, checkpoint)
     print(json.dumps(summary(result)), json.dumps(result["error_reasons"]))

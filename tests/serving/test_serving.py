@@ -22,7 +22,7 @@ from tests.support.cluster import http_json, running_cluster
 from tests.support.serving import BLOCK_SIZE, WORKER_ARGS, wait_idle
 from tests.support.waiting import wait_until
 
-pytestmark = pytest.mark.slow  # a long file: scheduled first (tests/conftest.py)
+pytestmark = pytest.mark.slow(seconds=10)  # a long file: scheduled by its length (tests/conftest.py)
 
 API_KEY = "sk-test-key-0123456789"  # the gateway refuses keys under 16 characters
 SKIP_PREFILL_BELOW = 8  # prompts with fewer uncached tokens go straight to the decode worker

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import openai
@@ -28,11 +29,16 @@ from tests.support.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 
-pytestmark = pytest.mark.slow  # a long file: scheduled first (tests/conftest.py)
+pytestmark = pytest.mark.slow(seconds=100)  # a long file: scheduled by its length (tests/conftest.py)
 
 PROMPT = "The quick brown fox jumps over the lazy dog, and then"
 POOL = {"prefill": 1, "decode": 2}
 DECODERS = ("d0", "d1")
+# A drain with this many streams on one decode worker, each long enough to be decoding still when
+# the drain lands after the last one started (the KV pools hold them all on either worker).
+# (A step's token budget above STREAMS: all of them decode in every step.)
+STREAMS, STREAM_TOKENS = 20, 300
+STACK_ARGS = ["--num-blocks", "2048", "--max-num-batched-tokens", "32"]  # (blocks of BLOCK_SIZE tokens)
 # Bounds on waits for a condition that must come (a process start, a registry entry lapsing, a
 # worker going idle): generous, since 2 shared cores may be busy with other work.
 WAIT_S = 300.0
@@ -50,7 +56,8 @@ def private_redis():
 @pytest.fixture(scope="module")
 def stack(served_checkpoint, private_redis, tmp_path_factory):
     with running_cluster(served_checkpoint, tmp_path_factory.mktemp("logs"), private_redis.url, **POOL,
-                         worker_args=WORKER_ARGS, gateway_args=["--skip-prefill-below", "8"]) as c:
+                         worker_args=[*WORKER_ARGS, *STACK_ARGS],
+                         gateway_args=["--skip-prefill-below", "8"]) as c:
         yield c
 
 
@@ -260,10 +267,49 @@ def drain_from_the_container(stack, worker: str, tmp_path) -> None:
     assert stack.cluster_secret not in result.stdout + result.stderr
 
 
-@pytest.mark.parametrize("via", ["gateway admin API", "container preStop"])
-def test_a_drain_hands_its_streams_over_and_each_goes_on_unbroken(stack, via, tmp_path):
-    # Long streams: still decoding when the drain lands (the preStop variant starts a Python process).
-    prompts = [f"Stream {i} of a drained decode worker goes on ({via})" for i in range(2)]
+def admin(stack, worker: str, action: str, body: bytes = b"{}") -> None:
+    http_json(f"{stack.gateway_url}/admin/workers/{worker}/{action}", "POST", body, {"X-Admin-Token": ADMIN_TOKEN})
+
+
+def decoders_routed(stack) -> int:
+    return http_json(f"{stack.gateway_url}/health")["pools"]["decode"]["healthy"]
+
+
+def test_a_drain_hands_twenty_streams_over_and_each_goes_on_unbroken(stack):
+    """Twenty streams on one decode worker (the other is out of the decode pool while they
+    start); a drain through the gateway's admin API hands every one over at once -- none decodes
+    to its end there -- and each goes on at the other worker as if it had never moved."""
+    prompts = [f"Stream {i} of twenty on one drained decode worker:" for i in range(STREAMS)]
+    with ThreadPoolExecutor(STREAMS) as pool:
+        wholes = list(pool.map(lambda p: complete(stack, prompt=p, max_tokens=STREAM_TOKENS).choices[0].text,
+                               prompts))
+    drained, other = DECODERS
+    handed_before = stack.stats(drained)["streams_handed_over"]
+    moves_before = metric(stack, "pdserve_migrations_total", 'cause="drain"')
+    try:
+        admin(stack, other, "role", b'{"role": "prefill"}')
+        wait_until(lambda: decoders_routed(stack) == 1, f"the gateway routing to {drained} alone")
+        with ThreadPoolExecutor(STREAMS) as pool:
+            streams = list(pool.map(lambda p: open_stream(stack.gateway_url, stack.model_name, p, STREAM_TOKENS,
+                                                          temperature=0), prompts))
+        # Back in the registry before the drain (a role change is written at once): the gateway
+        # reads it when the first stream is handed over.
+        admin(stack, other, "role", b'{"role": "decode"}')
+        admin(stack, drained, "drain")
+        with ThreadPoolExecutor(STREAMS) as pool:
+            assert list(pool.map(lambda stream: rest_of(*stream), streams)) == wholes
+        wait_until(lambda: stack.stats(drained)["state"] == "idle", f"{drained} idle after its drain")
+        assert stack.stats(drained)["streams_handed_over"] - handed_before == STREAMS
+        assert metric(stack, "pdserve_migrations_total", 'cause="drain"') == moves_before + STREAMS
+    finally:
+        for worker in DECODERS:
+            admin(stack, worker, "role", b'{"role": "decode"}')
+
+
+def test_a_drain_from_the_container_hands_its_streams_over(stack, tmp_path):
+    """What a Kubernetes preStop hook runs: the streams move, then the drain command returns."""
+    # Long streams: still decoding when the drain lands (the drain command is a new Python process).
+    prompts = [f"Stream {i} of a decode worker drained from its container" for i in range(2)]
     wholes = [complete(stack, prompt=p, max_tokens=800).choices[0].text for p in prompts]
     streams = [open_stream(stack.gateway_url, stack.model_name, p, 800, temperature=0) for p in prompts]
     inflight = {d: stack.stats(d)["inflight"] for d in DECODERS}
@@ -271,19 +317,14 @@ def test_a_drain_hands_its_streams_over_and_each_goes_on_unbroken(stack, via, tm
     handed_before = stack.stats(drained)["streams_handed_over"]
     moves_before = metric(stack, "pdserve_migrations_total", 'cause="drain"')
     try:
-        if via == "container preStop":
-            drain_from_the_container(stack, drained, tmp_path)
-        else:
-            http_json(f"{stack.gateway_url}/admin/workers/{drained}/drain", "POST", b"{}",
-                      {"X-Admin-Token": ADMIN_TOKEN})
+        drain_from_the_container(stack, drained, tmp_path)
         assert [rest_of(first, chunks) for first, chunks in streams] == wholes
         wait_until(lambda: stack.stats(drained)["state"] == "idle", f"{drained} idle after its drain")
         handed = stack.stats(drained)["streams_handed_over"] - handed_before
         assert handed >= 1  # its streams moved rather than decoding to the end there
         assert metric(stack, "pdserve_migrations_total", 'cause="drain"') == moves_before + handed
     finally:
-        http_json(f"{stack.gateway_url}/admin/workers/{drained}/role", "POST", b'{"role": "decode"}',
-                  {"X-Admin-Token": ADMIN_TOKEN})
+        admin(stack, drained, "role", b'{"role": "decode"}')
 
 
 def test_one_stream_moved_twice_equals_the_unmoved_answer(stack):
@@ -293,19 +334,14 @@ def test_one_stream_moved_twice_equals_the_unmoved_answer(stack):
     first, chunks = open_stream(stack.gateway_url, stack.model_name, prompt, 800, temperature=0)
     a = serving_decode_worker(stack)
     b = next(d for d in DECODERS if d != a)
-
-    def admin(worker: str, action: str, body: bytes) -> None:
-        http_json(f"{stack.gateway_url}/admin/workers/{worker}/{action}", "POST", body, {"X-Admin-Token": ADMIN_TOKEN})
-
     try:
-        admin(a, "drain", b"{}")  # first move: a -> b
+        admin(stack, a, "drain")  # first move: a -> b
         wait_until(lambda: stack.stats(b)["inflight"] > 0, f"the stream running on {b}")
-        admin(a, "role", b'{"role": "decode"}')  # a serves again ...
-        wait_until(lambda: http_json(f"{stack.gateway_url}/health")["pools"]["decode"]["healthy"] == 2,
-                   f"the gateway routing to {a} again")
-        admin(b, "drain", b"{}")  # ... and takes the stream back: b -> a
+        admin(stack, a, "role", b'{"role": "decode"}')  # a serves again ...
+        wait_until(lambda: decoders_routed(stack) == 2, f"the gateway routing to {a} again")
+        admin(stack, b, "drain")  # ... and takes the stream back: b -> a
         assert rest_of(first, chunks) == whole
         assert metric(stack, "pdserve_migrations_total", 'cause="drain"') == moves_before + 2
     finally:
         for worker in DECODERS:
-            admin(worker, "role", b'{"role": "decode"}')
+            admin(stack, worker, "role", b'{"role": "decode"}')

@@ -16,6 +16,8 @@ import pytest
 
 from tests.support.checkpoints import TRAINING_TEXT
 
+pytestmark = pytest.mark.slow(seconds=21)  # a long file: scheduled by its length (tests/conftest.py)
+
 SCHEMA = {
     "type": "object",
     "properties": {

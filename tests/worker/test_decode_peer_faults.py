@@ -48,6 +48,8 @@ from tests.support.scripted_peer import (
 )
 from tests.support.waiting import until
 
+pytestmark = pytest.mark.slow(seconds=16)  # a long file: scheduled by its length (tests/conftest.py)
+
 PROMPT_TOKENS = 40
 KV_TIMEOUT = 10.0        # the decode worker's bound on a remote prefill
 WORKER_ARGS = ["--num-blocks", str(NUM_BLOCKS), "--block-size", str(BLOCK_SIZE), "--max-num-batched-tokens", "16",

@@ -17,6 +17,8 @@ import pytest
 
 from tests.support.checkpoints import tiny_llama_config, write_checkpoint
 
+pytestmark = pytest.mark.slow(seconds=17)  # a long file: scheduled by its length (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parents[2]
 WAIT = 300.0  # turns a hang into a failure; far beyond what the backstop takes (a few seconds)
 

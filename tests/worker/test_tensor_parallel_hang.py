@@ -12,6 +12,8 @@ import pytest
 
 from tests.support.cluster import running_cluster
 
+pytestmark = pytest.mark.slow(seconds=23)  # a long file: scheduled by its length (tests/conftest.py)
+
 WATCHDOG_S = 5  # a step of this tiny model takes milliseconds; the first of each kind gets 4x
 
 
