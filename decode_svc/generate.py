@@ -10,7 +10,9 @@
     every step's new token     ->  TokenFrame to the gateway
     a failure of the prefill worker or the transfer before the first token: compute the prompt
         locally instead
-    a stream moved here (``resume_token_ids``): compute the prompt and those tokens locally, go on
+    a stream moved here (``resume_token_ids``): the KV of the prompt and those tokens comes from
+        ``prefill_worker_id`` -- the draining worker it left, out of its cache -- or is computed
+        here; go on after them
     this worker drains (``HandOver``, for a request that ``may_migrate``): after the tokens sent so
         far, a "migrate" frame; the gateway continues the stream on another worker
     client gone / abort, or the lease ended before the KV landed: tell the prefill worker; free the
@@ -77,9 +79,6 @@ async def handle_generate(context: RoleContext, request: web.Request) -> web.Str
         body = decode(await request.read(), GenerateRequest)
     except ValueError as exc:
         return error_answer(str(exc), "invalid", 400)
-    if body.resume_token_ids and body.prefill_worker_id:
-        return error_answer("resume_token_ids: a moved stream is computed by its decode worker; "
-                            "prefill_worker_id must be unset", "invalid", 400)
     refusal = context.accepts("generate")
     if refusal:
         error_kind, reason = refusal
@@ -250,14 +249,14 @@ async def reserve(context: RoleContext, body: GenerateRequest, grammar: Compiled
     ``ValueError`` for bad input."""
     began = time.monotonic()
     try:
-        peer = await resolve_prefill_worker(context, body.prefill_worker_id)
+        peer = await resolve_prefill_worker(context, body.prefill_worker_id, moved_stream=bool(body.resume_token_ids))
     except BadPrefillAnswer as exc:
         raise RemotePrefillFailed(str(exc)) from None
     lease_s = context.reservation_lease_s
 
     def reserve_blocks(engine: Engine):
         request = engine.make_request(body.prompt_token_ids, body.sampling_params, body.request_id, body.cache_salt,
-                                      grammar)
+                                      grammar, body.resume_token_ids)
         reserved = engine.scheduler.reserve_remote(request, lease_s=lease_s)
         return None if reserved is None else (request, *reserved)
 
@@ -284,10 +283,13 @@ async def remote_prefill(context: RoleContext, body: GenerateRequest, reservatio
     skip = num_cached // context.model.block_size
     dst_block_ids = reservation.block_ids[skip:]
     handle = context.kv_receiver.expect(request_id, dst_block_ids)
-    prefill = PrefillRequest(request_id=request_id, prompt_token_ids=body.prompt_token_ids,
+    moved = bool(body.resume_token_ids)  # the peer may be the worker the stream left, still ending it there
+    peer_request_id = f"{request_id[:100]}#moved{len(body.resume_token_ids)}" if moved else request_id
+    prefill = PrefillRequest(request_id=peer_request_id, prompt_token_ids=body.prompt_token_ids,
                              sampling_params=body.sampling_params, decode_worker_id=context.worker_id,
                              dst_block_ids=dst_block_ids, num_skip_blocks=skip,
-                             transfer_id=handle.transfer_id, cache_salt=body.cache_salt)
+                             transfer_id=handle.transfer_id, cache_salt=body.cache_salt,
+                             resume_token_ids=body.resume_token_ids, moved_stream_id=request_id if moved else None)
     call = asyncio.ensure_future(call_prefill(context, peer, prefill))
     landed = asyncio.ensure_future(kv_landed(context, handle, reservation.request))
     try:
@@ -299,7 +301,7 @@ async def remote_prefill(context: RoleContext, body: GenerateRequest, reservatio
         # the reservation keeps them.  A task of its own, so a handler cancelled again meanwhile
         # (the gateway's abort) cannot free them early.
         pending.release = context.spawn(release_reservation(context, request_id, handle))
-        context.spawn(send_abort(context, peer, request_id))
+        context.spawn(send_abort(context, peer, peer_request_id))
         context.peers.forget(peer.worker_id)  # it may have restarted elsewhere
         if isinstance(exc, asyncio.CancelledError):
             raise

@@ -9,7 +9,7 @@ first token is committed to the request and its blocks to the prefix cache:
 
     first_token_id     in [0, vocab_size)             (an id outside crashes the model's embedding)
     num_sent_blocks    == the blocks asked for
-    num_cached_tokens  in [0, prompt length]
+    num_cached_tokens  in [0, prompt length (with a moved stream's resumed tokens)]
     first_logprob      None unless logprobs were asked for; then for first_token_id, finite, <= 0,
                        at most ``logprobs`` alternatives, each inside the vocabulary
 """
@@ -35,12 +35,14 @@ class BadPrefillAnswer(Exception):
     """The prefill worker's answer cannot be used (the message says which field and why)."""
 
 
-async def resolve_prefill_worker(context: RoleContext, worker_id: str) -> WorkerInfo:
-    """The registry entry of prefill worker ``worker_id``; BadPrefillAnswer if it is not one."""
+async def resolve_prefill_worker(context: RoleContext, worker_id: str, moved_stream: bool = False) -> WorkerInfo:
+    """The registry entry of prefill worker ``worker_id``; BadPrefillAnswer if it is not one.  For
+    a ``moved_stream`` any worker of the model may compute its KV (the decode worker it left, in
+    a live move)."""
     peer = await context.peers.get(worker_id)
     if peer is None:
         raise BadPrefillAnswer(f"prefill worker {worker_id!r} has no verified registry entry")
-    if peer.role not in ("prefill", "both"):
+    if peer.role not in ("prefill", "both") and not moved_stream:
         raise BadPrefillAnswer(f"worker {worker_id!r} is registered as {peer.role}, not as a prefill worker")
     return peer
 
@@ -79,8 +81,9 @@ def check_prefill_result(result: PrefillResult, asked: PrefillRequest, vocab_siz
         raise bad(f"first_token_id {result.first_token_id} is outside the vocabulary [0, {vocab_size})")
     if result.num_sent_blocks != len(asked.dst_block_ids):
         raise bad(f"num_sent_blocks is {result.num_sent_blocks}, {len(asked.dst_block_ids)} were asked for")
-    if not 0 <= result.num_cached_tokens <= len(asked.prompt_token_ids):
-        raise bad(f"num_cached_tokens {result.num_cached_tokens} is outside [0, {len(asked.prompt_token_ids)}]")
+    num_kv_tokens = len(asked.prompt_token_ids) + len(asked.resume_token_ids)
+    if not 0 <= result.num_cached_tokens <= num_kv_tokens:
+        raise bad(f"num_cached_tokens {result.num_cached_tokens} is outside [0, {num_kv_tokens}]")
     wanted = asked.sampling_params.logprobs
     lp = result.first_logprob
     if lp is None:

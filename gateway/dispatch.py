@@ -31,7 +31,6 @@ their own pool of the same size and a total timeout, so they never queue behind 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -263,7 +262,7 @@ class Dispatcher:
                 resume = list(migration.sent)  # a moved stream: the new worker computes these too
                 if resume:
                     route = await self.choose(prompt + resume, exclude | stale | busy, cache_salt)
-                    route = route and dataclasses.replace(route, prefill=None, reason="a moved stream")
+                    route = route and migration.resumed_route(route)
                 else:
                     route = self._sibling_route(follow, exclude | stale | busy) or await self.choose(
                         prompt, exclude | stale | busy, cache_salt, hashed)
@@ -338,7 +337,7 @@ class Dispatcher:
                     # and take this stream again after another move).
                     await self.pool.refresh()
                     stale.clear()  # a worker that refused it before may be back at work by now
-                    if migration.sent and not migration.move("drain"):
+                    if migration.sent and not migration.move("drain", kv_source=route.decode):
                         raise UpstreamError(f"decode worker {decode_id} drained mid-stream: {exc}") from None
                     log.info("request %s: decode worker %s drains; the stream moves on after %d tokens",
                              request_id, decode_id, len(migration.sent))

@@ -15,6 +15,7 @@ several gateways in one process never collide.  Names follow vLLM/Dynamo practic
                 pdserve_upstream_timeouts_total{phase}, pdserve_decode_busy_total{worker_id},
                 pdserve_requests_queued,
                 pdserve_migrations_total{cause}, pdserve_migrated_tokens_total  (streams moved, tokens replayed)
+                pdserve_migration_gap_seconds  (a move's last token to the next one, from the new worker)
                 pdserve_registry_rejected_entries_total{reason}  (entries ignored: signature, address, ...)
     workers     pdserve_num_requests_waiting / _running, pdserve_kv_cache_usage_ratio,
                 pdserve_num_waiting_prefill_tokens            (gauges, by worker_id and role),
@@ -133,6 +134,9 @@ class GatewayMetrics:
             "stopped answering), drain (it handed the stream over).", ["cause"], **kw)
         self.migrated_tokens = Counter(
             "migrated_tokens", "Output tokens replayed to the decode worker a stream moved to.", **kw)
+        self.migration_gap = Histogram(
+            "migration_gap_seconds", "From a moved stream's last token at the worker it left to its next token "
+            "from the worker it moved to.", buckets=TRANSFER_BUCKETS, **kw)
 
         self._worker_labels: set[tuple[str, str]] = set()
         self._models: dict[str, ModelMetrics] = {}

@@ -1,4 +1,10 @@
-"""POST /prefill: compute a prompt in chunks, ship its KV as the chunks complete, return the first token."""
+"""POST /prefill: compute a prompt in chunks, ship its KV as the chunks complete, return the first token.
+
+A moved stream (``PrefillRequest.resume_token_ids``) is computed as its new decode worker will hold
+it: the prompt and the outputs already streamed, and the token after them.  Asked of the draining
+worker the stream left (``moved_stream_id``: a live KV move), that worker's prefix cache still
+holds the stream's full blocks, so only the last partial block is computed before they ship; it
+takes such a call in any role and while it drains, and its drain waits for it."""
 from __future__ import annotations
 
 import asyncio
@@ -45,7 +51,7 @@ async def handle_prefill(context: RoleContext, shipper: Shipper, request: web.Re
         body = decode(await request.read(), PrefillRequest)
     except ValueError as exc:
         return _reply(PrefillResult(error=str(exc)), 400)
-    refusal = context.accepts("prefill")
+    refusal = context.accepts("export" if body.moved_stream_id else "prefill")
     if refusal:
         return _reply(PrefillResult(error=refusal[1]), 503)
     try:
@@ -66,9 +72,11 @@ async def handle_prefill(context: RoleContext, shipper: Shipper, request: web.Re
     outcome = "error"
     # The prefill computes the prompt and samples its first token with the request's own
     # parameters (seeded sampling depends only on seed and position, so the decode side continues
-    # the same sequence); the decode worker applies max_tokens and stop rules.
-    params = msgspec.structs.replace(body.sampling_params, max_tokens=1,
-                                     min_tokens=min(body.sampling_params.min_tokens, 1))
+    # the same sequence); the decode worker applies max_tokens and stop rules.  A moved stream
+    # samples the token after its outputs so far.
+    sampled = len(body.resume_token_ids) + 1
+    params = msgspec.structs.replace(body.sampling_params, max_tokens=sampled,
+                                     min_tokens=min(body.sampling_params.min_tokens, sampled))
 
     try:
         # The first token obeys the request's grammar: it is compiled here too (cached by spec).
@@ -76,16 +84,18 @@ async def handle_prefill(context: RoleContext, shipper: Shipper, request: web.Re
 
         def start(engine):
             shipper.start(engine, job, engine.make_request(body.prompt_token_ids, params, request_id, body.cache_salt,
-                                                           grammar))
+                                                           grammar, body.resume_token_ids))
 
         await context.engine.call(start)
         shipping = asyncio.create_task(ship(context, job))
         output = await _first_output(stream, shipping)
         num_sent = await shipping
-        computed = output.num_prompt_tokens - output.num_cached_tokens
+        computed = job.num_kv_tokens - output.num_cached_tokens  # a moved stream's outputs count too
         context.metrics.prefill_computed_tokens.inc(computed)
         context.metrics.prefill_cached_tokens.inc(output.num_cached_tokens)
         context.metrics.kv_sent_bytes.inc(num_sent * context.model.block_nbytes)
+        if body.moved_stream_id:
+            context.metrics.moved_blocks.inc(num_sent)
         lp = output.new_logprobs[0] if output.new_logprobs else None
         outcome = "ok"
         return _reply(PrefillResult(
@@ -109,3 +119,5 @@ async def handle_prefill(context: RoleContext, shipper: Shipper, request: web.Re
         context.engine.close_stream(request_id)
         context.metrics.requests.labels("prefill", outcome).inc()
         context.in_flight.finish(request_id, lambda e: shipper.stop(e, request_id), then=unpin_leftovers(context, job))
+        if body.moved_stream_id:
+            context.exported(body.moved_stream_id)

@@ -6,8 +6,9 @@ the KV connection shared with a decode worker.  Every field is checked here; a f
 ValueError naming the field, answered 400 before the request is tracked or admitted.
 
     prompt_token_ids   each in [0, vocab_size)   (msgspec: non-empty list of ints >= 0)
+    resume_token_ids   each in [0, vocab_size); the KV shipped covers the prompt and these
     decode_worker_id   a verified registry entry of this model -> where the KV goes
-    num_skip_blocks    0 <= skip < blocks of the prompt (the last token is always computed)
+    num_skip_blocks    0 <= skip < blocks of the KV (the last token is always computed)
     dst_block_ids      one per shipped block (blocks - skip), unique, each inside the decode
                        worker's pool as it registered it
     sampling_params    validated by msgspec on decode (ranges), then by the engine
@@ -25,8 +26,9 @@ def check_prefill_request(body: PrefillRequest, decode_entry: WorkerInfo | None,
     prompt = body.prompt_token_ids
     if not prompt:
         raise ValueError("prompt_token_ids: the prompt is empty")
-    if max(prompt) >= vocab_size:
-        raise ValueError(f"prompt_token_ids: token id {max(prompt)} is outside the vocabulary [0, {vocab_size})")
+    for name, tokens in (("prompt_token_ids", prompt), ("resume_token_ids", body.resume_token_ids)):
+        if tokens and max(tokens) >= vocab_size:
+            raise ValueError(f"{name}: token id {max(tokens)} is outside the vocabulary [0, {vocab_size})")
     if decode_entry is None:
         raise ValueError(f"decode_worker_id {body.decode_worker_id!r}: no verified registry entry for this model")
     if decode_entry.capacity.block_size != block_size:
@@ -35,7 +37,7 @@ def check_prefill_request(body: PrefillRequest, decode_entry: WorkerInfo | None,
     if decode_entry.kv_address.transport != transport:
         raise ValueError(f"decode_worker_id {body.decode_worker_id!r}: it receives KV over "
                          f"{decode_entry.kv_address.transport}, this worker ships over {transport}")
-    num_blocks = cdiv(len(prompt), block_size)
+    num_blocks = cdiv(len(prompt) + len(body.resume_token_ids), block_size)
     if not 0 <= body.num_skip_blocks < num_blocks:
         raise ValueError(f"num_skip_blocks: {body.num_skip_blocks} is outside [0, {num_blocks}) for a prompt of "
                          f"{num_blocks} blocks (the last token is always computed here)")

@@ -41,6 +41,7 @@ class ShippingJob:
     num_skip_blocks: int
     loop: asyncio.AbstractEventLoop
     request: Request | None = None
+    num_kv_tokens: int = 0  # tokens whose KV is shipped: the prompt (and a moved stream's outputs)
     next_index: int = 0  # engine thread: first block index not yet queued
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
 
@@ -62,8 +63,10 @@ class Shipper:
         self._fence = record_fence(self.context.model.device) if self.jobs else None
 
     def start(self, engine: Engine, job: ShippingJob, request: Request) -> None:
-        """Engine thread: admit the request and start watching its blocks."""
-        num_blocks = cdiv(request.num_prompt_tokens, engine.config.block_size)
+        """Engine thread: admit the request and start watching its blocks: those of every token it
+        holds before it samples (a moved stream's outputs too, ``resume_request``)."""
+        job.num_kv_tokens = request.num_tokens
+        num_blocks = cdiv(job.num_kv_tokens, engine.config.block_size)
         if len(job.dst_block_ids) != num_blocks - job.num_skip_blocks:
             raise ValueError(
                 f"{len(job.dst_block_ids)} destination blocks for a prompt of {num_blocks} blocks "
@@ -87,9 +90,9 @@ class Shipper:
                 del self.jobs[request_id]
                 continue
             if request.is_finished:
-                limit = cdiv(request.num_prompt_tokens, bs)
+                limit = cdiv(job.num_kv_tokens, bs)
             else:
-                limit = min(request.num_computed_tokens, request.num_prompt_tokens) // bs
+                limit = min(request.num_computed_tokens, job.num_kv_tokens) // bs
             if limit > job.next_index:
                 outgoing = engine.scheduler.handoff.prefill
                 blocks: list[KVCacheBlock] = outgoing.ready_blocks(request_id, job.next_index, limit)

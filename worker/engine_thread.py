@@ -184,13 +184,13 @@ class EngineThread:
     def close_stream(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
 
-    def hand_over(self, request_ids) -> int:
+    def hand_over(self, request_ids) -> list[str]:
         """End the open streams of ``request_ids`` after the outputs already queued in them (event
-        loop thread; the requests themselves are aborted by their handlers).  Returns how many."""
-        streams = [self._streams[r] for r in request_ids if r in self._streams]
-        for stream in streams:
-            stream.put_nowait(HandOver("this worker drains: the stream moves to another worker"))
-        return len(streams)
+        loop thread; the requests themselves are aborted by their handlers).  Returns their ids."""
+        handed = [r for r in request_ids if r in self._streams]
+        for request_id in handed:
+            self._streams[request_id].put_nowait(HandOver("this worker drains: the stream moves to another worker"))
+        return handed
 
     def keep_lease(self, request: Request) -> bool:
         """The KV of ``request``'s reservation has all landed: stop its lease, so it never expires

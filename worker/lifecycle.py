@@ -93,6 +93,8 @@ class Worker:
         self.prefill_rate = RecentRate()
         self._drain_task: asyncio.Task | None = None
         self.movable_streams: set[str] = set()  # streams a drain hands over (``RoleContext``)
+        self.exports_due: set[str] = set()  # streams handed over whose KV may still be fetched from here
+        self._export_ended = asyncio.Event()
         self.started_at = time.time()
         self.instance = new_instance_id()  # this run's: requests to it are signed for it (auth v3)
         self._redis = None
@@ -209,7 +211,8 @@ class Worker:
                            kv_receiver=self.kv_receiver, peers=self.peers, peer_http=self.http_client, auth=self.auth,
                            in_flight=self.in_flight, accepts=self.accepts, spawn=self.spawn, metrics=self.metrics,
                            ttft=self.ttft, tpot=self.tpot, reservation_lease_s=self.reservation_lease_s,
-                           compile_grammar=self.compile_grammar, movable_streams=self.movable_streams)
+                           compile_grammar=self.compile_grammar, movable_streams=self.movable_streams,
+                           exported=self.exported)
 
     async def compile_grammar(self, params: SamplingParams) -> CompiledGrammar | None:
         """``params.structured`` compiled in the grammar compiler's threads (cached by spec)."""
@@ -293,17 +296,23 @@ class Worker:
     # ---- admission, drain and role ---------------------------------------------------------
 
     def accepts(self, kind: str) -> tuple[str, str] | None:
-        """Why a new ``kind`` ("generate" or "prefill") request is refused now, or None.
+        """Why a new ``kind`` ("generate", "prefill", or "export": the KV of a stream handed over
+        from here, taken while draining too) request is refused now, or None.
 
         Returns ``(error_kind, reason)``: "refused" when the caller's view of this worker is stale
         (it drains, or its role changed), "busy" when it is simply full."""
         if self.failure is not None:
             return "refused", f"worker failed: {self.failure}"
+        if kind == "export":  # a stream handed over from here: its KV, from this cache, in any role
+            return self._full()
         if self.state != "active":
             return "refused", f"worker is {self.state}"
         wanted = ("decode", "both") if kind == "generate" else ("prefill", "both")
         if self.role not in wanted:
             return "refused", f"worker role is {self.role}, not {' or '.join(wanted)}"
+        return self._full()
+
+    def _full(self) -> tuple[str, str] | None:
         if len(self.in_flight) >= self.config.max_pending_requests:
             return "busy", f"worker has {len(self.in_flight)} requests in flight (limit {self.config.max_pending_requests})"
         return None
@@ -315,7 +324,9 @@ class Worker:
 
         Streams whose gateway can move them (``movable_streams``) are handed over at their next
         token boundary, so the drain takes the time of a hand-over, not of the longest stream;
-        the others decode to their end here."""
+        the others decode to their end here.  Each handed-over stream's new worker may fetch its
+        KV from here (``prefill_svc.prefill``): the drain waits for those calls, at most
+        ``control_timeout_s`` for each to come."""
         self.state = "draining"
         if self._drain_task is None or self._drain_task.done():
             self._drain_task = self.spawn(self._finish_drain())
@@ -325,13 +336,32 @@ class Worker:
         # The registry says "draining" before any stream is handed over: a gateway that re-reads it
         # on the hand-over never routes the stream straight back here.
         await self._heartbeat.beat()
-        moved = self.engine_thread.hand_over(self.movable_streams)
-        if moved:
-            log.info("drain: handing %d streams over to other decode workers", moved)
+        handed = self.engine_thread.hand_over(self.movable_streams)
+        if handed:
+            log.info("drain: handing %d streams over to other decode workers", len(handed))
+        self.exports_due.update(handed)
+        await self.in_flight.wait_idle()
+        await self._wait_for_exports(self.config.control_timeout_s)
         await self.in_flight.wait_idle()
         if self.state == "draining":
             self.state = "idle"
             await self._heartbeat.beat()
+
+    def exported(self, stream_id: str) -> None:
+        """A handed-over stream's KV call has ended (``RoleContext.exported``)."""
+        self.exports_due.discard(stream_id)
+        self._export_ended.set()
+
+    async def _wait_for_exports(self, timeout: float) -> None:
+        """Until every handed-over stream's KV has been fetched from here, or ``timeout`` seconds
+        pass without one being asked for (its new worker computes it instead)."""
+        while self.exports_due:
+            self._export_ended.clear()
+            try:
+                await asyncio.wait_for(self._export_ended.wait(), timeout)
+            except asyncio.TimeoutError:
+                log.info("drain: %d handed-over streams' KV not asked for; not waiting longer", len(self.exports_due))
+                self.exports_due.clear()
 
     async def wait_idle(self, timeout: float) -> None:
         """Wait until nothing is in flight, at most ``timeout`` seconds."""
@@ -354,6 +384,7 @@ class Worker:
         self.role = role
         if self._drain_task is not None and not self._drain_task.done():
             self._drain_task.cancel()
+        self.exports_due.clear()
         if self.state in ("idle", "draining"):
             self.state = "active"
         await self._heartbeat.beat()

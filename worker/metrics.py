@@ -27,6 +27,9 @@ class WorkerMetrics:
         self.streams_handed_over = Counter(
             "pdserve_worker_streams_handed_over", "Streams a drain handed over to the gateway to continue elsewhere",
             registry=r)
+        self.moved_blocks = Counter(
+            "pdserve_worker_moved_blocks", "KV blocks of handed-over streams shipped to the worker each moved to",
+            registry=r)
         self.auth_refused = Counter(
             "pdserve_worker_auth_refused", "Requests refused before their handler ran, by reason: credentials "
             "(missing, malformed, stale or wrong, or a body that is not the signed one), version (an older caller), audience (signed for another worker), "
@@ -77,6 +80,7 @@ class WorkerMetrics:
             "remote_prefill_fallbacks": self.prefill_fallbacks._value.get(),
             "kv_transfers_settling": self.kv_transfers_settling._value.get(),
             "streams_handed_over": self.streams_handed_over._value.get(),
+            "moved_blocks": self.moved_blocks._value.get(),
         }
 
     def render(self) -> bytes:

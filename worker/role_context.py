@@ -59,7 +59,8 @@ class RoleContext:
     once a step's KV is written; ``compile_grammar`` compiles a request's grammar off the engine
     thread and the event loop (``None`` without one; ``GrammarError``, a 400, when it cannot);
     ``movable_streams`` holds the requests whose gateway can move them on (a drain hands those
-    over: ``EngineThread.hand_over``)."""
+    over: ``EngineThread.hand_over``); ``exported(stream_id)`` says a handed-over stream's KV has
+    been asked for and shipped, or failed to (the drain waits for that)."""
 
     config: "WorkerConfig"
     model: ModelShape
@@ -79,6 +80,7 @@ class RoleContext:
     reservation_lease_s: float
     compile_grammar: Callable[["SamplingParams"], "Awaitable[CompiledGrammar | None]"]
     movable_streams: set
+    exported: Callable[[str], None]
 
     @property
     def worker_id(self) -> str:

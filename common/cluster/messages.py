@@ -48,8 +48,9 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
     prefill_worker_id: WorkerId | None = None
     cache_salt: CacheSalt | None = None
     # A stream that moved here from another decode worker (``gateway.migration``): the output
-    # tokens the client already has.  This worker computes the KV of the prompt and these tokens
-    # itself (``prefill_worker_id`` must then be unset) and continues after them.
+    # tokens the client already has.  This worker continues after them, with the KV of the prompt
+    # and these tokens computed here or, with ``prefill_worker_id``, fetched from that worker (the
+    # draining worker the stream left, whose cache holds it: ``PrefillRequest.moved_stream_id``).
     resume_token_ids: TokenIds = []
     # The gateway can move this stream on: a draining worker may end it at a token boundary with a
     # "migrate" frame instead of decoding it to the end.
@@ -94,6 +95,12 @@ class PrefillRequest(msgspec.Struct, forbid_unknown_fields=True):
     transfer_id: TransferIdHex
     num_skip_blocks: Annotated[int, msgspec.Meta(ge=0)] = 0
     cache_salt: CacheSalt | None = None  # the GenerateRequest's: both workers hash the blocks alike
+    # A moved stream (``GenerateRequest.resume_token_ids``): the KV covers the prompt and these
+    # output tokens, and the token sampled is the one after them.  ``moved_stream_id``: the
+    # stream's request id at the worker it left, when that worker is asked (its drain waits for
+    # this call; ``request_id`` is then this call's own).
+    resume_token_ids: TokenIds = []
+    moved_stream_id: RequestId | None = None
 
 
 class PrefillResult(msgspec.Struct, omit_defaults=True):

@@ -317,6 +317,10 @@ def prefill_body(**changes) -> dict:
     ({"dst_block_ids": list(range(250, 261))}, "the decode worker's pool"),
     ({"prompt_token_ids": PREFILL_PROMPT[:-1] + [512]}, "outside the vocabulary"),
     ({"prompt_token_ids": []}, "prompt"),
+    # A moved stream's KV covers its resumed outputs too: 41 + 4 tokens are 12 blocks.
+    ({"resume_token_ids": [5, 6, 7, 512]}, "resume_token_ids: token id 512 is outside the vocabulary"),
+    ({"resume_token_ids": [5, 6, 7, 8]}, "dst_block_ids: 11 ids for 12 blocks"),
+    ({"resume_token_ids": [5, 6, 7, 8], "moved_stream_id": ""}, "moved_stream_id"),
     ({"decode_worker_id": "nobody"}, "decode_worker_id 'nobody'"),
     ({"decode_worker_id": "http://10.0.0.1:1"}, "decode_worker_id"),
     ({"transfer_id": "guessable"}, "transfer_id"),

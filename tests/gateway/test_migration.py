@@ -82,7 +82,9 @@ async def test_a_stream_goes_on_at_another_worker_after_the_tokens_passed_on(how
     assert first.bodies[0].resume_token_ids == [] and first.bodies[0].may_migrate
     moved = second.bodies[0]
     assert moved.prompt_token_ids == PROMPT and moved.resume_token_ids == [token(i) for i in range(4)]
-    assert moved.prefill_worker_id is None  # computed where it continues
+    # A lost worker's stream is computed where it continues; a handed-over one's KV comes from the
+    # worker it left, whose cache holds it.
+    assert moved.prefill_worker_id == (None if how == "die" else "d0")
     assert moved.sampling_params.seed == 3 and moved.sampling_params.max_tokens == MAX_TOKENS
 
 

@@ -24,7 +24,7 @@ import pytest
 
 from common.cluster.redis_util import RedisServer
 from tests.support.cluster import ADMIN_TOKEN, HeldEntries, extra_gateway, http_json, running_cluster
-from tests.support.serving import WORKER_ARGS, wait_idle
+from tests.support.serving import BLOCK_SIZE, WORKER_ARGS, wait_idle
 from tests.support.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -286,6 +286,7 @@ def test_a_drain_hands_twenty_streams_over_and_each_goes_on_unbroken(stack):
     drained, other = DECODERS
     handed_before = stack.stats(drained)["streams_handed_over"]
     moves_before = metric(stack, "pdserve_migrations_total", 'cause="drain"')
+    before = {worker: stack.stats(worker) for worker in DECODERS}
     try:
         admin(stack, other, "role", b'{"role": "prefill"}')
         wait_until(lambda: decoders_routed(stack) == 1, f"the gateway routing to {drained} alone")
@@ -301,6 +302,15 @@ def test_a_drain_hands_twenty_streams_over_and_each_goes_on_unbroken(stack):
         wait_until(lambda: stack.stats(drained)["state"] == "idle", f"{drained} idle after its drain")
         assert stack.stats(drained)["streams_handed_over"] - handed_before == STREAMS
         assert metric(stack, "pdserve_migrations_total", 'cause="drain"') == moves_before + STREAMS
+        # A live move: each stream's KV went from the drained worker's cache to the other one
+        # (no fallback to computing it there), the drained worker computing only what its cache
+        # lacked -- at most the last, partial block of each.
+        after = {worker: stack.stats(worker) for worker in DECODERS}
+        grew = {worker: {k: after[worker][k] - before[worker][k] for k in after[worker]
+                         if isinstance(after[worker][k], (int, float))} for worker in DECODERS}
+        assert grew[drained]["moved_blocks"] >= STREAMS, grew
+        assert grew[other]["remote_prefill_fallbacks"] == 0, grew
+        assert grew[drained]["prefill_computed_tokens"] <= STREAMS * BLOCK_SIZE, grew
     finally:
         for worker in DECODERS:
             admin(stack, worker, "role", b'{"role": "decode"}')

@@ -100,7 +100,7 @@ class DecodeHarness:
         worker.state = "active"
         self.worker = worker
 
-        async def resolve_prefill_worker(worker, worker_id):
+        async def resolve_prefill_worker(worker, worker_id, moved_stream=False):
             return SimpleNamespace(worker_id=worker_id)
 
         async def call_prefill(worker, peer, request):

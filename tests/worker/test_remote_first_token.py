@@ -84,7 +84,7 @@ async def decode_worker(served_checkpoint, monkeypatch):
     gate = StepGate(engine)
     peer_answered = asyncio.Event()
 
-    async def resolve_prefill_worker(worker, worker_id):
+    async def resolve_prefill_worker(worker, worker_id, moved_stream=False):
         return SimpleNamespace(worker_id=worker_id)
 
     async def call_prefill(context, peer, request):

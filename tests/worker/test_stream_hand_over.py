@@ -1,8 +1,9 @@
 """A decode worker's side of stream migration (``decode_svc.generate``): a drain ends each stream
 whose gateway may move it with a "migrate" frame right after the tokens it sent, frees its blocks
 at once, and leaves the other streams decoding to their end; a stream resumed after those tokens
-(``resume_token_ids``) continues exactly where it stopped; a resumed stream is never sent to a
-prefill worker.  The worker is the real handler in this process (``tests.support.inproc_decode``)."""
+(``resume_token_ids``) continues exactly where it stopped; the drain waits for the handed-over
+stream's KV to be fetched from here (a live move, tested between processes in
+tests/serving/test_serving_faults.py).  The worker is the real handler in this process (``tests.support.inproc_decode``)."""
 from __future__ import annotations
 
 import asyncio
@@ -41,19 +42,21 @@ async def test_a_drain_hands_movable_streams_over_and_a_resumed_stream_goes_on(h
     sent = [t for f in frames for t in f.token_ids]
     assert sent == whole[:len(sent)] and len(sent) < MAX_TOKENS  # handed over mid-stream
     assert await pinned.tokens() == whole  # decoded to its end here
+    await harness.idle()  # every block of the handed-over stream freed (to the prefix cache)
+    # The stream's new worker may still fetch its KV from here: the drain waits for that call.
+    await until(lambda: not harness.worker.in_flight, "nothing in flight")
+    await asyncio.sleep(0.1)
+    assert not drained.done() and harness.worker.exports_due == {movable.request_id}
+    harness.worker.exported(movable.request_id)
     await asyncio.wait_for(drained, WAIT)
     assert harness.worker.state == "idle" and harness.worker.metrics.snapshot()["streams_handed_over"] == 1
-    await harness.idle()  # every block of the handed-over stream freed
 
     await harness.worker.set_role("decode")  # active again: the stream comes back, resumed
     rest = await harness.generate(PROMPT, MAX_TOKENS, remote=False, resume_token_ids=sent).tokens()
     assert sent + rest == whole
 
 
-async def test_a_resumed_stream_is_computed_here_never_by_a_prefill_worker(harness):
-    stream = harness.generate(PROMPT, 8, remote=True, resume_token_ids=[7, 8])
-    frames = await asyncio.wait_for(stream.task, WAIT)
-    assert frames[-1].error_kind == "invalid" and "prefill_worker_id" in frames[-1].error
+async def test_a_resume_the_request_could_not_have_reached_is_refused(harness):
     bad = await asyncio.wait_for(harness.generate(PROMPT, 3, remote=False, resume_token_ids=[7, 8, 9]).task, WAIT)
     assert bad[-1].error_kind == "invalid" and "resume_token_ids" in bad[-1].error  # max_tokens reached already
     await until(lambda: not harness.worker.in_flight, "nothing in flight")
