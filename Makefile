@@ -10,25 +10,29 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# The CPU build of torch comes from local disk; install it first so no CUDA build is pulled.
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[ucx,test]'
+	# --no-compile: a module's bytecode is written when it is first imported (PYTHONDONTWRITEBYTECODE
+	# is unset below), not for all ~30k files up front.
+	$(PY) -m pip install -q --no-compile torch==2.13.0
+	$(PY) -m pip install -q --no-compile -e '.[ucx,test]'
 	touch $(STAMP)
 
 install: $(STAMP)
 
+# Bytecode is cached (in the venv and the checkout's gitignored __pycache__ folders) even where the
+# environment turns it off: every process of a stack imports torch and the project.
+RUN := env -u PYTHONDONTWRITEBYTECODE $(PY)
+
 up: $(STAMP)
-	$(PY) -m launcher
+	$(RUN) -m launcher
 
 demo: $(STAMP)
-	$(PY) -m common.engine.demo
+	$(RUN) -m common.engine.demo
 
 # Test files run in TEST_WORKERS processes, each file whole in one (--dist loadfile): most tests wait
 # on processes they started, so three share two cores well.  TEST_WORKERS=0 runs them in this one.
-# Bytecode is cached (in the checkout's gitignored __pycache__ folders) even where the environment
-# turns it off: the suite starts ~200 Python processes, each importing the project's modules.
 TEST_WORKERS ?= 3
 test: $(STAMP)
-	env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile tests
+	$(RUN) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile tests
 
 # Regenerate requirements/*.lock (the images' pinned, hashed dependencies) after a pyproject change; needs uv.
 lock:
