@@ -194,14 +194,14 @@ class ChaosStack:
         await self.kill(f"p{round_no % 2}", "a prefill worker crashes")
 
     async def kill_decode(self, round_no: int) -> None:
-        """SIGKILL a decode worker while it serves (the one with the most requests in flight, as
-        its handlers count them now, not as of its engine's last snapshot)."""
+        """SIGKILL a decode worker mid-stream: the one with the most streams that have sent tokens
+        (``streams_open``, as its handlers count them now), so the gateway has streams to move."""
         deadline = time.monotonic() + 60
         best, serving = f"d{round_no % 2}", 0
         while time.monotonic() < deadline:
             for name in ("d0", "d1"):
                 try:
-                    n = (await asyncio.to_thread(self.stack.stats, name))["inflight"]
+                    n = (await asyncio.to_thread(self.stack.stats, name))["streams_open"]
                 except (OSError, ValueError, KeyError):
                     continue
                 if n > serving:
@@ -209,7 +209,7 @@ class ChaosStack:
             if serving:
                 break
             await asyncio.sleep(0.1)
-        await self.kill(best, f"a decode worker crashes with {serving} requests in flight")
+        await self.kill(best, f"a decode worker crashes with {serving} streams open")
 
     async def restart_redis(self, _round_no: int) -> None:
         """Kill Redis, hold its port (refused, as by a dead Redis) for a moment, start it again empty."""

@@ -52,6 +52,23 @@ class LeaseEnded(Exception):
     request is given up as for any expired lease (``Worker._leases_expired``)."""
 
 
+class OpenStream:
+    """Whether this handler's stream has sent a token; counted in the worker's ``streams_open``
+    from then until it ends (what a drain or a crash would move)."""
+
+    def __init__(self, gauge):
+        self.gauge, self.started = gauge, False
+
+    def first_token(self) -> None:
+        if not self.started:
+            self.started = True
+            self.gauge.inc()
+
+    def close(self) -> None:
+        if self.started:
+            self.gauge.dec()
+
+
 class PendingRelease:
     """What must end before a request's blocks may be freed: set when its KV transfer was
     abandoned (``release`` frees the blocks itself once the transfer has settled)."""
@@ -92,6 +109,7 @@ async def handle_generate(context: RoleContext, request: web.Request) -> web.Str
     response = web.StreamResponse(headers={"Content-Type": FRAMES_CONTENT_TYPE})
     stream = context.engine.open_stream(body.request_id)
     started = time.monotonic()
+    opened = OpenStream(context.metrics.streams_open)
     outcome = "error"
     pending = PendingRelease()
     try:
@@ -125,12 +143,13 @@ async def handle_generate(context: RoleContext, request: web.Request) -> web.Str
             # The first token goes out now, not after the engine's step in flight (a colocated
             # worker's step may carry a long prompt chunk); the request joins the batch after it.
             context.ttft.add(time.monotonic() - started)
+            opened.first_token()
             await response.write(frame(first))
             try:
                 await land(context, body.request_id, first.token_ids[0])
             except EngineFailed as exc:
                 raise RuntimeError(str(exc)) from None  # mid-stream: the request cannot move any more
-        outcome = await stream_outputs(context, stream, response, started, first is not None, fallback)
+        outcome = await stream_outputs(context, stream, response, started, opened, fallback)
     except asyncio.CancelledError:
         outcome = "aborted"
         raise
@@ -157,6 +176,7 @@ async def handle_generate(context: RoleContext, request: web.Request) -> web.Str
         # runs as its own task.  Aborting is idempotent: it frees the blocks if the request is
         # still anywhere in the engine, after an abandoned KV transfer settled.
         context.engine.close_stream(body.request_id)
+        opened.close()
         context.movable_streams.discard(body.request_id)
         context.metrics.requests.labels("generate", outcome).inc()
         if outcome == "busy":
@@ -195,7 +215,7 @@ async def add_local(context: RoleContext, body: GenerateRequest, grammar: Compil
                                 body.resume_token_ids))
 
 
-async def stream_outputs(context: RoleContext, stream: asyncio.Queue, response, started: float, first_sent: bool,
+async def stream_outputs(context: RoleContext, stream: asyncio.Queue, response, started: float, opened: OpenStream,
                          fallback: bool) -> str:
     """Forward the engine's outputs for this request until it finishes; returns the finish reason.
 
@@ -212,13 +232,13 @@ async def stream_outputs(context: RoleContext, stream: asyncio.Queue, response, 
             if isinstance(item, BaseException):
                 if frames:
                     await response.write(b"".join(frames))
-                if first_sent and isinstance(item, EngineFailed):
+                if opened.started and isinstance(item, EngineFailed):
                     raise RuntimeError(str(item))  # mid-stream: the request cannot move any more
                 raise item
             out = output_frame(item)
-            if not first_sent:
+            if not opened.started:
                 context.ttft.add(now - started)
-                first_sent = True
+                opened.first_token()
                 out.prefill_fallback = fallback
             else:
                 context.tpot.add(now - last)

@@ -15,6 +15,9 @@ os.environ.setdefault("PDSERVE_COMPILE", "0")
 # `make test` runs several test processes on two cores, and each starts workers: one compute
 # thread per process (torch's default, a thread per core in every process, makes them contend).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Tests that compile do it in their own process: a pool of compile workers (each importing torch)
+# would only compete for the same two cores.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -27,6 +27,9 @@ class WorkerMetrics:
         self.streams_handed_over = Counter(
             "pdserve_worker_streams_handed_over", "Streams a drain handed over to the gateway to continue elsewhere",
             registry=r)
+        self.streams_open = Gauge(
+            "pdserve_worker_streams_open", "Streams that have sent a token and not ended (a drain or a crash moves them)",
+            registry=r)
         self.moved_blocks = Counter(
             "pdserve_worker_moved_blocks", "KV blocks of handed-over streams shipped to the worker each moved to",
             registry=r)
@@ -81,6 +84,7 @@ class WorkerMetrics:
             "kv_transfers_settling": self.kv_transfers_settling._value.get(),
             "streams_handed_over": self.streams_handed_over._value.get(),
             "moved_blocks": self.moved_blocks._value.get(),
+            "streams_open": self.streams_open._value.get(),
         }
 
     def render(self) -> bytes:
