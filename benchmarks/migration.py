@@ -1,14 +1,16 @@
 """Stream migration: how long a moved stream pauses, a live KV move (drain) against a replay (kill).
 
-A real stack -- a private Redis, one prefill and two decode workers, the gateway -- serves a random
-Llama (``bench_util.write_random_llama``, ``--size``).  ``--streams`` greedy streams of
+A real stack -- a private Redis, one prefill and two decode workers, the gateway -- serves
+``--model`` (as ``benchmarks/serving.py`` takes it: ``tiny`` or ``100m``, random Llamas with a
+word-level tokenizer, ``default`` or a checkpoint path).  ``--streams`` greedy streams of
 ``--prompt-tokens`` random tokens each (``ignore_eos``, ``--max-tokens``) all start on decode
 worker d0 (d1 is out of the decode pool while they start, and back before the move), then:
 
-    reference  the same streams, nothing moves: their answers, and the inter-token latency
+    reference  both modes' streams, nothing moves: their answers, and the inter-token latency
     live       d0 drains (the gateway's admin API): every stream is handed over at a token boundary
                and d1 fetches its KV -- prompt and output so far -- from d0's cache over kvtransfer
-    replay     d0 is SIGKILLed: every stream moves to d1, which computes prompt and output again
+    replay     other prompts; d0 is SIGKILLed: every stream moves to d1, which computes prompt and
+               output again (d1 has never seen them: no prefix-cache hit flatters the replay)
 
 Reported per mode: the gateway's ``pdserve_migration_gap_seconds`` (a move's last token to the
 next one, mean), each stream's longest pause between two chunks as its client saw it (p50, p90),
@@ -20,7 +22,6 @@ latency measured in the same run (``itl_p50_s``).  The last line is one JSON obj
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import tempfile
 import threading
@@ -31,7 +32,8 @@ from pathlib import Path
 
 import openai
 
-from benchmarks.bench_util import emit, percentile, write_random_llama
+from benchmarks.bench_util import emit, percentile
+from benchmarks.serving import prepare_model
 from common.cluster.redis_util import RedisServer
 from launcher.local_stack import LocalStack, http_json
 
@@ -111,7 +113,7 @@ def run_streams(stack: LocalStack, prompts: list[list[int]], max_tokens: int, mo
     return streams
 
 
-def measure(stack: LocalStack, mode: str, prompts, max_tokens: int, reference: list[str] | None) -> dict:
+def measure(stack: LocalStack, mode: str, prompts, max_tokens: int, reference: list[str] | None = None) -> dict:
     gap_sum, gap_count = (gateway_metric(stack, f"pdserve_migration_gap_seconds_{s}") for s in ("sum", "count"))
     moved_before = stack.stats("d0").get("moved_blocks", 0) if mode == "live" else 0
 
@@ -142,34 +144,35 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--prompt-tokens", type=int, default=1500)
     parser.add_argument("--max-tokens", type=int, default=600)
-    parser.add_argument("--size", choices=("tiny", "100m"), default="tiny")
+    parser.add_argument("--model", default="tiny", help="tiny, 100m, default, or a checkpoint path")
     parser.add_argument("--quick", action="store_true", help="4 streams of 500 prompt tokens")
     args = parser.parse_args()
     if args.quick:
         args.streams, args.prompt_tokens, args.max_tokens = 4, 500, 400
     rng = random.Random(0)
     workdir = Path(tempfile.mkdtemp(prefix="pdserve-migration-"))
-    checkpoint = write_random_llama(workdir / f"llama-{args.size}", args.size)
-    vocab = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
-    prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_tokens)] for _ in range(args.streams)]
+    checkpoint, vocab = prepare_model(args.model)
+    prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_tokens)] for _ in range(2 * args.streams)]
+    live_prompts, replay_prompts = prompts[:args.streams], prompts[args.streams:]
     redis = RedisServer().start()
-    blocks = 2 * args.streams * (args.prompt_tokens + args.max_tokens) // 16 + 64
+    blocks = 3 * args.streams * (args.prompt_tokens + args.max_tokens) // 16 + 64
     stack = LocalStack(str(checkpoint), redis.url, key_prefix=f"migration-{uuid.uuid4().hex[:8]}", workdir=workdir,
                        prefill=1, decode=2, worker_args=["--num-blocks", str(blocks), "--block-size", "16"],
                        gateway_args=["--skip-prefill-below", "32", "--queue-timeout", "60"],
                        extra_env={"PDSERVE_ADMIN_TOKEN": ADMIN_TOKEN})
     try:
         stack.start(timeout=600)
-        reference = measure(stack, "reference", prompts, args.max_tokens, None)
-        live = measure(stack, "live", prompts, args.max_tokens, reference["texts"])
+        reference = measure(stack, "reference", prompts, args.max_tokens)
+        texts = reference["texts"]
+        live = measure(stack, "live", live_prompts, args.max_tokens, texts[:args.streams])
         admin(stack, "d0", "role", b'{"role": "decode"}')
-        replay = measure(stack, "replay", prompts, args.max_tokens, reference["texts"])
+        replay = measure(stack, "replay", replay_prompts, args.max_tokens, texts[args.streams:])
     finally:
         stack.stop()
         redis.stop()
     itl = reference["itl_p50_s"]
     emit({"benchmark": "migration", "streams": args.streams, "prompt_tokens": args.prompt_tokens,
-          "max_tokens": args.max_tokens, "model": args.size, "itl_p50_s": itl,
+          "max_tokens": args.max_tokens, "model": args.model, "itl_p50_s": itl,
           "live": live, "replay": replay,
           "live_gap_over_replay_gap": (live["gateway_gap_mean_s"] / replay["gateway_gap_mean_s"]
                                        if live.get("gateway_gap_mean_s") and replay.get("gateway_gap_mean_s") else None),

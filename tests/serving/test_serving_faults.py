@@ -23,7 +23,7 @@ import openai
 import pytest
 
 from common.cluster.redis_util import RedisServer
-from tests.support.cluster import ADMIN_TOKEN, HeldEntries, extra_gateway, http_json, running_cluster
+from tests.support.cluster import ADMIN_TOKEN, HeldEntries, extra_gateway, extra_worker, http_json, running_cluster
 from tests.support.serving import BLOCK_SIZE, WORKER_ARGS, wait_idle
 from tests.support.waiting import wait_until
 
@@ -196,11 +196,11 @@ def test_prefill_worker_killed_request_is_computed_elsewhere(stack):
     assert complete(stack, max_tokens=6).choices[0].text == baseline
 
 
-def serving_decode_worker(stack) -> str:
+def serving_decode_worker(stack, decoders=DECODERS) -> str:
     """The one decode worker that reports a request in flight (the caller has one stream open)."""
     deadline = time.monotonic() + WAIT_S
     while True:
-        serving = [d for d in DECODERS if stack.stats(d)["inflight"] > 0]
+        serving = [d for d in decoders if stack.procs[d].alive and stack.stats(d)["inflight"] > 0]
         if serving:
             assert len(serving) == 1, f"more than one decode worker busy: {serving}"
             return serving[0]
@@ -236,6 +236,20 @@ def test_a_stream_whose_decode_worker_dies_moves_to_the_other_and_goes_on_unbrok
     assert metric(stack, "pdserve_migrated_tokens_total") > 0
     survivor = next(d for d in DECODERS if d != serving)
     wait_idle(stack, survivor, timeout=WAIT_S)
+
+
+def test_a_greedy_stream_replayed_twice_equals_the_unmoved_answer(stack):
+    """Under one stream its decode worker dies, then the next one too: each time the stream is
+    computed again at another (a third decode worker joins for this) and goes on unbroken."""
+    prompt = "A stream that outlives two decode workers:"
+    whole = complete(stack, prompt=prompt, max_tokens=800).choices[0].text
+    moves_before = metric(stack, "pdserve_migrations_total", 'cause="worker_lost"')
+    with extra_worker(stack, "d2", "decode"):
+        first, chunks = open_stream(stack.gateway_url, stack.model_name, prompt, 800, temperature=0)
+        for _ in range(2):
+            stack.kill(serving_decode_worker(stack, (*DECODERS, "d2")))
+        assert rest_of(first, chunks) == whole
+        assert metric(stack, "pdserve_migrations_total", 'cause="worker_lost"') == moves_before + 2
 
 
 def test_without_migration_a_dead_decode_worker_ends_its_stream_with_an_error(stack):

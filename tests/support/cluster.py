@@ -79,6 +79,25 @@ def extra_gateway(stack: LocalStack, name: str, args: list[str], env: dict[str, 
         stack.procs.pop(name, None)
 
 
+@contextlib.contextmanager
+def extra_worker(stack: LocalStack, name: str, role: str, timeout: float = 120):
+    """Another worker in ``stack``'s pools; yields its ``Proc`` once the gateway routes to it, and
+    stops it afterwards (a SIGKILLed one's registry entry lapses on its own)."""
+    pools = http_json(f"{stack.gateway_url}/health")["workers"]
+    proc = stack.start_worker(name, role)
+    try:
+        deadline = time.monotonic() + timeout
+        while http_json(f"{stack.gateway_url}/health")["workers"].get(role, 0) <= pools.get(role, 0):
+            assert proc.popen.poll() is None, proc.log()
+            assert time.monotonic() < deadline, f"worker {name} not routed to:\n{proc.log()}"
+            time.sleep(0.2)
+        yield proc
+    finally:
+        proc.popen.terminate()
+        proc.popen.wait(30)
+        stack.procs.pop(name, None)
+
+
 def delete_keys(redis_url: str, key_prefix: str) -> None:
     try:
         client = redis.Redis.from_url(redis_url)
