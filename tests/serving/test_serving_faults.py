@@ -242,10 +242,10 @@ def test_a_greedy_stream_replayed_twice_equals_the_unmoved_answer(stack):
     """Under one stream its decode worker dies, then the next one too: each time the stream is
     computed again at another (a third decode worker joins for this) and goes on unbroken."""
     prompt = "A stream that outlives two decode workers:"
-    whole = complete(stack, prompt=prompt, max_tokens=500).choices[0].text
+    whole = complete(stack, prompt=prompt, max_tokens=1000).choices[0].text
     moves_before = metric(stack, "pdserve_migrations_total", 'cause="worker_lost"')
     with extra_worker(stack, "d2", "decode"):
-        first, chunks = open_stream(stack.gateway_url, stack.model_name, prompt, 500, temperature=0)
+        first, chunks = open_stream(stack.gateway_url, stack.model_name, prompt, 1000, temperature=0)
         for _ in range(2):
             stack.kill(serving_decode_worker(stack, (*DECODERS, "d2")))
         assert rest_of(first, chunks) == whole
