@@ -335,7 +335,8 @@ def test_a_drain_from_the_container_hands_its_streams_over(stack, tmp_path):
     """What a Kubernetes preStop hook runs: the streams move, then the drain command returns."""
     # Long streams: still decoding when the drain lands (the drain command is a new Python process).
     prompts = [f"Stream {i} of a decode worker drained from its container" for i in range(2)]
-    wholes = [complete(stack, prompt=p, max_tokens=800).choices[0].text for p in prompts]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        wholes = list(pool.map(lambda p: complete(stack, prompt=p, max_tokens=800).choices[0].text, prompts))
     streams = [open_stream(stack.gateway_url, stack.model_name, p, 800, temperature=0) for p in prompts]
     inflight = {d: stack.stats(d)["inflight"] for d in DECODERS}
     drained = max(DECODERS, key=inflight.get)

@@ -3,8 +3,10 @@ bridge in this (the test's) namespace, which holds the bridge's address so the t
 host.  Processes run in a host with ``ip netns exec`` (``Lab.prefix``), bound to its address.
 
 Faults are made with the kernel, never simulated: ``cut``/``heal`` put blackhole routes in both
-hosts (every packet between them silently dropped both ways, as an ``iptables DROP`` would: the
-machine has no iptables), ``limit`` a ``tc tbf`` rate on a host's link, ``link_down``/``link_up``
+hosts (an established connection's packets between them silently dropped both ways, as an
+``iptables DROP`` would; a new connection between them fails at once, which keeps the waits --
+and the suite -- short; a peer that never answers is bounded in tests/worker/test_decode_peer_faults.py),
+``limit`` a ``tc tbf`` rate on a host's link, ``link_down``/``link_up``
 its interface.  ``Lab`` is a context manager; leaving it (and interpreter exit) removes every
 namespace and the bridge, so nothing outlives the test.
 """
