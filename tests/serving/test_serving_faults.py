@@ -37,8 +37,8 @@ DECODERS = ("d0", "d1")
 # A drain with this many streams on one decode worker, each long enough to be decoding still when
 # the drain lands after the last one started (the KV pools hold them all on either worker).
 # (A step's token budget above STREAMS: all of them decode in every step.)
-STREAMS, STREAM_TOKENS = 20, 200
-STACK_ARGS = ["--num-blocks", "2048", "--max-num-batched-tokens", "32"]  # (blocks of BLOCK_SIZE tokens)
+STREAMS, STREAM_TOKENS = 20, 800
+STACK_ARGS = ["--num-blocks", "4200", "--max-num-batched-tokens", "32"]  # (blocks of BLOCK_SIZE tokens)
 # Bounds on waits for a condition that must come (a process start, a registry entry lapsing, a
 # worker going idle): generous, since 2 shared cores may be busy with other work.
 WAIT_S = 300.0
@@ -244,10 +244,15 @@ def test_a_greedy_stream_replayed_twice_equals_the_unmoved_answer(stack):
     prompt = "A stream that outlives two decode workers:"
     whole = complete(stack, prompt=prompt, max_tokens=1000).choices[0].text
     moves_before = metric(stack, "pdserve_migrations_total", 'cause="worker_lost"')
+    gaps_before = metric(stack, "pdserve_migration_gap_seconds_count")
     with extra_worker(stack, "d2", "decode"):
         first, chunks = open_stream(stack.gateway_url, stack.model_name, prompt, 1000, temperature=0)
-        for _ in range(2):
-            stack.kill(serving_decode_worker(stack, (*DECODERS, "d2")))
+        stack.kill(serving_decode_worker(stack, (*DECODERS, "d2")))
+        # Killed again only once tokens flow from where it moved (before that, a lost worker is
+        # a retry of the move, not a second move): the gateway has timed the move's gap.
+        wait_until(lambda: metric(stack, "pdserve_migration_gap_seconds_count") >= gaps_before + 1,
+                   "the moved stream's first token from its new worker")
+        stack.kill(serving_decode_worker(stack, (*DECODERS, "d2")))
         assert rest_of(first, chunks) == whole
         assert metric(stack, "pdserve_migrations_total", 'cause="worker_lost"') == moves_before + 2
 
