@@ -26,12 +26,12 @@ import random
 import tempfile
 import threading
 import time
-import urllib.request
 import uuid
 from pathlib import Path
 
 import openai
 
+from benchmarks import chaos_checks
 from benchmarks.bench_util import emit, percentile
 from benchmarks.serving import prepare_model
 from common.cluster.redis_util import RedisServer
@@ -42,12 +42,7 @@ DECODERS = ("d0", "d1")
 
 
 def gateway_metric(stack: LocalStack, name: str) -> float:
-    total = 0.0
-    with urllib.request.urlopen(f"{stack.gateway_url}/metrics", timeout=30) as resp:
-        for line in resp.read().decode().splitlines():
-            if line.startswith(name + " ") or line.startswith(name + "{"):
-                total += float(line.split()[-1])
-    return total
+    return chaos_checks.gateway_metric(stack.gateway_url, name)
 
 
 def admin(stack: LocalStack, worker: str, action: str, body: bytes = b"{}") -> None:

@@ -221,14 +221,19 @@ def rest_of(first: str, chunks) -> str:
     return first + "".join(chunk.choices[0].text for chunk in chunks if chunk.choices)
 
 
+def seeded_answer_and_stream(stack, prompt: str, max_tokens: int, seed: int):
+    """The whole answer of a seeded sampled request, then the same request streamed, its first
+    chunk read: ``(whole, first, chunks)``."""
+    params = dict(temperature=0.8, top_p=0.95, seed=seed)
+    whole = client(stack).completions.create(model=stack.model_name, prompt=prompt, max_tokens=max_tokens,
+                                             extra_body={"ignore_eos": True}, **params).choices[0].text
+    return (whole, *open_stream(stack.gateway_url, stack.model_name, prompt, max_tokens, **params))
+
+
 def test_a_stream_whose_decode_worker_dies_moves_to_the_other_and_goes_on_unbroken(stack):
     # Seeded sampling: the worker the stream moves to draws what the dead one would have drawn.
-    params = dict(temperature=0.8, top_p=0.95, seed=23)
-    prompt = "A stream that outlives its decode worker:"
-    whole = client(stack).completions.create(model=stack.model_name, prompt=prompt, max_tokens=250,
-                                             extra_body={"ignore_eos": True}, **params).choices[0].text
     moves_before = metric(stack, "pdserve_migrations_total", 'cause="worker_lost"')
-    first, chunks = open_stream(stack.gateway_url, stack.model_name, prompt, 250, **params)
+    whole, first, chunks = seeded_answer_and_stream(stack, "A stream that outlives its decode worker:", 250, 23)
     serving = serving_decode_worker(stack)
     stack.kill(serving)
     assert rest_of(first, chunks) == whole  # no break, no duplicate, no lost token
@@ -361,12 +366,8 @@ def test_a_drain_from_the_container_hands_its_streams_over(stack, tmp_path):
 def test_one_seeded_stream_moved_twice_equals_the_unmoved_answer(stack):
     # Two live moves (each drain ships the stream's KV to the other worker, which samples on at
     # the next output index): the seeded stream draws what it would have drawn unmoved.
-    params = dict(temperature=0.8, top_p=0.95, seed=7)
-    prompt = "One stream, drained away twice:"
-    whole = client(stack).completions.create(model=stack.model_name, prompt=prompt, max_tokens=800,
-                                             extra_body={"ignore_eos": True}, **params).choices[0].text
     moves_before = metric(stack, "pdserve_migrations_total", 'cause="drain"')
-    first, chunks = open_stream(stack.gateway_url, stack.model_name, prompt, 800, **params)
+    whole, first, chunks = seeded_answer_and_stream(stack, "One stream, drained away twice:", 800, 7)
     a = serving_decode_worker(stack)
     b = next(d for d in DECODERS if d != a)
     try:

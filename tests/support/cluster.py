@@ -13,6 +13,7 @@ from common.cluster.auth import ClusterAuth
 from launcher.local_stack import LocalStack, http_json  # noqa: F401  (re-exported for tests)
 from common.cluster.redis_util import connect
 from common.cluster.registry import WorkerInfo, WorkerRegistry
+from tests.support.waiting import wait_until
 
 # What the gateway of a test cluster accepts on /admin (strong enough to be accepted; given in the
 # environment, as secrets should be, not on a command line).
@@ -83,14 +84,15 @@ def extra_gateway(stack: LocalStack, name: str, args: list[str], env: dict[str, 
 def extra_worker(stack: LocalStack, name: str, role: str, timeout: float = 120):
     """Another worker in ``stack``'s pools; yields its ``Proc`` once the gateway routes to it, and
     stops it afterwards (a SIGKILLed one's registry entry lapses on its own)."""
-    pools = http_json(f"{stack.gateway_url}/health")["workers"]
+    routed = http_json(f"{stack.gateway_url}/health")["workers"].get(role, 0)
     proc = stack.start_worker(name, role)
+
+    def joined() -> bool:
+        assert proc.popen.poll() is None, proc.log()
+        return http_json(f"{stack.gateway_url}/health")["workers"].get(role, 0) > routed
+
     try:
-        deadline = time.monotonic() + timeout
-        while http_json(f"{stack.gateway_url}/health")["workers"].get(role, 0) <= pools.get(role, 0):
-            assert proc.popen.poll() is None, proc.log()
-            assert time.monotonic() < deadline, f"worker {name} not routed to:\n{proc.log()}"
-            time.sleep(0.2)
+        wait_until(joined, f"the gateway routing to worker {name}", timeout)
         yield proc
     finally:
         proc.popen.terminate()
