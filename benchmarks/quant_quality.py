@@ -14,7 +14,8 @@ prompts whose 64 tokens are all equal.
 The last line of stdout is one JSON object: ``ppl_<scheme>`` and ``<scheme>_ppl_delta``
 (relative to fp32), ``<scheme>_greedy_agreement`` (tokens before the first difference / all) and
 ``<scheme>_greedy_identical_prompts`` for int8 and int4 (and fp8 with ``--fp8``: its CPU path
-is a reference, slow).
+is a reference, slow), and ``<scheme>_weight_mb`` (the weights as stored).  int4 on this GGUF keeps
+the file's 4-bit blocks as they are and its wider ones at int8 (``common.engine.loading.gguf_blocks``).
 """
 from __future__ import annotations
 
@@ -125,6 +126,7 @@ def main() -> None:
         tokens = greedy(engine, prompts, new_tokens)
         name = "fp32" if scheme == "none" else scheme
         result[f"ppl_{name}"] = round(ppl, 4)
+        result[f"{name}_weight_mb"] = round(engine.model.weight_bytes() / 1e6, 1)
         if reference is None:
             reference = tokens
         else:

@@ -118,9 +118,6 @@ class Engine:
                                                    random_weights=config.load_format == "dummy", tp=self.tp,
                                                    quantization=config.weights)
         mc = self.model_config
-        if config.weights.enabled and (config.model == "default" or config.model.endswith(".gguf")):
-            log.info("quantization %s: the GGUF's blocks were dequantized when it was converted and are "
-                     "quantized again here (its own quantized blocks are not kept)", config.quantization)
         if config.compile and self.device.type == "cpu":
             self.model.stages = compile_stages(self.model)
         elif config.compile:

@@ -47,9 +47,11 @@ def permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(model, arch: str, path, qtype=Q.F32, name="tiny", chat_template: str | None = None) -> None:
+def write_gguf(model, arch: str, path, qtype=Q.F32, name="tiny", chat_template: str | None = None,
+               qtype_of=None) -> None:
     """Convert ``model`` the way convert_hf_to_gguf.py would and write it to ``path`` (with
-    ``chat_template`` as ``tokenizer.chat_template``, when given)."""
+    ``chat_template`` as ``tokenizer.chat_template``, when given).  Matrices are stored as
+    ``qtype``, or as ``qtype_of(hf_name)`` where that is given and says something."""
     cfg = model.config
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(name)
@@ -98,8 +100,9 @@ def write_gguf(model, arch: str, path, qtype=Q.F32, name="tiny", chat_template: 
             data = data + 1
         gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         assert gguf_name is not None, hf_name
-        if qtype != Q.F32 and data.ndim == 2:
-            w.add_tensor(gguf_name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+        kind = (qtype_of(hf_name) if qtype_of else None) or qtype
+        if kind != Q.F32 and data.ndim == 2:
+            w.add_tensor(gguf_name, gguf.quants.quantize(data, kind), raw_dtype=kind)
         else:
             w.add_tensor(gguf_name, data)
     w.write_header_to_file()

@@ -5,8 +5,9 @@ Layout of a converted directory::
     <cache>/models/gemma-3-270m/
         config.json              transformers 5.x config (model_type gemma3_text)
         model.safetensors        fp32 weights, llama.cpp's conversions undone
+        gguf_blocks.safetensors  the 4-bit weights' own groups (``gguf_blocks``; absent if none)
         tokenizer.json, tokenizer_config.json
-        gguf_source.json         {"gguf_sha256", "gguf_file", "converter_version"}
+        gguf_source.json         {"gguf_sha256", "gguf_file", "converter_version", "tensor_types"}
 
 ``<cache>`` is ``$PDSERVE_CACHE`` if set, else ``~/.cache/pdserve``. Other GGUF files go to
 ``<cache>/models/gguf/<stem>-<path hash>/`` the same way (``converted_gguf_dir``). A directory appears
@@ -31,7 +32,7 @@ from tqdm import tqdm
 DEFAULT_MODEL_NAME = "gemma-3-270m"
 SOURCE_MARKER = "gguf_source.json"
 # Bump when the conversion's output changes, so existing caches are rebuilt.
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2  # 2: the 4-bit blocks and each weight's GGUF type are kept
 
 
 def default_cache_dir() -> Path:
@@ -44,8 +45,9 @@ def convert_gguf_to_hf_dir(gguf_path: str | os.PathLike, out_dir: str | os.PathL
                            gguf_sha256: str | None = None, marker_extra: dict | None = None) -> Path:
     """Write a Hugging Face model directory for ``gguf_path`` into ``out_dir`` (created if missing).
 
-    Writes config.json, model.safetensors (fp32), the tokenizer files and ``gguf_source.json`` (the
-    source's sha256, file name, converter version and ``marker_extra``). Files are written in place;
+    Writes config.json, model.safetensors (fp32), the 4-bit weights' blocks, the tokenizer files and
+    ``gguf_source.json`` (the source's sha256, file name, converter version, each weight's GGUF type
+    and ``marker_extra``). Files are written in place;
     callers that need atomicity (``ensure_default_model``, ``converted_gguf_dir``) pass a fresh
     temporary directory and rename it. ``gguf_sha256`` skips re-hashing a file the caller already checked.
     """
@@ -55,14 +57,22 @@ def convert_gguf_to_hf_dir(gguf_path: str | os.PathLike, out_dir: str | os.PathL
     out_dir.mkdir(parents=True, exist_ok=True)
     # gguf is imported only to convert: the engine (and the GPU check, whose host has no gguf)
     # reaches this module for default_cache_dir alone.
-    from common.engine.loading.gguf_loader import load_gguf, load_gguf_tokenizer
+    from common.engine.loading.gguf_blocks import BLOCKS_FILE
+    from common.engine.loading.gguf_loader import (hf_config_from_gguf, load_gguf_tokenizer, open_gguf,
+                                                   source_blocks_from_gguf, state_dict_from_gguf)
     from safetensors.torch import save_file
 
-    config_dict, state = load_gguf(gguf_path, progress=progress)
+    reader = open_gguf(gguf_path)
+    config_dict = hf_config_from_gguf(reader)
+    state = state_dict_from_gguf(reader, config_dict, progress=progress)
     config = AutoConfig.for_model(**config_dict)
     config.save_pretrained(out_dir)
     save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     del state
+    tensor_types, blocks = source_blocks_from_gguf(reader, config_dict)
+    if blocks:
+        save_file(blocks, str(out_dir / BLOCKS_FILE), metadata={"format": "pt"})
+    del blocks
     if progress:
         tqdm.write(f"building tokenizer from {gguf_path.name} (seconds for a 262k vocabulary)")
     load_gguf_tokenizer(gguf_path, config.model_type).save_pretrained(out_dir)
@@ -71,6 +81,7 @@ def convert_gguf_to_hf_dir(gguf_path: str | os.PathLike, out_dir: str | os.PathL
         "gguf_sha256": gguf_sha256 or _sha256(gguf_path),
         "gguf_file": gguf_path.name,
         "converter_version": CONVERTER_VERSION,
+        "tensor_types": tensor_types,
     }
     (out_dir / SOURCE_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
     return out_dir

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from common.engine.loading.gguf_blocks import FOUR_BIT_TYPES, blocks_state, four_bit_groups
 from common.engine.loading.gguf_file import GGUFFile
 
 
@@ -282,12 +283,7 @@ def state_dict_from_gguf(reader: GGUFFile, config: dict,
         if t.name in _DERIVED_TENSORS:
             continue
         hf_name = _hf_name(t.name, names, path)
-        w = _dequantize(t, path)
-        if arch == "llama":
-            if ".attn_q." in t.name:
-                w = _unpermute_rope(w, n_heads)
-            elif ".attn_k." in t.name:
-                w = _unpermute_rope(w, n_kv)
+        w = _rows_in_checkpoint_order(_dequantize(t, path), t.name, arch, n_heads, n_kv)
         if arch == "gemma3" and t.name.endswith("norm.weight"):
             w = w - np.float32(1.0)
         w = np.ascontiguousarray(w, dtype=np.float32)
@@ -298,6 +294,26 @@ def state_dict_from_gguf(reader: GGUFFile, config: dict,
     if missing:
         raise ValueError(f"{path}: missing tensors {missing}")
     return state
+
+
+def source_blocks_from_gguf(reader: GGUFFile, config: dict) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """Each weight's GGUF type by its Hugging Face name, and the 4-bit weights' groups
+    (``common.engine.loading.gguf_blocks``: what ``--quantization int4`` keeps as the file has it)."""
+    arch = _field(reader, "general.architecture")
+    names = _GEMMA3_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
+    types, blocks = {}, {}
+    for t in reader.tensors:
+        if t.name in _DERIVED_TENSORS:
+            continue
+        hf_name = _hf_name(t.name, names, reader.path)
+        types[hf_name] = t.tensor_type.name
+        shape = tuple(reversed(t.shape))
+        if t.tensor_type.name in FOUR_BIT_TYPES and len(shape) == 2:
+            groups = four_bit_groups(t.data, t.tensor_type, shape)
+            groups = [_rows_in_checkpoint_order(a, t.name, arch, config["num_attention_heads"],
+                                                config["num_key_value_heads"]) for a in groups]
+            blocks.update(blocks_state(hf_name, *groups))
+    return types, blocks
 
 
 def load_gguf(path: str | os.PathLike, progress: bool = True) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -344,6 +360,16 @@ def _dequantize(t, path) -> np.ndarray:
     except NotImplementedError as e:
         raise ValueError(f"{path}: tensor {t.name!r} has unsupported quant type {t.tensor_type.name}") from e
     return np.asarray(w, dtype=np.float32).reshape(shape)
+
+
+def _rows_in_checkpoint_order(w: np.ndarray, gguf_name: str, arch: str, n_heads: int, n_kv: int) -> np.ndarray:
+    """``w``'s rows (any array whose rows are a weight's output channels) in the original order:
+    llama's Q and K rows were permuted by the conversion."""
+    if arch == "llama" and ".attn_q." in gguf_name:
+        return _unpermute_rope(w, n_heads)
+    if arch == "llama" and ".attn_k." in gguf_name:
+        return _unpermute_rope(w, n_kv)
+    return w
 
 
 def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:

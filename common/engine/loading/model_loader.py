@@ -1,20 +1,24 @@
 """Load a checkpoint (Hugging Face directory or GGUF file) into a ``DecoderModel``."""
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
+from common.engine.loading.gguf_blocks import BLOCKS_FILE, SourceWeights
 from common.engine.model_config import ModelConfig, load_model_config
 from common.engine.models.quantization_scheme import NO_QUANTIZATION, Quantization
 from common.engine.models.decoder import SINGLE, DecoderModel
 from common.engine.parallel.tensor_parallel import TensorParallel
 
+log = logging.getLogger(__name__)
+
 
 def load_state_dict(checkpoint: Path) -> dict[str, torch.Tensor]:
-    files = sorted(checkpoint.glob("*.safetensors"))
+    files = sorted(f for f in checkpoint.glob("*.safetensors") if f.name != BLOCKS_FILE)
     if not files:
         raise ValueError(f"checkpoint {str(checkpoint)!r} has no .safetensors weights")
     state: dict[str, torch.Tensor] = {}
@@ -57,7 +61,13 @@ def load_model(checkpoint: Path, dtype: torch.dtype, device: torch.device,
         model.load_state_dict(state, strict=True, assign=True)
     except RuntimeError as exc:
         raise ValueError(f"checkpoint {str(checkpoint)!r} does not match its config.json: {exc}") from None
-    model.finish_loading(device, quantization)
+    source = SourceWeights.of_checkpoint(checkpoint) if quantization.enabled else None
+    if source is not None and tp.size > 1:
+        log.info("tensor parallelism: a GGUF's 4-bit blocks are not kept (each rank quantizes its share)")
+        source = None
+    model.finish_loading(device, quantization, source)
+    if source is not None:
+        log.info("%s", source.summary(quantization.scheme))
     return model.eval(), cfg
 
 

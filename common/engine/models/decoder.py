@@ -7,6 +7,7 @@ The forward runs over a packed batch of tokens from many requests (see ``common.
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -22,12 +23,17 @@ from common.engine.models.stages import EAGER, LayerStages
 from common.engine.models.rotary import RotaryEmbedding, apply_rotary
 from common.engine.parallel.tensor_parallel import TensorParallel
 
+if TYPE_CHECKING:
+    from common.engine.loading.gguf_blocks import SourceWeights
+
 SINGLE = TensorParallel()  # one rank: no collectives
 
 log = logging.getLogger(__name__)
 # Below this many bytes of packed weights a model's products are too quick for their row count to
 # matter (and too quick to time apart): no row padding is tuned.
 ROW_PADDING_MIN_BYTES = 32 << 20
+# The checkpoint's projections each fused product is made of (``Attention.fuse``, ``MLP.fuse``).
+FUSED_FROM = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 _ACTIVATIONS = {
     "silu": F.silu,
@@ -179,10 +185,12 @@ class DecoderModel(nn.Module):
         self.quantized_lm_head: QuantizedWeight | None = None  # a tied LM head's quantized rows
         self.row_padding: tuple[int, ...] = ()  # see _tune_row_padding
 
-    def finish_loading(self, device: torch.device, quantization: Quantization = NO_QUANTIZATION) -> None:
+    def finish_loading(self, device: torch.device, quantization: Quantization = NO_QUANTIZATION,
+                       source: SourceWeights | None = None) -> None:
         """After the state dict is in: fold Gemma's norm offset, fuse projections, pack the CPU
         products' weights (``common.engine.models.linear``) or quantize them, the LM head and
-        the embedding (``common.engine.models.quantized``), build RoPE."""
+        the embedding (``common.engine.models.quantized``; ``source``: how a GGUF stored them,
+        see ``common.engine.loading.gguf_blocks``), build RoPE."""
         offset = self.cfg.norm_weight_offset
         with torch.no_grad():
             for module in self.modules():
@@ -192,7 +200,7 @@ class DecoderModel(nn.Module):
             layer.self_attn.fuse()
             layer.mlp.fuse()
         if quantization.enabled:
-            self._quantize(quantization)
+            self._quantize(quantization, source)
         else:
             for module in self.modules():
                 if isinstance(module, Linear):
@@ -202,17 +210,30 @@ class DecoderModel(nn.Module):
         self._tune_row_padding()
         self.rotary = RotaryEmbedding(self.cfg.rope, device)
 
-    def _quantize(self, quantization: Quantization) -> None:
-        scheme, group = quantization.scheme, quantization.group_size
+    def _quantize(self, quantization: Quantization, source: SourceWeights | None) -> None:
         head = getattr(self, "lm_head", None)
-        for module in self.modules():
+        for name, module in self.named_modules():
             if isinstance(module, Linear):
-                module.quantize(scheme, group, head=module is head)
+                parent, _, leaf = name.rpartition(".")
+                weights = [".".join(filter(None, (parent, part, "weight"))) for part in FUSED_FROM.get(leaf, (leaf,))]
+                module.use_quantized(_quantized(module.weight, weights, quantization, source, head=module is head))
         embedding = self.model.embed_tokens.weight
-        rows = quantize_weight(embedding, scheme, group, head=True)  # a head's rows: int8 under int4
+        # a head's rows: int8 under int4
+        rows = _quantized(embedding, ["model.embed_tokens.weight"], quantization, source, head=True)
         self.model.embed_tokens = QuantizedEmbedding(rows)
         if self.cfg.tie_word_embeddings:
             self.quantized_lm_head = rows  # one quantized copy for the lookup and the head
+
+    def weight_bytes(self) -> int:
+        """Bytes the weights occupy as stored (packed, quantized: each copy once)."""
+        tensors = [*self.parameters(), *self.buffers()]
+        if self.packed_lm_head is not None:
+            tensors.append(self.packed_lm_head)
+        total = sum(t.numel() * t.element_size() for t in tensors)
+        quantized = {id(q): q for module in self.modules()
+                     for q in (getattr(module, "quantized", None), getattr(module, "quantized_lm_head", None))
+                     if q is not None}
+        return total + sum(q.nbytes for q in quantized.values())
 
     def _tune_row_padding(self) -> None:
         """Time this model's packed products for few rows and pad where more rows run faster
@@ -264,3 +285,17 @@ class DecoderModel(nn.Module):
         if cap:
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+
+def _quantized(weight: torch.Tensor, names: list[str], quantization: Quantization, source: SourceWeights | None,
+               head: bool) -> QuantizedWeight:
+    """``weight`` (made of checkpoint weights ``names``) under ``quantization``: under int4 a GGUF's
+    4-bit blocks as the file has them, and its wider blocks at int8 (``gguf_blocks``)."""
+    scheme = quantization.scheme
+    if source is not None and scheme == "int4" and not head:
+        kept = source.int4_weight(names, weight.dtype)
+        if kept is not None:
+            return kept
+        if source.holds_more_than_four_bits(names):
+            scheme = "int8"
+    return quantize_weight(weight, scheme, quantization.group_size, head)

@@ -165,7 +165,11 @@ class Linear(nn.Linear):
 
     def quantize(self, scheme: str, group_size: int, head: bool = False) -> None:
         """Replace the weight by its quantized form; the plain ``weight`` is emptied."""
-        self.quantized = quantize_weight(self.weight, scheme, group_size, head)
+        self.use_quantized(quantize_weight(self.weight, scheme, group_size, head))
+
+    def use_quantized(self, weight: QuantizedWeight) -> None:
+        """Compute with ``weight`` (which stands for this one); the plain ``weight`` is emptied."""
+        self.quantized = weight
         self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
     def pack(self) -> bool:

@@ -119,22 +119,38 @@ class Int8Weight(QuantizedWeight):
 
 
 class Int4Weight(QuantizedWeight):
+    """4-bit groups of ``group_size`` inputs, ``w = (q - 8) * scale + zero``: quantized here from a
+    weight, or (``from_groups``) taken as a GGUF file stored them."""
+
     def __init__(self, weight: torch.Tensor, group_size: int):
         if group_size not in INT4_GROUP_SIZES:
             raise ValueError(f"int4 group size must be one of {INT4_GROUP_SIZES}, got {group_size}")
         w = weight.detach().float()
-        self.out_features, self.in_features = w.shape
-        if self.in_features % group_size:
-            raise ValueError(f"int4: {self.in_features} inputs do not split into groups of {group_size}")
-        self.dtype, self.group_size = weight.dtype, group_size
-        groups = w.reshape(self.out_features, -1, group_size)
-        low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+        out_features, in_features = w.shape
+        if in_features % group_size:
+            raise ValueError(f"int4: {in_features} inputs do not split into groups of {group_size}")
+        groups = w.reshape(out_features, -1, group_size)
+        low, high = groups.amin(-1), groups.amax(-1)
         scale = ((high - low) / 15.0).clamp(min=1e-12)
-        q = torch.round((groups - low) / scale).clamp(0, 15).to(torch.int32).reshape(self.out_features, -1)
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-        zero = low + 8.0 * scale  # the kernel computes (q - 8) * scale + zero
-        # [groups, out_features, 2]: the layout the kernel reads
-        self.scales_and_zeros = torch.stack([scale.squeeze(-1).t(), zero.squeeze(-1).t()], dim=-1).contiguous()
+        q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15).reshape(out_features, -1)
+        self._pack(q, scale, low + 8.0 * scale, group_size, weight.dtype)
+
+    @classmethod
+    def from_groups(cls, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
+                    dtype: torch.dtype) -> "Int4Weight":
+        """The weight ``(q - 8) * scale + zero`` as given: ``q`` ``[out, in]`` in 0..15, ``scale`` and
+        ``zero`` ``[out, in / group_size]`` (a GGUF's 4-bit blocks, ``common.engine.loading.gguf_blocks``)."""
+        weight = cls.__new__(cls)
+        weight._pack(q, scale.float(), zero.float(), group_size, dtype)
+        return weight
+
+    def _pack(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
+              dtype: torch.dtype) -> None:
+        self.out_features, self.in_features = q.shape
+        self.dtype, self.group_size = dtype, group_size
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
+        # [groups, out_features, 2]: the layout the kernel reads, which computes (q - 8) * scale + zero
+        self.scales_and_zeros = torch.stack([scale.t(), zero.t()], dim=-1).contiguous()
         self._scales_and_zeros_bf16 = self.scales_and_zeros.to(torch.bfloat16)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
