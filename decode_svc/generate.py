@@ -31,7 +31,7 @@ from aiohttp import web
 from common.engine.engine import Engine, RequestOutput, StepFailed
 from common.engine.request import Request, RequestStatus, grammar_verdict, status_after_token
 from common.engine.structured.backend import CompiledGrammar
-from worker.engine_thread import EngineFailed, HandOver
+from worker.engine_thread import MOVE_SOON, EngineFailed, HandOver
 from common.cluster.registry import WorkerInfo
 from common.cluster.messages import (
     FRAMES_CONTENT_TYPE, GenerateRequest, PrefillRequest, TokenFrame, TokenLogprob, decode, frame,
@@ -235,6 +235,9 @@ async def stream_outputs(context: RoleContext, stream: asyncio.Queue, response, 
                 if opened.started and isinstance(item, EngineFailed):
                     raise RuntimeError(str(item))  # mid-stream: the request cannot move any more
                 raise item
+            if item is MOVE_SOON:  # a drain hands it over soon: the gateway may pre-copy its KV
+                frames.append(frame(TokenFrame(move_soon=True)))
+                continue
             out = output_frame(item)
             if not opened.started:
                 context.ttft.add(now - started)
@@ -305,11 +308,12 @@ async def remote_prefill(context: RoleContext, body: GenerateRequest, reservatio
     handle = context.kv_receiver.expect(request_id, dst_block_ids)
     moved = bool(body.resume_token_ids)  # the peer may be the worker the stream left, still ending it there
     peer_request_id = f"{request_id[:100]}#moved{len(body.resume_token_ids)}" if moved else request_id
+    moved_stream_id = (body.precopy_of or request_id) if moved else None
     prefill = PrefillRequest(request_id=peer_request_id, prompt_token_ids=body.prompt_token_ids,
                              sampling_params=body.sampling_params, decode_worker_id=context.worker_id,
                              dst_block_ids=dst_block_ids, num_skip_blocks=skip,
                              transfer_id=handle.transfer_id, cache_salt=body.cache_salt,
-                             resume_token_ids=body.resume_token_ids, moved_stream_id=request_id if moved else None)
+                             resume_token_ids=body.resume_token_ids, moved_stream_id=moved_stream_id)
     call = asyncio.ensure_future(call_prefill(context, peer, prefill))
     landed = asyncio.ensure_future(kv_landed(context, handle, reservation.request))
     try:

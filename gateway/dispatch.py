@@ -31,12 +31,13 @@ their own pool of the same size and a total timeout, so they never queue behind 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable, Sequence
+from typing import AsyncIterator, Sequence
 
 import aiohttp
+import msgspec
 
 from common.cluster.auth import ClusterAuth
 from common.cluster.messages import (
@@ -49,6 +50,7 @@ from common.engine.sampling_params import SamplingParams
 from common.cluster.registry import WorkerInfo
 from gateway.backpressure import KeyLineFull, Saturated, WaitQueue
 from gateway.config import GatewayConfig, UpstreamTimeouts
+from gateway.decode_load import SentToDecode, computed_on, count_pending
 from gateway.metrics import GatewayMetrics
 from gateway.migration import StreamMigration
 from gateway.pool import WorkerPool
@@ -84,70 +86,6 @@ class DispatchResult:
 
     route: Route | None = None
     attempts: int = 0
-
-
-@dataclass
-class _Sent:
-    blocks: int
-    admitted_at: float | None = None  # wall clock of the first frame: the worker holds it since
-
-
-def computed_on(route: Route, prompt_len: int) -> tuple[str, int]:
-    """The worker that computes a request's prompt along ``route`` -- its prefill worker, or the
-    decode worker itself -- and the prompt tokens it computes (what it does not cache)."""
-    if route.prefill is not None:
-        return route.prefill.worker_id, prompt_len - route.prefill_matched_tokens
-    return route.decode.worker_id, prompt_len - route.decode_matched_tokens
-
-
-def count_pending(pending: dict[str, int], worker_id: str, tokens: int) -> None:
-    """Adds ``tokens`` (negative: takes them off) to a worker's pending prompt tokens; a worker
-    left with none is dropped."""
-    left = pending.get(worker_id, 0) + tokens
-    if left > 0:
-        pending[worker_id] = left
-    else:
-        pending.pop(worker_id, None)
-
-
-class SentToDecode:
-    """Requests this gateway sent to each decode worker that the worker's last heartbeat may not
-    show yet: from the send until the first heartbeat stamped after the request's first frame (or
-    until it ends).  A fresher load signal than the heartbeats, so a burst spreads.  ``clock``: the
-    clock heartbeats are stamped with (wall time; the planner's simulator passes its own)."""
-
-    def __init__(self, clock: Callable[[], float] = time.time) -> None:
-        self._by_worker: dict[str, dict[str, _Sent]] = {}
-        self._clock = clock
-
-    def add(self, worker_id: str, request_id: str, blocks: int) -> None:
-        self._by_worker.setdefault(worker_id, {})[request_id] = _Sent(blocks)
-
-    def admitted(self, worker_id: str, request_id: str) -> None:
-        sent = self._by_worker.get(worker_id, {}).get(request_id)
-        if sent is not None and sent.admitted_at is None:
-            sent.admitted_at = self._clock()
-
-    def remove(self, worker_id: str, request_id: str) -> None:
-        sent = self._by_worker.get(worker_id)
-        if sent is not None:
-            sent.pop(request_id, None)
-            if not sent:
-                del self._by_worker[worker_id]
-
-    def load(self, workers: Sequence[WorkerInfo]) -> dict[str, tuple[int, int]]:
-        """``{worker_id: (requests, prompt blocks)}`` not in each worker's last heartbeat."""
-        out = {}
-        for w in workers:
-            sent = self._by_worker.get(w.worker_id)
-            if not sent:
-                continue
-            counted = [request_id for request_id, s in sent.items()
-                       if s.admitted_at is not None and s.admitted_at < w.heartbeat_at]
-            for request_id in counted:
-                del sent[request_id]  # the heartbeat counts it now
-            out[w.worker_id] = (len(sent), sum(s.blocks for s in sent.values()))
-        return out
 
 
 class Dispatcher:
@@ -220,12 +158,37 @@ class Dispatcher:
         if it is still routable and not excluded."""
         if follow is None or follow.route is None:
             return None
-        worker_id = follow.route.decode.worker_id
-        worker = next((w for w in self.pool.routable(exclude) if w.worker_id == worker_id and _can_decode(w)), None)
+        return self._route_to(follow.route.decode, exclude, "sibling of an n > 1 request: the prompt is cached there")
+
+    def _route_to(self, worker: WorkerInfo | None, exclude: set[str], reason: str) -> Route | None:
+        """``worker`` computing the prompt itself, if it is still routable and not excluded."""
+        worker = worker and next((w for w in self.pool.routable(exclude)
+                                  if w.worker_id == worker.worker_id and _can_decode(w)), None)
         if worker is None:
             return None
-        return Route(decode=worker, prefill=None, decode_matched_tokens=0, prefill_matched_tokens=0,
-                     reason="sibling of an n > 1 request: the prompt is cached there")
+        return Route(decode=worker, prefill=None, decode_matched_tokens=0, prefill_matched_tokens=0, reason=reason)
+
+    async def _precopy(self, request_id: str, prompt: list[int], params: SamplingParams, cache_salt: str | None,
+                       sent: list[int], source: WorkerInfo, exclude: set[str]) -> WorkerInfo | None:
+        """Copy the KV of a stream that ``source`` will hand over (``sent``: its tokens so far) to the
+        worker it will move to, while it decodes on; returns that worker (``gateway.migration``)."""
+        route = await self.choose(prompt + sent, exclude | {source.worker_id}, cache_salt)
+        if route is None:
+            return None
+        fetched = len(sent) + 1  # the token after them ends it: the worker keeps the KV as cache
+        body = GenerateRequest(
+            request_id=f"{request_id[:100]}#precopy{len(sent)}", prompt_token_ids=prompt,
+            sampling_params=msgspec.structs.replace(params, max_tokens=fetched, min_tokens=min(params.min_tokens, fetched)),
+            prefill_worker_id=source.worker_id, cache_salt=cache_salt, resume_token_ids=sent, precopy_of=request_id)
+        resp = await self._open_stream(route.decode.http_address, body, route.decode.audience)
+        try:
+            await self._check_answer(resp, route.decode.worker_id)
+            frames = FrameReader(resp.content, TokenFrame)
+            while not any(f.finished or f.error for f in await self._next_frames(resp, frames, first=True)):
+                pass
+            return route.decode if resp.status == 200 else None
+        finally:
+            resp.close()
 
     def _count_pending(self, route: Route, prompt_len: int, sign: int) -> None:
         worker_id, tokens = computed_on(route, prompt_len)
@@ -261,7 +224,8 @@ class Dispatcher:
                     busy.clear()
                 resume = list(migration.sent)  # a moved stream: the new worker computes these too
                 if resume:
-                    route = await self.choose(prompt + resume, exclude | stale | busy, cache_salt)
+                    route = (self._route_to(migration.precopied_to, exclude | stale | busy, "pre-copied")
+                             or await self.choose(prompt + resume, exclude | stale | busy, cache_salt))
                     route = route and migration.resumed_route(route)
                 else:
                     route = self._sibling_route(follow, exclude | stale | busy) or await self.choose(
@@ -318,6 +282,11 @@ class Dispatcher:
                                 raise UpstreamError(frame.error)
                             if resp.status != 200:  # an error status must carry an error frame
                                 raise _BadAnswer(resp.status, resp.content_type, "a frame that is no error")
+                            if frame.move_soon:  # it drains: copy the stream's KV ahead to where it moves
+                                migration.start_precopy(functools.partial(
+                                    self._precopy, request_id, prompt, params, cache_salt, list(migration.sent),
+                                    route.decode, exclude | stale | busy))
+                                continue
                             if frame.token_ids:
                                 streamed = True
                                 self.sent_to_decode.admitted(decode_id, request_id)
@@ -387,6 +356,7 @@ class Dispatcher:
                         task.add_done_callback(self._aborts.discard)
         finally:
             place.leave()
+            migration.close()
 
     async def _open_stream(self, decode_url: str, body: GenerateRequest, audience: str) -> aiohttp.ClientResponse:
         """POST /generate (signed) and wait (bounded) for the status and headers."""

@@ -16,6 +16,7 @@ several gateways in one process never collide.  Names follow vLLM/Dynamo practic
                 pdserve_requests_queued,
                 pdserve_migrations_total{cause}, pdserve_migrated_tokens_total  (streams moved, tokens replayed)
                 pdserve_migration_gap_seconds  (a move's last token to the next one, from the new worker)
+                pdserve_migration_precopies_total{outcome}, pdserve_migration_held_tokens_total (pre-copies)
                 pdserve_registry_rejected_entries_total{reason}  (entries ignored: signature, address, ...)
     workers     pdserve_num_requests_waiting / _running, pdserve_kv_cache_usage_ratio,
                 pdserve_num_waiting_prefill_tokens            (gauges, by worker_id and role),
@@ -137,6 +138,12 @@ class GatewayMetrics:
         self.migration_gap = Histogram(
             "migration_gap_seconds", "From a moved stream's last token at the worker it left to its next token "
             "from the worker it moved to.", buckets=TRANSFER_BUCKETS, **kw)
+        self.precopies = Counter(
+            "migration_precopies", "KV of streams about to be handed over, copied to the worker they will move "
+            "to while they still decode, by outcome: ok, failed.", ["outcome"], **kw)
+        self.migration_held_tokens = Counter(
+            "migration_held_tokens", "Tokens of moved streams whose KV the worker they moved to already held "
+            "(pre-copied): what the hand-over did not have to ship.", **kw)
 
         self._worker_labels: set[tuple[str, str]] = set()
         self._models: dict[str, ModelMetrics] = {}

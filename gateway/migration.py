@@ -14,19 +14,31 @@ stream's KV, so the new worker fetches it from there over ``kvtransfer`` (the dr
 serves it as a prefill worker would: ``prefill_svc.prefill``) instead of computing it, and computes
 it only if that fails.  A lost worker's streams are computed again where they continue.
 
+Before it hands a stream over, the draining worker says it will (a ``move_soon`` frame), and keeps
+decoding it.  The gateway then pre-copies: it picks the worker the stream will move to and asks it
+for the stream's KV so far (a request for the prompt and the tokens sent so far, fetched from the
+draining worker, that ends at the fetched token: ``GenerateRequest.precopy_of``), which leaves
+those blocks in that worker's prefix cache.  The hand-over follows once the pre-copy has ended; the
+stream moves to that worker, which holds all but the last few tokens' KV and fetches only those.
+
 At most ``limit`` moves per request (``--migration-limit``; 0 turns it off: a lost worker ends
 the stream with an error, a draining worker decodes its streams to the end).
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import logging
 import time
 from dataclasses import dataclass, field
+from typing import Awaitable, Callable
 
 from common.cluster.messages import TokenFrame
 from common.cluster.registry import WorkerInfo
 from gateway.metrics import GatewayMetrics
 from gateway.routing import Route
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -39,6 +51,8 @@ class StreamMigration:
     moves: int = 0
     kv_source: WorkerInfo | None = None  # the draining worker the stream left, which holds its KV
     moved_at: float | None = None  # when it last moved, until its next token
+    precopied_to: WorkerInfo | None = None  # the worker its KV was pre-copied to, until it moves
+    precopy: asyncio.Task | None = None  # the pre-copy in flight
 
     def passed_on(self, frames: list[TokenFrame]) -> None:
         """``frames`` go to the client now."""
@@ -46,7 +60,8 @@ class StreamMigration:
             self.sent.extend(frame.token_ids)
         if self.moved_at is not None and any(frame.token_ids for frame in frames):
             self.metrics.migration_gap.observe(time.monotonic() - self.moved_at)
-            self.moved_at = None
+            self.metrics.migration_held_tokens.inc(frames[0].num_cached_tokens)  # the first frame says
+            self.moved_at = self.precopied_to = None
         if self.moves:  # a moved stream's frames say nothing of the prompt's cache hits
             for frame in frames:
                 frame.num_cached_tokens = 0
@@ -61,6 +76,25 @@ class StreamMigration:
         if self.kv_source is None or self.kv_source.worker_id == route.decode.worker_id:
             return dataclasses.replace(route, prefill=None, reason="a moved stream")
         return dataclasses.replace(route, prefill=self.kv_source, reason="a moved stream's KV from the worker it left")
+
+    def start_precopy(self, copy: Callable[[], Awaitable[WorkerInfo | None]]) -> None:
+        """Run ``copy`` (which pre-copies the stream's KV and returns the worker it went to, or
+        None) unless one is in flight or the stream cannot move."""
+        if self.may_move and self.sent and (self.precopy is None or self.precopy.done()):
+            self.precopy = asyncio.ensure_future(self._precopy(copy))
+
+    async def _precopy(self, copy: Callable[[], Awaitable[WorkerInfo | None]]) -> None:
+        try:
+            self.precopied_to = await copy()
+        except Exception as exc:  # the hand-over still moves the stream: all of its KV then
+            log.info("pre-copy of a stream's KV failed: %s: %s", type(exc).__name__, exc)
+            self.precopied_to = None
+        self.metrics.precopies.labels("ok" if self.precopied_to else "failed").inc()
+
+    def close(self) -> None:
+        """The request has ended: a pre-copy still in flight is of no use."""
+        if self.precopy is not None:
+            self.precopy.cancel()
 
     def move(self, cause: str, kv_source: WorkerInfo | None = None) -> bool:
         """Whether the stream moves on after its worker was lost or handed it over (``cause``,

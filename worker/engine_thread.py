@@ -72,6 +72,9 @@ class EngineFailed(RuntimeError):
     """The engine thread has stopped (repeated step failures, hung, or shut down): nothing more runs."""
 
 
+MOVE_SOON = "move soon"  # put into a stream whose worker drains: the stream is handed over soon
+
+
 class HandOver(Exception):
     """Put into a stream whose worker drains: the stream ends after the outputs queued before it
     and moves to another worker (``decode_svc.generate``)."""
@@ -183,6 +186,14 @@ class EngineThread:
 
     def close_stream(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
+
+    def announce_hand_over(self, request_ids) -> list[str]:
+        """Tell the open streams of ``request_ids`` (after the outputs already queued in them) that
+        they will be handed over (``MOVE_SOON``; event loop thread).  Returns their ids."""
+        told = [r for r in request_ids if r in self._streams]
+        for request_id in told:
+            self._streams[request_id].put_nowait(MOVE_SOON)
+        return told
 
     def hand_over(self, request_ids) -> list[str]:
         """End the open streams of ``request_ids`` after the outputs already queued in them (event

@@ -56,6 +56,7 @@ from worker.tensor_ranks import TensorRanks
 
 log = logging.getLogger(__name__)
 STOP_FOLLOWERS_S = 30.0  # rank 0 tells the followers to stop between two steps; a step may be in flight
+STREAM_END_POLL_S = 0.05  # how often a drain waiting for pre-copies looks for streams that ended meanwhile
 
 
 def peer_session(config: WorkerConfig) -> aiohttp.ClientSession:
@@ -94,6 +95,7 @@ class Worker:
         self._drain_task: asyncio.Task | None = None
         self.movable_streams: set[str] = set()  # streams a drain hands over (``RoleContext``)
         self.exports_due: set[str] = set()  # streams handed over whose KV may still be fetched from here
+        self.precopies_due: set[str] = set()  # streams told of their hand-over, whose KV may be pre-copied
         self._export_ended = asyncio.Event()
         self.started_at = time.time()
         self.instance = new_instance_id()  # this run's: requests to it are signed for it (auth v3)
@@ -322,11 +324,15 @@ class Worker:
         the worker reports idle.  A role change before then cancels the drain (the worker is
         active again), so a late "idle" never parks a worker that was put back to work.
 
-        Streams whose gateway can move them (``movable_streams``) are handed over at their next
-        token boundary, so the drain takes the time of a hand-over, not of the longest stream;
-        the others decode to their end here.  Each handed-over stream's new worker may fetch its
-        KV from here (``prefill_svc.prefill``): the drain waits for those calls, at most
-        ``control_timeout_s`` for each to come."""
+        Streams whose gateway can move them (``movable_streams``) are handed over at a token
+        boundary, so the drain takes the time of a hand-over, not of the longest stream; the
+        others decode to their end here.  First each is told it moves soon (a ``move_soon``
+        frame): while it keeps decoding, its gateway has the worker it will move to fetch the KV
+        it has so far from this cache (a pre-copy, ``gateway.migration``).  Once those calls have
+        ended -- or ``control_timeout_s`` passed without one ending -- the streams are handed over,
+        and each new worker fetches only the KV of the tokens since its pre-copy (or all of it,
+        where there was none).  The drain waits for those calls too, at most ``control_timeout_s``
+        for each to come."""
         self.state = "draining"
         if self._drain_task is None or self._drain_task.done():
             self._drain_task = self.spawn(self._finish_drain())
@@ -336,6 +342,8 @@ class Worker:
         # The registry says "draining" before any stream is handed over: a gateway that re-reads it
         # on the hand-over never routes the stream straight back here.
         await self._heartbeat.beat()
+        self.precopies_due.update(self.engine_thread.announce_hand_over(self.movable_streams))
+        await self._wait_for_precopies(self.config.control_timeout_s)
         handed = self.engine_thread.hand_over(self.movable_streams)
         if handed:
             log.info("drain: handing %d streams over to other decode workers", len(handed))
@@ -348,9 +356,30 @@ class Worker:
             await self._heartbeat.beat()
 
     def exported(self, stream_id: str) -> None:
-        """A handed-over stream's KV call has ended (``RoleContext.exported``)."""
-        self.exports_due.discard(stream_id)
+        """A call for a stream's KV has ended (``RoleContext.exported``): its pre-copy if one is
+        due, else the hand-over's."""
+        if stream_id in self.precopies_due:
+            self.precopies_due.discard(stream_id)
+        else:
+            self.exports_due.discard(stream_id)
         self._export_ended.set()
+
+    async def _wait_for_precopies(self, timeout: float) -> None:
+        """Until every stream told of its hand-over has had its KV pre-copied or has ended, or
+        ``timeout`` seconds pass without a pre-copy ending (a gateway that does not pre-copy)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self.precopies_due & self.movable_streams:
+            if loop.time() >= deadline:
+                log.info("drain: %d streams' KV not pre-copied; handing them over now", len(self.precopies_due))
+                break
+            self._export_ended.clear()
+            try:  # short waits: a stream that ends here meanwhile sets no event
+                await asyncio.wait_for(self._export_ended.wait(), STREAM_END_POLL_S)
+                deadline = loop.time() + timeout
+            except asyncio.TimeoutError:
+                pass
+        self.precopies_due.clear()
 
     async def _wait_for_exports(self, timeout: float) -> None:
         """Until every handed-over stream's KV has been fetched from here, or ``timeout`` seconds
@@ -385,6 +414,7 @@ class Worker:
         if self._drain_task is not None and not self._drain_task.done():
             self._drain_task.cancel()
         self.exports_due.clear()
+        self.precopies_due.clear()
         if self.state in ("idle", "draining"):
             self.state = "active"
         await self._heartbeat.beat()

@@ -55,6 +55,10 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
     # The gateway can move this stream on: a draining worker may end it at a token boundary with a
     # "migrate" frame instead of decoding it to the end.
     may_migrate: bool = False
+    # A pre-copy (``gateway.migration``): the KV of stream ``precopy_of``, still decoding on the
+    # draining worker ``prefill_worker_id``, fetched into this worker's cache ahead of its
+    # hand-over (``max_tokens`` ends the request at the fetched token: nothing is decoded here).
+    precopy_of: RequestId | None = None
 
 
 class TokenFrame(msgspec.Struct, omit_defaults=True):
@@ -79,6 +83,9 @@ class TokenFrame(msgspec.Struct, omit_defaults=True):
     # "migrate": this worker drains and hands the stream over after the tokens sent so far (only
     # for a request that said ``may_migrate``): the gateway continues it on another worker.
     error_kind: str | None = None
+    # This worker drains: the stream will be handed over soon; the gateway may pre-copy its KV
+    # to the worker it will move to meanwhile (a frame with no tokens; ``gateway.migration``).
+    move_soon: bool = False
 
 
 class PrefillRequest(msgspec.Struct, forbid_unknown_fields=True):

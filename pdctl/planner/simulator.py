@@ -5,7 +5,7 @@ What is real and what is modelled::
     real code, called as the services call it            modelled
     ---------------------------------------------        -------------------------------------------
     gateway.routing.Router.route (policy, pending,        the gateway's view: WorkerInfo refreshed
-      gateway.dispatch.SentToDecode's pending_decode)
+      gateway.decode_load.SentToDecode's pending_decode)
                                                           per heartbeat, read every pool refresh
     gateway.backpressure.WaitQueue (size, deadline)       the gateway's dispatch loop around them
     Scheduler.add_request / reserve_remote /              step time: a CostModel of the step's shape
@@ -52,7 +52,7 @@ from common.engine.sampling_params import SamplingParams
 from common.engine.request import status_after_token
 from common.engine.step_log import step_shape
 from gateway.backpressure import ADMITTED_WAKES
-from gateway.dispatch import SentToDecode, computed_on, count_pending
+from gateway.decode_load import SentToDecode, computed_on, count_pending
 from pdctl.planner.cost_model import CostModel
 from pdctl.planner.metrics import certainly_failing, summarize_simulation
 from pdctl.planner.sim_config import Deployment, HostEffects, SimConfig

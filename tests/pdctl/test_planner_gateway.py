@@ -1,5 +1,5 @@
 """The planner's simulated gateway around the real router: a burst spread over the decode workers
-before any heartbeat shows it (gateway.dispatch.SentToDecode), and the wait queue as
+before any heartbeat shows it (gateway.decode_load.SentToDecode), and the wait queue as
 gateway.backpressure.WaitQueue runs it -- busy answers, first come first served, deadlines, a full
 queue, and room found passed on doubled (ADMITTED_WAKES)."""
 from __future__ import annotations
@@ -35,7 +35,7 @@ def decode_side_admissions(monkeypatch, sim: Simulation) -> dict[str, int]:
 
 def test_a_burst_spreads_over_the_decode_workers_before_any_heartbeat_shows_it(monkeypatch):
     # Eight requests at once: every heartbeat still says both workers are idle, but the gateway
-    # counts what it sent each one (gateway.dispatch.SentToDecode, driven on simulated time).
+    # counts what it sent each one (gateway.decode_load.SentToDecode, driven on simulated time).
     burst = Workload(np.zeros(8), np.full(8, 100), np.full(8, 40))
     sim = Simulation(Deployment(both=2), burst, config())
     counts = decode_side_admissions(monkeypatch, sim)

@@ -311,6 +311,8 @@ def test_a_drain_hands_twenty_streams_over_and_each_goes_on_unbroken(stack):
     drained, other = DECODERS
     handed_before = stack.stats(drained)["streams_handed_over"]
     moves_before = metric(stack, "pdserve_migrations_total", 'cause="drain"')
+    precopies_before = metric(stack, "pdserve_migration_precopies_total", 'outcome="ok"')
+    held_before = metric(stack, "pdserve_migration_held_tokens_total")
     before = {worker: stack.stats(worker) for worker in DECODERS}
     try:
         admin(stack, other, "role", b'{"role": "prefill"}')
@@ -329,13 +331,17 @@ def test_a_drain_hands_twenty_streams_over_and_each_goes_on_unbroken(stack):
         assert metric(stack, "pdserve_migrations_total", 'cause="drain"') == moves_before + STREAMS
         # A live move: each stream's KV went from the drained worker's cache to the other one
         # (no fallback to computing it there), the drained worker computing only what its cache
-        # lacked -- at most the last, partial block of each.
+        # lacked -- at most the last, partial block of each, once for the pre-copy and once for
+        # the hand-over.  Every stream was pre-copied while it decoded on, so the worker it moved
+        # to held all its KV but the tokens since (at least the prompt and a block of output each).
         after = {worker: stack.stats(worker) for worker in DECODERS}
         grew = {worker: {k: after[worker][k] - before[worker][k] for k in after[worker]
                          if isinstance(after[worker][k], (int, float))} for worker in DECODERS}
         assert grew[drained]["moved_blocks"] >= STREAMS, grew
         assert grew[other]["remote_prefill_fallbacks"] == 0, grew
-        assert grew[drained]["prefill_computed_tokens"] <= STREAMS * BLOCK_SIZE, grew
+        assert grew[drained]["prefill_computed_tokens"] <= 2 * STREAMS * BLOCK_SIZE, grew
+        assert metric(stack, "pdserve_migration_precopies_total", 'outcome="ok"') == precopies_before + STREAMS
+        assert metric(stack, "pdserve_migration_held_tokens_total") - held_before >= STREAMS * BLOCK_SIZE
     finally:
         for worker in DECODERS:
             admin(stack, worker, "role", b'{"role": "decode"}')
@@ -371,8 +377,8 @@ def test_one_seeded_stream_moved_twice_equals_the_unmoved_answer(stack):
     a = serving_decode_worker(stack)
     b = next(d for d in DECODERS if d != a)
     try:
-        admin(stack, a, "drain")  # first move: a -> b
-        wait_until(lambda: stack.stats(b)["inflight"] > 0, f"the stream running on {b}")
+        admin(stack, a, "drain")  # first move: a -> b (pre-copied, handed over, the tail fetched)
+        wait_until(lambda: stack.stats(a)["state"] == "idle", f"{a} idle: the stream moved on to {b}")
         admin(stack, a, "role", b'{"role": "decode"}')  # a serves again ...
         wait_until(lambda: decoders_routed(stack) == 2, f"the gateway routing to {a} again")
         admin(stack, b, "drain")  # ... and takes the stream back: b -> a

@@ -7,6 +7,7 @@ tests/serving/test_serving_faults.py).  The worker is the real handler in this p
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 
@@ -36,9 +37,15 @@ async def test_a_drain_hands_movable_streams_over_and_a_resumed_stream_goes_on(h
     await asyncio.wait_for(movable.first.wait(), WAIT)
     await asyncio.wait_for(pinned.first.wait(), WAIT)
     drained = harness.worker.begin_drain()
+    # First the stream is told it moves soon, and decodes on while its gateway pre-copies its KV
+    # (between processes: tests/serving/test_serving_faults.py); here that copy ends at once.
+    await until(lambda: movable.request_id in harness.worker.precopies_due, "the stream told it moves soon")
+    assert harness.worker.precopies_due == {movable.request_id}  # not the stream its gateway cannot move
+    harness.worker.exported(movable.request_id)
 
     frames = await asyncio.wait_for(movable.task, WAIT)
     assert frames[-1].error_kind == "migrate" and not frames[-1].finished
+    assert [f.move_soon for f in frames].count(True) == 1 and not frames[-1].move_soon
     sent = [t for f in frames for t in f.token_ids]
     assert sent == whole[:len(sent)] and len(sent) < MAX_TOKENS  # handed over mid-stream
     assert await pinned.tokens() == whole  # decoded to its end here
@@ -60,3 +67,18 @@ async def test_a_resume_the_request_could_not_have_reached_is_refused(harness):
     bad = await asyncio.wait_for(harness.generate(PROMPT, 3, remote=False, resume_token_ids=[7, 8, 9]).task, WAIT)
     assert bad[-1].error_kind == "invalid" and "resume_token_ids" in bad[-1].error  # max_tokens reached already
     await until(lambda: not harness.worker.in_flight, "nothing in flight")
+
+
+async def test_streams_whose_kv_nobody_pre_copies_are_handed_over_all_the_same(harness, monkeypatch):
+    """A gateway that does not pre-copy (or fails to) delays the hand-over by at most the control
+    timeout without progress; it never keeps the stream decoding to its end here."""
+    monkeypatch.setattr(harness.worker, "config", dataclasses.replace(harness.worker.config, control_timeout_s=0.2))
+    movable = harness.generate(PROMPT, MAX_TOKENS, remote=False, may_migrate=True)
+    await asyncio.wait_for(movable.first.wait(), WAIT)
+    drained = harness.worker.begin_drain()
+    frames = await asyncio.wait_for(movable.task, WAIT)
+    assert frames[-1].error_kind == "migrate" and any(f.move_soon for f in frames)
+    assert len([t for f in frames for t in f.token_ids]) < MAX_TOKENS
+    assert not harness.worker.precopies_due
+    harness.worker.exported(movable.request_id)  # its new worker's fetch of the KV
+    await asyncio.wait_for(drained, WAIT)

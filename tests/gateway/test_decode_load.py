@@ -1,5 +1,5 @@
 """The gateway's count of requests sent to decode workers that their heartbeats do not show yet
-(gateway.dispatch.SentToDecode)."""
+(gateway.decode_load.SentToDecode)."""
 from __future__ import annotations
 
 import time
@@ -7,7 +7,7 @@ import time
 import msgspec
 
 from common.cluster.registry import Capacity, KVAddress, WorkerInfo
-from gateway.dispatch import SentToDecode
+from gateway.decode_load import SentToDecode
 
 
 def worker(worker_id: str, heartbeat_at: float) -> WorkerInfo:
