@@ -51,7 +51,7 @@ from pathlib import Path
 import openai
 
 from benchmarks.chaos_checks import classify_error, gateway_metric, reference_texts, settle
-from benchmarks.chaos_requests import ChaosConfig, Outcome, Planner, run_request
+from benchmarks.chaos_requests import ChaosConfig, Outcome, Planner, Spec, run_request
 from launcher.local_stack import LocalStack, http_json
 from launcher.supervisor import Supervisor
 from common.cluster.redis_util import RedisServer
@@ -59,6 +59,7 @@ from common.cluster.redis_util import RedisServer
 ADMIN_TOKEN = "pdserve-chaos-admin-token"  # the gateway's (in its environment: never on a command line)
 T0 = time.monotonic()  # event and outcome times are relative to this
 MAX_MODEL_LEN = 1600
+WITNESS_INDEX, WITNESS_TOKENS = 1_000_000, 400  # the witness streams of ``kill_decode``
 
 
 # ---- the checkpoint and the offline reference ---------------------------------------------------
@@ -110,6 +111,7 @@ class ChaosStack:
         self._recovering: set[asyncio.Task] = set()
         self.longest_stall_s: dict[str, float] = {}
         self.kills: list[tuple[str, float]] = []  # (name, time.monotonic()) of every SIGKILL
+        self.witnesses: list[asyncio.Task] = []  # long streams a decode worker's SIGKILL cuts (``kill_decode``)
 
     def _say(self, message: str, **_) -> None:
         self.event(message)
@@ -194,22 +196,38 @@ class ChaosStack:
         await self.kill(f"p{round_no % 2}", "a prefill worker crashes")
 
     async def kill_decode(self, round_no: int) -> None:
-        """SIGKILL a decode worker mid-stream: the one with the most streams that have sent tokens
-        (``streams_open``, as its handlers count them now), so the gateway has streams to move."""
-        deadline = time.monotonic() + 60
+        """SIGKILL a decode worker mid-stream, so the gateway has streams to move: a witness (a
+        long greedy stream, judged like every request) is started first, and the worker killed is
+        the one that has streams that sent tokens (``streams_open``) while the other has none --
+        the witness's (it is open throughout) -- or, failing such a reading while the witness
+        lasts, the one with the most."""
+        spec = Spec(WITNESS_INDEX + round_no, list(range(5, 21)), WITNESS_TOKENS, temperature=0.0, stream=True)
+        witness = asyncio.ensure_future(self._witness(spec))
+        self.witnesses.append(witness)
         best, serving = f"d{round_no % 2}", 0
-        while time.monotonic() < deadline:
+        while not witness.done():
+            counts = {}
             for name in ("d0", "d1"):
                 try:
-                    n = (await asyncio.to_thread(self.stack.stats, name))["streams_open"]
+                    counts[name] = (await asyncio.to_thread(self.stack.stats, name))["streams_open"]
                 except (OSError, ValueError, KeyError):
                     continue
-                if n > serving:
-                    best, serving = name, n
-            if serving:
+            serving_now = {name: n for name, n in counts.items() if n}
+            if serving_now and max(serving_now.values()) >= serving:
+                best, serving = max(serving_now.items(), key=lambda item: item[1])
+            if len(counts) == 2 and len(serving_now) == 1:
+                best, serving = next(iter(serving_now.items()))
                 break
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(0.05)
         await self.kill(best, f"a decode worker crashes with {serving} streams open")
+
+    async def _witness(self, spec: Spec) -> Outcome:
+        client = openai.AsyncOpenAI(base_url=f"{self.stack.gateway_url}/v1", api_key="none", max_retries=0,
+                                    timeout=self.config.request_bound_s + 30)
+        try:
+            return await run_request(client, self.stack.model_name, spec, self.config.request_bound_s)
+        finally:
+            await client.close()
 
     async def restart_redis(self, _round_no: int) -> None:
         """Kill Redis, hold its port (refused, as by a dead Redis) for a moment, start it again empty."""
@@ -333,11 +351,15 @@ async def _drive(chaos: ChaosStack, config: ChaosConfig) -> list[Outcome]:
                 monitor.cancel()
                 faulting.cancel()
             await chaos.recovered()
+            outcomes.extend(await asyncio.gather(*chaos.witnesses))
+            chaos.witnesses.clear()
             round_no += 1
             chaos.event(f"round {round_no} done: {len(outcomes)} requests")
             if time.monotonic() >= end:
                 return outcomes
     finally:
+        for witness in chaos.witnesses:
+            witness.cancel()
         await client.close()
 
 

@@ -7,8 +7,9 @@ word-level tokenizer, ``default`` or a checkpoint path).  ``--streams`` greedy s
 worker d0 (d1 is out of the decode pool while they start, and back before the move), then:
 
     reference  both modes' streams, nothing moves: their answers, and the inter-token latency
-    live       d0 drains (the gateway's admin API): every stream is handed over at a token boundary
-               and d1 fetches its KV -- prompt and output so far -- from d0's cache over kvtransfer
+    live       d0 drains (the gateway's admin API): d1 pre-copies each stream's KV -- prompt and
+               output so far -- from d0's cache over kvtransfer while it decodes on, then every
+               stream is handed over at a token boundary and d1 fetches the rest
     replay     other prompts; d0 is SIGKILLed: every stream moves to d1, which computes prompt and
                output again (d1 has never seen them: no prefix-cache hit flatters the replay)
 
@@ -111,6 +112,8 @@ def run_streams(stack: LocalStack, prompts: list[list[int]], max_tokens: int, mo
 def measure(stack: LocalStack, mode: str, prompts, max_tokens: int, reference: list[str] | None = None) -> dict:
     gap_sum, gap_count = (gateway_metric(stack, f"pdserve_migration_gap_seconds_{s}") for s in ("sum", "count"))
     moved_before = stack.stats("d0").get("moved_blocks", 0) if mode == "live" else 0
+    precopied_before, held_before = (gateway_metric(stack, name) for name in (
+        'pdserve_migration_precopies_total{outcome="ok"}', "pdserve_migration_held_tokens_total"))
 
     def drain(s: LocalStack) -> None:
         admin(s, "d0", "drain")
@@ -131,6 +134,11 @@ def measure(stack: LocalStack, mode: str, prompts, max_tokens: int, reference: l
         client_pause_p50_s=percentile(longest, 50), client_pause_p90_s=percentile(longest, 90))
     if mode == "live":
         result["moved_blocks"] = stack.stats("d0")["moved_blocks"] - moved_before
+        result["precopies"] = int(gateway_metric(stack, 'pdserve_migration_precopies_total{outcome="ok"}')
+                                  - precopied_before)
+        # tokens whose KV the new worker already held when each stream arrived (its pre-copy)
+        result["held_tokens_per_move"] = ((gateway_metric(stack, "pdserve_migration_held_tokens_total") - held_before)
+                                          / moves if moves else None)
     return result
 
 

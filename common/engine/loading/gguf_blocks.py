@@ -81,6 +81,8 @@ class SourceWeights:
     """How a converted GGUF stored each weight, and the 4-bit ones' blocks.  Asked per product
     (names: the checkpoint weights fused into it), it says which form the product takes."""
 
+    group_size = GROUP_SIZE
+
     def __init__(self, tensor_types: dict[str, str], blocks: dict[str, torch.Tensor]):
         self.tensor_types = tensor_types
         self.blocks = blocks
@@ -101,16 +103,14 @@ class SourceWeights:
             blocks = load_file(str(checkpoint / BLOCKS_FILE))
         return cls(types, blocks)
 
-    def int4_weight(self, names: list[str], dtype: torch.dtype):
-        """The int4 weight of the file's 4-bit groups of ``names`` (stacked by rows: a fused
-        product), or None unless every one of them has its groups."""
-        from common.engine.models.quantized import Int4Weight
-
+    def int4_groups(self, names: list[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The file's 4-bit groups (``GROUP_SIZE`` inputs) of ``names``' weights, stacked by rows
+        (a fused product): ``(q, scale, zero)``, or None unless every one of them has its groups."""
         if not all(name + _PARTS[0] in self.blocks for name in names):
             return None
         self.decisions["4-bit blocks kept"] += 1
         q, scale, zero = (torch.cat([self.blocks[name + part] for name in names]) for part in _PARTS)
-        return Int4Weight.from_groups(q, scale, zero, GROUP_SIZE, dtype)
+        return q, scale, zero
 
     def holds_more_than_four_bits(self, names: list[str]) -> bool:
         """Whether any of ``names`` is stored in a quantized type wider than 4 bits (Q5_0, Q6_K,

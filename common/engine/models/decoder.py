@@ -17,7 +17,8 @@ from common.engine.attention.interface import AttentionMetadata
 from common.engine.kv.kv_cache import KVCache
 from common.engine.model_config import ModelConfig
 from common.engine.models.quantization_scheme import NO_QUANTIZATION, Quantization
-from common.engine.models.quantized import QuantizedEmbedding, QuantizedWeight, quantize_weight, quantized_linear
+from common.engine.models.quantized import (Int4Weight, QuantizedEmbedding, QuantizedWeight, quantize_weight,
+                                            quantized_linear)
 from common.engine.models.linear import Linear, linear, pack_weight, packed_linear, tune_row_padding
 from common.engine.models.stages import EAGER, LayerStages
 from common.engine.models.rotary import RotaryEmbedding, apply_rotary
@@ -293,9 +294,9 @@ def _quantized(weight: torch.Tensor, names: list[str], quantization: Quantizatio
     4-bit blocks as the file has them, and its wider blocks at int8 (``gguf_blocks``)."""
     scheme = quantization.scheme
     if source is not None and scheme == "int4" and not head:
-        kept = source.int4_weight(names, weight.dtype)
-        if kept is not None:
-            return kept
+        groups = source.int4_groups(names)
+        if groups is not None:
+            return Int4Weight.from_groups(*groups, source.group_size, weight.dtype)
         if source.holds_more_than_four_bits(names):
             scheme = "int8"
     return quantize_weight(weight, scheme, quantization.group_size, head)
