@@ -28,7 +28,7 @@ from tests.support.cluster import delete_keys
 from tests.support.serving import WORKER_ARGS, wait_idle
 from tests.support.waiting import wait_until
 
-pytestmark = [pytest.mark.slow(seconds=64), pytest.mark.skipif(netns.unavailable() is not None,
+pytestmark = [pytest.mark.slow(seconds=70), pytest.mark.skipif(netns.unavailable() is not None,
                                                      reason=f"no network namespaces: {netns.unavailable()}")]
 
 HOSTS = ["redis", "gw", "p0", "p1", "d0", "d1"]
@@ -38,7 +38,8 @@ HEARTBEAT_TTL_S = 3.0
 BENCH_S = 3.0
 WAIT_S = 180.0  # bounds on conditions that must come (starts, entries lapsing and returning)
 # Requests must end within these: the gateway notices a silent decode worker after IDLE_S, a
-# decode worker gives up a stalled KV transfer after KV_TIMEOUT_S and computes the prompt itself.
+# decode worker gives up a stalled KV transfer after KV_TIMEOUT_S and computes the prompt itself
+# (over UCX once its blocks can take no more bytes: --kv-abort-grace, then the connection closes).
 IDLE_S, KV_TIMEOUT_S = 4.0, 6.0
 REQUEST_BOUND_S = 120.0
 
@@ -48,7 +49,7 @@ def worker_command(lab, checkpoint, key_prefix, name: str, role: str, transport:
     return [*lab.prefix(name), sys.executable, "-m", f"{role}_svc", "--model", str(checkpoint), "--role", role,
             "--worker-id", name, "--host", address, "--port", "8100", "--kv-port", "8200", "--kv-transport", transport,
             "--key-prefix", key_prefix, "--heartbeat-ttl", str(HEARTBEAT_TTL_S), "--kv-timeout", str(KV_TIMEOUT_S),
-            "--kv-connect-timeout", "3", "--peer-connect-timeout", "3", *WORKER_ARGS]
+            "--kv-connect-timeout", "3", "--peer-connect-timeout", "3", "--kv-abort-grace", "2", *WORKER_ARGS]
 
 
 @pytest.fixture(scope="module", params=["tcp", "ucx"])

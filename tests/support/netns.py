@@ -2,17 +2,18 @@
 bridge in this (the test's) namespace, which holds the bridge's address so the test reaches every
 host.  Processes run in a host with ``ip netns exec`` (``Lab.prefix``), bound to its address.
 
-Faults are made with the kernel, never simulated: ``cut``/``heal`` put blackhole routes in both
-hosts (an established connection's packets between them silently dropped both ways, as an
-``iptables DROP`` would; a new connection between them fails at once, which keeps the waits --
-and the suite -- short; a peer that never answers is bounded in tests/worker/test_decode_peer_faults.py),
-``limit`` a ``tc tbf`` rate on a host's link, ``link_down``/``link_up``
-its interface.  ``Lab`` is a context manager; leaving it (and interpreter exit) removes every
+Faults are made with the kernel, never simulated: ``cut``/``heal`` drop every packet between two
+hosts, both ways and silently (``iptables DROP`` on each host's input: established connections
+hang and new ones wait for their connect timeouts, as across a dead link; where iptables cannot run
+in a namespace, blackhole routes in both hosts, which drop an established connection's packets as
+silently but fail a new connection at once), ``limit`` a ``tc tbf`` rate on a host's link,
+``link_down``/``link_up`` its interface.  ``Lab`` is a context manager; leaving it (and interpreter exit) removes every
 namespace and the bridge, so nothing outlives the test.
 """
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import random
 import shutil
@@ -94,14 +95,26 @@ class Lab:
         return subprocess.run([*self.prefix(host), *cmd], check=True, capture_output=True, text=True,
                               timeout=30).stdout
 
+    @functools.cached_property
+    def has_iptables(self) -> bool:
+        """Whether iptables works in the hosts (it needs the binary and netfilter in the kernel)."""
+        host = next(iter(self.hosts))
+        return shutil.which("iptables") is not None and subprocess.run(
+            [*self.prefix(host), "iptables", "-S", "INPUT"], capture_output=True, timeout=30).returncode == 0
+
     def cut(self, a: str, b: str) -> None:
         """Drop every packet between hosts ``a`` and ``b``, both ways (connections hang, as on a dead link)."""
-        self.run(a, "ip", "route", "add", "blackhole", f"{self.address(b)}/32")
-        self.run(b, "ip", "route", "add", "blackhole", f"{self.address(a)}/32")
+        self._partition(True, a, b)
 
     def heal(self, a: str, b: str) -> None:
-        self.run(a, "ip", "route", "del", "blackhole", f"{self.address(b)}/32")
-        self.run(b, "ip", "route", "del", "blackhole", f"{self.address(a)}/32")
+        self._partition(False, a, b)
+
+    def _partition(self, cut: bool, a: str, b: str) -> None:
+        for here, there in ((a, b), (b, a)):
+            if self.has_iptables:
+                self.run(here, "iptables", "-I" if cut else "-D", "INPUT", "-s", self.address(there), "-j", "DROP")
+            else:
+                self.run(here, "ip", "route", "add" if cut else "del", "blackhole", f"{self.address(there)}/32")
 
     def limit(self, host: str, rate: str) -> None:
         """Everything ``host`` sends goes out at ``rate`` (``tc tbf``, e.g. ``"256kbit"``)."""
