@@ -13,6 +13,7 @@ import torch
 
 from common.engine.config import EngineConfig
 from common.engine.engine import Engine
+from common.engine.loading.default_model import converted_gguf_dir
 from common.engine.loading.gguf_blocks import BLOCKS_FILE, four_bit_groups
 from common.engine.loading.model_loader import load_state_dict
 from common.engine.models.quantized import Int4Weight, Int8Weight
@@ -73,12 +74,20 @@ def gemma_types(name: str):
     return Q.Q8_0  # v_proj, the embedding
 
 
-@pytest.fixture
-def gemma_gguf(tmp_path, monkeypatch):
-    monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path / "cache"))
-    path = tmp_path / "mixed-gemma3.gguf"
+@pytest.fixture(scope="module")
+def gemma_gguf(tmp_path_factory):
+    """The file, converted once for the module (its cache directory travels with it)."""
+    directory = tmp_path_factory.mktemp("mixed")
+    path = directory / "mixed-gemma3.gguf"
     write_gguf(tiny_model("gemma3"), "gemma3", path, qtype_of=gemma_types)
+    converted_gguf_dir(path, cache_dir=directory / "cache", progress=False)
     return path
+
+
+@pytest.fixture
+def cache_of(gemma_gguf, monkeypatch):
+    monkeypatch.setenv("PDSERVE_CACHE", str(gemma_gguf.parent / "cache"))
+    return gemma_gguf
 
 
 def engine_on(path, scheme: str, group: int = 128) -> Engine:
@@ -86,9 +95,9 @@ def engine_on(path, scheme: str, group: int = 128) -> Engine:
                                quantization_group_size=group), load_tokenizer=False)
 
 
-def test_int4_keeps_the_files_four_bit_blocks_and_puts_wider_ones_at_int8(gemma_gguf, caplog):
+def test_int4_keeps_the_files_four_bit_blocks_and_puts_wider_ones_at_int8(cache_of, caplog):
     with caplog.at_level(logging.INFO, logger="common.engine.loading.model_loader"):
-        engine = engine_on(gemma_gguf, "int4", group=128)
+        engine = engine_on(cache_of, "int4", group=128)
     converted = engine.checkpoint
     assert (converted / BLOCKS_FILE).is_file()
     state = load_state_dict(converted)  # the fp32 weights the conversion dequantized
@@ -109,9 +118,9 @@ def test_int4_keeps_the_files_four_bit_blocks_and_puts_wider_ones_at_int8(gemma_
     assert len(out[0].token_ids) == 4
 
 
-def test_int8_on_a_gguf_quantizes_every_product_per_channel_and_says_so(gemma_gguf, caplog):
+def test_int8_on_a_gguf_quantizes_every_product_per_channel_and_says_so(cache_of, caplog):
     with caplog.at_level(logging.INFO, logger="common.engine.loading.model_loader"):
-        engine = engine_on(gemma_gguf, "int8")
+        engine = engine_on(cache_of, "int8")
     assert all(isinstance(q, Int8Weight) for q in quantized_of(engine).values())
     assert "quantized again per channel" in caplog.text
 
