@@ -48,6 +48,28 @@ def test_int8_takes_the_c_kernel_for_few_rows_and_agrees_with_the_reference_for_
     assert torch.equal(q.rows(ids), q.dequantize()[ids])
 
 
+def _cpu_has_avx512_bf16() -> bool:
+    with open("/proc/cpuinfo") as f:
+        return "avx512_bf16" in next((line for line in f if line.startswith("flags")), "")
+
+
+@pytest.mark.parametrize("rows", [1, 5, 8, 13, 40])
+@pytest.mark.parametrize("in_features", [96, 97])  # an odd count: the kernel reads inputs in pairs
+def test_int8_takes_bf16_rows_as_pairs_on_cpus_with_avx512_bf16(rows, in_features):
+    w, _ = weights(out_features=203, in_features=in_features)  # a partial pair of 8-channel blocks
+    q = Int8Weight(w)
+    if not _cpu_has_avx512_bf16():
+        assert q._gemv_bf16 is None
+        pytest.skip("no AVX512-BF16 on this CPU: bf16 rows take the fp32 loop")
+    assert q._gemv_bf16 is not None, "the bf16 entry of the C kernel did not build"
+    x = torch.randn(rows, in_features).to(torch.bfloat16)
+    got = q.matmul(x)
+    assert got.dtype == torch.bfloat16
+    reference = x.float() @ q.dequantize().t()
+    # fp32 sums of exact products; the only rounding is the bf16 output's
+    assert torch.allclose(got.float(), reference, atol=2e-3, rtol=2 ** -8)
+
+
 def test_quantized_bytes_are_a_fraction_of_the_weight():
     w, _ = weights(256, 512)
     full = w.numel() * 4

@@ -3,8 +3,9 @@ every product reads those, so a decode step -- bound by reading weights -- moves
 
     scheme  weight                                       product (CPU)                      (CUDA)
     int8    int8 per output channel, symmetric:          few rows: csrc/int8_gemv_cpu.c     --
-            w = q * scale[row]                           (fp32 sums); more: PyTorch's
-                                                         _weight_int8pack_mm (bf16)
+            w = q * scale[row]                           (fp32 sums; bf16 rows on AVX512-BF16
+                                                         CPUs: bf16 pair products); more:
+                                                         the dequantized weight
     int4    4-bit groups of ``group_size`` inputs along  aten._weight_int4pack_mm_for_cpu   --
             K, asymmetric: w = (q - 8) * scale + zero    (bf16 activations)
     fp8     float8 e4m3 per output channel:              the dequantized weight (a check,   torch._scaled_mm, the
@@ -66,6 +67,17 @@ def _int8_gemv():
     return kernel_function("int8_gemv_cpu", "int8_gemv_f32", [ptr, i64, ptr, ptr, ptr, i64, i64])
 
 
+def _int8_gemv_bf16():
+    """The kernel's bf16-activation entry (CPUs with AVX512-BF16), or None."""
+    from common.engine.cpu_kernels import kernel_function
+
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    try:
+        return kernel_function("int8_gemv_cpu", "int8_gemv_bf16", [ptr, i64, ptr, ptr, ptr, i64, i64])
+    except AttributeError:  # built for a CPU without AVX512-BF16
+        return None
+
+
 def _row_scales(w: torch.Tensor, largest: float) -> torch.Tensor:
     """Per-row symmetric scales (fp32) mapping each row's largest magnitude to ``largest``."""
     return (w.abs().amax(dim=1).float() / largest).clamp(min=1e-12)
@@ -90,6 +102,7 @@ class Int8Weight(QuantizedWeight):
         self.packed = q.reshape(padded // 8, 8, self.in_features).transpose(1, 2).contiguous()  # [N/8, K, 8]
         self.scale = scale.contiguous()  # fp32
         self._gemv = _int8_gemv() if weight.device.type == "cpu" else None
+        self._gemv_bf16 = _int8_gemv_bf16() if self._gemv is not None else None
 
     @property
     def q(self) -> torch.Tensor:
@@ -97,6 +110,15 @@ class Int8Weight(QuantizedWeight):
         return self.packed.transpose(1, 2).reshape(-1, self.in_features)[: self.out_features]
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self._gemv_bf16 is not None and x.dtype == torch.bfloat16 and x.shape[0] <= GEMV_MAX_ROWS:
+            a = x.detach().contiguous()
+            if self.in_features % 2:  # the kernel reads inputs in pairs
+                a = torch.nn.functional.pad(a, (0, 1))
+            y = torch.empty(a.shape[0], self.out_features, dtype=torch.float32)
+            self._gemv_bf16(ctypes.c_void_p(a.data_ptr()), a.shape[0], ctypes.c_void_p(self.packed.data_ptr()),
+                            ctypes.c_void_p(self.scale.data_ptr()), ctypes.c_void_p(y.data_ptr()),
+                            self.out_features, self.in_features)
+            return y.to(x.dtype)
         if self._gemv is not None and x.shape[0] <= GEMV_MAX_ROWS:
             a = x.detach().float().contiguous()
             y = torch.empty(a.shape[0], self.out_features, dtype=torch.float32)
