@@ -24,6 +24,8 @@ from tests.support.compose_render import (
 )
 from tests.support.compose_render import env_files as make_env_files
 
+pytestmark = pytest.mark.slow(seconds=11)  # a long file: scheduled by its length (tests/conftest.py)
+
 GATEWAY_SHUTDOWN_MARGIN_S = 10
 WORKER_STOP_MARGIN_S = 15
 

@@ -20,6 +20,8 @@ from tests.support.compose_render import entrypoint_module, COMPOSE, STACKS, WOR
     published_addresses, render_cli, renderings, seconds
 from tests.support.compose_render import env_files as make_env_files
 
+pytestmark = pytest.mark.slow(seconds=10)  # a long file: scheduled by its length (tests/conftest.py)
+
 
 @pytest.fixture(scope="module")
 def env_files():

@@ -11,6 +11,8 @@ from common.engine.config import EngineConfig
 from common.engine.engine import Engine
 from tests.support.checkpoints import VOCAB, GreedyReference, tiny_gemma3_config, tiny_llama_config, write_checkpoint
 
+pytestmark = pytest.mark.slow(seconds=12)  # a long file: scheduled by its length (tests/conftest.py)
+
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 MAX_NEW = 24
 

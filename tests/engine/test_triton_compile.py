@@ -7,6 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow(seconds=17)  # a long file: scheduled by its length (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parents[2]
 
 COMPILE = """

@@ -7,11 +7,14 @@ from __future__ import annotations
 import asyncio
 import os
 
+import pytest
 from hypothesis import Phase, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from gateway.backpressure import Saturated, WaitQueue
 from tests.support.wait_queue_driver import Request, VirtualClockLoop, settle
+
+pytestmark = pytest.mark.slow(seconds=13)  # a long file: scheduled by its length (tests/conftest.py)
 
 
 class Model(Request):

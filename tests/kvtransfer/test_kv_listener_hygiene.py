@@ -29,7 +29,7 @@ from kvtransfer.handshake import PREAUTH_MAX_HEADER_BYTES
 from kvtransfer.socket_io import failed_listeners
 from kvtransfer.transport_tcp import TcpChannel
 
-pytestmark = pytest.mark.asyncio(loop_scope="session")  # one UCX worker per loop, as in the other files
+pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.slow(seconds=10)]  # one UCX worker per loop, as in the other files
 
 BOUND = 60.0
 # Raw connections stay unauthenticated for as long as a test needs: the handshake deadline is

@@ -13,6 +13,8 @@ from common.engine.config import EngineConfig
 from common.engine.engine import Engine
 from tests.support.cluster import running_cluster
 
+pytestmark = pytest.mark.slow(seconds=13)  # a long file: scheduled by its length (tests/conftest.py)
+
 API_KEY = "sk-test-key-0123456789"  # the gateway refuses keys under 16 characters
 PROMPTS = ["KV cache blocks move from the prefill worker to the decode worker over UCX, and then",
            "Streaming tokens to many concurrent clients is what the decode worker does"]

@@ -18,7 +18,7 @@ from kvtransfer.handshake import server_handshake
 from kvtransfer.messages import Blocks, decode, encode
 
 # ucxx binds its context to the first event loop that uses it, so the suite shares one loop.
-pytestmark = pytest.mark.asyncio(loop_scope="session")
+pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.slow(seconds=11)]
 
 
 def assert_copied(sender: KVSender, receiver: KVReceiver, src: list[int], dst: list[int]) -> None:

@@ -13,6 +13,8 @@ import pytest
 
 from tests.support.checkpoints import TRAINING_TEXT
 
+pytestmark = pytest.mark.slow(seconds=18)  # a long file: scheduled by its length (tests/conftest.py)
+
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6},
                                             "unit": {"enum": ["c", "f"]}},
            "required": ["city", "unit"], "additionalProperties": False}

@@ -31,6 +31,8 @@ from common.cluster.messages import (
 from common.engine.sampling_params import SamplingParams
 from tests.support.cluster import ADMIN_TOKEN, http_json, running_cluster
 
+pytestmark = pytest.mark.slow(seconds=11)  # a long file: scheduled by its length (tests/conftest.py)
+
 PROMPT = list(range(3, 40))
 
 
