@@ -184,9 +184,12 @@ class Dispatcher:
         try:
             await self._check_answer(resp, route.decode.worker_id)
             frames = FrameReader(resp.content, TokenFrame)
-            while not any(f.finished or f.error for f in await self._next_frames(resp, frames, first=True)):
-                pass
-            return route.decode if resp.status == 200 else None
+            while batch := await self._next_frames(resp, frames, first=True):
+                if any(frame.error for frame in batch):
+                    return None
+                if any(frame.finished for frame in batch):
+                    return route.decode
+            return None  # the stream closed before its end
         finally:
             resp.close()
 
