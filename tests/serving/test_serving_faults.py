@@ -221,10 +221,10 @@ def rest_of(first: str, chunks) -> str:
     return first + "".join(chunk.choices[0].text for chunk in chunks if chunk.choices)
 
 
-def seeded_answer_and_stream(stack, prompt: str, max_tokens: int, seed: int):
-    """The whole answer of a seeded sampled request, then the same request streamed, its first
-    chunk read: ``(whole, first, chunks)``."""
-    params = dict(temperature=0.8, top_p=0.95, seed=seed)
+def seeded_answer_and_stream(stack, prompt: str, max_tokens: int, seed: int | None):
+    """The whole answer of a seeded sampled request (``seed`` None: a greedy one), then the same
+    request streamed, its first chunk read: ``(whole, first, chunks)``."""
+    params = dict(temperature=0.0) if seed is None else dict(temperature=0.8, top_p=0.95, seed=seed)
     whole = client(stack).completions.create(model=stack.model_name, prompt=prompt, max_tokens=max_tokens,
                                              extra_body={"ignore_eos": True}, **params).choices[0].text
     return (whole, *open_stream(stack.gateway_url, stack.model_name, prompt, max_tokens, **params))
@@ -369,11 +369,13 @@ def test_a_drain_from_the_container_hands_its_streams_over(stack, tmp_path):
         admin(stack, drained, "role", b'{"role": "decode"}')
 
 
-def test_one_seeded_stream_moved_twice_equals_the_unmoved_answer(stack):
+@pytest.mark.parametrize("seed", [None, 7], ids=["greedy", "seeded"])
+def test_one_stream_moved_live_twice_equals_the_unmoved_answer(stack, seed):
     # Two live moves (each drain ships the stream's KV to the other worker, which samples on at
-    # the next output index): the seeded stream draws what it would have drawn unmoved.
+    # the next output index): a greedy stream goes on as it would have, a seeded one draws what it
+    # would have drawn unmoved.
     moves_before = metric(stack, "pdserve_migrations_total", 'cause="drain"')
-    whole, first, chunks = seeded_answer_and_stream(stack, "One stream, drained away twice:", 800, 7)
+    whole, first, chunks = seeded_answer_and_stream(stack, "One stream, drained away twice:", 800, seed)
     a = serving_decode_worker(stack)
     b = next(d for d in DECODERS if d != a)
     try:
