@@ -85,6 +85,8 @@ def test_an_lm_head_is_int8_under_int4_and_bad_settings_are_named():
         Quantization("int4", 48)
     with pytest.raises(ValueError, match="quantization must be one of"):
         EngineConfig(model="x", quantization="int3")
+    with pytest.raises(ValueError, match="24 outputs are not a multiple of 16"):
+        Int4Weight(w[:24], 32)
     layer = Linear(256, 96, bias=True)
     with torch.no_grad():
         layer.weight.copy_(w)

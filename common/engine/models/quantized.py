@@ -54,6 +54,8 @@ class QuantizedWeight(abc.ABC):
     def nbytes(self) -> int: ...
 
 
+INT4_ROW_MULTIPLE = 16  # the int4 kernel packs output channels in groups of this many
+
 # Rows the C kernel takes: as fast as the fp32 product from 32 rows up on the AVX2 machine (both
 # compute-bound there), far faster below; past this, a prefill chunk dequantizes the weight once.
 GEMV_MAX_ROWS = 128
@@ -170,6 +172,9 @@ class Int4Weight(QuantizedWeight):
               dtype: torch.dtype) -> None:
         self.out_features, self.in_features = q.shape
         self.dtype, self.group_size = dtype, group_size
+        if self.out_features % INT4_ROW_MULTIPLE:
+            raise ValueError(f"int4: {self.out_features} outputs are not a multiple of {INT4_ROW_MULTIPLE} "
+                             f"(the kernel's packing)")
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
         # [groups, out_features, 2]: the layout the kernel reads, which computes (q - 8) * scale + zero
         self.scales_and_zeros = torch.stack([scale.t(), zero.t()], dim=-1).contiguous()
