@@ -115,8 +115,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.pins: list[list] = []  # batches of shipped blocks, oldest first
         self.stale = 0  # steps in a row in which some request could run and none progressed
         # The oldest waiting request that could run, once seen: (its outputs then, steps it has
-        # waited since while it could run), until it gains a token or ends.
-        self.watched: dict[str, tuple[int, int]] = {}
+        # waited since while it could run, the largest wait the work ahead allowed meanwhile),
+        # until it gains a token or ends.
+        self.watched: dict[str, tuple[int, int, int]] = {}
         self.idle_verified = False  # a step on a copy did nothing, and nothing happened since
 
     def check(self) -> None:
@@ -252,21 +253,23 @@ class SchedulerMachine(RuleBasedStateMachine):
         """Start watching the oldest waiting request that could run (see ``count_waits``)."""
         could_run = waiting_that_could_run(self.s)
         if could_run and could_run[0].request_id not in self.watched:
-            self.watched[could_run[0].request_id] = (could_run[0].num_output_tokens, 0)
+            self.watched[could_run[0].request_id] = (could_run[0].num_output_tokens, 0, 0)
 
     def count_waits(self) -> None:
         """After a step: each watched request that gained no token and could still run (or runs)
-        has waited one more step; it may not wait longer than the work ahead of it allows."""
+        has waited one more step; it may not wait longer than the work ahead of it allows -- the
+        most there was at any step of its wait (work ahead that ends meanwhile was still waited for)."""
         s = self.s
         could_run = {r.request_id for r in waiting_that_could_run(s)} | {r.request_id for r in s.running}
-        for rid, (outputs, waited) in list(self.watched.items()):
+        for rid, (outputs, waited, bound) in list(self.watched.items()):
             request = s.requests.get(rid)
             if request is None or request.num_output_tokens > outputs:
                 del self.watched[rid]  # it ended, or gained a token
             elif rid in could_run:
                 waited += 1
-                self.watched[rid] = (outputs, waited)
-                assert waited <= self.work_ahead_bound(request), (
+                bound = max(bound, self.work_ahead_bound(request))
+                self.watched[rid] = (outputs, waited, bound)
+                assert waited <= bound, (
                     f"{rid} waited {waited} steps without a token although it could run: running={s.running} "
                     f"waiting={list(s.waiting)} landed={list(s.landed)} reserved={list(s.reservations)} "
                     f"free={s.kv_manager.pool.num_free_blocks}")
