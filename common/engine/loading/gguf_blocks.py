@@ -50,8 +50,8 @@ def four_bit_groups(blocks: np.ndarray, tensor_type, shape: tuple[int, ...]):
     raw = np.ascontiguousarray(blocks).view(np.uint8).reshape(-1, GGML_QUANT_SIZES[tensor_type][1])
     n = raw.shape[0]
     kind = tensor_type.name
+    d = raw[:, 0:2].view(np.float16).astype(np.float32)  # every 4-bit block starts with its fp16 scale
     if kind == "Q4_K":
-        d = raw[:, 0:2].view(np.float16).astype(np.float32)
         dmin = raw[:, 2:4].view(np.float16).astype(np.float32)
         sc, m = Q4_K.get_scale_min(raw[:, 4:16])
         scale = d * sc.astype(np.float32)  # [n, 8]
@@ -59,7 +59,6 @@ def four_bit_groups(blocks: np.ndarray, tensor_type, shape: tuple[int, ...]):
         qs = raw[:, 16:].reshape(n, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
         q = (qs & 0x0F).reshape(n, 256)  # 32 bytes hold sub-block 2c (low nibbles) and 2c+1 (high)
     else:
-        d = raw[:, 0:2].view(np.float16).astype(np.float32)
         if kind == "Q4_0":
             scale, zero, qs = d, np.zeros_like(d), raw[:, 2:]
         elif kind == "Q4_1":

@@ -276,13 +276,10 @@ def state_dict_from_gguf(reader: GGUFFile, config: dict,
     """Dequantize every tensor to fp32 and return it under its Hugging Face name, conversions undone."""
     path = reader.path
     arch = _field(reader, "general.architecture")
-    names = _GEMMA3_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
     n_heads, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
     state = {}
-    for t in tqdm(reader.tensors, desc=f"dequantize {Path(path).name}", unit="tensor", disable=not progress):
-        if t.name in _DERIVED_TENSORS:
-            continue
-        hf_name = _hf_name(t.name, names, path)
+    tensors = tqdm(reader.tensors, desc=f"dequantize {Path(path).name}", unit="tensor", disable=not progress)
+    for t, hf_name in _checkpoint_tensors(reader, tensors):
         w = _rows_in_checkpoint_order(_dequantize(t, path), t.name, arch, n_heads, n_kv)
         if arch == "gemma3" and t.name.endswith("norm.weight"):
             w = w - np.float32(1.0)
@@ -300,12 +297,8 @@ def source_blocks_from_gguf(reader: GGUFFile, config: dict) -> tuple[dict[str, s
     """Each weight's GGUF type by its Hugging Face name, and the 4-bit weights' groups
     (``common.engine.loading.gguf_blocks``: what ``--quantization int4`` keeps as the file has it)."""
     arch = _field(reader, "general.architecture")
-    names = _GEMMA3_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
     types, blocks = {}, {}
-    for t in reader.tensors:
-        if t.name in _DERIVED_TENSORS:
-            continue
-        hf_name = _hf_name(t.name, names, reader.path)
+    for t, hf_name in _checkpoint_tensors(reader, reader.tensors):
         types[hf_name] = t.tensor_type.name
         shape = tuple(reversed(t.shape))
         if t.tensor_type.name in FOUR_BIT_TYPES and len(shape) == 2:
@@ -340,6 +333,15 @@ def load_gguf_tokenizer(path: str | os.PathLike, model_type: str | None = None):
     class_name = TOKENIZER_MAPPING_NAMES.get(model_type) if model_type else None
     tokenizer_class = tokenizer_class_from_name(class_name) if isinstance(class_name, str) else None
     return (tokenizer_class or AutoTokenizer).from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+def _checkpoint_tensors(reader: GGUFFile, tensors):
+    """``(tensor, its Hugging Face name)`` for each of ``tensors`` (the reader's, perhaps wrapped in
+    a progress bar) that is a checkpoint weight (not one llama.cpp derives from the config)."""
+    names = _GEMMA3_LAYER_NAMES if _field(reader, "general.architecture") == "gemma3" else _LAYER_NAMES
+    for t in tensors:
+        if t.name not in _DERIVED_TENSORS:
+            yield t, _hf_name(t.name, names, reader.path)
 
 
 def _hf_name(name: str, layer_names: dict, path) -> str:

@@ -112,23 +112,23 @@ class Int8Weight(QuantizedWeight):
         return self.packed.transpose(1, 2).reshape(-1, self.in_features)[: self.out_features]
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if self._gemv_bf16 is not None and x.dtype == torch.bfloat16 and x.shape[0] <= GEMV_MAX_ROWS:
-            a = x.detach().contiguous()
-            if self.in_features % 2:  # the kernel reads inputs in pairs
-                a = torch.nn.functional.pad(a, (0, 1))
-            y = torch.empty(a.shape[0], self.out_features, dtype=torch.float32)
-            self._gemv_bf16(ctypes.c_void_p(a.data_ptr()), a.shape[0], ctypes.c_void_p(self.packed.data_ptr()),
-                            ctypes.c_void_p(self.scale.data_ptr()), ctypes.c_void_p(y.data_ptr()),
-                            self.out_features, self.in_features)
-            return y.to(x.dtype)
-        if self._gemv is not None and x.shape[0] <= GEMV_MAX_ROWS:
-            a = x.detach().float().contiguous()
-            y = torch.empty(a.shape[0], self.out_features, dtype=torch.float32)
-            self._gemv(ctypes.c_void_p(a.data_ptr()), a.shape[0], ctypes.c_void_p(self.packed.data_ptr()),
-                       ctypes.c_void_p(self.scale.data_ptr()), ctypes.c_void_p(y.data_ptr()), self.out_features,
-                       self.in_features)
-            return y.to(x.dtype)
+        if x.shape[0] <= GEMV_MAX_ROWS:
+            if self._gemv_bf16 is not None and x.dtype == torch.bfloat16:
+                a = x.detach().contiguous()
+                if self.in_features % 2:  # the kernel reads inputs in pairs
+                    a = torch.nn.functional.pad(a, (0, 1))
+                return self._kernel_product(self._gemv_bf16, a).to(x.dtype)
+            if self._gemv is not None:
+                return self._kernel_product(self._gemv, x.detach().float().contiguous()).to(x.dtype)
         return torch.nn.functional.linear(x.float(), self.dequantize().float()).to(x.dtype)
+
+    def _kernel_product(self, kernel, a: torch.Tensor) -> torch.Tensor:
+        """``a @ W.T`` in fp32 by one of the C kernel's entries (``a`` in the layout it reads)."""
+        y = torch.empty(a.shape[0], self.out_features, dtype=torch.float32)
+        kernel(ctypes.c_void_p(a.data_ptr()), a.shape[0], ctypes.c_void_p(self.packed.data_ptr()),
+               ctypes.c_void_p(self.scale.data_ptr()), ctypes.c_void_p(y.data_ptr()), self.out_features,
+               self.in_features)
+        return y
 
     def dequantize(self) -> torch.Tensor:
         return (self.q.float() * self.scale[:, None]).to(self.dtype)
