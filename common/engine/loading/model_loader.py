@@ -9,6 +9,7 @@ from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
 from common.engine.loading.gguf_blocks import BLOCKS_FILE, SourceWeights
+from common.engine.loading.prepack_cache import PrepackCache
 from common.engine.model_config import ModelConfig, load_model_config
 from common.engine.models.quantization_scheme import NO_QUANTIZATION, Quantization
 from common.engine.models.decoder import SINGLE, DecoderModel
@@ -65,8 +66,12 @@ def load_model(checkpoint: Path, dtype: torch.dtype, device: torch.device,
     if source is not None and tp.size > 1:
         log.info("tensor parallelism: a GGUF's 4-bit blocks are not kept (each rank quantizes its share)")
         source = None
-    model.finish_loading(device, quantization, source)
-    if source is not None:
+    cache = (PrepackCache.for_checkpoint(checkpoint, quantization, dtype, tp.rank, tp.size)
+             if quantization.enabled and device.type == "cpu" else None)
+    model.finish_loading(device, quantization, source, prepacked=cache.load() if cache else None)
+    if cache is not None and not model.used_prepacked:
+        cache.save(model.quantized_weights())
+    if source is not None and not model.used_prepacked:
         log.info("%s", source.summary(quantization.scheme))
     return model.eval(), cfg
 

@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 ROW_PADDING_MIN_BYTES = 32 << 20
 # The checkpoint's projections each fused product is made of (``Attention.fuse``, ``MLP.fuse``).
 FUSED_FROM = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+EMBEDDING = "model.embed_tokens"  # the embedding module's name (its weight: the checkpoint's ``<EMBEDDING>.weight``)
 
 _ACTIVATIONS = {
     "silu": F.silu,
@@ -185,13 +186,17 @@ class DecoderModel(nn.Module):
         self.packed_lm_head: torch.Tensor | None = None  # a tied LM head's packed copy
         self.quantized_lm_head: QuantizedWeight | None = None  # a tied LM head's quantized rows
         self.row_padding: tuple[int, ...] = ()  # see _tune_row_padding
+        self.used_prepacked = False  # see finish_loading
 
     def finish_loading(self, device: torch.device, quantization: Quantization = NO_QUANTIZATION,
-                       source: SourceWeights | None = None) -> None:
+                       source: SourceWeights | None = None,
+                       prepacked: dict[str, QuantizedWeight] | None = None) -> None:
         """After the state dict is in: fold Gemma's norm offset, fuse projections, pack the CPU
         products' weights (``common.engine.models.linear``) or quantize them, the LM head and
         the embedding (``common.engine.models.quantized``; ``source``: how a GGUF stored them,
-        see ``common.engine.loading.gguf_blocks``), build RoPE."""
+        see ``common.engine.loading.gguf_blocks``), build RoPE.  ``prepacked``: the quantized
+        weights of an earlier load (``quantized_weights()``), used instead of quantizing where
+        they are exactly the weights this model quantizes (``used_prepacked`` says whether)."""
         offset = self.cfg.norm_weight_offset
         with torch.no_grad():
             for module in self.modules():
@@ -201,7 +206,7 @@ class DecoderModel(nn.Module):
             layer.self_attn.fuse()
             layer.mlp.fuse()
         if quantization.enabled:
-            self._quantize(quantization, source)
+            self._quantize(quantization, source, prepacked)
         else:
             for module in self.modules():
                 if isinstance(module, Linear):
@@ -211,19 +216,39 @@ class DecoderModel(nn.Module):
         self._tune_row_padding()
         self.rotary = RotaryEmbedding(self.cfg.rope, device)
 
-    def _quantize(self, quantization: Quantization, source: SourceWeights | None) -> None:
+    def _quantize(self, quantization: Quantization, source: SourceWeights | None,
+                  prepacked: dict[str, QuantizedWeight] | None) -> None:
         head = getattr(self, "lm_head", None)
-        for name, module in self.named_modules():
-            if isinstance(module, Linear):
-                parent, _, leaf = name.rpartition(".")
-                weights = [".".join(filter(None, (parent, part, "weight"))) for part in FUSED_FROM.get(leaf, (leaf,))]
-                module.use_quantized(_quantized(module.weight, weights, quantization, source, head=module is head))
+        targets = {name: module for name, module in self.named_modules() if isinstance(module, Linear)}
+        shapes = {name: tuple(module.weight.shape) for name, module in targets.items()}
+        shapes[EMBEDDING] = tuple(self.model.embed_tokens.weight.shape)
+        self.used_prepacked = prepacked is not None and _prepacked_fits(prepacked, shapes, quantization)
+        if prepacked is not None and not self.used_prepacked:
+            log.warning("the prepacked weights do not match this model's (%d weights, %s): quantizing again",
+                        len(shapes), quantization.scheme)
+        for name, module in targets.items():
+            if self.used_prepacked:
+                module.use_quantized(prepacked[name])
+                continue
+            parent, _, leaf = name.rpartition(".")
+            weights = [".".join(filter(None, (parent, part, "weight"))) for part in FUSED_FROM.get(leaf, (leaf,))]
+            module.use_quantized(_quantized(module.weight, weights, quantization, source, head=module is head))
         embedding = self.model.embed_tokens.weight
         # a head's rows: int8 under int4
-        rows = _quantized(embedding, ["model.embed_tokens.weight"], quantization, source, head=True)
+        rows = (prepacked[EMBEDDING] if self.used_prepacked
+                else _quantized(embedding, [f"{EMBEDDING}.weight"], quantization, source, head=True))
         self.model.embed_tokens = QuantizedEmbedding(rows)
         if self.cfg.tie_word_embeddings:
             self.quantized_lm_head = rows  # one quantized copy for the lookup and the head
+
+    def quantized_weights(self) -> dict[str, QuantizedWeight]:
+        """Every quantized weight by the name of the module computing with it (the embedding's rows
+        under ``model.embed_tokens``, which a tied head shares): ``finish_loading``'s ``prepacked``."""
+        weights = {name: module.quantized for name, module in self.named_modules()
+                   if isinstance(module, Linear) and module.quantized is not None}
+        if isinstance(self.model.embed_tokens, QuantizedEmbedding):
+            weights[EMBEDDING] = self.model.embed_tokens.quantized
+        return weights
 
     def weight_bytes(self) -> int:
         """Bytes the weights occupy as stored (packed, quantized: each copy once)."""
@@ -286,6 +311,17 @@ class DecoderModel(nn.Module):
         if cap:
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+
+def _prepacked_fits(prepacked: dict[str, QuantizedWeight], shapes: dict[str, tuple[int, ...]],
+                    quantization: Quantization) -> bool:
+    """Whether ``prepacked`` holds exactly the weights of ``shapes`` (name -> [out, in]) under
+    ``quantization``'s scheme (a head and a GGUF's wider blocks are int8 under int4; which group
+    size an int4 weight has is the cache key's business: ``common.engine.loading.prepack_cache``)."""
+    if set(prepacked) != set(shapes):
+        return False
+    kinds = {quantization.scheme, "int8"} if quantization.scheme == "int4" else {quantization.scheme}
+    return all(w.kind in kinds and (w.out_features, w.in_features) == shapes[name] for name, w in prepacked.items())
 
 
 def _quantized(weight: torch.Tensor, names: list[str], quantization: Quantization, source: SourceWeights | None,

@@ -53,6 +53,17 @@ class QuantizedWeight(abc.ABC):
     @abc.abstractmethod
     def nbytes(self) -> int: ...
 
+    kind: str  # the scheme these bytes are in (``QUANTIZATIONS``)
+
+    @abc.abstractmethod
+    def packed_tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors this weight is, as packed (``restore_weight`` rebuilds it from them)."""
+
+    def describe(self) -> dict:
+        """What ``restore_weight`` needs besides the tensors (JSON)."""
+        return {"kind": self.kind, "out_features": self.out_features, "in_features": self.in_features,
+                "dtype": str(self.dtype).removeprefix("torch.")}
+
 
 INT4_ROW_MULTIPLE = 16  # the int4 kernel packs output channels in groups of this many
 
@@ -92,19 +103,41 @@ class Int8Weight(QuantizedWeight):
     compute-bound) dequantize the weight and take the fp32 product; so does a CPU without a C
     compiler."""
 
+    kind = "int8"
+
     def __init__(self, weight: torch.Tensor):
         w = weight.detach().float()
-        self.out_features, self.in_features = w.shape
-        self.dtype = weight.dtype
+        out_features, in_features = w.shape
         scale = _row_scales(w, 127.0)
         q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
-        padded = -(-self.out_features // 8) * 8
-        if padded != self.out_features:
-            q = torch.cat([q, q.new_zeros(padded - self.out_features, self.in_features)])
-        self.packed = q.reshape(padded // 8, 8, self.in_features).transpose(1, 2).contiguous()  # [N/8, K, 8]
-        self.scale = scale.contiguous()  # fp32
-        self._gemv = _int8_gemv() if weight.device.type == "cpu" else None
+        padded = -(-out_features // 8) * 8
+        if padded != out_features:
+            q = torch.cat([q, q.new_zeros(padded - out_features, in_features)])
+        packed = q.reshape(padded // 8, 8, in_features).transpose(1, 2).contiguous()  # [N/8, K, 8]
+        self._use(packed, scale.contiguous(), out_features, weight.dtype)
+
+    @classmethod
+    def from_packed(cls, packed: torch.Tensor, scale: torch.Tensor, out_features: int,
+                    dtype: torch.dtype) -> "Int8Weight":
+        """The weight of ``packed_tensors()`` (``packed`` int8 ``[ceil(out / 8), in, 8]``, ``scale``
+        fp32 ``[out]``), checked against that layout."""
+        blocks, in_features = -(-out_features // 8), packed.shape[1] if packed.dim() == 3 else -1
+        if (packed.dtype != torch.int8 or tuple(packed.shape) != (blocks, in_features, 8)
+                or scale.dtype != torch.float32 or tuple(scale.shape) != (out_features,)):
+            raise ValueError(f"int8 weight of {out_features} outputs: packed {packed.dtype} {tuple(packed.shape)}, "
+                             f"scale {scale.dtype} {tuple(scale.shape)} do not match its layout")
+        weight = cls.__new__(cls)
+        weight._use(packed.contiguous(), scale.contiguous(), out_features, dtype)
+        return weight
+
+    def _use(self, packed: torch.Tensor, scale: torch.Tensor, out_features: int, dtype: torch.dtype) -> None:
+        self.packed, self.scale = packed, scale  # scale: fp32
+        self.out_features, self.in_features, self.dtype = out_features, packed.shape[1], dtype
+        self._gemv = _int8_gemv() if packed.device.type == "cpu" else None
         self._gemv_bf16 = _int8_gemv_bf16() if self._gemv is not None else None
+
+    def packed_tensors(self) -> dict[str, torch.Tensor]:
+        return {"packed": self.packed, "scale": self.scale}
 
     @property
     def q(self) -> torch.Tensor:
@@ -146,6 +179,8 @@ class Int4Weight(QuantizedWeight):
     """4-bit groups of ``group_size`` inputs, ``w = (q - 8) * scale + zero``: quantized here from a
     weight, or (``from_groups``) taken as a GGUF file stored them."""
 
+    kind = "int4"
+
     def __init__(self, weight: torch.Tensor, group_size: int):
         if group_size not in INT4_GROUP_SIZES:
             raise ValueError(f"int4 group size must be one of {INT4_GROUP_SIZES}, got {group_size}")
@@ -180,6 +215,32 @@ class Int4Weight(QuantizedWeight):
         self.scales_and_zeros = torch.stack([scale.t(), zero.t()], dim=-1).contiguous()
         self._scales_and_zeros_bf16 = self.scales_and_zeros.to(torch.bfloat16)
 
+    @classmethod
+    def from_packed(cls, packed: torch.Tensor, scales_and_zeros: torch.Tensor, out_features: int, in_features: int,
+                    group_size: int, dtype: torch.dtype) -> "Int4Weight":
+        """The weight of ``packed_tensors()`` (the kernel's packed nibbles and ``[groups, out, 2]``
+        fp32 scales and zeros), checked against that layout."""
+        groups = in_features // group_size if group_size in INT4_GROUP_SIZES else -1
+        if (out_features % INT4_ROW_MULTIPLE or groups * group_size != in_features
+                or packed.dtype != torch.uint8 or packed.numel() * 2 != out_features * in_features
+                or scales_and_zeros.dtype != torch.float32
+                or tuple(scales_and_zeros.shape) != (groups, out_features, 2)):
+            raise ValueError(f"int4 weight [{out_features}, {in_features}] in groups of {group_size}: packed "
+                             f"{packed.dtype} {tuple(packed.shape)}, scales {scales_and_zeros.dtype} "
+                             f"{tuple(scales_and_zeros.shape)} do not match its layout")
+        weight = cls.__new__(cls)
+        weight.out_features, weight.in_features, weight.dtype, weight.group_size = (out_features, in_features, dtype,
+                                                                                    group_size)
+        weight.packed, weight.scales_and_zeros = packed.contiguous(), scales_and_zeros.contiguous()
+        weight._scales_and_zeros_bf16 = weight.scales_and_zeros.to(torch.bfloat16)
+        return weight
+
+    def packed_tensors(self) -> dict[str, torch.Tensor]:
+        return {"packed": self.packed, "scales_and_zeros": self.scales_and_zeros}
+
+    def describe(self) -> dict:
+        return {**super().describe(), "group_size": self.group_size}
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         # bf16 in and out: the kernel's fp32 path is far slower on CPUs without AVX-512
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16).contiguous(), self.packed,
@@ -197,13 +258,30 @@ class Int4Weight(QuantizedWeight):
 
 
 class Fp8Weight(QuantizedWeight):
+    kind = "fp8"
+
     def __init__(self, weight: torch.Tensor):
         w = weight.detach().float()
-        self.out_features, self.in_features = w.shape
-        self.dtype = weight.dtype
         scale = _row_scales(w, _FP8_MAX)
-        self.q = (w / scale[:, None]).to(torch.float8_e4m3fn).contiguous()
-        self.scale = scale.contiguous()  # fp32
+        self._use((w / scale[:, None]).to(torch.float8_e4m3fn).contiguous(), scale.contiguous(), weight.dtype)
+
+    @classmethod
+    def from_packed(cls, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> "Fp8Weight":
+        """The weight of ``packed_tensors()`` (``q`` e4m3 ``[out, in]``, ``scale`` fp32 ``[out]``)."""
+        if (q.dtype != torch.float8_e4m3fn or q.dim() != 2 or scale.dtype != torch.float32
+                or tuple(scale.shape) != (q.shape[0],)):
+            raise ValueError(f"fp8 weight: q {q.dtype} {tuple(q.shape)}, scale {scale.dtype} {tuple(scale.shape)} "
+                             f"do not match its layout")
+        weight = cls.__new__(cls)
+        weight._use(q.contiguous(), scale.contiguous(), dtype)
+        return weight
+
+    def _use(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> None:
+        self.q, self.scale, self.dtype = q, scale, dtype  # scale: fp32
+        self.out_features, self.in_features = q.shape
+
+    def packed_tensors(self) -> dict[str, torch.Tensor]:
+        return {"q": self.q, "scale": self.scale}
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type == "cuda":
@@ -234,6 +312,31 @@ def quantize_weight(weight: torch.Tensor, scheme: str, group_size: int, head: bo
     if scheme == "fp8":
         return Fp8Weight(weight)
     raise ValueError(f"unknown quantization {scheme!r}; expected one of {', '.join(QUANTIZATIONS)}")
+
+
+def restore_weight(description: dict, tensors: dict[str, torch.Tensor]) -> QuantizedWeight:
+    """The weight ``describe()`` and ``packed_tensors()`` were taken from; ``ValueError`` where they
+    do not fit together (a cache file from elsewhere, damaged)."""
+    try:
+        kind, out_features, in_features = description["kind"], description["out_features"], description["in_features"]
+        dtype = getattr(torch, description["dtype"])
+        if not (isinstance(out_features, int) and isinstance(in_features, int) and isinstance(dtype, torch.dtype)):
+            raise TypeError("shape or dtype")
+        if kind == "int8":
+            weight = Int8Weight.from_packed(tensors["packed"], tensors["scale"], out_features, dtype)
+        elif kind == "int4":
+            weight = Int4Weight.from_packed(tensors["packed"], tensors["scales_and_zeros"], out_features, in_features,
+                                            description["group_size"], dtype)
+        elif kind == "fp8":
+            weight = Fp8Weight.from_packed(tensors["q"], tensors["scale"], dtype)
+        else:
+            raise ValueError(f"unknown kind {kind!r}")
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"a quantized weight's description {description!r} is incomplete: {exc}") from None
+    if (weight.out_features, weight.in_features) != (out_features, in_features):
+        raise ValueError(f"a {kind} weight described as [{out_features}, {in_features}] holds "
+                         f"[{weight.out_features}, {weight.in_features}]")
+    return weight
 
 
 def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
