@@ -26,6 +26,7 @@ from common.engine.loading.model_loader import load_model
 from common.engine.loading.tokenizer import load_tokenizer
 from common.engine.kv.prefix_hash import MAX_CACHE_SALT_LEN, block_extra_keys
 from common.engine.model_runner import ModelRunner
+from common.engine.models.quantization_scheme import Quantization
 from common.engine.models.stages import compile_stages
 from common.engine.request import Request, RequestStatus, resume_request
 from common.engine.sampler import TokenLogprobs
@@ -191,7 +192,9 @@ class Engine:
             return None
         from common.engine.speculative.draft_model import DraftModelProposer
 
-        return DraftModelProposer(self.config.draft_model, vocab_size=self.model_config.vocab_size,
+        draft_weights = Quantization(self.config.draft_quantization, self.config.quantization_group_size)
+        return DraftModelProposer(self.config.draft_model, draft_weights,
+                                  vocab_size=self.model_config.vocab_size,
                                   num_blocks=num_blocks, block_size=self.config.block_size, dtype=self.dtype,
                                   device=self.device, attention_backend=self.config.attention_backend,
                                   block_table=kv_manager.table)

@@ -54,6 +54,23 @@ def test_the_target_as_its_own_draft_is_always_right(target):
     assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks
 
 
+# Acceptance each draft reaches at least: int4's groups of 32 of this tiny random model's 64 inputs
+# (flat logits) agree far less than int8 does; a model of other weights is almost never right.
+@pytest.mark.parametrize("scheme,acceptance", [("int8", 0.5), ("int4", 0.1)])
+def test_the_target_quantized_drafts_for_itself(target, tmp_path, monkeypatch, scheme, acceptance):
+    # The served model's own weights, quantized, as the draft: most drafts are accepted and the
+    # answers are the full-precision model's, whatever the draft's rounding.
+    monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path))  # its prepacked weights go there
+    directory, reference = target
+    engine = engine_for(directory, directory, draft_quantization=scheme)
+    assert engine.scheduler.speculation.proposer.model.quantized_weights()  # the draft computes quantized
+    batch = prompts([9, 23, 14], seed=3)
+    results = engine.generate(batch, {**GREEDY, "max_tokens": MAX_NEW + 1})
+    assert [r.token_ids for r in results] == [reference(p, MAX_NEW + 1) for p in batch]
+    assert engine.stats()["spec_acceptance_rate"] > acceptance
+    assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks
+
+
 def test_another_draft_changes_nothing_but_the_speed(target, other_draft):
     directory, reference = target
     engine = engine_for(directory, other_draft)
@@ -94,3 +111,5 @@ def test_a_draft_of_another_vocabulary_is_refused(target, tmp_path):
         engine_for(directory, draft)
     with pytest.raises(ValueError, match="draft_model"):
         EngineConfig(model=str(directory), speculative="draft")
+    with pytest.raises(ValueError, match="draft_quantization"):
+        EngineConfig(model=str(directory), speculative="draft", draft_model=str(directory), draft_quantization="int3")

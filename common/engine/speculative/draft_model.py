@@ -28,6 +28,7 @@ from common.engine.attention.selection import make_attention
 from common.engine.kv.kv_cache import KVCache, KVLayout, dtype_name
 from common.engine.loading.checkpoint_path import resolve_checkpoint
 from common.engine.loading.model_loader import load_model
+from common.engine.models.quantization_scheme import NO_QUANTIZATION, Quantization
 
 log = logging.getLogger(__name__)
 
@@ -37,10 +38,10 @@ class DraftModelProposer:
 
     needs_slots_first = True  # its forwards write KV at the slots the verification will use
 
-    def __init__(self, checkpoint: str, *, vocab_size: int, num_blocks: int, block_size: int, dtype: torch.dtype,
+    def __init__(self, checkpoint: str, quantization: Quantization = NO_QUANTIZATION, *, vocab_size: int, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device, attention_backend: str, block_table=None):
         self.checkpoint = resolve_checkpoint(checkpoint)
-        self.model, self.config = load_model(self.checkpoint, dtype, device)
+        self.model, self.config = load_model(self.checkpoint, dtype, device, quantization=quantization)
         if self.config.vocab_size != vocab_size:
             raise ValueError(f"the draft model {checkpoint!r} has a vocabulary of {self.config.vocab_size} tokens but the "
                              f"model it drafts for has {vocab_size}: a draft model must share the tokenizer")
@@ -54,8 +55,8 @@ class DraftModelProposer:
             self.attention.block_table = block_table
         self.device = device
         self._computed: dict[str, int] = {}  # request -> its tokens with draft KV
-        log.info("draft model %s: %d layers, its KV cache %.1f MiB", self.checkpoint.name, cfg.num_layers,
-                 num_blocks * self.cache.block_nbytes / 2**20)
+        log.info("draft model %s: %d layers, weights %s, its KV cache %.1f MiB", self.checkpoint.name, cfg.num_layers,
+                 quantization.scheme, num_blocks * self.cache.block_nbytes / 2**20)
 
     @torch.inference_mode()
     def propose(self, request, num_tokens: int, block_ids: list[int]) -> list[int]:

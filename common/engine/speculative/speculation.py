@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from common.engine.models.quantization_scheme import QUANTIZATIONS
 from common.engine.speculative.ngram import NgramProposer
 from common.engine.speculative.step_cost import StepCostGate
 
@@ -45,6 +46,9 @@ class SpeculativeConfig:
     disable_batch_size: int = 0  # no speculation while more requests decode (0: never disabled)
     cost_gate: bool = True  # measure whether verifying pays per batch size, and pause where it does not
     draft_model: str | None = None  # the draft model's checkpoint (method "draft")
+    # How the draft's weights are stored (``QUANTIZATIONS``): the target model itself quantized is a
+    # draft of its own vocabulary that agrees with it on most tokens at a fraction of its reads.
+    draft_quantization: str = "none"
 
     def __post_init__(self) -> None:
         checks = [
@@ -57,6 +61,8 @@ class SpeculativeConfig:
             (self.disable_batch_size >= 0, "speculative_disable_batch_size", self.disable_batch_size, ">= 0"),
             ((self.method == "draft") == bool(self.draft_model), "draft_model", self.draft_model,
              "set exactly when speculative is draft"),
+            (self.draft_quantization in QUANTIZATIONS, "draft_quantization", self.draft_quantization,
+             f"one of {', '.join(QUANTIZATIONS)}"),
         ]
         for ok, name, value, expected in checks:
             if not ok:
