@@ -15,11 +15,14 @@ The default model (Gemma 3 270M, a base model), ignore_eos, 64-128 output tokens
 Each at concurrency 1 (8 requests one after another; ``--quick``: 4) and 8 (24 requests, 8 in flight,
 a finished one replaced at once; ``--quick``: 12), in fp32 and with int8
 weights, with speculation off and on (``--speculative ngram``, 4 draft tokens, n-grams 2-4; the
-engine's defaults otherwise); the same engine settings and threads for both.  Throughput is output
-tokens over wall time, prompts included.
+engine's defaults otherwise); the same engine settings and threads for both.  In fp32, a draft
+model too: the default model itself with int8 weights (``--speculative draft --draft-model <the
+same> --draft-quantization int8``; Gemma 3 has no smaller model of its tokenizer).  Throughput is
+output tokens over wall time, prompts included.
 
 The last line of stdout is one JSON object: ``speedup_high_overlap_c1`` and ``_c8`` (fp32, on / off),
-``ratio_random_c1`` and ``_c8``, the same with an ``int8_`` prefix, ``greedy_identical`` (every
+``ratio_random_c1`` and ``_c8``, the same with an ``int8_`` prefix (int8 weights, n-gram) and a
+``draft_`` prefix (fp32, the int8 draft), ``greedy_identical`` (every
 greedy request's tokens equal with speculation on and off, in both precisions),
 ``seeded_identical_requests`` (the seeded sampled ones whose tokens are all equal: each token is
 drawn from (seed, position), so only rounding differences between a step of k + 1 positions and one
@@ -46,6 +49,7 @@ from benchmarks.bench_util import emit  # noqa: E402
 
 TEXT = Path(__file__).resolve().parent / "data" / "opticks.txt"
 SCHEMES = [("fp32", "none"), ("int8", "int8")]
+DRAFT_QUANTIZATION = "int8"  # the draft model: the default model itself, these weights
 CONCURRENCY = (1, 8)
 
 
@@ -132,10 +136,18 @@ def main() -> None:
     result: dict = {"benchmark": "speculative", "model": "gemma-3-270m (default)", "threads": args.threads,
                     "max_tokens": max_tokens, "requests": n, "num_speculative_tokens": 4}
     identical = {"high_overlap": [0, 0], "random": [0, 0]}  # requests with equal tokens, requests
+    from common.engine.loading.default_model import ensure_default_model
+
+    methods = {"ngram": {"speculative": "ngram"},
+               "draft": {"speculative": "draft", "draft_model": str(ensure_default_model()),
+                         "draft_quantization": DRAFT_QUANTIZATION}}
     for scheme_name, scheme in SCHEMES:
-        engines = {spec: Engine(EngineConfig(model="default", quantization=scheme, num_blocks=1024, speculative=spec,
-                                             num_speculative_tokens=4, enable_prefix_caching=False))
-                   for spec in ("none", "ngram")}
+        # the draft model on the full-precision target only (on an int8 one it would be itself)
+        speculative = ["ngram", "draft"] if scheme == "none" else ["ngram"]
+        engines = {spec: Engine(EngineConfig(model="default", quantization=scheme, num_blocks=1024,
+                                             num_speculative_tokens=4, enable_prefix_caching=False,
+                                             **methods.get(spec, {})))
+                   for spec in ("none", *speculative)}
         tokenizer = engines["none"].tokenizer
         rng = random.Random(0)
         workloads = {
@@ -144,34 +156,42 @@ def main() -> None:
         }
         for engine in engines.values():
             engine.generate([workloads["random"][0][:8]], {"max_tokens": 4, "temperature": 0})  # warm-up
-        prefix = "" if scheme_name == "fp32" else f"{scheme_name}_"
         for workload, all_prompts in workloads.items():
             for c in CONCURRENCY:
                 sampled = workload == "random"
                 prompts = all_prompts if c > 1 else all_prompts[: 4 if args.quick else 8]
                 off, off_tokens, _ = run(engines["none"], prompts, max_tokens, c, sampled)
-                on, on_tokens, stats = run(engines["ngram"], prompts, max_tokens, c, sampled)
-                identical[workload][0] += sum(a == b for a, b in zip(on_tokens, off_tokens))
-                identical[workload][1] += len(prompts)
-                key = f"{prefix}{workload}_c{c}"
-                result[f"{key}_off_tok_s"], result[f"{key}_on_tok_s"] = round(off, 2), round(on, 2)
-                result[f"{key}_acceptance_rate"] = round(stats["spec_acceptance_rate"], 3)
-                result[f"{key}_tokens_per_verification"] = round(stats["spec_mean_tokens_per_verification"], 2)
-                result[f"{key}_batch_paused_steps"] = stats["spec_batch_paused_steps_total"]
-                result[f"{key}_requests"] = len(prompts)
-                if stats["spec_verify_steps_total"] and stats["decode_only_steps_total"]:
-                    result[f"{key}_verify_over_decode_step"] = round(
-                        (stats["spec_verify_step_seconds_total"] / stats["spec_verify_steps_total"])
-                        / (stats["decode_only_step_seconds_total"] / stats["decode_only_steps_total"]), 2)
-                ratio_name = "speedup" if workload == "high_overlap" else "ratio"
-                result[f"{prefix}{ratio_name}_{workload}_c{c}"] = round(on / off, 3)
-                print(f"{scheme_name} {workload} c={c}: off {off:.1f} tok/s, on {on:.1f} tok/s "
-                      f"(x{on / off:.2f}, acceptance {stats['spec_acceptance_rate']:.2f}, "
-                      f"{stats['spec_mean_tokens_per_verification']:.2f} tokens/verification)", file=sys.stderr, flush=True)
+                for spec in speculative:
+                    on, on_tokens, stats = run(engines[spec], prompts, max_tokens, c, sampled)
+                    identical[workload][0] += sum(a == b for a, b in zip(on_tokens, off_tokens))
+                    identical[workload][1] += len(prompts)
+                    prefix = "draft_" if spec == "draft" else "" if scheme_name == "fp32" else f"{scheme_name}_"
+                    report(result, prefix, workload, c, len(prompts), off, on, stats)
+                    print(f"{scheme_name} {spec} {workload} c={c}: off {off:.1f} tok/s, on {on:.1f} tok/s "
+                          f"(x{on / off:.2f}, acceptance {stats['spec_acceptance_rate']:.2f}, "
+                          f"{stats['spec_mean_tokens_per_verification']:.2f} tokens/verification)", file=sys.stderr,
+                          flush=True)
         del engines
     result["greedy_identical"] = identical["high_overlap"][0] == identical["high_overlap"][1]
     result["seeded_identical_requests"] = "{}/{}".format(*identical["random"])
     emit(result)
+
+
+def report(result: dict, prefix: str, workload: str, c: int, requests: int, off: float, on: float,
+           stats: dict) -> None:
+    """One run's fields: ``prefix`` names the weights and the proposer (``""``: fp32, n-gram)."""
+    key = f"{prefix}{workload}_c{c}"
+    result[f"{key}_off_tok_s"], result[f"{key}_on_tok_s"] = round(off, 2), round(on, 2)
+    result[f"{key}_acceptance_rate"] = round(stats["spec_acceptance_rate"], 3)
+    result[f"{key}_tokens_per_verification"] = round(stats["spec_mean_tokens_per_verification"], 2)
+    result[f"{key}_batch_paused_steps"] = stats["spec_batch_paused_steps_total"]
+    result[f"{key}_requests"] = requests
+    if stats["spec_verify_steps_total"] and stats["decode_only_steps_total"]:
+        result[f"{key}_verify_over_decode_step"] = round(
+            (stats["spec_verify_step_seconds_total"] / stats["spec_verify_steps_total"])
+            / (stats["decode_only_step_seconds_total"] / stats["decode_only_steps_total"]), 2)
+    ratio_name = "speedup" if workload == "high_overlap" else "ratio"
+    result[f"{prefix}{ratio_name}_{workload}_c{c}"] = round(on / off, 3)
 
 
 if __name__ == "__main__":
