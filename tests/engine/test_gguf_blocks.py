@@ -100,6 +100,8 @@ def test_int4_keeps_the_files_four_bit_blocks_and_puts_wider_ones_at_int8(cache_
         engine = engine_on(cache_of, "int4", group=128)
     converted = engine.checkpoint
     assert (converted / BLOCKS_FILE).is_file()
+    # the weights other tools load are the model's alone (vLLM takes every top-level .safetensors)
+    assert [f.name for f in converted.glob("*.safetensors")] == ["model.safetensors"]
     state = load_state_dict(converted)  # the fp32 weights the conversion dequantized
     for layer in range(len(engine.model.model.layers)):
         products = quantized_of(engine, layer)

@@ -3,11 +3,11 @@
 Layout of a converted directory::
 
     <cache>/models/gemma-3-270m/
-        config.json              transformers 5.x config (model_type gemma3_text)
-        model.safetensors        fp32 weights, llama.cpp's conversions undone
-        gguf_blocks.safetensors  the 4-bit weights' own groups (``gguf_blocks``; absent if none)
+        config.json                     transformers 5.x config (model_type gemma3_text)
+        model.safetensors               fp32 weights, llama.cpp's conversions undone
+        gguf_blocks/blocks.safetensors  the 4-bit weights' own groups (``gguf_blocks``; absent if none)
         tokenizer.json, tokenizer_config.json
-        gguf_source.json         {"gguf_sha256", "gguf_file", "converter_version", "tensor_types"}
+        gguf_source.json                {"gguf_sha256", "gguf_file", "converter_version", "tensor_types"}
 
 ``<cache>`` is ``$PDSERVE_CACHE`` if set, else ``~/.cache/pdserve``. Other GGUF files go to
 ``<cache>/models/gguf/<stem>-<path hash>/`` the same way (``converted_gguf_dir``). A directory appears
@@ -32,7 +32,7 @@ from tqdm import tqdm
 DEFAULT_MODEL_NAME = "gemma-3-270m"
 SOURCE_MARKER = "gguf_source.json"
 # Bump when the conversion's output changes, so existing caches are rebuilt.
-CONVERTER_VERSION = 2  # 2: the 4-bit blocks and each weight's GGUF type are kept
+CONVERTER_VERSION = 3  # 2: the 4-bit blocks and each weight's GGUF type are kept; 3: the blocks in a folder
 
 
 def default_cache_dir() -> Path:
@@ -71,6 +71,7 @@ def convert_gguf_to_hf_dir(gguf_path: str | os.PathLike, out_dir: str | os.PathL
     del state
     tensor_types, blocks = source_blocks_from_gguf(reader, config_dict)
     if blocks:
+        (out_dir / BLOCKS_FILE).parent.mkdir(exist_ok=True)
         save_file(blocks, str(out_dir / BLOCKS_FILE), metadata={"format": "pt"})
     del blocks
     if progress:

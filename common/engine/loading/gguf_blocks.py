@@ -17,7 +17,7 @@ quantized to int8 per channel from its dequantized values, under int8 every weig
 says so in one log line (``SourceWeights.summary``).
 
 A converted directory (``common.engine.loading.default_model``) holds the blocks of every 4-bit
-weight in ``gguf_blocks.safetensors`` (``<hf name>.q4``, ``.q4_scale``, ``.q4_zero``, rows in the
+weight in ``BLOCKS_FILE`` (``<hf name>.q4``, ``.q4_scale``, ``.q4_zero``, rows in the
 checkpoint's order) and each weight's GGUF type in ``gguf_source.json`` (``tensor_types``).
 """
 from __future__ import annotations
@@ -32,7 +32,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-BLOCKS_FILE = "gguf_blocks.safetensors"
+# In a folder of its own: tools that take every top-level *.safetensors of a checkpoint for its
+# weights (vLLM, transformers' sharded loading) must not meet it.
+BLOCKS_FILE = "gguf_blocks/blocks.safetensors"
 GROUP_SIZE = 32  # inputs per group of every 4-bit type (Q4_K: 8 sub-blocks of 32)
 FOUR_BIT_TYPES = ("Q4_0", "Q4_1", "Q4_K")  # GGML type names; gguf is imported only to convert
 UNQUANTIZED_TYPES = ("F32", "F16", "BF16", "F64")

@@ -8,7 +8,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
-from common.engine.loading.gguf_blocks import BLOCKS_FILE, SourceWeights
+from common.engine.loading.gguf_blocks import SourceWeights
 from common.engine.loading.prepack_cache import PrepackCache
 from common.engine.model_config import ModelConfig, load_model_config
 from common.engine.models.quantization_scheme import NO_QUANTIZATION, Quantization
@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 
 
 def load_state_dict(checkpoint: Path) -> dict[str, torch.Tensor]:
-    files = sorted(f for f in checkpoint.glob("*.safetensors") if f.name != BLOCKS_FILE)
+    files = sorted(checkpoint.glob("*.safetensors"))  # (a GGUF's kept blocks lie in a folder below)
     if not files:
         raise ValueError(f"checkpoint {str(checkpoint)!r} has no .safetensors weights")
     state: dict[str, torch.Tensor] = {}

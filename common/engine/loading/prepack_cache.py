@@ -42,12 +42,12 @@ PARTIAL_MAX_AGE_S = 3600.0  # older, its writer is gone
 
 def _checkpoint_files(checkpoint: Path) -> list[list]:
     """What identifies a checkpoint's contents without reading them: each weight, config and
-    blocks file's name, size and modification time."""
+    blocks file's name, size and modification time (a GGUF's blocks lie a folder down)."""
     files = []
-    for path in sorted(checkpoint.iterdir()):
+    for path in sorted([*checkpoint.glob("*"), *checkpoint.glob("*/*.safetensors")]):
         if path.is_file() and path.suffix in (".safetensors", ".json"):
             stat = path.stat()
-            files.append([path.name, stat.st_size, stat.st_mtime_ns])
+            files.append([str(path.relative_to(checkpoint)), stat.st_size, stat.st_mtime_ns])
     return files
 
 
