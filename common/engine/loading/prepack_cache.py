@@ -60,7 +60,7 @@ class PrepackCache:
 
     @classmethod
     def for_checkpoint(cls, checkpoint: Path, quantization: Quantization, dtype: torch.dtype, tp_rank: int = 0,
-                       tp_size: int = 1, root: Path | None = None) -> "PrepackCache":
+                       tp_size: int = 1) -> "PrepackCache":
         from common.engine.loading.default_model import default_cache_dir
 
         checkpoint = Path(checkpoint).resolve()
@@ -76,7 +76,7 @@ class PrepackCache:
         name = re.sub(r"[^A-Za-z0-9._-]", "_", checkpoint.name)[:64]
         prefix = (f"{name}-{where}-{quantization.scheme}-g{quantization.group_size}-{dtype_name}"
                   f"-tp{tp_rank}of{tp_size}")
-        return cls((root or default_cache_dir() / DIRECTORY) / f"{prefix}-{key}{_SUFFIX}", checkpoint)
+        return cls(default_cache_dir() / DIRECTORY / f"{prefix}-{key}{_SUFFIX}", checkpoint)
 
     @property
     def _prefix(self) -> str:
@@ -106,6 +106,7 @@ class PrepackCache:
     def save(self, weights: dict[str, QuantizedWeight]) -> None:
         """Write ``weights`` (a model's ``quantized_weights()``) atomically, then remove this
         checkpoint's stale files and those of checkpoints that are gone; a failure is logged."""
+        from safetensors import SafetensorError
         from safetensors.torch import save_file
 
         tensors = {f"{name}/{part}": tensor.detach().contiguous().cpu()
@@ -122,7 +123,7 @@ class PrepackCache:
             finally:
                 if os.path.exists(tmp):
                     os.unlink(tmp)
-        except OSError as exc:
+        except (OSError, SafetensorError, ValueError, RuntimeError) as exc:
             log.warning("could not keep the prepacked weights in %s: %s", self.path.parent, exc)
             return
         log.info("quantized weights prepacked into %s (%.1f MiB)", self.path, self.path.stat().st_size / 2**20)
