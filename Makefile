@@ -29,9 +29,8 @@ demo: $(STAMP)
 	$(RUN) -m common.engine.demo
 
 # Test files run in TEST_WORKERS processes, each file whole in one (--dist loadfile): most tests wait
-# on processes they started (a 3-process run kept ~1.7 of 2 cores busy), so four share two cores
-# well.  TEST_WORKERS=0 runs them in this one.
-TEST_WORKERS ?= 4
+# on processes they started, so three share two cores well.  TEST_WORKERS=0 runs them in this one.
+TEST_WORKERS ?= 3
 test: $(STAMP)
 	$(RUN) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile tests
 
