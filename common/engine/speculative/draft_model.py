@@ -38,8 +38,9 @@ class DraftModelProposer:
 
     needs_slots_first = True  # its forwards write KV at the slots the verification will use
 
-    def __init__(self, checkpoint: str, quantization: Quantization = NO_QUANTIZATION, *, vocab_size: int, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device, attention_backend: str, block_table=None):
+    def __init__(self, checkpoint: str, quantization: Quantization = NO_QUANTIZATION, *, vocab_size: int,
+                 num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device, attention_backend: str,
+                 block_table=None):
         self.checkpoint = resolve_checkpoint(checkpoint)
         self.model, self.config = load_model(self.checkpoint, dtype, device, quantization=quantization)
         if self.config.vocab_size != vocab_size:

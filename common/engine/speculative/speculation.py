@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.engine.models.quantization_scheme import QUANTIZATIONS
+from common.engine.models.quantization_scheme import QUANTIZATIONS, Quantization
 from common.engine.speculative.ngram import NgramProposer
 from common.engine.speculative.step_cost import StepCostGate
 
@@ -48,7 +48,7 @@ class SpeculativeConfig:
     draft_model: str | None = None  # the draft model's checkpoint (method "draft")
     # How the draft's weights are stored (``QUANTIZATIONS``): the target model itself quantized is a
     # draft of its own vocabulary that agrees with it on most tokens at a fraction of its reads.
-    draft_quantization: str = "none"
+    draft_quantization: str = Quantization.scheme
 
     def __post_init__(self) -> None:
         checks = [
