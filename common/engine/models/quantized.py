@@ -205,15 +205,20 @@ class Int4Weight(QuantizedWeight):
 
     def _pack(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
               dtype: torch.dtype) -> None:
-        self.out_features, self.in_features = q.shape
-        self.dtype, self.group_size = dtype, group_size
-        if self.out_features % INT4_ROW_MULTIPLE:
-            raise ValueError(f"int4: {self.out_features} outputs are not a multiple of {INT4_ROW_MULTIPLE} "
+        out_features, in_features = q.shape
+        if out_features % INT4_ROW_MULTIPLE:
+            raise ValueError(f"int4: {out_features} outputs are not a multiple of {INT4_ROW_MULTIPLE} "
                              f"(the kernel's packing)")
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
         # [groups, out_features, 2]: the layout the kernel reads, which computes (q - 8) * scale + zero
-        self.scales_and_zeros = torch.stack([scale.t(), zero.t()], dim=-1).contiguous()
-        self._scales_and_zeros_bf16 = self.scales_and_zeros.to(torch.bfloat16)
+        scales_and_zeros = torch.stack([scale.t(), zero.t()], dim=-1).contiguous()
+        self._use(packed, scales_and_zeros, out_features, in_features, group_size, dtype)
+
+    def _use(self, packed: torch.Tensor, scales_and_zeros: torch.Tensor, out_features: int, in_features: int,
+             group_size: int, dtype: torch.dtype) -> None:
+        self.out_features, self.in_features, self.group_size, self.dtype = out_features, in_features, group_size, dtype
+        self.packed, self.scales_and_zeros = packed, scales_and_zeros
+        self._scales_and_zeros_bf16 = scales_and_zeros.to(torch.bfloat16)
 
     @classmethod
     def from_packed(cls, packed: torch.Tensor, scales_and_zeros: torch.Tensor, out_features: int, in_features: int,
@@ -229,10 +234,7 @@ class Int4Weight(QuantizedWeight):
                              f"{packed.dtype} {tuple(packed.shape)}, scales {scales_and_zeros.dtype} "
                              f"{tuple(scales_and_zeros.shape)} do not match its layout")
         weight = cls.__new__(cls)
-        weight.out_features, weight.in_features, weight.dtype, weight.group_size = (out_features, in_features, dtype,
-                                                                                    group_size)
-        weight.packed, weight.scales_and_zeros = packed.contiguous(), scales_and_zeros.contiguous()
-        weight._scales_and_zeros_bf16 = weight.scales_and_zeros.to(torch.bfloat16)
+        weight._use(packed.contiguous(), scales_and_zeros.contiguous(), out_features, in_features, group_size, dtype)
         return weight
 
     def packed_tensors(self) -> dict[str, torch.Tensor]:
