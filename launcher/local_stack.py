@@ -136,6 +136,9 @@ class LocalStack:
     cluster_secret: str = field(default_factory=generate_secret, repr=False)
     stop_grace_s: float = STOP_GRACE_S
     clock: Callable[[], float] = field(default=time.monotonic, repr=False)
+    # How a process is started: ``start_child``'s signature and contract (a test suite passes a
+    # ``launcher.prewarmed.PrewarmedStarter``, which forks ``python -m`` commands pre-imported).
+    spawner: Callable[..., subprocess.Popen] = field(default=start_child, repr=False)
     procs: dict[str, Proc] = field(default_factory=dict)
 
     @property
@@ -182,7 +185,7 @@ class LocalStack:
         out = proc.log_path.open("a") if proc.log_path else None
         try:
             env = self.process_env(gateway=proc.command[1:3] == ["-m", "gateway"])
-            proc.popen = start_child(proc.command, cpus=self.cpus.get(proc.name), cwd=ROOT, env=env,
+            proc.popen = self.spawner(proc.command, cpus=self.cpus.get(proc.name), cwd=ROOT, env=env,
                                      stdout=out, stderr=subprocess.STDOUT if out else None)
         finally:
             if out is not None:

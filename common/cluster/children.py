@@ -120,6 +120,8 @@ def exit_status(popen: subprocess.Popen) -> int | None:
     (helpers it started) first, while the unreaped leader still holds the group id."""
     if popen.returncode is not None:
         return popen.returncode
+    if not isinstance(popen, subprocess.Popen):  # a process another one reaps (``launcher.prewarmed``)
+        return popen.poll()  # and whose group that one sweeps
     if not hasattr(os, "waitid"):  # macOS before Python 3.13: no look without reaping, no sweep
         return popen.poll()
     try:

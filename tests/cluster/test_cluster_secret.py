@@ -99,10 +99,10 @@ def test_make_up_uses_the_environment_secret_or_generates_one():
 def test_local_stack_passes_the_redis_url_in_the_environment_never_on_a_command_line(monkeypatch):
     """A REDIS_URL may hold a password: ``ps`` shows every user the command lines, not environments."""
     started = []
-    monkeypatch.setattr(launcher, "start_child", lambda command, **kwargs: started.append((command, kwargs["env"])))
     monkeypatch.setattr(launcher, "worker_drain_timeout", lambda args, env: 1.0)
     url = "redis://:hunter2-redis-password@10.0.0.5:6379"
-    stack = LocalStack("ckpt", url, cluster_secret=GOOD)
+    stack = LocalStack("ckpt", url, cluster_secret=GOOD,
+                       spawner=lambda command, **kwargs: started.append((command, kwargs["env"])))
     stack.start_worker("d0", "decode")
     stack.start_gateway()
     assert len(started) == 2

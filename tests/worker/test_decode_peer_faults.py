@@ -40,7 +40,7 @@ from decode_svc.prefill_client import BadPrefillAnswer
 from kvtransfer.config import KVTransferConfig
 from kvtransfer.receiver import KVReceiver
 from kvtransfer.sender import KVSender
-from tests.support.cluster import LocalStack, delete_keys
+from tests.support.cluster import PREWARMED, LocalStack, delete_keys
 from tests.support.held_inproc import HeldInProcTransport, PayloadHold
 from tests.support.inproc_decode import DecodeHarness
 from tests.support.scripted_peer import (
@@ -67,7 +67,7 @@ def engine(served_checkpoint):
 def decode_worker(served_checkpoint, redis_url, tmp_path_factory):
     stack = LocalStack(str(served_checkpoint), redis_url, key_prefix=f"pdtest-{uuid.uuid4().hex[:12]}",
                        workdir=tmp_path_factory.mktemp("logs"), prefill=0, decode=0, transport="tcp",
-                       worker_args=WORKER_ARGS, extra_env={"OMP_NUM_THREADS": "1"})
+                       worker_args=WORKER_ARGS, spawner=PREWARMED, extra_env={"OMP_NUM_THREADS": "1"})
     try:
         stack.start_worker("d0", "decode")
         stack.wait_ready("d0", timeout=WAIT)

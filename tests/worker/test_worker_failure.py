@@ -29,7 +29,7 @@ from common.cluster.registry import WorkerRegistry
 from common.engine.config import EngineConfig
 from common.engine.engine import Engine
 from common.engine.sampling_params import SamplingParams
-from tests.support.cluster import LocalStack, delete_keys
+from tests.support.cluster import PREWARMED, LocalStack, delete_keys
 from tests.support.waiting import until
 from tests.support.scripted_peer import BLOCK_SIZE, NUM_BLOCKS, ScriptedPeer, WorkerClient
 
@@ -51,7 +51,7 @@ WATCHDOG_S = 2.0
 def worker_stack(checkpoint, redis_url, workdir, env: dict[str, str], args: list[str]):
     stack = LocalStack(str(checkpoint), redis_url, key_prefix=f"pdtest-{uuid.uuid4().hex[:12]}",
                        workdir=workdir, prefill=0, decode=0, transport="tcp", worker_args=WORKER_ARGS + args,
-                       extra_env={"OMP_NUM_THREADS": "1", **env})
+                       spawner=PREWARMED, extra_env={"OMP_NUM_THREADS": "1", **env})
     try:
         stack.start_worker("d0", "decode")
         stack.wait_ready("d0", timeout=WAIT)
