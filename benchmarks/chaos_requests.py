@@ -16,6 +16,7 @@ import math
 import random
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import openai
 
@@ -143,8 +144,10 @@ class Planner:
         return spec
 
 
-async def run_request(client: openai.AsyncOpenAI, model: str, spec: Spec, bound_s: float) -> Outcome:
-    """Send one request as a client would; classify how it ended."""
+async def run_request(client: openai.AsyncOpenAI, model: str, spec: Spec, bound_s: float,
+                      on_chunk: Callable[[], None] = lambda: None) -> Outcome:
+    """Send one request as a client would; classify how it ended.  ``on_chunk``: called for each
+    streamed chunk that carries text."""
     kwargs = dict(model=model, prompt=spec.prompt, max_tokens=spec.max_tokens, temperature=spec.temperature,
                   top_p=spec.top_p, stream=spec.stream, extra_body={"ignore_eos": True, **spec.extra})
     if spec.seed is not None:
@@ -173,6 +176,7 @@ async def run_request(client: openai.AsyncOpenAI, model: str, spec: Spec, bound_
                 pieces.append(chunk.choices[0].text)
                 finish = chunk.choices[0].finish_reason or finish
                 chunks += 1
+                on_chunk()
                 if spec.disconnect == "mid_decode" and chunks >= spec.after_chunks and finish is None:
                     return outcome("disconnected", detail="mid_decode")
         finally:

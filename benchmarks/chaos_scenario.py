@@ -54,12 +54,14 @@ from benchmarks.chaos_checks import classify_error, gateway_metric, reference_te
 from benchmarks.chaos_requests import ChaosConfig, Outcome, Planner, Spec, run_request
 from launcher.local_stack import LocalStack, http_json
 from launcher.supervisor import Supervisor
+from common.cluster.children import start_child
 from common.cluster.redis_util import RedisServer
 
 ADMIN_TOKEN = "pdserve-chaos-admin-token"  # the gateway's (in its environment: never on a command line)
 T0 = time.monotonic()  # event and outcome times are relative to this
 MAX_MODEL_LEN = 1600
 WITNESS_INDEX, WITNESS_TOKENS = 1_000_000, 400  # the witness streams of ``kill_decode``
+WITNESS_STREAMING_CHUNKS = 2  # chunks its client has read before its worker may be killed
 
 
 # ---- the checkpoint and the offline reference ---------------------------------------------------
@@ -81,7 +83,7 @@ def write_checkpoint(directory: Path) -> Path:
 class ChaosStack:
     """The stack, its private Redis and a supervisor thread that restarts whatever dies."""
 
-    def __init__(self, config: ChaosConfig, checkpoint: Path, workdir: Path):
+    def __init__(self, config: ChaosConfig, checkpoint: Path, workdir: Path, spawner=start_child):
         self.config = config
         self.redis = RedisServer().start()
         self.events: list[str] = []
@@ -102,7 +104,7 @@ class ChaosStack:
                           "--bench-time", "2", "--queue-timeout", "15",
                           "--first-token-timeout", str(c.request_bound_s + 30),
                           "--upstream-idle-timeout", "30", "--max-model-len", str(MAX_MODEL_LEN)],
-            extra_env={"OMP_NUM_THREADS": "1", "PDSERVE_ADMIN_TOKEN": ADMIN_TOKEN})
+            extra_env={"OMP_NUM_THREADS": "1", "PDSERVE_ADMIN_TOKEN": ADMIN_TOKEN}, spawner=spawner)
         self.admin_token = ADMIN_TOKEN
         self._stop = threading.Event()
         self.supervisor = Supervisor(self.stack, min_backoff=0.5, max_backoff=4.0, say=self._say)
@@ -197,15 +199,21 @@ class ChaosStack:
 
     async def kill_decode(self, round_no: int) -> None:
         """SIGKILL a decode worker mid-stream, so the gateway has streams to move: a witness (a
-        long greedy stream, judged like every request) is started first, and the worker killed is
-        the one that has streams that sent tokens (``streams_open``) while the other has none --
-        the witness's (it is open throughout) -- or, failing such a reading while the witness
-        lasts, the one with the most."""
+        long greedy stream, judged like every request) is started first.  Once its client has
+        received tokens (so it streams from a decode worker: a request still waiting in the gateway's
+        queue, or one whose first token the gateway has not read yet, would not be moved but sent
+        again), the worker killed is the one with streams open (``streams_open``) while the other
+        has none -- the witness's -- or, failing such a reading while the witness lasts, the one
+        with the most."""
         spec = Spec(WITNESS_INDEX + round_no, list(range(5, 21)), WITNESS_TOKENS, temperature=0.0, stream=True)
-        witness = asyncio.ensure_future(self._witness(spec))
+        received = [0]
+        witness = asyncio.ensure_future(self._witness(spec, lambda: received.__setitem__(0, received[0] + 1)))
         self.witnesses.append(witness)
         best, serving = f"d{round_no % 2}", 0
         while not witness.done():
+            if received[0] < WITNESS_STREAMING_CHUNKS:
+                await asyncio.sleep(0.05)
+                continue
             counts = {}
             for name in ("d0", "d1"):
                 try:
@@ -221,11 +229,11 @@ class ChaosStack:
             await asyncio.sleep(0.05)
         await self.kill(best, f"a decode worker crashes with {serving} streams open")
 
-    async def _witness(self, spec: Spec) -> Outcome:
+    async def _witness(self, spec: Spec, on_chunk) -> Outcome:
         client = openai.AsyncOpenAI(base_url=f"{self.stack.gateway_url}/v1", api_key="none", max_retries=0,
                                     timeout=self.config.request_bound_s + 30)
         try:
-            return await run_request(client, self.stack.model_name, spec, self.config.request_bound_s)
+            return await run_request(client, self.stack.model_name, spec, self.config.request_bound_s, on_chunk)
         finally:
             await client.close()
 
@@ -363,12 +371,13 @@ async def _drive(chaos: ChaosStack, config: ChaosConfig) -> list[Outcome]:
         await client.close()
 
 
-def run_chaos(config: ChaosConfig, workdir: Path, checkpoint: Path | None = None) -> dict:
-    """Start the stack, run the scenario, check the aftermath, stop everything; the results."""
+def run_chaos(config: ChaosConfig, workdir: Path, checkpoint: Path | None = None, spawner=start_child) -> dict:
+    """Start the stack, run the scenario, check the aftermath, stop everything; the results.
+    ``spawner`` starts its processes (``LocalStack.spawner``)."""
     workdir.mkdir(parents=True, exist_ok=True)
     checkpoint = write_checkpoint(checkpoint or workdir / "tinyllama")
     began = time.monotonic()
-    chaos = ChaosStack(config, checkpoint, workdir)
+    chaos = ChaosStack(config, checkpoint, workdir, spawner)
     try:
         chaos.start()
         chaos.event("stack up")

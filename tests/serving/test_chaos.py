@@ -23,6 +23,7 @@ import pytest
 
 from benchmarks.chaos_checks import ERROR_CLASSES
 from benchmarks.chaos_scenario import ChaosConfig, run_chaos, summary, write_checkpoint
+from tests.support.cluster import PREWARMED
 
 # Idle workers may heartbeat and poll, nothing more: at most a tenth of a core (they measure ~1%).
 IDLE_CPU_SHARE = 0.1
@@ -61,8 +62,8 @@ def check(result: dict, min_requests: int) -> None:
 
 @pytest.mark.slow(seconds=46)
 def test_chaos_over_tcp(checkpoint, tmp_path):
-    result = run_chaos(ChaosConfig(transport="tcp", requests=100), tmp_path, checkpoint)
-    print(json.dumps(summary(result)), json.dumps(result["error_reasons"]))
+    result = run_chaos(ChaosConfig(transport="tcp", requests=100), tmp_path, checkpoint, PREWARMED)
+    print(json.dumps(summary(result)), json.dumps(result["error_reasons"]), *result["events"], sep="\n")
     check(result, 100)
     # The faults really happened: both kinds of worker crashed and came back, clients left at
     # every point, and the small pools made requests contend: preempted, or refused a reservation
