@@ -162,7 +162,14 @@ class Server:
             _send_line(conn, {"error": str(exc)})
             conn.close()
             return None
-        pid = os.fork()
+        try:
+            pid = os.fork()
+        except OSError as exc:  # out of processes or memory: this request fails, the server goes on
+            os.close(request.stdout)
+            os.close(request.stderr)
+            _send_line(conn, {"error": f"fork failed: {exc}"})
+            conn.close()
+            return None
         if pid == 0:
             self._become_child(conn)
             return request
