@@ -241,6 +241,7 @@ class Scheduler(TurnTaking):
             self.local_claim = self._waited_a_step
 
         out.scheduled = list(scheduled.values())
+        self.speculation.complete_drafts(out.scheduled)
         out.num_scheduled_tokens = self.config.max_num_batched_tokens - budget
         return out
 

@@ -54,6 +54,23 @@ def test_the_target_as_its_own_draft_is_always_right(target):
     assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks
 
 
+def test_a_steps_requests_are_drafted_for_together(target, monkeypatch):
+    """One draft forward per draft position for the whole step, not one per request and position."""
+    directory, reference = target
+    engine = engine_for(directory, directory)
+    proposer = engine.scheduler.speculation.proposer
+    forwards = []
+    model_forward = proposer.model.forward
+    monkeypatch.setattr(proposer.model, "forward", lambda tokens, *rest: forwards.append(len(tokens))
+                        or model_forward(tokens, *rest))
+    batch = prompts([9, 23, 14, 5], seed=2)
+    results = engine.generate(batch, {**GREEDY, "max_tokens": MAX_NEW + 1})
+    assert [r.token_ids for r in results] == [reference(p, MAX_NEW + 1) for p in batch]
+    verifications = engine.num_steps - 1
+    assert len(forwards) == 4 * verifications  # num_speculative_tokens each, over the 4 requests at once
+    assert forwards[:4] == [9 + 23 + 14 + 5 + 4, 4, 4, 4]  # the prompts and first tokens, then a draft each
+
+
 # Acceptance each draft reaches at least: int4's groups of 32 of this tiny random model's 64 inputs
 # (flat logits) agree far less than int8 does; a model of other weights is almost never right.
 @pytest.mark.parametrize("scheme,acceptance", [("int8", 0.5), ("int4", 0.1)])

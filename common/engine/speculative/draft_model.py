@@ -59,24 +59,42 @@ class DraftModelProposer:
         log.info("draft model %s: %d layers, weights %s, its KV cache %.1f MiB", self.checkpoint.name, cfg.num_layers,
                  quantization.scheme, num_blocks * self.cache.block_nbytes / 2**20)
 
-    @torch.inference_mode()
     def propose(self, request, num_tokens: int, block_ids: list[int]) -> list[int]:
         """Up to ``num_tokens`` greedy drafts after ``request``'s tokens, writing the draft's KV
         at ``block_ids`` (which hold every position up to the last draft)."""
-        if num_tokens <= 0:
-            return []
-        tokens = request.all_token_ids
-        position = self._computed.get(request.request_id, 0)
-        feed = tokens[position:]
-        drafts: list[int] = []
-        for _ in range(num_tokens):
-            context = position + len(feed)
-            meta = self.attention.prepare([AttentionRequest(0, len(feed), context, block_ids)], self.device)
-            hidden = self.model(torch.tensor(feed, device=self.device),
-                                torch.arange(position, context, device=self.device), self.cache, meta, self.attention)
-            drafts.append(int(self.model.logits(hidden[-1:]).argmax(dim=-1)[0]))
-            position, feed = context, [drafts[-1]]
-        self._computed[request.request_id] = position  # through d(k-1); dk was never fed
+        return self.propose_batch([(request, num_tokens, block_ids)])[0] if num_tokens > 0 else []
+
+    @torch.inference_mode()
+    def propose_batch(self, wants: list[tuple[object, int, list[int]]]) -> list[list[int]]:
+        """``propose`` for a step's requests at once, ``wants``: (request, number of drafts, block
+        ids) each.  One forward per draft position over every request that still wants one: the
+        first feeds each request what its draft KV lacks, the next ones a draft each."""
+        drafts: list[list[int]] = [[] for _ in wants]
+        positions = [self._computed.get(request.request_id, 0) for request, _, _ in wants]
+        feeds = [request.all_token_ids[position:] for (request, _, _), position in zip(wants, positions)]
+        for step in range(max((wanted for _, wanted, _ in wants), default=0)):
+            live = [i for i, (_, wanted, _) in enumerate(wants) if wanted > step]
+            tokens: list[int] = []
+            token_positions: list[int] = []
+            slices: list[AttentionRequest] = []
+            last: list[int] = []  # each request's last token in the packed batch
+            for i in live:
+                feed, position = feeds[i], positions[i]
+                slices.append(AttentionRequest(len(tokens), len(feed), position + len(feed), wants[i][2]))
+                tokens.extend(feed)
+                token_positions.extend(range(position, position + len(feed)))
+                last.append(len(tokens) - 1)
+            meta = self.attention.prepare(slices, self.device)
+            hidden = self.model(torch.tensor(tokens, device=self.device),
+                                torch.tensor(token_positions, device=self.device), self.cache, meta, self.attention)
+            picked = self.model.logits(hidden[last]).argmax(dim=-1).tolist()
+            for i, token in zip(live, picked):
+                drafts[i].append(token)
+                positions[i] += len(feeds[i])
+                feeds[i] = [token]
+        for (request, wanted, _), position in zip(wants, positions):
+            if wanted > 0:
+                self._computed[request.request_id] = position  # through d(k-1); dk was never fed
         return drafts
 
     def accepted(self, request_id: str, num_tokens_before: int, num_drafts: int, num_accepted: int) -> None:

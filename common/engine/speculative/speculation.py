@@ -30,6 +30,7 @@ from common.engine.speculative.step_cost import StepCostGate
 METHODS = ("none", "ngram", "draft")
 _FIRST_BACKOFF, _MAX_BACKOFF = 8, 128
 _AVERAGE_WEIGHT = 0.3  # of the newest verification in the moving average
+DEFERRED_DRAFT = -1  # a draft's place in a step's tokens until ``Speculation.complete_drafts`` fills it in
 
 
 @dataclass(frozen=True)
@@ -134,8 +135,10 @@ class Speculation:
         self.gate = StepCostGate() if config.cost_gate else None  # per batch size: does verifying pay
         self._tracks: dict[str, _Track] = {}
         self._batch_allows = True
+        self._deferred: dict[str, object] = {}  # request id -> request whose drafts ``complete_drafts`` fills in
 
     def begin_step(self, num_decoding: int) -> None:
+        self._deferred.clear()
         limit = self.config.disable_batch_size
         self._batch_allows = self.proposer is not None and (not limit or num_decoding <= limit)
         if self._batch_allows and num_decoding and self.gate is not None:
@@ -182,11 +185,29 @@ class Speculation:
         if getattr(self.proposer, "needs_slots_first", False):  # its forwards write KV at them
             if kv_manager.allocate_slots(request, 1 + wanted) is None:
                 return []
+            if hasattr(self.proposer, "propose_batch"):  # drafted for the whole step: ``complete_drafts``
+                self._deferred[request.request_id] = request
+                return [DEFERRED_DRAFT] * wanted
             return self.proposer.propose(request, wanted, kv_manager.block_ids(request.request_id))
         drafts = self.proposer.propose(request, wanted, None)
         if drafts and kv_manager.allocate_slots(request, 1 + len(drafts)) is None:
             return []
         return drafts
+
+    def complete_drafts(self, scheduled) -> None:
+        """Fill in the drafts ``draft`` deferred (``DEFERRED_DRAFT``s at the end of an item's
+        ``token_ids``) for the step's ``ScheduledRequest`` list, in one batched proposal; a request
+        preempted after it was drafted for is no longer among them and is left out."""
+        if not self._deferred:
+            return
+        items = [item for item in scheduled if item.request_id in self._deferred and item.draft_token_ids]
+        deferred, self._deferred = self._deferred, {}
+        if not items:
+            return
+        wants = [(deferred[item.request_id], len(item.draft_token_ids), item.block_ids) for item in items]
+        for item, drafts in zip(items, self.proposer.propose_batch(wants)):
+            item.token_ids[len(item.token_ids) - len(drafts):] = drafts
+            item.draft_token_ids = drafts
 
     @staticmethod
     def _may_speculate(request) -> bool:
