@@ -145,7 +145,7 @@ class PrewarmedStarter:
             return start_child(command, cpus=cpus, cwd=cwd, env=env, stdout=stdout, stderr=stderr, **popen_kwargs)
         try:
             return self._fork(command, module, cpus, cwd, env, stdout, stderr)
-        except OSError as exc:
+        except (OSError, ValueError) as exc:  # no server, or an answer that is not one
             self._unavailable = True
             print(f"prewarm server unavailable ({exc}): processes start the ordinary way", file=sys.stderr)
             return start_child(command, cpus=cpus, cwd=cwd, env=env, stdout=stdout, stderr=stderr)
