@@ -103,6 +103,30 @@ def test_cpu_kernel_reads_the_cache_in_place_and_matches_dense_attention(cpu_ker
                                    k[r.query_start + r.num_query_tokens - 1])
 
 
+@pytest.mark.parametrize("window", [None, 5, 64])
+def test_cpu_backend_computes_trailing_fresh_prompts_densely_and_exactly(cpu_kernel, window):
+    """The fresh prompts after the step's decodes and continued chunks take the fused dense path
+    (a window shorter than a prompt as a mask), the rest the kernel; every output as the reference."""
+    from common.engine.attention.backend_cpu import CpuPagedAttention
+
+    block_size = 4
+    specs = [(5, 3 * block_size + 7), (1, 2 * block_size + 1), (12, 12), (1, 1), (9, 9)]
+    cache, requests, q, k, v = scenario(block_size, num_blocks=128, specs=specs)
+    expected = dense_reference(cache, requests, q, k, v, window)
+    backend = CpuPagedAttention({window}, block_size, cpu_kernel)
+    meta = backend.prepare(requests, "cpu")
+    assert meta.kernel_requests == 2 and meta.dense == [(6, 12), (18, 1), (19, 9)]
+    out = backend.forward(q, k, v, cache, 0, meta, window, DIM**-0.5)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    for r in requests:  # the dense prompts' K/V are in their slots too
+        for j in range(r.num_query_tokens):
+            pos = r.context_len - r.num_query_tokens + j
+            torch.testing.assert_close(cache.value(0)[r.block_ids[pos // block_size], pos % block_size],
+                                       v[r.query_start + j])
+    only_prompts = [AttentionRequest(0, 12, 12, requests[2].block_ids), AttentionRequest(12, 9, 9, requests[4].block_ids)]
+    assert backend.prepare(only_prompts, "cpu").kernel_requests == 0
+
+
 def test_cpu_kernel_in_bf16_is_close_to_fp32(cpu_kernel):
     from common.engine.attention.backend_cpu import CpuPagedAttention
 

@@ -12,6 +12,13 @@ and no mask is built::
 
     per layer:  cache[slot_blocks, slot_offsets] = k, v     then     kernel(q, cache, table, ...)
 
+A step's trailing run of fresh prompts (requests with no KV before this step: first chunks of
+prompts -- the scheduler puts decodes and continued chunks first, new prompts last) is left out of
+the kernel's call: their keys and values are this step's own, contiguous in ``k`` and ``v``, and
+torch's fused CPU attention (``scaled_dot_product_attention``, causal, the window as a mask) computes
+them several times faster than the kernel's per-query loop over the paged cache (Gemma 3 270M, 16
+prompts of 32-512 tokens on 2 cores: attention was a quarter of the prefill steps).
+
 ``build_kernel`` returns ``None`` (and says why in the log) where there is no compiler;
 ``make_attention`` then falls back to the pure-torch path.
 """
@@ -22,6 +29,7 @@ import logging
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from common.engine.attention.interface import step_layout
 from common.engine.kv.block_table import BlockTable
@@ -55,13 +63,40 @@ class CpuMetadata:
     query_start: torch.Tensor
     context_lens: torch.Tensor
     max_context: int
+    kernel_requests: int  # the first this many requests go to the kernel
+    dense: list[tuple[int, int]]  # (first token, tokens) of each fresh prompt after them
 
 
 def step_metadata(requests, block_size: int, block_table: BlockTable | None = None) -> CpuMetadata:
     """From the requests' block ids, or from ``block_table`` (see ``attention.step_layout``)."""
     step = step_layout(requests, block_size, block_table)
+    kernel_requests = len(requests)
+    while kernel_requests and _fresh_prompt(requests[kernel_requests - 1]):
+        kernel_requests -= 1
+    dense = [(r.query_start, r.num_query_tokens) for r in requests[kernel_requests:]]
     return CpuMetadata(step.slot_blocks, step.positions % block_size, step.block_table, step.query_start,
-                       step.context_lens, int(step.context_lens.max()))
+                       step.context_lens, int(step.context_lens.max()), kernel_requests, dense)
+
+
+def _fresh_prompt(request) -> bool:
+    """All of its keys are this step's: nothing was cached before."""
+    return request.context_len == request.num_query_tokens
+
+
+def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None,
+                           scale: float) -> torch.Tensor:
+    """One fresh prompt's attention over its own keys: q [L, H, D], k/v [L, KVH, D] -> [L, H, D].
+    A query at position i sees keys at i - window < j <= i (as the paged kernel does)."""
+    length = q.shape[0]
+    mask, causal = None, True
+    if window and length > window:
+        position = torch.arange(length)
+        mask = (position[None, :] <= position[:, None]) & (position[None, :] > position[:, None] - window)
+        causal = False
+    out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
+                                         v.transpose(0, 1).unsqueeze(0), attn_mask=mask, is_causal=causal,
+                                         scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    return out[0].transpose(0, 1)
 
 
 class CpuPagedAttention:
@@ -92,10 +127,14 @@ class CpuPagedAttention:
         tokens, heads, dim = q.shape
         out = torch.empty((tokens, heads, dim), dtype=q.dtype)
         table = meta.block_table
-        with torch.profiler.record_function("cpu_paged_attention"):  # ctypes calls are invisible to the profiler
-            rc = self._call(elem, q, key_cache, value_cache, out, table, meta, window, scale, heads, dim)
-        if rc != 0:
-            raise MemoryError("cpu paged attention: scratch allocation failed")
+        if meta.kernel_requests:
+            with torch.profiler.record_function("cpu_paged_attention"):  # ctypes calls are invisible to the profiler
+                rc = self._call(elem, q, key_cache, value_cache, out, table, meta, window, scale, heads, dim)
+            if rc != 0:
+                raise MemoryError("cpu paged attention: scratch allocation failed")
+        for start, length in meta.dense:
+            end = start + length
+            out[start:end] = dense_causal_attention(q[start:end], k[start:end], v[start:end], window, scale)
         return out
 
     def _call(self, elem, q, key_cache, value_cache, out, table, meta, window, scale, heads, dim) -> int:
@@ -103,7 +142,7 @@ class CpuPagedAttention:
         return self.kernel.paged_attention(
             elem, q.data_ptr(), q.stride(0), q.stride(1), key_cache.data_ptr(), value_cache.data_ptr(),
             key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), out.data_ptr(), table.data_ptr(),
-            table.stride(0), meta.query_start.data_ptr(), meta.context_lens.data_ptr(), len(meta.context_lens),
+            table.stride(0), meta.query_start.data_ptr(), meta.context_lens.data_ptr(), meta.kernel_requests,
             heads, key_cache.shape[2], dim, self.block_size, window or 0, float(scale), meta.max_context, threads,
         )
 
