@@ -87,8 +87,10 @@ def test_logprobs_cover_the_first_token_streamed_and_not(client, stack, prompt):
     stream = client.chat.completions.create(model=stack.model_name, messages=messages, max_tokens=5, temperature=0,
                                             logprobs=True, top_logprobs=3, stream=True)
     streamed = [e for c in stream if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
-    assert [(e.token, round(e.logprob, 4)) for e in streamed] == [(e.token, round(e.logprob, 4))
-                                                                   for e in whole.logprobs.content]
+    # The same tokens and log-probabilities; the second request's prompt is a prefix-cache hit,
+    # computed by other kernels than the first's fresh prefill: the floats agree to rounding only.
+    assert [e.token for e in streamed] == [e.token for e in whole.logprobs.content]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in whole.logprobs.content], abs=1e-3)
     completion = client.completions.create(model=stack.model_name, prompt=prompt, max_tokens=5, temperature=0,
                                            logprobs=2)
     assert len(completion.choices[0].logprobs.token_logprobs) == 5
