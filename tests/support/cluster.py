@@ -32,7 +32,7 @@ CAPTURE_WAIT_S = 60.0
 
 # Every stack of this test process forks its workers and gateways from one server that imported
 # torch once (``launcher.prewarmed``): ~3 s of CPU saved per process started, a hundred and more
-# per run.  ``tests/launcher`` starts processes the ordinary way, as ``make up`` does.
+# per run.  The tests of ``make up`` (tests/launcher) start processes the ordinary way, as it does.
 PREWARMED = PrewarmedStarter()
 atexit.register(PREWARMED.close)
 
