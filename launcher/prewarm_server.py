@@ -79,24 +79,26 @@ def _read_request(conn: socket.socket) -> ChildRequest:
     conn.settimeout(REQUEST_READ_TIMEOUT_S)
     data, fds, _flags, _addr = socket.recv_fds(conn, 65536, STDIO_DESCRIPTORS)
     try:
-        while len(data) < HEADER.size:
-            more = conn.recv(65536)
-            if not more:
-                raise ValueError("the request ended early")
-            data += more
+        data = _read_at_least(conn, data, HEADER.size)
         (length,) = HEADER.unpack_from(data)
         if length > MAX_REQUEST_BYTES:
             raise ValueError(f"a request of {length} bytes (at most {MAX_REQUEST_BYTES})")
-        while len(data) < HEADER.size + length:
-            more = conn.recv(65536)
-            if not more:
-                raise ValueError("the request ended early")
-            data += more
+        data = _read_at_least(conn, data, HEADER.size + length)
         return ChildRequest.parse(data[HEADER.size:HEADER.size + length], fds)
     except BaseException:
         for fd in fds:
             os.close(fd)
         raise
+
+
+def _read_at_least(conn: socket.socket, data: bytes, size: int) -> bytes:
+    """``data`` and what follows it on ``conn``, until it holds ``size`` bytes."""
+    while len(data) < size:
+        more = conn.recv(65536)
+        if not more:
+            raise ValueError("the request ended early")
+        data += more
+    return data
 
 
 def _send_line(conn: socket.socket, body: dict) -> None:

@@ -25,6 +25,7 @@ prompts of 32-512 tokens on 2 cores: attention was a quarter of the prefill step
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -83,18 +84,22 @@ def _fresh_prompt(request) -> bool:
     return request.context_len == request.num_query_tokens
 
 
+@functools.lru_cache(maxsize=8)
+def _window_mask(length: int, window: int) -> torch.Tensor:
+    """Which keys each query sees, causal and within ``window`` (built once per prompt length and
+    window, not once per layer)."""
+    position = torch.arange(length)
+    return (position[None, :] <= position[:, None]) & (position[None, :] > position[:, None] - window)
+
+
 def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None,
                            scale: float) -> torch.Tensor:
     """One fresh prompt's attention over its own keys: q [L, H, D], k/v [L, KVH, D] -> [L, H, D].
     A query at position i sees keys at i - window < j <= i (as the paged kernel does)."""
     length = q.shape[0]
-    mask, causal = None, True
-    if window and length > window:
-        position = torch.arange(length)
-        mask = (position[None, :] <= position[:, None]) & (position[None, :] > position[:, None] - window)
-        causal = False
+    mask = _window_mask(length, window) if window and length > window else None
     out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
-                                         v.transpose(0, 1).unsqueeze(0), attn_mask=mask, is_causal=causal,
+                                         v.transpose(0, 1).unsqueeze(0), attn_mask=mask, is_causal=mask is None,
                                          scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     return out[0].transpose(0, 1)
 
