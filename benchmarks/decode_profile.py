@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 import argparse  # noqa: E402
 import random  # noqa: E402
 import sys  # noqa: E402
@@ -23,6 +21,10 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from common.engine import openmp_wait  # noqa: E402
+
+openmp_wait.configure()  # before torch loads OpenMP
 
 from benchmarks.bench_util import emit  # noqa: E402
 

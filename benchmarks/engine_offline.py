@@ -15,12 +15,7 @@ parity (``outputs_match``) compares the first requests, one by one, with transfo
 """
 from __future__ import annotations
 
-import os
-
-# Before torch loads OpenMP: sleeping, not spinning, barrier waits (a shared machine; see vs_vllm_cpu.py).
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-import argparse  # noqa: E402
+import argparse
 import logging  # noqa: E402
 import random  # noqa: E402
 import sys  # noqa: E402
@@ -28,9 +23,13 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-import torch  # noqa: E402
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from common.engine import openmp_wait  # noqa: E402
+
+openmp_wait.configure()  # before torch loads OpenMP
+
+import torch  # noqa: E402
 
 from benchmarks.bench_util import emit, log_uniform_lengths, random_prompts, write_random_llama  # noqa: E402
 from common.engine.config import EngineConfig  # noqa: E402

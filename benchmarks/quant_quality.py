@@ -19,17 +19,17 @@ the file's 4-bit blocks as they are and its wider ones at int8 (``common.engine.
 """
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-import argparse  # noqa: E402
+import argparse
 import math  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from common.engine import openmp_wait  # noqa: E402
+
+openmp_wait.configure()  # before torch loads OpenMP
 
 from benchmarks.bench_util import emit  # noqa: E402
 

@@ -9,11 +9,7 @@ machine.  Greedy tokens are compared between the two.  The last line of stdout i
 """
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP (see vs_vllm_cpu.py)
-
-import argparse  # noqa: E402
+import argparse
 import random  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
@@ -21,9 +17,13 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-import torch  # noqa: E402
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from common.engine import openmp_wait  # noqa: E402
+
+openmp_wait.configure()  # before torch loads OpenMP
+
+import torch  # noqa: E402
 
 from benchmarks.bench_util import emit, random_prompts, write_random_llama  # noqa: E402
 from common.engine.config import EngineConfig  # noqa: E402

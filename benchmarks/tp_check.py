@@ -23,11 +23,7 @@ the others follow.  Prints one JSON object as its last line:
 """
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-import argparse  # noqa: E402
+import argparse
 import json  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
@@ -36,6 +32,10 @@ from pathlib import Path  # noqa: E402
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from common.engine import openmp_wait  # noqa: E402
+
+openmp_wait.configure()  # before torch loads OpenMP
 
 from benchmarks.bench_util import emit  # noqa: E402
 

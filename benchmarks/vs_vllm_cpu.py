@@ -28,11 +28,9 @@ from __future__ import annotations
 
 import os
 
-# Before torch loads its OpenMP runtime: threads that sleep at barriers instead of spinning (on a
-# machine shared with other work, spinning threads wait for descheduled ones: decode steps were
-# ~5x slower with 2 spinning threads than with 1).  vLLM keeps its own setting.
-_USER_OMP_WAIT_POLICY = os.environ.get("OMP_WAIT_POLICY")
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Our OpenMP threads wait as ``common.engine.openmp_wait`` says (set below, before torch loads);
+# vLLM keeps its own setting unless the caller's environment gave one.
+_USER_OPENMP_ENV = {name: os.environ.get(name) for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
 
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
@@ -48,6 +46,10 @@ import uuid  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from common.engine import openmp_wait  # noqa: E402
+
+openmp_wait.configure()  # before torch loads OpenMP
 
 from benchmarks.bench_util import emit  # noqa: E402
 from benchmarks.loadgen import PlannedRequest, run_closed_loop, summarize  # noqa: E402
@@ -85,8 +87,9 @@ SAMPLING = {"greedy": 0.0, "sampled": 1.0}  # served loads: temperature 0, and t
 
 def vllm_env(threads: int, setting: str = "default") -> dict[str, str]:
     env = dict(os.environ)
-    if _USER_OMP_WAIT_POLICY is None:
-        env.pop("OMP_WAIT_POLICY", None)
+    for name, value in _USER_OPENMP_ENV.items():
+        if value is None:
+            env.pop(name, None)
     return dict(env, VLLM_CPU_KVCACHE_SPACE="2", OMP_NUM_THREADS=str(threads), VLLM_LOGGING_LEVEL="WARNING",
                 TOKENIZERS_PARALLELISM="false", **VLLM_SETTINGS[setting])
 

@@ -8,7 +8,8 @@ asked for: it leads a new session (its own process group, as ``start_child`` giv
 server (``PR_SET_PDEATHSIG``, and this server dies with its owner), takes the environment, working
 directory, CPU affinity and standard output/error it was sent, and runs the module as ``python -m``
 would.  The project's own modules are imported in the child, after its environment is in place
-(some read it when imported); only third-party libraries are imported here.
+(some read it when imported); only third-party libraries are imported here, after the OpenMP wait
+setting a worker gives itself (``common.engine.openmp_wait``: libgomp reads it once, when torch loads).
 
 Protocol, over a Unix socket in a directory only this user can enter: a client connects and sends
 one request (a 4-byte big-endian length, then JSON ``{"module", "args", "env", "cwd", "cpus"}``,
@@ -33,6 +34,8 @@ import struct
 import sys
 import types
 from dataclasses import dataclass
+
+from common.engine import openmp_wait
 
 # Imported once here, shared by every child: what a worker or gateway spends most of its start on.
 PRELOADED = ("torch", "numpy", "aiohttp", "aiohttp.web", "redis.asyncio", "msgspec", "uvloop", "yarl",
@@ -257,6 +260,7 @@ def _fresh_library_state(env: dict[str, str]) -> None:
 
 def main() -> None:
     path = sys.argv[1]
+    openmp_wait.configure()  # torch's OpenMP reads it once, when loaded: as a worker would set it
     for name in PRELOADED:
         try:
             importlib.import_module(name)

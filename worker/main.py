@@ -1,16 +1,15 @@
 """Entry point shared by ``python -m prefill_svc`` and ``python -m decode_svc``."""
 from __future__ import annotations
 
-import os
+from common.engine import openmp_wait
 
-# Set before torch loads its OpenMP runtime (the imports below): OpenMP threads that sleep at a
-# barrier rather than spin.  The engine's threads share the cores with this process's HTTP loop
-# (and, on a shared host, with other work); spinning threads then wait on descheduled ones -- a
-# decode step was ~5x slower with 2 spinning threads than with 1 on a busy 2-core machine, ~1.4x
-# with passive ones.  OMP_WAIT_POLICY=ACTIVE in the environment restores spinning.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Before torch loads its OpenMP runtime (the imports below): threads that spin briefly between
+# parallel regions, then sleep -- they share the cores with this process's HTTP loop and, on a
+# shared host, with other work (see the module).
+openmp_wait.configure()
 
 import asyncio  # noqa: E402
+import os  # noqa: E402
 import importlib  # noqa: E402
 import logging  # noqa: E402
 import signal  # noqa: E402
