@@ -181,9 +181,9 @@ class Sampler:
             apply_logit_rules(logits, rows, self._masks)
         else:
             logits = logits.float()
-        row_max = logits.amax(dim=-1)
+        row_max, greedy = _row_max_and_argmax(logits, rows)
         bad = ~torch.isfinite(row_max)  # NaN, +inf, or nothing finite in the row
-        greedy = _argmax_over_finite(logits, bad, rows)
+        greedy = _argmax_over_finite(logits, bad, greedy)
         try:
             tokens = self._sample(logits, rows, greedy, bad, row_max, scratch_logits)
         except Exception:  # a bug must not fail the other rows: retry row by row, then argmax
@@ -440,14 +440,22 @@ def _wants_logprobs(rows: Sequence[SamplingRequest]) -> bool:
     return any(row.sampling_params.logprobs is not None for row in rows)
 
 
-def _argmax_over_finite(logits: torch.Tensor, bad: torch.Tensor, rows: Sequence[SamplingRequest]) -> torch.Tensor:
-    """The argmax of each row: the greedy token, and the fallback of a row that cannot be sampled.
-    A bad row (``bad``) gets the argmax over its finite values.  Computed over the whole batch
-    when some row is greedy, else only for the bad rows (random rows get theirs when needed)."""
+def _row_max_and_argmax(logits: torch.Tensor, rows: Sequence[SamplingRequest]
+                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Each row's maximum and, when some row is greedy, each row's argmax: one pass over the
+    logits (``max`` gives the first maximal index, as ``argmax`` does, and a NaN is its row's
+    maximum for both; three times faster than ``amax`` then ``argmax`` over a 262k vocabulary)."""
     if any(row.sampling_params.greedy or row.sampling_params.top_k == 1 for row in rows):
-        tokens = logits.argmax(dim=-1)
-    else:
-        tokens = torch.zeros(logits.shape[0], dtype=torch.int64, device=logits.device)
+        return logits.max(dim=-1)
+    return logits.amax(dim=-1), None
+
+
+def _argmax_over_finite(logits: torch.Tensor, bad: torch.Tensor, argmax: torch.Tensor | None) -> torch.Tensor:
+    """The argmax of each row: the greedy token, and the fallback of a row that cannot be sampled.
+    A bad row (``bad``) gets the argmax over its finite values.  ``argmax``: every row's, where
+    ``_row_max_and_argmax`` computed it (some row is greedy), else ``None`` (random rows get
+    theirs when needed)."""
+    tokens = argmax if argmax is not None else torch.zeros(logits.shape[0], dtype=torch.int64, device=logits.device)
     if bool(bad.any()):
         tokens[bad] = _clean(logits[bad]).argmax(dim=-1)
     return tokens

@@ -62,6 +62,19 @@ def test_greedy_takes_the_argmax():
     assert tokens == [1, 0]
 
 
+def test_greedy_ties_take_the_first_maximum_over_a_large_vocabulary():
+    """As transformers' ``argmax`` does, whichever thread of the reduction finds which copy first."""
+    vocab = 262_144
+    logits = torch.randn(6, vocab)
+    for row, positions in enumerate([(5, vocab - 1), (vocab // 2, vocab // 2 + 1), (0, 1, vocab - 1),
+                                     (70_000, 200_000), (vocab - 2, vocab - 1), (131_071, 131_072)]):
+        for position in positions:
+            logits[row, position] = 10.0
+    mixed = [SamplingParams(temperature=0)] * 5 + [SamplingParams(temperature=1.0, top_k=1)]
+    tokens, _ = sample(logits, mixed, [0] * 6)
+    assert tokens == [5, vocab // 2, 0, 70_000, vocab - 2, 131_071]
+
+
 def test_top_k_one_and_a_tiny_top_p_are_greedy_whatever_the_temperature():
     torch.manual_seed(1)
     logits = torch.randn(8, 3000) * 2

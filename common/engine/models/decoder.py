@@ -20,6 +20,7 @@ from common.engine.models.quantization_scheme import NO_QUANTIZATION, Quantizati
 from common.engine.models.quantized import (Int4Weight, QuantizedEmbedding, QuantizedWeight, quantize_weight,
                                             quantized_linear)
 from common.engine.models.linear import Linear, linear, pack_weight, packed_linear, tune_row_padding
+from common.engine.models.panels import PANEL_MAX_ROWS, PanelWeight, pack_panels
 from common.engine.models.stages import EAGER, LayerStages
 from common.engine.models.rotary import RotaryEmbedding, apply_rotary
 from common.engine.parallel.tensor_parallel import TensorParallel
@@ -184,6 +185,7 @@ class DecoderModel(nn.Module):
         self.rotary: RotaryEmbedding | None = None
         self.stages: LayerStages = EAGER  # ``compile_stages`` swaps in compiled ones
         self.packed_lm_head: torch.Tensor | None = None  # a tied LM head's packed copy
+        self.lm_head_panels: PanelWeight | None = None  # and its copy for few rows (fp32)
         self.quantized_lm_head: QuantizedWeight | None = None  # a tied LM head's quantized rows
         self.row_padding: tuple[int, ...] = ()  # see _tune_row_padding
         self.used_prepacked = False  # see finish_loading
@@ -213,6 +215,9 @@ class DecoderModel(nn.Module):
                     module.pack()
             if self.cfg.tie_word_embeddings:  # the embedding keeps its plain rows for the lookup
                 self.packed_lm_head = pack_weight(self.model.embed_tokens.weight)
+                if self.packed_lm_head is not None:
+                    self.lm_head_panels = pack_panels(self.model.embed_tokens.weight)
+            self._log_panels()
         self._tune_row_padding()
         self.rotary = RotaryEmbedding(self.cfg.rope, device)
 
@@ -255,20 +260,33 @@ class DecoderModel(nn.Module):
         tensors = [*self.parameters(), *self.buffers()]
         if self.packed_lm_head is not None:
             tensors.append(self.packed_lm_head)
-        total = sum(t.numel() * t.element_size() for t in tensors)
+        total = sum(t.numel() * t.element_size() for t in tensors) + sum(p.nbytes for p in self._panel_weights())
         quantized = {id(q): q for module in self.modules()
                      for q in (getattr(module, "quantized", None), getattr(module, "quantized_lm_head", None))
                      if q is not None}
         return total + sum(q.nbytes for q in quantized.values())
 
+    def _panel_weights(self) -> list[PanelWeight]:
+        panels = [m.panels for m in self.modules() if isinstance(m, Linear) and m.panels is not None]
+        return panels + ([self.lm_head_panels] if self.lm_head_panels is not None else [])
+
+    def _log_panels(self) -> None:
+        panels = self._panel_weights()
+        if panels:
+            log.info("%d fp32 weights also packed in panels for products of up to %d rows (+%.0f MB)",
+                     len(panels), PANEL_MAX_ROWS, sum(p.nbytes for p in panels) / 1e6)
+
     def _tune_row_padding(self) -> None:
         """Time this model's packed products for few rows and pad where more rows run faster
         (``common.engine.models.linear.tune_row_padding``); a model too small for a product's
-        time to matter (the tests' tiny ones) is left alone."""
+        time to matter (the tests' tiny ones) is left alone, and so is one whose products of
+        few rows all run on panels (``common.engine.models.panels``)."""
         packed = [m.packed_weight for m in self.modules() if isinstance(m, Linear) and m.packed_weight is not None]
         if self.packed_lm_head is not None:
             packed.append(self.packed_lm_head)
         if not packed or sum(w.numel() * w.element_size() for w in packed) < ROW_PADDING_MIN_BYTES:
+            return
+        if len(self._panel_weights()) == len(packed):
             return
         self.set_row_padding(tune_row_padding(packed))
         if self.row_padding != tuple(range(len(self.row_padding))):
@@ -301,7 +319,8 @@ class DecoderModel(nn.Module):
         elif self.quantized_lm_head is not None:
             logits = quantized_linear(hidden, self.quantized_lm_head, None).float()
         elif self.packed_lm_head is not None:
-            logits = packed_linear(hidden, self.packed_lm_head, row_padding=self.row_padding).float()
+            logits = packed_linear(hidden, self.packed_lm_head, row_padding=self.row_padding,
+                                   panels=self.lm_head_panels).float()
         else:
             logits = linear(hidden, self.model.embed_tokens.weight).float()
         logits = self.tp.gather_logits(logits, self.cfg.vocab_size)

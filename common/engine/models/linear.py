@@ -38,6 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from common.engine.models import panels as panel_products
+from common.engine.models.panels import PanelWeight
 from common.engine.models.quantized import QuantizedWeight, quantize_weight, quantized_linear
 
 ONEDNN_MAX_ROWS = 512
@@ -100,13 +102,16 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None,
-                  row_padding: Sequence[int] = ()) -> torch.Tensor:
+                  row_padding: Sequence[int] = (), panels: PanelWeight | None = None) -> torch.Tensor:
     """``x @ W.T + bias`` with ``W`` packed by ``pack_weight``; ``x`` of any leading shape;
-    ``row_padding`` from ``tune_row_padding``."""
-    if x.dim() == 2:
-        return _onednn(x, packed, bias, row_padding)
-    flat = _onednn(x.reshape(-1, x.shape[-1]), packed, bias, row_padding)
-    return flat.reshape(*x.shape[:-1], packed.shape[0])
+    ``row_padding`` from ``tune_row_padding``; ``panels``: the same weight packed for few rows
+    (``common.engine.models.panels``), which computes the products it applies to."""
+    flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    if panel_products.applies(flat, panels):
+        out = panel_products.panel_linear(flat, panels, bias)
+    else:
+        out = _onednn(flat, packed, bias, row_padding)
+    return out if x.dim() == 2 else out.reshape(*x.shape[:-1], packed.shape[0])
 
 
 def tune_row_padding(packed: Sequence[torch.Tensor], max_rows: int = 8, repeats: int = 3,
@@ -162,6 +167,7 @@ class Linear(nn.Linear):
         self.register_buffer("packed_weight", None, persistent=False)
         self.quantized: QuantizedWeight | None = None
         self.row_padding: tuple[int, ...] = ()  # see tune_row_padding
+        self.panels: PanelWeight | None = None  # the packed weight's copy for few rows
 
     def quantize(self, scheme: str, group_size: int, head: bool = False) -> None:
         """Replace the weight by its quantized form; the plain ``weight`` is emptied."""
@@ -173,13 +179,14 @@ class Linear(nn.Linear):
         self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
     def pack(self) -> bool:
-        """Replace the weight by its packed copy (see the module docstring); ``False`` (and
-        nothing changed) where packing does not apply. The plain ``weight`` is emptied: nothing
-        may read it afterwards."""
+        """Replace the weight by its packed copy (see the module docstring), and an fp32 one by
+        its panels too (``common.engine.models.panels``); ``False`` (and nothing changed) where
+        packing does not apply. The plain ``weight`` is emptied: nothing may read it afterwards."""
         packed = pack_weight(self.weight)
         if packed is None:
             return False
         self.register_buffer("packed_weight", packed, persistent=False)
+        self.panels = panel_products.pack_panels(self.weight)
         self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
         return True
 
@@ -187,5 +194,5 @@ class Linear(nn.Linear):
         if self.quantized is not None:
             return quantized_linear(x, self.quantized, self.bias)
         if self.packed_weight is not None:
-            return packed_linear(x, self.packed_weight, self.bias, self.row_padding)
+            return packed_linear(x, self.packed_weight, self.bias, self.row_padding, self.panels)
         return linear(x, self.weight, self.bias)

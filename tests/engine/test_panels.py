@@ -1,0 +1,78 @@
+"""fp32 products of few rows on panel-packed weights (``common.engine.models.panels``): the values
+of ``F.linear`` for every row count the kernel's tiles take, and which products go there."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from common.engine.models import panels as panel_products
+from common.engine.models.linear import Linear
+from common.engine.models.panels import PANEL_MAX_ROWS, pack_panels, panel_linear
+
+needs_kernel = pytest.mark.skipif(pack_panels(torch.zeros(16, 16)) is None, reason="no C compiler for the kernel")
+
+
+def ops_called(fn) -> set[str]:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return {event.key for event in prof.key_averages()}
+
+
+@needs_kernel
+@pytest.mark.parametrize("out_features,in_features", [(96, 64), (1000, 333), (7, 5), (16 * 9, 40), (33, 1)])
+@pytest.mark.parametrize("rows", [*range(1, PANEL_MAX_ROWS + 1), 21, 40])
+def test_values_equal_f_linear_for_every_tile_shape(out_features, in_features, rows):
+    """Rows 1-4 take tiles of 4 panels, 5-8 of 2, 9-16 of 1, more than 16 several row tiles; an
+    output count that is not a multiple of 16 ends in a partial panel (and a partial group)."""
+    gen = torch.Generator().manual_seed(rows * 1000 + out_features)
+    weight = torch.randn(out_features, in_features, generator=gen)
+    x = torch.randn(rows, in_features, generator=gen)
+    packed = pack_panels(weight)
+    expected = (x.double() @ weight.double().T).float()
+    torch.testing.assert_close(panel_linear(x, packed), expected, rtol=1e-5, atol=1e-4)
+
+
+@needs_kernel
+def test_strided_inputs_a_bias_and_a_transposed_weight():
+    gen = torch.Generator().manual_seed(3)
+    weight_t = torch.randn(64, 96, generator=gen)  # weight = weight_t.T: not contiguous
+    bias = torch.randn(96, generator=gen)
+    wide = torch.randn(5, 200, generator=gen)
+    x = wide[:, 10:74]  # rows 200 floats apart
+    out = panel_linear(x, pack_panels(weight_t.T), bias)
+    torch.testing.assert_close(out, F.linear(x, weight_t.T, bias), rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match="features"):
+        panel_linear(torch.randn(2, 63), pack_panels(weight_t.T))
+
+
+def test_only_2d_fp32_cpu_weights_are_packed():
+    assert pack_panels(torch.randn(8, 4).bfloat16()) is None
+    assert pack_panels(torch.randn(2, 3, 4)) is None
+    assert pack_panels(torch.empty(0, 4)) is None
+
+
+@needs_kernel
+def test_a_packed_layer_takes_panels_for_few_fp32_rows_and_onednn_beyond():
+    layer = Linear(64, 96, bias=True)
+    x = torch.randn(PANEL_MAX_ROWS + 1, 64)
+    with torch.inference_mode():
+        expected = layer(x)
+        assert layer.pack() and layer.panels is not None
+        few, many = x[:PANEL_MAX_ROWS], x
+        called = ops_called(lambda: layer(few))
+        assert panel_products.PROFILER_LABEL in called and "mkldnn::_linear_pointwise" not in called
+        called = ops_called(lambda: layer(many))
+        assert panel_products.PROFILER_LABEL not in called and "mkldnn::_linear_pointwise" in called
+        torch.testing.assert_close(layer(few), expected[:PANEL_MAX_ROWS], rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(layer(few[None]), expected[None, :PANEL_MAX_ROWS], rtol=1e-5, atol=1e-4)
+        # inside torch.compile the product stays oneDNN's opaque op
+        compiled = torch.compile(lambda t: layer(t) * 2, dynamic=True, fullgraph=True)
+        torch.testing.assert_close(compiled(few), expected[:PANEL_MAX_ROWS] * 2, rtol=1e-5, atol=1e-4)
+
+
+@needs_kernel
+def test_a_bf16_layer_has_no_panels():
+    layer = Linear(64, 96).bfloat16()
+    if layer.pack():
+        assert layer.panels is None
