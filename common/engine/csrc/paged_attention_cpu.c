@@ -23,6 +23,11 @@
 #endif
 
 #define MAX_GROUP 16
+/* Keys ahead whose rows are prefetched: a key's row is a few hundred cycles of work, a miss to
+ * memory (the blocks are scattered, so the hardware prefetchers lose the stream at each block) about
+ * as long: a few keys ahead keep the loads in flight. */
+#define PREFETCH_KEYS 6
+#define CACHE_LINE 64
 
 typedef uint16_t bf16_t;
 
@@ -65,6 +70,18 @@ static inline void axpy_bf16(float *y, float a, const bf16_t *x, int n) {
     for (int i = 0; i < n; i++) y[i] += a * bf16_to_f32(x[i]);
 }
 
+/* Start loading the cache row of key `pos` (one KV head's head_dim values). */
+static inline void prefetch_row(const char *cache, int64_t off_elems, int elem, int head_dim) {
+    const char *row = cache + off_elems * elem;
+    for (int b = 0; b < head_dim * elem; b += CACHE_LINE) __builtin_prefetch(row + b);
+}
+
+static inline int64_t key_offset(const int32_t *blocks, int pos, int block_size, int64_t s_block, int64_t s_slot,
+                                 int64_t s_head, int kv_head) {
+    return (int64_t)blocks[pos / block_size] * s_block + (int64_t)(pos % block_size) * s_slot +
+           (int64_t)kv_head * s_head;
+}
+
 /* One (query token, KV head) item.  elem: 4 = fp32 cache, 2 = bf16 cache (q and out follow it). */
 static void attend_one(int elem, const void *q_row, int64_t q_stride_h, const void *k_cache, const void *v_cache,
                        int64_t s_block, int64_t s_slot, int64_t s_head, void *out_row, const int32_t *blocks,
@@ -84,8 +101,10 @@ static void attend_one(int elem, const void *q_row, int64_t q_stride_h, const vo
     /* pass 1: scores */
     for (int j = 0; j < n_keys; j++) {
         int pos = first_key + j;
-        int64_t off = (int64_t)blocks[pos / block_size] * s_block + (int64_t)(pos % block_size) * s_slot +
-                      (int64_t)kv_head * s_head;
+        int64_t off = key_offset(blocks, pos, block_size, s_block, s_slot, s_head, kv_head);
+        if (j + PREFETCH_KEYS < n_keys)
+            prefetch_row(k_cache, key_offset(blocks, pos + PREFETCH_KEYS, block_size, s_block, s_slot, s_head, kv_head),
+                         elem, head_dim);
         for (int g = 0; g < group; g++) {
             float s = elem == 4 ? dot_f32(qf + (int64_t)g * head_dim, (const float *)k_cache + off, head_dim)
                                 : dot_bf16(qf + (int64_t)g * head_dim, (const bf16_t *)k_cache + off, head_dim);
@@ -109,8 +128,10 @@ static void attend_one(int elem, const void *q_row, int64_t q_stride_h, const vo
     memset(acc, 0, sizeof(float) * group * head_dim);
     for (int j = 0; j < n_keys; j++) {
         int pos = first_key + j;
-        int64_t off = (int64_t)blocks[pos / block_size] * s_block + (int64_t)(pos % block_size) * s_slot +
-                      (int64_t)kv_head * s_head;
+        int64_t off = key_offset(blocks, pos, block_size, s_block, s_slot, s_head, kv_head);
+        if (j + PREFETCH_KEYS < n_keys)
+            prefetch_row(v_cache, key_offset(blocks, pos + PREFETCH_KEYS, block_size, s_block, s_slot, s_head, kv_head),
+                         elem, head_dim);
         for (int g = 0; g < group; g++) {
             float w = scores[(int64_t)g * n_keys + j];
             if (elem == 4)
