@@ -13,6 +13,11 @@ development machines (Gemma 3 270M's 18 layers of projections, then its 262k x 6
 A weight that is read elsewhere too (a tied embedding: its rows are looked up) keeps its plain
 copy, and its packed copy costs that much memory again (``DecoderModel.finish_loading``).
 
+**Few rows.** A packed fp32 weight also gets a copy in panels (``common.engine.models.panels``):
+products of up to ``PANEL_MAX_ROWS`` rows, the decode steps', run there (a C kernel that streams
+the weights faster than oneDNN for few rows); more rows, and every product inside torch.compile,
+stay oneDNN's.
+
 Unpacked weights (other devices, dtypes, or a torch without oneDNN) take ``F.linear``, except CPU
 fp32 products with fewer than ``ONEDNN_MAX_ROWS`` rows, which take oneDNN on the plain weight
 (MKL's sgemm is slow for few rows on these CPUs, ahead by ~10% for many).
