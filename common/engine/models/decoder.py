@@ -10,7 +10,6 @@ import logging
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from common.engine.attention.interface import AttentionMetadata
@@ -19,6 +18,7 @@ from common.engine.model_config import ModelConfig
 from common.engine.models.quantization_scheme import NO_QUANTIZATION, Quantization
 from common.engine.models.quantized import (Int4Weight, QuantizedEmbedding, QuantizedWeight, quantize_weight,
                                             quantized_linear)
+from common.engine.models.activations import ACTIVATIONS
 from common.engine.models.linear import Linear, linear, pack_weight, packed_linear, tune_row_padding
 from common.engine.models.panels import PANEL_MAX_ROWS, PanelWeight, pack_panels
 from common.engine.models.stages import EAGER, LayerStages
@@ -37,13 +37,6 @@ ROW_PADDING_MIN_BYTES = 32 << 20
 # The checkpoint's projections each fused product is made of (``Attention.fuse``, ``MLP.fuse``).
 FUSED_FROM = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 EMBEDDING = "model.embed_tokens"  # the embedding module's name (its weight: the checkpoint's ``<EMBEDDING>.weight``)
-
-_ACTIVATIONS = {
-    "silu": F.silu,
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu": F.gelu,
-}
-
 
 class RMSNorm(nn.Module):
     """RMSNorm computed in fp32; Gemma's ``(1 + w)`` is folded into the weight after loading."""
@@ -108,7 +101,7 @@ class MLP(nn.Module):
         self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-        self.act = _ACTIVATIONS[cfg.hidden_act]
+        self.act = ACTIVATIONS[cfg.hidden_act]
         self.gate_up_proj: Linear | None = None
 
     def fuse(self) -> None:
