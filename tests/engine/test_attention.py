@@ -20,10 +20,10 @@ from tests.support.attention_reference import kvcache_reference, varlen_referenc
 HEADS, KV_HEADS, DIM = 4, 2, 8
 
 
-def scenario(block_size, num_blocks=64, seed=0, specs=None):
+def scenario(block_size, num_blocks=64, seed=0, specs=None, dim=DIM):
     """By default three requests: a prompt chunk after a cached prefix, a decode, a fresh prompt."""
     g = torch.Generator().manual_seed(seed)
-    layout = KVLayout("m", "float32", block_size, 1, KV_HEADS, DIM)
+    layout = KVLayout("m", "float32", block_size, 1, KV_HEADS, dim)
     cache = KVCache(layout, num_blocks)
     cache.buffer.copy_(torch.randn(cache.buffer.shape, generator=g))
     perm = torch.randperm(num_blocks, generator=g).tolist()
@@ -34,16 +34,16 @@ def scenario(block_size, num_blocks=64, seed=0, specs=None):
         nblocks = math.ceil(ctx / block_size)
         requests.append(AttentionRequest(start, n, ctx, [perm.pop() for _ in range(nblocks)]))
         start += n
-    q = torch.randn(start, HEADS, DIM, generator=g)
-    k = torch.randn(start, KV_HEADS, DIM, generator=g)
-    v = torch.randn(start, KV_HEADS, DIM, generator=g)
+    q = torch.randn(start, HEADS, dim, generator=g)
+    k = torch.randn(start, KV_HEADS, dim, generator=g)
+    v = torch.randn(start, KV_HEADS, dim, generator=g)
     return cache, requests, q, k, v
 
 
 def dense_reference(cache, requests, q, k, v, window):
     """Write the new K/V by hand and attend over each request's full context."""
     out = torch.empty_like(q)
-    bs = cache.block_size
+    bs, dim = cache.block_size, q.shape[-1]
     key, value = cache.key(0).clone(), cache.value(0).clone()
     for r in requests:
         for j in range(r.num_query_tokens):
@@ -52,12 +52,12 @@ def dense_reference(cache, requests, q, k, v, window):
             value[r.block_ids[pos // bs], pos % bs] = v[r.query_start + j]
     for r in requests:
         blocks = torch.tensor(r.block_ids)
-        keys = key[blocks].reshape(-1, KV_HEADS, DIM)[: r.context_len]
-        values = value[blocks].reshape(-1, KV_HEADS, DIM)[: r.context_len]
+        keys = key[blocks].reshape(-1, KV_HEADS, dim)[: r.context_len]
+        values = value[blocks].reshape(-1, KV_HEADS, dim)[: r.context_len]
         sl = slice(r.query_start, r.query_start + r.num_query_tokens)
         window_size = (-1, -1) if window is None else (window - 1, 0)
         out[sl] = varlen_reference(q[sl], keys, values, [0, r.num_query_tokens], [0, r.context_len], 0, 0,
-                                   DIM**-0.5, True, window_size)
+                                   dim**-0.5, True, window_size)
     return out
 
 
@@ -86,15 +86,16 @@ def cpu_kernel():
 
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_cpu_kernel_reads_the_cache_in_place_and_matches_dense_attention(cpu_kernel, window, block_size):
+@pytest.mark.parametrize("dim", [DIM, 48, 256])
+def test_cpu_kernel_reads_the_cache_in_place_and_matches_dense_attention(cpu_kernel, window, block_size, dim):
     from common.engine.attention.backend_cpu import CpuPagedAttention
 
     # prompt chunks after a cached prefix, decodes (one far longer than the rest), a fresh prompt
     specs = [(5, 3 * block_size + 7), (1, 2 * block_size + 1), (9, 9), (1, 40 * block_size + 3), (1, 2)]
-    cache, requests, q, k, v = scenario(block_size, num_blocks=128, specs=specs)
+    cache, requests, q, k, v = scenario(block_size, num_blocks=128, specs=specs, dim=dim)
     expected = dense_reference(cache, requests, q, k, v, window)
     backend = CpuPagedAttention({window}, block_size, cpu_kernel)
-    out = backend.forward(q, k, v, cache, 0, backend.prepare(requests, "cpu"), window, DIM**-0.5)
+    out = backend.forward(q, k, v, cache, 0, backend.prepare(requests, "cpu"), window, dim**-0.5)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     # the new K/V are in their slots
     for r in requests:
