@@ -25,7 +25,8 @@
 #define MAX_GROUP 16
 /* Keys ahead whose rows are prefetched: a key's row is a few hundred cycles of work, a miss to
  * memory (the blocks are scattered, so the hardware prefetchers lose the stream at each block) about
- * as long: a few keys ahead keep the loads in flight. */
+ * as long: a few keys ahead keep the loads in flight.  Into L2 (locality 1), whose miss queue holds
+ * more lines in flight than L1's fill buffers: 16 streams of 210 keys, 560 -> 470 us a layer. */
 #define PREFETCH_KEYS 6
 #define CACHE_LINE 64
 
@@ -73,7 +74,7 @@ static inline void axpy_bf16(float *y, float a, const bf16_t *x, int n) {
 /* Start loading the cache row of key `pos` (one KV head's head_dim values). */
 static inline void prefetch_row(const char *cache, int64_t off_elems, int elem, int head_dim) {
     const char *row = cache + off_elems * elem;
-    for (int b = 0; b < head_dim * elem; b += CACHE_LINE) __builtin_prefetch(row + b);
+    for (int b = 0; b < head_dim * elem; b += CACHE_LINE) __builtin_prefetch(row + b, 0, 1);
 }
 
 static inline int64_t key_offset(const int32_t *blocks, int pos, int block_size, int64_t s_block, int64_t s_slot,
