@@ -10,8 +10,9 @@
  * weights stream from memory once per tile and every byte feeds R multiply-adds, where a decode
  * step at batch M is bound by reading the weights.  Threads split the panel groups (OpenMP,
  * static); a thread runs every row tile over its group while the group's panels are in cache.
- * The vector type is GCC's vector extension: AVX-512 registers where the CPU has them, two AVX2
- * halves (or SSE quarters) elsewhere.  Accumulation order over k is sequential, as in a plain dot
+ * The vector type is GCC's vector extension, one AVX-512 register: built without AVX-512 the same
+ * code runs on AVX2 halves, but the tiles' accumulators no longer fit the registers (5-10x slower
+ * than oneDNN, measured with -march=haswell), so `panel_gemm_native` says whether to use it.  Accumulation order over k is sequential, as in a plain dot
  * product (results may differ from another library's in the last bits, as libraries do among
  * themselves).
  * Built by common/engine/cpu_kernels.py with the system C compiler; loaded with ctypes.
@@ -78,23 +79,36 @@ DEFINE_TILE(9, 1) DEFINE_TILE(10, 1) DEFINE_TILE(11, 1) DEFINE_TILE(12, 1)
 DEFINE_TILE(13, 1) DEFINE_TILE(14, 1) DEFINE_TILE(15, 1) DEFINE_TILE(16, 1)
 DEFINE_TILE(1, 2) DEFINE_TILE(2, 2) DEFINE_TILE(3, 2) DEFINE_TILE(4, 2)
 DEFINE_TILE(5, 2) DEFINE_TILE(6, 2) DEFINE_TILE(7, 2) DEFINE_TILE(8, 2)
+DEFINE_TILE(9, 2) DEFINE_TILE(10, 2) DEFINE_TILE(11, 2) DEFINE_TILE(12, 2)
 DEFINE_TILE(1, 4) DEFINE_TILE(2, 4) DEFINE_TILE(3, 4) DEFINE_TILE(4, 4)
 
 typedef void (*tile_fn)(const float *, int64_t, const float *, int64_t, float *, int64_t, int);
 
-/* Tiles by panels per group, then rows: P panels take up to 16 / P rows (16 accumulators, enough
- * independent chains to hide the FMA latency, with registers left for the panel vectors). */
+/* Tiles by panels per group, then rows: four panels take up to 4 rows (16 accumulators), two up to
+ * 12 (24 accumulators, two panel vectors: 26 of AVX-512's 32 registers), one up to 16 (the last,
+ * partial group).  Enough independent chains to hide the FMA latency, and as many rows per pass
+ * over the weights as the registers allow. */
 #define MAX_TILE_ROWS 16
 static const tile_fn TILES_1[17] = {0, tile_1_1, tile_2_1, tile_3_1, tile_4_1, tile_5_1, tile_6_1,
                                     tile_7_1, tile_8_1, tile_9_1, tile_10_1, tile_11_1, tile_12_1,
                                     tile_13_1, tile_14_1, tile_15_1, tile_16_1};
-static const tile_fn TILES_2[9] = {0, tile_1_2, tile_2_2, tile_3_2, tile_4_2, tile_5_2, tile_6_2, tile_7_2, tile_8_2};
+static const tile_fn TILES_2[13] = {0, tile_1_2, tile_2_2, tile_3_2, tile_4_2, tile_5_2, tile_6_2, tile_7_2, tile_8_2,
+                                   tile_9_2, tile_10_2, tile_11_2, tile_12_2};
 static const tile_fn TILES_4[5] = {0, tile_1_4, tile_2_4, tile_3_4, tile_4_4};
 
-/* Panels a group holds for `m` rows: with few rows, four panels give the independent chains;
- * with more, two panels by tiles of 8 rows (one panel by 16 rows streamed the weights slower:
- * the LM head at 16 rows 40 -> 35.5 ms with two). */
+/* Panels a group holds for `m` rows: with few rows, four panels give the independent chains; with
+ * more, two panels by tiles of 12 rows (one panel by 16 rows streamed the weights slower, and tiles
+ * of 8 rows passed over them more often: the LM head at 16 rows 40 / 35.5 / 32.9 ms). */
 static int group_panels(int64_t m) { return m <= 4 ? 4 : 2; }
+
+/* 1 where the tiles run on AVX-512 registers (the build's target), else 0: callers keep oneDNN. */
+int panel_gemm_native(void) {
+#ifdef __AVX512F__
+    return 1;
+#else
+    return 0;
+#endif
+}
 
 /* w: [N, K] row-major (any row stride ldw) -> panels: ceil(N / 16) * K * 16 floats. */
 void pack_panels(const float *w, int64_t ldw, int64_t n, int64_t k, float *panels, int num_threads) {
@@ -133,7 +147,7 @@ void panel_gemm(const float *x, int64_t ldx, const float *panels, int64_t m, int
         const int last_cols = (int)(after_last < LANES ? after_last : LANES);
         const float *w = panels + first * k * LANES;
         if (panels_here == per_group && last_cols == LANES) {
-            const int tile_rows = MAX_TILE_ROWS / per_group;
+            const int tile_rows = per_group == 4 ? 4 : per_group == 2 ? 12 : MAX_TILE_ROWS; /* see TILES_* */
             const tile_fn *tiles = per_group == 4 ? TILES_4 : per_group == 2 ? TILES_2 : TILES_1;
             for (int64_t r = 0; r < m; r += tile_rows) {
                 int rows = (int)(m - r < tile_rows ? m - r : tile_rows);

@@ -5,12 +5,14 @@ the weights.  oneDNN's packed products (``common.engine.models.linear``) serve p
 best, but for few rows the C kernel, on its own copy of each weight laid out as panels of 16
 output columns ([K][16] contiguous: one 64-byte load is one k of 16 outputs), reads the weights
 faster.  Measured on a 2-vCPU Sapphire Rapids VM (Gemma 3 270M fp32, whole decode steps):
-batch 1 63.7 -> 53.0 ms, batch 8 88.6 -> 67.5 ms, batch 16 113 -> 97 ms; on the 262k x 640 LM
-head alone at 8 rows 33 -> 28 ms, parity at 16 rows, behind oneDNN from 32 rows on (hence
-``PANEL_MAX_ROWS``).
+batch 1 63.7 -> 53.0 ms, batch 8 88.6 -> 67.5 ms, batch 16 113 -> 94 ms; the products alone, oneDNN
+-> panels: the 262k x 640 LM head at 8 rows 32 -> 25 ms, 16 rows 41 -> 33, 32 rows 59-67 -> 49-59,
+64 rows at parity; the layers' products 1.1-1.5x faster up to 48 rows (hence ``PANEL_MAX_ROWS``).
 
 The panels are a second copy of each fp32 weight (Gemma 3 270M: +1.07 GB); where the kernel
-cannot be built (no C compiler) ``pack_panels`` returns ``None`` and oneDNN does every product.
+cannot be built (no C compiler) or the CPU has no AVX-512 (the tiles' accumulators would not fit
+AVX2's registers: 5-10x slower than oneDNN), ``pack_panels`` returns ``None`` and oneDNN does
+every product.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import torch
 
 from common.engine.cpu_kernels import kernel_function
 
-PANEL_MAX_ROWS = 16  # products with more rows go to oneDNN (see the module docstring)
+PANEL_MAX_ROWS = 32  # products with more rows go to oneDNN (see the module docstring)
 LANES = 16  # output columns per panel (the kernel's)
 PROFILER_LABEL = "panel_gemm"
 
@@ -48,12 +50,18 @@ class PanelWeight:
         return self.panels.numel() * self.panels.element_size()
 
 
+def native() -> bool:
+    """Whether the kernel runs on the registers its tiles are sized for (AVX-512; see the module)."""
+    fn = kernel_function("panel_gemm_cpu", "panel_gemm_native", [], _INT)
+    return fn is not None and fn() == 1
+
+
 def pack_panels(weight: torch.Tensor) -> PanelWeight | None:
     """``weight`` (2-D, fp32, CPU) in panels, or ``None`` where the kernel does not apply."""
     if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.numel() == 0:
         return None
     pack = _pack_fn()
-    if pack is None:
+    if pack is None or not native():
         return None
     source = weight.detach()
     if source.stride(1) != 1:
