@@ -37,7 +37,7 @@ DECODERS = ("d0", "d1")
 # A drain with this many streams on one decode worker, each long enough to be decoding still when
 # the drain lands after the last one started (the KV pools hold them all on either worker).
 # (A step's token budget above STREAMS: all of them decode in every step.)
-STREAMS, STREAM_TOKENS = 20, 480
+STREAMS, STREAM_TOKENS = 20, 960  # long enough that no stream ends before the drain, with faster decode steps
 STACK_ARGS = ["--num-blocks", "4200", "--max-num-batched-tokens", "32"]  # (blocks of BLOCK_SIZE tokens)
 # Bounds on waits for a condition that must come (a process start, a registry entry lapsing, a
 # worker going idle): generous, since 2 shared cores may be busy with other work.
