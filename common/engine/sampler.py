@@ -32,6 +32,7 @@ import torch
 
 from common.engine.inverse_cdf import block_sums, sample_plain, sample_wide_nucleus, top_p_kernel, uniforms_for
 from common.engine.logit_rules import apply_logit_rules, needs_rules
+from common.engine.penalty_histories import TokenHistories
 from common.engine.sampling_params import SamplingParams
 from common.engine.structured.backend import GrammarMatcher
 from common.engine.structured.masking import TokenMasks
@@ -86,53 +87,6 @@ class SamplingRow:
     grammar: GrammarMatcher | None = None
 
 
-# ---- token histories for penalties ----------------------------------------------------------------
-
-
-@dataclass
-class _History:
-    """One request's token ids as tensors, kept across steps so a step only converts new tokens."""
-
-    outputs_list: Sequence[int]
-    prompt_unique: torch.Tensor
-    outputs: torch.Tensor  # capacity >= num_outputs
-    num_outputs: int = 0
-
-    def output_ids(self) -> torch.Tensor:
-        new = self.outputs_list[self.num_outputs :]
-        if new:
-            end = self.num_outputs + len(new)
-            if end > self.outputs.numel():
-                grown = torch.empty(max(2 * end, 64), dtype=torch.int64, device=self.outputs.device)
-                grown[: self.num_outputs] = self.outputs[: self.num_outputs]
-                self.outputs = grown
-            self.outputs[self.num_outputs : end] = torch.tensor(new, dtype=torch.int64)
-            self.num_outputs = end
-        return self.outputs[: self.num_outputs]
-
-
-class _Histories:
-    """Token-id tensors of the requests with penalties, by request id (dropped when a request is
-    not sampled in a step: it finished, was aborted or preempted, and is rebuilt if it returns)."""
-
-    def __init__(self) -> None:
-        self._by_id: dict[str, _History] = {}
-
-    def get(self, row: SamplingRequest, device: torch.device) -> _History:
-        history = self._by_id.get(row.request_id) if row.request_id else None
-        if (history is None or history.outputs_list is not row.output_token_ids
-                or len(row.output_token_ids) < history.num_outputs):
-            prompt = torch.tensor(list(row.prompt_token_ids), dtype=torch.int64, device=device).unique()
-            history = _History(row.output_token_ids, prompt, torch.empty(0, dtype=torch.int64, device=device))
-            if row.request_id:
-                self._by_id[row.request_id] = history
-        return history
-
-    def keep_only(self, request_ids: set[str]) -> None:
-        for request_id in [r for r in self._by_id if r not in request_ids]:
-            del self._by_id[request_id]
-
-
 # ---- the sampler ----------------------------------------------------------------------------------
 
 
@@ -158,7 +112,7 @@ class Sampler:
     num_fallbacks: int = 0
     _scratch: torch.Tensor | None = None
     _mask: torch.Tensor | None = None
-    _histories: _Histories = field(default_factory=_Histories)
+    _histories: TokenHistories = field(default_factory=TokenHistories)
     _masks: TokenMasks = field(default_factory=TokenMasks)
 
     def prefetch_masks(self, rows: Sequence[SamplingRequest], vocab: int) -> None:
