@@ -5,7 +5,7 @@ the weights.  oneDNN's packed products (``common.engine.models.linear``) serve p
 best, but for few rows the C kernel, on its own copy of each weight laid out as panels of 16
 output columns ([K][16] contiguous: one 64-byte load is one k of 16 outputs), reads the weights
 faster.  Measured on a 2-vCPU Sapphire Rapids VM (Gemma 3 270M fp32, whole decode steps):
-batch 1 63.7 -> 53.0 ms, batch 8 88.6 -> 67.5 ms, batch 16 113 -> 94 ms; the products alone, oneDNN
+batch 1 63.7 -> 54 ms, batch 8 88.6 -> 69 ms, batch 16 113 -> 88 ms; the products alone, oneDNN
 -> panels: the 262k x 640 LM head at 8 rows 32 -> 25 ms, 16 rows 41 -> 33, 32 rows 59-67 -> 49-59,
 64 rows at parity; the layers' products 1.1-1.5x faster up to 48 rows (hence ``PANEL_MAX_ROWS``).
 
@@ -17,6 +17,7 @@ every product.
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 
@@ -33,6 +34,7 @@ def _pack_fn():
     return kernel_function("panel_gemm_cpu", "pack_panels", [_PTR, _I64, _I64, _I64, _PTR, _INT])
 
 
+@functools.cache  # looked up once: it is called for every product of a decode step
 def _gemm_fn():
     return kernel_function("panel_gemm_cpu", "panel_gemm", [_PTR, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _INT])
 
