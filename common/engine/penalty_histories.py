@@ -3,12 +3,9 @@ converts only the tokens generated since the last one."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import Any, Sequence
 
 import torch
-
-if TYPE_CHECKING:
-    from common.engine.sampler import SamplingRequest
 
 
 @dataclass
@@ -40,7 +37,8 @@ class TokenHistories:
     def __init__(self) -> None:
         self._by_id: dict[str, TokenHistory] = {}
 
-    def get(self, row: SamplingRequest, device: torch.device) -> TokenHistory:
+    def get(self, row: Any, device: torch.device) -> TokenHistory:
+        """``row``: a ``common.engine.sampler.SamplingRequest`` (not imported: the sampler imports this)."""
         history = self._by_id.get(row.request_id) if row.request_id else None
         if (history is None or history.outputs_list is not row.output_token_ids
                 or len(row.output_token_ids) < history.num_outputs):
