@@ -11,7 +11,7 @@ from common.engine.models.linear import Linear
 from common.engine.models.panels import PANEL_MAX_ROWS, pack_panels, panel_linear
 
 needs_kernel = pytest.mark.skipif(pack_panels(torch.zeros(16, 16)) is None,
-                                  reason="no C compiler for the kernel, or no AVX-512 to run it on")
+                                  reason="no C compiler for the kernel, or no tiles for this CPU (AVX-512 or AVX2 + FMA)")
 
 
 def ops_called(fn) -> set[str]:
@@ -24,9 +24,10 @@ def ops_called(fn) -> set[str]:
 @pytest.mark.parametrize("out_features,in_features", [(96, 64), (1000, 333), (7, 5), (16 * 9, 40), (33, 1)])
 @pytest.mark.parametrize("rows", [*range(1, PANEL_MAX_ROWS + 1), 21, 40])
 def test_values_equal_f_linear_for_every_tile_shape(out_features, in_features, rows):
-    """Rows 1-4 take tiles of 4 panels, more rows tiles of 2 panels by up to 12 rows (several tiles
-    from 13 rows on); an output count that is not a multiple of 16 ends in a partial panel and a
-    partial group (one panel at a time, by up to 16 rows)."""
+    """Few rows take the small tiles (AVX-512: 4 panels by up to 4 rows; AVX2: 2 panels by up to
+    3), more rows the large ones (2 panels by up to 12 rows; 1 panel by up to 6), several tiles a
+    group from 13 (7) rows on; an output count that is not a multiple of 16 ends in a partial panel
+    and a partial group (one panel at a time, by up to 16 (6) rows)."""
     gen = torch.Generator().manual_seed(rows * 1000 + out_features)
     weight = torch.randn(out_features, in_features, generator=gen)
     x = torch.randn(rows, in_features, generator=gen)
@@ -73,7 +74,7 @@ def test_a_packed_layer_takes_panels_for_few_fp32_rows_and_onednn_beyond():
         torch.testing.assert_close(compiled(few), expected[:PANEL_MAX_ROWS] * 2, rtol=1e-5, atol=1e-4)
 
 
-def test_without_avx512_registers_the_products_stay_onednn(monkeypatch):
+def test_without_tiles_for_the_cpu_the_products_stay_onednn(monkeypatch):
     monkeypatch.setattr(panel_products, "native", lambda: False)
     assert pack_panels(torch.randn(96, 64)) is None
     layer = Linear(64, 96)

@@ -10,11 +10,12 @@
  * weights stream from memory once per tile and every byte feeds R multiply-adds, where a decode
  * step at batch M is bound by reading the weights.  Threads split the panel groups (OpenMP,
  * static); a thread runs every row tile over its group while the group's panels are in cache.
- * The vector type is GCC's vector extension, one AVX-512 register: built without AVX-512 the same
- * code runs on AVX2 halves, but the tiles' accumulators no longer fit the registers (5-10x slower
- * than oneDNN, measured with -march=haswell), so `panel_gemm_native` says whether to use it.  Accumulation order over k is sequential, as in a plain dot
- * product (results may differ from another library's in the last bits, as libraries do among
- * themselves).
+ * The vector type is GCC's vector extension, one native register (16 floats on AVX-512, 8 on
+ * AVX2: a panel is then two registers), and the tiles are sized per instruction set so their
+ * accumulators stay in registers (a 16-wide type built for AVX2 lives on the stack: 5-10x slower
+ * than oneDNN); `panel_gemm_native` says whether the build has tiles for its CPU.  Accumulation
+ * order over k is sequential, as in a plain dot product (results may differ from another
+ * library's in the last bits, as libraries do among themselves).
  * Built by common/engine/cpu_kernels.py with the system C compiler; loaded with ctypes.
  */
 #include <stdint.h>
@@ -28,7 +29,19 @@
  * stop at page boundaries; the LM head at 8 rows 31 -> 27 ms with it. */
 #define PREFETCH_AHEAD 32
 
-typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
+#if defined(__AVX512F__)
+#define VW 16 /* floats per native vector */
+#define NATIVE 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#define VW 8
+#define NATIVE 1
+#else
+#define VW 8 /* correct, but not sized for this CPU's registers: callers keep oneDNN */
+#define NATIVE 0
+#endif
+#define SUB (LANES / VW) /* native vectors per panel */
+
+typedef float vec __attribute__((vector_size(VW * sizeof(float))));
 
 static inline vec load_vec(const float *p) {
     vec v;
@@ -37,14 +50,19 @@ static inline vec load_vec(const float *p) {
 }
 
 /* All lanes x (a broadcast; ``(vec){0} + x`` would add, to keep -0.0's sign). */
+#if VW == 16
 static inline vec splat(float x) { return (vec){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+#else
+static inline vec splat(float x) { return (vec){x, x, x, x, x, x, x, x}; }
+#endif
 
-static inline void store_cols(float *dst, vec v, int cols) {
+/* The first `cols` outputs of one panel's SUB vectors. */
+static inline void store_cols(float *dst, const vec *v, int cols) {
     if (cols == LANES) {
-        memcpy(dst, &v, sizeof v);
+        memcpy(dst, v, sizeof(vec) * SUB);
     } else {
         float tmp[LANES];
-        memcpy(tmp, &v, sizeof v);
+        memcpy(tmp, v, sizeof tmp);
         memcpy(dst, tmp, sizeof(float) * (size_t)cols);
     }
 }
@@ -52,63 +70,75 @@ static inline void store_cols(float *dst, vec v, int cols) {
 /* One tile: rows [0, R) of x (row stride ldx) by panels [0, P) starting at w; y's row stride ldy;
  * `cols` of the last panel are real (16 for every other). */
 #define DEFINE_TILE(R, P)                                                                              \
-    static void tile_##R##_##P(const float *x, int64_t ldx, const float *w, int64_t K, float *y,      \
-                               int64_t ldy, int last_cols) {                                           \
-        vec acc[R][P];                                                                                 \
+    __attribute__((unused)) static void tile_##R##_##P(const float *x, int64_t ldx, const float *w,  \
+                                                       int64_t K, float *y, int64_t ldy, int last_cols) { \
+        vec acc[R][P * SUB];                                                                           \
         for (int r = 0; r < R; r++)                                                                    \
-            for (int p = 0; p < P; p++) acc[r][p] = (vec){0};                                          \
+            for (int v = 0; v < P * SUB; v++) acc[r][v] = (vec){0};                                    \
         for (int64_t k = 0; k < K; k++) {                                                              \
-            vec wv[P];                                                                                 \
+            vec wv[P * SUB];                                                                           \
             for (int p = 0; p < P; p++) {                                                              \
-                wv[p] = load_vec(w + ((int64_t)p * K + k) * LANES);                                    \
+                for (int s = 0; s < SUB; s++) wv[p * SUB + s] = load_vec(w + ((int64_t)p * K + k) * LANES + s * VW); \
                 __builtin_prefetch(w + ((int64_t)p * K + k + PREFETCH_AHEAD) * LANES);                 \
             }                                                                                          \
             for (int r = 0; r < R; r++) {                                                              \
                 vec xb = splat(x[(int64_t)r * ldx + k]);                                               \
-                for (int p = 0; p < P; p++) acc[r][p] += xb * wv[p];                                   \
+                for (int v = 0; v < P * SUB; v++) acc[r][v] += xb * wv[v];                             \
             }                                                                                          \
         }                                                                                              \
         for (int r = 0; r < R; r++)                                                                    \
             for (int p = 0; p < P; p++)                                                                \
-                store_cols(y + (int64_t)r * ldy + p * LANES, acc[r][p], p == P - 1 ? last_cols : LANES); \
+                store_cols(y + (int64_t)r * ldy + p * LANES, &acc[r][p * SUB], p == P - 1 ? last_cols : LANES); \
     }
 
+typedef void (*tile_fn)(const float *, int64_t, const float *, int64_t, float *, int64_t, int);
+
+/* The tiling, per instruction set: products of up to SMALL_ROWS rows take groups of SMALL_PANELS
+ * panels (enough independent chains to hide the FMA latency with few rows), more rows take groups
+ * of LARGE_PANELS panels by tiles of LARGE_ROWS rows (as many rows per pass over the weights as
+ * the registers allow); the last, partial group goes one panel at a time by EDGE_ROWS rows. */
+#if VW == 16
+/* 4 panels x 4 rows: 16 accumulators; 2 x 12: 24 and two panel vectors, 26 of AVX-512's 32
+ * registers; 1 x 16.  One panel by 16 rows streamed the weights slower, and tiles of 8 rows passed
+ * over them more often (Sapphire Rapids, the LM head at 16 rows 40 / 35.5 / 32.9 ms). */
+#define SMALL_ROWS 4
+#define LARGE_ROWS 12
+#define EDGE_ROWS 16
+DEFINE_TILE(1, 4) DEFINE_TILE(2, 4) DEFINE_TILE(3, 4) DEFINE_TILE(4, 4)
+DEFINE_TILE(1, 2) DEFINE_TILE(2, 2) DEFINE_TILE(3, 2) DEFINE_TILE(4, 2)
+DEFINE_TILE(5, 2) DEFINE_TILE(6, 2) DEFINE_TILE(7, 2) DEFINE_TILE(8, 2)
+DEFINE_TILE(9, 2) DEFINE_TILE(10, 2) DEFINE_TILE(11, 2) DEFINE_TILE(12, 2)
 DEFINE_TILE(1, 1) DEFINE_TILE(2, 1) DEFINE_TILE(3, 1) DEFINE_TILE(4, 1)
 DEFINE_TILE(5, 1) DEFINE_TILE(6, 1) DEFINE_TILE(7, 1) DEFINE_TILE(8, 1)
 DEFINE_TILE(9, 1) DEFINE_TILE(10, 1) DEFINE_TILE(11, 1) DEFINE_TILE(12, 1)
 DEFINE_TILE(13, 1) DEFINE_TILE(14, 1) DEFINE_TILE(15, 1) DEFINE_TILE(16, 1)
-DEFINE_TILE(1, 2) DEFINE_TILE(2, 2) DEFINE_TILE(3, 2) DEFINE_TILE(4, 2)
-DEFINE_TILE(5, 2) DEFINE_TILE(6, 2) DEFINE_TILE(7, 2) DEFINE_TILE(8, 2)
-DEFINE_TILE(9, 2) DEFINE_TILE(10, 2) DEFINE_TILE(11, 2) DEFINE_TILE(12, 2)
-DEFINE_TILE(1, 4) DEFINE_TILE(2, 4) DEFINE_TILE(3, 4) DEFINE_TILE(4, 4)
-
-typedef void (*tile_fn)(const float *, int64_t, const float *, int64_t, float *, int64_t, int);
-
-/* Tiles by panels per group, then rows: four panels take up to 4 rows (16 accumulators), two up to
- * 12 (24 accumulators, two panel vectors: 26 of AVX-512's 32 registers), one up to 16 (the last,
- * partial group).  Enough independent chains to hide the FMA latency, and as many rows per pass
- * over the weights as the registers allow. */
-#define MAX_TILE_ROWS 16
-static const tile_fn TILES_1[17] = {0, tile_1_1, tile_2_1, tile_3_1, tile_4_1, tile_5_1, tile_6_1,
-                                    tile_7_1, tile_8_1, tile_9_1, tile_10_1, tile_11_1, tile_12_1,
-                                    tile_13_1, tile_14_1, tile_15_1, tile_16_1};
-static const tile_fn TILES_2[13] = {0, tile_1_2, tile_2_2, tile_3_2, tile_4_2, tile_5_2, tile_6_2, tile_7_2, tile_8_2,
-                                   tile_9_2, tile_10_2, tile_11_2, tile_12_2};
-static const tile_fn TILES_4[5] = {0, tile_1_4, tile_2_4, tile_3_4, tile_4_4};
-
-/* Panels a group holds for `m` rows: with few rows, four panels give the independent chains; with
- * more, two panels by tiles of 12 rows (one panel by 16 rows streamed the weights slower, and tiles
- * of 8 rows passed over them more often: the LM head at 16 rows 40 / 35.5 / 32.9 ms). */
-static int group_panels(int64_t m) { return m <= 4 ? 4 : 2; }
-
-/* 1 where the tiles run on AVX-512 registers (the build's target), else 0: callers keep oneDNN. */
-int panel_gemm_native(void) {
-#ifdef __AVX512F__
-    return 1;
+static const int SMALL_PANELS = 4, LARGE_PANELS = 2;
+static const tile_fn SMALL_TILES[SMALL_ROWS + 1] = {0, tile_1_4, tile_2_4, tile_3_4, tile_4_4};
+static const tile_fn LARGE_TILES[LARGE_ROWS + 1] = {0, tile_1_2, tile_2_2, tile_3_2, tile_4_2, tile_5_2, tile_6_2,
+                                                    tile_7_2, tile_8_2, tile_9_2, tile_10_2, tile_11_2, tile_12_2};
+static const tile_fn EDGE_TILES[EDGE_ROWS + 1] = {0, tile_1_1, tile_2_1, tile_3_1, tile_4_1, tile_5_1, tile_6_1,
+                                                  tile_7_1, tile_8_1, tile_9_1, tile_10_1, tile_11_1, tile_12_1,
+                                                  tile_13_1, tile_14_1, tile_15_1, tile_16_1};
 #else
-    return 0;
+/* AVX2's 16 registers, a panel in two: 2 panels x 3 rows (12 accumulators, the panel vectors read
+ * from memory by the FMAs), 1 panel x 6 rows (12, two panel vectors and the broadcast).  On a
+ * 2-vCPU AMD EPYC (Zen 4 without AVX-512), oneDNN -> these tiles, Gemma 3 270M's 18 layers of
+ * products then its LM head: 1 row 28 -> 17 and 30 -> 23 ms, 8 rows 43 -> 23 and 53 -> 36 ms,
+ * 16 rows 53 -> 35 and 72 -> 54 ms, 32 rows 84 -> 57..95 and 105 -> 86 ms. */
+#define SMALL_ROWS 3
+#define LARGE_ROWS 6
+#define EDGE_ROWS 6
+DEFINE_TILE(1, 2) DEFINE_TILE(2, 2) DEFINE_TILE(3, 2)
+DEFINE_TILE(1, 1) DEFINE_TILE(2, 1) DEFINE_TILE(3, 1) DEFINE_TILE(4, 1) DEFINE_TILE(5, 1) DEFINE_TILE(6, 1)
+static const int SMALL_PANELS = 2, LARGE_PANELS = 1;
+static const tile_fn SMALL_TILES[SMALL_ROWS + 1] = {0, tile_1_2, tile_2_2, tile_3_2};
+static const tile_fn LARGE_TILES[LARGE_ROWS + 1] = {0, tile_1_1, tile_2_1, tile_3_1, tile_4_1, tile_5_1, tile_6_1};
+static const tile_fn EDGE_TILES[EDGE_ROWS + 1] = {0, tile_1_1, tile_2_1, tile_3_1, tile_4_1, tile_5_1, tile_6_1};
 #endif
-}
+
+/* 1 where the tiles are sized for the build's registers (AVX-512, or AVX2 with FMA), else 0:
+ * callers keep oneDNN. */
+int panel_gemm_native(void) { return NATIVE; }
 
 /* w: [N, K] row-major (any row stride ldw) -> panels: ceil(N / 16) * K * 16 floats. */
 void pack_panels(const float *w, int64_t ldw, int64_t n, int64_t k, float *panels, int num_threads) {
@@ -134,7 +164,10 @@ void pack_panels(const float *w, int64_t ldw, int64_t n, int64_t k, float *panel
 void panel_gemm(const float *x, int64_t ldx, const float *panels, int64_t m, int64_t n, int64_t k, float *y,
                 int64_t ldy, int num_threads) {
     const int64_t num_panels = (n + LANES - 1) / LANES;
-    const int per_group = group_panels(m);
+    const int small = m <= SMALL_ROWS;
+    const int per_group = small ? SMALL_PANELS : LARGE_PANELS;
+    const int tile_rows = small ? SMALL_ROWS : LARGE_ROWS;
+    const tile_fn *tiles = small ? SMALL_TILES : LARGE_TILES;
     const int64_t groups = (num_panels + per_group - 1) / per_group;
 #ifdef _OPENMP
 #pragma omp parallel for schedule(static) num_threads(num_threads > 0 ? num_threads : 1)
@@ -147,8 +180,6 @@ void panel_gemm(const float *x, int64_t ldx, const float *panels, int64_t m, int
         const int last_cols = (int)(after_last < LANES ? after_last : LANES);
         const float *w = panels + first * k * LANES;
         if (panels_here == per_group && last_cols == LANES) {
-            const int tile_rows = per_group == 4 ? 4 : per_group == 2 ? 12 : MAX_TILE_ROWS; /* see TILES_* */
-            const tile_fn *tiles = per_group == 4 ? TILES_4 : per_group == 2 ? TILES_2 : TILES_1;
             for (int64_t r = 0; r < m; r += tile_rows) {
                 int rows = (int)(m - r < tile_rows ? m - r : tile_rows);
                 tiles[rows](x + r * ldx, ldx, w, k, y + r * ldy + col, ldy, LANES);
@@ -156,10 +187,10 @@ void panel_gemm(const float *x, int64_t ldx, const float *panels, int64_t m, int
         } else { /* the last, partial group: one panel at a time */
             for (int p = 0; p < panels_here; p++) {
                 int cols = p == panels_here - 1 ? last_cols : LANES;
-                for (int64_t r = 0; r < m; r += MAX_TILE_ROWS) {
-                    int rows = (int)(m - r < MAX_TILE_ROWS ? m - r : MAX_TILE_ROWS);
-                    TILES_1[rows](x + r * ldx, ldx, w + (int64_t)p * k * LANES, k, y + r * ldy + col + p * LANES,
-                                  ldy, cols);
+                for (int64_t r = 0; r < m; r += EDGE_ROWS) {
+                    int rows = (int)(m - r < EDGE_ROWS ? m - r : EDGE_ROWS);
+                    EDGE_TILES[rows](x + r * ldx, ldx, w + (int64_t)p * k * LANES, k, y + r * ldy + col + p * LANES,
+                                     ldy, cols);
                 }
             }
         }

@@ -8,11 +8,13 @@ faster.  Measured on a 2-vCPU Sapphire Rapids VM (Gemma 3 270M fp32, whole decod
 batch 1 63.7 -> 54 ms, batch 8 88.6 -> 69 ms, batch 16 113 -> 88 ms; the products alone, oneDNN
 -> panels: the 262k x 640 LM head at 8 rows 32 -> 25 ms, 16 rows 41 -> 33, 32 rows 59-67 -> 49-59,
 64 rows at parity; the layers' products 1.1-1.5x faster up to 48 rows (hence ``PANEL_MAX_ROWS``).
+On a 2-vCPU AMD EPYC with AVX2 only (the kernel's tiles sized for its 16 registers), the 18
+layers' products then the LM head: 8 rows 43 -> 23 and 53 -> 36 ms, 16 rows 53 -> 35 and 72 -> 54,
+32 rows ~1.2x.
 
 The panels are a second copy of each fp32 weight (Gemma 3 270M: +1.07 GB); where the kernel
-cannot be built (no C compiler) or the CPU has no AVX-512 (the tiles' accumulators would not fit
-AVX2's registers: 5-10x slower than oneDNN), ``pack_panels`` returns ``None`` and oneDNN does
-every product.
+cannot be built (no C compiler) or the CPU has neither AVX-512 nor AVX2 with FMA (no tiles sized
+for its registers), ``pack_panels`` returns ``None`` and oneDNN does every product.
 """
 from __future__ import annotations
 
@@ -53,7 +55,7 @@ class PanelWeight:
 
 
 def native() -> bool:
-    """Whether the kernel runs on the registers its tiles are sized for (AVX-512; see the module)."""
+    """Whether the kernel has tiles sized for this CPU's registers (AVX-512, AVX2 + FMA; see the module)."""
     fn = kernel_function("panel_gemm_cpu", "panel_gemm_native", [], _INT)
     return fn is not None and fn() == 1
 
