@@ -68,10 +68,13 @@ static inline void store_cols(float *dst, const vec *v, int cols) {
 }
 
 /* One tile: rows [0, R) of x (row stride ldx) by panels [0, P) starting at w; y's row stride ldy;
- * `cols` of the last panel are real (16 for every other). */
+ * `cols` of the last panel are real (16 for every other).  `next` (or NULL): the next group's P
+ * panels, prefetched into L2 along the way -- the group's first row tile passes it, so that the
+ * next group's first tile reads L2, not memory, while this group's other row tiles compute (on
+ * the AVX2 EPYC, the layers and LM head at 8 rows 48 -> 42 ms, 16 rows 86 -> 74 ms, 32 rows 127 -> 119). */
 #define DEFINE_TILE(R, P)                                                                              \
     __attribute__((unused)) static void tile_##R##_##P(const float *x, int64_t ldx, const float *w,  \
-                                                       int64_t K, float *y, int64_t ldy, int last_cols) { \
+                                                       int64_t K, float *y, int64_t ldy, int last_cols, const float *next) { \
         vec acc[R][P * SUB];                                                                           \
         for (int r = 0; r < R; r++)                                                                    \
             for (int v = 0; v < P * SUB; v++) acc[r][v] = (vec){0};                                    \
@@ -80,6 +83,7 @@ static inline void store_cols(float *dst, const vec *v, int cols) {
             for (int p = 0; p < P; p++) {                                                              \
                 for (int s = 0; s < SUB; s++) wv[p * SUB + s] = load_vec(w + ((int64_t)p * K + k) * LANES + s * VW); \
                 __builtin_prefetch(w + ((int64_t)p * K + k + PREFETCH_AHEAD) * LANES);                 \
+                if (next) __builtin_prefetch(next + ((int64_t)p * K + k) * LANES, 0, 1);               \
             }                                                                                          \
             for (int r = 0; r < R; r++) {                                                              \
                 vec xb = splat(x[(int64_t)r * ldx + k]);                                               \
@@ -91,7 +95,7 @@ static inline void store_cols(float *dst, const vec *v, int cols) {
                 store_cols(y + (int64_t)r * ldy + p * LANES, &acc[r][p * SUB], p == P - 1 ? last_cols : LANES); \
     }
 
-typedef void (*tile_fn)(const float *, int64_t, const float *, int64_t, float *, int64_t, int);
+typedef void (*tile_fn)(const float *, int64_t, const float *, int64_t, float *, int64_t, int, const float *);
 
 /* The tiling, per instruction set: products of up to SMALL_ROWS rows take groups of SMALL_PANELS
  * panels (enough independent chains to hide the FMA latency with few rows), more rows take groups
@@ -180,9 +184,10 @@ void panel_gemm(const float *x, int64_t ldx, const float *panels, int64_t m, int
         const int last_cols = (int)(after_last < LANES ? after_last : LANES);
         const float *w = panels + first * k * LANES;
         if (panels_here == per_group && last_cols == LANES) {
+            const float *next = g + 1 < groups ? w + (int64_t)per_group * k * LANES : NULL;
             for (int64_t r = 0; r < m; r += tile_rows) {
                 int rows = (int)(m - r < tile_rows ? m - r : tile_rows);
-                tiles[rows](x + r * ldx, ldx, w, k, y + r * ldy + col, ldy, LANES);
+                tiles[rows](x + r * ldx, ldx, w, k, y + r * ldy + col, ldy, LANES, r == 0 ? next : NULL);
             }
         } else { /* the last, partial group: one panel at a time */
             for (int p = 0; p < panels_here; p++) {
@@ -190,7 +195,7 @@ void panel_gemm(const float *x, int64_t ldx, const float *panels, int64_t m, int
                 for (int64_t r = 0; r < m; r += EDGE_ROWS) {
                     int rows = (int)(m - r < EDGE_ROWS ? m - r : EDGE_ROWS);
                     EDGE_TILES[rows](x + r * ldx, ldx, w + (int64_t)p * k * LANES, k, y + r * ldy + col + p * LANES,
-                                     ldy, cols);
+                                     ldy, cols, NULL);
                 }
             }
         }
