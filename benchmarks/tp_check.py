@@ -33,9 +33,9 @@ from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common.engine import openmp_wait  # noqa: E402
+from common.engine import compute_process  # noqa: E402
 
-openmp_wait.configure()  # before torch loads OpenMP
+compute_process.configure()  # before torch loads OpenMP and before other threads start
 
 from benchmarks.bench_util import emit  # noqa: E402
 

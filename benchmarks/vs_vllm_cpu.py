@@ -29,7 +29,8 @@ from __future__ import annotations
 import os
 
 # Our OpenMP threads wait as ``common.engine.openmp_wait`` says (set below, before torch loads);
-# vLLM keeps its own setting unless the caller's environment gave one.
+# vLLM keeps its own setting unless the caller's environment gave one.  (The malloc settings made
+# there too, ``common.engine.heap_reuse``, are this process's own: vLLM's keep glibc's defaults.)
 _USER_OPENMP_ENV = {name: os.environ.get(name) for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
 
 import argparse  # noqa: E402
@@ -47,9 +48,9 @@ from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common.engine import openmp_wait  # noqa: E402
+from common.engine import compute_process  # noqa: E402
 
-openmp_wait.configure()  # before torch loads OpenMP
+compute_process.configure()  # before torch loads OpenMP and before other threads start
 
 from benchmarks.bench_util import emit  # noqa: E402
 from benchmarks.loadgen import PlannedRequest, run_closed_loop, summarize  # noqa: E402

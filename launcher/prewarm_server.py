@@ -8,8 +8,9 @@ asked for: it leads a new session (its own process group, as ``start_child`` giv
 server (``PR_SET_PDEATHSIG``, and this server dies with its owner), takes the environment, working
 directory, CPU affinity and standard output/error it was sent, and runs the module as ``python -m``
 would.  The project's own modules are imported in the child, after its environment is in place
-(some read it when imported); only third-party libraries are imported here, after the OpenMP wait
-setting a worker gives itself (``common.engine.openmp_wait``: libgomp reads it once, when torch loads).
+(some read it when imported); only third-party libraries are imported here, after the settings a
+worker makes first (``common.engine.compute_process``: libgomp reads its OpenMP setting once, when
+torch loads; the forked children inherit the malloc settings).
 
 Protocol, over a Unix socket in a directory only this user can enter: a client connects and sends
 one request (a 4-byte big-endian length, then JSON ``{"module", "args", "env", "cwd", "cpus"}``,
@@ -35,7 +36,7 @@ import sys
 import types
 from dataclasses import dataclass
 
-from common.engine import openmp_wait
+from common.engine import compute_process
 
 # Imported once here, shared by every child: what a worker or gateway spends most of its start on.
 PRELOADED = ("torch", "numpy", "aiohttp", "aiohttp.web", "redis.asyncio", "msgspec", "uvloop", "yarl",
@@ -260,7 +261,7 @@ def _fresh_library_state(env: dict[str, str]) -> None:
 
 def main() -> None:
     path = sys.argv[1]
-    openmp_wait.configure()  # torch's OpenMP reads it once, when loaded: as a worker would set it
+    compute_process.configure()  # before torch loads (its OpenMP reads the settings once): as a worker does
     for name in PRELOADED:
         try:
             importlib.import_module(name)

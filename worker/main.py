@@ -1,12 +1,13 @@
 """Entry point shared by ``python -m prefill_svc`` and ``python -m decode_svc``."""
 from __future__ import annotations
 
-from common.engine import openmp_wait
+from common.engine import compute_process
 
-# Before torch loads its OpenMP runtime (the imports below): threads that spin briefly between
-# parallel regions, then sleep -- they share the cores with this process's HTTP loop and, on a
-# shared host, with other work (see the module).
-openmp_wait.configure()
+# Before torch loads its OpenMP runtime (the imports below) and before any other thread starts:
+# OpenMP threads that spin briefly between parallel regions, then sleep -- they share the cores
+# with this process's HTTP loop and, on a shared host, with other work -- and one malloc arena
+# that keeps freed activations for the next step (see the module).
+compute_process.configure()
 
 import asyncio  # noqa: E402
 import os  # noqa: E402
