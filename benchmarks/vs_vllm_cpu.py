@@ -314,7 +314,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-requests", type=int)
     p.add_argument("--prompt-range", type=int, nargs=2, default=(32, 512))
     p.add_argument("--output-range", type=int, nargs=2)
-    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    p.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16"], default=["float32", "bfloat16"])
     p.add_argument("--skip-offline", action="store_true")
     p.add_argument("--skip-served", action="store_true")
     p.add_argument("--concurrency", type=int, nargs="+")

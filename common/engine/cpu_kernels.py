@@ -9,6 +9,7 @@ keep a pure-torch path.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
@@ -89,3 +90,14 @@ def _cpu_signature() -> bytes:
     except OSError:
         pass
     return os.uname().machine.encode() + flags
+
+
+def profiled(label: str) -> contextlib.AbstractContextManager:
+    """A range named ``label`` for torch's profiler around a kernel call (ctypes calls are invisible
+    to it) -- while a profiler runs only: entering a range costs ~10 us, ~1 ms of a batch-1 decode
+    step's ~90 kernel calls."""
+    import torch
+
+    if torch.autograd._profiler_enabled():
+        return torch.profiler.record_function(label)
+    return contextlib.nullcontext()

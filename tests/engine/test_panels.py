@@ -89,3 +89,21 @@ def test_a_bf16_layer_has_no_panels():
     layer = Linear(64, 96).bfloat16()
     if layer.pack():
         assert layer.panels is None
+
+
+def test_kernel_calls_are_labelled_for_the_profiler_only_while_one_runs(monkeypatch):
+    """A profiler range costs ~10 us to enter: kernel calls open one only under a profiler."""
+    from common.engine import cpu_kernels
+
+    opened = []
+    record_function = torch.profiler.record_function
+    monkeypatch.setattr(torch.profiler, "record_function", lambda label: opened.append(label) or record_function(label))
+
+    def kernel_call():
+        with cpu_kernels.profiled("kernel"):
+            torch.ones(2).add_(1)
+
+    kernel_call()
+    assert opened == []
+    assert "kernel" in ops_called(kernel_call)
+    assert opened == ["kernel"]

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from common.engine.attention.interface import step_layout
 from common.engine.kv.block_table import BlockTable
-from common.engine.cpu_kernels import load_kernel
+from common.engine.cpu_kernels import load_kernel, profiled
 from common.engine.kv.kv_cache import KVCache
 
 log = logging.getLogger(__name__)
@@ -133,7 +133,7 @@ class CpuPagedAttention:
         out = torch.empty((tokens, heads, dim), dtype=q.dtype)
         table = meta.block_table
         if meta.kernel_requests:
-            with torch.profiler.record_function("cpu_paged_attention"):  # ctypes calls are invisible to the profiler
+            with profiled("cpu_paged_attention"):
                 rc = self._call(elem, q, key_cache, value_cache, out, table, meta, window, scale, heads, dim)
             if rc != 0:
                 raise MemoryError("cpu paged attention: scratch allocation failed")

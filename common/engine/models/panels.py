@@ -23,7 +23,7 @@ import functools
 
 import torch
 
-from common.engine.cpu_kernels import kernel_function
+from common.engine.cpu_kernels import kernel_function, profiled
 
 PANEL_MAX_ROWS = 32  # products with more rows go to oneDNN (see the module docstring)
 LANES = 16  # output columns per panel (the kernel's)
@@ -91,7 +91,7 @@ def panel_linear(x: torch.Tensor, weight: PanelWeight, bias: torch.Tensor | None
         x = x.contiguous()
     out = torch.empty((rows, weight.out_features), dtype=torch.float32)
     if rows:
-        with torch.profiler.record_function(PROFILER_LABEL):  # ctypes calls are invisible to the profiler
+        with profiled(PROFILER_LABEL):
             _gemm_fn()(x.data_ptr(), x.stride(0), weight.panels.data_ptr(), rows, weight.out_features, in_features,
                        out.data_ptr(), out.stride(0), torch.get_num_threads())
     if bias is not None:
