@@ -22,7 +22,8 @@ from common.engine.models.activations import ACTIVATIONS
 from common.engine.models.linear import Linear, linear, pack_weight, packed_linear, tune_row_padding
 from common.engine.models.panels import PANEL_MAX_ROWS, PanelWeight, pack_panels
 from common.engine.models.stages import EAGER, LayerStages
-from common.engine.models.rotary import RotaryEmbedding, apply_rotary
+from common.engine.models import norm_rope
+from common.engine.models.rotary import RotaryEmbedding, apply_rotary, rotate
 from common.engine.parallel.tensor_parallel import TensorParallel
 
 if TYPE_CHECKING:
@@ -47,10 +48,25 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if norm_rope.applies(x) and self.weight.dtype == torch.float32:
+            return norm_rope.norm_rope(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return (self.weight.float() * x).to(dtype)
+
+    def added_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``residual + self(x)`` (one kernel call where ``norm_rope`` applies)."""
+        if norm_rope.applies(x) and self.weight.dtype == torch.float32 and residual.dtype == torch.float32:
+            return norm_rope.norm_rope(x, self.weight, self.eps, residual=residual)
+        return residual + self(x)
+
+    def rotated(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``apply_rotary(self(x), cos, sin)`` for ``x`` [tokens, heads, head_dim] (one kernel call
+        where ``norm_rope`` applies)."""
+        if norm_rope.applies(x) and self.weight.dtype == torch.float32 and cos.dtype == torch.float32:
+            return norm_rope.norm_rope(x, self.weight, self.eps, cos=cos, sin=sin)
+        return apply_rotary(self(x), cos, sin)
 
 
 class Attention(nn.Module):
@@ -90,8 +106,8 @@ class Attention(nn.Module):
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+            return self.q_norm.rotated(q, cos, sin), self.k_norm.rotated(k, cos, sin), v
+        return rotate(q, cos, sin), rotate(k, cos, sin), v
 
 
 class MLP(nn.Module):
@@ -139,8 +155,8 @@ class DecoderLayer(nn.Module):
         """Everything after attention: output projection, norms, residuals and the MLP."""
         h = self.tp.all_reduce(self.self_attn.o_proj(attended.reshape(x.shape[0], -1)))
         if self.sandwich:
-            x = x + self.post_attention_layernorm(h)
-            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+            x = self.post_attention_layernorm.added_to(x, h)
+            return self.post_feedforward_layernorm.added_to(x, self.mlp(self.pre_feedforward_layernorm(x)))
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x))
 

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from common.engine.models import norm_rope
+
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
@@ -53,3 +55,10 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``apply_rotary`` in one kernel call where ``norm_rope`` applies (eager fp32), else as it is."""
+    if norm_rope.applies(x) and cos.dtype == torch.float32:
+        return norm_rope.norm_rope(x, None, cos=cos, sin=sin)
+    return apply_rotary(x, cos, sin)

@@ -1,0 +1,72 @@
+"""RMSNorm with the residual add or the rotary embedding after it, one kernel call for eager fp32 steps.
+
+A decode step runs a few hundred of these small elementwise sequences (Gemma 3: six norms a layer,
+two of them followed by RoPE, two by the residual add), each several torch ops of a few microseconds'
+dispatch for a few hundred floats of work; ``csrc/norm_rope_cpu.c`` does each in one call.  It
+applies to fp32 CPU tensors outside torch.compile (inductor fuses these loops itself); elsewhere the
+callers keep their torch code, which the kernel matches to the last bit or two (the sum of squares
+is ordered differently).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from common.engine.cpu_kernels import kernel_function, profiled
+
+PROFILER_LABEL = "norm_rope"
+
+_PTR, _I64 = ctypes.c_void_p, ctypes.c_int64
+
+
+@functools.cache  # resolved once: a decode step calls it a few hundred times
+def _kernel():
+    return kernel_function("norm_rope_cpu", "rms_norm_rope",
+                           [_PTR, _I64, _I64, _I64, _I64, _I64, _PTR, ctypes.c_float, _PTR, _I64, _PTR, _PTR, _I64,
+                            _PTR, ctypes.c_int], ctypes.c_int)
+
+
+def applies(x: torch.Tensor) -> bool:
+    """Whether the kernel computes ``x``'s rows: fp32 on the CPU, 2-D or 3-D with contiguous rows,
+    eagerly, and the kernel built."""
+    return (x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() in (2, 3) and x.stride(-1) == 1
+            and not torch.compiler.is_compiling() and _kernel() is not None)
+
+
+def _checked_rows(t: torch.Tensor | None, tokens: int, dim: int, name: str) -> int:
+    """Row stride of a per-token operand ([tokens, dim], contiguous rows), 0 for ``None``."""
+    if t is None:
+        return 0
+    if t.dtype != torch.float32 or t.shape != (tokens, dim) or t.stride(-1) != 1:
+        raise ValueError(f"norm_rope: {name} must be fp32 [{tokens}, {dim}] with contiguous rows, "
+                         f"got {t.dtype} {tuple(t.shape)}")
+    return t.stride(0)
+
+
+def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 0.0, residual: torch.Tensor | None = None,
+              cos: torch.Tensor | None = None, sin: torch.Tensor | None = None) -> torch.Tensor:
+    """``x`` ([tokens, dim] or [tokens, heads, dim], ``applies``) normed by ``weight`` (``None``: not
+    normed), then added to ``residual`` ([tokens, dim]) or rotated by ``cos``/``sin`` ([tokens, dim])
+    -- a new contiguous tensor of ``x``'s shape.  See the module and ``csrc/norm_rope_cpu.c``."""
+    tokens, dim = x.shape[0], x.shape[-1]
+    inner, s_inner = (x.shape[1], x.stride(1)) if x.dim() == 3 else (1, 0)
+    if weight is not None and (weight.dtype != torch.float32 or weight.shape != (dim,) or not weight.is_contiguous()):
+        raise ValueError(f"norm_rope: weight must be fp32 [{dim}], got {weight.dtype} {tuple(weight.shape)}")
+    if residual is not None and x.dim() != 2:
+        raise ValueError("norm_rope: a residual is added to 2-D rows only")
+    if (cos is None) != (sin is None) or (cos is not None and cos.stride() != sin.stride()):
+        raise ValueError("norm_rope: cos and sin come together, laid out alike")
+    s_res = _checked_rows(residual, tokens, dim, "residual")
+    s_cs = _checked_rows(cos, tokens, dim, "cos")
+    out = torch.empty(x.shape, dtype=torch.float32)
+    if out.numel():
+        pointer = lambda t: t.data_ptr() if t is not None else None  # noqa: E731
+        with profiled(PROFILER_LABEL):
+            rc = _kernel()(x.data_ptr(), tokens * inner, inner, x.stride(0), s_inner, dim, pointer(weight), eps,
+                           pointer(residual), s_res, pointer(cos), pointer(sin), s_cs, out.data_ptr(),
+                           torch.get_num_threads())
+        if rc != 0:
+            raise ValueError(f"norm_rope: rows of {dim} values are not supported")
+    return out
