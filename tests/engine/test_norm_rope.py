@@ -25,7 +25,7 @@ def ops_called(fn) -> set[str]:
 
 
 @needs_kernel
-@pytest.mark.parametrize("shape", [(1, 640), (16, 640), (7, 33), (2048, 640)])
+@pytest.mark.parametrize("shape", [(1, 640), (16, 640), (7, 33), (2048, 640), (2, 12288)])
 def test_a_norm_and_a_norm_added_to_a_residual_equal_torch(shape):
     gen = torch.Generator().manual_seed(shape[0])
     x, residual = torch.randn(shape, generator=gen) * 3, torch.randn(shape, generator=gen)

@@ -6,8 +6,7 @@
  * contiguous; rows indexed in two levels, r = i * inner + j at x + i * s_outer + j * s_inner, so a
  * [tokens, heads, head_dim] view of a fused projection's output is read in place):
  *
- *   y = x * (1 / sqrt(sum(x^2) / dim + eps))      (skipped where w is NULL)
- *   y = w * y
+ *   y = w * (x * (1 / sqrt(sum(x^2) / dim + eps)))  (y = x where w is NULL: RoPE alone)
  *   y = res[i] + y                                 where res is given (row i, stride s_res)
  *   y = y * cos[i] + rotate_half(y) * sin[i]       where cos is given (token i, stride s_cs),
  *                                                  rotate_half(y) = (-y[half:], y[:half])
@@ -25,7 +24,6 @@
 #include <string.h>
 
 #define PARTIALS 16
-#define MAX_DIM 8192           /* the row scratch: head dims and hidden sizes are well below */
 #define PARALLEL_MIN (1 << 16) /* values in a call before rows are split among threads */
 
 static float sum_of_squares(const float *x, int64_t dim) {
@@ -41,29 +39,29 @@ static float sum_of_squares(const float *x, int64_t dim) {
 
 static void one_row(const float *x, int64_t dim, const float *w, float eps, const float *res, const float *cos,
                     const float *sin, float *out) {
-    float y[MAX_DIM];
     if (w != NULL) {
         const float scale = 1.0f / sqrtf(sum_of_squares(x, dim) / (float)dim + eps);
-        for (int64_t d = 0; d < dim; d++) y[d] = w[d] * (x[d] * scale);
+        for (int64_t d = 0; d < dim; d++) out[d] = w[d] * (x[d] * scale);
     } else {
-        memcpy(y, x, sizeof(float) * (size_t)dim);
+        memcpy(out, x, sizeof(float) * (size_t)dim);
     }
     if (res != NULL)
-        for (int64_t d = 0; d < dim; d++) y[d] = res[d] + y[d];
-    if (cos != NULL) {
+        for (int64_t d = 0; d < dim; d++) out[d] = res[d] + out[d];
+    if (cos != NULL) { /* in place, a pair (d, d + half) at a time */
         const int64_t half = dim / 2;
-        for (int64_t d = 0; d < half; d++) out[d] = y[d] * cos[d] + (-y[d + half]) * sin[d];
-        for (int64_t d = half; d < dim; d++) out[d] = y[d] * cos[d] + y[d - half] * sin[d];
-    } else {
-        memcpy(out, y, sizeof(float) * (size_t)dim);
+        for (int64_t d = 0; d < half; d++) {
+            const float a = out[d], b = out[d + half];
+            out[d] = a * cos[d] + (-b) * sin[d];
+            out[d + half] = b * cos[d + half] + a * sin[d + half];
+        }
     }
 }
 
-/* Returns 0, or -1 where dim is out of range (0, MAX_DIM] or odd with a rotation. */
+/* Returns 0, or -1 where dim is not positive, or odd with a rotation. */
 int rms_norm_rope(const float *x, int64_t rows, int64_t inner, int64_t s_outer, int64_t s_inner, int64_t dim,
                   const float *w, float eps, const float *res, int64_t s_res, const float *cos, const float *sin,
                   int64_t s_cs, float *out, int num_threads) {
-    if (dim <= 0 || dim > MAX_DIM || inner <= 0 || (cos != NULL && dim % 2 != 0)) return -1;
+    if (dim <= 0 || inner <= 0 || (cos != NULL && dim % 2 != 0)) return -1;
 #ifdef _OPENMP
 #pragma omp parallel for num_threads(num_threads > 0 ? num_threads : 1) if (rows * dim >= PARALLEL_MIN)
 #endif
