@@ -74,12 +74,16 @@ def test_the_decoders_norms_take_the_kernel_eagerly_in_fp32_only():
 @needs_kernel
 def test_operands_that_do_not_fit_are_refused():
     x = torch.randn(3, 8)
+    with pytest.raises(ValueError, match="x must be fp32"):
+        fused.norm_rope(x.bfloat16(), torch.randn(8), EPS)
     with pytest.raises(ValueError, match="weight"):
         fused.norm_rope(x, torch.randn(7), EPS)
     with pytest.raises(ValueError, match="residual"):
         fused.norm_rope(x, torch.randn(8), EPS, residual=torch.randn(2, 8))
     with pytest.raises(ValueError, match="cos and sin"):
         fused.norm_rope(x, None, cos=torch.randn(3, 8))
+    with pytest.raises(ValueError, match="sin must be fp32 \\[3, 8\\]"):
+        fused.norm_rope(x, None, cos=torch.randn(3, 8), sin=torch.randn(3, 8).double())
     with pytest.raises(ValueError, match="rows of 9 values"):
         fused.norm_rope(torch.randn(3, 9), None, cos=torch.randn(3, 9), sin=torch.randn(3, 9))  # odd: no halves
     assert not fused.applies(x.bfloat16()) and not fused.applies(x.T) and not fused.applies(torch.randn(8))

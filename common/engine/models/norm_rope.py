@@ -50,6 +50,9 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 0.0, re
     """``x`` ([tokens, dim] or [tokens, heads, dim], ``applies``) normed by ``weight`` (``None``: not
     normed), then added to ``residual`` ([tokens, dim]) or rotated by ``cos``/``sin`` ([tokens, dim])
     -- a new contiguous tensor of ``x``'s shape.  See the module and ``csrc/norm_rope_cpu.c``."""
+    if x.dtype != torch.float32 or x.dim() not in (2, 3) or x.stride(-1) != 1:
+        raise ValueError(f"norm_rope: x must be fp32 [tokens, (heads,) dim] with contiguous rows, got {x.dtype} "
+                         f"{tuple(x.shape)}")
     tokens, dim = x.shape[0], x.shape[-1]
     inner, s_inner = (x.shape[1], x.stride(1)) if x.dim() == 3 else (1, 0)
     if weight is not None and (weight.dtype != torch.float32 or weight.shape != (dim,) or not weight.is_contiguous()):
@@ -60,6 +63,7 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 0.0, re
         raise ValueError("norm_rope: cos and sin come together, laid out alike")
     s_res = _checked_rows(residual, tokens, dim, "residual")
     s_cs = _checked_rows(cos, tokens, dim, "cos")
+    _checked_rows(sin, tokens, dim, "sin")
     out = torch.empty(x.shape, dtype=torch.float32)
     if out.numel():
         pointer = lambda t: t.data_ptr() if t is not None else None  # noqa: E731
