@@ -48,7 +48,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if norm_rope.applies(x) and self.weight.dtype == torch.float32:
+        if norm_rope.applies(x, self.weight):
             return norm_rope.norm_rope(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
@@ -57,14 +57,14 @@ class RMSNorm(nn.Module):
 
     def added_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``residual + self(x)`` (one kernel call where ``norm_rope`` applies)."""
-        if norm_rope.applies(x) and self.weight.dtype == torch.float32 and residual.dtype == torch.float32:
+        if norm_rope.applies(x, self.weight, residual):
             return norm_rope.norm_rope(x, self.weight, self.eps, residual=residual)
         return residual + self(x)
 
     def rotated(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """``apply_rotary(self(x), cos, sin)`` for ``x`` [tokens, heads, head_dim] (one kernel call
         where ``norm_rope`` applies)."""
-        if norm_rope.applies(x) and self.weight.dtype == torch.float32 and cos.dtype == torch.float32:
+        if norm_rope.applies(x, self.weight, cos):
             return norm_rope.norm_rope(x, self.weight, self.eps, cos=cos, sin=sin)
         return apply_rotary(self(x), cos, sin)
 

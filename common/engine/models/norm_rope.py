@@ -28,10 +28,11 @@ def _kernel():
                             _PTR, ctypes.c_int], ctypes.c_int)
 
 
-def applies(x: torch.Tensor) -> bool:
-    """Whether the kernel computes ``x``'s rows: fp32 on the CPU, 2-D or 3-D with contiguous rows,
-    eagerly, and the kernel built."""
+def applies(x: torch.Tensor, *operands: torch.Tensor) -> bool:
+    """Whether the kernel computes ``x``'s rows with ``operands`` (weight, residual, cos): all fp32,
+    ``x`` on the CPU, 2-D or 3-D with contiguous rows, eagerly, and the kernel built."""
     return (x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() in (2, 3) and x.stride(-1) == 1
+            and all(t.dtype == torch.float32 for t in operands)
             and not torch.compiler.is_compiling() and _kernel() is not None)
 
 

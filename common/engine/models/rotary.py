@@ -59,6 +59,6 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """``apply_rotary`` in one kernel call where ``norm_rope`` applies (eager fp32), else as it is."""
-    if norm_rope.applies(x) and cos.dtype == torch.float32:
+    if norm_rope.applies(x, cos):
         return norm_rope.norm_rope(x, None, cos=cos, sin=sin)
     return apply_rotary(x, cos, sin)
