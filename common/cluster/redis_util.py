@@ -169,10 +169,17 @@ def _check_url(url: str) -> None:
         raise ValueError(f"REDIS_URL {shown} has no host")
 
 
+RESP_PROTOCOL = 2
+"""The Redis wire protocol version every client of the project speaks (see :func:`connect`)."""
+
+
 def connect(url: str | None = None, *, timeout_s: float = 1.0) -> aioredis.Redis:
     """An asyncio Redis client for ``url`` (default: ``REDIS_URL``) that fails fast.
 
-    Replies are raw ``bytes`` (block hashes are binary); callers decode what they need.
+    Replies are raw ``bytes`` (block hashes are binary); callers decode what they need.  The client
+    speaks RESP2 whatever its library defaults to (redis-py 8 defaults to RESP3, which changes
+    reply shapes and sends ``HELLO`` first): the replies callers parse stay one shape, and servers
+    older than Redis 6 (no ``HELLO``) still answer.
     """
     url = url or redis_url_from_env()
     _check_url(url)
@@ -184,13 +191,18 @@ def connect(url: str | None = None, *, timeout_s: float = 1.0) -> aioredis.Redis
         socket_timeout=timeout_s,
         retry=AsyncRetry(ExponentialBackoff(cap=0.05, base=0.01), retries=1),
         decode_responses=False,
+        protocol=RESP_PROTOCOL,
     )
 
 
 def ping(url: str, *, timeout_s: float = 0.5) -> bool:
     """True when a Redis server answers PING at ``url`` (synchronous, for start-up code)."""
     client = redis.Redis.from_url(
-        url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s, retry=None
+        url,
+        socket_connect_timeout=timeout_s,
+        socket_timeout=timeout_s,
+        retry=None,
+        protocol=RESP_PROTOCOL,
     )
     try:
         return bool(client.ping())
