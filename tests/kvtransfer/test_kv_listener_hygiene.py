@@ -28,6 +28,7 @@ from kvtransfer.config import parse_address
 from kvtransfer.handshake import PREAUTH_MAX_HEADER_BYTES
 from kvtransfer.socket_io import failed_listeners
 from kvtransfer.transport_tcp import TcpChannel
+from tests.support.spawned import SpawnedProcess
 
 pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.slow(seconds=10)]  # one UCX worker per loop, as in the other files
 
@@ -134,16 +135,14 @@ async def test_accept_loop_survives_a_full_descriptor_table():
 
     loop = "uvloop" if isinstance(asyncio.get_running_loop(), uvloop.Loop) else "asyncio"
     root = Path(__file__).resolve().parents[2]
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, __file__, loop, cwd=root, env={**os.environ, "PYTHONPATH": str(root)},
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    proc = await SpawnedProcess.start([sys.executable, __file__, loop], cwd=str(root), merge_stderr=True,
+                                      env={**os.environ, "PYTHONPATH": str(root)})
     try:
-        output, _ = await asyncio.wait_for(proc.communicate(), 4 * BOUND)
+        output = await proc.read_all(4 * BOUND)
+        returncode = await proc.wait(4 * BOUND)
     finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
-    assert proc.returncode == 0, output.decode()
+        await proc.kill()
+    assert returncode == 0, output.decode()
 
 
 async def test_an_accept_loop_that_ended_is_reported_until_its_listener_closes(monkeypatch):

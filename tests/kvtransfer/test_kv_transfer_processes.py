@@ -13,6 +13,7 @@ from common.engine.kv.block_pool import BlockPool
 from common.engine.kv.kv_cache import KVCache
 from kvt_support import AUTH, LAYOUT, NUM_BLOCKS, random_cache
 from kvtransfer import KVReceiver, KVSender, KVTransferConfig, PeerLost, TransferError
+from tests.support.spawned import SpawnedProcess
 
 pytestmark = [pytest.mark.slow(seconds=21),  # a long file: scheduled by its length (tests/conftest.py)
               pytest.mark.asyncio(loop_scope="session"), pytest.mark.parametrize("transport", ["tcp", "ucx"])]
@@ -22,26 +23,23 @@ PEER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kv_peer.py")
 
 
 class Peer:
-    """A kv_peer.py subprocess whose JSON event lines we can await one by one."""
+    """A kv_peer.py subprocess whose JSON event lines we can await one by one (started without
+    ``fork()``: see tests/support/spawned.py)."""
 
-    def __init__(self, proc: asyncio.subprocess.Process):
+    def __init__(self, proc: SpawnedProcess):
         self.proc = proc
 
     @classmethod
     async def start(cls, *args: str) -> "Peer":
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, PEER, *args, cwd=REPO, stdout=asyncio.subprocess.PIPE)
-        return cls(proc)
+        return cls(await SpawnedProcess.start([sys.executable, PEER, *args], cwd=REPO))
 
     async def event(self) -> dict:
         line = await asyncio.wait_for(self.proc.stdout.readline(), 120)
-        assert line, f"peer exited with {await self.proc.wait()} before reporting"
+        assert line, f"peer exited with {await self.proc.wait(120)} before reporting"
         return json.loads(line)
 
     async def kill(self) -> None:
-        if self.proc.returncode is None:
-            self.proc.kill()
-        await self.proc.wait()
+        await self.proc.kill()
 
 
 async def start_receiver(transport: str, timeout: float = 120.0) -> KVReceiver:
