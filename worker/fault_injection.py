@@ -5,6 +5,8 @@ that raise: ``3`` the 3rd, ``3-5`` the 3rd to the 5th, ``3-`` every one from the
 joined by commas.  ``PDSERVE_TEST_HANG_STEPS`` names, the same way, steps that never return (a hung
 engine thread: what the watchdog is for); with ``PDSERVE_TEST_HANG_HOLDS_GIL=1`` they hang in native
 code that keeps the GIL (no other thread of the process runs: what the hang backstop is for).
+``PDSERVE_TEST_STEP_DELAY_S`` makes every such step take that many seconds longer (a slow device:
+streams that stay in flight long enough for a test to act while they do).
 ``PDSERVE_TEST_STUCK_EXECUTOR=1`` keeps one thread of the event loop's default executor busy for
 good, as a wait on a hung device's fence would (``kvtransfer.ordering``).
 """
@@ -15,6 +17,7 @@ import ctypes
 import logging
 import os
 import threading
+import time
 from typing import Callable, Mapping
 
 log = logging.getLogger(__name__)
@@ -29,10 +32,11 @@ def _step_ranges(spec: str) -> list[tuple[int, float]]:
 
 
 def fault_injector_from_env(env=os.environ) -> Callable[[int], None] | None:
-    """The ``Engine.fault_injector`` those variables ask for, or ``None`` when neither is set."""
+    """The ``Engine.fault_injector`` those variables ask for, or ``None`` when none is set."""
     fail = env.get("PDSERVE_TEST_FAIL_STEPS", "").strip()
     hang = env.get("PDSERVE_TEST_HANG_STEPS", "").strip()
-    if not fail and not hang:
+    delay_s = float(env.get("PDSERVE_TEST_STEP_DELAY_S", "").strip() or 0)
+    if not fail and not hang and delay_s <= 0:
         return None
     fail_ranges = _step_ranges(fail) if fail else []
     hang_ranges = _step_ranges(hang) if hang else []
@@ -42,8 +46,12 @@ def fault_injector_from_env(env=os.environ) -> Callable[[int], None] | None:
     if hang:
         log.warning("fault injection: engine steps %s will hang (PDSERVE_TEST_HANG_STEPS)%s", hang,
                     " holding the GIL" if hold_gil else "")
+    if delay_s > 0:
+        log.warning("fault injection: every engine step takes %.3f s longer (PDSERVE_TEST_STEP_DELAY_S)", delay_s)
 
     def inject(step: int) -> None:
+        if delay_s > 0:
+            time.sleep(delay_s)
         if any(lo <= step <= hi for lo, hi in hang_ranges):
             log.warning("fault injection: engine step %d hangs (PDSERVE_TEST_HANG_STEPS=%s)", step, hang)
             if hold_gil:

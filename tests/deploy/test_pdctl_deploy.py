@@ -19,7 +19,8 @@ from pdctl.deploy.env_file import SHARED_SECRETS, read_env_file
 from pdctl.deploy.rollout import OperationError, Operator
 from tests.support.cluster import ADMIN_TOKEN, running_cluster
 
-pytestmark = pytest.mark.slow(seconds=36)  # a long file: scheduled by its length (tests/conftest.py)
+pytestmark = pytest.mark.slow(seconds=40)  # a long file: scheduled by its length (tests/conftest.py)
+STEP_DELAY_S = 0.02  # added to every engine step of the shared stack's workers
 
 # ---- gen-secrets ---------------------------------------------------------------------------------
 
@@ -125,8 +126,11 @@ class Admin:
 
 @pytest.fixture(scope="module")
 def stack(served_checkpoint, tmp_path_factory, redis_url):
+    # Steps slowed down: a 200-token stream stays in flight for seconds, long enough for the
+    # heartbeats to show it and for a drain to find it (the tiny model alone ends it in a blink).
     with running_cluster(served_checkpoint, tmp_path_factory.mktemp("deploy"), redis_url, prefill=1, decode=2,
-                         worker_args=["--num-blocks", "256", "--drain-timeout", "60"]) as cluster:
+                         worker_args=["--num-blocks", "256", "--drain-timeout", "60"],
+                         extra_env={"PDSERVE_TEST_STEP_DELAY_S": str(STEP_DELAY_S)}) as cluster:
         yield cluster
 
 
@@ -195,22 +199,26 @@ def test_scale_down_drains_exactly_the_workers_it_removes(stack):
     decoders = [r for r in LocalBackend(stack).replicas("decode")]
     assert len(decoders) == 2
     # A long stream on every decode worker, so whichever is removed has one in flight.
-    streams, threads = [], []
+    streams, threads, errors = [], [], []
 
     def stream():
-        streams.append(completion(stack, 200))
+        try:
+            streams.append(completion(stack, 200))
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(repr(exc))
 
     admin = Admin(stack.gateway_url)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        busy = {w["worker_id"] for w in admin.workers() if w["role"] == "decode" and w["load"]["num_running"] > 0}
+        loads = {w["worker_id"]: w["load"] for w in admin.workers() if w["role"] == "decode"}
+        busy = {worker_id for worker_id, load in loads.items() if load["num_running"] > 0}
         if busy >= {r.worker_id for r in decoders}:
             break
         if sum(t.is_alive() for t in threads) < 8:  # streams end; keep eight going until both are seen busy
             threads.append(threading.Thread(target=stream))
             threads[-1].start()
         time.sleep(0.3)
-    assert busy >= {r.worker_id for r in decoders}, f"only {busy} seen with a stream in flight"
+    assert busy >= {r.worker_id for r in decoders}, f"only {busy} seen with a stream in flight: {loads} {errors[:3]}"
     plan = op.plan_scale({"prefill": 1, "decode": 1})
     victim = plan.remove["decode"][0]
     assert plan.remove == {"decode": [victim]} and victim.handle in {r.handle for r in decoders}
@@ -219,7 +227,8 @@ def test_scale_down_drains_exactly_the_workers_it_removes(stack):
     op.scale(plan)
     for t in threads:
         t.join(120)
-    assert len(streams) == len(threads) and all(s["usage"]["completion_tokens"] == 200 for s in streams)
+    assert errors == [] and len(streams) == len(threads)
+    assert all(s["usage"]["completion_tokens"] == 200 for s in streams)
     assert [what for what, name in op.events if name == victim.name] == ["drain", "idle", "removed"]
     assert victim.handle not in stack.procs and stack.procs[keeper.handle].popen.pid == keeper_pid
     stack.wait_for_workers(1, 1, timeout=60)

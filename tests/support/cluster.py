@@ -40,9 +40,10 @@ atexit.register(PREWARMED.close)
 @contextlib.contextmanager
 def running_cluster(checkpoint: Path, workdir: Path, redis_url: str, *, prefill: int = 2, decode: int = 1,
                     transport: str = "tcp", policy: str = "prefix_aware", worker_args=(), gateway_args=(),
-                    role_args: dict[str, list[str]] | None = None):
+                    role_args: dict[str, list[str]] | None = None, extra_env: dict[str, str] | None = None):
     """Start a ``LocalStack`` for a test (logs in ``workdir``, heartbeats of ``HEARTBEAT_TTL_S``, an
-    admin token) under its own key prefix; stop it and delete only its keys afterwards."""
+    admin token) under its own key prefix, with ``extra_env`` in every process's environment; stop it
+    and delete only its keys afterwards."""
     key_prefix = f"pdtest-{uuid.uuid4().hex[:12]}"
     cluster = LocalStack(
         str(checkpoint), redis_url, key_prefix=key_prefix, workdir=workdir, prefill=prefill, decode=decode,
@@ -50,7 +51,7 @@ def running_cluster(checkpoint: Path, workdir: Path, redis_url: str, *, prefill:
         worker_args=["--heartbeat-ttl", str(HEARTBEAT_TTL_S), *worker_args], role_args=role_args or {},
         gateway_args=list(gateway_args), spawner=PREWARMED,
         extra_env={"OMP_NUM_THREADS": "1",  # several processes share two cores
-                   "PDSERVE_ADMIN_TOKEN": ADMIN_TOKEN},
+                   "PDSERVE_ADMIN_TOKEN": ADMIN_TOKEN, **(extra_env or {})},
     )
     try:
         yield cluster.start()
