@@ -11,7 +11,7 @@ from common.engine.kv.kv_cache import KVCache
 from common.engine.models.decoder import DecoderModel
 from common.engine.parallel.step_broadcast import StepBroadcast
 from common.engine.parallel.tensor_parallel import TensorParallel
-from common.engine.sampler import Sampler, TokenLogprobs
+from common.engine.sampler import Sampler, TokenLogprobs, argmax_suffices
 from common.engine.scheduler_output import SchedulerOutput
 from common.engine.speculative.verify import kept_tokens, num_rows, sampling_rows
 
@@ -88,10 +88,14 @@ class ModelRunner:
         if not sample_items:
             self.forward_seconds += time.perf_counter() - began
             return {}
-        logits = self.model.logits(hidden[torch.tensor(sample_rows, device=device)])
-        if self.tp.rank == 0:
-            tokens, logprobs = self.sampler(logits, rows, scratch_logits=True)
+        sampled_hidden = hidden[torch.tensor(sample_rows, device=device)]
+        greedy = self.model.greedy_tokens(sampled_hidden) if argmax_suffices(rows) else None
+        if greedy is not None:  # every row's argmax, without the logits (models/greedy_head.py)
+            tokens, logprobs = greedy.tolist(), [None] * len(rows)
+        elif self.tp.rank == 0:
+            tokens, logprobs = self.sampler(self.model.logits(sampled_hidden), rows, scratch_logits=True)
         else:  # tensor parallelism: rank 0 samples, the other ranks take its tokens
+            self.model.logits(sampled_hidden)
             tokens, logprobs = None, [None] * len(rows)
         tokens = self.tp.broadcast_tokens(tokens, len(rows))
         if device.type == "cuda":

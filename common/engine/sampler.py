@@ -391,6 +391,19 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], output_index: lis
 # ---- helpers ----------------------------------------------------------------------------------
 
 
+def argmax_suffices(rows: Sequence[SamplingRequest]) -> bool:
+    """Whether every row's token is the first maximal index of its raw logits -- greedy (or top-k 1)
+    without penalties or logit rules -- and no row wants logprobs: the step then needs the
+    argmax, not the logits (``DecoderModel.greedy_tokens``).  A row whose logits are not all
+    finite is the exception; whoever takes the argmax without the logits must leave such rows
+    to ``Sampler``."""
+    for row in rows:
+        p = row.sampling_params
+        if not (p.greedy or p.top_k == 1) or p.uses_penalties or p.logprobs is not None:
+            return False
+    return not needs_rules(rows)
+
+
 def _wants_logprobs(rows: Sequence[SamplingRequest]) -> bool:
     return any(row.sampling_params.logprobs is not None for row in rows)
 

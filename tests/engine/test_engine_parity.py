@@ -41,6 +41,20 @@ def test_whole_prompts(checkpoint):
         assert result.finish_reason == "length"
     engine.block_pool.check_integrity()
     assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks
+    head = engine.model.greedy_head  # None only where the CPU has no AVX-512
+    assert head is None or head.exact_rows > 0, "greedy steps took the logits, not the screened head"
+
+
+def test_steps_that_need_the_logits_compute_them(checkpoint):
+    """Logprobs, or one row with a penalty beside greedy ones: the step samples from the logits
+    (the screened head gives argmaxes only), and the greedy tokens are the same."""
+    directory, reference = checkpoint
+    engine = engine_for(directory)
+    prompts = random_prompts([5, 12], seed=3)
+    with_logprobs = engine.generate(prompts, {**GREEDY, "max_tokens": MAX_NEW, "logprobs": 2})
+    assert [r.token_ids for r in with_logprobs] == [reference(p) for p in prompts]
+    assert all(len(r.logprobs) == MAX_NEW for r in with_logprobs)
+    assert engine.model.greedy_head is None or engine.model.greedy_head.exact_rows == 0
 
 
 def test_prompts_chunked_across_steps_while_others_decode(checkpoint):

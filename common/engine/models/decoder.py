@@ -20,6 +20,7 @@ from common.engine.models.quantized import (Int4Weight, QuantizedEmbedding, Quan
                                             quantized_linear)
 from common.engine.models.activations import ACTIVATIONS
 from common.engine.models.linear import Linear, linear, pack_weight, packed_linear, tune_row_padding
+from common.engine.models.greedy_head import GreedyHead
 from common.engine.models.panels import PANEL_MAX_ROWS, PanelWeight, pack_panels
 from common.engine.models.stages import EAGER, LayerStages
 from common.engine.models import norm_rope
@@ -196,6 +197,7 @@ class DecoderModel(nn.Module):
         self.packed_lm_head: torch.Tensor | None = None  # a tied LM head's packed copy
         self.lm_head_panels: PanelWeight | None = None  # and its copy for few rows (fp32)
         self.quantized_lm_head: QuantizedWeight | None = None  # a tied LM head's quantized rows
+        self.greedy_head: GreedyHead | None = None  # see greedy_tokens
         self.row_padding: tuple[int, ...] = ()  # see _tune_row_padding
         self.used_prepacked = False  # see finish_loading
 
@@ -226,6 +228,7 @@ class DecoderModel(nn.Module):
                 self.packed_lm_head = pack_weight(self.model.embed_tokens.weight)
                 if self.packed_lm_head is not None:
                     self.lm_head_panels = pack_panels(self.model.embed_tokens.weight)
+            self._build_greedy_head()
             self._log_panels()
         self._tune_row_padding()
         self.rotary = RotaryEmbedding(self.cfg.rope, device)
@@ -270,6 +273,7 @@ class DecoderModel(nn.Module):
         if self.packed_lm_head is not None:
             tensors.append(self.packed_lm_head)
         total = sum(t.numel() * t.element_size() for t in tensors) + sum(p.nbytes for p in self._panel_weights())
+        total += self.greedy_head.nbytes if self.greedy_head is not None else 0
         quantized = {id(q): q for module in self.modules()
                      for q in (getattr(module, "quantized", None), getattr(module, "quantized_lm_head", None))
                      if q is not None}
@@ -284,6 +288,17 @@ class DecoderModel(nn.Module):
         if panels:
             log.info("%d fp32 weights also packed in panels for products of up to %d rows (+%.0f MB)",
                      len(panels), PANEL_MAX_ROWS, sum(p.nbytes for p in panels) / 1e6)
+        if self.greedy_head is not None:
+            log.info("greedy steps screen the LM head in bf16 (+%.0f MB)", self.greedy_head.nbytes / 1e6)
+
+    def _build_greedy_head(self) -> None:
+        """The screened head for greedy steps (``common.engine.models.greedy_head``): an fp32 head
+        with panels, whole on this rank, whose logits are the product itself (no soft-capping,
+        which could tie rows the product keeps apart)."""
+        if self.tp.size != 1 or self.cfg.final_logit_softcapping:
+            return
+        head = self.lm_head_panels if self.cfg.tie_word_embeddings else self.lm_head.panels
+        self.greedy_head = GreedyHead.build(head)
 
     def _tune_row_padding(self) -> None:
         """Time this model's packed products for few rows and pad where more rows run faster
@@ -318,6 +333,16 @@ class DecoderModel(nn.Module):
         for layer in self.model.layers:
             x = layer(x, rope, cache, meta, backend, self.stages)
         return x
+
+    @torch.inference_mode()
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Each row's greedy token -- the first index of its largest logit in the head's fp32 panel
+        product, which ``logits`` takes for up to ``PANEL_MAX_ROWS`` rows -- without computing the
+        logits where the screened head applies; ``None``
+        where it does not (or cannot decide: a value not finite): the caller computes the logits."""
+        if self.greedy_head is None or hidden.dtype != torch.float32 or hidden.device.type != "cpu":
+            return None
+        return self.greedy_head.argmax(self.model.norm(hidden))
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:

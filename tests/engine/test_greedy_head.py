@@ -1,0 +1,119 @@
+"""The screened greedy head (common/engine/models/greedy_head.py, csrc/greedy_screen_cpu.c): each
+row's token is the first maximal index of the fp32 panels' product, on both pass-1 paths (AMX
+tiles where the CPU has them, AVX-512), for near ties that bf16 cannot tell apart and exact ties;
+values that are not finite leave the decision to the caller.  The engine takes it on greedy
+steps only."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from common.engine.models.greedy_head import GreedyHead, screen_path
+from common.engine.models.panels import pack_panels, panel_linear
+
+pytestmark = pytest.mark.skipif(GreedyHead.build(pack_panels(torch.ones(16, 16))) is None,
+                                reason="the screen has no vector code for this CPU (AVX-512)")
+
+PATHS = ["amx", "avx512"]
+
+
+@pytest.fixture(params=PATHS)
+def path(request):
+    chosen = screen_path(allow_amx=request.param == "amx")
+    if chosen != request.param:
+        screen_path(allow_amx=True)
+        pytest.skip(f"no {request.param} path on this machine")
+    yield chosen
+    screen_path(allow_amx=True)
+
+
+def reference(x: torch.Tensor, panels) -> torch.Tensor:
+    return panel_linear(x, panels).max(dim=-1).indices
+
+
+@st.composite
+def heads(draw):
+    """A head whose best rows for the drawn inputs have rivals closer than bf16 resolves: copies of
+    one row nudged by a few fp32 ulps (or not at all: exact ties) or by about bf16's resolution,
+    scattered over the rows."""
+    seed = draw(st.integers(0, 2**31 - 1))
+    rows = draw(st.integers(1, 300))
+    width = draw(st.integers(1, 80))
+    tokens = draw(st.integers(1, 40))
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randn(rows, width, generator=g) * draw(st.sampled_from([1e-3, 0.05, 1.0, 30.0]))
+    x = torch.randn(tokens, width, generator=g) * draw(st.sampled_from([1e-2, 1.0, 50.0]))
+    base = weight[int(torch.randint(rows, (1,), generator=g))].clone()
+    for row in torch.randint(rows, (draw(st.integers(0, 12)),), generator=g).tolist():
+        nudge = draw(st.sampled_from(["ulp", "ulp", "bf16"]))
+        if nudge == "ulp":  # the same bf16 copy (or the same row: an exact tie)
+            ulps = draw(st.integers(-3, 3))
+            weight[row] = base if ulps == 0 else torch.nextafter(base, torch.full_like(base, ulps * float("inf")))
+        else:  # changed by about bf16's resolution: its copy rounds elsewhere, its fp32 logit is close
+            eps = draw(st.sampled_from([2.0**-12, 2.0**-9, 2.0**-7]))
+            weight[row] = base * (1 + eps * torch.randn(width, generator=g))
+    if draw(st.booleans()):  # inputs that favour the copied row
+        x[: tokens // 2 + 1] = base * draw(st.sampled_from([1.0, -1.0, 1e3]))
+    return weight, x
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=heads())
+def test_the_token_is_the_fp32_products_first_maximum(path, case):
+    weight, x = case
+    panels = pack_panels(weight)
+    head = GreedyHead.build(panels)
+    got = head.argmax(x)
+    assert got is not None
+    assert torch.equal(got, reference(x, panels))
+
+
+@pytest.fixture(scope="module")
+def wide_head():
+    """A 262k-row head at Gemma 3's width (built once: packing it takes seconds)."""
+    g = torch.Generator().manual_seed(262)
+    panels = pack_panels(torch.randn(262_144, 640, generator=g) * 0.05)
+    return GreedyHead.build(panels), panels
+
+
+def test_a_wide_head_computes_few_rows_in_fp32(path, wide_head):
+    """The tokens agree at every batch size (AMX tiles are 16 tokens: partial tiles too), and only a
+    few panels per token are computed in fp32 (the point of the screen)."""
+    head, panels = wide_head
+    g = torch.Generator().manual_seed(1)
+    for tokens in (1, 3, 5, 16, 17, 64):
+        x = torch.randn(tokens, 640, generator=g) * 3
+        before = head.exact_rows
+        assert torch.equal(head.argmax(x), reference(x, panels)), tokens
+        assert 0 < head.exact_rows - before <= tokens * 16 * 64, tokens
+
+
+def test_rows_that_are_not_finite_are_left_to_the_caller(path):
+    panels = pack_panels(torch.randn(100, 32))
+    head = GreedyHead.build(panels)
+    for bad in (float("nan"), float("inf")):
+        x = torch.randn(3, 32)
+        x[1, 5] = bad
+        assert head.argmax(x) is None
+    assert head.fallbacks == 2
+    huge = torch.full((1, 32), 3e38)  # finite, but the logits overflow
+    assert head.argmax(huge) is None
+
+
+def test_a_head_that_is_not_finite_gets_no_screen():
+    weight = torch.randn(40, 16)
+    weight[7, 3] = float("nan")
+    assert GreedyHead.build(pack_panels(weight)) is None
+    weight[7, 3] = 3.4e38  # finite in fp32, infinite in bf16
+    assert GreedyHead.build(pack_panels(weight)) is None
+
+
+def test_the_input_must_be_fp32_of_the_heads_width():
+    head = GreedyHead.build(pack_panels(torch.randn(40, 16)))
+    with pytest.raises(ValueError, match="fp32"):
+        head.argmax(torch.randn(2, 15))
+    with pytest.raises(ValueError, match="fp32"):
+        head.argmax(torch.randn(2, 16, dtype=torch.float64))
+    assert head.argmax(torch.randn(0, 16)).shape == (0,)
