@@ -102,6 +102,20 @@ def test_rows_that_are_not_finite_are_left_to_the_caller(path):
     assert head.argmax(huge) is None
 
 
+def test_an_approximation_that_overflows_where_fp32_does_not_is_computed_in_fp32(path):
+    """x = 2^64 and a row (w, -w) with w just below 2^64: bf16 rounds w up to 2^64, so the
+    approximate logit is inf - inf (NaN), while fp32 computes 0 -- the largest logit.  Its panel
+    must be computed, not dropped for want of a bound."""
+    w = 2.0**64 - 2.0**54
+    weight = torch.full((40, 2), -1.0)
+    weight[5] = torch.tensor([w, -w])
+    weight[20] = torch.tensor([-1e-19, 0.0])  # -1.8: the best row whose approximation is finite
+    x = torch.full((3, 2), 2.0**64)
+    panels = pack_panels(weight)
+    assert torch.equal(reference(x, panels), torch.tensor([5, 5, 5]))
+    assert torch.equal(GreedyHead.build(panels).argmax(x), torch.tensor([5, 5, 5]))
+
+
 def test_a_head_that_is_not_finite_gets_no_screen():
     weight = torch.randn(40, 16)
     weight[7, 3] = float("nan")

@@ -162,8 +162,11 @@ static void fold(const screen_args *s, int64_t token, int64_t panel, __m512 a, f
                             : first >= s->n       ? (__mmask16)0
                                                   : (__mmask16)((1u << (s->n - first)) - 1u);
     const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
-    const float lo = hmax(_mm512_mask_sub_ps(neg_inf, valid, a, bound));
-    const float hi = hmax(_mm512_mask_add_ps(neg_inf, valid, a, bound));
+    /* A logit whose approximation overflowed (or a bound that did) says nothing: its panel is
+     * computed in fp32 whatever T is, and it sets no lower bound. */
+    const __mmask16 finite = _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_add_ps(a, bound)), _mm512_set1_ps(INFINITY), _CMP_LT_OQ);
+    const float lo = hmax(_mm512_mask_sub_ps(neg_inf, valid & finite, a, bound));
+    const float hi = (valid & ~finite) ? INFINITY : hmax(_mm512_mask_add_ps(neg_inf, valid, a, bound));
     if (lo > *lower_max) *lower_max = lo;
     s->upper[token * s->num_panels + panel] = hi;
 }
@@ -389,7 +392,7 @@ int64_t greedy_screen(const float *x, int64_t ldx, int64_t num_tokens, const flo
             float top = -INFINITY;
             int64_t top_row = -1;
             for (int64_t p = p0; p < p1; p++) {
-                if (!(upper[t * num_panels + p] >= threshold)) continue;
+                if (upper[t * num_panels + p] < threshold) continue;
                 float v[LANES];
                 _mm512_storeu_ps(v, exact_panel(x + t * ldx, panels + p * k * LANES, k));
                 for (int c = 0; c < LANES && p * LANES + c < n; c++) {
