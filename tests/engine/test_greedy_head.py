@@ -116,6 +116,19 @@ def test_an_approximation_that_overflows_where_fp32_does_not_is_computed_in_fp32
     assert torch.equal(GreedyHead.build(panels).argmax(x), torch.tensor([5, 5, 5]))
 
 
+def test_a_subnormal_input_the_dot_product_flushes_is_within_the_bound(path):
+    """x = (1e-39, 2^-110): the bf16 dot product treats the subnormal 1e-39 as zero, which costs
+    row A = (1e38, 0) its whole logit 0.1; row B = (0, 2^105) computes 2^-5 almost exactly.  A is
+    the maximum, so the bound must count the flush (the copy holds zero, |x - x~| counts it)."""
+    weight = torch.full((40, 2), -1.0)
+    weight[3] = torch.tensor([1e38, 0.0])
+    weight[30] = torch.tensor([0.0, 2.0**105])
+    x = torch.tensor([[1e-39, 2.0**-110]])
+    panels = pack_panels(weight)
+    assert int(reference(x, panels)) == 3
+    assert GreedyHead.build(panels).argmax(x).tolist() == [3]
+
+
 def test_a_head_that_is_not_finite_gets_no_screen():
     weight = torch.randn(40, 16)
     weight[7, 3] = float("nan")

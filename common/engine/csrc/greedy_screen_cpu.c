@@ -16,7 +16,8 @@
  *   |a_r - f_r| <= |x - x~| |w_r| + |x~| |w~_r - w_r| + g (|x~| |w~_r| + |x| |w_r|) + tiny
  * with f_r the fp32 logit (itself within g |x| |w_r| of x.w_r), g = K u / (1 - K u), u = 2^-24
  * (any summation order, fused or not), Cauchy-Schwarz for each dot product, and "tiny" the
- * denormals the bf16 dot product flushes.  Row norms are computed at packing in double and
+ * subnormal products and sums the bf16 dot product flushes (its subnormal inputs are zero in the
+ * copies already: to_bf16).  Row norms are computed at packing in double and
  * rounded up; the bound is widened by 1% and by 2^-21 |a_r| for its own fp32 evaluation.
  *
  * Pass 1 runs on AMX tiles where the CPU has them (16 tokens by 16 rows per tile; a decode batch
@@ -61,11 +62,15 @@ int greedy_screen_native(void) { return NATIVE; }
 static int screen_with_amx = 1;
 
 
-static inline uint16_t to_bf16(float f) { /* round to nearest even (finite inputs) */
+/* Round to nearest even (finite inputs), subnormal results to zero: the dot products treat
+ * subnormal inputs as zero, so the copies hold exactly what they multiply (and the bound, which
+ * counts |x - x~| and |w - w~|, counts what the flush loses). */
+static inline uint16_t to_bf16(float f) {
     uint32_t u;
     memcpy(&u, &f, sizeof u);
     u += 0x7FFFu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
+    const uint16_t h = (uint16_t)(u >> 16);
+    return (h & 0x7F80u) == 0 ? 0 : h;
 }
 
 static inline float from_bf16(uint16_t h) {
