@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 
 import pytest
 
@@ -18,6 +19,12 @@ from tests.support.waiting import until
 
 PROMPT = list(range(5, 25))
 MAX_TOKENS = 200
+
+
+def slow_steps(harness: DecodeHarness) -> None:
+    """Steps of 10 ms at least: a stream of MAX_TOKENS outlasts the drain's hand-over (and its
+    control timeout) many times over -- the tiny model alone can decode every token first."""
+    harness.engine.fault_injector = lambda _step: time.sleep(0.01)
 
 
 @pytest.fixture
@@ -32,6 +39,7 @@ async def harness(served_checkpoint, monkeypatch):
 
 async def test_a_drain_hands_movable_streams_over_and_a_resumed_stream_goes_on(harness):
     whole = await harness.generate(PROMPT, MAX_TOKENS, remote=False).tokens()
+    slow_steps(harness)
     movable = harness.generate(PROMPT, MAX_TOKENS, remote=False, may_migrate=True)
     pinned = harness.generate(PROMPT, MAX_TOKENS, remote=False)  # its gateway cannot move it
     await asyncio.wait_for(movable.first.wait(), WAIT)
@@ -73,6 +81,7 @@ async def test_streams_whose_kv_nobody_pre_copies_are_handed_over_all_the_same(h
     """A gateway that does not pre-copy (or fails to) delays the hand-over by at most the control
     timeout without progress; it never keeps the stream decoding to its end here."""
     monkeypatch.setattr(harness.worker, "config", dataclasses.replace(harness.worker.config, control_timeout_s=0.2))
+    slow_steps(harness)
     movable = harness.generate(PROMPT, MAX_TOKENS, remote=False, may_migrate=True)
     await asyncio.wait_for(movable.first.wait(), WAIT)
     drained = harness.worker.begin_drain()

@@ -7,7 +7,7 @@ distance from its fp32 value, then in fp32 only the panels of 16 rows that can s
 maximum (a few per token) -- on the head's fp32 panels, in ``panel_gemm``'s order, so the token is
 the one the full fp32 product gives (the kernel's comment has the bound).
 
-The bf16 copy is half the fp32 head's size (Gemma 3 270M: +335 MB).  Only where the kernel has
+The bf16 copy is half the fp32 head's size (Gemma 3 270M: +338 MB).  Only where the kernel has
 vector code (AVX-512; with AVX512-BF16 its dot products are the CPU's) and the head is an fp32
 one with panels; ``None`` elsewhere, and the caller computes the logits.
 """
