@@ -10,7 +10,8 @@ fp32 greedy outputs are compared request by request (``outputs_identical_fp32``)
 Offline, vLLM runs at its best setting here: ``VLLM_CPU_NUM_OF_RESERVED_CPU=0`` (by default it keeps
 a core of two for its scheduler).  Served: vLLM's OpenAI server at its default and with no core
 reserved (there its API server competes with its compute threads), and this project's stack (one
-colocated worker; one prefill + one decode worker), the same closed-loop load from
+colocated worker; one prefill + one decode worker, each with every core as ``make up`` runs them,
+or with ``--disagg-cores split`` one half of the cores each), the same closed-loop load from
 ``benchmarks/loadgen.py`` at each concurrency, greedy and sampled (temperature 1); each ratio is
 against vLLM's better setting for that load.
 
@@ -256,8 +257,9 @@ def served_ours(name: str, checkpoint: Path, args, vocab: int) -> dict:
               "--max-model-len", str(args.max_model_len), "--num-blocks", str(args.num_blocks)]
     if name == "colocated":
         shape = dict(prefill=0, decode=0, both=1, extra_env={"OMP_NUM_THREADS": str(args.threads)})
-    else:  # the cores split between the two workers
-        shape = dict(prefill=1, decode=1, extra_env={"OMP_NUM_THREADS": str(max(1, args.threads // 2))})
+    else:  # as make up runs them: every core to each (the OS shares them), or half each
+        threads = args.threads if args.disagg_cores == "shared" else max(1, args.threads // 2)
+        shape = dict(prefill=1, decode=1, extra_env={"OMP_NUM_THREADS": str(threads)})
     workdir = Path(tempfile.mkdtemp(prefix=f"pdserve-vs-vllm-{name}-"))
     stack = BenchStack(str(checkpoint), args.redis_url, key_prefix=f"bench-vs-vllm-{uuid.uuid4().hex[:10]}",
                        workdir=workdir, transport="tcp", policy="prefix_aware", worker_args=common,
@@ -318,6 +320,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--skip-offline", action="store_true")
     p.add_argument("--skip-served", action="store_true")
     p.add_argument("--concurrency", type=int, nargs="+")
+    p.add_argument("--disagg-cores", choices=("shared", "split"), default="shared",
+                   help="disaggregated layout: each worker computes on every core, as make up runs them "
+                        "(shared), or on half of them (split)")
     p.add_argument("--served-prompt-len", type=int, default=256)
     p.add_argument("--served-output-len", type=int, default=64)
     p.add_argument("--served-min-requests", type=int, default=8)
@@ -356,7 +361,8 @@ def main(argv=None) -> None:
     else:
         checkpoint = Path(args.model)
     result: dict = {"benchmark": "vs_vllm_cpu", "model": checkpoint.name, "vllm": VLLM_VERSION,
-                    "threads": args.threads, "quick": args.quick, "compiled": args.compile}
+                    "threads": args.threads, "quick": args.quick, "compiled": args.compile,
+                    "disagg_cores": args.disagg_cores}
     if not args.skip_offline:
         result.update(run_offline(venv, checkpoint, args))
     if not args.skip_served:
