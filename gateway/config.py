@@ -77,8 +77,8 @@ class GatewayConfig:
     port: int = 8000
     redis_url: str = field(default=DEFAULT_REDIS_URL, repr=False)  # may hold the Redis password
     key_prefix: str = DEFAULT_KEY_PREFIX
-    routing_policy: str = "prefix_aware"
-    skip_prefill_below_tokens: int = 64
+    routing_policy: str = RoutingConfig.policy
+    skip_prefill_below_tokens: int = RoutingConfig.skip_prefill_below_tokens
     api_key: str | None = field(default=None, repr=False)
     api_keys_file: str | None = None
     max_inflight_per_key: int | None = None  # keys without their own limit; 0: none (default: tenants.py)
