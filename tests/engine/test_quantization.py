@@ -48,6 +48,21 @@ def test_int8_takes_the_c_kernel_for_few_rows_and_agrees_with_the_reference_for_
     assert torch.equal(q.rows(ids), q.dequantize()[ids])
 
 
+@pytest.mark.parametrize("out_features", [203, 256, 8, 24])  # partial groups of blocks and a partial block
+def test_int8_rows_do_not_depend_on_the_rows_beside_them(out_features):
+    """1-2 rows take four 8-channel blocks a pass and 3-4 rows two (more chains of FMAs in flight),
+    5-8 one: every output must still be the same sum in the same order, whatever the pass."""
+    w, _ = weights(out_features=out_features, in_features=97)
+    q = Int8Weight(w)
+    assert q._gemv is not None, "the C kernel did not build"
+    x = torch.randn(9, 97)
+    alone = torch.cat([q.matmul(x[i : i + 1]) for i in range(9)])
+    for rows in range(1, 10):
+        assert torch.equal(q.matmul(x[:rows]), alone[:rows]), f"{rows} rows"
+        assert torch.equal(q.matmul(x[9 - rows :]), alone[9 - rows :]), f"the last {rows} rows"
+    assert torch.allclose(alone, x @ q.dequantize().t(), atol=1e-4)
+
+
 def _cpu_has_avx512_bf16() -> bool:
     with open("/proc/cpuinfo") as f:
         return "avx512_bf16" in next((line for line in f if line.startswith("flags")), "")

@@ -7,6 +7,12 @@
  * reading weights: int8 is a quarter of fp32's bytes.  Blocks of channels are split between
  * OpenMP threads.  Built with -march=native (cpu_kernels.py); a scalar loop where there is no AVX2.
  *
+ * With few rows a block's accumulators are one chain of dependent FMAs per row, which waits on the
+ * FMA's latency (4 cycles) at every k: 1 row computed at a quarter of the FMA units' rate, slower
+ * than reading the weight.  So 1-2 rows take GROUP blocks at once and 3-4 rows two, for GROUP (or
+ * two) times the independent chains; each output still adds its k products in ascending order, one
+ * FMA each, so the result does not depend on how many rows or blocks share a pass.
+ *
  * int8_gemv_bf16: the same product for bf16 activation rows on CPUs with AVX512-BF16.  Two blocks of
  * 8 channels at a time, two inputs per instruction: the bytes of inputs k and k+1 are interleaved
  * into (k, k+1) pairs per channel, widened to bf16 (exact: every int8 is a bf16), and
@@ -40,41 +46,104 @@ DEFINE_BLOCK(5)
 DEFINE_BLOCK(6)
 DEFINE_BLOCK(7)
 DEFINE_BLOCK(8)
+
+/* MR rows by NB consecutive blocks (the weights of block j at w + j * k_in * 8): acc[j * MR + i]. */
+#define DEFINE_WIDE(MR, NB)                                                                         \
+    static inline void wide_##MR##_##NB(const float *x, int64_t k_in, const int8_t *w, __m256 *acc) { \
+        __m256 a[NB][MR];                                                                           \
+        for (int j = 0; j < NB; j++)                                                                \
+            for (int i = 0; i < MR; i++) a[j][i] = _mm256_setzero_ps();                             \
+        for (int64_t k = 0; k < k_in; k++)                                                          \
+            for (int j = 0; j < NB; j++) {                                                          \
+                __m256 wv = _mm256_cvtepi32_ps(                                                     \
+                    _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w + j * k_in * 8 + 8 * k)))); \
+                for (int i = 0; i < MR; i++)                                                        \
+                    a[j][i] = _mm256_fmadd_ps(_mm256_broadcast_ss(x + i * k_in + k), wv, a[j][i]);  \
+            }                                                                                       \
+        for (int j = 0; j < NB; j++)                                                                \
+            for (int i = 0; i < MR; i++) acc[j * MR + i] = a[j][i];                                 \
+    }
+#define GROUP 4 /* blocks a pass of 1-2 rows takes */
+DEFINE_WIDE(1, 4)
+DEFINE_WIDE(2, 4)
+DEFINE_WIDE(3, 2)
+DEFINE_WIDE(4, 2)
+
+/* acc[j * mr + i]: row m0 + i of block b0 + j, scaled into y. */
+static inline void store_blocks(const __m256 *acc, int mr, int nb, int64_t m0, int64_t b0, const float *scale,
+                                float *y, int64_t n_out) {
+    for (int j = 0; j < nb; j++) {
+        int64_t b = b0 + j, width = n_out - b * 8 < 8 ? n_out - b * 8 : 8;
+        for (int i = 0; i < mr; i++) {
+            float out[8];
+            _mm256_storeu_ps(out, acc[j * mr + i]);
+            for (int c = 0; c < width; c++) y[(m0 + i) * n_out + b * 8 + c] = out[c] * scale[b * 8 + c];
+        }
+    }
+}
+
+/* Rows [m0, m0 + mr) by blocks [b0, b0 + nb): as many blocks a pass as the row count wants. */
+static void product_blocks(const float *x, int64_t m0, int mr, const int8_t *qp, int64_t b0, int nb,
+                           const float *scale, float *y, int64_t n_out, int64_t k_in) {
+    const float *xm = x + m0 * k_in;
+    __m256 acc[ROWS * GROUP];
+    int64_t b = b0;
+    if (mr <= 2)
+        for (; b + GROUP <= b0 + nb; b += GROUP) {
+            if (mr == 1) wide_1_4(xm, k_in, qp + b * k_in * 8, acc);
+            else wide_2_4(xm, k_in, qp + b * k_in * 8, acc);
+            store_blocks(acc, mr, GROUP, m0, b, scale, y, n_out);
+        }
+    else if (mr <= 4)
+        for (; b + 2 <= b0 + nb; b += 2) {
+            if (mr == 3) wide_3_2(xm, k_in, qp + b * k_in * 8, acc);
+            else wide_4_2(xm, k_in, qp + b * k_in * 8, acc);
+            store_blocks(acc, mr, 2, m0, b, scale, y, n_out);
+        }
+    for (; b < b0 + nb; b++) {
+        const int8_t *w = qp + b * k_in * 8;
+        switch (mr) {
+            case 1: block_1(xm, k_in, w, acc); break;
+            case 2: block_2(xm, k_in, w, acc); break;
+            case 3: block_3(xm, k_in, w, acc); break;
+            case 4: block_4(xm, k_in, w, acc); break;
+            case 5: block_5(xm, k_in, w, acc); break;
+            case 6: block_6(xm, k_in, w, acc); break;
+            case 7: block_7(xm, k_in, w, acc); break;
+            default: block_8(xm, k_in, w, acc); break;
+        }
+        store_blocks(acc, mr, 1, m0, b, scale, y, n_out);
+    }
+}
+#else
+#define GROUP 4
 #endif
 
 void int8_gemv_f32(const float *x, int64_t rows, const int8_t *qp, const float *scale, float *y,
                    int64_t n_out, int64_t k_in) {
-    int64_t blocks = (n_out + 7) / 8;
+    int64_t blocks = (n_out + 7) / 8, groups = (blocks + GROUP - 1) / GROUP;
 #pragma omp parallel for schedule(static)
-    for (int64_t b = 0; b < blocks; b++) {
-        const int8_t *w = qp + b * k_in * 8;
-        int64_t width = n_out - b * 8 < 8 ? n_out - b * 8 : 8;
+    for (int64_t g = 0; g < groups; g++) {
+        int64_t b0 = g * GROUP;
+        int nb = (int)(blocks - b0 < GROUP ? blocks - b0 : GROUP);
         for (int64_t m0 = 0; m0 < rows; m0 += ROWS) {
             int mr = (int)(rows - m0 < ROWS ? rows - m0 : ROWS);
-            float out[ROWS][8];
 #ifdef __AVX2__
-            __m256 acc[ROWS];
-            const float *xm = x + m0 * k_in;
-            switch (mr) {
-                case 1: block_1(xm, k_in, w, acc); break;
-                case 2: block_2(xm, k_in, w, acc); break;
-                case 3: block_3(xm, k_in, w, acc); break;
-                case 4: block_4(xm, k_in, w, acc); break;
-                case 5: block_5(xm, k_in, w, acc); break;
-                case 6: block_6(xm, k_in, w, acc); break;
-                case 7: block_7(xm, k_in, w, acc); break;
-                default: block_8(xm, k_in, w, acc); break;
-            }
-            for (int i = 0; i < mr; i++) _mm256_storeu_ps(out[i], acc[i]);
+            product_blocks(x, m0, mr, qp, b0, nb, scale, y, n_out, k_in);
 #else
-            for (int i = 0; i < mr; i++)
-                for (int j = 0; j < 8; j++) out[i][j] = 0.0f;
-            for (int64_t k = 0; k < k_in; k++)
+            for (int64_t b = b0; b < b0 + nb; b++) {
+                const int8_t *w = qp + b * k_in * 8;
+                int64_t width = n_out - b * 8 < 8 ? n_out - b * 8 : 8;
+                float out[ROWS][8];
                 for (int i = 0; i < mr; i++)
-                    for (int j = 0; j < 8; j++) out[i][j] += x[(m0 + i) * k_in + k] * (float)w[8 * k + j];
+                    for (int j = 0; j < 8; j++) out[i][j] = 0.0f;
+                for (int64_t k = 0; k < k_in; k++)
+                    for (int i = 0; i < mr; i++)
+                        for (int j = 0; j < 8; j++) out[i][j] += x[(m0 + i) * k_in + k] * (float)w[8 * k + j];
+                for (int i = 0; i < mr; i++)
+                    for (int j = 0; j < width; j++) y[(m0 + i) * n_out + b * 8 + j] = out[i][j] * scale[b * 8 + j];
+            }
 #endif
-            for (int i = 0; i < mr; i++)
-                for (int j = 0; j < width; j++) y[(m0 + i) * n_out + b * 8 + j] = out[i][j] * scale[b * 8 + j];
         }
     }
 }
