@@ -51,7 +51,8 @@ def test_int8_takes_the_c_kernel_for_few_rows_and_agrees_with_the_reference_for_
 @pytest.mark.parametrize("out_features", [203, 256, 8, 24])  # partial groups of blocks and a partial block
 def test_int8_rows_do_not_depend_on_the_rows_beside_them(out_features):
     """1-2 rows take four 8-channel blocks a pass and 3-4 rows two (more chains of FMAs in flight),
-    5-8 one: every output must still be the same sum in the same order, whatever the pass."""
+    5-8 two in one 16-lane vector on AVX-512 (else one), a last odd block one: every output must
+    still be the same sum in the same order, whatever the pass."""
     w, _ = weights(out_features=out_features, in_features=97)
     q = Int8Weight(w)
     assert q._gemv is not None, "the C kernel did not build"
