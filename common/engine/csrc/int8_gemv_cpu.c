@@ -27,6 +27,7 @@
 #endif
 
 #define ROWS 8 /* rows per pass over the weights; more rows take more passes */
+#define GROUP 4 /* blocks of 8 channels a thread takes at a time (and a pass of 1-2 rows computes) */
 
 #ifdef __AVX2__
 #define DEFINE_BLOCK(MR)                                                                            \
@@ -88,7 +89,6 @@ DEFINE_PAIR16(7)
 DEFINE_PAIR16(8)
 #endif
 
-#define GROUP 4 /* blocks a pass of 1-2 rows takes */
 DEFINE_WIDE(1, 4)
 DEFINE_WIDE(2, 4)
 DEFINE_WIDE(3, 2)
@@ -153,8 +153,6 @@ static void product_blocks(const float *x, int64_t m0, int mr, const int8_t *qp,
         store_blocks(acc, mr, 1, m0, b, scale, y, n_out);
     }
 }
-#else
-#define GROUP 4
 #endif
 
 void int8_gemv_f32(const float *x, int64_t rows, const int8_t *qp, const float *scale, float *y,
