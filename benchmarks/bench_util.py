@@ -4,7 +4,9 @@ from __future__ import annotations
 import json
 import math
 import random
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -44,6 +46,18 @@ def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     index = min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))
     return ordered[index]
+
+
+def median_ms(fn, repeats: int, fresh_input=None) -> float:
+    """The median wall time of ``repeats`` calls of ``fn``, in ms.  With ``fresh_input``, each call
+    takes a new ``fresh_input()`` (made outside the timing: say a copy ``fn`` may overwrite)."""
+    times = []
+    for _ in range(repeats):
+        args = () if fresh_input is None else (fresh_input(),)
+        start = time.perf_counter()
+        fn(*args)
+        times.append((time.perf_counter() - start) * 1000)
+    return statistics.median(times)
 
 
 def emit(result: dict) -> None:

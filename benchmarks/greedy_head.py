@@ -14,16 +14,14 @@ same (it must be: ``tokens_identical``).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.bench_util import emit  # noqa: E402
+from benchmarks.bench_util import emit, median_ms  # noqa: E402
 from common.engine.config import EngineConfig  # noqa: E402
 from common.engine.engine import Engine  # noqa: E402
 from common.engine.models.greedy_head import screen_path  # noqa: E402
@@ -53,16 +51,6 @@ def capture_hidden(engine: Engine, count: int, seed: int) -> torch.Tensor:
     return torch.cat(captured)[:count]
 
 
-def median_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1000)
-    return statistics.median(times)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="rows 1 and 16, fewer repetitions")
@@ -86,7 +74,7 @@ def main() -> None:
                     "bf16_copy_mb": round(head.nbytes / 1e6), "by_rows": {}}
     identical = True
     for n in batch_sizes:
-        rows = hidden[:n]
+        rows = hidden[:n]  # the two calls below also warm both paths up
         expected = model.logits(rows).max(dim=-1).indices
         before = head.exact_rows
         got = model.greedy_tokens(rows)

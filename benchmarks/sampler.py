@@ -22,16 +22,14 @@ is one JSON object.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.bench_util import emit  # noqa: E402
+from benchmarks.bench_util import emit, median_ms  # noqa: E402
 from common.engine.sampler import Sampler, SamplingRow  # noqa: E402
 from common.engine.sampling_params import SamplingParams  # noqa: E402
 
@@ -80,16 +78,6 @@ def per_row_reference(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int
     return tokens.tolist()
 
 
-def median_ms(fn, logits: torch.Tensor, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        fresh = logits.clone()  # the engine hands the sampler logits it may overwrite
-        start = time.perf_counter()
-        fn(fresh)
-        times.append((time.perf_counter() - start) * 1000)
-    return statistics.median(times)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="rows 1 and 32, fewer repetitions")
@@ -112,8 +100,9 @@ def main() -> None:
             logits = torch.randn(n, VOCAB, generator=generator) * 5.0
             rows = [SamplingRow(params, len(output), prompt, output, request_id=f"r{i}") for i in range(n)]
             sampler(logits.clone(), rows, scratch_logits=True)  # warm-up: scratch buffer, histories
-            new = median_ms(lambda x: sampler(x, rows, scratch_logits=True), logits, repeats)
-            old = median_ms(lambda x: per_row_reference(x, rows), logits, max(1, repeats // 2))
+            # fresh copies: the engine hands the sampler logits it may overwrite
+            new = median_ms(lambda x: sampler(x, rows, scratch_logits=True), repeats, logits.clone)
+            old = median_ms(lambda x: per_row_reference(x, rows), max(1, repeats // 2), logits.clone)
             results[mode][str(n)] = {"batched_ms": round(new, 2), "per_row_loop_ms": round(old, 2),
                                      "speedup": round(old / new, 1)}
             print(f"{mode:12s} rows={n:3d}  batched {new:8.2f} ms   per-row loop {old:9.2f} ms", file=sys.stderr)

@@ -30,25 +30,6 @@
 #define GROUP 4 /* blocks of 8 channels a thread takes at a time (and a pass of 1-2 rows computes) */
 
 #ifdef __AVX2__
-#define DEFINE_BLOCK(MR)                                                                            \
-    static inline void block_##MR(const float *x, int64_t k_in, const int8_t *w, __m256 *acc) {      \
-        __m256 a[MR];                                                                               \
-        for (int i = 0; i < MR; i++) a[i] = _mm256_setzero_ps();                                    \
-        for (int64_t k = 0; k < k_in; k++) {                                                        \
-            __m256 wv = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w + 8 * k)))); \
-            for (int i = 0; i < MR; i++) a[i] = _mm256_fmadd_ps(_mm256_broadcast_ss(x + i * k_in + k), wv, a[i]); \
-        }                                                                                           \
-        for (int i = 0; i < MR; i++) acc[i] = a[i];                                                 \
-    }
-DEFINE_BLOCK(1)
-DEFINE_BLOCK(2)
-DEFINE_BLOCK(3)
-DEFINE_BLOCK(4)
-DEFINE_BLOCK(5)
-DEFINE_BLOCK(6)
-DEFINE_BLOCK(7)
-DEFINE_BLOCK(8)
-
 /* MR rows by NB consecutive blocks (the weights of block j at w + j * k_in * 8): acc[j * MR + i]. */
 #define DEFINE_WIDE(MR, NB)                                                                         \
     static inline void wide_##MR##_##NB(const float *x, int64_t k_in, const int8_t *w, __m256 *acc) { \
@@ -89,6 +70,8 @@ DEFINE_PAIR16(7)
 DEFINE_PAIR16(8)
 #endif
 
+DEFINE_WIDE(1, 1) DEFINE_WIDE(2, 1) DEFINE_WIDE(3, 1) DEFINE_WIDE(4, 1)
+DEFINE_WIDE(5, 1) DEFINE_WIDE(6, 1) DEFINE_WIDE(7, 1) DEFINE_WIDE(8, 1)
 DEFINE_WIDE(1, 4)
 DEFINE_WIDE(2, 4)
 DEFINE_WIDE(3, 2)
@@ -141,14 +124,14 @@ static void product_blocks(const float *x, int64_t m0, int mr, const int8_t *qp,
     for (; b < b0 + nb; b++) {
         const int8_t *w = qp + b * k_in * 8;
         switch (mr) {
-            case 1: block_1(xm, k_in, w, acc); break;
-            case 2: block_2(xm, k_in, w, acc); break;
-            case 3: block_3(xm, k_in, w, acc); break;
-            case 4: block_4(xm, k_in, w, acc); break;
-            case 5: block_5(xm, k_in, w, acc); break;
-            case 6: block_6(xm, k_in, w, acc); break;
-            case 7: block_7(xm, k_in, w, acc); break;
-            default: block_8(xm, k_in, w, acc); break;
+            case 1: wide_1_1(xm, k_in, w, acc); break;
+            case 2: wide_2_1(xm, k_in, w, acc); break;
+            case 3: wide_3_1(xm, k_in, w, acc); break;
+            case 4: wide_4_1(xm, k_in, w, acc); break;
+            case 5: wide_5_1(xm, k_in, w, acc); break;
+            case 6: wide_6_1(xm, k_in, w, acc); break;
+            case 7: wide_7_1(xm, k_in, w, acc); break;
+            default: wide_8_1(xm, k_in, w, acc); break;
         }
         store_blocks(acc, mr, 1, m0, b, scale, y, n_out);
     }
