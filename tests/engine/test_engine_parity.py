@@ -41,7 +41,7 @@ def test_whole_prompts(checkpoint):
         assert result.finish_reason == "length"
     engine.block_pool.check_integrity()
     assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks
-    head = engine.model.greedy_head  # None only where the CPU has no AVX-512
+    head = engine.model.greedy_head  # None only where the CPU has neither AVX-512 nor AVX2
     assert head is None or head.exact_rows > 0, "greedy steps took the logits, not the screened head"
 
 

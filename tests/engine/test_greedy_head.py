@@ -1,6 +1,6 @@
 """The screened greedy head (common/engine/models/greedy_head.py, csrc/greedy_screen_cpu.c): each
-row's token is the first maximal index of the fp32 panels' product, on both pass-1 paths (AMX
-tiles where the CPU has them, AVX-512), for near ties that bf16 cannot tell apart and exact ties;
+row's token is the first maximal index of the fp32 panels' product, on each pass-1 path the CPU
+has (AMX tiles, AVX-512, AVX2), for near ties that bf16 cannot tell apart and exact ties;
 values that are not finite leave the decision to the caller.  The engine takes it on greedy
 steps only."""
 from __future__ import annotations
@@ -14,9 +14,9 @@ from common.engine.models.greedy_head import GreedyHead, screen_path
 from common.engine.models.panels import pack_panels, panel_linear
 
 pytestmark = pytest.mark.skipif(GreedyHead.build(pack_panels(torch.ones(16, 16))) is None,
-                                reason="the screen has no vector code for this CPU (AVX-512)")
+                                reason="the screen has no vector code for this CPU (AVX-512 or AVX2 with FMA)")
 
-PATHS = ["amx", "avx512"]
+PATHS = ["amx", "avx512", "avx2"]
 
 
 @pytest.fixture(params=PATHS)
@@ -129,11 +129,41 @@ def test_a_subnormal_input_the_dot_product_flushes_is_within_the_bound(path):
     assert GreedyHead.build(panels).argmax(x).tolist() == [3]
 
 
+def test_an_odd_k_copy_that_rounds_past_its_rival_is_within_the_bound(path):
+    """AVX2 takes an odd k's copy as all 32 bits of its pair, the even k's bf16 as the low half:
+    row B's even k (2^-95, bf16 bits 0x1000) pushes its odd k's copy of 1 - 2^-22 up to ~1.0005,
+    above row A's copy of 1 + 2^-22 (1.0), though A's logit is the larger.  The bound must count
+    what the odd copy is (on the other paths both copies are 1.0: a tie the bound settles)."""
+    weight = torch.full((40, 2), -1.0)
+    weight[0] = torch.tensor([0.0, 1 + 2.0**-22])
+    weight[16] = torch.tensor([2.0**-95, 1 - 2.0**-22])
+    x = torch.tensor([[0.0, 1.0]])
+    panels = pack_panels(weight)
+    assert int(reference(x, panels)) == 0
+    assert GreedyHead.build(panels).argmax(x).tolist() == [0]
+
+
+def test_an_input_that_bf16_would_reorder_is_within_the_bound(path):
+    """x0 > 3 x1 by 2^-18, but in bf16 x0 rounds down to 1.0 and x1 to 171/512, so 3 x1~ > x0~:
+    row B = (0, 3) beats row A = (1, 0) in bf16.  The paths that round x must count it (AVX2 takes x
+    as it is, and the bound must not count less than what its products see)."""
+    x0 = 1 + 2.0**-8 - 2.0**-20
+    x = torch.tensor([[x0, (x0 - 2.0**-18) / 3]])
+    weight = torch.full((40, 2), -1.0)
+    weight[0] = torch.tensor([1.0, 0.0])
+    weight[16] = torch.tensor([0.0, 3.0])
+    panels = pack_panels(weight)
+    assert int(reference(x, panels)) == 0
+    assert x.to(torch.bfloat16).float()[0, 0] < 3 * x.to(torch.bfloat16).float()[0, 1]
+    assert GreedyHead.build(panels).argmax(x).tolist() == [0]
+
+
 def test_a_head_that_is_not_finite_gets_no_screen():
     weight = torch.randn(40, 16)
     weight[7, 3] = float("nan")
     assert GreedyHead.build(pack_panels(weight)) is None
-    weight[7, 3] = 3.4e38  # finite in fp32, infinite in bf16
+    weight[7, 3] = 0.0
+    weight[7, 2] = 3.4e38  # finite in fp32, infinite in bf16 (an even k: AVX2's odd k are not bf16)
     assert GreedyHead.build(pack_panels(weight)) is None
 
 

@@ -22,7 +22,9 @@
  *
  * Pass 1 runs on AMX tiles where the CPU has them (16 tokens by 16 rows per tile; a decode batch
  * of 64 costs little more than one of 1, which reads the bf16 copy once), else on AVX-512 (with
- * AVX512-BF16's dot product where it exists), where large batches cost as much as fp32 does.
+ * AVX512-BF16's dot product where it exists; greedy_screen_cpu_avx512.h) or AVX2 with FMA
+ * (greedy_screen_cpu_avx2.h), where large batches cost as much as fp32 does: the gain there is
+ * reading half the bytes.
  *
  * Layouts: fp32 panels as panel_gemm_cpu.c ([K][16] per panel); bf16 panels [K2][16][2] (one
  * 64-byte load holds two k of 16 rows, as the dot products take them; K2 = K/2 rounded up to
@@ -52,11 +54,25 @@
 #include <unistd.h>
 #define AMX 1
 #endif
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define NATIVE 1
+/* AVX2 has no bf16 dot product: its FMAs take x in fp32 as it is (x~ = x), and a pair's odd k as
+ * all 32 bits of the pair, saving a mask per load (greedy_screen_cpu_avx2.h): the copy of an odd k
+ * is then the float whose high half is chosen so that, with the even k's bf16 as its low half, it
+ * is nearest the weight (the norms count what it is). */
+#define EXACT_X 1
+#define ODD_TAKES_PAIR 1
 #else
 #define NATIVE 0
 #endif
+#ifndef EXACT_X
+#define EXACT_X 0
+#define ODD_TAKES_PAIR 0
+#endif
 
-/* 1 where the screen has vector code for this CPU (AVX-512; its dot product with AVX512-BF16). */
+/* 1 where the screen has vector code for this CPU (AVX-512, its dot product with AVX512-BF16; or
+ * AVX2 with FMA). */
 int greedy_screen_native(void) { return NATIVE; }
 
 static int screen_with_amx = 1;
@@ -78,6 +94,32 @@ static inline float from_bf16(uint16_t h) {
     float f;
     memcpy(&f, &u, sizeof f);
     return f;
+}
+
+/* The float of the 32 bits (high, low). */
+static inline float pair_float(uint16_t high, uint16_t low) {
+    const uint32_t u = (uint32_t)high << 16 | low;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* The high half that makes (high, low) the finite float nearest w (w finite). */
+static inline uint16_t nearest_high_half(float w, uint16_t low) {
+    uint32_t u;
+    memcpy(&u, &w, sizeof u);
+    uint16_t best = (uint16_t)(u >> 16);
+    double best_error = INFINITY;
+    for (int step = -1; step <= 1; step++) {
+        const uint16_t high = (uint16_t)((u >> 16) + step);
+        const float f = pair_float(high, low);
+        const double error = fabs((double)w - (double)f);
+        if (isfinite(f) && error < best_error) {
+            best = high;
+            best_error = error;
+        }
+    }
+    return best;
 }
 
 static inline float round_up(double v) { /* a float >= v (v >= 0) */
@@ -114,10 +156,18 @@ int64_t greedy_screen_pack(const float *panels, int64_t n, int64_t k, uint16_t *
             double sum_w = 0.0, sum_t = 0.0, sum_e = 0.0;
             for (int64_t i = 0; i < 2 * k2; i++) {
                 const float w = row < n && i < k ? panels[(j * k + i) * LANES + c] : 0.0f;
-                const uint16_t h = isfinite(w) ? to_bf16(w) : 0;
-                const float t = from_bf16(h);
+                uint16_t *slot = dst + ((i / 2) * LANES + c) * 2 + (i % 2);
+                uint16_t h;
+                float t;
+                if (ODD_TAKES_PAIR && i % 2 == 1) {
+                    h = isfinite(w) ? nearest_high_half(w, slot[-1]) : 0;
+                    t = pair_float(h, slot[-1]);
+                } else {
+                    h = isfinite(w) ? to_bf16(w) : 0;
+                    t = from_bf16(h);
+                }
                 if (!isfinite(w) || !isfinite(t)) bad++;
-                dst[((i / 2) * LANES + c) * 2 + (i % 2)] = h;
+                *slot = h;
                 sum_w += (double)w * w;
                 sum_t += (double)t * t;
                 sum_e += ((double)w - t) * ((double)w - t);
@@ -131,18 +181,6 @@ int64_t greedy_screen_pack(const float *panels, int64_t n, int64_t k, uint16_t *
 }
 
 #if NATIVE
-static inline float hmax(__m512 v) { return _mm512_reduce_max_ps(v); }
-
-/* One tile of pass 1: R tokens by P bf16 panels at w.  Accumulates the approximate logits, then
- * folds them into the tokens' lower bounds and the panels' upper bounds. */
-#ifdef __AVX512BF16__
-#define DOT(acc, wv, r, i) acc = _mm512_dpbf16_ps(acc, (__m512bh)(wv), (__m512bh)_mm512_set1_epi32((int)xp[(r) * k2 + (i)]))
-#else
-#define DOT(acc, wv, r, i)                                                                                   \
-    acc = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(wv, 16)), _mm512_set1_ps(xt[(r) * 2 * k2 + 2 * (i)]), acc); \
-    acc = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(wv, hi_mask)), _mm512_set1_ps(xt[(r) * 2 * k2 + 2 * (i) + 1]), acc)
-#endif
-
 typedef struct {
     int64_t n, k, k2, num_panels;
     const uint16_t *pairs; /* the bf16 panels */
@@ -155,130 +193,29 @@ typedef struct {
     float *upper;          /* [tokens][num_panels] */
 } screen_args;
 
-/* Fold one panel's approximate logits `a` of one token into the token's best lower bound and the
- * panel's upper bound (rows past n count as -inf). */
-static void fold(const screen_args *s, int64_t token, int64_t panel, __m512 a, float *lower_max) {
-    const __m512 nrm = _mm512_loadu_ps(s->norm + panel * LANES), res = _mm512_loadu_ps(s->residual + panel * LANES);
-    __m512 bound = _mm512_fmadd_ps(_mm512_set1_ps(s->alpha[token]), nrm,
-                                   _mm512_fmadd_ps(_mm512_set1_ps(s->beta[token]), res, _mm512_set1_ps(s->tiny)));
-    bound = _mm512_fmadd_ps(bound, _mm512_set1_ps(1.01f), _mm512_mul_ps(_mm512_abs_ps(a), _mm512_set1_ps(0x1p-21f)));
-    const int64_t first = panel * LANES;
-    const __mmask16 valid = first + LANES <= s->n ? (__mmask16)0xFFFF
-                            : first >= s->n       ? (__mmask16)0
-                                                  : (__mmask16)((1u << (s->n - first)) - 1u);
-    const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
-    /* A logit whose approximation overflowed (or a bound that did) says nothing: its panel is
-     * computed in fp32 whatever T is, and it sets no lower bound. */
-    const __mmask16 finite = _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_add_ps(a, bound)), _mm512_set1_ps(INFINITY), _CMP_LT_OQ);
-    const float lo = hmax(_mm512_mask_sub_ps(neg_inf, valid & finite, a, bound));
-    const float hi = (valid & ~finite) ? INFINITY : hmax(_mm512_mask_add_ps(neg_inf, valid, a, bound));
-    if (lo > *lower_max) *lower_max = lo;
-    s->upper[token * s->num_panels + panel] = hi;
-}
-
-/* R tokens (from token0) by P bf16 panels (from panel0): R*P accumulators in registers, each
- * 64-byte load of the weights feeds R dot products. */
-#define DEFINE_TILE(R, P)                                                                                  \
-    static void tile_##R##_##P(const screen_args *s, int64_t token0, int64_t panel0, float *lower_max) {    \
-        const int64_t k2 = s->k2;                                                                          \
-        __attribute__((unused)) const uint32_t *xp = s->xp + token0 * k2;                                  \
-        __attribute__((unused)) const float *xt = s->xt + token0 * 2 * k2;                                 \
-        __attribute__((unused)) const __m512i hi_mask = _mm512_set1_epi32((int)0xFFFF0000u);              \
-        __m512 acc[R][P];                                                                                  \
-        for (int r = 0; r < R; r++)                                                                        \
-            for (int p = 0; p < P; p++) acc[r][p] = _mm512_setzero_ps();                                   \
-        const uint16_t *base = s->pairs + panel0 * k2 * LANES * 2;                                         \
-        for (int64_t i = 0; i < k2; i++) {                                                                 \
-            __m512i wv[P];                                                                                 \
-            for (int p = 0; p < P; p++) {                                                                  \
-                const uint16_t *src = base + ((int64_t)p * k2 + i) * LANES * 2;                             \
-                wv[p] = _mm512_loadu_si512((const void *)src);                                             \
-                __builtin_prefetch(src + PREFETCH_AHEAD * LANES * 2);                                      \
-            }                                                                                              \
-            for (int r = 0; r < R; r++)                                                                    \
-                for (int p = 0; p < P; p++) { DOT(acc[r][p], wv[p], r, i); }                               \
-        }                                                                                                  \
-        for (int r = 0; r < R; r++)                                                                        \
-            for (int p = 0; p < P; p++) fold(s, token0 + r, panel0 + p, acc[r][p], &lower_max[r]);         \
-    }
-
 typedef void (*tile_fn)(const screen_args *, int64_t, int64_t, float *);
-#define SMALL_TOKENS 4 /* up to this many tokens: tiles of GROUP panels, else of 2 panels */
-#define LARGE_TOKENS 12
-DEFINE_TILE(1, 4) DEFINE_TILE(2, 4) DEFINE_TILE(3, 4) DEFINE_TILE(4, 4)
-DEFINE_TILE(1, 2) DEFINE_TILE(2, 2) DEFINE_TILE(3, 2) DEFINE_TILE(4, 2) DEFINE_TILE(5, 2) DEFINE_TILE(6, 2)
-DEFINE_TILE(7, 2) DEFINE_TILE(8, 2) DEFINE_TILE(9, 2) DEFINE_TILE(10, 2) DEFINE_TILE(11, 2) DEFINE_TILE(12, 2)
-static const tile_fn SMALL_TILES[SMALL_TOKENS + 1] = {0, tile_1_4, tile_2_4, tile_3_4, tile_4_4};
-static const tile_fn LARGE_TILES[LARGE_TOKENS + 1] = {0, tile_1_2, tile_2_2, tile_3_2, tile_4_2, tile_5_2, tile_6_2,
-                                                      tile_7_2, tile_8_2, tile_9_2, tile_10_2, tile_11_2, tile_12_2};
 
-#ifdef AMX
-/* Linux hands out AMX state only to a process that asks (once; oneDNN may have asked already). */
-static int amx_permitted(void) {
-    static int permitted = -1;
-    if (permitted < 0) permitted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-    return permitted;
-}
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-
-/* tmm0, tmm1: two panels' logits of 16 tokens (fp32); tmm2: the tokens' x~ (16 pairs of k);
- * tmm3, tmm4: the two panels' weights (16 pairs of k by 16 rows). */
-static void amx_configure(void) {
-    tile_config c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int i = 0; i < 5; i++) {
-        c.colsb[i] = 64;
-        c.rows[i] = 16;
-    }
-    _tile_loadconfig(&c);
-}
-
-/* Tokens [token0, token0 + 16) (x~ zero-padded past the real ones) by panels panel0, panel0 + 1;
- * folds the first `real` tokens. */
-static void amx_tile(const screen_args *s, int64_t token0, int64_t panel0, int64_t real, float *lower_max) {
-    const int64_t k2 = s->k2;
-    const uint32_t *a = s->xp + token0 * k2;
-    const uint16_t *b0 = s->pairs + panel0 * k2 * LANES * 2, *b1 = b0 + k2 * LANES * 2;
-    _tile_zero(0);
-    _tile_zero(1);
-    for (int64_t i = 0; i < k2; i += PAIR_BLOCK) {
-        _tile_loadd(2, a + i, k2 * 4);
-        _tile_loadd(3, b0 + i * LANES * 2, LANES * 4);
-        _tile_loadd(4, b1 + i * LANES * 2, LANES * 4);
-        _tile_dpbf16ps(0, 2, 3);
-        _tile_dpbf16ps(1, 2, 4);
-    }
-    float out[2][TOKEN_BLOCK][LANES];
-    _tile_stored(0, out[0], LANES * 4);
-    _tile_stored(1, out[1], LANES * 4);
-    for (int64_t r = 0; r < real; r++)
-        for (int p = 0; p < 2; p++) fold(s, token0 + r, panel0 + p, _mm512_loadu_ps(out[p][r]), &lower_max[r]);
-}
+/* Each defines pass 1's tiles (SMALL_TILES for up to SMALL_TOKENS tokens over GROUP panels,
+ * LARGE_TILES for up to LARGE_TOKENS tokens over LARGE_PANELS panels) and pass 2's exact_panel. */
+#if defined(__AVX512F__)
+#include "greedy_screen_cpu_avx512.h"
+#else
+#include "greedy_screen_cpu_avx2.h"
+#endif
 #endif
 
-/* The fp32 logits of one panel's 16 rows for token x (K wide): the product panel_gemm_cpu.c
- * computes, in its order (one fused multiply-add per k, k ascending). */
-static inline __m512 exact_panel(const float *x, const float *panel, int64_t k) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t i = 0; i < k; i++) acc = _mm512_fmadd_ps(_mm512_set1_ps(x[i]), _mm512_loadu_ps(panel + i * LANES), acc);
-    return acc;
-}
-#endif
-
-/* Which pass 1 runs: 2 AMX tiles (where the CPU has them and Linux grants them), 1 AVX-512, 0 none;
- * `allow_amx` 0 keeps AMX out (tests compare the two). */
+/* Which pass 1 runs: 2 AMX tiles (where the CPU has them and Linux grants them), 1 AVX-512, 3 AVX2,
+ * 0 none; `allow_amx` 0 keeps AMX out (tests compare the two). */
 int greedy_screen_path(int allow_amx) {
     screen_with_amx = allow_amx != 0;
 #if defined(AMX)
     if (screen_with_amx && amx_permitted()) return 2;
 #endif
-    return NATIVE;
+#if defined(__AVX512F__)
+    return 1;
+#else
+    return NATIVE ? 3 : 0;
+#endif
 }
 
 /* For each of `tokens` rows of x [tokens, k] (row stride ldx): the first index of the largest
@@ -321,7 +258,7 @@ int64_t greedy_screen(const float *x, int64_t ldx, int64_t num_tokens, const flo
                 break;
             }
             const uint16_t h = to_bf16(v);
-            const float r = from_bf16(h);
+            const float r = EXACT_X ? v : from_bf16(h);
             xt[t * 2 * k2 + i] = r;
             if (i % 2 == 0) xp[t * k2 + i / 2] = h;
             else xp[t * k2 + i / 2] |= (uint32_t)h << 16;
@@ -373,10 +310,10 @@ int64_t greedy_screen(const float *x, int64_t ldx, int64_t num_tokens, const flo
             if (num_tokens <= SMALL_TOKENS) {
                 SMALL_TILES[num_tokens](&s, 0, panel0, my_lower);
             } else {
-                for (int64_t half = 0; half < GROUP; half += 2)
+                for (int64_t part = 0; part < GROUP; part += LARGE_PANELS)
                     for (int64_t t = 0; t < num_tokens; t += LARGE_TOKENS) {
                         const int64_t r = num_tokens - t < LARGE_TOKENS ? num_tokens - t : LARGE_TOKENS;
-                        LARGE_TILES[r](&s, t, panel0 + half, my_lower + t);
+                        LARGE_TILES[r](&s, t, panel0 + part, my_lower + t);
                     }
             }
         }
@@ -399,7 +336,7 @@ int64_t greedy_screen(const float *x, int64_t ldx, int64_t num_tokens, const flo
             for (int64_t p = p0; p < p1; p++) {
                 if (upper[t * num_panels + p] < threshold) continue;
                 float v[LANES];
-                _mm512_storeu_ps(v, exact_panel(x + t * ldx, panels + p * k * LANES, k));
+                exact_panel(x + t * ldx, panels + p * k * LANES, k, v);
                 for (int c = 0; c < LANES && p * LANES + c < n; c++) {
                     exact_rows++;
                     if (!isfinite(v[c])) not_finite++;

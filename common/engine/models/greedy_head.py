@@ -8,8 +8,8 @@ maximum (a few per token) -- on the head's fp32 panels, in ``panel_gemm``'s orde
 the one the full fp32 product gives (the kernel's comment has the bound).
 
 The bf16 copy is half the fp32 head's size (Gemma 3 270M: +338 MB).  Only where the kernel has
-vector code (AVX-512; with AVX512-BF16 its dot products are the CPU's) and the head is an fp32
-one with panels; ``None`` elsewhere, and the caller computes the logits.
+vector code (AMX tiles, AVX-512 -- with AVX512-BF16 its dot products are the CPU's -- or AVX2 with
+FMA) and the head is an fp32 one with panels; ``None`` elsewhere, and the caller computes the logits.
 """
 from __future__ import annotations
 
@@ -32,10 +32,10 @@ def _native() -> bool:
 
 def screen_path(allow_amx: bool = True) -> str:
     """Which pass 1 the kernel runs from now on in this process: ``"amx"`` (tiles, where the CPU
-    has them and Linux grants them), ``"avx512"``, or ``"none"``; ``allow_amx=False`` keeps AMX
-    out (tests compare the two)."""
+    has them and Linux grants them), ``"avx512"``, ``"avx2"`` or ``"none"``; ``allow_amx=False``
+    keeps AMX out (tests compare the two)."""
     fn = kernel_function("greedy_screen_cpu", "greedy_screen_path", [_INT], _INT)
-    return ("none", "avx512", "amx")[fn(int(allow_amx)) if fn is not None else 0]
+    return ("none", "avx512", "amx", "avx2")[fn(int(allow_amx)) if fn is not None else 0]
 
 
 def _pack_fn():
