@@ -25,20 +25,22 @@ from benchmarks.bench_util import emit, median_ms  # noqa: E402
 from common.engine.config import EngineConfig  # noqa: E402
 from common.engine.engine import Engine  # noqa: E402
 from common.engine.models.greedy_head import screen_path  # noqa: E402
+from common.engine.sampler import Sampler, SamplingRow  # noqa: E402
+from common.engine.sampling_params import SamplingParams  # noqa: E402
 
 
 def capture_hidden(engine: Engine, count: int, seed: int) -> torch.Tensor:
     """``count`` final hidden states of greedy decoding (before the final norm), as the runner
-    hands them to ``greedy_tokens``."""
+    hands them to ``screened_tokens``."""
     captured: list[torch.Tensor] = []
     model = engine.model
-    original = model.greedy_tokens
+    original = model.screened_tokens
 
-    def record(hidden: torch.Tensor):
+    def record(hidden: torch.Tensor, inverse_temperatures: list[float]):
         captured.append(hidden.detach().clone())
-        return original(hidden)
+        return original(hidden, inverse_temperatures)
 
-    model.greedy_tokens = record
+    model.screened_tokens = record
     try:
         g = torch.Generator().manual_seed(seed)
         vocab = model.cfg.vocab_size
@@ -47,7 +49,7 @@ def capture_hidden(engine: Engine, count: int, seed: int) -> torch.Tensor:
         per_prompt = -(-count // len(prompts)) + 1
         engine.generate(prompts, {"max_tokens": per_prompt, "temperature": 0, "ignore_eos": True})
     finally:
-        model.greedy_tokens = original
+        model.screened_tokens = original
     return torch.cat(captured)[:count]
 
 
@@ -66,7 +68,7 @@ def main() -> None:
     model = engine.model
     head = model.greedy_head
     if head is None:
-        emit({"benchmark": "greedy_head", "skipped": "no screened head here (no AVX-512, or not an fp32 head)"})
+        emit({"benchmark": "greedy_head", "skipped": "no screened head here (no AVX-512 or AVX2, or not an fp32 head)"})
         return
     hidden = capture_hidden(engine, max(batch_sizes), seed=0)
     result: dict = {"benchmark": "greedy_head", "model": "gemma-3-270m", "threads": args.threads,
@@ -77,19 +79,36 @@ def main() -> None:
         rows = hidden[:n]  # the two calls below also warm both paths up
         expected = model.logits(rows).max(dim=-1).indices
         before = head.exact_rows
-        got = model.greedy_tokens(rows)
+        got = model.screened_tokens(rows, [0.0] * n)
         identical &= got is not None and torch.equal(got, expected)
         fp32_rows_per_token = (head.exact_rows - before) / n
         logits_ms = median_ms(lambda: model.logits(rows).max(dim=-1), repeats)
-        screen_ms = median_ms(lambda: model.greedy_tokens(rows), repeats)
+        screen_ms = median_ms(lambda: model.screened_tokens(rows, [0.0] * n), repeats)
+        # Default sampling (T = 1, no filters): the logits and the sampler against the screen's
+        # rejection sampling (trials a row: how often a proposal was accepted).
+        plain = [SamplingRow(SamplingParams(temperature=1.0))] * n
+        sampler = Sampler()
+        sampled_logits_ms = median_ms(lambda: sampler(model.logits(rows), plain), repeats)
+        rows_before, trials_before = head.sampled_rows, head.sample_trials
+        sampled_screen_ms = median_ms(lambda: model.screened_tokens(rows, [1.0] * n), repeats)
+        trials = (head.sample_trials - trials_before) / max(1, head.sampled_rows - rows_before)
         result["by_rows"][str(n)] = {"logits_ms": round(logits_ms, 2), "screen_ms": round(screen_ms, 2),
                                      "speedup": round(logits_ms / screen_ms, 2),
-                                     "fp32_rows_per_token": round(fp32_rows_per_token, 1)}
+                                     "fp32_rows_per_token": round(fp32_rows_per_token, 1),
+                                     "sampled_logits_ms": round(sampled_logits_ms, 2),
+                                     "sampled_screen_ms": round(sampled_screen_ms, 2),
+                                     "sampled_speedup": round(sampled_logits_ms / sampled_screen_ms, 2),
+                                     "sample_trials_per_row": round(trials, 3)}
         print(f"rows={n:3d}  logits+max {logits_ms:7.2f} ms   screen {screen_ms:7.2f} ms   "
-              f"{logits_ms / screen_ms:4.2f}x   {fp32_rows_per_token:.0f} rows in fp32 a token", file=sys.stderr)
+              f"{logits_ms / screen_ms:4.2f}x   {fp32_rows_per_token:.0f} rows in fp32 a token;  sampled: "
+              f"logits+sampler {sampled_logits_ms:7.2f} ms   screen {sampled_screen_ms:7.2f} ms   "
+              f"{sampled_logits_ms / sampled_screen_ms:4.2f}x   {trials:.3f} trials a row", file=sys.stderr)
     result["tokens_identical"] = identical
+    result["fallbacks"] = head.fallbacks
     result["speedup_1_row"] = result["by_rows"][str(batch_sizes[0])]["speedup"]
     result["speedup_most_rows"] = result["by_rows"][str(batch_sizes[-1])]["speedup"]
+    result["sampled_speedup_1_row"] = result["by_rows"][str(batch_sizes[0])]["sampled_speedup"]
+    result["sampled_speedup_most_rows"] = result["by_rows"][str(batch_sizes[-1])]["sampled_speedup"]
     emit(result)
 
 

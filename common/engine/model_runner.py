@@ -11,7 +11,7 @@ from common.engine.kv.kv_cache import KVCache
 from common.engine.models.decoder import DecoderModel
 from common.engine.parallel.step_broadcast import StepBroadcast
 from common.engine.parallel.tensor_parallel import TensorParallel
-from common.engine.sampler import Sampler, TokenLogprobs, argmax_suffices
+from common.engine.sampler import Sampler, TokenLogprobs, screen_inverse_temperatures
 from common.engine.scheduler_output import SchedulerOutput
 from common.engine.speculative.verify import kept_tokens, num_rows, sampling_rows
 
@@ -89,9 +89,11 @@ class ModelRunner:
             self.forward_seconds += time.perf_counter() - began
             return {}
         sampled_hidden = hidden[torch.tensor(sample_rows, device=device)]
-        greedy = self.model.greedy_tokens(sampled_hidden) if argmax_suffices(rows) else None
-        if greedy is not None:  # every row's argmax, without the logits (models/greedy_head.py)
-            tokens, logprobs = greedy.tolist(), [None] * len(rows)
+        inverse_temperatures = screen_inverse_temperatures(rows)
+        screened = (self.model.screened_tokens(sampled_hidden, inverse_temperatures)
+                    if inverse_temperatures is not None else None)
+        if screened is not None:  # every row's token, without the logits (models/greedy_head.py)
+            tokens, logprobs = screened.tolist(), [None] * len(rows)
         elif self.tp.rank == 0:
             tokens, logprobs = self.sampler(self.model.logits(sampled_hidden), rows, scratch_logits=True)
         else:  # tensor parallelism: rank 0 samples, the other ranks take its tokens

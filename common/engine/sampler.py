@@ -391,17 +391,32 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], output_index: lis
 # ---- helpers ----------------------------------------------------------------------------------
 
 
-def argmax_suffices(rows: Sequence[SamplingRequest]) -> bool:
-    """Whether every row's token is the first maximal index of its raw logits -- greedy (or top-k 1)
-    without penalties or logit rules -- and no row wants logprobs: the step then needs the
-    argmax, not the logits (``DecoderModel.greedy_tokens``).  A row whose logits are not all
-    finite is the exception; whoever takes the argmax without the logits must leave such rows
-    to ``Sampler``."""
+# Sampled rows below this temperature keep the logits path: the screened head's rejection sampling
+# accepts a trial with probability about exp(-bound / T), so its trials would run out.
+SCREEN_MIN_TEMPERATURE = 0.25
+
+
+def screen_inverse_temperatures(rows: Sequence[SamplingRequest]) -> list[float] | None:
+    """Each row's 1 / temperature where the screened head can decide every row of the step without
+    the logits (``DecoderModel.screened_tokens``): 0 for a row that takes the first maximal index
+    of its raw logits (greedy or top-k 1), 1 / T for an unseeded row that samples softmax(logits / T)
+    plainly; ``None`` where some row needs the logits -- penalties, logit rules, logprobs, top-k,
+    top-p or min-p, a temperature below ``SCREEN_MIN_TEMPERATURE``, or a seed (a seeded row's token
+    is the inverse CDF of its one seeded uniform number, which the screen's rejection sampling would
+    not reproduce).  A row whose logits are not all finite is the exception; the screen leaves such
+    steps to ``Sampler``."""
+    inverse = []
     for row in rows:
         p = row.sampling_params
-        if not (p.greedy or p.top_k == 1) or p.uses_penalties or p.logprobs is not None:
-            return False
-    return not needs_rules(rows)
+        if p.uses_penalties or p.logprobs is not None:
+            return None
+        if p.greedy or p.top_k == 1:
+            inverse.append(0.0)
+        elif p.seed is None and p.top_k == 0 and p.top_p == 1.0 and p.min_p == 0.0 and p.temperature >= SCREEN_MIN_TEMPERATURE:
+            inverse.append(1.0 / p.temperature)
+        else:
+            return None
+    return None if needs_rules(rows) else inverse
 
 
 def _wants_logprobs(rows: Sequence[SamplingRequest]) -> bool:

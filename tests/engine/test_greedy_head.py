@@ -1,8 +1,9 @@
 """The screened greedy head (common/engine/models/greedy_head.py, csrc/greedy_screen_cpu.c): each
 row's token is the first maximal index of the fp32 panels' product, on each pass-1 path the CPU
 has (AMX tiles, AVX-512, AVX2), for near ties that bf16 cannot tell apart and exact ties;
-values that are not finite leave the decision to the caller.  The engine takes it on greedy
-steps only."""
+values that are not finite leave the decision to the caller.  Sampled rows (softmax(logits / T)) are
+drawn by rejection sampling against the screen's bounds: their tokens follow the softmax of the
+fp32 logits.  The engine takes it on greedy and plainly sampled unseeded steps only."""
 from __future__ import annotations
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from common.engine.models.greedy_head import GreedyHead, screen_path
+from common.engine.models.greedy_head import GreedyHead, screen_path, uniforms_per_row
 from common.engine.models.panels import pack_panels, panel_linear
 
 pytestmark = pytest.mark.skipif(GreedyHead.build(pack_panels(torch.ones(16, 16))) is None,
@@ -174,3 +175,72 @@ def test_the_input_must_be_fp32_of_the_heads_width():
     with pytest.raises(ValueError, match="fp32"):
         head.argmax(torch.randn(2, 16, dtype=torch.float64))
     assert head.argmax(torch.randn(0, 16)).shape == (0,)
+
+
+def sampling_head():
+    """A head whose first panel's rows have large bounds beside small logits (x is nearly orthogonal
+    to them: |x| |w - w~| ~ 1), so its proposals are often rejected: a sampler that accepted every
+    proposal, or drew the row inside a panel by anything but its fp32 logits, would be far off."""
+    g = torch.Generator().manual_seed(5)
+    weight = torch.randn(64, 8, generator=g) * 0.5
+    weight[:16, 0] = 25.3 + 0.01 * torch.randn(16, generator=g)
+    weight[:, 1] = 0.05 * torch.randn(64, generator=g)
+    x = torch.randn(1, 8, generator=g) * 0.5
+    x[0, 0], x[0, 1] = 0.0, 20.0
+    return pack_panels(weight), x
+
+
+def draw(head, x, temperature, n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return head.sample(x.expand(n, x.shape[1]).contiguous(), torch.full((n,), 1 / temperature),
+                       torch.rand(n, uniforms_per_row(), dtype=torch.float64, generator=g))
+
+
+def test_sampled_rows_follow_the_softmax_of_the_fp32_logits(path):
+    panels, x = sampling_head()
+    head = GreedyHead.build(panels)
+    n = 20_000
+    tokens = draw(head, x, 1.0, n)
+    assert tokens is not None
+    p = torch.softmax(panel_linear(x, panels)[0].double(), -1)
+    counts = torch.bincount(tokens, minlength=64).double()
+    expected = p * n
+    chi2 = float((((counts - expected) ** 2) / expected).sum())
+    assert chi2 < 63 + 8 * (2 * 63) ** 0.5, chi2  # 63 degrees of freedom; p ~ 1e-9 at the limit
+    share, true_share = float(counts[:16].sum()) / n, float(p[:16].sum())
+    assert abs(share - true_share) < 4 * (true_share * (1 - true_share) / n) ** 0.5
+    assert head.sampled_rows == n and n < head.sample_trials < 16 * n  # some proposals were rejected
+
+
+def test_greedy_and_sampled_rows_share_a_call(path):
+    g = torch.Generator().manual_seed(2)
+    panels = pack_panels(torch.randn(300, 24, generator=g))
+    x = torch.randn(5, 24, generator=g) * 2
+    head = GreedyHead.build(panels)
+    inverse = torch.tensor([0.0, 1.0, 0.0, 2.0, 0.0])
+    tokens = head.sample(x, inverse, torch.rand(5, uniforms_per_row(), dtype=torch.float64, generator=g))
+    reference_tokens = reference(x, panels)
+    assert tokens[[0, 2, 4]].tolist() == reference_tokens[[0, 2, 4]].tolist()
+    assert all(0 <= t < 300 for t in tokens.tolist()) and head.sampled_rows == 2
+
+
+def test_a_sampled_row_no_trial_decides_is_left_to_the_caller(path):
+    """At T = 0.5 the first panel's bounds (~2 in units of T) make most of its proposals fail:
+    among 20000 rows one runs out of trials, and the whole call is left to the logits."""
+    panels, x = sampling_head()
+    head = GreedyHead.build(panels)
+    assert draw(head, x, 0.5, 20_000) is None
+    assert head.fallbacks == 1
+    bad = x.clone()
+    bad[0, 3] = float("nan")
+    assert draw(head, bad, 1.0, 1) is None
+
+
+def test_sampling_inputs_are_checked():
+    head = GreedyHead.build(pack_panels(torch.randn(40, 16)))
+    x = torch.randn(2, 16)
+    uniforms = torch.rand(2, uniforms_per_row(), dtype=torch.float64)
+    with pytest.raises(ValueError, match="inverse temperatures"):
+        head.sample(x, torch.ones(3), uniforms)
+    with pytest.raises(ValueError, match="uniforms"):
+        head.sample(x, torch.ones(2), uniforms.float())

@@ -14,7 +14,7 @@ from common.cluster.messages import GenerateRequest, decode
 from common.engine import inverse_cdf
 from common.engine import sampler as sampler_module
 from common.engine.inverse_cdf import seeded_uniform
-from common.engine.sampler import Sampler, SamplingRow, sample
+from common.engine.sampler import SCREEN_MIN_TEMPERATURE, Sampler, SamplingRow, sample, screen_inverse_temperatures
 from common.engine.sampling_params import SamplingParams
 
 NAN, INF = float("nan"), float("inf")
@@ -392,3 +392,18 @@ def test_a_peer_cannot_send_out_of_range_sampling_params(fields, name):
     raw = msgspec.msgpack.encode({"request_id": "r", "prompt_token_ids": [1, 2], "sampling_params": fields})
     with pytest.raises(ValueError, match=name):
         decode(raw, GenerateRequest)
+
+
+def test_the_screened_head_takes_argmax_rows_and_plain_unseeded_samples_only():
+    """``screen_inverse_temperatures``: greedy rows 0, plain unseeded rows 1 / T; any row that needs
+    the logits (or a seeded draw's inverse CDF) sends the whole step to the logits."""
+    greedy, plain = SamplingRow(SamplingParams(temperature=0.0)), SamplingRow(SamplingParams(temperature=0.5))
+    assert screen_inverse_temperatures([greedy, plain, SamplingRow(SamplingParams(top_k=1))]) == [0.0, 2.0, 0.0]
+    needs_logits = [SamplingParams(seed=3), SamplingParams(top_p=0.9), SamplingParams(top_k=5),
+                    SamplingParams(min_p=0.1), SamplingParams(logprobs=1), SamplingParams(presence_penalty=0.5),
+                    SamplingParams(temperature=0.0, repetition_penalty=1.2), SamplingParams(logit_bias=((3, 1.0),)),
+                    SamplingParams(temperature=SCREEN_MIN_TEMPERATURE / 2)]
+    for params in needs_logits:
+        assert screen_inverse_temperatures([greedy, plain, SamplingRow(params)]) is None, params
+    holding_stops = SamplingRow(SamplingParams(min_tokens=2), stop_token_ids=(1,))
+    assert screen_inverse_temperatures([holding_stops]) is None

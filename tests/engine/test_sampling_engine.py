@@ -1,5 +1,6 @@
-"""Sampling through the engine: penalties equal transformers' (fp32, greedy), and a seeded request's
-tokens do not depend on what else runs, how its prompt is chunked, or preemption."""
+"""Sampling through the engine: penalties equal transformers' (fp32, greedy), a seeded request's
+tokens do not depend on what else runs, how its prompt is chunked, or preemption, and plain unseeded
+sampling takes the screened head (seeded requests keep the logits)."""
 import pytest
 import torch
 
@@ -98,3 +99,19 @@ def test_seeded_requests_ignore_batch_chunking_and_preemption(directory):
     together = run_all(engine, mixed)[: len(mine)][::-1]
     assert engine.scheduler.num_preemptions > 0
     assert together == alone
+
+
+def test_plain_unseeded_sampling_takes_the_screened_head_and_seeded_requests_keep_the_logits(directory):
+    engine = engine_for(directory)
+    head = engine.model.greedy_head
+    if head is None:
+        pytest.skip("no screened head on this CPU (AVX-512 or AVX2 with FMA)")
+    batch = prompts([5, 9, 14], seed=4)
+    seeded = {"temperature": 1.0, "seed": 7, "max_tokens": MAX_NEW, "ignore_eos": True}
+    first = [r.token_ids for r in engine.generate(batch, seeded)]
+    assert head.sampled_rows == 0
+    results = engine.generate(batch, {"temperature": 0.8, "max_tokens": MAX_NEW, "ignore_eos": True})
+    assert head.sampled_rows > 0
+    assert all(len(r.token_ids) == MAX_NEW and all(0 <= t < VOCAB for t in r.token_ids) for r in results)
+    assert [r.token_ids for r in engine.generate(batch, seeded)] == first
+    engine.block_pool.check_integrity()

@@ -45,6 +45,7 @@
 #define PREFETCH_AHEAD 32
 #define PAIR_BLOCK 16 /* pairs of k per AMX tile row: the bf16 panels' pair count is padded to it */
 #define TOKEN_BLOCK 16 /* tokens per AMX tile */
+#define SAMPLE_TRIALS 16 /* rejection-sampling trials of a sampled token before it is left to the caller */
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -190,10 +191,53 @@ typedef struct {
     const float *beta;     /* [tokens] bound per unit of residual norm */
     const float *norm, *residual;
     float tiny;
-    float *upper;          /* [tokens][num_panels] */
+    float *upper;          /* [tokens][num_panels]: a greedy token's upper bounds, a sampled one's m_j */
+    const float *inv_t;    /* [tokens] 1 / temperature of a sampled token, 0 for greedy ones (or NULL: all greedy) */
+    float *mass;           /* [tokens][num_panels]: a sampled token's s_j */
 } screen_args;
 
 typedef void (*tile_fn)(const screen_args *, int64_t, int64_t, float *);
+
+static inline int sampled(const screen_args *s, int64_t token) { return s->inv_t != NULL && s->inv_t[token] > 0.0f; }
+
+/* Generic 16-lane vectors: GCC splits them as the ISA needs (inlined only, so no ABI is involved). */
+#pragma GCC diagnostic ignored "-Wpsabi"
+typedef float vec16 __attribute__((vector_size(LANES * sizeof(float))));
+typedef int32_t ivec16 __attribute__((vector_size(LANES * sizeof(int32_t))));
+
+/* e^v for lanes v <= 0, within 2^-21 relative (2.3e-7 the worst over every float in [-87, 0]) (v below -87 counts as -87: e^-87 ~ 1.6e-38): v = n ln2
+ * + r, |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial (remainder < 1.3e-7), 2^n from bits. */
+static inline __attribute__((always_inline)) vec16 exp_nonpositive(vec16 v) {
+    const ivec16 low = v < -87.0f;
+    v = (vec16)((low & (ivec16)((vec16){0} - 87.0f)) | (~low & (ivec16)v));
+    const vec16 shifted = v * 1.44269504088896341f + 12582912.0f; /* 0x1.8p23: rounds to an integer */
+    const vec16 n = shifted - 12582912.0f;
+    const vec16 r = (v - n * 0.693145751953125f) - n * 1.42860682030941723212e-6f; /* ln2 in two parts */
+    const vec16 poly = 1.0f + r * (1.0f + r * (0.5f + r * (1.0f / 6 + r * (1.0f / 24 + r * (1.0f / 120 + r * (1.0f / 720))))));
+    const ivec16 scale = (((ivec16)shifted - 0x4B400000) + 127) << 23;
+    return poly * (vec16)scale;
+}
+
+/* Pass 1 of a sampled token, one panel: from its `real` rows' upper bounds hi[c] >= l_c, the panel's
+ * m_j = max z_c and s_j = sum exp(z_c - m_j), z_c = hi[c] / T widened by 2^-20 |z_c| for its own
+ * rounding (so z_c >= l_c / T): U_j = s_j exp(m_j - M) bounds the panel's mass sum exp(l_c / T - M)
+ * from above, up to the float evaluation of the exps and sums (sample_token allows 2^-10 for it).
+ * A bound that is not finite makes m_j infinite: the token is then left to the caller. */
+static void fold_mass(const screen_args *s, int64_t token, int64_t panel, const float *hi, int real) {
+    vec16 z;
+    memcpy(&z, hi, sizeof z);
+    z *= s->inv_t[token];
+    const vec16 magnitude = (vec16)((ivec16)z & 0x7FFFFFFF);
+    z += magnitude * 0x1p-20f;
+    float m = -INFINITY, sum = 0.0f;
+    for (int c = 0; c < real && m < INFINITY; c++) m = !isfinite(z[c]) ? INFINITY : z[c] > m ? z[c] : m;
+    if (isfinite(m)) {
+        const vec16 e = exp_nonpositive(z - m);
+        for (int c = 0; c < real; c++) sum += e[c];
+    }
+    s->upper[token * s->num_panels + panel] = m;
+    s->mass[token * s->num_panels + panel] = sum;
+}
 
 /* Each defines pass 1's tiles (SMALL_TILES for up to SMALL_TOKENS tokens over GROUP panels,
  * LARGE_TILES for up to LARGE_TOKENS tokens over LARGE_PANELS panels) and pass 2's exact_panel. */
@@ -202,6 +246,8 @@ typedef void (*tile_fn)(const screen_args *, int64_t, int64_t, float *);
 #else
 #include "greedy_screen_cpu_avx2.h"
 #endif
+
+#include "greedy_screen_cpu_sample.h"
 #endif
 
 /* Which pass 1 runs: 2 AMX tiles (where the CPU has them and Linux grants them), 1 AVX-512, 3 AVX2,
@@ -220,15 +266,18 @@ int greedy_screen_path(int allow_amx) {
 
 /* For each of `tokens` rows of x [tokens, k] (row stride ldx): the first index of the largest
  * logit of x @ W^T, W [n, k] given as fp32 panels (`panels`) and as greedy_screen_pack's bf16
- * panels with their norms.  Writes tokens[t]; returns the number of rows computed in fp32 (the
- * candidates: a few per token), -1 where scratch memory could not be had, -2 where a row of x or
- * a candidate's logit is not finite (the caller computes those tokens' logits in full), -3 where
- * the build has no vector code. */
-int64_t greedy_screen(const float *x, int64_t ldx, int64_t num_tokens, const float *panels, const uint16_t *pairs,
-                      const float *norm, const float *residual, int64_t n, int64_t k, int64_t *out, int num_threads) {
+ * panels with their norms -- or, for a token whose inv_temperature[t] is > 0 (inv_temperature may
+ * be NULL: none), a sample of softmax(logits / T) by sample_token, from uniforms[t][SAMPLE_TRIALS][3]
+ * (trials[t]: the trials it took; 0 for an argmax).  Writes out[t]; returns the number of rows
+ * computed in fp32 (the candidates: a few per token), -1 where scratch memory could not be had, -2
+ * where the caller must compute the logits in full (a row of x or a candidate's logit not finite,
+ * a sampled token left undecided), -3 where the build has no vector code. */
+int64_t screen_tokens(const float *x, int64_t ldx, int64_t num_tokens, const float *panels, const uint16_t *pairs,
+                      const float *norm, const float *residual, int64_t n, int64_t k, const float *inv_temperature,
+                      const double *uniforms, int64_t *trials, int64_t *out, int num_threads) {
 #if !NATIVE
     (void)x; (void)ldx; (void)num_tokens; (void)panels; (void)pairs; (void)norm; (void)residual; (void)n; (void)k;
-    (void)out; (void)num_threads;
+    (void)inv_temperature; (void)uniforms; (void)trials; (void)out; (void)num_threads;
     return -3;
 #else
     const int64_t k2 = padded_pairs(k), num_panels = bf16_panels(n), real_panels = (n + LANES - 1) / LANES;
@@ -241,8 +290,11 @@ int64_t greedy_screen(const float *x, int64_t ldx, int64_t num_tokens, const flo
     float *lower = malloc(sizeof(float) * (size_t)(threads * num_tokens));
     float *best = malloc(sizeof(float) * (size_t)(threads * num_tokens));
     int64_t *best_row = malloc(sizeof(int64_t) * (size_t)(threads * num_tokens));
+    float *mass = inv_temperature ? malloc(sizeof(float) * (size_t)(num_tokens * num_panels)) : NULL;
+    double *scratch = inv_temperature ? malloc(sizeof(double) * (size_t)num_panels) : NULL;
     int64_t status = 0;
-    if (!xp || !xt || !alpha || !beta || !upper || !lower || !best || !best_row) {
+    if (!xp || !xt || !alpha || !beta || !upper || !lower || !best || !best_row ||
+        (inv_temperature && (!mass || !scratch))) {
         status = -1;
         goto done;
     }
@@ -273,7 +325,7 @@ int64_t greedy_screen(const float *x, int64_t ldx, int64_t num_tokens, const flo
     }
     if (status != 0) goto done;
     const screen_args s = {n, k, k2, num_panels, pairs, xp, xt, alpha, beta, norm, residual,
-                           (float)(k + 16) * 0x1p-118f, upper};
+                           (float)(k + 16) * 0x1p-118f, upper, inv_temperature, mass};
     const int64_t groups = num_panels / GROUP;
 #ifdef AMX
     /* Up to SMALL_TOKENS tokens the AVX-512 tiles read the weights as fast, without 16-token tiles. */
@@ -328,6 +380,9 @@ int64_t greedy_screen(const float *x, int64_t ldx, int64_t num_tokens, const flo
         int64_t *my_row = best_row + (int64_t)tid * num_tokens;
         const int64_t p0 = g0 * GROUP, p1 = g1 * GROUP < real_panels ? g1 * GROUP : real_panels;
         for (int64_t t = 0; t < num_tokens; t++) {
+            my_best[t] = -INFINITY;
+            my_row[t] = -1;
+            if (sampled(&s, t)) continue; /* sample_token's, below */
             float threshold = -INFINITY;
             for (int i = 0; i < nt; i++)
                 if (lower[(int64_t)i * num_tokens + t] > threshold) threshold = lower[(int64_t)i * num_tokens + t];
@@ -367,9 +422,22 @@ int64_t greedy_screen(const float *x, int64_t ldx, int64_t num_tokens, const flo
             }
         }
         out[t] = top_row;
+        if (trials) trials[t] = 0;
+    }
+    for (int64_t t = 0; t < num_tokens; t++) {
+        if (!sampled(&s, t)) continue;
+        const int64_t rows = sample_token(&s, x + t * ldx, panels, t, uniforms + t * SAMPLE_TRIALS * 3, scratch,
+                                          trials, out);
+        if (rows < 0) {
+            status = rows;
+            goto done;
+        }
+        exact_rows += rows;
     }
     status = exact_rows;
 done:
+    free(mass);
+    free(scratch);
     free(xp);
     free(xt);
     free(alpha);
@@ -381,3 +449,12 @@ done:
     return status;
 #endif
 }
+
+/* screen_tokens with every token greedy. */
+int64_t greedy_screen(const float *x, int64_t ldx, int64_t num_tokens, const float *panels, const uint16_t *pairs,
+                      const float *norm, const float *residual, int64_t n, int64_t k, int64_t *out, int num_threads) {
+    return screen_tokens(x, ldx, num_tokens, panels, pairs, norm, residual, n, k, NULL, NULL, NULL, out, num_threads);
+}
+
+/* The uniform numbers a sampled token takes: 3 a trial. */
+int64_t screen_sample_uniforms(void) { return 3 * SAMPLE_TRIALS; }

@@ -15,14 +15,14 @@ static inline float hmax8(__m256 v) {
 /* Fold one panel's approximate logits (rows 0-7 in a[0], 8-15 in a[1]) of one token into the
  * token's best lower bound and the panel's upper bound (rows past n count as -inf); as the AVX-512
  * fold: a logit whose approximation or bound overflowed sets no lower bound and sends its panel to
- * pass 2 whatever T is. */
+ * pass 2 whatever T is.  A sampled token's upper bounds go to fold_mass instead. */
 static void fold(const screen_args *s, int64_t token, int64_t panel, const __m256 a[2], float *lower_max) {
     const __m256 alpha = _mm256_set1_ps(s->alpha[token]), beta = _mm256_set1_ps(s->beta[token]);
     const __m256 tiny = _mm256_set1_ps(s->tiny), widen = _mm256_set1_ps(1.01f), relative = _mm256_set1_ps(0x1p-21f);
     const __m256 sign = _mm256_set1_ps(-0.0f), inf = _mm256_set1_ps(INFINITY), neg_inf = _mm256_set1_ps(-INFINITY);
     const int64_t first = panel * LANES, rows_left = s->n - first;
     const __m256i real = _mm256_set1_epi32(rows_left <= 0 ? 0 : rows_left >= LANES ? LANES : (int)rows_left);
-    float lo = -INFINITY, hi = -INFINITY;
+    float lo = -INFINITY, hi = -INFINITY, highs[LANES];
     int overflowed = 0;
     for (int h = 0; h < 2; h++) {
         const __m256 nrm = _mm256_loadu_ps(s->norm + first + 8 * h), res = _mm256_loadu_ps(s->residual + first + 8 * h);
@@ -31,11 +31,16 @@ static void fold(const screen_args *s, int64_t token, int64_t panel, const __m25
         const __m256i lane = _mm256_add_epi32(_mm256_set1_epi32(8 * h), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
         const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(real, lane));
         const __m256 finite = _mm256_cmp_ps(_mm256_andnot_ps(sign, _mm256_add_ps(a[h], bound)), inf, _CMP_LT_OQ);
+        _mm256_storeu_ps(highs + 8 * h, _mm256_add_ps(a[h], bound));
         const float lo_h = hmax8(_mm256_blendv_ps(neg_inf, _mm256_sub_ps(a[h], bound), _mm256_and_ps(valid, finite)));
         const float hi_h = hmax8(_mm256_blendv_ps(neg_inf, _mm256_add_ps(a[h], bound), _mm256_and_ps(valid, finite)));
         if (lo_h > lo) lo = lo_h;
         if (hi_h > hi) hi = hi_h;
         overflowed |= _mm256_movemask_ps(_mm256_andnot_ps(finite, valid));
+    }
+    if (sampled(s, token)) {
+        fold_mass(s, token, panel, highs, rows_left <= 0 ? 0 : rows_left >= LANES ? LANES : (int)rows_left);
+        return;
     }
     if (lo > *lower_max) *lower_max = lo;
     s->upper[token * s->num_panels + panel] = overflowed ? INFINITY : hi;

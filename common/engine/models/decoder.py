@@ -20,7 +20,7 @@ from common.engine.models.quantized import (Int4Weight, QuantizedEmbedding, Quan
                                             quantized_linear)
 from common.engine.models.activations import ACTIVATIONS
 from common.engine.models.linear import Linear, linear, pack_weight, packed_linear, tune_row_padding
-from common.engine.models.greedy_head import GreedyHead
+from common.engine.models.greedy_head import GreedyHead, uniforms_per_row
 from common.engine.models.panels import PANEL_MAX_ROWS, PanelWeight, pack_panels
 from common.engine.models.stages import EAGER, LayerStages
 from common.engine.models import norm_rope
@@ -197,7 +197,7 @@ class DecoderModel(nn.Module):
         self.packed_lm_head: torch.Tensor | None = None  # a tied LM head's packed copy
         self.lm_head_panels: PanelWeight | None = None  # and its copy for few rows (fp32)
         self.quantized_lm_head: QuantizedWeight | None = None  # a tied LM head's quantized rows
-        self.greedy_head: GreedyHead | None = None  # see greedy_tokens
+        self.greedy_head: GreedyHead | None = None  # see screened_tokens
         self.row_padding: tuple[int, ...] = ()  # see _tune_row_padding
         self.used_prepacked = False  # see finish_loading
 
@@ -335,14 +335,20 @@ class DecoderModel(nn.Module):
         return x
 
     @torch.inference_mode()
-    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """Each row's greedy token -- the first index of its largest logit in the head's fp32 panel
-        product, which ``logits`` takes for up to ``PANEL_MAX_ROWS`` rows -- without computing the
-        logits where the screened head applies; ``None``
-        where it does not (or cannot decide: a value not finite): the caller computes the logits."""
+    def screened_tokens(self, hidden: torch.Tensor, inverse_temperatures: list[float]) -> torch.Tensor | None:
+        """Each row's token without the logits, where the screened head applies: the first index of
+        its largest logit in the head's fp32 panel product (which ``logits`` takes for up to
+        ``PANEL_MAX_ROWS`` rows) where ``inverse_temperatures`` says 0, else a sample of
+        softmax(logits / T) (``sampler.screen_inverse_temperatures``; the random numbers from torch's
+        generator, as the sampler's unseeded rows draw theirs).  ``None`` where it does not apply
+        (or cannot decide: a value not finite): the caller computes the logits."""
         if self.greedy_head is None or hidden.dtype != torch.float32 or hidden.device.type != "cpu":
             return None
-        return self.greedy_head.argmax(self.model.norm(hidden))
+        hidden = self.model.norm(hidden)
+        if not any(inverse_temperatures):
+            return self.greedy_head.argmax(hidden)
+        uniforms = torch.rand(len(inverse_temperatures), uniforms_per_row(), dtype=torch.float64)
+        return self.greedy_head.sample(hidden, torch.tensor(inverse_temperatures, dtype=torch.float32), uniforms)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:

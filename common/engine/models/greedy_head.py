@@ -1,11 +1,15 @@
-"""Greedy tokens from an fp32 LM head without computing every logit in fp32: ``csrc/greedy_screen_cpu.c``.
+"""Tokens from an fp32 LM head without computing every logit in fp32: ``csrc/greedy_screen_cpu.c``.
 
-A step whose rows all take their argmax (greedy, no penalties, logit rules or logprobs:
-``sampler.argmax_suffices``) needs each row's first maximal logit, not the logits.  The kernel
+A step whose rows all take their argmax (greedy, no penalties, logit rules or logprobs) or sample
+softmax(logits / T) plainly (``sampler.screen_inverse_temperatures``) needs each row's token, not
+the logits.  For an argmax, the kernel
 computes all of them approximately from a bf16 copy of the head, with a proven bound on each one's
 distance from its fp32 value, then in fp32 only the panels of 16 rows that can still hold the
 maximum (a few per token) -- on the head's fp32 panels, in ``panel_gemm``'s order, so the token is
-the one the full fp32 product gives (the kernel's comment has the bound).
+the one the full fp32 product gives (the kernel's comment has the bound).  For a sample, the same
+bounds give each panel an upper bound on its share of the softmax: the kernel proposes a panel by
+those, computes its 16 logits in fp32 and accepts with the ratio of its true share to the bound
+(rejection sampling, so the token is distributed as softmax of the fp32 logits), then draws the row.
 
 The bf16 copy is half the fp32 head's size (Gemma 3 270M: +338 MB).  Only where the kernel has
 vector code (AMX tiles, AVX-512 -- with AVX512-BF16 its dot products are the CPU's -- or AVX2 with
@@ -42,17 +46,25 @@ def _pack_fn():
     return kernel_function("greedy_screen_cpu", "greedy_screen_pack", [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _INT], _I64)
 
 
-@functools.cache  # looked up once: it is called on every greedy step
+@functools.cache  # looked up once: it is called on every screened step
 def _screen_fn():
-    return kernel_function("greedy_screen_cpu", "greedy_screen",
-                           [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _INT], _I64)
+    return kernel_function("greedy_screen_cpu", "screen_tokens",
+                           [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _INT], _I64)
+
+
+@functools.cache
+def uniforms_per_row() -> int:
+    """The uniform numbers ``GreedyHead.sample`` takes for each row (the kernel's trials, 3 each)."""
+    return kernel_function("greedy_screen_cpu", "screen_sample_uniforms", [], _I64)()
 
 
 class GreedyHead:
     """An fp32 LM head's panels with the bf16 copy and row norms the screen needs.
 
     ``exact_rows`` counts the rows computed in fp32 so far (the candidates), ``fallbacks`` the
-    calls that returned ``None`` (a row of the input or a candidate's logit not finite).
+    calls that returned ``None`` (a row of the input or a candidate's logit not finite, a sampled
+    row the kernel left undecided); ``sampled_rows`` and ``sample_trials`` the rows ``sample`` drew
+    and the rejection-sampling trials they took.
     """
 
     def __init__(self, panels: PanelWeight, pairs: torch.Tensor, norm: torch.Tensor, residual: torch.Tensor):
@@ -62,6 +74,8 @@ class GreedyHead:
         self.residual = residual
         self.exact_rows = 0
         self.fallbacks = 0
+        self.sampled_rows = 0
+        self.sample_trials = 0
 
     @classmethod
     def build(cls, panels: PanelWeight | None) -> "GreedyHead | None":
@@ -87,6 +101,30 @@ class GreedyHead:
         """For each row of ``x`` [rows, in_features] (fp32): the first index of its largest logit,
         as ``(x @ W.T).max(dim=-1)`` with the fp32 panels' product gives it; ``None`` where a row
         of ``x`` or a candidate logit is not finite (the caller then computes the logits)."""
+        return self._tokens(x, None, None)
+
+    def sample(self, x: torch.Tensor, inv_temperature: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor | None:
+        """For each row of ``x``: a sample of softmax(logits / T) where ``inv_temperature`` [rows]
+        (1 / T, fp32) is > 0, the argmax where it is 0.  A sampled row takes its randomness from its
+        row of ``uniforms`` [rows, ``uniforms_per_row()``] (fp64 in [0, 1)): rejection sampling
+        against the screen's bounds, exact for the fp32 logits (the kernel's comment).  ``None``
+        where the caller must compute the logits and sample them (as ``argmax``, or a row that no
+        trial decided)."""
+        rows = x.shape[0] if x.dim() == 2 else -1
+        if inv_temperature.shape != (rows,) or inv_temperature.dtype != torch.float32:
+            raise ValueError(f"greedy head: expected fp32 inverse temperatures [{rows}], got "
+                             f"{inv_temperature.dtype} {list(inv_temperature.shape)}")
+        if uniforms.shape != (rows, uniforms_per_row()) or uniforms.dtype != torch.float64:
+            raise ValueError(f"greedy head: expected fp64 uniforms [{rows}, {uniforms_per_row()}], got "
+                             f"{uniforms.dtype} {list(uniforms.shape)}")
+        trials = torch.zeros(rows, dtype=torch.int64)
+        tokens = self._tokens(x, (inv_temperature.contiguous(), uniforms.contiguous(), trials), trials)
+        if tokens is not None:
+            self.sampled_rows += int((inv_temperature > 0).sum())
+            self.sample_trials += int(trials.sum())
+        return tokens
+
+    def _tokens(self, x: torch.Tensor, sampling, trials) -> torch.Tensor | None:
         if x.dim() != 2 or x.dtype != torch.float32 or x.shape[1] != self.panels.in_features:
             raise ValueError(f"greedy head: expected fp32 [rows, {self.panels.in_features}], got "
                              f"{x.dtype} {list(x.shape)}")
@@ -95,10 +133,12 @@ class GreedyHead:
         tokens = torch.empty(x.shape[0], dtype=torch.int64)
         if x.shape[0] == 0:
             return tokens
+        inv_t, uniforms = (sampling[0].data_ptr(), sampling[1].data_ptr()) if sampling else (None, None)
         with profiled(PROFILER_LABEL):
             status = _screen_fn()(x.data_ptr(), x.stride(0), x.shape[0], self.panels.panels.data_ptr(),
                                   self.pairs.data_ptr(), self.norm.data_ptr(), self.residual.data_ptr(),
-                                  self.panels.out_features, self.panels.in_features, tokens.data_ptr(),
+                                  self.panels.out_features, self.panels.in_features, inv_t, uniforms,
+                                  trials.data_ptr() if trials is not None else None, tokens.data_ptr(),
                                   torch.get_num_threads())
         if status == -1:
             raise MemoryError("greedy head: scratch allocation failed")
