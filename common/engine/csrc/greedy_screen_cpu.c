@@ -218,22 +218,30 @@ static inline __attribute__((always_inline)) vec16 exp_nonpositive(vec16 v) {
     return poly * (vec16)scale;
 }
 
-/* Pass 1 of a sampled token, one panel: from its `real` rows' upper bounds hi[c] >= l_c, the panel's
- * m_j = max z_c and s_j = sum exp(z_c - m_j), z_c = hi[c] / T widened by 2^-20 |z_c| for its own
- * rounding (so z_c >= l_c / T): U_j = s_j exp(m_j - M) bounds the panel's mass sum exp(l_c / T - M)
- * from above, up to the float evaluation of the exps and sums (sample_token allows 2^-10 for it).
- * A bound that is not finite makes m_j infinite: the token is then left to the caller. */
-static void fold_mass(const screen_args *s, int64_t token, int64_t panel, const float *hi, int real) {
-    vec16 z;
-    memcpy(&z, hi, sizeof z);
-    z *= s->inv_t[token];
-    const vec16 magnitude = (vec16)((ivec16)z & 0x7FFFFFFF);
-    z += magnitude * 0x1p-20f;
-    float m = -INFINITY, sum = 0.0f;
-    for (int c = 0; c < real && m < INFINITY; c++) m = !isfinite(z[c]) ? INFINITY : z[c] > m ? z[c] : m;
-    if (isfinite(m)) {
-        const vec16 e = exp_nonpositive(z - m);
-        for (int c = 0; c < real; c++) sum += e[c];
+/* Pass 1 of a sampled token, one panel: from its `real` rows' upper bounds hi[c] >= l_c (their
+ * largest `top`; `overflowed` where one is not finite), the panel's m_j = max z_c and
+ * s_j = sum exp(z_c - m_j), z_c = hi[c] / T widened by 2^-20 |z_c| for its own rounding (so
+ * z_c >= l_c / T; the widening is monotone, so m_j is top's): U_j = s_j exp(m_j - M) bounds the
+ * panel's mass sum exp(l_c / T - M) from above, up to the float evaluation of the exps and sums
+ * (sample_token allows 2^-10 for it).  A bound that is not finite makes m_j infinite: the token
+ * is then left to the caller. */
+static void fold_mass(const screen_args *s, int64_t token, int64_t panel, const float *hi, int real, float top,
+                      int overflowed) {
+    const float inv_t = s->inv_t[token];
+    float m = top * inv_t, sum = 0.0f;
+    m += fabsf(m) * 0x1p-20f;
+    if (real == 0) {
+        m = -INFINITY;
+    } else if (overflowed || !isfinite(m)) {
+        m = INFINITY;
+    } else {
+        vec16 z;
+        memcpy(&z, hi, sizeof z);
+        z *= inv_t;
+        z += (vec16)((ivec16)z & 0x7FFFFFFF) * 0x1p-20f;
+        const ivec16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+        const vec16 e = (vec16)((ivec16)exp_nonpositive(z - m) & (lane < real)); /* rows past n: 0 */
+        for (int c = 0; c < LANES; c++) sum += e[c];
     }
     s->upper[token * s->num_panels + panel] = m;
     s->mass[token * s->num_panels + panel] = sum;
@@ -291,7 +299,7 @@ int64_t screen_tokens(const float *x, int64_t ldx, int64_t num_tokens, const flo
     float *best = malloc(sizeof(float) * (size_t)(threads * num_tokens));
     int64_t *best_row = malloc(sizeof(int64_t) * (size_t)(threads * num_tokens));
     float *mass = inv_temperature ? malloc(sizeof(float) * (size_t)(num_tokens * num_panels)) : NULL;
-    double *scratch = inv_temperature ? malloc(sizeof(double) * (size_t)num_panels) : NULL;
+    double *scratch = inv_temperature ? malloc(sizeof(double) * (size_t)(threads * num_panels)) : NULL;
     int64_t status = 0;
     if (!xp || !xt || !alpha || !beta || !upper || !lower || !best || !best_row ||
         (inv_temperature && (!mass || !scratch))) {
@@ -424,17 +432,24 @@ int64_t screen_tokens(const float *x, int64_t ldx, int64_t num_tokens, const flo
         out[t] = top_row;
         if (trials) trials[t] = 0;
     }
+    /* Sampled tokens: a token a thread at a time. */
+    int64_t undecided = 0;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(dynamic) num_threads(threads) reduction(+ : exact_rows, undecided) if (inv_temperature)
+#endif
     for (int64_t t = 0; t < num_tokens; t++) {
         if (!sampled(&s, t)) continue;
-        const int64_t rows = sample_token(&s, x + t * ldx, panels, t, uniforms + t * SAMPLE_TRIALS * 3, scratch,
+#ifdef _OPENMP
+        double *my_scratch = scratch + (int64_t)omp_get_thread_num() * num_panels;
+#else
+        double *my_scratch = scratch;
+#endif
+        const int64_t rows = sample_token(&s, x + t * ldx, panels, t, uniforms + t * SAMPLE_TRIALS * 3, my_scratch,
                                           trials, out);
-        if (rows < 0) {
-            status = rows;
-            goto done;
-        }
-        exact_rows += rows;
+        if (rows < 0) undecided++;
+        else exact_rows += rows;
     }
-    status = exact_rows;
+    status = undecided ? -2 : exact_rows;
 done:
     free(mass);
     free(scratch);

@@ -39,7 +39,8 @@ static void fold(const screen_args *s, int64_t token, int64_t panel, const __m25
         overflowed |= _mm256_movemask_ps(_mm256_andnot_ps(finite, valid));
     }
     if (sampled(s, token)) {
-        fold_mass(s, token, panel, highs, rows_left <= 0 ? 0 : rows_left >= LANES ? LANES : (int)rows_left);
+        fold_mass(s, token, panel, highs, rows_left <= 0 ? 0 : rows_left >= LANES ? LANES : (int)rows_left, hi,
+                  overflowed);
         return;
     }
     if (lo > *lower_max) *lower_max = lo;

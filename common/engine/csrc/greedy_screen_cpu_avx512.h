@@ -29,14 +29,15 @@ static void fold(const screen_args *s, int64_t token, int64_t panel, __m512 a, f
     /* A logit whose approximation overflowed (or a bound that did) says nothing: its panel is
      * computed in fp32 whatever T is, and it sets no lower bound. */
     const __mmask16 finite = _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_add_ps(a, bound)), _mm512_set1_ps(INFINITY), _CMP_LT_OQ);
+    const float lo = hmax(_mm512_mask_sub_ps(neg_inf, valid & finite, a, bound));
+    const float hi = (valid & ~finite) ? INFINITY : hmax(_mm512_mask_add_ps(neg_inf, valid, a, bound));
     if (sampled(s, token)) { /* its upper bounds go to fold_mass */
         float highs[LANES];
         _mm512_storeu_ps(highs, _mm512_add_ps(a, bound));
-        fold_mass(s, token, panel, highs, first >= s->n ? 0 : s->n - first >= LANES ? LANES : (int)(s->n - first));
+        fold_mass(s, token, panel, highs, first >= s->n ? 0 : s->n - first >= LANES ? LANES : (int)(s->n - first), hi,
+                  (valid & ~finite) != 0);
         return;
     }
-    const float lo = hmax(_mm512_mask_sub_ps(neg_inf, valid & finite, a, bound));
-    const float hi = (valid & ~finite) ? INFINITY : hmax(_mm512_mask_add_ps(neg_inf, valid, a, bound));
     if (lo > *lower_max) *lower_max = lo;
     s->upper[token * s->num_panels + panel] = hi;
 }

@@ -101,7 +101,7 @@ class GreedyHead:
         """For each row of ``x`` [rows, in_features] (fp32): the first index of its largest logit,
         as ``(x @ W.T).max(dim=-1)`` with the fp32 panels' product gives it; ``None`` where a row
         of ``x`` or a candidate logit is not finite (the caller then computes the logits)."""
-        return self._tokens(x, None, None)
+        return self._tokens(x, None)
 
     def sample(self, x: torch.Tensor, inv_temperature: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor | None:
         """For each row of ``x``: a sample of softmax(logits / T) where ``inv_temperature`` [rows]
@@ -118,13 +118,14 @@ class GreedyHead:
             raise ValueError(f"greedy head: expected fp64 uniforms [{rows}, {uniforms_per_row()}], got "
                              f"{uniforms.dtype} {list(uniforms.shape)}")
         trials = torch.zeros(rows, dtype=torch.int64)
-        tokens = self._tokens(x, (inv_temperature.contiguous(), uniforms.contiguous(), trials), trials)
+        tokens = self._tokens(x, (inv_temperature.contiguous(), uniforms.contiguous(), trials))
         if tokens is not None:
             self.sampled_rows += int((inv_temperature > 0).sum())
             self.sample_trials += int(trials.sum())
         return tokens
 
-    def _tokens(self, x: torch.Tensor, sampling, trials) -> torch.Tensor | None:
+    def _tokens(self, x: torch.Tensor, sampling: tuple[torch.Tensor, ...] | None) -> torch.Tensor | None:
+        """The kernel's tokens; ``sampling``: (inverse temperatures, uniforms, trials out) or None."""
         if x.dim() != 2 or x.dtype != torch.float32 or x.shape[1] != self.panels.in_features:
             raise ValueError(f"greedy head: expected fp32 [rows, {self.panels.in_features}], got "
                              f"{x.dtype} {list(x.shape)}")
@@ -133,12 +134,12 @@ class GreedyHead:
         tokens = torch.empty(x.shape[0], dtype=torch.int64)
         if x.shape[0] == 0:
             return tokens
-        inv_t, uniforms = (sampling[0].data_ptr(), sampling[1].data_ptr()) if sampling else (None, None)
+        inv_t, uniforms, trials = (t.data_ptr() for t in sampling) if sampling else (None, None, None)
         with profiled(PROFILER_LABEL):
             status = _screen_fn()(x.data_ptr(), x.stride(0), x.shape[0], self.panels.panels.data_ptr(),
                                   self.pairs.data_ptr(), self.norm.data_ptr(), self.residual.data_ptr(),
                                   self.panels.out_features, self.panels.in_features, inv_t, uniforms,
-                                  trials.data_ptr() if trials is not None else None, tokens.data_ptr(),
+                                  trials, tokens.data_ptr(),
                                   torch.get_num_threads())
         if status == -1:
             raise MemoryError("greedy head: scratch allocation failed")
