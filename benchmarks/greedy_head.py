@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.bench_util import emit, median_ms  # noqa: E402
 from common.engine.config import EngineConfig  # noqa: E402
 from common.engine.engine import Engine  # noqa: E402
-from common.engine.models.greedy_head import screen_path  # noqa: E402
+from common.engine.models.greedy_head import screen_path, uniforms_per_row  # noqa: E402
 from common.engine.sampler import Sampler, SamplingRow  # noqa: E402
 from common.engine.sampling_params import SamplingParams  # noqa: E402
 
@@ -73,24 +73,28 @@ def main() -> None:
     hidden = capture_hidden(engine, max(batch_sizes), seed=0)
     result: dict = {"benchmark": "greedy_head", "model": "gemma-3-270m", "threads": args.threads,
                     "pass1": screen_path(), "head_rows": head.panels.out_features,
-                    "bf16_copy_mb": round(head.nbytes / 1e6), "by_rows": {}}
+                    "bf16_copy_mb": round(head.nbytes / 1e6), "engine_max_rows": min(head.max_rows, 2**31),
+                    "by_rows": {}}
     identical = True
     for n in batch_sizes:
         rows = hidden[:n]  # the two calls below also warm both paths up
         expected = model.logits(rows).max(dim=-1).indices
         before = head.exact_rows
-        got = model.screened_tokens(rows, [0.0] * n)
+        normed = model.model.norm(rows)  # the head itself, whatever rows the engine would give it (max_rows)
+        got = head.argmax(normed)
         identical &= got is not None and torch.equal(got, expected)
         fp32_rows_per_token = (head.exact_rows - before) / n
         logits_ms = median_ms(lambda: model.logits(rows).max(dim=-1), repeats)
-        screen_ms = median_ms(lambda: model.screened_tokens(rows, [0.0] * n), repeats)
+        screen_ms = median_ms(lambda: head.argmax(model.model.norm(rows)), repeats)
         # Default sampling (T = 1, no filters): the logits and the sampler against the screen's
         # rejection sampling (trials a row: how often a proposal was accepted).
         plain = [SamplingRow(SamplingParams(temperature=1.0))] * n
         sampler = Sampler()
         sampled_logits_ms = median_ms(lambda: sampler(model.logits(rows), plain), repeats)
         rows_before, trials_before = head.sampled_rows, head.sample_trials
-        sampled_screen_ms = median_ms(lambda: model.screened_tokens(rows, [1.0] * n), repeats)
+        inverse = torch.ones(n)
+        sampled_screen_ms = median_ms(lambda: head.sample(model.model.norm(rows), inverse,
+                                                          torch.rand(n, uniforms_per_row(), dtype=torch.float64)), repeats)
         trials = (head.sample_trials - trials_before) / max(1, head.sampled_rows - rows_before)
         result["by_rows"][str(n)] = {"logits_ms": round(logits_ms, 2), "screen_ms": round(screen_ms, 2),
                                      "speedup": round(logits_ms / screen_ms, 2),

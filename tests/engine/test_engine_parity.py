@@ -57,6 +57,21 @@ def test_steps_that_need_the_logits_compute_them(checkpoint):
     assert engine.model.greedy_head is None or engine.model.greedy_head.exact_rows == 0
 
 
+def test_steps_with_more_rows_than_the_screen_gains_on_compute_the_logits(checkpoint):
+    """A head's ``max_rows`` (32 on AVX2, where larger batches gain nothing): steps past it take the
+    logits, and the tokens are the same."""
+    directory, reference = checkpoint
+    engine = engine_for(directory)
+    head = engine.model.greedy_head
+    if head is None:
+        pytest.skip("no screened head on this CPU")
+    head.max_rows = 2
+    prompts = random_prompts([4, 6, 9], seed=5)  # every step samples three rows
+    results = engine.generate(prompts, {**GREEDY, "max_tokens": MAX_NEW})
+    assert [r.token_ids for r in results] == [reference(p) for p in prompts]
+    assert head.exact_rows == 0
+
+
 def test_prompts_chunked_across_steps_while_others_decode(checkpoint):
     directory, reference = checkpoint
     engine = engine_for(directory, max_num_batched_tokens=6)

@@ -471,5 +471,17 @@ int64_t greedy_screen(const float *x, int64_t ldx, int64_t num_tokens, const flo
     return screen_tokens(x, ldx, num_tokens, panels, pairs, norm, residual, n, k, NULL, NULL, NULL, out, num_threads);
 }
 
+/* The most tokens a call is worth making with: AVX2's pass 1 costs the FMAs the fp32 product does
+ * (no bf16 dot product), so past a few dozen rows the products are compute-bound and the screen
+ * gains nothing (an AVX2 EPYC, Gemma 3's 262144 x 640 head: 0.83-1.04x the logits at 64 rows,
+ * 0.9-1.6x at 32); the other paths gain at every batch size. */
+int64_t greedy_screen_max_tokens(void) {
+#if NATIVE && !defined(__AVX512F__)
+    return 32;
+#else
+    return INT64_MAX;
+#endif
+}
+
 /* The uniform numbers a sampled token takes: 3 a trial. */
 int64_t screen_sample_uniforms(void) { return 3 * SAMPLE_TRIALS; }

@@ -341,14 +341,18 @@ class DecoderModel(nn.Module):
         ``PANEL_MAX_ROWS`` rows) where ``inverse_temperatures`` says 0, else a sample of
         softmax(logits / T) (``sampler.screen_inverse_temperatures``; the random numbers from torch's
         generator, as the sampler's unseeded rows draw theirs).  ``None`` where it does not apply
-        (or cannot decide: a value not finite): the caller computes the logits."""
-        if self.greedy_head is None or hidden.dtype != torch.float32 or hidden.device.type != "cpu":
+        (or cannot decide: a value not finite), or where more rows than the head's ``max_rows``
+        would gain nothing: the caller computes the logits."""
+        head = self.greedy_head
+        if head is None or hidden.dtype != torch.float32 or hidden.device.type != "cpu":
+            return None
+        if len(hidden) > head.max_rows:
             return None
         hidden = self.model.norm(hidden)
         if not any(inverse_temperatures):
-            return self.greedy_head.argmax(hidden)
+            return head.argmax(hidden)
         uniforms = torch.rand(len(inverse_temperatures), uniforms_per_row(), dtype=torch.float64)
-        return self.greedy_head.sample(hidden, torch.tensor(inverse_temperatures, dtype=torch.float32), uniforms)
+        return head.sample(hidden, torch.tensor(inverse_temperatures, dtype=torch.float32), uniforms)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:

@@ -76,6 +76,8 @@ class GreedyHead:
         self.fallbacks = 0
         self.sampled_rows = 0
         self.sample_trials = 0
+        # Calls with more rows than this gain nothing on this CPU (the kernel's greedy_screen_max_tokens)
+        self.max_rows = kernel_function("greedy_screen_cpu", "greedy_screen_max_tokens", [], _I64)()
 
     @classmethod
     def build(cls, panels: PanelWeight | None) -> "GreedyHead | None":
