@@ -73,5 +73,6 @@ def test_a_dead_follower_fails_the_whole_worker_and_the_stack_keeps_serving(stac
         time.sleep(0.1)
     assert stack.procs["d0"].popen.returncode != 0
     for prompt in PROMPTS:  # the gateway routes around it: d1 answers
-        answer = client_of(stack).completions.create(model=stack.model_name, prompt=prompt, max_tokens=4)
+        answer = client_of(stack).completions.create(model=stack.model_name, prompt=prompt, max_tokens=4,
+                                                     extra_body={"ignore_eos": True})  # sampled: EOS may come
         assert answer.choices[0].finish_reason == "length"
