@@ -7,7 +7,9 @@ with a proven error bound and only the candidate panels in fp32.  The rows fed t
 model's own final hidden states, captured while it decodes random prompts greedily (random
 vectors would make the screen's job easier or harder than real ones).  For each batch size:
 medians of both, the speedup, the rows computed in fp32 per token, and whether every token is the
-same (it must be: ``tokens_identical``).
+same (it must be: ``tokens_identical``); then default sampling (T = 1): the logits and the sampler
+against the screen's rejection sampling, and the trials a row took.  The head is timed whatever the
+batch; the engine gives it at most ``engine_max_rows`` rows (32 on AVX2, where more gain nothing).
 
     python benchmarks/greedy_head.py [--quick] [--rows 1,8,16,32,64]
 """
