@@ -1,5 +1,6 @@
 /* Greedy tokens from an fp32 LM head without every logit in fp32: screen with bf16, then compute
- * exactly the rows that can still be the maximum.
+ * exactly the rows that can still be the maximum.  (Sampled tokens take the same bounds as the
+ * envelope of a rejection sampler: fold_mass, greedy_screen_cpu_sample.h.)
  *
  * A greedy decode step needs only each row's first maximal logit, but the LM head is the largest
  * product of the step (Gemma 3's 262k x 640).  Pass 1 computes every logit approximately from a
