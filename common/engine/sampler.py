@@ -412,7 +412,8 @@ def screen_inverse_temperatures(rows: Sequence[SamplingRequest]) -> list[float] 
             return None
         if p.greedy or p.top_k == 1:
             inverse.append(0.0)
-        elif p.seed is None and p.top_k == 0 and p.top_p == 1.0 and p.min_p == 0.0 and p.temperature >= SCREEN_MIN_TEMPERATURE:
+        elif (p.seed is None and p.top_k == 0 and p.top_p == 1.0 and p.min_p == 0.0
+              and p.temperature >= SCREEN_MIN_TEMPERATURE):
             inverse.append(1.0 / p.temperature)
         else:
             return None

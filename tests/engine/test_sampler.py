@@ -14,7 +14,8 @@ from common.cluster.messages import GenerateRequest, decode
 from common.engine import inverse_cdf
 from common.engine import sampler as sampler_module
 from common.engine.inverse_cdf import seeded_uniform
-from common.engine.sampler import SCREEN_MIN_TEMPERATURE, Sampler, SamplingRow, sample, screen_inverse_temperatures
+from common.engine.sampler import (SCREEN_MIN_TEMPERATURE, Sampler, SamplingRow, sample,
+                                   screen_inverse_temperatures)
 from common.engine.sampling_params import SamplingParams
 
 NAN, INF = float("nan"), float("inf")
