@@ -91,13 +91,6 @@ static inline uint16_t to_bf16(float f) {
     return (h & 0x7F80u) == 0 ? 0 : h;
 }
 
-static inline float from_bf16(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
 /* The float of the 32 bits (high, low). */
 static inline float pair_float(uint16_t high, uint16_t low) {
     const uint32_t u = (uint32_t)high << 16 | low;
@@ -105,6 +98,8 @@ static inline float pair_float(uint16_t high, uint16_t low) {
     memcpy(&f, &u, sizeof f);
     return f;
 }
+
+static inline float from_bf16(uint16_t h) { return pair_float(h, 0); }
 
 /* The high half that makes (high, low) the finite float nearest w (w finite). */
 static inline uint16_t nearest_high_half(float w, uint16_t low) {
@@ -200,6 +195,12 @@ typedef struct {
 typedef void (*tile_fn)(const screen_args *, int64_t, int64_t, float *);
 
 static inline int sampled(const screen_args *s, int64_t token) { return s->inv_t != NULL && s->inv_t[token] > 0.0f; }
+
+/* How many of a panel's LANES rows are real (not past n). */
+static inline int panel_rows(const screen_args *s, int64_t panel) {
+    const int64_t left = s->n - panel * LANES;
+    return left <= 0 ? 0 : left >= LANES ? LANES : (int)left;
+}
 
 /* Generic 16-lane vectors: GCC splits them as the ISA needs (inlined only, so no ABI is involved). */
 #pragma GCC diagnostic ignored "-Wpsabi"

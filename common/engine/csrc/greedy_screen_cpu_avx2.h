@@ -20,8 +20,9 @@ static void fold(const screen_args *s, int64_t token, int64_t panel, const __m25
     const __m256 alpha = _mm256_set1_ps(s->alpha[token]), beta = _mm256_set1_ps(s->beta[token]);
     const __m256 tiny = _mm256_set1_ps(s->tiny), widen = _mm256_set1_ps(1.01f), relative = _mm256_set1_ps(0x1p-21f);
     const __m256 sign = _mm256_set1_ps(-0.0f), inf = _mm256_set1_ps(INFINITY), neg_inf = _mm256_set1_ps(-INFINITY);
-    const int64_t first = panel * LANES, rows_left = s->n - first;
-    const __m256i real = _mm256_set1_epi32(rows_left <= 0 ? 0 : rows_left >= LANES ? LANES : (int)rows_left);
+    const int64_t first = panel * LANES;
+    const int real_rows = panel_rows(s, panel);
+    const __m256i real = _mm256_set1_epi32(real_rows);
     float lo = -INFINITY, hi = -INFINITY, highs[LANES];
     int overflowed = 0;
     for (int h = 0; h < 2; h++) {
@@ -39,8 +40,7 @@ static void fold(const screen_args *s, int64_t token, int64_t panel, const __m25
         overflowed |= _mm256_movemask_ps(_mm256_andnot_ps(finite, valid));
     }
     if (sampled(s, token)) {
-        fold_mass(s, token, panel, highs, rows_left <= 0 ? 0 : rows_left >= LANES ? LANES : (int)rows_left, hi,
-                  overflowed);
+        fold_mass(s, token, panel, highs, real_rows, hi, overflowed);
         return;
     }
     if (lo > *lower_max) *lower_max = lo;

@@ -21,10 +21,8 @@ static void fold(const screen_args *s, int64_t token, int64_t panel, __m512 a, f
     __m512 bound = _mm512_fmadd_ps(_mm512_set1_ps(s->alpha[token]), nrm,
                                    _mm512_fmadd_ps(_mm512_set1_ps(s->beta[token]), res, _mm512_set1_ps(s->tiny)));
     bound = _mm512_fmadd_ps(bound, _mm512_set1_ps(1.01f), _mm512_mul_ps(_mm512_abs_ps(a), _mm512_set1_ps(0x1p-21f)));
-    const int64_t first = panel * LANES;
-    const __mmask16 valid = first + LANES <= s->n ? (__mmask16)0xFFFF
-                            : first >= s->n       ? (__mmask16)0
-                                                  : (__mmask16)((1u << (s->n - first)) - 1u);
+    const int real_rows = panel_rows(s, panel);
+    const __mmask16 valid = (__mmask16)((1u << real_rows) - 1u);
     const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
     /* A logit whose approximation overflowed (or a bound that did) says nothing: its panel is
      * computed in fp32 whatever T is, and it sets no lower bound. */
@@ -34,8 +32,7 @@ static void fold(const screen_args *s, int64_t token, int64_t panel, __m512 a, f
     if (sampled(s, token)) { /* its upper bounds go to fold_mass */
         float highs[LANES];
         _mm512_storeu_ps(highs, _mm512_add_ps(a, bound));
-        fold_mass(s, token, panel, highs, first >= s->n ? 0 : s->n - first >= LANES ? LANES : (int)(s->n - first), hi,
-                  (valid & ~finite) != 0);
+        fold_mass(s, token, panel, highs, real_rows, hi, (valid & ~finite) != 0);
         return;
     }
     if (lo > *lower_max) *lower_max = lo;

@@ -32,7 +32,7 @@ static int64_t sample_token(const screen_args *s, const float *x, const float *p
             run += scratch[i];
             if (run > target) break;
         }
-        const int real = s->n - j * LANES < LANES ? (int)(s->n - j * LANES) : LANES;
+        const int real = panel_rows(s, j);
         float l[LANES];
         double e[LANES], mass_j = 0.0;
         exact_panel(x, panels + j * k * LANES, k, l);

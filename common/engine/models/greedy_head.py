@@ -119,7 +119,7 @@ class GreedyHead:
         if uniforms.shape != (rows, uniforms_per_row()) or uniforms.dtype != torch.float64:
             raise ValueError(f"greedy head: expected fp64 uniforms [{rows}, {uniforms_per_row()}], got "
                              f"{uniforms.dtype} {list(uniforms.shape)}")
-        trials = torch.zeros(rows, dtype=torch.int64)
+        trials = torch.empty(rows, dtype=torch.int64)  # the kernel writes every row's
         tokens = self._tokens(x, (inv_temperature.contiguous(), uniforms.contiguous(), trials))
         if tokens is not None:
             self.sampled_rows += int((inv_temperature > 0).sum())
