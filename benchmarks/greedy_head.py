@@ -115,6 +115,7 @@ def main() -> None:
               f"{sampled_logits_ms / sampled_screen_ms:4.2f}x   {trials:.3f} trials a row", file=sys.stderr)
     result["tokens_identical"] = identical
     result["fallbacks"] = head.fallbacks
+    result["undecided_rows"] = head.undecided_rows  # sampled rows the screen left to the logits
     result["speedup_1_row"] = result["by_rows"][str(batch_sizes[0])]["speedup"]
     result["speedup_most_rows"] = result["by_rows"][str(batch_sizes[-1])]["speedup"]
     result["sampled_speedup_1_row"] = result["by_rows"][str(batch_sizes[0])]["sampled_speedup"]

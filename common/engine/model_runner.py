@@ -92,8 +92,14 @@ class ModelRunner:
         inverse_temperatures = screen_inverse_temperatures(rows)
         screened = (self.model.screened_tokens(sampled_hidden, inverse_temperatures)
                     if inverse_temperatures is not None else None)
-        if screened is not None:  # every row's token, without the logits (models/greedy_head.py)
+        if screened is not None:  # the rows' tokens without the logits (models/greedy_head.py)
             tokens, logprobs = screened.tolist(), [None] * len(rows)
+            undecided = [i for i, token in enumerate(tokens) if token < 0]
+            if undecided:  # sampled rows no trial decided: these alone from their logits
+                drawn, _ = self.sampler(self.model.logits(sampled_hidden[undecided]),
+                                        [rows[i] for i in undecided], scratch_logits=True)
+                for i, token in zip(undecided, drawn):
+                    tokens[i] = token
         elif self.tp.rank == 0:
             tokens, logprobs = self.sampler(self.model.logits(sampled_hidden), rows, scratch_logits=True)
         else:  # tensor parallelism: rank 0 samples, the other ranks take its tokens

@@ -225,12 +225,15 @@ def test_greedy_and_sampled_rows_share_a_call(path):
 
 
 def test_a_sampled_row_no_trial_decides_is_left_to_the_caller(path):
-    """At T = 0.5 the first panel's bounds (~2 in units of T) make most of its proposals fail:
-    among 20000 rows one runs out of trials, and the whole call is left to the logits."""
+    """At T = 0.3 the first panel's bounds (~4 in units of T) make most of its proposals fail:
+    among 20000 rows some run out of trials (~1% here); those alone are marked -1 for the logits
+    path, and the call still returns the others."""
     panels, x = sampling_head()
     head = GreedyHead.build(panels)
-    assert draw(head, x, 0.5, 20_000) is None
-    assert head.fallbacks == 1
+    tokens = draw(head, x, 0.3, 20_000)
+    undecided = int((tokens == -1).sum())
+    assert 0 < undecided < 2_000 and head.undecided_rows == undecided and head.fallbacks == 0
+    assert bool(((tokens >= 0) & (tokens < 64) | (tokens == -1)).all())
     bad = x.clone()
     bad[0, 3] = float("nan")
     assert draw(head, bad, 1.0, 1) is None

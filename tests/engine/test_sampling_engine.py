@@ -115,3 +115,34 @@ def test_plain_unseeded_sampling_takes_the_screened_head_and_seeded_requests_kee
     assert all(len(r.token_ids) == MAX_NEW and all(0 <= t < VOCAB for t in r.token_ids) for r in results)
     assert [r.token_ids for r in engine.generate(batch, seeded)] == first
     engine.block_pool.check_integrity()
+
+
+def test_a_row_the_screen_leaves_undecided_is_sampled_from_its_logits_alone(directory):
+    """The kernel marks a sampled row no trial decided with -1 (test_greedy_head makes one); the
+    runner samples that row alone from its logits and keeps the screen's tokens for the rest."""
+    engine = engine_for(directory)
+    head = engine.model.greedy_head
+    if head is None:
+        pytest.skip("no screened head on this CPU (AVX-512 or AVX2 with FMA)")
+    sample, undecided, logits_rows = head.sample, [], []
+
+    def first_row_undecided(x, inverse_temperatures, uniforms):
+        tokens = sample(x, inverse_temperatures, uniforms)
+        if tokens is not None:
+            tokens[0] = -1
+            undecided.append(len(tokens))
+        return tokens
+
+    logits = engine.model.logits
+
+    def counted_logits(hidden):
+        logits_rows.append(len(hidden))
+        return logits(hidden)
+
+    head.sample, engine.model.logits = first_row_undecided, counted_logits
+    batch = prompts([5, 9, 14], seed=5)
+    results = engine.generate(batch, {"temperature": 1.0, "max_tokens": MAX_NEW, "ignore_eos": True})
+    assert all(len(r.token_ids) == MAX_NEW and all(0 <= t < VOCAB for t in r.token_ids) for r in results)
+    assert undecided and max(undecided) == 3  # whole decode steps went through the screen
+    assert logits_rows == [1] * len(undecided)  # and their undecided row alone through the logits
+    engine.block_pool.check_integrity()

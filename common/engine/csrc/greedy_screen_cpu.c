@@ -46,7 +46,7 @@
 #define PREFETCH_AHEAD 32
 #define PAIR_BLOCK 16 /* pairs of k per AMX tile row: the bf16 panels' pair count is padded to it */
 #define TOKEN_BLOCK 16 /* tokens per AMX tile */
-#define SAMPLE_TRIALS 16 /* rejection-sampling trials of a sampled token before it is left to the caller */
+#define SAMPLE_TRIALS 64 /* rejection-sampling trials of a sampled token before it is left to the caller */
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -278,10 +278,12 @@ int greedy_screen_path(int allow_amx) {
  * logit of x @ W^T, W [n, k] given as fp32 panels (`panels`) and as greedy_screen_pack's bf16
  * panels with their norms -- or, for a token whose inv_temperature[t] is > 0 (inv_temperature may
  * be NULL: none), a sample of softmax(logits / T) by sample_token, from uniforms[t][SAMPLE_TRIALS][3]
- * (trials[t]: the trials it took; 0 for an argmax).  Writes out[t]; returns the number of rows
- * computed in fp32 (the candidates: a few per token), -1 where scratch memory could not be had, -2
- * where the caller must compute the logits in full (a row of x or a candidate's logit not finite,
- * a sampled token left undecided), -3 where the build has no vector code. */
+ * (trials[t]: the trials it took; 0 for an argmax).  Writes out[t] -- -1 for a sampled token that
+ * sample_token left undecided, which the caller samples from its logits (exact still: an accepted
+ * trial is a sample of the softmax whichever trial it was, so the draw stays one whatever decides
+ * it); returns the number of rows computed in fp32 (the candidates: a few per token), -1 where
+ * scratch memory could not be had, -2 where the caller must compute the logits in full (a row of x
+ * or a greedy candidate's logit not finite), -3 where the build has no vector code. */
 int64_t screen_tokens(const float *x, int64_t ldx, int64_t num_tokens, const float *panels, const uint16_t *pairs,
                       const float *norm, const float *residual, int64_t n, int64_t k, const float *inv_temperature,
                       const double *uniforms, int64_t *trials, int64_t *out, int num_threads) {
@@ -301,7 +303,7 @@ int64_t screen_tokens(const float *x, int64_t ldx, int64_t num_tokens, const flo
     float *best = malloc(sizeof(float) * (size_t)(threads * num_tokens));
     int64_t *best_row = malloc(sizeof(int64_t) * (size_t)(threads * num_tokens));
     float *mass = inv_temperature ? malloc(sizeof(float) * (size_t)(num_tokens * num_panels)) : NULL;
-    double *scratch = inv_temperature ? malloc(sizeof(double) * (size_t)(threads * num_panels)) : NULL;
+    double *scratch = inv_temperature ? malloc(sizeof(double) * (size_t)(threads * 2 * num_panels)) : NULL;
     int64_t status = 0;
     if (!xp || !xt || !alpha || !beta || !upper || !lower || !best || !best_row ||
         (inv_temperature && (!mass || !scratch))) {
@@ -435,23 +437,26 @@ int64_t screen_tokens(const float *x, int64_t ldx, int64_t num_tokens, const flo
         if (trials) trials[t] = 0;
     }
     /* Sampled tokens: a token a thread at a time. */
-    int64_t undecided = 0;
 #ifdef _OPENMP
-#pragma omp parallel for schedule(dynamic) num_threads(threads) reduction(+ : exact_rows, undecided) if (inv_temperature)
+#pragma omp parallel for schedule(dynamic) num_threads(threads) reduction(+ : exact_rows) if (inv_temperature)
 #endif
     for (int64_t t = 0; t < num_tokens; t++) {
         if (!sampled(&s, t)) continue;
 #ifdef _OPENMP
-        double *my_scratch = scratch + (int64_t)omp_get_thread_num() * num_panels;
+        double *my_scratch = scratch + (int64_t)omp_get_thread_num() * 2 * num_panels;
 #else
         double *my_scratch = scratch;
 #endif
         const int64_t rows = sample_token(&s, x + t * ldx, panels, t, uniforms + t * SAMPLE_TRIALS * 3, my_scratch,
                                           trials, out);
-        if (rows < 0) undecided++;
-        else exact_rows += rows;
+        if (rows < 0) {
+            out[t] = -1; /* left to the caller, alone */
+            if (trials) trials[t] = SAMPLE_TRIALS;
+        } else {
+            exact_rows += rows;
+        }
     }
-    status = undecided ? -2 : exact_rows;
+    status = exact_rows;
 done:
     free(mass);
     free(scratch);

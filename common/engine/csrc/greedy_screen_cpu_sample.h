@@ -6,8 +6,10 @@
  * S_j / U'_j (U'_j = U_j (1 + 2^-10) >= S_j), then take row c with probability exp(l_c / T - M) / S_j:
  * a trial returns row c with probability exp(l_c / T - M) / sum U', so an accepted token is a
  * sample of softmax(l / T).  Three uniform numbers a trial (u[3 trial ..]); SAMPLE_TRIALS trials.
- * Returns the rows computed in fp32, -2 where the caller must sample from the logits instead (a
- * bound or logit not finite, an envelope that failed, or no trial accepted); `scratch` [num_panels]. */
+ * A proposal is a binary search of the U_j's running sums (the first panel whose sum exceeds
+ * u sum U).  Returns the rows computed in fp32, -2 where the caller must sample from the logits
+ * instead (a bound or logit not finite, an envelope that failed, or no trial accepted);
+ * `scratch` [2 num_panels]: the U_j, then their running sums. */
 static int64_t sample_token(const screen_args *s, const float *x, const float *panels, int64_t token,
                             const double *u, double *scratch, int64_t *trials, int64_t *out) {
     const int64_t np = s->num_panels, k = s->k;
@@ -18,20 +20,25 @@ static int64_t sample_token(const screen_args *s, const float *x, const float *p
         if (mass[j] > 0.0f && m[j] > top) top = m[j];
     }
     if (!isfinite(top)) return -2;
-    for (int64_t j = 0; j < np; j++) total += scratch[j] = mass[j] > 0.0f ? mass[j] * exp((double)m[j] - top) : 0.0;
+    double *running = scratch + np;
+    int64_t last = -1; /* the last panel with mass: a target the sums do not exceed (rounding) takes it */
+    for (int64_t j = 0; j < np; j++) {
+        total += scratch[j] = mass[j] > 0.0f ? mass[j] * exp((double)m[j] - top) : 0.0;
+        running[j] = total;
+        if (scratch[j] > 0.0) last = j;
+    }
     const double inv_t = s->inv_t[token];
     int64_t computed = 0;
     for (int trial = 0; trial < SAMPLE_TRIALS; trial++) {
         const double *ut = u + 3 * trial;
         const double target = ut[0] * total;
-        double run = 0.0;
-        int64_t j = -1;
-        for (int64_t i = 0; i < np; i++) {
-            if (scratch[i] <= 0.0) continue;
-            j = i;
-            run += scratch[i];
-            if (run > target) break;
+        int64_t lo = 0, hi = last; /* the first j with running[j] > target: its U_j is > 0 */
+        while (lo < hi) {
+            const int64_t mid = lo + (hi - lo) / 2;
+            if (running[mid] > target) hi = mid;
+            else lo = mid + 1;
         }
+        const int64_t j = lo;
         const int real = panel_rows(s, j);
         float l[LANES];
         double e[LANES], mass_j = 0.0;
@@ -46,7 +53,7 @@ static int64_t sample_token(const screen_args *s, const float *x, const float *p
         if (ut[1] * envelope >= mass_j) continue; /* rejected */
         const double pick = ut[2] * mass_j;
         int row = -1;
-        run = 0.0;
+        double run = 0.0;
         for (int c = 0; c < real; c++) {
             if (e[c] <= 0.0) continue;
             row = c;

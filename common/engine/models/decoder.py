@@ -340,9 +340,10 @@ class DecoderModel(nn.Module):
         its largest logit in the head's fp32 panel product (which ``logits`` takes for up to
         ``PANEL_MAX_ROWS`` rows) where ``inverse_temperatures`` says 0, else a sample of
         softmax(logits / T) (``sampler.screen_inverse_temperatures``; the random numbers from torch's
-        generator, as the sampler's unseeded rows draw theirs).  ``None`` where it does not apply
-        (or cannot decide: a value not finite), or where more rows than the head's ``max_rows``
-        would gain nothing: the caller computes the logits."""
+        generator, as the sampler's unseeded rows draw theirs), or -1 for a sampled row the screen
+        left undecided (the caller samples that row from its logits).  ``None`` where it does not
+        apply (or cannot decide: a value not finite), or where more rows than the head's
+        ``max_rows`` would gain nothing: the caller computes the logits."""
         head = self.greedy_head
         if head is None or hidden.dtype != torch.float32 or hidden.device.type != "cpu":
             return None

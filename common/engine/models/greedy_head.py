@@ -62,9 +62,9 @@ class GreedyHead:
     """An fp32 LM head's panels with the bf16 copy and row norms the screen needs.
 
     ``exact_rows`` counts the rows computed in fp32 so far (the candidates), ``fallbacks`` the
-    calls that returned ``None`` (a row of the input or a candidate's logit not finite, a sampled
-    row the kernel left undecided); ``sampled_rows`` and ``sample_trials`` the rows ``sample`` drew
-    and the rejection-sampling trials they took.
+    calls that returned ``None`` (a row of the input or a greedy candidate's logit not finite);
+    ``sampled_rows`` and ``sample_trials`` the sampled rows ``sample`` was given and the
+    rejection-sampling trials they took, ``undecided_rows`` those it left to the caller.
     """
 
     def __init__(self, panels: PanelWeight, pairs: torch.Tensor, norm: torch.Tensor, residual: torch.Tensor):
@@ -76,6 +76,7 @@ class GreedyHead:
         self.fallbacks = 0
         self.sampled_rows = 0
         self.sample_trials = 0
+        self.undecided_rows = 0
         # Calls with more rows than this gain nothing on this CPU (the kernel's greedy_screen_max_tokens)
         self.max_rows = kernel_function("greedy_screen_cpu", "greedy_screen_max_tokens", [], _I64)()
 
@@ -109,9 +110,9 @@ class GreedyHead:
         """For each row of ``x``: a sample of softmax(logits / T) where ``inv_temperature`` [rows]
         (1 / T, fp32) is > 0, the argmax where it is 0.  A sampled row takes its randomness from its
         row of ``uniforms`` [rows, ``uniforms_per_row()``] (fp64 in [0, 1)): rejection sampling
-        against the screen's bounds, exact for the fp32 logits (the kernel's comment).  ``None``
-        where the caller must compute the logits and sample them (as ``argmax``, or a row that no
-        trial decided)."""
+        against the screen's bounds, exact for the fp32 logits (the kernel's comment); -1 for a
+        sampled row that no trial decided, which the caller samples from its logits (the draw stays
+        exact).  ``None`` where the caller must compute every row's logits (as ``argmax``)."""
         rows = x.shape[0] if x.dim() == 2 else -1
         if inv_temperature.shape != (rows,) or inv_temperature.dtype != torch.float32:
             raise ValueError(f"greedy head: expected fp32 inverse temperatures [{rows}], got "
@@ -123,6 +124,7 @@ class GreedyHead:
         tokens = self._tokens(x, (inv_temperature.contiguous(), uniforms.contiguous(), trials))
         if tokens is not None:
             self.sampled_rows += int((inv_temperature > 0).sum())
+            self.undecided_rows += int((tokens < 0).sum())
             self.sample_trials += int(trials.sum())
         return tokens
 
