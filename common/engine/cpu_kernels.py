@@ -55,7 +55,7 @@ def load_kernel(name: str) -> ctypes.CDLL | None:
             return _loaded[name]
         source = SOURCES / f"{name}.c"
         try:
-            headers = b"".join(h.read_bytes() for h in sorted(SOURCES.glob(f"{name}*.h")))  # its own includes
+            headers = b"".join(h.read_bytes() for h in sorted(SOURCES.glob("*.h")))  # its own and shared includes
             digest = hashlib.sha256(source.read_bytes() + headers + _cpu_signature()).hexdigest()[:16]
             target = cache_dir() / f"{name}-{digest}.so"
             if not target.exists():

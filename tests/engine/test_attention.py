@@ -20,10 +20,10 @@ from tests.support.attention_reference import kvcache_reference, varlen_referenc
 HEADS, KV_HEADS, DIM = 4, 2, 8
 
 
-def scenario(block_size, num_blocks=64, seed=0, specs=None, dim=DIM):
+def scenario(block_size, num_blocks=64, seed=0, specs=None, dim=DIM, heads=HEADS, kv_heads=KV_HEADS):
     """By default three requests: a prompt chunk after a cached prefix, a decode, a fresh prompt."""
     g = torch.Generator().manual_seed(seed)
-    layout = KVLayout("m", "float32", block_size, 1, KV_HEADS, dim)
+    layout = KVLayout("m", "float32", block_size, 1, kv_heads, dim)
     cache = KVCache(layout, num_blocks)
     cache.buffer.copy_(torch.randn(cache.buffer.shape, generator=g))
     perm = torch.randperm(num_blocks, generator=g).tolist()
@@ -34,16 +34,16 @@ def scenario(block_size, num_blocks=64, seed=0, specs=None, dim=DIM):
         nblocks = math.ceil(ctx / block_size)
         requests.append(AttentionRequest(start, n, ctx, [perm.pop() for _ in range(nblocks)]))
         start += n
-    q = torch.randn(start, HEADS, dim, generator=g)
-    k = torch.randn(start, KV_HEADS, dim, generator=g)
-    v = torch.randn(start, KV_HEADS, dim, generator=g)
+    q = torch.randn(start, heads, dim, generator=g)
+    k = torch.randn(start, kv_heads, dim, generator=g)
+    v = torch.randn(start, kv_heads, dim, generator=g)
     return cache, requests, q, k, v
 
 
 def dense_reference(cache, requests, q, k, v, window):
     """Write the new K/V by hand and attend over each request's full context."""
     out = torch.empty_like(q)
-    bs, dim = cache.block_size, q.shape[-1]
+    bs, dim, kv_heads = cache.block_size, q.shape[-1], k.shape[1]
     key, value = cache.key(0).clone(), cache.value(0).clone()
     for r in requests:
         for j in range(r.num_query_tokens):
@@ -52,8 +52,8 @@ def dense_reference(cache, requests, q, k, v, window):
             value[r.block_ids[pos // bs], pos % bs] = v[r.query_start + j]
     for r in requests:
         blocks = torch.tensor(r.block_ids)
-        keys = key[blocks].reshape(-1, KV_HEADS, dim)[: r.context_len]
-        values = value[blocks].reshape(-1, KV_HEADS, dim)[: r.context_len]
+        keys = key[blocks].reshape(-1, kv_heads, dim)[: r.context_len]
+        values = value[blocks].reshape(-1, kv_heads, dim)[: r.context_len]
         sl = slice(r.query_start, r.query_start + r.num_query_tokens)
         window_size = (-1, -1) if window is None else (window - 1, 0)
         out[sl] = varlen_reference(q[sl], keys, values, [0, r.num_query_tokens], [0, r.context_len], 0, 0,
@@ -102,6 +102,34 @@ def test_cpu_kernel_reads_the_cache_in_place_and_matches_dense_attention(cpu_ker
         pos = r.context_len - 1
         torch.testing.assert_close(cache.key(0)[r.block_ids[pos // block_size], pos % block_size],
                                    k[r.query_start + r.num_query_tokens - 1])
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 1), (8, 1), (6, 2)])  # groups 1, 4, 8 and 3 (no vector path)
+@pytest.mark.parametrize("dim", [16, 48, 256])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_kernel_for_each_gqa_group_head_width_and_dtype(cpu_kernel, heads, kv_heads, dim, dtype):
+    """The kernel's vector path (groups 1, 2, 4, 8; any width a multiple of 16, including one that
+    leaves a part of a value chunk) and its scalar path agree with the reference, fp32 and bf16."""
+    from common.engine.attention.backend_cpu import CpuPagedAttention
+
+    block_size = 16
+    specs = [(5, 3 * block_size + 7), (1, 1), (1, 2 * block_size + 1), (1, 40 * block_size + 3), (2, 21)]
+    cache, requests, q, k, v = scenario(block_size, num_blocks=128, specs=specs, dim=dim, heads=heads,
+                                        kv_heads=kv_heads)
+    expected = dense_reference(cache, requests, q, k, v, None)
+    if dtype == torch.bfloat16:  # the reference from the same rounded inputs
+        cache.buffer.copy_(cache.buffer.bfloat16().float())
+        q, k, v = (t.bfloat16().float() for t in (q, k, v))
+        expected = dense_reference(cache, requests, q, k, v, None)
+        rounded = KVCache(KVLayout("m", "bfloat16", block_size, 1, kv_heads, dim), cache.num_blocks)
+        rounded.buffer.copy_(cache.buffer)
+        cache, q, k, v = rounded, q.bfloat16(), k.bfloat16(), v.bfloat16()
+    backend = CpuPagedAttention({None}, block_size, cpu_kernel)
+    meta = backend.prepare(requests, "cpu")
+    assert meta.kernel_requests == len(requests)  # every request through the kernel
+    out = backend.forward(q, k, v, cache, 0, meta, None, dim**-0.5)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output rounded to bf16
+    torch.testing.assert_close(out.float(), expected, rtol=tolerance, atol=tolerance)
 
 
 @pytest.mark.parametrize("window", [None, 5, 64])

@@ -22,6 +22,8 @@
 #include <omp.h>
 #endif
 
+#include "vec16.h"
+
 #define MAX_GROUP 16
 /* Keys ahead whose rows are prefetched: a key's row is a few hundred cycles of work, a miss to
  * memory (the blocks are scattered, so the hardware prefetchers lose the stream at each block) about
@@ -160,6 +162,188 @@ static void attend_one(int elem, const void *q_row, int64_t q_stride_h, const vo
     }
 }
 
+/* ---- The vector path: head_dim a multiple of 16, G in {1, 2, 4, 8} -------------------------------------
+ * The same three passes, over 16-float vectors: pass 1 feeds each loaded key vector to the G query
+ * heads' accumulators (two chains each, so the adds do not wait on each other); pass 2 takes the
+ * exps 16 keys at a time; pass 3 keeps G x C value accumulators in registers over a tile of
+ * TILE_KEYS keys (its rows stay in L1 between the C-vector chunks: C = value_chunk(G), the rest of a
+ * row one vector at a time). */
+#if defined(__AVX512F__)
+#define VECTOR_REGISTERS 32 /* 16-float vectors that fit the register file */
+#else
+#define VECTOR_REGISTERS 8
+#endif
+#define TILE_KEYS 16
+
+static inline int value_chunk(int group) {
+    const int c = VECTOR_REGISTERS / 2 / group;
+    return c < 1 ? 1 : c > 8 ? 8 : c;
+}
+
+static inline __attribute__((always_inline)) vec16 load_row16(const void *base, int64_t index, int elem) {
+    vec16 v;
+    if (elem == 4) {
+        memcpy(&v, (const float *)base + index, sizeof v);
+    } else {
+        typedef uint16_t half16 __attribute__((vector_size(16 * sizeof(uint16_t))));
+        typedef uint32_t word16 __attribute__((vector_size(16 * sizeof(uint32_t))));
+        half16 h;
+        memcpy(&h, (const bf16_t *)base + index, sizeof h);
+        v = (vec16)(__builtin_convertvector(h, word16) << 16);
+    }
+    return v;
+}
+
+static inline __attribute__((always_inline)) float sum16(vec16 v) {
+    typedef float vec8 __attribute__((vector_size(8 * sizeof(float))));
+    typedef float vec4 __attribute__((vector_size(4 * sizeof(float))));
+    const vec8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                   __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    const vec4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+/* acc[g][d .. d + 16 C) += sum over the tile's keys t of weights[g n_keys + t] * V_t[d .. d + 16 C)
+ * (V_t's row at off[t]; G x C accumulators in registers over the tile). */
+static inline __attribute__((always_inline)) void weigh_values(const int elem, const int G, const int C,
+                                                               const void *v_cache, const int64_t *off, int d,
+                                                               int tile, const float *weights, int n_keys,
+                                                               float *acc, int head_dim) {
+    vec16 a[MAX_GROUP][8];
+    for (int g = 0; g < G; g++)
+        for (int c = 0; c < C; c++) memcpy(&a[g][c], acc + (int64_t)g * head_dim + d + 16 * c, sizeof(vec16));
+    for (int t = 0; t < tile; t++) {
+        vec16 w[MAX_GROUP];
+        for (int g = 0; g < G; g++) w[g] = (vec16){0} + weights[(int64_t)g * n_keys + t];
+        for (int c = 0; c < C; c++) {
+            const vec16 vv = load_row16(v_cache, off[t] + d + 16 * c, elem);
+            for (int g = 0; g < G; g++) a[g][c] += w[g] * vv;
+        }
+    }
+    for (int g = 0; g < G; g++)
+        for (int c = 0; c < C; c++) memcpy(acc + (int64_t)g * head_dim + d + 16 * c, &a[g][c], sizeof(vec16));
+}
+
+static inline __attribute__((always_inline)) void attend_vector(
+        const int elem, const int G, const void *q_row, int64_t q_stride_h, const void *k_cache,
+        const void *v_cache, int64_t s_block, int64_t s_slot, int64_t s_head, void *out_row, const int32_t *blocks,
+        int kv_head, int head_dim, int block_size, int first_key, int last_key, float scale, float *scores,
+        float *qf, float *acc) {
+    const int n_keys = last_key - first_key + 1, nb = head_dim / 16, C = value_chunk(G);
+    for (int g = 0; g < G; g++) {
+        const int h = kv_head * G + g;
+        for (int b = 0; b < nb; b++) {
+            const vec16 v = load_row16(q_row, h * q_stride_h + 16 * b, elem);
+            memcpy(qf + (int64_t)g * head_dim + 16 * b, &v, sizeof v);
+        }
+    }
+    /* pass 1: scores */
+    for (int j = 0; j < n_keys; j++) {
+        const int pos = first_key + j;
+        const int64_t off = key_offset(blocks, pos, block_size, s_block, s_slot, s_head, kv_head);
+        if (j + PREFETCH_KEYS < n_keys)
+            prefetch_row(k_cache, key_offset(blocks, pos + PREFETCH_KEYS, block_size, s_block, s_slot, s_head, kv_head),
+                         elem, head_dim);
+        vec16 even[MAX_GROUP], odd[MAX_GROUP]; /* two chains a head: even and odd vectors of the row */
+        for (int g = 0; g < G; g++) even[g] = odd[g] = (vec16){0};
+        int b = 0;
+        for (; b + 1 < nb; b += 2) {
+            const vec16 k0 = load_row16(k_cache, off + 16 * b, elem), k1 = load_row16(k_cache, off + 16 * b + 16, elem);
+            for (int g = 0; g < G; g++) {
+                vec16 q0, q1;
+                memcpy(&q0, qf + (int64_t)g * head_dim + 16 * b, sizeof q0);
+                memcpy(&q1, qf + (int64_t)g * head_dim + 16 * b + 16, sizeof q1);
+                even[g] += q0 * k0;
+                odd[g] += q1 * k1;
+            }
+        }
+        if (b < nb) {
+            const vec16 k0 = load_row16(k_cache, off + 16 * b, elem);
+            for (int g = 0; g < G; g++) {
+                vec16 q0;
+                memcpy(&q0, qf + (int64_t)g * head_dim + 16 * b, sizeof q0);
+                even[g] += q0 * k0;
+            }
+        }
+        for (int g = 0; g < G; g++) scores[(int64_t)g * n_keys + j] = sum16(even[g] + odd[g]) * scale;
+    }
+    /* pass 2: softmax weights (lanes past n_keys count nothing) */
+    float inv_sum[MAX_GROUP];
+    const ivec16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    for (int g = 0; g < G; g++) {
+        float *sc = scores + (int64_t)g * n_keys;
+        float m = -INFINITY;
+        for (int j = 0; j < n_keys; j++) m = sc[j] > m ? sc[j] : m;
+        vec16 sum = {0};
+        for (int j = 0; j < n_keys; j += 16) {
+            const int left = n_keys - j;
+            vec16 v = {0};
+            memcpy(&v, sc + j, sizeof(float) * (left < 16 ? left : 16));
+            const vec16 e = (vec16)((ivec16)exp_nonpositive(v - m) & (lane < left));
+            memcpy(sc + j, &e, sizeof(float) * (left < 16 ? left : 16));
+            sum += e;
+        }
+        inv_sum[g] = 1.0f / sum16(sum);
+    }
+    /* pass 3: weighted values */
+    memset(acc, 0, sizeof(float) * G * head_dim);
+    for (int j0 = 0; j0 < n_keys; j0 += TILE_KEYS) {
+        const int tile = n_keys - j0 < TILE_KEYS ? n_keys - j0 : TILE_KEYS;
+        int64_t off[TILE_KEYS];
+        for (int t = 0; t < tile; t++) {
+            off[t] = key_offset(blocks, first_key + j0 + t, block_size, s_block, s_slot, s_head, kv_head);
+            if (j0 + t + TILE_KEYS < n_keys)
+                prefetch_row(v_cache, key_offset(blocks, first_key + j0 + t + TILE_KEYS, block_size, s_block, s_slot,
+                                                 s_head, kv_head), elem, head_dim);
+        }
+        const float *weights = scores + j0;
+        int b = 0;
+        for (; b + C <= nb; b += C) weigh_values(elem, G, C, v_cache, off, 16 * b, tile, weights, n_keys, acc, head_dim);
+        for (; b < nb; b++) weigh_values(elem, G, 1, v_cache, off, 16 * b, tile, weights, n_keys, acc, head_dim);
+    }
+    for (int g = 0; g < G; g++) {
+        const int h = kv_head * G + g;
+        const float *a = acc + (int64_t)g * head_dim;
+        if (elem == 4) {
+            float *dst = (float *)out_row + (int64_t)h * head_dim;
+            for (int d = 0; d < head_dim; d++) dst[d] = a[d] * inv_sum[g];
+        } else {
+            bf16_t *dst = (bf16_t *)out_row + (int64_t)h * head_dim;
+            for (int d = 0; d < head_dim; d++) {
+                float f = a[d] * inv_sum[g];
+                uint32_t bits;
+                memcpy(&bits, &f, sizeof bits);
+                bits += 0x7FFF + ((bits >> 16) & 1); /* round to nearest even */
+                dst[d] = (bf16_t)(bits >> 16);
+            }
+        }
+    }
+}
+
+typedef void (*attend_fn)(const void *, int64_t, const void *, const void *, int64_t, int64_t, int64_t, void *,
+                          const int32_t *, int, int, int, int, int, float, float *, float *, float *);
+
+#define DEFINE_ATTEND(ELEM, G)                                                                              \
+    static void attend_##ELEM##_##G(const void *q_row, int64_t q_stride_h, const void *k_cache,             \
+                                    const void *v_cache, int64_t s_block, int64_t s_slot, int64_t s_head,   \
+                                    void *out_row, const int32_t *blocks, int kv_head, int head_dim,         \
+                                    int block_size, int first_key, int last_key, float scale, float *scores, \
+                                    float *qf, float *acc) {                                                 \
+        attend_vector(ELEM, G, q_row, q_stride_h, k_cache, v_cache, s_block, s_slot, s_head, out_row, blocks, \
+                      kv_head, head_dim, block_size, first_key, last_key, scale, scores, qf, acc);            \
+    }
+DEFINE_ATTEND(4, 1) DEFINE_ATTEND(4, 2) DEFINE_ATTEND(4, 4) DEFINE_ATTEND(4, 8)
+DEFINE_ATTEND(2, 1) DEFINE_ATTEND(2, 2) DEFINE_ATTEND(2, 4) DEFINE_ATTEND(2, 8)
+
+/* The vector path for this (elem, group, head_dim), or NULL (the scalar attend_one then). */
+static attend_fn vector_path(int elem, int group, int head_dim) {
+    const int g = group == 1 ? 0 : group == 2 ? 1 : group == 4 ? 2 : group == 8 ? 3 : -1;
+    if (g < 0 || head_dim % 16 != 0 || (elem != 4 && elem != 2)) return NULL;
+    static const attend_fn f32[4] = {attend_4_1, attend_4_2, attend_4_4, attend_4_8};
+    static const attend_fn b16[4] = {attend_2_1, attend_2_2, attend_2_4, attend_2_8};
+    return elem == 4 ? f32[g] : b16[g];
+}
+
 /* Returns 0, or -1 when a scratch allocation fails or the GQA group is too large. */
 int paged_attention(int elem, const void *q, int64_t q_stride_t, int64_t q_stride_h, const void *k_cache,
                     const void *v_cache, int64_t s_block, int64_t s_slot, int64_t s_head, void *out,
@@ -170,6 +354,7 @@ int paged_attention(int elem, const void *q, int64_t q_stride_t, int64_t q_strid
     if (group > MAX_GROUP || group < 1) return -1;
     const int num_tokens = query_start[num_requests];
     const int64_t items = (int64_t)num_tokens * num_kv_heads;
+    const attend_fn vector = vector_path(elem, group, head_dim);
     int failed = 0;
 #ifdef _OPENMP
 #pragma omp parallel num_threads(num_threads > 0 ? num_threads : 1) reduction(| : failed)
@@ -203,9 +388,14 @@ int paged_attention(int elem, const void *q, int64_t q_stride_t, int64_t q_strid
                 int64_t out_row = (int64_t)t * num_heads * head_dim;
                 const char *q_ptr = (const char *)q + row * elem;
                 char *o_ptr = (char *)out + out_row * elem;
-                attend_one(elem, q_ptr, q_stride_h, k_cache, v_cache, s_block, s_slot, s_head, o_ptr,
-                           table + (int64_t)r * table_stride, kv_head, group, head_dim, block_size, first, pos,
-                           scale, scores, qf, acc);
+                if (vector)
+                    vector(q_ptr, q_stride_h, k_cache, v_cache, s_block, s_slot, s_head, o_ptr,
+                           table + (int64_t)r * table_stride, kv_head, head_dim, block_size, first, pos, scale,
+                           scores, qf, acc);
+                else
+                    attend_one(elem, q_ptr, q_stride_h, k_cache, v_cache, s_block, s_slot, s_head, o_ptr,
+                               table + (int64_t)r * table_stride, kv_head, group, head_dim, block_size, first, pos,
+                               scale, scores, qf, acc);
             }
         }
         free(scores);
