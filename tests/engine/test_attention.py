@@ -107,13 +107,18 @@ def test_cpu_kernel_reads_the_cache_in_place_and_matches_dense_attention(cpu_ker
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 1), (8, 1), (6, 2)])  # groups 1, 4, 8 and 3 (no vector path)
 @pytest.mark.parametrize("dim", [16, 48, 256])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpu_kernel_for_each_gqa_group_head_width_and_dtype(cpu_kernel, heads, kv_heads, dim, dtype):
+def test_cpu_kernel_for_each_gqa_group_head_width_and_dtype(cpu_kernel, heads, kv_heads, dim, dtype, monkeypatch):
     """The kernel's vector path (groups 1, 2, 4, 8; any width a multiple of 16, including one that
-    leaves a part of a value chunk) and its scalar path agree with the reference, fp32 and bf16."""
+    leaves a part of a value chunk) and its scalar path agree with the reference, fp32 and bf16; the
+    vector path takes the trailing fresh prompt too, the scalar one leaves it to torch's attention."""
+    from common.engine.attention import backend_cpu
     from common.engine.attention.backend_cpu import CpuPagedAttention
 
+    dense_calls = []
+    dense = backend_cpu.dense_causal_attention
+    monkeypatch.setattr(backend_cpu, "dense_causal_attention", lambda *a: dense_calls.append(1) or dense(*a))
     block_size = 16
-    specs = [(5, 3 * block_size + 7), (1, 1), (1, 2 * block_size + 1), (1, 40 * block_size + 3), (2, 21)]
+    specs = [(5, 3 * block_size + 7), (1, 1), (1, 2 * block_size + 1), (1, 40 * block_size + 3), (2, 21), (19, 19)]
     cache, requests, q, k, v = scenario(block_size, num_blocks=128, specs=specs, dim=dim, heads=heads,
                                         kv_heads=kv_heads)
     expected = dense_reference(cache, requests, q, k, v, None)
@@ -126,10 +131,11 @@ def test_cpu_kernel_for_each_gqa_group_head_width_and_dtype(cpu_kernel, heads, k
         cache, q, k, v = rounded, q.bfloat16(), k.bfloat16(), v.bfloat16()
     backend = CpuPagedAttention({None}, block_size, cpu_kernel)
     meta = backend.prepare(requests, "cpu")
-    assert meta.kernel_requests == len(requests)  # every request through the kernel
+    assert meta.kernel_requests == len(requests) - 1  # all but the trailing fresh prompt, without a vector path
     out = backend.forward(q, k, v, cache, 0, meta, None, dim**-0.5)
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output rounded to bf16
     torch.testing.assert_close(out.float(), expected, rtol=tolerance, atol=tolerance)
+    assert len(dense_calls) == (0 if heads // kv_heads in (1, 2, 4, 8) else 1)
 
 
 @pytest.mark.parametrize("window", [None, 5, 64])

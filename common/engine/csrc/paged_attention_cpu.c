@@ -163,65 +163,83 @@ static void attend_one(int elem, const void *q_row, int64_t q_stride_h, const vo
 }
 
 /* ---- The vector path: head_dim a multiple of 16, G in {1, 2, 4, 8} -------------------------------------
- * The same three passes, over 16-float vectors: pass 1 feeds each loaded key vector to the G query
- * heads' accumulators (two chains each, so the adds do not wait on each other); pass 2 takes the
- * exps 16 keys at a time; pass 3 keeps G x C value accumulators in registers over a tile of
- * TILE_KEYS keys (its rows stay in L1 between the C-vector chunks: C = value_chunk(G), the rest of a
- * row one vector at a time). */
+ * The same three passes over vectors of VL floats (one register: 16 on AVX-512, 8 on AVX2): pass 1
+ * feeds each loaded key vector to the G query heads' accumulators (two chains each where registers
+ * allow, so the adds do not wait on each other); pass 2 takes the exps 16 keys at a time; pass 3
+ * keeps G x C value accumulators in registers over a tile of TILE_KEYS keys (its rows stay in L1
+ * between the C-vector chunks: C = value_chunk(G), the rest of a row one vector at a time). */
 #if defined(__AVX512F__)
-#define VECTOR_REGISTERS 32 /* 16-float vectors that fit the register file */
+#define VL 16
+#define VECTOR_REGISTERS 32
 #else
-#define VECTOR_REGISTERS 8
+#define VL 8
+#define VECTOR_REGISTERS 16
 #endif
 #define TILE_KEYS 16
+
+typedef float vecw __attribute__((vector_size(VL * sizeof(float))));
+typedef float vec8 __attribute__((vector_size(8 * sizeof(float))));
+typedef float vec4 __attribute__((vector_size(4 * sizeof(float))));
 
 static inline int value_chunk(int group) {
     const int c = VECTOR_REGISTERS / 2 / group;
     return c < 1 ? 1 : c > 8 ? 8 : c;
 }
 
-static inline __attribute__((always_inline)) vec16 load_row16(const void *base, int64_t index, int elem) {
-    vec16 v;
+static inline __attribute__((always_inline)) vecw load_row(const void *base, int64_t index, int elem) {
+    vecw v;
     if (elem == 4) {
         memcpy(&v, (const float *)base + index, sizeof v);
     } else {
-        typedef uint16_t half16 __attribute__((vector_size(16 * sizeof(uint16_t))));
-        typedef uint32_t word16 __attribute__((vector_size(16 * sizeof(uint32_t))));
-        half16 h;
+        typedef uint16_t halves __attribute__((vector_size(VL * sizeof(uint16_t))));
+        typedef uint32_t words __attribute__((vector_size(VL * sizeof(uint32_t))));
+        halves h;
         memcpy(&h, (const bf16_t *)base + index, sizeof h);
-        v = (vec16)(__builtin_convertvector(h, word16) << 16);
+        v = (vecw)(__builtin_convertvector(h, words) << 16);
     }
     return v;
 }
 
-static inline __attribute__((always_inline)) float sum16(vec16 v) {
-    typedef float vec8 __attribute__((vector_size(8 * sizeof(float))));
-    typedef float vec4 __attribute__((vector_size(4 * sizeof(float))));
+static inline __attribute__((always_inline)) float sum_lanes(vecw v) {
+#if VL == 16
     const vec8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
                    __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+    const vec8 a = v;
+#endif
     const vec4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
     return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
-/* acc[g][d .. d + 16 C) += sum over the tile's keys t of weights[g n_keys + t] * V_t[d .. d + 16 C)
+static inline __attribute__((always_inline)) float sum16(vec16 v) {
+    float total = 0.0f;
+    for (int i = 0; i < 16; i += VL) {
+        vecw part;
+        memcpy(&part, (const float *)&v + i, sizeof part);
+        total += sum_lanes(part);
+    }
+    return total;
+}
+
+/* acc[g][d .. d + VL C) += sum over the tile's keys t of weights[g n_keys + t] * V_t[d .. d + VL C)
  * (V_t's row at off[t]; G x C accumulators in registers over the tile). */
 static inline __attribute__((always_inline)) void weigh_values(const int elem, const int G, const int C,
                                                                const void *v_cache, const int64_t *off, int d,
                                                                int tile, const float *weights, int n_keys,
                                                                float *acc, int head_dim) {
-    vec16 a[MAX_GROUP][8];
+    vecw a[MAX_GROUP][8];
     for (int g = 0; g < G; g++)
-        for (int c = 0; c < C; c++) memcpy(&a[g][c], acc + (int64_t)g * head_dim + d + 16 * c, sizeof(vec16));
+        for (int c = 0; c < C; c++) memcpy(&a[g][c], acc + (int64_t)g * head_dim + d + VL * c, sizeof(vecw));
     for (int t = 0; t < tile; t++) {
-        vec16 w[MAX_GROUP];
-        for (int g = 0; g < G; g++) w[g] = (vec16){0} + weights[(int64_t)g * n_keys + t];
+        vecw w[MAX_GROUP];
+        for (int g = 0; g < G; g++) w[g] = (vecw){0} + weights[(int64_t)g * n_keys + t];
         for (int c = 0; c < C; c++) {
-            const vec16 vv = load_row16(v_cache, off[t] + d + 16 * c, elem);
+            const vecw vv = load_row(v_cache, off[t] + d + VL * c, elem);
             for (int g = 0; g < G; g++) a[g][c] += w[g] * vv;
         }
     }
     for (int g = 0; g < G; g++)
-        for (int c = 0; c < C; c++) memcpy(acc + (int64_t)g * head_dim + d + 16 * c, &a[g][c], sizeof(vec16));
+        for (int c = 0; c < C; c++) memcpy(acc + (int64_t)g * head_dim + d + VL * c, &a[g][c], sizeof(vecw));
 }
 
 static inline __attribute__((always_inline)) void attend_vector(
@@ -229,12 +247,13 @@ static inline __attribute__((always_inline)) void attend_vector(
         const void *v_cache, int64_t s_block, int64_t s_slot, int64_t s_head, void *out_row, const int32_t *blocks,
         int kv_head, int head_dim, int block_size, int first_key, int last_key, float scale, float *scores,
         float *qf, float *acc) {
-    const int n_keys = last_key - first_key + 1, nb = head_dim / 16, C = value_chunk(G);
+    const int n_keys = last_key - first_key + 1, nb = head_dim / VL, C = value_chunk(G);
+    const int chains = 4 * G <= VECTOR_REGISTERS ? 2 : 1;
     for (int g = 0; g < G; g++) {
         const int h = kv_head * G + g;
         for (int b = 0; b < nb; b++) {
-            const vec16 v = load_row16(q_row, h * q_stride_h + 16 * b, elem);
-            memcpy(qf + (int64_t)g * head_dim + 16 * b, &v, sizeof v);
+            const vecw v = load_row(q_row, h * q_stride_h + VL * b, elem);
+            memcpy(qf + (int64_t)g * head_dim + VL * b, &v, sizeof v);
         }
     }
     /* pass 1: scores */
@@ -244,28 +263,28 @@ static inline __attribute__((always_inline)) void attend_vector(
         if (j + PREFETCH_KEYS < n_keys)
             prefetch_row(k_cache, key_offset(blocks, pos + PREFETCH_KEYS, block_size, s_block, s_slot, s_head, kv_head),
                          elem, head_dim);
-        vec16 even[MAX_GROUP], odd[MAX_GROUP]; /* two chains a head: even and odd vectors of the row */
-        for (int g = 0; g < G; g++) even[g] = odd[g] = (vec16){0};
+        vecw even[MAX_GROUP], odd[MAX_GROUP]; /* two chains a head: even and odd vectors of the row */
+        for (int g = 0; g < G; g++) even[g] = odd[g] = (vecw){0};
         int b = 0;
-        for (; b + 1 < nb; b += 2) {
-            const vec16 k0 = load_row16(k_cache, off + 16 * b, elem), k1 = load_row16(k_cache, off + 16 * b + 16, elem);
+        for (; chains == 2 && b + 1 < nb; b += 2) {
+            const vecw k0 = load_row(k_cache, off + VL * b, elem), k1 = load_row(k_cache, off + VL * b + VL, elem);
             for (int g = 0; g < G; g++) {
-                vec16 q0, q1;
-                memcpy(&q0, qf + (int64_t)g * head_dim + 16 * b, sizeof q0);
-                memcpy(&q1, qf + (int64_t)g * head_dim + 16 * b + 16, sizeof q1);
+                vecw q0, q1;
+                memcpy(&q0, qf + (int64_t)g * head_dim + VL * b, sizeof q0);
+                memcpy(&q1, qf + (int64_t)g * head_dim + VL * b + VL, sizeof q1);
                 even[g] += q0 * k0;
                 odd[g] += q1 * k1;
             }
         }
-        if (b < nb) {
-            const vec16 k0 = load_row16(k_cache, off + 16 * b, elem);
+        for (; b < nb; b++) {
+            const vecw k0 = load_row(k_cache, off + VL * b, elem);
             for (int g = 0; g < G; g++) {
-                vec16 q0;
-                memcpy(&q0, qf + (int64_t)g * head_dim + 16 * b, sizeof q0);
+                vecw q0;
+                memcpy(&q0, qf + (int64_t)g * head_dim + VL * b, sizeof q0);
                 even[g] += q0 * k0;
             }
         }
-        for (int g = 0; g < G; g++) scores[(int64_t)g * n_keys + j] = sum16(even[g] + odd[g]) * scale;
+        for (int g = 0; g < G; g++) scores[(int64_t)g * n_keys + j] = sum_lanes(even[g] + odd[g]) * scale;
     }
     /* pass 2: softmax weights (lanes past n_keys count nothing) */
     float inv_sum[MAX_GROUP];
@@ -298,8 +317,8 @@ static inline __attribute__((always_inline)) void attend_vector(
         }
         const float *weights = scores + j0;
         int b = 0;
-        for (; b + C <= nb; b += C) weigh_values(elem, G, C, v_cache, off, 16 * b, tile, weights, n_keys, acc, head_dim);
-        for (; b < nb; b++) weigh_values(elem, G, 1, v_cache, off, 16 * b, tile, weights, n_keys, acc, head_dim);
+        for (; b + C <= nb; b += C) weigh_values(elem, G, C, v_cache, off, VL * b, tile, weights, n_keys, acc, head_dim);
+        for (; b < nb; b++) weigh_values(elem, G, 1, v_cache, off, VL * b, tile, weights, n_keys, acc, head_dim);
     }
     for (int g = 0; g < G; g++) {
         const int h = kv_head * G + g;
@@ -343,6 +362,11 @@ static attend_fn vector_path(int elem, int group, int head_dim) {
     static const attend_fn b16[4] = {attend_2_1, attend_2_2, attend_2_4, attend_2_8};
     return elem == 4 ? f32[g] : b16[g];
 }
+
+/* 1 where (elem, group, head_dim) takes the vector path (the caller then gives it fresh prompts too:
+ * on an AVX-512 Zen 5, a 272-token prompt of Gemma 3 270M's layout 1.5x faster than torch's fused
+ * attention, a 64-token one 7x), else 0. */
+int paged_attention_vector_path(int elem, int group, int head_dim) { return vector_path(elem, group, head_dim) != NULL; }
 
 /* Returns 0, or -1 when a scratch allocation fails or the GQA group is too large. */
 int paged_attention(int elem, const void *q, int64_t q_stride_t, int64_t q_stride_h, const void *k_cache,
