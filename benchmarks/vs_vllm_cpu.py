@@ -10,8 +10,9 @@ fp32 greedy outputs are compared request by request (``outputs_identical_fp32``)
 Offline, vLLM runs at its best setting here: ``VLLM_CPU_NUM_OF_RESERVED_CPU=0`` (by default it keeps
 a core of two for its scheduler).  Served: vLLM's OpenAI server at its default and with no core
 reserved (there its API server competes with its compute threads), and this project's stack (one
-colocated worker; one prefill + one decode worker, each with every core as ``make up`` runs them,
-or with ``--disagg-cores split`` one half of the cores each), the same closed-loop load from
+colocated worker; one prefill + one decode worker, each with every core and taking turns on them
+(``--core-turns``) as ``make up`` runs them, or with ``--disagg-cores split`` one half of the cores
+each), the same closed-loop load from
 ``benchmarks/loadgen.py`` at each concurrency, greedy and sampled (temperature 1); each ratio is
 against vLLM's better setting for that load.
 
@@ -255,12 +256,14 @@ def served_ours(name: str, checkpoint: Path, args, vocab: int) -> dict:
     common = ["--dtype", args.served_dtype, "--max-num-seqs", str(args.max_num_seqs),
               "--max-num-batched-tokens", str(args.served_max_num_batched_tokens),
               "--max-model-len", str(args.max_model_len), "--num-blocks", str(args.num_blocks)]
+    workdir = Path(tempfile.mkdtemp(prefix=f"pdserve-vs-vllm-{name}-"))
     if name == "colocated":
         shape = dict(prefill=0, decode=0, both=1, extra_env={"OMP_NUM_THREADS": str(args.threads)})
-    else:  # as make up runs them: every core to each (the OS shares them), or half each
+    else:  # as make up runs them: every core to each, taking turns on them (or half the cores each)
         threads = args.threads if args.disagg_cores == "shared" else max(1, args.threads // 2)
         shape = dict(prefill=1, decode=1, extra_env={"OMP_NUM_THREADS": str(threads)})
-    workdir = Path(tempfile.mkdtemp(prefix=f"pdserve-vs-vllm-{name}-"))
+        if args.disagg_cores == "shared":
+            common += ["--core-turns", str(workdir / "core-turns.lock")]
     stack = BenchStack(str(checkpoint), args.redis_url, key_prefix=f"bench-vs-vllm-{uuid.uuid4().hex[:10]}",
                        workdir=workdir, transport="tcp", policy="prefix_aware", worker_args=common,
                        gateway_args=["--skip-prefill-below", "0"], **shape)

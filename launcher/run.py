@@ -3,12 +3,16 @@ Ctrl-C.  ``run_stack`` is that life cycle, for the tests to drive with their own
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
+import tempfile
+from pathlib import Path
 from typing import Callable
 
 from common.cluster.children import StopSignals
 from common.cluster.flags import EnvFlags, FlagParser
 from common.cluster.redis_keys import DEFAULT_KEY_PREFIX
+from common.engine.config import EngineConfig
 from kvtransfer.config import default_transport
 from launcher.local_stack import LocalStack, StartCancelled, http_json, local_secret
 from launcher.supervisor import Supervisor
@@ -58,10 +62,25 @@ def build_parser(env=None) -> FlagParser:
 
 
 def stack_from_args(args, redis_url: str, cluster_secret: str | None = None) -> LocalStack:
-    """The stack ``make up`` runs for these flags."""
+    """The stack ``make up`` runs for these flags: CPU workers share this host's cores, so they take
+    turns on them (``--core-turns``, a lock file per stack in the runtime directory)."""
+    turns = ["--core-turns", str(core_turns_path(args.key_prefix))] if workers_compute_on_cpu() else []
     return LocalStack(args.model, redis_url, key_prefix=args.key_prefix, prefill=args.prefill, decode=args.decode,
                       transport=args.kv_transport, gateway_port=args.port,
-                      worker_args=["--num-blocks", str(args.num_blocks)], cluster_secret=cluster_secret)
+                      worker_args=["--num-blocks", str(args.num_blocks), *turns], cluster_secret=cluster_secret)
+
+
+def workers_compute_on_cpu() -> bool:
+    """Whether the workers will compute on the CPU: their device (PDSERVE_DEVICE) is ``cpu``, or
+    ``auto`` on a host without an NVIDIA driver."""
+    device = os.environ.get("PDSERVE_DEVICE", EngineConfig.device)
+    return device == "cpu" or (device == "auto" and not Path("/dev/nvidiactl").exists())
+
+
+def core_turns_path(key_prefix: str) -> Path:
+    """The lock file the workers of the stack with ``key_prefix`` take turns on."""
+    base = Path(os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir())
+    return base / f"pdserve-core-turns-{hashlib.sha256(key_prefix.encode()).hexdigest()[:12]}.lock"
 
 
 def main() -> None:

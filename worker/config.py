@@ -57,6 +57,9 @@ class WorkerConfig:
     # loopback; never printed.
     cluster_secret: str | None = field(default=None, repr=False)
     http: HttpLimits = field(default_factory=HttpLimits)  # the HTTP port's connection limits
+    # A lock file that the workers sharing this host's cores take turns on, a step at a time
+    # (common.engine.core_turns); None: steps run whenever they are ready.
+    core_turns: str | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -157,6 +160,9 @@ def build_parser(default_role: str, description: str, env: Mapping[str, str] | N
              f"repeated step failures (0: no bound)")
     add("--failure-drain-timeout", 5.0, float,
         help="after the engine failed, seconds to let in-flight requests get their error before exiting")
+    add("--core-turns",
+        help="lock file that the workers sharing this host's CPU cores take turns on: each engine step then runs "
+             "alone on every core instead of beside another worker's (make up sets it for its CPU workers)")
     add("--model-id", help="model name served to clients")
     add("--attention-backend", EngineConfig.attention_backend, choices=("auto", "cpu", "torch", "flash", "triton"),
         help="auto: flash-attn on CUDA where it pages the block size (multiples of 256), else Triton; on CPU the "
@@ -245,5 +251,6 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         advertise_host=args.advertise_host, redis_url=redis_url, key_prefix=args.key_prefix,
         heartbeat_ttl_s=args.heartbeat_ttl, cluster_secret=secret,
         peer_connect_timeout_s=args.peer_connect_timeout, control_timeout_s=args.control_timeout,
-        max_step_failures=args.max_step_failures, engine_watchdog_s=args.engine_watchdog, **extra,
+        max_step_failures=args.max_step_failures, engine_watchdog_s=args.engine_watchdog,
+        core_turns=args.core_turns, **extra,
     )

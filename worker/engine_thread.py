@@ -46,6 +46,7 @@ longest bound (or a little later).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import queue
@@ -55,6 +56,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Callable, Mapping
 
+from common.engine.core_turns import CoreTurns
 from common.engine.engine import Engine, RequestOutput, StepFailed
 from worker.config import FIRST_STEP_ALLOWANCE, MAX_STEP_FAILURES
 from common.engine.request import Request
@@ -99,7 +101,7 @@ class EngineThread:
 
     def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop, max_step_failures: int = MAX_STEP_FAILURES,
                  watchdog_s: float | None = None, clock: Callable[[], float] = time.monotonic,
-                 hang_backstop: bool = False):
+                 hang_backstop: bool = False, core_turns: CoreTurns | None = None):
         if max_step_failures < 1:
             raise ValueError(f"max_step_failures must be >= 1, got {max_step_failures}")
         if watchdog_s is not None and not watchdog_s >= 0:
@@ -109,6 +111,7 @@ class EngineThread:
         self.max_step_failures = max_step_failures
         self.watchdog_s = watchdog_s or None
         self.clock = clock
+        self.core_turns = core_turns  # steps take turns with other workers' on these cores
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, asyncio.Queue] = {}
         self.after_step: list[Callable[[Engine, list[RequestOutput]], None]] = []
@@ -240,7 +243,8 @@ class EngineThread:
                     self.gap_seconds += began - last_end
                 self._begin(f"step {engine.num_steps + 1}")  # its kind, hence its allowance: ``_scheduled``
                 try:
-                    outputs = engine.step()
+                    with self.core_turns.turn() if self.core_turns else contextlib.nullcontext():
+                        outputs = engine.step()
                     failed = None
                 except StepFailed as exc:
                     outputs, failed = [], exc

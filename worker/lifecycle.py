@@ -37,6 +37,7 @@ from common.cluster.redis_util import connect
 from common.cluster.registry import Capacity, Heartbeat, KVAddress, Load, WorkerInfo, WorkerRegistry
 from common.engine import openmp_wait
 from common.engine.config import EngineConfig
+from common.engine.core_turns import CoreTurns
 from common.engine.engine import Engine
 from common.engine.sampling_params import SamplingParams
 from common.engine.structured.backend import CompiledGrammar
@@ -133,8 +134,10 @@ class Worker:
             await asyncio.to_thread(self.ranks.start)
             self.ranks.watch(lambda why: loop.call_soon_threadsafe(self._engine_failed, RuntimeError(why)))
         self.engine = await asyncio.to_thread(build_engine, self.config.engine)
+        turns = CoreTurns(self.config.core_turns) if self.config.core_turns else None
         self.engine_thread = EngineThread(self.engine, loop, max_step_failures=self.config.max_step_failures,
-                                          watchdog_s=self.config.engine_watchdog_s, hang_backstop=True)
+                                          watchdog_s=self.config.engine_watchdog_s, hang_backstop=True,
+                                          core_turns=turns)
         self.engine_thread.after_step.append(self._publish_cache_events)
         self.engine_thread.on_fatal = self._engine_failed
         self.engine_thread.on_lease_expired = self._leases_expired
@@ -201,6 +204,8 @@ class Worker:
                 log.warning("tensor-parallel followers not told to stop (%s)", exc)
         if self.engine_thread:
             self.engine_thread.stop()
+            if self.engine_thread.core_turns is not None:  # a turn still held (a hung step) ends here
+                self.engine_thread.core_turns.close()
         if self.ranks is not None:
             await asyncio.to_thread(self.ranks.stop)
         for task in list(self._background):

@@ -2,12 +2,15 @@
 and every waiter gets an error at once; so does a step or a command that hangs (the watchdog); with
 nothing runnable the thread sleeps (no empty steps) until work arrives or a lease ends."""
 import asyncio
+import fcntl
+import os
 import threading
 import time
 
 import pytest
 
 from common.engine.config import EngineConfig
+from common.engine.core_turns import CoreTurns
 from common.engine.engine import Engine, StepFailed
 from worker.engine_thread import FIRST_STEP_ALLOWANCE, EngineFailed, EngineThread
 from tests.support.checkpoints import tiny_llama_config, write_checkpoint
@@ -43,9 +46,9 @@ async def running(checkpoint):
     """Build an engine thread (``running(**engine_config, max_step_failures=n)``), stopped afterwards."""
     threads = []
 
-    def start(max_step_failures=3, watchdog_s=None, **config):
+    def start(max_step_failures=3, watchdog_s=None, core_turns=None, **config):
         thread = EngineThread(make_engine(checkpoint, **config), asyncio.get_running_loop(), max_step_failures,
-                              watchdog_s=watchdog_s)
+                              watchdog_s=watchdog_s, core_turns=core_turns)
         thread.start()
         threads.append(thread)
         return thread
@@ -275,3 +278,30 @@ async def test_a_busy_loop_asks_has_work_once_a_step(running):
         pass
     steps = thread.steps - steps
     assert steps >= 11 and len(calls) <= steps + 2, f"{len(calls)} calls of has_work in {steps} steps"
+
+
+async def test_each_step_takes_a_core_turn(running, tmp_path):
+    """With core turns, a step runs inside a turn: another worker's probe of the lock finds it held
+    while the step runs and free once the engine is idle; a step waits while another holds it."""
+    turns = CoreTurns(tmp_path / "turns.lock")
+    thread = running(core_turns=turns)
+    probe = os.open(tmp_path / "turns.lock", os.O_RDWR)
+    hold = Hold()
+    thread.engine.fault_injector = lambda step: hold() if step == 1 else None
+    try:
+        request = asyncio.ensure_future(generate(thread, "a", [5, 6, 7]))
+        await hold.wait_entered()
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        hold.released.set()
+        await asyncio.wait_for(request, WAIT)
+        fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)  # idle: free; now this "worker" holds it
+        second = asyncio.ensure_future(generate(thread, "b", [5, 6, 7]))
+        await asyncio.sleep(0.2)  # time for b's 4 steps (a few ms), had its first not waited for the turn
+        assert not second.done() and turns.turns == 4  # a's prompt step and 3 decode steps
+        fcntl.flock(probe, fcntl.LOCK_UN)
+        assert len(await asyncio.wait_for(second, WAIT)) == PARAMS["max_tokens"]
+        assert turns.missed == 0
+    finally:
+        hold.released.set()
+        os.close(probe)

@@ -122,3 +122,23 @@ def test_the_removed_admin_token_flag_is_refused_without_echoing_its_value(capsy
     assert exit_.value.code == 2 and "--admin-token is no longer taken" in err
     assert "old-admin-token" not in err
     assert "--admin-token" not in build_parser("decode", "pdserve worker").format_help()
+
+
+def test_core_turns_reach_the_config_and_make_up_sets_them_for_cpu_workers(monkeypatch):
+    from launcher.run import build_parser as launcher_parser, core_turns_path, stack_from_args
+
+    parse = lambda argv, env=None: config_from_args(build_parser("decode", "test", env=env or {}).parse_args(argv))
+    assert parse([]).core_turns is None
+    assert parse(["--core-turns", "/run/turns.lock"]).core_turns == "/run/turns.lock"
+    assert parse([], {"PDSERVE_CORE_TURNS": "/run/t.lock"}).core_turns == "/run/t.lock"
+
+    def make_up_args():
+        stack = stack_from_args(launcher_parser(env={}).parse_args(["--key-prefix", "p1"]), "redis://127.0.0.1:6379/0")
+        return stack.worker_command("d0", "decode", 9999)[1]
+
+    monkeypatch.setenv("PDSERVE_DEVICE", "cpu")
+    args = make_up_args()
+    assert args[args.index("--core-turns") + 1] == str(core_turns_path("p1"))
+    assert core_turns_path("p1") != core_turns_path("p2")  # stacks apart take turns apart
+    monkeypatch.setenv("PDSERVE_DEVICE", "cuda")
+    assert "--core-turns" not in make_up_args()

@@ -1,0 +1,122 @@
+"""Core turns (common/engine/core_turns.py): steps of workers that share the cores never overlap,
+a worker that comes back while another waits goes after it, a turn held too long is not waited for,
+and a holder that dies frees the turn."""
+import fcntl
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from common.engine.core_turns import CoreTurns
+
+WAIT = 60.0
+
+
+@pytest.fixture
+def lock_path(tmp_path):
+    return tmp_path / "turns.lock"
+
+
+def test_turns_never_overlap(lock_path):
+    """Two workers (one CoreTurns each, as two processes hold them) take 200 turns each: at most
+    one is ever inside, and every turn is a turn (none missed)."""
+    inside, overlaps, turns = [0], [], [CoreTurns(lock_path), CoreTurns(lock_path)]
+    guard = threading.Lock()
+
+    def worker(turn):
+        for _ in range(200):
+            with turn.turn() as held:
+                assert held
+                with guard:
+                    inside[0] += 1
+                    overlaps.append(inside[0])
+                with guard:
+                    inside[0] -= 1
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in turns]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(WAIT)
+    assert max(overlaps) == 1 and len(overlaps) == 400
+    assert [t.turns for t in turns] == [200, 200] and [t.missed for t in turns] == [0, 0]
+
+
+def test_a_worker_that_comes_back_goes_after_the_one_waiting(lock_path):
+    """A holds a turn; B queues for the next; A lets go and at once asks again: B's turn comes
+    first (without the turnstile A could take the lock straight back, and B would starve)."""
+    a, b, probe = CoreTurns(lock_path), CoreTurns(lock_path), os.open(f"{lock_path}.queue", os.O_RDWR)
+    order, b_in = [], threading.Event()
+
+    def b_turn():
+        with b.turn():
+            b_in.set()
+            order.append("b")
+
+    with a.turn():
+        order.append("a")
+        waiter = threading.Thread(target=b_turn)
+        waiter.start()
+        assert until(lambda: queue_held(probe)), "B never queued for the next turn"
+    with a.turn():
+        assert b_in.is_set()  # B's turn began before this one
+        order.append("a")
+    waiter.join(WAIT)
+    assert order == ["a", "b", "a"]
+    os.close(probe)
+
+
+def queue_held(fd) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return False
+
+
+def until(condition, limit=WAIT) -> bool:
+    deadline = time.monotonic() + limit
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
+    return True
+
+
+def test_a_turn_held_too_long_is_not_waited_for(lock_path):
+    holder = os.open(lock_path, os.O_RDWR | os.O_CREAT)
+    fcntl.flock(holder, fcntl.LOCK_EX)  # a peer hung inside its step
+    turns = CoreTurns(lock_path, wait_limit_s=0.2)
+    with turns.turn() as held:
+        assert not held
+    assert turns.missed == 1 and turns.turns == 0
+    fcntl.flock(holder, fcntl.LOCK_UN)
+    with turns.turn() as held:
+        assert held
+    os.close(holder)
+
+
+def test_a_holder_that_dies_frees_the_turn(lock_path):
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, os, sys, time\n"
+         f"fd = os.open({str(lock_path)!r}, os.O_RDWR | os.O_CREAT)\n"
+         "fcntl.flock(fd, fcntl.LOCK_EX)\nprint('held', flush=True)\ntime.sleep(600)"],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        turns = CoreTurns(lock_path, wait_limit_s=WAIT)
+        holder.kill()
+        with turns.turn() as held:
+            assert held and turns.missed == 0
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_the_wait_limit_must_be_positive(lock_path):
+    with pytest.raises(ValueError, match="wait_limit_s"):
+        CoreTurns(lock_path, wait_limit_s=0)
