@@ -347,6 +347,9 @@ def prepare_worker(env: dict[str, str], probe: HostProbe, launch: Launch) -> tup
                 raise Refusal(f"PDSERVE_CPUSETS entry {cpusets[slot]} has no CPU this container may use")
             env.setdefault("OMP_NUM_THREADS", str(len(launch.cpus)))
             launch.notes.append(f"CPUs {cpusets[slot]} (slot {slot})")
+        else:  # the workers share the host's cores: they take turns on them (common/engine/core_turns.py)
+            env.setdefault("PDSERVE_CORE_TURNS", str(lock_dir / "core-turns.lock"))
+            launch.notes.append(f"CPUs shared, turns on {env['PDSERVE_CORE_TURNS']}")
     env.setdefault("PDSERVE_PORT", str(int(env.get("PDSERVE_PORT_BASE") or 8100) + slot))
     env.setdefault("PDSERVE_KV_PORT", str(int(env.get("PDSERVE_KV_PORT_BASE") or 8200) + slot))
     if not env.get("PDSERVE_ADVERTISE_HOST"):

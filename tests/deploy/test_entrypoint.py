@@ -106,10 +106,20 @@ def test_cpu_workers_claim_cpu_sets(ep, tmp_path):
     second_env = worker_env(tmp_path, PDSERVE_DEVICE="cpu", PDSERVE_CPUSETS="0-1;2-3", PDSERVE_KV_TRANSPORT="tcp")
     second = ep.prepare("decode_svc", second_env, host)
     assert (first.cpus, second.cpus) == ([0, 1], [2, 3]) and second_env["OMP_NUM_THREADS"] == "2"
+    assert "PDSERVE_CORE_TURNS" not in env  # cores of its own: no turns to take
     with pytest.raises(ep.Surplus):
         ep.prepare("decode_svc", worker_env(tmp_path, PDSERVE_DEVICE="cpu", PDSERVE_CPUSETS="0-1;2-3"), host)
     release(first)
     release(second)
+
+
+def test_cpu_workers_without_cpu_sets_take_turns_on_the_shared_cores(ep, tmp_path):
+    envs = [worker_env(tmp_path, PDSERVE_DEVICE="cpu", PDSERVE_KV_TRANSPORT="tcp") for _ in range(2)]
+    launches = [ep.prepare("decode_svc", env, FakeHost(cpus=range(2))) for env in envs]
+    assert envs[0]["PDSERVE_CORE_TURNS"] == envs[1]["PDSERVE_CORE_TURNS"]  # one lock file in the shared lock volume
+    assert envs[0]["PDSERVE_CORE_TURNS"].startswith(envs[0].get("PDSERVE_LOCK_DIR") or "/run/pdserve-locks")
+    for launch in launches:
+        release(launch)
 
 
 # ---- NICs, HCAs, UCX ports -----------------------------------------------------------------------

@@ -233,7 +233,7 @@ def seeded_answer_and_stream(stack, prompt: str, max_tokens: int, seed: int | No
 def test_a_stream_whose_decode_worker_dies_moves_to_the_other_and_goes_on_unbroken(stack):
     # Seeded sampling: the worker the stream moves to draws what the dead one would have drawn.
     moves_before = metric(stack, "pdserve_migrations_total", 'cause="worker_lost"')
-    whole, first, chunks = seeded_answer_and_stream(stack, "A stream that outlives its decode worker:", 250, 23)
+    whole, first, chunks = seeded_answer_and_stream(stack, "A stream that outlives its decode worker:", STREAM_TOKENS, 23)
     serving = serving_decode_worker(stack)
     stack.kill(serving)
     assert rest_of(first, chunks) == whole  # no break, no duplicate, no lost token
