@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
-import tempfile
 from pathlib import Path
 from typing import Callable
 
@@ -63,7 +62,7 @@ def build_parser(env=None) -> FlagParser:
 
 def stack_from_args(args, redis_url: str, cluster_secret: str | None = None) -> LocalStack:
     """The stack ``make up`` runs for these flags: CPU workers share this host's cores, so they take
-    turns on them (``--core-turns``, a lock file per stack in the runtime directory)."""
+    turns on them (``--core-turns``, a lock file per stack in the cache directory)."""
     turns = ["--core-turns", str(core_turns_path(args.key_prefix))] if workers_compute_on_cpu() else []
     return LocalStack(args.model, redis_url, key_prefix=args.key_prefix, prefill=args.prefill, decode=args.decode,
                       transport=args.kv_transport, gateway_port=args.port,
@@ -78,9 +77,11 @@ def workers_compute_on_cpu() -> bool:
 
 
 def core_turns_path(key_prefix: str) -> Path:
-    """The lock file the workers of the stack with ``key_prefix`` take turns on."""
-    base = Path(os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir())
-    return base / f"pdserve-core-turns-{hashlib.sha256(key_prefix.encode()).hexdigest()[:12]}.lock"
+    """The lock file the workers of the stack with ``key_prefix`` take turns on: in the user's own
+    cache directory (in a shared /tmp another user could hold it)."""
+    from common.engine.loading.default_model import default_cache_dir
+
+    return default_cache_dir() / "run" / f"core-turns-{hashlib.sha256(key_prefix.encode()).hexdigest()[:12]}.lock"
 
 
 def main() -> None:

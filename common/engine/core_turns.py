@@ -11,8 +11,9 @@ A turn is an exclusive ``flock`` on the lock file.  A turnstile before it keeps 
 a worker first locks ``<file>.queue``, then the lock file, then lets the queue go; so a worker
 that finishes a step and comes back while another waits finds the queue held by the waiter, and
 goes after it.  Locks are polled (up to ``MAX_POLL_S`` apart), never waited on blindly: past
-``wait_limit_s`` the step runs without its turn (a peer that hangs in its step costs this worker
-the contention of today, not its liveness), counted in ``missed``.  The kernel drops a dead
+``wait_limit_s`` the step runs without its turn, counted in ``missed``, and so do the next ones
+without waiting while the lock stays taken (a peer that hangs in its step costs this worker one
+wait and the contention of sharing the cores, not its liveness).  The kernel drops a dead
 process's locks, so a worker that crashes mid-step frees the cores at once.
 """
 from __future__ import annotations
@@ -47,9 +48,12 @@ class CoreTurns:
         self.turns = 0
         self.missed = 0
         self.waited_s = 0.0
-        self._lock = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        self._stuck = False  # the last turn was missed: do not wait again until the lock is free
+        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = os.open(self.path, flags, 0o600)
         try:
-            self._queue = os.open(f"{self.path}.queue", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            self._queue = os.open(f"{self.path}.queue", flags, 0o600)
         except OSError:
             os.close(self._lock)
             raise
@@ -61,7 +65,7 @@ class CoreTurns:
     def turn(self) -> Iterator[bool]:
         """Hold a turn for the block; yields whether it got one (False: ran without, see above)."""
         began = time.monotonic()
-        deadline = began + self.wait_limit_s
+        deadline = began + (0.0 if self._stuck else self.wait_limit_s)
         queued = _lock_by(self._queue, deadline)
         held = _lock_by(self._lock, deadline)
         if queued:
@@ -71,8 +75,10 @@ class CoreTurns:
             self.turns += 1
         else:
             self.missed += 1
-            log.warning("core turns: no turn on %s within %.0f s; this step runs beside another worker's",
-                        self.path, self.wait_limit_s)
+            if not self._stuck:
+                log.warning("core turns: no turn on %s within %.0f s; steps run beside another worker's until "
+                            "it lets go", self.path, self.wait_limit_s)
+        self._stuck = not held
         try:
             yield held
         finally:

@@ -120,6 +120,7 @@ class CpuPagedAttention:
         self.num_threads = num_threads
         # The KV manager's persistent table (``Engine`` hands it over); ``None``: tables per step.
         self.block_table: BlockTable | None = None
+        self._vector_paths: dict[tuple[int, int, int], bool] = {}  # (elem, group, width): the kernel's answer
 
     def prepare(self, requests, device) -> CpuMetadata:
         return step_metadata(requests, self.block_size, self.block_table)
@@ -150,9 +151,11 @@ class CpuPagedAttention:
             out[start:end] = dense_causal_attention(q[start:end], k[start:end], v[start:end], window, scale)
         return out
 
-    @functools.lru_cache(maxsize=8)
     def _vector_path(self, elem: int, group: int, dim: int) -> bool:
-        return bool(self.kernel.paged_attention_vector_path(elem, group, dim))
+        key = (elem, group, dim)
+        if key not in self._vector_paths:
+            self._vector_paths[key] = bool(self.kernel.paged_attention_vector_path(elem, group, dim))
+        return self._vector_paths[key]
 
     def _call(self, elem, q, key_cache, value_cache, out, table, meta, requests, window, scale, heads, dim) -> int:
         threads = self.num_threads or torch.get_num_threads()

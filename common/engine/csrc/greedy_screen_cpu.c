@@ -263,9 +263,9 @@ int greedy_screen_path(int allow_amx) {
  * panels with their norms -- or, for a token whose inv_temperature[t] is > 0 (inv_temperature may
  * be NULL: none), a sample of softmax(logits / T) by sample_token, from uniforms[t][SAMPLE_TRIALS][3]
  * (trials[t]: the trials it took; 0 for an argmax).  Writes out[t] -- -1 for a sampled token that
- * sample_token left undecided, which the caller samples from its logits (exact still: an accepted
- * trial is a sample of the softmax whichever trial it was, so the draw stays one whatever decides
- * it); returns the number of rows computed in fp32 (the candidates: a few per token), -1 where
+ * sample_token left undecided, which the caller samples from its logits (still exact: a token a
+ * trial accepts follows the softmax whichever trial it was, and so does a fresh draw from the
+ * logits after every trial failed); returns the number of rows computed in fp32 (the candidates: a few per token), -1 where
  * scratch memory could not be had, -2 where the caller must compute the logits in full (a row of x
  * or a greedy candidate's logit not finite), -3 where the build has no vector code. */
 int64_t screen_tokens(const float *x, int64_t ldx, int64_t num_tokens, const float *panels, const uint16_t *pairs,

@@ -200,14 +200,21 @@ static inline __attribute__((always_inline)) vecw load_row(const void *base, int
     return v;
 }
 
+/* The sum of v's lanes, halving (the halves by memcpy: GCC 11 has no __builtin_shufflevector). */
 static inline __attribute__((always_inline)) float sum_lanes(vecw v) {
+    vec8 a;
 #if VL == 16
-    const vec8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-                   __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    vec8 high;
+    memcpy(&a, &v, sizeof a);
+    memcpy(&high, (const float *)&v + 8, sizeof high);
+    a += high;
 #else
-    const vec8 a = v;
+    a = v;
 #endif
-    const vec4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    vec4 b, upper;
+    memcpy(&b, &a, sizeof b);
+    memcpy(&upper, (const float *)&a + 4, sizeof upper);
+    b += upper;
     return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
