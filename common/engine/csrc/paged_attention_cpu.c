@@ -85,6 +85,29 @@ static inline int64_t key_offset(const int32_t *blocks, int pos, int block_size,
            (int64_t)kv_head * s_head;
 }
 
+/* The group's output rows: acc[g] / sum[g] for query heads kv_head * group + g, in the output's
+ * dtype (elem 2: bf16, rounded to nearest even). */
+static inline void write_heads(int elem, void *out_row, const float *acc, const float *inv_sum, int kv_head, int group,
+                               int head_dim) {
+    for (int g = 0; g < group; g++) {
+        const int h = kv_head * group + g;
+        const float *a = acc + (int64_t)g * head_dim;
+        if (elem == 4) {
+            float *dst = (float *)out_row + (int64_t)h * head_dim;
+            for (int d = 0; d < head_dim; d++) dst[d] = a[d] * inv_sum[g];
+        } else {
+            bf16_t *dst = (bf16_t *)out_row + (int64_t)h * head_dim;
+            for (int d = 0; d < head_dim; d++) {
+                float f = a[d] * inv_sum[g];
+                uint32_t bits;
+                memcpy(&bits, &f, sizeof bits);
+                bits += 0x7FFF + ((bits >> 16) & 1); /* round to nearest even */
+                dst[d] = (bf16_t)(bits >> 16);
+            }
+        }
+    }
+}
+
 /* One (query token, KV head) item.  elem: 4 = fp32 cache, 2 = bf16 cache (q and out follow it). */
 static void attend_one(int elem, const void *q_row, int64_t q_stride_h, const void *k_cache, const void *v_cache,
                        int64_t s_block, int64_t s_slot, int64_t s_head, void *out_row, const int32_t *blocks,
@@ -143,23 +166,7 @@ static void attend_one(int elem, const void *q_row, int64_t q_stride_h, const vo
                 axpy_bf16(acc + (int64_t)g * head_dim, w, (const bf16_t *)v_cache + off, head_dim);
         }
     }
-    for (int g = 0; g < group; g++) {
-        int h = kv_head * group + g;
-        const float *a = acc + (int64_t)g * head_dim;
-        if (elem == 4) {
-            float *dst = (float *)out_row + (int64_t)h * head_dim;
-            for (int d = 0; d < head_dim; d++) dst[d] = a[d] * inv_sum[g];
-        } else {
-            bf16_t *dst = (bf16_t *)out_row + (int64_t)h * head_dim;
-            for (int d = 0; d < head_dim; d++) {
-                float f = a[d] * inv_sum[g];
-                uint32_t bits;
-                memcpy(&bits, &f, sizeof bits);
-                bits += 0x7FFF + ((bits >> 16) & 1); /* round to nearest even */
-                dst[d] = (bf16_t)(bits >> 16);
-            }
-        }
-    }
+    write_heads(elem, out_row, acc, inv_sum, kv_head, group, head_dim);
 }
 
 /* ---- The vector path: head_dim a multiple of 16, G in {1, 2, 4, 8} -------------------------------------
@@ -327,23 +334,7 @@ static inline __attribute__((always_inline)) void attend_vector(
         for (; b + C <= nb; b += C) weigh_values(elem, G, C, v_cache, off, VL * b, tile, weights, n_keys, acc, head_dim);
         for (; b < nb; b++) weigh_values(elem, G, 1, v_cache, off, VL * b, tile, weights, n_keys, acc, head_dim);
     }
-    for (int g = 0; g < G; g++) {
-        const int h = kv_head * G + g;
-        const float *a = acc + (int64_t)g * head_dim;
-        if (elem == 4) {
-            float *dst = (float *)out_row + (int64_t)h * head_dim;
-            for (int d = 0; d < head_dim; d++) dst[d] = a[d] * inv_sum[g];
-        } else {
-            bf16_t *dst = (bf16_t *)out_row + (int64_t)h * head_dim;
-            for (int d = 0; d < head_dim; d++) {
-                float f = a[d] * inv_sum[g];
-                uint32_t bits;
-                memcpy(&bits, &f, sizeof bits);
-                bits += 0x7FFF + ((bits >> 16) & 1); /* round to nearest even */
-                dst[d] = (bf16_t)(bits >> 16);
-            }
-        }
-    }
+    write_heads(elem, out_row, acc, inv_sum, kv_head, G, head_dim);
 }
 
 typedef void (*attend_fn)(const void *, int64_t, const void *, const void *, int64_t, int64_t, int64_t, void *,
