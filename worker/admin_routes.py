@@ -85,6 +85,8 @@ class AdminHandlers:
 
     async def metrics(self, _request: web.Request) -> web.Response:
         self.worker.metrics.observe_engine(self.worker.engine_thread.snapshot)
+        if self.worker.engine_thread.core_turns is not None:
+            self.worker.metrics.observe_core_turns(self.worker.engine_thread.core_turns)
         return web.Response(body=self.worker.metrics.render(), content_type="text/plain")
 
     async def status(self, _request: web.Request) -> web.Response:

@@ -61,6 +61,21 @@ class WorkerMetrics:
             "pdserve_worker_decode_only_step_seconds",
             "Mean duration of decode steps without drafts (what a verification is compared with)", registry=r)
 
+        # Core turns (common.engine.core_turns), mirrored at each scrape where the worker takes them.
+        self.core_turns = Gauge("pdserve_worker_core_turns", "Engine steps run in a turn on the shared cores",
+                                registry=r)
+        self.core_turns_missed = Gauge(
+            "pdserve_worker_core_turns_missed",
+            "Engine steps run without a turn (another worker held the cores past the wait limit)", registry=r)
+        self.core_turn_wait_seconds = Gauge(
+            "pdserve_worker_core_turn_wait_seconds", "Time engine steps waited for their turn, since start", registry=r)
+
+    def observe_core_turns(self, turns) -> None:
+        """``turns``: the engine thread's ``CoreTurns``."""
+        self.core_turns.set(turns.turns)
+        self.core_turns_missed.set(turns.missed)
+        self.core_turn_wait_seconds.set(turns.waited_s)
+
     def observe_engine(self, stats: dict) -> None:
         self.preemptions.set(stats["num_preemptions"])
         self.kv_usage.set(stats["kv_usage"])

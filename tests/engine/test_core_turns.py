@@ -126,3 +126,4 @@ def test_a_holder_that_dies_frees_the_turn(lock_path):
 def test_the_wait_limit_must_be_positive(lock_path):
     with pytest.raises(ValueError, match="wait_limit_s"):
         CoreTurns(lock_path, wait_limit_s=0)
+

@@ -151,3 +151,17 @@ async def test_stats_and_metrics_never_read_the_scheduler_from_the_event_loop(wo
         while (stats := worker.stats())["num_running"]:
             await asyncio.sleep(0.01)
     assert stats["num_running"] == stats["num_waiting"] == 0 and stats["num_free_blocks"] == stats["num_blocks"]
+
+
+def test_metrics_show_the_core_turns(tmp_path):
+    from common.engine.core_turns import CoreTurns
+    from worker.metrics import WorkerMetrics
+
+    turns, metrics = CoreTurns(tmp_path / "turns.lock"), WorkerMetrics()
+    for _ in range(3):
+        with turns.turn():
+            pass
+    metrics.observe_core_turns(turns)
+    text = metrics.render().decode()
+    assert "pdserve_worker_core_turns 3.0" in text and "pdserve_worker_core_turns_missed 0.0" in text
+    assert "pdserve_worker_core_turn_wait_seconds" in text
