@@ -42,6 +42,7 @@ WAIT_S = 180.0  # bounds on conditions that must come (starts, entries lapsing a
 # (over UCX once its blocks can take no more bytes: --kv-abort-grace, then the connection closes).
 IDLE_S, KV_TIMEOUT_S = 4.0, 6.0
 REQUEST_BOUND_S = 120.0
+STREAM_TOKENS = 960  # a stream long enough to outlive the cut (300 tokens could all have left before it)
 
 
 def worker_command(lab, checkpoint, key_prefix, name: str, role: str, transport: str) -> list[str]:
@@ -173,10 +174,10 @@ def test_the_processes_are_bound_to_their_hosts_addresses(lab, stack):
 def test_gateway_cut_from_a_decode_host_mid_stream_moves_the_stream(lab, stack, offline, transport):
     kv_fault_only(transport)
     prompt = fresh_prompt(40, seed=1)
-    expected = offline(prompt, 300)
+    expected = offline(prompt, STREAM_TOKENS)
     moves = metric(stack, "pdserve_migrations_total", 'cause="worker_lost"')
-    stream = client(stack).completions.create(model=stack.model_name, prompt=prompt, max_tokens=300, temperature=0,
-                                              stream=True, extra_body={"ignore_eos": True})
+    stream = client(stack).completions.create(model=stack.model_name, prompt=prompt, max_tokens=STREAM_TOKENS,
+                                              temperature=0, stream=True, extra_body={"ignore_eos": True})
     chunks = iter(stream)
     text = next(chunks).choices[0].text
     serving = next(d for d in DECODE if stack.stats(d)["inflight"] > 0)
