@@ -2,8 +2,9 @@
 
 Each kernel is built with the system C compiler (``cc``; OpenMP when it has it, else
 single-threaded) into ``<cache>/kernels/<name>-<digest>.so``, where the digest covers the source,
-every header in ``csrc/`` (a kernel's own and the shared ones, such as ``vec16.h``), and the CPU's flags (``-march=native``: a build is only valid on a CPU with the same features,
-say on a shared cache volume), and loaded with ctypes; ctypes calls release the GIL.
+every header in ``csrc/`` (a kernel's own and the shared ones, such as ``vec16.h``) and the CPU's
+flags (``-march=native``: a build is only valid on a CPU with the same features, say on a shared
+cache volume), and loaded with ctypes; ctypes calls release the GIL.
 ``load_kernel`` returns ``None``, and says why in the log, where there is no compiler: callers
 keep a pure-torch path.
 """
