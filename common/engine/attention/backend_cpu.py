@@ -68,7 +68,6 @@ class CpuMetadata:
     query_start: torch.Tensor
     context_lens: torch.Tensor
     max_context: int
-    num_requests: int
     kernel_requests: int  # without a vector path, the first this many requests go to the kernel
     dense: list[tuple[int, int]]  # (first token, tokens) of each fresh prompt after them
 
@@ -81,7 +80,7 @@ def step_metadata(requests, block_size: int, block_table: BlockTable | None = No
         kernel_requests -= 1
     dense = [(r.query_start, r.num_query_tokens) for r in requests[kernel_requests:]]
     return CpuMetadata(step.slot_blocks, step.positions % block_size, step.block_table, step.query_start,
-                       step.context_lens, int(step.context_lens.max()), len(requests), kernel_requests, dense)
+                       step.context_lens, int(step.context_lens.max()), kernel_requests, dense)
 
 
 def _fresh_prompt(request) -> bool:
@@ -139,7 +138,8 @@ class CpuPagedAttention:
         out = torch.empty((tokens, heads, dim), dtype=q.dtype)
         table = meta.block_table
         vector = self._vector_path(elem, heads // key_cache.shape[2], dim)
-        kernel_requests, dense = (meta.num_requests, []) if vector else (meta.kernel_requests, meta.dense)
+        every_request = len(meta.query_start) - 1
+        kernel_requests, dense = (every_request, []) if vector else (meta.kernel_requests, meta.dense)
         if kernel_requests:
             with profiled("cpu_paged_attention"):
                 rc = self._call(elem, q, key_cache, value_cache, out, table, meta, kernel_requests, window, scale,
