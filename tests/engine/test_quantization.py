@@ -8,6 +8,7 @@ import torch
 
 from common.engine.config import EngineConfig
 from common.engine.engine import Engine
+from common.engine.models import int8_vnni
 from common.engine.models.linear import Linear
 from common.engine.models.quantization_scheme import Quantization
 from common.engine.models.quantized import Fp8Weight, Int4Weight, Int8Weight, QuantizedEmbedding, quantize_weight
@@ -21,15 +22,31 @@ def weights(out_features=96, in_features=256, seed=0):
     return torch.randn(out_features, in_features, generator=g) * 0.05, torch.randn(7, in_features, generator=g)
 
 
+def _cpu_has(flag: str) -> bool:
+    with open("/proc/cpuinfo") as f:
+        return flag in next((line for line in f if line.startswith("flags")), "").split()
+
+
+HAS_VNNI = _cpu_has("avx512_vnni")
+
+
+def product_reference(q, x: torch.Tensor) -> torch.Tensor:
+    """What ``q.matmul(x)`` must compute: the product with the dequantized weight, or on the int8
+    VNNI kernel the same arithmetic in torch (its activations quantized per row and group)."""
+    if isinstance(q, Int8Weight) and q._vnni is not None:
+        return int8_vnni.reference_product(x.float(), q.q, q.scale)
+    return x.float() @ q.dequantize().float().t()
+
+
 @pytest.mark.parametrize("make,tolerance", [
-    (Int8Weight, 0.01), (lambda w: Int4Weight(w, 32), 0.1), (lambda w: Int4Weight(w, 64), 0.12),
-    (lambda w: Int4Weight(w, 128), 0.15), (Fp8Weight, 0.05)])
+    (Int8Weight, 0.01), (lambda w: Int8Weight(w, vnni=False), 0.01), (lambda w: Int4Weight(w, 32), 0.1),
+    (lambda w: Int4Weight(w, 64), 0.12), (lambda w: Int4Weight(w, 128), 0.15), (Fp8Weight, 0.05)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_product_is_the_dequantized_weights_and_near_the_original(make, tolerance, dtype):
     w, x = weights()
     q = make(w.to(dtype))
     got = q.matmul(x.to(dtype)).float()
-    exact = x.to(dtype).float() @ q.dequantize().float().t()
+    exact = product_reference(q, x.to(dtype))
     bf16_product = dtype == torch.bfloat16 or isinstance(q, Int4Weight)  # int4's kernel takes bf16 activations
     assert torch.allclose(got, exact, atol=0.02 if bf16_product else 1e-4, rtol=0.02), \
         "the kernel does not compute with the weight it stores"
@@ -37,44 +54,62 @@ def test_the_product_is_the_dequantized_weights_and_near_the_original(make, tole
     assert (got - full).norm() / full.norm() < tolerance
 
 
+@pytest.mark.parametrize("vnni", [True, False])
 @pytest.mark.parametrize("rows", [1, 5, 8, 13, 16, 40, 200])
-def test_int8_takes_the_c_kernel_for_few_rows_and_agrees_with_the_reference_for_any(rows):
-    w, _ = weights(out_features=203, in_features=96)  # a partial block of 8 channels
-    q = Int8Weight(w)
-    assert q._gemv is not None, "the C kernel did not build"
-    x = torch.randn(rows, 96)
-    assert torch.allclose(q.matmul(x), x @ q.dequantize().t(), atol=1e-4)
+def test_int8_takes_a_c_kernel_and_agrees_with_the_reference_for_any_rows(rows, vnni):
+    w, _ = weights(out_features=203, in_features=98)  # partial blocks of 8 and 16 channels, a partial quad
+    q = Int8Weight(w, vnni=vnni)
+    if vnni and HAS_VNNI:
+        assert q._vnni is not None and q._gemv is None, "the VNNI kernel did not build"
+    else:
+        assert q._vnni is None and q._gemv is not None, "the C kernel did not build"
+    x = torch.randn(rows, 98)
+    x[:, 3] *= 300  # one huge channel: it coarsens the activations' first group only
+    assert torch.allclose(q.matmul(x), product_reference(q, x), atol=1e-4, rtol=1e-5)
     ids = torch.tensor([0, 7, 8, 202])
     assert torch.equal(q.rows(ids), q.dequantize()[ids])
+    assert torch.equal(Int8Weight.from_packed(q.packed, q.scale, 203, torch.float32, vnni=vnni).q, q.q)
 
 
-@pytest.mark.parametrize("out_features", [203, 256, 8, 24])  # partial groups of blocks and a partial block
-def test_int8_rows_do_not_depend_on_the_rows_beside_them(out_features):
-    """1-2 rows take four 8-channel blocks a pass and 3-4 rows two (more chains of FMAs in flight),
-    5-8 two in one 16-lane vector on AVX-512 (else one), a last odd block one: every output must
-    still be the same sum in the same order, whatever the pass."""
-    w, _ = weights(out_features=out_features, in_features=97)
+@pytest.mark.skipif(not HAS_VNNI, reason="no AVX512-VNNI on this CPU")
+@pytest.mark.parametrize("in_features", [200, 130])  # a last group of 8 inputs, of 2 (a partial quad)
+def test_int8_vnni_keeps_a_huge_channel_to_its_own_group_of_activations(in_features):
+    """Each group of inputs has its own scale: a channel 1000 times the rest, alone in its group,
+    leaves the other groups' products as precise as without it (one scale a row would round every
+    other input to zero: an error of ~0.7 here)."""
+    w, _ = weights(out_features=48, in_features=in_features)
     q = Int8Weight(w)
-    assert q._gemv is not None, "the C kernel did not build"
+    x = torch.randn(6, in_features)
+    assert 64 % int8_vnni.ACTIVATION_GROUP == 0  # groups of up to 64: the last 64-input group is one of them
+    x[:, (in_features - 1) // 64 * 64 :] = 0.0
+    x[:, -1] = 1000.0  # exactly 127 steps of its group's scale
+    assert (q.matmul(x) - x @ q.dequantize().t()).abs().max() < 0.05
+
+
+@pytest.mark.parametrize("vnni", [True, False])
+@pytest.mark.parametrize("out_features", [203, 256, 8, 24])  # partial groups of blocks and a partial block
+def test_int8_rows_do_not_depend_on_the_rows_beside_them(out_features, vnni):
+    """1-2 rows take four blocks of channels a pass and 3-4 rows two (more accumulator chains in
+    flight), more rows one (or, on the fp32 kernel with AVX-512, two 8-channel blocks in one 16-lane
+    vector), a last odd block one: every output must still be the same sum in the same order,
+    whatever the pass."""
+    w, _ = weights(out_features=out_features, in_features=97)
+    q = Int8Weight(w, vnni=vnni)
+    assert q._vnni is not None or q._gemv is not None, "no C kernel built"
     x = torch.randn(9, 97)
     alone = torch.cat([q.matmul(x[i : i + 1]) for i in range(9)])
     for rows in range(1, 10):
         assert torch.equal(q.matmul(x[:rows]), alone[:rows]), f"{rows} rows"
         assert torch.equal(q.matmul(x[9 - rows :]), alone[9 - rows :]), f"the last {rows} rows"
-    assert torch.allclose(alone, x @ q.dequantize().t(), atol=1e-4)
-
-
-def _cpu_has_avx512_bf16() -> bool:
-    with open("/proc/cpuinfo") as f:
-        return "avx512_bf16" in next((line for line in f if line.startswith("flags")), "")
+    assert torch.allclose(alone, product_reference(q, x), atol=1e-4)
 
 
 @pytest.mark.parametrize("rows", [1, 5, 8, 13, 40])
 @pytest.mark.parametrize("in_features", [96, 97])  # an odd count: the kernel reads inputs in pairs
 def test_int8_takes_bf16_rows_as_pairs_on_cpus_with_avx512_bf16(rows, in_features):
     w, _ = weights(out_features=203, in_features=in_features)  # a partial pair of 8-channel blocks
-    q = Int8Weight(w)
-    if not _cpu_has_avx512_bf16():
+    q = Int8Weight(w, vnni=False)
+    if not _cpu_has("avx512_bf16"):
         assert q._gemv_bf16 is None
         pytest.skip("no AVX512-BF16 on this CPU: bf16 rows take the fp32 loop")
     assert q._gemv_bf16 is not None, "the bf16 entry of the C kernel did not build"

@@ -2,10 +2,14 @@
 every product reads those, so a decode step -- bound by reading weights -- moves less memory.
 
     scheme  weight                                       product (CPU)                      (CUDA)
-    int8    int8 per output channel, symmetric:          few rows: csrc/int8_gemv_cpu.c     --
-            w = q * scale[row]                           (fp32 sums; bf16 rows on AVX512-BF16
-                                                         CPUs: bf16 pair products); more:
-                                                         the dequantized weight
+    int8    int8 per output channel, symmetric:          AVX512-VNNI: csrc/int8_vnni_cpu.c  --
+            w = q * scale[row]                           (activations quantized to int8 per
+                                                         row and group of 64 inputs; exact
+                                                         int32 sums).  Elsewhere, few rows:
+                                                         csrc/int8_gemv_cpu.c (fp32 sums;
+                                                         bf16 rows on AVX512-BF16 CPUs: bf16
+                                                         pair products); more: the
+                                                         dequantized weight
     int4    4-bit groups of ``group_size`` inputs along  aten._weight_int4pack_mm_for_cpu   --
             K, asymmetric: w = (q - 8) * scale + zero    (bf16 activations)
     fp8     float8 e4m3 per output channel:              the dequantized weight (a check,   torch._scaled_mm, the
@@ -14,8 +18,9 @@ every product reads those, so a decode step -- bound by reading weights -- moves
 
 The LM head is quantized too: int8 under int8 and int4 (a 4-bit head costs too much quality for
 the bytes it saves), fp8 under fp8; a tied embedding shares the head's quantized rows (its lookup
-dequantizes the rows it reads), so the model holds one copy of them.  Activations, norms, the
-KV cache and the logits stay in the model's dtype.  Quality is measured, not assumed:
+dequantizes the rows it reads), so the model holds one copy of them.  Activations (but for the
+int8 products' own rounding of their inputs on VNNI CPUs), norms, the KV cache and the logits stay
+in the model's dtype.  Quality is measured, not assumed:
 ``benchmarks/quant_quality.py``.
 """
 from __future__ import annotations
@@ -26,6 +31,7 @@ import ctypes
 import torch
 from torch import nn
 
+from common.engine.models import int8_vnni
 from common.engine.models.quantization_scheme import INT4_GROUP_SIZES, QUANTIZATIONS
 
 _FP8_MAX = 448.0  # float8 e4m3's largest finite value
@@ -97,28 +103,35 @@ def _row_scales(w: torch.Tensor, largest: float) -> torch.Tensor:
 
 
 class Int8Weight(QuantizedWeight):
-    """Per-output-channel int8, packed for ``csrc/int8_gemv_cpu.c`` (blocks of 8 channels,
-    k-major).  Up to ``GEMV_MAX_ROWS`` rows (decode batches, sampled rows) take that kernel: it
-    streams the int8 bytes once per 8 rows and accumulates in fp32.  More rows (prefill chunks,
-    compute-bound) dequantize the weight and take the fp32 product; so does a CPU without a C
-    compiler."""
+    """Per-output-channel int8.  On CPUs with AVX512-VNNI (and ``vnni``) it is held in that kernel's
+    layout alone (``int8_vnni``) and every product takes it: activations quantized per row and group
+    of inputs, int8 x int8 sums.  Elsewhere it is packed for ``csrc/int8_gemv_cpu.c`` (blocks of 8
+    channels, k-major): up to ``GEMV_MAX_ROWS`` rows (decode batches, sampled rows) take that kernel,
+    which streams the int8 bytes once per 8 rows and accumulates in fp32; more rows (prefill
+    chunks, compute-bound) dequantize the weight and take the fp32 product, as does a CPU without
+    a C compiler.  Either way it is stored (``packed_tensors``) in blocks of 8 channels."""
 
     kind = "int8"
 
-    def __init__(self, weight: torch.Tensor):
+    def __init__(self, weight: torch.Tensor, vnni: bool = True):
         w = weight.detach().float()
         out_features, in_features = w.shape
         scale = _row_scales(w, 127.0)
         q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        self._use(self._blocks_of_8(q), scale.contiguous(), out_features, weight.dtype, vnni)
+
+    @staticmethod
+    def _blocks_of_8(q: torch.Tensor) -> torch.Tensor:
+        """``q`` ``[out, in]`` as ``[ceil(out / 8), in, 8]`` (the last block zero-padded)."""
+        out_features, in_features = q.shape
         padded = -(-out_features // 8) * 8
         if padded != out_features:
             q = torch.cat([q, q.new_zeros(padded - out_features, in_features)])
-        packed = q.reshape(padded // 8, 8, in_features).transpose(1, 2).contiguous()  # [N/8, K, 8]
-        self._use(packed, scale.contiguous(), out_features, weight.dtype)
+        return q.reshape(padded // 8, 8, in_features).transpose(1, 2).contiguous()
 
     @classmethod
     def from_packed(cls, packed: torch.Tensor, scale: torch.Tensor, out_features: int,
-                    dtype: torch.dtype) -> "Int8Weight":
+                    dtype: torch.dtype, vnni: bool = True) -> "Int8Weight":
         """The weight of ``packed_tensors()`` (``packed`` int8 ``[ceil(out / 8), in, 8]``, ``scale``
         fp32 ``[out]``), checked against that layout."""
         blocks, in_features = -(-out_features // 8), packed.shape[1] if packed.dim() == 3 else -1
@@ -127,24 +140,45 @@ class Int8Weight(QuantizedWeight):
             raise ValueError(f"int8 weight of {out_features} outputs: packed {packed.dtype} {tuple(packed.shape)}, "
                              f"scale {scale.dtype} {tuple(scale.shape)} do not match its layout")
         weight = cls.__new__(cls)
-        weight._use(packed.contiguous(), scale.contiguous(), out_features, dtype)
+        weight._use(packed.contiguous(), scale.contiguous(), out_features, dtype, vnni)
         return weight
 
-    def _use(self, packed: torch.Tensor, scale: torch.Tensor, out_features: int, dtype: torch.dtype) -> None:
-        self.packed, self.scale = packed, scale  # scale: fp32
+    def _use(self, packed: torch.Tensor, scale: torch.Tensor, out_features: int, dtype: torch.dtype,
+             vnni: bool) -> None:
+        self.scale = scale  # fp32
         self.out_features, self.in_features, self.dtype = out_features, packed.shape[1], dtype
-        self._gemv = _int8_gemv() if packed.device.type == "cpu" else None
-        self._gemv_bf16 = _int8_gemv_bf16() if self._gemv is not None else None
+        on_cpu = packed.device.type == "cpu"
+        self._vnni = int8_vnni.kernel() if on_cpu and vnni else None
+        if self._vnni is not None:  # that kernel's layout alone: one copy of the bytes
+            self._vnni_packed, self._packed = int8_vnni.pack(self._q_of(packed, out_features)), None
+            self._gemv = self._gemv_bf16 = None
+        else:
+            self._vnni_packed, self._packed = None, packed
+            self._gemv = _int8_gemv() if on_cpu else None
+            self._gemv_bf16 = _int8_gemv_bf16() if self._gemv is not None else None
+
+    @staticmethod
+    def _q_of(packed: torch.Tensor, out_features: int) -> torch.Tensor:
+        return packed.transpose(1, 2).reshape(-1, packed.shape[1])[:out_features]
+
+    @property
+    def packed(self) -> torch.Tensor:
+        """The weight in blocks of 8 channels, k-major (``[ceil(out / 8), in, 8]``: the stored layout)."""
+        return self._packed if self._packed is not None else self._blocks_of_8(self.q)
 
     def packed_tensors(self) -> dict[str, torch.Tensor]:
         return {"packed": self.packed, "scale": self.scale}
 
     @property
     def q(self) -> torch.Tensor:
-        """The int8 weight as ``[out_features, in_features]`` (a strided view of the packed bytes)."""
-        return self.packed.transpose(1, 2).reshape(-1, self.in_features)[: self.out_features]
+        """The int8 weight as ``[out_features, in_features]``."""
+        if self._vnni_packed is not None:
+            return int8_vnni.unpack(self._vnni_packed, self.out_features, self.in_features)
+        return self._q_of(self._packed, self.out_features)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self._vnni is not None:
+            return int8_vnni.product(self._vnni, x, self._vnni_packed, self.scale, self.out_features).to(x.dtype)
         if x.shape[0] <= GEMV_MAX_ROWS:
             if self._gemv_bf16 is not None and x.dtype == torch.bfloat16:
                 a = x.detach().contiguous()
@@ -167,12 +201,16 @@ class Int8Weight(QuantizedWeight):
         return (self.q.float() * self.scale[:, None]).to(self.dtype)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        blocks, lanes = ids // 8, ids % 8
-        return (self.packed[blocks, :, lanes].float() * self.scale[ids, None]).to(self.dtype)
+        if self._vnni_packed is not None:
+            q = int8_vnni.unpack_rows(self._vnni_packed, ids, self.in_features)
+        else:
+            q = self._packed[ids // 8, :, ids % 8]
+        return (q.float() * self.scale[ids, None]).to(self.dtype)
 
     @property
     def nbytes(self) -> int:
-        return self.packed.numel() + self.scale.numel() * 4
+        stored = self._vnni_packed if self._vnni_packed is not None else self._packed
+        return stored.numel() + self.scale.numel() * 4
 
 
 class Int4Weight(QuantizedWeight):
