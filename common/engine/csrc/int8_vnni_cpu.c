@@ -31,13 +31,14 @@
 #define ROWS 8   /* rows a pass over a block */
 #define LANES 16 /* output channels a block */
 #define CHUNK 4  /* blocks a thread takes at a time */
+#define PARALLEL_MIN (1 << 16) /* inputs to quantize before rows are split among threads */
 
 /* Rows [rows, k_in] of x into xq [rows, k_pad] (int8, the pad zero), xs [rows, groups] (the groups'
  * scales: amax / 127) and corr [rows, groups] (128 * sum of the group's xq). */
 static void quantize_rows(const float *x, int64_t rows, int64_t k_in, int64_t k_pad, int64_t group, int8_t *xq,
                           float *xs, int32_t *corr) {
     int64_t groups = (k_pad + group - 1) / group;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (rows * k_pad >= PARALLEL_MIN)
     for (int64_t m = 0; m < rows; m++) {
         const float *xm = x + m * k_in;
         int8_t *qm = xq + m * k_pad;

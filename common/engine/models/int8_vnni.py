@@ -54,12 +54,12 @@ def unpack(packed: torch.Tensor, out_features: int, in_features: int) -> torch.T
 
 def product(entry, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, out_features: int) -> torch.Tensor:
     """``x @ W.T`` (fp32 ``[rows, out]``) by the kernel; ``x`` any float dtype, 2-D."""
-    a = x.detach().float().contiguous()
+    a = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
     y = torch.empty(a.shape[0], out_features, dtype=torch.float32)
     if a.shape[0] == 0:
         return y
-    status = entry(ctypes.c_void_p(a.data_ptr()), a.shape[0], a.shape[1], ctypes.c_void_p(packed.data_ptr()),
-                   ctypes.c_void_p(scale.data_ptr()), ctypes.c_void_p(y.data_ptr()), out_features, ACTIVATION_GROUP)
+    status = entry(a.data_ptr(), a.shape[0], a.shape[1], packed.data_ptr(), scale.data_ptr(), y.data_ptr(),
+                   out_features, ACTIVATION_GROUP)
     if status != 0:
         raise MemoryError("int8 VNNI product: scratch allocation failed")
     return y
