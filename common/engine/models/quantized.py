@@ -1,4 +1,4 @@
-"""Weight-only quantized products (``--quantization``): the weights are stored in fewer bytes and
+"""Quantized products (``--quantization``): the weights are stored in fewer bytes and
 every product reads those, so a decode step -- bound by reading weights -- moves less memory.
 
     scheme  weight                                       product (CPU)                      (CUDA)
