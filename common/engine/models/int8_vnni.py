@@ -35,21 +35,21 @@ def pack(q: torch.Tensor) -> torch.Tensor:
     """int8 ``q`` ``[out, in]`` in the kernel's layout (``[ceil(out / 16), ceil(in / 4), 16, 4]`` uint8)."""
     out_features, in_features = q.shape
     n_pad, k_pad = -(-out_features // LANES) * LANES, -(-in_features // QUAD) * QUAD
-    padded = torch.nn.functional.pad(q.to(torch.int16), (0, k_pad - in_features, 0, n_pad - out_features))
-    blocks = (padded + 128).to(torch.uint8).reshape(n_pad // LANES, LANES, k_pad // QUAD, QUAD)
-    return blocks.permute(0, 2, 1, 3).contiguous()
+    padded = torch.nn.functional.pad(q, (0, k_pad - in_features, 0, n_pad - out_features))
+    offset = padded.view(torch.uint8) ^ 0x80  # q + 128 as a byte: its sign bit flipped
+    return offset.reshape(n_pad // LANES, LANES, k_pad // QUAD, QUAD).permute(0, 2, 1, 3).contiguous()
 
 
 def unpack_rows(packed: torch.Tensor, ids: torch.Tensor, in_features: int) -> torch.Tensor:
-    """``q[ids]`` as int16 ``[*ids.shape, in_features]`` from the kernel's layout."""
+    """``q[ids]`` (int8 ``[*ids.shape, in_features]``) from the kernel's layout."""
     rows = packed[ids // LANES, :, ids % LANES, :]  # [*ids.shape, in / 4, 4]
-    return rows.reshape(*ids.shape, -1)[..., :in_features].to(torch.int16) - 128
+    return (rows.reshape(*ids.shape, -1)[..., :in_features] ^ 0x80).view(torch.int8)
 
 
 def unpack(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
     """int8 ``q`` ``[out, in]`` back from the kernel's layout."""
     q = packed.permute(0, 2, 1, 3).reshape(packed.shape[0] * LANES, -1)[:out_features, :in_features]
-    return (q.to(torch.int16) - 128).to(torch.int8)
+    return (q ^ 0x80).view(torch.int8)
 
 
 def product(entry, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, out_features: int) -> torch.Tensor:
