@@ -178,7 +178,8 @@ class Int8Weight(QuantizedWeight):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self._vnni is not None:
-            return int8_vnni.product(self._vnni, x, self._vnni_packed, self.scale, self.out_features).to(x.dtype)
+            y = int8_vnni.product(self._vnni, x, self._vnni_packed, self.scale, self.out_features)
+            return y if x.dtype == torch.float32 else y.to(x.dtype)
         if x.shape[0] <= GEMV_MAX_ROWS:
             if self._gemv_bf16 is not None and x.dtype == torch.bfloat16:
                 a = x.detach().contiguous()
@@ -381,10 +382,11 @@ def restore_weight(description: dict, tensors: dict[str, torch.Tensor]) -> Quant
 
 def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ W.T + bias`` for ``x`` of any leading shape."""
-    flat = weight.matmul(x.reshape(-1, x.shape[-1]))
+    rows = x.dim() == 2  # a step's tokens: no reshapes (a decode step makes ~70 of these calls)
+    flat = weight.matmul(x if rows else x.reshape(-1, x.shape[-1]))
     if bias is not None:
         flat = flat + bias
-    return flat.reshape(*x.shape[:-1], weight.out_features)
+    return flat if rows else flat.reshape(*x.shape[:-1], weight.out_features)
 
 
 class QuantizedEmbedding(nn.Module):
