@@ -8,7 +8,7 @@ import torch
 
 from common.engine.config import EngineConfig
 from common.engine.engine import Engine
-from common.engine.models import int8_vnni
+from common.engine.models import int4_vnni, int8_vnni
 from common.engine.models.linear import Linear
 from common.engine.models.quantization_scheme import Quantization
 from common.engine.models.quantized import Fp8Weight, Int4Weight, Int8Weight, QuantizedEmbedding, quantize_weight
@@ -35,6 +35,8 @@ def product_reference(q, x: torch.Tensor) -> torch.Tensor:
     VNNI kernel the same arithmetic in torch (its activations quantized per row and group)."""
     if isinstance(q, Int8Weight) and q._vnni is not None:
         return int8_vnni.reference_product(x.float(), q.q, q.scale)
+    if isinstance(q, Int4Weight) and q._vnni is not None:
+        return int4_vnni.reference_product(x.float(), *q._groups(), q.group_size)
     return x.float() @ q.dequantize().float().t()
 
 
@@ -84,6 +86,38 @@ def test_int8_vnni_keeps_a_huge_channel_to_its_own_group_of_activations(in_featu
     x[:, (in_features - 1) // 64 * 64 :] = 0.0
     x[:, -1] = 1000.0  # exactly 127 steps of its group's scale
     assert (q.matmul(x) - x @ q.dequantize().t()).abs().max() < 0.05
+
+
+@pytest.mark.skipif(not HAS_VNNI, reason="no AVX512-VNNI on this CPU")
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("rows", [1, 3, 5, 8, 13, 40])
+def test_int4_takes_the_vnni_kernel_holding_the_same_groups_and_agrees_with_the_reference(rows, group):
+    w, _ = weights(out_features=48, in_features=256)  # 3 blocks of 16 channels: a partial pass of 2 and 4
+    q, aten = Int4Weight(w, group), Int4Weight(w, group, vnni=False)
+    assert q._vnni is not None and aten._vnni is None, "the int4 VNNI kernel did not build"
+    for mine, theirs in zip(q._groups(), aten._groups()):
+        assert torch.equal(mine.float(), theirs.float()), "the two layouts hold different weights"
+    x = torch.randn(rows, 256)
+    x[:, 5] *= 100  # one huge channel
+    torch.testing.assert_close(q.matmul(x), product_reference(q, x), atol=1e-4, rtol=1e-5)
+    alone = torch.cat([q.matmul(x[i : i + 1]) for i in range(rows)])
+    assert torch.equal(alone, q.matmul(x)), "a row depends on the rows beside it"
+    stored = Int4Weight.from_packed(**q.packed_tensors(), out_features=48, in_features=256, group_size=group,
+                                    dtype=torch.float32)
+    assert all(torch.equal(a, b) for a, b in zip(stored._vnni_weight, q._vnni_weight)), "the stored layout round-trip"
+    torch.testing.assert_close(q.dequantize(), aten.dequantize(), atol=1e-6, rtol=0)
+
+
+@pytest.mark.skipif(not HAS_VNNI, reason="no AVX512-VNNI on this CPU")
+def test_int4_vnni_zero_points_multiply_the_activations_exact_sums():
+    """Groups whose weights share a large offset (the zero point): the offset multiplies each
+    group's exact sum of activations, so the activations' rounding is scaled by the small spread of
+    the weights alone (through the quantized sums the error here is ~0.04)."""
+    g = torch.Generator().manual_seed(3)
+    w = 0.5 + 0.01 * torch.randn(32, 256, generator=g)  # every weight near 0.5
+    q = Int4Weight(w, 32)
+    x = torch.randn(4, 256, generator=g)
+    assert (q.matmul(x) - x @ q.dequantize().t()).abs().max() < 0.01
 
 
 @pytest.mark.parametrize("vnni", [True, False])

@@ -10,8 +10,11 @@ every product reads those, so a decode step -- bound by reading weights -- moves
                                                          bf16 rows on AVX512-BF16 CPUs: bf16
                                                          pair products); more: the
                                                          dequantized weight
-    int4    4-bit groups of ``group_size`` inputs along  aten._weight_int4pack_mm_for_cpu   --
-            K, asymmetric: w = (q - 8) * scale + zero    (bf16 activations)
+    int4    4-bit groups of ``group_size`` inputs along  AVX512-VNNI: csrc/int4_vnni_cpu.c  --
+            K, asymmetric: w = (q - 8) * scale + zero    (activations quantized per row in
+                                                         the weight's groups).  Elsewhere:
+                                                         aten._weight_int4pack_mm_for_cpu
+                                                         (bf16 activations)
     fp8     float8 e4m3 per output channel:              the dequantized weight (a check,   torch._scaled_mm, the
             w = q * scale[row]                           not a fast path)                   activations quantized
                                                                                             per row on the fly
@@ -19,7 +22,7 @@ every product reads those, so a decode step -- bound by reading weights -- moves
 The LM head is quantized too: int8 under int8 and int4 (a 4-bit head costs too much quality for
 the bytes it saves), fp8 under fp8; a tied embedding shares the head's quantized rows (its lookup
 dequantizes the rows it reads), so the model holds one copy of them.  Activations (but for the
-int8 products' own rounding of their inputs on VNNI CPUs), norms, the KV cache and the logits stay
+int8 and int4 products' own rounding of their inputs on VNNI CPUs), norms, the KV cache and the logits stay
 in the model's dtype.  Quality is measured, not assumed:
 ``benchmarks/quant_quality.py``.
 """
@@ -31,7 +34,7 @@ import ctypes
 import torch
 from torch import nn
 
-from common.engine.models import int8_vnni
+from common.engine.models import int4_vnni, int8_vnni
 from common.engine.models.quantization_scheme import INT4_GROUP_SIZES, QUANTIZATIONS
 
 _FP8_MAX = 448.0  # float8 e4m3's largest finite value
@@ -216,11 +219,14 @@ class Int8Weight(QuantizedWeight):
 
 class Int4Weight(QuantizedWeight):
     """4-bit groups of ``group_size`` inputs, ``w = (q - 8) * scale + zero``: quantized here from a
-    weight, or (``from_groups``) taken as a GGUF file stored them."""
+    weight, or (``from_groups``) taken as a GGUF file stored them.  On CPUs with AVX512-VNNI (and
+    ``vnni``) held in that kernel's layout alone (``int4_vnni``: activations quantized per row in the
+    weight's groups, int8 x 4-bit sums); elsewhere PyTorch's int4 kernel's (bf16 activations).  Either
+    way stored (``packed_tensors``) in PyTorch's layout."""
 
     kind = "int4"
 
-    def __init__(self, weight: torch.Tensor, group_size: int):
+    def __init__(self, weight: torch.Tensor, group_size: int, vnni: bool = True):
         if group_size not in INT4_GROUP_SIZES:
             raise ValueError(f"int4 group size must be one of {INT4_GROUP_SIZES}, got {group_size}")
         w = weight.detach().float()
@@ -231,39 +237,40 @@ class Int4Weight(QuantizedWeight):
         low, high = groups.amin(-1), groups.amax(-1)
         scale = ((high - low) / 15.0).clamp(min=1e-12)
         q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15).reshape(out_features, -1)
-        self._pack(q, scale, low + 8.0 * scale, group_size, weight.dtype)
+        self._pack(q, scale, low + 8.0 * scale, group_size, weight.dtype, vnni)
 
     @classmethod
     def from_groups(cls, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
-                    dtype: torch.dtype) -> "Int4Weight":
+                    dtype: torch.dtype, vnni: bool = True) -> "Int4Weight":
         """The weight ``(q - 8) * scale + zero`` as given: ``q`` ``[out, in]`` in 0..15, ``scale`` and
         ``zero`` ``[out, in / group_size]`` (a GGUF's 4-bit blocks, ``common.engine.loading.gguf_blocks``)."""
         weight = cls.__new__(cls)
-        weight._pack(q, scale.float(), zero.float(), group_size, dtype)
+        weight._pack(q, scale.float(), zero.float(), group_size, dtype, vnni)
         return weight
 
     def _pack(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
-              dtype: torch.dtype) -> None:
+              dtype: torch.dtype, vnni: bool = True) -> None:
         out_features, in_features = q.shape
         if out_features % INT4_ROW_MULTIPLE:
             raise ValueError(f"int4: {out_features} outputs are not a multiple of {INT4_ROW_MULTIPLE} "
                              f"(the kernel's packing)")
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
-        # [groups, out_features, 2]: the layout the kernel reads, which computes (q - 8) * scale + zero
-        scales_and_zeros = torch.stack([scale.t(), zero.t()], dim=-1).contiguous()
-        self._use(packed, scales_and_zeros, out_features, in_features, group_size, dtype)
-
-    def _use(self, packed: torch.Tensor, scales_and_zeros: torch.Tensor, out_features: int, in_features: int,
-             group_size: int, dtype: torch.dtype) -> None:
         self.out_features, self.in_features, self.group_size, self.dtype = out_features, in_features, group_size, dtype
-        self.packed, self.scales_and_zeros = packed, scales_and_zeros
-        self._scales_and_zeros_bf16 = scales_and_zeros.to(torch.bfloat16)
+        self._vnni = int4_vnni.kernel() if vnni and q.device.type == "cpu" else None
+        if self._vnni is not None:  # that kernel's layout alone: one copy of the bytes
+            self._vnni_weight = int4_vnni.pack(q, scale, zero, group_size)
+            self._packed = self._scales_and_zeros = None
+            return
+        self._vnni_weight = None
+        self._packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
+        # [groups, out_features, 2]: the layout the kernel reads, which computes (q - 8) * scale + zero
+        self._scales_and_zeros = torch.stack([scale.t(), zero.t()], dim=-1).contiguous()
+        self._scales_and_zeros_bf16 = self._scales_and_zeros.to(torch.bfloat16)
 
     @classmethod
     def from_packed(cls, packed: torch.Tensor, scales_and_zeros: torch.Tensor, out_features: int, in_features: int,
-                    group_size: int, dtype: torch.dtype) -> "Int4Weight":
-        """The weight of ``packed_tensors()`` (the kernel's packed nibbles and ``[groups, out, 2]``
-        fp32 scales and zeros), checked against that layout."""
+                    group_size: int, dtype: torch.dtype, vnni: bool = True) -> "Int4Weight":
+        """The weight of ``packed_tensors()`` (PyTorch's int4 kernel's packed nibbles and ``[groups, out,
+        2]`` fp32 scales and zeros), checked against that layout."""
         groups = in_features // group_size if group_size in INT4_GROUP_SIZES else -1
         if (out_features % INT4_ROW_MULTIPLE or groups * group_size != in_features
                 or packed.dtype != torch.uint8 or packed.numel() * 2 != out_features * in_features
@@ -273,29 +280,58 @@ class Int4Weight(QuantizedWeight):
                              f"{packed.dtype} {tuple(packed.shape)}, scales {scales_and_zeros.dtype} "
                              f"{tuple(scales_and_zeros.shape)} do not match its layout")
         weight = cls.__new__(cls)
-        weight._use(packed.contiguous(), scales_and_zeros.contiguous(), out_features, in_features, group_size, dtype)
+        weight.out_features, weight.in_features, weight.group_size, weight.dtype = (out_features, in_features,
+                                                                                    group_size, dtype)
+        weight._vnni, weight._vnni_weight = None, None
+        weight._packed, weight._scales_and_zeros = packed.contiguous(), scales_and_zeros.contiguous()
+        weight._scales_and_zeros_bf16 = weight._scales_and_zeros.to(torch.bfloat16)
+        if vnni and int4_vnni.kernel() is not None:
+            weight._pack(*weight._groups(), group_size, dtype)
         return weight
 
+    def _groups(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``q`` ``[out, in]`` and fp32 ``scale``, ``zero`` ``[out, groups]`` (from either layout)."""
+        if self._vnni_weight is not None:
+            return int4_vnni.unpack(*self._vnni_weight)
+        scale, zero = self._scales_and_zeros[..., 0].t(), self._scales_and_zeros[..., 1].t()
+        # q back through PyTorch's kernel: the identity's product in fp32 is (q - 8) * scale + zero
+        w = self._product(torch.eye(self.in_features), self._scales_and_zeros).t()
+        expand = lambda t: t.repeat_interleave(self.group_size, dim=1)  # noqa: E731
+        q = torch.round((w - expand(zero)) / expand(scale) + 8.0).clamp(0, 15)
+        return q, scale.contiguous(), zero.contiguous()
+
     def packed_tensors(self) -> dict[str, torch.Tensor]:
-        return {"packed": self.packed, "scales_and_zeros": self.scales_and_zeros}
+        if self._packed is not None:
+            return {"packed": self._packed, "scales_and_zeros": self._scales_and_zeros}
+        q, scale, zero = self._groups()
+        return {"packed": torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1),
+                "scales_and_zeros": torch.stack([scale.t(), zero.t()], dim=-1).contiguous()}
 
     def describe(self) -> dict:
         return {**super().describe(), "group_size": self.group_size}
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self._vnni is not None:
+            y = int4_vnni.product(self._vnni, x, *self._vnni_weight, self.out_features, self.group_size)
+            return y if x.dtype == torch.float32 else y.to(x.dtype)
         # bf16 in and out: the kernel's fp32 path is far slower on CPUs without AVX-512
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16).contiguous(), self.packed,
-                                                          self.group_size, self._scales_and_zeros_bf16)
-        return out.to(x.dtype)
+        return self._product(x.to(torch.bfloat16), self._scales_and_zeros_bf16).to(x.dtype)
+
+    def _product(self, x: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self._packed, self.group_size,
+                                                           scales_and_zeros)
 
     def dequantize(self) -> torch.Tensor:
-        """Through the kernel itself (the identity's product), so nothing else is kept."""
-        eye = torch.eye(self.in_features, dtype=torch.float32)
-        return self.matmul(eye).t().to(self.dtype).contiguous()
+        q, scale, zero = self._groups()
+        expand = lambda t: t.repeat_interleave(self.group_size, dim=1)  # noqa: E731
+        return ((q.float() - 8.0) * expand(scale) + expand(zero)).to(self.dtype)
 
     @property
     def nbytes(self) -> int:
-        return self.packed.numel() + self.scales_and_zeros.numel() * 4
+        if self._vnni_weight is not None:
+            nibbles, a, b = self._vnni_weight
+            return nibbles.numel() + (a.numel() + b.numel()) * 4
+        return self._packed.numel() + self._scales_and_zeros.numel() * 4
 
 
 class Fp8Weight(QuantizedWeight):

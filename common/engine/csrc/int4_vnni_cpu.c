@@ -1,0 +1,91 @@
+/* y[m, n] = sum_g (scale[n, g] * xs[m, g] * S[m, n, g] + zero[n, g] * X[m, g]), with
+ * S[m, n, g] = sum_{k in g} xq[m, k] * (q[n, k] - 8) and X[m, g] = sum_{k in g} x[m, k]: a 4-bit weight
+ * in groups of ``group`` inputs, w = (q - 8) * scale + zero (q in 0..15), times activations quantized
+ * to int8 in the same groups (vnni_rows.h), on CPUs with AVX512-VNNI.  The zero points multiply the
+ * activations' own sums, not their quantized ones: a group whose weights share a large offset would
+ * otherwise scale the activations' rounding by it.
+ *
+ * The int4 counterpart of int8_vnni_cpu.c: half the weight bytes, the same dpbusd products (the
+ * 4-bit values are the unsigned operand as they are, no offset to take back), each group's integer
+ * sum exact (the -8 taken back in int32 as 8 x the group's sum of xq), then scaled per channel and
+ * group.  Layout: blocks of 16 output channels by 8 inputs, 64 bytes each: byte 4 c + j of the block
+ * at inputs k..k+7 holds q[c, k + j] in its low nibble and q[c, k + 4 + j] in its high one, so one
+ * load is two quads of all 16 channels (an AND and a shift apart).  ``scale`` and ``zero`` are
+ * [n / 16][groups][16] fp32.
+ * Inputs are a multiple of the group size, itself a multiple of 8.
+ */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#include "vnni_rows.h"
+
+typedef struct {
+    const uint8_t *w;
+    const float *scale, *zero;
+} int4_weight;
+
+/* MR rows by NB consecutive blocks (block j's bytes at w + j * k_pad * 8, its scales and zeros at
+ * cs / cz + j * groups * LANES): out[j * MR + i]. */
+#define DEFINE_TILE(MR, NB)                                                                           \
+    static inline void tile_##MR##_##NB(const quantized_rows *r, const uint8_t *w, const float *cs,   \
+                                        const float *cz, __m512 *out) {                               \
+        const int64_t k_pad = r->k_pad, groups = r->groups, group = r->group;                         \
+        const int8_t *xq = r->xq;                                                                     \
+        const float *xs = r->xs;                                                                      \
+        const int32_t *sums = r->sums;                                                                \
+        const float *x_sums = r->x_sums;                                                              \
+        const __m512i nibble = _mm512_set1_epi8(0x0F);                                                \
+        __m512 f[NB][MR];                                                                             \
+        for (int j = 0; j < NB; j++)                                                                  \
+            for (int i = 0; i < MR; i++) f[j][i] = _mm512_setzero_ps();                               \
+        for (int64_t g = 0; g < groups; g++) {                                                        \
+            __m512i s[NB][MR];                                                                        \
+            for (int j = 0; j < NB; j++)                                                              \
+                for (int i = 0; i < MR; i++) s[j][i] = _mm512_set1_epi32(-8 * sums[i * groups + g]);  \
+            for (int64_t k = g * group; k < (g + 1) * group; k += 8)                                  \
+                for (int j = 0; j < NB; j++) {                                                        \
+                    const uint8_t *p = w + j * k_pad * 8 + k * 8;                                     \
+                    if (MR >= 5) _mm_prefetch((const char *)p + PREFETCH_BYTES, _MM_HINT_T0);          \
+                    __m512i v = _mm512_loadu_si512((const void *)p);                                  \
+                    __m512i lo = _mm512_and_si512(v, nibble);                                         \
+                    __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);                   \
+                    for (int i = 0; i < MR; i++) {                                                    \
+                        s[j][i] = _mm512_dpbusd_epi32(s[j][i], lo, broadcast_quad(xq + i * k_pad + k)); \
+                        s[j][i] = _mm512_dpbusd_epi32(s[j][i], hi, broadcast_quad(xq + i * k_pad + k + 4)); \
+                    }                                                                                 \
+                }                                                                                     \
+            for (int j = 0; j < NB; j++) {                                                            \
+                const __m512 sv = _mm512_loadu_ps(cs + (j * groups + g) * LANES);                     \
+                const __m512 zv = _mm512_loadu_ps(cz + (j * groups + g) * LANES);                     \
+                for (int i = 0; i < MR; i++) {                                                        \
+                    __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(s[j][i]), sv);                        \
+                    f[j][i] = _mm512_fmadd_ps(t, _mm512_set1_ps(xs[i * groups + g]), f[j][i]);        \
+                    f[j][i] = _mm512_fmadd_ps(zv, _mm512_set1_ps(x_sums[i * groups + g]), f[j][i]);   \
+                }                                                                                     \
+            }                                                                                         \
+        }                                                                                             \
+        for (int j = 0; j < NB; j++)                                                                  \
+            for (int i = 0; i < MR; i++) out[j * MR + i] = f[j][i];                                   \
+    }
+DEFINE_TILE(1, 1) DEFINE_TILE(2, 1) DEFINE_TILE(3, 1) DEFINE_TILE(4, 1)
+DEFINE_TILE(5, 1) DEFINE_TILE(6, 1) DEFINE_TILE(7, 1) DEFINE_TILE(8, 1)
+DEFINE_TILE(1, 4) DEFINE_TILE(2, 4) DEFINE_TILE(3, 2) DEFINE_TILE(4, 2)
+
+static void int4_tile(int mr, int nb, const quantized_rows *rows, int64_t b, const void *weight, __m512 *out) {
+    const int4_weight *q = (const int4_weight *)weight;
+    const uint8_t *w = q->w + b * rows->k_pad * 8;
+    const float *cs = q->scale + b * rows->groups * LANES, *cz = q->zero + b * rows->groups * LANES;
+#define CASE(MR, NB) if (mr == MR && nb == NB) { tile_##MR##_##NB(rows, w, cs, cz, out); return; }
+    CASE(1, 4) CASE(2, 4) CASE(3, 2) CASE(4, 2)
+    CASE(1, 1) CASE(2, 1) CASE(3, 1) CASE(4, 1) CASE(5, 1) CASE(6, 1) CASE(7, 1) CASE(8, 1)
+#undef CASE
+}
+
+/* y [rows, n_out] (fp32) = x [rows, k_in] (fp32) times the 4-bit weight (the layout above; k_in a
+ * multiple of ``group``, itself a multiple of 8).  Returns 0; -1 where its scratch could not be
+ * allocated, -2 where the sizes do not fit the layout. */
+int int4_vnni_gemm(const float *x, int64_t rows, int64_t k_in, const uint8_t *w, const float *scale,
+                   const float *zero, float *y, int64_t n_out, int64_t group) {
+    if (group <= 0 || group % 8 || k_in % group) return -2;
+    int4_weight weight = {w, scale, zero};
+    return vnni_product(x, rows, k_in, group, n_out, int4_tile, &weight, NULL, y);
+}
+#endif

@@ -1,0 +1,125 @@
+/* What the AVX512-VNNI products (int8_vnni_cpu.c, int4_vnni_cpu.c) share: the activations'
+ * quantization -- per row and group of ``group`` inputs, symmetric, xq = round(x * 127 / amax), scale
+ * amax / 127 -- and the driver that splits blocks of 16 output channels among OpenMP threads (chunks
+ * of CHUNK blocks; within a chunk rows 8 at a time, fewer rows several blocks a pass: more
+ * independent accumulator chains to hide dpbusd's latency).  Included only where __AVX512VNNI__. */
+#ifndef VNNI_ROWS_H
+#define VNNI_ROWS_H
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define ROWS 8   /* rows a pass over a block */
+#define LANES 16 /* output channels a block */
+#define CHUNK 4  /* blocks a thread takes at a time */
+#define PARALLEL_MIN (1 << 16) /* inputs to quantize before rows are split among threads */
+/* Weight bytes ahead that tiles of 5-8 rows prefetch: with 8 dpbusd a cache line the hardware
+ * prefetchers alone fall behind (an A/B in one process on a Zen 4: 8 rows through the int8 LM head
+ * 5.9 -> 5.1 ms, the layers' products -10%); with 1-4 rows they keep up, and prefetching costs. */
+#define PREFETCH_BYTES 2048
+
+/* Rows [rows, k_in] of x into xq [rows, k_pad] (int8, the pad zero), xs [rows, groups] (the groups'
+ * scales), sums [rows, groups] (each group's sum of xq) and x_sums (each group's sum of x, fp32). */
+static void quantize_rows(const float *x, int64_t rows, int64_t k_in, int64_t k_pad, int64_t group, int8_t *xq,
+                          float *xs, int32_t *sums, float *x_sums) {
+    int64_t groups = (k_pad + group - 1) / group;
+#pragma omp parallel for schedule(static) if (rows * k_pad >= PARALLEL_MIN)
+    for (int64_t m = 0; m < rows; m++) {
+        const float *xm = x + m * k_in;
+        int8_t *qm = xq + m * k_pad;
+        memset(qm, 0, (size_t)k_pad);
+        for (int64_t g = 0; g < groups; g++) {
+            int64_t start = g * group, len = k_in - start < group ? k_in - start : group;
+            __m512 top = _mm512_setzero_ps(), total = _mm512_setzero_ps();
+            for (int64_t j = 0; j < len; j += 16) {
+                __mmask16 mask = len - j >= 16 ? 0xFFFF : (__mmask16)((1u << (len - j)) - 1);
+                __m512 v = _mm512_maskz_loadu_ps(mask, xm + start + j);
+                top = _mm512_max_ps(top, _mm512_abs_ps(v));
+                total = _mm512_add_ps(total, v);
+            }
+            float amax = len > 0 ? _mm512_reduce_max_ps(top) : 0.0f;
+            float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+            __m512i sum = _mm512_setzero_si512();
+            for (int64_t j = 0; j < len; j += 16) {
+                __mmask16 mask = len - j >= 16 ? 0xFFFF : (__mmask16)((1u << (len - j)) - 1);
+                __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, xm + start + j), _mm512_set1_ps(inverse));
+                __m512i q = _mm512_cvtps_epi32(v); /* round to nearest, ties to even */
+                sum = _mm512_add_epi32(sum, q);
+                _mm512_mask_cvtepi32_storeu_epi8(qm + start + j, mask, q);
+            }
+            xs[m * groups + g] = amax / 127.0f;
+            sums[m * groups + g] = _mm512_reduce_add_epi32(sum);
+            x_sums[m * groups + g] = len > 0 ? _mm512_reduce_add_ps(total) : 0.0f;
+        }
+    }
+}
+
+static inline __m512i broadcast_quad(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+
+/* out[j * mr + i]: row m0 + i of block b0 + j, times the channels' scales (NULL: none), into y. */
+static inline void store_tile(const __m512 *out, int mr, int nb, int64_t m0, int64_t b0, const float *scale,
+                              float *y, int64_t n_out) {
+    for (int j = 0; j < nb; j++) {
+        int64_t n0 = (b0 + j) * LANES, width = n_out - n0 < LANES ? n_out - n0 : LANES;
+        __mmask16 mask = width == LANES ? 0xFFFF : (__mmask16)((1u << width) - 1);
+        __m512 s = scale ? _mm512_maskz_loadu_ps(mask, scale + n0) : _mm512_set1_ps(1.0f);
+        for (int i = 0; i < mr; i++) _mm512_mask_storeu_ps(y + (m0 + i) * n_out + n0, mask, _mm512_mul_ps(out[j * mr + i], s));
+    }
+}
+
+/* Blocks a pass for mr rows. */
+static inline int blocks_per_pass(int mr) { return mr <= 2 ? 4 : mr <= 4 ? 2 : 1; }
+
+/* The quantized rows handed to a kernel's tile: rows m0.. of xq / xs / sums. */
+typedef struct {
+    const int8_t *xq;
+    const float *xs;
+    const int32_t *sums;
+    const float *x_sums;
+    int64_t k_pad, groups, group;
+} quantized_rows;
+
+/* A kernel's tile: mr rows by nb blocks from block b, into out[j * mr + i]. */
+typedef void (*tile_fn)(int mr, int nb, const quantized_rows *rows, int64_t b, const void *weight, __m512 *out);
+
+/* y [rows, n_out] = the kernel's product of x [rows, k_in] (quantized here in groups of ``group``
+ * inputs, k_pad = k_in rounded up to 4) with ``weight`` by its ``tile``, times ``scale`` (NULL: none).
+ * Returns 0, or -1 where its scratch could not be allocated. */
+static int vnni_product(const float *x, int64_t rows, int64_t k_in, int64_t group, int64_t n_out, tile_fn tile,
+                        const void *weight, const float *scale, float *y) {
+    int64_t k_pad = (k_in + 3) & ~(int64_t)3, groups = (k_pad + group - 1) / group;
+    int64_t blocks = (n_out + LANES - 1) / LANES, chunks = (blocks + CHUNK - 1) / CHUNK;
+    int8_t *xq = malloc((size_t)(rows * k_pad) + 64);
+    float *xs = malloc(sizeof(float) * (size_t)(rows * groups) + 64);
+    int32_t *sums = malloc(sizeof(int32_t) * (size_t)(rows * groups) + 64);
+    float *x_sums = malloc(sizeof(float) * (size_t)(rows * groups) + 64);
+    if (!xq || !xs || !sums || !x_sums) {
+        free(xq), free(xs), free(sums), free(x_sums);
+        return -1;
+    }
+    quantize_rows(x, rows, k_in, k_pad, group, xq, xs, sums, x_sums);
+#pragma omp parallel for schedule(static)
+    for (int64_t c = 0; c < chunks; c++) {
+        int64_t b_end = (c + 1) * CHUNK < blocks ? (c + 1) * CHUNK : blocks;
+        __m512 out[ROWS];
+        for (int64_t m0 = 0; m0 < rows; m0 += ROWS) {
+            int mr = (int)(rows - m0 < ROWS ? rows - m0 : ROWS), wide = blocks_per_pass(mr);
+            quantized_rows part = {xq + m0 * k_pad, xs + m0 * groups, sums + m0 * groups, x_sums + m0 * groups,
+                                   k_pad, groups, group};
+            for (int64_t b = c * CHUNK; b < b_end;) {
+                int nb = b + wide <= b_end ? wide : 1;
+                tile(mr, nb, &part, b, weight, out);
+                store_tile(out, mr, nb, m0, b, scale, y, n_out);
+                b += nb;
+            }
+        }
+    }
+    free(xq), free(xs), free(sums), free(x_sums);
+    return 0;
+}
+#endif
