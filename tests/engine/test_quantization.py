@@ -8,7 +8,7 @@ import torch
 
 from common.engine.config import EngineConfig
 from common.engine.engine import Engine
-from common.engine.models import int4_vnni, int8_vnni
+from common.engine.models import int4_vnni, int8_vnni, quantized
 from common.engine.models.linear import Linear
 from common.engine.models.quantization_scheme import Quantization
 from common.engine.models.quantized import Fp8Weight, Int4Weight, Int8Weight, QuantizedEmbedding, quantize_weight
@@ -106,6 +106,21 @@ def test_int4_takes_the_vnni_kernel_holding_the_same_groups_and_agrees_with_the_
                                     dtype=torch.float32)
     assert all(torch.equal(a, b) for a, b in zip(stored._vnni_weight, q._vnni_weight)), "the stored layout round-trip"
     torch.testing.assert_close(q.dequantize(), aten.dequantize(), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("out_features", [16, 48, 64, 80, 208])  # whole blocks of 64 channels, a last partial one
+def test_int4_values_come_back_from_pytorchs_layout_or_through_its_kernel(out_features, monkeypatch):
+    """A stored int4 weight is in PyTorch's packed layout: read back by reshapes (checked by packing
+    again), or where that check fails, through PyTorch's own kernel -- the same values either way."""
+    q = torch.randint(0, 16, (out_features, 64), dtype=torch.int32, generator=torch.Generator().manual_seed(5))
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    assert torch.equal(quantized._torch_int4_values(packed, out_features, 64).int(), q)
+    scale, zero = torch.rand(out_features, 2) + 0.1, torch.randn(out_features, 2)
+    stored = Int4Weight.from_groups(q, scale, zero, 32, torch.float32).packed_tensors()
+    monkeypatch.setattr(quantized, "_torch_int4_values", lambda *args: None)
+    slow = Int4Weight.from_packed(**stored, out_features=out_features, in_features=64, group_size=32,
+                                  dtype=torch.float32, vnni=False)
+    assert torch.equal(slow._groups()[0].int(), q)
 
 
 @pytest.mark.skipif(not HAS_VNNI, reason="no AVX512-VNNI on this CPU")

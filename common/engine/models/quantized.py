@@ -30,12 +30,15 @@ from __future__ import annotations
 
 import abc
 import ctypes
+import logging
 
 import torch
 from torch import nn
 
 from common.engine.models import int4_vnni, int8_vnni
 from common.engine.models.quantization_scheme import INT4_GROUP_SIZES, QUANTIZATIONS
+
+log = logging.getLogger(__name__)
 
 _FP8_MAX = 448.0  # float8 e4m3's largest finite value
 
@@ -293,12 +296,17 @@ class Int4Weight(QuantizedWeight):
         """``q`` ``[out, in]`` and fp32 ``scale``, ``zero`` ``[out, groups]`` (from either layout)."""
         if self._vnni_weight is not None:
             return int4_vnni.unpack(*self._vnni_weight)
-        scale, zero = self._scales_and_zeros[..., 0].t(), self._scales_and_zeros[..., 1].t()
-        # q back through PyTorch's kernel: the identity's product in fp32 is (q - 8) * scale + zero
-        w = self._product(torch.eye(self.in_features), self._scales_and_zeros).t()
-        expand = lambda t: t.repeat_interleave(self.group_size, dim=1)  # noqa: E731
-        q = torch.round((w - expand(zero)) / expand(scale) + 8.0).clamp(0, 15)
-        return q, scale.contiguous(), zero.contiguous()
+        scale, zero = self._scales_and_zeros[..., 0].t().contiguous(), self._scales_and_zeros[..., 1].t().contiguous()
+        q = _torch_int4_values(self._packed, self.out_features, self.in_features)
+        if q is None:  # a PyTorch whose layout is not the one read here: through its kernel (slow)
+            log.warning("int4: PyTorch's packed layout is not the expected one; unpacking through its kernel")
+            w = self._product(torch.eye(self.in_features), self._scales_and_zeros).t()  # (q - 8) * scale + zero
+            q = torch.round((w - self._per_input(zero)) / self._per_input(scale) + 8.0).clamp(0, 15)
+        return q, scale, zero
+
+    def _per_input(self, t: torch.Tensor) -> torch.Tensor:
+        """A ``[out, groups]`` tensor repeated over each group's inputs: ``[out, in]``."""
+        return t.repeat_interleave(self.group_size, dim=1)
 
     def packed_tensors(self) -> dict[str, torch.Tensor]:
         if self._packed is not None:
@@ -323,15 +331,30 @@ class Int4Weight(QuantizedWeight):
 
     def dequantize(self) -> torch.Tensor:
         q, scale, zero = self._groups()
-        expand = lambda t: t.repeat_interleave(self.group_size, dim=1)  # noqa: E731
-        return ((q.float() - 8.0) * expand(scale) + expand(zero)).to(self.dtype)
+        return ((q.float() - 8.0) * self._per_input(scale) + self._per_input(zero)).to(self.dtype)
 
     @property
     def nbytes(self) -> int:
         if self._vnni_weight is not None:
-            nibbles, a, b = self._vnni_weight
-            return nibbles.numel() + (a.numel() + b.numel()) * 4
+            nibbles, scale, zero = self._vnni_weight
+            return nibbles.numel() + (scale.numel() + zero.numel()) * 4
         return self._packed.numel() + self._scales_and_zeros.numel() * 4
+
+
+def _torch_int4_values(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor | None:
+    """``q`` (uint8 ``[out, in]``) of ``aten._convert_weight_to_int4pack_for_cpu``'s bytes (PyTorch 2.x:
+    per block of 64 output channels, input by input, 32 bytes pairing channels j and j + 32; a last
+    block of T < 64 channels pairing 2j and 2j + 1), or None where packing it again does not give
+    those bytes back (that layout is PyTorch's, undocumented)."""
+    full, tail = divmod(out_features, 64)
+    flat = packed.reshape(-1)
+    blocks = flat[: full * in_features * 32].reshape(full, in_features, 32)
+    q = torch.cat([blocks & 0x0F, blocks >> 4], dim=2).permute(0, 2, 1).reshape(full * 64, in_features)
+    if tail:
+        pairs = flat[full * in_features * 32 :].reshape(in_features, tail // 2)
+        q = torch.cat([q, torch.stack([pairs & 0x0F, pairs >> 4], dim=2).reshape(in_features, tail).t()])
+    again = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
+    return q if torch.equal(again.reshape(-1), flat) else None
 
 
 class Fp8Weight(QuantizedWeight):
