@@ -54,15 +54,12 @@
         for (int j = 0; j < NB; j++)                                                                  \
             for (int i = 0; i < MR; i++) out[j * MR + i] = f[j][i];                                   \
     }
-DEFINE_TILE(1, 1) DEFINE_TILE(2, 1) DEFINE_TILE(3, 1) DEFINE_TILE(4, 1)
-DEFINE_TILE(5, 1) DEFINE_TILE(6, 1) DEFINE_TILE(7, 1) DEFINE_TILE(8, 1)
-DEFINE_TILE(1, 4) DEFINE_TILE(2, 4) DEFINE_TILE(3, 2) DEFINE_TILE(4, 2)
+FOR_EACH_TILE(DEFINE_TILE)
 
 static void int8_tile(int mr, int nb, const quantized_rows *rows, int64_t b, const void *weight, __m512 *out) {
     const uint8_t *w = (const uint8_t *)weight + b * rows->k_pad * LANES;
 #define CASE(MR, NB) if (mr == MR && nb == NB) { tile_##MR##_##NB(rows, w, out); return; }
-    CASE(1, 4) CASE(2, 4) CASE(3, 2) CASE(4, 2)
-    CASE(1, 1) CASE(2, 1) CASE(3, 1) CASE(4, 1) CASE(5, 1) CASE(6, 1) CASE(7, 1) CASE(8, 1)
+    FOR_EACH_TILE(CASE)
 #undef CASE
 }
 

@@ -72,8 +72,11 @@ static inline void store_tile(const __m512 *out, int mr, int nb, int64_t m0, int
     }
 }
 
-/* Blocks a pass for mr rows. */
+/* Blocks a pass for mr rows, and every (rows, blocks) tile the driver asks a kernel for: each kernel
+ * defines and dispatches them with FOR_EACH_TILE(its macro). */
 static inline int blocks_per_pass(int mr) { return mr <= 2 ? 4 : mr <= 4 ? 2 : 1; }
+#define FOR_EACH_TILE(X) \
+    X(1, 4) X(2, 4) X(3, 2) X(4, 2) X(1, 1) X(2, 1) X(3, 1) X(4, 1) X(5, 1) X(6, 1) X(7, 1) X(8, 1)
 
 /* The quantized rows handed to a kernel's tile: rows m0.. of xq / xs / sums. */
 typedef struct {
