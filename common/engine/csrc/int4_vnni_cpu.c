@@ -6,9 +6,8 @@
  * otherwise scale the activations' rounding by it.
  *
  * The int4 counterpart of int8_vnni_cpu.c: half the weight bytes, the same dpbusd products (the
- * 4-bit values are the unsigned operand as they are, no offset to take back), each group's integer
- * sum exact (the -8 taken back in int32 as 8 x the group's sum of xq), then scaled per channel and
- * group.  Layout: blocks of 16 output channels by 8 inputs, 64 bytes each: byte 4 c + j of the block
+ * 4-bit values, 0..15, are its unsigned operand as stored), each group's integer sum exact (the -8
+ * taken back in int32 as 8 x the group's sum of xq), then scaled per channel and group.  Layout: blocks of 16 output channels by 8 inputs, 64 bytes each: byte 4 c + j of the block
  * at inputs k..k+7 holds q[c, k + j] in its low nibble and q[c, k + 4 + j] in its high one, so one
  * load is two quads of all 16 channels (an AND and a shift apart).  ``scale`` and ``zero`` are
  * [n / 16][groups][16] fp32.
