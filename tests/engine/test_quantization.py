@@ -108,6 +108,16 @@ def test_int4_takes_the_vnni_kernel_holding_the_same_groups_and_agrees_with_the_
     torch.testing.assert_close(q.dequantize(), aten.dequantize(), atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("make", [Int8Weight, lambda w: Int8Weight(w, vnni=False), lambda w: Int4Weight(w, 32),
+                                  lambda w: Int4Weight(w, 32, vnni=False)], ids=["int8", "int8-fp32-sums", "int4", "int4-torch"])
+def test_a_c_kernel_product_refuses_rows_of_another_width(make):
+    """The C kernels read by the rows' width: a wrong width is refused, never read past."""
+    q = make(weights(out_features=48, in_features=256)[0])
+    for bad in (torch.randn(3, 320), torch.randn(3, 128), torch.randn(256)):
+        with pytest.raises(ValueError, match="expected rows of 256 inputs"):
+            q.matmul(bad)
+
+
 @pytest.mark.parametrize("out_features", [16, 48, 64, 80, 208])  # whole blocks of 64 channels, a last partial one
 def test_int4_values_come_back_from_pytorchs_layout_or_through_its_kernel(out_features, monkeypatch):
     """A stored int4 weight is in PyTorch's packed layout: read back by reshapes (checked by packing

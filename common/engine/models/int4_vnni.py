@@ -55,7 +55,9 @@ def unpack(nibbles: torch.Tensor, scale: torch.Tensor,
 
 def product(entry, x: torch.Tensor, nibbles: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
             out_features: int, group_size: int) -> torch.Tensor:
-    """``x @ W.T`` (fp32 ``[rows, out]``) by the kernel; ``x`` any float dtype, 2-D."""
+    """``x @ W.T`` (fp32 ``[rows, out]``) by the kernel; ``x`` any float dtype, ``[rows, in]``."""
+    if x.dim() != 2 or x.shape[1] != nibbles.shape[1] * 8:  # the kernel reads the weight by x's width
+        raise ValueError(f"int4 product: expected rows of {nibbles.shape[1] * 8} inputs, got {tuple(x.shape)}")
     x = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
     y = torch.empty(x.shape[0], out_features, dtype=torch.float32)
     if x.shape[0] == 0:

@@ -52,8 +52,11 @@ def unpack(packed: torch.Tensor, out_features: int, in_features: int) -> torch.T
     return (q ^ 0x80).view(torch.int8)
 
 
-def product(entry, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, out_features: int) -> torch.Tensor:
-    """``x @ W.T`` (fp32 ``[rows, out]``) by the kernel; ``x`` any float dtype, 2-D."""
+def product(entry, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, out_features: int,
+            in_features: int) -> torch.Tensor:
+    """``x @ W.T`` (fp32 ``[rows, out]``) by the kernel; ``x`` any float dtype, ``[rows, in_features]``."""
+    if x.dim() != 2 or x.shape[1] != in_features:  # the kernel reads the weight by x's width
+        raise ValueError(f"int8 product: expected rows of {in_features} inputs, got {tuple(x.shape)}")
     a = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
     y = torch.empty(a.shape[0], out_features, dtype=torch.float32)
     if a.shape[0] == 0:

@@ -184,8 +184,10 @@ class Int8Weight(QuantizedWeight):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self._vnni is not None:
-            y = int8_vnni.product(self._vnni, x, self._vnni_packed, self.scale, self.out_features)
+            y = int8_vnni.product(self._vnni, x, self._vnni_packed, self.scale, self.out_features, self.in_features)
             return y if x.dtype == torch.float32 else y.to(x.dtype)
+        if x.dim() != 2 or x.shape[1] != self.in_features:  # the C kernel reads rows of in_features
+            raise ValueError(f"int8 product: expected rows of {self.in_features} inputs, got {tuple(x.shape)}")
         if x.shape[0] <= GEMV_MAX_ROWS:
             if self._gemv_bf16 is not None and x.dtype == torch.bfloat16:
                 a = x.detach().contiguous()
@@ -319,6 +321,8 @@ class Int4Weight(QuantizedWeight):
         return {**super().describe(), "group_size": self.group_size}
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2 or x.shape[1] != self.in_features:
+            raise ValueError(f"int4 product: expected rows of {self.in_features} inputs, got {tuple(x.shape)}")
         if self._vnni is not None:
             y = int4_vnni.product(self._vnni, x, *self._vnni_weight, self.out_features, self.group_size)
             return y if x.dtype == torch.float32 else y.to(x.dtype)
