@@ -118,6 +118,20 @@ def test_a_c_kernel_product_refuses_rows_of_another_width(make):
             q.matmul(bad)
 
 
+@pytest.mark.parametrize("make", [Int8Weight, lambda w: Int8Weight(w, vnni=False), lambda w: Int4Weight(w, 32)],
+                         ids=["int8", "int8-fp32-sums", "int4"])
+def test_a_non_finite_input_makes_its_own_row_non_finite(make):
+    """As a float product would: NaN or inf in a row's inputs leaves that row non-finite (the sampler
+    then treats it as broken), and the other rows as they were."""
+    q = make(weights(out_features=48, in_features=256)[0])
+    x = torch.randn(3, 256)
+    clean = q.matmul(x)
+    x[0, 7], x[2, 200] = float("nan"), float("inf")
+    got = q.matmul(x)
+    assert not torch.isfinite(got[0]).any() and not torch.isfinite(got[2]).any()
+    assert torch.equal(got[1], clean[1])
+
+
 @pytest.mark.parametrize("out_features", [16, 48, 64, 80, 208])  # whole blocks of 64 channels, a last partial one
 def test_int4_values_come_back_from_pytorchs_layout_or_through_its_kernel(out_features, monkeypatch):
     """A stored int4 weight is in PyTorch's packed layout: read back by reshapes (checked by packing

@@ -65,9 +65,10 @@ static void int8_tile(int mr, int nb, const quantized_rows *rows, int64_t b, con
 
 /* y [rows, n_out] (fp32) = x [rows, k_in] (fp32) times the weight w (the layout above, k_pad = k_in
  * rounded up to 4) with per-channel ``scale``; activations quantized in groups of ``group`` inputs (a
- * multiple of 4).  Returns 0, or -1 where its scratch could not be allocated. */
+ * multiple of 4).  Returns 0; -1 where its scratch could not be allocated, -2 for another group. */
 int int8_vnni_gemm(const float *x, int64_t rows, int64_t k_in, const uint8_t *w, const float *scale, float *y,
                    int64_t n_out, int64_t group) {
+    if (group <= 0 || group % 4) return -2;
     return vnni_product(x, rows, k_in, group, n_out, int8_tile, w, scale, y);
 }
 #endif

@@ -6,6 +6,7 @@
 #ifndef VNNI_ROWS_H
 #define VNNI_ROWS_H
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -48,9 +49,12 @@ static void quantize_rows(const float *x, int64_t rows, int64_t k_in, int64_t k_
                 sum = _mm512_add_epi32(sum, q);
                 _mm512_mask_cvtepi32_storeu_epi8(qm + start + j, mask, q);
             }
-            xs[m * groups + g] = amax / 127.0f;
+            float x_sum = len > 0 ? _mm512_reduce_add_ps(total) : 0.0f;
+            /* a NaN input makes its row's outputs NaN, as a float product would (an infinite one already
+             * does: its group's scale is infinite, times a zero sum) */
+            xs[m * groups + g] = isnan(x_sum) ? NAN : amax / 127.0f;
             sums[m * groups + g] = _mm512_reduce_add_epi32(sum);
-            x_sums[m * groups + g] = len > 0 ? _mm512_reduce_add_ps(total) : 0.0f;
+            x_sums[m * groups + g] = x_sum;
         }
     }
 }

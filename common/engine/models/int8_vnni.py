@@ -64,7 +64,8 @@ def product(entry, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, o
     status = entry(a.data_ptr(), a.shape[0], a.shape[1], packed.data_ptr(), scale.data_ptr(), y.data_ptr(),
                    out_features, ACTIVATION_GROUP)
     if status != 0:
-        raise MemoryError("int8 VNNI product: scratch allocation failed")
+        raise MemoryError("int8 VNNI product: scratch allocation failed") if status == -1 else \
+            ValueError(f"int8 VNNI product: activation groups of {ACTIVATION_GROUP} inputs are not a multiple of 4")
     return y
 
 
