@@ -1,4 +1,7 @@
-"""What weight-only quantization costs in quality, measured on the default model (Gemma 3 270M).
+"""What quantized weights cost in quality, measured on the default model (Gemma 3 270M).
+
+On AVX512-VNNI CPUs the int8 and int4 products also round their activations to int8 (per row and
+group of inputs: ``common/engine/models/quantized.py``); what is measured here includes that.
 
     python benchmarks/quant_quality.py            # the whole text, 64 prompts x 64 tokens
     python benchmarks/quant_quality.py --quick    # 4k tokens of it, 16 prompts x 32 tokens

@@ -178,8 +178,9 @@ def build_parser(default_role: str, description: str, env: Mapping[str, str] | N
         help="processes (ranks) this worker runs the model on, each with its share of every layer "
              "(gloo on CPU, NCCL on GPU); pools of different sizes exchange KV")
     add("--quantization", EngineConfig.quantization, choices=QUANTIZATIONS,
-        help="weight-only quantization of the projections, LM head and embedding: int8 (per channel) and "
-             "int4 (groups; the head int8) on CPU, fp8 (per channel, torch._scaled_mm) on GPU")
+        help="quantized weights for the projections, LM head and embedding: int8 (per channel) and int4 "
+             "(groups; the head int8) on CPU -- on AVX512-VNNI CPUs their products also round the activations "
+             "to int8 per group of inputs --, fp8 (per channel, torch._scaled_mm) on GPU")
     add("--quantization-group-size", EngineConfig.quantization_group_size, int, choices=INT4_GROUP_SIZES,
         help="int4: inputs per group sharing a scale and zero point")
     add("--speculative", EngineConfig.speculative, choices=SPECULATIVE_METHODS,

@@ -1,4 +1,4 @@
-"""Which weight-only quantization a model uses (``--quantization``, ``--quantization-group-size``);
+"""Which quantization a model uses (``--quantization``, ``--quantization-group-size``);
 declared without torch so configurations and tools can read it (the products: ``quantized``)."""
 from __future__ import annotations
 
