@@ -13,7 +13,7 @@ import ctypes
 
 import torch
 
-from common.engine.models.int8_vnni import LANES, quantize_activations
+from common.engine.models.int8_vnni import LANES, quantize_activations, run_entry
 
 
 def kernel():
@@ -56,18 +56,7 @@ def unpack(nibbles: torch.Tensor, scale: torch.Tensor,
 def product(entry, x: torch.Tensor, nibbles: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
             out_features: int, group_size: int) -> torch.Tensor:
     """``x @ W.T`` (fp32 ``[rows, out]``) by the kernel; ``x`` any float dtype, ``[rows, in]``."""
-    if x.dim() != 2 or x.shape[1] != nibbles.shape[1] * 8:  # the kernel reads the weight by x's width
-        raise ValueError(f"int4 product: expected rows of {nibbles.shape[1] * 8} inputs, got {tuple(x.shape)}")
-    x = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
-    y = torch.empty(x.shape[0], out_features, dtype=torch.float32)
-    if x.shape[0] == 0:
-        return y
-    status = entry(x.data_ptr(), x.shape[0], x.shape[1], nibbles.data_ptr(), scale.data_ptr(), zero.data_ptr(),
-                   y.data_ptr(), out_features, group_size)
-    if status != 0:
-        raise MemoryError("int4 VNNI product: scratch allocation failed") if status == -1 else \
-            ValueError(f"int4 VNNI product: {x.shape[1]} inputs do not fit groups of {group_size}")
-    return y
+    return run_entry("int4", entry, x, nibbles.shape[1] * 8, (nibbles, scale, zero), out_features, group_size)
 
 
 def reference_product(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,

@@ -55,17 +55,25 @@ def unpack(packed: torch.Tensor, out_features: int, in_features: int) -> torch.T
 def product(entry, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, out_features: int,
             in_features: int) -> torch.Tensor:
     """``x @ W.T`` (fp32 ``[rows, out]``) by the kernel; ``x`` any float dtype, ``[rows, in_features]``."""
-    if x.dim() != 2 or x.shape[1] != in_features:  # the kernel reads the weight by x's width
-        raise ValueError(f"int8 product: expected rows of {in_features} inputs, got {tuple(x.shape)}")
-    a = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
-    y = torch.empty(a.shape[0], out_features, dtype=torch.float32)
-    if a.shape[0] == 0:
+    return run_entry("int8", entry, x, in_features, (packed, scale), out_features, ACTIVATION_GROUP)
+
+
+def run_entry(scheme: str, entry, x: torch.Tensor, in_features: int, weight: tuple[torch.Tensor, ...],
+              out_features: int, group: int) -> torch.Tensor:
+    """A VNNI kernel's product (the int8 and int4 entries alike: ``entry(x, rows, in, *weight, y, out,
+    group)``) into a new fp32 ``[rows, out]``; rows of another width are refused (the kernels read the
+    weight by the rows' width)."""
+    if x.dim() != 2 or x.shape[1] != in_features:
+        raise ValueError(f"{scheme} product: expected rows of {in_features} inputs, got {tuple(x.shape)}")
+    x = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
+    y = torch.empty(x.shape[0], out_features, dtype=torch.float32)
+    if x.shape[0] == 0:
         return y
-    status = entry(a.data_ptr(), a.shape[0], a.shape[1], packed.data_ptr(), scale.data_ptr(), y.data_ptr(),
-                   out_features, ACTIVATION_GROUP)
+    status = entry(x.data_ptr(), x.shape[0], in_features, *[t.data_ptr() for t in weight], y.data_ptr(),
+                   out_features, group)
     if status != 0:
-        raise MemoryError("int8 VNNI product: scratch allocation failed") if status == -1 else \
-            ValueError(f"int8 VNNI product: activation groups of {ACTIVATION_GROUP} inputs are not a multiple of 4")
+        raise MemoryError(f"{scheme} VNNI product: scratch allocation failed") if status == -1 else \
+            ValueError(f"{scheme} VNNI product: {in_features} inputs do not fit groups of {group}")
     return y
 
 
