@@ -71,11 +71,12 @@ def load_kernel(name: str) -> ctypes.CDLL | None:
         return lib
 
 
-def kernel_function(name: str, symbol: str, argtypes: list, restype=None):
+def kernel_function(name: str, symbol: str, argtypes: list, restype=None, cpu_specific: bool = False):
     """Function ``symbol`` of the compiled ``csrc/<name>.c`` with its C signature set, or ``None``
-    where the kernel cannot be built (``load_kernel``)."""
+    where the kernel cannot be built (``load_kernel``) -- or, for a ``cpu_specific`` entry (one the
+    source defines only where the CPU has some extension), where this build does not have it."""
     lib = load_kernel(name)
-    if lib is None:
+    if lib is None or (cpu_specific and not hasattr(lib, symbol)):
         return None
     fn = getattr(lib, symbol)
     if fn.argtypes is None:

@@ -113,7 +113,7 @@ static int vnni_product(const float *x, int64_t rows, int64_t k_in, int64_t grou
 #pragma omp parallel for schedule(static)
     for (int64_t c = 0; c < chunks; c++) {
         int64_t b_end = (c + 1) * CHUNK < blocks ? (c + 1) * CHUNK : blocks;
-        __m512 out[ROWS];
+        __m512 out[ROWS]; /* every tile's rows x blocks is at most ROWS (FOR_EACH_TILE) */
         for (int64_t m0 = 0; m0 < rows; m0 += ROWS) {
             int mr = (int)(rows - m0 < ROWS ? rows - m0 : ROWS), wide = blocks_per_pass(mr);
             quantized_rows part = {xq + m0 * k_pad, xs + m0 * groups, sums + m0 * groups, x_sums + m0 * groups,

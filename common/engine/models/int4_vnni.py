@@ -21,11 +21,8 @@ def kernel():
     from common.engine.cpu_kernels import kernel_function
 
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    try:
-        return kernel_function("int4_vnni_cpu", "int4_vnni_gemm", [ptr, i64, i64, ptr, ptr, ptr, ptr, i64, i64],
-                               restype=ctypes.c_int)
-    except AttributeError:  # built for a CPU without AVX512-VNNI: the source compiles to nothing
-        return None
+    return kernel_function("int4_vnni_cpu", "int4_vnni_gemm", [ptr, i64, i64, ptr, ptr, ptr, ptr, i64, i64],
+                           restype=ctypes.c_int, cpu_specific=True)  # the source is empty without VNNI
 
 
 def pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,

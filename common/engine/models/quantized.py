@@ -97,10 +97,7 @@ def _int8_gemv_bf16():
     from common.engine.cpu_kernels import kernel_function
 
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    try:
-        return kernel_function("int8_gemv_cpu", "int8_gemv_bf16", [ptr, i64, ptr, ptr, ptr, i64, i64])
-    except AttributeError:  # built for a CPU without AVX512-BF16
-        return None
+    return kernel_function("int8_gemv_cpu", "int8_gemv_bf16", [ptr, i64, ptr, ptr, ptr, i64, i64], cpu_specific=True)
 
 
 def _row_scales(w: torch.Tensor, largest: float) -> torch.Tensor:
@@ -183,7 +180,7 @@ class Int8Weight(QuantizedWeight):
         return self._q_of(self._packed, self.out_features)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if self._vnni is not None:
+        if self._vnni is not None:  # (which checks the rows' width itself)
             y = int8_vnni.product(self._vnni, x, self._vnni_packed, self.scale, self.out_features, self.in_features)
             return y if x.dtype == torch.float32 else y.to(x.dtype)
         if x.dim() != 2 or x.shape[1] != self.in_features:  # the C kernel reads rows of in_features
@@ -265,11 +262,14 @@ class Int4Weight(QuantizedWeight):
             self._vnni_weight = int4_vnni.pack(q, scale, zero, group_size)
             self._packed = self._scales_and_zeros = None
             return
-        self._vnni_weight = None
-        self._packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
-        # [groups, out_features, 2]: the layout the kernel reads, which computes (q - 8) * scale + zero
-        self._scales_and_zeros = torch.stack([scale.t(), zero.t()], dim=-1).contiguous()
-        self._scales_and_zeros_bf16 = self._scales_and_zeros.to(torch.bfloat16)
+        # [groups, out_features, 2]: the layout PyTorch's kernel reads, which computes (q - 8) * scale + zero
+        self._use_torch_layout(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1),
+                               torch.stack([scale.t(), zero.t()], dim=-1).contiguous())
+
+    def _use_torch_layout(self, packed: torch.Tensor, scales_and_zeros: torch.Tensor) -> None:
+        self._vnni, self._vnni_weight = None, None
+        self._packed, self._scales_and_zeros = packed, scales_and_zeros
+        self._scales_and_zeros_bf16 = scales_and_zeros.to(torch.bfloat16)
 
     @classmethod
     def from_packed(cls, packed: torch.Tensor, scales_and_zeros: torch.Tensor, out_features: int, in_features: int,
@@ -287,9 +287,7 @@ class Int4Weight(QuantizedWeight):
         weight = cls.__new__(cls)
         weight.out_features, weight.in_features, weight.group_size, weight.dtype = (out_features, in_features,
                                                                                     group_size, dtype)
-        weight._vnni, weight._vnni_weight = None, None
-        weight._packed, weight._scales_and_zeros = packed.contiguous(), scales_and_zeros.contiguous()
-        weight._scales_and_zeros_bf16 = weight._scales_and_zeros.to(torch.bfloat16)
+        weight._use_torch_layout(packed.contiguous(), scales_and_zeros.contiguous())
         if vnni and int4_vnni.kernel() is not None:
             weight._pack(*weight._groups(), group_size, dtype)
         return weight
@@ -321,11 +319,11 @@ class Int4Weight(QuantizedWeight):
         return {**super().describe(), "group_size": self.group_size}
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() != 2 or x.shape[1] != self.in_features:
-            raise ValueError(f"int4 product: expected rows of {self.in_features} inputs, got {tuple(x.shape)}")
-        if self._vnni is not None:
+        if self._vnni is not None:  # (which checks the rows' width itself)
             y = int4_vnni.product(self._vnni, x, *self._vnni_weight, self.out_features, self.group_size)
             return y if x.dtype == torch.float32 else y.to(x.dtype)
+        if x.dim() != 2 or x.shape[1] != self.in_features:
+            raise ValueError(f"int4 product: expected rows of {self.in_features} inputs, got {tuple(x.shape)}")
         # bf16 in and out: the kernel's fp32 path is far slower on CPUs without AVX-512
         return self._product(x.to(torch.bfloat16), self._scales_and_zeros_bf16).to(x.dtype)
 
