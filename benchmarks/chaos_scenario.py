@@ -60,7 +60,9 @@ from common.cluster.redis_util import RedisServer
 ADMIN_TOKEN = "pdserve-chaos-admin-token"  # the gateway's (in its environment: never on a command line)
 T0 = time.monotonic()  # event and outcome times are relative to this
 MAX_MODEL_LEN = 1600
-WITNESS_INDEX, WITNESS_TOKENS = 1_000_000, 400  # the witness streams of ``kill_decode``
+# The witness streams of ``kill_decode``: long enough to outlive the kill (400 tokens could all have
+# left between the reading of ``streams_open`` and the SIGKILL on a faster engine: 0 migrations, once).
+WITNESS_INDEX, WITNESS_TOKENS = 1_000_000, 1200
 WITNESS_STREAMING_CHUNKS = 2  # chunks its client has read before its worker may be killed
 
 
