@@ -137,7 +137,7 @@ class CpuPagedAttention:
         tokens, heads, dim = q.shape
         out = torch.empty((tokens, heads, dim), dtype=q.dtype)
         table = meta.block_table
-        vector = self._vector_path(elem, heads // key_cache.shape[2], dim)
+        vector = self.vector_path(elem, heads // key_cache.shape[2], dim)
         every_request = len(meta.query_start) - 1
         kernel_requests, dense = (every_request, []) if vector else (meta.kernel_requests, meta.dense)
         if kernel_requests:
@@ -151,7 +151,9 @@ class CpuPagedAttention:
             out[start:end] = dense_causal_attention(q[start:end], k[start:end], v[start:end], window, scale)
         return out
 
-    def _vector_path(self, elem: int, group: int, dim: int) -> bool:
+    def vector_path(self, elem: int, group: int, dim: int) -> bool:
+        """Whether the kernel has a vector path for (bytes a value, GQA group, head width): then every
+        request of a step goes to it."""
         key = (elem, group, dim)
         if key not in self._vector_paths:
             self._vector_paths[key] = bool(self.kernel.paged_attention_vector_path(elem, group, dim))

@@ -18,8 +18,9 @@ from common.engine.model_config import ModelConfig
 from common.engine.models.quantization_scheme import NO_QUANTIZATION, Quantization
 from common.engine.models.quantized import (Int4Weight, QuantizedEmbedding, QuantizedWeight, quantize_weight,
                                             quantized_linear)
-from common.engine.models.activations import ACTIVATIONS
+from common.engine.models.activations import ACTIVATIONS, gated
 from common.engine.models.linear import Linear, linear, pack_weight, packed_linear, tune_row_padding
+from common.engine.models.fused_layers import FusedLayers
 from common.engine.models.greedy_head import GreedyHead, uniforms_per_row
 from common.engine.models.panels import PANEL_MAX_ROWS, PanelWeight, pack_panels
 from common.engine.models.stages import EAGER, LayerStages
@@ -118,7 +119,9 @@ class MLP(nn.Module):
         self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-        self.act = ACTIVATIONS[cfg.hidden_act]
+        self.act_name = cfg.hidden_act
+        if cfg.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"unsupported activation {cfg.hidden_act!r}")
         self.gate_up_proj: Linear | None = None
 
     def fuse(self) -> None:
@@ -130,8 +133,7 @@ class MLP(nn.Module):
         del self.gate_proj, self.up_proj
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.tp.all_reduce(self.down_proj(self.act(gate) * up))
+        return self.tp.all_reduce(self.down_proj(gated(self.gate_up_proj(x), self.act_name)))
 
 
 class DecoderLayer(nn.Module):
@@ -200,6 +202,8 @@ class DecoderModel(nn.Module):
         self.greedy_head: GreedyHead | None = None  # see screened_tokens
         self.row_padding: tuple[int, ...] = ()  # see _tune_row_padding
         self.used_prepacked = False  # see finish_loading
+        self.fuse_layers = True  # small eager fp32 steps through ``FusedLayers`` where it applies
+        self._fused_layers: tuple | None = None  # (cache, backend, FusedLayers or None)
 
     def finish_loading(self, device: torch.device, quantization: Quantization = NO_QUANTIZATION,
                        source: SourceWeights | None = None,
@@ -330,9 +334,20 @@ class DecoderModel(nn.Module):
         if self.cfg.embed_scale != 1.0:
             x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)
         rope = {t: self.rotary.cos_sin(positions, t, x.dtype) for t in set(self.cfg.layer_types)}
+        fused = self._fused_for(cache, backend)
+        if fused is not None and fused.applies(x, meta):
+            return fused.run(x, rope, meta)
         for layer in self.model.layers:
             x = layer(x, rope, cache, meta, backend, self.stages)
         return x
+
+    def _fused_for(self, cache: KVCache, backend) -> FusedLayers | None:
+        """The layers set up for ``FusedLayers`` over this cache and backend (built on first use)."""
+        if not self.fuse_layers:
+            return None
+        if self._fused_layers is None or self._fused_layers[0] is not cache or self._fused_layers[1] is not backend:
+            self._fused_layers = (cache, backend, FusedLayers.build(self, cache, backend))
+        return self._fused_layers[2]
 
     @torch.inference_mode()
     def screened_tokens(self, hidden: torch.Tensor, inverse_temperatures: list[float]) -> torch.Tensor | None:

@@ -22,7 +22,8 @@ _PTR, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 
 @functools.cache  # resolved once: a decode step calls it a few hundred times
-def _kernel():
+def kernel():
+    """The C entry ``rms_norm_rope`` (``norm_rope``'s; ``fused_layers`` calls it too), or None."""
     return kernel_function("norm_rope_cpu", "rms_norm_rope",
                            [_PTR, _I64, _I64, _I64, _I64, _I64, _PTR, ctypes.c_float, _PTR, _I64, _PTR, _PTR, _I64,
                             _PTR, ctypes.c_int], ctypes.c_int)
@@ -33,7 +34,7 @@ def applies(x: torch.Tensor, *operands: torch.Tensor) -> bool:
     ``x`` on the CPU, 2-D or 3-D with contiguous rows, eagerly, and the kernel built."""
     return (x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() in (2, 3) and x.stride(-1) == 1
             and all(t.dtype == torch.float32 for t in operands)
-            and not torch.compiler.is_compiling() and _kernel() is not None)
+            and not torch.compiler.is_compiling() and kernel() is not None)
 
 
 def _checked_rows(t: torch.Tensor | None, tokens: int, dim: int, name: str) -> int:
@@ -69,7 +70,7 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 0.0, re
     if out.numel():
         pointer = lambda t: t.data_ptr() if t is not None else None  # noqa: E731
         with profiled(PROFILER_LABEL):
-            rc = _kernel()(x.data_ptr(), tokens * inner, inner, x.stride(0), s_inner, dim, pointer(weight), eps,
+            rc = kernel()(x.data_ptr(), tokens * inner, inner, x.stride(0), s_inner, dim, pointer(weight), eps,
                            pointer(residual), s_res, pointer(cos), pointer(sin), s_cs, out.data_ptr(),
                            torch.get_num_threads())
         if rc != 0:

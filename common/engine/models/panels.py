@@ -76,6 +76,11 @@ def pack_panels(weight: torch.Tensor) -> PanelWeight | None:
     return PanelWeight(panels, out_features, in_features)
 
 
+def gemm_entry():
+    """The kernel's ``panel_gemm`` entry (``panel_linear``'s; ``common.engine.models.fused_layers`` calls it)."""
+    return _gemm_fn()
+
+
 def applies(x: torch.Tensor, weight: PanelWeight | None) -> bool:
     """Whether ``panel_linear`` should compute ``x`` (2-D) by ``weight``: few fp32 rows, eagerly."""
     return (weight is not None and x.shape[0] <= PANEL_MAX_ROWS and x.dtype == torch.float32

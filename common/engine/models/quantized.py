@@ -61,6 +61,11 @@ class QuantizedWeight(abc.ABC):
         """Dequantized rows ``ids`` (an embedding lookup of a tied head)."""
         return self.dequantize()[ids]
 
+    def fused_product(self) -> tuple[str, object, tuple[torch.Tensor, ...], int] | None:
+        """``(kind, C entry, weight tensors, group)`` where a C kernel computes ``matmul`` of fp32
+        rows that ``common.engine.models.fused_layers`` can call; None (the default) elsewhere."""
+        return None
+
     @property
     @abc.abstractmethod
     def nbytes(self) -> int: ...
@@ -195,6 +200,12 @@ class Int8Weight(QuantizedWeight):
                 return self._kernel_product(self._gemv, x.detach().float().contiguous()).to(x.dtype)
         return torch.nn.functional.linear(x.float(), self.dequantize().float()).to(x.dtype)
 
+    def fused_product(self) -> tuple[str, object, tuple[torch.Tensor, ...], int] | None:
+        """The VNNI kernel's entry and layout (``QuantizedWeight.fused_product``), or None."""
+        if self._vnni is None:
+            return None
+        return "vnni8", self._vnni, (self._vnni_packed, self.scale), int8_vnni.ACTIVATION_GROUP
+
     def _kernel_product(self, kernel, a: torch.Tensor) -> torch.Tensor:
         """``a @ W.T`` in fp32 by one of the C kernel's entries (``a`` in the layout it reads)."""
         y = torch.empty(a.shape[0], self.out_features, dtype=torch.float32)
@@ -317,6 +328,12 @@ class Int4Weight(QuantizedWeight):
 
     def describe(self) -> dict:
         return {**super().describe(), "group_size": self.group_size}
+
+    def fused_product(self) -> tuple[str, object, tuple[torch.Tensor, ...], int] | None:
+        """The VNNI kernel's entry and layout (``QuantizedWeight.fused_product``), or None."""
+        if self._vnni is None:
+            return None
+        return "vnni4", self._vnni, tuple(self._vnni_weight), self.group_size
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self._vnni is not None:  # (which checks the rows' width itself)

@@ -1,0 +1,114 @@
+"""Every decoder layer of a small eager fp32 step in one C call (``common.engine.models.fused_layers``):
+the hidden states and the KV cache equal the eager layers' bit for bit, on tiny random checkpoints of
+each family (Llama: silu, no sandwich, GQA 2; Gemma 3: q/k norms, sandwich norms, tanh GELU,
+sliding windows; Llama with attention biases), with fp32 weights on panels and int8 / int4 on the
+VNNI kernels, over prompts, decodes beside a prompt, and several tokens of one request at once."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.engine.attention.interface import AttentionRequest
+from common.engine.config import EngineConfig
+from common.engine.engine import Engine
+from common.engine.models import int8_vnni
+from common.engine.models import panels as panel_products
+from common.engine.models.fused_layers import FusedLayers
+from tests.support.checkpoints import VOCAB, tiny_gemma3_config, tiny_llama_config, write_checkpoint
+
+CONFIGS = {"llama": tiny_llama_config, "gemma3": tiny_gemma3_config,
+           "llama-bias": lambda: tiny_llama_config(attention_bias=True)}
+BLOCK = 4
+
+
+def _kernels_for(quantization: str) -> bool:
+    return int8_vnni.kernel() is not None if quantization != "none" else panel_products.native()
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def checkpoint(request, tmp_path_factory):
+    return write_checkpoint(CONFIGS[request.param](), tmp_path_factory.mktemp(request.param))
+
+
+def engine_for(directory, quantization="none", dtype="float32"):
+    engine = Engine(EngineConfig(model=str(directory), dtype=dtype, quantization=quantization,
+                                 quantization_group_size=32, num_blocks=32, block_size=BLOCK,
+                                 max_num_batched_tokens=256), load_tokenizer=False)
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():  # transformers initializes biases to zero: make them count
+        for name, param in engine.model.named_parameters():
+            if name.endswith("proj.bias"):
+                param.copy_(torch.randn(param.shape, generator=g).to(param.dtype))
+    return engine
+
+
+# Steps of (tokens, position of the first, context after the step, blocks) per request: two prompts
+# (the second longer than Gemma's window of 8), then both decoding beside a third prompt, then
+# three tokens of one request at once (a speculative verification's shape) beside a decode.
+STEPS = [
+    [(7, 0, 7, [0, 1]), (11, 0, 11, [2, 3, 4])],
+    [(1, 7, 8, [0, 1]), (1, 11, 12, [2, 3, 4]), (5, 0, 5, [5, 6])],
+    [(3, 8, 11, [0, 1, 7]), (1, 12, 13, [2, 3, 4, 8])],
+]
+
+
+def run_steps(engine) -> list[torch.Tensor]:
+    engine.kv_cache.buffer.zero_()
+    g = torch.Generator().manual_seed(1)
+    hidden = []
+    for step in STEPS:
+        requests, positions, start = [], [], 0
+        for tokens, first, context, blocks in step:
+            requests.append(AttentionRequest(start, tokens, context, blocks))
+            positions += range(first, first + tokens)
+            start += tokens
+        meta = engine.attention.prepare(requests, engine.device)
+        ids = torch.randint(3, VOCAB, (start,), generator=g)
+        hidden.append(engine.model(ids, torch.tensor(positions), engine.kv_cache, meta, engine.attention))
+    return hidden
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
+def test_fused_layers_equal_the_eager_layers_bit_for_bit(checkpoint, quantization, monkeypatch):
+    if not _kernels_for(quantization):
+        pytest.skip("no C kernel this CPU can run for these weights")
+    engine = engine_for(checkpoint, quantization)
+    calls = []
+    run = FusedLayers.run
+    monkeypatch.setattr(FusedLayers, "run", lambda self, *args: calls.append(1) or run(self, *args))
+    fused = run_steps(engine)
+    fused_cache = engine.kv_cache.buffer.clone()
+    assert len(calls) == len(STEPS), "the steps did not take the fused layers"
+    engine.model.fuse_layers = False
+    eager = run_steps(engine)
+    assert len(calls) == len(STEPS)
+    for a, b in zip(fused, eager):
+        assert torch.equal(a, b)
+    assert torch.equal(fused_cache, engine.kv_cache.buffer)
+    assert fused_cache.abs().sum() > 0
+
+
+def test_greedy_generation_is_the_same_with_and_without_them(checkpoint):
+    if not _kernels_for("int8"):
+        pytest.skip("no VNNI kernel on this CPU")
+    engine = engine_for(checkpoint, "int8")
+    prompts = [[5, 9, 13, 200], list(range(3, 40)), [7] * 12]
+    params = {"max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+    fused = [r.token_ids for r in engine.generate(prompts, params)]
+    assert engine.model._fused_layers[2] is not None
+    engine.model.fuse_layers = False
+    assert [r.token_ids for r in engine.generate(prompts, params)] == fused
+
+
+def test_steps_and_models_they_do_not_fit_take_the_eager_layers(checkpoint):
+    engine = engine_for(checkpoint, "int8" if _kernels_for("int8") else "none")
+    fused = FusedLayers.build(engine.model, engine.kv_cache, engine.attention)
+    if fused is None:
+        pytest.skip("no C kernel this CPU can run for these weights")
+    meta = engine.attention.prepare([AttentionRequest(0, 1, 1, [0])], engine.device)
+    hidden = engine.model.cfg.hidden_size
+    assert fused.applies(torch.zeros(1, hidden), meta)
+    assert not fused.applies(torch.zeros(fused.max_rows + 1, hidden), meta)  # a prefill chunk: compiled/eager
+    assert not fused.applies(torch.zeros(1, hidden, dtype=torch.bfloat16), meta)
+    bf16 = engine_for(checkpoint, dtype="bfloat16")  # a bf16 model and KV cache
+    assert FusedLayers.build(bf16.model, bf16.kv_cache, bf16.attention) is None
