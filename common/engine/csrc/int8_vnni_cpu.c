@@ -69,6 +69,15 @@ static void int8_tile(int mr, int nb, const quantized_rows *rows, int64_t b, con
 int int8_vnni_gemm(const float *x, int64_t rows, int64_t k_in, const uint8_t *w, const float *scale, float *y,
                    int64_t n_out, int64_t group) {
     if (group <= 0 || group % 4) return -2;
-    return vnni_product(x, rows, k_in, group, n_out, int8_tile, w, scale, y);
+    return vnni_product(x, rows, k_in, group, n_out, int8_tile, w, scale, y, NULL);
+}
+
+/* tokens[row] = the first index of row's largest output of int8_vnni_gemm (an LM head's greedy
+ * tokens without its logits: no n_out floats a row written and read back).  Returns 0; 1 where an
+ * output was not finite (tokens unset: the caller takes the logits); -1 / -2 as int8_vnni_gemm. */
+int int8_vnni_argmax(const float *x, int64_t rows, int64_t k_in, const uint8_t *w, const float *scale,
+                     int64_t n_out, int64_t group, int64_t *tokens) {
+    if (group <= 0 || group % 4) return -2;
+    return vnni_product(x, rows, k_in, group, n_out, int8_tile, w, scale, NULL, tokens);
 }
 #endif

@@ -94,23 +94,53 @@ typedef struct {
 /* A kernel's tile: mr rows by nb blocks from block b, into out[j * mr + i]. */
 typedef void (*tile_fn)(int mr, int nb, const quantized_rows *rows, int64_t b, const void *weight, __m512 *out);
 
+/* Each row's largest value in a tile (out[j * mr + i] times the channels' scales, as store_tile
+ * computes it) against the row's best so far, best[i] at index[i]: a later channel replaces it only
+ * when strictly larger, so with the blocks in order the first maximal index stays.  A value that is
+ * not finite sets *bad (the caller then takes the logits instead). */
+static inline void best_of_tile(const __m512 *out, int mr, int nb, int64_t b0, const float *scale, int64_t n_out,
+                                float *best, int64_t *index, int *bad) {
+    for (int j = 0; j < nb; j++) {
+        int64_t n0 = (b0 + j) * LANES, width = n_out - n0 < LANES ? n_out - n0 : LANES;
+        __mmask16 mask = width == LANES ? 0xFFFF : (__mmask16)((1u << width) - 1);
+        __m512 s = scale ? _mm512_maskz_loadu_ps(mask, scale + n0) : _mm512_set1_ps(1.0f);
+        for (int i = 0; i < mr; i++) {
+            __m512 v = _mm512_mul_ps(out[j * mr + i], s);
+            /* |v| not below infinity: an infinity or a NaN */
+            if (_mm512_mask_cmp_ps_mask(mask, _mm512_abs_ps(v), _mm512_set1_ps(INFINITY), _CMP_NLT_UQ)) *bad = 1;
+            v = _mm512_mask_blend_ps(mask, _mm512_set1_ps(-INFINITY), v);
+            float top = _mm512_reduce_max_ps(v);
+            if (top > best[i]) {
+                best[i] = top;
+                index[i] = n0 + __builtin_ctz((unsigned)_mm512_cmp_ps_mask(v, _mm512_set1_ps(top), _CMP_EQ_OQ));
+            }
+        }
+    }
+}
+
 /* y [rows, n_out] = the kernel's product of x [rows, k_in] (quantized here in groups of ``group``
- * inputs, k_pad = k_in rounded up to 4) with ``weight`` by its ``tile``, times ``scale`` (NULL: none).
- * Returns 0, or -1 where its scratch could not be allocated. */
+ * inputs, k_pad = k_in rounded up to 4) with ``weight`` by its ``tile``, times ``scale`` (NULL: none);
+ * or, with ``argmax`` (y unused), each row's first maximal output index into argmax[row] -- the
+ * index torch.argmax of y would give -- without y's n_out values a row.  Returns 0; 1 (argmax only)
+ * where some output was not finite (argmax then unset); -1 where its scratch could not be allocated. */
 static int vnni_product(const float *x, int64_t rows, int64_t k_in, int64_t group, int64_t n_out, tile_fn tile,
-                        const void *weight, const float *scale, float *y) {
+                        const void *weight, const float *scale, float *y, int64_t *argmax) {
     int64_t k_pad = (k_in + 3) & ~(int64_t)3, groups = (k_pad + group - 1) / group;
     int64_t blocks = (n_out + LANES - 1) / LANES, chunks = (blocks + CHUNK - 1) / CHUNK;
     int8_t *xq = malloc((size_t)(rows * k_pad) + 64);
     float *xs = malloc(sizeof(float) * (size_t)(rows * groups) + 64);
     int32_t *sums = malloc(sizeof(int32_t) * (size_t)(rows * groups) + 64);
     float *x_sums = malloc(sizeof(float) * (size_t)(rows * groups) + 64);
-    if (!xq || !xs || !sums || !x_sums) {
-        free(xq), free(xs), free(sums), free(x_sums);
+    /* argmax: each chunk's best value and index a row, reduced in chunk order below */
+    float *best = argmax ? malloc(sizeof(float) * (size_t)(chunks * rows)) : NULL;
+    int64_t *index = argmax ? malloc(sizeof(int64_t) * (size_t)(chunks * rows)) : NULL;
+    if (!xq || !xs || !sums || !x_sums || (argmax && (!best || !index))) {
+        free(xq), free(xs), free(sums), free(x_sums), free(best), free(index);
         return -1;
     }
     quantize_rows(x, rows, k_in, k_pad, group, xq, xs, sums, x_sums);
-#pragma omp parallel for schedule(static)
+    int bad = 0;
+#pragma omp parallel for schedule(static) reduction(| : bad)
     for (int64_t c = 0; c < chunks; c++) {
         int64_t b_end = (c + 1) * CHUNK < blocks ? (c + 1) * CHUNK : blocks;
         __m512 out[ROWS]; /* every tile's rows x blocks is at most ROWS (FOR_EACH_TILE) */
@@ -118,15 +148,27 @@ static int vnni_product(const float *x, int64_t rows, int64_t k_in, int64_t grou
             int mr = (int)(rows - m0 < ROWS ? rows - m0 : ROWS), wide = blocks_per_pass(mr);
             quantized_rows part = {xq + m0 * k_pad, xs + m0 * groups, sums + m0 * groups, x_sums + m0 * groups,
                                    k_pad, groups, group};
+            if (argmax)
+                for (int i = 0; i < mr; i++) best[c * rows + m0 + i] = -INFINITY, index[c * rows + m0 + i] = -1;
             for (int64_t b = c * CHUNK; b < b_end;) {
                 int nb = b + wide <= b_end ? wide : 1;
                 tile(mr, nb, &part, b, weight, out);
-                store_tile(out, mr, nb, m0, b, scale, y, n_out);
+                if (argmax)
+                    best_of_tile(out, mr, nb, b, scale, n_out, best + c * rows + m0, index + c * rows + m0, &bad);
+                else
+                    store_tile(out, mr, nb, m0, b, scale, y, n_out);
                 b += nb;
             }
         }
     }
-    free(xq), free(xs), free(sums), free(x_sums);
-    return 0;
+    if (argmax && !bad)
+        for (int64_t m = 0; m < rows; m++) {
+            float top = -INFINITY;
+            argmax[m] = -1;
+            for (int64_t c = 0; c < chunks; c++)
+                if (best[c * rows + m] > top) top = best[c * rows + m], argmax[m] = index[c * rows + m];
+        }
+    free(xq), free(xs), free(sums), free(x_sums), free(best), free(index);
+    return argmax && bad ? 1 : 0;
 }
 #endif

@@ -358,9 +358,13 @@ class DecoderModel(nn.Module):
         generator, as the sampler's unseeded rows draw theirs), or -1 for a sampled row the screen
         left undecided (the caller samples that row from its logits).  ``None`` where it does not
         apply (or cannot decide: a value not finite), or where more rows than the head's
-        ``max_rows`` would gain nothing: the caller computes the logits."""
+        ``max_rows`` would gain nothing: the caller computes the logits.  A quantized head whose
+        kernel finds a row's maximum without its logits (int8 on VNNI CPUs) gives greedy steps'
+        tokens the same way: the first maximal index of the logits ``logits`` would compute."""
         head = self.greedy_head
-        if head is None or hidden.dtype != torch.float32 or hidden.device.type != "cpu":
+        if head is None:
+            return self._quantized_greedy_tokens(hidden, inverse_temperatures)
+        if hidden.dtype != torch.float32 or hidden.device.type != "cpu":
             return None
         if len(hidden) > head.max_rows:
             return None
@@ -369,6 +373,14 @@ class DecoderModel(nn.Module):
             return head.argmax(hidden)
         uniforms = torch.rand(len(inverse_temperatures), uniforms_per_row(), dtype=torch.float64)
         return head.sample(hidden, torch.tensor(inverse_temperatures, dtype=torch.float32), uniforms)
+
+    def _quantized_greedy_tokens(self, hidden: torch.Tensor, inverse_temperatures: list[float]) -> torch.Tensor | None:
+        head = self.quantized_lm_head if self.cfg.tie_word_embeddings else getattr(self, "lm_head", None)
+        head = getattr(head, "quantized", head)  # an untied head's Linear holds its quantized weight
+        if (head is None or any(inverse_temperatures) or self.tp.size != 1 or self.cfg.final_logit_softcapping
+                or hidden.device.type != "cpu"):
+            return None
+        return head.greedy_tokens(self.model.norm(hidden))
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:

@@ -28,6 +28,15 @@ def kernel():
                            restype=ctypes.c_int, cpu_specific=True)  # the source is empty without VNNI
 
 
+def argmax_kernel():
+    """The kernel's greedy entry (``int8_vnni_argmax``: each row's first maximal output), or None."""
+    from common.engine.cpu_kernels import kernel_function
+
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    return kernel_function("int8_vnni_cpu", "int8_vnni_argmax", [ptr, i64, i64, ptr, ptr, i64, i64, ptr],
+                           restype=ctypes.c_int, cpu_specific=True)
+
+
 def pack(q: torch.Tensor) -> torch.Tensor:
     """int8 ``q`` ``[out, in]`` in the kernel's layout (``[ceil(out / 16), ceil(in / 4), 16, 4]`` uint8)."""
     out_features, in_features = q.shape
@@ -53,6 +62,21 @@ def product(entry, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, o
             in_features: int) -> torch.Tensor:
     """``x @ W.T`` (fp32 ``[rows, out]``) by the kernel; ``x`` any float dtype, ``[rows, in_features]``."""
     return run_entry("int8", entry, x, in_features, (packed, scale), out_features, ACTIVATION_GROUP)
+
+
+def argmax(entry, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, out_features: int,
+           in_features: int) -> torch.Tensor | None:
+    """Each row's first maximal index of ``product(x, ...)`` (int64 ``[rows]``) by the greedy entry,
+    or None where some product was not finite (the caller computes the products)."""
+    if x.dim() != 2 or x.shape[1] != in_features:
+        raise ValueError(f"int8 argmax: expected rows of {in_features} inputs, got {tuple(x.shape)}")
+    x = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
+    tokens = torch.empty(x.shape[0], dtype=torch.int64)
+    status = entry(x.data_ptr(), x.shape[0], in_features, packed.data_ptr(), scale.data_ptr(), out_features,
+                   ACTIVATION_GROUP, tokens.data_ptr()) if x.shape[0] else 0
+    if status < 0:
+        raise MemoryError("int8 VNNI argmax: scratch allocation failed")
+    return tokens if status == 0 else None
 
 
 def run_entry(scheme: str, entry, x: torch.Tensor, in_features: int, weight: tuple[torch.Tensor, ...],

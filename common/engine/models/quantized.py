@@ -66,6 +66,11 @@ class QuantizedWeight(abc.ABC):
         rows that ``common.engine.models.fused_layers`` can call; None (the default) elsewhere."""
         return None
 
+    def greedy_tokens(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Each row's first maximal index of ``matmul(x)``, where a kernel finds it without the
+        products (an LM head's greedy step); None (the default) elsewhere."""
+        return None
+
     @property
     @abc.abstractmethod
     def nbytes(self) -> int: ...
@@ -205,6 +210,14 @@ class Int8Weight(QuantizedWeight):
         if self._vnni is None:
             return None
         return "vnni8", self._vnni, (self._vnni_packed, self.scale), int8_vnni.ACTIVATION_GROUP
+
+    def greedy_tokens(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Each fp32 row's first maximal index of ``matmul(x)`` without the products' rows (an LM head's
+        greedy tokens; ``int8_vnni.argmax``), or None: off the VNNI kernel, or a product not finite."""
+        entry = int8_vnni.argmax_kernel() if self._vnni is not None and x.dtype == torch.float32 else None
+        if entry is None:
+            return None
+        return int8_vnni.argmax(entry, x, self._vnni_packed, self.scale, self.out_features, self.in_features)
 
     def _kernel_product(self, kernel, a: torch.Tensor) -> torch.Tensor:
         """``a @ W.T`` in fp32 by one of the C kernel's entries (``a`` in the layout it reads)."""

@@ -1,0 +1,62 @@
+"""Greedy steps on an int8 LM head without its logits (``Int8Weight.greedy_tokens``: the VNNI kernel's
+argmax entry): each row's token is the first maximal index of the products the logits path computes,
+ties and partial blocks included; a non-finite product hands the step back to the logits; an engine's
+greedy tokens are the same either way."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.engine.config import EngineConfig
+from common.engine.engine import Engine
+from common.engine.models import int8_vnni
+from common.engine.models.quantized import Int8Weight
+from tests.support.checkpoints import tiny_gemma3_config, write_checkpoint
+
+pytestmark = pytest.mark.skipif(int8_vnni.argmax_kernel() is None, reason="no AVX512-VNNI on this CPU")
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 20])
+@pytest.mark.parametrize("out_features", [16, 100, 1000, 4099])  # one block, partial blocks, many chunks
+def test_each_row_takes_the_first_maximal_index_of_the_products(rows, out_features):
+    g = torch.Generator().manual_seed(rows * out_features)
+    w = torch.randn(out_features, 96, generator=g)
+    w[out_features // 2] = w[out_features // 3]  # a tie: the earlier index wins
+    w[-1] = w[0]  # a tie across the first and last chunks
+    weight = Int8Weight(w)
+    x = torch.randn(rows, 96, generator=g)
+    x[0] = w[out_features // 3] * 5  # this row's maximum is the tie
+    products = weight.matmul(x)
+    tokens = weight.greedy_tokens(x)
+    assert tokens is not None and tokens.dtype == torch.int64
+    assert tokens.tolist() == torch.argmax(products, dim=-1).tolist()  # torch: the first maximal index
+    assert tokens[0].item() == min(out_features // 3, out_features // 2)
+
+
+def test_a_product_not_finite_hands_the_step_back_to_the_logits():
+    weight = Int8Weight(torch.randn(64, 32))
+    x = torch.randn(4, 32)
+    x[2, 5] = float("nan")
+    assert weight.greedy_tokens(x) is None
+    assert weight.greedy_tokens(x[:2]) is not None
+    with pytest.raises(ValueError, match="32 inputs"):
+        weight.greedy_tokens(torch.randn(2, 31))
+
+
+def test_an_int8_engine_gives_the_same_greedy_tokens_without_its_logits(tmp_path, monkeypatch):
+    directory = write_checkpoint(tiny_gemma3_config(tie_word_embeddings=True), tmp_path / "gemma3")
+    prompts = [[5, 9, 13, 200], list(range(3, 40)), [7] * 12]
+    greedy = {"max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+
+    def run():
+        engine = Engine(EngineConfig(model=str(directory), quantization="int8", num_blocks=64, block_size=4),
+                        load_tokenizer=False)
+        return [r.token_ids for r in engine.generate(prompts, greedy)]
+
+    calls = []
+    greedy_tokens = Int8Weight.greedy_tokens
+    monkeypatch.setattr(Int8Weight, "greedy_tokens", lambda self, x: calls.append(len(x)) or greedy_tokens(self, x))
+    without_logits = run()
+    assert calls and sum(calls) >= 12 * len(prompts) - len(prompts)  # every decode step took it
+    monkeypatch.setattr(Int8Weight, "greedy_tokens", lambda self, x: None)  # the logits path
+    assert run() == without_logits
