@@ -20,6 +20,7 @@ import logging
 
 import torch
 
+from common.engine.attention.backend_cpu import CpuMetadata, CpuPagedAttention
 from common.engine.cpu_kernels import kernel_function, profiled
 from common.engine.models import activations, norm_rope
 from common.engine.models import panels as panel_products
@@ -103,10 +104,10 @@ class FusedLayers:
         """For ``decoder`` (a loaded ``DecoderModel``) over ``cache`` with the backend ``attention``,
         or None where it does not apply (the module docstring)."""
         cfg = decoder.cfg
-        kernels = (_entry(), norm_rope.kernel(), activations.kernel(), getattr(attention, "kernel", None))
+        kernels = (_entry(), norm_rope.kernel(), activations.kernel())
         if (any(k is None for k in kernels) or decoder.tp.size != 1 or cfg.hidden_act not in activations.KERNEL_ACTIVATIONS
-                or not hasattr(attention, "vector_path") or not attention.vector_path(4, cfg.num_heads // cfg.num_kv_heads,
-                                                                                      cfg.head_dim)):
+                or not isinstance(attention, CpuPagedAttention)
+                or not attention.vector_path(4, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim)):
             return None
         layers = decoder.model.layers
         keys, values = [cache.key(i) for i in range(len(layers))], [cache.value(i) for i in range(len(layers))]
@@ -146,7 +147,7 @@ class FusedLayers:
     def applies(self, x: torch.Tensor, meta) -> bool:
         """Whether ``run`` computes this step (fp32 rows on the CPU, few enough, eagerly)."""
         return (x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2 and 0 < x.shape[0] <= self.max_rows
-                and hasattr(meta, "slot_offsets") and not torch.compiler.is_compiling())
+                and isinstance(meta, CpuMetadata) and not torch.compiler.is_compiling())
 
     def run(self, x: torch.Tensor, rope: dict[str, tuple[torch.Tensor, torch.Tensor]], meta) -> torch.Tensor:
         """The hidden states after every layer (a new tensor) for ``x`` [tokens, hidden], the
