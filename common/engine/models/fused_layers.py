@@ -70,6 +70,8 @@ def _address(fn) -> int:
 def _product(linear) -> tuple[_Product, bool] | None:
     """``linear``'s product as the C side calls it, and whether it is on panels; None where no C
     kernel it can call computes it."""
+    if linear.bias is not None and not _fp32(linear.bias):
+        return None
     bias = linear.bias.data_ptr() if linear.bias is not None else None
     if linear.quantized is not None:
         found = linear.quantized.fused_product()
