@@ -118,6 +118,7 @@ class FusedLayers:
                    for t in keys + values) or strides[-1] != 1:
             return None
         rope_types = tuple(sorted(set(cfg.layer_types)))
+        pointer = lambda module: module.weight.data_ptr() if module is not None else None  # noqa: E731
         structs, on_panels = (_Layer * len(layers))(), False
         for i, layer in enumerate(layers):
             attn, mlp = layer.self_attn, layer.mlp
@@ -128,7 +129,6 @@ class FusedLayers:
             if any(p is None for p in products) or not _fp32(*[n.weight for n in norms + qk_norms]):
                 return None
             on_panels = on_panels or any(panel for _, panel in products)
-            pointer = lambda module: module.weight.data_ptr() if module is not None else None  # noqa: E731
             structs[i] = _Layer(*[p for p, _ in products], pointer(layer.input_layernorm),
                                 pointer(layer.post_attention_layernorm),
                                 pointer(getattr(layer, "pre_feedforward_layernorm", None)),

@@ -9,6 +9,7 @@ groups of ``ACTIVATION_GROUP`` inputs, symmetric (``xq = round(x * 127 / amax)``
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 
@@ -28,6 +29,7 @@ def kernel():
                            restype=ctypes.c_int, cpu_specific=True)  # the source is empty without VNNI
 
 
+@functools.cache  # looked up once: a greedy step on an int8 head calls it
 def argmax_kernel():
     """The kernel's greedy entry (``int8_vnni_argmax``: each row's first maximal output), or None."""
     from common.engine.cpu_kernels import kernel_function
@@ -68,9 +70,7 @@ def argmax(entry, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, ou
            in_features: int) -> torch.Tensor | None:
     """Each row's first maximal index of ``product(x, ...)`` (int64 ``[rows]``) by the greedy entry,
     or None where some product was not finite (the caller computes the products)."""
-    if x.dim() != 2 or x.shape[1] != in_features:
-        raise ValueError(f"int8 argmax: expected rows of {in_features} inputs, got {tuple(x.shape)}")
-    x = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
+    x = _fp32_rows("int8 argmax", x, in_features)
     tokens = torch.empty(x.shape[0], dtype=torch.int64)
     status = entry(x.data_ptr(), x.shape[0], in_features, packed.data_ptr(), scale.data_ptr(), out_features,
                    ACTIVATION_GROUP, tokens.data_ptr()) if x.shape[0] else 0
@@ -84,9 +84,7 @@ def run_entry(scheme: str, entry, x: torch.Tensor, in_features: int, weight: tup
     """A VNNI kernel's product (the int8 and int4 entries alike: ``entry(x, rows, in, *weight, y, out,
     group)``) into a new fp32 ``[rows, out]``; rows of another width are refused (the kernels read the
     weight by the rows' width)."""
-    if x.dim() != 2 or x.shape[1] != in_features:
-        raise ValueError(f"{scheme} product: expected rows of {in_features} inputs, got {tuple(x.shape)}")
-    x = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
+    x = _fp32_rows(f"{scheme} product", x, in_features)
     y = torch.empty(x.shape[0], out_features, dtype=torch.float32)
     if x.shape[0] == 0:
         return y
@@ -96,6 +94,14 @@ def run_entry(scheme: str, entry, x: torch.Tensor, in_features: int, weight: tup
         raise MemoryError(f"{scheme} VNNI product: scratch allocation failed") if status == -1 else \
             ValueError(f"{scheme} VNNI product: {in_features} inputs do not fit groups of {group}")
     return y
+
+
+def _fp32_rows(what: str, x: torch.Tensor, in_features: int) -> torch.Tensor:
+    """``x`` as the kernels read it (contiguous fp32 rows); rows of another width are refused (the
+    kernels read the weight by the rows' width)."""
+    if x.dim() != 2 or x.shape[1] != in_features:
+        raise ValueError(f"{what}: expected rows of {in_features} inputs, got {tuple(x.shape)}")
+    return x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
 
 
 def quantize_activations(x: torch.Tensor, group: int = ACTIVATION_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
