@@ -11,7 +11,7 @@ from common.engine.structured.backend import BACKENDS
 from common.cluster.auth import AuthError, ClusterAuth, configure_auth, read_secret
 from common.cluster.redis_keys import DEFAULT_KEY_PREFIX
 from common.engine.models.quantization_scheme import INT4_GROUP_SIZES, QUANTIZATIONS
-from common.engine.config import EngineConfig, describe_default
+from common.engine.config import DTYPES, KV_CACHE_DTYPES, EngineConfig, describe_default
 from common.engine.speculative.speculation import METHODS as SPECULATIVE_METHODS
 from common.cluster.http_limits import HttpLimits, add_http_flags, http_limits_from_args
 from common.cluster.flags import EnvFlags, FlagParser, RecordsCommandLine, RemovedFlag, given_on_command_line
@@ -139,7 +139,10 @@ def build_parser(default_role: str, description: str, env: Mapping[str, str] | N
         help="file holding the cluster secret (default: PDSERVE_CLUSTER_SECRET); required unless --host and "
              "--kv-host are loopback addresses")
     add("--device", EngineConfig.device)
-    add("--dtype", EngineConfig.dtype)
+    add("--dtype", EngineConfig.dtype, choices=DTYPES, help="the model's: auto is float32 on CPU, bfloat16 on CUDA")
+    add("--kv-cache-dtype", EngineConfig.kv_cache_dtype, choices=KV_CACHE_DTYPES,
+        help="the KV cache's (auto: the model's); bfloat16 under a float32 model holds twice the tokens and reads "
+             "half the bytes a decode step. Prefill and decode workers exchanging KV must agree on it")
     add("--block-size", EngineConfig.block_size, int)
     add("--num-blocks", EngineConfig.num_blocks, int)
     add("--kv-memory-fraction", EngineConfig.kv_memory_fraction, float)
@@ -222,7 +225,7 @@ def env_names(parser: argparse.ArgumentParser | None = None) -> set[str]:
 
 def config_from_args(args: argparse.Namespace) -> WorkerConfig:
     engine = EngineConfig(
-        model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
+        model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, device=args.device, block_size=args.block_size,
         num_blocks=args.num_blocks, kv_memory_fraction=args.kv_memory_fraction,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len, model_id=args.model_id, attention_backend=args.attention_backend,

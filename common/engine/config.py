@@ -17,6 +17,10 @@ from common.engine.structured.compiler import DEFAULT_COMPILE_TIMEOUT_S
 from common.engine.speculative.speculation import SpeculativeConfig
 
 
+DTYPES = ("auto", "float32", "float16", "bfloat16")  # the model's (--dtype)
+KV_CACHE_DTYPES = DTYPES  # the KV cache's (--kv-cache-dtype; auto: the model's)
+
+
 @dataclass(frozen=True)
 class SchedulingDefaults:
     """The batch limits of a worker whose flags do not set them."""
@@ -77,6 +81,9 @@ class EngineConfig:
 
     model: str  # Hugging Face checkpoint directory, a .gguf file, or "default"
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    # The KV cache's dtype (auto: the model's).  A bfloat16 cache under a float32 model holds twice
+    # the tokens and reads half the bytes a decode step; attention still computes in the model's dtype.
+    kv_cache_dtype: str = "auto"
     device: str = "auto"  # auto: cuda if available, else cpu
     block_size: int = 16
     num_blocks: int | None = None
@@ -129,8 +136,9 @@ class EngineConfig:
         _require(self.block_size >= 1, "block_size", self.block_size, ">= 1")
         _require(self.num_blocks is None or self.num_blocks >= 1, "num_blocks", self.num_blocks, ">= 1")
         _require(0.0 < self.kv_memory_fraction <= 1.0, "kv_memory_fraction", self.kv_memory_fraction, "in (0, 1]")
-        _require(self.dtype in ("auto", "float32", "float16", "bfloat16"), "dtype", self.dtype,
-                 "one of auto, float32, float16, bfloat16")
+        _require(self.dtype in DTYPES, "dtype", self.dtype, f"one of {', '.join(DTYPES)}")
+        _require(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", self.kv_cache_dtype,
+                 f"one of {', '.join(KV_CACHE_DTYPES)}")
         _require(self.attention_backend in ("auto", "cpu", "torch", "flash", "triton"), "attention_backend",
                  self.attention_backend, "one of auto, cpu, torch, flash, triton")
         _require(self.load_format in ("auto", "dummy"), "load_format", self.load_format, "one of auto, dummy")

@@ -113,6 +113,7 @@ class Engine:
         self.device = _pick_device(config.device)
         self.config = config = config.for_device(self.device.type)  # the batch limits it left to the device
         self.dtype = _pick_dtype(config.dtype, self.device)
+        self.kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else dtype_from_name(config.kv_cache_dtype)
         self.checkpoint = resolve_checkpoint(config.model)
         self.tp = TensorParallel.of_process_group(config.tensor_parallel_size)
         self.model, self.model_config = load_model(self.checkpoint, self.dtype, self.device,
@@ -126,7 +127,7 @@ class Engine:
         self.model_id = config.model_id or self.checkpoint.name
         self.layout = KVLayout(
             model_id=self.model_id,
-            dtype=dtype_name(self.dtype),
+            dtype=dtype_name(self.kv_dtype),
             block_size=config.block_size,
             num_layers=mc.num_layers,
             num_kv_heads=self.tp.local_config(mc).num_kv_heads,  # this rank's share
@@ -137,7 +138,8 @@ class Engine:
         # rank's memory allows (rank 0 allocates ids the others write to).
         num_blocks = self.tp.agree_min(num_blocks)
         windows = {mc.window(layer) for layer in range(mc.num_layers)}
-        self.attention = make_attention(config.attention_backend, self.device, windows, config.block_size, self.dtype)
+        self.attention = make_attention(config.attention_backend, self.device, windows, config.block_size, self.dtype,
+                                        self.kv_dtype)
         use_graphs = config.cuda_graphs and self.tp.size == 1 and cuda_graphs.supported(self.device, self.attention)
         # A follower's cache on CPU lives in shared memory: rank 0 maps it to move its heads between workers.
         buffer, host_fd = None, None
@@ -179,8 +181,9 @@ class Engine:
         # Tests only: called with the step number before each forward (raise to inject a fault).
         self.fault_injector: Callable[[int], None] | None = None
         log.info(
-            "engine ready: model=%s (%s) dtype=%s device=%s attention=%s cuda_graphs=%s compiled=%s "
-            "kv_blocks=%d x %d tokens speculative=%s", self.model_id, mc.model_type, self.layout.dtype, self.device,
+            "engine ready: model=%s (%s) dtype=%s kv_cache_dtype=%s device=%s attention=%s cuda_graphs=%s "
+            "compiled=%s kv_blocks=%d x %d tokens speculative=%s", self.model_id, mc.model_type, dtype_name(self.dtype),
+            self.layout.dtype, self.device,
             self.attention.name, use_graphs, self.model.stages.compiled, num_blocks, config.block_size,
             config.speculative,
         )

@@ -106,6 +106,7 @@ def calibrate(model: str, *, threads: int | None = None, block_size: int = Engin
     import torch
 
     from common.engine.engine import Engine
+    from common.engine.kv.kv_cache import dtype_name
 
     if threads:
         torch.set_num_threads(threads)
@@ -120,7 +121,8 @@ def calibrate(model: str, *, threads: int | None = None, block_size: int = Engin
     began = time.perf_counter()
     samples = run_grid(engine, grid, log)
     shapes, seconds = median_by_shape(samples)
-    source = {"model": str(engine.checkpoint), "threads": torch.get_num_threads(), "dtype": engine.layout.dtype,
+    source = {"model": str(engine.checkpoint), "threads": torch.get_num_threads(), "dtype": dtype_name(engine.dtype),
+              "kv_cache_dtype": engine.layout.dtype,
               "compiled": engine.model.stages.compiled,
               "max_num_batched_tokens": max_num_batched_tokens, "grid": "quick" if quick else "full",
               "measured_s": round(time.perf_counter() - began, 1)}

@@ -29,6 +29,25 @@ def test_triton_matches_torch_path(case):
     assert result.max_abs_err < TOLERANCE, f"{case.name}: max abs error {result.max_abs_err}"
 
 
+def test_a_bf16_cache_under_fp32_queries_reads_as_the_torch_path_does():
+    """--kv-cache-dtype bfloat16 under an fp32 model: the new K/V stored rounded, the attention in
+    fp32 over what the cache holds -- as the torch path (tests/engine/test_kv_cache_dtype.py)."""
+    from common.engine.attention.backend_torch import TorchAttention
+    from common.engine.attention.backend_triton import TritonAttention
+
+    g = torch.Generator().manual_seed(4)
+    requests = [AttentionRequest(0, 3, 21, [5, 2]), AttentionRequest(3, 1, 9, [7])]
+    q, k, v = (torch.randn(4, h, 16, generator=g) for h in (4, 1, 1))
+    outs, caches = [], []
+    for backend in (TritonAttention({None}, 16), TorchAttention({None}, 16)):
+        cache = KVCache(KVLayout("m", "bfloat16", 16, 1, 1, 16), 8)
+        cache.buffer.copy_(torch.randn(cache.buffer.shape, generator=torch.Generator().manual_seed(5)))
+        outs.append(backend.forward(q, k, v, cache, 0, backend.prepare(requests, "cpu"), None, 0.25))
+        caches.append(cache.buffer)
+    assert outs[0].dtype == torch.float32 and torch.equal(caches[0], caches[1])
+    torch.testing.assert_close(outs[0], outs[1], rtol=TOLERANCE, atol=TOLERANCE)
+
+
 def test_padding_rows_write_nothing_and_attend_to_nothing():
     """CUDA-graph batches pad with rows whose slot is -1 and whose request has no keys: they must
     leave the cache alone, output zeros, and not disturb the real rows beside them."""

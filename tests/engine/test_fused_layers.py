@@ -2,7 +2,9 @@
 the hidden states and the KV cache equal the eager layers' bit for bit, on tiny random checkpoints of
 each family (Llama: silu, no sandwich, GQA 2; Gemma 3: q/k norms, sandwich norms, tanh GELU,
 sliding windows; Llama with attention biases), with fp32 weights on panels and int8 / int4 on the
-VNNI kernels, over prompts, decodes beside a prompt, and several tokens of one request at once."""
+VNNI kernels, over prompts, decodes beside a prompt, and several tokens of one request at once; and
+with a bf16 KV cache under the fp32 model (``--kv-cache-dtype``), whose new keys and values the C side
+rounds as torch does."""
 from __future__ import annotations
 
 import pytest
@@ -30,8 +32,9 @@ def checkpoint(request, tmp_path_factory):
     return write_checkpoint(CONFIGS[request.param](), tmp_path_factory.mktemp(request.param))
 
 
-def engine_for(directory, quantization="none", dtype="float32"):
-    engine = Engine(EngineConfig(model=str(directory), dtype=dtype, quantization=quantization,
+def engine_for(directory, quantization="none", dtype="float32", kv_cache_dtype="auto"):
+    engine = Engine(EngineConfig(model=str(directory), dtype=dtype, kv_cache_dtype=kv_cache_dtype,
+                                 quantization=quantization,
                                  quantization_group_size=32, num_blocks=32, block_size=BLOCK,
                                  max_num_batched_tokens=256), load_tokenizer=False)
     g = torch.Generator().manual_seed(2)
@@ -68,11 +71,12 @@ def run_steps(engine) -> list[torch.Tensor]:
     return hidden
 
 
-@pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
-def test_fused_layers_equal_the_eager_layers_bit_for_bit(checkpoint, quantization, monkeypatch):
+@pytest.mark.parametrize("quantization,kv_cache_dtype", [("none", "auto"), ("int8", "auto"), ("int4", "auto"),
+                                                         ("none", "bfloat16"), ("int8", "bfloat16")])
+def test_fused_layers_equal_the_eager_layers_bit_for_bit(checkpoint, quantization, kv_cache_dtype, monkeypatch):
     if not _kernels_for(quantization):
         pytest.skip("no C kernel this CPU can run for these weights")
-    engine = engine_for(checkpoint, quantization)
+    engine = engine_for(checkpoint, quantization, kv_cache_dtype=kv_cache_dtype)
     calls = []
     run = FusedLayers.run
     monkeypatch.setattr(FusedLayers, "run", lambda self, *args: calls.append(1) or run(self, *args))

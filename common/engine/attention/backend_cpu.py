@@ -51,9 +51,9 @@ def build_kernel() -> ctypes.CDLL | None:
         fn = lib.paged_attention
         fn.restype = ctypes.c_int
         i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-        fn.argtypes = [i32, ptr, i64, i64, ptr, ptr, i64, i64, i64, ptr, ptr, i64, ptr, ptr,
+        fn.argtypes = [i32, i32, ptr, i64, i64, ptr, ptr, i64, i64, i64, ptr, ptr, i64, ptr, ptr,
                        i32, i32, i32, i32, i32, i32, ctypes.c_float, i32, i32]
-        lib.paged_attention_vector_path.argtypes = [i32, i32, i32]
+        lib.paged_attention_vector_path.argtypes = [i32, i32, i32, i32]
         lib.paged_attention_vector_path.restype = i32
     return lib
 
@@ -127,46 +127,55 @@ class CpuPagedAttention:
     def forward(self, q, k, v, cache: KVCache, layer: int, meta: CpuMetadata, window, scale) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KVH, D] for the new tokens.  Returns [T, H, D]."""
         key_cache, value_cache = cache.key(layer), cache.value(layer)
-        key_cache[meta.slot_blocks, meta.slot_offsets] = k
-        value_cache[meta.slot_blocks, meta.slot_offsets] = v
-        elem = _ELEM.get(q.dtype)
-        assert elem is not None and q.dtype == key_cache.dtype, f"cpu attention supports fp32/bf16, got {q.dtype}"
+        cache.write(layer, meta.slot_blocks, meta.slot_offsets, k, v)
+        elem, cache_elem = _ELEM.get(q.dtype), _ELEM.get(key_cache.dtype)
+        assert elem and cache_elem, f"cpu attention supports fp32/bf16, got {q.dtype} over a {key_cache.dtype} cache"
         if q.stride(-1) != 1:
             q = q.contiguous()
         assert key_cache.stride(-1) == 1 and key_cache.stride() == value_cache.stride(), "unexpected cache layout"
         tokens, heads, dim = q.shape
         out = torch.empty((tokens, heads, dim), dtype=q.dtype)
         table = meta.block_table
-        vector = self.vector_path(elem, heads // key_cache.shape[2], dim)
+        vector = self.vector_path(elem, cache_elem, heads // key_cache.shape[2], dim)
         every_request = len(meta.query_start) - 1
         kernel_requests, dense = (every_request, []) if vector else (meta.kernel_requests, meta.dense)
         if kernel_requests:
             with profiled("cpu_paged_attention"):
-                rc = self._call(elem, q, key_cache, value_cache, out, table, meta, kernel_requests, window, scale,
+                rc = self._call(elem, cache_elem, q, key_cache, value_cache, out, table, meta, kernel_requests, window, scale,
                                 heads, dim)
             if rc != 0:
                 raise MemoryError("cpu paged attention: scratch allocation failed")
         for start, length in dense:
             end = start + length
-            out[start:end] = dense_causal_attention(q[start:end], k[start:end], v[start:end], window, scale)
+            out[start:end] = dense_causal_attention(q[start:end], *_as_cached(k[start:end], v[start:end], key_cache),
+                                                    window, scale)
         return out
 
-    def vector_path(self, elem: int, group: int, dim: int) -> bool:
-        """Whether the kernel has a vector path for (bytes a value, GQA group, head width): then every
-        request of a step goes to it."""
-        key = (elem, group, dim)
+    def vector_path(self, elem: int, cache_elem: int, group: int, dim: int) -> bool:
+        """Whether the kernel has a vector path for (bytes a query value, bytes a cached value, GQA
+        group, head width): then every request of a step goes to it."""
+        key = (elem, cache_elem, group, dim)
         if key not in self._vector_paths:
-            self._vector_paths[key] = bool(self.kernel.paged_attention_vector_path(elem, group, dim))
+            self._vector_paths[key] = bool(self.kernel.paged_attention_vector_path(elem, cache_elem, group, dim))
         return self._vector_paths[key]
 
-    def _call(self, elem, q, key_cache, value_cache, out, table, meta, requests, window, scale, heads, dim) -> int:
+    def _call(self, elem, cache_elem, q, key_cache, value_cache, out, table, meta, requests, window, scale, heads,
+              dim) -> int:
         threads = self.num_threads or torch.get_num_threads()
         return self.kernel.paged_attention(
-            elem, q.data_ptr(), q.stride(0), q.stride(1), key_cache.data_ptr(), value_cache.data_ptr(),
+            elem, cache_elem, q.data_ptr(), q.stride(0), q.stride(1), key_cache.data_ptr(), value_cache.data_ptr(),
             key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), out.data_ptr(), table.data_ptr(),
             table.stride(0), meta.query_start.data_ptr(), meta.context_lens.data_ptr(), requests,
             heads, key_cache.shape[2], dim, self.block_size, window or 0, float(scale), meta.max_context, threads,
         )
+
+
+def _as_cached(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A fresh prompt's own keys and values as the cache holds them (rounded to its dtype), in
+    the queries' dtype: the dense path sees what the kernel would have read."""
+    if cache.dtype == k.dtype:
+        return k, v
+    return k.to(cache.dtype).to(k.dtype), v.to(cache.dtype).to(v.dtype)
 
 
 def supports(dtype: torch.dtype) -> bool:

@@ -65,8 +65,7 @@ class FlashAttention:
     def forward(self, q, k, v, cache: KVCache, layer: int, meta: FlashMetadata, window, scale) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KVH, D] for the new tokens.  Returns [T, H, D]."""
         key_cache, value_cache = cache.key(layer), cache.value(layer)
-        key_cache[meta.slot_blocks, meta.slot_offsets] = k
-        value_cache[meta.slot_blocks, meta.slot_offsets] = v
+        cache.write(layer, meta.slot_blocks, meta.slot_offsets, k, v)
         paged = meta.paged
         window_size = (-1, -1) if window is None else (window - 1, 0)
         if meta.cu_seq_lens is None:

@@ -90,20 +90,19 @@ class TorchAttention:
     def forward(self, q, k, v, cache: KVCache, layer: int, meta: AttentionMetadata, window, scale) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KVH, D] for the new tokens.  Returns [T, H, D]."""
         key_cache, value_cache = cache.key(layer), cache.value(layer)
-        key_cache[meta.slot_blocks, meta.slot_offsets] = k
-        value_cache[meta.slot_blocks, meta.slot_offsets] = v
+        cache.write(layer, meta.slot_blocks, meta.slot_offsets, k, v)
         out = torch.empty_like(q)
         gqa = q.shape[1] != k.shape[1]
         for index, table, masks in meta.extra["decodes"]:
             batch = table.shape[0]
-            keys = key_cache[table].reshape(batch, -1, *key_cache.shape[2:]).transpose(1, 2)
-            values = value_cache[table].reshape(batch, -1, *value_cache.shape[2:]).transpose(1, 2)
+            keys = key_cache[table].reshape(batch, -1, *key_cache.shape[2:]).transpose(1, 2).to(q.dtype)
+            values = value_cache[table].reshape(batch, -1, *value_cache.shape[2:]).transpose(1, 2).to(q.dtype)
             query = q[index][:, :, None, :]  # [B, H, 1, D]
             attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=masks[window], scale=scale, enable_gqa=gqa)
             out[index] = attn[:, :, 0, :]
         for start, length, block_ids, masks in meta.extra["prefills"]:
-            keys = key_cache[block_ids].reshape(1, -1, *key_cache.shape[2:]).transpose(1, 2)
-            values = value_cache[block_ids].reshape(1, -1, *value_cache.shape[2:]).transpose(1, 2)
+            keys = key_cache[block_ids].reshape(1, -1, *key_cache.shape[2:]).transpose(1, 2).to(q.dtype)
+            values = value_cache[block_ids].reshape(1, -1, *value_cache.shape[2:]).transpose(1, 2).to(q.dtype)
             query = q[start : start + length].transpose(0, 1)[None]  # [1, H, L, D]
             attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=masks[window], scale=scale, enable_gqa=gqa)
             out[start : start + length] = attn[0].transpose(0, 1)

@@ -131,6 +131,8 @@ def _attention_kernel(
             values = tl.load(v_cache_ptr + v_offsets[:, None] + dims[None, :],
                              mask=k_ok[:, None] & dim_ok[None, :], other=0.0)  # [TILE, HEAD_DIM_P]
 
+            keys = keys.to(query.dtype)  # a cache in another dtype (--kv-cache-dtype): computed in q's
+            values = values.to(query.dtype)
             scores = tl.dot(query, keys, input_precision=DOT_PRECISION) * qk_scale
             visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
             if SLIDING:
@@ -245,11 +247,13 @@ def paged_attention(
 def write_kv(k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
              slots: torch.Tensor) -> None:
     """Store the new tokens' K/V (``[num_tokens, kv_heads, head_dim]``) at their flat cache slots
-    (``block_id * block_size + offset``, int64; negative: skip)."""
+    (``block_id * block_size + offset``, int64; negative: skip), rounded to the cache's dtype where
+    it differs (by torch, to nearest even, as every backend rounds them)."""
     _, write_kernel = _kernels()
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
+    k, v = k.to(key_cache.dtype), v.to(value_cache.dtype)
     assert k.stride(-1) == v.stride(-1) == 1, "K/V need a contiguous head dim"
     write_kernel[(num_tokens,)](
         k, v, key_cache, value_cache, slots,

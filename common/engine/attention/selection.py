@@ -20,23 +20,29 @@ def triton_available(device: torch.device) -> bool:
 
 
 def make_attention(backend: str, device: torch.device, windows: set[int | None], block_size: int,
-                   dtype: torch.dtype = torch.float32):
-    """``auto``: on CUDA flash-attn when it is installed and the block size suits its paged KV,
-    else Triton; on CPU the C kernel that reads the cache in place (``backend_cpu``) where it
-    builds and supports the dtype, else the torch path."""
+                   dtype: torch.dtype = torch.float32, kv_dtype: torch.dtype | None = None):
+    """``auto``: on CUDA flash-attn when it is installed, the block size suits its paged KV and
+    the cache is in the model's dtype (``kv_dtype``; None: the same), else Triton; on CPU the C
+    kernel that reads the cache in place (``backend_cpu``) where it builds and supports both
+    dtypes, else the torch path."""
     device = torch.device(device)
+    kv_dtype = dtype if kv_dtype is None else kv_dtype
     if backend == "auto":
         backend = "torch"
         if device.type == "cuda":
-            backend = "flash" if flash_attn_installed() and flash_pages(block_size) else "triton"
+            flash = flash_attn_installed() and flash_pages(block_size) and kv_dtype == dtype
+            backend = "flash" if flash else "triton"
         elif device.type == "cpu":
             from common.engine.attention import backend_cpu
 
-            if backend_cpu.supports(dtype) and backend_cpu.build_kernel() is not None:
+            if backend_cpu.supports(dtype) and backend_cpu.supports(kv_dtype) and backend_cpu.build_kernel() is not None:
                 backend = "cpu"
     if backend == "flash":
         if device.type != "cuda":
             raise ValueError("attention_backend 'flash' needs a CUDA device")
+        if kv_dtype != dtype:
+            raise ValueError(f"attention_backend 'flash' needs the KV cache in the model's dtype ({dtype}), got "
+                             f"{kv_dtype}: use kv_cache_dtype auto, or the triton backend")
         from common.engine.attention.backend_flash import FlashAttention
 
         return FlashAttention(windows, block_size)
@@ -50,8 +56,9 @@ def make_attention(backend: str, device: torch.device, windows: set[int | None],
     if backend == "cpu":
         from common.engine.attention import backend_cpu
 
-        if device.type != "cpu" or not backend_cpu.supports(dtype):
-            raise ValueError(f"attention_backend 'cpu' needs a CPU device and float32 or bfloat16, got {device} {dtype}")
+        if device.type != "cpu" or not backend_cpu.supports(dtype) or not backend_cpu.supports(kv_dtype):
+            raise ValueError(f"attention_backend 'cpu' needs a CPU device and float32 or bfloat16 (model and KV "
+                             f"cache), got {device}, {dtype} and a {kv_dtype} cache")
         kernel = backend_cpu.build_kernel()
         if kernel is None:
             raise ValueError("attention_backend 'cpu': its kernel could not be built (no C compiler?); see the log")

@@ -36,7 +36,7 @@ typedef void (*panel_fn)(const float *, int64_t, const void *, int64_t, int64_t,
 typedef int (*norm_rope_fn)(const float *, int64_t, int64_t, int64_t, int64_t, int64_t, const float *, float,
                             const float *, int64_t, const float *, const float *, int64_t, float *, int);
 typedef int (*activation_fn)(const float *, int64_t, int64_t, int64_t, int, float *, int);
-typedef int (*attention_fn)(int, const void *, int64_t, int64_t, const void *, const void *, int64_t, int64_t, int64_t,
+typedef int (*attention_fn)(int, int, const void *, int64_t, int64_t, const void *, const void *, int64_t, int64_t, int64_t,
                             void *, const int32_t *, int64_t, const int32_t *, const int32_t *, int, int, int, int,
                             int, int, float, int, int);
 
@@ -60,8 +60,8 @@ typedef struct {
 typedef struct {
     int32_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, activation, sandwich;
     float eps;
-    int32_t block_size;
-    int64_t s_block, s_slot, s_head; /* the caches' strides, in floats */
+    int32_t block_size, cache_elem;  /* cache_elem: bytes a cached value, 4 (fp32) or 2 (bf16) */
+    int64_t s_block, s_slot, s_head; /* the caches' strides, in values */
     void *norm_rope, *gated_activation, *attention;
     const layer_t *layers;
 } model_t;
@@ -97,6 +97,21 @@ static int norm_rows(const model_t *m, const float *x, int64_t rows, int64_t dim
     return ((norm_rope_fn)m->norm_rope)(x, rows, 1, dim, 0, dim, w, m->eps, residual, dim, NULL, NULL, 0, out, threads);
 }
 
+/* n values of src into a cache row of elem bytes a value: a bf16 cache takes them rounded to nearest
+ * even, a NaN as the quiet NaN -- as torch's fp32 -> bf16 conversion does. */
+static void store_row(void *dst, const float *src, int64_t n, int elem) {
+    if (elem == 4) {
+        memcpy(dst, src, sizeof(float) * (size_t)n);
+        return;
+    }
+    uint16_t *out = (uint16_t *)dst;
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t bits;
+        memcpy(&bits, src + i, sizeof bits);
+        out[i] = src[i] != src[i] ? (uint16_t)0x7FC0 : (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+    }
+}
+
 static void add_rows(float *x, const float *y, int64_t values) {
     for (int64_t i = 0; i < values; i++) x[i] = x[i] + y[i];
 }
@@ -114,15 +129,16 @@ static int one_layer(const model_t *m, const layer_t *l, const step_t *s, float 
     if (!rc) rc = ((norm_rope_fn)m->norm_rope)(qkv + (int64_t)H * D, rows * KVH, KVH, qkv_width, D, D, l->k_norm, m->eps,
                                                NULL, 0, cos, sin, s->s_cs, k, t);
     if (rc) return rc;
+    const int ce = m->cache_elem;
     for (int64_t r = 0; r < rows; r++) { /* the new tokens' keys and values into their cache slots */
         const int64_t slot = s->slot_blocks[r] * m->s_block + s->slot_offsets[r] * m->s_slot;
         const float *v = qkv + r * qkv_width + (int64_t)(H + KVH) * D;
         for (int g = 0; g < KVH; g++) {
-            memcpy((float *)l->key_cache + slot + g * m->s_head, k + (r * KVH + g) * D, sizeof(float) * D);
-            memcpy((float *)l->value_cache + slot + g * m->s_head, v + (int64_t)g * D, sizeof(float) * D);
+            store_row((char *)l->key_cache + (slot + g * m->s_head) * ce, k + (r * KVH + g) * D, D, ce);
+            store_row((char *)l->value_cache + (slot + g * m->s_head) * ce, v + (int64_t)g * D, D, ce);
         }
     }
-    rc = ((attention_fn)m->attention)(4, q, (int64_t)H * D, D, l->key_cache, l->value_cache, m->s_block, m->s_slot,
+    rc = ((attention_fn)m->attention)(4, ce, q, (int64_t)H * D, D, l->key_cache, l->value_cache, m->s_block, m->s_slot,
                                       m->s_head, attended, s->table, s->table_stride, s->query_start, s->context_lens,
                                       s->num_requests, H, KVH, D, m->block_size, l->window, l->scale, s->max_context, t);
     if (!rc) rc = product(&l->o, attended, rows, h, t); /* o into h */

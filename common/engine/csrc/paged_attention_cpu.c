@@ -7,7 +7,9 @@
  *
  *   q       [T, H, D]               packed new tokens, D contiguous
  *   cache   [num_blocks, block_size, KVH, D]   per-layer K (or V) view, any block/slot/head strides
- *   out     [T, H, D]               contiguous
+ *   out     [T, H, D]               contiguous, q's dtype
+ * q and out are fp32 or bf16 (elem: 4 or 2 bytes a value), the cache too, independently (cache_elem:
+ * a bf16 cache under an fp32 model reads half the bytes; the arithmetic is fp32 either way).
  *   table   int32 [R, table_stride] each request's block ids
  *   query_start int32 [R + 1], context_lens int32 [R] (keys after this step, new ones included)
  *
@@ -112,8 +114,8 @@ static inline void write_heads(int elem, void *out_row, const float *acc, const 
     }
 }
 
-/* One (query token, KV head) item.  elem: 4 = fp32 cache, 2 = bf16 cache (q and out follow it). */
-static void attend_one(int elem, const void *q_row, int64_t q_stride_h, const void *k_cache, const void *v_cache,
+/* One (query token, KV head) item.  elem: q and out, cache_elem: the cache (4 = fp32, 2 = bf16). */
+static void attend_one(int elem, int cache_elem, const void *q_row, int64_t q_stride_h, const void *k_cache, const void *v_cache,
                        int64_t s_block, int64_t s_slot, int64_t s_head, void *out_row, const int32_t *blocks,
                        int kv_head, int group, int head_dim, int block_size, int first_key, int last_key,
                        float scale, float *scores, float *qf, float *acc) {
@@ -134,9 +136,9 @@ static void attend_one(int elem, const void *q_row, int64_t q_stride_h, const vo
         int64_t off = key_offset(blocks, pos, block_size, s_block, s_slot, s_head, kv_head);
         if (j + PREFETCH_KEYS < n_keys)
             prefetch_row(k_cache, key_offset(blocks, pos + PREFETCH_KEYS, block_size, s_block, s_slot, s_head, kv_head),
-                         elem, head_dim);
+                         cache_elem, head_dim);
         for (int g = 0; g < group; g++) {
-            float s = elem == 4 ? dot_f32(qf + (int64_t)g * head_dim, (const float *)k_cache + off, head_dim)
+            float s = cache_elem == 4 ? dot_f32(qf + (int64_t)g * head_dim, (const float *)k_cache + off, head_dim)
                                 : dot_bf16(qf + (int64_t)g * head_dim, (const bf16_t *)k_cache + off, head_dim);
             scores[(int64_t)g * n_keys + j] = s * scale;
         }
@@ -161,10 +163,10 @@ static void attend_one(int elem, const void *q_row, int64_t q_stride_h, const vo
         int64_t off = key_offset(blocks, pos, block_size, s_block, s_slot, s_head, kv_head);
         if (j + PREFETCH_KEYS < n_keys)
             prefetch_row(v_cache, key_offset(blocks, pos + PREFETCH_KEYS, block_size, s_block, s_slot, s_head, kv_head),
-                         elem, head_dim);
+                         cache_elem, head_dim);
         for (int g = 0; g < group; g++) {
             float w = scores[(int64_t)g * n_keys + j];
-            if (elem == 4)
+            if (cache_elem == 4)
                 axpy_f32(acc + (int64_t)g * head_dim, w, (const float *)v_cache + off, head_dim);
             else
                 axpy_bf16(acc + (int64_t)g * head_dim, w, (const bf16_t *)v_cache + off, head_dim);
@@ -241,7 +243,7 @@ static inline __attribute__((always_inline)) float sum16(vec16 v) {
 
 /* acc[g][d .. d + VL C) += sum over the tile's keys t of weights[g n_keys + t] * V_t[d .. d + VL C)
  * (V_t's row at off[t]; G x C accumulators in registers over the tile). */
-static inline __attribute__((always_inline)) void weigh_values(const int elem, const int G, const int C,
+static inline __attribute__((always_inline)) void weigh_values(const int cache_elem, const int G, const int C,
                                                                const void *v_cache, const int64_t *off, int d,
                                                                int tile, const float *weights, int n_keys,
                                                                float *acc, int head_dim) {
@@ -252,7 +254,7 @@ static inline __attribute__((always_inline)) void weigh_values(const int elem, c
         vecw w[MAX_GROUP];
         for (int g = 0; g < G; g++) w[g] = (vecw){0} + weights[(int64_t)g * n_keys + t];
         for (int c = 0; c < C; c++) {
-            const vecw vv = load_row(v_cache, off[t] + d + VL * c, elem);
+            const vecw vv = load_row(v_cache, off[t] + d + VL * c, cache_elem);
             for (int g = 0; g < G; g++) a[g][c] += w[g] * vv;
         }
     }
@@ -261,7 +263,7 @@ static inline __attribute__((always_inline)) void weigh_values(const int elem, c
 }
 
 static inline __attribute__((always_inline)) void attend_vector(
-        const int elem, const int G, const void *q_row, int64_t q_stride_h, const void *k_cache,
+        const int elem, const int CE, const int G, const void *q_row, int64_t q_stride_h, const void *k_cache,
         const void *v_cache, int64_t s_block, int64_t s_slot, int64_t s_head, void *out_row, const int32_t *blocks,
         int kv_head, int head_dim, int block_size, int first_key, int last_key, float scale, float *scores,
         float *qf, float *acc, int values_ahead) {
@@ -279,17 +281,17 @@ static inline __attribute__((always_inline)) void attend_vector(
     for (int j = 0; j < n_keys; j++) {
         const int pos = first_key + j;
         const int64_t off = key_offset(blocks, pos, block_size, s_block, s_slot, s_head, kv_head);
-        if (values_ahead && j < PREFETCH_KEYS) prefetch_row(v_cache, off, elem, head_dim); /* the first keys' */
+        if (values_ahead && j < PREFETCH_KEYS) prefetch_row(v_cache, off, CE, head_dim); /* the first keys' */
         if (j + PREFETCH_KEYS < n_keys) {
             const int64_t ahead = key_offset(blocks, pos + PREFETCH_KEYS, block_size, s_block, s_slot, s_head, kv_head);
-            prefetch_row(k_cache, ahead, elem, head_dim);
-            if (values_ahead) prefetch_row(v_cache, ahead, elem, head_dim);
+            prefetch_row(k_cache, ahead, CE, head_dim);
+            if (values_ahead) prefetch_row(v_cache, ahead, CE, head_dim);
         }
         vecw even[MAX_GROUP], odd[MAX_GROUP]; /* two chains a head: even and odd vectors of the row */
         for (int g = 0; g < G; g++) even[g] = odd[g] = (vecw){0};
         int b = 0;
         for (; chains == 2 && b + 1 < nb; b += 2) {
-            const vecw k0 = load_row(k_cache, off + VL * b, elem), k1 = load_row(k_cache, off + VL * b + VL, elem);
+            const vecw k0 = load_row(k_cache, off + VL * b, CE), k1 = load_row(k_cache, off + VL * b + VL, CE);
             for (int g = 0; g < G; g++) {
                 vecw q0, q1;
                 memcpy(&q0, qf + (int64_t)g * head_dim + VL * b, sizeof q0);
@@ -299,7 +301,7 @@ static inline __attribute__((always_inline)) void attend_vector(
             }
         }
         for (; b < nb; b++) {
-            const vecw k0 = load_row(k_cache, off + VL * b, elem);
+            const vecw k0 = load_row(k_cache, off + VL * b, CE);
             for (int g = 0; g < G; g++) {
                 vecw q0;
                 memcpy(&q0, qf + (int64_t)g * head_dim + VL * b, sizeof q0);
@@ -335,12 +337,12 @@ static inline __attribute__((always_inline)) void attend_vector(
             off[t] = key_offset(blocks, first_key + j0 + t, block_size, s_block, s_slot, s_head, kv_head);
             if (j0 + t + TILE_KEYS < n_keys)
                 prefetch_row(v_cache, key_offset(blocks, first_key + j0 + t + TILE_KEYS, block_size, s_block, s_slot,
-                                                 s_head, kv_head), elem, head_dim);
+                                                 s_head, kv_head), CE, head_dim);
         }
         const float *weights = scores + j0;
         int b = 0;
-        for (; b + C <= nb; b += C) weigh_values(elem, G, C, v_cache, off, VL * b, tile, weights, n_keys, acc, head_dim);
-        for (; b < nb; b++) weigh_values(elem, G, 1, v_cache, off, VL * b, tile, weights, n_keys, acc, head_dim);
+        for (; b + C <= nb; b += C) weigh_values(CE, G, C, v_cache, off, VL * b, tile, weights, n_keys, acc, head_dim);
+        for (; b < nb; b++) weigh_values(CE, G, 1, v_cache, off, VL * b, tile, weights, n_keys, acc, head_dim);
     }
     write_heads(elem, out_row, acc, inv_sum, kv_head, G, head_dim);
 }
@@ -348,43 +350,51 @@ static inline __attribute__((always_inline)) void attend_vector(
 typedef void (*attend_fn)(const void *, int64_t, const void *, const void *, int64_t, int64_t, int64_t, void *,
                           const int32_t *, int, int, int, int, int, float, float *, float *, float *, int);
 
-#define DEFINE_ATTEND(ELEM, G)                                                                              \
-    static void attend_##ELEM##_##G(const void *q_row, int64_t q_stride_h, const void *k_cache,             \
+#define DEFINE_ATTEND(ELEM, CE, G)                                                                          \
+    static void attend_##ELEM##_##CE##_##G(const void *q_row, int64_t q_stride_h, const void *k_cache,             \
                                     const void *v_cache, int64_t s_block, int64_t s_slot, int64_t s_head,   \
                                     void *out_row, const int32_t *blocks, int kv_head, int head_dim,         \
                                     int block_size, int first_key, int last_key, float scale, float *scores, \
                                     float *qf, float *acc, int values_ahead) {                               \
-        attend_vector(ELEM, G, q_row, q_stride_h, k_cache, v_cache, s_block, s_slot, s_head, out_row, blocks, \
+        attend_vector(ELEM, CE, G, q_row, q_stride_h, k_cache, v_cache, s_block, s_slot, s_head, out_row, blocks, \
                       kv_head, head_dim, block_size, first_key, last_key, scale, scores, qf, acc, values_ahead); \
     }
-DEFINE_ATTEND(4, 1) DEFINE_ATTEND(4, 2) DEFINE_ATTEND(4, 4) DEFINE_ATTEND(4, 8)
-DEFINE_ATTEND(2, 1) DEFINE_ATTEND(2, 2) DEFINE_ATTEND(2, 4) DEFINE_ATTEND(2, 8)
+#define DEFINE_GROUPS(ELEM, CE) \
+    DEFINE_ATTEND(ELEM, CE, 1) DEFINE_ATTEND(ELEM, CE, 2) DEFINE_ATTEND(ELEM, CE, 4) DEFINE_ATTEND(ELEM, CE, 8)
+DEFINE_GROUPS(4, 4) DEFINE_GROUPS(4, 2) DEFINE_GROUPS(2, 2) DEFINE_GROUPS(2, 4)
 
-/* The vector path for this (elem, group, head_dim), or NULL (the scalar attend_one then). */
-static attend_fn vector_path(int elem, int group, int head_dim) {
+static int valid_elem(int elem) { return elem == 4 || elem == 2; }
+
+/* The vector path for this (elem, cache_elem, group, head_dim), or NULL (the scalar attend_one then). */
+static attend_fn vector_path(int elem, int cache_elem, int group, int head_dim) {
     const int g = group == 1 ? 0 : group == 2 ? 1 : group == 4 ? 2 : group == 8 ? 3 : -1;
-    if (g < 0 || head_dim % 16 != 0 || (elem != 4 && elem != 2)) return NULL;
-    static const attend_fn f32[4] = {attend_4_1, attend_4_2, attend_4_4, attend_4_8};
-    static const attend_fn b16[4] = {attend_2_1, attend_2_2, attend_2_4, attend_2_8};
-    return elem == 4 ? f32[g] : b16[g];
+    if (g < 0 || head_dim % 16 != 0 || !valid_elem(elem) || !valid_elem(cache_elem)) return NULL;
+    static const attend_fn paths[2][2][4] = {
+        {{attend_2_2_1, attend_2_2_2, attend_2_2_4, attend_2_2_8}, {attend_2_4_1, attend_2_4_2, attend_2_4_4, attend_2_4_8}},
+        {{attend_4_2_1, attend_4_2_2, attend_4_2_4, attend_4_2_8}, {attend_4_4_1, attend_4_4_2, attend_4_4_4, attend_4_4_8}}};
+    return paths[elem == 4][cache_elem == 4][g];
 }
 
-/* 1 where (elem, group, head_dim) takes the vector path (the caller then gives it fresh prompts too:
- * on an AVX-512 Zen 5, a 272-token prompt of Gemma 3 270M's layout 1.5x faster than torch's fused
- * attention, a 64-token one 7x), else 0. */
-int paged_attention_vector_path(int elem, int group, int head_dim) { return vector_path(elem, group, head_dim) != NULL; }
+/* 1 where (elem, cache_elem, group, head_dim) takes the vector path (the caller then gives it fresh
+ * prompts too: on an AVX-512 Zen 5, a 272-token prompt of Gemma 3 270M's layout 1.5x faster than
+ * torch's fused attention, a 64-token one 7x), else 0. */
+int paged_attention_vector_path(int elem, int cache_elem, int group, int head_dim) {
+    return vector_path(elem, cache_elem, group, head_dim) != NULL;
+}
 
-/* Returns 0, or -1 when a scratch allocation fails or the GQA group is too large. */
-int paged_attention(int elem, const void *q, int64_t q_stride_t, int64_t q_stride_h, const void *k_cache,
+/* Returns 0; -1 when a scratch allocation fails or the GQA group is too large; -2 for an element
+ * size other than 4 or 2. */
+int paged_attention(int elem, int cache_elem, const void *q, int64_t q_stride_t, int64_t q_stride_h, const void *k_cache,
                     const void *v_cache, int64_t s_block, int64_t s_slot, int64_t s_head, void *out,
                     const int32_t *table, int64_t table_stride, const int32_t *query_start,
                     const int32_t *context_lens, int num_requests, int num_heads, int num_kv_heads, int head_dim,
                     int block_size, int window, float scale, int max_context, int num_threads) {
     const int group = num_heads / num_kv_heads;
     if (group > MAX_GROUP || group < 1) return -1;
+    if (!valid_elem(elem) || !valid_elem(cache_elem)) return -2;
     const int num_tokens = query_start[num_requests];
     const int64_t items = (int64_t)num_tokens * num_kv_heads;
-    const attend_fn vector = vector_path(elem, group, head_dim);
+    const attend_fn vector = vector_path(elem, cache_elem, group, head_dim);
     int failed = 0;
 #ifdef _OPENMP
 #pragma omp parallel num_threads(num_threads > 0 ? num_threads : 1) reduction(| : failed)
@@ -419,13 +429,13 @@ int paged_attention(int elem, const void *q, int64_t q_stride_t, int64_t q_strid
                 const char *q_ptr = (const char *)q + row * elem;
                 char *o_ptr = (char *)out + out_row * elem;
                 /* a decode's rows are read by this item alone; a prompt's by its next tokens too (cached) */
-                int values_ahead = n_new == 1 && (int64_t)(pos - first + 1) * head_dim * elem <= VALUES_AHEAD_MAX_BYTES;
+                int values_ahead = n_new == 1 && (int64_t)(pos - first + 1) * head_dim * cache_elem <= VALUES_AHEAD_MAX_BYTES;
                 if (vector)
                     vector(q_ptr, q_stride_h, k_cache, v_cache, s_block, s_slot, s_head, o_ptr,
                            table + (int64_t)r * table_stride, kv_head, head_dim, block_size, first, pos, scale,
                            scores, qf, acc, values_ahead);
                 else
-                    attend_one(elem, q_ptr, q_stride_h, k_cache, v_cache, s_block, s_slot, s_head, o_ptr,
+                    attend_one(elem, cache_elem, q_ptr, q_stride_h, k_cache, v_cache, s_block, s_slot, s_head, o_ptr,
                                table + (int64_t)r * table_stride, kv_head, group, head_dim, block_size, first, pos,
                                scale, scores, qf, acc);
             }

@@ -121,6 +121,14 @@ class KVCache:
     def value(self, layer: int) -> torch.Tensor:
         return self._values[layer]
 
+    def write(self, layer: int, slot_blocks: torch.Tensor, slot_offsets: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor) -> None:
+        """The new tokens' keys and values (``[tokens, kv_heads, head_dim]``, any float dtype) into
+        their slots of ``layer``, rounded to the cache's dtype where it differs (round to nearest even)."""
+        dtype = self.buffer.dtype
+        self._keys[layer][slot_blocks, slot_offsets] = k.to(dtype)
+        self._values[layer][slot_blocks, slot_offsets] = v.to(dtype)
+
     def block(self, block_id: int) -> torch.Tensor:
         """The contiguous ``[num_layers, 2, block_size, kv_heads, head_dim]`` region of one block."""
         return self.buffer[block_id]

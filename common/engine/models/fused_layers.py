@@ -8,7 +8,8 @@ layers, whose result is the eager forward's to the last bit (the tests compare t
 
 It applies (``FusedLayers.build`` returns None otherwise) to a model on the CPU in fp32 on one
 rank, a silu or tanh-GELU gated MLP, every projection computed by a C kernel it can call (int8 and
-int4 on the VNNI kernels, fp32 on panels), and the CPU attention backend's vector path; and
+int4 on the VNNI kernels, fp32 on panels), a KV cache in fp32 or bf16 (``--kv-cache-dtype``: the
+new keys and values rounded as torch rounds them), and the CPU attention backend's vector path; and
 (``applies``) to steps of fewer than ``MIN_COMPILED_TOKENS`` tokens (larger ones run compiled or
 eagerly as before), no more than ``PANEL_MAX_ROWS`` where panels compute (oneDNN takes larger ones).
 """
@@ -31,6 +32,7 @@ log = logging.getLogger(__name__)
 PROFILER_LABEL = "fused_layers"
 _KINDS = {"vnni8": 0, "vnni4": 1, "panel": 2}  # csrc/fused_layers_cpu.c's PRODUCT_*
 _PTR, _I32, _I64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
+_CACHE_ELEM = {torch.float32: 4, torch.bfloat16: 2}  # a KV cache's dtype: bytes a value (the kernel's cache_elem)
 
 
 class _Product(ctypes.Structure):
@@ -48,7 +50,7 @@ class _Layer(ctypes.Structure):
 class _Model(ctypes.Structure):
     _fields_ = [("num_layers", _I32), ("hidden", _I32), ("num_heads", _I32), ("num_kv_heads", _I32),
                 ("head_dim", _I32), ("intermediate", _I32), ("activation", _I32), ("sandwich", _I32),
-                ("eps", ctypes.c_float), ("block_size", _I32), ("s_block", _I64), ("s_slot", _I64), ("s_head", _I64),
+                ("eps", ctypes.c_float), ("block_size", _I32), ("cache_elem", _I32), ("s_block", _I64), ("s_slot", _I64), ("s_head", _I64),
                 ("norm_rope", _PTR), ("gated_activation", _PTR), ("attention", _PTR), ("layers", ctypes.POINTER(_Layer))]
 
 
@@ -106,15 +108,16 @@ class FusedLayers:
         """For ``decoder`` (a loaded ``DecoderModel``) over ``cache`` with the backend ``attention``,
         or None where it does not apply (the module docstring)."""
         cfg = decoder.cfg
-        kernels = (_entry(), norm_rope.kernel(), activations.kernel())
-        if (any(k is None for k in kernels) or decoder.tp.size != 1 or cfg.hidden_act not in activations.KERNEL_ACTIVATIONS
-                or not isinstance(attention, CpuPagedAttention)
-                or not attention.vector_path(4, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim)):
-            return None
         layers = decoder.model.layers
         keys, values = [cache.key(i) for i in range(len(layers))], [cache.value(i) for i in range(len(layers))]
+        cache_elem = _CACHE_ELEM.get(keys[0].dtype)
+        kernels = (_entry(), norm_rope.kernel(), activations.kernel())
+        if (any(k is None for k in kernels) or cache_elem is None or decoder.tp.size != 1
+                or cfg.hidden_act not in activations.KERNEL_ACTIVATIONS or not isinstance(attention, CpuPagedAttention)
+                or not attention.vector_path(4, cache_elem, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim)):
+            return None
         strides = keys[0].stride()
-        if not all(t.dtype == torch.float32 and t.device.type == "cpu" and t.stride() == strides
+        if not all(t.dtype == keys[0].dtype and t.device.type == "cpu" and t.stride() == strides
                    for t in keys + values) or strides[-1] != 1:
             return None
         rope_types = tuple(sorted(set(cfg.layer_types)))
@@ -138,7 +141,7 @@ class FusedLayers:
                                 rope_types.index(attn.layer_type), float(attn.scale))
         model = _Model(len(layers), cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                        cfg.intermediate_size, activations.KERNEL_ACTIVATIONS[cfg.hidden_act], int(cfg.sandwich_norms),
-                       cfg.rms_norm_eps, cache.block_size, strides[0], strides[1], strides[2],
+                       cfg.rms_norm_eps, cache.block_size, cache_elem, strides[0], strides[1], strides[2],
                        _address(norm_rope.kernel()), _address(activations.kernel()),
                        _address(attention.kernel.paged_attention), structs)
         max_rows = MIN_COMPILED_TOKENS - 1
