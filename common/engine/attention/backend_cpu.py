@@ -79,8 +79,8 @@ def step_metadata(requests, block_size: int, block_table: BlockTable | None = No
     while kernel_requests and _fresh_prompt(requests[kernel_requests - 1]):
         kernel_requests -= 1
     dense = [(r.query_start, r.num_query_tokens) for r in requests[kernel_requests:]]
-    return CpuMetadata(step.slot_blocks, step.positions % block_size, step.block_table, step.query_start,
-                       step.context_lens, int(step.context_lens.max()), kernel_requests, dense)
+    return CpuMetadata(step.slot_blocks, step.slot_offsets, step.block_table, step.query_start, step.context_lens,
+                       step.max_context, kernel_requests, dense)
 
 
 def _fresh_prompt(request) -> bool:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -49,6 +50,7 @@ class StepLayout:
         context_lens  int32 [num_seqs]              keys per request after this step
         positions     int64 [num_tokens]            each new token's position in its request
         slot_blocks   int64 [num_tokens]            the block each new token's KV goes to
+        slot_offsets  int64 [num_tokens]            and its offset in that block
     """
 
     block_table: torch.Tensor
@@ -56,13 +58,17 @@ class StepLayout:
     context_lens: torch.Tensor
     positions: torch.Tensor
     slot_blocks: torch.Tensor
+    slot_offsets: torch.Tensor
     max_query_len: int
+    max_context: int
 
 
 def step_layout(requests: list[AttentionRequest], block_size: int, block_table=None) -> StepLayout:
-    """Vectorised: no per-token Python loop. With ``block_table`` (the KV manager's persistent
-    ``BlockTable``) and every request on a row of it, the step's table is one gather of those
-    rows; otherwise it is built from each request's ``block_ids``."""
+    """Vectorised: no per-token Python loop, and in numpy (a decode step's dozen small array ops
+    cost microseconds there, tens of them each as torch ops: ~0.3 ms of an 8-row decode step).
+    With ``block_table`` (the KV manager's persistent ``BlockTable``) and every request on a row
+    of it, the step's table is one gather of those rows; otherwise it is built from each request's
+    ``block_ids``."""
     num = len(requests)
     max_blocks = max(len(r.block_ids) for r in requests)
     if block_table is not None and all(r.table_row is not None for r in requests):
@@ -71,14 +77,17 @@ def step_layout(requests: list[AttentionRequest], block_size: int, block_table=N
         table = torch.zeros((num, max_blocks), dtype=torch.int32)
         for i, r in enumerate(requests):
             table[i, : len(r.block_ids)] = torch.as_tensor(r.block_ids, dtype=torch.int32)
-    new = torch.tensor([r.num_query_tokens for r in requests], dtype=torch.int32)
-    context = torch.tensor([r.context_len for r in requests], dtype=torch.int32)
-    query_start = torch.zeros(num + 1, dtype=torch.int32)
-    torch.cumsum(new, 0, out=query_start[1:])
-    token_request = torch.repeat_interleave(torch.arange(num), new.long())
-    positions = torch.arange(int(query_start[-1])) - query_start[token_request].long() + (context - new)[token_request].long()
-    slot_blocks = table[token_request, positions // block_size].long()
-    return StepLayout(table, query_start, context, positions, slot_blocks, int(new.max()))
+    new = np.fromiter((r.num_query_tokens for r in requests), dtype=np.int32, count=num)
+    context = np.fromiter((r.context_len for r in requests), dtype=np.int32, count=num)
+    query_start = np.zeros(num + 1, dtype=np.int32)
+    np.cumsum(new, out=query_start[1:])
+    token_request = np.repeat(np.arange(num), new)
+    positions = (np.arange(int(query_start[-1]), dtype=np.int64) - query_start[token_request]
+                 + (context - new)[token_request])
+    slot_blocks = table.numpy()[token_request, positions // block_size].astype(np.int64)
+    return StepLayout(table, torch.from_numpy(query_start), torch.from_numpy(context), torch.from_numpy(positions),
+                      torch.from_numpy(slot_blocks), torch.from_numpy(positions % block_size), int(new.max()),
+                      int(context.max()))
 
 
 @dataclass
@@ -102,14 +111,14 @@ class PagedMetadata:
     def build(cls, requests: list[AttentionRequest], block_size: int, device, block_table=None) -> "PagedMetadata":
         """From the requests' block ids, or from ``block_table`` (see ``step_layout``)."""
         step = step_layout(requests, block_size, block_table)
-        slots = step.slot_blocks * block_size + step.positions % block_size
+        slots = step.slot_blocks * block_size + step.slot_offsets
         return cls(
             slots=slots.to(device),
             block_table=step.block_table.to(device),
             seq_lens=step.context_lens.to(device),
             query_start=step.query_start.to(device),
             max_query_len=step.max_query_len,
-            max_seq_len=int(step.context_lens.max()),
+            max_seq_len=step.max_context,
         )
 
 
