@@ -40,14 +40,21 @@ class RotaryEmbedding:
     """cos/sin tables for a step's positions, from ``rope_tables``' frequencies (fp32, as transformers)."""
 
     def __init__(self, tables: RopeTables, device: torch.device):
-        self._inv_freq = {t: torch.tensor(freqs, dtype=torch.float32, device=device) for t, (freqs, _) in tables.items()}
+        # each frequency twice, (f, f): the angles of both halves of a head in one product
+        self._inv_freq = {t: torch.tensor(freqs + freqs, dtype=torch.float32, device=device)
+                          for t, (freqs, _) in tables.items()}
         self._scaling = {t: scaling for t, (_, scaling) in tables.items()}
 
     def cos_sin(self, positions: torch.Tensor, layer_type: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions[:, None].float() * self._inv_freq[layer_type][None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
+        """cos and sin of each position times each frequency, ``[tokens, head_dim]`` in ``dtype``,
+        times the attention scaling where it is not 1 (a decode step makes these for every layer
+        type: as few small ops as it takes)."""
+        angles = torch.outer(positions.float(), self._inv_freq[layer_type])
+        cos, sin = angles.cos(), angles.sin()
         scaling = self._scaling[layer_type]
-        return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
+        if scaling != 1.0:
+            cos, sin = cos * scaling, sin * scaling
+        return cos.to(dtype), sin.to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
