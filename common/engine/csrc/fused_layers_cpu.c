@@ -36,9 +36,9 @@ typedef void (*panel_fn)(const float *, int64_t, const void *, int64_t, int64_t,
 typedef int (*norm_rope_fn)(const float *, int64_t, int64_t, int64_t, int64_t, int64_t, const float *, float,
                             const float *, int64_t, const float *, const float *, int64_t, float *, int);
 typedef int (*activation_fn)(const float *, int64_t, int64_t, int64_t, int, float *, int);
-typedef int (*attention_fn)(int, int, const void *, int64_t, int64_t, const void *, const void *, int64_t, int64_t, int64_t,
-                            void *, const int32_t *, int64_t, const int32_t *, const int32_t *, int, int, int, int,
-                            int, int, float, int, int);
+typedef int (*attention_fn)(int, int, const void *, int64_t, int64_t, const void *, const void *, int64_t, int64_t,
+                            int64_t, void *, const int32_t *, int64_t, const int32_t *, const int32_t *, int, int, int,
+                            int, int, int, float, int, int);
 
 typedef struct {
     int32_t kind;
@@ -138,9 +138,10 @@ static int one_layer(const model_t *m, const layer_t *l, const step_t *s, float 
             store_row((char *)l->value_cache + (slot + g * m->s_head) * ce, v + (int64_t)g * D, D, ce);
         }
     }
-    rc = ((attention_fn)m->attention)(4, ce, q, (int64_t)H * D, D, l->key_cache, l->value_cache, m->s_block, m->s_slot,
-                                      m->s_head, attended, s->table, s->table_stride, s->query_start, s->context_lens,
-                                      s->num_requests, H, KVH, D, m->block_size, l->window, l->scale, s->max_context, t);
+    rc = ((attention_fn)m->attention)(4, ce, q, (int64_t)H * D, D, l->key_cache, l->value_cache, m->s_block,
+                                      m->s_slot, m->s_head, attended, s->table, s->table_stride, s->query_start,
+                                      s->context_lens, s->num_requests, H, KVH, D, m->block_size, l->window, l->scale,
+                                      s->max_context, t);
     if (!rc) rc = product(&l->o, attended, rows, h, t); /* o into h */
     if (rc) return rc;
     const int64_t values = rows * hidden;

@@ -8,10 +8,11 @@
  *   q       [T, H, D]               packed new tokens, D contiguous
  *   cache   [num_blocks, block_size, KVH, D]   per-layer K (or V) view, any block/slot/head strides
  *   out     [T, H, D]               contiguous, q's dtype
- * q and out are fp32 or bf16 (elem: 4 or 2 bytes a value), the cache too, independently (cache_elem:
- * a bf16 cache under an fp32 model reads half the bytes; the arithmetic is fp32 either way).
  *   table   int32 [R, table_stride] each request's block ids
  *   query_start int32 [R + 1], context_lens int32 [R] (keys after this step, new ones included)
+ *
+ * q and out are fp32 or bf16 (elem: 4 or 2 bytes a value), the cache too, independently (cache_elem:
+ * a bf16 cache under an fp32 model reads half the bytes); the arithmetic is fp32 either way.
  *
  * A query at position p sees keys k with k <= p and, with window > 0, k > p - window.
  * Built by common/engine/attention/backend_cpu.py with the system C compiler; loaded with ctypes.
@@ -115,10 +116,10 @@ static inline void write_heads(int elem, void *out_row, const float *acc, const 
 }
 
 /* One (query token, KV head) item.  elem: q and out, cache_elem: the cache (4 = fp32, 2 = bf16). */
-static void attend_one(int elem, int cache_elem, const void *q_row, int64_t q_stride_h, const void *k_cache, const void *v_cache,
-                       int64_t s_block, int64_t s_slot, int64_t s_head, void *out_row, const int32_t *blocks,
-                       int kv_head, int group, int head_dim, int block_size, int first_key, int last_key,
-                       float scale, float *scores, float *qf, float *acc) {
+static void attend_one(int elem, int cache_elem, const void *q_row, int64_t q_stride_h, const void *k_cache,
+                       const void *v_cache, int64_t s_block, int64_t s_slot, int64_t s_head, void *out_row,
+                       const int32_t *blocks, int kv_head, int group, int head_dim, int block_size, int first_key,
+                       int last_key, float scale, float *scores, float *qf, float *acc) {
     const int n_keys = last_key - first_key + 1;
     /* query heads of this group, in fp32 */
     for (int g = 0; g < group; g++) {
@@ -350,14 +351,16 @@ static inline __attribute__((always_inline)) void attend_vector(
 typedef void (*attend_fn)(const void *, int64_t, const void *, const void *, int64_t, int64_t, int64_t, void *,
                           const int32_t *, int, int, int, int, int, float, float *, float *, float *, int);
 
-#define DEFINE_ATTEND(ELEM, CE, G)                                                                          \
-    static void attend_##ELEM##_##CE##_##G(const void *q_row, int64_t q_stride_h, const void *k_cache,             \
-                                    const void *v_cache, int64_t s_block, int64_t s_slot, int64_t s_head,   \
-                                    void *out_row, const int32_t *blocks, int kv_head, int head_dim,         \
-                                    int block_size, int first_key, int last_key, float scale, float *scores, \
-                                    float *qf, float *acc, int values_ahead) {                               \
-        attend_vector(ELEM, CE, G, q_row, q_stride_h, k_cache, v_cache, s_block, s_slot, s_head, out_row, blocks, \
-                      kv_head, head_dim, block_size, first_key, last_key, scale, scores, qf, acc, values_ahead); \
+/* attend_<elem>_<cache elem>_<group> */
+#define DEFINE_ATTEND(ELEM, CE, G)                                                                              \
+    static void attend_##ELEM##_##CE##_##G(const void *q_row, int64_t q_stride_h, const void *k_cache,           \
+                                           const void *v_cache, int64_t s_block, int64_t s_slot, int64_t s_head, \
+                                           void *out_row, const int32_t *blocks, int kv_head, int head_dim,       \
+                                           int block_size, int first_key, int last_key, float scale,             \
+                                           float *scores, float *qf, float *acc, int values_ahead) {             \
+        attend_vector(ELEM, CE, G, q_row, q_stride_h, k_cache, v_cache, s_block, s_slot, s_head, out_row,        \
+                      blocks, kv_head, head_dim, block_size, first_key, last_key, scale, scores, qf, acc,        \
+                      values_ahead);                                                                           \
     }
 #define DEFINE_GROUPS(ELEM, CE) \
     DEFINE_ATTEND(ELEM, CE, 1) DEFINE_ATTEND(ELEM, CE, 2) DEFINE_ATTEND(ELEM, CE, 4) DEFINE_ATTEND(ELEM, CE, 8)
@@ -369,9 +372,11 @@ static int valid_elem(int elem) { return elem == 4 || elem == 2; }
 static attend_fn vector_path(int elem, int cache_elem, int group, int head_dim) {
     const int g = group == 1 ? 0 : group == 2 ? 1 : group == 4 ? 2 : group == 8 ? 3 : -1;
     if (g < 0 || head_dim % 16 != 0 || !valid_elem(elem) || !valid_elem(cache_elem)) return NULL;
-    static const attend_fn paths[2][2][4] = {
-        {{attend_2_2_1, attend_2_2_2, attend_2_2_4, attend_2_2_8}, {attend_2_4_1, attend_2_4_2, attend_2_4_4, attend_2_4_8}},
-        {{attend_4_2_1, attend_4_2_2, attend_4_2_4, attend_4_2_8}, {attend_4_4_1, attend_4_4_2, attend_4_4_4, attend_4_4_8}}};
+    static const attend_fn paths[2][2][4] = { /* [q fp32][cache fp32][group] */
+        {{attend_2_2_1, attend_2_2_2, attend_2_2_4, attend_2_2_8},
+         {attend_2_4_1, attend_2_4_2, attend_2_4_4, attend_2_4_8}},
+        {{attend_4_2_1, attend_4_2_2, attend_4_2_4, attend_4_2_8},
+         {attend_4_4_1, attend_4_4_2, attend_4_4_4, attend_4_4_8}}};
     return paths[elem == 4][cache_elem == 4][g];
 }
 
@@ -384,9 +389,9 @@ int paged_attention_vector_path(int elem, int cache_elem, int group, int head_di
 
 /* Returns 0; -1 when a scratch allocation fails or the GQA group is too large; -2 for an element
  * size other than 4 or 2. */
-int paged_attention(int elem, int cache_elem, const void *q, int64_t q_stride_t, int64_t q_stride_h, const void *k_cache,
-                    const void *v_cache, int64_t s_block, int64_t s_slot, int64_t s_head, void *out,
-                    const int32_t *table, int64_t table_stride, const int32_t *query_start,
+int paged_attention(int elem, int cache_elem, const void *q, int64_t q_stride_t, int64_t q_stride_h,
+                    const void *k_cache, const void *v_cache, int64_t s_block, int64_t s_slot, int64_t s_head,
+                    void *out, const int32_t *table, int64_t table_stride, const int32_t *query_start,
                     const int32_t *context_lens, int num_requests, int num_heads, int num_kv_heads, int head_dim,
                     int block_size, int window, float scale, int max_context, int num_threads) {
     const int group = num_heads / num_kv_heads;
@@ -429,7 +434,8 @@ int paged_attention(int elem, int cache_elem, const void *q, int64_t q_stride_t,
                 const char *q_ptr = (const char *)q + row * elem;
                 char *o_ptr = (char *)out + out_row * elem;
                 /* a decode's rows are read by this item alone; a prompt's by its next tokens too (cached) */
-                int values_ahead = n_new == 1 && (int64_t)(pos - first + 1) * head_dim * cache_elem <= VALUES_AHEAD_MAX_BYTES;
+                int values_ahead =
+                    n_new == 1 && (int64_t)(pos - first + 1) * head_dim * cache_elem <= VALUES_AHEAD_MAX_BYTES;
                 if (vector)
                     vector(q_ptr, q_stride_h, k_cache, v_cache, s_block, s_slot, s_head, o_ptr,
                            table + (int64_t)r * table_stride, kv_head, head_dim, block_size, first, pos, scale,
