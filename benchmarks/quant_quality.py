@@ -18,8 +18,9 @@ The last line of stdout is one JSON object: ``ppl_<scheme>`` and ``<scheme>_ppl_
 (relative to fp32), ``<scheme>_greedy_agreement`` (tokens before the first difference / all) and
 ``<scheme>_greedy_identical_prompts`` for int8 and int4 (and fp8 with ``--fp8``: its CPU path
 is a reference, slow; with ``--kv-bf16`` also fp32, int8 and int4 over a bf16 KV cache,
-``<scheme>_kv_bf16_*``, against the same fp32 reference), and ``<scheme>_weight_mb`` (the weights as stored).  int4 on this GGUF keeps
-the file's 4-bit blocks as they are and its wider ones at int8 (``common.engine.loading.gguf_blocks``).
+``<scheme>_kv_bf16_*``, against the same fp32 reference), and ``<scheme>_weight_mb`` (the weights
+as stored).  int4 on this GGUF keeps the file's 4-bit blocks as they are and its wider ones at int8
+(``common.engine.loading.gguf_blocks``).
 """
 from __future__ import annotations
 

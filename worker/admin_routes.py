@@ -106,8 +106,8 @@ class AdminHandlers:
         engine = self.worker.engine
         step_log = engine.step_log
         rows = step_log.since(since, limit + 1)
-        settings = {"model_id": engine.model_id, "dtype": dtype_name(engine.dtype), "kv_cache_dtype": engine.layout.dtype,
-                    "block_size": engine.layout.block_size,
+        settings = {"model_id": engine.model_id, "dtype": dtype_name(engine.dtype),
+                    "kv_cache_dtype": engine.layout.dtype, "block_size": engine.layout.block_size,
                     "kv_bytes_per_token": engine.layout.block_nbytes / engine.layout.block_size,
                     "max_num_batched_tokens": engine.config.max_num_batched_tokens,
                     "max_num_seqs": engine.config.max_num_seqs, "max_model_len": engine.max_model_len}

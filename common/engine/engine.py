@@ -183,9 +183,8 @@ class Engine:
         log.info(
             "engine ready: model=%s (%s) dtype=%s kv_cache_dtype=%s device=%s attention=%s cuda_graphs=%s "
             "compiled=%s kv_blocks=%d x %d tokens speculative=%s", self.model_id, mc.model_type, dtype_name(self.dtype),
-            self.layout.dtype, self.device,
-            self.attention.name, use_graphs, self.model.stages.compiled, num_blocks, config.block_size,
-            config.speculative,
+            self.layout.dtype, self.device, self.attention.name, use_graphs, self.model.stages.compiled, num_blocks,
+            config.block_size, config.speculative,
         )
 
     def _draft_proposer(self, num_blocks: int, kv_manager: KVCacheManager):

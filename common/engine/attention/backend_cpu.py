@@ -141,8 +141,8 @@ class CpuPagedAttention:
         kernel_requests, dense = (every_request, []) if vector else (meta.kernel_requests, meta.dense)
         if kernel_requests:
             with profiled("cpu_paged_attention"):
-                rc = self._call(elem, cache_elem, q, key_cache, value_cache, out, table, meta, kernel_requests, window, scale,
-                                heads, dim)
+                rc = self._call(elem, cache_elem, q, key_cache, value_cache, out, table, meta, kernel_requests,
+                                window, scale, heads, dim)
             if rc != 0:
                 raise MemoryError("cpu paged attention: scratch allocation failed")
         for start, length in dense:

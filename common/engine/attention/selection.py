@@ -35,7 +35,8 @@ def make_attention(backend: str, device: torch.device, windows: set[int | None],
         elif device.type == "cpu":
             from common.engine.attention import backend_cpu
 
-            if backend_cpu.supports(dtype) and backend_cpu.supports(kv_dtype) and backend_cpu.build_kernel() is not None:
+            both = backend_cpu.supports(dtype) and backend_cpu.supports(kv_dtype)
+            if both and backend_cpu.build_kernel() is not None:
                 backend = "cpu"
     if backend == "flash":
         if device.type != "cuda":

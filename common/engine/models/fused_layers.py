@@ -50,7 +50,8 @@ class _Layer(ctypes.Structure):
 class _Model(ctypes.Structure):
     _fields_ = [("num_layers", _I32), ("hidden", _I32), ("num_heads", _I32), ("num_kv_heads", _I32),
                 ("head_dim", _I32), ("intermediate", _I32), ("activation", _I32), ("sandwich", _I32),
-                ("eps", ctypes.c_float), ("block_size", _I32), ("cache_elem", _I32), ("s_block", _I64), ("s_slot", _I64), ("s_head", _I64),
+                ("eps", ctypes.c_float), ("block_size", _I32), ("cache_elem", _I32), ("s_block", _I64),
+                ("s_slot", _I64), ("s_head", _I64),
                 ("norm_rope", _PTR), ("gated_activation", _PTR), ("attention", _PTR), ("layers", ctypes.POINTER(_Layer))]
 
 
