@@ -214,6 +214,47 @@ static inline __attribute__((always_inline)) vecw load_row(const void *base, int
     return v;
 }
 
+/* A bf16 cache on AVX-512 (BW): 32 values a load, widened by interleaving zero halves in (one
+ * unpack each for 16 values, against a widening move and a shift) -- which leaves them permuted
+ * within the 32: the low vector holds values {0-3, 8-11, 16-19, 24-27}, the high one {4-7, 12-15,
+ * 20-23, 28-31}.  Pass 1 takes the query in the same order (the scores are sums over every value:
+ * the order is theirs to choose), pass 3 accumulates the values so and puts them back in order at
+ * the end.  Rows of head_dim a multiple of 32. */
+#if VL == 16 && defined(__AVX512BW__)
+#include <immintrin.h>
+#define PAIRED_BF16 1
+static inline __attribute__((always_inline)) void load_pair(const void *base, int64_t index, vecw *lo, vecw *hi) {
+    const __m512i raw = _mm512_loadu_si512((const void *)((const bf16_t *)base + index));
+    const __m512 l = _mm512_castsi512_ps(_mm512_unpacklo_epi16(_mm512_setzero_si512(), raw));
+    const __m512 h = _mm512_castsi512_ps(_mm512_unpackhi_epi16(_mm512_setzero_si512(), raw));
+    memcpy(lo, &l, sizeof l);
+    memcpy(hi, &h, sizeof h);
+}
+
+/* 32 values in order (a, b: the first and second 16) into load_pair's order (lo, hi), and back. */
+static inline __attribute__((always_inline)) void pair_order(vecw a, vecw b, vecw *lo, vecw *hi) {
+    __m512 x, y;
+    memcpy(&x, &a, sizeof x);
+    memcpy(&y, &b, sizeof y);
+    const __m512 l = _mm512_permutex2var_ps(
+        x, _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27), y);
+    const __m512 h = _mm512_permutex2var_ps(
+        x, _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31), y);
+    memcpy(lo, &l, sizeof l);
+    memcpy(hi, &h, sizeof h);
+}
+
+static inline __attribute__((always_inline)) void natural_order(float *row) {
+    __m512 lo = _mm512_loadu_ps(row), hi = _mm512_loadu_ps(row + 16);
+    _mm512_storeu_ps(row, _mm512_permutex2var_ps(
+        lo, _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23), hi));
+    _mm512_storeu_ps(row + 16, _mm512_permutex2var_ps(
+        lo, _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31), hi));
+}
+#else
+#define PAIRED_BF16 0
+#endif
+
 /* The sum of v's lanes, halving (the halves by memcpy: GCC 11 has no __builtin_shufflevector). */
 static inline __attribute__((always_inline)) float sum_lanes(vecw v) {
     vec8 a;
@@ -244,9 +285,9 @@ static inline __attribute__((always_inline)) float sum16(vec16 v) {
 
 /* acc[g][d .. d + VL C) += sum over the tile's keys t of weights[g n_keys + t] * V_t[d .. d + VL C)
  * (V_t's row at off[t]; G x C accumulators in registers over the tile). */
-static inline __attribute__((always_inline)) void weigh_values(const int cache_elem, const int G, const int C,
-                                                               const void *v_cache, const int64_t *off, int d,
-                                                               int tile, const float *weights, int n_keys,
+static inline __attribute__((always_inline)) void weigh_values(const int cache_elem, const int paired, const int G,
+                                                               const int C, const void *v_cache, const int64_t *off,
+                                                               int d, int tile, const float *weights, int n_keys,
                                                                float *acc, int head_dim) {
     vecw a[MAX_GROUP][8];
     for (int g = 0; g < G; g++)
@@ -254,6 +295,16 @@ static inline __attribute__((always_inline)) void weigh_values(const int cache_e
     for (int t = 0; t < tile; t++) {
         vecw w[MAX_GROUP];
         for (int g = 0; g < G; g++) w[g] = (vecw){0} + weights[(int64_t)g * n_keys + t];
+#if PAIRED_BF16
+        if (paired) { /* C even: pairs of vectors from one load each (their values permuted: see load_pair) */
+            for (int c = 0; c < C; c += 2) {
+                vecw lo, hi;
+                load_pair(v_cache, off[t] + d + VL * c, &lo, &hi);
+                for (int g = 0; g < G; g++) a[g][c] += w[g] * lo, a[g][c + 1] += w[g] * hi;
+            }
+            continue;
+        }
+#endif
         for (int c = 0; c < C; c++) {
             const vecw vv = load_row(v_cache, off[t] + d + VL * c, cache_elem);
             for (int g = 0; g < G; g++) a[g][c] += w[g] * vv;
@@ -270,12 +321,25 @@ static inline __attribute__((always_inline)) void attend_vector(
         float *qf, float *acc, int values_ahead) {
     const int n_keys = last_key - first_key + 1, nb = head_dim / VL, C = value_chunk(G);
     const int chains = 4 * G <= VECTOR_REGISTERS ? 2 : 1;
+    /* a bf16 cache in load_pair's pairs (C and the two chains even: VECTOR_REGISTERS 32, G <= 8) */
+    const int paired = PAIRED_BF16 && CE == 2 && head_dim % (2 * VL) == 0 && chains == 2 && C % 2 == 0;
     for (int g = 0; g < G; g++) {
         const int h = kv_head * G + g;
         for (int b = 0; b < nb; b++) {
             const vecw v = load_row(q_row, h * q_stride_h + VL * b, elem);
             memcpy(qf + (int64_t)g * head_dim + VL * b, &v, sizeof v);
         }
+#if PAIRED_BF16
+        for (int b = 0; paired && b < nb; b += 2) { /* the query in the pairs' order */
+            float *row = qf + (int64_t)g * head_dim + VL * b;
+            vecw a, c, lo, hi;
+            memcpy(&a, row, sizeof a);
+            memcpy(&c, row + VL, sizeof c);
+            pair_order(a, c, &lo, &hi);
+            memcpy(row, &lo, sizeof lo);
+            memcpy(row + VL, &hi, sizeof hi);
+        }
+#endif
     }
     /* pass 1: scores (and with values_ahead the value rows' prefetch: pass 3 then reads them from
      * L2 instead of waiting on memory a tile at a time) */
@@ -292,7 +356,13 @@ static inline __attribute__((always_inline)) void attend_vector(
         for (int g = 0; g < G; g++) even[g] = odd[g] = (vecw){0};
         int b = 0;
         for (; chains == 2 && b + 1 < nb; b += 2) {
-            const vecw k0 = load_row(k_cache, off + VL * b, CE), k1 = load_row(k_cache, off + VL * b + VL, CE);
+            vecw k0, k1;
+#if PAIRED_BF16
+            if (paired)
+                load_pair(k_cache, off + VL * b, &k0, &k1);
+            else
+#endif
+                k0 = load_row(k_cache, off + VL * b, CE), k1 = load_row(k_cache, off + VL * b + VL, CE);
             for (int g = 0; g < G; g++) {
                 vecw q0, q1;
                 memcpy(&q0, qf + (int64_t)g * head_dim + VL * b, sizeof q0);
@@ -342,9 +412,16 @@ static inline __attribute__((always_inline)) void attend_vector(
         }
         const float *weights = scores + j0;
         int b = 0;
-        for (; b + C <= nb; b += C) weigh_values(CE, G, C, v_cache, off, VL * b, tile, weights, n_keys, acc, head_dim);
-        for (; b < nb; b++) weigh_values(CE, G, 1, v_cache, off, VL * b, tile, weights, n_keys, acc, head_dim);
+        for (; b + C <= nb; b += C)
+            weigh_values(CE, paired, G, C, v_cache, off, VL * b, tile, weights, n_keys, acc, head_dim);
+        for (; paired && b < nb; b += 2) /* nb and C even: the rest in pairs */
+            weigh_values(CE, paired, G, 2, v_cache, off, VL * b, tile, weights, n_keys, acc, head_dim);
+        for (; b < nb; b++) weigh_values(CE, 0, G, 1, v_cache, off, VL * b, tile, weights, n_keys, acc, head_dim);
     }
+#if PAIRED_BF16
+    for (int g = 0; paired && g < G; g++)
+        for (int b = 0; b < nb; b += 2) natural_order(acc + (int64_t)g * head_dim + VL * b);
+#endif
     write_heads(elem, out_row, acc, inv_sum, kv_head, G, head_dim);
 }
 
