@@ -38,6 +38,10 @@ DECODERS = ("d0", "d1")
 # the drain lands after the last one started (the KV pools hold them all on either worker).
 # (A step's token budget above STREAMS: all of them decode in every step.)
 STREAMS, STREAM_TOKENS = 20, 960  # long enough that no stream ends before the drain, with faster decode steps
+# Added to every engine step: a tiny model's step takes a millisecond or two, so a stream of 800
+# tokens could end before a drain command's Python process starts (or between two drains waiting on
+# heartbeats); with this it lasts seconds at least, however fast the steps get.
+STEP_DELAY_S = 0.002
 STACK_ARGS = ["--num-blocks", "4200", "--max-num-batched-tokens", "32"]  # (blocks of BLOCK_SIZE tokens)
 # Bounds on waits for a condition that must come (a process start, a registry entry lapsing, a
 # worker going idle): generous, since 2 shared cores may be busy with other work.
@@ -56,8 +60,8 @@ def private_redis():
 @pytest.fixture(scope="module")
 def stack(served_checkpoint, private_redis, tmp_path_factory):
     with running_cluster(served_checkpoint, tmp_path_factory.mktemp("logs"), private_redis.url, **POOL,
-                         worker_args=[*WORKER_ARGS, *STACK_ARGS],
-                         gateway_args=["--skip-prefill-below", "8"]) as c:
+                         worker_args=[*WORKER_ARGS, *STACK_ARGS], gateway_args=["--skip-prefill-below", "8"],
+                         extra_env={"PDSERVE_TEST_STEP_DELAY_S": str(STEP_DELAY_S)}) as c:
         yield c
 
 
