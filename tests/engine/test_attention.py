@@ -74,16 +74,6 @@ def test_torch_backend_matches_dense_attention(window):
 DECODES = [(1, 600), (1, 257), (1, 1), (1, 40)]
 
 
-@pytest.fixture(scope="module")
-def cpu_kernel():
-    from common.engine.attention import backend_cpu
-
-    kernel = backend_cpu.build_kernel()
-    if kernel is None:
-        pytest.skip("no C compiler: the CPU kernel cannot be built")
-    return kernel
-
-
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("dim", [DIM, 48, 256])

@@ -77,16 +77,6 @@ def check(backend, cache_dtype, query_dtype, heads=4, kv_heads=1, dim=32, window
 MIXED = [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)]  # (cache, queries)
 
 
-@pytest.fixture(scope="module")
-def cpu_kernel():
-    from common.engine.attention import backend_cpu
-
-    kernel = backend_cpu.build_kernel()
-    if kernel is None:
-        pytest.skip("no C compiler: the CPU kernel cannot be built")
-    return kernel
-
-
 @pytest.mark.parametrize("cache_dtype,query_dtype", MIXED, ids=["bf16-cache", "fp32-cache"])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(4, 1, 256), (8, 1, 32), (2, 2, 48), (6, 2, 32)],
                          ids=["group4", "group8", "group1", "group3-scalar"])
