@@ -225,8 +225,8 @@ def env_names(parser: argparse.ArgumentParser | None = None) -> set[str]:
 
 def config_from_args(args: argparse.Namespace) -> WorkerConfig:
     engine = EngineConfig(
-        model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, device=args.device, block_size=args.block_size,
-        num_blocks=args.num_blocks, kv_memory_fraction=args.kv_memory_fraction,
+        model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, device=args.device,
+        block_size=args.block_size, num_blocks=args.num_blocks, kv_memory_fraction=args.kv_memory_fraction,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len, model_id=args.model_id, attention_backend=args.attention_backend,
         cuda_graphs=bool(args.cuda_graphs), compile=bool(args.compile), remote_kv_budget=args.remote_kv_budget,
