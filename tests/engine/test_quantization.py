@@ -74,6 +74,25 @@ def test_int8_takes_a_c_kernel_and_agrees_with_the_reference_for_any_rows(rows, 
 
 
 @pytest.mark.skipif(not HAS_VNNI, reason="no AVX512-VNNI on this CPU")
+def test_int8_vnni_embedding_rows_come_from_the_kernel_as_torch_computes_them(monkeypatch):
+    """A tied head's embedding lookup (``int8_vnni_rows``): the dequantized rows bit for bit, any
+    shape of ids, every lane of a block and a partial quad; an id outside the vocabulary refused."""
+    from common.engine.models import int8_vnni
+
+    w, _ = weights(out_features=203, in_features=98)
+    q = Int8Weight(w, vnni=True)
+    calls = []
+    scaled_rows = int8_vnni.scaled_rows
+    monkeypatch.setattr(int8_vnni, "scaled_rows", lambda *a: calls.append(1) or scaled_rows(*a))
+    ids = torch.tensor([[0, 15, 16, 202], [31, 200, 7, 7]])
+    assert torch.equal(q.rows(ids), q.dequantize()[ids]) and calls
+    assert torch.equal(q.rows(torch.arange(203)), q.dequantize())
+    for bad in (203, -1):
+        with pytest.raises(IndexError, match="outside"):
+            q.rows(torch.tensor([4, bad]))
+
+
+@pytest.mark.skipif(not HAS_VNNI, reason="no AVX512-VNNI on this CPU")
 @pytest.mark.parametrize("in_features", [200, 130])  # a last group of 8 inputs, of 2 (a partial quad)
 def test_int8_vnni_keeps_a_huge_channel_to_its_own_group_of_activations(in_features):
     """Each group of inputs has its own scale: a channel 1000 times the rest, alone in its group,

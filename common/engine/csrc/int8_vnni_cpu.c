@@ -72,6 +72,24 @@ int int8_vnni_gemm(const float *x, int64_t rows, int64_t k_in, const uint8_t *w,
     return vnni_product(x, rows, k_in, group, n_out, int8_tile, w, scale, y, NULL);
 }
 
+/* out [n, in] (fp32) = rows ids[0 .. n) of the weight w (the layout above, k_pad = in rounded up to 4),
+ * each value times its row's scale: a tied LM head's embedding lookup, one fp32 product a value as
+ * torch computes (q.float() * scale[id]).  Returns 0; -2 for an id outside [0, n_out). */
+int int8_vnni_rows(const uint8_t *w, const float *scale, int64_t n_out, int64_t in, const int64_t *ids, int64_t n,
+                   float *out) {
+    const int64_t k_pad = (in + 3) & ~(int64_t)3;
+    for (int64_t i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= n_out) return -2;
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t id = ids[i], block = id / LANES, lane = id % LANES;
+        const float s = scale[id];
+        const uint8_t *row = w + block * k_pad * LANES + lane * 4; /* quad k / 4 at + (k / 4) * LANES * 4 */
+        float *o = out + i * in;
+        for (int64_t k = 0; k < in; k++) o[k] = (float)(int8_t)(row[(k / 4) * LANES * 4 + k % 4] ^ 0x80) * s;
+    }
+    return 0;
+}
+
 /* tokens[row] = the first index of row's largest output of int8_vnni_gemm (an LM head's greedy
  * tokens without its logits: no n_out floats a row written and read back).  Returns 0; 1 where an
  * output was not finite (tokens unset: the caller takes the logits); -1 / -2 as int8_vnni_gemm. */

@@ -231,6 +231,10 @@ class Int8Weight(QuantizedWeight):
         return (self.q.float() * self.scale[:, None]).to(self.dtype)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        if self._vnni_packed is not None and ids.device.type == "cpu" and self.scale.is_contiguous():
+            found = int8_vnni.scaled_rows(self._vnni_packed, self.scale, ids, self.out_features, self.in_features)
+            if found is not None:
+                return found.to(self.dtype)
         if self._vnni_packed is not None:
             q = int8_vnni.unpack_rows(self._vnni_packed, ids, self.in_features)
         else:
