@@ -1,8 +1,8 @@
 /* What the AVX512-VNNI products (int8_vnni_cpu.c, int4_vnni_cpu.c) share: the activations'
  * quantization -- per row and group of ``group`` inputs, symmetric, xq = round(x * 127 / amax), scale
  * amax / 127 -- and the driver that splits blocks of 16 output channels among OpenMP threads (chunks
- * of CHUNK blocks; within a chunk rows 8 at a time, fewer rows several blocks a pass: more
- * independent accumulator chains to hide dpbusd's latency).  Included only where __AVX512VNNI__. */
+ * of CHUNK blocks; within a chunk rows 8 at a time, one block a pass).  Included only where
+ * __AVX512VNNI__. */
 #ifndef VNNI_ROWS_H
 #define VNNI_ROWS_H
 #include <immintrin.h>
@@ -77,10 +77,13 @@ static inline void store_tile(const __m512 *out, int mr, int nb, int64_t m0, int
 }
 
 /* Blocks a pass for mr rows, and every (rows, blocks) tile the driver asks a kernel for: each kernel
- * defines and dispatches them with FOR_EACH_TILE(its macro). */
-static inline int blocks_per_pass(int mr) { return mr <= 2 ? 4 : mr <= 4 ? 2 : 1; }
-#define FOR_EACH_TILE(X) \
-    X(1, 4) X(2, 4) X(3, 2) X(4, 2) X(1, 1) X(2, 1) X(3, 1) X(4, 1) X(5, 1) X(6, 1) X(7, 1) X(8, 1)
+ * defines and dispatches them with FOR_EACH_TILE(its macro).  One block a pass at every row count:
+ * with the weight streamed from memory (a decode step's case) 1-4 rows over several blocks a pass
+ * (4 blocks for 1-2 rows, 2 for 3-4: more accumulator chains) ran slower on a Zen 4 -- the int8 LM
+ * head at 1-4 rows 5.3-6.0 -> 4.7-4.8 ms (two builds in one process, interleaved), the layers' int4
+ * products at 1, 2 and 4 rows 12-15% faster. */
+static inline int blocks_per_pass(int mr) { (void)mr; return 1; }
+#define FOR_EACH_TILE(X) X(1, 1) X(2, 1) X(3, 1) X(4, 1) X(5, 1) X(6, 1) X(7, 1) X(8, 1)
 
 /* The quantized rows handed to a kernel's tile: rows m0.. of xq / xs / sums. */
 typedef struct {
