@@ -15,7 +15,7 @@ from common.engine.attention.interface import AttentionRequest
 from common.engine.attention.selection import make_attention
 from common.engine.attention.backend_flash import FlashAttention
 from common.engine.kv.kv_cache import KVCache, KVLayout
-from tests.support.attention_reference import kvcache_reference, varlen_reference
+from tests.support.attention_reference import kvcache_reference, paged_reference, varlen_reference
 
 HEADS, KV_HEADS, DIM = 4, 2, 8
 
@@ -40,31 +40,10 @@ def scenario(block_size, num_blocks=64, seed=0, specs=None, dim=DIM, heads=HEADS
     return cache, requests, q, k, v
 
 
-def dense_reference(cache, requests, q, k, v, window):
-    """Write the new K/V by hand and attend over each request's full context."""
-    out = torch.empty_like(q)
-    bs, dim, kv_heads = cache.block_size, q.shape[-1], k.shape[1]
-    key, value = cache.key(0).clone(), cache.value(0).clone()
-    for r in requests:
-        for j in range(r.num_query_tokens):
-            pos = r.context_len - r.num_query_tokens + j
-            key[r.block_ids[pos // bs], pos % bs] = k[r.query_start + j]
-            value[r.block_ids[pos // bs], pos % bs] = v[r.query_start + j]
-    for r in requests:
-        blocks = torch.tensor(r.block_ids)
-        keys = key[blocks].reshape(-1, kv_heads, dim)[: r.context_len]
-        values = value[blocks].reshape(-1, kv_heads, dim)[: r.context_len]
-        sl = slice(r.query_start, r.query_start + r.num_query_tokens)
-        window_size = (-1, -1) if window is None else (window - 1, 0)
-        out[sl] = varlen_reference(q[sl], keys, values, [0, r.num_query_tokens], [0, r.context_len], 0, 0,
-                                   dim**-0.5, True, window_size)
-    return out
-
-
 @pytest.mark.parametrize("window", [None, 5])
 def test_torch_backend_matches_dense_attention(window):
     cache, requests, q, k, v = scenario(block_size=4)
-    expected = dense_reference(cache, requests, q, k, v, window)
+    expected = paged_reference(cache, requests, q, k, v, window)
     backend = TorchAttention({window}, 4)
     meta = backend.prepare(requests, "cpu")
     out = backend.forward(q, k, v, cache, 0, meta, window, DIM**-0.5)
@@ -83,7 +62,7 @@ def test_cpu_kernel_reads_the_cache_in_place_and_matches_dense_attention(cpu_ker
     # prompt chunks after a cached prefix, decodes (one far longer than the rest), a fresh prompt
     specs = [(5, 3 * block_size + 7), (1, 2 * block_size + 1), (9, 9), (1, 40 * block_size + 3), (1, 2)]
     cache, requests, q, k, v = scenario(block_size, num_blocks=128, specs=specs, dim=dim)
-    expected = dense_reference(cache, requests, q, k, v, window)
+    expected = paged_reference(cache, requests, q, k, v, window)
     backend = CpuPagedAttention({window}, block_size, cpu_kernel)
     out = backend.forward(q, k, v, cache, 0, backend.prepare(requests, "cpu"), window, dim**-0.5)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
@@ -111,11 +90,11 @@ def test_cpu_kernel_for_each_gqa_group_head_width_and_dtype(cpu_kernel, heads, k
     specs = [(5, 3 * block_size + 7), (1, 1), (1, 2 * block_size + 1), (1, 40 * block_size + 3), (2, 21), (19, 19)]
     cache, requests, q, k, v = scenario(block_size, num_blocks=128, specs=specs, dim=dim, heads=heads,
                                         kv_heads=kv_heads)
-    expected = dense_reference(cache, requests, q, k, v, None)
+    expected = paged_reference(cache, requests, q, k, v, None)
     if dtype == torch.bfloat16:  # the reference from the same rounded inputs
         cache.buffer.copy_(cache.buffer.bfloat16().float())
         q, k, v = (t.bfloat16().float() for t in (q, k, v))
-        expected = dense_reference(cache, requests, q, k, v, None)
+        expected = paged_reference(cache, requests, q, k, v, None)
         rounded = KVCache(KVLayout("m", "bfloat16", block_size, 1, kv_heads, dim), cache.num_blocks)
         rounded.buffer.copy_(cache.buffer)
         cache, q, k, v = rounded, q.bfloat16(), k.bfloat16(), v.bfloat16()
@@ -137,7 +116,7 @@ def test_cpu_backend_computes_trailing_fresh_prompts_densely_and_exactly(cpu_ker
     block_size = 4
     specs = [(5, 3 * block_size + 7), (1, 2 * block_size + 1), (12, 12), (1, 1), (9, 9)]
     cache, requests, q, k, v = scenario(block_size, num_blocks=128, specs=specs)
-    expected = dense_reference(cache, requests, q, k, v, window)
+    expected = paged_reference(cache, requests, q, k, v, window)
     backend = CpuPagedAttention({window}, block_size, cpu_kernel)
     meta = backend.prepare(requests, "cpu")
     assert meta.kernel_requests == 2 and meta.dense == [(6, 12), (18, 1), (19, 9)]
@@ -156,7 +135,7 @@ def test_cpu_kernel_in_bf16_is_close_to_fp32(cpu_kernel):
     from common.engine.attention.backend_cpu import CpuPagedAttention
 
     cache, requests, q, k, v = scenario(16, num_blocks=64)
-    expected = dense_reference(cache, requests, q, k, v, None)
+    expected = paged_reference(cache, requests, q, k, v, None)
     bf16 = KVCache(KVLayout("m", "bfloat16", 16, 1, KV_HEADS, DIM), cache.num_blocks)
     bf16.buffer.copy_(cache.buffer)
     backend = CpuPagedAttention({None}, 16, cpu_kernel)
@@ -248,7 +227,7 @@ def test_decodes_of_very_different_lengths_are_bucketed_and_still_exact():
     q = torch.randn(4, HEADS, DIM, generator=g)
     k = torch.randn(4, KV_HEADS, DIM, generator=g)
     v = torch.randn(4, KV_HEADS, DIM, generator=g)
-    expected = dense_reference(cache, requests, q, k, v, None)
+    expected = paged_reference(cache, requests, q, k, v, None)
     backend = TorchAttention({None}, bs)
     meta = backend.prepare(requests, "cpu")
     assert [len(index) for index, _table, _masks in meta.extra["decodes"]] == [3, 1]  # short ones apart from the long

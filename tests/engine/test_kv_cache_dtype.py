@@ -15,7 +15,7 @@ from common.engine.attention.selection import make_attention
 from common.engine.config import EngineConfig
 from common.engine.engine import Engine
 from common.engine.kv.kv_cache import KVCache, KVLayout
-from tests.support.attention_reference import kvcache_reference, varlen_reference
+from tests.support.attention_reference import kvcache_reference, paged_reference, varlen_reference
 from tests.support.checkpoints import tiny_gemma3_config, write_checkpoint
 
 BLOCK = 16
@@ -36,31 +36,9 @@ def scenario(cache_dtype: torch.dtype, query_dtype: torch.dtype, heads: int, kv_
     return cache, requests, q, k, v
 
 
-def reference(cache: KVCache, requests, q, k, v, window) -> torch.Tensor:
-    """fp32 attention over the cache as it holds the keys and values: the new ones rounded to its dtype."""
-    dim, kv_heads = q.shape[-1], k.shape[1]
-    key, value = cache.key(0).float().clone(), cache.value(0).float().clone()
-    rounded = lambda t: t.to(cache.buffer.dtype).float()  # noqa: E731
-    out = torch.empty(q.shape, dtype=torch.float32)
-    for r in requests:
-        for j in range(r.num_query_tokens):
-            pos = r.context_len - r.num_query_tokens + j
-            key[r.block_ids[pos // BLOCK], pos % BLOCK] = rounded(k[r.query_start + j])
-            value[r.block_ids[pos // BLOCK], pos % BLOCK] = rounded(v[r.query_start + j])
-    for r in requests:
-        blocks = torch.tensor(r.block_ids)
-        keys = key[blocks].reshape(-1, kv_heads, dim)[: r.context_len]
-        values = value[blocks].reshape(-1, kv_heads, dim)[: r.context_len]
-        rows = slice(r.query_start, r.query_start + r.num_query_tokens)
-        window_size = (-1, -1) if window is None else (window - 1, 0)
-        out[rows] = varlen_reference(q[rows].float(), keys, values, [0, r.num_query_tokens], [0, r.context_len], 0, 0,
-                                     dim**-0.5, True, window_size)
-    return out
-
-
 def check(backend, cache_dtype, query_dtype, heads=4, kv_heads=1, dim=32, window=None):
     cache, requests, q, k, v = scenario(cache_dtype, query_dtype, heads, kv_heads, dim)
-    expected = reference(cache, requests, q, k, v, window)
+    expected = paged_reference(cache, requests, q, k, v, window)
     out = backend.forward(q, k, v, cache, 0, backend.prepare(requests, "cpu"), window, dim**-0.5)
     assert out.dtype == query_dtype
     # fp32 queries: fp32 arithmetic on what the cache holds; bf16 queries: the output rounded to bf16

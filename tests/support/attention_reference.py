@@ -1,5 +1,6 @@
 """Plain-torch stand-ins for flash-attn's two entry points (``flash_attn_varlen_func``,
-``flash_attn_with_kvcache``): tests put them in place of the CUDA kernels."""
+``flash_attn_with_kvcache``): tests put them in place of the CUDA kernels; and ``paged_reference``,
+fp32 attention over a paged cache as a backend should compute it."""
 import math
 
 import torch
@@ -39,3 +40,27 @@ def kvcache_reference(q, k_cache, v_cache, cache_seqlens, block_table, softmax_s
     out = varlen_reference(q.reshape(-1, *q.shape[2:]), k_cache, v_cache, cu_q, cu_k, lq, max(cu_k),
                            softmax_scale, causal, window_size, block_table=block_table)
     return out.reshape(q.shape)
+
+
+def paged_reference(cache, requests, q, k, v, window):
+    """fp32 attention of ``q`` over layer 0 of ``cache`` (a ``KVCache``) after the new ``k`` / ``v``
+    went to their slots -- rounded to the cache's dtype, as the cache holds them -- each request
+    over its full context (``requests``: ``AttentionRequest``), scale ``head_dim ** -0.5``."""
+    bs, dim, kv_heads = cache.block_size, q.shape[-1], k.shape[1]
+    key, value = cache.key(0).float().clone(), cache.value(0).float().clone()
+    rounded = lambda t: t.to(cache.buffer.dtype).float()  # noqa: E731
+    for r in requests:
+        for j in range(r.num_query_tokens):
+            pos = r.context_len - r.num_query_tokens + j
+            key[r.block_ids[pos // bs], pos % bs] = rounded(k[r.query_start + j])
+            value[r.block_ids[pos // bs], pos % bs] = rounded(v[r.query_start + j])
+    out = torch.empty(q.shape, dtype=torch.float32)
+    for r in requests:
+        blocks = torch.tensor(r.block_ids)
+        keys = key[blocks].reshape(-1, kv_heads, dim)[: r.context_len]
+        values = value[blocks].reshape(-1, kv_heads, dim)[: r.context_len]
+        rows = slice(r.query_start, r.query_start + r.num_query_tokens)
+        window_size = (-1, -1) if window is None else (window - 1, 0)
+        out[rows] = varlen_reference(q[rows].float(), keys, values, [0, r.num_query_tokens], [0, r.context_len], 0, 0,
+                                     dim**-0.5, True, window_size)
+    return out

@@ -41,7 +41,7 @@ from common.engine.kv.kv_cache import KVCache
 
 log = logging.getLogger(__name__)
 
-_ELEM = {torch.float32: 4, torch.bfloat16: 2}
+ELEMENT_BYTES = {torch.float32: 4, torch.bfloat16: 2}  # the dtypes the kernel reads: its elem / cache_elem
 
 
 def build_kernel() -> ctypes.CDLL | None:
@@ -128,7 +128,7 @@ class CpuPagedAttention:
         """q: [T, H, D]; k, v: [T, KVH, D] for the new tokens.  Returns [T, H, D]."""
         key_cache, value_cache = cache.key(layer), cache.value(layer)
         cache.write(layer, meta.slot_blocks, meta.slot_offsets, k, v)
-        elem, cache_elem = _ELEM.get(q.dtype), _ELEM.get(key_cache.dtype)
+        elem, cache_elem = ELEMENT_BYTES.get(q.dtype), ELEMENT_BYTES.get(key_cache.dtype)
         assert elem and cache_elem, f"cpu attention supports fp32/bf16, got {q.dtype} over a {key_cache.dtype} cache"
         if q.stride(-1) != 1:
             q = q.contiguous()
@@ -179,4 +179,4 @@ def _as_cached(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor) -> tuple[t
 
 
 def supports(dtype: torch.dtype) -> bool:
-    return dtype in _ELEM
+    return dtype in ELEMENT_BYTES

@@ -76,13 +76,12 @@ static inline void store_tile(const __m512 *out, int mr, int nb, int64_t m0, int
     }
 }
 
-/* Blocks a pass for mr rows, and every (rows, blocks) tile the driver asks a kernel for: each kernel
- * defines and dispatches them with FOR_EACH_TILE(its macro).  One block a pass at every row count:
- * with the weight streamed from memory (a decode step's case) 1-4 rows over several blocks a pass
- * (4 blocks for 1-2 rows, 2 for 3-4: more accumulator chains) ran slower on a Zen 4 -- the int8 LM
- * head at 1-4 rows 5.3-6.0 -> 4.7-4.8 ms (two builds in one process, interleaved), the layers' int4
- * products at 1, 2 and 4 rows 12-15% faster. */
-static inline int blocks_per_pass(int mr) { (void)mr; return 1; }
+/* Every (rows, blocks) tile the driver asks a kernel for: each kernel defines and dispatches them
+ * with FOR_EACH_TILE(its macro).  One block a pass at every row count: with the weight streamed from
+ * memory (a decode step's case) 1-4 rows over several blocks a pass (4 blocks for 1-2 rows, 2 for
+ * 3-4: more accumulator chains) ran slower on a Zen 4 -- the int8 LM head at 1-4 rows 5.3-6.0 ->
+ * 4.7-4.8 ms (two builds in one process, interleaved), the layers' int4 products at 1, 2 and 4 rows
+ * 12-15% faster. */
 #define FOR_EACH_TILE(X) X(1, 1) X(2, 1) X(3, 1) X(4, 1) X(5, 1) X(6, 1) X(7, 1) X(8, 1)
 
 /* The quantized rows handed to a kernel's tile: rows m0.. of xq / xs / sums. */
@@ -148,19 +147,17 @@ static int vnni_product(const float *x, int64_t rows, int64_t k_in, int64_t grou
         int64_t b_end = (c + 1) * CHUNK < blocks ? (c + 1) * CHUNK : blocks;
         __m512 out[ROWS]; /* every tile's rows x blocks is at most ROWS (FOR_EACH_TILE) */
         for (int64_t m0 = 0; m0 < rows; m0 += ROWS) {
-            int mr = (int)(rows - m0 < ROWS ? rows - m0 : ROWS), wide = blocks_per_pass(mr);
+            int mr = (int)(rows - m0 < ROWS ? rows - m0 : ROWS);
             quantized_rows part = {xq + m0 * k_pad, xs + m0 * groups, sums + m0 * groups, x_sums + m0 * groups,
                                    k_pad, groups, group};
             if (argmax)
                 for (int i = 0; i < mr; i++) best[c * rows + m0 + i] = -INFINITY, index[c * rows + m0 + i] = -1;
-            for (int64_t b = c * CHUNK; b < b_end;) {
-                int nb = b + wide <= b_end ? wide : 1;
-                tile(mr, nb, &part, b, weight, out);
+            for (int64_t b = c * CHUNK; b < b_end; b++) {
+                tile(mr, 1, &part, b, weight, out);
                 if (argmax)
-                    best_of_tile(out, mr, nb, b, scale, n_out, best + c * rows + m0, index + c * rows + m0, &bad);
+                    best_of_tile(out, mr, 1, b, scale, n_out, best + c * rows + m0, index + c * rows + m0, &bad);
                 else
-                    store_tile(out, mr, nb, m0, b, scale, y, n_out);
-                b += nb;
+                    store_tile(out, mr, 1, m0, b, scale, y, n_out);
             }
         }
     }

@@ -21,7 +21,7 @@ import logging
 
 import torch
 
-from common.engine.attention.backend_cpu import CpuMetadata, CpuPagedAttention
+from common.engine.attention.backend_cpu import ELEMENT_BYTES, CpuMetadata, CpuPagedAttention
 from common.engine.cpu_kernels import kernel_function, profiled
 from common.engine.models import activations, norm_rope
 from common.engine.models import panels as panel_products
@@ -32,7 +32,6 @@ log = logging.getLogger(__name__)
 PROFILER_LABEL = "fused_layers"
 _KINDS = {"vnni8": 0, "vnni4": 1, "panel": 2}  # csrc/fused_layers_cpu.c's PRODUCT_*
 _PTR, _I32, _I64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
-_CACHE_ELEM = {torch.float32: 4, torch.bfloat16: 2}  # a KV cache's dtype: bytes a value (the kernel's cache_elem)
 
 
 class _Product(ctypes.Structure):
@@ -111,7 +110,7 @@ class FusedLayers:
         cfg = decoder.cfg
         layers = decoder.model.layers
         keys, values = [cache.key(i) for i in range(len(layers))], [cache.value(i) for i in range(len(layers))]
-        cache_elem = _CACHE_ELEM.get(keys[0].dtype)
+        cache_elem = ELEMENT_BYTES.get(keys[0].dtype)
         kernels = (_entry(), norm_rope.kernel(), activations.kernel())
         if (any(k is None for k in kernels) or cache_elem is None or decoder.tp.size != 1
                 or cfg.hidden_act not in activations.KERNEL_ACTIVATIONS or not isinstance(attention, CpuPagedAttention)
