@@ -132,4 +132,6 @@ class AdminHandlers:
             await worker.set_role(role)
         except ValueError as exc:
             return web.json_response({"error": str(exc)}, status=400)
-        return web.json_response({"worker_id": worker.config.worker_id, "role": worker.role, "state": worker.state})
+        # inflight: the requests it still holds, which finish here in the role they started in
+        return web.json_response({"worker_id": worker.config.worker_id, "role": worker.role, "state": worker.state,
+                                  "inflight": len(worker.in_flight)})

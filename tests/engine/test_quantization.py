@@ -151,14 +151,17 @@ def test_a_non_finite_input_makes_its_own_row_non_finite(make):
     assert torch.equal(got[1], clean[1])
 
 
-@pytest.mark.parametrize("out_features", [16, 48, 64, 80, 208])  # whole blocks of 64 channels, a last partial one
+# whole blocks of 64 (AVX-512) or 32 (AVX2) channels, a last partial one
+@pytest.mark.parametrize("out_features", [16, 48, 64, 80, 208])
 def test_int4_values_come_back_from_pytorchs_layout_or_through_its_kernel(out_features, monkeypatch):
-    """A stored int4 weight is in PyTorch's packed layout: read back by reshapes (checked by packing
-    again), or where that check fails, through PyTorch's own kernel -- the same values either way."""
+    """A stored int4 weight is in PyTorch's packed layout, whose blocks depend on the CPU: read back by
+    reshapes (checked by packing again), or where that check fails, through PyTorch's own kernel --
+    the same values either way, a group of equal weights (scale 0) included."""
     q = torch.randint(0, 16, (out_features, 64), dtype=torch.int32, generator=torch.Generator().manual_seed(5))
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
     assert torch.equal(quantized._torch_int4_values(packed, out_features, 64).int(), q)
     scale, zero = torch.rand(out_features, 2) + 0.1, torch.randn(out_features, 2)
+    q[0, :32], scale[0, 0] = 8, 0.0  # the one q a zero scale can come back as: the zero point's
     stored = Int4Weight.from_groups(q, scale, zero, 32, torch.float32).packed_tensors()
     monkeypatch.setattr(quantized, "_torch_int4_values", lambda *args: None)
     slow = Int4Weight.from_packed(**stored, out_features=out_features, in_features=64, group_size=32,

@@ -329,7 +329,8 @@ class Int4Weight(QuantizedWeight):
         if q is None:  # a PyTorch whose layout is not the one read here: through its kernel (slow)
             log.warning("int4: PyTorch's packed layout is not the expected one; unpacking through its kernel")
             w = self._product(torch.eye(self.in_features), self._scales_and_zeros).t()  # (q - 8) * scale + zero
-            q = torch.round((w - self._per_input(zero)) / self._per_input(scale) + 8.0).clamp(0, 15)
+            spread = self._per_input(scale)  # a group of equal weights has scale 0: any q then
+            q = torch.round((w - self._per_input(zero)) / spread.where(spread != 0, 1.0) + 8.0).clamp(0, 15)
         return q, scale, zero
 
     def _per_input(self, t: torch.Tensor) -> torch.Tensor:
@@ -378,19 +379,27 @@ class Int4Weight(QuantizedWeight):
 
 
 def _torch_int4_values(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor | None:
-    """``q`` (uint8 ``[out, in]``) of ``aten._convert_weight_to_int4pack_for_cpu``'s bytes (PyTorch 2.x:
-    per block of 64 output channels, input by input, 32 bytes pairing channels j and j + 32; a last
-    block of T < 64 channels pairing 2j and 2j + 1), or None where packing it again does not give
-    those bytes back (that layout is PyTorch's, undocumented)."""
-    full, tail = divmod(out_features, 64)
+    """``q`` (uint8 ``[out, in]``) of ``aten._convert_weight_to_int4pack_for_cpu``'s bytes, or None where
+    packing it again does not give those bytes back (that layout is PyTorch's, undocumented).  PyTorch
+    2.x packs per block of ``BLOCK`` output channels -- 64 on AVX-512 CPUs, 32 on AVX2 ones --, input
+    by input, ``BLOCK / 2`` bytes pairing channels j and j + BLOCK / 2, and a last block of fewer
+    channels pairing 2j and 2j + 1; each block size is tried."""
     flat = packed.reshape(-1)
-    blocks = flat[: full * in_features * 32].reshape(full, in_features, 32)
-    q = torch.cat([blocks & 0x0F, blocks >> 4], dim=2).permute(0, 2, 1).reshape(full * 64, in_features)
-    if tail:
-        pairs = flat[full * in_features * 32 :].reshape(in_features, tail // 2)
-        q = torch.cat([q, torch.stack([pairs & 0x0F, pairs >> 4], dim=2).reshape(in_features, tail).t()])
-    again = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
-    return q if torch.equal(again.reshape(-1), flat) else None
+    for block in _TORCH_INT4_BLOCKS:
+        full, tail = divmod(out_features, block)
+        half = block // 2
+        blocks = flat[: full * in_features * half].reshape(full, in_features, half)
+        q = torch.cat([blocks & 0x0F, blocks >> 4], dim=2).permute(0, 2, 1).reshape(full * block, in_features)
+        if tail:
+            pairs = flat[full * in_features * half :].reshape(in_features, tail // 2)
+            q = torch.cat([q, torch.stack([pairs & 0x0F, pairs >> 4], dim=2).reshape(in_features, tail).t()])
+        again = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
+        if torch.equal(again.reshape(-1), flat):
+            return q
+    return None
+
+
+_TORCH_INT4_BLOCKS = (64, 32)  # output channels a block of PyTorch's int4 packing: AVX-512, AVX2
 
 
 class Fp8Weight(QuantizedWeight):
