@@ -28,6 +28,8 @@ def _cpu_has(flag: str) -> bool:
 
 
 HAS_VNNI = _cpu_has("avx512_vnni")
+# the int4 kernel's CPUs: AVX512-VNNI, or AVX2 with FMA (the same layout and sums)
+HAS_INT4_KERNEL = HAS_VNNI or (_cpu_has("avx2") and _cpu_has("fma"))
 
 
 def product_reference(q, x: torch.Tensor) -> torch.Tensor:
@@ -107,7 +109,7 @@ def test_int8_vnni_keeps_a_huge_channel_to_its_own_group_of_activations(in_featu
     assert (q.matmul(x) - x @ q.dequantize().t()).abs().max() < 0.05
 
 
-@pytest.mark.skipif(not HAS_VNNI, reason="no AVX512-VNNI on this CPU")
+@pytest.mark.skipif(not HAS_INT4_KERNEL, reason="neither AVX512-VNNI nor AVX2 on this CPU")
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("rows", [1, 3, 5, 8, 13, 40])
 def test_int4_takes_the_vnni_kernel_holding_the_same_groups_and_agrees_with_the_reference(rows, group):
@@ -169,7 +171,7 @@ def test_int4_values_come_back_from_pytorchs_layout_or_through_its_kernel(out_fe
     assert torch.equal(slow._groups()[0].int(), q)
 
 
-@pytest.mark.skipif(not HAS_VNNI, reason="no AVX512-VNNI on this CPU")
+@pytest.mark.skipif(not HAS_INT4_KERNEL, reason="neither AVX512-VNNI nor AVX2 on this CPU")
 def test_int4_vnni_zero_points_multiply_the_activations_exact_sums():
     """Groups whose weights share a large offset (the zero point): the offset multiplies each
     group's exact sum of activations, so the activations' rounding is scaled by the small spread of
