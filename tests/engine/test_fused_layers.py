@@ -13,7 +13,7 @@ import torch
 from common.engine.attention.interface import AttentionRequest
 from common.engine.config import EngineConfig
 from common.engine.engine import Engine
-from common.engine.models import int8_vnni
+from common.engine.models import int4_vnni, int8_vnni
 from common.engine.models import panels as panel_products
 from common.engine.models.fused_layers import FusedLayers
 from tests.support.checkpoints import VOCAB, tiny_gemma3_config, tiny_llama_config, write_checkpoint
@@ -24,6 +24,8 @@ BLOCK = 4
 
 
 def _kernels_for(quantization: str) -> bool:
+    if quantization == "int4":  # its kernel builds on AVX2 CPUs too
+        return int4_vnni.kernel() is not None
     return int8_vnni.kernel() is not None if quantization != "none" else panel_products.native()
 
 

@@ -1,4 +1,5 @@
-"""4-bit weights times int8-quantized activations on AVX512-VNNI CPUs (``csrc/int4_vnni_cpu.c``).
+"""4-bit weights times int8-quantized activations on AVX512-VNNI CPUs, or AVX2 ones with FMA
+(``csrc/int4_vnni_cpu.c``: two builds of one layout, the same integer sums).
 
 The weight ``w = (q - 8) * scale + zero`` (``q`` in 0..15, one scale and zero per output channel and
 group of inputs) is held in the kernel's layout: blocks of 16 output channels by 8 inputs, byte ``j``
@@ -17,12 +18,12 @@ from common.engine.models.int8_vnni import LANES, quantize_activations, run_entr
 
 
 def kernel():
-    """The kernel's entry, or None (no compiler, or a CPU without AVX512-VNNI)."""
+    """The kernel's entry, or None (no compiler, or a CPU with neither AVX512-VNNI nor AVX2 and FMA)."""
     from common.engine.cpu_kernels import kernel_function
 
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     return kernel_function("int4_vnni_cpu", "int4_vnni_gemm", [ptr, i64, i64, ptr, ptr, ptr, ptr, i64, i64],
-                           restype=ctypes.c_int, cpu_specific=True)  # the source is empty without VNNI
+                           restype=ctypes.c_int, cpu_specific=True)  # the source is empty without either
 
 
 def pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,

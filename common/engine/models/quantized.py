@@ -10,9 +10,10 @@ every product reads those, so a decode step -- bound by reading weights -- moves
                                                          bf16 rows on AVX512-BF16 CPUs: bf16
                                                          pair products); more: the
                                                          dequantized weight
-    int4    4-bit groups of ``group_size`` inputs along  AVX512-VNNI: csrc/int4_vnni_cpu.c  --
-            K, asymmetric: w = (q - 8) * scale + zero    (activations quantized per row in
-                                                         the weight's groups).  Elsewhere:
+    int4    4-bit groups of ``group_size`` inputs along  AVX512-VNNI or AVX2 with FMA:       --
+            K, asymmetric: w = (q - 8) * scale + zero    csrc/int4_vnni_cpu.c (activations
+                                                         quantized per row in the weight's
+                                                         groups).  Elsewhere:
                                                          aten._weight_int4pack_mm_for_cpu
                                                          (bf16 activations)
     fp8     float8 e4m3 per output channel:              the dequantized weight (a check,   torch._scaled_mm, the
@@ -22,7 +23,7 @@ every product reads those, so a decode step -- bound by reading weights -- moves
 The LM head is quantized too: int8 under int8 and int4 (a 4-bit head costs too much quality for
 the bytes it saves), fp8 under fp8; a tied embedding shares the head's quantized rows (its lookup
 dequantizes the rows it reads), so the model holds one copy of them.  Activations (but for the
-int8 and int4 products' own rounding of their inputs on VNNI CPUs), norms, the KV cache and the logits stay
+int8 and int4 products' own rounding of their inputs on their kernels), norms, the KV cache and the logits stay
 in the model's dtype.  Quality is measured, not assumed:
 ``benchmarks/quant_quality.py``.
 """
@@ -249,8 +250,8 @@ class Int8Weight(QuantizedWeight):
 
 class Int4Weight(QuantizedWeight):
     """4-bit groups of ``group_size`` inputs, ``w = (q - 8) * scale + zero``: quantized here from a
-    weight, or (``from_groups``) taken as a GGUF file stored them.  On CPUs with AVX512-VNNI (and
-    ``vnni``) held in that kernel's layout alone (``int4_vnni``: activations quantized per row in the
+    weight, or (``from_groups``) taken as a GGUF file stored them.  On CPUs with AVX512-VNNI or AVX2
+    and FMA (and ``vnni``) held in that kernel's layout alone (``int4_vnni``: activations quantized per row in the
     weight's groups, int8 x 4-bit sums); elsewhere PyTorch's int4 kernel's (bf16 activations).  Either
     way stored (``packed_tensors``) in PyTorch's layout."""
 
