@@ -13,7 +13,7 @@ import torch
 from common.engine.attention.interface import AttentionRequest
 from common.engine.config import EngineConfig
 from common.engine.engine import Engine
-from common.engine.models import int4_vnni, int8_vnni
+from common.engine.models import int4_vnni, int8_vnni, quantized
 from common.engine.models import panels as panel_products
 from common.engine.models.fused_layers import FusedLayers
 from tests.support.checkpoints import VOCAB, tiny_gemma3_config, tiny_llama_config, write_checkpoint
@@ -26,7 +26,9 @@ BLOCK = 4
 def _kernels_for(quantization: str) -> bool:
     if quantization == "int4":  # its kernel builds on AVX2 CPUs too
         return int4_vnni.kernel() is not None
-    return int8_vnni.kernel() is not None if quantization != "none" else panel_products.native()
+    if quantization == "int8":  # the VNNI kernel, or elsewhere the fp32-sum one
+        return int8_vnni.kernel() is not None or quantized._int8_gemv() is not None
+    return panel_products.native()
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
@@ -96,7 +98,7 @@ def test_fused_layers_equal_the_eager_layers_bit_for_bit(checkpoint, quantizatio
 
 def test_greedy_generation_is_the_same_with_and_without_them(checkpoint):
     if not _kernels_for("int8"):
-        pytest.skip("no VNNI kernel on this CPU")
+        pytest.skip("no int8 C kernel on this CPU")
     engine = engine_for(checkpoint, "int8")
     prompts = [[5, 9, 13, 200], list(range(3, 40)), [7] * 12]
     params = {"max_tokens": 12, "temperature": 0.0, "ignore_eos": True}

@@ -6,8 +6,8 @@
  * ctypes argument conversion) on one core while the other idles: on Gemma 3 270M with int8
  * weights, 8 rows, about a quarter of the step.  Here the kernels are called through the function
  * pointers the Python side found for the eager path (csrc/norm_rope_cpu.c, gated_activation_cpu.c,
- * paged_attention_cpu.c and each weight's product: int8_vnni_cpu.c, int4_vnni_cpu.c or
- * panel_gemm_cpu.c), so the result is the eager forward's to the last bit
+ * paged_attention_cpu.c and each weight's product: int8_vnni_cpu.c, int4_vnni_cpu.c,
+ * int8_gemv_cpu.c -- int8 on CPUs without AVX512-VNNI -- or panel_gemm_cpu.c), so the result is the eager forward's to the last bit
  * (common/engine/models/fused_layers.py says when it applies).
  *
  * A layer (x: the residual stream [rows, hidden], updated in place):
@@ -28,10 +28,12 @@
 #define PRODUCT_VNNI8 0 /* fn(x, rows, in, w0, w1, y, out, group) -> int */
 #define PRODUCT_VNNI4 1 /* fn(x, rows, in, w0, w1, w2, y, out, group) -> int */
 #define PRODUCT_PANEL 2 /* fn(x, ldx, w0, rows, out, in, y, ldy, threads) */
+#define PRODUCT_GEMV8 3 /* fn(x, rows, w0, w1, y, out, in) */
 
 typedef int (*vnni8_fn)(const float *, int64_t, int64_t, const void *, const void *, float *, int64_t, int64_t);
 typedef int (*vnni4_fn)(const float *, int64_t, int64_t, const void *, const void *, const void *, float *, int64_t,
                         int64_t);
+typedef void (*gemv8_fn)(const float *, int64_t, const void *, const void *, float *, int64_t, int64_t);
 typedef void (*panel_fn)(const float *, int64_t, const void *, int64_t, int64_t, int64_t, float *, int64_t, int);
 typedef int (*norm_rope_fn)(const float *, int64_t, int64_t, int64_t, int64_t, int64_t, const float *, float,
                             const float *, int64_t, const float *, const float *, int64_t, float *, int);
@@ -83,6 +85,8 @@ static int product(const product_t *p, const float *x, int64_t rows, float *y, i
         rc = ((vnni4_fn)p->fn)(x, rows, p->in, p->w[0], p->w[1], p->w[2], y, p->out, p->group);
     else if (p->kind == PRODUCT_PANEL)
         ((panel_fn)p->fn)(x, p->in, p->w[0], rows, p->out, p->in, y, p->out, threads);
+    else if (p->kind == PRODUCT_GEMV8)
+        ((gemv8_fn)p->fn)(x, rows, p->w[0], p->w[1], y, p->out, p->in);
     else
         return -3;
     if (rc == 0 && p->bias != NULL)

@@ -8,7 +8,8 @@ layers, whose result is the eager forward's to the last bit (the tests compare t
 
 It applies (``FusedLayers.build`` returns None otherwise) to a model on the CPU in fp32 on one
 rank, a silu or tanh-GELU gated MLP, every projection computed by a C kernel it can call (int8 and
-int4 on the VNNI kernels -- int4's also on AVX2 CPUs --, fp32 on panels), a KV cache in fp32 or bf16 (``--kv-cache-dtype``: the
+int4 on the VNNI kernels -- int4's also on AVX2 CPUs, int8 there on its fp32-sum kernel --, fp32 on
+panels), a KV cache in fp32 or bf16 (``--kv-cache-dtype``: the
 new keys and values rounded as torch rounds them), and the CPU attention backend's vector path; and
 (``applies``) to steps of fewer than ``MIN_COMPILED_TOKENS`` tokens (larger ones run compiled or
 eagerly as before), no more than ``PANEL_MAX_ROWS`` where panels compute (oneDNN takes larger ones).
@@ -25,12 +26,13 @@ from common.engine.attention.backend_cpu import ELEMENT_BYTES, CpuMetadata, CpuP
 from common.engine.cpu_kernels import kernel_function, profiled
 from common.engine.models import activations, norm_rope
 from common.engine.models import panels as panel_products
+from common.engine.models.quantized import GEMV_MAX_ROWS
 from common.engine.models.stages import MIN_COMPILED_TOKENS
 
 log = logging.getLogger(__name__)
 
 PROFILER_LABEL = "fused_layers"
-_KINDS = {"vnni8": 0, "vnni4": 1, "panel": 2}  # csrc/fused_layers_cpu.c's PRODUCT_*
+_KINDS = {"vnni8": 0, "vnni4": 1, "panel": 2, "gemv8": 3}  # csrc/fused_layers_cpu.c's PRODUCT_*
 _PTR, _I32, _I64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
 
 
@@ -144,7 +146,8 @@ class FusedLayers:
                        cfg.rms_norm_eps, cache.block_size, cache_elem, strides[0], strides[1], strides[2],
                        _address(norm_rope.kernel()), _address(activations.kernel()),
                        _address(attention.kernel.paged_attention), structs)
-        max_rows = MIN_COMPILED_TOKENS - 1
+        # (int8 products off VNNI take their kernel up to GEMV_MAX_ROWS rows: more than these)
+        max_rows = min(MIN_COMPILED_TOKENS - 1, GEMV_MAX_ROWS)
         if on_panels:
             max_rows = min(max_rows, panel_products.PANEL_MAX_ROWS)
         return cls(model, structs, [cache], max_rows, rope_types, attention)

@@ -207,10 +207,14 @@ class Int8Weight(QuantizedWeight):
         return torch.nn.functional.linear(x.float(), self.dequantize().float()).to(x.dtype)
 
     def fused_product(self) -> tuple[str, object, tuple[torch.Tensor, ...], int] | None:
-        """The VNNI kernel's entry and layout (``QuantizedWeight.fused_product``), or None."""
-        if self._vnni is None:
-            return None
-        return "vnni8", self._vnni, (self._vnni_packed, self.scale), int8_vnni.ACTIVATION_GROUP
+        """The VNNI kernel's entry and layout (``QuantizedWeight.fused_product``); elsewhere the fp32-sum
+        kernel's, which ``matmul`` takes for fp32 rows up to ``GEMV_MAX_ROWS`` (the fused layers' steps
+        are fewer); None without either."""
+        if self._vnni is not None:
+            return "vnni8", self._vnni, (self._vnni_packed, self.scale), int8_vnni.ACTIVATION_GROUP
+        if self._gemv is not None:
+            return "gemv8", self._gemv, (self._packed, self.scale), 0
+        return None
 
     def greedy_tokens(self, x: torch.Tensor) -> torch.Tensor | None:
         """Each fp32 row's first maximal index of ``matmul(x)`` without the products' rows (an LM head's
