@@ -1,5 +1,5 @@
 """Greedy steps on an int8 LM head without its logits (``Int8Weight.greedy_tokens``: the VNNI kernel's
-argmax entry): each row's token is the first maximal index of the products the logits path computes,
+argmax entry, or on CPUs without AVX512-VNNI the fp32-sum kernel's): each row's token is the first maximal index of the products the logits path computes,
 ties and partial blocks included; a non-finite product hands the step back to the logits; an engine's
 greedy tokens are the same either way."""
 from __future__ import annotations
@@ -9,21 +9,29 @@ import torch
 
 from common.engine.config import EngineConfig
 from common.engine.engine import Engine
-from common.engine.models import int8_vnni
-from common.engine.models.quantized import Int8Weight
+from common.engine.models import int8_vnni, quantized
+from common.engine.models.quantized import GEMV_MAX_ROWS, Int8Weight
 from tests.support.checkpoints import tiny_gemma3_config, write_checkpoint
 
-pytestmark = pytest.mark.skipif(int8_vnni.argmax_kernel() is None, reason="no AVX512-VNNI on this CPU")
+KERNELS = {"vnni": int8_vnni.argmax_kernel() is not None, "fp32-sums": quantized._int8_gemv_argmax() is not None}
+pytestmark = pytest.mark.skipif(not any(KERNELS.values()), reason="no int8 argmax kernel on this CPU")
+
+
+@pytest.fixture(params=sorted(KERNELS))
+def vnni(request) -> bool:
+    if not KERNELS[request.param]:
+        pytest.skip(f"no {request.param} int8 argmax kernel on this CPU")
+    return request.param == "vnni"
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 20])
 @pytest.mark.parametrize("out_features", [16, 100, 1000, 4099])  # one block, partial blocks, many chunks
-def test_each_row_takes_the_first_maximal_index_of_the_products(rows, out_features):
+def test_each_row_takes_the_first_maximal_index_of_the_products(rows, out_features, vnni):
     g = torch.Generator().manual_seed(rows * out_features)
     w = torch.randn(out_features, 96, generator=g)
     w[out_features // 2] = w[out_features // 3]  # a tie: the earlier index wins
     w[-1] = w[0]  # a tie across the first and last chunks
-    weight = Int8Weight(w)
+    weight = Int8Weight(w, vnni=vnni)
     x = torch.randn(rows, 96, generator=g)
     x[0] = w[out_features // 3] * 5  # this row's maximum is the tie
     products = weight.matmul(x)
@@ -33,14 +41,26 @@ def test_each_row_takes_the_first_maximal_index_of_the_products(rows, out_featur
     assert tokens[0].item() == min(out_features // 3, out_features // 2)
 
 
-def test_a_product_not_finite_hands_the_step_back_to_the_logits():
-    weight = Int8Weight(torch.randn(64, 32))
+def test_a_product_not_finite_hands_the_step_back_to_the_logits(vnni):
+    weight = Int8Weight(torch.randn(64, 32), vnni=vnni)
     x = torch.randn(4, 32)
     x[2, 5] = float("nan")
     assert weight.greedy_tokens(x) is None
     assert weight.greedy_tokens(x[:2]) is not None
+    x[2, 5] = float("inf")
+    assert weight.greedy_tokens(x) is None
     with pytest.raises(ValueError, match="32 inputs"):
         weight.greedy_tokens(torch.randn(2, 31))
+
+
+@pytest.mark.skipif(not KERNELS["fp32-sums"], reason="no fp32-sum int8 argmax kernel on this CPU")
+def test_off_vnni_only_the_rows_its_product_takes_go_without_logits():
+    """``matmul`` takes the fp32-sum kernel up to GEMV_MAX_ROWS rows (the dequantized weight past
+    them): the argmax stands in for those products only; bf16 rows take the logits too."""
+    weight = Int8Weight(torch.randn(40, 32), vnni=False)
+    assert weight.greedy_tokens(torch.randn(GEMV_MAX_ROWS, 32)) is not None
+    assert weight.greedy_tokens(torch.randn(GEMV_MAX_ROWS + 1, 32)) is None
+    assert weight.greedy_tokens(torch.randn(3, 32, dtype=torch.bfloat16)) is None
 
 
 def test_an_int8_engine_gives_the_same_greedy_tokens_without_its_logits(tmp_path, monkeypatch):

@@ -21,7 +21,9 @@
  * rows that is a third of the instructions of the fp32 loop per weight, which at decode batch sizes
  * is compute-bound, not bound by reading weights.
  */
+#include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
@@ -166,6 +168,57 @@ void int8_gemv_f32(const float *x, int64_t rows, const int8_t *qp, const float *
         }
     }
 }
+
+#ifdef __AVX2__
+/* tokens[row] = the first index of row's largest output of int8_gemv_f32 (an LM head's greedy tokens
+ * without its logits: no n_out floats a row written and read back).  Each group of GROUP blocks is
+ * computed as int8_gemv_f32 computes it -- the same blocks a pass, the same sums and the same scaling
+ * -- into a small buffer, whose rows' first maxima (a later channel only when strictly larger) are
+ * then taken in the groups' order.  Returns 0; 1 where an output was not finite (tokens unset: the
+ * caller takes the logits); -1 where its scratch could not be allocated.  (On CPUs with AVX2.) */
+int int8_gemv_argmax(const float *x, int64_t rows, const int8_t *qp, const float *scale, int64_t n_out,
+                     int64_t k_in, int64_t *tokens) {
+    int64_t blocks = (n_out + 7) / 8, groups = (blocks + GROUP - 1) / GROUP;
+    float *best = malloc(sizeof(float) * (size_t)(groups * rows) + 64);
+    int64_t *index = malloc(sizeof(int64_t) * (size_t)(groups * rows) + 64);
+    if (!best || !index) {
+        free(best), free(index);
+        return -1;
+    }
+    int bad = 0;
+#pragma omp parallel for schedule(static) reduction(| : bad)
+    for (int64_t g = 0; g < groups; g++) {
+        int64_t b0 = g * GROUP, n0 = b0 * 8;
+        int nb = (int)(blocks - b0 < GROUP ? blocks - b0 : GROUP);
+        int64_t width = n_out - n0 < GROUP * 8 ? n_out - n0 : GROUP * 8;
+        float y[ROWS * GROUP * 8];
+        for (int64_t m0 = 0; m0 < rows; m0 += ROWS) {
+            int mr = (int)(rows - m0 < ROWS ? rows - m0 : ROWS);
+            /* rows m0.. of this group's channels: y[i * width + c] */
+            product_blocks(x + m0 * k_in, 0, mr, qp + b0 * k_in * 8, 0, nb, scale + n0, y, width, k_in);
+            for (int i = 0; i < mr; i++) {
+                float top = -INFINITY;
+                int64_t at = -1;
+                for (int64_t c = 0; c < width; c++) {
+                    float v = y[i * width + c];
+                    if (!(fabsf(v) < INFINITY)) bad = 1; /* an infinity or a NaN */
+                    if (v > top) top = v, at = n0 + c;
+                }
+                best[g * rows + m0 + i] = top, index[g * rows + m0 + i] = at;
+            }
+        }
+    }
+    if (!bad)
+        for (int64_t m = 0; m < rows; m++) {
+            float top = -INFINITY;
+            tokens[m] = -1;
+            for (int64_t g = 0; g < groups; g++)
+                if (best[g * rows + m] > top) top = best[g * rows + m], tokens[m] = index[g * rows + m];
+        }
+    free(best), free(index);
+    return bad;
+}
+#endif
 
 #if defined(__AVX512BF16__) && defined(__AVX512VL__)
 /* Inputs k and k+1 of one 8-channel block as 16 fp32 values, (k, k+1) pairs per channel;

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import abc
 import ctypes
+import functools
 import logging
 
 import torch
@@ -109,6 +110,16 @@ def _int8_gemv_bf16():
 
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     return kernel_function("int8_gemv_cpu", "int8_gemv_bf16", [ptr, i64, ptr, ptr, ptr, i64, i64], cpu_specific=True)
+
+
+@functools.cache  # looked up once: a greedy step on an int8 head calls it
+def _int8_gemv_argmax():
+    """The kernel's greedy entry (CPUs with AVX2: each row's first maximal output), or None."""
+    from common.engine.cpu_kernels import kernel_function
+
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    return kernel_function("int8_gemv_cpu", "int8_gemv_argmax", [ptr, i64, ptr, ptr, i64, i64, ptr],
+                           restype=ctypes.c_int, cpu_specific=True)
 
 
 def _row_scales(w: torch.Tensor, largest: float) -> torch.Tensor:
@@ -218,11 +229,26 @@ class Int8Weight(QuantizedWeight):
 
     def greedy_tokens(self, x: torch.Tensor) -> torch.Tensor | None:
         """Each fp32 row's first maximal index of ``matmul(x)`` without the products' rows (an LM head's
-        greedy tokens; ``int8_vnni.argmax``), or None: off the VNNI kernel, or a product not finite."""
-        entry = int8_vnni.argmax_kernel() if self._vnni is not None and x.dtype == torch.float32 else None
-        if entry is None:
+        greedy tokens; ``int8_vnni.argmax``, or off VNNI the fp32-sum kernel's ``int8_gemv_argmax`` for
+        the rows ``matmul`` gives it), or None: no such kernel, or a product not finite."""
+        if x.dtype != torch.float32:
             return None
-        return int8_vnni.argmax(entry, x, self._vnni_packed, self.scale, self.out_features, self.in_features)
+        if self._vnni is not None:
+            entry = int8_vnni.argmax_kernel()
+            return None if entry is None else int8_vnni.argmax(entry, x, self._vnni_packed, self.scale,
+                                                               self.out_features, self.in_features)
+        entry = _int8_gemv_argmax() if self._gemv is not None else None
+        if entry is None or x.dim() != 2 or not 0 < x.shape[0] <= GEMV_MAX_ROWS:
+            return None
+        if x.shape[1] != self.in_features:
+            raise ValueError(f"int8 argmax: expected rows of {self.in_features} inputs, got {tuple(x.shape)}")
+        a = x.detach().contiguous()
+        tokens = torch.empty(a.shape[0], dtype=torch.int64)
+        status = entry(a.data_ptr(), a.shape[0], self.packed.data_ptr(), self.scale.data_ptr(), self.out_features,
+                       self.in_features, tokens.data_ptr())
+        if status < 0:
+            raise MemoryError("int8 argmax: scratch allocation failed")
+        return tokens if status == 0 else None
 
     def _kernel_product(self, kernel, a: torch.Tensor) -> torch.Tensor:
         """``a @ W.T`` in fp32 by one of the C kernel's entries (``a`` in the layout it reads)."""
