@@ -13,7 +13,7 @@ import torch
 from common.engine.attention.interface import AttentionRequest
 from common.engine.config import EngineConfig
 from common.engine.engine import Engine
-from common.engine.models import int4_vnni, int8_vnni, quantized
+from common.engine.models import int4_vnni, int8_gemv, int8_vnni
 from common.engine.models import panels as panel_products
 from common.engine.models.fused_layers import FusedLayers
 from tests.support.checkpoints import VOCAB, tiny_gemma3_config, tiny_llama_config, write_checkpoint
@@ -27,7 +27,7 @@ def _kernels_for(quantization: str) -> bool:
     if quantization == "int4":  # its kernel builds on AVX2 CPUs too
         return int4_vnni.kernel() is not None
     if quantization == "int8":  # the VNNI kernel, or elsewhere the fp32-sum one
-        return int8_vnni.kernel() is not None or quantized._int8_gemv() is not None
+        return int8_vnni.kernel() is not None or int8_gemv.kernel() is not None
     return panel_products.native()
 
 

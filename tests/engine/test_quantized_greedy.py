@@ -1,6 +1,6 @@
 """Greedy steps on an int8 LM head without its logits (``Int8Weight.greedy_tokens``: the VNNI kernel's
-argmax entry, or on CPUs without AVX512-VNNI the fp32-sum kernel's): each row's token is the first maximal index of the products the logits path computes,
-ties and partial blocks included; a non-finite product hands the step back to the logits; an engine's
+argmax entry, or on CPUs without AVX512-VNNI the fp32-sum kernel's): each row's token is the first
+maximal index of the products the logits path computes, ties and partial blocks included; a non-finite product hands the step back to the logits; an engine's
 greedy tokens are the same either way."""
 from __future__ import annotations
 
@@ -9,11 +9,12 @@ import torch
 
 from common.engine.config import EngineConfig
 from common.engine.engine import Engine
-from common.engine.models import int8_vnni, quantized
-from common.engine.models.quantized import GEMV_MAX_ROWS, Int8Weight
+from common.engine.models import int8_gemv, int8_vnni
+from common.engine.models.int8_gemv import GEMV_MAX_ROWS
+from common.engine.models.quantized import Int8Weight
 from tests.support.checkpoints import tiny_gemma3_config, write_checkpoint
 
-KERNELS = {"vnni": int8_vnni.argmax_kernel() is not None, "fp32-sums": quantized._int8_gemv_argmax() is not None}
+KERNELS = {"vnni": int8_vnni.argmax_kernel() is not None, "fp32-sums": int8_gemv.argmax_kernel() is not None}
 pytestmark = pytest.mark.skipif(not any(KERNELS.values()), reason="no int8 argmax kernel on this CPU")
 
 

@@ -20,6 +20,9 @@
  * _mm512_dpbf16_ps adds x[k] * w[k] + x[k+1] * w[k+1] into 16 fp32 sums, one per channel.  With 8
  * rows that is a third of the instructions of the fp32 loop per weight, which at decode batch sizes
  * is compute-bound, not bound by reading weights.
+ *
+ * int8_gemv_argmax: each row's first maximal output of int8_gemv_f32 without writing the outputs (an
+ * int8 LM head's greedy tokens on CPUs without AVX512-VNNI).
  */
 #include <math.h>
 #include <stdint.h>

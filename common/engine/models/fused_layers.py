@@ -26,7 +26,7 @@ from common.engine.attention.backend_cpu import ELEMENT_BYTES, CpuMetadata, CpuP
 from common.engine.cpu_kernels import kernel_function, profiled
 from common.engine.models import activations, norm_rope
 from common.engine.models import panels as panel_products
-from common.engine.models.quantized import GEMV_MAX_ROWS
+from common.engine.models.int8_gemv import GEMV_MAX_ROWS
 from common.engine.models.stages import MIN_COMPILED_TOKENS
 
 log = logging.getLogger(__name__)

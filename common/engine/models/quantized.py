@@ -23,21 +23,21 @@ every product reads those, so a decode step -- bound by reading weights -- moves
 The LM head is quantized too: int8 under int8 and int4 (a 4-bit head costs too much quality for
 the bytes it saves), fp8 under fp8; a tied embedding shares the head's quantized rows (its lookup
 dequantizes the rows it reads), so the model holds one copy of them.  Activations (but for the
-int8 and int4 products' own rounding of their inputs on their kernels), norms, the KV cache and the logits stay
-in the model's dtype.  Quality is measured, not assumed:
+int8 and int4 products' own rounding of their inputs on their kernels), norms, the KV cache and
+the logits stay in the model's dtype.  Quality is measured, not assumed:
 ``benchmarks/quant_quality.py``.
 """
 from __future__ import annotations
 
 import abc
 import ctypes
-import functools
 import logging
 
 import torch
 from torch import nn
 
-from common.engine.models import int4_vnni, int8_vnni
+from common.engine.models import int4_vnni, int8_gemv, int8_vnni
+from common.engine.models.int8_gemv import GEMV_MAX_ROWS
 from common.engine.models.quantization_scheme import INT4_GROUP_SIZES, QUANTIZATIONS
 
 log = logging.getLogger(__name__)
@@ -90,37 +90,6 @@ class QuantizedWeight(abc.ABC):
 
 
 INT4_ROW_MULTIPLE = 16  # the int4 kernel packs output channels in groups of this many
-
-# Rows the C kernel takes: as fast as the fp32 product from 32 rows up on the AVX2 machine (both
-# compute-bound there), far faster below; past this, a prefill chunk dequantizes the weight once.
-GEMV_MAX_ROWS = 128
-
-
-def _int8_gemv():
-    """The C kernel for few rows (``csrc/int8_gemv_cpu.c``), or None (no compiler: the fp32 product)."""
-    from common.engine.cpu_kernels import kernel_function
-
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    return kernel_function("int8_gemv_cpu", "int8_gemv_f32", [ptr, i64, ptr, ptr, ptr, i64, i64])
-
-
-def _int8_gemv_bf16():
-    """The kernel's bf16-activation entry (CPUs with AVX512-BF16), or None."""
-    from common.engine.cpu_kernels import kernel_function
-
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    return kernel_function("int8_gemv_cpu", "int8_gemv_bf16", [ptr, i64, ptr, ptr, ptr, i64, i64], cpu_specific=True)
-
-
-@functools.cache  # looked up once: a greedy step on an int8 head calls it
-def _int8_gemv_argmax():
-    """The kernel's greedy entry (CPUs with AVX2: each row's first maximal output), or None."""
-    from common.engine.cpu_kernels import kernel_function
-
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    return kernel_function("int8_gemv_cpu", "int8_gemv_argmax", [ptr, i64, ptr, ptr, i64, i64, ptr],
-                           restype=ctypes.c_int, cpu_specific=True)
-
 
 def _row_scales(w: torch.Tensor, largest: float) -> torch.Tensor:
     """Per-row symmetric scales (fp32) mapping each row's largest magnitude to ``largest``."""
@@ -179,8 +148,8 @@ class Int8Weight(QuantizedWeight):
             self._gemv = self._gemv_bf16 = None
         else:
             self._vnni_packed, self._packed = None, packed
-            self._gemv = _int8_gemv() if on_cpu else None
-            self._gemv_bf16 = _int8_gemv_bf16() if self._gemv is not None else None
+            self._gemv = int8_gemv.kernel() if on_cpu else None
+            self._gemv_bf16 = int8_gemv.bf16_kernel() if self._gemv is not None else None
 
     @staticmethod
     def _q_of(packed: torch.Tensor, out_features: int) -> torch.Tensor:
@@ -237,18 +206,10 @@ class Int8Weight(QuantizedWeight):
             entry = int8_vnni.argmax_kernel()
             return None if entry is None else int8_vnni.argmax(entry, x, self._vnni_packed, self.scale,
                                                                self.out_features, self.in_features)
-        entry = _int8_gemv_argmax() if self._gemv is not None else None
-        if entry is None or x.dim() != 2 or not 0 < x.shape[0] <= GEMV_MAX_ROWS:
+        entry = int8_gemv.argmax_kernel() if self._gemv is not None else None
+        if entry is None or x.shape[0] > GEMV_MAX_ROWS:  # (more rows: the dequantized weight's product)
             return None
-        if x.shape[1] != self.in_features:
-            raise ValueError(f"int8 argmax: expected rows of {self.in_features} inputs, got {tuple(x.shape)}")
-        a = x.detach().contiguous()
-        tokens = torch.empty(a.shape[0], dtype=torch.int64)
-        status = entry(a.data_ptr(), a.shape[0], self.packed.data_ptr(), self.scale.data_ptr(), self.out_features,
-                       self.in_features, tokens.data_ptr())
-        if status < 0:
-            raise MemoryError("int8 argmax: scratch allocation failed")
-        return tokens if status == 0 else None
+        return int8_gemv.argmax(entry, x, self._packed, self.scale, self.out_features, self.in_features)
 
     def _kernel_product(self, kernel, a: torch.Tensor) -> torch.Tensor:
         """``a @ W.T`` in fp32 by one of the C kernel's entries (``a`` in the layout it reads)."""
@@ -281,9 +242,9 @@ class Int8Weight(QuantizedWeight):
 class Int4Weight(QuantizedWeight):
     """4-bit groups of ``group_size`` inputs, ``w = (q - 8) * scale + zero``: quantized here from a
     weight, or (``from_groups``) taken as a GGUF file stored them.  On CPUs with AVX512-VNNI or AVX2
-    and FMA (and ``vnni``) held in that kernel's layout alone (``int4_vnni``: activations quantized per row in the
-    weight's groups, int8 x 4-bit sums); elsewhere PyTorch's int4 kernel's (bf16 activations).  Either
-    way stored (``packed_tensors``) in PyTorch's layout."""
+    and FMA (and ``vnni``) held in that kernel's layout alone (``int4_vnni``: activations quantized
+    per row in the weight's groups, int8 x 4-bit sums); elsewhere PyTorch's int4 kernel's (bf16
+    activations).  Either way stored (``packed_tensors``) in PyTorch's layout."""
 
     kind = "int4"
 
