@@ -11,10 +11,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "vnni_shared.h"
+
 #define ROWS 8   /* rows a pass over a block */
-#define LANES 16 /* output channels a block */
-#define CHUNK 4  /* blocks a thread takes at a time */
-#define PARALLEL_MIN (1 << 16) /* inputs to quantize before rows are split among threads */
 /* Weight bytes ahead that tiles of 5-8 rows prefetch: with 8 dpbusd a cache line the hardware
  * prefetchers alone fall behind (an A/B in one process on a Zen 4: 8 rows through the int8 LM head
  * 5.9 -> 5.1 ms, the layers' products -10%); with 1-4 rows they keep up, and prefetching costs. */
@@ -84,14 +83,6 @@ static inline void store_tile(const __m512 *out, int mr, int nb, int64_t m0, int
  * 12-15% faster. */
 #define FOR_EACH_TILE(X) X(1, 1) X(2, 1) X(3, 1) X(4, 1) X(5, 1) X(6, 1) X(7, 1) X(8, 1)
 
-/* The quantized rows handed to a kernel's tile: rows m0.. of xq / xs / sums. */
-typedef struct {
-    const int8_t *xq;
-    const float *xs;
-    const int32_t *sums;
-    const float *x_sums;
-    int64_t k_pad, groups, group;
-} quantized_rows;
 
 /* A kernel's tile: mr rows by nb blocks from block b, into out[j * mr + i]. */
 typedef void (*tile_fn)(int mr, int nb, const quantized_rows *rows, int64_t b, const void *weight, __m512 *out);

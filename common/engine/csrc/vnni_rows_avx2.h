@@ -13,10 +13,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "vnni_shared.h"
+
 #define ROWS 4   /* rows a pass over a block */
-#define LANES 16 /* output channels a block */
-#define CHUNK 4  /* blocks a thread takes at a time */
-#define PARALLEL_MIN (1 << 16) /* inputs to quantize before rows are split among threads */
 
 /* The 8 lanes' sum and largest value. */
 static inline float sum8(__m256 v) {
@@ -81,14 +80,6 @@ static void quantize_rows(const float *x, int64_t rows, int64_t k_in, int64_t k_
     }
 }
 
-/* The quantized rows handed to a kernel's tile: rows m0.. of xq / xs / sums. */
-typedef struct {
-    const int8_t *xq;
-    const float *xs;
-    const int32_t *sums;
-    const float *x_sums;
-    int64_t k_pad, groups, group;
-} quantized_rows;
 
 /* A kernel's tile: mr (<= ROWS) rows of block b into out[i * LANES + c]. */
 typedef void (*tile_fn)(int mr, const quantized_rows *rows, int64_t b, const void *weight, float *out);
@@ -120,7 +111,8 @@ static int vnni_product(const float *x, int64_t rows, int64_t k_in, int64_t grou
             for (int64_t b = c * CHUNK; b < b_end; b++) {
                 tile(mr, &part, b, weight, out);
                 int64_t n0 = b * LANES, width = n_out - n0 < LANES ? n_out - n0 : LANES;
-                for (int i = 0; i < mr; i++) memcpy(y + (m0 + i) * n_out + n0, out + i * LANES, sizeof(float) * (size_t)width);
+                for (int i = 0; i < mr; i++)
+                    memcpy(y + (m0 + i) * n_out + n0, out + i * LANES, sizeof(float) * (size_t)width);
             }
         }
     }

@@ -1,0 +1,22 @@
+/* What both builds of the quantized-activation products share (vnni_rows.h for AVX512-VNNI,
+ * vnni_rows_avx2.h for AVX2 with FMA): the blocks of output channels, how threads take them, and the
+ * quantized rows a kernel's tile reads. */
+#ifndef VNNI_SHARED_H
+#define VNNI_SHARED_H
+#include <stdint.h>
+
+#define LANES 16 /* output channels a block */
+#define CHUNK 4  /* blocks a thread takes at a time */
+#define PARALLEL_MIN (1 << 16) /* inputs to quantize before rows are split among threads */
+
+/* The quantized rows handed to a kernel's tile: rows m0.. of xq [rows, k_pad] (int8, the pad zero),
+ * xs [rows, groups] (the groups' scales), sums [rows, groups] (each group's sum of xq) and x_sums
+ * (each group's sum of x, fp32). */
+typedef struct {
+    const int8_t *xq;
+    const float *xs;
+    const int32_t *sums;
+    const float *x_sums;
+    int64_t k_pad, groups, group;
+} quantized_rows;
+#endif
