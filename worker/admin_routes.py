@@ -128,10 +128,10 @@ class AdminHandlers:
             role = body["role"]
         except (ValueError, KeyError, TypeError):
             return web.json_response({"error": 'expected a JSON body {"role": "prefill|decode|both"}'}, status=400)
+        held = len(worker.in_flight)  # at the change: they finish here in the role they started in
         try:
             await worker.set_role(role)
         except ValueError as exc:
             return web.json_response({"error": str(exc)}, status=400)
-        # inflight: the requests it still holds, which finish here in the role they started in
         return web.json_response({"worker_id": worker.config.worker_id, "role": worker.role, "state": worker.state,
-                                  "inflight": len(worker.in_flight)})
+                                  "inflight": held})

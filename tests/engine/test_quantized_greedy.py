@@ -1,7 +1,8 @@
 """Greedy steps on an int8 LM head without its logits (``Int8Weight.greedy_tokens``: the VNNI kernel's
 argmax entry, or on CPUs without AVX512-VNNI the fp32-sum kernel's): each row's token is the first
-maximal index of the products the logits path computes, ties and partial blocks included; a non-finite product hands the step back to the logits; an engine's
-greedy tokens are the same either way."""
+maximal index of the products the logits path computes, ties and partial blocks included; a
+non-finite product hands the step back to the logits; an engine's greedy tokens are the same either
+way."""
 from __future__ import annotations
 
 import pytest

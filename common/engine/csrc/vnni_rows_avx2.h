@@ -3,7 +3,8 @@
  * xq = round(x * 127 / amax) (ties to even), scale amax / 127 -- and a driver that splits blocks of
  * 16 output channels among OpenMP threads (chunks of CHUNK blocks; within a chunk rows 4 at a time,
  * one block a pass: with 8-lane vectors a tile of 4 rows by 16 channels already holds every
- * register).  A tile writes its rows' 16 sums to out[i * LANES + c], scaled and stored here.
+ * register).  A tile writes its rows' 16 outputs (scaled by the tile) to out[i * LANES + c], copied
+ * into y here.
  * Included only where __AVX2__ and __FMA__ without __AVX512VNNI__. */
 #ifndef VNNI_ROWS_AVX2_H
 #define VNNI_ROWS_AVX2_H
@@ -79,7 +80,6 @@ static void quantize_rows(const float *x, int64_t rows, int64_t k_in, int64_t k_
         }
     }
 }
-
 
 /* A kernel's tile: mr (<= ROWS) rows of block b into out[i * LANES + c]. */
 typedef void (*tile_fn)(int mr, const quantized_rows *rows, int64_t b, const void *weight, float *out);
