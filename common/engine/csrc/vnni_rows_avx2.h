@@ -31,6 +31,14 @@ static inline float max8(__m256 v) {
     return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
 }
 
+/* n <= 8 values at p as 8 lanes (the rest zero; ``part``: scratch for a partial load). */
+static inline __m256 load8(const float *p, int64_t n, float *part) {
+    if (n >= 8) return _mm256_loadu_ps(p);
+    memset(part, 0, sizeof(float) * 8);
+    memcpy(part, p, sizeof(float) * (size_t)n);
+    return _mm256_loadu_ps(part);
+}
+
 /* Rows [rows, k_in] of x into xq [rows, k_pad] (int8, the pad zero), xs [rows, groups] (the groups'
  * scales), sums [rows, groups] (each group's sum of xq) and x_sums (each group's sum of x, fp32). */
 static void quantize_rows(const float *x, int64_t rows, int64_t k_in, int64_t k_pad, int64_t group, int8_t *xq,
@@ -47,14 +55,7 @@ static void quantize_rows(const float *x, int64_t rows, int64_t k_in, int64_t k_
             float part[8];
             __m256 top = _mm256_setzero_ps(), total = _mm256_setzero_ps();
             for (int64_t j = 0; j < len; j += 8) {
-                __m256 v;
-                if (len - j >= 8) {
-                    v = _mm256_loadu_ps(xm + start + j);
-                } else {
-                    memset(part, 0, sizeof part);
-                    memcpy(part, xm + start + j, sizeof(float) * (size_t)(len - j));
-                    v = _mm256_loadu_ps(part);
-                }
+                __m256 v = load8(xm + start + j, len - j, part);
                 top = _mm256_max_ps(top, _mm256_and_ps(v, magnitude));
                 total = _mm256_add_ps(total, v);
             }
@@ -63,11 +64,8 @@ static void quantize_rows(const float *x, int64_t rows, int64_t k_in, int64_t k_
             int32_t sum = 0, q[8];
             for (int64_t j = 0; j < len; j += 8) {
                 int64_t n = len - j < 8 ? len - j : 8;
-                memset(part, 0, sizeof part);
-                memcpy(part, xm + start + j, sizeof(float) * (size_t)n);
-                /* round to nearest, ties to even (the default rounding mode) */
-                _mm256_storeu_si256((__m256i *)q, _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(part),
-                                                                                    _mm256_set1_ps(inverse))));
+                __m256 v = _mm256_mul_ps(load8(xm + start + j, n, part), _mm256_set1_ps(inverse));
+                _mm256_storeu_si256((__m256i *)q, _mm256_cvtps_epi32(v)); /* to nearest, ties to even */
                 for (int64_t l = 0; l < n; l++) /* wrapping as vnni_rows.h's vector sum does (a NaN's q) */
                     qm[start + j + l] = (int8_t)q[l], sum = (int32_t)((uint32_t)sum + (uint32_t)q[l]);
             }

@@ -370,6 +370,9 @@ class Int4Weight(QuantizedWeight):
         return self._packed.numel() + self._scales_and_zeros.numel() * 4
 
 
+_TORCH_INT4_BLOCKS = (64, 32)  # output channels a block of PyTorch's int4 packing: AVX-512, AVX2
+
+
 def _torch_int4_values(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor | None:
     """``q`` (uint8 ``[out, in]``) of ``aten._convert_weight_to_int4pack_for_cpu``'s bytes, or None where
     packing it again does not give those bytes back (that layout is PyTorch's, undocumented).  PyTorch
@@ -389,9 +392,6 @@ def _torch_int4_values(packed: torch.Tensor, out_features: int, in_features: int
         if torch.equal(again.reshape(-1), flat):
             return q
     return None
-
-
-_TORCH_INT4_BLOCKS = (64, 32)  # output channels a block of PyTorch's int4 packing: AVX-512, AVX2
 
 
 class Fp8Weight(QuantizedWeight):
