@@ -213,10 +213,12 @@ def load_levels(url: str, model: str, args, vocab: int) -> dict:
     warm = served_plan(args, vocab, 2, seed=999)
     asyncio.run(run_closed_loop(url, model, warm, 1, timeout=args.timeout))
     out: dict = {}
-    for sampling, temperature in SAMPLING.items():
+    for load, (sampling, temperature) in enumerate(SAMPLING.items()):
         out[sampling] = {}
         for c in args.concurrency:
-            plan = served_plan(args, vocab, max(args.served_min_requests, 2 * c), seed=c)
+            # prompts of their own for each load: one that repeated an earlier load's would find them
+            # in the server's prefix cache and skip their prefill
+            plan = served_plan(args, vocab, max(args.served_min_requests, 2 * c), seed=1000 * load + c)
             records, wall = asyncio.run(run_closed_loop(url, model, plan, c, timeout=args.timeout,
                                                         temperature=temperature))
             s = summarize(records, wall, slo_ttft=10.0, slo_tpot=1.0)
