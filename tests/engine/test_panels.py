@@ -1,5 +1,6 @@
-"""fp32 products of few rows on panel-packed weights (``common.engine.models.panels``): the values
-of ``F.linear`` for every row count the kernel's tiles take, and which products go there."""
+"""Products of few rows on panel-packed weights (``common.engine.models.panels``): the values of
+``F.linear`` for every row count the kernels' tiles take (fp32; bf16 on AVX512-BF16 CPUs), and which
+products go there."""
 from __future__ import annotations
 
 import pytest
@@ -12,6 +13,8 @@ from common.engine.models.panels import PANEL_MAX_ROWS, pack_panels, panel_linea
 
 needs_kernel = pytest.mark.skipif(pack_panels(torch.zeros(16, 16)) is None,
                                   reason="no C compiler for the kernel, or no tiles for this CPU (AVX-512 or AVX2 + FMA)")
+needs_bf16_kernel = pytest.mark.skipif(pack_panels(torch.zeros(16, 16, dtype=torch.bfloat16)) is None,
+                                       reason="no C compiler for the kernel, or a CPU without AVX512-BF16")
 
 
 def ops_called(fn) -> set[str]:
@@ -49,9 +52,10 @@ def test_strided_inputs_a_bias_and_a_transposed_weight():
         panel_linear(torch.randn(2, 63), pack_panels(weight_t.T))
 
 
-def test_only_2d_fp32_cpu_weights_are_packed():
-    assert pack_panels(torch.randn(8, 4).bfloat16()) is None
+def test_only_2d_fp32_or_bf16_cpu_weights_are_packed():
+    assert pack_panels(torch.randn(8, 4).half()) is None
     assert pack_panels(torch.randn(2, 3, 4)) is None
+    assert pack_panels(torch.randn(2, 3, 4).bfloat16()) is None
     assert pack_panels(torch.empty(0, 4)) is None
 
 
@@ -84,11 +88,59 @@ def test_without_tiles_for_the_cpu_the_products_stay_onednn(monkeypatch):
             assert "mkldnn::_linear_pointwise" in ops_called(lambda: layer(torch.randn(2, 64)))
 
 
-@needs_kernel
-def test_a_bf16_layer_has_no_panels():
-    layer = Linear(64, 96).bfloat16()
-    if layer.pack():
-        assert layer.panels is None
+def small_integers(shape, gen, scale: float = 1.0) -> torch.Tensor:
+    """bf16 integers in [-15, 15] times ``scale``: their products and sums are exact in fp32."""
+    return (torch.randint(-15, 16, shape, generator=gen).float() * scale).bfloat16()
+
+
+@needs_bf16_kernel
+@pytest.mark.parametrize("out_features,in_features", [(96, 64), (1000, 333), (7, 5), (16 * 9, 40), (33, 1), (47, 20)])
+@pytest.mark.parametrize("rows", [*range(1, PANEL_MAX_ROWS + 1), 40])
+def test_bf16_values_are_the_exact_sums_and_bias_rounded_once(out_features, in_features, rows):
+    """Integer values make every fp32 sum exact, so each output must be the exact sum plus the bias
+    rounded once to bf16, bit for bit -- a pair in the wrong order, an odd input count's padding, a
+    partial panel's columns or a bias added after the rounding would change some.  The tiles are the
+    fp32 kernel's (4 panels by up to 4 rows, 2 by up to 12, the partial group 1 by up to 16)."""
+    gen = torch.Generator().manual_seed(rows * 1000 + out_features)
+    weight = small_integers((out_features, in_features), gen)
+    x = small_integers((rows, in_features), gen, scale=4.0)
+    bias = small_integers((out_features,), gen, scale=64.0)
+    packed = pack_panels(weight)
+    assert packed.dtype == torch.bfloat16
+    exact = x.double() @ weight.double().T
+    for b in (None, bias):
+        out = panel_linear(x, packed, b)
+        assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
+        expected = (exact + (b.double() if b is not None else 0.0)).float().bfloat16()
+        assert torch.equal(out.view(torch.int16), expected.view(torch.int16))
+
+
+@needs_bf16_kernel
+def test_a_packed_bf16_layer_takes_panels_for_few_bf16_rows_and_onednn_beyond():
+    gen = torch.Generator().manual_seed(5)
+    layer = Linear(64, 96, bias=True).bfloat16()
+    x = torch.randn(PANEL_MAX_ROWS + 1, 64, generator=gen).bfloat16()
+    with torch.inference_mode():
+        expected = (x.double() @ layer.weight.double().T + layer.bias.double()).float()
+        assert layer.pack() and layer.panels is not None and layer.panels.dtype == torch.bfloat16
+        few = x[:PANEL_MAX_ROWS]
+        called = ops_called(lambda: layer(few))
+        assert panel_products.PROFILER_LABEL in called and "mkldnn::_linear_pointwise" not in called
+        called = ops_called(lambda: layer(x))
+        assert panel_products.PROFILER_LABEL not in called and "mkldnn::_linear_pointwise" in called
+        torch.testing.assert_close(layer(few).float(), expected[:PANEL_MAX_ROWS], rtol=8e-3, atol=1e-2)
+        # fp32 rows do not take bf16 panels (nor bf16 rows fp32 ones)
+        assert not panel_products.applies(few.float(), layer.panels)
+        with pytest.raises(ValueError, match="features"):
+            panel_linear(few.float(), layer.panels)
+
+
+@needs_bf16_kernel
+def test_bf16_panels_are_not_the_screened_greedy_head_s():
+    """The screened head (``models.greedy_head``) and the fused layers take fp32 panels only."""
+    from common.engine.models.greedy_head import GreedyHead
+
+    assert GreedyHead.build(pack_panels(torch.randn(64, 32).bfloat16())) is None
 
 
 def test_kernel_calls_are_labelled_for_the_profiler_only_while_one_runs(monkeypatch):

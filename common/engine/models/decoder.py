@@ -197,7 +197,7 @@ class DecoderModel(nn.Module):
         self.rotary: RotaryEmbedding | None = None
         self.stages: LayerStages = EAGER  # ``compile_stages`` swaps in compiled ones
         self.packed_lm_head: torch.Tensor | None = None  # a tied LM head's packed copy
-        self.lm_head_panels: PanelWeight | None = None  # and its copy for few rows (fp32)
+        self.lm_head_panels: PanelWeight | None = None  # and its copy for few rows
         self.quantized_lm_head: QuantizedWeight | None = None  # a tied LM head's quantized rows
         self.greedy_head: GreedyHead | None = None  # see screened_tokens
         self.row_padding: tuple[int, ...] = ()  # see _tune_row_padding
@@ -290,7 +290,7 @@ class DecoderModel(nn.Module):
     def _log_panels(self) -> None:
         panels = self._panel_weights()
         if panels:
-            log.info("%d fp32 weights also packed in panels for products of up to %d rows (+%.0f MB)",
+            log.info("%d weights also packed in panels for products of up to %d rows (+%.0f MB)",
                      len(panels), PANEL_MAX_ROWS, sum(p.nbytes for p in panels) / 1e6)
         if self.greedy_head is not None:
             log.info("greedy steps screen the LM head in bf16 (+%.0f MB)", self.greedy_head.nbytes / 1e6)

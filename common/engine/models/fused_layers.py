@@ -84,7 +84,8 @@ def _product(linear) -> tuple[_Product, bool] | None:
         kind, entry, tensors, group = found
         return _Product(_KINDS[kind], _address(entry), (_PTR * 3)(*[t.data_ptr() for t in tensors]), bias,
                         linear.quantized.in_features, linear.quantized.out_features, group), False
-    if linear.panels is not None and panel_products.gemm_entry() is not None:
+    if (linear.panels is not None and linear.panels.dtype == torch.float32
+            and panel_products.gemm_entry() is not None):
         p = linear.panels
         return _Product(_KINDS["panel"], _address(panel_products.gemm_entry()), (_PTR * 3)(p.panels.data_ptr()), bias,
                         p.in_features, p.out_features, 0), True

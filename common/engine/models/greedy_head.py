@@ -84,7 +84,7 @@ class GreedyHead:
     def build(cls, panels: PanelWeight | None) -> "GreedyHead | None":
         """From the head's fp32 panels; ``None`` where the screen does not apply (no panels, no
         vector code for this CPU, or a weight that is not finite in fp32 or bf16)."""
-        if panels is None or not _native():
+        if panels is None or panels.dtype != torch.float32 or not _native():
             return None
         rows, width = panels.out_features, panels.in_features
         pair_elems = kernel_function("greedy_screen_cpu", "greedy_screen_pair_elems", [_I64, _I64], _I64)

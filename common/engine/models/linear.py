@@ -13,7 +13,8 @@ development machines (Gemma 3 270M's 18 layers of projections, then its 262k x 6
 A weight that is read elsewhere too (a tied embedding: its rows are looked up) keeps its plain
 copy, and its packed copy costs that much memory again (``DecoderModel.finish_loading``).
 
-**Few rows.** A packed fp32 weight also gets a copy in panels (``common.engine.models.panels``):
+**Few rows.** A packed fp32 weight also gets a copy in panels (``common.engine.models.panels``;
+a bf16 one on CPUs with AVX512-BF16):
 products of up to ``PANEL_MAX_ROWS`` rows, the decode steps', run there (a C kernel that streams
 the weights faster than oneDNN for few rows); more rows, and every product inside torch.compile,
 stay oneDNN's.
@@ -184,8 +185,8 @@ class Linear(nn.Linear):
         self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
     def pack(self) -> bool:
-        """Replace the weight by its packed copy (see the module docstring), and an fp32 one by
-        its panels too (``common.engine.models.panels``); ``False`` (and nothing changed) where
+        """Replace the weight by its packed copy (see the module docstring), and by its panels too
+        where they apply (``common.engine.models.panels``); ``False`` (and nothing changed) where
         packing does not apply. The plain ``weight`` is emptied: nothing may read it afterwards."""
         packed = pack_weight(self.weight)
         if packed is None:
