@@ -52,6 +52,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if norm_rope.applies(x, self.weight):
             return norm_rope.norm_rope(x, self.weight, self.eps)
+        if norm_rope.widened_applies(x, self.weight):
+            return norm_rope.norm_widened(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)

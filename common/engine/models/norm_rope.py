@@ -5,7 +5,10 @@ two of them followed by RoPE, two by the residual add), each several torch ops o
 dispatch for a few hundred floats of work; ``csrc/norm_rope_cpu.c`` does each in one call.  It
 applies to fp32 CPU tensors outside torch.compile (inductor fuses these loops itself); elsewhere the
 callers keep their torch code, which the kernel matches to the last bit or two (the sum of squares
-is ordered differently).
+is ordered differently).  A bf16 model's norms (``norm_widened``) take the kernel too, on their rows
+widened to fp32 and rounded back once, as the torch code computes them: 4 ops instead of 9 a norm
+(a bf16 decode step of Gemma 3 270M on a Zen 4, interleaved in one engine: 1 row 25.1 -> 24.7 ms,
+8 rows 30.8 -> 29.8 ms).
 """
 from __future__ import annotations
 
@@ -35,6 +38,21 @@ def applies(x: torch.Tensor, *operands: torch.Tensor) -> bool:
     return (x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() in (2, 3) and x.stride(-1) == 1
             and all(t.dtype == torch.float32 for t in operands)
             and not torch.compiler.is_compiling() and kernel() is not None)
+
+
+def widened_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``norm_widened`` computes ``x``'s rows: bf16 (or fp16) on the CPU, 2-D or 3-D,
+    eagerly, and the kernel built."""
+    return (x.dtype in (torch.bfloat16, torch.float16) and x.device.type == "cpu" and x.dim() in (2, 3)
+            and weight.dim() == 1 and not torch.compiler.is_compiling() and kernel() is not None)
+
+
+def norm_widened(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``RMSNorm`` of a narrow float ``x`` (``widened_applies``): its rows and ``weight`` widened to
+    fp32, normed by the kernel, the result rounded once to ``x``'s dtype -- the values of the torch
+    code (``x.float()`` normed, times ``weight.float()``, ``.to(dtype)``) but for the last bit or two
+    of the fp32 result before the rounding."""
+    return norm_rope(x.float(), weight.float(), eps).to(x.dtype)
 
 
 def _checked_rows(t: torch.Tensor | None, tokens: int, dim: int, name: str) -> int:
