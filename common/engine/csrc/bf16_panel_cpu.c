@@ -52,10 +52,13 @@ static inline void store_bf16(uint16_t *dst, __m512 acc, const uint16_t *bias, i
 }
 
 /* One tile: rows [0, R) of x (row stride ldx) by panels [0, P) from w (K2 pairs each); `cols` of the
- * last panel are real. */
+ * last panel are real.  `next` (or NULL): the next group's P panels, prefetched into L2 along the way
+ * by the group's first row tile, as panel_gemm_cpu.c does (Gemma 3 270M's 72 layer products on a
+ * Zen 4, 2 threads: 1 row 6.95 -> 6.75 ms, 8 rows 8.74 -> 7.51 ms). */
 #define DEFINE_TILE(R, P)                                                                              \
     static void tile_##R##_##P(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t k, int64_t k2, \
-                               uint16_t *y, int64_t ldy, const uint16_t *bias, int last_cols) {          \
+                               uint16_t *y, int64_t ldy, const uint16_t *bias, int last_cols,           \
+                               const uint16_t *next) {                                                  \
         __m512 acc[R][P];                                                                              \
         for (int r = 0; r < R; r++)                                                                    \
             for (int p = 0; p < P; p++) acc[r][p] = _mm512_setzero_ps();                               \
@@ -66,6 +69,7 @@ static inline void store_bf16(uint16_t *dst, __m512 acc, const uint16_t *bias, i
                 const __m512i raw = _mm512_loadu_si512((const void *)line);                            \
                 memcpy(&wv[p], &raw, sizeof raw);                                                      \
                 __builtin_prefetch(line + PREFETCH_AHEAD * 2 * LANES);                                 \
+                if (next) __builtin_prefetch(next + ((int64_t)p * k2 + i) * 2 * LANES, 0, 1);          \
             }                                                                                          \
             for (int r = 0; r < R; r++) {                                                              \
                 const __m512i pair = pair_of(x + (int64_t)r * ldx, i, k);                              \
@@ -81,7 +85,7 @@ static inline void store_bf16(uint16_t *dst, __m512 acc, const uint16_t *bias, i
     }
 
 typedef void (*tile_fn)(const uint16_t *, int64_t, const uint16_t *, int64_t, int64_t, uint16_t *, int64_t,
-                        const uint16_t *, int);
+                        const uint16_t *, int, const uint16_t *);
 
 /* The tiling of panel_gemm_cpu.c's AVX-512 build (4 panels by up to 4 rows; 2 panels by up to 12;
  * the last, partial group one panel by up to 16). */
@@ -140,7 +144,8 @@ void bf16_panel_gemm(const uint16_t *x, int64_t ldx, const uint16_t *panels, con
         if (panels_here == per_group && last_cols == LANES) {
             for (int64_t r = 0; r < m; r += tile_rows) {
                 const int rows = (int)(m - r < tile_rows ? m - r : tile_rows);
-                tiles[rows](x + r * ldx, ldx, w, k, k2, y + r * ldy + col, ldy, b, LANES);
+                tiles[rows](x + r * ldx, ldx, w, k, k2, y + r * ldy + col, ldy, b, LANES,
+                            r == 0 && g + 1 < groups ? w + (int64_t)per_group * k2 * 2 * LANES : NULL);
             }
         } else { /* the last, partial group: one panel at a time */
             for (int p = 0; p < panels_here; p++) {
@@ -148,7 +153,7 @@ void bf16_panel_gemm(const uint16_t *x, int64_t ldx, const uint16_t *panels, con
                 for (int64_t r = 0; r < m; r += EDGE_ROWS) {
                     const int rows = (int)(m - r < EDGE_ROWS ? m - r : EDGE_ROWS);
                     EDGE_TILES[rows](x + r * ldx, ldx, w + (int64_t)p * k2 * 2 * LANES, k, k2,
-                                     y + r * ldy + col + p * LANES, ldy, b ? b + p * LANES : NULL, cols);
+                                     y + r * ldy + col + p * LANES, ldy, b ? b + p * LANES : NULL, cols, NULL);
                 }
             }
         }
