@@ -108,8 +108,9 @@ def test_bf16_values_are_the_exact_sums_and_bias_rounded_once(out_features, in_f
     packed = pack_panels(weight)
     assert packed.dtype == torch.bfloat16
     exact = x.double() @ weight.double().T
-    for b in (None, bias):
-        out = panel_linear(x, packed, b)
+    strided = torch.cat([x, x[:, :3]], dim=1)[:, :in_features]  # rows in_features + 3 values apart
+    for rows_in, b in ((x, None), (x, bias), (strided, bias)):
+        out = panel_linear(rows_in, packed, b)
         assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
         expected = (exact + (b.double() if b is not None else 0.0)).float().bfloat16()
         assert torch.equal(out.view(torch.int16), expected.view(torch.int16))
@@ -136,8 +137,8 @@ def test_a_packed_bf16_layer_takes_panels_for_few_bf16_rows_and_onednn_beyond():
 
 
 @needs_bf16_kernel
-def test_bf16_panels_are_not_the_screened_greedy_head_s():
-    """The screened head (``models.greedy_head``) and the fused layers take fp32 panels only."""
+def test_the_screened_greedy_head_takes_fp32_panels_only():
+    """The screen's exact pass is the fp32 panels' product: bf16 panels give no screened head."""
     from common.engine.models.greedy_head import GreedyHead
 
     assert GreedyHead.build(pack_panels(torch.randn(64, 32).bfloat16())) is None
