@@ -87,26 +87,9 @@ static inline void store_bf16(uint16_t *dst, __m512 acc, const uint16_t *bias, i
 typedef void (*tile_fn)(const uint16_t *, int64_t, const uint16_t *, int64_t, int64_t, uint16_t *, int64_t,
                         const uint16_t *, int, const uint16_t *);
 
-/* The tiling of panel_gemm_cpu.c's AVX-512 build (4 panels by up to 4 rows; 2 panels by up to 12;
- * the last, partial group one panel by up to 16). */
-#define SMALL_ROWS 4
-#define LARGE_ROWS 12
-#define EDGE_ROWS 16
-DEFINE_TILE(1, 4) DEFINE_TILE(2, 4) DEFINE_TILE(3, 4) DEFINE_TILE(4, 4)
-DEFINE_TILE(1, 2) DEFINE_TILE(2, 2) DEFINE_TILE(3, 2) DEFINE_TILE(4, 2)
-DEFINE_TILE(5, 2) DEFINE_TILE(6, 2) DEFINE_TILE(7, 2) DEFINE_TILE(8, 2)
-DEFINE_TILE(9, 2) DEFINE_TILE(10, 2) DEFINE_TILE(11, 2) DEFINE_TILE(12, 2)
-DEFINE_TILE(1, 1) DEFINE_TILE(2, 1) DEFINE_TILE(3, 1) DEFINE_TILE(4, 1)
-DEFINE_TILE(5, 1) DEFINE_TILE(6, 1) DEFINE_TILE(7, 1) DEFINE_TILE(8, 1)
-DEFINE_TILE(9, 1) DEFINE_TILE(10, 1) DEFINE_TILE(11, 1) DEFINE_TILE(12, 1)
-DEFINE_TILE(13, 1) DEFINE_TILE(14, 1) DEFINE_TILE(15, 1) DEFINE_TILE(16, 1)
-static const int SMALL_PANELS = 4, LARGE_PANELS = 2;
-static const tile_fn SMALL_TILES[SMALL_ROWS + 1] = {0, tile_1_4, tile_2_4, tile_3_4, tile_4_4};
-static const tile_fn LARGE_TILES[LARGE_ROWS + 1] = {0, tile_1_2, tile_2_2, tile_3_2, tile_4_2, tile_5_2, tile_6_2,
-                                                    tile_7_2, tile_8_2, tile_9_2, tile_10_2, tile_11_2, tile_12_2};
-static const tile_fn EDGE_TILES[EDGE_ROWS + 1] = {0, tile_1_1, tile_2_1, tile_3_1, tile_4_1, tile_5_1, tile_6_1,
-                                                  tile_7_1, tile_8_1, tile_9_1, tile_10_1, tile_11_1, tile_12_1,
-                                                  tile_13_1, tile_14_1, tile_15_1, tile_16_1};
+#include "panel_tiles.h" /* the AVX-512 tiling of panel_gemm_cpu.c */
+AVX512_PANEL_TILES(DEFINE_TILE)
+AVX512_PANEL_TILE_TABLES(tile_fn)
 
 /* w: [N, K] bf16 row-major (row stride ldw) -> panels: ceil(N / 16) * ceil(K / 2) * 32 values. */
 void pack_bf16_panels(const uint16_t *w, int64_t ldw, int64_t n, int64_t k, uint16_t *panels, int num_threads) {

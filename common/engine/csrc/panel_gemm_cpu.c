@@ -102,27 +102,9 @@ typedef void (*tile_fn)(const float *, int64_t, const float *, int64_t, float *,
  * of LARGE_PANELS panels by tiles of LARGE_ROWS rows (as many rows per pass over the weights as
  * the registers allow); the last, partial group goes one panel at a time by EDGE_ROWS rows. */
 #if VW == 16
-/* 4 panels x 4 rows: 16 accumulators; 2 x 12: 24 and two panel vectors, 26 of AVX-512's 32
- * registers; 1 x 16.  One panel by 16 rows streamed the weights slower, and tiles of 8 rows passed
- * over them more often (Sapphire Rapids, the LM head at 16 rows 40 / 35.5 / 32.9 ms). */
-#define SMALL_ROWS 4
-#define LARGE_ROWS 12
-#define EDGE_ROWS 16
-DEFINE_TILE(1, 4) DEFINE_TILE(2, 4) DEFINE_TILE(3, 4) DEFINE_TILE(4, 4)
-DEFINE_TILE(1, 2) DEFINE_TILE(2, 2) DEFINE_TILE(3, 2) DEFINE_TILE(4, 2)
-DEFINE_TILE(5, 2) DEFINE_TILE(6, 2) DEFINE_TILE(7, 2) DEFINE_TILE(8, 2)
-DEFINE_TILE(9, 2) DEFINE_TILE(10, 2) DEFINE_TILE(11, 2) DEFINE_TILE(12, 2)
-DEFINE_TILE(1, 1) DEFINE_TILE(2, 1) DEFINE_TILE(3, 1) DEFINE_TILE(4, 1)
-DEFINE_TILE(5, 1) DEFINE_TILE(6, 1) DEFINE_TILE(7, 1) DEFINE_TILE(8, 1)
-DEFINE_TILE(9, 1) DEFINE_TILE(10, 1) DEFINE_TILE(11, 1) DEFINE_TILE(12, 1)
-DEFINE_TILE(13, 1) DEFINE_TILE(14, 1) DEFINE_TILE(15, 1) DEFINE_TILE(16, 1)
-static const int SMALL_PANELS = 4, LARGE_PANELS = 2;
-static const tile_fn SMALL_TILES[SMALL_ROWS + 1] = {0, tile_1_4, tile_2_4, tile_3_4, tile_4_4};
-static const tile_fn LARGE_TILES[LARGE_ROWS + 1] = {0, tile_1_2, tile_2_2, tile_3_2, tile_4_2, tile_5_2, tile_6_2,
-                                                    tile_7_2, tile_8_2, tile_9_2, tile_10_2, tile_11_2, tile_12_2};
-static const tile_fn EDGE_TILES[EDGE_ROWS + 1] = {0, tile_1_1, tile_2_1, tile_3_1, tile_4_1, tile_5_1, tile_6_1,
-                                                  tile_7_1, tile_8_1, tile_9_1, tile_10_1, tile_11_1, tile_12_1,
-                                                  tile_13_1, tile_14_1, tile_15_1, tile_16_1};
+#include "panel_tiles.h" /* the AVX-512 tiling, shared with bf16_panel_cpu.c */
+AVX512_PANEL_TILES(DEFINE_TILE)
+AVX512_PANEL_TILE_TABLES(tile_fn)
 #else
 /* AVX2's 16 registers, a panel in two: 2 panels x 3 rows (12 accumulators, the panel vectors read
  * from memory by the FMAs), 1 panel x 6 rows (12, two panel vectors and the broadcast).  On a
