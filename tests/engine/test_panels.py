@@ -144,6 +144,32 @@ def test_the_screened_greedy_head_takes_fp32_panels_only():
     assert GreedyHead.build(pack_panels(torch.randn(64, 32).bfloat16())) is None
 
 
+@needs_bf16_kernel
+def test_a_bf16_model_decodes_on_its_panels_with_onednn_s_values(tmp_path):
+    """A bf16 model (tiny Gemma 3) packs its projections and head in bf16 panels, a decode step runs
+    its products there, and its logits are oneDNN's but for the rounding of differently ordered sums."""
+    from common.engine.config import EngineConfig
+    from common.engine.engine import Engine
+    from tests.support.checkpoints import tiny_gemma3_config, write_checkpoint
+
+    engine = Engine(EngineConfig(model=str(write_checkpoint(tiny_gemma3_config(), tmp_path)), dtype="bfloat16",
+                                 num_blocks=32, block_size=4, max_num_batched_tokens=256), load_tokenizer=False)
+    model = engine.model
+    layers = [m for m in model.modules() if isinstance(m, Linear) and m.panels is not None]  # an untied head too
+    assert layers and all(m.panels.dtype == torch.bfloat16 for m in layers)
+    engine.add_request([5, 9, 3, 7, 2], {"max_tokens": 8, "temperature": 0, "ignore_eos": True})
+    engine.step()  # the prompt
+    assert panel_products.PROFILER_LABEL in ops_called(engine.step)  # a decode step
+    hidden = torch.randn(3, model.cfg.hidden_size, generator=torch.Generator().manual_seed(4)).bfloat16()
+    with torch.inference_mode():
+        on_panels = model.logits(hidden)
+        for m in layers:
+            m.panels = None
+        model.lm_head_panels = None  # a tied head's
+        on_onednn = model.logits(hidden)
+    torch.testing.assert_close(on_panels, on_onednn, rtol=1.6e-2, atol=1e-2)
+
+
 def test_kernel_calls_are_labelled_for_the_profiler_only_while_one_runs(monkeypatch):
     """A profiler range costs ~10 us to enter: kernel calls open one only under a profiler."""
     from common.engine import cpu_kernels
