@@ -19,6 +19,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "panel_groups.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 
@@ -117,11 +119,9 @@ void bf16_panel_gemm(const uint16_t *x, int64_t ldx, const uint16_t *panels, con
     const int64_t groups = (num_panels + per_group - 1) / per_group;
 #pragma omp parallel for schedule(static) num_threads(num_threads > 0 ? num_threads : 1)
     for (int64_t g = 0; g < groups; g++) {
-        const int64_t first = g * per_group;
-        const int panels_here = (int)(num_panels - first < per_group ? num_panels - first : per_group);
-        const int64_t col = first * LANES;
-        const int64_t after_last = n - (first + panels_here - 1) * LANES; /* columns from the last panel on */
-        const int last_cols = (int)(after_last < LANES ? after_last : LANES);
+        const panel_group group = panel_group_at(g, per_group, n, LANES);
+        const int64_t first = group.first, col = first * LANES;
+        const int panels_here = group.count, last_cols = group.last_cols;
         const uint16_t *w = panels + first * k2 * 2 * LANES;
         const uint16_t *b = bias ? bias + col : NULL;
         if (panels_here == per_group && last_cols == LANES) {

@@ -20,6 +20,8 @@
  */
 #include <stdint.h>
 #include <string.h>
+
+#include "panel_groups.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -159,11 +161,9 @@ void panel_gemm(const float *x, int64_t ldx, const float *panels, int64_t m, int
 #pragma omp parallel for schedule(static) num_threads(num_threads > 0 ? num_threads : 1)
 #endif
     for (int64_t g = 0; g < groups; g++) {
-        const int64_t first = g * per_group;
-        const int panels_here = (int)(num_panels - first < per_group ? num_panels - first : per_group);
-        const int64_t col = first * LANES;
-        const int64_t after_last = n - (first + panels_here - 1) * LANES; /* columns from the last panel on */
-        const int last_cols = (int)(after_last < LANES ? after_last : LANES);
+        const panel_group group = panel_group_at(g, per_group, n, LANES);
+        const int64_t first = group.first, col = first * LANES;
+        const int panels_here = group.count, last_cols = group.last_cols;
         const float *w = panels + first * k * LANES;
         if (panels_here == per_group && last_cols == LANES) {
             const float *next = g + 1 < groups ? w + (int64_t)per_group * k * LANES : NULL;
