@@ -52,8 +52,7 @@
 #include <immintrin.h>
 #define NATIVE 1
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx.h"
 #define AMX 1
 #endif
 #elif defined(__AVX2__) && defined(__FMA__)

@@ -76,30 +76,12 @@ static const tile_fn LARGE_TILES[LARGE_TOKENS + 1] = {0, tile_1_2, tile_2_2, til
                                                       tile_7_2, tile_8_2, tile_9_2, tile_10_2, tile_11_2, tile_12_2};
 
 #ifdef AMX
-/* Linux hands out AMX state only to a process that asks (once; oneDNN may have asked already). */
-static int amx_permitted(void) {
-    static int permitted = -1;
-    if (permitted < 0) permitted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-    return permitted;
-}
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-
 /* tmm0, tmm1: two panels' logits of 16 tokens (fp32); tmm2: the tokens' x~ (16 pairs of k);
  * tmm3, tmm4: the two panels' weights (16 pairs of k by 16 rows). */
 static void amx_configure(void) {
-    tile_config c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int i = 0; i < 5; i++) {
-        c.colsb[i] = 64;
-        c.rows[i] = 16;
-    }
-    _tile_loadconfig(&c);
+    static const uint8_t rows[5] = {16, 16, 16, 16, 16};
+    static const uint16_t colsb[5] = {64, 64, 64, 64, 64};
+    amx_load_config(5, rows, colsb);
 }
 
 /* Tokens [token0, token0 + 16) (x~ zero-padded past the real ones) by panels panel0, panel0 + 1;

@@ -83,7 +83,8 @@ int int4_vnni_gemm(const float *x, int64_t rows, int64_t k_in, const uint8_t *w,
                    const float *zero, float *y, int64_t n_out, int64_t group) {
     if (group <= 0 || group % 8 || k_in % group) return -2;
     int4_weight weight = {w, scale, zero};
-    return vnni_product(x, rows, k_in, group, n_out, int4_tile, &weight, NULL, y, NULL);
+    const vnni_kernel kernel = VNNI_KERNEL(int4_tile);
+    return vnni_product(x, rows, k_in, group, n_out, &kernel, &weight, NULL, y, NULL);
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 /* AVX2: _mm256_maddubs_epi16 multiplies the unsigned nibbles by the signed activations and adds

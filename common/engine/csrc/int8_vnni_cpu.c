@@ -22,6 +22,10 @@
  */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include "vnni_rows.h"
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
+#include "int8_amx.h"
+#define AMX 1
+#endif
 
 /* MR rows by NB consecutive blocks (block j's bytes at w + j * k_pad * LANES): out[j * MR + i]. */
 #define DEFINE_TILE(MR, NB)                                                                           \
@@ -63,13 +67,38 @@ static void int8_tile(int mr, int nb, const quantized_rows *rows, int64_t b, con
 #undef CASE
 }
 
+static const vnni_kernel VNNI_INT8 = VNNI_KERNEL(int8_tile);
+static int products_with_amx = 1;
+
+/* Which tiles a product of ``rows`` rows of k_in inputs in groups of ``group`` runs on: AMX where
+ * the CPU has them, Linux grants them, they are allowed, the shape fits (int8_amx.h) and the rows are
+ * AMX_MIN_ROWS or more, else the VNNI ones. */
+static const vnni_kernel *int8_kernel(int64_t rows, int64_t k_in, int64_t group) {
+#ifdef AMX
+    if (products_with_amx && rows >= AMX_MIN_ROWS && group == AMX_GROUP && k_in % AMX_GROUP == 0 && amx_permitted())
+        return &AMX_INT8;
+#endif
+    (void)rows, (void)k_in, (void)group;
+    return &VNNI_INT8;
+}
+
+/* Which tiles the products run on from now on in this process: 2 AMX (where the CPU has them and
+ * Linux grants them), 1 AVX512-VNNI; ``allow_amx`` 0 keeps AMX out (tests compare the two). */
+int int8_vnni_path(int allow_amx) {
+    products_with_amx = allow_amx != 0;
+#ifdef AMX
+    if (products_with_amx && amx_permitted()) return 2;
+#endif
+    return 1;
+}
+
 /* y [rows, n_out] (fp32) = x [rows, k_in] (fp32) times the weight w (the layout above, k_pad = k_in
  * rounded up to 4) with per-channel ``scale``; activations quantized in groups of ``group`` inputs (a
  * multiple of 4).  Returns 0; -1 where its scratch could not be allocated, -2 for another group. */
 int int8_vnni_gemm(const float *x, int64_t rows, int64_t k_in, const uint8_t *w, const float *scale, float *y,
                    int64_t n_out, int64_t group) {
     if (group <= 0 || group % 4) return -2;
-    return vnni_product(x, rows, k_in, group, n_out, int8_tile, w, scale, y, NULL);
+    return vnni_product(x, rows, k_in, group, n_out, int8_kernel(rows, k_in, group), w, scale, y, NULL);
 }
 
 /* out [n, in] (fp32) = rows ids[0 .. n) of the weight w (the layout above, k_pad = in rounded up to 4),
@@ -96,6 +125,6 @@ int int8_vnni_rows(const uint8_t *w, const float *scale, int64_t n_out, int64_t 
 int int8_vnni_argmax(const float *x, int64_t rows, int64_t k_in, const uint8_t *w, const float *scale,
                      int64_t n_out, int64_t group, int64_t *tokens) {
     if (group <= 0 || group % 4) return -2;
-    return vnni_product(x, rows, k_in, group, n_out, int8_tile, w, scale, NULL, tokens);
+    return vnni_product(x, rows, k_in, group, n_out, int8_kernel(rows, k_in, group), w, scale, NULL, tokens);
 }
 #endif

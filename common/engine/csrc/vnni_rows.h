@@ -83,9 +83,23 @@ static inline void store_tile(const __m512 *out, int mr, int nb, int64_t m0, int
  * 12-15% faster. */
 #define FOR_EACH_TILE(X) X(1, 1) X(2, 1) X(3, 1) X(4, 1) X(5, 1) X(6, 1) X(7, 1) X(8, 1)
 
+#define MAX_TILE_OUT 32 /* a pass's rows x blocks, at most (8 x 1 here, 16 x 2 on AMX tiles) */
 
 /* A kernel's tile: mr rows by nb blocks from block b, into out[j * mr + i]. */
 typedef void (*tile_fn)(int mr, int nb, const quantized_rows *rows, int64_t b, const void *weight, __m512 *out);
+
+/* How a product's passes go: a pass is up to rows_per_pass rows by blocks_per_pass blocks, one call
+ * of tile; begin_pass (or NULL) runs on a thread before each pass's tiles, finish (or NULL) on each
+ * thread after its last (the AMX tiles' configuration and release). */
+typedef struct {
+    tile_fn tile;
+    int rows_per_pass, blocks_per_pass;
+    void (*begin_pass)(int mr);
+    void (*finish)(void);
+} vnni_kernel;
+
+/* The AVX512-VNNI kernels' passes: ROWS rows by one block. */
+#define VNNI_KERNEL(tile) ((vnni_kernel){(tile), ROWS, 1, NULL, NULL})
 
 /* Each row's largest value in a tile (out[j * mr + i] times the channels' scales, as store_tile
  * computes it) against the row's best so far, best[i] at index[i]: a later channel replaces it only
@@ -112,12 +126,12 @@ static inline void best_of_tile(const __m512 *out, int mr, int nb, int64_t b0, c
 }
 
 /* y [rows, n_out] = the kernel's product of x [rows, k_in] (quantized here in groups of ``group``
- * inputs, k_pad = k_in rounded up to 4) with ``weight`` by its ``tile``, times ``scale`` (NULL: none);
+ * inputs, k_pad = k_in rounded up to 4) with ``weight`` by its passes (``kernel``), times ``scale`` (NULL: none);
  * or, with ``argmax`` (y unused), each row's first maximal output index into argmax[row] -- the
  * index torch.argmax of y would give -- without y's n_out values a row.  Returns 0; 1 (argmax only)
  * where some output was not finite (argmax then unset); -1 where its scratch could not be allocated. */
-static int vnni_product(const float *x, int64_t rows, int64_t k_in, int64_t group, int64_t n_out, tile_fn tile,
-                        const void *weight, const float *scale, float *y, int64_t *argmax) {
+static int vnni_product(const float *x, int64_t rows, int64_t k_in, int64_t group, int64_t n_out,
+                        const vnni_kernel *kernel, const void *weight, const float *scale, float *y, int64_t *argmax) {
     int64_t k_pad = (k_in + 3) & ~(int64_t)3, groups = (k_pad + group - 1) / group;
     int64_t blocks = (n_out + LANES - 1) / LANES, chunks = (blocks + CHUNK - 1) / CHUNK;
     int8_t *xq = malloc((size_t)(rows * k_pad) + 64);
@@ -133,24 +147,31 @@ static int vnni_product(const float *x, int64_t rows, int64_t k_in, int64_t grou
     }
     quantize_rows(x, rows, k_in, k_pad, group, xq, xs, sums, x_sums);
     int bad = 0;
-#pragma omp parallel for schedule(static) reduction(| : bad)
-    for (int64_t c = 0; c < chunks; c++) {
-        int64_t b_end = (c + 1) * CHUNK < blocks ? (c + 1) * CHUNK : blocks;
-        __m512 out[ROWS]; /* every tile's rows x blocks is at most ROWS (FOR_EACH_TILE) */
-        for (int64_t m0 = 0; m0 < rows; m0 += ROWS) {
-            int mr = (int)(rows - m0 < ROWS ? rows - m0 : ROWS);
-            quantized_rows part = {xq + m0 * k_pad, xs + m0 * groups, sums + m0 * groups, x_sums + m0 * groups,
-                                   k_pad, groups, group};
-            if (argmax)
-                for (int i = 0; i < mr; i++) best[c * rows + m0 + i] = -INFINITY, index[c * rows + m0 + i] = -1;
-            for (int64_t b = c * CHUNK; b < b_end; b++) {
-                tile(mr, 1, &part, b, weight, out);
+    const int64_t rows_per_pass = kernel->rows_per_pass, blocks_per_pass = kernel->blocks_per_pass;
+#pragma omp parallel reduction(| : bad)
+    {
+        __m512 out[MAX_TILE_OUT];
+#pragma omp for schedule(static)
+        for (int64_t c = 0; c < chunks; c++) {
+            int64_t b_end = (c + 1) * CHUNK < blocks ? (c + 1) * CHUNK : blocks;
+            for (int64_t m0 = 0; m0 < rows; m0 += rows_per_pass) {
+                int mr = (int)(rows - m0 < rows_per_pass ? rows - m0 : rows_per_pass);
+                quantized_rows part = {xq + m0 * k_pad, xs + m0 * groups, sums + m0 * groups, x_sums + m0 * groups,
+                                       k_pad, groups, group};
                 if (argmax)
-                    best_of_tile(out, mr, 1, b, scale, n_out, best + c * rows + m0, index + c * rows + m0, &bad);
-                else
-                    store_tile(out, mr, 1, m0, b, scale, y, n_out);
+                    for (int i = 0; i < mr; i++) best[c * rows + m0 + i] = -INFINITY, index[c * rows + m0 + i] = -1;
+                if (kernel->begin_pass) kernel->begin_pass(mr);
+                for (int64_t b = c * CHUNK; b < b_end; b += blocks_per_pass) {
+                    int nb = (int)(b_end - b < blocks_per_pass ? b_end - b : blocks_per_pass);
+                    kernel->tile(mr, nb, &part, b, weight, out);
+                    if (argmax)
+                        best_of_tile(out, mr, nb, b, scale, n_out, best + c * rows + m0, index + c * rows + m0, &bad);
+                    else
+                        store_tile(out, mr, nb, m0, b, scale, y, n_out);
+                }
             }
         }
+        if (kernel->finish) kernel->finish();
     }
     if (argmax && !bad)
         for (int64_t m = 0; m < rows; m++) {
