@@ -20,8 +20,7 @@ def _weight(out_features: int, in_features: int, seed: int):
     g = torch.Generator().manual_seed(seed)
     q = torch.randint(-127, 128, (out_features, in_features), dtype=torch.int8, generator=g)
     scale = torch.rand(out_features, generator=g) * 0.02 + 1e-3
-    x = torch.randn(0, in_features)  # shaped by the caller
-    return q, scale, int8_vnni.pack(q), x
+    return q, scale, int8_vnni.pack(q)
 
 
 def _both_paths(fn):
@@ -36,7 +35,7 @@ def _both_paths(fn):
 @pytest.mark.parametrize("in_features", [64, 640])
 @pytest.mark.parametrize("rows", [5, 8, 16, 17, 33])  # from the AMX threshold; 16-row passes and a remainder
 def test_amx_products_and_greedy_tokens_are_the_vnni_ones_bit_for_bit(out_features, in_features, rows):
-    q, scale, packed, _ = _weight(out_features, in_features, seed=out_features * 7 + rows)
+    q, scale, packed = _weight(out_features, in_features, seed=out_features * 7 + rows)
     x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
     x[:, 5] *= 300  # a huge channel: its group's scale differs from the others'
     entry, argmax = int8_vnni.kernel(), int8_vnni.argmax_kernel()
@@ -50,7 +49,7 @@ def test_amx_products_and_greedy_tokens_are_the_vnni_ones_bit_for_bit(out_featur
 
 @pytest.mark.parametrize("in_features,rows", [(100, 8), (640, 4)])  # inputs off the tiles' 64; fewer rows
 def test_shapes_the_tiles_do_not_take_still_give_the_vnni_products(in_features, rows):
-    q, scale, packed, _ = _weight(48, in_features, seed=3)
+    q, scale, packed = _weight(48, in_features, seed=3)
     x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(4))
     entry = int8_vnni.kernel()
     vnni, amx = _both_paths(lambda: int8_vnni.product(entry, x, packed, scale, 48, in_features))
@@ -59,7 +58,7 @@ def test_shapes_the_tiles_do_not_take_still_give_the_vnni_products(in_features, 
 
 
 def test_a_non_finite_row_stays_its_own_on_the_tiles():
-    q, scale, packed, _ = _weight(64, 128, seed=5)
+    q, scale, packed = _weight(64, 128, seed=5)
     x = torch.randn(8, 128, generator=torch.Generator().manual_seed(6))
     x[3, 10] = float("nan")
     y = int8_vnni.product(int8_vnni.kernel(), x, packed, scale, 64, 128)
