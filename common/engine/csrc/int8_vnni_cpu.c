@@ -75,8 +75,7 @@ static int products_with_amx = 1;
  * AMX_MIN_ROWS or more, else the VNNI ones. */
 static const vnni_kernel *int8_kernel(int64_t rows, int64_t k_in, int64_t group) {
 #ifdef AMX
-    if (products_with_amx && rows >= AMX_MIN_ROWS && group == AMX_GROUP && k_in % AMX_GROUP == 0 && amx_permitted())
-        return &AMX_INT8;
+    if (products_with_amx && amx_fits(rows, k_in, group)) return &AMX_INT8;
 #endif
     (void)rows, (void)k_in, (void)group;
     return &VNNI_INT8;

@@ -94,7 +94,7 @@ typedef void (*tile_fn)(int mr, int nb, const quantized_rows *rows, int64_t b, c
 typedef struct {
     tile_fn tile;
     int rows_per_pass, blocks_per_pass;
-    void (*begin_pass)(int mr);
+    void (*begin_pass)(int mr, int64_t group);
     void (*finish)(void);
 } vnni_kernel;
 
@@ -160,7 +160,7 @@ static int vnni_product(const float *x, int64_t rows, int64_t k_in, int64_t grou
                                        k_pad, groups, group};
                 if (argmax)
                     for (int i = 0; i < mr; i++) best[c * rows + m0 + i] = -INFINITY, index[c * rows + m0 + i] = -1;
-                if (kernel->begin_pass) kernel->begin_pass(mr);
+                if (kernel->begin_pass) kernel->begin_pass(mr, group);
                 for (int64_t b = c * CHUNK; b < b_end; b += blocks_per_pass) {
                     int nb = (int)(b_end - b < blocks_per_pass ? b_end - b : blocks_per_pass);
                     kernel->tile(mr, nb, &part, b, weight, out);

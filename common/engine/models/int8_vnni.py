@@ -32,7 +32,7 @@ def kernel():
 def product_path(allow_amx: bool = True) -> str:
     """Which tiles the kernel's products of 5 or more rows run on from now on in this process:
     ``"amx"`` (AMX-INT8, where the CPU has it and Linux grants it; ``csrc/int8_amx.h``), ``"vnni"``
-    or ``"none"`` (not built); ``allow_amx=False`` keeps AMX out (tests compare the two)."""
+    or ``"none"`` (no AVX512-VNNI build); ``allow_amx=False`` keeps AMX out (tests compare the two)."""
     from common.engine.cpu_kernels import kernel_function
 
     fn = kernel_function("int8_vnni_cpu", "int8_vnni_path", [ctypes.c_int], ctypes.c_int, cpu_specific=True)

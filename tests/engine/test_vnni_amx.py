@@ -1,4 +1,5 @@
-"""The int8 products on AMX tiles (``csrc/int8_amx.h``): the VNNI tiles' results bit for bit."""
+"""The int8 products on AMX tiles (``csrc/int8_amx.h``, ``vnni_rows_amx.h``): the VNNI tiles'
+results bit for bit."""
 from __future__ import annotations
 
 import pytest
@@ -64,3 +65,17 @@ def test_a_non_finite_row_stays_its_own_on_the_tiles():
     y = int8_vnni.product(int8_vnni.kernel(), x, packed, scale, 64, 128)
     assert y[3].isnan().all() and y[torch.arange(8) != 3].isfinite().all()
     assert int8_vnni.argmax(int8_vnni.argmax_kernel(), x, packed, scale, 64, 128) is None
+
+
+
+@pytest.mark.parametrize("group", [16, 32, 128])  # a tile product a group's quarter, half, or two a group
+@pytest.mark.parametrize("rows", [5, 17])
+def test_other_activation_groups_give_the_vnni_products_too(group, rows):
+    q, scale, packed = _weight(40, 256, seed=group + rows)
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
+    x[:, 9] *= 300
+    entry = int8_vnni.kernel()
+    vnni, amx = _both_paths(lambda: int8_vnni.run_entry("int8", entry, x, 256, (packed, scale), 40, group))
+    assert torch.equal(vnni, amx)
+    ref = int8_vnni.reference_product(x, q, scale, group)
+    torch.testing.assert_close(amx, ref, rtol=1e-5, atol=1e-4 * ref.abs().max().item())
