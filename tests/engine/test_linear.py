@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from common.engine.models import linear as linear_module
 from common.engine.models.linear import ONEDNN_MAX_ROWS, Linear, linear
-from common.engine.models.panels import PANEL_MAX_ROWS
+from common.engine.models.panels import max_rows
 
 pytestmark = pytest.mark.slow(seconds=38)  # a long file: scheduled by its length (tests/conftest.py)
 
@@ -65,7 +65,7 @@ def test_packed_layer_computes_what_the_plain_one_did(dtype, shape):
     assert layer.weight.numel() == 0  # the plain copy is gone; only the packed one is read
     with torch.inference_mode():
         out = layer(x)
-        few_rows = x.numel() // 64 <= PANEL_MAX_ROWS and layer.panels is not None  # bf16 ones: AVX512-BF16 CPUs
+        few_rows = x.numel() // 64 <= max_rows(dtype) and layer.panels is not None  # bf16 ones: AVX512-BF16 CPUs
         assert ("panel_gemm" if few_rows else "mkldnn::_linear_pointwise") in ops_called(lambda: layer(x))
     assert out.shape == (*shape, 96) and out.dtype == dtype
     torch.testing.assert_close(out.float(), expected, **tol)

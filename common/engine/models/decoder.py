@@ -22,7 +22,7 @@ from common.engine.models.activations import ACTIVATIONS, gated
 from common.engine.models.linear import Linear, linear, pack_weight, packed_linear, tune_row_padding
 from common.engine.models.fused_layers import FusedLayers
 from common.engine.models.greedy_head import GreedyHead, uniforms_per_row
-from common.engine.models.panels import PANEL_MAX_ROWS, PanelWeight, pack_panels
+from common.engine.models.panels import PanelWeight, max_rows, pack_panels
 from common.engine.models.stages import EAGER, LayerStages
 from common.engine.models import norm_rope
 from common.engine.models.rotary import RotaryEmbedding, apply_rotary, rotate
@@ -293,7 +293,7 @@ class DecoderModel(nn.Module):
         panels = self._panel_weights()
         if panels:
             log.info("%d weights also packed in panels for products of up to %d rows (+%.0f MB)",
-                     len(panels), PANEL_MAX_ROWS, sum(p.nbytes for p in panels) / 1e6)
+                     len(panels), max_rows(panels[0].dtype), sum(p.nbytes for p in panels) / 1e6)
         if self.greedy_head is not None:
             log.info("greedy steps screen the LM head in bf16 (+%.0f MB)", self.greedy_head.nbytes / 1e6)
 
