@@ -24,20 +24,22 @@ static inline void int8_scale_group(const quantized_rows *r, int64_t g, int mr, 
         for (int i = 0; i < mr; i++) {
             __m512i a = _mm512_sub_epi32(_mm512_load_si512((const void *)sums[j][i]),
                                          _mm512_set1_epi32(128 * r->sums[i * groups + g]));
-            out[j * mr + i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_set1_ps(r->xs[i * groups + g]), out[j * mr + i]);
+            __m512 scale = _mm512_set1_ps(r->xs[i * groups + g]);
+            out[j * mr + i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), scale, out[j * mr + i]);
         }
 }
 
 /* Group g's inputs k0 .. k0 + group: a block's bytes of input k at w + k * LANES (quads of 16
- * channels), prefetched AMX_PREFETCH_BYTES ahead. */
+ * channels), prefetched into L2 AMX_PREFETCH_BYTES ahead. */
 #define int8_GROUP_PRODUCTS(C0, C1)                                                                   \
     do {                                                                                              \
         _tile_zero(C0);                                                                               \
         if (nb == 2) _tile_zero(C1);                                                                  \
         for (int64_t k = g * r->group; k < (g + 1) * r->group; k += k_tile) {                         \
             for (int line = 0; line < k_tile * LANES; line += 64) {                                   \
-                _mm_prefetch((const char *)w0 + (k * LANES + AMX_PREFETCH_BYTES + line), _MM_HINT_T0); \
-                if (nb == 2) _mm_prefetch((const char *)w1 + (k * LANES + AMX_PREFETCH_BYTES + line), _MM_HINT_T0); \
+                const int64_t ahead = k * LANES + AMX_PREFETCH_BYTES + line;                          \
+                _mm_prefetch((const char *)w0 + ahead, _MM_HINT_T1);                                  \
+                if (nb == 2) _mm_prefetch((const char *)w1 + ahead, _MM_HINT_T1);                     \
             }                                                                                         \
             _tile_loadd(0, r->xq + k, r->k_pad);                                                      \
             _tile_loadd(1, w0 + k * LANES, 64);                                                       \
