@@ -23,9 +23,11 @@ memory's rate; on a 2-vCPU Zen 4 (Gemma 3 270M bf16, 2 threads) the 262k x 640 L
 1 row 13.6 -> 9.4 ms, at 8 rows 14.9 -> 12.1 ms, and a whole decode step (interleaved in one
 engine) 1 row 31.1 -> 22.2 ms, 8 rows 36.2 -> 25.4 ms.  They cost their weights' bytes again (Gemma
 3 270M: +0.54 GB).  Elsewhere bf16 products stay oneDNN's.  On CPUs with AMX oneDNN's bf16 products
-run on its tiles and catch up from 8 rows: there the bf16 panels take up to
+run on its tiles and catch up at 8 rows: there the bf16 panels take up to
 ``BF16_PANEL_MAX_ROWS_AMX`` rows (a 2-vCPU Sapphire Rapids-class VM, panels against oneDNN's packed
-products: 4 rows 1.21-1.42x, 8 rows 0.94-1.03x, 12 rows 0.75-0.84x, 16 rows 0.56-0.65x).
+products alone: 4 rows 1.21-1.42x, 8 rows 0.94-1.03x, 12 rows 0.75-0.84x, 16 rows 0.56-0.65x; the
+8-row decode-bound workload, interleaved in one engine, 164-173 tok/s with oneDNN at 8 rows, 172-180
+on panels).
 """
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ import torch
 from common.engine.cpu_kernels import kernel_function, profiled
 
 PANEL_MAX_ROWS = 32  # products with more rows go to oneDNN (see the module docstring)
-BF16_PANEL_MAX_ROWS_AMX = 7  # bf16 ones on CPUs with AMX tiles (see the module docstring)
+BF16_PANEL_MAX_ROWS_AMX = 8  # bf16 ones on CPUs with AMX tiles (see the module docstring)
 LANES = 16  # output columns per panel (the kernel's)
 PROFILER_LABEL = "panel_gemm"
 
