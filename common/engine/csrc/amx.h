@@ -1,4 +1,4 @@
-/* What the AMX tile kernels share (greedy_screen_cpu.c's pass 1, vnni_rows_amx.h's int8 products):
+/* What the AMX tile kernels share (greedy_screen_cpu.c's pass 1, int8_amx.h's int8 products):
  * Linux's permission for the tile state and the tile configuration's layout.  Included only where
  * the compiler targets AMX on Linux. */
 #ifndef AMX_H

@@ -7,18 +7,72 @@
  *
  * The kernel's blocks are AMX's B operand as they lie: a block's quads of inputs are tile rows of 64
  * bytes (16 channels x 4 inputs, unsigned: q + 128), and a group of quantized inputs of up to 16
- * rows is the A tile (signed).  Each group's sums are stored, the +128's share taken back (128 x
- * the group's sum of xq, as the VNNI tile starts from) and scaled into the row's fp32 sums in group
- * order -- the VNNI tile's arithmetic, in its order.  The passes, tiles and shapes: vnni_rows_amx.h.
- * Included by int8_vnni_cpu.c only where the compiler targets AMX-INT8 on Linux. */
+ * rows is the A tile (signed).  TDPBSUD sums a group exactly in int32, so each group is tile
+ * products of its own: its sums are stored, the +128's share taken back (128 x the group's sum of
+ * xq, as the VNNI tile starts from) and scaled into the row's fp32 sums in group order -- the VNNI
+ * tile's arithmetic, in its order.
+ *
+ * A pass is up to 16 rows by 2 blocks of 16 output channels.  Tiles: 0 the rows' inputs (mr rows of
+ * k_tile bytes), 1 and 2 the two blocks' weights (k_tile / 4 rows of 16 channels x 4 inputs), 4 / 5
+ * and 6 / 7 the blocks' int32 sums (mr x 16) of even and odd groups, so a group's products run while
+ * the one before is scaled.  k_tile is the activations' group, at most 64 (a tile row's bytes); a
+ * larger group is several products into its sums.
+ *
+ * The 4-bit weights stay on the VNNI tiles: unpacked into tile rows (a buffer the B tile loads, one
+ * tile product ahead), with int4's groups of 32 inputs a tile product of half a tile row each, they
+ * measured 0.92-1.20x the VNNI tiles' products at 8-64 rows and no faster in a decode-bound or a
+ * 64-request run.  Included by int8_vnni_cpu.c only where the compiler targets AMX-INT8 on Linux. */
 #ifndef INT8_AMX_H
 #define INT8_AMX_H
-#include "vnni_rows_amx.h"
+#include "amx.h"
+
+#define AMX_ROWS 16   /* rows a pass: a tile's rows */
+#define AMX_BLOCKS 2  /* blocks a pass */
+#define AMX_K_MAX 64  /* inputs a tile product, at most: a tile row's bytes */
+/* Weight bytes ahead of each block's tile loads that are prefetched into L2: the LM head's greedy
+ * tokens at 8 rows, builds side by side on a Sapphire Rapids-class VM, 4 KB into L1 7.1-8.3 ms, 16 KB
+ * into L2 6.1-6.6 ms; the decode-bound workload (quantized.py --quick, int8, interleaved in one
+ * engine) 353 -> 371 tok/s, the 64-request one within its noise (+1-2%). */
+#define AMX_PREFETCH_BYTES 16384
+/* Fewer rows take the VNNI tiles: products alone, two builds interleaved on a Sapphire Rapids-class
+ * VM, AMX against VNNI: 1-2 rows 0.76-0.97x, 4 rows 0.96-1.09x, 6 rows 1.11-1.20x, 8 rows
+ * 1.19-1.33x, 16 rows 1.37-1.65x, 64 rows 1.55-1.68x (the layers' shapes; the LM head's, which
+ * streams its weight from memory, 1.0-1.25x up to 16 rows, 1.39x at 64). */
+#define AMX_MIN_ROWS 5
+
+static __thread int amx_rows_configured;   /* the rows this thread's tiles are set up for; 0 none */
+static __thread int amx_k_tile_configured; /* and the inputs a tile product */
+
+static inline int amx_k_tile(int64_t group) { return group < AMX_K_MAX ? (int)group : AMX_K_MAX; }
+
+/* Whether a product of ``rows`` rows, k_in inputs in groups of ``group`` fits the tiles: groups of
+ * 16, 32 or 64 inputs or a multiple of 64 (a tile row past a group would read the next one's). */
+static inline int amx_fits(int64_t rows, int64_t k_in, int64_t group) {
+    int64_t k_tile = amx_k_tile(group);
+    return rows >= AMX_MIN_ROWS && group > 0 && (k_tile == 16 || k_tile == 32 || k_tile == 64) &&
+           group % k_tile == 0 && k_in % group == 0 && amx_permitted();
+}
+
+static void amx_begin_pass(int mr, int64_t group) {
+    const int k_tile = amx_k_tile(group);
+    if (amx_rows_configured == mr && amx_k_tile_configured == k_tile) return;
+    const uint8_t m = (uint8_t)mr, b = (uint8_t)(k_tile / 4);
+    const uint8_t rows[8] = {m, b, b, 0, m, m, m, m};
+    const uint16_t colsb[8] = {(uint16_t)k_tile, 64, 64, 0, 64, 64, 64, 64};
+    amx_load_config(8, rows, colsb);
+    amx_rows_configured = mr;
+    amx_k_tile_configured = k_tile;
+}
+
+static void amx_finish(void) {
+    if (!amx_rows_configured) return;
+    _tile_release();
+    amx_rows_configured = amx_k_tile_configured = 0;
+}
 
 /* One group's stored sums (sums[j][i]: block j, row i) into out[j * mr + i]. */
-static inline void int8_scale_group(const quantized_rows *r, int64_t g, int mr, int nb,
-                                    int32_t sums[][AMX_ROWS][LANES], __m512 *out, const void *ctx) {
-    (void)ctx;
+static inline void amx_scale_group(const quantized_rows *r, int64_t g, int mr, int nb, int32_t sums[][AMX_ROWS][LANES],
+                                   __m512 *out) {
     const int64_t groups = r->groups;
     for (int j = 0; j < nb; j++)
         for (int i = 0; i < mr; i++) {
@@ -29,9 +83,10 @@ static inline void int8_scale_group(const quantized_rows *r, int64_t g, int mr, 
         }
 }
 
-/* Group g's inputs k0 .. k0 + group: a block's bytes of input k at w + k * LANES (quads of 16
- * channels), prefetched into L2 AMX_PREFETCH_BYTES ahead. */
-#define int8_GROUP_PRODUCTS(C0, C1)                                                                   \
+/* Group g's sums of blocks w0 (and w1 where nb is 2) into the tile pair C0 / C1, then into sums: a
+ * block's bytes of input k at w + k * LANES (quads of 16 channels), prefetched into L2
+ * AMX_PREFETCH_BYTES ahead. */
+#define AMX_GROUP_PRODUCTS(C0, C1, sums)                                                              \
     do {                                                                                              \
         _tile_zero(C0);                                                                               \
         if (nb == 2) _tile_zero(C1);                                                                  \
@@ -57,10 +112,21 @@ static inline void int8_scale_group(const quantized_rows *r, int64_t g, int mr, 
 static void amx_int8_tile(int mr, int nb, const quantized_rows *r, int64_t b, const void *weight, __m512 *out) {
     const uint8_t *w0 = (const uint8_t *)weight + b * r->k_pad * LANES, *w1 = w0 + r->k_pad * LANES;
     const int64_t k_tile = amx_k_tile(r->group);
-    const void *ctx = NULL;
-    AMX_GROUPS(int8, r, mr, nb, out);
+    int32_t even[AMX_BLOCKS][AMX_ROWS][LANES] __attribute__((aligned(64)));
+    int32_t odd[AMX_BLOCKS][AMX_ROWS][LANES] __attribute__((aligned(64)));
+    for (int i = 0; i < nb * mr; i++) out[i] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < r->groups; g++) {
+        if (g % 2 == 0) {
+            AMX_GROUP_PRODUCTS(4, 5, even);
+            if (g > 0) amx_scale_group(r, g - 1, mr, nb, odd, out);
+        } else {
+            AMX_GROUP_PRODUCTS(6, 7, odd);
+            amx_scale_group(r, g - 1, mr, nb, even, out);
+        }
+    }
+    amx_scale_group(r, r->groups - 1, mr, nb, (r->groups - 1) % 2 ? odd : even, out);
 }
-#undef int8_GROUP_PRODUCTS
+#undef AMX_GROUP_PRODUCTS
 
 static const vnni_kernel AMX_INT8 = {amx_int8_tile, AMX_ROWS, AMX_BLOCKS, amx_begin_pass, amx_finish};
 #endif

@@ -1,5 +1,4 @@
-"""The int8 products on AMX tiles (``csrc/int8_amx.h``, ``vnni_rows_amx.h``): the VNNI tiles'
-results bit for bit."""
+"""The int8 products on AMX tiles (``csrc/int8_amx.h``): the VNNI tiles' results bit for bit."""
 from __future__ import annotations
 
 import pytest
