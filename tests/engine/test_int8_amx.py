@@ -66,7 +66,6 @@ def test_a_non_finite_row_stays_its_own_on_the_tiles():
     assert int8_vnni.argmax(int8_vnni.argmax_kernel(), x, packed, scale, 64, 128) is None
 
 
-
 @pytest.mark.parametrize("group", [16, 32, 128])  # a tile product a group's quarter, half, or two a group
 @pytest.mark.parametrize("rows", [5, 17])
 def test_other_activation_groups_give_the_vnni_products_too(group, rows):
