@@ -43,7 +43,7 @@ typedef struct {
             for (int64_t k = g * group; k < (g + 1) * group; k += 8)                                  \
                 for (int j = 0; j < NB; j++) {                                                        \
                     const uint8_t *p = w + j * k_pad * 8 + k * 8;                                     \
-                    if (MR >= 5) _mm_prefetch((const char *)p + PREFETCH_BYTES, _MM_HINT_T0);          \
+                    PREFETCH_WEIGHT(MR, p);                                                           \
                     __m512i v = _mm512_loadu_si512((const void *)p);                                  \
                     __m512i lo = _mm512_and_si512(v, nibble);                                         \
                     __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);                   \

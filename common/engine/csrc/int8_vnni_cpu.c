@@ -44,8 +44,7 @@
                 for (int i = 0; i < MR; i++) a[j][i] = _mm512_set1_epi32(-128 * sums[i * groups + g]); \
             for (int64_t k = k0; k < k1; k += 4)                                                      \
                 for (int j = 0; j < NB; j++) {                                                        \
-                    if (MR >= 5)                                                                      \
-                        _mm_prefetch((const char *)(w + j * k_pad * LANES + k * LANES) + PREFETCH_BYTES, _MM_HINT_T0); \
+                    PREFETCH_WEIGHT(MR, w + j * k_pad * LANES + k * LANES);                           \
                     __m512i wv = _mm512_loadu_si512((const void *)(w + j * k_pad * LANES + k * LANES)); \
                     for (int i = 0; i < MR; i++)                                                      \
                         a[j][i] = _mm512_dpbusd_epi32(a[j][i], wv, broadcast_quad(xq + i * k_pad + k)); \

@@ -14,10 +14,27 @@
 #include "vnni_shared.h"
 
 #define ROWS 8   /* rows a pass over a block */
-/* Weight bytes ahead that tiles of 5-8 rows prefetch: with 8 dpbusd a cache line the hardware
- * prefetchers alone fall behind (an A/B in one process on a Zen 4: 8 rows through the int8 LM head
- * 5.9 -> 5.1 ms, the layers' products -10%); with 1-4 rows they keep up, and prefetching costs. */
+/* The weight bytes ahead that the tiles prefetch, into which cache, and from how many rows.  On a Zen
+ * 4, tiles of 5-8 rows 2 KB into L1: with 8 dpbusd a cache line the hardware prefetchers alone fall
+ * behind (an A/B in one process: 8 rows through the int8 LM head 5.9 -> 5.1 ms, the layers' products
+ * -10%); with 1-4 rows they keep up, and prefetching costs.  On Intel cores with AMX (where the AMX
+ * tiles take 5 and more rows of int8), every row count 16 KB into L2: builds side by side on a
+ * Sapphire Rapids-class VM, the int8 LM head's greedy tokens at 1 / 2 / 4 rows 6.1 / 6.9 / 9.2 ->
+ * 4.9 / 4.7 / 5.9 ms (2 KB into L1 at every row count: 5.4 / 5.7 / 7.0), a 64 MB int4 weight at 1
+ * / 4 rows 2.9 / 4.3 -> 2.0 / 2.4 ms; one-row decode steps (two processes alternating) int8 12.8-13.2
+ * -> 11.6-12.0 ms, int4 13.5-13.6 -> 11.5-12.5 ms. */
+#if defined(__AMX_TILE__)
+#define PREFETCH_BYTES 16384
+#define PREFETCH_HINT _MM_HINT_T1
+#define PREFETCH_MIN_ROWS 1
+#else
 #define PREFETCH_BYTES 2048
+#define PREFETCH_HINT _MM_HINT_T0
+#define PREFETCH_MIN_ROWS 5
+#endif
+/* A tile of MR rows starts loading the weight bytes PREFETCH_BYTES past p. */
+#define PREFETCH_WEIGHT(MR, p) \
+    if ((MR) >= PREFETCH_MIN_ROWS) _mm_prefetch((const char *)(p) + PREFETCH_BYTES, PREFETCH_HINT)
 
 /* Rows [rows, k_in] of x into xq [rows, k_pad] (int8, the pad zero), xs [rows, groups] (the groups'
  * scales), sums [rows, groups] (each group's sum of xq) and x_sums (each group's sum of x, fp32). */
