@@ -33,8 +33,10 @@
 #define PREFETCH_MIN_ROWS 5
 #endif
 /* A tile of MR rows starts loading the weight bytes PREFETCH_BYTES past p. */
-#define PREFETCH_WEIGHT(MR, p) \
-    if ((MR) >= PREFETCH_MIN_ROWS) _mm_prefetch((const char *)(p) + PREFETCH_BYTES, PREFETCH_HINT)
+#define PREFETCH_WEIGHT(MR, p)                                                                      \
+    do {                                                                                            \
+        if ((MR) >= PREFETCH_MIN_ROWS) _mm_prefetch((const char *)(p) + PREFETCH_BYTES, PREFETCH_HINT); \
+    } while (0)
 
 /* Rows [rows, k_in] of x into xq [rows, k_pad] (int8, the pad zero), xs [rows, groups] (the groups'
  * scales), sums [rows, groups] (each group's sum of xq) and x_sums (each group's sum of x, fp32). */
@@ -143,8 +145,8 @@ static inline void best_of_tile(const __m512 *out, int mr, int nb, int64_t b0, c
 }
 
 /* y [rows, n_out] = the kernel's product of x [rows, k_in] (quantized here in groups of ``group``
- * inputs, k_pad = k_in rounded up to 4) with ``weight`` by its passes (``kernel``), times ``scale`` (NULL: none);
- * or, with ``argmax`` (y unused), each row's first maximal output index into argmax[row] -- the
+ * inputs, k_pad = k_in rounded up to 4) with ``weight`` by its passes (``kernel``), times ``scale``
+ * (NULL: none); or, with ``argmax`` (y unused), each row's first maximal output index into argmax[row] -- the
  * index torch.argmax of y would give -- without y's n_out values a row.  Returns 0; 1 (argmax only)
  * where some output was not finite (argmax then unset); -1 where its scratch could not be allocated. */
 static int vnni_product(const float *x, int64_t rows, int64_t k_in, int64_t group, int64_t n_out,
