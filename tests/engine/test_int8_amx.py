@@ -66,14 +66,15 @@ def test_a_non_finite_row_stays_its_own_on_the_tiles():
     assert int8_vnni.argmax(int8_vnni.argmax_kernel(), x, packed, scale, 64, 128) is None
 
 
-@pytest.mark.parametrize("group", [16, 32, 128])  # a tile product a group's quarter, half, or two a group
+@pytest.mark.parametrize("group", [16, 32, 64, 128, 256])  # a tile product a group's quarter ... four a group
+@pytest.mark.parametrize("in_features", [256, 320])  # whole groups; a last group shorter than the rest
 @pytest.mark.parametrize("rows", [5, 17])
-def test_other_activation_groups_give_the_vnni_products_too(group, rows):
-    q, scale, packed = _weight(40, 256, seed=group + rows)
-    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
+def test_other_activation_groups_give_the_vnni_products_too(group, in_features, rows):
+    q, scale, packed = _weight(40, in_features, seed=group + rows)
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
     x[:, 9] *= 300
     entry = int8_vnni.kernel()
-    vnni, amx = _both_paths(lambda: int8_vnni.run_entry("int8", entry, x, 256, (packed, scale), 40, group))
+    vnni, amx = _both_paths(lambda: int8_vnni.run_entry("int8", entry, x, in_features, (packed, scale), 40, group))
     assert torch.equal(vnni, amx)
     ref = int8_vnni.reference_product(x, q, scale, group)
     torch.testing.assert_close(amx, ref, rtol=1e-5, atol=1e-4 * ref.abs().max().item())

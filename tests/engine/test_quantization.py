@@ -95,7 +95,7 @@ def test_int8_vnni_embedding_rows_come_from_the_kernel_as_torch_computes_them(mo
 
 
 @pytest.mark.skipif(not HAS_VNNI, reason="no AVX512-VNNI on this CPU")
-@pytest.mark.parametrize("in_features", [200, 130])  # a last group of 8 inputs, of 2 (a partial quad)
+@pytest.mark.parametrize("in_features", [200, 130, 264])  # a partial last group (of 2 inputs: a partial quad)
 def test_int8_vnni_keeps_a_huge_channel_to_its_own_group_of_activations(in_features):
     """Each group of inputs has its own scale: a channel 1000 times the rest, alone in its group,
     leaves the other groups' products as precise as without it (one scale a row would round every
@@ -103,8 +103,8 @@ def test_int8_vnni_keeps_a_huge_channel_to_its_own_group_of_activations(in_featu
     w, _ = weights(out_features=48, in_features=in_features)
     q = Int8Weight(w)
     x = torch.randn(6, in_features)
-    assert 64 % int8_vnni.ACTIVATION_GROUP == 0  # groups of up to 64: the last 64-input group is one of them
-    x[:, (in_features - 1) // 64 * 64 :] = 0.0
+    group = int8_vnni.ACTIVATION_GROUP
+    x[:, (in_features - 1) // group * group :] = 0.0  # the last group: nothing but the huge channel
     x[:, -1] = 1000.0  # exactly 127 steps of its group's scale
     assert (q.matmul(x) - x @ q.dequantize().t()).abs().max() < 0.05
 

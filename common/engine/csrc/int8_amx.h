@@ -46,11 +46,12 @@ static __thread int amx_k_tile_configured; /* and the inputs a tile product */
 static inline int amx_k_tile(int64_t group) { return group < AMX_K_MAX ? (int)group : AMX_K_MAX; }
 
 /* Whether a product of ``rows`` rows, k_in inputs in groups of ``group`` fits the tiles: groups of
- * 16, 32 or 64 inputs or a multiple of 64 (a tile row past a group would read the next one's). */
+ * 16, 32 or 64 inputs or a multiple of 64, and inputs a multiple of the tile products' (a tile row
+ * past the inputs would read the next block's; the last group may be shorter, as on VNNI). */
 static inline int amx_fits(int64_t rows, int64_t k_in, int64_t group) {
     int64_t k_tile = amx_k_tile(group);
     return rows >= AMX_MIN_ROWS && group > 0 && (k_tile == 16 || k_tile == 32 || k_tile == 64) &&
-           group % k_tile == 0 && k_in % group == 0 && amx_permitted();
+           group % k_tile == 0 && k_in % k_tile == 0 && amx_permitted();
 }
 
 static void amx_begin_pass(int mr, int64_t group) {
@@ -90,7 +91,8 @@ static inline void amx_scale_group(const quantized_rows *r, int64_t g, int mr, i
     do {                                                                                              \
         _tile_zero(C0);                                                                               \
         if (nb == 2) _tile_zero(C1);                                                                  \
-        for (int64_t k = g * r->group; k < (g + 1) * r->group; k += k_tile) {                         \
+        const int64_t k_end = (g + 1) * r->group < r->k_pad ? (g + 1) * r->group : r->k_pad;         \
+        for (int64_t k = g * r->group; k < k_end; k += k_tile) {                                      \
             for (int line = 0; line < k_tile * LANES; line += 64) {                                   \
                 const int64_t ahead = k * LANES + AMX_PREFETCH_BYTES + line;                          \
                 _mm_prefetch((const char *)w0 + ahead, _MM_HINT_T1);                                  \

@@ -14,9 +14,15 @@ import functools
 import torch
 
 # Inputs per activation scale.  Per row (one scale) costs Gemma 3 270M +5.4% perplexity -- its hidden
-# states have single channels hundreds of times the rest; groups of 64 inputs +0.4% (128: +0.4%,
-# 32: +0.0%, each also converting and scaling the integer sums twice as often).
-ACTIVATION_GROUP = 64
+# states have single channels hundreds of times the rest; groups of 64 or 128 inputs keep it within
+# half a percent of fp32 (benchmarks/quant_quality.py, the whole text, one machine: 64 -0.43% with
+# greedy agreement 0.41, 128 -0.02% with 0.52; int4, whose int8 weights take the same groups,
+# -0.10% / 0.48 and -0.21% / 0.45).  Each group's integer sums are converted and scaled once, so
+# 128 scales half as often: on AMX tiles, where that scaling is most of a product's work, the
+# layers' products 1.3-1.4x faster at 64 and 512 rows, 1.1-1.2x at 8; quantized.py --quick's int8
+# workloads (two processes each, alternating) batch 64 307-323 -> 350-356 tok/s, decode-bound
+# 388-394 -> 402-408.
+ACTIVATION_GROUP = 128
 LANES, QUAD = 16, 4
 
 
