@@ -75,13 +75,14 @@ static void amx_finish(void) {
 static inline void amx_scale_group(const quantized_rows *r, int64_t g, int mr, int nb, int32_t sums[][AMX_ROWS][LANES],
                                    __m512 *out) {
     const int64_t groups = r->groups;
-    for (int j = 0; j < nb; j++)
-        for (int i = 0; i < mr; i++) {
-            __m512i a = _mm512_sub_epi32(_mm512_load_si512((const void *)sums[j][i]),
-                                         _mm512_set1_epi32(128 * r->sums[i * groups + g]));
-            __m512 scale = _mm512_set1_ps(r->xs[i * groups + g]);
+    for (int i = 0; i < mr; i++) {
+        const __m512i offset = _mm512_set1_epi32(128 * r->sums[i * groups + g]);
+        const __m512 scale = _mm512_set1_ps(r->xs[i * groups + g]);
+        for (int j = 0; j < nb; j++) {
+            __m512i a = _mm512_sub_epi32(_mm512_load_si512((const void *)sums[j][i]), offset);
             out[j * mr + i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), scale, out[j * mr + i]);
         }
+    }
 }
 
 /* Group g's sums of blocks w0 (and w1 where nb is 2) into the tile pair C0 / C1, then into sums: a
