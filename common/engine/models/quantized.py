@@ -4,8 +4,10 @@ every product reads those, so a decode step -- bound by reading weights -- moves
     scheme  weight                                       product (CPU)                      (CUDA)
     int8    int8 per output channel, symmetric:          AVX512-VNNI: csrc/int8_vnni_cpu.c  --
             w = q * scale[row]                           (activations quantized to int8 per
-                                                         row and group of 64 inputs; exact
-                                                         int32 sums).  Elsewhere, few rows:
+                                                         row and group of 128 inputs; exact
+                                                         int32 sums; 5+ rows on AMX tiles
+                                                         where the CPU has them).  Elsewhere,
+                                                         few rows:
                                                          csrc/int8_gemv_cpu.c (fp32 sums;
                                                          bf16 rows on AVX512-BF16 CPUs: bf16
                                                          pair products); more: the
