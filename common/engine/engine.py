@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from common.engine.attention.selection import make_attention
-from common.engine import cuda_graphs
+from common.engine import cpu_features, cuda_graphs
 from common.engine.kv.block_pool import BlockPool
 from common.engine.config import EngineConfig
 from common.engine.kv.kv_cache import KVCache, KVLayout, dtype_from_name, dtype_name, num_blocks_for_memory
@@ -92,18 +92,10 @@ def _pick_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     dtype = getattr(torch, name)
-    if dtype == torch.bfloat16 and device.type == "cpu" and not cpu_has_native_bf16():
+    if dtype == torch.bfloat16 and device.type == "cpu" and not cpu_features.has_native_bf16():
         log.warning("dtype bfloat16 on a CPU without AVX512-BF16 or AMX: matmuls are emulated and slower "
                     "than float32 here")
     return dtype
-
-
-def cpu_has_native_bf16() -> bool:
-    """AVX512-BF16 or AMX: the CPUs where bf16 matmuls beat fp32 (oneDNN's bf16 kernels)."""
-    try:
-        return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
-    except AttributeError:  # a torch without these probes
-        return False
 
 
 class Engine:

@@ -36,6 +36,7 @@ import functools
 
 import torch
 
+from common.engine import cpu_features
 from common.engine.cpu_kernels import kernel_function, profiled
 
 PANEL_MAX_ROWS = 32  # products with more rows go to oneDNN (see the module docstring)
@@ -117,15 +118,9 @@ def gemm_entry():
     return _gemm_fn()
 
 
-@functools.cache
-def _amx() -> bool:
-    is_amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    return bool(is_amx is not None and is_amx())
-
-
 def max_rows(dtype: torch.dtype) -> int:
     """The most rows a product on panels of ``dtype`` takes (more go to oneDNN)."""
-    return BF16_PANEL_MAX_ROWS_AMX if dtype == torch.bfloat16 and _amx() else PANEL_MAX_ROWS
+    return BF16_PANEL_MAX_ROWS_AMX if dtype == torch.bfloat16 and cpu_features.has_amx() else PANEL_MAX_ROWS
 
 
 def applies(x: torch.Tensor, weight: PanelWeight | None) -> bool:
