@@ -36,12 +36,6 @@ def rope_tables(hf_config, head_dim: int, layer_types: tuple[str, ...]) -> RopeT
     return tables
 
 
-# Positions whose cos/sin a CPU model keeps in tables (``RotaryEmbedding.cos_sin``): the tables grow
-# by doubling to cover the positions seen, up to this many (Gemma 3 270M, fp32: 32 MB at the most).
-TABLE_POSITIONS = 8192
-_FIRST_TABLE = 1024
-
-
 class RotaryEmbedding:
     """cos/sin tables for a step's positions, from ``rope_tables``' frequencies (fp32, as transformers)."""
 
@@ -50,40 +44,17 @@ class RotaryEmbedding:
         self._inv_freq = {t: torch.tensor(freqs + freqs, dtype=torch.float32, device=device)
                           for t, (freqs, _) in tables.items()}
         self._scaling = {t: scaling for t, (_, scaling) in tables.items()}
-        self._tables: dict[tuple[str, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def cos_sin(self, positions: torch.Tensor, layer_type: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of each position times each frequency, ``[tokens, head_dim]`` in ``dtype``,
-        times the attention scaling where it is not 1.  On CPU, positions below ``TABLE_POSITIONS``
-        are rows of tables computed once by the same ops over every position they cover (torch's
-        elementwise cos and sin give an element the value they give it in any tensor: tested), so a
-        decode step gathers them instead of computing them -- the cos and sin of a few thousand
-        angles went through MKL's threaded vector functions, ~4.5% of an int8 decode step of 8 rows
-        on a 2-vCPU Zen 5 (py-spy: 6.4% -> 1.9% of the engine thread)."""
-        if positions.device.type == "cpu" and positions.numel():
-            top = int(positions.max())
-            if 0 <= int(positions.min()) and top < TABLE_POSITIONS:
-                cos, sin = self._table(layer_type, dtype, top + 1)
-                return cos.index_select(0, positions), sin.index_select(0, positions)
-        return self.computed(positions, layer_type, dtype)
-
-    def computed(self, positions: torch.Tensor, layer_type: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``cos_sin`` computed for ``positions`` (as few small ops as it takes)."""
+        times the attention scaling where it is not 1 (a decode step makes these for every layer
+        type: as few small ops as it takes)."""
         angles = torch.outer(positions.float(), self._inv_freq[layer_type])
         cos, sin = angles.cos(), angles.sin()
         scaling = self._scaling[layer_type]
         if scaling != 1.0:
             cos, sin = cos * scaling, sin * scaling
         return cos.to(dtype), sin.to(dtype)
-
-    def _table(self, layer_type: str, dtype: torch.dtype, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The tables of ``layer_type`` in ``dtype``, covering at least ``positions`` positions."""
-        table = self._tables.get((layer_type, dtype))
-        if table is None or table[0].shape[0] < positions:
-            size = max(_FIRST_TABLE, 1 << (positions - 1).bit_length())
-            table = self.computed(torch.arange(min(size, TABLE_POSITIONS)), layer_type, dtype)
-            self._tables[(layer_type, dtype)] = table
-        return table
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
