@@ -33,6 +33,15 @@
  * as long: a few keys ahead keep the loads in flight.  Into L2 (locality 1), whose miss queue holds
  * more lines in flight than L1's fill buffers: 16 streams of 210 keys, 560 -> 470 us a layer. */
 #define PREFETCH_KEYS 6
+/* What the vector path prefetches for an item (attend_vector's `prefetch`): a prompt token whose rows
+ * take at most VALUES_AHEAD_MAX_BYTES (K and V each) nothing -- the token before it just read them,
+ * they are in cache, and prefetching them again cost (8 x 512-token prompts, fp32 cache: attention
+ * 1.09x faster without it, the same values); a decode, or a prompt token over more, the keys ahead
+ * in pass 1 and the values ahead in pass 3 (PREFETCH_ROWS); a decode whose rows take at most that
+ * also the values during pass 1 (PREFETCH_ROWS_AND_VALUES). */
+#define PREFETCH_NONE 0
+#define PREFETCH_ROWS 1
+#define PREFETCH_ROWS_AND_VALUES 2
 /* The vector path prefetches a decode's value rows during its scores pass when they take at most
  * this many bytes (a fraction of a core's L2: 1-2 MB on current x86 cores): on a Zen 4, 8 decodes
  * of ~230 keys, Gemma 3 270M's layout, 3.8 -> 2.85 ms of attention a step. */
@@ -188,7 +197,8 @@ static inline __attribute__((always_inline)) void attend_vector(
         const int elem, const int CE, const int G, const void *q_row, int64_t q_stride_h, const void *k_cache,
         const void *v_cache, int64_t s_block, int64_t s_slot, int64_t s_head, void *out_row, const int32_t *blocks,
         int kv_head, int head_dim, int block_size, int first_key, int last_key, float scale, float *scores,
-        float *qf, float *acc, int values_ahead) {
+        float *qf, float *acc, int prefetch) {
+    const int values_ahead = prefetch == PREFETCH_ROWS_AND_VALUES;
     const int n_keys = last_key - first_key + 1, nb = head_dim / VL, C = value_chunk(G);
     const int chains = 4 * G <= VECTOR_REGISTERS ? 2 : 1;
     /* a bf16 cache in load_pair's pairs (C and the two chains even: VECTOR_REGISTERS 32, G <= 8) */
@@ -217,7 +227,7 @@ static inline __attribute__((always_inline)) void attend_vector(
         const int pos = first_key + j;
         const int64_t off = key_offset(blocks, pos, block_size, s_block, s_slot, s_head, kv_head);
         if (values_ahead && j < PREFETCH_KEYS) prefetch_row(v_cache, off, CE, head_dim); /* the first keys' */
-        if (j + PREFETCH_KEYS < n_keys) {
+        if (prefetch != PREFETCH_NONE && j + PREFETCH_KEYS < n_keys) {
             const int64_t ahead = key_offset(blocks, pos + PREFETCH_KEYS, block_size, s_block, s_slot, s_head, kv_head);
             prefetch_row(k_cache, ahead, CE, head_dim);
             if (values_ahead) prefetch_row(v_cache, ahead, CE, head_dim);
@@ -276,7 +286,7 @@ static inline __attribute__((always_inline)) void attend_vector(
         int64_t off[TILE_KEYS];
         for (int t = 0; t < tile; t++) {
             off[t] = key_offset(blocks, first_key + j0 + t, block_size, s_block, s_slot, s_head, kv_head);
-            if (j0 + t + TILE_KEYS < n_keys)
+            if (prefetch != PREFETCH_NONE && j0 + t + TILE_KEYS < n_keys)
                 prefetch_row(v_cache, key_offset(blocks, first_key + j0 + t + TILE_KEYS, block_size, s_block, s_slot,
                                                  s_head, kv_head), CE, head_dim);
         }
@@ -304,10 +314,10 @@ typedef void (*attend_fn)(const void *, int64_t, const void *, const void *, int
                                            const void *v_cache, int64_t s_block, int64_t s_slot, int64_t s_head, \
                                            void *out_row, const int32_t *blocks, int kv_head, int head_dim,       \
                                            int block_size, int first_key, int last_key, float scale,             \
-                                           float *scores, float *qf, float *acc, int values_ahead) {             \
+                                           float *scores, float *qf, float *acc, int prefetch) {                 \
         attend_vector(ELEM, CE, G, q_row, q_stride_h, k_cache, v_cache, s_block, s_slot, s_head, out_row,        \
                       blocks, kv_head, head_dim, block_size, first_key, last_key, scale, scores, qf, acc,        \
-                      values_ahead);                                                                           \
+                      prefetch);                                                                               \
     }
 #define DEFINE_GROUPS(ELEM, CE) \
     DEFINE_ATTEND(ELEM, CE, 1) DEFINE_ATTEND(ELEM, CE, 2) DEFINE_ATTEND(ELEM, CE, 4) DEFINE_ATTEND(ELEM, CE, 8)
@@ -381,12 +391,13 @@ int paged_attention(int elem, int cache_elem, const void *q, int64_t q_stride_t,
                 const char *q_ptr = (const char *)q + row * elem;
                 char *o_ptr = (char *)out + out_row * elem;
                 /* a decode's rows are read by this item alone; a prompt's by its next tokens too (cached) */
-                int values_ahead =
-                    n_new == 1 && (int64_t)(pos - first + 1) * head_dim * cache_elem <= VALUES_AHEAD_MAX_BYTES;
+                const int fits = (int64_t)(pos - first + 1) * head_dim * cache_elem <= VALUES_AHEAD_MAX_BYTES;
+                const int prefetch = n_new == 1 ? (fits ? PREFETCH_ROWS_AND_VALUES : PREFETCH_ROWS)
+                                                : (fits ? PREFETCH_NONE : PREFETCH_ROWS);
                 if (vector)
                     vector(q_ptr, q_stride_h, k_cache, v_cache, s_block, s_slot, s_head, o_ptr,
                            table + (int64_t)r * table_stride, kv_head, head_dim, block_size, first, pos, scale,
-                           scores, qf, acc, values_ahead);
+                           scores, qf, acc, prefetch);
                 else
                     attend_one(elem, cache_elem, q_ptr, q_stride_h, k_cache, v_cache, s_block, s_slot, s_head, o_ptr,
                                table + (int64_t)r * table_stride, kv_head, group, head_dim, block_size, first, pos,
