@@ -26,7 +26,8 @@
  * which GCC 12's -march=native reports for it while naming it a Zen 3; Intel's Tiger Lake has it too)
  * the same: four builds interleaved in one process (~49 GB/s read), the int8 LM head's greedy tokens
  * at 4 / 8 rows 3.63 / 3.25 -> 3.08 / 3.00 ms, 18 layers' int8 qkv and gate_up at 1 / 4 / 8 rows 1.25 /
- * 1.38 / 1.55 -> 1.14 / 1.28 / 1.37 ms (8 KB ahead: the same; 32 KB: slower at 8 rows); int4 alike. */
+ * 1.38 / 1.55 -> 1.14 / 1.28 / 1.37 ms (8 KB ahead: the same; 32 KB: slower at 8 rows); the int4
+ * layers' products unchanged. */
 #if defined(__AMX_TILE__) || defined(__AVX512VP2INTERSECT__)
 #define PREFETCH_BYTES 16384
 #define PREFETCH_HINT _MM_HINT_T1
