@@ -29,11 +29,11 @@
 #define AMX_ROWS 16   /* rows a pass: a tile's rows */
 #define AMX_BLOCKS 2  /* blocks a pass */
 #define AMX_K_MAX 64  /* inputs a tile product, at most: a tile row's bytes */
-/* Weight bytes ahead of each block's tile loads that are prefetched into L2: the LM head's greedy
- * tokens at 8 rows, builds side by side on a Sapphire Rapids-class VM, 4 KB into L1 7.1-8.3 ms, 16 KB
- * into L2 6.1-6.6 ms; the decode-bound workload (quantized.py --quick, int8, interleaved in one
- * engine) 353 -> 371 tok/s, the 64-request one within its noise (+1-2%). */
-#define AMX_PREFETCH_BYTES 16384
+/* The weight bytes ahead of each block's tile loads are prefetched as the VNNI tiles do on AMX CPUs
+ * (vnni_rows.h's PREFETCH_BYTES into PREFETCH_HINT: 16 KB into L2): the LM head's greedy tokens at 8
+ * rows, builds side by side on a Sapphire Rapids-class VM, 4 KB into L1 7.1-8.3 ms, 16 KB into L2
+ * 6.1-6.6 ms; the decode-bound workload (quantized.py --quick, int8, interleaved in one engine) 353
+ * -> 371 tok/s, the 64-request one within its noise (+1-2%). */
 /* Fewer rows take the VNNI tiles: products alone, two builds interleaved on a Sapphire Rapids-class
  * VM, AMX against VNNI: 1-2 rows 0.76-0.97x, 4 rows 0.96-1.09x, 6 rows 1.11-1.20x, 8 rows
  * 1.19-1.33x, 16 rows 1.37-1.65x, 64 rows 1.55-1.68x (the layers' shapes; the LM head's, which
@@ -86,8 +86,7 @@ static inline void amx_scale_group(const quantized_rows *r, int64_t g, int mr, i
 }
 
 /* Group g's sums of blocks w0 (and w1 where nb is 2) into the tile pair C0 / C1, then into sums: a
- * block's bytes of input k at w + k * LANES (quads of 16 channels), prefetched into L2
- * AMX_PREFETCH_BYTES ahead. */
+ * block's bytes of input k at w + k * LANES (quads of 16 channels), prefetched PREFETCH_BYTES ahead. */
 #define AMX_GROUP_PRODUCTS(C0, C1, sums)                                                              \
     do {                                                                                              \
         _tile_zero(C0);                                                                               \
@@ -95,9 +94,9 @@ static inline void amx_scale_group(const quantized_rows *r, int64_t g, int mr, i
         const int64_t k_end = (g + 1) * r->group < r->k_pad ? (g + 1) * r->group : r->k_pad;         \
         for (int64_t k = g * r->group; k < k_end; k += k_tile) {                                      \
             for (int line = 0; line < k_tile * LANES; line += 64) {                                   \
-                const int64_t ahead = k * LANES + AMX_PREFETCH_BYTES + line;                          \
-                _mm_prefetch((const char *)w0 + ahead, _MM_HINT_T1);                                  \
-                if (nb == 2) _mm_prefetch((const char *)w1 + ahead, _MM_HINT_T1);                     \
+                const int64_t ahead = k * LANES + PREFETCH_BYTES + line;                          \
+                _mm_prefetch((const char *)w0 + ahead, PREFETCH_HINT);                                  \
+                if (nb == 2) _mm_prefetch((const char *)w1 + ahead, PREFETCH_HINT);                     \
             }                                                                                         \
             _tile_loadd(0, r->xq + k, r->k_pad);                                                      \
             _tile_loadd(1, w0 + k * LANES, 64);                                                       \
