@@ -6,7 +6,7 @@ from typing import Callable
 
 import torch
 
-from common.engine.attention.interface import AttentionRequest
+from common.engine.attention.interface import AttentionRequest, OutputRows, trailing_queries
 from common.engine.kv.kv_cache import KVCache
 from common.engine.models.decoder import DecoderModel
 from common.engine.parallel.step_broadcast import StepBroadcast
@@ -21,7 +21,9 @@ class ModelRunner:
 
     Only the last token of a request that finishes its scheduled tokens this step is projected
     to logits (and its draft tokens', when it speculates: ``speculative.verify``); prompt chunks
-    that end mid-prompt produce no logits at all.
+    that end mid-prompt produce no logits at all.  Where fewer rows sample than the step has
+    tokens, the model's last layer goes on past its K/V for the sampling rows alone
+    (``OutputRows``): a prompt's other tokens need only their keys and values there.
 
     ``on_kv_written``: callables run on every step right after its forward is enqueued, before
     sampling, with the step's ``SchedulerOutput``. On CUDA the step's KV writes are then queued
@@ -57,6 +59,7 @@ class ModelRunner:
         attn_requests: list[AttentionRequest] = []
         sample_rows: list[int] = []
         sample_items = []
+        rows_per_request: list[int] = []
         for item in out.scheduled:
             start = len(input_ids)
             n = len(item.token_ids)
@@ -64,6 +67,7 @@ class ModelRunner:
             positions.extend(range(item.num_computed_tokens, item.num_computed_tokens + n))
             attn_requests.append(AttentionRequest(start, n, item.num_computed_tokens + n, item.block_ids,
                                                   item.table_row))
+            rows_per_request.append(num_rows(item) if item.sample else 0)
             if item.sample:
                 sample_rows.extend(range(start + n - num_rows(item), start + n))
                 sample_items.append(item)
@@ -73,8 +77,10 @@ class ModelRunner:
             self.sampler.prefetch_masks(rows, self.model.cfg.vocab_size)
         began = time.perf_counter()
         hidden = self.graphs.run(input_ids, positions, attn_requests) if self.graphs is not None else None
+        output = None
         if hidden is None:
             meta = self.attention.prepare(attn_requests, device)
+            output = self._output_rows(attn_requests, rows_per_request, sample_rows, len(input_ids))
             began = time.perf_counter()
             hidden = self.model(
                 torch.tensor(input_ids, device=device),
@@ -82,13 +88,14 @@ class ModelRunner:
                 self.cache,
                 meta,
                 self.attention,
+                output,
             )
         for hook in self.on_kv_written:
             hook(out)
         if not sample_items:
             self.forward_seconds += time.perf_counter() - began
             return {}
-        sampled_hidden = hidden[torch.tensor(sample_rows, device=device)]
+        sampled_hidden = hidden if output is not None else hidden[torch.tensor(sample_rows, device=device)]
         inverse_temperatures = screen_inverse_temperatures(rows)
         screened = (self.model.screened_tokens(sampled_hidden, inverse_temperatures)
                     if inverse_temperatures is not None else None)
@@ -110,3 +117,12 @@ class ModelRunner:
             torch.cuda.synchronize(device)
         self.forward_seconds += time.perf_counter() - began
         return kept_tokens(sample_items, tokens, logprobs)
+
+    def _output_rows(self, attn_requests: list[AttentionRequest], rows_per_request: list[int], sample_rows: list[int],
+                     num_tokens: int) -> OutputRows | None:
+        """The sampling rows as the model's ``OutputRows``; ``None`` where every token samples."""
+        if len(sample_rows) == num_tokens:
+            return None
+        rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
+        trailing = trailing_queries(attn_requests, rows_per_request)
+        return OutputRows(rows, self.attention.prepare(trailing, self.device) if trailing else None)

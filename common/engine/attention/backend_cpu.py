@@ -124,10 +124,14 @@ class CpuPagedAttention:
     def prepare(self, requests, device) -> CpuMetadata:
         return step_metadata(requests, self.block_size, self.block_table)
 
+    def write_kv(self, k, v, cache: KVCache, layer: int, meta: CpuMetadata) -> None:
+        """k, v: [T, KVH, D] for the new tokens, into their slots (``forward`` does this first)."""
+        cache.write(layer, meta.slot_blocks, meta.slot_offsets, k, v)
+
     def forward(self, q, k, v, cache: KVCache, layer: int, meta: CpuMetadata, window, scale) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KVH, D] for the new tokens.  Returns [T, H, D]."""
         key_cache, value_cache = cache.key(layer), cache.value(layer)
-        cache.write(layer, meta.slot_blocks, meta.slot_offsets, k, v)
+        self.write_kv(k, v, cache, layer, meta)
         elem, cache_elem = ELEMENT_BYTES.get(q.dtype), ELEMENT_BYTES.get(key_cache.dtype)
         assert elem and cache_elem, f"cpu attention supports fp32/bf16, got {q.dtype} over a {key_cache.dtype} cache"
         if q.stride(-1) != 1:

@@ -62,10 +62,14 @@ class FlashAttention:
         cu_k = None if decode_only else F.pad(paged.seq_lens.cumsum(0, dtype=torch.int32), (1, 0))
         return FlashMetadata(paged, paged.slots // self.block_size, paged.slots % self.block_size, cu_k)
 
+    def write_kv(self, k, v, cache: KVCache, layer: int, meta: FlashMetadata) -> None:
+        """k, v: [T, KVH, D] for the new tokens, into their slots (``forward`` does this first)."""
+        cache.write(layer, meta.slot_blocks, meta.slot_offsets, k, v)
+
     def forward(self, q, k, v, cache: KVCache, layer: int, meta: FlashMetadata, window, scale) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KVH, D] for the new tokens.  Returns [T, H, D]."""
         key_cache, value_cache = cache.key(layer), cache.value(layer)
-        cache.write(layer, meta.slot_blocks, meta.slot_offsets, k, v)
+        self.write_kv(k, v, cache, layer, meta)
         paged = meta.paged
         window_size = (-1, -1) if window is None else (window - 1, 0)
         if meta.cu_seq_lens is None:

@@ -87,10 +87,14 @@ class TorchAttention:
             extra["prefills"].append((r.query_start, r.num_query_tokens, block_ids, masks))
         return AttentionMetadata(slot_blocks, slot_offsets, extra)
 
+    def write_kv(self, k, v, cache: KVCache, layer: int, meta: AttentionMetadata) -> None:
+        """k, v: [T, KVH, D] for the new tokens, into their slots (``forward`` does this first)."""
+        cache.write(layer, meta.slot_blocks, meta.slot_offsets, k, v)
+
     def forward(self, q, k, v, cache: KVCache, layer: int, meta: AttentionMetadata, window, scale) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KVH, D] for the new tokens.  Returns [T, H, D]."""
         key_cache, value_cache = cache.key(layer), cache.value(layer)
-        cache.write(layer, meta.slot_blocks, meta.slot_offsets, k, v)
+        self.write_kv(k, v, cache, layer, meta)
         out = torch.empty_like(q)
         gqa = q.shape[1] != k.shape[1]
         for index, table, masks in meta.extra["decodes"]:

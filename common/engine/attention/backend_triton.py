@@ -56,10 +56,14 @@ class TritonAttention:
     def prepare(self, requests: list[AttentionRequest], device) -> PagedMetadata:
         return PagedMetadata.build(requests, self.block_size, device, self.block_table)
 
+    def write_kv(self, k, v, cache: KVCache, layer: int, meta: PagedMetadata) -> None:
+        """k, v: [T, KVH, D] for the new tokens, into their slots (``forward`` does this first)."""
+        write_kv(k, v, cache.key(layer), cache.value(layer), meta.slots)
+
     def forward(self, q, k, v, cache: KVCache, layer: int, meta: PagedMetadata, window, scale) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KVH, D] for the new tokens.  Returns [T, H, D]."""
         key_cache, value_cache = cache.key(layer), cache.value(layer)
-        write_kv(k, v, key_cache, value_cache, meta.slots)
+        self.write_kv(k, v, cache, layer, meta)
         return paged_attention(q, key_cache, value_cache, torch.empty_like(q), meta.block_table, meta.seq_lens,
                                meta.query_start, meta.max_query_len, scale, window)
 

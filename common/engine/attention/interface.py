@@ -32,6 +32,34 @@ class AttentionRequest:
     table_row: int | None = None  # its row in the persistent block table (``common.engine.kv.block_table``), if any
 
 
+def trailing_queries(requests: list[AttentionRequest], counts: list[int]) -> list[AttentionRequest]:
+    """Each request's last ``counts[i]`` query tokens as a packed batch of their own (a request
+    with a count of 0 left out): the same context and blocks, fewer queries -- what a step's last
+    layer attends for when only those rows go on (``OutputRows``)."""
+    out: list[AttentionRequest] = []
+    start = 0
+    for request, count in zip(requests, counts):
+        if not 0 <= count <= request.num_query_tokens:
+            raise ValueError(f"trailing_queries: {count} of a request's {request.num_query_tokens} queries")
+        if count:
+            out.append(AttentionRequest(start, count, request.context_len, request.block_ids, request.table_row))
+            start += count
+    return out
+
+
+@dataclass
+class OutputRows:
+    """The rows of a packed batch whose final hidden states a step needs, where that is fewer
+    than all of its tokens (a prompt chunk samples at its last token, or not at all): the model's
+    last layer writes every token's K/V but attends, and computes everything after attention, for
+    these rows alone.  ``rows``: their indices in the batch, each request's being the last of its
+    slice (``trailing_queries``); ``meta``: the backend's metadata for that smaller batch, ``None``
+    when no row is wanted."""
+
+    rows: torch.Tensor
+    meta: object | None
+
+
 @dataclass
 class AttentionMetadata:
     """Per-step tensors shared by every layer; built once by ``AttentionBackend.prepare``."""

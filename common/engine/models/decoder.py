@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from common.engine.attention.interface import AttentionMetadata
+from common.engine.attention.interface import AttentionMetadata, OutputRows
 from common.engine.kv.kv_cache import KVCache
 from common.engine.model_config import ModelConfig
 from common.engine.models.quantization_scheme import NO_QUANTIZATION, Quantization
@@ -172,6 +172,21 @@ class DecoderLayer(nn.Module):
         attended = backend.forward(q, k, v, cache, attn.layer, meta, attn.window, attn.scale)
         return stages.after_attention(self, x, attended)
 
+    def forward_rows(self, x, rope, cache, meta, backend, output: OutputRows, stages: LayerStages = EAGER):
+        """``forward`` for ``output.rows`` of ``x`` alone: every token's K/V goes to the cache, but
+        attention and everything after it run for those rows (none where ``output.meta`` is None)."""
+        attn = self.self_attn
+        cos, sin = rope[attn.layer_type]
+        q, k, v = stages.attention_inputs(self, x, cos, sin)
+        if output.meta is None:
+            backend.write_kv(k, v, cache, attn.layer, meta)
+            return x[:0]
+        rows = output.rows
+        if rows.numel() < x.shape[0]:  # the rows' own K/V are written by the forward below
+            backend.write_kv(k, v, cache, attn.layer, meta)
+        attended = backend.forward(q[rows], k[rows], v[rows], cache, attn.layer, output.meta, attn.window, attn.scale)
+        return stages.after_attention(self, x[rows], attended)
+
 
 class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE):
@@ -185,8 +200,8 @@ class Backbone(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    """A causal LM over paged KV: ``forward`` returns the final hidden states of all tokens;
-    ``logits`` projects only the rows that sample.  With tensor parallelism (``tp``), ``cfg`` is
+    """A causal LM over paged KV: ``forward`` returns the final hidden states of all tokens, or of
+    those an ``OutputRows`` names; ``logits`` projects only the rows that sample.  With tensor parallelism (``tp``), ``cfg`` is
     this rank's share (``TensorParallel.local_config``) and ``logits`` are whole on rank 0 only."""
 
     def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE):
@@ -331,17 +346,24 @@ class DecoderModel(nn.Module):
                 module.row_padding = table
 
     @torch.inference_mode()
-    def forward(self, input_ids, positions, cache: KVCache, meta: AttentionMetadata, backend) -> torch.Tensor:
+    def forward(self, input_ids, positions, cache: KVCache, meta: AttentionMetadata, backend,
+                output: OutputRows | None = None) -> torch.Tensor:
+        """The final hidden states (before the last norm) of every token, or of ``output.rows``
+        alone: then the last layer computes attention and what follows for those rows only."""
         x = self.tp.embed(self.model.embed_tokens, input_ids, self.cfg.vocab_size)
         if self.cfg.embed_scale != 1.0:
             x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)
         rope = {t: self.rotary.cos_sin(positions, t, x.dtype) for t in set(self.cfg.layer_types)}
         fused = self._fused_for(cache, backend)
         if fused is not None and fused.applies(x, meta):
-            return fused.run(x, rope, meta)
-        for layer in self.model.layers:
+            x = fused.run(x, rope, meta)
+            return x if output is None else x[output.rows]
+        *layers, last = self.model.layers
+        for layer in layers:
             x = layer(x, rope, cache, meta, backend, self.stages)
-        return x
+        if output is None:
+            return last(x, rope, cache, meta, backend, self.stages)
+        return last.forward_rows(x, rope, cache, meta, backend, output, self.stages)
 
     def _fused_for(self, cache: KVCache, backend) -> FusedLayers | None:
         """The layers set up for ``FusedLayers`` over this cache and backend (built on first use)."""
