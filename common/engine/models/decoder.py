@@ -201,8 +201,9 @@ class Backbone(nn.Module):
 
 class DecoderModel(nn.Module):
     """A causal LM over paged KV: ``forward`` returns the final hidden states of all tokens, or of
-    those an ``OutputRows`` names; ``logits`` projects only the rows that sample.  With tensor parallelism (``tp``), ``cfg`` is
-    this rank's share (``TensorParallel.local_config``) and ``logits`` are whole on rank 0 only."""
+    those an ``OutputRows`` names; ``logits`` projects only the rows that sample.  With tensor
+    parallelism (``tp``), ``cfg`` is this rank's share (``TensorParallel.local_config``) and
+    ``logits`` are whole on rank 0 only."""
 
     def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE):
         super().__init__()
