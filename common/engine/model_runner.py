@@ -67,9 +67,10 @@ class ModelRunner:
             positions.extend(range(item.num_computed_tokens, item.num_computed_tokens + n))
             attn_requests.append(AttentionRequest(start, n, item.num_computed_tokens + n, item.block_ids,
                                                   item.table_row))
-            rows_per_request.append(num_rows(item) if item.sample else 0)
+            count = num_rows(item) if item.sample else 0
+            rows_per_request.append(count)
             if item.sample:
-                sample_rows.extend(range(start + n - num_rows(item), start + n))
+                sample_rows.extend(range(start + n - count, start + n))
                 sample_items.append(item)
         device = self.device
         rows = sampling_rows(sample_items)
