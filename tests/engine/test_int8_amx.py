@@ -33,7 +33,9 @@ def _both_paths(fn):
 
 @pytest.mark.parametrize("out_features", [16, 40, 200, 1000])  # one block; a pass's second block partial; odd blocks
 @pytest.mark.parametrize("in_features", [64, 640])
-@pytest.mark.parametrize("rows", [5, 8, 16, 17, 33])  # from the AMX threshold; 16-row passes and a remainder
+# from the AMX threshold; one row tile, two (a pass of 32 rows), a pass and a remainder of one row;
+# several blocks of 128 rows (vnni_rows.h's ROW_BLOCK), the last one partial
+@pytest.mark.parametrize("rows", [5, 8, 16, 17, 32, 33, 161])
 def test_amx_products_and_greedy_tokens_are_the_vnni_ones_bit_for_bit(out_features, in_features, rows):
     q, scale, packed = _weight(out_features, in_features, seed=out_features * 7 + rows)
     x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
