@@ -305,6 +305,8 @@ static inline __attribute__((always_inline)) void attend_vector(
     write_heads(elem, out_row, acc, inv_sum, kv_head, G, head_dim);
 }
 
+#include "paged_attention_tiles.h"
+
 typedef void (*attend_fn)(const void *, int64_t, const void *, const void *, int64_t, int64_t, int64_t, void *,
                           const int32_t *, int, int, int, int, int, float, float *, float *, float *, int);
 
@@ -344,6 +346,16 @@ int paged_attention_vector_path(int elem, int cache_elem, int group, int head_di
     return vector_path(elem, cache_elem, group, head_dim) != NULL;
 }
 
+static int tiles_allowed = 1;
+
+/* Whether prompt chunks take the tiles from now on in this process (tests compare the two paths);
+ * returns the new tokens a chunk needs to take them (and *min_keys the keys it must see). */
+int paged_attention_tiles(int allow, int *min_keys) {
+    tiles_allowed = allow != 0;
+    *min_keys = TILE_MIN_KEYS;
+    return TILE_MIN_TOKENS;
+}
+
 /* Returns 0; -1 when a scratch allocation fails or the GQA group is too large; -2 for an element
  * size other than 4 or 2. */
 int paged_attention(int elem, int cache_elem, const void *q, int64_t q_stride_t, int64_t q_stride_h,
@@ -357,6 +369,38 @@ int paged_attention(int elem, int cache_elem, const void *q, int64_t q_stride_t,
     const int num_tokens = query_start[num_requests];
     const int64_t items = (int64_t)num_tokens * num_kv_heads;
     const attend_fn vector = vector_path(elem, cache_elem, group, head_dim);
+    /* prompt chunks that take the tiles (paged_attention_tiles.h): their keys' first position, the
+     * transposed keys' stride and offset (each KV head's head_dim x stride floats), their units */
+    const int tokens_a_unit = TILE_ROWS / group;
+    int *key_first = calloc((size_t)num_requests + 1, sizeof(int)), *stride = calloc((size_t)num_requests + 1, sizeof(int));
+    int64_t *kt_at = calloc((size_t)num_requests + 1, sizeof(int64_t));
+    int64_t *unit_start = calloc((size_t)num_requests + 1, sizeof(int64_t));
+    int64_t *koff_at = calloc((size_t)num_requests + 1, sizeof(int64_t)); /* each chunk's key offsets */
+    if (!key_first || !stride || !kt_at || !unit_start || !koff_at) {
+        free(key_first), free(stride), free(kt_at), free(unit_start), free(koff_at);
+        return -1;
+    }
+    int max_stride = 0;
+    for (int r = 0; r < num_requests; r++) {
+        const int n_new = query_start[r + 1] - query_start[r], pos0 = context_lens[r] - n_new;
+        const int first = window > 0 && pos0 - window + 1 > 0 ? pos0 - window + 1 : 0;
+        const int n_keys = context_lens[r] - first;
+        const int tiled = tiles_allowed && vector && tokens_a_unit >= 1 && n_new >= TILE_MIN_TOKENS &&
+                          n_keys >= TILE_MIN_KEYS && n_keys <= TILE_MAX_KEYS;
+        key_first[r] = first;
+        stride[r] = tiled ? (n_keys + TILE_KEY_STEP - 1) / TILE_KEY_STEP * TILE_KEY_STEP : 0;
+        max_stride = stride[r] > max_stride ? stride[r] : max_stride;
+        kt_at[r + 1] = kt_at[r] + (int64_t)num_kv_heads * head_dim * stride[r];
+        koff_at[r + 1] = koff_at[r] + stride[r];
+        unit_start[r + 1] = unit_start[r] + (tiled ? (int64_t)num_kv_heads * ((n_new + tokens_a_unit - 1) / tokens_a_unit) : 0);
+    }
+    float *kt = unit_start[num_requests] ? malloc(sizeof(float) * (size_t)kt_at[num_requests]) : NULL;
+    int64_t *koff = kt ? malloc(sizeof(int64_t) * (size_t)koff_at[num_requests]) : NULL;
+    if (unit_start[num_requests] && (!kt || !koff)) {
+        free(key_first), free(stride), free(kt_at), free(unit_start), free(koff_at), free(kt), free(koff);
+        return -1;
+    }
+    const tile_call call = {q, q_stride_t, q_stride_h, out, elem, cache_elem, num_heads, head_dim, group, window, scale};
     int failed = 0;
 #ifdef _OPENMP
 #pragma omp parallel num_threads(num_threads > 0 ? num_threads : 1) reduction(| : failed)
@@ -365,11 +409,24 @@ int paged_attention(int elem, int cache_elem, const void *q, int64_t q_stride_t,
         float *scores = malloc(sizeof(float) * (size_t)group * (size_t)(max_context > 0 ? max_context : 1));
         float *qf = malloc(sizeof(float) * (size_t)group * head_dim);
         float *acc = malloc(sizeof(float) * (size_t)group * head_dim);
-        int ok = scores && qf && acc;
+        float *tile_scratch = kt ? malloc(sizeof(float) * (size_t)TILE_ROWS * (2 * head_dim + max_stride)) : NULL;
+        int ok = scores && qf && acc && (!kt || tile_scratch);
         if (!ok) failed = 1;
+        /* the tiled chunks' keys, transposed (each thread whole (request, KV head) pairs) */
+#ifdef _OPENMP
+#pragma omp for schedule(dynamic, 1)
+#endif
+        for (int64_t pair = 0; pair < (kt ? (int64_t)num_requests * num_kv_heads : 0); pair++) {
+            const int rr = (int)(pair / num_kv_heads), h = (int)(pair % num_kv_heads);
+            if (!stride[rr]) continue;
+            transpose_keys(k_cache, cache_elem, s_block, s_slot, s_head, table + (int64_t)rr * table_stride,
+                           block_size, h, key_first[rr], context_lens[rr] - key_first[rr], head_dim,
+                           kt + kt_at[rr] + (int64_t)h * head_dim * stride[rr], stride[rr],
+                           h == 0 ? koff + koff_at[rr] : NULL);
+        }
         int r = 0;
 #ifdef _OPENMP
-#pragma omp for schedule(dynamic, 4)
+#pragma omp for schedule(dynamic, 4) nowait
 #endif
         for (int64_t item = 0; item < items; item++) {
             if (ok) {
@@ -383,6 +440,7 @@ int paged_attention(int elem, int cache_elem, const void *q, int64_t q_stride_t,
                     }
                     r = lo;
                 }
+                if (stride[r]) continue; /* a tiled chunk's token */
                 int n_new = query_start[r + 1] - query_start[r];
                 int pos = context_lens[r] - n_new + (t - query_start[r]);
                 int first = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
@@ -404,9 +462,30 @@ int paged_attention(int elem, int cache_elem, const void *q, int64_t q_stride_t,
                                scale, scores, qf, acc);
             }
         }
+#ifdef _OPENMP
+#pragma omp for schedule(dynamic, 1)
+#endif
+        for (int64_t unit = 0; unit < unit_start[num_requests]; unit++) {
+            if (!ok) continue;
+            int lo = 0, hi = num_requests - 1; /* the request: the last whose units start at or before */
+            while (lo < hi) {
+                int mid = (lo + hi + 1) / 2;
+                if (unit_start[mid] <= unit) lo = mid; else hi = mid - 1;
+            }
+            const int rr = lo, n_new = query_start[rr + 1] - query_start[rr];
+            const int64_t k = unit - unit_start[rr];
+            const int h = (int)(k % num_kv_heads), tq0 = (int)(k / num_kv_heads) * tokens_a_unit;
+            const int nt = n_new - tq0 < tokens_a_unit ? n_new - tq0 : tokens_a_unit;
+            attend_tile(&call, v_cache, s_head, h, key_first[rr], kt + kt_at[rr] + (int64_t)h * head_dim * stride[rr],
+                        koff + koff_at[rr], stride[rr], query_start[rr], context_lens[rr] - n_new, tq0, nt, tile_scratch,
+                        tile_scratch + (int64_t)TILE_ROWS * head_dim,
+                        tile_scratch + (int64_t)TILE_ROWS * (head_dim + max_stride));
+        }
         free(scores);
         free(qf);
         free(acc);
+        free(tile_scratch);
     }
+    free(key_first), free(stride), free(kt_at), free(unit_start), free(koff_at), free(kt), free(koff);
     return failed ? -1 : 0;
 }
