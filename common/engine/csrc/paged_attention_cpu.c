@@ -4,6 +4,7 @@
  * are (query token, KV head); each runs the GQA group of query heads that share that KV head
  * against the token's visible keys, read straight from the cache blocks (no gather), with a
  * two-pass softmax in fp32 (scores, then max / exp / sum, then the weighted sum of values).
+ * Long prompt chunks go in tiles of several tokens' rows instead (paged_attention_tiles.h).
  *
  *   q       [T, H, D]               packed new tokens, D contiguous
  *   cache   [num_blocks, block_size, KVH, D]   per-layer K (or V) view, any block/slot/head strides
@@ -372,7 +373,8 @@ int paged_attention(int elem, int cache_elem, const void *q, int64_t q_stride_t,
     /* prompt chunks that take the tiles (paged_attention_tiles.h): their keys' first position, the
      * transposed keys' stride and offset (each KV head's head_dim x stride floats), their units */
     const int tokens_a_unit = TILE_ROWS / group;
-    int *key_first = calloc((size_t)num_requests + 1, sizeof(int)), *stride = calloc((size_t)num_requests + 1, sizeof(int));
+    int *key_first = calloc((size_t)num_requests + 1, sizeof(int));
+    int *stride = calloc((size_t)num_requests + 1, sizeof(int));
     int64_t *kt_at = calloc((size_t)num_requests + 1, sizeof(int64_t));
     int64_t *unit_start = calloc((size_t)num_requests + 1, sizeof(int64_t));
     int64_t *koff_at = calloc((size_t)num_requests + 1, sizeof(int64_t)); /* each chunk's key offsets */
@@ -392,7 +394,8 @@ int paged_attention(int elem, int cache_elem, const void *q, int64_t q_stride_t,
         max_stride = stride[r] > max_stride ? stride[r] : max_stride;
         kt_at[r + 1] = kt_at[r] + (int64_t)num_kv_heads * head_dim * stride[r];
         koff_at[r + 1] = koff_at[r] + stride[r];
-        unit_start[r + 1] = unit_start[r] + (tiled ? (int64_t)num_kv_heads * ((n_new + tokens_a_unit - 1) / tokens_a_unit) : 0);
+        const int64_t units = (int64_t)num_kv_heads * ((n_new + tokens_a_unit - 1) / tokens_a_unit);
+        unit_start[r + 1] = unit_start[r] + (tiled ? units : 0);
     }
     float *kt = unit_start[num_requests] ? malloc(sizeof(float) * (size_t)kt_at[num_requests]) : NULL;
     int64_t *koff = kt ? malloc(sizeof(int64_t) * (size_t)koff_at[num_requests]) : NULL;
@@ -400,7 +403,8 @@ int paged_attention(int elem, int cache_elem, const void *q, int64_t q_stride_t,
         free(key_first), free(stride), free(kt_at), free(unit_start), free(koff_at), free(kt), free(koff);
         return -1;
     }
-    const tile_call call = {q, q_stride_t, q_stride_h, out, elem, cache_elem, num_heads, head_dim, group, window, scale};
+    const tile_call call = {q,         q_stride_t, q_stride_h, out,    elem, cache_elem,
+                            num_heads, head_dim,   group,      window, scale};
     int failed = 0;
 #ifdef _OPENMP
 #pragma omp parallel num_threads(num_threads > 0 ? num_threads : 1) reduction(| : failed)
@@ -477,8 +481,8 @@ int paged_attention(int elem, int cache_elem, const void *q, int64_t q_stride_t,
             const int h = (int)(k % num_kv_heads), tq0 = (int)(k / num_kv_heads) * tokens_a_unit;
             const int nt = n_new - tq0 < tokens_a_unit ? n_new - tq0 : tokens_a_unit;
             attend_tile(&call, v_cache, s_head, h, key_first[rr], kt + kt_at[rr] + (int64_t)h * head_dim * stride[rr],
-                        koff + koff_at[rr], stride[rr], query_start[rr], context_lens[rr] - n_new, tq0, nt, tile_scratch,
-                        tile_scratch + (int64_t)TILE_ROWS * head_dim,
+                        koff + koff_at[rr], stride[rr], query_start[rr], context_lens[rr] - n_new, tq0, nt,
+                        tile_scratch, tile_scratch + (int64_t)TILE_ROWS * head_dim,
                         tile_scratch + (int64_t)TILE_ROWS * (head_dim + max_stride));
         }
         free(scores);

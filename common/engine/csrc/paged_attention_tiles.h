@@ -108,14 +108,16 @@ static inline __attribute__((always_inline)) void value_tile(const int R, const 
         _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) acc[r][c] = (vecw){0};
     for (int j = j0; j < j1; j++) {
         vecw vv[TILE_KC];
-        _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) vv[c] = load_row(v_cache, voff[j] + d0 + VL * c, cache_elem);
+        _Pragma("GCC unroll 8") for (int c = 0; c < C; c++)
+            vv[c] = load_row(v_cache, voff[j] + d0 + VL * c, cache_elem);
         _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {
             const vecw x = splat(w[(int64_t)r * stride + j]);
             _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) acc[r][c] += x * vv[c];
         }
     }
     _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)
-        _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) memcpy(o + (int64_t)r * head_dim + d0 + VL * c, &acc[r][c], sizeof(vecw));
+        _Pragma("GCC unroll 8") for (int c = 0; c < C; c++)
+            memcpy(o + (int64_t)r * head_dim + d0 + VL * c, &acc[r][c], sizeof(vecw));
 }
 
 #define TILE_ROW_CASES(X) X(1) X(2) X(3) X(4) X(5) X(6)
@@ -132,7 +134,9 @@ static void value_rows(int R, int C, int cache_elem, const void *v_cache, const 
 #define VALUE_CASE(N)                                                                                        \
     if (R == N && N <= TILE_RC) {                                                                            \
         if (C == TILE_KC) value_tile(N, TILE_KC, cache_elem, v_cache, voff, w, stride, j0, j1, d0, o, head_dim); \
-        else for (int c = 0; c < C; c++) value_tile(N, 1, cache_elem, v_cache, voff, w, stride, j0, j1, d0 + VL * c, o, head_dim); \
+        else                                                                                                 \
+            for (int c = 0; c < C; c++)                                                                      \
+                value_tile(N, 1, cache_elem, v_cache, voff, w, stride, j0, j1, d0 + VL * c, o, head_dim);    \
         return;                                                                                              \
     }
     TILE_ROW_CASES(VALUE_CASE)
@@ -160,7 +164,8 @@ static void attend_tile(const tile_call *c, const void *v_cache, int64_t s_head,
     int lo[TILE_ROWS], hi[TILE_ROWS]; /* each row's visible keys, [lo, hi] relative to kf */
     for (int i = 0; i < rows; i++) {
         const int t = tq0 + i / G, h = kv_head * G + i % G, pos = pos0 + t;
-        const char *src = (const char *)c->q + ((int64_t)(t0 + t) * c->q_stride_t + (int64_t)h * c->q_stride_h) * c->elem;
+        const int64_t q_at = (int64_t)(t0 + t) * c->q_stride_t + (int64_t)h * c->q_stride_h;
+        const char *src = (const char *)c->q + q_at * c->elem;
         for (int d = 0; d < D; d += VL) {
             const vecw v = load_row(src, d, c->elem);
             memcpy(qs + (int64_t)i * D + d, &v, sizeof v);
