@@ -28,13 +28,16 @@ def vnni(request) -> bool:
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 20])
 @pytest.mark.parametrize("out_features", [16, 100, 1000, 4099])  # one block, partial blocks, many chunks
-def test_each_row_takes_the_first_maximal_index_of_the_products(rows, out_features, vnni):
+@pytest.mark.parametrize("in_features", [96, 128])  # 128: from 5 rows on AMX tiles where the CPU has them
+def test_each_row_takes_the_first_maximal_index_of_the_products(rows, out_features, in_features, vnni):
     g = torch.Generator().manual_seed(rows * out_features)
-    w = torch.randn(out_features, 96, generator=g)
+    w = torch.randn(out_features, in_features, generator=g)
     w[out_features // 2] = w[out_features // 3]  # a tie: the earlier index wins
+    if out_features // 3 + 16 < out_features:
+        w[out_features // 3 + 16] = w[out_features // 3]  # and in the same lane of the next block
     w[-1] = w[0]  # a tie across the first and last chunks
     weight = Int8Weight(w, vnni=vnni)
-    x = torch.randn(rows, 96, generator=g)
+    x = torch.randn(rows, in_features, generator=g)
     x[0] = w[out_features // 3] * 5  # this row's maximum is the tie
     products = weight.matmul(x)
     tokens = weight.greedy_tokens(x)
