@@ -262,24 +262,9 @@ static inline __attribute__((always_inline)) void attend_vector(
         }
         for (int g = 0; g < G; g++) scores[(int64_t)g * n_keys + j] = sum_lanes(even[g] + odd[g]) * scale;
     }
-    /* pass 2: softmax weights (lanes past n_keys count nothing) */
+    /* pass 2: softmax weights */
     float inv_sum[MAX_GROUP];
-    const ivec16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    for (int g = 0; g < G; g++) {
-        float *sc = scores + (int64_t)g * n_keys;
-        float m = -INFINITY;
-        for (int j = 0; j < n_keys; j++) m = sc[j] > m ? sc[j] : m;
-        vec16 sum = {0};
-        for (int j = 0; j < n_keys; j += 16) {
-            const int left = n_keys - j;
-            vec16 v = {0};
-            memcpy(&v, sc + j, sizeof(float) * (left < 16 ? left : 16));
-            const vec16 e = (vec16)((ivec16)exp_nonpositive(v - m) & (lane < left));
-            memcpy(sc + j, &e, sizeof(float) * (left < 16 ? left : 16));
-            sum += e;
-        }
-        inv_sum[g] = 1.0f / sum16(sum);
-    }
+    for (int g = 0; g < G; g++) inv_sum[g] = softmax_weights(scores + (int64_t)g * n_keys, n_keys);
     /* pass 3: weighted values */
     memset(acc, 0, sizeof(float) * G * head_dim);
     for (int j0 = 0; j0 < n_keys; j0 += TILE_KEYS) {

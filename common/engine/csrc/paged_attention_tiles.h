@@ -184,29 +184,9 @@ static void attend_tile(const tile_call *c, const void *v_cache, int64_t s_head,
     }
     /* pass 2: each row's weights over its visible keys, 0 for the rest of [lo[0], j_end) */
     float inv_sum[TILE_ROWS];
-    const ivec16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
     for (int i = 0; i < rows; i++) {
         float *sc = s + (int64_t)i * stride;
-        vec16 top = (vec16){0} - INFINITY;
-        for (int j = lo[i]; j <= hi[i]; j += 16) {
-            const int left = hi[i] + 1 - j;
-            vec16 v = (vec16){0} - INFINITY;
-            memcpy(&v, sc + j, sizeof(float) * (left < 16 ? left : 16));
-            const ivec16 above = v > top;
-            top = (vec16)((above & (ivec16)v) | (~above & (ivec16)top));
-        }
-        float m = top[0];
-        for (int l = 1; l < 16; l++) m = top[l] > m ? top[l] : m;
-        vec16 sum = {0};
-        for (int j = lo[i]; j <= hi[i]; j += 16) {
-            const int left = hi[i] + 1 - j;
-            vec16 v = {0};
-            memcpy(&v, sc + j, sizeof(float) * (left < 16 ? left : 16));
-            const vec16 e = (vec16)((ivec16)exp_nonpositive(v - m) & (lane < left));
-            memcpy(sc + j, &e, sizeof(float) * (left < 16 ? left : 16));
-            sum += e;
-        }
-        inv_sum[i] = 1.0f / sum16(sum);
+        inv_sum[i] = softmax_weights(sc + lo[i], hi[i] - lo[i] + 1);
         for (int j = lo[0]; j < lo[i]; j++) sc[j] = 0.0f;
         for (int j = hi[i] + 1; j < j_end; j++) sc[j] = 0.0f;
     }

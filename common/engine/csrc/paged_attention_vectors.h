@@ -3,6 +3,7 @@
  * vectors from one load), lane sums, and pass 3's weighing of a tile's value rows. */
 #ifndef PAGED_ATTENTION_VECTORS_H
 #define PAGED_ATTENTION_VECTORS_H
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -107,6 +108,32 @@ static inline __attribute__((always_inline)) float sum16(vec16 v) {
         total += sum_lanes(part);
     }
     return total;
+}
+
+/* sc[0 .. n) (n >= 1) into their softmax's numerators e^(sc - max) in place, 16 at a time (the
+ * lanes past n count nothing); returns 1 / their sum. */
+static inline __attribute__((always_inline)) float softmax_weights(float *sc, int n) {
+    const ivec16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    vec16 top = (vec16){0} - INFINITY;
+    for (int j = 0; j < n; j += 16) {
+        const int left = n - j;
+        vec16 v = (vec16){0} - INFINITY;
+        memcpy(&v, sc + j, sizeof(float) * (left < 16 ? left : 16));
+        const ivec16 above = v > top;
+        top = (vec16)((above & (ivec16)v) | (~above & (ivec16)top));
+    }
+    float m = top[0];
+    for (int l = 1; l < 16; l++) m = top[l] > m ? top[l] : m;
+    vec16 sum = {0};
+    for (int j = 0; j < n; j += 16) {
+        const int left = n - j;
+        vec16 v = {0};
+        memcpy(&v, sc + j, sizeof(float) * (left < 16 ? left : 16));
+        const vec16 e = (vec16)((ivec16)exp_nonpositive(v - m) & (lane < left));
+        memcpy(sc + j, &e, sizeof(float) * (left < 16 ? left : 16));
+        sum += e;
+    }
+    return 1.0f / sum16(sum);
 }
 
 /* acc[g][d .. d + VL C) += sum over the tile's keys t of weights[g n_keys + t] * V_t[d .. d + VL C)
