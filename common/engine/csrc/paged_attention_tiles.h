@@ -143,7 +143,8 @@ static void value_rows(int R, int C, int cache_elem, const void *v_cache, const 
 #undef VALUE_CASE
 }
 
-/* Row i of a unit: token tq0 + i / G at position pos0 + i / G, head kv_head * G + i % G. */
+/* What every unit of a call shares: the queries and output (as paged_attention takes them), the
+ * element sizes, the heads, the window and the scale. */
 typedef struct {
     const void *q;
     int64_t q_stride_t, q_stride_h;
@@ -152,10 +153,10 @@ typedef struct {
     float scale;
 } tile_call;
 
-/* One unit: rows [tokens tq0, tq0 + nt) of a chunk whose keys start at kf (kt: its keys transposed,
+/* One unit: tokens [tq0, tq0 + nt) of a chunk whose keys start at kf (kt: its keys transposed,
  * stride keys a dim; koff: their cache offsets without the head's), the chunk's first new token at
- * position pos0 and packed row t0.  Scratch: qs (TILE_ROWS x head_dim), s (TILE_ROWS x stride), o
- * (TILE_ROWS x head_dim). */
+ * position pos0 and packed row t0; row i is token tq0 + i / G, head kv_head * G + i % G.  Scratch:
+ * qs (TILE_ROWS x head_dim), s (TILE_ROWS x stride), o (TILE_ROWS x head_dim). */
 static void attend_tile(const tile_call *c, const void *v_cache, int64_t s_head, int kv_head, int kf, const float *kt,
                         const int64_t *koff, int stride, int t0, int pos0, int tq0, int nt, float *qs, float *s,
                         float *o) {
