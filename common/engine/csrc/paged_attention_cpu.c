@@ -401,17 +401,21 @@ int paged_attention(int elem, int cache_elem, const void *q, int64_t q_stride_t,
         float *tile_scratch = kt ? malloc(sizeof(float) * (size_t)TILE_ROWS * (2 * head_dim + max_stride)) : NULL;
         int ok = scores && qf && acc && (!kt || tile_scratch);
         if (!ok) failed = 1;
-        /* the tiled chunks' keys, transposed (each thread whole (request, KV head) pairs) */
+        /* the tiled chunks' keys, transposed (each thread whole (request, KV head) pairs); a step
+         * without tiles (kt NULL, the same for every thread) skips this loop, the tiles' and their
+         * barriers */
+        if (kt) {
 #ifdef _OPENMP
 #pragma omp for schedule(dynamic, 1)
 #endif
-        for (int64_t pair = 0; pair < (kt ? (int64_t)num_requests * num_kv_heads : 0); pair++) {
-            const int rr = (int)(pair / num_kv_heads), h = (int)(pair % num_kv_heads);
-            if (!stride[rr]) continue;
-            transpose_keys(k_cache, cache_elem, s_block, s_slot, s_head, table + (int64_t)rr * table_stride,
-                           block_size, h, key_first[rr], context_lens[rr] - key_first[rr], head_dim,
-                           kt + kt_at[rr] + (int64_t)h * head_dim * stride[rr], stride[rr],
-                           h == 0 ? koff + koff_at[rr] : NULL);
+            for (int64_t pair = 0; pair < (int64_t)num_requests * num_kv_heads; pair++) {
+                const int rr = (int)(pair / num_kv_heads), h = (int)(pair % num_kv_heads);
+                if (!stride[rr]) continue;
+                transpose_keys(k_cache, cache_elem, s_block, s_slot, s_head, table + (int64_t)rr * table_stride,
+                               block_size, h, key_first[rr], context_lens[rr] - key_first[rr], head_dim,
+                               kt + kt_at[rr] + (int64_t)h * head_dim * stride[rr], stride[rr],
+                               h == 0 ? koff + koff_at[rr] : NULL);
+            }
         }
         int r = 0;
 #ifdef _OPENMP
@@ -451,24 +455,27 @@ int paged_attention(int elem, int cache_elem, const void *q, int64_t q_stride_t,
                                scale, scores, qf, acc);
             }
         }
+        if (kt) {
 #ifdef _OPENMP
 #pragma omp for schedule(dynamic, 1)
 #endif
-        for (int64_t unit = 0; unit < unit_start[num_requests]; unit++) {
-            if (!ok) continue;
-            int lo = 0, hi = num_requests - 1; /* the request: the last whose units start at or before */
-            while (lo < hi) {
-                int mid = (lo + hi + 1) / 2;
-                if (unit_start[mid] <= unit) lo = mid; else hi = mid - 1;
+            for (int64_t unit = 0; unit < unit_start[num_requests]; unit++) {
+                if (!ok) continue;
+                int lo = 0, hi = num_requests - 1; /* the request: the last whose units start at or before */
+                while (lo < hi) {
+                    int mid = (lo + hi + 1) / 2;
+                    if (unit_start[mid] <= unit) lo = mid; else hi = mid - 1;
+                }
+                const int rr = lo, n_new = query_start[rr + 1] - query_start[rr];
+                const int64_t k = unit - unit_start[rr];
+                const int h = (int)(k % num_kv_heads), tq0 = (int)(k / num_kv_heads) * tokens_a_unit;
+                const int nt = n_new - tq0 < tokens_a_unit ? n_new - tq0 : tokens_a_unit;
+                const float *keys = kt + kt_at[rr] + (int64_t)h * head_dim * stride[rr];
+                attend_tile(&call, v_cache, s_head, h, key_first[rr], keys, koff + koff_at[rr], stride[rr],
+                            query_start[rr], context_lens[rr] - n_new, tq0, nt,
+                            tile_scratch, tile_scratch + (int64_t)TILE_ROWS * head_dim,
+                            tile_scratch + (int64_t)TILE_ROWS * (head_dim + max_stride));
             }
-            const int rr = lo, n_new = query_start[rr + 1] - query_start[rr];
-            const int64_t k = unit - unit_start[rr];
-            const int h = (int)(k % num_kv_heads), tq0 = (int)(k / num_kv_heads) * tokens_a_unit;
-            const int nt = n_new - tq0 < tokens_a_unit ? n_new - tq0 : tokens_a_unit;
-            attend_tile(&call, v_cache, s_head, h, key_first[rr], kt + kt_at[rr] + (int64_t)h * head_dim * stride[rr],
-                        koff + koff_at[rr], stride[rr], query_start[rr], context_lens[rr] - n_new, tq0, nt,
-                        tile_scratch, tile_scratch + (int64_t)TILE_ROWS * head_dim,
-                        tile_scratch + (int64_t)TILE_ROWS * (head_dim + max_stride));
         }
         free(scores);
         free(qf);
