@@ -362,9 +362,9 @@ int paged_attention(int elem, int cache_elem, const void *q, int64_t q_stride_t,
     int *stride = calloc((size_t)num_requests + 1, sizeof(int));
     int64_t *kt_at = calloc((size_t)num_requests + 1, sizeof(int64_t));
     int64_t *unit_start = calloc((size_t)num_requests + 1, sizeof(int64_t));
-    int64_t *koff_at = calloc((size_t)num_requests + 1, sizeof(int64_t)); /* each chunk's key offsets */
-    if (!key_first || !stride || !kt_at || !unit_start || !koff_at) {
-        free(key_first), free(stride), free(kt_at), free(unit_start), free(koff_at);
+    int64_t *voff_at = calloc((size_t)num_requests + 1, sizeof(int64_t)); /* each chunk's value rows' */
+    if (!key_first || !stride || !kt_at || !unit_start || !voff_at) {
+        free(key_first), free(stride), free(kt_at), free(unit_start), free(voff_at);
         return -1;
     }
     int max_stride = 0;
@@ -378,14 +378,17 @@ int paged_attention(int elem, int cache_elem, const void *q, int64_t q_stride_t,
         stride[r] = tiled ? (n_keys + TILE_KEY_STEP - 1) / TILE_KEY_STEP * TILE_KEY_STEP : 0;
         max_stride = stride[r] > max_stride ? stride[r] : max_stride;
         kt_at[r + 1] = kt_at[r] + (int64_t)num_kv_heads * head_dim * stride[r];
-        koff_at[r + 1] = koff_at[r] + stride[r];
+        voff_at[r + 1] = voff_at[r] + stride[r];
         const int64_t units = (int64_t)num_kv_heads * ((n_new + tokens_a_unit - 1) / tokens_a_unit);
         unit_start[r + 1] = unit_start[r] + (tiled ? units : 0);
     }
+    /* the tiled chunks' keys transposed and, from a bf16 cache, their value rows widened (each KV
+     * head's at kt_at in both); where each chunk's value rows are (voff) */
     float *kt = unit_start[num_requests] ? malloc(sizeof(float) * (size_t)kt_at[num_requests]) : NULL;
-    int64_t *koff = kt ? malloc(sizeof(int64_t) * (size_t)koff_at[num_requests]) : NULL;
-    if (unit_start[num_requests] && (!kt || !koff)) {
-        free(key_first), free(stride), free(kt_at), free(unit_start), free(koff_at), free(kt), free(koff);
+    float *vc = kt && cache_elem == 2 ? malloc(sizeof(float) * (size_t)kt_at[num_requests]) : NULL;
+    int64_t *voff = kt ? malloc(sizeof(int64_t) * (size_t)voff_at[num_requests]) : NULL;
+    if (unit_start[num_requests] && (!kt || !voff || (cache_elem == 2 && !vc))) {
+        free(key_first), free(stride), free(kt_at), free(unit_start), free(voff_at), free(kt), free(vc), free(voff);
         return -1;
     }
     const tile_call call = {q,         q_stride_t, q_stride_h, out,    elem, cache_elem,
@@ -401,9 +404,9 @@ int paged_attention(int elem, int cache_elem, const void *q, int64_t q_stride_t,
         float *tile_scratch = kt ? malloc(sizeof(float) * (size_t)TILE_ROWS * (2 * head_dim + max_stride)) : NULL;
         int ok = scores && qf && acc && (!kt || tile_scratch);
         if (!ok) failed = 1;
-        /* the tiled chunks' keys, transposed (each thread whole (request, KV head) pairs); a step
-         * without tiles (kt NULL, the same for every thread) skips this loop, the tiles' and their
-         * barriers */
+        /* the tiled chunks' keys and values gathered (each thread whole (request, KV head) pairs); a
+         * step without tiles (kt NULL, the same for every thread) skips this loop, the tiles' and
+         * their barriers */
         if (kt) {
 #ifdef _OPENMP
 #pragma omp for schedule(dynamic, 1)
@@ -411,10 +414,10 @@ int paged_attention(int elem, int cache_elem, const void *q, int64_t q_stride_t,
             for (int64_t pair = 0; pair < (int64_t)num_requests * num_kv_heads; pair++) {
                 const int rr = (int)(pair / num_kv_heads), h = (int)(pair % num_kv_heads);
                 if (!stride[rr]) continue;
-                transpose_keys(k_cache, cache_elem, s_block, s_slot, s_head, table + (int64_t)rr * table_stride,
-                               block_size, h, key_first[rr], context_lens[rr] - key_first[rr], head_dim,
-                               kt + kt_at[rr] + (int64_t)h * head_dim * stride[rr], stride[rr],
-                               h == 0 ? koff + koff_at[rr] : NULL);
+                const int64_t at = kt_at[rr] + (int64_t)h * head_dim * stride[rr];
+                gather_keys(k_cache, v_cache, cache_elem, s_block, s_slot, s_head, table + (int64_t)rr * table_stride,
+                            block_size, h, key_first[rr], context_lens[rr] - key_first[rr], head_dim, kt + at,
+                            stride[rr], vc ? vc + at : NULL, h == 0 ? voff + voff_at[rr] : NULL);
             }
         }
         int r = 0;
@@ -470,9 +473,10 @@ int paged_attention(int elem, int cache_elem, const void *q, int64_t q_stride_t,
                 const int64_t k = unit - unit_start[rr];
                 const int h = (int)(k % num_kv_heads), tq0 = (int)(k / num_kv_heads) * tokens_a_unit;
                 const int nt = n_new - tq0 < tokens_a_unit ? n_new - tq0 : tokens_a_unit;
-                const float *keys = kt + kt_at[rr] + (int64_t)h * head_dim * stride[rr];
-                attend_tile(&call, v_cache, s_head, h, key_first[rr], keys, koff + koff_at[rr], stride[rr],
-                            query_start[rr], context_lens[rr] - n_new, tq0, nt,
+                const int64_t at = kt_at[rr] + (int64_t)h * head_dim * stride[rr];
+                const float *values = vc ? vc + at : (const float *)v_cache + (int64_t)h * s_head;
+                attend_tile(&call, h, key_first[rr], kt + at, values, voff + voff_at[rr], stride[rr], query_start[rr],
+                            context_lens[rr] - n_new, tq0, nt,
                             tile_scratch, tile_scratch + (int64_t)TILE_ROWS * head_dim,
                             tile_scratch + (int64_t)TILE_ROWS * (head_dim + max_stride));
             }
@@ -482,6 +486,6 @@ int paged_attention(int elem, int cache_elem, const void *q, int64_t q_stride_t,
         free(acc);
         free(tile_scratch);
     }
-    free(key_first), free(stride), free(kt_at), free(unit_start), free(koff_at), free(kt), free(koff);
+    free(key_first), free(stride), free(kt_at), free(unit_start), free(voff_at), free(kt), free(vc), free(voff);
     return failed ? -1 : 0;
 }

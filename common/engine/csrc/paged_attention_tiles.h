@@ -12,7 +12,10 @@
  *   pass 2  each row's softmax over its own visible keys (the causal edge and a window's), the others
  *           weighted 0;
  *   pass 3  O[row][d] = sum_key W[row][key] V[key][d] / sum, over TILE_KC vectors of d at a time,
- *           reading the value rows in place through the block table.
+ *           reading an fp32 cache's value rows in place through the block table, a bf16 cache's from
+ *           fp32 rows they were widened into once in the first phase (widening them in every tile of
+ *           rows and dims instead: 8 prompts of 256 / 512 tokens 1.14 / 1.18x slower; gathering an
+ *           fp32 cache's rows too: 0.94-0.99x).
  * The arithmetic is fp32 as on the item path (the same two-pass softmax and exp); only the order of
  * the sums differs.  Taken by chunks of TILE_MIN_TOKENS or more new tokens that see TILE_MIN_KEYS
  * keys or more and at most TILE_MAX_KEYS (the transposed keys and a tile's scores are scratch of
@@ -52,16 +55,18 @@ static inline __attribute__((always_inline)) vecw splat(float x) {
 }
 
 /* Keys [kf, kf + n) of one KV head transposed into kt[d * stride + j] (fp32; the pad up to stride,
- * a multiple of 16, zeros), 16 keys at a time (each dim's 16 values one store); with koff, each key's
- * cache offset without the head's (koff[j]: the value rows' too). */
-static void transpose_keys(const void *k_cache, int cache_elem, int64_t s_block, int64_t s_slot, int64_t s_head,
-                           const int32_t *blocks, int block_size, int kv_head, int kf, int n, int head_dim, float *kt,
-                           int stride, int64_t *koff) {
+ * a multiple of 16, zeros), 16 keys at a time (each dim's 16 values one store); with vc (a bf16
+ * cache), their value rows widened into vc[j * head_dim + d]; with voff, where pass 3 finds value row
+ * j: its offset in the cache without the head's (fp32) or in vc (bf16). */
+static void gather_keys(const void *k_cache, const void *v_cache, int cache_elem, int64_t s_block, int64_t s_slot,
+                        int64_t s_head, const int32_t *blocks, int block_size, int kv_head, int kf, int n, int head_dim,
+                        float *kt, int stride, float *vc, int64_t *voff) {
     for (int j0 = 0; j0 < stride; j0 += 16) {
         int64_t off[16];
         for (int t = 0; t < 16; t++) {
             off[t] = j0 + t < n ? key_offset(blocks, kf + j0 + t, block_size, s_block, s_slot, s_head, kv_head) : -1;
-            if (koff && j0 + t < n) koff[j0 + t] = off[t] - (int64_t)kv_head * s_head;
+            if (voff && j0 + t < n)
+                voff[j0 + t] = vc ? (int64_t)(j0 + t) * head_dim : off[t] - (int64_t)kv_head * s_head;
         }
         for (int d = 0; d < head_dim; d++) {
             float column[16];
@@ -71,6 +76,11 @@ static void transpose_keys(const void *k_cache, int cache_elem, int64_t s_block,
                                               : bf16_to_f32(((const bf16_t *)k_cache)[off[t] + d]);
             memcpy(kt + (int64_t)d * stride + j0, column, sizeof column);
         }
+        for (int t = 0; vc && t < 16 && off[t] >= 0; t++)
+            for (int d = 0; d < head_dim; d += VL) {
+                const vecw v = load_row(v_cache, off[t] + d, cache_elem);
+                memcpy(vc + (int64_t)(j0 + t) * head_dim + d, &v, sizeof v);
+            }
     }
 }
 
@@ -97,19 +107,18 @@ static inline __attribute__((always_inline)) void score_tile(const int R, const 
         }
 }
 
-/* Pass 3 for R rows of weights w (row stride) over keys [j0, j1) and C vectors of dims from d0:
- * acc[r][c] (into o, row stride head_dim). */
-static inline __attribute__((always_inline)) void value_tile(const int R, const int C, int cache_elem,
-                                                             const void *v_cache, const int64_t *voff,
-                                                             const float *w, int stride, int j0, int j1, int d0,
-                                                             float *o, int head_dim) {
+/* Pass 3 for R rows of weights w (row stride) over the fp32 value rows v + voff[j] of keys [j0, j1)
+ * and C vectors of dims from d0: acc[r][c] (into o, row stride head_dim). */
+static inline __attribute__((always_inline)) void value_tile(const int R, const int C, const float *v,
+                                                             const int64_t *voff, const float *w, int stride, int j0,
+                                                             int j1, int d0, float *o, int head_dim) {
     vecw acc[TILE_RC][TILE_KC]; /* in registers: every loop over them unrolled */
     _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)
         _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) acc[r][c] = (vecw){0};
     for (int j = j0; j < j1; j++) {
         vecw vv[TILE_KC];
         _Pragma("GCC unroll 8") for (int c = 0; c < C; c++)
-            vv[c] = load_row(v_cache, voff[j] + d0 + VL * c, cache_elem);
+            memcpy(&vv[c], v + voff[j] + d0 + VL * c, sizeof(vecw));
         _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {
             const vecw x = splat(w[(int64_t)r * stride + j]);
             _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) acc[r][c] += x * vv[c];
@@ -129,14 +138,13 @@ static void score_rows(int R, const float *qs, int head_dim, const float *kt, in
 #undef SCORE_CASE
 }
 
-static void value_rows(int R, int C, int cache_elem, const void *v_cache, const int64_t *voff, const float *w,
-                       int stride, int j0, int j1, int d0, float *o, int head_dim) {
+static void value_rows(int R, int C, const float *v, const int64_t *voff, const float *w, int stride, int j0, int j1,
+                       int d0, float *o, int head_dim) {
 #define VALUE_CASE(N)                                                                                        \
     if (R == N && N <= TILE_RC) {                                                                            \
-        if (C == TILE_KC) value_tile(N, TILE_KC, cache_elem, v_cache, voff, w, stride, j0, j1, d0, o, head_dim); \
+        if (C == TILE_KC) value_tile(N, TILE_KC, v, voff, w, stride, j0, j1, d0, o, head_dim);               \
         else                                                                                                 \
-            for (int c = 0; c < C; c++)                                                                      \
-                value_tile(N, 1, cache_elem, v_cache, voff, w, stride, j0, j1, d0 + VL * c, o, head_dim);    \
+            for (int c = 0; c < C; c++) value_tile(N, 1, v, voff, w, stride, j0, j1, d0 + VL * c, o, head_dim); \
         return;                                                                                              \
     }
     TILE_ROW_CASES(VALUE_CASE)
@@ -154,12 +162,11 @@ typedef struct {
 } tile_call;
 
 /* One unit: tokens [tq0, tq0 + nt) of a chunk whose keys start at kf (kt: its keys transposed,
- * stride keys a dim; koff: their cache offsets without the head's), the chunk's first new token at
- * position pos0 and packed row t0; row i is token tq0 + i / G, head kv_head * G + i % G.  Scratch:
- * qs (TILE_ROWS x head_dim), s (TILE_ROWS x stride), o (TILE_ROWS x head_dim). */
-static void attend_tile(const tile_call *c, const void *v_cache, int64_t s_head, int kv_head, int kf, const float *kt,
-                        const int64_t *koff, int stride, int t0, int pos0, int tq0, int nt, float *qs, float *s,
-                        float *o) {
+ * stride keys a dim; value row j at v + voff[j], fp32), the chunk's first new token at position
+ * pos0 and packed row t0; row i is token tq0 + i / G, head kv_head * G + i % G.  Scratch: qs
+ * (TILE_ROWS x head_dim), s (TILE_ROWS x stride), o (TILE_ROWS x head_dim). */
+static void attend_tile(const tile_call *c, int kv_head, int kf, const float *kt, const float *v, const int64_t *voff,
+                        int stride, int t0, int pos0, int tq0, int nt, float *qs, float *s, float *o) {
     const int G = c->group, D = c->head_dim, rows = nt * G;
     if (rows <= 0) return;
     int lo[TILE_ROWS], hi[TILE_ROWS]; /* each row's visible keys, [lo, hi] relative to kf */
@@ -176,7 +183,6 @@ static void attend_tile(const tile_call *c, const void *v_cache, int64_t s_head,
         hi[i] = pos - kf;
     }
     const int j_lo = lo[0] - lo[0] % TILE_KEY_STEP, j_end = hi[rows - 1] + 1; /* keys the unit computes */
-    const void *v_head = (const char *)v_cache + (int64_t)kv_head * s_head * c->cache_elem;
     /* pass 1 */
     for (int r0 = 0; r0 < rows; r0 += TILE_RC) {
         const int R = rows - r0 < TILE_RC ? rows - r0 : TILE_RC;
@@ -196,8 +202,7 @@ static void attend_tile(const tile_call *c, const void *v_cache, int64_t s_head,
         const int R = rows - r0 < TILE_RC ? rows - r0 : TILE_RC;
         for (int d0 = 0; d0 < D; d0 += TILE_KC * VL) {
             const int C = (D - d0) / VL < TILE_KC ? (D - d0) / VL : TILE_KC;
-            value_rows(R, C, c->cache_elem, v_head, koff, s + (int64_t)r0 * stride, stride, lo[0], j_end, d0,
-                       o + (int64_t)r0 * D, D);
+            value_rows(R, C, v, voff, s + (int64_t)r0 * stride, stride, lo[0], j_end, d0, o + (int64_t)r0 * D, D);
         }
     }
     for (int i = 0; i < rows; i++) {
