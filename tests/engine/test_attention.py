@@ -15,29 +15,8 @@ from common.engine.attention.interface import AttentionRequest
 from common.engine.attention.selection import make_attention
 from common.engine.attention.backend_flash import FlashAttention
 from common.engine.kv.kv_cache import KVCache, KVLayout
-from tests.support.attention_reference import kvcache_reference, paged_reference, varlen_reference
-
-HEADS, KV_HEADS, DIM = 4, 2, 8
-
-
-def scenario(block_size, num_blocks=64, seed=0, specs=None, dim=DIM, heads=HEADS, kv_heads=KV_HEADS):
-    """By default three requests: a prompt chunk after a cached prefix, a decode, a fresh prompt."""
-    g = torch.Generator().manual_seed(seed)
-    layout = KVLayout("m", "float32", block_size, 1, kv_heads, dim)
-    cache = KVCache(layout, num_blocks)
-    cache.buffer.copy_(torch.randn(cache.buffer.shape, generator=g))
-    perm = torch.randperm(num_blocks, generator=g).tolist()
-    # (new tokens, context after step)
-    specs = specs or [(5, 3 * block_size + 7), (1, 2 * block_size + 1), (9, 9)]
-    requests, start = [], 0
-    for n, ctx in specs:
-        nblocks = math.ceil(ctx / block_size)
-        requests.append(AttentionRequest(start, n, ctx, [perm.pop() for _ in range(nblocks)]))
-        start += n
-    q = torch.randn(start, heads, dim, generator=g)
-    k = torch.randn(start, kv_heads, dim, generator=g)
-    v = torch.randn(start, kv_heads, dim, generator=g)
-    return cache, requests, q, k, v
+from tests.support.attention_reference import (DIM, HEADS, KV_HEADS, kvcache_reference, paged_reference, scenario,
+                                               varlen_reference)
 
 
 @pytest.mark.parametrize("window", [None, 5])

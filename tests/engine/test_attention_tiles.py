@@ -9,8 +9,7 @@ import torch
 
 from common.engine.attention.backend_cpu import CpuPagedAttention
 from common.engine.kv.kv_cache import KVCache, KVLayout
-from tests.engine.test_attention import scenario
-from tests.support.attention_reference import paged_reference
+from tests.support.attention_reference import paged_reference, scenario
 
 
 @pytest.fixture

@@ -1,9 +1,35 @@
 """Plain-torch stand-ins for flash-attn's two entry points (``flash_attn_varlen_func``,
-``flash_attn_with_kvcache``): tests put them in place of the CUDA kernels; and ``paged_reference``,
-fp32 attention over a paged cache as a backend should compute it."""
+``flash_attn_with_kvcache``): tests put them in place of the CUDA kernels; ``paged_reference``,
+fp32 attention over a paged cache as a backend should compute it; and ``scenario``, a step's
+requests over a random paged cache."""
 import math
 
 import torch
+
+from common.engine.attention.interface import AttentionRequest
+from common.engine.kv.kv_cache import KVCache, KVLayout
+
+HEADS, KV_HEADS, DIM = 4, 2, 8  # ``scenario``'s default layout
+
+
+def scenario(block_size, num_blocks=64, seed=0, specs=None, dim=DIM, heads=HEADS, kv_heads=KV_HEADS):
+    """By default three requests: a prompt chunk after a cached prefix, a decode, a fresh prompt."""
+    g = torch.Generator().manual_seed(seed)
+    layout = KVLayout("m", "float32", block_size, 1, kv_heads, dim)
+    cache = KVCache(layout, num_blocks)
+    cache.buffer.copy_(torch.randn(cache.buffer.shape, generator=g))
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    # (new tokens, context after step)
+    specs = specs or [(5, 3 * block_size + 7), (1, 2 * block_size + 1), (9, 9)]
+    requests, start = [], 0
+    for n, ctx in specs:
+        nblocks = math.ceil(ctx / block_size)
+        requests.append(AttentionRequest(start, n, ctx, [perm.pop() for _ in range(nblocks)]))
+        start += n
+    q = torch.randn(start, heads, dim, generator=g)
+    k = torch.randn(start, kv_heads, dim, generator=g)
+    v = torch.randn(start, kv_heads, dim, generator=g)
+    return cache, requests, q, k, v
 
 
 def varlen_reference(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causal, window_size, block_table=None):
