@@ -372,7 +372,7 @@ int paged_attention(int elem, int cache_elem, const void *q, int64_t q_stride_t,
         const int n_new = query_start[r + 1] - query_start[r], pos0 = context_lens[r] - n_new;
         const int first = window > 0 && pos0 - window + 1 > 0 ? pos0 - window + 1 : 0;
         const int n_keys = context_lens[r] - first;
-        const int tiled = tiles_allowed && vector && tokens_a_unit >= 1 && n_new >= TILE_MIN_TOKENS &&
+        const int tiled = tiles_allowed && vector && n_new >= TILE_MIN_TOKENS && /* vector: G in 1-8 */
                           n_keys >= TILE_MIN_KEYS && n_keys <= TILE_MAX_KEYS;
         key_first[r] = first;
         stride[r] = tiled ? (n_keys + TILE_KEY_STEP - 1) / TILE_KEY_STEP * TILE_KEY_STEP : 0;
