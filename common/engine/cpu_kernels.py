@@ -34,11 +34,13 @@ def cache_dir() -> Path:
     return default_cache_dir() / "kernels"
 
 
-def compile_source(source: Path, target: Path) -> None:
+def compile_source(source: Path, target: Path, march: str = "native") -> None:
+    """``source`` built into the shared library ``target`` for CPUs of ``march`` (``-march=``: tests
+    build a kernel's AVX2 code on CPUs that have more)."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise RuntimeError("no C compiler (cc/gcc) on PATH")
-    base = [cc, "-O3", "-march=native", "-ffp-contract=fast", "-fPIC", "-shared", str(source)]
+    base = [cc, "-O3", f"-march={march}", "-ffp-contract=fast", "-fPIC", "-shared", str(source)]
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name

@@ -28,8 +28,8 @@ def _cpu_has(flag: str) -> bool:
 
 
 HAS_VNNI = _cpu_has("avx512_vnni")
-# the int4 kernel's CPUs: AVX512-VNNI, or AVX2 with FMA (the same layout and sums)
-HAS_INT4_KERNEL = HAS_VNNI or (_cpu_has("avx2") and _cpu_has("fma"))
+# the int8 and int4 kernels' CPUs: AVX512-VNNI, or AVX2 with FMA (the same layouts and sums)
+HAS_INT8_KERNEL = HAS_INT4_KERNEL = HAS_VNNI or (_cpu_has("avx2") and _cpu_has("fma"))
 
 
 def product_reference(q, x: torch.Tensor) -> torch.Tensor:
@@ -63,7 +63,7 @@ def test_the_product_is_the_dequantized_weights_and_near_the_original(make, tole
 def test_int8_takes_a_c_kernel_and_agrees_with_the_reference_for_any_rows(rows, vnni):
     w, _ = weights(out_features=203, in_features=98)  # partial blocks of 8 and 16 channels, a partial quad
     q = Int8Weight(w, vnni=vnni)
-    if vnni and HAS_VNNI:
+    if vnni and HAS_INT8_KERNEL:
         assert q._vnni is not None and q._gemv is None, "the VNNI kernel did not build"
     else:
         assert q._vnni is None and q._gemv is not None, "the C kernel did not build"
@@ -75,7 +75,7 @@ def test_int8_takes_a_c_kernel_and_agrees_with_the_reference_for_any_rows(rows, 
     assert torch.equal(Int8Weight.from_packed(q.packed, q.scale, 203, torch.float32, vnni=vnni).q, q.q)
 
 
-@pytest.mark.skipif(not HAS_VNNI, reason="no AVX512-VNNI on this CPU")
+@pytest.mark.skipif(not HAS_INT8_KERNEL, reason="neither AVX512-VNNI nor AVX2 on this CPU")
 def test_int8_vnni_embedding_rows_come_from_the_kernel_as_torch_computes_them(monkeypatch):
     """A tied head's embedding lookup (``int8_vnni_rows``): the dequantized rows bit for bit, any
     shape of ids, every lane of a block and a partial quad; an id outside the vocabulary refused."""
@@ -94,7 +94,7 @@ def test_int8_vnni_embedding_rows_come_from_the_kernel_as_torch_computes_them(mo
             q.rows(torch.tensor([4, bad]))
 
 
-@pytest.mark.skipif(not HAS_VNNI, reason="no AVX512-VNNI on this CPU")
+@pytest.mark.skipif(not HAS_INT8_KERNEL, reason="neither AVX512-VNNI nor AVX2 on this CPU")
 @pytest.mark.parametrize("in_features", [200, 130, 264])  # a partial last group (of 2 inputs: a partial quad)
 def test_int8_vnni_keeps_a_huge_channel_to_its_own_group_of_activations(in_features):
     """Each group of inputs has its own scale: a channel 1000 times the rest, alone in its group,

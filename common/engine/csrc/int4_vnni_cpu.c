@@ -166,6 +166,6 @@ int int4_vnni_gemm(const float *x, int64_t rows, int64_t k_in, const uint8_t *w,
                    const float *zero, float *y, int64_t n_out, int64_t group) {
     if (group <= 0 || group % 32 || k_in % group) return -2;
     int4_weight weight = {w, scale, zero};
-    return vnni_product(x, rows, k_in, group, n_out, int4_tile, &weight, y);
+    return vnni_product(x, rows, k_in, group, n_out, int4_tile, &weight, NULL, y, NULL);
 }
 #endif

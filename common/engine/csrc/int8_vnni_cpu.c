@@ -1,6 +1,7 @@
 /* y[m, n] = scale[n] * sum_g xs[m, g] * sum_{k in g} xq[m, k] * q[n, k]: an int8 weight (per output
  * channel scales) times activations quantized to int8 on the fly, in groups of ``group`` inputs
- * (one scale per row and group), on CPUs with AVX512-VNNI.
+ * (one scale per row and group), on CPUs with AVX512-VNNI -- or, a second build of the same layout
+ * and the same sums, with AVX2 and FMA (below).
  *
  * Why: with the weight in int8 a decode step reads a quarter of fp32's bytes, but widening every
  * weight to fp32 (or bf16) for the product makes the step compute-bound on a 2-core machine (the
@@ -99,6 +100,107 @@ int int8_vnni_gemm(const float *x, int64_t rows, int64_t k_in, const uint8_t *w,
     return vnni_product(x, rows, k_in, group, n_out, int8_kernel(rows, k_in, group), w, scale, y, NULL);
 }
 
+/* tokens[row] = the first index of row's largest output of int8_vnni_gemm (an LM head's greedy
+ * tokens without its logits: no n_out floats a row written and read back).  Returns 0; 1 where an
+ * output was not finite (tokens unset: the caller takes the logits); -1 / -2 as int8_vnni_gemm. */
+int int8_vnni_argmax(const float *x, int64_t rows, int64_t k_in, const uint8_t *w, const float *scale,
+                     int64_t n_out, int64_t group, int64_t *tokens) {
+    if (group <= 0 || group % 4) return -2;
+    return vnni_product(x, rows, k_in, group, n_out, int8_kernel(rows, k_in, group), w, scale, NULL, tokens);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+/* AVX2 has no byte dot product into int32 lanes: _mm256_maddubs_epi16 multiplies unsigned bytes by
+ * signed ones and adds adjacent pairs into int16 lanes, and _mm256_madd_epi16 by ones widens each
+ * channel's two pairs into its int32 sum of the quad.  The stored q + 128 overflows those pairs
+ * (255 x 127 x 2 > 32767), so a tile takes q itself (the byte's top bit flipped) and its magnitude
+ * as the unsigned side, and moves q's sign onto the activation (_mm256_sign_epi8: x negated where
+ * q < 0, zero where q = 0): |q| x sign(q) x = q x, each pair within 2 x 127 x 127 = 32258 (q and the
+ * activations are within +-127).  So each group's integer sum is the VNNI kernel's exactly, and the
+ * float epilogue is its, in the same order: the same outputs bit for bit.
+ *
+ * Why: the fp32-sum kernel (int8_gemv_cpu.c) widens every weight to fp32 and runs at the FMA rate,
+ * no faster than the fp32 products -- on a Zen 1 (128-bit FMA units) an int8 decode step was 0.82x the
+ * fp32 one's rate.  Here a row's 32 multiply-adds are four instructions past the shared loads
+ * (sign, maddubs, madd, add), with no widening; the weight is the VNNI build's layout, so a
+ * prefill chunk takes it too rather than the dequantized weight.  A block's 64 bytes per quad are
+ * two halves of 8 channels (bytes 32 h .. 32 h + 31: channels 8 h .. 8 h + 7). */
+#include "vnni_rows_avx2.h"
+
+static inline __m256i broadcast_quad(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+/* MR rows by the block at w: out[i * LANES + c], the group-scaled sums (the channels' scales are the
+ * driver's). */
+#define DEFINE_TILE(MR)                                                                               \
+    static inline void tile_##MR(const quantized_rows *r, const uint8_t *w, float *out) {             \
+        const int64_t k_pad = r->k_pad, groups = r->groups, group = r->group;                         \
+        const int8_t *xq = r->xq;                                                                     \
+        const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);               \
+        __m256 f[2][MR];                                                                              \
+        for (int h = 0; h < 2; h++)                                                                   \
+            for (int i = 0; i < MR; i++) f[h][i] = _mm256_setzero_ps();                               \
+        for (int64_t g = 0; g < groups; g++) {                                                        \
+            int64_t k0 = g * group, k1 = k0 + group < k_pad ? k0 + group : k_pad;                        \
+            __m256i a[2][MR];                                                                         \
+            for (int h = 0; h < 2; h++)                                                               \
+                for (int i = 0; i < MR; i++) a[h][i] = _mm256_setzero_si256();                        \
+            for (int64_t k = k0; k < k1; k += 4) {                                                    \
+                const __m256i q0 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(w + k * LANES)), flip); \
+                const __m256i q1 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(w + k * LANES + 32)), flip); \
+                const __m256i m0 = _mm256_abs_epi8(q0), m1 = _mm256_abs_epi8(q1);                     \
+                for (int i = 0; i < MR; i++) {                                                        \
+                    const __m256i x = broadcast_quad(xq + i * k_pad + k);                             \
+                    a[0][i] = _mm256_add_epi32(a[0][i], _mm256_madd_epi16(_mm256_maddubs_epi16(m0, _mm256_sign_epi8(x, q0)), ones)); \
+                    a[1][i] = _mm256_add_epi32(a[1][i], _mm256_madd_epi16(_mm256_maddubs_epi16(m1, _mm256_sign_epi8(x, q1)), ones)); \
+                }                                                                                     \
+            }                                                                                         \
+            for (int i = 0; i < MR; i++) {                                                            \
+                const __m256 s = _mm256_set1_ps(r->xs[i * groups + g]);                               \
+                for (int h = 0; h < 2; h++) f[h][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[h][i]), s, f[h][i]); \
+            }                                                                                         \
+        }                                                                                             \
+        for (int i = 0; i < MR; i++)                                                                  \
+            for (int h = 0; h < 2; h++) _mm256_storeu_ps(out + i * LANES + 8 * h, f[h][i]);           \
+    }
+DEFINE_TILE(1)
+DEFINE_TILE(2)
+DEFINE_TILE(3)
+DEFINE_TILE(4)
+
+static void int8_tile(int mr, const quantized_rows *rows, int64_t b, const void *weight, float *out) {
+    const uint8_t *w = (const uint8_t *)weight + b * rows->k_pad * LANES;
+    switch (mr) {
+        case 1: tile_1(rows, w, out); break;
+        case 2: tile_2(rows, w, out); break;
+        case 3: tile_3(rows, w, out); break;
+        default: tile_4(rows, w, out); break;
+    }
+}
+
+/* 3: this build's tiles (as the AVX-512 build's int8_vnni_path; ``allow_amx`` has nothing to keep out). */
+int int8_vnni_path(int allow_amx) {
+    (void)allow_amx;
+    return 3;
+}
+
+/* As the AVX-512 build's. */
+int int8_vnni_gemm(const float *x, int64_t rows, int64_t k_in, const uint8_t *w, const float *scale, float *y,
+                   int64_t n_out, int64_t group) {
+    if (group <= 0 || group % 4) return -2;
+    return vnni_product(x, rows, k_in, group, n_out, int8_tile, w, scale, y, NULL);
+}
+
+int int8_vnni_argmax(const float *x, int64_t rows, int64_t k_in, const uint8_t *w, const float *scale,
+                     int64_t n_out, int64_t group, int64_t *tokens) {
+    if (group <= 0 || group % 4) return -2;
+    return vnni_product(x, rows, k_in, group, n_out, int8_tile, w, scale, NULL, tokens);
+}
+#endif
+
+#if (defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)) || (defined(__AVX2__) && defined(__FMA__))
 /* out [n, in] (fp32) = rows ids[0 .. n) of the weight w (the layout above, k_pad = in rounded up to 4),
  * each value times its row's scale: a tied LM head's embedding lookup, one fp32 product a value as
  * torch computes (q.float() * scale[id]).  Returns 0; -2 for an id outside [0, n_out). */
@@ -117,12 +219,4 @@ int int8_vnni_rows(const uint8_t *w, const float *scale, int64_t n_out, int64_t 
     return 0;
 }
 
-/* tokens[row] = the first index of row's largest output of int8_vnni_gemm (an LM head's greedy
- * tokens without its logits: no n_out floats a row written and read back).  Returns 0; 1 where an
- * output was not finite (tokens unset: the caller takes the logits); -1 / -2 as int8_vnni_gemm. */
-int int8_vnni_argmax(const float *x, int64_t rows, int64_t k_in, const uint8_t *w, const float *scale,
-                     int64_t n_out, int64_t group, int64_t *tokens) {
-    if (group <= 0 || group % 4) return -2;
-    return vnni_product(x, rows, k_in, group, n_out, int8_kernel(rows, k_in, group), w, scale, NULL, tokens);
-}
 #endif

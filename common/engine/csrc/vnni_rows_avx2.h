@@ -1,10 +1,11 @@
-/* vnni_rows.h's counterpart on CPUs with AVX2 and FMA but no AVX512-VNNI (int4_vnni_cpu.c's second
- * build): the same activations' quantization -- per row and group of ``group`` inputs, symmetric,
- * xq = round(x * 127 / amax) (ties to even), scale amax / 127 -- and a driver that splits blocks of
- * 16 output channels among OpenMP threads (chunks of CHUNK blocks; within a chunk rows 4 at a time,
- * one block a pass: with 8-lane vectors a tile of 4 rows by 16 channels already holds every
- * register).  A tile writes its rows' 16 outputs (scaled by the tile) to out[i * LANES + c], copied
- * into y here.
+/* vnni_rows.h's counterpart on CPUs with AVX2 and FMA but no AVX512-VNNI (int8_vnni_cpu.c's and
+ * int4_vnni_cpu.c's second builds): the same activations' quantization -- per row and group of
+ * ``group`` inputs, symmetric, xq = round(x * 127 / amax) (ties to even), scale amax / 127 -- and a
+ * driver that splits blocks of 16 output channels among OpenMP threads (chunks of CHUNK blocks;
+ * within a chunk rows 4 at a time, one block a pass: with 8-lane vectors a tile of 4 rows by 16
+ * channels already holds every register).  A tile writes its rows' 16 sums to out[i * LANES + c],
+ * which the driver scales by the channels' scales (where the kernel has them) into y, or folds into
+ * each row's best output (a greedy LM head's tokens, as vnni_rows.h does).
  * Included only where __AVX2__ and __FMA__ without __AVX512VNNI__. */
 #ifndef VNNI_ROWS_AVX2_H
 #define VNNI_ROWS_AVX2_H
@@ -82,23 +83,75 @@ static void quantize_rows(const float *x, int64_t rows, int64_t k_in, int64_t k_
 /* A kernel's tile: mr (<= ROWS) rows of block b into out[i * LANES + c]. */
 typedef void (*tile_fn)(int mr, const quantized_rows *rows, int64_t b, const void *weight, float *out);
 
+/* Row i's outputs of a tile (out[i * LANES + c] times the channels' scales, as the stores compute
+ * them) folded lane by lane into best[2 i + h] / index[2 i + h] (channels 8 h .. 8 h + 7 of every
+ * block): a later block replaces a lane's value only when strictly larger, so each lane keeps its
+ * first maximal channel; a value that is not finite sets *bad (the caller then takes the logits). */
+static inline void best_of_tile(const float *out, int mr, int64_t b, const float *scale, int64_t n_out,
+                                __m256 *best, __m256i *index, int *bad) {
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF)), inf = _mm256_set1_ps(INFINITY);
+    for (int h = 0; h < 2; h++) {
+        const int64_t n0 = b * LANES + 8 * h;
+        if (n0 >= n_out) break;
+        const int64_t width = n_out - n0 < 8 ? n_out - n0 : 8;
+        const __m256i channel = _mm256_add_epi32(_mm256_set1_epi32((int32_t)n0), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int32_t)width),
+                                                                    _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+        float part[8];
+        const __m256 s = scale ? load8(scale + n0, width, part) : _mm256_set1_ps(1.0f);
+        for (int i = 0; i < mr; i++) {
+            const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(out + i * LANES + 8 * h), s);
+            /* |v| not below infinity: an infinity or a NaN */
+            const __m256 not_finite = _mm256_and_ps(valid, _mm256_cmp_ps(_mm256_and_ps(v, magnitude), inf, _CMP_NLT_UQ));
+            if (_mm256_movemask_ps(not_finite)) *bad = 1;
+            const __m256 above = _mm256_and_ps(valid, _mm256_cmp_ps(v, best[2 * i + h], _CMP_GT_OQ));
+            best[2 * i + h] = _mm256_blendv_ps(best[2 * i + h], v, above);
+            index[2 * i + h] = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(index[2 * i + h]),
+                                                                    _mm256_castsi256_ps(channel), above));
+        }
+    }
+}
+
+/* A row's largest value over the lanes of best[0..1] and the first channel that holds it (the lowest
+ * among the lanes that hold it: each lane's is its first), into *top / *at. */
+static inline void best_of_lanes(const __m256 *best, const __m256i *index, float *top, int64_t *at) {
+    const float t = max8(_mm256_max_ps(best[0], best[1]));
+    int32_t first = -1;
+    for (int h = 0; h < 2; h++) {
+        float v[8];
+        int32_t c[8];
+        _mm256_storeu_ps(v, best[h]);
+        _mm256_storeu_si256((__m256i *)c, index[h]);
+        for (int l = 0; l < 8; l++)
+            if (v[l] == t && c[l] >= 0 && (first < 0 || c[l] < first)) first = c[l];
+    }
+    *top = t;
+    *at = first;
+}
+
 /* y [rows, n_out] = the kernel's product of x [rows, k_in] (quantized here in groups of ``group``
- * inputs, k_pad = k_in rounded up to 4) with ``weight`` by its ``tile``.  Returns 0; -1 where its
- * scratch could not be allocated. */
+ * inputs, k_pad = k_in rounded up to 4) with ``weight`` by its ``tile``, times ``scale`` (NULL: none);
+ * or, with ``argmax`` (y unused), each row's first maximal output index into argmax[row] -- the index
+ * torch.argmax of y would give -- without y's n_out values a row.  Returns 0; 1 (argmax only) where
+ * some output was not finite (argmax then unset); -1 where its scratch could not be allocated. */
 static int vnni_product(const float *x, int64_t rows, int64_t k_in, int64_t group, int64_t n_out, tile_fn tile,
-                        const void *weight, float *y) {
+                        const void *weight, const float *scale, float *y, int64_t *argmax) {
     int64_t k_pad = (k_in + 3) & ~(int64_t)3, groups = (k_pad + group - 1) / group;
     int64_t blocks = (n_out + LANES - 1) / LANES, chunks = (blocks + CHUNK - 1) / CHUNK;
     int8_t *xq = malloc((size_t)(rows * k_pad) + 64);
     float *xs = malloc(sizeof(float) * (size_t)(rows * groups) + 64);
     int32_t *sums = malloc(sizeof(int32_t) * (size_t)(rows * groups) + 64);
     float *x_sums = malloc(sizeof(float) * (size_t)(rows * groups) + 64);
-    if (!xq || !xs || !sums || !x_sums) {
-        free(xq), free(xs), free(sums), free(x_sums);
+    /* argmax: each chunk's best value and index a row, reduced in chunk order below */
+    float *best = argmax ? malloc(sizeof(float) * (size_t)(chunks * rows)) : NULL;
+    int64_t *index = argmax ? malloc(sizeof(int64_t) * (size_t)(chunks * rows)) : NULL;
+    if (!xq || !xs || !sums || !x_sums || (argmax && (!best || !index))) {
+        free(xq), free(xs), free(sums), free(x_sums), free(best), free(index);
         return -1;
     }
     quantize_rows(x, rows, k_in, k_pad, group, xq, xs, sums, x_sums);
-#pragma omp parallel for schedule(static)
+    int bad = 0;
+#pragma omp parallel for schedule(static) reduction(| : bad)
     for (int64_t c = 0; c < chunks; c++) {
         int64_t b_end = (c + 1) * CHUNK < blocks ? (c + 1) * CHUNK : blocks;
         float out[ROWS * LANES];
@@ -106,15 +159,49 @@ static int vnni_product(const float *x, int64_t rows, int64_t k_in, int64_t grou
             int mr = (int)(rows - m0 < ROWS ? rows - m0 : ROWS);
             quantized_rows part = {xq + m0 * k_pad, xs + m0 * groups, sums + m0 * groups, x_sums + m0 * groups,
                                    k_pad, groups, group};
+            __m256 lane_best[2 * ROWS];
+            __m256i lane_index[2 * ROWS];
+            for (int i = 0; argmax && i < 2 * mr; i++)
+                lane_best[i] = _mm256_set1_ps(-INFINITY), lane_index[i] = _mm256_set1_epi32(-1);
             for (int64_t b = c * CHUNK; b < b_end; b++) {
                 tile(mr, &part, b, weight, out);
+                if (argmax) {
+                    best_of_tile(out, mr, b, scale, n_out, lane_best, lane_index, &bad);
+                    continue;
+                }
                 int64_t n0 = b * LANES, width = n_out - n0 < LANES ? n_out - n0 : LANES;
-                for (int i = 0; i < mr; i++)
-                    memcpy(y + (m0 + i) * n_out + n0, out + i * LANES, sizeof(float) * (size_t)width);
+                for (int i = 0; i < mr; i++) {
+                    float *row = y + (m0 + i) * n_out + n0;
+                    if (!scale) {
+                        memcpy(row, out + i * LANES, sizeof(float) * (size_t)width);
+                        continue;
+                    }
+                    for (int h = 0; h < 2 && 8 * h < width; h++) {
+                        float part_scale[8], part_out[8];
+                        int64_t n = width - 8 * h < 8 ? width - 8 * h : 8;
+                        __m256 v = _mm256_mul_ps(_mm256_loadu_ps(out + i * LANES + 8 * h), load8(scale + n0 + 8 * h, n, part_scale));
+                        if (n == 8) {
+                            _mm256_storeu_ps(row + 8 * h, v);
+                        } else {
+                            _mm256_storeu_ps(part_out, v);
+                            memcpy(row + 8 * h, part_out, sizeof(float) * (size_t)n);
+                        }
+                    }
+                }
             }
+            if (argmax)
+                for (int i = 0; i < mr; i++)
+                    best_of_lanes(lane_best + 2 * i, lane_index + 2 * i, best + c * rows + m0 + i, index + c * rows + m0 + i);
         }
     }
-    free(xq), free(xs), free(sums), free(x_sums);
-    return 0;
+    if (argmax && !bad)
+        for (int64_t m = 0; m < rows; m++) {
+            float top = -INFINITY;
+            argmax[m] = -1;
+            for (int64_t c = 0; c < chunks; c++)
+                if (best[c * rows + m] > top) top = best[c * rows + m], argmax[m] = index[c * rows + m];
+        }
+    free(xq), free(xs), free(sums), free(x_sums), free(best), free(index);
+    return argmax && bad ? 1 : 0;
 }
 #endif

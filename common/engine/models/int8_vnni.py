@@ -1,4 +1,5 @@
-"""int8 weights times int8-quantized activations on AVX512-VNNI CPUs (``csrc/int8_vnni_cpu.c``).
+"""int8 weights times int8-quantized activations on AVX512-VNNI CPUs, or AVX2 ones with FMA
+(``csrc/int8_vnni_cpu.c``: two builds of one layout, the same integer sums and outputs).
 
 The weight is held in the kernel's layout only -- blocks of 16 output channels by quads of 4 inputs,
 ``w[n // 16, k // 4, n % 16, k % 4] = q[n, k] + 128`` (uint8), channels padded to a multiple of 16
@@ -28,22 +29,23 @@ LANES, QUAD = 16, 4
 
 
 def kernel():
-    """The kernel's entry, or None (no compiler, or a CPU without AVX512-VNNI)."""
+    """The kernel's entry, or None (no compiler, or a CPU with neither AVX512-VNNI nor AVX2 and FMA)."""
     from common.engine.cpu_kernels import kernel_function
 
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     return kernel_function("int8_vnni_cpu", "int8_vnni_gemm", [ptr, i64, i64, ptr, ptr, ptr, i64, i64],
-                           restype=ctypes.c_int, cpu_specific=True)  # the source is empty without VNNI
+                           restype=ctypes.c_int, cpu_specific=True)  # the source is empty without either
 
 
 def product_path(allow_amx: bool = True) -> str:
     """Which tiles the kernel's products of 5 or more rows run on from now on in this process:
-    ``"amx"`` (AMX-INT8, where the CPU has it and Linux grants it; ``csrc/int8_amx.h``), ``"vnni"``
-    or ``"none"`` (no AVX512-VNNI build); ``allow_amx=False`` keeps AMX out (tests compare the two)."""
+    ``"amx"`` (AMX-INT8, where the CPU has it and Linux grants it; ``csrc/int8_amx.h``), ``"vnni"``,
+    ``"avx2"`` (the AVX2 build: every row count) or ``"none"`` (no build); ``allow_amx=False`` keeps
+    AMX out (tests compare the two)."""
     from common.engine.cpu_kernels import kernel_function
 
     fn = kernel_function("int8_vnni_cpu", "int8_vnni_path", [ctypes.c_int], ctypes.c_int, cpu_specific=True)
-    return ("none", "vnni", "amx")[fn(int(allow_amx)) if fn is not None else 0]
+    return ("none", "vnni", "amx", "avx2")[fn(int(allow_amx)) if fn is not None else 0]
 
 
 @functools.cache  # looked up once: a greedy step on an int8 head calls it
