@@ -384,7 +384,7 @@ class DecoderModel(nn.Module):
         left undecided (the caller samples that row from its logits).  ``None`` where it does not
         apply (or cannot decide: a value not finite), or where more rows than the head's
         ``max_rows`` would gain nothing: the caller computes the logits.  A quantized head whose
-        kernel finds a row's maximum without its logits (int8 on VNNI CPUs) gives greedy steps'
+        kernel finds a row's maximum without its logits (int8 on VNNI or AVX2 CPUs) gives greedy steps'
         tokens the same way: the first maximal index of the logits ``logits`` would compute."""
         head = self.greedy_head
         if head is None:

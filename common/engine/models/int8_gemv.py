@@ -1,5 +1,6 @@
 """int8 weights times fp32 (or bf16) activation rows with fp32 sums (``csrc/int8_gemv_cpu.c``): the
-int8 products on CPUs without AVX512-VNNI, for decode batches.
+int8 products for decode batches where ``int8_vnni`` has no build (neither AVX512-VNNI nor AVX2 with
+FMA: the scalar loop) or is turned off (``Int8Weight(vnni=False)``).
 
 The weight is packed in blocks of 8 output channels, k-major (``[ceil(out / 8), in, 8]`` int8, the
 layout ``Int8Weight`` stores); each entry reads activation rows of ``in`` values.

@@ -2,12 +2,12 @@
 every product reads those, so a decode step -- bound by reading weights -- moves less memory.
 
     scheme  weight                                       product (CPU)                      (CUDA)
-    int8    int8 per output channel, symmetric:          AVX512-VNNI: csrc/int8_vnni_cpu.c  --
-            w = q * scale[row]                           (activations quantized to int8 per
-                                                         row and group of 128 inputs; exact
-                                                         int32 sums; 5+ rows on AMX tiles
-                                                         where the CPU has them).  Elsewhere,
-                                                         few rows:
+    int8    int8 per output channel, symmetric:          AVX512-VNNI or AVX2 with FMA:       --
+            w = q * scale[row]                           csrc/int8_vnni_cpu.c (activations
+                                                         quantized to int8 per row and group
+                                                         of 128 inputs; exact int32 sums; 5+
+                                                         rows on AMX tiles where the CPU has
+                                                         them).  Elsewhere, few rows:
                                                          csrc/int8_gemv_cpu.c (fp32 sums;
                                                          bf16 rows on AVX512-BF16 CPUs: bf16
                                                          pair products); more: the
@@ -99,10 +99,10 @@ def _row_scales(w: torch.Tensor, largest: float) -> torch.Tensor:
 
 
 class Int8Weight(QuantizedWeight):
-    """Per-output-channel int8.  On CPUs with AVX512-VNNI (and ``vnni``) it is held in that kernel's
-    layout alone (``int8_vnni``) and every product takes it: activations quantized per row and group
-    of inputs, int8 x int8 sums.  Elsewhere it is packed for ``csrc/int8_gemv_cpu.c`` (blocks of 8
-    channels, k-major): up to ``GEMV_MAX_ROWS`` rows (decode batches, sampled rows) take that kernel,
+    """Per-output-channel int8.  On CPUs with AVX512-VNNI or AVX2 and FMA (and ``vnni``) it is held in
+    that kernel's layout alone (``int8_vnni``) and every product takes it: activations quantized per
+    row and group of inputs, int8 x int8 sums.  Elsewhere it is packed for ``csrc/int8_gemv_cpu.c``
+    (blocks of 8 channels, k-major): up to ``GEMV_MAX_ROWS`` rows (decode batches, sampled rows) take that kernel,
     which streams the int8 bytes once per 8 rows and accumulates in fp32; more rows (prefill
     chunks, compute-bound) dequantize the weight and take the fp32 product, as does a CPU without
     a C compiler.  Either way it is stored (``packed_tensors``) in blocks of 8 channels."""
@@ -200,7 +200,7 @@ class Int8Weight(QuantizedWeight):
 
     def greedy_tokens(self, x: torch.Tensor) -> torch.Tensor | None:
         """Each fp32 row's first maximal index of ``matmul(x)`` without the products' rows (an LM head's
-        greedy tokens; ``int8_vnni.argmax``, or off VNNI the fp32-sum kernel's ``int8_gemv_argmax`` for
+        greedy tokens; ``int8_vnni.argmax``, or off that kernel the fp32-sum one's ``int8_gemv_argmax`` for
         the rows ``matmul`` gives it), or None: no such kernel, or a product not finite."""
         if x.dtype != torch.float32:
             return None
