@@ -50,6 +50,10 @@ def test_the_target_as_its_own_draft_is_always_right(target):
     stats = engine.stats()
     assert stats["spec_acceptance_rate"] == 1.0
     assert engine.num_steps == 1 + MAX_NEW // 5  # the prompts' step, then 5 tokens per verification
+    # the first proposal fed the draft the prompts: timed as its catch-up, and not judged by the gate
+    proposer = engine.scheduler.speculation.proposer
+    assert proposer.seconds_per_fed_token is not None and proposer.seconds_per_fed_token > 0
+    assert not proposer.catching_up  # the last proposal fed each request its verification's tokens
     engine.scheduler.kv_manager.check_integrity()
     assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks
 

@@ -4,6 +4,8 @@ pauses (doubling) while it yields less, measures the plain rate first and again 
 keeps batch sizes apart.  Fed through ``Speculation.observe_step`` as the engine feeds it."""
 from types import SimpleNamespace
 
+import pytest
+
 from common.engine.speculative import step_cost
 from common.engine.speculative.speculation import Speculation, SpeculativeConfig
 from common.engine.speculative.step_cost import StepCostGate, batch_bucket
@@ -69,3 +71,97 @@ def test_without_the_gate_steps_are_timed_but_never_paused():
         speculation.observe_step([item(3)], 1.0, 1)
     assert speculation._batch_allows
     assert (speculation.stats.verify_steps, speculation.stats.decode_steps, speculation.stats.batch_pauses) == (50, 50, 0)
+
+
+def test_after_a_relapse_one_verifying_step_judges_each_try():
+    """The first judgment takes ``_MIN_SAMPLES`` verifying steps; once speculation was judged not to
+    pay, each later try stops after its first step (a try costing several plain steps would
+    otherwise cost ``_MIN_SAMPLES`` of them every time), and ``rates`` keeps the last judged rate."""
+    gate = StepCostGate()
+    assert gate.rates(8) is None
+    tries, steps, previous = [], 0, False
+    for _ in range(600):
+        allowed = gate.allows(8)
+        if allowed:
+            steps += 1
+        elif previous:
+            tries.append(steps)
+            steps = 0
+        previous = allowed
+        gate.observe(8, allowed, 10, 10 / (50.0 if allowed else 100.0))
+    assert tries[0] == step_cost._MIN_SAMPLES and tries[1:] and set(tries[1:]) == {1}
+    assert gate.rates(8) == (100.0, 50.0)
+
+
+class _Proposer:
+    """A draft model's side of the entry rule: ``entry_tokens`` each request still lacks."""
+
+    needs_slots_first = True
+    catching_up = False
+
+    def __init__(self, seconds_per_fed_token):
+        self.seconds_per_fed_token = seconds_per_fed_token
+        self.lacking: dict[str, int] = {}
+
+    def entry_tokens(self, request):
+        return self.lacking.get(request.request_id, 1)
+
+    def propose_batch(self, wants):
+        return [[7] * wanted for _, wanted, _ in wants]
+
+    def forget(self, request_id):
+        self.lacking.pop(request_id, None)
+
+
+def _request(request_id, output_tokens=1, max_tokens=100):
+    return SimpleNamespace(request_id=request_id, num_output_tokens=output_tokens, num_tokens=50 + output_tokens,
+                           grammar=None, hold_blocks_on_finish=False,
+                           sampling_params=SimpleNamespace(max_tokens=max_tokens, uses_penalties=False))
+
+
+_SLOTS = SimpleNamespace(allocate_slots=lambda request, n: True, block_ids=lambda request_id: [0])
+
+
+def _speculation(plain=None, verifying=None, seconds_per_fed_token=0.01):
+    speculation = Speculation(SpeculativeConfig("draft", draft_model="d", num_tokens=4), 4096,
+                              _Proposer(seconds_per_fed_token))
+    if plain is not None:  # the batch of 8's rates, measured
+        bucket = speculation.gate._bucket(8)
+        for _ in range(step_cost._MIN_SAMPLES):
+            bucket.plain.add(plain)
+            bucket.verifying.add(verifying)
+    speculation.begin_step(8)
+    return speculation
+
+
+def test_a_draft_models_catch_up_enters_only_where_the_remaining_tokens_repay_it():
+    # Verifying at 2x: each remaining token saves half of a plain step's share (8 / 100 s): 0.04 s.
+    speculation = _speculation(plain=100.0, verifying=200.0, seconds_per_fed_token=0.01)
+    speculation.proposer.lacking = {"long": 200, "short": 200, "steady": 1}
+    assert speculation.draft(_request("long", max_tokens=100), 64, _SLOTS)  # 0.04 x 100 > 0.01 x 200
+    assert not speculation.draft(_request("short", max_tokens=40), 64, _SLOTS)  # 0.04 x 40 < 2 s
+    assert speculation.draft(_request("steady", max_tokens=3), 64, _SLOTS)  # nothing to catch up on
+
+
+@pytest.mark.parametrize("rates", [None, (100.0, 80.0)], ids=["unmeasured", "not-paying"])
+def test_until_verifying_is_measured_to_pay_one_request_at_a_time_enters(rates):
+    speculation = _speculation(*(rates or ()))
+    speculation.proposer.lacking = {"a": 200, "b": 200}
+    assert speculation.draft(_request("a"), 64, _SLOTS)
+    assert not speculation.draft(_request("b"), 64, _SLOTS)  # "a" is on trial
+    speculation.forget("a")
+    assert speculation.draft(_request("b"), 64, _SLOTS)
+
+
+def test_a_catch_up_step_is_counted_but_not_judged():
+    speculation = Speculation(SpeculativeConfig("draft", draft_model="d"), 1024, _Proposer(0.01))
+    item = lambda drafts: SimpleNamespace(sample=True, draft_token_ids=[7] * drafts,  # noqa: E731
+                                          token_ids=[1] * (1 + drafts))
+    speculation.proposer.catching_up = True
+    for _ in range(5):
+        speculation.observe_step([item(3)], 5.0, 1)  # a prompt fed to the draft: a slow step
+    assert speculation.stats.verify_steps == 5 and speculation.gate.rates(1) is None
+    assert not speculation.gate._bucket(1).verifying.samples
+    speculation.proposer.catching_up = False
+    speculation.observe_step([item(3)], 0.1, 4)
+    assert speculation.gate._bucket(1).verifying.samples == 1

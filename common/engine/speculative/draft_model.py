@@ -19,6 +19,7 @@ prefix cache are written with the same values by every request that computes the
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 import torch
@@ -32,11 +33,22 @@ from common.engine.models.quantization_scheme import NO_QUANTIZATION, Quantizati
 
 log = logging.getLogger(__name__)
 
+_TIMED_FEED = 16  # tokens a first forward feeds at least for its time to count as catching up
+_FEED_WEIGHT = 0.3  # of the newest such forward in ``seconds_per_fed_token``
+
 
 class DraftModelProposer:
     """Greedy drafts from ``checkpoint`` (see the module docstring)."""
 
     needs_slots_first = True  # its forwards write KV at the slots the verification will use
+    # Whether the last proposal fed some request more than a verification's worth of tokens: its
+    # prompt, or what it produced while it did not speculate.  That catch-up is a request's entry
+    # into speculation, which ``Speculation`` weighs by itself, not what verifying costs from step to
+    # step (``Speculation.observe_step``).
+    catching_up = False
+    # Seconds the draft takes per token it catches up on (a moving average over forwards of at least
+    # _TIMED_FEED tokens): what a request's entry into speculation costs (``Speculation``).
+    seconds_per_fed_token: float | None = None
 
     def __init__(self, checkpoint: str, quantization: Quantization = NO_QUANTIZATION, *, vocab_size: int,
                  num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device, attention_backend: str,
@@ -72,6 +84,7 @@ class DraftModelProposer:
         drafts: list[list[int]] = [[] for _ in wants]
         positions = [self._computed.get(request.request_id, 0) for request, _, _ in wants]
         feeds = [request.all_token_ids[position:] for (request, _, _), position in zip(wants, positions)]
+        self.catching_up = any(wanted > 0 and len(feed) > 1 + wanted for (_, wanted, _), feed in zip(wants, feeds))
         for step in range(max((wanted for _, wanted, _ in wants), default=0)):
             live = [i for i, (_, wanted, _) in enumerate(wants) if wanted > step]
             tokens: list[int] = []
@@ -84,10 +97,13 @@ class DraftModelProposer:
                 tokens.extend(feed)
                 token_positions.extend(range(position, position + len(feed)))
                 last.append(len(tokens) - 1)
+            began = time.perf_counter()
             meta = self.attention.prepare(slices, self.device)
             hidden = self.model(torch.tensor(tokens, device=self.device),
                                 torch.tensor(token_positions, device=self.device), self.cache, meta, self.attention)
-            picked = self.model.logits(hidden[last]).argmax(dim=-1).tolist()
+            picked = self._greedy(hidden[last])
+            if step == 0 and len(tokens) >= _TIMED_FEED:
+                self._time_feed((time.perf_counter() - began) / len(tokens))
             for i, token in zip(live, picked):
                 drafts[i].append(token)
                 positions[i] += len(feeds[i])
@@ -96,6 +112,22 @@ class DraftModelProposer:
             if wanted > 0:
                 self._computed[request.request_id] = position  # through d(k-1); dk was never fed
         return drafts
+
+    def _time_feed(self, seconds_per_token: float) -> None:
+        last = self.seconds_per_fed_token
+        self.seconds_per_fed_token = seconds_per_token if last is None else last + _FEED_WEIGHT * (seconds_per_token - last)
+
+    def entry_tokens(self, request) -> int:
+        """Tokens of ``request`` the draft would feed before its first draft: its prompt and
+        outputs past what the draft computed."""
+        return request.num_tokens - self._computed.get(request.request_id, 0)
+
+    def _greedy(self, rows: torch.Tensor) -> list[int]:
+        """Each row's greedy token: the first index of its largest logit, by the head's kernel
+        without the logits where one applies (a 262k-token head's logits cost as much as finding
+        their maximum), else from the logits."""
+        tokens = self.model.screened_tokens(rows, [0.0] * len(rows))
+        return (tokens if tokens is not None else self.model.logits(rows).argmax(dim=-1)).tolist()
 
     def accepted(self, request_id: str, num_tokens_before: int, num_drafts: int, num_accepted: int) -> None:
         """A verification kept ``num_accepted`` of ``num_drafts``: the draft's KV stays valid for the

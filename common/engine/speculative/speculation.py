@@ -12,7 +12,9 @@ guessed), not holding their blocks for shipping, without a grammar or penalties 
 have to advance through tokens that may be rejected), while the batch has at most
 ``disable_batch_size`` decoding requests (0: any size), while verifying pays at this batch size
 (``step_cost``: measured tokens per second with and without drafts; ``cost_gate`` off skips the
-measurement and always verifies), and not while backing off.
+measurement and always verifies), and not while backing off.  With a draft model, a request whose
+draft KV lags (its prompt, a pause) enters only where its remaining tokens can repay the draft's
+catch-up at the measured rates, and one at a time while those are unmeasured or not paying.
 
 Backing off: each request keeps a moving average of the drafts accepted per verification.  While
 it is below ``min_accepted`` the request decodes plainly for a while (8 steps, doubling on every
@@ -135,10 +137,13 @@ class Speculation:
         self.gate = StepCostGate() if config.cost_gate else None  # per batch size: does verifying pay
         self._tracks: dict[str, _Track] = {}
         self._batch_allows = True
+        self._num_decoding = 0
+        self._trial: str | None = None  # the request let in while the rates were not yet measured
         self._deferred: dict[str, object] = {}  # request id -> request whose drafts ``complete_drafts`` fills in
 
     def begin_step(self, num_decoding: int) -> None:
         self._deferred.clear()
+        self._num_decoding = num_decoding
         limit = self.config.disable_batch_size
         self._batch_allows = self.proposer is not None and (not limit or num_decoding <= limit)
         if self._batch_allows and num_decoding and self.gate is not None:
@@ -159,7 +164,9 @@ class Speculation:
         else:
             stats.decode_steps += 1
             stats.decode_step_seconds += seconds
-        if self.gate is not None:
+        # A draft model's catch-up (a request's entry: ``_entry_pays`` weighs it) is not what a
+        # verification costs from step to step: the gate judges the steps that follow it.
+        if self.gate is not None and not (verified and getattr(self.proposer, "catching_up", False)):
             self.gate.observe(len(scheduled), verified, num_new_tokens, seconds)
 
     def draft(self, request, budget: int, kv_manager) -> list[int]:
@@ -179,7 +186,7 @@ class Speculation:
         room = min(request.sampling_params.max_tokens - request.num_output_tokens,
                    self.max_model_len - request.num_tokens) - 1
         wanted = min(self.config.num_tokens, room, budget)
-        if wanted <= 0:
+        if wanted <= 0 or not self._entry_pays(request, room):
             return []
         # No room for the drafts' slots: decode plainly rather than preempt anyone.
         if getattr(self.proposer, "needs_slots_first", False):  # its forwards write KV at them
@@ -208,6 +215,28 @@ class Speculation:
         for item, drafts in zip(items, self.proposer.propose_batch(wants)):
             item.token_ids[len(item.token_ids) - len(drafts):] = drafts
             item.draft_token_ids = drafts
+
+    def _entry_pays(self, request, room: int) -> bool:
+        """Whether a draft model's catch-up on ``request`` (its prompt, the tokens of a pause) can pay
+        for itself: what the request's remaining ``room`` tokens save at the measured rates (a plain
+        step's share per token times 1 - plain / verifying) against what the draft takes to feed
+        those tokens.  On a CPU where the draft costs about what the target does, a prompt's
+        catch-up outweighs what a short answer gains.  Until the rates are measured, or while
+        verifying does not pay, one request at a time enters this way (a trial: it costs one
+        catch-up, not one per request of the batch)."""
+        entry_tokens = getattr(self.proposer, "entry_tokens", None)
+        if entry_tokens is None or self.gate is None or entry_tokens(request) <= 1 + self.config.num_tokens:
+            return True  # no catch-up to pay (n-gram lookup; a request drafted for last step)
+        per_token = self.proposer.seconds_per_fed_token
+        rates = self.gate.rates(self._num_decoding)
+        if rates is None or per_token is None or rates[1] <= rates[0]:
+            if self._trial is not None and self._trial != request.request_id and self._trial in self._tracks:
+                return False
+            self._trial = request.request_id
+            return True
+        plain, verifying = rates
+        saved = (room + 1) * (max(self._num_decoding, 1) / plain) * (1.0 - plain / verifying)
+        return saved > entry_tokens(request) * per_token
 
     @staticmethod
     def _may_speculate(request) -> bool:

@@ -8,7 +8,8 @@ LM head projected for every position) the same acceptance can make decoding slow
 measures instead of predicting: for each batch-size bucket it keeps a moving average of both rates
 over decode-only steps, speculates while the verifying rate is at least the plain one, and else
 decodes plainly for a while (``_FIRST_PAUSE`` steps, doubling on every relapse up to ``_MAX_PAUSE``)
-before measuring speculation again.  The plain rate is measured by pausing for a few steps once the
+before measuring speculation again -- from its first verifying step after a relapse (a try that
+costs several times a plain step would otherwise cost its first ``_MIN_SAMPLES`` steps every time).  The plain rate is measured by pausing for a few steps once the
 verifying rate is known, and again every ``_REFRESH`` verifying steps (the load changes).
 """
 from __future__ import annotations
@@ -43,6 +44,8 @@ class _Bucket:
     pause: int = 0  # plain steps left before speculating again
     next_pause: int = _FIRST_PAUSE
     since_plain: int = 0  # verifying steps since the plain rate was last measured
+    relapsed: bool = False  # paused before: one verifying step judges the next try
+    judged: float | None = None  # the verifying rate the last judgment saw
 
 
 def batch_bucket(num_decoding: int) -> int:
@@ -70,6 +73,15 @@ class StepCostGate:
             return False
         return True
 
+    def rates(self, num_decoding: int) -> tuple[float, float] | None:
+        """The plain and the verifying rate (tokens a second) at this batch size, once both are known
+        (the verifying one as the last judgment saw it while it is measured afresh)."""
+        bucket = self._bucket(num_decoding)
+        verifying = bucket.verifying.value if bucket.verifying.known else bucket.judged
+        if not bucket.plain.known or verifying is None:
+            return None
+        return bucket.plain.value, verifying
+
     def observe(self, num_decoding: int, verified: bool, tokens: int, seconds: float) -> None:
         """A decode-only step (no prompt chunk in it) produced ``tokens`` in ``seconds``."""
         if seconds <= 0 or not num_decoding:
@@ -80,14 +92,18 @@ class StepCostGate:
             return
         bucket.verifying.add(tokens / seconds)
         bucket.since_plain += 1
-        if not bucket.verifying.known:
+        if not (bucket.verifying.known or (bucket.relapsed and bucket.plain.known)):
             return
         if not bucket.plain.known or bucket.since_plain >= _REFRESH:
             bucket.plain = _Rate()  # measure it (again) now
             bucket.pause, bucket.since_plain = _PROBE, 0
         elif bucket.verifying.value < bucket.plain.value:
+            bucket.judged = bucket.verifying.value
             bucket.pause = bucket.next_pause
             bucket.next_pause = min(2 * bucket.next_pause, _MAX_PAUSE)
             bucket.verifying = _Rate()  # judged afresh when it resumes
+            bucket.relapsed = True
         else:
+            bucket.judged = bucket.verifying.value
             bucket.next_pause = max(_FIRST_PAUSE, bucket.next_pause // 2)
+            bucket.relapsed = False
