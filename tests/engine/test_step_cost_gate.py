@@ -114,8 +114,8 @@ class _Proposer:
 
 
 def _request(request_id, output_tokens=1, max_tokens=100):
-    return SimpleNamespace(request_id=request_id, num_output_tokens=output_tokens, num_tokens=50 + output_tokens,
-                           grammar=None, hold_blocks_on_finish=False,
+    return SimpleNamespace(request_id=request_id, num_output_tokens=output_tokens,
+                           num_tokens=50 + output_tokens, grammar=None, hold_blocks_on_finish=False,
                            sampling_params=SimpleNamespace(max_tokens=max_tokens, uses_penalties=False))
 
 

@@ -118,12 +118,15 @@ int int8_vnni_argmax(const float *x, int64_t rows, int64_t k_in, const uint8_t *
  * activations are within +-127).  So each group's integer sum is the VNNI kernel's exactly, and the
  * float epilogue is its, in the same order: the same outputs bit for bit.
  *
- * Why: the fp32-sum kernel (int8_gemv_cpu.c) widens every weight to fp32 and runs at the FMA rate,
- * no faster than the fp32 products -- on a Zen 1 (128-bit FMA units) an int8 decode step was 0.82x the
- * fp32 one's rate.  Here a row's 32 multiply-adds are four instructions past the shared loads
- * (sign, maddubs, madd, add), with no widening; the weight is the VNNI build's layout, so a
- * prefill chunk takes it too rather than the dequantized weight.  A block's 64 bytes per quad are
- * two halves of 8 channels (bytes 32 h .. 32 h + 31: channels 8 h .. 8 h + 7). */
+ * Why: the fp32-sum kernel (int8_gemv_cpu.c) widens every weight to fp32 (three instructions per 8
+ * weights before the FMAs), so even a one-row product, which should be bound by reading a quarter of
+ * fp32's bytes, ran at its instructions' rate.  Here a row's 32 multiply-adds are four instructions
+ * past the shared loads (sign, maddubs, madd, add), with no widening; the weight is the VNNI build's
+ * layout, so a prefill chunk takes it too rather than the dequantized weight.  On a Zen 1 (its integer
+ * multiplies on one pipe, 128-bit FMAs on two) the int8 LM head's greedy tokens at 1 / 2 / 8 rows went
+ * 20.3 / 19.7 / 54.2 -> 13.2 / 14.5 / 52.2 ms: from 4 rows on both are compute-bound at about the rate
+ * fp32's FMAs give.  A block's 64 bytes per quad are two halves of 8 channels (bytes 32 h .. 32 h + 31:
+ * channels 8 h .. 8 h + 7). */
 #include "vnni_rows_avx2.h"
 
 static inline __m256i broadcast_quad(const int8_t *p) {

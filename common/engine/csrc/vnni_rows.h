@@ -224,13 +224,7 @@ static int vnni_product(const float *x, int64_t rows, int64_t k_in, int64_t grou
         }
         if (kernel->finish) kernel->finish();
     }
-    if (argmax && !bad)
-        for (int64_t m = 0; m < rows; m++) {
-            float top = -INFINITY;
-            argmax[m] = -1;
-            for (int64_t c = 0; c < chunks; c++)
-                if (best[c * rows + m] > top) top = best[c * rows + m], argmax[m] = index[c * rows + m];
-        }
+    if (argmax && !bad) best_of_chunks(best, index, rows, chunks, argmax);
     free(xq), free(xs), free(sums), free(x_sums), free(best), free(index);
     return argmax && bad ? 1 : 0;
 }

@@ -3,6 +3,7 @@
  * quantized rows a kernel's tile reads. */
 #ifndef VNNI_SHARED_H
 #define VNNI_SHARED_H
+#include <math.h>
 #include <stdint.h>
 
 #define LANES 16 /* output channels a block */
@@ -19,4 +20,16 @@ typedef struct {
     const float *x_sums;
     int64_t k_pad, groups, group;
 } quantized_rows;
+
+/* argmax[m]: the index of row m's largest value over its chunks' bests (best[c * rows + m] at
+ * index[c * rows + m], chunks in channel order), the first chunk's where several hold it. */
+static inline void best_of_chunks(const float *best, const int64_t *index, int64_t rows, int64_t chunks,
+                                  int64_t *argmax) {
+    for (int64_t m = 0; m < rows; m++) {
+        float top = -INFINITY;
+        argmax[m] = -1;
+        for (int64_t c = 0; c < chunks; c++)
+            if (best[c * rows + m] > top) top = best[c * rows + m], argmax[m] = index[c * rows + m];
+    }
+}
 #endif

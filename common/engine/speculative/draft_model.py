@@ -115,7 +115,9 @@ class DraftModelProposer:
 
     def _time_feed(self, seconds_per_token: float) -> None:
         last = self.seconds_per_fed_token
-        self.seconds_per_fed_token = seconds_per_token if last is None else last + _FEED_WEIGHT * (seconds_per_token - last)
+        if last is not None:
+            seconds_per_token = last + _FEED_WEIGHT * (seconds_per_token - last)
+        self.seconds_per_fed_token = seconds_per_token
 
     def entry_tokens(self, request) -> int:
         """Tokens of ``request`` the draft would feed before its first draft: its prompt and

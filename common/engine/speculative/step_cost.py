@@ -9,8 +9,9 @@ measures instead of predicting: for each batch-size bucket it keeps a moving ave
 over decode-only steps, speculates while the verifying rate is at least the plain one, and else
 decodes plainly for a while (``_FIRST_PAUSE`` steps, doubling on every relapse up to ``_MAX_PAUSE``)
 before measuring speculation again -- from its first verifying step after a relapse (a try that
-costs several times a plain step would otherwise cost its first ``_MIN_SAMPLES`` steps every time).  The plain rate is measured by pausing for a few steps once the
-verifying rate is known, and again every ``_REFRESH`` verifying steps (the load changes).
+costs several times a plain step would otherwise cost its first ``_MIN_SAMPLES`` steps every time).
+The plain rate is measured by pausing for a few steps once the verifying rate is known, and again
+every ``_REFRESH`` verifying steps (the load changes).
 """
 from __future__ import annotations
 
