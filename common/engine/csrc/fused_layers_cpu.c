@@ -7,7 +7,7 @@
  * weights, 8 rows, about a quarter of the step.  Here the kernels are called through the function
  * pointers the Python side found for the eager path (csrc/norm_rope_cpu.c, gated_activation_cpu.c,
  * paged_attention_cpu.c and each weight's product: int8_vnni_cpu.c, int4_vnni_cpu.c,
- * int8_gemv_cpu.c -- int8 on CPUs without AVX512-VNNI -- or panel_gemm_cpu.c), so the result is the
+ * int8_gemv_cpu.c -- int8 where int8_vnni_cpu.c has no build -- or panel_gemm_cpu.c), so the result is the
  * eager forward's to the last bit (common/engine/models/fused_layers.py says when it applies).
  *
  * A layer (x: the residual stream [rows, hidden], updated in place):

@@ -22,7 +22,7 @@
  * is compute-bound, not bound by reading weights.
  *
  * int8_gemv_argmax: each row's first maximal output of int8_gemv_f32 without writing the outputs (an
- * int8 LM head's greedy tokens on CPUs without AVX512-VNNI).
+ * int8 LM head's greedy tokens where int8_vnni_cpu.c has no build).
  */
 #include <math.h>
 #include <stdint.h>
