@@ -11,15 +11,10 @@ import torch
 
 from common.engine import cpu_kernels
 from common.engine.models import int4_vnni, int8_vnni
+from tests.support.cpu_flags import cpu_has
 
 
-def _cpu_has(*flags: str) -> bool:
-    with open("/proc/cpuinfo") as f:
-        present = next((line for line in f if line.startswith("flags")), "").split()
-    return all(flag in present for flag in flags)
-
-
-pytestmark = pytest.mark.skipif(not _cpu_has("avx2", "fma"), reason="no AVX2 with FMA on this CPU")
+pytestmark = pytest.mark.skipif(not cpu_has("avx2", "fma"), reason="no AVX2 with FMA on this CPU")
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
 

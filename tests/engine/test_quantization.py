@@ -13,6 +13,7 @@ from common.engine.models.linear import Linear
 from common.engine.models.quantization_scheme import Quantization
 from common.engine.models.quantized import Fp8Weight, Int4Weight, Int8Weight, QuantizedEmbedding, quantize_weight
 from tests.support.checkpoints import tiny_gemma3_config, tiny_llama_config, write_checkpoint
+from tests.support.cpu_flags import cpu_has
 
 PROMPTS = [[5, 17, 99, 230, 11] * 4, list(range(3, 60))]
 
@@ -22,14 +23,9 @@ def weights(out_features=96, in_features=256, seed=0):
     return torch.randn(out_features, in_features, generator=g) * 0.05, torch.randn(7, in_features, generator=g)
 
 
-def _cpu_has(flag: str) -> bool:
-    with open("/proc/cpuinfo") as f:
-        return flag in next((line for line in f if line.startswith("flags")), "").split()
-
-
-HAS_VNNI = _cpu_has("avx512_vnni")
+HAS_VNNI = cpu_has("avx512_vnni")
 # the int8 and int4 kernels' CPUs: AVX512-VNNI, or AVX2 with FMA (the same layouts and sums)
-HAS_INT8_KERNEL = HAS_INT4_KERNEL = HAS_VNNI or (_cpu_has("avx2") and _cpu_has("fma"))
+HAS_INT8_KERNEL = HAS_INT4_KERNEL = HAS_VNNI or (cpu_has("avx2") and cpu_has("fma"))
 
 
 def product_reference(q, x: torch.Tensor) -> torch.Tensor:
@@ -206,7 +202,7 @@ def test_int8_rows_do_not_depend_on_the_rows_beside_them(out_features, vnni):
 def test_int8_takes_bf16_rows_as_pairs_on_cpus_with_avx512_bf16(rows, in_features):
     w, _ = weights(out_features=203, in_features=in_features)  # a partial pair of 8-channel blocks
     q = Int8Weight(w, vnni=False)
-    if not _cpu_has("avx512_bf16"):
+    if not cpu_has("avx512_bf16"):
         assert q._gemv_bf16 is None
         pytest.skip("no AVX512-BF16 on this CPU: bf16 rows take the fp32 loop")
     assert q._gemv_bf16 is not None, "the bf16 entry of the C kernel did not build"

@@ -172,21 +172,8 @@ static int vnni_product(const float *x, int64_t rows, int64_t k_in, int64_t grou
                 int64_t n0 = b * LANES, width = n_out - n0 < LANES ? n_out - n0 : LANES;
                 for (int i = 0; i < mr; i++) {
                     float *row = y + (m0 + i) * n_out + n0;
-                    if (!scale) {
-                        memcpy(row, out + i * LANES, sizeof(float) * (size_t)width);
-                        continue;
-                    }
-                    for (int h = 0; h < 2 && 8 * h < width; h++) {
-                        float part_scale[8], part_out[8];
-                        int64_t n = width - 8 * h < 8 ? width - 8 * h : 8;
-                        __m256 v = _mm256_mul_ps(_mm256_loadu_ps(out + i * LANES + 8 * h), load8(scale + n0 + 8 * h, n, part_scale));
-                        if (n == 8) {
-                            _mm256_storeu_ps(row + 8 * h, v);
-                        } else {
-                            _mm256_storeu_ps(part_out, v);
-                            memcpy(row + 8 * h, part_out, sizeof(float) * (size_t)n);
-                        }
-                    }
+                    const float *o = out + i * LANES;
+                    for (int64_t c = 0; c < width; c++) row[c] = scale ? o[c] * scale[n0 + c] : o[c];
                 }
             }
             if (argmax)

@@ -133,6 +133,8 @@ class Speculation:
         if config.method == "ngram":
             proposer = NgramProposer(config.ngram_min, config.ngram_max, config.lookup_window)
         self.proposer = proposer if config.enabled else None
+        # a draft model's lag on a request (None: a proposer with nothing to catch up on, n-gram lookup)
+        self._entry_tokens = getattr(self.proposer, "entry_tokens", None)
         self.stats = SpeculationStats()
         self.gate = StepCostGate() if config.cost_gate else None  # per batch size: does verifying pay
         self._tracks: dict[str, _Track] = {}
@@ -224,7 +226,7 @@ class Speculation:
         catch-up outweighs what a short answer gains.  Until the rates are measured, or while
         verifying does not pay, one request at a time enters this way (a trial: it costs one
         catch-up, not one per request of the batch)."""
-        entry_tokens = getattr(self.proposer, "entry_tokens", None)
+        entry_tokens = self._entry_tokens
         if entry_tokens is None or self.gate is None or entry_tokens(request) <= 1 + self.config.num_tokens:
             return True  # no catch-up to pay (n-gram lookup; a request drafted for last step)
         per_token = self.proposer.seconds_per_fed_token
