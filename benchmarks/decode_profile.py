@@ -79,6 +79,8 @@ def profile(engine, batch: int, drafts: int, steps: int) -> dict:
         setattr(obj, attr, wrapped)
 
     wrap(engine.model, "logits", "stage::lm_head")
+    if hasattr(engine.model, "screened_tokens"):  # a greedy row's head: its tokens without whole logits
+        wrap(engine.model, "screened_tokens", "stage::lm_head")
     wrap(engine.runner, "sampler", "stage::sampling")
     wrap(engine.attention, "forward", "stage::attention")
     with torch_profile(activities=[ProfilerActivity.CPU]):  # the profiler's own first-use cost

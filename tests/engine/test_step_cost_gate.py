@@ -93,6 +93,24 @@ def test_after_a_relapse_one_verifying_step_judges_each_try():
     assert gate.rates(8) == (100.0, 50.0)
 
 
+def test_a_costly_try_pauses_until_it_is_a_small_share_of_the_time():
+    """A draft model's try -- its catch-up on the pause's tokens, then verifying at a fifth of the
+    plain rate -- costs far more than a plain step: the pauses after it grow until each try has
+    cost at most about ``_TRY_BUDGET`` of the plain time between tries, not doubling to a fixed cap."""
+    gate, plain_rate, lost, plain_time, resumed = StepCostGate(), 100.0, 0.0, 0.0, True
+    for _ in range(30_000):
+        allowed = gate.allows(1)
+        if allowed and resumed:
+            gate.observe_catch_up(1, 1, 1.0)  # one token while the draft feeds the pause's tokens
+            lost += 1.0 - 1 / plain_rate
+        resumed = not allowed
+        seconds = 1 / (plain_rate / 5 if allowed else plain_rate)
+        gate.observe(1, allowed, 1, seconds)
+        lost += seconds - 1 / plain_rate
+        plain_time += 1 / plain_rate
+    assert lost <= 2 * step_cost._TRY_BUDGET * plain_time + 1.2  # the first try's ~1.1 s aside
+
+
 class _Proposer:
     """A draft model's side of the entry rule: ``entry_tokens`` each request still lacks."""
 
@@ -162,6 +180,7 @@ def test_a_catch_up_step_is_counted_but_not_judged():
         speculation.observe_step([item(3)], 5.0, 1)  # a prompt fed to the draft: a slow step
     assert speculation.stats.verify_steps == 5 and speculation.gate.rates(1) is None
     assert not speculation.gate._bucket(1).verifying.samples
+    assert speculation.gate._bucket(1).try_seconds == 25.0  # but what the try cost
     speculation.proposer.catching_up = False
     speculation.observe_step([item(3)], 0.1, 4)
     assert speculation.gate._bucket(1).verifying.samples == 1

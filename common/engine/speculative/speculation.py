@@ -167,8 +167,13 @@ class Speculation:
             stats.decode_steps += 1
             stats.decode_step_seconds += seconds
         # A draft model's catch-up (a request's entry: ``_entry_pays`` weighs it) is not what a
-        # verification costs from step to step: the gate judges the steps that follow it.
-        if self.gate is not None and not (verified and getattr(self.proposer, "catching_up", False)):
+        # verification costs from step to step: the gate judges the steps that follow it, and counts
+        # the catch-up in what the try cost.
+        if self.gate is None:
+            return
+        if verified and getattr(self.proposer, "catching_up", False):
+            self.gate.observe_catch_up(len(scheduled), num_new_tokens, seconds)
+        else:
             self.gate.observe(len(scheduled), verified, num_new_tokens, seconds)
 
     def draft(self, request, budget: int, kv_manager) -> list[int]:

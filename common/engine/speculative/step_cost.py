@@ -10,11 +10,16 @@ over decode-only steps, speculates while the verifying rate is at least the plai
 decodes plainly for a while (``_FIRST_PAUSE`` steps, doubling on every relapse up to ``_MAX_PAUSE``)
 before measuring speculation again -- from its first verifying step after a relapse (a try that
 costs several times a plain step would otherwise cost its first ``_MIN_SAMPLES`` steps every time).
+A try that lost much -- a draft model's verification several times a plain step, its catch-up on
+the tokens of the pause (``observe_catch_up``) -- pauses at least long enough that it cost no more
+than ``_TRY_BUDGET`` of the pause's plain time: what failed tries cost is bounded by measurement,
+however expensive a try is, rather than by how many doublings the run lasts.
 The plain rate is measured by pausing for a few steps once the verifying rate is known, and again
 every ``_REFRESH`` verifying steps (the load changes).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 _WEIGHT = 0.3  # of the newest step in a moving average
@@ -22,6 +27,8 @@ _MIN_SAMPLES = 3  # steps of a kind before its rate counts
 _PROBE = 3  # plain steps taken to measure the plain rate
 _FIRST_PAUSE, _MAX_PAUSE = 16, 512
 _REFRESH = 128  # verifying steps after which the plain rate is measured again
+_TRY_BUDGET = 0.02  # of a pause's plain time, what the failed try before it may have lost
+_MAX_SIZED_PAUSE = 8 * _MAX_PAUSE
 
 
 @dataclass
@@ -47,6 +54,8 @@ class _Bucket:
     since_plain: int = 0  # verifying steps since the plain rate was last measured
     relapsed: bool = False  # paused before: one verifying step judges the next try
     judged: float | None = None  # the verifying rate the last judgment saw
+    try_seconds: float = 0.0  # the steps since the last judgment that verified or caught up: their time
+    try_tokens: int = 0  # and their tokens
 
 
 def batch_bucket(num_decoding: int) -> int:
@@ -83,6 +92,14 @@ class StepCostGate:
             return None
         return bucket.plain.value, verifying
 
+    def observe_catch_up(self, num_decoding: int, tokens: int, seconds: float) -> None:
+        """A decode-only step that verified while a draft model caught up on some request (its
+        prompt, a pause's tokens): part of what the try costs, not a verifying rate."""
+        if seconds > 0 and num_decoding:
+            bucket = self._bucket(num_decoding)
+            bucket.try_seconds += seconds
+            bucket.try_tokens += tokens
+
     def observe(self, num_decoding: int, verified: bool, tokens: int, seconds: float) -> None:
         """A decode-only step (no prompt chunk in it) produced ``tokens`` in ``seconds``."""
         if seconds <= 0 or not num_decoding:
@@ -93,14 +110,17 @@ class StepCostGate:
             return
         bucket.verifying.add(tokens / seconds)
         bucket.since_plain += 1
+        bucket.try_seconds += seconds
+        bucket.try_tokens += tokens
         if not (bucket.verifying.known or (bucket.relapsed and bucket.plain.known)):
             return
         if not bucket.plain.known or bucket.since_plain >= _REFRESH:
-            bucket.plain = _Rate()  # measure it (again) now
+            bucket.plain = _Rate()  # measure it (again) now; the try goes on after it
             bucket.pause, bucket.since_plain = _PROBE, 0
-        elif bucket.verifying.value < bucket.plain.value:
+            return
+        if bucket.verifying.value < bucket.plain.value:
             bucket.judged = bucket.verifying.value
-            bucket.pause = bucket.next_pause
+            bucket.pause = max(bucket.next_pause, _pause_for(bucket, num_decoding))
             bucket.next_pause = min(2 * bucket.next_pause, _MAX_PAUSE)
             bucket.verifying = _Rate()  # judged afresh when it resumes
             bucket.relapsed = True
@@ -108,3 +128,15 @@ class StepCostGate:
             bucket.judged = bucket.verifying.value
             bucket.next_pause = max(_FIRST_PAUSE, bucket.next_pause // 2)
             bucket.relapsed = False
+        bucket.try_seconds, bucket.try_tokens = 0.0, 0
+
+
+def _pause_for(bucket: _Bucket, num_decoding: int) -> int:
+    """The plain steps after which the try just judged cost at most ``_TRY_BUDGET`` of their time:
+    its time less what plain decoding takes for its tokens, over the budget of one plain step
+    (``num_decoding`` tokens at the plain rate)."""
+    if bucket.plain.value <= 0:
+        return 0
+    lost = bucket.try_seconds - bucket.try_tokens / bucket.plain.value
+    plain_step = num_decoding / bucket.plain.value
+    return min(_MAX_SIZED_PAUSE, math.ceil(max(0.0, lost) / (_TRY_BUDGET * plain_step)))
