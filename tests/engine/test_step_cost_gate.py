@@ -111,6 +111,22 @@ def test_a_costly_try_pauses_until_it_is_a_small_share_of_the_time():
     assert lost <= 2 * step_cost._TRY_BUDGET * plain_time + 1.2  # the first try's ~1.1 s aside
 
 
+def test_when_verifying_stops_paying_the_pause_is_sized_by_every_step_that_lost():
+    """Text that stops repeating itself: the verifying average, learned while it paid, takes a few
+    losing steps to fall below the plain rate; the pause then counts all of them (not only the step
+    that tipped the average), so one pause covers what they lost and no second try follows soon."""
+    gate = StepCostGate()
+    run_steps(gate, 1, 300, verify_rate=300.0, plain_rate=100.0)
+    tries = 0
+    previous = True
+    for _ in range(2000):
+        allowed = gate.allows(1)
+        tries += allowed and not previous
+        previous = allowed
+        gate.observe(1, allowed, 1, 1 / (5.0 if allowed else 100.0))  # verifying at a twentieth of plain
+    assert tries == 0
+
+
 class _Proposer:
     """A draft model's side of the entry rule: ``entry_tokens`` each request still lacks."""
 

@@ -54,8 +54,10 @@ class _Bucket:
     since_plain: int = 0  # verifying steps since the plain rate was last measured
     relapsed: bool = False  # paused before: one verifying step judges the next try
     judged: float | None = None  # the verifying rate the last judgment saw
-    try_seconds: float = 0.0  # the steps since the last judgment that verified or caught up: their time
-    try_tokens: int = 0  # and their tokens
+    # What a relapse's pause is sized by: the verifying and catch-up steps since the last pause or
+    # the last step that paid by its own rate -- their time and their tokens.
+    try_seconds: float = 0.0
+    try_tokens: int = 0
 
 
 def batch_bucket(num_decoding: int) -> int:
@@ -128,6 +130,8 @@ class StepCostGate:
             bucket.judged = bucket.verifying.value
             bucket.next_pause = max(_FIRST_PAUSE, bucket.next_pause // 2)
             bucket.relapsed = False
+            if tokens / seconds < bucket.plain.value:
+                return  # a step that lost, outweighed by the average so far: the try's cost goes on
         bucket.try_seconds, bucket.try_tokens = 0.0, 0
 
 
