@@ -421,8 +421,13 @@ int paged_attention(int elem, int cache_elem, const void *q, int64_t q_stride_t,
             }
         }
         int r = 0;
+        /* A step of decodes alone deals its items one at a time: a few long items, whose keys differ in
+         * number, over two threads (8 decodes of 100-380 keys, Gemma 3 270M's layout, 18 layers' caches
+         * from memory: 2.2-4.7% faster than in fours, three interleaved runs); a prompt's tokens in
+         * fours, which read the same keys. */
+        const int items_a_take = num_tokens == num_requests ? 1 : 4;
 #ifdef _OPENMP
-#pragma omp for schedule(dynamic, 4) nowait
+#pragma omp for schedule(dynamic, items_a_take) nowait
 #endif
         for (int64_t item = 0; item < items; item++) {
             if (ok) {
