@@ -13,7 +13,8 @@ costs several times a plain step would otherwise cost its first ``_MIN_SAMPLES``
 A try that lost much -- a draft model's verification several times a plain step, its catch-up on
 the tokens of the pause (``observe_catch_up``) -- pauses at least long enough that it cost no more
 than ``_TRY_BUDGET`` of the pause's plain time: what failed tries cost is bounded by measurement,
-however expensive a try is, rather than by how many doublings the run lasts.
+however expensive a try is, rather than by how many doublings the run lasts.  Where the average took
+several losing steps to fall below the plain rate (learned while speculation paid), all of them count.
 The plain rate is measured by pausing for a few steps once the verifying rate is known, and again
 every ``_REFRESH`` verifying steps (the load changes).
 """
