@@ -30,10 +30,11 @@ from __future__ import annotations
 
 import os
 
-# Our OpenMP threads wait as ``common.engine.openmp_wait`` says (set below, before torch loads);
-# vLLM keeps its own setting unless the caller's environment gave one.  (The malloc settings made
-# there too, ``common.engine.heap_reuse``, are this process's own: vLLM's keep glibc's defaults.)
-_USER_OPENMP_ENV = {name: os.environ.get(name) for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+# Our OpenMP threads wait as ``common.engine.openmp_wait`` says and torch's allocator takes huge
+# pages as ``common.engine.huge_pages`` says (both set below, before torch loads); vLLM keeps its own
+# settings unless the caller's environment gave them.  (The malloc settings made there too,
+# ``common.engine.heap_reuse``, are this process's own: vLLM's keep glibc's defaults.)
+_USER_ENV = {name: os.environ.get(name) for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "THP_MEM_ALLOC_ENABLE")}
 
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
@@ -90,7 +91,7 @@ SAMPLING = {"greedy": 0.0, "sampled": 1.0}  # served loads: temperature 0, and t
 
 def vllm_env(threads: int, setting: str = "default") -> dict[str, str]:
     env = dict(os.environ)
-    for name, value in _USER_OPENMP_ENV.items():
+    for name, value in _USER_ENV.items():
         if value is None:
             env.pop(name, None)
     return dict(env, VLLM_CPU_KVCACHE_SPACE="2", OMP_NUM_THREADS=str(threads), VLLM_LOGGING_LEVEL="WARNING",
