@@ -34,7 +34,8 @@ import os
 # pages as ``common.engine.huge_pages`` says (both set below, before torch loads); vLLM keeps its own
 # settings unless the caller's environment gave them.  (The malloc settings made there too,
 # ``common.engine.heap_reuse``, are this process's own: vLLM's keep glibc's defaults.)
-_USER_ENV = {name: os.environ.get(name) for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "THP_MEM_ALLOC_ENABLE")}
+_USER_ENV = {name: os.environ.get(name)
+             for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "THP_MEM_ALLOC_ENABLE")}
 
 import argparse  # noqa: E402
 import asyncio  # noqa: E402

@@ -52,7 +52,8 @@ def _huge_kb_of_a_64mb_tensor(mode: str, env: dict[str, str]) -> int:
 @pytest.mark.skipif(_thp_mode() not in ("madvise", "always"), reason="the kernel hands out no transparent huge pages")
 def test_a_computing_process_puts_a_large_tensor_on_huge_pages():
     env = {k: v for k, v in os.environ.items() if k != huge_pages.VARIABLE}
-    assert _huge_kb_of_a_64mb_tensor("configure", env) >= 32 << 10
+    # a few 2 MB pages at least: the kernel may find memory too fragmented for all 32
+    assert _huge_kb_of_a_64mb_tensor("configure", env) >= 8 << 10
 
 
 @pytest.mark.skipif(_thp_mode() != "madvise", reason="only where huge pages come on advice alone")
