@@ -60,6 +60,10 @@ class _Bucket:
     try_seconds: float = 0.0
     try_tokens: int = 0
 
+    def add_to_try(self, tokens: int, seconds: float) -> None:
+        self.try_seconds += seconds
+        self.try_tokens += tokens
+
 
 def batch_bucket(num_decoding: int) -> int:
     """1, 2, 4, 8, ...: batches of about the same size share their measurements."""
@@ -99,39 +103,35 @@ class StepCostGate:
         """A decode-only step that verified while a draft model caught up on some request (its
         prompt, a pause's tokens): part of what the try costs, not a verifying rate."""
         if seconds > 0 and num_decoding:
-            bucket = self._bucket(num_decoding)
-            bucket.try_seconds += seconds
-            bucket.try_tokens += tokens
+            self._bucket(num_decoding).add_to_try(tokens, seconds)
 
     def observe(self, num_decoding: int, verified: bool, tokens: int, seconds: float) -> None:
         """A decode-only step (no prompt chunk in it) produced ``tokens`` in ``seconds``."""
         if seconds <= 0 or not num_decoding:
             return
-        bucket = self._bucket(num_decoding)
+        bucket, rate = self._bucket(num_decoding), tokens / seconds
         if not verified:
-            bucket.plain.add(tokens / seconds)
+            bucket.plain.add(rate)
             return
-        bucket.verifying.add(tokens / seconds)
+        bucket.verifying.add(rate)
         bucket.since_plain += 1
-        bucket.try_seconds += seconds
-        bucket.try_tokens += tokens
+        bucket.add_to_try(tokens, seconds)
         if not (bucket.verifying.known or (bucket.relapsed and bucket.plain.known)):
             return
         if not bucket.plain.known or bucket.since_plain >= _REFRESH:
             bucket.plain = _Rate()  # measure it (again) now; the try goes on after it
             bucket.pause, bucket.since_plain = _PROBE, 0
             return
+        bucket.judged = bucket.verifying.value
         if bucket.verifying.value < bucket.plain.value:
-            bucket.judged = bucket.verifying.value
             bucket.pause = max(bucket.next_pause, _pause_for(bucket, num_decoding))
             bucket.next_pause = min(2 * bucket.next_pause, _MAX_PAUSE)
             bucket.verifying = _Rate()  # judged afresh when it resumes
             bucket.relapsed = True
         else:
-            bucket.judged = bucket.verifying.value
             bucket.next_pause = max(_FIRST_PAUSE, bucket.next_pause // 2)
             bucket.relapsed = False
-            if tokens / seconds < bucket.plain.value:
+            if rate < bucket.plain.value:
                 return  # a step that lost, outweighed by the average so far: the try's cost goes on
         bucket.try_seconds, bucket.try_tokens = 0.0, 0
 
