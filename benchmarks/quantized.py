@@ -26,14 +26,13 @@ and the CPU's vector extensions (the kernels behind each scheme differ with them
 """
 from __future__ import annotations
 
+import argparse
 import os
-
-import argparse  # noqa: E402
-import random  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
-from types import SimpleNamespace  # noqa: E402
+import random
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 

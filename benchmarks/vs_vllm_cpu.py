@@ -28,27 +28,19 @@ The last line of stdout is one JSON object: ``offline_fp32_ratio``, ``offline_bf
 """
 from __future__ import annotations
 
+import argparse
+import asyncio
+import json
 import os
-
-# Our OpenMP threads wait as ``common.engine.openmp_wait`` says and torch's allocator takes huge
-# pages as ``common.engine.huge_pages`` says (both set below, before torch loads); vLLM keeps its own
-# settings unless the caller's environment gave them.  (The malloc settings made there too,
-# ``common.engine.heap_reuse``, are this process's own: vLLM's keep glibc's defaults.)
-_USER_ENV = {name: os.environ.get(name)
-             for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "THP_MEM_ALLOC_ENABLE")}
-
-import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import json  # noqa: E402
-import random  # noqa: E402
-import socket  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-import textwrap  # noqa: E402
-import time  # noqa: E402
-import uuid  # noqa: E402
-from pathlib import Path  # noqa: E402
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+import uuid
+from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -91,10 +83,16 @@ SAMPLING = {"greedy": 0.0, "sampled": 1.0}  # served loads: temperature 0, and t
 
 
 def vllm_env(threads: int, setting: str = "default") -> dict[str, str]:
+    """vLLM's environment: its own settings for what ``compute_process.configure()`` set for our
+    engine (how OpenMP threads wait, huge pages) unless the caller's environment gave them, whichever
+    benchmark configured this process.  (The malloc settings made there, ``common.engine.heap_reuse``,
+    are this process's own: vLLM's keep glibc's defaults.)"""
     env = dict(os.environ)
-    for name, value in _USER_ENV.items():
+    for name, value in compute_process.caller_environment().items():
         if value is None:
             env.pop(name, None)
+        else:
+            env[name] = value
     return dict(env, VLLM_CPU_KVCACHE_SPACE="2", OMP_NUM_THREADS=str(threads), VLLM_LOGGING_LEVEL="WARNING",
                 TOKENIZERS_PARALLELISM="false", **VLLM_SETTINGS[setting])
 

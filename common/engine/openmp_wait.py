@@ -37,6 +37,7 @@ import os
 
 WAIT_POLICY = "PASSIVE"
 SPIN_COUNT = 30_000
+VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")  # what ``configure`` may set
 
 
 def configure() -> None:
