@@ -196,6 +196,9 @@ def build_parser(default_role: str, description: str, env: Mapping[str, str] | N
     add("--draft-quantization", EngineConfig.draft_quantization, choices=QUANTIZATIONS,
         help="speculative draft: how the draft model's weights are stored (as --quantization); the served model "
              "itself quantized (--draft-model set to it, int8 or int4) drafts most of its own tokens")
+    add("--draft-vocab-size", EngineConfig.draft_vocab_size, int,
+        help="speculative draft: the draft's head scores this many of its tokenizer's most common tokens and each "
+             "request's own (0: every token); the head is most of a draft step's reads")
     add("--num-speculative-tokens", EngineConfig.num_speculative_tokens, int, help="draft tokens per request per step")
     add("--ngram-min", EngineConfig.ngram_min, int, help="ngram: the shortest suffix that may match")
     add("--ngram-max", EngineConfig.ngram_max, int, help="ngram: the longest suffix, tried first")
@@ -237,7 +240,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         ngram_lookup_window=args.ngram_lookup_window, speculative_min_accepted=args.speculative_min_accepted,
         speculative_disable_batch_size=args.speculative_disable_batch_size,
         speculative_cost_gate=bool(args.speculative_cost_gate), draft_model=args.draft_model,
-        draft_quantization=args.draft_quantization,
+        draft_quantization=args.draft_quantization, draft_vocab_size=args.draft_vocab_size,
     )
     kv = KVTransferConfig(transport=args.kv_transport, host=args.kv_host or args.host, port=args.kv_port,
                           connect_timeout=args.kv_connect_timeout, transfer_timeout=args.kv_timeout,

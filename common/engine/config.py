@@ -131,6 +131,7 @@ class EngineConfig:
     speculative_cost_gate: bool = SpeculativeConfig.cost_gate  # pause where verifying is measured not to pay
     draft_model: str | None = SpeculativeConfig.draft_model  # speculative "draft": its checkpoint
     draft_quantization: str = SpeculativeConfig.draft_quantization  # and how its weights are stored
+    draft_vocab_size: int = SpeculativeConfig.draft_vocab_size  # and the common tokens its head scores (0: all)
 
     def __post_init__(self) -> None:
         _require(self.block_size >= 1, "block_size", self.block_size, ">= 1")
@@ -164,7 +165,7 @@ class EngineConfig:
         return SpeculativeConfig(self.speculative, self.num_speculative_tokens, self.ngram_min, self.ngram_max,
                                  self.ngram_lookup_window, self.speculative_min_accepted,
                                  self.speculative_disable_batch_size, self.speculative_cost_gate,
-                                 self.draft_model, self.draft_quantization)
+                                 self.draft_model, self.draft_quantization, self.draft_vocab_size)
 
     def _batch_limits(self, device_type: str) -> tuple[int, int]:
         defaults = scheduling_defaults(device_type)

@@ -191,7 +191,7 @@ class Engine:
                                   vocab_size=self.model_config.vocab_size,
                                   num_blocks=num_blocks, block_size=self.config.block_size, dtype=self.dtype,
                                   device=self.device, attention_backend=self.config.attention_backend,
-                                  block_table=kv_manager.table)
+                                  block_table=kv_manager.table, draft_vocab_size=self.config.draft_vocab_size)
 
     def _load_tokenizer(self):
         try:

@@ -30,6 +30,7 @@ from common.engine.kv.kv_cache import KVCache, KVLayout, dtype_name
 from common.engine.loading.checkpoint_path import resolve_checkpoint
 from common.engine.loading.model_loader import load_model
 from common.engine.models.quantization_scheme import NO_QUANTIZATION, Quantization
+from common.engine.speculative.draft_vocabulary import DraftHead
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,9 @@ class DraftModelProposer:
 
     def __init__(self, checkpoint: str, quantization: Quantization = NO_QUANTIZATION, *, vocab_size: int,
                  num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device, attention_backend: str,
-                 block_table=None):
+                 block_table=None, draft_vocab_size: int = 0):
+        """``draft_vocab_size``: the common tokens its head scores beside each request's own
+        (``draft_vocabulary``; 0: every token)."""
         self.checkpoint = resolve_checkpoint(checkpoint)
         self.model, self.config = load_model(self.checkpoint, dtype, device, quantization=quantization)
         if self.config.vocab_size != vocab_size:
@@ -67,6 +70,7 @@ class DraftModelProposer:
         if hasattr(self.attention, "block_table"):
             self.attention.block_table = block_table
         self.device = device
+        self.head = DraftHead(self.model, cfg, self.checkpoint, draft_vocab_size, quantization.scheme, quantization.group_size)
         self._computed: dict[str, int] = {}  # request -> its tokens with draft KV
         log.info("draft model %s: %d layers, weights %s, its KV cache %.1f MiB", self.checkpoint.name, cfg.num_layers,
                  quantization.scheme, num_blocks * self.cache.block_nbytes / 2**20)
@@ -101,7 +105,7 @@ class DraftModelProposer:
             meta = self.attention.prepare(slices, self.device)
             hidden = self.model(torch.tensor(tokens, device=self.device),
                                 torch.tensor(token_positions, device=self.device), self.cache, meta, self.attention)
-            picked = self._greedy(hidden[last])
+            picked = self.head.greedy(hidden[last], [wants[i][0] for i in live])
             if step == 0 and len(tokens) >= _TIMED_FEED:
                 self._time_feed((time.perf_counter() - began) / len(tokens))
             for i, token in zip(live, picked):
@@ -124,13 +128,6 @@ class DraftModelProposer:
         outputs past what the draft computed."""
         return request.num_tokens - self._computed.get(request.request_id, 0)
 
-    def _greedy(self, rows: torch.Tensor) -> list[int]:
-        """Each row's greedy token: the first index of its largest logit, by the head's kernel
-        without the logits where one applies (a 262k-token head's logits cost as much as finding
-        their maximum), else from the logits."""
-        tokens = self.model.screened_tokens(rows, [0.0] * len(rows))
-        return (tokens if tokens is not None else self.model.logits(rows).argmax(dim=-1)).tolist()
-
     def accepted(self, request_id: str, num_tokens_before: int, num_drafts: int, num_accepted: int) -> None:
         """A verification kept ``num_accepted`` of ``num_drafts``: the draft's KV stays valid for the
         last token before it and the accepted drafts it fed."""
@@ -140,3 +137,4 @@ class DraftModelProposer:
 
     def forget(self, request_id: str) -> None:
         self._computed.pop(request_id, None)
+        self.head.forget(request_id)

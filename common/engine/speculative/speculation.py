@@ -52,6 +52,10 @@ class SpeculativeConfig:
     # How the draft's weights are stored (``QUANTIZATIONS``): the target model itself quantized is a
     # draft of its own vocabulary that agrees with it on most tokens at a fraction of its reads.
     draft_quantization: str = Quantization.scheme
+    # The tokens the draft's head scores: this many of its tokenizer's most common, and each
+    # request's own (``draft_vocabulary``; 0: every token).  Gemma 3's 262,144-token head is most of
+    # what a draft forward reads; a token outside costs only the drafts after it.
+    draft_vocab_size: int = 32768
 
     def __post_init__(self) -> None:
         checks = [
@@ -66,6 +70,7 @@ class SpeculativeConfig:
              "set exactly when speculative is draft"),
             (self.draft_quantization in QUANTIZATIONS, "draft_quantization", self.draft_quantization,
              f"one of {', '.join(QUANTIZATIONS)}"),
+            (self.draft_vocab_size >= 0, "draft_vocab_size", self.draft_vocab_size, ">= 0"),
         ]
         for ok, name, value, expected in checks:
             if not ok:
