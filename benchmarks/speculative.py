@@ -1,4 +1,4 @@
-"""N-gram speculative decoding against plain decoding, offline, one run.
+"""Speculative decoding against plain decoding, offline, one run.
 
     python benchmarks/speculative.py [--quick] [--threads N]
 
@@ -18,7 +18,8 @@ weights, with speculation off and on (``--speculative ngram``, 4 draft tokens, n
 engine's defaults otherwise); the same engine settings and threads for both.  In fp32, a draft
 model too: the default model itself with int8 weights (``--speculative draft --draft-model <the
 same> --draft-quantization int8``; Gemma 3 has no smaller model of its tokenizer).  Throughput is
-output tokens over wall time, prompts included.
+output tokens over wall time, prompts included, over two runs of each engine in the order off, on,
+on, off (this VM's speed drifts by tens of percent within a minute; one run each was off then on).
 
 The last line of stdout is one JSON object: ``speedup_high_overlap_c1`` and ``_c8`` (fp32, on / off),
 ``ratio_random_c1`` and ``_c8``, the same with an ``int8_`` prefix (int8 weights, n-gram) and a
@@ -95,10 +96,11 @@ def high_overlap_prompts(n: int) -> list[str]:
 
 
 def run(engine, prompts: list[list[int]], max_tokens: int, concurrency: int, sampled: bool
-        ) -> tuple[float, list[list[int]], dict]:
+        ) -> tuple[int, float, list[list[int]], object]:
     """Every prompt, ``concurrency`` in flight (a finished request is replaced at once); request i
     asks for between half of ``max_tokens`` and all of it (the same on every run), so finishes --
-    and the prompts that replace them -- are spread as in real traffic, with speculation or without."""
+    and the prompts that replace them -- are spread as in real traffic, with speculation or without.
+    Returns the output tokens, the wall time, each request's tokens and the speculation counters."""
     lengths = random.Random(1).choices(range(max_tokens // 2, max_tokens + 1), k=len(prompts))
     from common.engine.speculative.speculation import SpeculationStats
 
@@ -119,7 +121,16 @@ def run(engine, prompts: list[list[int]], max_tokens: int, concurrency: int, sam
             in_flight -= output.finished
     wall = time.perf_counter() - began
     outputs = [tokens[f"r{i}"] for i in range(len(prompts))]
-    return sum(map(len, outputs)) / wall, outputs, engine.scheduler.speculation.stats.as_dict()
+    return sum(map(len, outputs)), wall, outputs, engine.scheduler.speculation.stats
+
+
+def merged(runs: list) -> tuple[float, list[list[int]], dict]:
+    """Runs of ``run`` as one: output tokens per second over them all, the first run's tokens, the
+    counters summed."""
+    from common.engine.speculative.speculation import SpeculationStats
+
+    stats = SpeculationStats(**{name: sum(getattr(r[3], name) for r in runs) for name in vars(runs[0][3])})
+    return sum(r[0] for r in runs) / sum(r[1] for r in runs), runs[0][2], stats.as_dict()
 
 
 def main() -> None:
@@ -162,9 +173,14 @@ def main() -> None:
             for c in CONCURRENCY:
                 sampled = workload == "random"
                 prompts = all_prompts if c > 1 else all_prompts[: 4 if args.quick else 8]
-                off, off_tokens, _ = run(engines["none"], prompts, max_tokens, c, sampled)
+                # Off, on, then on, off: a host whose speed drifts during the runs weighs on both alike.
+                runs: dict[str, list] = {name: [] for name in ("none", *speculative)}
+                for order in (list(runs), list(runs)[::-1]):
+                    for name in order:
+                        runs[name].append(run(engines[name], prompts, max_tokens, c, sampled))
+                off, off_tokens, _ = merged(runs["none"])
                 for spec in speculative:
-                    on, on_tokens, stats = run(engines[spec], prompts, max_tokens, c, sampled)
+                    on, on_tokens, stats = merged(runs[spec])
                     identical[workload][0] += sum(a == b for a, b in zip(on_tokens, off_tokens))
                     identical[workload][1] += len(prompts)
                     prefix = "draft_" if spec == "draft" else "" if scheme_name == "fp32" else f"{scheme_name}_"
