@@ -20,6 +20,10 @@ Backing off: each request keeps a moving average of the drafts accepted per veri
 it is below ``min_accepted`` the request decodes plainly for a while (8 steps, doubling on every
 relapse up to 128) and then tries again; on text that never repeats itself the proposer rarely
 finds a match at all, and a match that proves wrong costs a few verifications, not a slower stream.
+A new request's average starts at what its predecessors' verifications accepted lately (a moving
+average over all of them), within ``min_accepted`` .. ``min_accepted + 1`` (the start before any):
+where drafts have been failing, its first failed verification backs it off, not its fourth -- a
+draft model's verification costs a few plain steps.
 """
 from __future__ import annotations
 
@@ -31,7 +35,7 @@ from common.engine.speculative.step_cost import StepCostGate
 
 METHODS = ("none", "ngram", "draft")
 _FIRST_BACKOFF, _MAX_BACKOFF = 8, 128
-_AVERAGE_WEIGHT = 0.3  # of the newest verification in the moving average
+_AVERAGE_WEIGHT = 0.3  # of the newest verification in a moving average (a request's, and all requests')
 DEFERRED_DRAFT = -1  # a draft's place in a step's tokens until ``Speculation.complete_drafts`` fills it in
 
 
@@ -143,6 +147,7 @@ class Speculation:
         self.stats = SpeculationStats()
         self.gate = StepCostGate() if config.cost_gate else None  # per batch size: does verifying pay
         self._tracks: dict[str, _Track] = {}
+        self._prior = config.min_accepted + 1.0  # drafts accepted per verification lately, over all requests
         self._batch_allows = True
         self._num_decoding = 0
         self._trial: str | None = None  # the request let in while the rates were not yet measured
@@ -188,7 +193,8 @@ class Speculation:
             return []
         track = self._tracks.get(request.request_id)
         if track is None:
-            track = self._tracks[request.request_id] = _Track(average=self.config.min_accepted + 1.0)
+            start = min(max(self._prior, self.config.min_accepted), self.config.min_accepted + 1.0)
+            track = self._tracks[request.request_id] = _Track(average=start)
         if track.pause:
             track.pause -= 1
             if not track.pause:
@@ -264,6 +270,7 @@ class Speculation:
         stats.draft_tokens += num_drafts
         stats.accepted_tokens += num_accepted
         stats.verifications += 1
+        self._prior += _AVERAGE_WEIGHT * (num_accepted - self._prior)
         track = self._tracks.get(request_id)
         if track is None:
             return
