@@ -8,27 +8,10 @@ workers, the prewarm server, the benchmarks -- calls ``configure()`` before its 
 ``import torch``.  Importing this module imports nothing heavy."""
 from __future__ import annotations
 
-import os
-
 from common.engine import heap_reuse, huge_pages, openmp_wait
-
-_SET_VARIABLES = (*openmp_wait.VARIABLES, huge_pages.VARIABLE)  # environment variables ``configure`` may set
-_caller_environment: dict[str, str | None] | None = None
 
 
 def configure() -> None:
-    global _caller_environment
-    if _caller_environment is None:
-        _caller_environment = {name: os.environ.get(name) for name in _SET_VARIABLES}
     openmp_wait.configure()
     heap_reuse.configure()
     huge_pages.configure()
-
-
-def caller_environment() -> dict[str, str | None]:
-    """The variables ``configure`` may set, as the process had them before its first call (``None``:
-    unset): what a child that is not the engine -- a peer system a benchmark compares with -- should
-    run under, rather than the engine's choices."""
-    if _caller_environment is None:
-        return {name: os.environ.get(name) for name in _SET_VARIABLES}
-    return dict(_caller_environment)

@@ -37,7 +37,6 @@ import os
 
 WAIT_POLICY = "PASSIVE"
 SPIN_COUNT = 30_000
-VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")  # what ``configure`` may set
 
 
 def configure() -> None:

@@ -70,7 +70,8 @@ class DraftModelProposer:
         if hasattr(self.attention, "block_table"):
             self.attention.block_table = block_table
         self.device = device
-        self.head = DraftHead(self.model, cfg, self.checkpoint, draft_vocab_size, quantization.scheme, quantization.group_size)
+        self.head = DraftHead(self.model, cfg, self.checkpoint, draft_vocab_size, quantization.scheme,
+                              quantization.group_size, device)
         self._computed: dict[str, int] = {}  # request -> its tokens with draft KV
         log.info("draft model %s: %d layers, weights %s, its KV cache %.1f MiB", self.checkpoint.name, cfg.num_layers,
                  quantization.scheme, num_blocks * self.cache.block_nbytes / 2**20)

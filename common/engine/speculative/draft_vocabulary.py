@@ -61,11 +61,13 @@ class DraftHead:
     """The greedy tokens of a draft model's head over ``size`` common tokens and each request's own
     (``greedy``); ``size`` 0, or a vocabulary its tokenizer does not rank, scores every token."""
 
-    def __init__(self, model, config, checkpoint: Path, size: int, scheme: str, group_size: int):
+    def __init__(self, model, config, checkpoint: Path, size: int, scheme: str, group_size: int,
+                 device: torch.device):
         self.model = model
+        self.device = device
         self.vocab_size = config.vocab_size
         ranking = rank_tokens(checkpoint) if 0 < size < config.vocab_size else None
-        readable = ranking is not None and head_rows(model, torch.zeros(1, dtype=torch.long)) is not None
+        readable = ranking is not None and head_rows(model, torch.zeros(1, dtype=torch.long, device=device)) is not None
         if not readable:
             if size and size < config.vocab_size:
                 log.info("draft vocabulary: %s's %s; the draft scores all %d tokens", checkpoint.name,
@@ -79,9 +81,9 @@ class DraftHead:
                 break
             if 0 <= token < config.vocab_size:
                 chosen.setdefault(token)
-        self.ids = torch.tensor(sorted(chosen), dtype=torch.long)
-        self.common = torch.zeros(config.vocab_size, dtype=torch.bool)
-        self.common[self.ids] = True
+        self.ids = torch.tensor(sorted(chosen), dtype=torch.long, device=device)
+        self.common = torch.zeros(config.vocab_size, dtype=torch.bool)  # on the CPU, as the requests' tokens
+        self.common[self.ids.cpu()] = True
         rows = head_rows(model, self.ids).float()
         self.weight = quantize_weight(rows, scheme, group_size, head=True) if scheme in ("int8", "int4") else rows
         # request -> (its tokens seen, those of them outside the common ones, their head rows in fp32)
@@ -115,12 +117,12 @@ class DraftHead:
                 scores = rows @ normed[row]
                 top = int(scores.argmax())
                 if scores[top] > best[row]:
-                    out[row] = int(own[top])
+                    out[row] = int(own[top])  # (own: on the CPU)
         return out
 
     def _own_rows(self, request) -> tuple[torch.Tensor, torch.Tensor]:
-        """``request``'s token ids outside the common ones (the first ``_MAX_OWN_TOKENS`` it had) and
-        their head rows in fp32, updated with the tokens it gained since the last call."""
+        """``request``'s token ids outside the common ones (at most ``_MAX_OWN_TOKENS``) and their head
+        rows in fp32, updated with the tokens it gained since the last call."""
         seen, own, rows = self._own.get(request.request_id) or (0, torch.empty(0, dtype=torch.long), None)
         tokens = request.all_token_ids
         if len(tokens) > seen and len(own) < _MAX_OWN_TOKENS:
@@ -129,7 +131,7 @@ class DraftHead:
             new = torch.unique(new[~self.common[new]])
             new = new[~torch.isin(new, own)][:_MAX_OWN_TOKENS - len(own)]
             if len(new):
-                new_rows = head_rows(self.model, new).float()
+                new_rows = head_rows(self.model, new.to(self.device)).float()
                 own = torch.cat([own, new])
                 rows = new_rows if rows is None else torch.cat([rows, new_rows])
         self._own[request.request_id] = (len(tokens), own, rows)
