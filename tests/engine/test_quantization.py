@@ -66,6 +66,8 @@ def test_int8_takes_a_c_kernel_and_agrees_with_the_reference_for_any_rows(rows, 
     x = torch.randn(rows, 98)
     x[:, 3] *= 300  # one huge channel: it coarsens the activations' first group only
     assert torch.allclose(q.matmul(x), product_reference(q, x), atol=1e-4, rtol=1e-5)
+    if vnni and HAS_INT8_KERNEL and rows > 1:  # a row alone: one-block tiles; from 64 rows two-block ones
+        assert torch.equal(torch.cat([q.matmul(x[i : i + 1]) for i in range(rows)]), q.matmul(x))
     ids = torch.tensor([0, 7, 8, 202])
     assert torch.equal(q.rows(ids), q.dequantize()[ids])
     assert torch.equal(Int8Weight.from_packed(q.packed, q.scale, 203, torch.float32, vnni=vnni).q, q.q)

@@ -26,7 +26,7 @@ def vnni(request) -> bool:
     return request.param == "vnni"
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8, 9, 20])
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 20, 70])  # 70: two blocks a pass on VNNI tiles
 @pytest.mark.parametrize("out_features", [16, 100, 1000, 4099])  # one block, partial blocks, many chunks
 @pytest.mark.parametrize("in_features", [96, 128])  # 128: from 5 rows on AMX tiles where the CPU has them
 def test_each_row_takes_the_first_maximal_index_of_the_products(rows, out_features, in_features, vnni):

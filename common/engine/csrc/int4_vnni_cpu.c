@@ -48,8 +48,8 @@ typedef struct {
                     __m512i lo = _mm512_and_si512(v, nibble);                                         \
                     __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);                   \
                     for (int i = 0; i < MR; i++) {                                                    \
-                        s[j][i] = _mm512_dpbusd_epi32(s[j][i], lo, broadcast_quad(xq + i * k_pad + k)); \
-                        s[j][i] = _mm512_dpbusd_epi32(s[j][i], hi, broadcast_quad(xq + i * k_pad + k + 4)); \
+                        s[j][i] = dpbusd(s[j][i], lo, broadcast_quad(xq + i * k_pad + k));            \
+                        s[j][i] = dpbusd(s[j][i], hi, broadcast_quad(xq + i * k_pad + k + 4));        \
                     }                                                                                 \
                 }                                                                                     \
             for (int j = 0; j < NB; j++) {                                                            \

@@ -48,7 +48,7 @@
                     PREFETCH_WEIGHT(MR, w + j * k_pad * LANES + k * LANES);                           \
                     __m512i wv = _mm512_loadu_si512((const void *)(w + j * k_pad * LANES + k * LANES)); \
                     for (int i = 0; i < MR; i++)                                                      \
-                        a[j][i] = _mm512_dpbusd_epi32(a[j][i], wv, broadcast_quad(xq + i * k_pad + k)); \
+                        a[j][i] = dpbusd(a[j][i], wv, broadcast_quad(xq + i * k_pad + k));            \
                 }                                                                                     \
             for (int i = 0; i < MR; i++) {                                                            \
                 __m512 s = _mm512_set1_ps(xs[i * groups + g]);                                        \
@@ -59,26 +59,29 @@
             for (int i = 0; i < MR; i++) out[j * MR + i] = f[j][i];                                   \
     }
 FOR_EACH_TILE(DEFINE_TILE)
+FOR_EACH_WIDE_TILE(DEFINE_TILE)
 
 static void int8_tile(int mr, int nb, const quantized_rows *rows, int64_t b, const void *weight, __m512 *out) {
     const uint8_t *w = (const uint8_t *)weight + b * rows->k_pad * LANES;
 #define CASE(MR, NB) if (mr == MR && nb == NB) { tile_##MR##_##NB(rows, w, out); return; }
     FOR_EACH_TILE(CASE)
+    FOR_EACH_WIDE_TILE(CASE)
 #undef CASE
 }
 
 static const vnni_kernel VNNI_INT8 = VNNI_KERNEL(int8_tile);
+static const vnni_kernel VNNI_INT8_WIDE = VNNI_WIDE_KERNEL(int8_tile);
 static int products_with_amx = 1;
 
 /* Which tiles a product of ``rows`` rows of k_in inputs in groups of ``group`` runs on: AMX where
  * the CPU has them, Linux grants them, they are allowed, the shape fits (int8_amx.h) and the rows are
- * AMX_MIN_ROWS or more, else the VNNI ones. */
+ * AMX_MIN_ROWS or more, else the VNNI ones (two blocks a pass from VNNI_WIDE_MIN_ROWS rows). */
 static const vnni_kernel *int8_kernel(int64_t rows, int64_t k_in, int64_t group) {
 #ifdef AMX
     if (products_with_amx && amx_fits(rows, k_in, group)) return &AMX_INT8;
 #endif
-    (void)rows, (void)k_in, (void)group;
-    return &VNNI_INT8;
+    (void)k_in, (void)group;
+    return rows >= VNNI_WIDE_MIN_ROWS ? &VNNI_INT8_WIDE : &VNNI_INT8;
 }
 
 /* Which tiles the products run on from now on in this process: 2 AMX (where the CPU has them and
