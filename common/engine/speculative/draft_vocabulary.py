@@ -2,9 +2,8 @@
 requests it drafts for, rather than all of it (EAGLE-3's reduced draft vocabulary).
 
 A greedy draft forward ends in the draft's LM head: for Gemma 3 (262,144 tokens, 640 wide) in int8
-that is 168 MB read for every drafted token -- more than its 18 layers together, and 4.2-4.7 ms of
-a ~5 ms draft forward on a 2-core Zen 5 VM (1-8 rows, from memory), where 32,768 rows of it take
-0.63-0.71 ms.  Verification is exact whatever the draft proposes, so a smaller head costs only the
+that is 168 MB read for every drafted token -- more than its 18 layers together: 4.2-4.7 ms a
+forward on a 2-core Zen 5 VM (1-8 rows, from memory), where 32,768 rows of it take 0.63-0.71 ms.  Verification is exact whatever the draft proposes, so a smaller head costs only the
 drafts it cannot make: a target token outside the draft's vocabulary ends that verification's
 accepted run.
 
