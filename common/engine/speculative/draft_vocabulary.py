@@ -67,6 +67,8 @@ class DraftHead:
         self.vocab_size = config.vocab_size
         ranking = rank_tokens(checkpoint) if 0 < size < config.vocab_size else None
         readable = ranking is not None and head_rows(model, torch.zeros(1, dtype=torch.long, device=device)) is not None
+        # request -> (its tokens seen, those of them outside the common ones, their head rows in fp32)
+        self._own: dict[str, tuple[int, torch.Tensor, torch.Tensor | None]] = {}
         if not readable:
             if size and size < config.vocab_size:
                 log.info("draft vocabulary: %s's %s; the draft scores all %d tokens", checkpoint.name,
@@ -85,8 +87,6 @@ class DraftHead:
         self.common[self.ids.cpu()] = True
         rows = head_rows(model, self.ids).float()
         self.weight = quantize_weight(rows, scheme, group_size, head=True) if scheme in ("int8", "int4") else rows
-        # request -> (its tokens seen, those of them outside the common ones, their head rows in fp32)
-        self._own: dict[str, tuple[int, torch.Tensor, torch.Tensor | None]] = {}
         log.info("draft vocabulary: %d of %d tokens and each request's own", len(self.ids), config.vocab_size)
 
     def greedy(self, hidden: torch.Tensor, requests) -> list[int]:
@@ -97,18 +97,9 @@ class DraftHead:
             tokens = model.screened_tokens(hidden, [0.0] * len(hidden))
             return (tokens if tokens is not None else model.logits(hidden).argmax(dim=-1)).tolist()
         normed = model.model.norm(hidden).float()
-        if isinstance(self.weight, torch.Tensor):
-            logits = normed @ self.weight.T
-            best, local = logits.max(dim=-1)
-        else:
-            local = self.weight.greedy_tokens(normed)
-            if local is None:
-                best, local = self.weight.matmul(normed).float().max(dim=-1)
-            else:
-                best = None
-        tokens = self.ids[local]
-        if best is None:  # the chosen token's score, on the same footing as the request's own rows
-            best = (normed * head_rows(model, tokens).float()).sum(dim=-1)
+        tokens = self.ids[self._best_common(normed)]
+        # the chosen tokens' scores, on the same footing as the request's own rows
+        best = (normed * head_rows(model, tokens).float()).sum(dim=-1)
         out = tokens.tolist()
         for row, request in enumerate(requests):
             own, rows = self._own_rows(request)
@@ -118,6 +109,13 @@ class DraftHead:
                 if scores[top] > best[row]:
                     out[row] = int(own[top])  # (own: on the CPU)
         return out
+
+    def _best_common(self, normed: torch.Tensor) -> torch.Tensor:
+        """Each row's index into ``ids`` of its largest score over the common tokens."""
+        if isinstance(self.weight, torch.Tensor):
+            return (normed @ self.weight.T).argmax(dim=-1)
+        local = self.weight.greedy_tokens(normed)
+        return local if local is not None else self.weight.matmul(normed).argmax(dim=-1)
 
     def _own_rows(self, request) -> tuple[torch.Tensor, torch.Tensor]:
         """``request``'s token ids outside the common ones (at most ``_MAX_OWN_TOKENS``) and their head
@@ -137,8 +135,7 @@ class DraftHead:
         return own, rows
 
     def forget(self, request_id: str) -> None:
-        if self.ids is not None:
-            self._own.pop(request_id, None)
+        self._own.pop(request_id, None)
 
 
 def head_rows(model, ids: torch.Tensor) -> torch.Tensor | None:
