@@ -139,3 +139,23 @@ def test_restoring_refuses_tensors_that_do_not_fit_the_description(scheme):
         restore_weight(weight.describe(), {k: v[:-1] for k, v in tensors.items()})
     with pytest.raises(ValueError):
         restore_weight({k: v for k, v in weight.describe().items() if k != "dtype"}, tensors)
+
+
+def test_a_file_that_another_process_removes_meanwhile_costs_nothing(tmp_path, llama, cache_root, monkeypatch):
+    """Workers sharing the cache remove each other's stale files: one that goes between being
+    listed and being opened (torch then fails to map it: a RuntimeError) neither fails the load
+    that looks at it as a possibly stale entry nor the one that meant to read it."""
+    import safetensors
+
+    other = write_checkpoint(tiny_llama_config(), tmp_path / "other")
+    load_model(other, torch.float32, CPU, quantization=Quantization("int8"))
+
+    def vanishing(path, *args, **kwargs):
+        os.unlink(path)
+        raise RuntimeError(f"unable to open file <{path}> in read-only mode: No such file or directory (2)")
+
+    monkeypatch.setattr(safetensors, "safe_open", vanishing)
+    load_model(llama, torch.float32, CPU, quantization=Quantization("int8"))  # looks at other's file
+    assert [f.name.startswith("llama-") for f in cache_root.glob("*.safetensors")] == [True]
+    model, _ = load_model(llama, torch.float32, CPU, quantization=Quantization("int8"))  # its own goes
+    assert not model.used_prepacked and model.quantized_weights()

@@ -96,7 +96,8 @@ class PrepackCache:
                     name, _, part = key.rpartition("/")
                     parts.setdefault(name, {})[part] = f.get_tensor(key)
             weights = {name: restore_weight(description, parts.get(name, {})) for name, description in described.items()}
-        except (SafetensorError, OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        except (SafetensorError, OSError, RuntimeError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            # RuntimeError: torch could not map the file (another process removed it meanwhile)
             log.warning("prepacked weights %s unusable, quantizing again: %s: %s", self.path.name,
                         type(exc).__name__, exc)
             return None
@@ -144,8 +145,9 @@ class PrepackCache:
                     with safe_open(other, framework="pt") as f:
                         checkpoint = json.loads((f.metadata() or {})[_METADATA_KEY])["checkpoint"]
                     stale = not Path(checkpoint).is_dir()
-                except (SafetensorError, OSError, ValueError, KeyError, TypeError):
-                    stale = True  # unreadable: nothing can use it
+                except (SafetensorError, OSError, RuntimeError, ValueError, KeyError, TypeError):
+                    # unreadable (or removed by another process meanwhile): nothing can use it
+                    stale = True
             _remove_if(other, stale)
 
 
