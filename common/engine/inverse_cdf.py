@@ -141,11 +141,15 @@ def _splitmix64(x: int) -> int:
 
 
 def uniforms_for(rows: Sequence, device) -> torch.Tensor:
-    """One uniform number per row (``SamplingRequest``s): seeded rows from (seed, output index),
+    """One uniform number per row (``SamplingRequest``s): a row's own ``uniform`` where it has one
+    (drawn with its draft: ``speculative.draft_sampling``), seeded rows from (seed, output index),
     the rest in one draw."""
     values = torch.rand(len(rows), dtype=torch.float64)
     for i, row in enumerate(rows):
         seed = row.sampling_params.seed
-        if seed is not None:
+        drawn = getattr(row, "uniform", None)
+        if drawn is not None:
+            values[i] = drawn
+        elif seed is not None:
             values[i] = seeded_uniform(seed, row.num_output_tokens)
     return values.to(device)

@@ -401,14 +401,14 @@ def screen_inverse_temperatures(rows: Sequence[SamplingRequest]) -> list[float] 
     the logits (``DecoderModel.screened_tokens``): 0 for a row that takes the first maximal index
     of its raw logits (greedy or top-k 1), 1 / T for an unseeded row that samples softmax(logits / T)
     plainly; ``None`` where some row needs the logits -- penalties, logit rules, logprobs, top-k,
-    top-p or min-p, a temperature below ``SCREEN_MIN_TEMPERATURE``, or a seed (a seeded row's token
-    is the inverse CDF of its one seeded uniform number, which the screen's rejection sampling would
-    not reproduce).  A row whose logits are not all finite is the exception; the screen leaves such
+    top-p or min-p, a temperature below ``SCREEN_MIN_TEMPERATURE``, or a seed or a number drawn with
+    its draft (such a row's token is the inverse CDF of that one uniform number, which the screen's
+    rejection sampling would not reproduce).  A row whose logits are not all finite is the exception; the screen leaves such
     steps to ``Sampler``."""
     inverse = []
     for row in rows:
         p = row.sampling_params
-        if p.uses_penalties or p.logprobs is not None:
+        if p.uses_penalties or p.logprobs is not None or getattr(row, "uniform", None) is not None:
             return None
         if p.greedy or p.top_k == 1:
             inverse.append(0.0)

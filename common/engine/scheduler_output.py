@@ -32,6 +32,9 @@ class ScheduledRequest:
     stop_token_ids: frozenset[int] | set[int] = frozenset()
     grammar: GrammarMatcher | None = None
     draft_token_ids: list[int] = field(default_factory=list)
+    # The uniform numbers the rows after each draft sample with, where the drafts were sampled with
+    # them (a draft model's, for a sampled request: ``speculative.draft_sampling``); else empty.
+    draft_uniforms: list[float] = field(default_factory=list)
 
 
 @dataclass

@@ -2,7 +2,8 @@
 model, its KV at the target's block ids, computed on the decode side from the prompt on.  Greedy
 output equals transformers' generate() whatever the draft (the target itself: every draft accepted;
 another model: most rejected), across preemption (the draft's KV is recomputed with the blocks);
-seeded sampling draws the same tokens; a draft of another vocabulary is refused."""
+seeded sampling draws the same tokens; a sampled request's drafts are samples its rows keep (the
+target as its draft: nearly all); a draft of another vocabulary is refused."""
 import pytest
 import torch
 
@@ -123,6 +124,33 @@ def test_seeded_sampling_is_unchanged(target, other_draft):
     for draft in (directory, other_draft):
         engine = engine_for(directory, draft)
         assert [engine.generate([p], q)[0].token_ids for p, q in zip(batch, params)] == expected
+
+
+# Sampling settings whose rule the drafts mirror: plain (columns in order), top-p alone (its nucleus
+# in column order), top-k and min-p (tokens by probability).
+SAMPLED = [{"temperature": 1.0}, {"temperature": 0.7, "top_p": 0.8}, {"temperature": 1.0, "top_k": 20},
+           {"temperature": 1.2, "min_p": 0.05, "top_p": 0.9}]
+
+
+@pytest.mark.parametrize("sampling", SAMPLED)
+@pytest.mark.parametrize("seeded", [False, True])
+def test_a_sampled_requests_drafts_are_kept_as_a_greedy_ones_are(target, sampling, seeded):
+    """The target as its own draft: a sampled request's drafts are samples with its rows' own
+    uniform numbers, so (nearly) every one is kept -- greedy drafts of this tiny model's flat
+    distributions would be kept with the few percent the model gives its argmax."""
+    directory, _ = target
+    engine = engine_for(directory, directory)
+    batch = prompts([9, 23, 14], seed=6)
+    params = [{**sampling, "ignore_eos": True, "max_tokens": MAX_NEW, "seed": 40 + i if seeded else None}
+              for i in range(len(batch))]
+    for prompt, param in zip(batch, params):
+        engine.add_request(prompt, param)
+    while engine.has_unfinished():
+        engine.step()
+    stats = engine.stats()
+    assert stats["spec_verifications_total"] >= len(batch) * 2
+    assert stats["spec_acceptance_rate"] > 0.9
+    assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks
 
 
 def test_a_draft_of_another_vocabulary_is_refused(target, tmp_path):

@@ -1,6 +1,6 @@
 """A draft model's reduced vocabulary (``speculative.draft_vocabulary``): its tokenizer's ranking
 picks the common tokens, the draft's greedy token is the best of those and its request's own tokens,
-and verification keeps the output the target's whatever the draft can propose."""
+a sampled one is drawn from their logits in id order, and verification keeps the output the target's whatever the draft can propose."""
 import json
 from types import SimpleNamespace
 
@@ -9,6 +9,8 @@ import torch
 
 from common.engine.config import EngineConfig
 from common.engine.engine import Engine
+from common.engine.sampling_params import SamplingParams
+from common.engine.speculative.draft_sampling import sample_like_target
 from common.engine.speculative.draft_vocabulary import rank_tokens
 from tests.support.checkpoints import VOCAB, GreedyReference, tiny_llama_config, write_checkpoint, write_tokenizer
 
@@ -84,6 +86,34 @@ def test_the_draft_proposes_the_best_common_or_own_token(target, tmp_path, monke
             # fp32: the best allowed token; int8: within the kernel's rounding of the activations
             tolerance = 1e-5 if scheme == "none" else 0.02 * float(logits[row].max() - logits[row].min())
             assert float(logits[row, proposed]) >= float(best) - tolerance
+
+
+def test_a_sampled_draft_scores_the_common_and_own_tokens_in_id_order(target):
+    """What a sampled request's draft is drawn from (``draft_sampling``): the logits of the common
+    tokens and the request's own, merged in ascending id order, equal to the model's at those ids."""
+    directory, _ = target
+    proposer = engine_for(directory).scheduler.speculation.proposer
+    head = proposer.head
+    hidden = torch.randn(2, proposer.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    logits = proposer.model.logits(hidden).float()
+    common = head.ids.tolist()
+    outside = [t for t in range(VOCAB - 1, 0, -1) if t not in set(common)][:3]
+    requests = [SimpleNamespace(request_id="a", all_token_ids=[outside[1], common[5]]),
+                SimpleNamespace(request_id="b", all_token_ids=[common[5]])]
+    head.scores(hidden, requests)
+    requests[0].all_token_ids += [outside[2], outside[0]]  # own tokens kept in the order they came
+    (ids_a, logits_a), (ids_b, logits_b) = head.scores(hidden, requests)
+    assert ids_a.tolist() == sorted(set(common) | set(outside))
+    assert ids_b.tolist() == common
+    for row, (ids, scored) in enumerate([(ids_a, logits_a), (ids_b, logits_b)]):
+        torch.testing.assert_close(scored, logits[row, ids], rtol=1e-5, atol=1e-5)
+    # the sampled draft is the token its number picks there
+    sampled = SamplingParams(temperature=1.0)
+    requests[0].sampling_params = requests[1].sampling_params = sampled
+    drafts = head.drafts(hidden, requests, [0.3, 0.6])
+    assert drafts == [int(ids_a[sample_like_target(logits_a, sampled, 0.3)]),
+                      int(ids_b[sample_like_target(logits_b, sampled, 0.6)])]
+    assert head.drafts(hidden, requests, [None, None]) == head.greedy(hidden, requests)
 
 
 def test_output_is_the_targets_whatever_the_draft_can_propose(target):

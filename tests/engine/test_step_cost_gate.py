@@ -141,7 +141,7 @@ class _Proposer:
         return self.lacking.get(request.request_id, 1)
 
     def propose_batch(self, wants):
-        return [[7] * wanted for _, wanted, _ in wants]
+        return [[7] * wanted for _, wanted, *_ in wants]
 
     def forget(self, request_id):
         self.lacking.pop(request_id, None)

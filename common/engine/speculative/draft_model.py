@@ -1,5 +1,6 @@
-"""A draft model as the proposer: a smaller model of the same vocabulary guesses the next tokens
-greedily, on the decode worker, beside the target model.
+"""A draft model as the proposer: a smaller model of the same vocabulary guesses the next tokens --
+greedily, or for a sampled request by sampling its own distribution with the uniform numbers the
+target's rows will use (``draft_sampling``) -- on the decode worker, beside the target model.
 
 Its KV lives in a cache of its own shape at the target's block ids: a request's block table holds
 the slots of both, so the draft needs no allocation of its own and its KV is freed with the
@@ -12,8 +13,8 @@ the tokens accepted since it last ran, then one token per draft::
 
 The slots it writes (up to the one before the last draft) are among those the scheduler allocated
 for the verification.  After it, the draft's KV stays valid up to the last accepted draft it fed;
-a preempted request (its blocks freed) starts again from nothing.  Greedy drafts are a
-deterministic proposal, so verification stays exact (``verify``).  Blocks shared through the
+a preempted request (its blocks freed) starts again from nothing.  Verification stays exact
+whatever the drafts (``verify``, ``draft_sampling``).  Blocks shared through the
 prefix cache are written with the same values by every request that computes them.
 """
 from __future__ import annotations
@@ -39,7 +40,7 @@ _FEED_WEIGHT = 0.3  # of the newest such forward in ``seconds_per_fed_token``
 
 
 class DraftModelProposer:
-    """Greedy drafts from ``checkpoint`` (see the module docstring)."""
+    """Drafts from ``checkpoint`` (see the module docstring)."""
 
     needs_slots_first = True  # its forwards write KV at the slots the verification will use
     # Whether the last proposal fed some request more than a verification's worth of tokens: its
@@ -78,20 +79,24 @@ class DraftModelProposer:
 
     def propose(self, request, num_tokens: int, block_ids: list[int]) -> list[int]:
         """Up to ``num_tokens`` greedy drafts after ``request``'s tokens, writing the draft's KV
-        at ``block_ids`` (which hold every position up to the last draft)."""
-        return self.propose_batch([(request, num_tokens, block_ids)])[0] if num_tokens > 0 else []
+        at ``block_ids`` (which hold every position up to the last draft); ``propose_batch`` also
+        samples."""
+        return self.propose_batch([(request, num_tokens, block_ids, None)])[0] if num_tokens > 0 else []
 
     @torch.inference_mode()
-    def propose_batch(self, wants: list[tuple[object, int, list[int]]]) -> list[list[int]]:
+    def propose_batch(self, wants: list[tuple]) -> list[list[int]]:
         """``propose`` for a step's requests at once, ``wants``: (request, number of drafts, block
-        ids) each.  One forward per draft position over every request that still wants one: the
-        first feeds each request what its draft KV lacks, the next ones a draft each."""
+        ids, the uniform number of each draft's row or None) each -- with the numbers, the drafts
+        are samples of the draft's distribution that the rows will keep where the target's sample
+        agrees (``draft_sampling``), else greedy.  One forward per draft position over every request
+        that still wants one: the first feeds each request what its draft KV lacks, the next ones a
+        draft each."""
         drafts: list[list[int]] = [[] for _ in wants]
-        positions = [self._computed.get(request.request_id, 0) for request, _, _ in wants]
-        feeds = [request.all_token_ids[position:] for (request, _, _), position in zip(wants, positions)]
-        self.catching_up = any(wanted > 0 and len(feed) > 1 + wanted for (_, wanted, _), feed in zip(wants, feeds))
-        for step in range(max((wanted for _, wanted, _ in wants), default=0)):
-            live = [i for i, (_, wanted, _) in enumerate(wants) if wanted > step]
+        positions = [self._computed.get(request.request_id, 0) for request, *_ in wants]
+        feeds = [request.all_token_ids[position:] for (request, *_), position in zip(wants, positions)]
+        self.catching_up = any(wanted > 0 and len(feed) > 1 + wanted for (_, wanted, *_), feed in zip(wants, feeds))
+        for step in range(max((wanted for _, wanted, *_ in wants), default=0)):
+            live = [i for i, (_, wanted, *_) in enumerate(wants) if wanted > step]
             tokens: list[int] = []
             token_positions: list[int] = []
             slices: list[AttentionRequest] = []
@@ -106,14 +111,15 @@ class DraftModelProposer:
             meta = self.attention.prepare(slices, self.device)
             hidden = self.model(torch.tensor(tokens, device=self.device),
                                 torch.tensor(token_positions, device=self.device), self.cache, meta, self.attention)
-            picked = self.head.greedy(hidden[last], [wants[i][0] for i in live])
+            picked = self.head.drafts(hidden[last], [wants[i][0] for i in live],
+                                      [wants[i][3][step] if wants[i][3] else None for i in live])
             if step == 0 and len(tokens) >= _TIMED_FEED:
                 self._time_feed((time.perf_counter() - began) / len(tokens))
             for i, token in zip(live, picked):
                 drafts[i].append(token)
                 positions[i] += len(feeds[i])
                 feeds[i] = [token]
-        for (request, wanted, _), position in zip(wants, positions):
+        for (request, wanted, *_), position in zip(wants, positions):
             if wanted > 0:
                 self._computed[request.request_id] = position  # through d(k-1); dk was never fed
         return drafts

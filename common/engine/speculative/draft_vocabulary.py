@@ -27,6 +27,7 @@ import torch
 
 from common.engine.models.panels import LANES
 from common.engine.models.quantized import quantize_weight
+from common.engine.speculative.draft_sampling import sample_like_target
 
 log = logging.getLogger(__name__)
 
@@ -57,14 +58,15 @@ def rank_tokens(checkpoint: Path) -> list[int] | None:
 
 
 class DraftHead:
-    """The greedy tokens of a draft model's head over ``size`` common tokens and each request's own
-    (``greedy``); ``size`` 0, or a vocabulary its tokenizer does not rank, scores every token."""
+    """The drafts of a draft model's head over ``size`` common tokens and each request's own
+    (``drafts``); ``size`` 0, or a vocabulary its tokenizer does not rank, scores every token."""
 
     def __init__(self, model, config, checkpoint: Path, size: int, scheme: str, group_size: int,
                  device: torch.device):
         self.model = model
         self.device = device
         self.vocab_size = config.vocab_size
+        self.softcap = config.final_logit_softcapping  # the model's logits apply it (``DecoderModel.logits``)
         ranking = rank_tokens(checkpoint) if 0 < size < config.vocab_size else None
         readable = ranking is not None and head_rows(model, torch.zeros(1, dtype=torch.long, device=device)) is not None
         # request -> (its tokens seen, those of them outside the common ones, their head rows in fp32)
@@ -83,11 +85,60 @@ class DraftHead:
             if 0 <= token < config.vocab_size:
                 chosen.setdefault(token)
         self.ids = torch.tensor(sorted(chosen), dtype=torch.long, device=device)
+        self._ids_cpu = self.ids.cpu()
         self.common = torch.zeros(config.vocab_size, dtype=torch.bool)  # on the CPU, as the requests' tokens
         self.common[self.ids.cpu()] = True
         rows = head_rows(model, self.ids).float()
         self.weight = quantize_weight(rows, scheme, group_size, head=True) if scheme in ("int8", "int4") else rows
         log.info("draft vocabulary: %d of %d tokens and each request's own", len(self.ids), config.vocab_size)
+
+    def drafts(self, hidden: torch.Tensor, requests, uniforms: list[float | None]) -> list[int]:
+        """Each row's draft over the common tokens and its request's own: its greedy token, or where
+        ``uniforms[row]`` is a number, the token the target's sampler would draw with it from the
+        draft's distribution (``draft_sampling``)."""
+        out = [0] * len(requests)
+        greedy = [row for row, u in enumerate(uniforms) if u is None]
+        sampled = [row for row, u in enumerate(uniforms) if u is not None]
+        if greedy:
+            for row, token in zip(greedy, self.greedy(hidden[greedy], [requests[row] for row in greedy])):
+                out[row] = token
+        if sampled:
+            scored = self.scores(hidden[sampled], [requests[row] for row in sampled])
+            for row, (ids, logits) in zip(sampled, scored):
+                index = sample_like_target(logits, requests[row].sampling_params, uniforms[row], self.vocab_size)
+                out[row] = index if ids is None else int(ids[index])
+        return out
+
+    def scores(self, hidden: torch.Tensor, requests) -> list[tuple[torch.Tensor | None, torch.Tensor]]:
+        """Each row's (token ids, logits) over the common tokens and its request's own, both in
+        ascending id order, on the CPU (ids ``None``: the logits of every token)."""
+        model = self.model
+        if self.ids is None:
+            return [(None, row) for row in model.logits(hidden).float().cpu()]
+        normed = model.model.norm(hidden).float()
+        common = normed @ self.weight.T if isinstance(self.weight, torch.Tensor) else self.weight.matmul(normed)
+        common = common.float().cpu()
+        if self.softcap:
+            common = torch.tanh(common / self.softcap) * self.softcap
+        out = []
+        for row, request in enumerate(requests):
+            own, rows = self._own_rows(request)
+            if not len(own):
+                out.append((self._ids_cpu, common[row]))
+                continue
+            own_scores = (rows @ normed[row]).float().cpu()
+            if self.softcap:
+                own_scores = torch.tanh(own_scores / self.softcap) * self.softcap
+            own, order = own.sort()
+            # merged positions: each id after the other list's ids below it (the lists share none)
+            common_at = torch.arange(len(self._ids_cpu)) + torch.searchsorted(own, self._ids_cpu)
+            own_at = torch.arange(len(own)) + torch.searchsorted(self._ids_cpu, own)
+            ids = torch.empty(len(common_at) + len(own), dtype=torch.long)
+            logits = torch.empty(len(ids), dtype=torch.float32)
+            ids[common_at], ids[own_at] = self._ids_cpu, own
+            logits[common_at], logits[own_at] = common[row], own_scores[order]
+            out.append((ids, logits))
+        return out
 
     def greedy(self, hidden: torch.Tensor, requests) -> list[int]:
         """Each row's greedy token over the common tokens and its request's own (``requests``: one per

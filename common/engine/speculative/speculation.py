@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from common.engine.models.quantization_scheme import QUANTIZATIONS, Quantization
+from common.engine.speculative.draft_sampling import draft_uniforms
 from common.engine.speculative.ngram import NgramProposer
 from common.engine.speculative.step_cost import StepCostGate
 
@@ -229,7 +230,12 @@ class Speculation:
         deferred, self._deferred = self._deferred, {}
         if not items:
             return
-        wants = [(deferred[item.request_id], len(item.draft_token_ids), item.block_ids) for item in items]
+        wants = []
+        for item in items:
+            # a sampled request's rows' uniform numbers, drawn now: its drafts are sampled with them
+            uniforms = draft_uniforms(item.sampling_params, item.num_output_tokens, len(item.draft_token_ids))
+            item.draft_uniforms = uniforms or []
+            wants.append((deferred[item.request_id], len(item.draft_token_ids), item.block_ids, uniforms))
         for item, drafts in zip(items, self.proposer.propose_batch(wants)):
             item.token_ids[len(item.token_ids) - len(drafts):] = drafts
             item.draft_token_ids = drafts

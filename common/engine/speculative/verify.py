@@ -10,7 +10,8 @@ row it is rejection sampling with a proposal that puts all its mass on the draft
 deterministic): the draft is accepted with the probability the model gives it, and on rejection the
 row's own token is a sample of the model's distribution without the draft, renormalised, so every
 kept token is distributed as the model says.  A seeded row draws from (seed, output index), so its
-tokens are those it gets with speculation off.
+tokens are those it gets with speculation off.  A draft model samples its drafts with the uniform
+numbers of the rows they are compared with (``draft_sampling``): the rows draw with those numbers.
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ class DraftRow:
     output_token_ids: Sequence[int]
     stop_token_ids: Collection[int]
     grammar: GrammarMatcher | None = None
+    uniform: float | None = None  # the number it samples with, drawn with its draft (``draft_sampling``)
 
 
 def num_rows(item) -> int:
@@ -47,8 +49,10 @@ def sampling_rows(items: Sequence) -> list:
         if not item.draft_token_ids:
             rows.append(item)
             continue
+        uniforms = item.draft_uniforms
         rows.extend(DraftRow(item.request_id, item.sampling_params, item.num_output_tokens + i,
-                             item.prompt_token_ids, item.output_token_ids, item.stop_token_ids)
+                             item.prompt_token_ids, item.output_token_ids, item.stop_token_ids,
+                             uniform=uniforms[i] if i < len(uniforms) else None)
                     for i in range(num_rows(item)))
     return rows
 
