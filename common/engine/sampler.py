@@ -86,6 +86,7 @@ class SamplingRow:
     request_id: str = ""
     stop_token_ids: Collection[int] = ()
     grammar: GrammarMatcher | None = None
+    uniform: float | None = None  # the number it samples with (``inverse_cdf.uniforms_for``), if given
 
 
 # ---- the sampler ----------------------------------------------------------------------------------

@@ -10,7 +10,8 @@ import torch
 from common.engine.config import EngineConfig
 from common.engine.engine import Engine
 from common.engine.sampling_params import SamplingParams
-from common.engine.speculative.draft_sampling import sample_like_target
+from common.engine.sampler import Sampler
+from common.engine.speculative.draft_sampling import sample_drafts
 from common.engine.speculative.draft_vocabulary import rank_tokens
 from tests.support.checkpoints import VOCAB, GreedyReference, tiny_llama_config, write_checkpoint, write_tokenizer
 
@@ -102,17 +103,18 @@ def test_a_sampled_draft_scores_the_common_and_own_tokens_in_id_order(target):
                 SimpleNamespace(request_id="b", all_token_ids=[common[5]])]
     head.scores(hidden, requests)
     requests[0].all_token_ids += [outside[2], outside[0]]  # own tokens kept in the order they came
-    (ids_a, logits_a), (ids_b, logits_b) = head.scores(hidden, requests)
-    assert ids_a.tolist() == sorted(set(common) | set(outside))
-    assert ids_b.tolist() == common
-    for row, (ids, scored) in enumerate([(ids_a, logits_a), (ids_b, logits_b)]):
-        torch.testing.assert_close(scored, logits[row, ids], rtol=1e-5, atol=1e-5)
-    # the sampled draft is the token its number picks there
+    ids, scored = head.scores(hidden, requests)
+    assert ids.tolist() == sorted(set(common) | set(outside))
+    mine = [set(common) | set(outside), set(common)]  # each row's: -inf at the other's own tokens
+    for row in range(2):
+        inside = torch.tensor([int(t) in mine[row] for t in ids])
+        torch.testing.assert_close(scored[row, inside], logits[row, ids[inside]], rtol=1e-5, atol=1e-5)
+        assert bool(torch.isinf(scored[row, ~inside]).all())
+    # the sampled draft is the token its number picks there, by the target's sampler
     sampled = SamplingParams(temperature=1.0)
     requests[0].sampling_params = requests[1].sampling_params = sampled
     drafts = head.drafts(hidden, requests, [0.3, 0.6])
-    assert drafts == [int(ids_a[sample_like_target(logits_a, sampled, 0.3)]),
-                      int(ids_b[sample_like_target(logits_b, sampled, 0.6)])]
+    assert drafts == [int(ids[c]) for c in sample_drafts(Sampler(), scored.clone(), [sampled] * 2, [0.3, 0.6])]
     assert head.drafts(hidden, requests, [None, None]) == head.greedy(hidden, requests)
 
 

@@ -27,7 +27,8 @@ import torch
 
 from common.engine.models.panels import LANES
 from common.engine.models.quantized import quantize_weight
-from common.engine.speculative.draft_sampling import sample_like_target
+from common.engine.sampler import Sampler
+from common.engine.speculative.draft_sampling import sample_drafts
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,8 @@ class DraftHead:
         self.model = model
         self.device = device
         self.vocab_size = config.vocab_size
-        self.softcap = config.final_logit_softcapping  # the model's logits apply it (``DecoderModel.logits``)
+        self.softcap = config.final_logit_softcapping
+        self._sampler = Sampler()  # a sampled request's drafts are drawn by the target's rule
         ranking = rank_tokens(checkpoint) if 0 < size < config.vocab_size else None
         readable = ranking is not None and head_rows(model, torch.zeros(1, dtype=torch.long, device=device)) is not None
         # request -> (its tokens seen, those of them outside the common ones, their head rows in fp32)
@@ -103,42 +105,36 @@ class DraftHead:
             for row, token in zip(greedy, self.greedy(hidden[greedy], [requests[row] for row in greedy])):
                 out[row] = token
         if sampled:
-            scored = self.scores(hidden[sampled], [requests[row] for row in sampled])
-            for row, (ids, logits) in zip(sampled, scored):
-                index = sample_like_target(logits, requests[row].sampling_params, uniforms[row], self.vocab_size)
-                out[row] = index if ids is None else int(ids[index])
+            ids, logits = self.scores(hidden[sampled], [requests[row] for row in sampled])
+            picked = sample_drafts(self._sampler, logits, [requests[row].sampling_params for row in sampled],
+                                   [uniforms[row] for row in sampled])
+            for row, column in zip(sampled, picked):
+                out[row] = column if ids is None else int(ids[column])
         return out
 
-    def scores(self, hidden: torch.Tensor, requests) -> list[tuple[torch.Tensor | None, torch.Tensor]]:
-        """Each row's (token ids, logits) over the common tokens and its request's own, both in
-        ascending id order, on the CPU (ids ``None``: the logits of every token)."""
+    def scores(self, hidden: torch.Tensor, requests) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The token ids the rows score -- the common ones and every row's own, in ascending order
+        (``None``: all) -- and each row's logits at them, on the CPU: -inf at another row's own."""
         model = self.model
         if self.ids is None:
-            return [(None, row) for row in model.logits(hidden).float().cpu()]
+            return None, model.logits(hidden).float().cpu()
         normed = model.model.norm(hidden).float()
         common = normed @ self.weight.T if isinstance(self.weight, torch.Tensor) else self.weight.matmul(normed)
-        common = common.float().cpu()
-        if self.softcap:
-            common = torch.tanh(common / self.softcap) * self.softcap
-        out = []
-        for row, request in enumerate(requests):
-            own, rows = self._own_rows(request)
-            if not len(own):
-                out.append((self._ids_cpu, common[row]))
-                continue
-            own_scores = (rows @ normed[row]).float().cpu()
-            if self.softcap:
-                own_scores = torch.tanh(own_scores / self.softcap) * self.softcap
-            own, order = own.sort()
-            # merged positions: each id after the other list's ids below it (the lists share none)
-            common_at = torch.arange(len(self._ids_cpu)) + torch.searchsorted(own, self._ids_cpu)
-            own_at = torch.arange(len(own)) + torch.searchsorted(self._ids_cpu, own)
-            ids = torch.empty(len(common_at) + len(own), dtype=torch.long)
-            logits = torch.empty(len(ids), dtype=torch.float32)
-            ids[common_at], ids[own_at] = self._ids_cpu, own
-            logits[common_at], logits[own_at] = common[row], own_scores[order]
-            out.append((ids, logits))
-        return out
+        owns = [self._own_rows(request) for request in requests]
+        own_ids = torch.unique(torch.cat([own for own, _ in owns]))  # sorted
+        # merged positions: each id after the other list's ids below it (the lists share none)
+        common_at = torch.arange(len(self._ids_cpu)) + torch.searchsorted(own_ids, self._ids_cpu)
+        own_at = torch.arange(len(own_ids)) + torch.searchsorted(self._ids_cpu, own_ids)
+        ids = torch.empty(len(common_at) + len(own_ids), dtype=torch.long)
+        ids[common_at], ids[own_at] = self._ids_cpu, own_ids
+        logits = torch.full((len(requests), len(ids)), float("-inf"))
+        logits[:, common_at] = common.float().cpu()
+        for row, (own, rows) in enumerate(owns):
+            if len(own):
+                logits[row, own_at[torch.searchsorted(own_ids, own)]] = (rows @ normed[row]).float().cpu()
+        if self.softcap:  # as the model's logits apply it (``DecoderModel.logits``); tanh(-inf) = -1
+            logits = torch.where(torch.isinf(logits), logits, torch.tanh(logits / self.softcap) * self.softcap)
+        return ids, logits
 
     def greedy(self, hidden: torch.Tensor, requests) -> list[int]:
         """Each row's greedy token over the common tokens and its request's own (``requests``: one per
