@@ -19,12 +19,12 @@ itself (``sample_drafts``), over the draft's logits.
 """
 from __future__ import annotations
 
-import msgspec
 import torch
 
 from common.engine.inverse_cdf import seeded_uniform
 from common.engine.sampler import Sampler, SamplingRow
 from common.engine.sampling_params import SamplingParams
+from common.engine.structs import replace
 
 
 def samples_randomly(params: SamplingParams) -> bool:
@@ -48,6 +48,6 @@ def sample_drafts(sampler: Sampler, logits: torch.Tensor, params: list[SamplingP
     order: a token left out has no probability) that ``sampler`` draws with its uniform number under
     its request's temperature and filters -- the target's own rule.  Logit bias and min_tokens, which
     name token ids, and logprobs are left out (they can only cost acceptance)."""
-    rows = [SamplingRow(msgspec.structs.replace(p, logit_bias=(), min_tokens=0, logprobs=None), uniform=u)
+    rows = [SamplingRow(replace(p, logit_bias=(), min_tokens=0, logprobs=None), uniform=u)
             for p, u in zip(params, uniforms)]
     return sampler(logits, rows, scratch_logits=True)[0]

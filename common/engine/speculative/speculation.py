@@ -30,7 +30,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from common.engine.models.quantization_scheme import QUANTIZATIONS, Quantization
-from common.engine.speculative.draft_sampling import draft_uniforms
 from common.engine.speculative.ngram import NgramProposer
 from common.engine.speculative.step_cost import StepCostGate
 
@@ -230,6 +229,8 @@ class Speculation:
         deferred, self._deferred = self._deferred, {}
         if not items:
             return
+        from common.engine.speculative.draft_sampling import draft_uniforms  # torch: not for the configs
+
         wants = []
         for item in items:
             # a sampled request's rows' uniform numbers, drawn now: its drafts are sampled with them
