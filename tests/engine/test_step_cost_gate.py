@@ -1,7 +1,8 @@
 """The batch gate of speculation (``speculative.step_cost``): with measured step rates given, it
 speculates while verifying yields at least the plain rate of tokens per second at that batch size,
 pauses (doubling) while it yields less, measures the plain rate first and again now and then, and
-keeps batch sizes apart.  Fed through ``Speculation.observe_step`` as the engine feeds it."""
+keeps batch sizes apart, while a budget for losing tries is shared by them all.  Fed through
+``Speculation.observe_step`` as the engine feeds it."""
 from types import SimpleNamespace
 
 import pytest
@@ -200,3 +201,45 @@ def test_a_catch_up_step_is_counted_but_not_judged():
     speculation.proposer.catching_up = False
     speculation.observe_step([item(3)], 0.1, 4)
     assert speculation.gate._bucket(1).verifying.samples == 1
+
+
+def test_a_losing_try_at_one_batch_size_holds_back_the_first_try_at_another():
+    """The budget for tries is shared: verifying that lost at 8 requests leaves nothing for a first
+    try at 4 (the tail of a burst) until plain steps have earned back what was lost."""
+    gate = StepCostGate()
+    while gate.allows(8):  # verifying at half the plain rate, until judged
+        gate.observe(8, True, 8, 8 / 50.0)
+    gate.observe(8, False, 8, 8 / 100.0)
+    while not gate.allows(8):  # the rest of the plain rate's probe
+        gate.observe(8, False, 8, 8 / 100.0)
+    while gate.allows(8):
+        gate.observe(8, True, 8, 8 / 50.0)
+    assert gate.credit < 0
+    plain_steps = 0
+    while not gate.allows(4):
+        gate.observe(4, False, 4, 4 / 100.0)
+        plain_steps += 1
+    assert gate.credit >= 0 and plain_steps > 10 * step_cost._PROBE
+
+
+def test_verifying_before_the_plain_rate_is_known_is_charged_once_it_is():
+    gate = StepCostGate()
+    for _ in range(step_cost._MIN_SAMPLES):
+        gate.observe(1, True, 1, 1.0)  # a token a second, the plain rate not yet known
+    assert gate.credit == 0.0
+    for _ in range(step_cost._PROBE):
+        gate.observe(1, False, 1, 0.1)  # ten a second
+    lost = step_cost._MIN_SAMPLES * (1.0 - 0.1)
+    assert gate.credit == pytest.approx(step_cost._PROBE * step_cost._TRY_BUDGET * 0.1 - lost)
+
+
+def test_no_catch_up_enters_while_the_budget_for_tries_is_spent():
+    """Rates that say verifying pays (learnt on text that repeats itself) do not let requests in to
+    catch up while recent verifications lost more than plain steps earned."""
+    speculation = _speculation(plain=100.0, verifying=200.0, seconds_per_fed_token=0.01)
+    speculation.proposer.lacking = {"long": 200, "steady": 1}
+    speculation.gate.credit = -0.5
+    assert not speculation.draft(_request("long", max_tokens=100), 64, _SLOTS)
+    assert speculation.draft(_request("steady", max_tokens=3), 64, _SLOTS)  # in step: nothing to catch up on
+    speculation.gate.credit = 0.0
+    assert speculation.draft(_request("long", max_tokens=100), 64, _SLOTS)

@@ -14,7 +14,8 @@ have to advance through tokens that may be rejected), while the batch has at mos
 (``step_cost``: measured tokens per second with and without drafts; ``cost_gate`` off skips the
 measurement and always verifies), and not while backing off.  With a draft model, a request whose
 draft KV lags (its prompt, a pause) enters only where its remaining tokens can repay the draft's
-catch-up at the measured rates, and one at a time while those are unmeasured or not paying.
+catch-up at the measured rates, one at a time while those are unmeasured or not paying, and none
+while the gate's budget for tries, shared by all batch sizes, is spent.
 
 Backing off: each request keeps a moving average of the drafts accepted per verification.  While
 it is below ``min_accepted`` the request decodes plainly for a while (8 steps, doubling on every
@@ -248,10 +249,13 @@ class Speculation:
         those tokens.  On a CPU where the draft costs about what the target does, a prompt's
         catch-up outweighs what a short answer gains.  Until the rates are measured, or while
         verifying does not pay, one request at a time enters this way (a trial: it costs one
-        catch-up, not one per request of the batch)."""
+        catch-up, not one per request of the batch).  No catch-up while the gate's budget for
+        tries is spent (verifications lost more than plain steps earned), whatever the rates say."""
         entry_tokens = self._entry_tokens
         if entry_tokens is None or self.gate is None or entry_tokens(request) <= 1 + self.config.num_tokens:
             return True  # no catch-up to pay (n-gram lookup; a request drafted for last step)
+        if self.gate.credit < 0:  # what tries may lose is spent (``step_cost``): rates learnt on other text aside
+            return False
         per_token = self.proposer.seconds_per_fed_token
         rates = self.gate.rates(self._num_decoding)
         if rates is None or per_token is None or rates[1] <= rates[0]:

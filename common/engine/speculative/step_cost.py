@@ -17,6 +17,14 @@ however expensive a try is, rather than by how many doublings the run lasts.  Wh
 several losing steps to fall below the plain rate (learned while speculation paid), all of them count.
 The plain rate is measured by pausing for a few steps once the verifying rate is known, and again
 every ``_REFRESH`` verifying steps (the load changes).
+
+Tries share one budget across batch sizes (``credit``, seconds): every plain step earns
+``_TRY_BUDGET`` of its time, every verifying or catch-up step spends what it lost against its
+bucket's plain rate (or earns what it gained), and a try -- a bucket's first, one after a pause, a
+draft model's catch-up on a request (``Speculation``) -- waits while the budget is spent.  A batch
+whose size wanders across buckets (requests finishing at the tail of a burst: 8, then 4, 2, 1) would
+otherwise pay a losing first try in every bucket it passes through, and a request's catch-ups after
+its own back-offs are never judged as verifying steps.
 """
 from __future__ import annotations
 
@@ -30,6 +38,7 @@ _FIRST_PAUSE, _MAX_PAUSE = 16, 512
 _REFRESH = 128  # verifying steps after which the plain rate is measured again
 _TRY_BUDGET = 0.02  # of a pause's plain time, what the failed try before it may have lost
 _MAX_SIZED_PAUSE = 8 * _MAX_PAUSE
+_MAX_CREDIT_STEPS = _MAX_PAUSE  # the shared budget holds at most what this many plain steps earn
 
 
 @dataclass
@@ -59,6 +68,10 @@ class _Bucket:
     # the last step that paid by its own rate -- their time and their tokens.
     try_seconds: float = 0.0
     try_tokens: int = 0
+    # Verifying and catch-up steps seen before the plain rate was known: the shared budget is
+    # charged for them once it is.
+    unpriced_seconds: float = 0.0
+    unpriced_tokens: int = 0
 
     def add_to_try(self, tokens: int, seconds: float) -> None:
         self.try_seconds += seconds
@@ -75,6 +88,7 @@ class StepCostGate:
 
     def __init__(self) -> None:
         self._buckets: dict[int, _Bucket] = {}
+        self.credit = 0.0  # seconds tries may still lose (the module docstring's shared budget)
 
     def _bucket(self, num_decoding: int) -> _Bucket:
         key = batch_bucket(num_decoding)
@@ -88,7 +102,8 @@ class StepCostGate:
         if bucket.pause:
             bucket.pause -= 1
             return False
-        return True
+        trying = not bucket.verifying.samples and (bucket.judged is None or bucket.relapsed)
+        return not (trying and self.credit < 0)
 
     def rates(self, num_decoding: int) -> tuple[float, float] | None:
         """The plain and the verifying rate (tokens a second) at this batch size, once both are known
@@ -103,7 +118,9 @@ class StepCostGate:
         """A decode-only step that verified while a draft model caught up on some request (its
         prompt, a pause's tokens): part of what the try costs, not a verifying rate."""
         if seconds > 0 and num_decoding:
-            self._bucket(num_decoding).add_to_try(tokens, seconds)
+            bucket = self._bucket(num_decoding)
+            bucket.add_to_try(tokens, seconds)
+            self._account(bucket, num_decoding, tokens, seconds)
 
     def observe(self, num_decoding: int, verified: bool, tokens: int, seconds: float) -> None:
         """A decode-only step (no prompt chunk in it) produced ``tokens`` in ``seconds``."""
@@ -112,7 +129,9 @@ class StepCostGate:
         bucket, rate = self._bucket(num_decoding), tokens / seconds
         if not verified:
             bucket.plain.add(rate)
+            self._account(bucket, num_decoding, tokens, seconds, verified=False)
             return
+        self._account(bucket, num_decoding, tokens, seconds)
         bucket.verifying.add(rate)
         bucket.since_plain += 1
         bucket.add_to_try(tokens, seconds)
@@ -134,6 +153,22 @@ class StepCostGate:
             if rate < bucket.plain.value:
                 return  # a step that lost, outweighed by the average so far: the try's cost goes on
         bucket.try_seconds, bucket.try_tokens = 0.0, 0
+
+    def _account(self, bucket: _Bucket, num_decoding: int, tokens: int, seconds: float, verified: bool = True) -> None:
+        """The shared budget after a step (see the module docstring); a verifying step before its
+        bucket's plain rate is known is charged once it is."""
+        if not verified:
+            self.credit += _TRY_BUDGET * seconds
+            if bucket.plain.known and bucket.unpriced_seconds:
+                self.credit -= bucket.unpriced_seconds - bucket.unpriced_tokens / bucket.plain.value
+                bucket.unpriced_seconds, bucket.unpriced_tokens = 0.0, 0
+        elif bucket.plain.known:
+            self.credit -= seconds - tokens / bucket.plain.value
+        else:
+            bucket.unpriced_seconds += seconds
+            bucket.unpriced_tokens += tokens
+        if bucket.plain.known:
+            self.credit = min(self.credit, _TRY_BUDGET * _MAX_CREDIT_STEPS * num_decoding / bucket.plain.value)
 
 
 def _pause_for(bucket: _Bucket, num_decoding: int) -> int:
