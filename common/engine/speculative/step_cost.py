@@ -38,7 +38,9 @@ _FIRST_PAUSE, _MAX_PAUSE = 16, 512
 _REFRESH = 128  # verifying steps after which the plain rate is measured again
 _TRY_BUDGET = 0.02  # of a pause's plain time, what the failed try before it may have lost
 _MAX_SIZED_PAUSE = 8 * _MAX_PAUSE
-_MAX_CREDIT_STEPS = _MAX_PAUSE  # the shared budget holds at most what this many plain steps earn
+# The shared budget holds at most this many plain steps' time: what speculation gained on text that
+# suited it does not pay for many losing tries once the text changes.
+_MAX_CREDIT_STEPS = 4
 
 
 @dataclass
@@ -168,7 +170,7 @@ class StepCostGate:
             bucket.unpriced_seconds += seconds
             bucket.unpriced_tokens += tokens
         if bucket.plain.known:
-            self.credit = min(self.credit, _TRY_BUDGET * _MAX_CREDIT_STEPS * num_decoding / bucket.plain.value)
+            self.credit = min(self.credit, _MAX_CREDIT_STEPS * num_decoding / bucket.plain.value)
 
 
 def _pause_for(bucket: _Bucket, num_decoding: int) -> int:
