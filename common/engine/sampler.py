@@ -404,8 +404,8 @@ def screen_inverse_temperatures(rows: Sequence[SamplingRequest]) -> list[float] 
     plainly; ``None`` where some row needs the logits -- penalties, logit rules, logprobs, top-k,
     top-p or min-p, a temperature below ``SCREEN_MIN_TEMPERATURE``, or a seed or a number drawn with
     its draft (such a row's token is the inverse CDF of that one uniform number, which the screen's
-    rejection sampling would not reproduce).  A row whose logits are not all finite is the exception; the screen leaves such
-    steps to ``Sampler``."""
+    rejection sampling would not reproduce).  A row whose logits are not all finite is the
+    exception; the screen leaves such steps to ``Sampler``."""
     inverse = []
     for row in rows:
         p = row.sampling_params

@@ -36,7 +36,8 @@ _MIN_SAMPLES = 3  # steps of a kind before its rate counts
 _PROBE = 3  # plain steps taken to measure the plain rate
 _FIRST_PAUSE, _MAX_PAUSE = 16, 512
 _REFRESH = 128  # verifying steps after which the plain rate is measured again
-_TRY_BUDGET = 0.02  # of a pause's plain time, what the failed try before it may have lost
+_TRY_BUDGET = 0.02  # of a pause's plain time, what the failed try before it may have lost (and the share of
+# every plain step's time that the shared budget earns)
 _MAX_SIZED_PAUSE = 8 * _MAX_PAUSE
 # The shared budget holds at most this many plain steps' time: what speculation gained on text that
 # suited it does not pay for many losing tries once the text changes.
