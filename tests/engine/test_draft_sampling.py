@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import msgspec
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from common.engine.inverse_cdf import seeded_uniform, uniforms_for
@@ -42,11 +42,12 @@ def test_the_draft_draws_what_the_sampler_draws_with_the_same_number(rule, seed,
         assert uniforms is None  # the sampler's argmax: greedy drafts
         return
     assert uniforms == [seeded_uniform(seed, index)]
-    assert sample_drafts(Sampler(), logits[None].clone(), [params], uniforms) == [expected]
+    assert sample_drafts(Sampler(), logits[None].clone(), [params], uniforms, VOCAB) == [expected]
 
 
 @settings(max_examples=40, deadline=None)
 @given(rule=rules, seed=st.integers(0, 2**31 - 1), kept=st.integers(20, VOCAB - 1))
+@example(rule={"temperature": 0.5, "top_p": 1.0, "top_k": 200, "min_p": 0.0}, seed=1, kept=20)  # k past the part
 def test_over_a_part_of_the_tokens_it_draws_as_if_the_rest_had_no_probability(rule, seed, kept):
     logits = logits_of(seed, 3.0)
     ids = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(seed))[:kept].sort().values
@@ -56,7 +57,7 @@ def test_over_a_part_of_the_tokens_it_draws_as_if_the_rest_had_no_probability(ru
     full[ids] = logits[ids]
     plain = msgspec.structs.replace(params, logit_bias=(), logprobs=None)
     (expected,), _ = sample(full[None], [plain], [3])
-    (column,) = sample_drafts(Sampler(), logits[ids][None].clone(), [params], [seeded_uniform(seed, 3)])
+    (column,) = sample_drafts(Sampler(), logits[ids][None].clone(), [params], [seeded_uniform(seed, 3)], VOCAB)
     assert int(ids[column]) == expected
 
 

@@ -114,7 +114,7 @@ def test_a_sampled_draft_scores_the_common_and_own_tokens_in_id_order(target):
     sampled = SamplingParams(temperature=1.0)
     requests[0].sampling_params = requests[1].sampling_params = sampled
     drafts = head.drafts(hidden, requests, [0.3, 0.6])
-    assert drafts == [int(ids[c]) for c in sample_drafts(Sampler(), scored.clone(), [sampled] * 2, [0.3, 0.6])]
+    assert drafts == [int(ids[c]) for c in sample_drafts(Sampler(), scored.clone(), [sampled] * 2, [0.3, 0.6], VOCAB)]
     assert head.drafts(hidden, requests, [None, None]) == head.greedy(hidden, requests)
 
 

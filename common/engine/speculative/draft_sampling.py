@@ -43,11 +43,16 @@ def draft_uniforms(params: SamplingParams, first_output_index: int, count: int) 
 
 
 def sample_drafts(sampler: Sampler, logits: torch.Tensor, params: list[SamplingParams],
-                  uniforms: list[float]) -> list[int]:
-    """Each row's column of ``logits`` [rows, columns] (a part of the vocabulary in ascending id
-    order: a token left out has no probability) that ``sampler`` draws with its uniform number under
-    its request's temperature and filters -- the target's own rule.  Logit bias and min_tokens, which
-    name token ids, and logprobs are left out (they can only cost acceptance)."""
+                  uniforms: list[float], vocab_size: int) -> list[int]:
+    """Each row's column of ``logits`` [rows, columns] (a part of the model's ``vocab_size`` tokens
+    in ascending id order: a token left out has no probability) that ``sampler`` draws with its
+    uniform number under its request's temperature and filters -- the target's own rule.  Logit bias
+    and min_tokens, which name token ids, and logprobs are left out (they can only cost acceptance)."""
     rows = [SamplingRow(replace(p, logit_bias=(), min_tokens=0, logprobs=None), uniform=u)
             for p, u in zip(params, uniforms)]
+    # A top-k the model's vocabulary filters by (tokens by probability) but this part would not
+    # (the sampler ignores a top-k at or above its width): columns of no probability widen the part.
+    width = max([p.top_k + 1 for p in params if 0 < p.top_k < vocab_size] + [logits.shape[1]])
+    if width > logits.shape[1]:
+        logits = torch.cat([logits, logits.new_full((logits.shape[0], width - logits.shape[1]), float("-inf"))], dim=1)
     return sampler(logits, rows, scratch_logits=True)[0]

@@ -107,7 +107,7 @@ class DraftHead:
         if sampled:
             ids, logits = self.scores(hidden[sampled], [requests[row] for row in sampled])
             picked = sample_drafts(self._sampler, logits, [requests[row].sampling_params for row in sampled],
-                                   [uniforms[row] for row in sampled])
+                                   [uniforms[row] for row in sampled], self.vocab_size)
             for row, column in zip(sampled, picked):
                 out[row] = column if ids is None else int(ids[column])
         return out
