@@ -134,7 +134,7 @@ SAMPLED = [{"temperature": 1.0}, {"temperature": 0.7, "top_p": 0.8}, {"temperatu
 
 @pytest.mark.parametrize("sampling", SAMPLED)
 @pytest.mark.parametrize("seeded", [False, True])
-def test_a_sampled_requests_drafts_are_kept_as_a_greedy_ones_are(target, sampling, seeded):
+def test_a_sampled_requests_drafts_are_kept_as_often_as_a_greedy_ones(target, sampling, seeded):
     """The target as its own draft: a sampled request's drafts are samples with its rows' own
     uniform numbers, so (nearly) every one is kept -- greedy drafts of this tiny model's flat
     distributions would be kept with the few percent the model gives its argmax."""

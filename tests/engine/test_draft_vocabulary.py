@@ -1,6 +1,7 @@
 """A draft model's reduced vocabulary (``speculative.draft_vocabulary``): its tokenizer's ranking
 picks the common tokens, the draft's greedy token is the best of those and its request's own tokens,
-a sampled one is drawn from their logits in id order, and verification keeps the output the target's whatever the draft can propose."""
+a sampled one is drawn from their logits in id order, and verification keeps the output the target's
+whatever the draft can propose."""
 import json
 from types import SimpleNamespace
 
@@ -9,8 +10,8 @@ import torch
 
 from common.engine.config import EngineConfig
 from common.engine.engine import Engine
-from common.engine.sampling_params import SamplingParams
 from common.engine.sampler import Sampler
+from common.engine.sampling_params import SamplingParams
 from common.engine.speculative.draft_sampling import sample_drafts
 from common.engine.speculative.draft_vocabulary import rank_tokens
 from tests.support.checkpoints import VOCAB, GreedyReference, tiny_llama_config, write_checkpoint, write_tokenizer
