@@ -93,6 +93,28 @@ def gateway_metric(url: str, name: str) -> float:
                if line.startswith(name + " ") or line.startswith(name + "{"))
 
 
+def migrations_so_far(url: str) -> float | None:
+    """The gateway's streams moved to another decode worker so far (``None``: unreadable)."""
+    try:
+        return gateway_metric(url, "pdserve_migrations_total")
+    except (OSError, ValueError):
+        return None
+
+
+async def streams_moved(url: str, before: float | None, witness: asyncio.Future, timeout_s: float) -> bool:
+    """Wait until the gateway has moved a stream since it had moved ``before``, the ``witness``
+    stream ended, ``timeout_s`` passed or its metrics cannot be read; whether it moved one."""
+    deadline = time.monotonic() + timeout_s
+    while before is not None and not witness.done() and time.monotonic() < deadline:
+        now = await asyncio.to_thread(migrations_so_far, url)
+        if now is None:
+            return False
+        if now > before:
+            return True
+        await asyncio.sleep(0.05)
+    return False
+
+
 async def settle(chaos: Settling, timeout_s: float, leases_end_at: float, idle_cpu_window_s: float) -> dict:
     """Wait for the stack to be idle and whole again, at most ``timeout_s`` and never past
     ``leases_end_at`` (``time.monotonic()`` at which the first lease of the run could end): the

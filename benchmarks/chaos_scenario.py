@@ -50,7 +50,8 @@ from pathlib import Path
 
 import openai
 
-from benchmarks.chaos_checks import classify_error, gateway_metric, reference_texts, settle
+from benchmarks.chaos_checks import (classify_error, gateway_metric, migrations_so_far, reference_texts, settle,
+                                     streams_moved)
 from benchmarks.chaos_requests import ChaosConfig, Outcome, Planner, Spec, run_request
 from launcher.local_stack import LocalStack, http_json
 from launcher.supervisor import Supervisor
@@ -64,6 +65,7 @@ MAX_MODEL_LEN = 1600
 # left between the reading of ``streams_open`` and the SIGKILL on a faster engine: 0 migrations, once).
 WITNESS_INDEX, WITNESS_TOKENS = 1_000_000, 1200
 WITNESS_STREAMING_CHUNKS = 2  # chunks its client has read before its worker may be killed
+MIGRATION_WAIT_S = 30.0  # at most, for the gateway to move the killed worker's streams
 
 
 # ---- the checkpoint and the offline reference ---------------------------------------------------
@@ -229,7 +231,12 @@ class ChaosStack:
                 best, serving = next(iter(serving_now.items()))
                 break
             await asyncio.sleep(0.05)
+        moved = await asyncio.to_thread(migrations_so_far, self.stack.gateway_url)
         await self.kill(best, f"a decode worker crashes with {serving} streams open")
+        # The next fault (Redis) waits until the gateway has moved the cut streams, or the witness
+        # ended: with the registry down at that moment it finds no decode worker to move them to.
+        if await streams_moved(self.stack.gateway_url, moved, witness, MIGRATION_WAIT_S):
+            self.event("the gateway moved the cut streams")
 
     async def _witness(self, spec: Spec, on_chunk) -> Outcome:
         client = openai.AsyncOpenAI(base_url=f"{self.stack.gateway_url}/v1", api_key="none", max_retries=0,

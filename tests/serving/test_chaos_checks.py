@@ -2,11 +2,14 @@
 fault causes passes; any other 500, a 503 without Retry-After, a cut no kill explains, do not."""
 from __future__ import annotations
 
+import asyncio
+import threading
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from benchmarks.chaos_checks import ERROR_CLASSES, classify_error
+from benchmarks.chaos_checks import ERROR_CLASSES, classify_error, migrations_so_far, streams_moved
 
 CUT = "generation failed: decode worker d1 failed mid-stream: Response payload is not completed"
 KILLS = [("p0", 100.0), ("d1", 200.0)]
@@ -42,3 +45,43 @@ class Ended:
 def test_only_errors_a_fault_causes_are_explained(outcome, expected):
     assert classify_error(outcome, KILLS) == expected
     assert expected is None or expected in ERROR_CLASSES
+
+
+class _Metrics(BaseHTTPRequestHandler):
+    """A gateway's /metrics whose migration counter goes up at the third read."""
+
+    reads = 0
+
+    def do_GET(self):
+        type(self).reads += 1
+        body = f"pdserve_migrations_total{{cause=\"worker_lost\"}} {int(type(self).reads >= 3)}\n".encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_the_decode_kill_waits_until_the_gateway_has_moved_the_streams():
+    """The chaos run's next fault (Redis) waits for the gateway to move the killed worker's streams:
+    Redis dying first left it no decode worker to move them to (0 migrations, once)."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Metrics)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+
+    async def scenario():
+        witness = asyncio.get_running_loop().create_future()
+        before = migrations_so_far(url)
+        moved = await streams_moved(url, before, witness, timeout_s=30)
+        witness.set_result(None)
+        ended = await streams_moved(url, migrations_so_far(url), witness, timeout_s=30)
+        return before, moved, ended, await streams_moved(url, None, asyncio.Future(), timeout_s=30)
+
+    try:
+        assert asyncio.run(scenario()) == (0.0, True, False, False)  # moved; the witness ended; unreadable
+        assert _Metrics.reads >= 3
+    finally:
+        server.shutdown()
+        server.server_close()
