@@ -164,7 +164,7 @@ class Sampler:
             p = row.sampling_params
             if bad_rows[i]:
                 continue
-            if p.greedy or p.top_k == 1:
+            if p.takes_argmax:
                 if p.uses_penalties:
                     penalized_argmax.append(i)
             elif (0 < p.top_k < vocab) or p.top_p < 1.0 or p.min_p > 0.0:
@@ -411,7 +411,7 @@ def screen_inverse_temperatures(rows: Sequence[SamplingRequest]) -> list[float] 
         p = row.sampling_params
         if p.uses_penalties or p.logprobs is not None or getattr(row, "uniform", None) is not None:
             return None
-        if p.greedy or p.top_k == 1:
+        if p.takes_argmax:
             inverse.append(0.0)
         elif (p.seed is None and p.top_k == 0 and p.top_p == 1.0 and p.min_p == 0.0
               and p.temperature >= SCREEN_MIN_TEMPERATURE):
@@ -431,7 +431,7 @@ def _row_max_and_argmax(logits: torch.Tensor, rows: Sequence[SamplingRequest]
     logits (``max`` gives the first maximal index, as ``argmax`` does, and a NaN is its row's
     maximum for both; three times faster than ``amax`` then ``argmax`` over a 262k vocabulary;
     ``row_argmax``'s kernel for fp32 CPU rows, ~6x faster again)."""
-    if any(row.sampling_params.greedy or row.sampling_params.top_k == 1 for row in rows):
+    if any(row.sampling_params.takes_argmax for row in rows):
         return row_max(logits)
     return logits.amax(dim=-1), None
 

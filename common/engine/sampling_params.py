@@ -98,6 +98,11 @@ class SamplingParams(Struct, forbid_unknown_fields=True, frozen=True):
         return self.temperature < GREEDY_TEMPERATURE
 
     @property
+    def takes_argmax(self) -> bool:
+        """Greedy or top-k 1: the sampler takes the row's argmax and draws no uniform number."""
+        return self.greedy or self.top_k == 1
+
+    @property
     def uses_penalties(self) -> bool:
         """Repetition, frequency or presence penalties: sampling reads the request's token history."""
         return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0

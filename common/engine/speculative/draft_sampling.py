@@ -27,15 +27,10 @@ from common.engine.sampling_params import SamplingParams
 from common.engine.structs import replace
 
 
-def samples_randomly(params: SamplingParams) -> bool:
-    """Whether the sampler draws this row's token with a uniform number (else its argmax)."""
-    return not (params.greedy or params.top_k == 1)
-
-
 def draft_uniforms(params: SamplingParams, first_output_index: int, count: int) -> list[float] | None:
     """The uniform numbers of a request's next ``count`` rows (output indices from
     ``first_output_index``), or ``None`` for a greedy request (greedy drafts)."""
-    if not samples_randomly(params):
+    if params.takes_argmax:
         return None
     if params.seed is not None:
         return [seeded_uniform(params.seed, first_output_index + i) for i in range(count)]
