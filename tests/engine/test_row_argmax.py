@@ -48,10 +48,10 @@ def test_a_vocabulary_wide_row_finds_its_maximum_anywhere(at):
 @needs_kernel
 def test_the_greedy_sampler_takes_the_kernel_for_fp32_logits_only():
     from common.engine.sampler import _row_max_and_argmax
+    from common.engine.sampling_params import SamplingParams
 
     class Row:  # what ``_row_max_and_argmax`` reads of a sampling request
-        class sampling_params:
-            greedy, top_k = True, 0
+        sampling_params = SamplingParams(temperature=0.0)
 
     logits = torch.randn(4, 1000)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
