@@ -203,8 +203,10 @@ def test_stop_string_truncates_and_aborts(stack, reference):
 
 def test_client_disconnect_aborts_on_the_workers(stack):
     c = client(stack)
+    # as long as the context allows: the worker must still be streaming when its load is read (400
+    # tokens once ended before the first reading on a loaded machine)
     stream = c.completions.create(model=stack.model_name, prompt=PROMPTS[1], stream=True, temperature=0,
-                                  max_tokens=400, extra_body={"ignore_eos": True})
+                                  max_tokens=1000, extra_body={"ignore_eos": True})
     iterator = iter(stream)
     next(iterator)
     next(iterator)
