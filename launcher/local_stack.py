@@ -295,6 +295,14 @@ class LocalStack:
     def stats(self, name: str) -> dict:
         return self.worker_json(name, "/stats")
 
+    def worker_metrics(self, name: str, timeout: float = 10) -> str:
+        """A worker's Prometheus text (its ``/metrics``, signed as ``worker_json`` signs)."""
+        signed = ClusterAuth(self.cluster_secret).sign_request("GET", "/metrics",
+                                                               audience=self.worker_audience(name, timeout))
+        req = urllib.request.Request(self.worker_url(name) + "/metrics", headers=signed)
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.read().decode()
+
     def kill(self, name: str) -> None:
         """SIGKILL ``name`` (a crash; its process group with it) and wait until it is gone."""
         proc = self.procs[name]

@@ -17,6 +17,7 @@ import pytest
 import redis
 
 from common.engine.config import EngineConfig
+from common.engine.core_turns import CoreTurns
 from common.engine.engine import Engine
 from tests.support.cluster import http_json, running_cluster
 from tests.support.serving import BLOCK_SIZE, WORKER_ARGS, wait_idle
@@ -41,9 +42,16 @@ def checkpoint(served_checkpoint):
 
 
 @pytest.fixture(scope="module")
-def stack(checkpoint, redis_url, tmp_path_factory):
+def decode_turns(tmp_path_factory):
+    """The decode worker's core-turns lock (common/engine/core_turns.py): a test that takes a turn on it
+    holds the worker between two steps, with its requests in flight."""
+    return tmp_path_factory.mktemp("turns") / "d0.lock"
+
+
+@pytest.fixture(scope="module")
+def stack(checkpoint, redis_url, tmp_path_factory, decode_turns):
     with running_cluster(checkpoint, tmp_path_factory.mktemp("logs"), redis_url, prefill=2, decode=1,
-                         worker_args=WORKER_ARGS,
+                         worker_args=WORKER_ARGS, role_args={"decode": ["--core-turns", str(decode_turns)]},
                          gateway_args=["--api-key", API_KEY, "--skip-prefill-below", str(SKIP_PREFILL_BELOW),
                                        "--max-inflight", "24"]) as c:
         yield c
@@ -201,22 +209,47 @@ def test_stop_string_truncates_and_aborts(stack, reference):
     wait_idle(stack, "d0")
 
 
-def test_client_disconnect_aborts_on_the_workers(stack):
+def generate_outcomes(stack, worker: str) -> dict[str, float]:
+    """``worker``'s finished /generate requests by outcome (``pdserve_worker_requests_total``)."""
+    counts = {}
+    for line in stack.worker_metrics(worker).splitlines():
+        if line.startswith("pdserve_worker_requests_total{") and 'kind="generate"' in line:
+            outcome = line.split('outcome="', 1)[1].split('"', 1)[0]
+            counts[outcome] = float(line.split()[-1])
+    return counts
+
+
+def test_client_disconnect_aborts_on_the_workers(stack, decode_turns):
     c = client(stack)
-    # as long as the context allows: the worker must still be streaming when its load is read (400
-    # tokens once ended before the first reading on a loaded machine)
+    before = generate_outcomes(stack, "d0")
     stream = c.completions.create(model=stack.model_name, prompt=PROMPTS[1], stream=True, temperature=0,
                                   max_tokens=1000, extra_body={"ignore_eos": True})
     iterator = iter(stream)
     next(iterator)
     next(iterator)
-    wait_until(lambda: stack.stats("d0")["inflight"] == 1, "the stream in flight on d0")
-    disconnected = time.monotonic()
-    stream.close()
+    # The decode worker is held between two steps (a turn on its core-turns lock) while the test reads
+    # its load and disconnects: the stream cannot end first, however slow the machine, and the abort is
+    # on its way before the worker steps again (it would step without its turn only after
+    # core_turns.WAIT_LIMIT_S).
+    with CoreTurns(decode_turns).turn() as held:
+        assert held
+        assert stack.stats("d0")["inflight"] == 1, "the stream in flight on d0"
+        disconnected = time.monotonic()
+        stream.close()
+        wait_until(lambda: generate_outcomes(stack, "d0").get("aborted", 0) > before.get("aborted", 0),
+                   "d0's handler to see the disconnect")
+        released = time.time()
     stats = wait_idle(stack, "d0")
     for p in ("p0", "p1"):
         wait_idle(stack, p)
     assert stats["num_free_blocks"] == stats["num_blocks"]
+    # Cut short, not run to its length: the step the worker was waiting to take, then the abort (a
+    # stream left running would take hundreds more).
+    steps_after = stack.worker_json("d0", f"/admin/steps?since={released}")["steps"]
+    assert len(steps_after) <= 2, steps_after
+    after = generate_outcomes(stack, "d0")
+    assert after.get("aborted", 0) == before.get("aborted", 0) + 1, (before, after)
+    assert after.get("length", 0) == before.get("length", 0), (before, after)
     print(f"aborted on the decode worker {time.monotonic() - disconnected:.3f} s after the disconnect")
 
 
