@@ -96,7 +96,7 @@ def _pick_dtype(name: str, device: torch.device, quantization: str = "none") -> 
         log.warning("dtype bfloat16 on a CPU without AVX512-BF16 or AMX: matmuls are emulated and slower "
                     "than float32 here")
     if dtype == torch.bfloat16 and device.type == "cpu" and quantization in ("int8", "int4"):
-        # benchmarks/quantized.py, decode-bound: int8_bf16 against int8_kv_bf16, 0.52-0.62x on every CPU measured
+        # benchmarks/quantized.py, decode-bound: int8_bf16 against int8_kv_bf16, 0.52-0.67x on the CPUs measured
         log.warning("dtype bfloat16 with %s weights on CPU: bf16 rows leave the layers' fused fp32 path and "
                     "are converted at every product (about half the speed); --dtype float32 "
                     "--kv-cache-dtype bfloat16 keeps the KV cache as small and runs faster", quantization)

@@ -228,9 +228,9 @@ def test_client_disconnect_aborts_on_the_workers(stack, decode_turns):
     next(iterator)
     next(iterator)
     # The decode worker is held between two steps (a turn on its core-turns lock) while the test reads
-    # its load and disconnects: the stream cannot end first, however slow the machine, and the abort is
-    # on its way before the worker steps again (it would step without its turn only after
-    # core_turns.WAIT_LIMIT_S).
+    # its load and disconnects: under the hold the stream cannot end, however slow the machine, and the
+    # abort is on its way before the worker steps again (it would step without its turn only after
+    # core_turns.WAIT_LIMIT_S).  Before the hold, the stream's 1000 tokens are the window.
     with CoreTurns(decode_turns).turn() as held:
         assert held
         assert stack.stats("d0")["inflight"] == 1, "the stream in flight on d0"
