@@ -9,9 +9,12 @@
             / temperature, - row max, exp          ->  e in (0, 1], the row's max is exactly 1
             plain rows: inverse CDF over column order, two levels (1024-column block sums, then
                         the chosen block's cumulative sum)
-            filtered rows (top-k, top-p, min-p): candidates = e >= a per-row threshold that
-                        provably holds every token the filters can keep; one sort over the
-                        candidates of all rows; inverse CDF over the kept prefix
+            top-p-only rows: the nucleus's threshold without a sort, then inverse CDF over its
+                        tokens in column order (inverse_cdf.sample_wide_nucleus; on every device
+                        and row width, so a draft model drawing with the row's number lands alike)
+            other filtered rows (top-k, min-p, top-p beside them): candidates = e >= a per-row
+                        threshold that provably holds every token the filters can keep; one sort
+                        over the candidates of all rows; inverse CDF over the kept prefix
 
 Every random row consumes exactly one uniform number.  A seeded row draws it from a generator
 seeded with (seed, output index), so its token depends only on the seed, the position and its own
@@ -30,7 +33,7 @@ from typing import Collection, Protocol, Sequence
 
 import torch
 
-from common.engine.inverse_cdf import block_sums, sample_plain, sample_wide_nucleus, top_p_kernel, uniforms_for
+from common.engine.inverse_cdf import block_sums, sample_plain, sample_wide_nucleus, uniforms_for
 from common.engine.logit_rules import apply_logit_rules, needs_rules
 from common.engine.penalty_histories import TokenHistories
 from common.engine.row_argmax import row_max
@@ -41,12 +44,10 @@ from common.engine.structured.masking import TokenMasks
 log = logging.getLogger(__name__)
 
 GROUP = 64  # columns per group whose maxima bound the k-th largest value (top-k candidates)
-# First candidate threshold for top-p rows (relative to the row's most likely token).  It holds
-# the 0.95 nucleus of a real LM's rows (checked on Gemma 3 at T=1); a row where it does not is
-# redone with a threshold that always does.
-TOP_P_FIRST_THRESHOLD = 1e-4
-# Top-p rows with more candidates than this skip the sort (``sample_wide_nucleus``).
-WIDE_NUCLEUS = 4096
+# First candidate threshold for a top-k wider than the row's groups of columns allow to bound
+# (relative to the row's most likely token); a row where fewer than k tokens reach it is redone
+# with every token.
+TOP_K_FIRST_THRESHOLD = 1e-4
 _SMALLEST_POSITIVE = float(torch.finfo(torch.float32).smallest_normal) * 2.0**-23  # fp32's least subnormal
 
 
@@ -275,43 +276,39 @@ class Sampler:
 
     def _sample_filtered_rows(self, e: torch.Tensor, block_sums: torch.Tensor, total: torch.Tensor, knobs: _Rows,
                               uniforms: torch.Tensor) -> torch.Tensor:
-        """Top-p-only rows whose nucleus is wide (flat rows: thousands of candidates, where a sort
-        would dominate the step) take ``sample_wide_nucleus``; every other row the candidate sort."""
+        """Top-p-only rows take ``sample_wide_nucleus`` (the nucleus without a sort, its tokens in
+        column order; on CPU one C kernel pass, cheaper than the candidate sort on any row); every
+        other filtered row the candidate sort.  One rule for top-p-only rows, whatever the device, the
+        kernel's presence or the row's width: a draft model that draws a draft with the row's uniform
+        number (``speculative.draft_sampling``, its logits on CPU) must land where the target does."""
         p_only = (knobs.top_p < 1.0) & (knobs.top_k == 0) & (knobs.min_p == 0.0)
         if not bool(p_only.any()):
             return self._sample_filtered(e, total, knobs, uniforms)
-        if top_p_kernel(e) is not None:
-            wide = p_only  # the C kernel is cheaper than the candidate sort on any row
-        else:
-            wide = p_only & ((e >= TOP_P_FIRST_THRESHOLD).sum(dim=-1) > WIDE_NUCLEUS)
-        if not bool(wide.any()):
-            return self._sample_filtered(e, total, knobs, uniforms)
-        if bool(wide.all()):  # no copies of the rows
+        if bool(p_only.all()):  # no copies of the rows
             return sample_wide_nucleus(e, knobs.top_p, uniforms)
         out = torch.empty(e.shape[0], dtype=torch.int64, device=e.device)
-        w = wide.nonzero()[:, 0]
+        w = p_only.nonzero()[:, 0]
         out[w] = sample_wide_nucleus(e[w], knobs.top_p[w], uniforms[w])
-        rest = (~wide).nonzero()[:, 0]
-        if len(rest):
-            knobs_rest = _Rows(knobs.temperature[rest], knobs.top_k[rest], knobs.top_p[rest], knobs.min_p[rest])
-            out[rest] = self._sample_filtered(e[rest], total[rest], knobs_rest, uniforms[rest])
+        rest = (~p_only).nonzero()[:, 0]
+        knobs_rest = _Rows(knobs.temperature[rest], knobs.top_k[rest], knobs.top_p[rest], knobs.min_p[rest])
+        out[rest] = self._sample_filtered(e[rest], total[rest], knobs_rest, uniforms[rest])
         return out
 
     def _sample_filtered(self, e: torch.Tensor, total: torch.Tensor, knobs: _Rows,
                          uniforms: torch.Tensor) -> torch.Tensor:
-        """Inverse CDF over each row's kept tokens, in descending order.
+        """Inverse CDF over each row's kept tokens, in descending order (rows with top-k or min-p;
+        a top-p beside them applies within what they keep).
 
         A per-row threshold picks the candidates: every token at or above it, chosen so the
-        candidates provably hold whatever top-k/top-p/min-p keep:
+        candidates provably hold whatever top-k/min-p keep:
           min-p:  its own threshold (min_p relative to the best token) is exact;
           top-k:  the k-th largest of the 64-column group maxima (at least k tokens reach it);
-          top-p:  first TOP_P_FIRST_THRESHOLD, kept if the candidates' mass reaches top_p; else
-                  (1 - top_p) * total / vocab, below which all tokens together weigh < 1 - top_p.
+                  past the groups' count, first TOP_K_FIRST_THRESHOLD, then every token.
         """
         n, vocab = e.shape
         device = e.device
         top_k, top_p, min_p = knobs.top_k, knobs.top_p, knobs.min_p
-        has_k, has_p, has_min_p = top_k > 0, top_p < 1.0, min_p > 0.0
+        has_k, has_min_p = top_k > 0, min_p > 0.0
         threshold = min_p.clone()
         # The candidates hold the whole (min-p filtered) distribution: its mass is known from them.
         complete = has_min_p.clone()
@@ -323,24 +320,18 @@ class Sampler:
             kth = maxima.topk(int(top_k[rows].max()), dim=-1).values.gather(1, (top_k[rows] - 1)[:, None])[:, 0]
             threshold[rows] = torch.maximum(threshold[rows], kth)
         big_k = has_k & ~k_by_groups & ~has_min_p
-        p_only = has_p & ~has_k & ~has_min_p
-        guaranteed = (1.0 - top_p.double()) * total / vocab
-        threshold = torch.where(p_only, torch.clamp(guaranteed, min=TOP_P_FIRST_THRESHOLD).float(), threshold)
-        threshold = torch.where(big_k, torch.full_like(threshold, TOP_P_FIRST_THRESHOLD), threshold)
+        threshold = torch.where(big_k, torch.full_like(threshold, TOP_K_FIRST_THRESHOLD), threshold)
         threshold = torch.where(threshold > 0, threshold, torch.full_like(threshold, _SMALLEST_POSITIVE))
 
         row_ids, cols = self._candidates(e, threshold)
         values = e[row_ids, cols]
         counts = torch.bincount(row_ids, minlength=n)
-        mass = torch.zeros(n, dtype=torch.float64, device=device).index_add_(0, row_ids, values.double())
-        # Rows whose first threshold may have cut off tokens the filters keep: redo them lower.
-        short = (p_only & (mass < top_p.double() * total * (1 + 1e-6))) | (big_k & (counts < top_k))
+        # Rows whose first threshold may have cut off tokens the top-k keeps: redo them with every token.
+        short = big_k & (counts < top_k)
         if bool(short.any()):
             redo = short.nonzero()[:, 0]
-            lower = torch.where(p_only[redo], guaranteed[redo].float() * (1 - 1e-6),
-                                torch.full((len(redo),), _SMALLEST_POSITIVE, device=device))
-            lower = torch.where(lower > 0, lower, torch.full_like(lower, _SMALLEST_POSITIVE))
-            complete = complete | (short & big_k)
+            lower = torch.full((len(redo),), _SMALLEST_POSITIVE, device=device)
+            complete = complete | short
             keep = ~short[row_ids]
             more_rows, more_cols = self._candidates(e[redo], lower)
             more_rows = redo[more_rows]

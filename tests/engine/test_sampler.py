@@ -151,8 +151,7 @@ def test_top_p_on_a_flat_tail_beyond_the_first_threshold():
 
 @pytest.mark.parametrize("top_p", [0.5, 0.95])
 def test_a_wide_nucleus_is_found_without_a_sort_and_follows_the_reference(monkeypatch, top_p):
-    # A flat row: thousands of candidates take the threshold path (no sort of the row).
-    monkeypatch.setattr(sampler_module, "WIDE_NUCLEUS", 512)
+    # A flat row: thousands of candidates, the threshold path (no sort of the row).
     calls = []
     wide = sampler_module.sample_wide_nucleus
     monkeypatch.setattr(sampler_module, "sample_wide_nucleus", lambda *a: calls.append(1) or wide(*a))
@@ -167,8 +166,7 @@ def test_a_wide_nucleus_is_found_without_a_sort_and_follows_the_reference(monkey
     assert_same_distribution(observed, expected)
 
 
-def test_wide_and_narrow_filtered_rows_in_one_batch(monkeypatch):
-    monkeypatch.setattr(sampler_module, "WIDE_NUCLEUS", 512)
+def test_top_p_only_and_top_k_rows_in_one_batch():
     torch.manual_seed(4)
     flat = torch.randn(3000) * 0.5
     peaked = torch.randn(3000) * 4.0
@@ -353,6 +351,23 @@ def test_the_top_p_kernel_picks_the_tokens_the_torch_path_picks(monkeypatch):
     monkeypatch.setattr(inverse_cdf, "top_p_kernel", lambda _e: None)
     from_torch = inverse_cdf.sample_wide_nucleus(e.clone(), top_p, uniforms)
     assert (from_kernel == from_torch).sum() >= n - 1  # fp64 sums in another order may move a boundary
+
+
+@pytest.mark.parametrize("scale", [0.5, 4.0, 12.0])  # flat rows to a nucleus of a few tokens
+def test_a_top_p_only_rows_token_does_not_depend_on_the_kernel_or_the_rows_width(monkeypatch, scale):
+    # A draft model draws a sampled request's drafts with the uniform numbers its rows will draw
+    # with, from its own logits on CPU (speculative/draft_sampling.py); a target on CUDA has no top-p
+    # kernel.  Both must map a number to a token by one rule, whatever the nucleus's width.
+    torch.manual_seed(6)
+    logits = torch.randn(6, 3000) * scale
+    params = [SamplingParams(top_p=p, temperature=t, seed=i)
+              for i, (p, t) in enumerate([(0.8, 0.7), (0.9, 1.0), (0.5, 1.3), (0.95, 0.7), (0.3, 1.0), (0.99, 1.0)])]
+    with_kernel = [sample(logits, params, [index] * 6)[0] for index in range(20)]
+    for module in (inverse_cdf, sampler_module):  # wherever it is looked up
+        monkeypatch.setattr(module, "top_p_kernel", lambda _e: None, raising=False)
+    without = [sample(logits, params, [index] * 6)[0] for index in range(20)]
+    agree = sum(a == b for row_a, row_b in zip(with_kernel, without) for a, b in zip(row_a, row_b))
+    assert agree >= 6 * 20 - 2  # fp64 sums in another order may move a nucleus's boundary
 
 
 def test_a_failing_code_path_fails_only_its_own_rows(monkeypatch):
