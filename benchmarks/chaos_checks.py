@@ -102,14 +102,13 @@ def migrations_so_far(url: str) -> float | None:
 
 
 async def streams_moved(url: str, before: float | None, witness: asyncio.Future, timeout_s: float) -> bool:
-    """Wait until the gateway has moved a stream since it had moved ``before``, the ``witness``
-    stream ended, ``timeout_s`` passed or its metrics cannot be read; whether it moved one."""
+    """Wait until the gateway has moved a stream since it had moved ``before`` (``None``: unknown,
+    no wait), the ``witness`` stream ended or ``timeout_s`` passed; whether it moved one.  A read
+    that fails (a gateway busy moving streams may answer late) is read again."""
     deadline = time.monotonic() + timeout_s
     while before is not None and not witness.done() and time.monotonic() < deadline:
         now = await asyncio.to_thread(migrations_so_far, url)
-        if now is None:
-            return False
-        if now > before:
+        if now is not None and now > before:
             return True
         await asyncio.sleep(0.05)
     return False
