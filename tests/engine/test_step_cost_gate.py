@@ -243,3 +243,15 @@ def test_no_catch_up_enters_while_the_budget_for_tries_is_spent():
     assert speculation.draft(_request("steady", max_tokens=3), 64, _SLOTS)  # in step: nothing to catch up on
     speculation.gate.credit = 0.0
     assert speculation.draft(_request("long", max_tokens=100), 64, _SLOTS)
+
+
+def test_plain_steps_whose_outputs_were_all_dropped_price_nothing():
+    """Plain steps that produced no tokens (every output dropped: aborts) give a plain rate of 0:
+    verifying steps are then held unpriced, not divided by it."""
+    gate = StepCostGate()
+    for _ in range(step_cost._PROBE):
+        gate.observe(1, False, 0, 0.1)
+    for _ in range(step_cost._MIN_SAMPLES):
+        gate.observe(1, True, 1, 1.0)
+    gate.allows(1)
+    assert gate.credit >= 0.0

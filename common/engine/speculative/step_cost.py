@@ -160,17 +160,18 @@ class StepCostGate:
     def _account(self, bucket: _Bucket, num_decoding: int, tokens: int, seconds: float, verified: bool = True) -> None:
         """The shared budget after a step (see the module docstring); a verifying step before its
         bucket's plain rate is known is charged once it is."""
+        priced = bucket.plain.known and bucket.plain.value > 0  # (plain steps whose outputs were all dropped: no rate)
         if not verified:
             self.credit += _TRY_BUDGET * seconds
-            if bucket.plain.known and bucket.unpriced_seconds:
+            if priced and bucket.unpriced_seconds:
                 self.credit -= bucket.unpriced_seconds - bucket.unpriced_tokens / bucket.plain.value
                 bucket.unpriced_seconds, bucket.unpriced_tokens = 0.0, 0
-        elif bucket.plain.known:
+        elif priced:
             self.credit -= seconds - tokens / bucket.plain.value
         else:
             bucket.unpriced_seconds += seconds
             bucket.unpriced_tokens += tokens
-        if bucket.plain.known:
+        if priced:
             self.credit = min(self.credit, _MAX_CREDIT_STEPS * num_decoding / bucket.plain.value)
 
 
