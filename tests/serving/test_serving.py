@@ -7,6 +7,7 @@ is injected here, so no request may fall back to computing its prompt on the dec
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import urllib.error
@@ -231,7 +232,7 @@ def test_client_disconnect_aborts_on_the_workers(stack, decode_turns):
     # its load and disconnects: under the hold the stream cannot end, however slow the machine, and the
     # abort is on its way before the worker steps again (it would step without its turn only after
     # core_turns.WAIT_LIMIT_S).  Before the hold, the stream's 1000 tokens are the window.
-    with CoreTurns(decode_turns).turn() as held:
+    with contextlib.closing(CoreTurns(decode_turns)) as turns, turns.turn() as held:
         assert held
         assert stack.stats("d0")["inflight"] == 1, "the stream in flight on d0"
         disconnected = time.monotonic()
