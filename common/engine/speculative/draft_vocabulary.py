@@ -89,7 +89,7 @@ class DraftHead:
         self.ids = torch.tensor(sorted(chosen), dtype=torch.long, device=device)
         self._ids_cpu = self.ids.cpu()
         self.common = torch.zeros(config.vocab_size, dtype=torch.bool)  # on the CPU, as the requests' tokens
-        self.common[self.ids.cpu()] = True
+        self.common[self._ids_cpu] = True
         rows = head_rows(model, self.ids).float()
         self.weight = quantize_weight(rows, scheme, group_size, head=True) if scheme in ("int8", "int4") else rows
         log.info("draft vocabulary: %d of %d tokens and each request's own", len(self.ids), config.vocab_size)
@@ -119,7 +119,7 @@ class DraftHead:
         if self.ids is None:
             return None, model.logits(hidden).float().cpu()
         normed = model.model.norm(hidden).float()
-        common = normed @ self.weight.T if isinstance(self.weight, torch.Tensor) else self.weight.matmul(normed)
+        common = self._common_scores(normed)
         owns = [self._own_rows(request) for request in requests]
         own_ids = torch.unique(torch.cat([own for own, _ in owns]))  # sorted
         # merged positions: each id after the other list's ids below it (the lists share none)
@@ -159,10 +159,12 @@ class DraftHead:
 
     def _best_common(self, normed: torch.Tensor) -> torch.Tensor:
         """Each row's index into ``ids`` of its largest score over the common tokens."""
-        if isinstance(self.weight, torch.Tensor):
-            return (normed @ self.weight.T).argmax(dim=-1)
-        local = self.weight.greedy_tokens(normed)
-        return local if local is not None else self.weight.matmul(normed).argmax(dim=-1)
+        local = None if isinstance(self.weight, torch.Tensor) else self.weight.greedy_tokens(normed)
+        return local if local is not None else self._common_scores(normed).argmax(dim=-1)
+
+    def _common_scores(self, normed: torch.Tensor) -> torch.Tensor:
+        """Each row's scores over the common tokens (``ids``' order)."""
+        return normed @ self.weight.T if isinstance(self.weight, torch.Tensor) else self.weight.matmul(normed)
 
     def _own_rows(self, request) -> tuple[torch.Tensor, torch.Tensor]:
         """``request``'s token ids outside the common ones (at most ``_MAX_OWN_TOKENS``) and their head
