@@ -13,7 +13,8 @@ from gateway.tool_output import ToolOutput
 @dataclass
 class Generation:
     """``request_id`` names it to the workers; ``response_id`` is the client's id (shared by the
-    ``n`` choices of one request, each with its ``index``)."""
+    choices of one request -- ``n`` a prompt, of one prompt or a batch -- each with its ``index``).
+    ``first_choice``: choice 0 of its prompt (the prompt's tokens count once in the usage)."""
 
     request_id: str
     kind: str  # "completion" | "chat"
@@ -24,6 +25,7 @@ class Generation:
     cache_salt: str | None = None  # as served (gateway/tenants.py: the client's, or per API key)
     key_id: str | None = None  # its API key (Tenant.key_id): its share of the wait queue
     index: int = 0
+    first_choice: bool = True
     response_id: str = ""
     echo: str = ""  # completions with echo: the prompt's text, before the answer
     arrival: float = field(default_factory=time.monotonic)

@@ -24,10 +24,11 @@ from gateway.metrics import GatewayMetrics
 from gateway.prompts import PromptEncoder
 from gateway.tenants import Tenant, cache_salt
 from gateway.generation import Generation
-from gateway.response_shapes import ResponseShapes, usage
+from gateway.response_shapes import ResponseShapes, prompt_tokens, usage
 from gateway.tool_output import ToolOutput
 from gateway.tool_parsers import ToolCallParser
 from gateway.tools_request import ToolPlan
+from gateway.openai_errors import check_model
 from gateway.openai_protocol import (
     SSE_DONE, SSE_HEADERS, OpenAIError, invalid, json_response, new_request_id, parse_chat_request,
     parse_completion_request, sse_event,
@@ -111,14 +112,13 @@ class OpenAIHandlers:
     # ---- request preparation ---------------------------------------------------------------
 
     def _check_model(self, model: str) -> None:
-        if model != self.services.model_id:
-            raise OpenAIError(404, f"The model '{model}' does not exist; this server serves '{self.services.model_id}'",
-                              param="model", code="model_not_found")
+        check_model(model, self.services.model_id)
 
     def _prepare(self, request: web.Request, kind: str, req, prompt_ids: list[int], plan: ToolPlan | None = None,
-                 echo: str = "") -> list[Generation]:
-        """The request's ``n`` generations.  With a seed, choice ``i`` is seeded ``seed + i``: each
-        is reproducible, and they differ."""
+                 echo: str = "", response_id: str | None = None, prompt_index: int = 0) -> list[Generation]:
+        """A prompt's ``n`` generations.  With a seed, choice ``i`` is seeded ``seed + i``: each
+        is reproducible, and they differ.  A batch's prompt ``prompt_index`` (``response_id``: the
+        batch's) has the choices ``prompt_index * n + i``."""
         model, options = req.model, req.sampling()
         self._check_model(model)
         services = self.services
@@ -156,13 +156,16 @@ class OpenAIHandlers:
         )
         tenant = request["tenant"]
         salt = cache_salt(tenant, req.cache_salt, services.config.cache_isolation)
-        response_id = new_request_id("cmpl" if kind == "completion" else "chatcmpl")
+        response_id = response_id or new_request_id("cmpl" if kind == "completion" else "chatcmpl")
+        choices = req.n * (len(req.prompt) if kind == "completion" else 1)
         gens = []
         for i in range(req.n):
             seeded = params if i == 0 or params.seed is None else msgspec.structs.replace(
                 params, seed=(params.seed + i + 2**63) % 2**64 - 2**63)  # stays a signed 64-bit integer
-            gen = Generation(response_id if req.n == 1 else f"{response_id}-{i}", kind, model, prompt_ids, options,
-                             seeded, salt, tenant.key_id, index=i, response_id=response_id, echo=echo)
+            index = prompt_index * req.n + i
+            gen = Generation(response_id if choices == 1 else f"{response_id}-{index}", kind, model, prompt_ids,
+                             options, seeded, salt, tenant.key_id, index=index, first_choice=i == 0,
+                             response_id=response_id, echo=echo)
             if plan is not None and plan.parses_calls:
                 gen.tools = ToolOutput(plan, services.tool_parser)
             gens.append(gen)
@@ -210,9 +213,12 @@ class OpenAIHandlers:
         req = parse_completion_request(body, max_prompt_tokens=self.services.max_model_len)
         self._check_model(req.model)
         async with self.services.admission(request["tenant"]):
-            ids = await self.services.prompts.text(req.prompt) if isinstance(req.prompt, str) else req.prompt
-            echo = "" if not req.echo else req.prompt if isinstance(req.prompt, str) else self.services.tokenizer.decode(ids)
-            gens = self._prepare(request, "completion", req, ids, echo=echo)
+            response_id, gens = new_request_id("cmpl"), []
+            for index, prompt in enumerate(req.prompt):
+                ids = await self.services.prompts.text(prompt) if isinstance(prompt, str) else prompt
+                echo = "" if not req.echo else prompt if isinstance(prompt, str) else self.services.tokenizer.decode(ids)
+                gens += self._prepare(request, "completion", req, ids, echo=echo, response_id=response_id,
+                                      prompt_index=index)
             await self._check_grammar(gens[0].params)
             return await self._serve(request, gens)
 
@@ -237,13 +243,18 @@ class OpenAIHandlers:
 
         With ``n > 1`` the first choice goes first; once its first token is out (its prompt is in
         its decode worker's prefix cache) the others start on that worker, where they find the
-        prompt's blocks and share them instead of computing it again."""
-        self.services.metrics.model(gens[0].model).prompt_tokens.inc(len(gens[0].prompt_ids))
+        prompt's blocks and share them instead of computing it again.  A batch's other prompts start
+        then too, each choice after the first of a prompt following that prompt's first (to its
+        decode worker, once it has one)."""
+        self.services.metrics.model(gens[0].model).prompt_tokens.inc(prompt_tokens(gens))
         async with contextlib.AsyncExitStack() as stack:
             runs = [await stack.enter_async_context(contextlib.aclosing(self._run(gens[0])))]
             first = await self._upstream(anext(runs[0]))
+            leader = gens[0]
             for gen in gens[1:]:
-                runs.append(await stack.enter_async_context(contextlib.aclosing(self._run(gen, follow=gens[0]))))
+                leader = gen if gen.first_choice else leader
+                follow = None if gen is leader else leader
+                runs.append(await stack.enter_async_context(contextlib.aclosing(self._run(gen, follow=follow))))
             rest = await stack.enter_async_context(contextlib.aclosing(_merge(gens, runs)))
             if gens[0].options.stream:
                 return await self._stream(request, gens, rest, first)

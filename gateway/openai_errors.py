@@ -80,6 +80,13 @@ def invalid(message: str, param: str | None = None, code: str | None = None) -> 
     return OpenAIError(400, message, param=param, code=code)
 
 
+def check_model(model: str, served: str) -> None:
+    """A 404 (OpenAI's ``model_not_found``) unless ``model`` is the one served."""
+    if model != served:
+        raise OpenAIError(404, f"The model '{model}' does not exist; this server serves '{served}'", param="model",
+                          code="model_not_found")
+
+
 def error_response(status: int, message: str, *, param: str | None = None, code: str | None = None,
                    type: str | None = None, retry_after: float | None = None) -> web.Response:
     """An aiohttp response in OpenAI's error shape (e.g. 401 bad key, 404 unknown model,

@@ -51,11 +51,11 @@ from gateway.openai_responses import (  # noqa: F401 (API: the answers, with the
     CompletionResponse, FinishReason, ModelCard, ModelList, PromptTokensDetails, TopLogprob, Usage, json_response,
     new_request_id, now, sse_event,
 )
-from gateway.prompt_input import decode_prompt
+from gateway.prompt_input import MAX_REQUEST_CHOICES, decode_prompt
 from gateway.structured_request import read_response_format, read_structured_outputs
 from gateway.tools_request import MAX_TOOLS, FunctionName, Tool, ToolChoice, ToolPlan, plan_tools, read_tools
 
-MAX_N = 16  # choices per request (each is a sequence the workers generate)
+MAX_N = 16  # choices per prompt (each is a sequence the workers generate); with a batch: MAX_REQUEST_CHOICES
 MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 256
 MAX_MESSAGES = 4096
@@ -141,10 +141,11 @@ class SamplingOptions:
 
 
 class CompletionRequest(_Common):
-    """``POST /v1/completions``.  ``prompt`` is a string or a list of token ids (decoded from the
-    body by gateway/prompt_input.py)."""
+    """``POST /v1/completions``.  ``prompt`` holds the request's prompts -- one, or a batch -- each a
+    string or a list of token ids (decoded from the body's ``prompt`` by gateway/prompt_input.py,
+    which the API takes as a string, token ids, or a list of either)."""
 
-    prompt: str | list[int]
+    prompt: list[str | list[int]]
     max_tokens: MaxTokens | None = 16
     logprobs: Logprobs | None = None
     echo: bool = False
@@ -426,6 +427,9 @@ def parse_completion_request(body: bytes, max_prompt_tokens: int = MAX_PROMPT_TO
     if req.echo and req.logprobs is not None:
         raise invalid("echo with logprobs needs the prompt's logprobs, which this server does not compute",
                       "echo", "unsupported_value")
+    if len(req.prompt) * req.n > MAX_REQUEST_CHOICES:
+        raise invalid(f"a request's choices -- its {len(req.prompt)} prompts times n={req.n} -- are at most "
+                      f"{MAX_REQUEST_CHOICES}", "n", "too_many_choices")
     if req.best_of not in (None, 1):
         raise invalid(f"best_of={req.best_of} is not supported; only 1", "best_of", "unsupported_value")
     if req.suffix:

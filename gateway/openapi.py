@@ -30,6 +30,7 @@ from gateway.openai_protocol import (
     ChatCompletionRequest, ChatCompletionResponse, CompletionChunk, CompletionRequest, CompletionResponse,
     ErrorResponse, ModelList,
 )
+from gateway.prompt_input import MAX_REQUEST_CHOICES
 from gateway.structured_request import ResponseFormat, StructuredOutputsParams
 
 _REF = "#/components/schemas/{name}"
@@ -78,8 +79,13 @@ _REQUEST_RULES: dict[str, dict[str, dict]] = {
             {"type": "string", "minLength": 1},
             {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0, "maximum": MAX_TOKEN_ID},
              "description": "Token ids, each inside the model's vocabulary."},
-            {"type": "array", "minItems": 1, "maxItems": 1, "items": {"type": "string", "minLength": 1},
-             "description": "One prompt in a list (batches are not supported)."},
+            {"type": "array", "minItems": 1, "maxItems": MAX_REQUEST_CHOICES, "items": {"type": "string", "minLength": 1},
+             "description": f"A batch of prompts (choice p * n + i is choice i of prompt p; prompts times n at most "
+                            f"{MAX_REQUEST_CHOICES})."},
+            {"type": "array", "minItems": 1, "maxItems": MAX_REQUEST_CHOICES,
+             "items": {"type": "array", "minItems": 1,
+                       "items": {"type": "integer", "minimum": 0, "maximum": MAX_TOKEN_ID}},
+             "description": "A batch of prompts as token ids."},
         ]},
         "echo": {"type": "boolean", "default": False, "description": "The prompt before the completion (not "
                                                                        "with logprobs: no prompt logprobs)."},
@@ -232,8 +238,9 @@ def openapi_document(model_id: str, *, vocab_size: int, api_keys: bool, version:
         if name in ("CompletionRequest", "ChatCompletionRequest"):
             props["model"] = {"type": "string", "enum": [model_id], "description": "The served model."}
             schemas[name]["allOf"] = _CROSS_FIELD[name]
-    token_ids = schemas["CompletionRequest"]["properties"]["prompt"]["anyOf"][1]
-    token_ids["items"] = {**token_ids["items"], "maximum": vocab_size - 1}
+    prompt_forms = schemas["CompletionRequest"]["properties"]["prompt"]["anyOf"]
+    for token_ids in (prompt_forms[1], prompt_forms[3]["items"]):
+        token_ids["items"] = {**token_ids["items"], "maximum": vocab_size - 1}
     for name in ("CompletionRequest", "ChatCompletionRequest"):
         props = schemas[name]["properties"]
         props["logit_bias"]["anyOf"][0]["propertyNames"] = {"pattern": decimal_below(vocab_size)}
@@ -259,6 +266,14 @@ def openapi_document(model_id: str, *, vocab_size: int, api_keys: bool, version:
             "responses": {"200": {"description": "The one model this server serves.",
                                   "content": {"application/json": {"schema": {"$ref": _REF.format(name="ModelList")}}}},
                           "401": _error(_ERRORS["401"])},
+            **({"security": [{"apiKey": []}]} if api_keys else {}),
+        }},
+        "/v1/models/{model}": {"get": {
+            "summary": "The served model, by its id",
+            "parameters": [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}],
+            "responses": {"200": {"description": "The model, if it is the one this server serves.",
+                                  "content": {"application/json": {"schema": {"$ref": _REF.format(name="ModelCard")}}}},
+                          "401": _error(_ERRORS["401"]), "404": _error(_ERRORS["404"])},
             **({"security": [{"apiKey": []}]} if api_keys else {}),
         }},
         "/health": {"get": {

@@ -1,7 +1,7 @@
 """The OpenAI answers of one request's generations: stream chunks and whole responses.
 
-A request with ``n`` choices has ``n`` generations; every chunk names its choice's ``index``, the
-usage counts the prompt once and the completions of all of them.
+A request has a generation per choice (``n`` a prompt, one prompt or a batch); every chunk names its
+choice's ``index``, the usage counts each prompt once and the completions of all of them.
 """
 from __future__ import annotations
 
@@ -17,7 +17,14 @@ from gateway.openai_protocol import (
 
 
 def usage(gens: Sequence[Generation]) -> Usage:
-    return Usage.of(len(gens[0].prompt_ids), sum(len(g.token_ids) for g in gens), gens[0].cached_tokens)
+    """A request's usage: each prompt counted once (by its first choice), every choice's output."""
+    cached = sum(g.cached_tokens for g in gens if g.first_choice)
+    return Usage.of(prompt_tokens(gens), sum(len(g.token_ids) for g in gens), cached)
+
+
+def prompt_tokens(gens: Sequence[Generation]) -> int:
+    """The request's prompt tokens: each prompt's once."""
+    return sum(len(g.prompt_ids) for g in gens if g.first_choice)
 
 
 class ResponseShapes:

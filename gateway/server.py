@@ -1,6 +1,7 @@
 """The gateway process: the OpenAI HTTP API in front of the prefill and decode pools.
 
-    GET  /v1/models, /health, /metrics, /openapi.json    (the public API described: gateway/openapi.py)
+    GET  /v1/models, /v1/models/{model}, /health, /metrics, /openapi.json
+                                                         (the public API described: gateway/openapi.py)
     POST /v1/completions, /v1/chat/completions          (Authorization: Bearer <api key>, if set)
     GET  /admin/pools                                    (X-Admin-Token)
     GET  /admin/metrics                                  (X-Admin-Token; the per-API-key metrics)
@@ -39,6 +40,7 @@ from gateway.dispatch import Dispatcher
 from gateway.handlers import HandlerServices, OpenAIHandlers
 from gateway.metrics import GatewayMetrics
 from gateway.openapi import openapi_document
+from gateway.openai_errors import check_model
 from gateway.openai_protocol import ModelCard, ModelList, OpenAIError, json_response, now
 from gateway.pool import WorkerPool
 from gateway.prompts import PromptEncoder
@@ -197,6 +199,7 @@ class Gateway:
         app.router.add_post("/v1/completions", handlers.completions)
         app.router.add_post("/v1/chat/completions", handlers.chat_completions)
         app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/v1/models/{model:.+}", self._model)  # an id may hold slashes ("org/name")
         add_tokenize_routes(app, handlers)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
@@ -250,7 +253,15 @@ class Gateway:
         return await handler(request)
 
     async def _models(self, _request: web.Request) -> web.Response:
-        return json_response(ModelList([ModelCard(self.model_id, now(), max_model_len=self.max_model_len)]))
+        return json_response(ModelList([self._model_card()]))
+
+    async def _model(self, request: web.Request) -> web.Response:
+        """OpenAI's ``GET /v1/models/{model}``: the served model's card, else 404."""
+        check_model(request.match_info["model"], self.model_id)
+        return json_response(self._model_card())
+
+    def _model_card(self) -> ModelCard:
+        return ModelCard(self.model_id, now(), max_model_len=self.max_model_len)
 
     async def _openapi(self, _request: web.Request) -> web.Response:
         return web.Response(body=self.openapi, content_type="application/json")

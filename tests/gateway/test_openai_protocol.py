@@ -33,7 +33,7 @@ from tests.support.request_bodies import body, chat, completion, rejects
 def test_completion_defaults_and_normalised_sampling():
     req = parse_completion_request(completion())
     s = req.sampling()
-    assert (req.prompt, s.max_tokens, s.temperature, s.top_p, s.top_k, s.seed) == ("Hello", 16, 1.0, 1.0, None, None)
+    assert (req.prompt, s.max_tokens, s.temperature, s.top_p, s.top_k, s.seed) == (["Hello"], 16, 1.0, 1.0, None, None)
     assert (s.stop, s.ignore_eos, s.logprobs, s.stream, s.include_usage) == ((), False, None, False, False)
 
     req = parse_completion_request(completion(
@@ -41,7 +41,7 @@ def test_completion_defaults_and_normalised_sampling():
         stream=True, stream_options={"include_usage": True}, ignore_eos=True, logprobs=2, user="u1",
         presence_penalty=0, frequency_penalty=0.0, n=1, best_of=1))
     s = req.sampling()
-    assert req.prompt == [1, 2, 3]
+    assert req.prompt == [[1, 2, 3]]
     assert (s.max_tokens, s.temperature, s.top_p, s.top_k, s.seed) == (5, 0.0, 0.9, 40, 7)
     assert (s.stop, s.ignore_eos, s.logprobs, s.stream, s.include_usage) == (("\n\n",), True, 2, True, True)
     # vLLM-style "disabled" top_k values.
@@ -59,26 +59,50 @@ def test_penalties_and_min_p_are_accepted_and_defaulted():
 
 
 def test_prompt_forms():
-    assert parse_completion_request(completion(prompt=["one string"])).prompt == "one string"
-    rejects(parse_completion_request, completion(prompt=["a", "b"]), "prompt", "batch prompts are not supported")
-    rejects(parse_completion_request, completion(prompt=[[1, 2], [3]]), "prompt", "batch prompts")
-    rejects(parse_completion_request, completion(prompt=[1, "a"]), "prompt", "string or a list of token ids")
+    """A prompt is one or a batch: text, token ids, or a list of either."""
+    assert parse_completion_request(completion(prompt="one string")).prompt == ["one string"]
+    assert parse_completion_request(completion(prompt=["one string"])).prompt == ["one string"]
+    assert parse_completion_request(completion(prompt=["a", "b"])).prompt == ["a", "b"]
+    assert parse_completion_request(completion(prompt=[[1, 2], [3]])).prompt == [[1, 2], [3]]
+    assert parse_completion_request(completion(prompt=[[1, 2]], n=2)).prompt == [[1, 2]]
+    rejects(parse_completion_request, completion(prompt=[1, "a"]), "prompt", "prompt[1]: Expected `int`")
     rejects(parse_completion_request, completion(prompt=[]), "prompt", "must not be empty")
     rejects(parse_completion_request, completion(prompt=""), "prompt", "must not be empty")
     rejects(parse_completion_request, completion(prompt=[5, -1]), "prompt", "prompt[1]: Expected `int` >= 0")
-    rejects(parse_completion_request, completion(prompt=7), "prompt", "string or a list of token ids")
-    rejects(parse_completion_request, completion(prompt={"a": 1}), "prompt", "string or a list of token ids")
-    rejects(parse_completion_request, completion(prompt=["a", 1]), "prompt", "batch prompts")
-    rejects(parse_completion_request, completion(prompt=[""]), "prompt", "must not be empty")
-    assert parse_completion_request(b'{"model": "m", "prompt": [ \n 3 , 4 ]}').prompt == [3, 4]
+    rejects(parse_completion_request, completion(prompt=7), "prompt", "a string, a list of token ids")
+    rejects(parse_completion_request, completion(prompt={"a": 1}), "prompt", "a string, a list of token ids")
+    rejects(parse_completion_request, completion(prompt=["a", 1]), "prompt", "prompt[1]: Expected `str`")
+    rejects(parse_completion_request, completion(prompt=[[1], "a"]), "prompt", "prompt[1]: Expected `array`")
+    rejects(parse_completion_request, completion(prompt=[[[1]]]), "prompt", "prompt[0][0]: Expected `int`")
+    rejects(parse_completion_request, completion(prompt=[""]), "prompt", "prompt[0] must not be empty")
+    rejects(parse_completion_request, completion(prompt=["a", ""]), "prompt", "prompt[1] must not be empty")
+    rejects(parse_completion_request, completion(prompt=[[1], []]), "prompt", "prompt[1] must not be empty")
+    assert parse_completion_request(b'{"model": "m", "prompt": [ \n 3 , 4 ]}').prompt == [[3, 4]]
+
+
+def test_a_batch_holds_at_most_32_choices():
+    """Prompts times n: 32 at most, named as the batch's size or as n."""
+    strings, lists = [f"p{i}" for i in range(32)], [[i] for i in range(32)]
+    assert parse_completion_request(completion(prompt=strings)).prompt == strings
+    assert parse_completion_request(completion(prompt=lists)).prompt == lists
+    assert parse_completion_request(completion(prompt=strings[:2], n=16)).prompt == strings[:2]
+    rejects(parse_completion_request, completion(prompt=strings + ["one more"]), "prompt", "at most 32 prompts")
+    rejects(parse_completion_request, completion(prompt=lists + [[1]]), "prompt", "at most 32 prompts")
+    rejects(parse_completion_request, completion(prompt=strings[:3], n=11), "n", "its 3 prompts times n=11")
+    # A batch's token-id lists are each held to the context, before any id is decoded.
+    with pytest.raises(OpenAIError, match=r"prompt\[1\] has 9 tokens") as info:
+        parse_completion_request(completion(prompt=[[1], [2] * 9]), max_prompt_tokens=8)
+    assert info.value.param == "prompt" and info.value.code == "context_length_exceeded"
+    # Escaped quotes and commas inside a batch's strings are no boundaries.
+    assert parse_completion_request(completion(prompt=['a ", "b', "c\\"])).prompt == ['a ", "b', "c\\"]
 
 
 def test_a_prompt_is_read_past_leading_whitespace():
     """``decode_prompt`` takes JSON as it may come, whitespace before the value included."""
-    assert decode_prompt(msgspec.Raw(b" \n [1, 2]"), 8) == [1, 2]
-    assert decode_prompt(msgspec.Raw(b'  ["text"]'), 8) == "text"
-    with pytest.raises(OpenAIError, match="batch prompts"):
-        decode_prompt(msgspec.Raw(b"\t[[1], [2]]"), 8)
+    assert decode_prompt(msgspec.Raw(b" \n [1, 2]"), 8) == [[1, 2]]
+    assert decode_prompt(msgspec.Raw(b'  ["text"]'), 8) == ["text"]
+    assert decode_prompt(msgspec.Raw(b"\t[ [1], \n [2]]"), 8) == [[1], [2]]
+    assert decode_prompt(msgspec.Raw(b'[ "a" ,\n"b" ]'), 8) == ["a", "b"]
 
 
 # Bodies that cost the gateway's event loop over a second each when ``prompt`` was ``str | list[Any]``
@@ -93,9 +117,12 @@ def filler(item: bytes, size: int = 4 * MIB - 64) -> bytes:
 
 
 @pytest.mark.parametrize("prompt,text", [
-    (b"[" + filler(b"[1,2,3,4,5,6,7,8]") + b"]", "batch prompts"),
-    (b"[" + filler(b"[[[[[[[[1]]]]]]]]") + b"]", "batch prompts"),
-    (b"[" + filler(b'"a"') + b"]", "batch prompts"),
+    (b"[" + filler(b"[1,2,3,4,5,6,7,8]") + b"]", "at most 32 prompts"),
+    (b"[" + filler(b"[[[[[[[[1]]]]]]]]") + b"]", "at most 32 prompts"),
+    (b"[" + filler(b'"a"') + b"]", "at most 32 prompts"),
+    (b'["' + b"a" * (4 * MIB - 128) + b'", 1]', "prompt[1]: Expected `str`"),
+    (b"[[1]," + filler(b"1", 4 * MIB - 128) + b"]", "prompt[1]: Expected `array`"),
+    (b"[[" + filler(b"1") + b"]]", "prompt[0] has"),
     (b"[1," + filler(b"[1]") + b"]", "comma-separated parts"),
     (b"[" + filler(b"1") + b"]", "maximum context length is 4096 tokens"),
     (b"[" + filler(b"1.0") + b"]", "maximum context length is 4096 tokens"),
@@ -216,12 +243,12 @@ def test_integral_numbers_are_integers_as_in_json_schema():
     """16.0 is an integer (JSON Schema's, the OpenAPI document's, and OpenAI's / vLLM's servers');
     16.5 is not.  Numbers and booleans sent as strings are read too (as pydantic-based servers do)."""
     req = parse_completion_request(completion(prompt=[1.0, 2, 3.0], max_tokens=16.0, seed=7.0, stream="true"))
-    assert req.prompt == [1, 2, 3] and all(type(t) is int for t in req.prompt)
+    assert req.prompt == [[1, 2, 3]] and all(type(t) is int for t in req.prompt[0])
     assert (req.max_tokens, req.seed, req.stream) == (16, 7, True)
     assert parse_completion_request(completion(max_tokens="5", temperature="0.5")).sampling().max_tokens == 5
     rejects(parse_completion_request, completion(prompt=[1.5, 2]), "prompt", "list of token ids (integers in")
     rejects(parse_completion_request, completion(prompt=[1e30]), "prompt", "list of token ids (integers in")
-    rejects(parse_completion_request, completion(prompt=[True, 2]), "prompt", "string or a list of token ids")
+    rejects(parse_completion_request, completion(prompt=[True, 2]), "prompt", "a string, a list of token ids")
     assert parse_chat_request(chat(max_completion_tokens=8.0, top_logprobs=2.0, logprobs=True)).sampling().logprobs == 2
 
 

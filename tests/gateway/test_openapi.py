@@ -54,8 +54,8 @@ def document(stack) -> dict:
 
 def test_the_document_describes_what_the_gateway_validates(stack, document):
     assert document["openapi"].startswith("3.1")
-    assert set(document["paths"]) == {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health",
-                                      "/metrics", "/openapi.json"}
+    assert set(document["paths"]) == {"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{model}",
+                                      "/health", "/metrics", "/openapi.json"}
     schemas = document["components"]["schemas"]
     completion = schemas["CompletionRequest"]
     assert set(completion["required"]) == {"model", "prompt"} and completion["additionalProperties"] is False

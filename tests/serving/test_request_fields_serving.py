@@ -1,7 +1,8 @@
 """The request fields beyond one plain completion, served: ``n`` (the prompt computed once, the
-other choices sharing its blocks; reproducible with a seed), ``echo``, ``stream_options``
-(``include_usage``, ``continuous_usage_stats``), logprobs on chat and completions including the
-first token (sampled by the prefill worker), ``stop_token_ids``, ``user`` and ``metadata``."""
+other choices sharing its blocks; reproducible with a seed), a batch of prompts, ``echo``,
+``stream_options`` (``include_usage``, ``continuous_usage_stats``), logprobs on chat and completions
+including the first token (sampled by the prefill worker), ``stop_token_ids``, ``user`` and
+``metadata``."""
 from __future__ import annotations
 
 import json
@@ -39,6 +40,37 @@ def test_n_choices_are_reproducible_with_a_seed_and_share_the_prompt(client, sta
     alone = client.completions.create(model=stack.model_name, prompt=prompt, max_tokens=8, temperature=1.0, seed=12,
                                       extra_body={"ignore_eos": True})
     assert alone.choices[0].text == texts(first)[1]
+
+
+def test_a_batch_of_prompts_answers_each_as_if_alone(client, stack):
+    """A batch's choice p * n + i is choice i of prompt p: greedy, each prompt's text is its text
+    alone (strings and token ids); seeded and streamed with n = 2, each prompt's choice i is the
+    prompt alone with seed + i; the usage counts each prompt once and every choice's tokens."""
+    greedy = {"max_tokens": 6, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    for prompts in (["batch: one", f"{LONG} batch: two, through the prefill pool", "batch: three"],
+                    [[5, 6, 7], [8, 9, 10, 11], [5, 6, 7]]):
+        alone = [client.completions.create(model=stack.model_name, prompt=p, **greedy) for p in prompts]
+        batch = client.completions.create(model=stack.model_name, prompt=prompts, **greedy)
+        assert [c.index for c in batch.choices] == [0, 1, 2]
+        assert texts(batch) == [a.choices[0].text for a in alone]
+        assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+        assert batch.usage.completion_tokens == 18
+    prompts = ["seeded batch: one", "seeded batch: two"]
+    sampled = {"max_tokens": 5, "temperature": 1.0, "extra_body": {"ignore_eos": True}}
+    stream = client.completions.create(model=stack.model_name, prompt=prompts, n=2, seed=5, stream=True,
+                                       stream_options={"include_usage": True}, **sampled)
+    pieces, finished, usage = {i: "" for i in range(4)}, set(), None
+    for chunk in stream:
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            pieces[choice.index] += choice.text
+            finished |= {choice.index} if choice.finish_reason else set()
+    assert finished == {0, 1, 2, 3}
+    expected = [client.completions.create(model=stack.model_name, prompt=p, seed=5 + i, **sampled)
+                for p in prompts for i in range(2)]
+    assert [pieces[i] for i in range(4)] == [e.choices[0].text for e in expected]
+    assert usage.prompt_tokens == expected[0].usage.prompt_tokens + expected[2].usage.prompt_tokens
+    assert usage.completion_tokens == 20
 
 
 def test_n_streamed_chat_carries_every_index(client, stack):

@@ -101,6 +101,11 @@ def aclient(stack) -> openai.AsyncOpenAI:
 def test_models_and_health(stack):
     models = client(stack).models.list()
     assert [m.id for m in models.data] == [stack.model_name]
+    assert client(stack).models.retrieve(stack.model_name).id == stack.model_name
+    for other in ("other-model", f"org/{stack.model_name}"):
+        with pytest.raises(openai.NotFoundError) as info:
+            client(stack).models.retrieve(other)
+        assert info.value.body["code"] == "model_not_found" and other in info.value.body["message"]
     health = http_json(f"{stack.gateway_url}/health")
     assert health["workers"] == {"prefill": 2, "decode": 1, "both": 0} and health["redis"] is True
 
