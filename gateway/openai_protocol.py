@@ -293,6 +293,10 @@ def _sampling(req: _Common, max_tokens: int | None, logprobs: int | None) -> Sam
 
 
 _UNKNOWN_RE = re.compile(r"^Object contains unknown field `([^`]*)`")
+# vLLM's guided-decoding fields, removed there (its server now ignores them: unconstrained output);
+# here they are refused like any unknown field, the refusal naming what replaced each.
+_REPLACED_FIELDS = {f"guided_{key}": f"structured_outputs: {{\"{key}\": ...}}" for key in ("json", "regex", "choice",
+                                                                                             "grammar")}
 _MISSING_RE = re.compile(r"^Object missing required field `([^`]*)`")
 
 
@@ -307,7 +311,8 @@ def _from_msgspec(exc: msgspec.MsgspecError, at: str = "") -> OpenAIError:
         path = at + path if not path or path.startswith("[") else f"{at}.{path}"
     if u := _UNKNOWN_RE.match(detail):
         name = f"{path}.{u.group(1)}" if path else u.group(1)
-        return invalid(f"Unrecognized request argument supplied: {name}", name, "unknown_parameter")
+        hint = f" (vLLM's guided_* fields are gone; send {_REPLACED_FIELDS[name]})" if name in _REPLACED_FIELDS else ""
+        return invalid(f"Unrecognized request argument supplied: {name}{hint}", name, "unknown_parameter")
     if r := _MISSING_RE.match(detail):
         name = f"{path}.{r.group(1)}" if path else r.group(1)
         return invalid(f"Missing required parameter: '{name}'.", name, "missing_required_parameter")

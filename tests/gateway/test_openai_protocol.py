@@ -214,6 +214,10 @@ def test_unknown_fields_are_rejected_by_name():
             "messages[0].tool_call_id", "tool_call_id")
     rejects(parse_completion_request, completion(stream=True, stream_options={"include_usage": True, "x": 1}),
             "stream_options.x", "Unrecognized")
+    # vLLM's removed guided_* fields are refused naming what replaced them (vLLM ignores them now).
+    rejects(parse_completion_request, completion(guided_json={"type": "object"}), "guided_json",
+            'send structured_outputs: {"json": ...}')
+    rejects(parse_chat_request, chat(guided_choice=["a", "b"]), "guided_choice", 'structured_outputs: {"choice": ...}')
 
 
 @pytest.mark.parametrize("field,value,text", [
