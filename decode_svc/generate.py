@@ -34,7 +34,7 @@ from common.engine.structured.backend import CompiledGrammar
 from worker.engine_thread import MOVE_SOON, EngineFailed, HandOver
 from common.cluster.registry import WorkerInfo
 from common.cluster.messages import (
-    FRAMES_CONTENT_TYPE, GenerateRequest, PrefillRequest, TokenFrame, TokenLogprob, decode, frame,
+    FRAMES_CONTENT_TYPE, GenerateRequest, PrefillRequest, TokenFrame, TokenLogprob, decode, frame, wire_logprobs,
 )
 from decode_svc.prefill_client import BadPrefillAnswer, call_prefill, resolve_prefill_worker, send_abort
 from kvtransfer.receiver import IncomingTransfer, TransferResult
@@ -85,7 +85,8 @@ def _logprobs(output: RequestOutput) -> list[TokenLogprob] | None:
 
 def output_frame(output: RequestOutput) -> TokenFrame:
     return TokenFrame(
-        token_ids=output.new_token_ids, logprobs=_logprobs(output), finished=output.finished,
+        token_ids=output.new_token_ids, logprobs=_logprobs(output), prompt_logprobs=wire_logprobs(output.prompt_logprobs),
+        finished=output.finished,
         finish_reason=output.finish_reason, num_prompt_tokens=output.num_prompt_tokens,
         num_cached_tokens=output.num_cached_tokens, num_preemptions=output.num_preemptions,
     )
@@ -353,7 +354,8 @@ async def remote_prefill(context: RoleContext, body: GenerateRequest, reservatio
     if result.first_logprob is not None:
         logprobs = [result.first_logprob]
     return TokenFrame(
-        token_ids=[result.first_token_id], logprobs=logprobs, finished=ending is not None,
+        token_ids=[result.first_token_id], logprobs=logprobs, prompt_logprobs=result.prompt_logprobs,
+        finished=ending is not None,
         finish_reason=None if ending is None else ending.finish_reason,
         num_prompt_tokens=len(body.prompt_token_ids),
         num_cached_tokens=max(num_cached, result.num_cached_tokens), prefill_worker=peer.worker_id,

@@ -12,6 +12,9 @@ first token is committed to the request and its blocks to the prefix cache:
     num_cached_tokens  in [0, prompt length (with a moved stream's resumed tokens)]
     first_logprob      None unless logprobs were asked for; then for first_token_id, finite, <= 0,
                        at most ``logprobs`` alternatives, each inside the vocabulary
+    prompt_logprobs    None unless prompt_logprobs were asked for; then one entry per prompt token
+                       after the first, each for that token, checked as first_logprob is (at most
+                       ``prompt_logprobs`` alternatives)
 """
 from __future__ import annotations
 
@@ -21,13 +24,17 @@ import math
 
 import aiohttp
 
-from common.cluster.messages import AbortRequest, PrefillRequest, PrefillResult, decode, encode, read_response
+from common.cluster.messages import (
+    MAX_FRAME_BYTES, AbortRequest, PrefillRequest, PrefillResult, TokenLogprob, decode, encode, read_response,
+)
 from common.cluster.registry import WorkerInfo
 from worker.role_context import RoleContext
 
 log = logging.getLogger(__name__)
 
 MAX_RESULT_BYTES = 64 << 10  # a PrefillResult is a few hundred bytes; an error message a few more
+# ... unless it scores the prompt (``prompt_logprobs``, bounded by MAX_PROMPT_LOGPROB_VALUES): a frame's worth.
+MAX_SCORED_RESULT_BYTES = MAX_FRAME_BYTES
 LOGPROB_SLACK = 1e-3  # log-softmax rounding can land a hair above 0
 
 
@@ -57,7 +64,8 @@ async def call_prefill(context: RoleContext, peer: WorkerInfo, prefill: PrefillR
     async with context.peer_http.post(f"{peer.http_address}/prefill", data=data, headers=headers,
                                        timeout=timeout) as resp:
         try:
-            raw = await read_response(resp, MAX_RESULT_BYTES)
+            scored = prefill.sampling_params.prompt_logprobs is not None
+            raw = await read_response(resp, MAX_SCORED_RESULT_BYTES if scored else MAX_RESULT_BYTES)
         except ValueError as exc:
             raise BadPrefillAnswer(f"prefill worker {peer.worker_id}: {exc}") from None
         try:
@@ -86,19 +94,33 @@ def check_prefill_result(result: PrefillResult, asked: PrefillRequest, vocab_siz
         raise bad(f"num_cached_tokens {result.num_cached_tokens} is outside [0, {num_kv_tokens}]")
     wanted = asked.sampling_params.logprobs
     lp = result.first_logprob
-    if lp is None:
+    if lp is not None:
+        if wanted is None:
+            raise bad("first_logprob was sent but no logprobs were asked for")
+        _check_logprob(lp, result.first_token_id, wanted, vocab_size, "first_logprob", bad)
+    scored, wanted = result.prompt_logprobs, asked.sampling_params.prompt_logprobs
+    if scored is None and wanted is None:
         return
-    if wanted is None:
-        raise bad("first_logprob was sent but no logprobs were asked for")
-    if lp.token_id != result.first_token_id:
-        raise bad(f"first_logprob is for token {lp.token_id}, not the first token {result.first_token_id}")
+    prompt = asked.prompt_token_ids
+    if scored is None or wanted is None or len(scored) != len(prompt) - 1:
+        raise bad(f"prompt_logprobs has {'no' if scored is None else len(scored)} entries; "
+                  f"{'none were' if wanted is None else len(prompt) - 1} asked for")
+    for i, entry in enumerate(scored):
+        _check_logprob(entry, prompt[i + 1], wanted, vocab_size, f"prompt_logprobs[{i}]", bad)
+
+
+def _check_logprob(lp: TokenLogprob, token_id: int, wanted: int, vocab_size: int, name: str, bad) -> None:
+    """``lp`` scores ``token_id`` with at most ``wanted`` alternatives, every token in the vocabulary
+    and every log-probability <= 0."""
+    if lp.token_id != token_id:
+        raise bad(f"{name} is for token {lp.token_id}, not {token_id}")
     if len(lp.top) > wanted:
-        raise bad(f"first_logprob has {len(lp.top)} alternatives, at most {wanted} were asked for")
+        raise bad(f"{name} has {len(lp.top)} alternatives, at most {wanted} were asked for")
     for token_id, logprob in [(lp.token_id, lp.logprob), *lp.top]:
         if not 0 <= token_id < vocab_size:
-            raise bad(f"first_logprob names token {token_id}, outside the vocabulary")
+            raise bad(f"{name} names token {token_id}, outside the vocabulary")
         if not (math.isfinite(logprob) or logprob == -math.inf) or logprob > LOGPROB_SLACK:
-            raise bad(f"first_logprob has log-probability {logprob} (must be <= 0)")
+            raise bad(f"{name} has log-probability {logprob} (must be <= 0)")
 
 
 async def send_abort(context: RoleContext, peer: WorkerInfo, request_id: str) -> None:

@@ -127,10 +127,12 @@ class Dispatcher:
             self.queue.notify(1)
 
     async def choose(self, prompt: list[int], exclude: set[str], cache_salt: str | None = None,
-                     hashed: dict[int, list[bytes]] | None = None) -> Route | None:
+                     hashed: dict[int, list[bytes]] | None = None, reads_cache: bool = True) -> Route | None:
         """A route avoiding ``exclude``, or None when no decode worker is left to try.  The prompt's
         block hashes are the ones the workers compute (same model id and ``cache_salt``);
-        ``hashed`` keeps them per block size across the attempts of one request."""
+        ``hashed`` keeps them per block size across the attempts of one request.  ``reads_cache``
+        False: the request computes its prompt whole wherever it goes (it scores the prompt), so
+        no worker's cached prefix counts."""
         workers = self.pool.routable(exclude)
         if not any(_can_decode(w) for w in workers):
             return None
@@ -140,7 +142,7 @@ class Dispatcher:
             hashed[block_size] = await self._hash(prompt, block_size, cache_salt)
         hashes = hashed[block_size]
         matched: dict[str, int] = {}
-        if hashes:
+        if hashes and reads_cache:
             matched = await self.prefix_index.longest_prefix(self.model, hashes, [w.worker_id for w in workers])
         return self.router.route(workers, len(prompt), matched, affinity_key=hashes[0] if hashes else b"",
                                  pending=self.pending_prefill, pending_decode=self.sent_to_decode.load(workers))
@@ -178,7 +180,8 @@ class Dispatcher:
         fetched = len(sent) + 1  # the token after them ends it: the worker keeps the KV as cache
         body = GenerateRequest(
             request_id=f"{request_id[:100]}#precopy{len(sent)}", prompt_token_ids=prompt,
-            sampling_params=msgspec.structs.replace(params, max_tokens=fetched, min_tokens=min(params.min_tokens, fetched)),
+            sampling_params=msgspec.structs.replace(params, max_tokens=fetched, min_tokens=min(params.min_tokens, fetched),
+                                                    prompt_logprobs=None),
             prefill_worker_id=source.worker_id, cache_salt=cache_salt, resume_token_ids=sent, precopy_of=request_id)
         resp = await self._open_stream(route.decode.http_address, body, route.decode.audience)
         try:
@@ -231,8 +234,9 @@ class Dispatcher:
                              or await self.choose(prompt + resume, exclude | stale | busy, cache_salt))
                     route = route and migration.resumed_route(route)
                 else:
-                    route = self._sibling_route(follow, exclude | stale | busy) or await self.choose(
-                        prompt, exclude | stale | busy, cache_salt, hashed)
+                    scores = params.prompt_logprobs is not None  # computes its prompt whole: no cache to follow
+                    route = (None if scores else self._sibling_route(follow, exclude | stale | busy)) or await self.choose(
+                        prompt, exclude | stale | busy, cache_salt, hashed, reads_cache=not scores)
                 if route is None and last_bad_answer is not None and not busy:
                     # Every worker left answered garbage: no room will appear by waiting.
                     raise WorkerAnswerError(f"no decode worker gave a readable answer ({last_bad_answer})")
@@ -246,7 +250,9 @@ class Dispatcher:
                 decode_id = route.decode.worker_id
                 if route.prefill is None:
                     self.metrics.prefill_skipped.labels(route.reason).inc()
-                body = GenerateRequest(request_id=request_id, prompt_token_ids=prompt, sampling_params=params,
+                # A moved stream's client has its prompt's logprobs already (from the first frame).
+                body = GenerateRequest(request_id=request_id, prompt_token_ids=prompt, sampling_params=params
+                                       if not resume else msgspec.structs.replace(params, prompt_logprobs=None),
                                        prefill_worker_id=route.prefill.worker_id if route.prefill else None,
                                        cache_salt=cache_salt, resume_token_ids=resume,
                                        may_migrate=migration.may_move)

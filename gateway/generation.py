@@ -32,6 +32,8 @@ class Generation:
     pieces: list[str] = field(default_factory=list)  # the text, as streamed (joined once at the end)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list = field(default_factory=list)
+    prompt_logprobs: list | None = None  # echo with logprobs: entry i scores prompt token i + 1
+    opened: bool = False  # its stream's opening chunks (a chat's role, an echo) are out
     cached_tokens: int = 0
     finish_reason: str | None = None
     stop_reason: str | None = None

@@ -13,7 +13,7 @@ import msgspec
 from aiohttp import web
 
 from common.cluster.messages import TokenFrame
-from common.engine.sampling_params import SamplingParams
+from common.engine.sampling_params import SamplingParams, check_prompt_logprobs
 from common.engine.structured.backend import GrammarError
 from common.engine.structured.compiler import GrammarCompiler
 from gateway.chat_template import ChatFormat
@@ -142,6 +142,12 @@ class OpenAIHandlers:
         for name, ids in (("logit_bias", [t for t, _ in options.logit_bias]), ("stop_token_ids", options.stop_token_ids)):
             if ids and max(ids) >= vocab:
                 raise invalid(f"{name}: token id {max(ids)} is outside the vocabulary [0, {vocab})", name)
+        # echo with logprobs scores the prompt's tokens too (the workers compute it whole for that).
+        prompt_logprobs = options.logprobs if kind == "completion" and req.echo else None
+        try:
+            check_prompt_logprobs(len(prompt_ids), prompt_logprobs)
+        except ValueError as exc:
+            raise invalid(f"echo with logprobs: {exc}", "logprobs") from None
         # A built-in chat format's end-of-turn token ends a chat answer (unless EOS is ignored).
         turn_end = services.chat_format.stop_token_ids if kind == "chat" and not options.ignore_eos else ()
         params = SamplingParams(
@@ -152,7 +158,7 @@ class OpenAIHandlers:
             stop_token_ids=tuple(dict.fromkeys(turn_end + options.stop_token_ids)),
             # min_tokens beyond max_tokens: no stop token ends the output early (it ends at max_tokens)
             logit_bias=options.logit_bias, min_tokens=min(options.min_tokens, max_tokens),
-            structured=options.structured or (plan.structured if plan else None),
+            structured=options.structured or (plan.structured if plan else None), prompt_logprobs=prompt_logprobs,
         )
         tenant = request["tenant"]
         salt = cache_salt(tenant, req.cache_salt, services.config.cache_isolation)
@@ -296,6 +302,8 @@ class OpenAIHandlers:
                             metrics.inter_token_latency.observe(now_t - last)
                         last = now_t
                         gen.cached_tokens = max(gen.cached_tokens, frame.num_cached_tokens)
+                        if frame.prompt_logprobs is not None and gen.prompt_logprobs is None:
+                            gen.prompt_logprobs = frame.prompt_logprobs
                         delta = decoder.step(frame.token_ids)
                         gen.token_ids.extend(frame.token_ids)
                         if frame.logprobs:
@@ -333,9 +341,6 @@ class OpenAIHandlers:
         write = functools.partial(self._write, response)
         try:
             try:
-                opening = [sse_event(chunk) for g in gens for chunk in self.shapes.first_chunks(g)]
-                if opening:
-                    await write(b"".join(opening))
                 await self._write_batch(write, gens, gen, first)
                 async for sibling, batch in rest:
                     await self._write_batch(write, gens, sibling, batch)
@@ -368,11 +373,14 @@ class OpenAIHandlers:
             raise _ClientTooSlow() from None
 
     async def _write_batch(self, write, gens: list[Generation], gen: Generation, batch: list[tuple[str, TokenFrame]]):
-        """One write for a batch's SSE events (one event per frame that carries something)."""
+        """One write for a batch's SSE events (one event per frame that carries something), after
+        the choice's opening chunks with its first batch (an echo's logprobs come with it)."""
         last = len(batch) - 1
         running_usage = usage(gens) if gen.options.continuous_usage else None
-        events = [sse_event(chunk) for i, (delta, frame) in enumerate(batch)
-                  for chunk in self.shapes.chunks(gen, delta, frame, i == last, running_usage)]
+        events = [] if gen.opened else [sse_event(chunk) for chunk in self.shapes.first_chunks(gen)]
+        gen.opened = True
+        events += [sse_event(chunk) for i, (delta, frame) in enumerate(batch)
+                   for chunk in self.shapes.chunks(gen, delta, frame, i == last, running_usage)]
         if events:
             await write(b"".join(events))
 

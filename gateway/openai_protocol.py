@@ -429,9 +429,6 @@ def parse_completion_request(body: bytes, max_prompt_tokens: int = MAX_PROMPT_TO
     fields["prompt"] = decode_prompt(body_req.prompt, max_prompt_tokens)
     req = CompletionRequest(**fields)
     _validate_common(req)
-    if req.echo and req.logprobs is not None:
-        raise invalid("echo with logprobs needs the prompt's logprobs, which this server does not compute",
-                      "echo", "unsupported_value")
     if len(req.prompt) * req.n > MAX_REQUEST_CHOICES:
         raise invalid(f"a request's choices -- its {len(req.prompt)} prompts times n={req.n} -- are at most "
                       f"{MAX_REQUEST_CHOICES}", "n", "too_many_choices")

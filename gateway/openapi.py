@@ -87,8 +87,9 @@ _REQUEST_RULES: dict[str, dict[str, dict]] = {
                        "items": {"type": "integer", "minimum": 0, "maximum": MAX_TOKEN_ID}},
              "description": "A batch of prompts as token ids."},
         ]},
-        "echo": {"type": "boolean", "default": False, "description": "The prompt before the completion (not "
-                                                                       "with logprobs: no prompt logprobs)."},
+        "echo": {"type": "boolean", "default": False,
+                 "description": "The prompt before the completion; with logprobs, its tokens' logprobs too (the "
+                                "first token has none)."},
         "best_of": {**_nullable({"type": "integer", "const": 1}), "description": "Only 1 is supported."},
         "suffix": {**_nullable({"type": "string", "maxLength": 0}), "description": "Not supported."},
     },
@@ -128,8 +129,7 @@ def _implies(field: str, present: dict, then: dict) -> dict:
 _STREAM_OPTIONS_NEED_STREAM = _implies("stream_options", {"type": "object"},
                                        {"properties": {"stream": {"const": True}}, "required": ["stream"]})
 _CROSS_FIELD: dict[str, list[dict]] = {
-    "CompletionRequest": [_STREAM_OPTIONS_NEED_STREAM,
-                          _implies("echo", {"const": True}, {"properties": {"logprobs": _NULL}})],
+    "CompletionRequest": [_STREAM_OPTIONS_NEED_STREAM],
     "ChatCompletionRequest": [
         _STREAM_OPTIONS_NEED_STREAM,
         _implies("top_logprobs", {"type": "integer"},

@@ -47,6 +47,15 @@ class ResponseShapes:
             top_logprobs=[{self._token_text(t): lp for t, lp in e.top} for e in entries], text_offset=offsets,
         )
 
+    def echo_logprobs(self, gen: Generation) -> CompletionLogprobs | None:
+        """The echoed prompt's logprobs (echo with logprobs; ``None`` without): its first token has
+        none, nothing precedes it."""
+        if gen.prompt_logprobs is None:
+            return None
+        first = self._token_text(gen.prompt_ids[0])
+        opening = CompletionLogprobs(tokens=[first], token_logprobs=[None], top_logprobs=[None], text_offset=[0])
+        return _joined(opening, self.completion_logprobs(gen.prompt_logprobs, len(first)))
+
     def chat_logprobs(self, entries) -> ChatLogprobs | None:
         if not entries:
             return None
@@ -65,7 +74,8 @@ class ResponseShapes:
             return [ChatCompletionChunk(gen.response_id, now(), gen.model,
                                         [ChatStreamChoice(gen.index, ChatDelta(role="assistant", content=""))])]
         if gen.echo:
-            return [CompletionChunk(gen.response_id, now(), gen.model, [CompletionChoice(gen.index, gen.echo)])]
+            return [CompletionChunk(gen.response_id, now(), gen.model,
+                                    [CompletionChoice(gen.index, gen.echo, self.echo_logprobs(gen))])]
         return []
 
     def chunks(self, gen: Generation, delta: str, frame: TokenFrame, final: bool, usage_so_far: Usage | None) -> list:
@@ -112,7 +122,8 @@ class ResponseShapes:
         if gen.kind == "chat":
             return ChatCompletionResponse(gen.response_id, now(), gen.model, [self._chat_choice(g) for g in gens],
                                           usage(gens))
-        choices = [CompletionChoice(g.index, g.echo + g.text, self.completion_logprobs(g.logprobs, len(g.echo)),
+        choices = [CompletionChoice(g.index, g.echo + g.text,
+                                    _joined(self.echo_logprobs(g), self.completion_logprobs(g.logprobs, len(g.echo))),
                                     g.finish_reason, g.stop_reason) for g in gens]
         return CompletionResponse(gen.response_id, now(), gen.model, choices, usage(gens))
 
@@ -123,3 +134,12 @@ class ResponseShapes:
             message = ChatResponseMessage(content, tool_calls=gen.tools.message_calls(calls))
             finish = "tool_calls" if calls and finish == "stop" else finish
         return ChatChoice(gen.index, message, self.chat_logprobs(gen.logprobs), finish, gen.stop_reason)
+
+
+def _joined(head: CompletionLogprobs | None, tail: CompletionLogprobs | None) -> CompletionLogprobs | None:
+    """``head``'s entries, then ``tail``'s (either may be ``None``)."""
+    if head is None or tail is None:
+        return head or tail
+    return CompletionLogprobs(tokens=head.tokens + tail.tokens, token_logprobs=head.token_logprobs + tail.token_logprobs,
+                              top_logprobs=head.top_logprobs + tail.top_logprobs,
+                              text_offset=head.text_offset + tail.text_offset)

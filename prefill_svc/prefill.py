@@ -13,7 +13,7 @@ import logging
 import msgspec
 from aiohttp import web
 
-from common.cluster.messages import PrefillRequest, PrefillResult, TokenLogprob, decode, encode
+from common.cluster.messages import PrefillRequest, PrefillResult, TokenLogprob, decode, encode, wire_logprobs
 from prefill_svc.request_checks import check_prefill_request
 from prefill_svc.shipping import Shipper, ShippingJob, ship, unpin_leftovers
 from worker.role_context import RoleContext
@@ -101,6 +101,7 @@ async def handle_prefill(context: RoleContext, shipper: Shipper, request: web.Re
         return _reply(PrefillResult(
             first_token_id=output.new_token_ids[0],
             first_logprob=TokenLogprob(lp.token_id, lp.logprob, lp.top) if lp else None,
+            prompt_logprobs=wire_logprobs(output.prompt_logprobs),
             num_cached_tokens=output.num_cached_tokens, num_sent_blocks=num_sent,
         ))
     except asyncio.CancelledError:

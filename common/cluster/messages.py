@@ -37,6 +37,11 @@ class TokenLogprob(msgspec.Struct, array_like=True):
     top: list[tuple[int, float]] = []
 
 
+def wire_logprobs(entries) -> list[TokenLogprob] | None:
+    """The engine's ``TokenLogprobs`` entries (``None``: none asked for) as they travel."""
+    return None if entries is None else [TokenLogprob(e.token_id, e.logprob, e.top) for e in entries]
+
+
 class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
     """Gateway -> decode worker: generate for this prompt; ``prefill_worker_id`` set means the
     prompt's KV is computed by that prefill worker (the decode worker finds its address in the
@@ -66,6 +71,8 @@ class TokenFrame(msgspec.Struct, omit_defaults=True):
 
     token_ids: list[int] = []
     logprobs: list[TokenLogprob] | None = None
+    # On the first frame of a request with ``prompt_logprobs``: entry i scores prompt token i + 1.
+    prompt_logprobs: list[TokenLogprob] | None = None
     finished: bool = False
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
@@ -115,6 +122,7 @@ class PrefillResult(msgspec.Struct, omit_defaults=True):
 
     first_token_id: int | None = None  # None with an error
     first_logprob: TokenLogprob | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None  # with ``prompt_logprobs``: entry i scores prompt token i + 1
     num_cached_tokens: int = 0  # prompt tokens the prefill worker found in its own prefix cache
     num_sent_blocks: int = 0
     error: str | None = None

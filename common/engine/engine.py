@@ -30,7 +30,7 @@ from common.engine.models.quantization_scheme import Quantization
 from common.engine.models.stages import compile_stages
 from common.engine.request import Request, RequestStatus, resume_request
 from common.engine.sampler import TokenLogprobs
-from common.engine.sampling_params import SamplingParams
+from common.engine.sampling_params import SamplingParams, check_prompt_logprobs
 from common.engine.scheduler import Scheduler
 from common.engine.scheduler_output import SchedulerOutput
 from common.engine.parallel.shared_kv import share_caches, shared_host_zeros
@@ -56,6 +56,8 @@ class RequestOutput:
     num_output_tokens: int
     new_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     num_preemptions: int = 0
+    # With the first token of a request that scores its prompt: entry i scores prompt token i + 1.
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 class StepFailed(Exception):
@@ -79,6 +81,7 @@ class CompletionResult:
     finish_reason: str | None
     num_cached_tokens: int
     logprobs: list[TokenLogprobs | None]
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 def _pick_device(name: str) -> torch.device:
@@ -250,6 +253,7 @@ class Engine:
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         if any(t >= vocab for t, _ in params.logit_bias):
             raise ValueError(f"logit_bias: token ids must be in [0, {vocab})")
+        check_prompt_logprobs(len(prompt_ids), params.prompt_logprobs)
         matcher = None
         if params.structured is not None:
             matcher = (grammar or self.grammars.compile(params.structured)).matcher()
@@ -292,6 +296,8 @@ class Engine:
             if self.fault_injector is not None:
                 self.fault_injector(self.num_steps)
             sampled = self.runner.execute(out)
+            for request_id, entries in self.runner.prompt_logprobs.items():
+                self.scheduler.requests[request_id].prompt_logprobs.extend(entries)
             changed = self.scheduler.update(out, {rid: tokens for rid, (tokens, _lp) in sampled.items()})
         except Exception as exc:
             failed = [item.request_id for item in out.scheduled]
@@ -317,6 +323,7 @@ class Engine:
 
     @staticmethod
     def _output(request: Request, token_ids: list[int], logprobs: list) -> RequestOutput:
+        first = request.num_output_tokens == len(token_ids)  # the request's first output
         return RequestOutput(
             request_id=request.request_id,
             new_token_ids=token_ids,
@@ -327,6 +334,8 @@ class Engine:
             num_output_tokens=request.num_output_tokens,
             new_logprobs=logprobs,
             num_preemptions=request.num_preemptions,
+            prompt_logprobs=request.prompt_logprobs if first and request.sampling_params.prompt_logprobs is not None
+            else None,
         )
 
     def has_unfinished(self) -> bool:
@@ -358,6 +367,8 @@ class Engine:
                         continue
                     result.token_ids.extend(output.new_token_ids)
                     result.logprobs.extend(output.new_logprobs)
+                    if output.prompt_logprobs is not None:
+                        result.prompt_logprobs = output.prompt_logprobs
                     result.num_cached_tokens = output.num_cached_tokens
                     if output.finished:
                         result.finish_reason = output.finish_reason

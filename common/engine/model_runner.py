@@ -11,6 +11,7 @@ from common.engine.kv.kv_cache import KVCache
 from common.engine.models.decoder import DecoderModel
 from common.engine.parallel.step_broadcast import StepBroadcast
 from common.engine.parallel.tensor_parallel import TensorParallel
+from common.engine.prompt_logprobs import score
 from common.engine.sampler import Sampler, TokenLogprobs, screen_inverse_temperatures
 from common.engine.scheduler_output import SchedulerOutput
 from common.engine.speculative.verify import kept_tokens, num_rows, sampling_rows
@@ -21,7 +22,8 @@ class ModelRunner:
 
     Only the last token of a request that finishes its scheduled tokens this step is projected
     to logits (and its draft tokens', when it speculates: ``speculative.verify``); prompt chunks
-    that end mid-prompt produce no logits at all.  Where fewer rows sample than the step has
+    that end mid-prompt produce no logits at all (but the rows of a request that scores its prompt:
+    ``prompt_logprobs``, in ``self.prompt_logprobs`` after the step).  Where fewer rows sample than the step has
     tokens, the model's last layer goes on past its K/V for the sampling rows alone
     (``OutputRows``): a prompt's other tokens need only their keys and values there.
 
@@ -48,10 +50,13 @@ class ModelRunner:
         self.sampler = Sampler()
         self.forward_seconds = 0.0  # time inside the model, for the overhead figure
         self.on_kv_written: list[Callable[[SchedulerOutput], None]] = []
+        # The last step's prompt logprobs, request id -> entries (``common.engine.prompt_logprobs``).
+        self.prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
 
     def execute(self, out: SchedulerOutput) -> dict[str, tuple[list[int], list[TokenLogprobs | None]]]:
         """Compute the step; returns ``request_id -> (tokens, their logprobs)`` for the requests that
         sample: one token, or the drafts the model agreed with and one of its own."""
+        self.prompt_logprobs = {}
         if self.steps is not None and self.tp.rank == 0:
             self.steps.send(out)
         input_ids: list[int] = []
@@ -60,6 +65,8 @@ class ModelRunner:
         sample_rows: list[int] = []
         sample_items = []
         rows_per_request: list[int] = []
+        output_rows: list[int] = []  # the rows whose final hidden states the step needs
+        scoring: list[tuple] = []  # (item, its first row in the batch, its scored rows' first and end)
         for item in out.scheduled:
             start = len(input_ids)
             n = len(item.token_ids)
@@ -68,10 +75,15 @@ class ModelRunner:
             attn_requests.append(AttentionRequest(start, n, item.num_computed_tokens + n, item.block_ids,
                                                   item.table_row))
             count = num_rows(item) if item.sample else 0
-            rows_per_request.append(count)
             if item.sample:
                 sample_rows.extend(range(start + n - count, start + n))
                 sample_items.append(item)
+            begin, end = item.prompt_logprob_rows
+            if begin < end:  # the rows from the first scored one to the slice's end go on (OutputRows)
+                scoring.append((item, start, begin, end))
+                count = max(count, n - begin)
+            rows_per_request.append(count)
+            output_rows.extend(range(start + n - count, start + n))
         device = self.device
         rows = sampling_rows(sample_items)
         if rows and self.tp.rank == 0:  # grammar masks fill in a thread while the model runs
@@ -81,7 +93,7 @@ class ModelRunner:
         output = None
         if hidden is None:
             meta = self.attention.prepare(attn_requests, device)
-            output = self._output_rows(attn_requests, rows_per_request, sample_rows, len(input_ids))
+            output = self._output_rows(attn_requests, rows_per_request, output_rows, len(input_ids))
             began = time.perf_counter()
             hidden = self.model(
                 torch.tensor(input_ids, device=device),
@@ -93,10 +105,12 @@ class ModelRunner:
             )
         for hook in self.on_kv_written:
             hook(out)
+        self.prompt_logprobs = self._score_prompts(hidden, output, output_rows, scoring) if scoring else {}
         if not sample_items:
             self.forward_seconds += time.perf_counter() - began
             return {}
-        sampled_hidden = hidden if output is not None else hidden[torch.tensor(sample_rows, device=device)]
+        sampled_hidden = hidden if output is not None and not scoring else \
+            _take(hidden, output, output_rows, sample_rows)
         inverse_temperatures = screen_inverse_temperatures(rows)
         screened = (self.model.screened_tokens(sampled_hidden, inverse_temperatures)
                     if inverse_temperatures is not None else None)
@@ -119,11 +133,41 @@ class ModelRunner:
         self.forward_seconds += time.perf_counter() - began
         return kept_tokens(sample_items, tokens, logprobs)
 
-    def _output_rows(self, attn_requests: list[AttentionRequest], rows_per_request: list[int], sample_rows: list[int],
+    def _score_prompts(self, hidden: torch.Tensor, output: OutputRows | None, output_rows: list[int],
+                       scoring: list[tuple]) -> dict[str, list[TokenLogprobs]]:
+        """The prompt tokens this step scores (``common.engine.prompt_logprobs``), per request; on
+        tensor-parallel ranks other than 0, only their share of the projections (an empty dict)."""
+        rows = [start + row for _item, start, begin, end in scoring for row in range(begin, end)]
+        rank0 = self.tp.rank == 0
+        # Position p = num_computed_tokens + offset scores prompt token p + 1.
+        targets = [item.prompt_token_ids[item.num_computed_tokens + offset + 1]
+                   for item, _start, begin, end in scoring for offset in range(begin, end)] if rank0 else None
+        top = max(item.sampling_params.prompt_logprobs or 0 for item, *_ in scoring)
+        entries = score(self.model.logits, _take(hidden, output, output_rows, rows), targets, top)
+        if not rank0:
+            return {}
+        scored, at = {}, 0
+        for item, _start, begin, end in scoring:
+            k = item.sampling_params.prompt_logprobs
+            scored[item.request_id] = [TokenLogprobs(e.token_id, e.logprob, e.top[:k]) for e in entries[at:at + end - begin]]
+            at += end - begin
+        return scored
+
+    def _output_rows(self, attn_requests: list[AttentionRequest], rows_per_request: list[int], output_rows: list[int],
                      num_tokens: int) -> OutputRows | None:
-        """The sampling rows as the model's ``OutputRows``; ``None`` where every token samples."""
-        if len(sample_rows) == num_tokens:
+        """The rows the step needs (sampling, scoring the prompt) as the model's ``OutputRows``;
+        ``None`` where it needs every token's."""
+        if len(output_rows) == num_tokens:
             return None
-        rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
+        rows = torch.tensor(output_rows, dtype=torch.long, device=self.device)
         trailing = trailing_queries(attn_requests, rows_per_request)
         return OutputRows(rows, self.attention.prepare(trailing, self.device) if trailing else None)
+
+
+def _take(hidden: torch.Tensor, output: OutputRows | None, output_rows: list[int], rows: list[int]) -> torch.Tensor:
+    """The final hidden states of the batch's ``rows``: ``hidden`` holds every token's where
+    ``output`` is None, else those of ``output_rows`` alone, in order."""
+    if output is not None:
+        where = {row: i for i, row in enumerate(output_rows)}
+        rows = [where[row] for row in rows]
+    return hidden[torch.tensor(rows, dtype=torch.long, device=hidden.device)]

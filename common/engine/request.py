@@ -80,6 +80,10 @@ class Request:
         # The request's position in its grammar (``sampling_params.structured``): it advances with
         # every output token but a stop token, and survives preemption (no output token is undone).
         self.grammar = grammar
+        # ``sampling_params.prompt_logprobs``: entry i scores prompt token i + 1 (``TokenLogprobs``),
+        # filled as the prompt is computed; kept through preemption (a recomputed prompt is not
+        # scored again).
+        self.prompt_logprobs: list = []
 
     @property
     def num_prompt_tokens(self) -> int:

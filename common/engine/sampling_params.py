@@ -23,6 +23,9 @@ MAX_REPETITION_PENALTY = 10.0
 # Below this a temperature means greedy, as in vLLM: dividing logits by it overflows fp32.
 GREEDY_TEMPERATURE = 1e-5
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# Prompt logprobs a request may ask for, its prompt's tokens times (1 + alternatives): their entries
+# travel in one message (a PrefillResult, a TokenFrame: ~15 bytes a value, under MAX_FRAME_BYTES).
+MAX_PROMPT_LOGPROB_VALUES = 1 << 17
 
 
 def _require(ok: bool, message: str) -> None:
@@ -51,7 +54,10 @@ class SamplingParams(Struct, forbid_unknown_fields=True, frozen=True):
     top-``logprobs`` alternatives.  ``logit_bias`` adds ``bias`` to token ``id``'s logit for each
     ``(id, bias)`` (±100 bans or forces a token).  ``min_tokens``: no stop token (EOS included)
     may end the output before it has that many tokens.  ``structured``: the output must match
-    this grammar (every sampled token is masked to what it allows).
+    this grammar (every sampled token is masked to what it allows).  ``prompt_logprobs``: each
+    prompt token's log-probability given the tokens before it, plus the top-``prompt_logprobs``
+    alternatives (``common.engine.prompt_logprobs``; the prompt is then computed whole, never read
+    from the prefix cache).
     """
 
     max_tokens: int = 16
@@ -69,6 +75,7 @@ class SamplingParams(Struct, forbid_unknown_fields=True, frozen=True):
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
     structured: StructuredOutput | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         _require(1 <= self.max_tokens <= MAX_TOKENS, f"max_tokens must be >= 1 and <= {MAX_TOKENS}, got {self.max_tokens}")
@@ -83,6 +90,8 @@ class SamplingParams(Struct, forbid_unknown_fields=True, frozen=True):
                  f"seed must fit in a signed 64-bit integer, got {self.seed}")
         _require(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
                  f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        _require(self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+                 f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
         _require(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed")
         _require(all(0 <= t <= MAX_TOKEN_ID for t in self.stop_token_ids),
                  f"stop_token_ids must be in [0, {MAX_TOKEN_ID}]")
@@ -114,3 +123,12 @@ class SamplingParams(Struct, forbid_unknown_fields=True, frozen=True):
             return convert(fields, cls)
         except ValueError as exc:
             raise ValueError(f"invalid sampling parameters: {exc}") from None
+
+
+def check_prompt_logprobs(num_prompt_tokens: int, prompt_logprobs: int | None) -> None:
+    """``ValueError`` where scoring a prompt of ``num_prompt_tokens`` with ``prompt_logprobs``
+    alternatives a token would exceed ``MAX_PROMPT_LOGPROB_VALUES``."""
+    if prompt_logprobs is not None and num_prompt_tokens * (1 + prompt_logprobs) > MAX_PROMPT_LOGPROB_VALUES:
+        raise ValueError(f"prompt logprobs for {num_prompt_tokens} prompt tokens with {prompt_logprobs} alternatives "
+                         f"each are {num_prompt_tokens * (1 + prompt_logprobs)} values; at most "
+                         f"{MAX_PROMPT_LOGPROB_VALUES} are served (fewer alternatives, or a shorter prompt)")

@@ -52,6 +52,7 @@ from collections import deque
 
 from common.engine.config import SchedulerConfig
 from common.engine.kv.kv_cache_manager import KVCacheManager, cdiv
+from common.engine.prompt_logprobs import scored_rows
 from common.engine.request import Request, RequestStatus
 from common.engine.remote_kv import RemoteClaim, RemoteKVHandoff
 from common.engine.room_alone import RoomAlone, final_tokens
@@ -344,6 +345,8 @@ class Scheduler(TurnTaking):
             grammar=request.grammar,
             output_token_ids=request.output_token_ids,
             table_row=self.kv_manager.table.row(request.request_id),
+            prompt_logprob_rows=(0, 0) if request.sampling_params.prompt_logprobs is None else scored_rows(
+                request.num_prompt_tokens, start, num_new, len(request.prompt_logprobs)),
         )
 
     def _preempt(self, victim: Request, scheduled: dict[str, ScheduledRequest], out: SchedulerOutput) -> int:

@@ -35,6 +35,9 @@ class ScheduledRequest:
     # The uniform numbers the rows after each draft sample with, where the drafts were sampled with
     # them (a draft model's, for a sampled request: ``speculative.draft_sampling``); else empty.
     draft_uniforms: list[float] = field(default_factory=list)
+    # The slice's rows ``[start, end)`` (offsets in ``token_ids``) whose next prompt token is scored
+    # for ``sampling_params.prompt_logprobs`` (``common.engine.prompt_logprobs``); (0, 0): none.
+    prompt_logprob_rows: tuple[int, int] = (0, 0)
 
 
 @dataclass

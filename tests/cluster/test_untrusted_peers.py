@@ -145,11 +145,12 @@ def prompt_ids(seed: int, length: int = 41) -> list[int]:
 
 
 async def generate(cluster, prompt: list[int], max_tokens: int, prefill_worker_id: str | None,
-                   logprobs: int | None = None) -> list[TokenFrame]:
+                   logprobs: int | None = None, prompt_logprobs: int | None = None) -> list[TokenFrame]:
     """POST /generate on d0 as the gateway does (signed); all frames of the answer."""
     body = encode(GenerateRequest(request_id=f"t-{uuid.uuid4().hex[:8]}", prompt_token_ids=prompt,
                                   sampling_params=SamplingParams(max_tokens=max_tokens, temperature=0.0,
-                                                                 ignore_eos=True, logprobs=logprobs),
+                                                                 ignore_eos=True, logprobs=logprobs,
+                                                                 prompt_logprobs=prompt_logprobs),
                                   prefill_worker_id=prefill_worker_id))
     headers = ClusterAuth(cluster.cluster_secret).sign_request("POST", "/generate", body,
                                                                audience=cluster.worker_audience("d0"))
@@ -224,18 +225,30 @@ class EvilPrefill:
             "sent_blocks": lambda r: msgspec.structs.replace(r, num_sent_blocks=r.num_sent_blocks + 3),
             "cached_tokens": lambda r: msgspec.structs.replace(r, num_cached_tokens=10**6),
             "logprob": lambda r: msgspec.structs.replace(r, first_logprob=TokenLogprob(r.first_token_id, 5.0, [])),
+            # Asked with prompt_logprobs=1 (``SCORING_MODES``): an entry for another token; one entry short;
+            # entries where none were asked for is the "unasked" mode's (asked without).
+            "scored_token": lambda r: msgspec.structs.replace(r, prompt_logprobs=[
+                TokenLogprob(e.token_id + 1, e.logprob, e.top) for e in r.prompt_logprobs]),
+            "scored_count": lambda r: msgspec.structs.replace(r, prompt_logprobs=r.prompt_logprobs[:-1]),
+            "unasked": lambda r: msgspec.structs.replace(r, prompt_logprobs=[TokenLogprob(1, -1.0, [])]),
         }[self.mode](genuine)
         return web.Response(body=encode(tampered), content_type="application/msgpack")
 
 
-@pytest.mark.parametrize("mode", ["oov", "negative", "sent_blocks", "cached_tokens", "logprob", "endless"])
+MODES = ["oov", "negative", "sent_blocks", "cached_tokens", "logprob", "endless", "scored_token", "scored_count",
+         "unasked"]
+SCORING_MODES = {"scored_token", "scored_count"}  # asked with prompt_logprobs
+
+
+@pytest.mark.parametrize("mode", MODES)
 async def test_a_bad_prefill_answer_is_rejected_and_the_decode_worker_keeps_serving(cluster, reference, mode,
                                                                                      redis_client):
-    seed = ["oov", "negative", "sent_blocks", "cached_tokens", "logprob", "endless"].index(mode)
+    seed = MODES.index(mode)
     evil = await EvilPrefill(cluster, mode).start(redis_client)
     try:
         prompt = prompt_ids(seed)
-        frames = await generate(cluster, prompt, 8, prefill_worker_id=evil.worker_id)
+        frames = await generate(cluster, prompt, 8, prefill_worker_id=evil.worker_id,
+                                prompt_logprobs=1 if mode in SCORING_MODES else None)
         assert evil.calls == 1
         assert not any(f.error for f in frames), frames
         # The answer is rejected: the decode worker computed the prompt itself, correctly.
@@ -261,6 +274,12 @@ async def test_a_genuine_answer_with_logprobs_passes_the_checks(cluster, referen
     assert tokens(frames) == reference(prompt, 3)
     first = frames[0].logprobs[0]
     assert first.token_id == frames[0].token_ids[0] and len(first.top) == 2
+    # Scoring the prompt: its entries come through the checks, and with the first frame.
+    frames = await generate(cluster, prompt, 3, prefill_worker_id="p0", prompt_logprobs=2)
+    assert not frames[0].prefill_fallback and frames[0].prefill_worker == "p0"
+    assert [e.token_id for e in frames[0].prompt_logprobs] == prompt[1:]
+    assert all(len(e.top) == 2 and e.logprob <= 0 for e in frames[0].prompt_logprobs)
+    assert all(f.prompt_logprobs is None for f in frames[1:])
 
 
 async def test_a_prefill_worker_not_in_the_registry_is_never_called(cluster, reference):

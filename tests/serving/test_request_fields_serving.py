@@ -1,8 +1,8 @@
 """The request fields beyond one plain completion, served: ``n`` (the prompt computed once, the
-other choices sharing its blocks; reproducible with a seed), a batch of prompts, ``echo``,
-``stream_options`` (``include_usage``, ``continuous_usage_stats``), logprobs on chat and completions
-including the first token (sampled by the prefill worker), ``stop_token_ids``, ``user`` and
-``metadata``."""
+other choices sharing its blocks; reproducible with a seed), a batch of prompts, ``echo`` (with
+``logprobs``: the prompt scored), ``stream_options`` (``include_usage``, ``continuous_usage_stats``),
+logprobs on chat and completions including the first token (sampled by the prefill worker),
+``stop_token_ids``, ``user`` and ``metadata``."""
 from __future__ import annotations
 
 import json
@@ -97,9 +97,50 @@ def test_echo_streamed_and_not(client, stack):
     stream = client.completions.create(model=stack.model_name, prompt="Echo me", max_tokens=4, temperature=0, echo=True,
                                        stream=True)
     assert "".join(c.choices[0].text for c in stream if c.choices) == whole.choices[0].text
-    with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model=stack.model_name, prompt="Echo me", echo=True, logprobs=1)
-    assert info.value.body["param"] == "echo"
+
+
+@pytest.fixture(scope="module")
+def scores(served_checkpoint):
+    """The log-softmax of transformers' logits over a prompt (the served checkpoint, fp32)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(served_checkpoint, dtype=torch.float32).eval()
+
+    def run(prompt: list[int]) -> list[float]:
+        """Entry i: the log-probability of prompt token i + 1."""
+        with torch.no_grad():
+            logprobs = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), dim=-1)
+        return logprobs[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])].tolist()
+
+    return run
+
+
+def test_echo_with_logprobs_scores_the_prompt(client, stack, scores):
+    """What lm-eval's loglikelihood requests send (token ids, echo, logprobs, one token): the
+    prompt's tokens come first, the first without a logprob, each other's as transformers scores
+    it -- a short prompt computed by the decode worker, a long one by the prefill worker (whole,
+    though its blocks are cached); streamed, the echo's chunk carries them."""
+    short = [7, 3, 11, 5, 9]
+    long = post(stack, "/tokenize", {"model": stack.model_name, "prompt": f"{LONG} scored"})[1]["tokens"]
+    for prompt in (short, long, long):
+        computed = stack.stats("p0")["prefill_computed_tokens"]
+        answer = client.completions.create(model=stack.model_name, prompt=prompt, echo=True, logprobs=2, max_tokens=1,
+                                           temperature=0, extra_body={"ignore_eos": True})
+        logprobs = answer.choices[0].logprobs
+        assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(prompt) + 1
+        assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+        assert logprobs.token_logprobs[1:-1] == pytest.approx(scores(prompt), abs=2e-3)
+        assert all(len(top) <= 2 for top in logprobs.top_logprobs[1:])
+        if prompt is long:  # through the prefill pool, every time computed whole
+            assert stack.stats("p0")["prefill_computed_tokens"] - computed == len(prompt)
+    stream = list(client.completions.create(model=stack.model_name, prompt=short, echo=True, logprobs=2, max_tokens=3,
+                                            temperature=0, stream=True, extra_body={"ignore_eos": True}))
+    echoed = stream[0].choices[0].logprobs
+    assert echoed.token_logprobs[0] is None and echoed.token_logprobs[1:] == pytest.approx(scores(short), abs=2e-3)
+    # Without echo, the prompt is not scored.
+    plain = client.completions.create(model=stack.model_name, prompt=short, logprobs=2, max_tokens=1, temperature=0)
+    assert len(plain.choices[0].logprobs.tokens) == 1
 
 
 def test_continuous_usage_stats(client, stack):

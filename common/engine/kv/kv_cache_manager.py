@@ -38,8 +38,9 @@ class KVCacheManager:
         parent hash, its tokens and the request's extra keys (see ``BlockPool.lookup``).
 
         Never the whole sequence: the last token is always computed so there are logits to sample.
+        None for a request that scores its prompt (``prompt_logprobs``: every position computed).
         """
-        if not self.pool.enable_caching:
+        if not self.pool.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return []
         bs = self.block_size
         hashes = request.update_block_hashes(bs)

@@ -2,11 +2,12 @@
 int64 tensor (no pickle), and they run the same forward on their shares.
 
     [num_items, then per item: num_tokens, num_computed_tokens, num_blocks, sample, num_drafts,
-     token ids..., block ids...]
+     prompt logprob rows' start, their end, token ids..., block ids...]
 
 A length of 0 tells the followers to stop.  What a follower needs of a step is what the model
 runner reads (tokens, positions, blocks, which rows sample: the last token's and a speculating
-request's drafts'); the sampling itself is rank 0's.
+request's drafts'; which rows score the prompt: every rank takes part in their projections); the
+sampling and the scoring themselves are rank 0's.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ def encode_step(out: SchedulerOutput) -> torch.Tensor:
     values = [len(out.scheduled)]
     for item in out.scheduled:
         values += [len(item.token_ids), item.num_computed_tokens, len(item.block_ids), int(item.sample),
-                   len(item.draft_token_ids)]
+                   len(item.draft_token_ids), *item.prompt_logprob_rows]
         values += item.token_ids
         values += item.block_ids
     return torch.tensor(values, dtype=torch.int64)
@@ -33,8 +34,8 @@ def decode_step(data: torch.Tensor) -> SchedulerOutput:
     values = data.tolist()
     count, pos, scheduled = values[0], 1, []
     for i in range(count):
-        num_tokens, computed, num_blocks, sample, num_drafts = values[pos:pos + 5]
-        pos += 5
+        num_tokens, computed, num_blocks, sample, num_drafts, scored_begin, scored_end = values[pos:pos + 7]
+        pos += 7
         tokens = values[pos:pos + num_tokens]
         pos += num_tokens
         blocks = values[pos:pos + num_blocks]
@@ -42,7 +43,7 @@ def decode_step(data: torch.Tensor) -> SchedulerOutput:
         scheduled.append(ScheduledRequest(request_id=f"follower-{i}", token_ids=tokens, num_computed_tokens=computed,
                                           block_ids=blocks, sample=bool(sample), sampling_params=_FOLLOWER_PARAMS,
                                           num_output_tokens=0, draft_token_ids=tokens[num_tokens - num_drafts:]
-                                          if num_drafts else []))
+                                          if num_drafts else [], prompt_logprob_rows=(scored_begin, scored_end)))
     return SchedulerOutput(scheduled=scheduled, num_scheduled_tokens=sum(len(s.token_ids) for s in scheduled))
 
 
