@@ -122,10 +122,16 @@ class ResponseShapes:
         if gen.kind == "chat":
             return ChatCompletionResponse(gen.response_id, now(), gen.model, [self._chat_choice(g) for g in gens],
                                           usage(gens))
-        choices = [CompletionChoice(g.index, g.echo + g.text,
-                                    _joined(self.echo_logprobs(g), self.completion_logprobs(g.logprobs, len(g.echo))),
-                                    g.finish_reason, g.stop_reason) for g in gens]
+        choices = [CompletionChoice(g.index, g.echo + g.text, self._whole_logprobs(g), g.finish_reason, g.stop_reason)
+                   for g in gens]
         return CompletionResponse(gen.response_id, now(), gen.model, choices, usage(gens))
+
+    def _whole_logprobs(self, gen: Generation) -> CompletionLogprobs | None:
+        """A completion's logprobs: the echoed prompt's (if scored), then the answer's, their text
+        offsets going on from the prompt's tokens (whose texts may not be the echo's: a BOS token)."""
+        echoed = self.echo_logprobs(gen)
+        start = echoed.text_offset[-1] + len(echoed.tokens[-1]) if echoed else len(gen.echo)
+        return _joined(echoed, self.completion_logprobs(gen.logprobs, start))
 
     def _chat_choice(self, gen: Generation) -> ChatChoice:
         message, finish = ChatResponseMessage(gen.text), gen.finish_reason

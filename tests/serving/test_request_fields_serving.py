@@ -132,6 +132,7 @@ def test_echo_with_logprobs_scores_the_prompt(client, stack, scores):
         assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
         assert logprobs.token_logprobs[1:-1] == pytest.approx(scores(prompt), abs=2e-3)
         assert all(len(top) <= 2 for top in logprobs.top_logprobs[1:])
+        assert logprobs.text_offset == sorted(logprobs.text_offset)  # the answer's go on from the prompt's
         if prompt is long:  # through the prefill pool, every time computed whole
             assert stack.stats("p0")["prefill_computed_tokens"] - computed == len(prompt)
     stream = list(client.completions.create(model=stack.model_name, prompt=short, echo=True, logprobs=2, max_tokens=3,

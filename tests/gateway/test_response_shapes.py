@@ -1,0 +1,51 @@
+"""The answers' shapes for an echoed, scored prompt (``ResponseShapes``; a stub tokenizer: the
+shapes are the code under test): the prompt's tokens first, the first without a logprob, then the
+answer's, the text offsets going on from the prompt's tokens even where their texts are not the
+echo's (a BOS token's "<bos>")."""
+from __future__ import annotations
+
+from common.cluster.messages import TokenLogprob
+from gateway.generation import Generation
+from gateway.openai_protocol import parse_completion_request
+from gateway.response_shapes import ResponseShapes
+from tests.support.request_bodies import completion
+
+TEXTS = {1: "<bos>", 5: "Hello", 6: " world", 7: "!", 8: " Bye"}
+
+
+class StubTokenizer:
+    def decode(self, ids: list[int]) -> str:
+        return "".join(TEXTS[i] for i in ids)
+
+
+def scored_generation(prompt_logprobs) -> Generation:
+    options = parse_completion_request(completion(echo=True, logprobs=1)).sampling()
+    gen = Generation("cmpl-1", "completion", "m", [1, 5, 6], options, None, echo="Hello world")
+    gen.prompt_logprobs = prompt_logprobs
+    gen.token_ids, gen.pieces = [7, 8], ["!", " Bye"]
+    gen.logprobs = [TokenLogprob(7, -0.5, [(7, -0.5)]), TokenLogprob(8, -1.5, [(6, -1.0)])]
+    gen.finish_reason = "length"
+    return gen
+
+
+def test_an_echoed_prompt_is_scored_before_the_answer():
+    shapes = ResponseShapes(StubTokenizer())
+    gen = scored_generation([TokenLogprob(5, -2.0, [(6, -1.0)]), TokenLogprob(6, -3.0, [(6, -3.0)])])
+    choice = shapes.full_response([gen]).choices[0]
+    logprobs = choice.logprobs
+    assert choice.text == "Hello world! Bye"
+    assert logprobs.tokens == ["<bos>", "Hello", " world", "!", " Bye"]
+    assert logprobs.token_logprobs == [None, -2.0, -3.0, -0.5, -1.5]
+    assert logprobs.top_logprobs == [None, {" world": -1.0}, {" world": -3.0}, {"!": -0.5}, {" world": -1.0}]
+    assert logprobs.text_offset == [0, 5, 10, 16, 17]
+    # Streamed: the echo's chunk carries the prompt's part.
+    (chunk,) = shapes.first_chunks(gen)
+    assert chunk.choices[0].text == "Hello world" and chunk.choices[0].logprobs.token_logprobs == [None, -2.0, -3.0]
+
+
+def test_without_scores_only_the_answer_has_logprobs():
+    shapes = ResponseShapes(StubTokenizer())
+    logprobs = shapes.full_response([scored_generation(None)]).choices[0].logprobs
+    assert logprobs.tokens == ["!", " Bye"] and logprobs.text_offset == [11, 12]
+    # A one-token prompt is scored with no entry: its token alone, without a logprob.
+    assert shapes.echo_logprobs(scored_generation([])).token_logprobs == [None]
