@@ -22,7 +22,8 @@ MAX_NEW = 10
 PROMPTS = [[5, 17, 99, 230, 11], list(range(3, 40)), [400, 401, 7, 7, 7, 9, 300, 12, 1, 250]]
 
 
-def _rank(rank: int, size: int, directory: str, out: str, compile_stages: bool, prompts: list[list[int]]) -> None:
+def _rank(rank: int, size: int, directory: str, out: str, compile_stages: bool, prompts: list[list[int]],
+          prompt_logprobs: int | None = None) -> None:
     if compile_stages:  # these prompts' steps stay below ONEDNN_MAX_ROWS: the first bucket's graphs are all they run
         stages.WARM_UP_TOKENS = stages.WARM_UP_TOKENS[:1]
     # Each rank asks for a different pool: they agree on the smallest (the block ids are shared).
@@ -31,16 +32,23 @@ def _rank(rank: int, size: int, directory: str, out: str, compile_stages: bool, 
     if rank != 0:  # rank 0 schedules and sends each step; the others compute their shares
         engine.follow()
         return
-    results = engine.generate(prompts, {"max_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True})
+    results = engine.generate(prompts, {"max_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True,
+                                        "prompt_logprobs": prompt_logprobs})
     engine.stop_followers()
     with open(out, "w") as f:
         json.dump({"tokens": [r.token_ids for r in results], "kv_heads": engine.layout.num_kv_heads,
+                   "scores": [_scores(r.prompt_logprobs) for r in results],
                    "num_blocks": engine.block_pool.num_blocks, "compiled": engine.model.stages.compiled}, f)
 
 
-def run_tp(directory, size: int, tmp_path, compile_stages: bool = False, prompts=PROMPTS) -> dict:
+def _scores(entries) -> list | None:
+    return None if entries is None else [[e.token_id, e.logprob, [list(t) for t in e.top]] for e in entries]
+
+
+def run_tp(directory, size: int, tmp_path, compile_stages: bool = False, prompts=PROMPTS,
+           prompt_logprobs: int | None = None) -> dict:
     out = tmp_path / f"tp{size}-{compile_stages}.json"
-    run_group(_rank, size, str(directory), str(out), compile_stages, prompts)
+    run_group(_rank, size, str(directory), str(out), compile_stages, prompts, prompt_logprobs)
     return json.loads(out.read_text())
 
 
@@ -107,6 +115,21 @@ def test_shares_and_refusals():
         TensorParallel.of_process_group(2)
 
 
+def test_prompt_logprobs_at_tp2_equal_one_rank(llama, tmp_path):
+    """Scoring the prompts: the step tells the followers which rows are scored, every rank takes
+    part in their projections (the vocabulary is gathered on rank 0), and the scores are one
+    rank's (a rank that skipped a projection would hang the group)."""
+    engine = Engine(EngineConfig(model=str(llama), num_blocks=64, block_size=4), load_tokenizer=False)
+    expected = engine.generate(PROMPTS, {"max_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True,
+                                         "prompt_logprobs": 2})
+    result = run_tp(llama, 2, tmp_path, prompt_logprobs=2)
+    assert result["tokens"] == [r.token_ids for r in expected]
+    for got, want in zip(result["scores"], expected):
+        assert [e[0] for e in got] == [e.token_id for e in want.prompt_logprobs]
+        assert [e[1] for e in got] == pytest.approx([e.logprob for e in want.prompt_logprobs], abs=1e-4)
+        assert [[t for t, _ in e[2]] for e in got] == [[t for t, _ in e.top] for e in want.prompt_logprobs]
+
+
 def test_a_step_survives_its_encoding():
     from common.engine.parallel.step_broadcast import decode_step, encode_step
     from common.engine.sampling_params import SamplingParams
@@ -114,12 +137,13 @@ def test_a_step_survives_its_encoding():
 
     items = [ScheduledRequest("a", [5, 6, 7], 0, [3, 9], False, SamplingParams(), 0),
              ScheduledRequest("b", [8], 41, [1, 2, 4, 11, 12, 13], True, SamplingParams(), 2),
-             ScheduledRequest("c", [8, 4, 4, 9], 17, [5, 6], True, SamplingParams(), 3, draft_token_ids=[4, 4, 9])]
-    decoded = decode_step(encode_step(SchedulerOutput(items, 8)))
-    fields = ("token_ids", "num_computed_tokens", "block_ids", "sample", "draft_token_ids")
+             ScheduledRequest("c", [8, 4, 4, 9], 17, [5, 6], True, SamplingParams(), 3, draft_token_ids=[4, 4, 9]),
+             ScheduledRequest("d", [3, 1, 4, 1, 5], 2, [7, 8], False, SamplingParams(), 0, prompt_logprob_rows=(1, 5))]
+    decoded = decode_step(encode_step(SchedulerOutput(items, 13)))
+    fields = ("token_ids", "num_computed_tokens", "block_ids", "sample", "draft_token_ids", "prompt_logprob_rows")
     assert [[getattr(s, f) for f in fields] for s in decoded.scheduled] == \
-        [[getattr(s, f) for f in fields] for s in items]  # the followers sample after the same rows
-    assert decoded.num_scheduled_tokens == 8
+        [[getattr(s, f) for f in fields] for s in items]  # the followers sample (and score) the same rows
+    assert decoded.num_scheduled_tokens == 13
 
 
 def test_tp2_compiled_equals_one_rank(llama, tmp_path):
