@@ -80,7 +80,7 @@ class PendingRelease:
 def _logprobs(output: RequestOutput) -> list[TokenLogprob] | None:
     if not output.new_logprobs or output.new_logprobs[0] is None:
         return None
-    return [TokenLogprob(lp.token_id, lp.logprob, lp.top) for lp in output.new_logprobs if lp is not None]
+    return wire_logprobs([lp for lp in output.new_logprobs if lp is not None])
 
 
 def output_frame(output: RequestOutput) -> TokenFrame:

@@ -33,8 +33,9 @@ from worker.role_context import RoleContext
 log = logging.getLogger(__name__)
 
 MAX_RESULT_BYTES = 64 << 10  # a PrefillResult is a few hundred bytes; an error message a few more
-# ... unless it scores the prompt (``prompt_logprobs``, bounded by MAX_PROMPT_LOGPROB_VALUES): a frame's worth.
-MAX_SCORED_RESULT_BYTES = MAX_FRAME_BYTES
+# ... plus, where it scores the prompt (``prompt_logprobs``), at most this per entry and per alternative
+# (msgpack: an entry's array, id and float64 about 20 bytes, an alternative's about 16).
+SCORED_ENTRY_BYTES, SCORED_ALTERNATIVE_BYTES = 24, 20
 LOGPROB_SLACK = 1e-3  # log-softmax rounding can land a hair above 0
 
 
@@ -64,8 +65,7 @@ async def call_prefill(context: RoleContext, peer: WorkerInfo, prefill: PrefillR
     async with context.peer_http.post(f"{peer.http_address}/prefill", data=data, headers=headers,
                                        timeout=timeout) as resp:
         try:
-            scored = prefill.sampling_params.prompt_logprobs is not None
-            raw = await read_response(resp, MAX_SCORED_RESULT_BYTES if scored else MAX_RESULT_BYTES)
+            raw = await read_response(resp, result_bytes(prefill))
         except ValueError as exc:
             raise BadPrefillAnswer(f"prefill worker {peer.worker_id}: {exc}") from None
         try:
@@ -77,6 +77,15 @@ async def call_prefill(context: RoleContext, peer: WorkerInfo, prefill: PrefillR
             raise BadPrefillAnswer(f"prefill worker {peer.worker_id} answered {resp.status}: {result.error}")
     check_prefill_result(result, prefill, context.model.vocab_size)
     return result
+
+
+def result_bytes(asked: PrefillRequest) -> int:
+    """The most bytes an answer to ``asked`` may take: a frame's worth at most."""
+    alternatives = asked.sampling_params.prompt_logprobs
+    if alternatives is None:
+        return MAX_RESULT_BYTES
+    scored = len(asked.prompt_token_ids) - 1
+    return min(MAX_FRAME_BYTES, MAX_RESULT_BYTES + scored * (SCORED_ENTRY_BYTES + alternatives * SCORED_ALTERNATIVE_BYTES))
 
 
 def check_prefill_result(result: PrefillResult, asked: PrefillRequest, vocab_size: int) -> None:
@@ -92,33 +101,33 @@ def check_prefill_result(result: PrefillResult, asked: PrefillRequest, vocab_siz
     num_kv_tokens = len(asked.prompt_token_ids) + len(asked.resume_token_ids)
     if not 0 <= result.num_cached_tokens <= num_kv_tokens:
         raise bad(f"num_cached_tokens {result.num_cached_tokens} is outside [0, {num_kv_tokens}]")
-    wanted = asked.sampling_params.logprobs
+    alternatives = asked.sampling_params.logprobs
     lp = result.first_logprob
     if lp is not None:
-        if wanted is None:
+        if alternatives is None:
             raise bad("first_logprob was sent but no logprobs were asked for")
-        _check_logprob(lp, result.first_token_id, wanted, vocab_size, "first_logprob", bad)
-    scored, wanted = result.prompt_logprobs, asked.sampling_params.prompt_logprobs
-    if scored is None and wanted is None:
+        _check_logprob(lp, result.first_token_id, alternatives, vocab_size, "first_logprob", bad)
+    scored, alternatives = result.prompt_logprobs, asked.sampling_params.prompt_logprobs
+    if scored is None and alternatives is None:
         return
     prompt = asked.prompt_token_ids
-    if scored is None or wanted is None or len(scored) != len(prompt) - 1:
+    if scored is None or alternatives is None or len(scored) != len(prompt) - 1:
         raise bad(f"prompt_logprobs has {'no' if scored is None else len(scored)} entries; "
-                  f"{'none were' if wanted is None else len(prompt) - 1} asked for")
+                  f"{'none were' if alternatives is None else len(prompt) - 1} asked for")
     for i, entry in enumerate(scored):
-        _check_logprob(entry, prompt[i + 1], wanted, vocab_size, f"prompt_logprobs[{i}]", bad)
+        _check_logprob(entry, prompt[i + 1], alternatives, vocab_size, f"prompt_logprobs[{i}]", bad)
 
 
-def _check_logprob(lp: TokenLogprob, token_id: int, wanted: int, vocab_size: int, name: str, bad) -> None:
-    """``lp`` scores ``token_id`` with at most ``wanted`` alternatives, every token in the vocabulary
-    and every log-probability <= 0."""
+def _check_logprob(lp: TokenLogprob, token_id: int, alternatives: int, vocab_size: int, name: str, bad) -> None:
+    """``lp`` scores ``token_id`` with at most ``alternatives`` others, every token in the
+    vocabulary and every log-probability <= 0."""
     if lp.token_id != token_id:
         raise bad(f"{name} is for token {lp.token_id}, not {token_id}")
-    if len(lp.top) > wanted:
-        raise bad(f"{name} has {len(lp.top)} alternatives, at most {wanted} were asked for")
-    for token_id, logprob in [(lp.token_id, lp.logprob), *lp.top]:
-        if not 0 <= token_id < vocab_size:
-            raise bad(f"{name} names token {token_id}, outside the vocabulary")
+    if len(lp.top) > alternatives:
+        raise bad(f"{name} has {len(lp.top)} alternatives, at most {alternatives} were asked for")
+    for named, logprob in [(lp.token_id, lp.logprob), *lp.top]:
+        if not 0 <= named < vocab_size:
+            raise bad(f"{name} names token {named}, outside the vocabulary")
         if not (math.isfinite(logprob) or logprob == -math.inf) or logprob > LOGPROB_SLACK:
             raise bad(f"{name} has log-probability {logprob} (must be <= 0)")
 

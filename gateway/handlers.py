@@ -142,12 +142,9 @@ class OpenAIHandlers:
         for name, ids in (("logit_bias", [t for t, _ in options.logit_bias]), ("stop_token_ids", options.stop_token_ids)):
             if ids and max(ids) >= vocab:
                 raise invalid(f"{name}: token id {max(ids)} is outside the vocabulary [0, {vocab})", name)
-        # echo with logprobs scores the prompt's tokens too (the workers compute it whole for that).
+        # echo with logprobs scores the prompt's tokens too (each choice's workers compute it whole;
+        # ``completions`` bounds the request's scores in all).
         prompt_logprobs = options.logprobs if kind == "completion" and req.echo else None
-        try:
-            check_prompt_logprobs(len(prompt_ids), prompt_logprobs)
-        except ValueError as exc:
-            raise invalid(f"echo with logprobs: {exc}", "logprobs") from None
         # A built-in chat format's end-of-turn token ends a chat answer (unless EOS is ignored).
         turn_end = services.chat_format.stop_token_ids if kind == "chat" and not options.ignore_eos else ()
         params = SamplingParams(
@@ -225,6 +222,10 @@ class OpenAIHandlers:
                 echo = "" if not req.echo else prompt if isinstance(prompt, str) else self.services.tokenizer.decode(ids)
                 gens += self._prepare(request, "completion", req, ids, echo=echo, response_id=response_id,
                                       prompt_index=index)
+            try:  # every choice scores its prompt: the request's scores in all are bounded
+                check_prompt_logprobs(sum(len(g.prompt_ids) for g in gens), gens[0].params.prompt_logprobs)
+            except ValueError as exc:
+                raise invalid(f"echo with logprobs: {exc}", "logprobs") from None
             await self._check_grammar(gens[0].params)
             return await self._serve(request, gens)
 
@@ -250,16 +251,15 @@ class OpenAIHandlers:
         With ``n > 1`` the first choice goes first; once its first token is out (its prompt is in
         its decode worker's prefix cache) the others start on that worker, where they find the
         prompt's blocks and share them instead of computing it again.  A batch's other prompts start
-        then too, each choice after the first of a prompt following that prompt's first (to its
-        decode worker, once it has one)."""
+        then too, their choices each on its own (a prompt's first has yet to compute it)."""
         self.services.metrics.model(gens[0].model).prompt_tokens.inc(prompt_tokens(gens))
         async with contextlib.AsyncExitStack() as stack:
             runs = [await stack.enter_async_context(contextlib.aclosing(self._run(gens[0])))]
             first = await self._upstream(anext(runs[0]))
-            leader = gens[0]
+            sibling = True
             for gen in gens[1:]:
-                leader = gen if gen.first_choice else leader
-                follow = None if gen is leader else leader
+                sibling = sibling and not gen.first_choice  # prompt 0's other choices come right after it
+                follow = gens[0] if sibling else None
                 runs.append(await stack.enter_async_context(contextlib.aclosing(self._run(gen, follow=follow))))
             rest = await stack.enter_async_context(contextlib.aclosing(_merge(gens, runs)))
             if gens[0].options.stream:

@@ -5,6 +5,7 @@ choice's ``index``, the usage counts each prompt once and the completions of all
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Sequence
 
 from common.cluster.messages import TokenFrame
@@ -14,6 +15,9 @@ from gateway.openai_protocol import (
     ChatStreamChoice, ChatTokenLogprob, CompletionChoice, CompletionChunk, CompletionLogprobs, CompletionResponse,
     TopLogprob, Usage, now,
 )
+
+
+TOKEN_TEXTS = 1 << 16  # token texts a gateway remembers
 
 
 def usage(gens: Sequence[Generation]) -> Usage:
@@ -30,8 +34,11 @@ def prompt_tokens(gens: Sequence[Generation]) -> int:
 class ResponseShapes:
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
+        # A token's text, remembered: an answer's logprobs name up to ~131k tokens (a scored prompt's
+        # alternatives), mostly the same few thousand, each decoded on the event loop.
+        self._token_text = functools.lru_cache(maxsize=TOKEN_TEXTS)(self._decode_token)
 
-    def _token_text(self, token_id: int) -> str:
+    def _decode_token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
     def completion_logprobs(self, entries, offset: int) -> CompletionLogprobs | None:

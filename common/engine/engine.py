@@ -264,6 +264,7 @@ class Engine:
                           extra_keys=block_extra_keys(self.model_id, cache_salt), grammar=matcher)
         if resume_token_ids:
             resume_request(request, resume_token_ids, vocab, self.max_model_len)
+            request.prompt_scored_elsewhere()  # the client had the scores with the stream's first tokens
         return request
 
     def add_request(
@@ -297,7 +298,9 @@ class Engine:
                 self.fault_injector(self.num_steps)
             sampled = self.runner.execute(out)
             for request_id, entries in self.runner.prompt_logprobs.items():
-                self.scheduler.requests[request_id].prompt_logprobs.extend(entries)
+                scored = self.scheduler.requests[request_id]
+                scored.prompt_logprobs.extend(entries)
+                scored.num_scored_tokens += len(entries)
             changed = self.scheduler.update(out, {rid: tokens for rid, (tokens, _lp) in sampled.items()})
         except Exception as exc:
             failed = [item.request_id for item in out.scheduled]
@@ -312,6 +315,8 @@ class Engine:
             if request.num_output_tokens == 1:
                 self._count_prefix_hit(request)
             outputs.append(self._output(request, token_ids, logprobs[: len(token_ids)]))
+            if outputs[-1].prompt_logprobs is not None:
+                request.prompt_logprobs = []  # handed out: not kept while the request decodes
         seconds = time.perf_counter() - began
         self.step_log.record(time.time(), seconds, step_shape(out.scheduled))
         self.scheduler.speculation.observe_step(out.scheduled, seconds, sum(len(o.new_token_ids) for o in outputs))

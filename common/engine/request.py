@@ -80,14 +80,26 @@ class Request:
         # The request's position in its grammar (``sampling_params.structured``): it advances with
         # every output token but a stop token, and survives preemption (no output token is undone).
         self.grammar = grammar
-        # ``sampling_params.prompt_logprobs``: entry i scores prompt token i + 1 (``TokenLogprobs``),
-        # filled as the prompt is computed; kept through preemption (a recomputed prompt is not
-        # scored again).
+        # ``sampling_params.prompt_logprobs``: the prompt tokens scored so far (entry i scores token
+        # i + 1, ``TokenLogprobs``) until the first output takes them; the count survives preemption,
+        # so a prompt computed again is not scored twice.
         self.prompt_logprobs: list = []
+        self.num_scored_tokens = 0
 
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Prompt tokens are still to be scored (``prompt_logprobs``): the prompt is computed whole,
+        never read from the prefix cache."""
+        return self.sampling_params.prompt_logprobs is not None and self.num_scored_tokens < self.num_prompt_tokens - 1
+
+    def prompt_scored_elsewhere(self) -> None:
+        """Its prompt was scored by another worker (a remote prefill, the worker a moved stream
+        left): nothing is scored here, should the prompt be computed here again."""
+        self.num_scored_tokens = self.num_prompt_tokens - 1
 
     @property
     def num_tokens(self) -> int:

@@ -170,6 +170,7 @@ class Scheduler(TurnTaking):
         if request is None:
             return None  # aborted, or its lease ended: its owner frees it
         request.num_computed_tokens = request.num_tokens
+        request.prompt_scored_elsewhere()
         self.kv_manager.commit(request)
         request.status = RequestStatus.WAITING
         self._append_token(request, first_token_id)
@@ -345,8 +346,8 @@ class Scheduler(TurnTaking):
             grammar=request.grammar,
             output_token_ids=request.output_token_ids,
             table_row=self.kv_manager.table.row(request.request_id),
-            prompt_logprob_rows=(0, 0) if request.sampling_params.prompt_logprobs is None else scored_rows(
-                request.num_prompt_tokens, start, num_new, len(request.prompt_logprobs)),
+            prompt_logprob_rows=scored_rows(request.num_prompt_tokens, start, num_new, request.num_scored_tokens)
+            if request.scores_prompt else (0, 0),
         )
 
     def _preempt(self, victim: Request, scheduled: dict[str, ScheduledRequest], out: SchedulerOutput) -> int:

@@ -104,6 +104,30 @@ def test_a_preempted_request_keeps_its_scores(checkpoint, reference):
         assert_scored(result.prompt_logprobs, prompt, reference(prompt))
 
 
+def test_scores_are_handed_out_once_and_a_resumed_stream_is_not_scored(checkpoint):
+    """The first output takes the entries (the request keeps only their count: a preemption after
+    it scores nothing again); a moved stream's prompt (scored where it began) reads the prefix
+    cache and is not scored."""
+    engine = engine_for(checkpoint)
+    prompt = random_prompts([26], seed=9)[0]
+    request_id = engine.add_request(prompt, SCORED)
+    first = []
+    while not first:
+        first = [o for o in engine.step() if o.new_token_ids]
+    request = engine.scheduler.requests[request_id]
+    assert len(first[0].prompt_logprobs) == 25 and request.prompt_logprobs == []
+    assert request.num_scored_tokens == 25 and not request.scores_prompt
+    while engine.has_unfinished():
+        assert all(o.prompt_logprobs is None for o in engine.step())
+    moved = engine.make_request(prompt, {**SCORED, "max_tokens": 4}, resume_token_ids=[7, 8])
+    assert not moved.scores_prompt
+    engine.scheduler.add_request(moved)
+    while engine.has_unfinished():
+        engine.step()
+        assert not engine.runner.prompt_logprobs
+    assert moved.num_cached_tokens > 0
+
+
 def test_a_prompt_scored_beyond_the_bound_is_refused(checkpoint):
     engine = engine_for(checkpoint)
     tokens = MAX_PROMPT_LOGPROB_VALUES // 4 + 1

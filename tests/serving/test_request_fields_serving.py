@@ -142,6 +142,12 @@ def test_echo_with_logprobs_scores_the_prompt(client, stack, scores):
     # Without echo, the prompt is not scored.
     plain = client.completions.create(model=stack.model_name, prompt=short, logprobs=2, max_tokens=1, temperature=0)
     assert len(plain.choices[0].logprobs.tokens) == 1
+    # Every choice scores its prompt: a request's scores in all are bounded (1000 tokens x 21 values
+    # x 7 choices, or 7 prompts, are over 131072).
+    for shape in ({"prompt": [5] * 1000, "n": 7}, {"prompt": [[5] * 1000] * 7}):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model=stack.model_name, echo=True, logprobs=20, max_tokens=1, **shape)
+        assert info.value.body["param"] == "logprobs" and "at most 131072" in info.value.body["message"]
 
 
 def test_continuous_usage_stats(client, stack):

@@ -38,9 +38,10 @@ class KVCacheManager:
         parent hash, its tokens and the request's extra keys (see ``BlockPool.lookup``).
 
         Never the whole sequence: the last token is always computed so there are logits to sample.
-        None for a request that scores its prompt (``prompt_logprobs``: every position computed).
+        Nothing for a request that still scores its prompt (``Request.scores_prompt``: every
+        position is computed).
         """
-        if not self.pool.enable_caching or request.sampling_params.prompt_logprobs is not None:
+        if not self.pool.enable_caching or request.scores_prompt:
             return []
         bs = self.block_size
         hashes = request.update_block_hashes(bs)
