@@ -14,7 +14,7 @@ first token is committed to the request and its blocks to the prefix cache:
                        at most ``logprobs`` alternatives, each inside the vocabulary
     prompt_logprobs    None unless prompt_logprobs were asked for; then one entry per prompt token
                        after the first, each for that token, checked as first_logprob is (at most
-                       ``prompt_logprobs`` alternatives)
+                       ``prompt_logprobs`` alternatives), with its rank in [1, vocab_size]
 """
 from __future__ import annotations
 
@@ -116,6 +116,8 @@ def check_prefill_result(result: PrefillResult, asked: PrefillRequest, vocab_siz
                   f"{'none were' if alternatives is None else len(prompt) - 1} asked for")
     for i, entry in enumerate(scored):
         _check_logprob(entry, prompt[i + 1], alternatives, vocab_size, f"prompt_logprobs[{i}]", bad)
+        if entry.rank is None or not 1 <= entry.rank <= vocab_size:
+            raise bad(f"prompt_logprobs[{i}] has rank {entry.rank}, not in [1, {vocab_size}]")
 
 
 def _check_logprob(lp: TokenLogprob, token_id: int, alternatives: int, vocab_size: int, name: str, bad) -> None:

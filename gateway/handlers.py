@@ -41,6 +41,17 @@ class _ClientTooSlow(Exception):
     """The client accepted no bytes for ``client_write_timeout`` seconds."""
 
 
+def _check_scores(gens: list[Generation]) -> None:
+    """Every choice scores its prompt (echo with logprobs, ``prompt_logprobs``): the request's scores
+    in all are bounded (400 naming the field that asked)."""
+    options = gens[0].options
+    try:
+        check_prompt_logprobs(sum(len(g.prompt_ids) for g in gens), gens[0].params.prompt_logprobs)
+    except ValueError as exc:
+        field = "prompt_logprobs" if options.prompt_logprobs is not None else "logprobs"
+        raise invalid(f"{field}: {exc}", field) from None
+
+
 async def _drain(run) -> None:
     async for _ in run:
         pass
@@ -142,9 +153,11 @@ class OpenAIHandlers:
         for name, ids in (("logit_bias", [t for t, _ in options.logit_bias]), ("stop_token_ids", options.stop_token_ids)):
             if ids and max(ids) >= vocab:
                 raise invalid(f"{name}: token id {max(ids)} is outside the vocabulary [0, {vocab})", name)
-        # echo with logprobs scores the prompt's tokens too (each choice's workers compute it whole;
-        # ``completions`` bounds the request's scores in all).
-        prompt_logprobs = options.logprobs if kind == "completion" and req.echo else None
+        # echo with logprobs scores the prompt's tokens too, as vLLM's prompt_logprobs does (each
+        # choice's workers compute its prompt whole; the request's scores in all are bounded).
+        asked = [k for k in (options.prompt_logprobs, options.logprobs if kind == "completion" and req.echo else None)
+                 if k is not None]
+        prompt_logprobs = max(asked) if asked else None
         # A built-in chat format's end-of-turn token ends a chat answer (unless EOS is ignored).
         turn_end = services.chat_format.stop_token_ids if kind == "chat" and not options.ignore_eos else ()
         params = SamplingParams(
@@ -222,10 +235,7 @@ class OpenAIHandlers:
                 echo = "" if not req.echo else prompt if isinstance(prompt, str) else self.services.tokenizer.decode(ids)
                 gens += self._prepare(request, "completion", req, ids, echo=echo, response_id=response_id,
                                       prompt_index=index)
-            try:  # every choice scores its prompt: the request's scores in all are bounded
-                check_prompt_logprobs(sum(len(g.prompt_ids) for g in gens), gens[0].params.prompt_logprobs)
-            except ValueError as exc:
-                raise invalid(f"echo with logprobs: {exc}", "logprobs") from None
+            _check_scores(gens)
             await self._check_grammar(gens[0].params)
             return await self._serve(request, gens)
 
@@ -238,6 +248,7 @@ class OpenAIHandlers:
         async with self.services.admission(request["tenant"]):
             ids = await self.services.prompts.chat(messages, render)
             gens = self._prepare(request, "chat", req, ids, plan)
+            _check_scores(gens)
             await self._check_grammar(gens[0].params)
             return await self._serve(request, gens)
 

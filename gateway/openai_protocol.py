@@ -109,6 +109,9 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                               msgspec.Meta(max_length=MAX_STOP_TOKEN_IDS)] | None = None  # extension (vLLM's)
     # Extension (vLLM's): the prompt's blocks are cached apart from requests with another salt.
     cache_salt: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_CACHE_SALT_LEN)] | None = None
+    # Extension (vLLM's): each prompt token's logprob, rank and top alternatives, in the answer's
+    # ``prompt_logprobs`` (a completion choice's; a chat response's); not streamed.
+    prompt_logprobs: Logprobs | None = None
 
 
 @dataclass(frozen=True)
@@ -138,6 +141,7 @@ class SamplingOptions:
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
+    prompt_logprobs: int | None = None
 
 
 class CompletionRequest(_Common):
@@ -289,6 +293,7 @@ def _sampling(req: _Common, max_tokens: int | None, logprobs: int | None) -> Sam
         logit_bias=tuple(sorted((req.logit_bias or {}).items())),
         min_tokens=req.min_tokens,
         stop_token_ids=tuple(req.stop_token_ids or ()),
+        prompt_logprobs=req.prompt_logprobs,
     )
 
 
@@ -330,6 +335,9 @@ def _validate_common(req: _Common) -> None:
         raise invalid("store: stored completions are not supported", "store", "unsupported_value")
     if req.stream_options is not None and not req.stream:
         raise invalid("stream_options is only allowed when stream is true", "stream_options")
+    if req.prompt_logprobs is not None and req.stream:
+        raise invalid("prompt_logprobs are not streamed (as in vLLM): ask without stream, or use echo with logprobs "
+                      "on /v1/completions", "prompt_logprobs", "prompt_logprobs_not_streamed")
     stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
     if len(stops) > MAX_STOP_STRINGS:
         raise invalid(f"stop accepts at most {MAX_STOP_STRINGS} strings, got {len(stops)}", "stop")

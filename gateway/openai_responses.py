@@ -49,6 +49,24 @@ class CompletionChoice(msgspec.Struct):
     stop_reason: str | None = None  # extension: the stop string that ended the text
 
 
+class PromptLogprob(msgspec.Struct):
+    """vLLM's shape of a scored prompt token, or of one of its alternatives (``prompt_logprobs``)."""
+
+    logprob: float
+    rank: int | None = None  # 1: the most likely token
+    decoded_token: str | None = None
+
+
+# Entry i scores prompt token i (token id -> its score and its alternatives'); the first is null.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
+class ScoredCompletionChoice(CompletionChoice):
+    """A completion choice with vLLM's ``prompt_logprobs`` (asked for by that extension)."""
+
+    prompt_logprobs: PromptLogprobs | None = None
+
+
 class CompletionResponse(msgspec.Struct):
     id: str
     created: int
@@ -111,6 +129,13 @@ class ChatCompletionResponse(msgspec.Struct):
     choices: list[ChatChoice]
     usage: Usage | None = None
     object: Literal["chat.completion"] = "chat.completion"
+
+
+class ScoredChatCompletionResponse(ChatCompletionResponse):
+    """A chat response with vLLM's ``prompt_logprobs`` (the rendered prompt's; asked for by that
+    extension)."""
+
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaFunction(msgspec.Struct, omit_defaults=True):

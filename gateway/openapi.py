@@ -23,7 +23,7 @@ import msgspec
 
 from common.engine.kv.prefix_hash import MAX_CACHE_SALT_LEN
 from common.engine.sampling_params import (
-    INT64_MAX, INT64_MIN, MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_VALUE, MAX_STOP_TOKEN_IDS, MAX_TOKEN_ID,
+    INT64_MAX, INT64_MIN, MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_VALUE, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, MAX_TOKEN_ID,
 )
 from gateway.openai_protocol import (
     MAX_CONTENT_PARTS, MAX_N, MAX_PARTS_PER_MESSAGE, MAX_STOP_LEN, MAX_STOP_STRINGS, MAX_TOOLS, ChatCompletionChunk,
@@ -50,6 +50,10 @@ _COMMON_RULES: dict[str, dict] = {
                                                          "maximum": MAX_LOGIT_BIAS_VALUE}}),
                    "description": "Token id (a decimal string, inside the vocabulary) -> bias added to its logit."},
     "store": {"type": "boolean", "const": False, "default": False, "description": "Only false: no stored completions."},
+    "prompt_logprobs": {**_nullable({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS}),
+                        "description": "Extension (vLLM's). Each prompt token's logprob, rank and this many top "
+                                       "alternatives in the answer's prompt_logprobs; not with stream (400, code "
+                                       "prompt_logprobs_not_streamed)."},
     "min_tokens": {"type": "integer", "minimum": 0, "maximum": MAX_TOKEN_ID, "default": 0,
                    "description": "Extension (vLLM's). No stop token ends the output before this many tokens."},
     "stop_token_ids": {**_nullable({"type": "array", "maxItems": MAX_STOP_TOKEN_IDS,
@@ -128,6 +132,8 @@ def _implies(field: str, present: dict, then: dict) -> dict:
 # request may carry max_tokens or max_completion_tokens, the gateway also takes both if equal).
 _STREAM_OPTIONS_NEED_STREAM = _implies("stream_options", {"type": "object"},
                                        {"properties": {"stream": {"const": True}}, "required": ["stream"]})
+# (vLLM's prompt_logprobs are not streamed: a rule the document states in the field's description,
+# as one more rule here leaves the chat request's schema too complex to generate requests from.)
 _CROSS_FIELD: dict[str, list[dict]] = {
     "CompletionRequest": [_STREAM_OPTIONS_NEED_STREAM],
     "ChatCompletionRequest": [

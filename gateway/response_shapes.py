@@ -8,13 +8,14 @@ from __future__ import annotations
 import functools
 from typing import Any, Sequence
 
-from common.cluster.messages import TokenFrame
+from common.cluster.messages import TokenFrame, TokenLogprob
 from gateway.generation import Generation
 from gateway.openai_protocol import (
     ChatChoice, ChatCompletionChunk, ChatCompletionResponse, ChatDelta, ChatLogprobs, ChatResponseMessage,
     ChatStreamChoice, ChatTokenLogprob, CompletionChoice, CompletionChunk, CompletionLogprobs, CompletionResponse,
     TopLogprob, Usage, now,
 )
+from gateway.openai_responses import PromptLogprob, PromptLogprobs, ScoredChatCompletionResponse, ScoredCompletionChoice
 
 
 TOKEN_TEXTS = 1 << 16  # token texts a gateway remembers
@@ -57,11 +58,27 @@ class ResponseShapes:
     def echo_logprobs(self, gen: Generation) -> CompletionLogprobs | None:
         """The echoed prompt's logprobs (echo with logprobs; ``None`` without): its first token has
         none, nothing precedes it."""
-        if gen.prompt_logprobs is None:
+        alternatives = gen.options.logprobs
+        if not gen.echo or alternatives is None or gen.prompt_logprobs is None:
             return None
         first = self._token_text(gen.prompt_ids[0])
         opening = CompletionLogprobs(tokens=[first], token_logprobs=[None], top_logprobs=[None], text_offset=[0])
-        return _joined(opening, self.completion_logprobs(gen.prompt_logprobs, len(first)))
+        entries = [TokenLogprob(e.token_id, e.logprob, e.top[:alternatives]) for e in gen.prompt_logprobs]
+        return _joined(opening, self.completion_logprobs(entries, len(first)))
+
+    def prompt_logprobs(self, gen: Generation) -> PromptLogprobs | None:
+        """vLLM's ``prompt_logprobs`` (asked for by that extension; ``None`` without): entry i maps
+        prompt token i and its top alternatives to their logprobs, ranks and texts."""
+        alternatives = gen.options.prompt_logprobs
+        if alternatives is None or gen.prompt_logprobs is None:
+            return None
+        scored: PromptLogprobs = [None]
+        for e in gen.prompt_logprobs:
+            entry = {str(t): PromptLogprob(lp, rank, self._token_text(t))
+                     for rank, (t, lp) in enumerate(e.top[:alternatives], start=1)}
+            entry.setdefault(str(e.token_id), PromptLogprob(e.logprob, e.rank, self._token_text(e.token_id)))
+            scored.append(entry)
+        return scored
 
     def chat_logprobs(self, entries) -> ChatLogprobs | None:
         if not entries:
@@ -126,10 +143,16 @@ class ResponseShapes:
 
     def full_response(self, gens: Sequence[Generation]):
         gen = gens[0]
+        scored = gen.options.prompt_logprobs is not None  # vLLM's prompt_logprobs asked for
         if gen.kind == "chat":
-            return ChatCompletionResponse(gen.response_id, now(), gen.model, [self._chat_choice(g) for g in gens],
-                                          usage(gens))
-        choices = [CompletionChoice(g.index, g.echo + g.text, self._whole_logprobs(g), g.finish_reason, g.stop_reason)
+            choices = [self._chat_choice(g) for g in gens]
+            if scored:
+                return ScoredChatCompletionResponse(gen.response_id, now(), gen.model, choices, usage(gens),
+                                                    prompt_logprobs=self.prompt_logprobs(gen))
+            return ChatCompletionResponse(gen.response_id, now(), gen.model, choices, usage(gens))
+        choices = [ScoredCompletionChoice(g.index, g.echo + g.text, self._whole_logprobs(g), g.finish_reason,
+                                          g.stop_reason, prompt_logprobs=self.prompt_logprobs(g)) if scored else
+                   CompletionChoice(g.index, g.echo + g.text, self._whole_logprobs(g), g.finish_reason, g.stop_reason)
                    for g in gens]
         return CompletionResponse(gen.response_id, now(), gen.model, choices, usage(gens))
 

@@ -35,11 +35,12 @@ class TokenLogprob(msgspec.Struct, array_like=True):
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = []
+    rank: int | None = None  # a scored prompt token's place among all (``TokenLogprobs``)
 
 
 def wire_logprobs(entries) -> list[TokenLogprob] | None:
     """The engine's ``TokenLogprobs`` entries (``None``: none asked for) as they travel."""
-    return None if entries is None else [TokenLogprob(e.token_id, e.logprob, e.top) for e in entries]
+    return None if entries is None else [TokenLogprob(e.token_id, e.logprob, e.top, e.rank) for e in entries]
 
 
 class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):

@@ -149,7 +149,8 @@ class ModelRunner:
         scored, at = {}, 0
         for item, _start, begin, end in scoring:
             k = item.sampling_params.prompt_logprobs
-            scored[item.request_id] = [TokenLogprobs(e.token_id, e.logprob, e.top[:k]) for e in entries[at:at + end - begin]]
+            scored[item.request_id] = [TokenLogprobs(e.token_id, e.logprob, e.top[:k], e.rank)
+                                       for e in entries[at:at + end - begin]]
             at += end - begin
         return scored
 

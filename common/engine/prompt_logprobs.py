@@ -47,8 +47,10 @@ def score(logits_of, hidden: torch.Tensor, targets: list[int] | None, top: int) 
         logprobs = torch.nan_to_num(logits - torch.logsumexp(logits, dim=-1, keepdim=True), nan=_FLOOR, neginf=_FLOOR,
                                     posinf=0.0)
         chosen = torch.tensor(targets[begin:begin + ROWS_PER_PASS], device=logits.device)
-        values = logprobs.gather(1, chosen[:, None])[:, 0].tolist()
+        values = logprobs.gather(1, chosen[:, None])
+        ranks = (1 + (logprobs > values).sum(dim=-1)).tolist()  # 1: the most likely token
         top_values, top_ids = logprobs.topk(top, dim=-1) if top else (logprobs[:, :0], logprobs[:, :0].long())
-        for token, value, ids, tops in zip(chosen.tolist(), values, top_ids.tolist(), top_values.tolist()):
-            entries.append(TokenLogprobs(token, value, list(zip(ids, tops))))
+        for token, value, rank, ids, tops in zip(chosen.tolist(), values[:, 0].tolist(), ranks, top_ids.tolist(),
+                                                 top_values.tolist()):
+            entries.append(TokenLogprobs(token, value, list(zip(ids, tops)), rank))
     return entries

@@ -53,11 +53,13 @@ _SMALLEST_POSITIVE = float(torch.finfo(torch.float32).smallest_normal) * 2.0**-2
 
 @dataclass
 class TokenLogprobs:
-    """The sampled token's log-probability and the ``n`` most likely alternatives."""
+    """The sampled token's log-probability and the ``n`` most likely alternatives; ``rank``: the
+    token's place among all (1: the most likely), where it was computed (a scored prompt's)."""
 
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
+    rank: int | None = None
 
 
 class SamplingRequest(Protocol):

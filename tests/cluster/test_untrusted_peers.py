@@ -225,10 +225,12 @@ class EvilPrefill:
             "sent_blocks": lambda r: msgspec.structs.replace(r, num_sent_blocks=r.num_sent_blocks + 3),
             "cached_tokens": lambda r: msgspec.structs.replace(r, num_cached_tokens=10**6),
             "logprob": lambda r: msgspec.structs.replace(r, first_logprob=TokenLogprob(r.first_token_id, 5.0, [])),
-            # Asked with prompt_logprobs=1 (``SCORING_MODES``): an entry for another token; one entry short;
-            # entries where none were asked for is the "unasked" mode's (asked without).
+            # Asked with prompt_logprobs=1 (``SCORING_MODES``): an entry for another token, one entry short,
+            # a rank of 0; and (asked without) entries where none were asked for.
             "scored_token": lambda r: msgspec.structs.replace(r, prompt_logprobs=[
-                TokenLogprob(e.token_id + 1, e.logprob, e.top) for e in r.prompt_logprobs]),
+                TokenLogprob(e.token_id + 1, e.logprob, e.top, e.rank) for e in r.prompt_logprobs]),
+            "scored_rank": lambda r: msgspec.structs.replace(r, prompt_logprobs=[
+                msgspec.structs.replace(e, rank=0) for e in r.prompt_logprobs]),
             "scored_count": lambda r: msgspec.structs.replace(r, prompt_logprobs=r.prompt_logprobs[:-1]),
             "unasked": lambda r: msgspec.structs.replace(r, prompt_logprobs=[TokenLogprob(1, -1.0, [])]),
         }[self.mode](genuine)
@@ -236,8 +238,8 @@ class EvilPrefill:
 
 
 MODES = ["oov", "negative", "sent_blocks", "cached_tokens", "logprob", "endless", "scored_token", "scored_count",
-         "unasked"]
-SCORING_MODES = {"scored_token", "scored_count"}  # asked with prompt_logprobs
+         "scored_rank", "unasked"]
+SCORING_MODES = {"scored_token", "scored_count", "scored_rank"}  # asked with prompt_logprobs
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -278,7 +280,7 @@ async def test_a_genuine_answer_with_logprobs_passes_the_checks(cluster, referen
     frames = await generate(cluster, prompt, 3, prefill_worker_id="p0", prompt_logprobs=2)
     assert not frames[0].prefill_fallback and frames[0].prefill_worker == "p0"
     assert [e.token_id for e in frames[0].prompt_logprobs] == prompt[1:]
-    assert all(len(e.top) == 2 and e.logprob <= 0 for e in frames[0].prompt_logprobs)
+    assert all(len(e.top) == 2 and e.logprob <= 0 and e.rank >= 1 for e in frames[0].prompt_logprobs)
     assert all(f.prompt_logprobs is None for f in frames[1:])
 
 

@@ -205,6 +205,13 @@ def test_hostile_lists_are_refused_before_their_elements_are_decoded(parse, fiel
     assert peak < len(raw) // 4, f"decoding {field} allocated {peak / MIB:.1f} MiB"
 
 
+def test_prompt_logprobs_are_ranged_and_not_streamed():
+    assert parse_completion_request(completion(prompt_logprobs=0)).sampling().prompt_logprobs == 0
+    assert parse_chat_request(chat(prompt_logprobs=20)).sampling().prompt_logprobs == 20
+    rejects(parse_completion_request, completion(prompt_logprobs=21), "prompt_logprobs", "<= 20")
+    rejects(parse_chat_request, chat(prompt_logprobs=1, stream=True), "prompt_logprobs", "not streamed")
+
+
 def test_unknown_fields_are_rejected_by_name():
     err = rejects(parse_completion_request, completion(tools=[]), "tools", "Unrecognized request argument supplied: tools")
     assert err.code == "unknown_parameter"

@@ -73,6 +73,29 @@ def test_a_batch_of_prompts_answers_each_as_if_alone(client, stack):
     assert usage.completion_tokens == 20
 
 
+def test_vllm_prompt_logprobs(client, stack, scores):
+    """vLLM's ``prompt_logprobs``: entry i maps prompt token i (and its top alternatives, ranked
+    1..k) to its logprob, rank and text, the first entry null; a completion choice's, a chat
+    response's (the rendered prompt's); not streamed."""
+    prompt = [9, 4, 12, 4, 30, 2]
+    answer = client.completions.create(model=stack.model_name, prompt=prompt, max_tokens=2, temperature=0,
+                                       extra_body={"prompt_logprobs": 2})
+    scored = answer.choices[0].prompt_logprobs
+    assert len(scored) == len(prompt) and scored[0] is None and answer.choices[0].logprobs is None
+    for entry, token, (logprob, rank) in zip(scored[1:], prompt[1:], scores(prompt, ranks=True)):
+        assert entry[str(token)]["logprob"] == pytest.approx(logprob, abs=2e-3) and entry[str(token)]["rank"] == rank
+        # the top 2 ranked 1 and 2, and the prompt token besides when it is not among them
+        assert {1, 2} <= {v["rank"] for v in entry.values()} and len(entry) == (2 if rank <= 2 else 3)
+    chat = client.chat.completions.create(model=stack.model_name, messages=[{"role": "user", "content": "scored chat"}],
+                                          max_tokens=2, extra_body={"prompt_logprobs": 0})
+    assert len(chat.prompt_logprobs) == chat.usage.prompt_tokens and chat.prompt_logprobs[0] is None
+    assert all(len(entry) == 1 for entry in chat.prompt_logprobs[1:])
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=stack.model_name, prompt=prompt, max_tokens=2, stream=True,
+                                  extra_body={"prompt_logprobs": 1})
+    assert info.value.body["param"] == "prompt_logprobs"
+
+
 def test_n_streamed_chat_carries_every_index(client, stack):
     stream = client.chat.completions.create(model=stack.model_name, messages=[{"role": "user", "content": "n stream"}],
                                             n=2, max_tokens=5, temperature=1.0, seed=3, stream=True,
@@ -107,11 +130,14 @@ def scores(served_checkpoint):
 
     model = AutoModelForCausalLM.from_pretrained(served_checkpoint, dtype=torch.float32).eval()
 
-    def run(prompt: list[int]) -> list[float]:
-        """Entry i: the log-probability of prompt token i + 1."""
+    def run(prompt: list[int], ranks: bool = False) -> list[float] | list[tuple[float, int]]:
+        """Entry i: the log-probability of prompt token i + 1 (and its rank: 1 the most likely)."""
         with torch.no_grad():
-            logprobs = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), dim=-1)
-        return logprobs[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])].tolist()
+            logprobs = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), dim=-1)[:-1]
+        chosen = logprobs[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:], dtype=torch.long)]
+        if not ranks:
+            return chosen.tolist()
+        return list(zip(chosen.tolist(), (1 + (logprobs > chosen[:, None]).sum(dim=-1)).tolist()))
 
     return run
 
