@@ -37,20 +37,25 @@ def score(logits_of, hidden: torch.Tensor, targets: list[int] | None, top: int) 
     """The ``TokenLogprobs`` of ``targets[i]`` at row ``i`` of ``hidden`` (final hidden states,
     before the norm: ``logits_of`` is the model's ``logits``) with the ``top`` most likely tokens.
     ``targets`` None: a tensor-parallel rank other than 0, which takes part in the projections
-    (``logits_of`` gathers the vocabulary on rank 0) and returns nothing."""
+    (``logits_of`` gathers the vocabulary on rank 0) and returns nothing.  Three passes over a
+    pass's logits (the normalizer, the rank, the top tokens); the log-softmax is taken of the few
+    values kept, not of the whole rows."""
     entries: list[TokenLogprobs] = []
     for begin in range(0, hidden.shape[0], ROWS_PER_PASS):
         logits = logits_of(hidden[begin:begin + ROWS_PER_PASS])
         if targets is None:
             continue
         logits = logits.float()
-        logprobs = torch.nan_to_num(logits - torch.logsumexp(logits, dim=-1, keepdim=True), nan=_FLOOR, neginf=_FLOOR,
-                                    posinf=0.0)
+        normalizer = torch.logsumexp(logits, dim=-1, keepdim=True)
         chosen = torch.tensor(targets[begin:begin + ROWS_PER_PASS], device=logits.device)
-        values = logprobs.gather(1, chosen[:, None])
-        ranks = (1 + (logprobs > values).sum(dim=-1)).tolist()  # 1: the most likely token
-        top_values, top_ids = logprobs.topk(top, dim=-1) if top else (logprobs[:, :0], logprobs[:, :0].long())
-        for token, value, rank, ids, tops in zip(chosen.tolist(), values[:, 0].tolist(), ranks, top_ids.tolist(),
-                                                 top_values.tolist()):
-            entries.append(TokenLogprobs(token, value, list(zip(ids, tops)), rank))
+        chosen_logits = logits.gather(1, chosen[:, None])
+        ranks = (1 + (logits > chosen_logits).sum(dim=-1)).tolist()  # 1: the most likely token
+        top_logits, top_ids = logits.topk(top, dim=-1) if top else (logits[:, :0], logits[:, :0].long())
+        values, top_values = (_finite(v - normalizer).tolist() for v in (chosen_logits, top_logits))
+        for token, value, rank, ids, tops in zip(chosen.tolist(), values, ranks, top_ids.tolist(), top_values):
+            entries.append(TokenLogprobs(token, value[0], list(zip(ids, tops)), rank))
     return entries
+
+
+def _finite(logprobs: torch.Tensor) -> torch.Tensor:
+    return torch.nan_to_num(logprobs, nan=_FLOOR, neginf=_FLOOR, posinf=0.0)
