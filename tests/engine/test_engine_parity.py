@@ -3,19 +3,15 @@ checkpoints saved to disk: whole prompts, chunked prompts beside decodes, preemp
 import json
 
 import pytest
-import torch
 
 from common.engine.config import EngineConfig
 from common.engine.engine import Engine
-from tests.support.checkpoints import VOCAB, GreedyReference, tiny_gemma3_config, tiny_llama_config, write_checkpoint
+from tests.support.checkpoints import (
+    GreedyReference, random_prompts, tiny_gemma3_config, tiny_llama_config, write_checkpoint,
+)
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 MAX_NEW = 10
-
-
-def random_prompts(lengths, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
 
 
 @pytest.fixture(scope="module", params=["llama", "gemma3"])

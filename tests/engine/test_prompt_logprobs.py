@@ -10,14 +10,9 @@ import torch
 from common.engine.config import EngineConfig
 from common.engine.engine import Engine
 from common.engine.sampling_params import MAX_PROMPT_LOGPROB_VALUES, SamplingParams
-from tests.support.checkpoints import VOCAB, tiny_gemma3_config, tiny_llama_config, write_checkpoint
+from tests.support.checkpoints import random_prompts, tiny_gemma3_config, tiny_llama_config, write_checkpoint
 
 SCORED = {"temperature": 0.0, "ignore_eos": True, "max_tokens": 2, "prompt_logprobs": 3}
-
-
-def random_prompts(lengths, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
 
 
 @pytest.fixture(scope="module", params=["llama", "gemma3"])

@@ -5,21 +5,17 @@ that verification wrote, stop tokens and max_tokens inside accepted drafts; seed
 the same tokens.  The n-gram proposer runs end to end; scripted proposers (drafts from the known
 answer, spoiled at chosen places) make acceptance what each test needs."""
 import pytest
-import torch
 
 from common.engine.config import EngineConfig
 from common.engine.engine import Engine
-from tests.support.checkpoints import VOCAB, GreedyReference, tiny_gemma3_config, tiny_llama_config, write_checkpoint
+from tests.support.checkpoints import (
+    VOCAB, GreedyReference, random_prompts, tiny_gemma3_config, tiny_llama_config, write_checkpoint,
+)
 
 pytestmark = pytest.mark.slow(seconds=12)  # a long file: scheduled by its length (tests/conftest.py)
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 MAX_NEW = 24
-
-
-def random_prompts(lengths, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
 
 
 @pytest.fixture(scope="module", params=["llama", "gemma3"])

@@ -35,6 +35,13 @@ def tiny_gemma3_config(**overrides):
     return Gemma3TextConfig(**fields)
 
 
+def random_prompts(lengths, seed: int = 0) -> list[list[int]]:
+    """Prompts of these lengths, random token ids inside the tiny models' vocabulary (from 3, past
+    the special tokens), the same for a seed."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
 def write_checkpoint(config, directory: Path, seed: int = 0) -> Path:
     """Build a random model from ``config`` with a fixed seed and save it as safetensors."""
     from transformers import AutoModelForCausalLM
