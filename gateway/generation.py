@@ -28,6 +28,7 @@ class Generation:
     first_choice: bool = True
     response_id: str = ""
     echo: str = ""  # completions with echo: the prompt's text, before the answer
+    echo_only: bool = False  # max_tokens=0 with echo: the prompt alone is answered (the token generated is not)
     arrival: float = field(default_factory=time.monotonic)
     pieces: list[str] = field(default_factory=list)  # the text, as streamed (joined once at the end)
     token_ids: list[int] = field(default_factory=list)

@@ -139,6 +139,9 @@ class OpenAIHandlers:
         # Sizes before any per-token work: the length bounds the scan of the ids below.
         room = services.max_model_len - len(prompt_ids)
         max_tokens = options.max_tokens if options.max_tokens is not None else room
+        # max_tokens=0 with echo: the prompt alone is answered; one token is generated (and counted), as in vLLM.
+        echo_only = max_tokens == 0
+        max_tokens = max(max_tokens, 1)
         if room < 1 or max_tokens > room:
             raise invalid(
                 f"This model's maximum context length is {services.max_model_len} tokens. However, you requested "
@@ -181,7 +184,7 @@ class OpenAIHandlers:
             index = prompt_index * req.n + i
             gen = Generation(response_id if choices == 1 else f"{response_id}-{index}", kind, model, prompt_ids,
                              options, seeded, salt, tenant.key_id, index=index, first_choice=i == 0,
-                             response_id=response_id, echo=echo)
+                             response_id=response_id, echo=echo, echo_only=echo_only)
             if plan is not None and plan.parses_calls:
                 gen.tools = ToolOutput(plan, services.tool_parser)
             gens.append(gen)

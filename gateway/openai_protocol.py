@@ -65,6 +65,8 @@ MAX_CONTENT_PARTS = 4096  # ... and of all the messages of a request together
 # ---- requests -----------------------------------------------------------------------------------
 
 MaxTokens = Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKEN_ID)]
+# A completion's: 0 with echo answers the prompt alone (scoring it, with logprobs: OpenAI's legacy API, vLLM).
+CompletionMaxTokens = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]
 Logprobs = Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)]
 Penalty = Annotated[float, msgspec.Meta(ge=-MAX_PENALTY, le=MAX_PENALTY)]
 
@@ -150,7 +152,7 @@ class CompletionRequest(_Common):
     which the API takes as a string, token ids, or a list of either)."""
 
     prompt: list[str | list[int]]
-    max_tokens: MaxTokens | None = 16
+    max_tokens: CompletionMaxTokens | None = 16
     logprobs: Logprobs | None = None
     echo: bool = False
     best_of: int | None = None
@@ -437,6 +439,9 @@ def parse_completion_request(body: bytes, max_prompt_tokens: int = MAX_PROMPT_TO
     fields["prompt"] = decode_prompt(body_req.prompt, max_prompt_tokens)
     req = CompletionRequest(**fields)
     _validate_common(req)
+    if req.max_tokens == 0 and not req.echo:
+        raise invalid("max_tokens=0 answers the prompt alone: it needs echo (else max_tokens must be >= 1)",
+                      "max_tokens")
     if len(req.prompt) * req.n > MAX_REQUEST_CHOICES:
         raise invalid(f"a request's choices -- its {len(req.prompt)} prompts times n={req.n} -- are at most "
                       f"{MAX_REQUEST_CHOICES}", "n", "too_many_choices")

@@ -135,7 +135,10 @@ _STREAM_OPTIONS_NEED_STREAM = _implies("stream_options", {"type": "object"},
 # (vLLM's prompt_logprobs are not streamed: a rule the document states in the field's description,
 # as one more rule here leaves the chat request's schema too complex to generate requests from.)
 _CROSS_FIELD: dict[str, list[dict]] = {
-    "CompletionRequest": [_STREAM_OPTIONS_NEED_STREAM],
+    "CompletionRequest": [_STREAM_OPTIONS_NEED_STREAM,
+                          # max_tokens 0 answers the prompt alone: with echo only
+                          _implies("max_tokens", {"const": 0}, {"properties": {"echo": {"const": True}},
+                                                                "required": ["echo"]})],
     "ChatCompletionRequest": [
         _STREAM_OPTIONS_NEED_STREAM,
         _implies("top_logprobs", {"type": "integer"},

@@ -107,6 +107,8 @@ class ResponseShapes:
         ending = final and gen.finish_reason is not None
         if gen.tools is not None:
             return self._tool_chunks(gen, delta, frame, ending, usage_so_far)
+        if gen.echo_only:  # the prompt alone (its chunk opened the stream): the token generated is not shown
+            delta, frame = "", TokenFrame()
         if not (delta or frame.logprobs or ending):
             return []
         finish, stop = (gen.output_finish_reason, gen.stop_reason) if final else (None, None)
@@ -150,9 +152,9 @@ class ResponseShapes:
                 return ScoredChatCompletionResponse(gen.response_id, now(), gen.model, choices, usage(gens),
                                                     prompt_logprobs=self.prompt_logprobs(gen))
             return ChatCompletionResponse(gen.response_id, now(), gen.model, choices, usage(gens))
-        choices = [ScoredCompletionChoice(g.index, g.echo + g.text, self._whole_logprobs(g), g.finish_reason,
-                                          g.stop_reason, prompt_logprobs=self.prompt_logprobs(g)) if scored else
-                   CompletionChoice(g.index, g.echo + g.text, self._whole_logprobs(g), g.finish_reason, g.stop_reason)
+        choices = [ScoredCompletionChoice(g.index, _text(g), self._whole_logprobs(g), g.finish_reason, g.stop_reason,
+                                          prompt_logprobs=self.prompt_logprobs(g)) if scored else
+                   CompletionChoice(g.index, _text(g), self._whole_logprobs(g), g.finish_reason, g.stop_reason)
                    for g in gens]
         return CompletionResponse(gen.response_id, now(), gen.model, choices, usage(gens))
 
@@ -160,6 +162,8 @@ class ResponseShapes:
         """A completion's logprobs: the echoed prompt's (if scored), then the answer's, their text
         offsets going on from the prompt's tokens (whose texts may not be the echo's: a BOS token)."""
         echoed = self.echo_logprobs(gen)
+        if gen.echo_only:
+            return echoed
         start = echoed.text_offset[-1] + len(echoed.tokens[-1]) if echoed else len(gen.echo)
         return _joined(echoed, self.completion_logprobs(gen.logprobs, start))
 
@@ -170,6 +174,11 @@ class ResponseShapes:
             message = ChatResponseMessage(content, tool_calls=gen.tools.message_calls(calls))
             finish = "tool_calls" if calls and finish == "stop" else finish
         return ChatChoice(gen.index, message, self.chat_logprobs(gen.logprobs), finish, gen.stop_reason)
+
+
+def _text(gen: Generation) -> str:
+    """A completion choice's text: the echo, then the answer (not with max_tokens=0: the echo alone)."""
+    return gen.echo if gen.echo_only else gen.echo + gen.text
 
 
 def _joined(head: CompletionLogprobs | None, tail: CompletionLogprobs | None) -> CompletionLogprobs | None:

@@ -205,6 +205,12 @@ def test_hostile_lists_are_refused_before_their_elements_are_decoded(parse, fiel
     assert peak < len(raw) // 4, f"decoding {field} allocated {peak / MIB:.1f} MiB"
 
 
+def test_max_tokens_0_is_the_prompt_alone_with_echo():
+    assert parse_completion_request(completion(max_tokens=0, echo=True, logprobs=1)).sampling().max_tokens == 0
+    rejects(parse_completion_request, completion(max_tokens=0), "max_tokens", "it needs echo")
+    rejects(parse_chat_request, chat(max_tokens=0), "max_tokens", ">= 1")
+
+
 def test_prompt_logprobs_are_ranged_and_not_streamed():
     assert parse_completion_request(completion(prompt_logprobs=0)).sampling().prompt_logprobs == 0
     assert parse_chat_request(chat(prompt_logprobs=20)).sampling().prompt_logprobs == 20

@@ -4,7 +4,7 @@ answer's, the text offsets going on from the prompt's tokens even where their te
 echo's (a BOS token's "<bos>")."""
 from __future__ import annotations
 
-from common.cluster.messages import TokenLogprob
+from common.cluster.messages import TokenFrame, TokenLogprob
 from gateway.generation import Generation
 from gateway.openai_protocol import parse_completion_request
 from gateway.response_shapes import ResponseShapes
@@ -49,3 +49,17 @@ def test_without_scores_only_the_answer_has_logprobs():
     assert logprobs.tokens == ["!", " Bye"] and logprobs.text_offset == [11, 12]
     # A one-token prompt is scored with no entry: its token alone, without a logprob.
     assert shapes.echo_logprobs(scored_generation([])).token_logprobs == [None]
+
+
+def test_max_tokens_0_answers_the_echo_alone():
+    """The token generated for it is neither in the text nor in the logprobs, streamed or not."""
+    shapes = ResponseShapes(StubTokenizer())
+    gen = scored_generation([TokenLogprob(5, -2.0, [(6, -1.0)]), TokenLogprob(6, -3.0, [(6, -3.0)])])
+    gen.echo_only = True
+    choice = shapes.full_response([gen]).choices[0]
+    assert choice.text == "Hello world" and choice.logprobs.token_logprobs == [None, -2.0, -3.0]
+    frame = TokenFrame(token_ids=[7], logprobs=[TokenLogprob(7, -0.5, [(7, -0.5)])], finished=True,
+                       finish_reason="length")
+    (chunk,) = shapes.chunks(gen, "!", frame, True, None)
+    assert chunk.choices[0].text == "" and chunk.choices[0].logprobs is None
+    assert chunk.choices[0].finish_reason == "length"

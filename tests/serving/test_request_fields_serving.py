@@ -165,6 +165,12 @@ def test_echo_with_logprobs_scores_the_prompt(client, stack, scores):
                                             temperature=0, stream=True, extra_body={"ignore_eos": True}))
     echoed = stream[0].choices[0].logprobs
     assert echoed.token_logprobs[0] is None and echoed.token_logprobs[1:] == pytest.approx(scores(short), abs=2e-3)
+    # max_tokens=0: the prompt alone, scored (OpenAI's legacy API, vLLM).
+    alone = client.completions.create(model=stack.model_name, prompt=short, echo=True, logprobs=2, max_tokens=0,
+                                      temperature=0)
+    logprobs = alone.choices[0].logprobs
+    assert len(logprobs.tokens) == len(short) and logprobs.token_logprobs[1:] == pytest.approx(scores(short), abs=2e-3)
+    assert alone.choices[0].text == post(stack, "/detokenize", {"model": stack.model_name, "tokens": short})[1]["prompt"]
     # Without echo, the prompt is not scored.
     plain = client.completions.create(model=stack.model_name, prompt=short, logprobs=2, max_tokens=1, temperature=0)
     assert len(plain.choices[0].logprobs.tokens) == 1
