@@ -1,5 +1,6 @@
 """Errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``, as a JSON response
-or as an SSE event of a stream that has already started."""
+or as an SSE event of a stream that has already started; a request body's decoding errors as 400s
+naming the parameter (``from_msgspec``)."""
 from __future__ import annotations
 
 import re
@@ -106,3 +107,32 @@ def split_error_path(text: str) -> tuple[str, str]:
 
 
 _encode = msgspec.json.Encoder().encode
+
+
+_UNKNOWN_RE = re.compile(r"^Object contains unknown field `([^`]*)`")
+# vLLM's guided-decoding fields, removed there (its server now ignores them: unconstrained output);
+# here they are refused like any unknown field, the refusal naming what replaced each.
+_REPLACED_FIELDS = {f"guided_{key}": f"structured_outputs: {{\"{key}\": ...}}" for key in ("json", "regex", "choice",
+                                                                                             "grammar")}
+_MISSING_RE = re.compile(r"^Object missing required field `([^`]*)`")
+
+
+def from_msgspec(exc: msgspec.MsgspecError, at: str = "") -> OpenAIError:
+    """A msgspec error as a 400 naming the parameter; ``at``: where the decoded value sits in the
+    request (``"messages[2]"``), its error path continues from there."""
+    text = str(exc)
+    if isinstance(exc, msgspec.DecodeError) and not isinstance(exc, msgspec.ValidationError):
+        return invalid(f"Request body is not valid JSON: {text}")
+    detail, path = split_error_path(text)
+    if at:
+        path = at + path if not path or path.startswith("[") else f"{at}.{path}"
+    if u := _UNKNOWN_RE.match(detail):
+        name = f"{path}.{u.group(1)}" if path else u.group(1)
+        hint = f" (vLLM's guided_* fields are gone; send {_REPLACED_FIELDS[name]})" if name in _REPLACED_FIELDS else ""
+        return invalid(f"Unrecognized request argument supplied: {name}{hint}", name, "unknown_parameter")
+    if r := _MISSING_RE.match(detail):
+        name = f"{path}.{r.group(1)}" if path else r.group(1)
+        return invalid(f"Missing required parameter: '{name}'.", name, "missing_required_parameter")
+    if not path:
+        return invalid(f"Invalid request body: {detail}")
+    return invalid(f"Invalid value for '{path}': {detail}", path, "invalid_value")

@@ -28,7 +28,6 @@ which OpenAI fields are honoured and which are refused with a 400 naming them.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
@@ -42,7 +41,7 @@ from common.engine.sampling_params import (
 from common.engine.structured.spec import StructuredOutput
 from common.cluster.messages import MAX_PROMPT_TOKENS
 from gateway.openai_errors import (  # noqa: F401 (API)
-    ErrorBody, ErrorResponse, OpenAIError, error_response, invalid, split_error_path,
+    ErrorBody, ErrorResponse, OpenAIError, error_response, from_msgspec, invalid, split_error_path,
 )
 from gateway.json_bounds import bounded_list, items, too_deep_field
 from gateway.openai_responses import (  # noqa: F401 (API: the answers, with the requests)
@@ -299,35 +298,6 @@ def _sampling(req: _Common, max_tokens: int | None, logprobs: int | None) -> Sam
     )
 
 
-_UNKNOWN_RE = re.compile(r"^Object contains unknown field `([^`]*)`")
-# vLLM's guided-decoding fields, removed there (its server now ignores them: unconstrained output);
-# here they are refused like any unknown field, the refusal naming what replaced each.
-_REPLACED_FIELDS = {f"guided_{key}": f"structured_outputs: {{\"{key}\": ...}}" for key in ("json", "regex", "choice",
-                                                                                             "grammar")}
-_MISSING_RE = re.compile(r"^Object missing required field `([^`]*)`")
-
-
-def _from_msgspec(exc: msgspec.MsgspecError, at: str = "") -> OpenAIError:
-    """A msgspec error as a 400 naming the parameter; ``at``: where the decoded value sits in the
-    request (``"messages[2]"``), its error path continues from there."""
-    text = str(exc)
-    if isinstance(exc, msgspec.DecodeError) and not isinstance(exc, msgspec.ValidationError):
-        return invalid(f"Request body is not valid JSON: {text}")
-    detail, path = split_error_path(text)
-    if at:
-        path = at + path if not path or path.startswith("[") else f"{at}.{path}"
-    if u := _UNKNOWN_RE.match(detail):
-        name = f"{path}.{u.group(1)}" if path else u.group(1)
-        hint = f" (vLLM's guided_* fields are gone; send {_REPLACED_FIELDS[name]})" if name in _REPLACED_FIELDS else ""
-        return invalid(f"Unrecognized request argument supplied: {name}{hint}", name, "unknown_parameter")
-    if r := _MISSING_RE.match(detail):
-        name = f"{path}.{r.group(1)}" if path else r.group(1)
-        return invalid(f"Missing required parameter: '{name}'.", name, "missing_required_parameter")
-    if not path:
-        return invalid(f"Invalid request body: {detail}")
-    return invalid(f"Invalid value for '{path}': {detail}", path, "invalid_value")
-
-
 def _validate_common(req: _Common) -> None:
     if req.top_k is not None and req.top_k < -1:
         raise invalid(f"top_k must be >= 1 (or 0/-1/null to disable), got {req.top_k}", "top_k")
@@ -352,7 +322,7 @@ def _decode(decoder: msgspec.json.Decoder, body: bytes):
     try:
         return decoder.decode(body)
     except msgspec.MsgspecError as exc:
-        raise _from_msgspec(exc) from None
+        raise from_msgspec(exc) from None
     except RecursionError:  # msgspec's guard on nesting (the interpreter's recursion limit)
         field = too_deep_field(body)
         raise invalid(f"Request body is nested too deeply{f' in {field!r}' if field else ''}: JSON arrays and "
@@ -365,7 +335,7 @@ def _decode_at(decoder: msgspec.json.Decoder, raw: msgspec.Raw, at: str):
     try:
         return decoder.decode(raw)
     except msgspec.MsgspecError as exc:
-        raise _from_msgspec(exc, at) from None
+        raise from_msgspec(exc, at) from None
 
 
 def _common_fields(body: _Common, cls: type[_Common]) -> dict:
@@ -377,9 +347,9 @@ def _common_fields(body: _Common, cls: type[_Common]) -> dict:
         stop = _decode_at(_stop_decoder, body.stop, "stop")
         fields["stop"] = stop if isinstance(stop, str) else items(stop)
     fields["logit_bias"] = _read_logit_bias(body.logit_bias) if _given(body.logit_bias) else None
-    fields["response_format"] = (read_response_format(body.response_format, _from_msgspec)
+    fields["response_format"] = (read_response_format(body.response_format, from_msgspec)
                                  if _given(body.response_format) else None)
-    fields["structured_outputs"] = (read_structured_outputs(body.structured_outputs, _from_msgspec)
+    fields["structured_outputs"] = (read_structured_outputs(body.structured_outputs, from_msgspec)
                                     if _given(body.structured_outputs) else None)
     if fields["response_format"] is not None and fields["structured_outputs"] is not None:
         raise invalid("response_format and structured_outputs both constrain the output; send one",
@@ -457,7 +427,7 @@ def parse_chat_request(body: bytes) -> ChatCompletionRequest:
     body_req = _decode(_chat_decoder, body)
     fields = _common_fields(body_req, ChatCompletionRequest)
     fields["messages"] = _decode_messages(body_req.messages)
-    fields["tools"] = read_tools(body_req.tools, _from_msgspec) if _given(body_req.tools) else ()
+    fields["tools"] = read_tools(body_req.tools, from_msgspec) if _given(body_req.tools) else ()
     req = ChatCompletionRequest(**fields)
     _validate_common(req)
     if (req.max_tokens is not None and req.max_completion_tokens is not None
