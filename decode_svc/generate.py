@@ -86,8 +86,7 @@ def _logprobs(output: RequestOutput) -> list[TokenLogprob] | None:
 def output_frame(output: RequestOutput) -> TokenFrame:
     return TokenFrame(
         token_ids=output.new_token_ids, logprobs=_logprobs(output), prompt_logprobs=wire_logprobs(output.prompt_logprobs),
-        finished=output.finished,
-        finish_reason=output.finish_reason, num_prompt_tokens=output.num_prompt_tokens,
+        finished=output.finished, finish_reason=output.finish_reason, num_prompt_tokens=output.num_prompt_tokens,
         num_cached_tokens=output.num_cached_tokens, num_preemptions=output.num_preemptions,
     )
 
@@ -355,8 +354,7 @@ async def remote_prefill(context: RoleContext, body: GenerateRequest, reservatio
         logprobs = [result.first_logprob]
     return TokenFrame(
         token_ids=[result.first_token_id], logprobs=logprobs, prompt_logprobs=result.prompt_logprobs,
-        finished=ending is not None,
-        finish_reason=None if ending is None else ending.finish_reason,
+        finished=ending is not None, finish_reason=None if ending is None else ending.finish_reason,
         num_prompt_tokens=len(body.prompt_token_ids),
         num_cached_tokens=max(num_cached, result.num_cached_tokens), prefill_worker=peer.worker_id,
         kv_transfer_bytes=transfer_bytes, kv_transfer_seconds=transfer_seconds,

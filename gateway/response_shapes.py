@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Sequence
 
-from common.cluster.messages import TokenFrame, TokenLogprob
+from common.cluster.messages import TokenFrame
 from gateway.generation import Generation
 from gateway.openai_protocol import (
     ChatChoice, ChatCompletionChunk, ChatCompletionResponse, ChatDelta, ChatLogprobs, ChatResponseMessage,
@@ -42,7 +42,9 @@ class ResponseShapes:
     def _decode_token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
-    def completion_logprobs(self, entries, offset: int) -> CompletionLogprobs | None:
+    def completion_logprobs(self, entries, offset: int, alternatives: int | None = None) -> CompletionLogprobs | None:
+        """``entries``' logprobs in the completions' shape, text offsets from ``offset``; at most
+        ``alternatives`` a token (None: all it has)."""
         if not entries:
             return None
         tokens = [self._token_text(e.token_id) for e in entries]
@@ -52,7 +54,8 @@ class ResponseShapes:
             pos += len(t)
         return CompletionLogprobs(
             tokens=tokens, token_logprobs=[e.logprob for e in entries],
-            top_logprobs=[{self._token_text(t): lp for t, lp in e.top} for e in entries], text_offset=offsets,
+            top_logprobs=[{self._token_text(t): lp for t, lp in e.top[:alternatives]} for e in entries],
+            text_offset=offsets,
         )
 
     def echo_logprobs(self, gen: Generation) -> CompletionLogprobs | None:
@@ -63,8 +66,7 @@ class ResponseShapes:
             return None
         first = self._token_text(gen.prompt_ids[0])
         opening = CompletionLogprobs(tokens=[first], token_logprobs=[None], top_logprobs=[None], text_offset=[0])
-        entries = [TokenLogprob(e.token_id, e.logprob, e.top[:alternatives]) for e in gen.prompt_logprobs]
-        return _joined(opening, self.completion_logprobs(entries, len(first)))
+        return _joined(opening, self.completion_logprobs(gen.prompt_logprobs, len(first), alternatives))
 
     def prompt_logprobs(self, gen: Generation) -> PromptLogprobs | None:
         """vLLM's ``prompt_logprobs`` (asked for by that extension; ``None`` without): entry i maps
@@ -152,10 +154,9 @@ class ResponseShapes:
                 return ScoredChatCompletionResponse(gen.response_id, now(), gen.model, choices, usage(gens),
                                                     prompt_logprobs=self.prompt_logprobs(gen))
             return ChatCompletionResponse(gen.response_id, now(), gen.model, choices, usage(gens))
-        choices = [ScoredCompletionChoice(g.index, _text(g), self._whole_logprobs(g), g.finish_reason, g.stop_reason,
-                                          prompt_logprobs=self.prompt_logprobs(g)) if scored else
-                   CompletionChoice(g.index, _text(g), self._whole_logprobs(g), g.finish_reason, g.stop_reason)
-                   for g in gens]
+        kind = ScoredCompletionChoice if scored else CompletionChoice
+        choices = [kind(g.index, _text(g), self._whole_logprobs(g), g.finish_reason, g.stop_reason,
+                        **({"prompt_logprobs": self.prompt_logprobs(g)} if scored else {})) for g in gens]
         return CompletionResponse(gen.response_id, now(), gen.model, choices, usage(gens))
 
     def _whole_logprobs(self, gen: Generation) -> CompletionLogprobs | None:

@@ -13,7 +13,7 @@ import logging
 import msgspec
 from aiohttp import web
 
-from common.cluster.messages import PrefillRequest, PrefillResult, decode, encode, wire_logprobs
+from common.cluster.messages import PrefillRequest, PrefillResult, decode, encode, wire_logprob, wire_logprobs
 from prefill_svc.request_checks import check_prefill_request
 from prefill_svc.shipping import Shipper, ShippingJob, ship, unpin_leftovers
 from worker.role_context import RoleContext
@@ -96,11 +96,10 @@ async def handle_prefill(context: RoleContext, shipper: Shipper, request: web.Re
         context.metrics.kv_sent_bytes.inc(num_sent * context.model.block_nbytes)
         if body.moved_stream_id:
             context.metrics.moved_blocks.inc(num_sent)
-        lp = wire_logprobs(output.new_logprobs[:1] if output.new_logprobs and output.new_logprobs[0] else None)
         outcome = "ok"
         return _reply(PrefillResult(
             first_token_id=output.new_token_ids[0],
-            first_logprob=lp[0] if lp else None,
+            first_logprob=wire_logprob(output.new_logprobs[0] if output.new_logprobs else None),
             prompt_logprobs=wire_logprobs(output.prompt_logprobs),
             num_cached_tokens=output.num_cached_tokens, num_sent_blocks=num_sent,
         ))

@@ -38,9 +38,14 @@ class TokenLogprob(msgspec.Struct, array_like=True):
     rank: int | None = None  # a scored prompt token's place among all (``TokenLogprobs``)
 
 
+def wire_logprob(entry) -> TokenLogprob | None:
+    """The engine's ``TokenLogprobs`` (``None``: none) as it travels."""
+    return None if entry is None else TokenLogprob(entry.token_id, entry.logprob, entry.top, entry.rank)
+
+
 def wire_logprobs(entries) -> list[TokenLogprob] | None:
     """The engine's ``TokenLogprobs`` entries (``None``: none asked for) as they travel."""
-    return None if entries is None else [TokenLogprob(e.token_id, e.logprob, e.top, e.rank) for e in entries]
+    return None if entries is None else [wire_logprob(e) for e in entries]
 
 
 class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
