@@ -24,14 +24,15 @@ from gateway.metrics import GatewayMetrics
 from gateway.prompts import PromptEncoder
 from gateway.tenants import Tenant, cache_salt
 from gateway.generation import Generation
-from gateway.response_shapes import ResponseShapes, prompt_tokens, usage
+from gateway.response_shapes import AnswerStream, ChoicesStream, ResponseShapes, prompt_tokens
+from gateway.responses_output import ResponsesAnswer, new_response_id
+from gateway.responses_request import parse_responses_request
 from gateway.tool_output import ToolOutput
 from gateway.tool_parsers import ToolCallParser
 from gateway.tools_request import ToolPlan
 from gateway.openai_errors import check_model
 from gateway.openai_protocol import (
-    SSE_DONE, SSE_HEADERS, OpenAIError, invalid, json_response, new_request_id, parse_chat_request,
-    parse_completion_request, sse_event,
+    SSE_HEADERS, OpenAIError, invalid, json_response, new_request_id, parse_chat_request, parse_completion_request,
 )
 
 log = logging.getLogger(__name__)
@@ -200,13 +201,13 @@ class OpenAIHandlers:
         except GrammarError as exc:
             raise invalid(str(exc), params.structured.field, "invalid_grammar") from None
 
-    def _chat_renderer(self, req, plan: ToolPlan, add_generation_prompt: bool = True):
+    def _chat_renderer(self, req, plan: ToolPlan, add_generation_prompt: bool = True, field: str = "messages"):
         """A function applying the chat template (with the request's tools) and tokenizing (run
-        inline or in a thread)."""
+        inline or in a thread); its 400s name ``field`` (where the messages came from)."""
         tokenizer = self.services.tokenizer
         if self.services.chat_format.template is None:
             raise invalid(f"The model '{self.services.model_id}' has no chat template (it is a base model): use "
-                          "/v1/completions, or start the gateway with --chat-template", "messages",
+                          "/v1/completions, or start the gateway with --chat-template", field,
                           "chat_template_missing")
         messages = req.template_messages()
         tools = plan.template_tools()
@@ -216,9 +217,9 @@ class OpenAIHandlers:
                 text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
                                                      tokenize=False)
             except Exception as exc:  # a template may reject a role order, e.g. two system messages
-                raise invalid(f"the chat template rejected the messages: {exc}", "messages") from None
+                raise invalid(f"the chat template rejected the messages: {exc}", field) from None
             # What the template made of the messages is bounded like a prompt, before it is tokenized.
-            self.services.prompts.check_size(len(text), len(text.encode("utf-8", "surrogatepass")), "messages")
+            self.services.prompts.check_size(len(text), len(text.encode("utf-8", "surrogatepass")), field)
             return list(tokenizer(text, add_special_tokens=False).input_ids)
 
         return messages, render
@@ -255,9 +256,26 @@ class OpenAIHandlers:
             await self._check_grammar(gens[0].params)
             return await self._serve(request, gens)
 
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        """OpenAI's Responses API: a chat request in that API's shapes (gateway/responses_request.py,
+        gateway/responses_output.py)."""
+        body = await self.services.read_body(request)
+        call = parse_responses_request(body)
+        req = call.chat
+        self._check_model(req.model)
+        plan = req.tool_plan()
+        messages, render = self._chat_renderer(req, plan, field="input")
+        async with self.services.admission(request["tenant"]):
+            ids = await self.services.prompts.chat(messages, render)
+            response_id = new_response_id()
+            gens = self._prepare(request, "chat", req, ids, plan, response_id=response_id)
+            await self._check_grammar(gens[0].params)
+            return await self._serve(request, gens, ResponsesAnswer(call, self.shapes, response_id))
+
     # ---- generation ------------------------------------------------------------------------
 
-    async def _serve(self, request: web.Request, gens: list[Generation]) -> web.StreamResponse:
+    async def _serve(self, request: web.Request, gens: list[Generation],
+                     answer: ResponsesAnswer | None = None) -> web.StreamResponse:
         """Route, wait for the first token, then answer.  Everything up to the first token happens
         before any byte of the response, so a failure there is a real status code (503 +
         Retry-After, 400, 500), streaming or not; after it, a stream ends with an error event.
@@ -265,7 +283,8 @@ class OpenAIHandlers:
         With ``n > 1`` the first choice goes first; once its first token is out (its prompt is in
         its decode worker's prefix cache) the others start on that worker, where they find the
         prompt's blocks and share them instead of computing it again.  A batch's other prompts start
-        then too, their choices each on its own (a prompt's first has yet to compute it)."""
+        then too, their choices each on its own (a prompt's first has yet to compute it).
+        ``answer``: the Responses API's shape (None: the choices' of completions and chat)."""
         self.services.metrics.model(gens[0].model).prompt_tokens.inc(prompt_tokens(gens))
         async with contextlib.AsyncExitStack() as stack:
             runs = [await stack.enter_async_context(contextlib.aclosing(self._run(gens[0])))]
@@ -277,9 +296,10 @@ class OpenAIHandlers:
                 runs.append(await stack.enter_async_context(contextlib.aclosing(self._run(gen, follow=follow))))
             rest = await stack.enter_async_context(contextlib.aclosing(_merge(gens, runs)))
             if gens[0].options.stream:
-                return await self._stream(request, gens, rest, first)
+                events = answer.stream(gens[0]) if answer is not None else ChoicesStream(self.shapes, gens)
+                return await self._stream(request, gens, rest, first, events)
             await self._upstream(_drain(rest))
-        return json_response(self.shapes.full_response(gens))
+        return json_response(answer.whole(gens) if answer is not None else self.shapes.full_response(gens))
 
     @staticmethod
     async def _upstream(step):
@@ -342,8 +362,10 @@ class OpenAIHandlers:
             metrics.generation_tokens.inc(len(gen.token_ids))
             metrics.e2e_request_latency.observe(time.monotonic() - gen.arrival)
 
-    async def _stream(self, request: web.Request, gens: list[Generation], rest, first) -> web.StreamResponse:
-        """SSE from the first token on; a failure from here is an error event, then [DONE].
+    async def _stream(self, request: web.Request, gens: list[Generation], rest, first,
+                      events: AnswerStream) -> web.StreamResponse:
+        """SSE from the first token on (``events`` shapes them); a failure from here is an error
+        event (then [DONE], or the Responses API's ``response.failed``).
 
         Every write is bounded by ``client_write_timeout``: a client that stops reading is cut
         off, which ends the generation (the decode worker is told to abort, freeing its blocks)
@@ -355,20 +377,18 @@ class OpenAIHandlers:
         write = functools.partial(self._write, response)
         try:
             try:
-                await self._write_batch(write, gens, gen, first)
+                if data := events.opening() + events.batch(gen, first):
+                    await write(data)
                 async for sibling, batch in rest:
-                    await self._write_batch(write, gens, sibling, batch)
-                if gen.options.include_usage:
-                    await write(sse_event(self.shapes.usage_chunk(gens)))
-                await write(SSE_DONE)
+                    if data := events.batch(sibling, batch):
+                        await write(data)
+                await write(events.closing())
             except (Saturated, UpstreamError) as exc:
                 request["outcome"] = "stream_error"
-                await write(OpenAIError(exc.status, f"generation failed: {exc}").to_sse())
-                await write(SSE_DONE)
+                await write(events.failure(OpenAIError(exc.status, f"generation failed: {exc}")))
             except ValueError as exc:
                 request["outcome"] = "stream_error"
-                await write(invalid(str(exc)).to_sse())
-                await write(SSE_DONE)
+                await write(events.failure(invalid(str(exc))))
         except _ClientTooSlow:
             request["outcome"] = "client_too_slow"
             # Else the listener's write deadline (the same bound, raced) cut it off, and counted it.
@@ -385,18 +405,6 @@ class OpenAIHandlers:
                 await response.write(data)
         except TimeoutError:
             raise _ClientTooSlow() from None
-
-    async def _write_batch(self, write, gens: list[Generation], gen: Generation, batch: list[tuple[str, TokenFrame]]):
-        """One write for a batch's SSE events (one event per frame that carries something), after
-        the choice's opening chunks with its first batch (an echo's logprobs come with it)."""
-        last = len(batch) - 1
-        running_usage = usage(gens) if gen.options.continuous_usage else None
-        events = [] if gen.opened else [sse_event(chunk) for chunk in self.shapes.first_chunks(gen)]
-        gen.opened = True
-        events += [sse_event(chunk) for i, (delta, frame) in enumerate(batch)
-                   for chunk in self.shapes.chunks(gen, delta, frame, i == last, running_usage)]
-        if events:
-            await write(b"".join(events))
 
     # ---- metrics ---------------------------------------------------------------------------
 

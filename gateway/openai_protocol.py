@@ -68,6 +68,18 @@ MaxTokens = Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKEN_ID)]
 CompletionMaxTokens = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]
 Logprobs = Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)]
 Penalty = Annotated[float, msgspec.Meta(ge=-MAX_PENALTY, le=MAX_PENALTY)]
+Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_TEMPERATURE)]
+TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
+MinP = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
+RepetitionPenalty = Annotated[float, msgspec.Meta(gt=0.0, le=MAX_REPETITION_PENALTY)]
+ModelName = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+UserId = Annotated[str, msgspec.Meta(max_length=256)]
+StopTokenIds = Annotated[list[Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]], msgspec.Meta(max_length=MAX_STOP_TOKEN_IDS)]
+MinTokens = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]
+CacheSalt = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_CACHE_SALT_LEN)]
+# OpenAI's: accepted and not used (at most 16 string pairs, as OpenAI bounds them)
+Metadata = Annotated[dict[Annotated[str, msgspec.Meta(max_length=64)], Annotated[str, msgspec.Meta(max_length=512)]],
+                     msgspec.Meta(max_length=16)]
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
@@ -78,9 +90,9 @@ class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
 class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Fields shared by both endpoints.  ``None`` means "the default"."""
 
-    model: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
-    temperature: Annotated[float, msgspec.Meta(ge=0.0, le=MAX_TEMPERATURE)] | None = None
-    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] | None = None
+    model: ModelName
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
     # Extension.  0 or -1 also mean "off" (what vLLM clients send); a value at or above the
     # vocabulary size keeps every token, so the handler clamps it to "off" (as vLLM does).
     top_k: int | None = None
@@ -90,26 +102,23 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # extension
     n: Annotated[int, msgspec.Meta(ge=1, le=MAX_N)] = 1
-    user: Annotated[str, msgspec.Meta(max_length=256)] | None = None
-    safety_identifier: Annotated[str, msgspec.Meta(max_length=256)] | None = None  # OpenAI's: accepted, not used
+    user: UserId | None = None
+    safety_identifier: UserId | None = None  # OpenAI's: accepted, not used
     store: bool = False  # OpenAI's stored completions: only false (there is no store)
-    # OpenAI's: accepted and not used (at most 16 string pairs, as OpenAI bounds them)
-    metadata: Annotated[dict[Annotated[str, msgspec.Meta(max_length=64)], Annotated[str, msgspec.Meta(max_length=512)]],
-                        msgspec.Meta(max_length=16)] | None = None
+    metadata: Metadata | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
-    repetition_penalty: Annotated[float, msgspec.Meta(gt=0.0, le=MAX_REPETITION_PENALTY)] | None = None  # extension
-    min_p: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] | None = None  # extension
+    repetition_penalty: RepetitionPenalty | None = None  # extension
+    min_p: MinP | None = None  # extension
     # token id -> bias in [-100, 100] (read from the body by ``_read_logit_bias``)
     logit_bias: dict[int, float] | None = None
     # Read from the body by gateway/structured_request.py; at most one of the two is set.
     response_format: StructuredOutput | None = None
     structured_outputs: StructuredOutput | None = None  # extension (vLLM's)
-    min_tokens: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)] = 0  # extension (vLLM's)
-    stop_token_ids: Annotated[list[Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]],
-                              msgspec.Meta(max_length=MAX_STOP_TOKEN_IDS)] | None = None  # extension (vLLM's)
+    min_tokens: MinTokens = 0  # extension (vLLM's)
+    stop_token_ids: StopTokenIds | None = None  # extension (vLLM's)
     # Extension (vLLM's): the prompt's blocks are cached apart from requests with another salt.
-    cache_salt: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_CACHE_SALT_LEN)] | None = None
+    cache_salt: CacheSalt | None = None
     # Extension (vLLM's): each prompt token's logprob, rank and top alternatives, in the answer's
     # ``prompt_logprobs`` (a completion choice's; a chat response's); not streamed.
     prompt_logprobs: Logprobs | None = None
@@ -298,7 +307,7 @@ def _sampling(req: _Common, max_tokens: int | None, logprobs: int | None) -> Sam
     )
 
 
-def _validate_common(req: _Common) -> None:
+def validate_common(req: _Common) -> None:
     if req.top_k is not None and req.top_k < -1:
         raise invalid(f"top_k must be >= 1 (or 0/-1/null to disable), got {req.top_k}", "top_k")
     if req.seed is not None and not INT64_MIN <= req.seed <= INT64_MAX:
@@ -318,7 +327,7 @@ def _validate_common(req: _Common) -> None:
             raise invalid(f"each stop string must be 1-{MAX_STOP_LEN} characters, got {len(s)}", "stop")
 
 
-def _decode(decoder: msgspec.json.Decoder, body: bytes):
+def decode_body(decoder: msgspec.json.Decoder, body: bytes):
     try:
         return decoder.decode(body)
     except msgspec.MsgspecError as exc:
@@ -330,7 +339,7 @@ def _decode(decoder: msgspec.json.Decoder, body: bytes):
                       field, "json_too_deep") from None
 
 
-def _decode_at(decoder: msgspec.json.Decoder, raw: msgspec.Raw, at: str):
+def decode_at(decoder: msgspec.json.Decoder, raw: msgspec.Raw, at: str):
     """A part of the request kept as ``msgspec.Raw`` decoded on its own; errors name ``at``."""
     try:
         return decoder.decode(raw)
@@ -342,19 +351,22 @@ def _common_fields(body: _Common, cls: type[_Common]) -> dict:
     """The fields of ``cls`` from a decoded body, ``stop`` decoded within its bounds and
     ``logit_bias`` checked unread."""
     fields = {name: getattr(body, name) for name in cls.__struct_fields__}
-    fields["stop"] = None
-    if _given(body.stop):
-        stop = _decode_at(_stop_decoder, body.stop, "stop")
-        fields["stop"] = stop if isinstance(stop, str) else items(stop)
-    fields["logit_bias"] = _read_logit_bias(body.logit_bias) if _given(body.logit_bias) else None
+    fields["stop"] = read_stop(body.stop) if given(body.stop) else None
+    fields["logit_bias"] = _read_logit_bias(body.logit_bias) if given(body.logit_bias) else None
     fields["response_format"] = (read_response_format(body.response_format, from_msgspec)
-                                 if _given(body.response_format) else None)
+                                 if given(body.response_format) else None)
     fields["structured_outputs"] = (read_structured_outputs(body.structured_outputs, from_msgspec)
-                                    if _given(body.structured_outputs) else None)
+                                    if given(body.structured_outputs) else None)
     if fields["response_format"] is not None and fields["structured_outputs"] is not None:
         raise invalid("response_format and structured_outputs both constrain the output; send one",
                       "structured_outputs")
     return fields
+
+
+def read_stop(raw: msgspec.Raw) -> str | list[str]:
+    """``stop``: a string or a list of at most ``MAX_STOP_STRINGS`` (refused at the one past it)."""
+    stop = decode_at(_stop_decoder, raw, "stop")
+    return stop if isinstance(stop, str) else items(stop)
 
 
 def _read_logit_bias(raw: msgspec.Raw) -> dict[int, float]:
@@ -362,7 +374,7 @@ def _read_logit_bias(raw: msgspec.Raw) -> dict[int, float]:
     read), ids as decimal strings, biases in [-100, 100]."""
     if len(raw) > MAX_LOGIT_BIAS * 40:
         raise invalid(f"logit_bias holds at most {MAX_LOGIT_BIAS} entries", "logit_bias")
-    bias = _decode_at(_logit_bias_decoder, raw, "logit_bias")
+    bias = decode_at(_logit_bias_decoder, raw, "logit_bias")
     if len(bias) > MAX_LOGIT_BIAS:
         raise invalid(f"logit_bias holds at most {MAX_LOGIT_BIAS} entries, got {len(bias)}", "logit_bias")
     out = {}
@@ -375,7 +387,7 @@ def _read_logit_bias(raw: msgspec.Raw) -> dict[int, float]:
     return out
 
 
-def _given(raw: msgspec.Raw) -> bool:
+def given(raw: msgspec.Raw) -> bool:
     """A field kept as ``msgspec.Raw`` was sent, and not as null."""
     return len(raw) > 0 and raw != _NULL
 
@@ -385,11 +397,11 @@ def _decode_messages(raw: msgspec.Raw) -> list[ChatMessage]:
     ``MAX_PARTS_PER_MESSAGE`` content parts and ``MAX_CONTENT_PARTS`` in all, each bound checked
     before the elements past it are decoded."""
     messages, parts = [], 0
-    for i, element in enumerate(items(_decode_at(_messages_decoder, raw, "messages"))):
-        message = _decode_at(_message_decoder, element, f"messages[{i}]")
+    for i, element in enumerate(items(decode_at(_messages_decoder, raw, "messages"))):
+        message = decode_at(_message_decoder, element, f"messages[{i}]")
         content = None
-        if _given(message.content):
-            content = _decode_at(_content_decoder, message.content, f"messages[{i}].content")
+        if given(message.content):
+            content = decode_at(_content_decoder, message.content, f"messages[{i}].content")
             if not isinstance(content, str):
                 content = items(content)
                 parts += len(content)
@@ -404,11 +416,11 @@ def _decode_messages(raw: msgspec.Raw) -> list[ChatMessage]:
 def parse_completion_request(body: bytes, max_prompt_tokens: int = MAX_PROMPT_TOKENS) -> CompletionRequest:
     """Decode and validate a ``/v1/completions`` body; raises ``OpenAIError`` (400).
     ``max_prompt_tokens``: a longer list of token ids is refused before any is decoded."""
-    body_req = _decode(_completion_decoder, body)
+    body_req = decode_body(_completion_decoder, body)
     fields = _common_fields(body_req, CompletionRequest)
     fields["prompt"] = decode_prompt(body_req.prompt, max_prompt_tokens)
     req = CompletionRequest(**fields)
-    _validate_common(req)
+    validate_common(req)
     if req.max_tokens == 0 and not req.echo:
         raise invalid("max_tokens=0 answers the prompt alone: it needs echo (else max_tokens must be >= 1)",
                       "max_tokens")
@@ -424,12 +436,12 @@ def parse_completion_request(body: bytes, max_prompt_tokens: int = MAX_PROMPT_TO
 
 def parse_chat_request(body: bytes) -> ChatCompletionRequest:
     """Decode and validate a ``/v1/chat/completions`` body; raises ``OpenAIError`` (400)."""
-    body_req = _decode(_chat_decoder, body)
+    body_req = decode_body(_chat_decoder, body)
     fields = _common_fields(body_req, ChatCompletionRequest)
     fields["messages"] = _decode_messages(body_req.messages)
-    fields["tools"] = read_tools(body_req.tools, from_msgspec) if _given(body_req.tools) else ()
+    fields["tools"] = read_tools(body_req.tools, from_msgspec) if given(body_req.tools) else ()
     req = ChatCompletionRequest(**fields)
-    _validate_common(req)
+    validate_common(req)
     if (req.max_tokens is not None and req.max_completion_tokens is not None
             and req.max_tokens != req.max_completion_tokens):
         raise invalid("max_tokens and max_completion_tokens disagree; send only max_completion_tokens",

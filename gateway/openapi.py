@@ -30,6 +30,7 @@ from gateway.openai_protocol import (
     ChatCompletionRequest, ChatCompletionResponse, CompletionChunk, CompletionRequest, CompletionResponse,
     ErrorResponse, ModelList,
 )
+from gateway.openapi_responses import responses_operation, responses_schemas
 from gateway.prompt_input import MAX_REQUEST_CHOICES
 from gateway.structured_request import ResponseFormat, StructuredOutputsParams
 
@@ -265,11 +266,15 @@ def openapi_document(model_id: str, *, vocab_size: int, api_keys: bool, version:
     for name, fields in _REQUIRED_EXTRA.items():
         schemas[name]["required"] = sorted(set(schemas[name].get("required", [])) | set(fields))
     schemas["Health"] = _HEALTH
+    schemas.update({name: schema for name, schema in responses_schemas(model_id, vocab_size, _COMMON_RULES).items()
+                    if name not in schemas})
     paths = {
         "/v1/completions": {"post": _generation("Text completion", "CompletionRequest", "CompletionResponse",
                                                 "CompletionChunk", api_keys)},
         "/v1/chat/completions": {"post": _generation("Chat completion", "ChatCompletionRequest",
                                                      "ChatCompletionResponse", "ChatCompletionChunk", api_keys)},
+        "/v1/responses": {"post": responses_operation({status: _error(text) for status, text in _ERRORS.items()},
+                                                      api_keys)},
         "/v1/models": {"get": {
             "summary": "The served model",
             "responses": {"200": {"description": "The one model this server serves.",

@@ -6,14 +6,15 @@ choice's ``index``, the usage counts each prompt once and the completions of all
 from __future__ import annotations
 
 import functools
-from typing import Any, Sequence
+from typing import Any, Protocol, Sequence
 
 from common.cluster.messages import TokenFrame
 from gateway.generation import Generation
+from gateway.openai_errors import OpenAIError
 from gateway.openai_protocol import (
-    ChatChoice, ChatCompletionChunk, ChatCompletionResponse, ChatDelta, ChatLogprobs, ChatResponseMessage,
+    SSE_DONE, ChatChoice, ChatCompletionChunk, ChatCompletionResponse, ChatDelta, ChatLogprobs, ChatResponseMessage,
     ChatStreamChoice, ChatTokenLogprob, CompletionChoice, CompletionChunk, CompletionLogprobs, CompletionResponse,
-    TopLogprob, Usage, now,
+    TopLogprob, Usage, now, sse_event,
 )
 from gateway.openai_responses import PromptLogprob, PromptLogprobs, ScoredChatCompletionResponse, ScoredCompletionChoice
 
@@ -175,6 +176,49 @@ class ResponseShapes:
             message = ChatResponseMessage(content, tool_calls=gen.tools.message_calls(calls))
             finish = "tool_calls" if calls and finish == "stop" else finish
         return ChatChoice(gen.index, message, self.chat_logprobs(gen.logprobs), finish, gen.stop_reason)
+
+
+class AnswerStream(Protocol):
+    """A streamed answer's bytes (SSE), as its generations go."""
+
+    def opening(self) -> bytes: ...
+
+    def batch(self, gen: Generation, batch: list[tuple[str, TokenFrame]]) -> bytes: ...
+
+    def closing(self) -> bytes: ...
+
+    def failure(self, error: OpenAIError) -> bytes: ...
+
+
+class ChoicesStream:
+    """The stream of /v1/completions and /v1/chat/completions: each choice's chunks (opening with its
+    first batch: a chat's role, an echo), the usage when asked for, then ``[DONE]``; an error as an
+    error event, then ``[DONE]``."""
+
+    def __init__(self, shapes: ResponseShapes, gens: Sequence[Generation]):
+        self.shapes, self.gens = shapes, gens
+
+    def opening(self) -> bytes:
+        return b""
+
+    def batch(self, gen: Generation, batch: list[tuple[str, TokenFrame]]) -> bytes:
+        """A batch's events (one a frame that carries something), after the choice's opening chunks
+        with its first batch (an echo's logprobs come with it)."""
+        last = len(batch) - 1
+        running_usage = usage(self.gens) if gen.options.continuous_usage else None
+        events = [] if gen.opened else [sse_event(chunk) for chunk in self.shapes.first_chunks(gen)]
+        gen.opened = True
+        events += [sse_event(chunk) for i, (delta, frame) in enumerate(batch)
+                   for chunk in self.shapes.chunks(gen, delta, frame, i == last, running_usage)]
+        return b"".join(events)
+
+    def closing(self) -> bytes:
+        if self.gens[0].options.include_usage:
+            return sse_event(self.shapes.usage_chunk(self.gens)) + SSE_DONE
+        return SSE_DONE
+
+    def failure(self, error: OpenAIError) -> bytes:
+        return error.to_sse() + SSE_DONE
 
 
 def _text(gen: Generation) -> str:

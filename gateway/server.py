@@ -2,7 +2,8 @@
 
     GET  /v1/models, /v1/models/{model}, /health, /metrics, /openapi.json
                                                          (the public API described: gateway/openapi.py)
-    POST /v1/completions, /v1/chat/completions          (Authorization: Bearer <api key>, if set)
+    POST /v1/completions, /v1/chat/completions,
+         /v1/responses                                   (Authorization: Bearer <api key>, if set)
     GET  /admin/pools                                    (X-Admin-Token)
     GET  /admin/metrics                                  (X-Admin-Token; the per-API-key metrics)
     POST /admin/workers/{worker_id}/drain                (proxied to the worker)
@@ -52,7 +53,7 @@ from gateway.tool_parsers import make_parser
 
 log = logging.getLogger(__name__)
 
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 
 
 class Gateway:
@@ -198,6 +199,7 @@ class Gateway:
         app = web.Application(middlewares=[self._errors, self._auth], client_max_size=self.config.max_body_bytes)
         app.router.add_post("/v1/completions", handlers.completions)
         app.router.add_post("/v1/chat/completions", handlers.chat_completions)
+        app.router.add_post("/v1/responses", handlers.responses)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/v1/models/{model:.+}", self._model)  # an id may hold slashes ("org/name")
         add_tokenize_routes(app, handlers)

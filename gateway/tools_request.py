@@ -75,13 +75,31 @@ class ToolPlan:
         return [msgspec.to_builtins(t) for t in self.tools]
 
 
-def read_tools(raw: msgspec.Raw, from_msgspec) -> tuple[Tool, ...]:
+class FlatFunctionTool(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A function tool as the Responses API sends it: the function's fields beside ``type``."""
+
+    type: Literal["function"]
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    def as_tool(self) -> Tool:
+        return Tool(type="function", function=FunctionDefinition(name=self.name, description=self.description,
+                                                                 parameters=self.parameters, strict=self.strict))
+
+
+def read_tools(raw: msgspec.Raw, from_msgspec, flat: bool = False) -> tuple[Tool, ...]:
+    """The body's ``tools`` (chat's shape; ``flat``: the Responses API's), bounded in size and number."""
     if len(raw) > MAX_GRAMMAR_CHARS:
         raise invalid(f"tools is {len(raw)} bytes of JSON; at most {MAX_GRAMMAR_CHARS} are allowed", "tools")
+    shape = FlatFunctionTool if flat else Tool
     try:
-        tools = msgspec.json.decode(raw, type=Annotated[list[Tool], msgspec.Meta(max_length=MAX_TOOLS)], strict=False)
+        tools = msgspec.json.decode(raw, type=Annotated[list[shape], msgspec.Meta(max_length=MAX_TOOLS)], strict=False)
     except msgspec.MsgspecError as exc:
         raise from_msgspec(exc, "tools") from None
+    if flat:
+        tools = [t.as_tool() for t in tools]
     names = [t.function.name for t in tools]
     if len(set(names)) != len(names):
         raise invalid("tools: two functions have the same name", "tools", "invalid_tools")

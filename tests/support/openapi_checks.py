@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import schemathesis
 
-GENERATION = ("POST /v1/completions", "POST /v1/chat/completions")
+GENERATION = ("POST /v1/completions", "POST /v1/chat/completions", "POST /v1/responses")
 
 
 def _error_code(response) -> str | None:

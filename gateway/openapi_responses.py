@@ -1,0 +1,122 @@
+"""The Responses API (``POST /v1/responses``) in the OpenAPI document (gateway/openapi.py): its
+request, whole response and stream events, generated from the structs the gateway decodes and
+encodes (gateway/responses_request.py, gateway/responses_output.py), with the checks made in code
+added: the kinds of input items and their content parts, the fields accepted only at their default
+(``store``, ``background``, ``previous_response_id``), ``text.format``'s needs and the rules between
+fields.
+"""
+from __future__ import annotations
+
+import copy
+
+import msgspec
+
+from gateway.openai_protocol import MAX_MESSAGES, MAX_PARTS_PER_MESSAGE
+from gateway.responses_output import ResponseEvent, ResponseObject
+from gateway.responses_request import LOGPROBS_INCLUDE, ResponsesRequest
+
+_REF = "#/components/schemas/{name}"
+_NULL = {"type": "null"}
+_CALL_ID = {"type": "string", "minLength": 1, "maxLength": 256}
+_FUNCTION_NAME = {"type": "string", "minLength": 1, "maxLength": 64, "pattern": "^[A-Za-z0-9_.\\-]+$"}
+_PART = {"anyOf": [
+    {"type": "object", "properties": {"type": {"enum": ["input_text", "output_text"]}, "text": {"type": "string"}},
+     "required": ["type", "text"]},
+    {"type": "object", "properties": {"type": {"const": "refusal"}, "refusal": {"type": "string"}},
+     "required": ["type", "refusal"]},
+]}
+_CONTENT = {"anyOf": [{"type": "string"}, {"type": "array", "items": _PART, "maxItems": MAX_PARTS_PER_MESSAGE}],
+            "description": "Text, or text parts (input_text, output_text, refusal) joined; no images or files."}
+_ITEM_ID = {"type": "string"}
+_ITEM_STATUS = {"enum": ["in_progress", "completed", "incomplete"]}
+_INPUT_ITEM = {"anyOf": [
+    {"type": "object", "description": "A message (the type may be left out).",
+     "properties": {"type": {"const": "message"}, "role": {"enum": ["user", "system", "developer", "assistant"]},
+                    "content": _CONTENT, "id": _ITEM_ID, "status": _ITEM_STATUS},
+     "required": ["role", "content"], "additionalProperties": False},
+    {"type": "object", "description": "A tool call the model made earlier (an assistant's).",
+     "properties": {"type": {"const": "function_call"}, "call_id": _CALL_ID, "name": _FUNCTION_NAME,
+                    "arguments": {"type": "string"}, "id": _ITEM_ID, "status": _ITEM_STATUS},
+     "required": ["type", "call_id", "name", "arguments"], "additionalProperties": False},
+    {"type": "object", "description": "A tool call's result.",
+     "properties": {"type": {"const": "function_call_output"}, "call_id": _CALL_ID, "output": _CONTENT,
+                    "id": _ITEM_ID, "status": _ITEM_STATUS},
+     "required": ["type", "call_id", "output"], "additionalProperties": False},
+    {"type": "object", "description": "A reasoning model's reasoning: left out of the prompt.",
+     "properties": {"type": {"const": "reasoning"}, "id": _ITEM_ID, "summary": {"type": "array"},
+                    "content": {"type": "array"}, "encrypted_content": {"type": ["string", "null"]},
+                    "status": _ITEM_STATUS},
+     "required": ["type"], "additionalProperties": False},
+]}
+_REASONING_ITEM = {"properties": {"type": {"const": "reasoning"}}, "required": ["type"]}
+_FREE_TEXT = {"anyOf": [_NULL, {"type": "object", "properties": {
+    "format": {"anyOf": [_NULL, {"type": "object", "properties": {"type": {"const": "text"}}}]}}}]}
+
+
+def _implies(field: str, present: dict, then: dict) -> dict:
+    return {"if": {"properties": {field: present}, "required": [field]}, "then": then}
+
+
+_CROSS_FIELD = [
+    _implies("top_logprobs", {"type": "integer"},
+             {"required": ["include"], "properties": {"include": {"type": "array",
+                                                                  "contains": {"const": LOGPROBS_INCLUDE}}}}),
+    _implies("tool_choice", {"anyOf": [{"enum": ["auto", "required"]}, {"type": "object"}]},
+             {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}}),
+    _implies("tool_choice", {"anyOf": [{"const": "required"}, {"type": "object"}]},
+             {"properties": {"text": _FREE_TEXT, "structured_outputs": _NULL}}),
+    _implies("structured_outputs", {"type": "object"}, {"properties": {"text": _FREE_TEXT}}),
+]
+
+
+def responses_schemas(model_id: str, vocab_size: int, common_rules: dict[str, dict]) -> dict[str, dict]:
+    """The schemas ``POST /v1/responses`` names (``common_rules``: the fields' rules shared with the
+    other generation endpoints, applied to the fields this request has too)."""
+    (_, _, events), schemas = msgspec.json.schema_components([ResponsesRequest, ResponseObject, ResponseEvent],
+                                                             ref_template=_REF)
+    schemas = copy.deepcopy(schemas)
+    schemas["ResponseEvent"] = copy.deepcopy(events)
+    schemas.pop("InputItem", None), schemas.pop("InputPart", None)  # described by hand above
+    request = schemas["ResponsesRequest"]
+    props = request["properties"]
+    for field, rule in common_rules.items():
+        if field in props and field != "stream_options":
+            props[field] = copy.deepcopy(rule)
+    props["model"] = {"type": "string", "enum": [model_id], "description": "The served model."}
+    props["input"] = {"anyOf": [{"type": "string"}, {"type": "array", "items": _INPUT_ITEM, "minItems": 1,
+                                                     "maxItems": MAX_MESSAGES, "contains": {"not": _REASONING_ITEM}}],
+                      "description": "A user message's text, or the conversation's items."}
+    props["store"] = {"type": "boolean", "const": False, "default": False, "description": "Only false: nothing is "
+                      "stored (send the whole conversation in input)."}
+    props["background"] = {"type": "boolean", "const": False, "default": False, "description": "Only false."}
+    props["previous_response_id"] = {**_NULL, "description": "Not supported: nothing is stored."}
+    props["stop_token_ids"]["anyOf"][0]["items"]["maximum"] = vocab_size - 1
+    request["allOf"] = _CROSS_FIELD
+    schemas["TextFormat"]["allOf"] = [_implies("type", {"const": "json_schema"}, {"required": ["name", "schema"]})]
+    return schemas
+
+
+def responses_operation(errors: dict[str, dict], auth: bool) -> dict:
+    """``POST /v1/responses``: its request, answer and stream (``errors``: the status -> response
+    objects of the other generation endpoints)."""
+    payload = {"$ref": _REF.format(name="ResponseEvent")}
+    op = {
+        "summary": "A response (OpenAI's Responses API; nothing is stored)",
+        "requestBody": {"required": True,
+                        "content": {"application/json": {"schema": {"$ref": _REF.format(name="ResponsesRequest")}}}},
+        "responses": {
+            "200": {"description": "The response (JSON), or with stream: true its events (Server-Sent Events, each "
+                                   "'event: <type>' with its JSON; the last response.completed, response.incomplete "
+                                   "or response.failed).",
+                    "content": {"application/json": {"schema": {"$ref": _REF.format(name="ResponseObject")}},
+                                "text/event-stream": {"schema": {
+                                    "type": "object", "required": ["data"],
+                                    "properties": {"event": {"type": "string"},
+                                                   "data": {"type": "string", "contentMediaType": "application/json",
+                                                            "contentSchema": payload}}}}}},
+            **errors,
+        },
+    }
+    if auth:
+        op["security"] = [{"apiKey": []}]
+    return op

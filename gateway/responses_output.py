@@ -1,0 +1,381 @@
+"""The Responses API's answers: a response object whole, or as its stream of events.
+
+A response's ``output`` is a list of items: the answer's text as one ``message`` item (its
+``output_text`` part), then each tool call as a ``function_call`` item.  Its ``status`` is
+``completed``, ``incomplete`` (``incomplete_details.reason`` ``max_output_tokens``: the answer was cut
+at ``max_output_tokens``) or ``failed`` (``error``).
+
+Streamed, every event is an SSE ``event: <type>`` with its JSON (which names its ``type`` and a
+``sequence_number`` counting from 0): ``response.created`` and ``response.in_progress`` first; an
+item's ``response.output_item.added``, its deltas (``response.output_text.delta`` after a
+``response.content_part.added``, or ``response.function_call_arguments.delta``), its ``.done`` events
+and ``response.output_item.done``; last ``response.completed`` (or ``response.incomplete``, or
+``response.failed`` after an error) carrying the whole response.  No ``[DONE]``, as OpenAI's.  The
+items and text a stream sends are the ones the whole response holds.
+"""
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import msgspec
+
+from common.cluster.messages import TokenFrame
+from gateway.generation import Generation
+from gateway.openai_errors import OpenAIError
+from gateway.openai_responses import ChatDelta, ChatTokenLogprob, now
+from gateway.response_shapes import ResponseShapes
+from gateway.tool_output import new_call_id
+from gateway.responses_request import ResponsesCall
+
+
+class OutputText(msgspec.Struct, tag_field="type", tag="output_text", kw_only=True):
+    text: str
+    annotations: list = []
+    logprobs: list[ChatTokenLogprob] | msgspec.UnsetType = msgspec.UNSET  # with include's logprobs
+
+
+class OutputMessage(msgspec.Struct, tag_field="type", tag="message", kw_only=True):
+    id: str
+    status: str  # in_progress | completed | incomplete
+    content: list[OutputText]
+    role: str = "assistant"
+
+
+class FunctionCall(msgspec.Struct, tag_field="type", tag="function_call", kw_only=True):
+    id: str
+    call_id: str  # what the function_call_output answering it names
+    name: str
+    arguments: str  # JSON text
+    status: str
+
+
+OutputItem = OutputMessage | FunctionCall
+
+
+class InputTokensDetails(msgspec.Struct):
+    cached_tokens: int = 0  # input tokens served from the prefix cache
+
+
+class OutputTokensDetails(msgspec.Struct):
+    reasoning_tokens: int = 0
+
+
+class ResponseUsage(msgspec.Struct):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails
+    total_tokens: int
+
+
+class IncompleteDetails(msgspec.Struct):
+    reason: str
+
+
+class ResponseError(msgspec.Struct):
+    code: str
+    message: str
+
+
+class ResponseObject(msgspec.Struct, kw_only=True):
+    id: str
+    created_at: int
+    status: str  # in_progress | completed | incomplete | failed
+    model: str
+    output: list[OutputItem]
+    usage: ResponseUsage | None
+    instructions: str | None
+    max_output_tokens: int | None
+    temperature: float
+    top_p: float
+    top_logprobs: int | None
+    tools: list[dict[str, Any]]
+    tool_choice: Any
+    parallel_tool_calls: bool
+    text: dict[str, Any]
+    metadata: dict[str, str]
+    user: str | None
+    error: ResponseError | None = None
+    incomplete_details: IncompleteDetails | None = None
+    completed_at: int | None = None
+    object: str = "response"
+    previous_response_id: None = None
+    reasoning: None = None
+    store: bool = False
+    background: bool = False
+    truncation: str = "disabled"
+    service_tier: str = "default"
+
+
+class _Event(msgspec.Struct, tag_field="type", kw_only=True):
+    sequence_number: int
+
+
+class ResponseCreated(_Event, tag="response.created"):
+    response: ResponseObject
+
+
+class ResponseInProgress(_Event, tag="response.in_progress"):
+    response: ResponseObject
+
+
+class ResponseCompleted(_Event, tag="response.completed"):
+    response: ResponseObject
+
+
+class ResponseIncomplete(_Event, tag="response.incomplete"):
+    response: ResponseObject
+
+
+class ResponseFailed(_Event, tag="response.failed"):
+    response: ResponseObject
+
+
+class OutputItemAdded(_Event, tag="response.output_item.added"):
+    output_index: int
+    item: OutputItem
+
+
+class OutputItemDone(_Event, tag="response.output_item.done"):
+    output_index: int
+    item: OutputItem
+
+
+class ContentPartAdded(_Event, tag="response.content_part.added"):
+    item_id: str
+    output_index: int
+    content_index: int
+    part: OutputText
+
+
+class ContentPartDone(_Event, tag="response.content_part.done"):
+    item_id: str
+    output_index: int
+    content_index: int
+    part: OutputText
+
+
+class OutputTextDelta(_Event, tag="response.output_text.delta"):
+    item_id: str
+    output_index: int
+    content_index: int
+    delta: str
+    logprobs: list[ChatTokenLogprob]
+
+
+class OutputTextDone(_Event, tag="response.output_text.done"):
+    item_id: str
+    output_index: int
+    content_index: int
+    text: str
+    logprobs: list[ChatTokenLogprob]
+
+
+class FunctionCallArgumentsDelta(_Event, tag="response.function_call_arguments.delta"):
+    item_id: str
+    output_index: int
+    delta: str
+
+
+class FunctionCallArgumentsDone(_Event, tag="response.function_call_arguments.done"):
+    item_id: str
+    output_index: int
+    arguments: str
+
+
+ResponseEvent = (ResponseCreated | ResponseInProgress | ResponseCompleted | ResponseIncomplete | ResponseFailed
+                 | OutputItemAdded | OutputItemDone | ContentPartAdded | ContentPartDone | OutputTextDelta
+                 | OutputTextDone | FunctionCallArgumentsDelta | FunctionCallArgumentsDone)
+
+_encode = msgspec.json.Encoder().encode
+
+
+def new_response_id() -> str:
+    return f"resp_{uuid.uuid4().hex}"
+
+
+def _item_id(kind: str) -> str:
+    return f"{kind}_{uuid.uuid4().hex}"
+
+
+def _finished_status(gen: Generation) -> tuple[str, IncompleteDetails | None, ResponseError | None]:
+    if gen.finish_reason == "length":
+        return "incomplete", IncompleteDetails("max_output_tokens"), None
+    if gen.finish_reason == "abort":
+        return "failed", None, ResponseError("server_error", "the generation was aborted")
+    return "completed", None, None
+
+
+class ResponsesAnswer:
+    """One request's answer in the Responses API's shape (``n`` is 1: one generation)."""
+
+    def __init__(self, call: ResponsesCall, shapes: ResponseShapes, response_id: str):
+        self.call, self.shapes, self.response_id = call, shapes, response_id
+        self.created_at = now()
+
+    def response(self, gen: Generation, status: str, output: list, **extra) -> ResponseObject:
+        call, options = self.call, gen.options
+        usage = None
+        if status != "in_progress":
+            out = len(gen.token_ids)
+            usage = ResponseUsage(len(gen.prompt_ids), InputTokensDetails(gen.cached_tokens), out,
+                                  OutputTokensDetails(), len(gen.prompt_ids) + out)
+        return ResponseObject(
+            id=self.response_id, created_at=self.created_at, status=status, model=gen.model, output=output,
+            usage=usage, instructions=call.instructions, max_output_tokens=call.max_output_tokens,
+            temperature=options.temperature, top_p=options.top_p, top_logprobs=call.top_logprobs, tools=call.tools,
+            tool_choice=call.tool_choice, parallel_tool_calls=call.chat.parallel_tool_calls, text=call.text,
+            metadata=call.metadata, user=call.user,
+            completed_at=now() if status == "completed" else None, **extra)
+
+    def logprobs(self, entries) -> list[ChatTokenLogprob] | msgspec.UnsetType:
+        """``entries`` as an output text's logprobs; unset where the request did not include them."""
+        if not self.call.chat.logprobs:
+            return msgspec.UNSET
+        found = self.shapes.chat_logprobs(entries)
+        return found.content if found is not None else []
+
+    def whole(self, gens: list[Generation]) -> ResponseObject:
+        """The finished generation's response."""
+        gen = gens[0]
+        status, incomplete, error = _finished_status(gen)
+        item_status = "incomplete" if status == "incomplete" else "completed"
+        content, calls = gen.tools.final(gen.text) if gen.tools is not None else (gen.text, [])
+        output: list = []
+        if content or not calls:
+            text = OutputText(text=content or "", logprobs=self.logprobs(gen.logprobs if not calls else []))
+            output.append(OutputMessage(id=_item_id("msg"), status=item_status, content=[text]))
+        output += [FunctionCall(id=_item_id("fc"), call_id=new_call_id(), name=c.name, arguments=c.arguments,
+                                status="completed") for c in calls]
+        return self.response(gen, status, output, incomplete_details=incomplete, error=error)
+
+    def stream(self, gen: Generation) -> "ResponseStream":
+        return ResponseStream(self, gen)
+
+
+class ResponseStream:
+    """A response's events as its generation goes (gateway/handlers.py writes them)."""
+
+    def __init__(self, answer: ResponsesAnswer, gen: Generation):
+        self.answer, self.gen = answer, gen
+        self.sequence = 0
+        self.output: list[OutputItem] = []  # every item so far; the last may be open
+        self.open: OutputItem | None = None
+        self.pending_logprobs: list = []  # entries not yet sent with a text delta
+
+    def _event(self, event_type: type[_Event], **fields) -> bytes:
+        event = event_type(sequence_number=self.sequence, **fields)
+        self.sequence += 1
+        tag = event_type.__struct_config__.tag
+        return b"event: " + tag.encode() + b"\ndata: " + _encode(event) + b"\n\n"
+
+    def opening(self) -> bytes:
+        shell = self.answer.response(self.gen, "in_progress", [])
+        return self._event(ResponseCreated, response=shell) + self._event(ResponseInProgress, response=shell)
+
+    def batch(self, gen: Generation, batch: list[tuple[str, TokenFrame]]) -> bytes:
+        """The events of a batch of frames (their text deltas, tool calls and logprobs)."""
+        out = []
+        last = len(batch) - 1
+        for i, (delta, frame) in enumerate(batch):
+            ending = i == last and gen.finish_reason is not None
+            if gen.tools is None:  # (with tools, the text's logprobs come with its end: see _close)
+                if self.answer.call.chat.logprobs and frame.logprobs:
+                    self.pending_logprobs += frame.logprobs
+                if delta:
+                    out.append(self._text(delta))
+                continue
+            deltas: list[ChatDelta] = gen.tools.step(delta) + (gen.tools.finish() if ending else [])
+            for d in deltas:
+                if d.content:
+                    out.append(self._text(d.content))
+                for call in d.tool_calls or ():
+                    if call.id:  # a call's first delta: its id and name
+                        out.append(self._open_call(call.id, call.function.name))
+                    if call.function and call.function.arguments:
+                        out.append(self._arguments(call.function.arguments))
+        return b"".join(out)
+
+    def closing(self) -> bytes:
+        """The open item's end, then the whole response."""
+        gen = self.gen
+        status, incomplete, error = _finished_status(gen)
+        out = [self._close()]
+        if not self.output:  # no text, no call: an empty message, as the whole response has
+            out += [self._text(""), self._close()]
+        response = self.answer.response(gen, status, self.output, incomplete_details=incomplete, error=error)
+        kind = {"completed": ResponseCompleted, "incomplete": ResponseIncomplete}.get(status, ResponseFailed)
+        return b"".join(out) + self._event(kind, response=response)
+
+    def failure(self, error: OpenAIError) -> bytes:
+        """An error after the stream started: the response failed, with what it had."""
+        response = self.answer.response(self.gen, "failed", self.output,
+                                        error=ResponseError("server_error", error.message))
+        return self._close() + self._event(ResponseFailed, response=response)
+
+    # ---- items ---------------------------------------------------------------------------------
+
+    def _text(self, delta: str) -> bytes:
+        out = b""
+        if not isinstance(self.open, OutputMessage):
+            out += self._close()
+            item = OutputMessage(id=_item_id("msg"), status="in_progress", content=[])
+            out += self._add(item)
+            part = OutputText(text="", logprobs=self.answer.logprobs([]))
+            item.content.append(part)
+            out += self._event(ContentPartAdded, item_id=item.id, output_index=self._index, content_index=0,
+                               part=OutputText(text=""))
+        part = self.open.content[0]
+        part.text += delta
+        logprobs = self.answer.logprobs(self.pending_logprobs) if self.pending_logprobs else []
+        self.pending_logprobs = []
+        if logprobs and part.logprobs is not msgspec.UNSET:
+            part.logprobs += logprobs
+        if not delta:
+            return out
+        return out + self._event(OutputTextDelta, item_id=self.open.id, output_index=self._index, content_index=0,
+                                 delta=delta, logprobs=logprobs or [])
+
+    def _open_call(self, call_id: str, name: str) -> bytes:
+        out = self._close()
+        return out + self._add(FunctionCall(id=_item_id("fc"), call_id=call_id, name=name, arguments="",
+                                            status="in_progress"))
+
+    def _arguments(self, fragment: str) -> bytes:
+        self.open.arguments += fragment
+        return self._event(FunctionCallArgumentsDelta, item_id=self.open.id, output_index=self._index, delta=fragment)
+
+    @property
+    def _index(self) -> int:
+        return len(self.output) - 1
+
+    def _add(self, item: OutputItem) -> bytes:
+        self.output.append(item)
+        self.open = item
+        return self._event(OutputItemAdded, output_index=self._index, item=msgspec.structs.replace(
+            item, content=[]) if isinstance(item, OutputMessage) else msgspec.structs.replace(item))
+
+    def _close(self) -> bytes:
+        """The open item's ``.done`` events (none open: nothing)."""
+        item, self.open = self.open, None
+        if item is None:
+            return b""
+        index = self.output.index(item)
+        if isinstance(item, FunctionCall):
+            item.status = "completed"
+            return (self._event(FunctionCallArgumentsDone, item_id=item.id, output_index=index, arguments=item.arguments)
+                    + self._event(OutputItemDone, output_index=index, item=item))
+        part = item.content[0]
+        if part.logprobs is not msgspec.UNSET:
+            if self.gen.tools is None:
+                part.logprobs += self.answer.logprobs(self.pending_logprobs)
+            else:  # an answer's tokens are its text's when it made no call (as ``whole`` tells them)
+                part.logprobs = self.answer.logprobs([] if self.gen.tools.made_calls else self.gen.logprobs)
+            self.pending_logprobs = []
+        item.status = "incomplete" if self.gen.finish_reason == "length" else "completed"
+        logprobs = part.logprobs if part.logprobs is not msgspec.UNSET else []
+        return (self._event(OutputTextDone, item_id=item.id, output_index=index, content_index=0, text=part.text,
+                            logprobs=logprobs)
+                + self._event(ContentPartDone, item_id=item.id, output_index=index, content_index=0, part=part)
+                + self._event(OutputItemDone, output_index=index, item=item))

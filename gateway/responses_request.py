@@ -1,0 +1,317 @@
+"""OpenAI's Responses API request (``POST /v1/responses``), read into the chat path's request.
+
+A response is a chat completion in another shape: ``input`` (a string, or a list of items) and
+``instructions`` become the chat's messages, ``max_output_tokens`` its ``max_completion_tokens``,
+``text.format`` its ``response_format``, the flat function ``tools`` and ``tool_choice`` the chat's,
+``include: ["message.output_text.logprobs"]`` with ``top_logprobs`` its logprobs.  The chat path then
+routes, constrains and parses it as any chat request (gateway/handlers.py), and
+gateway/responses_output.py answers in this API's shape.
+
+    input item                        chat message
+    {"role", "content"} (a message)   that role's message, its text parts joined
+    {"type": "function_call"}         an assistant message's tool call (consecutive calls, and the
+                                      assistant text right before them, make one message)
+    {"type": "function_call_output"}  a tool message answering ``call_id``
+    {"type": "reasoning"}             left out (a reasoning model's; this model has no reasoning)
+
+Nothing is stored: ``store: true``, ``previous_response_id``, ``conversation`` and ``background`` are
+400s naming the field (send the whole conversation in ``input``), as are the built-in tools, non-text
+content and ``truncation: "auto"``.  The bounds are the chat path's: the items as its messages, their
+parts as its content parts, each bound checked before the elements past it are decoded.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from common.engine.structured.spec import MAX_GRAMMAR_CHARS, StructuredOutput
+from gateway.json_bounds import bounded_list, items
+from gateway.openai_errors import from_msgspec, invalid
+from gateway.openai_protocol import (
+    MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_PARTS_PER_MESSAGE, CacheSalt, CalledFunction, ChatCompletionRequest,
+    ChatMessage, Logprobs, MaxTokens, Metadata, MessageToolCall, MinP, MinTokens, ModelName, Penalty, RepetitionPenalty,
+    StopTokenIds, Temperature, TopP, UserId, decode_at, decode_body, given, read_stop, validate_common,
+)
+from gateway.structured_request import StructuredOutputsParams, read_structured_outputs, schema_text
+from gateway.tools_request import MAX_TOOLS, FlatFunctionTool, FunctionName, NamedFunction, NamedToolChoice, read_tools
+
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+# What ``include`` may name: the answer's logprobs; a reasoning model's encrypted reasoning, which
+# asks for nothing here (no reasoning item is produced).
+INCLUDABLE = (LOGPROBS_INCLUDE, "reasoning.encrypted_content")
+CallId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+
+
+class Reasoning(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A reasoning model's settings: accepted, and meaningless for this model (it has no reasoning)."""
+
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None
+
+
+class ResponsesStreamOptions(msgspec.Struct, forbid_unknown_fields=True):
+    include_obfuscation: bool = True  # OpenAI's padding of deltas against side channels: not sent here
+
+
+class TextFormat(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """``text.format``: plain text, any JSON object, or JSON valid by ``schema``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_\-]+$")] | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+    description: str | None = None
+
+
+class TextConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    format: TextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None  # a hint to reasoning models: not used
+
+
+class NamedFunctionChoice(msgspec.Struct, forbid_unknown_fields=True):
+    type: Literal["function"]
+    name: FunctionName
+
+
+ResponsesToolChoice = Literal["none", "auto", "required"] | NamedFunctionChoice
+
+
+class InputPart(msgspec.Struct, kw_only=True):
+    """A content part of an input item (unknown fields allowed: an output part sent back carries its
+    annotations and logprobs; an image part gets "text only" rather than "unknown field")."""
+
+    type: str
+    text: str | None = None
+    refusal: str | None = None
+
+
+class InputItem(msgspec.Struct, kw_only=True):
+    """One item of ``input``, any kind (checked by kind in ``_messages``); unknown fields allowed: an
+    output item sent back carries its ``id``, ``status`` and the like."""
+
+    type: str | None = None
+    role: str | None = None
+    content: msgspec.Raw = msgspec.Raw()
+    call_id: CallId | None = None
+    name: FunctionName | None = None
+    arguments: str | None = None
+    output: msgspec.Raw = msgspec.Raw()
+
+
+class ResponsesRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """``POST /v1/responses`` (its schema is the OpenAPI document's; bodies decode as ``_ResponsesBody``)."""
+
+    model: ModelName
+    input: str | Annotated[list[dict[str, Any]], msgspec.Meta(max_length=MAX_MESSAGES)]  # items: see InputItem
+    instructions: str | None = None
+    max_output_tokens: MaxTokens | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_logprobs: Logprobs | None = None
+    include: Annotated[list[Literal[INCLUDABLE]], msgspec.Meta(max_length=len(INCLUDABLE))] | None = None
+    tools: Annotated[list[FlatFunctionTool], msgspec.Meta(max_length=MAX_TOOLS)] | None = None
+    tool_choice: ResponsesToolChoice | None = None
+    parallel_tool_calls: bool = True
+    text: TextConfig | None = None
+    stream: bool = False
+    stream_options: ResponsesStreamOptions | None = None
+    store: bool = False  # only false: nothing is stored
+    background: bool = False  # only false
+    previous_response_id: None = None  # (nothing is stored)
+    metadata: Metadata | None = None
+    user: UserId | None = None
+    safety_identifier: UserId | None = None
+    prompt_cache_key: Annotated[str, msgspec.Meta(max_length=256)] | None = None  # accepted, not used
+    service_tier: Literal["auto", "default", "flex", "priority"] | None = None  # accepted: one tier here
+    truncation: Literal["disabled"] | None = None  # "auto" (drop early items to fit) is not offered
+    reasoning: Reasoning | None = None
+    max_tool_calls: Annotated[int, msgspec.Meta(ge=1)] | None = None  # built-in tools' bound: none here
+    # Extensions (vLLM's, as on the other endpoints)
+    top_k: int | None = None
+    min_p: MinP | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: StopTokenIds | None = None
+    ignore_eos: bool = False
+    min_tokens: MinTokens = 0
+    cache_salt: CacheSalt | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+
+
+class _ResponsesBody(ResponsesRequest):
+    """What a body decodes to: the fields a body can fill with many elements, as their JSON."""
+
+    input: msgspec.Raw
+    tools: msgspec.Raw = msgspec.Raw()
+    stop: msgspec.Raw = msgspec.Raw()
+    text: msgspec.Raw = msgspec.Raw()
+    structured_outputs: msgspec.Raw = msgspec.Raw()
+    previous_response_id: msgspec.Raw = msgspec.Raw()
+    conversation: msgspec.Raw = msgspec.Raw()
+
+
+@dataclass(frozen=True)
+class ResponsesCall:
+    """A Responses request: the chat request that computes it, and what its answer repeats of it."""
+
+    chat: ChatCompletionRequest
+    instructions: str | None
+    tools: list[dict]  # as the answer lists them (the flat function tools)
+    tool_choice: Any  # as sent (a string or {"type": "function", "name"}), "auto" / "none" by default
+    text: dict  # {"format": {...}}
+    max_output_tokens: int | None
+    top_logprobs: int | None
+    metadata: dict
+    user: str | None
+
+
+_body_decoder = msgspec.json.Decoder(_ResponsesBody, strict=False)
+_items_decoder = msgspec.json.Decoder(str | bounded_list(msgspec.Raw, MAX_MESSAGES), strict=False)
+_item_decoder = msgspec.json.Decoder(InputItem, strict=False)
+_parts_decoder = msgspec.json.Decoder(str | bounded_list(InputPart, MAX_PARTS_PER_MESSAGE), strict=False)
+_text_decoder = msgspec.json.Decoder(TextConfig, strict=False)
+_choice_decoder = msgspec.json.Decoder(ResponsesToolChoice, strict=False)
+
+
+def parse_responses_request(body: bytes) -> ResponsesCall:
+    """Decode and validate a ``/v1/responses`` body; raises ``OpenAIError`` (400)."""
+    req = decode_body(_body_decoder, body)
+    for field, refused, why in (("store", req.store, "nothing is stored: send store false (or leave it out)"),
+                                ("background", req.background, "responses are not run in the background"),
+                                ("previous_response_id", given(req.previous_response_id),
+                                 "nothing is stored: send the whole conversation in input"),
+                                ("conversation", given(req.conversation),
+                                 "nothing is stored: send the whole conversation in input")):
+        if refused:
+            raise invalid(f"{field}: {why}", field, "unsupported_value")
+    messages = ([ChatMessage(role="system", content=req.instructions)] if req.instructions else []) + _messages(req.input)
+    if not messages:
+        raise invalid("input holds no message (and there are no instructions)", "input")
+    tools = read_tools(req.tools, from_msgspec, flat=True) if given(req.tools) else ()
+    text = decode_at(_text_decoder, _bounded(req.text, "text"), "text") if given(req.text) else None
+    structured = _text_format(text)
+    extension = read_structured_outputs(req.structured_outputs, from_msgspec) if given(req.structured_outputs) else None
+    if structured is not None and extension is not None:
+        raise invalid("text.format and structured_outputs both constrain the output; send one", "structured_outputs")
+    choice = req.tool_choice
+    logprobs = LOGPROBS_INCLUDE in (req.include or ())
+    if req.top_logprobs is not None and not logprobs:
+        raise invalid(f"top_logprobs needs include: [\"{LOGPROBS_INCLUDE}\"]", "top_logprobs")
+    chat = ChatCompletionRequest(
+        model=req.model, messages=messages, max_completion_tokens=req.max_output_tokens,
+        temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+        repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty, seed=req.seed,
+        stop=read_stop(req.stop) if given(req.stop) else None, stop_token_ids=req.stop_token_ids,
+        ignore_eos=req.ignore_eos, min_tokens=req.min_tokens, cache_salt=req.cache_salt, stream=req.stream,
+        user=req.user, safety_identifier=req.safety_identifier, metadata=req.metadata,
+        logprobs=logprobs, top_logprobs=req.top_logprobs if logprobs else None,
+        response_format=structured, structured_outputs=extension, tools=tools,
+        tool_choice=NamedToolChoice("function", NamedFunction(choice.name)) if isinstance(choice, NamedFunctionChoice)
+        else choice, parallel_tool_calls=req.parallel_tool_calls)
+    validate_common(chat)
+    plan = chat.tool_plan()  # a choice the tools cannot meet is a 400 here
+    if plan.structured is not None and chat.sampling().structured is not None:
+        raise invalid(f"tool_choice {plan.mode!r} constrains the output itself; it cannot be combined with "
+                      "text.format or structured_outputs", "tool_choice")
+    listed = [{"type": "function", **msgspec.to_builtins(t.function)} for t in tools]
+    text_format = msgspec.to_builtins(text.format) if text is not None and text.format else {"type": "text"}
+    return ResponsesCall(chat, req.instructions, listed,
+                         msgspec.to_builtins(choice) if choice is not None else plan.mode, {"format": text_format},
+                         req.max_output_tokens, req.top_logprobs, req.metadata or {}, req.user)
+
+
+def _text_format(text: TextConfig | None) -> StructuredOutput | None:
+    fmt = text.format if text is not None else None
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return StructuredOutput("json_object", "", "text.format")
+    if fmt.schema is None or fmt.name is None:
+        missing = "schema" if fmt.schema is None else "name"
+        raise invalid(f"text.format of type json_schema needs {missing}", f"text.format.{missing}")
+    return StructuredOutput("json_schema", schema_text(fmt.schema, "text.format"), "text.format")
+
+
+def _bounded(raw: msgspec.Raw, field: str) -> msgspec.Raw:
+    """A grammar-bearing field's JSON, refused past ``MAX_GRAMMAR_CHARS`` before it is decoded."""
+    if len(raw) > MAX_GRAMMAR_CHARS:
+        raise invalid(f"{field} is {len(raw)} bytes of JSON; at most {MAX_GRAMMAR_CHARS} are allowed", field)
+    return raw
+
+
+def _messages(raw: msgspec.Raw) -> list[ChatMessage]:
+    """``input`` as chat messages (the table in the module's docstring)."""
+    decoded = decode_at(_items_decoder, raw, "input")
+    if isinstance(decoded, str):
+        return [ChatMessage(role="user", content=decoded)]
+    messages: list[ChatMessage] = []
+    parts = 0
+    joins_calls = False  # the last message is an assistant's that the next function_call joins
+    for i, element in enumerate(items(decoded)):
+        at = f"input[{i}]"
+        item = decode_at(_item_decoder, element, at)
+        kind = item.type or ("message" if item.role is not None else None)
+        if kind == "message":
+            if item.role not in ("user", "system", "developer", "assistant"):
+                raise invalid(f"{at}.role must be user, system, developer or assistant, got {item.role!r}",
+                              f"{at}.role")
+            text, count = _text(item.content, f"{at}.content")
+            messages.append(ChatMessage(role=item.role, content=text))
+            joins_calls = item.role == "assistant"
+        elif kind == "function_call":
+            call = MessageToolCall(id=_required(item.call_id, at, "call_id"),
+                                   function=CalledFunction(_required(item.name, at, "name"),
+                                                           _required(item.arguments, at, "arguments")))
+            if joins_calls:
+                last = messages[-1]
+                if len(last.tool_calls or ()) >= MAX_TOOLS:
+                    raise invalid(f"{at}: at most {MAX_TOOLS} consecutive function calls", at)
+                last.tool_calls = [*(last.tool_calls or ()), call]
+            else:
+                messages.append(ChatMessage(role="assistant", content=None, tool_calls=[call]))
+            joins_calls, count = True, 0
+        elif kind == "function_call_output":
+            text, count = _text(item.output, f"{at}.output")
+            messages.append(ChatMessage(role="tool", content=text, tool_call_id=_required(item.call_id, at, "call_id")))
+            joins_calls = False
+        elif kind == "reasoning":
+            continue
+        else:
+            raise invalid(f"{at}: input items of type {kind!r} are not supported (messages, function_call, "
+                          "function_call_output)", f"{at}.type", "unsupported_value")
+        parts += count
+        if parts > MAX_CONTENT_PARTS:
+            raise invalid(f"the input holds at most {MAX_CONTENT_PARTS} content parts in all", at)
+    return messages
+
+
+def _required(value, at: str, field: str):
+    if value is None:
+        raise invalid(f"Missing required parameter: '{at}.{field}'.", f"{at}.{field}", "missing_required_parameter")
+    return value
+
+
+def _text(raw: msgspec.Raw, at: str) -> tuple[str, int]:
+    """A content (or a call's output): a string, or text parts joined; and how many parts it had."""
+    if not given(raw):
+        raise invalid(f"Missing required parameter: '{at}'.", at, "missing_required_parameter")
+    content = decode_at(_parts_decoder, raw, at)
+    if isinstance(content, str):
+        return content, 0
+    pieces = items(content)
+    for j, part in enumerate(pieces):
+        text = part.refusal if part.type == "refusal" else part.text
+        if part.type not in ("input_text", "output_text", "refusal"):
+            raise invalid(f"{at}[{j}]: content part type {part.type!r} is not supported (text only)", f"{at}[{j}]",
+                          "unsupported_value")
+        if text is None:
+            raise invalid(f"{at}[{j}]: a {part.type} part needs '{'refusal' if part.type == 'refusal' else 'text'}'",
+                          f"{at}[{j}]")
+    return "".join(p.refusal if p.type == "refusal" else p.text for p in pieces), len(pieces)
