@@ -16,7 +16,9 @@ gateway/responses_output.py answers in this API's shape.
 
 Nothing is stored: ``store: true``, ``previous_response_id``, ``conversation`` and ``background`` are
 400s naming the field (send the whole conversation in ``input``), as are the built-in tools, non-text
-content and ``truncation: "auto"``.  The bounds are the chat path's: the items as its messages, their
+content and ``truncation: "auto"``; so are ``reasoning``, ``text.verbosity``, ``service_tier`` and
+``prompt_cache_key``, as on the chat endpoint (not implemented: this model has no reasoning; use
+``cache_salt`` for cache keys).  The bounds are the chat path's: the items as its messages, their
 parts as its content parts, each bound checked before the elements past it are decoded.
 """
 from __future__ import annotations
@@ -44,14 +46,6 @@ INCLUDABLE = (LOGPROBS_INCLUDE, "reasoning.encrypted_content")
 CallId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 
 
-class Reasoning(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """A reasoning model's settings: accepted, and meaningless for this model (it has no reasoning)."""
-
-    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
-    summary: Literal["auto", "concise", "detailed"] | None = None
-    generate_summary: Literal["auto", "concise", "detailed"] | None = None
-
-
 class ResponsesStreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_obfuscation: bool = True  # OpenAI's padding of deltas against side channels: not sent here
 
@@ -68,7 +62,6 @@ class TextFormat(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 class TextConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     format: TextFormat | None = None
-    verbosity: Literal["low", "medium", "high"] | None = None  # a hint to reasoning models: not used
 
 
 class NamedFunctionChoice(msgspec.Struct, forbid_unknown_fields=True):
@@ -124,10 +117,7 @@ class ResponsesRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     metadata: Metadata | None = None
     user: UserId | None = None
     safety_identifier: UserId | None = None
-    prompt_cache_key: Annotated[str, msgspec.Meta(max_length=256)] | None = None  # accepted, not used
-    service_tier: Literal["auto", "default", "flex", "priority"] | None = None  # accepted: one tier here
     truncation: Literal["disabled"] | None = None  # "auto" (drop early items to fit) is not offered
-    reasoning: Reasoning | None = None
     max_tool_calls: Annotated[int, msgspec.Meta(ge=1)] | None = None  # built-in tools' bound: none here
     # Extensions (vLLM's, as on the other endpoints)
     top_k: int | None = None
