@@ -312,7 +312,7 @@ class ResponseStream:
         """An error after the stream started: the response failed, with what it had."""
         response = self.answer.response(self.gen, "failed", self.output,
                                         error=ResponseError("server_error", error.message))
-        return self._close() + self._event(ResponseFailed, response=response)
+        return self._close(failed=True) + self._event(ResponseFailed, response=response)
 
     # ---- items ---------------------------------------------------------------------------------
 
@@ -356,14 +356,15 @@ class ResponseStream:
         return self._event(OutputItemAdded, output_index=self._index, item=msgspec.structs.replace(
             item, content=[]) if isinstance(item, OutputMessage) else msgspec.structs.replace(item))
 
-    def _close(self) -> bytes:
-        """The open item's ``.done`` events (none open: nothing)."""
+    def _close(self, failed: bool = False) -> bytes:
+        """The open item's ``.done`` events (none open: nothing); ``failed``: it ends incomplete."""
         item, self.open = self.open, None
         if item is None:
             return b""
         index = self.output.index(item)
+        ended = "incomplete" if failed or self.gen.finish_reason == "length" else "completed"
         if isinstance(item, FunctionCall):
-            item.status = "completed"
+            item.status = "incomplete" if failed else "completed"
             return (self._event(FunctionCallArgumentsDone, item_id=item.id, output_index=index, arguments=item.arguments)
                     + self._event(OutputItemDone, output_index=index, item=item))
         part = item.content[0]
@@ -373,7 +374,7 @@ class ResponseStream:
             else:  # an answer's tokens are its text's when it made no call (as ``whole`` tells them)
                 part.logprobs = self.answer.logprobs([] if self.gen.tools.made_calls else self.gen.logprobs)
             self.pending_logprobs = []
-        item.status = "incomplete" if self.gen.finish_reason == "length" else "completed"
+        item.status = ended
         logprobs = part.logprobs if part.logprobs is not msgspec.UNSET else []
         return (self._event(OutputTextDone, item_id=item.id, output_index=index, content_index=0, text=part.text,
                             logprobs=logprobs)

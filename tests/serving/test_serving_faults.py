@@ -283,6 +283,26 @@ def test_without_migration_a_dead_decode_worker_ends_its_stream_with_an_error(st
     wait_idle(stack, survivor, timeout=WAIT_S)
 
 
+def test_without_migration_a_responses_stream_ends_failed_with_what_it_had(stack):
+    """The Responses API's stream ends as that API's does: ``response.failed`` naming the failure,
+    its text item closed incomplete, holding every delta sent."""
+    with extra_gateway(stack, "gateway-no-migration-responses", ["--migration-limit", "0"]) as gateway:
+        stream = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="none", max_retries=0).responses.create(
+            model=stack.model_name, input=PROMPT, stream=True, max_output_tokens=900, temperature=0,
+            extra_body={"ignore_eos": True})
+        events = iter(stream)
+        first = [next(events) for _ in range(5)]  # created, in_progress, the item and its part, a delta
+        assert first[-1].type == "response.output_text.delta"
+        stack.kill(serving_decode_worker(stack))
+        rest = list(events)
+    failed = rest[-1]
+    assert failed.type == "response.failed" and "failed mid-stream" in failed.response.error.message
+    assert rest[-2].type == "response.output_item.done" and rest[-2].item.status == "incomplete"
+    text = "".join(e.delta for e in first + rest if e.type == "response.output_text.delta")
+    assert failed.response.status == "failed" and failed.response.output[0].content[0].text == text
+    assert [e.sequence_number for e in first + rest] == list(range(len(first) + len(rest)))
+
+
 def drain_from_the_container(stack, worker: str, tmp_path) -> None:
     """What a Kubernetes preStop hook runs in the worker's container: ``entrypoint.py --drain``,
     with the container's runtime file and cluster secret."""
