@@ -240,8 +240,9 @@ class ResponsesAnswer:
         """The finished generation's response."""
         gen = gens[0]
         status, incomplete, error = _finished_status(gen)
-        item_status = "incomplete" if status == "incomplete" else "completed"
         content, calls = gen.tools.final(gen.text) if gen.tools is not None else (gen.text, [])
+        # the text ends where the calls begin; the answer's end is the last item's (as a stream closes them)
+        item_status = "completed" if calls or status == "completed" else "incomplete"
         output: list = []
         if content or not calls:
             text = OutputText(text=content or "", logprobs=self.logprobs(gen.logprobs if not calls else []))
@@ -362,7 +363,7 @@ class ResponseStream:
         if item is None:
             return b""
         index = self.output.index(item)
-        ended = "incomplete" if failed or self.gen.finish_reason == "length" else "completed"
+        ended = "completed" if not failed and _finished_status(self.gen)[0] == "completed" else "incomplete"
         if isinstance(item, FunctionCall):
             item.status = "incomplete" if failed else "completed"
             return (self._event(FunctionCallArgumentsDone, item_id=item.id, output_index=index, arguments=item.arguments)
