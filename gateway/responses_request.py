@@ -166,7 +166,6 @@ _items_decoder = msgspec.json.Decoder(str | bounded_list(msgspec.Raw, MAX_MESSAG
 _item_decoder = msgspec.json.Decoder(InputItem, strict=False)
 _parts_decoder = msgspec.json.Decoder(str | bounded_list(InputPart, MAX_PARTS_PER_MESSAGE), strict=False)
 _text_decoder = msgspec.json.Decoder(TextConfig, strict=False)
-_choice_decoder = msgspec.json.Decoder(ResponsesToolChoice, strict=False)
 
 
 def parse_responses_request(body: bytes) -> ResponsesCall:
