@@ -24,7 +24,9 @@ from gateway.metrics import GatewayMetrics
 from gateway.prompts import PromptEncoder
 from gateway.tenants import Tenant, cache_salt
 from gateway.generation import Generation
-from gateway.response_shapes import AnswerStream, ChoicesStream, ResponseShapes, prompt_tokens
+from gateway.messages_output import MessagesAnswer, new_message_id
+from gateway.messages_request import parse_messages_request
+from gateway.response_shapes import Answer, AnswerStream, ChoicesStream, ResponseShapes, prompt_tokens
 from gateway.responses_output import ResponsesAnswer, new_response_id
 from gateway.responses_request import parse_responses_request
 from gateway.tool_output import ToolOutput
@@ -272,10 +274,36 @@ class OpenAIHandlers:
             await self._check_grammar(gens[0].params)
             return await self._serve(request, gens, ResponsesAnswer(call, self.shapes, response_id))
 
+    async def messages(self, request: web.Request) -> web.StreamResponse:
+        """Anthropic's Messages API: a chat request in that API's shapes (gateway/messages_request.py,
+        gateway/messages_output.py)."""
+        body = await self.services.read_body(request)
+        call = parse_messages_request(body)
+        req = call.chat
+        self._check_model(req.model)
+        plan = req.tool_plan()
+        messages, render = self._chat_renderer(req, plan)
+        async with self.services.admission(request["tenant"]):
+            ids = await self.services.prompts.chat(messages, render)
+            message_id = new_message_id()
+            gens = self._prepare(request, "chat", req, ids, plan, response_id=message_id)
+            await self._check_grammar(gens[0].params)
+            return await self._serve(request, gens, MessagesAnswer(call, message_id))
+
+    async def count_message_tokens(self, request: web.Request) -> web.Response:
+        """Anthropic's ``/v1/messages/count_tokens``: the prompt's tokens as the chat template makes them."""
+        body = await self.services.read_body(request)
+        req = parse_messages_request(body, counting=True).chat
+        self._check_model(req.model)
+        messages, render = self._chat_renderer(req, req.tool_plan())
+        async with self.services.admission(request["tenant"]):
+            ids = await self.services.prompts.chat(messages, render)
+        return web.json_response({"input_tokens": len(ids)})
+
     # ---- generation ------------------------------------------------------------------------
 
     async def _serve(self, request: web.Request, gens: list[Generation],
-                     answer: ResponsesAnswer | None = None) -> web.StreamResponse:
+                     answer: Answer | None = None) -> web.StreamResponse:
         """Route, wait for the first token, then answer.  Everything up to the first token happens
         before any byte of the response, so a failure there is a real status code (503 +
         Retry-After, 400, 500), streaming or not; after it, a stream ends with an error event.
@@ -284,7 +312,8 @@ class OpenAIHandlers:
         its decode worker's prefix cache) the others start on that worker, where they find the
         prompt's blocks and share them instead of computing it again.  A batch's other prompts start
         then too, their choices each on its own (a prompt's first has yet to compute it).
-        ``answer``: the Responses API's shape (None: the choices' of completions and chat)."""
+        ``answer``: another API's shape (the Responses or Messages API's; None: the choices' of
+        completions and chat)."""
         self.services.metrics.model(gens[0].model).prompt_tokens.inc(prompt_tokens(gens))
         async with contextlib.AsyncExitStack() as stack:
             runs = [await stack.enter_async_context(contextlib.aclosing(self._run(gens[0])))]

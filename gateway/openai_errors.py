@@ -64,12 +64,13 @@ class OpenAIError(Exception):
     def to_json(self) -> bytes:
         return _encode(self.body())
 
-    def to_response(self) -> web.Response:
+    def to_response(self, body: msgspec.Struct | None = None) -> web.Response:
+        """The error as a JSON response (``body``: another API's shape of it; default OpenAI's)."""
         headers = {}
         if self.retry_after is not None:
             headers["Retry-After"] = str(max(1, round(self.retry_after)))
-        return web.Response(status=self.status, body=self.to_json(), headers=headers,
-                            content_type="application/json")
+        return web.Response(status=self.status, body=self.to_json() if body is None else _encode(body),
+                            headers=headers, content_type="application/json")
 
     def to_sse(self) -> bytes:
         """The error as one SSE event, for a stream that has already started."""

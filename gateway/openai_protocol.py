@@ -363,9 +363,10 @@ def _common_fields(body: _Common, cls: type[_Common]) -> dict:
     return fields
 
 
-def read_stop(raw: msgspec.Raw) -> str | list[str]:
-    """``stop``: a string or a list of at most ``MAX_STOP_STRINGS`` (refused at the one past it)."""
-    stop = decode_at(_stop_decoder, raw, "stop")
+def read_stop(raw: msgspec.Raw, field: str = "stop") -> str | list[str]:
+    """``stop`` (named ``field`` in errors): a string or a list of at most ``MAX_STOP_STRINGS`` (refused at
+    the one past it)."""
+    stop = decode_at(_stop_decoder, raw, field)
     return stop if isinstance(stop, str) else items(stop)
 
 

@@ -12,7 +12,9 @@ function the tools lack, or tools with one name twice, a 400 with the code ``inv
 prompt's length in tokens against the context, two fields that must agree) is a 400 in OpenAI's
 error shape, described in each operation.
 
-The admin API (``/admin/*``) is for operators, not clients, and is not described here.
+The admin API (``/admin/*``) is for operators, not clients, and is not described here; nor is
+Anthropic's Messages API (``/v1/messages``, ``/v1/messages/count_tokens``), whose shapes are Anthropic's
+(gateway/messages_request.py says what is honoured).
 """
 from __future__ import annotations
 

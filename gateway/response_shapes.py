@@ -190,6 +190,15 @@ class AnswerStream(Protocol):
     def failure(self, error: OpenAIError) -> bytes: ...
 
 
+class Answer(Protocol):
+    """Another API's shape of a request's answer (the Responses and Messages APIs), over its one
+    generation: whole, or streamed."""
+
+    def whole(self, gens: list[Generation]) -> Any: ...
+
+    def stream(self, gen: Generation) -> AnswerStream: ...
+
+
 class ChoicesStream:
     """The stream of /v1/completions and /v1/chat/completions: each choice's chunks (opening with its
     first batch: a chat's role, an echo), the usage when asked for, then ``[DONE]``; an error as an

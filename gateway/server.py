@@ -3,7 +3,8 @@
     GET  /v1/models, /v1/models/{model}, /health, /metrics, /openapi.json
                                                          (the public API described: gateway/openapi.py)
     POST /v1/completions, /v1/chat/completions,
-         /v1/responses                                   (Authorization: Bearer <api key>, if set)
+         /v1/responses, /v1/messages,
+         /v1/messages/count_tokens                       (Authorization: Bearer <api key>, or x-api-key, if set)
     GET  /admin/pools                                    (X-Admin-Token)
     GET  /admin/metrics                                  (X-Admin-Token; the per-API-key metrics)
     POST /admin/workers/{worker_id}/drain                (proxied to the worker)
@@ -42,6 +43,7 @@ from gateway.handlers import HandlerServices, OpenAIHandlers
 from gateway.metrics import GatewayMetrics
 from gateway.openapi import openapi_document
 from gateway.openai_errors import check_model
+from gateway.messages_output import error_body
 from gateway.openai_protocol import ModelCard, ModelList, OpenAIError, json_response, now
 from gateway.pool import WorkerPool
 from gateway.prompts import PromptEncoder
@@ -53,7 +55,13 @@ from gateway.tool_parsers import make_parser
 
 log = logging.getLogger(__name__)
 
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages")
+MESSAGES_PATHS = ("/v1/messages", "/v1/messages/count_tokens")  # Anthropic's API: its error shape
+
+
+def _error_response(request: web.Request, error: OpenAIError) -> web.Response:
+    """``error`` in OpenAI's shape, or on Anthropic's Messages API in that API's."""
+    return error.to_response(error_body(error) if request.path in MESSAGES_PATHS else None)
 
 
 class Gateway:
@@ -200,6 +208,8 @@ class Gateway:
         app.router.add_post("/v1/completions", handlers.completions)
         app.router.add_post("/v1/chat/completions", handlers.chat_completions)
         app.router.add_post("/v1/responses", handlers.responses)
+        app.router.add_post("/v1/messages", handlers.messages)
+        app.router.add_post("/v1/messages/count_tokens", handlers.count_message_tokens)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/v1/models/{model:.+}", self._model)  # an id may hold slashes ("org/name")
         add_tokenize_routes(app, handlers)
@@ -224,20 +234,21 @@ class Gateway:
             return response
         except OpenAIError as exc:
             outcome = str(exc.status)
-            return exc.to_response()
+            return _error_response(request, exc)
         except web.HTTPException as exc:
             outcome = str(exc.status)
             if exc.status == 413:
-                return self._too_large(request.content_length or 0).to_response()
+                return _error_response(request, self._too_large(request.content_length or 0))
             if exc.status in (404, 405):
-                response = OpenAIError(exc.status, f"{request.method} {request.path}: {exc.reason}").to_response()
+                response = _error_response(request, OpenAIError(exc.status, f"{request.method} {request.path}: "
+                                                                            f"{exc.reason}"))
                 if "Allow" in exc.headers:  # a 405 says which methods the path takes (RFC 9110)
                     response.headers["Allow"] = exc.headers["Allow"]
                 return response
             raise
         except ValueError as exc:
             outcome = "400"
-            return OpenAIError(400, str(exc)).to_response()
+            return _error_response(request, OpenAIError(400, str(exc)))
         except (asyncio.CancelledError, ConnectionResetError):
             outcome = "client_disconnected"
             raise
@@ -248,7 +259,9 @@ class Gateway:
     @web.middleware
     async def _auth(self, request: web.Request, handler):
         if request.path.startswith("/v1/") or request.path in TOKENIZE_PATHS:
-            tenant = self.api_keys.authenticate(request.headers.get("Authorization", ""))
+            # Anthropic's clients send the key as x-api-key
+            key = request.headers.get("x-api-key")
+            tenant = self.api_keys.authenticate(request.headers.get("Authorization") or (f"Bearer {key}" if key else ""))
             if tenant is None:
                 raise OpenAIError(401, "Incorrect API key provided", code="invalid_api_key")
             request["tenant"] = tenant

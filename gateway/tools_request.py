@@ -100,10 +100,15 @@ def read_tools(raw: msgspec.Raw, from_msgspec, flat: bool = False) -> tuple[Tool
         raise from_msgspec(exc, "tools") from None
     if flat:
         tools = [t.as_tool() for t in tools]
+    check_unique_names(tools)
+    return tuple(tools)
+
+
+def check_unique_names(tools) -> None:
+    """A 400 (``invalid_tools``) where two of the tools name the same function."""
     names = [t.function.name for t in tools]
     if len(set(names)) != len(names):
         raise invalid("tools: two functions have the same name", "tools", "invalid_tools")
-    return tuple(tools)
 
 
 def plan_tools(tools: tuple[Tool, ...], choice: ToolChoice | None, parallel: bool) -> ToolPlan:

@@ -1,0 +1,156 @@
+"""Anthropic's Messages API requests read into the chat path's (gateway/messages_request.py): turns and
+blocks as messages, the fields mapped, what is not offered refused naming the field, and hostile
+lists refused before their elements are decoded."""
+from __future__ import annotations
+
+import json
+import tracemalloc
+
+import pytest
+
+from gateway.messages_request import parse_messages_request, tool_input
+from gateway.openai_protocol import OpenAIError
+
+MIB = 1 << 20
+
+
+def parse(counting: bool = False, **body):
+    body.setdefault("max_tokens", 16)
+    return parse_messages_request(json.dumps({"model": "m", **body}).encode(), counting=counting)
+
+
+def messages(call) -> list[tuple]:
+    return [(m.role, m.content, [(c.id, c.function.name, c.function.arguments) for c in m.tool_calls or ()],
+             m.tool_call_id) for m in call.chat.messages]
+
+
+def test_turns_and_blocks_become_the_chat_messages():
+    call = parse(system=[{"type": "text", "text": "rules "}, {"type": "text", "text": "apply"}], messages=[
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": [
+            {"type": "thinking", "thinking": "hmm", "signature": "s"},
+            {"type": "text", "text": "let me see"},
+            {"type": "tool_use", "id": "toolu_1", "name": "f", "input": {"a": [1, 2]}},
+            {"type": "tool_use", "id": "toolu_2", "name": "g", "input": {}}]},
+        {"role": "user", "content": [
+            {"type": "text", "text": "first "}, {"type": "text", "text": "then", "cache_control": {"type": "ephemeral"}},
+            {"type": "tool_result", "tool_use_id": "toolu_1", "content": "42"},
+            {"type": "tool_result", "tool_use_id": "toolu_2", "content": [{"type": "text", "text": "7"}],
+             "is_error": False},
+            {"type": "text", "text": "and now?"}]},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_3", "name": "f", "input": {}}]},
+    ])
+    assert messages(call) == [
+        ("system", "rules apply", [], None),
+        ("user", "hi", [], None),
+        ("assistant", "let me see", [("toolu_1", "f", '{"a": [1, 2]}'), ("toolu_2", "g", "{}")], None),
+        ("user", "first then", [], None),  # the text before a result stays before it
+        ("tool", "42", [], "toolu_1"),
+        ("tool", "7", [], "toolu_2"),
+        ("user", "and now?", [], None),
+        ("assistant", None, [("toolu_3", "f", "{}")], None),  # calls alone: no content
+    ]
+
+
+def test_the_fields_map_onto_the_chat_request():
+    call = parse(messages=[{"role": "user", "content": "x"}], max_tokens=7, temperature=0.5, top_p=0.9, top_k=4,
+                 stop_sequences=["END"], metadata={"user_id": "u1"}, stream=True, seed=3,
+                 tools=[{"name": "f", "input_schema": {"type": "object"}, "cache_control": {"type": "ephemeral"}}],
+                 tool_choice={"type": "any", "disable_parallel_tool_use": True})
+    chat, options = call.chat, call.chat.sampling()
+    assert (options.max_tokens, options.temperature, options.top_p, options.top_k, options.stop, options.seed,
+            options.stream) == (7, 0.5, 0.9, 4, ("END",), 3, True)
+    assert (chat.tool_choice, chat.parallel_tool_calls, chat.user) == ("required", False, "u1")
+    assert chat.tools[0].function.parameters == {"type": "object"}
+    named = parse(messages=[{"role": "user", "content": "x"}], tools=[{"name": "f", "input_schema": {}}],
+                  tool_choice={"type": "tool", "name": "f"}).chat
+    assert named.tool_choice.function.name == "f" and named.parallel_tool_calls is True
+    assert parse(messages=[{"role": "user", "content": "x"}], top_k=0).chat.sampling().top_k is None
+    schema = {"type": "object"}
+    structured = parse(messages=[{"role": "user", "content": "x"}],
+                       output_config={"format": {"type": "json_schema", "schema": schema}}).chat.sampling().structured
+    assert (structured.kind, json.loads(structured.value), structured.field) == ("json_schema", schema,
+                                                                                 "output_config.format")
+
+
+def test_count_tokens_needs_no_max_tokens():
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}]}).encode()
+    assert parse_messages_request(body, counting=True).chat.max_completion_tokens is None
+    with pytest.raises(OpenAIError) as info:
+        parse_messages_request(body)
+    assert info.value.param == "max_tokens"
+
+
+def test_a_calls_input_is_its_object_or_empty_where_cut_short():
+    assert tool_input('{"a": 1}') == {"a": 1}
+    assert tool_input('{"a": ') == {} and tool_input("[1]") == {}
+
+
+@pytest.mark.parametrize("body, param, code", [
+    ({"messages": []}, "messages", None),
+    ({"messages": [{"role": "system", "content": "x"}]}, "messages[0].role", "invalid_value"),
+    ({"messages": [{"role": "user"}]}, "messages[0].content", "missing_required_parameter"),
+    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "messages[0].content[0].type",
+     "unsupported_value"),
+    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content[0].text",
+     "missing_required_parameter"),
+    ({"messages": [{"role": "assistant", "content": [{"type": "tool_use", "name": "f", "input": {}}]}]},
+     "messages[0].content[0].id", "missing_required_parameter"),
+    ({"messages": [{"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": [1]}]}]},
+     "messages[0].content[0].input", None),
+    ({"messages": [{"role": "user", "content": [{"type": "tool_result", "content": "x"}]}]},
+     "messages[0].content[0].tool_use_id", "missing_required_parameter"),
+    ({"system": [{"type": "image"}]}, "system[0].type", "unsupported_value"),
+    ({"tools": [{"type": "bash_20250124", "name": "bash"}]}, "tools[0].type", "invalid_value"),
+    ({"tools": [{"name": "f"}]}, "tools[0].input_schema", "missing_required_parameter"),
+    ({"tools": [{"name": "f", "input_schema": {}}, {"name": "f", "input_schema": {}}]}, "tools", "invalid_tools"),
+    ({"tool_choice": {"type": "any"}}, "tool_choice", None),
+    ({"tools": [{"name": "f", "input_schema": {}}], "tool_choice": {"type": "tool"}}, "tool_choice.name",
+     "missing_required_parameter"),
+    ({"tools": [{"name": "f", "input_schema": {}}], "tool_choice": {"type": "any"},
+      "output_config": {"format": {"type": "json_schema", "schema": {}}}}, "tool_choice", None),
+    ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking.type", "invalid_value"),
+    ({"output_config": {"effort": "high"}}, "output_config.effort", "unknown_parameter"),
+    ({"temperature": 1.5}, "temperature", "invalid_value"),
+    ({"service_tier": "auto"}, "service_tier", "unknown_parameter"),
+    ({"max_tokens": 0}, "max_tokens", "invalid_value"),
+])
+def test_what_is_not_offered_is_refused_naming_the_field(body, param, code):
+    body.setdefault("messages", [{"role": "user", "content": "x"}])
+    with pytest.raises(OpenAIError) as info:
+        parse(**body)
+    assert (info.value.status, info.value.param) == (400, param), info.value.message
+    if code is not None:
+        assert info.value.code == code, info.value.message
+
+
+def many(item: bytes, size: int = 4 * MIB - 512) -> bytes:
+    return b"[" + b",".join([item] * (size // (len(item) + 1))) + b"]"
+
+
+BLOCK = b'{"type": "text", "text": "x"}'
+# 38 blocks a turn: the blocks of the first 108 turns are more than 4096 in all.
+SPREAD = b"[" + b",".join([b'{"role": "user", "content": [' + b",".join([BLOCK] * 38) + b"]}"] * 2500) + b"]"
+
+
+@pytest.mark.parametrize("field, value, param, text", [
+    ("messages", many(b'{"role": "user", "content": ""}'), "messages", "at most length 4096"),
+    ("messages", b'[{"role": "user", "content": ' + many(BLOCK) + b"}]", "messages[0].content", "at most length 64"),
+    ("messages", SPREAD, "messages[107].content", "at most 4096 content blocks in all"),
+    ("system", many(BLOCK), "system", "at most length 64"),
+    ("tools", many(b'{"name": "f", "input_schema": {}}'), "tools", "at most 262144 are allowed"),
+    ("stop_sequences", many(b'"ab"'), "stop_sequences", "at most length 16"),
+])
+def test_hostile_lists_are_refused_before_their_elements_are_decoded(field, value, param, text):
+    fields = {"model": b'"m"', "max_tokens": b"8", "messages": b'[{"role": "user", "content": "x"}]', field: value}
+    raw = b"{" + b", ".join(b'"%s": %s' % (k.encode(), v) for k, v in fields.items()) + b"}"
+    assert len(raw) <= 4 * MIB
+    tracemalloc.start()
+    try:
+        with pytest.raises(OpenAIError) as info:
+            parse_messages_request(raw)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert info.value.status == 400 and info.value.param == param and text in info.value.message, info.value.message
+    assert peak < len(raw) // 4, f"decoding {field} allocated {peak / MIB:.1f} MiB"
