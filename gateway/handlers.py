@@ -24,17 +24,18 @@ from gateway.metrics import GatewayMetrics
 from gateway.prompts import PromptEncoder
 from gateway.tenants import Tenant, cache_salt
 from gateway.generation import Generation
-from gateway.messages_output import MessagesAnswer, new_message_id
+from gateway.messages_output import MessagesAnswer
 from gateway.messages_request import parse_messages_request
 from gateway.response_shapes import Answer, AnswerStream, ChoicesStream, ResponseShapes, prompt_tokens
-from gateway.responses_output import ResponsesAnswer, new_response_id
+from gateway.responses_output import ResponsesAnswer
 from gateway.responses_request import parse_responses_request
 from gateway.tool_output import ToolOutput
 from gateway.tool_parsers import ToolCallParser
 from gateway.tools_request import ToolPlan
 from gateway.openai_errors import check_model
 from gateway.openai_protocol import (
-    SSE_HEADERS, OpenAIError, invalid, json_response, new_request_id, parse_chat_request, parse_completion_request,
+    SSE_HEADERS, ChatCompletionRequest, OpenAIError, invalid, json_response, new_request_id, parse_chat_request,
+    parse_completion_request,
 )
 
 log = logging.getLogger(__name__)
@@ -261,34 +262,27 @@ class OpenAIHandlers:
     async def responses(self, request: web.Request) -> web.StreamResponse:
         """OpenAI's Responses API: a chat request in that API's shapes (gateway/responses_request.py,
         gateway/responses_output.py)."""
-        body = await self.services.read_body(request)
-        call = parse_responses_request(body)
-        req = call.chat
-        self._check_model(req.model)
-        plan = req.tool_plan()
-        messages, render = self._chat_renderer(req, plan, field="input")
-        async with self.services.admission(request["tenant"]):
-            ids = await self.services.prompts.chat(messages, render)
-            response_id = new_response_id()
-            gens = self._prepare(request, "chat", req, ids, plan, response_id=response_id)
-            await self._check_grammar(gens[0].params)
-            return await self._serve(request, gens, ResponsesAnswer(call, self.shapes, response_id))
+        call = parse_responses_request(await self.services.read_body(request))
+        return await self._chat_answered_as(request, call.chat, ResponsesAnswer(call, self.shapes), "input")
 
     async def messages(self, request: web.Request) -> web.StreamResponse:
         """Anthropic's Messages API: a chat request in that API's shapes (gateway/messages_request.py,
         gateway/messages_output.py)."""
-        body = await self.services.read_body(request)
-        call = parse_messages_request(body)
-        req = call.chat
+        call = parse_messages_request(await self.services.read_body(request))
+        return await self._chat_answered_as(request, call.chat, MessagesAnswer(call), "messages")
+
+    async def _chat_answered_as(self, request: web.Request, req: ChatCompletionRequest, answer: Answer,
+                                field: str) -> web.StreamResponse:
+        """A chat request (another API's, read into the chat's) answered in ``answer``'s shape, its id
+        the answer's; the template's refusals name ``field``."""
         self._check_model(req.model)
         plan = req.tool_plan()
-        messages, render = self._chat_renderer(req, plan)
+        messages, render = self._chat_renderer(req, plan, field=field)
         async with self.services.admission(request["tenant"]):
             ids = await self.services.prompts.chat(messages, render)
-            message_id = new_message_id()
-            gens = self._prepare(request, "chat", req, ids, plan, response_id=message_id)
+            gens = self._prepare(request, "chat", req, ids, plan, response_id=answer.response_id)
             await self._check_grammar(gens[0].params)
-            return await self._serve(request, gens, MessagesAnswer(call, message_id))
+            return await self._serve(request, gens, answer)
 
     async def count_message_tokens(self, request: web.Request) -> web.Response:
         """Anthropic's ``/v1/messages/count_tokens``: the prompt's tokens as the chat template makes them."""

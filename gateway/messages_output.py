@@ -103,8 +103,9 @@ def _usage(gen: Generation, output_tokens: int | None = None) -> MessageUsage:
 class MessagesAnswer:
     """One request's answer in the Messages API's shape (one generation)."""
 
-    def __init__(self, call: MessagesCall, message_id: str):
-        self.call, self.message_id = call, message_id
+    def __init__(self, call: MessagesCall):
+        self.call = call
+        self.response_id = new_message_id()  # the message's id
 
     def whole(self, gens: list[Generation]) -> MessageObject:
         gen = gens[0]
@@ -112,7 +113,7 @@ class MessagesAnswer:
         blocks: list = [TextBlock(content)] if content or not calls else []
         blocks += [ToolUseBlock(_tool_use_id(), c.name, tool_input(c.arguments)) for c in calls]
         reason, sequence = _stop(gen, bool(calls))
-        return MessageObject(id=self.message_id, model=gen.model, content=blocks, stop_reason=reason,
+        return MessageObject(id=self.response_id, model=gen.model, content=blocks, stop_reason=reason,
                              stop_sequence=sequence, usage=_usage(gen))
 
     def stream(self, gen: Generation) -> "MessageStream":
@@ -134,7 +135,7 @@ class MessageStream:
 
     def opening(self) -> bytes:
         gen = self.gen
-        message = MessageObject(id=self.answer.message_id, model=gen.model, content=[], stop_reason=None,
+        message = MessageObject(id=self.answer.response_id, model=gen.model, content=[], stop_reason=None,
                                 stop_sequence=None, usage=_usage(gen, output_tokens=0))
         return self._event("message_start", {"message": message})
 

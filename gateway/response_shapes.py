@@ -194,6 +194,8 @@ class Answer(Protocol):
     """Another API's shape of a request's answer (the Responses and Messages APIs), over its one
     generation: whole, or streamed."""
 
+    response_id: str  # the id the answer carries (its generation's response_id)
+
     def whole(self, gens: list[Generation]) -> Any: ...
 
     def stream(self, gen: Generation) -> AnswerStream: ...

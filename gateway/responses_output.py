@@ -210,8 +210,9 @@ def _finished_status(gen: Generation) -> tuple[str, IncompleteDetails | None, Re
 class ResponsesAnswer:
     """One request's answer in the Responses API's shape (``n`` is 1: one generation)."""
 
-    def __init__(self, call: ResponsesCall, shapes: ResponseShapes, response_id: str):
-        self.call, self.shapes, self.response_id = call, shapes, response_id
+    def __init__(self, call: ResponsesCall, shapes: ResponseShapes):
+        self.call, self.shapes = call, shapes
+        self.response_id = new_response_id()
         self.created_at = now()
 
     def response(self, gen: Generation, status: str, output: list, **extra) -> ResponseObject:

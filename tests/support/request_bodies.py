@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import tracemalloc
 
 import pytest
 
@@ -28,3 +29,32 @@ def rejects(parse, raw: bytes, param: str | None, text: str) -> OpenAIError:
     assert err.param == param, err.message
     assert text in err.message, err.message
     return err
+
+
+MIB = 1 << 20
+
+
+def many(item: bytes, size: int = 4 * MIB - 512) -> bytes:
+    """A JSON array of ``item`` repeated to about ``size`` bytes."""
+    return b"[" + b",".join([item] * (size // (len(item) + 1))) + b"]"
+
+
+def with_fields(fields: dict[str, bytes]) -> bytes:
+    """A JSON object of fields already in JSON (at most 4 MiB: a body the gateway reads)."""
+    raw = b"{" + b", ".join(b'"%s": %s' % (k.encode(), v) for k, v in fields.items()) + b"}"
+    assert len(raw) <= 4 * MIB
+    return raw
+
+
+def rejects_lightly(parse, raw: bytes, param: str, text: str, field: str) -> None:
+    """``parse(raw)`` is a 400 naming ``param`` (its message holding ``text``), refused without building
+    an object per element: the peak allocation stays under a quarter of the body."""
+    tracemalloc.start()
+    try:
+        with pytest.raises(OpenAIError) as info:
+            parse(raw)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert info.value.status == 400 and info.value.param == param and text in info.value.message, info.value.message
+    assert peak < len(raw) // 4, f"decoding {field} allocated {peak / MIB:.1f} MiB"
