@@ -30,7 +30,7 @@ import msgspec
 
 from common.engine.structured.spec import MAX_GRAMMAR_CHARS, StructuredOutput
 from gateway.json_bounds import bounded_list, items
-from gateway.openai_errors import from_msgspec, invalid
+from gateway.openai_errors import OpenAIError, from_msgspec, invalid
 from gateway.openai_protocol import (
     MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_PARTS_PER_MESSAGE, CacheSalt, CalledFunction, ChatCompletionRequest,
     ChatMessage, MaxTokens, MessageToolCall, ModelName, TopP, UserId, decode_at, decode_body, given, read_stop,
@@ -162,7 +162,12 @@ def parse_messages_request(body: bytes, counting: bool = False) -> MessagesCall:
         stop=read_stop(req.stop_sequences, "stop_sequences") if given(req.stop_sequences) else None, stream=req.stream,
         user=req.metadata.user_id if req.metadata else None, response_format=structured,
         structured_outputs=extension, tools=tools, tool_choice=choice, parallel_tool_calls=parallel)
-    validate_common(chat)
+    try:
+        validate_common(chat)
+    except OpenAIError as exc:  # its stop strings are this API's stop_sequences
+        if exc.param == "stop":
+            exc.param, exc.message = "stop_sequences", exc.message.replace("stop", "stop_sequences", 1)
+        raise
     plan = chat.tool_plan()  # a choice the tools cannot meet is a 400 here
     if plan.structured is not None and chat.sampling().structured is not None:
         raise invalid(f"tool_choice {req.tool_choice.type!r} constrains the output itself; it cannot be combined "

@@ -113,6 +113,7 @@ def test_a_calls_input_is_its_object_or_empty_where_cut_short():
     ({"temperature": 1.5}, "temperature", "invalid_value"),
     ({"service_tier": "auto"}, "service_tier", "unknown_parameter"),
     ({"max_tokens": 0}, "max_tokens", "invalid_value"),
+    ({"stop_sequences": ["ok", ""]}, "stop_sequences", None),
 ])
 def test_what_is_not_offered_is_refused_naming_the_field(body, param, code):
     body.setdefault("messages", [{"role": "user", "content": "x"}])
