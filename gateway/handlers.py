@@ -268,8 +268,8 @@ class OpenAIHandlers:
     async def messages(self, request: web.Request) -> web.StreamResponse:
         """Anthropic's Messages API: a chat request in that API's shapes (gateway/messages_request.py,
         gateway/messages_output.py)."""
-        call = parse_messages_request(await self.services.read_body(request))
-        return await self._chat_answered_as(request, call.chat, MessagesAnswer(call), "messages")
+        req = parse_messages_request(await self.services.read_body(request))
+        return await self._chat_answered_as(request, req, MessagesAnswer(), "messages")
 
     async def _chat_answered_as(self, request: web.Request, req: ChatCompletionRequest, answer: Answer,
                                 field: str) -> web.StreamResponse:
@@ -287,7 +287,7 @@ class OpenAIHandlers:
     async def count_message_tokens(self, request: web.Request) -> web.Response:
         """Anthropic's ``/v1/messages/count_tokens``: the prompt's tokens as the chat template makes them."""
         body = await self.services.read_body(request)
-        req = parse_messages_request(body, counting=True).chat
+        req = parse_messages_request(body, counting=True)
         self._check_model(req.model)
         messages, render = self._chat_renderer(req, req.tool_plan())
         async with self.services.admission(request["tenant"]):

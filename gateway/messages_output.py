@@ -20,7 +20,7 @@ import msgspec
 
 from common.cluster.messages import TokenFrame
 from gateway.generation import Generation
-from gateway.messages_request import MessagesCall, tool_input
+from gateway.messages_request import tool_input
 from gateway.openai_errors import OpenAIError
 from gateway.openai_responses import ChatDelta
 
@@ -103,8 +103,7 @@ def _usage(gen: Generation, output_tokens: int | None = None) -> MessageUsage:
 class MessagesAnswer:
     """One request's answer in the Messages API's shape (one generation)."""
 
-    def __init__(self, call: MessagesCall):
-        self.call = call
+    def __init__(self):
         self.response_id = new_message_id()  # the message's id
 
     def whole(self, gens: list[Generation]) -> MessageObject:

@@ -23,7 +23,6 @@ before the elements past the bound are decoded; a tool call's ``input`` is kept 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -124,13 +123,6 @@ class MessagesRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     structured_outputs: msgspec.Raw = msgspec.Raw()
 
 
-@dataclass(frozen=True)
-class MessagesCall:
-    """A Messages request as the chat request that computes it."""
-
-    chat: ChatCompletionRequest
-
-
 _body_decoder = msgspec.json.Decoder(MessagesRequest, strict=False)
 _turns_decoder = msgspec.json.Decoder(bounded_list(msgspec.Raw, MAX_MESSAGES, min_items=1), strict=False)
 _turn_decoder = msgspec.json.Decoder(Turn, strict=False)
@@ -139,9 +131,9 @@ _tools_decoder = msgspec.json.Decoder(Annotated[list[CustomTool], msgspec.Meta(m
 _output_config_decoder = msgspec.json.Decoder(OutputConfig, strict=False)
 
 
-def parse_messages_request(body: bytes, counting: bool = False) -> MessagesCall:
-    """Decode and validate a ``/v1/messages`` body (``counting``: a ``count_tokens`` one, which has no
-    ``max_tokens``); raises ``OpenAIError`` (400)."""
+def parse_messages_request(body: bytes, counting: bool = False) -> ChatCompletionRequest:
+    """A ``/v1/messages`` body (``counting``: a ``count_tokens`` one, which has no ``max_tokens``) decoded,
+    validated and read into the chat request that computes it; raises ``OpenAIError`` (400)."""
     req = decode_body(_body_decoder, body)
     if req.max_tokens is None and not counting:
         raise invalid("Missing required parameter: 'max_tokens'.", "max_tokens", "missing_required_parameter")
@@ -172,7 +164,7 @@ def parse_messages_request(body: bytes, counting: bool = False) -> MessagesCall:
     if plan.structured is not None and chat.sampling().structured is not None:
         raise invalid(f"tool_choice {req.tool_choice.type!r} constrains the output itself; it cannot be combined "
                       "with output_config.format or structured_outputs", "tool_choice")
-    return MessagesCall(chat)
+    return chat
 
 
 def _tool_choice(choice: ToolChoice | None):

@@ -20,7 +20,7 @@ def parse(counting: bool = False, **body):
 
 def messages(call) -> list[tuple]:
     return [(m.role, m.content, [(c.id, c.function.name, c.function.arguments) for c in m.tool_calls or ()],
-             m.tool_call_id) for m in call.chat.messages]
+             m.tool_call_id) for m in call.messages]
 
 
 def test_turns_and_blocks_become_the_chat_messages():
@@ -56,25 +56,25 @@ def test_the_fields_map_onto_the_chat_request():
                  stop_sequences=["END"], metadata={"user_id": "u1"}, stream=True, seed=3,
                  tools=[{"name": "f", "input_schema": {"type": "object"}, "cache_control": {"type": "ephemeral"}}],
                  tool_choice={"type": "any", "disable_parallel_tool_use": True})
-    chat, options = call.chat, call.chat.sampling()
+    chat, options = call, call.sampling()
     assert (options.max_tokens, options.temperature, options.top_p, options.top_k, options.stop, options.seed,
             options.stream) == (7, 0.5, 0.9, 4, ("END",), 3, True)
     assert (chat.tool_choice, chat.parallel_tool_calls, chat.user) == ("required", False, "u1")
     assert chat.tools[0].function.parameters == {"type": "object"}
     named = parse(messages=[{"role": "user", "content": "x"}], tools=[{"name": "f", "input_schema": {}}],
-                  tool_choice={"type": "tool", "name": "f"}).chat
+                  tool_choice={"type": "tool", "name": "f"})
     assert named.tool_choice.function.name == "f" and named.parallel_tool_calls is True
-    assert parse(messages=[{"role": "user", "content": "x"}], top_k=0).chat.sampling().top_k is None
+    assert parse(messages=[{"role": "user", "content": "x"}], top_k=0).sampling().top_k is None
     schema = {"type": "object"}
     structured = parse(messages=[{"role": "user", "content": "x"}],
-                       output_config={"format": {"type": "json_schema", "schema": schema}}).chat.sampling().structured
+                       output_config={"format": {"type": "json_schema", "schema": schema}}).sampling().structured
     assert (structured.kind, json.loads(structured.value), structured.field) == ("json_schema", schema,
                                                                                  "output_config.format")
 
 
 def test_count_tokens_needs_no_max_tokens():
     body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}]}).encode()
-    assert parse_messages_request(body, counting=True).chat.max_completion_tokens is None
+    assert parse_messages_request(body, counting=True).max_completion_tokens is None
     with pytest.raises(OpenAIError) as info:
         parse_messages_request(body)
     assert info.value.param == "max_tokens"
