@@ -247,6 +247,29 @@ def test_a_stream_whose_decode_worker_dies_moves_to_the_other_and_goes_on_unbrok
     wait_idle(stack, survivor, timeout=WAIT_S)
 
 
+def test_a_messages_api_stream_outlives_its_decode_worker(stack):
+    """Anthropic's Messages API streams through the same move: its decode worker dies, the stream goes
+    on at the other one, and the client's stream helper rebuilds the message the unmoved request gave."""
+    import anthropic
+
+    messages = anthropic.Anthropic(base_url=stack.gateway_url, api_key="none", max_retries=0, timeout=WAIT_S)
+    params = dict(model=stack.model_name, max_tokens=600, messages=[{"role": "user", "content": "A moved message:"}],
+                  extra_body={"ignore_eos": True, "temperature": 0.8, "seed": 29})
+    whole = messages.messages.create(**params)
+    moves_before = metric(stack, "pdserve_migrations_total", 'cause="worker_lost"')
+    with messages.messages.stream(**params) as stream:
+        events = iter(stream)
+        while next(events).type != "content_block_delta":  # a token is out: the request holds a decode worker
+            pass
+        stack.kill(serving_decode_worker(stack))
+        for _ in events:
+            pass
+        final = stream.get_final_message()
+    assert final.content[0].text == whole.content[0].text
+    assert (final.stop_reason, final.usage.output_tokens) == ("max_tokens", 600)
+    assert metric(stack, "pdserve_migrations_total", 'cause="worker_lost"') == moves_before + 1
+
+
 def test_a_greedy_stream_replayed_twice_equals_the_unmoved_answer(stack):
     """Under one stream its decode worker dies, then the next one too: each time the stream is
     computed again at another (a third decode worker joins for this) and goes on unbroken."""
