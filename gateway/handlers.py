@@ -25,7 +25,7 @@ from gateway.prompts import PromptEncoder
 from gateway.tenants import Tenant, cache_salt
 from gateway.generation import Generation
 from gateway.messages_output import MessagesAnswer
-from gateway.messages_request import parse_messages_request
+from gateway.messages_request import parse_messages_request, prefills
 from gateway.response_shapes import Answer, AnswerStream, ChoicesStream, ResponseShapes, prompt_tokens
 from gateway.responses_output import ResponsesAnswer
 from gateway.responses_request import parse_responses_request
@@ -204,9 +204,11 @@ class OpenAIHandlers:
         except GrammarError as exc:
             raise invalid(str(exc), params.structured.field, "invalid_grammar") from None
 
-    def _chat_renderer(self, req, plan: ToolPlan, add_generation_prompt: bool = True, field: str = "messages"):
+    def _chat_renderer(self, req, plan: ToolPlan, add_generation_prompt: bool = True, field: str = "messages",
+                       continue_final: bool = False):
         """A function applying the chat template (with the request's tools) and tokenizing (run
-        inline or in a thread); its 400s name ``field`` (where the messages came from)."""
+        inline or in a thread); its 400s name ``field`` (where the messages came from).
+        ``continue_final``: the last message, an assistant's, is left open for the answer to go on."""
         tokenizer = self.services.tokenizer
         if self.services.chat_format.template is None:
             raise invalid(f"The model '{self.services.model_id}' has no chat template (it is a base model): use "
@@ -217,8 +219,9 @@ class OpenAIHandlers:
 
         def render() -> list[int]:
             try:
-                text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                                     tokenize=False)
+                extra = {"continue_final_message": True} if continue_final else {}
+                text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, **extra,
+                                                     add_generation_prompt=add_generation_prompt and not continue_final)
             except Exception as exc:  # a template may reject a role order, e.g. two system messages
                 raise invalid(f"the chat template rejected the messages: {exc}", field) from None
             # What the template made of the messages is bounded like a prompt, before it is tokenized.
@@ -269,15 +272,16 @@ class OpenAIHandlers:
         """Anthropic's Messages API: a chat request in that API's shapes (gateway/messages_request.py,
         gateway/messages_output.py)."""
         req = parse_messages_request(await self.services.read_body(request))
-        return await self._chat_answered_as(request, req, MessagesAnswer(), "messages")
+        return await self._chat_answered_as(request, req, MessagesAnswer(), "messages",
+                                            continue_final=prefills(req))
 
     async def _chat_answered_as(self, request: web.Request, req: ChatCompletionRequest, answer: Answer,
-                                field: str) -> web.StreamResponse:
+                                field: str, continue_final: bool = False) -> web.StreamResponse:
         """A chat request (another API's, read into the chat's) answered in ``answer``'s shape, its id
-        the answer's; the template's refusals name ``field``."""
+        the answer's; the template's refusals name ``field`` (``continue_final``: ``_chat_renderer``'s)."""
         self._check_model(req.model)
         plan = req.tool_plan()
-        messages, render = self._chat_renderer(req, plan, field=field)
+        messages, render = self._chat_renderer(req, plan, field=field, continue_final=continue_final)
         async with self.services.admission(request["tenant"]):
             ids = await self.services.prompts.chat(messages, render)
             gens = self._prepare(request, "chat", req, ids, plan, response_id=answer.response_id)
@@ -289,7 +293,7 @@ class OpenAIHandlers:
         body = await self.services.read_body(request)
         req = parse_messages_request(body, counting=True)
         self._check_model(req.model)
-        messages, render = self._chat_renderer(req, req.tool_plan())
+        messages, render = self._chat_renderer(req, req.tool_plan(), continue_final=prefills(req))
         async with self.services.admission(request["tenant"]):
             ids = await self.services.prompts.chat(messages, render)
         return web.json_response({"input_tokens": len(ids)})
@@ -388,7 +392,7 @@ class OpenAIHandlers:
     async def _stream(self, request: web.Request, gens: list[Generation], rest, first,
                       events: AnswerStream) -> web.StreamResponse:
         """SSE from the first token on (``events`` shapes them); a failure from here is an error
-        event (then [DONE], or the Responses API's ``response.failed``).
+        event (then [DONE]; the Responses API's ``response.failed``, the Messages API's ``error``).
 
         Every write is bounded by ``client_write_timeout``: a client that stops reading is cut
         off, which ends the generation (the decode worker is told to abort, freeing its blocks)

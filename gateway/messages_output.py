@@ -2,7 +2,8 @@
 
 A message's ``content`` holds the answer's text as a ``text`` block, then a ``tool_use`` block per
 call; its ``stop_reason`` is ``end_turn``, ``max_tokens``, ``stop_sequence`` (``stop_sequence`` naming
-it) or ``tool_use``.  The usage's ``input_tokens`` are those computed, ``cache_read_input_tokens``
+it) or ``tool_use``; a call cut short by ``max_tokens`` has ``input`` {} (its arguments were not yet an
+object; streamed, their fragments went out as generated).  The usage's ``input_tokens`` are those computed, ``cache_read_input_tokens``
 those found in the prefix cache (their sum is the prompt).
 
 Streamed, every event is an SSE ``event: <type>`` with its JSON: ``message_start`` (the message
@@ -13,6 +14,7 @@ event.  The blocks a stream sends are the ones the whole message holds.
 """
 from __future__ import annotations
 
+import json
 import uuid
 from typing import Any
 
@@ -20,7 +22,6 @@ import msgspec
 
 from common.cluster.messages import TokenFrame
 from gateway.generation import Generation
-from gateway.messages_request import tool_input
 from gateway.openai_errors import OpenAIError
 from gateway.openai_responses import ChatDelta
 
@@ -68,6 +69,17 @@ class ErrorEvent(msgspec.Struct):
 
 
 _encode = msgspec.json.Encoder().encode
+_ABORTED = "the generation was aborted"
+
+
+def tool_input(arguments: str) -> Any:
+    """A call's arguments (JSON text) as a tool_use block's ``input``: the object, or {} where the
+    text is not one (arguments cut short by max_tokens: streamed, their fragments went out as they were)."""
+    try:
+        value = json.loads(arguments)
+    except (ValueError, RecursionError):
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def new_message_id() -> str:
@@ -108,6 +120,8 @@ class MessagesAnswer:
 
     def whole(self, gens: list[Generation]) -> MessageObject:
         gen = gens[0]
+        if gen.finish_reason == "abort":  # no stop reason tells it: an error, as a stream would end
+            raise OpenAIError(500, _ABORTED)
         content, calls = gen.tools.final(gen.text) if gen.tools is not None else (gen.text, [])
         blocks: list = [TextBlock(content)] if content or not calls else []
         blocks += [ToolUseBlock(_tool_use_id(), c.name, tool_input(c.arguments)) for c in calls]
@@ -162,7 +176,10 @@ class MessageStream:
         return b"".join(out)
 
     def closing(self) -> bytes:
-        """The open block's end, then the stop reason and the end of the message."""
+        """The open block's end, then the stop reason and the end of the message (an aborted
+        generation: an ``error`` event)."""
+        if self.gen.finish_reason == "abort":
+            return self.failure(OpenAIError(500, _ABORTED))
         out = self._stop_block()
         if self.blocks == 0:  # no text, no call: an empty text block, as the whole message has
             out += self._start({"type": "text", "text": ""}) + self._stop_block()
@@ -173,7 +190,7 @@ class MessageStream:
 
     def failure(self, error: OpenAIError) -> bytes:
         """An error after the stream started: an ``error`` event (the message ends there)."""
-        return self._stop_block() + b"event: error\ndata: " + _encode(error_body(error)) + b"\n\n"
+        return self._stop_block() + self._event("error", {"error": error_body(error).error})
 
     # ---- blocks --------------------------------------------------------------------------------
 

@@ -13,6 +13,7 @@ the chat path's request.
     tool_choice auto / any / tool / none       auto / required / the named function / none
     (disable_parallel_tool_use)                (parallel_tool_calls false)
     output_config.format (json_schema)         response_format
+    a last turn of the assistant's text        the answer continues it (Anthropic's prefill)
 
 The chat path then routes, constrains and parses it (gateway/handlers.py); gateway/messages_output.py
 answers in this API's shape.  Images, documents, server tools (``bash_*``, ``web_search_*``, ...),
@@ -22,20 +23,19 @@ before the elements past the bound are decoded; a tool call's ``input`` is kept 
 """
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any, Literal
 
 import msgspec
 
-from common.engine.structured.spec import MAX_GRAMMAR_CHARS, StructuredOutput
+from common.engine.structured.spec import StructuredOutput
 from gateway.json_bounds import bounded_list, items
-from gateway.openai_errors import OpenAIError, from_msgspec, invalid
+from gateway.openai_errors import OpenAIError, from_msgspec, invalid, required
 from gateway.openai_protocol import (
     MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_PARTS_PER_MESSAGE, CacheSalt, CalledFunction, ChatCompletionRequest,
     ChatMessage, MaxTokens, MessageToolCall, ModelName, TopP, UserId, decode_at, decode_body, given, read_stop,
     validate_common,
 )
-from gateway.structured_request import read_structured_outputs, schema_text
+from gateway.structured_request import grammar_json, read_structured_outputs, schema_text
 from gateway.tools_request import (
     MAX_TOOLS, FunctionDefinition, FunctionName, NamedFunction, NamedToolChoice, Tool, check_unique_names,
 )
@@ -77,7 +77,7 @@ class OutputConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     format: JsonOutputFormat | None = None
 
 
-class Metadata(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class MessagesMetadata(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     user_id: UserId | None = None  # accepted, not used
 
 
@@ -92,6 +92,7 @@ class Block(msgspec.Struct, kw_only=True):
     input: msgspec.Raw = msgspec.Raw()  # tool_use: a JSON object, kept as its text
     tool_use_id: ToolUseId | None = None  # tool_result
     content: msgspec.Raw = msgspec.Raw()  # tool_result: a string or text blocks
+    is_error: bool = False  # tool_result: the tool failed (its content says how)
 
 
 class Turn(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -111,7 +112,7 @@ class MessagesRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     top_p: TopP | None = None
     top_k: Annotated[int, msgspec.Meta(ge=0)] | None = None
     stream: bool = False
-    metadata: Metadata | None = None
+    metadata: MessagesMetadata | None = None
     tools: msgspec.Raw = msgspec.Raw()
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
@@ -140,7 +141,8 @@ def parse_messages_request(body: bytes, counting: bool = False) -> ChatCompletio
     blocks = _Blocks()
     system = [ChatMessage(role="system", content=blocks.text(req.system, "system"))] if given(req.system) else []
     messages = system + _turns(req.messages, blocks)
-    tools = tuple(t.as_tool() for t in _bounded_decode(_tools_decoder, req.tools, "tools")) if given(req.tools) else ()
+    tools = tuple(t.as_tool() for t in decode_at(_tools_decoder, grammar_json(req.tools, "tools"), "tools")) \
+        if given(req.tools) else ()
     check_unique_names(tools)
     structured = _output_format(req.output_config)
     extension = read_structured_outputs(req.structured_outputs, from_msgspec) if given(req.structured_outputs) else None
@@ -179,15 +181,8 @@ def _tool_choice(choice: ToolChoice | None):
     return {"any": "required"}.get(choice.type, choice.type), not choice.disable_parallel_tool_use
 
 
-def _bounded_decode(decoder: msgspec.json.Decoder, raw: msgspec.Raw, field: str):
-    """A grammar-bearing field, refused past ``MAX_GRAMMAR_CHARS`` of JSON before it is decoded."""
-    if len(raw) > MAX_GRAMMAR_CHARS:
-        raise invalid(f"{field} is {len(raw)} bytes of JSON; at most {MAX_GRAMMAR_CHARS} are allowed", field)
-    return decode_at(decoder, raw, field)
-
-
 def _output_format(raw: msgspec.Raw) -> StructuredOutput | None:
-    config = _bounded_decode(_output_config_decoder, raw, "output_config") if given(raw) else None
+    config = decode_at(_output_config_decoder, grammar_json(raw, "output_config"), "output_config") if given(raw) else None
     if config is None or config.format is None:
         return None
     return StructuredOutput("json_schema", schema_text(config.format.schema, "output_config.format"),
@@ -249,8 +244,8 @@ def _assistant(content: list[Block], at: str) -> ChatMessage:
     for j, block in enumerate(content):
         where = f"{at}[{j}]"
         if block.type == "tool_use":
-            calls.append(MessageToolCall(id=_required(block.id, where, "id"), function=CalledFunction(
-                _required(block.name, where, "name"), _object_text(block.input, f"{where}.input"))))
+            calls.append(MessageToolCall(id=required(block.id, where, "id"), function=CalledFunction(
+                required(block.name, where, "name"), _object_text(block.input, f"{where}.input"))))
         elif block.type not in ("thinking", "redacted_thinking"):
             _check_text(block, where)
             text.append(block.text)
@@ -268,8 +263,10 @@ def _user(content: list[Block], at: str, blocks: _Blocks) -> list[ChatMessage]:
                 out.append(ChatMessage(role="user", content="".join(text)))
                 text = []
             result = blocks.text(block.content, f"{where}.content") if given(block.content) else ""
+            if block.is_error:  # chat templates have no such flag: the result says it
+                result = f"Error: {result}"
             out.append(ChatMessage(role="tool", content=result,
-                                   tool_call_id=_required(block.tool_use_id, where, "tool_use_id")))
+                                   tool_call_id=required(block.tool_use_id, where, "tool_use_id")))
         else:
             _check_text(block, where)
             text.append(block.text)
@@ -278,25 +275,19 @@ def _user(content: list[Block], at: str, blocks: _Blocks) -> list[ChatMessage]:
     return out
 
 
-def _required(value, at: str, field: str):
-    if value is None:
-        raise invalid(f"Missing required parameter: '{at}.{field}'.", f"{at}.{field}", "missing_required_parameter")
-    return value
-
-
 def _object_text(raw: msgspec.Raw, at: str) -> str:
     """A tool call's ``input``: a JSON object, as its text (checked to be one, not decoded into objects)."""
-    text = bytes(raw).decode().strip() if given(raw) else ""
+    try:
+        text = bytes(raw).decode().strip() if given(raw) else ""
+    except UnicodeDecodeError:
+        raise invalid(f"{at} is not valid UTF-8", at) from None
     if not text.startswith("{"):
         raise invalid(f"{at} must be a JSON object", at)
     return text
 
 
-def tool_input(arguments: str) -> Any:
-    """A call's arguments (JSON text) as a tool_use block's ``input``: the object, or {} where the
-    text is not one (arguments cut short by max_tokens)."""
-    try:
-        value = json.loads(arguments)
-    except (ValueError, RecursionError):
-        return {}
-    return value if isinstance(value, dict) else {}
+def prefills(req: ChatCompletionRequest) -> bool:
+    """The conversation ends in an assistant's text (Anthropic's prefill): the answer goes on from it
+    rather than starting a new turn."""
+    last = req.messages[-1]
+    return last.role == "assistant" and not last.tool_calls

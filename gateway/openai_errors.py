@@ -82,6 +82,14 @@ def invalid(message: str, param: str | None = None, code: str | None = None) -> 
     return OpenAIError(400, message, param=param, code=code)
 
 
+def required(value, at: str, field: str):
+    """``value``, or a 400 naming ``at.field`` as missing where it is None (a field required by the
+    kind of item or block it sits in)."""
+    if value is None:
+        raise invalid(f"Missing required parameter: '{at}.{field}'.", f"{at}.{field}", "missing_required_parameter")
+    return value
+
+
 def check_model(model: str, served: str) -> None:
     """A 404 (OpenAI's ``model_not_found``) unless ``model`` is the one served."""
     if model != served:

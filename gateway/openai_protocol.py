@@ -77,9 +77,10 @@ UserId = Annotated[str, msgspec.Meta(max_length=256)]
 StopTokenIds = Annotated[list[Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]], msgspec.Meta(max_length=MAX_STOP_TOKEN_IDS)]
 MinTokens = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]
 CacheSalt = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_CACHE_SALT_LEN)]
-# OpenAI's: accepted and not used (at most 16 string pairs, as OpenAI bounds them)
+# OpenAI's: accepted and not used (at most 16 string pairs, as OpenAI bounds them; read by ``read_metadata``)
 Metadata = Annotated[dict[Annotated[str, msgspec.Meta(max_length=64)], Annotated[str, msgspec.Meta(max_length=512)]],
                      msgspec.Meta(max_length=16)]
+MAX_METADATA_BYTES = 64 * 1024  # its JSON: 16 pairs of 64 + 512 characters, each escaped as \uXXXX at most
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
@@ -177,6 +178,7 @@ class _CompletionBody(CompletionRequest):
 
     prompt: msgspec.Raw
     stop: msgspec.Raw = msgspec.Raw()  # empty: not sent (msgspec.Raw | None is not a union msgspec decodes)
+    metadata: msgspec.Raw = msgspec.Raw()
     logit_bias: msgspec.Raw = msgspec.Raw()
     response_format: msgspec.Raw = msgspec.Raw()
     structured_outputs: msgspec.Raw = msgspec.Raw()
@@ -276,6 +278,7 @@ class _ChatBody(ChatCompletionRequest):
     messages: msgspec.Raw
     tools: msgspec.Raw = msgspec.Raw()
     stop: msgspec.Raw = msgspec.Raw()
+    metadata: msgspec.Raw = msgspec.Raw()
     logit_bias: msgspec.Raw = msgspec.Raw()
     response_format: msgspec.Raw = msgspec.Raw()
     structured_outputs: msgspec.Raw = msgspec.Raw()
@@ -352,6 +355,7 @@ def _common_fields(body: _Common, cls: type[_Common]) -> dict:
     ``logit_bias`` checked unread."""
     fields = {name: getattr(body, name) for name in cls.__struct_fields__}
     fields["stop"] = read_stop(body.stop) if given(body.stop) else None
+    fields["metadata"] = read_metadata(body.metadata) if given(body.metadata) else None
     fields["logit_bias"] = _read_logit_bias(body.logit_bias) if given(body.logit_bias) else None
     fields["response_format"] = (read_response_format(body.response_format, from_msgspec)
                                  if given(body.response_format) else None)
@@ -368,6 +372,13 @@ def read_stop(raw: msgspec.Raw, field: str = "stop") -> str | list[str]:
     the one past it)."""
     stop = decode_at(_stop_decoder, raw, field)
     return stop if isinstance(stop, str) else items(stop)
+
+
+def read_metadata(raw: msgspec.Raw) -> dict[str, str]:
+    """``metadata``, refused by size before its pairs are read (a dict's bound is checked after)."""
+    if len(raw) > MAX_METADATA_BYTES:
+        raise invalid(f"metadata holds at most 16 pairs; got {len(raw)} bytes of JSON", "metadata")
+    return decode_at(_metadata_decoder, raw, "metadata")
 
 
 def _read_logit_bias(raw: msgspec.Raw) -> dict[int, float]:
@@ -483,4 +494,5 @@ _messages_decoder = msgspec.json.Decoder(bounded_list(msgspec.Raw, MAX_MESSAGES,
 _message_decoder = msgspec.json.Decoder(_MessageBody, strict=False)
 _content_decoder = msgspec.json.Decoder(str | bounded_list(ContentPart, MAX_PARTS_PER_MESSAGE), strict=False)
 _logit_bias_decoder = msgspec.json.Decoder(dict[str, float], strict=False)
+_metadata_decoder = msgspec.json.Decoder(Metadata, strict=False)
 _NULL = msgspec.Raw(b"null")

@@ -15,6 +15,7 @@ items and text a stream sends are the ones the whole response holds.
 """
 from __future__ import annotations
 
+import json
 import uuid
 from typing import Any
 
@@ -55,6 +56,7 @@ OutputItem = OutputMessage | FunctionCall
 
 class InputTokensDetails(msgspec.Struct):
     cached_tokens: int = 0  # input tokens served from the prefix cache
+    cache_write_tokens: int = 0  # (OpenAI's explicit cache writes: none here, the prefix cache is automatic)
 
 
 class OutputTokensDetails(msgspec.Struct):
@@ -199,6 +201,17 @@ def _item_id(kind: str) -> str:
     return f"{kind}_{uuid.uuid4().hex}"
 
 
+def _call_status(arguments: str, status: str) -> str:
+    """A call item's status: ``incomplete`` where the answer was cut short inside its arguments."""
+    if status == "completed":
+        return "completed"
+    try:
+        json.loads(arguments)
+    except (ValueError, RecursionError):
+        return "incomplete"
+    return "completed"
+
+
 def _finished_status(gen: Generation) -> tuple[str, IncompleteDetails | None, ResponseError | None]:
     if gen.finish_reason == "length":
         return "incomplete", IncompleteDetails("max_output_tokens"), None
@@ -249,7 +262,7 @@ class ResponsesAnswer:
             text = OutputText(text=content or "", logprobs=self.logprobs(gen.logprobs if not calls else []))
             output.append(OutputMessage(id=_item_id("msg"), status=item_status, content=[text]))
         output += [FunctionCall(id=_item_id("fc"), call_id=new_call_id(), name=c.name, arguments=c.arguments,
-                                status="completed") for c in calls]
+                                status=_call_status(c.arguments, status)) for c in calls]
         return self.response(gen, status, output, incomplete_details=incomplete, error=error)
 
     def stream(self, gen: Generation) -> "ResponseStream":
@@ -277,7 +290,8 @@ class ResponseStream:
         return self._event(ResponseCreated, response=shell) + self._event(ResponseInProgress, response=shell)
 
     def batch(self, gen: Generation, batch: list[tuple[str, TokenFrame]]) -> bytes:
-        """The events of a batch of frames (their text deltas, tool calls and logprobs)."""
+        """The events of a batch of frames (their text deltas, tool calls and logprobs; ``gen`` is this
+        stream's one generation)."""
         out = []
         last = len(batch) - 1
         for i, (delta, frame) in enumerate(batch):
@@ -312,8 +326,8 @@ class ResponseStream:
 
     def failure(self, error: OpenAIError) -> bytes:
         """An error after the stream started: the response failed, with what it had."""
-        response = self.answer.response(self.gen, "failed", self.output,
-                                        error=ResponseError("server_error", error.message))
+        code = "rate_limit_exceeded" if error.status == 429 else "server_error"
+        response = self.answer.response(self.gen, "failed", self.output, error=ResponseError(code, error.message))
         return self._close(failed=True) + self._event(ResponseFailed, response=response)
 
     # ---- items ---------------------------------------------------------------------------------
@@ -340,7 +354,7 @@ class ResponseStream:
                                  delta=delta, logprobs=logprobs or [])
 
     def _open_call(self, call_id: str, name: str) -> bytes:
-        out = self._close()
+        out = self._close(followed=True)
         return out + self._add(FunctionCall(id=_item_id("fc"), call_id=call_id, name=name, arguments="",
                                             status="in_progress"))
 
@@ -358,15 +372,16 @@ class ResponseStream:
         return self._event(OutputItemAdded, output_index=self._index, item=msgspec.structs.replace(
             item, content=[]) if isinstance(item, OutputMessage) else msgspec.structs.replace(item))
 
-    def _close(self, failed: bool = False) -> bytes:
-        """The open item's ``.done`` events (none open: nothing); ``failed``: it ends incomplete."""
+    def _close(self, failed: bool = False, followed: bool = False) -> bytes:
+        """The open item's ``.done`` events (none open: nothing); ``failed``: it ends incomplete;
+        ``followed``: a call comes after it (a text so closed is complete, as ``whole`` tells it)."""
         item, self.open = self.open, None
         if item is None:
             return b""
         index = self.output.index(item)
-        ended = "completed" if not failed and _finished_status(self.gen)[0] == "completed" else "incomplete"
+        status = "failed" if failed else _finished_status(self.gen)[0]
         if isinstance(item, FunctionCall):
-            item.status = "incomplete" if failed else "completed"
+            item.status = _call_status(item.arguments, status)
             return (self._event(FunctionCallArgumentsDone, item_id=item.id, output_index=index, arguments=item.arguments)
                     + self._event(OutputItemDone, output_index=index, item=item))
         part = item.content[0]
@@ -376,7 +391,7 @@ class ResponseStream:
             else:  # an answer's tokens are its text's when it made no call (as ``whole`` tells them)
                 part.logprobs = self.answer.logprobs([] if self.gen.tools.made_calls else self.gen.logprobs)
             self.pending_logprobs = []
-        item.status = ended
+        item.status = "completed" if followed or status == "completed" else "incomplete"
         logprobs = part.logprobs if part.logprobs is not msgspec.UNSET else []
         return (self._event(OutputTextDone, item_id=item.id, output_index=index, content_index=0, text=part.text,
                             logprobs=logprobs)

@@ -28,15 +28,15 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from common.engine.structured.spec import MAX_GRAMMAR_CHARS, StructuredOutput
+from common.engine.structured.spec import StructuredOutput
 from gateway.json_bounds import bounded_list, items
-from gateway.openai_errors import from_msgspec, invalid
+from gateway.openai_errors import from_msgspec, invalid, required
 from gateway.openai_protocol import (
     MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_PARTS_PER_MESSAGE, CacheSalt, CalledFunction, ChatCompletionRequest,
     ChatMessage, Logprobs, MaxTokens, Metadata, MessageToolCall, MinP, MinTokens, ModelName, Penalty, RepetitionPenalty,
-    StopTokenIds, Temperature, TopP, UserId, decode_at, decode_body, given, read_stop, validate_common,
+    StopTokenIds, Temperature, TopP, UserId, decode_at, decode_body, given, read_metadata, read_stop, validate_common,
 )
-from gateway.structured_request import StructuredOutputsParams, read_structured_outputs, schema_text
+from gateway.structured_request import StructuredOutputsParams, grammar_json, read_structured_outputs, schema_text
 from gateway.tools_request import MAX_TOOLS, FlatFunctionTool, FunctionName, NamedFunction, NamedToolChoice, read_tools
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -140,6 +140,7 @@ class _ResponsesBody(ResponsesRequest):
     input: msgspec.Raw
     tools: msgspec.Raw = msgspec.Raw()
     stop: msgspec.Raw = msgspec.Raw()
+    metadata: msgspec.Raw = msgspec.Raw()
     text: msgspec.Raw = msgspec.Raw()
     structured_outputs: msgspec.Raw = msgspec.Raw()
     previous_response_id: msgspec.Raw = msgspec.Raw()
@@ -183,7 +184,7 @@ def parse_responses_request(body: bytes) -> ResponsesCall:
     if not messages:
         raise invalid("input holds no message (and there are no instructions)", "input")
     tools = read_tools(req.tools, from_msgspec, flat=True) if given(req.tools) else ()
-    text = decode_at(_text_decoder, _bounded(req.text, "text"), "text") if given(req.text) else None
+    text = decode_at(_text_decoder, grammar_json(req.text, "text"), "text") if given(req.text) else None
     structured = _text_format(text)
     extension = read_structured_outputs(req.structured_outputs, from_msgspec) if given(req.structured_outputs) else None
     if structured is not None and extension is not None:
@@ -199,7 +200,8 @@ def parse_responses_request(body: bytes) -> ResponsesCall:
         frequency_penalty=req.frequency_penalty, seed=req.seed,
         stop=read_stop(req.stop) if given(req.stop) else None, stop_token_ids=req.stop_token_ids,
         ignore_eos=req.ignore_eos, min_tokens=req.min_tokens, cache_salt=req.cache_salt, stream=req.stream,
-        user=req.user, safety_identifier=req.safety_identifier, metadata=req.metadata,
+        user=req.user, safety_identifier=req.safety_identifier,
+        metadata=read_metadata(req.metadata) if given(req.metadata) else None,
         logprobs=logprobs, top_logprobs=req.top_logprobs if logprobs else None,
         response_format=structured, structured_outputs=extension, tools=tools,
         tool_choice=NamedToolChoice("function", NamedFunction(choice.name)) if isinstance(choice, NamedFunctionChoice)
@@ -213,7 +215,7 @@ def parse_responses_request(body: bytes) -> ResponsesCall:
     text_format = msgspec.to_builtins(text.format) if text is not None and text.format else {"type": "text"}
     return ResponsesCall(chat, req.instructions, listed,
                          msgspec.to_builtins(choice) if choice is not None else plan.mode, {"format": text_format},
-                         req.max_output_tokens, req.top_logprobs, req.metadata or {}, req.user)
+                         req.max_output_tokens, req.top_logprobs, chat.metadata or {}, req.user)
 
 
 def _text_format(text: TextConfig | None) -> StructuredOutput | None:
@@ -228,11 +230,7 @@ def _text_format(text: TextConfig | None) -> StructuredOutput | None:
     return StructuredOutput("json_schema", schema_text(fmt.schema, "text.format"), "text.format")
 
 
-def _bounded(raw: msgspec.Raw, field: str) -> msgspec.Raw:
-    """A grammar-bearing field's JSON, refused past ``MAX_GRAMMAR_CHARS`` before it is decoded."""
-    if len(raw) > MAX_GRAMMAR_CHARS:
-        raise invalid(f"{field} is {len(raw)} bytes of JSON; at most {MAX_GRAMMAR_CHARS} are allowed", field)
-    return raw
+
 
 
 def _messages(raw: msgspec.Raw) -> list[ChatMessage]:
@@ -255,9 +253,9 @@ def _messages(raw: msgspec.Raw) -> list[ChatMessage]:
             messages.append(ChatMessage(role=item.role, content=text))
             joins_calls = item.role == "assistant"
         elif kind == "function_call":
-            call = MessageToolCall(id=_required(item.call_id, at, "call_id"),
-                                   function=CalledFunction(_required(item.name, at, "name"),
-                                                           _required(item.arguments, at, "arguments")))
+            call = MessageToolCall(id=required(item.call_id, at, "call_id"),
+                                   function=CalledFunction(required(item.name, at, "name"),
+                                                           required(item.arguments, at, "arguments")))
             if joins_calls:
                 last = messages[-1]
                 if len(last.tool_calls or ()) >= MAX_TOOLS:
@@ -268,7 +266,7 @@ def _messages(raw: msgspec.Raw) -> list[ChatMessage]:
             joins_calls, count = True, 0
         elif kind == "function_call_output":
             text, count = _text(item.output, f"{at}.output")
-            messages.append(ChatMessage(role="tool", content=text, tool_call_id=_required(item.call_id, at, "call_id")))
+            messages.append(ChatMessage(role="tool", content=text, tool_call_id=required(item.call_id, at, "call_id")))
             joins_calls = False
         elif kind == "reasoning":
             continue
@@ -279,12 +277,6 @@ def _messages(raw: msgspec.Raw) -> list[ChatMessage]:
         if parts > MAX_CONTENT_PARTS:
             raise invalid(f"the input holds at most {MAX_CONTENT_PARTS} content parts in all", at)
     return messages
-
-
-def _required(value, at: str, field: str):
-    if value is None:
-        raise invalid(f"Missing required parameter: '{at}.{field}'.", f"{at}.{field}", "missing_required_parameter")
-    return value
 
 
 def _text(raw: msgspec.Raw, at: str) -> tuple[str, int]:

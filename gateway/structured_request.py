@@ -46,9 +46,16 @@ class StructuredOutputsParams(msgspec.Struct, forbid_unknown_fields=True, kw_onl
     json_object: bool | None = None
 
 
-def _decode(raw: msgspec.Raw, kind: type, field: str, from_msgspec):
+def grammar_json(raw: msgspec.Raw, field: str) -> msgspec.Raw:
+    """A grammar-bearing field's JSON (a schema, tools), refused past ``MAX_GRAMMAR_CHARS`` before it
+    is decoded."""
     if len(raw) > MAX_GRAMMAR_CHARS:
         raise invalid(f"{field} is {len(raw)} bytes of JSON; at most {MAX_GRAMMAR_CHARS} are allowed", field)
+    return raw
+
+
+def _decode(raw: msgspec.Raw, kind: type, field: str, from_msgspec):
+    grammar_json(raw, field)
     try:
         return msgspec.json.decode(raw, type=kind, strict=False)
     except msgspec.MsgspecError as exc:

@@ -21,9 +21,9 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from common.engine.structured.spec import MAX_GRAMMAR_CHARS, StructuredOutput
+from common.engine.structured.spec import StructuredOutput
 from gateway.openai_errors import invalid
-from gateway.structured_request import schema_text
+from gateway.structured_request import grammar_json, schema_text
 
 MAX_TOOLS = 128
 FunctionName = Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")]
@@ -91,8 +91,7 @@ class FlatFunctionTool(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
 
 def read_tools(raw: msgspec.Raw, from_msgspec, flat: bool = False) -> tuple[Tool, ...]:
     """The body's ``tools`` (chat's shape; ``flat``: the Responses API's), bounded in size and number."""
-    if len(raw) > MAX_GRAMMAR_CHARS:
-        raise invalid(f"tools is {len(raw)} bytes of JSON; at most {MAX_GRAMMAR_CHARS} are allowed", "tools")
+    grammar_json(raw, "tools")
     shape = FlatFunctionTool if flat else Tool
     try:
         tools = msgspec.json.decode(raw, type=Annotated[list[shape], msgspec.Meta(max_length=MAX_TOOLS)], strict=False)

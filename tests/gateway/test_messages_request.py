@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from gateway.messages_request import parse_messages_request, tool_input
+from gateway.messages_output import tool_input
+from gateway.messages_request import parse_messages_request
 from gateway.openai_protocol import OpenAIError
 from tests.support.request_bodies import many, rejects_lightly, with_fields
 

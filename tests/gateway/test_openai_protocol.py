@@ -180,6 +180,8 @@ LOGIT_BIAS = b"{" + b",".join(b'"%d": -100' % i for i in range(280_000)) + b"}"
     (parse_chat_request, "messages", b'[{"role": "user", "content": ' + many(PART) + b"}]", "messages[0].content",
      "at most length 64"),
     (parse_chat_request, "messages", SPREAD, "messages[107].content", "at most 4096 content parts in all"),
+    (parse_chat_request, "metadata", b"{" + b",".join(b'"k%d": "v"' % i for i in range(200_000)) + b"}", "metadata",
+     "at most 16 pairs"),
 ])
 def test_hostile_lists_are_refused_before_their_elements_are_decoded(parse, field, value, param, text):
     """Fields other than the prompt that a 4 MiB body can fill with hundreds of thousands of

@@ -156,6 +156,23 @@ def test_a_tool_result_goes_back_on_the_next_turn(messages, client, stack):
     assert counted.input_tokens == expected.usage.prompt_tokens
 
 
+def test_a_last_assistant_turn_is_continued(messages, client, stack):
+    """Anthropic's prefill: the answer goes on from the assistant's text rather than starting a turn.
+    Greedy, it equals a completion of the template's rendering left open after that text."""
+    from transformers import AutoTokenizer
+
+    turns = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "The colour is"}]
+    message = create(messages, stack, turns, temperature=0, max_tokens=12, extra_body={"ignore_eos": True})
+    tokenizer = AutoTokenizer.from_pretrained(stack.checkpoint)
+    ids = tokenizer(tokenizer.apply_chat_template(turns, continue_final_message=True, tokenize=False),
+                    add_special_tokens=False).input_ids
+    expected = client.completions.create(model=stack.model_name, prompt=ids, temperature=0, max_tokens=12)
+    assert message.content[0].text == expected.choices[0].text
+    assert message.usage.input_tokens + message.usage.cache_read_input_tokens == len(ids)
+    counted = messages.messages.count_tokens(model=stack.model_name, messages=turns)
+    assert counted.input_tokens == len(ids)
+
+
 def test_output_config_format_constrains_the_text(messages, stack):
     schema = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 8}}, "required": ["answer"],
               "additionalProperties": False}

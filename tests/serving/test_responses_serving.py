@@ -67,6 +67,7 @@ def reassembled(events) -> list[dict]:
         elif e.type == "response.output_item.done":
             done = e.item
             assert done.status in ("completed", "incomplete")
+            items[e.output_index]["status"] = done.status
             if done.type == "message":
                 assert done.content[0].text == items[e.output_index]["text"]
             else:
@@ -81,10 +82,10 @@ def summary(response) -> list[dict]:
     out = []
     for item in response.output:
         if item.type == "message":
-            out.append({"type": "message", "text": item.content[0].text})
+            out.append({"type": "message", "text": item.content[0].text, "status": item.status})
         else:
             out.append({"type": "function_call", "name": item.name, "call_id": item.call_id,
-                        "arguments": item.arguments})
+                        "arguments": item.arguments, "status": item.status})
     return out
 
 
@@ -168,6 +169,19 @@ def test_tool_calls_are_function_call_items_streamed_alike(client, stack, tool_c
                                    max_output_tokens=300, stream=True))
         strip = [{k: v for k, v in item.items() if k != "call_id"} for item in reassembled(events)]
         assert strip == [{k: v for k, v in item.items() if k != "call_id"} for item in summary(whole)]
+
+
+def test_a_call_cut_short_is_incomplete_streamed_alike(client, stack):
+    """A named call whose arguments max_output_tokens cuts: the response is incomplete and so is the
+    call item, whole and streamed."""
+    params = dict(tools=TOOLS, tool_choice={"type": "function", "name": "get_weather"}, temperature=0,
+                  max_output_tokens=3)
+    whole = respond(client, stack, "Cut the call", **params)
+    assert whole.status == "incomplete" and [(i.type, i.status) for i in whole.output] == [
+        ("function_call", "incomplete")]
+    events = events_of(respond(client, stack, "Cut the call", stream=True, **params))
+    strip = [{k: v for k, v in item.items() if k != "call_id"} for item in reassembled(events)]
+    assert strip == [{k: v for k, v in item.items() if k != "call_id"} for item in summary(whole)]
 
 
 def test_auto_reads_calls_from_the_text_after_its_content(client, stack):
