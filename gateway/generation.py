@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from common.engine.sampling_params import SamplingParams
 from gateway.dispatch import DispatchResult
-from gateway.openai_protocol import SamplingOptions
+from gateway.sampling_options import SamplingOptions
 from gateway.tool_output import ToolOutput
 
 

@@ -28,7 +28,6 @@ which OpenAI fields are honoured and which are refused with a 400 naming them.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from typing import Annotated, Literal
 
 import msgspec
@@ -51,6 +50,7 @@ from gateway.openai_responses import (  # noqa: F401 (API: the answers, with the
     new_request_id, now, sse_event,
 )
 from gateway.prompt_input import MAX_REQUEST_CHOICES, decode_prompt
+from gateway.sampling_options import SamplingOptions, sampling_options
 from gateway.structured_request import read_response_format, read_structured_outputs
 from gateway.tools_request import MAX_TOOLS, FunctionName, Tool, ToolChoice, ToolPlan, plan_tools, read_tools
 
@@ -125,36 +125,6 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     prompt_logprobs: Logprobs | None = None
 
 
-@dataclass(frozen=True)
-class SamplingOptions:
-    """The validated, defaulted generation knobs of one request (engine-neutral).
-
-    ``max_tokens is None``: generate until EOS, a stop, or the context limit.
-    ``logprobs is None``: none; ``k``: the sampled token's logprob plus the top ``k``.
-    """
-
-    max_tokens: int | None
-    temperature: float
-    top_p: float
-    top_k: int | None
-    min_p: float
-    presence_penalty: float
-    frequency_penalty: float
-    repetition_penalty: float
-    seed: int | None
-    stop: tuple[str, ...]
-    ignore_eos: bool
-    logprobs: int | None
-    stream: bool
-    include_usage: bool
-    continuous_usage: bool = False
-    structured: StructuredOutput | None = None
-    logit_bias: tuple[tuple[int, float], ...] = ()
-    min_tokens: int = 0
-    stop_token_ids: tuple[int, ...] = ()
-    prompt_logprobs: int | None = None
-
-
 class CompletionRequest(_Common):
     """``POST /v1/completions``.  ``prompt`` holds the request's prompts -- one, or a batch -- each a
     string or a list of token ids (decoded from the body's ``prompt`` by gateway/prompt_input.py,
@@ -168,7 +138,7 @@ class CompletionRequest(_Common):
     suffix: str | None = None
 
     def sampling(self) -> SamplingOptions:
-        return _sampling(self, self.max_tokens, self.logprobs)
+        return sampling_options(self, self.max_tokens, self.logprobs)
 
 
 class _CompletionBody(CompletionRequest):
@@ -234,7 +204,7 @@ class ChatCompletionRequest(_Common):
 
     def sampling(self) -> SamplingOptions:
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return _sampling(self, self.max_completion_tokens or self.max_tokens, logprobs)
+        return sampling_options(self, self.max_completion_tokens or self.max_tokens, logprobs)
 
     def tool_plan(self) -> ToolPlan:
         return plan_tools(self.tools, self.tool_choice, self.parallel_tool_calls)
@@ -282,32 +252,6 @@ class _ChatBody(ChatCompletionRequest):
     logit_bias: msgspec.Raw = msgspec.Raw()
     response_format: msgspec.Raw = msgspec.Raw()
     structured_outputs: msgspec.Raw = msgspec.Raw()
-
-
-def _sampling(req: _Common, max_tokens: int | None, logprobs: int | None) -> SamplingOptions:
-    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
-    return SamplingOptions(
-        max_tokens=max_tokens,
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=req.top_k if req.top_k and req.top_k > 0 else None,
-        min_p=req.min_p or 0.0,
-        presence_penalty=req.presence_penalty or 0.0,
-        frequency_penalty=req.frequency_penalty or 0.0,
-        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-        seed=req.seed,
-        stop=stop,
-        ignore_eos=req.ignore_eos,
-        logprobs=logprobs,
-        stream=req.stream,
-        include_usage=bool(req.stream and req.stream_options and req.stream_options.include_usage),
-        continuous_usage=bool(req.stream and req.stream_options and req.stream_options.continuous_usage_stats),
-        structured=req.response_format or req.structured_outputs,
-        logit_bias=tuple(sorted((req.logit_bias or {}).items())),
-        min_tokens=req.min_tokens,
-        stop_token_ids=tuple(req.stop_token_ids or ()),
-        prompt_logprobs=req.prompt_logprobs,
-    )
 
 
 def validate_common(req: _Common) -> None:
