@@ -25,7 +25,7 @@ from gateway.prompts import PromptEncoder
 from gateway.tenants import Tenant, cache_salt
 from gateway.generation import Generation
 from gateway.messages_output import MessagesAnswer
-from gateway.messages_request import parse_messages_request, prefills
+from gateway.messages_request import parse_messages_request
 from gateway.response_shapes import Answer, AnswerStream, ChoicesStream, ResponseShapes, prompt_tokens
 from gateway.responses_output import ResponsesAnswer
 from gateway.responses_request import parse_responses_request
@@ -204,11 +204,10 @@ class OpenAIHandlers:
         except GrammarError as exc:
             raise invalid(str(exc), params.structured.field, "invalid_grammar") from None
 
-    def _chat_renderer(self, req, plan: ToolPlan, add_generation_prompt: bool = True, field: str = "messages",
-                       continue_final: bool = False):
-        """A function applying the chat template (with the request's tools) and tokenizing (run
-        inline or in a thread); its 400s name ``field`` (where the messages came from).
-        ``continue_final``: the last message, an assistant's, is left open for the answer to go on."""
+    def _chat_renderer(self, req: ChatCompletionRequest, plan: ToolPlan, field: str = "messages"):
+        """A function applying the chat template (with the request's tools, its generation prompt or
+        its last message left open, its template variables) and tokenizing (run inline or in a
+        thread); its 400s name ``field`` (where the messages came from)."""
         tokenizer = self.services.tokenizer
         if self.services.chat_format.template is None:
             raise invalid(f"The model '{self.services.model_id}' has no chat template (it is a base model): use "
@@ -219,9 +218,11 @@ class OpenAIHandlers:
 
         def render() -> list[int]:
             try:
-                extra = {"continue_final_message": True} if continue_final else {}
+                extra = {"continue_final_message": True} if req.continue_final_message else {}
                 text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, **extra,
-                                                     add_generation_prompt=add_generation_prompt and not continue_final)
+                                                     add_generation_prompt=req.add_generation_prompt
+                                                     and not req.continue_final_message,
+                                                     **(req.chat_template_kwargs or {}))
             except Exception as exc:  # a template may reject a role order, e.g. two system messages
                 raise invalid(f"the chat template rejected the messages: {exc}", field) from None
             # What the template made of the messages is bounded like a prompt, before it is tokenized.
@@ -272,16 +273,15 @@ class OpenAIHandlers:
         """Anthropic's Messages API: a chat request in that API's shapes (gateway/messages_request.py,
         gateway/messages_output.py)."""
         req = parse_messages_request(await self.services.read_body(request))
-        return await self._chat_answered_as(request, req, MessagesAnswer(), "messages",
-                                            continue_final=prefills(req))
+        return await self._chat_answered_as(request, req, MessagesAnswer(), "messages")
 
     async def _chat_answered_as(self, request: web.Request, req: ChatCompletionRequest, answer: Answer,
-                                field: str, continue_final: bool = False) -> web.StreamResponse:
+                                field: str) -> web.StreamResponse:
         """A chat request (another API's, read into the chat's) answered in ``answer``'s shape, its id
-        the answer's; the template's refusals name ``field`` (``continue_final``: ``_chat_renderer``'s)."""
+        the answer's; the template's refusals name ``field``."""
         self._check_model(req.model)
         plan = req.tool_plan()
-        messages, render = self._chat_renderer(req, plan, field=field, continue_final=continue_final)
+        messages, render = self._chat_renderer(req, plan, field=field)
         async with self.services.admission(request["tenant"]):
             ids = await self.services.prompts.chat(messages, render)
             gens = self._prepare(request, "chat", req, ids, plan, response_id=answer.response_id)
@@ -293,7 +293,7 @@ class OpenAIHandlers:
         body = await self.services.read_body(request)
         req = parse_messages_request(body, counting=True)
         self._check_model(req.model)
-        messages, render = self._chat_renderer(req, req.tool_plan(), continue_final=prefills(req))
+        messages, render = self._chat_renderer(req, req.tool_plan())
         async with self.services.admission(request["tenant"]):
             ids = await self.services.prompts.chat(messages, render)
         return web.json_response({"input_tokens": len(ids)})

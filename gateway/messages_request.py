@@ -150,12 +150,15 @@ def parse_messages_request(body: bytes, counting: bool = False) -> ChatCompletio
         raise invalid("output_config.format and structured_outputs both constrain the output; send one",
                       "structured_outputs")
     choice, parallel = _tool_choice(req.tool_choice)
+    prefilled = messages[-1].role == "assistant" and not messages[-1].tool_calls
     chat = ChatCompletionRequest(
         model=req.model, messages=messages, max_completion_tokens=req.max_tokens, temperature=req.temperature,
         top_p=req.top_p, top_k=req.top_k or None, seed=req.seed, ignore_eos=req.ignore_eos, cache_salt=req.cache_salt,
         stop=read_stop(req.stop_sequences, "stop_sequences") if given(req.stop_sequences) else None, stream=req.stream,
         user=req.metadata.user_id if req.metadata else None, response_format=structured,
-        structured_outputs=extension, tools=tools, tool_choice=choice, parallel_tool_calls=parallel)
+        structured_outputs=extension, tools=tools, tool_choice=choice, parallel_tool_calls=parallel,
+        # a conversation ending in the assistant's text goes on from it (Anthropic's prefill)
+        continue_final_message=prefilled)
     try:
         validate_common(chat)
     except OpenAIError as exc:  # its stop strings are this API's stop_sequences
@@ -284,10 +287,3 @@ def _object_text(raw: msgspec.Raw, at: str) -> str:
     if not text.startswith("{"):
         raise invalid(f"{at} must be a JSON object", at)
     return text
-
-
-def prefills(req: ChatCompletionRequest) -> bool:
-    """The conversation ends in an assistant's text (Anthropic's prefill): the answer goes on from it
-    rather than starting a new turn."""
-    last = req.messages[-1]
-    return last.role == "assistant" and not last.tool_calls

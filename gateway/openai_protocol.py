@@ -28,7 +28,7 @@ which OpenAI fields are honoured and which are refused with a 400 naming them.
 from __future__ import annotations
 
 import json
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -51,6 +51,7 @@ from gateway.openai_responses import (  # noqa: F401 (API: the answers, with the
 )
 from gateway.prompt_input import MAX_REQUEST_CHOICES, decode_prompt
 from gateway.sampling_options import SamplingOptions, sampling_options
+from gateway.template_kwargs import read_template_kwargs
 from gateway.structured_request import read_response_format, read_structured_outputs
 from gateway.tools_request import MAX_TOOLS, FunctionName, Tool, ToolChoice, ToolPlan, plan_tools, read_tools
 
@@ -201,6 +202,13 @@ class ChatCompletionRequest(_Common):
     tools: tuple[Tool, ...] = ()  # read from the body by gateway/tools_request.py
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True
+    # Extensions (vLLM's): how the chat template renders the messages.  ``continue_final_message``
+    # leaves the last message open for the answer to go on from it (the generation prompt is then
+    # left out, whatever ``add_generation_prompt`` says); ``chat_template_kwargs`` are the template's
+    # own variables (read by ``read_template_kwargs``).
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def sampling(self) -> SamplingOptions:
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
@@ -249,6 +257,7 @@ class _ChatBody(ChatCompletionRequest):
     tools: msgspec.Raw = msgspec.Raw()
     stop: msgspec.Raw = msgspec.Raw()
     metadata: msgspec.Raw = msgspec.Raw()
+    chat_template_kwargs: msgspec.Raw = msgspec.Raw()
     logit_bias: msgspec.Raw = msgspec.Raw()
     response_format: msgspec.Raw = msgspec.Raw()
     structured_outputs: msgspec.Raw = msgspec.Raw()
@@ -396,6 +405,8 @@ def parse_chat_request(body: bytes) -> ChatCompletionRequest:
     fields = _common_fields(body_req, ChatCompletionRequest)
     fields["messages"] = _decode_messages(body_req.messages)
     fields["tools"] = read_tools(body_req.tools, from_msgspec) if given(body_req.tools) else ()
+    fields["chat_template_kwargs"] = (read_template_kwargs(body_req.chat_template_kwargs)
+                                      if given(body_req.chat_template_kwargs) else None)
     req = ChatCompletionRequest(**fields)
     validate_common(req)
     if (req.max_tokens is not None and req.max_completion_tokens is not None

@@ -34,6 +34,7 @@ from gateway.openai_protocol import (
 )
 from gateway.openapi_responses import responses_operation, responses_schemas
 from gateway.prompt_input import MAX_REQUEST_CHOICES
+from gateway.template_kwargs import MAX_TEMPLATE_KWARGS, RESERVED
 from gateway.structured_request import ResponseFormat, StructuredOutputsParams
 
 _REF = "#/components/schemas/{name}"
@@ -106,6 +107,10 @@ _REQUEST_RULES: dict[str, dict[str, dict]] = {
                          "description": "Only with logprobs: true."},
         "max_tokens": {**_nullable({"type": "integer", "minimum": 1, "maximum": MAX_TOKEN_ID}),
                        "description": "Deprecated alias of max_completion_tokens; if both are sent they must agree."},
+        "chat_template_kwargs": {**_nullable({"type": "object", "maxProperties": MAX_TEMPLATE_KWARGS,
+                                              "propertyNames": {"not": {"enum": sorted(RESERVED)}}}),
+                                 "description": "Extension (vLLM's). Variables for the chat template (e.g. "
+                                                "enable_thinking); not the names of its own parameters."},
     },
     "ChatMessage": {
         "tool_calls": {**_nullable({"type": "array", "items": {"$ref": _REF.format(name="MessageToolCall")},
@@ -241,7 +246,8 @@ def openapi_document(model_id: str, *, vocab_size: int, api_keys: bool, version:
     schemas.update(copy.deepcopy(structured))
     schemas.pop("StructuredOutput", None)  # the internal form of the two above, never on the wire
     schemas["StructuredOutputsParams"]["maxProperties"] = 1  # one constraint
-    schemas["ResponseFormat"]["allOf"] = [_implies("type", {"const": "json_schema"}, {"required": ["json_schema"]})]
+    schemas["ResponseFormat"]["allOf"] = [_implies("type", {"const": "json_schema"}, {
+        "required": ["json_schema"], "properties": {"json_schema": {"type": "object"}}})]
     for name, rules in _REQUEST_RULES.items():
         props = schemas[name]["properties"]
         for field, rule in rules.items():

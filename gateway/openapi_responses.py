@@ -92,7 +92,8 @@ def responses_schemas(model_id: str, vocab_size: int, common_rules: dict[str, di
     props["previous_response_id"] = {**_NULL, "description": "Not supported: nothing is stored."}
     props["stop_token_ids"]["anyOf"][0]["items"]["maximum"] = vocab_size - 1
     request["allOf"] = _CROSS_FIELD
-    schemas["TextFormat"]["allOf"] = [_implies("type", {"const": "json_schema"}, {"required": ["name", "schema"]})]
+    schemas["TextFormat"]["allOf"] = [_implies("type", {"const": "json_schema"}, {
+        "required": ["name", "schema"], "properties": {"name": {"type": "string"}, "schema": {"type": "object"}}})]
     return schemas
 
 

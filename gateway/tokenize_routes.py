@@ -1,7 +1,8 @@
 """``POST /tokenize`` and ``POST /detokenize``, shaped as vLLM's.
 
     /tokenize    {"model", "prompt", "add_special_tokens": true}
-                 {"model", "messages", "add_generation_prompt": true, "tools"?}   (the chat template)
+                 {"model", "messages", "add_generation_prompt": true, "continue_final_message"?,
+                  "chat_template_kwargs"?, "tools"?}   (the chat template, as a chat request renders it)
                  -> {"count", "max_model_len", "tokens", "token_strs": null}
     /detokenize  {"model", "tokens"} -> {"prompt"}
 
@@ -65,13 +66,12 @@ def add_tokenize_routes(app: web.Application, handlers: OpenAIHandlers) -> None:
         fields = _decode(body, dict[str, msgspec.Raw])
         if "messages" in fields:  # the chat shape: the same checks as a chat request
             chat = fields
-            add_generation_prompt = _decode(chat.pop("add_generation_prompt", b"true"), bool)
             chat.pop("add_special_tokens", None)
             chat.setdefault("model", msgspec.json.encode(services.model_id))
             req = parse_chat_request(b"{" + b",".join(msgspec.json.encode(k) + b":" + bytes(v)
                                                        for k, v in chat.items()) + b"}")
             check_model(req.model)
-            messages, render = handlers._chat_renderer(req, req.tool_plan(), add_generation_prompt)
+            messages, render = handlers._chat_renderer(req, req.tool_plan())
             ids = await services.prompts.chat(messages, render)
         else:
             req = _decode(body, TokenizeText)
