@@ -28,7 +28,7 @@ TIME = {"type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}}, "req
 TOOLS = [{"name": "get_weather", "description": "Weather in a city", "input_schema": WEATHER},
          {"name": "get_time", "input_schema": TIME}]
 SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
-LONG = " ".join(TRAINING_TEXT) * 2  # over --skip-prefill-below: the prefill worker samples the first token
+LONG = "Messages: " + " ".join(TRAINING_TEXT) * 2  # over --skip-prefill-below: the prefill worker samples first
 HERMES = ('Let me check\\. <tool_call>\\n\\{"name": "get_weather", "arguments": \\{"city": "[a-z]{1,5}", '
           '"unit": "c"\\}\\}\\n</tool_call>')
 

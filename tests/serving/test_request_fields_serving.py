@@ -14,7 +14,7 @@ import pytest
 
 from tests.support.checkpoints import TRAINING_TEXT
 
-LONG = " ".join(TRAINING_TEXT) * 2  # over --skip-prefill-below: through the prefill pool
+LONG = "Fields: " + " ".join(TRAINING_TEXT) * 2  # over --skip-prefill-below: through the prefill pool
 
 
 def texts(response):

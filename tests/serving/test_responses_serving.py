@@ -26,7 +26,7 @@ TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather in 
           "parameters": {"type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}}, "required": ["zone"],
                          "additionalProperties": False}}]
 SCHEMAS = {t["name"]: t["parameters"] for t in TOOLS}
-LONG = " ".join(TRAINING_TEXT) * 2  # over --skip-prefill-below: the prefill worker samples the first token
+LONG = "Responses: " + " ".join(TRAINING_TEXT) * 2  # over --skip-prefill-below: the prefill worker samples first
 HERMES = ('Let me check\\. <tool_call>\\n\\{"name": "get_weather", "arguments": \\{"city": "[a-z]{1,5}", '
           '"unit": "c"\\}\\}\\n</tool_call>')
 

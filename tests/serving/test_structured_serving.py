@@ -31,7 +31,8 @@ SCHEMA = {
 }
 FORMAT = {"type": "json_schema", "json_schema": {"name": "place", "schema": SCHEMA, "strict": True}}
 SHORT = "Where to go:"  # under --skip-prefill-below (64 tokens): computed by the decode worker
-LONG = " ".join(TRAINING_TEXT) * 2  # over it: computed by the prefill worker
+LONG = "Structured: " + " ".join(TRAINING_TEXT) * 2  # over it: computed by the prefill worker
+# (each file's long prompt starts with its own word: another file's cached blocks would let these skip the prefill pool)
 
 
 def chat(client, stack, content, **params):

@@ -25,7 +25,7 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
          {"type": "function", "function": {"name": "get_time", "parameters": TIME}}]
 SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 SHORT = "Use a tool:"
-LONG = " ".join(TRAINING_TEXT) * 2  # over --skip-prefill-below: the prefill worker samples the first token
+LONG = "Tools: " + " ".join(TRAINING_TEXT) * 2  # over --skip-prefill-below: the prefill worker samples the first token
 
 
 def ask(client, stack, content, **params):
