@@ -101,7 +101,7 @@ def _stop(gen: Generation, made_calls: bool) -> tuple[str, str | None]:
         return "max_tokens", None
     if made_calls:
         return "tool_use", None
-    if gen.stop_reason is not None and isinstance(gen.stop_reason, str):
+    if isinstance(gen.stop_reason, str):  # a stop string matched (a stop token leaves it None)
         return "stop_sequence", gen.stop_reason
     return "end_turn", None
 
