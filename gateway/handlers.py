@@ -22,6 +22,7 @@ from gateway.detokenizer import StreamingDecoder
 from gateway.dispatch import Dispatcher, Saturated, UpstreamError
 from gateway.metrics import GatewayMetrics
 from gateway.prompts import PromptEncoder
+from gateway.template_kwargs import check_not_parameters
 from gateway.tenants import Tenant, cache_salt
 from gateway.generation import Generation
 from gateway.messages_output import MessagesAnswer
@@ -39,6 +40,7 @@ from gateway.openai_protocol import (
 )
 
 log = logging.getLogger(__name__)
+MAX_TEMPLATE_ERROR = 500  # characters of a chat template's error in a 400
 
 
 class _ClientTooSlow(Exception):
@@ -215,6 +217,7 @@ class OpenAIHandlers:
                           "chat_template_missing")
         messages = req.template_messages()
         tools = plan.template_tools()
+        check_not_parameters(req.chat_template_kwargs, tokenizer.apply_chat_template)
 
         def render() -> list[int]:
             try:
@@ -224,7 +227,9 @@ class OpenAIHandlers:
                                                      and not req.continue_final_message,
                                                      **(req.chat_template_kwargs or {}))
             except Exception as exc:  # a template may reject a role order, e.g. two system messages
-                raise invalid(f"the chat template rejected the messages: {exc}", field) from None
+                # (cut: transformers' own messages may quote the whole rendered conversation)
+                raise invalid(f"the chat template rejected the messages: {str(exc)[:MAX_TEMPLATE_ERROR]}",
+                              field) from None
             # What the template made of the messages is bounded like a prompt, before it is tokenized.
             self.services.prompts.check_size(len(text), len(text.encode("utf-8", "surrogatepass")), field)
             return list(tokenizer(text, add_special_tokens=False).input_ids)

@@ -13,15 +13,18 @@ No field makes the gateway build an object per element before its bound is check
 4 MiB body could fill with hundreds of thousands of elements -- ``prompt``, ``stop``, ``messages``
 and their content parts, ``logit_bias`` -- are first decoded as ``msgspec.Raw`` (JSON checked, no
 objects), then counted or decoded within their bounds (``gateway/json_bounds.py``,
-``gateway/prompt_input.py``); ``logit_bias`` is refused by size beyond its 300 entries, and the
-structured-output fields beyond ``MAX_GRAMMAR_CHARS`` (``gateway/structured_request.py``).
+``gateway/prompt_input.py``); ``logit_bias`` is refused by size beyond its 300 entries, ``metadata``
+beyond ``MAX_METADATA_BYTES``, ``chat_template_kwargs`` beyond its own bound
+(``gateway/template_kwargs.py``), and the structured-output fields beyond ``MAX_GRAMMAR_CHARS``
+(``gateway/structured_request.py``).
 
 Temperatures below 1e-5 mean greedy (as in vLLM); a ``top_k`` at or above the vocabulary size is
 clamped to "no top-k" (as in vLLM).
 
 Supported, beyond plain OpenAI (vLLM's extensions): ``top_k``, ``min_p``, ``repetition_penalty``,
 ``ignore_eos``, ``min_tokens``, ``stop_token_ids``, ``structured_outputs``, ``cache_salt`` (requests
-share prefix-cache blocks only with requests of the same salt), and
+share prefix-cache blocks only with requests of the same salt), the chat template's
+``chat_template_kwargs``, ``add_generation_prompt`` and ``continue_final_message``, and
 ``usage.prompt_tokens_details.cached_tokens`` (prefix-cache hits).  The README's field table says
 which OpenAI fields are honoured and which are refused with a 400 naming them.
 """
@@ -75,13 +78,14 @@ MinP = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
 RepetitionPenalty = Annotated[float, msgspec.Meta(gt=0.0, le=MAX_REPETITION_PENALTY)]
 ModelName = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 UserId = Annotated[str, msgspec.Meta(max_length=256)]
-StopTokenIds = Annotated[list[Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]], msgspec.Meta(max_length=MAX_STOP_TOKEN_IDS)]
+StopTokenIds = Annotated[list[Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]],
+                         msgspec.Meta(max_length=MAX_STOP_TOKEN_IDS)]
 MinTokens = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]
 CacheSalt = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_CACHE_SALT_LEN)]
 # OpenAI's: accepted and not used (at most 16 string pairs, as OpenAI bounds them; read by ``read_metadata``)
 Metadata = Annotated[dict[Annotated[str, msgspec.Meta(max_length=64)], Annotated[str, msgspec.Meta(max_length=512)]],
                      msgspec.Meta(max_length=16)]
-MAX_METADATA_BYTES = 64 * 1024  # its JSON: 16 pairs of 64 + 512 characters, each escaped as \uXXXX at most
+MAX_METADATA_BYTES = 128 * 1024  # its JSON: 16 pairs of 64 + 512 characters, each escaped to at most 12 bytes
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
@@ -330,7 +334,8 @@ def read_stop(raw: msgspec.Raw, field: str = "stop") -> str | list[str]:
 def read_metadata(raw: msgspec.Raw) -> dict[str, str]:
     """``metadata``, refused by size before its pairs are read (a dict's bound is checked after)."""
     if len(raw) > MAX_METADATA_BYTES:
-        raise invalid(f"metadata holds at most 16 pairs; got {len(raw)} bytes of JSON", "metadata")
+        raise invalid(f"metadata is {len(raw)} bytes of JSON; at most {MAX_METADATA_BYTES} are allowed (16 pairs)",
+                      "metadata")
     return decode_at(_metadata_decoder, raw, "metadata")
 
 
@@ -413,6 +418,9 @@ def parse_chat_request(body: bytes) -> ChatCompletionRequest:
             and req.max_tokens != req.max_completion_tokens):
         raise invalid("max_tokens and max_completion_tokens disagree; send only max_completion_tokens",
                       "max_tokens")
+    if req.continue_final_message and req.messages[-1].tool_calls:
+        raise invalid("continue_final_message goes on from the last message's text; that message holds tool calls",
+                      "continue_final_message", "last_message_not_continuable")
     if req.top_logprobs is not None and not req.logprobs:
         raise invalid("top_logprobs requires logprobs to be true", "top_logprobs")
     for i, m in enumerate(req.messages):

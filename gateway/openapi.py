@@ -110,7 +110,14 @@ _REQUEST_RULES: dict[str, dict[str, dict]] = {
         "chat_template_kwargs": {**_nullable({"type": "object", "maxProperties": MAX_TEMPLATE_KWARGS,
                                               "propertyNames": {"not": {"enum": sorted(RESERVED)}}}),
                                  "description": "Extension (vLLM's). Variables for the chat template (e.g. "
-                                                "enable_thinking); not the names of its own parameters."},
+                                                "enable_thinking); not the names of its parameters, special tokens "
+                                                "or functions."},
+        "add_generation_prompt": {"type": "boolean", "default": True,
+                                  "description": "Extension (vLLM's). The template's prompt for the answer's turn."},
+        "continue_final_message": {"type": "boolean", "default": False,
+                                   "description": "Extension (vLLM's). The answer goes on from the last message's text "
+                                                  "(the generation prompt is then left out); a last message holding "
+                                                  "tool calls is a 400 (code last_message_not_continuable)."},
     },
     "ChatMessage": {
         "tool_calls": {**_nullable({"type": "array", "items": {"$ref": _REF.format(name="MessageToolCall")},

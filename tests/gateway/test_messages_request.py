@@ -36,7 +36,7 @@ def test_turns_and_blocks_become_the_chat_messages():
             {"type": "text", "text": "first "}, {"type": "text", "text": "then", "cache_control": {"type": "ephemeral"}},
             {"type": "tool_result", "tool_use_id": "toolu_1", "content": "42"},
             {"type": "tool_result", "tool_use_id": "toolu_2", "content": [{"type": "text", "text": "7"}],
-             "is_error": False},
+             "is_error": True},
             {"type": "text", "text": "and now?"}]},
         {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_3", "name": "f", "input": {}}]},
     ])
@@ -46,7 +46,7 @@ def test_turns_and_blocks_become_the_chat_messages():
         ("assistant", "let me see", [("toolu_1", "f", '{"a": [1, 2]}'), ("toolu_2", "g", "{}")], None),
         ("user", "first then", [], None),  # the text before a result stays before it
         ("tool", "42", [], "toolu_1"),
-        ("tool", "7", [], "toolu_2"),
+        ("tool", "Error: 7", [], "toolu_2"),  # a failed tool's result says so
         ("user", "and now?", [], None),
         ("assistant", None, [("toolu_3", "f", "{}")], None),  # calls alone: no content
     ]
@@ -115,6 +115,8 @@ def test_a_calls_input_is_its_object_or_empty_where_cut_short():
     ({"service_tier": "auto"}, "service_tier", "unknown_parameter"),
     ({"max_tokens": 0}, "max_tokens", "invalid_value"),
     ({"stop_sequences": ["ok", ""]}, "stop_sequences", None),
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "The"}],
+      "output_config": {"format": {"type": "json_schema", "schema": {}}}}, "messages", None),
 ])
 def test_what_is_not_offered_is_refused_naming_the_field(body, param, code):
     body.setdefault("messages", [{"role": "user", "content": "x"}])

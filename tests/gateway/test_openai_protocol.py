@@ -181,7 +181,7 @@ LOGIT_BIAS = b"{" + b",".join(b'"%d": -100' % i for i in range(280_000)) + b"}"
      "at most length 64"),
     (parse_chat_request, "messages", SPREAD, "messages[107].content", "at most 4096 content parts in all"),
     (parse_chat_request, "metadata", b"{" + b",".join(b'"k%d": "v"' % i for i in range(200_000)) + b"}", "metadata",
-     "at most 16 pairs"),
+     "at most 131072 are allowed (16 pairs)"),
 ])
 def test_hostile_lists_are_refused_before_their_elements_are_decoded(parse, field, value, param, text):
     """Fields other than the prompt that a 4 MiB body can fill with hundreds of thousands of

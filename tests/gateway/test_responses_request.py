@@ -142,7 +142,8 @@ SPREAD = b"[" + b",".join([b'{"role": "user", "content": [' + b",".join([PART] *
     ("text", b'{"format": {"type": "json_schema", "name": "r", "schema": ' + many(b"1") + b"}}", "text",
      "at most 262144 are allowed"),
     ("stop", many(b'"ab"'), "stop", "at most length 16"),
-    ("metadata", b"{" + b",".join(b'"k%d": "v"' % i for i in range(200_000)) + b"}", "metadata", "at most 16 pairs"),
+    ("metadata", b"{" + b",".join(b'"k%d": "v"' % i for i in range(200_000)) + b"}", "metadata",
+     "at most 131072 are allowed (16 pairs)"),
 ])
 def test_hostile_lists_are_refused_before_their_elements_are_decoded(field, value, param, text):
     rejects_lightly(parse_responses_request, with_fields({"model": b'"m"', "input": b'"x"', field: value}), param, text,

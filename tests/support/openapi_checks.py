@@ -29,11 +29,13 @@ def valid_requests_are_served(ctx, response, case):
     if response.status_code in (429, 503):
         return None
     # What no schema can say: the prompt's length in tokens; whether a grammar compiles; whether
-    # the tools' names are unique and hold the one tool_choice names; a batch's prompts times n; and
-    # prompt_logprobs without stream (a rule the chat schema cannot carry besides its others).
+    # the tools' names are unique and hold the one tool_choice names; a batch's prompts times n;
+    # prompt_logprobs without stream (a rule the chat schema cannot carry besides its others); and
+    # continue_final_message on a last message of tool calls (the last item of a list).
     if response.status_code == 400 and _error_code(response) in ("context_length_exceeded", "invalid_grammar",
                                                                  "invalid_tools", "too_many_choices",
-                                                                 "prompt_logprobs_not_streamed"):
+                                                                 "prompt_logprobs_not_streamed",
+                                                                 "last_message_not_continuable"):
         return None
     raise AssertionError(f"a request valid by the OpenAPI document was refused with {response.status_code}: "
                          f"{response.text[:500]}")
