@@ -277,6 +277,7 @@ class ResponseStream:
         self.sequence = 0
         self.output: list[OutputItem] = []  # every item so far; the last may be open
         self.open: OutputItem | None = None
+        self.pieces: list[str] = []  # the open item's text or arguments so far (joined when it closes)
         self.pending_logprobs: list = []  # entries not yet sent with a text delta
 
     def _event(self, event_type: type[_Event], **fields) -> bytes:
@@ -343,7 +344,7 @@ class ResponseStream:
             out += self._event(ContentPartAdded, item_id=item.id, output_index=self._index, content_index=0,
                                part=OutputText(text=""))
         part = self.open.content[0]
-        part.text += delta
+        self.pieces.append(delta)
         logprobs = self.answer.logprobs(self.pending_logprobs) if self.pending_logprobs else []
         self.pending_logprobs = []
         if logprobs and part.logprobs is not msgspec.UNSET:
@@ -359,7 +360,7 @@ class ResponseStream:
                                             status="in_progress"))
 
     def _arguments(self, fragment: str) -> bytes:
-        self.open.arguments += fragment
+        self.pieces.append(fragment)
         return self._event(FunctionCallArgumentsDelta, item_id=self.open.id, output_index=self._index, delta=fragment)
 
     @property
@@ -368,7 +369,7 @@ class ResponseStream:
 
     def _add(self, item: OutputItem) -> bytes:
         self.output.append(item)
-        self.open = item
+        self.open, self.pieces = item, []
         return self._event(OutputItemAdded, output_index=self._index, item=msgspec.structs.replace(
             item, content=[]) if isinstance(item, OutputMessage) else msgspec.structs.replace(item))
 
@@ -381,10 +382,12 @@ class ResponseStream:
         index = self.output.index(item)
         status = "failed" if failed else _finished_status(self.gen)[0]
         if isinstance(item, FunctionCall):
+            item.arguments = "".join(self.pieces)
             item.status = _call_status(item.arguments, status)
             return (self._event(FunctionCallArgumentsDone, item_id=item.id, output_index=index, arguments=item.arguments)
                     + self._event(OutputItemDone, output_index=index, item=item))
         part = item.content[0]
+        part.text = "".join(self.pieces)
         if part.logprobs is not msgspec.UNSET:
             if self.gen.tools is None:
                 part.logprobs += self.answer.logprobs(self.pending_logprobs)
