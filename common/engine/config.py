@@ -18,7 +18,7 @@ from common.engine.speculative.speculation import SpeculativeConfig
 
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")  # the model's (--dtype)
-KV_CACHE_DTYPES = DTYPES  # the KV cache's (--kv-cache-dtype; auto: the model's)
+KV_CACHE_DTYPES = (*DTYPES, "fp8")  # the KV cache's (--kv-cache-dtype; auto: the model's; fp8: e4m3, unscaled)
 
 
 @dataclass(frozen=True)

@@ -31,11 +31,11 @@ def make_pair(transport):
     """``async with make_pair(**config) as (sender, receiver)``: src cache seeded, dst zeroed."""
 
     @contextlib.asynccontextmanager
-    async def pair(sender_layout: KVLayout = LAYOUT, **config):
+    async def pair(sender_layout: KVLayout | None = None, layout: KVLayout = LAYOUT, **config):
         cfg = KVTransferConfig(transport=transport, **config)
-        receiver = KVReceiver(KVCache(LAYOUT, NUM_BLOCKS), cfg, auth=AUTH)
+        receiver = KVReceiver(KVCache(layout, NUM_BLOCKS), cfg, auth=AUTH)
         await receiver.start()
-        sender = KVSender(random_cache(1, sender_layout), cfg, auth=AUTH)
+        sender = KVSender(random_cache(1, sender_layout or layout), cfg, auth=AUTH)
         try:
             yield sender, receiver
         finally:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from common.engine.kv.block_pool import BlockPool
+from common.engine.kv.kv_cache import KVLayout
 from kvt_support import AUTH, LAYOUT, NUM_BLOCKS, SHARDS, random_cache, wait_until
 from kvtransfer import (
     ChecksumMismatch, ConnectionLost, HandshakeError, KVReceiver, KVSender, KVTransferConfig, PeerLost,
@@ -46,6 +47,23 @@ async def test_round_trip_noncontiguous_overlapping_ids(make_pair):
         pool.free(reserved)
         pool.check_integrity()
         assert receiver.num_pending == 0
+
+
+async def test_an_fp8_cache_ships_byte_for_byte(make_pair):
+    """``--kv-cache-dtype fp8``: a block is a quarter of an fp32 one's bytes and arrives as it was."""
+    fp8 = KVLayout(**{**{f: getattr(LAYOUT, f) for f in LAYOUT.__struct_fields__}, "dtype": "fp8"})
+    assert fp8.block_nbytes * 4 == LAYOUT.block_nbytes
+    async with make_pair(layout=fp8) as (sender, receiver):
+        assert receiver.cache.buffer.dtype == torch.float8_e4m3fn
+        src, dst = [1, 2, 7], [4, 5, 0]
+        rx = receiver.expect("fp8", dst)
+        tx = await sender.begin(rx.transfer_id, receiver.address)
+        await tx.send_blocks(src, dst)
+        await tx.finish({})
+        assert (await rx.wait()).nbytes == len(dst) * fp8.block_nbytes
+        sent, arrived = sender.cache.buffer.view(torch.uint8), receiver.cache.buffer.view(torch.uint8)
+        assert sent[src].any() and torch.equal(arrived[dst], sent[src])
+        assert not arrived[[b for b in range(NUM_BLOCKS) if b not in dst]].any()
 
 
 async def test_chunks_interleaved_with_other_transfers(make_pair):

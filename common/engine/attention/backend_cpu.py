@@ -41,20 +41,25 @@ from common.engine.kv.kv_cache import KVCache
 
 log = logging.getLogger(__name__)
 
-ELEMENT_BYTES = {torch.float32: 4, torch.bfloat16: 2}  # the dtypes the kernel reads: its elem / cache_elem
+# the dtypes the kernel reads: its elem (queries: fp32, bf16) and cache_elem (those, and fp8 e4m3)
+ELEMENT_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float8_e4m3fn: 1}
 
 
 def build_kernel() -> ctypes.CDLL | None:
     """The compiled kernel (built on first use, then reused from the cache); ``None`` if it cannot be built."""
     lib = load_kernel("paged_attention_cpu")
-    if lib is not None:
-        fn = lib.paged_attention
-        fn.restype = ctypes.c_int
-        i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-        fn.argtypes = [i32, i32, ptr, i64, i64, ptr, ptr, i64, i64, i64, ptr, ptr, i64, ptr, ptr,
-                       i32, i32, i32, i32, i32, i32, ctypes.c_float, i32, i32]
-        lib.paged_attention_vector_path.argtypes = [i32, i32, i32, i32]
-        lib.paged_attention_vector_path.restype = i32
+    return declared(lib) if lib is not None else None
+
+
+def declared(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """``lib`` (a build of csrc/paged_attention_cpu.c) with its entries' signatures declared."""
+    fn = lib.paged_attention
+    fn.restype = ctypes.c_int
+    i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+    fn.argtypes = [i32, i32, ptr, i64, i64, ptr, ptr, i64, i64, i64, ptr, ptr, i64, ptr, ptr,
+                   i32, i32, i32, i32, i32, i32, ctypes.c_float, i32, i32]
+    lib.paged_attention_vector_path.argtypes = [i32, i32, i32, i32]
+    lib.paged_attention_vector_path.restype = i32
     return lib
 
 
@@ -133,7 +138,7 @@ class CpuPagedAttention:
         key_cache, value_cache = cache.key(layer), cache.value(layer)
         self.write_kv(k, v, cache, layer, meta)
         elem, cache_elem = ELEMENT_BYTES.get(q.dtype), ELEMENT_BYTES.get(key_cache.dtype)
-        assert elem and cache_elem, f"cpu attention supports fp32/bf16, got {q.dtype} over a {key_cache.dtype} cache"
+        assert elem and elem > 1 and cache_elem, f"cpu attention: {q.dtype} queries over a {key_cache.dtype} cache"
         if q.stride(-1) != 1:
             q = q.contiguous()
         assert key_cache.stride(-1) == 1 and key_cache.stride() == value_cache.stride(), "unexpected cache layout"

@@ -22,16 +22,17 @@ def triton_available(device: torch.device) -> bool:
 def make_attention(backend: str, device: torch.device, windows: set[int | None], block_size: int,
                    dtype: torch.dtype = torch.float32, kv_dtype: torch.dtype | None = None):
     """``auto``: on CUDA flash-attn when it is installed, the block size suits its paged KV and
-    the cache is in the model's dtype (``kv_dtype``; None: the same), else Triton; on CPU the C
-    kernel that reads the cache in place (``backend_cpu``) where it builds and supports both
-    dtypes, else the torch path."""
+    the cache is in the model's dtype (``kv_dtype``; None: the same), else Triton (but over an fp8
+    cache: the torch path); on CPU the C kernel that reads the cache in place (``backend_cpu``) where
+    it builds and supports both dtypes, else the torch path."""
     device = torch.device(device)
     kv_dtype = dtype if kv_dtype is None else kv_dtype
+    fp8_cache = kv_dtype == torch.float8_e4m3fn
     if backend == "auto":
         backend = "torch"
         if device.type == "cuda":
             flash = flash_attn_installed() and flash_pages(block_size) and kv_dtype == dtype
-            backend = "flash" if flash else "triton"
+            backend = "flash" if flash else "torch" if fp8_cache else "triton"
         elif device.type == "cpu":
             from common.engine.attention import backend_cpu
 
@@ -48,6 +49,8 @@ def make_attention(backend: str, device: torch.device, windows: set[int | None],
 
         return FlashAttention(windows, block_size)
     if backend == "triton":
+        if fp8_cache:
+            raise ValueError("attention_backend 'triton' does not read an fp8 KV cache: use the torch backend (or cpu)")
         if not triton_available(device):
             raise ValueError("attention_backend 'triton' needs the triton package and a CUDA device "
                              "(or TRITON_INTERPRET=1, Triton's CPU interpreter, for tests)")
@@ -58,8 +61,8 @@ def make_attention(backend: str, device: torch.device, windows: set[int | None],
         from common.engine.attention import backend_cpu
 
         if device.type != "cpu" or not backend_cpu.supports(dtype) or not backend_cpu.supports(kv_dtype):
-            raise ValueError(f"attention_backend 'cpu' needs a CPU device and float32 or bfloat16 (model and KV "
-                             f"cache), got {device}, {dtype} and a {kv_dtype} cache")
+            raise ValueError(f"attention_backend 'cpu' needs a CPU device and float32 or bfloat16 (model; KV "
+                             f"cache: those or fp8), got {device}, {dtype} and a {kv_dtype} cache")
         kernel = backend_cpu.build_kernel()
         if kernel is None:
             raise ValueError("attention_backend 'cpu': its kernel could not be built (no C compiler?); see the log")

@@ -25,6 +25,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "fp8_e4m3.h"
+
 #define PRODUCT_VNNI8 0 /* fn(x, rows, in, w0, w1, y, out, group) -> int */
 #define PRODUCT_VNNI4 1 /* fn(x, rows, in, w0, w1, w2, y, out, group) -> int */
 #define PRODUCT_PANEL 2 /* fn(x, ldx, w0, rows, out, in, y, ldy, threads) */
@@ -62,7 +64,7 @@ typedef struct {
 typedef struct {
     int32_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, activation, sandwich;
     float eps;
-    int32_t block_size, cache_elem;  /* cache_elem: bytes a cached value, 4 (fp32) or 2 (bf16) */
+    int32_t block_size, cache_elem;  /* cache_elem: bytes a cached value, 4 (fp32), 2 (bf16) or 1 (fp8) */
     int64_t s_block, s_slot, s_head; /* the caches' strides, in values */
     void *norm_rope, *gated_activation, *attention;
     const layer_t *layers;
@@ -102,10 +104,15 @@ static int norm_rows(const model_t *m, const float *x, int64_t rows, int64_t dim
 }
 
 /* n values of src into a cache row of elem bytes a value: a bf16 cache takes them rounded to nearest
- * even, a NaN as the quiet NaN -- as torch's fp32 -> bf16 conversion does. */
+ * even, a NaN as the quiet NaN -- as torch's fp32 -> bf16 conversion does --, an fp8 one as torch's
+ * fp32 -> float8_e4m3fn conversion does (fp8_e4m3.h). */
 static void store_row(void *dst, const float *src, int64_t n, int elem) {
     if (elem == 4) {
         memcpy(dst, src, sizeof(float) * (size_t)n);
+        return;
+    }
+    if (elem == 1) {
+        for (int64_t i = 0; i < n; i++) ((uint8_t *)dst)[i] = fp8_e4m3_from_f32(src[i]);
         return;
     }
     uint16_t *out = (uint16_t *)dst;

@@ -12,8 +12,9 @@
  *   table   int32 [R, table_stride] each request's block ids
  *   query_start int32 [R + 1], context_lens int32 [R] (keys after this step, new ones included)
  *
- * q and out are fp32 or bf16 (elem: 4 or 2 bytes a value), the cache too, independently (cache_elem:
- * a bf16 cache under an fp32 model reads half the bytes); the arithmetic is fp32 either way.
+ * q and out are fp32 or bf16 (elem: 4 or 2 bytes a value), the cache fp32, bf16 or fp8 e4m3 (cache_elem:
+ * 4, 2 or 1; a bf16 cache under an fp32 model reads half the bytes, an fp8 one a quarter); the
+ * arithmetic is fp32 either way.
  *
  * A query at position p sees keys k with k <= p and, with window > 0, k > p - window.
  * Built by common/engine/attention/backend_cpu.py with the system C compiler; loaded with ctypes.
@@ -58,37 +59,7 @@ static inline float bf16_to_f32(bf16_t x) {
     return f;
 }
 
-static inline float dot_f32(const float *a, const float *b, int n) {
-    /* 32 lanes: four independent vector chains, so the FMA latency does not serialize the sum */
-    float acc[32] = {0};
-    int i = 0;
-    for (; i + 32 <= n; i += 32)
-        for (int l = 0; l < 32; l++) acc[l] += a[i + l] * b[i + l];
-    for (int l = 0; l < 8; l++) acc[l] = (acc[l] + acc[l + 16]) + (acc[l + 8] + acc[l + 24]);
-    float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-    for (; i < n; i++) s += a[i] * b[i];
-    return s;
-}
-
-static inline float dot_bf16(const float *a, const bf16_t *b, int n) {
-    /* 32 lanes: four independent vector chains, so the FMA latency does not serialize the sum */
-    float acc[32] = {0};
-    int i = 0;
-    for (; i + 32 <= n; i += 32)
-        for (int l = 0; l < 32; l++) acc[l] += a[i + l] * bf16_to_f32(b[i + l]);
-    for (int l = 0; l < 8; l++) acc[l] = (acc[l] + acc[l + 16]) + (acc[l + 8] + acc[l + 24]);
-    float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-    for (; i < n; i++) s += a[i] * bf16_to_f32(b[i]);
-    return s;
-}
-
-static inline void axpy_f32(float *y, float a, const float *x, int n) {
-    for (int i = 0; i < n; i++) y[i] += a * x[i];
-}
-
-static inline void axpy_bf16(float *y, float a, const bf16_t *x, int n) {
-    for (int i = 0; i < n; i++) y[i] += a * bf16_to_f32(x[i]);
-}
+#include "paged_attention_scalar.h"
 
 /* Start loading the cache row of key `pos` (one KV head's head_dim values). */
 static inline void prefetch_row(const char *cache, int64_t off_elems, int elem, int head_dim) {
@@ -125,7 +96,7 @@ static inline void write_heads(int elem, void *out_row, const float *acc, const 
     }
 }
 
-/* One (query token, KV head) item.  elem: q and out, cache_elem: the cache (4 = fp32, 2 = bf16). */
+/* One (query token, KV head) item.  elem: q and out, cache_elem: the cache (4 = fp32, 2 = bf16, 1 = fp8). */
 static void attend_one(int elem, int cache_elem, const void *q_row, int64_t q_stride_h, const void *k_cache,
                        const void *v_cache, int64_t s_block, int64_t s_slot, int64_t s_head, void *out_row,
                        const int32_t *blocks, int kv_head, int group, int head_dim, int block_size, int first_key,
@@ -149,8 +120,10 @@ static void attend_one(int elem, int cache_elem, const void *q_row, int64_t q_st
             prefetch_row(k_cache, key_offset(blocks, pos + PREFETCH_KEYS, block_size, s_block, s_slot, s_head, kv_head),
                          cache_elem, head_dim);
         for (int g = 0; g < group; g++) {
-            float s = cache_elem == 4 ? dot_f32(qf + (int64_t)g * head_dim, (const float *)k_cache + off, head_dim)
-                                : dot_bf16(qf + (int64_t)g * head_dim, (const bf16_t *)k_cache + off, head_dim);
+            const float *qg = qf + (int64_t)g * head_dim;
+            float s = cache_elem == 4   ? dot_f32(qg, (const float *)k_cache + off, head_dim)
+                      : cache_elem == 2 ? dot_bf16(qg, (const bf16_t *)k_cache + off, head_dim)
+                                        : dot_fp8(qg, (const uint8_t *)k_cache + off, head_dim);
             scores[(int64_t)g * n_keys + j] = s * scale;
         }
     }
@@ -179,8 +152,10 @@ static void attend_one(int elem, int cache_elem, const void *q_row, int64_t q_st
             float w = scores[(int64_t)g * n_keys + j];
             if (cache_elem == 4)
                 axpy_f32(acc + (int64_t)g * head_dim, w, (const float *)v_cache + off, head_dim);
-            else
+            else if (cache_elem == 2)
                 axpy_bf16(acc + (int64_t)g * head_dim, w, (const bf16_t *)v_cache + off, head_dim);
+            else
+                axpy_fp8(acc + (int64_t)g * head_dim, w, (const uint8_t *)v_cache + off, head_dim);
         }
     }
     write_heads(elem, out_row, acc, inv_sum, kv_head, group, head_dim);
@@ -204,6 +179,10 @@ static inline __attribute__((always_inline)) void attend_vector(
     const int chains = 4 * G <= VECTOR_REGISTERS ? 2 : 1;
     /* a bf16 cache in load_pair's pairs (C and the two chains even: VECTOR_REGISTERS 32, G <= 8) */
     const int paired = PAIRED_BF16 && CE == 2 && head_dim % (2 * VL) == 0 && chains == 2 && C % 2 == 0;
+    /* the cache's rows come divided by unit (load_unit_row): the scores' scale and the values' sums
+     * take it back, exactly (a power of two) */
+    const float unit = row_unit(CE);
+    scale *= unit;
     for (int g = 0; g < G; g++) {
         const int h = kv_head * G + g;
         for (int b = 0; b < nb; b++) {
@@ -243,7 +222,7 @@ static inline __attribute__((always_inline)) void attend_vector(
                 load_pair(k_cache, off + VL * b, &k0, &k1);
             else
 #endif
-                k0 = load_row(k_cache, off + VL * b, CE), k1 = load_row(k_cache, off + VL * b + VL, CE);
+                k0 = load_unit_row(k_cache, off + VL * b, CE), k1 = load_unit_row(k_cache, off + VL * b + VL, CE);
             for (int g = 0; g < G; g++) {
                 vecw q0, q1;
                 memcpy(&q0, qf + (int64_t)g * head_dim + VL * b, sizeof q0);
@@ -253,7 +232,7 @@ static inline __attribute__((always_inline)) void attend_vector(
             }
         }
         for (; b < nb; b++) {
-            const vecw k0 = load_row(k_cache, off + VL * b, CE);
+            const vecw k0 = load_unit_row(k_cache, off + VL * b, CE);
             for (int g = 0; g < G; g++) {
                 vecw q0;
                 memcpy(&q0, qf + (int64_t)g * head_dim + VL * b, sizeof q0);
@@ -264,7 +243,7 @@ static inline __attribute__((always_inline)) void attend_vector(
     }
     /* pass 2: softmax weights */
     float inv_sum[MAX_GROUP];
-    for (int g = 0; g < G; g++) inv_sum[g] = softmax_weights(scores + (int64_t)g * n_keys, n_keys);
+    for (int g = 0; g < G; g++) inv_sum[g] = softmax_weights(scores + (int64_t)g * n_keys, n_keys) * unit;
     /* pass 3: weighted values */
     memset(acc, 0, sizeof(float) * G * head_dim);
     for (int j0 = 0; j0 < n_keys; j0 += TILE_KEYS) {
@@ -309,20 +288,23 @@ typedef void (*attend_fn)(const void *, int64_t, const void *, const void *, int
     }
 #define DEFINE_GROUPS(ELEM, CE) \
     DEFINE_ATTEND(ELEM, CE, 1) DEFINE_ATTEND(ELEM, CE, 2) DEFINE_ATTEND(ELEM, CE, 4) DEFINE_ATTEND(ELEM, CE, 8)
-DEFINE_GROUPS(4, 4) DEFINE_GROUPS(4, 2) DEFINE_GROUPS(2, 2) DEFINE_GROUPS(2, 4)
+DEFINE_GROUPS(4, 4) DEFINE_GROUPS(4, 2) DEFINE_GROUPS(4, 1) DEFINE_GROUPS(2, 2) DEFINE_GROUPS(2, 4) DEFINE_GROUPS(2, 1)
 
 static int valid_elem(int elem) { return elem == 4 || elem == 2; }
+static int valid_cache_elem(int cache_elem) { return cache_elem == 4 || cache_elem == 2 || cache_elem == 1; }
 
 /* The vector path for this (elem, cache_elem, group, head_dim), or NULL (the scalar attend_one then). */
 static attend_fn vector_path(int elem, int cache_elem, int group, int head_dim) {
     const int g = group == 1 ? 0 : group == 2 ? 1 : group == 4 ? 2 : group == 8 ? 3 : -1;
-    if (g < 0 || head_dim % 16 != 0 || !valid_elem(elem) || !valid_elem(cache_elem)) return NULL;
-    static const attend_fn paths[2][2][4] = { /* [q fp32][cache fp32][group] */
-        {{attend_2_2_1, attend_2_2_2, attend_2_2_4, attend_2_2_8},
+    if (g < 0 || head_dim % 16 != 0 || !valid_elem(elem) || !valid_cache_elem(cache_elem)) return NULL;
+    static const attend_fn paths[2][3][4] = { /* [q fp32][cache fp8, bf16, fp32][group] */
+        {{attend_2_1_1, attend_2_1_2, attend_2_1_4, attend_2_1_8},
+         {attend_2_2_1, attend_2_2_2, attend_2_2_4, attend_2_2_8},
          {attend_2_4_1, attend_2_4_2, attend_2_4_4, attend_2_4_8}},
-        {{attend_4_2_1, attend_4_2_2, attend_4_2_4, attend_4_2_8},
+        {{attend_4_1_1, attend_4_1_2, attend_4_1_4, attend_4_1_8},
+         {attend_4_2_1, attend_4_2_2, attend_4_2_4, attend_4_2_8},
          {attend_4_4_1, attend_4_4_2, attend_4_4_4, attend_4_4_8}}};
-    return paths[elem == 4][cache_elem == 4][g];
+    return paths[elem == 4][cache_elem == 4 ? 2 : cache_elem == 2 ? 1 : 0][g];
 }
 
 /* 1 where (elem, cache_elem, group, head_dim) takes the vector path (the caller then gives it fresh
@@ -343,7 +325,7 @@ int paged_attention_tiles(int allow, int *min_keys) {
 }
 
 /* Returns 0; -1 when a scratch allocation fails or the GQA group is too large; -2 for an element
- * size other than 4 or 2. */
+ * size other than 4 or 2 (q, out) or 4, 2 or 1 (the cache). */
 int paged_attention(int elem, int cache_elem, const void *q, int64_t q_stride_t, int64_t q_stride_h,
                     const void *k_cache, const void *v_cache, int64_t s_block, int64_t s_slot, int64_t s_head,
                     void *out, const int32_t *table, int64_t table_stride, const int32_t *query_start,
@@ -351,7 +333,7 @@ int paged_attention(int elem, int cache_elem, const void *q, int64_t q_stride_t,
                     int block_size, int window, float scale, int max_context, int num_threads) {
     const int group = num_heads / num_kv_heads;
     if (group > MAX_GROUP || group < 1) return -1;
-    if (!valid_elem(elem) || !valid_elem(cache_elem)) return -2;
+    if (!valid_elem(elem) || !valid_cache_elem(cache_elem)) return -2;
     const int num_tokens = query_start[num_requests];
     const int64_t items = (int64_t)num_tokens * num_kv_heads;
     const attend_fn vector = vector_path(elem, cache_elem, group, head_dim);
@@ -382,12 +364,12 @@ int paged_attention(int elem, int cache_elem, const void *q, int64_t q_stride_t,
         const int64_t units = (int64_t)num_kv_heads * ((n_new + tokens_a_unit - 1) / tokens_a_unit);
         unit_start[r + 1] = unit_start[r] + (tiled ? units : 0);
     }
-    /* the tiled chunks' keys transposed and, from a bf16 cache, their value rows widened (each KV
+    /* the tiled chunks' keys transposed and, from a bf16 or fp8 cache, their value rows widened (each KV
      * head's at kt_at in both); where each chunk's value rows are (voff) */
     float *kt = unit_start[num_requests] ? malloc(sizeof(float) * (size_t)kt_at[num_requests]) : NULL;
-    float *vc = kt && cache_elem == 2 ? malloc(sizeof(float) * (size_t)kt_at[num_requests]) : NULL;
+    float *vc = kt && cache_elem != 4 ? malloc(sizeof(float) * (size_t)kt_at[num_requests]) : NULL;
     int64_t *voff = kt ? malloc(sizeof(int64_t) * (size_t)voff_at[num_requests]) : NULL;
-    if (unit_start[num_requests] && (!kt || !voff || (cache_elem == 2 && !vc))) {
+    if (unit_start[num_requests] && (!kt || !voff || (cache_elem != 4 && !vc))) {
         free(key_first), free(stride), free(kt_at), free(unit_start), free(voff_at), free(kt), free(vc), free(voff);
         return -1;
     }

@@ -12,7 +12,7 @@
  *   pass 2  each row's softmax over its own visible keys (the causal edge and a window's), the others
  *           weighted 0;
  *   pass 3  O[row][d] = sum_key W[row][key] V[key][d] / sum, over TILE_KC vectors of d at a time,
- *           reading an fp32 cache's value rows in place through the block table, a bf16 cache's from
+ *           reading an fp32 cache's value rows in place through the block table, a bf16 (fp8) cache's from
  *           fp32 rows they were widened into once in the first phase (widening them in every tile of
  *           rows and dims instead: 8 prompts of 256 / 512 tokens 1.14 / 1.18x slower; gathering an
  *           fp32 cache's rows too: 0.94-0.99x).
@@ -55,9 +55,9 @@ static inline __attribute__((always_inline)) vecw splat(float x) {
 }
 
 /* Keys [kf, kf + n) of one KV head transposed into kt[d * stride + j] (fp32; the pad up to stride,
- * a multiple of 16, zeros), 16 keys at a time (each dim's 16 values one store); with vc (a bf16
- * cache), their value rows widened into vc[j * head_dim + d]; with voff, where pass 3 finds value row
- * j: its offset in the cache without the head's (fp32) or in vc (bf16). */
+ * a multiple of 16, zeros), 16 keys at a time (each dim's 16 values one store); with vc (a bf16 or
+ * fp8 cache), their value rows widened into vc[j * head_dim + d]; with voff, where pass 3 finds value
+ * row j: its offset in the cache without the head's (fp32) or in vc (bf16, fp8). */
 static void gather_keys(const void *k_cache, const void *v_cache, int cache_elem, int64_t s_block, int64_t s_slot,
                         int64_t s_head, const int32_t *blocks, int block_size, int kv_head, int kf, int n, int head_dim,
                         float *kt, int stride, float *vc, int64_t *voff) {
@@ -73,7 +73,8 @@ static void gather_keys(const void *k_cache, const void *v_cache, int cache_elem
             for (int t = 0; t < 16; t++)
                 column[t] = off[t] < 0 ? 0.0f
                             : cache_elem == 4 ? ((const float *)k_cache)[off[t] + d]
-                                              : bf16_to_f32(((const bf16_t *)k_cache)[off[t] + d]);
+                            : cache_elem == 2 ? bf16_to_f32(((const bf16_t *)k_cache)[off[t] + d])
+                                              : fp8_e4m3_to_f32(((const uint8_t *)k_cache)[off[t] + d]);
             memcpy(kt + (int64_t)d * stride + j0, column, sizeof column);
         }
         for (int t = 0; vc && t < 16 && off[t] >= 0; t++)

@@ -1,5 +1,5 @@
 /* The vector path's pieces for paged_attention_cpu.c (its only includer, after its MAX_GROUP and
- * bf16_t): the vector width, loads of fp32 and bf16 cache rows (a bf16 row on AVX-512 BW in pairs of
+ * bf16_t): the vector width, loads of fp32, bf16 and fp8 cache rows (a bf16 row on AVX-512 BW in pairs of
  * vectors from one load), lane sums, and pass 3's weighing of a tile's value rows. */
 #ifndef PAGED_ATTENTION_VECTORS_H
 #define PAGED_ATTENTION_VECTORS_H
@@ -7,6 +7,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "fp8_e4m3.h"
 #include "vec16.h"
 
 #if defined(__AVX512F__)
@@ -27,10 +28,53 @@ static inline int value_chunk(int group) {
     return c < 1 ? 1 : c > 8 ? 8 : c;
 }
 
-static inline __attribute__((always_inline)) vecw load_row(const void *base, int64_t index, int elem) {
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+/* VL fp8 e4m3 codes widened to their values / FP8_ROW_UNIT: a code's 7 magnitude bits in an fp16's
+ * bits 13-7 and its sign in bit 15 make the fp16 of its value / 256 (fp16's exponent bias is 8 more
+ * than e4m3's and its mantissa 7 bits wider, so e4m3's subnormals land on fp16's), which F16C widens
+ * exactly.  (A NaN code reads as +-480 here: only a NaN activation writes one, and its step is NaN
+ * anyway.)  Without F16C, the table.  The attention's vector path takes the rows so, the unit folded
+ * into its scale and its softmax's sum (exact: a power of two); load_row gives the values. */
+#define FP8_ROW_UNIT 256.0f
+static inline __attribute__((always_inline)) vecw load_fp8_row(const uint8_t *src) {
+    vecw v;
+#if defined(__F16C__)
+    typedef uint8_t codes_t __attribute__((vector_size(VL)));
+    typedef uint16_t halves_t __attribute__((vector_size(VL * sizeof(uint16_t))));
+    codes_t codes;
+    memcpy(&codes, src, sizeof codes);
+    const halves_t x = __builtin_convertvector(codes, halves_t);
+    const halves_t magnitude = (x & 0x7F) << 7;
+    const halves_t h = magnitude | ((x & 0x80) << 8);
+#if VL == 16
+    __m256i packed;
+    memcpy(&packed, &h, sizeof packed);
+    const __m512 wide = _mm512_cvtph_ps(packed);
+#else
+    __m128i packed;
+    memcpy(&packed, &h, sizeof packed);
+    const __m256 wide = _mm256_cvtph_ps(packed);
+#endif
+    memcpy(&v, &wide, sizeof v);
+#else
+    for (int i = 0; i < VL; i++) v[i] = fp8_e4m3_to_f32(src[i]) / FP8_ROW_UNIT;
+#endif
+    return v;
+}
+
+/* The factor a row of elem bytes a value is read in by load_unit_row: FP8_ROW_UNIT for fp8, else 1. */
+static inline __attribute__((always_inline)) float row_unit(int elem) { return elem == 1 ? FP8_ROW_UNIT : 1.0f; }
+
+/* VL values of a row from index on, divided by row_unit(elem): elem 4 fp32, 2 bf16, 1 fp8 e4m3. */
+static inline __attribute__((always_inline)) vecw load_unit_row(const void *base, int64_t index, int elem) {
     vecw v;
     if (elem == 4) {
         memcpy(&v, (const float *)base + index, sizeof v);
+    } else if (elem == 1) {
+        v = load_fp8_row((const uint8_t *)base + index);
     } else {
         typedef uint16_t halves __attribute__((vector_size(VL * sizeof(uint16_t))));
         typedef uint32_t words __attribute__((vector_size(VL * sizeof(uint32_t))));
@@ -39,6 +83,12 @@ static inline __attribute__((always_inline)) vecw load_row(const void *base, int
         v = (vecw)(__builtin_convertvector(h, words) << 16);
     }
     return v;
+}
+
+/* VL values of a row from index on, as they are (elem 4 fp32, 2 bf16, 1 fp8 e4m3). */
+static inline __attribute__((always_inline)) vecw load_row(const void *base, int64_t index, int elem) {
+    const vecw v = load_unit_row(base, index, elem);
+    return elem == 1 ? v * FP8_ROW_UNIT : v;
 }
 
 /* A bf16 cache on AVX-512 (BW): 32 values a load, widened by interleaving zero halves in (one
@@ -137,7 +187,7 @@ static inline __attribute__((always_inline)) float softmax_weights(float *sc, in
 }
 
 /* acc[g][d .. d + VL C) += sum over the tile's keys t of weights[g n_keys + t] * V_t[d .. d + VL C)
- * (V_t's row at off[t]; G x C accumulators in registers over the tile). */
+ * / row_unit(cache_elem) (V_t's row at off[t]; G x C accumulators in registers over the tile). */
 static inline __attribute__((always_inline)) void weigh_values(const int cache_elem, const int paired, const int G,
                                                                const int C, const void *v_cache, const int64_t *off,
                                                                int d, int tile, const float *weights, int n_keys,
@@ -159,7 +209,7 @@ static inline __attribute__((always_inline)) void weigh_values(const int cache_e
         }
 #endif
         for (int c = 0; c < C; c++) {
-            const vecw vv = load_row(v_cache, off[t] + d + VL * c, cache_elem);
+            const vecw vv = load_unit_row(v_cache, off[t] + d + VL * c, cache_elem);
             for (int g = 0; g < G; g++) a[g][c] += w[g] * vv;
         }
     }

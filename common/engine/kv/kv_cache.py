@@ -57,6 +57,7 @@ _DTYPES = {
     "float32": torch.float32,
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
+    "fp8": torch.float8_e4m3fn,  # a KV cache's only (--kv-cache-dtype fp8): e4m3, no scale, as vLLM's fp8
 }
 
 

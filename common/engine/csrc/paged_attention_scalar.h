@@ -1,0 +1,58 @@
+/* The scalar path's row products for paged_attention_cpu.c (its only includer, after bf16_t and
+ * bf16_to_f32): a query row against a cache row of fp32, bf16 or fp8 e4m3 values (dot_*), a weighted
+ * cache row added to an accumulator (axpy_*).  Taken where the vector path is not (a GQA group
+ * outside 1, 2, 4, 8 or a head_dim not a multiple of 16). */
+#ifndef PAGED_ATTENTION_SCALAR_H
+#define PAGED_ATTENTION_SCALAR_H
+#include <stdint.h>
+
+#include "fp8_e4m3.h"
+
+static inline float dot_f32(const float *a, const float *b, int n) {
+    /* 32 lanes: four independent vector chains, so the FMA latency does not serialize the sum */
+    float acc[32] = {0};
+    int i = 0;
+    for (; i + 32 <= n; i += 32)
+        for (int l = 0; l < 32; l++) acc[l] += a[i + l] * b[i + l];
+    for (int l = 0; l < 8; l++) acc[l] = (acc[l] + acc[l + 16]) + (acc[l + 8] + acc[l + 24]);
+    float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+static inline float dot_bf16(const float *a, const bf16_t *b, int n) {
+    /* 32 lanes: four independent vector chains, so the FMA latency does not serialize the sum */
+    float acc[32] = {0};
+    int i = 0;
+    for (; i + 32 <= n; i += 32)
+        for (int l = 0; l < 32; l++) acc[l] += a[i + l] * bf16_to_f32(b[i + l]);
+    for (int l = 0; l < 8; l++) acc[l] = (acc[l] + acc[l + 16]) + (acc[l + 8] + acc[l + 24]);
+    float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for (; i < n; i++) s += a[i] * bf16_to_f32(b[i]);
+    return s;
+}
+
+static inline float dot_fp8(const float *a, const uint8_t *b, int n) {
+    float acc[32] = {0};
+    int i = 0;
+    for (; i + 32 <= n; i += 32)
+        for (int l = 0; l < 32; l++) acc[l] += a[i + l] * fp8_e4m3_to_f32(b[i + l]);
+    for (int l = 0; l < 8; l++) acc[l] = (acc[l] + acc[l + 16]) + (acc[l + 8] + acc[l + 24]);
+    float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for (; i < n; i++) s += a[i] * fp8_e4m3_to_f32(b[i]);
+    return s;
+}
+
+static inline void axpy_f32(float *y, float a, const float *x, int n) {
+    for (int i = 0; i < n; i++) y[i] += a * x[i];
+}
+
+static inline void axpy_bf16(float *y, float a, const bf16_t *x, int n) {
+    for (int i = 0; i < n; i++) y[i] += a * bf16_to_f32(x[i]);
+}
+
+static inline void axpy_fp8(float *y, float a, const uint8_t *x, int n) {
+    for (int i = 0; i < n; i++) y[i] += a * fp8_e4m3_to_f32(x[i]);
+}
+
+#endif

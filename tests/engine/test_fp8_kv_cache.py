@@ -1,0 +1,166 @@
+"""``--kv-cache-dtype fp8``: a KV cache of float8 e4m3 values (no scale, as vLLM's fp8 cache without
+calibrated scales), a quarter of an fp32 cache's bytes.
+
+The C side rounds into it as torch's float32 -> float8_e4m3fn conversion does and reads it as torch's
+widening does, bit for bit (every bf16 bit pattern, the ties, the saturation, the subnormals); the
+CPU attention kernel over an fp8 cache computes exactly what it computes over an fp32 cache holding
+the same values (its vector path, which reads the rows scaled by 1/256 and takes the factor back
+in its scale and sums; its scalar path; the tiles of prompt chunks); the torch backend agrees with
+it; the backends that cannot read the cache say so.  (The fused layers' stores and attention over
+it: ``test_fused_layers.py``; its blocks on the wire: ``tests/kvtransfer/test_kv_transfer_suite.py``;
+its quality: ``benchmarks/quant_quality.py --kv-cache-dtype fp8``.)"""
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+from common.engine.attention.selection import make_attention
+from common.engine.config import EngineConfig
+from common.engine.engine import Engine
+from common.engine.kv.kv_cache import KVCache, KVLayout
+from tests.support.attention_reference import paged_reference, scenario
+from tests.support.checkpoints import tiny_gemma3_config, write_checkpoint
+
+FP8 = torch.float8_e4m3fn
+
+
+@pytest.fixture(scope="module")
+def codec():
+    from common.engine.cpu_kernels import load_kernel
+
+    lib = load_kernel("fp8_e4m3_cpu")
+    if lib is None:
+        pytest.skip("no C compiler")
+    for name in ("fp8_e4m3_encode", "fp8_e4m3_decode"):
+        getattr(lib, name).argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+        getattr(lib, name).restype = None
+    return lib
+
+
+def c_encode(codec, x: torch.Tensor) -> torch.Tensor:
+    x = x.contiguous().float()
+    out = torch.empty(x.shape, dtype=torch.uint8)
+    codec.fp8_e4m3_encode(x.data_ptr(), out.data_ptr(), x.numel())
+    return out
+
+
+def test_the_c_rounding_is_torchs_bit_for_bit(codec):
+    every_bf16 = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8).float()
+    finite = codes[torch.isfinite(codes)].unique()
+    ties = (finite[1:] + finite[:-1]) / 2  # halfway between neighbours: to the even code
+    near = torch.cat([ties.nextafter(ties + 1), ties.nextafter(ties - 1)])
+    g = torch.Generator().manual_seed(0)
+    edges = torch.tensor([448.0, 449.0, 463.9, 464.0, 480.0, 1e30, float("inf"), 2.0**-6, 2.0**-9, 2.0**-10,
+                          3 * 2.0**-11, 1e-40, 0.0, float("nan")])
+    x = torch.cat([every_bf16, ties, -ties, near, -near, edges, -edges,
+                   torch.randn(100_000, generator=g) * 10.0 ** torch.randint(-4, 3, (100_000,), generator=g)])
+    assert torch.equal(c_encode(codec, x), x.to(FP8).view(torch.uint8))
+
+
+def test_the_c_widening_is_torchs_for_every_code(codec):
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    out = torch.empty(256)
+    codec.fp8_e4m3_decode(codes.data_ptr(), out.data_ptr(), 256)
+    expected = codes.view(FP8).float()
+    assert torch.equal(out.isnan(), expected.isnan()) and int(expected.isnan().sum()) == 2
+    assert torch.equal(out[~out.isnan()], expected[~expected.isnan()])
+
+
+def fp8_and_fp32_caches(heads, kv_heads, dim, specs, block_size=16):
+    """``scenario``'s step over an fp8 cache, and over an fp32 cache holding the fp8 one's values
+    (the new keys and values rounded as the fp8 cache will hold them)."""
+    cache, requests, q, k, v = scenario(block_size, num_blocks=128, specs=specs, dim=dim, heads=heads,
+                                        kv_heads=kv_heads)
+    fp8 = KVCache(KVLayout("m", "fp8", block_size, 1, kv_heads, dim), cache.num_blocks)
+    fp8.buffer.copy_(cache.buffer.to(FP8))
+    cache.buffer.copy_(fp8.buffer.float())
+    k_rounded, v_rounded = k.to(FP8).float(), v.to(FP8).float()
+    return fp8, cache, requests, q, (k, v), (k_rounded, v_rounded)
+
+
+# a prompt chunk after a prefix, decodes (one long), a chunk long enough for the tiles, a fresh prompt
+SPECS = [(5, 55), (1, 1), (1, 33), (1, 643), (40, 200), (19, 19)]
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (4, 1), (8, 1), (6, 2)])  # group 3: no vector path
+@pytest.mark.parametrize("dim", [16, 48, 256])
+def test_the_cpu_kernel_over_fp8_computes_what_it_computes_over_those_values_in_fp32(cpu_kernel, heads, kv_heads,
+                                                                                      dim):
+    from common.engine.attention.backend_cpu import CpuPagedAttention
+
+    fp8, fp32, requests, q, new, new_rounded = fp8_and_fp32_caches(heads, kv_heads, dim, SPECS)
+    backend = CpuPagedAttention({None}, 16, cpu_kernel)
+    meta = backend.prepare(requests, "cpu")
+    out = backend.forward(q, *new, fp8, 0, meta, None, dim**-0.5)
+    expected = backend.forward(q, *new_rounded, fp32, 0, meta, None, dim**-0.5)
+    assert torch.equal(fp8.buffer.float(), fp32.buffer)  # the new keys and values rounded as torch rounds
+    assert torch.equal(out, expected)
+    torch.testing.assert_close(out, paged_reference(fp32, requests, q, *new_rounded, None), rtol=1e-5, atol=1e-5)
+
+
+def test_the_kernels_avx2_build_over_fp8_computes_what_it_computes_over_fp32(tmp_path):
+    """The 8-lane vector path (``-march=haswell``: AVX2, FMA, F16C) that AVX2 CPUs take, wherever it runs."""
+    from common.engine import cpu_kernels
+    from common.engine.attention.backend_cpu import CpuPagedAttention, declared
+    from tests.support.cpu_flags import cpu_has
+
+    if not cpu_has("avx2", "fma", "f16c"):
+        pytest.skip("no AVX2, FMA and F16C on this CPU")
+    target = tmp_path / "paged_attention_cpu.so"
+    try:
+        cpu_kernels.compile_source(cpu_kernels.SOURCES / "paged_attention_cpu.c", target, march="haswell")
+    except RuntimeError as exc:
+        pytest.skip(str(exc))
+    backend = CpuPagedAttention({None}, 16, declared(ctypes.CDLL(str(target))))
+    fp8, fp32, requests, q, new, new_rounded = fp8_and_fp32_caches(4, 1, 256, SPECS)
+    meta = backend.prepare(requests, "cpu")
+    out = backend.forward(q, *new, fp8, 0, meta, None, 256**-0.5)
+    assert torch.equal(out, backend.forward(q, *new_rounded, fp32, 0, meta, None, 256**-0.5))
+    torch.testing.assert_close(out, paged_reference(fp32, requests, q, *new_rounded, None), rtol=1e-5, atol=1e-5)
+
+
+def test_the_torch_backend_reads_an_fp8_cache_as_the_kernel_does(cpu_kernel):
+    from common.engine.attention.backend_cpu import CpuPagedAttention
+
+    fp8, _, requests, q, new, _ = fp8_and_fp32_caches(4, 1, 256, SPECS)
+    fp8_again = KVCache(fp8.layout, fp8.num_blocks)
+    fp8_again.buffer.copy_(fp8.buffer)
+    kernel = CpuPagedAttention({None}, 16, cpu_kernel)
+    out = kernel.forward(q, *new, fp8, 0, kernel.prepare(requests, "cpu"), None, 256**-0.5)
+    torch_backend = make_attention("torch", torch.device("cpu"), {None}, 16, torch.float32, FP8)
+    expected = torch_backend.forward(q, *new, fp8_again, 0, torch_backend.prepare(requests, "cpu"), None, 256**-0.5)
+    assert torch.equal(fp8.buffer.view(torch.uint8), fp8_again.buffer.view(torch.uint8))
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_backends_that_cannot_read_fp8_say_so_or_are_not_chosen(monkeypatch):
+    with pytest.raises(ValueError, match="fp8"):
+        make_attention("triton", torch.device("cuda"), {None}, 16, torch.bfloat16, FP8)
+    with pytest.raises(ValueError, match="model's dtype"):
+        make_attention("flash", torch.device("cuda"), {None}, 256, torch.bfloat16, FP8)
+    assert make_attention("auto", torch.device("cuda"), {None}, 256, torch.bfloat16, FP8).name == "torch"
+
+
+def test_an_engine_serves_over_an_fp8_cache_of_a_quarter_of_the_bytes(tmp_path):
+    checkpoint = write_checkpoint(tiny_gemma3_config(), tmp_path)
+    engines = {kv: Engine(EngineConfig(model=str(checkpoint), kv_cache_dtype=kv, num_blocks=32, block_size=4),
+                          load_tokenizer=False) for kv in ("auto", "fp8")}
+    assert engines["fp8"].kv_cache.buffer.dtype == FP8 and engines["fp8"].layout.dtype == "fp8"
+    assert engines["fp8"].layout.block_nbytes * 4 == engines["auto"].layout.block_nbytes
+    params = {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+    prompt = [[5, 9, 13, 200, 31, 7, 7, 64, 12]]
+    fresh = engines["fp8"].generate(prompt, params)[0].token_ids
+    assert len(fresh) == 8 and engines["fp8"].kv_cache.buffer.view(torch.uint8).any()
+    again = engines["fp8"].generate(prompt, params)[0]  # a prefix-cache hit reads the cached fp8 blocks
+    assert again.num_cached_tokens > 0 and again.token_ids == fresh
+
+
+def test_the_worker_cli_and_the_config_take_fp8():
+    from worker.config import build_parser
+
+    assert build_parser("decode", "test").parse_args(["--kv-cache-dtype", "fp8"]).kv_cache_dtype == "fp8"
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        EngineConfig(model="default", kv_cache_dtype="fp8_e5m2")
