@@ -18,7 +18,8 @@ The last line of stdout is one JSON object: ``ppl_<scheme>`` and ``<scheme>_ppl_
 (relative to fp32), ``<scheme>_greedy_agreement`` (tokens before the first difference / all) and
 ``<scheme>_greedy_identical_prompts`` for int8 and int4 (and fp8 with ``--fp8``: its CPU path
 is a reference, slow; with ``--kv-bf16`` also fp32, int8 and int4 over a bf16 KV cache,
-``<scheme>_kv_bf16_*``, against the same fp32 reference), and ``<scheme>_weight_mb`` (the weights
+``<scheme>_kv_bf16_*``, with ``--kv-fp8`` over an fp8 one, ``<scheme>_kv_fp8_*``, against the same fp32
+reference), and ``<scheme>_weight_mb`` (the weights
 as stored).  int4 on this GGUF keeps the file's 4-bit blocks as they are and its wider ones at int8
 (``common.engine.loading.gguf_blocks``).
 """
@@ -40,6 +41,7 @@ from benchmarks.bench_util import emit  # noqa: E402
 
 TEXT = Path(__file__).with_name("data") / "opticks.txt"
 LOGIT_ROWS = 128  # rows of logits (vocabulary-wide) made at once
+KV_SUFFIXES = {"auto": "", "bfloat16": "_kv_bf16", "fp8": "_kv_fp8"}  # a result's name, by its KV cache's dtype
 
 
 def engine_for(scheme: str, group_size: int, window: int, kv_cache_dtype: str = "auto"):
@@ -110,6 +112,8 @@ def main() -> None:
     p.add_argument("--fp8", action="store_true", help="also fp8 (its CPU path dequantizes every product: slow)")
     p.add_argument("--kv-bf16", action="store_true",
                    help="also each scheme with a bf16 KV cache (--kv-cache-dtype bfloat16): <name>_kv_bf16")
+    p.add_argument("--kv-fp8", action="store_true",
+                   help="also each scheme with an fp8 KV cache (--kv-cache-dtype fp8): <name>_kv_fp8")
     args = p.parse_args()
     from transformers import AutoTokenizer
 
@@ -124,6 +128,7 @@ def main() -> None:
     prompts = [ids[i * stride : i * stride + 32] for i in range(num_prompts)]
     schemes = [(s, "auto") for s in ["none", "int8", "int4"] + (["fp8"] if args.fp8 else [])]
     schemes += [(s, "bfloat16") for s in ("none", "int8", "int4")] if args.kv_bf16 else []
+    schemes += [(s, "fp8") for s in ("none", "int8", "int4")] if args.kv_fp8 else []
     result: dict = {"benchmark": "quant_quality", "model": "gemma-3-270m (default)", "text_tokens": len(ids),
                     "window": args.window, "int4_group_size": args.group_size, "prompts": num_prompts,
                     "greedy_tokens": new_tokens}
@@ -133,7 +138,7 @@ def main() -> None:
         engine = engine_for(scheme, args.group_size, args.window, kv_cache_dtype)
         ppl = perplexity(engine, ids, args.window)
         tokens = greedy(engine, prompts, new_tokens)
-        name = ("fp32" if scheme == "none" else scheme) + ("_kv_bf16" if kv_cache_dtype == "bfloat16" else "")
+        name = ("fp32" if scheme == "none" else scheme) + KV_SUFFIXES[kv_cache_dtype]
         result[f"ppl_{name}"] = round(ppl, 4)
         if kv_cache_dtype == "auto":
             result[f"{name}_weight_mb"] = round(engine.model.weight_bytes() / 1e6, 1)

