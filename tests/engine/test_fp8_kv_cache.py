@@ -101,6 +101,22 @@ def test_the_cpu_kernel_over_fp8_computes_what_it_computes_over_those_values_in_
     torch.testing.assert_close(out, paged_reference(fp32, requests, q, *new_rounded, None), rtol=1e-5, atol=1e-5)
 
 
+def test_bf16_queries_over_fp8_take_the_same_values_as_over_fp32(cpu_kernel):
+    """A bf16 model over an fp8 cache: its own vector path (bf16 queries and outputs)."""
+    from common.engine.attention.backend_cpu import CpuPagedAttention
+
+    fp8, fp32, requests, q, new, new_rounded = fp8_and_fp32_caches(4, 1, 256, SPECS)
+    q, new = q.bfloat16(), tuple(t.bfloat16() for t in new)
+    new_rounded = tuple(t.to(FP8).bfloat16() for t in new)  # exact: every fp8 value is a bf16 one
+    backend = CpuPagedAttention({None}, 16, cpu_kernel)
+    meta = backend.prepare(requests, "cpu")
+    out = backend.forward(q, *new, fp8, 0, meta, None, 256**-0.5)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, backend.forward(q, *new_rounded, fp32, 0, meta, None, 256**-0.5))
+    reference = paged_reference(fp32, requests, q.float(), *(t.float() for t in new_rounded), None)
+    torch.testing.assert_close(out.float(), reference, rtol=1e-2, atol=1e-2)
+
+
 def test_the_kernels_avx2_build_over_fp8_computes_what_it_computes_over_fp32(tmp_path):
     """The 8-lane vector path (``-march=haswell``: AVX2, FMA, F16C) that AVX2 CPUs take, wherever it runs."""
     from common.engine import cpu_kernels
