@@ -180,3 +180,23 @@ def test_the_worker_cli_and_the_config_take_fp8():
     assert build_parser("decode", "test").parse_args(["--kv-cache-dtype", "fp8"]).kv_cache_dtype == "fp8"
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         EngineConfig(model="default", kv_cache_dtype="fp8_e5m2")
+
+
+def test_speculation_over_an_fp8_cache_keeps_greedy_output_and_releases_every_block(tmp_path):
+    """Verification writes drafts' keys and values into the fp8 cache and rolls rejected ones back."""
+    from tests.support.checkpoints import random_prompts
+
+    checkpoint = write_checkpoint(tiny_gemma3_config(), tmp_path)
+    base = random_prompts([6, 19, 33], seed=1)
+    prompts = base + [p + p for p in base]  # repeated text: the n-gram lookup finds drafts
+    params = {"max_tokens": 24, "temperature": 0.0, "ignore_eos": True}
+    outputs = {}
+    for speculative in ("none", "ngram"):
+        engine = Engine(EngineConfig(model=str(checkpoint), kv_cache_dtype="fp8", num_blocks=128, block_size=4,
+                                     speculative=speculative, num_speculative_tokens=4, ngram_min=1,
+                                     speculative_cost_gate=False), load_tokenizer=False)
+        outputs[speculative] = [r.token_ids for r in engine.generate(prompts, params)]
+        engine.scheduler.kv_manager.check_integrity()
+        assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks
+    assert engine.stats()["spec_verifications_total"] > 0
+    assert outputs["ngram"] == outputs["none"]
