@@ -142,8 +142,8 @@ def build_parser(default_role: str, description: str, env: Mapping[str, str] | N
     add("--dtype", EngineConfig.dtype, choices=DTYPES, help="the model's: auto is float32 on CPU, bfloat16 on CUDA")
     add("--kv-cache-dtype", EngineConfig.kv_cache_dtype, choices=KV_CACHE_DTYPES,
         help="the KV cache's (auto: the model's); bfloat16 under a float32 model holds twice the tokens and reads "
-             "half the bytes a decode step, fp8 (e4m3, unscaled, CPU attention or torch's) four times and a quarter. "
-             "Prefill and decode workers exchanging KV must agree on it")
+             "half the bytes a decode step, fp8 (e4m3, unscaled; the CPU attention or torch's) four times the "
+             "tokens of an fp32 cache, twice a bf16 one's. Prefill and decode workers exchanging KV must agree on it")
     add("--block-size", EngineConfig.block_size, int)
     add("--num-blocks", EngineConfig.num_blocks, int)
     add("--kv-memory-fraction", EngineConfig.kv_memory_fraction, float)

@@ -43,8 +43,9 @@ def make_attention(backend: str, device: torch.device, windows: set[int | None],
         if device.type != "cuda":
             raise ValueError("attention_backend 'flash' needs a CUDA device")
         if kv_dtype != dtype:
+            other = "the torch backend" if fp8_cache else "the triton backend"
             raise ValueError(f"attention_backend 'flash' needs the KV cache in the model's dtype ({dtype}), got "
-                             f"{kv_dtype}: use kv_cache_dtype auto, or the triton backend")
+                             f"{kv_dtype}: use kv_cache_dtype auto, or {other}")
         from common.engine.attention.backend_flash import FlashAttention
 
         return FlashAttention(windows, block_size)

@@ -4,8 +4,8 @@
  *
  * fp8_e4m3_from_f32 rounds as torch's float32 -> float8_e4m3fn conversion does, bit for bit:
  * to nearest even, anything from 448 up (infinities too) saturated to +-448, a NaN to 0x7F with its
- * sign.  fp8_e4m3_to_f32 (a table) and fp8_e4m3_row (VL values, F16C) widen exactly, a NaN to NaN
- * (tests: tests/engine/test_fp8_kv_cache.py). */
+ * sign.  fp8_e4m3_to_f32 (a table) widens exactly, a NaN to NaN, as paged_attention_vectors.h's
+ * load_fp8_row does VL values at a time (tests: tests/engine/test_fp8_kv_cache.py). */
 #ifndef PDSERVE_FP8_E4M3_H
 #define PDSERVE_FP8_E4M3_H
 #include <stdint.h>

@@ -36,22 +36,30 @@ static inline int value_chunk(int group) {
  * bits 13-7 and its sign in bit 15 make the fp16 of its value / 256 (fp16's exponent bias is 8 more
  * than e4m3's and its mantissa 7 bits wider, so e4m3's subnormals land on fp16's), which F16C widens
  * exactly.  The code sign-extended to 16 bits and shifted by 7 has them there, and its sign in bit
- * 14 too, which the mask clears.  (A NaN code reads as +-480 here: only a NaN activation writes one,
- * and its step is NaN anyway.)  Without F16C, the table.  The attention's vector path takes the rows
- * so, the unit folded into its scale and its softmax's sum (exact: a power of two); load_row gives
- * the values. */
+ * 14 too, which the mask clears; a NaN code (magnitude 0x7F: 0x3F80 there) is given fp16's all-ones
+ * exponent, a NaN.  Without F16C, the table.  The attention's vector path takes the rows so, the unit
+ * folded into its scale and its softmax's sum (a power of two: exact unless a product or a partial
+ * sum falls below fp32's normal range, ~1e-36); load_row gives the values. */
 #define FP8_ROW_UNIT 256.0f
-#define FP8_HALF_MASK ((short)0xBF80) /* the fp16's sign, exponent and top 3 mantissa bits */
+#define FP8_HALF_MASK ((short)0xBF80)      /* the fp16's sign, exponent and top 3 mantissa bits */
+#define FP8_HALF_MAGNITUDE ((short)0x3F80) /* its exponent and mantissa bits: all set for the NaN codes */
+#define FP8_HALF_NAN_BITS ((short)0x7C00)  /* fp16's exponent: all ones with a mantissa is a NaN */
 static inline __attribute__((always_inline)) vecw load_fp8_row(const uint8_t *src) {
     vecw v;
 #if defined(__F16C__) && VL == 16
     const __m256i codes = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)src));
     const __m256i halves = _mm256_and_si256(_mm256_slli_epi16(codes, 7), _mm256_set1_epi16(FP8_HALF_MASK));
-    const __m512 wide = _mm512_cvtph_ps(halves);
+    const __m256i magnitude = _mm256_set1_epi16(FP8_HALF_MAGNITUDE);
+    const __m256i nan = _mm256_cmpeq_epi16(_mm256_and_si256(halves, magnitude), magnitude);
+    const __m256i nan_bits = _mm256_and_si256(nan, _mm256_set1_epi16(FP8_HALF_NAN_BITS));
+    const __m512 wide = _mm512_cvtph_ps(_mm256_or_si256(halves, nan_bits));
     memcpy(&v, &wide, sizeof v);
 #elif defined(__F16C__)
     const __m128i codes = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)src));
-    const __m256 wide = _mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(codes, 7), _mm_set1_epi16(FP8_HALF_MASK)));
+    const __m128i halves = _mm_and_si128(_mm_slli_epi16(codes, 7), _mm_set1_epi16(FP8_HALF_MASK));
+    const __m128i magnitude = _mm_set1_epi16(FP8_HALF_MAGNITUDE);
+    const __m128i nan = _mm_cmpeq_epi16(_mm_and_si128(halves, magnitude), magnitude);
+    const __m256 wide = _mm256_cvtph_ps(_mm_or_si128(halves, _mm_and_si128(nan, _mm_set1_epi16(FP8_HALF_NAN_BITS))));
     memcpy(&v, &wide, sizeof v);
 #else
     for (int i = 0; i < VL; i++) v[i] = fp8_e4m3_to_f32(src[i]) / FP8_ROW_UNIT;

@@ -9,7 +9,7 @@ layers, whose result is the eager forward's to the last bit (the tests compare t
 It applies (``FusedLayers.build`` returns None otherwise) to a model on the CPU in fp32 on one
 rank, a silu or tanh-GELU gated MLP, every projection computed by a C kernel it can call (int8 and
 int4 on the VNNI kernels -- their AVX2 builds too; int8 off them on its fp32-sum kernel --, fp32 on
-panels), a KV cache in fp32 or bf16 (``--kv-cache-dtype``: the
+panels), a KV cache in fp32, bf16 or fp8 (``--kv-cache-dtype``: the
 new keys and values rounded as torch rounds them), and the CPU attention backend's vector path; and
 (``applies``) to steps of fewer than ``MIN_COMPILED_TOKENS`` tokens (larger ones run compiled or
 eagerly as before), no more than ``PANEL_MAX_ROWS`` where panels compute (oneDNN takes larger ones).
