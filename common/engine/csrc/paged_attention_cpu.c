@@ -180,7 +180,7 @@ static inline __attribute__((always_inline)) void attend_vector(
     /* a bf16 cache in load_pair's pairs (C and the two chains even: VECTOR_REGISTERS 32, G <= 8) */
     const int paired = PAIRED_BF16 && CE == 2 && head_dim % (2 * VL) == 0 && chains == 2 && C % 2 == 0;
     /* the cache's rows come divided by unit (load_unit_row): the scores' scale and the values' sums
-     * take it back, exactly (a power of two) */
+     * take it back (a power of two: exactly, but for products below fp32's normal range) */
     const float unit = row_unit(CE);
     scale *= unit;
     for (int g = 0; g < G; g++) {
