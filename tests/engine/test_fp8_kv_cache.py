@@ -220,12 +220,12 @@ def test_an_engine_serves_over_an_fp8_cache_of_a_quarter_of_the_bytes(tmp_path):
     assert again.num_cached_tokens > 0 and again.token_ids == scored["fp8"].token_ids
 
 
-def test_the_worker_cli_and_the_config_take_fp8():
-    from worker.config import build_parser
+def test_the_worker_flag_and_its_environment_variable_take_fp8():
+    from worker.config import build_parser, config_from_args
 
-    assert build_parser("decode", "test").parse_args(["--kv-cache-dtype", "fp8"]).kv_cache_dtype == "fp8"
-    with pytest.raises(ValueError, match="kv_cache_dtype"):
-        EngineConfig(model="default", kv_cache_dtype="fp8_e5m2")
+    for env, argv in (({}, ["--kv-cache-dtype", "fp8"]), ({"PDSERVE_KV_CACHE_DTYPE": "fp8"}, [])):
+        args = build_parser("decode", "test", env=env).parse_args(["--model", "m", *argv])
+        assert config_from_args(args).engine.kv_cache_dtype == "fp8"
 
 
 def test_speculation_over_an_fp8_cache_keeps_greedy_output_and_releases_every_block(tmp_path):

@@ -99,8 +99,8 @@ def test_backends_that_cannot_read_another_dtype_are_refused_or_passed_over(monk
 
 
 def test_the_setting_is_validated_and_read_from_the_worker_flag():
-    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, float32, float16, bfloat16.*'fp8'"):
-        EngineConfig(model="m", kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, float32, float16, bfloat16, fp8.*'fp8_e5m2'"):
+        EngineConfig(model="m", kv_cache_dtype="fp8_e5m2")
     from worker.config import build_parser, config_from_args
 
     parser = build_parser("decode", "pdserve worker", env={})
