@@ -4,11 +4,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+import msgspec
 import pytest
 import torch
 
 from common.engine.kv.block_pool import BlockPool
-from common.engine.kv.kv_cache import KVLayout
 from kvt_support import AUTH, LAYOUT, NUM_BLOCKS, SHARDS, random_cache, wait_until
 from kvtransfer import (
     ChecksumMismatch, ConnectionLost, HandshakeError, KVReceiver, KVSender, KVTransferConfig, PeerLost,
@@ -51,7 +51,7 @@ async def test_round_trip_noncontiguous_overlapping_ids(make_pair):
 
 async def test_an_fp8_cache_ships_byte_for_byte(make_pair):
     """``--kv-cache-dtype fp8``: a block is a quarter of an fp32 one's bytes and arrives as it was."""
-    fp8 = KVLayout(**{**{f: getattr(LAYOUT, f) for f in LAYOUT.__struct_fields__}, "dtype": "fp8"})
+    fp8 = msgspec.structs.replace(LAYOUT, dtype="fp8")
     assert fp8.block_nbytes * 4 == LAYOUT.block_nbytes
     async with make_pair(layout=fp8) as (sender, receiver):
         assert receiver.cache.buffer.dtype == torch.float8_e4m3fn

@@ -1,6 +1,6 @@
 /* The vector path's pieces for paged_attention_cpu.c (its only includer, after its MAX_GROUP and
- * bf16_t): the vector width, loads of fp32, bf16 and fp8 cache rows (a bf16 row on AVX-512 BW in pairs of
- * vectors from one load), lane sums, and pass 3's weighing of a tile's value rows. */
+ * bf16_t): the vector width, loads of fp32, bf16 and fp8 cache rows (a bf16 row on AVX-512 BW in pairs
+ * of vectors from one load), lane sums, and pass 3's weighing of a tile's value rows. */
 #ifndef PAGED_ATTENTION_VECTORS_H
 #define PAGED_ATTENTION_VECTORS_H
 #include <math.h>
@@ -59,7 +59,8 @@ static inline __attribute__((always_inline)) vecw load_fp8_row(const uint8_t *sr
     const __m128i halves = _mm_and_si128(_mm_slli_epi16(codes, 7), _mm_set1_epi16(FP8_HALF_MASK));
     const __m128i magnitude = _mm_set1_epi16(FP8_HALF_MAGNITUDE);
     const __m128i nan = _mm_cmpeq_epi16(_mm_and_si128(halves, magnitude), magnitude);
-    const __m256 wide = _mm256_cvtph_ps(_mm_or_si128(halves, _mm_and_si128(nan, _mm_set1_epi16(FP8_HALF_NAN_BITS))));
+    const __m128i nan_bits = _mm_and_si128(nan, _mm_set1_epi16(FP8_HALF_NAN_BITS));
+    const __m256 wide = _mm256_cvtph_ps(_mm_or_si128(halves, nan_bits));
     memcpy(&v, &wide, sizeof v);
 #else
     for (int i = 0; i < VL; i++) v[i] = fp8_e4m3_to_f32(src[i]) / FP8_ROW_UNIT;
