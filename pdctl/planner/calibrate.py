@@ -100,7 +100,7 @@ def median_by_shape(samples: list[tuple[tuple, float]]) -> tuple[list[tuple], li
 def calibrate(model: str, *, threads: int | None = None, block_size: int = EngineConfig.block_size,
               max_num_batched_tokens: int = SCHEDULING_DEFAULTS["cpu"].max_num_batched_tokens,
               max_num_seqs: int = SCHEDULING_DEFAULTS["cpu"].max_num_seqs, num_blocks: int | None = None, dtype: str = "auto", quick: bool = False,
-              compile: bool = True, log=None) -> dict:
+              compile: bool = True, kv_cache_dtype: str = EngineConfig.kv_cache_dtype, log=None) -> dict:
     """Measure and fit; returns the calibration document (``cost_model``, ``engine``, ``fit``).
     ``compile``: the engine as workers run it by default (``--compile``)."""
     import torch
@@ -114,7 +114,7 @@ def calibrate(model: str, *, threads: int | None = None, block_size: int = Engin
     batches = max(grid["decode_batch"])
     longest = max(max(grid["prefill"]), max(grid["decode_context"]))
     need_blocks = batches * (longest // block_size + 4) + 64
-    config = EngineConfig(model=model, dtype=dtype, device="cpu", block_size=block_size,
+    config = EngineConfig(model=model, dtype=dtype, kv_cache_dtype=kv_cache_dtype, device="cpu", block_size=block_size,
                           num_blocks=num_blocks or need_blocks, max_num_batched_tokens=max_num_batched_tokens,
                           max_num_seqs=max(max_num_seqs, batches), enable_prefix_caching=False, compile=compile)
     engine = Engine(config, load_tokenizer=False)

@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from common.engine.config import EngineConfig, SchedulerConfig, scheduling_defaults
+from common.engine.config import KV_CACHE_DTYPES, EngineConfig, SchedulerConfig, scheduling_defaults
 from pdctl.planner.cost_model import load_cost_model, roofline
 from pdctl.planner.hardware import GPUS, LINKS, MODELS, kv_blocks_per_gpu, load_model_spec, parse_link
 from pdctl.planner.sim_config import DEFAULT_BUDGET, Deployment, EngineSettings, HostEffects, SimConfig
@@ -90,6 +90,9 @@ def add_traffic_args(p, rate_default: float | None = 10.0) -> None:
 def add_engine_args(p) -> None:
     g = p.add_argument_group("engine (as the workers' flags)")
     g.add_argument("--block-size", type=int, default=EngineConfig.block_size)
+    g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=EngineConfig.kv_cache_dtype,
+                   help="the workers' (with --gpu: the bytes a token's KV takes in memory, on the link and read a "
+                        "decode step; a calibration measured its workers' own)")
     g.add_argument("--num-blocks", type=int, help="KV blocks per worker (default: what fits next to the weights)")
     g.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: the workers' (on a GPU "
                    f"profile {scheduling_defaults('cuda').max_num_batched_tokens}), else the calibration's")
@@ -119,6 +122,8 @@ def add_calibrate_parser(sub) -> None:
     p.add_argument("--block-size", type=int, default=EngineConfig.block_size)
     p.add_argument("--max-num-batched-tokens", type=int, default=scheduling_defaults("cpu").max_num_batched_tokens)
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=EngineConfig.kv_cache_dtype,
+                   help="the workers' --kv-cache-dtype")
     p.add_argument("--quick", action="store_true", help="a smaller grid (about a minute on a tiny model)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                    help="measure the engine compiled, as workers run it by default (worker --compile)")
@@ -141,7 +146,8 @@ def cmd_calibrate(client, args) -> int:
     else:
         doc = calibrate(args.model, threads=args.threads, block_size=args.block_size,
                         max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype, quick=args.quick,
-                        compile=args.compile, log=lambda m: print(m, file=sys.stderr))
+                        compile=args.compile, kv_cache_dtype=args.kv_cache_dtype,
+                        log=lambda m: print(m, file=sys.stderr))
     save(doc, args.out)
     for warning in doc.get("warnings", ()):
         print(f"pdctl: warning: {warning}", file=sys.stderr)
@@ -240,7 +246,7 @@ def build_config(args) -> tuple[SimConfig, str]:
     calibration_engine: dict = {}
     host = HostEffects()
     if args.gpu:
-        spec = load_model_spec(args.model)
+        spec = load_model_spec(args.model).with_kv_cache_dtype(args.kv_cache_dtype)
         cost = roofline(args.gpu, spec, args.efficiency)
         num_blocks = args.num_blocks or _blocks_of_smallest_fitting_worker(args, spec)
         kv_per_token = spec.kv_bytes_per_token
@@ -262,6 +268,9 @@ def build_config(args) -> tuple[SimConfig, str]:
             args.overhead_ms = float(serving["request_overhead_s"]) * 1e3
         if not args.num_blocks:
             raise ValueError("--num-blocks is needed with --calibration (the workers' --num-blocks)")
+        if args.kv_cache_dtype != "auto":
+            raise ValueError("--kv-cache-dtype goes with --gpu: a calibration measured its workers' own KV cache "
+                             "(calibrate workers started with it)")
         num_blocks = args.num_blocks
         kv_per_token = float(calibration_engine.get("kv_bytes_per_token", 0)) or load_model_spec(
             args.model).kv_bytes_per_token

@@ -99,6 +99,11 @@ def parse_link(text: str) -> LinkProfile:
     return LinkProfile(f"{gbps:g}GB/s", gbps * GB, 20e-6)
 
 
+# Bytes a value of each --kv-cache-dtype but auto (common/engine/kv/kv_cache.py's torch dtypes'; a test holds
+# them equal) -- the planner does not import torch.
+KV_CACHE_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1}
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """The model facts a cost model needs (``rank_*``: one rank's share under tensor parallelism,
@@ -115,6 +120,11 @@ class ModelSpec:
     tie_word_embeddings: bool = False
     max_model_len: int = 8192
     dtype_bytes: int = 2
+    kv_dtype_bytes: int | None = None  # the KV cache's bytes a value (--kv-cache-dtype); None: dtype_bytes
+
+    def with_kv_cache_dtype(self, name: str) -> "ModelSpec":
+        """This model with its KV cache in ``name`` (a ``--kv-cache-dtype``; ``auto``: the model's dtype)."""
+        return self if name == "auto" else replace(self, kv_dtype_bytes=KV_CACHE_DTYPE_BYTES[name])
 
     @property
     def layer_params(self) -> int:
@@ -147,7 +157,7 @@ class ModelSpec:
 
     @property
     def kv_bytes_per_token(self) -> float:
-        return 2.0 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+        return 2.0 * self.num_layers * self.num_kv_heads * self.head_dim * (self.kv_dtype_bytes or self.dtype_bytes)
 
     def rank_kv_heads(self, tp: int) -> int:
         """The kv heads one of ``tp`` ranks holds: its share, or one replicated head when there
