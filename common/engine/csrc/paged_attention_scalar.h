@@ -8,51 +8,26 @@
 
 #include "fp8_e4m3.h"
 
-static inline float dot_f32(const float *a, const float *b, int n) {
-    /* 32 lanes: four independent vector chains, so the FMA latency does not serialize the sum */
-    float acc[32] = {0};
-    int i = 0;
-    for (; i + 32 <= n; i += 32)
-        for (int l = 0; l < 32; l++) acc[l] += a[i + l] * b[i + l];
-    for (int l = 0; l < 8; l++) acc[l] = (acc[l] + acc[l + 16]) + (acc[l + 8] + acc[l + 24]);
-    float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-    for (; i < n; i++) s += a[i] * b[i];
-    return s;
-}
+static inline float f32_value(float x) { return x; }
 
-static inline float dot_bf16(const float *a, const bf16_t *b, int n) {
-    /* 32 lanes: four independent vector chains, so the FMA latency does not serialize the sum */
-    float acc[32] = {0};
-    int i = 0;
-    for (; i + 32 <= n; i += 32)
-        for (int l = 0; l < 32; l++) acc[l] += a[i + l] * bf16_to_f32(b[i + l]);
-    for (int l = 0; l < 8; l++) acc[l] = (acc[l] + acc[l + 16]) + (acc[l + 8] + acc[l + 24]);
-    float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-    for (; i < n; i++) s += a[i] * bf16_to_f32(b[i]);
-    return s;
-}
-
-static inline float dot_fp8(const float *a, const uint8_t *b, int n) {
-    float acc[32] = {0};
-    int i = 0;
-    for (; i + 32 <= n; i += 32)
-        for (int l = 0; l < 32; l++) acc[l] += a[i + l] * fp8_e4m3_to_f32(b[i + l]);
-    for (int l = 0; l < 8; l++) acc[l] = (acc[l] + acc[l + 16]) + (acc[l + 8] + acc[l + 24]);
-    float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-    for (; i < n; i++) s += a[i] * fp8_e4m3_to_f32(b[i]);
-    return s;
-}
-
-static inline void axpy_f32(float *y, float a, const float *x, int n) {
-    for (int i = 0; i < n; i++) y[i] += a * x[i];
-}
-
-static inline void axpy_bf16(float *y, float a, const bf16_t *x, int n) {
-    for (int i = 0; i < n; i++) y[i] += a * bf16_to_f32(x[i]);
-}
-
-static inline void axpy_fp8(float *y, float a, const uint8_t *x, int n) {
-    for (int i = 0; i < n; i++) y[i] += a * fp8_e4m3_to_f32(x[i]);
-}
+/* dot_<NAME>(a, b, n): 32 lanes, four independent vector chains, so the FMA latency does not
+ * serialize the sum; axpy_<NAME>(y, a, x, n): y += a x.  WIDEN: a cached value (TYPE) as a float. */
+#define DEFINE_ROW_PRODUCTS(NAME, TYPE, WIDEN)                                                            \
+    static inline float dot_##NAME(const float *a, const TYPE *b, int n) {                               \
+        float acc[32] = {0};                                                                              \
+        int i = 0;                                                                                        \
+        for (; i + 32 <= n; i += 32)                                                                      \
+            for (int l = 0; l < 32; l++) acc[l] += a[i + l] * WIDEN(b[i + l]);                            \
+        for (int l = 0; l < 8; l++) acc[l] = (acc[l] + acc[l + 16]) + (acc[l + 8] + acc[l + 24]);         \
+        float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));      \
+        for (; i < n; i++) s += a[i] * WIDEN(b[i]);                                                       \
+        return s;                                                                                         \
+    }                                                                                                     \
+    static inline void axpy_##NAME(float *y, float a, const TYPE *x, int n) {                            \
+        for (int i = 0; i < n; i++) y[i] += a * WIDEN(x[i]);                                              \
+    }
+DEFINE_ROW_PRODUCTS(f32, float, f32_value)
+DEFINE_ROW_PRODUCTS(bf16, bf16_t, bf16_to_f32)
+DEFINE_ROW_PRODUCTS(fp8, uint8_t, fp8_e4m3_to_f32)
 
 #endif
