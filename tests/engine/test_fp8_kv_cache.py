@@ -3,10 +3,11 @@ calibrated scales), a quarter of an fp32 cache's bytes.
 
 The C side rounds into it as torch's float32 -> float8_e4m3fn conversion does and reads it as torch's
 widening does, bit for bit (every bf16 bit pattern, the ties, the saturation, the subnormals); the
-CPU attention kernel over an fp8 cache computes exactly what it computes over an fp32 cache holding
-the same values (its vector path, which reads the rows scaled by 1/256 and takes the factor back
-in its scale and sums; its scalar path; the tiles of prompt chunks); the torch backend agrees with
-it; the backends that cannot read the cache say so.  (The fused layers' stores and attention over
+CPU attention kernel over an fp8 cache computes what it computes over an fp32 cache holding the same
+values, bit for bit but where an output underflows fp32's normal range (its vector path, which reads
+the rows scaled by 1/256 and takes the factor back in its scale and sums; its scalar path; the tiles
+of prompt chunks; the AVX2 build); the torch backend agrees with it; the backends that cannot read
+the cache say so; an engine, speculation and the worker flag take it.  (The fused layers' stores and attention over
 it: ``test_fused_layers.py``; its blocks on the wire: ``tests/kvtransfer/test_kv_transfer_suite.py``;
 its quality: ``benchmarks/quant_quality.py --kv-fp8``.)"""
 from __future__ import annotations
