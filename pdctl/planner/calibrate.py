@@ -114,8 +114,8 @@ def calibrate(model: str, *, threads: int | None = None, block_size: int = Engin
     batches = max(grid["decode_batch"])
     longest = max(max(grid["prefill"]), max(grid["decode_context"]))
     need_blocks = batches * (longest // block_size + 4) + 64
-    config = EngineConfig(model=model, dtype=dtype, kv_cache_dtype=kv_cache_dtype, device="cpu", block_size=block_size,
-                          num_blocks=num_blocks or need_blocks, max_num_batched_tokens=max_num_batched_tokens,
+    config = EngineConfig(model=model, dtype=dtype, kv_cache_dtype=kv_cache_dtype, device="cpu",
+                          block_size=block_size, num_blocks=num_blocks or need_blocks, max_num_batched_tokens=max_num_batched_tokens,
                           max_num_seqs=max(max_num_seqs, batches), enable_prefix_caching=False, compile=compile)
     engine = Engine(config, load_tokenizer=False)
     began = time.perf_counter()
