@@ -1,6 +1,7 @@
 """Where a decode step's time goes: the default model's decode steps under torch.profiler.
 
-    python benchmarks/decode_profile.py [--quantization int8] [--dtype float32] [--batch 1,8] [--drafts 0,4] [--steps 20]
+    python benchmarks/decode_profile.py [--quantization int8] [--dtype float32] [--kv-cache-dtype auto] [--batch 1,8]
+                                        [--drafts 0,4] [--steps 20]
 
 For each batch size (and draft tokens per request, i.e. the width of a speculative verification)
 it builds that many requests of 200-token prompts, then profiles ``--steps`` decode steps of the
@@ -115,6 +116,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quantization", default="int8")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="activations and unquantized weights")
+    p.add_argument("--kv-cache-dtype", default="auto", help="the KV cache's (auto: --dtype's; bfloat16, fp8, ...)")
     p.add_argument("--batch", default="1,8")
     p.add_argument("--drafts", default="0,4")
     p.add_argument("--steps", type=int, default=20)
@@ -126,10 +128,12 @@ def main() -> None:
     from common.engine.engine import Engine
 
     torch.set_num_threads(args.threads)
-    engine = Engine(EngineConfig(model="default", dtype=args.dtype, quantization=args.quantization, num_blocks=2048,
-                                 speculative="ngram", enable_prefix_caching=False), load_tokenizer=False)
+    engine = Engine(EngineConfig(model="default", dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+                                 quantization=args.quantization, num_blocks=2048, speculative="ngram",
+                                 enable_prefix_caching=False), load_tokenizer=False)
     result: dict = {"benchmark": "decode_profile", "model": "gemma-3-270m (default)",
-                    "quantization": args.quantization, "dtype": args.dtype, "threads": args.threads}
+                    "quantization": args.quantization, "dtype": args.dtype, "kv_cache_dtype": engine.layout.dtype,
+                    "threads": args.threads}
     for batch in map(int, args.batch.split(",")):
         for drafts in map(int, args.drafts.split(",")):
             out = profile(engine, batch, drafts, args.steps)
