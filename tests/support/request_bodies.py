@@ -31,6 +31,15 @@ def rejects(parse, raw: bytes, param: str | None, text: str) -> OpenAIError:
     return err
 
 
+def refuses_naming(parse, body: dict, param: str, code: str | None) -> None:
+    """``parse(**body)`` is a 400 naming ``param`` (and with ``code``, of that code)."""
+    with pytest.raises(OpenAIError) as info:
+        parse(**body)
+    assert (info.value.status, info.value.param) == (400, param), info.value.message
+    if code is not None:
+        assert info.value.code == code, info.value.message
+
+
 MIB = 1 << 20
 
 
