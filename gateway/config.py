@@ -30,6 +30,7 @@ from common.cluster.redis_util import (
 from common.cluster.redis_keys import DEFAULT_KEY_PREFIX
 from common.cluster.secret_sources import check_distinct, check_secret
 from gateway.backpressure import WaitQueue
+from gateway.response_store import DEFAULT_MAX_PER_KEY, DEFAULT_TTL_S
 from gateway.routing import POLICIES, RoutingConfig
 from gateway.tenants import CACHE_ISOLATION, ApiKeys, default_key_share, key_id, read_api_keys
 
@@ -106,6 +107,11 @@ class GatewayConfig:
     client_read_timeout: float = HTTP_DEFAULTS.body_timeout  # a request body must arrive within this; then 408
     client_write_timeout: float = HTTP_DEFAULTS.write_timeout  # a client that takes no bytes this long is cut off
     prefix_lookup_timeout: float = 0.5  # the most one Redis prefix lookup may cost a request
+    # The Responses API's stored responses (gateway/response_store.py): how long one is kept (0: none
+    # stored), how many an API key keeps (its oldest go first), each Redis call's bound.
+    responses_store_ttl: float = DEFAULT_TTL_S
+    responses_store_max: int = DEFAULT_MAX_PER_KEY
+    responses_store_timeout: float = 2.0
     redis_retry_interval: float = 2.0  # while Redis fails, prefix lookups skip it and probe this often
     inline_tokenize_chars: int = 4096  # longer inputs are tokenized in a thread, off the event loop
     tokenizer_threads: int = 2
@@ -130,15 +136,18 @@ class GatewayConfig:
         if self.skip_prefill_below_tokens < 0:
             raise bad(f"skip_prefill_below_tokens must be >= 0, got {self.skip_prefill_below_tokens}")
         for name in ("bench_time", "queue_timeout", "client_read_timeout", "client_write_timeout",
-                     "prefix_lookup_timeout", "redis_retry_interval", "header_timeout", "keepalive_timeout"):
+                     "prefix_lookup_timeout", "redis_retry_interval", "header_timeout", "keepalive_timeout",
+                     "responses_store_timeout"):
             if not getattr(self, name) > 0:
                 raise bad(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("queue_size", "inline_tokenize_chars", "max_inflight_per_key", "queue_size_per_key",
-                     "migration_limit"):
+                     "migration_limit", "responses_store_ttl"):
             if (getattr(self, name) or 0) < 0:
                 raise bad(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.tokenizer_threads < 1:
             raise bad(f"tokenizer_threads must be >= 1, got {self.tokenizer_threads}")
+        if self.responses_store_max < 1:
+            raise bad(f"responses_store_max must be >= 1, got {self.responses_store_max}")
         if self.structured_output_backend not in BACKENDS:
             raise bad(f"structured_output_backend must be one of {', '.join(BACKENDS)}, got "
                       f"{self.structured_output_backend!r}")
@@ -288,6 +297,13 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
                                                     "load)")
     add("--redis-retry-interval", GatewayConfig.redis_retry_interval, float,
         help="after a failed prefix lookup, lookups skip Redis and probe it this often until it answers")
+    add("--responses-store-ttl", GatewayConfig.responses_store_ttl, float,
+        help="seconds a Responses API response is kept for previous_response_id and GET /v1/responses/{id} "
+             "(in Redis; 0: none stored)")
+    add("--responses-store-max", GatewayConfig.responses_store_max, int,
+        help="stored responses one API key keeps; storing one more forgets its oldest")
+    add("--responses-store-timeout", GatewayConfig.responses_store_timeout, float,
+        help="seconds one Redis call of the response store may take (a read then fails with 503; a write is skipped)")
     add("--inline-tokenize-chars", GatewayConfig.inline_tokenize_chars, int, help="longer inputs are tokenized in a thread, off the event loop")
     add("--tokenizer-threads", GatewayConfig.tokenizer_threads, int, help="threads for tokenizing long inputs and applying chat templates")
     add("--structured-output-backend", GatewayConfig.structured_output_backend, choices=BACKENDS,
@@ -333,6 +349,8 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = N
         queue_size_per_key=args.queue_size_per_key,
         client_read_timeout=args.client_read_timeout, inline_tokenize_chars=args.inline_tokenize_chars,
         prefix_lookup_timeout=args.prefix_lookup_timeout, redis_retry_interval=args.redis_retry_interval,
+        responses_store_ttl=args.responses_store_ttl, responses_store_max=args.responses_store_max,
+        responses_store_timeout=args.responses_store_timeout,
         tokenizer_threads=args.tokenizer_threads, structured_output_backend=args.structured_output_backend,
         grammar_compile_timeout=args.grammar_compile_timeout, tool_call_parser=args.tool_call_parser,
         chat_template_timeout=args.chat_template_timeout,

@@ -30,6 +30,7 @@ from gateway.messages_request import parse_messages_request
 from gateway.response_shapes import Answer, AnswerStream, ChoicesStream, ResponseShapes, prompt_tokens
 from gateway.responses_output import ResponsesAnswer
 from gateway.responses_request import parse_responses_request
+from gateway.response_store import ResponseStore, keeper, store_disabled
 from gateway.tool_output import ToolOutput
 from gateway.tool_parsers import ToolCallParser
 from gateway.tools_request import ToolPlan
@@ -117,6 +118,7 @@ class HandlerServices:
     admission: Callable[[Tenant], AsyncContextManager]  # 429 beyond the requests in flight allowed
     grammars: GrammarCompiler  # checks structured-output grammars before dispatch
     tool_parser: ToolCallParser  # reads tool calls from an answer (tool_choice auto)
+    response_store: ResponseStore | None  # the Responses API's stored responses (None: none stored)
 
 
 class OpenAIHandlers:
@@ -272,7 +274,15 @@ class OpenAIHandlers:
         """OpenAI's Responses API: a chat request in that API's shapes (gateway/responses_request.py,
         gateway/responses_output.py)."""
         call = parse_responses_request(await self.services.read_body(request))
-        return await self._chat_answered_as(request, call.chat, ResponsesAnswer(call, self.shapes), "input")
+        store, key_id = self.services.response_store, request["tenant"].key_id
+        if store is None and (call.store or call.previous_response_id is not None):
+            raise store_disabled("store" if call.store else "previous_response_id")
+        if call.previous_response_id is not None:
+            previous = await store.load(key_id, call.previous_response_id, param="previous_response_id")
+            call = call.continuing(previous.messages)
+        history = call.chat.messages[1:] if call.instructions else call.chat.messages  # (its system message: theirs)
+        kept = keeper(store, key_id, history) if store is not None and call.store is not False else None
+        return await self._chat_answered_as(request, call.chat, ResponsesAnswer(call, self.shapes, kept), "input")
 
     async def messages(self, request: web.Request) -> web.StreamResponse:
         """Anthropic's Messages API: a chat request in that API's shapes (gateway/messages_request.py,
@@ -331,7 +341,11 @@ class OpenAIHandlers:
                 events = answer.stream(gens[0]) if answer is not None else ChoicesStream(self.shapes, gens)
                 return await self._stream(request, gens, rest, first, events)
             await self._upstream(_drain(rest))
-        return json_response(answer.whole(gens) if answer is not None else self.shapes.full_response(gens))
+        if answer is None:
+            return json_response(self.shapes.full_response(gens))
+        whole = answer.whole(gens)
+        await answer.keep(whole)
+        return json_response(whole)
 
     @staticmethod
     async def _upstream(step):
@@ -414,6 +428,7 @@ class OpenAIHandlers:
                 async for sibling, batch in rest:
                     if data := events.batch(sibling, batch):
                         await write(data)
+                await events.keep()
                 await write(events.closing())
             except (Saturated, UpstreamError) as exc:
                 request["outcome"] = "stream_error"

@@ -132,6 +132,9 @@ class MessagesAnswer:
     def stream(self, gen: Generation) -> "MessageStream":
         return MessageStream(self, gen)
 
+    async def keep(self, whole: MessageObject) -> None:
+        pass  # messages are not stored
+
 
 class MessageStream:
     """A message's events as its generation goes (gateway/handlers.py writes them)."""
@@ -174,6 +177,9 @@ class MessageStream:
                     if call.function and call.function.arguments:
                         out.append(self._delta({"type": "input_json_delta", "partial_json": call.function.arguments}))
         return b"".join(out)
+
+    async def keep(self) -> None:
+        pass  # messages are not stored
 
     def closing(self) -> bytes:
         """The open block's end, then the stop reason and the end of the message (an aborted

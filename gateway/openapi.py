@@ -32,7 +32,7 @@ from gateway.openai_protocol import (
     ChatCompletionRequest, ChatCompletionResponse, CompletionChunk, CompletionRequest, CompletionResponse,
     ErrorResponse, ModelList,
 )
-from gateway.openapi_responses import responses_operation, responses_schemas
+from gateway.openapi_responses import responses_operation, responses_schemas, stored_response_paths
 from gateway.prompt_input import MAX_REQUEST_CHOICES
 from gateway.template_kwargs import MAX_TEMPLATE_KWARGS, RESERVED
 from gateway.structured_request import ResponseFormat, StructuredOutputsParams
@@ -242,9 +242,11 @@ def decimal_below(n: int) -> str:
     return "^0*(" + "|".join(branches) + ")$"
 
 
-def openapi_document(model_id: str, *, vocab_size: int, api_keys: bool, version: str = "0.1.0") -> dict[str, Any]:
+def openapi_document(model_id: str, *, vocab_size: int, api_keys: bool, stored_responses: bool = False,
+                     version: str = "0.1.0") -> dict[str, Any]:
     """The OpenAPI 3.1 description of this gateway's public API (``model_id``: the served name;
-    ``vocab_size``: token ids in a prompt are below it)."""
+    ``vocab_size``: token ids in a prompt are below it; ``stored_responses``: whether the Responses
+    API's responses are stored)."""
     _, schemas = msgspec.json.schema_components(
         [CompletionRequest, ChatCompletionRequest, CompletionResponse, ChatCompletionResponse, CompletionChunk,
          ChatCompletionChunk, ModelList, ErrorResponse], ref_template=_REF)
@@ -281,15 +283,17 @@ def openapi_document(model_id: str, *, vocab_size: int, api_keys: bool, version:
     for name, fields in _REQUIRED_EXTRA.items():
         schemas[name]["required"] = sorted(set(schemas[name].get("required", [])) | set(fields))
     schemas["Health"] = _HEALTH
-    schemas.update({name: schema for name, schema in responses_schemas(model_id, vocab_size, _COMMON_RULES).items()
+    schemas.update({name: schema for name, schema in responses_schemas(model_id, vocab_size, _COMMON_RULES,
+                                                                       stored_responses).items()
                     if name not in schemas})
+    errors = {status: _error(text) for status, text in _ERRORS.items()}
     paths = {
         "/v1/completions": {"post": _generation("Text completion", "CompletionRequest", "CompletionResponse",
                                                 "CompletionChunk", api_keys)},
         "/v1/chat/completions": {"post": _generation("Chat completion", "ChatCompletionRequest",
                                                      "ChatCompletionResponse", "ChatCompletionChunk", api_keys)},
-        "/v1/responses": {"post": responses_operation({status: _error(text) for status, text in _ERRORS.items()},
-                                                      api_keys)},
+        "/v1/responses": {"post": responses_operation(errors, api_keys)},
+        **(stored_response_paths(errors, api_keys) if stored_responses else {}),
         "/v1/models": {"get": {
             "summary": "The served model",
             "responses": {"200": {"description": "The one model this server serves.",

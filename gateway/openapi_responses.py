@@ -2,8 +2,9 @@
 request, whole response and stream events, generated from the structs the gateway decodes and
 encodes (gateway/responses_request.py, gateway/responses_output.py), with the checks made in code
 added: the kinds of input items and their content parts, the fields accepted only at their default
-(``store``, ``background``, ``previous_response_id``), ``text.format``'s needs and the rules between
-fields.
+(``background``; ``store`` and ``previous_response_id`` on a gateway that stores no responses),
+``text.format``'s needs and the rules between fields; and ``GET`` / ``DELETE
+/v1/responses/{response_id}`` where responses are stored (gateway/stored_responses.py).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import msgspec
 from gateway.openai_protocol import MAX_MESSAGES, MAX_PARTS_PER_MESSAGE
 from gateway.responses_output import ResponseEvent, ResponseObject
 from gateway.responses_request import LOGPROBS_INCLUDE, ResponsesRequest
+from gateway.stored_responses import ResponseDeleted
 
 _REF = "#/components/schemas/{name}"
 _NULL = {"type": "null"}
@@ -69,11 +71,13 @@ _CROSS_FIELD = [
 ]
 
 
-def responses_schemas(model_id: str, vocab_size: int, common_rules: dict[str, dict]) -> dict[str, dict]:
+def responses_schemas(model_id: str, vocab_size: int, common_rules: dict[str, dict],
+                      stored: bool) -> dict[str, dict]:
     """The schemas ``POST /v1/responses`` names (``common_rules``: the fields' rules shared with the
-    other generation endpoints, applied to the fields this request has too)."""
-    (_, _, events), schemas = msgspec.json.schema_components([ResponsesRequest, ResponseObject, ResponseEvent],
-                                                             ref_template=_REF)
+    other generation endpoints, applied to the fields this request has too; ``stored``: whether the
+    gateway stores responses)."""
+    (_, _, events, _), schemas = msgspec.json.schema_components(
+        [ResponsesRequest, ResponseObject, ResponseEvent, ResponseDeleted], ref_template=_REF)
     schemas = copy.deepcopy(schemas)
     schemas["ResponseEvent"] = copy.deepcopy(events)
     schemas.pop("InputItem", None), schemas.pop("InputPart", None)  # described by hand above
@@ -86,10 +90,17 @@ def responses_schemas(model_id: str, vocab_size: int, common_rules: dict[str, di
     props["input"] = {"anyOf": [{"type": "string"}, {"type": "array", "items": _INPUT_ITEM, "minItems": 1,
                                                      "maxItems": MAX_MESSAGES, "contains": {"not": _REASONING_ITEM}}],
                       "description": "A user message's text, or the conversation's items."}
-    props["store"] = {"type": "boolean", "const": False, "default": False, "description": "Only false: nothing is "
-                      "stored (send the whole conversation in input)."}
+    if stored:
+        props["store"] = {"anyOf": [{"type": "boolean"}, _NULL], "default": True,
+                          "description": "Keep the response for previous_response_id and GET /v1/responses/{id}."}
+        props["previous_response_id"] = {"anyOf": [{"type": "string", "pattern": "^resp_[0-9a-f]{32}$"}, _NULL],
+                                         "description": "Continue a stored response: its conversation comes "
+                                                        "before input (its instructions do not)."}
+    else:
+        props["store"] = {"anyOf": [{"const": False}, _NULL], "description": "Only false: this gateway stores no "
+                          "responses (send the whole conversation in input)."}
+        props["previous_response_id"] = {**_NULL, "description": "Not supported: this gateway stores no responses."}
     props["background"] = {"type": "boolean", "const": False, "default": False, "description": "Only false."}
-    props["previous_response_id"] = {**_NULL, "description": "Not supported: nothing is stored."}
     props["stop_token_ids"]["anyOf"][0]["items"]["maximum"] = vocab_size - 1
     request["allOf"] = _CROSS_FIELD
     schemas["TextFormat"]["allOf"] = [_implies("type", {"const": "json_schema"}, {
@@ -97,12 +108,31 @@ def responses_schemas(model_id: str, vocab_size: int, common_rules: dict[str, di
     return schemas
 
 
+def stored_response_paths(errors: dict[str, dict], auth: bool) -> dict:
+    """``GET`` and ``DELETE /v1/responses/{response_id}`` (``errors``: status -> response object)."""
+    parameter = {"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}
+    security = {"security": [{"apiKey": []}]} if auth else {}
+    failures = {status: errors[status] for status in ("400", "401", "503")}
+    failures["404"] = {**errors["404"], "description": "This API key has no stored response by that id (never "
+                                                       "stored, deleted, or past its time)."}
+
+    def operation(summary: str, answer: str, schema: str) -> dict:
+        return {"summary": summary, "parameters": [parameter], **security,
+                "responses": {"200": {"description": answer, "content": {"application/json": {
+                    "schema": {"$ref": _REF.format(name=schema)}}}}, **failures}}
+
+    return {"/v1/responses/{response_id}": {
+        "get": operation("A stored response (this API key's)", "The response as it was answered.", "ResponseObject"),
+        "delete": operation("Forget a stored response", "It is forgotten.", "ResponseDeleted"),
+    }}
+
+
 def responses_operation(errors: dict[str, dict], auth: bool) -> dict:
     """``POST /v1/responses``: its request, answer and stream (``errors``: the status -> response
     objects of the other generation endpoints)."""
     payload = {"$ref": _REF.format(name="ResponseEvent")}
     op = {
-        "summary": "A response (OpenAI's Responses API; nothing is stored)",
+        "summary": "A response (OpenAI's Responses API)",
         "requestBody": {"required": True,
                         "content": {"application/json": {"schema": {"$ref": _REF.format(name="ResponsesRequest")}}}},
         "responses": {

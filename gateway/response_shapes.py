@@ -185,6 +185,9 @@ class AnswerStream(Protocol):
 
     def batch(self, gen: Generation, batch: list[tuple[str, TokenFrame]]) -> bytes: ...
 
+    async def keep(self) -> None:
+        """Before ``closing``: store the answer where its API keeps answers (the Responses API's)."""
+
     def closing(self) -> bytes: ...
 
     def failure(self, error: OpenAIError) -> bytes: ...
@@ -199,6 +202,9 @@ class Answer(Protocol):
     def whole(self, gens: list[Generation]) -> Any: ...
 
     def stream(self, gen: Generation) -> AnswerStream: ...
+
+    async def keep(self, whole: Any) -> None:
+        """Before ``whole`` is sent: store it where its API keeps answers (the Responses API's)."""
 
 
 class ChoicesStream:
@@ -222,6 +228,9 @@ class ChoicesStream:
         events += [sse_event(chunk) for i, (delta, frame) in enumerate(batch)
                    for chunk in self.shapes.chunks(gen, delta, frame, i == last, running_usage)]
         return b"".join(events)
+
+    async def keep(self) -> None:
+        pass  # completions and chat completions are not stored
 
     def closing(self) -> bytes:
         if self.gens[0].options.include_usage:

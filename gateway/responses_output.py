@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 import msgspec
 
 from common.cluster.messages import TokenFrame
 from gateway.generation import Generation
 from gateway.openai_errors import OpenAIError
+from gateway.openai_protocol import CalledFunction, ChatMessage, MessageToolCall
 from gateway.openai_responses import ChatDelta, ChatTokenLogprob, now
 from gateway.response_shapes import ResponseShapes
 from gateway.tool_output import new_call_id
@@ -102,9 +103,9 @@ class ResponseObject(msgspec.Struct, kw_only=True):
     incomplete_details: IncompleteDetails | None = None
     completed_at: int | None = None
     object: str = "response"
-    previous_response_id: None = None
+    previous_response_id: str | None = None
     reasoning: None = None
-    store: bool = False
+    store: bool = False  # true where it is stored (gateway/response_store.py)
     background: bool = False
     truncation: str = "disabled"
     service_tier: str = "default"
@@ -220,13 +221,33 @@ def _finished_status(gen: Generation) -> tuple[str, IncompleteDetails | None, Re
     return "completed", None, None
 
 
-class ResponsesAnswer:
-    """One request's answer in the Responses API's shape (``n`` is 1: one generation)."""
+def output_messages(output: list[OutputItem]) -> list[ChatMessage]:
+    """A response's output as the conversation's next message: the assistant's text and calls."""
+    text = "".join(part.text for item in output if isinstance(item, OutputMessage) for part in item.content)
+    calls = [MessageToolCall(id=item.call_id, function=CalledFunction(item.name, item.arguments))
+             for item in output if isinstance(item, FunctionCall)]
+    return [ChatMessage(role="assistant", content=text if text or not calls else None, tool_calls=calls or None)]
 
-    def __init__(self, call: ResponsesCall, shapes: ResponseShapes):
-        self.call, self.shapes = call, shapes
+
+# store(response, its output's messages) -> whether it was stored (gateway/handlers.py, over
+# gateway/response_store.py)
+Keeper = Callable[[ResponseObject, list[ChatMessage]], Awaitable[bool]]
+
+
+class ResponsesAnswer:
+    """One request's answer in the Responses API's shape (``n`` is 1: one generation); ``keeper``
+    stores it once finished (None: not stored)."""
+
+    def __init__(self, call: ResponsesCall, shapes: ResponseShapes, keeper: Keeper | None = None):
+        self.call, self.shapes, self.keeper = call, shapes, keeper
         self.response_id = new_response_id()
         self.created_at = now()
+
+    async def keep(self, response: ResponseObject) -> None:
+        """Store the finished ``response`` (where the request asked); one that could not be stored
+        says ``store: false``."""
+        if self.keeper is not None and not await self.keeper(response, output_messages(response.output)):
+            response.store = False
 
     def response(self, gen: Generation, status: str, output: list, **extra) -> ResponseObject:
         call, options = self.call, gen.options
@@ -240,7 +261,8 @@ class ResponsesAnswer:
             usage=usage, instructions=call.instructions, max_output_tokens=call.max_output_tokens,
             temperature=options.temperature, top_p=options.top_p, top_logprobs=call.top_logprobs, tools=call.tools,
             tool_choice=call.tool_choice, parallel_tool_calls=call.chat.parallel_tool_calls, text=call.text,
-            metadata=call.metadata, user=call.user,
+            metadata=call.metadata, user=call.user, store=self.keeper is not None,
+            previous_response_id=call.previous_response_id,
             completed_at=now() if status == "completed" else None, **extra)
 
     def logprobs(self, entries) -> list[ChatTokenLogprob] | msgspec.UnsetType:
@@ -279,6 +301,7 @@ class ResponseStream:
         self.open: OutputItem | None = None
         self.pieces: list[str] = []  # the open item's text or arguments so far (joined when it closes)
         self.pending_logprobs: list = []  # entries not yet sent with a text delta
+        self.ending: tuple[bytes, ResponseObject] | None = None  # _end's, once kept
 
     def _event(self, event_type: type[_Event], **fields) -> bytes:
         event = event_type(sequence_number=self.sequence, **fields)
@@ -314,16 +337,26 @@ class ResponseStream:
                         out.append(self._arguments(call.function.arguments))
         return b"".join(out)
 
+    async def keep(self) -> None:
+        """The stream's end (``closing``'s) settled and its response stored, before ``closing`` sends it."""
+        if self.answer.keeper is not None:
+            self.ending = self._end()
+            await self.answer.keep(self.ending[1])
+
     def closing(self) -> bytes:
         """The open item's end, then the whole response."""
+        ends, response = self.ending or self._end()
+        kind = {"completed": ResponseCompleted, "incomplete": ResponseIncomplete}.get(response.status, ResponseFailed)
+        return ends + self._event(kind, response=response)
+
+    def _end(self) -> tuple[bytes, ResponseObject]:
+        """The open item's end events, and the whole response."""
         gen = self.gen
         status, incomplete, error = _finished_status(gen)
         out = [self._close()]
         if not self.output:  # no text, no call: an empty message, as the whole response has
             out += [self._text(""), self._close()]
-        response = self.answer.response(gen, status, self.output, incomplete_details=incomplete, error=error)
-        kind = {"completed": ResponseCompleted, "incomplete": ResponseIncomplete}.get(status, ResponseFailed)
-        return b"".join(out) + self._event(kind, response=response)
+        return b"".join(out), self.answer.response(gen, status, self.output, incomplete_details=incomplete, error=error)
 
     def failure(self, error: OpenAIError) -> bytes:
         """An error after the stream started: the response failed, with what it had."""

@@ -14,8 +14,9 @@ gateway/responses_output.py answers in this API's shape.
     {"type": "function_call_output"}  a tool message answering ``call_id``
     {"type": "reasoning"}             left out (a reasoning model's; this model has no reasoning)
 
-Nothing is stored: ``store: true``, ``previous_response_id``, ``conversation`` and ``background`` are
-400s naming the field (send the whole conversation in ``input``), as are the built-in tools, non-text
+A response is stored unless ``store: false`` says otherwise, and ``previous_response_id`` continues
+a stored one (gateway/response_store.py: the handler prepends its conversation, ``ResponsesCall.
+continuing``).  ``conversation`` and ``background`` are 400s naming the field, as are the built-in tools, non-text
 content and ``truncation: "auto"``; so are ``reasoning``, ``text.verbosity``, ``service_tier`` and
 ``prompt_cache_key``, as on the chat endpoint (not implemented: this model has no reasoning; use
 ``cache_salt`` for cache keys).  The bounds are the chat path's: the items as its messages, their
@@ -23,7 +24,7 @@ parts as its content parts, each bound checked before the elements past it are d
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -111,9 +112,9 @@ class ResponsesRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     text: TextConfig | None = None
     stream: bool = False
     stream_options: ResponsesStreamOptions | None = None
-    store: bool = False  # only false: nothing is stored
+    store: bool | None = None  # unset: stored where the gateway stores responses (gateway/response_store.py)
     background: bool = False  # only false
-    previous_response_id: None = None  # (nothing is stored)
+    previous_response_id: Annotated[str, msgspec.Meta(min_length=1, max_length=64)] | None = None
     metadata: Metadata | None = None
     user: UserId | None = None
     safety_identifier: UserId | None = None
@@ -143,7 +144,6 @@ class _ResponsesBody(ResponsesRequest):
     metadata: msgspec.Raw = msgspec.Raw()
     text: msgspec.Raw = msgspec.Raw()
     structured_outputs: msgspec.Raw = msgspec.Raw()
-    previous_response_id: msgspec.Raw = msgspec.Raw()
     conversation: msgspec.Raw = msgspec.Raw()
 
 
@@ -160,6 +160,19 @@ class ResponsesCall:
     top_logprobs: int | None
     metadata: dict
     user: str | None
+    store: bool | None  # as sent
+    previous_response_id: str | None
+    input_messages: list[ChatMessage]  # the input's, without the instructions' system message
+
+    def continuing(self, history: list[ChatMessage]) -> "ResponsesCall":
+        """This call after ``history`` (the conversation of the response it continues): its chat's
+        messages are the instructions' system message, ``history``, then its input's."""
+        system = [ChatMessage(role="system", content=self.instructions)] if self.instructions else []
+        messages = system + history + self.input_messages
+        if len(messages) > MAX_MESSAGES:
+            raise invalid(f"the conversation after previous_response_id holds {len(messages)} messages, over "
+                          f"{MAX_MESSAGES}; send a shorter one in input", "previous_response_id")
+        return replace(self, chat=msgspec.structs.replace(self.chat, messages=messages))
 
 
 _body_decoder = msgspec.json.Decoder(_ResponsesBody, strict=False)
@@ -172,16 +185,14 @@ _text_decoder = msgspec.json.Decoder(TextConfig, strict=False)
 def parse_responses_request(body: bytes) -> ResponsesCall:
     """Decode and validate a ``/v1/responses`` body; raises ``OpenAIError`` (400)."""
     req = decode_body(_body_decoder, body)
-    for field, refused, why in (("store", req.store, "nothing is stored: send store false (or leave it out)"),
-                                ("background", req.background, "responses are not run in the background"),
-                                ("previous_response_id", given(req.previous_response_id),
-                                 "nothing is stored: send the whole conversation in input"),
+    for field, refused, why in (("background", req.background, "responses are not run in the background"),
                                 ("conversation", given(req.conversation),
-                                 "nothing is stored: send the whole conversation in input")):
+                                 "conversations are not kept: continue a response with previous_response_id")):
         if refused:
             raise invalid(f"{field}: {why}", field, "unsupported_value")
-    messages = ([ChatMessage(role="system", content=req.instructions)] if req.instructions else []) + _messages(req.input)
-    if not messages:
+    input_messages = _messages(req.input)
+    messages = ([ChatMessage(role="system", content=req.instructions)] if req.instructions else []) + input_messages
+    if not messages and req.previous_response_id is None:
         raise invalid("input holds no message (and there are no instructions)", "input")
     tools = read_tools(req.tools, from_msgspec, flat=True) if given(req.tools) else ()
     text = decode_at(_text_decoder, grammar_json(req.text, "text"), "text") if given(req.text) else None
@@ -215,7 +226,8 @@ def parse_responses_request(body: bytes) -> ResponsesCall:
     text_format = msgspec.to_builtins(text.format) if text is not None and text.format else {"type": "text"}
     return ResponsesCall(chat, req.instructions, listed,
                          msgspec.to_builtins(choice) if choice is not None else plan.mode, {"format": text_format},
-                         req.max_output_tokens, req.top_logprobs, chat.metadata or {}, req.user)
+                         req.max_output_tokens, req.top_logprobs, chat.metadata or {}, req.user, req.store,
+                         req.previous_response_id, input_messages)
 
 
 def _text_format(text: TextConfig | None) -> StructuredOutput | None:

@@ -48,6 +48,8 @@ from gateway.openai_protocol import ModelCard, ModelList, OpenAIError, json_resp
 from gateway.pool import WorkerPool
 from gateway.prompts import PromptEncoder
 from gateway.redis_probe import RedisProbe
+from gateway.response_store import ResponseStore
+from gateway.stored_responses import add_stored_response_routes
 from gateway.routing import Router, RoutingConfig
 from gateway.tenants import Tenant
 from gateway.tokenize_routes import TOKENIZE_PATHS, add_tokenize_routes
@@ -90,6 +92,7 @@ class Gateway:
         self.api_keys = config.api_keys()
         self.inflight_by_key: dict[str, int] = {}
         self.openapi = msgspec.json.encode(openapi_document(self.model_id, vocab_size=self.vocab_size,
+                                                             stored_responses=config.responses_store_ttl > 0,
                                                              api_keys=self.api_keys.enabled))
         self.inflight = 0
         self.redis = None
@@ -99,6 +102,7 @@ class Gateway:
         self.prefix_index: PrefixIndexReader | None = None
         self.redis_probe: RedisProbe | None = None
         self.dispatcher: Dispatcher | None = None
+        self.response_store: ResponseStore | None = None
 
     async def start(self) -> None:
         self.redis = connect(self.config.redis_url)
@@ -112,6 +116,11 @@ class Gateway:
             retry_interval_s=self.config.redis_retry_interval, on_unavailable=self.metrics.redis_unavailable.inc)
         self.redis_probe = RedisProbe(self.redis, timeout_s=self.config.prefix_lookup_timeout,
                                       interval_s=self.config.redis_retry_interval)
+        if self.config.responses_store_ttl > 0:
+            self.response_store = ResponseStore(
+                self.redis, key_prefix=self.config.key_prefix, ttl_s=self.config.responses_store_ttl,
+                max_per_key=self.config.responses_store_max, max_bytes=self.config.max_body_bytes,
+                timeout_s=self.config.responses_store_timeout, on_failure=self.metrics.redis_unavailable.inc)
         self.session, self.control_session = self._client_sessions()
         router = Router(RoutingConfig(policy=self.config.routing_policy,
                                       skip_prefill_below_tokens=self.config.skip_prefill_below_tokens))
@@ -199,7 +208,7 @@ class Gateway:
             config=self.config, model_id=self.model_id, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
             tokenizer=self.tokenizer, chat_format=self.chat_format, prompts=self.prompts, dispatcher=self.dispatcher,
             metrics=self.metrics, read_body=self.read_body, admission=self.admission, grammars=self.grammars,
-            tool_parser=make_parser(self.config.tool_call_parser))
+            tool_parser=make_parser(self.config.tool_call_parser), response_store=self.response_store)
 
     def app(self) -> web.Application:
         """The HTTP application (after ``start``)."""
@@ -208,6 +217,7 @@ class Gateway:
         app.router.add_post("/v1/completions", handlers.completions)
         app.router.add_post("/v1/chat/completions", handlers.chat_completions)
         app.router.add_post("/v1/responses", handlers.responses)
+        add_stored_response_routes(app, self.response_store)
         app.router.add_post("/v1/messages", handlers.messages)
         app.router.add_post("/v1/messages/count_tokens", handlers.count_message_tokens)
         app.router.add_get("/v1/models", self._models)

@@ -85,9 +85,9 @@ def test_text_format_constrains_the_output():
 
 
 @pytest.mark.parametrize("body, param, code", [
-    ({"store": True}, "store", "unsupported_value"),
+    ({"store": "yes"}, "store", None),
     ({"background": True}, "background", "unsupported_value"),
-    ({"previous_response_id": "resp_1"}, "previous_response_id", "unsupported_value"),
+    ({"previous_response_id": "r" * 65}, "previous_response_id", None),
     ({"conversation": "conv_1"}, "conversation", "unsupported_value"),
     ({"input": []}, "input", None),
     ({"input": [{"type": "reasoning", "summary": []}]}, "input", None),
@@ -122,6 +122,27 @@ def test_text_format_constrains_the_output():
 def test_what_is_not_offered_is_refused_naming_the_field(body, param, code):
     body.setdefault("input", "x")
     refuses_naming(parse, body, param, code)
+
+
+def test_a_continued_response_comes_after_the_instructions_and_before_the_input():
+    history = parse(input=[{"role": "user", "content": "one"}, {"role": "assistant", "content": "two"}]).chat.messages
+    call = parse(input="three", instructions="Be brief.", previous_response_id="resp_" + "0" * 32)
+    assert (call.previous_response_id, call.store) == ("resp_" + "0" * 32, None)
+    assert roles(call.continuing(history)) == [("system", "Be brief.", [], None), ("user", "one", [], None),
+                                               ("assistant", "two", [], None), ("user", "three", [], None)]
+    assert roles(parse(input="three").continuing(history))[0] == ("user", "one", [], None)
+    assert [m.content for m in call.input_messages] == ["three"]
+    assert parse(input="x", store=False).store is False and parse(input="x", store=True).store is True
+    # an empty input continues a conversation as it stands
+    assert roles(parse(input=[], previous_response_id="resp_" + "0" * 32).continuing(history))[-1][1] == "two"
+
+
+def test_a_continued_conversation_is_bounded_as_a_sent_one():
+    from gateway.openai_protocol import MAX_MESSAGES
+
+    history = parse(input="x").chat.messages * MAX_MESSAGES
+    refuses_naming(lambda **body: parse(**body).continuing(history), {"input": "one more"}, "previous_response_id",
+                   None)
 
 
 PART = b'{"type": "input_text", "text": "x"}'

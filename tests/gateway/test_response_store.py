@@ -1,0 +1,112 @@
+"""The Responses API's store over a real Redis (gateway/response_store.py): what is saved is loaded
+back as it was, only by its API key; a key's oldest go past its bound; what is too large, unreadable
+or malformed is absent; a Redis that does not answer costs at most the timeout (a read: 503; a write:
+not stored, counted)."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from common.cluster.redis_util import connect
+from gateway.openai_errors import OpenAIError
+from gateway.openai_protocol import ChatMessage
+from gateway.response_store import ResponseStore, StoredResponse
+
+CONVERSATION = [ChatMessage(role="user", content="hi"), ChatMessage(role="assistant", content="hello")]
+
+
+def rid(n: int) -> str:
+    return f"resp_{n:032x}"
+
+
+def make_store(redis_client, key_prefix, **kwargs) -> ResponseStore:
+    return ResponseStore(redis_client, key_prefix=key_prefix, **{"max_bytes": 1 << 20, "timeout_s": 5.0, **kwargs})
+
+
+async def not_found(call, status: int = 404) -> OpenAIError:
+    with pytest.raises(OpenAIError) as info:
+        await call
+    assert info.value.status == status
+    return info.value
+
+
+async def test_a_saved_response_is_loaded_back_by_its_key_alone(redis_client, key_prefix):
+    store = make_store(redis_client, key_prefix, ttl_s=600)
+    assert await store.save("key-a", rid(1), StoredResponse(b'{"id": "x"}', CONVERSATION))
+    loaded = await store.load("key-a", rid(1))
+    assert (loaded.response, loaded.messages) == (b'{"id": "x"}', CONVERSATION)
+    assert 590 <= await redis_client.ttl(f"{key_prefix}:responses:key-a:{rid(1)}") <= 600
+    assert 590 <= await redis_client.ttl(f"{key_prefix}:responses:key-a") <= 600
+    await not_found(store.load("key-b", rid(1)))  # another API key's
+    await not_found(store.delete("key-b", rid(1)))
+    assert (await store.load("key-a", rid(1))).messages == CONVERSATION
+
+
+async def test_a_missing_response_continued_is_a_400_naming_the_field(redis_client, key_prefix):
+    store = make_store(redis_client, key_prefix)
+    error = await not_found(store.load("key-a", rid(7), param="previous_response_id"), 400)
+    assert (error.param, error.code) == ("previous_response_id", "previous_response_not_found")
+    for malformed in ("resp_1", "x" * 64, f"{rid(1)}:other", "*"):
+        await not_found(store.load("key-a", malformed))
+
+
+async def test_a_keys_oldest_responses_go_past_its_bound(redis_client, key_prefix):
+    store = make_store(redis_client, key_prefix, max_per_key=3)
+    for n in range(5):
+        assert await store.save("key-a", rid(n), StoredResponse(b"{}", []))
+        await asyncio.sleep(0.002)  # scores are times: distinct
+    assert await store.save("key-b", rid(9), StoredResponse(b"{}", []))
+    for n in (0, 1):
+        await not_found(store.load("key-a", rid(n)))
+    for n in (2, 3, 4):
+        assert (await store.load("key-a", rid(n))).response == b"{}"
+    assert await redis_client.zcard(f"{key_prefix}:responses:key-a") == 3
+    assert (await store.load("key-b", rid(9))).response == b"{}"  # another key's bound is its own
+
+
+async def test_a_deleted_response_is_gone(redis_client, key_prefix):
+    store = make_store(redis_client, key_prefix)
+    await store.save("key-a", rid(1), StoredResponse(b"{}", CONVERSATION))
+    await store.delete("key-a", rid(1))
+    await not_found(store.load("key-a", rid(1)))
+    await not_found(store.delete("key-a", rid(1)))
+    assert await redis_client.zcard(f"{key_prefix}:responses:key-a") == 0
+
+
+async def test_what_is_too_large_is_not_stored_and_what_is_unreadable_is_absent(redis_client, key_prefix):
+    store = make_store(redis_client, key_prefix, max_bytes=1000)
+    assert not await store.save("key-a", rid(1), StoredResponse(b"{}", [ChatMessage(role="user", content="x" * 1000)]))
+    await not_found(store.load("key-a", rid(1)))
+    assert await redis_client.exists(f"{key_prefix}:responses:key-a:{rid(1)}") == 0
+    await redis_client.set(f"{key_prefix}:responses:key-a:{rid(2)}", b"\x93not msgpack")
+    await not_found(store.load("key-a", rid(2)))
+
+
+async def test_a_redis_that_does_not_answer_costs_the_timeout(key_prefix):
+    async def silent(reader, writer):  # accepts and reads, never answers
+        await reader.read()
+        writer.close()
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    client = connect(f"redis://127.0.0.1:{port}/0")
+    failures = []
+    store = ResponseStore(client, key_prefix=key_prefix, max_bytes=1 << 20, timeout_s=0.3,
+                          on_failure=lambda: failures.append(1))
+    try:
+        async with asyncio.timeout(10):  # each call is bounded by the store's own timeout, well under this
+            assert not await store.save("key-a", rid(1), StoredResponse(b"{}", []))
+            assert (await not_found(store.load("key-a", rid(1)), 503)).retry_after
+            await not_found(store.delete("key-a", rid(1)), 503)
+        assert len(failures) == 3
+    finally:
+        await client.aclose()
+        server.close()
+        await server.wait_closed()
+
+
+def test_its_bounds_are_positive():
+    for bad in ({"ttl_s": 0}, {"max_per_key": 0}, {"max_bytes": 0}, {"timeout_s": 0}):
+        with pytest.raises(ValueError):
+            ResponseStore(None, key_prefix="p", **{"max_bytes": 1, "timeout_s": 1.0, **bad})

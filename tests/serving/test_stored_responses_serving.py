@@ -1,0 +1,128 @@
+"""Stored responses served (gateway/response_store.py, gateway/stored_responses.py): a real gateway,
+prefill and decode workers, Redis and the official openai client.  A response is retrieved as it was
+answered, whole or streamed; one continued by ``previous_response_id`` is the chat answer of the whole
+conversation (greedy) -- the chain's turns, not their instructions -- and a function call's output
+continues the response that made it; ``store: false`` keeps nothing; a deleted response is gone; an
+API key reads and deletes only its own; a gateway that stores nothing says so, naming the field."""
+from __future__ import annotations
+
+import openai
+import pytest
+
+from tests.support.cluster import extra_gateway
+
+KEYS = {"a": "sk-stored-a-0123456789", "b": "sk-stored-b-0123456789"}
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6}}, "required": ["city"],
+           "additionalProperties": False}
+TOOLS = [{"type": "function", "name": "get_weather", "parameters": WEATHER}]
+
+
+def respond(client, stack, input, **params):
+    return client.responses.create(model=stack.model_name, input=input, temperature=0, **params)
+
+
+def chat(client, stack, messages, **params):
+    return client.chat.completions.create(model=stack.model_name, messages=messages, temperature=0, **params)
+
+
+def test_a_response_is_retrieved_as_it_was_answered_whole_or_streamed(client, stack):
+    whole = respond(client, stack, "Keep this answer", max_output_tokens=8)
+    assert whole.store is True
+    assert client.responses.retrieve(whole.id).model_dump() == whole.model_dump()
+    final = list(respond(client, stack, "Keep this stream", max_output_tokens=8, stream=True))[-1].response
+    assert final.store is True
+    assert client.responses.retrieve(final.id).model_dump() == final.model_dump()
+
+
+def test_a_continued_response_is_the_chat_answer_of_the_whole_conversation(client, stack):
+    first = respond(client, stack, "Tell me one thing", instructions="Be brief.", max_output_tokens=10)
+    second = respond(client, stack, "And another", previous_response_id=first.id, max_output_tokens=10)
+    turns = [{"role": "user", "content": "Tell me one thing"}, {"role": "assistant", "content": first.output_text},
+             {"role": "user", "content": "And another"}]
+    expected = chat(client, stack, turns, max_completion_tokens=10)  # the first's instructions are not carried
+    assert second.output_text == expected.choices[0].message.content
+    assert second.usage.input_tokens == expected.usage.prompt_tokens
+    assert (second.previous_response_id, second.instructions) == (first.id, None)
+    # a streamed turn continues the chain, and is continued in its turn
+    events = list(respond(client, stack, "Third", previous_response_id=second.id, max_output_tokens=10, stream=True))
+    third = events[-1].response
+    turns += [{"role": "assistant", "content": second.output_text}, {"role": "user", "content": "Third"}]
+    assert third.output_text == chat(client, stack, turns, max_completion_tokens=10).choices[0].message.content
+    fourth = respond(client, stack, "Last", previous_response_id=third.id, instructions="Be kind.", max_output_tokens=10)
+    turns = [{"role": "system", "content": "Be kind."}, *turns, {"role": "assistant", "content": third.output_text},
+             {"role": "user", "content": "Last"}]
+    assert fourth.output_text == chat(client, stack, turns, max_completion_tokens=10).choices[0].message.content
+
+
+def test_a_function_calls_output_continues_the_response_that_made_it(client, stack):
+    first = respond(client, stack, "Weather in Oslo?", tools=TOOLS,
+                    tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=60)
+    call = next(item for item in first.output if item.type == "function_call")
+    second = respond(client, stack, [{"type": "function_call_output", "call_id": call.call_id, "output": "Sunny"}],
+                     previous_response_id=first.id, tools=TOOLS, max_output_tokens=10)
+    turns = [{"role": "user", "content": "Weather in Oslo?"},
+             {"role": "assistant", "content": first.output_text or None, "tool_calls": [
+                 {"id": call.call_id, "type": "function",
+                  "function": {"name": call.name, "arguments": call.arguments}}]},
+             {"role": "tool", "tool_call_id": call.call_id, "content": "Sunny"}]
+    expected = chat(client, stack, turns, tools=[{"type": "function", "function": {
+        "name": "get_weather", "parameters": WEATHER}}], max_completion_tokens=10)
+    assert second.output_text == (expected.choices[0].message.content or "")
+    assert second.usage.input_tokens == expected.usage.prompt_tokens
+
+
+def test_what_is_not_stored_or_deleted_cannot_be_read_or_continued(client, stack):
+    unkept = respond(client, stack, "Do not keep this", max_output_tokens=4, store=False)
+    assert unkept.store is False
+    kept = respond(client, stack, "Keep this one", max_output_tokens=4)
+    client.responses.delete(kept.id)
+    for gone in (unkept.id, kept.id):
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(gone)
+        with pytest.raises(openai.BadRequestError) as info:
+            respond(client, stack, "More", previous_response_id=gone, max_output_tokens=4)
+        assert (info.value.body["param"], info.value.body["code"]) == ("previous_response_id",
+                                                                        "previous_response_not_found")
+    with pytest.raises(openai.NotFoundError):
+        client.responses.delete(kept.id)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.retrieve(unkept.id, stream=True)
+    assert info.value.body["param"] == "stream"
+
+
+@pytest.fixture(scope="module")
+def keyed(stack, tmp_path_factory):
+    """A second gateway on the same pools with two API keys."""
+    keys = tmp_path_factory.mktemp("keys") / "api-keys"
+    keys.write_text("".join(f"{k}\n" for k in KEYS.values()))
+    with extra_gateway(stack, "stored", ["--api-keys-file", str(keys)]) as proc:
+        yield {name: openai.OpenAI(base_url=f"{proc.url}/v1", api_key=key, max_retries=0, timeout=120)
+               for name, key in KEYS.items()}
+
+
+def test_an_api_key_reads_and_deletes_only_its_own(stack, keyed):
+    mine = respond(keyed["a"], stack, "Mine alone", max_output_tokens=4)
+    with pytest.raises(openai.NotFoundError):
+        keyed["b"].responses.retrieve(mine.id)
+    with pytest.raises(openai.NotFoundError):
+        keyed["b"].responses.delete(mine.id)
+    with pytest.raises(openai.BadRequestError):
+        respond(keyed["b"], stack, "Theirs", previous_response_id=mine.id, max_output_tokens=4)
+    assert keyed["a"].responses.retrieve(mine.id).output_text == mine.output_text
+
+
+@pytest.fixture(scope="module")
+def storeless(stack):
+    with extra_gateway(stack, "storeless", [], env={"PDSERVE_RESPONSES_STORE_TTL": "0"}) as proc:
+        yield openai.OpenAI(base_url=f"{proc.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_a_gateway_that_stores_nothing_says_so_naming_the_field(stack, storeless):
+    answered = respond(storeless, stack, "Not kept", max_output_tokens=4)
+    assert answered.store is False
+    for params, param in (({"store": True}, "store"), ({"previous_response_id": answered.id}, "previous_response_id")):
+        with pytest.raises(openai.BadRequestError) as info:
+            respond(storeless, stack, "Refused", max_output_tokens=4, **params)
+        assert info.value.body["param"] == param
+    with pytest.raises(openai.BadRequestError):
+        storeless.responses.retrieve(answered.id)
