@@ -54,8 +54,10 @@ def document(stack) -> dict:
 
 def test_the_document_describes_what_the_gateway_validates(stack, document):
     assert document["openapi"].startswith("3.1")
-    assert set(document["paths"]) == {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models",
-                                      "/v1/models/{model}", "/health", "/metrics", "/openapi.json"}
+    assert set(document["paths"]) == {"/v1/completions", "/v1/chat/completions", "/v1/responses",
+                                      "/v1/responses/{response_id}", "/v1/models", "/v1/models/{model}", "/health",
+                                      "/metrics", "/openapi.json"}
+    assert set(document["paths"]["/v1/responses/{response_id}"]) == {"get", "delete"}
     schemas = document["components"]["schemas"]
     completion = schemas["CompletionRequest"]
     assert set(completion["required"]) == {"model", "prompt"} and completion["additionalProperties"] is False
@@ -80,7 +82,8 @@ def test_the_document_describes_what_the_gateway_validates(stack, document):
     assert chat["properties"]["logit_bias"]["anyOf"][0]["maxProperties"] == 300
     responses = schemas["ResponsesRequest"]
     assert set(responses["required"]) == {"model", "input"} and responses["additionalProperties"] is False
-    assert responses["properties"]["store"]["const"] is False
+    assert responses["properties"]["store"]["default"] is True  # stored unless it says otherwise
+    assert responses["properties"]["previous_response_id"]["anyOf"][0]["pattern"] == "^resp_[0-9a-f]{32}$"
     item_kinds = {kind["properties"]["type"]["const"] for kind in responses["properties"]["input"]["anyOf"][1]["items"]["anyOf"]}
     assert item_kinds == {"message", "function_call", "function_call_output", "reasoning"}
     assert {rule["if"]["required"][0] for rule in responses["allOf"]} == {"top_logprobs", "tool_choice",

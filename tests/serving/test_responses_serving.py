@@ -4,8 +4,8 @@ text, tokens, usage and logprobs equal a chat completion's of the same conversat
 stream's events come in the documented order, numbered, and reassemble to the whole response; tool
 calls are ``function_call`` items valid by their schemas (streamed, the same), and go back as
 ``function_call`` / ``function_call_output`` input items on the next turn; ``text.format``
-constrains the text; what is not offered (stored responses, images, built-in tools) is a 400
-naming the field."""
+constrains the text; what is not offered (images, built-in tools, a background run) is a 400
+naming the field (stored responses: tests/serving/test_stored_responses_serving.py)."""
 from __future__ import annotations
 
 import json
@@ -235,7 +235,6 @@ def test_text_format_json_schema_constrains_the_text(client, stack):
 
 
 @pytest.mark.parametrize("params, param", [
-    ({"store": True}, "store"),
     ({"previous_response_id": "resp_123"}, "previous_response_id"),
     ({"background": True}, "background"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://x/y.png"}]}]},

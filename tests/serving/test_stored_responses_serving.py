@@ -15,6 +15,10 @@ KEYS = {"a": "sk-stored-a-0123456789", "b": "sk-stored-b-0123456789"}
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6}}, "required": ["city"],
            "additionalProperties": False}
 TOOLS = [{"type": "function", "name": "get_weather", "parameters": WEATHER}]
+# The small stack's template with the assistant's calls written out (its own leaves them out)
+CALLS_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] or '' }}"
+                  "{% for c in m.get('tool_calls') or [] %}[{{ c['function']['name'] }} {{ c['function']['arguments'] }}]"
+                  "{% endfor %}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
 
 def respond(client, stack, input, **params):
@@ -54,7 +58,9 @@ def test_a_continued_response_is_the_chat_answer_of_the_whole_conversation(clien
     assert fourth.output_text == chat(client, stack, turns, max_completion_tokens=10).choices[0].message.content
 
 
-def test_a_function_calls_output_continues_the_response_that_made_it(client, stack):
+def test_a_function_calls_output_continues_the_response_that_made_it(stack, keyed):
+    """On a gateway whose template writes the calls out: the stored conversation holds the call."""
+    client = keyed["a"]
     first = respond(client, stack, "Weather in Oslo?", tools=TOOLS,
                     tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=60)
     call = next(item for item in first.output if item.type == "function_call")
@@ -65,10 +71,13 @@ def test_a_function_calls_output_continues_the_response_that_made_it(client, sta
                  {"id": call.call_id, "type": "function",
                   "function": {"name": call.name, "arguments": call.arguments}}]},
              {"role": "tool", "tool_call_id": call.call_id, "content": "Sunny"}]
-    expected = chat(client, stack, turns, tools=[{"type": "function", "function": {
-        "name": "get_weather", "parameters": WEATHER}}], max_completion_tokens=10)
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
+    expected = chat(client, stack, turns, tools=tools, max_completion_tokens=10)
     assert second.output_text == (expected.choices[0].message.content or "")
     assert second.usage.input_tokens == expected.usage.prompt_tokens
+    without_call = chat(client, stack, [turns[0], {"role": "assistant", "content": first.output_text}, turns[2]],
+                        tools=tools, max_completion_tokens=1)
+    assert without_call.usage.prompt_tokens < expected.usage.prompt_tokens  # the template tells them apart
 
 
 def test_what_is_not_stored_or_deleted_cannot_be_read_or_continued(client, stack):
@@ -92,10 +101,10 @@ def test_what_is_not_stored_or_deleted_cannot_be_read_or_continued(client, stack
 
 @pytest.fixture(scope="module")
 def keyed(stack, tmp_path_factory):
-    """A second gateway on the same pools with two API keys."""
+    """A second gateway on the same pools with two API keys and a template that writes calls out."""
     keys = tmp_path_factory.mktemp("keys") / "api-keys"
     keys.write_text("".join(f"{k}\n" for k in KEYS.values()))
-    with extra_gateway(stack, "stored", ["--api-keys-file", str(keys)]) as proc:
+    with extra_gateway(stack, "stored", ["--api-keys-file", str(keys), "--chat-template", CALLS_TEMPLATE]) as proc:
         yield {name: openai.OpenAI(base_url=f"{proc.url}/v1", api_key=key, max_retries=0, timeout=120)
                for name, key in KEYS.items()}
 
