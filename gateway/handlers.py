@@ -281,7 +281,8 @@ class OpenAIHandlers:
             previous = await store.load(key_id, call.previous_response_id, param="previous_response_id")
             call = call.continuing(previous.messages)
         history = call.chat.messages[1:] if call.instructions else call.chat.messages  # (its system message: theirs)
-        kept = keeper(store, key_id, history) if store is not None and call.store is not False else None
+        kept = (keeper(store, key_id, history, len(call.input_messages))
+                if store is not None and call.store is not False else None)
         return await self._chat_answered_as(request, call.chat, ResponsesAnswer(call, self.shapes, kept), "input")
 
     async def messages(self, request: web.Request) -> web.StreamResponse:

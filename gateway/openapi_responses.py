@@ -15,7 +15,7 @@ import msgspec
 from gateway.openai_protocol import MAX_MESSAGES, MAX_PARTS_PER_MESSAGE
 from gateway.responses_output import ResponseEvent, ResponseObject
 from gateway.responses_request import LOGPROBS_INCLUDE, ResponsesRequest
-from gateway.stored_responses import ResponseDeleted
+from gateway.stored_responses import MAX_LIMIT, InputItemList, ResponseDeleted
 
 _REF = "#/components/schemas/{name}"
 _NULL = {"type": "null"}
@@ -76,8 +76,8 @@ def responses_schemas(model_id: str, vocab_size: int, common_rules: dict[str, di
     """The schemas ``POST /v1/responses`` names (``common_rules``: the fields' rules shared with the
     other generation endpoints, applied to the fields this request has too; ``stored``: whether the
     gateway stores responses)."""
-    (_, _, events, _), schemas = msgspec.json.schema_components(
-        [ResponsesRequest, ResponseObject, ResponseEvent, ResponseDeleted], ref_template=_REF)
+    (_, _, events, _, _), schemas = msgspec.json.schema_components(
+        [ResponsesRequest, ResponseObject, ResponseEvent, ResponseDeleted, InputItemList], ref_template=_REF)
     schemas = copy.deepcopy(schemas)
     schemas["ResponseEvent"] = copy.deepcopy(events)
     schemas.pop("InputItem", None), schemas.pop("InputPart", None)  # described by hand above
@@ -116,15 +116,25 @@ def stored_response_paths(errors: dict[str, dict], auth: bool) -> dict:
     failures["404"] = {**errors["404"], "description": "This API key has no stored response by that id (never "
                                                        "stored, deleted, or past its time)."}
 
-    def operation(summary: str, answer: str, schema: str) -> dict:
-        return {"summary": summary, "parameters": [parameter], **security,
+    def operation(summary: str, answer: str, schema: str, query: tuple = ()) -> dict:
+        return {"summary": summary, "parameters": [parameter, *query], **security,
                 "responses": {"200": {"description": answer, "content": {"application/json": {
                     "schema": {"$ref": _REF.format(name=schema)}}}}, **failures}}
 
-    return {"/v1/responses/{response_id}": {
-        "get": operation("A stored response (this API key's)", "The response as it was answered.", "ResponseObject"),
-        "delete": operation("Forget a stored response", "It is forgotten.", "ResponseDeleted"),
-    }}
+    paging = ({"name": "order", "in": "query", "schema": {"enum": ["asc", "desc"], "default": "desc"}},
+              {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": MAX_LIMIT,
+                                                          "default": 20}})
+    return {
+        "/v1/responses/{response_id}": {
+            "get": operation("A stored response (this API key's)", "The response as it was answered.",
+                             "ResponseObject"),
+            "delete": operation("Forget a stored response", "It is forgotten.", "ResponseDeleted"),
+        },
+        "/v1/responses/{response_id}/input_items": {
+            "get": operation("A stored response's input items", "Its request's input, as items (a page of them).",
+                             "InputItemList", paging),
+        },
+    }
 
 
 def responses_operation(errors: dict[str, dict], auth: bool) -> dict:

@@ -43,10 +43,16 @@ DEFAULT_MAX_PER_KEY = 1000
 
 
 class StoredResponse(msgspec.Struct, array_like=True):
-    """A stored response: its JSON as answered, and the conversation it closes."""
+    """A stored response: its JSON as answered, the conversation it closes, and how many of that
+    conversation's messages were its own input (those before its output, the last message)."""
 
     response: bytes
     messages: list[ChatMessage]
+    inputs: int = 0
+
+    @property
+    def input_messages(self) -> list[ChatMessage]:
+        return self.messages[max(0, len(self.messages) - 1 - self.inputs):-1]
 
 
 _encode = msgspec.msgpack.Encoder().encode
@@ -60,11 +66,11 @@ def not_found(response_id: str, param: str | None = None) -> OpenAIError:
     return OpenAIError(status, f"Response with id '{response_id}' not found.", param=param, code=code)
 
 
-def keeper(store: "ResponseStore", key_id: str, history: list[ChatMessage]):
+def keeper(store: "ResponseStore", key_id: str, history: list[ChatMessage], inputs: int):
     """What stores a finished response of API key ``key_id`` whose conversation before its output is
-    ``history`` (``ResponsesAnswer``'s keeper)."""
+    ``history``, its last ``inputs`` messages the request's input (``ResponsesAnswer``'s keeper)."""
     async def keep(response: msgspec.Struct, output: list[ChatMessage]) -> bool:
-        return await store.save(key_id, response.id, StoredResponse(_json(response), [*history, *output]))
+        return await store.save(key_id, response.id, StoredResponse(_json(response), [*history, *output], inputs))
     return keep
 
 

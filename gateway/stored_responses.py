@@ -1,11 +1,23 @@
-"""``GET`` and ``DELETE /v1/responses/{response_id}``: an API key's stored responses (gateway/response_store.py)."""
+"""``GET`` and ``DELETE /v1/responses/{response_id}`` and ``GET .../input_items``: an API key's stored
+responses (gateway/response_store.py).
+
+A response's input items are its request's input, rebuilt from the stored conversation: messages
+(an assistant's as ``output_text``, the others' as ``input_text`` parts), ``function_call`` and
+``function_call_output`` items, each with an id of its own (the response's, and its place).  Listed
+as OpenAI's are: ``order`` ``desc`` (the default) or ``asc``, ``limit`` 1-100 (20), ``after`` an item id.
+"""
 from __future__ import annotations
+
+from typing import Any
 
 import msgspec
 from aiohttp import web
 
 from gateway.openai_errors import invalid
+from gateway.openai_protocol import ChatMessage
 from gateway.response_store import ResponseStore, store_disabled
+
+MAX_LIMIT = 100
 
 
 class ResponseDeleted(msgspec.Struct):
@@ -14,17 +26,76 @@ class ResponseDeleted(msgspec.Struct):
     deleted: bool = True
 
 
+class InputItemList(msgspec.Struct):
+    data: list[dict[str, Any]]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+    object: str = "list"
+
+
+def input_items(messages: list[ChatMessage], response_id: str) -> list[dict[str, Any]]:
+    """``messages`` (a request's input, as the chat path read it) as the Responses API's items."""
+    tag = response_id.removeprefix("resp_")
+    items: list[dict[str, Any]] = []
+
+    def add(kind: str, **fields) -> None:
+        items.append({"id": f"{kind}_{tag}_{len(items)}", "status": "completed", **fields})
+
+    for m in messages:
+        if m.role == "tool":
+            add("fco", type="function_call_output", call_id=m.tool_call_id, output=m.text())
+        elif m.role == "assistant":
+            if m.text() or not m.tool_calls:
+                add("msg", type="message", role="assistant",
+                    content=[{"type": "output_text", "text": m.text(), "annotations": []}])
+            for call in m.tool_calls or ():
+                add("fc", type="function_call", call_id=call.id, name=call.function.name,
+                    arguments=call.function.arguments)
+        else:
+            add("msg", type="message", role=m.role, content=[{"type": "input_text", "text": m.text()}])
+    return items
+
+
+def _page(items: list[dict[str, Any]], query) -> InputItemList:
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise invalid(f"order must be asc or desc, got {order[:16]!r}", "order")
+    try:
+        limit = int(query.get("limit", "20"))
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= MAX_LIMIT:
+        raise invalid(f"limit must be an integer from 1 to {MAX_LIMIT}", "limit")
+    listed = items if order == "asc" else items[::-1]
+    if "after" in query:
+        at = next((i for i, item in enumerate(listed) if item["id"] == query["after"]), None)
+        if at is None:
+            raise invalid("after names no input item of this response", "after")
+        listed = listed[at + 1:]
+    page = listed[:limit]
+    return InputItemList(page, page[0]["id"] if page else None, page[-1]["id"] if page else None,
+                         len(listed) > limit)
+
+
 def add_stored_response_routes(app: web.Application, store: ResponseStore | None) -> None:
-    async def retrieve(request: web.Request) -> web.Response:
-        """The stored response as it was answered (a stream's replay is not offered)."""
+    async def load(request: web.Request):
         if store is None:
             raise store_disabled("response_id")
+        return await store.load(request["tenant"].key_id, request.match_info["response_id"])
+
+    async def retrieve(request: web.Request) -> web.Response:
+        """The stored response as it was answered (a stream's replay is not offered)."""
         for name in ("stream", "starting_after"):
             if request.query.get(name, "false").lower() not in ("false", "0"):
                 raise invalid(f"{name}: a stored response is returned whole (no stream replay)", name,
                               "unsupported_value")
-        stored = await store.load(request["tenant"].key_id, request.match_info["response_id"])
-        return web.Response(body=stored.response, content_type="application/json")
+        return web.Response(body=(await load(request)).response, content_type="application/json")
+
+    async def list_input_items(request: web.Request) -> web.Response:
+        stored = await load(request)
+        items = input_items(stored.input_messages, request.match_info["response_id"])
+        return web.Response(body=msgspec.json.encode(_page(items, request.query)), content_type="application/json")
 
     async def delete(request: web.Request) -> web.Response:
         if store is None:
@@ -35,3 +106,4 @@ def add_stored_response_routes(app: web.Application, store: ResponseStore | None
 
     app.router.add_get("/v1/responses/{response_id}", retrieve)
     app.router.add_delete("/v1/responses/{response_id}", delete)
+    app.router.add_get("/v1/responses/{response_id}/input_items", list_input_items)

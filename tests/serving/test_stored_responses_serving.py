@@ -58,6 +58,28 @@ def test_a_continued_response_is_the_chat_answer_of_the_whole_conversation(clien
     assert fourth.output_text == chat(client, stack, turns, max_completion_tokens=10).choices[0].message.content
 
 
+def test_a_responses_input_items_are_its_own_input_paged(client, stack):
+    first = respond(client, stack, "Opening line", max_output_tokens=4)
+    sent = [{"role": "user", "content": "One"}, {"role": "assistant", "content": "Two"},
+            {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Oslo"}'},
+            {"type": "function_call_output", "call_id": "call_1", "output": "Sunny"},
+            {"role": "user", "content": [{"type": "input_text", "text": "Three"}]}]
+    second = respond(client, stack, sent, previous_response_id=first.id, max_output_tokens=4)
+    listed = client.responses.input_items.list(second.id, order="asc")
+    assert [(i.type, getattr(i, "role", None)) for i in listed.data] == [
+        ("message", "user"), ("message", "assistant"), ("function_call", None), ("function_call_output", None),
+        ("message", "user")]  # this response's input alone, not the one it continued
+    assert [i.content[0].text for i in listed.data if i.type == "message"] == ["One", "Two", "Three"]
+    call, result = listed.data[2], listed.data[3]
+    assert (call.call_id, call.name, call.arguments, result.call_id, result.output) == (
+        "call_1", "get_weather", '{"city": "Oslo"}', "call_1", "Sunny")
+    newest = client.responses.input_items.list(second.id, limit=2)  # desc by default
+    assert [i.id for i in newest.data] == [i.id for i in listed.data[::-1][:2]] and newest.has_more
+    rest = client.responses.input_items.list(second.id, limit=10, after=newest.data[-1].id)
+    assert [i.id for i in rest.data] == [i.id for i in listed.data[::-1][2:]] and not rest.has_more
+    assert [i.content[0].text for i in client.responses.input_items.list(first.id).data] == ["Opening line"]
+
+
 def test_a_function_calls_output_continues_the_response_that_made_it(stack, keyed):
     """On a gateway whose template writes the calls out: the stored conversation holds the call."""
     client = keyed["a"]
