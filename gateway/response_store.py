@@ -10,8 +10,7 @@ before its own input; instructions are not carried over (the request's own ``ins
 its system message), as OpenAI's are not.
 
     {prefix}:responses:{key id}:{response id}  STRING  StoredResponse (msgpack), EX ttl
-    {prefix}:responses:{key id}                ZSET    that key's stored ids, score = when stored (s);
-                                                       those past the TTL pruned at each save
+    {prefix}:responses:{key id}                ZSET    that key's stored ids, score = when stored (s)
 
 Each API key reads and deletes only its own (its key id is in the key; without API keys every caller
 is the one tenant ``anonymous``).  Ids are ``resp_`` and 32 random hex digits.  What a stranger can
@@ -111,9 +110,7 @@ class ResponseStore:
             async with asyncio.timeout(self.timeout_s):
                 async with self.redis.pipeline(transaction=True) as pipe:
                     pipe.set(self._key(key_id, response_id), data, ex=max(1, round(self.ttl_s)))
-                    stamp = time.time()
-                    pipe.zremrangebyscore(index, "-inf", stamp - self.ttl_s)  # those gone by their TTL
-                    pipe.zadd(index, {response_id: stamp})
+                    pipe.zadd(index, {response_id: time.time()})
                     pipe.expire(index, max(1, round(self.ttl_s)))
                     pipe.zrange(index, 0, -self.max_per_key - 1)
                     *_, oldest = await pipe.execute()

@@ -65,16 +65,6 @@ async def test_a_keys_oldest_responses_go_past_its_bound(redis_client, key_prefi
     assert (await store.load("key-b", rid(9))).response == b"{}"  # another key's bound is its own
 
 
-async def test_ids_past_their_time_leave_the_keys_index(redis_client, key_prefix):
-    store = make_store(redis_client, key_prefix, ttl_s=600, max_per_key=2)
-    index = f"{key_prefix}:responses:key-a"
-    await redis_client.zadd(index, {rid(1): 1.0})  # stored long ago (its key expired with its TTL)
-    assert await store.save("key-a", rid(2), StoredResponse(b"{}", []))
-    assert await store.save("key-a", rid(3), StoredResponse(b"{}", []))
-    assert [m.decode() for m in await redis_client.zrange(index, 0, -1)] == [rid(2), rid(3)]
-    assert (await store.load("key-a", rid(2))).response == b"{}"  # the bound counted live ones alone
-
-
 async def test_a_deleted_response_is_gone(redis_client, key_prefix):
     store = make_store(redis_client, key_prefix)
     await store.save("key-a", rid(1), StoredResponse(b"{}", CONVERSATION))
