@@ -272,7 +272,9 @@ class OpenAIHandlers:
 
     async def responses(self, request: web.Request) -> web.StreamResponse:
         """OpenAI's Responses API: a chat request in that API's shapes (gateway/responses_request.py,
-        gateway/responses_output.py)."""
+        gateway/responses_output.py), after the stored conversation it continues
+        (``previous_response_id``), stored in its turn unless it says ``store: false``
+        (gateway/response_store.py)."""
         call = parse_responses_request(await self.services.read_body(request))
         store, key_id = self.services.response_store, request["tenant"].key_id
         if store is None and (call.store or call.previous_response_id is not None):
