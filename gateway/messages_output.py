@@ -58,9 +58,10 @@ class MessageObject(msgspec.Struct, kw_only=True):
     role: str = "assistant"
 
 
-class ErrorDetail(msgspec.Struct):
+class ErrorDetail(msgspec.Struct, omit_defaults=True):
     type: str
     message: str
+    code: str | None = None  # the OpenAI endpoints' error code, where there is one (beside Anthropic's type)
 
 
 class ErrorEvent(msgspec.Struct):
@@ -92,7 +93,7 @@ def _tool_use_id() -> str:
 
 def error_body(error: OpenAIError) -> ErrorEvent:
     """An error in the Messages API's shape."""
-    return ErrorEvent(ErrorDetail(ERROR_TYPES.get(error.status, "api_error"), error.message))
+    return ErrorEvent(ErrorDetail(ERROR_TYPES.get(error.status, "api_error"), error.message, error.code))
 
 
 def _stop(gen: Generation, made_calls: bool) -> tuple[str, str | None]:

@@ -169,7 +169,7 @@ def parse_messages_request(body: bytes, counting: bool = False) -> ChatCompletio
     if prefilled and (plan.structured is not None or chat.sampling().structured is not None):
         raise invalid("a conversation ending in the assistant's text (a prefill) cannot be constrained too: "
                       "output_config.format, structured_outputs and tool_choice any / tool start a new answer",
-                      "messages")
+                      "messages", "prefill_not_constrainable")
     if plan.structured is not None and chat.sampling().structured is not None:
         raise invalid(f"tool_choice {req.tool_choice.type!r} constrains the output itself; it cannot be combined "
                       "with output_config.format or structured_outputs", "tool_choice")

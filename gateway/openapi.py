@@ -32,6 +32,7 @@ from gateway.openai_protocol import (
     ChatCompletionRequest, ChatCompletionResponse, CompletionChunk, CompletionRequest, CompletionResponse,
     ErrorResponse, ModelList,
 )
+from gateway.openapi_messages import messages_paths, messages_schemas
 from gateway.openapi_responses import responses_operation, responses_schemas, stored_response_paths
 from gateway.prompt_input import MAX_REQUEST_CHOICES
 from gateway.template_kwargs import MAX_TEMPLATE_KWARGS, RESERVED
@@ -287,6 +288,8 @@ def openapi_document(model_id: str, *, vocab_size: int, api_keys: bool, stored_r
                                                                        stored_responses).items()
                     if name not in schemas})
     errors = {status: _error(text) for status, text in _ERRORS.items()}
+    schemas.update({name: schema for name, schema in messages_schemas(model_id, vocab_size, _COMMON_RULES).items()
+                    if name not in schemas})
     paths = {
         "/v1/completions": {"post": _generation("Text completion", "CompletionRequest", "CompletionResponse",
                                                 "CompletionChunk", api_keys)},
@@ -294,6 +297,7 @@ def openapi_document(model_id: str, *, vocab_size: int, api_keys: bool, stored_r
                                                      "ChatCompletionResponse", "ChatCompletionChunk", api_keys)},
         "/v1/responses": {"post": responses_operation(errors, api_keys)},
         **(stored_response_paths(errors, api_keys) if stored_responses else {}),
+        **messages_paths(_ERRORS, api_keys),
         "/v1/models": {"get": {
             "summary": "The served model",
             "responses": {"200": {"description": "The one model this server serves.",

@@ -56,7 +56,8 @@ def test_the_document_describes_what_the_gateway_validates(stack, document):
     assert document["openapi"].startswith("3.1")
     assert set(document["paths"]) == {"/v1/completions", "/v1/chat/completions", "/v1/responses",
                                       "/v1/responses/{response_id}", "/v1/responses/{response_id}/input_items",
-                                      "/v1/models", "/v1/models/{model}", "/health", "/metrics", "/openapi.json"}
+                                      "/v1/messages", "/v1/messages/count_tokens", "/v1/models", "/v1/models/{model}",
+                                      "/health", "/metrics", "/openapi.json"}
     assert set(document["paths"]["/v1/responses/{response_id}"]) == {"get", "delete"}
     schemas = document["components"]["schemas"]
     completion = schemas["CompletionRequest"]
@@ -88,6 +89,15 @@ def test_the_document_describes_what_the_gateway_validates(stack, document):
     assert item_kinds == {"message", "function_call", "function_call_output", "reasoning"}
     assert {rule["if"]["required"][0] for rule in responses["allOf"]} == {"top_logprobs", "tool_choice",
                                                                           "structured_outputs"}
+    messages = schemas["MessagesRequest"]  # Anthropic's: each role's blocks, max_tokens required but in count_tokens
+    assert set(messages["required"]) == {"model", "messages", "max_tokens"}
+    assert set(schemas["MessagesCountTokensRequest"]["required"]) == {"model", "messages"}
+    turns = {turn["properties"]["role"]["const"]: {block["properties"]["type"].get("const") or "thinking"
+                                                   for block in turn["properties"]["content"]["anyOf"][1]["items"]["anyOf"]}
+             for turn in messages["properties"]["messages"]["items"]["anyOf"]}
+    assert turns == {"user": {"text", "tool_result"}, "assistant": {"text", "tool_use", "thinking"}}
+    error = document["paths"]["/v1/messages"]["post"]["responses"]["400"]["content"]["application/json"]["schema"]
+    assert error["$ref"].endswith("/ErrorEvent")
 
 
 def test_generated_requests_never_get_a_server_error(stack, tmp_path):
