@@ -30,7 +30,7 @@ from common.cluster.redis_util import (
 from common.cluster.redis_keys import DEFAULT_KEY_PREFIX
 from common.cluster.secret_sources import check_distinct, check_secret
 from gateway.backpressure import WaitQueue
-from gateway.response_store import DEFAULT_MAX_PER_KEY, DEFAULT_TTL_S
+from gateway.response_store import DEFAULT_MAX_BYTES_PER_KEY, DEFAULT_MAX_PER_KEY, DEFAULT_TTL_S, MAX_TTL_S
 from gateway.routing import POLICIES, RoutingConfig
 from gateway.tenants import CACHE_ISOLATION, ApiKeys, default_key_share, key_id, read_api_keys
 
@@ -108,9 +108,10 @@ class GatewayConfig:
     client_write_timeout: float = HTTP_DEFAULTS.write_timeout  # a client that takes no bytes this long is cut off
     prefix_lookup_timeout: float = 0.5  # the most one Redis prefix lookup may cost a request
     # The Responses API's stored responses (gateway/response_store.py): how long one is kept (0: none
-    # stored), how many an API key keeps (its oldest go first), each Redis call's bound.
+    # stored), how many and how many bytes an API key keeps (its oldest go first), each Redis call's bound.
     responses_store_ttl: float = DEFAULT_TTL_S
     responses_store_max: int = DEFAULT_MAX_PER_KEY
+    responses_store_max_bytes: int = DEFAULT_MAX_BYTES_PER_KEY
     responses_store_timeout: float = 2.0
     redis_retry_interval: float = 2.0  # while Redis fails, prefix lookups skip it and probe this often
     inline_tokenize_chars: int = 4096  # longer inputs are tokenized in a thread, off the event loop
@@ -141,13 +142,16 @@ class GatewayConfig:
             if not getattr(self, name) > 0:
                 raise bad(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("queue_size", "inline_tokenize_chars", "max_inflight_per_key", "queue_size_per_key",
-                     "migration_limit", "responses_store_ttl"):
+                     "migration_limit"):
             if (getattr(self, name) or 0) < 0:
                 raise bad(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.tokenizer_threads < 1:
             raise bad(f"tokenizer_threads must be >= 1, got {self.tokenizer_threads}")
-        if self.responses_store_max < 1:
-            raise bad(f"responses_store_max must be >= 1, got {self.responses_store_max}")
+        if self.responses_store_max < 1 or self.responses_store_max_bytes < 1:
+            raise bad(f"responses_store_max and responses_store_max_bytes must be >= 1, got "
+                      f"{self.responses_store_max}, {self.responses_store_max_bytes}")
+        if not 0 <= self.responses_store_ttl <= MAX_TTL_S:  # (NaN fails too)
+            raise bad(f"responses_store_ttl must be in [0, {MAX_TTL_S:g}] s, got {self.responses_store_ttl}")
         if self.structured_output_backend not in BACKENDS:
             raise bad(f"structured_output_backend must be one of {', '.join(BACKENDS)}, got "
                       f"{self.structured_output_backend!r}")
@@ -302,6 +306,9 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
              "(in Redis; 0: none stored)")
     add("--responses-store-max", GatewayConfig.responses_store_max, int,
         help="stored responses one API key keeps; storing one more forgets its oldest")
+    add("--responses-store-max-bytes", GatewayConfig.responses_store_max_bytes, int,
+        help="bytes of stored responses one API key keeps in Redis (its oldest go first); one response's "
+             "conversation over this or --max-body-bytes is not stored")
     add("--responses-store-timeout", GatewayConfig.responses_store_timeout, float,
         help="seconds one Redis call of the response store may take (a read then fails with 503; a write is skipped)")
     add("--inline-tokenize-chars", GatewayConfig.inline_tokenize_chars, int, help="longer inputs are tokenized in a thread, off the event loop")
@@ -350,6 +357,7 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = N
         client_read_timeout=args.client_read_timeout, inline_tokenize_chars=args.inline_tokenize_chars,
         prefix_lookup_timeout=args.prefix_lookup_timeout, redis_retry_interval=args.redis_retry_interval,
         responses_store_ttl=args.responses_store_ttl, responses_store_max=args.responses_store_max,
+        responses_store_max_bytes=args.responses_store_max_bytes,
         responses_store_timeout=args.responses_store_timeout,
         tokenizer_threads=args.tokenizer_threads, structured_output_backend=args.structured_output_backend,
         grammar_compile_timeout=args.grammar_compile_timeout, tool_call_parser=args.tool_call_parser,

@@ -276,16 +276,18 @@ class OpenAIHandlers:
         (``previous_response_id``), stored in its turn unless it says ``store: false``
         (gateway/response_store.py)."""
         call = parse_responses_request(await self.services.read_body(request))
-        store, key_id = self.services.response_store, request["tenant"].key_id
+        store, tenant = self.services.response_store, request["tenant"]
         if store is None and (call.store or call.previous_response_id is not None):
             raise store_disabled("store" if call.store else "previous_response_id")
-        if call.previous_response_id is not None:
-            previous = await store.load(key_id, call.previous_response_id, param="previous_response_id")
-            call = call.continuing(previous.messages)
-        history = call.chat.messages[1:] if call.instructions else call.chat.messages  # (its system message: theirs)
-        kept = (keeper(store, key_id, history, len(call.input_messages))
-                if store is not None and call.store is not False else None)
-        return await self._chat_answered_as(request, call.chat, ResponsesAnswer(call, self.shapes, kept), "input")
+        self._check_model(call.chat.model)
+        async with self.services.admission(tenant):  # (the stored conversation is read within it)
+            if call.previous_response_id is not None:
+                previous = await store.load(tenant.key_id, call.previous_response_id, param="previous_response_id")
+                call = call.continuing(previous.messages)
+            history = call.chat.messages[1:] if call.instructions else call.chat.messages  # (not its system message)
+            kept = (keeper(store, tenant.key_id, history, len(call.input_messages))
+                    if store is not None and call.store is not False else None)
+            return await self._chat_admitted(request, call.chat, ResponsesAnswer(call, self.shapes, kept), "input")
 
     async def messages(self, request: web.Request) -> web.StreamResponse:
         """Anthropic's Messages API: a chat request in that API's shapes (gateway/messages_request.py,
@@ -298,13 +300,18 @@ class OpenAIHandlers:
         """A chat request (another API's, read into the chat's) answered in ``answer``'s shape, its id
         the answer's; the template's refusals name ``field``."""
         self._check_model(req.model)
+        async with self.services.admission(request["tenant"]):
+            return await self._chat_admitted(request, req, answer, field)
+
+    async def _chat_admitted(self, request: web.Request, req: ChatCompletionRequest, answer: Answer,
+                             field: str) -> web.StreamResponse:
+        """``_chat_answered_as`` once the request is admitted."""
         plan = req.tool_plan()
         messages, render = self._chat_renderer(req, plan, field=field)
-        async with self.services.admission(request["tenant"]):
-            ids = await self.services.prompts.chat(messages, render)
-            gens = self._prepare(request, "chat", req, ids, plan, response_id=answer.response_id)
-            await self._check_grammar(gens[0].params)
-            return await self._serve(request, gens, answer)
+        ids = await self.services.prompts.chat(messages, render)
+        gens = self._prepare(request, "chat", req, ids, plan, response_id=answer.response_id)
+        await self._check_grammar(gens[0].params)
+        return await self._serve(request, gens, answer)
 
     async def count_message_tokens(self, request: web.Request) -> web.Response:
         """Anthropic's ``/v1/messages/count_tokens``: the prompt's tokens as the chat template makes them."""

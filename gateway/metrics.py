@@ -12,6 +12,7 @@ several gateways in one process never collide.  Names follow vLLM/Dynamo practic
                 pdserve_prompt_tokens_total, pdserve_generation_tokens_total
     prefix hit  pdserve_prefix_cache_hit_tokens_total / pdserve_prompt_tokens_total = hit rate
     routing     pdserve_prefill_skipped_total{reason}, pdserve_redis_unavailable_total,
+                pdserve_responses_store_failures_total  (the Responses API's stored responses),
                 pdserve_upstream_timeouts_total{phase}, pdserve_decode_busy_total{worker_id},
                 pdserve_requests_queued,
                 pdserve_migrations_total{cause}, pdserve_migrated_tokens_total  (streams moved, tokens replayed)
@@ -111,6 +112,9 @@ class GatewayMetrics:
             "first_token / idle: no frame).", ["phase"], **kw)
         self.redis_unavailable = Counter(
             "redis_unavailable", "Redis calls that failed or timed out (routing fell back to load).", **kw)
+        self.responses_store_failures = Counter(
+            "responses_store_failures", "Calls of the Responses API's store that Redis failed or did not answer in "
+            "time (a response then not stored, or a stored one not read: 503).", **kw)
         self.registry_rejected = Counter(
             "registry_rejected_entries", "Registry entries ignored on read, by reason: signature (unsigned, "
             "forged or another secret), version (an older writer), expired, clock (written in the reader's future), "

@@ -21,18 +21,26 @@ _REF = "#/components/schemas/{name}"
 _NULL = {"type": "null"}
 _ID = {"type": "string", "minLength": 1, "maxLength": 256}
 _NAME = {"type": "string", "minLength": 1, "maxLength": 64, "pattern": "^[A-Za-z0-9_.\\-]+$"}
-_TEXT = {"type": "object", "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
-         "required": ["type", "text"], "description": "Text (a block sent back may carry citations, cache_control)."}
+# Every block is read with these fields typed, whatever its type (gateway/messages_request.py's Block)
+_BLOCK_FIELDS = {"text": {"type": ["string", "null"]}, "id": {"anyOf": [_ID, _NULL]}, "name": {"anyOf": [_NAME, _NULL]},
+                 "tool_use_id": {"anyOf": [_ID, _NULL]}, "is_error": {"type": "boolean"}}
+
+
+def _block(description: str, required: list[str], **own) -> dict:
+    return {"type": "object", "description": description, "required": required,
+            "properties": {**_BLOCK_FIELDS, **own}}
+
+
+_TEXT = _block("Text (a block sent back may carry citations, cache_control).", ["type", "text"],
+               type={"const": "text"}, text={"type": "string"})
 _TEXTS = {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT, "maxItems": MAX_PARTS_PER_MESSAGE}]}
-_TOOL_RESULT = {"type": "object", "description": "A tool's result, answering the tool_use of that id.",
-                "properties": {"type": {"const": "tool_result"}, "tool_use_id": _ID, "content": _TEXTS,
-                               "is_error": {"type": "boolean", "default": False}},
-                "required": ["type", "tool_use_id"]}
-_TOOL_USE = {"type": "object", "description": "A tool call the assistant made.",
-             "properties": {"type": {"const": "tool_use"}, "id": _ID, "name": _NAME, "input": {"type": "object"}},
-             "required": ["type", "id", "name", "input"]}
-_THINKING = {"type": "object", "description": "A reasoning model's thinking: left out of the prompt.",
-             "properties": {"type": {"enum": ["thinking", "redacted_thinking"]}}, "required": ["type"]}
+_TOOL_RESULT = _block("A tool's result, answering the tool_use of that id.", ["type", "tool_use_id"],
+                      type={"const": "tool_result"}, tool_use_id=_ID, content=_TEXTS,
+                      is_error={"type": "boolean", "default": False})
+_TOOL_USE = _block("A tool call the assistant made.", ["type", "id", "name", "input"],
+                   type={"const": "tool_use"}, id=_ID, name=_NAME, input={"type": "object"})
+_THINKING = _block("A reasoning model's thinking: left out of the prompt.", ["type"],
+                   type={"enum": ["thinking", "redacted_thinking"]})
 
 
 def _turn(role: str, blocks: list[dict]) -> dict:
@@ -89,7 +97,7 @@ def _described(struct: type[msgspec.Struct]) -> type[msgspec.Struct]:
 
 def messages_schemas(model_id: str, vocab_size: int, common_rules: dict[str, dict]) -> dict[str, dict]:
     """The schemas the Messages API's operations name (``common_rules``: the rules of the fields it
-    shares with the OpenAI endpoints, ``structured_outputs`` and ``cache_salt``)."""
+    shares with the OpenAI endpoints: ``structured_outputs``, ``cache_salt``, ``seed``)."""
     (_, _, _), schemas = msgspec.json.schema_components([_described(MessagesRequest), MessageObject, ErrorEvent],
                                                        ref_template=_REF)
     schemas = copy.deepcopy(schemas)
@@ -109,7 +117,9 @@ def messages_schemas(model_id: str, vocab_size: int, common_rules: dict[str, dic
                               "description": "format: JSON valid by the schema (enforced)."}
     props["structured_outputs"] = copy.deepcopy(common_rules["structured_outputs"])
     props["cache_salt"] = copy.deepcopy(common_rules["cache_salt"])
-    schemas["ToolChoice"]["allOf"] = [_implies({"properties": {"type": {"const": "tool"}}}, {"required": ["name"]})]
+    props["seed"] = copy.deepcopy(common_rules["seed"])
+    schemas["ToolChoice"]["allOf"] = [_implies({"properties": {"type": {"const": "tool"}}},
+                                               {"required": ["name"], "properties": {"name": {"type": "string"}}})]
     counting = copy.deepcopy(body)
     counting["properties"].pop("stream", None)
     counting["properties"].pop("max_tokens", None)

@@ -123,7 +123,9 @@ def stored_response_paths(errors: dict[str, dict], auth: bool) -> dict:
 
     paging = ({"name": "order", "in": "query", "schema": {"enum": ["asc", "desc"], "default": "desc"}},
               {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": MAX_LIMIT,
-                                                          "default": 20}})
+                                                          "default": 20}},
+              {"name": "after", "in": "query", "schema": {"type": "string"},
+               "description": "An item id of this response's: the page starts after it (else a 400)."})
     return {
         "/v1/responses/{response_id}": {
             "get": operation("A stored response (this API key's)", "The response as it was answered.",

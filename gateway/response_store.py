@@ -2,28 +2,34 @@
 ``GET`` / ``DELETE /v1/responses/{response_id}`` read and write.
 
 A finished response is stored (unless its request said ``store: false``) before the client has it --
-before the whole response is sent, or a stream's last event -- so the client's next request finds it.
-It is kept as the response object the client got and the conversation it closes: the messages of
-the response it continued (``previous_response_id``), its own input's, then its output as an
-assistant message (its text and function calls).  A request continuing it gets those messages
-before its own input; instructions are not carried over (the request's own ``instructions`` are
-its system message), as OpenAI's are not.
+before the whole response is sent, or a stream's last event -- so the client's next request finds it
+(a stream that fails or is cut off is not stored: its answer says ``store: false``).  It is kept as
+the response object the client got and the conversation it closes: the messages of the response it
+continued (``previous_response_id``), its own input's, then its output as an assistant message (its
+text and function calls).  A request continuing it gets those messages before its own input;
+instructions are not carried over (the request's own ``instructions`` are its system message), as
+OpenAI's are not.
 
     {prefix}:responses:{key id}:{response id}  STRING  StoredResponse (msgpack), EX ttl
     {prefix}:responses:{key id}                ZSET    that key's stored ids, score = when stored (s)
+    {prefix}:responses:{key id}:sizes          HASH    that key's stored ids -> their bytes
 
 Each API key reads and deletes only its own (its key id is in the key; without API keys every caller
 is the one tenant ``anonymous``).  Ids are ``resp_`` and 32 random hex digits.  What a stranger can
-hold: ``max_per_key`` responses an API key (storing one more deletes that key's oldest), each at most
-``max_bytes`` (a conversation grown past that is not stored: the answer says ``store: false`` and
-the log says why), for ``ttl_s`` seconds.  Every Redis call is bounded by ``timeout_s``: a response
-that could not be stored is answered all the same (logged, counted); a stored response that cannot
-be read is a 503.  What Redis returns is decoded into its declared types, never trusted as given.
+hold: an API key's ``max_per_key`` newest responses within ``max_bytes_per_key`` bytes in all
+(storing one more forgets that key's oldest until both hold; ids past their TTL count until then --
+they are the oldest, so they go first), each at most ``max_bytes`` (a conversation grown past that is
+not stored: the answer says ``store: false``), for ``ttl_s`` seconds.  Every Redis call is bounded
+by ``timeout_s``: a response that could not be stored is answered all the same (logged, counted); a
+stored response that cannot be read is a 503.  What Redis returns is decoded into its declared
+types, never trusted as given.  Where there are no API keys a response id is all it takes to read a
+response: no id is logged or echoed.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import re
 import time
 
@@ -39,7 +45,10 @@ log = logging.getLogger(__name__)
 
 RESPONSE_ID_RE = re.compile(r"resp_[0-9a-f]{32}")
 DEFAULT_TTL_S = 86400.0  # a day
+MAX_TTL_S = 365 * 86400.0
 DEFAULT_MAX_PER_KEY = 1000
+DEFAULT_MAX_BYTES_PER_KEY = 64 << 20
+_REDIS_FAILURES = (TimeoutError, *UNAVAILABLE_ERRORS, redis.exceptions.RedisError)
 
 
 class StoredResponse(msgspec.Struct, array_like=True):
@@ -60,10 +69,14 @@ _json = msgspec.json.Encoder().encode
 _decode = msgspec.msgpack.Decoder(StoredResponse).decode
 
 
-def not_found(response_id: str, param: str | None = None) -> OpenAIError:
+def not_found(param: str | None = None) -> OpenAIError:
+    """No stored response by that id (for this API key): a 404, or a 400 naming ``param``."""
     code = "previous_response_not_found" if param == "previous_response_id" else None
-    status = 400 if param else 404
-    return OpenAIError(status, f"Response with id '{response_id}' not found.", param=param, code=code)
+    return OpenAIError(400 if param else 404, "No stored response has that id.", param=param, code=code)
+
+
+def unavailable() -> OpenAIError:
+    return OpenAIError(503, "stored responses are unavailable (Redis does not answer)")
 
 
 def keeper(store: "ResponseStore", key_id: str, history: list[ChatMessage], inputs: int):
@@ -82,80 +95,108 @@ class ResponseStore:
     """The stored responses of one deployment (``key_prefix``); see the module docstring."""
 
     def __init__(self, redis: aioredis.Redis, *, key_prefix: str, ttl_s: float = DEFAULT_TTL_S,
-                 max_per_key: int = DEFAULT_MAX_PER_KEY, max_bytes: int, timeout_s: float,
-                 on_failure=lambda: None):
-        if ttl_s <= 0 or max_per_key < 1 or max_bytes < 1 or timeout_s <= 0:
-            raise ValueError(f"response store: ttl_s, max_per_key, max_bytes and timeout_s must be positive, got "
-                             f"{ttl_s}, {max_per_key}, {max_bytes}, {timeout_s}")
+                 max_per_key: int = DEFAULT_MAX_PER_KEY, max_bytes_per_key: int = DEFAULT_MAX_BYTES_PER_KEY,
+                 max_bytes: int, timeout_s: float, on_failure=lambda: None):
+        if not (0 < ttl_s <= MAX_TTL_S and max_per_key >= 1 and max_bytes_per_key >= 1 and max_bytes >= 1
+                and 0 < timeout_s < math.inf):
+            raise ValueError(f"response store: ttl_s must be in (0, {MAX_TTL_S:g}]; max_per_key, max_bytes_per_key, "
+                             f"max_bytes and timeout_s positive and finite; got {ttl_s}, {max_per_key}, "
+                             f"{max_bytes_per_key}, {max_bytes}, {timeout_s}")
         self.redis, self.prefix = redis, f"{key_prefix}:responses"
-        self.ttl_s, self.max_per_key, self.max_bytes, self.timeout_s = ttl_s, max_per_key, max_bytes, timeout_s
+        self.ttl_s, self.max_per_key, self.timeout_s = max(1, round(ttl_s)), max_per_key, timeout_s
+        self.max_bytes_per_key, self.max_bytes = max_bytes_per_key, min(max_bytes, max_bytes_per_key)
         self.on_failure = on_failure
 
     def _index(self, key_id: str) -> str:
         return f"{self.prefix}:{key_id}"
 
+    def _sizes(self, key_id: str) -> str:
+        return f"{self.prefix}:{key_id}:sizes"
+
     def _key(self, key_id: str, response_id: str) -> str:
         return f"{self.prefix}:{key_id}:{response_id}"
 
     async def save(self, key_id: str, response_id: str, stored: StoredResponse) -> bool:
-        """Store it (and forget the key's oldest past ``max_per_key``); False where it was not: too
-        large, or Redis did not take it in time (logged)."""
+        """Store it, then forget the key's oldest past its bounds; False where it was not stored: too
+        large, or Redis did not take it in time (logged).  Once it is stored, a failure to forget the
+        oldest is logged only (the next save forgets them)."""
         data = _encode(stored)
         if len(data) > self.max_bytes:
-            log.warning("response %s not stored: its conversation takes %d bytes, over the store's %d",
-                        response_id, len(data), self.max_bytes)
+            log.warning("a response was not stored: its conversation takes %d bytes, over the store's %d",
+                        len(data), self.max_bytes)
             return False
-        index = self._index(key_id)
+        index, sizes = self._index(key_id), self._sizes(key_id)
         try:
             async with asyncio.timeout(self.timeout_s):
                 async with self.redis.pipeline(transaction=True) as pipe:
-                    pipe.set(self._key(key_id, response_id), data, ex=max(1, round(self.ttl_s)))
+                    pipe.set(self._key(key_id, response_id), data, ex=self.ttl_s)
                     pipe.zadd(index, {response_id: time.time()})
-                    pipe.expire(index, max(1, round(self.ttl_s)))
-                    pipe.zrange(index, 0, -self.max_per_key - 1)
-                    *_, oldest = await pipe.execute()
-                if oldest:  # past the key's bound: its oldest go
+                    pipe.hset(sizes, response_id, len(data))
+                    pipe.expire(index, self.ttl_s)
+                    pipe.expire(sizes, self.ttl_s)
+                    pipe.zrange(index, 0, -1)  # oldest first
+                    pipe.hgetall(sizes)
+                    *_, ids, held = await pipe.execute()
+        except _REDIS_FAILURES as exc:
+            self.on_failure()
+            log.warning("a response was not stored: Redis: %s", type(exc).__name__)
+            return False
+        oldest = self._past_bounds(ids, held)
+        if oldest:
+            try:
+                async with asyncio.timeout(self.timeout_s):
                     async with self.redis.pipeline(transaction=True) as pipe:
                         pipe.delete(*(self._key(key_id, old.decode()) for old in oldest))
                         pipe.zrem(index, *oldest)
+                        pipe.hdel(sizes, *oldest)
                         await pipe.execute()
-        except (TimeoutError, *UNAVAILABLE_ERRORS, redis.exceptions.RedisError) as exc:
-            self.on_failure()
-            log.warning("response %s not stored: Redis: %s", response_id, type(exc).__name__)
-            return False
+            except _REDIS_FAILURES as exc:
+                self.on_failure()
+                log.warning("an API key's oldest stored responses were not forgotten: Redis: %s", type(exc).__name__)
         return True
+
+    def _past_bounds(self, ids: list[bytes], held: dict[bytes, bytes]) -> list[bytes]:
+        """The oldest of ``ids`` to forget so that at most ``max_per_key`` of them, of at most
+        ``max_bytes_per_key`` bytes in all (``held``: each one's), are left (the newest always is)."""
+        sizes = [int(held.get(i) or 0) for i in ids]
+        total, drop = sum(sizes), 0
+        while drop < len(ids) - 1 and (len(ids) - drop > self.max_per_key or total > self.max_bytes_per_key):
+            total -= sizes[drop]
+            drop += 1
+        return ids[:drop]
 
     async def load(self, key_id: str, response_id: str, param: str | None = None) -> StoredResponse:
         """The key's stored response; a 404 (``param`` given: a 400 naming it) where there is none,
         a 503 where Redis does not answer in time."""
         if not RESPONSE_ID_RE.fullmatch(response_id):
-            raise not_found(response_id[:64], param)
+            raise not_found(param)
         try:
             async with asyncio.timeout(self.timeout_s):
                 data = await self.redis.get(self._key(key_id, response_id))
-        except (TimeoutError, *UNAVAILABLE_ERRORS, redis.exceptions.RedisError):
+        except _REDIS_FAILURES:
             self.on_failure()
-            raise OpenAIError(503, "stored responses are unavailable (Redis does not answer)") from None
+            raise unavailable() from None
         if data is None:
-            raise not_found(response_id, param)
+            raise not_found(param)
         try:
             return _decode(data)
         except msgspec.DecodeError:  # (a ValidationError is one)
-            log.warning("stored response %s is unreadable; treated as absent", response_id)
-            raise not_found(response_id, param) from None
+            log.warning("a stored response is unreadable; treated as absent")
+            raise not_found(param) from None
 
     async def delete(self, key_id: str, response_id: str) -> None:
         """Forget it; a 404 where the key has none by that id, a 503 where Redis does not answer."""
         if not RESPONSE_ID_RE.fullmatch(response_id):
-            raise not_found(response_id[:64])
+            raise not_found()
         try:
             async with asyncio.timeout(self.timeout_s):
                 async with self.redis.pipeline(transaction=True) as pipe:
                     pipe.delete(self._key(key_id, response_id))
                     pipe.zrem(self._index(key_id), response_id)
-                    deleted, _ = await pipe.execute()
-        except (TimeoutError, *UNAVAILABLE_ERRORS, redis.exceptions.RedisError):
+                    pipe.hdel(self._sizes(key_id), response_id)
+                    deleted, _, _ = await pipe.execute()
+        except _REDIS_FAILURES:
             self.on_failure()
-            raise OpenAIError(503, "stored responses are unavailable (Redis does not answer)") from None
+            raise unavailable() from None
         if not deleted:
-            raise not_found(response_id)
+            raise not_found()

@@ -362,6 +362,7 @@ class ResponseStream:
         """An error after the stream started: the response failed, with what it had."""
         code = "rate_limit_exceeded" if error.status == 429 else "server_error"
         response = self.answer.response(self.gen, "failed", self.output, error=ResponseError(code, error.message))
+        response.store = False  # a stream that failed is not stored
         return self._close(failed=True) + self._event(ResponseFailed, response=response)
 
     # ---- items ---------------------------------------------------------------------------------

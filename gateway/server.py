@@ -5,6 +5,7 @@
     POST /v1/completions, /v1/chat/completions,
          /v1/responses, /v1/messages,
          /v1/messages/count_tokens                       (Authorization: Bearer <api key>, or x-api-key, if set)
+    GET, DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items   (stored responses; the same keys)
     GET  /admin/pools                                    (X-Admin-Token)
     GET  /admin/metrics                                  (X-Admin-Token; the per-API-key metrics)
     POST /admin/workers/{worker_id}/drain                (proxied to the worker)
@@ -119,8 +120,9 @@ class Gateway:
         if self.config.responses_store_ttl > 0:
             self.response_store = ResponseStore(
                 self.redis, key_prefix=self.config.key_prefix, ttl_s=self.config.responses_store_ttl,
-                max_per_key=self.config.responses_store_max, max_bytes=self.config.max_body_bytes,
-                timeout_s=self.config.responses_store_timeout, on_failure=self.metrics.redis_unavailable.inc)
+                max_per_key=self.config.responses_store_max, max_bytes_per_key=self.config.responses_store_max_bytes,
+                max_bytes=self.config.max_body_bytes, timeout_s=self.config.responses_store_timeout,
+                on_failure=self.metrics.responses_store_failures.inc)
         self.session, self.control_session = self._client_sessions()
         router = Router(RoutingConfig(policy=self.config.routing_policy,
                                       skip_prefill_below_tokens=self.config.skip_prefill_below_tokens))
@@ -217,7 +219,7 @@ class Gateway:
         app.router.add_post("/v1/completions", handlers.completions)
         app.router.add_post("/v1/chat/completions", handlers.chat_completions)
         app.router.add_post("/v1/responses", handlers.responses)
-        add_stored_response_routes(app, self.response_store)
+        add_stored_response_routes(app, self.response_store, self.admission)
         app.router.add_post("/v1/messages", handlers.messages)
         app.router.add_post("/v1/messages/count_tokens", handlers.count_message_tokens)
         app.router.add_get("/v1/models", self._models)

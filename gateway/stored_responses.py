@@ -8,7 +8,7 @@ as OpenAI's are: ``order`` ``desc`` (the default) or ``asc``, ``limit`` 1-100 (2
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, AsyncContextManager, Callable
 
 import msgspec
 from aiohttp import web
@@ -16,17 +16,22 @@ from aiohttp import web
 from gateway.openai_errors import invalid
 from gateway.openai_protocol import ChatMessage
 from gateway.response_store import ResponseStore, store_disabled
+from gateway.tenants import Tenant
 
 MAX_LIMIT = 100
 
 
 class ResponseDeleted(msgspec.Struct):
+    """The answer to ``DELETE /v1/responses/{response_id}``."""
+
     id: str
     object: str = "response"
     deleted: bool = True
 
 
 class InputItemList(msgspec.Struct):
+    """A page of a stored response's input items (``GET .../input_items``), as OpenAI's lists are."""
+
     data: list[dict[str, Any]]
     first_id: str | None
     last_id: str | None
@@ -78,11 +83,15 @@ def _page(items: list[dict[str, Any]], query) -> InputItemList:
                          len(listed) > limit)
 
 
-def add_stored_response_routes(app: web.Application, store: ResponseStore | None) -> None:
+def add_stored_response_routes(app: web.Application, store: ResponseStore | None,
+                               admission: Callable[[Tenant], AsyncContextManager]) -> None:
+    """The routes, each call within its API key's admission (``admission``: the gateway's bound on
+    requests in flight, overall and per key)."""
     async def load(request: web.Request):
         if store is None:
             raise store_disabled("response_id")
-        return await store.load(request["tenant"].key_id, request.match_info["response_id"])
+        async with admission(request["tenant"]):
+            return await store.load(request["tenant"].key_id, request.match_info["response_id"])
 
     async def retrieve(request: web.Request) -> web.Response:
         """The stored response as it was answered (a stream's replay is not offered)."""
@@ -101,7 +110,8 @@ def add_stored_response_routes(app: web.Application, store: ResponseStore | None
         if store is None:
             raise store_disabled("response_id")
         response_id = request.match_info["response_id"]
-        await store.delete(request["tenant"].key_id, response_id)
+        async with admission(request["tenant"]):
+            await store.delete(request["tenant"].key_id, response_id)
         return web.Response(body=msgspec.json.encode(ResponseDeleted(response_id)), content_type="application/json")
 
     app.router.add_get("/v1/responses/{response_id}", retrieve)

@@ -83,6 +83,34 @@ def messages_request(**body):
                                               "messages": [{"role": "user", "content": "hi"}], **body}).encode())
 
 
+@pytest.mark.parametrize("stored", [True, False])
+async def test_a_response_says_whether_it_was_stored_whole_and_streamed(stored):
+    """``store`` is true where the keeper stored it, false where it could not (and a stream that
+    failed is not stored); the keeper gets the response and its output as the next message."""
+    kept = []
+
+    async def keeper(response, output):
+        kept.append((response.id, [(m.role, m.content) for m in output]))
+        return stored
+
+    call = parse_responses_request(json.dumps({"model": "m", "input": "hi"}).encode())
+    answer = ResponsesAnswer(call, ResponseShapes(tokenizer=None), keeper)
+    whole = answer.whole([generation(call.chat, ["Hel", "lo"], "stop")])
+    assert whole.store is True  # until kept
+    await answer.keep(whole)
+    assert whole.store is stored and kept == [(answer.response_id, [("assistant", "Hello")])]
+    gen = generation(call.chat, ["Hi"], "stop")
+    stream = answer.stream(gen)
+    opening = events(stream.opening())
+    await stream.keep()
+    final = events(stream.closing())[-1]
+    assert (opening[0]["response"]["store"], final["type"], final["response"]["store"]) == (True, "response.completed",
+                                                                                           stored)
+    failed = answer.stream(generation(call.chat, ["Hi"], None))
+    failed.opening()
+    assert events(failed.failure(OpenAIError(500, "lost")))[-1]["response"]["store"] is False
+
+
 @pytest.mark.parametrize("finish, reason", [("stop", "end_turn"), ("length", "max_tokens")])
 def test_a_message_is_valid_by_the_sdks_model_whole_and_streamed(finish, reason):
     chat = messages_request()

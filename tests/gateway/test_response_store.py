@@ -1,14 +1,16 @@
 """The Responses API's store over a real Redis (gateway/response_store.py): what is saved is loaded
-back as it was, only by its API key; a key's oldest go past its bound; what is too large, unreadable
-or malformed is absent; a Redis that does not answer costs at most the timeout (a read: 503; a write:
+back as it was, only by its API key; a key's oldest go past its bounds (count and bytes); a stored
+response stays stored when forgetting the oldest fails; what is too large, unreadable or malformed is
+absent, no id echoed; a Redis that does not answer costs the store's timeout (a read: 503; a write:
 not stored, counted)."""
 from __future__ import annotations
 
 import asyncio
 
 import pytest
+import redis.asyncio as aioredis
+import redis.exceptions
 
-from common.cluster.redis_util import connect
 from gateway.openai_errors import OpenAIError
 from gateway.openai_protocol import ChatMessage
 from gateway.response_store import ResponseStore, StoredResponse
@@ -48,7 +50,7 @@ async def test_a_missing_response_continued_is_a_400_naming_the_field(redis_clie
     error = await not_found(store.load("key-a", rid(7), param="previous_response_id"), 400)
     assert (error.param, error.code) == ("previous_response_id", "previous_response_not_found")
     for malformed in ("resp_1", "x" * 64, f"{rid(1)}:other", "*"):
-        await not_found(store.load("key-a", malformed))
+        assert malformed not in (await not_found(store.load("key-a", malformed))).message  # nothing echoed
 
 
 async def test_a_keys_oldest_responses_go_past_its_bound(redis_client, key_prefix):
@@ -63,6 +65,39 @@ async def test_a_keys_oldest_responses_go_past_its_bound(redis_client, key_prefi
         assert (await store.load("key-a", rid(n))).response == b"{}"
     assert await redis_client.zcard(f"{key_prefix}:responses:key-a") == 3
     assert (await store.load("key-b", rid(9))).response == b"{}"  # another key's bound is its own
+
+
+async def test_a_keys_oldest_responses_go_past_its_bytes(redis_client, key_prefix):
+    big = StoredResponse(b"x" * 400, [])
+    store = make_store(redis_client, key_prefix, max_bytes_per_key=1000)
+    for n in range(4):
+        assert await store.save("key-a", rid(n), big)
+        await asyncio.sleep(0.002)
+    for n in (0, 1):
+        await not_found(store.load("key-a", rid(n)))
+    assert [(await store.load("key-a", rid(n))).response for n in (2, 3)] == [big.response] * 2
+    assert await redis_client.hlen(f"{key_prefix}:responses:key-a:sizes") == 2
+    # one response is never larger than a key's whole budget
+    assert not await store.save("key-a", rid(9), StoredResponse(b"x" * 1100, []))
+
+
+async def test_a_stored_response_stays_stored_when_forgetting_the_oldest_fails(redis_client, key_prefix):
+    class FailsAfterTheWrite:  # the real client, but the pipeline after the write refuses
+        def __init__(self):
+            self.pipelines = 0
+
+        def pipeline(self, **kwargs):
+            self.pipelines += 1
+            if self.pipelines > 2:  # the first save's write, the second's; then its eviction
+                raise redis.exceptions.ConnectionError("gone")
+            return redis_client.pipeline(**kwargs)
+
+    failures = []
+    store = make_store(FailsAfterTheWrite(), key_prefix, max_per_key=1, on_failure=lambda: failures.append(1))
+    assert await store.save("key-a", rid(1), StoredResponse(b"{}", []))
+    assert await store.save("key-a", rid(2), StoredResponse(b"{}", []))  # stored; its oldest not forgotten
+    assert failures == [1]
+    assert (await make_store(redis_client, key_prefix).load("key-a", rid(2))).response == b"{}"
 
 
 async def test_a_deleted_response_is_gone(redis_client, key_prefix):
@@ -90,12 +125,12 @@ async def test_a_redis_that_does_not_answer_costs_the_timeout(key_prefix):
 
     server = await asyncio.start_server(silent, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
-    client = connect(f"redis://127.0.0.1:{port}/0")
+    client = aioredis.Redis(host="127.0.0.1", port=port, socket_timeout=None)  # would wait forever itself
     failures = []
     store = ResponseStore(client, key_prefix=key_prefix, max_bytes=1 << 20, timeout_s=0.3,
                           on_failure=lambda: failures.append(1))
     try:
-        async with asyncio.timeout(10):  # each call is bounded by the store's own timeout, well under this
+        async with asyncio.timeout(60):  # each call is bounded by the store's own timeout alone
             assert not await store.save("key-a", rid(1), StoredResponse(b"{}", []))
             assert (await not_found(store.load("key-a", rid(1)), 503)).retry_after
             await not_found(store.delete("key-a", rid(1)), 503)
@@ -107,6 +142,7 @@ async def test_a_redis_that_does_not_answer_costs_the_timeout(key_prefix):
 
 
 def test_its_bounds_are_positive():
-    for bad in ({"ttl_s": 0}, {"max_per_key": 0}, {"max_bytes": 0}, {"timeout_s": 0}):
+    for bad in ({"ttl_s": 0}, {"ttl_s": float("nan")}, {"ttl_s": float("inf")}, {"max_per_key": 0},
+                {"max_bytes_per_key": 0}, {"max_bytes": 0}, {"timeout_s": 0}, {"timeout_s": float("inf")}):
         with pytest.raises(ValueError):
             ResponseStore(None, key_prefix="p", **{"max_bytes": 1, "timeout_s": 1.0, **bad})

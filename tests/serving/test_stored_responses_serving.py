@@ -137,6 +137,8 @@ def test_an_api_key_reads_and_deletes_only_its_own(stack, keyed):
         keyed["b"].responses.retrieve(mine.id)
     with pytest.raises(openai.NotFoundError):
         keyed["b"].responses.delete(mine.id)
+    with pytest.raises(openai.NotFoundError):
+        keyed["b"].responses.input_items.list(mine.id)
     with pytest.raises(openai.BadRequestError):
         respond(keyed["b"], stack, "Theirs", previous_response_id=mine.id, max_output_tokens=4)
     assert keyed["a"].responses.retrieve(mine.id).output_text == mine.output_text
