@@ -154,7 +154,7 @@ def parse_messages_request(body: bytes, counting: bool = False) -> ChatCompletio
     chat = ChatCompletionRequest(
         model=req.model, messages=messages, max_completion_tokens=req.max_tokens, temperature=req.temperature,
         top_p=req.top_p, top_k=req.top_k or None, seed=req.seed, ignore_eos=req.ignore_eos, cache_salt=req.cache_salt,
-        stop=read_stop(req.stop_sequences, "stop_sequences") if given(req.stop_sequences) else None, stream=req.stream,
+        stop=_stop_sequences(req.stop_sequences) if given(req.stop_sequences) else None, stream=req.stream,
         user=req.metadata.user_id if req.metadata else None, response_format=structured,
         structured_outputs=extension, tools=tools, tool_choice=choice, parallel_tool_calls=parallel,
         # a conversation ending in the assistant's text goes on from it (Anthropic's prefill)
@@ -174,6 +174,13 @@ def parse_messages_request(body: bytes, counting: bool = False) -> ChatCompletio
         raise invalid(f"tool_choice {req.tool_choice.type!r} constrains the output itself; it cannot be combined "
                       "with output_config.format or structured_outputs", "tool_choice")
     return chat
+
+
+def _stop_sequences(raw: msgspec.Raw) -> list[str]:
+    stop = read_stop(raw, "stop_sequences")
+    if isinstance(stop, str):  # (the OpenAI endpoints' stop may be one string; this API's is a list)
+        raise invalid("stop_sequences must be a list of strings", "stop_sequences")
+    return stop
 
 
 def _tool_choice(choice: ToolChoice | None):

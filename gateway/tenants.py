@@ -124,6 +124,9 @@ class ApiKeys:
     def __init__(self, keys: dict[str, int | None], default_limit: int | None = None):
         self._tenants = {_digest(k): Tenant(key_id(k), limit if limit is not None else default_limit, _digest(k))
                          for k, limit in keys.items()}
+        if len({t.key_id for t in self._tenants.values()}) < len(self._tenants):  # (48 bits of their digests)
+            raise ValueError("two API keys share a key id (the limits, metrics and stored responses it keys): "
+                             "replace one of them")
 
     @property
     def enabled(self) -> bool:

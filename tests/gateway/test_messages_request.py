@@ -115,6 +115,7 @@ def test_a_calls_input_is_its_object_or_empty_where_cut_short():
     ({"service_tier": "auto"}, "service_tier", "unknown_parameter"),
     ({"max_tokens": 0}, "max_tokens", "invalid_value"),
     ({"stop_sequences": ["ok", ""]}, "stop_sequences", None),
+    ({"stop_sequences": "END"}, "stop_sequences", None),
     ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "The"}],
       "output_config": {"format": {"type": "json_schema", "schema": {}}}}, "messages", None),
 ])

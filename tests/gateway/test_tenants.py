@@ -2,6 +2,8 @@
 another key guesses shares nothing), and a key without its own limit gets the default one."""
 from __future__ import annotations
 
+import pytest
+
 from common.engine.kv.prefix_hash import block_extra_keys, hash_prompt_blocks
 from gateway.config import GatewayConfig
 from gateway.tenants import ANONYMOUS, ApiKeys, cache_salt
@@ -74,3 +76,12 @@ def test_a_key_gets_half_of_the_wait_queue_when_keys_share_the_gateway(tmp_path)
     assert GatewayConfig(api_keys_file=str(keys), queue_size_per_key=0).wait_queue().per_key is None
     assert GatewayConfig(api_key=KEY_A).wait_queue().per_key is None  # a single key may fill the line
     assert GatewayConfig().wait_queue().per_key is None  # no keys: one tenant
+
+
+def test_two_keys_that_would_share_a_key_id_are_refused(monkeypatch):
+    from gateway import tenants
+
+    tenants.ApiKeys({"sk-one-0123456789abcdef": None, "sk-two-0123456789abcdef": None})  # distinct ids: served
+    monkeypatch.setattr(tenants, "key_id", lambda key: "key-000000000000")  # as a 48-bit collision would be
+    with pytest.raises(ValueError, match="share a key id"):
+        tenants.ApiKeys({"sk-one-0123456789abcdef": None, "sk-two-0123456789abcdef": None})
