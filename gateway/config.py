@@ -300,7 +300,8 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     add("--prefix-lookup-timeout", GatewayConfig.prefix_lookup_timeout, float, help="seconds one Redis prefix lookup may take (then: route by "
                                                     "load)")
     add("--redis-retry-interval", GatewayConfig.redis_retry_interval, float,
-        help="after a failed prefix lookup, lookups skip Redis and probe it this often until it answers")
+        help="after a failed prefix lookup, lookups skip Redis and probe it this often until it answers; after a "
+             "failed call of the response store, it skips Redis this long")
     add("--responses-store-ttl", GatewayConfig.responses_store_ttl, float,
         help="seconds a Responses API response is kept for previous_response_id and GET /v1/responses/{id} "
              "(in Redis; 0: none stored)")

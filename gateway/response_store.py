@@ -21,7 +21,9 @@ hold: an API key's ``max_per_key`` newest responses within ``max_bytes_per_key``
 they are the oldest, so they go first), each at most ``max_bytes`` (a conversation grown past that is
 not stored: the answer says ``store: false``), for ``ttl_s`` seconds.  Every Redis call is bounded
 by ``timeout_s``: a response that could not be stored is answered all the same (logged, counted); a
-stored response that cannot be read is a 503.  What Redis returns is decoded into its declared
+stored response that cannot be read is a 503.  After a call Redis failed or did not answer, the store
+does not ask it again for ``retry_s`` (saves are skipped, reads are 503s at once): a Redis that does not
+answer costs one request the timeout, not every request.  What Redis returns is decoded into its declared
 types, never trusted as given.  Where there are no API keys a response id is all it takes to read a
 response: no id is logged or echoed.
 """
@@ -96,16 +98,25 @@ class ResponseStore:
 
     def __init__(self, redis: aioredis.Redis, *, key_prefix: str, ttl_s: float = DEFAULT_TTL_S,
                  max_per_key: int = DEFAULT_MAX_PER_KEY, max_bytes_per_key: int = DEFAULT_MAX_BYTES_PER_KEY,
-                 max_bytes: int, timeout_s: float, on_failure=lambda: None):
+                 max_bytes: int, timeout_s: float, retry_s: float = 0.0, on_failure=lambda: None):
         if not (0 < ttl_s <= MAX_TTL_S and max_per_key >= 1 and max_bytes_per_key >= 1 and max_bytes >= 1
-                and 0 < timeout_s < math.inf):
+                and 0 < timeout_s < math.inf and 0 <= retry_s < math.inf):
             raise ValueError(f"response store: ttl_s must be in (0, {MAX_TTL_S:g}]; max_per_key, max_bytes_per_key, "
-                             f"max_bytes and timeout_s positive and finite; got {ttl_s}, {max_per_key}, "
-                             f"{max_bytes_per_key}, {max_bytes}, {timeout_s}")
+                             f"max_bytes and timeout_s positive and finite, retry_s finite; got {ttl_s}, "
+                             f"{max_per_key}, {max_bytes_per_key}, {max_bytes}, {timeout_s}, {retry_s}")
         self.redis, self.prefix = redis, f"{key_prefix}:responses"
         self.ttl_s, self.max_per_key, self.timeout_s = max(1, round(ttl_s)), max_per_key, timeout_s
         self.max_bytes_per_key, self.max_bytes = max_bytes_per_key, min(max_bytes, max_bytes_per_key)
-        self.on_failure = on_failure
+        self.on_failure, self.retry_s = on_failure, retry_s
+        self._quiet_until = 0.0  # monotonic: Redis is not asked before then (it failed)
+
+    def _failed(self) -> None:
+        self.on_failure()
+        self._quiet_until = time.monotonic() + self.retry_s
+
+    def _quiet(self) -> bool:
+        """Whether Redis failed less than ``retry_s`` ago (then it is not asked)."""
+        return time.monotonic() < self._quiet_until
 
     def _index(self, key_id: str) -> str:
         return f"{self.prefix}:{key_id}"
@@ -125,6 +136,8 @@ class ResponseStore:
             log.warning("a response was not stored: its conversation takes %d bytes, over the store's %d",
                         len(data), self.max_bytes)
             return False
+        if self._quiet():
+            return False
         index, sizes = self._index(key_id), self._sizes(key_id)
         try:
             async with asyncio.timeout(self.timeout_s):
@@ -138,7 +151,7 @@ class ResponseStore:
                     pipe.hgetall(sizes)
                     *_, ids, held = await pipe.execute()
         except _REDIS_FAILURES as exc:
-            self.on_failure()
+            self._failed()
             log.warning("a response was not stored: Redis: %s", type(exc).__name__)
             return False
         oldest = self._past_bounds(ids, held)
@@ -151,7 +164,7 @@ class ResponseStore:
                         pipe.hdel(sizes, *oldest)
                         await pipe.execute()
             except _REDIS_FAILURES as exc:
-                self.on_failure()
+                self._failed()
                 log.warning("an API key's oldest stored responses were not forgotten: Redis: %s", type(exc).__name__)
         return True
 
@@ -170,11 +183,13 @@ class ResponseStore:
         a 503 where Redis does not answer in time."""
         if not RESPONSE_ID_RE.fullmatch(response_id):
             raise not_found(param)
+        if self._quiet():
+            raise unavailable()
         try:
             async with asyncio.timeout(self.timeout_s):
                 data = await self.redis.get(self._key(key_id, response_id))
         except _REDIS_FAILURES:
-            self.on_failure()
+            self._failed()
             raise unavailable() from None
         if data is None:
             raise not_found(param)
@@ -188,6 +203,8 @@ class ResponseStore:
         """Forget it; a 404 where the key has none by that id, a 503 where Redis does not answer."""
         if not RESPONSE_ID_RE.fullmatch(response_id):
             raise not_found()
+        if self._quiet():
+            raise unavailable()
         try:
             async with asyncio.timeout(self.timeout_s):
                 async with self.redis.pipeline(transaction=True) as pipe:
@@ -196,7 +213,7 @@ class ResponseStore:
                     pipe.hdel(self._sizes(key_id), response_id)
                     deleted, _, _ = await pipe.execute()
         except _REDIS_FAILURES:
-            self.on_failure()
+            self._failed()
             raise unavailable() from None
         if not deleted:
             raise not_found()

@@ -122,7 +122,7 @@ class Gateway:
                 self.redis, key_prefix=self.config.key_prefix, ttl_s=self.config.responses_store_ttl,
                 max_per_key=self.config.responses_store_max, max_bytes_per_key=self.config.responses_store_max_bytes,
                 max_bytes=self.config.max_body_bytes, timeout_s=self.config.responses_store_timeout,
-                on_failure=self.metrics.responses_store_failures.inc)
+                retry_s=self.config.redis_retry_interval, on_failure=self.metrics.responses_store_failures.inc)
         self.session, self.control_session = self._client_sessions()
         router = Router(RoutingConfig(policy=self.config.routing_policy,
                                       skip_prefill_below_tokens=self.config.skip_prefill_below_tokens))

@@ -141,8 +141,36 @@ async def test_a_redis_that_does_not_answer_costs_the_timeout(key_prefix):
         await server.wait_closed()
 
 
+async def test_after_a_failure_redis_is_not_asked_again_for_a_while(key_prefix):
+    connections = []
+
+    async def silent(reader, writer):
+        connections.append(1)
+        await reader.read()
+        writer.close()
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    client = aioredis.Redis(host="127.0.0.1", port=server.sockets[0].getsockname()[1], socket_timeout=None)
+    failures = []
+    store = ResponseStore(client, key_prefix=key_prefix, max_bytes=1 << 20, timeout_s=0.3, retry_s=3600,
+                          on_failure=lambda: failures.append(1))
+    try:
+        async with asyncio.timeout(60):
+            assert not await store.save("key-a", rid(1), StoredResponse(b"{}", []))  # the one that waits
+            for _ in range(3):
+                assert not await store.save("key-a", rid(2), StoredResponse(b"{}", []))
+                await not_found(store.load("key-a", rid(1)), 503)
+                await not_found(store.delete("key-a", rid(1)), 503)
+        assert (len(connections), len(failures)) == (1, 1)  # asked once; the rest answered without it
+    finally:
+        await client.aclose()
+        server.close()
+        await server.wait_closed()
+
+
 def test_its_bounds_are_positive():
     for bad in ({"ttl_s": 0}, {"ttl_s": float("nan")}, {"ttl_s": float("inf")}, {"max_per_key": 0},
-                {"max_bytes_per_key": 0}, {"max_bytes": 0}, {"timeout_s": 0}, {"timeout_s": float("inf")}):
+                {"max_bytes_per_key": 0}, {"max_bytes": 0}, {"timeout_s": 0}, {"timeout_s": float("inf")},
+                {"retry_s": -1}):
         with pytest.raises(ValueError):
             ResponseStore(None, key_prefix="p", **{"max_bytes": 1, "timeout_s": 1.0, **bad})
