@@ -29,7 +29,7 @@ from gateway.messages_output import MessagesAnswer
 from gateway.messages_request import parse_messages_request
 from gateway.response_shapes import Answer, AnswerStream, ChoicesStream, ResponseShapes, prompt_tokens
 from gateway.responses_output import ResponsesAnswer
-from gateway.responses_request import parse_responses_request
+from gateway.responses_request import ResponsesCall, parse_responses_request
 from gateway.response_store import ResponseStore, keeper, store_disabled
 from gateway.tool_output import ToolOutput
 from gateway.tool_parsers import ToolCallParser
@@ -277,17 +277,38 @@ class OpenAIHandlers:
         (gateway/response_store.py)."""
         call = parse_responses_request(await self.services.read_body(request))
         store, tenant = self.services.response_store, request["tenant"]
-        if store is None and (call.store or call.previous_response_id is not None):
-            raise store_disabled("store" if call.store else "previous_response_id")
+        if store is None and call.store:
+            raise store_disabled("store")
         self._check_model(call.chat.model)
         async with self.services.admission(tenant):  # (the stored conversation is read within it)
-            if call.previous_response_id is not None:
-                previous = await store.load(tenant.key_id, call.previous_response_id, param="previous_response_id")
-                call = call.continuing(previous.messages)
+            call = await self._continued(call, tenant)
             history = call.chat.messages[1:] if call.instructions else call.chat.messages  # (not its system message)
             kept = (keeper(store, tenant.key_id, history, len(call.input_messages))
                     if store is not None and call.store is not False else None)
             return await self._chat_admitted(request, call.chat, ResponsesAnswer(call, self.shapes, kept), "input")
+
+    async def count_response_tokens(self, request: web.Request) -> web.Response:
+        """OpenAI's ``POST /v1/responses/input_tokens`` (``responses.input_tokens.count``): the prompt's
+        tokens as a response to the same body would have them (after its stored conversation)."""
+        call = parse_responses_request(await self.services.read_body(request), counting_for=self.services.model_id)
+        self._check_model(call.chat.model)
+        async with self.services.admission(request["tenant"]):
+            call = await self._continued(call, request["tenant"])
+            if not call.chat.messages:
+                raise invalid("input holds no message (and there are no instructions)", "input")
+            messages, render = self._chat_renderer(call.chat, call.chat.tool_plan(), field="input")
+            ids = await self.services.prompts.chat(messages, render)
+        return web.json_response({"object": "response.input_tokens", "input_tokens": len(ids)})
+
+    async def _continued(self, call: ResponsesCall, tenant: Tenant) -> ResponsesCall:
+        """``call`` after the stored conversation its ``previous_response_id`` names (none: as it is)."""
+        if call.previous_response_id is None:
+            return call
+        if self.services.response_store is None:
+            raise store_disabled("previous_response_id")
+        previous = await self.services.response_store.load(tenant.key_id, call.previous_response_id,
+                                                           param="previous_response_id")
+        return call.continuing(previous.messages)
 
     async def messages(self, request: web.Request) -> web.StreamResponse:
         """Anthropic's Messages API: a chat request in that API's shapes (gateway/messages_request.py,

@@ -105,7 +105,23 @@ def responses_schemas(model_id: str, vocab_size: int, common_rules: dict[str, di
     request["allOf"] = _CROSS_FIELD
     schemas["TextFormat"]["allOf"] = [_implies("type", {"const": "json_schema"}, {
         "required": ["name", "schema"], "properties": {"name": {"type": "string"}, "schema": {"type": "object"}}})]
+    counting = schemas["ResponsesInputTokensRequest"] = copy.deepcopy(request)
+    counting["required"] = ["input"]  # (the model may be left out)
+    schemas["ResponsesInputTokens"] = {"type": "object", "required": ["object", "input_tokens"], "properties": {
+        "object": {"const": "response.input_tokens"}, "input_tokens": {"type": "integer", "minimum": 0}}}
     return schemas
+
+
+def input_tokens_path(errors: dict[str, dict], auth: bool) -> dict:
+    """``POST /v1/responses/input_tokens``: a response's prompt tokens, counted."""
+    return {"/v1/responses/input_tokens": {"post": {
+        "summary": "A response's input tokens (its prompt, as the chat template makes it)",
+        **({"security": [{"apiKey": []}]} if auth else {}),
+        "requestBody": {"required": True, "content": {"application/json": {
+            "schema": {"$ref": _REF.format(name="ResponsesInputTokensRequest")}}}},
+        "responses": {"200": {"description": "Its input tokens.", "content": {"application/json": {
+            "schema": {"$ref": _REF.format(name="ResponsesInputTokens")}}}},
+            **{status: errors[status] for status in ("400", "401", "404", "408", "413", "429", "503")}}}}}
 
 
 def stored_response_paths(errors: dict[str, dict], auth: bool) -> dict:

@@ -175,22 +175,33 @@ class ResponsesCall:
         return replace(self, chat=msgspec.structs.replace(self.chat, messages=messages))
 
 
+class _CountBody(_ResponsesBody):
+    """``POST /v1/responses/input_tokens``: a response's request whose model and input may be left out."""
+
+    model: ModelName | None = None
+    input: msgspec.Raw = msgspec.Raw()
+
+
 _body_decoder = msgspec.json.Decoder(_ResponsesBody, strict=False)
+_count_decoder = msgspec.json.Decoder(_CountBody, strict=False)
 _items_decoder = msgspec.json.Decoder(str | bounded_list(msgspec.Raw, MAX_MESSAGES), strict=False)
 _item_decoder = msgspec.json.Decoder(InputItem, strict=False)
 _parts_decoder = msgspec.json.Decoder(str | bounded_list(InputPart, MAX_PARTS_PER_MESSAGE), strict=False)
 _text_decoder = msgspec.json.Decoder(TextConfig, strict=False)
 
 
-def parse_responses_request(body: bytes) -> ResponsesCall:
-    """Decode and validate a ``/v1/responses`` body; raises ``OpenAIError`` (400)."""
-    req = decode_body(_body_decoder, body)
+def parse_responses_request(body: bytes, counting_for: str | None = None) -> ResponsesCall:
+    """Decode and validate a ``/v1/responses`` body; raises ``OpenAIError`` (400).  ``counting_for``:
+    an ``/v1/responses/input_tokens`` body, its model (where left out) this one, its input optional."""
+    req = decode_body(_count_decoder if counting_for else _body_decoder, body)
+    if counting_for:
+        req.model = req.model or counting_for
     for field, refused, why in (("background", req.background, "responses are not run in the background"),
                                 ("conversation", given(req.conversation),
                                  "conversations are not kept: continue a response with previous_response_id")):
         if refused:
             raise invalid(f"{field}: {why}", field, "unsupported_value")
-    input_messages = _messages(req.input)
+    input_messages = _messages(req.input) if given(req.input) else []
     messages = ([ChatMessage(role="system", content=req.instructions)] if req.instructions else []) + input_messages
     if not messages and req.previous_response_id is None:
         raise invalid("input holds no message (and there are no instructions)", "input")

@@ -6,6 +6,7 @@
          /v1/responses, /v1/messages,
          /v1/messages/count_tokens                       (Authorization: Bearer <api key>, or x-api-key, if set)
     GET, DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items   (stored responses; the same keys)
+    POST /v1/responses/input_tokens                      (a response's prompt tokens, counted)
     GET  /admin/pools                                    (X-Admin-Token)
     GET  /admin/metrics                                  (X-Admin-Token; the per-API-key metrics)
     POST /admin/workers/{worker_id}/drain                (proxied to the worker)
@@ -219,6 +220,7 @@ class Gateway:
         app.router.add_post("/v1/completions", handlers.completions)
         app.router.add_post("/v1/chat/completions", handlers.chat_completions)
         app.router.add_post("/v1/responses", handlers.responses)
+        app.router.add_post("/v1/responses/input_tokens", handlers.count_response_tokens)
         add_stored_response_routes(app, self.response_store, self.admission)
         app.router.add_post("/v1/messages", handlers.messages)
         app.router.add_post("/v1/messages/count_tokens", handlers.count_message_tokens)

@@ -55,6 +55,7 @@ def document(stack) -> dict:
 def test_the_document_describes_what_the_gateway_validates(stack, document):
     assert document["openapi"].startswith("3.1")
     assert set(document["paths"]) == {"/v1/completions", "/v1/chat/completions", "/v1/responses",
+                                      "/v1/responses/input_tokens",
                                       "/v1/responses/{response_id}", "/v1/responses/{response_id}/input_items",
                                       "/v1/messages", "/v1/messages/count_tokens", "/v1/models", "/v1/models/{model}",
                                       "/health", "/metrics", "/openapi.json"}

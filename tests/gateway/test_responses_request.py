@@ -137,6 +137,13 @@ def test_a_continued_response_comes_after_the_instructions_and_before_the_input(
     assert roles(parse(input=[], previous_response_id="resp_" + "0" * 32).continuing(history))[-1][1] == "two"
 
 
+def test_a_count_may_leave_the_model_and_the_input_out():
+    count = parse_responses_request(json.dumps({"instructions": "Be brief."}).encode(), counting_for="served")
+    assert (count.chat.model, roles(count)) == ("served", [("system", "Be brief.", [], None)])
+    assert roles(parse_responses_request(b'{"input": "hi"}', counting_for="served")) == [("user", "hi", [], None)]
+    refuses_naming(parse, {"instructions": "x"}, "input", "missing_required_parameter")  # a response needs its input
+
+
 def test_a_continued_conversation_is_bounded_as_a_sent_one():
     from gateway.openai_protocol import MAX_MESSAGES
 

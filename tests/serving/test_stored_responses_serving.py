@@ -58,6 +58,18 @@ def test_a_continued_response_is_the_chat_answer_of_the_whole_conversation(clien
     assert fourth.output_text == chat(client, stack, turns, max_completion_tokens=10).choices[0].message.content
 
 
+def test_a_responses_input_tokens_are_counted_as_it_would_have_them(client, stack):
+    first = respond(client, stack, "Count me", instructions="Be brief.", max_output_tokens=6)
+    count = client.responses.input_tokens.count(model=stack.model_name, input="Count me", instructions="Be brief.")
+    assert (count.object, count.input_tokens) == ("response.input_tokens", first.usage.input_tokens)
+    second = respond(client, stack, "And on", previous_response_id=first.id, max_output_tokens=6)
+    assert client.responses.input_tokens.count(input="And on", previous_response_id=first.id).input_tokens == (
+        second.usage.input_tokens)  # the model left out: the served one
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.input_tokens.count(input="x", previous_response_id="resp_" + "0" * 32)
+    assert info.value.body["param"] == "previous_response_id"
+
+
 def test_a_responses_input_items_are_its_own_input_paged(client, stack):
     first = respond(client, stack, "Opening line", max_output_tokens=4)
     sent = [{"role": "user", "content": "One"}, {"role": "assistant", "content": "Two"},
