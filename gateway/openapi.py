@@ -288,7 +288,7 @@ def openapi_document(model_id: str, *, vocab_size: int, api_keys: bool, stored_r
                                                                        stored_responses).items()
                     if name not in schemas})
     errors = {status: _error(text) for status, text in _ERRORS.items()}
-    schemas.update({name: schema for name, schema in messages_schemas(model_id, vocab_size, _COMMON_RULES).items()
+    schemas.update({name: schema for name, schema in messages_schemas(model_id, _COMMON_RULES).items()
                     if name not in schemas})
     paths = {
         "/v1/completions": {"post": _generation("Text completion", "CompletionRequest", "CompletionResponse",

@@ -95,7 +95,7 @@ def _described(struct: type[msgspec.Struct]) -> type[msgspec.Struct]:
                              forbid_unknown_fields=True, kw_only=True)
 
 
-def messages_schemas(model_id: str, vocab_size: int, common_rules: dict[str, dict]) -> dict[str, dict]:
+def messages_schemas(model_id: str, common_rules: dict[str, dict]) -> dict[str, dict]:
     """The schemas the Messages API's operations name (``common_rules``: the rules of the fields it
     shares with the OpenAI endpoints: ``structured_outputs``, ``cache_salt``, ``seed``)."""
     (_, _, _), schemas = msgspec.json.schema_components([_described(MessagesRequest), MessageObject, ErrorEvent],
