@@ -3,8 +3,9 @@ request, whole response and stream events, generated from the structs the gatewa
 encodes (gateway/responses_request.py, gateway/responses_output.py), with the checks made in code
 added: the kinds of input items and their content parts, the fields accepted only at their default
 (``background``; ``store`` and ``previous_response_id`` on a gateway that stores no responses),
-``text.format``'s needs and the rules between fields; and ``GET`` / ``DELETE
-/v1/responses/{response_id}`` where responses are stored (gateway/stored_responses.py).
+``text.format``'s needs and the rules between fields; ``POST /v1/responses/input_tokens`` (the same
+request, its model optional); and ``GET`` / ``DELETE /v1/responses/{response_id}`` with its input items
+where responses are stored (gateway/stored_responses.py).
 """
 from __future__ import annotations
 
