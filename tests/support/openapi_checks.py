@@ -3,7 +3,7 @@ tests/gateway/test_openapi.py): the OpenAPI document must describe what the gate
 
 ``valid_requests_are_served``: a request valid by the schema is served, unless it asks for more
 tokens than the context holds -- a limit that depends on the prompt's length in tokens, which no
-schema can state --, names a stored response that is not there (a 404, or a 400 for the
+schema can state --, names a stored response or a model that is not there (a 404, or a 400 for the
 ``previous_response_id`` a request continues), or the gateway is saturated (429/503, a legitimate
 answer to any request).
 ``generation_is_reached``: each generation endpoint served at least one request during the run,
@@ -19,7 +19,7 @@ GENERATION = ("POST /v1/completions", "POST /v1/chat/completions", "POST /v1/res
 def _error_code(response) -> str | None:
     try:
         return response.json()["error"].get("code")  # (the Messages API's errors carry it beside their type)
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, AttributeError):
         return None
 
 
