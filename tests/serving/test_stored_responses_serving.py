@@ -2,8 +2,9 @@
 prefill and decode workers, Redis and the official openai client.  A response is retrieved as it was
 answered, whole or streamed; one continued by ``previous_response_id`` is the chat answer of the whole
 conversation (greedy) -- the chain's turns, not their instructions -- and a function call's output
-continues the response that made it; ``store: false`` keeps nothing; a deleted response is gone; an
-API key reads and deletes only its own; a gateway that stores nothing says so, naming the field."""
+continues the response that made it; its input items are its own input, paged; its input tokens are
+counted as it has them; ``store: false`` keeps nothing; a deleted response is gone; an API key reads
+and deletes only its own; a gateway that stores nothing says so, naming the field."""
 from __future__ import annotations
 
 import openai
