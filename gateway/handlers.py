@@ -282,8 +282,7 @@ class OpenAIHandlers:
         self._check_model(call.chat.model)
         async with self.services.admission(tenant):  # (the stored conversation is read within it)
             call = await self._continued(call, tenant)
-            history = call.chat.messages[1:] if call.instructions else call.chat.messages  # (not its system message)
-            kept = (keeper(store, tenant.key_id, history, len(call.input_messages))
+            kept = (keeper(store, tenant.key_id, call.turns, len(call.input_messages))
                     if store is not None and call.store is not False else None)
             return await self._chat_admitted(request, call.chat, ResponsesAnswer(call, self.shapes, kept), "input")
 

@@ -164,6 +164,12 @@ class ResponsesCall:
     previous_response_id: str | None
     input_messages: list[ChatMessage]  # the input's, without the instructions' system message
 
+    @property
+    def turns(self) -> list[ChatMessage]:
+        """The chat's messages but the instructions' system message: the conversation a stored
+        response keeps (its instructions are not carried over)."""
+        return self.chat.messages[1:] if self.instructions else self.chat.messages
+
     def continuing(self, history: list[ChatMessage]) -> "ResponsesCall":
         """This call after ``history`` (the conversation of the response it continues): its chat's
         messages are the instructions' system message, ``history``, then its input's."""
