@@ -28,9 +28,9 @@ from gateway.generation import Generation
 from gateway.messages_output import MessagesAnswer
 from gateway.messages_request import parse_messages_request
 from gateway.response_shapes import Answer, AnswerStream, ChoicesStream, ResponseShapes, prompt_tokens
-from gateway.responses_output import ResponsesAnswer
-from gateway.responses_request import ResponsesCall, parse_responses_request
-from gateway.response_store import ResponseStore, keeper, store_disabled
+from gateway.background_responses import BackgroundResponses
+from gateway.response_store import ResponseStore
+from gateway.responses_endpoints import ResponsesEndpoints
 from gateway.tool_output import ToolOutput
 from gateway.tool_parsers import ToolCallParser
 from gateway.tools_request import ToolPlan
@@ -119,10 +119,12 @@ class HandlerServices:
     grammars: GrammarCompiler  # checks structured-output grammars before dispatch
     tool_parser: ToolCallParser  # reads tool calls from an answer (tool_choice auto)
     response_store: ResponseStore | None  # the Responses API's stored responses (None: none stored)
+    background: BackgroundResponses | None  # the background responses this gateway runs (where stored)
 
 
-class OpenAIHandlers:
-    """``/v1/completions`` and ``/v1/chat/completions`` over the gateway's ``HandlerServices``."""
+class OpenAIHandlers(ResponsesEndpoints):
+    """``/v1/completions``, ``/v1/chat/completions``, Anthropic's ``/v1/messages`` and the Responses API
+    (gateway/responses_endpoints.py) over the gateway's ``HandlerServices``."""
 
     def __init__(self, services: HandlerServices):
         self.services = services
@@ -270,45 +272,6 @@ class OpenAIHandlers:
             await self._check_grammar(gens[0].params)
             return await self._serve(request, gens)
 
-    async def responses(self, request: web.Request) -> web.StreamResponse:
-        """OpenAI's Responses API: a chat request in that API's shapes (gateway/responses_request.py,
-        gateway/responses_output.py), after the stored conversation it continues
-        (``previous_response_id``), stored in its turn unless it says ``store: false``
-        (gateway/response_store.py)."""
-        call = parse_responses_request(await self.services.read_body(request))
-        store, tenant = self.services.response_store, request["tenant"]
-        if store is None and call.store:
-            raise store_disabled("store")
-        self._check_model(call.chat.model)
-        async with self.services.admission(tenant):  # (the stored conversation is read within it)
-            call = await self._continued(call, tenant)
-            kept = (keeper(store, tenant.key_id, call.turns, len(call.input_messages))
-                    if store is not None and call.store is not False else None)
-            return await self._chat_admitted(request, call.chat, ResponsesAnswer(call, self.shapes, kept), "input")
-
-    async def count_response_tokens(self, request: web.Request) -> web.Response:
-        """OpenAI's ``POST /v1/responses/input_tokens`` (``responses.input_tokens.count``): the prompt's
-        tokens as a response to the same body would have them (after its stored conversation)."""
-        call = parse_responses_request(await self.services.read_body(request), counting_for=self.services.model_id)
-        self._check_model(call.chat.model)
-        async with self.services.admission(request["tenant"]):
-            call = await self._continued(call, request["tenant"])
-            if not call.chat.messages:
-                raise invalid("input holds no message (and there are no instructions)", "input")
-            messages, render = self._chat_renderer(call.chat, call.chat.tool_plan(), field="input")
-            ids = await self.services.prompts.chat(messages, render)
-        return web.json_response({"object": "response.input_tokens", "input_tokens": len(ids)})
-
-    async def _continued(self, call: ResponsesCall, tenant: Tenant) -> ResponsesCall:
-        """``call`` after the stored conversation its ``previous_response_id`` names (none: as it is)."""
-        if call.previous_response_id is None:
-            return call
-        if self.services.response_store is None:
-            raise store_disabled("previous_response_id")
-        previous = await self.services.response_store.load(tenant.key_id, call.previous_response_id,
-                                                           param="previous_response_id")
-        return call.continuing(previous.messages)
-
     async def messages(self, request: web.Request) -> web.StreamResponse:
         """Anthropic's Messages API: a chat request in that API's shapes (gateway/messages_request.py,
         gateway/messages_output.py)."""
@@ -326,12 +289,17 @@ class OpenAIHandlers:
     async def _chat_admitted(self, request: web.Request, req: ChatCompletionRequest, answer: Answer,
                              field: str) -> web.StreamResponse:
         """``_chat_answered_as`` once the request is admitted."""
+        return await self._serve(request, await self._chat_generations(request, req, answer, field), answer)
+
+    async def _chat_generations(self, request: web.Request, req: ChatCompletionRequest, answer: Answer,
+                                field: str) -> list[Generation]:
+        """An admitted chat request's generation (another API's: its id ``answer``'s), checked."""
         plan = req.tool_plan()
         messages, render = self._chat_renderer(req, plan, field=field)
         ids = await self.services.prompts.chat(messages, render)
         gens = self._prepare(request, "chat", req, ids, plan, response_id=answer.response_id)
         await self._check_grammar(gens[0].params)
-        return await self._serve(request, gens, answer)
+        return gens
 
     async def count_message_tokens(self, request: web.Request) -> web.Response:
         """Anthropic's ``/v1/messages/count_tokens``: the prompt's tokens as the chat template makes them."""
@@ -357,25 +325,37 @@ class OpenAIHandlers:
         then too, their choices each on its own (a prompt's first has yet to compute it).
         ``answer``: another API's shape (the Responses or Messages API's; None: the choices' of
         completions and chat)."""
-        self.services.metrics.model(gens[0].model).prompt_tokens.inc(prompt_tokens(gens))
+        if not gens[0].options.stream:
+            return json_response(await self._whole(gens, answer))
         async with contextlib.AsyncExitStack() as stack:
-            runs = [await stack.enter_async_context(contextlib.aclosing(self._run(gens[0])))]
-            first = await self._upstream(anext(runs[0]))
-            sibling = True
-            for gen in gens[1:]:
-                sibling = sibling and not gen.first_choice  # prompt 0's other choices come right after it
-                follow = gens[0] if sibling else None
-                runs.append(await stack.enter_async_context(contextlib.aclosing(self._run(gen, follow=follow))))
-            rest = await stack.enter_async_context(contextlib.aclosing(_merge(gens, runs)))
-            if gens[0].options.stream:
-                events = answer.stream(gens[0]) if answer is not None else ChoicesStream(self.shapes, gens)
-                return await self._stream(request, gens, rest, first, events)
+            first, rest = await self._started(stack, gens)
+            events = answer.stream(gens[0]) if answer is not None else ChoicesStream(self.shapes, gens)
+            return await self._stream(request, gens, rest, first, events)
+
+    async def _whole(self, gens: list[Generation], answer: Answer | None = None) -> Any:
+        """The generations run to their end, answered whole (in ``answer``'s shape, kept where its API
+        keeps answers); cluster outcomes raise ``OpenAIError``."""
+        async with contextlib.AsyncExitStack() as stack:
+            _, rest = await self._started(stack, gens)
             await self._upstream(_drain(rest))
         if answer is None:
-            return json_response(self.shapes.full_response(gens))
+            return self.shapes.full_response(gens)
         whole = answer.whole(gens)
         await answer.keep(whole)
-        return json_response(whole)
+        return whole
+
+    async def _started(self, stack: contextlib.AsyncExitStack, gens: list[Generation]):
+        """Every generation started (closed with ``stack``), as ``_serve`` tells: the first choice's
+        first batch, and every later batch of them all."""
+        self.services.metrics.model(gens[0].model).prompt_tokens.inc(prompt_tokens(gens))
+        runs = [await stack.enter_async_context(contextlib.aclosing(self._run(gens[0])))]
+        first = await self._upstream(anext(runs[0]))
+        sibling = True
+        for gen in gens[1:]:
+            sibling = sibling and not gen.first_choice  # prompt 0's other choices come right after it
+            follow = gens[0] if sibling else None
+            runs.append(await stack.enter_async_context(contextlib.aclosing(self._run(gen, follow=follow))))
+        return first, await stack.enter_async_context(contextlib.aclosing(_merge(gens, runs)))
 
     @staticmethod
     async def _upstream(step):

@@ -3,7 +3,8 @@
 A response's ``output`` is a list of items: the answer's text as one ``message`` item (its
 ``output_text`` part), then each tool call as a ``function_call`` item.  Its ``status`` is
 ``completed``, ``incomplete`` (``incomplete_details.reason`` ``max_output_tokens``: the answer was cut
-at ``max_output_tokens``) or ``failed`` (``error``).
+at ``max_output_tokens``) or ``failed`` (``error``); a background response's is ``queued`` at first,
+then ``in_progress``, and may end ``cancelled`` (gateway/background_responses.py).
 
 Streamed, every event is an SSE ``event: <type>`` with its JSON (which names its ``type`` and a
 ``sequence_number`` counting from 0): ``response.created`` and ``response.in_progress`` first; an
@@ -84,7 +85,7 @@ class ResponseError(msgspec.Struct):
 class ResponseObject(msgspec.Struct, kw_only=True):
     id: str
     created_at: int
-    status: str  # in_progress | completed | incomplete | failed
+    status: str  # queued | in_progress | completed | incomplete | failed | cancelled
     model: str
     output: list[OutputItem]
     usage: ResponseUsage | None
@@ -252,7 +253,7 @@ class ResponsesAnswer:
     def response(self, gen: Generation, status: str, output: list, **extra) -> ResponseObject:
         call, options = self.call, gen.options
         usage = None
-        if status != "in_progress":
+        if status not in ("queued", "in_progress"):
             out = len(gen.token_ids)
             usage = ResponseUsage(len(gen.prompt_ids), InputTokensDetails(gen.cached_tokens), out,
                                   OutputTokensDetails(), len(gen.prompt_ids) + out)
@@ -261,9 +262,14 @@ class ResponsesAnswer:
             usage=usage, instructions=call.instructions, max_output_tokens=call.max_output_tokens,
             temperature=options.temperature, top_p=options.top_p, top_logprobs=call.top_logprobs, tools=call.tools,
             tool_choice=call.tool_choice, parallel_tool_calls=call.chat.parallel_tool_calls, text=call.text,
-            metadata=call.metadata, user=call.user, store=self.keeper is not None,
+            metadata=call.metadata, user=call.user, store=self.keeper is not None, background=call.background,
             previous_response_id=call.previous_response_id,
             completed_at=now() if status == "completed" else None, **extra)
+
+    def failed(self, gen: Generation, error: OpenAIError, output: list | None = None) -> ResponseObject:
+        """The response failed with ``error`` (after ``output``, what it had)."""
+        code = "rate_limit_exceeded" if error.status == 429 else "server_error"
+        return self.response(gen, "failed", output or [], error=ResponseError(code, error.message))
 
     def logprobs(self, entries) -> list[ChatTokenLogprob] | msgspec.UnsetType:
         """``entries`` as an output text's logprobs; unset where the request did not include them."""
@@ -360,8 +366,7 @@ class ResponseStream:
 
     def failure(self, error: OpenAIError) -> bytes:
         """An error after the stream started: the response failed, with what it had."""
-        code = "rate_limit_exceeded" if error.status == 429 else "server_error"
-        response = self.answer.response(self.gen, "failed", self.output, error=ResponseError(code, error.message))
+        response = self.answer.failed(self.gen, error, self.output)
         response.store = False  # a stream that failed is not stored
         return self._close(failed=True) + self._event(ResponseFailed, response=response)
 

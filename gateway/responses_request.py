@@ -16,7 +16,9 @@ gateway/responses_output.py answers in this API's shape.
 
 A response is stored unless ``store: false`` says otherwise, and ``previous_response_id`` continues
 a stored one (gateway/response_store.py: the handler prepends its conversation, ``ResponsesCall.
-continuing``).  ``conversation`` and ``background`` are 400s naming the field, as are the built-in tools, non-text
+continuing``); ``background: true`` runs it in the background (gateway/background_responses.py: it
+is stored, so ``store: false`` is a 400, and polled, so ``stream: true`` is one too).
+``conversation`` is a 400 naming the field, as are the built-in tools, non-text
 content and ``truncation: "auto"``; so are ``reasoning``, ``text.verbosity``, ``service_tier`` and
 ``prompt_cache_key``, as on the chat endpoint (not implemented: this model has no reasoning; use
 ``cache_salt`` for cache keys).  The bounds are the chat path's: the items as its messages, their
@@ -113,7 +115,7 @@ class ResponsesRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     stream: bool = False
     stream_options: ResponsesStreamOptions | None = None
     store: bool | None = None  # unset: stored where the gateway stores responses (gateway/response_store.py)
-    background: bool = False  # only false
+    background: bool = False  # run in the background (gateway/background_responses.py)
     previous_response_id: Annotated[str, msgspec.Meta(min_length=1, max_length=64)] | None = None
     metadata: Metadata | None = None
     user: UserId | None = None
@@ -161,6 +163,7 @@ class ResponsesCall:
     metadata: dict
     user: str | None
     store: bool | None  # as sent
+    background: bool
     previous_response_id: str | None
     input_messages: list[ChatMessage]  # the input's, without the instructions' system message
 
@@ -202,9 +205,12 @@ def parse_responses_request(body: bytes, counting_for: str | None = None) -> Res
     req = decode_body(_count_decoder if counting_for else _body_decoder, body)
     if counting_for:
         req.model = req.model or counting_for
-    for field, refused, why in (("background", req.background, "responses are not run in the background"),
-                                ("conversation", given(req.conversation),
-                                 "conversations are not kept: continue a response with previous_response_id")):
+    for field, refused, why in (("conversation", given(req.conversation),
+                                 "conversations are not kept: continue a response with previous_response_id"),
+                                ("store", req.background and req.store is False,
+                                 "a background response is stored (background: true needs store)"),
+                                ("stream", req.background and req.stream,
+                                 "a background response is polled (GET /v1/responses/{id}), not streamed")):
         if refused:
             raise invalid(f"{field}: {why}", field, "unsupported_value")
     input_messages = _messages(req.input) if given(req.input) else []
@@ -244,7 +250,7 @@ def parse_responses_request(body: bytes, counting_for: str | None = None) -> Res
     return ResponsesCall(chat, req.instructions, listed,
                          msgspec.to_builtins(choice) if choice is not None else plan.mode, {"format": text_format},
                          req.max_output_tokens, req.top_logprobs, chat.metadata or {}, req.user, req.store,
-                         req.previous_response_id, input_messages)
+                         req.background, req.previous_response_id, input_messages)
 
 
 def _text_format(text: TextConfig | None) -> StructuredOutput | None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import contextlib
 import hmac
 import logging
 import signal
@@ -37,6 +36,8 @@ from common.engine.loading.tokenizer import load_tokenizer
 from common.cluster.prefix_index import PrefixIndexReader
 from common.cluster.redis_util import connect
 from common.cluster.registry import ROLES, WorkerRegistry
+from gateway.admission import InflightBound
+from gateway.background_responses import BackgroundResponses
 from gateway.chat_template import resolve_chat_format
 from common.cluster.http_listener import GuardedSite
 from gateway.config import GatewayConfig, build_parser, config_from_args
@@ -53,7 +54,6 @@ from gateway.redis_probe import RedisProbe
 from gateway.response_store import ResponseStore
 from gateway.stored_responses import add_stored_response_routes
 from gateway.routing import Router, RoutingConfig
-from gateway.tenants import Tenant
 from gateway.tokenize_routes import TOKENIZE_PATHS, add_tokenize_routes
 from gateway.tool_parsers import make_parser
 
@@ -92,11 +92,14 @@ class Gateway:
                                      threads=config.tokenizer_threads)
         self.metrics = GatewayMetrics()
         self.api_keys = config.api_keys()
-        self.inflight_by_key: dict[str, int] = {}
+        # Requests generating (background responses among them), and calls on stored responses apart:
+        # a key whose requests hold its limit can still poll and cancel its background responses.
+        self.admission = InflightBound(config.max_inflight, "requests", on_refused=self.metrics.key_refused,
+                                       on_change=self.metrics.requests_in_flight.inc)
+        self.store_admission = InflightBound(config.max_inflight, "calls on stored responses")
         self.openapi = msgspec.json.encode(openapi_document(self.model_id, vocab_size=self.vocab_size,
                                                              stored_responses=config.responses_store_ttl > 0,
                                                              api_keys=self.api_keys.enabled))
-        self.inflight = 0
         self.redis = None
         self.session: aiohttp.ClientSession | None = None  # token streams from decode workers
         self.control_session: aiohttp.ClientSession | None = None  # aborts, admin calls
@@ -105,6 +108,7 @@ class Gateway:
         self.redis_probe: RedisProbe | None = None
         self.dispatcher: Dispatcher | None = None
         self.response_store: ResponseStore | None = None
+        self.background: BackgroundResponses | None = None  # (where responses are stored)
 
     async def start(self) -> None:
         self.redis = connect(self.config.redis_url)
@@ -124,6 +128,7 @@ class Gateway:
                 max_per_key=self.config.responses_store_max, max_bytes_per_key=self.config.responses_store_max_bytes,
                 max_bytes=self.config.max_body_bytes, timeout_s=self.config.responses_store_timeout,
                 retry_s=self.config.redis_retry_interval, on_failure=self.metrics.responses_store_failures.inc)
+            self.background = BackgroundResponses(self.response_store)
         self.session, self.control_session = self._client_sessions()
         router = Router(RoutingConfig(policy=self.config.routing_policy,
                                       skip_prefill_below_tokens=self.config.skip_prefill_below_tokens))
@@ -147,6 +152,8 @@ class Gateway:
                 session(aiohttp.ClientTimeout(total=t.control, sock_connect=t.connect)))
 
     async def stop(self) -> None:
+        if self.background:
+            await self.background.close()
         await self.dispatcher.drain()
         if self.pool:
             await self.pool.stop()
@@ -177,32 +184,6 @@ class Gateway:
         return OpenAIError(413, f"Request body of {size} bytes exceeds the limit of {self.config.max_body_bytes}",
                            code="request_too_large")
 
-    @contextlib.asynccontextmanager
-    async def admission(self, tenant: Tenant):
-        """Bound the requests in flight, overall (``max_inflight``) and per API key (its limit):
-        beyond either the answer is 429 + Retry-After, not a queue."""
-        if self.inflight >= self.config.max_inflight:
-            raise OpenAIError(429, f"Too many requests in flight ({self.inflight}); retry shortly",
-                              code="rate_limit_exceeded", retry_after=1)
-        mine = self.inflight_by_key.get(tenant.key_id, 0)
-        if tenant.limit is not None and mine >= tenant.limit:
-            self.metrics.key_refused(tenant.key_id)
-            raise OpenAIError(429, f"This API key ({tenant.key_id}) has {mine} requests in flight, its limit; "
-                              "retry shortly", code="rate_limit_exceeded", retry_after=1)
-        self.inflight += 1
-        self.inflight_by_key[tenant.key_id] = mine + 1
-        self.metrics.requests_in_flight.inc()
-        try:
-            yield
-        finally:
-            self.inflight -= 1
-            left = self.inflight_by_key[tenant.key_id] - 1
-            if left:
-                self.inflight_by_key[tenant.key_id] = left
-            else:
-                del self.inflight_by_key[tenant.key_id]
-            self.metrics.requests_in_flight.dec()
-
     # ---- app -------------------------------------------------------------------------------
 
     def handler_services(self) -> HandlerServices:
@@ -211,7 +192,8 @@ class Gateway:
             config=self.config, model_id=self.model_id, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
             tokenizer=self.tokenizer, chat_format=self.chat_format, prompts=self.prompts, dispatcher=self.dispatcher,
             metrics=self.metrics, read_body=self.read_body, admission=self.admission, grammars=self.grammars,
-            tool_parser=make_parser(self.config.tool_call_parser), response_store=self.response_store)
+            tool_parser=make_parser(self.config.tool_call_parser), response_store=self.response_store,
+            background=self.background)
 
     def app(self) -> web.Application:
         """The HTTP application (after ``start``)."""
@@ -221,7 +203,7 @@ class Gateway:
         app.router.add_post("/v1/chat/completions", handlers.chat_completions)
         app.router.add_post("/v1/responses", handlers.responses)
         app.router.add_post("/v1/responses/input_tokens", handlers.count_response_tokens)
-        add_stored_response_routes(app, self.response_store, self.admission)
+        add_stored_response_routes(app, self.response_store, self.store_admission, self.background)
         app.router.add_post("/v1/messages", handlers.messages)
         app.router.add_post("/v1/messages/count_tokens", handlers.count_message_tokens)
         app.router.add_get("/v1/models", self._models)

@@ -1,5 +1,6 @@
-"""``GET`` and ``DELETE /v1/responses/{response_id}`` and ``GET .../input_items``: an API key's stored
-responses (gateway/response_store.py).
+"""``GET`` and ``DELETE /v1/responses/{response_id}``, ``GET .../input_items`` and ``POST .../cancel``:
+an API key's stored responses (gateway/response_store.py) and background responses
+(gateway/background_responses.py).
 
 A response's input items are its request's input, rebuilt from the stored conversation: messages
 (an assistant's as ``output_text``, the others' as ``input_text`` parts), ``function_call`` and
@@ -13,6 +14,7 @@ from typing import Any, AsyncContextManager, Callable
 import msgspec
 from aiohttp import web
 
+from gateway.background_responses import BackgroundResponses
 from gateway.openai_errors import invalid
 from gateway.openai_protocol import ChatMessage
 from gateway.response_store import ResponseStore, store_disabled
@@ -84,9 +86,11 @@ def _page(items: list[dict[str, Any]], query) -> InputItemList:
 
 
 def add_stored_response_routes(app: web.Application, store: ResponseStore | None,
-                               admission: Callable[[Tenant], AsyncContextManager]) -> None:
+                               admission: Callable[[Tenant], AsyncContextManager],
+                               background: BackgroundResponses | None) -> None:
     """The routes, each call within its API key's admission (``admission``: the gateway's bound on
-    requests in flight, overall and per key)."""
+    calls on stored responses in flight, overall and per key); ``background``: the background
+    responses this gateway runs (None where none are stored)."""
     async def load(request: web.Request):
         if store is None:
             raise store_disabled("response_id")
@@ -112,8 +116,18 @@ def add_stored_response_routes(app: web.Application, store: ResponseStore | None
         response_id = request.match_info["response_id"]
         async with admission(request["tenant"]):
             await store.delete(request["tenant"].key_id, response_id)
+        background.forget(request["tenant"].key_id, response_id)
         return web.Response(body=msgspec.json.encode(ResponseDeleted(response_id)), content_type="application/json")
+
+    async def cancel(request: web.Request) -> web.Response:
+        """A background response cancelled (or as it ended, where it had): OpenAI's ``responses.cancel``."""
+        if background is None:
+            raise store_disabled("response_id")
+        async with admission(request["tenant"]):
+            answer = await background.cancel(request["tenant"].key_id, request.match_info["response_id"])
+        return web.Response(body=answer, content_type="application/json")
 
     app.router.add_get("/v1/responses/{response_id}", retrieve)
     app.router.add_delete("/v1/responses/{response_id}", delete)
     app.router.add_get("/v1/responses/{response_id}/input_items", list_input_items)
+    app.router.add_post("/v1/responses/{response_id}/cancel", cancel)

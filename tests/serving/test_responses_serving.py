@@ -4,7 +4,7 @@ text, tokens, usage and logprobs equal a chat completion's of the same conversat
 stream's events come in the documented order, numbered, and reassemble to the whole response; tool
 calls are ``function_call`` items valid by their schemas (streamed, the same), and go back as
 ``function_call`` / ``function_call_output`` input items on the next turn; ``text.format``
-constrains the text; what is not offered (images, built-in tools, a background run) is a 400
+constrains the text; what is not offered (images, built-in tools, an unstored background run) is a 400
 naming the field (stored responses: tests/serving/test_stored_responses_serving.py)."""
 from __future__ import annotations
 
@@ -236,7 +236,7 @@ def test_text_format_json_schema_constrains_the_text(client, stack):
 
 @pytest.mark.parametrize("params, param", [
     ({"previous_response_id": "resp_123"}, "previous_response_id"),
-    ({"background": True}, "background"),
+    ({"background": True, "store": False}, "store"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://x/y.png"}]}]},
      "input[0].content[0]"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
