@@ -2,10 +2,11 @@
 request, whole response and stream events, generated from the structs the gateway decodes and
 encodes (gateway/responses_request.py, gateway/responses_output.py), with the checks made in code
 added: the kinds of input items and their content parts, the fields accepted only at their default
-(``background``; ``store`` and ``previous_response_id`` on a gateway that stores no responses),
+(``background``, ``store`` and ``previous_response_id`` on a gateway that stores no responses),
 ``text.format``'s needs and the rules between fields; ``POST /v1/responses/input_tokens`` (the same
 request, its model optional); and ``GET`` / ``DELETE /v1/responses/{response_id}`` with its input items
-where responses are stored (gateway/stored_responses.py).
+and ``POST .../cancel`` (a background response's) where responses are stored
+(gateway/stored_responses.py).
 """
 from __future__ import annotations
 
@@ -69,7 +70,10 @@ _CROSS_FIELD = [
     _implies("tool_choice", {"anyOf": [{"const": "required"}, {"type": "object"}]},
              {"properties": {"text": _FREE_TEXT, "structured_outputs": _NULL}}),
     _implies("structured_outputs", {"type": "object"}, {"properties": {"text": _FREE_TEXT}}),
+    _implies("background", {"const": True}, {"properties": {"store": {"not": {"const": False}},
+                                                            "stream": {"not": {"const": True}}}}),
 ]
+_STATUSES = ["queued", "in_progress", "completed", "incomplete", "failed", "cancelled"]
 
 
 def responses_schemas(model_id: str, vocab_size: int, common_rules: dict[str, dict],
@@ -96,12 +100,19 @@ def responses_schemas(model_id: str, vocab_size: int, common_rules: dict[str, di
                           "description": "Keep the response for previous_response_id and GET /v1/responses/{id}."}
         props["previous_response_id"] = {"anyOf": [{"type": "string", "pattern": "^resp_[0-9a-f]{32}$"}, _NULL],
                                          "description": "Continue a stored response: its conversation comes "
-                                                        "before input (its instructions do not)."}
+                                                        "before input (its instructions do not); one without "
+                                                        "an output (a background response not completed) is a "
+                                                        "400."}
+        props["background"] = {"type": "boolean", "default": False, "description": (
+            "Answer at once (status queued) and generate in the background: poll GET /v1/responses/{id}, "
+            "cancel with POST /v1/responses/{id}/cancel. Stored (store may not be false), not streamed.")}
     else:
         props["store"] = {"anyOf": [{"const": False}, _NULL], "description": "Only false: this gateway stores no "
                           "responses (send the whole conversation in input)."}
         props["previous_response_id"] = {**_NULL, "description": "Not supported: this gateway stores no responses."}
-    props["background"] = {"type": "boolean", "const": False, "default": False, "description": "Only false."}
+        props["background"] = {"type": "boolean", "const": False, "default": False,
+                               "description": "Only false: this gateway stores no responses."}
+    schemas["ResponseObject"]["properties"]["status"] = {"enum": _STATUSES}
     props["stop_token_ids"]["anyOf"][0]["items"]["maximum"] = vocab_size - 1
     request["allOf"] = _CROSS_FIELD
     schemas["TextFormat"]["allOf"] = [_implies("type", {"const": "json_schema"}, {
@@ -126,7 +137,8 @@ def input_tokens_path(errors: dict[str, dict], auth: bool) -> dict:
 
 
 def stored_response_paths(errors: dict[str, dict], auth: bool) -> dict:
-    """``GET`` and ``DELETE /v1/responses/{response_id}`` (``errors``: status -> response object)."""
+    """``GET`` and ``DELETE /v1/responses/{response_id}``, its input items, and ``POST .../cancel``
+    (``errors``: status -> response object)."""
     parameter = {"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}
     security = {"security": [{"apiKey": []}]} if auth else {}
     failures = {status: errors[status] for status in ("400", "401", "503")}
@@ -152,6 +164,11 @@ def stored_response_paths(errors: dict[str, dict], auth: bool) -> dict:
         "/v1/responses/{response_id}/input_items": {
             "get": operation("A stored response's input items", "Its request's input, as items (a page of them).",
                              "InputItemList", paging),
+        },
+        "/v1/responses/{response_id}/cancel": {
+            "post": operation("Cancel a background response", "The response: cancelled, or as it ended where it had "
+                              "(cancelling twice is cancelling once). A response not run in the background is a 400.",
+                              "ResponseObject"),
         },
     }
 

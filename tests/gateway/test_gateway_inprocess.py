@@ -1,6 +1,8 @@
 """A real gateway in this process (its app on a test server, real Redis behind a proxy the test can
 hold): /health reports Redis as it is now, /metrics names no API key, and a key without its own
-limit gets the default per-key limit.  No workers: nothing here needs one."""
+limit gets the default per-key limit.  No workers: nothing here needs one -- a background response
+waits in the queue for one as long as a test needs it to (it holds its key's slot, not its polls, and
+is cancelled, or given up by a stopping gateway), or finds none and ends failed saying so."""
 from __future__ import annotations
 
 import asyncio
@@ -13,6 +15,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from common.engine.kv.prefix_hash import HASH_LEN
 from gateway.config import GatewayConfig
 from gateway.openai_protocol import OpenAIError
+from gateway.response_store import LOST
 from gateway.server import Gateway
 
 KEYS = {"a": "sk-inprocess-a-5c0f9e2b7d41a8c3", "b": "sk-inprocess-b-91d4e7a02f6c3b58"}
@@ -150,3 +153,70 @@ async def test_public_metrics_name_no_api_key_and_keys_have_a_default_limit(serv
         async with client.get("/admin/metrics", headers={"X-Admin-Token": ADMIN_TOKEN}) as resp:
             assert resp.status == 200
             assert f'pdserve_key_limited_by_key_total{{key_id="{a.key_id}"}} 1.0' in await resp.text()
+
+
+
+async def poll(client, response_id: str, headers: dict, until) -> dict:
+    while True:
+        async with client.get(f"/v1/responses/{response_id}", headers=headers) as resp:
+            assert resp.status == 200
+            polled = await resp.json()
+        if until(polled["status"]):
+            return polled
+        await asyncio.sleep(0.05)
+
+
+async def background(client, model: str, headers: dict) -> dict:
+    body = {"model": model, "input": "hello", "background": True, "max_output_tokens": 4}
+    async with client.post("/v1/responses", json=body, headers=headers) as resp:
+        assert resp.status == 200
+        queued = await resp.json()
+    assert (queued["status"], queued["background"], queued["store"], queued["output"]) == ("queued", True, True, [])
+    return queued
+
+
+async def test_a_background_response_that_finds_no_worker_ends_failed_with_the_reason(served_checkpoint, redis_url,
+                                                                                       key_prefix):
+    headers = {"Authorization": f"Bearer {KEYS['a']}"}
+    async with gateway(served_checkpoint, redis_url, key_prefix, queue_timeout=0.2) as (gw, client):
+        queued = await background(client, gw.model_id, headers)
+        failed = await poll(client, queued["id"], headers, lambda status: status not in ("queued", "in_progress"))
+        assert failed["status"] == "failed" and failed["error"]["code"] == "server_error"
+        assert "no decode worker" in failed["error"]["message"]
+        async with client.post(f"/v1/responses/{queued['id']}/cancel", headers=headers) as resp:
+            assert (resp.status, (await resp.json())["status"]) == (200, "failed")  # as it ended
+        body = {"model": gw.model_id, "input": "more", "previous_response_id": queued["id"]}
+        async with client.post("/v1/responses", json=body, headers=headers) as resp:
+            error = (await resp.json())["error"]
+        assert (resp.status, error["param"], error["code"]) == (400, "previous_response_id", "response_not_continuable")
+
+
+async def test_a_waiting_background_response_holds_its_keys_slot_until_cancelled(served_checkpoint, redis_url,
+                                                                                  key_prefix, tmp_path):
+    keys = tmp_path / "api-keys"
+    keys.write_text(f"{KEYS['b']}:1\n")
+    headers = {"Authorization": f"Bearer {KEYS['b']}"}
+    # No decode worker: the run waits in the queue (as long as the test needs) for one.
+    async with gateway(served_checkpoint, redis_url, key_prefix, api_keys_file=str(keys),
+                       queue_timeout=600) as (gw, client):
+        queued = await background(client, gw.model_id, headers)
+        await poll(client, queued["id"], headers, lambda status: status == "in_progress")  # polled all the same
+        body = {"model": gw.model_id, "input": "another", "max_output_tokens": 4}
+        async with client.post("/v1/responses", json=body, headers=headers) as resp:
+            assert resp.status == 429  # the key's one slot is the run's
+        async with client.post(f"/v1/responses/{queued['id']}/cancel", headers=headers) as resp:
+            assert (resp.status, (await resp.json())["status"]) == (200, "cancelled")
+        while gw.admission.inflight:  # the run ends, and lets its slot go
+            await asyncio.sleep(0.01)
+        assert (await poll(client, queued["id"], headers, lambda status: True))["status"] == "cancelled"
+
+
+async def test_a_stopping_gateway_gives_its_background_responses_up(served_checkpoint, redis_url, key_prefix):
+    headers = {"Authorization": f"Bearer {KEYS['a']}"}
+    async with gateway(served_checkpoint, redis_url, key_prefix, queue_timeout=600) as (gw, client):
+        queued = await background(client, gw.model_id, headers)
+        await poll(client, queued["id"], headers, lambda status: status == "in_progress")
+    # Read by another gateway: failed at once (not when its lease would lapse).
+    async with gateway(served_checkpoint, redis_url, key_prefix) as (gw, client):
+        failed = await poll(client, queued["id"], headers, lambda status: True)
+    assert (failed["status"], failed["error"]["code"], failed["error"]["message"]) == ("failed", "server_error", LOST)

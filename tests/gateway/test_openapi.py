@@ -57,6 +57,7 @@ def test_the_document_describes_what_the_gateway_validates(stack, document):
     assert set(document["paths"]) == {"/v1/completions", "/v1/chat/completions", "/v1/responses",
                                       "/v1/responses/input_tokens",
                                       "/v1/responses/{response_id}", "/v1/responses/{response_id}/input_items",
+                                      "/v1/responses/{response_id}/cancel",
                                       "/v1/messages", "/v1/messages/count_tokens", "/v1/models", "/v1/models/{model}",
                                       "/health", "/metrics", "/openapi.json"}
     assert set(document["paths"]["/v1/responses/{response_id}"]) == {"get", "delete"}
@@ -89,7 +90,9 @@ def test_the_document_describes_what_the_gateway_validates(stack, document):
     item_kinds = {kind["properties"]["type"]["const"] for kind in responses["properties"]["input"]["anyOf"][1]["items"]["anyOf"]}
     assert item_kinds == {"message", "function_call", "function_call_output", "reasoning"}
     assert {rule["if"]["required"][0] for rule in responses["allOf"]} == {"top_logprobs", "tool_choice",
-                                                                          "structured_outputs"}
+                                                                          "structured_outputs", "background"}
+    assert responses["properties"]["background"]["type"] == "boolean"  # (const false where nothing is stored)
+    assert "cancelled" in schemas["ResponseObject"]["properties"]["status"]["enum"]
     messages = schemas["MessagesRequest"]  # Anthropic's: each role's blocks, max_tokens required but in count_tokens
     assert set(messages["required"]) == {"model", "messages", "max_tokens"}
     assert set(schemas["MessagesCountTokensRequest"]["required"]) == {"model", "messages"}
