@@ -76,7 +76,8 @@ class BackgroundResponses:
             try:
                 while not work.done():
                     renewed = await self._renew(key_id, response_id)
-                    if asyncio.current_task().cancelling():  # (redis-py 8 may swallow a cancel mid-call)
+                    # Python 3.11's wait_for (in redis-py) drops a cancel that comes as its call completes
+                    if asyncio.current_task().cancelling():
                         raise asyncio.CancelledError
                     if not renewed:
                         work.cancel()

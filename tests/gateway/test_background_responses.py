@@ -66,13 +66,28 @@ async def runs(store):
     await background.close()
 
 
+@pytest.fixture
+async def slow_runs(store):
+    """Runs whose next heartbeat is far off: what stops one now is the gateway it runs in."""
+    background = BackgroundResponses(store, heartbeat_s=3600, lease_s=7200)
+    yield background
+    await background.close()
+
+
+async def settled(awaitable) -> None:
+    """Wait for ``awaitable`` (a hang guard, generous: the tests wait for events, not for time)."""
+    async with asyncio.timeout(120):
+        await awaitable
+
+
 async def status(store: ResponseStore, n: int) -> str:
     return json.loads((await store.load("key-a", rid(n))).response)["status"]
 
 
 async def until(condition) -> None:
-    while not await condition():
-        await asyncio.sleep(0.01)
+    async with asyncio.timeout(120):
+        while not await condition():
+            await asyncio.sleep(0.01)
 
 
 async def start(runs: BackgroundResponses, store: ResponseStore, n: int) -> Held:
@@ -90,13 +105,13 @@ async def test_a_run_is_stored_queued_then_in_progress_then_its_end(runs, store)
         await generate()
 
     await runs.start("key-a", rid(1), shell(1), checked, held.admitted)
-    await held.started.wait()
+    await settled(held.started.wait())
     await until(lambda: _is(store, 1, "in_progress"))
     with pytest.raises(OpenAIError) as info:
         await store.load("key-a", rid(1), param="previous_response_id")  # no output yet
     assert (info.value.status, info.value.code) == (400, "response_not_continuable")
     held.release.set()
-    await held.stopped.wait()
+    await settled(held.stopped.wait())
     loaded = await store.load("key-a", rid(1), param="previous_response_id")
     assert (json.loads(loaded.response)["status"], loaded.messages, loaded.running) == (
         "completed", [*INPUT, ANSWER], False)
@@ -104,12 +119,13 @@ async def test_a_run_is_stored_queued_then_in_progress_then_its_end(runs, store)
     assert runs.running == 0
 
 
-async def test_a_cancel_stops_the_run_frees_its_admission_and_wins_over_its_end(runs, store):
+async def test_a_cancel_stops_the_run_frees_its_admission_and_wins_over_its_end(slow_runs, store):
+    runs = slow_runs  # (stopped by the cancel here, not by a heartbeat)
     held = await start(runs, store, 2)
-    await held.started.wait()
+    await settled(held.started.wait())
     cancelled = json.loads(await runs.cancel("key-a", rid(2)))
     assert cancelled["status"] == "cancelled"
-    await held.stopped.wait()  # the generation stopped, the admission went with it
+    await settled(held.stopped.wait())  # the generation stopped, the admission went with it
     assert not await store.finish_run("key-a", rid(2), finished(2))  # an end after the cancel is not stored
     assert await status(store, 2) == "cancelled"
     assert json.loads(await runs.cancel("key-a", rid(2)))["status"] == "cancelled"  # twice: as once
@@ -119,19 +135,24 @@ async def test_a_cancel_stops_the_run_frees_its_admission_and_wins_over_its_end(
 
 async def test_a_cancel_from_another_gateway_stops_the_run_at_its_heartbeat(runs, store, redis_client, key_prefix):
     held = await start(runs, store, 3)
-    await held.started.wait()
+    await settled(held.started.wait())
     elsewhere = BackgroundResponses(ResponseStore(redis_client, key_prefix=key_prefix, max_bytes=1 << 20,
                                                   timeout_s=5.0))
     assert json.loads(await elsewhere.cancel("key-a", rid(3)))["status"] == "cancelled"
-    await held.stopped.wait()
+    await settled(held.stopped.wait())
     assert await status(store, 3) == "cancelled"
 
 
-async def test_a_deleted_run_stops_and_is_not_stored_again(runs, store):
+async def test_a_deleted_run_stops_and_is_not_stored_again(runs, slow_runs, store):
     held = await start(runs, store, 4)
-    await held.started.wait()
-    await store.delete("key-a", rid(4))
-    await held.stopped.wait()
+    await settled(held.started.wait())
+    await store.delete("key-a", rid(4))  # (on another gateway: this one learns it at its heartbeat)
+    await settled(held.stopped.wait())
+    here = await start(slow_runs, store, 10)
+    await settled(here.started.wait())
+    await store.delete("key-a", rid(10))
+    slow_runs.forget("key-a", rid(10))  # (the DELETE route, on the gateway it runs in: at once)
+    await settled(here.stopped.wait())
     assert not await store.finish_run("key-a", rid(4), finished(4))
     with pytest.raises(OpenAIError) as info:
         await store.load("key-a", rid(4))
@@ -140,17 +161,17 @@ async def test_a_deleted_run_stops_and_is_not_stored_again(runs, store):
 
 async def test_a_run_whose_mark_is_lost_reads_failed_and_stops(runs, store, redis_client, key_prefix):
     held = await start(runs, store, 5)
-    await held.started.wait()
+    await settled(held.started.wait())
     await redis_client.delete(f"{key_prefix}:responses:key-a:{rid(5)}:run")  # as a lapsed lease leaves it
     loaded = json.loads((await store.load("key-a", rid(5))).response)
     assert (loaded["status"], loaded["error"]) == ("failed", {"code": "server_error", "message": LOST})
-    await held.stopped.wait()
+    await settled(held.stopped.wait())
     assert not await store.finish_run("key-a", rid(5), finished(5))
 
 
 async def test_a_stopping_gateway_gives_its_runs_up(runs, store):
     held = await start(runs, store, 6)
-    await held.started.wait()
+    await settled(held.started.wait())
     await runs.close()
     assert held.stopped.is_set()
     assert await status(store, 6) == "failed"
@@ -172,7 +193,7 @@ async def test_only_a_background_response_is_cancelled_and_an_ended_one_stays_as
     assert (info.value.status, info.value.param) == (400, "response_id")
     held = await start(runs, store, 9)
     held.release.set()
-    await held.stopped.wait()
+    await settled(held.stopped.wait())
     assert json.loads(await runs.cancel("key-a", rid(9)))["status"] == "completed"
     with pytest.raises(OpenAIError) as info:
         await runs.cancel("key-b", rid(9))  # another API key's
