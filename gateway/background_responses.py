@@ -26,15 +26,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import Awaitable, Callable
+from typing import AsyncIterator, Awaitable, Callable
+
+from aiohttp import web
 
 from gateway.openai_errors import OpenAIError
+from gateway.openai_protocol import SSE_HEADERS
+from gateway.response_runs import RunStore
 from gateway.response_store import ResponseStore, StoredResponse
+from gateway.responses_output import is_last_event
 
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 1.0  # how often a run renews its mark (and learns it is to stop)
 LEASE_S = 15.0  # how long a mark holds unrenewed
+POLL_S = 0.05  # how often a stream of a run's events looks for more
 
 
 class BackgroundResponses:
@@ -44,6 +50,7 @@ class BackgroundResponses:
         if not 0 < heartbeat_s < lease_s:
             raise ValueError(f"heartbeat_s must be in (0, lease_s), got {heartbeat_s}, {lease_s}")
         self.store, self.heartbeat_s, self.lease_s = store, heartbeat_s, lease_s
+        self.runs = RunStore(store)
         self._work: dict[tuple[str, str], asyncio.Task] = {}  # each run's generation
         self._runs: set[asyncio.Task] = set()
 
@@ -54,8 +61,8 @@ class BackgroundResponses:
     async def start(self, key_id: str, response_id: str, shell: StoredResponse,
                     generate: Callable[[], Awaitable[None]], admitted: contextlib.AsyncExitStack) -> None:
         """Store ``shell`` with its run mark, then run ``generate`` (which stores the response's end,
-        through ``ResponseStore.finish_run``) in a task that holds ``admitted`` (the request's
-        admission) until it ends.  Raises a 503 ``OpenAIError`` where the shell could not be stored
+        through ``RunStore.finish``) in a task that holds ``admitted`` (the request's admission)
+        until it ends.  Raises a 503 ``OpenAIError`` where the shell could not be stored
         (nothing runs then; ``admitted`` is released)."""
         try:
             if not await self.store.save(key_id, response_id, shell, run_lease_s=self.lease_s):
@@ -86,11 +93,11 @@ class BackgroundResponses:
                 await asyncio.gather(work, return_exceptions=True)
                 if not work.cancelled() and work.exception() is not None:
                     log.error("background response failed", exc_info=work.exception())
-                    await self.store.end_run(key_id, response_id)
+                    await self.runs.end(key_id, response_id)
             except asyncio.CancelledError:  # the gateway stops: the run is given up
                 work.cancel()
                 await asyncio.gather(work, return_exceptions=True)
-                await self.store.end_run(key_id, response_id)
+                await self.runs.end(key_id, response_id)
                 raise
             finally:
                 self._work.pop(key, None)
@@ -99,14 +106,14 @@ class BackgroundResponses:
         """Renew the run's mark; False: it is to stop.  A Redis that does not answer does not stop
         it (the lease may lapse meanwhile: then its end is not stored, and reads say failed)."""
         try:
-            return await self.store.renew_run(key_id, response_id, self.lease_s)
+            return await self.runs.renew(key_id, response_id, self.lease_s)
         except OpenAIError:
             return True
 
     async def cancel(self, key_id: str, response_id: str) -> bytes:
-        """Cancel it (``ResponseStore.cancel_run``: its JSON after), and stop its generation now
-        where it runs here."""
-        answer = await self.store.cancel_run(key_id, response_id)
+        """Cancel it (``RunStore.cancel``: its JSON after), and stop its generation now where it runs
+        here."""
+        answer = await self.runs.cancel(key_id, response_id)
         work = self._work.get((key_id, response_id))
         if work is not None:
             work.cancel()
@@ -117,6 +124,38 @@ class BackgroundResponses:
         work = self._work.get((key_id, response_id))
         if work is not None:
             work.cancel()
+
+    async def events(self, key_id: str, response_id: str, after: int) -> AsyncIterator[bytes]:
+        """A streamed run's events after sequence number ``after`` (-1: all), as they come, until
+        its last (``response.completed``, ``.incomplete`` or ``.failed``), or until the run ends
+        without one (cancelled, deleted, lost: its stream just ends)."""
+        start = after + 1
+        while True:
+            found, holds = await self.runs.events(key_id, response_id, start)
+            for event in found:
+                yield event
+            start += len(found)
+            if (found and is_last_event(found[-1])) or not holds:
+                return
+            await asyncio.sleep(POLL_S)
+
+    async def serve(self, request: web.Request, key_id: str, response_id: str, after: int,
+                    write_timeout: float) -> web.StreamResponse:
+        """``events`` as Server-Sent Events; each write bounded by ``write_timeout`` (a client that
+        stops reading is cut off; the run goes on)."""
+        response = web.StreamResponse(headers=SSE_HEADERS)
+        await response.prepare(request)
+        try:
+            async with contextlib.aclosing(self.events(key_id, response_id, after)) as events:
+                async for event in events:
+                    async with asyncio.timeout(write_timeout):
+                        await response.write(event)
+        except TimeoutError:
+            if request.transport is not None:
+                request.transport.abort()
+        except OpenAIError:  # Redis does not answer: the stream ends (the client resumes later)
+            log.warning("a background response's stream ended: its events could not be read")
+        return response
 
     async def close(self) -> None:
         """Give up every run (the gateway stops): each generation is aborted, its mark dropped."""

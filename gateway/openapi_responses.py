@@ -70,8 +70,7 @@ _CROSS_FIELD = [
     _implies("tool_choice", {"anyOf": [{"const": "required"}, {"type": "object"}]},
              {"properties": {"text": _FREE_TEXT, "structured_outputs": _NULL}}),
     _implies("structured_outputs", {"type": "object"}, {"properties": {"text": _FREE_TEXT}}),
-    _implies("background", {"const": True}, {"properties": {"store": {"not": {"const": False}},
-                                                            "stream": {"not": {"const": True}}}}),
+    _implies("background", {"const": True}, {"properties": {"store": {"not": {"const": False}}}}),
 ]
 _STATUSES = ["queued", "in_progress", "completed", "incomplete", "failed", "cancelled"]
 
@@ -105,7 +104,9 @@ def responses_schemas(model_id: str, vocab_size: int, common_rules: dict[str, di
                                                         "400."}
         props["background"] = {"type": "boolean", "default": False, "description": (
             "Answer at once (status queued) and generate in the background: poll GET /v1/responses/{id}, "
-            "cancel with POST /v1/responses/{id}/cancel. Stored (store may not be false), not streamed.")}
+            "cancel with POST /v1/responses/{id}/cancel. Stored (store may not be false). With stream: true, "
+            "its events as they come; the run goes on if the client goes, and GET /v1/responses/{id}?stream=true"
+            "&starting_after=N resumes them.")}
     else:
         props["store"] = {"anyOf": [{"const": False}, _NULL], "description": "Only false: this gateway stores no "
                           "responses (send the whole conversation in input)."}
@@ -155,10 +156,17 @@ def stored_response_paths(errors: dict[str, dict], auth: bool) -> dict:
                                                           "default": 20}},
               {"name": "after", "in": "query", "schema": {"type": "string"},
                "description": "An item id of this response's: the page starts after it (else a 400)."})
+    resume = ({"name": "stream", "in": "query", "schema": {"type": "boolean", "default": False},
+               "description": "A background response created with stream: true: its events (Server-Sent Events) "
+                              "from the first (or after starting_after) as they come; another response: a 400."},
+              {"name": "starting_after", "in": "query", "schema": {"type": "integer", "minimum": -1},
+               "description": "With stream: the sequence number of the last event the client has."})
+    retrieve = operation("A stored response (this API key's)", "The response as it was answered (a background "
+                         "response: as it stands), or with stream=true its events.", "ResponseObject", resume)
+    retrieve["responses"]["200"]["content"]["text/event-stream"] = {"schema": {"type": "object"}}
     return {
         "/v1/responses/{response_id}": {
-            "get": operation("A stored response (this API key's)", "The response as it was answered.",
-                             "ResponseObject"),
+            "get": retrieve,
             "delete": operation("Forget a stored response", "It is forgotten.", "ResponseDeleted"),
         },
         "/v1/responses/{response_id}/input_items": {

@@ -13,6 +13,9 @@ OpenAI's are not.
     {prefix}:responses:{key id}:{response id}  STRING  StoredResponse (msgpack), EX ttl
     {prefix}:responses:{key id}                ZSET    that key's stored ids, score = when stored (s)
     {prefix}:responses:{key id}:sizes          HASH    that key's stored ids -> their bytes
+    {prefix}:responses:{key id}:{response id}:run     STRING  a background response's run mark
+    {prefix}:responses:{key id}:{response id}:events  LIST    a streamed background response's events
+                                                              (the run's: gateway/response_runs.py)
 
 Each API key reads and deletes only its own (its key id is in the key; without API keys every caller
 is the one tenant ``anonymous``).  Ids are ``resp_`` and 32 random hex digits.  What a stranger can
@@ -61,13 +64,14 @@ class StoredResponse(msgspec.Struct, array_like=True):
     conversation's messages were its own input (those before its output, the last message).
     ``answered``: the conversation ends with its output (not so for a background response that has
     not finished, was cancelled or failed: it can be read, not continued); ``running``: a background
-    response not finished, whose status is its run mark's (gateway/background_responses.py)."""
+    response not finished, whose status is its run mark's (gateway/response_runs.py)."""
 
     response: bytes
     messages: list[ChatMessage]
     inputs: int = 0
     answered: bool = True
     running: bool = False
+    streamed: bool = False  # a background response created with stream: true (its events are kept)
 
     @property
     def input_messages(self) -> list[ChatMessage]:
@@ -93,23 +97,21 @@ def unavailable() -> OpenAIError:
     return OpenAIError(503, "stored responses are unavailable (Redis does not answer)")
 
 
-def keeper(store: "ResponseStore", key_id: str, history: list[ChatMessage], inputs: int, run: bool = False):
+def ended(response: msgspec.Struct, history: list[ChatMessage], output: list[ChatMessage], inputs: int,
+          streamed: bool = False) -> StoredResponse:
+    """A response that ended, to store: its conversation (``history``, its input's last ``inputs``)
+    then its output -- not a failed response's (it cannot be continued)."""
+    answered = response.status in ANSWERED
+    return StoredResponse(_json(response), [*history, *(output if answered else ())], inputs, answered,
+                          streamed=streamed)
+
+
+def keeper(store: "ResponseStore", key_id: str, history: list[ChatMessage], inputs: int):
     """What stores a finished response of API key ``key_id`` whose conversation before its output is
-    ``history``, its last ``inputs`` messages the request's input (``ResponsesAnswer``'s keeper).
-    ``run``: a background response's end (stored unless its run was cancelled, deleted or lost).  A
-    failed response keeps no output (it cannot be continued)."""
-    async def keep(response: msgspec.Struct, output: list[ChatMessage]) -> bool:
-        answered = response.status in ANSWERED
-        stored = StoredResponse(_json(response), [*history, *(output if answered else ())], inputs, answered)
-        if run:
-            return await store.finish_run(key_id, response.id, stored)
-        return await store.save(key_id, response.id, stored)
+    ``history``, its last ``inputs`` messages the request's input (``ResponsesAnswer``'s keeper)."""
+    async def keep(response: msgspec.Struct, output: list[ChatMessage], closing: list[bytes] = ()) -> bool:
+        return await store.save(key_id, response.id, ended(response, history, output, inputs))
     return keep
-
-
-def running_shell(queued: msgspec.Struct, history: list[ChatMessage], inputs: int) -> StoredResponse:
-    """A background response's shell (``queued``, no output: gateway/background_responses.py)."""
-    return StoredResponse(_json(queued), list(history), inputs, answered=False, running=True)
 
 
 def store_disabled(field: str) -> OpenAIError:
@@ -118,6 +120,8 @@ def store_disabled(field: str) -> OpenAIError:
 
 class ResponseStore:
     """The stored responses of one deployment (``key_prefix``); see the module docstring."""
+
+    FAILURES = _REDIS_FAILURES  # what a Redis call that failed or did not answer raises
 
     def __init__(self, redis: aioredis.Redis, *, key_prefix: str, ttl_s: float = DEFAULT_TTL_S,
                  max_per_key: int = DEFAULT_MAX_PER_KEY, max_bytes_per_key: int = DEFAULT_MAX_BYTES_PER_KEY,
@@ -133,18 +137,19 @@ class ResponseStore:
         self.on_failure, self.retry_s = on_failure, retry_s
         self._quiet_until = 0.0  # monotonic: Redis is not asked before then (it failed)
 
-    def _failed(self) -> None:
+    def record_failure(self) -> None:
+        """A Redis call failed: counted, and Redis is left alone for ``retry_s``."""
         self.on_failure()
         self._quiet_until = time.monotonic() + self.retry_s
 
-    def _quiet(self) -> bool:
+    def quiet(self) -> bool:
         """Whether Redis failed less than ``retry_s`` ago (then it is not asked)."""
         return time.monotonic() < self._quiet_until
 
     def _index(self, key_id: str) -> str:
         return f"{self.prefix}:{key_id}"
 
-    def _sizes(self, key_id: str) -> str:
+    def sizes_key(self, key_id: str) -> str:
         return f"{self.prefix}:{key_id}:sizes"
 
     def _key(self, key_id: str, response_id: str) -> str:
@@ -153,25 +158,33 @@ class ResponseStore:
     def _run_key(self, key_id: str, response_id: str) -> str:
         return f"{self.prefix}:{key_id}:{response_id}:run"
 
+    def _events_key(self, key_id: str, response_id: str) -> str:
+        return f"{self.prefix}:{key_id}:{response_id}:events"
+
+    def parts(self, key_id: str, response_id: str) -> list[str]:
+        """A stored response's keys: itself, its run mark, its events."""
+        return [self._key(key_id, response_id), self._run_key(key_id, response_id),
+                self._events_key(key_id, response_id)]
+
     async def save(self, key_id: str, response_id: str, stored: StoredResponse, run_lease_s: float | None = None) -> bool:
         """Store it, then forget the key's oldest past its bounds; False where it was not stored: too
         large, or Redis did not take it in time (logged).  Once it is stored, a failure to forget the
         oldest is logged only (the next save forgets them).  ``run_lease_s``: a background response's
-        shell, stored with its run mark ``queued`` for that long (gateway/background_responses.py)."""
+        shell, stored with its run mark ``queued`` for that long (gateway/response_runs.py)."""
         data = _encode(stored)
         if len(data) > self.max_bytes:
             log.warning("a response was not stored: its conversation takes %d bytes, over the store's %d",
                         len(data), self.max_bytes)
             return False
-        if self._quiet():
+        if self.quiet():
             return False
-        index, sizes = self._index(key_id), self._sizes(key_id)
+        index, sizes = self._index(key_id), self.sizes_key(key_id)
         try:
             async with asyncio.timeout(self.timeout_s):
                 async with self.redis.pipeline(transaction=True) as pipe:
                     pipe.set(self._key(key_id, response_id), data, ex=self.ttl_s)
                     if run_lease_s is not None:
-                        pipe.set(self._run_key(key_id, response_id), RUNNING[0], px=_ms(run_lease_s))
+                        pipe.set(self._run_key(key_id, response_id), RUNNING[0], px=milliseconds(run_lease_s))
                     pipe.zadd(index, {response_id: time.time()})
                     pipe.hset(sizes, response_id, len(data))
                     pipe.expire(index, self.ttl_s)
@@ -180,11 +193,25 @@ class ResponseStore:
                     pipe.hgetall(sizes)
                     *_, ids, held = await pipe.execute()
         except _REDIS_FAILURES as exc:
-            self._failed()
+            self.record_failure()
             log.warning("a response was not stored: Redis: %s", type(exc).__name__)
             return False
         await self._forget(key_id, self._past_bounds(ids, held))
         return True
+
+    async def keep_bounds(self, key_id: str) -> None:
+        """Forget the key's oldest past its bounds (after a write outside ``save``: a run's end)."""
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                async with self.redis.pipeline(transaction=True) as pipe:
+                    pipe.zrange(self._index(key_id), 0, -1)
+                    pipe.hgetall(self.sizes_key(key_id))
+                    ids, held = await pipe.execute()
+        except _REDIS_FAILURES as exc:
+            self.record_failure()
+            log.warning("an API key's oldest stored responses were not forgotten: Redis: %s", type(exc).__name__)
+            return
+        await self._forget(key_id, self._past_bounds(ids, held))
 
     async def _forget(self, key_id: str, oldest: list[bytes]) -> None:
         """Forget these stored responses (the oldest past the key's bounds; a failure is logged only)."""
@@ -193,13 +220,12 @@ class ResponseStore:
         try:
             async with asyncio.timeout(self.timeout_s):
                 async with self.redis.pipeline(transaction=True) as pipe:
-                    pipe.delete(*(self._key(key_id, old.decode()) for old in oldest),
-                                *(self._run_key(key_id, old.decode()) for old in oldest))
+                    pipe.delete(*(key for old in oldest for key in self.parts(key_id, old.decode())))
                     pipe.zrem(self._index(key_id), *oldest)
-                    pipe.hdel(self._sizes(key_id), *oldest)
+                    pipe.hdel(self.sizes_key(key_id), *oldest)
                     await pipe.execute()
         except _REDIS_FAILURES as exc:
-            self._failed()
+            self.record_failure()
             log.warning("an API key's oldest stored responses were not forgotten: Redis: %s", type(exc).__name__)
 
     def _past_bounds(self, ids: list[bytes], held: dict[bytes, bytes]) -> list[bytes]:
@@ -214,12 +240,12 @@ class ResponseStore:
 
     async def load(self, key_id: str, response_id: str, param: str | None = None) -> StoredResponse:
         """The key's stored response -- a background response still running as its run mark tells
-        it (``_as_run``); a 404 where there is none, a 503 where Redis does not answer in time.
+        it (``as_run``); a 404 where there is none, a 503 where Redis does not answer in time.
         ``param`` given (``previous_response_id``): a response to continue -- a 400 naming it where
         there is none, or it has no output to continue (running, cancelled or failed)."""
         if not RESPONSE_ID_RE.fullmatch(response_id):
             raise not_found(param)
-        if self._quiet():
+        if self.quiet():
             raise unavailable()
         try:
             async with asyncio.timeout(self.timeout_s):
@@ -228,7 +254,7 @@ class ResponseStore:
                     pipe.get(self._run_key(key_id, response_id))
                     data, mark = await pipe.execute()
         except _REDIS_FAILURES:
-            self._failed()
+            self.record_failure()
             raise unavailable() from None
         if data is None:
             raise not_found(param)
@@ -238,7 +264,7 @@ class ResponseStore:
             log.warning("a stored response is unreadable; treated as absent")
             raise not_found(param) from None
         if stored.running:
-            stored = _as_run(stored, mark)
+            stored = as_run(stored, mark)
         if param is not None and not stored.answered:
             raise invalid(f"{param}: that response has no output to continue (it is {stored.status()})", param,
                           "response_not_continuable")
@@ -249,119 +275,31 @@ class ResponseStore:
         the key has none by that id, a 503 where Redis does not answer."""
         if not RESPONSE_ID_RE.fullmatch(response_id):
             raise not_found()
-        if self._quiet():
+        if self.quiet():
             raise unavailable()
         try:
             async with asyncio.timeout(self.timeout_s):
                 async with self.redis.pipeline(transaction=True) as pipe:
                     pipe.delete(self._key(key_id, response_id))
-                    pipe.delete(self._run_key(key_id, response_id))
+                    pipe.delete(*self.parts(key_id, response_id)[1:])
                     pipe.zrem(self._index(key_id), response_id)
-                    pipe.hdel(self._sizes(key_id), response_id)
+                    pipe.hdel(self.sizes_key(key_id), response_id)
                     deleted, *_ = await pipe.execute()
         except _REDIS_FAILURES:
-            self._failed()
+            self.record_failure()
             raise unavailable() from None
         if not deleted:
             raise not_found()
 
-    # ---- background responses' runs (gateway/background_responses.py) --------------------------
-    # A run holds while its mark is queued or in_progress and its stored response is there; each
-    # script below checks that and acts in one step, so a cancel, a delete and a run's end never
-    # both win.
 
-    async def _script(self, source: str, key_id: str, response_id: str, args: list, sizes: bool = False) -> int:
-        """Run a run script over (mark, stored response[, sizes]); a 503 where Redis does not answer."""
-        if self._quiet():
-            raise unavailable()
-        keys = [self._run_key(key_id, response_id), self._key(key_id, response_id)]
-        try:
-            async with asyncio.timeout(self.timeout_s):
-                return int(await self.redis.eval(source, len(keys) + sizes, *keys,
-                                                 *([self._sizes(key_id)] if sizes else []), *args))
-        except _REDIS_FAILURES:
-            self._failed()
-            raise unavailable() from None
-
-    async def renew_run(self, key_id: str, response_id: str, lease_s: float) -> bool:
-        """Mark the run ``in_progress`` for ``lease_s`` more; False: it is to stop (cancelled,
-        deleted, forgotten, or its lease lapsed).  Raises the 503 ``OpenAIError`` where Redis does not answer."""
-        return await self._script(_RENEW, key_id, response_id, ["in_progress", _ms(lease_s)]) == 1
-
-    async def finish_run(self, key_id: str, response_id: str, stored: StoredResponse) -> bool:
-        """Store a background response's end unless its run no longer holds; whether it was stored."""
-        data = _encode(stored)
-        if len(data) > self.max_bytes:
-            log.warning("a background response's end was not stored: %d bytes, over the store's %d",
-                        len(data), self.max_bytes)
-            await self.end_run(key_id, response_id)
-            return False
-        try:
-            if await self._script(_FINISH, key_id, response_id, [data, self.ttl_s, response_id, len(data)],
-                                  sizes=True) != 1:
-                return False
-            async with asyncio.timeout(self.timeout_s):
-                async with self.redis.pipeline(transaction=True) as pipe:
-                    pipe.zrange(self._index(key_id), 0, -1)
-                    pipe.hgetall(self._sizes(key_id))
-                    ids, held = await pipe.execute()
-        except OpenAIError:
-            log.warning("a background response's end was not stored: Redis did not answer")
-            return False
-        except _REDIS_FAILURES as exc:  # (stored: only its bounds' check failed)
-            self._failed()
-            log.warning("an API key's oldest stored responses were not forgotten: Redis: %s", type(exc).__name__)
-            return True
-        await self._forget(key_id, self._past_bounds(ids, held))
-        return True
-
-    async def end_run(self, key_id: str, response_id: str) -> None:
-        """Give up a run that will not finish (its gateway stops, or its end could not be stored):
-        its mark goes, so reads say ``failed`` at once (a failure here is logged: its lease lapses)."""
-        try:
-            await self._script(_END, key_id, response_id, [])
-        except OpenAIError:
-            log.warning("a background response's run mark was not dropped: Redis did not answer")
-
-    async def cancel_run(self, key_id: str, response_id: str) -> bytes:
-        """``POST /v1/responses/{response_id}/cancel``: the response after -- ``cancelled``, or as it
-        ended where it had (cancelling twice is cancelling once); a 400 for a response not run in the
-        background, a 404 where there is none, a 503 where Redis does not answer."""
-        stored = await self.load(key_id, response_id)
-        if not stored.running:
-            if not msgspec.json.decode(stored.response).get("background"):
-                raise invalid("only responses created with background: true can be cancelled", "response_id")
-            return stored.response
-        if await self._script(_CANCEL, key_id, response_id, [self.ttl_s]) != 1:
-            return (await self.load(key_id, response_id)).response  # it ended meanwhile
-        cancelled = msgspec.structs.replace(_as_run(stored, CANCELLED.encode()), running=False)
-        try:  # the stored response says so itself (until then, its mark does)
-            async with asyncio.timeout(self.timeout_s):
-                async with self.redis.pipeline(transaction=True) as pipe:
-                    pipe.set(self._key(key_id, response_id), _encode(cancelled), xx=True, keepttl=True)
-                    pipe.delete(self._run_key(key_id, response_id))
-                    await pipe.execute()
-        except _REDIS_FAILURES as exc:
-            self._failed()
-            log.warning("a cancelled response's mark stays (Redis: %s)", type(exc).__name__)
-        return cancelled.response
-
-
-_HOLDS = ("local mark = redis.call('GET', KEYS[1]) "
-          "if (mark ~= 'queued' and mark ~= 'in_progress') or redis.call('EXISTS', KEYS[2]) == 0 then return 0 end ")
-_RENEW = _HOLDS + "redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]) return 1"
-_FINISH = _HOLDS + ("redis.call('SET', KEYS[2], ARGV[1], 'EX', ARGV[2]) redis.call('HSET', KEYS[3], ARGV[3], ARGV[4]) "
-                    "redis.call('DEL', KEYS[1]) return 1")
-_CANCEL = _HOLDS + "redis.call('SET', KEYS[1], 'cancelled', 'EX', ARGV[1]) return 1"
-_END = _HOLDS + "redis.call('DEL', KEYS[1]) return 1"
 LOST = "the gateway running this response stopped before it finished"
 
 
-def _ms(seconds: float) -> int:
+def milliseconds(seconds: float) -> int:
     return max(1, round(seconds * 1000))
 
 
-def _as_run(stored: StoredResponse, mark: bytes | None) -> StoredResponse:
+def as_run(stored: StoredResponse, mark: bytes | None) -> StoredResponse:
     """A running background response as its run mark tells it: the mark's status (queued,
     in_progress, cancelled), or ``failed`` where the mark is gone -- its gateway stopped, or lost
     Redis for its lease, before it finished."""

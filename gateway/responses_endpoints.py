@@ -12,12 +12,19 @@ import contextlib
 
 from aiohttp import web
 
+from gateway.dispatch import Saturated, UpstreamError
+from gateway.generation import Generation
 from gateway.openai_errors import OpenAIError, invalid
 from gateway.openai_protocol import json_response
-from gateway.response_store import keeper, running_shell, store_disabled
-from gateway.responses_output import ResponsesAnswer
+from gateway.response_runs import run_keeper, running_shell
+from gateway.response_store import keeper, store_disabled
+from gateway.responses_output import ResponsesAnswer, sse_events
 from gateway.responses_request import ResponsesCall, parse_responses_request
 from gateway.tenants import Tenant
+
+
+class _RunEnded(Exception):
+    """The run no longer holds (cancelled, deleted, lost): its generation stops."""
 
 
 class ResponsesEndpoints:
@@ -39,27 +46,61 @@ class ResponsesEndpoints:
                     if store is not None and call.store is not False else None)
             return await self._chat_admitted(request, call.chat, ResponsesAnswer(call, self.shapes, kept), "input")
 
-    async def _background(self, request: web.Request, call: ResponsesCall, tenant: Tenant) -> web.Response:
-        """Check and store the response ``queued``, answer that, and generate it in a task that holds
-        the request's admission until it ends (gateway/background_responses.py)."""
-        store = self.services.response_store
+    async def _background(self, request: web.Request, call: ResponsesCall, tenant: Tenant) -> web.StreamResponse:
+        """Check and store the response ``queued``, and generate it in a task that holds the request's
+        admission until it ends (gateway/background_responses.py); answer ``queued``, or with
+        ``stream: true`` the run's events as they come (the run goes on if the client goes)."""
+        runs, streamed = self.services.background, call.chat.stream
         async with contextlib.AsyncExitStack() as admitted:
             await admitted.enter_async_context(self.services.admission(tenant))
             call = await self._continued(call, tenant)
             turns, inputs = call.turns, len(call.input_messages)
-            answer = ResponsesAnswer(call, self.shapes, keeper(store, tenant.key_id, turns, inputs, run=True))
+            keep = run_keeper(runs.runs, tenant.key_id, turns, inputs, streamed)
+            answer = ResponsesAnswer(call, self.shapes, keep)
             gens = await self._chat_generations(request, call.chat, answer, "input")
             queued = answer.response(gens[0], "queued", [])
 
             async def generate() -> None:
+                if streamed:
+                    await self._streamed_run(gens, answer, tenant.key_id)
+                    return
                 try:
                     await self._whole(gens, answer)
                 except OpenAIError as exc:  # no worker, an upstream error: it ends failed
                     await answer.keep(answer.failed(gens[0], exc))
 
-            await self.services.background.start(tenant.key_id, answer.response_id,
-                                                 running_shell(queued, turns, inputs), generate, admitted.pop_all())
+            await runs.start(tenant.key_id, answer.response_id, running_shell(queued, turns, inputs, streamed),
+                             generate, admitted.pop_all())
+        if streamed:
+            return await runs.serve(request, tenant.key_id, answer.response_id, -1,
+                                    self.services.config.client_write_timeout)
         return json_response(queued)
+
+    async def _streamed_run(self, gens: list[Generation], answer: ResponsesAnswer, key_id: str) -> None:
+        """A streamed background response's events, appended to its run's as they come; its last
+        ones stored with its end (a failure's too: it ends ``failed``)."""
+        runs, gen = self.services.background.runs, gens[0]
+        events = answer.stream(gen)
+
+        async def append(data: bytes) -> None:
+            if data and not await runs.append(key_id, answer.response_id, sse_events(data)):
+                raise _RunEnded()
+
+        try:
+            await append(events.opening())  # at once: the client has the id to resume with
+            async with contextlib.AsyncExitStack() as stack:
+                first, rest = await self._started(stack, gens)
+                await append(events.batch(gen, first))
+                async for sibling, batch in rest:
+                    await append(events.batch(sibling, batch))
+            closing = events.closing()
+        except _RunEnded:
+            return
+        except (OpenAIError, Saturated, UpstreamError, ValueError) as exc:
+            error = exc if isinstance(exc, OpenAIError) else OpenAIError(
+                getattr(exc, "status", 500), f"generation failed: {exc}")
+            closing = events.failure(error)
+        await answer.keep(events.final, sse_events(closing))
 
     async def count_response_tokens(self, request: web.Request) -> web.Response:
         """OpenAI's ``POST /v1/responses/input_tokens`` (``responses.input_tokens.count``): the prompt's

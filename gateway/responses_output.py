@@ -193,6 +193,18 @@ ResponseEvent = (ResponseCreated | ResponseInProgress | ResponseCompleted | Resp
                  | OutputTextDone | FunctionCallArgumentsDelta | FunctionCallArgumentsDone)
 
 _encode = msgspec.json.Encoder().encode
+_LAST_EVENTS = tuple(b"event: " + kind.__struct_config__.tag.encode() + b"\n"
+                     for kind in (ResponseCompleted, ResponseIncomplete, ResponseFailed))
+
+
+def is_last_event(event: bytes) -> bool:
+    """Whether ``event`` (one SSE event of a response's stream) is its last."""
+    return event.startswith(_LAST_EVENTS)
+
+
+def sse_events(data: bytes) -> list[bytes]:
+    """``data`` (SSE events, each ending in a blank line; their JSON holds no raw newline) one by one."""
+    return [event + b"\n\n" for event in data.split(b"\n\n")[:-1]]
 
 
 def new_response_id() -> str:
@@ -230,9 +242,9 @@ def output_messages(output: list[OutputItem]) -> list[ChatMessage]:
     return [ChatMessage(role="assistant", content=text if text or not calls else None, tool_calls=calls or None)]
 
 
-# store(response, its output's messages) -> whether it was stored (gateway/handlers.py, over
-# gateway/response_store.py)
-Keeper = Callable[[ResponseObject, list[ChatMessage]], Awaitable[bool]]
+# store(response, its output's messages, its stream's last events) -> whether it was stored
+# (gateway/response_store.py, gateway/response_runs.py)
+Keeper = Callable[[ResponseObject, list[ChatMessage], list[bytes]], Awaitable[bool]]
 
 
 class ResponsesAnswer:
@@ -244,10 +256,10 @@ class ResponsesAnswer:
         self.response_id = new_response_id()
         self.created_at = now()
 
-    async def keep(self, response: ResponseObject) -> None:
-        """Store the finished ``response`` (where the request asked); one that could not be stored
-        says ``store: false``."""
-        if self.keeper is not None and not await self.keeper(response, output_messages(response.output)):
+    async def keep(self, response: ResponseObject, closing: list[bytes] = ()) -> None:
+        """Store the finished ``response`` (where the request asked; ``closing``: a streamed background
+        response's last events, kept with it); one that could not be stored says ``store: false``."""
+        if self.keeper is not None and not await self.keeper(response, output_messages(response.output), closing):
             response.store = False
 
     def response(self, gen: Generation, status: str, output: list, **extra) -> ResponseObject:
@@ -308,6 +320,7 @@ class ResponseStream:
         self.pieces: list[str] = []  # the open item's text or arguments so far (joined when it closes)
         self.pending_logprobs: list = []  # entries not yet sent with a text delta
         self.ending: tuple[bytes, ResponseObject] | None = None  # _end's, once kept
+        self.final: ResponseObject | None = None  # the response its last event carries, once sent
 
     def _event(self, event_type: type[_Event], **fields) -> bytes:
         event = event_type(sequence_number=self.sequence, **fields)
@@ -352,6 +365,7 @@ class ResponseStream:
     def closing(self) -> bytes:
         """The open item's end, then the whole response."""
         ends, response = self.ending or self._end()
+        self.final = response
         kind = {"completed": ResponseCompleted, "incomplete": ResponseIncomplete}.get(response.status, ResponseFailed)
         return ends + self._event(kind, response=response)
 
@@ -366,8 +380,8 @@ class ResponseStream:
 
     def failure(self, error: OpenAIError) -> bytes:
         """An error after the stream started: the response failed, with what it had."""
-        response = self.answer.failed(self.gen, error, self.output)
-        response.store = False  # a stream that failed is not stored
+        response = self.final = self.answer.failed(self.gen, error, self.output)
+        response.store = self.answer.call.background  # a stream that failed is not stored, but a background one
         return self._close(failed=True) + self._event(ResponseFailed, response=response)
 
     # ---- items ---------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ gateway/responses_output.py answers in this API's shape.
 A response is stored unless ``store: false`` says otherwise, and ``previous_response_id`` continues
 a stored one (gateway/response_store.py: the handler prepends its conversation, ``ResponsesCall.
 continuing``); ``background: true`` runs it in the background (gateway/background_responses.py: it
-is stored, so ``store: false`` is a 400, and polled, so ``stream: true`` is one too).
+is stored, so ``store: false`` is a 400).
 ``conversation`` is a 400 naming the field, as are the built-in tools, non-text
 content and ``truncation: "auto"``; so are ``reasoning``, ``text.verbosity``, ``service_tier`` and
 ``prompt_cache_key``, as on the chat endpoint (not implemented: this model has no reasoning; use
@@ -208,9 +208,7 @@ def parse_responses_request(body: bytes, counting_for: str | None = None) -> Res
     for field, refused, why in (("conversation", given(req.conversation),
                                  "conversations are not kept: continue a response with previous_response_id"),
                                 ("store", req.background and req.store is False,
-                                 "a background response is stored (background: true needs store)"),
-                                ("stream", req.background and req.stream,
-                                 "a background response is polled (GET /v1/responses/{id}), not streamed")):
+                                 "a background response is stored (background: true needs store)")):
         if refused:
             raise invalid(f"{field}: {why}", field, "unsupported_value")
     input_messages = _messages(req.input) if given(req.input) else []

@@ -203,7 +203,8 @@ class Gateway:
         app.router.add_post("/v1/chat/completions", handlers.chat_completions)
         app.router.add_post("/v1/responses", handlers.responses)
         app.router.add_post("/v1/responses/input_tokens", handlers.count_response_tokens)
-        add_stored_response_routes(app, self.response_store, self.store_admission, self.background)
+        add_stored_response_routes(app, self.response_store, self.store_admission, self.background,
+                                   self.config.client_write_timeout)
         app.router.add_post("/v1/messages", handlers.messages)
         app.router.add_post("/v1/messages/count_tokens", handlers.count_message_tokens)
         app.router.add_get("/v1/models", self._models)

@@ -85,25 +85,53 @@ def _page(items: list[dict[str, Any]], query) -> InputItemList:
                          len(listed) > limit)
 
 
+def _flag(query, name: str) -> bool:
+    value = query.get(name, "false").lower()
+    if value not in ("true", "1", "false", "0"):
+        raise invalid(f"{name} must be true or false", name)
+    return value in ("true", "1")
+
+
+def _after(query) -> int:
+    """``starting_after``: the sequence number of the last event the client has (-1, the default: none)."""
+    try:
+        after = int(query.get("starting_after", "-1"))
+    except ValueError:
+        after = -2
+    if not -1 <= after < 1 << 31:
+        raise invalid("starting_after must be an event's sequence number (an integer >= -1)", "starting_after")
+    return after
+
+
 def add_stored_response_routes(app: web.Application, store: ResponseStore | None,
                                admission: Callable[[Tenant], AsyncContextManager],
-                               background: BackgroundResponses | None) -> None:
+                               background: BackgroundResponses | None, write_timeout: float) -> None:
     """The routes, each call within its API key's admission (``admission``: the gateway's bound on
     calls on stored responses in flight, overall and per key); ``background``: the background
-    responses this gateway runs (None where none are stored)."""
+    responses this gateway runs (None where none are stored); ``write_timeout``: a stream's bound on
+    each write."""
     async def load(request: web.Request):
         if store is None:
             raise store_disabled("response_id")
         async with admission(request["tenant"]):
             return await store.load(request["tenant"].key_id, request.match_info["response_id"])
 
-    async def retrieve(request: web.Request) -> web.Response:
-        """The stored response as it was answered (a stream's replay is not offered)."""
-        for name in ("stream", "starting_after"):
-            if request.query.get(name, "false").lower() not in ("false", "0"):
-                raise invalid(f"{name}: a stored response is returned whole (no stream replay)", name,
-                              "unsupported_value")
+    async def retrieve(request: web.Request) -> web.StreamResponse:
+        """The stored response as it was answered (a background response's as it stands), or a
+        streamed background response's events (``stream``, ``starting_after``: ignored without it)."""
+        if _flag(request.query, "stream"):
+            return await stream(request, _after(request.query))
         return web.Response(body=(await load(request)).response, content_type="application/json")
+
+    async def stream(request: web.Request, after: int) -> web.StreamResponse:
+        if store is None:
+            raise store_disabled("response_id")
+        tenant, response_id = request["tenant"], request.match_info["response_id"]
+        async with admission(tenant):  # (held while it streams)
+            if not (await store.load(tenant.key_id, response_id)).streamed:
+                raise invalid("stream: only a background response created with stream: true is streamed", "stream",
+                              "unsupported_value")
+            return await background.serve(request, tenant.key_id, response_id, after, write_timeout)
 
     async def list_input_items(request: web.Request) -> web.Response:
         stored = await load(request)

@@ -16,6 +16,7 @@ import pytest
 from gateway.background_responses import BackgroundResponses
 from gateway.openai_errors import OpenAIError
 from gateway.openai_protocol import ChatMessage
+from gateway.response_runs import RunStore
 from gateway.response_store import LOST, ResponseStore, StoredResponse
 
 INPUT = [ChatMessage(role="user", content="hi")]
@@ -50,7 +51,7 @@ class Held:
         async def run() -> None:
             self.started.set()
             await self.release.wait()
-            await store.finish_run("key-a", rid(n), finished(n))
+            await RunStore(store).finish("key-a", rid(n), finished(n))
         return run
 
 
@@ -126,7 +127,7 @@ async def test_a_cancel_stops_the_run_frees_its_admission_and_wins_over_its_end(
     cancelled = json.loads(await runs.cancel("key-a", rid(2)))
     assert cancelled["status"] == "cancelled"
     await settled(held.stopped.wait())  # the generation stopped, the admission went with it
-    assert not await store.finish_run("key-a", rid(2), finished(2))  # an end after the cancel is not stored
+    assert not await RunStore(store).finish("key-a", rid(2), finished(2))  # an end after the cancel is not stored
     assert await status(store, 2) == "cancelled"
     assert json.loads(await runs.cancel("key-a", rid(2)))["status"] == "cancelled"  # twice: as once
     stored = await store.load("key-a", rid(2))
@@ -153,7 +154,7 @@ async def test_a_deleted_run_stops_and_is_not_stored_again(runs, slow_runs, stor
     await store.delete("key-a", rid(10))
     slow_runs.forget("key-a", rid(10))  # (the DELETE route, on the gateway it runs in: at once)
     await settled(here.stopped.wait())
-    assert not await store.finish_run("key-a", rid(4), finished(4))
+    assert not await RunStore(store).finish("key-a", rid(4), finished(4))
     with pytest.raises(OpenAIError) as info:
         await store.load("key-a", rid(4))
     assert info.value.status == 404
@@ -166,7 +167,7 @@ async def test_a_run_whose_mark_is_lost_reads_failed_and_stops(runs, store, redi
     loaded = json.loads((await store.load("key-a", rid(5))).response)
     assert (loaded["status"], loaded["error"]) == ("failed", {"code": "server_error", "message": LOST})
     await settled(held.stopped.wait())
-    assert not await store.finish_run("key-a", rid(5), finished(5))
+    assert not await RunStore(store).finish("key-a", rid(5), finished(5))
 
 
 async def test_a_stopping_gateway_gives_its_runs_up(runs, store):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import urllib.parse
 
 import pytest
@@ -220,3 +221,32 @@ async def test_a_stopping_gateway_gives_its_background_responses_up(served_check
     async with gateway(served_checkpoint, redis_url, key_prefix) as (gw, client):
         failed = await poll(client, queued["id"], headers, lambda status: True)
     assert (failed["status"], failed["error"]["code"], failed["error"]["message"]) == ("failed", "server_error", LOST)
+
+
+async def test_a_streamed_background_response_goes_on_without_its_client_and_is_streamed_again(
+        served_checkpoint, redis_url, key_prefix):
+    headers = {"Authorization": f"Bearer {KEYS['a']}"}
+    body = {"model": served_checkpoint.name, "input": "hello", "background": True, "stream": True,
+            "max_output_tokens": 4}
+    async with gateway(served_checkpoint, redis_url, key_prefix, queue_timeout=0.5) as (gw, client):
+        async with client.post("/v1/responses", json=body, headers=headers) as resp:
+            assert resp.headers["Content-Type"].startswith("text/event-stream")
+            created = await resp.content.readuntil(b"\n\n")  # at once, before any token
+        assert created.startswith(b"event: response.created\n")  # ... and the client goes
+        response_id = json.loads(created.split(b"data: ", 1)[1])["response"]["id"]
+        failed = await poll(client, response_id, headers, lambda status: status not in ("queued", "in_progress"))
+        assert failed["status"] == "failed" and "no decode worker" in failed["error"]["message"]
+
+        async def streamed(query: str) -> list[dict]:
+            async with client.get(f"/v1/responses/{response_id}?stream=true{query}", headers=headers) as resp:
+                assert resp.status == 200
+                text = await resp.text()
+            return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: ")]
+
+        events = await streamed("")
+        assert [(e["type"], e["sequence_number"]) for e in events] == [
+            ("response.created", 0), ("response.in_progress", 1), ("response.failed", 2)]
+        assert events[-1]["response"] == failed
+        assert await streamed("&starting_after=1") == events[2:]
+        async with client.get(f"/v1/responses/{response_id}?stream=true&starting_after=x", headers=headers) as resp:
+            assert (resp.status, (await resp.json())["error"]["param"]) == (400, "starting_after")

@@ -2,7 +2,8 @@
 workers, Redis and the official openai client.  ``background: true`` is answered ``queued`` at once;
 polled, it becomes the answer the same request gets in the foreground (greedy: text and usage), is
 continued and listed as a stored response is, and cancelling it once it ended returns it as it
-ended.  It is stored and polled, so ``store: false`` and ``stream: true`` are 400s naming the field.
+ended.  Streamed, its events are the foreground stream's, and they are streamed again from the first
+or after any one (not a response that was not streamed so).  It is stored: ``store: false`` is a 400.
 (A run cancelled, holding its key's slot, failing or given up by a stopping gateway:
 tests/gateway/test_gateway_inprocess.py, where a run waits for a worker as long as a test needs.)"""
 from __future__ import annotations
@@ -57,8 +58,32 @@ def test_a_background_response_continues_a_stored_one(client, stack):
         foreground.output_text, foreground.usage.input_tokens, first.id)
 
 
-@pytest.mark.parametrize("params, param", [({"store": False}, "store"), ({"stream": True}, "stream")])
-def test_a_background_response_is_stored_and_polled_not_streamed(client, stack, params, param):
+def test_a_streamed_background_response_is_the_foreground_stream_and_resumes_after_any_event(client, stack):
+    events = list(respond(client, stack, "Stream this in the background", max_output_tokens=12, background=True,
+                          stream=True))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[0].type == "response.created" and events[-1].type in ("response.completed", "response.incomplete")
+    final = events[-1].response
+    foreground = list(respond(client, stack, "Stream this in the background", max_output_tokens=12, stream=True))
+    assert [e.type for e in events] == [e.type for e in foreground]
+    assert [getattr(e, "delta", None) for e in events] == [getattr(e, "delta", None) for e in foreground]
+    assert (final.background, final.store) == (True, True)
+    assert client.responses.retrieve(final.id).model_dump() == final.model_dump()  # stored before its last event
+    resumed = list(client.responses.retrieve(final.id, stream=True, starting_after=2))
+    assert [e.model_dump() for e in resumed] == [e.model_dump() for e in events[3:]]
+    assert [e.model_dump() for e in client.responses.retrieve(final.id, stream=True)] == [
+        e.model_dump() for e in events]
+
+
+def test_only_a_streamed_background_response_is_streamed_again(client, stack):
+    polled_only = respond(client, stack, "Not streamed", max_output_tokens=4, background=True)
+    polled(client, polled_only.id)
     with pytest.raises(openai.BadRequestError) as info:
-        respond(client, stack, "Refused", max_output_tokens=4, background=True, **params)
-    assert (info.value.body["param"], info.value.body["code"]) == (param, "unsupported_value")
+        client.responses.retrieve(polled_only.id, stream=True)
+    assert info.value.body["param"] == "stream"
+
+
+def test_a_background_response_is_stored(client, stack):
+    with pytest.raises(openai.BadRequestError) as info:
+        respond(client, stack, "Refused", max_output_tokens=4, background=True, store=False)
+    assert (info.value.body["param"], info.value.body["code"]) == ("store", "unsupported_value")
