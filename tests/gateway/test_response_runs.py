@@ -5,8 +5,10 @@ response's events are bounded, count in its API key's bytes, and go with it when
 reader of a run's events stops at its last event, or when the run ends without one."""
 from __future__ import annotations
 
+import asyncio
 import json
 
+import msgspec
 import pytest
 
 from gateway.background_responses import BackgroundResponses
@@ -59,7 +61,7 @@ async def test_a_runs_events_are_kept_in_order_and_its_end_appends_its_last_with
     loaded = await store.load("key-a", rid(1))
     assert (json.loads(loaded.response)["status"], loaded.streamed, loaded.running) == ("completed", True, False)
     size = int(await redis_client.hget(f"{key_prefix}:responses:key-a:sizes", rid(1)))
-    assert size > sum(map(len, [*deltas, last]))  # its events count in its key's bytes
+    assert size == len(msgspec.msgpack.encode(ended(1))) + sum(map(len, [*deltas, last]))  # its events count too
 
 
 async def test_nothing_is_appended_or_stored_once_a_run_is_cancelled(store):
@@ -88,9 +90,14 @@ async def test_a_reader_stops_at_the_last_event_or_when_the_run_ends_without_one
     await store.save("key-a", rid(4), shell(4), run_lease_s=60)
     await runs.append("key-a", rid(4), [event("created", 0), event("output_text.delta", 1)])
     await runs.finish("key-a", rid(4), ended(4), [event("completed", 2)])
-    assert [e async for e in background.events("key-a", rid(4), 0)] == [event("output_text.delta", 1),
-                                                                        event("completed", 2)]
+    assert await read(background.events("key-a", rid(4), 0)) == [event("output_text.delta", 1),
+                                                                 event("completed", 2)]
     await store.save("key-a", rid(5), shell(5), run_lease_s=60)
     await runs.append("key-a", rid(5), [event("created", 0)])
     await runs.cancel("key-a", rid(5))
-    assert [e async for e in background.events("key-a", rid(5), -1)] == [event("created", 0)]
+    assert await read(background.events("key-a", rid(5), -1)) == [event("created", 0)]
+
+
+async def read(events) -> list[bytes]:
+    async with asyncio.timeout(120):  # (a hang guard: it ends by itself)
+        return [e async for e in events]
