@@ -236,6 +236,7 @@ async def test_a_streamed_background_response_goes_on_without_its_client_and_is_
         response_id = json.loads(created.split(b"data: ", 1)[1])["response"]["id"]
         failed = await poll(client, response_id, headers, lambda status: status not in ("queued", "in_progress"))
         assert failed["status"] == "failed" and "no decode worker" in failed["error"]["message"]
+        assert failed["store"] is True  # (a failed stream is not stored, but a background one is)
 
         async def streamed(query: str) -> list[dict]:
             async with client.get(f"/v1/responses/{response_id}?stream=true{query}", headers=headers) as resp:

@@ -92,6 +92,13 @@ async def test_a_reader_stops_at_the_last_event_or_when_the_run_ends_without_one
     await runs.finish("key-a", rid(4), ended(4), [event("completed", 2)])
     assert await read(background.events("key-a", rid(4), 0)) == [event("output_text.delta", 1),
                                                                  event("completed", 2)]
+    await store.save("key-a", rid(6), shell(6), run_lease_s=60)  # read while it runs: each event once
+    await runs.append("key-a", rid(6), [event("created", 0)])
+    reader = background.events("key-a", rid(6), -1)
+    assert await anext(reader) == event("created", 0)
+    await runs.append("key-a", rid(6), [event("output_text.delta", 1)])
+    await runs.finish("key-a", rid(6), ended(6), [event("completed", 2)])
+    assert await read(reader) == [event("output_text.delta", 1), event("completed", 2)]
     await store.save("key-a", rid(5), shell(5), run_lease_s=60)
     await runs.append("key-a", rid(5), [event("created", 0)])
     await runs.cancel("key-a", rid(5))
