@@ -17,7 +17,7 @@ import msgspec
 from gateway.openai_protocol import MAX_MESSAGES, MAX_PARTS_PER_MESSAGE
 from gateway.responses_output import ResponseEvent, ResponseObject
 from gateway.responses_request import LOGPROBS_INCLUDE, ResponsesRequest
-from gateway.stored_responses import MAX_LIMIT, InputItemList, ResponseDeleted
+from gateway.stored_responses import MAX_LIMIT, MAX_SEQUENCE, InputItemList, ResponseDeleted
 
 _REF = "#/components/schemas/{name}"
 _NULL = {"type": "null"}
@@ -159,7 +159,8 @@ def stored_response_paths(errors: dict[str, dict], auth: bool) -> dict:
     resume = ({"name": "stream", "in": "query", "schema": {"type": "boolean", "default": False},
                "description": "A background response created with stream: true: its events (Server-Sent Events) "
                               "from the first (or after starting_after) as they come; another response: a 400."},
-              {"name": "starting_after", "in": "query", "schema": {"type": "integer", "minimum": -1},
+              {"name": "starting_after", "in": "query", "schema": {"type": "integer", "minimum": -1,
+                                                                  "maximum": MAX_SEQUENCE},
                "description": "With stream: the sequence number of the last event the client has."})
     retrieve = operation("A stored response (this API key's)", "The response as it was answered (a background "
                          "response: as it stands), or with stream=true its events.", "ResponseObject", resume)

@@ -21,6 +21,7 @@ from gateway.response_store import ResponseStore, store_disabled
 from gateway.tenants import Tenant
 
 MAX_LIMIT = 100
+MAX_SEQUENCE = (1 << 31) - 1  # the largest starting_after
 
 
 class ResponseDeleted(msgspec.Struct):
@@ -98,7 +99,7 @@ def _after(query) -> int:
         after = int(query.get("starting_after", "-1"))
     except ValueError:
         after = -2
-    if not -1 <= after < 1 << 31:
+    if not -1 <= after <= MAX_SEQUENCE:
         raise invalid("starting_after must be an event's sequence number (an integer >= -1)", "starting_after")
     return after
 
