@@ -40,19 +40,27 @@ log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 1.0  # how often a run renews its mark (and learns it is to stop)
 LEASE_S = 15.0  # how long a mark holds unrenewed
-POLL_S = 0.05  # how often a stream of a run's events looks for more
+POLL_S = (0.05, 0.4)  # how often a stream of a run's events looks for more: at first, and at most (backing off)
+
+
+def default_max_runs(max_inflight: int) -> int:
+    """Background responses a gateway runs at once: half its requests in flight (a client that sends
+    them and hangs up holds no connection; the other half stay for requests that do)."""
+    return max(1, max_inflight // 2)
 
 
 class BackgroundResponses:
     """The background responses this gateway runs (see the module docstring)."""
 
-    def __init__(self, store: ResponseStore, heartbeat_s: float = HEARTBEAT_S, lease_s: float = LEASE_S):
-        if not 0 < heartbeat_s < lease_s:
-            raise ValueError(f"heartbeat_s must be in (0, lease_s), got {heartbeat_s}, {lease_s}")
-        self.store, self.heartbeat_s, self.lease_s = store, heartbeat_s, lease_s
+    def __init__(self, store: ResponseStore, max_runs: int, heartbeat_s: float = HEARTBEAT_S,
+                 lease_s: float = LEASE_S):
+        if not (0 < heartbeat_s < lease_s and max_runs >= 1):
+            raise ValueError(f"heartbeat_s must be in (0, lease_s) and max_runs >= 1, got {heartbeat_s}, {lease_s}, "
+                             f"{max_runs}")
+        self.store, self.max_runs, self.heartbeat_s, self.lease_s = store, max_runs, heartbeat_s, lease_s
         self.runs = RunStore(store)
         self._work: dict[tuple[str, str], asyncio.Task] = {}  # each run's generation
-        self._runs: set[asyncio.Task] = set()
+        self._runs: dict[asyncio.Task, tuple[str, str, contextlib.AsyncExitStack] | None] = {}  # (not started yet)
 
     @property
     def running(self) -> int:
@@ -65,6 +73,9 @@ class BackgroundResponses:
         until it ends.  Raises a 503 ``OpenAIError`` where the shell could not be stored
         (nothing runs then; ``admitted`` is released)."""
         try:
+            if len(self._runs) >= self.max_runs:
+                raise OpenAIError(429, f"Too many background responses running ({len(self._runs)}); retry shortly",
+                                  code="rate_limit_exceeded", retry_after=1)
             if not await self.store.save(key_id, response_id, shell, run_lease_s=self.lease_s):
                 raise OpenAIError(503, "background responses are stored, and this one could not be (Redis does not "
                                   "answer, or its conversation is over the store's bound)")
@@ -72,12 +83,13 @@ class BackgroundResponses:
             await admitted.aclose()
             raise
         task = asyncio.create_task(self._run(key_id, response_id, generate, admitted))
-        self._runs.add(task)
-        task.add_done_callback(self._runs.discard)
+        self._runs[task] = (key_id, response_id, admitted)
+        task.add_done_callback(lambda done: self._runs.pop(done, None))
 
     async def _run(self, key_id: str, response_id: str, generate: Callable[[], Awaitable[None]],
                    admitted: contextlib.AsyncExitStack) -> None:
         key = (key_id, response_id)
+        self._runs[asyncio.current_task()] = None  # started: it lets its admission go itself
         async with admitted:
             work = self._work[key] = asyncio.create_task(generate())
             try:
@@ -101,6 +113,7 @@ class BackgroundResponses:
                 raise
             finally:
                 self._work.pop(key, None)
+                self.runs.forget(key_id, response_id)
 
     async def _renew(self, key_id: str, response_id: str) -> bool:
         """Renew the run's mark; False: it is to stop.  A Redis that does not answer does not stop
@@ -129,15 +142,24 @@ class BackgroundResponses:
         """A streamed run's events after sequence number ``after`` (-1: all), as they come, until
         its last (``response.completed``, ``.incomplete`` or ``.failed``), or until the run ends
         without one (cancelled, deleted, lost: its stream just ends)."""
-        start = after + 1
+        start, wait, failing_since = after + 1, POLL_S[0], None
         while True:
-            found, holds = await self.runs.events(key_id, response_id, start)
+            try:
+                found, holds = await self.runs.events(key_id, response_id, start)
+            except OpenAIError:  # Redis does not answer: tried again for a lease, the run's own patience
+                failing_since = failing_since or asyncio.get_running_loop().time()
+                if asyncio.get_running_loop().time() - failing_since > self.lease_s:
+                    raise
+                found, holds = [], True
+            else:
+                failing_since = None
             for event in found:
                 yield event
             start += len(found)
             if (found and is_last_event(found[-1])) or not holds:
                 return
-            await asyncio.sleep(POLL_S)
+            wait = POLL_S[0] if found else min(2 * wait, POLL_S[1])
+            await asyncio.sleep(wait)
 
     async def serve(self, request: web.Request, key_id: str, response_id: str, after: int,
                     write_timeout: float) -> web.StreamResponse:
@@ -153,12 +175,19 @@ class BackgroundResponses:
         except TimeoutError:
             if request.transport is not None:
                 request.transport.abort()
-        except OpenAIError:  # Redis does not answer: the stream ends (the client resumes later)
+        except ConnectionError:  # the client went (the run goes on)
+            pass
+        except OpenAIError:  # Redis did not answer for a lease: the stream ends (the client resumes later)
             log.warning("a background response's stream ended: its events could not be read")
         return response
 
     async def close(self) -> None:
         """Give up every run (the gateway stops): each generation is aborted, its mark dropped."""
-        for task in list(self._runs):
+        runs = dict(self._runs)
+        for task in runs:
             task.cancel()
-        await asyncio.gather(*self._runs, return_exceptions=True)
+        await asyncio.gather(*runs, return_exceptions=True)
+        for unstarted in filter(None, runs.values()):  # cancelled before its first step
+            key_id, response_id, admitted = unstarted
+            await admitted.aclose()
+            await self.runs.end(key_id, response_id)

@@ -136,10 +136,12 @@ class OpenAIHandlers(ResponsesEndpoints):
         check_model(model, self.services.model_id)
 
     def _prepare(self, request: web.Request, kind: str, req, prompt_ids: list[int], plan: ToolPlan | None = None,
-                 echo: str = "", response_id: str | None = None, prompt_index: int = 0) -> list[Generation]:
+                 echo: str = "", response_id: str | None = None, prompt_index: int = 0,
+                 cluster_id: str | None = None) -> list[Generation]:
         """A prompt's ``n`` generations.  With a seed, choice ``i`` is seeded ``seed + i``: each
         is reproducible, and they differ.  A batch's prompt ``prompt_index`` (``response_id``: the
-        batch's) has the choices ``prompt_index * n + i``."""
+        batch's) has the choices ``prompt_index * n + i``.  ``cluster_id``: what names them to the
+        workers and in logs where the client's id is a secret (a stored response's); else that id."""
         model, options = req.model, req.sampling()
         self._check_model(model)
         services = self.services
@@ -186,13 +188,14 @@ class OpenAIHandlers(ResponsesEndpoints):
         tenant = request["tenant"]
         salt = cache_salt(tenant, req.cache_salt, services.config.cache_isolation)
         response_id = response_id or new_request_id("cmpl" if kind == "completion" else "chatcmpl")
+        cluster_id = cluster_id or response_id
         choices = req.n * (len(req.prompt) if kind == "completion" else 1)
         gens = []
         for i in range(req.n):
             seeded = params if i == 0 or params.seed is None else msgspec.structs.replace(
                 params, seed=(params.seed + i + 2**63) % 2**64 - 2**63)  # stays a signed 64-bit integer
             index = prompt_index * req.n + i
-            gen = Generation(response_id if choices == 1 else f"{response_id}-{index}", kind, model, prompt_ids,
+            gen = Generation(cluster_id if choices == 1 else f"{cluster_id}-{index}", kind, model, prompt_ids,
                              options, seeded, salt, tenant.key_id, index=index, first_choice=i == 0,
                              response_id=response_id, echo=echo, echo_only=echo_only)
             if plan is not None and plan.parses_calls:
@@ -297,7 +300,9 @@ class OpenAIHandlers(ResponsesEndpoints):
         plan = req.tool_plan()
         messages, render = self._chat_renderer(req, plan, field=field)
         ids = await self.services.prompts.chat(messages, render)
-        gens = self._prepare(request, "chat", req, ids, plan, response_id=answer.response_id)
+        # (a stored response's id reads it where there are no API keys: the workers and logs see another)
+        gens = self._prepare(request, "chat", req, ids, plan, response_id=answer.response_id,
+                             cluster_id=new_request_id("chatcmpl"))
         await self._check_grammar(gens[0].params)
         return gens
 

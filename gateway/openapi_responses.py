@@ -142,7 +142,7 @@ def stored_response_paths(errors: dict[str, dict], auth: bool) -> dict:
     (``errors``: status -> response object)."""
     parameter = {"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}
     security = {"security": [{"apiKey": []}]} if auth else {}
-    failures = {status: errors[status] for status in ("400", "401", "503")}
+    failures = {status: errors[status] for status in ("400", "401", "429", "503")}
     failures["404"] = {**errors["404"], "description": "This API key has no stored response by that id (never "
                                                        "stored, deleted, or past its time)."}
 

@@ -7,8 +7,10 @@ A run *holds* while its mark is ``queued`` or ``in_progress`` and its stored res
 step below is one Redis script that checks that and acts, so a cancel, a delete and a run's end never
 both win: events are appended, the mark renewed and the end stored (with its stream's last events)
 only while it holds.  A cancel marks it ``cancelled``, then rewrites the stored response so.  An API
-key's bytes count a streamed response's events too (its bound on stored bytes), and one response's
-events are at most the store's per-response bound.
+key's bytes count a streamed response's events as they are appended (its bound on stored bytes), and
+one response's events are at most the store's per-response bound.  A run's calls do not wait out the
+store's quiet time after a Redis failure (a run outlives one failed call): events Redis did not take
+are kept and appended with the next ones, so an event's index stays its sequence number.
 """
 from __future__ import annotations
 
@@ -29,12 +31,18 @@ _HOLDS = ("local mark = redis.call('GET', KEYS[1]) "
           "if (mark ~= 'queued' and mark ~= 'in_progress') or redis.call('EXISTS', KEYS[2]) == 0 then return 0 end ")
 # KEYS: mark, stored response, events, sizes
 _RENEW = _HOLDS + "redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]) return 1"
-_APPEND = _HOLDS + ("for i = 2, #ARGV do redis.call('RPUSH', KEYS[3], ARGV[i]) end "
-                    "redis.call('EXPIRE', KEYS[3], ARGV[1]) return 1")
-_FINISH = _HOLDS + ("redis.call('SET', KEYS[2], ARGV[1], 'EX', ARGV[2]) redis.call('HSET', KEYS[4], ARGV[3], ARGV[4]) "
-                    "for i = 5, #ARGV do redis.call('RPUSH', KEYS[3], ARGV[i]) end "
-                    "if redis.call('EXISTS', KEYS[3]) == 1 then redis.call('EXPIRE', KEYS[3], ARGV[2]) end "
-                    "redis.call('DEL', KEYS[1]) return 1")
+# Events are appended after the ``base`` the run knows is there (an append Redis took though its answer
+# was lost is not appended again: the run is the list's one writer).
+_PUSH = ("local n, added = redis.call('LLEN', KEYS[3]), 0 "
+         "for i = FIRST + math.max(0, n - tonumber(ARGV[BASE])), #ARGV do "
+         "redis.call('RPUSH', KEYS[3], ARGV[i]) added = added + #ARGV[i] end ")
+_APPEND = _HOLDS + _PUSH.replace("FIRST", "4").replace("BASE", "3") + (
+    "if added > 0 then redis.call('HINCRBY', KEYS[4], ARGV[2], added) end "
+    "redis.call('EXPIRE', KEYS[3], ARGV[1]) return 1")
+_FINISH = _HOLDS + _PUSH.replace("FIRST", "6").replace("BASE", "5") + (
+    "redis.call('SET', KEYS[2], ARGV[1], 'EX', ARGV[2]) redis.call('HSET', KEYS[4], ARGV[3], ARGV[4]) "
+    "if redis.call('EXISTS', KEYS[3]) == 1 then redis.call('EXPIRE', KEYS[3], ARGV[2]) end "
+    "redis.call('DEL', KEYS[1]) return 1")
 _CANCEL = _HOLDS + "redis.call('SET', KEYS[1], 'cancelled', 'EX', ARGV[1]) return 1"
 _END = _HOLDS + "redis.call('DEL', KEYS[1]) return 1"
 
@@ -58,18 +66,21 @@ class RunStore:
 
     def __init__(self, store: ResponseStore):
         self.store = store
-        self._event_bytes: dict[tuple[str, str], int] = {}  # each run's events so far (this gateway's runs)
+        self._scripts = {source: store.redis.register_script(source)
+                         for source in (_RENEW, _APPEND, _FINISH, _CANCEL, _END)}
+        self._bytes: dict[tuple[str, str], int] = {}  # each run's events so far (this gateway's runs)
+        self._sent: dict[tuple[str, str], int] = {}  # how many of them Redis took
+        self._unsent: dict[tuple[str, str], list[bytes]] = {}  # the others
 
     async def _script(self, source: str, key_id: str, response_id: str, args: list) -> int:
         """Run a run script (its keys: mark, stored response, events, sizes); a 503 where Redis does
         not answer."""
         store = self.store
-        if store.quiet():
-            raise unavailable()
         stored, mark, events = store.parts(key_id, response_id)
         try:
             async with asyncio.timeout(store.timeout_s):
-                return int(await store.redis.eval(source, 4, mark, stored, events, store.sizes_key(key_id), *args))
+                return int(await self._scripts[source](keys=[mark, stored, events, store.sizes_key(key_id)],
+                                                       args=args))
         except store.FAILURES:
             store.record_failure()
             raise unavailable() from None
@@ -80,20 +91,42 @@ class RunStore:
         return await self._script(_RENEW, key_id, response_id, ["in_progress", milliseconds(lease_s)]) == 1
 
     async def append(self, key_id: str, response_id: str, events: list[bytes]) -> bool:
-        """Append stream events while the run holds (False: it does not); raises a 500 ``OpenAIError``
-        past the store's bound on one response's bytes, a 503 where Redis does not answer."""
+        """Append stream events while the run holds (False: it does not; where Redis does not answer,
+        they wait for the next call); raises a 500 ``OpenAIError`` past the store's bound on one
+        response's bytes."""
         key = (key_id, response_id)
-        held = self._event_bytes.get(key, 0) + sum(map(len, events))
-        if held > self.store.max_bytes:
+        added = sum(map(len, events))
+        if self._bytes.get(key, 0) + added > self.store.max_bytes:
             raise OpenAIError(500, f"the response's events are over the store's bound ({self.store.max_bytes} bytes)")
-        self._event_bytes[key] = held
-        return await self._script(_APPEND, key_id, response_id, [self.store.ttl_s, *events]) == 1
+        self._bytes[key] = self._bytes.get(key, 0) + added
+        events = self._unsent.pop(key, []) + events
+        try:
+            holds = await self._script(_APPEND, key_id, response_id,
+                                       [self.store.ttl_s, response_id, self._sent.get(key, 0), *events]) == 1
+        except OpenAIError:
+            self._unsent[key] = events
+            return True
+        self._sent[key] = self._sent.get(key, 0) + len(events)
+        return holds
+
+    def forget(self, key_id: str, response_id: str) -> None:
+        """The run ended here: what this gateway held of it goes."""
+        for held in (self._bytes, self._sent, self._unsent):
+            held.pop((key_id, response_id), None)
+
+    @property
+    def held(self) -> int:
+        """The runs this gateway holds events of (each ended run forgotten)."""
+        return len(self._bytes.keys() | self._sent.keys() | self._unsent.keys())
 
     async def finish(self, key_id: str, response_id: str, stored: StoredResponse, closing: list[bytes] = ()) -> bool:
         """Store a background response's end (and its stream's ``closing`` events) unless its run no
         longer holds; whether it was stored.  Its bytes, events included, count in its key's bound."""
         data = msgspec.msgpack.encode(stored)
-        size = len(data) + self._event_bytes.pop((key_id, response_id), 0) + sum(map(len, closing))
+        key = (key_id, response_id)
+        closing = self._unsent.pop(key, []) + list(closing)
+        size = len(data) + self._bytes.pop(key, 0) + sum(map(len, closing))
+        base = self._sent.pop(key, 0)
         store = self.store
         if len(data) > store.max_bytes:
             log.warning("a background response's end was not stored: %d bytes, over the store's %d",
@@ -101,7 +134,8 @@ class RunStore:
             await self.end(key_id, response_id)
             return False
         try:
-            if await self._script(_FINISH, key_id, response_id, [data, store.ttl_s, response_id, size, *closing]) != 1:
+            if await self._script(_FINISH, key_id, response_id,
+                                  [data, store.ttl_s, response_id, size, base, *closing]) != 1:
                 return False
         except OpenAIError:
             log.warning("a background response's end was not stored: Redis did not answer")
@@ -112,7 +146,7 @@ class RunStore:
     async def end(self, key_id: str, response_id: str) -> None:
         """Give up a run that will not finish (its gateway stops, or its end could not be stored):
         its mark goes, so reads say ``failed`` at once (a failure here is logged: its lease lapses)."""
-        self._event_bytes.pop((key_id, response_id), None)
+        self.forget(key_id, response_id)
         try:
             await self._script(_END, key_id, response_id, [])
         except OpenAIError:
@@ -148,8 +182,6 @@ class RunStore:
         503 where Redis does not answer."""
         store = self.store
         _, mark, events = store.parts(key_id, response_id)
-        if store.quiet():
-            raise unavailable()
         try:
             async with asyncio.timeout(store.timeout_s):
                 async with store.redis.pipeline(transaction=True) as pipe:  # (as one, between scripts)

@@ -249,7 +249,7 @@ class ResponseStore:
             raise unavailable()
         try:
             async with asyncio.timeout(self.timeout_s):
-                async with self.redis.pipeline(transaction=False) as pipe:
+                async with self.redis.pipeline(transaction=True) as pipe:  # (as one, between a run's scripts)
                     pipe.get(self._key(key_id, response_id))
                     pipe.get(self._run_key(key_id, response_id))
                     data, mark = await pipe.execute()

@@ -27,6 +27,16 @@ class _RunEnded(Exception):
     """The run no longer holds (cancelled, deleted, lost): its generation stops."""
 
 
+_FAILURES = (OpenAIError, Saturated, UpstreamError, ValueError)  # how a generation fails
+
+
+def _failure(exc: Exception) -> OpenAIError:
+    """A failed generation's error as the response says it (``_FAILURES``)."""
+    if isinstance(exc, OpenAIError):
+        return exc
+    return OpenAIError(getattr(exc, "status", 500), f"generation failed: {exc}")
+
+
 class ResponsesEndpoints:
     """The Responses API's handlers; ``OpenAIHandlers`` (gateway/handlers.py) provides the rest:
     ``services``, ``shapes``, ``_check_model``, ``_chat_renderer``, ``_chat_admitted``,
@@ -66,8 +76,8 @@ class ResponsesEndpoints:
                     return
                 try:
                     await self._whole(gens, answer)
-                except OpenAIError as exc:  # no worker, an upstream error: it ends failed
-                    await answer.keep(answer.failed(gens[0], exc))
+                except _FAILURES as exc:  # no worker, an upstream error: it ends failed
+                    await answer.keep(answer.failed(gens[0], _failure(exc)))
 
             await runs.start(tenant.key_id, answer.response_id, running_shell(queued, turns, inputs, streamed),
                              generate, admitted.pop_all())
@@ -96,10 +106,8 @@ class ResponsesEndpoints:
             closing = events.closing()
         except _RunEnded:
             return
-        except (OpenAIError, Saturated, UpstreamError, ValueError) as exc:
-            error = exc if isinstance(exc, OpenAIError) else OpenAIError(
-                getattr(exc, "status", 500), f"generation failed: {exc}")
-            closing = events.failure(error)
+        except _FAILURES as exc:
+            closing = events.failure(_failure(exc))
         await answer.keep(events.final, sse_events(closing))
 
     async def count_response_tokens(self, request: web.Request) -> web.Response:

@@ -37,7 +37,7 @@ from common.cluster.prefix_index import PrefixIndexReader
 from common.cluster.redis_util import connect
 from common.cluster.registry import ROLES, WorkerRegistry
 from gateway.admission import InflightBound
-from gateway.background_responses import BackgroundResponses
+from gateway.background_responses import BackgroundResponses, default_max_runs
 from gateway.chat_template import resolve_chat_format
 from common.cluster.http_listener import GuardedSite
 from gateway.config import GatewayConfig, build_parser, config_from_args
@@ -97,6 +97,7 @@ class Gateway:
         self.admission = InflightBound(config.max_inflight, "requests", on_refused=self.metrics.key_refused,
                                        on_change=self.metrics.requests_in_flight.inc)
         self.store_admission = InflightBound(config.max_inflight, "calls on stored responses")
+        self.stream_admission = InflightBound(config.max_inflight, "streams of background responses")
         self.openapi = msgspec.json.encode(openapi_document(self.model_id, vocab_size=self.vocab_size,
                                                              stored_responses=config.responses_store_ttl > 0,
                                                              api_keys=self.api_keys.enabled))
@@ -128,7 +129,7 @@ class Gateway:
                 max_per_key=self.config.responses_store_max, max_bytes_per_key=self.config.responses_store_max_bytes,
                 max_bytes=self.config.max_body_bytes, timeout_s=self.config.responses_store_timeout,
                 retry_s=self.config.redis_retry_interval, on_failure=self.metrics.responses_store_failures.inc)
-            self.background = BackgroundResponses(self.response_store)
+            self.background = BackgroundResponses(self.response_store, default_max_runs(self.config.max_inflight))
         self.session, self.control_session = self._client_sessions()
         router = Router(RoutingConfig(policy=self.config.routing_policy,
                                       skip_prefill_below_tokens=self.config.skip_prefill_below_tokens))
@@ -203,8 +204,8 @@ class Gateway:
         app.router.add_post("/v1/chat/completions", handlers.chat_completions)
         app.router.add_post("/v1/responses", handlers.responses)
         app.router.add_post("/v1/responses/input_tokens", handlers.count_response_tokens)
-        add_stored_response_routes(app, self.response_store, self.store_admission, self.background,
-                                   self.config.client_write_timeout)
+        add_stored_response_routes(app, self.response_store, self.store_admission, self.stream_admission,
+                                   self.background, self.config.client_write_timeout)
         app.router.add_post("/v1/messages", handlers.messages)
         app.router.add_post("/v1/messages/count_tokens", handlers.count_message_tokens)
         app.router.add_get("/v1/models", self._models)

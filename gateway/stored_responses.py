@@ -106,11 +106,13 @@ def _after(query) -> int:
 
 def add_stored_response_routes(app: web.Application, store: ResponseStore | None,
                                admission: Callable[[Tenant], AsyncContextManager],
+                               stream_admission: Callable[[Tenant], AsyncContextManager],
                                background: BackgroundResponses | None, write_timeout: float) -> None:
     """The routes, each call within its API key's admission (``admission``: the gateway's bound on
-    calls on stored responses in flight, overall and per key); ``background``: the background
-    responses this gateway runs (None where none are stored); ``write_timeout``: a stream's bound on
-    each write."""
+    calls on stored responses in flight, overall and per key; ``stream_admission``: its bound on
+    streams of background responses, apart, so streams do not keep a key from polling and
+    cancelling); ``background``: the background responses this gateway runs (None where none are
+    stored); ``write_timeout``: a stream's bound on each write."""
     async def load(request: web.Request):
         if store is None:
             raise store_disabled("response_id")
@@ -128,7 +130,7 @@ def add_stored_response_routes(app: web.Application, store: ResponseStore | None
         if store is None:
             raise store_disabled("response_id")
         tenant, response_id = request["tenant"], request.match_info["response_id"]
-        async with admission(tenant):  # (held while it streams)
+        async with stream_admission(tenant):  # (held while it streams)
             if not (await store.load(tenant.key_id, response_id)).streamed:
                 raise invalid("stream: only a background response created with stream: true is streamed", "stream",
                               "unsupported_value")

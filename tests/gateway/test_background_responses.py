@@ -62,7 +62,7 @@ def store(redis_client, key_prefix):
 
 @pytest.fixture
 async def runs(store):
-    background = BackgroundResponses(store, heartbeat_s=0.02, lease_s=30)
+    background = BackgroundResponses(store, max_runs=8, heartbeat_s=0.02, lease_s=30)
     yield background
     await background.close()
 
@@ -70,7 +70,7 @@ async def runs(store):
 @pytest.fixture
 async def slow_runs(store):
     """Runs whose next heartbeat is far off: what stops one now is the gateway it runs in."""
-    background = BackgroundResponses(store, heartbeat_s=3600, lease_s=7200)
+    background = BackgroundResponses(store, max_runs=8, heartbeat_s=3600, lease_s=7200)
     yield background
     await background.close()
 
@@ -138,7 +138,7 @@ async def test_a_cancel_from_another_gateway_stops_the_run_at_its_heartbeat(runs
     held = await start(runs, store, 3)
     await settled(held.started.wait())
     elsewhere = BackgroundResponses(ResponseStore(redis_client, key_prefix=key_prefix, max_bytes=1 << 20,
-                                                  timeout_s=5.0))
+                                                  timeout_s=5.0), max_runs=8)
     assert json.loads(await elsewhere.cancel("key-a", rid(3)))["status"] == "cancelled"
     await settled(held.stopped.wait())
     assert await status(store, 3) == "cancelled"
@@ -179,7 +179,7 @@ async def test_a_stopping_gateway_gives_its_runs_up(runs, store):
 
 
 async def test_a_shell_that_cannot_be_stored_is_a_503_and_runs_nothing(store):
-    runs = BackgroundResponses(ResponseStore(store.redis, key_prefix="unused", max_bytes=64, timeout_s=5.0))
+    runs = BackgroundResponses(ResponseStore(store.redis, key_prefix="unused", max_bytes=64, timeout_s=5.0), max_runs=8)
     held = Held()
     with pytest.raises(OpenAIError) as info:
         await runs.start("key-a", rid(7), shell(7), held.generate(store, 7), held.admitted)
@@ -203,3 +203,36 @@ async def test_only_a_background_response_is_cancelled_and_an_ended_one_stays_as
 
 async def _is(store: ResponseStore, n: int, expected: str) -> bool:
     return await status(store, n) == expected
+
+
+async def test_a_gateway_runs_at_most_its_bound_of_background_responses(store):
+    runs = BackgroundResponses(store, max_runs=1)
+    try:
+        held = await start(runs, store, 11)
+        over = Held()
+        with pytest.raises(OpenAIError) as info:
+            await runs.start("key-a", rid(12), shell(12), over.generate(store, 12), over.admitted)
+        assert (info.value.status, info.value.code) == (429, "rate_limit_exceeded")
+        assert over.stopped.is_set() and not over.started.is_set()  # its admission let go, nothing ran
+        held.release.set()
+        await settled(held.stopped.wait())
+    finally:
+        await runs.close()
+
+
+async def test_an_ended_run_leaves_nothing_held_by_its_gateway(slow_runs, store):
+    held = Held()
+
+    async def streaming() -> None:
+        await slow_runs.runs.append("key-a", rid(13), [b"event: response.created\ndata: {}\n\n"])
+        held.started.set()
+        await held.release.wait()
+
+    await slow_runs.start("key-a", rid(13), shell(13), streaming, held.admitted)
+    await settled(held.started.wait())
+    assert slow_runs.runs.held == 1
+    await slow_runs.cancel("key-a", rid(13))
+    await settled(held.stopped.wait())
+    while slow_runs.running:  # (the run's last step follows its admission's)
+        await asyncio.sleep(0.01)
+    assert slow_runs.runs.held == 0

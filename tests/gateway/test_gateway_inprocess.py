@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import urllib.parse
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
@@ -18,59 +17,10 @@ from gateway.config import GatewayConfig
 from gateway.openai_protocol import OpenAIError
 from gateway.response_store import LOST
 from gateway.server import Gateway
+from tests.support.holdable_proxy import proxied
 
 KEYS = {"a": "sk-inprocess-a-5c0f9e2b7d41a8c3", "b": "sk-inprocess-b-91d4e7a02f6c3b58"}
 ADMIN_TOKEN = "admin-inprocess-3f8a1c6e9b2d7045"
-
-
-class HoldableProxy:
-    """A TCP proxy in front of Redis; ``hold()`` stops the bytes in both directions (nothing is
-    lost or closed), ``release()`` lets them flow again."""
-
-    def __init__(self, host: str, port: int):
-        self.target = (host, port)
-        self.flowing = asyncio.Event()
-        self.flowing.set()
-        self._tasks: set[asyncio.Task] = set()
-
-    async def __aenter__(self) -> "HoldableProxy":
-        self.server = await asyncio.start_server(self._connection, "127.0.0.1", 0)
-        self.port = self.server.sockets[0].getsockname()[1]
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        self.server.close()
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self.server.wait_closed()
-
-    def hold(self) -> None:
-        self.flowing.clear()
-
-    def release(self) -> None:
-        self.flowing.set()
-
-    async def _connection(self, reader, writer) -> None:
-        self._tasks.add(asyncio.current_task())
-        try:
-            up_reader, up_writer = await asyncio.open_connection(*self.target)
-            try:
-                await asyncio.gather(self._pump(reader, up_writer), self._pump(up_reader, writer))
-            finally:
-                up_writer.close()
-        except (ConnectionError, OSError):
-            pass
-        finally:
-            writer.close()
-            self._tasks.discard(asyncio.current_task())
-
-    async def _pump(self, reader, writer) -> None:
-        while data := await reader.read(1 << 16):
-            await self.flowing.wait()
-            writer.write(data)
-            await writer.drain()
-        writer.close()
 
 
 @contextlib.asynccontextmanager
@@ -89,9 +39,7 @@ async def gateway(served_checkpoint, redis_url: str, key_prefix: str, **settings
 
 @pytest.fixture
 async def proxy(redis_url):
-    url = urllib.parse.urlsplit(redis_url)
-    async with HoldableProxy(url.hostname, url.port or 6379) as proxy:
-        proxy.url = urllib.parse.urlunsplit((url.scheme, f"127.0.0.1:{proxy.port}", url.path, url.query, ""))
+    async with proxied(redis_url) as proxy:
         yield proxy
 
 
@@ -207,8 +155,9 @@ async def test_a_waiting_background_response_holds_its_keys_slot_until_cancelled
             assert resp.status == 429  # the key's one slot is the run's
         async with client.post(f"/v1/responses/{queued['id']}/cancel", headers=headers) as resp:
             assert (resp.status, (await resp.json())["status"]) == (200, "cancelled")
-        while gw.admission.inflight:  # the run ends, and lets its slot go
-            await asyncio.sleep(0.01)
+        async with asyncio.timeout(120):  # (a hang guard)
+            while gw.admission.inflight:  # the run ends, and lets its slot go
+                await asyncio.sleep(0.01)
         assert (await poll(client, queued["id"], headers, lambda status: True))["status"] == "cancelled"
 
 

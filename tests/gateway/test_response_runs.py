@@ -1,7 +1,8 @@
 """A background response's run in a real Redis (gateway/response_runs.py): a streamed run's events are
 kept in order, read from any sequence number, and its end appends its last ones with the stored
 response in one step; nothing is appended or stored once the run no longer holds (cancelled); one
-response's events are bounded, count in its API key's bytes, and go with it when it is deleted; a
+response's events are bounded, count in its API key's bytes as they are appended, and go with it
+when it is deleted; events Redis did not answer for go with the next ones, once each, in order; a
 reader of a run's events stops at its last event, or when the run ends without one."""
 from __future__ import annotations
 
@@ -10,12 +11,14 @@ import json
 
 import msgspec
 import pytest
+import redis.asyncio as aioredis
 
 from gateway.background_responses import BackgroundResponses
 from gateway.openai_errors import OpenAIError
 from gateway.openai_protocol import ChatMessage
 from gateway.response_runs import RunStore
 from gateway.response_store import ResponseStore, StoredResponse
+from tests.support.holdable_proxy import proxied
 
 INPUT = [ChatMessage(role="user", content="hi")]
 
@@ -64,9 +67,11 @@ async def test_a_runs_events_are_kept_in_order_and_its_end_appends_its_last_with
     assert size == len(msgspec.msgpack.encode(ended(1))) + sum(map(len, [*deltas, last]))  # its events count too
 
 
-async def test_nothing_is_appended_or_stored_once_a_run_is_cancelled(store):
+async def test_nothing_is_appended_or_stored_once_a_run_is_cancelled(store, redis_client, key_prefix):
     runs = await running(store, 2)
     assert await runs.append("key-a", rid(2), [event("created", 0)])
+    size = int(await redis_client.hget(f"{key_prefix}:responses:key-a:sizes", rid(2)))
+    assert size == len(msgspec.msgpack.encode(shell(2))) + len(event("created", 0))  # counted as appended
     assert json.loads(await runs.cancel("key-a", rid(2)))["status"] == "cancelled"
     assert not await runs.append("key-a", rid(2), [event("in_progress", 1)])
     assert not await runs.finish("key-a", rid(2), ended(2), [event("completed", 1)])
@@ -85,7 +90,7 @@ async def test_a_responses_events_are_bounded_and_go_with_it(store, redis_client
 
 
 async def test_a_reader_stops_at_the_last_event_or_when_the_run_ends_without_one(store):
-    background = BackgroundResponses(store)
+    background = BackgroundResponses(store, max_runs=8)
     runs = background.runs
     await store.save("key-a", rid(4), shell(4), run_lease_s=60)
     await runs.append("key-a", rid(4), [event("created", 0), event("output_text.delta", 1)])
@@ -108,3 +113,22 @@ async def test_a_reader_stops_at_the_last_event_or_when_the_run_ends_without_one
 async def read(events) -> list[bytes]:
     async with asyncio.timeout(120):  # (a hang guard: it ends by itself)
         return [e async for e in events]
+
+
+async def test_events_redis_did_not_take_go_with_the_next_once_and_in_order(redis_url, key_prefix):
+    async with proxied(redis_url) as proxy:
+        client = aioredis.Redis.from_url(proxy.url)
+        try:
+            store = ResponseStore(client, key_prefix=key_prefix, max_bytes=4096, timeout_s=0.5)
+            runs = await running(store, 7)
+            assert await runs.append("key-a", rid(7), [event("created", 0)])
+            proxy.hold()  # Redis takes the next append (the bytes flow later), its answer does not come
+            assert await runs.append("key-a", rid(7), [event("in_progress", 1)])
+            proxy.release()
+            assert await runs.append("key-a", rid(7), [event("output_text.delta", 2)])
+            assert await runs.finish("key-a", rid(7), ended(7), [event("completed", 3)])
+            found, _ = await runs.events("key-a", rid(7), 0)
+            assert found == [event("created", 0), event("in_progress", 1), event("output_text.delta", 2),
+                             event("completed", 3)]
+        finally:
+            await client.aclose()
