@@ -67,10 +67,12 @@ class BackgroundResponses:
         return len(self._runs)
 
     async def start(self, key_id: str, response_id: str, shell: StoredResponse,
-                    generate: Callable[[], Awaitable[None]], admitted: contextlib.AsyncExitStack) -> None:
+                    generate: Callable[[Callable[[], None]], Awaitable[None]],
+                    admitted: contextlib.AsyncExitStack) -> None:
         """Store ``shell`` with its run mark, then run ``generate`` (which stores the response's end,
-        through ``RunStore.finish``) in a task that holds ``admitted`` (the request's admission)
-        until it ends.  Raises a 503 ``OpenAIError`` where the shell could not be stored
+        through ``RunStore.finish``, and calls the function it is given at its first token: the run
+        is ``queued`` until then, then ``in_progress``) in a task that holds ``admitted`` (the
+        request's admission) until it ends.  Raises a 503 ``OpenAIError`` where the shell could not be stored
         (nothing runs then; ``admitted`` is released)."""
         try:
             if len(self._runs) >= self.max_runs:
@@ -86,15 +88,16 @@ class BackgroundResponses:
         self._runs[task] = (key_id, response_id, admitted)
         task.add_done_callback(lambda done: self._runs.pop(done, None))
 
-    async def _run(self, key_id: str, response_id: str, generate: Callable[[], Awaitable[None]],
+    async def _run(self, key_id: str, response_id: str, generate: Callable[[Callable[[], None]], Awaitable[None]],
                    admitted: contextlib.AsyncExitStack) -> None:
         key = (key_id, response_id)
         self._runs[asyncio.current_task()] = None  # started: it lets its admission go itself
+        generating = asyncio.Event()  # its first token came
         async with admitted:
-            work = self._work[key] = asyncio.create_task(generate())
+            work = self._work[key] = asyncio.create_task(generate(generating.set))
             try:
                 while not work.done():
-                    renewed = await self._renew(key_id, response_id)
+                    renewed = await self._renew(key_id, response_id, generating.is_set())
                     # Python 3.11's wait_for (in redis-py) drops a cancel that comes as its call completes
                     if asyncio.current_task().cancelling():
                         raise asyncio.CancelledError
@@ -115,11 +118,11 @@ class BackgroundResponses:
                 self._work.pop(key, None)
                 self.runs.forget(key_id, response_id)
 
-    async def _renew(self, key_id: str, response_id: str) -> bool:
+    async def _renew(self, key_id: str, response_id: str, generating: bool) -> bool:
         """Renew the run's mark; False: it is to stop.  A Redis that does not answer does not stop
         it (the lease may lapse meanwhile: then its end is not stored, and reads say failed)."""
         try:
-            return await self.runs.renew(key_id, response_id, self.lease_s)
+            return await self.runs.renew(key_id, response_id, self.lease_s, generating)
         except OpenAIError:
             return True
 

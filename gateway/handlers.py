@@ -337,11 +337,13 @@ class OpenAIHandlers(ResponsesEndpoints):
             events = answer.stream(gens[0]) if answer is not None else ChoicesStream(self.shapes, gens)
             return await self._stream(request, gens, rest, first, events)
 
-    async def _whole(self, gens: list[Generation], answer: Answer | None = None) -> Any:
+    async def _whole(self, gens: list[Generation], answer: Answer | None = None,
+                     on_first: Callable[[], None] = lambda: None) -> Any:
         """The generations run to their end, answered whole (in ``answer``'s shape, kept where its API
-        keeps answers); cluster outcomes raise ``OpenAIError``."""
+        keeps answers; ``on_first`` told of the first token); cluster outcomes raise ``OpenAIError``."""
         async with contextlib.AsyncExitStack() as stack:
             _, rest = await self._started(stack, gens)
+            on_first()
             await self._upstream(_drain(rest))
         if answer is None:
             return self.shapes.full_response(gens)

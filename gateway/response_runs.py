@@ -85,10 +85,12 @@ class RunStore:
             store.record_failure()
             raise unavailable() from None
 
-    async def renew(self, key_id: str, response_id: str, lease_s: float) -> bool:
-        """Mark the run ``in_progress`` for ``lease_s`` more; False: it is to stop (cancelled,
-        deleted, forgotten, or its lease lapsed).  Raises the 503 ``OpenAIError`` where Redis does not answer."""
-        return await self._script(_RENEW, key_id, response_id, ["in_progress", milliseconds(lease_s)]) == 1
+    async def renew(self, key_id: str, response_id: str, lease_s: float, generating: bool) -> bool:
+        """Mark the run ``in_progress`` (``generating``) or ``queued`` for ``lease_s`` more; False: it is
+        to stop (cancelled, deleted, forgotten, or its lease lapsed).  Raises the 503 ``OpenAIError``
+        where Redis does not answer."""
+        status = RUNNING[1] if generating else RUNNING[0]
+        return await self._script(_RENEW, key_id, response_id, [status, milliseconds(lease_s)]) == 1
 
     async def append(self, key_id: str, response_id: str, events: list[bytes]) -> bool:
         """Append stream events while the run holds (False: it does not; where Redis does not answer,

@@ -7,7 +7,9 @@ at ``max_output_tokens``) or ``failed`` (``error``); a background response's is 
 then ``in_progress``, and may end ``cancelled`` (gateway/background_responses.py).
 
 Streamed, every event is an SSE ``event: <type>`` with its JSON (which names its ``type`` and a
-``sequence_number`` counting from 0): ``response.created`` and ``response.in_progress`` first; an
+``sequence_number`` counting from 0): ``response.created`` and ``response.in_progress`` first (a
+background response's: ``response.created`` and ``response.queued`` at once, ``response.in_progress``
+with its first token); an
 item's ``response.output_item.added``, its deltas (``response.output_text.delta`` after a
 ``response.content_part.added``, or ``response.function_call_arguments.delta``), its ``.done`` events
 and ``response.output_item.done``; last ``response.completed`` (or ``response.incomplete``, or
@@ -124,6 +126,10 @@ class ResponseInProgress(_Event, tag="response.in_progress"):
     response: ResponseObject
 
 
+class ResponseQueued(_Event, tag="response.queued"):  # a background response's, while it waits
+    response: ResponseObject
+
+
 class ResponseCompleted(_Event, tag="response.completed"):
     response: ResponseObject
 
@@ -188,7 +194,7 @@ class FunctionCallArgumentsDone(_Event, tag="response.function_call_arguments.do
     arguments: str
 
 
-ResponseEvent = (ResponseCreated | ResponseInProgress | ResponseCompleted | ResponseIncomplete | ResponseFailed
+ResponseEvent = (ResponseCreated | ResponseInProgress | ResponseQueued | ResponseCompleted | ResponseIncomplete | ResponseFailed
                  | OutputItemAdded | OutputItemDone | ContentPartAdded | ContentPartDone | OutputTextDelta
                  | OutputTextDone | FunctionCallArgumentsDelta | FunctionCallArgumentsDone)
 
@@ -329,8 +335,18 @@ class ResponseStream:
         return b"event: " + tag.encode() + b"\ndata: " + _encode(event) + b"\n\n"
 
     def opening(self) -> bytes:
+        return self.queued() if self.answer.call.background else self.started()
+
+    def queued(self) -> bytes:
+        """A background response's opening, at once: created and queued."""
+        shell = self.answer.response(self.gen, "queued", [])
+        return self._event(ResponseCreated, response=shell) + self._event(ResponseQueued, response=shell)
+
+    def started(self) -> bytes:
+        """In progress (a foreground response's opening: created, too)."""
         shell = self.answer.response(self.gen, "in_progress", [])
-        return self._event(ResponseCreated, response=shell) + self._event(ResponseInProgress, response=shell)
+        created = b"" if self.answer.call.background else self._event(ResponseCreated, response=shell)
+        return created + self._event(ResponseInProgress, response=shell)
 
     def batch(self, gen: Generation, batch: list[tuple[str, TokenFrame]]) -> bytes:
         """The events of a batch of frames (their text deltas, tool calls and logprobs; ``gen`` is this

@@ -89,7 +89,7 @@ async def test_a_response_says_whether_it_was_stored_whole_and_streamed(stored):
     failed is not stored); the keeper gets the response and its output as the next message."""
     kept = []
 
-    async def keeper(response, output):
+    async def keeper(response, output, closing=()):
         kept.append((response.id, [(m.role, m.content) for m in output]))
         return stored
 

@@ -149,7 +149,7 @@ async def test_a_waiting_background_response_holds_its_keys_slot_until_cancelled
     async with gateway(served_checkpoint, redis_url, key_prefix, api_keys_file=str(keys),
                        queue_timeout=600) as (gw, client):
         queued = await background(client, gw.model_id, headers)
-        await poll(client, queued["id"], headers, lambda status: status == "in_progress")  # polled all the same
+        assert (await poll(client, queued["id"], headers, lambda status: True))["status"] == "queued"  # polled all the same
         body = {"model": gw.model_id, "input": "another", "max_output_tokens": 4}
         async with client.post("/v1/responses", json=body, headers=headers) as resp:
             assert resp.status == 429  # the key's one slot is the run's
@@ -165,7 +165,7 @@ async def test_a_stopping_gateway_gives_its_background_responses_up(served_check
     headers = {"Authorization": f"Bearer {KEYS['a']}"}
     async with gateway(served_checkpoint, redis_url, key_prefix, queue_timeout=600) as (gw, client):
         queued = await background(client, gw.model_id, headers)
-        await poll(client, queued["id"], headers, lambda status: status == "in_progress")
+        assert (await poll(client, queued["id"], headers, lambda status: True))["status"] == "queued"
     # Read by another gateway: failed at once (not when its lease would lapse).
     async with gateway(served_checkpoint, redis_url, key_prefix) as (gw, client):
         failed = await poll(client, queued["id"], headers, lambda status: True)
@@ -195,7 +195,7 @@ async def test_a_streamed_background_response_goes_on_without_its_client_and_is_
 
         events = await streamed("")
         assert [(e["type"], e["sequence_number"]) for e in events] == [
-            ("response.created", 0), ("response.in_progress", 1), ("response.failed", 2)]
+            ("response.created", 0), ("response.queued", 1), ("response.failed", 2)]
         assert events[-1]["response"] == failed
         assert await streamed("&starting_after=1") == events[2:]
         async with client.get(f"/v1/responses/{response_id}?stream=true&starting_after=x", headers=headers) as resp:
@@ -218,4 +218,4 @@ async def test_a_streamed_background_response_sends_its_id_at_once_and_ends_when
             async with asyncio.timeout(120):
                 text = await resp.text()  # what it made, and no more: it ended without a last event
         assert [line for line in text.splitlines() if line.startswith("event: ")] == [
-            "event: response.created", "event: response.in_progress"]
+            "event: response.created", "event: response.queued"]

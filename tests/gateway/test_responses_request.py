@@ -87,7 +87,6 @@ def test_text_format_constrains_the_output():
 @pytest.mark.parametrize("body, param, code", [
     ({"store": "yes"}, "store", None),
     ({"background": True, "store": False}, "store", "unsupported_value"),
-    ({"background": True, "stream": True}, "stream", "unsupported_value"),
     ({"previous_response_id": "r" * 65}, "previous_response_id", None),
     ({"conversation": "conv_1"}, "conversation", "unsupported_value"),
     ({"input": []}, "input", None),

@@ -65,8 +65,9 @@ def test_a_streamed_background_response_is_the_foreground_stream_and_resumes_aft
     assert events[0].type == "response.created" and events[-1].type in ("response.completed", "response.incomplete")
     final = events[-1].response
     foreground = list(respond(client, stack, "Stream this in the background", max_output_tokens=12, stream=True))
-    assert [e.type for e in events] == [e.type for e in foreground]
-    assert [getattr(e, "delta", None) for e in events] == [getattr(e, "delta", None) for e in foreground]
+    assert [e.type for e in events] == ["response.created", "response.queued", *(e.type for e in foreground[1:])]
+    assert (events[0].response.status, events[2].response.status) == ("queued", "in_progress")
+    assert [getattr(e, "delta", None) for e in events[1:]] == [getattr(e, "delta", None) for e in foreground]
     assert (final.background, final.store) == (True, True)
     assert client.responses.retrieve(final.id).model_dump() == final.model_dump()  # stored before its last event
     resumed = list(client.responses.retrieve(final.id, stream=True, starting_after=2))
