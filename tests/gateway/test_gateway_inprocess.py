@@ -208,12 +208,15 @@ async def test_a_streamed_background_response_sends_its_id_at_once_and_ends_when
     body = {"model": served_checkpoint.name, "input": "hello", "background": True, "stream": True}
     # No decode worker: the run waits for one as long as the test needs; its first events come at once.
     async with gateway(served_checkpoint, redis_url, key_prefix, queue_timeout=600) as (gw, client):
-        async with client.post("/v1/responses", json=body, headers=headers) as resp:
+        async with client.post("/v1/responses", json=body, headers=headers) as stream:
             async with asyncio.timeout(120):  # (a hang guard)
-                created = await resp.content.readuntil(b"\n\n")
-        response_id = json.loads(created.split(b"data: ", 1)[1])["response"]["id"]
-        async with client.post(f"/v1/responses/{response_id}/cancel", headers=headers) as resp:
-            assert (await resp.json())["status"] == "cancelled"
+                created = await stream.content.readuntil(b"\n\n")
+            response_id = json.loads(created.split(b"data: ", 1)[1])["response"]["id"]
+            async with client.post(f"/v1/responses/{response_id}/cancel", headers=headers) as resp:
+                assert (await resp.json())["status"] == "cancelled"
+            async with asyncio.timeout(120):
+                rest = await stream.read()  # the client's stream ends too
+        assert rest.startswith(b"event: response.queued\n") and rest.count(b"event: ") == 1
         async with client.get(f"/v1/responses/{response_id}?stream=true", headers=headers) as resp:
             async with asyncio.timeout(120):
                 text = await resp.text()  # what it made, and no more: it ended without a last event
