@@ -16,31 +16,24 @@ import redis
 
 from common.cluster.redis_util import connect
 from gateway.redis_probe import RedisProbe
+from tests.support.loopback_server import LoopbackServer
 
 
-class FakeRedis:
+class FakeRedis(LoopbackServer):
     """Answers ``+OK`` to the handshake; a PING with ``+PONG`` (``mode == "pong"``), with bytes that
     are no RESP (``"garbage"``), or by closing the connection (``"close"``)."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.mode = "pong"
         self.pings = 0
-        self._tasks: set[asyncio.Task] = set()
 
     async def __aenter__(self) -> "FakeRedis":
-        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        self.url = f"redis://127.0.0.1:{self.server.sockets[0].getsockname()[1]}/0"
+        await super().__aenter__()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
         return self
 
-    async def __aexit__(self, *exc) -> None:
-        self.server.close()
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self.server.wait_closed()
-
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._tasks.add(asyncio.current_task())
         try:
             while command := await self._command(reader):
                 if command[0].upper() != b"PING":
@@ -56,7 +49,6 @@ class FakeRedis:
             pass
         finally:
             writer.close()
-            self._tasks.discard(asyncio.current_task())
 
     @staticmethod
     async def _command(reader: asyncio.StreamReader) -> list[bytes] | None:

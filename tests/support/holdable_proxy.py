@@ -5,28 +5,18 @@ import asyncio
 import contextlib
 import urllib.parse
 
+from tests.support.loopback_server import LoopbackServer
 
-class HoldableProxy:
+
+class HoldableProxy(LoopbackServer):
     """A TCP proxy in front of Redis; ``hold()`` stops the bytes in both directions (nothing is
     lost or closed), ``release()`` lets them flow again."""
 
     def __init__(self, host: str, port: int):
+        super().__init__()
         self.target = (host, port)
         self.flowing = asyncio.Event()
         self.flowing.set()
-        self._tasks: set[asyncio.Task] = set()
-
-    async def __aenter__(self) -> "HoldableProxy":
-        self.server = await asyncio.start_server(self._connection, "127.0.0.1", 0)
-        self.port = self.server.sockets[0].getsockname()[1]
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        self.server.close()
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self.server.wait_closed()
 
     def hold(self) -> None:
         self.flowing.clear()
@@ -34,8 +24,7 @@ class HoldableProxy:
     def release(self) -> None:
         self.flowing.set()
 
-    async def _connection(self, reader, writer) -> None:
-        self._tasks.add(asyncio.current_task())
+    async def _serve(self, reader, writer) -> None:
         try:
             up_reader, up_writer = await asyncio.open_connection(*self.target)
             try:
@@ -46,7 +35,6 @@ class HoldableProxy:
             pass
         finally:
             writer.close()
-            self._tasks.discard(asyncio.current_task())
 
     async def _pump(self, reader, writer) -> None:
         while data := await reader.read(1 << 16):
