@@ -12,14 +12,16 @@ the mark and the stored response):
 - **cancelled** -- by ``POST .../cancel`` on any gateway of the deployment: the mark says so at once
   and the stored response soon after; the task stops at once where it runs here, else at its next
   heartbeat (the generation is aborted on its workers, as when a client goes away);
-- **deleted** (``DELETE``), or forgotten past the API key's bounds: the task stops at its next
-  heartbeat, and nothing is stored again;
+- **deleted** (``DELETE``), or forgotten past the API key's bounds: the task stops (at once where
+  the delete came to this gateway, else at its next heartbeat), and nothing is stored again;
 - **lost** -- its gateway stopped (it gives its runs up on the way out) or could not reach Redis for
   a lease: reads say ``failed`` (``server_error``).
 
 A failed generation (no worker, an upstream error) ends it ``failed`` with that error.  Each task
 holds its request's admission (the API key's and the gateway's bound on requests in flight) until it
-ends: background responses count as requests in flight.
+ends: background responses count as requests in flight, and a gateway runs at most ``max_runs``.
+Created with ``stream: true``, a run's events are kept (gateway/response_runs.py) and streamed to
+any reader (``events``, ``serve``): the client that created it, and any that resumes it.
 """
 from __future__ import annotations
 
@@ -72,8 +74,9 @@ class BackgroundResponses:
         """Store ``shell`` with its run mark, then run ``generate`` (which stores the response's end,
         through ``RunStore.finish``, and calls the function it is given at its first token: the run
         is ``queued`` until then, then ``in_progress``) in a task that holds ``admitted`` (the
-        request's admission) until it ends.  Raises a 503 ``OpenAIError`` where the shell could not be stored
-        (nothing runs then; ``admitted`` is released)."""
+        request's admission) until it ends.  Raises a 429 ``OpenAIError`` where ``max_runs`` run
+        already, a 503 where the shell could not be stored (nothing runs then; ``admitted`` is
+        released)."""
         try:
             if len(self._runs) >= self.max_runs:
                 raise OpenAIError(429, f"Too many background responses running ({len(self._runs)}); retry shortly",

@@ -41,7 +41,7 @@ def _failure(exc: Exception) -> OpenAIError:
 class ResponsesEndpoints:
     """The Responses API's handlers; ``OpenAIHandlers`` (gateway/handlers.py) provides the rest:
     ``services``, ``shapes``, ``_check_model``, ``_chat_renderer``, ``_chat_admitted``,
-    ``_chat_generations`` and ``_whole``."""
+    ``_chat_generations``, ``_started`` and ``_whole``."""
 
     async def responses(self, request: web.Request) -> web.StreamResponse:
         call = parse_responses_request(await self.services.read_body(request))
