@@ -92,8 +92,8 @@ class Gateway:
                                      threads=config.tokenizer_threads)
         self.metrics = GatewayMetrics()
         self.api_keys = config.api_keys()
-        # Requests generating (background responses among them), and calls on stored responses apart:
-        # a key whose requests hold its limit can still poll and cancel its background responses.
+        # Requests generating (background responses among them); calls on stored responses, and streams of
+        # background responses, apart: a key whose requests hold its limit can still poll and cancel them.
         self.admission = InflightBound(config.max_inflight, "requests", on_refused=self.metrics.key_refused,
                                        on_change=self.metrics.requests_in_flight.inc)
         self.store_admission = InflightBound(config.max_inflight, "calls on stored responses")
