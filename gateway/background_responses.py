@@ -95,19 +95,22 @@ class BackgroundResponses:
                    admitted: contextlib.AsyncExitStack) -> None:
         key = (key_id, response_id)
         self._runs[asyncio.current_task()] = None  # started: it lets its admission go itself
-        generating = asyncio.Event()  # its first token came
+        generating = asyncio.Event()  # its first token came (then it is renewed at once, in_progress)
+        first_token = asyncio.create_task(generating.wait())
         async with admitted:
             work = self._work[key] = asyncio.create_task(generate(generating.set))
             try:
                 while not work.done():
-                    renewed = await self._renew(key_id, response_id, generating.is_set())
+                    said_generating = generating.is_set()
+                    renewed = await self._renew(key_id, response_id, said_generating)
                     # Python 3.11's wait_for (in redis-py) drops a cancel that comes as its call completes
                     if asyncio.current_task().cancelling():
                         raise asyncio.CancelledError
                     if not renewed:
                         work.cancel()
                         break
-                    await asyncio.wait([work], timeout=self.heartbeat_s)
+                    await asyncio.wait([work] if said_generating else [work, first_token], timeout=self.heartbeat_s,
+                                       return_when=asyncio.FIRST_COMPLETED)
                 await asyncio.gather(work, return_exceptions=True)
                 if not work.cancelled() and work.exception() is not None:
                     log.error("background response failed", exc_info=work.exception())
@@ -118,6 +121,7 @@ class BackgroundResponses:
                 await self.runs.end(key_id, response_id)
                 raise
             finally:
+                first_token.cancel()
                 self._work.pop(key, None)
                 self.runs.forget(key_id, response_id)
 

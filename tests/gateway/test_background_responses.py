@@ -237,3 +237,11 @@ async def test_an_ended_run_leaves_nothing_held_by_its_gateway(slow_runs, store)
     while slow_runs.running:  # (the run's last step follows its admission's)
         await asyncio.sleep(0.01)
     assert slow_runs.runs.held == 0
+
+
+async def test_a_run_says_in_progress_at_its_first_token(slow_runs, store):
+    held = await start(slow_runs, store, 14)
+    await settled(held.started.wait())
+    await until(lambda: _is(store, 14, "in_progress"))  # at once, not at its next heartbeat (an hour off)
+    held.release.set()
+    await settled(held.stopped.wait())
