@@ -63,6 +63,8 @@ class BackgroundResponses:
         self.runs = RunStore(store)
         self._work: dict[tuple[str, str], asyncio.Task] = {}  # each run's generation
         self._runs: dict[asyncio.Task, tuple[str, str, contextlib.AsyncExitStack] | None] = {}  # (not started yet)
+        self._starting = 0  # runs whose shells are being stored (they count against max_runs)
+        self._stopping = False  # the gateway stops: no run starts, streams end
 
     @property
     def running(self) -> int:
@@ -78,10 +80,17 @@ class BackgroundResponses:
         already, a 503 where the shell could not be stored (nothing runs then; ``admitted`` is
         released)."""
         try:
-            if len(self._runs) >= self.max_runs:
+            if self._stopping:
+                raise OpenAIError(503, "the gateway is stopping", retry_after=1)
+            if len(self._runs) + self._starting >= self.max_runs:
                 raise OpenAIError(429, f"Too many background responses running ({len(self._runs)}); retry shortly",
                                   code="rate_limit_exceeded", retry_after=1)
-            if not await self.store.save(key_id, response_id, shell, run_lease_s=self.lease_s):
+            self._starting += 1
+            try:
+                stored = await self.store.save(key_id, response_id, shell, run_lease_s=self.lease_s)
+            finally:
+                self._starting -= 1
+            if not stored:
                 raise OpenAIError(503, "background responses are stored, and this one could not be (Redis does not "
                                   "answer, or its conversation is over the store's bound)")
         except BaseException:
@@ -166,7 +175,7 @@ class BackgroundResponses:
             for event in found:
                 yield event
             start += len(found)
-            if (found and is_last_event(found[-1])) or not holds:
+            if (found and is_last_event(found[-1])) or not holds or self._stopping:
                 return
             wait = POLL_S[0] if found else min(2 * wait, POLL_S[1])
             await asyncio.sleep(wait)
@@ -191,8 +200,14 @@ class BackgroundResponses:
             log.warning("a background response's stream ended: its events could not be read")
         return response
 
+    def stopping(self) -> None:
+        """The gateway stops: no run starts from now, and streams of runs end (so its listener closes
+        without waiting for them; ``close`` then gives the runs up)."""
+        self._stopping = True
+
     async def close(self) -> None:
         """Give up every run (the gateway stops): each generation is aborted, its mark dropped."""
+        self._stopping = True
         runs = dict(self._runs)
         for task in runs:
             task.cancel()

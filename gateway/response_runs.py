@@ -8,7 +8,7 @@ step below is one Redis script that checks that and acts, so a cancel, a delete 
 both win: events are appended, the mark renewed and the end stored (with its stream's last events)
 only while it holds.  A cancel marks it ``cancelled``, then rewrites the stored response so.  An API
 key's bytes count a streamed response's events as they are appended (its bound on stored bytes), and
-one response's events are at most the store's per-response bound.  A run's calls do not wait out the
+one response's events are at most the store's per-response bound (and the batch that crosses it).  A run's calls do not wait out the
 store's quiet time after a Redis failure (a run outlives one failed call): events Redis did not take
 are kept and appended with the next ones, so an event's index stays its sequence number.
 """
@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 _HOLDS = ("local mark = redis.call('GET', KEYS[1]) "
           "if (mark ~= 'queued' and mark ~= 'in_progress') or redis.call('EXISTS', KEYS[2]) == 0 then return 0 end ")
-# KEYS: mark, stored response, events, sizes
+# KEYS: mark, stored response, events, sizes, index
 _RENEW = _HOLDS + "redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]) return 1"
 # Events are appended after the ``base`` the run knows is there (an append Redis took though its answer
 # was lost is not appended again: the run is the list's one writer).
@@ -42,7 +42,9 @@ _APPEND = _HOLDS + _PUSH.replace("FIRST", "4").replace("BASE", "3") + (
 _FINISH = _HOLDS + _PUSH.replace("FIRST", "6").replace("BASE", "5") + (
     "redis.call('SET', KEYS[2], ARGV[1], 'EX', ARGV[2]) redis.call('HSET', KEYS[4], ARGV[3], ARGV[4]) "
     "if redis.call('EXISTS', KEYS[3]) == 1 then redis.call('EXPIRE', KEYS[3], ARGV[2]) end "
+    "redis.call('EXPIRE', KEYS[4], ARGV[2]) redis.call('EXPIRE', KEYS[5], ARGV[2]) "
     "redis.call('DEL', KEYS[1]) return 1")
+_FINISH_TRIES = (0.5, 1.0, None)  # a run's end is tried again after these pauses (a Redis that did not answer)
 _CANCEL = _HOLDS + "redis.call('SET', KEYS[1], 'cancelled', 'EX', ARGV[1]) return 1"
 _END = _HOLDS + "redis.call('DEL', KEYS[1]) return 1"
 
@@ -73,14 +75,14 @@ class RunStore:
         self._unsent: dict[tuple[str, str], list[bytes]] = {}  # the others
 
     async def _script(self, source: str, key_id: str, response_id: str, args: list) -> int:
-        """Run a run script (its keys: mark, stored response, events, sizes); a 503 where Redis does
-        not answer."""
+        """Run a run script (its keys: mark, stored response, events, sizes, index); a 503 where Redis
+        does not answer."""
         store = self.store
         stored, mark, events = store.parts(key_id, response_id)
         try:
             async with asyncio.timeout(store.timeout_s):
-                return int(await self._scripts[source](keys=[mark, stored, events, store.sizes_key(key_id)],
-                                                       args=args))
+                keys = [mark, stored, events, store.sizes_key(key_id), store.index_key(key_id)]
+                return int(await self._scripts[source](keys=keys, args=args))
         except store.FAILURES:
             store.record_failure()
             raise unavailable() from None
@@ -97,11 +99,10 @@ class RunStore:
         they wait for the next call); raises a 500 ``OpenAIError`` past the store's bound on one
         response's bytes."""
         key = (key_id, response_id)
-        added = sum(map(len, events))
-        if self._bytes.get(key, 0) + added > self.store.max_bytes:
+        if self._bytes.get(key, 0) > self.store.max_bytes:
             raise OpenAIError(500, f"the response's events are over the store's bound ({self.store.max_bytes} bytes)")
-        self._bytes[key] = self._bytes.get(key, 0) + added
-        events = self._unsent.pop(key, []) + events
+        self._bytes[key] = self._bytes.get(key, 0) + sum(map(len, events))  # (the batch that crosses it is kept:
+        events = self._unsent.pop(key, []) + events                          # its sequence numbers are given)
         try:
             holds = await self._script(_APPEND, key_id, response_id,
                                        [self.store.ttl_s, response_id, self._sent.get(key, 0), *events]) == 1
@@ -126,8 +127,8 @@ class RunStore:
         longer holds; whether it was stored.  Its bytes, events included, count in its key's bound."""
         data = msgspec.msgpack.encode(stored)
         key = (key_id, response_id)
+        size = len(data) + self._bytes.pop(key, 0) + sum(map(len, closing))  # (unsent events counted already)
         closing = self._unsent.pop(key, []) + list(closing)
-        size = len(data) + self._bytes.pop(key, 0) + sum(map(len, closing))
         base = self._sent.pop(key, 0)
         store = self.store
         if len(data) > store.max_bytes:
@@ -135,13 +136,18 @@ class RunStore:
                         len(data), store.max_bytes)
             await self.end(key_id, response_id)
             return False
-        try:
-            if await self._script(_FINISH, key_id, response_id,
-                                  [data, store.ttl_s, response_id, size, base, *closing]) != 1:
-                return False
-        except OpenAIError:
-            log.warning("a background response's end was not stored: Redis did not answer")
-            return False
+        for pause in _FINISH_TRIES:  # (tried again: one that Redis took finds the run ended, and stores nothing)
+            try:
+                if await self._script(_FINISH, key_id, response_id,
+                                      [data, store.ttl_s, response_id, size, base, *closing]) != 1:
+                    return False
+                break
+            except OpenAIError:
+                if pause is None:
+                    log.warning("a background response's end was not stored: Redis did not answer")
+                    await self.end(key_id, response_id)
+                    return False
+                await asyncio.sleep(pause)
         await store.keep_bounds(key_id)
         return True
 

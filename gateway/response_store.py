@@ -146,7 +146,7 @@ class ResponseStore:
         """Whether Redis failed less than ``retry_s`` ago (then it is not asked)."""
         return time.monotonic() < self._quiet_until
 
-    def _index(self, key_id: str) -> str:
+    def index_key(self, key_id: str) -> str:
         return f"{self.prefix}:{key_id}"
 
     def sizes_key(self, key_id: str) -> str:
@@ -178,7 +178,7 @@ class ResponseStore:
             return False
         if self.quiet():
             return False
-        index, sizes = self._index(key_id), self.sizes_key(key_id)
+        index, sizes = self.index_key(key_id), self.sizes_key(key_id)
         try:
             async with asyncio.timeout(self.timeout_s):
                 async with self.redis.pipeline(transaction=True) as pipe:
@@ -204,7 +204,7 @@ class ResponseStore:
         try:
             async with asyncio.timeout(self.timeout_s):
                 async with self.redis.pipeline(transaction=True) as pipe:
-                    pipe.zrange(self._index(key_id), 0, -1)
+                    pipe.zrange(self.index_key(key_id), 0, -1)
                     pipe.hgetall(self.sizes_key(key_id))
                     ids, held = await pipe.execute()
         except _REDIS_FAILURES as exc:
@@ -221,7 +221,7 @@ class ResponseStore:
             async with asyncio.timeout(self.timeout_s):
                 async with self.redis.pipeline(transaction=True) as pipe:
                     pipe.delete(*(key for old in oldest for key in self.parts(key_id, old.decode())))
-                    pipe.zrem(self._index(key_id), *oldest)
+                    pipe.zrem(self.index_key(key_id), *oldest)
                     pipe.hdel(self.sizes_key(key_id), *oldest)
                     await pipe.execute()
         except _REDIS_FAILURES as exc:
@@ -282,7 +282,7 @@ class ResponseStore:
                 async with self.redis.pipeline(transaction=True) as pipe:
                     pipe.delete(self._key(key_id, response_id))
                     pipe.delete(*self.parts(key_id, response_id)[1:])
-                    pipe.zrem(self._index(key_id), response_id)
+                    pipe.zrem(self.index_key(key_id), response_id)
                     pipe.hdel(self.sizes_key(key_id), response_id)
                     deleted, *_ = await pipe.execute()
         except _REDIS_FAILURES:

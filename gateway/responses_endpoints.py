@@ -32,10 +32,12 @@ _FAILURES = (OpenAIError, Saturated, UpstreamError, ValueError)  # how a generat
 
 
 def _failure(exc: Exception) -> OpenAIError:
-    """A failed generation's error as the response says it (``_FAILURES``)."""
+    """A failed generation's error as the response says it (``_FAILURES``; as a foreground stream's)."""
     if isinstance(exc, OpenAIError):
         return exc
-    return OpenAIError(getattr(exc, "status", 500), f"generation failed: {exc}")
+    if isinstance(exc, ValueError):
+        return invalid(str(exc))
+    return OpenAIError(exc.status, f"generation failed: {exc}")
 
 
 class ResponsesEndpoints:

@@ -405,6 +405,8 @@ async def serve(config: GatewayConfig) -> None:
     try:
         await stop.wait()
     finally:
+        if gateway.background:
+            gateway.background.stopping()  # (its streams end: the listener need not wait for them)
         await runner.cleanup()
         await gateway.stop()
 

@@ -245,3 +245,18 @@ async def test_a_run_says_in_progress_at_its_first_token(slow_runs, store):
     await until(lambda: _is(store, 14, "in_progress"))  # at once, not at its next heartbeat (an hour off)
     held.release.set()
     await settled(held.stopped.wait())
+
+
+async def test_runs_started_at_once_count_against_the_bound_while_their_shells_are_stored(store):
+    runs = BackgroundResponses(store, max_runs=1)
+    try:
+        first, second = Held(), Held()
+        started = await asyncio.gather(
+            runs.start("key-a", rid(15), shell(15), first.generate(store, 15), first.admitted),
+            runs.start("key-a", rid(16), shell(16), second.generate(store, 16), second.admitted),
+            return_exceptions=True)
+        refused = [r for r in started if isinstance(r, OpenAIError)]
+        assert [r.status for r in refused] == [429]
+    finally:
+        first.release.set(), second.release.set()
+        await runs.close()

@@ -82,9 +82,11 @@ async def test_nothing_is_appended_or_stored_once_a_run_is_cancelled(store, redi
 async def test_a_responses_events_are_bounded_and_go_with_it(store, redis_client, key_prefix):
     runs = await running(store, 3)
     assert await runs.append("key-a", rid(3), [b"x" * 3000])
+    assert await runs.append("key-a", rid(3), [b"x" * 2000])  # the batch that crosses 4096 bytes is kept (numbered)
     with pytest.raises(OpenAIError) as info:
-        await runs.append("key-a", rid(3), [b"x" * 2000])  # past the store's 4096 bytes a response
+        await runs.append("key-a", rid(3), [b"x"])  # past the store's 4096 bytes a response
     assert info.value.status == 500
+    assert len((await runs.events("key-a", rid(3), 0))[0]) == 2
     await store.delete("key-a", rid(3))
     assert not await redis_client.exists(f"{key_prefix}:responses:key-a:{rid(3)}:events")
 
@@ -126,9 +128,24 @@ async def test_events_redis_did_not_take_go_with_the_next_once_and_in_order(redi
             assert await runs.append("key-a", rid(7), [event("in_progress", 1)])
             proxy.release()
             assert await runs.append("key-a", rid(7), [event("output_text.delta", 2)])
-            assert await runs.finish("key-a", rid(7), ended(7), [event("completed", 3)])
+            proxy.hold()  # ... and once more, before its end
+            assert await runs.append("key-a", rid(7), [event("output_text.delta", 3)])
+            proxy.release()
+            assert await runs.finish("key-a", rid(7), ended(7), [event("completed", 4)])
             found, _ = await runs.events("key-a", rid(7), 0)
             assert found == [event("created", 0), event("in_progress", 1), event("output_text.delta", 2),
-                             event("completed", 3)]
+                             event("output_text.delta", 3), event("completed", 4)]
+            size = int(await client.hget(f"{key_prefix}:responses:key-a:sizes", rid(7)))
+            assert size == len(msgspec.msgpack.encode(ended(7))) + sum(map(len, found))  # each counted once
         finally:
             await client.aclose()
+
+
+async def test_a_stopping_gateways_readers_end(store):
+    background = BackgroundResponses(store, max_runs=8)
+    await store.save("key-a", rid(8), shell(8), run_lease_s=3600)  # (it holds as long as the test needs)
+    await background.runs.append("key-a", rid(8), [event("created", 0)])
+    reader = background.events("key-a", rid(8), -1)
+    assert await anext(reader) == event("created", 0)  # the run holds: the reader waits for more
+    background.stopping()
+    assert await read(reader) == []
