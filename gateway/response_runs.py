@@ -8,9 +8,10 @@ step below is one Redis script that checks that and acts, so a cancel, a delete 
 both win: events are appended, the mark renewed and the end stored (with its stream's last events)
 only while it holds.  A cancel marks it ``cancelled``, then rewrites the stored response so.  An API
 key's bytes count a streamed response's events as they are appended (its bound on stored bytes), and
-one response's events are at most the store's per-response bound (and the batch that crosses it).  A run's calls do not wait out the
-store's quiet time after a Redis failure (a run outlives one failed call): events Redis did not take
-are kept and appended with the next ones, so an event's index stays its sequence number.
+one response's events are at most the store's per-response bound (and the batch that crosses it).  A
+run's calls do not wait out the store's quiet time after a Redis failure (a run outlives one failed
+call): events Redis did not take are kept and appended with the next ones, so an event's index stays
+its sequence number.
 """
 from __future__ import annotations
 

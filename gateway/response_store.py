@@ -166,7 +166,8 @@ class ResponseStore:
         return [self._key(key_id, response_id), self._run_key(key_id, response_id),
                 self._events_key(key_id, response_id)]
 
-    async def save(self, key_id: str, response_id: str, stored: StoredResponse, run_lease_s: float | None = None) -> bool:
+    async def save(self, key_id: str, response_id: str, stored: StoredResponse,
+                   run_lease_s: float | None = None) -> bool:
         """Store it, then forget the key's oldest past its bounds; False where it was not stored: too
         large, or Redis did not take it in time (logged).  Once it is stored, a failure to forget the
         oldest is logged only (the next save forgets them).  ``run_lease_s``: a background response's

@@ -194,8 +194,8 @@ class FunctionCallArgumentsDone(_Event, tag="response.function_call_arguments.do
     arguments: str
 
 
-ResponseEvent = (ResponseCreated | ResponseInProgress | ResponseQueued | ResponseCompleted | ResponseIncomplete | ResponseFailed
-                 | OutputItemAdded | OutputItemDone | ContentPartAdded | ContentPartDone | OutputTextDelta
+ResponseEvent = (ResponseCreated | ResponseInProgress | ResponseQueued | ResponseCompleted | ResponseIncomplete
+                 | ResponseFailed | OutputItemAdded | OutputItemDone | ContentPartAdded | ContentPartDone | OutputTextDelta
                  | OutputTextDone | FunctionCallArgumentsDelta | FunctionCallArgumentsDone)
 
 _encode = msgspec.json.Encoder().encode

@@ -149,7 +149,8 @@ async def test_a_waiting_background_response_holds_its_keys_slot_until_cancelled
     async with gateway(served_checkpoint, redis_url, key_prefix, api_keys_file=str(keys),
                        queue_timeout=600) as (gw, client):
         queued = await background(client, gw.model_id, headers)
-        assert (await poll(client, queued["id"], headers, lambda status: True))["status"] == "queued"  # polled all the same
+        polled = await poll(client, queued["id"], headers, lambda status: True)
+        assert polled["status"] == "queued"  # polled all the same
         body = {"model": gw.model_id, "input": "another", "max_output_tokens": 4}
         async with client.post("/v1/responses", json=body, headers=headers) as resp:
             assert resp.status == 429  # the key's one slot is the run's
