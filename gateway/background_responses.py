@@ -146,13 +146,11 @@ class BackgroundResponses:
         """Cancel it (``RunStore.cancel``: its JSON after), and stop its generation now where it runs
         here."""
         answer = await self.runs.cancel(key_id, response_id)
-        work = self._work.get((key_id, response_id))
-        if work is not None:
-            work.cancel()
+        self.forget(key_id, response_id)
         return answer
 
     def forget(self, key_id: str, response_id: str) -> None:
-        """It was deleted: stop its generation now where it runs here."""
+        """It was cancelled or deleted: stop its generation now where it runs here."""
         work = self._work.get((key_id, response_id))
         if work is not None:
             work.cancel()

@@ -23,7 +23,7 @@ import msgspec
 from gateway.openai_errors import OpenAIError, invalid
 from gateway.openai_protocol import ChatMessage
 from gateway.response_store import (
-    CANCELLED, RUNNING, ResponseStore, StoredResponse, as_run, ended, milliseconds, unavailable,
+    CANCELLED, RUNNING, ResponseStore, StoredResponse, as_run, ended, milliseconds,
 )
 
 log = logging.getLogger(__name__)
@@ -80,13 +80,9 @@ class RunStore:
         does not answer."""
         store = self.store
         stored, mark, events = store.parts(key_id, response_id)
-        try:
-            async with asyncio.timeout(store.timeout_s):
-                keys = [mark, stored, events, store.sizes_key(key_id), store.index_key(key_id)]
-                return int(await self._scripts[source](keys=keys, args=args))
-        except store.FAILURES:
-            store.record_failure()
-            raise unavailable() from None
+        keys = [mark, stored, events, store.sizes_key(key_id), store.index_key(key_id)]
+        async with store.call(patient=True):
+            return int(await self._scripts[source](keys=keys, args=args))
 
     async def renew(self, key_id: str, response_id: str, lease_s: float, generating: bool) -> bool:
         """Mark the run ``in_progress`` (``generating``) or ``queued`` for ``lease_s`` more; False: it is
@@ -191,13 +187,8 @@ class RunStore:
         503 where Redis does not answer."""
         store = self.store
         _, mark, events = store.parts(key_id, response_id)
-        try:
-            async with asyncio.timeout(store.timeout_s):
-                async with store.redis.pipeline(transaction=True) as pipe:  # (as one, between scripts)
-                    pipe.lrange(events, start, -1)
-                    pipe.get(mark)
-                    found, held = await pipe.execute()
-        except store.FAILURES:
-            store.record_failure()
-            raise unavailable() from None
+        async with store.call(patient=True), store.redis.pipeline(transaction=True) as pipe:  # (as one)
+            pipe.lrange(events, start, -1)
+            pipe.get(mark)
+            found, held = await pipe.execute()
         return found, held is not None and held.decode() in RUNNING

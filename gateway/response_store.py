@@ -33,6 +33,7 @@ response: no id is logged or echoed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import re
@@ -146,6 +147,20 @@ class ResponseStore:
         """Whether Redis failed less than ``retry_s`` ago (then it is not asked)."""
         return time.monotonic() < self._quiet_until
 
+    @contextlib.asynccontextmanager
+    async def call(self, patient: bool = False):
+        """One Redis call, bounded by ``timeout_s``: one that fails or does not answer is recorded
+        and raises the 503 ``OpenAIError``, as does any while Redis is left alone (``patient``: a
+        run's call, made anyway)."""
+        if not patient and self.quiet():
+            raise unavailable()
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                yield
+        except _REDIS_FAILURES:
+            self.record_failure()
+            raise unavailable() from None
+
     def index_key(self, key_id: str) -> str:
         return f"{self.prefix}:{key_id}"
 
@@ -246,17 +261,10 @@ class ResponseStore:
         there is none, or it has no output to continue (running, cancelled or failed)."""
         if not RESPONSE_ID_RE.fullmatch(response_id):
             raise not_found(param)
-        if self.quiet():
-            raise unavailable()
-        try:
-            async with asyncio.timeout(self.timeout_s):
-                async with self.redis.pipeline(transaction=True) as pipe:  # (as one, between a run's scripts)
-                    pipe.get(self._key(key_id, response_id))
-                    pipe.get(self._run_key(key_id, response_id))
-                    data, mark = await pipe.execute()
-        except _REDIS_FAILURES:
-            self.record_failure()
-            raise unavailable() from None
+        async with self.call(), self.redis.pipeline(transaction=True) as pipe:  # (as one, between a run's scripts)
+            pipe.get(self._key(key_id, response_id))
+            pipe.get(self._run_key(key_id, response_id))
+            data, mark = await pipe.execute()
         if data is None:
             raise not_found(param)
         try:
@@ -276,19 +284,12 @@ class ResponseStore:
         the key has none by that id, a 503 where Redis does not answer."""
         if not RESPONSE_ID_RE.fullmatch(response_id):
             raise not_found()
-        if self.quiet():
-            raise unavailable()
-        try:
-            async with asyncio.timeout(self.timeout_s):
-                async with self.redis.pipeline(transaction=True) as pipe:
-                    pipe.delete(self._key(key_id, response_id))
-                    pipe.delete(*self.parts(key_id, response_id)[1:])
-                    pipe.zrem(self.index_key(key_id), response_id)
-                    pipe.hdel(self.sizes_key(key_id), response_id)
-                    deleted, *_ = await pipe.execute()
-        except _REDIS_FAILURES:
-            self.record_failure()
-            raise unavailable() from None
+        async with self.call(), self.redis.pipeline(transaction=True) as pipe:
+            pipe.delete(self._key(key_id, response_id))
+            pipe.delete(*self.parts(key_id, response_id)[1:])
+            pipe.zrem(self.index_key(key_id), response_id)
+            pipe.hdel(self.sizes_key(key_id), response_id)
+            deleted, *_ = await pipe.execute()
         if not deleted:
             raise not_found()
 

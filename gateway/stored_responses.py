@@ -14,6 +14,8 @@ from typing import Any, AsyncContextManager, Callable
 import msgspec
 from aiohttp import web
 
+from common.cluster.flags import FALSE, TRUE
+
 from gateway.background_responses import BackgroundResponses
 from gateway.openai_errors import invalid
 from gateway.openai_protocol import ChatMessage
@@ -88,9 +90,9 @@ def _page(items: list[dict[str, Any]], query) -> InputItemList:
 
 def _flag(query, name: str) -> bool:
     value = query.get(name, "false").lower()
-    if value not in ("true", "1", "false", "0"):
+    if value not in TRUE + FALSE:
         raise invalid(f"{name} must be true or false", name)
-    return value in ("true", "1")
+    return value in TRUE
 
 
 def _after(query) -> int:
