@@ -29,6 +29,7 @@ from gateway.messages_output import MessagesAnswer
 from gateway.messages_request import parse_messages_request
 from gateway.response_shapes import Answer, AnswerStream, ChoicesStream, ResponseShapes, prompt_tokens
 from gateway.background_responses import BackgroundResponses
+from gateway.conversation_store import ConversationStore
 from gateway.response_store import ResponseStore
 from gateway.responses_endpoints import ResponsesEndpoints
 from gateway.tool_output import ToolOutput
@@ -120,6 +121,7 @@ class HandlerServices:
     tool_parser: ToolCallParser  # reads tool calls from an answer (tool_choice auto)
     response_store: ResponseStore | None  # the Responses API's stored responses (None: none stored)
     background: BackgroundResponses | None  # the background responses this gateway runs (where stored)
+    conversations: ConversationStore | None = None  # the Responses API's conversations (where responses are stored)
 
 
 class OpenAIHandlers(ResponsesEndpoints):

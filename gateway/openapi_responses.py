@@ -17,7 +17,8 @@ import msgspec
 from gateway.openai_protocol import MAX_MESSAGES, MAX_PARTS_PER_MESSAGE
 from gateway.responses_output import ResponseEvent, ResponseObject
 from gateway.responses_request import LOGPROBS_INCLUDE, ResponsesRequest
-from gateway.stored_responses import MAX_LIMIT, MAX_SEQUENCE, InputItemList, ResponseDeleted
+from gateway.response_items import MAX_LIMIT, ItemList
+from gateway.stored_responses import MAX_SEQUENCE, ResponseDeleted
 
 _REF = "#/components/schemas/{name}"
 _NULL = {"type": "null"}
@@ -81,7 +82,7 @@ def responses_schemas(model_id: str, vocab_size: int, common_rules: dict[str, di
     other generation endpoints, applied to the fields this request has too; ``stored``: whether the
     gateway stores responses)."""
     (_, _, events, _, _), schemas = msgspec.json.schema_components(
-        [ResponsesRequest, ResponseObject, ResponseEvent, ResponseDeleted, InputItemList], ref_template=_REF)
+        [ResponsesRequest, ResponseObject, ResponseEvent, ResponseDeleted, ItemList], ref_template=_REF)
     schemas = copy.deepcopy(schemas)
     schemas["ResponseEvent"] = copy.deepcopy(events)
     schemas.pop("InputItem", None), schemas.pop("InputPart", None)  # described by hand above
@@ -172,7 +173,7 @@ def stored_response_paths(errors: dict[str, dict], auth: bool) -> dict:
         },
         "/v1/responses/{response_id}/input_items": {
             "get": operation("A stored response's input items", "Its request's input, as items (a page of them).",
-                             "InputItemList", paging),
+                             "ItemList", paging),
         },
         "/v1/responses/{response_id}/cancel": {
             "post": operation("Cancel a background response", "The response: cancelled, or as it ended where it had "

@@ -16,6 +16,8 @@ OpenAI's are not.
     {prefix}:responses:{key id}:{response id}:run     STRING  a background response's run mark
     {prefix}:responses:{key id}:{response id}:events  LIST    a streamed background response's events
                                                               (the run's: gateway/response_runs.py)
+    {prefix}:responses:{key id}:{conversation id}...          a conversation (gateway/conversation_store.py),
+                                                              in the key's index and sizes as a response
 
 Each API key reads and deletes only its own (its key id is in the key; without API keys every caller
 is the one tenant ``anonymous``).  Ids are ``resp_`` and 32 random hex digits.  What a stranger can
@@ -50,6 +52,7 @@ from gateway.openai_protocol import ChatMessage
 log = logging.getLogger(__name__)
 
 RESPONSE_ID_RE = re.compile(r"resp_[0-9a-f]{32}")
+CONVERSATION_PREFIX = "conv_"  # a conversation's id (gateway/conversation_store.py): it shares the key's bounds
 DEFAULT_TTL_S = 86400.0  # a day
 MAX_TTL_S = 365 * 86400.0
 DEFAULT_MAX_PER_KEY = 1000
@@ -176,10 +179,13 @@ class ResponseStore:
     def _events_key(self, key_id: str, response_id: str) -> str:
         return f"{self.prefix}:{key_id}:{response_id}:events"
 
-    def parts(self, key_id: str, response_id: str) -> list[str]:
-        """A stored response's keys: itself, its run mark, its events."""
-        return [self._key(key_id, response_id), self._run_key(key_id, response_id),
-                self._events_key(key_id, response_id)]
+    def parts(self, key_id: str, object_id: str) -> list[str]:
+        """A stored object's keys: a response's (itself, its run mark, its events), or a
+        conversation's (itself, its item ids, its items: gateway/conversation_store.py)."""
+        if object_id.startswith(CONVERSATION_PREFIX):
+            base = self._key(key_id, object_id)
+            return [base, f"{base}:ids", f"{base}:items"]
+        return [self._key(key_id, object_id), self._run_key(key_id, object_id), self._events_key(key_id, object_id)]
 
     async def save(self, key_id: str, response_id: str, stored: StoredResponse,
                    run_lease_s: float | None = None) -> bool:

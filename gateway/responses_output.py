@@ -31,7 +31,8 @@ from gateway.openai_protocol import CalledFunction, ChatMessage, MessageToolCall
 from gateway.openai_responses import ChatDelta, ChatTokenLogprob, now
 from gateway.response_shapes import ResponseShapes
 from gateway.tool_output import new_call_id
-from gateway.responses_request import ResponsesCall
+from gateway.response_store import ANSWERED
+from gateway.responses_request import ConversationRef, ResponsesCall
 
 
 class OutputText(msgspec.Struct, tag_field="type", tag="output_text", kw_only=True):
@@ -107,6 +108,7 @@ class ResponseObject(msgspec.Struct, kw_only=True):
     completed_at: int | None = None
     object: str = "response"
     previous_response_id: str | None = None
+    conversation: ConversationRef | None = None  # the conversation it is part of
     reasoning: None = None
     store: bool = False  # true where it is stored (gateway/response_store.py)
     background: bool = False
@@ -251,22 +253,34 @@ def output_messages(output: list[OutputItem]) -> list[ChatMessage]:
 # store(response, its output's messages, its stream's last events) -> whether it was stored
 # (gateway/response_store.py, gateway/response_runs.py)
 Keeper = Callable[[ResponseObject, list[ChatMessage], list[bytes]], Awaitable[bool]]
+# add(response): its input's and output's items added to its conversation (gateway/conversation_items.py)
+Joiner = Callable[[ResponseObject], Awaitable[None]]
 
 
 class ResponsesAnswer:
     """One request's answer in the Responses API's shape (``n`` is 1: one generation); ``keeper``
-    stores it once finished (None: not stored)."""
+    stores it once finished (None: not stored); ``joiner`` adds it to its conversation once it has an
+    output (None: it is part of none)."""
 
-    def __init__(self, call: ResponsesCall, shapes: ResponseShapes, keeper: Keeper | None = None):
-        self.call, self.shapes, self.keeper = call, shapes, keeper
+    def __init__(self, call: ResponsesCall, shapes: ResponseShapes, keeper: Keeper | None = None,
+                 joiner: Joiner | None = None):
+        self.call, self.shapes, self.keeper, self.joiner = call, shapes, keeper, joiner
         self.response_id = new_response_id()
         self.created_at = now()
 
     async def keep(self, response: ResponseObject, closing: list[bytes] = ()) -> None:
         """Store the finished ``response`` (where the request asked; ``closing``: a streamed background
-        response's last events, kept with it); one that could not be stored says ``store: false``."""
+        response's last events, kept with it) -- one that could not be stored says ``store: false`` --
+        and add it to its conversation (where it is part of one, and has an output)."""
         if self.keeper is not None and not await self.keeper(response, output_messages(response.output), closing):
             response.store = False
+        if self.joiner is not None and response.status in ANSWERED:
+            await self.joiner(response)
+
+    @property
+    def keeps(self) -> bool:
+        """Whether its end is kept anywhere (stored, or added to its conversation)."""
+        return self.keeper is not None or self.joiner is not None
 
     def response(self, gen: Generation, status: str, output: list, **extra) -> ResponseObject:
         call, options = self.call, gen.options
@@ -282,6 +296,7 @@ class ResponsesAnswer:
             tool_choice=call.tool_choice, parallel_tool_calls=call.chat.parallel_tool_calls, text=call.text,
             metadata=call.metadata, user=call.user, store=self.keeper is not None, background=call.background,
             previous_response_id=call.previous_response_id,
+            conversation=ConversationRef(call.conversation_id) if call.conversation_id else None,
             completed_at=now() if status == "completed" else None, **extra)
 
     def failed(self, gen: Generation, error: OpenAIError, output: list | None = None) -> ResponseObject:
@@ -374,7 +389,7 @@ class ResponseStream:
 
     async def keep(self) -> None:
         """The stream's end (``closing``'s) settled and its response stored, before ``closing`` sends it."""
-        if self.answer.keeper is not None:
+        if self.answer.keeps:
             self.ending = self._end()
             await self.answer.keep(self.ending[1])
 

@@ -18,8 +18,10 @@ A response is stored unless ``store: false`` says otherwise, and ``previous_resp
 a stored one (gateway/response_store.py: the handler prepends its conversation, ``ResponsesCall.
 continuing``); ``background: true`` runs it in the background (gateway/background_responses.py: it
 is stored, so ``store: false`` is a 400).
-``conversation`` is a 400 naming the field, as are the built-in tools, non-text
-content and ``truncation: "auto"``; so are ``reasoning``, ``text.verbosity``, ``service_tier`` and
+``conversation`` makes it part of a conversation (gateway/conversation_store.py: its items are read
+before the input, and its input and output added to them once it ends; not with
+``previous_response_id``).  The built-in tools, non-text content and ``truncation: "auto"`` are a 400
+naming the field; so are ``reasoning``, ``text.verbosity``, ``service_tier`` and
 ``prompt_cache_key``, as on the chat endpoint (not implemented: this model has no reasoning; use
 ``cache_salt`` for cache keys).  The bounds are the chat path's: the items as its messages, their
 parts as its content parts, each bound checked before the elements past it are decoded.
@@ -47,6 +49,7 @@ LOGPROBS_INCLUDE = "message.output_text.logprobs"
 # asks for nothing here (no reasoning item is produced).
 INCLUDABLE = (LOGPROBS_INCLUDE, "reasoning.encrypted_content")
 CallId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+ConversationId = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
 
 
 class ResponsesStreamOptions(msgspec.Struct, forbid_unknown_fields=True):
@@ -67,6 +70,12 @@ class TextConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     format: TextFormat | None = None
 
 
+class ConversationRef(msgspec.Struct, forbid_unknown_fields=True):
+    """``conversation`` as an object: the conversation's id."""
+
+    id: ConversationId
+
+
 class NamedFunctionChoice(msgspec.Struct, forbid_unknown_fields=True):
     type: Literal["function"]
     name: FunctionName
@@ -85,7 +94,7 @@ class InputPart(msgspec.Struct, kw_only=True):
 
 
 class InputItem(msgspec.Struct, kw_only=True):
-    """One item of ``input``, any kind (checked by kind in ``_messages``); unknown fields allowed: an
+    """One item of ``input``, any kind (checked by kind in ``read_input_item``); unknown fields allowed: an
     output item sent back carries its ``id``, ``status`` and the like."""
 
     type: str | None = None
@@ -117,6 +126,7 @@ class ResponsesRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     store: bool | None = None  # unset: stored where the gateway stores responses (gateway/response_store.py)
     background: bool = False  # run in the background (gateway/background_responses.py)
     previous_response_id: Annotated[str, msgspec.Meta(min_length=1, max_length=64)] | None = None
+    conversation: ConversationId | ConversationRef | None = None  # (gateway/conversation_store.py)
     metadata: Metadata | None = None
     user: UserId | None = None
     safety_identifier: UserId | None = None
@@ -166,6 +176,7 @@ class ResponsesCall:
     background: bool
     previous_response_id: str | None
     input_messages: list[ChatMessage]  # the input's, without the instructions' system message
+    conversation_id: str | None = None  # the conversation it reads and adds to
 
     @property
     def turns(self) -> list[ChatMessage]:
@@ -173,14 +184,15 @@ class ResponsesCall:
         response keeps (its instructions are not carried over)."""
         return self.chat.messages[1:] if self.instructions else self.chat.messages
 
-    def continuing(self, history: list[ChatMessage]) -> "ResponsesCall":
-        """This call after ``history`` (the conversation of the response it continues): its chat's
-        messages are the instructions' system message, ``history``, then its input's."""
+    def continuing(self, history: list[ChatMessage], field: str = "previous_response_id") -> "ResponsesCall":
+        """This call after ``history`` (the conversation of the response it continues, or the items of
+        the conversation it is part of: ``field``): its chat's messages are the instructions' system
+        message, ``history``, then its input's."""
         system = [ChatMessage(role="system", content=self.instructions)] if self.instructions else []
         messages = system + history + self.input_messages
         if len(messages) > MAX_MESSAGES:
-            raise invalid(f"the conversation after previous_response_id holds {len(messages)} messages, over "
-                          f"{MAX_MESSAGES}; send a shorter one in input", "previous_response_id")
+            raise invalid(f"the conversation after {field} holds {len(messages)} messages, over "
+                          f"{MAX_MESSAGES}; send a shorter one in input", field)
         return replace(self, chat=msgspec.structs.replace(self.chat, messages=messages))
 
 
@@ -197,6 +209,7 @@ _items_decoder = msgspec.json.Decoder(str | bounded_list(msgspec.Raw, MAX_MESSAG
 _item_decoder = msgspec.json.Decoder(InputItem, strict=False)
 _parts_decoder = msgspec.json.Decoder(str | bounded_list(InputPart, MAX_PARTS_PER_MESSAGE), strict=False)
 _text_decoder = msgspec.json.Decoder(TextConfig, strict=False)
+_conversation_decoder = msgspec.json.Decoder(ConversationId | ConversationRef | None, strict=False)
 
 
 def parse_responses_request(body: bytes, counting_for: str | None = None) -> ResponsesCall:
@@ -205,15 +218,16 @@ def parse_responses_request(body: bytes, counting_for: str | None = None) -> Res
     req = decode_body(_count_decoder if counting_for else _body_decoder, body)
     if counting_for:
         req.model = req.model or counting_for
-    for field, refused, why in (("conversation", given(req.conversation),
-                                 "conversations are not kept: continue a response with previous_response_id"),
+    conversation_id = _conversation_id(req.conversation) if given(req.conversation) else None
+    for field, refused, why in (("conversation", conversation_id is not None and req.previous_response_id is not None,
+                                 "a response continues either a conversation or previous_response_id, not both"),
                                 ("store", req.background and req.store is False,
                                  "a background response is stored (background: true needs store)")):
         if refused:
             raise invalid(f"{field}: {why}", field, "unsupported_value")
-    input_messages = _messages(req.input) if given(req.input) else []
+    input_messages = read_input(req.input) if given(req.input) else []
     messages = ([ChatMessage(role="system", content=req.instructions)] if req.instructions else []) + input_messages
-    if not messages and req.previous_response_id is None:
+    if not messages and req.previous_response_id is None and conversation_id is None:
         raise invalid("input holds no message (and there are no instructions)", "input")
     tools = read_tools(req.tools, from_msgspec, flat=True) if given(req.tools) else ()
     text = decode_at(_text_decoder, grammar_json(req.text, "text"), "text") if given(req.text) else None
@@ -248,7 +262,12 @@ def parse_responses_request(body: bytes, counting_for: str | None = None) -> Res
     return ResponsesCall(chat, req.instructions, listed,
                          msgspec.to_builtins(choice) if choice is not None else plan.mode, {"format": text_format},
                          req.max_output_tokens, req.top_logprobs, chat.metadata or {}, req.user, req.store,
-                         req.background, req.previous_response_id, input_messages)
+                         req.background, req.previous_response_id, input_messages, conversation_id)
+
+
+def _conversation_id(raw: msgspec.Raw) -> str | None:
+    conversation = decode_at(_conversation_decoder, raw, "conversation")
+    return conversation.id if isinstance(conversation, ConversationRef) else conversation
 
 
 def _text_format(text: TextConfig | None) -> StructuredOutput | None:
@@ -266,50 +285,58 @@ def _text_format(text: TextConfig | None) -> StructuredOutput | None:
 
 
 
-def _messages(raw: msgspec.Raw) -> list[ChatMessage]:
-    """``input`` as chat messages (the table in the module's docstring)."""
-    decoded = decode_at(_items_decoder, raw, "input")
+def read_input(raw: msgspec.Raw, field: str = "input") -> list[ChatMessage]:
+    """``input`` (or another list of items: ``field`` names it) as chat messages (the table in the
+    module's docstring)."""
+    decoded = decode_at(_items_decoder, raw, field)
     if isinstance(decoded, str):
         return [ChatMessage(role="user", content=decoded)]
     messages: list[ChatMessage] = []
     parts = 0
     joins_calls = False  # the last message is an assistant's that the next function_call joins
     for i, element in enumerate(items(decoded)):
-        at = f"input[{i}]"
-        item = decode_at(_item_decoder, element, at)
-        kind = item.type or ("message" if item.role is not None else None)
-        if kind == "message":
-            if item.role not in ("user", "system", "developer", "assistant"):
-                raise invalid(f"{at}.role must be user, system, developer or assistant, got {item.role!r}",
-                              f"{at}.role")
-            text, count = _text(item.content, f"{at}.content")
-            messages.append(ChatMessage(role=item.role, content=text))
-            joins_calls = item.role == "assistant"
-        elif kind == "function_call":
-            call = MessageToolCall(id=required(item.call_id, at, "call_id"),
-                                   function=CalledFunction(required(item.name, at, "name"),
-                                                           required(item.arguments, at, "arguments")))
-            if joins_calls:
-                last = messages[-1]
-                if len(last.tool_calls or ()) >= MAX_TOOLS:
-                    raise invalid(f"{at}: at most {MAX_TOOLS} consecutive function calls", at)
-                last.tool_calls = [*(last.tool_calls or ()), call]
-            else:
-                messages.append(ChatMessage(role="assistant", content=None, tool_calls=[call]))
-            joins_calls, count = True, 0
-        elif kind == "function_call_output":
-            text, count = _text(item.output, f"{at}.output")
-            messages.append(ChatMessage(role="tool", content=text, tool_call_id=required(item.call_id, at, "call_id")))
-            joins_calls = False
-        elif kind == "reasoning":
+        at = f"{field}[{i}]"
+        message, count = read_input_item(element, at)
+        if message is None:
             continue
+        calls = message.content is None  # a function_call item
+        if calls and joins_calls:
+            last = messages[-1]
+            if len(last.tool_calls or ()) >= MAX_TOOLS:
+                raise invalid(f"{at}: at most {MAX_TOOLS} consecutive function calls", at)
+            last.tool_calls = [*(last.tool_calls or ()), *message.tool_calls]
         else:
-            raise invalid(f"{at}: input items of type {kind!r} are not supported (messages, function_call, "
-                          "function_call_output)", f"{at}.type", "unsupported_value")
+            messages.append(message)
+        joins_calls = message.role == "assistant"
         parts += count
         if parts > MAX_CONTENT_PARTS:
             raise invalid(f"the input holds at most {MAX_CONTENT_PARTS} content parts in all", at)
     return messages
+
+
+def read_input_item(element: msgspec.Raw, at: str) -> tuple[ChatMessage | None, int]:
+    """One input item (its JSON; ``at`` names it) as a chat message -- a ``function_call`` as an
+    assistant message of that one call and no content, a ``reasoning`` item as None -- and how many
+    content parts it had."""
+    item = decode_at(_item_decoder, element, at)
+    kind = item.type or ("message" if item.role is not None else None)
+    if kind == "message":
+        if item.role not in ("user", "system", "developer", "assistant"):
+            raise invalid(f"{at}.role must be user, system, developer or assistant, got {item.role!r}", f"{at}.role")
+        text, count = _text(item.content, f"{at}.content")
+        return ChatMessage(role=item.role, content=text), count
+    if kind == "function_call":
+        call = MessageToolCall(id=required(item.call_id, at, "call_id"),
+                               function=CalledFunction(required(item.name, at, "name"),
+                                                       required(item.arguments, at, "arguments")))
+        return ChatMessage(role="assistant", content=None, tool_calls=[call]), 0
+    if kind == "function_call_output":
+        text, count = _text(item.output, f"{at}.output")
+        return ChatMessage(role="tool", content=text, tool_call_id=required(item.call_id, at, "call_id")), count
+    if kind == "reasoning":
+        return None, 0
+    raise invalid(f"{at}: input items of type {kind!r} are not supported (messages, function_call, "
+                  "function_call_output)", f"{at}.type", "unsupported_value")
 
 
 def _text(raw: msgspec.Raw, at: str) -> tuple[str, int]:

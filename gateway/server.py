@@ -51,6 +51,8 @@ from gateway.openai_protocol import ModelCard, ModelList, OpenAIError, json_resp
 from gateway.pool import WorkerPool
 from gateway.prompts import PromptEncoder
 from gateway.redis_probe import RedisProbe
+from gateway.conversation_routes import add_conversation_routes
+from gateway.conversation_store import ConversationStore
 from gateway.response_store import ResponseStore
 from gateway.stored_responses import add_stored_response_routes
 from gateway.routing import Router, RoutingConfig
@@ -109,6 +111,7 @@ class Gateway:
         self.redis_probe: RedisProbe | None = None
         self.dispatcher: Dispatcher | None = None
         self.response_store: ResponseStore | None = None
+        self.conversations: ConversationStore | None = None
         self.background: BackgroundResponses | None = None  # (where responses are stored)
 
     async def start(self) -> None:
@@ -130,6 +133,7 @@ class Gateway:
                 max_bytes=self.config.max_body_bytes, timeout_s=self.config.responses_store_timeout,
                 retry_s=self.config.redis_retry_interval, on_failure=self.metrics.responses_store_failures.inc)
             self.background = BackgroundResponses(self.response_store, default_max_runs(self.config.max_inflight))
+            self.conversations = ConversationStore(self.response_store)
         self.session, self.control_session = self._client_sessions()
         router = Router(RoutingConfig(policy=self.config.routing_policy,
                                       skip_prefill_below_tokens=self.config.skip_prefill_below_tokens))
@@ -194,7 +198,7 @@ class Gateway:
             tokenizer=self.tokenizer, chat_format=self.chat_format, prompts=self.prompts, dispatcher=self.dispatcher,
             metrics=self.metrics, read_body=self.read_body, admission=self.admission, grammars=self.grammars,
             tool_parser=make_parser(self.config.tool_call_parser), response_store=self.response_store,
-            background=self.background)
+            background=self.background, conversations=self.conversations)
 
     def app(self) -> web.Application:
         """The HTTP application (after ``start``)."""
@@ -206,6 +210,7 @@ class Gateway:
         app.router.add_post("/v1/responses/input_tokens", handlers.count_response_tokens)
         add_stored_response_routes(app, self.response_store, self.store_admission, self.stream_admission,
                                    self.background, self.config.client_write_timeout)
+        add_conversation_routes(app, self.conversations, self.store_admission, self.read_body)
         app.router.add_post("/v1/messages", handlers.messages)
         app.router.add_post("/v1/messages/count_tokens", handlers.count_message_tokens)
         app.router.add_get("/v1/models", self._models)

@@ -2,13 +2,13 @@
 an API key's stored responses (gateway/response_store.py) and background responses
 (gateway/background_responses.py).
 
-A response's input items are its request's input, rebuilt from the stored conversation: messages
-(an assistant's as ``output_text``, the others' as ``input_text`` parts), ``function_call`` and
-``function_call_output`` items, each with an id of its own (the response's, and its place).  Listed
-as OpenAI's are: ``order`` ``desc`` (the default) or ``asc``, ``limit`` 1-100 (20), ``after`` an item id.
+A response's input items are its request's input, rebuilt from the stored conversation as items
+(gateway/response_items.py), each with an id of its own (the response's, and its place), and paged
+as OpenAI's lists are.
 """
 from __future__ import annotations
 
+import itertools
 from typing import Any, AsyncContextManager, Callable
 
 import msgspec
@@ -19,10 +19,10 @@ from common.cluster.flags import FALSE, TRUE
 from gateway.background_responses import BackgroundResponses
 from gateway.openai_errors import invalid
 from gateway.openai_protocol import ChatMessage
+from gateway.response_items import ItemList, items_of, page_of
 from gateway.response_store import ResponseStore, store_disabled
 from gateway.tenants import Tenant
 
-MAX_LIMIT = 100
 MAX_SEQUENCE = (1 << 31) - 1  # the largest starting_after
 
 
@@ -34,58 +34,11 @@ class ResponseDeleted(msgspec.Struct):
     deleted: bool = True
 
 
-class InputItemList(msgspec.Struct):
-    """A page of a stored response's input items (``GET .../input_items``), as OpenAI's lists are."""
-
-    data: list[dict[str, Any]]
-    first_id: str | None
-    last_id: str | None
-    has_more: bool
-    object: str = "list"
-
-
 def input_items(messages: list[ChatMessage], response_id: str) -> list[dict[str, Any]]:
-    """``messages`` (a request's input, as the chat path read it) as the Responses API's items."""
-    tag = response_id.removeprefix("resp_")
-    items: list[dict[str, Any]] = []
-
-    def add(kind: str, **fields) -> None:
-        items.append({"id": f"{kind}_{tag}_{len(items)}", "status": "completed", **fields})
-
-    for m in messages:
-        if m.role == "tool":
-            add("fco", type="function_call_output", call_id=m.tool_call_id, output=m.text())
-        elif m.role == "assistant":
-            if m.text() or not m.tool_calls:
-                add("msg", type="message", role="assistant",
-                    content=[{"type": "output_text", "text": m.text(), "annotations": []}])
-            for call in m.tool_calls or ():
-                add("fc", type="function_call", call_id=call.id, name=call.function.name,
-                    arguments=call.function.arguments)
-        else:
-            add("msg", type="message", role=m.role, content=[{"type": "input_text", "text": m.text()}])
-    return items
-
-
-def _page(items: list[dict[str, Any]], query) -> InputItemList:
-    order = query.get("order", "desc")
-    if order not in ("asc", "desc"):
-        raise invalid(f"order must be asc or desc, got {order[:16]!r}", "order")
-    try:
-        limit = int(query.get("limit", "20"))
-    except ValueError:
-        limit = 0
-    if not 1 <= limit <= MAX_LIMIT:
-        raise invalid(f"limit must be an integer from 1 to {MAX_LIMIT}", "limit")
-    listed = items if order == "asc" else items[::-1]
-    if "after" in query:
-        at = next((i for i, item in enumerate(listed) if item["id"] == query["after"]), None)
-        if at is None:
-            raise invalid("after names no input item of this response", "after")
-        listed = listed[at + 1:]
-    page = listed[:limit]
-    return InputItemList(page, page[0]["id"] if page else None, page[-1]["id"] if page else None,
-                         len(listed) > limit)
+    """``messages`` (a request's input, as the chat path read it) as the Responses API's items, each
+    with an id of its own: the response's, and its place."""
+    tag, place = response_id.removeprefix("resp_"), itertools.count()
+    return items_of(messages, lambda kind: f"{kind}_{tag}_{next(place)}")
 
 
 def _flag(query, name: str) -> bool:
@@ -141,7 +94,8 @@ def add_stored_response_routes(app: web.Application, store: ResponseStore | None
     async def list_input_items(request: web.Request) -> web.Response:
         stored = await load(request)
         items = input_items(stored.input_messages, request.match_info["response_id"])
-        return web.Response(body=msgspec.json.encode(_page(items, request.query)), content_type="application/json")
+        page, has_more = page_of(items, request.query, lambda item: item["id"])
+        return web.Response(body=msgspec.json.encode(ItemList.of(page, has_more)), content_type="application/json")
 
     async def delete(request: web.Request) -> web.Response:
         if store is None:

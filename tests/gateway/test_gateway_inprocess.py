@@ -10,32 +10,12 @@ import contextlib
 import json
 
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
 
 from common.engine.kv.prefix_hash import HASH_LEN
-from gateway.config import GatewayConfig
 from gateway.openai_protocol import OpenAIError
 from gateway.response_store import LOST
-from gateway.server import Gateway
 from tests.support.holdable_proxy import proxied
-
-KEYS = {"a": "sk-inprocess-a-5c0f9e2b7d41a8c3", "b": "sk-inprocess-b-91d4e7a02f6c3b58"}
-ADMIN_TOKEN = "admin-inprocess-3f8a1c6e9b2d7045"
-
-
-@contextlib.asynccontextmanager
-async def gateway(served_checkpoint, redis_url: str, key_prefix: str, **settings):
-    """A started gateway and a client of its app."""
-    config = GatewayConfig(model=str(served_checkpoint), redis_url=redis_url, key_prefix=key_prefix,
-                           api_key=KEYS["a"], admin_token=ADMIN_TOKEN, **settings)
-    gw = Gateway(config)
-    await gw.start()
-    try:
-        async with TestClient(TestServer(gw.app())) as client:
-            yield gw, client
-    finally:
-        await gw.stop()
-
+from tests.support.inprocess_gateway import ADMIN_TOKEN, KEYS, gateway
 
 @pytest.fixture
 async def proxy(redis_url):

@@ -1,0 +1,279 @@
+"""Conversations of OpenAI's Responses API (``/v1/conversations``), in Redis beside the stored
+responses (gateway/response_store.py), whose bounds and calls they share.
+
+A conversation is its metadata and an ordered list of items (gateway/response_items.py's shapes:
+messages, function calls and their outputs), each with an id of its own.  Clients add items
+(``POST .../items``, or ``items`` when they create it), delete them one by one, and a response
+created with ``conversation`` reads them before its own input and adds its input's and output's
+items once it has ended (gateway/conversation_routes.py, gateway/responses_endpoints.py).
+
+    {prefix}:responses:{key id}:{conversation id}        HASH   created_at, metadata (JSON), bytes (its items')
+    {prefix}:responses:{key id}:{conversation id}:ids    LIST   its item ids, oldest first
+    {prefix}:responses:{key id}:{conversation id}:items  HASH   item id -> the item (JSON)
+
+It counts in its API key's index and sizes as a stored response does (one more object of the key's
+``max_per_key``, its items' bytes in the key's ``max_bytes_per_key``; storing past them forgets the
+key's least recently written first) and is kept ``ttl_s`` after it was last written.  One
+conversation holds at most ``MAX_ITEMS`` items of at most the store's ``max_bytes`` in all; a call adds
+at most ``MAX_NEW_ITEMS``.  Every change is one Lua script or transaction: two responses ending on
+one conversation add their items one after the other, never interleaved, and nothing is added to a
+conversation deleted meanwhile.  Ids are ``conv_`` and 32 random hex digits; each API key reads and
+changes only its own.
+"""
+from __future__ import annotations
+
+import json
+import re
+import time
+import uuid
+from typing import Any
+
+import msgspec
+
+from gateway.openai_errors import OpenAIError, invalid
+from gateway.openai_protocol import MAX_MESSAGES
+from gateway.response_store import CONVERSATION_PREFIX, ResponseStore
+
+CONVERSATION_ID_RE = re.compile(CONVERSATION_PREFIX + r"[0-9a-f]{32}")
+ITEM_ID_RE = re.compile(r"[a-z]{2,3}_[0-9a-f]{32}")
+MAX_ITEMS = MAX_MESSAGES  # a conversation's items: a response reads them all as messages
+MAX_NEW_ITEMS = 20  # items a call adds (OpenAI's bound)
+FIELDS = ("created_at", "metadata")
+
+# KEYS: conversation, ids, items, index, sizes.  ARGV: ttl, max items, max bytes, now, conversation id,
+# then item id and item pairs.  Returns its bytes after, -1 where it is gone, -2 / -3 where the items
+# would pass its bound on items / bytes.
+_APPEND = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
+local n = (#ARGV - 5) / 2
+if redis.call('LLEN', KEYS[2]) + n > tonumber(ARGV[2]) then return -2 end
+local bytes = tonumber(redis.call('HGET', KEYS[1], 'bytes') or '0')
+for i = 7, #ARGV, 2 do bytes = bytes + string.len(ARGV[i]) end
+if bytes > tonumber(ARGV[3]) then return -3 end
+for i = 6, #ARGV, 2 do
+  redis.call('RPUSH', KEYS[2], ARGV[i])
+  redis.call('HSET', KEYS[3], ARGV[i], ARGV[i + 1])
+end
+redis.call('HSET', KEYS[1], 'bytes', bytes)
+for i = 1, 5 do redis.call('EXPIRE', KEYS[i], ARGV[1]) end
+redis.call('ZADD', KEYS[4], ARGV[4], ARGV[5])
+redis.call('HSET', KEYS[5], ARGV[5], bytes)
+return bytes
+"""
+# KEYS: conversation, ids, items, sizes.  ARGV: item id, conversation id.  Returns its created_at and
+# metadata; -1 where it is gone, -2 where it holds no such item.
+_DELETE_ITEM = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
+local item = redis.call('HGET', KEYS[3], ARGV[1])
+if not item then return -2 end
+redis.call('LREM', KEYS[2], 1, ARGV[1])
+redis.call('HDEL', KEYS[3], ARGV[1])
+redis.call('HSET', KEYS[4], ARGV[2], redis.call('HINCRBY', KEYS[1], 'bytes', -string.len(item)))
+return redis.call('HMGET', KEYS[1], 'created_at', 'metadata')
+"""
+# KEYS: conversation.  ARGV: metadata (JSON).  Returns its created_at and metadata; -1 where it is gone.
+_UPDATE = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
+redis.call('HSET', KEYS[1], 'metadata', ARGV[1])
+return redis.call('HMGET', KEYS[1], 'created_at', 'metadata')
+"""
+
+
+class Conversation(msgspec.Struct):
+    """A conversation as the API answers it."""
+
+    id: str
+    created_at: int
+    metadata: dict[str, str]
+    object: str = "conversation"
+
+
+class ConversationDeleted(msgspec.Struct):
+    """The answer to ``DELETE /v1/conversations/{conversation_id}``."""
+
+    id: str
+    object: str = "conversation.deleted"
+    deleted: bool = True
+
+
+def new_conversation_id() -> str:
+    return f"{CONVERSATION_PREFIX}{uuid.uuid4().hex}"
+
+
+def new_item_id(kind: str) -> str:
+    return f"{kind}_{uuid.uuid4().hex}"
+
+
+def not_found(param: str | None = None) -> OpenAIError:
+    return OpenAIError(404, "No conversation has that id.", param=param)
+
+
+def item_not_found() -> OpenAIError:
+    return OpenAIError(404, "The conversation holds no item with that id.", param="item_id")
+
+
+def _too_many(added: int, param: str) -> OpenAIError:
+    return invalid(f"a conversation holds at most {MAX_ITEMS} items; these {added} would pass that", param)
+
+
+class ConversationStore:
+    """An API key's conversations (see the module docstring), in ``store``'s Redis and bounds."""
+
+    def __init__(self, store: ResponseStore):
+        self.store = store
+        self._append = store.redis.register_script(_APPEND)
+        self._delete_item = store.redis.register_script(_DELETE_ITEM)
+        self._update = store.redis.register_script(_UPDATE)
+
+    def keys(self, key_id: str, conversation_id: str) -> list[str]:
+        """A conversation's keys: itself, its item ids, its items."""
+        return self.store.parts(key_id, conversation_id)
+
+    def _checked_keys(self, key_id: str, conversation_id: str, param: str | None) -> list[str]:
+        if not CONVERSATION_ID_RE.fullmatch(conversation_id):
+            raise not_found(param)
+        return self.keys(key_id, conversation_id)
+
+    async def create(self, key_id: str, metadata: dict[str, str], items: list[dict[str, Any]]) -> Conversation:
+        """A new conversation holding ``items`` (each with its id); a 400 where they pass its bound
+        on bytes, a 503 where Redis does not answer."""
+        conversation = Conversation(new_conversation_id(), int(time.time()), metadata)
+        encoded = [msgspec.json.encode(item) for item in items]
+        size = sum(len(e) for e in encoded)
+        if size > self.store.max_bytes:
+            raise invalid(f"these items take {size} bytes; a conversation holds at most {self.store.max_bytes}",
+                          "items")
+        store, (meta, ids, held) = self.store, self.keys(key_id, conversation.id)
+        index, sizes = store.index_key(key_id), store.sizes_key(key_id)
+        async with store.call(), store.redis.pipeline(transaction=True) as pipe:
+            pipe.hset(meta, mapping={"created_at": conversation.created_at, "bytes": size,
+                                     "metadata": json.dumps(metadata)})
+            pipe.expire(meta, store.ttl_s)
+            if items:
+                pipe.rpush(ids, *(item["id"] for item in items))
+                pipe.hset(held, mapping={item["id"]: e for item, e in zip(items, encoded)})
+                pipe.expire(ids, store.ttl_s)
+                pipe.expire(held, store.ttl_s)
+            pipe.zadd(index, {conversation.id: time.time()})
+            pipe.hset(sizes, conversation.id, size)
+            pipe.expire(index, store.ttl_s)
+            pipe.expire(sizes, store.ttl_s)
+            await pipe.execute()
+        await store.keep_bounds(key_id)
+        return conversation
+
+    async def retrieve(self, key_id: str, conversation_id: str, param: str | None = None) -> Conversation:
+        """The conversation; a 404 (naming ``param``) where the key has none by that id."""
+        meta = self._checked_keys(key_id, conversation_id, param)[0]
+        async with self.store.call():
+            fields = await self.store.redis.hmget(meta, *FIELDS)
+        return self._conversation(conversation_id, fields, param)
+
+    async def update(self, key_id: str, conversation_id: str, metadata: dict[str, str]) -> Conversation:
+        """The conversation with ``metadata`` in place of its own."""
+        meta = self._checked_keys(key_id, conversation_id, None)[0]
+        async with self.store.call():
+            fields = await self._update(keys=[meta], args=[json.dumps(metadata)])
+        return self._conversation(conversation_id, fields)
+
+    async def delete(self, key_id: str, conversation_id: str) -> None:
+        """Forget it and its items; a 404 where the key has none by that id."""
+        keys, store = self._checked_keys(key_id, conversation_id, None), self.store
+        async with store.call(), store.redis.pipeline(transaction=True) as pipe:
+            pipe.delete(keys[0])
+            pipe.delete(*keys[1:])
+            pipe.zrem(store.index_key(key_id), conversation_id)
+            pipe.hdel(store.sizes_key(key_id), conversation_id)
+            deleted, *_ = await pipe.execute()
+        if not deleted:
+            raise not_found()
+
+    async def append(self, key_id: str, conversation_id: str, items: list[dict[str, Any]],
+                     param: str | None = None) -> None:
+        """Add ``items`` (each with its id) after its others, at once; a 404 where it is gone, a 400
+        (naming ``param``) where they would pass its bounds, a 503 where Redis does not answer."""
+        keys, store = self._checked_keys(key_id, conversation_id, param), self.store
+        args: list[Any] = [store.ttl_s, MAX_ITEMS, store.max_bytes, time.time(), conversation_id]
+        for item in items:
+            args += [item["id"], msgspec.json.encode(item)]
+        async with store.call():
+            held = await self._append(keys=[*keys, store.index_key(key_id), store.sizes_key(key_id)], args=args)
+        if held == -1:
+            raise not_found(param)
+        if held == -2:
+            raise _too_many(len(items), param or "items")
+        if held == -3:
+            raise invalid(f"these items would pass the {store.max_bytes} bytes a conversation holds",
+                          param or "items")
+        await store.keep_bounds(key_id)
+
+    async def item_ids(self, key_id: str, conversation_id: str) -> list[str]:
+        """Its item ids, oldest first; a 404 where the key has no such conversation."""
+        meta, ids, _ = self._checked_keys(key_id, conversation_id, None)
+        async with self.store.call(), self.store.redis.pipeline(transaction=True) as pipe:
+            pipe.exists(meta)
+            pipe.lrange(ids, 0, -1)
+            exists, listed = await pipe.execute()
+        if not exists:
+            raise not_found()
+        return [i.decode() for i in listed]
+
+    async def items(self, key_id: str, conversation_id: str, param: str | None = None) -> list[bytes]:
+        """Its items' JSON, oldest first; a 404 (naming ``param``) where the key has no such conversation."""
+        meta, ids, held = self._checked_keys(key_id, conversation_id, param)
+        async with self.store.call(), self.store.redis.pipeline(transaction=True) as pipe:
+            pipe.exists(meta)
+            pipe.lrange(ids, 0, -1)
+            pipe.hgetall(held)
+            exists, order, found = await pipe.execute()
+        if not exists:
+            raise not_found(param)
+        return [found[i] for i in order if i in found]
+
+    async def items_by_id(self, key_id: str, conversation_id: str, item_ids: list[str]) -> list[bytes]:
+        """The JSON of those of ``item_ids`` it still holds, in that order."""
+        if not item_ids:
+            return []
+        held = self.keys(key_id, conversation_id)[2]
+        async with self.store.call():
+            found = await self.store.redis.hmget(held, *item_ids)
+        return [f for f in found if f is not None]
+
+    async def item(self, key_id: str, conversation_id: str, item_id: str) -> bytes:
+        """One item's JSON; a 404 where the conversation or the item is not there."""
+        meta, _, held = self._checked_keys(key_id, conversation_id, None)
+        if not ITEM_ID_RE.fullmatch(item_id):
+            raise item_not_found()
+        async with self.store.call(), self.store.redis.pipeline(transaction=True) as pipe:
+            pipe.exists(meta)
+            pipe.hget(held, item_id)
+            exists, found = await pipe.execute()
+        if not exists:
+            raise not_found()
+        if found is None:
+            raise item_not_found()
+        return found
+
+    async def delete_item(self, key_id: str, conversation_id: str, item_id: str) -> Conversation:
+        """The conversation without that item."""
+        keys, store = self._checked_keys(key_id, conversation_id, None), self.store
+        if not ITEM_ID_RE.fullmatch(item_id):
+            raise item_not_found()
+        async with store.call():
+            fields = await self._delete_item(keys=[*keys, store.sizes_key(key_id)], args=[item_id, conversation_id])
+        if fields == -2:
+            raise item_not_found()
+        return self._conversation(conversation_id, fields)
+
+    @staticmethod
+    def _conversation(conversation_id: str, fields, param: str | None = None) -> Conversation:
+        """The conversation from its stored ``created_at`` and ``metadata`` (decoded into their
+        types, never trusted as given); a 404 where there are none."""
+        if not isinstance(fields, list) or fields[0] is None:
+            raise not_found(param)
+        try:
+            metadata = msgspec.json.decode(fields[1] or b"{}", type=dict[str, str])
+            return Conversation(conversation_id, int(fields[0]), metadata)
+        except (msgspec.DecodeError, ValueError):
+            raise not_found(param) from None
+

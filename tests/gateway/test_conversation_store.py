@@ -1,0 +1,163 @@
+"""Conversations in a real Redis (gateway/conversation_store.py, gateway/conversation_items.py): made
+with items and metadata, read, changed and deleted by their API key only; items added in order and
+at once, listed by id, deleted one by one with the conversation's bytes; a conversation's bounds on
+items and bytes refuse what would pass them and add nothing; nothing is added to a conversation
+deleted meanwhile; conversations count in their key's bounds beside its stored responses, the least
+recently written forgotten first, with all their keys; a response's items read back as the chat
+messages it would be prompted with."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import msgspec
+import pytest
+
+from gateway.conversation_items import history, new_items, turn_items
+from gateway.conversation_store import MAX_ITEMS, MAX_NEW_ITEMS, ConversationStore
+from gateway.openai_errors import OpenAIError
+from gateway.openai_protocol import CalledFunction, ChatMessage, MessageToolCall
+from gateway.response_store import ResponseStore, StoredResponse
+from gateway.responses_output import FunctionCall, OutputMessage, OutputText
+
+
+def raw(value) -> msgspec.Raw:
+    return msgspec.Raw(json.dumps(value).encode())
+
+
+def said(text: str, role: str = "user") -> dict:
+    return {"role": role, "content": text}
+
+
+@pytest.fixture
+def responses(redis_client, key_prefix):
+    return ResponseStore(redis_client, key_prefix=key_prefix, max_bytes=4096, max_per_key=3, timeout_s=5.0)
+
+
+@pytest.fixture
+def conversations(responses):
+    return ConversationStore(responses)
+
+
+async def texts(conversations, key_id: str, conversation_id: str) -> list[str]:
+    return [m.text() for m in history(await conversations.items(key_id, conversation_id))]
+
+
+async def status_of(call) -> tuple[int, str | None]:
+    with pytest.raises(OpenAIError) as info:
+        await call
+    return info.value.status, info.value.param
+
+
+async def test_a_conversation_keeps_its_items_in_order_and_its_metadata(conversations):
+    made = await conversations.create("key-a", {"topic": "x"}, new_items(raw([said("one"), said("two")])))
+    assert made.id.startswith("conv_") and made.metadata == {"topic": "x"}
+    assert await conversations.retrieve("key-a", made.id) == made
+    await conversations.append("key-a", made.id, new_items(raw([said("three", "assistant")])))
+    assert await texts(conversations, "key-a", made.id) == ["one", "two", "three"]
+    updated = await conversations.update("key-a", made.id, {"topic": "y"})
+    assert (updated.metadata, updated.created_at) == ({"topic": "y"}, made.created_at)
+    assert (await conversations.retrieve("key-a", made.id)).metadata == {"topic": "y"}
+
+
+async def test_another_key_sees_and_changes_none_of_it(conversations):
+    made = await conversations.create("key-a", {}, new_items(raw([said("mine")])))
+    for call in (conversations.retrieve("key-b", made.id), conversations.items("key-b", made.id),
+                 conversations.append("key-b", made.id, new_items(raw([said("theirs")]))),
+                 conversations.update("key-b", made.id, {"a": "b"}), conversations.delete("key-b", made.id)):
+        assert (await status_of(call))[0] == 404
+    assert await texts(conversations, "key-a", made.id) == ["mine"]
+
+
+async def test_items_are_read_by_id_and_deleted_one_by_one_with_their_bytes(conversations, responses, redis_client):
+    made = await conversations.create("key-a", {}, new_items(raw([said("a"), said("b"), said("c")])))
+    ids = await conversations.item_ids("key-a", made.id)
+    assert len(ids) == 3 and all(i.startswith("msg_") for i in ids)
+    assert json.loads(await conversations.item("key-a", made.id, ids[1]))["content"][0]["text"] == "b"
+    sizes = responses.sizes_key("key-a")
+    before = int(await redis_client.hget(sizes, made.id))
+    assert await conversations.delete_item("key-a", made.id, ids[1]) == made
+    assert await texts(conversations, "key-a", made.id) == ["a", "c"]
+    assert int(await redis_client.hget(sizes, made.id)) < before
+    assert await status_of(conversations.item("key-a", made.id, ids[1])) == (404, "item_id")
+    assert await status_of(conversations.delete_item("key-a", made.id, ids[1])) == (404, "item_id")
+    assert [json.loads(i)["id"] for i in await conversations.items_by_id("key-a", made.id, ids)] == [ids[0], ids[2]]
+
+
+async def test_a_deleted_conversation_is_gone_with_its_items_and_takes_none_after(conversations, redis_client):
+    made = await conversations.create("key-a", {}, new_items(raw([said("a")])))
+    await conversations.delete("key-a", made.id)
+    assert not await redis_client.exists(*conversations.keys("key-a", made.id))
+    assert await status_of(conversations.append("key-a", made.id, new_items(raw([said("b")])), "conversation")) == (
+        404, "conversation")
+    assert not await redis_client.exists(*conversations.keys("key-a", made.id))  # nothing made again
+    assert (await status_of(conversations.delete("key-a", made.id)))[0] == 404
+
+
+async def test_items_past_a_conversations_bytes_are_refused_and_none_of_them_added(conversations):
+    made = await conversations.create("key-a", {}, new_items(raw([said("a")])))
+    too_many = new_items(raw([said("x" * 1000)] * 5))  # 5 kB against the store's 4096 bytes
+    assert await status_of(conversations.append("key-a", made.id, too_many)) == (400, "items")
+    assert await texts(conversations, "key-a", made.id) == ["a"]
+    assert (await status_of(conversations.create("key-a", {}, too_many)))[0] == 400
+
+
+async def test_items_past_a_conversations_count_are_refused(conversations, monkeypatch):
+    monkeypatch.setattr("gateway.conversation_store.MAX_ITEMS", 3)
+    made = await conversations.create("key-a", {}, new_items(raw([said("a"), said("b")])))
+    assert await status_of(conversations.append("key-a", made.id, new_items(raw([said("c"), said("d")])))) == (
+        400, "items")
+    await conversations.append("key-a", made.id, new_items(raw([said("c")])))
+    assert await texts(conversations, "key-a", made.id) == ["a", "b", "c"]
+
+
+def test_a_call_adds_at_most_twenty_items_and_no_reasoning():
+    assert MAX_NEW_ITEMS == 20 and MAX_ITEMS >= 1000
+    with pytest.raises(OpenAIError) as info:
+        new_items(raw([said("a")] * (MAX_NEW_ITEMS + 1)))
+    assert info.value.status == 400
+    with pytest.raises(OpenAIError) as info:
+        new_items(raw([said("a"), {"type": "reasoning", "summary": []}]))
+    assert info.value.param == "items[1].type"
+    with pytest.raises(OpenAIError) as info:
+        new_items(raw([{"role": "robot", "content": "x"}]))
+    assert info.value.param == "items[0].role"
+
+
+async def test_two_responses_ending_together_add_their_items_each_at_once(conversations):
+    made = await conversations.create("key-a", {}, [])
+    turns = [new_items(raw([said(f"{n}-{i}") for i in range(10)])) for n in range(2)]
+    await asyncio.gather(*(conversations.append("key-a", made.id, t) for t in turns))
+    got = await texts(conversations, "key-a", made.id)
+    assert sorted([got[:10], got[10:]]) == [[f"{n}-{i}" for i in range(10)] for n in range(2)]
+
+
+async def test_conversations_count_in_their_keys_bounds_the_least_recently_written_forgotten(
+        conversations, responses, redis_client):
+    # max_per_key 3: a stored response, then three conversations; the first conversation written
+    # again is kept, the response (the oldest write) and then the second conversation go.
+    await responses.save("key-a", f"resp_{1:032x}", StoredResponse(b"{}", [ChatMessage(role="user", content="x")]))
+    first = await conversations.create("key-a", {}, [])
+    second = await conversations.create("key-a", {}, new_items(raw([said("b")])))
+    await conversations.append("key-a", first.id, new_items(raw([said("a")])))
+    await conversations.create("key-a", {}, [])
+    assert (await status_of(responses.load("key-a", f"resp_{1:032x}")))[0] == 404
+    await conversations.create("key-a", {}, [])
+    assert await texts(conversations, "key-a", first.id) == ["a"]
+    assert (await status_of(conversations.retrieve("key-a", second.id)))[0] == 404
+    assert not await redis_client.exists(*conversations.keys("key-a", second.id))
+
+
+def test_a_responses_items_read_back_as_the_messages_it_was_prompted_with():
+    call = MessageToolCall(id="call_1", function=CalledFunction("f", '{"x": 1}'))
+    inputs = [ChatMessage(role="user", content="q"), ChatMessage(role="assistant", content=None, tool_calls=[call]),
+              ChatMessage(role="tool", content="42", tool_call_id="call_1")]
+    output = [OutputMessage(id="msg_" + "0" * 32, status="completed", content=[OutputText(text="so")]),
+              FunctionCall(id="fc_" + "1" * 32, call_id="call_2", name="g", arguments="{}", status="completed")]
+    items = turn_items(inputs, output)
+    assert [i["type"] for i in items] == ["message", "function_call", "function_call_output", "message",
+                                          "function_call"]
+    assert [i["id"] for i in items[3:]] == ["msg_" + "0" * 32, "fc_" + "1" * 32]  # the response's own ids
+    messages = history([msgspec.json.encode(i) for i in items])
+    assert [(m.role, m.text(), [c.id for c in m.tool_calls or ()]) for m in messages] == [
+        ("user", "q", []), ("assistant", "", ["call_1"]), ("tool", "42", []), ("assistant", "so", ["call_2"])]
