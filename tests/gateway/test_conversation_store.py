@@ -78,6 +78,7 @@ async def test_items_are_read_by_id_and_deleted_one_by_one_with_their_bytes(conv
     before = int(await redis_client.hget(sizes, made.id))
     assert await conversations.delete_item("key-a", made.id, ids[1]) == made
     assert await texts(conversations, "key-a", made.id) == ["a", "c"]
+    assert await conversations.item_ids("key-a", made.id) == [ids[0], ids[2]]
     assert int(await redis_client.hget(sizes, made.id)) < before
     assert await status_of(conversations.item("key-a", made.id, ids[1])) == (404, "item_id")
     assert await status_of(conversations.delete_item("key-a", made.id, ids[1])) == (404, "item_id")
