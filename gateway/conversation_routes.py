@@ -75,7 +75,7 @@ def add_conversation_routes(app: web.Application, conversations: ConversationSto
         return conversations
 
     async def create(request: web.Request) -> web.Response:
-        body = decode_body(_create_decoder, await read_body(request))
+        body = decode_body(_create_decoder, await read_body(request) or b"{}")  # (its body may be left out)
         metadata = read_metadata(body.metadata) if given(body.metadata) else {}
         items = new_items(body.items) if given(body.items) else []
         async with admission(request["tenant"]):

@@ -105,7 +105,9 @@ def new_item_id(kind: str) -> str:
 
 
 def not_found(param: str | None = None) -> OpenAIError:
-    return OpenAIError(404, "No conversation has that id.", param=param)
+    """No conversation by that id (for this API key): a 404 (naming ``param``: the request's field)."""
+    return OpenAIError(404, "No conversation has that id.", param=param,
+                       code="conversation_not_found" if param else None)
 
 
 def item_not_found() -> OpenAIError:

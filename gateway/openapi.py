@@ -32,6 +32,7 @@ from gateway.openai_protocol import (
     ChatCompletionRequest, ChatCompletionResponse, CompletionChunk, CompletionRequest, CompletionResponse,
     ErrorResponse, ModelList,
 )
+from gateway.openapi_conversations import conversation_paths
 from gateway.openapi_messages import messages_paths, messages_schemas
 from gateway.openapi_responses import input_tokens_path, responses_operation, responses_schemas, stored_response_paths
 from gateway.prompt_input import MAX_REQUEST_CHOICES
@@ -298,6 +299,7 @@ def openapi_document(model_id: str, *, vocab_size: int, api_keys: bool, stored_r
         "/v1/responses": {"post": responses_operation(errors, api_keys)},
         **input_tokens_path(errors, api_keys),
         **(stored_response_paths(errors, api_keys) if stored_responses else {}),
+        **(conversation_paths(errors, api_keys) if stored_responses else {}),
         **messages_paths(_ERRORS, api_keys),
         "/v1/models": {"get": {
             "summary": "The served model",

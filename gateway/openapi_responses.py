@@ -15,6 +15,7 @@ import copy
 import msgspec
 
 from gateway.openai_protocol import MAX_MESSAGES, MAX_PARTS_PER_MESSAGE
+from gateway.openapi_conversations import conversation_field, conversation_schemas
 from gateway.responses_output import ResponseEvent, ResponseObject
 from gateway.responses_request import LOGPROBS_INCLUDE, ResponsesRequest
 from gateway.response_items import MAX_LIMIT, ItemList
@@ -108,12 +109,16 @@ def responses_schemas(model_id: str, vocab_size: int, common_rules: dict[str, di
             "cancel with POST /v1/responses/{id}/cancel. Stored (store may not be false). With stream: true, "
             "its events as they come; the run goes on if the client goes, and GET /v1/responses/{id}?stream=true"
             "&starting_after=N resumes them.")}
+        props["conversation"] = conversation_field()
+        schemas.update(conversation_schemas(_INPUT_ITEM))
     else:
         props["store"] = {"anyOf": [{"const": False}, _NULL], "description": "Only false: this gateway stores no "
                           "responses (send the whole conversation in input)."}
         props["previous_response_id"] = {**_NULL, "description": "Not supported: this gateway stores no responses."}
         props["background"] = {"type": "boolean", "const": False, "default": False,
                                "description": "Only false: this gateway stores no responses."}
+        props["conversation"] = {**_NULL, "description": "Not supported: this gateway stores no responses."}
+    schemas.pop("ConversationRef", None)  # (described in conversation_field)
     schemas["ResponseObject"]["properties"]["status"] = {"enum": _STATUSES}
     props["stop_token_ids"]["anyOf"][0]["items"]["maximum"] = vocab_size - 1
     request["allOf"] = _CROSS_FIELD

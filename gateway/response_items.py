@@ -72,6 +72,6 @@ def page_of(listed: Sequence[T], query, id_of: Callable[[T], str]) -> tuple[list
     if "after" in query:
         at = next((i for i, element in enumerate(ordered) if id_of(element) == query["after"]), None)
         if at is None:
-            raise invalid("after names no item of this list", "after")
+            raise invalid("after names no item of this list", "after", "item_not_found")
         ordered = ordered[at + 1:]
     return ordered[:limit], len(ordered) > limit

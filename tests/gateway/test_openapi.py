@@ -57,7 +57,9 @@ def test_the_document_describes_what_the_gateway_validates(stack, document):
     assert set(document["paths"]) == {"/v1/completions", "/v1/chat/completions", "/v1/responses",
                                       "/v1/responses/input_tokens",
                                       "/v1/responses/{response_id}", "/v1/responses/{response_id}/input_items",
-                                      "/v1/responses/{response_id}/cancel",
+                                      "/v1/responses/{response_id}/cancel", "/v1/conversations",
+                                      "/v1/conversations/{conversation_id}", "/v1/conversations/{conversation_id}/items",
+                                      "/v1/conversations/{conversation_id}/items/{item_id}",
                                       "/v1/messages", "/v1/messages/count_tokens", "/v1/models", "/v1/models/{model}",
                                       "/health", "/metrics", "/openapi.json"}
     assert set(document["paths"]["/v1/responses/{response_id}"]) == {"get", "delete"}
@@ -93,6 +95,9 @@ def test_the_document_describes_what_the_gateway_validates(stack, document):
                                                                           "structured_outputs", "background"}
     assert responses["properties"]["background"]["type"] == "boolean"  # (const false where nothing is stored)
     assert "cancelled" in schemas["ResponseObject"]["properties"]["status"]["enum"]
+    assert set(document["paths"]["/v1/conversations/{conversation_id}"]) == {"get", "post", "delete"}
+    added = schemas["ConversationItemsCreate"]["properties"]["items"]
+    assert added["maxItems"] == 20 and "reasoning" not in json.dumps(added)
     messages = schemas["MessagesRequest"]  # Anthropic's: each role's blocks, max_tokens required but in count_tokens
     assert set(messages["required"]) == {"model", "messages", "max_tokens"}
     assert set(schemas["MessagesCountTokensRequest"]["required"]) == {"model", "messages"}

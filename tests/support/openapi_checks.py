@@ -3,8 +3,9 @@ tests/gateway/test_openapi.py): the OpenAPI document must describe what the gate
 
 ``valid_requests_are_served``: a request valid by the schema is served, unless it asks for more
 tokens than the context holds -- a limit that depends on the prompt's length in tokens, which no
-schema can state --, names a stored response or a model that is not there (a 404, or a 400 for the
-``previous_response_id`` a request continues), or the gateway is saturated (429/503, a legitimate
+schema can state --, names a stored response, conversation, item or a model that is not there (a
+404, or a 400 for the ``previous_response_id`` a request continues and the item a page starts
+after), or the gateway is saturated (429/503, a legitimate
 answer to any request).
 ``generation_is_reached``: each generation endpoint served at least one request during the run,
 so the fuzzing reached the engine and not only the validation in front of it.
@@ -31,8 +32,12 @@ def valid_requests_are_served(ctx, response, case):
     if response.status_code in (429, 503):
         return None
     if response.status_code == 404 and case.operation.path.startswith(("/v1/responses/{response_id}",
+                                                                        "/v1/conversations/{conversation_id}",
                                                                         "/v1/models/{model}")):
-        return None  # a stored response by that id, a model by that name: whether there is one, no schema says
+        return None  # a stored response, conversation or item by that id, a model by that name: whether there is
+        # one, no schema says
+    if response.status_code == 404 and _error_code(response) == "conversation_not_found":
+        return None  # (the conversation a response names)
     # What no schema can say: the prompt's length in tokens; whether a grammar compiles; whether
     # the tools' names are unique and hold the one tool_choice names; a batch's prompts times n;
     # prompt_logprobs without stream (a rule the chat schema cannot carry besides its others); and
@@ -41,7 +46,7 @@ def valid_requests_are_served(ctx, response, case):
                                                                  "invalid_tools", "too_many_choices",
                                                                  "prompt_logprobs_not_streamed",
                                                                  "last_message_not_continuable",
-                                                                 "previous_response_not_found",
+                                                                 "previous_response_not_found", "item_not_found",
                                                                  "prefill_not_constrainable"):
         return None
     raise AssertionError(f"a request valid by the OpenAPI document was refused with {response.status_code}: "
