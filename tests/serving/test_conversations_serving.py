@@ -39,6 +39,10 @@ def test_responses_in_a_conversation_answer_its_turns_and_add_to_them(client, st
     assert texts(items) == [("user", "First turn"), ("assistant", first.output_text),
                             ("user", "Second turn"), ("assistant", second.output_text)]
     assert [items[1].id, items[3].id] == [first.output[0].id, second.output[0].id]  # the responses' own items
+    counted = client.responses.input_tokens.count(model=stack.model_name, input="Third turn",
+                                                  conversation=conversation.id)
+    third = respond(client, stack, "Third turn", conversation=conversation.id)
+    assert counted.input_tokens == third.usage.input_tokens > second.usage.input_tokens
 
 
 def test_items_a_client_adds_and_deletes_are_what_the_next_response_reads(client, stack):
