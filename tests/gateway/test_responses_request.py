@@ -88,7 +88,9 @@ def test_text_format_constrains_the_output():
     ({"store": "yes"}, "store", None),
     ({"background": True, "store": False}, "store", "unsupported_value"),
     ({"previous_response_id": "r" * 65}, "previous_response_id", None),
-    ({"conversation": "conv_1"}, "conversation", "unsupported_value"),
+    ({"conversation": "conv_1", "previous_response_id": "resp_1"}, "conversation", "unsupported_value"),
+    ({"conversation": {"name": "conv_1"}}, "conversation.name", None),
+    ({"conversation": "c" * 65}, "conversation", None),
     ({"input": []}, "input", None),
     ({"input": [{"type": "reasoning", "summary": []}]}, "input", None),
     ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role", None),
@@ -133,6 +135,8 @@ def test_a_continued_response_comes_after_the_instructions_and_before_the_input(
     assert roles(parse(input="three").continuing(history))[0] == ("user", "one", [], None)
     assert [m.content for m in call.input_messages] == ["three"]
     assert parse(input="x", store=False).store is False and parse(input="x", store=True).store is True
+    assert parse(input="x", conversation="conv_1").conversation_id == parse(
+        input="x", conversation={"id": "conv_1"}).conversation_id == "conv_1"
     # an empty input continues a conversation as it stands
     assert roles(parse(input=[], previous_response_id="resp_" + "0" * 32).continuing(history))[-1][1] == "two"
 
