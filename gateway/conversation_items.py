@@ -5,17 +5,19 @@ response gave them); and the stored items as the chat messages a response reads 
 """
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import msgspec
 
-from gateway.conversation_store import MAX_NEW_ITEMS, new_item_id
+from gateway.conversation_store import MAX_NEW_ITEMS
 from gateway.json_bounds import bounded_list, items
 from gateway.openai_errors import invalid
 from gateway.openai_protocol import ChatMessage, decode_at
-from gateway.response_items import items_of
+from gateway.response_items import items_of, new_item_id
 from gateway.responses_request import read_input, read_input_item
 
+log = logging.getLogger(__name__)
 _new_items_decoder = msgspec.json.Decoder(bounded_list(msgspec.Raw, MAX_NEW_ITEMS), strict=False)
 
 
@@ -34,10 +36,38 @@ def new_items(raw: msgspec.Raw, field: str = "items") -> list[dict[str, Any]]:
 
 
 def turn_items(input_messages: list[ChatMessage], output: list[msgspec.Struct]) -> list[dict[str, Any]]:
-    """What a response adds to its conversation: its input's items (new ids), then its output's."""
-    return items_of(input_messages, new_item_id) + [msgspec.to_builtins(item) for item in output]
+    """What a response adds to its conversation: its input's items (new ids), then its output's (its
+    ids; not its logprobs: they are the response's, not the conversation's)."""
+    answer = [msgspec.to_builtins(item) for item in output]
+    for item in answer:
+        for part in item.get("content", ()):
+            part.pop("logprobs", None)
+    return items_of(input_messages, new_item_id) + answer
 
 
 def history(stored: list[bytes]) -> list[ChatMessage]:
-    """A conversation's stored items as the chat messages a response reads before its input."""
-    return read_input(msgspec.Raw(b"[" + b",".join(stored) + b"]"), "conversation") if stored else []
+    """A conversation's stored items as the chat messages a response reads before its input (function
+    calls added some at a time may run past a message's bound on calls: they begin another)."""
+    if not stored:
+        return []
+    return read_input(msgspec.Raw(b"[" + b",".join(stored) + b"]"), "conversation", split_calls=True)
+
+
+class StoredItem(msgspec.Struct, kw_only=True):
+    """What a stored item must hold to be listed (its other fields are the item's kind's)."""
+
+    id: str
+    type: str
+
+
+_stored_item = msgspec.json.Decoder(StoredItem)
+
+
+def listed(stored: bytes) -> dict[str, Any] | None:
+    """A stored item as the API lists it; None where Redis holds something else (logged)."""
+    try:
+        _stored_item.decode(stored)
+        return msgspec.json.decode(stored, type=dict[str, Any])
+    except msgspec.MsgspecError:
+        log.warning("a conversation's stored item is unreadable; left out")
+        return None

@@ -22,8 +22,8 @@ from typing import AsyncContextManager, Awaitable, Callable
 import msgspec
 from aiohttp import web
 
-from gateway.conversation_items import new_items
-from gateway.conversation_store import ConversationDeleted, ConversationStore
+from gateway.conversation_items import listed, new_items
+from gateway.conversation_store import ConversationDeleted, ConversationStore, item_not_found
 from gateway.openai_errors import invalid
 from gateway.openai_protocol import UserId, decode_body, given, read_metadata
 from gateway.response_items import ItemList, page_of
@@ -61,7 +61,7 @@ def _json(value) -> web.Response:
 
 
 def _items_page(found: list[bytes], has_more: bool = False) -> web.Response:
-    return _json(ItemList.of([msgspec.json.decode(item) for item in found], has_more))
+    return _json(ItemList.of([item for item in map(listed, found) if item is not None], has_more))
 
 
 def add_conversation_routes(app: web.Application, conversations: ConversationStore | None,
@@ -103,6 +103,8 @@ def add_conversation_routes(app: web.Application, conversations: ConversationSto
         if not given(body.items):
             raise invalid("Missing required parameter: 'items'.", "items", "missing_required_parameter")
         items = new_items(body.items)
+        if not items:
+            raise invalid("items holds no item", "items")
         async with admission(request["tenant"]):
             await store().append(request["tenant"].key_id, request.match_info["conversation_id"], items)
         return _json(ItemList.of(items))
@@ -116,9 +118,11 @@ def add_conversation_routes(app: web.Application, conversations: ConversationSto
 
     async def retrieve_item(request: web.Request) -> web.Response:
         async with admission(request["tenant"]):
-            item = await store().item(request["tenant"].key_id, request.match_info["conversation_id"],
-                                      request.match_info["item_id"])
-        return web.Response(body=item, content_type="application/json")
+            item = listed(await store().item(request["tenant"].key_id, request.match_info["conversation_id"],
+                                             request.match_info["item_id"]))
+        if item is None:
+            raise item_not_found()
+        return _json(item)
 
     async def delete_item(request: web.Request) -> web.Response:
         async with admission(request["tenant"]):

@@ -7,15 +7,17 @@ messages, function calls and their outputs), each with an id of its own.  Client
 created with ``conversation`` reads them before its own input and adds its input's and output's
 items once it has ended (gateway/conversation_routes.py, gateway/responses_endpoints.py).
 
-    {prefix}:responses:{key id}:{conversation id}        HASH   created_at, metadata (JSON), bytes (its items')
+    {prefix}:responses:{key id}:{conversation id}        HASH   created_at, metadata (JSON), bytes (its items'
+                                                                 and metadata's)
     {prefix}:responses:{key id}:{conversation id}:ids    LIST   its item ids, oldest first
     {prefix}:responses:{key id}:{conversation id}:items  HASH   item id -> the item (JSON)
 
 It counts in its API key's index and sizes as a stored response does (one more object of the key's
-``max_per_key``, its items' bytes in the key's ``max_bytes_per_key``; storing past them forgets the
-key's least recently written first) and is kept ``ttl_s`` after it was last written.  One
-conversation holds at most ``MAX_ITEMS`` items of at most the store's ``max_bytes`` in all; a call adds
-at most ``MAX_NEW_ITEMS``.  Every change is one Lua script or transaction: two responses ending on
+``max_per_key``, its bytes in the key's ``max_bytes_per_key``; storing past them forgets the key's
+least recently written first, never one written after the bounds were read) and is kept ``ttl_s``
+after it was last changed.  One conversation holds at most ``MAX_ITEMS`` items of at most the store's
+``max_bytes`` in all; a call adds at most ``MAX_NEW_ITEMS``, and a response whose input and answer
+would not fit is refused before it is generated (400, ``conversation_full``).  Every change is one Lua script or transaction: two responses ending on
 one conversation add their items one after the other, never interleaved, and nothing is added to a
 conversation deleted meanwhile.  Ids are ``conv_`` and 32 random hex digits; each API key reads and
 changes only its own.
@@ -40,41 +42,48 @@ MAX_ITEMS = MAX_MESSAGES  # a conversation's items: a response reads them all as
 MAX_NEW_ITEMS = 20  # items a call adds (OpenAI's bound)
 FIELDS = ("created_at", "metadata")
 
-# KEYS: conversation, ids, items, index, sizes.  ARGV: ttl, max items, max bytes, now, conversation id,
-# then item id and item pairs.  Returns its bytes after, -1 where it is gone, -2 / -3 where the items
-# would pass its bound on items / bytes.
-_APPEND = """
+# Each script's KEYS: the conversation, its ids, its items, the key's index and sizes; its ARGV: the TTL,
+# now, the conversation's id, then its own.  A change renews the TTLs and makes it the key's newest.
+_TOUCH = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
+local function touch(bytes)
+  for i = 1, 5 do redis.call('EXPIRE', KEYS[i], ARGV[1]) end
+  redis.call('ZADD', KEYS[4], ARGV[2], ARGV[3])
+  redis.call('HSET', KEYS[5], ARGV[3], bytes)
+end
+"""
+# ARGV: ..., max items, max bytes, then item id and item pairs.  Returns its bytes after; -1 where it is
+# gone, -2 / -3 where the items would pass its bound on items / bytes.
+_APPEND = _TOUCH + """
 local n = (#ARGV - 5) / 2
-if redis.call('LLEN', KEYS[2]) + n > tonumber(ARGV[2]) then return -2 end
+if redis.call('LLEN', KEYS[2]) + n > tonumber(ARGV[4]) then return -2 end
 local bytes = tonumber(redis.call('HGET', KEYS[1], 'bytes') or '0')
 for i = 7, #ARGV, 2 do bytes = bytes + string.len(ARGV[i]) end
-if bytes > tonumber(ARGV[3]) then return -3 end
+if bytes > tonumber(ARGV[5]) then return -3 end
 for i = 6, #ARGV, 2 do
   redis.call('RPUSH', KEYS[2], ARGV[i])
   redis.call('HSET', KEYS[3], ARGV[i], ARGV[i + 1])
 end
 redis.call('HSET', KEYS[1], 'bytes', bytes)
-for i = 1, 5 do redis.call('EXPIRE', KEYS[i], ARGV[1]) end
-redis.call('ZADD', KEYS[4], ARGV[4], ARGV[5])
-redis.call('HSET', KEYS[5], ARGV[5], bytes)
+touch(bytes)
 return bytes
 """
-# KEYS: conversation, ids, items, sizes.  ARGV: item id, conversation id.  Returns its created_at and
-# metadata; -1 where it is gone, -2 where it holds no such item.
-_DELETE_ITEM = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
-local item = redis.call('HGET', KEYS[3], ARGV[1])
+# ARGV: ..., an item id.  Returns its created_at and metadata; -1 where it is gone, -2 where it holds no
+# such item.
+_DELETE_ITEM = _TOUCH + """
+local item = redis.call('HGET', KEYS[3], ARGV[4])
 if not item then return -2 end
-redis.call('LREM', KEYS[2], 1, ARGV[1])
-redis.call('HDEL', KEYS[3], ARGV[1])
-redis.call('HSET', KEYS[4], ARGV[2], redis.call('HINCRBY', KEYS[1], 'bytes', -string.len(item)))
+redis.call('LREM', KEYS[2], 1, ARGV[4])
+redis.call('HDEL', KEYS[3], ARGV[4])
+touch(redis.call('HINCRBY', KEYS[1], 'bytes', -string.len(item)))
 return redis.call('HMGET', KEYS[1], 'created_at', 'metadata')
 """
-# KEYS: conversation.  ARGV: metadata (JSON).  Returns its created_at and metadata; -1 where it is gone.
-_UPDATE = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
-redis.call('HSET', KEYS[1], 'metadata', ARGV[1])
+# ARGV: ..., its new metadata (JSON; its bytes count).  Returns its created_at and metadata; -1 where it
+# is gone.
+_UPDATE = _TOUCH + """
+local old = redis.call('HGET', KEYS[1], 'metadata') or ''
+redis.call('HSET', KEYS[1], 'metadata', ARGV[4])
+touch(redis.call('HINCRBY', KEYS[1], 'bytes', string.len(ARGV[4]) - string.len(old)))
 return redis.call('HMGET', KEYS[1], 'created_at', 'metadata')
 """
 
@@ -100,11 +109,7 @@ def new_conversation_id() -> str:
     return f"{CONVERSATION_PREFIX}{uuid.uuid4().hex}"
 
 
-def new_item_id(kind: str) -> str:
-    return f"{kind}_{uuid.uuid4().hex}"
-
-
-def not_found(param: str | None = None) -> OpenAIError:
+def conversation_not_found(param: str | None = None) -> OpenAIError:
     """No conversation by that id (for this API key): a 404 (naming ``param``: the request's field)."""
     return OpenAIError(404, "No conversation has that id.", param=param,
                        code="conversation_not_found" if param else None)
@@ -133,15 +138,27 @@ class ConversationStore:
 
     def _checked_keys(self, key_id: str, conversation_id: str, param: str | None) -> list[str]:
         if not CONVERSATION_ID_RE.fullmatch(conversation_id):
-            raise not_found(param)
+            raise conversation_not_found(param)
         return self.keys(key_id, conversation_id)
+
+    async def _change(self, script, key_id: str, conversation_id: str, args: list, param: str | None = None):
+        """Run a change's script (``_TOUCH``'s keys and first arguments, then ``args``); a 404 (naming
+        ``param``) where the conversation is gone, a 503 where Redis does not answer."""
+        store = self.store
+        keys = [*self._checked_keys(key_id, conversation_id, param), store.index_key(key_id), store.sizes_key(key_id)]
+        async with store.call():
+            answer = await script(keys=keys, args=[store.ttl_s, time.time(), conversation_id, *args])
+        if answer == -1:
+            raise conversation_not_found(param)
+        return answer
 
     async def create(self, key_id: str, metadata: dict[str, str], items: list[dict[str, Any]]) -> Conversation:
         """A new conversation holding ``items`` (each with its id); a 400 where they pass its bound
         on bytes, a 503 where Redis does not answer."""
         conversation = Conversation(new_conversation_id(), int(time.time()), metadata)
         encoded = [msgspec.json.encode(item) for item in items]
-        size = sum(len(e) for e in encoded)
+        metadata_json = json.dumps(metadata)
+        size = sum(len(e) for e in encoded) + len(metadata_json)
         if size > self.store.max_bytes:
             raise invalid(f"these items take {size} bytes; a conversation holds at most {self.store.max_bytes}",
                           "items")
@@ -149,7 +166,7 @@ class ConversationStore:
         index, sizes = store.index_key(key_id), store.sizes_key(key_id)
         async with store.call(), store.redis.pipeline(transaction=True) as pipe:
             pipe.hset(meta, mapping={"created_at": conversation.created_at, "bytes": size,
-                                     "metadata": json.dumps(metadata)})
+                                     "metadata": metadata_json})
             pipe.expire(meta, store.ttl_s)
             if items:
                 pipe.rpush(ids, *(item["id"] for item in items))
@@ -164,6 +181,15 @@ class ConversationStore:
         await store.keep_bounds(key_id)
         return conversation
 
+    def check_room(self, held: list[bytes], adding: list[dict[str, Any]]) -> None:
+        """A 400 naming ``conversation`` (code ``conversation_full``) where a conversation holding
+        ``held`` has no room for ``adding`` and an answer's item."""
+        size = sum(map(len, held)) + sum(len(msgspec.json.encode(item)) for item in adding)
+        if len(held) + len(adding) + 1 > MAX_ITEMS or size > self.store.max_bytes:
+            raise invalid(f"the conversation holds {len(held)} items; this response's would pass the {MAX_ITEMS} "
+                          f"items or {self.store.max_bytes} bytes it may hold (start another, or delete items)",
+                          "conversation", "conversation_full")
+
     async def retrieve(self, key_id: str, conversation_id: str, param: str | None = None) -> Conversation:
         """The conversation; a 404 (naming ``param``) where the key has none by that id."""
         meta = self._checked_keys(key_id, conversation_id, param)[0]
@@ -173,10 +199,8 @@ class ConversationStore:
 
     async def update(self, key_id: str, conversation_id: str, metadata: dict[str, str]) -> Conversation:
         """The conversation with ``metadata`` in place of its own."""
-        meta = self._checked_keys(key_id, conversation_id, None)[0]
-        async with self.store.call():
-            fields = await self._update(keys=[meta], args=[json.dumps(metadata)])
-        return self._conversation(conversation_id, fields)
+        return self._conversation(conversation_id,
+                                  await self._change(self._update, key_id, conversation_id, [json.dumps(metadata)]))
 
     async def delete(self, key_id: str, conversation_id: str) -> None:
         """Forget it and its items; a 404 where the key has none by that id."""
@@ -188,20 +212,16 @@ class ConversationStore:
             pipe.hdel(store.sizes_key(key_id), conversation_id)
             deleted, *_ = await pipe.execute()
         if not deleted:
-            raise not_found()
+            raise conversation_not_found()
 
     async def append(self, key_id: str, conversation_id: str, items: list[dict[str, Any]],
                      param: str | None = None) -> None:
         """Add ``items`` (each with its id) after its others, at once; a 404 where it is gone, a 400
         (naming ``param``) where they would pass its bounds, a 503 where Redis does not answer."""
-        keys, store = self._checked_keys(key_id, conversation_id, param), self.store
-        args: list[Any] = [store.ttl_s, MAX_ITEMS, store.max_bytes, time.time(), conversation_id]
+        store, args = self.store, [MAX_ITEMS, self.store.max_bytes]
         for item in items:
             args += [item["id"], msgspec.json.encode(item)]
-        async with store.call():
-            held = await self._append(keys=[*keys, store.index_key(key_id), store.sizes_key(key_id)], args=args)
-        if held == -1:
-            raise not_found(param)
+        held = await self._change(self._append, key_id, conversation_id, args, param)
         if held == -2:
             raise _too_many(len(items), param or "items")
         if held == -3:
@@ -217,7 +237,7 @@ class ConversationStore:
             pipe.lrange(ids, 0, -1)
             exists, listed = await pipe.execute()
         if not exists:
-            raise not_found()
+            raise conversation_not_found()
         return [i.decode() for i in listed]
 
     async def items(self, key_id: str, conversation_id: str, param: str | None = None) -> list[bytes]:
@@ -229,7 +249,7 @@ class ConversationStore:
             pipe.hgetall(held)
             exists, order, found = await pipe.execute()
         if not exists:
-            raise not_found(param)
+            raise conversation_not_found(param)
         return [found[i] for i in order if i in found]
 
     async def items_by_id(self, key_id: str, conversation_id: str, item_ids: list[str]) -> list[bytes]:
@@ -251,18 +271,17 @@ class ConversationStore:
             pipe.hget(held, item_id)
             exists, found = await pipe.execute()
         if not exists:
-            raise not_found()
+            raise conversation_not_found()
         if found is None:
             raise item_not_found()
         return found
 
     async def delete_item(self, key_id: str, conversation_id: str, item_id: str) -> Conversation:
         """The conversation without that item."""
-        keys, store = self._checked_keys(key_id, conversation_id, None), self.store
+        self._checked_keys(key_id, conversation_id, None)
         if not ITEM_ID_RE.fullmatch(item_id):
             raise item_not_found()
-        async with store.call():
-            fields = await self._delete_item(keys=[*keys, store.sizes_key(key_id)], args=[item_id, conversation_id])
+        fields = await self._change(self._delete_item, key_id, conversation_id, [item_id])
         if fields == -2:
             raise item_not_found()
         return self._conversation(conversation_id, fields)
@@ -272,10 +291,10 @@ class ConversationStore:
         """The conversation from its stored ``created_at`` and ``metadata`` (decoded into their
         types, never trusted as given); a 404 where there are none."""
         if not isinstance(fields, list) or fields[0] is None:
-            raise not_found(param)
+            raise conversation_not_found(param)
         try:
             metadata = msgspec.json.decode(fields[1] or b"{}", type=dict[str, str])
             return Conversation(conversation_id, int(fields[0]), metadata)
         except (msgspec.DecodeError, ValueError):
-            raise not_found(param) from None
+            raise conversation_not_found(param) from None
 

@@ -8,6 +8,7 @@ A message becomes a ``message`` item (an assistant's text an ``output_text`` par
 """
 from __future__ import annotations
 
+import uuid
 from typing import Any, Callable, Sequence, TypeVar
 
 import msgspec
@@ -31,6 +32,11 @@ class ItemList(msgspec.Struct):
     @classmethod
     def of(cls, page: list[dict[str, Any]], has_more: bool = False) -> "ItemList":
         return cls(page, page[0]["id"] if page else None, page[-1]["id"] if page else None, has_more)
+
+
+def new_item_id(kind: str) -> str:
+    """A new item id of that kind (``msg``, ``fc``, ``fco``)."""
+    return f"{kind}_{uuid.uuid4().hex}"
 
 
 def items_of(messages: list[ChatMessage], new_id: Callable[[str], str]) -> list[dict[str, Any]]:

@@ -91,6 +91,22 @@ _json = msgspec.json.Encoder().encode
 _decode = msgspec.msgpack.Decoder(StoredResponse).decode
 
 
+# KEYS: the key's index and sizes, then each object's three keys (``parts``).  ARGV: each object's id
+# and its score when the bounds were read: one written since (a conversation appended to) is kept.
+_FORGET = """
+for i = 1, #ARGV, 2 do
+  local score = redis.call('ZSCORE', KEYS[1], ARGV[i])
+  if score and tonumber(score) <= tonumber(ARGV[i + 1]) then
+    local k = 3 + 3 * (i - 1) / 2
+    redis.call('DEL', KEYS[k], KEYS[k + 1], KEYS[k + 2])
+    redis.call('ZREM', KEYS[1], ARGV[i])
+    redis.call('HDEL', KEYS[2], ARGV[i])
+  end
+end
+return 1
+"""
+
+
 def not_found(param: str | None = None) -> OpenAIError:
     """No stored response by that id (for this API key): a 404, or a 400 naming ``param``."""
     code = "previous_response_not_found" if param == "previous_response_id" else None
@@ -140,6 +156,7 @@ class ResponseStore:
         self.max_bytes_per_key, self.max_bytes = max_bytes_per_key, min(max_bytes, max_bytes_per_key)
         self.on_failure, self.retry_s = on_failure, retry_s
         self._quiet_until = 0.0  # monotonic: Redis is not asked before then (it failed)
+        self._forget_script = redis.register_script(_FORGET)
 
     def record_failure(self) -> None:
         """A Redis call failed: counted, and Redis is left alone for ``retry_s``."""
@@ -211,7 +228,7 @@ class ResponseStore:
                     pipe.hset(sizes, response_id, len(data))
                     pipe.expire(index, self.ttl_s)
                     pipe.expire(sizes, self.ttl_s)
-                    pipe.zrange(index, 0, -1)  # oldest first
+                    pipe.zrange(index, 0, -1, withscores=True)  # oldest first
                     pipe.hgetall(sizes)
                     *_, ids, held = await pipe.execute()
         except _REDIS_FAILURES as exc:
@@ -226,7 +243,7 @@ class ResponseStore:
         try:
             async with asyncio.timeout(self.timeout_s):
                 async with self.redis.pipeline(transaction=True) as pipe:
-                    pipe.zrange(self.index_key(key_id), 0, -1)
+                    pipe.zrange(self.index_key(key_id), 0, -1, withscores=True)
                     pipe.hgetall(self.sizes_key(key_id))
                     ids, held = await pipe.execute()
         except _REDIS_FAILURES as exc:
@@ -235,25 +252,25 @@ class ResponseStore:
             return
         await self._forget(key_id, self._past_bounds(ids, held))
 
-    async def _forget(self, key_id: str, oldest: list[bytes]) -> None:
-        """Forget these stored responses (the oldest past the key's bounds; a failure is logged only)."""
+    async def _forget(self, key_id: str, oldest: list[tuple[bytes, float]]) -> None:
+        """Forget these stored objects (the oldest past the key's bounds, with their scores when the
+        bounds were read), each only where it was not written since (a failure is logged only)."""
         if not oldest:
             return
+        keys = [self.index_key(key_id), self.sizes_key(key_id),
+                *(key for old, _ in oldest for key in self.parts(key_id, old.decode()))]
         try:
             async with asyncio.timeout(self.timeout_s):
-                async with self.redis.pipeline(transaction=True) as pipe:
-                    pipe.delete(*(key for old in oldest for key in self.parts(key_id, old.decode())))
-                    pipe.zrem(self.index_key(key_id), *oldest)
-                    pipe.hdel(self.sizes_key(key_id), *oldest)
-                    await pipe.execute()
+                await self._forget_script(keys=keys, args=[a for old, score in oldest for a in (old, repr(score))])
         except _REDIS_FAILURES as exc:
             self.record_failure()
             log.warning("an API key's oldest stored responses were not forgotten: Redis: %s", type(exc).__name__)
 
-    def _past_bounds(self, ids: list[bytes], held: dict[bytes, bytes]) -> list[bytes]:
-        """The oldest of ``ids`` to forget so that at most ``max_per_key`` of them, of at most
-        ``max_bytes_per_key`` bytes in all (``held``: each one's), are left (the newest always is)."""
-        sizes = [int(held.get(i) or 0) for i in ids]
+    def _past_bounds(self, ids: list[tuple[bytes, float]], held: dict[bytes, bytes]) -> list[tuple[bytes, float]]:
+        """The oldest of ``ids`` (the index: ids and scores) to forget so that at most ``max_per_key``
+        of them, of at most ``max_bytes_per_key`` bytes in all (``held``: each one's), are left (the
+        newest always is)."""
+        sizes = [int(held.get(i) or 0) for i, _ in ids]
         total, drop = sum(sizes), 0
         while drop < len(ids) - 1 and (len(ids) - drop > self.max_per_key or total > self.max_bytes_per_key):
             total -= sizes[drop]

@@ -156,7 +156,9 @@ class ResponsesEndpoints:
         if call.conversation_id is not None:
             if self.services.conversations is None:
                 raise store_disabled("conversation")
-            stored = await self.services.conversations.items(tenant.key_id, call.conversation_id, param="conversation")
+            conversations = self.services.conversations
+            stored = await conversations.items(tenant.key_id, call.conversation_id, param="conversation")
+            conversations.check_room(stored, turn_items(call.input_messages, []))
             return call.continuing(history(stored), "conversation")
         if call.previous_response_id is None:
             return call

@@ -31,6 +31,7 @@ from gateway.openai_protocol import CalledFunction, ChatMessage, MessageToolCall
 from gateway.openai_responses import ChatDelta, ChatTokenLogprob, now
 from gateway.response_shapes import ResponseShapes
 from gateway.tool_output import new_call_id
+from gateway.response_items import new_item_id
 from gateway.response_store import ANSWERED
 from gateway.responses_request import ConversationRef, ResponsesCall
 
@@ -219,10 +220,6 @@ def new_response_id() -> str:
     return f"resp_{uuid.uuid4().hex}"
 
 
-def _item_id(kind: str) -> str:
-    return f"{kind}_{uuid.uuid4().hex}"
-
-
 def _call_status(arguments: str, status: str) -> str:
     """A call item's status: ``incomplete`` where the answer was cut short inside its arguments."""
     if status == "completed":
@@ -321,8 +318,8 @@ class ResponsesAnswer:
         output: list = []
         if content or not calls:
             text = OutputText(text=content or "", logprobs=self.logprobs(gen.logprobs if not calls else []))
-            output.append(OutputMessage(id=_item_id("msg"), status=item_status, content=[text]))
-        output += [FunctionCall(id=_item_id("fc"), call_id=new_call_id(), name=c.name, arguments=c.arguments,
+            output.append(OutputMessage(id=new_item_id("msg"), status=item_status, content=[text]))
+        output += [FunctionCall(id=new_item_id("fc"), call_id=new_call_id(), name=c.name, arguments=c.arguments,
                                 status=_call_status(c.arguments, status)) for c in calls]
         return self.response(gen, status, output, incomplete_details=incomplete, error=error)
 
@@ -421,7 +418,7 @@ class ResponseStream:
         out = b""
         if not isinstance(self.open, OutputMessage):
             out += self._close()
-            item = OutputMessage(id=_item_id("msg"), status="in_progress", content=[])
+            item = OutputMessage(id=new_item_id("msg"), status="in_progress", content=[])
             out += self._add(item)
             part = OutputText(text="", logprobs=self.answer.logprobs([]))
             item.content.append(part)
@@ -440,7 +437,7 @@ class ResponseStream:
 
     def _open_call(self, call_id: str, name: str) -> bytes:
         out = self._close(followed=True)
-        return out + self._add(FunctionCall(id=_item_id("fc"), call_id=call_id, name=name, arguments="",
+        return out + self._add(FunctionCall(id=new_item_id("fc"), call_id=call_id, name=name, arguments="",
                                             status="in_progress"))
 
     def _arguments(self, fragment: str) -> bytes:

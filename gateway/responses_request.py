@@ -180,8 +180,12 @@ class ResponsesCall:
 
     @property
     def turns(self) -> list[ChatMessage]:
-        """The chat's messages but the instructions' system message: the conversation a stored
-        response keeps (its instructions are not carried over)."""
+        """The conversation a stored response keeps: the chat's messages but the instructions' system
+        message (its instructions are not carried over) -- a response in a conversation keeps its
+        input alone (the conversation holds the rest: kept with each response, it would be stored
+        again at every turn)."""
+        if self.conversation_id is not None:
+            return self.input_messages
         return self.chat.messages[1:] if self.instructions else self.chat.messages
 
     def continuing(self, history: list[ChatMessage], field: str = "previous_response_id") -> "ResponsesCall":
@@ -285,9 +289,10 @@ def _text_format(text: TextConfig | None) -> StructuredOutput | None:
 
 
 
-def read_input(raw: msgspec.Raw, field: str = "input") -> list[ChatMessage]:
+def read_input(raw: msgspec.Raw, field: str = "input", split_calls: bool = False) -> list[ChatMessage]:
     """``input`` (or another list of items: ``field`` names it) as chat messages (the table in the
-    module's docstring)."""
+    module's docstring); ``split_calls``: consecutive function calls past ``MAX_TOOLS`` begin another
+    assistant message (a conversation's items, added some at a time) instead of a 400."""
     decoded = decode_at(_items_decoder, raw, field)
     if isinstance(decoded, str):
         return [ChatMessage(role="user", content=decoded)]
@@ -300,7 +305,7 @@ def read_input(raw: msgspec.Raw, field: str = "input") -> list[ChatMessage]:
         if message is None:
             continue
         calls = message.content is None  # a function_call item
-        if calls and joins_calls:
+        if calls and joins_calls and not (split_calls and len(messages[-1].tool_calls or ()) >= MAX_TOOLS):
             last = messages[-1]
             if len(last.tool_calls or ()) >= MAX_TOOLS:
                 raise invalid(f"{at}: at most {MAX_TOOLS} consecutive function calls", at)

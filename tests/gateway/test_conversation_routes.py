@@ -50,11 +50,12 @@ async def test_items_are_added_paged_read_and_deleted(served):
     ids = [item.id for item in added.data]
     assert len(set(ids)) == 5 and added.first_id == ids[0] and added.last_id == ids[-1]
     assert [i.content[0].text for i in added.data] == [f"turn {n}" for n in range(5)]
-    newest = await client.conversations.items.list(conversation.id, limit=2)
+    newest = await client.conversations.items.list(conversation.id, limit=2, include=["message.input_image.image_url"])
     assert ([i.id for i in newest.data], newest.has_more) == (ids[:2:-1], True)
     rest = await client.conversations.items.list(conversation.id, order="asc", after=ids[1])
     assert ([i.id for i in rest.data], rest.has_more) == (ids[2:], False)
-    item = await client.conversations.items.retrieve(ids[3], conversation_id=conversation.id)
+    item = await client.conversations.items.retrieve(ids[3], conversation_id=conversation.id,
+                                                     include=["message.output_text.logprobs"])
     assert (item.id, item.type, item.role, item.content[0].text) == (ids[3], "message", "user", "turn 3")
     after = await client.conversations.items.delete(ids[3], conversation_id=conversation.id)
     assert after.id == conversation.id
@@ -89,6 +90,7 @@ async def test_each_api_key_sees_only_its_own(served):
     ("/v1/conversations", {"unknown": 1}, None),
     ("/v1/conversations/{id}", {}, "metadata"),
     ("/v1/conversations/{id}/items", {}, "items"),
+    ("/v1/conversations/{id}/items", {"items": []}, "items"),
     ("/v1/conversations/{id}/items", {"items": [{"type": "function_call", "name": "f"}]}, "items[0].call_id"),
 ])
 async def test_bad_bodies_are_400s_naming_what_is_wrong(served, path, body, param):
@@ -148,3 +150,12 @@ async def test_a_gateway_that_stores_no_responses_keeps_no_conversations(served_
         with pytest.raises(openai.BadRequestError) as info:
             await client.responses.create(model=gw.model_id, input="hi", conversation="conv_" + "0" * 32)
         assert info.value.body["param"] == "conversation"
+
+
+async def test_a_response_its_conversation_has_no_room_for_is_refused_before_it_is_generated(served, monkeypatch):
+    monkeypatch.setattr("gateway.conversation_store.MAX_ITEMS", 2)  # (this process's gateway)
+    client = client_of(served[1])
+    conversation = await client.conversations.create(items=[MODEL_ITEM])
+    with pytest.raises(openai.BadRequestError) as info:  # its input and answer: 3 items
+        await client.responses.create(model=served[0].model_id, input="one more", conversation=conversation.id)
+    assert (info.value.body["param"], info.value.body["code"]) == ("conversation", "conversation_full")

@@ -13,7 +13,7 @@ import json
 import msgspec
 import pytest
 
-from gateway.conversation_items import history, new_items, turn_items
+from gateway.conversation_items import history, listed, new_items, turn_items
 from gateway.conversation_store import MAX_ITEMS, MAX_NEW_ITEMS, ConversationStore
 from gateway.openai_errors import OpenAIError
 from gateway.openai_protocol import CalledFunction, ChatMessage, MessageToolCall
@@ -162,3 +162,68 @@ def test_a_responses_items_read_back_as_the_messages_it_was_prompted_with():
     messages = history([msgspec.json.encode(i) for i in items])
     assert [(m.role, m.text(), [c.id for c in m.tool_calls or ()]) for m in messages] == [
         ("user", "q", []), ("assistant", "", ["call_1"]), ("tool", "42", []), ("assistant", "so", ["call_2"])]
+
+
+async def test_a_conversation_written_after_its_keys_bounds_were_read_is_not_forgotten(
+        conversations, responses, redis_client):
+    # The bounds are read (the conversation is the key's oldest), then it is written, then the
+    # oldest are forgotten: the write wins.
+    active = await conversations.create("key-a", {}, [])
+    index = await redis_client.zrange(responses.index_key("key-a"), 0, -1, withscores=True)
+    await conversations.append("key-a", active.id, new_items(raw([said("still here")])))
+    await responses._forget("key-a", index)
+    assert await texts(conversations, "key-a", active.id) == ["still here"]
+    await responses._forget("key-a", await redis_client.zrange(responses.index_key("key-a"), 0, -1, withscores=True))
+    assert (await status_of(conversations.retrieve("key-a", active.id)))[0] == 404  # not written since: forgotten
+
+
+async def test_its_bytes_are_its_items_and_metadata_and_each_change_renews_it(conversations, responses, redis_client):
+    async def held() -> tuple[int, int]:
+        items = await conversations.items("key-a", made.id)
+        meta = await redis_client.hget(conversations.keys("key-a", made.id)[0], "metadata")
+        return int(await redis_client.hget(responses.sizes_key("key-a"), made.id)), sum(map(len, items)) + len(meta)
+
+    made = await conversations.create("key-a", {"a": "b"}, new_items(raw([said("one")])))
+    size, counted = await held()
+    assert size == counted
+    await conversations.append("key-a", made.id, new_items(raw([said("two"), said("three")])))
+    assert (size := (await held())[0]) == (await held())[1]
+    await conversations.update("key-a", made.id, {"longer": "metadata than before"})
+    assert (await held())[0] == (await held())[1] > size
+    await conversations.delete_item("key-a", made.id, (await conversations.item_ids("key-a", made.id))[0])
+    assert (await held())[0] == (await held())[1]
+    keys = [*conversations.keys("key-a", made.id), responses.index_key("key-a"), responses.sizes_key("key-a")]
+    for key in keys:
+        await redis_client.expire(key, 5)
+    await conversations.update("key-a", made.id, {})
+    assert [await redis_client.ttl(key) > 5 for key in keys] == [True] * 5  # renewed to the store's TTL
+
+
+async def test_a_response_that_would_not_fit_is_refused_before_it_is_generated(conversations, monkeypatch):
+    monkeypatch.setattr("gateway.conversation_store.MAX_ITEMS", 4)
+    held = [msgspec.json.encode(item) for item in new_items(raw([said("a"), said("b")]))]
+    conversations.check_room(held, new_items(raw([said("c")])))  # 3 items and the answer's
+    with pytest.raises(OpenAIError) as info:
+        conversations.check_room(held, new_items(raw([said("c"), said("d")])))
+    assert (info.value.param, info.value.code) == ("conversation", "conversation_full")
+    with pytest.raises(OpenAIError) as info:
+        conversations.check_room(held, new_items(raw([said("x" * 5000)])))  # over the store's 4096 bytes
+    assert info.value.code == "conversation_full"
+
+
+def test_function_calls_added_some_at_a_time_are_read_past_a_messages_bound():
+    calls = [{"type": "function_call", "call_id": f"c{n}", "name": "f", "arguments": "{}"} for n in range(150)]
+    stored = [msgspec.json.encode(item) for n in range(0, 150, 20) for item in new_items(raw(calls[n:n + 20]))]
+    messages = history(stored)
+    assert [len(m.tool_calls) for m in messages] == [128, 22]
+
+
+def test_a_responses_logprobs_are_not_added_to_its_conversation():
+    text = OutputText(text="so", logprobs=[{"token": "so", "logprob": -0.1, "bytes": [115, 111], "top_logprobs": []}])
+    items = turn_items([], [OutputMessage(id="msg_" + "0" * 32, status="completed", content=[text])])
+    assert items[0]["content"] == [{"type": "output_text", "text": "so", "annotations": []}]
+
+
+def test_an_unreadable_stored_item_is_left_out():
+    assert listed(b'{"id": "msg_1", "type": "message", "role": "user"}')["role"] == "user"
+    assert listed(b'{"type": "message"}') is None and listed(b"[1, 2]") is None and listed(b"\xff") is None

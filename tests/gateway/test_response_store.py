@@ -82,15 +82,14 @@ async def test_a_keys_oldest_responses_go_past_its_bytes(redis_client, key_prefi
 
 
 async def test_a_stored_response_stays_stored_when_forgetting_the_oldest_fails(redis_client, key_prefix):
-    class FailsAfterTheWrite:  # the real client, but the pipeline after the write refuses
-        def __init__(self):
-            self.pipelines = 0
-
+    class FailsAfterTheWrite:  # the real client, but the eviction after the write refuses
         def pipeline(self, **kwargs):
-            self.pipelines += 1
-            if self.pipelines > 2:  # the first save's write, the second's; then its eviction
-                raise redis.exceptions.ConnectionError("gone")
             return redis_client.pipeline(**kwargs)
+
+        def register_script(self, source):
+            async def refused(**kwargs):
+                raise redis.exceptions.ConnectionError("gone")
+            return refused
 
     failures = []
     store = make_store(FailsAfterTheWrite(), key_prefix, max_per_key=1, on_failure=lambda: failures.append(1))

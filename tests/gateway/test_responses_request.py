@@ -135,6 +135,9 @@ def test_a_continued_response_comes_after_the_instructions_and_before_the_input(
     assert roles(parse(input="three").continuing(history))[0] == ("user", "one", [], None)
     assert [m.content for m in call.input_messages] == ["three"]
     assert parse(input="x", store=False).store is False and parse(input="x", store=True).store is True
+    in_conversation = parse(input="three", conversation="conv_1").continuing(history, "conversation")
+    assert [m.content for m in in_conversation.turns] == ["three"]  # it keeps its input: the conversation the rest
+    assert len(in_conversation.chat.messages) == len(history) + 1
     assert parse(input="x", conversation="conv_1").conversation_id == parse(
         input="x", conversation={"id": "conv_1"}).conversation_id == "conv_1"
     # an empty input continues a conversation as it stands
