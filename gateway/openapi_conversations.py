@@ -41,7 +41,7 @@ def conversation_schemas(input_item: dict) -> dict[str, dict]:
     schemas["ConversationUpdate"] = {"type": "object", "additionalProperties": False, "required": ["metadata"],
                                      "properties": {"metadata": _METADATA}}
     schemas["ConversationItemsCreate"] = {"type": "object", "additionalProperties": False, "required": ["items"],
-                                          "properties": {"items": items}}
+                                          "properties": {"items": {**items, "minItems": 1}}}
     schemas["ConversationItem"] = {"type": "object", "required": ["id", "type"],
                                    "properties": {"id": {"type": "string"}, "type": {"type": "string"}}}
     return schemas
