@@ -17,10 +17,10 @@ It counts in its API key's index and sizes as a stored response does (one more o
 least recently written first, never one written after the bounds were read) and is kept ``ttl_s``
 after it was last changed.  One conversation holds at most ``MAX_ITEMS`` items of at most the store's
 ``max_bytes`` in all; a call adds at most ``MAX_NEW_ITEMS``, and a response whose input and answer
-would not fit is refused before it is generated (400, ``conversation_full``).  Every change is one Lua script or transaction: two responses ending on
-one conversation add their items one after the other, never interleaved, and nothing is added to a
-conversation deleted meanwhile.  Ids are ``conv_`` and 32 random hex digits; each API key reads and
-changes only its own.
+would not fit is refused before it is generated (400, ``conversation_full``).  Every change is one Lua
+script or transaction: two responses ending on one conversation add their items one after the other,
+never interleaved, and nothing is added to a conversation deleted meanwhile.  Ids are ``conv_`` and
+32 random hex digits; each API key reads and changes only its own.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ import json
 import re
 import time
 import uuid
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
@@ -86,6 +86,13 @@ redis.call('HSET', KEYS[1], 'metadata', ARGV[4])
 touch(redis.call('HINCRBY', KEYS[1], 'bytes', string.len(ARGV[4]) - string.len(old)))
 return redis.call('HMGET', KEYS[1], 'created_at', 'metadata')
 """
+
+
+class Held(NamedTuple):
+    """A conversation's items (their JSON, oldest first) and its bytes (its items' and metadata's)."""
+
+    items: list[bytes]
+    size: int
 
 
 class Conversation(msgspec.Struct):
@@ -181,12 +188,13 @@ class ConversationStore:
         await store.keep_bounds(key_id)
         return conversation
 
-    def check_room(self, held: list[bytes], adding: list[dict[str, Any]]) -> None:
+    def check_room(self, held: "Held", adding: list[dict[str, Any]]) -> None:
         """A 400 naming ``conversation`` (code ``conversation_full``) where a conversation holding
-        ``held`` has no room for ``adding`` and an answer's item."""
-        size = sum(map(len, held)) + sum(len(msgspec.json.encode(item)) for item in adding)
-        if len(held) + len(adding) + 1 > MAX_ITEMS or size > self.store.max_bytes:
-            raise invalid(f"the conversation holds {len(held)} items; this response's would pass the {MAX_ITEMS} "
+        ``held`` has no room for ``adding`` and an answer's item (an answer longer than the room its
+        bytes leave is answered, not added: logged)."""
+        size = held.size + sum(len(msgspec.json.encode(item)) for item in adding)
+        if len(held.items) + len(adding) + 1 > MAX_ITEMS or size > self.store.max_bytes:
+            raise invalid(f"the conversation holds {len(held.items)} items; this response's would pass the {MAX_ITEMS} "
                           f"items or {self.store.max_bytes} bytes it may hold (start another, or delete items)",
                           "conversation", "conversation_full")
 
@@ -240,17 +248,22 @@ class ConversationStore:
             raise conversation_not_found()
         return [i.decode() for i in listed]
 
-    async def items(self, key_id: str, conversation_id: str, param: str | None = None) -> list[bytes]:
-        """Its items' JSON, oldest first; a 404 (naming ``param``) where the key has no such conversation."""
+    async def items(self, key_id: str, conversation_id: str, param: str | None = None) -> "Held":
+        """Its items' JSON, oldest first, and its bytes; a 404 (naming ``param``) where the key has no
+        such conversation."""
         meta, ids, held = self._checked_keys(key_id, conversation_id, param)
         async with self.store.call(), self.store.redis.pipeline(transaction=True) as pipe:
-            pipe.exists(meta)
+            pipe.hget(meta, "bytes")
             pipe.lrange(ids, 0, -1)
             pipe.hgetall(held)
-            exists, order, found = await pipe.execute()
-        if not exists:
+            size, order, found = await pipe.execute()
+        if size is None:
             raise conversation_not_found(param)
-        return [found[i] for i in order if i in found]
+        try:
+            size = int(size)
+        except ValueError:
+            size = self.store.max_bytes  # (unreadable: taken as full)
+        return Held([found[i] for i in order if i in found], size)
 
     async def items_by_id(self, key_id: str, conversation_id: str, item_ids: list[str]) -> list[bytes]:
         """The JSON of those of ``item_ids`` it still holds, in that order."""

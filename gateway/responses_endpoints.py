@@ -159,7 +159,7 @@ class ResponsesEndpoints:
             conversations = self.services.conversations
             stored = await conversations.items(tenant.key_id, call.conversation_id, param="conversation")
             conversations.check_room(stored, turn_items(call.input_messages, []))
-            return call.continuing(history(stored), "conversation")
+            return call.continuing(history(stored.items), "conversation")
         if call.previous_response_id is None:
             return call
         if self.services.response_store is None:

@@ -66,7 +66,8 @@ async def test_items_are_added_paged_read_and_deleted(served):
     calls = await client.conversations.items.create(conversation.id, items=[
         {"type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{}"},
         {"type": "function_call_output", "call_id": "call_1", "output": "done"}])
-    assert [(i.type, i.call_id) for i in calls.data] == [("function_call", "call_1"), ("function_call_output", "call_1")]
+    assert [(i.type, i.call_id) for i in calls.data] == [("function_call", "call_1"),
+                                                         ("function_call_output", "call_1")]
 
 
 async def test_each_api_key_sees_only_its_own(served):

@@ -14,7 +14,7 @@ import msgspec
 import pytest
 
 from gateway.conversation_items import history, listed, new_items, turn_items
-from gateway.conversation_store import MAX_ITEMS, MAX_NEW_ITEMS, ConversationStore
+from gateway.conversation_store import MAX_ITEMS, MAX_NEW_ITEMS, ConversationStore, Held
 from gateway.openai_errors import OpenAIError
 from gateway.openai_protocol import CalledFunction, ChatMessage, MessageToolCall
 from gateway.response_store import ResponseStore, StoredResponse
@@ -40,7 +40,7 @@ def conversations(responses):
 
 
 async def texts(conversations, key_id: str, conversation_id: str) -> list[str]:
-    return [m.text() for m in history(await conversations.items(key_id, conversation_id))]
+    return [m.text() for m in history((await conversations.items(key_id, conversation_id)).items)]
 
 
 async def status_of(call) -> tuple[int, str | None]:
@@ -179,9 +179,10 @@ async def test_a_conversation_written_after_its_keys_bounds_were_read_is_not_for
 
 async def test_its_bytes_are_its_items_and_metadata_and_each_change_renews_it(conversations, responses, redis_client):
     async def held() -> tuple[int, int]:
-        items = await conversations.items("key-a", made.id)
+        held = await conversations.items("key-a", made.id)
         meta = await redis_client.hget(conversations.keys("key-a", made.id)[0], "metadata")
-        return int(await redis_client.hget(responses.sizes_key("key-a"), made.id)), sum(map(len, items)) + len(meta)
+        assert int(await redis_client.hget(responses.sizes_key("key-a"), made.id)) == held.size
+        return held.size, sum(map(len, held.items)) + len(meta)
 
     made = await conversations.create("key-a", {"a": "b"}, new_items(raw([said("one")])))
     size, counted = await held()
@@ -201,14 +202,15 @@ async def test_its_bytes_are_its_items_and_metadata_and_each_change_renews_it(co
 
 async def test_a_response_that_would_not_fit_is_refused_before_it_is_generated(conversations, monkeypatch):
     monkeypatch.setattr("gateway.conversation_store.MAX_ITEMS", 4)
-    held = [msgspec.json.encode(item) for item in new_items(raw([said("a"), said("b")]))]
+    held = Held([msgspec.json.encode(item) for item in new_items(raw([said("a"), said("b")]))], 100)
     conversations.check_room(held, new_items(raw([said("c")])))  # 3 items and the answer's
     with pytest.raises(OpenAIError) as info:
         conversations.check_room(held, new_items(raw([said("c"), said("d")])))
     assert (info.value.param, info.value.code) == ("conversation", "conversation_full")
     with pytest.raises(OpenAIError) as info:
-        conversations.check_room(held, new_items(raw([said("x" * 5000)])))  # over the store's 4096 bytes
+        conversations.check_room(held, new_items(raw([said("x" * 4000)])))  # over the store's 4096 bytes, with its 100
     assert info.value.code == "conversation_full"
+    conversations.check_room(Held(held.items, 0), new_items(raw([said("x" * 3800)])))
 
 
 def test_function_calls_added_some_at_a_time_are_read_past_a_messages_bound():

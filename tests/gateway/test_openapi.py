@@ -58,7 +58,8 @@ def test_the_document_describes_what_the_gateway_validates(stack, document):
                                       "/v1/responses/input_tokens",
                                       "/v1/responses/{response_id}", "/v1/responses/{response_id}/input_items",
                                       "/v1/responses/{response_id}/cancel", "/v1/conversations",
-                                      "/v1/conversations/{conversation_id}", "/v1/conversations/{conversation_id}/items",
+                                      "/v1/conversations/{conversation_id}",
+                                      "/v1/conversations/{conversation_id}/items",
                                       "/v1/conversations/{conversation_id}/items/{item_id}",
                                       "/v1/messages", "/v1/messages/count_tokens", "/v1/models", "/v1/models/{model}",
                                       "/health", "/metrics", "/openapi.json"}

@@ -27,7 +27,9 @@ _CONVERSATION_ID = re.compile(r"conv_[0-9a-f]{32}")
 
 @schemathesis.hook
 def map_body(context, body):
-    if context.operation is None or not context.operation.path.startswith("/v1/responses") or not isinstance(body, dict):
+    if context.operation is None or not isinstance(body, dict):
+        return body
+    if not context.operation.path.startswith("/v1/responses"):
         return body
     named = body.get("conversation")
     named = named.get("id") if isinstance(named, dict) else named
