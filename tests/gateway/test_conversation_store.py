@@ -3,8 +3,9 @@ with items and metadata, read, changed and deleted by their API key only; items 
 at once, listed by id, deleted one by one with the conversation's bytes; a conversation's bounds on
 items and bytes refuse what would pass them and add nothing; nothing is added to a conversation
 deleted meanwhile; conversations count in their key's bounds beside its stored responses, the least
-recently written forgotten first, with all their keys; a response's items read back as the chat
-messages it would be prompted with."""
+recently written forgotten first, with all their keys -- never one written after the bounds were read;
+its bytes are its items' and metadata's, each change renews it; a response that would not fit is
+refused before it is generated.  (The items themselves: tests/gateway/test_conversation_items.py.)"""
 from __future__ import annotations
 
 import asyncio
@@ -13,12 +14,11 @@ import json
 import msgspec
 import pytest
 
-from gateway.conversation_items import history, listed, new_items, turn_items
-from gateway.conversation_store import MAX_ITEMS, MAX_NEW_ITEMS, ConversationStore, Held
+from gateway.conversation_items import history, new_items
+from gateway.conversation_store import ConversationStore, Held
 from gateway.openai_errors import OpenAIError
-from gateway.openai_protocol import CalledFunction, ChatMessage, MessageToolCall
+from gateway.openai_protocol import ChatMessage
 from gateway.response_store import ResponseStore, StoredResponse
-from gateway.responses_output import FunctionCall, OutputMessage, OutputText
 
 
 def raw(value) -> msgspec.Raw:
@@ -112,19 +112,6 @@ async def test_items_past_a_conversations_count_are_refused(conversations, monke
     assert await texts(conversations, "key-a", made.id) == ["a", "b", "c"]
 
 
-def test_a_call_adds_at_most_twenty_items_and_no_reasoning():
-    assert MAX_NEW_ITEMS == 20 and MAX_ITEMS >= 1000
-    with pytest.raises(OpenAIError) as info:
-        new_items(raw([said("a")] * (MAX_NEW_ITEMS + 1)))
-    assert info.value.status == 400
-    with pytest.raises(OpenAIError) as info:
-        new_items(raw([said("a"), {"type": "reasoning", "summary": []}]))
-    assert info.value.param == "items[1].type"
-    with pytest.raises(OpenAIError) as info:
-        new_items(raw([{"role": "robot", "content": "x"}]))
-    assert info.value.param == "items[0].role"
-
-
 async def test_two_responses_ending_together_add_their_items_each_at_once(conversations):
     made = await conversations.create("key-a", {}, [])
     turns = [new_items(raw([said(f"{n}-{i}") for i in range(10)])) for n in range(2)]
@@ -147,21 +134,6 @@ async def test_conversations_count_in_their_keys_bounds_the_least_recently_writt
     assert await texts(conversations, "key-a", first.id) == ["a"]
     assert (await status_of(conversations.retrieve("key-a", second.id)))[0] == 404
     assert [k async for k in redis_client.scan_iter(match=f"*{second.id}*")] == []  # none of its keys left
-
-
-def test_a_responses_items_read_back_as_the_messages_it_was_prompted_with():
-    call = MessageToolCall(id="call_1", function=CalledFunction("f", '{"x": 1}'))
-    inputs = [ChatMessage(role="user", content="q"), ChatMessage(role="assistant", content=None, tool_calls=[call]),
-              ChatMessage(role="tool", content="42", tool_call_id="call_1")]
-    output = [OutputMessage(id="msg_" + "0" * 32, status="completed", content=[OutputText(text="so")]),
-              FunctionCall(id="fc_" + "1" * 32, call_id="call_2", name="g", arguments="{}", status="completed")]
-    items = turn_items(inputs, output)
-    assert [i["type"] for i in items] == ["message", "function_call", "function_call_output", "message",
-                                          "function_call"]
-    assert [i["id"] for i in items[3:]] == ["msg_" + "0" * 32, "fc_" + "1" * 32]  # the response's own ids
-    messages = history([msgspec.json.encode(i) for i in items])
-    assert [(m.role, m.text(), [c.id for c in m.tool_calls or ()]) for m in messages] == [
-        ("user", "q", []), ("assistant", "", ["call_1"]), ("tool", "42", []), ("assistant", "so", ["call_2"])]
 
 
 async def test_a_conversation_written_after_its_keys_bounds_were_read_is_not_forgotten(
@@ -211,21 +183,3 @@ async def test_a_response_that_would_not_fit_is_refused_before_it_is_generated(c
         conversations.check_room(held, new_items(raw([said("x" * 4000)])))  # over the store's 4096 bytes, with its 100
     assert info.value.code == "conversation_full"
     conversations.check_room(Held(held.items, 0), new_items(raw([said("x" * 3800)])))
-
-
-def test_function_calls_added_some_at_a_time_are_read_past_a_messages_bound():
-    calls = [{"type": "function_call", "call_id": f"c{n}", "name": "f", "arguments": "{}"} for n in range(150)]
-    stored = [msgspec.json.encode(item) for n in range(0, 150, 20) for item in new_items(raw(calls[n:n + 20]))]
-    messages = history(stored)
-    assert [len(m.tool_calls) for m in messages] == [128, 22]
-
-
-def test_a_responses_logprobs_are_not_added_to_its_conversation():
-    text = OutputText(text="so", logprobs=[{"token": "so", "logprob": -0.1, "bytes": [115, 111], "top_logprobs": []}])
-    items = turn_items([], [OutputMessage(id="msg_" + "0" * 32, status="completed", content=[text])])
-    assert items[0]["content"] == [{"type": "output_text", "text": "so", "annotations": []}]
-
-
-def test_an_unreadable_stored_item_is_left_out():
-    assert listed(b'{"id": "msg_1", "type": "message", "role": "user"}')["role"] == "user"
-    assert listed(b'{"type": "message"}') is None and listed(b"[1, 2]") is None and listed(b"\xff") is None
