@@ -43,12 +43,15 @@ MAX_NEW_ITEMS = 20  # items a call adds (OpenAI's bound)
 FIELDS = ("created_at", "metadata")
 
 # Each script's KEYS: the conversation, its ids, its items, the key's index and sizes; its ARGV: the TTL,
-# now, the conversation's id, then its own.  A change renews the TTLs and makes it the key's newest.
+# now, the conversation's id, then its own.  A change renews the TTLs and makes it the key's newest (its
+# score past any it had, whatever the gateways' clocks: the eviction keeps what was written since).
 _TOUCH = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
 local function touch(bytes)
   for i = 1, 5 do redis.call('EXPIRE', KEYS[i], ARGV[1]) end
-  redis.call('ZADD', KEYS[4], ARGV[2], ARGV[3])
+  local now, was = tonumber(ARGV[2]), redis.call('ZSCORE', KEYS[4], ARGV[3])
+  if was and tonumber(was) >= now then now = tonumber(was) + 0.001 end  -- (later than any score read before)
+  redis.call('ZADD', KEYS[4], string.format('%.6f', now), ARGV[3])
   redis.call('HSET', KEYS[5], ARGV[3], bytes)
 end
 """
@@ -78,12 +81,14 @@ redis.call('HDEL', KEYS[3], ARGV[4])
 touch(redis.call('HINCRBY', KEYS[1], 'bytes', -string.len(item)))
 return redis.call('HMGET', KEYS[1], 'created_at', 'metadata')
 """
-# ARGV: ..., its new metadata (JSON; its bytes count).  Returns its created_at and metadata; -1 where it
-# is gone.
+# ARGV: ..., its new metadata (JSON; its bytes count), max bytes.  Returns its created_at and metadata; -1
+# where it is gone, -3 where the metadata would pass its bound on bytes.
 _UPDATE = _TOUCH + """
 local old = redis.call('HGET', KEYS[1], 'metadata') or ''
-redis.call('HSET', KEYS[1], 'metadata', ARGV[4])
-touch(redis.call('HINCRBY', KEYS[1], 'bytes', string.len(ARGV[4]) - string.len(old)))
+local bytes = tonumber(redis.call('HGET', KEYS[1], 'bytes') or '0') + string.len(ARGV[4]) - string.len(old)
+if bytes > tonumber(ARGV[5]) then return -3 end
+redis.call('HSET', KEYS[1], 'metadata', ARGV[4], 'bytes', bytes)
+touch(bytes)
 return redis.call('HMGET', KEYS[1], 'created_at', 'metadata')
 """
 
@@ -206,9 +211,13 @@ class ConversationStore:
         return self._conversation(conversation_id, fields, param)
 
     async def update(self, key_id: str, conversation_id: str, metadata: dict[str, str]) -> Conversation:
-        """The conversation with ``metadata`` in place of its own."""
-        return self._conversation(conversation_id,
-                                  await self._change(self._update, key_id, conversation_id, [json.dumps(metadata)]))
+        """The conversation with ``metadata`` in place of its own; a 400 where that would pass its
+        bound on bytes."""
+        fields = await self._change(self._update, key_id, conversation_id, [json.dumps(metadata), self.store.max_bytes])
+        if fields == -3:
+            raise invalid(f"this metadata would pass the {self.store.max_bytes} bytes a conversation holds", "metadata")
+        await self.store.keep_bounds(key_id)
+        return self._conversation(conversation_id, fields)
 
     async def delete(self, key_id: str, conversation_id: str) -> None:
         """Forget it and its items; a 404 where the key has none by that id."""

@@ -48,6 +48,7 @@ _FINISH = _HOLDS + _PUSH.replace("FIRST", "6").replace("BASE", "5") + (
 _FINISH_TRIES = (0.5, 1.0, None)  # a run's end is tried again after these pauses (a Redis that did not answer)
 _CANCEL = _HOLDS + "redis.call('SET', KEYS[1], 'cancelled', 'EX', ARGV[1]) return 1"
 _END = _HOLDS + "redis.call('DEL', KEYS[1]) return 1"
+_STILL = _HOLDS + "return 1"
 
 
 def running_shell(queued: msgspec.Struct, history: list[ChatMessage], inputs: int, streamed: bool) -> StoredResponse:
@@ -70,7 +71,7 @@ class RunStore:
     def __init__(self, store: ResponseStore):
         self.store = store
         self._scripts = {source: store.redis.register_script(source)
-                         for source in (_RENEW, _APPEND, _FINISH, _CANCEL, _END)}
+                         for source in (_RENEW, _APPEND, _FINISH, _CANCEL, _END, _STILL)}
         self._bytes: dict[tuple[str, str], int] = {}  # each run's events so far (this gateway's runs)
         self._sent: dict[tuple[str, str], int] = {}  # how many of them Redis took
         self._unsent: dict[tuple[str, str], list[bytes]] = {}  # the others
@@ -90,6 +91,11 @@ class RunStore:
         where Redis does not answer."""
         status = RUNNING[1] if generating else RUNNING[0]
         return await self._script(_RENEW, key_id, response_id, [status, milliseconds(lease_s)]) == 1
+
+    async def holds(self, key_id: str, response_id: str) -> bool:
+        """Whether the run still holds (not cancelled, deleted, forgotten or lapsed); raises the 503
+        ``OpenAIError`` where Redis does not answer."""
+        return await self._script(_STILL, key_id, response_id, []) == 1
 
     async def append(self, key_id: str, response_id: str, events: list[bytes]) -> bool:
         """Append stream events while the run holds (False: it does not; where Redis does not answer,

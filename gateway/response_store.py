@@ -85,6 +85,11 @@ class StoredResponse(msgspec.Struct, array_like=True):
     def status(self) -> str:
         return str(msgspec.json.decode(self.response).get("status", ""))
 
+    def in_conversation(self) -> bool:
+        """Whether it is a response of a conversation (it keeps its own turn only: the conversation holds
+        the rest)."""
+        return bool(msgspec.json.decode(self.response).get("conversation"))
+
 
 _encode = msgspec.msgpack.Encoder().encode
 _json = msgspec.json.Encoder().encode
@@ -300,6 +305,9 @@ class ResponseStore:
         if param is not None and not stored.answered:
             raise invalid(f"{param}: that response has no output to continue (it is {stored.status()})", param,
                           "response_not_continuable")
+        if param is not None and stored.in_conversation():
+            raise invalid(f"{param}: that response is part of a conversation; continue the conversation (send "
+                          "conversation) instead", param, "response_not_continuable")
         return stored
 
     async def delete(self, key_id: str, response_id: str) -> None:

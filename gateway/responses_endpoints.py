@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Callable
+from typing import Awaitable, Callable
 
 from aiohttp import web
 
@@ -74,7 +74,9 @@ class ResponsesEndpoints:
             call = await self._continued(call, tenant)
             turns, inputs = call.turns, len(call.input_messages)
             keep = run_keeper(runs.runs, tenant.key_id, turns, inputs, streamed)
-            answer = ResponsesAnswer(call, self.shapes, keep, self._joiner(call, tenant))
+            answer = ResponsesAnswer(call, self.shapes, keep,
+                                     self._joiner(call, tenant, lambda response_id: runs.runs.holds(tenant.key_id,
+                                                                                                    response_id)))
             gens = await self._chat_generations(request, call.chat, answer, "input")
             queued = answer.response(gens[0], "queued", [])
 
@@ -121,16 +123,20 @@ class ResponsesEndpoints:
             closing = events.failure(_failure(exc))
         await answer.keep(events.final, sse_events(closing))
 
-    def _joiner(self, call: ResponsesCall, tenant: Tenant) -> Joiner | None:
-        """What adds a response's input and output to its conversation (None: it is part of none).  A
-        response whose items could not be added -- its conversation deleted or full meanwhile, Redis
-        not answering -- is answered all the same (logged)."""
+    def _joiner(self, call: ResponsesCall, tenant: Tenant,
+                still: Callable[[str], Awaitable[bool]] | None = None) -> Joiner | None:
+        """What adds a response's input and output to its conversation (None: it is part of none) --
+        where ``still(response id)`` says so (a background run: while it holds).  A response whose
+        items could not be added -- its conversation deleted or full meanwhile, Redis not answering --
+        is answered all the same (logged)."""
         conversations, conversation_id = self.services.conversations, call.conversation_id
         if conversations is None or conversation_id is None:
             return None
 
         async def join(response: ResponseObject) -> None:
             try:
+                if still is not None and not await still(response.id):
+                    return
                 await conversations.append(tenant.key_id, conversation_id, turn_items(call.input_messages,
                                                                                       response.output))
             except OpenAIError as exc:
@@ -143,22 +149,24 @@ class ResponsesEndpoints:
         call = parse_responses_request(await self.services.read_body(request), counting_for=self.services.model_id)
         self._check_model(call.chat.model)
         async with self.services.admission(request["tenant"]):
-            call = await self._continued(call, request["tenant"])
+            call = await self._continued(call, request["tenant"], answering=False)
             if not call.chat.messages:
                 raise invalid("input holds no message (and there are no instructions)", "input")
             messages, render = self._chat_renderer(call.chat, call.chat.tool_plan(), field="input")
             ids = await self.services.prompts.chat(messages, render)
         return web.json_response({"object": "response.input_tokens", "input_tokens": len(ids)})
 
-    async def _continued(self, call: ResponsesCall, tenant: Tenant) -> ResponsesCall:
+    async def _continued(self, call: ResponsesCall, tenant: Tenant, answering: bool = True) -> ResponsesCall:
         """``call`` after the stored conversation its ``previous_response_id`` names, or the items of
-        its ``conversation`` (neither: as it is)."""
+        its ``conversation`` (neither: as it is); ``answering``: a response to be added to that
+        conversation, refused where it has no room for it (not so a count of input tokens)."""
         if call.conversation_id is not None:
             if self.services.conversations is None:
                 raise store_disabled("conversation")
             conversations = self.services.conversations
             stored = await conversations.items(tenant.key_id, call.conversation_id, param="conversation")
-            conversations.check_room(stored, turn_items(call.input_messages, []))
+            if answering:
+                conversations.check_room(stored, turn_items(call.input_messages, []))
             return call.continuing(history(stored.items), "conversation")
         if call.previous_response_id is None:
             return call

@@ -269,10 +269,10 @@ class ResponsesAnswer:
         """Store the finished ``response`` (where the request asked; ``closing``: a streamed background
         response's last events, kept with it) -- one that could not be stored says ``store: false`` --
         and add it to its conversation (where it is part of one, and has an output)."""
+        if self.joiner is not None and response.status in ANSWERED:  # (first: once a background run's end is
+            await self.joiner(response)  # stored, a client polling it may send the next turn)
         if self.keeper is not None and not await self.keeper(response, output_messages(response.output), closing):
             response.store = False
-        if self.joiner is not None and response.status in ANSWERED:
-            await self.joiner(response)
 
     @property
     def keeps(self) -> bool:

@@ -160,3 +160,6 @@ async def test_a_response_its_conversation_has_no_room_for_is_refused_before_it_
     with pytest.raises(openai.BadRequestError) as info:  # its input and answer: 3 items
         await client.responses.create(model=served[0].model_id, input="one more", conversation=conversation.id)
     assert (info.value.body["param"], info.value.body["code"]) == ("conversation", "conversation_full")
+    counted = await client.responses.input_tokens.count(model=served[0].model_id, input="one more",
+                                                        conversation=conversation.id)
+    assert counted.input_tokens > 0  # counting adds nothing: no room needed

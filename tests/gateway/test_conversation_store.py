@@ -183,3 +183,22 @@ async def test_a_response_that_would_not_fit_is_refused_before_it_is_generated(c
         conversations.check_room(held, new_items(raw([said("x" * 4000)])))  # over the store's 4096 bytes, with its 100
     assert info.value.code == "conversation_full"
     conversations.check_room(Held(held.items, 0), new_items(raw([said("x" * 3800)])))
+
+
+async def test_a_change_scores_it_past_any_score_read_before_whatever_the_clocks(conversations, responses,
+                                                                                  redis_client):
+    made = await conversations.create("key-a", {}, [])
+    ahead = 4e9  # another gateway's clock ahead of this one's
+    await redis_client.zadd(responses.index_key("key-a"), {made.id: ahead})
+    index = await redis_client.zrange(responses.index_key("key-a"), 0, -1, withscores=True)
+    await conversations.append("key-a", made.id, new_items(raw([said("a")])))
+    assert await redis_client.zscore(responses.index_key("key-a"), made.id) > ahead
+    await responses._forget("key-a", index)
+    assert await texts(conversations, "key-a", made.id) == ["a"]  # written since: kept
+
+
+async def test_metadata_past_a_conversations_bytes_is_refused_and_changes_nothing(conversations):
+    made = await conversations.create("key-a", {"a": "b"}, [])
+    big = {f"key{n}": "v" * 500 for n in range(16)}  # 8 kB against the store's 4096 bytes
+    assert await status_of(conversations.update("key-a", made.id, big)) == (400, "metadata")
+    assert (await conversations.retrieve("key-a", made.id)).metadata == {"a": "b"}

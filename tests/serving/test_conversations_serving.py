@@ -39,6 +39,9 @@ def test_responses_in_a_conversation_answer_its_turns_and_add_to_them(client, st
     assert texts(items) == [("user", "First turn"), ("assistant", first.output_text),
                             ("user", "Second turn"), ("assistant", second.output_text)]
     assert [items[1].id, items[3].id] == [first.output[0].id, second.output[0].id]  # the responses' own items
+    with pytest.raises(openai.BadRequestError) as info:  # (it keeps its own turn: the conversation holds the rest)
+        respond(client, stack, "Aside", previous_response_id=second.id)
+    assert info.value.body["code"] == "response_not_continuable"
     counted = client.responses.input_tokens.count(model=stack.model_name, input="Third turn",
                                                   conversation=conversation.id)
     third = respond(client, stack, "Third turn", conversation=conversation.id)
