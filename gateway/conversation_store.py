@@ -131,10 +131,6 @@ def item_not_found() -> OpenAIError:
     return OpenAIError(404, "The conversation holds no item with that id.", param="item_id")
 
 
-def _too_many(added: int, param: str) -> OpenAIError:
-    return invalid(f"a conversation holds at most {MAX_ITEMS} items; these {added} would pass that", param)
-
-
 class ConversationStore:
     """An API key's conversations (see the module docstring), in ``store``'s Redis and bounds."""
 
@@ -175,7 +171,6 @@ class ConversationStore:
             raise invalid(f"these items take {size} bytes; a conversation holds at most {self.store.max_bytes}",
                           "items")
         store, (meta, ids, held) = self.store, self.keys(key_id, conversation.id)
-        index, sizes = store.index_key(key_id), store.sizes_key(key_id)
         async with store.call(), store.redis.pipeline(transaction=True) as pipe:
             pipe.hset(meta, mapping={"created_at": conversation.created_at, "bytes": size,
                                      "metadata": metadata_json})
@@ -185,12 +180,9 @@ class ConversationStore:
                 pipe.hset(held, mapping={item["id"]: e for item, e in zip(items, encoded)})
                 pipe.expire(ids, store.ttl_s)
                 pipe.expire(held, store.ttl_s)
-            pipe.zadd(index, {conversation.id: time.time()})
-            pipe.hset(sizes, conversation.id, size)
-            pipe.expire(index, store.ttl_s)
-            pipe.expire(sizes, store.ttl_s)
-            await pipe.execute()
-        await store.keep_bounds(key_id)
+            store.count(pipe, key_id, conversation.id, size)
+            *_, index, sizes = await pipe.execute()
+        await store.forget_past_bounds(key_id, index, sizes)
         return conversation
 
     def check_room(self, held: "Held", adding: list[dict[str, Any]]) -> None:
@@ -221,14 +213,8 @@ class ConversationStore:
 
     async def delete(self, key_id: str, conversation_id: str) -> None:
         """Forget it and its items; a 404 where the key has none by that id."""
-        keys, store = self._checked_keys(key_id, conversation_id, None), self.store
-        async with store.call(), store.redis.pipeline(transaction=True) as pipe:
-            pipe.delete(keys[0])
-            pipe.delete(*keys[1:])
-            pipe.zrem(store.index_key(key_id), conversation_id)
-            pipe.hdel(store.sizes_key(key_id), conversation_id)
-            deleted, *_ = await pipe.execute()
-        if not deleted:
+        self._checked_keys(key_id, conversation_id, None)
+        if not await self.store.remove(key_id, conversation_id):
             raise conversation_not_found()
 
     async def append(self, key_id: str, conversation_id: str, items: list[dict[str, Any]],
@@ -240,7 +226,8 @@ class ConversationStore:
             args += [item["id"], msgspec.json.encode(item)]
         held = await self._change(self._append, key_id, conversation_id, args, param)
         if held == -2:
-            raise _too_many(len(items), param or "items")
+            raise invalid(f"a conversation holds at most {MAX_ITEMS} items; these {len(items)} would pass that",
+                          param or "items")
         if held == -3:
             raise invalid(f"these items would pass the {store.max_bytes} bytes a conversation holds",
                           param or "items")

@@ -222,26 +222,35 @@ class ResponseStore:
             return False
         if self.quiet():
             return False
-        index, sizes = self.index_key(key_id), self.sizes_key(key_id)
         try:
             async with asyncio.timeout(self.timeout_s):
                 async with self.redis.pipeline(transaction=True) as pipe:
                     pipe.set(self._key(key_id, response_id), data, ex=self.ttl_s)
                     if run_lease_s is not None:
                         pipe.set(self._run_key(key_id, response_id), RUNNING[0], px=milliseconds(run_lease_s))
-                    pipe.zadd(index, {response_id: time.time()})
-                    pipe.hset(sizes, response_id, len(data))
-                    pipe.expire(index, self.ttl_s)
-                    pipe.expire(sizes, self.ttl_s)
-                    pipe.zrange(index, 0, -1, withscores=True)  # oldest first
-                    pipe.hgetall(sizes)
+                    self.count(pipe, key_id, response_id, len(data))
                     *_, ids, held = await pipe.execute()
         except _REDIS_FAILURES as exc:
             self.record_failure()
             log.warning("a response was not stored: Redis: %s", type(exc).__name__)
             return False
-        await self._forget(key_id, self._past_bounds(ids, held))
+        await self.forget_past_bounds(key_id, ids, held)
         return True
+
+    def count(self, pipe, key_id: str, object_id: str, size: int) -> None:
+        """Queue on ``pipe`` a new object's place in its key's bounds (the newest, of ``size`` bytes),
+        then a read of those bounds: the pipe's last two results, for ``forget_past_bounds``."""
+        index, sizes = self.index_key(key_id), self.sizes_key(key_id)
+        pipe.zadd(index, {object_id: time.time()})
+        pipe.hset(sizes, object_id, size)
+        pipe.expire(index, self.ttl_s)
+        pipe.expire(sizes, self.ttl_s)
+        pipe.zrange(index, 0, -1, withscores=True)  # oldest first
+        pipe.hgetall(sizes)
+
+    async def forget_past_bounds(self, key_id: str, ids: list[tuple[bytes, float]], held: dict[bytes, bytes]) -> None:
+        """Forget the key's oldest past its bounds (``ids`` and ``held``: ``count``'s read of them)."""
+        await self._forget(key_id, self._past_bounds(ids, held))
 
     async def keep_bounds(self, key_id: str) -> None:
         """Forget the key's oldest past its bounds (after a write outside ``save``: a run's end)."""
@@ -255,7 +264,7 @@ class ResponseStore:
             self.record_failure()
             log.warning("an API key's oldest stored responses were not forgotten: Redis: %s", type(exc).__name__)
             return
-        await self._forget(key_id, self._past_bounds(ids, held))
+        await self.forget_past_bounds(key_id, ids, held)
 
     async def _forget(self, key_id: str, oldest: list[tuple[bytes, float]]) -> None:
         """Forget these stored objects (the oldest past the key's bounds, with their scores when the
@@ -313,16 +322,20 @@ class ResponseStore:
     async def delete(self, key_id: str, response_id: str) -> None:
         """Forget it (a background response still running stops at its next heartbeat); a 404 where
         the key has none by that id, a 503 where Redis does not answer."""
-        if not RESPONSE_ID_RE.fullmatch(response_id):
+        if not RESPONSE_ID_RE.fullmatch(response_id) or not await self.remove(key_id, response_id):
             raise not_found()
+
+    async def remove(self, key_id: str, object_id: str) -> bool:
+        """Forget a stored object (a response, a conversation) with all its keys and its place in the
+        key's bounds; whether it was there.  A 503 where Redis does not answer."""
+        parts = self.parts(key_id, object_id)
         async with self.call(), self.redis.pipeline(transaction=True) as pipe:
-            pipe.delete(self._key(key_id, response_id))
-            pipe.delete(*self.parts(key_id, response_id)[1:])
-            pipe.zrem(self.index_key(key_id), response_id)
-            pipe.hdel(self.sizes_key(key_id), response_id)
+            pipe.delete(parts[0])
+            pipe.delete(*parts[1:])
+            pipe.zrem(self.index_key(key_id), object_id)
+            pipe.hdel(self.sizes_key(key_id), object_id)
             deleted, *_ = await pipe.execute()
-        if not deleted:
-            raise not_found()
+        return bool(deleted)
 
 
 LOST = "the gateway running this response stopped before it finished"
