@@ -112,9 +112,9 @@ def add_conversation_routes(app: web.Application, conversations: ConversationSto
     async def list_items(request: web.Request) -> web.Response:
         key_id, conversation_id = request["tenant"].key_id, request.match_info["conversation_id"]
         async with admission(request["tenant"]):
-            ids = await store().item_ids(key_id, conversation_id)
-            page, has_more = page_of(ids, request.query, lambda item_id: item_id)
-            return _items_page(await store().items_by_id(key_id, conversation_id, page), has_more)
+            found, has_more = await store().page(key_id, conversation_id,
+                                                 lambda ids: page_of(ids, request.query, lambda item_id: item_id))
+        return _items_page(found, has_more)
 
     async def retrieve_item(request: web.Request) -> web.Response:
         async with admission(request["tenant"]):

@@ -28,7 +28,7 @@ import json
 import re
 import time
 import uuid
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import msgspec
 
@@ -40,6 +40,7 @@ CONVERSATION_ID_RE = re.compile(CONVERSATION_PREFIX + r"[0-9a-f]{32}")
 ITEM_ID_RE = re.compile(r"[a-z]{2,3}_[0-9a-f]{32}")
 MAX_ITEMS = MAX_MESSAGES  # a conversation's items: a response reads them all as messages
 MAX_NEW_ITEMS = 20  # items a call adds (OpenAI's bound)
+PAGE_READS = 3  # reads of a page at most, where its items were deleted between its ids' read and theirs
 FIELDS = ("created_at", "metadata")
 
 # Each script's KEYS: the conversation, its ids, its items, the key's index and sizes; its ARGV: the TTL,
@@ -260,6 +261,18 @@ class ConversationStore:
         except ValueError:
             size = self.store.max_bytes  # (unreadable: taken as full)
         return Held([found[i] for i in order if i in found], size)
+
+    async def page(self, key_id: str, conversation_id: str,
+                   choose: Callable[[list[str]], tuple[list[str], bool]]) -> tuple[list[bytes], bool]:
+        """The JSON of the items that ``choose`` picks from its item ids (oldest first), and whether
+        ``choose`` says more follow them; read again (``PAGE_READS`` times at most) where one of them was
+        deleted between the two reads, so a page is not shortened by a deletion racing it."""
+        for _ in range(PAGE_READS):
+            chosen, more = choose(await self.item_ids(key_id, conversation_id))
+            found = await self.items_by_id(key_id, conversation_id, chosen)
+            if len(found) == len(chosen):
+                break
+        return found, more
 
     async def items_by_id(self, key_id: str, conversation_id: str, item_ids: list[str]) -> list[bytes]:
         """The JSON of those of ``item_ids`` it still holds, in that order."""

@@ -1,11 +1,11 @@
-"""Conversations in a real Redis (gateway/conversation_store.py, gateway/conversation_items.py): made
-with items and metadata, read, changed and deleted by their API key only; items added in order and
-at once, listed by id, deleted one by one with the conversation's bytes; a conversation's bounds on
-items and bytes refuse what would pass them and add nothing; nothing is added to a conversation
-deleted meanwhile; conversations count in their key's bounds beside its stored responses, the least
-recently written forgotten first, with all their keys -- never one written after the bounds were read;
-its bytes are its items' and metadata's, each change renews it; a response that would not fit is
-refused before it is generated.  (The items themselves: tests/gateway/test_conversation_items.py.)"""
+"""Conversations in a real Redis (gateway/conversation_store.py, gateway/conversation_items.py): made with items
+and metadata, read, changed and deleted by their API key only; items added in order and at once, listed by id
+(a page read again where a deletion raced it), deleted one by one with the conversation's bytes; a
+conversation's bounds on items and bytes refuse what would pass them and add nothing; nothing is added to a
+conversation deleted meanwhile; conversations count in their key's bounds beside its stored responses, the
+least recently written forgotten first, with all their keys -- never one written after the bounds were read;
+its bytes are its items' and metadata's, each change renews it; a response that would not fit is refused
+before it is generated. (The items themselves: tests/gateway/test_conversation_items.py.)"""
 from __future__ import annotations
 
 import asyncio
@@ -84,6 +84,21 @@ async def test_items_are_read_by_id_and_deleted_one_by_one_with_their_bytes(conv
     assert await status_of(conversations.delete_item("key-a", made.id, ids[1])) == (404, "item_id")
     assert [json.loads(i)["id"] for i in await conversations.items_by_id("key-a", made.id, ids)] == [ids[0], ids[2]]
 
+
+
+async def test_a_page_is_read_again_where_one_of_its_items_was_deleted_between_its_reads(conversations):
+    made = await conversations.create("key-a", {}, new_items(raw([said(t) for t in "abcd"])))
+    ids = await conversations.item_ids("key-a", made.id)
+    read_by_id = conversations.items_by_id
+
+    async def deleted_meanwhile(key_id, conversation_id, item_ids):  # (the first read only)
+        conversations.items_by_id = read_by_id
+        await conversations.delete_item(key_id, conversation_id, ids[1])
+        return await read_by_id(key_id, conversation_id, item_ids)
+
+    conversations.items_by_id = deleted_meanwhile
+    found, more = await conversations.page("key-a", made.id, lambda listed: (listed[:3], len(listed) > 3))
+    assert [json.loads(i)["id"] for i in found] == [ids[0], ids[2], ids[3]] and not more
 
 async def test_a_deleted_conversation_is_gone_with_its_items_and_takes_none_after(conversations, redis_client):
     made = await conversations.create("key-a", {}, new_items(raw([said("a")])))
