@@ -30,7 +30,9 @@ from common.cluster.redis_util import (
 from common.cluster.redis_keys import DEFAULT_KEY_PREFIX
 from common.cluster.secret_sources import check_distinct, check_secret
 from gateway.backpressure import WaitQueue
-from gateway.response_store import DEFAULT_MAX_BYTES_PER_KEY, DEFAULT_MAX_PER_KEY, DEFAULT_TTL_S, MAX_TTL_S
+from gateway.response_store import (
+    DEFAULT_CONVERSATION_TTL_S, DEFAULT_MAX_BYTES_PER_KEY, DEFAULT_MAX_PER_KEY, DEFAULT_TTL_S, MAX_TTL_S,
+)
 from gateway.routing import POLICIES, RoutingConfig
 from gateway.tenants import CACHE_ISOLATION, ApiKeys, default_key_share, key_id, read_api_keys
 
@@ -108,8 +110,10 @@ class GatewayConfig:
     client_write_timeout: float = HTTP_DEFAULTS.write_timeout  # a client that takes no bytes this long is cut off
     prefix_lookup_timeout: float = 0.5  # the most one Redis prefix lookup may cost a request
     # The Responses API's stored responses (gateway/response_store.py): how long one is kept (0: none
-    # stored), how many and how many bytes an API key keeps (its oldest go first), each Redis call's bound.
+    # stored), how many and how many bytes an API key keeps (its oldest go first), each Redis call's bound;
+    # how long a conversation (gateway/conversation_store.py: in the same bounds) is kept after its last change.
     responses_store_ttl: float = DEFAULT_TTL_S
+    conversations_ttl: float = DEFAULT_CONVERSATION_TTL_S
     responses_store_max: int = DEFAULT_MAX_PER_KEY
     responses_store_max_bytes: int = DEFAULT_MAX_BYTES_PER_KEY
     responses_store_timeout: float = 2.0
@@ -152,6 +156,8 @@ class GatewayConfig:
                       f"{self.responses_store_max}, {self.responses_store_max_bytes}")
         if not 0 <= self.responses_store_ttl <= MAX_TTL_S:  # (NaN fails too)
             raise bad(f"responses_store_ttl must be in [0, {MAX_TTL_S:g}] s, got {self.responses_store_ttl}")
+        if not 0 < self.conversations_ttl <= MAX_TTL_S:
+            raise bad(f"conversations_ttl must be in (0, {MAX_TTL_S:g}] s, got {self.conversations_ttl}")
         if self.structured_output_backend not in BACKENDS:
             raise bad(f"structured_output_backend must be one of {', '.join(BACKENDS)}, got "
                       f"{self.structured_output_backend!r}")
@@ -305,6 +311,9 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     add("--responses-store-ttl", GatewayConfig.responses_store_ttl, float,
         help="seconds a Responses API response is kept for previous_response_id and GET /v1/responses/{id} "
              "(in Redis; 0: none stored)")
+    add("--conversations-ttl", GatewayConfig.conversations_ttl, float,
+        help="seconds a conversation (/v1/conversations) is kept after its last change (in Redis, in its API key's "
+             "--responses-store-max and --responses-store-max-bytes beside its stored responses)")
     add("--responses-store-max", GatewayConfig.responses_store_max, int,
         help="stored responses one API key keeps; storing one more forgets its oldest")
     add("--responses-store-max-bytes", GatewayConfig.responses_store_max_bytes, int,
@@ -357,7 +366,8 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = N
         queue_size_per_key=args.queue_size_per_key,
         client_read_timeout=args.client_read_timeout, inline_tokenize_chars=args.inline_tokenize_chars,
         prefix_lookup_timeout=args.prefix_lookup_timeout, redis_retry_interval=args.redis_retry_interval,
-        responses_store_ttl=args.responses_store_ttl, responses_store_max=args.responses_store_max,
+        responses_store_ttl=args.responses_store_ttl, conversations_ttl=args.conversations_ttl,
+        responses_store_max=args.responses_store_max,
         responses_store_max_bytes=args.responses_store_max_bytes,
         responses_store_timeout=args.responses_store_timeout,
         tokenizer_threads=args.tokenizer_threads, structured_output_backend=args.structured_output_backend,

@@ -14,9 +14,9 @@ items once it has ended (gateway/conversation_routes.py, gateway/responses_endpo
 
 It counts in its API key's index and sizes as a stored response does (one more object of the key's
 ``max_per_key``, its bytes in the key's ``max_bytes_per_key``; storing past them forgets the key's
-least recently written first, never one written after the bounds were read) and is kept ``ttl_s``
-after it was last changed.  One conversation holds at most ``MAX_ITEMS`` items of at most the store's
-``max_bytes`` in all; a call adds at most ``MAX_NEW_ITEMS``, and a response whose input and answer
+least recently written first, never one written after the bounds were read) and is kept the store's
+``conversation_ttl_s`` (``--conversations-ttl``, 30 days) after it was last changed.  One conversation
+holds at most ``MAX_ITEMS`` items of at most the store's ``max_bytes`` in all; a call adds at most ``MAX_NEW_ITEMS``, and a response whose input and answer
 would not fit is refused before it is generated (400, ``conversation_full``).  Every change is one Lua
 script or transaction: two responses ending on one conversation add their items one after the other,
 never interleaved, and nothing is added to a conversation deleted meanwhile.  Ids are ``conv_`` and
@@ -43,28 +43,28 @@ MAX_NEW_ITEMS = 20  # items a call adds (OpenAI's bound)
 PAGE_READS = 3  # reads of a page at most, where its items were deleted between its ids' read and theirs
 FIELDS = ("created_at", "metadata")
 
-# Each script's KEYS: the conversation, its ids, its items, the key's index and sizes; its ARGV: the TTL,
-# now, the conversation's id, then its own.  A change renews the TTLs and makes it the key's newest (its
+# Each script's KEYS: the conversation, its ids, its items, the key's index and sizes; its ARGV: its TTL,
+# the index's, now, the conversation's id, then its own.  A change renews the TTLs and makes it the key's newest (its
 # score past any it had, whatever the gateways' clocks: the eviction keeps what was written since).
 _TOUCH = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
 local function touch(bytes)
-  for i = 1, 5 do redis.call('EXPIRE', KEYS[i], ARGV[1]) end
-  local now, was = tonumber(ARGV[2]), redis.call('ZSCORE', KEYS[4], ARGV[3])
+  for i = 1, 5 do redis.call('EXPIRE', KEYS[i], ARGV[i < 4 and 1 or 2]) end
+  local now, was = tonumber(ARGV[3]), redis.call('ZSCORE', KEYS[4], ARGV[4])
   if was and tonumber(was) >= now then now = tonumber(was) + 0.001 end  -- (later than any score read before)
-  redis.call('ZADD', KEYS[4], string.format('%.6f', now), ARGV[3])
-  redis.call('HSET', KEYS[5], ARGV[3], bytes)
+  redis.call('ZADD', KEYS[4], string.format('%.6f', now), ARGV[4])
+  redis.call('HSET', KEYS[5], ARGV[4], bytes)
 end
 """
 # ARGV: ..., max items, max bytes, then item id and item pairs.  Returns its bytes after; -1 where it is
 # gone, -2 / -3 where the items would pass its bound on items / bytes.
 _APPEND = _TOUCH + """
-local n = (#ARGV - 5) / 2
-if redis.call('LLEN', KEYS[2]) + n > tonumber(ARGV[4]) then return -2 end
+local n = (#ARGV - 6) / 2
+if redis.call('LLEN', KEYS[2]) + n > tonumber(ARGV[5]) then return -2 end
 local bytes = tonumber(redis.call('HGET', KEYS[1], 'bytes') or '0')
-for i = 7, #ARGV, 2 do bytes = bytes + string.len(ARGV[i]) end
-if bytes > tonumber(ARGV[5]) then return -3 end
-for i = 6, #ARGV, 2 do
+for i = 8, #ARGV, 2 do bytes = bytes + string.len(ARGV[i]) end
+if bytes > tonumber(ARGV[6]) then return -3 end
+for i = 7, #ARGV, 2 do
   redis.call('RPUSH', KEYS[2], ARGV[i])
   redis.call('HSET', KEYS[3], ARGV[i], ARGV[i + 1])
 end
@@ -75,10 +75,10 @@ return bytes
 # ARGV: ..., an item id.  Returns its created_at and metadata; -1 where it is gone, -2 where it holds no
 # such item.
 _DELETE_ITEM = _TOUCH + """
-local item = redis.call('HGET', KEYS[3], ARGV[4])
+local item = redis.call('HGET', KEYS[3], ARGV[5])
 if not item then return -2 end
-redis.call('LREM', KEYS[2], 1, ARGV[4])
-redis.call('HDEL', KEYS[3], ARGV[4])
+redis.call('LREM', KEYS[2], 1, ARGV[5])
+redis.call('HDEL', KEYS[3], ARGV[5])
 touch(redis.call('HINCRBY', KEYS[1], 'bytes', -string.len(item)))
 return redis.call('HMGET', KEYS[1], 'created_at', 'metadata')
 """
@@ -86,9 +86,9 @@ return redis.call('HMGET', KEYS[1], 'created_at', 'metadata')
 # where it is gone, -3 where the metadata would pass its bound on bytes.
 _UPDATE = _TOUCH + """
 local old = redis.call('HGET', KEYS[1], 'metadata') or ''
-local bytes = tonumber(redis.call('HGET', KEYS[1], 'bytes') or '0') + string.len(ARGV[4]) - string.len(old)
-if bytes > tonumber(ARGV[5]) then return -3 end
-redis.call('HSET', KEYS[1], 'metadata', ARGV[4], 'bytes', bytes)
+local bytes = tonumber(redis.call('HGET', KEYS[1], 'bytes') or '0') + string.len(ARGV[5]) - string.len(old)
+if bytes > tonumber(ARGV[6]) then return -3 end
+redis.call('HSET', KEYS[1], 'metadata', ARGV[5], 'bytes', bytes)
 touch(bytes)
 return redis.call('HMGET', KEYS[1], 'created_at', 'metadata')
 """
@@ -156,7 +156,8 @@ class ConversationStore:
         store = self.store
         keys = [*self._checked_keys(key_id, conversation_id, param), store.index_key(key_id), store.sizes_key(key_id)]
         async with store.call():
-            answer = await script(keys=keys, args=[store.ttl_s, time.time(), conversation_id, *args])
+            answer = await script(keys=keys, args=[store.conversation_ttl_s, store.index_ttl_s, time.time(),
+                                                   conversation_id, *args])
         if answer == -1:
             raise conversation_not_found(param)
         return answer
@@ -175,12 +176,12 @@ class ConversationStore:
         async with store.call(), store.redis.pipeline(transaction=True) as pipe:
             pipe.hset(meta, mapping={"created_at": conversation.created_at, "bytes": size,
                                      "metadata": metadata_json})
-            pipe.expire(meta, store.ttl_s)
+            pipe.expire(meta, store.conversation_ttl_s)
             if items:
                 pipe.rpush(ids, *(item["id"] for item in items))
                 pipe.hset(held, mapping={item["id"]: e for item, e in zip(items, encoded)})
-                pipe.expire(ids, store.ttl_s)
-                pipe.expire(held, store.ttl_s)
+                pipe.expire(ids, store.conversation_ttl_s)
+                pipe.expire(held, store.conversation_ttl_s)
             store.count(pipe, key_id, conversation.id, size)
             *_, index, sizes = await pipe.execute()
         await store.forget_past_bounds(key_id, index, sizes)

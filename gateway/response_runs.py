@@ -40,10 +40,10 @@ _PUSH = ("local n, added = redis.call('LLEN', KEYS[3]), 0 "
 _APPEND = _HOLDS + _PUSH.replace("FIRST", "4").replace("BASE", "3") + (
     "if added > 0 then redis.call('HINCRBY', KEYS[4], ARGV[2], added) end "
     "redis.call('EXPIRE', KEYS[3], ARGV[1]) return 1")
-_FINISH = _HOLDS + _PUSH.replace("FIRST", "6").replace("BASE", "5") + (
+_FINISH = _HOLDS + _PUSH.replace("FIRST", "7").replace("BASE", "5") + (
     "redis.call('SET', KEYS[2], ARGV[1], 'EX', ARGV[2]) redis.call('HSET', KEYS[4], ARGV[3], ARGV[4]) "
     "if redis.call('EXISTS', KEYS[3]) == 1 then redis.call('EXPIRE', KEYS[3], ARGV[2]) end "
-    "redis.call('EXPIRE', KEYS[4], ARGV[2]) redis.call('EXPIRE', KEYS[5], ARGV[2]) "
+    "redis.call('EXPIRE', KEYS[4], ARGV[6]) redis.call('EXPIRE', KEYS[5], ARGV[6]) "
     "redis.call('DEL', KEYS[1]) return 1")
 _FINISH_TRIES = (0.5, 1.0, None)  # a run's end is tried again after these pauses (a Redis that did not answer)
 _CANCEL = _HOLDS + "redis.call('SET', KEYS[1], 'cancelled', 'EX', ARGV[1]) return 1"
@@ -142,7 +142,7 @@ class RunStore:
         for pause in _FINISH_TRIES:  # (tried again: one that Redis took finds the run ended, and stores nothing)
             try:
                 if await self._script(_FINISH, key_id, response_id,
-                                      [data, store.ttl_s, response_id, size, base, *closing]) != 1:
+                                      [data, store.ttl_s, response_id, size, base, store.index_ttl_s, *closing]) != 1:
                     return False
                 break
             except OpenAIError:

@@ -23,8 +23,9 @@ Each API key reads and deletes only its own (its key id is in the key; without A
 is the one tenant ``anonymous``).  Ids are ``resp_`` and 32 random hex digits.  What a stranger can
 hold: an API key's ``max_per_key`` newest responses within ``max_bytes_per_key`` bytes in all
 (storing one more forgets that key's oldest until both hold; ids past their TTL count until then --
-they are the oldest, so they go first), each at most ``max_bytes`` (a conversation grown past that is
-not stored: the answer says ``store: false``), for ``ttl_s`` seconds.  Every Redis call is bounded
+the oldest go first), each at most ``max_bytes`` (a conversation grown past that is not stored: the
+answer says ``store: false``), for ``ttl_s`` seconds (a conversation: ``conversation_ttl_s`` after its
+last change; the key's index and sizes: the longer of the two).  Every Redis call is bounded
 by ``timeout_s``: a response that could not be stored is answered all the same (logged, counted); a
 stored response that cannot be read is a 503.  After a call Redis failed or did not answer, the store
 does not ask it again for ``retry_s`` (saves are skipped, reads are 503s at once): a Redis that does not
@@ -54,6 +55,7 @@ log = logging.getLogger(__name__)
 RESPONSE_ID_RE = re.compile(r"resp_[0-9a-f]{32}")
 CONVERSATION_PREFIX = "conv_"  # a conversation's id (gateway/conversation_store.py): it shares the key's bounds
 DEFAULT_TTL_S = 86400.0  # a day
+DEFAULT_CONVERSATION_TTL_S = 30 * 86400.0  # a conversation, after its last change
 MAX_TTL_S = 365 * 86400.0
 DEFAULT_MAX_PER_KEY = 1000
 DEFAULT_MAX_BYTES_PER_KEY = 64 << 20
@@ -149,15 +151,20 @@ class ResponseStore:
     FAILURES = _REDIS_FAILURES  # what a Redis call that failed or did not answer raises
 
     def __init__(self, redis: aioredis.Redis, *, key_prefix: str, ttl_s: float = DEFAULT_TTL_S,
+                 conversation_ttl_s: float = DEFAULT_CONVERSATION_TTL_S,
                  max_per_key: int = DEFAULT_MAX_PER_KEY, max_bytes_per_key: int = DEFAULT_MAX_BYTES_PER_KEY,
                  max_bytes: int, timeout_s: float, retry_s: float = 0.0, on_failure=lambda: None):
-        if not (0 < ttl_s <= MAX_TTL_S and max_per_key >= 1 and max_bytes_per_key >= 1 and max_bytes >= 1
-                and 0 < timeout_s < math.inf and 0 <= retry_s < math.inf):
-            raise ValueError(f"response store: ttl_s must be in (0, {MAX_TTL_S:g}]; max_per_key, max_bytes_per_key, "
-                             f"max_bytes and timeout_s positive and finite, retry_s finite; got {ttl_s}, "
-                             f"{max_per_key}, {max_bytes_per_key}, {max_bytes}, {timeout_s}, {retry_s}")
+        if not (0 < ttl_s <= MAX_TTL_S and 0 < conversation_ttl_s <= MAX_TTL_S and max_per_key >= 1
+                and max_bytes_per_key >= 1 and max_bytes >= 1 and 0 < timeout_s < math.inf and 0 <= retry_s < math.inf):
+            raise ValueError(f"response store: ttl_s and conversation_ttl_s must be in (0, {MAX_TTL_S:g}]; "
+                             f"max_per_key, max_bytes_per_key, max_bytes and timeout_s positive and finite, retry_s "
+                             f"finite; got {ttl_s}, {conversation_ttl_s}, {max_per_key}, {max_bytes_per_key}, "
+                             f"{max_bytes}, {timeout_s}, {retry_s}")
         self.redis, self.prefix = redis, f"{key_prefix}:responses"
         self.ttl_s, self.max_per_key, self.timeout_s = max(1, round(ttl_s)), max_per_key, timeout_s
+        self.conversation_ttl_s = max(1, round(conversation_ttl_s))
+        # A key's index and sizes outlive every object they count, responses and conversations alike.
+        self.index_ttl_s = max(self.ttl_s, self.conversation_ttl_s)
         self.max_bytes_per_key, self.max_bytes = max_bytes_per_key, min(max_bytes, max_bytes_per_key)
         self.on_failure, self.retry_s = on_failure, retry_s
         self._quiet_until = 0.0  # monotonic: Redis is not asked before then (it failed)
@@ -243,8 +250,8 @@ class ResponseStore:
         index, sizes = self.index_key(key_id), self.sizes_key(key_id)
         pipe.zadd(index, {object_id: time.time()})
         pipe.hset(sizes, object_id, size)
-        pipe.expire(index, self.ttl_s)
-        pipe.expire(sizes, self.ttl_s)
+        pipe.expire(index, self.index_ttl_s)
+        pipe.expire(sizes, self.index_ttl_s)
         pipe.zrange(index, 0, -1, withscores=True)  # oldest first
         pipe.hgetall(sizes)
 

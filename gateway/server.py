@@ -129,6 +129,7 @@ class Gateway:
         if self.config.responses_store_ttl > 0:
             self.response_store = ResponseStore(
                 self.redis, key_prefix=self.config.key_prefix, ttl_s=self.config.responses_store_ttl,
+                conversation_ttl_s=self.config.conversations_ttl,
                 max_per_key=self.config.responses_store_max, max_bytes_per_key=self.config.responses_store_max_bytes,
                 max_bytes=self.config.max_body_bytes, timeout_s=self.config.responses_store_timeout,
                 retry_s=self.config.redis_retry_interval, on_failure=self.metrics.responses_store_failures.inc)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import openai
 import pytest
 
+from gateway.tenants import key_id
 from tests.support.inprocess_gateway import KEYS, gateway
 
 MODEL_ITEM = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hello"}]}
@@ -151,6 +152,14 @@ async def test_a_gateway_that_stores_no_responses_keeps_no_conversations(served_
         with pytest.raises(openai.BadRequestError) as info:
             await client.responses.create(model=gw.model_id, input="hi", conversation="conv_" + "0" * 32)
         assert info.value.body["param"] == "conversation"
+
+
+async def test_conversations_are_kept_the_gateways_conversations_ttl(served_checkpoint, redis_url, key_prefix,
+                                                                     redis_client):
+    async with gateway(served_checkpoint, redis_url, key_prefix, conversations_ttl=1234) as (gw, http):
+        made = await client_of(http).conversations.create(items=[MODEL_ITEM])
+        for key in gw.conversations.keys(key_id(KEYS["a"]), made.id):
+            assert 1224 <= await redis_client.ttl(key) <= 1234
 
 
 async def test_a_response_its_conversation_has_no_room_for_is_refused_before_it_is_generated(served, monkeypatch):

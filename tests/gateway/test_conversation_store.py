@@ -187,6 +187,29 @@ async def test_its_bytes_are_its_items_and_metadata_and_each_change_renews_it(co
     assert [await redis_client.ttl(key) > 5 for key in keys] == [True] * 5  # renewed to the store's TTL
 
 
+@pytest.mark.parametrize("responses_ttl, conversation_ttl", [(600, 7200), (7200, 600)])
+async def test_a_conversation_is_kept_its_own_ttl_and_its_keys_index_the_longer(redis_client, key_prefix,
+                                                                                responses_ttl, conversation_ttl):
+    responses = ResponseStore(redis_client, key_prefix=key_prefix, ttl_s=responses_ttl,
+                              conversation_ttl_s=conversation_ttl, max_bytes=4096, timeout_s=5.0)
+    conversations = ConversationStore(responses)
+    made = await conversations.create("key-a", {}, new_items(raw([said("one")])))
+    keys = [*conversations.keys("key-a", made.id), responses.index_key("key-a"), responses.sizes_key("key-a")]
+    longer = max(responses_ttl, conversation_ttl)
+
+    async def kept() -> bool:
+        ttls = [await redis_client.ttl(key) for key in keys]
+        return all(t - 10 <= ttl <= t for ttl, t in zip(ttls, [conversation_ttl] * 3 + [longer] * 2))
+
+    assert await kept()
+    assert await responses.save("key-a", "resp_" + "1" * 32, StoredResponse(b"{}", []))
+    assert await kept()  # the key's index still counts the conversation as long as it lives
+    for key in keys:
+        await redis_client.expire(key, 5)
+    await conversations.append("key-a", made.id, new_items(raw([said("two")])))
+    assert await kept()
+
+
 async def test_a_response_that_would_not_fit_is_refused_before_it_is_generated(conversations, monkeypatch):
     monkeypatch.setattr("gateway.conversation_store.MAX_ITEMS", 4)
     held = Held([msgspec.json.encode(item) for item in new_items(raw([said("a"), said("b")]))], 100)

@@ -59,6 +59,10 @@ def test_config_from_env_is_validated():
         config_from_args(build_parser({"PDSERVE_ROUTING_POLICY": "random"}).parse_args([]))
     with pytest.raises(ValueError, match="max_inflight"):
         config_from_args(build_parser({"PDSERVE_MAX_INFLIGHT": "0"}).parse_args([]))
+    for ttl in ("0", "nan", str(400 * 86400)):
+        with pytest.raises(ValueError, match="conversations_ttl"):
+            config_from_args(build_parser({}).parse_args(["--conversations-ttl", ttl]))
+    assert config_from_args(build_parser({}).parse_args(["--conversations-ttl", "60"])).conversations_ttl == 60
 
 
 def test_cache_isolation_per_key_needs_api_keys():

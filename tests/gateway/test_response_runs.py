@@ -65,6 +65,8 @@ async def test_a_runs_events_are_kept_in_order_and_its_end_appends_its_last_with
     assert (json.loads(loaded.response)["status"], loaded.streamed, loaded.running) == ("completed", True, False)
     size = int(await redis_client.hget(f"{key_prefix}:responses:key-a:sizes", rid(1)))
     assert size == len(msgspec.msgpack.encode(ended(1))) + sum(map(len, [*deltas, last]))  # its events count too
+    assert await redis_client.ttl(store.index_key("key-a")) > store.ttl_s  # (as long as a conversation lives)
+    assert await redis_client.ttl(store.sizes_key("key-a")) > store.ttl_s
 
 
 async def test_nothing_is_appended_or_stored_once_a_run_is_cancelled(store, redis_client, key_prefix):

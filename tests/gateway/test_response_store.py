@@ -34,12 +34,13 @@ async def not_found(call, status: int = 404) -> OpenAIError:
 
 
 async def test_a_saved_response_is_loaded_back_by_its_key_alone(redis_client, key_prefix):
-    store = make_store(redis_client, key_prefix, ttl_s=600)
+    store = make_store(redis_client, key_prefix, ttl_s=600, conversation_ttl_s=7200)
     assert await store.save("key-a", rid(1), StoredResponse(b'{"id": "x"}', CONVERSATION))
     loaded = await store.load("key-a", rid(1))
     assert (loaded.response, loaded.messages) == (b'{"id": "x"}', CONVERSATION)
     assert 590 <= await redis_client.ttl(f"{key_prefix}:responses:key-a:{rid(1)}") <= 600
-    assert 590 <= await redis_client.ttl(f"{key_prefix}:responses:key-a") <= 600
+    for counting in (store.index_key("key-a"), store.sizes_key("key-a")):  # (as long as a conversation lives)
+        assert 7190 <= await redis_client.ttl(counting) <= 7200
     await not_found(store.load("key-b", rid(1)))  # another API key's
     await not_found(store.delete("key-b", rid(1)))
     assert (await store.load("key-a", rid(1))).messages == CONVERSATION
@@ -168,7 +169,8 @@ async def test_after_a_failure_redis_is_not_asked_again_for_a_while(key_prefix):
 
 
 def test_its_bounds_are_positive():
-    for bad in ({"ttl_s": 0}, {"ttl_s": float("nan")}, {"ttl_s": float("inf")}, {"max_per_key": 0},
+    for bad in ({"ttl_s": 0}, {"ttl_s": float("nan")}, {"ttl_s": float("inf")}, {"conversation_ttl_s": 0},
+                {"conversation_ttl_s": float("nan")}, {"conversation_ttl_s": 400 * 86400}, {"max_per_key": 0},
                 {"max_bytes_per_key": 0}, {"max_bytes": 0}, {"timeout_s": 0}, {"timeout_s": float("inf")},
                 {"retry_s": -1}):
         with pytest.raises(ValueError):
