@@ -238,6 +238,10 @@ async def stream_outputs(context: RoleContext, stream: asyncio.Queue, response, 
             if item is MOVE_SOON:  # a drain hands it over soon: the gateway may pre-copy its KV
                 frames.append(frame(TokenFrame(move_soon=True)))
                 continue
+            if item.error is not None:  # its grammar failed: what came before it goes out, then the error
+                if frames:
+                    await response.write(b"".join(frames))
+                raise ValueError(item.error)
             out = output_frame(item)
             if not opened.started:
                 context.ttft.add(now - started)

@@ -291,6 +291,8 @@ class Dispatcher:
                                 raise UpstreamError(frame.error)
                             if resp.status != 200:  # an error status must carry an error frame
                                 raise _BadAnswer(resp.status, resp.content_type, "a frame that is no error")
+                            if frame.finish_reason == "error":  # ended with an error it did not name
+                                raise UpstreamError(f"decode worker {decode_id} ended the request with an error")
                             if frame.move_soon:  # it drains: copy the stream's KV ahead to where it moves
                                 migration.start_precopy(functools.partial(
                                     self._precopy, request_id, prompt, params, cache_salt, list(migration.sent),

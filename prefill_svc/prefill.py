@@ -26,9 +26,10 @@ async def _first_output(stream: asyncio.Queue, shipping: asyncio.Task):
     getter = asyncio.ensure_future(stream.get())
     try:
         await asyncio.wait({getter, shipping}, return_when=asyncio.FIRST_COMPLETED)
-        if not getter.done() and shipping.done() and not shipping.cancelled() and shipping.exception() is None:
-            # Every block went out (the request finished: its output was posted right after its
-            # last blocks), before this handler saw the output: it is on its way.
+        if not getter.done() and shipping.done() and not shipping.cancelled() and (
+                shipping.exception() is None or getattr(shipping.exception(), "with_output", False)):
+            # Every block went out, or the request ended with an error (its output was posted in
+            # the step that ended it), before this handler saw the output: it is on its way.
             await getter
     finally:
         if not getter.done():
@@ -89,6 +90,9 @@ async def handle_prefill(context: RoleContext, shipper: Shipper, request: web.Re
         await context.engine.call(start)
         shipping = asyncio.create_task(ship(context, job))
         output = await _first_output(stream, shipping)
+        if output.error is not None:  # its grammar failed (the decode worker then computes it, and says why)
+            outcome = "invalid"
+            return _reply(PrefillResult(error=output.error), 422)
         num_sent = await shipping
         computed = job.num_kv_tokens - output.num_cached_tokens  # a moved stream's outputs count too
         context.metrics.prefill_computed_tokens.inc(computed)

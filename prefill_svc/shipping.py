@@ -26,7 +26,19 @@ from worker.engine_thread import EngineFailed
 from kvtransfer.ordering import record_fence
 from worker.role_context import RoleContext
 
-FINAL = object()
+FINAL = object()  # every block went out: the transfer finishes
+# The request ended before its KV was all computed, with an error (its output posted in the same step)
+# or aborted: the transfer fails.
+ENDED = {"error": object(), "abort": object()}
+
+
+class RequestEnded(Exception):
+    """The request ended before its KV was all computed: nothing more ships.  ``with_output``: it
+    ended with an error, whose output is on its way to the request's stream."""
+
+    def __init__(self, message: str, with_output: bool):
+        super().__init__(message)
+        self.with_output = with_output
 
 
 @dataclass
@@ -88,6 +100,8 @@ class Shipper:
             request = job.request
             if request.is_finished and request.status.finish_reason in ("abort", "error"):
                 del self.jobs[request_id]
+                engine.scheduler.release_held(request_id)  # nothing more ships (the pins keep what did)
+                job.post(ENDED[request.status.finish_reason])
                 continue
             if request.is_finished:
                 limit = cdiv(job.num_kv_tokens, bs)
@@ -125,6 +139,9 @@ async def ship(context: RoleContext, job: ShippingJob) -> int:
             if item is FINAL:
                 await transfer.finish()
                 return sent
+            if item in ENDED.values():
+                raise RequestEnded(f"request {job.request_id!r} ended before its KV was computed",
+                                   with_output=item is ENDED["error"])
             src, dst, blocks, fence = item
             try:
                 await transfer.send_blocks(src, dst, fence)
@@ -147,5 +164,5 @@ async def unpin_leftovers(context: RoleContext, job: ShippingJob) -> None:
     """After the job is stopped in the engine thread: release batches that were never sent."""
     while not job.queue.empty():
         item = job.queue.get_nowait()
-        if item is not FINAL:
+        if isinstance(item, tuple):  # (not FINAL nor ENDED)
             await unpin(context, item[2])

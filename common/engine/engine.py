@@ -58,6 +58,7 @@ class RequestOutput:
     num_preemptions: int = 0
     # With the first token of a request that scores its prompt: entry i scores prompt token i + 1.
     prompt_logprobs: list[TokenLogprobs] | None = None
+    error: str | None = None  # why it ended with an error (finish_reason "error": its grammar failed)
 
 
 class StepFailed(Exception):
@@ -341,6 +342,7 @@ class Engine:
             num_preemptions=request.num_preemptions,
             prompt_logprobs=request.prompt_logprobs if first and request.sampling_params.prompt_logprobs is not None
             else None,
+            error=request.error,
         )
 
     def has_unfinished(self) -> bool:

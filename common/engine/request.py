@@ -80,6 +80,7 @@ class Request:
         # The request's position in its grammar (``sampling_params.structured``): it advances with
         # every output token but a stop token, and survives preemption (no output token is undone).
         self.grammar = grammar
+        self.error: str | None = None  # why it ended with an error, where it did (its grammar failed)
         # ``sampling_params.prompt_logprobs``: the prompt tokens scored so far (entry i scores token
         # i + 1, ``TokenLogprobs``) until the first output takes them; the count survives preemption,
         # so a prompt computed again is not scored twice.
@@ -121,17 +122,28 @@ class Request:
         """Append ``token_id`` as the next output token, advancing the grammar, and finish the
         request if it ends it (``status_after_token``; or the grammar is complete)."""
         status = status_after_token(self, token_id, max_model_len)
-        if self.grammar is not None and token_id not in self.stop_token_ids:
-            if not self.grammar.accept(token_id):  # the mask allowed it: only a backend bug gets here
-                log.error("request %s: its grammar refused token %d; it ends with an error", self.request_id, token_id)
+        if self.grammar is not None:
+            failure = self.grammar.error()  # (its mask allowed nothing it means: not even this stop token)
+            if failure is None and token_id not in self.stop_token_ids and not self.grammar.accept(token_id):
+                failure = self.grammar.error() or f"the grammar refused token {token_id} its mask allowed"
+            if failure is not None:
+                self._grammar_failed(failure)
                 status = RequestStatus.FINISHED_ERROR
-            elif status is None and self.grammar.is_stopped():
+            elif status is None and token_id not in self.stop_token_ids and self.grammar.is_stopped():
                 status = RequestStatus.FINISHED_STOPPED
         self.append_output_token(token_id)
         if status is RequestStatus.FINISHED_STOPPED:
             self.stop_reason = token_id
         if status is not None:
             self.status = status
+
+    def _grammar_failed(self, failure: str) -> None:
+        """Its grammar cannot go on (a limit on its work passed): it ends with an error naming why."""
+        spec = self.sampling_params.structured
+        field = spec.field if spec is not None else "structured output"
+        self.error = (f"{field}: the grammar could not be followed past output token {self.num_output_tokens} "
+                      f"({failure}); simplify it")
+        log.warning("request %s: %s", self.request_id, self.error)
 
     def update_block_hashes(self, block_size: int) -> list[BlockHash]:
         """Extend the chained hashes to every full block of the tokens known so far."""

@@ -109,6 +109,9 @@ def test_greedy_structured_equals_across_preemption_and_recompute(directory):
     StructuredOutput("regex", "(unclosed"),
     StructuredOutput("grammar", "start: undefined_rule\n"),
     StructuredOutput("choice", "[]"),
+    # Past the bounds on a grammar's work at its first token: at compile, not once generation started.
+    StructuredOutput("regex", "c{1000000}"),
+    StructuredOutput("json_schema", json.dumps({"$defs": {"n": {"$ref": "#/$defs/n"}}, "$ref": "#/$defs/n"})),
 ])
 def test_bad_specs_are_grammar_errors_naming_the_field(engine, spec):
     with pytest.raises(GrammarError, match="^response_format"):
@@ -169,3 +172,48 @@ def test_grammar_mask_applies_before_greedy_argmax():
     rows = [SamplingRow(SamplingParams(temperature=0.0), grammar=OnlyToken()), SamplingRow(SamplingParams(temperature=0.0))]
     tokens, _ = Sampler()(logits, rows)
     assert tokens == [5, 9]
+
+
+class FailsAfter:
+    """A real matcher that passes the limits on its work after ``tokens`` tokens (as llguidance's does
+    when a grammar's lexer grows past them): from then on it reports an error."""
+
+    def __init__(self, matcher, tokens: int):
+        self.matcher, self.left = matcher, tokens
+
+    def __getattr__(self, name):
+        return getattr(self.matcher, name)
+
+    def accept(self, token_id: int) -> bool:
+        self.left -= 1
+        return self.left >= 0 and self.matcher.accept(token_id)
+
+    def error(self) -> str | None:
+        return "lexer error: too many expressions constructed" if self.left < 0 else None
+
+
+@pytest.mark.parametrize("tokens", [0, 2])
+def test_a_grammar_that_fails_mid_generation_ends_its_request_with_an_error_naming_why(engine, tokens):
+    spec = StructuredOutput("regex", "[a-z ]{1,40}", field="structured_outputs")
+    request = engine.make_request("Hello", SamplingParams(max_tokens=20, temperature=1.0, seed=0, structured=spec))
+    request.grammar = FailsAfter(request.grammar, tokens)
+    engine.scheduler.add_request(request)
+    outputs = []
+    while engine.has_unfinished():
+        outputs += [o for o in engine.step() if o.request_id == request.request_id]
+    last = outputs[-1]
+    assert (last.finished, last.finish_reason) == (True, "error")
+    assert last.error.startswith("structured_outputs: ") and "too many expressions" in last.error
+    assert f"past output token {tokens}" in last.error
+    assert all(o.error is None for o in outputs[:-1]) and request.num_output_tokens == tokens + 1
+
+
+def test_a_matcher_in_error_does_not_end_its_request_as_stopped_at_a_stop_token(engine):
+    """A mask the backend could not compute allows the stop token only: that is an error, not an
+    answer that ends as the grammar allows."""
+    spec = StructuredOutput("regex", "[a-z]{3}", field="response_format")
+    request = engine.make_request("Hello", SamplingParams(max_tokens=8, structured=spec))
+    request.grammar = FailsAfter(request.grammar, -1)  # (failed before its first token)
+    eos = next(iter(request.stop_token_ids))
+    request.append_token(eos, max_model_len=1024)
+    assert request.status.finish_reason == "error" and "past output token 0" in request.error

@@ -111,6 +111,7 @@ def test_json_object_regex_choice_and_grammar(client, stack):
     ({"response_format": {"type": "yaml"}}, "response_format.type"),
     ({"structured_outputs": {"regex": "(open"}}, "structured_outputs"),
     ({"structured_outputs": {"grammar": "start: missing_rule"}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "c{1000000}"}}, "structured_outputs"),  # past the bounds on its work
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
     ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
     ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "structured_outputs"),

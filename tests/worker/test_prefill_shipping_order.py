@@ -1,5 +1,6 @@
 """Every batch of blocks the prefill worker ships carries a fence recorded after the step that
-wrote them (on CUDA the sender waits on it before UCX or the staging copy reads device memory).
+wrote them (on CUDA the sender waits on it before UCX or the staging copy reads device memory);
+a request that ends with an error gives its blocks back and fails its transfer at once.
 
 The engine runs a chunked prefill here on CPU, where ``record_fence`` is replaced by a stand-in
 that names the step it was recorded in; the test checks, block by block, that the fence of each
@@ -17,7 +18,7 @@ from common.engine.engine import Engine
 from common.engine.sampling_params import SamplingParams
 from common.cluster.registry import KVAddress
 from prefill_svc import shipping
-from prefill_svc.shipping import FINAL, Shipper, ShippingJob
+from prefill_svc.shipping import ENDED, FINAL, RequestEnded, Shipper, ShippingJob
 
 BLOCK = 4
 
@@ -68,6 +69,42 @@ def test_each_shipped_batch_waits_for_the_step_that_wrote_it(engine, monkeypatch
         shipped += dst
         engine.block_pool.free(blocks)  # the pins the sender would drop
     assert shipped == list(range(10))
+
+
+class FailedGrammar:
+    """A grammar that failed (past the limits on its work) at the request's first token."""
+
+    def fill_bitmask(self, bitmask, row):
+        bitmask[row].fill_(-1)
+
+    def accept(self, token_id):
+        return False
+
+    def error(self):
+        return None
+
+    def is_stopped(self):
+        return False
+
+
+def test_a_request_that_ends_with_an_error_gives_its_blocks_back_and_fails_its_transfer(engine):
+    shipper = Shipper(SimpleNamespace(model=SimpleNamespace(device=engine.device)))
+    posted: list = []
+    job = ShippingJob("e", "0" * 32, KVAddress("tcp", "127.0.0.1", 1), list(range(10)), 0, asyncio.new_event_loop())
+    job.post = posted.append
+    free = engine.block_pool.num_free_blocks
+    try:
+        request = engine.make_request(list(range(3, 40)), SamplingParams(max_tokens=1, temperature=1.0), "e")
+        request.grammar = FailedGrammar()
+        shipper.start(engine, job, request)
+        while engine.has_work():
+            shipper.after_step(engine, engine.step())
+    finally:
+        job.loop.close()
+    assert request.status.finish_reason == "error" and posted[-1] is ENDED["error"] and not shipper.jobs
+    for _src, _dst, blocks, _fence in posted[:-1]:
+        engine.block_pool.free(blocks)  # the pins the sender drops
+    assert engine.block_pool.num_free_blocks == free  # none held for a transfer that will not come
 
 
 class StepInProgress:
@@ -134,3 +171,17 @@ async def test_the_first_token_goes_out_without_waiting_for_the_next_step():
     context.engine.end_step()
     await asyncio.wait_for(asyncio.gather(*background), timeout=10)
     assert unpinned == [blocks[:2], blocks[2:]]
+
+
+async def test_a_transfer_whose_request_ended_fails_at_once_and_says_whether_its_output_follows():
+    aborted: list = []
+    transfer = RecordingTransfer()
+    transfer.abort = aborted.append
+    context = SimpleNamespace(kv_sender=SimpleNamespace(begin=lambda *_: asyncio.sleep(0, transfer)))
+    for reason, with_output in (("error", True), ("abort", False)):
+        job = ShippingJob("r", "0" * 32, KVAddress("tcp", "127.0.0.1", 1), [7], 0, asyncio.get_running_loop())
+        job.queue.put_nowait(ENDED[reason])
+        with pytest.raises(RequestEnded) as info:
+            await asyncio.wait_for(shipping.ship(context, job), timeout=10)
+        assert info.value.with_output is with_output
+    assert len(aborted) == 2 and transfer.finished is None  # the receiver is told, never that it is complete

@@ -133,3 +133,16 @@ async def test_a_worker_error_frame_still_means_what_it_says():
     async with dispatcher(invalid) as d:
         with pytest.raises(ValueError, match="prompt rejected"):
             await generate(d)
+
+
+async def test_a_stream_a_worker_ends_with_an_error_it_does_not_name_is_an_upstream_error():
+    """finish_reason "error" is no answer: the client gets an error, not a "completed" reply."""
+    async def errored(request):
+        response = web.StreamResponse(headers={"Content-Type": FRAMES_CONTENT_TYPE})
+        await response.prepare(request)
+        await response.write(frame(TokenFrame(token_ids=[7])) + frame(TokenFrame(finished=True, finish_reason="error")))
+        return response
+
+    async with dispatcher(errored) as d:
+        with pytest.raises(UpstreamError, match="ended the request with an error"):
+            await generate(d)

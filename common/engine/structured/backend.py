@@ -42,6 +42,10 @@ class GrammarMatcher(Protocol):
     def is_stopped(self) -> bool:
         """The output must end here: the grammar allows nothing more."""
 
+    def error(self) -> str | None:
+        """Why the matcher cannot go on, where it cannot (a limit on the grammar's work passed while
+        filling a mask or accepting a token: its mask then allows nothing it means); else ``None``."""
+
 
 class CompiledGrammar(Protocol):
     def matcher(self) -> GrammarMatcher:

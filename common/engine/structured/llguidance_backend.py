@@ -59,6 +59,9 @@ class LLGuidanceMatcher:
     def is_stopped(self) -> bool:
         return self._m.is_stopped()
 
+    def error(self) -> str | None:
+        return first_line(self._m.get_error()) if self._m.is_error() else None
+
 
 class LLGuidanceGrammar:
     def __init__(self, prototype: llguidance.LLMatcher):
@@ -81,6 +84,10 @@ class LLGuidanceBackend:
         matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0, limits=self._limits)
         if matcher.is_error():
             raise GrammarError(f"{spec.field}: unsupported or invalid {_what(spec)}: {matcher.get_error()}")
+        failure = _first_step_failure(matcher)
+        if failure is not None:
+            raise GrammarError(f"{spec.field}: the {_what(spec)} passes this server's bounds on a grammar's work at "
+                               f"its first token ({failure})")
         return LLGuidanceGrammar(matcher)
 
     def _grammar(self, spec: StructuredOutput) -> str:
@@ -101,6 +108,27 @@ class LLGuidanceBackend:
             message = str(exc)
             raise GrammarError(message if message.startswith(spec.field) else
                                f"{spec.field}: invalid {_what(spec)}: {message}") from None
+
+
+def first_line(message: str) -> str:
+    """llguidance's error, without the parser state it dumps after the first line."""
+    return message.strip().split("\n", 1)[0][:500]
+
+
+def _first_step_failure(prototype: llguidance.LLMatcher) -> str | None:
+    """Why the grammar fails at its first token -- its first mask, or the first token that mask
+    allows past the limits (a repeat count in the millions builds its lexer only then) --, on a
+    copy; ``None`` where that step works.  Most grammars too costly for the limits fail here, at
+    compile (a 400 before any worker sees them); one that fails later ends its request with an
+    error naming why (``common.engine.request``)."""
+    matcher = prototype.deep_copy()
+    mask = matcher.compute_bitmask()
+    if matcher.is_error():
+        return first_line(matcher.get_error())
+    allowed = next((i * 8 + bit for i, byte in enumerate(mask) if byte for bit in range(8) if byte >> bit & 1), None)
+    if allowed is not None and not matcher.consume_token(allowed) and matcher.is_error():
+        return first_line(matcher.get_error())
+    return None
 
 
 def _what(spec: StructuredOutput) -> str:

@@ -35,6 +35,9 @@ class XGrammarMatcher:
     def is_stopped(self) -> bool:
         return self._m.is_terminated()
 
+    def error(self) -> str | None:
+        return None  # (xgrammar's matchers have no error state: a token it forbids is refused)
+
 
 class XGrammarGrammar:
     def __init__(self, compiled: "xgrammar.CompiledGrammar"):
