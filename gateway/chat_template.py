@@ -18,8 +18,12 @@ A built-in format also names the token that ends a turn (``<end_of_turn>``): cha
 there, as the instruction-tuned checkpoints' generation configs do.  Gemma's has no tool syntax of
 its own; the built-in one lists the request's tools in the first turn and writes calls and results
 as Hermes does (``<tool_call>{...}</tool_call>`` in a model turn, ``<tool_response>`` in a user
-turn; consecutive results share one turn), which the default ``--tool-call-parser`` reads.  Without any template, chat
-requests get a 400 naming the problem.
+turn), which the default ``--tool-call-parser`` reads.  Consecutive messages of one side share its
+turn (two user messages, a developer message after the system prompt, results and the user's next
+words; texts apart by a blank line) -- Gemma's own template refuses them, but the Responses and
+Messages APIs and conversations send them --, and a conversation may begin with the model's turn
+(the system prompt then a user turn of its own).  Without any template, chat requests get a 400
+naming the problem.
 """
 from __future__ import annotations
 
@@ -43,31 +47,33 @@ GEMMA_TURNS = (
     " + '</tool_call>, one per call.' -%}"
     "{%- endif -%}"
     "{%- set first_user_prefix = system + '\\n\\n' if system else '' -%}"
-    "{%- set state = namespace(turn='', role='') -%}"
+    "{%- if system and (not loop_messages or loop_messages[0]['role'] == 'assistant') -%}"
+    "{{ '<start_of_turn>user\\n' + system + '<end_of_turn>\\n' }}"
+    "{%- set first_user_prefix = '' -%}"
+    "{%- endif -%}"
+    "{%- set state = namespace(turn='', piece='') -%}"
     "{%- for message in loop_messages -%}"
     "{%- set turn = 'model' if message['role'] == 'assistant' else 'user' -%}"
-    "{%- set more_results = message['role'] == 'tool' and state.role == 'tool' -%}"
-    "{%- if (turn == state.turn and not more_results) or (loop.first and turn == 'model') -%}"
-    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
-    "{%- endif -%}"
-    "{%- if state.role == 'tool' and not more_results -%}{{ '<end_of_turn>\\n' }}{%- endif -%}"
-    "{%- if not more_results -%}"
-    "{{ '<start_of_turn>' + turn + '\\n' + (first_user_prefix if loop.first else '') }}"
+    "{%- if turn != state.turn -%}"
+    "{%- if state.turn -%}{{ '<end_of_turn>\\n' }}{%- endif -%}"
+    "{{ '<start_of_turn>' + turn + '\\n' + (first_user_prefix if not state.turn else '') }}"
+    "{%- elif state.piece == 'text' -%}"
+    "{{ '\\n\\n' }}"
     "{%- endif -%}"
     "{%- if message['role'] == 'tool' -%}"
     "{{ '<tool_response>\\n' + message['content'] | trim + '\\n</tool_response>\\n' }}"
+    "{%- set state.piece = 'tool' -%}"
     "{%- else -%}"
     "{{ message['content'] | trim }}"
     "{%- for call in message.get('tool_calls') or [] -%}"
     "{{ '<tool_call>' + {'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson"
     " + '</tool_call>' }}"
     "{%- endfor -%}"
-    "{{ '<end_of_turn>\\n' }}"
+    "{%- set state.piece = 'text' -%}"
     "{%- endif -%}"
     "{%- set state.turn = turn -%}"
-    "{%- set state.role = message['role'] -%}"
     "{%- endfor -%}"
-    "{%- if state.role == 'tool' -%}{{ '<end_of_turn>\\n' }}{%- endif -%}"
+    "{%- if state.turn -%}{{ '<end_of_turn>\\n' }}{%- endif -%}"
     "{%- if add_generation_prompt -%}"
     "{{ '<start_of_turn>model\\n' }}"
     "{%- endif -%}"

@@ -60,8 +60,28 @@ def test_gemma_turn_format_and_its_end_of_turn_stop_token(gemma_dir):
     text = tok.apply_chat_template(messages, chat_template=chat.template, add_generation_prompt=True, tokenize=False)
     assert text == ("<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\nHello!"
                     "<end_of_turn>\n<start_of_turn>user\nWhy?<end_of_turn>\n<start_of_turn>model\n")
-    with pytest.raises(Exception, match="alternate"):
-        tok.apply_chat_template([{"role": "assistant", "content": "x"}], chat_template=chat.template)
+
+
+
+@pytest.mark.parametrize("messages, expected", [
+    # Consecutive messages of one side share its turn (Gemma's own template refuses them; the
+    # Responses and Messages APIs and conversations send them).
+    ([{"role": "user", "content": "Hi, I am Bob"}, {"role": "user", "content": "What is my name?"}],
+     "<start_of_turn>user\nHi, I am Bob\n\nWhat is my name?<end_of_turn>\n"),
+    ([{"role": "system", "content": "Be brief."}, {"role": "developer", "content": "Say yes."},
+      {"role": "user", "content": "Ok?"}],
+     "<start_of_turn>user\nBe brief.\n\nSay yes.\n\nOk?<end_of_turn>\n"),
+    ([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "assistant", "content": "c"}],
+     "<start_of_turn>user\na<end_of_turn>\n<start_of_turn>model\nb\n\nc<end_of_turn>\n"),
+    # A conversation may begin with the model's turn; a system prompt then has a user turn of its own.
+    ([{"role": "assistant", "content": "Hello!"}], "<start_of_turn>model\nHello!<end_of_turn>\n"),
+    ([{"role": "system", "content": "Be brief."}, {"role": "assistant", "content": "Hello!"}],
+     "<start_of_turn>user\nBe brief.<end_of_turn>\n<start_of_turn>model\nHello!<end_of_turn>\n"),
+])
+def test_gemma_turn_format_joins_consecutive_messages_of_one_side(tokenizer, messages, expected):
+    text = tokenizer.apply_chat_template(messages, chat_template=GEMMA_TURNS, add_generation_prompt=True,
+                                         tokenize=False)
+    assert text == "<bos>" + expected + "<start_of_turn>model\n"
 
 
 def test_gemma_turn_format_with_tools_calls_and_results(gemma_dir):
@@ -86,9 +106,10 @@ def test_gemma_turn_format_with_tools_calls_and_results(gemma_dir):
     assert results == ("user\n<tool_response>\n12:00\n</tool_response>\n<tool_response>\n13:00\n"
                        "</tool_response>\n<end_of_turn>\n")
     assert prompt == "model\n"
-    with pytest.raises(Exception, match="alternate"):  # two user turns in a row are still refused
-        tok.apply_chat_template([*messages, {"role": "user", "content": "x"}, {"role": "user", "content": "y"}],
-                                chat_template=GEMMA_TURNS)
+    # The user's next words after the results share their turn.
+    text = tok.apply_chat_template([*messages, {"role": "user", "content": "and now?"}], tools=tools,
+                                   chat_template=GEMMA_TURNS, tokenize=False)
+    assert text.endswith("<tool_response>\n13:00\n</tool_response>\nand now?<end_of_turn>\n")
 
 
 # ---- served -------------------------------------------------------------------------------------
@@ -111,6 +132,18 @@ def test_chat_works_out_of_the_box_on_a_gemma_checkpoint_without_a_template(stac
     engine = Engine(EngineConfig(model=str(gemma_dir), num_blocks=64, block_size=4))
     offline = engine.generate([expected_ids], {"max_tokens": 8, "temperature": 0, "ignore_eos": True})[0]
     assert response.choices[0].message.content == offline.text
+
+
+def test_a_conversations_turns_reach_a_gemma_checkpoint_as_its_turns(stack, tokenizer):
+    """A conversation whose items end with the user's (as clients add them) answered with more of
+    the user's input: two user messages in a row, one Gemma user turn."""
+    client = openai.OpenAI(base_url=f"{stack.gateway_url}/v1", api_key="none", max_retries=0)
+    conversation = client.conversations.create(items=[{"type": "message", "role": "user", "content": "I am Bob"}])
+    response = client.responses.create(model=stack.model_name, input="Who am I?", conversation=conversation.id,
+                                       temperature=0, max_output_tokens=4)
+    expected = tokenizer("<bos><start_of_turn>user\nI am Bob\n\nWho am I?<end_of_turn>\n<start_of_turn>model\n",
+                         add_special_tokens=False).input_ids
+    assert response.status in ("completed", "incomplete") and response.usage.input_tokens == len(expected)
 
 
 def test_an_inline_chat_template_from_the_flag(stack, tokenizer):
