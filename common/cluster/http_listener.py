@@ -44,6 +44,7 @@ import time
 from typing import Callable
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from common.cluster.http_limits import HttpLimits
 
@@ -134,6 +135,18 @@ class _GuardedHandler(web.RequestHandler):
         super().connection_lost(exc)
 
     # -- requests ----------------------------------------------------------------------------
+
+    def log_exception(self, *args, **kwargs) -> None:
+        """A stranger's malformed request (aiohttp's ``HttpProcessingError``: a bad request line,
+        headers too many or too long, bad framing) is answered 400 by aiohttp, counted
+        (``malformed``) and logged in one line at debug level, not as an error with a traceback:
+        it says nothing of this server, and a stranger could fill the log with them."""
+        exc = kwargs.get("exc_info")
+        if isinstance(exc, HttpProcessingError):
+            self._g_guard._count("malformed")
+            self.logger.debug("malformed HTTP request refused: %.200r", exc.message)
+            return
+        super().log_exception(*args, **kwargs)
 
     async def _handle_request(self, request: web.BaseRequest, *args, **kwargs):
         self._g_become_busy()

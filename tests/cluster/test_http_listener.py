@@ -1,4 +1,5 @@
-"""Every HTTP port (gateway, workers) bounds what a client that sends too little, or reads too little, can hold.
+"""Every HTTP port (gateway, workers) bounds what a client that sends too little, or reads too little, can hold,
+and answers a malformed request 400 without an error in its log.
 
 An in-process aiohttp app behind ``GuardedSite``, real sockets, under both event loops the services
 run on.  Deadlines a test waits for are short (0.5 s) and waited for with a generous bound; a test
@@ -156,6 +157,30 @@ def test_idle_connections_at_the_cap_make_room_for_a_client_and_busy_ones_are_ne
             idle_writer.close()
 
     run(loop, main())
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_malformed_request_is_a_400_counted_and_logged_without_a_traceback(loop, caplog):
+    """A stranger's bad framing, too many or too long headers: answered 400, and never an error
+    with a traceback in the log (a stranger could fill it with them)."""
+    garbage = [b"GET /ok HTTP/1.1\r\nContent-Length: -5\r\n\r\n",
+               b"GET /ok HTTP/1.1\r\n" + b"".join(b"X-%d: a\r\n" % i for i in range(200)) + b"\r\n",
+               b"GET /ok HTTP/1.1\r\nX-Long: " + b"a" * 20000 + b"\r\n\r\n"]
+
+    async def main():
+        limits = HttpLimits(header_timeout=NEVER, keepalive_timeout=NEVER, body_timeout=NEVER)
+        async with serve(App(), limits) as site:
+            for request in garbage:
+                reader, writer = await asyncio.open_connection("127.0.0.1", site.port)
+                writer.write(request)
+                assert (await until_closed(reader)).split(b" ")[1] == b"400"
+                writer.close()
+            assert site.stats["malformed"] == len(garbage)
+
+    with caplog.at_level("DEBUG", logger="aiohttp.server"):
+        run(loop, main())
+    logged = [r for r in caplog.records if r.name == "aiohttp.server"]
+    assert len(logged) == len(garbage) and all(r.levelname == "DEBUG" and not r.exc_info for r in logged)
 
 
 @pytest.mark.parametrize("loop", LOOPS)
