@@ -17,9 +17,16 @@ from gateway.openai_protocol import (
     TopLogprob, Usage, now, sse_event,
 )
 from gateway.openai_responses import PromptLogprob, PromptLogprobs, ScoredChatCompletionResponse, ScoredCompletionChoice
+from gateway.token_bytes import token_bytes
 
 
 TOKEN_TEXTS = 1 << 16  # token texts a gateway remembers
+MIN_LOGPROB = -9999.0  # a token the request's rules forbid (-inf) is shown with this, as vLLM does: JSON has no -inf
+
+
+def shown(logprob: float) -> float:
+    """A logprob as an answer gives it: a number, never -inf or NaN (null to JSON, which clients refuse)."""
+    return logprob if logprob >= MIN_LOGPROB else MIN_LOGPROB
 
 
 def usage(gens: Sequence[Generation]) -> Usage:
@@ -39,9 +46,13 @@ class ResponseShapes:
         # A token's text, remembered: an answer's logprobs name up to ~131k tokens (a scored prompt's
         # alternatives), mostly the same few thousand, each decoded on the event loop.
         self._token_text = functools.lru_cache(maxsize=TOKEN_TEXTS)(self._decode_token)
+        self._token_bytes = functools.lru_cache(maxsize=TOKEN_TEXTS)(self._bytes_of)
 
     def _decode_token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
+
+    def _bytes_of(self, token_id: int) -> list[int]:
+        return token_bytes(self.tokenizer, token_id, self._token_text(token_id))
 
     def completion_logprobs(self, entries, offset: int, alternatives: int | None = None) -> CompletionLogprobs | None:
         """``entries``' logprobs in the completions' shape, text offsets from ``offset``; at most
@@ -54,8 +65,8 @@ class ResponseShapes:
             offsets.append(pos)
             pos += len(t)
         return CompletionLogprobs(
-            tokens=tokens, token_logprobs=[e.logprob for e in entries],
-            top_logprobs=[{self._token_text(t): lp for t, lp in e.top[:alternatives]} for e in entries],
+            tokens=tokens, token_logprobs=[shown(e.logprob) for e in entries],
+            top_logprobs=[{self._token_text(t): shown(lp) for t, lp in e.top[:alternatives]} for e in entries],
             text_offset=offsets,
         )
 
@@ -77,9 +88,9 @@ class ResponseShapes:
             return None
         scored: PromptLogprobs = [None]
         for e in gen.prompt_logprobs:
-            entry = {str(t): PromptLogprob(lp, rank, self._token_text(t))
+            entry = {str(t): PromptLogprob(shown(lp), rank, self._token_text(t))
                      for rank, (t, lp) in enumerate(e.top[:alternatives], start=1)}
-            entry.setdefault(str(e.token_id), PromptLogprob(e.logprob, e.rank, self._token_text(e.token_id)))
+            entry.setdefault(str(e.token_id), PromptLogprob(shown(e.logprob), e.rank, self._token_text(e.token_id)))
             scored.append(entry)
         return scored
 
@@ -88,9 +99,9 @@ class ResponseShapes:
             return None
         out = []
         for e in entries:
-            token = self._token_text(e.token_id)
-            top = [TopLogprob(self._token_text(t), lp, list(self._token_text(t).encode())) for t, lp in e.top]
-            out.append(ChatTokenLogprob(token, e.logprob, list(token.encode()), top))
+            top = [TopLogprob(self._token_text(t), shown(lp), self._token_bytes(t)) for t, lp in e.top]
+            out.append(ChatTokenLogprob(self._token_text(e.token_id), shown(e.logprob), self._token_bytes(e.token_id),
+                                        top))
         return ChatLogprobs(content=out)
 
     # ---- streamed ------------------------------------------------------------------------------

@@ -63,3 +63,16 @@ def test_max_tokens_0_answers_the_echo_alone():
     (chunk,) = shapes.chunks(gen, "!", frame, True, None)
     assert chunk.choices[0].text == "" and chunk.choices[0].logprobs is None
     assert chunk.choices[0].finish_reason == "length"
+
+
+def test_a_forbidden_tokens_logprob_is_a_number_not_minus_infinity():
+    """-inf (a token a grammar or a bias forbids) would be null in JSON, which OpenAI's schema and
+    clients refuse: it is shown as vLLM shows it."""
+    shapes = ResponseShapes(StubTokenizer())
+    entries = [TokenLogprob(7, 0.0, [(7, 0.0), (8, float("-inf")), (6, float("nan"))]),
+               TokenLogprob(8, float("-inf"), [])]
+    chat = shapes.chat_logprobs(entries).content
+    assert [t.logprob for t in chat[0].top_logprobs] == [0.0, -9999.0, -9999.0] and chat[1].logprob == -9999.0
+    completion = shapes.completion_logprobs(entries, 0)
+    assert completion.top_logprobs[0] == {"!": 0.0, " Bye": -9999.0, " world": -9999.0}
+    assert completion.token_logprobs == [0.0, -9999.0]
