@@ -186,8 +186,10 @@ class Gateway:
             raise OpenAIError(408, f"the request body did not arrive within {self.config.client_read_timeout:g} s",
                               code="request_timeout") from None
 
-    def _too_large(self, size: int) -> OpenAIError:
-        return OpenAIError(413, f"Request body of {size} bytes exceeds the limit of {self.config.max_body_bytes}",
+    def _too_large(self, size: int | None) -> OpenAIError:
+        """``size``: the body's declared length (None: sent in chunks, refused once past the limit)."""
+        what = f"of {size} bytes" if size is not None else "sent in chunks"
+        return OpenAIError(413, f"Request body {what} exceeds the limit of {self.config.max_body_bytes} bytes",
                            code="request_too_large")
 
     # ---- app -------------------------------------------------------------------------------
@@ -242,7 +244,7 @@ class Gateway:
         except web.HTTPException as exc:
             outcome = str(exc.status)
             if exc.status == 413:
-                return _error_response(request, self._too_large(request.content_length or 0))
+                return _error_response(request, self._too_large(request.content_length))
             if exc.status in (404, 405):
                 response = _error_response(request, OpenAIError(exc.status, f"{request.method} {request.path}: "
                                                                             f"{exc.reason}"))
