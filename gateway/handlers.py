@@ -303,8 +303,12 @@ class OpenAIHandlers(ResponsesEndpoints):
         messages, render = self._chat_renderer(req, plan, field=field)
         ids = await self.services.prompts.chat(messages, render)
         # (a stored response's id reads it where there are no API keys: the workers and logs see another)
-        gens = self._prepare(request, "chat", req, ids, plan, response_id=answer.response_id,
-                             cluster_id=new_request_id("chatcmpl"))
+        try:
+            gens = self._prepare(request, "chat", req, ids, plan, response_id=answer.response_id,
+                                 cluster_id=new_request_id("chatcmpl"))
+        except OpenAIError as exc:  # (named as this API names the bound on the output)
+            exc.param = answer.max_tokens_field if exc.param == "max_tokens" else exc.param
+            raise
         await self._check_grammar(gens[0].params)
         return gens
 

@@ -116,6 +116,8 @@ def _usage(gen: Generation, output_tokens: int | None = None) -> MessageUsage:
 class MessagesAnswer:
     """One request's answer in the Messages API's shape (one generation)."""
 
+    max_tokens_field = "max_tokens"
+
     def __init__(self):
         self.response_id = new_message_id()  # the message's id
 

@@ -209,6 +209,7 @@ class Answer(Protocol):
     generation: whole, or streamed."""
 
     response_id: str  # the id the answer carries (its generation's response_id)
+    max_tokens_field: str  # its API's name for the bound on the output's tokens
 
     def whole(self, gens: list[Generation]) -> Any: ...
 

@@ -259,6 +259,8 @@ class ResponsesAnswer:
     stores it once finished (None: not stored); ``joiner`` adds it to its conversation once it has an
     output (None: it is part of none)."""
 
+    max_tokens_field = "max_output_tokens"
+
     def __init__(self, call: ResponsesCall, shapes: ResponseShapes, keeper: Keeper | None = None,
                  joiner: Joiner | None = None):
         self.call, self.shapes, self.keeper, self.joiner = call, shapes, keeper, joiner

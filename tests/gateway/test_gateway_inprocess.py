@@ -1,6 +1,7 @@
 """A real gateway in this process (its app on a test server, real Redis behind a proxy the test can
 hold): /health reports Redis as it is now, /metrics names no API key, and a key without its own
-limit gets the default per-key limit.  No workers: nothing here needs one -- a background response
+limit gets the default per-key limit; an output bound past the context is a 400 naming the API's own
+field.  No workers: nothing here needs one -- a background response
 waits in the queue for one as long as a test needs it to (it holds its key's slot, not its polls, and
 is cancelled, or given up by a stopping gateway), or finds none and ends failed saying so."""
 from __future__ import annotations
@@ -203,3 +204,18 @@ async def test_a_streamed_background_response_sends_its_id_at_once_and_ends_when
                 text = await resp.text()  # what it made, and no more: it ended without a last event
         assert [line for line in text.splitlines() if line.startswith("event: ")] == [
             "event: response.created", "event: response.queued"]
+
+
+@pytest.mark.parametrize("path, body, field", [
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 10 ** 6}, "max_output_tokens"),
+    ("/v1/messages", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10 ** 6}, "max_tokens"),
+])
+async def test_an_output_bound_past_the_context_is_a_400_naming_the_apis_own_field(served_checkpoint, redis_url,
+                                                                                   key_prefix, path, body, field):
+    headers = {"Authorization": f"Bearer {KEYS['a']}"}
+    async with gateway(served_checkpoint, redis_url, key_prefix) as (gw, client):
+        async with client.post(path, json={"model": gw.model_id, **body}, headers=headers) as resp:
+            error = await resp.json()
+        assert resp.status == 400, error
+        detail = error["error"]
+        assert (detail.get("param", field), "context length" in detail["message"]) == (field, True), error
