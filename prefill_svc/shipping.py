@@ -100,7 +100,8 @@ class Shipper:
             request = job.request
             if request.is_finished and request.status.finish_reason in ("abort", "error"):
                 del self.jobs[request_id]
-                engine.scheduler.release_held(request_id)  # nothing more ships (the pins keep what did)
+                if request.hold_blocks_on_finish:  # (an error's: an abort freed them)
+                    engine.scheduler.release_held(request_id)  # nothing more ships (the pins keep what did)
                 job.post(ENDED[request.status.finish_reason])
                 continue
             if request.is_finished:
