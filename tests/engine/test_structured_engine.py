@@ -217,3 +217,28 @@ def test_a_matcher_in_error_does_not_end_its_request_as_stopped_at_a_stop_token(
     eos = next(iter(request.stop_token_ids))
     request.append_token(eos, max_model_len=1024)
     assert request.status.finish_reason == "error" and "past output token 0" in request.error
+
+
+def test_a_request_that_spends_its_grammars_lexer_leaves_the_next_ones_theirs(directory):
+    """Copies of a compiled llguidance grammar share its lexer and the bound on its growth: one
+    request driving it past the bound (a branch of five million repeats) must not leave the requests
+    after it failing at their first token."""
+    from transformers import AutoTokenizer
+
+    from common.engine.structured.llguidance_backend import LLGuidanceBackend
+
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    grammar = LLGuidanceBackend(tokenizer, 512).compile(
+        StructuredOutput("regex", "(ab){5}(\u4e2d|cde{5000000})", field="structured_outputs"))
+
+    def follow(text: str) -> str | None:  # the first error on the way, masks included
+        matcher, mask = grammar.matcher(), torch.zeros(1, 16, dtype=torch.int32)
+        for token in [*tokenizer(text, add_special_tokens=False).input_ids, None]:
+            matcher.fill_bitmask(mask, 0)
+            if matcher.error() or (token is not None and not matcher.accept(token)):
+                return matcher.error() or "refused"
+        return None
+
+    assert follow("ababababab\u4e2d") is None
+    follow("abababababc")  # (spends the shared lexer, whether or not it sees it itself)
+    assert [follow("ababababab\u4e2d") for _ in range(2)] == [None, None] and grammar.renewals >= 1

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import llguidance
 import llguidance.hf
@@ -64,11 +64,28 @@ class LLGuidanceMatcher:
 
 
 class LLGuidanceGrammar:
-    def __init__(self, prototype: llguidance.LLMatcher):
-        self._prototype = prototype
+    """A compiled grammar: each request's matcher is a copy of one prototype.  The copies share the
+    prototype's lexer, and with it the bound on the lexer's growth: a request that passed it leaves
+    every later copy failing at its first token.  So a new copy whose first mask fails renews the
+    grammar -- the prototype built again -- and is made again from it: one request's failure stays
+    its own."""
+
+    def __init__(self, build: Callable[[], llguidance.LLMatcher]):
+        self._build = build
+        self.prototype = build()
+        self.renewals = 0
 
     def matcher(self) -> LLGuidanceMatcher:
-        return LLGuidanceMatcher(self._prototype.deep_copy())
+        copy = self.prototype.deep_copy()
+        copy.compute_bitmask()  # (cheap: the prototype's lexer holds its first step)
+        if copy.is_error():
+            self.renew()
+            copy = self.prototype.deep_copy()
+        return LLGuidanceMatcher(copy)
+
+    def renew(self) -> None:
+        self.prototype = self._build()
+        self.renewals += 1
 
 
 class LLGuidanceBackend:
@@ -81,14 +98,15 @@ class LLGuidanceBackend:
 
     def compile(self, spec: StructuredOutput) -> LLGuidanceGrammar:
         grammar = self._grammar(spec)
-        matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0, limits=self._limits)
-        if matcher.is_error():
-            raise GrammarError(f"{spec.field}: unsupported or invalid {_what(spec)}: {matcher.get_error()}")
-        failure = _first_step_failure(matcher)
+        compiled = LLGuidanceGrammar(
+            lambda: llguidance.LLMatcher(self._tokenizer, grammar, log_level=0, limits=self._limits))
+        if compiled.prototype.is_error():
+            raise GrammarError(f"{spec.field}: unsupported or invalid {_what(spec)}: {compiled.prototype.get_error()}")
+        failure = _first_step_failure(compiled.prototype)
         if failure is not None:
-            raise GrammarError(f"{spec.field}: the {_what(spec)} passes this server's bounds on a grammar's work at "
-                               f"its first token ({failure})")
-        return LLGuidanceGrammar(matcher)
+            raise GrammarError(f"{spec.field}: the {_what(spec)} goes past this server's bounds on a grammar's work "
+                               f"at its first token ({failure})")
+        return compiled
 
     def _grammar(self, spec: StructuredOutput) -> str:
         try:
