@@ -124,7 +124,9 @@ class Request:
         status = status_after_token(self, token_id, max_model_len)
         if self.grammar is not None:
             failure = self.grammar.error()  # (its mask allowed nothing it means: not even this stop token)
-            if failure is None and token_id not in self.stop_token_ids and not self.grammar.accept(token_id):
+            if failure is None and token_id in self.stop_token_ids and not self.grammar.may_end():
+                failure = f"it names stop token {token_id} where its output may not end"
+            elif failure is None and token_id not in self.stop_token_ids and not self.grammar.accept(token_id):
                 failure = self.grammar.error() or f"the grammar refused token {token_id} its mask allowed"
             if failure is not None:
                 self._grammar_failed(failure)

@@ -242,3 +242,13 @@ def test_a_request_that_spends_its_grammars_lexer_leaves_the_next_ones_theirs(di
     assert follow("ababababab\u4e2d") is None
     follow("abababababc")  # (spends the shared lexer, whether or not it sees it itself)
     assert [follow("ababababab\u4e2d") for _ in range(2)] == [None, None] and grammar.renewals >= 1
+
+
+def test_a_grammar_that_names_a_stop_token_mid_output_ends_its_request_with_an_error(engine):
+    """A Lark grammar may name a token by id; a stop token where the output may not end yet is no
+    answer that matches the grammar (not a 'stop'), and one where it may is one."""
+    eos = 2
+    for grammar, reason in ((f'start: "hi" <[{eos}]> "tail"', "error"), ('start: "hi"', "stop")):
+        spec = StructuredOutput("grammar", grammar, field="structured_outputs")
+        result = engine.generate(["Hello"], SamplingParams(max_tokens=8, temperature=0.0, structured=spec))[0]
+        assert result.finish_reason == reason, (grammar, result)

@@ -42,6 +42,9 @@ class GrammarMatcher(Protocol):
     def is_stopped(self) -> bool:
         """The output must end here: the grammar allows nothing more."""
 
+    def may_end(self) -> bool:
+        """The output may end here (the grammar is complete, or may be): a stop token ends it well."""
+
     def error(self) -> str | None:
         """Why the matcher cannot go on, where it cannot (a limit on the grammar's work passed while
         filling a mask or accepting a token: its mask then allows nothing it means); else ``None``."""

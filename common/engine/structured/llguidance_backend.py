@@ -59,6 +59,9 @@ class LLGuidanceMatcher:
     def is_stopped(self) -> bool:
         return self._m.is_stopped()
 
+    def may_end(self) -> bool:
+        return self._m.is_accepting()
+
     def error(self) -> str | None:
         return first_line(self._m.get_error()) if self._m.is_error() else None
 

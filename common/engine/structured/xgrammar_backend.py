@@ -35,6 +35,9 @@ class XGrammarMatcher:
     def is_stopped(self) -> bool:
         return self._m.is_terminated()
 
+    def may_end(self) -> bool:
+        return True  # (its mask allows a stop token only where the output may end; its grammars name none)
+
     def error(self) -> str | None:
         return None  # (xgrammar's matchers have no error state: a token it forbids is refused)
 
