@@ -112,6 +112,10 @@ def test_greedy_structured_equals_across_preemption_and_recompute(directory):
     # Past the bounds on a grammar's work at its first token: at compile, not once generation started.
     StructuredOutput("regex", "c{1000000}"),
     StructuredOutput("json_schema", json.dumps({"$defs": {"n": {"$ref": "#/$defs/n"}}, "$ref": "#/$defs/n"})),
+    # Bounds past 2^53, which the backends would round (and let through what breaks them).
+    StructuredOutput("json_schema", json.dumps({"type": "integer", "minimum": 2 ** 63, "maximum": 2 ** 63 + 5})),
+    StructuredOutput("json_schema", json.dumps({"properties": {"n": {"type": "integer", "maximum": -10 ** 30}}})),
+    StructuredOutput("json_schema", json.dumps({"type": "integer", "minimum": 2 ** 53 + 1, "maximum": 2 ** 53 + 1})),
 ])
 def test_bad_specs_are_grammar_errors_naming_the_field(engine, spec):
     with pytest.raises(GrammarError, match="^response_format"):
@@ -252,3 +256,10 @@ def test_a_grammar_that_names_a_stop_token_mid_output_ends_its_request_with_an_e
         spec = StructuredOutput("grammar", grammar, field="structured_outputs")
         result = engine.generate(["Hello"], SamplingParams(max_tokens=8, temperature=0.0, structured=spec))[0]
         assert result.finish_reason == reason, (grammar, result)
+
+
+def test_large_values_in_a_schemas_own_json_are_no_bounds(engine):
+    spec = StructuredOutput("json_schema", json.dumps({"type": "integer", "minimum": 0, "maximum": 9,
+                                                      "default": {"minimum": 10 ** 30}, "examples": [2 ** 60]}))
+    result = engine.generate(["Hello"], SamplingParams(max_tokens=4, temperature=0.0, structured=spec))[0]
+    assert result.finish_reason in ("stop", "length")

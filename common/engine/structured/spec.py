@@ -65,7 +65,33 @@ class StructuredOutput(Struct, forbid_unknown_fields=True, frozen=True):
             raise ValueError(f"{self.field}: the JSON schema is not valid JSON (or nested too deeply): {exc}") from None
         if not isinstance(schema, (dict, bool)):
             raise ValueError(f"{self.field}: a JSON schema must be an object (or true/false)")
+        _check_bounds(schema, self.field)
         return schema
+
+
+# Numbers a schema may bound exactly: the backends compare bounds as doubles (beyond 2^53 an integer
+# bound is rounded, and what they let through breaks the schema).
+MAX_EXACT_BOUND = 2 ** 53
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
+_VALUES = ("const", "enum", "default", "examples")  # JSON values, not schemas: not looked into
+
+
+def _check_bounds(schema, field: str) -> None:
+    """A ``ValueError`` naming ``field`` for a numeric bound past ``MAX_EXACT_BOUND`` anywhere in ``schema``
+    (the decoder bounded its depth)."""
+    pending = [schema]
+    while pending:
+        node = pending.pop()
+        if isinstance(node, list):
+            pending.extend(node)
+        elif isinstance(node, dict):
+            for key, value in node.items():
+                if (key in _BOUNDS and isinstance(value, (int, float)) and not isinstance(value, bool)
+                        and not -MAX_EXACT_BOUND <= value <= MAX_EXACT_BOUND):
+                    raise ValueError(f"{field}: the JSON schema's {key} {value:.6g} is beyond +-2^53, the numbers "
+                                     "its bounds can be held to exactly")
+                if key not in _VALUES:
+                    pending.append(value)
 
 
 def is_gbnf(grammar: str) -> bool:
