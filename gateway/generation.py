@@ -4,6 +4,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from common.cluster.messages import TokenFrame
 from common.engine.sampling_params import SamplingParams
 from gateway.dispatch import DispatchResult
 from gateway.sampling_options import SamplingOptions
@@ -37,12 +38,18 @@ class Generation:
     opened: bool = False  # its stream's opening chunks (a chat's role, an echo) are out
     cached_tokens: int = 0
     finish_reason: str | None = None
-    stop_reason: str | None = None
+    stop_reason: str | int | None = None  # the stop string, or the stop_token_ids token, that ended it
     tools: ToolOutput | None = None  # a chat request whose answer may hold tool calls
     dispatch: DispatchResult = field(default_factory=DispatchResult)  # where it ran
 
     def __post_init__(self) -> None:
         self.response_id = self.response_id or self.request_id
+
+    def stop_token(self, frame: TokenFrame) -> int | None:
+        """The token of the request's ``stop_token_ids`` that ended it in ``frame``, if one did."""
+        ids = frame.token_ids
+        ended = frame.finished and frame.finish_reason == "stop" and ids and ids[-1] in self.options.stop_token_ids
+        return ids[-1] if ended else None
 
     @property
     def text(self) -> str:

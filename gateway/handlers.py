@@ -407,7 +407,10 @@ class OpenAIHandlers(ResponsesEndpoints):
                         gen.cached_tokens = max(gen.cached_tokens, frame.num_cached_tokens)
                         if frame.prompt_logprobs is not None and gen.prompt_logprobs is None:
                             gen.prompt_logprobs = frame.prompt_logprobs
-                        delta = decoder.step(frame.token_ids)
+                        shown = frame.token_ids
+                        if (stop := gen.stop_token(frame)) is not None:  # (vLLM's: its id, not its text)
+                            shown, gen.stop_reason = shown[:-1], stop
+                        delta = decoder.step(shown)
                         gen.token_ids.extend(frame.token_ids)
                         if frame.logprobs:
                             gen.logprobs.extend(frame.logprobs)

@@ -46,7 +46,7 @@ class CompletionChoice(msgspec.Struct):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
-    stop_reason: str | None = None  # extension: the stop string that ended the text
+    stop_reason: str | int | None = None  # extension: the stop string (or stop_token_ids token) that ended it
 
 
 class PromptLogprob(msgspec.Struct):
@@ -119,7 +119,7 @@ class ChatChoice(msgspec.Struct):
     message: ChatResponseMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
-    stop_reason: str | None = None
+    stop_reason: str | int | None = None
 
 
 class ChatCompletionResponse(msgspec.Struct):
@@ -163,7 +163,7 @@ class ChatStreamChoice(msgspec.Struct):
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
-    stop_reason: str | None = None
+    stop_reason: str | int | None = None
 
 
 class ChatCompletionChunk(msgspec.Struct):

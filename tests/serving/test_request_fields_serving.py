@@ -217,6 +217,11 @@ def test_stop_token_ids_user_and_metadata(client, stack):
                                         user="someone", extra_body={"stop_token_ids": [77], "metadata": {"k": "v"}},
                                         **forced)
     assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens == 1
+    # As in vLLM: the stop token's id is the stop_reason, its text is not the answer's.
+    assert (stopped.choices[0].text, stopped.choices[0].stop_reason) == ("", 77), stopped.choices[0]
+    chat = client.chat.completions.create(model=stack.model_name, messages=[{"role": "user", "content": "stop ids"}],
+                                          max_tokens=6, temperature=0, extra_body={"stop_token_ids": [77]}, **forced)
+    assert (chat.choices[0].message.content, chat.choices[0].stop_reason) == ("", 77), chat.choices[0]
 
 
 def post(stack, path: str, body: dict) -> tuple[int, dict]:
