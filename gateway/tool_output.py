@@ -3,8 +3,9 @@
     named      the text is the named function's arguments: the first chunk carries the call's
                index, id and name, every later text delta is an argument fragment
     required   the text is a JSON array of {"name", "parameters"}: each call goes out (id and name,
-               then its arguments) as soon as its object is complete (an array cut short by
-               max_tokens still gives the calls complete in it)
+               then its arguments) as soon as its object is complete; an array cut short by
+               max_tokens gives the calls complete in it, then the one it was cut in, where its
+               name is complete (its arguments cut short, as a named call's are)
     auto       the text goes out as content up to where a call may begin (``held_from``); the rest
                is parsed when the answer ends, its calls sent then
 
@@ -14,6 +15,7 @@ are the non-streamed ``arguments``.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 
 import msgspec
@@ -44,6 +46,19 @@ def complete_calls(text: str, start: int = 0) -> tuple[list[ParsedCall], int]:
             calls.append(ParsedCall(item["name"], json.dumps(item["parameters"], ensure_ascii=False)))
 
 
+_CALL_OPENING = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*(,\s*"parameters"\s*:\s*)?')
+
+
+def cut_call(text: str, start: int) -> ParsedCall | None:
+    """The call ``required``'s array was cut short in, from ``start`` on (``complete_calls``' end): its
+    name, where complete, and its arguments so far; ``None`` where its name is not complete."""
+    opening = _CALL_OPENING.search(text, start)
+    if opening is None:
+        return None
+    arguments = text[opening.end():].rstrip() if opening.group(2) else ""
+    return ParsedCall(json.loads(opening.group(1)), arguments)
+
+
 class ToolOutput:
     """One answer's tool calls (``plan.parses_calls`` must be true)."""
 
@@ -63,8 +78,9 @@ class ToolOutput:
         """The content and calls of the finished ``text``."""
         if self.plan.mode == "named":
             return None, [ParsedCall(self.plan.function, text)]
-        if self.plan.mode == "required":  # cut short (max_tokens): the calls complete so far
-            calls, _ = complete_calls(text)
+        if self.plan.mode == "required":  # cut short (max_tokens): the calls complete so far, the cut one
+            calls, end = complete_calls(text)
+            calls += [cut] if (cut := cut_call(text, end)) else []
             return (text.strip() or None, []) if not calls else (None, calls)
         return self.parser.parse(text, self.names)
 
@@ -92,7 +108,9 @@ class ToolOutput:
             return [] if self.num_calls else [self._call_start(self.plan.function)]
         if self.plan.mode == "required":
             out = self._complete_required_calls()
-            if not self.num_calls:  # cut short: what there is goes out as content
+            if cut := cut_call(self.text, self._required_pos):  # cut short in a call
+                out += self._send_call(cut)
+            if not self.num_calls:  # cut short before a call's name: what there is goes out as content
                 out += self._content_until(len(self.text))
             return out
         content, calls = self.parser.parse(self.text, self.names)

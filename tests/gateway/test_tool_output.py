@@ -85,18 +85,28 @@ def test_named_streams_argument_fragments(pieces):
     assert stream(ToolOutput(plan, HermesParser()), pieces) == (None, [ParsedCall("get_time", '{"zone": "cet"}')])
 
 
+@settings(max_examples=80, deadline=None)
+@given(st.integers(0, len(REQUIRED)).flatmap(lambda n: cuts(REQUIRED[:n])))
+def test_required_cut_anywhere_streams_what_the_whole_answer_holds(pieces):
+    plan = plan_tools(TOOLS, "required", True)
+    text = "".join(pieces)
+    assert stream(ToolOutput(plan, HermesParser()), pieces) == ToolOutput(plan, HermesParser()).final(text)
+
+
 def test_required_schema_lists_every_tool():
     plan = plan_tools(TOOLS, "required", False)
     schema = json.loads(plan.structured.value)
     assert schema["maxItems"] == 1 and {i["properties"]["name"]["const"] for i in schema["items"]["anyOf"]} == NAMES
 
 
-def test_required_cut_short_keeps_the_calls_complete_in_it():
+def test_required_cut_short_keeps_the_calls_complete_in_it_and_the_one_it_was_cut_in():
     plan = plan_tools(TOOLS, "required", True)
     cut = REQUIRED[:REQUIRED.index("get_weather") + 20]
     whole = ToolOutput(plan, HermesParser()).final(cut)
-    assert whole == (None, [ParsedCall("get_time", '{"zone": "utc"}')])
+    assert whole == (None, [ParsedCall("get_time", '{"zone": "utc"}'), ParsedCall("get_weather", "")])
     assert stream(ToolOutput(plan, HermesParser()), [cut[:10], cut[10:]]) == whole
+    inside = REQUIRED[:REQUIRED.index("[1,") + 3]  # (in its arguments: they go out as far as they came)
+    assert ToolOutput(plan, HermesParser()).final(inside)[1][-1] == ParsedCall("get_weather", '{"a": [1,')
     assert ToolOutput(plan, HermesParser()).final(' [{"name": "get_t') == ('[{"name": "get_t', [])
     assert stream(ToolOutput(plan, HermesParser()), [' [{"name"', ': "get_t ']) == ('[{"name": "get_t', [])
 
