@@ -36,6 +36,7 @@ class Generation:
     logprobs: list = field(default_factory=list)
     prompt_logprobs: list | None = None  # echo with logprobs: entry i scores prompt token i + 1
     opened: bool = False  # its stream's opening chunks (a chat's role, an echo) are out
+    streamed_chars: int = 0  # a completion's stream: where the next chunk's text offsets begin (0: not yet known)
     cached_tokens: int = 0
     finish_reason: str | None = None
     stop_reason: str | int | None = None  # the stop string, or the stop_token_ids token, that ended it

@@ -72,13 +72,19 @@ class ResponseShapes:
 
     def echo_logprobs(self, gen: Generation) -> CompletionLogprobs | None:
         """The echoed prompt's logprobs (echo with logprobs; ``None`` without): its first token has
-        none, nothing precedes it."""
+        none, nothing precedes it; offsets count each token's text, a BOS token's "<bos>" too, which
+        the echo does not hold (as vLLM's do)."""
         alternatives = gen.options.logprobs
         if not gen.echo or alternatives is None or gen.prompt_logprobs is None:
             return None
         first = self._token_text(gen.prompt_ids[0])
         opening = CompletionLogprobs(tokens=[first], token_logprobs=[None], top_logprobs=[None], text_offset=[0])
         return _joined(opening, self.completion_logprobs(gen.prompt_logprobs, len(first), alternatives))
+
+    def _answer_offset(self, gen: Generation) -> int:
+        """Where the answer's text offsets begin: after the echoed prompt's tokens (or its text)."""
+        echoed = self.echo_logprobs(gen)
+        return echoed.text_offset[-1] + len(echoed.tokens[-1]) if echoed else len(gen.echo)
 
     def prompt_logprobs(self, gen: Generation) -> PromptLogprobs | None:
         """vLLM's ``prompt_logprobs`` (asked for by that extension; ``None`` without): entry i maps
@@ -130,7 +136,11 @@ class ResponseShapes:
             choice = ChatStreamChoice(gen.index, ChatDelta(content=delta) if delta else ChatDelta(),
                                       self.chat_logprobs(frame.logprobs), finish, stop)
             return [ChatCompletionChunk(gen.response_id, now(), gen.model, [choice], usage_so_far)]
-        choice = CompletionChoice(gen.index, delta, self.completion_logprobs(frame.logprobs, 0), finish, stop)
+        if not gen.streamed_chars:  # (the answer's first chunk: its offsets begin after the echo)
+            gen.streamed_chars = self._answer_offset(gen)
+        logprobs = self.completion_logprobs(frame.logprobs, gen.streamed_chars)
+        gen.streamed_chars += len(delta)
+        choice = CompletionChoice(gen.index, delta, logprobs, finish, stop)
         return [CompletionChunk(gen.response_id, now(), gen.model, [choice], usage_so_far)]
 
     def _tool_chunks(self, gen: Generation, delta: str, frame: TokenFrame, ending: bool, usage_so_far) -> list:
@@ -177,8 +187,7 @@ class ResponseShapes:
         echoed = self.echo_logprobs(gen)
         if gen.echo_only:
             return echoed
-        start = echoed.text_offset[-1] + len(echoed.tokens[-1]) if echoed else len(gen.echo)
-        return _joined(echoed, self.completion_logprobs(gen.logprobs, start))
+        return _joined(echoed, self.completion_logprobs(gen.logprobs, self._answer_offset(gen)))
 
     def _chat_choice(self, gen: Generation) -> ChatChoice:
         message, finish = ChatResponseMessage(gen.text), gen.finish_reason

@@ -38,9 +38,22 @@ def test_an_echoed_prompt_is_scored_before_the_answer():
     assert logprobs.token_logprobs == [None, -2.0, -3.0, -0.5, -1.5]
     assert logprobs.top_logprobs == [None, {" world": -1.0}, {" world": -3.0}, {"!": -0.5}, {" world": -1.0}]
     assert logprobs.text_offset == [0, 5, 10, 16, 17]
-    # Streamed: the echo's chunk carries the prompt's part.
+    # Streamed: the echo's chunk carries the prompt's part; the answer's chunks go on with the offsets.
     (chunk,) = shapes.first_chunks(gen)
     assert chunk.choices[0].text == "Hello world" and chunk.choices[0].logprobs.token_logprobs == [None, -2.0, -3.0]
+    streamed = [shapes.chunks(gen, piece, TokenFrame(token_ids=[t], logprobs=[e]), False, None)[0].choices[0]
+                for piece, t, e in zip(gen.pieces, gen.token_ids, gen.logprobs)]
+    assert [c.logprobs.text_offset for c in streamed] == [[16], [17]]
+
+
+def test_a_streamed_answers_text_offsets_run_on_from_chunk_to_chunk():
+    shapes = ResponseShapes(StubTokenizer())
+    gen = scored_generation(None)
+    gen.echo = ""
+    streamed = [shapes.chunks(gen, piece, TokenFrame(token_ids=[t], logprobs=[e]), False, None)[0].choices[0]
+                for piece, t, e in zip(gen.pieces, gen.token_ids, gen.logprobs)]
+    whole = shapes.full_response([gen]).choices[0].logprobs.text_offset
+    assert [c.logprobs.text_offset[0] for c in streamed] == whole == [0, 1]
 
 
 def test_without_scores_only_the_answer_has_logprobs():
