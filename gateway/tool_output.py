@@ -53,10 +53,13 @@ def cut_call(text: str, start: int) -> ParsedCall | None:
     """The call ``required``'s array was cut short in, from ``start`` on (``complete_calls``' end): its
     name, where complete, and its arguments so far; ``None`` where its name is not complete."""
     opening = _CALL_OPENING.search(text, start)
-    if opening is None:
+    try:
+        name = json.loads(opening.group(1)) if opening else None
+    except ValueError:  # (an escape JSON does not know)
         return None
-    arguments = text[opening.end():].rstrip() if opening.group(2) else ""
-    return ParsedCall(json.loads(opening.group(1)), arguments)
+    if not isinstance(name, str):
+        return None
+    return ParsedCall(name, text[opening.end():].rstrip() if opening.group(2) else "")
 
 
 class ToolOutput:

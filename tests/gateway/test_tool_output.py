@@ -107,6 +107,8 @@ def test_required_cut_short_keeps_the_calls_complete_in_it_and_the_one_it_was_cu
     assert stream(ToolOutput(plan, HermesParser()), [cut[:10], cut[10:]]) == whole
     inside = REQUIRED[:REQUIRED.index("[1,") + 3]  # (in its arguments: they go out as far as they came)
     assert ToolOutput(plan, HermesParser()).final(inside)[1][-1] == ParsedCall("get_weather", '{"a": [1,')
+    bad_escape = '[{"name": "get_\\qtime", "param'  # (no JSON string: no call)
+    assert ToolOutput(plan, HermesParser()).final(bad_escape) == (bad_escape, [])
     assert ToolOutput(plan, HermesParser()).final(' [{"name": "get_t') == ('[{"name": "get_t', [])
     assert stream(ToolOutput(plan, HermesParser()), [' [{"name"', ': "get_t ']) == ('[{"name": "get_t', [])
 
