@@ -43,6 +43,10 @@ from worker.role_context import RoleContext
 log = logging.getLogger(__name__)
 
 
+class GrammarFailed(ValueError):
+    """The request's grammar could not be followed (``RequestOutput.error``): the client's error."""
+
+
 class RemotePrefillFailed(Exception):
     """The prefill worker or the KV transfer failed; nothing has been streamed yet."""
 
@@ -161,7 +165,9 @@ async def handle_generate(context: RoleContext, request: web.Request) -> web.Str
         outcome = "client_gone"
     except ValueError as exc:  # rejected by the engine: bad sampling params, too long, a bad grammar ...
         outcome = "invalid"
-        return await _error(response, str(exc), "invalid", 400)
+        spec = body.sampling_params.structured
+        param = spec.field if isinstance(exc, GrammarFailed) and spec is not None else None
+        return await _error(response, str(exc), "invalid", 400, param)
     except StepFailed as exc:  # this request was in a step that failed: an explicit error, not retried
         outcome = "failed"
         return await _error(response, str(exc), "failed", 500)
@@ -188,17 +194,19 @@ async def handle_generate(context: RoleContext, request: web.Request) -> web.Str
     return response
 
 
-async def _error(response: web.StreamResponse, error: str, kind: str, status: int) -> web.StreamResponse:
-    """End the request with an error frame: as the answer's status if the stream has not started."""
+async def _error(response: web.StreamResponse, error: str, kind: str, status: int,
+                 param: str | None = None) -> web.StreamResponse:
+    """End the request with an error frame (``param``: the request field it is about): as the
+    answer's status if the stream has not started."""
     if not response.prepared:
-        return error_answer(error, kind, status)
-    await _try_write(response, frame(TokenFrame(error=error, error_kind=kind)))
+        return error_answer(error, kind, status, param)
+    await _try_write(response, frame(TokenFrame(error=error, error_kind=kind, error_param=param)))
     return response
 
 
-def error_answer(error: str, kind: str, status: int) -> web.Response:
+def error_answer(error: str, kind: str, status: int, param: str | None = None) -> web.Response:
     """The whole answer of a request that ends before its stream starts: one error frame."""
-    return web.Response(body=frame(TokenFrame(error=error, error_kind=kind)), status=status,
+    return web.Response(body=frame(TokenFrame(error=error, error_kind=kind, error_param=param)), status=status,
                         content_type=FRAMES_CONTENT_TYPE)
 
 
@@ -241,7 +249,7 @@ async def stream_outputs(context: RoleContext, stream: asyncio.Queue, response, 
             if item.error is not None:  # its grammar failed: what came before it goes out, then the error
                 if frames:
                     await response.write(b"".join(frames))
-                raise ValueError(item.error)
+                raise GrammarFailed(item.error)
             out = output_frame(item)
             if not opened.started:
                 context.ttft.add(now - started)

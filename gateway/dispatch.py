@@ -52,6 +52,7 @@ from gateway.backpressure import KeyLineFull, Saturated, WaitQueue
 from gateway.config import GatewayConfig, UpstreamTimeouts
 from gateway.decode_load import SentToDecode, computed_on, count_pending
 from gateway.metrics import GatewayMetrics
+from gateway.openai_errors import Refused
 from gateway.migration import StreamMigration
 from gateway.pool import WorkerPool
 from gateway.routing import Route, Router
@@ -287,7 +288,7 @@ class Dispatcher:
                                 if frame.error_kind == "migrate":  # it drains: the stream goes on elsewhere
                                     raise _HandedOver(frame.error)
                                 if frame.error_kind == "invalid":
-                                    raise ValueError(frame.error)
+                                    raise Refused(frame.error, frame.error_param)
                                 raise UpstreamError(frame.error)
                             if resp.status != 200:  # an error status must carry an error frame
                                 raise _BadAnswer(resp.status, resp.content_type, "a frame that is no error")

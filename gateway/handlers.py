@@ -35,7 +35,7 @@ from gateway.responses_endpoints import ResponsesEndpoints
 from gateway.tool_output import ToolOutput
 from gateway.tool_parsers import ToolCallParser
 from gateway.tools_request import ToolPlan
-from gateway.openai_errors import check_model
+from gateway.openai_errors import as_invalid, check_model
 from gateway.openai_protocol import (
     SSE_HEADERS, ChatCompletionRequest, OpenAIError, invalid, json_response, new_request_id, parse_chat_request,
     parse_completion_request,
@@ -461,7 +461,7 @@ class OpenAIHandlers(ResponsesEndpoints):
                 await write(events.failure(OpenAIError(exc.status, f"generation failed: {exc}")))
             except ValueError as exc:
                 request["outcome"] = "stream_error"
-                await write(events.failure(invalid(str(exc))))
+                await write(events.failure(as_invalid(exc)))
         except _ClientTooSlow:
             request["outcome"] = "client_too_slow"
             # Else the listener's write deadline (the same bound, raced) cut it off, and counted it.

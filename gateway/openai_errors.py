@@ -82,6 +82,21 @@ def invalid(message: str, param: str | None = None, code: str | None = None) -> 
     return OpenAIError(400, message, param=param, code=code)
 
 
+class Refused(ValueError):
+    """A worker's "invalid" answer: the request's own fault, about ``param`` where it names one (its
+    grammar could not be followed: code ``invalid_grammar``)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+        self.code = "invalid_grammar" if param is not None else None
+
+
+def as_invalid(exc: ValueError) -> OpenAIError:
+    """The 400 a ``ValueError`` of the request's stands for (a worker's ``Refused`` names its field)."""
+    return invalid(str(exc), getattr(exc, "param", None), getattr(exc, "code", None))
+
+
 def required(value, at: str, field: str):
     """``value``, or a 400 naming ``at.field`` as missing where it is None (a field required by the
     kind of item or block it sits in)."""

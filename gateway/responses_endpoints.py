@@ -17,7 +17,7 @@ from aiohttp import web
 from gateway.conversation_items import history, turn_items
 from gateway.dispatch import Saturated, UpstreamError
 from gateway.generation import Generation
-from gateway.openai_errors import OpenAIError, invalid
+from gateway.openai_errors import OpenAIError, as_invalid, invalid
 from gateway.openai_protocol import json_response
 from gateway.response_runs import run_keeper, running_shell
 from gateway.response_store import keeper, store_disabled
@@ -40,7 +40,7 @@ def _failure(exc: Exception) -> OpenAIError:
     if isinstance(exc, OpenAIError):
         return exc
     if isinstance(exc, ValueError):
-        return invalid(str(exc))
+        return as_invalid(exc)
     return OpenAIError(exc.status, f"generation failed: {exc}")
 
 

@@ -45,7 +45,7 @@ from gateway.dispatch import Dispatcher
 from gateway.handlers import HandlerServices, OpenAIHandlers
 from gateway.metrics import GatewayMetrics
 from gateway.openapi import openapi_document
-from gateway.openai_errors import check_model
+from gateway.openai_errors import as_invalid, check_model
 from gateway.messages_output import error_body
 from gateway.openai_protocol import ModelCard, ModelList, OpenAIError, json_response, now
 from gateway.pool import WorkerPool
@@ -254,7 +254,7 @@ class Gateway:
             raise
         except ValueError as exc:
             outcome = "400"
-            return _error_response(request, OpenAIError(400, str(exc)))
+            return _error_response(request, as_invalid(exc))
         except (asyncio.CancelledError, ConnectionResetError):
             outcome = "client_disconnected"
             raise

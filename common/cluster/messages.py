@@ -96,6 +96,7 @@ class TokenFrame(msgspec.Struct, omit_defaults=True):
     # "migrate": this worker drains and hands the stream over after the tokens sent so far (only
     # for a request that said ``may_migrate``): the gateway continues it on another worker.
     error_kind: str | None = None
+    error_param: str | None = None  # an "invalid" error's request field, where it names one (its grammar's)
     # This worker drains: the stream will be handed over soon; the gateway may pre-copy its KV
     # to the worker it will move to meanwhile (a frame with no tokens; ``gateway.migration``).
     move_soon: bool = False

@@ -16,9 +16,11 @@ from aiohttp import web
 
 from common.cluster.messages import FRAMES_CONTENT_TYPE, GenerateRequest, TokenFrame, decode, frame
 from common.engine.sampling_params import SamplingParams
+from decode_svc.generate import error_answer
 from gateway.config import UpstreamTimeouts
 from gateway.dispatch import DispatchResult, Dispatcher, UpstreamError, WorkerAnswerError
 from gateway.handlers import OpenAIHandlers
+from gateway.openai_errors import as_invalid
 from gateway.openai_protocol import OpenAIError
 from tests.support.dispatch_stubs import dispatcher
 
@@ -146,3 +148,18 @@ async def test_a_stream_a_worker_ends_with_an_error_it_does_not_name_is_an_upstr
     async with dispatcher(errored) as d:
         with pytest.raises(UpstreamError, match="ended the request with an error"):
             await generate(d)
+
+
+async def test_a_grammar_the_worker_could_not_follow_is_the_clients_400_naming_its_field():
+    """The decode worker's answer names the field (``error_answer``'s ``param``); the client's 400 names
+    it too, with the code a grammar refused at compile gets."""
+    async def grammar_failed(request):
+        return error_answer("structured_outputs: the grammar could not be followed past output token 3 (lexer "
+                            "error)", "invalid", 400, "structured_outputs")
+
+    async with dispatcher(grammar_failed) as d:
+        with pytest.raises(ValueError) as info:
+            await generate(d)
+    error = as_invalid(info.value)
+    assert (error.status, error.param, error.code) == (400, "structured_outputs", "invalid_grammar")
+    assert error.message.startswith("structured_outputs: the grammar could not be followed")
