@@ -117,6 +117,7 @@ class MessagesRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
     output_config: msgspec.Raw = msgspec.Raw()
+    service_tier: Literal["auto", "standard_only"] | None = None  # Anthropic's: one tier here (accepted, not used)
     # Extensions (vLLM's, as on the other endpoints)
     seed: int | None = None
     ignore_eos: bool = False

@@ -66,6 +66,8 @@ def test_the_fields_map_onto_the_chat_request():
                   tool_choice={"type": "tool", "name": "f"})
     assert named.tool_choice.function.name == "f" and named.parallel_tool_calls is True
     assert parse(messages=[{"role": "user", "content": "x"}], top_k=0).sampling().top_k is None
+    for tier in ("auto", "standard_only"):  # (Anthropic's; one tier here)
+        assert parse(messages=[{"role": "user", "content": "x"}], service_tier=tier).max_completion_tokens
     schema = {"type": "object"}
     structured = parse(messages=[{"role": "user", "content": "x"}],
                        output_config={"format": {"type": "json_schema", "schema": schema}}).sampling().structured
@@ -112,7 +114,7 @@ def test_a_calls_input_is_its_object_or_empty_where_cut_short():
     ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking.type", "invalid_value"),
     ({"output_config": {"effort": "high"}}, "output_config.effort", "unknown_parameter"),
     ({"temperature": 1.5}, "temperature", "invalid_value"),
-    ({"service_tier": "auto"}, "service_tier", "unknown_parameter"),
+    ({"service_tier": "priority"}, "service_tier", "invalid_value"),
     ({"max_tokens": 0}, "max_tokens", "invalid_value"),
     ({"stop_sequences": ["ok", ""]}, "stop_sequences", None),
     ({"stop_sequences": "END"}, "stop_sequences", None),
