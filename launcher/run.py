@@ -13,7 +13,7 @@ from common.cluster.flags import EnvFlags, FlagParser
 from common.cluster.redis_keys import DEFAULT_KEY_PREFIX
 from common.engine.config import EngineConfig
 from kvtransfer.config import default_transport
-from launcher.local_stack import LocalStack, StartCancelled, http_json, local_secret
+from launcher.local_stack import LocalStack, StartCancelled, gateway_health, local_secret
 from launcher.supervisor import Supervisor
 
 
@@ -103,11 +103,12 @@ def main() -> None:
 
     def start() -> None:
         stack.start(timeout=600, cancelled=lambda: signals.requested)
-        model = http_json(f"{stack.gateway_url}/v1/models")["data"][0]["id"]
+        model = gateway_health(stack.gateway_url)["model"]  # (/health answers without the API key)
+        key = " -H 'Authorization: Bearer $PDSERVE_API_KEY'" if os.environ.get("PDSERVE_API_KEY") else ""
         print(f"""
 pdserve is up: {stack.gateway_url}  (model {model}; {args.prefill} prefill + {args.decode} decode, KV over {args.kv_transport})
 
-  curl {stack.gateway_url}/v1/completions -H 'Content-Type: application/json' \\
+  curl {stack.gateway_url}/v1/completions -H 'Content-Type: application/json'{key} \\
        -d '{{"model": "{model}", "prompt": "The capital of France is", "max_tokens": 16, "stream": true}}'
 
 A process that stops is restarted; Ctrl-C stops everything (drained; Ctrl-C three times: at once).""", flush=True)

@@ -111,9 +111,9 @@ def wait_for(predicate, what: str):
 def test_make_up_restarts_a_killed_worker_and_sigint_stops_everything(served_checkpoint, redis_url, tmp_path):
     port = free_port()
     key_prefix = f"pdtest-{uuid.uuid4().hex[:12]}"
-    secret = generate_secret()
+    secret, api_key = generate_secret(), generate_secret()  # (an API key: the stack starts with one too)
     env = dict(os.environ, REDIS_URL=redis_url, PDSERVE_KEY_PREFIX=key_prefix, PDSERVE_HEARTBEAT_TTL="2",
-               PDSERVE_BLOCK_SIZE="4", PDSERVE_CLUSTER_SECRET=secret, OMP_NUM_THREADS="1",
+               PDSERVE_BLOCK_SIZE="4", PDSERVE_CLUSTER_SECRET=secret, PDSERVE_API_KEY=api_key, OMP_NUM_THREADS="1",
                PYTHONUNBUFFERED="1")
     env.pop("PDSERVE_CLUSTER_SECRET_FILE", None)
     log_path = tmp_path / "launcher.log"
@@ -138,6 +138,7 @@ def test_make_up_restarts_a_killed_worker_and_sigint_stops_everything(served_che
                 return False
 
         wait_for(serving, "the stack to serve")
+        assert "-H 'Authorization: Bearer $PDSERVE_API_KEY'" in log_path.read_text()  # (its curl example)
         children = launcher.children()
         gateway_pid = next(c.pid for c in children if "gateway" in c.cmdline())
         killed_at = time.time()
@@ -145,7 +146,7 @@ def test_make_up_restarts_a_killed_worker_and_sigint_stops_everything(served_che
 
         # Requests keep succeeding (the gateway retries on the other decode worker) while the
         # launcher brings d0 back and it registers again.
-        client = openai.OpenAI(base_url=f"{gateway}/v1", api_key="none", max_retries=0)
+        client = openai.OpenAI(base_url=f"{gateway}/v1", api_key=api_key, max_retries=0)
         served = 0
         while True:
             response = client.completions.create(model=model, prompt=f"Request {served} after the crash",
