@@ -33,7 +33,7 @@ from common.cluster.auth import new_instance_id
 from common.cluster.http_listener import GuardedSite
 from common.cluster.messages import MAX_FRAME_BYTES
 from common.cluster.prefix_index import PrefixIndexPublisher
-from common.cluster.redis_util import connect
+from common.cluster.redis_util import UNAVAILABLE_ERRORS, connect
 from common.cluster.registry import Capacity, Heartbeat, KVAddress, Load, WorkerInfo, WorkerRegistry
 from common.engine import openmp_wait
 from common.engine.config import EngineConfig
@@ -344,7 +344,9 @@ class Worker:
 
         Streams whose gateway can move them (``movable_streams``) are handed over at a token
         boundary, so the drain takes the time of a hand-over, not of the longest stream; the
-        others decode to their end here.  First each is told it moves soon (a ``move_soon``
+        others decode to their end here -- as do all of them where no other decode worker is
+        active to take them (this one was the last, or every one drains at once, as a stack that
+        stops does; asked before they are told and again before they go).  First each is told it moves soon (a ``move_soon``
         frame): while it keeps decoding, its gateway has the worker it will move to fetch the KV
         it has so far from this cache (a pre-copy, ``gateway.migration``).  Once those calls have
         ended -- or ``control_timeout_s`` passed without one ending -- the streams are handed over,
@@ -360,18 +362,35 @@ class Worker:
         # The registry says "draining" before any stream is handed over: a gateway that re-reads it
         # on the hand-over never routes the stream straight back here.
         await self._heartbeat.beat()
-        self.precopies_due.update(self.engine_thread.announce_hand_over(self.movable_streams))
-        await self._wait_for_precopies(self.config.control_timeout_s)
-        handed = self.engine_thread.hand_over(self.movable_streams)
-        if handed:
-            log.info("drain: handing %d streams over to other decode workers", len(handed))
-        self.exports_due.update(handed)
+        if self.movable_streams and await self._another_decodes():
+            self.precopies_due.update(self.engine_thread.announce_hand_over(self.movable_streams))
+            await self._wait_for_precopies(self.config.control_timeout_s)
+            handed = self.engine_thread.hand_over(self.movable_streams) if await self._another_decodes() else []
+            if handed:
+                log.info("drain: handing %d streams over to other decode workers", len(handed))
+            self.exports_due.update(handed)
+        elif self.movable_streams:
+            log.info("drain: no other decode worker is active; its %d streams decode to their end here",
+                     len(self.movable_streams))
         await self.in_flight.wait_idle()
         await self._wait_for_exports(self.config.control_timeout_s)
         await self.in_flight.wait_idle()
         if self.state == "draining":
             self.state = "idle"
             await self._heartbeat.beat()
+
+    async def _another_decodes(self) -> bool:
+        """Whether another decode worker of this model is active to take streams (False where the
+        registry does not answer in time: they then decode to their end here)."""
+        try:
+            async with asyncio.timeout(self.config.control_timeout_s):
+                active = await self.peers.registry.list_workers(self.engine.model_id, roles=("decode", "both"),
+                                                                states=("active",))
+        except (TimeoutError, *UNAVAILABLE_ERRORS) as exc:
+            log.warning("drain: the registry did not answer (%s); streams decode to their end here",
+                        type(exc).__name__)
+            return False
+        return any(w.worker_id != self.config.worker_id for w in active)
 
     def exported(self, stream_id: str) -> None:
         """A call for a stream's KV has ended (``RoleContext.exported``): its pre-copy if one is

@@ -397,6 +397,37 @@ def test_a_drain_hands_twenty_streams_over_and_each_goes_on_unbroken(stack):
             admin(stack, worker, "role", b'{"role": "decode"}')
 
 
+def test_draining_the_last_decode_worker_finishes_its_streams_there(stack):
+    """With no other decode worker active (the other out of the pool: as when a stack that stops
+    drains every one at once), a drain hands nothing over -- there is nowhere to go -- and each
+    stream decodes to its end where it is."""
+    prompts = [f"Last decoder {i}" for i in range(STREAMS)]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        wholes = list(pool.map(lambda p: complete(stack, prompt=p, max_tokens=STREAM_TOKENS).choices[0].text,
+                               prompts))
+    drained, other = DECODERS
+    handed_before = stack.stats(drained)["streams_handed_over"]
+    told_before = [metric(stack, "pdserve_migration_precopies_total", f'outcome="{o}"') for o in ("ok", "failed")]
+    try:
+        admin(stack, other, "role", b'{"role": "prefill"}')
+        wait_until(lambda: decoders_routed(stack) == 1, f"the gateway routing to {drained} alone")
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            streams = list(pool.map(lambda p: open_stream(stack.gateway_url, stack.model_name, p, STREAM_TOKENS,
+                                                          temperature=0), prompts))
+        admin(stack, drained, "drain")
+        running = stack.stats(drained)["num_running"]  # (the drain landed while streams decode)
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            assert list(pool.map(lambda stream: rest_of(*stream), streams)) == wholes
+        wait_until(lambda: stack.stats(drained)["state"] == "idle", f"{drained} idle after its drain")
+        assert running > 0 and stack.stats(drained)["streams_handed_over"] == handed_before
+        # None was even told it would move (no pre-copy tried: the drain waits on none).
+        assert [metric(stack, "pdserve_migration_precopies_total", f'outcome="{o}"')
+                for o in ("ok", "failed")] == told_before
+    finally:
+        for worker in DECODERS:
+            admin(stack, worker, "role", b'{"role": "decode"}')
+
+
 def test_a_drain_from_the_container_hands_its_streams_over(stack, tmp_path):
     """What a Kubernetes preStop hook runs: the streams move, then the drain command returns."""
     # Long streams: still decoding when the drain lands (the drain command is a new Python process).

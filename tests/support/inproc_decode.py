@@ -71,6 +71,13 @@ class NoRegistry:
         pass
 
 
+class AnotherDecoder:
+    """A registry that lists one more active decode worker: a drain here hands its streams over."""
+
+    async def list_workers(self, model: str, *, roles=None, states=None) -> list:
+        return [SimpleNamespace(worker_id="d-other", role="decode", state="active")]
+
+
 class DecodeHarness:
     """See the module docstring.  ``clock``: the engine thread's lease clock."""
 
@@ -95,7 +102,7 @@ class DecodeHarness:
         worker.engine_thread.on_lease_expired = worker._leases_expired  # as Worker.start wires it
         worker.engine_thread.on_fatal = worker._engine_failed
         worker.kv_receiver = self.receiver
-        worker.peers = SimpleNamespace(forget=lambda worker_id: None)
+        worker.peers = SimpleNamespace(forget=lambda worker_id: None, registry=AnotherDecoder())
         worker._heartbeat = NoRegistry()  # a drain or role change reports to nobody
         worker.state = "active"
         self.worker = worker
