@@ -220,6 +220,7 @@ class Dispatcher:
         migration = StreamMigration(self.migration_limit, self.metrics)  # the tokens the client has
         hashed: dict[int, list[bytes]] = {}  # the prompt's block hashes, computed once
         place = self.queue.place(key_id)  # its place in line while no decode worker has room (first come, first served)
+        waits = 0  # times it found no room (logged at the first, then at debug level: it looks twice a second)
         try:
             while True:
                 try:
@@ -243,7 +244,9 @@ class Dispatcher:
                     raise WorkerAnswerError(f"no decode worker gave a readable answer ({last_bad_answer})")
                 if route is None:
                     why = "every decode worker is busy" if busy else "no decode worker is available"
-                    log.info("request %s waits for room (%s; %d in line)", request_id, why, self.queue.places_held)
+                    log.log(logging.DEBUG if waits else logging.INFO, "request %s waits for room (%s; %d in line)",
+                            request_id, why, self.queue.places_held)
+                    waits += 1
                     place.no_room(why)
                     continue
                 result.attempts += 1

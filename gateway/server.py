@@ -305,11 +305,14 @@ class Gateway:
         if not pools["prefill"]["healthy"]:
             problems.append("no healthy prefill worker: decode workers compute prompts themselves "
                             "(serving goes on, with slower time to first token)")
-        status = "unavailable" if not pools["decode"]["healthy"] else "degraded" if problems else "ok"
         # Redis as the registry refresh saw it (twice a second) and, when a prefix lookup failed
         # last (it stays so until the next lookup, which an idle gateway never makes), as a
         # bounded PING finds it now (gateway/redis_probe.py).
         redis_ok = self.pool.redis_ok and (self.prefix_index.available or await self.redis_probe.answers())
+        if not redis_ok:
+            problems.append("Redis does not answer: routing goes on by the workers last read, without the prefix "
+                            "index; stored responses and conversations answer 503")
+        status = "unavailable" if not pools["decode"]["healthy"] else "degraded" if problems else "ok"
         return web.json_response({
             "status": status, "model": self.model_id,
             "redis": redis_ok,
@@ -332,7 +335,8 @@ class Gateway:
     def _check_admin(self, request: web.Request) -> None:
         token = self.config.admin_token
         if not token:
-            raise OpenAIError(403, "the admin API is disabled (start the gateway with --admin-token)")
+            raise OpenAIError(403, "the admin API is disabled (start the gateway with an admin token: "
+                                   "PDSERVE_ADMIN_TOKEN_FILE or PDSERVE_ADMIN_TOKEN, which make up passes on too)")
         if not hmac.compare_digest(request.headers.get("X-Admin-Token", "").encode(), token.encode()):
             raise OpenAIError(401, "missing or wrong admin token", code="invalid_admin_token")
 

@@ -51,7 +51,9 @@ async def test_health_reports_redis_as_it_is_now_after_a_slow_prefix_lookup(serv
         proxy.hold()
         assert await gw.prefix_index.longest_prefix(gw.model_id, [b"\1" * HASH_LEN], ["w0"]) == {}
         assert not gw.prefix_index.available
-        assert (await health(client))["redis"] is False  # Redis does not answer now
+        down = await health(client)
+        assert down["redis"] is False and any("Redis" in p for p in down["problems"])  # Redis does not answer now
+        assert down["status"] != "ok"
         proxy.release()
         await gw.pool.refresh()  # what the registry refresh does twice a second: it reads Redis again
         assert gw.pool.redis_ok
