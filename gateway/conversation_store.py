@@ -16,8 +16,9 @@ It counts in its API key's index and sizes as a stored response does (one more o
 ``max_per_key``, its bytes in the key's ``max_bytes_per_key``; storing past them forgets the key's
 least recently written first, never one written after the bounds were read) and is kept the store's
 ``conversation_ttl_s`` (``--conversations-ttl``, 30 days) after it was last changed.  One conversation
-holds at most ``MAX_ITEMS`` items of at most the store's ``max_bytes`` in all; a call adds at most ``MAX_NEW_ITEMS``, and a response whose input and answer
-would not fit is refused before it is generated (400, ``conversation_full``).  Every change is one Lua
+holds at most ``MAX_ITEMS`` items of at most the store's ``max_bytes`` in all; a call adds at most
+``MAX_NEW_ITEMS``, and a response whose input and answer would not fit is refused before it is
+generated (400, ``conversation_full``).  Every change is one Lua
 script or transaction: two responses ending on one conversation add their items one after the other,
 never interleaved, and nothing is added to a conversation deleted meanwhile.  Ids are ``conv_`` and
 32 random hex digits; each API key reads and changes only its own.

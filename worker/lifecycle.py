@@ -346,12 +346,12 @@ class Worker:
         boundary, so the drain takes the time of a hand-over, not of the longest stream; the
         others decode to their end here -- as do all of them where no other decode worker is
         active to take them (this one was the last, or every one drains at once, as a stack that
-        stops does; asked before they are told and again before they go).  First each is told it moves soon (a ``move_soon``
-        frame): while it keeps decoding, its gateway has the worker it will move to fetch the KV
-        it has so far from this cache (a pre-copy, ``gateway.migration``).  Once those calls have
-        ended -- or ``control_timeout_s`` passed without one ending -- the streams are handed over,
-        and each new worker fetches only the KV of the tokens since its pre-copy (or all of it,
-        where there was none).  The drain waits for those calls too, at most ``control_timeout_s``
+        stops does; asked before they are told and again before they go).  First each is told it
+        moves soon (a ``move_soon`` frame): while it keeps decoding, its gateway has the worker it
+        will move to fetch the KV it has so far from this cache (a pre-copy, ``gateway.migration``).
+        Once those calls have ended -- or ``control_timeout_s`` passed without one ending -- the
+        streams are handed over, and each new worker fetches only the KV of the tokens since its
+        pre-copy (or all of it, where there was none).  The drain waits for those calls too, at most ``control_timeout_s``
         for each to come."""
         self.state = "draining"
         if self._drain_task is None or self._drain_task.done():
