@@ -63,7 +63,7 @@ class LLGuidanceMatcher:
         return self._m.is_accepting()
 
     def error(self) -> str | None:
-        return first_line(self._m.get_error()) if self._m.is_error() else None
+        return _first_line(self._m.get_error()) if self._m.is_error() else None
 
 
 class LLGuidanceGrammar:
@@ -81,14 +81,11 @@ class LLGuidanceGrammar:
     def matcher(self) -> LLGuidanceMatcher:
         copy = self.prototype.deep_copy()
         copy.compute_bitmask()  # (cheap: the prototype's lexer holds its first step)
-        if copy.is_error():
-            self.renew()
+        if copy.is_error():  # (renewed: built again)
+            self.prototype = self._build()
+            self.renewals += 1
             copy = self.prototype.deep_copy()
         return LLGuidanceMatcher(copy)
-
-    def renew(self) -> None:
-        self.prototype = self._build()
-        self.renewals += 1
 
 
 class LLGuidanceBackend:
@@ -131,7 +128,7 @@ class LLGuidanceBackend:
                                f"{spec.field}: invalid {_what(spec)}: {message}") from None
 
 
-def first_line(message: str) -> str:
+def _first_line(message: str) -> str:
     """llguidance's error, without the parser state it dumps after the first line."""
     return message.strip().split("\n", 1)[0][:500]
 
@@ -145,10 +142,10 @@ def _first_step_failure(prototype: llguidance.LLMatcher) -> str | None:
     matcher = prototype.deep_copy()
     mask = matcher.compute_bitmask()
     if matcher.is_error():
-        return first_line(matcher.get_error())
+        return _first_line(matcher.get_error())
     allowed = next((i * 8 + bit for i, byte in enumerate(mask) if byte for bit in range(8) if byte >> bit & 1), None)
     if allowed is not None and not matcher.consume_token(allowed) and matcher.is_error():
-        return first_line(matcher.get_error())
+        return _first_line(matcher.get_error())
     return None
 
 
