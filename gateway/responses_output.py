@@ -299,8 +299,10 @@ class ResponsesAnswer:
             completed_at=now() if status == "completed" else None, **extra)
 
     def failed(self, gen: Generation, error: OpenAIError, output: list | None = None) -> ResponseObject:
-        """The response failed with ``error`` (after ``output``, what it had)."""
-        code = "rate_limit_exceeded" if error.status == 429 else "server_error"
+        """The response failed with ``error`` (after ``output``, what it had), under the nearest code
+        OpenAI's schema allows: a client's error (a grammar the output broke) ``invalid_prompt``."""
+        code = ("rate_limit_exceeded" if error.status == 429 else "invalid_prompt" if 400 <= error.status < 500
+                else "server_error")
         return self.response(gen, "failed", output or [], error=ResponseError(code, error.message))
 
     def logprobs(self, entries) -> list[ChatTokenLogprob] | msgspec.UnsetType:

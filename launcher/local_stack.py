@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Callable, Mapping
 
 from common.cluster.ports import free_port  # noqa: F401 (API: the tests take it from here too)
+from common.cluster.direct_http import urlopen
 from common.cluster.auth import MIN_SECRET_LEN, SECRET_ENV, ClusterAuth, audience_of, generate_secret, secret_problem
 from common.cluster.redis_keys import DEFAULT_KEY_PREFIX
 from gateway.routing import RoutingConfig
@@ -62,7 +63,7 @@ def worker_drain_timeout(args: list[str], env: Mapping[str, str]) -> float:
 def http_json(url: str, method: str = "GET", body: bytes | None = None, headers: dict | None = None,
               timeout: float = 10):
     req = urllib.request.Request(url, data=body, method=method, headers=headers or {})
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
+    with urlopen(req, timeout=timeout) as resp:
         return json.loads(resp.read())
 
 
@@ -300,7 +301,7 @@ class LocalStack:
         signed = ClusterAuth(self.cluster_secret).sign_request("GET", "/metrics",
                                                                audience=self.worker_audience(name, timeout))
         req = urllib.request.Request(self.worker_url(name) + "/metrics", headers=signed)
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
+        with urlopen(req, timeout=timeout) as resp:
             return resp.read().decode()
 
     def kill(self, name: str) -> None:

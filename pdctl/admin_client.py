@@ -7,6 +7,8 @@ import time
 import urllib.error
 import urllib.request
 
+from common.cluster.direct_http import urlopen
+
 
 class AdminError(Exception):
     """The gateway (or the worker behind it) said no, or could not be reached."""
@@ -27,7 +29,7 @@ class AdminClient:
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(self.url + path, data=data, method=method, headers=headers)
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+            with urlopen(req, timeout=self.timeout) as resp:
                 return json.loads(resp.read() or b"{}")
         except urllib.error.HTTPError as exc:
             raise AdminError(f"{method} {path}: HTTP {exc.code}: {_error_message(exc.read())}") from None

@@ -144,6 +144,14 @@ def cmd_rebalance(client: AdminClient, args) -> int:
 # ---- command line ----------------------------------------------------------------------------
 
 
+def seconds(text: str) -> float:
+    """A ``--timeout``: a finite number of seconds above 0."""
+    value = float(text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError("must be a number of seconds above 0")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     env = os.environ.get
     p = FlagParser(prog="pdctl", description=__doc__.split("\n\n")[0],
@@ -159,14 +167,14 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("drain", help="stop admitting, finish in-flight work, then report idle")
     s.add_argument("worker")
     s.add_argument("--wait", action="store_true", help="until the worker reports idle")
-    s.add_argument("--timeout", type=float, default=600.0)
+    s.add_argument("--timeout", type=seconds, default=600.0)
     s.set_defaults(func=cmd_drain)
 
     s = sub.add_parser("set-role", help="change a worker's role live")
     s.add_argument("worker")
     s.add_argument("role", choices=ROLES)
     s.add_argument("--wait", action="store_true", help="until the pools show the new role")
-    s.add_argument("--timeout", type=float, default=60.0)
+    s.add_argument("--timeout", type=seconds, default=60.0)
     s.set_defaults(func=cmd_set_role)
 
     s = sub.add_parser("rebalance", help="compute the prefill:decode split the load needs; --apply to move",
@@ -178,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--utilization", type=float, default=0.8, help="plan each worker to this fraction of capacity")
     s.add_argument("--kv-target", type=float, default=0.8, help="plan decode workers to this KV usage at most")
     s.add_argument("--apply", action="store_true", help="make the moves, one at a time (default: dry run)")
-    s.add_argument("--timeout", type=float, default=60.0, help="seconds each move may take to settle")
+    s.add_argument("--timeout", type=seconds, default=60.0, help="seconds each move may take to settle")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_rebalance)
     add_rebalance_model_args(s)  # --gpu/--calibration: choose the split by simulation

@@ -31,6 +31,18 @@ log = logging.getLogger("pdserve.config")
 NOT_SHOWN = "(value not shown)"
 
 
+def module_prog(argv0: str | None = None, main_module: str | None = None) -> str | None:
+    """``python -m PACKAGE`` where the program runs as a package's ``__main__`` (argparse's default
+    would say ``__main__.py``), else None (argparse's own)."""
+    argv0 = sys.argv[0] if argv0 is None else argv0
+    if main_module is None:
+        spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+        main_module = getattr(spec, "name", None) or ""
+    if os.path.basename(argv0) != "__main__.py" or not main_module.endswith(".__main__"):
+        return None
+    return f"python -m {main_module.removesuffix('.__main__')}"
+
+
 class FlagParser(argparse.ArgumentParser):
     """An ``ArgumentParser`` whose errors never repeat a value from the command line (it may be a
     secret given to a mistyped flag) and that takes flags only by their full names.
@@ -42,6 +54,8 @@ class FlagParser(argparse.ArgumentParser):
 
     def __init__(self, *args, **kwargs):
         kwargs["allow_abbrev"] = False
+        if not args and "prog" not in kwargs:
+            kwargs["prog"] = module_prog()
         super().__init__(*args, **kwargs)
         self._given: tuple[str, ...] = ()
 

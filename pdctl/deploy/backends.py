@@ -10,9 +10,10 @@ import json
 import shlex
 import signal
 import subprocess
-import urllib.request
 from dataclasses import dataclass
 from typing import Callable, Protocol
+
+from common.cluster.direct_http import urlopen
 
 SERVICES = ("prefill", "decode")
 
@@ -157,7 +158,7 @@ class LocalBackend:
         if proc is None or proc.popen.poll() is not None:
             return False
         try:
-            with urllib.request.urlopen(f"{proc.url}/health", timeout=2) as resp:
+            with urlopen(f"{proc.url}/health", timeout=2) as resp:
                 return json.loads(resp.read()).get("status") == "ok"
         except (OSError, ValueError):
             return False

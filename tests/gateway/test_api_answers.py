@@ -68,14 +68,16 @@ def test_a_response_is_valid_by_the_sdks_model_whole_and_streamed(finish, status
     assert sent[-1].type == f"response.{status}" and sent[-1].response.output_text == "Hello"
 
 
-def test_a_response_failed_mid_way_names_a_rate_limit():
+@pytest.mark.parametrize("status, code", [(429, "rate_limit_exceeded"), (400, "invalid_prompt"), (502, "server_error")])
+def test_a_response_failed_mid_way_names_the_kind_of_failure(status, code):
+    """A client's error (a grammar the output broke mid-way) is not the server's."""
     call, answer = responses()
     gen = generation(call.chat, ["Hi"], None)
     stream = answer.stream(gen)
-    data = stream.opening() + stream.batch(gen, [("Hi", TokenFrame())]) + stream.failure(OpenAIError(429, "slow down"))
+    data = stream.opening() + stream.batch(gen, [("Hi", TokenFrame())]) + stream.failure(OpenAIError(status, "why"))
     failed = RESPONSE_EVENT.validate_python(events(data)[-1])
     assert (failed.type, failed.response.error.code, failed.response.output[0].status) == (
-        "response.failed", "rate_limit_exceeded", "incomplete")
+        "response.failed", code, "incomplete")
 
 
 def messages_request(**body):

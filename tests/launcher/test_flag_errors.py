@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from common.cluster.flags import EnvFlags, FlagParser
+from common.cluster.flags import EnvFlags, FlagParser, module_prog
 
 pytestmark = pytest.mark.slow(seconds=5)  # a long file: scheduled by its length (tests/conftest.py)
 
@@ -83,6 +83,7 @@ def test_the_launcher_names_the_flag_never_the_value():
                               text=True, timeout=120)
         assert done.returncode == 2 and SECRET not in done.stdout + done.stderr, done.stderr
         assert "--pre" in done.stderr
+        assert done.stderr.startswith("usage: python -m launcher "), done.stderr  # not "__main__.py"
 
 
 def test_errors_still_say_what_is_wrong_and_full_names_still_parse(capsys):
@@ -99,3 +100,9 @@ def test_a_secret_flag_needs_a_flag_parser():
     with pytest.raises(TypeError, match="FlagParser"):
         EnvFlags(argparse.ArgumentParser(), {}).add_secret("--token", "a token")
     EnvFlags(FlagParser(), {}).add_secret("--token", "a token")
+
+
+def test_a_package_run_with_python_m_is_named_so_in_its_usage():
+    assert module_prog("/srv/app/gateway/__main__.py", "gateway.__main__") == "python -m gateway"
+    assert module_prog("/usr/bin/pdctl", "__main__") is None  # a console script: argparse's own name
+    assert module_prog("/srv/tool.py", "__main__") is None

@@ -121,6 +121,15 @@ def test_bad_targets_are_refused():
     assert pdctl.main(["rebalance", "--kv-target", "0"]) == 2
 
 
+@pytest.mark.parametrize("command", [["drain", "w", "--wait"], ["set-role", "w", "decode", "--wait"], ["rebalance"]])
+@pytest.mark.parametrize("timeout", ["0", "-5", "nan", "inf"])
+def test_a_timeout_is_a_number_of_seconds_above_zero(command, timeout, capsys):
+    with pytest.raises(SystemExit) as exited:
+        pdctl.build_parser().parse_args([*command, "--timeout", timeout])
+    assert exited.value.code == 2 and "--timeout: must be a number of seconds above 0" in capsys.readouterr().err
+    assert pdctl.build_parser().parse_args([*command, "--timeout", "2.5"]).timeout == 2.5
+
+
 # ---- scale -------------------------------------------------------------------------------------
 
 
