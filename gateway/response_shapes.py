@@ -8,6 +8,8 @@ from __future__ import annotations
 import functools
 from typing import Any, Protocol, Sequence
 
+import msgspec
+
 from common.cluster.messages import TokenFrame
 from gateway.generation import Generation
 from gateway.openai_errors import OpenAIError
@@ -112,14 +114,16 @@ class ResponseShapes:
 
     # ---- streamed ------------------------------------------------------------------------------
 
-    def first_chunks(self, gen: Generation) -> list:
-        """What a choice's stream opens with: a chat's role; a completion's echoed prompt."""
+    def first_chunks(self, gen: Generation, usage_so_far: Usage | None = None) -> list:
+        """What a choice's stream opens with: a chat's role; a completion's echoed prompt (with
+        ``usage_so_far`` where every chunk carries it)."""
         if gen.kind == "chat":
             return [ChatCompletionChunk(gen.response_id, now(), gen.model,
-                                        [ChatStreamChoice(gen.index, ChatDelta(role="assistant", content=""))])]
+                                        [ChatStreamChoice(gen.index, ChatDelta(role="assistant", content=""))],
+                                        usage_so_far)]
         if gen.echo:
             return [CompletionChunk(gen.response_id, now(), gen.model,
-                                    [CompletionChoice(gen.index, gen.echo, self.echo_logprobs(gen))])]
+                                    [CompletionChoice(gen.index, gen.echo, self.echo_logprobs(gen))], usage_so_far)]
         return []
 
     def chunks(self, gen: Generation, delta: str, frame: TokenFrame, final: bool, usage_so_far: Usage | None) -> list:
@@ -244,7 +248,7 @@ class ChoicesStream:
         with its first batch (an echo's logprobs come with it)."""
         last = len(batch) - 1
         running_usage = usage(self.gens) if gen.options.continuous_usage else None
-        events = [] if gen.opened else [sse_event(chunk) for chunk in self.shapes.first_chunks(gen)]
+        events = [] if gen.opened else [sse_event(c) for c in self.shapes.first_chunks(gen, _before(running_usage, batch))]
         gen.opened = True
         events += [sse_event(chunk) for i, (delta, frame) in enumerate(batch)
                    for chunk in self.shapes.chunks(gen, delta, frame, i == last, running_usage)]
@@ -260,6 +264,15 @@ class ChoicesStream:
 
     def failure(self, error: OpenAIError) -> bytes:
         return error.to_sse() + SSE_DONE
+
+
+def _before(running: Usage | None, batch: list[tuple[str, TokenFrame]]) -> Usage | None:
+    """The usage ``running`` counts less the tokens of ``batch`` (what it was before them)."""
+    if running is None:
+        return None
+    new = sum(len(frame.token_ids) for _, frame in batch)
+    return msgspec.structs.replace(running, completion_tokens=running.completion_tokens - new,
+                                   total_tokens=running.total_tokens - new)
 
 
 def _text(gen: Generation) -> str:

@@ -188,6 +188,13 @@ def test_continuous_usage_stats(client, stack):
                                        stream_options={"include_usage": True, "continuous_usage_stats": True})
     counts = [c.usage.completion_tokens for c in stream if c.usage is not None]
     assert counts == sorted(counts) and counts[-1] == 6 and len(counts) >= 2
+    chunks = list(client.chat.completions.create(
+        model=stack.model_name, messages=[{"role": "user", "content": "usage"}], max_tokens=3, stream=True,
+        extra_body={"ignore_eos": True}, stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    assert all(c.usage is not None for c in chunks)  # the role's chunk too, before any token (vLLM's)
+    assert (chunks[0].choices[0].delta.role, chunks[0].usage.completion_tokens) == ("assistant", 0)
+    assert chunks[0].usage.prompt_tokens == chunks[-1].usage.prompt_tokens > 0
+    assert chunks[-1].usage.completion_tokens == 3
 
 
 @pytest.mark.parametrize("prompt", ["short logprobs", LONG])
