@@ -6,7 +6,7 @@ import argparse
 import hashlib
 import os
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
 from common.cluster.children import StopSignals
 from common.cluster.flags import EnvFlags, FlagParser
@@ -84,6 +84,16 @@ def core_turns_path(key_prefix: str) -> Path:
     return default_cache_dir() / "run" / f"core-turns-{hashlib.sha256(key_prefix.encode()).hexdigest()[:12]}.lock"
 
 
+def curl_key_header(env: Mapping[str, str]) -> str:
+    """The curl example's key header: the gateway's key by name (never its value), a placeholder
+    where only a keys file holds the keys, nothing where the gateway takes none."""
+    if env.get("PDSERVE_API_KEY"):
+        return " -H 'Authorization: Bearer $PDSERVE_API_KEY'"
+    if env.get("PDSERVE_API_KEYS_FILE"):
+        return " -H 'Authorization: Bearer <a key from $PDSERVE_API_KEYS_FILE>'"
+    return ""
+
+
 def main() -> None:
     from common.cluster.redis_util import ensure_redis, redact_url, redis_url_from_env
 
@@ -104,7 +114,7 @@ def main() -> None:
     def start() -> None:
         stack.start(timeout=600, cancelled=lambda: signals.requested)
         model = gateway_health(stack.gateway_url)["model"]  # (/health answers without the API key)
-        key = " -H 'Authorization: Bearer $PDSERVE_API_KEY'" if os.environ.get("PDSERVE_API_KEY") else ""
+        key = curl_key_header(os.environ)
         print(f"""
 pdserve is up: {stack.gateway_url}  (model {model}; {args.prefill} prefill + {args.decode} decode, KV over {args.kv_transport})
 

@@ -175,3 +175,12 @@ def test_make_up_restarts_a_killed_worker_and_sigint_stops_everything(served_che
             except psutil.NoSuchProcess:
                 pass
         delete_keys(redis_url, key_prefix)
+
+
+@pytest.mark.parametrize("env, header", [
+    ({"PDSERVE_API_KEY": "k" * 40}, " -H 'Authorization: Bearer $PDSERVE_API_KEY'"),
+    ({"PDSERVE_API_KEYS_FILE": "/run/keys"}, " -H 'Authorization: Bearer <a key from $PDSERVE_API_KEYS_FILE>'"),
+    ({"PDSERVE_API_KEYS_FILE": ""}, ""), ({}, "")])
+def test_the_curl_example_sends_a_key_where_the_gateway_wants_one_and_never_shows_it(env, header):
+    from launcher.run import curl_key_header
+    assert curl_key_header(env) == header
