@@ -373,15 +373,28 @@ class Gateway:
             try:
                 async with self.control_session.request(method, URL(f"{worker.http_address}{path}", encoded=True),
                                                         data=body or None, headers=headers) as resp:
-                    answer = web.Response(status=resp.status, body=await read_response(resp, answer_limit),
-                                          content_type="application/json")
+                    status, answered = resp.status, await read_response(resp, answer_limit)
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
                 raise OpenAIError(503, f"worker {worker_id} did not answer: {exc}") from None
-            if resp.status == 200 and method == "POST":
+            if status >= 400:  # the worker's refusal, in this API's error shape; the operator's own 4xx only
+                ours = status >= 500 or status in (401, 403)  # (a signature refused: this gateway's setup)
+                raise OpenAIError(502 if ours else status, f"worker {worker_id} answered {status}: "
+                                  f"{_worker_error(answered)}")
+            answer = web.Response(status=status, body=answered, content_type="application/json")
+            if status == 200 and method == "POST":
                 await self.pool.refresh()  # the worker re-registered already: route by its new state now
             return answer
 
         return proxy
+
+
+def _worker_error(body: bytes) -> str:
+    """A worker's error answer's message (``{"error": "..."}``), or its first 200 characters."""
+    try:
+        error = msgspec.json.decode(body)["error"]
+    except (msgspec.DecodeError, KeyError, TypeError, RecursionError):
+        error = None
+    return error if isinstance(error, str) else body[:200].decode(errors="replace")
 
 
 def _check_role_body(body: bytes) -> None:

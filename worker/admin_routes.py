@@ -99,7 +99,7 @@ class AdminHandlers:
         try:
             since = float(request.query.get("since", "-inf"))
             limit = int(request.query.get("limit", STEPS_PAGE))
-            if math.isnan(since) or not 1 <= limit <= STEPS_PAGE:
+            if math.isnan(since) or since == math.inf or not 1 <= limit <= STEPS_PAGE:
                 raise ValueError
         except ValueError:
             return web.json_response({"error": f"expected ?since=<unix time>&limit=<1-{STEPS_PAGE}>"}, status=400)
@@ -133,5 +133,6 @@ class AdminHandlers:
             await worker.set_role(role)
         except ValueError as exc:
             return web.json_response({"error": str(exc)}, status=400)
-        return web.json_response({"worker_id": worker.config.worker_id, "role": worker.role, "state": worker.state,
+        # The role this call set (another call may have set another since, while this one's entry was written).
+        return web.json_response({"worker_id": worker.config.worker_id, "role": role, "state": worker.state,
                                   "inflight": held})

@@ -3,6 +3,7 @@ worker that answers garbage.  Real processes (gateway, 1 prefill + 1 decode work
 the official openai client; the hostile parties are small servers in this test."""
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -371,10 +372,14 @@ class AdminRecorder:
         self.cluster = cluster
         self.worker_id = "admin-recorder"
         self.received: list[tuple[str, str, dict, bytes]] = []  # method, path, headers, body
+        self.refusals: dict[str, tuple[int, bytes]] = {}  # path -> the status and body it answers instead
 
     async def start(self, redis_client) -> "AdminRecorder":
         async def record(request: web.Request) -> web.Response:
             self.received.append((request.method, request.raw_path, dict(request.headers), await request.read()))
+            if request.path in self.refusals:
+                status, body = self.refusals[request.path]
+                return web.Response(status=status, body=body, content_type="application/json")
             return web.json_response({"worker_id": self.worker_id, "role": "prefill", "state": "draining"})
 
         app = web.Application()
@@ -427,3 +432,25 @@ async def test_admin_calls_reach_a_worker_signed_for_it_without_the_admin_token(
         urllib.request.urlopen(req, timeout=30)
     assert err.value.code == 401
     assert cluster.stats("p0")["state"] == "active"
+
+
+@pytest.mark.parametrize("status, body, relayed, says", [
+    (400, b'{"error": "expected ?since=<unix time>"}', 400, "answered 400: expected ?since=<unix time>"),
+    (409, b"not json", 409, "answered 409: not json"),
+    # a worker refusing the gateway's signature is the gateway's setup, not the operator's token
+    (401, b'{"error": "bad signature"}', 502, "answered 401: bad signature"),
+    (500, b'{"error": {"nested": 1}}', 502, 'answered 500: {"error": {"nested": 1}}')])
+async def test_a_workers_refusal_reaches_the_operator_in_the_apis_error_shape(cluster, redis_client, status, body,
+                                                                            relayed, says):
+    import asyncio
+
+    recorder = await AdminRecorder(cluster).start(redis_client)
+    recorder.refusals["/admin/steps"] = (status, body)
+    try:
+        with pytest.raises(urllib.error.HTTPError) as err:
+            await asyncio.to_thread(http_json, f"{cluster.gateway_url}/admin/workers/admin-recorder/steps", "GET",
+                                    None, {"X-Admin-Token": ADMIN_TOKEN})
+    finally:
+        await recorder.stop()
+    error = json.loads(err.value.read())["error"]
+    assert err.value.code == relayed and error["message"] == f"worker admin-recorder {says}", error
