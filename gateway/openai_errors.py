@@ -16,6 +16,7 @@ _DEFAULT_ERROR_TYPE = {
     405: "invalid_request_error",
     408: "timeout_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     500: "internal_server_error",
     502: "upstream_error",
@@ -103,6 +104,18 @@ def required(value, at: str, field: str):
     if value is None:
         raise invalid(f"Missing required parameter: '{at}.{field}'.", f"{at}.{field}", "missing_required_parameter")
     return value
+
+
+def check_json_media(content_type: str | None) -> None:
+    """A 415 unless a body's ``Content-Type`` is JSON (``application/json``, ``*/*+json``) or absent.
+    (Also what keeps a web page from posting to a gateway on the user's machine: a browser sends a
+    form's or a ``fetch``'s text cross-site without asking, as ``text/plain``, a form's types.)"""
+    if content_type is None:
+        return
+    media = content_type.split(";", 1)[0].strip().lower()
+    if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
+        raise OpenAIError(415, f"Content-Type must be application/json, got {content_type[:100]!r}",
+                          code="unsupported_media_type")
 
 
 def check_model(model: str, served: str) -> None:

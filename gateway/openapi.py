@@ -190,6 +190,7 @@ _ERRORS = {
     "404": "The model is not the one this server serves.",
     "408": "The request body did not arrive in time.",
     "413": "The request body is too large.",
+    "415": "The request body's Content-Type is not application/json.",
     "429": "Too many requests in flight (overall or for this API key); see Retry-After.",
     "500": "The generation failed inside the cluster.",
     "502": "No decode worker gave an answer the gateway could read (an error page instead of a token stream).",

@@ -63,7 +63,7 @@ def conversation_paths(errors: dict[str, dict], auth: bool) -> dict:
 
     def operation(summary: str, answer: str, schema: str, parameters: tuple = (), body: str | None = None,
                   found: bool = True) -> dict:
-        statuses = ("400", "401", "408", "413", "429", "503") if body else ("400", "401", "429", "503")
+        statuses = ("400", "401", "408", "413", "415", "429", "503") if body else ("400", "401", "429", "503")
         op = {"summary": summary, "parameters": list(parameters), **security,
               "responses": {"200": {"description": answer, "content": {"application/json": {
                   "schema": {"$ref": _REF.format(name=schema)}}}},

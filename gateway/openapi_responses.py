@@ -140,7 +140,7 @@ def input_tokens_path(errors: dict[str, dict], auth: bool) -> dict:
             "schema": {"$ref": _REF.format(name="ResponsesInputTokensRequest")}}}},
         "responses": {"200": {"description": "Its input tokens.", "content": {"application/json": {
             "schema": {"$ref": _REF.format(name="ResponsesInputTokens")}}}},
-            **{status: errors[status] for status in ("400", "401", "404", "408", "413", "429", "503")}}}}}
+            **{status: errors[status] for status in ("400", "401", "404", "408", "413", "415", "429", "503")}}}}}
 
 
 def stored_response_paths(errors: dict[str, dict], auth: bool) -> dict:

@@ -45,7 +45,7 @@ from gateway.dispatch import Dispatcher
 from gateway.handlers import HandlerServices, OpenAIHandlers
 from gateway.metrics import GatewayMetrics
 from gateway.openapi import openapi_document
-from gateway.openai_errors import as_invalid, check_model
+from gateway.openai_errors import as_invalid, check_json_media, check_model
 from gateway.messages_output import error_body
 from gateway.openai_protocol import ModelCard, ModelList, OpenAIError, json_response, now
 from gateway.pool import WorkerPool
@@ -176,7 +176,9 @@ class Gateway:
 
     async def read_body(self, request: web.Request) -> bytes:
         """The whole body: refused (413) as soon as it is known to exceed the limit -- from its
-        declared length, or while it is read -- and bounded in time (408) for slow senders."""
+        declared length, or while it is read -- and bounded in time (408) for slow senders; a body
+        of another media type than JSON is refused (415, ``check_json_media``)."""
+        check_json_media(request.headers.get("Content-Type"))
         if request.content_length is not None and request.content_length > self.config.max_body_bytes:
             raise self._too_large(request.content_length)
         try:

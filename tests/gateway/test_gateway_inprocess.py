@@ -221,3 +221,27 @@ async def test_an_output_bound_past_the_context_is_a_400_naming_the_apis_own_fie
         assert resp.status == 400, error
         detail = error["error"]
         assert (detail.get("param", field), "context length" in detail["message"]) == (field, True), error
+
+
+@pytest.mark.parametrize("content_type, refused", [
+    ("text/plain;charset=UTF-8", True), ("application/x-www-form-urlencoded", True),  # a browser's, cross-site
+    ("multipart/form-data; boundary=x", True), ("application/octet-stream", True),
+    ("application/json", False), ("Application/JSON; charset=utf-8", False), ("application/merge-patch+json", False),
+    (None, False)])
+async def test_a_body_is_read_as_json_only_when_it_says_so(served_checkpoint, redis_url, key_prefix, content_type,
+                                                          refused):
+    """A web page can post text to a gateway on its user's machine without the browser asking first
+    (a form's types, ``text/plain``): it is refused, as any body that says it is not JSON."""
+    headers = {"Authorization": f"Bearer {KEYS['a']}"}
+    body = json.dumps({"model": "m", "prompt": "hi", "max_tokens": 1, "text": "hi"})
+    async with gateway(served_checkpoint, redis_url, key_prefix) as (gw, client):
+        for path in ("/v1/completions", "/tokenize", "/v1/conversations"):
+            kw = {"headers": {**headers, "Content-Type": content_type}} if content_type else {
+                "headers": headers, "skip_auto_headers": ["Content-Type"]}
+            async with client.post(path, data=body.encode(), **kw) as resp:
+                answer = await resp.json()
+            if refused:
+                assert (resp.status, answer["error"]["code"]) == (415, "unsupported_media_type"), answer
+                assert answer["error"]["message"] == f"Content-Type must be application/json, got {content_type!r}"
+            else:
+                assert resp.status != 415, answer
