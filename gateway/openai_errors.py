@@ -107,15 +107,14 @@ def required(value, at: str, field: str):
 
 
 def check_json_media(content_type: str | None) -> None:
-    """A 415 unless a body's ``Content-Type`` is JSON (``application/json``, ``*/*+json``) or absent.
-    (Also what keeps a web page from posting to a gateway on the user's machine: a browser sends a
-    form's or a ``fetch``'s text cross-site without asking, as ``text/plain``, a form's types.)"""
-    if content_type is None:
-        return
-    media = content_type.split(";", 1)[0].strip().lower()
+    """A 415 unless a body's ``Content-Type`` is JSON (``application/json``, ``application/*+json``);
+    None: the header is absent (refused too: check it only where there is a body).  Also what keeps
+    a web page from posting to a gateway on its user's machine: a browser sends a body cross-site
+    without asking first where it says it is a form or text, or says nothing (a ``Blob``)."""
+    media = (content_type or "").split(";", 1)[0].strip().lower()
     if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
-        raise OpenAIError(415, f"Content-Type must be application/json, got {content_type[:100]!r}",
-                          code="unsupported_media_type")
+        got = f"got {content_type[:100]!r}" if content_type is not None else "and the request has none"
+        raise OpenAIError(415, f"Content-Type must be application/json, {got}", code="unsupported_media_type")
 
 
 def check_model(model: str, served: str) -> None:

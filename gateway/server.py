@@ -177,16 +177,21 @@ class Gateway:
     async def read_body(self, request: web.Request) -> bytes:
         """The whole body: refused (413) as soon as it is known to exceed the limit -- from its
         declared length, or while it is read -- and bounded in time (408) for slow senders; a body
-        of another media type than JSON is refused (415, ``check_json_media``)."""
-        check_json_media(request.headers.get("Content-Type"))
+        that is not JSON by its Content-Type is refused (415, ``check_json_media``; none and no body: b"")."""
+        content_type = request.headers.get("Content-Type")
+        if content_type is not None:
+            check_json_media(content_type)
         if request.content_length is not None and request.content_length > self.config.max_body_bytes:
             raise self._too_large(request.content_length)
         try:
             async with asyncio.timeout(self.config.client_read_timeout):
-                return await request.read()  # aiohttp stops at client_max_size (HTTPRequestEntityTooLarge)
+                body = await request.read()  # aiohttp stops at client_max_size (HTTPRequestEntityTooLarge)
         except TimeoutError:
             raise OpenAIError(408, f"the request body did not arrive within {self.config.client_read_timeout:g} s",
                               code="request_timeout") from None
+        if body and content_type is None:
+            check_json_media(None)
+        return body
 
     def _too_large(self, size: int | None) -> OpenAIError:
         """``size``: the body's declared length (None: sent in chunks, refused once past the limit)."""
