@@ -58,7 +58,7 @@ class Generation:
 
     @property
     def output_finish_reason(self) -> str | None:
-        """``tool_calls`` for an answer that ended in tool calls (OpenAI's), else the engine's."""
-        if self.tools is not None and self.tools.made_calls and self.finish_reason == "stop":
-            return "tool_calls"
-        return self.finish_reason
+        """``tool_calls`` for an answer that ended in tool calls of its choosing, else the engine's
+        (``ToolOutput.finish_reason``)."""
+        return self.finish_reason if self.tools is None else self.tools.finish_reason(self.tools.made_calls,
+                                                                                         self.finish_reason)

@@ -19,6 +19,8 @@ from common.engine.structured.compiler import GrammarCompiler
 from gateway.chat_template import ChatFormat
 from gateway.config import GatewayConfig
 from gateway.detokenizer import StreamingDecoder
+from gateway.engine_params import engine_params
+from gateway.request_extensions import answer_id, truncated
 from gateway.dispatch import Dispatcher, Saturated, UpstreamError
 from gateway.metrics import GatewayMetrics
 from gateway.prompts import PromptEncoder
@@ -147,46 +149,9 @@ class OpenAIHandlers(ResponsesEndpoints):
         model, options = req.model, req.sampling()
         self._check_model(model)
         services = self.services
-        vocab = services.vocab_size
-        if not prompt_ids:
-            raise invalid("the prompt is empty after tokenization", "prompt")
-        # Sizes before any per-token work: the length bounds the scan of the ids below.
-        room = services.max_model_len - len(prompt_ids)
-        max_tokens = options.max_tokens if options.max_tokens is not None else room
-        # max_tokens=0 with echo: the prompt alone is answered; one token is generated (and counted), as in vLLM.
-        echo_only = max_tokens == 0
-        max_tokens = max(max_tokens, 1)
-        if room < 1 or max_tokens > room:
-            raise invalid(
-                f"This model's maximum context length is {services.max_model_len} tokens. However, you requested "
-                f"{len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the prompt, {max_tokens} for the "
-                "completion). Please reduce the prompt or max_tokens.", "max_tokens", "context_length_exceeded")
-        if max(prompt_ids) >= vocab:  # ids are >= 0 (decoded so, or from the tokenizer)
-            bad = next(t for t in prompt_ids if t >= vocab)
-            raise invalid(f"prompt token id {bad} is outside the vocabulary [0, {vocab})", "prompt")
-        # A top_k at or above the vocabulary keeps every token: clamp it (as vLLM does), so a huge
-        # value never reaches the workers' messages.
-        top_k = options.top_k if options.top_k is not None and options.top_k < vocab else 0
-        for name, ids in (("logit_bias", [t for t, _ in options.logit_bias]), ("stop_token_ids", options.stop_token_ids)):
-            if ids and max(ids) >= vocab:
-                raise invalid(f"{name}: token id {max(ids)} is outside the vocabulary [0, {vocab})", name)
-        # echo with logprobs scores the prompt's tokens too, as vLLM's prompt_logprobs does (each
-        # choice's workers compute its prompt whole; the request's scores in all are bounded).
-        asked = [k for k in (options.prompt_logprobs, options.logprobs if kind == "completion" and req.echo else None)
-                 if k is not None]
-        prompt_logprobs = max(asked) if asked else None
-        # A built-in chat format's end-of-turn token ends a chat answer (unless EOS is ignored).
-        turn_end = services.chat_format.stop_token_ids if kind == "chat" and not options.ignore_eos else ()
-        params = SamplingParams(
-            max_tokens=max_tokens, temperature=options.temperature, top_k=top_k,
-            top_p=options.top_p, min_p=options.min_p, presence_penalty=options.presence_penalty,
-            frequency_penalty=options.frequency_penalty, repetition_penalty=options.repetition_penalty,
-            seed=options.seed, ignore_eos=options.ignore_eos, logprobs=options.logprobs,
-            stop_token_ids=tuple(dict.fromkeys(turn_end + options.stop_token_ids)),
-            # min_tokens beyond max_tokens: no stop token ends the output early (it ends at max_tokens)
-            logit_bias=options.logit_bias, min_tokens=min(options.min_tokens, max_tokens),
-            structured=options.structured or (plan.structured if plan else None), prompt_logprobs=prompt_logprobs,
-        )
+        params, echo_only = engine_params(options, kind, kind == "completion" and req.echo, prompt_ids, plan,
+                                          max_model_len=services.max_model_len, vocab_size=services.vocab_size,
+                                          turn_end=services.chat_format.stop_token_ids)
         tenant = request["tenant"]
         salt = cache_salt(tenant, req.cache_salt, services.config.cache_isolation)
         response_id = response_id or new_request_id("cmpl" if kind == "completion" else "chatcmpl")
@@ -241,7 +206,7 @@ class OpenAIHandlers(ResponsesEndpoints):
                               field) from None
             # What the template made of the messages is bounded like a prompt, before it is tokenized.
             self.services.prompts.check_size(len(text), len(text.encode("utf-8", "surrogatepass")), field)
-            return list(tokenizer(text, add_special_tokens=False).input_ids)
+            return list(tokenizer(text, add_special_tokens=bool(req.add_special_tokens)).input_ids)
 
         return messages, render
 
@@ -253,13 +218,17 @@ class OpenAIHandlers(ResponsesEndpoints):
         body = await self.services.read_body(request)
         req = parse_completion_request(body, max_prompt_tokens=self.services.max_model_len)
         self._check_model(req.model)
+        named = answer_id(request.headers, req, "cmpl")  # (the workers see an id of the gateway's)
         async with self.services.admission(request["tenant"]):
-            response_id, gens = new_request_id("cmpl"), []
+            response_id, cluster_id, gens = named or new_request_id("cmpl"), named and new_request_id("cmpl"), []
             for index, prompt in enumerate(req.prompt):
-                ids = await self.services.prompts.text(prompt) if isinstance(prompt, str) else prompt
-                echo = "" if not req.echo else prompt if isinstance(prompt, str) else self.services.tokenizer.decode(ids)
+                whole = (await self.services.prompts.text(prompt, add_special_tokens=req.add_special_tokens is not False)
+                         if isinstance(prompt, str) else prompt)
+                ids = truncated(whole, req.truncate_prompt_tokens, self.services.max_model_len)
+                echo = "" if not req.echo else prompt if ids is whole and isinstance(prompt, str) else \
+                    self.services.tokenizer.decode(ids)
                 gens += self._prepare(request, "completion", req, ids, echo=echo, response_id=response_id,
-                                      prompt_index=index)
+                                      prompt_index=index, cluster_id=cluster_id)
             _check_scores(gens)
             await self._check_grammar(gens[0].params)
             return await self._serve(request, gens)
@@ -270,9 +239,12 @@ class OpenAIHandlers(ResponsesEndpoints):
         self._check_model(req.model)
         plan = req.tool_plan()
         messages, render = self._chat_renderer(req, plan)
+        named = answer_id(request.headers, req, "chatcmpl")  # (the workers see an id of the gateway's)
         async with self.services.admission(request["tenant"]):
-            ids = await self.services.prompts.chat(messages, render)
-            gens = self._prepare(request, "chat", req, ids, plan)
+            ids = truncated(await self.services.prompts.chat(messages, render), req.truncate_prompt_tokens,
+                            self.services.max_model_len)
+            gens = self._prepare(request, "chat", req, ids, plan, response_id=named,
+                                 cluster_id=named and new_request_id("chatcmpl"))
             _check_scores(gens)
             await self._check_grammar(gens[0].params)
             return await self._serve(request, gens)
@@ -388,7 +360,9 @@ class OpenAIHandlers(ResponsesEndpoints):
         decode worker that generation went to (it holds the prompt), if it can take it."""
         services = self.services
         metrics = services.metrics.model(gen.model)
-        decoder = StreamingDecoder(services.tokenizer, gen.prompt_ids, gen.options.stop)
+        decoder = StreamingDecoder(services.tokenizer, gen.prompt_ids, gen.options.stop,
+                                   skip_special_tokens=gen.options.skip_special_tokens,
+                                   include_stop=gen.options.include_stop)
         result = gen.dispatch
         last = None
         try:

@@ -33,7 +33,7 @@ from gateway.openai_errors import OpenAIError, from_msgspec, invalid, required
 from gateway.openai_protocol import (
     MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_PARTS_PER_MESSAGE, CacheSalt, CalledFunction, ChatCompletionRequest,
     ChatMessage, MaxTokens, MessageToolCall, ModelName, TopP, UserId, decode_at, decode_body, given, read_stop,
-    validate_common,
+    join_parts, validate_common,
 )
 from gateway.structured_request import grammar_json, read_structured_outputs, schema_text
 from gateway.tools_request import (
@@ -140,7 +140,7 @@ def parse_messages_request(body: bytes, counting: bool = False) -> ChatCompletio
     if req.max_tokens is None and not counting:
         raise invalid("Missing required parameter: 'max_tokens'.", "max_tokens", "missing_required_parameter")
     blocks = _Blocks()
-    system = [ChatMessage(role="system", content=blocks.text(req.system, "system"))] if given(req.system) else []
+    system = [ChatMessage(role="system", content=blocks.text(req.system, "system", "".join))] if given(req.system) else []
     messages = system + _turns(req.messages, blocks)
     tools = tuple(t.as_tool() for t in decode_at(_tools_decoder, grammar_json(req.tools, "tools"), "tools")) \
         if given(req.tools) else ()
@@ -220,14 +220,15 @@ class _Blocks:
             raise invalid(f"the messages hold at most {MAX_CONTENT_PARTS} content blocks in all", at)
         return content
 
-    def text(self, raw: msgspec.Raw, at: str) -> str:
-        """A string, or text blocks joined (``system``, a tool result's content)."""
+    def text(self, raw: msgspec.Raw, at: str, join=join_parts) -> str:
+        """A string, or text blocks joined (a tool result's content; ``system``'s run on, ``join``: as
+        vLLM's Messages API joins them)."""
         content = self.decode(raw, at)
         if isinstance(content, str):
             return content
         for j, block in enumerate(content):
             _check_text(block, f"{at}[{j}]")
-        return "".join(block.text for block in content)
+        return join(block.text for block in content)
 
 
 def _check_text(block: Block, at: str) -> None:
@@ -264,7 +265,7 @@ def _assistant(content: list[Block], at: str) -> ChatMessage:
         elif block.type not in ("thinking", "redacted_thinking"):
             _check_text(block, where)
             text.append(block.text)
-    return ChatMessage(role="assistant", content="".join(text) if text or not calls else None, tool_calls=calls or None)
+    return ChatMessage(role="assistant", content=join_parts(text) if text or not calls else None, tool_calls=calls or None)
 
 
 def _user(content: list[Block], at: str, blocks: _Blocks) -> list[ChatMessage]:
@@ -275,7 +276,7 @@ def _user(content: list[Block], at: str, blocks: _Blocks) -> list[ChatMessage]:
         where = f"{at}[{j}]"
         if block.type == "tool_result":
             if text:
-                out.append(ChatMessage(role="user", content="".join(text)))
+                out.append(ChatMessage(role="user", content=join_parts(text)))
                 text = []
             result = blocks.text(block.content, f"{where}.content") if given(block.content) else ""
             if block.is_error:  # chat templates have no such flag: the result says it
@@ -286,7 +287,7 @@ def _user(content: list[Block], at: str, blocks: _Blocks) -> list[ChatMessage]:
             _check_text(block, where)
             text.append(block.text)
     if text or not out:
-        out.append(ChatMessage(role="user", content="".join(text)))
+        out.append(ChatMessage(role="user", content=join_parts(text)))
     return out
 
 

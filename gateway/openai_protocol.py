@@ -30,8 +30,9 @@ which OpenAI fields are honoured and which are refused with a 400 naming them.
 """
 from __future__ import annotations
 
+import functools
 import json
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
 
@@ -53,6 +54,7 @@ from gateway.openai_responses import (  # noqa: F401 (API: the answers, with the
     new_request_id, now, sse_event,
 )
 from gateway.prompt_input import MAX_REQUEST_CHOICES, decode_prompt
+from gateway.request_extensions import RequestExtensions, check_extensions, given
 from gateway.sampling_options import SamplingOptions, sampling_options
 from gateway.template_kwargs import read_template_kwargs
 from gateway.structured_request import read_response_format, read_structured_outputs
@@ -89,12 +91,15 @@ MAX_METADATA_BYTES = 128 * 1024  # its JSON: 16 pairs of 64 + 512 characters, ea
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
-    include_usage: bool = False
-    continuous_usage_stats: bool = False  # every chunk carries the usage so far (vLLM's)
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # with include_usage: every chunk carries its usage (vLLM's)
 
 
-class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """Fields shared by both endpoints.  ``None`` means "the default"."""
+class _Common(RequestExtensions, forbid_unknown_fields=True, kw_only=True):
+    """Fields shared by both endpoints.  ``None`` means "the default"; a field of ``NULL_IS_DEFAULT``
+    sent as null reads as its default (OpenAI's schema lets a client send null for it: ``decode_body``)."""
+
+    NULL_IS_DEFAULT: ClassVar[tuple[str, ...]] = ("stream", "ignore_eos", "n", "store", "min_tokens")
 
     model: ModelName
     temperature: Temperature | None = None
@@ -104,13 +109,13 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     top_k: int | None = None
     seed: int | None = None
     stop: str | Annotated[list[str], msgspec.Meta(max_length=MAX_STOP_STRINGS)] | None = None
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
-    ignore_eos: bool = False  # extension
-    n: Annotated[int, msgspec.Meta(ge=1, le=MAX_N)] = 1
+    ignore_eos: bool | None = False  # extension
+    n: Annotated[int, msgspec.Meta(ge=1, le=MAX_N)] | None = 1
     user: UserId | None = None
     safety_identifier: UserId | None = None  # OpenAI's: accepted, not used
-    store: bool = False  # OpenAI's stored completions: only false (there is no store)
+    store: bool | None = False  # OpenAI's stored completions: only false (there is no store)
     metadata: Metadata | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
@@ -121,7 +126,7 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # Read from the body by gateway/structured_request.py; at most one of the two is set.
     response_format: StructuredOutput | None = None
     structured_outputs: StructuredOutput | None = None  # extension (vLLM's)
-    min_tokens: MinTokens = 0  # extension (vLLM's)
+    min_tokens: MinTokens | None = 0  # extension (vLLM's)
     stop_token_ids: StopTokenIds | None = None  # extension (vLLM's)
     # Extension (vLLM's): the prompt's blocks are cached apart from requests with another salt.
     cache_salt: CacheSalt | None = None
@@ -135,10 +140,12 @@ class CompletionRequest(_Common):
     string or a list of token ids (decoded from the body's ``prompt`` by gateway/prompt_input.py,
     which the API takes as a string, token ids, or a list of either)."""
 
+    NULL_IS_DEFAULT: ClassVar[tuple[str, ...]] = _Common.NULL_IS_DEFAULT + ("echo",)
+
     prompt: list[str | list[int]]
     max_tokens: CompletionMaxTokens | None = 16
     logprobs: Logprobs | None = None
-    echo: bool = False
+    echo: bool | None = False
     best_of: int | None = None
     suffix: str | None = None
 
@@ -164,6 +171,7 @@ class ContentPart(msgspec.Struct, kw_only=True):
     # "unknown field image_url"; the type is checked in validation.
     type: str
     text: str | None = None
+    refusal: str | None = None  # an assistant's refusal part (its text)
 
 
 class CalledFunction(msgspec.Struct, forbid_unknown_fields=True):
@@ -179,6 +187,12 @@ class MessageToolCall(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     function: CalledFunction
 
 
+def join_parts(texts) -> str:
+    """A message's text parts as one text: a line apart, as vLLM (and its chat path's templates) read
+    them -- "Say hi" and "please" are not "Say hiplease"."""
+    return "\n".join(texts)
+
+
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | Annotated[list[ContentPart], msgspec.Meta(max_length=MAX_PARTS_PER_MESSAGE)] | None = None
@@ -191,28 +205,32 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text or "" for part in self.content)
+        return join_parts((part.refusal if part.type == "refusal" else part.text) or "" for part in self.content)
 
 
 class ChatCompletionRequest(_Common):
     """``POST /v1/chat/completions``.  ``max_tokens`` is the deprecated alias of
     ``max_completion_tokens``."""
 
+    NULL_IS_DEFAULT: ClassVar[tuple[str, ...]] = _Common.NULL_IS_DEFAULT + (
+        "logprobs", "parallel_tool_calls", "add_generation_prompt", "continue_final_message")
+
     messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1, max_length=MAX_MESSAGES)]
     max_completion_tokens: MaxTokens | None = None
     max_tokens: MaxTokens | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: Logprobs | None = None
     tools: tuple[Tool, ...] = ()  # read from the body by gateway/tools_request.py
     tool_choice: ToolChoice | None = None
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: bool | None = True
     # Extensions (vLLM's): how the chat template renders the messages.  ``continue_final_message``
     # leaves the last message open for the answer to go on from it (the generation prompt is then
     # left out, whatever ``add_generation_prompt`` says); ``chat_template_kwargs`` are the template's
     # own variables (read by ``read_template_kwargs``).
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
+    add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
     chat_template_kwargs: dict[str, Any] | None = None
+    echo: bool | None = None  # vLLM's: only false (``check_extensions``)
 
     def sampling(self) -> SamplingOptions:
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
@@ -288,8 +306,13 @@ def validate_common(req: _Common) -> None:
 
 
 def decode_body(decoder: msgspec.json.Decoder, body: bytes):
+    """The body decoded; its ``NULL_IS_DEFAULT`` fields sent as null read as their defaults."""
     try:
-        return decoder.decode(body)
+        decoded = decoder.decode(body)
+        for name in getattr(decoded, "NULL_IS_DEFAULT", ()):
+            if getattr(decoded, name) is None:
+                setattr(decoded, name, _default(type(decoded), name))
+        return decoded
     except msgspec.MsgspecError as exc:
         raise from_msgspec(exc) from None
     except RecursionError:  # msgspec's guard on nesting (the interpreter's recursion limit)
@@ -357,11 +380,6 @@ def _read_logit_bias(raw: msgspec.Raw) -> dict[int, float]:
     return out
 
 
-def given(raw: msgspec.Raw) -> bool:
-    """A field kept as ``msgspec.Raw`` was sent, and not as null."""
-    return len(raw) > 0 and raw != _NULL
-
-
 def _decode_messages(raw: msgspec.Raw) -> list[ChatMessage]:
     """The messages, each decoded on its own: at most ``MAX_MESSAGES``, each with at most
     ``MAX_PARTS_PER_MESSAGE`` content parts and ``MAX_CONTENT_PARTS`` in all, each bound checked
@@ -391,6 +409,7 @@ def parse_completion_request(body: bytes, max_prompt_tokens: int = MAX_PROMPT_TO
     fields["prompt"] = decode_prompt(body_req.prompt, max_prompt_tokens)
     req = CompletionRequest(**fields)
     validate_common(req)
+    check_extensions(req)
     if req.max_tokens == 0 and not req.echo:
         raise invalid("max_tokens=0 answers the prompt alone: it needs echo (else max_tokens must be >= 1)",
                       "max_tokens")
@@ -414,10 +433,7 @@ def parse_chat_request(body: bytes) -> ChatCompletionRequest:
                                       if given(body_req.chat_template_kwargs) else None)
     req = ChatCompletionRequest(**fields)
     validate_common(req)
-    if (req.max_tokens is not None and req.max_completion_tokens is not None
-            and req.max_tokens != req.max_completion_tokens):
-        raise invalid("max_tokens and max_completion_tokens disagree; send only max_completion_tokens",
-                      "max_tokens")
+    check_extensions(req, chat=True)
     if req.continue_final_message and req.messages[-1].tool_calls:
         raise invalid("continue_final_message goes on from the last message's text; that message holds tool calls",
                       "continue_final_message", "last_message_not_continuable")
@@ -427,12 +443,13 @@ def parse_chat_request(body: bytes) -> ChatCompletionRequest:
         if isinstance(m.content, list):
             for j, part in enumerate(m.content):
                 where = f"messages[{i}].content[{j}]"
-                if part.type != "text":
-                    raise invalid(f"{where}: content part type {part.type!r} is not supported (text only)",
-                                  where, "unsupported_value")
-                if part.text is None:
-                    raise invalid(f"{where}: a text part needs 'text'", where)
-        elif m.content is None and not (m.role == "assistant" and m.tool_calls):
+                kind = "refusal" if part.type == "refusal" and m.role == "assistant" else "text"
+                if part.type != kind:
+                    raise invalid(f"{where}: content part type {part.type!r} is not supported (text only; an "
+                                  "assistant's refusal)", where, "unsupported_value")
+                if getattr(part, kind) is None:
+                    raise invalid(f"{where}: a {kind} part needs '{kind}'", where)
+        elif m.content is None and m.role != "assistant":  # (an assistant's may be left out, as in vLLM)
             raise invalid(f"messages[{i}].content is required", f"messages[{i}].content")
         if m.role == "tool" and not m.tool_call_id:
             raise invalid(f"messages[{i}]: a tool message needs tool_call_id", f"messages[{i}].tool_call_id")
@@ -458,4 +475,8 @@ _message_decoder = msgspec.json.Decoder(_MessageBody, strict=False)
 _content_decoder = msgspec.json.Decoder(str | bounded_list(ContentPart, MAX_PARTS_PER_MESSAGE), strict=False)
 _logit_bias_decoder = msgspec.json.Decoder(dict[str, float], strict=False)
 _metadata_decoder = msgspec.json.Decoder(Metadata, strict=False)
-_NULL = msgspec.Raw(b"null")
+
+
+@functools.cache
+def _default(cls: type, name: str):
+    return next(f.default for f in msgspec.structs.fields(cls) if f.name == name)

@@ -37,6 +37,7 @@ from gateway.openapi_messages import messages_paths, messages_schemas
 from gateway.openapi_responses import input_tokens_path, responses_operation, responses_schemas, stored_response_paths
 from gateway.prompt_input import MAX_REQUEST_CHOICES
 from gateway.template_kwargs import MAX_TEMPLATE_KWARGS, RESERVED
+from gateway.request_extensions import UNDOCUMENTED
 from gateway.structured_request import ResponseFormat, StructuredOutputsParams
 
 _REF = "#/components/schemas/{name}"
@@ -275,6 +276,9 @@ def openapi_document(model_id: str, *, vocab_size: int, api_keys: bool, stored_r
         props = schemas[name]["properties"]
         props["logit_bias"]["anyOf"][0]["propertyNames"] = {"pattern": decimal_below(vocab_size)}
         props["stop_token_ids"]["anyOf"][0]["items"]["maximum"] = vocab_size - 1
+    for name in ("CompletionRequest", "ChatCompletionRequest"):  # (taken, not described: request_extensions.py)
+        for field in UNDOCUMENTED + (("echo",) if name == "ChatCompletionRequest" else ()):
+            schemas[name]["properties"].pop(field, None)
     for name, schema in _SCHEMA_RULES.items():
         schemas[name] = schema
     schemas["ChatMessage"]["allOf"] = [

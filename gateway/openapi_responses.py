@@ -89,6 +89,9 @@ def responses_schemas(model_id: str, vocab_size: int, common_rules: dict[str, di
     schemas.pop("InputItem", None), schemas.pop("InputPart", None)  # described by hand above
     request = schemas["ResponsesRequest"]
     props = request["properties"]
+    for field in ("service_tier", "prompt_cache_key", "reasoning"):  # taken, not described (they ask for nothing)
+        props.pop(field)
+    schemas.pop("Reasoning", None)
     for field, rule in common_rules.items():
         if field in props and field != "stream_options":
             props[field] = copy.deepcopy(rule)

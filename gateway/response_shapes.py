@@ -31,15 +31,16 @@ def shown(logprob: float) -> float:
     return logprob if logprob >= MIN_LOGPROB else MIN_LOGPROB
 
 
-def usage(gens: Sequence[Generation]) -> Usage:
-    """A request's usage: each prompt counted once (by its first choice), every choice's output."""
-    cached = sum(g.cached_tokens for g in gens if g.first_choice)
-    return Usage.of(prompt_tokens(gens), sum(len(g.token_ids) for g in gens), cached)
+def usage(gens: Sequence[Generation], this_choice: bool = False) -> Usage:
+    """A request's usage: each prompt counted once (by its first choice), every choice's output;
+    ``this_choice``: ``gens`` is one choice, its prompt counted whichever choice it is."""
+    cached = sum(g.cached_tokens for g in gens if g.first_choice or this_choice)
+    return Usage.of(prompt_tokens(gens, this_choice), sum(len(g.token_ids) for g in gens), cached)
 
 
-def prompt_tokens(gens: Sequence[Generation]) -> int:
-    """The request's prompt tokens: each prompt's once."""
-    return sum(len(g.prompt_ids) for g in gens if g.first_choice)
+def prompt_tokens(gens: Sequence[Generation], this_choice: bool = False) -> int:
+    """The request's prompt tokens: each prompt's once (``this_choice``: see ``usage``)."""
+    return sum(len(g.prompt_ids) for g in gens if g.first_choice or this_choice)
 
 
 class ResponseShapes:
@@ -58,7 +59,8 @@ class ResponseShapes:
 
     def completion_logprobs(self, entries, offset: int, alternatives: int | None = None) -> CompletionLogprobs | None:
         """``entries``' logprobs in the completions' shape, text offsets from ``offset``; at most
-        ``alternatives`` a token (None: all it has)."""
+        ``alternatives`` a token (None: all it has), and the chosen token's own -- OpenAI's legacy
+        API and vLLM always show it: up to ``logprobs`` + 1 entries, the chosen one first."""
         if not entries:
             return None
         tokens = [self._token_text(e.token_id) for e in entries]
@@ -68,7 +70,8 @@ class ResponseShapes:
             pos += len(t)
         return CompletionLogprobs(
             tokens=tokens, token_logprobs=[shown(e.logprob) for e in entries],
-            top_logprobs=[{self._token_text(t): shown(lp) for t, lp in e.top[:alternatives]} for e in entries],
+            top_logprobs=[{tokens[i]: shown(e.logprob), **{self._token_text(t): shown(lp) for t, lp in e.top[:alternatives]}}
+                          for i, e in enumerate(entries)],
             text_offset=offsets,
         )
 
@@ -198,7 +201,7 @@ class ResponseShapes:
         if gen.tools is not None:
             content, calls = gen.tools.final(gen.text)
             message = ChatResponseMessage(content, tool_calls=gen.tools.message_calls(calls))
-            finish = "tool_calls" if calls and finish == "stop" else finish
+            finish = gen.tools.finish_reason(bool(calls), finish)
         return ChatChoice(gen.index, message, self.chat_logprobs(gen.logprobs), finish, gen.stop_reason)
 
 
@@ -247,7 +250,8 @@ class ChoicesStream:
         """A batch's events (one a frame that carries something), after the choice's opening chunks
         with its first batch (an echo's logprobs come with it)."""
         last = len(batch) - 1
-        running_usage = usage(self.gens) if gen.options.continuous_usage else None
+        # (vLLM's: the choice's own prompt and output so far)
+        running_usage = usage([gen], this_choice=True) if gen.options.continuous_usage else None
         events = [] if gen.opened else [sse_event(c) for c in self.shapes.first_chunks(gen, _before(running_usage, batch))]
         gen.opened = True
         events += [sse_event(chunk) for i, (delta, frame) in enumerate(batch)

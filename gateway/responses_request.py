@@ -21,15 +21,15 @@ is stored, so ``store: false`` is a 400).
 ``conversation`` makes it part of a conversation (gateway/conversation_store.py: its items are read
 before the input, and its input and output added to them once it ends; not with
 ``previous_response_id``).  The built-in tools, non-text content and ``truncation: "auto"`` are a 400
-naming the field; so are ``reasoning``, ``text.verbosity``, ``service_tier`` and
-``prompt_cache_key``, as on the chat endpoint (not implemented: this model has no reasoning; use
-``cache_salt`` for cache keys).  The bounds are the chat path's: the items as its messages, their
-parts as its content parts, each bound checked before the elements past it are decoded.
+naming the field; ``reasoning``, ``text.verbosity``, ``service_tier`` and ``prompt_cache_key`` are
+accepted and not used, as on the chat endpoint (this model does not reason; the router finds shared
+prefixes itself).  The bounds are the chat path's: the items as its messages, their parts as its
+content parts, each bound checked before the elements past it are decoded.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
 
@@ -39,7 +39,8 @@ from gateway.openai_errors import from_msgspec, invalid, required
 from gateway.openai_protocol import (
     MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_PARTS_PER_MESSAGE, CacheSalt, CalledFunction, ChatCompletionRequest,
     ChatMessage, Logprobs, MaxTokens, Metadata, MessageToolCall, MinP, MinTokens, ModelName, Penalty, RepetitionPenalty,
-    StopTokenIds, Temperature, TopP, UserId, decode_at, decode_body, given, read_metadata, read_stop, validate_common,
+    StopTokenIds, Temperature, TopP, UserId, decode_at, decode_body, given, join_parts, read_metadata, read_stop,
+    validate_common,
 )
 from gateway.structured_request import StructuredOutputsParams, grammar_json, read_structured_outputs, schema_text
 from gateway.tools_request import MAX_TOOLS, FlatFunctionTool, FunctionName, NamedFunction, NamedToolChoice, read_tools
@@ -68,6 +69,15 @@ class TextFormat(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 class TextConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     format: TextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None  # a hint (accepted, not used)
+
+
+class Reasoning(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A reasoning model's settings: accepted, not used (this model does not reason)."""
+
+    effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None
 
 
 class ConversationRef(msgspec.Struct, forbid_unknown_fields=True):
@@ -107,7 +117,11 @@ class InputItem(msgspec.Struct, kw_only=True):
 
 
 class ResponsesRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """``POST /v1/responses`` (its schema is the OpenAPI document's; bodies decode as ``_ResponsesBody``)."""
+    """``POST /v1/responses`` (its schema is the OpenAPI document's; bodies decode as ``_ResponsesBody``;
+    a field of ``NULL_IS_DEFAULT`` sent as null reads as its default)."""
+
+    NULL_IS_DEFAULT: ClassVar[tuple[str, ...]] = ("parallel_tool_calls", "stream", "background", "ignore_eos",
+                                                  "min_tokens")
 
     model: ModelName
     input: str | Annotated[list[dict[str, Any]], msgspec.Meta(max_length=MAX_MESSAGES)]  # items: see InputItem
@@ -119,12 +133,12 @@ class ResponsesRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     include: Annotated[list[Literal[INCLUDABLE]], msgspec.Meta(max_length=len(INCLUDABLE))] | None = None
     tools: Annotated[list[FlatFunctionTool], msgspec.Meta(max_length=MAX_TOOLS)] | None = None
     tool_choice: ResponsesToolChoice | None = None
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: bool | None = True
     text: TextConfig | None = None
-    stream: bool = False
+    stream: bool | None = False
     stream_options: ResponsesStreamOptions | None = None
     store: bool | None = None  # unset: stored where the gateway stores responses (gateway/response_store.py)
-    background: bool = False  # run in the background (gateway/background_responses.py)
+    background: bool | None = False  # run in the background (gateway/background_responses.py)
     previous_response_id: Annotated[str, msgspec.Meta(min_length=1, max_length=64)] | None = None
     conversation: ConversationId | ConversationRef | None = None  # (gateway/conversation_store.py)
     metadata: Metadata | None = None
@@ -132,6 +146,10 @@ class ResponsesRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     safety_identifier: UserId | None = None
     truncation: Literal["disabled"] | None = None  # "auto" (drop early items to fit) is not offered
     max_tool_calls: Annotated[int, msgspec.Meta(ge=1)] | None = None  # built-in tools' bound: none here
+    # OpenAI's, accepted and not used: one service tier; the router finds shared prefixes itself
+    service_tier: Annotated[str, msgspec.Meta(max_length=64)] | None = None
+    prompt_cache_key: Annotated[str, msgspec.Meta(max_length=1024)] | None = None
+    reasoning: Reasoning | None = None
     # Extensions (vLLM's, as on the other endpoints)
     top_k: int | None = None
     min_p: MinP | None = None
@@ -141,8 +159,8 @@ class ResponsesRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: StopTokenIds | None = None
-    ignore_eos: bool = False
-    min_tokens: MinTokens = 0
+    ignore_eos: bool | None = False
+    min_tokens: MinTokens | None = 0
     cache_salt: CacheSalt | None = None
     structured_outputs: StructuredOutputsParams | None = None
 
@@ -360,4 +378,4 @@ def _text(raw: msgspec.Raw, at: str) -> tuple[str, int]:
         if text is None:
             raise invalid(f"{at}[{j}]: a {part.type} part needs '{'refusal' if part.type == 'refusal' else 'text'}'",
                           f"{at}[{j}]")
-    return "".join(p.refusal if p.type == "refusal" else p.text for p in pieces), len(pieces)
+    return join_parts(p.refusal if p.type == "refusal" else p.text for p in pieces), len(pieces)

@@ -35,6 +35,8 @@ class SamplingOptions:
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
     prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True  # vLLM's: the answer's text leaves special tokens out
+    include_stop: bool = False  # vLLM's include_stop_str_in_output: the stop string that ended it stays
 
 
 def sampling_options(req, max_tokens: int | None, logprobs: int | None) -> SamplingOptions:
@@ -56,10 +58,13 @@ def sampling_options(req, max_tokens: int | None, logprobs: int | None) -> Sampl
         logprobs=logprobs,
         stream=req.stream,
         include_usage=bool(req.stream and req.stream_options and req.stream_options.include_usage),
-        continuous_usage=bool(req.stream and req.stream_options and req.stream_options.continuous_usage_stats),
+        continuous_usage=bool(req.stream and req.stream_options and req.stream_options.include_usage
+                              and req.stream_options.continuous_usage_stats),  # (as vLLM: with include_usage)
         structured=req.response_format or req.structured_outputs,
         logit_bias=tuple(sorted((req.logit_bias or {}).items())),
         min_tokens=req.min_tokens,
         stop_token_ids=tuple(req.stop_token_ids or ()),
         prompt_logprobs=req.prompt_logprobs,
+        skip_special_tokens=req.skip_special_tokens is not False,
+        include_stop=bool(req.include_stop_str_in_output),
     )

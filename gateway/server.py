@@ -46,6 +46,7 @@ from gateway.handlers import HandlerServices, OpenAIHandlers
 from gateway.metrics import GatewayMetrics
 from gateway.openapi import openapi_document
 from gateway.openai_errors import as_invalid, check_json_media, check_model
+from gateway.request_extensions import REQUEST_ID_HEADER, is_request_id
 from gateway.messages_output import error_body
 from gateway.openai_protocol import ModelCard, ModelList, OpenAIError, json_response, now
 from gateway.pool import WorkerPool
@@ -214,6 +215,7 @@ class Gateway:
         """The HTTP application (after ``start``)."""
         handlers = OpenAIHandlers(self.handler_services())
         app = web.Application(middlewares=[self._errors, self._auth], client_max_size=self.config.max_body_bytes)
+        app.on_response_prepare.append(_echo_request_id)
         app.router.add_post("/v1/completions", handlers.completions)
         app.router.add_post("/v1/chat/completions", handlers.chat_completions)
         app.router.add_post("/v1/responses", handlers.responses)
@@ -393,6 +395,13 @@ class Gateway:
             return answer
 
         return proxy
+
+
+async def _echo_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    """The client's ``X-Request-Id`` (where it is one an answer's id may be) back on the answer."""
+    named = request.headers.get(REQUEST_ID_HEADER)
+    if named is not None and is_request_id(named):
+        response.headers[REQUEST_ID_HEADER] = named
 
 
 def _worker_error(body: bytes) -> str:

@@ -84,8 +84,13 @@ class ToolOutput:
         if self.plan.mode == "required":  # cut short (max_tokens): the calls complete so far, the cut one
             calls, end = complete_calls(text)
             calls += [cut] if (cut := cut_call(text, end)) else []
-            return (text.strip() or None, []) if not calls else (None, calls)
+            return None, calls  # (cut short before a call's name: no call, and the array's text is no answer)
         return self.parser.parse(text, self.names)
+
+    def finish_reason(self, called: bool, finish: str | None) -> str | None:
+        """``tool_calls`` where the answer ended (``stop``) in calls of its choosing (``auto``,
+        ``required``); a named function's call ends ``stop``, as in OpenAI's API and vLLM."""
+        return "tool_calls" if called and finish == "stop" and self.plan.mode != "named" else finish
 
     def message_calls(self, calls: list[ParsedCall]) -> list[ResponseToolCall] | msgspec.UnsetType:
         return [ResponseToolCall(new_call_id(), ResponseFunction(c.name, c.arguments)) for c in calls] or msgspec.UNSET
@@ -111,10 +116,8 @@ class ToolOutput:
             return [] if self.num_calls else [self._call_start(self.plan.function)]
         if self.plan.mode == "required":
             out = self._complete_required_calls()
-            if cut := cut_call(self.text, self._required_pos):  # cut short in a call
+            if cut := cut_call(self.text, self._required_pos):  # cut short in a call (before its name: none)
                 out += self._send_call(cut)
-            if not self.num_calls:  # cut short before a call's name: what there is goes out as content
-                out += self._content_until(len(self.text))
             return out
         content, calls = self.parser.parse(self.text, self.names)
         out = []

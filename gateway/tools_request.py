@@ -69,10 +69,12 @@ class ToolPlan:
         return self.mode != "none" and bool(self.tools)
 
     def template_tools(self) -> list[dict] | None:
-        """The tools as chat templates take them (OpenAI's shape, as plain dicts)."""
+        """The tools as chat templates take them (OpenAI's shape, as plain dicts; a field not sent --
+        ``strict``, ``description`` -- is left out, not rendered as null)."""
         if not self.tools:
             return None
-        return [msgspec.to_builtins(t) for t in self.tools]
+        return [{"type": t.type, "function": {key: value for key, value in msgspec.to_builtins(t.function).items()
+                                              if value is not None}} for t in self.tools]
 
 
 class FlatFunctionTool(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

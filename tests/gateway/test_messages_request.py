@@ -33,20 +33,21 @@ def test_turns_and_blocks_become_the_chat_messages():
             {"type": "tool_use", "id": "toolu_1", "name": "f", "input": {"a": [1, 2]}},
             {"type": "tool_use", "id": "toolu_2", "name": "g", "input": {}}]},
         {"role": "user", "content": [
-            {"type": "text", "text": "first "}, {"type": "text", "text": "then", "cache_control": {"type": "ephemeral"}},
+            {"type": "text", "text": "first"}, {"type": "text", "text": "then", "cache_control": {"type": "ephemeral"}},
             {"type": "tool_result", "tool_use_id": "toolu_1", "content": "42"},
-            {"type": "tool_result", "tool_use_id": "toolu_2", "content": [{"type": "text", "text": "7"}],
+            {"type": "tool_result", "tool_use_id": "toolu_2", "content": [{"type": "text", "text": "7"},
+                                                                            {"type": "text", "text": "8"}],
              "is_error": True},
             {"type": "text", "text": "and now?"}]},
         {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_3", "name": "f", "input": {}}]},
     ])
     assert messages(call) == [
-        ("system", "rules apply", [], None),
+        ("system", "rules apply", [], None),  # system blocks run on; a turn's text blocks a line apart (vLLM's)
         ("user", "hi", [], None),
         ("assistant", "let me see", [("toolu_1", "f", '{"a": [1, 2]}'), ("toolu_2", "g", "{}")], None),
-        ("user", "first then", [], None),  # the text before a result stays before it
+        ("user", "first\nthen", [], None),  # the text before a result stays before it
         ("tool", "42", [], "toolu_1"),
-        ("tool", "Error: 7", [], "toolu_2"),  # a failed tool's result says so
+        ("tool", "Error: 7\n8", [], "toolu_2"),  # a failed tool's result says so
         ("user", "and now?", [], None),
         ("assistant", None, [("toolu_3", "f", "{}")], None),  # calls alone: no content
     ]

@@ -231,7 +231,7 @@ def test_unknown_fields_are_rejected_by_name():
     ("logprobs", 21, "<= 20"),
     ("top_k", -2, "top_k must be >= 1"),
     ("seed", 2**64, "seed must fit"),
-    ("stream", "yes", "Expected `bool`"),
+    ("stream", "yes", "Expected `bool | null`"),
     ("presence_penalty", 3, "<= 2.0"),
     ("frequency_penalty", -2.5, ">= -2.0"),
     ("repetition_penalty", 0, "> 0.0"),
@@ -289,7 +289,7 @@ def test_bounded_fields_accept_what_they_always_did():
         rejects(parse, make(stop={"a": 1}), "stop", "Expected `str | array`, got `object`")
     part = {"type": "text", "text": "x"}
     req = parse_chat_request(body(model="m", messages=[{"role": "user", "content": [part] * 64}] * 64))
-    assert len(req.messages) == 64 and req.template_messages()[0]["content"] == "x" * 64
+    assert len(req.messages) == 64 and req.template_messages()[0]["content"] == "\n".join(["x"] * 64)
     rejects(parse_chat_request, body(model="m", messages=[{"role": "user", "content": [part] * 65}]),
             "messages[0].content", "at most length 64")
     rejects(parse_chat_request, body(model="m", messages=[{"role": "user", "content": [part] * 64}] * 65),
@@ -324,7 +324,7 @@ def test_chat_messages_and_max_tokens_alias():
     ], max_tokens=20, logprobs=True, top_logprobs=3))
     assert req.template_messages() == [
         {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": "Hello, world", "name": "ann"},
+        {"role": "user", "content": "Hello, \nworld", "name": "ann"},  # parts a line apart, as vLLM's
         {"role": "assistant", "content": "Hi."},
     ]
     s = req.sampling()
@@ -336,7 +336,7 @@ def test_chat_messages_and_max_tokens_alias():
 
 
 def test_chat_rejections():
-    rejects(parse_chat_request, chat(max_tokens=5, max_completion_tokens=6), "max_tokens", "disagree")
+    assert parse_chat_request(chat(max_tokens=5, max_completion_tokens=6)).sampling().max_tokens == 6  # (vLLM's)
     rejects(parse_chat_request, chat(top_logprobs=2), "top_logprobs", "requires logprobs")
     rejects(parse_chat_request, body(model="m", messages=[]), "messages", "at least length 1")
     rejects(parse_chat_request, body(model="m", messages=[{"role": "tool", "content": "x"}]),

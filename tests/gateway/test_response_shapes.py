@@ -36,7 +36,11 @@ def test_an_echoed_prompt_is_scored_before_the_answer():
     assert choice.text == "Hello world! Bye"
     assert logprobs.tokens == ["<bos>", "Hello", " world", "!", " Bye"]
     assert logprobs.token_logprobs == [None, -2.0, -3.0, -0.5, -1.5]
-    assert logprobs.top_logprobs == [None, {" world": -1.0}, {" world": -3.0}, {"!": -0.5}, {" world": -1.0}]
+    # each position shows the token that is there too, first (OpenAI's legacy API, vLLM: up to logprobs + 1)
+    assert logprobs.top_logprobs == [None, {"Hello": -2.0, " world": -1.0}, {" world": -3.0}, {"!": -0.5},
+                                     {" Bye": -1.5, " world": -1.0}]
+    assert [list(top) for top in logprobs.top_logprobs[1:]] == [["Hello", " world"], [" world"], ["!"],
+                                                                [" Bye", " world"]]
     assert logprobs.text_offset == [0, 5, 10, 16, 17]
     # Streamed: the echo's chunk carries the prompt's part; the answer's chunks go on with the offsets.
     (chunk,) = shapes.first_chunks(gen)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from hypothesis import given, settings, strategies as st
 
 from gateway.tool_output import ToolOutput
@@ -107,10 +108,11 @@ def test_required_cut_short_keeps_the_calls_complete_in_it_and_the_one_it_was_cu
     assert stream(ToolOutput(plan, HermesParser()), [cut[:10], cut[10:]]) == whole
     inside = REQUIRED[:REQUIRED.index("[1,") + 3]  # (in its arguments: they go out as far as they came)
     assert ToolOutput(plan, HermesParser()).final(inside)[1][-1] == ParsedCall("get_weather", '{"a": [1,')
+    # cut before a call's name is complete: no call, and the array's text is no answer (it is the grammar's)
     bad_escape = '[{"name": "get_\\qtime", "param'  # (no JSON string: no call)
-    assert ToolOutput(plan, HermesParser()).final(bad_escape) == (bad_escape, [])
-    assert ToolOutput(plan, HermesParser()).final(' [{"name": "get_t') == ('[{"name": "get_t', [])
-    assert stream(ToolOutput(plan, HermesParser()), [' [{"name"', ': "get_t ']) == ('[{"name": "get_t', [])
+    assert ToolOutput(plan, HermesParser()).final(bad_escape) == (None, [])
+    assert ToolOutput(plan, HermesParser()).final(' [{"name": "get_t') == (None, [])
+    assert stream(ToolOutput(plan, HermesParser()), [' [{"name"', ': "get_t ']) == (None, [])
 
 
 def test_text_nested_past_pythons_parser_is_no_call():
@@ -118,7 +120,7 @@ def test_text_nested_past_pythons_parser_is_no_call():
     assert HermesParser().parse(f"<tool_call>{deep}</tool_call>", NAMES)[1] == []
     assert JsonParser().parse(deep, NAMES) == (deep, [])
     plan = plan_tools(TOOLS, "required", True)
-    assert ToolOutput(plan, HermesParser()).final("[{" + deep) == ("[{" + deep, [])
+    assert ToolOutput(plan, HermesParser()).final("[{" + deep) == (None, [])
 
 
 JSON_TEXTS = [
@@ -136,3 +138,12 @@ def test_auto_streams_what_the_whole_answer_holds(case):
     (parser, text), pieces = case
     plan = plan_tools(TOOLS, "auto", True)
     assert stream(ToolOutput(plan, parser()), pieces) == ToolOutput(plan, parser()).final(text)
+
+
+@pytest.mark.parametrize("mode, finish, expected", [
+    ("named", "stop", "stop"),  # OpenAI's API and vLLM: a named function's call ends stop
+    ("required", "stop", "tool_calls"), ("auto", "stop", "tool_calls"), ("required", "length", "length")])
+def test_an_answer_of_calls_ends_tool_calls_unless_the_function_was_named(mode, finish, expected):
+    plan = plan_tools(TOOLS, NamedToolChoice("function", NamedFunction("get_time")) if mode == "named" else mode, True)
+    output = ToolOutput(plan, HermesParser())
+    assert output.finish_reason(True, finish) == expected and output.finish_reason(False, "stop") == "stop"

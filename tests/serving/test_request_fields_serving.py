@@ -157,7 +157,9 @@ def test_echo_with_logprobs_scores_the_prompt(client, stack, scores):
         assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(prompt) + 1
         assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
         assert logprobs.token_logprobs[1:-1] == pytest.approx(scores(prompt), abs=2e-3)
-        assert all(len(top) <= 2 for top in logprobs.top_logprobs[1:])
+        # each position's top 2 and the token that is there, first (OpenAI's legacy API, vLLM: up to logprobs + 1)
+        assert all(len(top) <= 3 and next(iter(top)) == token
+                   for top, token in zip(logprobs.top_logprobs[1:], logprobs.tokens[1:]))
         assert logprobs.text_offset == sorted(logprobs.text_offset)  # the answer's go on from the prompt's
         if prompt is long:  # through the prefill pool, every time computed whole
             assert stack.stats("p0")["prefill_computed_tokens"] - computed == len(prompt)
@@ -253,3 +255,55 @@ def test_tokenize_and_detokenize(stack):
     status, bad = post(stack, "/detokenize", {"model": stack.model_name, "tokens": [10**9]})
     assert status == 400 and bad["error"]["param"] == "tokens"
     assert post(stack, "/tokenize", {"model": "other", "prompt": "x"})[0] == 404
+
+
+def test_vllms_text_fields_are_honoured(client, stack):
+    """``skip_special_tokens``, ``include_stop_str_in_output`` and ``truncate_prompt_tokens`` as
+    vLLM's: special tokens shown where asked, the stop string kept, the prompt's last tokens served."""
+    bos = {"logit_bias": {"1": 100}}  # (the tiny tokenizer's <bos>: a special token, every step)
+    shown = client.completions.create(model=stack.model_name, prompt="special", max_tokens=3, temperature=0,
+                                      extra_body={"ignore_eos": True, "skip_special_tokens": False, **bos})
+    hidden = client.completions.create(model=stack.model_name, prompt="special", max_tokens=3, temperature=0,
+                                       extra_body={"ignore_eos": True, **bos})
+    assert (shown.choices[0].text, hidden.choices[0].text) == ("<bos>" * 3, "")
+    greedy = {"model": stack.model_name, "prompt": "stop strings", "max_tokens": 12, "temperature": 0}
+    text = client.completions.create(**greedy, extra_body={"ignore_eos": True}).choices[0].text
+    stop = text[3:6]
+    cut = text[:text.index(stop)]
+    kept = client.completions.create(**greedy, stop=[stop],
+                                     extra_body={"ignore_eos": True, "include_stop_str_in_output": True})
+    assert kept.choices[0].text == cut + stop and kept.choices[0].finish_reason == "stop"
+    assert client.completions.create(**greedy, stop=[stop], extra_body={"ignore_eos": True}).choices[0].text == cut
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12]
+    alone = client.completions.create(model=stack.model_name, prompt=prompt[-3:], max_tokens=4, temperature=0)
+    cut_prompt = client.completions.create(model=stack.model_name, prompt=prompt, max_tokens=4, temperature=0,
+                                           extra_body={"truncate_prompt_tokens": 3})
+    assert cut_prompt.usage.prompt_tokens == 3 and cut_prompt.choices[0].text == alone.choices[0].text
+    chat = client.chat.completions.create(model=stack.model_name, messages=[{"role": "user", "content": "long " * 20}],
+                                          max_tokens=2, extra_body={"truncate_prompt_tokens": 5})
+    assert chat.usage.prompt_tokens == 5
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_client_names_its_request(client, stack, stream):
+    """``X-Request-Id`` (else vLLM's ``request_id``) names the answer, as in vLLM, and comes back as a
+    header; two clients naming their requests alike do not meet on the workers."""
+    raw = client.with_raw_response
+    made = raw.completions.create(model=stack.model_name, prompt="named", max_tokens=2, stream=stream,
+                                  extra_headers={"X-Request-Id": "trace-7"})
+    ids = {c.id for c in made.parse()} if stream else {made.parse().id}
+    assert ids == {"cmpl-trace-7"} and made.headers["x-request-id"] == "trace-7"
+    chat = raw.chat.completions.create(model=stack.model_name, messages=[{"role": "user", "content": "hi"}],
+                                       max_tokens=2, stream=stream, extra_body={"request_id": "mine"})
+    ids = {c.id for c in chat.parse()} if stream else {chat.parse().id}
+    assert ids == {"chatcmpl-mine"} and "x-request-id" not in chat.headers
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(4) as pool:  # the same name at once: each its own answer
+        alike = list(pool.map(lambda i: client.completions.create(
+            model=stack.model_name, prompt=f"same name {i}", max_tokens=6, temperature=0,
+            extra_body={"ignore_eos": True}, extra_headers={"X-Request-Id": "same"}), range(4)))
+    assert all(a.id == "cmpl-same" and a.usage.completion_tokens == 6 for a in alike)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=stack.model_name, prompt="x", max_tokens=1,
+                                  extra_headers={"X-Request-Id": "has space"})
+    assert info.value.body["param"] == "X-Request-Id"

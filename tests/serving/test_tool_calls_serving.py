@@ -64,7 +64,7 @@ def test_named_function(client, stack):
     for seed, prompt in enumerate((SHORT, LONG)):
         choice = ask(client, stack, f"{prompt} named", temperature=1.0, seed=seed,
                      tool_choice={"type": "function", "function": {"name": "get_time"}}).choices[0]
-        assert choice.finish_reason == "tool_calls"
+        assert choice.finish_reason == "stop"  # a named function's call (OpenAI's API, vLLM)
         assert [c.function.name for c in choice.message.tool_calls] == ["get_time"]
         check_calls(choice.message.tool_calls)
 
@@ -89,12 +89,12 @@ def reassemble(stream):
 def test_streamed_deltas_reassemble_to_the_non_streamed_calls(client, stack, tool_choice):
     for prompt in (f"{SHORT} stream", f"{LONG} stream"):
         whole = ask(client, stack, prompt, tool_choice=tool_choice, temperature=0, max_tokens=600).choices[0]
-        assert whole.finish_reason == "tool_calls", whole
+        assert whole.finish_reason == ("tool_calls" if tool_choice == "required" else "stop"), whole
         calls, content, finish = reassemble(ask(client, stack, prompt, tool_choice=tool_choice, temperature=0, max_tokens=600,
                                                 stream=True))
         assert calls == [{"name": c.function.name, "arguments": c.function.arguments}
                          for c in whole.message.tool_calls]
-        assert content is None and finish == whole.finish_reason == "tool_calls"
+        assert content is None and finish == whole.finish_reason
 
 
 HERMES = ('<tool_call>\\n\\{"name": "get_weather", "arguments": \\{"city": "[a-z]{1,5}", "unit": "c"\\}\\}\\n'

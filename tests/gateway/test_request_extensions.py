@@ -1,0 +1,111 @@
+"""The fields OpenAI and vLLM document beyond the common ones (gateway/request_extensions.py): each
+honoured or accepted where the peer accepts it, a 400 naming it where its value asks for what is not
+offered; fields OpenAI's schema lets a client send as null read as their defaults; the request's id
+as the client names it."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gateway.openai_protocol import OpenAIError, parse_chat_request, parse_completion_request
+from gateway.request_extensions import answer_id, client_request_id, truncated
+from gateway.responses_request import parse_responses_request
+from tests.support.request_bodies import chat, completion, rejects
+
+PARSERS = {"completion": (parse_completion_request, completion), "chat": (parse_chat_request, chat)}
+
+ACCEPTED = [  # (field, value) a peer's client sends: the request parses
+    ("skip_special_tokens", False), ("include_stop_str_in_output", True), ("add_special_tokens", True),
+    ("truncate_prompt_tokens", 8), ("truncate_prompt_tokens", -1), ("request_id", "my-req-1"),
+    ("spaces_between_special_tokens", False), ("length_penalty", 0.5), ("service_tier", "auto"),
+    ("prompt_cache_key", "user-42"), ("prediction", {"type": "content", "content": "def f(): pass"}),
+    ("reasoning_effort", "low"), ("verbosity", "medium"), ("modalities", ["text"]), ("priority", 0),
+    ("detokenize", True), ("use_beam_search", False), ("return_token_ids", False),
+    ("return_tokens_as_token_ids", False)] + [(name, None) for name in (
+        "logits_processors", "vllm_xargs", "kv_transfer_params", "bad_words", "allowed_token_ids", "chat_template",
+        "documents", "mm_processor_kwargs", "web_search_options", "audio", "functions", "function_call",
+        "skip_special_tokens", "request_id", "priority", "echo")]
+
+REFUSED = [  # (field, value, what the 400 says)
+    ("priority", 3, "first come, first served"), ("detokenize", False, "detokenize: false"),
+    ("use_beam_search", True, "beam search"), ("return_token_ids", True, "no token ids"),
+    ("return_tokens_as_token_ids", True, "by their text"), ("modalities", ["text", "audio"], "text only"),
+    ("truncate_prompt_tokens", 0, "k >= 1"), ("truncate_prompt_tokens", -2, "Expected `int` >= -1"),
+    ("request_id", "has space", "Expected `str` matching"), ("request_id", "x" * 129, "length <= 128"),
+    ("logits_processors", ["pkg.mod:Proc"], "Expected `null`"), ("chat_template", "{{ x }}", "Expected `null`"),
+    ("bad_words", ["x"], "Expected `null`"), ("functions", [{"name": "f"}], "Expected `null`"),
+    ("reasoning_effort", "extreme", "Invalid enum value")]
+
+
+@pytest.mark.parametrize("kind", PARSERS)
+@pytest.mark.parametrize("field, value", ACCEPTED)
+def test_a_field_a_peer_accepts_is_accepted(kind, field, value):
+    parse, body = PARSERS[kind]
+    if field == "echo" and kind == "completion":
+        value = False
+    parse(body(**{field: value}))
+
+
+@pytest.mark.parametrize("kind", PARSERS)
+@pytest.mark.parametrize("field, value, says", REFUSED)
+def test_a_value_asking_for_what_is_not_offered_is_a_400_naming_its_field(kind, field, value, says):
+    parse, body = PARSERS[kind]
+    rejects(parse, body(**{field: value}), field, says)
+
+
+def test_a_chat_may_not_ask_for_its_last_message_repeated():
+    rejects(parse_chat_request, chat(echo=True), "echo", "does not repeat the last message")
+    assert parse_completion_request(completion(echo=True)).echo  # (a completion's echo is its own field)
+
+
+@pytest.mark.parametrize("kind, field, default", [
+    ("completion", "stream", False), ("completion", "n", 1), ("completion", "echo", False),
+    ("completion", "store", False), ("completion", "ignore_eos", False), ("completion", "min_tokens", 0),
+    ("chat", "stream", False), ("chat", "n", 1), ("chat", "logprobs", False), ("chat", "store", False),
+    ("chat", "parallel_tool_calls", True), ("chat", "add_generation_prompt", True),
+    ("chat", "continue_final_message", False)])
+def test_a_field_sent_as_null_reads_as_its_default(kind, field, default):
+    parse, body = PARSERS[kind]
+    assert getattr(parse(body(**{field: None})), field) == default
+    options = parse(body(stream=True, stream_options={"include_usage": None, "continuous_usage_stats": None}))
+    assert not options.sampling().include_usage
+
+
+def test_responses_accept_what_openai_documents_and_read_nulls_as_defaults():
+    call = parse_responses_request(json.dumps({
+        "model": "m", "input": "hi", "service_tier": "auto", "prompt_cache_key": "k", "reasoning": {"effort": "low"},
+        "text": {"verbosity": "low"}, "stream": None, "parallel_tool_calls": None, "background": None,
+        "ignore_eos": None, "min_tokens": None}).encode())
+    assert (call.chat.stream, call.chat.parallel_tool_calls, call.background) == (False, True, False)
+
+
+def test_continuous_usage_needs_include_usage_as_in_vllm():
+    both = {"include_usage": True, "continuous_usage_stats": True}
+    assert parse_chat_request(chat(stream=True, stream_options=both)).sampling().continuous_usage
+    alone = {"continuous_usage_stats": True}
+    assert not parse_chat_request(chat(stream=True, stream_options=alone)).sampling().continuous_usage
+
+
+def test_special_tokens_and_stop_strings_reach_the_options():
+    options = parse_completion_request(completion(skip_special_tokens=False, include_stop_str_in_output=True)).sampling()
+    assert (options.skip_special_tokens, options.include_stop) == (False, True)
+    options = parse_completion_request(completion()).sampling()
+    assert (options.skip_special_tokens, options.include_stop) == (True, False)
+
+
+def test_truncation_keeps_the_prompts_last_tokens():
+    ids = list(range(10))
+    assert truncated(ids, None, 100) is ids and truncated(ids, 3, 100) == [7, 8, 9] and truncated(ids, 20, 100) == ids
+    assert truncated(ids, -1, 4) == truncated(ids, 5, 4) == [6, 7, 8, 9]  # -1 (or more): what the context holds
+
+
+def test_the_client_names_the_answer_by_header_first_then_by_field():
+    req = parse_completion_request(completion(request_id="from-body"))
+    assert client_request_id({}, req) == "from-body" and answer_id({}, req, "cmpl") == "cmpl-from-body"
+    assert answer_id({"X-Request-Id": "from-header"}, req, "cmpl") == "cmpl-from-header"
+    assert answer_id({}, parse_completion_request(completion()), "cmpl") is None
+    for bad in ("", "a b", "x" * 129, "caf\u00e9"):
+        with pytest.raises(OpenAIError) as info:
+            client_request_id({"X-Request-Id": bad}, req)
+        assert info.value.param == "X-Request-Id"
