@@ -112,6 +112,7 @@ class ChatResponseMessage(msgspec.Struct):
     content: str | None
     role: Literal["assistant"] = "assistant"
     tool_calls: list[ResponseToolCall] | msgspec.UnsetType = msgspec.UNSET  # present only with calls
+    refusal: None = None  # OpenAI's schema requires the key (null: this model's answers are no refusals)
 
 
 class ChatChoice(msgspec.Struct):

@@ -1,6 +1,6 @@
 """The gateway process: the OpenAI HTTP API in front of the prefill and decode pools.
 
-    GET  /v1/models, /v1/models/{model}, /health, /metrics, /openapi.json
+    GET  /v1/models, /v1/models/{model}, /health, /metrics, /openapi.json; vLLM's /ping, /version, /load
                                                          (the public API described: gateway/openapi.py)
     POST /v1/completions, /v1/chat/completions,
          /v1/responses, /v1/messages,
@@ -37,6 +37,7 @@ from common.cluster.prefix_index import PrefixIndexReader
 from common.cluster.redis_util import connect
 from common.cluster.registry import ROLES, WorkerRegistry
 from gateway.admission import InflightBound
+from gateway.probe_routes import add_probe_routes
 from gateway.background_responses import BackgroundResponses, default_max_runs
 from gateway.chat_template import resolve_chat_format
 from common.cluster.http_listener import GuardedSite
@@ -229,6 +230,7 @@ class Gateway:
         app.router.add_get("/v1/models/{model:.+}", self._model)  # an id may hold slashes ("org/name")
         add_tokenize_routes(app, handlers)
         app.router.add_get("/health", self._health)
+        add_probe_routes(app, self._health, self.admission)  # vLLM's /ping, /version, /load
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/openapi.json", self._openapi)
         app.router.add_get("/admin/pools", self._admin_pools)

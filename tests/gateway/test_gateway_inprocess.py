@@ -248,3 +248,19 @@ async def test_a_body_is_read_as_json_only_when_it_says_so(served_checkpoint, re
                 assert resp.status != 415, answer
         async with client.post("/v1/conversations", headers=headers, skip_auto_headers=["Content-Type"]) as resp:
             assert resp.status == 200  # no body, no type: nothing to read (a conversation's body may be left out)
+
+
+async def test_vllms_probe_routes_answer_without_a_key(served_checkpoint, redis_url, key_prefix):
+    """``/ping`` answers as ``/health`` does (here 503: no decode worker), ``/version`` and ``/load``
+    say what vLLM's do; a request held in flight is the load."""
+    async with gateway(served_checkpoint, redis_url, key_prefix) as (gw, client):
+        for method in ("GET", "POST"):
+            async with client.request(method, "/ping") as resp:
+                assert resp.status == 503 and await resp.read() == b""
+        async with client.get("/version") as resp:
+            assert resp.status == 200 and (await resp.json())["version"]
+        async with client.get("/load") as resp:
+            assert await resp.json() == {"server_load": 0}
+        async with gw.admission(gw.api_keys.authenticate(f"Bearer {KEYS['a']}")):
+            async with client.get("/load") as resp:
+                assert await resp.json() == {"server_load": 1}

@@ -382,6 +382,7 @@ def test_chat_response_and_chunks_match_openai_types():
         choices=[ChatChoice(index=0, message=ChatResponseMessage("Hi!"), finish_reason="length")])
     parsed = ChatCompletion.model_validate_json(msgspec.json.encode(resp))
     assert parsed.choices[0].message.role == "assistant" and parsed.choices[0].message.content == "Hi!"
+    assert json.loads(msgspec.json.encode(resp))["choices"][0]["message"]["refusal"] is None  # (a required key)
 
     first = ChatCompletionChunk(id="c", created=1, model="m",
                                 choices=[ChatStreamChoice(index=0, delta=ChatDelta(role="assistant", content=""))])
