@@ -156,12 +156,13 @@ class OpenAIHandlers(ResponsesEndpoints):
         salt = cache_salt(tenant, req.cache_salt, services.config.cache_isolation)
         response_id = response_id or new_request_id("cmpl" if kind == "completion" else "chatcmpl")
         cluster_id = cluster_id or response_id
-        choices = req.n * (len(req.prompt) if kind == "completion" else 1)
+        n = options.best_of or req.n  # (best_of: its candidates, the best n answered)
+        choices = n * (len(req.prompt) if kind == "completion" else 1)
         gens = []
-        for i in range(req.n):
+        for i in range(n):
             seeded = params if i == 0 or params.seed is None else msgspec.structs.replace(
                 params, seed=(params.seed + i + 2**63) % 2**64 - 2**63)  # stays a signed 64-bit integer
-            index = prompt_index * req.n + i
+            index = prompt_index * n + i
             gen = Generation(cluster_id if choices == 1 else f"{cluster_id}-{index}", kind, model, prompt_ids,
                              options, seeded, salt, tenant.key_id, index=index, first_choice=i == 0,
                              response_id=response_id, echo=echo, echo_only=echo_only)
@@ -406,7 +407,8 @@ class OpenAIHandlers(ResponsesEndpoints):
                         return
         finally:
             metrics.generation_tokens.inc(len(gen.token_ids))
-            metrics.e2e_request_latency.observe(time.monotonic() - gen.arrival)
+            if gen.first_choice:  # once a prompt (``_observe_first_frame``)
+                metrics.e2e_request_latency.observe(time.monotonic() - gen.arrival)
 
     async def _stream(self, request: web.Request, gens: list[Generation], rest, first,
                       events: AnswerStream) -> web.StreamResponse:
@@ -458,8 +460,9 @@ class OpenAIHandlers(ResponsesEndpoints):
     def _observe_first_frame(self, gen: Generation, frame: TokenFrame, ttft: float) -> None:
         metrics = self.services.metrics
         model = metrics.model(gen.model)
-        model.time_to_first_token.observe(ttft)
-        model.prefix_cache_hit_tokens.inc(frame.num_cached_tokens)
+        if gen.first_choice:  # once a prompt, as its tokens are counted (n > 1: the others find its blocks)
+            model.time_to_first_token.observe(ttft)
+            model.prefix_cache_hit_tokens.inc(frame.num_cached_tokens)
         if frame.kv_transfer_bytes:
             metrics.kv_transfer_bytes.inc(frame.kv_transfer_bytes)
             metrics.kv_transfer_seconds.observe(frame.kv_transfer_seconds)

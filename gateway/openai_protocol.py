@@ -146,7 +146,9 @@ class CompletionRequest(_Common):
     max_tokens: CompletionMaxTokens | None = 16
     logprobs: Logprobs | None = None
     echo: bool | None = False
-    best_of: int | None = None
+    # Candidates per prompt, the n with the highest cumulative logprob answered (all of them counted
+    # in the usage, as OpenAI bills them); not streamed.
+    best_of: Annotated[int, msgspec.Meta(ge=1, le=MAX_N)] | None = None
     suffix: str | None = None
 
     def sampling(self) -> SamplingOptions:
@@ -416,8 +418,13 @@ def parse_completion_request(body: bytes, max_prompt_tokens: int = MAX_PROMPT_TO
     if len(req.prompt) * req.n > MAX_REQUEST_CHOICES:
         raise invalid(f"a request's choices -- its {len(req.prompt)} prompts times n={req.n} -- are at most "
                       f"{MAX_REQUEST_CHOICES}", "n", "too_many_choices")
-    if req.best_of not in (None, 1):
-        raise invalid(f"best_of={req.best_of} is not supported; only 1", "best_of", "unsupported_value")
+    if req.best_of is not None and req.best_of < req.n:
+        raise invalid(f"best_of ({req.best_of}) must be at least n ({req.n})", "best_of")
+    if (req.best_of or 1) > 1 and req.stream:
+        raise invalid("best_of > 1 is not streamed (as in OpenAI's API): ask without stream", "best_of")
+    if len(req.prompt) * (req.best_of or 1) > MAX_REQUEST_CHOICES:
+        raise invalid(f"a request's candidates -- its {len(req.prompt)} prompts times best_of={req.best_of} -- are "
+                      f"at most {MAX_REQUEST_CHOICES}", "best_of", "too_many_choices")
     if req.suffix:
         raise invalid("suffix is not supported", "suffix", "unsupported_value")
     return req

@@ -4,7 +4,7 @@ The request and response schemas are generated from the msgspec structs the gate
 encodes (``gateway/openai_protocol.py``), so their types, ranges, required fields and "no unknown
 field" are the ones enforced.  The checks the gateway makes in code after decoding are added to
 the generated schemas here (``_REQUEST_RULES``): the served model name, the fields that are
-accepted only at their default (``best_of``, ``suffix``), the limits on ``stop`` and
+accepted only at their default (``suffix``), the limits on ``stop`` and
 ``logit_bias``, the shapes of ``prompt``, text-only message parts, the wire shapes of
 ``response_format`` and ``structured_outputs``, the rules between a tool message and its call.
 Whether a grammar compiles is a 400 with the code ``invalid_grammar``; a ``tool_choice`` naming a
@@ -101,7 +101,9 @@ _REQUEST_RULES: dict[str, dict[str, dict]] = {
         "echo": {"type": "boolean", "default": False,
                  "description": "The prompt before the completion; with logprobs, its tokens' logprobs too (the "
                                 "first token has none)."},
-        "best_of": {**_nullable({"type": "integer", "const": 1}), "description": "Only 1 is supported."},
+        "best_of": {**_nullable({"type": "integer", "minimum": 1, "maximum": MAX_N}),
+                    "description": "Candidates per prompt, at least n; the n of the highest cumulative logprob are "
+                                   "answered, every candidate counted in the usage. Not with stream."},
         "suffix": {**_nullable({"type": "string", "maxLength": 0}), "description": "Not supported."},
     },
     "ChatCompletionRequest": {
@@ -156,7 +158,11 @@ _CROSS_FIELD: dict[str, list[dict]] = {
     "CompletionRequest": [_STREAM_OPTIONS_NEED_STREAM,
                           # max_tokens 0 answers the prompt alone: with echo only
                           _implies("max_tokens", {"const": 0}, {"properties": {"echo": {"const": True}},
-                                                                "required": ["echo"]})],
+                                                                "required": ["echo"]}),
+                          # (stricter than the gateway: best_of >= n, its candidates of a batch at most 32)
+                          _implies("best_of", {"type": "integer"}, {"properties": {
+                              "n": {"const": 1}, "stream": {"const": False},
+                              "prompt": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "integer"}}]}}})],
     "ChatCompletionRequest": [
         _STREAM_OPTIONS_NEED_STREAM,
         _implies("top_logprobs", {"type": "integer"},

@@ -136,11 +136,13 @@ class ResponseShapes:
             return self._tool_chunks(gen, delta, frame, ending, usage_so_far)
         if gen.echo_only:  # the prompt alone (its chunk opened the stream): the token generated is not shown
             delta, frame = "", TokenFrame()
-        if not (delta or frame.logprobs or ending):
+        # A chunk a token, as vLLM's: a token that completes no text yet (a character spelled in bytes,
+        # a stop string's possible start) sends an empty one, so tools that time chunks time tokens.
+        if not (delta or frame.token_ids or frame.logprobs or ending):
             return []
         finish, stop = (gen.output_finish_reason, gen.stop_reason) if final else (None, None)
         if gen.kind == "chat":
-            choice = ChatStreamChoice(gen.index, ChatDelta(content=delta) if delta else ChatDelta(),
+            choice = ChatStreamChoice(gen.index, ChatDelta(content=delta) if delta or frame.token_ids else ChatDelta(),
                                       self.chat_logprobs(frame.logprobs), finish, stop)
             return [ChatCompletionChunk(gen.response_id, now(), gen.model, [choice], usage_so_far)]
         if not gen.streamed_chars:  # (the answer's first chunk: its offsets begin after the echo)
@@ -185,14 +187,14 @@ class ResponseShapes:
             return ChatCompletionResponse(gen.response_id, now(), gen.model, choices, usage(gens))
         kind = ScoredCompletionChoice if scored else CompletionChoice
         choices = [kind(g.index, _text(g), self._whole_logprobs(g), g.finish_reason, g.stop_reason,
-                        **({"prompt_logprobs": self.prompt_logprobs(g)} if scored else {})) for g in gens]
-        return CompletionResponse(gen.response_id, now(), gen.model, choices, usage(gens))
+                        **({"prompt_logprobs": self.prompt_logprobs(g)} if scored else {})) for g in best_choices(gens)]
+        return CompletionResponse(gen.response_id, now(), gen.model, choices, usage(gens))  # (every candidate's)
 
     def _whole_logprobs(self, gen: Generation) -> CompletionLogprobs | None:
         """A completion's logprobs: the echoed prompt's (if scored), then the answer's, their text
         offsets going on from the prompt's tokens (whose texts may not be the echo's: a BOS token)."""
         echoed = self.echo_logprobs(gen)
-        if gen.echo_only:
+        if gen.echo_only or gen.options.logprobs is None:  # (best_of's ranking asked for the chosen tokens')
             return echoed
         return _joined(echoed, self.completion_logprobs(gen.logprobs, self._answer_offset(gen)))
 
@@ -277,6 +279,21 @@ def _before(running: Usage | None, batch: list[tuple[str, TokenFrame]]) -> Usage
     new = sum(len(frame.token_ids) for _, frame in batch)
     return msgspec.structs.replace(running, completion_tokens=running.completion_tokens - new,
                                    total_tokens=running.total_tokens - new)
+
+
+def best_choices(gens: Sequence[Generation]) -> Sequence[Generation]:
+    """The choices a completion answers: with ``best_of``, each prompt's ``n`` candidates of the highest
+    cumulative logprob (its tokens'; the first of equals first), indexed ``p * n + rank``; else all."""
+    per, n = gens[0].options.best_of, gens[0].options.n
+    if per is None:
+        return gens
+    best = []
+    for p, start in enumerate(range(0, len(gens), per)):
+        ranked = sorted(gens[start:start + per], key=lambda g: -sum(e.logprob for e in g.logprobs))
+        for rank, gen in enumerate(ranked[:n]):
+            gen.index = p * n + rank
+            best.append(gen)
+    return best
 
 
 def _text(gen: Generation) -> str:

@@ -54,7 +54,9 @@ ConversationId = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
 
 
 class ResponsesStreamOptions(msgspec.Struct, forbid_unknown_fields=True):
-    include_obfuscation: bool = True  # OpenAI's padding of deltas against side channels: not sent here
+    include_obfuscation: bool | None = True  # OpenAI's padding of deltas against side channels: not sent here
+    # the chat's (load tools send it here too): accepted; the usage is in response.completed either way
+    include_usage: bool | None = None
 
 
 class TextFormat(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -37,6 +37,8 @@ class SamplingOptions:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True  # vLLM's: the answer's text leaves special tokens out
     include_stop: bool = False  # vLLM's include_stop_str_in_output: the stop string that ended it stays
+    best_of: int | None = None  # a completion's candidates per prompt, where more than n (the best n answered)
+    n: int = 1  # choices answered per prompt
 
 
 def sampling_options(req, max_tokens: int | None, logprobs: int | None) -> SamplingOptions:
@@ -67,4 +69,6 @@ def sampling_options(req, max_tokens: int | None, logprobs: int | None) -> Sampl
         prompt_logprobs=req.prompt_logprobs,
         skip_special_tokens=req.skip_special_tokens is not False,
         include_stop=bool(req.include_stop_str_in_output),
+        best_of=best_of if (best_of := getattr(req, "best_of", None)) and best_of > req.n else None,
+        n=req.n,
     )

@@ -259,7 +259,7 @@ def test_integral_numbers_are_integers_as_in_json_schema():
 
 @pytest.mark.parametrize("field,value,text", [
     ("n", 17, "Expected `int` <= 16"),
-    ("best_of", 3, "best_of=3 is not supported"),
+    ("best_of", 17, "Expected `int` <= 16"),
     ("suffix", "tail", "suffix is not supported"),
     ("store", True, "stored completions are not supported"),
 ])
@@ -482,3 +482,11 @@ async def test_official_client_roundtrip(openai_client):
     with pytest.raises(openai.RateLimitError) as info:
         await openai_client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
     assert info.value.response.headers["Retry-After"] == "2"
+
+
+def test_best_of_is_at_least_n_not_streamed_and_bounded_with_the_batch():
+    assert parse_completion_request(completion(best_of=4, n=2)).sampling().best_of == 4
+    assert parse_completion_request(completion(best_of=2, n=2)).sampling().best_of is None  # (n of n: no ranking)
+    rejects(parse_completion_request, completion(best_of=1, n=2), "best_of", "must be at least n")
+    rejects(parse_completion_request, completion(best_of=2, stream=True), "best_of", "not streamed")
+    rejects(parse_completion_request, completion(best_of=2, prompt=["a"] * 17), "best_of", "are at most 32")

@@ -77,6 +77,8 @@ def test_responses_accept_what_openai_documents_and_read_nulls_as_defaults():
         "model": "m", "input": "hi", "service_tier": "auto", "prompt_cache_key": "k", "reasoning": {"effort": "low"},
         "text": {"verbosity": "low"}, "stream": None, "parallel_tool_calls": None, "background": None,
         "ignore_eos": None, "min_tokens": None}).encode())
+    parse_responses_request(json.dumps({"model": "m", "input": "hi", "stream": True,
+                                        "stream_options": {"include_usage": True}}).encode())  # (aiperf's)
     assert (call.chat.stream, call.chat.parallel_tool_calls, call.background) == (False, True, False)
 
 

@@ -93,3 +93,21 @@ def test_a_forbidden_tokens_logprob_is_a_number_not_minus_infinity():
     completion = shapes.completion_logprobs(entries, 0)
     assert completion.top_logprobs[0] == {"!": 0.0, " Bye": -9999.0, " world": -9999.0}
     assert completion.token_logprobs == [0.0, -9999.0]
+
+
+def test_best_of_answers_each_prompts_likeliest_candidates_and_counts_them_all():
+    options = parse_completion_request(completion(prompt=["a", "b"], n=2, best_of=3)).sampling()
+    assert (options.best_of, options.n) == (3, 2)
+    scores = [[-3.0], [-0.5, -0.25], [-1.0], [-2.0], [-9.0, -1.0], [-0.1]]  # each candidate's tokens' logprobs
+    gens = []
+    for i, lps in enumerate(scores):
+        gen = Generation(f"c-{i}", "completion", "m", [1, 5], options, None, index=i, first_choice=i % 3 == 0)
+        gen.token_ids, gen.pieces = [7] * len(lps), [f"<{i}>"] + [""] * (len(lps) - 1)
+        gen.logprobs = [TokenLogprob(7, lp, []) for lp in lps]
+        gen.finish_reason = "length"
+        gens.append(gen)
+    answer = ResponseShapes(StubTokenizer()).full_response(gens)
+    # prompt a: candidates 1 (-0.75), 2 (-1.0), 0 (-3.0); prompt b: 5 (-0.1), 3 (-2.0), 4 (-10.0)
+    assert [(c.index, c.text) for c in answer.choices] == [(0, "<1>"), (1, "<2>"), (2, "<5>"), (3, "<3>")]
+    assert all(c.logprobs is None for c in answer.choices)  # (asked for by the ranking, not by the client)
+    assert answer.usage.completion_tokens == 8 and answer.usage.prompt_tokens == 4  # every candidate's

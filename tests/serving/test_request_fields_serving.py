@@ -13,6 +13,7 @@ import openai
 import pytest
 
 from tests.support.checkpoints import TRAINING_TEXT
+from tests.support.cluster import gateway_metric
 
 LONG = "Fields: " + " ".join(TRAINING_TEXT) * 2  # over --skip-prefill-below: through the prefill pool
 
@@ -21,9 +22,14 @@ def texts(response):
     return [c.text for c in sorted(response.choices, key=lambda c: c.index)]
 
 
+GATEWAY_COUNTS = ("pdserve_prompt_tokens_total", "pdserve_prefix_cache_hit_tokens_total",
+                  "pdserve_time_to_first_token_seconds_count", "pdserve_e2e_request_latency_seconds_count")
+
+
 def test_n_choices_are_reproducible_with_a_seed_and_share_the_prompt(client, stack):
     prompt = f"{LONG} n choices"
     prefilled, hits = stack.stats("p0")["prefill_computed_tokens"], stack.stats("d0")["prefix_cache_hit_tokens_total"]
+    counted = [gateway_metric(stack, name) for name in GATEWAY_COUNTS]
     first = client.completions.create(model=stack.model_name, prompt=prompt, n=3, max_tokens=8, temperature=1.0,
                                       seed=11, extra_body={"ignore_eos": True})
     assert sorted(c.index for c in first.choices) == [0, 1, 2] and len(set(texts(first))) > 1
@@ -33,6 +39,11 @@ def test_n_choices_are_reproducible_with_a_seed_and_share_the_prompt(client, sta
     prompt_tokens = first.usage.prompt_tokens
     assert stack.stats("p0")["prefill_computed_tokens"] - prefilled <= prompt_tokens
     assert stack.stats("d0")["prefix_cache_hit_tokens_total"] - hits >= 2 * (prompt_tokens - 16)
+    # The gateway counts the request once: its prompt, its hits (none: a new prompt), one TTFT, one end
+    # (the workers' hits above are the choices' sharing; the hit rate is the prompts').
+    now = [gateway_metric(stack, name) for name in GATEWAY_COUNTS]
+    assert [b - a for a, b in zip(counted, now)] == [prompt_tokens, first.usage.prompt_tokens_details.cached_tokens
+                                                     if first.usage.prompt_tokens_details else 0, 1, 1]
     again = client.completions.create(model=stack.model_name, prompt=prompt, n=3, max_tokens=8, temperature=1.0,
                                       seed=11, extra_body={"ignore_eos": True})
     assert texts(again) == texts(first)
@@ -307,3 +318,34 @@ def test_the_client_names_its_request(client, stack, stream):
         client.completions.create(model=stack.model_name, prompt="x", max_tokens=1,
                                   extra_headers={"X-Request-Id": "has space"})
     assert info.value.body["param"] == "X-Request-Id"
+
+
+def test_best_of_answers_the_likeliest_of_its_candidates(client, stack):
+    """best_of=4, n=2: the 4 candidates are the n=4 choices of the same seed (choice i seeded seed + i),
+    the two answered those of the highest cumulative logprob, all four counted in the usage."""
+    sampled = {"model": stack.model_name, "prompt": "best of", "max_tokens": 5, "temperature": 1.0, "seed": 3,
+               "extra_body": {"ignore_eos": True}}
+    every = client.completions.create(**sampled, n=4, logprobs=0)
+    ranked = sorted(every.choices, key=lambda c: (-sum(c.logprobs.token_logprobs), c.index))
+    best = client.completions.create(**sampled, n=2, best_of=4)
+    assert [c.text for c in best.choices] == [c.text for c in ranked[:2]] and [c.index for c in best.choices] == [0, 1]
+    assert all(c.logprobs is None for c in best.choices) and best.usage.completion_tokens == 20
+    shown = client.completions.create(**sampled, n=2, best_of=4, logprobs=1)
+    assert [c.text for c in shown.choices] == [c.text for c in ranked[:2]] and all(c.logprobs for c in shown.choices)
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_a_stream_sends_a_chunk_a_token_even_before_its_text_completes(client, stack, kind):
+    """As vLLM: a token that completes no character yet (here a lead byte, every step: the text is
+    only whole at the end) still sends its chunk, so tools that time chunks time tokens (a frame's:
+    the first one may carry two, the prefill worker's and the decode worker's first)."""
+    lead = post(stack, "/tokenize", {"model": stack.model_name, "prompt": "é", "add_special_tokens": False})[1]["tokens"][0]
+    ask = {"model": stack.model_name, "max_tokens": 4, "stream": True, "logit_bias": {str(lead): 100},
+           "extra_body": {"ignore_eos": True}}
+    if kind == "chat":
+        chunks = [c.choices[0] for c in client.chat.completions.create(
+            messages=[{"role": "user", "content": "bytes"}], **ask) if c.choices]
+        texts = [c.delta.content for c in chunks if c.delta.role is None]
+    else:
+        texts = [c.choices[0].text for c in client.completions.create(prompt="bytes", **ask)]
+    assert len(texts) >= 3 and set(texts[:-1]) == {""} and texts[-1]  # the bytes' text comes with the last

@@ -15,7 +15,6 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -24,7 +23,9 @@ import pytest
 
 from common.cluster.redis_util import RedisServer
 from launcher.local_stack import gateway_health
-from tests.support.cluster import ADMIN_TOKEN, HeldEntries, extra_gateway, extra_worker, http_json, running_cluster
+from tests.support.cluster import (
+    ADMIN_TOKEN, HeldEntries, extra_gateway, extra_worker, gateway_metric as metric, http_json, running_cluster,
+)
 from tests.support.serving import BLOCK_SIZE, WORKER_ARGS, wait_idle
 from tests.support.waiting import wait_until
 
@@ -117,16 +118,6 @@ def client(stack) -> openai.OpenAI:
 def complete(stack, prompt=PROMPT, max_tokens=8):
     return client(stack).completions.create(model=stack.model_name, prompt=prompt, temperature=0,
                                             max_tokens=max_tokens, extra_body={"ignore_eos": True})
-
-
-def metric(stack, name: str, labels: str = "") -> float:
-    """The gateway's value of ``name`` (summed over label sets containing ``labels``)."""
-    total = 0.0
-    with urllib.request.urlopen(f"{stack.gateway_url}/metrics", timeout=30) as resp:
-        for line in resp.read().decode().splitlines():
-            if (line.startswith(name + " ") or line.startswith(name + "{")) and labels in line:
-                total += float(line.split()[-1])
-    return total
 
 
 def fallbacks(stack) -> int:

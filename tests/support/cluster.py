@@ -5,6 +5,7 @@ import asyncio
 import atexit
 import contextlib
 import time
+import urllib.request
 import uuid
 from pathlib import Path
 
@@ -183,3 +184,13 @@ class HeldEntries:
             yield self
         finally:
             self.write(HEARTBEAT_TTL_S)
+
+
+def gateway_metric(stack, name: str, labels: str = "") -> float:
+    """The gateway's value of ``name`` (summed over label sets containing ``labels``)."""
+    total = 0.0
+    with urllib.request.urlopen(f"{stack.gateway_url}/metrics", timeout=30) as resp:
+        for line in resp.read().decode().splitlines():
+            if (line.startswith(name + " ") or line.startswith(name + "{")) and labels in line:
+                total += float(line.split()[-1])
+    return total
