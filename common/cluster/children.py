@@ -174,14 +174,22 @@ class StopSignals:
     running stack is drained.  A second changes nothing (the stop already under way goes on).
     The third sets ``hurry``: whatever is still running is SIGKILLed at once.  The handlers never
     raise: an exception thrown into ``stop()`` half-way would leave processes running.
+
+    A SIGTERM within ``ECHO_S`` of the last one is the same request, not another: ``kill`` of a
+    process group reaches the launcher and ``make``, and make passes SIGTERM on to its children
+    (not SIGINT: a terminal's Ctrl-C reaches the group once), so one ``kill -TERM -- -PGID`` of
+    ``make up`` arrived twice, a step from killing everything.
     """
 
     HURRY_AFTER = 3
+    ECHO_S = 1.0
     SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
-    def __init__(self, notify: Callable[[str], None] = _write_stderr):
+    def __init__(self, notify: Callable[[str], None] = _write_stderr, clock: Callable[[], float] = time.monotonic):
         self.received = 0
         self.notify = notify
+        self.clock = clock
+        self._last_term = -float("inf")
 
     def install(self) -> "StopSignals":
         for sig in self.SIGNALS:
@@ -197,6 +205,11 @@ class StopSignals:
         return self.received >= self.HURRY_AFTER
 
     def _on_signal(self, signum: int, _frame) -> None:
+        if signum == signal.SIGTERM:
+            now, last = self.clock(), self._last_term
+            self._last_term = now
+            if now - last < self.ECHO_S:
+                return
         self.received += 1
         name = signal.Signals(signum).name
         if self.received == 1:

@@ -121,6 +121,7 @@ def test_closing_the_starter_takes_its_children_down(tmp_path):
 
 
 def test_a_malformed_request_is_refused_and_the_server_goes_on(starter, tmp_path):
+    assert probe(starter, tmp_path, "exit 0")[0].wait(120) == 0  # the server is up (its socket made), whatever ran before
     for payload in (b"not json", json.dumps({"module": "x", "args": "not a list", "env": {}, "cwd": "/"}).encode()):
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
             conn.connect(starter.socket_path)
