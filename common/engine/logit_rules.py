@@ -3,12 +3,15 @@
 Applied to a step's raw logits, in place, before penalties, temperature and the top-k/top-p/min-p
 filters (and before greedy's argmax), in this order:
 
+    grammar        logits[row, not allowed] = -inf  (``structured.masking``: one bitmask per row)
     logit_bias     logits[row, id] += bias          (one sparse index_add over the batch)
     min_tokens     logits[row, stop ids] = -inf     while the row has fewer outputs than min_tokens
                                                     (a grammar row: unless its grammar allows nothing else)
-    grammar        logits[row, not allowed] = -inf  (``structured.masking``: one bitmask per row)
 
-Logprobs are computed from the processed logits (as vLLM does: a banned token has -inf).
+Logprobs are those of the logits after the grammar's mask, before the bias and the min_tokens ban,
+as vLLM's by default (its structured-output mask applies before its sampler, which takes its
+``raw_logprobs`` before the logits processors): a token the grammar forbids has -inf, a biased
+token its model's logprob.  ``apply_logit_rules`` keeps those logits apart where they differ.
 """
 from __future__ import annotations
 
@@ -32,8 +35,10 @@ def _holds_stops(row) -> bool:
     return row.num_output_tokens < row.sampling_params.min_tokens and bool(row.stop_token_ids)
 
 
-def apply_logit_rules(logits: torch.Tensor, rows: Sequence, masks: TokenMasks) -> None:
-    """Apply every row's rules to ``logits`` [rows, vocab] in place."""
+def apply_logit_rules(logits: torch.Tensor, rows: Sequence, masks: TokenMasks) -> torch.Tensor | None:
+    """Apply every row's rules to ``logits`` [rows, vocab] in place; return the logits a row's logprobs
+    are read from (the grammar's mask applied, not the bias or the ban: the module's docstring) where a
+    row asking for logprobs has a bias or a ban, else None (read them from ``logits``)."""
     vocab = logits.shape[1]
     flat = logits.view(-1)
     bias_index, bias_value, banned = [], [], []
@@ -52,10 +57,14 @@ def apply_logit_rules(logits: torch.Tensor, rows: Sequence, masks: TokenMasks) -
         elif _holds_stops(row):
             banned.extend(i * vocab + t for t in row.stop_token_ids if t < vocab)
     device = logits.device
+    if grammar_rows:
+        masks.apply(logits, grammar_rows, matchers, grammar_stops, holding)
+    differ = any(row.sampling_params.logprobs is not None and (row.sampling_params.logit_bias or _holds_stops(row))
+                 for row in rows)
+    for_logprobs = logits.clone() if differ and (bias_index or banned) else None
     if bias_index:
         flat.index_add_(0, torch.tensor(bias_index, device=device),
                         torch.tensor(bias_value, dtype=logits.dtype, device=device))
     if banned:
         flat[torch.tensor(banned, device=device)] = float("-inf")
-    if grammar_rows:
-        masks.apply(logits, grammar_rows, matchers, grammar_stops, holding)
+    return for_logprobs

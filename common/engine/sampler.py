@@ -21,9 +21,9 @@ seeded with (seed, output index), so its token depends only on the seed, the pos
 logits: not on the batch, preemption, or which worker samples it (the prefill worker samples the
 first token, the decode worker the rest).  Unseeded rows share one batched draw.
 
-Logprobs are those of the model's distribution after the logit rules (log_softmax of the logits
-with bias and masks applied, before penalties and temperature), as vLLM returns by default: one
-log-sum-exp and one top-k over the rows that ask.
+Logprobs are those of the model's distribution after a grammar's mask, before the logit bias, the
+min_tokens ban, penalties and temperature, as vLLM returns by default (common/engine/logit_rules.py):
+one log-sum-exp and one top-k over the rows that ask.
 """
 from __future__ import annotations
 
@@ -134,10 +134,11 @@ class Sampler:
         ``scratch_logits``: the caller gives up ``logits``, which may then serve as the scratch
         buffer (saves a copy when no row wants logprobs).
         """
+        for_logprobs = None
         if needs_rules(rows):  # logit bias, min_tokens, grammars (common/engine/logit_rules.py)
             logits = logits.float() if scratch_logits else logits.float().clone()
             logits = logits.contiguous()  # a view (the gathered logits of tensor parallelism) is copied
-            apply_logit_rules(logits, rows, self._masks)
+            for_logprobs = apply_logit_rules(logits, rows, self._masks)
         else:
             logits = logits.float()
         row_max, greedy = _row_max_and_argmax(logits, rows)
@@ -157,7 +158,7 @@ class Sampler:
                     log.exception("sampling row %d failed; using its argmax", i)
                     tokens[i] = _clean(logits[i : i + 1]).argmax(dim=-1)[0]
         token_ids = tokens.tolist()
-        return token_ids, _logprobs(logits, rows, token_ids, bad)
+        return token_ids, _logprobs(logits if for_logprobs is None else for_logprobs, rows, token_ids, bad)
 
     def _sample(self, logits, rows, greedy, bad, raw_max, scratch_logits) -> torch.Tensor:
         num_rows, vocab = logits.shape

@@ -423,3 +423,19 @@ def test_the_screened_head_takes_argmax_rows_and_plain_unseeded_samples_only():
         assert screen_inverse_temperatures([greedy, plain, SamplingRow(params)]) is None, params
     holding_stops = SamplingRow(SamplingParams(min_tokens=2), stop_token_ids=(1,))
     assert screen_inverse_temperatures([holding_stops]) is None
+
+
+def test_logprobs_are_the_models_before_the_bias_and_the_min_tokens_ban():
+    """As vLLM's by default: a biased token's logprob is the model's (the bias chose it), a token
+    min_tokens holds back keeps its own; the sampled token is the processed logits' (the bias won)."""
+    raw = torch.tensor([[2.0, 1.0, 0.5, 0.0]])
+    model = torch.log_softmax(raw, dim=-1)[0]
+    biased = SamplingRow(SamplingParams(temperature=0.0, logit_bias=((3, 100.0),), logprobs=1))
+    held = SamplingRow(SamplingParams(temperature=0.0, min_tokens=2, logprobs=3), stop_token_ids=(0,))
+    plain = SamplingRow(SamplingParams(temperature=0.0, logprobs=1))
+    tokens, logprobs = Sampler()(raw.repeat(3, 1), [biased, held, plain])
+    assert tokens == [3, 1, 0]
+    assert logprobs[0].logprob == pytest.approx(model[3].item()) and logprobs[0].top[0][0] == 0
+    assert logprobs[1].logprob == pytest.approx(model[1].item())
+    assert dict(logprobs[1].top)[0] == pytest.approx(model[0].item())  # the held stop token: its own, not -inf
+    assert logprobs[2].logprob == pytest.approx(model[0].item())
