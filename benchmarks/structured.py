@@ -87,9 +87,10 @@ class RuleTimer:
 
     def __call__(self, logits, rows, masks):
         began = time.perf_counter()
-        self._apply(logits, rows, masks)
+        kept = self._apply(logits, rows, masks)
         self.seconds += time.perf_counter() - began
         self.row_steps += sum(1 for row in rows if row.grammar is not None)
+        return kept  # (the logprobs' logits, where they differ: the sampler reads them)
 
 
 def checkpoint(args) -> str:

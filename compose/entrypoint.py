@@ -74,7 +74,6 @@ import socket
 import struct
 import sys
 import urllib.parse
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -87,6 +86,7 @@ from net_devices import (  # noqa: E402,F401 (interface_for, ucx_lanes: re-expor
     Refusal, configure_ucx, interface_for, own_address, report_ucx, run_tool, ucx_lanes,
 )
 from common.cluster.auth import SECRET_ENV, is_loopback, secret_problem  # noqa: E402
+from common.cluster.direct_http import urlopen  # noqa: E402 (its own health: never through an http_proxy)
 from common.cluster.secret_sources import secret_from_env  # noqa: E402
 from kvtransfer.config import default_transport  # noqa: E402
 
@@ -400,7 +400,7 @@ def health() -> int:
     except (OSError, ValueError, KeyError):
         url = "http://127.0.0.1:8000/health"
     try:
-        with urllib.request.urlopen(url, timeout=5) as resp:
+        with urlopen(url, timeout=5) as resp:
             status = json.loads(resp.read()).get("status")
     except (OSError, ValueError) as exc:  # urlopen raises HTTPError (an OSError) on 503
         print(f"unhealthy: {url}: {exc}", file=sys.stderr)

@@ -19,13 +19,14 @@ from pathlib import Path
 from typing import Mapping
 
 from common.cluster.auth import SECRET_ENV, ClusterAuth, audience_of
+from common.cluster.direct_http import urlopen  # (a local worker: never through the pod's http_proxy)
 from common.cluster.secret_sources import secret_from_env
 
 POLL_S = 0.5
 
 
 def _get_json(url: str, timeout: float = 5.0) -> dict:
-    with urllib.request.urlopen(url, timeout=timeout) as resp:
+    with urlopen(url, timeout=timeout) as resp:
         return json.loads(resp.read())
 
 
@@ -45,7 +46,7 @@ def drain(runtime_file: Path, env: Mapping[str, str], timeout: float) -> int:
         headers = {"Content-Type": "application/json",
                    **auth.sign_request("POST", "/admin/drain", body, audience=audience_of(worker_id, instance))}
         request = urllib.request.Request(base + "/admin/drain", data=body, method="POST", headers=headers)
-        with urllib.request.urlopen(request, timeout=10):
+        with urlopen(request, timeout=10):
             pass
         while True:
             state = _get_json(health_url).get("state")

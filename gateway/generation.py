@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Collection
 
 from common.cluster.messages import TokenFrame
 from common.engine.sampling_params import SamplingParams
@@ -41,16 +42,22 @@ class Generation:
     finish_reason: str | None = None
     stop_reason: str | int | None = None  # the stop string, or the stop_token_ids token, that ended it
     tools: ToolOutput | None = None  # a chat request whose answer may hold tool calls
+    running: list[int] = field(default_factory=lambda: [1])  # its prompt's choices not ended (one list for them all)
     dispatch: DispatchResult = field(default_factory=DispatchResult)  # where it ran
 
     def __post_init__(self) -> None:
         self.response_id = self.response_id or self.request_id
 
-    def stop_token(self, frame: TokenFrame) -> int | None:
-        """The token of the request's ``stop_token_ids`` that ended it in ``frame``, if one did."""
+    def ending_token(self, frame: TokenFrame, special_ids: Collection[int]) -> int | None:
+        """The token that ended the answer in ``frame`` -- one of its stop tokens (``stop_token_ids``,
+        the chat format's end of turn) or a special one (EOS) -- if one did.  As in vLLM, its text is
+        not the answer's unless ``include_stop_str_in_output``, and one of ``stop_token_ids`` is the
+        choice's ``stop_reason``."""
         ids = frame.token_ids
-        ended = frame.finished and frame.finish_reason == "stop" and ids and ids[-1] in self.options.stop_token_ids
-        return ids[-1] if ended else None
+        if not (frame.finished and frame.finish_reason == "stop" and ids):
+            return None
+        stops = self.params.stop_token_ids if self.params is not None else self.options.stop_token_ids
+        return ids[-1] if ids[-1] in stops or ids[-1] in special_ids else None
 
     @property
     def text(self) -> str:

@@ -133,6 +133,7 @@ class OpenAIHandlers(ResponsesEndpoints):
     def __init__(self, services: HandlerServices):
         self.services = services
         self.shapes = ResponseShapes(services.tokenizer)
+        self.special_ids = frozenset(getattr(services.tokenizer, "all_special_ids", ()))  # (EOS among them)
 
     # ---- request preparation ---------------------------------------------------------------
 
@@ -158,14 +159,14 @@ class OpenAIHandlers(ResponsesEndpoints):
         cluster_id = cluster_id or response_id
         n = options.best_of or req.n  # (best_of: its candidates, the best n answered)
         choices = n * (len(req.prompt) if kind == "completion" else 1)
-        gens = []
+        gens, running = [], [n]  # (its choices not ended, shared)
         for i in range(n):
             seeded = params if i == 0 or params.seed is None else msgspec.structs.replace(
                 params, seed=(params.seed + i + 2**63) % 2**64 - 2**63)  # stays a signed 64-bit integer
             index = prompt_index * n + i
             gen = Generation(cluster_id if choices == 1 else f"{cluster_id}-{index}", kind, model, prompt_ids,
                              options, seeded, salt, tenant.key_id, index=index, first_choice=i == 0,
-                             response_id=response_id, echo=echo, echo_only=echo_only)
+                             response_id=response_id, echo=echo, echo_only=echo_only, running=running)
             if plan is not None and plan.parses_calls:
                 gen.tools = ToolOutput(plan, services.tool_parser)
             gens.append(gen)
@@ -205,8 +206,10 @@ class OpenAIHandlers(ResponsesEndpoints):
                 # (cut: transformers' own messages may quote the whole rendered conversation)
                 raise invalid(f"the chat template rejected the messages: {str(exc)[:MAX_TEMPLATE_ERROR]}",
                               field) from None
-            # What the template made of the messages is bounded like a prompt, before it is tokenized.
-            self.services.prompts.check_size(len(text), len(text.encode("utf-8", "surrogatepass")), field)
+            # What the template made of the messages is bounded like a prompt, before it is tokenized
+            # (unless it is to be truncated: then by the body's bound only).
+            if req.truncate_prompt_tokens is None:
+                self.services.prompts.check_size(len(text), len(text.encode("utf-8", "surrogatepass")), field)
             return list(tokenizer(text, add_special_tokens=bool(req.add_special_tokens)).input_ids)
 
         return messages, render
@@ -223,9 +226,10 @@ class OpenAIHandlers(ResponsesEndpoints):
         async with self.services.admission(request["tenant"]):
             response_id, cluster_id, gens = named or new_request_id("cmpl"), named and new_request_id("cmpl"), []
             for index, prompt in enumerate(req.prompt):
-                whole = (await self.services.prompts.text(prompt, add_special_tokens=req.add_special_tokens is not False)
+                whole = (await self.services.prompts.text(prompt, add_special_tokens=req.add_special_tokens is not False,
+                                                          bounded=req.truncate_prompt_tokens is None)
                          if isinstance(prompt, str) else prompt)
-                ids = truncated(whole, req.truncate_prompt_tokens, self.services.max_model_len)
+                ids = truncated(whole, req.truncate_prompt_tokens, self.services.max_model_len, req.max_tokens)
                 echo = "" if not req.echo else prompt if ids is whole and isinstance(prompt, str) else \
                     self.services.tokenizer.decode(ids)
                 gens += self._prepare(request, "completion", req, ids, echo=echo, response_id=response_id,
@@ -242,8 +246,8 @@ class OpenAIHandlers(ResponsesEndpoints):
         messages, render = self._chat_renderer(req, plan)
         named = answer_id(request.headers, req, "chatcmpl")  # (the workers see an id of the gateway's)
         async with self.services.admission(request["tenant"]):
-            ids = truncated(await self.services.prompts.chat(messages, render), req.truncate_prompt_tokens,
-                            self.services.max_model_len)
+            ids = truncated(await self.services.prompts.chat(messages, render, bounded=req.truncate_prompt_tokens is None),
+                            req.truncate_prompt_tokens, self.services.max_model_len, req.sampling().max_tokens)
             gens = self._prepare(request, "chat", req, ids, plan, response_id=named,
                                  cluster_id=named and new_request_id("chatcmpl"))
             _check_scores(gens)
@@ -279,8 +283,8 @@ class OpenAIHandlers(ResponsesEndpoints):
         try:
             gens = self._prepare(request, "chat", req, ids, plan, response_id=answer.response_id,
                                  cluster_id=new_request_id("chatcmpl"))
-        except OpenAIError as exc:  # (named as this API names the bound on the output)
-            exc.param = answer.max_tokens_field if exc.param == "max_tokens" else exc.param
+        except OpenAIError as exc:  # (named as this API names the bound on the output, and its messages)
+            exc.param = {"max_tokens": answer.max_tokens_field, "messages": field}.get(exc.param, exc.param)
             raise
         await self._check_grammar(gens[0].params)
         return gens
@@ -383,8 +387,9 @@ class OpenAIHandlers(ResponsesEndpoints):
                         if frame.prompt_logprobs is not None and gen.prompt_logprobs is None:
                             gen.prompt_logprobs = frame.prompt_logprobs
                         shown = frame.token_ids
-                        if (stop := gen.stop_token(frame)) is not None:  # (vLLM's: its id, not its text)
-                            shown, gen.stop_reason = shown[:-1], stop
+                        if (ending := gen.ending_token(frame, self.special_ids)) is not None:  # (vLLM's)
+                            shown = shown if gen.options.include_stop else shown[:-1]
+                            gen.stop_reason = ending if ending in gen.options.stop_token_ids else None
                         delta = decoder.step(shown)
                         gen.token_ids.extend(frame.token_ids)
                         if frame.logprobs:
@@ -407,7 +412,8 @@ class OpenAIHandlers(ResponsesEndpoints):
                         return
         finally:
             metrics.generation_tokens.inc(len(gen.token_ids))
-            if gen.first_choice:  # once a prompt (``_observe_first_frame``)
+            gen.running[0] -= 1
+            if not gen.running[0]:  # once a prompt, as its last choice ends (``_observe_first_frame``)
                 metrics.e2e_request_latency.observe(time.monotonic() - gen.arrival)
 
     async def _stream(self, request: web.Request, gens: list[Generation], rest, first,

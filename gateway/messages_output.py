@@ -126,7 +126,7 @@ class MessagesAnswer:
         if gen.finish_reason == "abort":  # no stop reason tells it: an error, as a stream would end
             raise OpenAIError(500, _ABORTED)
         content, calls = gen.tools.final(gen.text) if gen.tools is not None else (gen.text, [])
-        blocks: list = [TextBlock(content)] if content or not calls else []
+        blocks: list = [TextBlock(content or "")] if content or not calls else []
         blocks += [ToolUseBlock(_tool_use_id(), c.name, tool_input(c.arguments)) for c in calls]
         reason, sequence = _stop(gen, bool(calls))
         return MessageObject(id=self.response_id, model=gen.model, content=blocks, stop_reason=reason,

@@ -408,7 +408,9 @@ def parse_completion_request(body: bytes, max_prompt_tokens: int = MAX_PROMPT_TO
     ``max_prompt_tokens``: a longer list of token ids is refused before any is decoded."""
     body_req = decode_body(_completion_decoder, body)
     fields = _common_fields(body_req, CompletionRequest)
-    fields["prompt"] = decode_prompt(body_req.prompt, max_prompt_tokens)
+    # (a prompt to be truncated may be longer than the context: bounded by the body's size then)
+    fields["prompt"] = decode_prompt(body_req.prompt, max_prompt_tokens if body_req.truncate_prompt_tokens is None
+                                     else MAX_PROMPT_TOKENS)
     req = CompletionRequest(**fields)
     validate_common(req)
     check_extensions(req)

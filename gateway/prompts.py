@@ -63,17 +63,23 @@ class PromptEncoder:
                 f"{num_chars} characters is at least {at_least} tokens. Please reduce the prompt.", param,
                 "context_length_exceeded")
 
-    async def text(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        self.check_size(len(text), len(text.encode("utf-8", "surrogatepass")), "prompt")
+    async def text(self, text: str, add_special_tokens: bool = True, bounded: bool = True) -> list[int]:
+        """``text``'s tokens; ``bounded``: a text too long for the context by its size alone is refused
+        first (not one to be truncated: the request body's bound is its bound)."""
+        if bounded:
+            self.check_size(len(text), len(text.encode("utf-8", "surrogatepass")), "prompt")
         return await self._run(len(text), lambda: list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids))
 
-    async def chat(self, messages: Sequence[dict[str, str]], render: Callable[[], list[int]]) -> list[int]:
+    async def chat(self, messages: Sequence[dict[str, str]], render: Callable[[], list[int]],
+                   bounded: bool = True) -> list[int]:
         """``render()`` applies the chat template and tokenizes, always in a thread and within
         ``template_timeout_s``: a template is a program (jinja2's sandbox bounds what it may touch,
         not how long it runs), and one that loops must cost its request a 400, not the event loop.
-        (The thread it holds is freed when the render ends.)"""
-        chars = sum(len(m["content"]) for m in messages)
-        self.check_size(chars, sum(len(m["content"].encode("utf-8", "surrogatepass")) for m in messages), "messages")
+        (The thread it holds is freed when the render ends.)  ``bounded``: as ``text``'s."""
+        if bounded:
+            chars = sum(len(m["content"]) for m in messages)
+            self.check_size(chars, sum(len(m["content"].encode("utf-8", "surrogatepass")) for m in messages),
+                            "messages")
         try:
             async with asyncio.timeout(self.template_timeout_s):
                 return await asyncio.get_running_loop().run_in_executor(self._pool, render)

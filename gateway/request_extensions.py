@@ -32,6 +32,10 @@ _NULL = msgspec.Raw(b"null")
 # The answer's id as the client names it: what ``X-Request-Id`` may hold too (printable, no space).
 RequestIdText = Annotated[str, msgspec.Meta(min_length=1, max_length=128, pattern=r"^[!-~]+$")]
 REQUEST_ID_HEADER = "X-Request-Id"
+ServiceTier = Annotated[str, msgspec.Meta(max_length=64)]  # OpenAI's (one tier here)
+PromptCacheKey = Annotated[str, msgspec.Meta(max_length=1024)]  # OpenAI's routing hint
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high"]
+Verbosity = Literal["low", "medium", "high"]
 _REFUSED_VALUES = {  # field -> (the value it may hold besides null, why another is refused)
     "priority": (0, "requests are served first come, first served (priority scheduling is not enabled)"),
     "detokenize": (True, "answers are text (detokenize: false is not offered)"),
@@ -74,11 +78,11 @@ class RequestExtensions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     request_id: RequestIdText | None = None
     spaces_between_special_tokens: bool | None = None
     length_penalty: float | None = None
-    service_tier: Annotated[str, msgspec.Meta(max_length=64)] | None = None
-    prompt_cache_key: Annotated[str, msgspec.Meta(max_length=1024)] | None = None
+    service_tier: ServiceTier | None = None
+    prompt_cache_key: PromptCacheKey | None = None
     prediction: Prediction | None = None
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
-    verbosity: Literal["low", "medium", "high"] | None = None
+    reasoning_effort: ReasoningEffort | None = None
+    verbosity: Verbosity | None = None
     modalities: list[Literal["text", "audio"]] | None = None
     priority: int | None = None
     detokenize: bool | None = None
@@ -114,12 +118,12 @@ def check_extensions(req: RequestExtensions, chat: bool = False) -> None:
                       "truncate_prompt_tokens")
 
 
-def truncated(prompt_ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
-    """The prompt's last ``keep`` tokens (-1, or past the context: as many as the context holds;
-    None: all of them)."""
+def truncated(prompt_ids: list[int], keep: int | None, max_model_len: int, output_tokens: int | None) -> list[int]:
+    """The prompt's last ``keep`` tokens (None: all of them; -1: as many as the context holds beside
+    the ``output_tokens`` asked for -- at least one; past the context: the context's worth)."""
     if keep is None:
         return prompt_ids
-    keep = max_model_len if keep == -1 else min(keep, max_model_len)
+    keep = max(max_model_len - max(output_tokens or 1, 1), 1) if keep == -1 else min(keep, max_model_len)
     return prompt_ids[-keep:] if len(prompt_ids) > keep else prompt_ids
 
 
@@ -137,7 +141,11 @@ def client_request_id(headers, req: RequestExtensions) -> str | None:
 
 def is_request_id(text: str) -> bool:
     """Whether ``text`` may name a request (``RequestIdText``)."""
-    return 1 <= len(text) <= 128 and all("!" <= c <= "~" for c in text)
+    try:
+        msgspec.convert(text, RequestIdText)
+    except msgspec.ValidationError:
+        return False
+    return True
 
 
 def answer_id(headers, req: RequestExtensions, prefix: str) -> str | None:

@@ -256,8 +256,9 @@ class ChoicesStream:
         running_usage = usage([gen], this_choice=True) if gen.options.continuous_usage else None
         events = [] if gen.opened else [sse_event(c) for c in self.shapes.first_chunks(gen, _before(running_usage, batch))]
         gen.opened = True
-        events += [sse_event(chunk) for i, (delta, frame) in enumerate(batch)
-                   for chunk in self.shapes.chunks(gen, delta, frame, i == last, running_usage)]
+        for i, (delta, frame) in enumerate(batch):  # each chunk the usage as of its own frame
+            so_far = _before(running_usage, batch[i + 1:])
+            events += [sse_event(chunk) for chunk in self.shapes.chunks(gen, delta, frame, i == last, so_far)]
         return b"".join(events)
 
     async def keep(self) -> None:

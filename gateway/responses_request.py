@@ -42,6 +42,7 @@ from gateway.openai_protocol import (
     StopTokenIds, Temperature, TopP, UserId, decode_at, decode_body, given, join_parts, read_metadata, read_stop,
     validate_common,
 )
+from gateway.request_extensions import PromptCacheKey, ReasoningEffort, ServiceTier, Verbosity
 from gateway.structured_request import StructuredOutputsParams, grammar_json, read_structured_outputs, schema_text
 from gateway.tools_request import MAX_TOOLS, FlatFunctionTool, FunctionName, NamedFunction, NamedToolChoice, read_tools
 
@@ -71,13 +72,13 @@ class TextFormat(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 class TextConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     format: TextFormat | None = None
-    verbosity: Literal["low", "medium", "high"] | None = None  # a hint (accepted, not used)
+    verbosity: Verbosity | None = None  # a hint (accepted, not used)
 
 
 class Reasoning(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """A reasoning model's settings: accepted, not used (this model does not reason)."""
 
-    effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    effort: ReasoningEffort | None = None
     summary: Literal["auto", "concise", "detailed"] | None = None
     generate_summary: Literal["auto", "concise", "detailed"] | None = None
 
@@ -149,8 +150,8 @@ class ResponsesRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     truncation: Literal["disabled"] | None = None  # "auto" (drop early items to fit) is not offered
     max_tool_calls: Annotated[int, msgspec.Meta(ge=1)] | None = None  # built-in tools' bound: none here
     # OpenAI's, accepted and not used: one service tier; the router finds shared prefixes itself
-    service_tier: Annotated[str, msgspec.Meta(max_length=64)] | None = None
-    prompt_cache_key: Annotated[str, msgspec.Meta(max_length=1024)] | None = None
+    service_tier: ServiceTier | None = None
+    prompt_cache_key: PromptCacheKey | None = None
     reasoning: Reasoning | None = None
     # Extensions (vLLM's, as on the other endpoints)
     top_k: int | None = None

@@ -88,9 +88,9 @@ def curl_key_header(env: Mapping[str, str]) -> str:
     """The curl example's key header: the gateway's key by name (never its value), a placeholder
     where only a keys file holds the keys, nothing where the gateway takes none."""
     if env.get("PDSERVE_API_KEY"):
-        return " -H 'Authorization: Bearer $PDSERVE_API_KEY'"
+        return ' -H "Authorization: Bearer $PDSERVE_API_KEY"'  # (double quotes: the shell puts the key in)
     if env.get("PDSERVE_API_KEYS_FILE"):
-        return " -H 'Authorization: Bearer <a key from $PDSERVE_API_KEYS_FILE>'"
+        return " -H 'Authorization: Bearer <a key from your PDSERVE_API_KEYS_FILE>'"
     return ""
 
 

@@ -206,10 +206,10 @@ class StopSignals:
 
     def _on_signal(self, signum: int, _frame) -> None:
         if signum == signal.SIGTERM:
-            now, last = self.clock(), self._last_term
-            self._last_term = now
-            if now - last < self.ECHO_S:
+            now = self.clock()
+            if now - self._last_term < self.ECHO_S:
                 return
+            self._last_term = now  # (an echo does not move the window: SIGTERMs every half second all count)
         self.received += 1
         name = signal.Signals(signum).name
         if self.received == 1:

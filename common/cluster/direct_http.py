@@ -8,21 +8,12 @@ loopback (or ``localhost``) URL directly and any other as the environment says.
 """
 from __future__ import annotations
 
-import ipaddress
 import urllib.parse
 import urllib.request
 
+from common.cluster.auth import is_loopback
+
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` (a URL's host name, brackets taken off) names this host's loopback."""
-    if host.lower() == "localhost" or host.lower().endswith(".localhost"):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def urlopen(request: urllib.request.Request | str, timeout: float):

@@ -36,9 +36,10 @@ def _holds_stops(row) -> bool:
 
 
 def apply_logit_rules(logits: torch.Tensor, rows: Sequence, masks: TokenMasks) -> torch.Tensor | None:
-    """Apply every row's rules to ``logits`` [rows, vocab] in place; return the logits a row's logprobs
-    are read from (the grammar's mask applied, not the bias or the ban: the module's docstring) where a
-    row asking for logprobs has a bias or a ban, else None (read them from ``logits``)."""
+    """Apply every row's rules to ``logits`` [rows, vocab] in place.  Where a row asking for logprobs
+    has a bias or a ban, return the logits of the rows asking for logprobs, in order, as the grammar's
+    mask left them (the module's docstring: what their logprobs are read from); else None (read them
+    from ``logits``).  (A grammar row's ban is its mask's: held stop tokens read -inf there.)"""
     vocab = logits.shape[1]
     flat = logits.view(-1)
     bias_index, bias_value, banned = [], [], []
@@ -59,9 +60,9 @@ def apply_logit_rules(logits: torch.Tensor, rows: Sequence, masks: TokenMasks) -
     device = logits.device
     if grammar_rows:
         masks.apply(logits, grammar_rows, matchers, grammar_stops, holding)
-    differ = any(row.sampling_params.logprobs is not None and (row.sampling_params.logit_bias or _holds_stops(row))
-                 for row in rows)
-    for_logprobs = logits.clone() if differ and (bias_index or banned) else None
+    asking = [i for i, row in enumerate(rows) if row.sampling_params.logprobs is not None]
+    differ = any(rows[i].sampling_params.logit_bias or _holds_stops(rows[i]) for i in asking)
+    for_logprobs = logits[asking].clone() if differ and (bias_index or banned) else None
     if bias_index:
         flat.index_add_(0, torch.tensor(bias_index, device=device),
                         torch.tensor(bias_value, dtype=logits.dtype, device=device))

@@ -158,7 +158,7 @@ class Sampler:
                     log.exception("sampling row %d failed; using its argmax", i)
                     tokens[i] = _clean(logits[i : i + 1]).argmax(dim=-1)[0]
         token_ids = tokens.tolist()
-        return token_ids, _logprobs(logits if for_logprobs is None else for_logprobs, rows, token_ids, bad)
+        return token_ids, _logprobs(logits, rows, token_ids, bad, for_logprobs)
 
     def _sample(self, logits, rows, greedy, bad, raw_max, scratch_logits) -> torch.Tensor:
         num_rows, vocab = logits.shape
@@ -459,14 +459,16 @@ def _slice(knobs: _Rows, n: int) -> _Rows:
 
 
 def _logprobs(logits: torch.Tensor, rows: Sequence[SamplingRequest], token_ids: list[int],
-              bad: torch.Tensor) -> list[TokenLogprobs | None]:
+              bad: torch.Tensor, kept: torch.Tensor | None = None) -> list[TokenLogprobs | None]:
+    """The logprobs of the rows that ask, read from ``logits`` -- or ``kept``, those rows' logits as
+    the grammar left them (``apply_logit_rules``)."""
     out: list[TokenLogprobs | None] = [None] * len(rows)
     wanted = [i for i, row in enumerate(rows) if row.sampling_params.logprobs is not None]
     if not wanted:
         return out
     device = logits.device
     index = torch.tensor(wanted, device=device)
-    values = logits.index_select(0, index)
+    values = logits.index_select(0, index) if kept is None else kept
     bad_wanted = bad[index]
     if bool(bad_wanted.any()):
         values[bad_wanted] = _clean(values[bad_wanted])

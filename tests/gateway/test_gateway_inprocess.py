@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+from importlib import metadata
 
 import pytest
 
@@ -258,7 +259,7 @@ async def test_vllms_probe_routes_answer_without_a_key(served_checkpoint, redis_
             async with client.request(method, "/ping") as resp:
                 assert resp.status == 503 and await resp.read() == b""
         async with client.get("/version") as resp:
-            assert resp.status == 200 and (await resp.json())["version"]
+            assert resp.status == 200 and (await resp.json())["version"] == metadata.version("pdserve")
         async with client.get("/load") as resp:
             assert await resp.json() == {"server_load": 0}
         async with gw.admission(gw.api_keys.authenticate(f"Bearer {KEYS['a']}")):

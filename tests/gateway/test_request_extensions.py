@@ -98,8 +98,10 @@ def test_special_tokens_and_stop_strings_reach_the_options():
 
 def test_truncation_keeps_the_prompts_last_tokens():
     ids = list(range(10))
-    assert truncated(ids, None, 100) is ids and truncated(ids, 3, 100) == [7, 8, 9] and truncated(ids, 20, 100) == ids
-    assert truncated(ids, -1, 4) == truncated(ids, 5, 4) == [6, 7, 8, 9]  # -1 (or more): what the context holds
+    assert truncated(ids, None, 100, 16) is ids and truncated(ids, 3, 100, 16) == [7, 8, 9]
+    assert truncated(ids, 20, 100, 16) == ids and truncated(ids, 5, 4, 16) == [6, 7, 8, 9]  # (the context's worth)
+    assert truncated(ids, -1, 6, 2) == [6, 7, 8, 9] and truncated(ids, -1, 6, None) == [5, 6, 7, 8, 9]  # beside the output
+    assert truncated(ids, -1, 6, 10) == [9]  # (one at least)
 
 
 def test_the_client_names_the_answer_by_header_first_then_by_field():

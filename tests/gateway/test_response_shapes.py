@@ -4,10 +4,12 @@ answer's, the text offsets going on from the prompt's tokens even where their te
 echo's (a BOS token's "<bos>")."""
 from __future__ import annotations
 
+import json
+
 from common.cluster.messages import TokenFrame, TokenLogprob
 from gateway.generation import Generation
 from gateway.openai_protocol import parse_completion_request
-from gateway.response_shapes import ResponseShapes
+from gateway.response_shapes import ChoicesStream, ResponseShapes
 from tests.support.request_bodies import completion
 
 TEXTS = {1: "<bos>", 5: "Hello", 6: " world", 7: "!", 8: " Bye"}
@@ -111,3 +113,16 @@ def test_best_of_answers_each_prompts_likeliest_candidates_and_counts_them_all()
     assert [(c.index, c.text) for c in answer.choices] == [(0, "<1>"), (1, "<2>"), (2, "<5>"), (3, "<3>")]
     assert all(c.logprobs is None for c in answer.choices)  # (asked for by the ranking, not by the client)
     assert answer.usage.completion_tokens == 8 and answer.usage.prompt_tokens == 4  # every candidate's
+
+
+def test_continuous_usage_counts_each_chunks_own_tokens_in_a_batch():
+    """A batch of frames (a client a few steps behind) gives each chunk the usage as of its frame."""
+    options = parse_completion_request(completion(stream=True, stream_options={
+        "include_usage": True, "continuous_usage_stats": True})).sampling()
+    gen = Generation("cmpl-1", "completion", "m", [1, 5], options, None)
+    frames = [("!", TokenFrame(token_ids=[7])), (" Bye", TokenFrame(token_ids=[8])), ("!", TokenFrame(token_ids=[7]))]
+    gen.token_ids = [7, 8, 7]  # (the handler counts a batch's tokens before shaping it)
+    data = ChoicesStream(ResponseShapes(StubTokenizer()), [gen]).batch(gen, frames)
+    chunks = [json.loads(line[len("data: "):]) for line in data.decode().split("\n\n") if line]
+    assert [c["usage"]["completion_tokens"] for c in chunks] == [1, 2, 3]
+    assert {c["usage"]["prompt_tokens"] for c in chunks} == {2}

@@ -138,7 +138,13 @@ def test_make_up_restarts_a_killed_worker_and_sigint_stops_everything(served_che
                 return False
 
         wait_for(serving, "the stack to serve")
-        assert "-H 'Authorization: Bearer $PDSERVE_API_KEY'" in log_path.read_text()  # (its curl example)
+        # Its curl example, run as printed (a shell that has the key), is answered.
+        printed = log_path.read_text()
+        example = printed[printed.index("  curl "):printed.index("A process that stops")].replace("\\\n", " ")
+        assert '-H "Authorization: Bearer $PDSERVE_API_KEY"' in example
+        answered = subprocess.run(["bash", "-c", example.replace("curl ", "curl -sS -w '\\n%{http_code}' ", 1)],
+                                  env=env, capture_output=True, text=True, timeout=120)
+        assert answered.stdout.rstrip().endswith("200"), (example, answered.stdout, answered.stderr)
         children = launcher.children()
         gateway_pid = next(c.pid for c in children if "gateway" in c.cmdline())
         killed_at = time.time()
@@ -178,8 +184,8 @@ def test_make_up_restarts_a_killed_worker_and_sigint_stops_everything(served_che
 
 
 @pytest.mark.parametrize("env, header", [
-    ({"PDSERVE_API_KEY": "k" * 40}, " -H 'Authorization: Bearer $PDSERVE_API_KEY'"),
-    ({"PDSERVE_API_KEYS_FILE": "/run/keys"}, " -H 'Authorization: Bearer <a key from $PDSERVE_API_KEYS_FILE>'"),
+    ({"PDSERVE_API_KEY": "k" * 40}, ' -H "Authorization: Bearer $PDSERVE_API_KEY"'),
+    ({"PDSERVE_API_KEYS_FILE": "/run/keys"}, " -H 'Authorization: Bearer <a key from your PDSERVE_API_KEYS_FILE>'"),
     ({"PDSERVE_API_KEYS_FILE": ""}, ""), ({}, "")])
 def test_the_curl_example_sends_a_key_where_the_gateway_wants_one_and_never_shows_it(env, header):
     from launcher.run import curl_key_header

@@ -277,6 +277,16 @@ def test_vllms_text_fields_are_honoured(client, stack):
     hidden = client.completions.create(model=stack.model_name, prompt="special", max_tokens=3, temperature=0,
                                        extra_body={"ignore_eos": True, **bos})
     assert (shown.choices[0].text, hidden.choices[0].text) == ("<bos>" * 3, "")
+    # The token that ends the answer (EOS; one of stop_token_ids) is not its text unless asked for (vLLM's).
+    eos = {"logit_bias": {"1": 50, "2": 100}, "min_tokens": 2}  # <bos> twice, then <eos>
+    for extra, text in (({}, "<bos><bos>"), ({"include_stop_str_in_output": True}, "<bos><bos><eos>")):
+        ended = client.completions.create(model=stack.model_name, prompt="special", max_tokens=6, temperature=0,
+                                          extra_body={"skip_special_tokens": False, **eos, **extra}).choices[0]
+        assert (ended.text, ended.finish_reason, ended.stop_reason) == (text, "stop", None)
+        stopped = client.completions.create(model=stack.model_name, prompt="special", max_tokens=6, temperature=0,
+                                            extra_body={"skip_special_tokens": False, "stop_token_ids": [1],
+                                                        **bos, **extra}).choices[0]
+        assert (stopped.text, stopped.stop_reason) == (text.count("<eos>") * "<bos>", 1)
     greedy = {"model": stack.model_name, "prompt": "stop strings", "max_tokens": 12, "temperature": 0}
     text = client.completions.create(**greedy, extra_body={"ignore_eos": True}).choices[0].text
     stop = text[3:6]
@@ -290,6 +300,12 @@ def test_vllms_text_fields_are_honoured(client, stack):
     cut_prompt = client.completions.create(model=stack.model_name, prompt=prompt, max_tokens=4, temperature=0,
                                            extra_body={"truncate_prompt_tokens": 3})
     assert cut_prompt.usage.prompt_tokens == 3 and cut_prompt.choices[0].text == alone.choices[0].text
+    # A prompt longer than the context is what it is for: token ids, and text past the size bound.
+    context = client.models.retrieve(stack.model_name).model_extra["max_model_len"]
+    for long_prompt in ([5, 6, 7] * context, "many words " * context * 4):
+        cut = client.completions.create(model=stack.model_name, prompt=long_prompt, max_tokens=4,
+                                        extra_body={"truncate_prompt_tokens": -1})
+        assert cut.usage.prompt_tokens == context - 4
     chat = client.chat.completions.create(model=stack.model_name, messages=[{"role": "user", "content": "long " * 20}],
                                           max_tokens=2, extra_body={"truncate_prompt_tokens": 5})
     assert chat.usage.prompt_tokens == 5
