@@ -1,9 +1,10 @@
 """``POST /tokenize`` and ``POST /detokenize``, shaped as vLLM's.
 
-    /tokenize    {"model", "prompt", "add_special_tokens": true}
+    /tokenize    {"model", "prompt", "add_special_tokens": true, "return_token_strs": false}
                  {"model", "messages", "add_generation_prompt": true, "continue_final_message"?,
-                  "chat_template_kwargs"?, "tools"?}   (the chat template, as a chat request renders it)
-                 -> {"count", "max_model_len", "tokens", "token_strs": null}
+                  "chat_template_kwargs"?, "tools"?, "return_token_strs"?}   (the chat template, as a chat
+                                                                             request renders it)
+                 -> {"count", "max_model_len", "tokens", "token_strs": the tokens' pieces where asked, else null}
     /detokenize  {"model", "tokens"} -> {"prompt"}
 
 Behind the same API keys as ``/v1``; bodies bounded like the generation endpoints' (a prompt too
@@ -27,6 +28,7 @@ class TokenizeText(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     prompt: str
     model: str | None = None
     add_special_tokens: bool = True
+    return_token_strs: bool | None = False
 
 
 class Detokenize(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -64,9 +66,11 @@ def add_tokenize_routes(app: web.Application, handlers: OpenAIHandlers) -> None:
     async def tokenize(request: web.Request) -> web.Response:
         body = await services.read_body(request)
         fields = _decode(body, dict[str, msgspec.Raw])
+        pieces = False
         if "messages" in fields:  # the chat shape: the same checks as a chat request
             chat = fields
             chat.pop("add_special_tokens", None)
+            pieces = _decode(chat.pop("return_token_strs", b"false"), bool | None)
             chat.setdefault("model", msgspec.json.encode(services.model_id))
             req = parse_chat_request(b"{" + b",".join(msgspec.json.encode(k) + b":" + bytes(v)
                                                        for k, v in chat.items()) + b"}")
@@ -77,7 +81,9 @@ def add_tokenize_routes(app: web.Application, handlers: OpenAIHandlers) -> None:
             req = _decode(body, TokenizeText)
             check_model(req.model)
             ids = await services.prompts.text(req.prompt, req.add_special_tokens)  # bounded, off the loop when long
-        return json_response(TokenizeAnswer(len(ids), services.max_model_len, ids))
+            pieces = req.return_token_strs
+        strs = services.tokenizer.convert_ids_to_tokens(ids) if pieces else None  # (vLLM's: the pieces)
+        return json_response(TokenizeAnswer(len(ids), services.max_model_len, ids, strs))
 
     async def detokenize(request: web.Request) -> web.Response:
         req = _decode(await services.read_body(request), Detokenize)

@@ -262,7 +262,11 @@ def test_tokenize_and_detokenize(stack):
     assert text in back["prompt"]
     chat = post(stack, "/tokenize", {"model": stack.model_name, "add_generation_prompt": True,
                                      "messages": [{"role": "user", "content": text}]})[1]
-    assert chat["count"] > tokenized["count"]
+    assert chat["count"] > tokenized["count"] and tokenized["token_strs"] is None is chat["token_strs"]
+    for shape in ({"prompt": text}, {"messages": [{"role": "user", "content": text}]}):  # vLLM's return_token_strs
+        pieces = post(stack, "/tokenize", {"model": stack.model_name, "return_token_strs": True, **shape})[1]
+        assert len(pieces["token_strs"]) == pieces["count"] and all(isinstance(p, str) for p in pieces["token_strs"])
+        assert "The quick brown fox" in "".join(pieces["token_strs"]).replace("\u0120", " ")  # (byte-level: "Ġ" a space)
     status, bad = post(stack, "/detokenize", {"model": stack.model_name, "tokens": [10**9]})
     assert status == 400 and bad["error"]["param"] == "tokens"
     assert post(stack, "/tokenize", {"model": "other", "prompt": "x"})[0] == 404
