@@ -4,7 +4,8 @@ a 400 naming the field, code ``unsupported_value`` -- only where a value asks fo
 does not do (an unknown name stays a 400 ``unknown_parameter``: gateway/openai_errors.py).
 
     honoured                 skip_special_tokens, include_stop_str_in_output, add_special_tokens,
-                             truncate_prompt_tokens (keep the prompt's last k tokens; -1: the context),
+                             truncate_prompt_tokens (keep the prompt's last k tokens; -1: as many as the
+                             context holds beside the output),
                              request_id (the answer's id; the ``X-Request-Id`` header wins, as in vLLM)
     accepted, no effect      spaces_between_special_tokens (fast tokenizers ignore it, as in vLLM's),
                              length_penalty (beam search's), service_tier (one tier), prompt_cache_key
@@ -83,7 +84,8 @@ class RequestExtensions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     prediction: Prediction | None = None
     reasoning_effort: ReasoningEffort | None = None
     verbosity: Verbosity | None = None
-    modalities: list[Literal["text", "audio"]] | None = None
+    # (a longer list is refused once read: its elements are the two literals, nothing built for each)
+    modalities: Annotated[list[Literal["text", "audio"]], msgspec.Meta(max_length=2)] | None = None
     priority: int | None = None
     detokenize: bool | None = None
     use_beam_search: bool | None = None
