@@ -229,7 +229,8 @@ class OpenAIHandlers(ResponsesEndpoints):
                 whole = (await self.services.prompts.text(prompt, add_special_tokens=req.add_special_tokens is not False,
                                                           bounded=req.truncate_prompt_tokens is None)
                          if isinstance(prompt, str) else prompt)
-                ids = truncated(whole, req.truncate_prompt_tokens, self.services.max_model_len, req.max_tokens)
+                bos = 1 if isinstance(prompt, str) and whole[:1] == [self.services.tokenizer.bos_token_id] else 0
+                ids = truncated(whole, req.truncate_prompt_tokens, self.services.max_model_len, req.max_tokens, bos)
                 echo = "" if not req.echo else prompt if ids is whole and isinstance(prompt, str) else \
                     self.services.tokenizer.decode(ids)
                 gens += self._prepare(request, "completion", req, ids, echo=echo, response_id=response_id,

@@ -120,13 +120,18 @@ def check_extensions(req: RequestExtensions, chat: bool = False) -> None:
                       "truncate_prompt_tokens")
 
 
-def truncated(prompt_ids: list[int], keep: int | None, max_model_len: int, output_tokens: int | None) -> list[int]:
+def truncated(prompt_ids: list[int], keep: int | None, max_model_len: int, output_tokens: int | None,
+              lead: int = 0) -> list[int]:
     """The prompt's last ``keep`` tokens (None: all of them; -1: as many as the context holds beside
-    the ``output_tokens`` asked for -- at least one; past the context: the context's worth)."""
+    the ``output_tokens`` asked for -- at least one; past the context: the context's worth), its
+    first ``lead`` (the tokenizer's BOS) kept among them, as vLLM truncates a text before adding it."""
     if keep is None:
         return prompt_ids
     keep = max(max_model_len - max(output_tokens or 1, 1), 1) if keep == -1 else min(keep, max_model_len)
-    return prompt_ids[-keep:] if len(prompt_ids) > keep else prompt_ids
+    if len(prompt_ids) <= keep:
+        return prompt_ids
+    lead = min(lead, keep - 1)
+    return prompt_ids[:lead] + prompt_ids[len(prompt_ids) - (keep - lead):]
 
 
 def client_request_id(headers, req: RequestExtensions) -> str | None:

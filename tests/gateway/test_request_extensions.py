@@ -102,6 +102,8 @@ def test_truncation_keeps_the_prompts_last_tokens():
     assert truncated(ids, 20, 100, 16) == ids and truncated(ids, 5, 4, 16) == [6, 7, 8, 9]  # (the context's worth)
     assert truncated(ids, -1, 6, 2) == [6, 7, 8, 9] and truncated(ids, -1, 6, None) == [5, 6, 7, 8, 9]  # beside the output
     assert truncated(ids, -1, 6, 10) == [9]  # (one at least)
+    assert truncated(ids, 3, 100, 16, lead=1) == [0, 8, 9]  # the BOS the tokenizer added stays first (vLLM's)
+    assert truncated(ids, 1, 100, 16, lead=1) == [9] and truncated([0, 1], 3, 100, 16, lead=1) == [0, 1]
 
 
 def test_the_client_names_the_answer_by_header_first_then_by_field():
