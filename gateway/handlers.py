@@ -20,7 +20,7 @@ from gateway.chat_template import ChatFormat
 from gateway.config import GatewayConfig
 from gateway.detokenizer import StreamingDecoder
 from gateway.engine_params import engine_params
-from gateway.request_extensions import answer_id, truncated
+from gateway.request_extensions import added_bos, answer_id, truncated
 from gateway.dispatch import Dispatcher, Saturated, UpstreamError
 from gateway.metrics import GatewayMetrics
 from gateway.prompts import PromptEncoder
@@ -229,8 +229,8 @@ class OpenAIHandlers(ResponsesEndpoints):
                 whole = (await self.services.prompts.text(prompt, add_special_tokens=req.add_special_tokens is not False,
                                                           bounded=req.truncate_prompt_tokens is None)
                          if isinstance(prompt, str) else prompt)
-                bos = 1 if isinstance(prompt, str) and whole[:1] == [self.services.tokenizer.bos_token_id] else 0
-                ids = truncated(whole, req.truncate_prompt_tokens, self.services.max_model_len, req.max_tokens, bos)
+                ids = truncated(whole, req.truncate_prompt_tokens, self.services.max_model_len, req.max_tokens,
+                                lead=added_bos(self.services.tokenizer, prompt, whole))
                 echo = "" if not req.echo else prompt if ids is whole and isinstance(prompt, str) else \
                     self.services.tokenizer.decode(ids)
                 gens += self._prepare(request, "completion", req, ids, echo=echo, response_id=response_id,

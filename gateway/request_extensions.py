@@ -134,6 +134,12 @@ def truncated(prompt_ids: list[int], keep: int | None, max_model_len: int, outpu
     return prompt_ids[:lead] + prompt_ids[len(prompt_ids) - (keep - lead):]
 
 
+def added_bos(tokenizer, prompt: str | list[int], ids: list[int]) -> int:
+    """1 where tokenizing the text ``prompt`` put the tokenizer's BOS first (``truncated`` keeps it), else 0
+    (token ids are the client's, as sent)."""
+    return int(isinstance(prompt, str) and ids[:1] == [getattr(tokenizer, "bos_token_id", None)])
+
+
 def client_request_id(headers, req: RequestExtensions) -> str | None:
     """The id the client gave the request: its ``X-Request-Id`` header (400 where it is not
     printable ASCII of at most 128 characters), else the body's ``request_id``; None: neither."""

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from gateway.openai_protocol import OpenAIError, parse_chat_request, parse_completion_request
-from gateway.request_extensions import answer_id, client_request_id, truncated
+from gateway.request_extensions import added_bos, answer_id, client_request_id, truncated
 from gateway.responses_request import parse_responses_request
 from tests.support.request_bodies import chat, completion, rejects
 
@@ -104,6 +104,12 @@ def test_truncation_keeps_the_prompts_last_tokens():
     assert truncated(ids, -1, 6, 10) == [9]  # (one at least)
     assert truncated(ids, 3, 100, 16, lead=1) == [0, 8, 9]  # the BOS the tokenizer added stays first (vLLM's)
     assert truncated(ids, 1, 100, 16, lead=1) == [9] and truncated([0, 1], 3, 100, 16, lead=1) == [0, 1]
+
+    class Tokenizer:
+        bos_token_id = 2
+
+    assert added_bos(Tokenizer(), "The sky is", [2, 9917, 563]) == 1  # (Gemma's)
+    assert added_bos(Tokenizer(), "The sky is", [9917, 563]) == 0 and added_bos(Tokenizer(), [2, 5], [2, 5]) == 0
 
 
 def test_the_client_names_the_answer_by_header_first_then_by_field():
