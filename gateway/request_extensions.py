@@ -11,7 +11,8 @@ does not do (an unknown name stays a 400 ``unknown_parameter``: gateway/openai_e
                              length_penalty (beam search's), service_tier (one tier), prompt_cache_key
                              (the router finds shared prefixes itself), prediction (an output's
                              expected text: speed only), reasoning_effort and verbosity (hints; this
-                             model does not reason), modalities ["text"], priority 0, detokenize
+                             model does not reason), priority (served first come, first served, as
+                             vLLM's default scheduler), modalities ["text"], detokenize
                              true, use_beam_search / return_token_ids / return_tokens_as_token_ids
                              false, a chat's echo false
     null (or absent) only    logits_processors, vllm_xargs, kv_transfer_params, bad_words,
@@ -38,7 +39,6 @@ PromptCacheKey = Annotated[str, msgspec.Meta(max_length=1024)]  # OpenAI's routi
 ReasoningEffort = Literal["none", "minimal", "low", "medium", "high"]
 Verbosity = Literal["low", "medium", "high"]
 _REFUSED_VALUES = {  # field -> (the value it may hold besides null, why another is refused)
-    "priority": (0, "requests are served first come, first served (priority scheduling is not enabled)"),
     "detokenize": (True, "answers are text (detokenize: false is not offered)"),
     "use_beam_search": (False, "beam search is not offered"),
     "return_token_ids": (False, "answers carry no token ids (use logprobs, or /tokenize)"),

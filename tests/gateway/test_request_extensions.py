@@ -21,14 +21,14 @@ ACCEPTED = [  # (field, value) a peer's client sends: the request parses
     ("spaces_between_special_tokens", False), ("length_penalty", 0.5), ("service_tier", "auto"),
     ("prompt_cache_key", "user-42"), ("prediction", {"type": "content", "content": "def f(): pass"}),
     ("reasoning_effort", "low"), ("verbosity", "medium"), ("modalities", ["text"]), ("priority", 0),
-    ("detokenize", True), ("use_beam_search", False), ("return_token_ids", False),
+    ("priority", -3), ("priority", 7), ("detokenize", True), ("use_beam_search", False), ("return_token_ids", False),
     ("return_tokens_as_token_ids", False)] + [(name, None) for name in (
         "logits_processors", "vllm_xargs", "kv_transfer_params", "bad_words", "allowed_token_ids", "chat_template",
         "documents", "mm_processor_kwargs", "web_search_options", "audio", "functions", "function_call",
         "skip_special_tokens", "request_id", "priority", "echo")]
 
 REFUSED = [  # (field, value, what the 400 says)
-    ("priority", 3, "first come, first served"), ("detokenize", False, "detokenize: false"),
+    ("detokenize", False, "detokenize: false"),
     ("use_beam_search", True, "beam search"), ("return_token_ids", True, "no token ids"),
     ("return_tokens_as_token_ids", True, "by their text"), ("modalities", ["text", "audio"], "text only"),
     ("truncate_prompt_tokens", 0, "k >= 1"), ("truncate_prompt_tokens", -2, "Expected `int` >= -1"),
