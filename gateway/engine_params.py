@@ -47,8 +47,8 @@ def engine_params(options: SamplingOptions, kind: str, echo: bool, prompt_ids: l
         max_tokens=max_tokens, temperature=options.temperature, top_k=top_k,
         top_p=options.top_p, min_p=options.min_p, presence_penalty=options.presence_penalty,
         frequency_penalty=options.frequency_penalty, repetition_penalty=options.repetition_penalty,
-        # best_of ranks its candidates by their tokens' logprobs: the chosen token's at least
         seed=options.seed, ignore_eos=options.ignore_eos,
+        # best_of ranks its candidates by their tokens' logprobs: the chosen token's at least
         logprobs=options.logprobs if options.best_of is None else options.logprobs or 0,
         stop_token_ids=tuple(dict.fromkeys(turn_end + options.stop_token_ids)),
         # min_tokens beyond max_tokens: no stop token ends the output early (it ends at max_tokens)

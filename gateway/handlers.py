@@ -248,7 +248,8 @@ class OpenAIHandlers(ResponsesEndpoints):
         named = answer_id(request.headers, req, "chatcmpl")  # (the workers see an id of the gateway's)
         async with self.services.admission(request["tenant"]):
             ids = truncated(await self.services.prompts.chat(messages, render, bounded=req.truncate_prompt_tokens is None),
-                            req.truncate_prompt_tokens, self.services.max_model_len, req.sampling().max_tokens)
+                            req.truncate_prompt_tokens, self.services.max_model_len,
+                            req.max_completion_tokens or req.max_tokens)
             gens = self._prepare(request, "chat", req, ids, plan, response_id=named,
                                  cluster_id=named and new_request_id("chatcmpl"))
             _check_scores(gens)

@@ -253,12 +253,14 @@ class ChoicesStream:
         with its first batch (an echo's logprobs come with it)."""
         last = len(batch) - 1
         # (vLLM's: the choice's own prompt and output so far)
-        running_usage = usage([gen], this_choice=True) if gen.options.continuous_usage else None
-        events = [] if gen.opened else [sse_event(c) for c in self.shapes.first_chunks(gen, _before(running_usage, batch))]
+        running = usage([gen], this_choice=True) if gen.options.continuous_usage else None
+        pending = sum(len(frame.token_ids) for _, frame in batch) if running else 0  # the batch's, not yet counted
+        events = [] if gen.opened else [sse_event(c) for c in self.shapes.first_chunks(gen, _less(running, pending))]
         gen.opened = True
         for i, (delta, frame) in enumerate(batch):  # each chunk the usage as of its own frame
-            so_far = _before(running_usage, batch[i + 1:])
-            events += [sse_event(chunk) for chunk in self.shapes.chunks(gen, delta, frame, i == last, so_far)]
+            pending -= len(frame.token_ids) if running else 0
+            events += [sse_event(chunk) for chunk in self.shapes.chunks(gen, delta, frame, i == last,
+                                                                         _less(running, pending))]
         return b"".join(events)
 
     async def keep(self) -> None:
@@ -273,13 +275,12 @@ class ChoicesStream:
         return error.to_sse() + SSE_DONE
 
 
-def _before(running: Usage | None, batch: list[tuple[str, TokenFrame]]) -> Usage | None:
-    """The usage ``running`` counts less the tokens of ``batch`` (what it was before them)."""
-    if running is None:
-        return None
-    new = sum(len(frame.token_ids) for _, frame in batch)
-    return msgspec.structs.replace(running, completion_tokens=running.completion_tokens - new,
-                                   total_tokens=running.total_tokens - new)
+def _less(running: Usage | None, tokens: int) -> Usage | None:
+    """The usage ``running`` counts less ``tokens`` output tokens (what it was before them)."""
+    if running is None or not tokens:
+        return running
+    return msgspec.structs.replace(running, completion_tokens=running.completion_tokens - tokens,
+                                   total_tokens=running.total_tokens - tokens)
 
 
 def best_choices(gens: Sequence[Generation]) -> Sequence[Generation]:

@@ -60,9 +60,11 @@ def apply_logit_rules(logits: torch.Tensor, rows: Sequence, masks: TokenMasks) -
     device = logits.device
     if grammar_rows:
         masks.apply(logits, grammar_rows, matchers, grammar_stops, holding)
-    asking = [i for i, row in enumerate(rows) if row.sampling_params.logprobs is not None]
-    differ = any(rows[i].sampling_params.logit_bias or _holds_stops(rows[i]) for i in asking)
-    for_logprobs = logits[asking] if differ and (bias_index or banned) else None  # (indexing by a list copies)
+    for_logprobs = None
+    if bias_index or banned:  # (only then can a row's logprobs differ from its sampled logits)
+        asking = [i for i, row in enumerate(rows) if row.sampling_params.logprobs is not None]
+        if any(rows[i].sampling_params.logit_bias or _holds_stops(rows[i]) for i in asking):
+            for_logprobs = logits[asking]  # (indexing by a list copies)
     if bias_index:
         flat.index_add_(0, torch.tensor(bias_index, device=device),
                         torch.tensor(bias_value, dtype=logits.dtype, device=device))
