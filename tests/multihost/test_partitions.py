@@ -43,6 +43,7 @@ WAIT_S = 180.0  # bounds on conditions that must come (starts, entries lapsing a
 IDLE_S, KV_TIMEOUT_S = 4.0, 6.0
 REQUEST_BOUND_S = 120.0
 STREAM_TOKENS = 960  # a stream long enough to outlive the cut (300 tokens could all have left before it)
+CUT_TRIES = 3  # a loaded machine can still let a stream end before its cut: tried again
 
 
 def worker_command(lab, checkpoint, key_prefix, name: str, role: str, transport: str) -> list[str]:
@@ -173,23 +174,31 @@ def test_the_processes_are_bound_to_their_hosts_addresses(lab, stack):
 
 def test_gateway_cut_from_a_decode_host_mid_stream_moves_the_stream(lab, stack, offline, transport):
     kv_fault_only(transport)
-    prompt = fresh_prompt(40, seed=1)
-    expected = offline(prompt, STREAM_TOKENS)
-    moves = metric(stack, "pdserve_migrations_total", 'cause="worker_lost"')
-    stream = client(stack).completions.create(model=stack.model_name, prompt=prompt, max_tokens=STREAM_TOKENS,
-                                              temperature=0, stream=True, extra_body={"ignore_eos": True})
-    chunks = iter(stream)
-    text = next(chunks).choices[0].text
-    serving = next(d for d in DECODE if stack.stats(d)["inflight"] > 0)
-    began = time.monotonic()
-    lab.cut("gw", serving)
-    try:
-        text += "".join(c.choices[0].text for c in chunks if c.choices)
-        assert time.monotonic() - began < REQUEST_BOUND_S
-    finally:
-        lab.heal("gw", serving)
-    assert metric(stack, "pdserve_migrations_total", 'cause="worker_lost"') == moves + 1
-    assert text == expected  # no break, no duplicate, no lost token
+    for seed in range(1, 1 + CUT_TRIES):
+        prompt = fresh_prompt(40, seed=seed)
+        expected = offline(prompt, STREAM_TOKENS)
+        moves = metric(stack, "pdserve_migrations_total", 'cause="worker_lost"')
+        stream = client(stack).completions.create(model=stack.model_name, prompt=prompt, max_tokens=STREAM_TOKENS,
+                                                  temperature=0, stream=True, extra_body={"ignore_eos": True})
+        chunks = iter(stream)
+        text = next(chunks).choices[0].text
+        serving = next(d for d in DECODE if stack.stats(d)["inflight"] > 0)
+        began = time.monotonic()
+        lab.cut("gw", serving)
+        try:
+            # Asked from this host, which the cut leaves connected: still decoding behind the cut, the
+            # stream cannot end where it began.  Otherwise it outran the cut; try again.
+            cut_mid_stream = stack.stats(serving)["inflight"] > 0
+            text += "".join(c.choices[0].text for c in chunks if c.choices)
+            assert time.monotonic() - began < REQUEST_BOUND_S
+        finally:
+            lab.heal("gw", serving)
+        assert text == expected  # no break, no duplicate, no lost token
+        if cut_mid_stream:
+            assert metric(stack, "pdserve_migrations_total", 'cause="worker_lost"') == moves + 1
+            return
+        wait_idle(stack, serving, timeout=WAIT_S)
+    pytest.fail(f"the stream ended before the cut in all {CUT_TRIES} tries")
 
 
 def test_prefill_decode_links_cut_mid_transfer_fall_back_to_local_compute(lab, stack, offline):
