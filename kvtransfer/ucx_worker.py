@@ -38,6 +38,7 @@ import threading
 import weakref
 
 from kvtransfer.errors import ConnectionLost, ProtocolError
+from kvtransfer.listening_sockets import opened_by
 
 log = logging.getLogger(__name__)
 
@@ -172,8 +173,9 @@ class UcxWorker:
         self._key: tuple = ()
         self._refs = 0
         self._closed = False
-        self.context = api.UCXContext(options, feature_flags=(api.Feature.TAG, api.Feature.WAKEUP))
-        self.worker = api.UCXWorker(self.context, enable_delayed_submission=False, enable_python_future=True)
+        # UCX's TCP transport listens for its peers (on NET_DEVICES' interface), without bounds or
+        # authentication of its own; past the descriptor limit it closes that listener for good.
+        (self.context, self.worker), self.tcp_listeners = opened_by(lambda: self._context_and_worker(api, options))
         if _cuda_available():
             from ucxx._cuda_context import ensure_cuda_context
 
@@ -181,11 +183,17 @@ class UcxWorker:
             self.worker.set_progress_thread_start_callback(ensure_cuda_context, cb_args=(0,))
         self.worker.start_progress_thread(polling_mode=False, epoll_timeout=1)
         self.address = bytes(self.worker.address.tobytes())
-        log.info("UCX %s worker started (options %s)", ".".join(map(str, api.get_ucx_version())), options)
+        log.info("UCX %s worker started (options %s; its TCP listeners: ports %s)",
+                 ".".join(map(str, api.get_ucx_version())), options, self.tcp_listeners.ports)
         self._stop = threading.Event()
         self._notifier = threading.Thread(target=self._notify, name="kv-ucx-notifier", daemon=True)
         self._notifier.start()
         _live.add(self)
+
+    @staticmethod
+    def _context_and_worker(api, options: dict[str, str]):
+        context = api.UCXContext(options, feature_flags=(api.Feature.TAG, api.Feature.WAKEUP))
+        return context, api.UCXWorker(context, enable_delayed_submission=False, enable_python_future=True)
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -268,6 +276,14 @@ class UcxWorker:
             self._notifier.join(timeout=5)
         self.worker.stop_progress_thread()
         self.worker.clear_python_futures_pool()
+
+
+def failed_ucx_listeners() -> list[str]:
+    """The TCP listeners of this process's open UCX workers that UCX has closed: a worker with one
+    of these takes no new UCX connection (senders fall back, or fail) and must not report itself
+    healthy."""
+    return [f"ucx tcp listener {gone}" for worker in list(_live) if not worker._closed
+            for gone in worker.tcp_listeners.closed()]
 
 
 @atexit.register

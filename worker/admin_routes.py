@@ -23,6 +23,7 @@ from common.engine.engine import Engine
 from common.engine.kv.kv_cache import dtype_name
 from common.engine.step_log import COLUMNS as STEP_COLUMNS
 from kvtransfer.socket_io import failed_listeners
+from kvtransfer.ucx_worker import failed_ucx_listeners
 from worker.engine_thread import EngineFailed
 
 STEPS_PAGE = 4096  # most steps one /admin/steps answer holds (about 400 KB of JSON)
@@ -60,6 +61,8 @@ class AdminHandlers:
         status = "ok" if healthy else "engine failed"
         if healthy and failed_listeners():  # the KV port stopped accepting: no prefill reaches this worker
             healthy, status = False, "kv listener down"
+        elif healthy and failed_ucx_listeners():  # UCX's own one closed: no new UCX peer reaches it
+            healthy, status = False, "ucx listener down"
         return web.json_response({"status": status, "role": worker.role, "state": worker.state,
                                   "instance": worker.instance}, status=200 if healthy else 503)
 

@@ -22,6 +22,11 @@ sending a byte.  ``GuardedSite`` serves an ``AppRunner``'s app under ``HttpLimit
   only while writing is paused and restarts with each pause, so a long stream to a client that
   reads slowly, but reads, is never cut; a client that never reads its answers (say, thousands of
   pipelined requests) cannot keep a connection busy for ever.
+* A request answered before its body was read (a refusal: 401, 413, 415, ...) closes its
+  connection: aiohttp reads on for a while after such an answer, so that a reset does not cut the
+  answer off on its way, but at most ``_LINGER_BYTES`` of the body are read then (``unread_body``),
+  where aiohttp alone would take whatever arrives for ten seconds -- gigabytes from a stranger
+  who was never authenticated.
 * A connection the guard closes (deadlines, 408) keeps its slot until its socket is closed: what
   was written goes out first, and a client that takes none of it within ``write_timeout`` has the
   connection aborted then.  Evictions and write timeouts abort at once.  Every socket of this
@@ -58,6 +63,7 @@ _REFUSAL = (b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 1\r\nContent-Type
 _HEADER_TIMEOUT = b"HTTP/1.1 408 Request Timeout\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
 _UNCONNECTED_S = 1.0  # a protocol without a transport after this long never gets one
 _FD_RESERVE = 1024  # descriptors kept for everything but this listener's clients
+_LINGER_BYTES = 256 * 1024  # of a body left unread by its answer, read before the connection is cut
 
 
 class BodyTimeout(web.HTTPRequestTimeout, TimeoutError):
@@ -97,6 +103,7 @@ class _GuardedHandler(web.RequestHandler):
         self._g_waiting_headers = True  # idle kind: False while between requests (keep-alive)
         self._g_partial = False  # bytes of the next request's headers arrived
         self._g_body_overdue = False
+        self._g_lingered: int | None = None  # bytes of an unread body taken after its answer (lingering)
         self._g_gone = False  # being closed by the guard, or closed
 
     # -- asyncio protocol --------------------------------------------------------------------
@@ -108,6 +115,13 @@ class _GuardedHandler(web.RequestHandler):
         self._g_become_idle(waiting_headers=True)
 
     def data_received(self, data: bytes) -> None:
+        if self._g_lingered is not None:  # the rest of a body its answer left unread: no next request
+            self._g_lingered += len(data)
+            if self._g_lingered > _LINGER_BYTES:
+                self._g_close("unread_body")
+                return
+            super().data_received(data)
+            return
         if not self._g_busy and data and not self._g_partial:
             self._g_partial = True
             if not self._g_waiting_headers:  # a new request begins: its headers have header_timeout
@@ -161,6 +175,9 @@ class _GuardedHandler(web.RequestHandler):
             if self._g_body_overdue:
                 self._g_close("body_timeout")
             elif not self._messages and not self._g_gone:
+                if not request.content.is_eof():  # answered before its body was read
+                    self._g_lingered = 0
+                    self.close()  # not reused: closed once aiohttp's lingering read ends
                 self._g_become_idle(waiting_headers=False)
 
     def _g_body_deadline(self, request: web.BaseRequest) -> None:

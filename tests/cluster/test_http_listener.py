@@ -28,6 +28,8 @@ SHORT = 0.5
 NEVER = 3600.0
 UNSENT = 48 << 10  # below the transports' 64 KiB high-water mark
 BIG = 1 << 20  # far above what a shrunk socket and the transport's buffer hold
+CUT_WITHIN = 256 << 20  # an unread body's bytes a client may get in before its connection is cut: far
+# above the bound the server reads plus the sockets' buffers, far below ten seconds of loopback
 LOOPS = {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
 
 
@@ -255,6 +257,55 @@ def test_a_body_that_does_not_arrive_in_time_ends_in_408(loop, path, answer):
             assert got.startswith(answer), got
             if path == "/own-deadline":
                 assert b"body too slow" in got
+            writer.close()
+
+    run(loop, main())
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_body_its_answer_left_unread_is_read_only_so_far_then_the_connection_is_cut(loop):
+    """A refusal answers before reading its body (here a POST to ``/ok``, a GET route: 405, as a 401 or
+    a 413 would): the answer arrives, then the server takes at most a bounded part of the rest before
+    cutting the connection -- aiohttp alone read whatever came for ten seconds (gigabytes from a
+    stranger over loopback)."""
+    announced, chunk = 1 << 40, bytes(1 << 20)
+
+    async def main():
+        limits = HttpLimits(header_timeout=NEVER, keepalive_timeout=NEVER, body_timeout=NEVER)
+        async with serve(App(), limits) as site:
+            reader, writer = await asyncio.open_connection("127.0.0.1", site.port)
+            writer.write(f"POST /ok HTTP/1.1\r\nHost: test\r\nContent-Length: {announced}\r\n\r\n".encode())
+            head = await asyncio.wait_for(reader.readuntil(b"405: Method Not Allowed"), BOUND)
+            assert head.startswith(b"HTTP/1.1 405 "), head
+            sent = 0
+            with pytest.raises((ConnectionError, RuntimeError)):  # uvloop: its transport is closed
+                while sent < CUT_WITHIN:
+                    writer.write(chunk)
+                    await asyncio.wait_for(writer.drain(), BOUND)
+                    sent += len(chunk)
+            assert site.stats["unread_body"] == 1
+            writer.close()
+
+    run(loop, main())
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_connection_whose_answer_left_its_body_unread_is_closed_once_the_rest_arrives(loop):
+    """A refusal's (405) small unread body: the rest is taken (so the answer is not cut off by a reset), then the
+    connection is closed: nothing more is answered on it -- before, the body's late bytes were taken
+    for the next request's headers, and a 408 nobody asked for followed at the header deadline."""
+
+    async def main():
+        limits = HttpLimits(header_timeout=SHORT, keepalive_timeout=NEVER, body_timeout=NEVER)
+        async with serve(App(), limits) as site:
+            reader, writer = await asyncio.open_connection("127.0.0.1", site.port)
+            writer.write(b"POST /ok HTTP/1.1\r\nHost: test\r\nContent-Length: 100\r\n\r\n" + bytes(10))
+            head = await asyncio.wait_for(reader.readuntil(b"405: Method Not Allowed"), BOUND)
+            assert head.startswith(b"HTTP/1.1 405 "), head
+            await asyncio.sleep(2 * SHORT)  # past the header deadline
+            writer.write(bytes(90))
+            assert await until_closed(reader) == b""
+            assert site.stats.get("header_timeout", 0) == 0
             writer.close()
 
     run(loop, main())

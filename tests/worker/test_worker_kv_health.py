@@ -1,16 +1,23 @@
 """A worker whose KV port stopped accepting reports itself unhealthy (/health 503).
 
 No prefill worker can reach its KV port any more, so it must leave the routing of whoever reads its
-health (compose, the launcher, operators) instead of answering 200 for good.  A unit test of the
+health (compose, the launcher, operators) instead of answering 200 for good.  Unit tests of the
 health handler over a real KV listener whose accept loop ended (its accept reported EBADF: the
-listening socket itself broken).
+listening socket itself broken), and over a real UCX receiver whose UCX TCP listener a flood of
+connections closed (UCX's accept failed for want of descriptors: it drops that listener for good).
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import json
+import os
+import resource
+import socket
 import types
+
+import pytest
 
 from common.engine.kv.kv_cache import KVCache, KVLayout
 from worker.admin_routes import AdminHandlers
@@ -53,3 +60,46 @@ async def test_health_fails_once_the_kv_accept_loop_has_ended(monkeypatch):
         monkeypatch.undo()
         await receiver.close()
     assert (await health(worker))[0] == 200, "a receiver closed on purpose is not a failure"
+
+
+@contextlib.contextmanager
+def descriptors_capped(headroom: int):
+    """This process may open only ``headroom`` more descriptors meanwhile."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + headroom, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+async def test_health_fails_once_ucx_has_closed_its_tcp_listener():
+    pytest.importorskip("ucxx")
+    from kvtransfer.ucx_worker import failed_ucx_listeners
+
+    worker = bare_worker()
+    bystander = socket.create_server(("127.0.0.1", 0))  # a listener of this process, not UCX's
+    receiver = KVReceiver(KVCache(LAYOUT, 4), KVTransferConfig(transport="ucx", host="127.0.0.1"))
+    await receiver.start()
+    flood: list[socket.socket] = [bystander]
+    try:
+        assert (await health(worker))[0] == 200
+        ucx = receiver.transport._ucx
+        [port] = ucx.tcp_listeners.ports
+        with descriptors_capped(64):
+            with contextlib.suppress(OSError):  # this side runs out of descriptors too
+                for _ in range(256):
+                    flood.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+            for sock in flood:
+                sock.close()
+        for _ in range(600):  # UCX accepts on its progress thread: its failure comes within moments
+            if failed_ucx_listeners():
+                break
+            await asyncio.sleep(0.05)
+        code, body = await health(worker)
+        assert code == 503 and body["status"] == "ucx listener down", body
+    finally:
+        for sock in flood:
+            sock.close()
+        await receiver.close()
+    assert (await health(worker))[0] == 200, "a UCX worker closed on purpose is not a failure"
