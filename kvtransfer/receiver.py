@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import math
 import time
 
 import msgspec
@@ -41,6 +42,7 @@ from kvtransfer.transports import make_transport
 log = logging.getLogger(__name__)
 
 _RECENTLY_ENDED = 4096  # ids remembered after they end, to tell late senders why
+_UNAUTHENTICATED_LOG_PERIOD_S = 60.0  # connections that never authenticated: a warning at most this often
 
 
 class TransferResult(msgspec.Struct, frozen=True):
@@ -211,6 +213,9 @@ class KVReceiver:
         self._serving: set[asyncio.Task] = set()  # one per connection (see _serve)
         self._tasks: set[asyncio.Task] = set()
         self._listener: Listener | None = None
+        self.unauthenticated_ended = 0  # connections that ended before authenticating (strangers' too)
+        self._unauthenticated_unlogged = 0  # of those, since the last warning about them
+        self._unauthenticated_warned_at = -math.inf
 
     @property
     def cache(self) -> KVCache:
@@ -299,22 +304,30 @@ class KVReceiver:
         task = asyncio.current_task()
         self._serving.add(task)
         reason = "connection closed"
+        authenticated = False
         try:
             conn.checksum, sender_ranges = await server_handshake(channel, self.shards, self.config.checksum,
                                                                   self.config.connect_timeout, self.auth)
+            authenticated = True
             log.info("kv sender connected: %s (%d ranks there, %d here)", channel.description, len(sender_ranges),
                      self.shards.num_ranks)
             while True:
                 await self._dispatch(conn, decode(await channel.recv_header()))
         except HandshakeError as exc:
             reason = f"handshake failed: {exc}"
-            log.warning("kv receiver: %s", reason)
+            self._ended_unauthenticated(reason)
         except ProtocolError as exc:
             reason = f"protocol error: {exc}"
-            log.warning("kv receiver: dropping sender connection, %s", exc)
+            if authenticated:
+                log.warning("kv receiver: dropping sender connection, %s", exc)
+            else:
+                self._ended_unauthenticated(reason)
         except ConnectionLost as exc:
             reason = str(exc)
-            log.info("kv receiver: sender connection lost: %s", exc)
+            if authenticated:
+                log.info("kv receiver: sender connection lost: %s", exc)
+            else:
+                self._ended_unauthenticated(reason)
         except asyncio.CancelledError:
             reason = "receiver closed"
             raise
@@ -327,6 +340,20 @@ class KVReceiver:
             self._serving.discard(task)
             for handle in list(conn.transfers):
                 handle.fail(PeerLost(f"transfer of {handle.request_id!r}: sender connection lost ({reason})"))
+
+    def _ended_unauthenticated(self, reason: str) -> None:
+        """A connection that never authenticated is counted, and logged as a warning at most once
+        every ``_UNAUTHENTICATED_LOG_PERIOD_S`` (a stranger could otherwise fill the log: a line a
+        connection)."""
+        self.unauthenticated_ended += 1
+        self._unauthenticated_unlogged += 1
+        log.debug("kv receiver: a connection ended before authenticating: %s", reason)
+        now = time.monotonic()
+        if now - self._unauthenticated_warned_at >= _UNAUTHENTICATED_LOG_PERIOD_S:
+            log.warning("kv receiver: %d connection(s) ended before authenticating since the last such line "
+                        "(the latest: %s)", self._unauthenticated_unlogged, reason)
+            self._unauthenticated_unlogged = 0
+            self._unauthenticated_warned_at = now
 
     async def _dispatch(self, conn: _SenderConnection, msg: Message) -> None:
         if isinstance(msg, Blocks):

@@ -467,6 +467,7 @@ class Worker:
                    inflight=len(self.in_flight),
                    kv_incoming=self.kv_receiver.num_pending if self.kv_receiver else 0,
                    kv_outgoing=self.kv_sender.num_in_flight if self.kv_sender else 0,
+                   kv_unauthenticated_ended=self.kv_receiver.unauthenticated_ended if self.kv_receiver else 0,
                    failed=None if self.failure is None else str(self.failure))
         out.update(listener_stats())  # KV accept errors survived, unauthenticated connections closed
         return out

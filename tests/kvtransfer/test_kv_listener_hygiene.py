@@ -6,6 +6,8 @@
   ``/health`` (tests/worker/test_worker_kv_health.py).
 * At most ``max_handshakes`` unauthenticated connections are held: beyond, the oldest is closed.
 * Before authentication no header longer than ``PREAUTH_MAX_HEADER_BYTES`` is read or buffered.
+* Connections that end before authenticating are counted and logged at most one warning a period,
+  not a line each (a stranger could fill the log).
 """
 from __future__ import annotations
 
@@ -223,6 +225,28 @@ async def test_a_big_header_before_authentication_is_refused_unread(transport, m
         await transfer_completes(receiver)
     finally:
         sock.close()
+        await receiver.close()
+
+
+@pytest.mark.parametrize("transport", ["tcp", "ucx"])
+async def test_strangers_connections_are_counted_and_logged_once_a_period(transport, caplog):
+    """Strangers connect and leave, or send garbage: each is counted; the log gets one warning for
+    all of them (a line a connection before), and a genuine sender still gets in."""
+    receiver = await start_receiver(transport)
+    strangers = 12
+    try:
+        with caplog.at_level("DEBUG", logger="kvtransfer.receiver"):
+            for i in range(strangers):
+                sock = await raw_connect(receiver)
+                if i % 2:
+                    await asyncio.get_running_loop().sock_sendall(sock, b"GET / HTTP/1.1\r\n\r\n" * 4)
+                sock.close()
+            await wait_until(lambda: receiver.unauthenticated_ended == strangers, BOUND, "every stranger counted")
+        warnings = [r for r in caplog.records if r.name == "kvtransfer.receiver" and r.levelno >= 30]
+        assert len(warnings) == 1, [r.getMessage() for r in warnings]
+        await transfer_completes(receiver)
+        assert receiver.unauthenticated_ended == strangers
+    finally:
         await receiver.close()
 
 
