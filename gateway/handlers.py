@@ -446,6 +446,8 @@ class OpenAIHandlers(ResponsesEndpoints):
             except ValueError as exc:
                 request["outcome"] = "stream_error"
                 await write(events.failure(as_invalid(exc)))
+        except ConnectionResetError:  # the client left before aiohttp cancelled this handler: not an error
+            request["outcome"] = "client_disconnected"
         except _ClientTooSlow:
             request["outcome"] = "client_too_slow"
             # Else the listener's write deadline (the same bound, raced) cut it off, and counted it.

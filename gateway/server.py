@@ -29,6 +29,7 @@ from yarl import URL
 
 from common.engine.structured.compiler import GrammarCompiler, make_backend
 from common.cluster.aio import run_service
+from common.cluster.credentials import credential_bytes, presented
 from common.cluster.messages import read_response
 from common.engine.model_config import load_model_config
 from common.engine.loading.checkpoint_path import resolve_checkpoint
@@ -277,8 +278,9 @@ class Gateway:
     async def _auth(self, request: web.Request, handler):
         if request.path.startswith("/v1/") or request.path in TOKENIZE_PATHS:
             # Anthropic's clients send the key as x-api-key
-            key = request.headers.get("x-api-key")
-            tenant = self.api_keys.authenticate(request.headers.get("Authorization") or (f"Bearer {key}" if key else ""))
+            key = presented(request.headers, "x-api-key")
+            tenant = self.api_keys.authenticate(presented(request.headers, "Authorization")
+                                                or (f"Bearer {key}" if key else ""))
             if tenant is None:
                 raise OpenAIError(401, "Incorrect API key provided", code="invalid_api_key")
             request["tenant"] = tenant
@@ -348,7 +350,8 @@ class Gateway:
         if not token:
             raise OpenAIError(403, "the admin API is disabled (start the gateway with an admin token: "
                                    "PDSERVE_ADMIN_TOKEN_FILE or PDSERVE_ADMIN_TOKEN, which make up passes on too)")
-        if not hmac.compare_digest(request.headers.get("X-Admin-Token", "").encode(), token.encode()):
+        if not hmac.compare_digest(credential_bytes(presented(request.headers, "X-Admin-Token") or ""),
+                                   credential_bytes(token)):
             raise OpenAIError(401, "missing or wrong admin token", code="invalid_admin_token")
 
     async def _admin_pools(self, request: web.Request) -> web.Response:

@@ -35,6 +35,8 @@ import hmac
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from common.cluster.credentials import bearer_token, credential_bytes
+
 
 @dataclass(frozen=True)
 class Tenant:
@@ -71,7 +73,7 @@ def default_key_share(per_key: int | None, total: int | None, num_keys: int) -> 
 
 
 def _digest(key: str) -> bytes:
-    return hashlib.sha256(key.encode()).digest()
+    return hashlib.sha256(credential_bytes(key)).digest()
 
 
 def key_id(key: str) -> str:
@@ -140,5 +142,5 @@ class ApiKeys:
         """The tenant for an ``Authorization`` header value, or None if it names no known key."""
         if not self.enabled:
             return ANONYMOUS
-        token = authorization[7:] if authorization.startswith("Bearer ") else ""
+        token = bearer_token(authorization)
         return self._tenants.get(_digest(token)) if token else None

@@ -31,6 +31,7 @@ import aiohttp
 from aiohttp import web
 
 from common.cluster.auth import ClusterAuth, audience_of
+from common.cluster.credentials import bearer_token, credential_bytes, presented
 from common.cluster.http_limits import HttpLimits
 from common.cluster.http_listener import GuardedSite
 from common.cluster.messages import read_response
@@ -112,9 +113,8 @@ class MetricsProxy:
     @web.middleware
     async def _require_token(self, request: web.Request, handler):
         if self._token_digest is not None and request.path != "/health":
-            header = request.headers.get("Authorization", "")
-            presented = header[7:].encode("utf-8", "surrogateescape") if header.startswith("Bearer ") else b""
-            if not hmac.compare_digest(hashlib.sha256(presented).digest(), self._token_digest):
+            token = credential_bytes(bearer_token(presented(request.headers, "Authorization")))
+            if not hmac.compare_digest(hashlib.sha256(token).digest(), self._token_digest):
                 raise web.HTTPUnauthorized(text="metrics-proxy: missing or wrong bearer token\n",
                                            headers={"WWW-Authenticate": 'Bearer realm="pdserve-metrics"'})
         return await handler(request)

@@ -265,3 +265,34 @@ async def test_vllms_probe_routes_answer_without_a_key(served_checkpoint, redis_
         async with gw.admission(gw.api_keys.authenticate(f"Bearer {KEYS['a']}")):
             async with client.get("/load") as resp:
                 assert await resp.json() == {"server_load": 1}
+
+
+async def raw_status(client, head: bytes) -> int:
+    """The status of a request sent as these bytes (headers aiohttp's client would not send)."""
+    reader, writer = await asyncio.open_connection(client.server.host, client.server.port)
+    try:
+        writer.write(head + b"Host: test\r\nConnection: close\r\n\r\n")
+        return int((await asyncio.wait_for(reader.readline(), 60)).split()[1])
+    finally:
+        writer.close()
+
+
+async def test_credentials_are_read_as_sent_once_in_any_case_of_bearer(served_checkpoint, redis_url, key_prefix):
+    """The key right but ``bearer`` in lower case: in (RFC 9110: the scheme is case-insensitive);
+    bytes that are not UTF-8 in a key or the admin token: 401, not a 400 in Python's words; a key
+    sent twice, the right one first: 401 (which one a proxy in front checked cannot be known)."""
+    key, wrong = KEYS["a"].encode(), b"sk-wrong"
+    async with gateway(served_checkpoint, redis_url, key_prefix) as (_gw, client):
+        get_models = b"GET /v1/models HTTP/1.1\r\n"
+        assert await raw_status(client, get_models + b"Authorization: bearer " + key + b"\r\n") == 200
+        assert await raw_status(client, get_models + b"Authorization: Bearer " + key + b"\r\n") == 200
+        assert await raw_status(client, get_models + b"Authorization: Bearer \x80" + key + b"\r\n") == 401
+        assert await raw_status(client, get_models + b"x-api-key: \xff\r\n") == 401
+        assert await raw_status(client, get_models + b"Authorization: Bearer " + key + b"\r\n"
+                                + b"Authorization: Bearer " + wrong + b"\r\n") == 401
+        assert await raw_status(client, get_models + b"x-api-key: " + key + b"\r\nx-api-key: " + wrong + b"\r\n") == 401
+        admin = b"GET /admin/pools HTTP/1.1\r\n"
+        assert await raw_status(client, admin + b"X-Admin-Token: " + ADMIN_TOKEN.encode() + b"\r\n") == 200
+        assert await raw_status(client, admin + b"X-Admin-Token: \x80\r\n") == 401
+        assert await raw_status(client, admin + b"X-Admin-Token: " + ADMIN_TOKEN.encode() + b"\r\n"
+                                + b"X-Admin-Token: " + wrong + b"\r\n") == 401
