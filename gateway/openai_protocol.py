@@ -140,7 +140,8 @@ class CompletionRequest(_Common):
     string or a list of token ids (decoded from the body's ``prompt`` by gateway/prompt_input.py,
     which the API takes as a string, token ids, or a list of either)."""
 
-    NULL_IS_DEFAULT: ClassVar[tuple[str, ...]] = _Common.NULL_IS_DEFAULT + ("echo",)
+    # max_tokens: null is OpenAI's default, 16 (a chat's default, null, is no bound but the context)
+    NULL_IS_DEFAULT: ClassVar[tuple[str, ...]] = _Common.NULL_IS_DEFAULT + ("echo", "max_tokens")
 
     prompt: list[str | list[int]]
     max_tokens: CompletionMaxTokens | None = 16

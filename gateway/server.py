@@ -185,7 +185,7 @@ class Gateway:
         if content_type is not None:
             check_json_media(content_type)
         if request.content_length is not None and request.content_length > self.config.max_body_bytes:
-            raise self._too_large(request.content_length)
+            raise self._too_large(request, declared=True)
         try:
             async with asyncio.timeout(self.config.client_read_timeout):
                 body = await request.read()  # aiohttp stops at client_max_size (HTTPRequestEntityTooLarge)
@@ -196,9 +196,15 @@ class Gateway:
             check_json_media(None)
         return body
 
-    def _too_large(self, size: int | None) -> OpenAIError:
-        """``size``: the body's declared length (None: sent in chunks, refused once past the limit)."""
-        what = f"of {size} bytes" if size is not None else "sent in chunks"
+    def _too_large(self, request: web.Request, declared: bool = False) -> OpenAIError:
+        """``declared``: refused by its declared length, before any of it was read; else once past the
+        limit while read -- a compressed body by what it inflates to, not by its own length."""
+        if declared:
+            what = f"of {request.content_length} bytes"
+        elif request.headers.get("Content-Encoding", "identity").lower() != "identity":
+            what = "(decompressed)"
+        else:
+            what = "sent in chunks" if request.content_length is None else f"of {request.content_length} bytes"
         return OpenAIError(413, f"Request body {what} exceeds the limit of {self.config.max_body_bytes} bytes",
                            code="request_too_large")
 
@@ -256,7 +262,7 @@ class Gateway:
         except web.HTTPException as exc:
             outcome = str(exc.status)
             if exc.status == 413:
-                return _error_response(request, self._too_large(request.content_length))
+                return _error_response(request, self._too_large(request))
             if exc.status in (404, 405):
                 response = _error_response(request, OpenAIError(exc.status, f"{request.method} {request.path}: "
                                                                             f"{exc.reason}"))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import gzip
 import json
 import socket
 import threading
@@ -321,6 +322,14 @@ def test_a_body_over_the_limit_is_refused_while_it_is_read(stack):
 
     status, payload = post_raw(stack, chunks())
     assert status == 413 and payload["error"]["message"].startswith("Request body sent in chunks exceeds the limit of ")
+
+
+def test_a_compressed_body_over_the_limit_is_refused_by_what_it_inflates_to(stack):
+    """48 KB of gzip that inflate to 5 MiB: refused once past the limit, saying so (it named the
+    48 KB as exceeding the 4 MiB limit)."""
+    body = gzip.compress(json.dumps({"model": "m", "prompt": "x" * (5 << 20)}).encode())
+    status, payload = post_raw(stack, body, {"Content-Encoding": "gzip"})
+    assert status == 413 and payload["error"]["message"].startswith("Request body (decompressed) exceeds the limit of ")
 
 
 # ---- slow and greedy clients (item "slow and greedy clients" of issue 8; limits of issue 9) ---

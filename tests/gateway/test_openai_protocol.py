@@ -47,7 +47,7 @@ def test_completion_defaults_and_normalised_sampling():
     # vLLM-style "disabled" top_k values.
     assert parse_completion_request(completion(top_k=-1)).sampling().top_k is None
     assert parse_completion_request(completion(top_k=0)).sampling().top_k is None
-    assert parse_completion_request(completion(max_tokens=None)).sampling().max_tokens is None
+    assert parse_completion_request(completion(max_tokens=None)).sampling().max_tokens == 16  # OpenAI's default
 
 
 def test_penalties_and_min_p_are_accepted_and_defaulted():

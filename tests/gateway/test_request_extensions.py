@@ -62,7 +62,7 @@ def test_a_chat_may_not_ask_for_its_last_message_repeated():
 @pytest.mark.parametrize("kind, field, default", [
     ("completion", "stream", False), ("completion", "n", 1), ("completion", "echo", False),
     ("completion", "store", False), ("completion", "ignore_eos", False), ("completion", "min_tokens", 0),
-    ("chat", "stream", False), ("chat", "n", 1), ("chat", "logprobs", False), ("chat", "store", False),
+    ("completion", "max_tokens", 16), ("chat", "max_tokens", None), ("chat", "stream", False), ("chat", "n", 1), ("chat", "logprobs", False), ("chat", "store", False),
     ("chat", "parallel_tool_calls", True), ("chat", "add_generation_prompt", True),
     ("chat", "continue_final_message", False)])
 def test_a_field_sent_as_null_reads_as_its_default(kind, field, default):
