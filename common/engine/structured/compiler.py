@@ -8,6 +8,10 @@ stays in an LRU cache of ``cache_size`` entries, and a spec the backend rejects 
 rejected too.  A compile that takes longer than ``timeout_s`` fails the request that waits for it
 with ``GrammarError`` (the backend's own resource limits end the compile itself soon after).
 
+Compile threads have deep stacks (``COMPILE_STACK_BYTES``): llguidance checks a grammar by recursing
+once per link of a chain of rules or ``$ref`` definitions, and a few thousand links -- a 40 KB body
+-- overflowed a thread's usual 8 MB, a segfault that took the gateway down with every request in it.
+
 The backend is built on the first compile, in a compile thread (converting a 262k-token vocabulary
 takes seconds): a worker that never sees a grammar never pays for it, and the time limit counts
 from when the backend is ready (requests wait for it meanwhile, the event loop does not).
@@ -26,6 +30,24 @@ from common.engine.structured.spec import StructuredOutput
 DEFAULT_COMPILE_TIMEOUT_S = 10.0
 DEFAULT_CACHE_SIZE = 256
 COMPILE_THREADS = 2
+# Reserved, not used: only the pages a compile touches take memory.  A chain of 30 000 Lark rules,
+# or of 19 000 $refs (20 000: llguidance refuses the schema as too large), fits; the backends bound
+# what a grammar may define below that (llguidance_backend.MAX_GRAMMAR_RULES).
+COMPILE_STACK_BYTES = 256 << 20
+_stack_size_lock = threading.Lock()
+
+
+class _DeepStackPool(concurrent.futures.ThreadPoolExecutor):
+    """A thread pool whose threads get ``COMPILE_STACK_BYTES`` of stack (``threading.stack_size``
+    is the process's setting for threads started next: set around the submit that may start one)."""
+
+    def submit(self, fn, /, *args, **kwargs):
+        with _stack_size_lock:
+            previous = threading.stack_size(COMPILE_STACK_BYTES)
+            try:
+                return super().submit(fn, *args, **kwargs)
+            finally:
+                threading.stack_size(previous)
 
 
 class GrammarCompiler:
@@ -37,7 +59,7 @@ class GrammarCompiler:
         self._backend: concurrent.futures.Future | None = None  # built once, in a compile thread
         self.timeout_s = timeout_s
         self.cache_size = cache_size
-        self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="grammar")
+        self._pool = _DeepStackPool(threads, thread_name_prefix="grammar")
         self._lock = threading.Lock()
         # spec key -> a future of the compiled grammar (or of its GrammarError), most recent last
         self._cache: collections.OrderedDict[tuple, concurrent.futures.Future] = collections.OrderedDict()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from typing import TYPE_CHECKING, Any, Callable
 
 import llguidance
@@ -22,6 +23,11 @@ from common.engine.structured.spec import StructuredOutput, is_gbnf
 LIMITS = dict(max_items_in_row=2000, initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000,
               step_max_items=50_000, max_lexer_states=100_000, max_grammar_size=200_000)
 JSON_DEFAULTS = {"whitespace_flexible": False}
+# A Lark grammar's rules, at most: llguidance recurses once per link of a chain of rules when it
+# checks a grammar (a chain of 100 000 overflows even a compile thread's deep stack: compiler.py).
+# Real grammars define hundreds (a whole SQL dialect: ~500).
+MAX_GRAMMAR_RULES = 5000
+_RULE_DEFINITION = re.compile(r"^[ \t]*[?!]?[A-Za-z_][A-Za-z_0-9]*(?:\.-?[0-9]+)?[ \t]*:", re.MULTILINE)
 
 if TYPE_CHECKING:  # masks are filled on workers; the gateway only compiles, without loading torch
     import torch
@@ -119,6 +125,10 @@ class LLGuidanceBackend:
                 alternatives = " | ".join(json.dumps(c) for c in spec.choices())
                 return llguidance.LLMatcher.grammar_from_lark(f"start: {alternatives}")
             text = gbnf_to_lark(spec.value) if is_gbnf(spec.value) else spec.value
+            rules = len(_RULE_DEFINITION.findall(text))
+            if rules > MAX_GRAMMAR_RULES:
+                raise GrammarError(f"{spec.field}: the grammar defines {rules} rules; at most {MAX_GRAMMAR_RULES} "
+                                   "are served")
             return llguidance.LLMatcher.grammar_from_lark(text)
         except GrammarError:
             raise
