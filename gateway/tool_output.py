@@ -7,7 +7,8 @@
                max_tokens gives the calls complete in it, then the one it was cut in, where its
                name is complete (its arguments cut short, as a named call's are)
     auto       the text goes out as content up to where a call may begin (``held_from``); the rest
-               is parsed when the answer ends, its calls sent then
+               is parsed when the answer ends, its calls sent then (the first alone where
+               ``parallel_tool_calls`` is false)
 
 Streamed or not, the calls and the content are the same: a stream's argument fragments joined
 are the non-streamed ``arguments``.
@@ -85,7 +86,13 @@ class ToolOutput:
             calls, end = complete_calls(text)
             calls += [cut] if (cut := cut_call(text, end)) else []
             return None, calls  # (cut short before a call's name: no call, and the array's text is no answer)
-        return self.parser.parse(text, self.names)
+        content, calls = self.parser.parse(text, self.names)
+        return content, self._allowed(calls)
+
+    def _allowed(self, calls: list[ParsedCall]) -> list[ParsedCall]:
+        """``auto``'s calls as the request allows them: the first alone with ``parallel_tool_calls``
+        false (the model's text is free, so it may write several; OpenAI's API and vLLM answer one)."""
+        return calls if self.plan.parallel else calls[:1]
 
     def finish_reason(self, called: bool, finish: str | None) -> str | None:
         """``tool_calls`` where the answer ended (``stop``) in calls of its choosing (``auto``,
@@ -120,6 +127,7 @@ class ToolOutput:
                 out += self._send_call(cut)
             return out
         content, calls = self.parser.parse(self.text, self.names)
+        calls = self._allowed(calls)
         out = []
         sent = "".join(self._sent)
         if content and content.startswith(sent) and len(content) > len(sent):  # text after the calls

@@ -140,6 +140,18 @@ def test_auto_streams_what_the_whole_answer_holds(case):
     assert stream(ToolOutput(plan, parser()), pieces) == ToolOutput(plan, parser()).final(text)
 
 
+@settings(max_examples=40, deadline=None)
+@given(cuts(HERMES_TEXTS[1]))
+def test_auto_without_parallel_calls_answers_the_first_call_alone_whole_or_streamed(pieces):
+    """The model wrote two calls (auto's text is free); ``parallel_tool_calls`` false: the first
+    alone, as OpenAI's API and vLLM answer."""
+    plan = plan_tools(TOOLS, "auto", False)
+    content, calls = ToolOutput(plan, HermesParser()).final(HERMES_TEXTS[1])
+    assert [c.name for c in calls] == ["get_weather"]
+    assert stream(ToolOutput(plan, HermesParser()), pieces) == (content, calls)
+    assert len(ToolOutput(plan_tools(TOOLS, "auto", True), HermesParser()).final(HERMES_TEXTS[1])[1]) == 2
+
+
 @pytest.mark.parametrize("mode, finish, expected", [
     ("named", "stop", "stop"),  # OpenAI's API and vLLM: a named function's call ends stop
     ("required", "stop", "tool_calls"), ("auto", "stop", "tool_calls"), ("required", "length", "length")])
