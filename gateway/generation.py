@@ -67,5 +67,5 @@ class Generation:
     def output_finish_reason(self) -> str | None:
         """``tool_calls`` for an answer that ended in tool calls of its choosing, else the engine's
         (``ToolOutput.finish_reason``)."""
-        return self.finish_reason if self.tools is None else self.tools.finish_reason(self.tools.made_calls,
-                                                                                         self.finish_reason)
+        return self.finish_reason if self.tools is None else self.tools.finish_reason(
+            self.tools.made_calls, self.finish_reason, self.stop_reason)

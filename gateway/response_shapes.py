@@ -203,7 +203,7 @@ class ResponseShapes:
         if gen.tools is not None:
             content, calls = gen.tools.final(gen.text)
             message = ChatResponseMessage(content, tool_calls=gen.tools.message_calls(calls))
-            finish = gen.tools.finish_reason(bool(calls), finish)
+            finish = gen.tools.finish_reason(bool(calls), finish, gen.stop_reason)
         return ChatChoice(gen.index, message, self.chat_logprobs(gen.logprobs), finish, gen.stop_reason)
 
 

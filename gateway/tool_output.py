@@ -94,10 +94,14 @@ class ToolOutput:
         false (the model's text is free, so it may write several; OpenAI's API and vLLM answer one)."""
         return calls if self.plan.parallel else calls[:1]
 
-    def finish_reason(self, called: bool, finish: str | None) -> str | None:
+    def finish_reason(self, called: bool, finish: str | None, stop_reason: str | int | None = None) -> str | None:
         """``tool_calls`` where the answer ended (``stop``) in calls of its choosing (``auto``,
-        ``required``); a named function's call ends ``stop``, as in OpenAI's API and vLLM."""
-        return "tool_calls" if called and finish == "stop" and self.plan.mode != "named" else finish
+        ``required``); a named function's call ends ``stop``, as in OpenAI's API and vLLM, and so
+        does ``required``'s array cut by a stop string or token (``stop_reason``): its last call is
+        not whole, and a client must not take it for one."""
+        if self.plan.mode == "named" or (self.plan.mode == "required" and stop_reason is not None):
+            return finish
+        return "tool_calls" if called and finish == "stop" else finish
 
     def message_calls(self, calls: list[ParsedCall]) -> list[ResponseToolCall] | msgspec.UnsetType:
         return [ResponseToolCall(new_call_id(), ResponseFunction(c.name, c.arguments)) for c in calls] or msgspec.UNSET

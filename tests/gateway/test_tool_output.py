@@ -159,3 +159,14 @@ def test_an_answer_of_calls_ends_tool_calls_unless_the_function_was_named(mode, 
     plan = plan_tools(TOOLS, NamedToolChoice("function", NamedFunction("get_time")) if mode == "named" else mode, True)
     output = ToolOutput(plan, HermesParser())
     assert output.finish_reason(True, finish) == expected and output.finish_reason(False, "stop") == "stop"
+
+
+@pytest.mark.parametrize("stop_reason", ["llo", 7])
+def test_required_calls_cut_by_a_stop_string_or_token_end_stop(stop_reason):
+    """A stop string (or stop_token_ids token) cut ``required``'s array inside a call: ``stop``, not
+    ``tool_calls`` -- its last call's arguments are not whole.  ``auto`` ends as it did."""
+    required = ToolOutput(plan_tools(TOOLS, "required", True), HermesParser())
+    assert required.finish_reason(True, "stop", stop_reason) == "stop"
+    assert required.finish_reason(True, "stop", None) == "tool_calls"
+    assert ToolOutput(plan_tools(TOOLS, "auto", True), HermesParser()).finish_reason(True, "stop", stop_reason) == \
+        "tool_calls"
