@@ -44,7 +44,8 @@ def complete_calls(text: str, start: int = 0) -> tuple[list[ParsedCall], int]:
             return calls, start
         start = end
         if isinstance(item, dict) and "name" in item and "parameters" in item:
-            calls.append(ParsedCall(item["name"], json.dumps(item["parameters"], ensure_ascii=False)))
+            calls.append(ParsedCall(item["name"], json.dumps(item["parameters"], ensure_ascii=False,
+                                                             separators=(",", ":"))))  # compact, as generated
 
 
 _CALL_OPENING = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*(,\s*"parameters"\s*:\s*)?')

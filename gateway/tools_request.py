@@ -112,6 +112,11 @@ def check_unique_names(tools) -> None:
         raise invalid("tools: two functions have the same name", "tools", "invalid_tools")
 
 
+# A function sent without ``parameters`` takes none (OpenAI's API: "an empty parameter list"): its
+# arguments are ``{}``, not any object a model may ramble into.
+NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
+
+
 def plan_tools(tools: tuple[Tool, ...], choice: ToolChoice | None, parallel: bool) -> ToolPlan:
     """The request's ``ToolPlan``; a 400 for a choice the tools cannot meet."""
     if choice is None:
@@ -122,7 +127,7 @@ def plan_tools(tools: tuple[Tool, ...], choice: ToolChoice | None, parallel: boo
         if match is None:
             raise invalid(f"tool_choice names function {name!r}, which is not among the tools", "tool_choice",
                           "invalid_tools")
-        schema = match.function.parameters or {"type": "object"}
+        schema = match.function.parameters or NO_PARAMETERS
         return ToolPlan(tools, "named", name, parallel,
                         StructuredOutput("json_schema", schema_text(schema, "tools"), "tools"))
     if choice in ("auto", "required") and not tools:
@@ -137,7 +142,7 @@ def calls_schema(tools: tuple[Tool, ...], parallel: bool) -> dict:
     """The JSON schema of ``required``'s output: ``[{"name": ..., "parameters": {...}}, ...]``."""
     items = [{"type": "object",
               "properties": {"name": {"const": t.function.name},
-                             "parameters": t.function.parameters or {"type": "object"}},
+                             "parameters": t.function.parameters or NO_PARAMETERS},
               "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
     schema: dict[str, Any] = {"type": "array", "items": items[0] if len(items) == 1 else {"anyOf": items},
                               "minItems": 1}

@@ -76,7 +76,7 @@ def test_required_streams_each_call_once_complete(pieces):
     plan = plan_tools(TOOLS, "required", True)
     output = ToolOutput(plan, HermesParser())
     assert stream(output, pieces) == ToolOutput(plan, HermesParser()).final(REQUIRED) == (
-        None, [ParsedCall("get_time", '{"zone": "utc"}'), ParsedCall("get_weather", '{"a": [1, "}"]}')])
+        None, [ParsedCall("get_time", '{"zone":"utc"}'), ParsedCall("get_weather", '{"a":[1,"}"]}')])  # compact
 
 
 @settings(max_examples=30, deadline=None)
@@ -104,7 +104,7 @@ def test_required_cut_short_keeps_the_calls_complete_in_it_and_the_one_it_was_cu
     plan = plan_tools(TOOLS, "required", True)
     cut = REQUIRED[:REQUIRED.index("get_weather") + 20]
     whole = ToolOutput(plan, HermesParser()).final(cut)
-    assert whole == (None, [ParsedCall("get_time", '{"zone": "utc"}'), ParsedCall("get_weather", "")])
+    assert whole == (None, [ParsedCall("get_time", '{"zone":"utc"}'), ParsedCall("get_weather", "")])
     assert stream(ToolOutput(plan, HermesParser()), [cut[:10], cut[10:]]) == whole
     inside = REQUIRED[:REQUIRED.index("[1,") + 3]  # (in its arguments: they go out as far as they came)
     assert ToolOutput(plan, HermesParser()).final(inside)[1][-1] == ParsedCall("get_weather", '{"a": [1,')

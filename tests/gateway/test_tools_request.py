@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from gateway.openai_protocol import parse_chat_request
+from gateway.tools_request import FunctionDefinition, NamedFunction, NamedToolChoice, Tool, plan_tools
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Get weather",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -21,3 +24,14 @@ def test_a_tool_reaches_the_template_as_sent_with_no_field_it_did_not_send():
     assert template_tools(bare) == [bare]
     strict = {"type": "function", "function": {**WEATHER["function"], "strict": False}}
     assert template_tools(strict) == [strict]
+
+
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_a_function_sent_without_parameters_takes_none(choice):
+    """OpenAI's API: omitted ``parameters`` define an empty parameter list -- the grammar allows
+    ``{}`` alone (it allowed any object: a base model rambled until max_tokens)."""
+    bare = (Tool(type="function", function=FunctionDefinition(name="f")),)
+    plan = plan_tools(bare, NamedToolChoice("function", NamedFunction("f")) if choice == "named" else choice, True)
+    schema = json.loads(plan.structured.value)
+    parameters = schema if choice == "named" else schema["items"]["properties"]["parameters"]
+    assert parameters == {"type": "object", "properties": {}, "additionalProperties": False}
