@@ -63,7 +63,10 @@ _REFUSAL = (b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 1\r\nContent-Type
 _HEADER_TIMEOUT = b"HTTP/1.1 408 Request Timeout\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
 _UNCONNECTED_S = 1.0  # a protocol without a transport after this long never gets one
 _FD_RESERVE = 1024  # descriptors kept for everything but this listener's clients
-_LINGER_BYTES = 256 * 1024  # of a body left unread by its answer, read before the connection is cut
+# Of a body left unread by its answer, read before the connection is cut: a client that sends its
+# whole body before it reads the answer (urllib, requests) sees a 413 for a body up to 16 times the
+# gateway's limit, where a reset would cut the answer off.
+_LINGER_BYTES = 64 << 20
 
 
 class BodyTimeout(web.HTTPRequestTimeout, TimeoutError):
