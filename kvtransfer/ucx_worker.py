@@ -4,8 +4,10 @@ ucxx's asyncio layer (``ucxx.create_listener``/``create_endpoint``) keeps one gl
 to the first event loop that used it, and its listener binds every interface. This module uses
 ucxx's low-level API instead, so that each event loop gets its own worker (a process may run
 several loops one after the other, and tests run under both uvloop and the stdlib loop), and so
-that nothing of UCX listens for connections at all: peers learn the worker's address over an
-authenticated TCP connection (see ``transport_ucx``)::
+that no UCX listener is opened (its sockaddr listener binds every interface): peers learn the
+worker's address over an authenticated TCP connection (see ``transport_ucx``).  UCX's TCP transport
+still listens on a port of its own for the endpoints peers open to that address; it is watched
+(``failed_ucx_listeners``)::
 
     UCX progress thread (C++, no GIL)  --completes requests-->  request notifier queue
     notifier thread (ours): waits on that queue, then asks the loop to run the notifier
