@@ -28,8 +28,8 @@ SHORT = 0.5
 NEVER = 3600.0
 UNSENT = 48 << 10  # below the transports' 64 KiB high-water mark
 BIG = 1 << 20  # far above what a shrunk socket and the transport's buffer hold
-CUT_WITHIN = 256 << 20  # an unread body's bytes a client may get in before its connection is cut: far
-# above the bound the server reads plus the sockets' buffers, far below ten seconds of loopback
+CUT_WITHIN = 256 << 20  # an unread body's bytes a client may get in before its connection is cut: four
+# times the bound the server reads (64 MiB) with the sockets' buffers, far below ten seconds of loopback
 LOOPS = {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
 
 
@@ -291,8 +291,8 @@ def test_a_body_its_answer_left_unread_is_read_only_so_far_then_the_connection_i
 
 @pytest.mark.parametrize("loop", LOOPS)
 def test_a_connection_whose_answer_left_its_body_unread_is_closed_once_the_rest_arrives(loop):
-    """A refusal's (405) small unread body: the rest is taken (so the answer is not cut off by a reset), then the
-    connection is closed: nothing more is answered on it -- before, the body's late bytes were taken
+    """A refusal's (405) small unread body: the rest is taken (so the answer is not cut off by a
+    reset), then the connection is closed: nothing more is answered on it -- before, the body's late bytes were taken
     for the next request's headers, and a 408 nobody asked for followed at the header deadline."""
 
     async def main():
