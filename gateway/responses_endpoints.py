@@ -158,8 +158,12 @@ class ResponsesEndpoints:
 
     async def _continued(self, call: ResponsesCall, tenant: Tenant, answering: bool = True) -> ResponsesCall:
         """``call`` after the stored conversation its ``previous_response_id`` names, or the items of
-        its ``conversation`` (neither: as it is); ``answering``: a response to be added to that
-        conversation, refused where it has no room for it (not so a count of input tokens)."""
+        its ``conversation`` (neither: as it is), its function call outputs each answering a call made
+        before it; ``answering``: a response to be added to that conversation, refused where it has no
+        room for it (not so a count of input tokens)."""
+        return (await self._after_history(call, tenant, answering)).check_call_outputs()
+
+    async def _after_history(self, call: ResponsesCall, tenant: Tenant, answering: bool) -> ResponsesCall:
         if call.conversation_id is not None:
             if self.services.conversations is None:
                 raise store_disabled("conversation")

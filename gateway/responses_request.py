@@ -209,6 +209,17 @@ class ResponsesCall:
             return self.input_messages
         return self.chat.messages[1:] if self.instructions else self.chat.messages
 
+    def check_call_outputs(self) -> "ResponsesCall":
+        """This call, once every ``function_call_output`` answers a function call made before it (in its
+        input, or in the history it continues); else a 400, as OpenAI's API answers."""
+        called: set[str] = set()
+        for message in self.chat.messages:
+            called.update(call.id for call in message.tool_calls or ())
+            if message.role == "tool" and message.tool_call_id not in called:
+                raise invalid(f"No tool call found for function call output with call_id {message.tool_call_id}.",
+                              "input")
+        return self
+
     def continuing(self, history: list[ChatMessage], field: str = "previous_response_id") -> "ResponsesCall":
         """This call after ``history`` (the conversation of the response it continues, or the items of
         the conversation it is part of: ``field``): its chat's messages are the instructions' system

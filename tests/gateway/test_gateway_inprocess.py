@@ -296,3 +296,16 @@ async def test_credentials_are_read_as_sent_once_in_any_case_of_bearer(served_ch
         assert await raw_status(client, admin + b"X-Admin-Token: \x80\r\n") == 401
         assert await raw_status(client, admin + b"X-Admin-Token: " + ADMIN_TOKEN.encode() + b"\r\n"
                                 + b"X-Admin-Token: " + wrong + b"\r\n") == 401
+
+
+async def test_a_function_call_output_answering_no_call_is_a_400(served_checkpoint, redis_url, key_prefix):
+    """The Responses API, as OpenAI's: a ``function_call_output`` whose call was never made is refused
+    before anything is generated (a count of its input tokens too)."""
+    headers = {"Authorization": f"Bearer {KEYS['a']}"}
+    output = {"type": "function_call_output", "call_id": "call_nowhere", "output": "42"}
+    async with gateway(served_checkpoint, redis_url, key_prefix) as (gw, client):
+        for path in ("/v1/responses", "/v1/responses/input_tokens"):
+            async with client.post(path, json={"model": gw.model_id, "input": [output]}, headers=headers) as resp:
+                error = (await resp.json())["error"]
+            assert resp.status == 400 and error["param"] == "input", error
+            assert error["message"] == "No tool call found for function call output with call_id call_nowhere."

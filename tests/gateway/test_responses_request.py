@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from gateway.openai_errors import OpenAIError
 from gateway.responses_request import parse_responses_request
 from gateway.tools_request import NamedToolChoice
 from tests.support.request_bodies import many, refuses_naming, rejects_lightly, with_fields
@@ -52,6 +53,20 @@ def test_items_become_the_chat_messages():
         ("assistant", None, [("c3", "f")], None),  # after a tool result: a turn of its own
         ("assistant", "no", [], None),
     ]
+
+
+def test_a_function_call_output_must_answer_a_call_made_before_it():
+    """OpenAI's API: a 400 naming the call_id where no function call before the output has it -- in
+    the input, or in the history the call continues."""
+    output = {"type": "function_call_output", "call_id": "c9", "output": "42"}
+    call = {"type": "function_call", "call_id": "c9", "name": "f", "arguments": "{}"}
+    assert parse(input=[call, output]).check_call_outputs()
+    for alone in ([output], [output, call]):
+        with pytest.raises(OpenAIError, match="No tool call found for function call output with call_id c9") as error:
+            parse(input=alone).check_call_outputs()
+        assert error.value.param == "input"
+    history = parse(input=[{"role": "user", "content": "hi"}, call]).chat.messages
+    assert parse(input=[output]).continuing(history).check_call_outputs()
 
 
 def test_the_fields_map_onto_the_chat_request():
