@@ -44,7 +44,8 @@ _INPUT_ITEM = {"anyOf": [
      "properties": {"type": {"const": "function_call"}, "call_id": _CALL_ID, "name": _FUNCTION_NAME,
                     "arguments": {"type": "string"}, "id": _ITEM_ID, "status": _ITEM_STATUS},
      "required": ["type", "call_id", "name", "arguments"], "additionalProperties": False},
-    {"type": "object", "description": "A tool call's result.",
+    {"type": "object", "description": "A tool call's result: its call_id a function_call before it made (in the "
+                                      "input or the history it continues), else a 400 (code function_call_not_found).",
      "properties": {"type": {"const": "function_call_output"}, "call_id": _CALL_ID, "output": _CONTENT,
                     "id": _ITEM_ID, "status": _ITEM_STATUS},
      "required": ["type", "call_id", "output"], "additionalProperties": False},

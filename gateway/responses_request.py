@@ -217,7 +217,7 @@ class ResponsesCall:
             called.update(call.id for call in message.tool_calls or ())
             if message.role == "tool" and message.tool_call_id not in called:
                 raise invalid(f"No tool call found for function call output with call_id {message.tool_call_id}.",
-                              "input")
+                              "input", "function_call_not_found")
         return self
 
     def continuing(self, history: list[ChatMessage], field: str = "previous_response_id") -> "ResponsesCall":

@@ -307,5 +307,5 @@ async def test_a_function_call_output_answering_no_call_is_a_400(served_checkpoi
         for path in ("/v1/responses", "/v1/responses/input_tokens"):
             async with client.post(path, json={"model": gw.model_id, "input": [output]}, headers=headers) as resp:
                 error = (await resp.json())["error"]
-            assert resp.status == 400 and error["param"] == "input", error
+            assert resp.status == 400 and (error["param"], error["code"]) == ("input", "function_call_not_found"), error
             assert error["message"] == "No tool call found for function call output with call_id call_nowhere."

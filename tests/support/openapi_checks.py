@@ -61,14 +61,16 @@ def valid_requests_are_served(ctx, response, case):
         return None  # (the conversation a response names)
     # What no schema can say: the prompt's length in tokens; whether a grammar compiles; whether
     # the tools' names are unique and hold the one tool_choice names; a batch's prompts times n;
-    # prompt_logprobs without stream (a rule the chat schema cannot carry besides its others); and
-    # continue_final_message on a last message of tool calls (the last item of a list).
+    # prompt_logprobs without stream (a rule the chat schema cannot carry besides its others);
+    # continue_final_message on a last message of tool calls (the last item of a list); and a
+    # function_call_output whose call_id no call before it made.
     if response.status_code == 400 and _error_code(response) in ("context_length_exceeded", "invalid_grammar",
                                                                  "invalid_tools", "too_many_choices",
                                                                  "prompt_logprobs_not_streamed",
                                                                  "last_message_not_continuable",
                                                                  "previous_response_not_found", "item_not_found",
-                                                                 "prefill_not_constrainable"):
+                                                                 "prefill_not_constrainable",
+                                                                 "function_call_not_found"):
         return None
     raise AssertionError(f"a request valid by the OpenAPI document was refused with {response.status_code}: "
                          f"{response.text[:500]}")
