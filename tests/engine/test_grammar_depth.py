@@ -8,7 +8,6 @@ The deep chains compile in a process of their own (a regression would segfault i
 through ``GrammarCompiler`` with the real llguidance backend over a real tokenizer."""
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -20,21 +19,10 @@ from common.engine.structured.compiler import GrammarCompiler, make_backend
 from common.engine.structured.llguidance_backend import MAX_GRAMMAR_RULES
 from common.engine.structured.spec import StructuredOutput
 from tests.support.checkpoints import VOCAB, write_tokenizer
+from tests.support.grammar_chains import rule_chain
 
 pytest.importorskip("llguidance")
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def ref_chain(links: int) -> str:
-    """A schema of ``links`` definitions, each an object whose one property is the next."""
-    defs = {f"d{i}": {"type": "object", "properties": {"x": {"$ref": f"#/$defs/d{i + 1}"}}, "required": ["x"]}
-            for i in range(links - 1)}
-    defs[f"d{links - 1}"] = {"type": "integer"}
-    return json.dumps({"$defs": defs, "$ref": "#/$defs/d0"})
-
-
-def rule_chain(links: int) -> str:
-    return "start: r0\n" + "".join(f"r{i}: r{i + 1}\n" for i in range(links)) + f'r{links}: "a"\n'
 
 
 COMPILE_IN_ITS_OWN_PROCESS = """
@@ -42,7 +30,8 @@ import sys
 from transformers import AutoTokenizer
 from common.engine.structured.compiler import GrammarCompiler, make_backend
 from common.engine.structured.spec import StructuredOutput
-from tests.engine.test_grammar_depth import VOCAB, ref_chain, rule_chain
+from tests.support.checkpoints import VOCAB
+from tests.support.grammar_chains import ref_chain, rule_chain
 tokenizer = AutoTokenizer.from_pretrained(sys.argv[1])
 compiler = GrammarCompiler(lambda: make_backend("llguidance", tokenizer, VOCAB), timeout_s=120)
 compiler.compile(StructuredOutput("json_schema", ref_chain(1500)))
