@@ -71,6 +71,7 @@ import secrets
 import time
 from typing import Callable, Iterable, Mapping
 
+from common.cluster.credentials import header_values
 from common.cluster.nonce_cache import DEFAULT_CAPACITY, REPLAYED, NonceCache
 from common.cluster.redis_keys import WORKER_ID_RE
 
@@ -381,13 +382,10 @@ class RequestVerifier:
 
 def _single(headers: Mapping[str, str], name: str) -> str | None:
     """The header's one value; AuthError when it is given more than once."""
-    getall = getattr(headers, "getall", None)
-    if getall is not None:
-        values = getall(name, [])
-        if len(values) > 1:
-            raise AuthError(f"malformed cluster credentials ({name} given {len(values)} times)")
-        return values[0] if values else None
-    return headers.get(name)
+    values = header_values(headers, name)
+    if len(values) > 1:
+        raise AuthError(f"malformed cluster credentials ({name} given {len(values)} times)")
+    return values[0] if values else None
 
 
 def _update_lp(mac, part: bytes) -> None:

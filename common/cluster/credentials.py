@@ -10,10 +10,15 @@ from __future__ import annotations
 from typing import Mapping
 
 
+def header_values(headers: Mapping[str, str], name: str) -> list[str]:
+    """Every value of header ``name`` (a plain mapping holds one at most)."""
+    getall = getattr(headers, "getall", None)
+    return list(getall(name, [])) if getall is not None else [v for v in [headers.get(name)] if v is not None]
+
+
 def presented(headers: Mapping[str, str], name: str) -> str | None:
     """Header ``name``'s value; None where it is absent or given more than once."""
-    getall = getattr(headers, "getall", None)
-    values = getall(name, []) if getall is not None else [v for v in [headers.get(name)] if v is not None]
+    values = header_values(headers, name)
     return values[0] if len(values) == 1 else None
 
 
