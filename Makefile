@@ -32,7 +32,7 @@ demo: $(STAMP)
 # on processes they started, so three share two cores well.  TEST_WORKERS=0 runs them in this one.
 TEST_WORKERS ?= 3
 test: $(STAMP)
-	$(RUN) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile tests
+	$(RUN) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 
 # Regenerate requirements/*.lock (the images' pinned, hashed dependencies) after a pyproject change; needs uv.
 lock:

@@ -19,7 +19,7 @@ from pdctl.deploy.env_file import SHARED_SECRETS, read_env_file
 from pdctl.deploy.rollout import OperationError, Operator
 from tests.support.cluster import ADMIN_TOKEN, running_cluster
 
-pytestmark = pytest.mark.slow(seconds=40)  # a long file: scheduled by its length (tests/conftest.py)
+pytestmark = pytest.mark.slow(seconds=30)  # a long file: scheduled by its length (tests/conftest.py)
 STEP_DELAY_S = 0.02  # added to every engine step of the shared stack's workers
 
 # ---- gen-secrets ---------------------------------------------------------------------------------

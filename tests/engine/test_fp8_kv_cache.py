@@ -25,6 +25,8 @@ from common.engine.kv.kv_cache import KVCache, KVLayout
 from tests.support.attention_reference import paged_reference, scenario
 from tests.support.checkpoints import tiny_gemma3_config, write_checkpoint
 
+pytestmark = pytest.mark.slow(seconds=12)  # a long file: scheduled by its length (tests/conftest.py)
+
 FP8 = torch.float8_e4m3fn
 
 

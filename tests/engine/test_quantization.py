@@ -15,6 +15,8 @@ from common.engine.models.quantized import Fp8Weight, Int4Weight, Int8Weight, Qu
 from tests.support.checkpoints import tiny_gemma3_config, tiny_llama_config, write_checkpoint
 from tests.support.cpu_flags import cpu_has
 
+pytestmark = pytest.mark.slow(seconds=16)  # a long file: scheduled by its length (tests/conftest.py)
+
 PROMPTS = [[5, 17, 99, 230, 11] * 4, list(range(3, 60))]
 
 

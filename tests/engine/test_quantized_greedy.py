@@ -16,7 +16,8 @@ from common.engine.models.quantized import Int8Weight
 from tests.support.checkpoints import tiny_gemma3_config, write_checkpoint
 
 KERNELS = {"vnni": int8_vnni.argmax_kernel() is not None, "fp32-sums": int8_gemv.argmax_kernel() is not None}
-pytestmark = pytest.mark.skipif(not any(KERNELS.values()), reason="no int8 argmax kernel on this CPU")
+pytestmark = [pytest.mark.skipif(not any(KERNELS.values()), reason="no int8 argmax kernel on this CPU"),
+              pytest.mark.slow(seconds=21)]  # a long file: scheduled by its length (tests/conftest.py)
 
 
 @pytest.fixture(params=sorted(KERNELS))

@@ -45,7 +45,7 @@ from common.engine.scheduler import Scheduler
 from common.engine.scheduler_output import SchedulerOutput
 from common.engine.speculative.speculation import Speculation, SpeculativeConfig
 
-pytestmark = pytest.mark.slow(seconds=37)  # a long file: scheduled by its length (tests/conftest.py)
+pytestmark = pytest.mark.slow(seconds=25)  # a long file: scheduled by its length (tests/conftest.py)
 
 EOS = 2
 LEASE_S = 30.0

@@ -20,6 +20,8 @@ from launcher.prewarmed import PrewarmedProcess, PrewarmedStarter
 from launcher.prewarm_server import HEADER
 from tests.support.waiting import wait_until
 
+pytestmark = pytest.mark.slow(seconds=31)  # a long file: scheduled by its length (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parents[2]
 PROBE = "tests.support.prewarm_probe"
 

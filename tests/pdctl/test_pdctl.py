@@ -14,7 +14,7 @@ from pdctl import cli as pdctl
 from pdctl.rebalance import Move, Targets, WorkerReading, choose_split, plan
 from tests.support.cluster import ADMIN_TOKEN, http_json, running_cluster
 
-pytestmark = pytest.mark.slow(seconds=31)  # a long file: scheduled by its length (tests/conftest.py)
+pytestmark = pytest.mark.slow(seconds=20)  # a long file: scheduled by its length (tests/conftest.py)
 
 
 def w(worker_id: str, role: str, **load) -> WorkerReading:

@@ -12,7 +12,7 @@ import pytest
 from launcher.local_stack import LocalStack
 from tests.support.cluster import ADMIN_TOKEN, http_json, running_cluster
 
-pytestmark = pytest.mark.slow(seconds=16)  # a long file: scheduled by its length (tests/conftest.py)
+pytestmark = pytest.mark.slow(seconds=9)  # a long file: scheduled by its length (tests/conftest.py)
 
 TOKEN = ADMIN_TOKEN  # what tests/support/cluster.py gives the gateway
 MAX_TOKENS = 24

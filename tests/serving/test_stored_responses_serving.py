@@ -12,6 +12,8 @@ import pytest
 
 from tests.support.cluster import extra_gateway
 
+pytestmark = pytest.mark.slow(seconds=38)  # a long file: scheduled by its length (tests/conftest.py)
+
 KEYS = {"a": "sk-stored-a-0123456789", "b": "sk-stored-b-0123456789"}
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6}}, "required": ["city"],
            "additionalProperties": False}

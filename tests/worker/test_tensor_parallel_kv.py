@@ -16,7 +16,7 @@ from common.engine.engine import Engine
 from tests.support.cluster import running_cluster
 from tests.support.scripted_peer import MAX_TOKENS, Stream, WorkerClient
 
-pytestmark = pytest.mark.slow(seconds=38)  # a long file: scheduled by its length (tests/conftest.py)
+pytestmark = pytest.mark.slow(seconds=24)  # a long file: scheduled by its length (tests/conftest.py)
 
 BLOCK_SIZE = 4
 PAIRS = [("p2", "d1"), ("p1", "d2"), ("p2", "d2"), ("p1", "d1")]  # p<prefill TP>, d<decode TP>

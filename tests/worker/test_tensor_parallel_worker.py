@@ -17,7 +17,7 @@ from common.engine.engine import Engine
 from tests.support.cluster import running_cluster
 from tests.support.scripted_peer import Stream, WorkerClient
 
-pytestmark = pytest.mark.slow(seconds=25)  # a long file: scheduled by its length (tests/conftest.py)
+pytestmark = pytest.mark.slow(seconds=8)  # a long file: scheduled by its length (tests/conftest.py)
 
 PROMPTS = ["The quick brown fox", "KV cache blocks move from the prefill worker", "Tensor parallel ranks"]
 

@@ -33,7 +33,7 @@ from tests.support.cluster import PREWARMED, LocalStack, delete_keys
 from tests.support.waiting import until
 from tests.support.scripted_peer import BLOCK_SIZE, NUM_BLOCKS, ScriptedPeer, WorkerClient
 
-pytestmark = pytest.mark.slow(seconds=20)  # a long file: scheduled by its length (tests/conftest.py)
+pytestmark = pytest.mark.slow(seconds=10)  # a long file: scheduled by its length (tests/conftest.py)
 
 WAIT = 120.0
 # Step 2 fails alone; from step 4 on every step fails, and 3 in a row fail the worker.
