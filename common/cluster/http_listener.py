@@ -22,11 +22,12 @@ sending a byte.  ``GuardedSite`` serves an ``AppRunner``'s app under ``HttpLimit
   only while writing is paused and restarts with each pause, so a long stream to a client that
   reads slowly, but reads, is never cut; a client that never reads its answers (say, thousands of
   pipelined requests) cannot keep a connection busy for ever.
-* A request answered before its body was read (a refusal: 401, 413, 415, ...) closes its
-  connection: aiohttp reads on for a while after such an answer, so that a reset does not cut the
-  answer off on its way, but at most ``_LINGER_BYTES`` of the body are read then (``unread_body``),
-  where aiohttp alone would take whatever arrives for ten seconds -- gigabytes from a stranger
-  who was never authenticated.
+* A request answered before its body was read (a refusal: 401, 413, 415, ...): aiohttp reads the
+  rest of the body after such an answer, so that a reset does not cut the answer off on its way,
+  for ten seconds at most; the connection then serves the client's next request as any other
+  (the answer did not say it would close).  At most ``_LINGER_BYTES`` are read so, and a body
+  longer than that closes the connection (``unread_body``), where aiohttp alone would take
+  whatever arrives for those ten seconds -- gigabytes from a stranger never authenticated.
 * A connection the guard closes (deadlines, 408) keeps its slot until its socket is closed: what
   was written goes out first, and a client that takes none of it within ``write_timeout`` has the
   connection aborted then.  Evictions and write timeouts abort at once.  Every socket of this
@@ -107,6 +108,7 @@ class _GuardedHandler(web.RequestHandler):
         self._g_partial = False  # bytes of the next request's headers arrived
         self._g_body_overdue = False
         self._g_lingered: int | None = None  # bytes of an unread body taken after its answer (lingering)
+        self._g_lingering_body: web.BaseRequest | None = None  # the request whose body they are
         self._g_gone = False  # being closed by the guard, or closed
 
     # -- asyncio protocol --------------------------------------------------------------------
@@ -118,12 +120,14 @@ class _GuardedHandler(web.RequestHandler):
         self._g_become_idle(waiting_headers=True)
 
     def data_received(self, data: bytes) -> None:
-        if self._g_lingered is not None:  # the rest of a body its answer left unread: no next request
+        if self._g_lingered is not None:  # the rest of a body its answer left unread
             self._g_lingered += len(data)
             if self._g_lingered > _LINGER_BYTES:
                 self._g_close("unread_body")
                 return
             super().data_received(data)
+            if self._g_lingering_body is not None and self._g_lingering_body.content.is_eof():
+                self._g_lingered = self._g_lingering_body = None  # all of it: keep-alive, as any answered request
             return
         if not self._g_busy and data and not self._g_partial:
             self._g_partial = True
@@ -178,9 +182,8 @@ class _GuardedHandler(web.RequestHandler):
             if self._g_body_overdue:
                 self._g_close("body_timeout")
             elif not self._messages and not self._g_gone:
-                if not request.content.is_eof():  # answered before its body was read
-                    self._g_lingered = 0
-                    self.close()  # not reused: closed once aiohttp's lingering read ends
+                if not request.content.is_eof():  # answered before its body was read: aiohttp reads the rest
+                    self._g_lingered, self._g_lingering_body = 0, request
                 self._g_become_idle(waiting_headers=False)
 
     def _g_body_deadline(self, request: web.BaseRequest) -> None:
