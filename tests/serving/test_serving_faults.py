@@ -39,11 +39,11 @@ DECODERS = ("d0", "d1")
 # A drain with this many streams on one decode worker, each long enough to be decoding still when
 # the drain lands after the last one started (the KV pools hold them all on either worker).
 # (A step's token budget above STREAMS: all of them decode in every step.)
-STREAMS, STREAM_TOKENS = 20, 960  # long enough that no stream ends before the drain, with faster decode steps
+STREAMS, STREAM_TOKENS = 20, 400  # long enough that no stream ends before the drain (2 s at least)
 # Added to every engine step: a tiny model's step takes a millisecond or two, so a stream of 800
 # tokens could end before a drain command's Python process starts (or between two drains waiting on
 # heartbeats); with this it lasts seconds at least, however fast the steps get.
-STEP_DELAY_S = 0.002
+STEP_DELAY_S = 0.005  # (a wait, not work: a long stream costs the machine little)
 STACK_ARGS = ["--num-blocks", "4200", "--max-num-batched-tokens", "32"]  # (blocks of BLOCK_SIZE tokens)
 # Bounds on waits for a condition that must come (a process start, a registry entry lapsing, a
 # worker going idle): generous, since 2 shared cores may be busy with other work.
@@ -245,7 +245,7 @@ def test_a_messages_api_stream_outlives_its_decode_worker(stack):
     import anthropic
 
     messages = anthropic.Anthropic(base_url=stack.gateway_url, api_key="none", max_retries=0, timeout=WAIT_S)
-    params = dict(model=stack.model_name, max_tokens=600, messages=[{"role": "user", "content": "A moved message:"}],
+    params = dict(model=stack.model_name, max_tokens=400, messages=[{"role": "user", "content": "A moved message:"}],
                   extra_body={"ignore_eos": True, "temperature": 0.8, "seed": 29})
     whole = messages.messages.create(**params)
     moves_before = metric(stack, "pdserve_migrations_total", 'cause="worker_lost"')
@@ -258,7 +258,7 @@ def test_a_messages_api_stream_outlives_its_decode_worker(stack):
             pass
         final = stream.get_final_message()
     assert final.content[0].text == whole.content[0].text
-    assert (final.stop_reason, final.usage.output_tokens) == ("max_tokens", 600)
+    assert (final.stop_reason, final.usage.output_tokens) == ("max_tokens", 400)
     assert metric(stack, "pdserve_migrations_total", 'cause="worker_lost"') == moves_before + 1
 
 
@@ -266,11 +266,11 @@ def test_a_greedy_stream_replayed_twice_equals_the_unmoved_answer(stack):
     """Under one stream its decode worker dies, then the next one too: each time the stream is
     computed again at another (a third decode worker joins for this) and goes on unbroken."""
     prompt = "A stream that outlives two decode workers:"
-    whole = complete(stack, prompt=prompt, max_tokens=1000).choices[0].text
+    whole = complete(stack, prompt=prompt, max_tokens=500).choices[0].text
     moves_before = metric(stack, "pdserve_migrations_total", 'cause="worker_lost"')
     gaps_before = metric(stack, "pdserve_migration_gap_seconds_count")
     with extra_worker(stack, "d2", "decode"):
-        first, chunks = open_stream(stack.gateway_url, stack.model_name, prompt, 1000, temperature=0)
+        first, chunks = open_stream(stack.gateway_url, stack.model_name, prompt, 500, temperature=0)
         stack.kill(serving_decode_worker(stack, (*DECODERS, "d2")))
         # Killed again only once tokens flow from where it moved (before that, a lost worker is
         # a retry of the move, not a second move): the gateway has timed the move's gap.
@@ -283,7 +283,7 @@ def test_a_greedy_stream_replayed_twice_equals_the_unmoved_answer(stack):
 
 def test_without_migration_a_dead_decode_worker_ends_its_stream_with_an_error(stack):
     with extra_gateway(stack, "gateway-no-migration", ["--migration-limit", "0"]) as gateway:
-        first, chunks = open_stream(gateway.url, stack.model_name, PROMPT, 1000, temperature=0)
+        first, chunks = open_stream(gateway.url, stack.model_name, PROMPT, 400, temperature=0)
         serving = serving_decode_worker(stack)
         stack.kill(serving)
         with pytest.raises(openai.APIError, match="failed mid-stream"):
@@ -303,7 +303,7 @@ def test_without_migration_a_responses_stream_ends_failed_with_what_it_had(stack
     its text item closed incomplete, holding every delta sent."""
     with extra_gateway(stack, "gateway-no-migration-responses", ["--migration-limit", "0"]) as gateway:
         stream = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="none", max_retries=0).responses.create(
-            model=stack.model_name, input=PROMPT, stream=True, max_output_tokens=900, temperature=0,
+            model=stack.model_name, input=PROMPT, stream=True, max_output_tokens=400, temperature=0,
             extra_body={"ignore_eos": True})
         events = iter(stream)
         first = [next(events) for _ in range(5)]  # created, in_progress, the item and its part, a delta
