@@ -3,6 +3,9 @@ choice, Lark and GBNF grammars), with either backend, across preemption and reco
 bias and min_tokens act on the logits before sampling."""
 import json
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import jsonschema
 import pytest
@@ -263,3 +266,29 @@ def test_large_values_in_a_schemas_own_json_are_no_bounds(engine):
                                                       "default": {"minimum": 10 ** 30}, "examples": [2 ** 60]}))
     result = engine.generate(["Hello"], SamplingParams(max_tokens=4, temperature=0.0, structured=spec))[0]
     assert result.finish_reason in ("stop", "length")
+
+
+EAGER_STRUCTURED = """
+import json, sys
+from common.engine import compute_process
+compute_process.configure()
+from common.engine.config import EngineConfig
+from common.engine.engine import Engine
+from common.engine.sampling_params import SamplingParams
+from common.engine.structured.spec import StructuredOutput
+engine = Engine(EngineConfig(model=sys.argv[1], num_blocks=64, block_size=4, compile=False))
+spec = StructuredOutput("json_schema", json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}}))
+result = engine.generate(["Hello"], SamplingParams(max_tokens=12, temperature=1.0, seed=1, structured=spec))[0]
+print(json.dumps({"text": result.text, "compiler_loaded": "torch._dynamo" in sys.modules}))
+"""
+
+
+def test_a_structured_request_on_an_eager_engine_leaves_torchs_compiler_unloaded(directory):
+    """Filling masks must not load torch.compile's machinery (``llguidance.torch`` compiles a
+    function at import: seconds of a worker's first structured request, ~7 on a loaded 2-core host)."""
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-c", EAGER_STRUCTURED, str(directory)], cwd=root, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["text"].startswith("{") and result["compiler_loaded"] is False, result

@@ -44,10 +44,17 @@ class LLGuidanceMatcher:
 
     @staticmethod
     def fill_many(matchers: "list[LLGuidanceMatcher]", bitmask: torch.Tensor) -> None:
-        """Row ``i``: ``matchers[i]``'s mask; the rows computed in parallel (llguidance's threads)."""
-        from llguidance.torch import fill_next_token_bitmask_par
+        """Row ``i``: ``matchers[i]``'s mask; the rows computed in parallel (llguidance's threads).
+        (Called as ``llguidance.torch`` would, whose import compiles a function of its own with
+        torch.compile: seconds of loading torch's compiler into a worker that runs eagerly.)"""
+        import torch  # (loaded on every worker that fills masks; the gateway only compiles)
 
-        fill_next_token_bitmask_par(_executor(), [(m._m, i) for i, m in enumerate(matchers)], bitmask)
+        rows, words = bitmask.shape
+        if not (bitmask.dtype == torch.int32 and bitmask.is_cpu and bitmask.is_contiguous() and len(matchers) <= rows):
+            raise ValueError(f"a bitmask for {len(matchers)} matchers must be a contiguous CPU int32 tensor of at "
+                             f"least as many rows, not {bitmask.dtype} {tuple(bitmask.shape)} on {bitmask.device}")
+        _executor().unsafe_compute_mask_ptr([(m._m, i) for i, m in enumerate(matchers)], bitmask.data_ptr(),
+                                            words * 4, rows)
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         words = bitmask[row]
