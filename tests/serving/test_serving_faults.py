@@ -39,7 +39,7 @@ DECODERS = ("d0", "d1")
 # A drain with this many streams on one decode worker, each long enough to be decoding still when
 # the drain lands after the last one started (the KV pools hold them all on either worker).
 # (A step's token budget above STREAMS: all of them decode in every step.)
-STREAMS, STREAM_TOKENS = 20, 400  # long enough that no stream ends before the drain (2 s at least)
+STREAMS, STREAM_TOKENS = 20, 600  # long enough that no stream ends before the drain (3 s at least)
 # Added to every engine step: a tiny model's step takes a millisecond or two, so a stream of 800
 # tokens could end before a drain command's Python process starts (or between two drains waiting on
 # heartbeats); with this it lasts seconds at least, however fast the steps get.
