@@ -21,7 +21,7 @@ from common.cluster.http_limits import DEFAULTS, HttpLimits
 from common.cluster.http_listener import GuardedSite
 from tests.support.waiting import until
 
-pytestmark = pytest.mark.slow(seconds=39)  # a long file: scheduled by its length (tests/conftest.py)
+pytestmark = pytest.mark.slow(seconds=21)  # a long file: scheduled by its length (tests/conftest.py)
 
 BOUND = 60.0  # the most any wait here may take; a deadline of 0.5 s is waited for this long
 SHORT = 0.5

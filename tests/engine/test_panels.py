@@ -11,7 +11,7 @@ from common.engine.models import panels as panel_products
 from common.engine.models.linear import Linear
 from common.engine.models.panels import PANEL_MAX_ROWS, pack_panels, panel_linear
 
-pytestmark = pytest.mark.slow(seconds=45)  # a long file: scheduled by its length (tests/conftest.py)
+pytestmark = pytest.mark.slow(seconds=12)  # a long file: scheduled by its length (tests/conftest.py)
 
 needs_kernel = pytest.mark.skipif(pack_panels(torch.zeros(16, 16)) is None,
                                   reason="no C compiler for the kernel, or no tiles for this CPU (AVX-512 or AVX2 + FMA)")

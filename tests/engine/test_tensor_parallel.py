@@ -16,7 +16,7 @@ from common.engine.parallel.tensor_parallel import TensorParallel
 from tests.support.checkpoints import VOCAB, hf_greedy, tiny_gemma3_config, tiny_llama_config, write_checkpoint
 from tests.support.rank_group import run_group
 
-pytestmark = pytest.mark.slow(seconds=62)  # a long file: scheduled by its length (tests/conftest.py)
+pytestmark = pytest.mark.slow(seconds=48)  # a long file: scheduled by its length (tests/conftest.py)
 
 MAX_NEW = 10
 PROMPTS = [[5, 17, 99, 230, 11], list(range(3, 40)), [400, 401, 7, 7, 7, 9, 300, 12, 1, 250]]

@@ -31,7 +31,7 @@ from tests.support.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 
-pytestmark = pytest.mark.slow(seconds=140)  # a long file: scheduled by its length (tests/conftest.py)
+pytestmark = pytest.mark.slow(seconds=125)  # a long file: scheduled by its length (tests/conftest.py)
 
 PROMPT = "The quick brown fox jumps over the lazy dog, and then"
 POOL = {"prefill": 1, "decode": 2}

@@ -16,7 +16,7 @@ import pytest
 
 from tests.support.checkpoints import TRAINING_TEXT
 
-pytestmark = pytest.mark.slow(seconds=32)  # a long file: scheduled by its length (tests/conftest.py)
+pytestmark = pytest.mark.slow(seconds=15)  # a long file: scheduled by its length (tests/conftest.py)
 
 SCHEMA = {
     "type": "object",
