@@ -84,6 +84,13 @@ class IncrementalDetokenizer:
     def generated_token_ids(self) -> list[int]:
         return self._tokens[self._num_context:]
 
+    def text_length_of(self, n: int) -> int:
+        """How long the text of the first ``n`` generated tokens is: its complete characters (one
+        they begin to spell out is not theirs), emitted a step or a few after them."""
+        context = self._tokens[:self._num_context]
+        text = self._decode(self._tokens[:self._num_context + n]).rstrip(REPLACEMENT)
+        return len(text) - len(self._decode(context))
+
     def add(self, token_ids: Iterable[int]) -> str:
         """Append generated tokens; return the text they complete (possibly "")."""
         new_ids = list(token_ids)
@@ -138,7 +145,9 @@ class StopStringMatcher:
     ``feed(text)`` returns the text that is safe to show: everything except a tail that could
     still grow into a stop string.  When a stop string completes, the text is cut before it (or
     after it, with ``include_stop``), ``matched`` is set, and later input is ignored.
-    ``flush()`` releases the withheld tail at the end of generation.
+    ``flush()`` releases the withheld tail at the end of generation.  ``feed(text, check=False)``
+    shows ``text`` unchecked (an output shorter than its ``min_tokens``, as vLLM does): a stop
+    string that ends in it is not matched, one that ends in later text may begin in it.
     """
 
     def __init__(self, stop: Sequence[str], *, include_stop: bool = False) -> None:
@@ -149,29 +158,35 @@ class StopStringMatcher:
         self.stop = stop
         self.include_stop = include_stop
         self.matched: str | None = None
-        self._held = ""
+        self._held = ""  # not shown yet: it could grow into a stop string
+        self._shown_tail = ""  # the last text shown, as long as a stop string could reach back
         self._max_hold = max((len(s) for s in stop), default=1) - 1
 
-    def feed(self, text: str) -> str:
+    def feed(self, text: str, check: bool = True) -> str:
         if self.matched is not None or not text:
             return ""
         if not self.stop:
             return text
-        buf = self._held + text
-        # The stop that completes first wins (ties: the one starting first), so the result does
-        # not depend on how the text was split into pieces.
-        hit_at, hit = -1, None
-        for s in self.stop:
-            i = buf.find(s)
-            if i != -1 and (hit is None or (i + len(s), i) < (hit_at + len(hit), hit_at)):
-                hit_at, hit = i, s
-        if hit is not None:
-            self.matched = hit
-            self._held = ""
-            return buf[:hit_at + (len(hit) if self.include_stop else 0)]
-        hold = self._partial_suffix(buf)
-        self._held = buf[len(buf) - hold:] if hold else ""
-        return buf[:len(buf) - hold]
+        shown = self._shown_tail
+        buf = shown + self._held + text
+        if check:
+            # The stop that completes first wins (ties: the one starting first), so the result does
+            # not depend on how the text was split into pieces.  (One ending in text already shown
+            # was there before the checks began.)
+            hit_at, hit = -1, None
+            for s in self.stop:
+                i = buf.find(s, max(0, len(shown) - len(s) + 1))
+                if i != -1 and (hit is None or (i + len(s), i) < (hit_at + len(hit), hit_at)):
+                    hit_at, hit = i, s
+            if hit is not None:
+                self.matched = hit
+                self._held = self._shown_tail = ""
+                return buf[len(shown):hit_at + (len(hit) if self.include_stop else 0)]  # (none, if it began in shown text)
+        hold = min(self._partial_suffix(buf), len(buf) - len(shown)) if check else 0
+        end = len(buf) - hold
+        self._held = buf[end:]
+        self._shown_tail = buf[max(0, end - self._max_hold):end] if self._max_hold else ""
+        return buf[len(shown):end]
 
     def _partial_suffix(self, buf: str) -> int:
         """Length of the longest suffix of ``buf`` that is a proper prefix of some stop string."""
@@ -194,9 +209,13 @@ class StreamingDecoder:
     """
 
     def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int] = (), stop: Sequence[str] = (), *,
-                 skip_special_tokens: bool = True, include_stop: bool = False) -> None:
+                 skip_special_tokens: bool = True, include_stop: bool = False, min_tokens: int = 0) -> None:
         self.detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens=skip_special_tokens)
         self.matcher = StopStringMatcher(stop, include_stop=include_stop)
+        self.min_tokens = min_tokens  # stop strings are looked for once the output has more tokens
+        self._tokens = 0
+        self._unchecked: int | None = 0 if min_tokens <= 0 else None  # the first min_tokens tokens' text, once known
+        self._fed = 0  # text given to the matcher
 
     @property
     def stopped(self) -> bool:
@@ -209,10 +228,21 @@ class StreamingDecoder:
     def step(self, token_ids: Iterable[int]) -> str:
         if self.stopped:
             return ""
-        return self.matcher.feed(self.detok.add(token_ids))
+        token_ids = list(token_ids)
+        self._tokens += len(token_ids)
+        text = self.detok.add(token_ids)
+        if self._unchecked is None and self._tokens > self.min_tokens:
+            self._unchecked = self.detok.text_length_of(self.min_tokens)
+        return self._feed(text)
 
     def finish(self) -> str:
         if self.stopped:
             return ""
-        text = self.matcher.feed(self.detok.finish())
-        return text + self.matcher.flush()
+        return self._feed(self.detok.finish()) + self.matcher.flush()
+
+    def _feed(self, text: str) -> str:
+        """The first ``min_tokens`` tokens' text goes to the matcher unchecked (vLLM's ``min_tokens``),
+        the rest checked."""
+        free = len(text) if self._unchecked is None else max(0, min(len(text), self._unchecked - self._fed))
+        self._fed += len(text)
+        return self.matcher.feed(text[:free], check=False) + self.matcher.feed(text[free:])

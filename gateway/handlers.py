@@ -369,7 +369,7 @@ class OpenAIHandlers(ResponsesEndpoints):
         metrics = services.metrics.model(gen.model)
         decoder = StreamingDecoder(services.tokenizer, gen.prompt_ids, gen.options.stop,
                                    skip_special_tokens=gen.options.skip_special_tokens,
-                                   include_stop=gen.options.include_stop)
+                                   include_stop=gen.options.include_stop, min_tokens=gen.options.min_tokens)
         result = gen.dispatch
         last = None
         try:

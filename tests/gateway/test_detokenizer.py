@@ -192,12 +192,13 @@ def test_bad_token_ids_are_rejected(tokenizer):
 
 # ---- stop strings -------------------------------------------------------------------------------
 
-def reference_stop(text: str, stops: list[str]) -> tuple[str, str | None]:
-    """Scan character by character: the first stop string to complete wins."""
-    for end in range(1, len(text) + 1):
+def reference_stop(text: str, stops: list[str], unchecked: int = 0) -> tuple[str, str | None]:
+    """Scan character by character: the first stop string to complete wins -- past the first
+    ``unchecked`` characters, which are shown whatever they hold."""
+    for end in range(unchecked + 1, len(text) + 1):
         for s in sorted(stops, key=len, reverse=True):
             if text[:end].endswith(s):
-                return text[:end - len(s)], s
+                return text[:max(unchecked, end - len(s))], s
     return text, None
 
 
@@ -244,6 +245,50 @@ def test_stop_matching_does_not_depend_on_how_text_is_split():
             i += n
         m = StopStringMatcher(stops)
         assert ("".join(feed_all(m, pieces)), m.matched) == reference_stop(text, stops), (text, stops, pieces)
+
+
+def test_text_shown_unchecked_is_never_cut_and_a_stop_may_begin_in_it():
+    """min_tokens (vLLM's semantics): stop strings are looked for once the output is long enough;
+    a stop that ends before then is shown, one that ends after it is matched, wherever it began."""
+    rng = random.Random(5)
+    alphabet = "ab日 \n"
+    for _ in range(500):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 30)))
+        stops = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(1, 3))]
+        pieces, i = [], 0
+        while i < len(text):
+            n = rng.randint(1, 5)
+            pieces.append(text[i:i + n])
+            i += n
+        skipped = rng.randint(0, len(pieces))
+        m = StopStringMatcher(stops)
+        out = [m.feed(p, check=k >= skipped) for k, p in enumerate(pieces)] + [m.flush()]
+        unchecked = sum(len(p) for p in pieces[:skipped])
+        assert out[:skipped] == pieces[:skipped], (text, stops, pieces)
+        assert ("".join(out), m.matched) == reference_stop(text, stops, unchecked), (text, stops, pieces, skipped)
+
+
+@pytest.mark.parametrize("prompt", ["", "Say:"])
+@pytest.mark.parametrize("text, stop", [("ab ab ab cd", "ab"), ("日本 ab 日本 🎉 ab", "日本"), ("🎉🎉🎉 x", "🎉")])
+def test_the_decoder_looks_for_stop_strings_past_min_tokens_only(tokenizer, prompt, text, stop):
+    """The first ``min_tokens`` tokens' text (their complete characters, after the prompt's) is
+    never cut, though a character spelled out over several tokens reaches the matcher a step or
+    more after its first token."""
+    context = tokenizer.encode(prompt, add_special_tokens=False)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    whole = StreamingDecoder(tokenizer, context)
+    whole_text = "".join(whole.step([t]) for t in ids) + whole.finish()
+    for min_tokens in range(len(ids) + 1):
+        dec = StreamingDecoder(tokenizer, context, stop=[stop], min_tokens=min_tokens)
+        out = ""
+        for t in ids:
+            out += dec.step([t])
+            if dec.stopped:
+                break
+        out += dec.finish()
+        unchecked = (len(full_decode(tokenizer, context + ids[:min_tokens]).rstrip("\ufffd"))
+                     - len(full_decode(tokenizer, context)))
+        assert (out, dec.matched_stop) == reference_stop(whole_text, [stop], unchecked), min_tokens
 
 
 def test_streaming_decoder_stops_on_text_split_across_tokens(tokenizer):

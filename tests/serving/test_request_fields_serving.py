@@ -244,6 +244,19 @@ def test_stop_token_ids_user_and_metadata(client, stack):
     assert (chat.choices[0].message.content, chat.choices[0].stop_reason) == ("", 77), chat.choices[0]
 
 
+def test_min_tokens_holds_stop_strings_back_too(client, stack):
+    """As in vLLM: a stop string ends the output only once it has more than ``min_tokens`` tokens."""
+    forced = {"logit_bias": {"77": 100}}  # every token is 77
+    unit = client.completions.create(model=stack.model_name, prompt="stop strings", max_tokens=1, temperature=0,
+                                     **forced).choices[0].text
+    assert unit, "token 77 has no text of its own"
+    for min_tokens, text in ((0, ""), (3, unit * 3)):
+        held = client.completions.create(model=stack.model_name, prompt="stop strings", max_tokens=6, temperature=0,
+                                         stop=[unit], extra_body={"min_tokens": min_tokens}, **forced)
+        choice = held.choices[0]
+        assert (choice.text, choice.finish_reason, held.usage.completion_tokens) == (text, "stop", min_tokens + 1)
+
+
 def post(stack, path: str, body: dict) -> tuple[int, dict]:
     request = urllib.request.Request(f"{stack.gateway_url}{path}", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
