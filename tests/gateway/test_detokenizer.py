@@ -232,10 +232,10 @@ def test_include_stop_and_earliest_completion_wins():
         StopStringMatcher([""])
 
 
-def test_stop_matching_does_not_depend_on_how_text_is_split():
-    rng = random.Random(3)
-    alphabet = "ab日🎉 \n"
-    for _ in range(500):
+def random_cases(seed: int, alphabet: str, count: int = 500):
+    """``(text, stop strings, the text in pieces)``: random, from a few characters so stops occur."""
+    rng = random.Random(seed)
+    for _ in range(count):
         text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 30)))
         stops = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(1, 3))]
         pieces, i = [], 0
@@ -243,6 +243,11 @@ def test_stop_matching_does_not_depend_on_how_text_is_split():
             n = rng.randint(1, 5)
             pieces.append(text[i:i + n])
             i += n
+        yield rng, text, stops, pieces
+
+
+def test_stop_matching_does_not_depend_on_how_text_is_split():
+    for _, text, stops, pieces in random_cases(3, "ab日🎉 \n"):
         m = StopStringMatcher(stops)
         assert ("".join(feed_all(m, pieces)), m.matched) == reference_stop(text, stops), (text, stops, pieces)
 
@@ -250,16 +255,7 @@ def test_stop_matching_does_not_depend_on_how_text_is_split():
 def test_text_shown_unchecked_is_never_cut_and_a_stop_may_begin_in_it():
     """min_tokens (vLLM's semantics): stop strings are looked for once the output is long enough;
     a stop that ends before then is shown, one that ends after it is matched, wherever it began."""
-    rng = random.Random(5)
-    alphabet = "ab日 \n"
-    for _ in range(500):
-        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 30)))
-        stops = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(1, 3))]
-        pieces, i = [], 0
-        while i < len(text):
-            n = rng.randint(1, 5)
-            pieces.append(text[i:i + n])
-            i += n
+    for rng, text, stops, pieces in random_cases(5, "ab日 \n"):
         skipped = rng.randint(0, len(pieces))
         m = StopStringMatcher(stops)
         out = [m.feed(p, check=k >= skipped) for k, p in enumerate(pieces)] + [m.flush()]
