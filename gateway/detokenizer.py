@@ -213,7 +213,7 @@ class StreamingDecoder:
         self.detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens=skip_special_tokens)
         self.matcher = StopStringMatcher(stop, include_stop=include_stop)
         self.min_tokens = min_tokens  # stop strings are looked for once the output has more tokens
-        self._tokens = 0
+        self._generated = 0  # tokens
         self._unchecked: int | None = 0 if min_tokens <= 0 else None  # the first min_tokens tokens' text, once known
         self._fed = 0  # text given to the matcher
 
@@ -229,9 +229,9 @@ class StreamingDecoder:
         if self.stopped:
             return ""
         token_ids = list(token_ids)
-        self._tokens += len(token_ids)
+        self._generated += len(token_ids)
         text = self.detok.add(token_ids)
-        if self._unchecked is None and self._tokens > self.min_tokens:
+        if self._unchecked is None and self._generated > self.min_tokens:
             self._unchecked = self.detok.text_length_of(self.min_tokens)
         return self._feed(text)
 
