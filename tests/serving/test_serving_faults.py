@@ -392,7 +392,7 @@ def test_draining_the_last_decode_worker_finishes_its_streams_there(stack):
     """With no other decode worker active (the other out of the pool: as when a stack that stops
     drains every one at once), a drain hands nothing over -- there is nowhere to go -- and each
     stream decodes to its end where it is."""
-    prompts = [f"Last decoder {i}" for i in range(4)]  # (the twenty of the drain above change nothing here)
+    prompts = [f"Last decoder {i}" for i in range(4)]  # (a few show it: the test above drains twenty)
     with ThreadPoolExecutor(len(prompts)) as pool:
         wholes = list(pool.map(lambda p: complete(stack, prompt=p, max_tokens=STREAM_TOKENS).choices[0].text,
                                prompts))
