@@ -86,16 +86,20 @@ async def test_health_fails_once_ucx_has_closed_its_tcp_listener():
         assert (await health(worker))[0] == 200
         ucx = receiver.transport._ucx
         [port] = ucx.tcp_listeners.ports
+        # Held at the cap until UCX's accept has failed: its progress thread accepts what this side
+        # connects, and whichever side finds no descriptor first varies.  When this side does, one
+        # of its sockets gives its descriptor back and connects again, so the next accept is UCX's
+        # to fail (before, the cap was lifted first, and UCX accepted the rest at leisure).
         with descriptors_capped(64):
-            with contextlib.suppress(OSError):  # this side runs out of descriptors too
-                for _ in range(256):
+            for _ in range(2000):
+                if failed_ucx_listeners():
+                    break
+                try:
                     flood.append(socket.create_connection(("127.0.0.1", port), timeout=5))
-            for sock in flood:
-                sock.close()
-        for _ in range(600):  # UCX accepts on its progress thread: its failure comes within moments
-            if failed_ucx_listeners():
-                break
-            await asyncio.sleep(0.05)
+                except OSError:  # this side is out of descriptors
+                    if len(flood) > 1:  # (the bystander stays)
+                        flood.pop().close()
+                    await asyncio.sleep(0.01)
         code, body = await health(worker)
         assert code == 503 and body["status"] == "ucx listener down", body
     finally:
