@@ -107,8 +107,8 @@ class _GuardedHandler(web.RequestHandler):
         self._g_waiting_headers = True  # idle kind: False while between requests (keep-alive)
         self._g_partial = False  # bytes of the next request's headers arrived
         self._g_body_overdue = False
-        self._g_lingered: int | None = None  # bytes of an unread body taken after its answer (lingering)
-        self._g_lingering_body: web.BaseRequest | None = None  # the request whose body they are
+        self._g_lingering: web.BaseRequest | None = None  # answered before its body was read, the rest to come
+        self._g_lingered = 0  # bytes of that rest taken
         self._g_gone = False  # being closed by the guard, or closed
 
     # -- asyncio protocol --------------------------------------------------------------------
@@ -120,14 +120,14 @@ class _GuardedHandler(web.RequestHandler):
         self._g_become_idle(waiting_headers=True)
 
     def data_received(self, data: bytes) -> None:
-        if self._g_lingered is not None:  # the rest of a body its answer left unread
+        if self._g_lingering is not None:  # the rest of a body its answer left unread
             self._g_lingered += len(data)
             if self._g_lingered > _LINGER_BYTES:
                 self._g_close("unread_body")
                 return
             super().data_received(data)
-            if self._g_lingering_body is not None and self._g_lingering_body.content.is_eof():
-                self._g_lingered = self._g_lingering_body = None  # all of it: keep-alive, as any answered request
+            if self._g_lingering.content.is_eof():
+                self._g_lingering = None  # all of it: keep-alive, as after any answer
             return
         if not self._g_busy and data and not self._g_partial:
             self._g_partial = True
@@ -183,7 +183,7 @@ class _GuardedHandler(web.RequestHandler):
                 self._g_close("body_timeout")
             elif not self._messages and not self._g_gone:
                 if not request.content.is_eof():  # answered before its body was read: aiohttp reads the rest
-                    self._g_lingered, self._g_lingering_body = 0, request
+                    self._g_lingering, self._g_lingered = request, 0
                 self._g_become_idle(waiting_headers=False)
 
     def _g_body_deadline(self, request: web.BaseRequest) -> None:
