@@ -201,6 +201,30 @@ def test_int8_rows_do_not_depend_on_the_rows_beside_them(out_features, vnni):
     assert torch.allclose(alone, product_reference(q, x), atol=1e-4)
 
 
+@pytest.mark.parametrize("allow_amx", [False, True])
+# whole blocks of 16 channels; a partial last one (int8 only: int4 packs whole blocks)
+@pytest.mark.parametrize("make,out_features", [(Int8Weight, 1024), (Int8Weight, 1000),
+                                               (lambda w: Int4Weight(w, 32), 1024)])
+def test_a_large_product_written_past_the_caches_is_its_rows_computed_apart(out_features, make, allow_amx):
+    """The VNNI and AMX tiles write an output of 4 MB and more (``STREAM_MIN_BYTES``,
+    ``csrc/vnni_rows.h``) by streaming stores where its rows' blocks are whole lines; a smaller one,
+    or one with a partial block, as before: the values must be the same bit for bit."""
+    if not HAS_VNNI:
+        pytest.skip("no AVX512-VNNI: the AVX2 build stores every output through the caches")
+    try:
+        int8_vnni.product_path(allow_amx)
+        q = make(weights(out_features=out_features, in_features=128)[0])
+        assert q._vnni is not None, "no VNNI kernel built"
+        x = torch.randn(1100, 128, generator=torch.Generator().manual_seed(out_features))
+        x[:, 3] *= 300  # a huge channel: its group's scale differs from the others'
+        whole = q.matmul(x)  # 1100 x 1024 fp32: 4.5 MB
+        apart = torch.cat([q.matmul(x[i : i + 100]) for i in range(0, 1100, 100)])  # 400 KB each
+        assert torch.equal(whole, apart)
+        torch.testing.assert_close(whole, product_reference(q, x), rtol=1e-4, atol=1e-3)
+    finally:
+        int8_vnni.product_path(True)
+
+
 @pytest.mark.parametrize("rows", [1, 5, 8, 13, 40])
 @pytest.mark.parametrize("in_features", [96, 97])  # an odd count: the kernel reads inputs in pairs
 def test_int8_takes_bf16_rows_as_pairs_on_cpus_with_avx512_bf16(rows, in_features):
