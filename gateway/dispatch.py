@@ -437,7 +437,7 @@ class Dispatcher:
             async with self.control_session.post(f"{decode_url}/abort", data=data, headers=headers) as resp:
                 await read_response(resp, 4096)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as exc:
-            log.info("abort of %s on %s not delivered: %s", request_id, decode_url, exc)
+            log.info("abort of %s on %s not delivered: %s: %s", request_id, decode_url, type(exc).__name__, exc)
 
 
 def _can_decode(w: WorkerInfo) -> bool:

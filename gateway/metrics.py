@@ -131,7 +131,8 @@ class GatewayMetrics:
 
         self.kv_transfer_bytes = Counter("kv_transfer_bytes", "KV cache bytes shipped prefill -> decode.", **kw)
         self.kv_transfer_seconds = Histogram(
-            "kv_transfer_seconds", "Time to ship one request's KV blocks.", buckets=TRANSFER_BUCKETS, **kw)
+            "kv_transfer_seconds", "Time from the decode worker's reservation of a request's KV blocks until "
+            "they are all in (the prompt's prefill included).", buckets=TRANSFER_BUCKETS, **kw)
         self.kv_transfer_failures = Counter("kv_transfer_failures", "Failed KV transfers.", ["reason"], **kw)
         self.preemptions = Counter("preemptions", "Requests preempted for recompute.", ["worker_id"], **kw)
         self.migrations = Counter(

@@ -19,7 +19,8 @@ class WorkerMetrics:
         self.kv_sent_bytes = Counter("pdserve_worker_kv_sent_bytes", "KV bytes shipped to decode workers", registry=r)
         self.kv_received_bytes = Counter("pdserve_worker_kv_received_bytes", "KV bytes received", registry=r)
         self.kv_transfer_seconds = Histogram(
-            "pdserve_worker_kv_transfer_seconds", "Time from reservation to complete KV, per request", registry=r,
+            "pdserve_worker_kv_transfer_seconds",
+            "Time from reservation to complete KV, per request (the prompt's prefill included)", registry=r,
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
         self.kv_transfer_failures = Counter("pdserve_worker_kv_transfer_failures", "Failed KV transfers", registry=r)
         self.prefill_fallbacks = Counter(
