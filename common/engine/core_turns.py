@@ -15,6 +15,14 @@ goes after it.  Locks are polled (up to ``MAX_POLL_S`` apart), never waited on b
 without waiting while the lock stays taken (a peer that hangs in its step costs this worker one
 wait and the contention of sharing the cores, not its liveness).  The kernel drops a dead
 process's locks, so a worker that crashes mid-step frees the cores at once.
+
+A stopped or hung peer keeps its lock, though, and a limit long enough for any real step (a
+2048-token prefill chunk in fp32 takes seconds on a slow CPU) stalled every other worker on the
+host that long (a worker frozen by SIGSTOP: its peers' streams stopped for the whole 30 s).  So
+the holder of a turn writes into the lock file when it began and the longest of its recent turns
+(``TURN_RECORD``; zero when it lets go), and a waiter stops waiting once the turn has lasted
+``PATIENCE_TURNS`` times that longest turn, and at least ``patience_floor_s`` -- within the wait
+limit, which still bounds a holder with no turns behind it (its first, which may compile).
 """
 from __future__ import annotations
 
@@ -22,6 +30,7 @@ import contextlib
 import fcntl
 import logging
 import os
+import struct
 import time
 from pathlib import Path
 from typing import Iterator
@@ -31,24 +40,38 @@ log = logging.getLogger(__name__)
 MIN_POLL_S = 50e-6
 MAX_POLL_S = 0.5e-3
 WAIT_LIMIT_S = 30.0
+PATIENCE_TURNS = 4.0  # a turn is waited for up to this many times its holder's longest recent turn ...
+PATIENCE_FLOOR_S = 5.0  # ... and at least this long
+RECENT_TURNS = 256  # the longest recent turn: over the last 256 to 512 turns
+# At the lock file's start, written by the turn's holder: when the turn began (time.monotonic(),
+# one clock for every process of the host; 0.0 once let go) and the holder's longest recent turn
+# in seconds (0.0: none yet).
+TURN_RECORD = struct.Struct("<dd")
 
 
 class CoreTurns:
     """Turns on ``path`` (created if missing, mode 0600); ``turn()`` holds one around a step.
 
     ``turns`` counts the turns taken, ``missed`` the steps that ran without one (``wait_limit_s``
-    passed), ``waited_s`` the time spent waiting.
+    passed, or the holder's turn outlasted the waiter's patience: see the module), ``waited_s`` the
+    time spent waiting.
     """
 
-    def __init__(self, path: str | Path, wait_limit_s: float = WAIT_LIMIT_S):
+    def __init__(self, path: str | Path, wait_limit_s: float = WAIT_LIMIT_S,
+                 patience_floor_s: float = PATIENCE_FLOOR_S):
         if not wait_limit_s > 0:
             raise ValueError(f"core turns: wait_limit_s must be > 0 seconds, got {wait_limit_s}")
+        if not patience_floor_s > 0:
+            raise ValueError(f"core turns: patience_floor_s must be > 0 seconds, got {patience_floor_s}")
         self.path = Path(path)
         self.wait_limit_s = wait_limit_s
+        self.patience_floor_s = patience_floor_s
         self.turns = 0
         self.missed = 0
         self.waited_s = 0.0
         self._stuck = False  # the last turn was missed: do not wait again until the lock is free
+        self._longest = self._longest_before = 0.0  # this window's longest turn, and the last window's
+        self._window_turns = 0
         flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = os.open(self.path, flags, 0o600)
@@ -66,24 +89,54 @@ class CoreTurns:
         """Hold a turn for the block; yields whether it got one (False: ran without, see above)."""
         began = time.monotonic()
         deadline = began + (0.0 if self._stuck else self.wait_limit_s)
-        queued = _lock_by(self._queue, deadline)
-        held = _lock_by(self._lock, deadline)
+        queued = _lock_by(self._queue, deadline, self._holder_outlasted)
+        held = _lock_by(self._lock, deadline, self._holder_outlasted)
         if queued:
             fcntl.flock(self._queue, fcntl.LOCK_UN)
-        self.waited_s += time.monotonic() - began
+        now = time.monotonic()
+        self.waited_s += now - began
         if held:
             self.turns += 1
+            self._publish(now)
         else:
             self.missed += 1
             if not self._stuck:
-                log.warning("core turns: no turn on %s within %.0f s; steps run beside another worker's until "
-                            "it lets go", self.path, self.wait_limit_s)
+                log.warning("core turns: no turn on %s after %.1f s (its holder's turn has outlasted its usual "
+                            "length, or the %.0f s limit passed); steps run beside another worker's until it lets "
+                            "go", self.path, now - began, self.wait_limit_s)
         self._stuck = not held
         try:
             yield held
         finally:
             if held:
+                self._note_turn(time.monotonic() - now)
+                self._publish(0.0)
                 fcntl.flock(self._lock, fcntl.LOCK_UN)
+
+    def _note_turn(self, seconds: float) -> None:
+        self._longest = max(self._longest, seconds)
+        self._window_turns += 1
+        if self._window_turns == RECENT_TURNS:
+            self._longest_before, self._longest, self._window_turns = self._longest, 0.0, 0
+
+    def _publish(self, began: float) -> None:
+        """The held turn's record (``TURN_RECORD``): when it began (0.0: let go) and the longest recent turn."""
+        with contextlib.suppress(OSError):
+            os.pwrite(self._lock, TURN_RECORD.pack(began, max(self._longest, self._longest_before)), 0)
+
+    def _holder_outlasted(self) -> bool:
+        """Whether the turn now held has lasted past this waiter's patience (module docstring); False
+        where its holder has no turns behind it, or the record is not (yet) one of a held turn."""
+        try:
+            record = os.pread(self._lock, TURN_RECORD.size, 0)
+        except OSError:
+            return False
+        if len(record) != TURN_RECORD.size:
+            return False
+        began, longest = TURN_RECORD.unpack(record)
+        if not (began > 0 and longest > 0):  # let go (or taken, not yet written); no turns yet; NaN
+            return False
+        return time.monotonic() - began > max(self.patience_floor_s, PATIENCE_TURNS * longest)
 
     def close(self) -> None:
         for fd in (self._lock, self._queue):
@@ -91,8 +144,9 @@ class CoreTurns:
                 os.close(fd)
 
 
-def _lock_by(fd: int, deadline: float) -> bool:
-    """Lock ``fd`` exclusively, polling with a growing pause; False once ``deadline`` passes."""
+def _lock_by(fd: int, deadline: float, give_up) -> bool:
+    """Lock ``fd`` exclusively, polling with a growing pause; False once ``deadline`` passes or
+    ``give_up()`` says so."""
     pause = MIN_POLL_S
     while True:
         try:
@@ -101,7 +155,7 @@ def _lock_by(fd: int, deadline: float) -> bool:
         except BlockingIOError:
             pass
         now = time.monotonic()
-        if now >= deadline:
+        if now >= deadline or give_up():
             return False
         time.sleep(min(pause, deadline - now))
         pause = min(2 * pause, MAX_POLL_S)

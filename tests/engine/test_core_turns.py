@@ -1,6 +1,6 @@
 """Core turns (common/engine/core_turns.py): steps of workers that share the cores never overlap,
-a worker that comes back while another waits goes after it, a turn held too long is not waited for,
-and a holder that dies frees the turn."""
+a worker that comes back while another waits goes after it, a turn held too long is not waited for
+(past the wait limit, or far past its holder's usual turn), and a holder that dies frees the turn."""
 import fcntl
 import os
 import subprocess
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from common.engine.core_turns import CoreTurns
+from common.engine.core_turns import RECENT_TURNS, CoreTurns
 
 WAIT = 60.0
 
@@ -106,6 +106,115 @@ def test_a_turn_held_too_long_is_not_waited_for(lock_path):
     os.close(holder)
 
 
+def _hold_a_turn(turns: CoreTurns):
+    """A thread holding a turn of ``turns`` (a peer stopped inside its step) until the event is set."""
+    inside, release = threading.Event(), threading.Event()
+
+    def hold():
+        with turns.turn() as held:
+            assert held
+            inside.set()
+            release.wait(WAIT)
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    assert inside.wait(WAIT)
+    return thread, release
+
+
+def _turn_in_thread(turns: CoreTurns) -> list:
+    """``turns.turn()``'s answer from another thread, once it has one (an empty list: none within WAIT)."""
+    got = []
+
+    def take():
+        with turns.turn() as held:
+            got.append(held)
+
+    thread = threading.Thread(target=take, daemon=True)
+    thread.start()
+    thread.join(WAIT)
+    return got
+
+
+def test_a_turn_held_far_past_its_holders_usual_is_not_waited_for(lock_path):
+    """A peer whose turns are short (a few quick ones behind it) holds one and stops (SIGSTOP, a hang):
+    a waiter gives up once the turn has lasted PATIENCE_TURNS x its longest recent one (and the
+    floor), not after the hour-long wait limit -- and steps after it do not wait while it stays held."""
+    peer = CoreTurns(lock_path)
+    for _ in range(5):
+        with peer.turn() as held:
+            assert held
+    thread, release = _hold_a_turn(peer)
+    try:
+        waiter = CoreTurns(lock_path, wait_limit_s=3600, patience_floor_s=0.05)
+        assert _turn_in_thread(waiter) == [False]  # (an empty list: still waiting after WAIT s)
+        assert waiter.missed == 1 and waiter.waited_s < WAIT
+    finally:
+        release.set()
+        thread.join(WAIT)
+    assert _turn_in_thread(waiter) == [True]  # let go: turns resume
+
+
+def test_a_holder_with_no_turns_behind_it_is_waited_for_to_the_limit(lock_path):
+    """Its first turn (which may compile for long) has no usual length to outlast: only the wait limit
+    ends the wait, however short the waiter's patience."""
+    peer = CoreTurns(lock_path)
+    thread, release = _hold_a_turn(peer)
+    try:
+        waiter = CoreTurns(lock_path, wait_limit_s=0.5, patience_floor_s=0.001)
+        assert _turn_in_thread(waiter) == [False]
+        assert waiter.waited_s >= 0.5
+    finally:
+        release.set()
+        thread.join(WAIT)
+
+
+@pytest.mark.parametrize("quick_turns", [3, RECENT_TURNS])  # within its window; past it (the last window's)
+def test_a_turn_within_its_holders_usual_length_is_waited_for(lock_path, quick_turns):
+    """A peer whose longest recent turn is long (one of 0.5 s, then quick ones) takes one twice that:
+    the waiter, with a patience floor far below it, waits for it (PATIENCE_TURNS x 0.5 s) rather than
+    running beside it."""
+    peer = CoreTurns(lock_path)
+    with peer.turn():
+        time.sleep(0.5)
+    for _ in range(quick_turns):
+        with peer.turn():
+            pass
+    thread, release = _hold_a_turn(peer)
+    try:
+        waiter = CoreTurns(lock_path, wait_limit_s=3600, patience_floor_s=0.001)
+        got = []
+        taker = threading.Thread(target=lambda: got.extend(_turn_in_thread(waiter)))
+        taker.start()
+        time.sleep(1.0)  # the peer's turn: twice its longest, half the waiter's patience
+    finally:
+        release.set()
+        thread.join(WAIT)
+    taker.join(WAIT)
+    assert got == [True] and waiter.missed == 0
+
+
+def test_a_turn_longer_than_its_holders_quick_ones_is_waited_for_up_to_the_floor(lock_path):
+    """A peer whose turns so far were instants (decode steps of nothing) takes a longer one (a prompt
+    chunk): the patience floor, not PATIENCE_TURNS x an instant, bounds the wait."""
+    peer = CoreTurns(lock_path)
+    for _ in range(5):
+        with peer.turn():
+            pass
+    thread, release = _hold_a_turn(peer)
+    try:
+        waiter = CoreTurns(lock_path, wait_limit_s=3600, patience_floor_s=5.0)
+        got = []
+        taker = threading.Thread(target=lambda: got.extend(_turn_in_thread(waiter)))
+        taker.start()
+        time.sleep(0.3)  # thousands of the peer's usual turns, a fraction of the floor
+    finally:
+        release.set()
+        thread.join(WAIT)
+    taker.join(WAIT)
+    assert got == [True] and waiter.missed == 0
+
+
 def test_a_holder_that_dies_frees_the_turn(lock_path):
     holder = subprocess.Popen(
         [sys.executable, "-c", "import fcntl, os, sys, time\n"
@@ -127,3 +236,8 @@ def test_the_wait_limit_must_be_positive(lock_path):
     with pytest.raises(ValueError, match="wait_limit_s"):
         CoreTurns(lock_path, wait_limit_s=0)
 
+
+
+def test_the_patience_floor_must_be_positive(lock_path):
+    with pytest.raises(ValueError, match="patience_floor_s"):
+        CoreTurns(lock_path, patience_floor_s=0)
