@@ -20,9 +20,11 @@ A stopped or hung peer keeps its lock, though, and a limit long enough for any r
 2048-token prefill chunk in fp32 takes seconds on a slow CPU) stalled every other worker on the
 host that long (a worker frozen by SIGSTOP: its peers' streams stopped for the whole 30 s).  So
 the holder of a turn writes into the lock file when it began and the longest of its recent turns
-(``TURN_RECORD``; zero when it lets go), and a waiter stops waiting once the turn has lasted
+(``TURN_RECORD``; when it let go, once it does), and a waiter stops waiting once the turn has lasted
 ``PATIENCE_TURNS`` times that longest turn, and at least ``patience_floor_s`` -- within the wait
-limit, which still bounds a holder with no turns behind it (its first, which may compile).
+limit, which still bounds a holder with no turns behind it (its first, which may compile).  A peer
+stopped while it waited holds the turnstile instead: a waiter that finds the turn free for
+``patience_floor_s`` behind a held turnstile goes for the turn without it.
 """
 from __future__ import annotations
 
@@ -44,8 +46,8 @@ PATIENCE_TURNS = 4.0  # a turn is waited for up to this many times its holder's 
 PATIENCE_FLOOR_S = 5.0  # ... and at least this long
 RECENT_TURNS = 256  # the longest recent turn: over the last 256 to 512 turns
 # At the lock file's start, written by the turn's holder: when the turn began (time.monotonic(),
-# one clock for every process of the host; 0.0 once let go) and the holder's longest recent turn
-# in seconds (0.0: none yet).
+# one clock for every process of the host), or minus when it was let go; and the holder's longest
+# recent turn in seconds (0.0: none yet).  All zero: not written yet.
 TURN_RECORD = struct.Struct("<dd")
 
 
@@ -89,7 +91,7 @@ class CoreTurns:
         """Hold a turn for the block; yields whether it got one (False: ran without, see above)."""
         began = time.monotonic()
         deadline = began + (0.0 if self._stuck else self.wait_limit_s)
-        queued = _lock_by(self._queue, deadline, self._holder_outlasted)
+        queued = _lock_by(self._queue, deadline, self._turnstile_stuck)
         held = _lock_by(self._lock, deadline, self._holder_outlasted)
         if queued:
             fcntl.flock(self._queue, fcntl.LOCK_UN)
@@ -109,8 +111,9 @@ class CoreTurns:
             yield held
         finally:
             if held:
-                self._note_turn(time.monotonic() - now)
-                self._publish(0.0)
+                let_go = time.monotonic()
+                self._note_turn(let_go - now)
+                self._publish(-let_go)
                 fcntl.flock(self._lock, fcntl.LOCK_UN)
 
     def _note_turn(self, seconds: float) -> None:
@@ -119,24 +122,34 @@ class CoreTurns:
         if self._window_turns == RECENT_TURNS:
             self._longest_before, self._longest, self._window_turns = self._longest, 0.0, 0
 
-    def _publish(self, began: float) -> None:
-        """The held turn's record (``TURN_RECORD``): when it began (0.0: let go) and the longest recent turn."""
+    def _publish(self, when: float) -> None:
+        """The turn's record (``TURN_RECORD``): when it began (minus when it was let go) and the
+        longest recent turn."""
         with contextlib.suppress(OSError):
-            os.pwrite(self._lock, TURN_RECORD.pack(began, max(self._longest, self._longest_before)), 0)
+            os.pwrite(self._lock, TURN_RECORD.pack(when, max(self._longest, self._longest_before)), 0)
+
+    def _record(self) -> tuple[float, float]:
+        """The lock file's ``TURN_RECORD`` (zeros where there is none)."""
+        try:
+            record = os.pread(self._lock, TURN_RECORD.size, 0)
+        except OSError:
+            return 0.0, 0.0
+        return TURN_RECORD.unpack(record) if len(record) == TURN_RECORD.size else (0.0, 0.0)
 
     def _holder_outlasted(self) -> bool:
         """Whether the turn now held has lasted past this waiter's patience (module docstring); False
         where its holder has no turns behind it, or the record is not (yet) one of a held turn."""
-        try:
-            record = os.pread(self._lock, TURN_RECORD.size, 0)
-        except OSError:
-            return False
-        if len(record) != TURN_RECORD.size:
-            return False
-        began, longest = TURN_RECORD.unpack(record)
+        began, longest = self._record()
         if not (began > 0 and longest > 0):  # let go (or taken, not yet written); no turns yet; NaN
             return False
         return time.monotonic() - began > max(self.patience_floor_s, PATIENCE_TURNS * longest)
+
+    def _turnstile_stuck(self) -> bool:
+        """Whether the turn has been free for ``patience_floor_s`` while the turnstile stays held (its
+        holder, a waiter, would have taken the turn at once: it is stopped); or the turn is held past
+        patience, which the turnstile's holder waits out too."""
+        let_go = -self._record()[0]
+        return (let_go > 0 and time.monotonic() - let_go > self.patience_floor_s) or self._holder_outlasted()
 
     def close(self) -> None:
         for fd in (self._lock, self._queue):

@@ -215,6 +215,21 @@ def test_a_turn_longer_than_its_holders_quick_ones_is_waited_for_up_to_the_floor
     assert got == [True] and waiter.missed == 0
 
 
+def test_a_peer_stopped_while_it_waited_in_the_turnstile_does_not_hold_the_others_back(lock_path):
+    """The turn is free, but a peer stopped while queued for it holds the turnstile: once the turn has
+    been free for the patience floor, a waiter takes it without the turnstile."""
+    peer = CoreTurns(lock_path)
+    with peer.turn():
+        pass
+    queued = os.open(f"{lock_path}.queue", os.O_RDWR)
+    fcntl.flock(queued, fcntl.LOCK_EX)  # the stopped peer's place in the turnstile
+    try:
+        waiter = CoreTurns(lock_path, wait_limit_s=3600, patience_floor_s=0.05)
+        assert _turn_in_thread(waiter) == [True] and waiter.missed == 0
+    finally:
+        os.close(queued)
+
+
 def test_a_holder_that_dies_frees_the_turn(lock_path):
     holder = subprocess.Popen(
         [sys.executable, "-c", "import fcntl, os, sys, time\n"
