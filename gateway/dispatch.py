@@ -56,6 +56,7 @@ from gateway.openai_errors import Refused
 from gateway.migration import StreamMigration
 from gateway.pool import WorkerPool
 from gateway.routing import Route, Router
+from gateway.upstream_watch import LeftWorkerWatch
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +118,9 @@ class Dispatcher:
         # local prompt is not chosen to prefill the next one as if it were idle).
         self.pending_prefill: dict[str, int] = {}
         self.sent_to_decode = SentToDecode()
+        self.left_watch = LeftWorkerWatch()  # cuts silent streams of workers gone from the registry
         pool.listeners.append(self._pool_changed)
+        pool.listeners.append(self.left_watch.pool_changed)
 
     def _pool_changed(self, previous: Sequence[WorkerInfo], current: Sequence[WorkerInfo]) -> None:
         """New heartbeats: wake a waiting request to probe; a decode worker that joins: wake all."""
@@ -266,10 +269,11 @@ class Dispatcher:
                 self._count_pending(route, to_compute, +1)
                 self.sent_to_decode.add(decode_id, request_id, -(-to_compute // route.decode.capacity.block_size))
                 prompt_pending = True
-                resp = None
+                resp = watched = None
                 try:
                     resp = await self._open_stream(decode_url, body, audience)
                     await self._check_answer(resp, decode_id)
+                    watched = self.left_watch.watch(decode_id, resp)
                     if resp.status == 200:
                         place.admitted()  # D took it: its place in line goes to the next
                     frames = FrameReader(resp.content, TokenFrame)
@@ -279,6 +283,7 @@ class Dispatcher:
                         got_frame = True
                         if not batch:
                             raise ConnectionError("decode worker closed the stream before the request finished")
+                        watched.heard()
                         ready: list[TokenFrame] = []
                         for frame in batch:
                             if frame.error:
@@ -334,6 +339,9 @@ class Dispatcher:
                     stale.add(decode_id)
                     await self.pool.refresh()  # it drains or changed role: re-read the registry
                 except (aiohttp.ClientError, ConnectionError, _UpstreamTimeout, _BadAnswer) as exc:
+                    if watched is not None and watched.cut:  # (what the cut made of the read is beside the point)
+                        self.metrics.upstream_timeouts.labels("left").inc()
+                        exc = ConnectionError("decode worker left the registry while its stream was silent")
                     exclude.add(decode_id)
                     if isinstance(exc, _BadAnswer):
                         last_bad_answer = exc
@@ -355,6 +363,7 @@ class Dispatcher:
                     log.warning("request %s: decode worker %s failed before the first token (%s); retrying",
                                 request_id, decode_id, exc)
                 finally:
+                    self.left_watch.forget(watched)
                     if resp is not None:
                         # An unfinished stream is cut (which D notices at once); a finished one keeps
                         # its connection for the next request.

@@ -109,7 +109,8 @@ class GatewayMetrics:
             **kw)
         self.upstream_timeouts = Counter(
             "upstream_timeouts", "Waits on a decode worker that ran out, by phase (response: no answer; "
-            "first_token / idle: no frame).", ["phase"], **kw)
+            "first_token / idle: no frame; left: its worker gone from the registry and the stream silent, cut to "
+            "move on).", ["phase"], **kw)
         self.redis_unavailable = Counter(
             "redis_unavailable", "Redis calls that failed or timed out (routing fell back to load).", **kw)
         self.responses_store_failures = Counter(

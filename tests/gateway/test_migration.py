@@ -2,9 +2,12 @@
 whose worker dies mid-stream, or hands it over with a "migrate" frame, goes on at another worker,
 which is sent the prompt and exactly the tokens already passed on (computed there: no prefill
 worker) and continues; the client sees every token once.  The limit counts moves; at 0 the old
-explicit error comes back, and a worker is told it may hand a stream over only while a move is left."""
+explicit error comes back, and a worker is told it may hand a stream over only while a move is left.
+A stream that falls silent after its worker has left the registry moves on at once (``gateway.upstream_watch``),
+not after the idle timeout; one still streaming is left alone."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 
 import pytest
@@ -26,10 +29,12 @@ def token(i: int) -> int:
 
 class Worker:
     """A decode worker that continues after ``resume_token_ids`` and, after ``stop_after`` tokens of
-    its own, dies (cuts the connection) or hands the stream over; records what it was sent."""
+    its own, dies (cuts the connection), hands the stream over or stalls (says nothing more, as a
+    stopped process); records what it was sent."""
 
-    def __init__(self, stop_after: int | None = None, how: str = "die"):
-        self.stop_after, self.how = stop_after, how
+    def __init__(self, stop_after: int | None = None, how: str = "die", pause: float = 0.0):
+        self.stop_after, self.how, self.pause = stop_after, how, pause  # pause: before each token
+        self.stalled = asyncio.Event()
         self.bodies: list[GenerateRequest] = []
         self.on_hand_over = lambda: None  # what its registry entry then says (set by the test)
 
@@ -46,10 +51,14 @@ class Worker:
                 if self.how == "die":
                     request.transport.close()
                     return response
+                if self.how == "stall":
+                    self.stalled.set()
+                    await asyncio.sleep(3600)  # (cancelled when the gateway closes the stream)
                 self.on_hand_over()
                 await response.write(frame(TokenFrame(error="draining", error_kind="migrate")))
                 return response
             last = i == body.sampling_params.max_tokens - 1
+            await asyncio.sleep(self.pause)
             await response.write(frame(TokenFrame(token_ids=[token(i)], finished=last,
                                                   finish_reason="length" if last else None)))
         return response
@@ -132,3 +141,45 @@ async def test_a_worker_that_refused_the_moved_stream_takes_it_back_once_it_serv
         assert await run(d) == [token(i) for i in range(MAX_TOKENS)]
     assert [len(body.resume_token_ids) for body in d0_calls] == [0, 2, 5]
     assert len(d1.bodies[0].resume_token_ids) == 2
+
+
+async def test_a_silent_stream_of_a_worker_gone_from_the_registry_moves_on_without_the_idle_timeout():
+    """d0 stalls after 4 tokens (stopped: its heartbeats stop too).  While its entry is listed its
+    silent stream is waited for; once the entry has expired, at the next read of the registry, the
+    stream is cut and goes on at d1 -- not after the 60 s idle timeout."""
+    first, second = Worker(stop_after=4, how="stall"), Worker()
+    async with dispatcher(first.handle, second.handle) as d:
+        d.left_watch.silence_s = 0.0
+        tokens = asyncio.create_task(run(d))
+        await asyncio.wait_for(first.stalled.wait(), 60)
+        for listener in d.pool.listeners:  # a refresh of the registry: d0 still listed
+            listener(d.pool.workers, d.pool.workers)
+        await asyncio.sleep(0.05)
+        assert not tokens.done() and len(d.left_watch) == 1
+        for listener in d.pool.listeners:  # the next: d0 is gone
+            listener(d.pool.workers, [w for w in d.pool.workers if w.worker_id != "d0"])
+        assert await asyncio.wait_for(tokens, 30) == [token(i) for i in range(MAX_TOKENS)]  # each token once
+        assert d.metrics.upstream_timeouts.labels("left")._value.get() == 1
+        assert d.metrics.upstream_timeouts.labels("idle")._value.get() == 0
+        assert d.metrics.migrations.labels("worker_lost")._value.get() == 1
+        assert len(d.left_watch) == 0  # every stream read is forgotten once done with
+    resumed = second.bodies[0].resume_token_ids  # what reached the gateway before the cut
+    assert len(resumed) <= 4 and resumed == [token(i) for i in range(len(resumed))]
+
+
+async def test_a_stream_still_coming_from_a_worker_gone_from_the_registry_is_not_cut():
+    """Its heartbeats fail (Redis lost, say) but its frames keep coming, the stream lasting far past the
+    silence that cuts: every refresh that finds it gone sees a stream heard from just now, and leaves it."""
+    worker = Worker(pause=0.05)  # 9 tokens: ~0.45 s
+    async with dispatcher(worker.handle) as d:
+        d.left_watch.silence_s = 0.1
+        tokens = []
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.7, seed=3)
+        async with contextlib.aclosing(d.generate("r1", PROMPT, params, DispatchResult())) as frames:
+            async for batch in frames:
+                for listener in d.pool.listeners:
+                    listener(d.pool.workers, [])
+                tokens += [t for f in batch for t in f.token_ids]
+        assert tokens == [token(i) for i in range(MAX_TOKENS)]
+        assert d.metrics.upstream_timeouts.labels("left")._value.get() == 0 and len(d.left_watch) == 0
+    assert len(worker.bodies) == 1
