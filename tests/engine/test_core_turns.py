@@ -136,6 +136,21 @@ def _turn_in_thread(turns: CoreTurns) -> list:
     return got
 
 
+def _waited_for(peer: CoreTurns, waiter: CoreTurns, hold_s: float) -> list:
+    """The peer holds a turn for ``hold_s`` while the waiter asks for one: ``turn()``'s answer to it."""
+    thread, release = _hold_a_turn(peer)
+    got = []
+    try:
+        taker = threading.Thread(target=lambda: got.extend(_turn_in_thread(waiter)))
+        taker.start()
+        time.sleep(hold_s)
+    finally:
+        release.set()
+        thread.join(WAIT)
+    taker.join(WAIT)
+    return got
+
+
 def test_a_turn_held_far_past_its_holders_usual_is_not_waited_for(lock_path):
     """A peer whose turns are short (a few quick ones behind it) holds one and stops (SIGSTOP, a hang):
     a waiter gives up once the turn has lasted PATIENCE_TURNS x its longest recent one (and the
@@ -180,18 +195,9 @@ def test_a_turn_within_its_holders_usual_length_is_waited_for(lock_path, quick_t
     for _ in range(quick_turns):
         with peer.turn():
             pass
-    thread, release = _hold_a_turn(peer)
-    try:
-        waiter = CoreTurns(lock_path, wait_limit_s=3600, patience_floor_s=0.001)
-        got = []
-        taker = threading.Thread(target=lambda: got.extend(_turn_in_thread(waiter)))
-        taker.start()
-        time.sleep(1.0)  # the peer's turn: twice its longest, half the waiter's patience
-    finally:
-        release.set()
-        thread.join(WAIT)
-    taker.join(WAIT)
-    assert got == [True] and waiter.missed == 0
+    waiter = CoreTurns(lock_path, wait_limit_s=3600, patience_floor_s=0.001)
+    # the peer's turn: twice its longest, half the waiter's patience
+    assert _waited_for(peer, waiter, hold_s=1.0) == [True] and waiter.missed == 0
 
 
 def test_a_turn_longer_than_its_holders_quick_ones_is_waited_for_up_to_the_floor(lock_path):
@@ -201,18 +207,9 @@ def test_a_turn_longer_than_its_holders_quick_ones_is_waited_for_up_to_the_floor
     for _ in range(5):
         with peer.turn():
             pass
-    thread, release = _hold_a_turn(peer)
-    try:
-        waiter = CoreTurns(lock_path, wait_limit_s=3600, patience_floor_s=5.0)
-        got = []
-        taker = threading.Thread(target=lambda: got.extend(_turn_in_thread(waiter)))
-        taker.start()
-        time.sleep(0.3)  # thousands of the peer's usual turns, a fraction of the floor
-    finally:
-        release.set()
-        thread.join(WAIT)
-    taker.join(WAIT)
-    assert got == [True] and waiter.missed == 0
+    waiter = CoreTurns(lock_path, wait_limit_s=3600, patience_floor_s=5.0)
+    # thousands of the peer's usual turns, a fraction of the floor
+    assert _waited_for(peer, waiter, hold_s=0.3) == [True] and waiter.missed == 0
 
 
 def test_a_peer_stopped_while_it_waited_in_the_turnstile_does_not_hold_the_others_back(lock_path):
