@@ -245,4 +245,6 @@ class StreamingDecoder:
         the rest checked."""
         free = len(text) if self._unchecked is None else max(0, min(len(text), self._unchecked - self._fed))
         self._fed += len(text)
+        if not free:  # (every token past them, and every token without min_tokens: one feed)
+            return self.matcher.feed(text)
         return self.matcher.feed(text[:free], check=False) + self.matcher.feed(text[free:])
