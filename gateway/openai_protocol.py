@@ -202,10 +202,16 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     name: Annotated[str, msgspec.Meta(max_length=256)] | None = None
     tool_calls: Annotated[list[MessageToolCall], msgspec.Meta(max_length=MAX_TOOLS)] | None = None  # assistant
     tool_call_id: Annotated[str, msgspec.Meta(min_length=1, max_length=256)] | None = None  # tool
+    # An answer sent back as it came (``messages.append(choice.message)``): its refusal is the text where
+    # ``content`` is null; citations are not prompt text; audio and a legacy function call are never held.
+    refusal: str | None = None
+    annotations: Annotated[list[dict[str, Any]], msgspec.Meta(max_length=MAX_PARTS_PER_MESSAGE)] | None = None
+    audio: None = None
+    function_call: None = None
 
     def text(self) -> str:
         if self.content is None:
-            return ""
+            return self.refusal or ""
         if isinstance(self.content, str):
             return self.content
         return join_parts((part.refusal if part.type == "refusal" else part.text) or "" for part in self.content)
@@ -400,7 +406,8 @@ def _decode_messages(raw: msgspec.Raw) -> list[ChatMessage]:
                     raise invalid(f"the messages hold at most {MAX_CONTENT_PARTS} content parts in all",
                                   f"messages[{i}].content")
         messages.append(ChatMessage(role=message.role, content=content, name=message.name,
-                                    tool_calls=message.tool_calls, tool_call_id=message.tool_call_id))
+                                    tool_calls=message.tool_calls, tool_call_id=message.tool_call_id,
+                                    refusal=message.refusal, annotations=message.annotations))
     return messages
 
 
@@ -465,8 +472,9 @@ def parse_chat_request(body: bytes) -> ChatCompletionRequest:
             raise invalid(f"messages[{i}]: a tool message needs tool_call_id", f"messages[{i}].tool_call_id")
         if m.tool_call_id is not None and m.role != "tool":
             raise invalid(f"messages[{i}]: only a tool message has tool_call_id", f"messages[{i}].tool_call_id")
-        if m.tool_calls and m.role != "assistant":
-            raise invalid(f"messages[{i}]: only an assistant message has tool_calls", f"messages[{i}].tool_calls")
+        for field in ("tool_calls", "refusal", "annotations"):
+            if getattr(m, field) and m.role != "assistant":
+                raise invalid(f"messages[{i}]: only an assistant message has {field}", f"messages[{i}].{field}")
     plan = req.tool_plan()  # a choice the tools cannot meet is a 400 here
     if plan.structured is not None and req.sampling().structured is not None:
         raise invalid(f"tool_choice {plan.mode!r} constrains the output itself; it cannot be combined with "

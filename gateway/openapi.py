@@ -290,7 +290,9 @@ def openapi_document(model_id: str, *, vocab_size: int, api_keys: bool, stored_r
     schemas["ChatMessage"]["allOf"] = [
         _implies("role", {"const": "tool"}, {"required": ["tool_call_id"],
                                              "properties": {"tool_call_id": {"type": "string"}}}),
-        _implies("tool_calls", {"type": "array"}, {"properties": {"role": {"const": "assistant"}}}),
+        *[_implies(field, present, {"properties": {"role": {"const": "assistant"}}})
+          for field, present in (("tool_calls", {"type": "array"}), ("refusal", {"type": "string"}),
+                                 ("annotations", {"type": "array"}))],
         _implies("tool_call_id", {"type": "string"}, {"properties": {"role": {"const": "tool"}}}),
     ]
     for name, fields in _REQUIRED_EXTRA.items():

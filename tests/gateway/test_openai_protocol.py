@@ -22,6 +22,7 @@ from gateway.openai_protocol import (
     ModelCard, ModelList, OpenAIError, Usage, error_response, json_response, new_request_id,
     parse_chat_request, parse_completion_request, sse_event,
 )
+from gateway.openai_responses import ResponseFunction, ResponseToolCall
 from gateway.prompt_input import decode_prompt
 
 
@@ -358,6 +359,26 @@ def test_chat_rejections():
         {"type": "text", "text": "what is this"}, image]}]), "messages[0].content[1]", "text only")
     rejects(parse_chat_request, chat(tools=[{"type": "function"}]), "tools[0].function", "Missing required parameter")
     rejects(parse_chat_request, chat(n=0), "n", "Expected `int` >= 1")
+
+
+def test_an_answer_sent_back_as_the_client_parsed_it_is_the_next_turns_history():
+    call = ResponseToolCall("c1", ResponseFunction("f", '{"x": 1}'))
+    answers = [ChatResponseMessage("Hi."), ChatResponseMessage(None, tool_calls=[call])]
+    resent = [ChatCompletion.model_validate_json(msgspec.json.encode(ChatCompletionResponse(
+        id="c", created=1, model="m", choices=[ChatChoice(index=0, message=answer, finish_reason="stop")])))
+        .choices[0].message.model_dump(exclude_unset=True) for answer in answers]  # as the client sends it
+    assert resent[0] == {"content": "Hi.", "refusal": None, "role": "assistant"}
+    req = parse_chat_request(body(model="m", messages=[{"role": "user", "content": "x"}, *resent, {
+        "role": "tool", "tool_call_id": "c1", "content": "2"}, {"role": "assistant", "content": None,
+        "refusal": "I can't.", "annotations": [], "audio": None, "function_call": None}]))
+    history = req.template_messages()
+    assert [m["content"] for m in history] == ["x", "Hi.", "", "2", "I can't."]
+    assert history[2]["tool_calls"][0]["function"] == {"name": "f", "arguments": {"x": 1}}
+    for field, value in (("refusal", "no"), ("annotations", [{"type": "url_citation"}])):
+        rejects(parse_chat_request, body(model="m", messages=[{"role": "user", "content": "x", field: value}]),
+                f"messages[0].{field}", f"only an assistant message has {field}")
+    rejects(parse_chat_request, body(model="m", messages=[{"role": "assistant", "content": "x", "audio": {"id": "a"}}]),
+            "messages[0].audio", "Expected `null`")
 
 
 # ---- responses, checked with the official client's types ----------------------------------------

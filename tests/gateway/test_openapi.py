@@ -81,7 +81,8 @@ def test_the_document_describes_what_the_gateway_validates(stack, document):
     # a tool choice needs tools; a tool message needs its call's id).
     assert {rule["if"]["required"][0] for rule in chat["allOf"]} == {"stream_options", "top_logprobs", "max_tokens",
                                                                       "tool_choice"}
-    assert {rule["if"]["required"][0] for rule in schemas["ChatMessage"]["allOf"]} == {"role", "tool_calls", "tool_call_id"}
+    assert {rule["if"]["required"][0] for rule in schemas["ChatMessage"]["allOf"]} == {
+        "role", "tool_calls", "tool_call_id", "refusal", "annotations"}
     # The grammar-bearing fields are described in their wire shapes.
     assert set(schemas["ResponseFormat"]["properties"]["type"]["enum"]) == {"text", "json_object", "json_schema"}
     assert "StructuredOutput" not in schemas and schemas["StructuredOutputsParams"]["maxProperties"] == 1

@@ -127,9 +127,7 @@ def test_auto_without_a_call_is_plain_content(client, stack):
 
 def test_a_tool_result_on_the_next_turn(client, stack):
     first = ask(client, stack, f"{SHORT} turn", tool_choice="required", temperature=0).choices[0].message
-    history = [{"role": "user", "content": f"{SHORT} turn"},
-               {"role": "assistant", "content": None,
-                "tool_calls": [c.model_dump(exclude_none=True) for c in first.tool_calls]},
+    history = [{"role": "user", "content": f"{SHORT} turn"}, first,  # the answer sent back as the client parsed it
                *[{"role": "tool", "tool_call_id": c.id, "content": '{"temp": 21}'} for c in first.tool_calls]]
     answer = ask(client, stack, None, messages=history, temperature=0, max_tokens=6).choices[0]
     assert answer.finish_reason in ("stop", "length") and answer.message.tool_calls is None
