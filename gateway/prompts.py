@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import math
 from typing import Any, Callable, Sequence
 
@@ -73,21 +74,35 @@ class PromptEncoder:
     async def chat(self, messages: Sequence[dict[str, str]], render: Callable[[], list[int]],
                    bounded: bool = True) -> list[int]:
         """``render()`` applies the chat template and tokenizes, always in a thread and within
-        ``template_timeout_s``: a template is a program (jinja2's sandbox bounds what it may touch,
-        not how long it runs), and one that loops must cost its request a 400, not the event loop.
+        ``template_timeout_s`` from when a thread takes it (not while it waits for one behind other
+        renders): a template is a program (jinja2's sandbox bounds what it may touch, not how long
+        it runs), and one that loops must cost its request a 400, not the event loop.
         (The thread it holds is freed when the render ends.)  ``bounded``: as ``text``'s."""
         if bounded:
             chars = sum(len(m["content"]) for m in messages)
             self.check_size(chars, sum(len(m["content"].encode("utf-8", "surrogatepass")) for m in messages),
                             "messages")
+        loop = asyncio.get_running_loop()
         try:
-            async with asyncio.timeout(self.template_timeout_s):
-                return await asyncio.get_running_loop().run_in_executor(self._pool, render)
+            async with asyncio.timeout(None) as deadline:  # set once a thread takes the render, not queued
+                def start() -> None:
+                    with contextlib.suppress(RuntimeError):  # (the wait already ended: cancelled)
+                        deadline.reschedule(loop.time() + self.template_timeout_s)
+
+                def rendered() -> list[int]:
+                    loop.call_soon_threadsafe(start)  # (runs before the result's own callback)
+                    return render()
+
+                return await loop.run_in_executor(self._pool, rendered)
         except TimeoutError:
             raise invalid(f"the chat template took longer than {self.template_timeout_s:g} s to render these "
                           "messages", "messages", "chat_template_timeout") from None
 
-    async def _run(self, size: int, work: Callable[[], list[int]]) -> list[int]:
+    async def detokenize(self, ids: list[int]) -> str:
+        """``ids``' text (special tokens kept, as vLLM's ``/detokenize``): a long list in a thread."""
+        return await self._run(len(ids), lambda: self.tokenizer.decode(ids))
+
+    async def _run(self, size: int, work: Callable[[], Any]) -> Any:
         if size <= self.inline_chars:
             return work()
         return await asyncio.get_running_loop().run_in_executor(self._pool, work)

@@ -2,6 +2,7 @@
 cannot fit the model refused from their size alone, before any tokenizer work."""
 from __future__ import annotations
 
+import asyncio
 import threading
 
 import pytest
@@ -89,4 +90,51 @@ async def test_a_chat_template_that_runs_too_long_costs_its_request_a_400(tokeni
         assert await encoder.text("still serving") == tokenizer("still serving").input_ids
     finally:
         release.set()
+        encoder.close()
+
+
+async def test_a_render_waiting_for_a_thread_is_not_timed_until_it_runs(tokenizer):
+    """The time bound is the render's own: a chat queued behind a render that holds the only thread
+    for twice the bound is rendered, not refused."""
+    bound = 0.5
+    encoder = PromptEncoder(tokenizer, max_model_len=1024, threads=1, template_timeout_s=bound)
+    release = threading.Event()
+    try:
+        holder = asyncio.ensure_future(encoder.chat([{"role": "user", "content": "a"}], lambda: release.wait(30) and [1]))
+        queued = asyncio.ensure_future(encoder.chat([{"role": "user", "content": "b"}], lambda: [2]))
+        with pytest.raises(OpenAIError, match="chat_template|longer than"):
+            await holder  # the holder's own render timed out; its thread is still held
+        await asyncio.sleep(bound)  # the queued one has now waited twice the bound
+        assert not queued.done()
+        release.set()
+        assert await queued == [2]
+    finally:
+        release.set()
+        encoder.close()
+
+
+async def test_a_long_token_list_is_detokenized_off_the_event_loop(tokenizer):
+    class Recording:
+        def __init__(self):
+            self.threads = []
+
+        def decode(self, ids):
+            self.threads.append(threading.current_thread().name)
+            return tokenizer.decode(ids)
+
+        def __call__(self, *args, **kwargs):
+            return tokenizer(*args, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(tokenizer, name)
+
+    recording = Recording()
+    encoder = PromptEncoder(recording, max_model_len=1024, inline_chars=16, threads=1)
+    try:
+        short, long = [5] * 16, [5] * 17
+        assert await encoder.detokenize(short) == tokenizer.decode(short)
+        assert await encoder.detokenize(long) == tokenizer.decode(long)
+        assert recording.threads[0] == threading.current_thread().name
+        assert recording.threads[1].startswith("tokenize")
+    finally:
         encoder.close()
