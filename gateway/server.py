@@ -25,6 +25,7 @@ from urllib.parse import urlencode
 import aiohttp
 import msgspec
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 from yarl import URL
 
 from common.engine.structured.compiler import GrammarCompiler, make_backend
@@ -192,6 +193,9 @@ class Gateway:
         except TimeoutError:
             raise OpenAIError(408, f"the request body did not arrive within {self.config.client_read_timeout:g} s",
                               code="request_timeout") from None
+        except RequestPayloadError as exc:  # malformed gzip/deflate or chunks, or a body cut short
+            why = getattr(exc.__cause__, "message", "") or "malformed"
+            raise OpenAIError(400, f"the request body could not be read: {why}", code="invalid_request_body") from None
         if body and content_type is None:
             check_json_media(None)
         return body

@@ -76,11 +76,13 @@ def add_tokenize_routes(app: web.Application, handlers: OpenAIHandlers) -> None:
                                                        for k, v in chat.items()) + b"}")
             check_model(req.model)
             messages, render = handlers._chat_renderer(req, req.tool_plan())
-            ids = await services.prompts.chat(messages, render)
+            async with services.admission(request["tenant"]):  # (as a generation's: the tokenizer after it)
+                ids = await services.prompts.chat(messages, render)
         else:
             req = _decode(body, TokenizeText)
             check_model(req.model)
-            ids = await services.prompts.text(req.prompt, req.add_special_tokens)  # bounded, off the loop when long
+            async with services.admission(request["tenant"]):
+                ids = await services.prompts.text(req.prompt, req.add_special_tokens)  # bounded, off the loop when long
             pieces = req.return_token_strs
         strs = services.tokenizer.convert_ids_to_tokens(ids) if pieces else None  # (vLLM's: the pieces)
         return json_response(TokenizeAnswer(len(ids), services.max_model_len, ids, strs))
@@ -90,7 +92,9 @@ def add_tokenize_routes(app: web.Application, handlers: OpenAIHandlers) -> None:
         check_model(req.model)
         if req.tokens and max(req.tokens) >= services.vocab_size:
             raise invalid(f"token id {max(req.tokens)} is outside the vocabulary [0, {services.vocab_size})", "tokens")
-        return json_response(DetokenizeAnswer(services.tokenizer.decode(req.tokens)))
+        async with services.admission(request["tenant"]):
+            text = await services.prompts.detokenize(req.tokens)  # off the loop when long
+        return json_response(DetokenizeAnswer(text))
 
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)

@@ -332,6 +332,14 @@ def test_a_compressed_body_over_the_limit_is_refused_by_what_it_inflates_to(stac
     assert status == 413 and payload["error"]["message"].startswith("Request body (decompressed) exceeds the limit of ")
 
 
+@pytest.mark.parametrize("encoding", ["gzip", "deflate"])
+def test_a_compressed_body_that_does_not_inflate_is_a_400_naming_the_encoding(stack, encoding):
+    """It was a plain-text 500 (and an error logged with its traceback)."""
+    status, payload = post_raw(stack, b"\x1f\x8b not compressed at all", {"Content-Encoding": encoding})
+    assert status == 400 and payload["error"]["code"] == "invalid_request_body", payload
+    assert f"content-encoding: {encoding}" in payload["error"]["message"]
+
+
 # ---- slow and greedy clients (item "slow and greedy clients" of issue 8; limits of issue 9) ---
 
 KEYS = {"greedy": "sk-greedy-0123456789", "other": "sk-other-0123456789"}
@@ -402,6 +410,10 @@ def test_one_api_key_cannot_take_every_slot(stack, guarded, fakes):
                 async with post("greedy") as third:
                     assert third.status == 429 and third.headers.get("Retry-After")
                     assert "limit" in (await third.json())["error"]["message"]
+                for path, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [5]})):
+                    async with session.post(f"{guarded}{path}", json=body,  # its tokenizer work is admitted too
+                                            headers={"Authorization": f"Bearer {KEYS['greedy']}"}) as tokenized:
+                        assert tokenized.status == 429, path
                 async with post("other") as other:  # another key is not affected
                     assert other.status == 200
             finally:
