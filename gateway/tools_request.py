@@ -115,6 +115,12 @@ def check_unique_names(tools) -> None:
 # A function sent without ``parameters`` takes none (OpenAI's API: "an empty parameter list"): its
 # arguments are ``{}``, not any object a model may ramble into.
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
+ANY_ARGUMENTS = {"type": "object"}  # ``"parameters": {}``: a schema with no constraint (still an object)
+
+
+def arguments_schema(parameters: dict | None) -> dict:
+    """The schema a call's arguments follow: none without ``parameters``, any object for ``{}``."""
+    return NO_PARAMETERS if parameters is None else parameters or ANY_ARGUMENTS
 
 
 def plan_tools(tools: tuple[Tool, ...], choice: ToolChoice | None, parallel: bool) -> ToolPlan:
@@ -127,7 +133,7 @@ def plan_tools(tools: tuple[Tool, ...], choice: ToolChoice | None, parallel: boo
         if match is None:
             raise invalid(f"tool_choice names function {name!r}, which is not among the tools", "tool_choice",
                           "invalid_tools")
-        schema = match.function.parameters or NO_PARAMETERS
+        schema = arguments_schema(match.function.parameters)
         return ToolPlan(tools, "named", name, parallel,
                         StructuredOutput("json_schema", schema_text(schema, "tools"), "tools"))
     if choice in ("auto", "required") and not tools:
@@ -142,7 +148,7 @@ def calls_schema(tools: tuple[Tool, ...], parallel: bool) -> dict:
     """The JSON schema of ``required``'s output: ``[{"name": ..., "parameters": {...}}, ...]``."""
     items = [{"type": "object",
               "properties": {"name": {"const": t.function.name},
-                             "parameters": t.function.parameters or NO_PARAMETERS},
+                             "parameters": arguments_schema(t.function.parameters)},
               "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
     schema: dict[str, Any] = {"type": "array", "items": items[0] if len(items) == 1 else {"anyOf": items},
                               "minItems": 1}

@@ -27,11 +27,15 @@ def test_a_tool_reaches_the_template_as_sent_with_no_field_it_did_not_send():
 
 
 @pytest.mark.parametrize("choice", ["required", "named"])
-def test_a_function_sent_without_parameters_takes_none(choice):
+@pytest.mark.parametrize("sent, grammar", [
+    (None, {"type": "object", "properties": {}, "additionalProperties": False}),
+    ({}, {"type": "object"}),  # an empty schema constrains nothing: any object (it was taken for none)
+])
+def test_a_function_sent_without_parameters_takes_none(choice, sent, grammar):
     """OpenAI's API: omitted ``parameters`` define an empty parameter list -- the grammar allows
     ``{}`` alone (it allowed any object: a base model rambled until max_tokens)."""
-    bare = (Tool(type="function", function=FunctionDefinition(name="f")),)
+    bare = (Tool(type="function", function=FunctionDefinition(name="f", parameters=sent)),)
     plan = plan_tools(bare, NamedToolChoice("function", NamedFunction("f")) if choice == "named" else choice, True)
     schema = json.loads(plan.structured.value)
     parameters = schema if choice == "named" else schema["items"]["properties"]["parameters"]
-    assert parameters == {"type": "object", "properties": {}, "additionalProperties": False}
+    assert parameters == grammar
