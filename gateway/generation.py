@@ -43,6 +43,7 @@ class Generation:
     stop_reason: str | int | None = None  # the stop string, or the stop_token_ids token, that ended it
     tools: ToolOutput | None = None  # a chat request whose answer may hold tool calls
     running: list[int] = field(default_factory=lambda: [1])  # its prompt's choices not ended (one list for them all)
+    ended: bool = False  # counted out of ``running`` (its run ended, or it never started)
     dispatch: DispatchResult = field(default_factory=DispatchResult)  # where it ran
 
     def __post_init__(self) -> None:

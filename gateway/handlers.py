@@ -340,6 +340,7 @@ class OpenAIHandlers(ResponsesEndpoints):
         """Every generation started (closed with ``stack``), as ``_serve`` tells: the first choice's
         first batch, and every later batch of them all."""
         self.services.metrics.model(gens[0].model).prompt_tokens.inc(prompt_tokens(gens))
+        stack.callback(lambda: [self._ended(gen) for gen in gens])  # last: runs closed before they began
         runs = [await stack.enter_async_context(contextlib.aclosing(self._run(gens[0])))]
         first = await self._upstream(anext(runs[0]))
         sibling = True
@@ -413,10 +414,18 @@ class OpenAIHandlers(ResponsesEndpoints):
                     if gen.finish_reason is not None:
                         return
         finally:
-            metrics.generation_tokens.inc(len(gen.token_ids))
-            gen.running[0] -= 1
-            if not gen.running[0]:  # once a prompt, as its last choice ends (``_observe_first_frame``)
-                metrics.e2e_request_latency.observe(time.monotonic() - gen.arrival)
+            self._ended(gen)
+
+    def _ended(self, gen: Generation) -> None:
+        """Count ``gen`` out of its prompt's running choices, once (its run's end, or its never starting)."""
+        if gen.ended:
+            return
+        gen.ended = True
+        metrics = self.services.metrics.model(gen.model)
+        metrics.generation_tokens.inc(len(gen.token_ids))
+        gen.running[0] -= 1
+        if not gen.running[0]:  # once a prompt, as its last choice ends (``_observe_first_frame``)
+            metrics.e2e_request_latency.observe(time.monotonic() - gen.arrival)
 
     async def _stream(self, request: web.Request, gens: list[Generation], rest, first,
                       events: AnswerStream) -> web.StreamResponse:

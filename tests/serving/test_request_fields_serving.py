@@ -6,6 +6,8 @@ logprobs on chat and completions including the first token (sampled by the prefi
 from __future__ import annotations
 
 import json
+import socket
+import time
 import urllib.error
 import urllib.request
 
@@ -51,6 +53,23 @@ def test_n_choices_are_reproducible_with_a_seed_and_share_the_prompt(client, sta
     alone = client.completions.create(model=stack.model_name, prompt=prompt, max_tokens=8, temperature=1.0, seed=12,
                                       extra_body={"ignore_eos": True})
     assert alone.choices[0].text == texts(first)[1]
+
+
+def test_n_choices_of_a_client_gone_before_its_first_token_end_its_request_once(stack):
+    """The client leaves while its prompt is computed: its choices' runs, begun or not, end the
+    request -- its end-to-end latency observed once (the choices never begun were not counted out)."""
+    ended = gateway_metric(stack, "pdserve_e2e_request_latency_seconds_count")
+    body = json.dumps({"model": stack.model_name, "prompt": f"{LONG} gone early", "n": 3, "max_tokens": 50,
+                       "stream": True}).encode()
+    host, port = stack.gateway_url.rsplit("/", 1)[1].split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    deadline = time.monotonic() + 60
+    while gateway_metric(stack, "pdserve_e2e_request_latency_seconds_count") == ended:
+        assert time.monotonic() < deadline, "the request never ended"
+        time.sleep(0.1)
+    assert gateway_metric(stack, "pdserve_e2e_request_latency_seconds_count") == ended + 1
 
 
 def test_a_batch_of_prompts_answers_each_as_if_alone(client, stack):
