@@ -211,7 +211,12 @@ class Scheduler(TurnTaking):
         decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
         self.speculation.begin_step(len(decoding))
+        # Drafts come out of what the step leaves once every running request has its next token and
+        # the head of the line its next chunk: they took the whole budget from the requests behind
+        # them and from new prompts, step after step while they held.
+        behind, head_due = len(decoding) + len(prefilling), self._head_due()
         for request in decoding + prefilling:
+            behind -= 1
             if budget == 0:
                 break
             if request.status != RequestStatus.RUNNING:
@@ -228,7 +233,8 @@ class Scheduler(TurnTaking):
                     if victim is request:
                         break
             if request.status == RequestStatus.RUNNING:
-                drafts = self.speculation.draft(request, budget - num_new, self.kv_manager) if num_new == 1 else []
+                spare = max(budget - num_new - behind - head_due, 0)
+                drafts = self.speculation.draft(request, spare, self.kv_manager) if num_new == 1 else []
                 scheduled[request.request_id] = self._schedule_one(request, num_new, drafts)
                 budget -= num_new + len(drafts)
 
@@ -246,6 +252,13 @@ class Scheduler(TurnTaking):
         self.speculation.complete_drafts(out.scheduled)
         out.num_scheduled_tokens = self.config.max_num_batched_tokens - budget
         return out
+
+    def _head_due(self) -> int:
+        """The tokens the next request in line would take this step, where a seat is free for it."""
+        line = self.landed or self.waiting
+        if not line or len(self.running) >= self.config.max_num_seqs:
+            return 0
+        return min(line[0].num_tokens - line[0].num_computed_tokens, self.config.max_num_batched_tokens)
 
     def _admit_landed(self, scheduled: dict[str, ScheduledRequest], budget: int, out: SchedulerOutput) -> int:
         """Admit landed requests in order, without the watermark (they hold their blocks).  One

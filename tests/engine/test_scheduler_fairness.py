@@ -113,3 +113,41 @@ def test_a_long_request_keeps_the_room_to_finish_instead_of_being_recomputed():
         assert "long" not in s.requests, f"caching={caching}: never finished: {s.requests['long']}"
         # Its prompt and 47 of its outputs (the last token is sampled, never computed).
         assert computed["long"] == 12 + 47, f"caching={caching}: computed {computed['long']} tokens for 59"
+
+
+class RightDrafts:
+    """Drafts a step then accepts in full (a repetitive answer): speculation never backs off."""
+
+    def propose(self, request, num_tokens, block_ids):
+        return [7] * num_tokens
+
+    def forget(self, request_id):
+        pass
+
+
+def test_drafts_take_only_what_the_running_requests_and_the_next_prompt_leave():
+    """Two requests whose drafts always hold took every token of each step: the requests behind
+    them got none and a prompt with a free seat was never admitted, while they lasted."""
+    from common.engine.speculative.speculation import Speculation, SpeculativeConfig
+
+    speculation = Speculation(SpeculativeConfig("ngram", num_tokens=3, cost_gate=False), 256)
+    speculation.proposer = RightDrafts()
+    config = SchedulerConfig(max_num_batched_tokens=8, max_num_seqs=4, max_model_len=256, watermark=0.0)
+    s = Scheduler(config, KVCacheManager(BlockPool(64), 4), speculation)
+    for i in range(3):
+        s.add_request(req(f"r{i}", 2, max_tokens=200, first=10 * i))
+    def accepted(out):  # every draft, and one token more
+        return {x.request_id: [*x.draft_token_ids, 7] if x.draft_token_ids else 7 for x in out.scheduled if x.sample}
+
+    for _ in range(3):  # their prompts
+        s.update(out := s.schedule(), accepted(out))
+    s.add_request(req("late", 5, max_tokens=200, first=100))
+    gained = dict.fromkeys(["r0", "r1", "r2", "late"], 0)
+    for _ in range(12):
+        out = s.schedule()
+        assert out.num_scheduled_tokens <= 8
+        s.update(out, accepted(out))
+        for x in out.scheduled:
+            gained[x.request_id] += 1
+    assert all(n == 12 for r, n in gained.items() if r != "late"), gained  # a token every step
+    assert gained["late"] >= 11, gained  # admitted at once: its prompt, then a token a step

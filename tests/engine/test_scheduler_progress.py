@@ -22,7 +22,9 @@ offered before every step, their KV landing at once or a few steps later).  A pr
 prompt queued behind a request that waits for room is not counted as one that could run: it
 would add held blocks to what that request waits for, so it waits too (the scheduler's
 docstring).  Runs with prefix caching on and off, and with speculation (drafts on every decode
-step, some accepted: the extra slots are taken only where free, never by preempting).  Before the fix, a chunked prompt that needed
+step, some accepted: the extra slots are taken only where free, never by preempting).  And every
+step, each decoding request that is not preempted computes its token (drafts are what the running
+requests' tokens leave: they took every token of the step from the requests behind them).  Before the fix, a chunked prompt that needed
 more than the room left beside reservations preempted itself forever while others waited; and
 then, reservations granted before every step starved a waiting prompt that fit alone.
 """
@@ -103,7 +105,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                                  remote_lease_s=LEASE_S, remote_claim_s=3.0)
         speculation = None
         if self.speculating:  # drafts from a stub, some accepted, some not: never backing off
-            speculation = Speculation(SpeculativeConfig("ngram", num_tokens=3, min_accepted=0.0), 256)
+            speculation = Speculation(SpeculativeConfig("ngram", num_tokens=3, min_accepted=0.0, cost_gate=False), 256)
             speculation.proposer = CountingProposer()
         self.s = Scheduler(config, KVCacheManager(BlockPool(num_blocks, enable_caching=self.caching), block_size),
                            speculation)
@@ -289,10 +291,15 @@ class SchedulerMachine(RuleBasedStateMachine):
         could_run = some_request_could_run(s)
         self.watch()
         if s.has_work():
+            decoding = [r.request_id for r in s.running if r.num_tokens - r.num_computed_tokens == 1]
             out = s.schedule()
             self.idle_verified = False
             for item in out.scheduled:  # every token computed (drafts too) has its KV slot
                 assert len(item.block_ids) * s.block_size >= item.num_computed_tokens + len(item.token_ids), item
+            # Every decoding request not preempted has its token: none is left out step after step
+            # (by the drafts of those before it, or a batch of more requests than the step's tokens).
+            stepped = {item.request_id for item in out.scheduled} | set(out.preempted_request_ids)
+            assert stepped.issuperset(decoding), (decoding, out.scheduled, s.config)
         else:  # the engine thread takes no step: one would do nothing (tried on a copy, once)
             if not self.idle_verified:
                 out = copy.deepcopy(s).schedule()
