@@ -166,6 +166,20 @@ def test_min_tokens_holds_back_eos(engine):
     assert len(held.token_ids) == 5 and eos not in held.token_ids[:4] and held.token_ids[4] == eos
 
 
+def test_a_users_stop_token_the_grammar_takes_as_text_does_not_let_eos_in_mid_output(engine):
+    """Mid-output (twenty letters), the user's stop token "e" is text to the grammar: EOS stays
+    masked -- the stop token's bit opened every stop token's, and an EOS pushed up by a bias then
+    ended the request with an error at its first token."""
+    spec = StructuredOutput("regex", "[a-z]{20}", field="structured_outputs")
+    letter = engine.tokenizer.encode("e", add_special_tokens=False)[0]
+    eos = engine.model_config.eos_token_ids[0]
+    params = SamplingParams(max_tokens=30, temperature=0.0, structured=spec, stop_token_ids=(letter,),
+                            logit_bias=((eos, 100.0), (letter, -100.0)))
+    result = engine.generate(["Hello"], params)[0]
+    assert result.finish_reason == "stop" and re.fullmatch("[a-z]{20}", result.text), result
+    assert eos not in result.token_ids[:-1]
+
+
 def test_grammar_mask_applies_before_greedy_argmax():
     from common.engine.sampler import Sampler, SamplingRow
 

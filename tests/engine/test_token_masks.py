@@ -1,6 +1,6 @@
 """``TokenMasks``: each constrained row ends with exactly its allowed tokens finite (sparse rows
 rebuilt from their allowed tokens, dense rows masked), and a row whose grammar may end allows all
-of the request's stop tokens."""
+of the request's stop tokens -- one whose grammar may not, only those it takes as text."""
 import numpy as np
 import pytest
 import torch
@@ -24,8 +24,11 @@ VOCAB = 1000  # not a multiple of 32: the last word is partly outside the vocabu
 
 
 class FixedSet:
-    def __init__(self, allowed):
-        self.allowed = allowed
+    def __init__(self, allowed, ends=True):
+        self.allowed, self.ends = allowed, ends
+
+    def may_end(self):
+        return self.ends
 
     def fill_bitmask(self, bitmask, row):
         bits = np.zeros(bitmask.shape[1] * 32, dtype=np.uint8)
@@ -66,3 +69,12 @@ def test_min_tokens_holds_the_stop_tokens_back_unless_the_grammar_can_only_end(p
     TokenMasks().apply(logits, [0, 1], [FixedSet({3, 5}), FixedSet({5})], [(5, 63), (5, 63)], [True, True])
     assert torch.isfinite(logits[0]).nonzero()[:, 0].tolist() == [3]
     assert torch.isfinite(logits[1]).nonzero()[:, 0].tolist() == [5, 63]
+
+
+def test_a_stop_token_the_grammar_takes_as_text_does_not_open_the_others(path):
+    """Mid-output, the grammar allows 5 and 7 -- the user's stop token, as text: EOS (2) stays
+    masked (it was allowed too, and sampling it failed the request)."""
+    logits = torch.zeros(2, 64)
+    TokenMasks().apply(logits, [0, 1], [FixedSet({5, 7}, ends=False), FixedSet({5, 7}, ends=True)], [(2, 7), (2, 7)])
+    assert torch.isfinite(logits[0]).nonzero()[:, 0].tolist() == [5, 7]
+    assert torch.isfinite(logits[1]).nonzero()[:, 0].tolist() == [2, 5, 7]

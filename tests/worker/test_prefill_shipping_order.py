@@ -86,6 +86,9 @@ class FailedGrammar:
     def is_stopped(self):
         return False
 
+    def may_end(self):
+        return False
+
 
 def test_a_request_that_ends_with_an_error_gives_its_blocks_back_and_fails_its_transfer(engine):
     shipper = Shipper(SimpleNamespace(model=SimpleNamespace(device=engine.device)))

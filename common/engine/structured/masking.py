@@ -63,9 +63,11 @@ class TokenMasks:
               stop_token_ids: Sequence[Sequence[int]], holding: Sequence[bool] = ()) -> None:
         """Mask ``logits[rows[i]]`` (in place) to what ``matchers[i]`` allows next.
 
-        ``stop_token_ids[i]``: the request's stop tokens.  Where the grammar lets the output end,
-        all of them are allowed; where ``holding[i]`` (``min_tokens`` not reached yet) none is,
-        unless the grammar allows nothing else (it is complete: ending early beats an empty row)."""
+        ``stop_token_ids[i]``: the request's stop tokens.  Where the grammar lets the output end
+        (``may_end``), all of them are allowed; where ``holding[i]`` (``min_tokens`` not reached
+        yet) none is, unless the grammar allows nothing else (it is complete: ending early beats an
+        empty row).  Elsewhere a stop token is allowed only where the grammar takes it as text (a
+        user's stop token inside a string), and it alone."""
         vocab = logits.shape[1]
         packed = self._filled(matchers, vocab).numpy()
         for i, stops in enumerate(stop_token_ids):
@@ -76,7 +78,7 @@ class TokenMasks:
             if holding and holding[i] and len(set_bits) < np.bitwise_count(packed[i].view(np.uint32)).sum():
                 for t in set_bits:
                     packed[i, t >> 5] &= ~_bit(t)
-            elif set_bits:
+            elif set_bits and matchers[i].may_end():
                 for t in inside:  # the output may end: any of its stop tokens ends it
                     packed[i, t >> 5] |= _bit(t)
         kernel = _kernel(logits)

@@ -36,7 +36,7 @@ class XGrammarMatcher:
         return self._m.is_terminated()
 
     def may_end(self) -> bool:
-        return True  # (its mask allows a stop token only where the output may end; its grammars name none)
+        return self._m.is_completed() or self._m.is_terminated()
 
     def error(self) -> str | None:
         return None  # (xgrammar's matchers have no error state: a token it forbids is refused)
