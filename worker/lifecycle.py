@@ -138,6 +138,7 @@ class Worker:
         self.engine_thread = EngineThread(self.engine, loop, max_step_failures=self.config.max_step_failures,
                                           watchdog_s=self.config.engine_watchdog_s, hang_backstop=True,
                                           core_turns=turns)
+        self.engine.block_pool.record_events = True  # published after each step
         self.engine_thread.after_step.append(self._publish_cache_events)
         self.engine_thread.on_fatal = self._engine_failed
         self.engine_thread.on_lease_expired = self._leases_expired

@@ -38,7 +38,7 @@ def test_freed_blocks_go_to_the_tail_in_the_order_given():
 
 
 def test_cached_block_survives_free_and_is_evicted_lru_first():
-    pool = BlockPool(3)
+    pool = BlockPool(3, record_events=True)
     a, b, c = pool.allocate(3)
     ha, hb = hash_block_tokens(None, [1, 2]), hash_block_tokens(None, [3, 4])
     pool.commit(a, ha, None, [1, 2])
@@ -54,8 +54,18 @@ def test_cached_block_survives_free_and_is_evicted_lru_first():
     pool.check_integrity()
 
 
+def test_a_pool_nobody_publishes_for_keeps_no_events():
+    """The offline engine never takes them: each hash cached or evicted was kept for good."""
+    pool = BlockPool(2)
+    for i in range(50):
+        (block,) = pool.allocate(1)
+        pool.commit(block, hash_block_tokens(None, [i]), None, [i])
+        pool.free([block])
+    assert pool.take_events() == ([], []) and len(pool.cached) == 2
+
+
 def test_reset_forgets_only_the_cached_blocks_no_request_holds():
-    pool = BlockPool(3)
+    pool = BlockPool(3, record_events=True)
     held, free = pool.allocate(2)
     h_held, h_free = hash_block_tokens(None, [1, 2]), hash_block_tokens(None, [3, 4])
     pool.commit(held, h_held, None, [1, 2])

@@ -88,10 +88,11 @@ class BlockPool:
     """Owns every KV block: allocation, reference counting, the prefix cache and eviction.
 
     Cache changes are recorded as events (``take_events``) so a worker can publish them to the
-    Redis prefix index without the pool knowing about Redis.
+    Redis prefix index without the pool knowing about Redis -- where ``record_events`` (off, an
+    engine nobody publishes for, as the offline one, would keep every hash it ever cached).
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True):
+    def __init__(self, num_blocks: int, enable_caching: bool = True, record_events: bool = False):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -99,6 +100,7 @@ class BlockPool:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[BlockHash, KVCacheBlock] = {}
+        self.record_events = record_events
         self._stored_events: list[BlockHash] = []
         self._removed_events: list[BlockHash] = []
 
@@ -161,7 +163,8 @@ class BlockPool:
         block.token_ids = tuple(token_ids)
         block.extra_keys = extra_keys
         self.cached[block_hash] = block
-        self._stored_events.append(block_hash)
+        if self.record_events:
+            self._stored_events.append(block_hash)
 
     def take_events(self) -> tuple[list[BlockHash], list[BlockHash]]:
         """Hashes stored and removed since the last call, for the prefix index."""
@@ -183,7 +186,8 @@ class BlockPool:
             return
         if self.cached.get(block.block_hash) is block:
             del self.cached[block.block_hash]
-            self._removed_events.append(block.block_hash)
+            if self.record_events:
+                self._removed_events.append(block.block_hash)
         block.block_hash = block.parent_hash = block.extra_keys = None
         block.token_ids = None
 
