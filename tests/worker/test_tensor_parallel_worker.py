@@ -47,6 +47,17 @@ def test_greedy_answers_equal_one_rank(stack, served_checkpoint):
     assert stack.stats("d0")["tensor_parallel_size"] == 2 and stack.stats("p0")["tensor_parallel_size"] == 2
 
 
+def test_a_tensor_parallel_worker_listens_on_loopback_alone(stack):
+    """Its ranks meet through a private file, and their group's sockets are on loopback: the
+    rendezvous was torch's TCPStore, listening on every interface for anyone to rewrite the ranks'
+    addresses (the workers' own listeners here are on 127.0.0.1, as configured)."""
+    for name in ("d0", "p0"):
+        worker = psutil.Process(stack.procs[name].popen.pid)
+        listening = [c.laddr for p in [worker, *worker.children(recursive=True)]
+                     for c in p.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
+        assert listening and all(address.ip in ("127.0.0.1", "::1") for address in listening), (name, listening)
+
+
 async def stream_while_a_follower_dies(stack) -> list:
     """A long stream on d0; once it has tokens, d0's follower rank is killed.  Its frames."""
     async with WorkerClient(stack, "d0") as client:
