@@ -26,6 +26,10 @@ from kvtransfer.socket_io import failed_listeners
 from kvtransfer.ucx_worker import failed_ucx_listeners
 from worker.engine_thread import EngineFailed
 
+class ShuttingDown(RuntimeError):
+    """A role change refused (409): the worker drains to exit."""
+
+
 STEPS_PAGE = 4096  # most steps one /admin/steps answer holds (about 400 KB of JSON)
 
 
@@ -136,6 +140,8 @@ class AdminHandlers:
             await worker.set_role(role)
         except ValueError as exc:
             return web.json_response({"error": str(exc)}, status=400)
+        except ShuttingDown as exc:
+            return web.json_response({"error": str(exc)}, status=409)
         # The role this call set (another call may have set another since, while this one's entry was written).
         return web.json_response({"worker_id": worker.config.worker_id, "role": role, "state": worker.state,
                                   "inflight": held})

@@ -45,7 +45,7 @@ from kvtransfer.config import parse_address
 from kvtransfer.receiver import KVReceiver
 from kvtransfer.sender import KVSender
 from kvtransfer.socket_io import listener_stats
-from worker.admin_routes import add_admin_routes
+from worker.admin_routes import ShuttingDown, add_admin_routes
 from worker.config import ROLES, WorkerConfig
 from worker.engine_thread import EngineFailed, EngineThread
 from worker.fault_injection import fault_injector_from_env, stick_an_executor_thread
@@ -107,6 +107,7 @@ class Worker:
         self.tpot = RecentLatency()
         self.prefill_rate = RecentRate()
         self._drain_task: asyncio.Task | None = None
+        self.shutting_down = False  # its drain ends with the process: no role change brings it back
         self.movable_streams: set[str] = set()  # streams a drain hands over (``RoleContext``)
         self.exports_due: set[str] = set()  # streams handed over whose KV may still be fetched from here
         self.precopies_due: set[str] = set()  # streams told of their hand-over, whose KV may be pre-copied
@@ -435,7 +436,8 @@ class Worker:
         await self.in_flight.wait_idle(timeout)
 
     async def drain(self) -> None:
-        """Stop taking new requests, finish what is in flight, then report idle."""
+        """Shutting down: stop taking new requests for good, finish what is in flight, then report idle."""
+        self.shutting_down = True
         await self.begin_drain()
 
     async def set_role(self, role: str) -> None:
@@ -447,6 +449,8 @@ class Worker:
         on its next read.  Also the way back from a drain: the worker becomes active again."""
         if role not in ROLES:
             raise ValueError(f"unknown role {role!r}; expected one of {', '.join(ROLES)}")
+        if self.shutting_down:  # (its drain's end is the process's: it cut the streams a change let in)
+            raise ShuttingDown("the worker is shutting down; its role stays until it exits")
         log.info("role change %s -> %s", self.role, role)
         self.role = role
         if self._drain_task is not None and not self._drain_task.done():

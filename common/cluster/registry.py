@@ -369,9 +369,10 @@ class Heartbeat:
     async def beat(self) -> bool:
         """Write the entry now (also used right after a state change); True on success.  Beats
         are written one at a time, each with the state of its own turn: a periodic beat that read
-        the state before a change never lands after the change's beat."""
+        the state before a change never lands after the change's beat.  False once stopped: a
+        stopped worker's entry stays gone (a late role change re-registered an exiting process)."""
         async with self._writing:
-            return await self._write()
+            return False if self._stopping else await self._write()
 
     async def _write(self) -> bool:
         try:

@@ -143,6 +143,8 @@ async def test_heartbeat_refreshes_entry_and_deregisters_on_stop(redis_client, k
     await hb2.start()
     await hb2.stop()
     assert await reg.list_workers(MODEL) == []
+    # A state change after the stop (a late /admin/role while the server still answers) writes nothing.
+    assert await hb2.beat() is False and await reg.list_workers(MODEL) == []
 
     with pytest.raises(ValueError, match="interval_s"):
         Heartbeat(reg, info_fn, interval_s=3.0)
@@ -186,7 +188,8 @@ async def test_heartbeat_survives_redis_outage():
         await hb.stop()  # deregister fails quietly too; the entry would expire
         server.start()  # same port, empty data
         assert await reg.list_workers(MODEL) == []
-        assert await hb.beat()  # the next beat re-creates the entry
+        hb = Heartbeat(reg, lambda: make_info("p0"))  # (the stopped one writes no more)
+        assert await hb.beat()  # a beat re-creates the entry
         assert [w.worker_id for w in await reg.list_workers(MODEL)] == ["p0"]
     finally:
         await client.aclose()
