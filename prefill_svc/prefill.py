@@ -61,6 +61,9 @@ async def handle_prefill(context: RoleContext, shipper: Shipper, request: web.Re
             block_size=context.model.block_size, transport=context.config.kv.transport)
     except ValueError as exc:
         return _reply(PrefillResult(error=f"invalid PrefillRequest: {exc}"), 400)
+    # Again after the lookup: a drain that began meanwhile found nothing in flight, and said idle.
+    if refusal := context.accepts("export" if body.moved_stream_id else "prefill"):
+        return _reply(PrefillResult(error=refusal[1]), 503)
     try:
         context.in_flight.track(body.request_id)
     except ValueError as exc:

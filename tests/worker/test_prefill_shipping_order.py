@@ -188,3 +188,32 @@ async def test_a_transfer_whose_request_ended_fails_at_once_and_says_whether_its
             await asyncio.wait_for(shipping.ship(context, job), timeout=10)
         assert info.value.with_output is with_output
     assert len(aborted) == 2 and transfer.finished is None  # the receiver is told, never that it is complete
+
+
+async def test_a_prefill_whose_worker_began_to_drain_during_its_lookup_is_refused(monkeypatch):
+    """The decode worker's registry entry is looked up before the prefill is tracked: a drain that
+    began meanwhile found nothing in flight and reported idle, and the prefill then ran anyway."""
+    from common.cluster.messages import PrefillRequest, encode
+    from prefill_svc import prefill
+
+    state = {"draining": False}
+
+    async def lookup(_worker_id):
+        state["draining"] = True  # the drain begins, and finds nothing in flight
+        return object()
+
+    tracked = []
+    context = SimpleNamespace(accepts=lambda kind: ("refused", "worker is draining") if state["draining"] else None,
+                              peers=SimpleNamespace(get=lookup), in_flight=SimpleNamespace(track=tracked.append),
+                              model=SimpleNamespace(vocab_size=1000, block_size=BLOCK),
+                              config=SimpleNamespace(kv=SimpleNamespace(transport="tcp")))
+    monkeypatch.setattr(prefill, "check_prefill_request", lambda *args, **kwargs: KVAddress("tcp", "127.0.0.1", 1))
+    body = encode(PrefillRequest(request_id="p", prompt_token_ids=[5, 6, 7], sampling_params=SamplingParams(),
+                                 decode_worker_id="d0", dst_block_ids=[0], transfer_id="0" * 32))
+
+    class Posted:
+        async def read(self):
+            return body
+
+    answer = await prefill.handle_prefill(context, shipper=None, request=Posted())
+    assert answer.status == 503 and tracked == []
