@@ -107,6 +107,9 @@ def cmd_scale(client, args) -> int:
                          f"{args.gpus} this host has (one GPU per worker)")
     if args.prefill + args.decode < 1:
         raise ValueError(f"need at least one worker, got --prefill {args.prefill} --decode {args.decode}")
+    if args.decode < 1 and not args.allow_outage:  # (prefill workers compute prompts; decode workers answer)
+        raise ValueError("--decode 0 leaves no worker to generate: every request would fail (pass --allow-outage "
+                         "to do it anyway)")
     op = operator(client, args)
     plan = op.plan_scale({"prefill": args.prefill, "decode": args.decode})
     for line in plan.describe(op.entries()):
@@ -193,6 +196,7 @@ def add_commands(sub) -> None:
     s.add_argument("--decode", type=int, required=True)
     s.add_argument("--gpus", type=int, default=None, help="GPUs on the host: refuse more workers than this")
     s.add_argument("--run", action="store_true", help="do it (default: print the plan)")
+    s.add_argument("--allow-outage", action="store_true", help="also scale the decode pool to 0")
     _compose_options(s)
     s.set_defaults(func=cmd_scale)
 

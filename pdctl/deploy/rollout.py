@@ -64,23 +64,43 @@ class Operator:
     # ---- building blocks ------------------------------------------------------------------
 
     def drain(self, replicas: list[Replica]) -> None:
-        """Ask each registered replica to drain, then wait until each reports idle."""
+        """Ask each registered replica to drain, then wait until each reports idle.  Where one
+        cannot be drained, every replica this call drained is put back in service (its role set
+        again: the way back from a drain) before the error is raised -- none is left parked, out of
+        the pools and never removed."""
         entries = self.entries()
-        started = []
-        for r in replicas:
-            entry = entries.get(r.worker_id or "")
-            if entry is None:
-                continue  # not registered: nothing routes to it, nothing to finish
-            before = entry.get("heartbeat_at", 0.0)
-            self.client.drain(r.worker_id)
-            self._event("drain", r, f"{r.service}: draining {r.name} (worker {r.worker_id})")
-            started.append((r, before))
-        for r, before in started:
+        started: list[tuple[Replica, float, str]] = []
+        try:
+            for r in replicas:
+                entry = entries.get(r.worker_id or "")
+                if entry is None:
+                    continue  # not registered: nothing routes to it, nothing to finish
+                before = entry.get("heartbeat_at", 0.0)
+                self.client.drain(r.worker_id)
+                self._event("drain", r, f"{r.service}: draining {r.name} (worker {r.worker_id})")
+                started.append((r, before, entry["role"]))
+            for r, before, _ in started:
+                try:
+                    self.client.wait_for(r.worker_id, lambda w: w["state"] == "idle", "idle", self.drain_timeout, before)
+                except Exception as exc:
+                    raise OperationError(f"{r.name} did not finish draining: {exc}") from None
+                self._event("idle", r, f"{r.service}: {r.name} is idle")
+        except Exception as exc:
+            back = self._back_in_service(started)
+            raise OperationError(f"{exc}" + (f" (back in service: {', '.join(back)})" if back else "")) from None
+
+    def _back_in_service(self, drained: list[tuple[Replica, float, str]]) -> list[str]:
+        """Each of ``drained`` active again in its role, where it answers; their names."""
+        back = []
+        for r, _, role in drained:
             try:
-                self.client.wait_for(r.worker_id, lambda w: w["state"] == "idle", "idle", self.drain_timeout, before)
-            except Exception as exc:
-                raise OperationError(f"{r.name} did not finish draining: {exc}") from None
-            self._event("idle", r, f"{r.service}: {r.name} is idle")
+                self.client.set_role(r.worker_id, role)
+            except Exception as exc:  # noqa: BLE001 - said, and the others still tried
+                self.say(f"{r.service}: {r.name} stays drained ({exc}): pdctl set-role {r.worker_id} {role}")
+                continue
+            self._event("back", r, f"{r.service}: {r.name} back in service as {role}")
+            back.append(r.name)
+        return back
 
     def remove(self, r: Replica) -> None:
         self.backend.remove(r, self.stop_grace_s)

@@ -9,12 +9,14 @@ import stat
 import threading
 import time
 import urllib.request
+from types import SimpleNamespace
 
 import pytest
 
 from common.cluster.auth import secret_problem
 from pdctl import cli as pdctl
 from pdctl.deploy.backends import ComposeBackend, LocalBackend, Replica
+from pdctl.deploy.cli import cmd_scale
 from pdctl.deploy.env_file import SHARED_SECRETS, read_env_file
 from pdctl.deploy.rollout import OperationError, Operator
 from tests.support.cluster import ADMIN_TOKEN, running_cluster
@@ -109,6 +111,44 @@ def test_scale_down_picks_exited_then_idle_replicas():
                "w4": {"load": {"num_running": 0}}}
     assert [r.name for r in Operator.victims(replicas, 1, entries)] == ["d-3"]
     assert [r.name for r in Operator.victims(replicas, 3, entries)] == ["d-3", "d-4", "d-2"]
+
+
+class Refusing:
+    """An admin API whose drain of ``refused`` fails; it records drains and role changes."""
+
+    def __init__(self, refused: str):
+        self.refused, self.calls = refused, []
+        self.roles = {"w1": "decode", "w2": "decode", "w3": "decode"}
+
+    def workers(self):
+        return [{"worker_id": w, "role": role, "state": "active", "heartbeat_at": 1.0} for w, role in self.roles.items()]
+
+    def drain(self, worker_id):
+        if worker_id == self.refused:
+            raise pdctl.AdminError(f"{worker_id}: connection refused")
+        self.calls.append(("drain", worker_id))
+
+    def set_role(self, worker_id, role):
+        self.calls.append(("role", worker_id, role))
+
+    def wait_for(self, *args):
+        raise AssertionError("no wait: a drain failed first")
+
+
+def test_a_scale_down_that_cannot_drain_a_victim_puts_the_drained_ones_back():
+    """The second victim's drain failed: the first stayed draining -- out of the pools, never removed."""
+    client = Refusing("w2")
+    op = Operator(client, None, say=lambda _line: None)
+    victims = [Replica("a", "decode", "d-1", "w1"), Replica("b", "decode", "d-2", "w2")]
+    with pytest.raises(OperationError, match=r"w2: connection refused \(back in service: d-1\)"):
+        op.drain(victims)
+    assert client.calls == [("drain", "w1"), ("role", "w1", "decode")]
+
+
+def test_scale_refuses_an_empty_decode_pool_without_allow_outage():
+    args = SimpleNamespace(gpus=None, prefill=2, decode=0, allow_outage=False)
+    with pytest.raises(ValueError, match="--decode 0 leaves no worker to generate"):
+        cmd_scale(None, args)
 
 
 # ---- against a local stack (one per module: starting workers is the slow part) ----------------------
