@@ -5,8 +5,8 @@ which the protocol validates before the payload is read). Host payloads go from 
 cache memory directly (``send``/``recv_into`` on memoryviews of the cache): no intermediate copy.
 
 A device (CUDA) cache goes through a pinned host buffer per direction, reused for every frame
-and at most ``STAGING_BYTES`` (senders split bigger runs, see ``max_payload_nbytes``; a bigger
-incoming payload is received piece by piece). The device<->host copies run in a worker thread,
+and at most ``STAGING_BYTES`` (senders split bigger runs, see ``max_payload_nbytes``, and stage a
+single block larger than that whole; a bigger incoming payload is received piece by piece). The device<->host copies run in a worker thread,
 never on the event loop, and are waited for even when the caller is cancelled (the buffer is
 not handed to the next frame while a copy still writes it)::
 
@@ -60,14 +60,16 @@ async def _copy_off_loop(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 class _Staging:
     """A pinned host buffer for device payloads, one frame at a time (``lock``); grown on demand
-    up to ``STAGING_BYTES`` and then reused."""
+    (``bounded``: up to ``STAGING_BYTES``, what a peer may make us hold) and then reused."""
 
-    def __init__(self) -> None:
+    def __init__(self, bounded: bool = True) -> None:
         self.lock = asyncio.Lock()
+        self.bounded = bounded
         self._buffer: torch.Tensor | None = None
 
     def view(self, nbytes: int) -> torch.Tensor:
-        assert 0 < nbytes <= STAGING_BYTES, f"staging {nbytes} bytes (limit {STAGING_BYTES})"
+        assert 0 < nbytes and (nbytes <= STAGING_BYTES or not self.bounded), \
+            f"staging {nbytes} bytes (limit {STAGING_BYTES})"
         if self._buffer is None or self._buffer.numel() < nbytes:
             self._buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
         return self._buffer[:nbytes]
@@ -108,7 +110,10 @@ class TcpChannel(Channel):
         self._rx_payload = False
         self._rx_diverted = False
         self._rx_waiter: asyncio.Future | None = None
-        self._out_staging = _Staging()  # device payloads only
+        # Device payloads only.  What this worker sends is its own blocks, split into frames of at
+        # most STAGING_BYTES -- but for one block larger than that (a large model's layers at a
+        # large block size), which goes whole.
+        self._out_staging = _Staging(bounded=False)
         self._in_staging = _Staging()
         self._diverting = False  # the device payload being received was diverted
         self._copying = False  # a staged piece is being copied into the device region

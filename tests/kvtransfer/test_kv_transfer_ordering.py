@@ -200,3 +200,22 @@ async def test_abort_during_a_staged_copy_waits_for_it_then_drops_the_rest(stage
         release.set()
         await sender.close()
         await receiver.close()
+
+
+async def test_a_staged_block_larger_than_the_buffer_is_sent_whole_and_received_in_pieces(staged, monkeypatch):
+    """One block is more than STAGING_BYTES (a large model's at a large block size): the sender
+    stages it whole (it failed an assertion, and every prefill of such a worker failed with it)."""
+    copies = staged(lambda tensor: True)
+    monkeypatch.setattr(transport_tcp, "STAGING_BYTES", LAYOUT.block_nbytes // 2)  # (over the fixture's)
+    sender, receiver = await pair()
+    try:
+        rx = receiver.expect("huge-block", [3, 4])
+        tx = await sender.begin(rx.transfer_id, receiver.address)
+        await tx.send_blocks([7, 8], [3, 4])
+        await asyncio.wait_for(tx.finish(), BOUND)
+        await asyncio.wait_for(rx.wait(), BOUND)
+        assert torch.equal(receiver.cache.buffer[[3, 4]], sender.cache.buffer[[7, 8]])
+        assert len(copies) == 2 + 4  # a block a frame staged whole; each received in two halves
+    finally:
+        await sender.close()
+        await receiver.close()
