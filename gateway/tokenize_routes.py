@@ -7,8 +7,10 @@
                  -> {"count", "max_model_len", "tokens", "token_strs": the tokens' pieces where asked, else null}
     /detokenize  {"model", "tokens"} -> {"prompt"}
 
-Behind the same API keys as ``/v1``; bodies bounded like the generation endpoints' (a prompt too
-long for the model is a 400 before it is tokenized), token ids checked against the vocabulary.
+Behind the same API keys as ``/v1`` and within their admission (429 past a key's requests in
+flight); bodies bounded like the generation endpoints' (a prompt too long for the model is a 400
+before it is tokenized), token ids checked against the vocabulary; long inputs are tokenized and
+decoded off the event loop.
 """
 from __future__ import annotations
 
@@ -76,13 +78,13 @@ def add_tokenize_routes(app: web.Application, handlers: OpenAIHandlers) -> None:
                                                        for k, v in chat.items()) + b"}")
             check_model(req.model)
             messages, render = handlers._chat_renderer(req, req.tool_plan())
-            async with services.admission(request["tenant"]):  # (as a generation's: the tokenizer after it)
+            async with services.admission(request["tenant"]):  # the tokenizer only once admitted, as a generation
                 ids = await services.prompts.chat(messages, render)
         else:
             req = _decode(body, TokenizeText)
             check_model(req.model)
-            async with services.admission(request["tenant"]):
-                ids = await services.prompts.text(req.prompt, req.add_special_tokens)  # bounded, off the loop when long
+            async with services.admission(request["tenant"]):  # (bounded, and off the loop when long)
+                ids = await services.prompts.text(req.prompt, req.add_special_tokens)
             pieces = req.return_token_strs
         strs = services.tokenizer.convert_ids_to_tokens(ids) if pieces else None  # (vLLM's: the pieces)
         return json_response(TokenizeAnswer(len(ids), services.max_model_len, ids, strs))

@@ -5,10 +5,11 @@ which the protocol validates before the payload is read). Host payloads go from 
 cache memory directly (``send``/``recv_into`` on memoryviews of the cache): no intermediate copy.
 
 A device (CUDA) cache goes through a pinned host buffer per direction, reused for every frame
-and at most ``STAGING_BYTES`` (senders split bigger runs, see ``max_payload_nbytes``, and stage a
-single block larger than that whole; a bigger incoming payload is received piece by piece). The device<->host copies run in a worker thread,
-never on the event loop, and are waited for even when the caller is cancelled (the buffer is
-not handed to the next frame while a copy still writes it)::
+and at most ``STAGING_BYTES`` (senders split bigger runs, see ``max_payload_nbytes``, and stage
+a single block larger than that whole; a bigger incoming payload is received piece by piece).
+The device<->host copies run in a worker thread, never on the event loop, and are waited for
+even when the caller is cancelled (the buffer is not handed to the next frame while a copy
+still writes it)::
 
     send:  device blocks --copy (thread)--> pinned buffer --socket (FrameWriter)--> peer
     recv:  peer --socket--> pinned buffer --copy (thread)--> device blocks   (repeat per piece)
