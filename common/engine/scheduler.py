@@ -1,7 +1,8 @@
 """One scheduler for every role: a token budget per step, no prefill or decode phases.
 
 Each step, in order:
-  1. running requests that decode take their one token each,
+  1. running requests that decode take their one token each (and their speculative drafts, out of
+     what the others' next tokens and the head of the line's next chunk leave),
   2. running requests with a partial prompt continue their prefill,
   3. landed requests, then waiting ones, are admitted first-come-first-served, the last one chunked
      to fit ``max_num_batched_tokens``; ``max_num_seqs`` caps the batch and a watermark of free
