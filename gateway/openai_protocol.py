@@ -58,13 +58,15 @@ from gateway.request_extensions import RequestExtensions, check_extensions, give
 from gateway.sampling_options import SamplingOptions, sampling_options
 from gateway.template_kwargs import read_template_kwargs
 from gateway.structured_request import read_response_format, read_structured_outputs
-from gateway.tools_request import MAX_TOOLS, FunctionName, Tool, ToolChoice, ToolPlan, plan_tools, read_tools
+from gateway.chat_messages import (  # noqa: F401 (API: the messages, with the requests)
+    MAX_PARTS_PER_MESSAGE, CalledFunction, ChatMessage, ContentPart, MessageToolCall, join_parts,
+)
+from gateway.tools_request import Tool, ToolChoice, ToolPlan, plan_tools, read_tools
 
 MAX_N = 16  # choices per prompt (each is a sequence the workers generate); with a batch: MAX_REQUEST_CHOICES
 MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 256
 MAX_MESSAGES = 4096
-MAX_PARTS_PER_MESSAGE = 64  # content parts of one message ...
 MAX_CONTENT_PARTS = 4096  # ... and of all the messages of a request together
 
 # ---- requests -----------------------------------------------------------------------------------
@@ -167,54 +169,6 @@ class _CompletionBody(CompletionRequest):
     logit_bias: msgspec.Raw = msgspec.Raw()
     response_format: msgspec.Raw = msgspec.Raw()
     structured_outputs: msgspec.Raw = msgspec.Raw()
-
-
-class ContentPart(msgspec.Struct, kw_only=True):
-    # Unknown fields allowed here only so that an image part gets "text only" rather than
-    # "unknown field image_url"; the type is checked in validation.
-    type: str
-    text: str | None = None
-    refusal: str | None = None  # an assistant's refusal part (its text)
-
-
-class CalledFunction(msgspec.Struct, forbid_unknown_fields=True):
-    name: FunctionName
-    arguments: str  # JSON text, as the assistant produced it
-
-
-class MessageToolCall(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """A tool call of an earlier assistant turn, sent back in the history."""
-
-    id: Annotated[str, msgspec.Meta(max_length=256)]
-    type: Literal["function"] = "function"
-    function: CalledFunction
-
-
-def join_parts(texts) -> str:
-    """A message's text parts as one text: a line apart, as vLLM (and its chat path's templates) read
-    them -- "Say hi" and "please" are not "Say hiplease"."""
-    return "\n".join(texts)
-
-
-class ChatMessage(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | Annotated[list[ContentPart], msgspec.Meta(max_length=MAX_PARTS_PER_MESSAGE)] | None = None
-    name: Annotated[str, msgspec.Meta(max_length=256)] | None = None
-    tool_calls: Annotated[list[MessageToolCall], msgspec.Meta(max_length=MAX_TOOLS)] | None = None  # assistant
-    tool_call_id: Annotated[str, msgspec.Meta(min_length=1, max_length=256)] | None = None  # tool
-    # An answer sent back as it came (``messages.append(choice.message)``): its refusal is the text where
-    # ``content`` is null; citations are not prompt text; audio and a legacy function call are never held.
-    refusal: str | None = None
-    annotations: Annotated[list[dict[str, Any]], msgspec.Meta(max_length=MAX_PARTS_PER_MESSAGE)] | None = None
-    audio: None = None
-    function_call: None = None
-
-    def text(self) -> str:
-        if self.content is None:
-            return self.refusal or ""
-        if isinstance(self.content, str):
-            return self.content
-        return join_parts((part.refusal if part.type == "refusal" else part.text) or "" for part in self.content)
 
 
 class ChatCompletionRequest(_Common):

@@ -28,11 +28,12 @@ from common.engine.sampling_params import (
     INT64_MAX, INT64_MIN, MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_VALUE, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, MAX_TOKEN_ID,
 )
 from gateway.openai_protocol import (
-    MAX_CONTENT_PARTS, MAX_N, MAX_PARTS_PER_MESSAGE, MAX_STOP_LEN, MAX_STOP_STRINGS, MAX_TOOLS, ChatCompletionChunk,
+    MAX_CONTENT_PARTS, MAX_N, MAX_PARTS_PER_MESSAGE, MAX_STOP_LEN, MAX_STOP_STRINGS, ChatCompletionChunk,
     ChatCompletionRequest, ChatCompletionResponse, CompletionChunk, CompletionRequest, CompletionResponse,
     ErrorResponse, ModelList,
 )
 from gateway.openapi_conversations import conversation_paths
+from gateway.tools_request import MAX_TOOLS
 from gateway.openapi_messages import messages_paths, messages_schemas
 from gateway.openapi_responses import input_tokens_path, responses_operation, responses_schemas, stored_response_paths
 from gateway.prompt_input import MAX_REQUEST_CHOICES

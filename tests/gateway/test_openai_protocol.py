@@ -22,7 +22,7 @@ from gateway.openai_protocol import (
     ModelCard, ModelList, OpenAIError, Usage, error_response, json_response, new_request_id,
     parse_chat_request, parse_completion_request, sse_event,
 )
-from gateway.openai_responses import ResponseFunction, ResponseToolCall
+from gateway.openai_responses import DeltaFunction, DeltaToolCall, ResponseFunction, ResponseToolCall
 from gateway.prompt_input import decode_prompt
 
 
@@ -511,3 +511,57 @@ def test_best_of_is_at_least_n_not_streamed_and_bounded_with_the_batch():
     rejects(parse_completion_request, completion(best_of=1, n=2), "best_of", "must be at least n")
     rejects(parse_completion_request, completion(best_of=2, stream=True), "best_of", "not streamed")
     rejects(parse_completion_request, completion(best_of=2, prompt=["a"] * 17), "best_of", "are at most 32")
+
+
+async def test_answers_from_the_clients_parse_and_stream_helpers_are_the_next_turns_history():
+    """``parse()`` adds ``parsed`` and ``parsed_arguments`` to what it returns, ``stream()``'s
+    accumulator each call's ``index``: appended as returned, the next turn was a 400 naming them."""
+    from pydantic import BaseModel
+
+    class City(BaseModel):
+        name: str
+
+    histories = []
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        try:
+            req = parse_chat_request(await request.read())
+        except OpenAIError as err:
+            return err.to_response()
+        histories.append(req.template_messages())
+        call = ("c1", "City", '{"name": "Rome"}')
+        if not req.stream:
+            message = ChatResponseMessage('{"name": "Oslo"}', tool_calls=[ResponseToolCall(call[0], ResponseFunction(*call[1:]))])
+            return json_response(ChatCompletionResponse(id="c", created=1, model="m", choices=[
+                ChatChoice(index=0, message=message, finish_reason="tool_calls")]))
+        resp = web.StreamResponse(headers=SSE_HEADERS)
+        await resp.prepare(request)
+        for delta, finish in ((ChatDelta(role="assistant", content='{"name": "Oslo"}'), None),
+                              (ChatDelta(tool_calls=[DeltaToolCall(0, call[0], "function", DeltaFunction(*call[1:]))]),
+                               "tool_calls")):
+            await resp.write(sse_event(ChatCompletionChunk(id="c", created=1, model="m",
+                                                           choices=[ChatStreamChoice(0, delta, finish_reason=finish)])))
+        await resp.write(SSE_DONE)
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    client = openai.AsyncOpenAI(base_url=str(server.make_url("/v1")), api_key="x", max_retries=0)
+    try:
+        asked = dict(model="m", response_format=City, tools=[openai.pydantic_function_tool(City)])
+        messages = [{"role": "user", "content": "a city"}]
+        parsed = (await client.chat.completions.parse(messages=messages, **asked)).choices[0].message
+        assert parsed.parsed == City(name="Oslo") and parsed.tool_calls[0].function.parsed_arguments == City(name="Rome")
+        messages += [parsed, {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+        async with client.chat.completions.stream(messages=messages, **asked) as stream:
+            streamed = (await stream.get_final_completion()).choices[0].message
+        assert streamed.tool_calls[0].index == 0
+        messages += [streamed, {"role": "tool", "tool_call_id": "c1", "content": "rainy"}]
+        await client.chat.completions.create(model="m", messages=messages)
+    finally:
+        await client.close()
+        await server.close()
+    assert [m["content"] for m in histories[-1]] == ["a city", '{"name": "Oslo"}', "sunny", '{"name": "Oslo"}', "rainy"]
+    assert histories[-1][3]["tool_calls"][0]["function"] == {"name": "City", "arguments": {"name": "Rome"}}
