@@ -8,7 +8,8 @@
                name is complete (its arguments cut short, as a named call's are)
     auto       the text goes out as content up to where a call may begin (``held_from``); the rest
                is parsed when the answer ends, its calls sent then (the first alone where
-               ``parallel_tool_calls`` is false)
+               ``parallel_tool_calls`` is false); a call the answer was cut short in is sent as
+               ``required``'s is, and its markup is never content
 
 Streamed or not, the calls and the content are the same: a stream's argument fragments joined
 are the non-streamed ``arguments``.
@@ -16,13 +17,12 @@ are the non-streamed ``arguments``.
 from __future__ import annotations
 
 import json
-import re
 import uuid
 
 import msgspec
 
 from gateway.openai_responses import ChatDelta, DeltaFunction, DeltaToolCall, ResponseFunction, ResponseToolCall
-from gateway.tool_parsers import ParsedCall, ToolCallParser
+from gateway.tool_parsers import ParsedCall, ToolCallParser, cut_call
 from gateway.tools_request import ToolPlan
 
 
@@ -48,22 +48,6 @@ def complete_calls(text: str, start: int = 0) -> tuple[list[ParsedCall], int]:
                                                              separators=(",", ":"))))  # compact, as generated
 
 
-_CALL_OPENING = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*(,\s*"parameters"\s*:\s*)?')
-
-
-def cut_call(text: str, start: int) -> ParsedCall | None:
-    """The call ``required``'s array was cut short in, from ``start`` on (``complete_calls``' end): its
-    name, where complete, and its arguments so far; ``None`` where its name is not complete."""
-    opening = _CALL_OPENING.search(text, start)
-    try:
-        name = json.loads(opening.group(1)) if opening else None
-    except ValueError:  # (an escape JSON does not know)
-        return None
-    if not isinstance(name, str):
-        return None
-    return ParsedCall(name, text[opening.end():].rstrip() if opening.group(2) else "")
-
-
 class ToolOutput:
     """One answer's tool calls (``plan.parses_calls`` must be true)."""
 
@@ -76,6 +60,7 @@ class ToolOutput:
         self._sent: list[str] = []  # the content sent so far, piece by piece
         self._sent_end = 0  # where in ``text`` the content sent (or skipped: leading whitespace) ends
         self._required_pos = 0  # where the next call's object may start (required)
+        self._cut = False  # the answer's last call was cut short (its arguments so far: no JSON)
 
     # ---- whole ---------------------------------------------------------------------------------
 
@@ -86,9 +71,13 @@ class ToolOutput:
         if self.plan.mode == "required":  # cut short (max_tokens): the calls complete so far, the cut one
             calls, end = complete_calls(text)
             calls += [cut] if (cut := cut_call(text, end)) else []
-            return None, calls  # (cut short before a call's name: no call, and the array's text is no answer)
+            return None, self._noted(calls)  # (cut before a call's name: no call; the array's text is no answer)
         content, calls = self.parser.parse(text, self.names)
-        return content, self._allowed(calls)
+        return content, self._noted(self._allowed(calls))
+
+    def _noted(self, calls: list[ParsedCall]) -> list[ParsedCall]:
+        self._cut = bool(calls) and calls[-1].cut
+        return calls
 
     def _allowed(self, calls: list[ParsedCall]) -> list[ParsedCall]:
         """``auto``'s calls as the request allows them: the first alone with ``parallel_tool_calls``
@@ -99,8 +88,8 @@ class ToolOutput:
         """``tool_calls`` where the answer ended (``stop``) in calls of its choosing (``auto``,
         ``required``); a named function's call ends ``stop``, as in OpenAI's API and vLLM, and so
         does ``required``'s array cut by a stop string or token (``stop_reason``): its last call is
-        not whole, and a client must not take it for one."""
-        if self.plan.mode == "named" or (self.plan.mode == "required" and stop_reason is not None):
+        not whole, and a client must not take it for one -- as ``auto``'s cut in a call."""
+        if self.plan.mode == "named" or ((self.plan.mode == "required" or self._cut) and stop_reason is not None):
             return finish
         return "tool_calls" if called and finish == "stop" else finish
 
@@ -130,9 +119,10 @@ class ToolOutput:
             out = self._complete_required_calls()
             if cut := cut_call(self.text, self._required_pos):  # cut short in a call (before its name: none)
                 out += self._send_call(cut)
+            self._cut = cut is not None
             return out
         content, calls = self.parser.parse(self.text, self.names)
-        calls = self._allowed(calls)
+        calls = self._noted(self._allowed(calls))
         out = []
         sent = "".join(self._sent)
         if content and content.startswith(sent) and len(content) > len(sent):  # text after the calls

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 PARSERS = ("hermes", "llama3_json", "json")
@@ -24,7 +24,25 @@ DEFAULT_PARSER = "hermes"
 @dataclass(frozen=True)
 class ParsedCall:
     name: str
-    arguments: str  # JSON text
+    arguments: str  # JSON text; with ``cut``, its beginning: the output was cut short in it
+    cut: bool = field(default=False, compare=False)
+
+
+_CALL_OPENING = r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*(,\s*"%s"\s*:\s*)?'
+_CALL_OPENINGS = {key: re.compile(_CALL_OPENING % key) for key in ("parameters", "arguments")}
+
+
+def cut_call(text: str, start: int = 0, key: str = "parameters") -> ParsedCall | None:
+    """The call an output was cut short in (max_tokens, a stop string), from ``start`` on: its name,
+    where complete, and its arguments (``key``) so far; ``None`` where its name is not complete."""
+    opening = _CALL_OPENINGS[key].search(text, start)
+    try:
+        name = json.loads(opening.group(1)) if opening else None
+    except ValueError:  # (an escape JSON does not know)
+        return None
+    if not isinstance(name, str):
+        return None
+    return ParsedCall(name, text[opening.end():].rstrip() if opening.group(2) else "", cut=True)
 
 
 class ToolCallParser(Protocol):
@@ -77,11 +95,12 @@ class HermesParser:
             pos = m.end()
         rest = text[pos:]
         start = rest.find(self.OPEN)
-        if start >= 0:  # an unclosed last call (the model stopped before the closing tag)
-            call = self._read(rest[start + len(self.OPEN):], names)
-            if call:
+        if start >= 0:  # an unclosed last call: the model stopped, or was cut short, before the closing tag
+            body = rest[start + len(self.OPEN):]
+            call = self._read(body, names) or cut_call(body, key="arguments")
+            if call and call.name in names:
                 calls.append(call)
-                rest = rest[:start]
+            rest = rest[:start]  # its markup is no content, whether or not a call could be read in it
         outside.append(rest)
         return _content("".join(outside)), calls
 

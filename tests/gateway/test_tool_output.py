@@ -26,6 +26,12 @@ def test_hermes():
     assert HermesParser().parse('<tool_call>{"name": "get_time", "arguments": {}}', NAMES) == (
         None, [ParsedCall("get_time", "{}")])
     assert HermesParser().parse("just words", NAMES) == ("just words", [])
+    # cut short (max_tokens, a stop string) in a call: the call so far, where its name is whole; its
+    # markup is never content (it was, raw)
+    content, calls = HermesParser().parse('Sure. <tool_call>{"name": "get_weather", "arguments": {"city', NAMES)
+    assert (content, calls) == ("Sure.", [ParsedCall("get_weather", '{"city')]) and calls[0].cut
+    assert HermesParser().parse('Sure. <tool_call>{"name": "get_wea', NAMES) == ("Sure.", [])
+    assert HermesParser().parse('Sure. <tool_call>{"name": "rm", "arguments": {', NAMES) == ("Sure.", [])
 
 
 def test_llama3_and_json():
@@ -64,6 +70,8 @@ HERMES_TEXTS = [
     '"arguments": {}}</tool_call>C',
     "no calls at all, but a < and <tool",
     "<tool_call>broken</tool_call> tail",
+    'Sure. <tool_call>{"name": "get_weather", "arguments": {}}</tool_call>\n<tool_call>{"name": "get_time", '
+    '"arguments": {"zone": "u',  # cut short in its second call
 ]
 
 
@@ -164,9 +172,14 @@ def test_an_answer_of_calls_ends_tool_calls_unless_the_function_was_named(mode, 
 @pytest.mark.parametrize("stop_reason", ["llo", 7])
 def test_required_calls_cut_by_a_stop_string_or_token_end_stop(stop_reason):
     """A stop string (or stop_token_ids token) cut ``required``'s array inside a call: ``stop``, not
-    ``tool_calls`` -- its last call's arguments are not whole.  ``auto`` ends as it did."""
+    ``tool_calls`` -- its last call's arguments are not whole; so does ``auto``'s answer cut in a call
+    (it ended ``tool_calls``), whole or streamed, and ``auto``'s calls all whole end ``tool_calls``."""
     required = ToolOutput(plan_tools(TOOLS, "required", True), HermesParser())
     assert required.finish_reason(True, "stop", stop_reason) == "stop"
     assert required.finish_reason(True, "stop", None) == "tool_calls"
-    assert ToolOutput(plan_tools(TOOLS, "auto", True), HermesParser()).finish_reason(True, "stop", stop_reason) == \
-        "tool_calls"
+    for text, expected in ((HERMES_TEXTS[0], "tool_calls"), (HERMES_TEXTS[-1], "stop")):
+        whole, streamed = (ToolOutput(plan_tools(TOOLS, "auto", True), HermesParser()) for _ in range(2))
+        whole.final(text)
+        stream(streamed, [text])
+        assert whole.finish_reason(True, "stop", stop_reason) == streamed.finish_reason(True, "stop", stop_reason) \
+            == expected
