@@ -34,7 +34,7 @@ _NULL = msgspec.Raw(b"null")
 # The answer's id as the client names it: what ``X-Request-Id`` may hold too (printable, no space).
 RequestIdText = Annotated[str, msgspec.Meta(min_length=1, max_length=128, pattern=r"^[!-~]+$")]
 REQUEST_ID_HEADER = "X-Request-Id"
-ServiceTier = Annotated[str, msgspec.Meta(max_length=64)]  # OpenAI's (one tier here)
+ServiceTier = Literal["auto", "default", "flex", "scale", "priority"]  # OpenAI's (one tier here, whichever is asked)
 PromptCacheKey = Annotated[str, msgspec.Meta(max_length=1024)]  # OpenAI's routing hint
 ReasoningEffort = Literal["none", "minimal", "low", "medium", "high"]
 Verbosity = Literal["low", "medium", "high"]

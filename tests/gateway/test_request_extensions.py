@@ -35,7 +35,7 @@ REFUSED = [  # (field, value, what the 400 says)
     ("request_id", "has space", "Expected `str` matching"), ("request_id", "x" * 129, "length <= 128"),
     ("logits_processors", ["pkg.mod:Proc"], "Expected `null`"), ("chat_template", "{{ x }}", "Expected `null`"),
     ("bad_words", ["x"], "Expected `null`"), ("functions", [{"name": "f"}], "Expected `null`"),
-    ("reasoning_effort", "extreme", "Invalid enum value")]
+    ("reasoning_effort", "extreme", "Invalid enum value"), ("service_tier", "bogus", "Invalid enum value")]
 
 
 @pytest.mark.parametrize("kind", PARSERS)
