@@ -28,14 +28,14 @@ class ParsedCall:
     cut: bool = field(default=False, compare=False)
 
 
-_CALL_OPENING = r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*(,\s*"%s"\s*:\s*)?'
-_CALL_OPENINGS = {key: re.compile(_CALL_OPENING % key) for key in ("parameters", "arguments")}
+_CALL_OPENING = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*(,\s*"(?:parameters|arguments)"\s*:\s*)?')
 
 
-def cut_call(text: str, start: int = 0, key: str = "parameters") -> ParsedCall | None:
+def cut_call(text: str, start: int = 0) -> ParsedCall | None:
     """The call an output was cut short in (max_tokens, a stop string), from ``start`` on: its name,
-    where complete, and its arguments (``key``) so far; ``None`` where its name is not complete."""
-    opening = _CALL_OPENINGS[key].search(text, start)
+    where complete, and its arguments (``parameters`` or ``arguments``) so far; ``None`` where its
+    name is not complete."""
+    opening = _CALL_OPENING.search(text, start)
     try:
         name = json.loads(opening.group(1)) if opening else None
     except ValueError:  # (an escape JSON does not know)
@@ -97,7 +97,7 @@ class HermesParser:
         start = rest.find(self.OPEN)
         if start >= 0:  # an unclosed last call: the model stopped, or was cut short, before the closing tag
             body = rest[start + len(self.OPEN):]
-            call = self._read(body, names) or cut_call(body, key="arguments")
+            call = self._read(body, names) or cut_call(body)
             if call and call.name in names:
                 calls.append(call)
             rest = rest[:start]  # its markup is no content, whether or not a call could be read in it
@@ -138,8 +138,8 @@ class JsonParser:
                     calls.append(call)
                 while pos < len(body) and body[pos] in " \t\r\n;,":
                     pos += 1
-        except (ValueError, RecursionError):
-            return _content(text), []
+        except (ValueError, RecursionError):  # cut short (max_tokens, a stop string), or no JSON
+            calls = _calls_so_far(body, names)
         return (None, calls) if calls else (_content(text), [])
 
     def held_from(self, text: str, start: int = 0) -> int:
@@ -151,6 +151,22 @@ class JsonParser:
                                                             or self.prefix.startswith(head))):
             return first.start()
         return len(text)
+
+
+def _calls_so_far(body: str, names: frozenset[str]) -> list[ParsedCall]:
+    """The calls of a body that is no whole JSON: each object whole in it a call, then the one it was
+    cut short in (where its name is whole); none where an object whole in it is no call (text)."""
+    decoder, calls, pos = json.JSONDecoder(), [], 0
+    while (begin := body.find("{", pos)) >= 0:
+        try:
+            item, pos = decoder.raw_decode(body, begin)
+        except (ValueError, RecursionError):  # the object it was cut in (a call's opening, right there)
+            cut = cut_call(body, begin) if _CALL_OPENING.match(body, begin) else None
+            return calls + [cut] if cut is not None and cut.name in names else calls
+        if (call := _call(item, names)) is None:
+            return []
+        calls.append(call)
+    return calls
 
 
 class Llama3JsonParser(JsonParser):

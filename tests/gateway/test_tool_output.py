@@ -43,6 +43,16 @@ def test_llama3_and_json():
     assert JsonParser().parse('{"name": "nope", "arguments": {}}', NAMES)[1] == []
     assert JsonParser().parse("{not json", NAMES) == ("{not json", [])
     assert JsonParser().parse("plain answer", NAMES) == ("plain answer", [])
+    # cut short: the calls whole in it, then the one it was cut in (where its name is whole); JSON of
+    # anything else, cut short, stays text
+    cut = '<|python_tag|>{"name": "get_time", "parameters": {}}; {"name": "get_weather", "parameters": {"city'
+    content, calls = Llama3JsonParser().parse(cut, NAMES)
+    assert (content, calls) == (None, [ParsedCall("get_time", "{}"), ParsedCall("get_weather", '{"city')])
+    assert [c.cut for c in calls] == [False, True]
+    assert JsonParser().parse('[{"name": "get_time", "arguments": {}}, {"name": "get_we', NAMES) == (
+        None, [ParsedCall("get_time", "{}")])
+    for text in ('{"answer": "the city is', '{"name": "rm", "arguments": {', '[{"x": 1}, {"name": "get_time", "arg'):
+        assert JsonParser().parse(text, NAMES) == (text, [])
 
 
 def stream(output: ToolOutput, pieces: list[str]):
@@ -136,6 +146,7 @@ JSON_TEXTS = [
     '  {"name": "get_time", "parameters": {}}',
     "Just an answer, no call.  ",
     "<|python_tag|> not json",
+    '<|python_tag|>{"name": "get_time", "parameters": {}}; {"name": "get_weather", "parameters": {"ci',  # cut short
 ]
 CASES = [(HermesParser, text) for text in HERMES_TEXTS] + [(Llama3JsonParser, text) for text in JSON_TEXTS]
 
