@@ -118,12 +118,13 @@ class ResponseShapes:
     # ---- streamed ------------------------------------------------------------------------------
 
     def first_chunks(self, gen: Generation, usage_so_far: Usage | None = None) -> list:
-        """What a choice's stream opens with: a chat's role; a completion's echoed prompt (with
+        """What a choice's stream opens with: a chat's role (and empty content, but for an answer
+        that can only be calls: none, as the whole answer's); a completion's echoed prompt (with
         ``usage_so_far`` where every chunk carries it)."""
         if gen.kind == "chat":
-            return [ChatCompletionChunk(gen.response_id, now(), gen.model,
-                                        [ChatStreamChoice(gen.index, ChatDelta(role="assistant", content=""))],
-                                        usage_so_far)]
+            calls_only = gen.tools is not None and gen.tools.plan.mode in ("required", "named")
+            return [ChatCompletionChunk(gen.response_id, now(), gen.model, [ChatStreamChoice(
+                gen.index, ChatDelta(role="assistant", content=None if calls_only else ""))], usage_so_far)]
         if gen.echo:
             return [CompletionChunk(gen.response_id, now(), gen.model,
                                     [CompletionChoice(gen.index, gen.echo, self.echo_logprobs(gen))], usage_so_far)]

@@ -69,12 +69,17 @@ def test_named_function(client, stack):
         check_calls(choice.message.tool_calls)
 
 
-def reassemble(stream):
-    calls, content, finish = {}, "", None
+def reassemble(stream, opening_content=""):
+    """The calls, content and finish of a stream; its first delta's content is ``opening_content``
+    (None where the answer can only be calls: it was "", as no whole answer's content is)."""
+    calls, content, finish, first = {}, "", None, True
     for chunk in stream:
         if not chunk.choices:
             continue
         choice = chunk.choices[0]
+        if first:
+            assert (choice.delta.role, choice.delta.content) == ("assistant", opening_content), choice.delta
+            first = False
         content += choice.delta.content or ""
         for d in choice.delta.tool_calls or []:
             if d.index not in calls:
@@ -91,7 +96,7 @@ def test_streamed_deltas_reassemble_to_the_non_streamed_calls(client, stack, too
         whole = ask(client, stack, prompt, tool_choice=tool_choice, temperature=0, max_tokens=600).choices[0]
         assert whole.finish_reason == ("tool_calls" if tool_choice == "required" else "stop"), whole
         calls, content, finish = reassemble(ask(client, stack, prompt, tool_choice=tool_choice, temperature=0, max_tokens=600,
-                                                stream=True))
+                                                stream=True), opening_content=None)
         assert calls == [{"name": c.function.name, "arguments": c.function.arguments}
                          for c in whole.message.tool_calls]
         assert content is None and finish == whole.finish_reason
