@@ -98,9 +98,9 @@ class HermesParser:
         if start >= 0:  # an unclosed last call: the model stopped, or was cut short, before the closing tag
             body = rest[start + len(self.OPEN):]
             call = self._read(body, names) or cut_call(body)
-            if call and call.name in names:
-                calls.append(call)
-            rest = rest[:start]  # its markup is no content, whether or not a call could be read in it
+            if call is None or call.name in names:  # (cut before its name: its markup is no content either)
+                calls += [call] if call else []
+                rest = rest[:start]  # (an unknown function's stays text, as a closed call's does)
         outside.append(rest)
         return _content("".join(outside)), calls
 
@@ -162,7 +162,9 @@ def _calls_so_far(body: str, names: frozenset[str]) -> list[ParsedCall]:
             item, pos = decoder.raw_decode(body, begin)
         except (ValueError, RecursionError):  # the object it was cut in (a call's opening, right there)
             cut = cut_call(body, begin) if _CALL_OPENING.match(body, begin) else None
-            return calls + [cut] if cut is not None and cut.name in names else calls
+            if cut is not None and cut.name not in names:
+                return []  # an unknown function's: text, as a whole one's is
+            return calls + [cut] if cut is not None else calls
         if (call := _call(item, names)) is None:
             return []
         calls.append(call)
