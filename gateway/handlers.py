@@ -340,7 +340,8 @@ class OpenAIHandlers(ResponsesEndpoints):
         """Every generation started (closed with ``stack``), as ``_serve`` tells: the first choice's
         first batch, and every later batch of them all."""
         self.services.metrics.model(gens[0].model).prompt_tokens.inc(prompt_tokens(gens))
-        stack.callback(lambda: [self._ended(gen) for gen in gens])  # last: runs closed before they began
+        for gen in gens:  # (run last: a run closed before it began never counted itself out)
+            stack.callback(self._ended, gen)
         runs = [await stack.enter_async_context(contextlib.aclosing(self._run(gens[0])))]
         first = await self._upstream(anext(runs[0]))
         sibling = True

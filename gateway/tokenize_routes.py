@@ -78,14 +78,14 @@ def add_tokenize_routes(app: web.Application, handlers: OpenAIHandlers) -> None:
                                                        for k, v in chat.items()) + b"}")
             check_model(req.model)
             messages, render = handlers._chat_renderer(req, req.tool_plan())
-            async with services.admission(request["tenant"]):  # the tokenizer only once admitted, as a generation
-                ids = await services.prompts.chat(messages, render)
+            tokenized = lambda: services.prompts.chat(messages, render)  # noqa: E731
         else:
             req = _decode(body, TokenizeText)
             check_model(req.model)
-            async with services.admission(request["tenant"]):  # (bounded, and off the loop when long)
-                ids = await services.prompts.text(req.prompt, req.add_special_tokens)
+            tokenized = lambda: services.prompts.text(req.prompt, req.add_special_tokens)  # noqa: E731 (bounded)
             pieces = req.return_token_strs
+        async with services.admission(request["tenant"]):  # the tokenizer only once admitted, as a generation
+            ids = await tokenized()  # (off the loop when long)
         strs = services.tokenizer.convert_ids_to_tokens(ids) if pieces else None  # (vLLM's: the pieces)
         return json_response(TokenizeAnswer(len(ids), services.max_model_len, ids, strs))
 

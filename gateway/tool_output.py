@@ -22,7 +22,7 @@ import uuid
 import msgspec
 
 from gateway.openai_responses import ChatDelta, DeltaFunction, DeltaToolCall, ResponseFunction, ResponseToolCall
-from gateway.tool_parsers import ParsedCall, ToolCallParser, cut_call
+from gateway.tool_parsers import ParsedCall, ToolCallParser, cut_call, whole_objects
 from gateway.tools_request import ToolPlan
 
 
@@ -33,19 +33,12 @@ def new_call_id() -> str:
 def complete_calls(text: str, start: int = 0) -> tuple[list[ParsedCall], int]:
     """The ``{"name", "parameters"}`` objects complete in ``text`` from ``start`` on (``required``'s
     array, perhaps cut short), and where the scan stopped."""
-    calls, decoder = [], json.JSONDecoder()
-    while True:
-        begin = text.find("{", start)
-        if begin < 0:
-            return calls, start
-        try:
-            item, end = decoder.raw_decode(text, begin)
-        except (ValueError, RecursionError):  # incomplete (or nested past Python's parser)
-            return calls, start
-        start = end
+    calls = []
+    for item, start in whole_objects(text, start):
         if isinstance(item, dict) and "name" in item and "parameters" in item:
             calls.append(ParsedCall(item["name"], json.dumps(item["parameters"], ensure_ascii=False,
                                                              separators=(",", ":"))))  # compact, as generated
+    return calls, start
 
 
 class ToolOutput:

@@ -31,6 +31,18 @@ class ParsedCall:
 _CALL_OPENING = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*(,\s*"(?:parameters|arguments)"\s*:\s*)?')
 
 
+def whole_objects(text: str, start: int = 0):
+    """``(value, end)`` of each JSON object whole in ``text`` from ``start`` on, in order, up to the
+    first that is not (an output cut short: it begins at the next ``{`` after the last ``end``)."""
+    decoder = json.JSONDecoder()
+    while (begin := text.find("{", start)) >= 0:
+        try:
+            value, start = decoder.raw_decode(text, begin)
+        except (ValueError, RecursionError):  # incomplete (or nested past Python's parser)
+            return
+        yield value, start
+
+
 def cut_call(text: str, start: int = 0) -> ParsedCall | None:
     """The call an output was cut short in (max_tokens, a stop string), from ``start`` on: its name,
     where complete, and its arguments (``parameters`` or ``arguments``) so far; ``None`` where its
@@ -155,20 +167,17 @@ class JsonParser:
 
 def _calls_so_far(body: str, names: frozenset[str]) -> list[ParsedCall]:
     """The calls of a body that is no whole JSON: each object whole in it a call, then the one it was
-    cut short in (where its name is whole); none where an object whole in it is no call (text)."""
-    decoder, calls, pos = json.JSONDecoder(), [], 0
-    while (begin := body.find("{", pos)) >= 0:
-        try:
-            item, pos = decoder.raw_decode(body, begin)
-        except (ValueError, RecursionError):  # the object it was cut in (a call's opening, right there)
-            cut = cut_call(body, begin) if _CALL_OPENING.match(body, begin) else None
-            if cut is not None and cut.name not in names:
-                return []  # an unknown function's: text, as a whole one's is
-            return calls + [cut] if cut is not None else calls
+    cut short in (where its name is whole); none where an object in it is no call (text)."""
+    calls, end = [], 0
+    for item, end in whole_objects(body):
         if (call := _call(item, names)) is None:
             return []
         calls.append(call)
-    return calls
+    begin = body.find("{", end)  # the object it was cut short in: a call's opening, right there
+    cut = cut_call(body, begin) if begin >= 0 and _CALL_OPENING.match(body, begin) else None
+    if cut is not None and cut.name not in names:
+        return []  # an unknown function's: text, as a whole one's is
+    return calls + [cut] if cut is not None else calls
 
 
 class Llama3JsonParser(JsonParser):

@@ -137,9 +137,12 @@ class CoreTurns:
         return TURN_RECORD.unpack(record) if len(record) == TURN_RECORD.size else (0.0, 0.0)
 
     def _holder_outlasted(self) -> bool:
-        """Whether the turn now held has lasted past this waiter's patience (module docstring); False
-        where its holder has no turns behind it, or the record is not (yet) one of a held turn."""
-        began, longest = self._record()
+        """Whether the turn now held has lasted past this waiter's patience (module docstring)."""
+        return self._outlasted(*self._record())
+
+    def _outlasted(self, began: float, longest: float) -> bool:
+        """``_holder_outlasted`` on a record: False where its holder has no turns behind it, or the
+        record is not (yet) one of a held turn."""
         if not (began > 0 and longest > 0):  # let go (or taken, not yet written); no turns yet; NaN
             return False
         return time.monotonic() - began > max(self.patience_floor_s, PATIENCE_TURNS * longest)
@@ -148,8 +151,9 @@ class CoreTurns:
         """Whether the turn has been free for ``patience_floor_s`` while the turnstile stays held (its
         holder, a waiter, would have taken the turn at once: it is stopped); or the turn is held past
         patience, which the turnstile's holder waits out too."""
-        let_go = -self._record()[0]
-        return (let_go > 0 and time.monotonic() - let_go > self.patience_floor_s) or self._holder_outlasted()
+        began, longest = self._record()
+        let_go = -began
+        return (let_go > 0 and time.monotonic() - let_go > self.patience_floor_s) or self._outlasted(began, longest)
 
     def close(self) -> None:
         for fd in (self._lock, self._queue):
