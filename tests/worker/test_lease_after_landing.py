@@ -134,6 +134,17 @@ async def lease_check(harness: DecodeHarness) -> None:
     await harness.engine_state(lambda e: None)  # ... and anything it posted then has run before this answer
 
 
+async def lease_state(harness: DecodeHarness, stream) -> str:
+    """What a test that waited for a lease to end saw instead (for its failure message)."""
+    leases, reservations = await harness.engine_state(
+        lambda e: (dict(e.scheduler.handoff.decode.leases), list(e.scheduler.reservations)))
+    task = stream.task
+    ended = task.done() and (task.exception() if not task.cancelled() else "cancelled")
+    return (f"no lease ended: leases {leases}, reservations {reservations}, lease clock "
+            f"{harness.test_clock():.1f}, handler in flight {stream.request_id in harness.worker.in_flight}, "
+            f"stream ended {ended!r}, frames {stream.frames}, aborts sent {harness.aborts}")
+
+
 async def test_kv_that_landed_keeps_its_reservation_although_the_lease_ends_before_the_first_token(harness):
     stream = harness.generate(PROMPT, MAX_TOKENS)
     await asyncio.wait_for(harness.asked.wait(), WAIT)
@@ -167,7 +178,7 @@ async def test_kv_that_lands_after_the_lease_ended_is_refused_before_its_first_t
         if held_expiries:
             break
         await lease_check(harness)
-    assert len(held_expiries) == 1
+    assert len(held_expiries) == 1, await lease_state(harness, stream)
     transfer = harness.receiver.transfers[0]
     transfer.landed.set()
     harness.answer.set()
