@@ -18,6 +18,10 @@ def engine_params(options: SamplingOptions, kind: str, echo: bool, prompt_ids: l
     # Sizes before any per-token work: the length bounds the scan of the ids below.
     room = max_model_len - len(prompt_ids)
     max_tokens = options.max_tokens if options.max_tokens is not None else room
+    if options.min_tokens > max_tokens:  # (vLLM refuses it too; else no output could meet it)
+        bound = (f"max_tokens ({max_tokens})" if options.max_tokens is not None
+                 else f"the {max_tokens} tokens the context leaves after the prompt")
+        raise invalid(f"min_tokens ({options.min_tokens}) must be at most {bound}", "min_tokens")
     # max_tokens=0 with echo: the prompt alone is answered; one token is generated (and counted), as in vLLM.
     echo_only = max_tokens == 0
     max_tokens = max(max_tokens, 1)
@@ -51,8 +55,7 @@ def engine_params(options: SamplingOptions, kind: str, echo: bool, prompt_ids: l
         # best_of ranks its candidates by their tokens' logprobs: the chosen token's at least
         logprobs=options.logprobs if options.best_of is None else options.logprobs or 0,
         stop_token_ids=tuple(dict.fromkeys(turn_end + options.stop_token_ids)),
-        # min_tokens beyond max_tokens: no stop token ends the output early (it ends at max_tokens)
-        logit_bias=options.logit_bias, min_tokens=min(options.min_tokens, max_tokens),
+        logit_bias=options.logit_bias, min_tokens=options.min_tokens,
         structured=options.structured or (plan.structured if plan else None),
         prompt_logprobs=max(asked) if asked else None,
     )

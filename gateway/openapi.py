@@ -63,7 +63,7 @@ _COMMON_RULES: dict[str, dict] = {
                                        "alternatives in the answer's prompt_logprobs; not with stream (400, code "
                                        "prompt_logprobs_not_streamed)."},
     "min_tokens": {"type": "integer", "minimum": 0, "maximum": MAX_TOKEN_ID, "default": 0,
-                   "description": "Extension (vLLM's). No stop token or stop string ends the output within its first min_tokens tokens."},
+                   "description": "Extension (vLLM's). No stop token or stop string ends the output within its first min_tokens tokens; at most max_tokens (or what the context leaves)."},
     "stop_token_ids": {**_nullable({"type": "array", "maxItems": MAX_STOP_TOKEN_IDS,
                                     "items": {"type": "integer", "minimum": 0, "maximum": MAX_TOKEN_ID}}),
                        "description": "Extension (vLLM's). Token ids that end the output."},
