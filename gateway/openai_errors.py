@@ -153,11 +153,19 @@ _REPLACED_FIELDS = {f"guided_{key}": f"structured_outputs: {{\"{key}\": ...}}" f
 _MISSING_RE = re.compile(r"^Object missing required field `([^`]*)`")
 
 
-def from_msgspec(exc: msgspec.MsgspecError, at: str = "") -> OpenAIError:
+# A high surrogate escape with no low one after it: msgspec calls such a body "truncated".
+_LONE_SURROGATE_RE = re.compile(rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F])")
+
+
+def from_msgspec(exc: msgspec.MsgspecError, at: str = "", body: bytes = b"") -> OpenAIError:
     """A msgspec error as a 400 naming the parameter; ``at``: where the decoded value sits in the
-    request (``"messages[2]"``), its error path continues from there."""
+    request (``"messages[2]"``), its error path continues from there; ``body``: what was decoded
+    (to say what is wrong with JSON that does not parse)."""
     text = str(exc)
     if isinstance(exc, msgspec.DecodeError) and not isinstance(exc, msgspec.ValidationError):
+        if "truncated" in text and (lone := _LONE_SURROGATE_RE.search(body)):
+            text = (f"{lone.group().decode()} at byte {lone.start()} is a lone UTF-16 high surrogate (no low "
+                    "surrogate \\udc00-\\udfff follows it): not a character")
         return invalid(f"Request body is not valid JSON: {text}")
     detail, path = split_error_path(text)
     if at:

@@ -277,7 +277,7 @@ def decode_body(decoder: msgspec.json.Decoder, body: bytes):
                 setattr(decoded, name, _default(type(decoded), name))
         return decoded
     except msgspec.MsgspecError as exc:
-        raise from_msgspec(exc) from None
+        raise from_msgspec(exc, body=body) from None
     except RecursionError:  # msgspec's guard on nesting (the interpreter's recursion limit)
         field = too_deep_field(body)
         raise invalid(f"Request body is nested too deeply{f' in {field!r}' if field else ''}: JSON arrays and "
