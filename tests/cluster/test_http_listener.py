@@ -17,7 +17,7 @@ import pytest
 import uvloop
 from aiohttp import web
 
-from common.cluster.http_limits import DEFAULTS, HttpLimits
+from common.cluster.http_limits import HttpLimits
 from common.cluster.http_listener import GuardedSite
 from tests.support.waiting import until
 
@@ -489,16 +489,3 @@ def test_a_connection_being_closed_keeps_its_slot_until_a_newcomer_needs_it(loop
                 sock.close()
 
     run(loop, main())
-
-
-def test_the_gateways_flags_are_its_listeners_limits():
-    """The gateway's port limits default to ``HttpLimits``' (declared there once), and each flag
-    reaches its listener -- ``--client-write-timeout`` is its write deadline."""
-    from gateway.config import build_parser, config_from_args
-
-    def limits(*argv: str) -> HttpLimits:
-        return config_from_args(build_parser({}).parse_args(list(argv)), {}).http_limits()
-
-    assert limits() == DEFAULTS
-    assert limits("--max-connections", "9", "--header-timeout", "1", "--keepalive-timeout", "2",
-                  "--client-read-timeout", "3", "--client-write-timeout", "4") == HttpLimits(9, 1.0, 2.0, 3.0, 4.0)

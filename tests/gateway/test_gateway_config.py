@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from common.cluster.auth import SECRET_ENV, generate_secret
+from common.cluster.http_limits import DEFAULTS, HttpLimits
 from launcher.local_stack import ROOT
 from gateway.config import GatewayConfig, build_parser, config_from_args, env_names
 from gateway.tenants import key_id
@@ -234,3 +235,14 @@ def test_a_role_body_nested_too_deep_is_a_400_naming_role():
     with pytest.raises(OpenAIError) as refused:
         _check_role_body(b"[" * 100_000 + b"]" * 100_000)
     assert refused.value.status == 400 and refused.value.param == "role"
+
+
+def test_the_gateways_flags_are_its_listeners_limits():
+    """The gateway's port limits default to ``HttpLimits``' (declared there once), and each flag
+    reaches its listener -- ``--client-write-timeout`` is its write deadline."""
+    def limits(*argv: str) -> HttpLimits:
+        return config_from_args(build_parser({}).parse_args(list(argv)), {}).http_limits()
+
+    assert limits() == DEFAULTS
+    assert limits("--max-connections", "9", "--header-timeout", "1", "--keepalive-timeout", "2",
+                  "--client-read-timeout", "3", "--client-write-timeout", "4") == HttpLimits(9, 1.0, 2.0, 3.0, 4.0)

@@ -13,7 +13,6 @@ import gzip
 import json
 import socket
 import threading
-import time
 import urllib.error
 import urllib.request
 import uuid
@@ -27,6 +26,7 @@ from launcher.local_stack import gateway_health
 from common.cluster.messages import FRAMES_CONTENT_TYPE, GenerateRequest, TokenFrame, decode, frame
 from tests.support.cluster import http_json, running_cluster
 from tests.support.fake_decode import FakeDecodeWorker
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.slow(seconds=56)  # a long file: scheduled by its length (tests/conftest.py)
 
@@ -223,12 +223,6 @@ def test_the_wait_queue_is_bounded_and_first_come_first_served(stack):
             return exc.status_code, exc.response.headers.get("retry-after"), exc.message
         return 200, None, ""
 
-    def wait_until(predicate, what):
-        deadline = time.monotonic() + 60
-        while not predicate():
-            assert time.monotonic() < deadline, f"timed out waiting for {what}"
-            time.sleep(0.02)
-
     with worker, concurrent.futures.ThreadPoolExecutor(3) as pool:
         stack.wait_for_workers(0, 1)
         first = pool.submit(attempt, a)
@@ -354,16 +348,16 @@ def guarded(stack, tmp_path_factory):
     keys.write_text(f"# test keys\n{KEYS['greedy']}:2\n\n{KEYS['other']}\n")
     proc = stack.start_gateway("guarded", ["--api-keys-file", str(keys), "--client-write-timeout", "2",
                                            "--max-connections", str(MAX_CONNECTIONS)])
-    deadline = time.monotonic() + 60
-    while True:
+    def answering() -> bool:
         try:
             http_json(f"{proc.url}/health", timeout=2)
-            break
         except urllib.error.HTTPError:
-            break  # answering (503 while it has no decode worker)
+            pass  # answering (503 while it has no decode worker)
         except OSError:
-            assert proc.popen.poll() is None and time.monotonic() < deadline, proc.log()
-            time.sleep(0.2)
+            assert proc.popen.poll() is None, proc.log()
+            return False
+        return True
+    wait_until(answering, "the guarded gateway to answer")
     try:
         yield proc.url
     finally:
@@ -471,10 +465,8 @@ def test_idle_connections_never_shut_out_a_client_and_busy_ones_at_the_cap_get_5
                     r.close()
 
     asyncio.run(main())
-    deadline = time.monotonic() + 30
-    while "too_many_connections" in health_answer(guarded)[2]:  # closed connections free their places
-        assert time.monotonic() < deadline, "connections stayed refused after the streams closed"
-        time.sleep(0.1)
+    wait_until(lambda: "too_many_connections" not in health_answer(guarded)[2],  # closed connections free places
+               "connections to be taken again after the streams closed")
 
 
 # ---- /health per pool (issue 8) ----------------------------------------------------------------
@@ -482,10 +474,8 @@ def test_idle_connections_never_shut_out_a_client_and_busy_ones_at_the_cap_get_5
 
 def test_health_reports_each_pool_and_is_503_without_a_decode_worker(stack):
     def health():
-        try:
-            return 200, http_json(f"{stack.gateway_url}/health")
-        except urllib.error.HTTPError as exc:
-            return exc.code, json.loads(exc.read())
+        code, _, text = health_answer(stack.gateway_url)
+        return code, json.loads(text)
 
     code, body = health()
     assert code == 503 and body["status"] == "unavailable"
