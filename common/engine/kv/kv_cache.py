@@ -17,6 +17,8 @@ so a run of consecutive block ids is a single contiguous region as well.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from common.engine.kv.host_memory import huge_page_zeros
@@ -162,9 +164,42 @@ def num_blocks_for_memory(layout: KVLayout, fraction: float, device: torch.devic
     return max(1, int(free * fraction) // layout.block_nbytes)
 
 
-def _host_memory_available() -> int:
-    with open("/proc/meminfo") as meminfo:
-        for line in meminfo:
+MEMINFO = "/proc/meminfo"
+CGROUP_ROOT = "/sys/fs/cgroup"  # in a container, its own cgroup (cgroup namespaces)
+
+
+def _host_memory_available(meminfo: str = MEMINFO, cgroup_root: str = CGROUP_ROOT) -> int:
+    """Bytes this process can still allocate: MemAvailable, capped by what its cgroup's memory limit
+    leaves (inside a pod /proc/meminfo describes the node, not the pod's limit)."""
+    with open(meminfo) as lines:
+        for line in lines:
             if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
+                available = int(line.split()[1]) * 1024
+                break
+        else:
+            raise RuntimeError(f"cannot read MemAvailable from {meminfo}")
+    headroom = cgroup_memory_headroom(cgroup_root)
+    return available if headroom is None else min(available, headroom)
+
+
+def cgroup_memory_headroom(root: str = CGROUP_ROOT) -> int | None:
+    """The cgroup's memory limit less its usage, in bytes; None where no limit is set or readable.
+
+    cgroup v2: ``memory.max`` ("max" = no limit) less ``memory.current``; cgroup v1:
+    ``memory/memory.limit_in_bytes`` less ``memory/memory.usage_in_bytes``."""
+    for limit_name, usage_name in (("memory.max", "memory.current"),
+                                   ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
+        try:
+            with open(os.path.join(root, limit_name)) as f:
+                limit = f.read().strip()
+            with open(os.path.join(root, usage_name)) as f:
+                usage = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if limit == "max":
+            return None
+        try:
+            return max(0, int(limit) - usage)
+        except ValueError:
+            continue
+    return None
