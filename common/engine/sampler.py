@@ -307,6 +307,7 @@ class Sampler:
           min-p:  its own threshold (min_p relative to the best token) is exact;
           top-k:  the k-th largest of the 64-column group maxima (at least k tokens reach it);
                   past the groups' count, first TOP_K_FIRST_THRESHOLD, then every token.
+        Top-k keeps the tokens tied with its k-th too (as vLLM does).
         """
         n, vocab = e.shape
         device = e.device
@@ -358,6 +359,10 @@ class Sampler:
         cumulative = table.double().cumsum(dim=-1)
 
         k = torch.where(has_k, torch.minimum(top_k, counts), counts).clamp(min=1)
+        # top-k keeps every token as likely as its k-th (vLLM masks the logits below the k-th):
+        # ties at the cut stay in (they are all candidates: each is at or above the threshold).
+        kth = table.gather(1, (k - 1)[:, None])
+        k = torch.where(has_k, (table >= kth).sum(dim=-1), k)
         # top_p is relative to what the earlier filters kept: the top-k set, the min-p survivors,
         # or (when the candidates are only a part of it) the whole distribution.
         kept_mass = cumulative.gather(1, (k - 1)[:, None])[:, 0]

@@ -37,7 +37,7 @@ def reference_probs(logits: torch.Tensor, p: SamplingParams, prompt=(), output=(
     probs[probs < p.min_p * probs.max()] = 0
     values, order = probs.sort(descending=True, stable=True)
     if 0 < p.top_k < len(values):
-        values[p.top_k:] = 0
+        values[values < values[p.top_k - 1]] = 0  # vLLM masks below the k-th: ties with it stay
     mass = values.sum()
     before = values.cumsum(-1) - values
     values[before >= p.top_p * mass] = 0
@@ -95,6 +95,20 @@ def test_min_p_drops_tokens_below_its_share_of_the_best():
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
     seen = set(sample(probs.log()[None].expand(400, -1), [SamplingParams(min_p=0.2)] * 400, [0] * 400)[0])
     assert seen == {0, 1, 2}  # 0.05 < 0.2 * 0.5
+
+
+def test_top_k_keeps_the_tokens_tied_with_its_kth():
+    """Logits [2, 1, 1, 1, 0] under top_k=2 keep tokens 0-3, as vLLM's mask below the 2nd logit does
+    (ties are common where logits come out of a bf16 product)."""
+    logits = torch.tensor([2.0, 1.0, 1.0, 1.0, 0.0])
+    params = SamplingParams(top_k=2)
+    expected = reference_probs(logits, params)
+    assert expected[1:4].min() > 0 and expected[4] == 0
+    observed = empirical(logits[None], params, 4000)
+    assert set(observed.nonzero()[:, 0].tolist()) == {0, 1, 2, 3}
+    assert_same_distribution(observed, expected)
+    # The last of the kept tokens (in descending order, ties by column) is what u near 1 draws.
+    assert Sampler()(logits[None], [SamplingRow(params, uniform=0.999)])[0] == [3]
 
 
 CASES = {
