@@ -101,3 +101,40 @@ def test_the_planner_simulates_the_declared_defaults(tmp_path):
                                                                                   cpu.max_num_seqs)
     worker = make_up_worker_args("decode")
     assert resolved(worker, "cpu")["max_num_batched_tokens"] == config.engine.max_num_batched_tokens
+
+
+# compose file set -> the Kubernetes overlay that runs the same workers, and the worker settings
+# that neither the engine nor the worker declares for that device, so each side sets them itself:
+# they must set them alike (one value, shown twice).
+K8S_COUNTERPARTS = {
+    "cpu": ("cpu", ("PDSERVE_NUM_BLOCKS",)),  # on CPU the cache is sized, not a fraction of the node
+    "gpu": ("gpu", ()),
+}
+
+
+def k8s_worker_env(overlay: str) -> dict[str, dict[str, str]]:
+    """pool -> its worker container's plain environment values, as the overlay renders."""
+    from tests.deploy.test_k8s import BUILDS, containers, env, workloads
+    from tests.support.kustomize import build
+
+    out = {}
+    for doc in workloads(build(BUILDS[overlay])):
+        pool = doc["spec"]["template"]["metadata"]["labels"].get("pdserve.dev/pool")
+        if pool:
+            (c,) = containers(doc)
+            out[pool] = {k: str(v["value"]) for k, v in env(c).items() if "value" in v}
+    return out
+
+
+def test_kubernetes_workers_set_what_the_compose_workers_set():
+    compose = {(stack, service): {k: "" if v is None else str(v) for k, v in (spec.get("environment") or {}).items()}
+               for stack, _profiles, service, spec in compose_workers()}
+    for stack, (overlay, names) in K8S_COUNTERPARTS.items():
+        pods = k8s_worker_env(overlay)
+        assert set(pods) == set(WORKER_SERVICES), overlay
+        for service in WORKER_SERVICES:
+            for name in names:
+                want = compose[(stack, service)].get(name)
+                assert want, f"compose {stack}/{service} leaves {name} to a default"
+                assert pods[service].get(name) == want, (f"k8s overlay {overlay}/{service}: {name}="
+                                                         f"{pods[service].get(name)!r}, compose {stack}: {want!r}")
