@@ -146,8 +146,9 @@ class StopStringMatcher:
     still grow into a stop string.  When a stop string completes, the text is cut before it (or
     after it, with ``include_stop``), ``matched`` is set, and later input is ignored.
     ``flush()`` releases the withheld tail at the end of generation.  ``feed(text, check=False)``
-    shows ``text`` unchecked (an output shorter than its ``min_tokens``, as vLLM does): a stop
-    string that ends in it is not matched, one that ends in later text may begin in it.
+    takes ``text`` unchecked (an output shorter than its ``min_tokens``, as vLLM does): a stop
+    string that ends in it is not matched; one that ends in later text may begin in it, and cuts
+    the output there (its tail that could begin one is withheld as ever).
     """
 
     def __init__(self, stop: Sequence[str], *, include_stop: bool = False) -> None:
@@ -171,18 +172,19 @@ class StopStringMatcher:
         buf = shown + self._held + text
         if check:
             # The stop that completes first wins (ties: the one starting first), so the result does
-            # not depend on how the text was split into pieces.  (One ending in text already shown
-            # was there before the checks began.)
+            # not depend on how the text was split into pieces.  Only one that ends in ``text`` is
+            # new: what came before was checked, or taken unchecked.
             hit_at, hit = -1, None
+            new_from = len(buf) - len(text)
             for s in self.stop:
-                i = buf.find(s, max(0, len(shown) - len(s) + 1))
+                i = buf.find(s, max(0, new_from - len(s) + 1))
                 if i != -1 and (hit is None or (i + len(s), i) < (hit_at + len(hit), hit_at)):
                     hit_at, hit = i, s
             if hit is not None:
                 self.matched = hit
                 self._held = self._shown_tail = ""
                 return buf[len(shown):hit_at + (len(hit) if self.include_stop else 0)]  # (none, if it began in shown text)
-        hold = min(self._partial_suffix(buf), len(buf) - len(shown)) if check else 0
+        hold = min(self._partial_suffix(buf), len(buf) - len(shown))
         end = len(buf) - hold
         self._held = buf[end:]
         self._shown_tail = buf[max(0, end - self._max_hold):end] if self._max_hold else ""
