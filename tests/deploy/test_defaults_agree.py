@@ -108,7 +108,8 @@ def test_the_planner_simulates_the_declared_defaults(tmp_path):
 # they must set them alike (one value, shown twice).
 K8S_COUNTERPARTS = {
     "cpu": ("cpu", ("PDSERVE_NUM_BLOCKS",)),  # on CPU the cache is sized, not a fraction of the node
-    "gpu": ("gpu", ()),
+    "gpu": ("gpu", ("PDSERVE_KV_MEMORY_FRACTION",)),  # the engine's 0.2 is for hosts that share memory
+    "workers": ("gpu", ("PDSERVE_KV_MEMORY_FRACTION",)),
 }
 
 
