@@ -33,6 +33,7 @@ from pdctl.planner.cli import (
     add_calibrate_parser, add_plan_parser, add_rebalance_model_args, rebalance_by_simulation,
 )
 from pdctl.admin_client import AdminClient, AdminError
+from pdctl.deploy.rollout import OperationError
 from pdctl.rebalance import Move, Targets, WorkerReading, plan
 
 
@@ -207,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         client = AdminClient(args.url, secret_value(args, "admin_token", "the admin token"))
         return args.func(client, args)
-    except AdminError as exc:
+    except (AdminError, OperationError) as exc:  # a deploy step or backend command failed: said, no traceback
         print(f"pdctl: error: {exc}", file=sys.stderr)
         return 1
     except ValueError as exc:

@@ -30,6 +30,8 @@ class Replica:
 
 
 class Backend(Protocol):
+    def check(self, services: list[str]) -> None: ...
+
     def replicas(self, service: str) -> list[Replica]: ...
 
     def remove(self, replica: Replica, grace_s: float) -> None: ...
@@ -40,6 +42,28 @@ class Backend(Protocol):
 
 
 Runner = Callable[[list[str]], str]
+
+
+class BackendError(Exception):
+    """A backend cannot do its work here (its tool missing or not answering); the message says how to fix it."""
+
+
+# What a backend raises when its command fails, times out or is not installed.
+BACKEND_FAILURES = (BackendError, subprocess.SubprocessError, OSError)
+
+
+def describe_failure(exc: BaseException) -> str:
+    """One line for a failed backend command: which command, and what it said."""
+    if isinstance(exc, subprocess.CalledProcessError):
+        said = (exc.stderr or exc.stdout or "").strip().splitlines()
+        return f"`{shlex.join(map(str, exc.cmd))}` exited {exc.returncode}" + (f": {said[-1]}" if said else "")
+    if isinstance(exc, subprocess.TimeoutExpired):
+        return f"`{shlex.join(map(str, exc.cmd))}` ran past {exc.timeout:g}s"
+    if isinstance(exc, BackendError):
+        return str(exc)
+    if isinstance(exc, FileNotFoundError):
+        return f"{exc.filename or exc}: command not found"
+    return f"{type(exc).__name__}: {exc}"
 
 
 def run_command(cmd: list[str]) -> str:
@@ -73,6 +97,16 @@ class ComposeBackend:
         for f in self.files:
             cmd += ["-f", f]
         return cmd + list(args)
+
+    def check(self, services: list[str]) -> None:
+        """Fail now, before anything is drained, if the compose tool or docker does not run
+        (``docker compose`` where only docker-compose v1 is installed, for instance)."""
+        try:
+            self.run([*self.compose, "version"])
+        except BACKEND_FAILURES as exc:
+            raise BackendError(f"the compose tool does not run ({describe_failure(exc)}): install it, or pass "
+                               f"--compose (e.g. --compose docker-compose) or set PDSERVE_COMPOSE") from None
+        self.run(["docker", "version", "--format", "{{.Server.Version}}"])
 
     def replicas(self, service: str) -> list[Replica]:
         out = self.run(["docker", "ps", "-a", "--no-trunc", "--filter", f"label=com.docker.compose.project={self.project}",
@@ -122,6 +156,9 @@ class LocalBackend:
     def __init__(self, stack):
         self.stack = stack
         self.serial = 0
+
+    def check(self, services: list[str]) -> None:
+        """Nothing to check: the stack's processes are this process's children."""
 
     @staticmethod
     def _role(proc) -> str:

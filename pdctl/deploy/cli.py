@@ -111,13 +111,13 @@ def cmd_scale(client, args) -> int:
         raise ValueError("--decode 0 leaves no worker to generate: every request would fail (pass --allow-outage "
                          "to do it anyway)")
     op = operator(client, args)
-    plan = op.plan_scale({"prefill": args.prefill, "decode": args.decode})
-    for line in plan.describe(op.entries()):
-        print(line)
-    if not args.run:
-        print("dry run: add --run to drain and remove exactly these replicas, then scale")
-        return 0
     try:
+        plan = op.plan_scale({"prefill": args.prefill, "decode": args.decode})
+        for line in plan.describe(op.entries()):
+            print(line)
+        if not args.run:
+            print("dry run: add --run to drain and remove exactly these replicas, then scale")
+            return 0
         op.scale(plan)
     except OperationError as exc:
         print(f"pdctl: scale stopped: {exc}", file=sys.stderr)

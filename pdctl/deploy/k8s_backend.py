@@ -34,6 +34,11 @@ class KubernetesBackend:
     def _kubectl(self, *args: str) -> str:
         return self.run([*self.kubectl, *args])
 
+    def check(self, services: list[str]) -> None:
+        """Fail now, before anything is drained, unless kubectl runs and finds each Deployment."""
+        for service in services:
+            self._desired(service)
+
     def _pods(self, service: str) -> list[dict]:
         out = self._kubectl("get", "pods", "--selector", f"app.kubernetes.io/part-of=pdserve,pdserve.dev/pool={service}",
                             "--output", "json")

@@ -7,7 +7,10 @@
     scale up:                             create the missing replicas, wait until they serve
 
 The registry is the truth about workers; the backend (``pdctl.deploy.backends``) knows where they
-run.  Every wait is bounded; a step that fails stops the operation with the rest untouched.
+run.  Every wait is bounded; a step that fails stops the operation with the rest untouched, and
+whatever the operation drained but did not remove is put back in service first.  A backend command
+that fails (exits non-zero, times out, is not installed) is an ``OperationError`` like any other
+failed step; the backend is checked (``compose version``, the Deployments) before anything drains.
 """
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from pdctl.deploy.backends import Backend, Replica
+from pdctl.deploy.backends import BACKEND_FAILURES, Backend, Replica, describe_failure
 
 
 class OperationError(Exception):
@@ -58,13 +61,25 @@ class Operator:
         self.events.append((what, replica.name))
         self.say(message)
 
+    def _backend(self, what: str, call: Callable, *args):
+        """``call(*args)`` on the backend; a failed backend command becomes an OperationError."""
+        try:
+            return call(*args)
+        except BACKEND_FAILURES as exc:
+            raise OperationError(f"{what}: {describe_failure(exc)}") from None
+
+    def check(self, services: list[str]) -> None:
+        """The backend can run its commands (before anything is drained)."""
+        self._backend("the backend does not answer", self.backend.check, services)
+
     def entries(self) -> dict[str, dict]:
         return {w["worker_id"]: w for w in self.client.workers()}
 
     # ---- building blocks ------------------------------------------------------------------
 
-    def drain(self, replicas: list[Replica]) -> None:
-        """Ask each registered replica to drain, then wait until each reports idle.  Where one
+    def drain(self, replicas: list[Replica]) -> list[tuple[Replica, float, str]]:
+        """Ask each registered replica to drain, then wait until each reports idle; returns the
+        drained ones (replica, last heartbeat before, role) for ``_back_in_service``.  Where one
         cannot be drained, every replica this call drained is put back in service (its role set
         again: the way back from a drain) before the error is raised -- none is left parked, out of
         the pools and never removed."""
@@ -88,6 +103,13 @@ class Operator:
         except Exception as exc:
             back = self._back_in_service(started)
             raise OperationError(f"{exc}" + (f" (back in service: {', '.join(back)})" if back else "")) from None
+        return started
+
+    def _removal_failed(self, exc: OperationError, drained: list[tuple[Replica, float, str]],
+                        removed: set[str]) -> OperationError:
+        """The error to raise after a failed removal, once the drained replicas not removed are back."""
+        back = self._back_in_service([d for d in drained if d[0].handle not in removed])
+        return OperationError(f"{exc}" + (f" (back in service: {', '.join(back)})" if back else ""))
 
     def _back_in_service(self, drained: list[tuple[Replica, float, str]]) -> list[str]:
         """Each of ``drained`` active again in its role, where it answers; their names."""
@@ -103,7 +125,7 @@ class Operator:
         return back
 
     def remove(self, r: Replica) -> None:
-        self.backend.remove(r, self.stop_grace_s)
+        self._backend(f"removing {r.name}", self.backend.remove, r, self.stop_grace_s)
         self._event("removed", r, f"{r.service}: removed {r.name}")
 
     def wait_new(self, service: str, known: set[str], count: int, replaced: dict[str, float]) -> list[Replica]:
@@ -111,7 +133,8 @@ class Operator:
         registered as active (a worker id seen in ``replaced`` must show a later ``started_at``)."""
         deadline = time.monotonic() + self.ready_timeout
         while True:
-            fresh = [r for r in self.backend.replicas(service) if r.handle not in known and r.running]
+            fresh = [r for r in self._backend(f"listing {service}", self.backend.replicas, service)
+                     if r.handle not in known and r.running]
             entries = self.entries()
             ready = [r for r in fresh if r.worker_id in entries and entries[r.worker_id]["state"] == "active"
                      and entries[r.worker_id].get("started_at", 0.0) > replaced.get(r.worker_id, -1.0)
@@ -129,17 +152,26 @@ class Operator:
 
     def rollout(self, services: list[str], allow_outage: bool = False) -> list[tuple[Replica, Replica]]:
         """Replace every running replica of ``services``, one at a time."""
+        self.check(services)
         replaced = []
         for service in services:
-            for old in [r for r in self.backend.replicas(service) if r.running]:
+            for old in [r for r in self._backend(f"listing {service}", self.backend.replicas, service) if r.running]:
                 entries = self.entries()
                 if not allow_outage:
                     self._check_pool_survives(old, entries)
-                all_now = self.backend.replicas(service)
+                all_now = self._backend(f"listing {service}", self.backend.replicas, service)
                 started = {old.worker_id: entries[old.worker_id].get("started_at", 0.0)} if old.worker_id in entries else {}
-                self.drain([old])
-                self.remove(old)
-                self.backend.ensure(service, len(all_now))
+                drained = self.drain([old])
+                try:
+                    self.remove(old)
+                except OperationError as exc:
+                    raise self._removal_failed(exc, drained, set()) from None
+                try:
+                    self._backend(f"recreating {service}", self.backend.ensure, service, len(all_now))
+                except OperationError as exc:
+                    raise OperationError(f"{exc}; {old.name} was removed and not replaced: {service} runs "
+                                         f"{len(all_now) - 1} of {len(all_now)} (pdctl scale, once the backend works)"
+                                         ) from None
                 new = self.wait_new(service, {r.handle for r in all_now}, 1, started)[0]
                 replaced.append((old, new))
         return replaced
@@ -164,7 +196,7 @@ class Operator:
         for service, target in targets.items():
             if target < 0:
                 raise ValueError(f"--{service} must be >= 0, got {target}")
-            replicas = self.backend.replicas(service)
+            replicas = self._backend(f"listing {service}", self.backend.replicas, service)
             plan.current[service], plan.target[service] = len(replicas), target
             if target < len(replicas):
                 plan.remove[service] = self.victims(replicas, len(replicas) - target, entries)
@@ -184,13 +216,20 @@ class Operator:
         return sorted(by_name, key=cost)[:n]
 
     def scale(self, plan: ScalePlan) -> None:
+        """Drain and remove the plan's victims, then bring each service to its target.  Where a
+        removal fails, the victims drained but not removed are put back in service."""
+        self.check(list(plan.target))
         for service, victims in plan.remove.items():
-            self.drain([r for r in victims if r.running])
+            drained, removed = self.drain([r for r in victims if r.running]), set()
             for r in victims:
-                self.remove(r)
+                try:
+                    self.remove(r)
+                except OperationError as exc:
+                    raise self._removal_failed(exc, drained, removed) from None
+                removed.add(r.handle)
         for service, target in plan.target.items():
-            before = self.backend.replicas(service)
-            self.backend.ensure(service, target)
+            before = self._backend(f"listing {service}", self.backend.replicas, service)
+            self._backend(f"scaling {service} to {target}", self.backend.ensure, service, target)
             missing = target - len(before)
             if missing > 0:
                 self.wait_new(service, {r.handle for r in before}, missing, {})
