@@ -96,6 +96,7 @@ EXIT_CONFIG = 78  # sysexits EX_CONFIG: a restart will not help until the config
 MAKE_SECRET = ("make one with `pdctl gen-secrets` (writes compose/.env, mode 0600) or "
                "`python3 -c 'import secrets; print(secrets.token_urlsafe(32))'`")
 # Variables compose sets to "" when the operator leaves them unset; their tools read "" as a value.
+SHARED_CORES_OMP_THREADS = 2  # threads per CPU worker without a CPU set of its own (PDSERVE_CPUSETS unset)
 DROP_IF_EMPTY = re.compile(r"^(UCX_|OMP_|CUDA_|NCCL_|HF_|HUGGING_FACE_|TRANSFORMERS_)")
 
 
@@ -349,6 +350,7 @@ def prepare_worker(env: dict[str, str], probe: HostProbe, launch: Launch) -> tup
             launch.notes.append(f"CPUs {cpusets[slot]} (slot {slot})")
         else:  # the workers share the host's cores: they take turns on them (common/engine/core_turns.py)
             env.setdefault("PDSERVE_CORE_TURNS", str(lock_dir / "core-turns.lock"))
+            env.setdefault("OMP_NUM_THREADS", str(SHARED_CORES_OMP_THREADS))
             launch.notes.append(f"CPUs shared, turns on {env['PDSERVE_CORE_TURNS']}")
     env.setdefault("PDSERVE_PORT", str(int(env.get("PDSERVE_PORT_BASE") or 8100) + slot))
     env.setdefault("PDSERVE_KV_PORT", str(int(env.get("PDSERVE_KV_PORT_BASE") or 8200) + slot))

@@ -122,6 +122,31 @@ def test_cpu_workers_without_cpu_sets_take_turns_on_the_shared_cores(ep, tmp_pat
         release(launch)
 
 
+def cpu_compose_worker_env(tmp_path, **settings) -> dict[str, str]:
+    """The CPU compose file's decode worker environment, rendered from a gen-secrets env file plus ``settings``."""
+    from tests.support.compose_render import env_files, env_values, load_stack
+
+    spec = load_stack("cpu", {**env_values(env_files(), "cpu"), **settings})["services"]["decode"]
+    env = {k: "" if v is None else v for k, v in spec["environment"].items()}
+    return {**env, "PDSERVE_LOCK_DIR": str(tmp_path / "locks"), "PDSERVE_ADVERTISE_HOST": "10.0.0.12"}
+
+
+def test_the_cpu_compose_file_leaves_omp_threads_to_the_entrypoint(ep, tmp_path):
+    """Each worker's OMP_NUM_THREADS is its CPU set's size; sharing the cores, 2 threads each."""
+    host = FakeHost(cpus=range(8))
+    env = cpu_compose_worker_env(tmp_path, PDSERVE_CPUSETS="0-3;4-7")
+    launch = ep.prepare("decode_svc", env, host)
+    assert launch.cpus == [0, 1, 2, 3] and env["OMP_NUM_THREADS"] == "4"
+    release(launch)
+    shared = cpu_compose_worker_env(tmp_path / "shared")
+    launch = ep.prepare("decode_svc", shared, host)
+    assert "PDSERVE_CORE_TURNS" in shared and shared["OMP_NUM_THREADS"] == str(ep.SHARED_CORES_OMP_THREADS) == "2"
+    release(launch)
+    mine = cpu_compose_worker_env(tmp_path / "mine", PDSERVE_CPUSETS="0-3;4-7", OMP_NUM_THREADS="3")
+    release(ep.prepare("decode_svc", mine, host))
+    assert mine["OMP_NUM_THREADS"] == "3"  # the operator's own setting wins
+
+
 # ---- NICs, HCAs, UCX ports -----------------------------------------------------------------------
 
 
