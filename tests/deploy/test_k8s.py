@@ -194,3 +194,22 @@ def test_gen_secrets_writes_a_private_secret_with_strong_fresh_values(tmp_path):
     refused = generate(first)
     assert refused.returncode == 1 and "--force" in refused.stderr  # the secrets in use are kept
     assert all(v not in refused.stdout + refused.stderr for v in a["stringData"].values())
+
+
+def test_worker_threads_match_their_cpus_and_gpu_pods_pin_nothing(rendered):
+    """A pod's OpenMP threads are its CPUs (the limit, else the request), shared by its tensor-parallel
+    ranks (a process each).  GPU pods do not pin: the entrypoint's pinning divides a NUMA node among
+    the GPUs it sees, and a pod sees only its own, so pods on one node would pin to the same CPUs."""
+    for overlay in ("cpu", "gpu"):
+        for doc in workloads(rendered[overlay]):
+            if "pdserve.dev/pool" not in doc["spec"]["template"]["metadata"]["labels"]:
+                continue
+            (c,) = containers(doc)
+            variables, resources = env(c), c["resources"]
+            cpus = resources.get("limits", {}).get("cpu") or resources["requests"]["cpu"]
+            where = f"{overlay}/{doc['metadata']['name']}"
+            ranks = int(variables["PDSERVE_TENSOR_PARALLEL_SIZE"]["value"])
+            assert int(variables["OMP_NUM_THREADS"]["value"]) * ranks == int(cpus), where
+            if overlay == "gpu":
+                assert variables["PDSERVE_CPU_PINNING"]["value"] == "off", where
+                assert variables["PDSERVE_NUMA_BIND"]["value"] == "off", where
