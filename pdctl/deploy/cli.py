@@ -101,10 +101,30 @@ def cmd_rollout(client, args) -> int:
     return 0
 
 
+# The compose variables that give each pool's GPUs per worker (tensor-parallel size; unset: 1).
+TP_VARIABLES = {"prefill": "PDSERVE_PREFILL_TP", "decode": "PDSERVE_DECODE_TP"}
+
+
+def gpus_per_worker(env_file: str | None) -> dict[str, int]:
+    """Each pool's tensor-parallel size as compose resolves it: the shell's variable, else the env file's."""
+    values = read_env_file(env_file) if env_file and os.path.exists(env_file) else {}
+    sizes = {}
+    for service, name in TP_VARIABLES.items():
+        text = os.environ.get(name) or values.get(name) or "1"
+        if not text.strip().isdigit() or int(text) < 1:
+            raise ValueError(f"{name}={text!r}: expected a whole number of GPUs per {service} worker (>= 1)")
+        sizes[service] = int(text)
+    return sizes
+
+
 def cmd_scale(client, args) -> int:
-    if args.gpus is not None and args.prefill + args.decode > args.gpus:
-        raise ValueError(f"--prefill {args.prefill} + --decode {args.decode} workers need more GPUs than the "
-                         f"{args.gpus} this host has (one GPU per worker)")
+    if args.gpus is not None:
+        tp = gpus_per_worker(args.env_file)
+        need = args.prefill * tp["prefill"] + args.decode * tp["decode"]
+        if need > args.gpus:
+            raise ValueError(f"--prefill {args.prefill} x {tp['prefill']} GPU(s) + --decode {args.decode} x "
+                             f"{tp['decode']} GPU(s) (PDSERVE_PREFILL_TP, PDSERVE_DECODE_TP) = {need} GPUs, more than "
+                             f"the {args.gpus} this host has")
     if args.prefill + args.decode < 1:
         raise ValueError(f"need at least one worker, got --prefill {args.prefill} --decode {args.decode}")
     if args.decode < 1 and not args.allow_outage:  # (prefill workers compute prompts; decode workers answer)
@@ -194,7 +214,8 @@ def add_commands(sub) -> None:
     s = sub.add_parser("scale", help="resize the worker services; scale-down drains exactly what it removes")
     s.add_argument("--prefill", type=int, required=True)
     s.add_argument("--decode", type=int, required=True)
-    s.add_argument("--gpus", type=int, default=None, help="GPUs on the host: refuse more workers than this")
+    s.add_argument("--gpus", type=int, default=None,
+                   help="GPUs on the host: refuse workers needing more (each takes its pool's PDSERVE_*_TP GPUs)")
     s.add_argument("--run", action="store_true", help="do it (default: print the plan)")
     s.add_argument("--allow-outage", action="store_true", help="also scale the decode pool to 0")
     _compose_options(s)
