@@ -115,6 +115,11 @@ def test_no_worker_port_is_published_and_head_files_start_no_worker(rendered):
                 assert replicas == 0, "the head file set must start no worker"
             else:
                 assert replicas >= 1
+        if stack == "head":  # nothing on the head holds a GPU: the workers' file set runs its own exporter
+            for service, spec in services.items():
+                devices = ((spec.get("deploy") or {}).get("resources") or {}).get("reservations", {}).get("devices", [])
+                if any("gpu" in d.get("capabilities", []) for d in devices):
+                    assert int(spec["deploy"].get("replicas", 1)) == 0, f"the head file set starts {service} on its GPUs"
         published = {s for s, spec in services.items() if spec.get("ports")}
         assert published <= {"gateway", "redis", "tls", "prometheus", "grafana"}, (stack, published)
         if "redis" in published:
