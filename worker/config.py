@@ -53,6 +53,8 @@ class WorkerConfig:
     # and fails the same way (0: no bound).  Generous: a long prompt chunk of a big model on CPU, or
     # a kernel compiled on first use, must never trip it.
     engine_watchdog_s: float = 300.0
+    # On SIGTERM, seconds to let in-flight requests finish before stopping (--drain-timeout).
+    drain_timeout_s: float = 30.0
     # PDSERVE_CLUSTER_SECRET (or --cluster-secret-file): required unless every listener is on
     # loopback; never printed.
     cluster_secret: str | None = field(default=None, repr=False)
@@ -72,6 +74,8 @@ class WorkerConfig:
             raise ValueError(f"invalid config: max_step_failures must be >= 1, got {self.max_step_failures}")
         if not self.engine_watchdog_s >= 0:
             raise ValueError(f"invalid config: engine_watchdog_s must be >= 0 seconds (0: off), got {self.engine_watchdog_s}")
+        if not self.drain_timeout_s >= 0:
+            raise ValueError(f"invalid config: drain_timeout_s must be >= 0 seconds, got {self.drain_timeout_s}")
         if self.max_pending_requests < 1:
             raise ValueError(f"invalid config: max_pending_requests must be >= 1, got {self.max_pending_requests}")
         for name in ("peer_connect_timeout_s", "control_timeout_s"):
@@ -218,7 +222,8 @@ def build_parser(default_role: str, description: str, env: Mapping[str, str] | N
     add("--grammar-compile-timeout", EngineConfig.grammar_compile_timeout_s, float,
         help="seconds a request's grammar may take to compile; then the request fails with a 400")
     add("--log-level", "INFO")
-    add("--drain-timeout", 30.0, float, help="on SIGTERM, seconds to let in-flight requests finish before stopping")
+    add("--drain-timeout", WorkerConfig.drain_timeout_s, float,
+        help="on SIGTERM, seconds to let in-flight requests finish before stopping")
     return p
 
 
@@ -260,5 +265,5 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         heartbeat_ttl_s=args.heartbeat_ttl, cluster_secret=secret,
         peer_connect_timeout_s=args.peer_connect_timeout, control_timeout_s=args.control_timeout,
         max_step_failures=args.max_step_failures, engine_watchdog_s=args.engine_watchdog,
-        core_turns=args.core_turns, **extra,
+        core_turns=args.core_turns, drain_timeout_s=args.drain_timeout, **extra,
     )
