@@ -52,6 +52,19 @@ def compose_backend(args) -> ComposeBackend:
     return ComposeBackend(project, files, args.env_file if values else None, args.compose)
 
 
+K8S_OVERLAYS = {"cpu": "CPU nodes", "gpu": "GPU nodes"}  # k8s/overlays/<name>
+
+
+def k8s_next_steps(path, namespace: str | None) -> list[str]:
+    """What to run after writing the Secret: it and an overlay, in the Secret's namespace."""
+    ns = f"-n {shlex.quote(namespace)} " if namespace else ""
+    where = f"namespace {namespace}" if namespace else "kubectl's current namespace (pass --namespace to choose)"
+    lines = [f"wrote {path} (mode 0600): the Secret {SECRET_NAME}, for {where}; apply it, then one overlay of k8s/:",
+             f"  kubectl apply {ns}-f {shlex.quote(str(path))}"]
+    lines += [f"  kubectl apply {ns}-k k8s/overlays/{name}    # {what}" for name, what in K8S_OVERLAYS.items()]
+    return lines
+
+
 def cmd_gen_secrets(_client, args) -> int:
     settings = {}
     for item in args.set:
@@ -64,8 +77,8 @@ def cmd_gen_secrets(_client, args) -> int:
     try:
         if args.k8s:
             path = write_private_file(args.k8s, secret_manifest(values, args.namespace), force=args.force)
-            print(f"wrote {path} (mode 0600): the Secret {SECRET_NAME}; apply it, then an overlay of k8s/:")
-            print(f"  kubectl apply -f {path} && kubectl apply -k k8s/overlays/gpu")
+            for line in k8s_next_steps(path, args.namespace):
+                print(line)
             return 0
         path = write_env_file(args.env_file, values, force=args.force)
     except FileExistsError as exc:
