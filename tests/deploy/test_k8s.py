@@ -213,3 +213,35 @@ def test_worker_threads_match_their_cpus_and_gpu_pods_pin_nothing(rendered):
             if overlay == "gpu":
                 assert variables["PDSERVE_CPU_PINNING"]["value"] == "off", where
                 assert variables["PDSERVE_NUMA_BIND"]["value"] == "off", where
+
+
+def ingress_routes(path: str, rules) -> bool:
+    """Whether an Ingress with ``rules`` sends ``path`` on (Kubernetes' Exact and Prefix matching)."""
+    for rule in rules:
+        for p in rule["http"]["paths"]:
+            if p["pathType"] == "Exact" and path == p["path"]:
+                return True
+            prefix = p["path"].rstrip("/")
+            if p["pathType"] == "Prefix" and (path == prefix or path.startswith(prefix + "/")):
+                return True
+    return False
+
+
+def test_the_example_ingress_routes_only_the_client_api(rendered):
+    """k8s/ingress: /admin/* and /metrics share the gateway's port with the client API; the Ingress
+    the README points to sends on only /v1/*, /health and /openapi.json (SECURITY.md)."""
+    docs = build(K8S / "ingress")
+    for doc in docs:
+        kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+    (ingress,) = docs
+    service = named(rendered["base"], "Service", "pdserve-gateway")
+    for rule in ingress["spec"]["rules"]:
+        for p in rule["http"]["paths"]:
+            assert p["backend"]["service"] == {"name": service["metadata"]["name"],
+                                               "port": {"number": service["spec"]["ports"][0]["port"]}}
+    routes = re.findall(r'add_(?:get|post)\("(/[^"]*)"', (ROOT / "gateway" / "server.py").read_text())
+    assert {"/admin/pools", "/metrics", "/v1/chat/completions", "/health"} <= set(routes)
+    for route in routes:
+        public = route.startswith("/v1/") or route in ("/health", "/openapi.json")
+        assert ingress_routes(route, ingress["spec"]["rules"]) == public, route
+    assert "k8s/ingress" in (K8S / "README.md").read_text()
