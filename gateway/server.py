@@ -119,6 +119,8 @@ class Gateway:
         self.background: BackgroundResponses | None = None  # (where responses are stored)
 
     async def start(self) -> None:
+        if unavailable := await self.grammars.prepare():  # before it serves (GrammarCompiler.prepare)
+            log.warning("structured output is unavailable: %s", unavailable)
         self.redis = connect(self.config.redis_url)
         registry = WorkerRegistry(self.redis, key_prefix=self.config.key_prefix, auth=self.auth,
                                   on_rejected=lambda reason: self.metrics.registry_rejected.labels(reason).inc())

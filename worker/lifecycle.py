@@ -135,6 +135,8 @@ class Worker:
             await asyncio.to_thread(self.ranks.start)
             self.ranks.watch(lambda why: loop.call_soon_threadsafe(self._engine_failed, RuntimeError(why)))
         self.engine = await asyncio.to_thread(build_engine, self.config.engine)
+        if unavailable := await self.engine.grammars.prepare():  # before it serves (GrammarCompiler.prepare)
+            log.warning("structured output is unavailable on this worker: %s", unavailable)
         turns = CoreTurns(self.config.core_turns) if self.config.core_turns else None
         self.engine_thread = EngineThread(self.engine, loop, max_step_failures=self.config.max_step_failures,
                                           watchdog_s=self.config.engine_watchdog_s, hang_backstop=True,

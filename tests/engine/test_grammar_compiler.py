@@ -79,3 +79,20 @@ async def test_building_the_backend_does_not_count_against_the_compile_time_limi
     built.set()
     assert await first == ("compiled", "a")
     compiler.close()
+
+
+async def test_prepare_builds_the_backend_once_before_any_compile_and_says_why_it_cannot():
+    """Servers build it before they serve: the first grammar then never waits for it (nor stalls
+    the process while it is built)."""
+    builds = []
+    compiler = GrammarCompiler(lambda: builds.append(1) or Backend())
+    assert not compiler.backend_ready
+    assert await compiler.prepare() is None and compiler.backend_ready and builds == [1]
+    assert compiler.compile(regex("a")) == ("compiled", "a") and builds == [1]
+
+    def no_tokenizer():
+        raise ValueError("structured output needs the model's tokenizer")
+
+    assert await GrammarCompiler(no_tokenizer).prepare() == "structured output needs the model's tokenizer"
+    compiler.close()
+

@@ -267,6 +267,12 @@ async def test_vllms_probe_routes_answer_without_a_key(served_checkpoint, redis_
                 assert await resp.json() == {"server_load": 1}
 
 
+async def test_the_grammar_backend_is_built_before_the_gateway_serves(served_checkpoint, redis_url, key_prefix):
+    """(Built at the first grammar, it held the GIL for seconds: every stream of the process stalled.)"""
+    async with gateway(served_checkpoint, redis_url, key_prefix) as (gw, _):
+        assert gw.grammars.backend_ready
+
+
 async def raw_status(client, head: bytes) -> int:
     """The status of a request sent as these bytes (headers aiohttp's client would not send)."""
     reader, writer = await asyncio.open_connection(client.server.host, client.server.port)

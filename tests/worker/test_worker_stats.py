@@ -165,3 +165,8 @@ def test_metrics_show_the_core_turns(tmp_path):
     text = metrics.render().decode()
     assert "pdserve_worker_core_turns 3.0" in text and "pdserve_worker_core_turns_missed 0.0" in text
     assert "pdserve_worker_core_turn_wait_seconds" in text
+
+
+async def test_the_grammar_backend_is_built_before_the_worker_serves(worker):
+    """(Built at the first grammar, it held the GIL for seconds: streams and the heartbeat stalled.)"""
+    assert worker.engine.grammars.backend_ready

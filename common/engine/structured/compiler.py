@@ -12,9 +12,10 @@ Compile threads have deep stacks (``COMPILE_STACK_BYTES``): llguidance checks a 
 once per link of a chain of rules or ``$ref`` definitions, and a few thousand links -- a 40 KB body
 -- overflowed a thread's usual 8 MB, a segfault that took the gateway down with every request in it.
 
-The backend is built on the first compile, in a compile thread (converting a 262k-token vocabulary
-takes seconds): a worker that never sees a grammar never pays for it, and the time limit counts
-from when the backend is ready (requests wait for it meanwhile, the event loop does not).
+The backend is built once, in a compile thread: by ``prepare()`` where a server starts, before it
+serves (converting a 262k-token vocabulary takes seconds, much of them holding the GIL: built at
+the first grammar, it stalled every stream of the process and its heartbeat), else at the first
+compile (the offline engine).  The time limit counts from when the backend is ready.
 """
 from __future__ import annotations
 
@@ -86,6 +87,22 @@ class GrammarCompiler:
             if self._backend is None:
                 self._backend = self._pool.submit(self._make_backend)
             return self._backend
+
+    async def prepare(self) -> str | None:
+        """Build the backend now (a server does, before it serves: see the module docstring).
+        Returns why it cannot be built (no tokenizer, the backend not installed: each request with
+        a grammar is then refused with that reason), else ``None``."""
+        try:
+            await asyncio.wrap_future(self._backend_future())
+        except (ValueError, RuntimeError) as exc:
+            return str(exc)
+        return None
+
+    @property
+    def backend_ready(self) -> bool:
+        """Whether the backend has been built (or failed to be)."""
+        with self._lock:
+            return self._backend is not None and self._backend.done()
 
     def _backend_for(self, spec: StructuredOutput) -> GrammarBackend:
         try:
