@@ -31,7 +31,9 @@ which OpenAI fields are honoured and which are refused with a 400 naming them.
 from __future__ import annotations
 
 import functools
+import itertools
 import json
+import re
 from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
@@ -325,11 +327,15 @@ def read_metadata(raw: msgspec.Raw) -> dict[str, str]:
     return decode_at(_metadata_decoder, raw, "metadata")
 
 
+_COLON_RE = re.compile(b":")
+
+
 def _read_logit_bias(raw: msgspec.Raw) -> dict[int, float]:
-    """``{"token id": bias}``: at most ``MAX_LOGIT_BIAS`` entries (refused by size before they are
-    read), ids as decimal strings, biases in [-100, 100]."""
-    if len(raw) > MAX_LOGIT_BIAS * 40:
-        raise invalid(f"logit_bias holds at most {MAX_LOGIT_BIAS} entries", "logit_bias")
+    """``{"token id": bias}``: at most ``MAX_LOGIT_BIAS`` entries (refused before they are read:
+    each has a colon, and a key -- a token id -- holds none), ids as decimal strings, biases in
+    [-100, 100]."""
+    if next(itertools.islice(_COLON_RE.finditer(raw), MAX_LOGIT_BIAS, None), None) is not None:
+        raise invalid(f"logit_bias holds at most {MAX_LOGIT_BIAS} entries (keyed by token id)", "logit_bias")
     bias = decode_at(_logit_bias_decoder, raw, "logit_bias")
     if len(bias) > MAX_LOGIT_BIAS:
         raise invalid(f"logit_bias holds at most {MAX_LOGIT_BIAS} entries, got {len(bias)}", "logit_bias")

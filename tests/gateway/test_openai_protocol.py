@@ -283,6 +283,12 @@ def test_bounded_fields_accept_what_they_always_did():
         assert parse(make(logit_bias={})).sampling().logit_bias == ()
         assert parse(b'{"model": "m", "logit_bias": { \n }, ' + make()[1:]).sampling().logit_bias == ()
         assert parse(make(logit_bias={"7": 100, "3": -1.5})).sampling().logit_bias == ((3, -1.5), (7, 100.0))
+        # 300 entries, however the client spaces them or however long its numbers are
+        full = {str(100_000 + i): -12.345678901234567 for i in range(300)}
+        indented = json.dumps({**json.loads(make()), "logit_bias": full}, indent=8).encode()
+        assert len(parse(indented).sampling().logit_bias) == 300
+        spaced = make(logit_bias={"7": 1}).replace(b'"logit_bias": {', b'"logit_bias": {' + b" " * 12_000)
+        assert parse(spaced).sampling().logit_bias == ((7, 1.0),)
         assert parse(make(stop=None)).sampling().stop == ()
         assert parse(make(stop=[str(i) for i in range(16)])).sampling().stop == tuple(str(i) for i in range(16))
         rejects(parse, make(stop=["a", None]), "stop[1]", "Expected `str`, got `null`")
