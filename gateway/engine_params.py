@@ -18,10 +18,6 @@ def engine_params(options: SamplingOptions, kind: str, echo: bool, prompt_ids: l
     # Sizes before any per-token work: the length bounds the scan of the ids below.
     room = max_model_len - len(prompt_ids)
     max_tokens = options.max_tokens if options.max_tokens is not None else room
-    if options.min_tokens > max_tokens:  # (vLLM refuses it too; else no output could meet it)
-        bound = (f"max_tokens ({max_tokens})" if options.max_tokens is not None
-                 else f"the {max_tokens} tokens the context leaves after the prompt")
-        raise invalid(f"min_tokens ({options.min_tokens}) must be at most {bound}", "min_tokens")
     # max_tokens=0 with echo: the prompt alone is answered; one token is generated (and counted), as in vLLM.
     echo_only = max_tokens == 0
     max_tokens = max(max_tokens, 1)
@@ -32,6 +28,10 @@ def engine_params(options: SamplingOptions, kind: str, echo: bool, prompt_ids: l
             f"This model's maximum context length is {max_model_len} tokens. However, you requested "
             f"{len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the prompt, {max_tokens} for the "
             "completion). Please reduce the prompt or max_tokens.", field, "context_length_exceeded")
+    if options.min_tokens > max_tokens:  # (vLLM refuses it too; else no output could meet it)
+        bound = (f"max_tokens ({options.max_tokens})" if options.max_tokens is not None
+                 else f"the {max_tokens} tokens the context leaves after the prompt")
+        raise invalid(f"min_tokens ({options.min_tokens}) must be at most {bound}", "min_tokens")
     if max(prompt_ids) >= vocab_size:  # ids are >= 0 (decoded so, or from the tokenizer)
         bad = next(t for t in prompt_ids if t >= vocab_size)
         raise invalid(f"prompt token id {bad} is outside the vocabulary [0, {vocab_size})", "prompt")

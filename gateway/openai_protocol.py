@@ -34,7 +34,7 @@ import functools
 import itertools
 import json
 import re
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar
 
 import msgspec
 

@@ -24,7 +24,7 @@ from gateway.openai_errors import invalid
 
 
 class JsonSchemaFormat(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    name: str = "response"
+    name: str  # required, as in OpenAI's API and vLLM's
     schema: dict[str, Any] | bool
     strict: bool | None = None
     description: str | None = None

@@ -36,3 +36,9 @@ def test_min_tokens_up_to_the_outputs_bound_is_kept(max_tokens, min_tokens, prom
     sampling, _ = params(prompt_len, max_tokens=max_tokens, min_tokens=min_tokens)
     assert sampling.min_tokens == min_tokens
     assert sampling.max_tokens == (max_tokens if max_tokens is not None else MAX_MODEL_LEN - prompt_len)
+
+
+def test_a_prompt_past_the_context_is_refused_as_such_before_min_tokens_is_checked():
+    with pytest.raises(OpenAIError) as info:
+        params(MAX_MODEL_LEN + 5)
+    assert info.value.code == "context_length_exceeded" and info.value.param == "prompt"
