@@ -34,6 +34,8 @@ def test_response_format_and_structured_outputs_are_read():
         assert (spec.kind, spec.field) == (kind, "structured_outputs")
     rejects(parse_chat_request, chat(response_format={"type": "json_schema"}), "response_format.json_schema",
             "needs json_schema")
+    rejects(parse_chat_request, chat(response_format={"type": "json_schema", "json_schema": {"schema": {}}}),
+            "response_format.json_schema.name", "Missing required parameter")  # (as OpenAI and vLLM)
     rejects(parse_chat_request, chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
             "response_format.json_schema.schema", "Missing required parameter")
     rejects(parse_chat_request, chat(structured_outputs={"regex": "a", "grammar": "b"}), "structured_outputs",
