@@ -77,6 +77,13 @@ class OutputConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     format: JsonOutputFormat | None = None
 
 
+class CacheControl(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Anthropic's prompt-caching hint (accepted, not needed: every prompt's prefix is cached here)."""
+
+    type: Literal["ephemeral"]
+    ttl: Literal["5m", "1h"] | None = None
+
+
 class MessagesMetadata(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     user_id: UserId | None = None  # accepted, not used
 
@@ -118,6 +125,7 @@ class MessagesRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     thinking: Thinking | None = None
     output_config: msgspec.Raw = msgspec.Raw()
     service_tier: Literal["auto", "standard_only"] | None = None  # Anthropic's: one tier here (accepted, not used)
+    cache_control: CacheControl | None = None  # automatic prompt caching (accepted, not used)
     # Extensions (vLLM's, as on the other endpoints)
     seed: int | None = None
     ignore_eos: bool = False
@@ -150,8 +158,12 @@ def parse_messages_request(body: bytes, counting: bool = False) -> ChatCompletio
     if structured is not None and extension is not None:
         raise invalid("output_config.format and structured_outputs both constrain the output; send one",
                       "structured_outputs")
+    if req.tool_choice is not None and req.tool_choice.type != "none" and not tools:
+        raise invalid(f"tool_choice {req.tool_choice.type!r} needs tools", "tool_choice")
     choice, parallel = _tool_choice(req.tool_choice)
     prefilled = messages[-1].role == "assistant" and not messages[-1].tool_calls
+    if prefilled and messages[-1].content and messages[-1].content[-1].isspace():
+        raise invalid("the final assistant content (a prefill) cannot end with trailing whitespace", "messages")
     chat = ChatCompletionRequest(
         model=req.model, messages=messages, max_completion_tokens=req.max_tokens, temperature=req.temperature,
         top_p=req.top_p, top_k=req.top_k or None, seed=req.seed, ignore_eos=req.ignore_eos, cache_salt=req.cache_salt,

@@ -121,10 +121,23 @@ def test_a_calls_input_is_its_object_or_empty_where_cut_short():
     ({"stop_sequences": "END"}, "stop_sequences", None),
     ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "The"}],
       "output_config": {"format": {"type": "json_schema", "schema": {}}}}, "messages", None),
+    # as Anthropic's API: a prefill may not end in whitespace
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "The "}]}, "messages", None),
+    ({"cache_control": {"type": "permanent"}}, "cache_control.type", "invalid_value"),
 ])
 def test_what_is_not_offered_is_refused_naming_the_field(body, param, code):
     body.setdefault("messages", [{"role": "user", "content": "x"}])
     refuses_naming(parse, body, param, code)
+
+
+def test_a_tool_choice_without_tools_is_refused_by_its_own_name_and_caching_hints_are_taken():
+    for kind in ("any", "auto", "tool"):
+        with pytest.raises(OpenAIError, match=f"^tool_choice '{kind}' needs tools"):
+            parse(messages=[{"role": "user", "content": "x"}], tool_choice={"type": kind, "name": "f"})
+    assert parse(messages=[{"role": "user", "content": "x"}], tool_choice={"type": "none"}).tool_plan().mode == "none"
+    # automatic prompt caching (the official client's cache_control): every prefix is cached here anyway
+    hinted = parse(messages=[{"role": "user", "content": "x"}], cache_control={"type": "ephemeral", "ttl": "1h"})
+    assert hinted.messages[-1].content == "x"
 
 
 BLOCK = b'{"type": "text", "text": "x"}'
