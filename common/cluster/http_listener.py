@@ -50,7 +50,7 @@ import time
 from typing import Callable
 
 from aiohttp import web
-from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.http_exceptions import BadHttpMessage, HttpProcessingError, LineTooLong
 
 from common.cluster.http_limits import HttpLimits
 
@@ -92,6 +92,20 @@ class _Refuse(asyncio.Protocol):
         self.on_refused()
         transport.write(_REFUSAL)  # a few hundred bytes into an empty socket buffer: close() frees it at once
         transport.close()
+
+
+def _malformed(exc: HttpProcessingError) -> tuple[int, str, str]:
+    """A malformed request's status, message and code: a line too long (the request's target 414,
+    a header field 431), too many header fields (431), else 400 with the parser's first line."""
+    if isinstance(exc, LineTooLong):
+        line, limit = exc.args[0], exc.args[1]
+        if isinstance(line, (bytes, bytearray)) and line.startswith(b"/"):
+            return 414, f"the request's target is longer than {limit} bytes", "uri_too_long"
+        return 431, f"a header field is longer than {limit} bytes", "request_header_fields_too_large"
+    first = str(exc.message).split("\n", 1)[0].strip()[:200]
+    if isinstance(exc, BadHttpMessage) and first == "Too many headers received":
+        return 431, "the request has too many header fields", "request_header_fields_too_large"
+    return 400, f"malformed HTTP request: {first or type(exc).__name__}", "malformed_request"
 
 
 class _GuardedHandler(web.RequestHandler):
@@ -168,6 +182,22 @@ class _GuardedHandler(web.RequestHandler):
             self.logger.debug("malformed HTTP request refused: %.200r", exc.message)
             return
         super().log_exception(*args, **kwargs)
+
+    def handle_error(self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        """A malformed request is answered in the API's error shape (JSON), with the status HTTP has
+        for its fault, and without echoing what it sent (aiohttp answers such a request in plain
+        text, quoting its bytes); anything else as aiohttp does."""
+        if not isinstance(exc, HttpProcessingError):
+            return super().handle_error(request, status, exc, message)
+        self.log_exception("Error handling request", exc_info=exc)  # counted, one line at debug level
+        if request.writer.output_size > 0:
+            raise ConnectionError("Response is sent already, cannot send another response with the error message")
+        status, text, code = _malformed(exc)
+        body = json.dumps({"error": {"message": text, "type": "invalid_request_error", "param": None, "code": code}})
+        response = web.Response(status=status, text=body, content_type="application/json")
+        response.force_close()
+        return response
 
     async def _handle_request(self, request: web.BaseRequest, *args, **kwargs):
         self._g_become_busy()

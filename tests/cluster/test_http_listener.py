@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import socket
 
 import aiohttp
@@ -162,20 +163,25 @@ def test_idle_connections_at_the_cap_make_room_for_a_client_and_busy_ones_are_ne
 
 
 @pytest.mark.parametrize("loop", LOOPS)
-def test_a_malformed_request_is_a_400_counted_and_logged_without_a_traceback(loop, caplog):
-    """A stranger's bad framing, too many or too long headers: answered 400, and never an error
+def test_a_malformed_request_is_answered_in_json_with_its_status_counted_and_logged_without_a_traceback(loop, caplog):
+    """A stranger's bad framing, too many or too long headers, a target too long: answered in the
+    API's error shape with HTTP's status for the fault, its bytes not echoed, and never an error
     with a traceback in the log (a stranger could fill it with them)."""
-    garbage = [b"GET /ok HTTP/1.1\r\nContent-Length: -5\r\n\r\n",
-               b"GET /ok HTTP/1.1\r\n" + b"".join(b"X-%d: a\r\n" % i for i in range(200)) + b"\r\n",
-               b"GET /ok HTTP/1.1\r\nX-Long: " + b"a" * 20000 + b"\r\n\r\n"]
+    garbage = {b"GET /ok HTTP/1.1\r\nContent-Length: -5\r\n\r\n": (400, "malformed_request"),
+               b"GET /ok HTTP/1.1\r\n" + b"".join(b"X-%d: a\r\n" % i for i in range(200)) + b"\r\n":
+                   (431, "request_header_fields_too_large"),
+               b"GET /ok HTTP/1.1\r\nX-Long: " + b"a" * 20000 + b"\r\n\r\n": (431, "request_header_fields_too_large"),
+               b"GET /" + b"a" * 20000 + b" HTTP/1.1\r\n\r\n": (414, "uri_too_long")}
 
     async def main():
         limits = HttpLimits(header_timeout=NEVER, keepalive_timeout=NEVER, body_timeout=NEVER)
         async with serve(App(), limits) as site:
-            for request in garbage:
+            for request, (status, code) in garbage.items():
                 reader, writer = await asyncio.open_connection("127.0.0.1", site.port)
                 writer.write(request)
-                assert (await until_closed(reader)).split(b" ")[1] == b"400"
+                head, _, body = (await until_closed(reader)).partition(b"\r\n\r\n")
+                assert head.split(b" ")[1] == str(status).encode() and b"application/json" in head, head
+                assert json.loads(body)["error"]["code"] == code and b"aaaa" not in body and b"-5" not in body
                 writer.close()
             assert site.stats["malformed"] == len(garbage)
 
