@@ -117,6 +117,17 @@ def check_json_media(content_type: str | None) -> None:
         raise OpenAIError(415, f"Content-Type must be application/json, {got}", code="unsupported_media_type")
 
 
+BODY_ENCODINGS = ("identity", "gzip", "deflate")  # what aiohttp inflates (brotli and zstd: not installed)
+
+
+def check_body_encoding(encoding: str | None) -> None:
+    """A 415 unless a body's ``Content-Encoding`` is one this server reads (an unknown one was read
+    as if it were none, and ``br`` refused as a missing package)."""
+    if encoding is not None and encoding.strip().lower() not in BODY_ENCODINGS + ("",):
+        raise OpenAIError(415, f"Content-Encoding {encoding[:100]!r} is not supported: send the body as "
+                          f"{', '.join(BODY_ENCODINGS)}", code="unsupported_content_encoding")
+
+
 def check_model(model: str, served: str) -> None:
     """A 404 (OpenAI's ``model_not_found``) unless ``model`` is the one served."""
     if model != served:

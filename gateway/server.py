@@ -48,7 +48,7 @@ from gateway.dispatch import Dispatcher
 from gateway.handlers import HandlerServices, OpenAIHandlers
 from gateway.metrics import GatewayMetrics
 from gateway.openapi import openapi_document
-from gateway.openai_errors import as_invalid, check_json_media, check_model
+from gateway.openai_errors import as_invalid, check_body_encoding, check_json_media, check_model
 from gateway.request_extensions import REQUEST_ID_HEADER, is_request_id
 from gateway.messages_output import error_body
 from gateway.openai_protocol import ModelCard, ModelList, OpenAIError, json_response, now
@@ -183,10 +183,11 @@ class Gateway:
     async def read_body(self, request: web.Request) -> bytes:
         """The whole body: refused (413) as soon as it is known to exceed the limit -- from its
         declared length, or while it is read -- and bounded in time (408) for slow senders; a body
-        that is not JSON by its Content-Type is refused (415, ``check_json_media``; none and no body: b"")."""
+        that is not JSON by its Content-Type is refused (415, ``check_json_media``; none and no body: b""), as is one in an encoding it cannot read."""
         content_type = request.headers.get("Content-Type")
         if content_type is not None:
             check_json_media(content_type)
+        check_body_encoding(request.headers.get("Content-Encoding"))
         if request.content_length is not None and request.content_length > self.config.max_body_bytes:
             raise self._too_large(request, declared=True)
         try:

@@ -50,7 +50,7 @@ import time
 from typing import Callable
 
 from aiohttp import web
-from aiohttp.http_exceptions import BadHttpMessage, HttpProcessingError, LineTooLong
+from aiohttp.http_exceptions import BadHttpMessage, ContentEncodingError, HttpProcessingError, LineTooLong
 
 from common.cluster.http_limits import HttpLimits
 
@@ -96,12 +96,16 @@ class _Refuse(asyncio.Protocol):
 
 def _malformed(exc: HttpProcessingError) -> tuple[int, str, str]:
     """A malformed request's status, message and code: a line too long (the request's target 414,
-    a header field 431), too many header fields (431), else 400 with the parser's first line."""
+    a header field 431), too many header fields (431), a body encoding it cannot read (415), else
+    400 with the parser's first line."""
     if isinstance(exc, LineTooLong):
         line, limit = exc.args[0], exc.args[1]
         if isinstance(line, (bytes, bytearray)) and line.startswith(b"/"):
             return 414, f"the request's target is longer than {limit} bytes", "uri_too_long"
         return 431, f"a header field is longer than {limit} bytes", "request_header_fields_too_large"
+    if isinstance(exc, ContentEncodingError):  # one aiohttp cannot inflate here (brotli, zstd)
+        return 415, "the body's Content-Encoding is not supported: send it as identity, gzip or deflate", \
+            "unsupported_content_encoding"
     first = str(exc.message).split("\n", 1)[0].strip()[:200]
     if isinstance(exc, BadHttpMessage) and first == "Too many headers received":
         return 431, "the request has too many header fields", "request_header_fields_too_large"

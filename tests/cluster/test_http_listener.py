@@ -171,7 +171,9 @@ def test_a_malformed_request_is_answered_in_json_with_its_status_counted_and_log
                b"GET /ok HTTP/1.1\r\n" + b"".join(b"X-%d: a\r\n" % i for i in range(200)) + b"\r\n":
                    (431, "request_header_fields_too_large"),
                b"GET /ok HTTP/1.1\r\nX-Long: " + b"a" * 20000 + b"\r\n\r\n": (431, "request_header_fields_too_large"),
-               b"GET /" + b"a" * 20000 + b" HTTP/1.1\r\n\r\n": (414, "uri_too_long")}
+               b"GET /" + b"a" * 20000 + b" HTTP/1.1\r\n\r\n": (414, "uri_too_long"),
+               b"POST /ok HTTP/1.1\r\nHost: x\r\nContent-Encoding: br\r\nContent-Length: 2\r\n\r\n{}":
+                   (415, "unsupported_content_encoding")}
 
     async def main():
         limits = HttpLimits(header_timeout=NEVER, keepalive_timeout=NEVER, body_timeout=NEVER)

@@ -7,6 +7,7 @@ is cancelled, or given up by a stopping gateway), or finds none and ends failed 
 from __future__ import annotations
 
 import asyncio
+import gzip
 import contextlib
 import json
 from importlib import metadata
@@ -249,6 +250,21 @@ async def test_a_body_is_read_as_json_only_when_it_says_so(served_checkpoint, re
                 assert resp.status != 415, answer
         async with client.post("/v1/conversations", headers=headers, skip_auto_headers=["Content-Type"]) as resp:
             assert resp.status == 200  # no body, no type: nothing to read (a conversation's body may be left out)
+
+
+async def test_a_body_in_an_encoding_the_gateway_cannot_read_is_a_415_naming_it(served_checkpoint, redis_url,
+                                                                                 key_prefix):
+    """(An unknown one was read as if it were none.)"""
+    headers = {"Authorization": f"Bearer {KEYS['a']}", "Content-Type": "application/json"}
+    body = json.dumps({"model": "m", "prompt": "hi", "max_tokens": 1}).encode()
+    async with gateway(served_checkpoint, redis_url, key_prefix) as (gw, client):
+        for encoding in ("bogus", "x-gzip"):  # (ones aiohttp's parser knows but cannot inflate: the listener's 415)
+            async with client.post("/v1/completions", data=body, headers={**headers, "Content-Encoding": encoding}) as resp:
+                answer = await resp.json()
+            assert (resp.status, answer["error"]["code"]) == (415, "unsupported_content_encoding"), answer
+            assert f"Content-Encoding '{encoding}' is not supported" in answer["error"]["message"]
+        async with client.post("/v1/completions", data=gzip.compress(body), headers={**headers, "Content-Encoding": "GZip"}) as resp:
+            assert resp.status != 415
 
 
 async def test_vllms_probe_routes_answer_without_a_key(served_checkpoint, redis_url, key_prefix):
