@@ -164,8 +164,9 @@ _REPLACED_FIELDS = {f"guided_{key}": f"structured_outputs: {{\"{key}\": ...}}" f
 _MISSING_RE = re.compile(r"^Object missing required field `([^`]*)`")
 
 
-# A high surrogate escape with no low one after it: msgspec calls such a body "truncated".
-_LONE_SURROGATE_RE = re.compile(rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F])")
+# A high surrogate escape with no low one after it: msgspec calls such a body "truncated", or the
+# next character the end of a hex escape.
+_LONE_SURROGATE_RE = re.compile(rb"(?<!\\)\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F])")
 
 
 def from_msgspec(exc: msgspec.MsgspecError, at: str = "", body: bytes = b"") -> OpenAIError:
@@ -174,7 +175,7 @@ def from_msgspec(exc: msgspec.MsgspecError, at: str = "", body: bytes = b"") -> 
     (to say what is wrong with JSON that does not parse)."""
     text = str(exc)
     if isinstance(exc, msgspec.DecodeError) and not isinstance(exc, msgspec.ValidationError):
-        if "truncated" in text and (lone := _LONE_SURROGATE_RE.search(body)):
+        if lone := _LONE_SURROGATE_RE.search(body):
             text = (f"{lone.group().decode()} at byte {lone.start()} is a lone UTF-16 high surrogate (no low "
                     "surrogate \\udc00-\\udfff follows it): not a character")
         return invalid(f"Request body is not valid JSON: {text}")

@@ -321,6 +321,12 @@ def test_malformed_bodies():
                    None, "not valid JSON")
     assert "\\ud800 at byte 58 is a lone UTF-16 high surrogate" in lone.message, lone.message
     assert "truncated" in rejects(parse_chat_request, b'{"model": "m', None, "not valid JSON").message
+    for text in (rb"H\ud800i", rb"H\ud800\u0041", rb"H\ud800"):  # whatever follows it
+        refused = rejects(parse_completion_request, completion(prompt="P").replace(b'"P"', b'"' + text + b'"'),
+                          None, "not valid JSON")
+        assert "lone UTF-16 high surrogate" in refused.message, (text, refused.message)
+    escaped = rejects(parse_completion_request, completion(prompt="P").replace(b'"P"', b'"\\\\ud800'), None, "")
+    assert "surrogate" not in escaped.message  # (a backslash, then text: the body is only cut short)
     err = rejects(parse_completion_request, body(prompt="x"), "model", "Missing required parameter: 'model'")
     assert err.code == "missing_required_parameter"
     rejects(parse_chat_request, body(model="m"), "messages", "Missing required parameter")
