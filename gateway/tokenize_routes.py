@@ -21,6 +21,7 @@ from aiohttp import web
 
 from common.engine.sampling_params import MAX_TOKEN_ID
 from gateway.handlers import OpenAIHandlers
+from gateway.openai_errors import from_msgspec
 from gateway.openai_protocol import invalid, json_response, parse_chat_request
 
 TOKENIZE_PATHS = ("/tokenize", "/detokenize")
@@ -52,8 +53,8 @@ class DetokenizeAnswer(msgspec.Struct):
 def _decode(body: bytes, kind: type):
     try:
         return msgspec.json.decode(body, type=kind, strict=False)
-    except msgspec.MsgspecError as exc:
-        raise invalid(f"Invalid request body: {exc}") from None
+    except msgspec.MsgspecError as exc:  # naming the field, as the OpenAI endpoints' refusals do
+        raise from_msgspec(exc, body=body) from None
     except RecursionError:
         raise invalid("Request body is nested too deeply") from None
 

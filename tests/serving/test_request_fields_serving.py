@@ -301,6 +301,8 @@ def test_tokenize_and_detokenize(stack):
         assert "The quick brown fox" in "".join(pieces["token_strs"]).replace("\u0120", " ")  # (byte-level: "Ġ" a space)
     status, bad = post(stack, "/detokenize", {"model": stack.model_name, "tokens": [10**9]})
     assert status == 400 and bad["error"]["param"] == "tokens"
+    status, bad = post(stack, "/tokenize", {"model": stack.model_name, "prompt": "x", "add_special_tokens": "maybe"})
+    assert status == 400 and bad["error"]["param"] == "add_special_tokens"  # named, as the OpenAI endpoints do
     assert post(stack, "/tokenize", {"model": "other", "prompt": "x"})[0] == 404
 
 
