@@ -37,7 +37,7 @@ from gateway.openai_protocol import (
 )
 from gateway.structured_request import grammar_json, read_structured_outputs, schema_text
 from gateway.tools_request import (
-    MAX_TOOLS, FunctionDefinition, FunctionName, NamedFunction, NamedToolChoice, Tool, check_unique_names,
+    MAX_TOOLS, FunctionDefinition, FunctionName, NamedFunction, NamedToolChoice, Tool, check_tools,
 )
 
 ToolUseId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
@@ -152,7 +152,7 @@ def parse_messages_request(body: bytes, counting: bool = False) -> ChatCompletio
     messages = system + _turns(req.messages, blocks)
     tools = tuple(t.as_tool() for t in decode_at(_tools_decoder, grammar_json(req.tools, "tools"), "tools")) \
         if given(req.tools) else ()
-    check_unique_names(tools)
+    check_tools(tools, "tools[{}].input_schema")
     structured = _output_format(req.output_config)
     extension = read_structured_outputs(req.structured_outputs, from_msgspec) if given(req.structured_outputs) else None
     if structured is not None and extension is not None:

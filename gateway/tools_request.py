@@ -101,15 +101,23 @@ def read_tools(raw: msgspec.Raw, from_msgspec, flat: bool = False) -> tuple[Tool
         raise from_msgspec(exc, "tools") from None
     if flat:
         tools = [t.as_tool() for t in tools]
-    check_unique_names(tools)
+    check_tools(tools, "tools[{}].parameters" if flat else "tools[{}].function.parameters")
     return tuple(tools)
 
 
-def check_unique_names(tools) -> None:
-    """A 400 (``invalid_tools``) where two of the tools name the same function."""
+def check_tools(tools, parameters_at: str) -> None:
+    """A 400 (``invalid_tools``) where two of the tools name the same function, or one's parameters
+    are a schema of something other than an object (``parameters_at``: where the i-th tool's schema
+    is in the request, a format string) -- whatever tool_choice says, as OpenAI's API."""
     names = [t.function.name for t in tools]
     if len(set(names)) != len(names):
         raise invalid("tools: two functions have the same name", "tools", "invalid_tools")
+    for i, tool in enumerate(tools):
+        kind = (tool.function.parameters or {}).get("type", "object")
+        if kind != "object" and not (isinstance(kind, list) and "object" in kind):
+            at = parameters_at.format(i)
+            raise invalid(f"{at}: a function's parameters are a JSON Schema of type 'object', got type {kind!r}",
+                          at, "invalid_tools")
 
 
 # A function sent without ``parameters`` takes none (OpenAI's API: "an empty parameter list"): its

@@ -5,7 +5,9 @@ import json
 
 import pytest
 
-from gateway.openai_protocol import parse_chat_request
+from gateway.messages_request import parse_messages_request
+from gateway.openai_protocol import OpenAIError, parse_chat_request
+from gateway.responses_request import parse_responses_request
 from gateway.tools_request import FunctionDefinition, NamedFunction, NamedToolChoice, Tool, plan_tools
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Get weather",
@@ -39,3 +41,26 @@ def test_a_function_sent_without_parameters_takes_none(choice, sent, grammar):
     schema = json.loads(plan.structured.value)
     parameters = schema if choice == "named" else schema["items"]["properties"]["parameters"]
     assert parameters == grammar
+
+
+@pytest.mark.parametrize("choice", ["auto", "none", "required"])
+def test_a_functions_parameters_must_be_an_object_schema_whatever_the_choice(choice):
+    """As OpenAI's API (the schema was looked at only where a call was forced)."""
+    for kind in ("string", "objectx", ["string", "null"]):
+        bad = {"type": "function", "function": {"name": "f", "parameters": {"type": kind}}}
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": [bad], "tool_choice": choice}
+        with pytest.raises(OpenAIError) as info:
+            parse_chat_request(json.dumps(body).encode())
+        assert (info.value.param, info.value.code) == ("tools[0].function.parameters", "invalid_tools")
+        assert f"got type {kind!r}" in info.value.message
+    flat = {"model": "m", "input": "hi", "tools": [{"type": "function", "name": "f", "parameters": {"type": "array"}}]}
+    with pytest.raises(OpenAIError, match=r"^tools\[0\]\.parameters: "):
+        parse_responses_request(json.dumps(flat).encode())
+    anthropic = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}],
+                 "tools": [{"name": "f", "input_schema": {"type": "string"}}]}
+    with pytest.raises(OpenAIError, match=r"^tools\[0\]\.input_schema: "):
+        parse_messages_request(json.dumps(anthropic).encode())
+    for fine in ({"type": "object"}, {"type": ["object", "null"]}, {}, {"properties": {"a": {"type": "string"}}}):
+        tool = {"type": "function", "function": {"name": "f", "parameters": fine}}
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": [tool], "tool_choice": choice}
+        assert parse_chat_request(json.dumps(body).encode()).tool_plan().tools[0].function.parameters == fine
