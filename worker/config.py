@@ -55,6 +55,8 @@ class WorkerConfig:
     engine_watchdog_s: float = 300.0
     # On SIGTERM, seconds to let in-flight requests finish before stopping (--drain-timeout).
     drain_timeout_s: float = 30.0
+    # After the engine failed, seconds to let in-flight requests get their error before exiting.
+    failure_drain_timeout_s: float = 5.0
     # PDSERVE_CLUSTER_SECRET (or --cluster-secret-file): required unless every listener is on
     # loopback; never printed.
     cluster_secret: str | None = field(default=None, repr=False)
@@ -74,8 +76,9 @@ class WorkerConfig:
             raise ValueError(f"invalid config: max_step_failures must be >= 1, got {self.max_step_failures}")
         if not self.engine_watchdog_s >= 0:
             raise ValueError(f"invalid config: engine_watchdog_s must be >= 0 seconds (0: off), got {self.engine_watchdog_s}")
-        if not self.drain_timeout_s >= 0:
-            raise ValueError(f"invalid config: drain_timeout_s must be >= 0 seconds, got {self.drain_timeout_s}")
+        for name in ("drain_timeout_s", "failure_drain_timeout_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"invalid config: {name} must be >= 0 seconds, got {getattr(self, name)}")
         if self.max_pending_requests < 1:
             raise ValueError(f"invalid config: max_pending_requests must be >= 1, got {self.max_pending_requests}")
         for name in ("peer_connect_timeout_s", "control_timeout_s"):
@@ -166,7 +169,7 @@ def build_parser(default_role: str, description: str, env: Mapping[str, str] | N
         help=f"seconds one engine step or engine call may run (the first step of each kind, prefill-sized or "
              f"decode-only, {FIRST_STEP_ALLOWANCE:g}x) before the engine counts as hung: the worker then fails as for "
              f"repeated step failures (0: no bound)")
-    add("--failure-drain-timeout", 5.0, float,
+    add("--failure-drain-timeout", WorkerConfig.failure_drain_timeout_s, float,
         help="after the engine failed, seconds to let in-flight requests get their error before exiting")
     add("--core-turns",
         help="lock file that the workers sharing this host's CPU cores take turns on: each engine step then runs "
@@ -265,5 +268,6 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         heartbeat_ttl_s=args.heartbeat_ttl, cluster_secret=secret,
         peer_connect_timeout_s=args.peer_connect_timeout, control_timeout_s=args.control_timeout,
         max_step_failures=args.max_step_failures, engine_watchdog_s=args.engine_watchdog,
-        core_turns=args.core_turns, drain_timeout_s=args.drain_timeout, **extra,
+        core_turns=args.core_turns, drain_timeout_s=args.drain_timeout,
+        failure_drain_timeout_s=args.failure_drain_timeout, **extra,
     )

@@ -54,13 +54,14 @@ def exit_later(seconds: float, status: int) -> threading.Timer:
     return timer
 
 
-async def serve(config, modules, drain_timeout: float, failure_drain_timeout: float) -> int:
-    """Run a worker until SIGINT/SIGTERM, then drain (bounded by ``drain_timeout``) and stop, so a
+async def serve(config, modules) -> int:
+    """Run a worker until SIGINT/SIGTERM, then drain (bounded by ``drain_timeout_s``) and stop, so a
     restart or a compose scale-down does not cut the streams in flight.  Returns the exit status:
-    0 -- or, when the engine failed, never: after at most ``failure_drain_timeout`` for the
+    0 -- or, when the engine failed, never: after at most ``failure_drain_timeout_s`` for the
     requests in flight to get their errors the worker stops and the process exits with status 1
     (``exit_now``), within ``FAILURE_EXIT_GRACE_S`` more even if stopping hangs, so the supervisor
     restarts it."""
+    drain_timeout, failure_drain_timeout = config.drain_timeout_s, config.failure_drain_timeout_s
     worker = Worker(config, modules)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -115,4 +116,4 @@ def main(default_role: str, description: str) -> None:
         config = config_from_args(args)
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
-    sys.exit(run_service(serve(config, modules, args.drain_timeout, args.failure_drain_timeout)))
+    sys.exit(run_service(serve(config, modules)))
