@@ -238,6 +238,9 @@ class Dispatcher:
                     route = (self._route_to(migration.precopied_to, exclude | stale | busy, "pre-copied")
                              or await self.choose(prompt + resume, exclude | stale | busy, cache_salt))
                     route = route and migration.resumed_route(route)
+                    if route is None and not busy and (spare := migration.last_resort(self.pool.routable(exclude | stale))):
+                        route = Route(decode=spare, prefill=None, decode_matched_tokens=0, prefill_matched_tokens=0,
+                                      reason="a moved stream's last resort: a draining decode worker")
                 else:
                     scores = params.prompt_logprobs is not None  # computes its prompt whole: no cache to follow
                     route = (None if scores else self._sibling_route(follow, exclude | stale | busy)) or await self.choose(

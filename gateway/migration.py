@@ -21,6 +21,10 @@ draining worker, that ends at the fetched token: ``GenerateRequest.precopy_of``)
 those blocks in that worker's prefix cache.  The hand-over follows once the pre-copy has ended; the
 stream moves to that worker, which holds all but the last few tokens' KV and fetches only those.
 
+Where no active decode worker can take a moved stream (the worker a drain handed it to died), a
+draining or drained one continues it -- the one it left first -- and decodes it to its end
+(``StreamMigration.last_resort``).
+
 At most ``limit`` moves per request (``--migration-limit``; 0 turns it off: a lost worker ends
 the stream with an error, a draining worker decodes its streams to the end).
 """
@@ -50,6 +54,7 @@ class StreamMigration:
     sent: list[int] = field(default_factory=list)  # output tokens passed on to the client
     moves: int = 0
     kv_source: WorkerInfo | None = None  # the draining worker the stream left, which holds its KV
+    drained_from: list[str] = field(default_factory=list)  # workers whose drain handed the stream over
     moved_at: float | None = None  # when it last moved, until its next token
     precopied_to: WorkerInfo | None = None  # the worker its KV was pre-copied to, until it moves
     precopy: asyncio.Task | None = None  # the pre-copy in flight
@@ -77,6 +82,16 @@ class StreamMigration:
             return dataclasses.replace(route, prefill=None, reason="a moved stream")
         return dataclasses.replace(route, prefill=self.kv_source, reason="a moved stream's KV from the worker it left")
 
+    def last_resort(self, workers: list[WorkerInfo]) -> WorkerInfo | None:
+        """Of ``workers`` (routable ones), the decode worker to continue the stream where no active
+        one can: a draining or drained one (it takes a moved stream and decodes it to its end,
+        ``Worker.accepts``), the one that last handed the stream over first -- its cache holds the
+        stream's KV.  The stream moved because the worker a drain handed it to died: waiting for an
+        active one to come back would fail it, with a live worker at hand."""
+        spare = [w for w in workers if w.state in ("draining", "idle") and w.role in ("decode", "both")]
+        rank = {worker_id: i for i, worker_id in enumerate(self.drained_from)}
+        return max(spare, key=lambda w: rank.get(w.worker_id, -1), default=None)
+
     def start_precopy(self, copy: Callable[[], Awaitable[WorkerInfo | None]]) -> None:
         """Run ``copy`` (which pre-copies the stream's KV and returns the worker it went to, or
         None) unless one is in flight or the stream cannot move."""
@@ -103,6 +118,8 @@ class StreamMigration:
             return False
         self.moves += 1
         self.kv_source = kv_source
+        if cause == "drain" and kv_source is not None:
+            self.drained_from.append(kv_source.worker_id)
         self.moved_at = time.monotonic()
         self.metrics.migrations.labels(cause).inc()
         self.metrics.migrated_tokens.inc(len(self.sent))

@@ -320,8 +320,13 @@ class Worker:
     # ---- admission, drain and role ---------------------------------------------------------
 
     def accepts(self, kind: str) -> tuple[str, str] | None:
-        """Why a new ``kind`` ("generate", "prefill", or "export": the KV of a stream handed over
-        from here, taken while draining too) request is refused now, or None.
+        """Why a new ``kind`` ("generate", "prefill", "export": the KV of a stream handed over from
+        here, taken while draining too, or "resume": a moved stream's continuation) request is
+        refused now, or None.
+
+        A draining or drained decode worker still takes a moved stream -- the gateway's last resort,
+        when no active decode worker is left to continue it (the one a drain handed it to died): it
+        decodes to its end here, and the drain waits for it.  Not once the worker is shutting down.
 
         Returns ``(error_kind, reason)``: "refused" when the caller's view of this worker is stale
         (it drains, or its role changed), "busy" when it is simply full."""
@@ -329,9 +334,10 @@ class Worker:
             return "refused", f"worker failed: {self.failure}"
         if kind == "export":  # a stream handed over from here: its KV, from this cache, in any role
             return self._full()
-        if self.state != "active":
+        last_resort = kind == "resume" and self.state in ("draining", "idle") and not self.shutting_down
+        if self.state != "active" and not last_resort:
             return "refused", f"worker is {self.state}"
-        wanted = ("decode", "both") if kind == "generate" else ("prefill", "both")
+        wanted = ("decode", "both") if kind in ("generate", "resume") else ("prefill", "both")
         if self.role not in wanted:
             return "refused", f"worker role is {self.role}, not {' or '.join(wanted)}"
         return self._full()

@@ -10,13 +10,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+import msgspec
 import pytest
 from aiohttp import web
 
 from common.cluster.messages import FRAMES_CONTENT_TYPE, GenerateRequest, TokenFrame, decode, frame
 from common.engine.sampling_params import SamplingParams
 from gateway.dispatch import DispatchResult, UpstreamError
-from tests.support.dispatch_stubs import dispatcher
+from gateway.metrics import GatewayMetrics
+from gateway.migration import StreamMigration
+from tests.support.dispatch_stubs import dispatcher, worker as registry_entry
 
 MAX_TOKENS = 9
 PROMPT = [1, 2, 3]
@@ -118,6 +121,39 @@ async def test_without_migration_a_lost_worker_ends_the_stream_with_an_error():
         with pytest.raises(UpstreamError, match="failed mid-stream"):
             await run(d)
     assert not first.bodies[0].may_migrate and not second.bodies
+
+
+async def test_a_stream_whose_new_worker_dies_goes_back_to_the_draining_worker_it_left():
+    """d0 drains and hands the stream to d1, which dies: no active decode worker is left, so d0 --
+    draining, alive, its cache holding the stream -- continues it to its end (it waited in line
+    for one and failed the stream)."""
+    d0_calls = []
+
+    async def d0(request):  # hands the stream over once (its drain), then decodes what it is sent to the end
+        d0_calls.append(decode(await request.read(), GenerateRequest))
+        handing_over = Worker(stop_after=2, how="migrate") if len(d0_calls) == 1 else Worker()
+        handing_over.on_hand_over = lambda: d.pool.draining.add("d0")
+        return await handing_over.handle_body(request, d0_calls[-1])
+
+    second = Worker(stop_after=3)
+    async with dispatcher(d0, second.handle) as d:
+        assert await run(d) == [token(i) for i in range(MAX_TOKENS)]  # each token once
+        assert d.metrics.migrations.labels("drain")._value.get() == 1
+        assert d.metrics.migrations.labels("worker_lost")._value.get() == 1
+    assert [len(b.resume_token_ids) for b in d0_calls] == [0, 5] and d0_calls[1].prefill_worker_id is None
+    assert len(second.bodies[0].resume_token_ids) == 2
+
+
+def test_the_last_resort_is_a_draining_decode_worker_the_one_the_stream_left_first():
+    def entry(worker_id, state, role="decode"):
+        return msgspec.structs.replace(registry_entry(worker_id, role), state=state)
+
+    migration = StreamMigration(3, GatewayMetrics())
+    assert migration.last_resort([entry("d0", "active"), entry("p0", "draining", "prefill")]) is None
+    assert migration.last_resort([entry("d0", "idle"), entry("d1", "draining")]).worker_id == "d0"  # (the first)
+    migration.move("drain", kv_source=entry("d1", "draining"))
+    migration.move("worker_lost")
+    assert migration.last_resort([entry("d0", "idle"), entry("d1", "draining")]).worker_id == "d1"
 
 
 async def test_a_worker_that_refused_the_moved_stream_takes_it_back_once_it_serves_again():

@@ -419,6 +419,39 @@ def test_draining_the_last_decode_worker_finishes_its_streams_there(stack):
             admin(stack, worker, "role", b'{"role": "decode"}')
 
 
+def test_streams_a_drain_handed_over_go_back_when_the_worker_they_went_to_dies(stack):
+    """The double fault: d0 drains and hands its streams to d1, which is killed -- no active decode
+    worker is left, so d0 (draining, alive, its cache holding them) takes them back and decodes each
+    to its end, unbroken (they failed after the wait queue's bound, a live worker at hand)."""
+    prompts = [f"Double fault {i}" for i in range(4)]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        wholes = list(pool.map(lambda p: complete(stack, prompt=p, max_tokens=STREAM_TOKENS).choices[0].text,
+                               prompts))
+    drained, other = DECODERS
+    handed_before = stack.stats(drained)["streams_handed_over"]
+    lost_before = metric(stack, "pdserve_migrations_total", 'cause="worker_lost"')
+    gaps_before = metric(stack, "pdserve_migration_gap_seconds_count")
+    try:
+        admin(stack, other, "role", b'{"role": "prefill"}')
+        wait_until(lambda: decoders_routed(stack) == 1, f"the gateway routing to {drained} alone")
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            streams = list(pool.map(lambda p: open_stream(stack.gateway_url, stack.model_name, p, STREAM_TOKENS,
+                                                          temperature=0), prompts))
+        admin(stack, other, "role", b'{"role": "decode"}')
+        admin(stack, drained, "drain")
+        # Each stream streams from there (a first token after its move), so killing it loses them mid-stream.
+        wait_until(lambda: metric(stack, "pdserve_migration_gap_seconds_count") - gaps_before == len(prompts),
+                   f"every stream going on at {other}")
+        assert stack.stats(drained)["streams_handed_over"] - handed_before == len(prompts)
+        stack.kill(other)
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            assert list(pool.map(lambda stream: rest_of(*stream), streams)) == wholes
+        assert metric(stack, "pdserve_migrations_total", 'cause="worker_lost"') == lost_before + len(prompts)
+        wait_idle(stack, drained, timeout=WAIT_S)
+    finally:
+        admin(stack, drained, "role", b'{"role": "decode"}')
+
+
 def test_a_drain_from_the_container_hands_its_streams_over(stack, tmp_path):
     """What a Kubernetes preStop hook runs: the streams move, then the drain command returns."""
     # Long streams: still decoding when the drain lands (the drain command is a new Python process).

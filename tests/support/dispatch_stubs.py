@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 
 import aiohttp
+import msgspec
 from aiohttp import web
 
 from common.cluster.registry import Capacity, KVAddress, Load, WorkerInfo
@@ -36,8 +37,8 @@ class Pool:
         self.draining: set[str] = set()
 
     def routable(self, exclude=()):
-        return [w for w in self.workers
-                if w.worker_id not in exclude and w.worker_id not in self.benched and w.worker_id not in self.draining]
+        return [msgspec.structs.replace(w, state="draining") if w.worker_id in self.draining else w for w in self.workers
+                if w.worker_id not in exclude and w.worker_id not in self.benched]
 
     def bench(self, worker_id):
         self.benched.append(worker_id)

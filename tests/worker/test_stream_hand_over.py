@@ -91,3 +91,20 @@ async def test_streams_whose_kv_nobody_pre_copies_are_handed_over_all_the_same(h
     assert not harness.worker.precopies_due
     harness.worker.exported(movable.request_id)  # its new worker's fetch of the KV
     await asyncio.wait_for(drained, WAIT)
+
+
+async def test_a_drained_worker_takes_a_moved_stream_back_as_the_last_resort_but_no_new_request(harness):
+    """Where the worker a drain handed a stream to died, the gateway sends it back here (no active
+    decode worker is left): it decodes it to its end.  A new request is still refused, and so is
+    the stream once the worker shuts down (its drain ends with the process)."""
+    whole = await harness.generate(PROMPT, 40, remote=False).tokens()
+    await asyncio.wait_for(harness.worker.begin_drain(), WAIT)
+    assert harness.worker.state == "idle"
+    rest = await harness.generate(PROMPT, 40, remote=False, resume_token_ids=whole[:7], may_migrate=True).tokens()
+    assert whole[:7] + rest == whole
+    fresh = await asyncio.wait_for(harness.generate(PROMPT, 40, remote=False).task, WAIT)
+    assert fresh[-1].error_kind == "refused" and "idle" in fresh[-1].error
+    harness.worker.shutting_down = True
+    late = await asyncio.wait_for(harness.generate(PROMPT, 40, remote=False, resume_token_ids=whole[:7]).task, WAIT)
+    assert late[-1].error_kind == "refused"
+    await harness.idle()
