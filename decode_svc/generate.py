@@ -36,7 +36,7 @@ from common.cluster.registry import WorkerInfo
 from common.cluster.messages import (
     FRAMES_CONTENT_TYPE, GenerateRequest, PrefillRequest, TokenFrame, TokenLogprob, decode, frame, wire_logprobs,
 )
-from decode_svc.prefill_client import BadPrefillAnswer, call_prefill, resolve_prefill_worker, send_abort
+from decode_svc.prefill_client import BadPrefillAnswer, call_prefill_while_listed, resolve_prefill_worker, send_abort
 from kvtransfer.receiver import IncomingTransfer, TransferResult
 from worker.role_context import RoleContext
 
@@ -326,7 +326,7 @@ async def remote_prefill(context: RoleContext, body: GenerateRequest, reservatio
                              dst_block_ids=dst_block_ids, num_skip_blocks=skip,
                              transfer_id=handle.transfer_id, cache_salt=body.cache_salt,
                              resume_token_ids=body.resume_token_ids, moved_stream_id=moved_stream_id)
-    call = asyncio.ensure_future(call_prefill(context, peer, prefill))
+    call = asyncio.ensure_future(call_prefill_while_listed(context, peer, prefill))
     landed = asyncio.ensure_future(kv_landed(context, handle, reservation.request))
     try:
         result, landed_kv = await asyncio.gather(call, landed)

@@ -39,8 +39,43 @@ SCORED_ENTRY_BYTES, SCORED_ALTERNATIVE_BYTES = 24, 20
 LOGPROB_SLACK = 1e-3  # log-softmax rounding can land a hair above 0
 
 
+# While a prefill worker computes a prompt, how often its registry entry is looked at: a worker
+# stopped (SIGSTOP, a frozen host) keeps its sockets open, so only the entry's lapse tells.
+PEER_WATCH_S = 1.0
+
+
 class BadPrefillAnswer(Exception):
     """The prefill worker's answer cannot be used (the message says which field and why)."""
+
+
+class PrefillPeerLeft(Exception):
+    """The prefill worker left the registry (or a new run of it replaced it) while computing the prompt."""
+
+
+async def call_prefill_while_listed(context: RoleContext, peer: WorkerInfo, prefill: PrefillRequest,
+                                    watch_s: float = PEER_WATCH_S) -> PrefillResult:
+    """``call_prefill``, given up with ``PrefillPeerLeft`` once ``peer``'s registry entry has lapsed
+    or belongs to a new run -- the decode worker then computes the prompt itself, as for a peer
+    that died (a stopped one held every request it had for as long as the transfer's bound)."""
+    call = asyncio.ensure_future(call_prefill(context, peer, prefill))
+    watch = asyncio.ensure_future(_until_gone(context, peer, watch_s))
+    try:
+        await asyncio.wait({call, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:  # (cancelled too)
+        for task in (call, watch):
+            task.cancel()
+    if call.done() and not call.cancelled():
+        return call.result()
+    return watch.result()  # raises PrefillPeerLeft
+
+
+async def _until_gone(context: RoleContext, peer: WorkerInfo, watch_s: float) -> PrefillResult:
+    while True:
+        await asyncio.sleep(watch_s)
+        entry = await context.peers.get(peer.worker_id)
+        if entry is None or entry.instance != peer.instance:
+            raise PrefillPeerLeft(f"prefill worker {peer.worker_id} left the registry while computing the prompt "
+                                  f"({'its entry lapsed' if entry is None else 'a new run of it registered'})")
 
 
 async def resolve_prefill_worker(context: RoleContext, worker_id: str, moved_stream: bool = False) -> WorkerInfo:

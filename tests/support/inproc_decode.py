@@ -28,7 +28,7 @@ from common.engine.sampling_params import SamplingParams
 from worker.config import WorkerConfig
 from worker.engine_thread import EngineThread
 from worker.lifecycle import Worker
-from decode_svc import generate
+from decode_svc import generate, prefill_client
 from decode_svc.role import DECODE
 from kvtransfer.config import KVTransferConfig
 from tests.support.waiting import until
@@ -89,6 +89,7 @@ class DecodeHarness:
         self.clock = clock
         self.script: Callable[[PrefillRequest], Awaitable[PrefillResult]] | None = None
         self.aborts: list[str] = []  # request ids the decode worker told the peer to abort
+        self.peer_listed = True  # the prefill peer's registry entry (False: it lapsed)
         self._monkeypatch = monkeypatch
         self.worker: Worker | None = None
         self.url = ""
@@ -102,13 +103,13 @@ class DecodeHarness:
         worker.engine_thread.on_lease_expired = worker._leases_expired  # as Worker.start wires it
         worker.engine_thread.on_fatal = worker._engine_failed
         worker.kv_receiver = self.receiver
-        worker.peers = SimpleNamespace(forget=lambda worker_id: None, registry=AnotherDecoder())
+        worker.peers = SimpleNamespace(forget=lambda worker_id: None, registry=AnotherDecoder(), get=self._peer)
         worker._heartbeat = NoRegistry()  # a drain or role change reports to nobody
         worker.state = "active"
         self.worker = worker
 
         async def resolve_prefill_worker(worker, worker_id, moved_stream=False):
-            return SimpleNamespace(worker_id=worker_id)
+            return await self._peer(worker_id)
 
         async def call_prefill(worker, peer, request):
             return await self.script(request)
@@ -117,7 +118,7 @@ class DecodeHarness:
             self.aborts.append(request_id)
 
         self._monkeypatch.setattr(generate, "resolve_prefill_worker", resolve_prefill_worker)
-        self._monkeypatch.setattr(generate, "call_prefill", call_prefill)
+        self._monkeypatch.setattr(prefill_client, "call_prefill", call_prefill)
         self._monkeypatch.setattr(generate, "send_abort", send_abort)
         worker.engine_thread.start()
         app = web.Application()
@@ -129,6 +130,10 @@ class DecodeHarness:
         self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
         self._session = aiohttp.ClientSession()
         return self
+
+    async def _peer(self, worker_id: str):
+        """The scripted prefill peer's registry entry, while ``peer_listed``."""
+        return SimpleNamespace(worker_id=worker_id, instance="scripted") if self.peer_listed else None
 
     async def stop(self) -> None:
         if self._session is not None:

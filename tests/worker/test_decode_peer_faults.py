@@ -313,6 +313,30 @@ async def test_prefill_peer_that_never_answers_is_bounded(decode_worker, engine,
         await worker.idle()
 
 
+async def test_a_prefill_peer_that_leaves_the_registry_mid_prompt_is_given_up_at_once(decode_worker, engine, peer):
+    """The prefill worker stops (SIGSTOP, a frozen host): its socket stays open and it never answers,
+    but its registry entry lapses.  The decode worker sees that and computes the prompt itself --
+    not after its remote-prefill bound (--kv-timeout), which held every request the peer had."""
+    prompt = fresh_prompt()
+    asked = asyncio.Event()
+
+    async def script(request: PrefillRequest):
+        asked.set()
+        await peer.hang()
+        return PrefillResult(error="test over"), 502
+
+    peer.script = script
+    async with WorkerClient(decode_worker) as worker:
+        await worker.idle()
+        stream = worker.generate(prompt, peer.worker_id)
+        await asyncio.wait_for(asked.wait(), WAIT)
+        await peer.registry.deregister(decode_worker.model_name, peer.worker_id)  # its entry is gone
+        assert await stream.tokens() == greedy(engine, prompt)
+        assert stream.frames[0].prefill_fallback
+        await worker.idle()
+    assert "PrefillPeerLeft" in decode_worker.procs["d0"].log()  # (not the transfer's bound)
+
+
 class _Handle:
     """A transfer handle whose payload keeps landing until the test says it stopped."""
 

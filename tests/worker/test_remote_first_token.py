@@ -25,7 +25,7 @@ from common.engine.sampling_params import SamplingParams
 from worker.config import WorkerConfig
 from worker.engine_thread import EngineThread
 from worker.lifecycle import Worker
-from decode_svc import generate
+from decode_svc import generate, prefill_client
 from decode_svc.role import DECODE
 from kvtransfer.config import KVTransferConfig
 from kvtransfer.receiver import TransferResult
@@ -79,13 +79,14 @@ async def decode_worker(served_checkpoint, monkeypatch):
     worker.engine = engine
     worker.engine_thread = EngineThread(engine, loop)
     worker.kv_receiver = LandedAtOnce()
-    worker.peers = SimpleNamespace(forget=lambda worker_id: None)
+    peer = SimpleNamespace(worker_id="p-scripted", instance="scripted")
+    worker.peers = SimpleNamespace(forget=lambda worker_id: None, get=lambda worker_id: asyncio.sleep(0, peer))
     worker.state = "active"
     gate = StepGate(engine)
     peer_answered = asyncio.Event()
 
     async def resolve_prefill_worker(worker, worker_id, moved_stream=False):
-        return SimpleNamespace(worker_id=worker_id)
+        return peer
 
     async def call_prefill(context, peer, request):
         # Another request streams on this worker; the prefill answers while its step is running.
@@ -97,7 +98,7 @@ async def decode_worker(served_checkpoint, monkeypatch):
         return PrefillResult(first_token_id=FIRST_TOKEN)
 
     monkeypatch.setattr(generate, "resolve_prefill_worker", resolve_prefill_worker)
-    monkeypatch.setattr(generate, "call_prefill", call_prefill)
+    monkeypatch.setattr(prefill_client, "call_prefill", call_prefill)
     worker.engine_thread.start()
     app = web.Application()
     DECODE.install(worker.role_context(), app)
