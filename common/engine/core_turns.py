@@ -24,7 +24,9 @@ the holder of a turn writes into the lock file when it began and the longest of 
 ``PATIENCE_TURNS`` times that longest turn, and at least ``patience_floor_s`` -- within the wait
 limit, which still bounds a holder with no turns behind it (its first, which may compile).  A peer
 stopped while it waited holds the turnstile instead: a waiter that finds the turn free for
-``patience_floor_s`` behind a held turnstile goes for the turn without it.
+``patience_floor_s`` behind a held turnstile goes for the turn without it -- and on later turns, while
+the turnstile stays held, at once (it waited the floor again at every step: a decode worker beside
+a stopped one stepped every 5 s).
 """
 from __future__ import annotations
 
@@ -72,6 +74,7 @@ class CoreTurns:
         self.missed = 0
         self.waited_s = 0.0
         self._stuck = False  # the last turn was missed: do not wait again until the lock is free
+        self._past_turnstile = False  # the last turn was taken without the turnstile (its holder is stopped)
         self._longest = self._longest_before = 0.0  # this window's longest turn, and the last window's
         self._window_turns = 0
         flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
@@ -91,10 +94,11 @@ class CoreTurns:
         """Hold a turn for the block; yields whether it got one (False: ran without, see above)."""
         began = time.monotonic()
         deadline = began + (0.0 if self._stuck else self.wait_limit_s)
-        queued = _lock_by(self._queue, deadline, self._turnstile_stuck)
+        queued = _lock_by(self._queue, began if self._past_turnstile else deadline, self._turnstile_stuck)
         held = _lock_by(self._lock, deadline, self._holder_outlasted)
         if queued:
             fcntl.flock(self._queue, fcntl.LOCK_UN)
+        self._past_turnstile = held and not queued
         now = time.monotonic()
         self.waited_s += now - began
         if held:

@@ -223,8 +223,16 @@ def test_a_peer_stopped_while_it_waited_in_the_turnstile_does_not_hold_the_other
     try:
         waiter = CoreTurns(lock_path, wait_limit_s=3600, patience_floor_s=0.05)
         assert _turn_in_thread(waiter) == [True] and waiter.missed == 0
+        # While the turnstile stays held, the next turns go past it at once: the floor is waited once
+        # (it was waited at every step), the free turn's record never looked at again.
+        looked = []
+        waiter._turnstile_stuck = lambda: looked.append(1) or True
+        for _ in range(3):
+            assert _turn_in_thread(waiter) == [True]
+        assert looked == [] and waiter.missed == 0
     finally:
         os.close(queued)
+    assert _turn_in_thread(waiter) == [True] and not waiter._past_turnstile  # the turnstile free again: used
 
 
 def test_a_holder_that_dies_frees_the_turn(lock_path):
