@@ -100,7 +100,7 @@ async def handle_generate(context: RoleContext, request: web.Request) -> web.Str
         body = decode(await request.read(), GenerateRequest)
     except ValueError as exc:
         return error_answer(str(exc), "invalid", 400)
-    refusal = context.accepts("resume" if body.resume_token_ids and not body.precopy_of else "generate")
+    refusal = context.accepts("last_resort" if body.last_resort and body.resume_token_ids else "generate")
     if refusal:
         error_kind, reason = refusal
         return error_answer(reason, error_kind, 503)

@@ -321,12 +321,13 @@ class Worker:
 
     def accepts(self, kind: str) -> tuple[str, str] | None:
         """Why a new ``kind`` ("generate", "prefill", "export": the KV of a stream handed over from
-        here, taken while draining too, or "resume": a moved stream's continuation) request is
-        refused now, or None.
+        here, taken while draining too, or "last_resort": a moved stream the gateway sends here
+        because no active decode worker is left to continue it) request is refused now, or None.
 
-        A draining or drained decode worker still takes a moved stream -- the gateway's last resort,
-        when no active decode worker is left to continue it (the one a drain handed it to died): it
-        decodes to its end here, and the drain waits for it.  Not once the worker is shutting down.
+        A draining or drained decode worker takes a last resort's stream (the worker a drain handed
+        it to died): it decodes to its end here, and the drain waits for it (a drained worker
+        drains again: its registry entry must not say idle while it decodes).  Not once the worker
+        is shutting down.
 
         Returns ``(error_kind, reason)``: "refused" when the caller's view of this worker is stale
         (it drains, or its role changed), "busy" when it is simply full."""
@@ -334,13 +335,16 @@ class Worker:
             return "refused", f"worker failed: {self.failure}"
         if kind == "export":  # a stream handed over from here: its KV, from this cache, in any role
             return self._full()
-        last_resort = kind == "resume" and self.state in ("draining", "idle") and not self.shutting_down
+        last_resort = kind == "last_resort" and self.state in ("draining", "idle") and not self.shutting_down
         if self.state != "active" and not last_resort:
             return "refused", f"worker is {self.state}"
-        wanted = ("decode", "both") if kind in ("generate", "resume") else ("prefill", "both")
+        wanted = ("decode", "both") if kind in ("generate", "last_resort") else ("prefill", "both")
         if self.role not in wanted:
             return "refused", f"worker role is {self.role}, not {' or '.join(wanted)}"
-        return self._full()
+        refusal = self._full()
+        if last_resort and refusal is None and self.state == "idle":
+            self.begin_drain()  # (the stream is in flight before the drain's task first looks)
+        return refusal
 
     def _full(self) -> tuple[str, str] | None:
         if len(self.in_flight) >= self.config.max_pending_requests:

@@ -70,6 +70,9 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
     # draining worker ``prefill_worker_id``, fetched into this worker's cache ahead of its
     # hand-over (``max_tokens`` ends the request at the fetched token: nothing is decoded here).
     precopy_of: RequestId | None = None
+    # A moved stream sent to a draining (or drained) decode worker: no active one was left to take it
+    # (``StreamMigration.last_resort``).  Such a worker takes it and decodes it to its end.
+    last_resort: bool = False
 
 
 class TokenFrame(msgspec.Struct, omit_defaults=True):

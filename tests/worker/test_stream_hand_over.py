@@ -100,11 +100,17 @@ async def test_a_drained_worker_takes_a_moved_stream_back_as_the_last_resort_but
     whole = await harness.generate(PROMPT, 40, remote=False).tokens()
     await asyncio.wait_for(harness.worker.begin_drain(), WAIT)
     assert harness.worker.state == "idle"
-    rest = await harness.generate(PROMPT, 40, remote=False, resume_token_ids=whole[:7], may_migrate=True).tokens()
-    assert whole[:7] + rest == whole
-    fresh = await asyncio.wait_for(harness.generate(PROMPT, 40, remote=False).task, WAIT)
-    assert fresh[-1].error_kind == "refused" and "idle" in fresh[-1].error
+    slow_steps(harness)
+    moved = harness.generate(PROMPT, 40, remote=False, resume_token_ids=whole[:7], may_migrate=True, last_resort=True)
+    # (its entry must not say idle while it decodes: it drains again)
+    await until(lambda: moved.request_id in harness.worker.in_flight and harness.worker.state == "draining",
+                "the moved stream decoding on a draining worker")
+    assert whole[:7] + await moved.tokens() == whole
+    await until(lambda: harness.worker.state == "idle", "the worker idle again")
+    for fields in ({}, {"resume_token_ids": whole[:7]}):  # a new request; a moved stream sent as to any worker
+        refused = await asyncio.wait_for(harness.generate(PROMPT, 40, remote=False, **fields).task, WAIT)
+        assert refused[-1].error_kind == "refused" and "idle" in refused[-1].error
     harness.worker.shutting_down = True
-    late = await asyncio.wait_for(harness.generate(PROMPT, 40, remote=False, resume_token_ids=whole[:7]).task, WAIT)
-    assert late[-1].error_kind == "refused"
+    late = harness.generate(PROMPT, 40, remote=False, resume_token_ids=whole[:7], last_resort=True)
+    assert (await asyncio.wait_for(late.task, WAIT))[-1].error_kind == "refused"
     await harness.idle()
