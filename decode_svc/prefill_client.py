@@ -61,21 +61,38 @@ async def call_prefill_while_listed(context: RoleContext, peer: WorkerInfo, pref
     watch = asyncio.ensure_future(_until_gone(context, peer, watch_s))
     try:
         await asyncio.wait({call, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:  # (cancelled too)
+    finally:  # (cancelled too; an outcome not returned is still retrieved: never "never retrieved")
         for task in (call, watch):
             task.cancel()
+            task.add_done_callback(_retrieved)
     if call.done() and not call.cancelled():
         return call.result()
     return watch.result()  # raises PrefillPeerLeft
 
 
+def _retrieved(task: asyncio.Task) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
 async def _until_gone(context: RoleContext, peer: WorkerInfo, watch_s: float) -> PrefillResult:
+    """Raise ``PrefillPeerLeft`` once ``peer``'s entry has been absent for as long as its own time to
+    live (a heartbeat late once is no departure), or a new run of it registered."""
+    ttl = max(peer.expires_at - peer.heartbeat_at, watch_s)
+    absent_since = None
+    loop = asyncio.get_running_loop()
     while True:
         await asyncio.sleep(watch_s)
         entry = await context.peers.get(peer.worker_id)
-        if entry is None or entry.instance != peer.instance:
+        if entry is not None and entry.instance != peer.instance:
+            raise PrefillPeerLeft(f"prefill worker {peer.worker_id} restarted while computing the prompt")
+        if entry is not None:
+            absent_since = None
+        elif absent_since is None:
+            absent_since = loop.time()
+        elif loop.time() - absent_since >= ttl:
             raise PrefillPeerLeft(f"prefill worker {peer.worker_id} left the registry while computing the prompt "
-                                  f"({'its entry lapsed' if entry is None else 'a new run of it registered'})")
+                                  f"(its entry gone for {loop.time() - absent_since:.0f} s)")
 
 
 async def resolve_prefill_worker(context: RoleContext, worker_id: str, moved_stream: bool = False) -> WorkerInfo:

@@ -133,7 +133,8 @@ class DecodeHarness:
 
     async def _peer(self, worker_id: str):
         """The scripted prefill peer's registry entry, while ``peer_listed``."""
-        return SimpleNamespace(worker_id=worker_id, instance="scripted") if self.peer_listed else None
+        return SimpleNamespace(worker_id=worker_id, instance="scripted", heartbeat_at=0.0, expires_at=5.0) \
+            if self.peer_listed else None
 
     async def stop(self) -> None:
         if self._session is not None:

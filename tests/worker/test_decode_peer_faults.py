@@ -37,6 +37,8 @@ from common.engine.config import EngineConfig
 from common.engine.engine import Engine
 from common.engine.kv.kv_cache import KVCache
 from decode_svc.prefill_client import BadPrefillAnswer
+from common.cluster.auth import ClusterAuth
+from common.cluster.registry import WorkerRegistry
 from kvtransfer.config import KVTransferConfig
 from kvtransfer.receiver import KVReceiver
 from kvtransfer.sender import KVSender
@@ -315,8 +317,9 @@ async def test_prefill_peer_that_never_answers_is_bounded(decode_worker, engine,
 
 async def test_a_prefill_peer_that_leaves_the_registry_mid_prompt_is_given_up_at_once(decode_worker, engine, peer):
     """The prefill worker stops (SIGSTOP, a frozen host): its socket stays open and it never answers,
-    but its registry entry lapses.  The decode worker sees that and computes the prompt itself --
-    not after its remote-prefill bound (--kv-timeout), which held every request the peer had."""
+    but its registry entry lapses.  Once it has been gone as long as its time to live (one late
+    heartbeat is no departure), the decode worker computes the prompt itself -- not after its
+    remote-prefill bound (--kv-timeout), which held every request the peer had."""
     prompt = fresh_prompt()
     asked = asyncio.Event()
 
@@ -326,11 +329,23 @@ async def test_a_prefill_peer_that_leaves_the_registry_mid_prompt_is_given_up_at
         return PrefillResult(error="test over"), 502
 
     peer.script = script
+    beating = WorkerRegistry(peer.redis, key_prefix=decode_worker.key_prefix, ttl_s=2.0,
+                             auth=ClusterAuth(decode_worker.cluster_secret))
+    entry = await peer.registry.get(decode_worker.model_name, peer.worker_id)
+
+    async def heartbeat():  # the peer's heartbeat, with a short time to live, until it is stopped
+        while not asked.is_set():
+            await beating.register(entry)
+            await asyncio.sleep(0.2)
+
     async with WorkerClient(decode_worker) as worker:
         await worker.idle()
+        beats = asyncio.ensure_future(heartbeat())
+        await beating.register(entry)
         stream = worker.generate(prompt, peer.worker_id)
         await asyncio.wait_for(asked.wait(), WAIT)
-        await peer.registry.deregister(decode_worker.model_name, peer.worker_id)  # its entry is gone
+        await beats
+        await peer.registry.deregister(decode_worker.model_name, peer.worker_id)  # (as its entry lapsing)
         assert await stream.tokens() == greedy(engine, prompt)
         assert stream.frames[0].prefill_fallback
         await worker.idle()

@@ -79,7 +79,7 @@ async def decode_worker(served_checkpoint, monkeypatch):
     worker.engine = engine
     worker.engine_thread = EngineThread(engine, loop)
     worker.kv_receiver = LandedAtOnce()
-    peer = SimpleNamespace(worker_id="p-scripted", instance="scripted")
+    peer = SimpleNamespace(worker_id="p-scripted", instance="scripted", heartbeat_at=0.0, expires_at=5.0)
     worker.peers = SimpleNamespace(forget=lambda worker_id: None, get=lambda worker_id: asyncio.sleep(0, peer))
     worker.state = "active"
     gate = StepGate(engine)
