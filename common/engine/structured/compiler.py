@@ -94,8 +94,8 @@ class GrammarCompiler:
         a grammar is then refused with that reason), else ``None``."""
         try:
             await asyncio.wrap_future(self._backend_future())
-        except (ValueError, RuntimeError) as exc:
-            return str(exc)
+        except Exception as exc:  # (any failure: the server still serves what needs no grammar)
+            return str(exc) if isinstance(exc, (ValueError, RuntimeError)) else f"{type(exc).__name__}: {exc}"
         return None
 
     @property
