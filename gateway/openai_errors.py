@@ -8,6 +8,8 @@ import re
 import msgspec
 from aiohttp import web
 
+from common.cluster.http_listener import BODY_ENCODINGS
+
 _DEFAULT_ERROR_TYPE = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -117,9 +119,6 @@ def check_json_media(content_type: str | None) -> None:
         raise OpenAIError(415, f"Content-Type must be application/json, {got}", code="unsupported_media_type")
 
 
-BODY_ENCODINGS = ("identity", "gzip", "deflate")  # what aiohttp inflates (brotli and zstd: not installed)
-
-
 def check_body_encoding(encoding: str | None) -> None:
     """A 415 unless a body's ``Content-Encoding`` is one this server reads (an unknown one was read
     as if it were none, and ``br`` refused as a missing package)."""
@@ -166,7 +165,7 @@ _MISSING_RE = re.compile(r"^Object missing required field `([^`]*)`")
 
 # A high surrogate escape with no low one after it: msgspec calls such a body "truncated", or the
 # next character the end of a hex escape.
-_LONE_SURROGATE_RE = re.compile(rb"(?<!\\)\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F])")
+_LONE_SURROGATE_RE = re.compile(rb"(?<!\\)(?:\\\\)*(\\u[dD][89abAB][0-9a-fA-F]{2})(?!\\u[dD][c-fC-F])")
 
 
 def from_msgspec(exc: msgspec.MsgspecError, at: str = "", body: bytes = b"") -> OpenAIError:
@@ -175,8 +174,9 @@ def from_msgspec(exc: msgspec.MsgspecError, at: str = "", body: bytes = b"") -> 
     (to say what is wrong with JSON that does not parse)."""
     text = str(exc)
     if isinstance(exc, msgspec.DecodeError) and not isinstance(exc, msgspec.ValidationError):
-        if lone := _LONE_SURROGATE_RE.search(body):
-            text = (f"{lone.group().decode()} at byte {lone.start()} is a lone UTF-16 high surrogate (no low "
+        said = ("truncated", "hex escape", "surrogate")  # what msgspec says of one (else the fault is elsewhere)
+        if any(s in text for s in said) and (lone := _LONE_SURROGATE_RE.search(body)):
+            text = (f"{lone.group(1).decode()} at byte {lone.start(1)} is a lone UTF-16 high surrogate (no low "
                     "surrogate \\udc00-\\udfff follows it): not a character")
         return invalid(f"Request body is not valid JSON: {text}")
     detail, path = split_error_path(text)

@@ -45,6 +45,7 @@ import asyncio
 import collections
 import json
 import logging
+import re
 import resource
 import time
 from typing import Callable
@@ -62,6 +63,7 @@ _REFUSAL_BODY = json.dumps({"error": {
 _REFUSAL = (b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 1\r\nContent-Type: application/json\r\n"
             b"Connection: close\r\nContent-Length: " + str(len(_REFUSAL_BODY)).encode() + b"\r\n\r\n" + _REFUSAL_BODY)
 _HEADER_TIMEOUT = b"HTTP/1.1 408 Request Timeout\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
+BODY_ENCODINGS = ("identity", "gzip", "deflate")  # what aiohttp inflates here (brotli and zstd: not installed)
 _UNCONNECTED_S = 1.0  # a protocol without a transport after this long never gets one
 _FD_RESERVE = 1024  # descriptors kept for everything but this listener's clients
 # Of a body left unread by its answer, read before the connection is cut: a client that sends its
@@ -104,8 +106,9 @@ def _malformed(exc: HttpProcessingError) -> tuple[int, str, str]:
             return 414, f"the request's target is longer than {limit} bytes", "uri_too_long"
         return 431, f"a header field is longer than {limit} bytes", "request_header_fields_too_large"
     if isinstance(exc, ContentEncodingError):  # one aiohttp cannot inflate here (brotli, zstd)
-        return 415, "the body's Content-Encoding is not supported: send it as identity, gzip or deflate", \
-            "unsupported_content_encoding"
+        named = re.search(r"content-encoding: ([^.]{1,40})", str(exc.message))
+        return 415, (f"Content-Encoding {named.group(1) if named else 'of the body'} is not supported: send the body "
+                     f"as {', '.join(BODY_ENCODINGS)}"), "unsupported_content_encoding"
     first = str(exc.message).split("\n", 1)[0].strip()[:200]
     if isinstance(exc, BadHttpMessage) and first == "Too many headers received":
         return 431, "the request has too many header fields", "request_header_fields_too_large"

@@ -25,8 +25,9 @@ the holder of a turn writes into the lock file when it began and the longest of 
 limit, which still bounds a holder with no turns behind it (its first, which may compile).  A peer
 stopped while it waited holds the turnstile instead: a waiter that finds the turn free for
 ``patience_floor_s`` behind a held turnstile goes for the turn without it -- and on later turns, while
-the turnstile stays held, at once (it waited the floor again at every step: a decode worker beside
-a stopped one stepped every 5 s).
+the turnstile stays held, after a short try (``TURNSTILE_RETRY_S``: a live waiter there would have
+taken the turn and let the turnstile go by then) -- it waited the floor again at every step, and a
+decode worker beside a stopped one stepped every 5 s.
 """
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ WAIT_LIMIT_S = 30.0
 PATIENCE_TURNS = 4.0  # a turn is waited for up to this many times its holder's longest recent turn ...
 PATIENCE_FLOOR_S = 5.0  # ... and at least this long
 RECENT_TURNS = 256  # the longest recent turn: over the last 256 to 512 turns
+TURNSTILE_RETRY_S = 4 * MAX_POLL_S  # past a stopped peer's turnstile: how long the next turns try it
 # At the lock file's start, written by the turn's holder: when the turn began (time.monotonic(),
 # one clock for every process of the host), or minus when it was let go; and the holder's longest
 # recent turn in seconds (0.0: none yet).  All zero: not written yet.
@@ -94,11 +96,21 @@ class CoreTurns:
         """Hold a turn for the block; yields whether it got one (False: ran without, see above)."""
         began = time.monotonic()
         deadline = began + (0.0 if self._stuck else self.wait_limit_s)
-        queued = _lock_by(self._queue, began if self._past_turnstile else deadline, self._turnstile_stuck)
+        stuck: list[bool] = []  # the turnstile was given up as held by a stopped peer
+
+        def turnstile_stuck() -> bool:
+            if self._turnstile_stuck():
+                stuck.append(True)
+            return bool(stuck)
+
+        # Past a stopped peer's turnstile, a short try only: a live waiter holding it takes the
+        # turn this worker just let go within a poll, and lets the turnstile go.
+        queue_deadline = min(deadline, began + TURNSTILE_RETRY_S) if self._past_turnstile else deadline
+        queued = _lock_by(self._queue, queue_deadline, turnstile_stuck)
         held = _lock_by(self._lock, deadline, self._holder_outlasted)
         if queued:
             fcntl.flock(self._queue, fcntl.LOCK_UN)
-        self._past_turnstile = held and not queued
+        self._past_turnstile = held and not queued and (bool(stuck) or self._past_turnstile)
         now = time.monotonic()
         self.waited_s += now - began
         if held:

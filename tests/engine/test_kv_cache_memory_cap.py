@@ -39,6 +39,17 @@ def test_a_cgroup_v2_limit_caps_the_node_memory(tmp_path, meminfo):
     assert _host_memory_available(meminfo, root) == 5 * GIB
 
 
+def test_the_page_cache_the_kernel_can_reclaim_is_not_counted_as_used(tmp_path, meminfo):
+    """(A pod that read its weights has them in its page cache: counted as used, its KV cache got a
+    fraction of its headroom.)"""
+    root = cgroup_v2(tmp_path / "cg", str(8 * GIB), 7 * GIB)
+    (tmp_path / "cg" / "memory.stat").write_text(f"anon {GIB}\nfile {6 * GIB}\ninactive_file {5 * GIB}\n")
+    assert cgroup_memory_headroom(root) == 6 * GIB
+    v1 = cgroup_v1(tmp_path / "v1", 8 * GIB, 7 * GIB)
+    (tmp_path / "v1" / "memory" / "memory.stat").write_text(f"cache {6 * GIB}\ntotal_inactive_file {5 * GIB}\n")
+    assert cgroup_memory_headroom(v1) == 6 * GIB
+
+
 def test_cgroup_v2_max_means_no_limit(tmp_path, meminfo):
     root = cgroup_v2(tmp_path / "cg", "max", 3 * GIB)
     assert cgroup_memory_headroom(root) is None

@@ -258,7 +258,7 @@ async def test_a_body_in_an_encoding_the_gateway_cannot_read_is_a_415_naming_it(
     headers = {"Authorization": f"Bearer {KEYS['a']}", "Content-Type": "application/json"}
     body = json.dumps({"model": "m", "prompt": "hi", "max_tokens": 1}).encode()
     async with gateway(served_checkpoint, redis_url, key_prefix) as (gw, client):
-        for encoding in ("bogus", "x-gzip"):  # (ones aiohttp's parser knows but cannot inflate: the listener's 415)
+        for encoding in ("bogus", "x-gzip"):  # (br, zstd: aiohttp's parser refuses them, the listener's 415)
             async with client.post("/v1/completions", data=body, headers={**headers, "Content-Encoding": encoding}) as resp:
                 answer = await resp.json()
             assert (resp.status, answer["error"]["code"]) == (415, "unsupported_content_encoding"), answer

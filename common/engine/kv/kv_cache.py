@@ -183,12 +183,17 @@ def _host_memory_available(meminfo: str = MEMINFO, cgroup_root: str = CGROUP_ROO
 
 
 def cgroup_memory_headroom(root: str = CGROUP_ROOT) -> int | None:
-    """The cgroup's memory limit less its usage, in bytes; None where no limit is set or readable.
+    """The cgroup's memory limit less its working set, in bytes; None where no limit is set or readable.
 
     cgroup v2: ``memory.max`` ("max" = no limit) less ``memory.current``; cgroup v1:
-    ``memory/memory.limit_in_bytes`` less ``memory/memory.usage_in_bytes``."""
-    for limit_name, usage_name in (("memory.max", "memory.current"),
-                                   ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
+    ``memory/memory.limit_in_bytes`` less ``memory/memory.usage_in_bytes``.  Usage counts the page
+    cache, which the kernel reclaims under the limit: its inactive file pages (``memory.stat``'s
+    ``inactive_file``, v1's ``total_inactive_file``) are not taken as used -- the working set, as the
+    kubelet counts it (a pod that read its weights would otherwise get a fraction of its cache)."""
+    for limit_name, usage_name, stat_name, reclaimable in (
+            ("memory.max", "memory.current", "memory.stat", "inactive_file"),
+            ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes", "memory/memory.stat",
+             "total_inactive_file")):
         try:
             with open(os.path.join(root, limit_name)) as f:
                 limit = f.read().strip()
@@ -199,7 +204,20 @@ def cgroup_memory_headroom(root: str = CGROUP_ROOT) -> int | None:
         if limit == "max":
             return None
         try:
-            return max(0, int(limit) - usage)
+            return max(0, int(limit) - max(0, usage - _stat(os.path.join(root, stat_name), reclaimable)))
         except ValueError:
             continue
     return None
+
+
+def _stat(path: str, name: str) -> int:
+    """The value of ``name`` in a cgroup's ``memory.stat`` (0 where it is missing)."""
+    try:
+        with open(path) as f:
+            for line in f:
+                key, _, value = line.partition(" ")
+                if key == name:
+                    return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
