@@ -111,6 +111,21 @@ def test_top_k_keeps_the_tokens_tied_with_its_kth():
     assert Sampler()(logits[None], [SamplingRow(params, uniform=0.999)])[0] == [3]
 
 
+def test_top_k_ties_are_kept_on_the_group_path_too():
+    """A top_k within the 64-column groups' count takes the group-maxima threshold: ties with the
+    k-th there, in other groups, stay too."""
+    logits = torch.full((2500,), -8.0)
+    logits[10] = 3.0
+    tied = [70, 700, 1300, 2400]  # four groups apart
+    logits[tied] = 2.0
+    params = SamplingParams(top_k=3)
+    expected = reference_probs(logits, params)
+    assert set(expected.nonzero()[:, 0].tolist()) == {10, *tied}
+    observed = empirical(logits[None], params, 4000)
+    assert set(observed.nonzero()[:, 0].tolist()) == {10, *tied}
+    assert_same_distribution(observed, expected)
+
+
 CASES = {
     "temperature": SamplingParams(temperature=0.8),
     "top_k": SamplingParams(top_k=5),
