@@ -22,8 +22,9 @@ those blocks in that worker's prefix cache.  The hand-over follows once the pre-
 stream moves to that worker, which holds all but the last few tokens' KV and fetches only those.
 
 Where no active decode worker can take a moved stream (the worker a drain handed it to died), a
-draining or drained one continues it -- the one it left first -- and decodes it to its end
-(``StreamMigration.last_resort``).
+draining or drained one continues it -- the one it left first -- and decodes it to its end: the
+stream is not movable there (its registry may still list the dead worker as active, and a drain
+would hand the stream straight back to nobody; ``StreamMigration.last_resort``).
 
 At most ``limit`` moves per request (``--migration-limit``; 0 turns it off: a lost worker ends
 the stream with an error, a draining worker decodes its streams to the end).

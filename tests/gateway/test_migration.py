@@ -142,6 +142,7 @@ async def test_a_stream_whose_new_worker_dies_goes_back_to_the_draining_worker_i
         assert d.metrics.migrations.labels("worker_lost")._value.get() == 1
     assert [len(b.resume_token_ids) for b in d0_calls] == [0, 5] and d0_calls[1].prefill_worker_id is None
     assert [b.last_resort for b in d0_calls] == [False, True] and not second.bodies[0].last_resort
+    assert [b.may_migrate for b in d0_calls] == [True, False]  # (it drains: never handed over again)
     assert len(second.bodies[0].resume_token_ids) == 2
 
 

@@ -136,7 +136,7 @@ def test_a_timeout_is_a_number_of_seconds_above_zero(command, timeout, capsys):
 def test_scale_command_and_refusals(capsys):
     """`scale` itself (drain-aware, via a backend) is tested in tests/deploy/test_pdctl_deploy.py."""
     assert pdctl.main(["scale", "--prefill", "5", "--decode", "5", "--gpus", "8"]) == 2
-    assert "more GPUs" in capsys.readouterr().err
+    assert "= 10 GPUs, more than the 8 this host has" in capsys.readouterr().err
     assert pdctl.main(["scale", "--prefill", "0", "--decode", "0"]) == 2
     cmd = pdctl.scale_command(1, 2, "compose/docker-compose.cpu.yml", "docker-compose", ".env", "pd")
     assert cmd == ["docker-compose", "-p", "pd", "--env-file", ".env", "-f", "compose/docker-compose.cpu.yml",

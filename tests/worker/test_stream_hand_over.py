@@ -101,7 +101,7 @@ async def test_a_drained_worker_takes_a_moved_stream_back_as_the_last_resort_but
     await asyncio.wait_for(harness.worker.begin_drain(), WAIT)
     assert harness.worker.state == "idle"
     slow_steps(harness)
-    moved = harness.generate(PROMPT, 40, remote=False, resume_token_ids=whole[:7], may_migrate=True, last_resort=True)
+    moved = harness.generate(PROMPT, 40, remote=False, resume_token_ids=whole[:7], last_resort=True)  # (as sent)
     # (its entry must not say idle while it decodes: it drains again)
     await until(lambda: moved.request_id in harness.worker.in_flight and harness.worker.state == "draining",
                 "the moved stream decoding on a draining worker")
