@@ -249,7 +249,7 @@ class Dispatcher:
                     # Every worker left answered garbage: no room will appear by waiting.
                     raise WorkerAnswerError(f"no decode worker gave a readable answer ({last_bad_answer})")
                 if route is None:
-                    why = "every decode worker is busy" if busy else "no decode worker is available"
+                    why = "every decode worker is busy" if busy else self.pool.why_no_decode_worker()
                     log.log(logging.DEBUG if waits else logging.INFO, "request %s waits for room (%s; %d in line)",
                             request_id, why, self.queue.places_held)
                     waits += 1

@@ -80,6 +80,15 @@ class WorkerPool:
         return [w for w in self.workers
                 if w.worker_id not in exclude and self._benched.get(w.worker_id, 0.0) <= now]
 
+    def why_no_decode_worker(self) -> str:
+        """Why no decode worker could be routed to, for a refusal: every one drains (or is drained),
+        or none is available (none registered, all benched or failed for the request)."""
+        decoders = [w for w in self.workers if w.role in ("decode", "both")]
+        drained = sum(w.state in ("draining", "idle") for w in decoders)
+        if decoders and drained == len(decoders):
+            return f"every decode worker ({drained}) is draining or drained"
+        return "no decode worker is available"
+
     async def wait_for_change(self, timeout: float) -> None:
         """Wait for the next refresh (e.g. while the pool is empty)."""
         try:

@@ -4,6 +4,7 @@ in for decode workers, with a ``Dispatcher`` over them (``dispatcher``)."""
 from __future__ import annotations
 
 import contextlib
+from types import SimpleNamespace
 
 import aiohttp
 import msgspec
@@ -14,6 +15,7 @@ from gateway.backpressure import WaitQueue
 from gateway.config import UpstreamTimeouts
 from gateway.dispatch import Dispatcher
 from gateway.metrics import GatewayMetrics
+from gateway.pool import WorkerPool
 from gateway.routing import Router, RoutingConfig
 
 BS = 16
@@ -42,6 +44,11 @@ class Pool:
 
     def bench(self, worker_id):
         self.benched.append(worker_id)
+
+    def why_no_decode_worker(self):
+        listed = [msgspec.structs.replace(w, state="draining") if w.worker_id in self.draining else w
+                  for w in self.workers]
+        return WorkerPool.why_no_decode_worker(SimpleNamespace(workers=listed))
 
     async def refresh(self):
         pass
