@@ -340,6 +340,16 @@ def decoders_routed(stack) -> int:
     return gateway_health(stack.gateway_url)["pools"]["decode"]["healthy"]
 
 
+def open_streams_on(stack, drained: str, other: str, prompts: list[str]) -> list:
+    """Greedy streams of ``prompts``, each with its first chunk read, all on ``drained``: ``other`` is
+    out of the decode pool (a prefill worker) while they start."""
+    admin(stack, other, "role", b'{"role": "prefill"}')
+    wait_until(lambda: decoders_routed(stack) == 1, f"the gateway routing to {drained} alone")
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(lambda p: open_stream(stack.gateway_url, stack.model_name, p, STREAM_TOKENS,
+                                                   temperature=0), prompts))
+
+
 def test_a_drain_hands_twenty_streams_over_and_each_goes_on_unbroken(stack):
     """Twenty streams on one decode worker (the other is out of the decode pool while they
     start); a drain through the gateway's admin API hands every one over at once -- none decodes
@@ -356,11 +366,7 @@ def test_a_drain_hands_twenty_streams_over_and_each_goes_on_unbroken(stack):
     held_before = metric(stack, "pdserve_migration_held_tokens_total")
     before = {worker: stack.stats(worker) for worker in DECODERS}
     try:
-        admin(stack, other, "role", b'{"role": "prefill"}')
-        wait_until(lambda: decoders_routed(stack) == 1, f"the gateway routing to {drained} alone")
-        with ThreadPoolExecutor(STREAMS) as pool:
-            streams = list(pool.map(lambda p: open_stream(stack.gateway_url, stack.model_name, p, STREAM_TOKENS,
-                                                          temperature=0), prompts))
+        streams = open_streams_on(stack, drained, other, prompts)
         # Back in the registry before the drain (a role change is written at once): the gateway
         # reads it when the first stream is handed over.
         admin(stack, other, "role", b'{"role": "decode"}')
@@ -400,11 +406,7 @@ def test_draining_the_last_decode_worker_finishes_its_streams_there(stack):
     handed_before = stack.stats(drained)["streams_handed_over"]
     told_before = [metric(stack, "pdserve_migration_precopies_total", f'outcome="{o}"') for o in ("ok", "failed")]
     try:
-        admin(stack, other, "role", b'{"role": "prefill"}')
-        wait_until(lambda: decoders_routed(stack) == 1, f"the gateway routing to {drained} alone")
-        with ThreadPoolExecutor(len(prompts)) as pool:
-            streams = list(pool.map(lambda p: open_stream(stack.gateway_url, stack.model_name, p, STREAM_TOKENS,
-                                                          temperature=0), prompts))
+        streams = open_streams_on(stack, drained, other, prompts)
         admin(stack, drained, "drain")
         running = stack.stats(drained)["num_running"]  # (the drain landed while streams decode)
         with ThreadPoolExecutor(len(prompts)) as pool:
@@ -432,11 +434,7 @@ def test_streams_a_drain_handed_over_go_back_when_the_worker_they_went_to_dies(s
     lost_before = metric(stack, "pdserve_migrations_total", 'cause="worker_lost"')
     gaps_before = metric(stack, "pdserve_migration_gap_seconds_count")
     try:
-        admin(stack, other, "role", b'{"role": "prefill"}')
-        wait_until(lambda: decoders_routed(stack) == 1, f"the gateway routing to {drained} alone")
-        with ThreadPoolExecutor(len(prompts)) as pool:
-            streams = list(pool.map(lambda p: open_stream(stack.gateway_url, stack.model_name, p, STREAM_TOKENS,
-                                                          temperature=0), prompts))
+        streams = open_streams_on(stack, drained, other, prompts)
         admin(stack, other, "role", b'{"role": "decode"}')
         admin(stack, drained, "drain")
         # Each stream streams from there (a first token after its move), so killing it loses them mid-stream.
