@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+from typing import NoReturn
 
 import aiohttp
 
@@ -75,7 +76,7 @@ def _retrieved(task: asyncio.Task) -> None:
         task.exception()
 
 
-async def _until_gone(context: RoleContext, peer: WorkerInfo, watch_s: float) -> PrefillResult:
+async def _until_gone(context: RoleContext, peer: WorkerInfo, watch_s: float) -> NoReturn:
     """Raise ``PrefillPeerLeft`` once ``peer``'s entry has been absent for as long as its own time to
     live (a heartbeat late once is no departure), or a new run of it registered."""
     ttl = max(peer.expires_at - peer.heartbeat_at, watch_s)

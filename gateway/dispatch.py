@@ -266,8 +266,8 @@ class Dispatcher:
                                        prefill_worker_id=route.prefill.worker_id if route.prefill else None,
                                        cache_salt=cache_salt, resume_token_ids=resume,
                                        # (a last resort's worker drains: it must not hand the stream over again)
-                                       may_migrate=migration.may_move and route.decode.state == "active",
-                                       last_resort=route.decode.state != "active")
+                                       last_resort=(last_resort := route.decode.state != "active"),
+                                       may_migrate=migration.may_move and not last_resort)
                 decode_url, audience = route.decode.http_address, route.decode.audience
                 finished = said_busy = streamed = False  # streamed: this attempt passed tokens on
                 to_compute = len(prompt) + len(resume)

@@ -96,12 +96,12 @@ class CoreTurns:
         """Hold a turn for the block; yields whether it got one (False: ran without, see above)."""
         began = time.monotonic()
         deadline = began + (0.0 if self._stuck else self.wait_limit_s)
-        stuck: list[bool] = []  # the turnstile was given up as held by a stopped peer
+        stuck = False  # the turnstile was given up as held by a stopped peer
 
         def turnstile_stuck() -> bool:
-            if self._turnstile_stuck():
-                stuck.append(True)
-            return bool(stuck)
+            nonlocal stuck
+            stuck = self._turnstile_stuck()
+            return stuck
 
         # Past a stopped peer's turnstile, a short try only: a live waiter holding it takes the
         # turn this worker just let go within a poll, and lets the turnstile go.
@@ -110,7 +110,7 @@ class CoreTurns:
         held = _lock_by(self._lock, deadline, self._holder_outlasted)
         if queued:
             fcntl.flock(self._queue, fcntl.LOCK_UN)
-        self._past_turnstile = held and not queued and (bool(stuck) or self._past_turnstile)
+        self._past_turnstile = held and not queued and (stuck or self._past_turnstile)
         now = time.monotonic()
         self.waited_s += now - began
         if held:
