@@ -399,7 +399,9 @@ async def release_reservation(context: RoleContext, request_id: str, handle: Inc
     A payload may be landing when the request is given up (prefill failed, client gone): freeing
     the blocks at once could let the rest of it overwrite whoever gets them next.  The receiver
     stops such a payload at once where the transport allows (TCP) and otherwise within its
-    ``abort_grace`` (UCX); ``settled()`` returns when it has.
+    ``abort_grace`` (UCX); ``settled()`` returns when it has.  A UCX payload whose sender froze in
+    its middle cannot be stopped at all (``IncomingTransfer.still_landing``): the request ends
+    all the same, and its blocks stay pinned until that payload ends (its sender resumes or dies).
     """
     handle.abort("decode side gave up")
     if not handle.done():
@@ -408,7 +410,30 @@ async def release_reservation(context: RoleContext, request_id: str, handle: Inc
             await handle.settled()
         finally:
             context.metrics.kv_transfers_settling.dec()
+    still_landing = handle.still_landing
+
+    def give_up(engine: Engine) -> list:
+        pinned = engine.scheduler.handoff.decode.pin_landing(request_id, handle.block_ids) if still_landing else []
+        engine.abort(request_id)
+        return pinned
+
     try:
-        await context.engine.call(lambda e: e.abort(request_id))
+        pinned = await context.engine.call(give_up)
     except EngineFailed:
-        pass  # nothing runs any more; the process exits
+        return  # nothing runs any more; the process exits
+    if pinned:
+        context.spawn(unpin_once_landed(context, still_landing, pinned))
+
+
+async def unpin_once_landed(context: RoleContext, still_landing: asyncio.Future, blocks: list) -> None:
+    """Keep ``blocks`` out of use until the payload that may still write into them has ended.  No
+    bound: only the transport can end it (its sender resumes or dies), and until it does the
+    blocks are not safe to give anyone (``pdserve_worker_kv_blocks_still_landing`` counts them)."""
+    context.metrics.kv_blocks_still_landing.inc(len(blocks))
+    try:
+        await asyncio.wait((still_landing,))
+        await context.engine.call(lambda engine: engine.scheduler.handoff.decode.unpin(blocks))
+    except EngineFailed:
+        pass
+    finally:
+        context.metrics.kv_blocks_still_landing.dec(len(blocks))

@@ -73,6 +73,11 @@ class IncomingTransfer:
     * So ``settled()`` returns within ``abort_grace`` (plus scheduling) of a failure, and a
       transfer's failure, abort or timeout never touches another transfer on the same connection
       unless its payload had to be stopped by closing that connection.
+    * Closing the connection does not stop a UCX payload that its sender froze in the middle of
+      (UCX ends such a receive only when the sender completes or fails). The handle then resolves
+      all the same, within ``abort_grace`` plus the transport's own bound, with ``still_landing``
+      set: a future that ends once nothing more can land. Until it ends the blocks must stay out of
+      use (the decode worker keeps them pinned: ``decode_svc.generate.release_reservation``).
     """
 
     def __init__(self, receiver: "KVReceiver", request_id: str, block_ids: list[int], timeout: float):
@@ -94,6 +99,7 @@ class IncomingTransfer:
         self._future.add_done_callback(lambda f: f.cancelled() or f.exception())  # never "unretrieved"
         self._timer = self._loop.call_later(timeout, self._on_deadline, timeout)
         self._grace_timer: asyncio.TimerHandle | None = None
+        self.still_landing: asyncio.Future | None = None  # see the class docstring
 
     async def wait(self) -> TransferResult:
         return await asyncio.shield(self._future)
@@ -158,8 +164,13 @@ class IncomingTransfer:
     def _landing_started(self, channel: Channel) -> None:
         self._landing = channel
 
-    def _landing_ended(self) -> None:
+    def _landing_ended(self, still_landing: asyncio.Future | None) -> None:
         self._landing = None
+        if still_landing is not None:
+            log.warning("kv receiver: transfer %r ended with its payload still landing (its sender froze "
+                        "mid-payload); its %d blocks stay out of use until it ends",
+                        self.request_id, len(self.block_ids))
+            self.still_landing = still_landing
         if self._error is not None:
             self._resolve()
 
@@ -430,7 +441,8 @@ class KVReceiver:
         try:
             await conn.channel.recv_payload_into(region)
         finally:
-            handle._landing_ended()
+            # into a staging buffer, a payload still landing is harmless: the transport keeps it
+            handle._landing_ended(conn.channel.still_landing() if whole else None)
         if not handle.active:
             return  # failed while landing: the rest was diverted, or must not count
         if msg.checksums is not None:

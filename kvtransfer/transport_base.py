@@ -9,6 +9,7 @@ region or ``discard_payload`` it, before reading the next header.
 from __future__ import annotations
 
 import abc
+import asyncio
 from typing import Awaitable, Callable
 
 import torch
@@ -57,11 +58,17 @@ class Channel(abc.ABC):
         """
         return False
 
+    def still_landing(self) -> asyncio.Future | None:
+        """After ``recv_payload_into`` raised: a future that ends once the transport has stopped
+        writing into that region, if it had not yet (a transport whose bytes move without the event
+        loop, when a sender froze mid-payload); ``None``: nothing more lands there."""
+        return None
+
     @abc.abstractmethod
     def close(self) -> None:
         """Close the connection. A receive or send in progress ends at once with ``ConnectionLost``
         (on every event loop), as do later calls on either side; once a pending receive has ended,
-        nothing more is written into its region."""
+        nothing more is written into its region -- unless ``still_landing`` says otherwise."""
 
     @property
     def description(self) -> str:

@@ -32,6 +32,11 @@ Cancellation and failure:
   one-byte receive takes the message whenever it comes (the sender completes, nothing lands);
   if it had, it finishes first. Either way ``recv_payload_into`` returns once nothing more can
   land in the region.
+* A matched receive cannot be stopped from this side: it ends when its sender completes or
+  fails. When the channel ends and such a receive has not ended ``_LATE_CANCEL_S`` later (its
+  sender frozen mid-payload), ``recv_payload_into`` raises ``ConnectionLost`` anyway and
+  ``still_landing`` hands over the receive's future: the region is not to be reused before it
+  ends.
 """
 from __future__ import annotations
 
@@ -53,7 +58,7 @@ from kvtransfer.config import KVTransferConfig
 from kvtransfer.errors import ConnectionLost, ProtocolError
 from kvtransfer.handshake import PREAUTH_MAX_HEADER_BYTES
 from kvtransfer.messages import MAX_HEADER_BYTES
-from kvtransfer.socket_io import FrameWriter, PreAuthTicket, TcpListener, connect_tcp, wait_uncancelled
+from kvtransfer.socket_io import FrameWriter, PreAuthTicket, TcpListener, connect_tcp
 from kvtransfer.transport_base import Channel, Listener, Transport
 from kvtransfer.ucx_worker import UcxWorker, net_devices_for
 
@@ -65,6 +70,7 @@ _PREAUTH_BUFFERED = PREAUTH_MAX_HEADER_BYTES + _CONTROL.size  # the same, before
 _RECV_BYTES = 256 * 1024
 _TAG_MASK = (1 << 64) - 1
 _LATE_CANCEL_S = 5.0
+_STILL_LANDING: dict[asyncio.Future, object] = {}  # receives a frozen sender left landing -> their buffers
 
 
 class DataPath(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -252,6 +258,9 @@ class UcxChannel(Channel):
         # cancels it (ucxx cancels in its destructor), its future still reports the outcome.
         self._recv: list | None = None
         self._diverted = False
+        self._lost = self._loop.create_future()  # resolved once nothing more can come: wakes a receive
+        # receiver: a payload UCX was still writing when the channel ended (not stoppable: see _receive)
+        self._unstoppable: asyncio.Future | None = None
         self._drains: dict[int, object] = {}  # receiver: payloads being consumed into one byte
         self._sends: dict[int, object] = {}
         self.lanes: list[str] = []
@@ -366,21 +375,44 @@ class UcxChannel(Channel):
         return seq
 
     async def _receive(self, seq: int, buffer) -> asyncio.Future:
-        """Post a receive for payload ``seq`` into ``buffer``; wait until it has ended."""
+        """Post a receive for payload ``seq`` into ``buffer``; wait until it has ended, or until the
+        channel has ended and, for at most ``_LATE_CANCEL_S`` more, the receive with it.
+
+        Dropping the request cancels the receive only if UCX has not matched it yet: one already
+        landing goes on until its sender completes or fails, which a frozen sender (SIGSTOP, a hung
+        host) may never do.  Such a receive is handed to ``still_landing`` and this raises
+        ``ConnectionLost``: the region stays the transport's until that future ends."""
         self._check()
         request = self._ucx.worker.tag_recv(self._ucx.array(buffer), self._tag(seq))
         future = request.future
         self._recv = [seq, request]
         del request
+        cancelled = False
         try:
-            await asyncio.wait((future,))
-        except asyncio.CancelledError:
-            self.close()  # the reader gave up: nobody can follow this stream any more
-            await wait_uncancelled(future)
-            raise
+            try:
+                await asyncio.wait((future, self._lost), return_when=asyncio.FIRST_COMPLETED)
+            except asyncio.CancelledError:
+                cancelled = True
+                self.close()  # the reader gave up: nobody can follow this stream any more
+            if not future.done():  # the channel ended: the receive was dropped with it
+                cancelled |= await _wait_bounded(future, _LATE_CANCEL_S)
         finally:
             self._recv = None
+        if not future.done():
+            self._unstoppable = future
+            _STILL_LANDING[future] = buffer  # UCX writes into it until then, whoever else lets go of it
+            future.add_done_callback(_landing_ended)
+            log.warning("a ucx payload was still landing %ss after its connection ended; its region "
+                        "stays reserved until it ends", _LATE_CANCEL_S)
+        if cancelled:
+            raise asyncio.CancelledError()
+        if not future.done():
+            raise self._error or ConnectionLost("ucx channel closed")
         return future
+
+    def still_landing(self) -> asyncio.Future | None:
+        future = self._unstoppable
+        return None if future is None or future.done() else future
 
     async def recv_payload_into(self, region: torch.Tensor) -> None:
         seq = self._take_announced()
@@ -420,6 +452,8 @@ class UcxChannel(Channel):
         Frames that arrived before the end can still be read."""
         if self._error is None:
             self._error = error
+        if not self._lost.done():
+            self._lost.set_result(None)
         if self._recv is not None:
             self._recv[1] = None
         self._drains.clear()  # cancels them
@@ -438,6 +472,26 @@ class UcxChannel(Channel):
         self._closed = True
         self._peer_lost(ConnectionLost("ucx channel closed"))
         self._control.close(self._error)
+
+
+def _landing_ended(future: asyncio.Future) -> None:
+    _STILL_LANDING.pop(future, None)
+    if not future.cancelled():
+        future.exception()  # retrieved: how it ended (its sender died, most often) is no news
+
+
+async def _wait_bounded(future: asyncio.Future, timeout: float) -> bool:
+    """Wait up to ``timeout`` for ``future``, through cancellations; returns whether one came
+    (the caller re-raises it)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    cancelled = False
+    while not future.done() and (left := deadline - loop.time()) > 0:
+        try:
+            await asyncio.wait((future,), timeout=left)
+        except asyncio.CancelledError:
+            cancelled = True
+    return cancelled
 
 
 class _UcxListener(Listener):

@@ -42,6 +42,10 @@ class WorkerMetrics:
         self.kv_transfers_settling = Gauge(
             "pdserve_worker_kv_transfers_settling",
             "Abandoned KV transfers whose reserved blocks wait for in-flight bytes before being freed", registry=r)
+        self.kv_blocks_still_landing = Gauge(
+            "pdserve_worker_kv_blocks_still_landing",
+            "KV blocks of ended requests kept out of use: a payload whose sender froze mid-way may still write "
+            "into them (UCX cannot stop it); freed when it ends", registry=r)
         self.preemptions = Gauge("pdserve_worker_preemptions", "Requests preempted since start", registry=r)
         self.kv_usage = Gauge("pdserve_worker_kv_usage", "Fraction of KV blocks in use", registry=r)
         self.num_running = Gauge("pdserve_worker_num_running", "Requests in the running batch", registry=r)
@@ -98,6 +102,7 @@ class WorkerMetrics:
             "kv_transfer_failures": self.kv_transfer_failures._value.get(),
             "remote_prefill_fallbacks": self.prefill_fallbacks._value.get(),
             "kv_transfers_settling": self.kv_transfers_settling._value.get(),
+            "kv_blocks_still_landing": self.kv_blocks_still_landing._value.get(),
             "streams_handed_over": self.streams_handed_over._value.get(),
             "moved_blocks": self.moved_blocks._value.get(),
             "streams_open": self.streams_open._value.get(),

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Collection
 
 from common.engine.config import SchedulerConfig
 from common.engine.kv.block_pool import KVCacheBlock
@@ -119,6 +120,18 @@ class DecodeSide:
         """Forget ``request_id``'s reservation and lease, if any (the scheduler frees its blocks)."""
         self.reservations.pop(request_id, None)
         self.leases.pop(request_id, None)
+
+    def pin_landing(self, request_id: str, block_ids: Collection[int]) -> list[KVCacheBlock]:
+        """Pin those of ``block_ids`` in ``request_id``'s table past its release: a payload that its
+        transport cannot stop may still write into them (``IncomingTransfer.still_landing``);
+        ``unpin`` them once it has ended."""
+        wanted = set(block_ids)
+        blocks = [block for block in self.kv_manager.req_to_blocks.get(request_id, ()) if block.block_id in wanted]
+        self.kv_manager.pin(blocks)
+        return blocks
+
+    def unpin(self, blocks: list[KVCacheBlock]) -> None:
+        self.kv_manager.unpin(blocks)
 
 
 class PrefillSide:

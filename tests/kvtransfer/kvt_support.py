@@ -10,6 +10,10 @@ from common.engine.kv.kv_shards import KVShards
 # 2 layers x K/V x 4 tokens x 2 heads x 8 dims x fp32 = 1 KiB per block.
 LAYOUT = KVLayout(model_id="tiny", dtype="float32", block_size=4, num_layers=2, num_kv_heads=2, head_dim=8)
 NUM_BLOCKS = 32
+# 2 layers x K/V x 16 tokens x 8 heads x 128 dims x fp32 = 256 KiB per block: a payload of all of them
+# (256 MiB) takes a while to land, even on loopback.
+BIG_LAYOUT = KVLayout(model_id="tiny", dtype="float32", block_size=16, num_layers=2, num_kv_heads=8, head_dim=128)
+BIG_BLOCKS = 1024
 SHARDS = KVShards.single(KVCache(LAYOUT, 1))  # what a one-rank worker of LAYOUT announces in a handshake
 TRANSPORTS = ["inproc", "tcp", "ucx"]
 # Every sender and receiver in the suite proves this secret, as workers prove the cluster secret.
