@@ -101,6 +101,9 @@ class TcpChannel(Channel):
         self._fd = sock.fileno()
         self._loop = asyncio.get_running_loop()
         self._writer = FrameWriter(sock, io_timeout, self._on_stall)
+        self._io_timeout = io_timeout
+        self._rx_progress_at = 0.0  # when the receive in progress last got a byte
+        self._rx_stall: asyncio.TimerHandle | None = None
         self._closed = False
         self._error: ConnectionLost | None = None
         self._len_buf = bytearray(_LEN.size)
@@ -156,7 +159,10 @@ class TcpChannel(Channel):
 
     # -- receiving ---------------------------------------------------------------------------
 
-    async def _recv_exact(self, view: memoryview, payload: bool = False) -> None:
+    async def _recv_exact(self, view: memoryview, payload: bool = False, idle: bool = False) -> None:
+        """Fill ``view`` from the stream.  Inside a frame, a peer that sends nothing for
+        ``io_timeout`` is lost and the channel closes (its staging buffer and this task with it);
+        ``idle``: the start of the next frame, which may take as long as the peer likes."""
         if self._error is not None:
             raise self._error
         assert self._rx_view is None, "TcpChannel receives must not overlap"
@@ -166,6 +172,9 @@ class TcpChannel(Channel):
                 return
             self._rx_waiter = self._loop.create_future()
             self._loop.add_reader(self._fd, self._on_readable)
+            if not idle:
+                self._rx_progress_at = self._loop.time()
+                self._rx_stall = self._loop.call_later(self._io_timeout, self._check_rx_stall)
             try:
                 await self._rx_waiter
             except asyncio.CancelledError:
@@ -178,6 +187,17 @@ class TcpChannel(Channel):
             raise
         finally:
             self._rx_view, self._rx_payload, self._rx_waiter = None, False, None
+            if self._rx_stall is not None:
+                self._rx_stall.cancel()
+                self._rx_stall = None
+
+    def _check_rx_stall(self) -> None:
+        quiet = self._loop.time() - self._rx_progress_at
+        if quiet < self._io_timeout:
+            self._rx_stall = self._loop.call_later(self._io_timeout - quiet, self._check_rx_stall)
+            return
+        self._rx_stall = None
+        self._on_stall(ConnectionLost(f"peer sent nothing for {self._io_timeout}s in the middle of a frame"))
 
     def _pump(self) -> bool:
         """Copy what the socket holds into the pending receive; True once it is complete.
@@ -202,6 +222,7 @@ class TcpChannel(Channel):
                 raise ConnectionLost(f"tcp receive failed: {exc}") from None
             if n == 0:
                 raise ConnectionLost("peer closed the tcp connection")
+            self._rx_progress_at = self._loop.time()
             view = view[n:]
             budget -= n
         self._rx_view = view
@@ -233,7 +254,7 @@ class TcpChannel(Channel):
         return True
 
     async def recv_header(self) -> bytes:
-        await self._recv_exact(memoryview(self._len_buf))
+        await self._recv_exact(memoryview(self._len_buf), idle=True)
         (length,) = _LEN.unpack(self._len_buf)
         if not 0 < length <= self._header_limit:
             raise ProtocolError(f"frame announces a {length}-byte header (limit {self._header_limit})")

@@ -15,7 +15,7 @@ import torch
 
 from common.engine.kv.kv_cache import KVCache
 from kvt_support import AUTH, LAYOUT, NUM_BLOCKS, SHARDS, random_cache, wait_until
-from kvtransfer import KVReceiver, KVTransferConfig, TransferAborted, TransferTimeout, make_transport
+from kvtransfer import KVReceiver, KVTransferConfig, PeerLost, TransferAborted, TransferTimeout, make_transport
 from kvtransfer.config import parse_address
 from kvtransfer.handshake import client_handshake
 from kvtransfer.messages import Blocks, Done, encode
@@ -131,6 +131,28 @@ async def test_tcp_deadline_mid_payload_settles_without_waiting_for_the_sender()
             await sender.complete(rx_next.transfer_id, 8, src=3, count=1)
             await asyncio.wait_for(rx_next.wait(), SETTLE_BOUND)
             assert torch.equal(receiver.cache.buffer[[6, 7]], canary)
+        finally:
+            sender.channel.close()
+
+
+async def test_tcp_sender_silent_mid_payload_is_lost_after_io_timeout_but_an_idle_one_is_not():
+    """A sender that stops inside a payload (frozen: its kernel keeps the socket open) holds the
+    connection, its reader task and staging buffer for ``io_timeout``, no longer; between frames a
+    connection may idle as long as it likes."""
+    async with receiver_for("tcp", io_timeout=0.5) as receiver:
+        sender = await SlowSender.connect("tcp", receiver.address)
+        try:
+            await asyncio.sleep(1.5)  # idle between frames, three times io_timeout
+            rx_first = receiver.expect("after idling", [2])
+            await sender.complete(rx_first.transfer_id, 2, src=4, count=1)
+            await asyncio.wait_for(rx_first.wait(), SETTLE_BOUND)
+
+            rx = receiver.expect("frozen", [6, 7])
+            payload = await sender.announce(rx.transfer_id, 6, src=1, count=2)
+            await sender.raw_bytes(payload[:100])
+            with pytest.raises(PeerLost, match="sent nothing"):
+                await asyncio.wait_for(rx.wait(), SETTLE_BOUND)  # its deadline is 120 s away
+            await wait_until(lambda: not receiver._conns, what="the connection's end")
         finally:
             sender.channel.close()
 
