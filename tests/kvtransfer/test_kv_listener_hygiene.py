@@ -198,9 +198,9 @@ async def test_a_big_header_before_authentication_is_refused_unread(transport, m
     if transport == "tcp":
         real = TcpChannel._recv_exact
 
-        async def recv_exact(self, view, payload=False):
+        async def recv_exact(self, view, *args, **kwargs):
             largest[0] = max(largest[0], len(view))
-            return await real(self, view, payload)
+            return await real(self, view, *args, **kwargs)
 
         monkeypatch.setattr(TcpChannel, "_recv_exact", recv_exact)
         frame = struct.pack("!I", 60_000) + bytes(60_000)
