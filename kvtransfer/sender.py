@@ -26,7 +26,7 @@ from kvtransfer.handshake import client_handshake
 from kvtransfer.messages import (
     MAX_BLOCKS_PER_FRAME, MAX_STAGING_BYTES, Abort, Ack, Blocks, Done, check_metadata, decode, encode,
 )
-from kvtransfer.ordering import Fence, wait_for_fence
+from kvtransfer.ordering import Fence, record_fence, wait_for_fence
 from kvtransfer.regions import block_checksums, paired_runs
 from kvtransfer.transport_base import Channel, Transport, byte_view
 from kvtransfer.transports import make_transport
@@ -70,7 +70,7 @@ class OutgoingTransfer:
         shards, conn = self._sender.shards, self._conn
         for src, dst, count in paired_runs(src_block_ids, dst_block_ids, conn.max_count):
             for piece in conn.plan:
-                region = _piece_bytes(shards, piece, src, count)
+                region = await _piece_bytes(shards, piece, src, count)
                 sums = block_checksums(region, region.numel() // count) if conn.checksum else None
                 heads = (piece.head_start, piece.head_end)
                 if heads == conn.receiver_ranges[piece.dst_rank]:
@@ -126,11 +126,17 @@ class OutgoingTransfer:
             self._conn.transfers.pop(self.transfer_id, None)
 
 
-def _piece_bytes(shards: KVShards, piece: Piece, first_block_id: int, count: int):
+async def _piece_bytes(shards: KVShards, piece: Piece, first_block_id: int, count: int):
     """The bytes of one piece of a block run: a view of the cache where the piece is the sending
-    rank's whole share, else a contiguous copy of its heads."""
+    rank's whole share, else a contiguous copy of its heads -- complete before this returns: on
+    CUDA the copy is only queued on this thread's stream, and UCX reads device memory on streams of
+    its own."""
     view = shards.heads_view(piece.src_rank, first_block_id, count, piece.head_start, piece.head_end)
-    return byte_view(view if view.is_contiguous() else view.contiguous())
+    if view.is_contiguous():
+        return byte_view(view)
+    copy = view.contiguous()
+    await wait_for_fence(record_fence(copy.device))
+    return byte_view(copy)
 
 
 class _ReceiverConnection:

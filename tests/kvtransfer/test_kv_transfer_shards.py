@@ -2,6 +2,7 @@
 heads it owns, from sending ranks that hold them, and no more bytes than that."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 
 import msgspec
@@ -128,3 +129,38 @@ async def test_a_frame_for_heads_the_rank_does_not_hold_ends_the_connection():
         with pytest.raises(TransferTimeout):  # a header that cannot be trusted binds nothing: the deadline ends it
             await rx.wait()
         assert not receiving.caches[1].buffer.any() and not receiving.caches[0].buffer.any()
+
+
+async def test_a_piece_copied_out_of_a_share_is_sent_only_once_its_copy_completed(monkeypatch):
+    """One sending rank, two receiving ones: each piece is a copy of half the share's heads, which
+    on CUDA is only queued on the event loop's stream -- and UCX reads device memory on streams of
+    its own.  So the copy's own fence is waited on before the piece goes out (a stand-in fence here,
+    completed by the test, plays the device)."""
+    from kvtransfer import sender as sender_module
+    from test_kv_transfer_ordering import BOUND, StandInFence
+
+    fences = []
+
+    def record_fence(device):
+        fences.append(StandInFence())
+        return fences[-1]
+
+    monkeypatch.setattr(sender_module, "record_fence", record_fence)
+    full = KVCache(model_layout(2), NUM_BLOCKS)
+    full.buffer.copy_(torch.randn(full.buffer.shape, generator=torch.Generator().manual_seed(5)))
+    receiving = empty_shards(2, 2)
+    async with pair("tcp", shards_of(full, 1), receiving) as (sender, receiver):
+        rx = receiver.expect("r", [4])
+        tx = await sender.begin(rx.transfer_id, receiver.address)
+        send = asyncio.ensure_future(tx.send_blocks([1], [4]))
+        for rank in range(2):  # a piece for each receiving rank, each sent once its copy completed
+            await wait_until(lambda: len(fences) > rank and fences[rank].waited_on.is_set(), what="the piece's fence")
+            await asyncio.sleep(0.1)
+            assert not send.done() and not receiving.caches[rank].buffer.any(), "sent before its copy completed"
+            fences[rank].completed.set()
+        await asyncio.wait_for(send, BOUND)
+        await tx.finish()
+        await rx.wait()
+    assert len(fences) == 2
+    for rank, (start, stop) in enumerate(receiving.head_ranges):
+        assert torch.equal(receiving.caches[rank].buffer[4], full.buffer[1][..., start:stop, :])
