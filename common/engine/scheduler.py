@@ -2,7 +2,7 @@
 
 Each step, in order:
   1. running requests that decode take their one token each (and their speculative drafts, out of
-     what the others' next tokens and the head of the line's next chunk leave),
+     the tokens and blocks the others' next tokens and the head of the line's next chunk leave),
   2. running requests with a partial prompt continue their prefill,
   3. landed requests, then waiting ones, are admitted first-come-first-served, the last one chunked
      to fit ``max_num_batched_tokens``; ``max_num_seqs`` caps the batch and a watermark of free
@@ -25,8 +25,7 @@ pool could fill with them while nothing runs (``running=0, waiting>0``, forever)
                   without the watermark
     held, pins    (prefill role: finished, or on the wire)     released as soon as sent
 
-Their bookkeeping is the remote-KV hand-off's (``remote_kv``: a decode side and a prefill side);
-the policy -- when a reservation may be granted, what fits -- is this module's.
+Their bookkeeping is the remote-KV hand-off's (``remote_kv``); the policy (what fits) is this module's.
 
 Reservations and local requests take turns first come, first served (``scheduler_turns``): a
 reservation is refused while the head of ``waiting`` could not start (or could not once it is
@@ -195,11 +194,8 @@ class Scheduler(TurnTaking):
         capacity = self.kv_manager.pool.num_blocks * self.block_size
         longest = final_tokens(request, self.config.max_model_len)
         if longest > capacity:
-            raise ValueError(
-                f"prompt ({request.num_prompt_tokens} tokens) plus max_tokens "
-                f"({request.sampling_params.max_tokens}) needs {longest} tokens of KV cache but it holds "
-                f"only {capacity}"
-            )
+            raise ValueError(f"prompt ({request.num_prompt_tokens} tokens) plus max_tokens ({request.sampling_params.max_tokens})"
+                             f" needs {longest} tokens of KV cache but it holds only {capacity}")
 
     # ---- one step --------------------------------------------------------------------------
 
@@ -212,10 +208,10 @@ class Scheduler(TurnTaking):
         decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
         self.speculation.begin_step(len(decoding))
-        # Drafts come out of what the step leaves once every running request has its next token and
-        # the head of the line its next chunk: they took the whole budget from the requests behind
-        # them and from new prompts, step after step while they held.
+        # Drafts take what the step leaves once every running request has its next token and the head
+        # of the line its next chunk, tokens and blocks alike (they had preempted requests behind them).
         behind, head_due = len(decoding) + len(prefilling), self._head_due()
+        blocks_behind = self.kv_manager.blocks_for_next_tokens(decoding + prefilling, budget) if self.speculation.proposer else 0
         for request in decoding + prefilling:
             behind -= 1
             if budget == 0:
@@ -223,6 +219,7 @@ class Scheduler(TurnTaking):
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            blocks_behind -= self.kv_manager.blocks_needed(request, num_new) if blocks_behind else 0
             if self.kv_manager.allocate_slots(request, num_new) is None:
                 if not self._fits_alone(request):
                     self._preempt(request, scheduled, out)  # the others' blocks would not be enough
@@ -235,7 +232,7 @@ class Scheduler(TurnTaking):
                         break
             if request.status == RequestStatus.RUNNING:
                 spare = max(budget - num_new - behind - head_due, 0)
-                drafts = self.speculation.draft(request, spare, self.kv_manager) if num_new == 1 else []
+                drafts = self.speculation.draft(request, spare, self.kv_manager, blocks_behind) if num_new == 1 else []
                 scheduled[request.request_id] = self._schedule_one(request, num_new, drafts)
                 budget -= num_new + len(drafts)
 

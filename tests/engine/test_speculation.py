@@ -14,7 +14,7 @@ class FixedDrafts:
 
 
 class Slots:
-    def allocate_slots(self, request, num_tokens):
+    def allocate_slots(self, request, num_tokens, reserve_blocks=0):
         return []
 
 

@@ -154,7 +154,7 @@ def _request(request_id, output_tokens=1, max_tokens=100):
                            sampling_params=SimpleNamespace(max_tokens=max_tokens, uses_penalties=False))
 
 
-_SLOTS = SimpleNamespace(allocate_slots=lambda request, n: True, block_ids=lambda request_id: [0])
+_SLOTS = SimpleNamespace(allocate_slots=lambda request, n, reserve_blocks=0: True, block_ids=lambda request_id: [0])
 
 
 def _speculation(plain=None, verifying=None, seconds_per_fed_token=0.01):

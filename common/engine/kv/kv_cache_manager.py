@@ -56,6 +56,18 @@ class KVCacheManager:
             hits.append(block)
         return hits
 
+    def blocks_needed(self, request: Request, num_new_tokens: int) -> int:
+        """How many blocks the request's table lacks for ``num_new_tokens`` more tokens after its
+        computed ones."""
+        num_tokens_after = request.num_computed_tokens + num_new_tokens
+        return max(0, cdiv(num_tokens_after, self.block_size) - len(self.req_to_blocks.get(request.request_id, ())))
+
+    def blocks_for_next_tokens(self, requests: list[Request], budget: int) -> int:
+        """The blocks ``requests`` lack for their next step's tokens (a prompt's chunk within
+        ``budget``)."""
+        return sum(self.blocks_needed(request, min(request.num_tokens - request.num_computed_tokens, budget))
+                   for request in requests)
+
     def allocate_slots(
         self,
         request: Request,
@@ -69,9 +81,8 @@ class KVCacheManager:
         Returns the newly allocated blocks, or ``None`` — with nothing changed — if that would leave
         fewer than ``reserve_blocks`` free.
         """
-        blocks = self.req_to_blocks.get(request.request_id, ())
-        num_tokens_after = request.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens
-        num_needed = max(0, cdiv(num_tokens_after, self.block_size) - len(blocks) - len(cached_blocks))
+        num_cached = len(cached_blocks)
+        num_needed = max(0, self.blocks_needed(request, num_cached * self.block_size + num_new_tokens) - num_cached)
         # Adopting a hit that sits in the free queue takes it out of the free count too.
         num_revived = sum(1 for block in cached_blocks if block.ref_cnt == 0) if cached_blocks else 0
         if num_needed + num_revived + reserve_blocks > self.pool.num_free_blocks:

@@ -187,9 +187,10 @@ class Speculation:
         else:
             self.gate.observe(len(scheduled), verified, num_new_tokens, seconds)
 
-    def draft(self, request, budget: int, kv_manager) -> list[int]:
+    def draft(self, request, budget: int, kv_manager, reserve_blocks: int = 0) -> list[int]:
         """Draft tokens for ``request`` (decoding, its next token's slot allocated), with slots for
-        them allocated; ``[]`` when it does not speculate this step.  ``budget``: step tokens left."""
+        them allocated; ``[]`` when it does not speculate this step.  ``budget``: step tokens left;
+        ``reserve_blocks``: free blocks the drafts' slots must leave (others' next tokens need them)."""
         if self.proposer is None or not self._batch_allows or not self._may_speculate(request):
             return []
         track = self._tracks.get(request.request_id)
@@ -209,14 +210,14 @@ class Speculation:
             return []
         # No room for the drafts' slots: decode plainly rather than preempt anyone.
         if getattr(self.proposer, "needs_slots_first", False):  # its forwards write KV at them
-            if kv_manager.allocate_slots(request, 1 + wanted) is None:
+            if kv_manager.allocate_slots(request, 1 + wanted, reserve_blocks=reserve_blocks) is None:
                 return []
             if hasattr(self.proposer, "propose_batch"):  # drafted for the whole step: ``complete_drafts``
                 self._deferred[request.request_id] = request
                 return [DEFERRED_DRAFT] * wanted
             return self.proposer.propose(request, wanted, kv_manager.block_ids(request.request_id))
         drafts = self.proposer.propose(request, wanted, None)
-        if drafts and kv_manager.allocate_slots(request, 1 + len(drafts)) is None:
+        if drafts and kv_manager.allocate_slots(request, 1 + len(drafts), reserve_blocks=reserve_blocks) is None:
             return []
         return drafts
 
