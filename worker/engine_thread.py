@@ -57,7 +57,7 @@ from types import MappingProxyType
 from typing import Any, Callable, Mapping
 
 from common.engine.core_turns import CoreTurns
-from common.engine.engine import Engine, RequestOutput, StepFailed
+from common.engine.engine import Engine, RanksOutOfStep, RequestOutput, StepFailed
 from worker.config import FIRST_STEP_ALLOWANCE, MAX_STEP_FAILURES
 from common.engine.request import Request
 from common.engine.scheduler_output import SchedulerOutput
@@ -246,6 +246,9 @@ class EngineThread:
                     with self.core_turns.turn() if self.core_turns else contextlib.nullcontext():
                         outputs = engine.step()
                     failed = None
+                except RanksOutOfStep as exc:
+                    self._die(exc)
+                    return
                 except StepFailed as exc:
                     outputs, failed = [], exc
                 except Exception as exc:  # outside the forward: the scheduler itself

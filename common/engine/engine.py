@@ -71,6 +71,12 @@ class StepFailed(Exception):
         self.request_ids = request_ids
 
 
+class RanksOutOfStep(Exception):
+    """A step failed on rank 0 of a tensor-parallel group after it had sent the step to the other
+    ranks: they wait in collectives it will not join, or would take its next broadcast for this
+    step's -- the engine cannot go on (``StepFailed`` is only for a failure that leaves it sound)."""
+
+
 @dataclass
 class CompletionResult:
     """A finished request from ``Engine.generate``."""
@@ -285,7 +291,8 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule, compute and advance one step.  Raises ``StepFailed`` if the forward or the
-        update failed (the step's requests are then finished with an error)."""
+        update failed (the step's requests are then finished with an error), ``RanksOutOfStep``
+        instead with tensor parallelism."""
         began = time.perf_counter()
         out = self.scheduler.schedule()
         self.stalled = out.is_empty and not out.preempted_request_ids
@@ -309,6 +316,9 @@ class Engine:
                 self.scheduler.abort(request_id, RequestStatus.FINISHED_ERROR)
             log.error("step %d failed (%s: %s); its %d requests end with an error",
                       self.num_steps, type(exc).__name__, exc, len(failed))
+            if self.runner.followers_out_of_step:
+                raise RanksOutOfStep(f"step {self.num_steps} failed on rank 0 of {self.tp.size}: "
+                                     f"{type(exc).__name__}: {exc}") from exc
             raise StepFailed(exc, failed) from exc
         outputs = []
         for request in changed:

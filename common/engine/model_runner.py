@@ -47,6 +47,7 @@ class ModelRunner:
         self.tp = tp or TensorParallel()
         # Rank 0 of a tensor-parallel group sends each step to the other ranks before computing it.
         self.steps = StepBroadcast(self.tp) if self.tp.size > 1 else None
+        self.followers_out_of_step = False
         self.sampler = Sampler()
         self.forward_seconds = 0.0  # time inside the model, for the overhead figure
         self.on_kv_written: list[Callable[[SchedulerOutput], None]] = []
@@ -55,10 +56,20 @@ class ModelRunner:
 
     def execute(self, out: SchedulerOutput) -> dict[str, tuple[list[int], list[TokenLogprobs | None]]]:
         """Compute the step; returns ``request_id -> (tokens, their logprobs)`` for the requests that
-        sample: one token, or the drafts the model agreed with and one of its own."""
+        sample: one token, or the drafts the model agreed with and one of its own.  On rank 0 of a
+        tensor-parallel group, a failure once the step went to the other ranks leaves them waiting
+        in its collectives: ``followers_out_of_step`` says so from then on."""
         self.prompt_logprobs = {}
-        if self.steps is not None and self.tp.rank == 0:
-            self.steps.send(out)
+        if self.steps is None or self.tp.rank > 0:
+            return self._compute(out)
+        self.steps.send(out)
+        try:
+            return self._compute(out)
+        except Exception:
+            self.followers_out_of_step = True
+            raise
+
+    def _compute(self, out: SchedulerOutput) -> dict[str, tuple[list[int], list[TokenLogprobs | None]]]:
         input_ids: list[int] = []
         positions: list[int] = []
         attn_requests: list[AttentionRequest] = []

@@ -13,6 +13,7 @@ from common.engine.config import EngineConfig
 from common.engine.engine import Engine
 from common.engine.models import stages
 from common.engine.parallel.tensor_parallel import TensorParallel
+from common.engine.sampler import Sampler
 from tests.support.checkpoints import VOCAB, hf_greedy, tiny_gemma3_config, tiny_llama_config, write_checkpoint
 from tests.support.rank_group import run_group
 
@@ -153,3 +154,38 @@ def test_tp2_compiled_equals_one_rank(llama, tmp_path):
     got = run_tp(llama, 2, tmp_path, compile_stages=True, prompts=prompts)
     assert got["compiled"], "the stages were not compiled under TP"
     assert got["tokens"] == single(llama, prompts)
+
+
+class _FailingSampler(Sampler):
+    def __call__(self, *args, **kwargs):
+        raise RuntimeError("a sampling fault on rank 0 alone")
+
+
+def _rank_failing_after_the_send(rank: int, size: int, directory: str, out: str) -> None:
+    engine = Engine(EngineConfig(model=directory, num_blocks=64, block_size=4, tensor_parallel_size=size),
+                    load_tokenizer=False)
+    if rank != 0:
+        try:
+            engine.follow()
+        except Exception:  # rank 0 left in the middle of the step: its collective ends in an error here
+            pass
+        return
+    engine.runner.sampler = _FailingSampler()
+    engine.add_request([5, 17, 99, 230], {"max_tokens": 4, "temperature": 1.0, "ignore_eos": True})
+    try:
+        engine.step()
+        outcome = "went on"
+    except Exception as exc:
+        outcome = type(exc).__name__
+    with open(out, "w") as f:
+        json.dump({"outcome": outcome}, f)
+
+
+def test_a_step_that_fails_on_rank_0_after_the_other_ranks_have_it_stops_the_engine(gemma, tmp_path):
+    """The other ranks run the step's forward and wait for rank 0's tokens; a failure on rank 0
+    alone (its sampler, a grammar mask) leaves them there, or makes them take its next step's
+    broadcast for these tokens.  So it is not a ``StepFailed`` (the requests fail, the engine goes
+    on) but ``RanksOutOfStep``: the worker's engine thread stops for good."""
+    out = tmp_path / "failing.json"
+    run_group(_rank_failing_after_the_send, 2, str(gemma), str(out))
+    assert json.loads(out.read_text()) == {"outcome": "RanksOutOfStep"}

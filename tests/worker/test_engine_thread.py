@@ -109,6 +109,19 @@ async def test_repeated_failures_stop_the_engine_and_every_waiter_gets_an_error(
     assert isinstance(stream.get_nowait(), EngineFailed)
 
 
+async def test_a_step_that_leaves_tensor_parallel_ranks_out_of_step_stops_the_engine_at_once(running):
+    """Not a failure to count and go on from (``test_tensor_parallel.py`` makes one on rank 0)."""
+    thread = running(max_step_failures=3)
+    failed = asyncio.Event()
+    thread.on_fatal = lambda exc: failed.set()
+    thread.engine.runner.followers_out_of_step = True  # as rank 0 after a failure once the step was sent
+    thread.engine.fault_injector = faults(1)
+    with pytest.raises(EngineFailed, match="RanksOutOfStep|rank 0"):
+        await generate(thread, "a", [5, 6, 7])
+    await asyncio.wait_for(failed.wait(), WAIT)
+    assert thread.step_failures == 0
+
+
 async def test_calls_after_stop_fail_at_once(running):
     thread = running()
     thread.stop()
