@@ -151,8 +151,9 @@ class EngineConfig:
                  self.quantization_group_size, f"one of {INT4_GROUP_SIZES}")
         _require(self.grammar_compile_timeout_s > 0, "grammar_compile_timeout_s", self.grammar_compile_timeout_s, "> 0")
         self.speculation  # validates its knobs
-        # The scheduler config validates the remaining knobs.
-        self._scheduler_config(self.max_model_len or SchedulerConfig.max_model_len, *self._batch_limits("cpu"))
+        # The scheduler config validates the remaining knobs (the batch limits as on CUDA, whose default
+        # step is the largest: a limit too small for the CPU's is refused once the device is known).
+        self._scheduler_config(self.max_model_len or SchedulerConfig.max_model_len, *self._batch_limits("cuda"))
 
     @property
     def weights(self) -> Quantization:
@@ -168,10 +169,20 @@ class EngineConfig:
                                  self.draft_model, self.draft_quantization, self.draft_vocab_size)
 
     def _batch_limits(self, device_type: str) -> tuple[int, int]:
+        """Every running request decodes in every step only if the step's tokens are at least the
+        running requests (else those at the back of the batch, and every prompt behind them, wait
+        for the front ones to finish): a set ``max_num_seqs`` above ``max_num_batched_tokens`` is
+        refused (as vLLM does), a default one is cut to it."""
         defaults = scheduling_defaults(device_type)
         batched, seqs = self.max_num_batched_tokens, self.max_num_seqs
-        return (defaults.max_num_batched_tokens if batched is None else batched,
-                defaults.max_num_seqs if seqs is None else seqs)
+        batched = defaults.max_num_batched_tokens if batched is None else batched
+        if seqs is None:
+            return batched, min(defaults.max_num_seqs, batched)
+        if seqs > batched:
+            default = "" if self.max_num_batched_tokens is not None else f", the default on {device_type.upper()}"
+            raise ValueError(f"invalid config: max_num_batched_tokens ({batched}{default}) must be at least "
+                             f"max_num_seqs ({seqs}), or requests in the batch would get no token in a step")
+        return batched, seqs
 
     def for_device(self, device_type: str) -> "EngineConfig":
         """This config with the batch limits it leaves unset taken from ``device_type``'s defaults."""

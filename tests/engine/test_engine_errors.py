@@ -1,7 +1,7 @@
 """Bad input gets a clear error naming the problem, and frees whatever it held."""
 import pytest
 
-from common.engine.config import EngineConfig
+from common.engine.config import EngineConfig, scheduling_defaults
 from common.engine.engine import Engine
 from tests.support.checkpoints import tiny_gemma3_config, tiny_llama_config, write_checkpoint
 
@@ -103,3 +103,14 @@ def test_attention_softcapping_is_refused_not_ignored(tmp_path):
 def test_invalid_config_names_the_field(fields, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(model="default", **fields)
+
+
+def test_a_batch_that_a_step_cannot_serve_whole_is_refused_and_a_default_one_is_cut_to_the_step():
+    """More running requests than a step's tokens: the ones at the back would get no token while
+    the front ones run (vLLM refuses it too)."""
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(8\) must be at least max_num_seqs \(16\)"):
+        EngineConfig(model="default", max_num_batched_tokens=8, max_num_seqs=16)
+    with pytest.raises(ValueError, match=r"\(512, the default on CPU\) must be at least max_num_seqs \(1024\)"):
+        EngineConfig(model="default", max_num_seqs=1024).for_device("cpu")
+    assert EngineConfig(model="default", max_num_batched_tokens=8).for_device("cpu").max_num_seqs == 8
+    assert EngineConfig(model="default").for_device("cpu").max_num_seqs == scheduling_defaults("cpu").max_num_seqs
