@@ -32,6 +32,7 @@ class Generation:
     echo: str = ""  # completions with echo: the prompt's text, before the answer
     echo_only: bool = False  # max_tokens=0 with echo: the prompt alone is answered (the token generated is not)
     arrival: float = field(default_factory=time.monotonic)
+    created: int = field(default_factory=lambda: int(time.time()))  # its request's, in every chunk (``_serve``)
     pieces: list[str] = field(default_factory=list)  # the text, as streamed (joined once at the end)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list = field(default_factory=list)

@@ -315,6 +315,8 @@ class OpenAIHandlers(ResponsesEndpoints):
         then too, their choices each on its own (a prompt's first has yet to compute it).
         ``answer``: another API's shape (the Responses or Messages API's; None: the choices' of
         completions and chat)."""
+        for gen in gens[1:]:  # (a batch's prompts were tokenized one after another)
+            gen.created = gens[0].created
         if not gens[0].options.stream:
             return json_response(await self._whole(gens, answer))
         async with contextlib.AsyncExitStack() as stack:

@@ -16,7 +16,7 @@ from gateway.openai_errors import OpenAIError
 from gateway.openai_protocol import (
     SSE_DONE, ChatChoice, ChatCompletionChunk, ChatCompletionResponse, ChatDelta, ChatLogprobs, ChatResponseMessage,
     ChatStreamChoice, ChatTokenLogprob, CompletionChoice, CompletionChunk, CompletionLogprobs, CompletionResponse,
-    TopLogprob, Usage, now, sse_event,
+    TopLogprob, Usage, sse_event,
 )
 from gateway.openai_responses import PromptLogprob, PromptLogprobs, ScoredChatCompletionResponse, ScoredCompletionChoice
 from gateway.token_bytes import token_bytes
@@ -123,10 +123,10 @@ class ResponseShapes:
         ``usage_so_far`` where every chunk carries it)."""
         if gen.kind == "chat":
             calls_only = gen.tools is not None and gen.tools.plan.mode in ("required", "named")
-            return [ChatCompletionChunk(gen.response_id, now(), gen.model, [ChatStreamChoice(
+            return [ChatCompletionChunk(gen.response_id, gen.created, gen.model, [ChatStreamChoice(
                 gen.index, ChatDelta(role="assistant", content=None if calls_only else ""))], usage_so_far)]
         if gen.echo:
-            return [CompletionChunk(gen.response_id, now(), gen.model,
+            return [CompletionChunk(gen.response_id, gen.created, gen.model,
                                     [CompletionChoice(gen.index, gen.echo, self.echo_logprobs(gen))], usage_so_far)]
         return []
 
@@ -145,13 +145,13 @@ class ResponseShapes:
         if gen.kind == "chat":
             choice = ChatStreamChoice(gen.index, ChatDelta(content=delta) if delta or frame.token_ids else ChatDelta(),
                                       self.chat_logprobs(frame.logprobs), finish, stop)
-            return [ChatCompletionChunk(gen.response_id, now(), gen.model, [choice], usage_so_far)]
+            return [ChatCompletionChunk(gen.response_id, gen.created, gen.model, [choice], usage_so_far)]
         if not gen.streamed_chars:  # (the answer's first chunk: its offsets begin after the echo)
             gen.streamed_chars = self._answer_offset(gen)
         logprobs = self.completion_logprobs(frame.logprobs, gen.streamed_chars)
         gen.streamed_chars += len(delta)
         choice = CompletionChoice(gen.index, delta, logprobs, finish, stop)
-        return [CompletionChunk(gen.response_id, now(), gen.model, [choice], usage_so_far)]
+        return [CompletionChunk(gen.response_id, gen.created, gen.model, [choice], usage_so_far)]
 
     def _tool_chunks(self, gen: Generation, delta: str, frame: TokenFrame, ending: bool, usage_so_far) -> list:
         """A chat frame's chunks when the answer may hold tool calls (gateway/tool_output.py)."""
@@ -166,14 +166,14 @@ class ResponseShapes:
             last = ending and i == len(deltas) - 1
             choice = ChatStreamChoice(gen.index, d, logprobs if i == 0 else None,
                                       gen.output_finish_reason if last else None, gen.stop_reason if last else None)
-            chunks.append(ChatCompletionChunk(gen.response_id, now(), gen.model, [choice], usage_so_far))
+            chunks.append(ChatCompletionChunk(gen.response_id, gen.created, gen.model, [choice], usage_so_far))
         return chunks
 
     def usage_chunk(self, gens: Sequence[Generation]):
         gen = gens[0]
         if gen.kind == "chat":
-            return ChatCompletionChunk(gen.response_id, now(), gen.model, [], usage(gens))
-        return CompletionChunk(gen.response_id, now(), gen.model, [], usage(gens))
+            return ChatCompletionChunk(gen.response_id, gen.created, gen.model, [], usage(gens))
+        return CompletionChunk(gen.response_id, gen.created, gen.model, [], usage(gens))
 
     # ---- whole ---------------------------------------------------------------------------------
 
@@ -183,13 +183,13 @@ class ResponseShapes:
         if gen.kind == "chat":
             choices = [self._chat_choice(g) for g in gens]
             if scored:
-                return ScoredChatCompletionResponse(gen.response_id, now(), gen.model, choices, usage(gens),
+                return ScoredChatCompletionResponse(gen.response_id, gen.created, gen.model, choices, usage(gens),
                                                     prompt_logprobs=self.prompt_logprobs(gen))
-            return ChatCompletionResponse(gen.response_id, now(), gen.model, choices, usage(gens))
+            return ChatCompletionResponse(gen.response_id, gen.created, gen.model, choices, usage(gens))
         kind = ScoredCompletionChoice if scored else CompletionChoice
         choices = [kind(g.index, _text(g), self._whole_logprobs(g), g.finish_reason, g.stop_reason,
                         **({"prompt_logprobs": self.prompt_logprobs(g)} if scored else {})) for g in best_choices(gens)]
-        return CompletionResponse(gen.response_id, now(), gen.model, choices, usage(gens))  # (every candidate's)
+        return CompletionResponse(gen.response_id, gen.created, gen.model, choices, usage(gens))  # (every candidate's)
 
     def _whole_logprobs(self, gen: Generation) -> CompletionLogprobs | None:
         """A completion's logprobs: the echoed prompt's (if scored), then the answer's, their text

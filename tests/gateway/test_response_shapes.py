@@ -126,3 +126,20 @@ def test_continuous_usage_counts_each_chunks_own_tokens_in_a_batch():
     chunks = [json.loads(line[len("data: "):]) for line in data.decode().split("\n\n") if line]
     assert [c["usage"]["completion_tokens"] for c in chunks] == [1, 2, 3]
     assert {c["usage"]["prompt_tokens"] for c in chunks} == {2}
+
+
+def test_every_chunk_of_a_stream_has_the_requests_created_time(monkeypatch):
+    """OpenAI: "Each chunk has the same timestamp" (vLLM: the request's); a stream that outlasts a
+    second showed several.  The clock here moves a second at each reading."""
+    import itertools
+    import time
+
+    clock = itertools.count(1_700_000_000)
+    monkeypatch.setattr(time, "time", lambda: float(next(clock)))
+    shapes = ResponseShapes(StubTokenizer())
+    gen = scored_generation(None)  # (its ``created``: read when it was made)
+    chunks = [*shapes.first_chunks(gen)]
+    chunks += [c for piece, t in zip(gen.pieces, gen.token_ids)
+               for c in shapes.chunks(gen, piece, TokenFrame(token_ids=[t]), False, None)]
+    chunks += [shapes.usage_chunk([gen]), shapes.full_response([gen])]
+    assert {c.created for c in chunks} == {gen.created}
