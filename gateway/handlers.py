@@ -172,15 +172,19 @@ class OpenAIHandlers(ResponsesEndpoints):
             gens.append(gen)
         return gens
 
-    async def _check_grammar(self, params: SamplingParams) -> None:
+    async def _check_grammar(self, params: SamplingParams, plan: ToolPlan | None = None) -> None:
         """Compile the request's grammar here first (cached by spec, off the event loop): one the
-        backend refuses is a 400 naming its field before any worker sees it."""
-        if params.structured is None:
-            return
-        try:
-            await self.services.grammars.compile_async(params.structured)
-        except GrammarError as exc:
-            raise invalid(str(exc), params.structured.field, "invalid_grammar") from None
+        backend refuses is a 400 naming its field before any worker sees it.  So are the tools'
+        parameters, as their calls' arguments, whatever ``tool_choice`` says (OpenAI's API refuses
+        an invalid one always; a forced call's grammar holds its own)."""
+        specs = [] if params.structured is None else [params.structured]
+        if plan is not None and plan.structured is None:
+            specs += plan.argument_grammars()
+        for spec in specs:
+            try:
+                await self.services.grammars.compile_async(spec)
+            except GrammarError as exc:
+                raise invalid(str(exc), spec.field, "invalid_grammar") from None
 
     def _chat_renderer(self, req: ChatCompletionRequest, plan: ToolPlan, field: str = "messages"):
         """A function applying the chat template (with the request's tools, its generation prompt or
@@ -253,7 +257,7 @@ class OpenAIHandlers(ResponsesEndpoints):
             gens = self._prepare(request, "chat", req, ids, plan, response_id=named,
                                  cluster_id=named and new_request_id("chatcmpl"))
             _check_scores(gens)
-            await self._check_grammar(gens[0].params)
+            await self._check_grammar(gens[0].params, plan)
             return await self._serve(request, gens)
 
     async def messages(self, request: web.Request) -> web.StreamResponse:
@@ -288,7 +292,7 @@ class OpenAIHandlers(ResponsesEndpoints):
         except OpenAIError as exc:  # (named as this API names the bound on the output, and its messages)
             exc.param = {"max_tokens": answer.max_tokens_field, "messages": field}.get(exc.param, exc.param)
             raise
-        await self._check_grammar(gens[0].params)
+        await self._check_grammar(gens[0].params, plan)
         return gens
 
     async def count_message_tokens(self, request: web.Request) -> web.Response:

@@ -68,6 +68,11 @@ class ToolPlan:
     def parses_calls(self) -> bool:
         return self.mode != "none" and bool(self.tools)
 
+    def argument_grammars(self) -> list[StructuredOutput]:
+        """Each tool's arguments as the grammar a call forced to it compiles."""
+        return [StructuredOutput("json_schema", schema_text(arguments_schema(tool.function.parameters), "tools"),
+                                 f"tools[{i}]") for i, tool in enumerate(self.tools)]
+
     def template_tools(self) -> list[dict] | None:
         """The tools as chat templates take them (OpenAI's shape, as plain dicts; a field not sent --
         ``strict``, ``description`` -- is left out, not rendered as null)."""

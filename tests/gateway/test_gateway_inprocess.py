@@ -331,3 +331,25 @@ async def test_a_function_call_output_answering_no_call_is_a_400(served_checkpoi
                 error = (await resp.json())["error"]
             assert resp.status == 400 and (error["param"], error["code"]) == ("input", "function_call_not_found"), error
             assert error["message"] == "No tool call found for function call output with call_id call_nowhere."
+
+
+async def test_a_tools_invalid_parameters_schema_is_a_400_whatever_tool_choice_says(served_checkpoint, redis_url,
+                                                                                     key_prefix):
+    """OpenAI's API refuses an invalid function schema always; only a forced call (whose grammar is
+    the schema) was refused here, ``auto`` and ``none`` were served."""
+    headers = {"Authorization": f"Bearer {KEYS['a']}"}
+    bad = {"type": "object", "properties": {"city": {"type": "strnig"}}}
+    tools = [{"type": "function", "function": {"name": "ok", "parameters": {"type": "object"}}},
+             {"type": "function", "function": {"name": "weather", "parameters": bad}}]
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    async with gateway(served_checkpoint, redis_url, key_prefix) as (gw, client):
+        for choice in ("auto", "none", None):
+            body = {"model": gw.model_id, "messages": messages, "tools": tools, "max_tokens": 4,
+                    **({"tool_choice": choice} if choice else {})}
+            async with client.post("/v1/chat/completions", json=body, headers=headers) as resp:
+                error = (await resp.json())["error"]
+            assert resp.status == 400 and (error["param"], error["code"]) == ("tools[1]", "invalid_grammar"), error
+        anthropic = {"model": gw.model_id, "max_tokens": 4, "messages": messages,
+                     "tools": [{"name": "weather", "input_schema": bad}]}
+        async with client.post("/v1/messages", json=anthropic, headers=headers) as resp:
+            assert resp.status == 400, await resp.text()
