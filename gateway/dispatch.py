@@ -54,7 +54,7 @@ from gateway.decode_load import SentToDecode, computed_on, count_pending
 from gateway.metrics import GatewayMetrics
 from gateway.openai_errors import Refused
 from gateway.migration import StreamMigration
-from gateway.pool import WorkerPool
+from gateway.pool import WorkerPool, can_decode
 from gateway.routing import Route, Router
 from gateway.upstream_watch import LeftWorkerWatch
 
@@ -124,8 +124,8 @@ class Dispatcher:
 
     def _pool_changed(self, previous: Sequence[WorkerInfo], current: Sequence[WorkerInfo]) -> None:
         """New heartbeats: wake a waiting request to probe; a decode worker that joins: wake all."""
-        before = {w.worker_id for w in previous if _can_decode(w)}
-        if any(_can_decode(w) and w.worker_id not in before for w in current):
+        before = {w.worker_id for w in previous if can_decode(w)}
+        if any(can_decode(w) and w.worker_id not in before for w in current):
             self.queue.notify_all()
         else:
             self.queue.notify(1)
@@ -138,7 +138,7 @@ class Dispatcher:
         False: the request computes its prompt whole wherever it goes (it scores the prompt), so
         no worker's cached prefix counts."""
         workers = self.pool.routable(exclude)
-        if not any(_can_decode(w) for w in workers):
+        if not any(can_decode(w) for w in workers):
             return None
         block_size = workers[0].capacity.block_size
         hashed = {} if hashed is None else hashed
@@ -169,7 +169,7 @@ class Dispatcher:
     def _route_to(self, worker: WorkerInfo | None, exclude: set[str], reason: str) -> Route | None:
         """``worker`` computing the prompt itself, if it is still routable and not excluded."""
         worker = worker and next((w for w in self.pool.routable(exclude)
-                                  if w.worker_id == worker.worker_id and _can_decode(w)), None)
+                                  if w.worker_id == worker.worker_id and can_decode(w)), None)
         if worker is None:
             return None
         return Route(decode=worker, prefill=None, decode_matched_tokens=0, prefill_matched_tokens=0, reason=reason)
@@ -215,7 +215,7 @@ class Dispatcher:
         ``cache_salt``: the request shares prefix-cache blocks only with requests of the same salt.
         ``follow``: another request's result (a sibling of an ``n > 1`` request, whose prompt is
         this one's): its decode worker, which caches the prompt, is tried first, computing it there."""
-        exclude: set[str] = set()  # workers that failed this request
+        exclude: set[str] = set()  # the runs of workers that failed this request (``WorkerInfo.audience``)
         stale: set[str] = set()  # workers that refused it as no longer decoding (until its stream moves)
         busy: set[str] = set()  # workers that said busy since this request last waited
         failures = 0
@@ -248,6 +248,12 @@ class Dispatcher:
                 if route is None and last_bad_answer is not None and not busy:
                     # Every worker left answered garbage: no room will appear by waiting.
                     raise WorkerAnswerError(f"no decode worker gave a readable answer ({last_bad_answer})")
+                if route is None and not busy and (again := self.pool.decoding_runs(exclude)):
+                    # Only runs that failed it are left (back from a stall past their registry entry's
+                    # life): they may serve it (bounded by max_attempts and the migration limit) rather
+                    # than it wait out the queue, and every request in line behind it with it.
+                    exclude -= again
+                    continue
                 if route is None:
                     why = "every decode worker is busy" if busy else self.pool.why_no_decode_worker()
                     log.log(logging.DEBUG if waits else logging.INFO, "request %s waits for room (%s; %d in line)",
@@ -347,7 +353,7 @@ class Dispatcher:
                     if watched is not None and watched.cut:  # (what the cut made of the read is beside the point)
                         self.metrics.upstream_timeouts.labels("left").inc()
                         exc = ConnectionError("decode worker left the registry while its stream was silent")
-                    exclude.add(decode_id)
+                    exclude.add(route.decode.audience)  # (not its restart: a new run of the same worker)
                     if isinstance(exc, _BadAnswer):
                         last_bad_answer = exc
                         log.warning("request %s: decode worker %s: %s", request_id, decode_id, exc.detail())
@@ -452,10 +458,6 @@ class Dispatcher:
                 await read_response(resp, 4096)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as exc:
             log.info("abort of %s on %s not delivered: %s: %s", request_id, decode_url, type(exc).__name__, exc)
-
-
-def _can_decode(w: WorkerInfo) -> bool:
-    return w.state == "active" and w.role in ("decode", "both")
 
 
 class _UpstreamTimeout(Exception):

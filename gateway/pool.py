@@ -76,9 +76,15 @@ class WorkerPool:
         self._benched[worker_id] = time.monotonic() + self.bench_s
 
     def routable(self, exclude: set[str] = frozenset()) -> list[WorkerInfo]:
+        """The workers listed and not benched, but those ``exclude`` names: by id, or by run (its
+        ``audience``: the worker's restart is not excluded)."""
         now = time.monotonic()
-        return [w for w in self.workers
-                if w.worker_id not in exclude and self._benched.get(w.worker_id, 0.0) <= now]
+        return [w for w in self.workers if w.worker_id not in exclude and w.audience not in exclude
+                and self._benched.get(w.worker_id, 0.0) <= now]
+
+    def decoding_runs(self, runs: set[str]) -> set[str]:
+        """Those of ``runs`` (``WorkerInfo.audience``) that are routable decode workers now."""
+        return {w.audience for w in self.routable() if w.audience in runs and can_decode(w)}
 
     def why_no_decode_worker(self) -> str:
         """Why no decode worker could be routed to, for a refusal: every one drains (or is drained),
@@ -95,3 +101,8 @@ class WorkerPool:
             await asyncio.wait_for(self._changed.wait(), timeout)
         except asyncio.TimeoutError:
             pass
+
+
+def can_decode(w: WorkerInfo) -> bool:
+    """An active worker in a decode role (decode, or both)."""
+    return w.state == "active" and w.role in ("decode", "both")

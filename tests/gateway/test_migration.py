@@ -15,6 +15,7 @@ import pytest
 from aiohttp import web
 
 from common.cluster.messages import FRAMES_CONTENT_TYPE, GenerateRequest, TokenFrame, decode, frame
+from common.cluster.auth import new_instance_id
 from common.engine.sampling_params import SamplingParams
 from gateway.dispatch import DispatchResult, UpstreamError
 from gateway.metrics import GatewayMetrics
@@ -221,3 +222,25 @@ async def test_a_stream_still_coming_from_a_worker_gone_from_the_registry_is_not
         assert tokens == [token(i) for i in range(MAX_TOKENS)]
         assert d.metrics.upstream_timeouts.labels("left")._value.get() == 0 and len(d.left_watch) == 0
     assert len(worker.bodies) == 1
+
+
+@pytest.mark.parametrize("back_as", ["the same run", "a new run"])
+async def test_a_stream_whose_only_decode_worker_failed_goes_on_there_once_it_is_back(back_as):
+    """d0, the only decode worker, loses the stream after 4 tokens (stopped past its registry entry's
+    life, or killed and restarted) and is back: the stream goes on there.  It waited in line for a
+    worker other than d0's failed run -- for ever, while d0 sat idle -- until the queue gave it up,
+    and every request in line behind it waited with it."""
+    calls = []
+
+    async def d0(request):
+        calls.append(decode(await request.read(), GenerateRequest))
+        return await Worker(stop_after=4 if len(calls) == 1 else None).handle_body(request, calls[-1])
+
+    async with dispatcher(d0) as d:
+        def back(worker_id):  # (its bench, a few seconds in the real pool, is over)
+            if back_as == "a new run":
+                d.pool.workers = [msgspec.structs.replace(w, instance=new_instance_id()) for w in d.pool.workers]
+
+        d.pool.bench = back
+        assert await run(d) == [token(i) for i in range(MAX_TOKENS)]
+    assert [len(body.resume_token_ids) for body in calls] == [0, 4]

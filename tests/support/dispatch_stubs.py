@@ -40,7 +40,10 @@ class Pool:
 
     def routable(self, exclude=()):
         return [msgspec.structs.replace(w, state="draining") if w.worker_id in self.draining else w for w in self.workers
-                if w.worker_id not in exclude and w.worker_id not in self.benched]
+                if w.worker_id not in exclude and w.audience not in exclude and w.worker_id not in self.benched]
+
+    def decoding_runs(self, runs):
+        return WorkerPool.decoding_runs(self, runs)
 
     def bench(self, worker_id):
         self.benched.append(worker_id)
