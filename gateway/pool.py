@@ -11,6 +11,8 @@ import logging
 import time
 from typing import Callable, Sequence
 
+from redis.exceptions import RedisError
+
 from common.cluster.aio import cancel_and_wait
 from common.cluster.redis_util import UNAVAILABLE_ERRORS
 from common.cluster.registry import WorkerInfo, WorkerRegistry
@@ -49,19 +51,27 @@ class WorkerPool:
     async def _run(self) -> None:
         while not self._stopping:
             await asyncio.sleep(self.refresh_s)
-            await self.refresh()
+            try:
+                await self.refresh()
+            except Exception:  # a bug must not end the refreshes: the pool would freeze as it is
+                log.exception("worker pool refresh failed")
 
     async def refresh(self) -> None:
+        """Read the registry; every listener hears of it, read or not (Redis down: the same list --
+        a tick still, on which a benched worker may be back).  Redis refusing the read (MISCONF,
+        READONLY, an ACL) counts as Redis unavailable."""
         previous = self.workers
         try:
             self.workers = await self.registry.list_workers(self.model)
-        except UNAVAILABLE_ERRORS as exc:
+        except (*UNAVAILABLE_ERRORS, RedisError) as exc:
             if self.redis_ok:
-                log.warning("Redis unreachable (%s): routing on the last known pool of %d workers",
+                log.warning("Redis unavailable (%s): routing on the last known pool of %d workers",
                             exc, len(self.workers))
             self.redis_ok = False
             if self.on_redis_error:
                 self.on_redis_error()
+            for listener in self.listeners:
+                listener(previous, self.workers)
             return
         if not self.redis_ok:
             log.warning("Redis is back: pool has %d workers", len(self.workers))

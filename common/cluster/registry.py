@@ -43,6 +43,7 @@ from typing import Annotated, Callable, Collection, Literal
 
 import msgspec
 import redis.asyncio as aioredis
+import redis.exceptions
 
 from common.cluster.aio import cancel_and_wait
 from common.cluster.auth import AUTH_VERSION, INSTANCE_RE, ClusterAuth, audience_of, new_instance_id
@@ -287,7 +288,10 @@ class WorkerRegistry:
         stale = [wid for (wid, (_, expiry_ms), raw) in zip(ids, members, raws)
                  if raw is None and expiry_ms < stale_before_ms]
         if stale:
-            await self.client.zrem(keys.workers, *stale)
+            try:  # housekeeping: a Redis that refuses writes (MISCONF, READONLY replica) is still read
+                await self.client.zrem(keys.workers, *stale)
+            except redis.exceptions.ResponseError as exc:
+                log.warning("registry: cannot prune %d lapsed workers: %s", len(stale), exc)
         workers = [w for w in (self._read(raw, model, wid) for wid, raw in zip(ids, raws) if raw is not None)
                    if w is not None]
         return sorted(

@@ -196,6 +196,26 @@ async def test_heartbeat_survives_redis_outage():
         server.stop()
 
 
+async def test_a_redis_that_refuses_writes_is_still_read():
+    """A Redis refusing writes (here: too few replicas; MISCONF when it cannot save, a READONLY
+    replica) still lists the workers: pruning a lapsed entry is housekeeping, and its refusal made
+    every listing fail -- a gateway's worker list froze as it was."""
+    server = start_redis_server()
+    client = connect(server.url, timeout_s=5.0)
+    try:
+        await WorkerRegistry(client, key_prefix="pdtest-refusing", ttl_s=60).register(make_info("p1"))
+        short = WorkerRegistry(client, key_prefix="pdtest-refusing", ttl_s=0.05)
+        await short.register(make_info("p0"))
+        while [w.worker_id for w in await short.list_workers(MODEL)] != ["p1"]:  # (Redis's clock)
+            await asyncio.sleep(0.02)
+        await client.config_set("min-replicas-to-write", 1)  # writes refused: NOREPLICAS
+        short.PRUNE_AFTER_S = -3600.0  # p0 is due to be pruned
+        assert [w.worker_id for w in await short.list_workers(MODEL)] == ["p1"]
+    finally:
+        await client.aclose()
+        server.stop()
+
+
 async def test_entries_from_a_newer_worker_with_extra_fields_are_still_read(redis_client, key_prefix):
     """Rolling upgrades: an entry carrying a field this reader does not know must not vanish."""
     import msgspec as _msgspec

@@ -1,8 +1,11 @@
 """The gateway's view of the worker pools (gateway/pool.py): what a refusal says when no decode
-worker can be routed to."""
+worker can be routed to; its refreshes go on whatever the registry read does."""
 from __future__ import annotations
 
+import asyncio
+
 import msgspec
+import redis.exceptions
 
 from gateway.pool import WorkerPool
 from tests.support.dispatch_stubs import worker
@@ -21,3 +24,37 @@ def test_a_refusal_says_every_decode_worker_drains_when_they_all_do():
     assert pool(("d0", "decode", "draining"), ("d1", "decode", "active")).why_no_decode_worker() == \
         "no decode worker is available"
     assert pool(("p0", "prefill", "active")).why_no_decode_worker() == "no decode worker is available"
+
+
+class _RefusingRegistry:
+    """A registry (unit test of the pool above it) whose reads Redis refuses from the 2nd to the 4th."""
+
+    def __init__(self, workers):
+        self.workers, self.calls = workers, 0
+        self.enough = asyncio.Event()
+
+    async def list_workers(self, model):
+        self.calls += 1
+        if self.calls >= 6:
+            self.enough.set()
+        if 2 <= self.calls <= 4:
+            raise redis.exceptions.ResponseError("MISCONF Redis is configured to save RDB snapshots, but it is "
+                                                 "currently not able to persist on disk")
+        return self.workers
+
+
+async def test_a_refused_registry_read_neither_ends_the_refreshes_nor_silences_their_ticks():
+    """A Redis error other than "unreachable" ended the background refresh for good (the pool froze as
+    it was, /health said nothing); and while Redis was down the listeners heard nothing, so nothing
+    woke the requests waiting in line (a benched worker back went unnoticed)."""
+    registry = _RefusingRegistry([worker("d0", "decode")])
+    view = WorkerPool(registry, "m", refresh_s=0.01)
+    ticks, states = [], []
+    view.listeners.append(lambda previous, current: (ticks.append(len(current)), states.append(view.redis_ok)))
+    await view.start()
+    try:
+        await asyncio.wait_for(registry.enough.wait(), 60)
+    finally:
+        await view.stop()
+    assert states[:5] == [True, False, False, False, True]  # every tick heard, Redis said down while it was
+    assert set(ticks) == {1}  # the last known list throughout
