@@ -56,25 +56,14 @@ from gateway.openai_errors import Refused
 from gateway.migration import StreamMigration
 from gateway.pool import WorkerPool, can_decode
 from gateway.routing import Route, Router
+from gateway.upstream_errors import (  # (UpstreamError, WorkerAnswerError: imported from here too)
+    BadAnswer, HandedOver, RetryElsewhere, UpstreamError, UpstreamTimeout, WorkerAnswerError, printable,
+)
 from gateway.upstream_watch import LeftWorkerWatch
 
 log = logging.getLogger(__name__)
 
 HASH_INLINE_BLOCKS = 256  # prompts with more full blocks are hashed off the event loop
-
-
-class UpstreamError(Exception):
-    """The request failed inside the cluster after it was accepted (the client gets ``status``)."""
-
-    status = 500
-
-
-class WorkerAnswerError(UpstreamError):
-    """No decode worker gave an answer the gateway can read: an error page (the worker's auth
-    middleware's JSON, aiohttp's plain-text 500, a proxy's HTML) or bytes that are no frame
-    stream.  A failure of the cluster, never of the client's request."""
-
-    status = 502
 
 
 # A decode worker answers /generate with frames, labelled FRAMES_CONTENT_TYPE: a stream (200) or
@@ -219,7 +208,7 @@ class Dispatcher:
         stale: set[str] = set()  # workers that refused it as no longer decoding (until its stream moves)
         busy: set[str] = set()  # workers that said busy since this request last waited
         failures = 0
-        last_bad_answer: _BadAnswer | None = None  # the last worker answer that was no frame stream
+        last_bad_answer: BadAnswer | None = None  # the last worker answer that was no frame stream
         migration = StreamMigration(self.migration_limit, self.metrics)  # the tokens the client has
         hashed: dict[int, list[bytes]] = {}  # the prompt's block hashes, computed once
         place = self.queue.place(key_id)  # its place in line while no decode worker has room (first come, first served)
@@ -231,8 +220,9 @@ class Dispatcher:
                 except KeyLineFull:
                     self.metrics.key_refused(key_id)
                     raise
-                if waited:  # it waited in line: room may have appeared anywhere
+                if waited:  # it waited in line: room may have appeared anywhere, a refusal ended
                     busy.clear()
+                    stale.clear()
                 resume = list(migration.sent)  # a moved stream: the new worker computes these too
                 if resume:
                     route = (self._route_to(migration.precopied_to, exclude | stale | busy, "pre-copied")
@@ -303,14 +293,14 @@ class Dispatcher:
                                     yield ready
                                     ready = []
                                 if frame.error_kind in ("busy", "refused") and not streamed:
-                                    raise _Retry(frame.error, stale_view=frame.error_kind == "refused")
+                                    raise RetryElsewhere(frame.error, stale_view=frame.error_kind == "refused")
                                 if frame.error_kind == "migrate":  # it drains: the stream goes on elsewhere
-                                    raise _HandedOver(frame.error)
+                                    raise HandedOver(frame.error)
                                 if frame.error_kind == "invalid":
                                     raise Refused(frame.error, frame.error_param)
                                 raise UpstreamError(frame.error)
                             if resp.status != 200:  # an error status must carry an error frame
-                                raise _BadAnswer(resp.status, resp.content_type, "a frame that is no error")
+                                raise BadAnswer(resp.status, resp.content_type, "a frame that is no error")
                             if frame.finish_reason == "error":  # ended with an error it did not name
                                 raise UpstreamError(f"decode worker {decode_id} ended the request with an error")
                             if frame.move_soon:  # it drains: copy the stream's KV ahead to where it moves
@@ -332,16 +322,17 @@ class Dispatcher:
                         yield ready
                         if finished:
                             return
-                except _HandedOver as exc:
+                except HandedOver as exc:
                     # Draining: its entry says so (not excluded for good: it may be put back to work
                     # and take this stream again after another move).
                     await self.pool.refresh()
-                    stale.clear()  # a worker that refused it before may be back at work by now
+                    stale.clear()  # a worker that refused it before may be back at work by now,
+                    busy.clear()  # and one busy when it started may have room
                     if migration.sent and not migration.move("drain", kv_source=route.decode):
                         raise UpstreamError(f"decode worker {decode_id} drained mid-stream: {exc}") from None
                     log.info("request %s: decode worker %s drains; the stream moves on after %d tokens",
                              request_id, decode_id, len(migration.sent))
-                except _Retry as exc:
+                except RetryElsewhere as exc:
                     if not exc.stale_view:
                         said_busy = True
                         busy.add(decode_id)
@@ -349,17 +340,18 @@ class Dispatcher:
                         continue
                     stale.add(decode_id)
                     await self.pool.refresh()  # it drains or changed role: re-read the registry
-                except (aiohttp.ClientError, ConnectionError, _UpstreamTimeout, _BadAnswer) as exc:
+                except (aiohttp.ClientError, ConnectionError, UpstreamTimeout, BadAnswer) as exc:
                     if watched is not None and watched.cut:  # (what the cut made of the read is beside the point)
                         self.metrics.upstream_timeouts.labels("left").inc()
                         exc = ConnectionError("decode worker left the registry while its stream was silent")
                     exclude.add(route.decode.audience)  # (not its restart: a new run of the same worker)
-                    if isinstance(exc, _BadAnswer):
+                    if isinstance(exc, BadAnswer):
                         last_bad_answer = exc
                         log.warning("request %s: decode worker %s: %s", request_id, decode_id, exc.detail())
-                    if not isinstance(exc, _BadAnswer) or exc.worker_fault:
+                    if not isinstance(exc, BadAnswer) or exc.worker_fault:
                         self.pool.bench(decode_id)  # unreachable, hung or broken: keep it out for a while
                     if streamed:
+                        busy.clear()  # (when it started: long ago, perhaps)
                         if not migration.move("worker_lost"):
                             raise UpstreamError(f"decode worker {decode_id} failed mid-stream: {exc}") from None
                         log.warning("request %s: decode worker %s failed mid-stream (%s); the stream moves on after "
@@ -367,7 +359,7 @@ class Dispatcher:
                         continue
                     failures += 1
                     if failures >= self.max_attempts:
-                        if isinstance(exc, _BadAnswer):
+                        if isinstance(exc, BadAnswer):
                             raise WorkerAnswerError(f"no decode worker gave a readable answer after {failures} "
                                                     f"attempts ({exc})") from None
                         raise Saturated(f"no worker could take the request after {failures} failed attempts: {exc}")
@@ -405,18 +397,18 @@ class Dispatcher:
 
     async def _check_answer(self, resp: aiohttp.ClientResponse, decode_id: str) -> None:
         """Raise unless ``resp`` is a frame answer: ``ConnectionError`` for refused cluster
-        credentials (401), ``_BadAnswer`` for anything else that is no frame stream.  Of such a
+        credentials (401), ``BadAnswer`` for anything else that is no frame stream.  Of such a
         body only an excerpt is read, for the log, bounded in size and time (a page of any size, or
         a body that never ends, is still the worker's failure)."""
         if resp.status == 401:
             excerpt = await self._excerpt(resp)
             log.warning("decode worker %s refused the gateway's cluster credentials: %s", decode_id,
-                        _printable(excerpt) or "(no body)")
+                        printable(excerpt) or "(no body)")
             raise ConnectionError("decode worker refused the cluster credentials; "
                                   "is PDSERVE_CLUSTER_SECRET the same on every process?")
         if resp.content_type == FRAMES_CONTENT_TYPE:
             return
-        raise _BadAnswer(resp.status, resp.content_type, "no frame stream", await self._excerpt(resp))
+        raise BadAnswer(resp.status, resp.content_type, "no frame stream", await self._excerpt(resp))
 
     async def _excerpt(self, resp: aiohttp.ClientResponse) -> bytes:
         """At most ``BAD_ANSWER_EXCERPT`` bytes of a body that is no frame stream, waiting at most
@@ -429,7 +421,7 @@ class Dispatcher:
     async def _next_frames(self, resp: aiohttp.ClientResponse, frames: FrameReader,
                            first: bool) -> list[TokenFrame]:
         """The frames that have arrived (``[]`` at the end of the stream), bounded by the
-        first-token or the idle timeout; bytes that are no frames are a ``_BadAnswer``."""
+        first-token or the idle timeout; bytes that are no frames are a ``BadAnswer``."""
         phase, limit = ("first_token", self.timeouts.first_token) if first else ("idle", self.timeouts.idle)
         try:
             async with asyncio.timeout(limit):
@@ -437,13 +429,13 @@ class Dispatcher:
         except TimeoutError:
             raise self._timed_out(phase, limit) from None
         except ValueError as exc:  # a header announcing too much, or a body that does not decode
-            raise _BadAnswer(resp.status, resp.content_type, f"malformed frames: {exc}") from None
+            raise BadAnswer(resp.status, resp.content_type, f"malformed frames: {exc}") from None
 
-    def _timed_out(self, phase: str, limit: float) -> "_UpstreamTimeout":
+    def _timed_out(self, phase: str, limit: float) -> "UpstreamTimeout":
         self.metrics.upstream_timeouts.labels(phase).inc()
         what = {"response": "did not answer", "first_token": "sent no token",
                 "idle": "sent nothing more"}[phase]
-        return _UpstreamTimeout(f"decode worker {what} within {limit:g} s")
+        return UpstreamTimeout(f"decode worker {what} within {limit:g} s")
 
     async def drain(self) -> None:
         """Let the abort messages already sent finish (on shutdown)."""
@@ -458,43 +450,3 @@ class Dispatcher:
                 await read_response(resp, 4096)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as exc:
             log.info("abort of %s on %s not delivered: %s: %s", request_id, decode_url, type(exc).__name__, exc)
-
-
-class _UpstreamTimeout(Exception):
-    """A decode worker did not answer, or stopped sending, within its timeout."""
-
-
-class _BadAnswer(Exception):
-    """A decode worker's answer that is no frame stream.  ``worker_fault``: a 5xx (or a 2xx/3xx
-    that is not frames) says the worker or a proxy before it is broken, and benches it; a 4xx
-    says it refused this request (too large for it, say), which excludes it for this request
-    only -- a client must not be able to bench workers with its requests."""
-
-    def __init__(self, status: int, content_type: str, what: str, excerpt: bytes = b""):
-        super().__init__(f"decode worker answered {status} {content_type or '(no content type)'}: {what}")
-        self.status = status
-        self.excerpt = excerpt
-        self.worker_fault = not 400 <= status < 500
-
-    def detail(self) -> str:
-        """The message and an excerpt of the body, printable, for the log (not the client)."""
-        text = _printable(self.excerpt)
-        return f"{self}{f' ({text!r})' if text else ''}"
-
-
-def _printable(excerpt: bytes) -> str:
-    """A peer's bytes as text fit for a log line (control characters blanked)."""
-    text = excerpt.decode("utf-8", "replace")
-    return "".join(c if c.isprintable() else " " for c in text).strip()
-
-
-class _HandedOver(Exception):
-    """The decode worker drains and handed the stream over (a "migrate" frame)."""
-
-
-class _Retry(Exception):
-    """The decode worker refused before starting; another one may take the request."""
-
-    def __init__(self, reason: str, stale_view: bool):
-        super().__init__(reason)
-        self.stale_view = stale_view
