@@ -25,8 +25,8 @@ Every wait on D is bounded (``UpstreamTimeouts``)::
 
 A timeout before the first token benches D and retries elsewhere (a hung worker, accepting
 connections and saying nothing, is taken out of routing); after it, the stream ends with an error.
-Streams use a connection pool sized to the gateway's ``max_inflight``; control calls (aborts) have
-their own pool of the same size and a total timeout, so they never queue behind streams.
+Streams use a connection pool bounded by admission alone (``Gateway._client_sessions``); control
+calls (aborts) have their own pool, of ``max_inflight``, and a total timeout: they never queue behind streams.
 """
 from __future__ import annotations
 

@@ -149,19 +149,23 @@ class Gateway:
                                      queue=self.config.wait_queue(), migration_limit=self.config.migration_limit)
 
     def _client_sessions(self) -> tuple[aiohttp.ClientSession, aiohttp.ClientSession]:
-        """One pool for streams, one for control calls, each as large as the requests in flight:
-        beyond aiohttp's default of 100 connections, streams and aborts would queue silently.
-        Streams have no total timeout (a long answer is fine); the dispatcher bounds every wait
-        for a frame, and no socket read outlasts the longest of those bounds.  Control calls have a total timeout."""
+        """One pool for streams, one for control calls.  Streams are bounded by admission alone (an
+        admitted request holds up to ``MAX_REQUEST_CHOICES`` of them, a drain's pre-copies more): a
+        pool bound under that made a stream wait for a connection inside its response timeout, and
+        that wait benched a healthy worker.  Control calls (aborts) queue for one of ``max_inflight``
+        connections within their total timeout.  Streams have no total timeout (a long answer is
+        fine); the dispatcher bounds every wait for a frame, and no socket read outlasts the longest
+        of those bounds."""
         t, n = self.config.timeouts, self.config.max_inflight
 
-        def session(timeout: aiohttp.ClientTimeout) -> aiohttp.ClientSession:
-            return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=n, limit_per_host=n), timeout=timeout)
+        def session(limit: int, timeout: aiohttp.ClientTimeout) -> aiohttp.ClientSession:
+            return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=limit, limit_per_host=limit),
+                                         timeout=timeout)
 
         # The dispatcher's bounds come first; the socket read bound is only a backstop under them.
         backstop = max(t.response, t.first_token, t.idle)
-        return (session(aiohttp.ClientTimeout(total=None, sock_connect=t.connect, sock_read=backstop)),
-                session(aiohttp.ClientTimeout(total=t.control, sock_connect=t.connect)))
+        return (session(0, aiohttp.ClientTimeout(total=None, sock_connect=t.connect, sock_read=backstop)),
+                session(n, aiohttp.ClientTimeout(total=t.control, sock_connect=t.connect)))
 
     async def stop(self) -> None:
         if self.background:
