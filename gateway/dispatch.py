@@ -278,10 +278,11 @@ class Dispatcher:
                     if resp.status == 200:
                         place.admitted()  # D took it: its place in line goes to the next
                     frames = FrameReader(resp.content, TokenFrame)
-                    got_frame = False
+                    got_frame = False  # (one that moves the stream soon is not one: the prompt may compute on)
                     while True:
+                        watched.waiting()
                         batch = await self._next_frames(resp, frames, first=not got_frame)
-                        got_frame = True
+                        got_frame = got_frame or not all(f.move_soon for f in batch)
                         if not batch:
                             raise ConnectionError("decode worker closed the stream before the request finished")
                         watched.heard()

@@ -18,6 +18,7 @@ from common.cluster.messages import FRAMES_CONTENT_TYPE, GenerateRequest, TokenF
 from common.cluster.auth import new_instance_id
 from common.engine.sampling_params import SamplingParams
 from gateway.dispatch import DispatchResult, UpstreamError
+from gateway.config import UpstreamTimeouts
 from gateway.metrics import GatewayMetrics
 from gateway.migration import StreamMigration
 from tests.support.dispatch_stubs import dispatcher, worker as registry_entry
@@ -222,6 +223,57 @@ async def test_a_stream_still_coming_from_a_worker_gone_from_the_registry_is_not
         assert tokens == [token(i) for i in range(MAX_TOKENS)]
         assert d.metrics.upstream_timeouts.labels("left")._value.get() == 0 and len(d.left_watch) == 0
     assert len(worker.bodies) == 1
+
+
+async def test_a_stream_whose_frames_wait_for_a_slow_client_is_not_cut_when_its_worker_leaves_the_registry():
+    """The dispatcher passes a batch on to a client that takes its time; meanwhile a read of the
+    registry misses the worker (a late heartbeat).  Its frames were arriving all along -- the
+    dispatcher was not waiting for them -- so the stream is not silent: it was cut (and moved, its
+    worker benched) as if the worker had stopped."""
+    first, second = Worker(), Worker()
+    async with dispatcher(first.handle, second.handle) as d:
+        d.left_watch.silence_s = 0.05
+        tokens = []
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.7, seed=3)
+        async with contextlib.aclosing(d.generate("r1", PROMPT, params, DispatchResult())) as frames:
+            async for batch in frames:
+                if not tokens:  # the slow client, at its first batch
+                    await asyncio.sleep(0.1)
+                    for listener in d.pool.listeners:
+                        listener(d.pool.workers, [w for w in d.pool.workers if w.worker_id != "d0"])
+                tokens += [t for f in batch for t in f.token_ids]
+        assert tokens == [token(i) for i in range(MAX_TOKENS)]
+        assert d.metrics.upstream_timeouts.labels("left")._value.get() == 0 and not d.pool.benched
+    assert not second.bodies
+
+
+async def test_a_move_announced_before_the_first_token_leaves_the_prompt_its_first_token_timeout():
+    """A worker computing a prompt itself starts to drain: it says the stream will move soon, then
+    (no other worker to take it) goes on computing.  That frame is no first token: the prompt keeps
+    the first token's bound, not the shorter bound between tokens, which cut it and benched the worker."""
+    computing = asyncio.Event()
+
+    async def d0(request):
+        body = decode(await request.read(), GenerateRequest)
+        response = web.StreamResponse(headers={"Content-Type": FRAMES_CONTENT_TYPE})
+        await response.prepare(request)
+        await response.write(frame(TokenFrame(move_soon=True)))
+        await computing.wait()  # the rest of the prompt: longer than the idle bound
+        return await _stream_rest(response, body)
+
+    async with dispatcher(d0, timeouts=UpstreamTimeouts(idle=0.2, first_token=120.0)) as d:
+        d._precopy = lambda *args: asyncio.sleep(0)  # (no other worker to copy to)
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.6, computing.set)
+        assert await run(d) == [token(i) for i in range(MAX_TOKENS)]
+        assert not d.pool.benched and d.metrics.upstream_timeouts.labels("idle")._value.get() == 0
+
+
+async def _stream_rest(response, body: GenerateRequest):
+    for i in range(body.sampling_params.max_tokens):
+        last = i == body.sampling_params.max_tokens - 1
+        await response.write(frame(TokenFrame(token_ids=[token(i)], finished=last, finish_reason="length" if last else None)))
+    return response
 
 
 @pytest.mark.parametrize("back_as", ["the same run", "a new run"])
