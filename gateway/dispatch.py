@@ -265,7 +265,7 @@ class Dispatcher:
                                        last_resort=(last_resort := route.decode.state != "active"),
                                        may_migrate=migration.may_move and not last_resort)
                 decode_url, audience = route.decode.http_address, route.decode.audience
-                finished = said_busy = streamed = False  # streamed: this attempt passed tokens on
+                finished = said_busy = streamed = handed_over = False  # streamed: this attempt passed tokens on
                 to_compute = len(prompt) + len(resume)
                 self._count_pending(route, to_compute, +1)
                 self.sent_to_decode.add(decode_id, request_id, -(-to_compute // route.decode.capacity.block_size))
@@ -326,6 +326,7 @@ class Dispatcher:
                 except HandedOver as exc:
                     # Draining: its entry says so (not excluded for good: it may be put back to work
                     # and take this stream again after another move).
+                    handed_over = True  # (it ended the request there: no abort, which could land on its return)
                     await self.pool.refresh()
                     stale.clear()  # a worker that refused it before may be back at work by now,
                     busy.clear()  # and one busy when it started may have room
@@ -377,7 +378,7 @@ class Dispatcher:
                     self.sent_to_decode.remove(decode_id, request_id)
                     if not said_busy:
                         self.queue.notify(1)  # a slot on D is free again: let a waiting request try
-                    if not finished and not said_busy:
+                    if not (finished or said_busy or handed_over):
                         # Client gone, stop string, or failure: make sure no worker keeps computing.
                         task = asyncio.get_running_loop().create_task(self.abort(decode_url, request_id, audience))
                         self._aborts.add(task)

@@ -89,7 +89,12 @@ async def test_a_stream_goes_on_at_another_worker_after_the_tokens_passed_on(how
     first, second = Worker(stop_after=4, how=how), Worker()
     async with dispatcher(first.handle, second.handle) as d:
         registered(d, [first, second])
+        aborted = []
+        d.abort = lambda url, request_id, audience: asyncio.sleep(0, aborted.append(audience.split("/")[0]))
         assert await run(d) == [token(i) for i in range(MAX_TOKENS)]  # each token once
+        # A lost worker is told to stop (it may compute on); one that handed the stream over ended it
+        # (an abort could land on the stream come back to it, under the same id).
+        assert aborted == (["d0"] if how == "die" else [])
         cause = "worker_lost" if how == "die" else "drain"
         assert d.metrics.migrations.labels(cause)._value.get() == 1
         assert d.metrics.migrated_tokens._value.get() == 4
