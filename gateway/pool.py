@@ -36,7 +36,8 @@ class WorkerPool:
         self._task: asyncio.Task | None = None
         self._stopping = False
         self._changed = asyncio.Event()
-        # Called after every successful refresh with (previous, current) listings.
+        self._reading: asyncio.Future | None = None  # the registry read in progress (``refresh``)
+        # Called after every refresh, read or not, with (previous, current) listings.
         self.listeners: list[Callable[[Sequence[WorkerInfo], Sequence[WorkerInfo]], None]] = []
 
     async def start(self) -> None:
@@ -47,6 +48,8 @@ class WorkerPool:
         # A flag as well as cancel(): on Python 3.11 a cancel landing inside a redis-py call can be lost.
         self._stopping = True
         await cancel_and_wait(self._task)
+        if self._reading is not None and not self._reading.done():
+            await cancel_and_wait(self._reading)
 
     async def _run(self) -> None:
         while not self._stopping:
@@ -59,7 +62,13 @@ class WorkerPool:
     async def refresh(self) -> None:
         """Read the registry; every listener hears of it, read or not (Redis down: the same list --
         a tick still, on which a benched worker may be back).  Redis refusing the read (MISCONF,
-        READONLY, an ACL) counts as Redis unavailable."""
+        READONLY, an ACL) counts as Redis unavailable.  Callers at once share one read (a drain's
+        hand-overs each ask for one): no read's older list lands after a newer one."""
+        if self._reading is None or self._reading.done():
+            self._reading = asyncio.ensure_future(self._read())
+        await asyncio.shield(self._reading)
+
+    async def _read(self) -> None:
         previous = self.workers
         try:
             self.workers = await self.registry.list_workers(self.model)

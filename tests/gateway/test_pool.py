@@ -58,3 +58,30 @@ async def test_a_refused_registry_read_neither_ends_the_refreshes_nor_silences_t
         await view.stop()
     assert states[:5] == [True, False, False, False, True]  # every tick heard, Redis said down while it was
     assert set(ticks) == {1}  # the last known list throughout
+
+
+class _HeldRegistry:
+    """A registry (unit test of the pool above it) whose reads wait until the test lets them go."""
+
+    def __init__(self):
+        self.calls = 0
+        self.release = asyncio.Event()
+
+    async def list_workers(self, model):
+        self.calls += 1
+        await self.release.wait()
+        return [worker(f"d{self.calls}", "decode")]
+
+
+async def test_refreshes_asked_for_at_once_share_one_read():
+    """A drain's hand-overs each ask for a refresh at once: K reads of the registry, each walking every
+    entry, whose results could land out of order (an older list over a newer one)."""
+    registry = _HeldRegistry()
+    view = WorkerPool(registry, "m")
+    refreshes = [asyncio.ensure_future(view.refresh()) for _ in range(5)]
+    await asyncio.sleep(0)
+    registry.release.set()
+    await asyncio.wait_for(asyncio.gather(*refreshes), 60)
+    assert registry.calls == 1 and [w.worker_id for w in view.workers] == ["d1"]
+    await view.refresh()  # a later one reads again
+    assert registry.calls == 2
