@@ -308,7 +308,8 @@ async def remote_prefill(context: RoleContext, body: GenerateRequest, reservatio
 
     Returns the frame carrying the first token once the KV is all in; the request is not in the
     engine's batch yet (``land`` puts it there).  The frame says finished if that token ends the
-    request.  Raises ``RemotePrefillFailed`` (with every block freed and the prefill worker told)
+    request.  Raises ``RemotePrefillFailed`` (every block freed -- or pinned while a frozen sender's
+    payload may still land in it: ``release_reservation`` -- and the prefill worker told)
     if anything on the way fails.  Cancelled mid-transfer, or finding that the lease ended before
     the KV landed (``CancelledError`` then too), it leaves ``pending.release`` to free the blocks
     once the transfer has settled.
@@ -399,7 +400,8 @@ async def release_reservation(context: RoleContext, request_id: str, handle: Inc
     A payload may be landing when the request is given up (prefill failed, client gone): freeing
     the blocks at once could let the rest of it overwrite whoever gets them next.  The receiver
     stops such a payload at once where the transport allows (TCP) and otherwise within its
-    ``abort_grace`` (UCX); ``settled()`` returns when it has.  A UCX payload whose sender froze in
+    ``abort_grace`` (UCX; 5 s more where closing its connection does not end it at once:
+    ``kvtransfer.transport_ucx``); ``settled()`` returns when it has.  A UCX payload whose sender froze in
     its middle cannot be stopped at all (``IncomingTransfer.still_landing``): the request ends
     all the same, and its blocks stay pinned until that payload ends (its sender resumes or dies).
     """
@@ -411,6 +413,8 @@ async def release_reservation(context: RoleContext, request_id: str, handle: Inc
         finally:
             context.metrics.kv_transfers_settling.dec()
     still_landing = handle.still_landing
+    if still_landing is not None and still_landing.done():  # (ended meanwhile: nothing to keep pinned)
+        still_landing = None
 
     def give_up(engine: Engine) -> list:
         pinned = engine.scheduler.handoff.decode.pin_landing(request_id, handle.block_ids) if still_landing else []

@@ -178,8 +178,8 @@ class OpenAIHandlers(ResponsesEndpoints):
         parameters, as their calls' arguments, whatever ``tool_choice`` says (OpenAI's API refuses
         an invalid one always; a forced call's grammar holds its own)."""
         specs = [] if params.structured is None else [params.structured]
-        if plan is not None and plan.structured is None:
-            specs += plan.argument_grammars()
+        if plan is not None and plan.mode != "required":  # (required's grammar holds every tool's)
+            specs += plan.argument_grammars(but=plan.function)  # (a named one's is the request's)
         for spec in specs:
             try:
                 await self.services.grammars.compile_async(spec)

@@ -37,6 +37,7 @@ class WorkerPool:
         self._stopping = False
         self._changed = asyncio.Event()
         self._reading: asyncio.Future | None = None  # the registry read in progress (``refresh``)
+        self._next_reading: asyncio.Future | None = None  # the one to follow it, for who called since
         # Called after every refresh, read or not, with (previous, current) listings.
         self.listeners: list[Callable[[Sequence[WorkerInfo], Sequence[WorkerInfo]], None]] = []
 
@@ -48,8 +49,9 @@ class WorkerPool:
         # A flag as well as cancel(): on Python 3.11 a cancel landing inside a redis-py call can be lost.
         self._stopping = True
         await cancel_and_wait(self._task)
-        if self._reading is not None and not self._reading.done():
-            await cancel_and_wait(self._reading)
+        for reading in (self._next_reading, self._reading):
+            if reading is not None and not reading.done():
+                await cancel_and_wait(reading)
 
     async def _run(self) -> None:
         while not self._stopping:
@@ -63,10 +65,22 @@ class WorkerPool:
         """Read the registry; every listener hears of it, read or not (Redis down: the same list --
         a tick still, on which a benched worker may be back).  Redis refusing the read (MISCONF,
         READONLY, an ACL) counts as Redis unavailable.  Callers at once share one read (a drain's
-        hand-overs each ask for one): no read's older list lands after a newer one."""
+        hand-overs each ask for one), and one begun after they called (what changed before their call
+        is in it): a read in progress is followed by one more, which all who called meanwhile share;
+        no read's older list lands after a newer one."""
         if self._reading is None or self._reading.done():
             self._reading = asyncio.ensure_future(self._read())
-        await asyncio.shield(self._reading)
+            await asyncio.shield(self._reading)
+            return
+        if self._next_reading is None:
+            self._next_reading = asyncio.ensure_future(self._read_after(self._reading))
+        await asyncio.shield(self._next_reading)
+
+    async def _read_after(self, current: asyncio.Future) -> None:
+        await asyncio.wait((current,))
+        self._next_reading = None
+        self._reading = asyncio.ensure_future(self._read())
+        await self._reading
 
     async def _read(self) -> None:
         previous = self.workers

@@ -68,10 +68,15 @@ class ToolPlan:
     def parses_calls(self) -> bool:
         return self.mode != "none" and bool(self.tools)
 
-    def argument_grammars(self) -> list[StructuredOutput]:
-        """Each tool's arguments as the grammar a call forced to it compiles."""
-        return [StructuredOutput("json_schema", schema_text(arguments_schema(tool.function.parameters), "tools"),
-                                 f"tools[{i}]") for i, tool in enumerate(self.tools)]
+    def argument_grammars(self, but: str | None = None) -> list[StructuredOutput]:
+        """Each tool's arguments (but function ``but``'s) as the grammar a call forced to it compiles,
+        each schema once."""
+        grammars: dict[str, StructuredOutput] = {}
+        for i, tool in enumerate(self.tools):
+            text = schema_text(arguments_schema(tool.function.parameters), "tools")
+            if tool.function.name != but and text not in grammars:
+                grammars[text] = StructuredOutput("json_schema", text, f"tools[{i}]")
+        return list(grammars.values())
 
     def template_tools(self) -> list[dict] | None:
         """The tools as chat templates take them (OpenAI's shape, as plain dicts; a field not sent --

@@ -60,12 +60,14 @@ class IncomingTransfer:
         rx = receiver.expect(request_id, block_ids)
         ... tell the sender rx.transfer_id and block_ids ...
         rx.abort("client left")          # or a deadline, a peer abort, a lost connection ...
-        await rx.settled()               # from here on, not one byte lands in block_ids
+        await rx.settled()               # from here on, not one byte lands in block_ids ...
+        if rx.still_landing: await it    # ... but where a frozen sender's UCX payload may (below)
         free(block_ids)
 
     * ``await wait()`` gives the ``TransferResult`` or raises a ``TransferError``; every waiter
       sees the same outcome.
-    * The handle resolves, either way, only once no more bytes can land in its blocks. A payload
+    * The handle resolves, either way, only once no more bytes can land in its blocks (but for
+      ``still_landing``, the last point). A payload
       that is landing when the transfer fails is diverted where the transport can stop it at once
       (TCP, inproc: the rest is read and dropped, the connection goes on serving others). Where it
       cannot (UCX moves the bytes without the event loop), the handle waits for that payload to
@@ -122,7 +124,8 @@ class IncomingTransfer:
         return self._landing is not None
 
     def abort(self, reason: str = "") -> None:
-        """Fail the transfer here and tell its sender; ``await settled()`` before freeing blocks."""
+        """Fail the transfer here and tell its sender; ``await settled()`` (and ``still_landing``)
+        before freeing blocks."""
         if not self.active:
             return
         conn = self._conn
@@ -259,8 +262,8 @@ class KVReceiver:
     def abort(self, transfer_id: str, reason: str = "") -> IncomingTransfer | None:
         """Fail the transfer locally and tell its sender; ``None`` if it is not in flight.
 
-        Returns the handle: ``await handle.settled()`` before freeing its blocks (see
-        ``IncomingTransfer``)."""
+        Returns the handle: ``await handle.settled()`` (and ``still_landing``) before freeing its
+        blocks (see ``IncomingTransfer``)."""
         handle = self._transfers.get(transfer_id)
         if handle is None:
             return None

@@ -70,7 +70,11 @@ class OutgoingTransfer:
         shards, conn = self._sender.shards, self._conn
         for src, dst, count in paired_runs(src_block_ids, dst_block_ids, conn.max_count):
             for piece in conn.plan:
-                region = await _piece_bytes(shards, piece, src, count)
+                try:
+                    region = await _piece_bytes(shards, piece, src, count)
+                except asyncio.CancelledError:
+                    self.abort("sender cancelled")  # (as below: the receiver frees its blocks now)
+                    raise
                 sums = block_checksums(region, region.numel() // count) if conn.checksum else None
                 heads = (piece.head_start, piece.head_end)
                 if heads == conn.receiver_ranges[piece.dst_rank]:

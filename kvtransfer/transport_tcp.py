@@ -162,7 +162,8 @@ class TcpChannel(Channel):
     async def _recv_exact(self, view: memoryview, payload: bool = False, idle: bool = False) -> None:
         """Fill ``view`` from the stream.  Inside a frame, a peer that sends nothing for
         ``io_timeout`` is lost and the channel closes (its staging buffer and this task with it);
-        ``idle``: the start of the next frame, which may take as long as the peer likes."""
+        ``idle``: the start of the next frame, which may take as long as the peer likes to come --
+        and no longer than that to complete once its first byte has."""
         if self._error is not None:
             raise self._error
         assert self._rx_view is None, "TcpChannel receives must not overlap"
@@ -172,9 +173,8 @@ class TcpChannel(Channel):
                 return
             self._rx_waiter = self._loop.create_future()
             self._loop.add_reader(self._fd, self._on_readable)
-            if not idle:
-                self._rx_progress_at = self._loop.time()
-                self._rx_stall = self._loop.call_later(self._io_timeout, self._check_rx_stall)
+            if not idle or len(self._rx_view) < len(view):  # (the next frame has begun: bounded now)
+                self._arm_rx_stall()
             try:
                 await self._rx_waiter
             except asyncio.CancelledError:
@@ -190,6 +190,10 @@ class TcpChannel(Channel):
             if self._rx_stall is not None:
                 self._rx_stall.cancel()
                 self._rx_stall = None
+
+    def _arm_rx_stall(self) -> None:
+        self._rx_progress_at = self._loop.time()
+        self._rx_stall = self._loop.call_later(self._io_timeout, self._check_rx_stall)
 
     def _check_rx_stall(self) -> None:
         quiet = self._loop.time() - self._rx_progress_at
@@ -223,6 +227,8 @@ class TcpChannel(Channel):
             if n == 0:
                 raise ConnectionLost("peer closed the tcp connection")
             self._rx_progress_at = self._loop.time()
+            if self._rx_stall is None and self._rx_waiter is not None:  # an idle wait's first byte
+                self._arm_rx_stall()
             view = view[n:]
             budget -= n
         self._rx_view = view

@@ -47,7 +47,6 @@ import os
 import re
 import secrets
 import socket
-import struct
 from typing import Annotated, Awaitable, Callable
 
 import msgspec
@@ -56,21 +55,15 @@ import torch
 
 from kvtransfer.config import KVTransferConfig
 from kvtransfer.errors import ConnectionLost, ProtocolError
-from kvtransfer.handshake import PREAUTH_MAX_HEADER_BYTES
-from kvtransfer.messages import MAX_HEADER_BYTES
-from kvtransfer.socket_io import FrameWriter, PreAuthTicket, TcpListener, connect_tcp
+from kvtransfer.socket_io import PreAuthTicket, TcpListener, connect_tcp
+from kvtransfer.ucx_control import ControlConnection
 from kvtransfer.transport_base import Channel, Listener, Transport
 from kvtransfer.ucx_worker import UcxWorker, net_devices_for
 
 log = logging.getLogger(__name__)
 
-_CONTROL = struct.Struct("!IQ")  # header length, payload sequence number (0: none)
-_MAX_BUFFERED = 4 * (MAX_HEADER_BYTES + _CONTROL.size)  # then stop reading until frames are taken
-_PREAUTH_BUFFERED = PREAUTH_MAX_HEADER_BYTES + _CONTROL.size  # the same, before authentication: one frame
-_RECV_BYTES = 256 * 1024
 _TAG_MASK = (1 << 64) - 1
 _LATE_CANCEL_S = 5.0
-_STILL_LANDING: dict[asyncio.Future, object] = {}  # receives a frozen sender left landing -> their buffers
 
 
 class DataPath(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -121,122 +114,6 @@ def _array(region: torch.Tensor):
     return region.numpy() if region.device.type == "cpu" else region
 
 
-class _ControlConnection:
-    """The TCP half of a UCX channel: buffered frame reader plus the cancel-safe writer.
-
-    The reader is always registered (up to ``_MAX_BUFFERED``), so the end of the connection is
-    seen the moment it happens, even while the channel's owner is waiting for a payload. Until
-    ``authenticated()``, it buffers at most one frame of ``PREAUTH_MAX_HEADER_BYTES``."""
-
-    def __init__(self, sock: socket.socket, io_timeout: float, on_lost: Callable[[ConnectionLost], None],
-                 on_stall: Callable[[ConnectionLost], None], ticket: PreAuthTicket | None = None):
-        self._sock = sock
-        self._fd = sock.fileno()
-        self._loop = asyncio.get_running_loop()
-        self.writer = FrameWriter(sock, io_timeout, on_stall)
-        self._on_lost = on_lost
-        self._buf = bytearray()
-        self._eof: ConnectionLost | None = None  # what ended the stream; buffered frames still count
-        self._closed = False
-        self._waiter: asyncio.Future | None = None
-        self._reading = True
-        self._header_limit = PREAUTH_MAX_HEADER_BYTES
-        self._max_buffered = _PREAUTH_BUFFERED
-        self._ticket = ticket
-        self._loop.add_reader(self._fd, self._on_readable)
-
-    def authenticated(self) -> None:
-        """The handshake passed: full-size frames from now on."""
-        self._header_limit, self._max_buffered = MAX_HEADER_BYTES, _MAX_BUFFERED
-        if self._ticket is not None:
-            self._ticket.passed()
-        self._resume()
-
-    @staticmethod
-    def frame(seq: int, header: bytes) -> list[bytes]:
-        return [_CONTROL.pack(len(header), seq), header]
-
-    def _on_readable(self) -> None:
-        try:
-            data = self._sock.recv(max(1, min(_RECV_BYTES, self._max_buffered - len(self._buf))))
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError as exc:
-            self._ended(ConnectionLost(f"ucx channel: tcp receive failed: {exc}"))
-            return
-        if not data:
-            self._ended(ConnectionLost("peer closed the connection"))
-            return
-        self._buf += data
-        if len(self._buf) >= self._max_buffered:
-            self._pause()
-        self._wake()
-
-    def _ended(self, error: ConnectionLost) -> None:
-        if self._eof is None:
-            self._eof = error
-        self._pause()
-        self._wake()
-        self._on_lost(error)
-
-    def _pause(self) -> None:
-        if self._reading:
-            self._reading = False
-            if not self._loop.is_closed():
-                self._loop.remove_reader(self._fd)
-
-    def _resume(self) -> None:
-        if not self._reading and self._eof is None and not self._closed and len(self._buf) < self._max_buffered:
-            self._reading = True
-            self._loop.add_reader(self._fd, self._on_readable)
-
-    def _wake(self) -> None:
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
-
-    def _take_frame(self) -> tuple[int, bytes] | None:
-        if len(self._buf) < _CONTROL.size:
-            return None
-        length, seq = _CONTROL.unpack_from(self._buf)
-        if not 0 < length <= self._header_limit:
-            raise ProtocolError(f"frame announces a {length}-byte header (limit {self._header_limit})")
-        end = _CONTROL.size + length
-        if len(self._buf) < end:
-            return None
-        header = bytes(self._buf[_CONTROL.size : end])
-        del self._buf[:end]
-        self._resume()
-        return seq, header
-
-    async def recv_frame(self) -> tuple[int, bytes]:
-        """The next ``(seq, header)``; frames buffered before the end still come out first."""
-        while True:
-            if self._closed:
-                raise ConnectionLost("ucx channel closed")
-            frame = self._take_frame()
-            if frame is not None:
-                return frame
-            if self._eof is not None:
-                raise self._eof
-            self._waiter = self._loop.create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-
-    def close(self, error: ConnectionLost) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        if self._ticket is not None:
-            self._ticket.passed()
-        self._pause()
-        self.writer.fail(error)
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_exception(error)
-        self._sock.close()
-
-
 class UcxChannel(Channel):
     """One sender<->receiver connection: TCP for headers, UCX for payloads (module docstring)."""
 
@@ -244,7 +121,7 @@ class UcxChannel(Channel):
         self._ucx = ucx
         self._loop = asyncio.get_running_loop()
         self._io_timeout = io_timeout
-        self._control = _ControlConnection(sock, io_timeout, self._peer_lost, self._abandon, ticket)
+        self._control = ControlConnection(sock, io_timeout, self._peer_lost, self._abandon, ticket)
         if ticket is not None:
             ticket.bind(self.close)
         self._error: ConnectionLost | None = None
@@ -400,8 +277,9 @@ class UcxChannel(Channel):
             self._recv = None
         if not future.done():
             self._unstoppable = future
-            _STILL_LANDING[future] = buffer  # UCX writes into it until then, whoever else lets go of it
-            future.add_done_callback(_landing_ended)
+            still = self._ucx.still_landing
+            still[future] = buffer  # UCX writes into it until then, whoever else lets go of it
+            future.add_done_callback(lambda f: (still.pop(f, None), f.cancelled() or f.exception()))
             log.warning("a ucx payload was still landing %ss after its connection ended; its region "
                         "stays reserved until it ends", _LATE_CANCEL_S)
         if cancelled:
@@ -472,12 +350,6 @@ class UcxChannel(Channel):
         self._closed = True
         self._peer_lost(ConnectionLost("ucx channel closed"))
         self._control.close(self._error)
-
-
-def _landing_ended(future: asyncio.Future) -> None:
-    _STILL_LANDING.pop(future, None)
-    if not future.cancelled():
-        future.exception()  # retrieved: how it ended (its sender died, most often) is no news
 
 
 async def _wait_bounded(future: asyncio.Future, timeout: float) -> bool:

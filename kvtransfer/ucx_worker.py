@@ -175,6 +175,9 @@ class UcxWorker:
         self._key: tuple = ()
         self._refs = 0
         self._closed = False
+        # Receives a frozen sender left landing, and their buffers (kvtransfer.transport_ucx): kept
+        # until they end -- UCX writes into the buffers till then -- or this worker closes.
+        self.still_landing: dict[asyncio.Future, object] = {}
         # UCX's TCP transport listens for its peers (on NET_DEVICES' interface), without bounds or
         # authentication of its own; past the descriptor limit it closes that listener for good.
         (self.context, self.worker), self.tcp_listeners = opened_by(lambda: self._context_and_worker(api, options))
@@ -278,6 +281,7 @@ class UcxWorker:
             self._notifier.join(timeout=5)
         self.worker.stop_progress_thread()
         self.worker.clear_python_futures_pool()
+        self.still_landing.clear()  # (its progress thread stopped: nothing lands any more)
 
 
 def failed_ucx_listeners() -> list[str]:

@@ -234,6 +234,7 @@ class WorkerRegistry:
         self.on_rejected = on_rejected
         self.clock = clock
         self._logged_rejections: set[str] = set()
+        self._prune_refused = False  # Redis refused the last pruning of lapsed entries (warned once)
 
     def keys(self, model: str) -> RedisKeys:
         return RedisKeys(self.key_prefix, model)
@@ -290,8 +291,12 @@ class WorkerRegistry:
         if stale:
             try:  # housekeeping: a Redis that refuses writes (MISCONF, READONLY replica) is still read
                 await self.client.zrem(keys.workers, *stale)
+                self._prune_refused = False
             except redis.exceptions.ResponseError as exc:
-                log.warning("registry: cannot prune %d lapsed workers: %s", len(stale), exc)
+                log.log(logging.DEBUG if self._prune_refused else logging.WARNING,
+                        "registry: Redis refuses to prune %d lapsed workers (said once until it takes it): %s",
+                        len(stale), exc)
+                self._prune_refused = True
         workers = [w for w in (self._read(raw, model, wid) for wid, raw in zip(ids, raws) if raw is not None)
                    if w is not None]
         return sorted(

@@ -169,20 +169,8 @@ class EngineConfig:
                                  self.draft_model, self.draft_quantization, self.draft_vocab_size)
 
     def _batch_limits(self, device_type: str) -> tuple[int, int]:
-        """Every running request decodes in every step only if the step's tokens are at least the
-        running requests (else those at the back of the batch, and every prompt behind them, wait
-        for the front ones to finish): a set ``max_num_seqs`` above ``max_num_batched_tokens`` is
-        refused (as vLLM does), a default one is cut to it."""
-        defaults = scheduling_defaults(device_type)
-        batched, seqs = self.max_num_batched_tokens, self.max_num_seqs
-        batched = defaults.max_num_batched_tokens if batched is None else batched
-        if seqs is None:
-            return batched, min(defaults.max_num_seqs, batched)
-        if seqs > batched:
-            default = "" if self.max_num_batched_tokens is not None else f", the default on {device_type.upper()}"
-            raise ValueError(f"invalid config: max_num_batched_tokens ({batched}{default}) must be at least "
-                             f"max_num_seqs ({seqs}), or requests in the batch would get no token in a step")
-        return batched, seqs
+        return batch_limits(self.max_num_batched_tokens, self.max_num_seqs, scheduling_defaults(device_type),
+                            f"the default on {device_type.upper()}")
 
     def for_device(self, device_type: str) -> "EngineConfig":
         """This config with the batch limits it leaves unset taken from ``device_type``'s defaults."""
@@ -207,6 +195,24 @@ class EngineConfig:
 
     def replace(self, **changes) -> "EngineConfig":
         return dataclasses.replace(self, **changes)
+
+
+def batch_limits(max_num_batched_tokens: int | None, max_num_seqs: int | None, defaults: SchedulingDefaults,
+                 defaults_are: str = "the default") -> tuple[int, int]:
+    """``(max_num_batched_tokens, max_num_seqs)``, ``defaults`` for those unset (``defaults_are``:
+    what they are, for the error).  Every running request decodes in every step only if the step's
+    tokens are at least the running requests (else those at the back of the batch, and every prompt
+    behind them, wait for the front ones to finish): a set ``max_num_seqs`` above
+    ``max_num_batched_tokens`` is refused (as vLLM does), a default one is cut to it.  (The scheduler
+    itself takes any pair: its tests drive it with tiny budgets.)"""
+    batched = defaults.max_num_batched_tokens if max_num_batched_tokens is None else max_num_batched_tokens
+    if max_num_seqs is None:
+        return batched, min(defaults.max_num_seqs, batched)
+    if max_num_seqs > batched:
+        default = "" if max_num_batched_tokens is not None else f", {defaults_are}"
+        raise ValueError(f"invalid config: max_num_batched_tokens ({batched}{default}) must be at least "
+                         f"max_num_seqs ({max_num_seqs}), or requests in the batch would get no token in a step")
+    return batched, max_num_seqs
 
 
 def _require(ok: bool, field: str, value, expected: str) -> None:

@@ -57,17 +57,16 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> dict[str, tuple[list[int], list[TokenLogprobs | None]]]:
         """Compute the step; returns ``request_id -> (tokens, their logprobs)`` for the requests that
         sample: one token, or the drafts the model agreed with and one of its own.  On rank 0 of a
-        tensor-parallel group, a failure once the step went to the other ranks leaves them waiting
-        in its collectives: ``followers_out_of_step`` says so from then on."""
+        tensor-parallel group, a failure once the step is being sent to the other ranks leaves them
+        waiting in its collectives: ``followers_out_of_step`` says so from then on."""
         self.prompt_logprobs = {}
         if self.steps is None or self.tp.rank > 0:
             return self._compute(out)
+        self.followers_out_of_step = True  # from the step's send (a collective too) until it is whole
         self.steps.send(out)
-        try:
-            return self._compute(out)
-        except Exception:
-            self.followers_out_of_step = True
-            raise
+        sampled = self._compute(out)
+        self.followers_out_of_step = False
+        return sampled
 
     def _compute(self, out: SchedulerOutput) -> dict[str, tuple[list[int], list[TokenLogprobs | None]]]:
         input_ids: list[int] = []

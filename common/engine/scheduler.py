@@ -2,7 +2,8 @@
 
 Each step, in order:
   1. running requests that decode take their one token each (and their speculative drafts, out of
-     the tokens and blocks the others' next tokens and the head of the line's next chunk leave),
+     the tokens the others' next tokens and the head of the line's next chunk leave, and the
+     blocks the others' next tokens leave),
   2. running requests with a partial prompt continue their prefill,
   3. landed requests, then waiting ones, are admitted first-come-first-served, the last one chunked
      to fit ``max_num_batched_tokens``; ``max_num_seqs`` caps the batch and a watermark of free
@@ -208,8 +209,8 @@ class Scheduler(TurnTaking):
         decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
         self.speculation.begin_step(len(decoding))
-        # Drafts take what the step leaves once every running request has its next token and the head
-        # of the line its next chunk, tokens and blocks alike (they had preempted requests behind them).
+        # Drafts take the tokens the step leaves once every running request has its next token and the
+        # head of the line its next chunk, and the blocks the running requests leave (they preempted some).
         behind, head_due = len(decoding) + len(prefilling), self._head_due()
         blocks_behind = self.kv_manager.blocks_for_next_tokens(decoding + prefilling, budget) if self.speculation.proposer else 0
         for request in decoding + prefilling:

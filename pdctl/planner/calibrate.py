@@ -115,7 +115,9 @@ def calibrate(model: str, *, threads: int | None = None, block_size: int = Engin
     longest = max(max(grid["prefill"]), max(grid["decode_context"]))
     need_blocks = batches * (longest // block_size + 4) + 64
     config = EngineConfig(model=model, dtype=dtype, kv_cache_dtype=kv_cache_dtype, device="cpu",
-                          block_size=block_size, num_blocks=num_blocks or need_blocks, max_num_batched_tokens=max_num_batched_tokens,
+                          block_size=block_size, num_blocks=num_blocks or need_blocks,
+                          # (the grid's largest decode batch in one step: its rows, and a token each)
+                          max_num_batched_tokens=max(max_num_batched_tokens, batches),
                           max_num_seqs=max(max_num_seqs, batches), enable_prefix_caching=False, compile=compile)
     engine = Engine(config, load_tokenizer=False)
     began = time.perf_counter()

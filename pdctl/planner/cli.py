@@ -19,7 +19,9 @@ import sys
 import time
 from pathlib import Path
 
-from common.engine.config import KV_CACHE_DTYPES, EngineConfig, SchedulerConfig, scheduling_defaults
+from common.engine.config import (
+    KV_CACHE_DTYPES, EngineConfig, SchedulerConfig, SchedulingDefaults, batch_limits, scheduling_defaults,
+)
 from pdctl.planner.cost_model import load_cost_model, roofline
 from pdctl.planner.hardware import GPUS, LINKS, MODELS, kv_blocks_per_gpu, load_model_spec, parse_link
 from pdctl.planner.sim_config import DEFAULT_BUDGET, Deployment, EngineSettings, HostEffects, SimConfig
@@ -251,8 +253,8 @@ def build_config(args) -> tuple[SimConfig, str]:
         num_blocks = args.num_blocks or _blocks_of_smallest_fitting_worker(args, spec)
         kv_per_token = spec.kv_bytes_per_token
         max_model_len = args.max_model_len or spec.max_model_len
-        batched = args.max_num_batched_tokens or scheduling_defaults("cuda").max_num_batched_tokens
-        seqs = args.max_num_seqs or scheduling_defaults("cuda").max_num_seqs
+        batched, seqs = batch_limits(args.max_num_batched_tokens or None, args.max_num_seqs or None,
+                                     scheduling_defaults("cuda"), "the default on CUDA")
         link = parse_link(args.link or GPUS[args.gpu].default_link)
     else:
         cost = load_cost_model(args.calibration)
@@ -276,9 +278,10 @@ def build_config(args) -> tuple[SimConfig, str]:
             args.model).kv_bytes_per_token
         max_model_len = args.max_model_len or int(calibration_engine.get("max_model_len", 4096))
         cpu = scheduling_defaults("cpu")  # a calibration is measured on CPU workers
-        batched = args.max_num_batched_tokens or int(calibration_engine.get("max_num_batched_tokens",
-                                                                            cpu.max_num_batched_tokens))
-        seqs = args.max_num_seqs or int(calibration_engine.get("max_num_seqs", cpu.max_num_seqs))
+        measured = SchedulingDefaults(int(calibration_engine.get("max_num_batched_tokens", cpu.max_num_batched_tokens)),
+                                      int(calibration_engine.get("max_num_seqs", cpu.max_num_seqs)))
+        batched, seqs = batch_limits(args.max_num_batched_tokens or None, args.max_num_seqs or None, measured,
+                                     "the calibrated workers'")
         link = parse_link(args.link or "2")
     engine = EngineSettings(num_blocks=num_blocks, block_size=args.block_size, max_num_batched_tokens=batched,
                             max_num_seqs=seqs, max_model_len=max_model_len, watermark=args.watermark,

@@ -343,7 +343,7 @@ async def test_a_tools_invalid_parameters_schema_is_a_400_whatever_tool_choice_s
              {"type": "function", "function": {"name": "weather", "parameters": bad}}]
     messages = [{"role": "user", "content": "Weather in Paris?"}]
     async with gateway(served_checkpoint, redis_url, key_prefix) as (gw, client):
-        for choice in ("auto", "none", None):
+        for choice in ("auto", "none", None, {"type": "function", "function": {"name": "ok"}}):
             body = {"model": gw.model_id, "messages": messages, "tools": tools, "max_tokens": 4,
                     **({"tool_choice": choice} if choice else {})}
             async with client.post("/v1/chat/completions", json=body, headers=headers) as resp:

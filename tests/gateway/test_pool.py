@@ -73,15 +73,19 @@ class _HeldRegistry:
         return [worker(f"d{self.calls}", "decode")]
 
 
-async def test_refreshes_asked_for_at_once_share_one_read():
+async def test_refreshes_asked_for_at_once_share_one_read_begun_after_they_asked():
     """A drain's hand-overs each ask for a refresh at once: K reads of the registry, each walking every
-    entry, whose results could land out of order (an older list over a newer one)."""
+    entry, whose results could land out of order (an older list over a newer one).  They share one
+    -- and not one begun before they asked, which may not hold what changed before (a worker's new
+    state, just set)."""
     registry = _HeldRegistry()
     view = WorkerPool(registry, "m")
-    refreshes = [asyncio.ensure_future(view.refresh()) for _ in range(5)]
+    first = asyncio.ensure_future(view.refresh())  # a tick's read, under way
+    await asyncio.sleep(0)
+    asked = [asyncio.ensure_future(view.refresh()) for _ in range(5)]  # then the hand-overs ask
     await asyncio.sleep(0)
     registry.release.set()
-    await asyncio.wait_for(asyncio.gather(*refreshes), 60)
-    assert registry.calls == 1 and [w.worker_id for w in view.workers] == ["d1"]
+    await asyncio.wait_for(asyncio.gather(first, *asked), 60)
+    assert registry.calls == 2 and [w.worker_id for w in view.workers] == ["d2"]
     await view.refresh()  # a later one reads again
-    assert registry.calls == 2
+    assert registry.calls == 3

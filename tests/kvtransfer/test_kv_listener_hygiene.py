@@ -205,15 +205,15 @@ async def test_a_big_header_before_authentication_is_refused_unread(transport, m
         monkeypatch.setattr(TcpChannel, "_recv_exact", recv_exact)
         frame = struct.pack("!I", 60_000) + bytes(60_000)
     else:
-        from kvtransfer.transport_ucx import _ControlConnection
+        from kvtransfer.ucx_control import ControlConnection
 
-        real = _ControlConnection._on_readable
+        real = ControlConnection._on_readable
 
         def on_readable(self):
             real(self)
             largest[0] = max(largest[0], len(self._buf))
 
-        monkeypatch.setattr(_ControlConnection, "_on_readable", on_readable)
+        monkeypatch.setattr(ControlConnection, "_on_readable", on_readable)
         frame = struct.pack("!IQ", 60_000, 0) + bytes(60_000)
     receiver = await start_receiver(transport, **PATIENT)
     sock = await raw_connect(receiver)

@@ -157,6 +157,19 @@ async def test_tcp_sender_silent_mid_payload_is_lost_after_io_timeout_but_an_idl
             sender.channel.close()
 
 
+async def test_tcp_sender_silent_inside_a_frames_length_is_lost_after_io_timeout():
+    """Between frames a connection idles as long as it likes, but a frame begun -- two bytes of its
+    length, say -- must complete within ``io_timeout`` like the rest of it."""
+    async with receiver_for("tcp", io_timeout=0.5) as receiver:
+        sender = await SlowSender.connect("tcp", receiver.address)
+        try:
+            await wait_until(lambda: len(receiver._conns) == 1, what="the connection")
+            await sender.raw_bytes(torch.zeros(2, dtype=torch.uint8))
+            await wait_until(lambda: not receiver._conns, what="the connection's end")
+        finally:
+            sender.channel.close()
+
+
 async def test_ucx_abort_while_payload_owed_drains_it_elsewhere():
     """UCX moves payload bytes without the event loop. An announced payload that has not come
     yet is cancelled and, when it comes, drained into one byte: the handle settles at once, the

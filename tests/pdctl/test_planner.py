@@ -433,3 +433,20 @@ def test_validation_affinity_keys_are_the_gateways_first_block_hashes():
     assert keys[0] == hash_prompt_blocks(plan[0].prompt, 16, block_extra_keys("served-model"))[0]
     assert keys[0] != affinity_keys(plan, "another-model", 16)[0]
     assert keys[1] == b""  # shorter than a block: no key, as in the gateway
+
+
+def test_the_planner_takes_the_batch_limits_as_workers_do():
+    """A default max_num_seqs is cut to a smaller step budget, and a set one above it is refused --
+    as the workers' EngineConfig does: the planner simulated a batch no worker runs, or passed a
+    setting every worker refuses."""
+    from pdctl.cli import build_parser
+    from pdctl.planner.cli import build_config
+
+    def planned(*flags):
+        args = build_parser().parse_args(["plan", "--gpu", "H200", "--model", "llama-3-8b", *flags])
+        return build_config(args)[0].engine
+
+    engine = planned("--max-num-batched-tokens", "32")
+    assert (engine.max_num_batched_tokens, engine.max_num_seqs) == (32, 32)
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(32\) must be at least max_num_seqs \(64\)"):
+        planned("--max-num-batched-tokens", "32", "--max-num-seqs", "64")

@@ -63,10 +63,14 @@ class KVCacheManager:
         return max(0, cdiv(num_tokens_after, self.block_size) - len(self.req_to_blocks.get(request.request_id, ())))
 
     def blocks_for_next_tokens(self, requests: list[Request], budget: int) -> int:
-        """The blocks ``requests`` lack for their next step's tokens (a prompt's chunk within
-        ``budget``)."""
-        return sum(self.blocks_needed(request, min(request.num_tokens - request.num_computed_tokens, budget))
-                   for request in requests)
+        """The blocks ``requests`` lack for their next step's tokens, taken in turn from ``budget``
+        (a prompt's chunk: what the requests before it leave)."""
+        needed = 0
+        for request in requests:
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            needed += self.blocks_needed(request, num_new)
+            budget -= num_new
+        return needed
 
     def allocate_slots(
         self,
