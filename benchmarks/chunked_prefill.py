@@ -25,7 +25,7 @@ from common.engine.engine import Engine  # noqa: E402
 
 def run(checkpoint: Path, budget: int, args, vocab: int) -> dict:
     engine = Engine(EngineConfig(model=str(checkpoint), num_blocks=None, kv_memory_fraction=0.3,
-                                 max_num_batched_tokens=budget, max_num_seqs=64, enable_prefix_caching=False),
+                                 max_num_batched_tokens=budget, max_num_seqs=min(64, budget), enable_prefix_caching=False),
                     load_tokenizer=False)
     return measure_itl(engine, num_decoders=args.num_decoders, num_long=args.num_long, prompt_len=args.prompt_len,
                        gap=args.gap, vocab=vocab)

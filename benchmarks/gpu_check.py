@@ -322,7 +322,7 @@ def check_chunked_prefill(device, workdir: Path, smoke: bool) -> dict:
                     gap=2 if smoke else 16, vocab=shape["vocab_size"])
     results = {}
     for name, budget in ((f"chunked_{chunk}", chunk), ("unchunked", prompt_len + 256)):
-        engine = make_engine(checkpoint, device, max_num_seqs=64, max_num_batched_tokens=budget)
+        engine = make_engine(checkpoint, device, max_num_seqs=min(64, budget), max_num_batched_tokens=budget)
         if not smoke:
             measure_itl(engine, **{**workload, "num_long": 1, "num_decoders": 2, "gap": 2})  # warm-up (compiles)
         results[name] = measure_itl(engine, **workload)
