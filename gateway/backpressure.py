@@ -76,7 +76,12 @@ class WaitQueue:
         self.timeout_s = timeout_s
         self.per_key = per_key
         self._places: dict[Place, None] = {}  # every place held (waiting or trying), in arrival order
-        self._by_key: dict[str, int] = {}  # places held per key
+        # A request's choices (``n``, a batch's prompts) hold a place each but count as one request:
+        # against ``size`` and ``per_key`` alike (an n=32 request took 32 of the places, and its
+        # key's share: a 429 in the middle of its stream).
+        self._groups: dict[str, int] = {}  # places held per request
+        self._requests = 0  # requests holding places
+        self._by_key: dict[str, int] = {}  # requests holding places, per key
         self._waiting: list[tuple[int, Place]] = []  # (ticket, place) of those waiting to be woken, sorted
         self._tickets = itertools.count()
         # Notifications that found nobody waiting; a request whose try spans one tries again.
@@ -84,13 +89,14 @@ class WaitQueue:
 
     @property
     def places_held(self) -> int:
-        """Requests holding a place: waiting to be woken, or woken and trying."""
-        return len(self._places)
+        """Requests holding a place (waiting to be woken, or woken and trying), each once."""
+        return self._requests
 
-    def place(self, key: str | None = None) -> "Place":
-        """A request's place in line (``key``: its API key's id, for ``per_key``); call ``leave()``
-        when the request ends, on every path."""
-        return Place(self, key)
+    def place(self, key: str | None = None, request: str | None = None) -> "Place":
+        """A request's place in line (``key``: its API key's id, for ``per_key``; ``request``: what
+        names the request its choices belong to, which count once); call ``leave()`` when the
+        request ends, on every path."""
+        return Place(self, key, request)
 
     def notify(self, n: int) -> None:
         """Room for ``n`` more may have appeared: wake the ``n`` oldest waiting requests (one that
@@ -126,9 +132,10 @@ class Place:
     one took the request, and ``leave()`` at the end.
     """
 
-    def __init__(self, queue: WaitQueue, key: str | None = None):
+    def __init__(self, queue: WaitQueue, key: str | None = None, request: str | None = None):
         self._queue = queue
         self.key = key
+        self.request = request
         self.ticket: int | None = None  # the order of its arrival in line; None: not queued
         self.deadline: float | None = None  # set when it queues, cleared when it is admitted
         self.why = "no decode worker has room"  # until a try of its own says why
@@ -205,31 +212,42 @@ class Place:
     def _join(self) -> None:
         queue = self._queue
         retry_after = max(1.0, queue.timeout_s / 2)
-        if len(queue._places) >= queue.size:
-            raise Saturated(f"{self.why}, and {len(queue._places)} requests are already waiting; retry shortly",
-                            retry_after=retry_after)
+        counted = self.request is not None and queue._groups.get(self.request, 0) > 0  # its request holds one
         mine = queue._by_key.get(self.key, 0) if self.key is not None else 0
-        if queue.per_key is not None and mine >= queue.per_key:
+        if not counted and queue._requests >= queue.size:
+            raise Saturated(f"{self.why}, and {queue._requests} requests are already waiting; retry shortly",
+                            retry_after=retry_after)
+        if not counted and queue.per_key is not None and mine >= queue.per_key:
             raise KeyLineFull(f"{self.why}, and this API key ({self.key}) already has {mine} requests waiting, "
                               f"its share of the wait queue; retry shortly", retry_after=retry_after)
         if self.deadline is None:
             self.deadline = queue.deadline()
         self.ticket = next(queue._tickets)
         queue._places[self] = None
-        if self.key is not None:
-            queue._by_key[self.key] = mine + 1
+        if self.request is not None:
+            queue._groups[self.request] = queue._groups.get(self.request, 0) + 1
+        if not counted:
+            queue._requests += 1
+            if self.key is not None:
+                queue._by_key[self.key] = mine + 1
 
     def _release(self) -> None:
         queue = self._queue
         self._unlist()
         del queue._places[self]
+        self.ticket = None
+        if self.request is not None:
+            others = queue._groups.pop(self.request) - 1
+            if others:  # its request holds places still: it counts on
+                queue._groups[self.request] = others
+                return
+        queue._requests -= 1
         if self.key is not None:
             left = queue._by_key[self.key] - 1
             if left:
                 queue._by_key[self.key] = left
             else:
                 del queue._by_key[self.key]
-        self.ticket = None
 
     def _wake(self) -> None:
         """Called by the queue, which has taken it off ``_waiting``."""

@@ -195,7 +195,8 @@ class Dispatcher:
 
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams, result: DispatchResult,
                        cache_salt: str | None = None, key_id: str | None = None,
-                       follow: DispatchResult | None = None) -> AsyncIterator[list[TokenFrame]]:
+                       follow: DispatchResult | None = None, choice_of: str | None = None
+                       ) -> AsyncIterator[list[TokenFrame]]:
         """Frames of one request, in batches: each batch is what had arrived from the decode
         worker when it was read (one frame when the gateway keeps up), the last one ends with
         the finished frame.  Raises ``Saturated`` (no room anywhere within the queue's
@@ -203,7 +204,8 @@ class Dispatcher:
         ``UpstreamError`` (failed in the cluster), ``ValueError`` (refused as invalid).
         ``cache_salt``: the request shares prefix-cache blocks only with requests of the same salt.
         ``follow``: another request's result (a sibling of an ``n > 1`` request, whose prompt is
-        this one's): its decode worker, which caches the prompt, is tried first, computing it there."""
+        this one's): its decode worker, which caches the prompt, is tried first, computing it there.
+        ``choice_of``: the request this is a choice of (its choices count once in the wait queue)."""
         exclude: set[str] = set()  # the runs of workers that failed this request (``WorkerInfo.audience``)
         stale: set[str] = set()  # workers that refused it as no longer decoding (until its stream moves)
         busy: set[str] = set()  # workers that said busy since this request last waited
@@ -211,7 +213,7 @@ class Dispatcher:
         last_bad_answer: BadAnswer | None = None  # the last worker answer that was no frame stream
         migration = StreamMigration(self.migration_limit, self.metrics)  # the tokens the client has
         hashed: dict[int, list[bytes]] = {}  # the prompt's block hashes, computed once
-        place = self.queue.place(key_id)  # its place in line while no decode worker has room (first come, first served)
+        place = self.queue.place(key_id, choice_of)  # its place in line while no decode worker has room (FIFO)
         waits = 0  # times it found no room (logged at the first, then at debug level: it looks twice a second)
         try:
             while True:

@@ -29,6 +29,7 @@ class Generation:
     index: int = 0
     first_choice: bool = True
     response_id: str = ""
+    cluster_request: str = ""  # the request's id in the cluster, its choices' alike (not the client's: unique)
     echo: str = ""  # completions with echo: the prompt's text, before the answer
     echo_only: bool = False  # max_tokens=0 with echo: the prompt alone is answered (the token generated is not)
     arrival: float = field(default_factory=time.monotonic)

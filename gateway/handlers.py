@@ -166,7 +166,8 @@ class OpenAIHandlers(ResponsesEndpoints):
             index = prompt_index * n + i
             gen = Generation(cluster_id if choices == 1 else f"{cluster_id}-{index}", kind, model, prompt_ids,
                              options, seeded, salt, tenant.key_id, index=index, first_choice=i == 0,
-                             response_id=response_id, echo=echo, echo_only=echo_only, running=running)
+                             response_id=response_id, cluster_request=cluster_id, echo=echo, echo_only=echo_only,
+                             running=running)
             if plan is not None and plan.parses_calls:
                 gen.tools = ToolOutput(plan, services.tool_parser)
             gens.append(gen)
@@ -382,7 +383,8 @@ class OpenAIHandlers(ResponsesEndpoints):
         last = None
         try:
             stream = services.dispatcher.generate(gen.request_id, gen.prompt_ids, gen.params, result, gen.cache_salt,
-                                                  gen.key_id, follow=follow.dispatch if follow else None)
+                                                  gen.key_id, follow=follow.dispatch if follow else None,
+                                                  choice_of=gen.cluster_request)
             async with contextlib.aclosing(stream) as batches:
                 async for batch in batches:
                     now_t = time.monotonic()

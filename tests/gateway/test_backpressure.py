@@ -411,6 +411,26 @@ async def test_one_api_key_holds_at_most_its_share_of_the_places_in_line():
     assert queue.places_held == 0 and not queue._by_key
 
 
+async def test_a_requests_choices_count_once_in_line_and_in_its_keys_share():
+    """An n=3 request's choices each wait for room, as one request: it took 3 of the places, and
+    its key's share -- so its third choice got a 429 in the middle of its stream."""
+    queue = WaitQueue(size=2, timeout_s=60, per_key=1)
+    choices = await in_line(queue, 3, key="key-a", request="cmpl-1")
+    assert queue.places_held == 1 and queue._by_key == {"key-a": 1}
+    with pytest.raises(KeyLineFull):  # the key's share: the one request
+        await queue.place("key-a", "cmpl-2").turn()
+    other = await in_line(queue, 1, key="key-b", request="cmpl-3")
+    with pytest.raises(Saturated, match="2 requests are already waiting"):
+        await queue.place("key-c", "cmpl-4").turn()
+    for place, task in [*choices[::-1], *other]:  # (whichever choice leaves last)
+        task.cancel()
+        await settle()
+        place.leave()
+        assert queue.places_held == (2 if place in (p for p, _ in choices[1:]) else
+                                     1 if place is choices[0][0] else 0)
+    assert not queue._by_key and not queue._groups
+
+
 async def test_without_a_per_key_limit_or_a_key_any_request_may_take_every_place():
     for queue, key in ((WaitQueue(size=3, timeout_s=60), "key-a"), (WaitQueue(size=3, timeout_s=60, per_key=1), None)):
         line = await in_line(queue, 3, key=key)

@@ -60,13 +60,14 @@ async def start(queue: WaitQueue, room: list[int], n: int, hold: bool = False) -
     return out
 
 
-async def in_line(queue: WaitQueue, n: int, key: str | None = None) -> list[tuple[Place, asyncio.Task]]:
-    """``n`` requests (of API key ``key``) waiting in line, oldest first (the first found the line
-    empty and tried)."""
+async def in_line(queue: WaitQueue, n: int, key: str | None = None,
+                  request: str | None = None) -> list[tuple[Place, asyncio.Task]]:
+    """``n`` requests (of API key ``key``; ``request``: choices of that one request) waiting in
+    line, oldest first (the first found the line empty and tried)."""
     out = []
     for _ in range(n):
-        place = queue.place(key)
-        if not queue.places_held:
+        place = queue.place(key, request)
+        if not queue._places:
             assert await place.turn() is False  # a newcomer facing an empty line tries at once
             place.no_room("every decode worker is busy")
         out.append((place, asyncio.create_task(place.turn())))
