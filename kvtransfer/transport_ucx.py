@@ -56,8 +56,8 @@ import torch
 from kvtransfer.config import KVTransferConfig
 from kvtransfer.errors import ConnectionLost, ProtocolError
 from kvtransfer.socket_io import PreAuthTicket, TcpListener, connect_tcp
-from kvtransfer.ucx_control import ControlConnection
 from kvtransfer.transport_base import Channel, Listener, Transport
+from kvtransfer.ucx_control import ControlConnection
 from kvtransfer.ucx_worker import UcxWorker, net_devices_for
 
 log = logging.getLogger(__name__)
