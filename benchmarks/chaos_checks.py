@@ -204,3 +204,16 @@ def reference_texts(checkpoint: Path, items: list[tuple[tuple[int, ...], int]], 
         decoder = StreamingDecoder(engine.tokenizer, keys[rid][0])
         texts[keys[rid]] = decoder.step(token_ids) + decoder.finish()
     return texts
+
+
+def summary(result: dict) -> dict:
+    """The headline numbers (what the benchmark prints last)."""
+    keys = ("transport", "requests", "completed", "explicit_errors", "disconnected", "hangs", "broken",
+            "parity_checked", "parity_mismatches", "leaked_blocks", "leak_check_before_leases_end",
+            "workers_healthy_at_end", "error_classes", "preemptions", "migrations",
+            "decode_busy_answers", "remote_prefill_fallbacks", "restarts", "longest_stall_s", "load_s", "total_s")
+    out = {k: result[k] for k in keys}
+    out["idle_cpu_s_max"] = max(result["idle_cpu_s"].values(), default=None)
+    out["hostile_ok"] = all(h["ok"] for h in result["hostile"])
+    out["unexplained_errors"] = len(result["unexplained_errors"])
+    return out

@@ -51,7 +51,7 @@ from pathlib import Path
 import openai
 
 from benchmarks.chaos_checks import (classify_error, gateway_metric, migrations_so_far, reference_texts, settle,
-                                     streams_moved)
+                                     streams_moved, summary)
 from benchmarks.chaos_requests import ChaosConfig, Outcome, Planner, Spec, run_request
 from launcher.local_stack import LocalStack, http_json
 from launcher.supervisor import Supervisor
@@ -65,6 +65,7 @@ MAX_MODEL_LEN = 1600
 # left between the reading of ``streams_open`` and the SIGKILL on a faster engine: 0 migrations, once).
 WITNESS_INDEX, WITNESS_TOKENS = 1_000_000, 1200
 WITNESS_STREAMING_CHUNKS = 2  # chunks its client has read before its worker may be killed
+WITNESS_ATTEMPTS, WITNESS_READINGS = 3, 20  # witnesses for one kill, at most; readings of the workers' streams each
 MIGRATION_WAIT_S = 30.0  # at most, for the gateway to move the killed worker's streams
 
 
@@ -207,10 +208,25 @@ class ChaosStack:
         received tokens (so it streams from a decode worker: a request still waiting in the gateway's
         queue, or one whose first token the gateway has not read yet, would not be moved but sent
         again), the worker killed is the one with streams open (``streams_open``) while the other
-        has none -- the witness's -- or, failing such a reading while the witness lasts, the one
-        with the most."""
-        spec = Spec(WITNESS_INDEX + round_no, list(range(5, 21)), WITNESS_TOKENS, temperature=0.0, stream=True)
-        received = [0]
+        has none -- the witness's -- or, failing such a reading within ``WITNESS_READINGS``, the
+        one with the most; a witness that ended first (it moves nothing) is followed by another."""
+        for attempt in range(WITNESS_ATTEMPTS):
+            witness, best, serving = await self._decode_worker_to_kill(round_no, attempt)
+            if not witness.done():
+                break
+            self.event("the witness ended before its decode worker was chosen; another one")
+        moved = await asyncio.to_thread(migrations_so_far, self.stack.gateway_url)
+        await self.kill(best, f"a decode worker crashes with {serving} streams open")
+        # The next fault (Redis) waits until the gateway has moved the cut streams, or the witness
+        # ended: with the registry down at that moment it finds no decode worker to move them to.
+        if await streams_moved(self.stack.gateway_url, moved, witness, MIGRATION_WAIT_S):
+            self.event("the gateway moved the cut streams")
+
+    async def _decode_worker_to_kill(self, round_no: int, attempt: int) -> tuple[asyncio.Task, str, int]:
+        """A witness started, the decode worker to kill and its streams open (``kill_decode``)."""
+        spec = Spec(WITNESS_INDEX + WITNESS_ATTEMPTS * round_no + attempt, list(range(5, 21)), WITNESS_TOKENS,
+                    temperature=0.0, stream=True)
+        received, readings = [0], 0
         witness = asyncio.ensure_future(self._witness(spec, lambda: received.__setitem__(0, received[0] + 1)))
         self.witnesses.append(witness)
         best, serving = f"d{round_no % 2}", 0
@@ -230,13 +246,11 @@ class ChaosStack:
             if len(counts) == 2 and len(serving_now) == 1:
                 best, serving = next(iter(serving_now.items()))
                 break
+            readings += 1
+            if readings >= WITNESS_READINGS and serving:
+                break
             await asyncio.sleep(0.05)
-        moved = await asyncio.to_thread(migrations_so_far, self.stack.gateway_url)
-        await self.kill(best, f"a decode worker crashes with {serving} streams open")
-        # The next fault (Redis) waits until the gateway has moved the cut streams, or the witness
-        # ended: with the registry down at that moment it finds no decode worker to move them to.
-        if await streams_moved(self.stack.gateway_url, moved, witness, MIGRATION_WAIT_S):
-            self.event("the gateway moved the cut streams")
+        return witness, best, serving
 
     async def _witness(self, spec: Spec, on_chunk) -> Outcome:
         client = openai.AsyncOpenAI(base_url=f"{self.stack.gateway_url}/v1", api_key="none", max_retries=0,
@@ -480,19 +494,6 @@ def check_parity(checkpoint: Path, outcomes: list[Outcome]) -> dict:
             mismatches.append({**_describe(o), "outcome": o.kind, "got": o.text[:80], "want": ref[:80]})
     return {"parity_checked": len(greedy), "parity_complete": sum(o.kind == "completed" for o in greedy),
             "parity_mismatches": len(mismatches), "mismatch_examples": mismatches[:5]}
-
-
-def summary(result: dict) -> dict:
-    """The headline numbers (what the benchmark prints last)."""
-    keys = ("transport", "requests", "completed", "explicit_errors", "disconnected", "hangs", "broken",
-            "parity_checked", "parity_mismatches", "leaked_blocks", "leak_check_before_leases_end",
-            "workers_healthy_at_end", "error_classes", "preemptions", "migrations",
-            "decode_busy_answers", "remote_prefill_fallbacks", "restarts", "longest_stall_s", "load_s", "total_s")
-    out = {k: result[k] for k in keys}
-    out["idle_cpu_s_max"] = max(result["idle_cpu_s"].values(), default=None)
-    out["hostile_ok"] = all(h["ok"] for h in result["hostile"])
-    out["unexplained_errors"] = len(result["unexplained_errors"])
-    return out
 
 
 __all__ = ["ChaosConfig", "run_chaos", "summary", "write_checkpoint"]
