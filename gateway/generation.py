@@ -50,6 +50,7 @@ class Generation:
 
     def __post_init__(self) -> None:
         self.response_id = self.response_id or self.request_id
+        self.cluster_request = self.cluster_request or self.request_id  # (unset: a request of its own)
 
     def ending_token(self, frame: TokenFrame, special_ids: Collection[int]) -> int | None:
         """The token that ended the answer in ``frame`` -- one of its stop tokens (``stop_token_ids``,
