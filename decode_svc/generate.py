@@ -413,8 +413,6 @@ async def release_reservation(context: RoleContext, request_id: str, handle: Inc
         finally:
             context.metrics.kv_transfers_settling.dec()
     still_landing = handle.still_landing
-    if still_landing is not None and still_landing.done():  # (ended meanwhile: nothing to keep pinned)
-        still_landing = None
 
     def give_up(engine: Engine) -> list:
         pinned = engine.scheduler.handoff.decode.pin_landing(request_id, handle.block_ids) if still_landing else []

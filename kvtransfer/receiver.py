@@ -101,7 +101,14 @@ class IncomingTransfer:
         self._future.add_done_callback(lambda f: f.cancelled() or f.exception())  # never "unretrieved"
         self._timer = self._loop.call_later(timeout, self._on_deadline, timeout)
         self._grace_timer: asyncio.TimerHandle | None = None
-        self.still_landing: asyncio.Future | None = None  # see the class docstring
+        self._still_landing: asyncio.Future | None = None
+
+    @property
+    def still_landing(self) -> asyncio.Future | None:
+        """A payload the transport could not stop, while it may still land in the blocks (the class
+        docstring); ``None`` once it has ended, or if there was none."""
+        future = self._still_landing
+        return None if future is None or future.done() else future
 
     async def wait(self) -> TransferResult:
         return await asyncio.shield(self._future)
@@ -173,7 +180,7 @@ class IncomingTransfer:
             log.warning("kv receiver: transfer %r ended with its payload still landing (its sender froze "
                         "mid-payload); its %d blocks stay out of use until it ends",
                         self.request_id, len(self.block_ids))
-            self.still_landing = still_landing
+            self._still_landing = still_landing
         if self._error is not None:
             self._resolve()
 

@@ -179,16 +179,22 @@ class FrameWriter:
         self._on_stall(error)
 
 
-async def wait_uncancelled(fut: asyncio.Future) -> None:
-    """Wait for ``fut`` to finish even if this task is cancelled meanwhile (the cancellations are
-    held back, not lost: the caller re-raises). Only for waits bounded by something else."""
+async def wait_uncancelled(fut: asyncio.Future, timeout: float | None = None) -> bool:
+    """Wait for ``fut`` to finish (for at most ``timeout``) even if this task is cancelled meanwhile;
+    returns whether it was (the cancellations are held back, not lost: the caller re-raises). Only
+    for waits bounded by something else, or by ``timeout``."""
+    loop = asyncio.get_running_loop()
+    deadline = None if timeout is None else loop.time() + timeout
+    cancelled = False
     while not fut.done():
+        left = None if deadline is None else deadline - loop.time()
+        if left is not None and left <= 0:
+            break
         try:
-            await asyncio.shield(fut)
+            await asyncio.wait((fut,), timeout=left)
         except asyncio.CancelledError:
-            continue
-        except Exception:
-            return
+            cancelled = True
+    return cancelled
 
 
 def _family(host: str) -> socket.AddressFamily:

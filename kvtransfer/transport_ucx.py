@@ -55,7 +55,7 @@ import torch
 
 from kvtransfer.config import KVTransferConfig
 from kvtransfer.errors import ConnectionLost, ProtocolError
-from kvtransfer.socket_io import PreAuthTicket, TcpListener, connect_tcp
+from kvtransfer.socket_io import PreAuthTicket, TcpListener, connect_tcp, wait_uncancelled
 from kvtransfer.transport_base import Channel, Listener, Transport
 from kvtransfer.ucx_control import ControlConnection
 from kvtransfer.ucx_worker import UcxWorker, net_devices_for
@@ -272,7 +272,7 @@ class UcxChannel(Channel):
                 cancelled = True
                 self.close()  # the reader gave up: nobody can follow this stream any more
             if not future.done():  # the channel ended: the receive was dropped with it
-                cancelled |= await _wait_bounded(future, _LATE_CANCEL_S)
+                cancelled |= await wait_uncancelled(future, _LATE_CANCEL_S)
         finally:
             self._recv = None
         if not future.done():
@@ -350,20 +350,6 @@ class UcxChannel(Channel):
         self._closed = True
         self._peer_lost(ConnectionLost("ucx channel closed"))
         self._control.close(self._error)
-
-
-async def _wait_bounded(future: asyncio.Future, timeout: float) -> bool:
-    """Wait up to ``timeout`` for ``future``, through cancellations; returns whether one came
-    (the caller re-raises it)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    cancelled = False
-    while not future.done() and (left := deadline - loop.time()) > 0:
-        try:
-            await asyncio.wait((future,), timeout=left)
-        except asyncio.CancelledError:
-            cancelled = True
-    return cancelled
 
 
 class _UcxListener(Listener):

@@ -29,6 +29,17 @@ async def stream(request, body: GenerateRequest, until: int) -> web.StreamRespon
     return response
 
 
+def refusing_first(kind: str, until: int, calls: list[str]):
+    """A decode worker (d0) that answers ``kind`` ("busy", "refused") at its first call, then streams
+    up to ``until``."""
+    async def d0(request):
+        calls.append("d0")
+        body = decode(await request.read(), GenerateRequest)
+        return error(kind) if calls.count("d0") == 1 else await stream(request, body, until)
+
+    return d0
+
+
 async def run(d, max_tokens: int) -> list[int]:
     tokens = []
     params = SamplingParams(max_tokens=max_tokens)
@@ -44,11 +55,6 @@ async def test_a_moved_stream_may_go_to_a_worker_that_was_busy_when_it_started()
     in line (a full queue) the stream failed mid-way."""
     calls = []
 
-    async def d0(request):
-        calls.append("d0")
-        body = decode(await request.read(), GenerateRequest)
-        return error("busy") if calls.count("d0") == 1 else await stream(request, body, 6)
-
     async def d1(request):
         calls.append("d1")
         body = decode(await request.read(), GenerateRequest)
@@ -57,7 +63,7 @@ async def test_a_moved_stream_may_go_to_a_worker_that_was_busy_when_it_started()
         await response.write(frame(TokenFrame(error="draining", error_kind="migrate")))
         return response
 
-    async with dispatcher(d0, d1) as d:
+    async with dispatcher(refusing_first("busy", 6, calls), d1) as d:
         d.queue.size = 0  # no place in line: what a full queue leaves a request
         assert await run(d, 6) == [100 + i for i in range(6)]
     assert calls == ["d0", "d1", "d0"]
@@ -68,16 +74,11 @@ async def test_a_worker_that_refused_the_request_is_tried_again_once_it_waited_i
     Woken, it tries d0 again -- back at work -- instead of d1 alone until the queue gives it up."""
     calls = []
 
-    async def d0(request):
-        calls.append("d0")
-        body = decode(await request.read(), GenerateRequest)
-        return error("refused") if calls.count("d0") == 1 else await stream(request, body, 1)
-
     async def d1(request):
         calls.append("d1")
         d.queue.notify_all()  # (a registry refresh: d0 is listed as active)
         return error("busy")
 
-    async with dispatcher(d0, d1) as d:
+    async with dispatcher(refusing_first("refused", 1, calls), d1) as d:
         assert await run(d, 1) == [100]
     assert calls[:2] == ["d0", "d1"] and calls[-1] == "d0"
