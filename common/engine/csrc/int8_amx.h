@@ -79,8 +79,9 @@ static void amx_finish(void) {
 }
 
 /* One group's stored sums (sums[j][i]: block j, row i of the pass) into out[j * mr + i]. */
-static inline void amx_scale_group(const quantized_rows *r, int64_t g, int mr, int nb,
-                                   int32_t sums[][AMX_ROWS][LANES], __m512 *out) {
+static inline __attribute__((always_inline)) void amx_scale_rows(const quantized_rows *r, int64_t g, const int mr,
+                                                                 const int nb, int32_t sums[][AMX_ROWS][LANES],
+                                                                 __m512 *out) {
     const int64_t groups = r->groups;
     for (int i = 0; i < mr; i++) {
         const __m512i offset = _mm512_set1_epi32(128 * r->sums[i * groups + g]);
@@ -91,6 +92,17 @@ static inline void amx_scale_group(const quantized_rows *r, int64_t g, int mr, i
             out[j * mr + i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), scale, g ? out[j * mr + i] : _mm512_setzero_ps());
         }
     }
+}
+
+/* amx_scale_rows with a whole pass's shape (32 rows by 2 blocks) known to the compiler, its loops
+ * unrolled: products of 2048 / 64 rows (640 x 4096, 2 threads) 5-10% faster than with the shape
+ * a variable; any other shape by the general loops. */
+static void amx_scale_group(const quantized_rows *r, int64_t g, int mr, int nb, int32_t sums[][AMX_ROWS][LANES],
+                            __m512 *out) {
+    if (mr == AMX_ROWS && nb == AMX_BLOCKS)
+        amx_scale_rows(r, g, AMX_ROWS, AMX_BLOCKS, sums, out);
+    else
+        amx_scale_rows(r, g, mr, nb, sums, out);
 }
 
 /* mr (<= 32) rows by nb (<= 2) blocks from block b: out[j * mr + i], as int8_tile computes them. */
