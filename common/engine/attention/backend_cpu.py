@@ -36,13 +36,46 @@ import torch.nn.functional as F
 
 from common.engine.attention.interface import step_layout
 from common.engine.kv.block_table import BlockTable
-from common.engine.cpu_kernels import load_kernel, profiled
+from common.engine.cpu_kernels import kernel_function, load_kernel, profiled
 from common.engine.kv.kv_cache import KVCache
 
 log = logging.getLogger(__name__)
 
 # the dtypes the kernel reads: its elem (queries: fp32, bf16) and cache_elem (those, and fp8 e4m3)
 ELEMENT_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float8_e4m3fn: 1}
+
+
+@functools.cache
+def _row_writer():
+    """``csrc/kv_write_cpu.c``'s entry, or None (no compiler)."""
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    return kernel_function("kv_write_cpu", "kv_write", [ptr, ptr, ctypes.c_int] + [i64] * 5 + [ptr, ptr, ptr, i64, ptr]
+                           + [i64] * 4, ctypes.c_int)
+
+
+def _rows(t: torch.Tensor) -> bool:
+    """Whether ``t`` [tokens, kv_heads, head_dim] is fp32 rows the kernel reads (each token's heads contiguous)."""
+    return t.dtype == torch.float32 and t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == t.shape[2]
+
+
+def write_rows(keys: torch.Tensor, values: torch.Tensor, slot_blocks: torch.Tensor, slot_offsets: torch.Tensor,
+               k: torch.Tensor, v: torch.Tensor) -> bool:
+    """``keys[slot_blocks, slot_offsets] = k`` and the same for the values (one layer's caches
+    ``[blocks, block_size, kv_heads, head_dim]``, rounded to their dtype), by the C kernel; False where
+    it does not apply (the caller assigns them)."""
+    cache_elem = ELEMENT_BYTES.get(keys.dtype)
+    if (cache_elem is None or keys.device.type != "cpu" or not (_rows(k) and _rows(v)) or k.shape != v.shape
+            or keys.shape[2:] != k.shape[1:] or keys.stride() != values.stride() or keys.stride(3) != 1
+            or keys.stride(2) != keys.shape[3] or torch.compiler.is_compiling() or _row_writer() is None):
+        return False
+    blocks, offsets = slot_blocks.to(torch.int64).contiguous(), slot_offsets.to(torch.int64).contiguous()
+    if len(blocks) != k.shape[0] or len(offsets) != k.shape[0]:
+        raise ValueError(f"KV write: {k.shape[0]} tokens for {len(blocks)} / {len(offsets)} slots")
+    if _row_writer()(keys.data_ptr(), values.data_ptr(), cache_elem, keys.shape[0], keys.shape[1], keys.stride(0),
+                     keys.stride(1), keys.stride(2), blocks.data_ptr(), offsets.data_ptr(), k.data_ptr(), k.stride(0),
+                     v.data_ptr(), v.stride(0), k.shape[0], k.shape[1], k.shape[2]) != 0:
+        raise IndexError("KV write: a slot outside the cache")
+    return True
 
 
 def build_kernel() -> ctypes.CDLL | None:
@@ -130,8 +163,10 @@ class CpuPagedAttention:
         return step_metadata(requests, self.block_size, self.block_table)
 
     def write_kv(self, k, v, cache: KVCache, layer: int, meta: CpuMetadata) -> None:
-        """k, v: [T, KVH, D] for the new tokens, into their slots (``forward`` does this first)."""
-        cache.write(layer, meta.slot_blocks, meta.slot_offsets, k, v)
+        """k, v: [T, KVH, D] for the new tokens, into their slots (``forward`` does this first): fp32
+        rows by ``csrc/kv_write_cpu.c``, others by the cache's indexed assignment (the same bits)."""
+        if not write_rows(cache.key(layer), cache.value(layer), meta.slot_blocks, meta.slot_offsets, k, v):
+            cache.write(layer, meta.slot_blocks, meta.slot_offsets, k, v)
 
     def forward(self, q, k, v, cache: KVCache, layer: int, meta: CpuMetadata, window, scale) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KVH, D] for the new tokens.  Returns [T, H, D]."""

@@ -25,7 +25,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "fp8_e4m3.h"
+#include "kv_rows.h"
 
 #define PRODUCT_VNNI8 0 /* fn(x, rows, in, w0, w1, y, out, group) -> int */
 #define PRODUCT_VNNI4 1 /* fn(x, rows, in, w0, w1, w2, y, out, group) -> int */
@@ -103,25 +103,6 @@ static int norm_rows(const model_t *m, const float *x, int64_t rows, int64_t dim
     return ((norm_rope_fn)m->norm_rope)(x, rows, 1, dim, 0, dim, w, m->eps, residual, dim, NULL, NULL, 0, out, threads);
 }
 
-/* n values of src into a cache row of elem bytes a value: a bf16 cache takes them rounded to nearest
- * even, a NaN as the quiet NaN -- as torch's fp32 -> bf16 conversion does --, an fp8 one as torch's
- * fp32 -> float8_e4m3fn conversion does (fp8_e4m3.h). */
-static void store_row(void *dst, const float *src, int64_t n, int elem) {
-    if (elem == 4) {
-        memcpy(dst, src, sizeof(float) * (size_t)n);
-        return;
-    }
-    if (elem == 1) {
-        for (int64_t i = 0; i < n; i++) ((uint8_t *)dst)[i] = fp8_e4m3_from_f32(src[i]);
-        return;
-    }
-    uint16_t *out = (uint16_t *)dst;
-    for (int64_t i = 0; i < n; i++) {
-        uint32_t bits;
-        memcpy(&bits, src + i, sizeof bits);
-        out[i] = src[i] != src[i] ? (uint16_t)0x7FC0 : (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
-    }
-}
 
 static void add_rows(float *x, const float *y, int64_t values) {
     for (int64_t i = 0; i < values; i++) x[i] = x[i] + y[i];
