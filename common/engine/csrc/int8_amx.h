@@ -38,7 +38,12 @@
  * (vnni_rows.h's PREFETCH_BYTES into PREFETCH_HINT: 16 KB into L2): the LM head's greedy tokens at 8
  * rows, builds side by side on a Sapphire Rapids-class VM, 4 KB into L1 7.1-8.3 ms, 16 KB into L2
  * 6.1-6.6 ms; the decode-bound workload (quantized.py --quick, int8, interleaved in one engine) 353
- * -> 371 tok/s, the 64-request one within its noise (+1-2%). */
+ * -> 371 tok/s, the 64-request one within its noise (+1-2%).  Only in a row block's first pass over
+ * its chunk of blocks (quantized_rows.first_pass): the passes after it find those bytes cached, and
+ * the prefetches (32 instructions a tile product of 64 inputs) cost them time -- alone, 2 threads, a
+ * Xeon with AMX (Granite Rapids-class VM), two runs each: 64 x 640 x 4096 0.216-0.224 -> 0.187-0.196
+ * ms, 2048 x 2048 x 640 3.65-3.72 -> 3.49-3.55 ms, 2048 x 640 x 4096 6.59-6.63 -> 6.34-6.53 ms, the
+ * LM head's 64 rows 16.0-16.5 -> 15.5-16.2 ms (32 rows, one pass: the same). */
 /* Fewer rows take the VNNI tiles: products alone, two builds interleaved on a Sapphire Rapids-class
  * VM, AMX against VNNI: 1-2 rows 0.76-0.97x, 4 rows 0.96-1.09x, 6 rows 1.11-1.20x, 8 rows
  * 1.19-1.33x, 16 rows 1.37-1.65x, 64 rows 1.55-1.68x (the layers' shapes; the LM head's, which
@@ -123,7 +128,7 @@ static void amx_int8_tile(int mr, int nb, const quantized_rows *r, int64_t b, co
             }
             const int64_t k_end = (g + 1) * r->group < k_pad ? (g + 1) * r->group : k_pad;
             for (int64_t k = g * r->group; k < k_end; k += k_tile) {
-                for (int line = 0; line < k_tile * LANES; line += 64) {
+                for (int line = 0; r->first_pass && line < k_tile * LANES; line += 64) {
                     const int64_t ahead = k * LANES + PREFETCH_BYTES + line;
                     _mm_prefetch((const char *)w0 + ahead, PREFETCH_HINT);
                     if (nb == 2) _mm_prefetch((const char *)w1 + ahead, PREFETCH_HINT);

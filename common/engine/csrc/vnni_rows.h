@@ -249,7 +249,7 @@ static int vnni_product(const float *x, int64_t rows, int64_t k_in, int64_t grou
             for (int64_t m0 = rb * ROW_BLOCK; m0 < m_end; m0 += rows_per_pass) {
                 int mr = (int)(m_end - m0 < rows_per_pass ? m_end - m0 : rows_per_pass);
                 quantized_rows part = {xq + m0 * k_pad, xs + m0 * groups, sums + m0 * groups, x_sums + m0 * groups,
-                                       k_pad, groups, group};
+                                       k_pad, groups, group, m0 == rb * ROW_BLOCK};
                 __m512 lane_best[MAX_PASS_ROWS];
                 __m512i lane_index[MAX_PASS_ROWS];
                 for (int i = 0; argmax && i < mr; i++)

@@ -158,7 +158,7 @@ static int vnni_product(const float *x, int64_t rows, int64_t k_in, int64_t grou
         for (int64_t m0 = 0; m0 < rows; m0 += ROWS) {
             int mr = (int)(rows - m0 < ROWS ? rows - m0 : ROWS);
             quantized_rows part = {xq + m0 * k_pad, xs + m0 * groups, sums + m0 * groups, x_sums + m0 * groups,
-                                   k_pad, groups, group};
+                                   k_pad, groups, group, m0 == 0};
             __m256 lane_best[2 * ROWS];
             __m256i lane_index[2 * ROWS];
             for (int i = 0; argmax && i < 2 * mr; i++)

@@ -12,13 +12,16 @@
 
 /* The quantized rows handed to a kernel's tile: rows m0.. of xq [rows, k_pad] (int8, the pad zero),
  * xs [rows, groups] (the groups' scales), sums [rows, groups] (each group's sum of xq) and x_sums
- * (each group's sum of x, fp32). */
+ * (each group's sum of x, fp32); and whether this pass is its row block's first over the chunk of
+ * blocks (``first_pass``: the weight's bytes come from memory then, and from the caches in the
+ * passes after it -- the AMX tiles prefetch only in the first). */
 typedef struct {
     const int8_t *xq;
     const float *xs;
     const int32_t *sums;
     const float *x_sums;
     int64_t k_pad, groups, group;
+    int first_pass;
 } quantized_rows;
 
 /* argmax[m]: the index of row m's largest value over its chunks' bests (best[c * rows + m] at
