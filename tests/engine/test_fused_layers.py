@@ -16,7 +16,8 @@ from common.engine.config import EngineConfig
 from common.engine.engine import Engine
 from common.engine.models import int4_vnni, int8_gemv, int8_vnni
 from common.engine.models import panels as panel_products
-from common.engine.models.fused_layers import FusedLayers
+from common.engine.models.fused_layers import MAX_ROWS, FusedLayers
+from common.engine.models.stages import MIN_COMPILED_TOKENS
 from tests.support.checkpoints import VOCAB, tiny_gemma3_config, tiny_llama_config, write_checkpoint
 
 CONFIGS = {"llama": tiny_llama_config, "gemma3": tiny_gemma3_config,
@@ -123,6 +124,9 @@ def test_steps_and_models_they_do_not_fit_take_the_eager_layers(checkpoint):
     meta = engine.attention.prepare([AttentionRequest(0, 1, 1, [0])], engine.device)
     hidden = engine.model.cfg.hidden_size
     assert fused.applies(torch.zeros(1, hidden), meta)
+    if int8_vnni.kernel() is not None:  # int8 on the VNNI kernels: up to MAX_ROWS, past the compiled threshold
+        assert fused.max_rows == MAX_ROWS > MIN_COMPILED_TOKENS
+        assert fused.applies(torch.zeros(MAX_ROWS, hidden), meta)
     assert not fused.applies(torch.zeros(fused.max_rows + 1, hidden), meta)  # a prefill chunk: compiled/eager
     assert not fused.applies(torch.zeros(1, hidden, dtype=torch.bfloat16), meta)
     bf16 = engine_for(checkpoint, dtype="bfloat16")  # a bf16 model and KV cache

@@ -1,7 +1,8 @@
 """The CPU attention backend's KV writes by ``csrc/kv_write_cpu.c`` (``backend_cpu.write_rows``): the
 cache holds the bits torch's indexed assignment gives -- fp32 rows copied, bf16 and fp8 e4m3 caches
-rounded as torch rounds (NaN, ties, values past fp8's range) --, rows read in place from a fused
-projection's output, and a slot outside the cache refused with nothing written."""
+rounded as torch rounds (NaNs, ties, values past fp8's range) --, rows read in place from a fused
+projection's output, a slot outside the cache refused with nothing written, and the engine's own
+steps written this way."""
 from __future__ import annotations
 
 import pytest
@@ -23,9 +24,12 @@ def _rows(tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """k and v [tokens, KV_HEADS, HEAD_DIM] as views of one fused projection's output (rows strided)."""
     g = torch.Generator().manual_seed(seed)
     fused = torch.randn(tokens, 3 * KV_HEADS * HEAD_DIM, generator=g) * 300  # past fp8's 448 too
-    fused[0, 3] = float("nan")
-    fused[1, :8] = torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -8, -(1 + 2 ** -8), 0.5 + 2 ** -9, 1e-9, -0.0, 464, 480])
-    k, v = fused[:, KV_HEADS * HEAD_DIM:].split(KV_HEADS * HEAD_DIM, dim=1)
+    q_width = KV_HEADS * HEAD_DIM  # (a query part as wide as k's: the projection's first third)
+    special = torch.tensor([float("nan"), -float("nan"), 1 + 2 ** -8, 1 + 3 * 2 ** -8, -(1 + 2 ** -8), 0.5 + 2 ** -9,
+                            1e-9, -0.0, 464, 480, -1e6, 2 ** -9 + 2 ** -12])  # NaNs, bf16 ties, fp8 ties and range
+    fused[0, q_width + 3:q_width + 3 + len(special)] = special  # into k
+    fused[1, 2 * q_width + HEAD_DIM:2 * q_width + HEAD_DIM + len(special)] = special  # into v's second head
+    k, v = fused[:, q_width:].split(q_width, dim=1)
     return k.view(tokens, KV_HEADS, HEAD_DIM), v.view(tokens, KV_HEADS, HEAD_DIM)
 
 
@@ -36,6 +40,7 @@ def test_the_kernel_writes_the_bits_torch_assigns(dtype):
     g = torch.Generator().manual_seed(2)
     slots = torch.randperm(BLOCKS * BLOCK_SIZE, generator=g)[:9]
     blocks, offsets = (slots // BLOCK_SIZE).to(torch.int32), slots % BLOCK_SIZE
+    assert k.isnan().sum() == 2 and v.isnan().sum() == 2
     ours, keys, values = _caches(dtype)
     assert write_rows(keys, values, blocks, offsets, k, v)
     torch_buffer, torch_keys, torch_values = _caches(dtype)
@@ -62,3 +67,21 @@ def test_rows_it_does_not_read_are_left_to_the_caller():
     wide = torch.randn(2, KV_HEADS, 2 * HEAD_DIM)[..., :HEAD_DIM]  # a token's heads not contiguous
     assert not write_rows(keys, values, blocks, offsets, wide, wide)
     assert not buffer.any()
+
+
+def test_the_engines_steps_write_their_keys_and_values_by_the_kernel(tmp_path, monkeypatch):
+    from common.engine.config import EngineConfig
+    from common.engine.engine import Engine
+    from common.engine.kv.kv_cache import KVCache
+    from tests.support.checkpoints import tiny_llama_config, write_checkpoint
+
+    engine = Engine(EngineConfig(model=str(write_checkpoint(tiny_llama_config(), tmp_path)), num_blocks=16,
+                                 block_size=4, attention_backend="cpu"), load_tokenizer=False)
+    engine.model.fuse_layers = False  # the eager layers, whose attention writes through the backend
+    expected = engine.generate([[5, 9, 13, 200, 7, 7]], {"max_tokens": 4, "temperature": 0.0})[0].token_ids
+
+    def refuse(*args):
+        raise AssertionError("the keys and values took torch's indexed assignment")
+
+    monkeypatch.setattr(KVCache, "write", refuse)
+    assert engine.generate([[5, 9, 13, 200, 7, 7]], {"max_tokens": 4, "temperature": 0.0})[0].token_ids == expected

@@ -64,9 +64,11 @@ def write_rows(keys: torch.Tensor, values: torch.Tensor, slot_blocks: torch.Tens
     ``[blocks, block_size, kv_heads, head_dim]``, rounded to their dtype), by the C kernel; False where
     it does not apply (the caller assigns them)."""
     cache_elem = ELEMENT_BYTES.get(keys.dtype)
-    if (cache_elem is None or keys.device.type != "cpu" or not (_rows(k) and _rows(v)) or k.shape != v.shape
-            or keys.shape[2:] != k.shape[1:] or keys.stride() != values.stride() or keys.stride(3) != 1
-            or keys.stride(2) != keys.shape[3] or torch.compiler.is_compiling() or _row_writer() is None):
+    on_cpu = all(t.device.type == "cpu" for t in (keys, values, slot_blocks, slot_offsets, k, v))
+    if (cache_elem is None or not on_cpu or not (_rows(k) and _rows(v)) or k.shape != v.shape
+            or values.dtype != keys.dtype or values.shape != keys.shape or keys.shape[2:] != k.shape[1:]
+            or keys.stride() != values.stride() or keys.stride(3) != 1 or torch.compiler.is_compiling()
+            or _row_writer() is None):
         return False
     blocks, offsets = slot_blocks.to(torch.int64).contiguous(), slot_offsets.to(torch.int64).contiguous()
     if len(blocks) != k.shape[0] or len(offsets) != k.shape[0]:

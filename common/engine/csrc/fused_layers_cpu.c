@@ -103,7 +103,6 @@ static int norm_rows(const model_t *m, const float *x, int64_t rows, int64_t dim
     return ((norm_rope_fn)m->norm_rope)(x, rows, 1, dim, 0, dim, w, m->eps, residual, dim, NULL, NULL, 0, out, threads);
 }
 
-
 static void add_rows(float *x, const float *y, int64_t values) {
     for (int64_t i = 0; i < values; i++) x[i] = x[i] + y[i];
 }

@@ -8,8 +8,9 @@
 #include "fp8_e4m3.h"
 
 /* n values of src into a cache row of elem bytes a value: a bf16 cache takes them rounded to nearest
- * even, a NaN as the quiet NaN -- as torch's fp32 -> bf16 conversion does --, an fp8 one as torch's
- * fp32 -> float8_e4m3fn conversion does (fp8_e4m3.h). */
+ * even, any NaN as 0xFFFF -- as torch's fp32 -> bf16 tensor conversion does (its vector kernel; the
+ * scalar c10::BFloat16 gives 0x7FC0) --, an fp8 one as torch's fp32 -> float8_e4m3fn conversion does
+ * (fp8_e4m3.h). */
 static inline void store_row(void *dst, const float *src, int64_t n, int elem) {
     if (elem == 4) {
         memcpy(dst, src, sizeof(float) * (size_t)n);
@@ -23,7 +24,7 @@ static inline void store_row(void *dst, const float *src, int64_t n, int elem) {
     for (int64_t i = 0; i < n; i++) {
         uint32_t bits;
         memcpy(&bits, src + i, sizeof bits);
-        out[i] = src[i] != src[i] ? (uint16_t)0x7FC0 : (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+        out[i] = src[i] != src[i] ? (uint16_t)0xFFFF : (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
     }
 }
 #endif

@@ -14,7 +14,7 @@
  * xs [rows, groups] (the groups' scales), sums [rows, groups] (each group's sum of xq) and x_sums
  * (each group's sum of x, fp32); and whether this pass is its row block's first over the chunk of
  * blocks (``first_pass``: the weight's bytes come from memory then, and from the caches in the
- * passes after it -- the AMX tiles prefetch only in the first). */
+ * passes after it -- the AMX tiles prefetch only in the first; the AVX2 build sets it, unread). */
 typedef struct {
     const int8_t *xq;
     const float *xs;

@@ -350,7 +350,8 @@ class DecoderModel(nn.Module):
     def forward(self, input_ids, positions, cache: KVCache, meta: AttentionMetadata, backend,
                 output: OutputRows | None = None) -> torch.Tensor:
         """The final hidden states (before the last norm) of every token, or of ``output.rows``
-        alone: then the last layer computes attention and what follows for those rows only."""
+        alone: then the last layer computes attention and what follows for those rows only (on the
+        eager or compiled layers; the fused layers compute every row and keep those)."""
         x = self.tp.embed(self.model.embed_tokens, input_ids, self.cfg.vocab_size)
         if self.cfg.embed_scale != 1.0:
             x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)

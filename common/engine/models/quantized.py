@@ -190,8 +190,8 @@ class Int8Weight(QuantizedWeight):
 
     def fused_product(self) -> tuple[str, object, tuple[torch.Tensor, ...], int] | None:
         """The VNNI kernel's entry and layout (``QuantizedWeight.fused_product``); elsewhere the fp32-sum
-        kernel's, which ``matmul`` takes for fp32 rows up to ``GEMV_MAX_ROWS`` (the fused layers' steps
-        are fewer); None without either."""
+        kernel's, which ``matmul`` takes for fp32 rows up to ``GEMV_MAX_ROWS`` (the fused layers take
+        no more where it computes); None without either."""
         if self._vnni is not None:
             return "vnni8", self._vnni, (self._vnni_packed, self.scale), int8_vnni.ACTIVATION_GROUP
         if self._gemv is not None:

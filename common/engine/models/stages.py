@@ -12,7 +12,9 @@ library calls (oneDNN on packed weights through ``linear``'s custom op): RMSNorm
 RoPE's four and the gated activation's three each become one. That pays on prefill-sized steps
 (on a 2-core AVX-512 machine, Gemma 3 270M, a 2048-token step on packed weights: fp32 -5%, bf16
 -9%); on decode-sized steps the generated loops, parallel whatever their size, were no faster
-than eager and sometimes slower, so steps under ``MIN_COMPILED_TOKENS`` tokens run eagerly.
+than eager and sometimes slower, so steps under ``MIN_COMPILED_TOKENS`` tokens run eagerly.  (On the
+CPU in fp32 on one rank, steps of up to ``fused_layers.MAX_ROWS`` tokens take the fused layers first,
+where they apply: faster than either there.)
 
 Bounded recompiles: one compiled function serves every layer (its guards are on the layer's
 structure, not on which layer it is), and token counts are symbolic (``dynamic=True``), so each
