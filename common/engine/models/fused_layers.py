@@ -35,8 +35,8 @@ PROFILER_LABEL = "fused_layers"
 # Tokens a step may have for the fused layers.  Past the compiled layers' threshold
 # (``MIN_COMPILED_TOKENS``) too: on a Xeon with AMX, Gemma 3 270M int8, a decode step of 64 rows
 # (~300-token contexts) took 102 ms here against 118 compiled (118 eagerly), a 100-token prompt 135 ms
-# against 178, a 250-token one 205 against 214; a 500-token prompt 328 against 305 (a prompt-sized
-# step's elementwise passes over rows that no longer fit the caches, which inductor fuses).
+# against 178 compiled, a 250-token one 205 against 214; a 500-token prompt 328 against 305 compiled
+# (one run each): larger steps are left to the compiled layers.
 MAX_ROWS = 256
 _KINDS = {"vnni8": 0, "vnni4": 1, "panel": 2, "gemv8": 3}  # csrc/fused_layers_cpu.c's PRODUCT_*
 _PTR, _I32, _I64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
