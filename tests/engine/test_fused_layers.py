@@ -131,3 +131,18 @@ def test_steps_and_models_they_do_not_fit_take_the_eager_layers(checkpoint):
     assert not fused.applies(torch.zeros(1, hidden, dtype=torch.bfloat16), meta)
     bf16 = engine_for(checkpoint, dtype="bfloat16")  # a bf16 model and KV cache
     assert FusedLayers.build(bf16.model, bf16.kv_cache, bf16.attention) is None
+
+
+def test_a_slot_outside_the_cache_is_refused_before_anything_is_written(checkpoint):
+    engine = engine_for(checkpoint, "int8" if _kernels_for("int8") else "none")
+    fused = FusedLayers.build(engine.model, engine.kv_cache, engine.attention)
+    if fused is None:
+        pytest.skip("no C kernel this CPU can run for these weights")
+    engine.kv_cache.buffer.zero_()
+    blocks = engine.kv_cache.buffer.shape[0]
+    meta = engine.attention.prepare([AttentionRequest(0, 2, 2, [blocks])], engine.device)  # a block past the cache
+    hidden = engine.model.cfg.hidden_size
+    cos_sin = {t: engine.model.rotary.cos_sin(torch.tensor([0, 1]), t, torch.float32) for t in fused.rope_types}
+    with pytest.raises(IndexError, match="outside the cache"):
+        fused.run(torch.randn(2, hidden), cos_sin, meta)
+    assert not engine.kv_cache.buffer.any()

@@ -66,6 +66,7 @@ typedef struct {
     float eps;
     int32_t block_size, cache_elem;  /* cache_elem: bytes a cached value, 4 (fp32), 2 (bf16) or 1 (fp8) */
     int64_t s_block, s_slot, s_head; /* the caches' strides, in values */
+    int64_t num_blocks;              /* the caches' blocks (a slot's bound) */
     void *norm_rope, *gated_activation, *attention;
     const layer_t *layers;
 } model_t;
@@ -121,14 +122,11 @@ static int one_layer(const model_t *m, const layer_t *l, const step_t *s, float 
                                                NULL, 0, cos, sin, s->s_cs, k, t);
     if (rc) return rc;
     const int ce = m->cache_elem;
-    for (int64_t r = 0; r < rows; r++) { /* the new tokens' keys and values into their cache slots */
-        const int64_t slot = s->slot_blocks[r] * m->s_block + s->slot_offsets[r] * m->s_slot;
-        const float *v = qkv + r * qkv_width + (int64_t)(H + KVH) * D;
-        for (int g = 0; g < KVH; g++) {
-            store_row((char *)l->key_cache + (slot + g * m->s_head) * ce, k + (r * KVH + g) * D, D, ce);
-            store_row((char *)l->value_cache + (slot + g * m->s_head) * ce, v + (int64_t)g * D, D, ce);
-        }
-    }
+    /* the new tokens' keys and values into their cache slots (v: a view of qkv's rows) */
+    if (store_kv_rows(l->key_cache, l->value_cache, ce, m->num_blocks, m->block_size, m->s_block, m->s_slot,
+                      m->s_head, s->slot_blocks, s->slot_offsets, k, (int64_t)KVH * D, qkv + (int64_t)(H + KVH) * D,
+                      qkv_width, rows, KVH, D))
+        return -4;
     rc = ((attention_fn)m->attention)(4, ce, q, (int64_t)H * D, D, l->key_cache, l->value_cache, m->s_block,
                                       m->s_slot, m->s_head, attended, s->table, s->table_stride, s->query_start,
                                       s->context_lens, s->num_requests, H, KVH, D, m->block_size, l->window, l->scale,

@@ -7,9 +7,8 @@
  * step on a 2-core Xeon; the cache holds the same bits either way (tests/engine/test_kv_write.py).
  *
  * k [rows, kv_heads, head_dim] at row stride s_k (values; each row's heads contiguous), v alike;
- * the caches [blocks, block_size, kv_heads, head_dim] at strides s_block, s_slot, s_head (values,
- * the head's values contiguous), cache_elem bytes a value (4 fp32, 2 bf16, 1 fp8 e4m3).  Returns 0,
- * or -2 where a slot lies outside the cache (nothing written then).
+ * the rest as kv_rows.h's store_kv_rows (cache_elem 4 fp32, 2 bf16, 1 fp8 e4m3).  Returns 0, or -2
+ * where a slot lies outside the cache (nothing written then).
  * Built by common/engine/cpu_kernels.py with the system C compiler; loaded with ctypes. */
 #include <stdint.h>
 
@@ -19,16 +18,6 @@ int kv_write(void *key_cache, void *value_cache, int cache_elem, int64_t num_blo
              int64_t s_block, int64_t s_slot, int64_t s_head, const int64_t *slot_blocks, const int64_t *slot_offsets,
              const float *k, int64_t s_k, const float *v, int64_t s_v, int64_t rows, int64_t kv_heads,
              int64_t head_dim) {
-    for (int64_t r = 0; r < rows; r++)
-        if (slot_blocks[r] < 0 || slot_blocks[r] >= num_blocks || slot_offsets[r] < 0 || slot_offsets[r] >= block_size)
-            return -2;
-    for (int64_t r = 0; r < rows; r++) {
-        const int64_t slot = slot_blocks[r] * s_block + slot_offsets[r] * s_slot;
-        for (int64_t g = 0; g < kv_heads; g++) {
-            const int64_t at = (slot + g * s_head) * cache_elem;
-            store_row((char *)key_cache + at, k + r * s_k + g * head_dim, head_dim, cache_elem);
-            store_row((char *)value_cache + at, v + r * s_v + g * head_dim, head_dim, cache_elem);
-        }
-    }
-    return 0;
+    return store_kv_rows(key_cache, value_cache, cache_elem, num_blocks, block_size, s_block, s_slot, s_head,
+                         slot_blocks, slot_offsets, k, s_k, v, s_v, rows, kv_heads, head_dim);
 }

@@ -58,7 +58,7 @@ class _Model(ctypes.Structure):
     _fields_ = [("num_layers", _I32), ("hidden", _I32), ("num_heads", _I32), ("num_kv_heads", _I32),
                 ("head_dim", _I32), ("intermediate", _I32), ("activation", _I32), ("sandwich", _I32),
                 ("eps", ctypes.c_float), ("block_size", _I32), ("cache_elem", _I32), ("s_block", _I64),
-                ("s_slot", _I64), ("s_head", _I64),
+                ("s_slot", _I64), ("s_head", _I64), ("num_blocks", _I64),
                 ("norm_rope", _PTR), ("gated_activation", _PTR), ("attention", _PTR), ("layers", ctypes.POINTER(_Layer))]
 
 
@@ -151,7 +151,7 @@ class FusedLayers:
         model = _Model(len(layers), cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                        cfg.intermediate_size, activations.KERNEL_ACTIVATIONS[cfg.hidden_act], int(cfg.sandwich_norms),
                        cfg.rms_norm_eps, cache.block_size, cache_elem, strides[0], strides[1], strides[2],
-                       _address(norm_rope.kernel()), _address(activations.kernel()),
+                       keys[0].shape[0], _address(norm_rope.kernel()), _address(activations.kernel()),
                        _address(attention.kernel.paged_attention), structs)
         max_rows = MAX_ROWS
         if any(p.kind == _KINDS["gemv8"] for layer in structs for p in (layer.qkv, layer.o, layer.gate_up, layer.down)):
@@ -173,7 +173,10 @@ class FusedLayers:
         tables = [rope[t] for t in self.rope_types]
         if not all(_fp32(c, s) and c.shape == (x.shape[0], self._model.head_dim) for c, s in tables):
             raise ValueError("fused layers: cos/sin must be fp32 [tokens, head_dim], contiguous")
-        slot_blocks, slot_offsets = meta.slot_blocks.to(torch.int64), meta.slot_offsets.to(torch.int64)
+        slot_blocks = meta.slot_blocks.to(torch.int64).contiguous()
+        slot_offsets = meta.slot_offsets.to(torch.int64).contiguous()
+        if len(slot_blocks) != x.shape[0] or len(slot_offsets) != x.shape[0]:
+            raise ValueError(f"fused layers: {x.shape[0]} tokens for {len(slot_blocks)} / {len(slot_offsets)} KV slots")
         step = _Step((_PTR * len(tables))(*[c.data_ptr() for c, _ in tables]),
                      (_PTR * len(tables))(*[s.data_ptr() for _, s in tables]), self._model.head_dim,
                      slot_blocks.data_ptr(), slot_offsets.data_ptr(), meta.block_table.data_ptr(),
@@ -182,6 +185,8 @@ class FusedLayers:
                      self._attention.num_threads or torch.get_num_threads())
         with profiled(PROFILER_LABEL):
             rc = _entry()(ctypes.byref(self._model), out.data_ptr(), out.shape[0], ctypes.byref(step))
+        if rc == -4:
+            raise IndexError("fused layers: a new token's KV slot outside the cache")
         if rc != 0:
             raise MemoryError("fused layers: scratch allocation failed") if rc == -1 else \
                 RuntimeError(f"fused layers: a kernel refused its layout ({rc})")
