@@ -9,10 +9,13 @@ from gateway.tools_request import ToolPlan
 
 
 def engine_params(options: SamplingOptions, kind: str, echo: bool, prompt_ids: list[int], plan: ToolPlan | None, *,
-                  max_model_len: int, vocab_size: int, turn_end: tuple[int, ...]) -> tuple[SamplingParams, bool]:
+                  max_model_len: int, vocab_size: int, turn_end: tuple[int, ...],
+                  bound_field: str = "max_tokens") -> tuple[SamplingParams, bool]:
     """The engine's parameters of a ``kind`` ("completion", "chat") request's choice over ``prompt_ids``
     (``echo``: a completion that repeats its prompt; ``turn_end``: the chat format's end-of-turn
-    tokens), and whether the prompt alone is answered (``max_tokens: 0`` with echo)."""
+    tokens), and whether the prompt alone is answered (``max_tokens: 0`` with echo).  ``bound_field``:
+    the request's name for ``options.max_tokens`` (``max_completion_tokens``, ``max_output_tokens``),
+    which a refusal of it names."""
     if not prompt_ids:
         raise invalid("the prompt is empty after tokenization", "prompt")
     # Sizes before any per-token work: the length bounds the scan of the ids below.
@@ -23,13 +26,13 @@ def engine_params(options: SamplingOptions, kind: str, echo: bool, prompt_ids: l
     max_tokens = max(max_tokens, 1)
     if room < 1 or max_tokens > room:
         # the prompt alone is too long: its field is at fault (truncate_prompt_tokens cuts it), else the bound
-        field = "max_tokens" if room >= 1 else "prompt" if kind == "completion" else "messages"
+        field = bound_field if room >= 1 else "prompt" if kind == "completion" else "messages"
         raise invalid(
             f"This model's maximum context length is {max_model_len} tokens. However, you requested "
             f"{len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the prompt, {max_tokens} for the "
-            "completion). Please reduce the prompt or max_tokens.", field, "context_length_exceeded")
+            f"completion). Please reduce the prompt or {bound_field}.", field, "context_length_exceeded")
     if options.min_tokens > max_tokens:  # (vLLM refuses it too; else no output could meet it)
-        bound = (f"max_tokens ({options.max_tokens})" if options.max_tokens is not None
+        bound = (f"{bound_field} ({options.max_tokens})" if options.max_tokens is not None
                  else f"the {max_tokens} tokens the context leaves after the prompt")
         raise invalid(f"min_tokens ({options.min_tokens}) must be at most {bound}", "min_tokens")
     if max(prompt_ids) >= vocab_size:  # ids are >= 0 (decoded so, or from the tokenizer)

@@ -20,7 +20,7 @@ from gateway.chat_template import ChatFormat
 from gateway.config import GatewayConfig
 from gateway.detokenizer import StreamingDecoder
 from gateway.engine_params import engine_params
-from gateway.request_extensions import added_bos, answer_id, truncated
+from gateway.request_extensions import added_bos, answer_id, echoed_prompt, truncated
 from gateway.dispatch import Dispatcher, Saturated, UpstreamError
 from gateway.metrics import GatewayMetrics
 from gateway.prompts import PromptEncoder
@@ -142,17 +142,19 @@ class OpenAIHandlers(ResponsesEndpoints):
 
     def _prepare(self, request: web.Request, kind: str, req, prompt_ids: list[int], plan: ToolPlan | None = None,
                  echo: str = "", response_id: str | None = None, prompt_index: int = 0,
-                 cluster_id: str | None = None) -> list[Generation]:
+                 cluster_id: str | None = None, bound_field: str | None = None) -> list[Generation]:
         """A prompt's ``n`` generations.  With a seed, choice ``i`` is seeded ``seed + i``: each
         is reproducible, and they differ.  A batch's prompt ``prompt_index`` (``response_id``: the
         batch's) has the choices ``prompt_index * n + i``.  ``cluster_id``: what names them to the
-        workers and in logs where the client's id is a secret (a stored response's); else that id."""
+        workers and in logs where the client's id is a secret (a stored response's); else that id.
+        ``bound_field``: the API's name for the bound on the output's tokens (else the request's)."""
         model, options = req.model, req.sampling()
         self._check_model(model)
         services = self.services
         params, echo_only = engine_params(options, kind, kind == "completion" and req.echo, prompt_ids, plan,
                                           max_model_len=services.max_model_len, vocab_size=services.vocab_size,
-                                          turn_end=services.chat_format.stop_token_ids)
+                                          turn_end=services.chat_format.stop_token_ids,
+                                          bound_field=bound_field or req.output_bound_field())
         tenant = request["tenant"]
         salt = cache_salt(tenant, req.cache_salt, services.config.cache_isolation)
         response_id = response_id or new_request_id("cmpl" if kind == "completion" else "chatcmpl")
@@ -234,10 +236,10 @@ class OpenAIHandlers(ResponsesEndpoints):
                 whole = (await self.services.prompts.text(prompt, add_special_tokens=req.add_special_tokens is not False,
                                                           bounded=req.truncate_prompt_tokens is None)
                          if isinstance(prompt, str) else prompt)
+                lead = added_bos(self.services.tokenizer, prompt, whole)
                 ids = truncated(whole, req.truncate_prompt_tokens, self.services.max_model_len, req.max_tokens,
-                                lead=added_bos(self.services.tokenizer, prompt, whole))
-                echo = "" if not req.echo else prompt if ids is whole and isinstance(prompt, str) else \
-                    self.services.tokenizer.decode(ids)
+                                lead=lead)
+                echo = echoed_prompt(self.services.tokenizer, prompt, whole, ids, lead) if req.echo else ""
                 gens += self._prepare(request, "completion", req, ids, echo=echo, response_id=response_id,
                                       prompt_index=index, cluster_id=cluster_id)
             _check_scores(gens)
@@ -289,9 +291,9 @@ class OpenAIHandlers(ResponsesEndpoints):
         # (a stored response's id reads it where there are no API keys: the workers and logs see another)
         try:
             gens = self._prepare(request, "chat", req, ids, plan, response_id=answer.response_id,
-                                 cluster_id=new_request_id("chatcmpl"))
-        except OpenAIError as exc:  # (named as this API names the bound on the output, and its messages)
-            exc.param = {"max_tokens": answer.max_tokens_field, "messages": field}.get(exc.param, exc.param)
+                                 cluster_id=new_request_id("chatcmpl"), bound_field=answer.max_tokens_field)
+        except OpenAIError as exc:  # (named as this API names its messages)
+            exc.param = field if exc.param == "messages" else exc.param
             raise
         await self._check_grammar(gens[0].params, plan)
         return gens

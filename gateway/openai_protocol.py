@@ -159,6 +159,10 @@ class CompletionRequest(_Common):
     def sampling(self) -> SamplingOptions:
         return sampling_options(self, self.max_tokens, self.logprobs)
 
+    def output_bound_field(self) -> str:
+        """The field that bounds the answer's tokens, as a refusal of that bound names it."""
+        return "max_tokens"
+
 
 class _CompletionBody(CompletionRequest):
     """What the body decodes to: the fields a body can fill with hundreds of thousands of elements
@@ -200,6 +204,12 @@ class ChatCompletionRequest(_Common):
     def sampling(self) -> SamplingOptions:
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return sampling_options(self, self.max_completion_tokens or self.max_tokens, logprobs)
+
+    def output_bound_field(self) -> str:
+        """The field that bounds the answer's tokens as the client sent it (``max_tokens`` alone: that
+        alias), as a refusal of that bound names it."""
+        return "max_tokens" if self.max_completion_tokens is None and self.max_tokens is not None \
+            else "max_completion_tokens"
 
     def tool_plan(self) -> ToolPlan:
         return plan_tools(self.tools, self.tool_choice, self.parallel_tool_calls)

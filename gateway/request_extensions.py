@@ -140,6 +140,16 @@ def added_bos(tokenizer, prompt: str | list[int], ids: list[int]) -> int:
     return int(isinstance(prompt, str) and ids[:1] == [getattr(tokenizer, "bos_token_id", None)])
 
 
+def echoed_prompt(tokenizer, prompt: str | list[int], whole: list[int], ids: list[int], lead: int) -> str:
+    """What ``echo`` repeats of ``prompt`` (its tokens ``whole``) served as ``ids`` (``truncated``'s, ``lead``
+    the BOS it kept first): a text served whole as it was sent; a cut text as the text its kept tokens
+    make, without that BOS (the tokenizer's, not the client's); token ids as their text, every one
+    (as vLLM echoes them)."""
+    if ids is whole and isinstance(prompt, str):
+        return prompt
+    return tokenizer.decode(ids[lead:] if len(ids) > 1 else ids)
+
+
 def client_request_id(headers, req: RequestExtensions) -> str | None:
     """The id the client gave the request: its ``X-Request-Id`` header (400 where it is not
     printable ASCII of at most 128 characters), else the body's ``request_id``; None: neither."""

@@ -213,6 +213,10 @@ async def test_a_streamed_background_response_sends_its_id_at_once_and_ends_when
 @pytest.mark.parametrize("path, body, field", [
     ("/v1/responses", {"input": "hi", "max_output_tokens": 10 ** 6}, "max_output_tokens"),
     ("/v1/messages", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10 ** 6}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 10 ** 6},
+     "max_completion_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10 ** 6}, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 10 ** 6}, "max_tokens"),
 ])
 async def test_an_output_bound_past_the_context_is_a_400_naming_the_apis_own_field(served_checkpoint, redis_url,
                                                                                    key_prefix, path, body, field):
@@ -223,6 +227,7 @@ async def test_an_output_bound_past_the_context_is_a_400_naming_the_apis_own_fie
         assert resp.status == 400, error
         detail = error["error"]
         assert (detail.get("param", field), "context length" in detail["message"]) == (field, True), error
+        assert detail["message"].endswith(f"Please reduce the prompt or {field}."), error  # (the field it was sent as)
 
 
 @pytest.mark.parametrize("content_type, refused", [

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from gateway.openai_protocol import OpenAIError, parse_chat_request, parse_completion_request
-from gateway.request_extensions import added_bos, answer_id, client_request_id, truncated
+from gateway.request_extensions import added_bos, answer_id, client_request_id, echoed_prompt, truncated
 from gateway.responses_request import parse_responses_request
 from tests.support.request_bodies import chat, completion, rejects
 
@@ -110,6 +110,30 @@ def test_truncation_keeps_the_prompts_last_tokens():
 
     assert added_bos(Tokenizer(), "The sky is", [2, 9917, 563]) == 1  # (Gemma's)
     assert added_bos(Tokenizer(), "The sky is", [9917, 563]) == 0 and added_bos(Tokenizer(), [2, 5], [2, 5]) == 0
+
+
+def test_a_cut_text_prompt_echoes_the_text_it_kept_without_the_bos_its_tokenizer_added(tmp_path):
+    """echo with truncate_prompt_tokens: the kept tokens' text (it was ``<bos>`` and that text), as the
+    whole prompt's echo has no BOS; token ids echo every token, the client's BOS too (vLLM's)."""
+    from tokenizers.processors import TemplateProcessing
+    from transformers import AutoTokenizer
+
+    from tests.support.checkpoints import write_tokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(write_tokenizer(tmp_path))
+    tokenizer.backend_tokenizer.post_processor = TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
+    prompt = "Hello world! Streaming tokens to many concurrent clients"
+    whole = tokenizer(prompt).input_ids
+    lead = added_bos(tokenizer, prompt, whole)
+    assert lead == 1 and len(whole) > 4
+    cut = truncated(whole, 3, 100, 16, lead=lead)
+    assert echoed_prompt(tokenizer, prompt, whole, cut, lead) == tokenizer.decode(whole[-2:])
+    assert prompt.endswith(echoed_prompt(tokenizer, prompt, whole, cut, lead))
+    assert echoed_prompt(tokenizer, prompt, whole, truncated(whole, 1, 100, 16, lead=lead), lead) == \
+        tokenizer.decode(whole[-1:])
+    assert echoed_prompt(tokenizer, prompt, whole, whole, lead) == prompt  # served whole: as sent
+    ids = [1] + whole[-3:]
+    assert echoed_prompt(tokenizer, ids, ids, ids, 0) == "<bos>" + tokenizer.decode(whole[-3:])
 
 
 def test_the_client_names_the_answer_by_header_first_then_by_field():
