@@ -137,8 +137,9 @@ class GatewayMetrics:
         self.kv_transfer_failures = Counter("kv_transfer_failures", "Failed KV transfers.", ["reason"], **kw)
         self.preemptions = Counter("preemptions", "Requests preempted for recompute.", ["worker_id"], **kw)
         self.migrations = Counter(
-            "migrations", "Streams moved to another decode worker mid-stream, by cause: worker_lost (it died or "
-            "stopped answering), drain (it handed the stream over).", ["cause"], **kw)
+            "migrations", "Streams moved to another decode worker mid-stream (counted once that worker continues "
+            "them), by cause: worker_lost (it died or stopped answering), drain (it handed the stream over).",
+            ["cause"], **kw)
         self.migrated_tokens = Counter(
             "migrated_tokens", "Output tokens replayed to the decode worker a stream moved to.", **kw)
         self.migration_gap = Histogram(

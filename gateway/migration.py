@@ -57,6 +57,7 @@ class StreamMigration:
     kv_source: WorkerInfo | None = None  # the draining worker the stream left, which holds its KV
     drained_from: list[str] = field(default_factory=list)  # workers whose drain handed the stream over
     moved_at: float | None = None  # when it last moved, until its next token
+    move_cause: str = ""  # why it last moved (counted once another worker continues it)
     precopied_to: WorkerInfo | None = None  # the worker its KV was pre-copied to, until it moves
     precopy: asyncio.Task | None = None  # the pre-copy in flight
 
@@ -65,6 +66,10 @@ class StreamMigration:
         for frame in frames:
             self.sent.extend(frame.token_ids)
         if self.moved_at is not None and any(frame.token_ids for frame in frames):
+            # another worker continues the stream: the move is done (one that none continued is not counted)
+            replayed = len(self.sent) - sum(len(frame.token_ids) for frame in frames)
+            self.metrics.migrations.labels(self.move_cause).inc()
+            self.metrics.migrated_tokens.inc(replayed)
             self.metrics.migration_gap.observe(time.monotonic() - self.moved_at)
             self.metrics.migration_held_tokens.inc(frames[0].num_cached_tokens)  # the first frame says
             self.moved_at = self.precopied_to = None
@@ -114,14 +119,13 @@ class StreamMigration:
 
     def move(self, cause: str, kv_source: WorkerInfo | None = None) -> bool:
         """Whether the stream moves on after its worker was lost or handed it over (``cause``,
-        ``kv_source``: that worker, whose cache holds the stream); counts the move."""
+        ``kv_source``: that worker, whose cache holds the stream); the move is counted once another
+        worker continues the stream (``passed_on``)."""
         if not self.may_move:
             return False
         self.moves += 1
         self.kv_source = kv_source
         if cause == "drain" and kv_source is not None:
             self.drained_from.append(kv_source.worker_id)
-        self.moved_at = time.monotonic()
-        self.metrics.migrations.labels(cause).inc()
-        self.metrics.migrated_tokens.inc(len(self.sent))
+        self.moved_at, self.move_cause = time.monotonic(), cause
         return True

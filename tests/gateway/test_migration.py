@@ -17,7 +17,7 @@ from aiohttp import web
 from common.cluster.messages import FRAMES_CONTENT_TYPE, GenerateRequest, TokenFrame, decode, frame
 from common.cluster.auth import new_instance_id
 from common.engine.sampling_params import SamplingParams
-from gateway.dispatch import DispatchResult, UpstreamError
+from gateway.dispatch import DispatchResult, Saturated, UpstreamError
 from gateway.config import UpstreamTimeouts
 from gateway.metrics import GatewayMetrics
 from gateway.migration import StreamMigration
@@ -120,6 +120,20 @@ async def test_two_moves_and_the_limit():
         with pytest.raises(UpstreamError, match="failed mid-stream"):
             await run(d)
     assert not workers[2].bodies
+
+
+async def test_a_move_that_no_worker_continues_is_not_counted():
+    """The stream's worker dies after 2 tokens and the worker it moves to dies before a token of its
+    own: no worker is left, the stream ends with an error once its wait for one is over, and no
+    migration (nor a replayed token) is counted -- they counted the move as it set out."""
+    workers = [Worker(stop_after=2), Worker(stop_after=0)]
+    async with dispatcher(*(w.handle for w in workers)) as d:
+        d.queue.timeout_s = 0.5  # (the wait for a worker that does not come)
+        with pytest.raises(Saturated):
+            await run(d)
+        assert d.metrics.migrations.labels("worker_lost")._value.get() == 0
+        assert d.metrics.migrated_tokens._value.get() == 0
+    assert workers[1].bodies[0].resume_token_ids == [token(0), token(1)]  # (it was sent the stream)
 
 
 async def test_without_migration_a_lost_worker_ends_the_stream_with_an_error():
