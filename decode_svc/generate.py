@@ -31,6 +31,7 @@ from aiohttp import web
 from common.engine.engine import Engine, RequestOutput, StepFailed
 from common.engine.request import Request, RequestStatus, grammar_verdict, status_after_token
 from common.engine.structured.backend import CompiledGrammar
+from common.engine.structured.compiler import CompilerBusy
 from worker.engine_thread import MOVE_SOON, EngineFailed, HandOver
 from common.cluster.registry import WorkerInfo
 from common.cluster.messages import (
@@ -163,6 +164,9 @@ async def handle_generate(context: RoleContext, request: web.Request) -> web.Str
         return await _error(response, str(exc), "migrate", 503)
     except (ConnectionResetError, aiohttp.ClientConnectionResetError):
         outcome = "client_gone"
+    except CompilerBusy as exc:  # others' grammars held the compile threads: another worker may take it
+        outcome = "busy"
+        return await _error(response, str(exc), "busy", 503)
     except ValueError as exc:  # rejected by the engine: bad sampling params, too long, a bad grammar ...
         outcome = "invalid"
         spec = body.sampling_params.structured

@@ -15,6 +15,7 @@ from aiohttp import web
 from common.cluster.messages import TokenFrame
 from common.engine.sampling_params import SamplingParams, check_prompt_logprobs
 from common.engine.structured.backend import GrammarError
+from common.engine.structured.compiler import CompilerBusy
 from common.engine.structured.compiler import GrammarCompiler
 from gateway.chat_template import ChatFormat
 from gateway.config import GatewayConfig
@@ -176,18 +177,18 @@ class OpenAIHandlers(ResponsesEndpoints):
         return gens
 
     async def _check_grammar(self, params: SamplingParams, plan: ToolPlan | None = None) -> None:
-        """Compile the request's grammar here first (cached by spec, off the event loop): one the
-        backend refuses is a 400 naming its field before any worker sees it.  So are the tools'
-        parameters, as their calls' arguments, whatever ``tool_choice`` says (OpenAI's API refuses
-        an invalid one always; a forced call's grammar holds its own)."""
+        """Compile the request's grammar here first (cached by spec, off the event loop): one the backend refuses
+        is a 400 naming its field before any worker sees it (compile threads busy: a 503).  So are the tools'
+        parameters, as their calls' arguments, whatever ``tool_choice`` says (as OpenAI's API)."""
         specs = [] if params.structured is None else [params.structured]
         if plan is not None and plan.mode != "required":  # (required's grammar holds every tool's)
             specs += plan.argument_grammars(but=plan.function)  # (a named one's is the request's)
         for spec in specs:
             try:
                 await self.services.grammars.compile_async(spec)
-            except GrammarError as exc:
-                raise invalid(str(exc), spec.field, "invalid_grammar") from None
+            except (GrammarError, CompilerBusy) as exc:  # (busy: others' grammars held the threads, not a bad one)
+                raise (invalid(str(exc), spec.field, "invalid_grammar") if isinstance(exc, GrammarError) else
+                       OpenAIError(503, str(exc), param=spec.field, code="grammar_compiler_busy")) from None
 
     def _chat_renderer(self, req: ChatCompletionRequest, plan: ToolPlan, field: str = "messages"):
         """A function applying the chat template (with the request's tools, its generation prompt or
@@ -237,8 +238,7 @@ class OpenAIHandlers(ResponsesEndpoints):
                                                           bounded=req.truncate_prompt_tokens is None)
                          if isinstance(prompt, str) else prompt)
                 lead = added_bos(self.services.tokenizer, prompt, whole)
-                ids = truncated(whole, req.truncate_prompt_tokens, self.services.max_model_len, req.max_tokens,
-                                lead=lead)
+                ids = truncated(whole, req.truncate_prompt_tokens, self.services.max_model_len, req.max_tokens, lead)
                 echo = echoed_prompt(self.services.tokenizer, prompt, whole, ids, lead) if req.echo else ""
                 gens += self._prepare(request, "completion", req, ids, echo=echo, response_id=response_id,
                                       prompt_index=index, cluster_id=cluster_id)

@@ -1,13 +1,14 @@
 """``GrammarCompiler``: compiles once per spec (concurrent requests share the compile, the result
 and a rejection are cached), a compile over its time limit fails only the requests waiting for
-it (and is tried again later), and the event loop and other requests go on meanwhile."""
+it (and is tried again later), a request whose compile no thread started in time is told the
+compiler is busy (not that its grammar is bad), and the event loop and other requests go on meanwhile."""
 import asyncio
 import threading
 
 import pytest
 
 from common.engine.structured.backend import GrammarError
-from common.engine.structured.compiler import GrammarCompiler
+from common.engine.structured.compiler import CompilerBusy, GrammarCompiler
 from common.engine.structured.spec import StructuredOutput
 
 
@@ -17,11 +18,14 @@ class Backend:
     def __init__(self):
         self.compiled: list[str] = []
         self.release = threading.Event()
+        self.held = {"first": threading.Event(), "second": threading.Event()}  # held until set
 
     def compile(self, spec):
         self.compiled.append(spec.value)
         if spec.value == "slow":
             self.release.wait(30)
+        if spec.value in self.held:
+            self.held[spec.value].wait(30)
         if spec.value == "bad":
             raise GrammarError(f"{spec.field}: bad regex")
         return ("compiled", spec.value)
@@ -52,6 +56,40 @@ async def test_a_slow_compile_times_out_alone_and_is_tried_again():
     backend.release.set()  # the held compile ends in its thread; a timed-out spec is not cached
     assert await compiler.compile_async(regex("slow")) == ("compiled", "slow")
     assert backend.compiled.count("slow") == 2
+    compiler.close()
+
+
+async def test_a_grammar_no_thread_started_in_time_is_busy_not_refused_and_is_dropped_unstarted():
+    backend = Backend()
+    compiler = GrammarCompiler(lambda: backend, timeout_s=0.3, threads=1)
+    slow = asyncio.ensure_future(compiler.compile_async(regex("slow")))
+    while "slow" not in backend.compiled:  # (the one thread holds it)
+        await asyncio.sleep(0.01)
+    with pytest.raises(CompilerBusy, match="no grammar compile thread was free within 0.3 s"):
+        await compiler.compile_async(regex("queued"))  # (behind the slow one, on the one thread)
+    with pytest.raises(GrammarError, match="took longer than 0.3 s"):
+        await slow
+    backend.release.set()
+    assert await compiler.compile_async(regex("queued")) == ("compiled", "queued")
+    assert backend.compiled == ["slow", "queued"]  # the first "queued", which no request waited for, never ran
+    compiler.close()
+
+
+async def test_the_time_limit_counts_from_the_compiles_start_not_from_its_wait_for_a_thread():
+    """The second grammar waits 0.7 s for the one thread, then compiles for 0.5 s: 1.2 s after it was
+    asked for, within its 1 s from its start (it was refused at 1 s, a valid grammar as a 400)."""
+    backend = Backend()
+    compiler = GrammarCompiler(lambda: backend, timeout_s=1.0, threads=1)
+    first = asyncio.ensure_future(compiler.compile_async(regex("first")))
+    while "first" not in backend.compiled:  # (the one thread holds it)
+        await asyncio.sleep(0.01)
+    second = asyncio.ensure_future(compiler.compile_async(regex("second")))
+    await asyncio.sleep(0.7)
+    backend.held["first"].set()
+    assert await first == ("compiled", "first")
+    await asyncio.sleep(0.5)
+    backend.held["second"].set()
+    assert await second == ("compiled", "second")
     compiler.close()
 
 

@@ -230,6 +230,31 @@ async def test_an_output_bound_past_the_context_is_a_400_naming_the_apis_own_fie
         assert detail["message"].endswith(f"Please reduce the prompt or {field}."), error  # (the field it was sent as)
 
 
+async def test_a_grammar_waiting_for_busy_compile_threads_is_a_503_to_retry_not_a_400(served_checkpoint, redis_url,
+                                                                                       key_prefix):
+    """Other requests' grammars hold both compile threads past the time limit: a valid schema is told
+    to retry (503, Retry-After), not refused as invalid; once the threads are free it compiles."""
+    import threading
+
+    headers = {"Authorization": f"Bearer {KEYS['a']}"}
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    async with gateway(served_checkpoint, redis_url, key_prefix, queue_timeout=0.5) as (gw, client):
+        body = {"model": gw.model_id, "prompt": "x", "max_tokens": 4,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}}
+        held = threading.Event()
+        gw.grammars.timeout_s = 0.5
+        holders = [gw.grammars._pool.submit(held.wait, 30) for _ in range(2)]  # (both threads, as long compiles)
+        async with client.post("/v1/completions", json=body, headers=headers) as resp:
+            busy = await resp.json()
+            assert resp.status == 503 and resp.headers["Retry-After"], busy
+        assert (busy["error"]["code"], busy["error"]["param"]) == ("grammar_compiler_busy", "response_format"), busy
+        held.set()
+        await asyncio.wrap_future(holders[1])
+        async with client.post("/v1/completions", json=body, headers=headers) as resp:
+            later = await resp.json()  # (the grammar passes; no decode worker answers in this test)
+        assert later["error"]["code"] != "grammar_compiler_busy", later
+
+
 @pytest.mark.parametrize("content_type, refused", [
     ("text/plain;charset=UTF-8", True), ("application/x-www-form-urlencoded", True),  # a browser's, cross-site
     ("multipart/form-data; boundary=x", True), ("application/octet-stream", True),

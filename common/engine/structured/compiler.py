@@ -5,8 +5,11 @@
 
 A spec compiles at most once at a time (concurrent requests for it share the compile), the result
 stays in an LRU cache of ``cache_size`` entries, and a spec the backend rejects is remembered as
-rejected too.  A compile that takes longer than ``timeout_s`` fails the request that waits for it
-with ``GrammarError`` (the backend's own resource limits end the compile itself soon after).
+rejected too.  A compile that takes longer than ``timeout_s`` from its start fails the requests
+that wait for it with ``GrammarError`` (the backend's own resource limits end the compile itself soon
+after).  A compile that no thread has started within ``timeout_s`` (the threads busy with other
+grammars) fails its requests with ``CompilerBusy`` instead -- a grammar that may well be fine, to try
+again shortly, not one to refuse -- and is dropped unstarted once no request waits for it.
 
 Compile threads have deep stacks (``COMPILE_STACK_BYTES``): llguidance checks a grammar by recursing
 once per link of a chain of rules or ``$ref`` definitions, and a few thousand links -- a 40 KB body
@@ -23,6 +26,7 @@ import asyncio
 import collections
 import concurrent.futures
 import threading
+import time
 from typing import Any, Callable
 
 from common.engine.structured.backend import BACKENDS, CompiledGrammar, GrammarBackend, GrammarError
@@ -36,6 +40,30 @@ COMPILE_THREADS = 2
 # what a grammar may define below that (llguidance_backend.MAX_GRAMMAR_RULES).
 COMPILE_STACK_BYTES = 256 << 20
 _stack_size_lock = threading.Lock()
+
+
+class CompilerBusy(RuntimeError):
+    """No compile thread started the grammar within the time limit: they were busy with others' (a 503
+    to retry, where a ``GrammarError`` is a 400 about the grammar itself)."""
+
+
+class _Job:
+    """One spec's compile: its result (``future``), when a thread started it (``started``: a future of
+    ``time.monotonic()``), and how many requests wait for it now."""
+
+    def __init__(self) -> None:
+        self.future: concurrent.futures.Future = concurrent.futures.Future()
+        self.started: concurrent.futures.Future = concurrent.futures.Future()
+        self.waiters = 0
+
+    def run(self, compile_spec: Callable[[], CompiledGrammar]) -> None:
+        if not self.future.set_running_or_notify_cancel():
+            return  # dropped before a thread took it
+        self.started.set_result(time.monotonic())
+        try:
+            self.future.set_result(compile_spec())
+        except BaseException as exc:  # (a GrammarError: the rejection is cached with the spec)
+            self.future.set_exception(exc)
 
 
 class _DeepStackPool(concurrent.futures.ThreadPoolExecutor):
@@ -62,25 +90,42 @@ class GrammarCompiler:
         self.cache_size = cache_size
         self._pool = _DeepStackPool(threads, thread_name_prefix="grammar")
         self._lock = threading.Lock()
-        # spec key -> a future of the compiled grammar (or of its GrammarError), most recent last
-        self._cache: collections.OrderedDict[tuple, concurrent.futures.Future] = collections.OrderedDict()
+        # spec key -> its compile (a future of the compiled grammar or of its GrammarError), most recent last
+        self._cache: collections.OrderedDict[tuple, _Job] = collections.OrderedDict()
         self.compiles = 0
         self.hits = 0
 
-    def _future(self, spec: StructuredOutput) -> concurrent.futures.Future:
+    def _job(self, spec: StructuredOutput) -> _Job:
+        """The spec's compile (cached, or submitted now), with one more request waiting for it."""
         key = spec.cache_key
         with self._lock:
-            future = self._cache.get(key)
-            if future is not None:
+            job = self._cache.get(key)
+            if job is not None:
                 self._cache.move_to_end(key)
                 self.hits += 1
-                return future
-            future = self._pool.submit(self._compile, spec)
-            self.compiles += 1
-            self._cache[key] = future
-            while len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
-            return future
+            else:
+                job = _Job()
+                self._pool.submit(job.run, lambda: self._compile(spec))
+                self.compiles += 1
+                self._cache[key] = job
+                while len(self._cache) > self.cache_size:
+                    self._cache.popitem(last=False)
+            job.waiters += 1
+            return job
+
+    def _left(self, spec: StructuredOutput, job: _Job, outcome: str) -> None:
+        """A request stopped waiting for ``job`` (``outcome``: "done", "busy", "timeout").  A compile
+        that ran out of time is not cached as such: the next request may try again (once the
+        backend's own limits ended the first, it fails or finishes fast); one no thread started is
+        dropped when no request waits for it any more."""
+        with self._lock:
+            job.waiters -= 1
+            cached = self._cache.get(spec.cache_key) is job
+            if outcome == "timeout" and cached and not job.future.done():
+                del self._cache[spec.cache_key]
+            elif outcome == "busy" and not job.waiters and job.future.cancel():
+                if cached:
+                    del self._cache[spec.cache_key]
 
     def _backend_future(self) -> concurrent.futures.Future:
         with self._lock:
@@ -113,25 +158,34 @@ class GrammarCompiler:
     def _compile(self, spec: StructuredOutput) -> CompiledGrammar:
         return self._backend_for(spec).compile(spec)
 
-    def _forget_timeout(self, spec: StructuredOutput, future) -> None:
-        # A compile that ran out of time is not cached as such: the next request may try again
-        # (once the backend's own limits ended the first, it fails or finishes fast).
-        with self._lock:
-            if self._cache.get(spec.cache_key) is future and not future.done():
-                del self._cache[spec.cache_key]
-
     def _timed_out(self, spec: StructuredOutput) -> GrammarError:
         return GrammarError(f"{spec.field}: the {spec.kind} took longer than {self.timeout_s:g} s to compile")
 
+    def _busy(self, spec: StructuredOutput) -> CompilerBusy:
+        return CompilerBusy(f"{spec.field}: no grammar compile thread was free within {self.timeout_s:g} s "
+                            "(others' grammars held them); retry shortly")
+
+    def _time_left(self, job: _Job) -> float:
+        """What is left of the time limit of a started compile."""
+        return max(0.0, self.timeout_s - (time.monotonic() - job.started.result()))
+
     def compile(self, spec: StructuredOutput) -> CompiledGrammar:
-        """The compiled grammar; raises ``GrammarError``."""
+        """The compiled grammar; raises ``GrammarError``, or ``CompilerBusy``."""
         self._backend_for(spec)  # built first: its one-off cost is not the compile's
-        future = self._future(spec)
+        job, outcome = self._job(spec), "done"
         try:
-            return future.result(timeout=self.timeout_s)
-        except concurrent.futures.TimeoutError:
-            self._forget_timeout(spec, future)
-            raise self._timed_out(spec) from None
+            try:
+                job.started.result(timeout=self.timeout_s)
+            except concurrent.futures.TimeoutError:
+                outcome = "busy"
+                raise self._busy(spec) from None
+            try:
+                return job.future.result(timeout=self._time_left(job))
+            except concurrent.futures.TimeoutError:
+                outcome = "timeout"
+                raise self._timed_out(spec) from None
+        finally:
+            self._left(spec, job, outcome)
 
     async def compile_async(self, spec: StructuredOutput) -> CompiledGrammar:
         """As ``compile``, awaited: the event loop and other requests go on meanwhile.  Cancelling
@@ -140,13 +194,22 @@ class GrammarCompiler:
             await asyncio.shield(asyncio.wrap_future(self._backend_future()))
         except (ValueError, RuntimeError) as exc:
             raise GrammarError(f"{spec.field}: {exc}") from None
-        future = self._future(spec)
+        job, outcome = self._job(spec), "done"
         try:
-            async with asyncio.timeout(self.timeout_s):
-                return await asyncio.shield(asyncio.wrap_future(future))
-        except TimeoutError:
-            self._forget_timeout(spec, future)
-            raise self._timed_out(spec) from None
+            try:
+                async with asyncio.timeout(self.timeout_s):
+                    await asyncio.shield(asyncio.wrap_future(job.started))
+            except TimeoutError:
+                outcome = "busy"
+                raise self._busy(spec) from None
+            try:
+                async with asyncio.timeout(self._time_left(job)):
+                    return await asyncio.shield(asyncio.wrap_future(job.future))
+            except TimeoutError:
+                outcome = "timeout"
+                raise self._timed_out(spec) from None
+        finally:
+            self._left(spec, job, outcome)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
