@@ -57,7 +57,8 @@ class RoleContext:
     requests (``accepts`` says whether a new one may start); ``spawn`` starts a task that shutdown
     still cancels; ``on_kv_written`` holds the model runner's hooks, called in the engine thread
     once a step's KV is written; ``compile_grammar`` compiles a request's grammar off the engine
-    thread and the event loop (``None`` without one; ``GrammarError``, a 400, when it cannot);
+    thread and the event loop (``None`` without one; ``GrammarError``, a 400, when it cannot;
+    ``CompilerBusy``, a 503, when no compile thread started it in time);
     ``movable_streams`` holds the requests whose gateway can move them on (a drain hands those
     over: ``EngineThread.hand_over``); ``exported(stream_id)`` says a handed-over stream's KV has
     been asked for and shipped, or failed to (the drain waits for that)."""
