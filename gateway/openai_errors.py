@@ -23,6 +23,7 @@ _DEFAULT_ERROR_TYPE = {
     500: "internal_server_error",
     502: "upstream_error",
     503: "service_unavailable_error",
+    504: "timeout_error",
 }
 
 

@@ -405,8 +405,13 @@ class Gateway:
                 async with self.control_session.request(method, URL(f"{worker.http_address}{path}", encoded=True),
                                                         data=body or None, headers=headers) as resp:
                     status, answered = resp.status, await read_response(resp, answer_limit)
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
-                raise OpenAIError(503, f"worker {worker_id} did not answer: {exc}") from None
+            except asyncio.TimeoutError:  # (aiohttp's own timeouts are TimeoutErrors too)
+                # It may yet act on the call (a worker stopped, then resumed): the operator is told so.
+                late = " (the call may still take effect when it does: its state in `pdctl status` tells)"
+                raise OpenAIError(504, f"worker {worker_id} did not answer within {self.config.timeouts.control:g} s"
+                                  + (late if method == "POST" else "")) from None
+            except (aiohttp.ClientError, ValueError) as exc:
+                raise OpenAIError(503, f"worker {worker_id} did not answer: {type(exc).__name__}: {exc}") from None
             if status >= 400:  # the worker's refusal, in this API's error shape; the operator's own 4xx only
                 ours = status >= 500 or status in (401, 403)  # (a signature refused: this gateway's setup)
                 raise OpenAIError(502 if ours else status, f"worker {worker_id} answered {status}: "

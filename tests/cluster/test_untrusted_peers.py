@@ -3,6 +3,7 @@ worker that answers garbage.  Real processes (gateway, 1 prefill + 1 decode work
 the official openai client; the hostile parties are small servers in this test."""
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import threading
@@ -373,10 +374,13 @@ class AdminRecorder:
         self.worker_id = "admin-recorder"
         self.received: list[tuple[str, str, dict, bytes]] = []  # method, path, headers, body
         self.refusals: dict[str, tuple[int, bytes]] = {}  # path -> the status and body it answers instead
+        self.stalls: dict[str, asyncio.Event] = {}  # path -> what it waits for before it answers
 
     async def start(self, redis_client) -> "AdminRecorder":
         async def record(request: web.Request) -> web.Response:
             self.received.append((request.method, request.raw_path, dict(request.headers), await request.read()))
+            if request.path in self.stalls:  # (a stopped process: it answers when it is resumed)
+                await self.stalls[request.path].wait()
             if request.path in self.refusals:
                 status, body = self.refusals[request.path]
                 return web.Response(status=status, body=body, content_type="application/json")
@@ -432,6 +436,26 @@ async def test_admin_calls_reach_a_worker_signed_for_it_without_the_admin_token(
         urllib.request.urlopen(req, timeout=30)
     assert err.value.code == 401
     assert cluster.stats("p0")["state"] == "active"
+
+
+async def test_an_admin_call_a_worker_leaves_unanswered_is_a_504_that_says_it_may_still_take_effect(cluster,
+                                                                                                    redis_client):
+    """A worker that does not answer within the control timeout (stopped, say, and resumed later) may
+    still carry the call out: the operator is told so, not that it failed (it said "did not answer: "
+    with no reason, a 503)."""
+    recorder = await AdminRecorder(cluster).start(redis_client)
+    resumed = recorder.stalls["/admin/drain"] = asyncio.Event()
+    try:
+        with pytest.raises(urllib.error.HTTPError) as err:
+            await asyncio.to_thread(http_json, f"{cluster.gateway_url}/admin/workers/admin-recorder/drain", "POST",
+                                    b"{}", {"X-Admin-Token": ADMIN_TOKEN, "Content-Type": "application/json"})
+    finally:
+        resumed.set()
+        await recorder.stop()
+    error = json.loads(err.value.read())["error"]
+    assert err.value.code == 504 and error["type"] == "timeout_error", error
+    assert error["message"].startswith("worker admin-recorder did not answer within "), error
+    assert "may still take effect" in error["message"], error
 
 
 @pytest.mark.parametrize("status, body, relayed, says", [
