@@ -45,6 +45,16 @@ def test_each_spec_compiles_once_and_rejections_are_cached():
     assert backend.compiled == ["a", "bad"] and compiler.hits == 2
 
 
+async def test_a_cached_grammar_is_answered_after_its_compiles_time_limit_has_passed():
+    backend = Backend()
+    compiler = GrammarCompiler(lambda: backend, timeout_s=0.2)
+    assert await compiler.compile_async(regex("a")) == ("compiled", "a")
+    await asyncio.sleep(0.3)  # (its compile started more than the limit ago)
+    assert await compiler.compile_async(regex("a")) == ("compiled", "a") == compiler.compile(regex("a"))
+    assert backend.compiled == ["a"]
+    compiler.close()
+
+
 async def test_a_slow_compile_times_out_alone_and_is_tried_again():
     backend = Backend()
     compiler = GrammarCompiler(lambda: backend, timeout_s=0.3, threads=2)

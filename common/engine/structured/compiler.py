@@ -196,6 +196,8 @@ class GrammarCompiler:
             raise GrammarError(f"{spec.field}: {exc}") from None
         job, outcome = self._job(spec), "done"
         try:
+            if job.future.done():  # cached: its result at once (its start may lie past the time limit)
+                return job.future.result()
             try:
                 async with asyncio.timeout(self.timeout_s):
                     await asyncio.shield(asyncio.wrap_future(job.started))
