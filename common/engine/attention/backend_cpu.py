@@ -58,6 +58,16 @@ def _rows(t: torch.Tensor) -> bool:
     return t.dtype == torch.float32 and t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == t.shape[2]
 
 
+def kernel_slots(slot_blocks: torch.Tensor, slot_offsets: torch.Tensor, tokens: int,
+                 who: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The new tokens' KV slots as the C kernels read them (int64, contiguous); ``ValueError`` naming
+    ``who`` where their number is not ``tokens``'."""
+    blocks, offsets = slot_blocks.to(torch.int64).contiguous(), slot_offsets.to(torch.int64).contiguous()
+    if len(blocks) != tokens or len(offsets) != tokens:
+        raise ValueError(f"{who}: {tokens} tokens for {len(blocks)} / {len(offsets)} KV slots")
+    return blocks, offsets
+
+
 def write_rows(keys: torch.Tensor, values: torch.Tensor, slot_blocks: torch.Tensor, slot_offsets: torch.Tensor,
                k: torch.Tensor, v: torch.Tensor) -> bool:
     """``keys[slot_blocks, slot_offsets] = k`` and the same for the values (one layer's caches
@@ -70,9 +80,7 @@ def write_rows(keys: torch.Tensor, values: torch.Tensor, slot_blocks: torch.Tens
             or keys.stride() != values.stride() or keys.stride(3) != 1 or torch.compiler.is_compiling()
             or _row_writer() is None):
         return False
-    blocks, offsets = slot_blocks.to(torch.int64).contiguous(), slot_offsets.to(torch.int64).contiguous()
-    if len(blocks) != k.shape[0] or len(offsets) != k.shape[0]:
-        raise ValueError(f"KV write: {k.shape[0]} tokens for {len(blocks)} / {len(offsets)} slots")
+    blocks, offsets = kernel_slots(slot_blocks, slot_offsets, k.shape[0], "KV write")
     if _row_writer()(keys.data_ptr(), values.data_ptr(), cache_elem, keys.shape[0], keys.shape[1], keys.stride(0),
                      keys.stride(1), keys.stride(2), blocks.data_ptr(), offsets.data_ptr(), k.data_ptr(), k.stride(0),
                      v.data_ptr(), v.stride(0), k.shape[0], k.shape[1], k.shape[2]) != 0:

@@ -23,7 +23,7 @@ import logging
 
 import torch
 
-from common.engine.attention.backend_cpu import ELEMENT_BYTES, CpuMetadata, CpuPagedAttention
+from common.engine.attention.backend_cpu import ELEMENT_BYTES, CpuMetadata, CpuPagedAttention, kernel_slots
 from common.engine.cpu_kernels import kernel_function, profiled
 from common.engine.models import activations, norm_rope
 from common.engine.models import panels as panel_products
@@ -173,10 +173,7 @@ class FusedLayers:
         tables = [rope[t] for t in self.rope_types]
         if not all(_fp32(c, s) and c.shape == (x.shape[0], self._model.head_dim) for c, s in tables):
             raise ValueError("fused layers: cos/sin must be fp32 [tokens, head_dim], contiguous")
-        slot_blocks = meta.slot_blocks.to(torch.int64).contiguous()
-        slot_offsets = meta.slot_offsets.to(torch.int64).contiguous()
-        if len(slot_blocks) != x.shape[0] or len(slot_offsets) != x.shape[0]:
-            raise ValueError(f"fused layers: {x.shape[0]} tokens for {len(slot_blocks)} / {len(slot_offsets)} KV slots")
+        slot_blocks, slot_offsets = kernel_slots(meta.slot_blocks, meta.slot_offsets, x.shape[0], "fused layers")
         step = _Step((_PTR * len(tables))(*[c.data_ptr() for c, _ in tables]),
                      (_PTR * len(tables))(*[s.data_ptr() for _, s in tables]), self._model.head_dim,
                      slot_blocks.data_ptr(), slot_offsets.data_ptr(), meta.block_table.data_ptr(),
